@@ -1,0 +1,152 @@
+// common.h: error reporting, checked allocation, whole-file I/O, atomic writes and a wall clock.
+// Every user-facing failure goes through fail(): one line on stderr, exit status 1, so bad input
+// never ends in a crash or a partial output file.
+#pragma once
+#include <errno.h>
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#ifdef __GNUC__
+#define LLMC_PRINTF(a, b) __attribute__((format(printf, a, b)))
+#else
+#define LLMC_PRINTF(a, b)
+#endif
+
+// Hook for multi-process runs: when set, fail() calls it after printing so that the whole job
+// stops (MPI_Abort) instead of leaving the other ranks waiting.
+static void (*g_fail_hook)(int status) = NULL;
+
+static void fail(const char* fmt, ...) LLMC_PRINTF(1, 2);
+static void fail(const char* fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    fputs("error: ", stderr);
+    vfprintf(stderr, fmt, ap);
+    fputc('\n', stderr);
+    va_end(ap);
+    fflush(stdout);
+    fflush(stderr);
+    if (g_fail_hook) g_fail_hook(1);
+    exit(1);
+}
+
+static void* xmalloc(size_t n) {
+    void* p = malloc(n ? n : 1);
+    if (!p) fail("out of host memory allocating %zu bytes", n);
+    return p;
+}
+
+static void* xcalloc(size_t count, size_t size) {
+    void* p = calloc(count ? count : 1, size ? size : 1);
+    if (!p) fail("out of host memory allocating %zu x %zu bytes", count, size);
+    return p;
+}
+
+static char* xstrdup(const char* s) {
+    size_t n = strlen(s) + 1;
+    char* p = (char*)xmalloc(n);
+    memcpy(p, s, n);
+    return p;
+}
+
+// Reads a whole file into a NUL-terminated buffer. Returns NULL (errno set) if it cannot be read.
+static char* read_file_or_null(const char* path, size_t* size_out) {
+    FILE* f = fopen(path, "rb");
+    if (!f) return NULL;
+    if (fseek(f, 0, SEEK_END) != 0) { fclose(f); return NULL; }
+    long n = ftell(f);
+    if (n < 0) { fclose(f); return NULL; }
+    rewind(f);
+    char* buf = (char*)xmalloc((size_t)n + 1);
+    size_t got = fread(buf, 1, (size_t)n, f);
+    fclose(f);
+    if (got != (size_t)n) { free(buf); errno = EIO; return NULL; }
+    buf[n] = 0;
+    if (size_out) *size_out = (size_t)n;
+    return buf;
+}
+
+static char* read_file(const char* path, size_t* size_out) {
+    char* buf = read_file_or_null(path, size_out);
+    if (!buf) fail("%s: cannot read file (%s)", path, strerror(errno));
+    return buf;
+}
+
+static int file_exists(const char* path) {
+    struct stat st;
+    return stat(path, &st) == 0 && S_ISREG(st.st_mode);
+}
+
+static int dir_exists(const char* path) {
+    struct stat st;
+    return stat(path, &st) == 0 && S_ISDIR(st.st_mode);
+}
+
+// Joins a directory and a file name into a fresh heap string.
+static char* path_join(const char* dir, const char* name) {
+    size_t n = strlen(dir) + strlen(name) + 2;
+    char* p = (char*)xmalloc(n);
+    snprintf(p, n, "%s/%s", dir, name);
+    return p;
+}
+
+// Creates a directory (and its parents) if missing; fails naming the flag that asked for it.
+static void make_dirs(const char* path, const char* what) {
+    char buf[4096];
+    if (strlen(path) >= sizeof(buf)) fail("%s: path too long: %s", what, path);
+    strcpy(buf, path);
+    for (char* p = buf + 1; *p; p++) {
+        if (*p != '/') continue;
+        *p = 0;
+        if (mkdir(buf, 0755) != 0 && errno != EEXIST) fail("%s: cannot create directory %s (%s)", what, buf, strerror(errno));
+        *p = '/';
+    }
+    if (mkdir(buf, 0755) != 0 && errno != EEXIST) fail("%s: cannot create directory %s (%s)", what, buf, strerror(errno));
+    if (!dir_exists(buf)) fail("%s: %s exists and is not a directory", what, buf);
+    if (access(buf, W_OK) != 0) fail("%s: directory %s is not writable", what, buf);
+}
+
+// Atomic file writing: everything goes to PATH.tmp, which is fsync'ed and renamed over PATH only
+// when complete, so a crash never leaves a half-written checkpoint or adapter behind.
+typedef struct {
+    FILE* f;
+    char* path;
+    char* tmp_path;
+} AtomicFile;
+
+static AtomicFile atomic_open(const char* path) {
+    AtomicFile a;
+    a.path = xstrdup(path);
+    size_t n = strlen(path) + 5;
+    a.tmp_path = (char*)xmalloc(n);
+    snprintf(a.tmp_path, n, "%s.tmp", path);
+    a.f = fopen(a.tmp_path, "wb");
+    if (!a.f) fail("%s: cannot open for writing (%s)", a.tmp_path, strerror(errno));
+    return a;
+}
+
+static void atomic_write(AtomicFile* a, const void* data, size_t n) {
+    if (n && fwrite(data, 1, n, a->f) != n) fail("%s: write failed (%s)", a->tmp_path, strerror(errno));
+}
+
+static void atomic_commit(AtomicFile* a) {
+    if (fflush(a->f) != 0 || fsync(fileno(a->f)) != 0) fail("%s: flush failed (%s)", a->tmp_path, strerror(errno));
+    fclose(a->f);
+    if (rename(a->tmp_path, a->path) != 0) fail("%s: cannot rename into place (%s)", a->path, strerror(errno));
+    free(a->path);
+    free(a->tmp_path);
+}
+
+static double wall_seconds(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec + 1e-9 * ts.tv_nsec;
+}
+
+static size_t round_up(size_t x, size_t to) { return (x + to - 1) / to * to; }

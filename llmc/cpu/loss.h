@@ -1,0 +1,66 @@
+// cpu/loss.h: final RMSNorm + LM head + cross-entropy, fused and chunked over tokens so that only
+// chunk x vocab logits ever exist. In training the same pass writes the gradient with respect to
+// the final norm's input (dlogits -> dz -> dx), so nothing of the head is kept for backward.
+#pragma once
+#include <float.h>
+#include <math.h>
+#include "matmul.h"
+#include "norms.h"
+
+typedef struct {
+    double loss_sum;       // sum of CE over counted (mask != 0) positions
+    double count;          // number of counted positions
+    double correct;        // counted positions whose argmax equals the target
+} LossStats;
+
+typedef struct {           // scratch for one chunk, from the plan
+    float* z;              // [chunk, d]
+    float* r;              // [chunk]
+    float* logits;         // [chunk, V]
+    float* dz;             // [chunk, d]
+} LossScratch;
+
+// Softmax CE of one row; turns the row into dlogits * grad_scale when grad is set.
+static double ce_row(float* row, int V, int target, float weight, float grad_scale, int grad, int* argmax) {
+    float mx = -FLT_MAX;
+    int am = 0;
+    for (int v = 0; v < V; v++) if (row[v] > mx) { mx = row[v]; am = v; }
+    double sum = 0.0;
+    for (int v = 0; v < V; v++) sum += exp((double)row[v] - mx);
+    double lse = mx + log(sum);
+    double loss = lse - row[target];
+    *argmax = am;
+    if (grad) {
+        float w = weight * grad_scale;
+        for (int v = 0; v < V; v++) row[v] = w * (float)exp((double)row[v] - lse);
+        row[target] -= w;
+    }
+    return loss;
+}
+
+// xf [N,d] final-norm input; W [V,d] head; dxf [N,d] accumulated when non-NULL; logits_out [N,V]
+// receives the logits when non-NULL (tests). grad_scale = 1 / (masked tokens of the whole step).
+static void lm_head_loss(const float* xf, const float* gamma, float eps, const float* W, int V, int d, const int* targets,
+                         const float* mask, int64_t N, int chunk, float grad_scale, float* dxf, float* logits_out,
+                         LossScratch sc, LossStats* st) {
+    for (int64_t n0 = 0; n0 < N; n0 += chunk) {
+        int c = (int)(N - n0 < chunk ? N - n0 : chunk);
+        rmsnorm_forward(sc.z, sc.r, xf + n0 * d, gamma, c, d, eps);
+        matmul_nt(sc.logits, sc.z, W, c, V, d, 1.0f, 0);
+        if (logits_out) memcpy(logits_out + n0 * V, sc.logits, sizeof(float) * c * V);
+        double ls = 0.0, cnt = 0.0, cor = 0.0;
+#pragma omp parallel for reduction(+ : ls, cnt, cor) schedule(static)
+        for (int i = 0; i < c; i++) {
+            float m = mask ? mask[n0 + i] : 1.0f;
+            int am;
+            double l = ce_row(sc.logits + (int64_t)i * V, V, targets[n0 + i], m, grad_scale, dxf != NULL, &am);
+            if (m != 0.0f) { ls += m * l; cnt += m; cor += m * (am == targets[n0 + i]); }
+        }
+        st->loss_sum += ls;
+        st->count += cnt;
+        st->correct += cor;
+        if (!dxf) continue;
+        matmul_nn(sc.dz, sc.logits, W, c, d, V, 1.0f, 0);
+        rmsnorm_backward(dxf + n0 * d, sc.dz, xf + n0 * d, sc.r, gamma, c, d);
+    }
+}

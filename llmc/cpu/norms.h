@@ -1,0 +1,83 @@
+// cpu/norms.h: RMSNorm and LayerNorm, standard and memory-sharing (MS) variants, fp32.
+// Forward writes z (times gamma/beta for the standard norm, plain for MS, where the affine lives
+// in the next linears) and r = 1/sqrt(var + eps) per row. Backward:
+//   MS-RMSNorm: dx = r * (dz - z * mean(dz*z))                  from z and r only
+//   MS-LN:      dx = r * (dz - mean(dz) - z * mean(dz*z))
+//   standard:   the same with dz <- dy*gamma and z recomputed from the kept input x.
+// All backward kernels ACCUMULATE into dx (it already holds the residual-path gradient).
+#pragma once
+#include <math.h>
+#include <stdint.h>
+
+// y = x * r (* gamma); gamma NULL means the MS (parameter-free) form.
+static void rmsnorm_forward(float* y, float* r_out, const float* x, const float* gamma, int64_t N, int d, float eps) {
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const float* xr = x + n * d;
+        float* yr = y + n * d;
+        double ss = 0.0;
+        for (int i = 0; i < d; i++) ss += (double)xr[i] * xr[i];
+        float r = 1.0f / sqrtf((float)(ss / d) + eps);
+        r_out[n] = r;
+        for (int i = 0; i < d; i++) yr[i] = xr[i] * r * (gamma ? gamma[i] : 1.0f);
+    }
+}
+
+// One row of the MS backward: dx += r * (dz - z * mean(dz*z)) (- mean(dz) for LayerNorm).
+static inline void norm_row_backward(float* dx, const float* dz, const float* z, float r, int d, int center) {
+    double sdz = 0.0, sdzz = 0.0;
+    for (int i = 0; i < d; i++) { sdz += dz[i]; sdzz += (double)dz[i] * z[i]; }
+    float mdz = center ? (float)(sdz / d) : 0.0f, mdzz = (float)(sdzz / d);
+    for (int i = 0; i < d; i++) dx[i] += r * (dz[i] - mdz - z[i] * mdzz);
+}
+
+static void rmsnorm_ms_backward(float* dx, const float* dz, const float* z, const float* r, int64_t N, int d) {
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++) norm_row_backward(dx + n * d, dz + n * d, z + n * d, r[n], d, 0);
+}
+
+// Standard RMSNorm backward from the kept input x: z = x*r and dz = dy*gamma are rebuilt per row.
+static void rmsnorm_backward(float* dx, const float* dy, const float* x, const float* r, const float* gamma, int64_t N, int d) {
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        float zbuf[d > 0 ? d : 1], dzbuf[d > 0 ? d : 1];
+        for (int i = 0; i < d; i++) { zbuf[i] = x[n * d + i] * r[n]; dzbuf[i] = dy[n * d + i] * gamma[i]; }
+        norm_row_backward(dx + n * d, dzbuf, zbuf, r[n], d, 0);
+    }
+}
+
+// LayerNorm: z = (x - mean) * r (* gamma + beta); mean is returned only for the standard form.
+static void layernorm_forward(float* y, float* r_out, float* mean_out, const float* x, const float* gamma, const float* beta,
+                              int64_t N, int d, float eps) {
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const float* xr = x + n * d;
+        float* yr = y + n * d;
+        double s = 0.0, ss = 0.0;
+        for (int i = 0; i < d; i++) s += xr[i];
+        float mu = (float)(s / d);
+        for (int i = 0; i < d; i++) { float c = xr[i] - mu; ss += (double)c * c; }
+        float r = 1.0f / sqrtf((float)(ss / d) + eps);
+        r_out[n] = r;
+        if (mean_out) mean_out[n] = mu;
+        for (int i = 0; i < d; i++) {
+            float z = (xr[i] - mu) * r;
+            yr[i] = gamma ? z * gamma[i] + (beta ? beta[i] : 0.0f) : z;
+        }
+    }
+}
+
+static void layernorm_ms_backward(float* dx, const float* dz, const float* z, const float* r, int64_t N, int d) {
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++) norm_row_backward(dx + n * d, dz + n * d, z + n * d, r[n], d, 1);
+}
+
+static void layernorm_backward(float* dx, const float* dy, const float* x, const float* mean, const float* r,
+                               const float* gamma, int64_t N, int d) {
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        float zbuf[d > 0 ? d : 1], dzbuf[d > 0 ? d : 1];
+        for (int i = 0; i < d; i++) { zbuf[i] = (x[n * d + i] - mean[n]) * r[n]; dzbuf[i] = dy[n * d + i] * gamma[i]; }
+        norm_row_backward(dx + n * d, dzbuf, zbuf, r[n], d, 1);
+    }
+}

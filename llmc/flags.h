@@ -1,0 +1,138 @@
+// flags.h: the command-line flag table. One table per program is both the parser and the
+// --help text, so the two can never disagree. Flags are `--name value`, `--name=value`, or a bare
+// `--name` for booleans; unknown flags and malformed values are one-line errors.
+#pragma once
+#include <limits.h>
+#include <math.h>
+#include "common.h"
+
+typedef enum { FLAG_INT, FLAG_FLOAT, FLAG_STRING, FLAG_BOOL, FLAG_CHOICE } FlagKind;
+
+typedef struct {
+    const char* name;      // without the leading dashes
+    FlagKind kind;
+    void* target;          // int*, float*, const char**, int* (bool), const char** (choice)
+    const char* choices;   // FLAG_CHOICE: "a|b|c"
+    const char* help;
+    const char* group;     // section heading in --help
+    int seen;
+} Flag;
+
+typedef struct {
+    const char* program;
+    const char* usage;
+    int count;
+    Flag flags[96];
+    const char* group;     // group of the flags added next
+} FlagTable;
+
+static Flag* flag_add(FlagTable* t, const char* name, FlagKind kind, void* target, const char* choices, const char* help) {
+    if (t->count == (int)(sizeof(t->flags) / sizeof(t->flags[0]))) fail("internal: flag table full");
+    Flag* f = &t->flags[t->count++];
+    memset(f, 0, sizeof(*f));
+    f->name = name; f->kind = kind; f->target = target; f->choices = choices; f->help = help; f->group = t->group;
+    return f;
+}
+static void flag_int(FlagTable* t, const char* name, int* v, const char* help) { flag_add(t, name, FLAG_INT, v, NULL, help); }
+static void flag_float(FlagTable* t, const char* name, float* v, const char* help) { flag_add(t, name, FLAG_FLOAT, v, NULL, help); }
+static void flag_string(FlagTable* t, const char* name, const char** v, const char* help) { flag_add(t, name, FLAG_STRING, v, NULL, help); }
+static void flag_bool(FlagTable* t, const char* name, int* v, const char* help) { flag_add(t, name, FLAG_BOOL, v, NULL, help); }
+static void flag_choice(FlagTable* t, const char* name, const char** v, const char* choices, const char* help) { flag_add(t, name, FLAG_CHOICE, v, choices, help); }
+
+static int choice_valid(const char* choices, const char* v) {
+    size_t n = strlen(v);
+    for (const char* p = choices; *p;) {
+        const char* bar = strchr(p, '|');
+        size_t len = bar ? (size_t)(bar - p) : strlen(p);
+        if (len == n && strncmp(p, v, n) == 0) return 1;
+        if (!bar) break;
+        p = bar + 1;
+    }
+    return 0;
+}
+
+static void flag_set(Flag* f, const char* v) {
+    char* end;
+    switch (f->kind) {
+        case FLAG_INT: {
+            errno = 0;
+            long x = strtol(v, &end, 10);
+            if (!*v || *end || errno || x < INT_MIN || x > INT_MAX) fail("flag --%s: expected an integer, got \"%s\"", f->name, v);
+            *(int*)f->target = (int)x;
+            break;
+        }
+        case FLAG_FLOAT: {
+            float x = strtof(v, &end);
+            if (!*v || *end || !isfinite(x)) fail("flag --%s: expected a number, got \"%s\"", f->name, v);
+            *(float*)f->target = x;
+            break;
+        }
+        case FLAG_CHOICE:
+            if (!choice_valid(f->choices, v)) fail("flag --%s: expected one of %s, got \"%s\"", f->name, f->choices, v);
+            *(const char**)f->target = v;
+            break;
+        case FLAG_STRING: *(const char**)f->target = v; break;
+        case FLAG_BOOL:
+            if (strcmp(v, "1") == 0 || strcmp(v, "true") == 0) *(int*)f->target = 1;
+            else if (strcmp(v, "0") == 0 || strcmp(v, "false") == 0) *(int*)f->target = 0;
+            else fail("flag --%s: expected true or false, got \"%s\"", f->name, v);
+            break;
+    }
+    f->seen = 1;
+}
+
+static void flags_print_help(const FlagTable* t) {
+    printf("usage: %s %s\n", t->program, t->usage);
+    const char* group = NULL;
+    for (int i = 0; i < t->count; i++) {
+        const Flag* f = &t->flags[i];
+        if (f->group && (!group || strcmp(group, f->group) != 0)) { printf("\n%s:\n", f->group); group = f->group; }
+        char lhs[64];
+        const char* arg = f->kind == FLAG_INT ? " N" : f->kind == FLAG_FLOAT ? " X" : f->kind == FLAG_STRING ? " S" : "";
+        if (f->kind == FLAG_CHOICE) snprintf(lhs, sizeof(lhs), "--%s %s", f->name, f->choices);
+        else snprintf(lhs, sizeof(lhs), "--%s%s", f->name, arg);
+        char dflt[64] = "";
+        switch (f->kind) {
+            case FLAG_INT: snprintf(dflt, sizeof(dflt), " (default %d)", *(int*)f->target); break;
+            case FLAG_FLOAT: snprintf(dflt, sizeof(dflt), " (default %g)", *(float*)f->target); break;
+            case FLAG_STRING: case FLAG_CHOICE:
+                if (*(const char**)f->target) snprintf(dflt, sizeof(dflt), " (default %s)", *(const char**)f->target);
+                break;
+            case FLAG_BOOL: break;
+        }
+        printf("  %-34s %s%s\n", lhs, f->help, dflt);
+    }
+    printf("  %-34s %s\n", "--help", "print this help and exit");
+}
+
+static Flag* flags_find(FlagTable* t, const char* name) {
+    for (int i = 0; i < t->count; i++)
+        if (strcmp(t->flags[i].name, name) == 0) return &t->flags[i];
+    return NULL;
+}
+
+static int flag_was_set(FlagTable* t, const char* name) {
+    Flag* f = flags_find(t, name);
+    return f && f->seen;
+}
+
+// Parses argv against the table. --help prints the table and exits 0.
+static void flags_parse(FlagTable* t, int argc, char** argv) {
+    for (int i = 1; i < argc; i++) {
+        const char* a = argv[i];
+        if (strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0) { flags_print_help(t); exit(0); }
+        if (strncmp(a, "--", 2) != 0) fail("unexpected argument \"%s\" (flags start with --; see --help)", a);
+        char name[64];
+        const char* eq = strchr(a + 2, '=');
+        size_t n = eq ? (size_t)(eq - a - 2) : strlen(a + 2);
+        if (n >= sizeof(name)) fail("unknown flag %s (see --help)", a);
+        memcpy(name, a + 2, n);
+        name[n] = 0;
+        Flag* f = flags_find(t, name);
+        if (!f) fail("unknown flag --%s (see --help)", name);
+        if (eq) flag_set(f, eq + 1);
+        else if (f->kind == FLAG_BOOL) flag_set(f, "1");
+        else if (i + 1 < argc) flag_set(f, argv[++i]);
+        else fail("flag --%s needs a value", name);
+    }
+}

@@ -1,0 +1,230 @@
+// json.h: a small strict JSON reader (config.json, safetensors headers, index files) and the
+// few lookups the loaders need. Parse errors name the source and the byte offset.
+#pragma once
+#include <math.h>
+#include "common.h"
+
+typedef enum { JSON_NULL, JSON_BOOL, JSON_NUMBER, JSON_STRING, JSON_ARRAY, JSON_OBJECT } JsonType;
+
+typedef struct Json {
+    JsonType type;
+    double number;
+    int boolean;
+    char* string;          // JSON_STRING value (decoded); unused otherwise
+    int count;             // array/object element count
+    char** keys;           // object keys, count of them
+    struct Json* items;    // array/object elements
+} Json;
+
+typedef struct {
+    const char* s;
+    size_t pos, len;
+    const char* source;    // file name for messages
+} JsonParser;
+
+static void json_error(JsonParser* p, const char* what) {
+    fail("%s: invalid JSON at byte %zu: %s", p->source, p->pos, what);
+}
+
+static void json_skip_ws(JsonParser* p) {
+    while (p->pos < p->len && (p->s[p->pos] == ' ' || p->s[p->pos] == '\n' || p->s[p->pos] == '\r' || p->s[p->pos] == '\t')) p->pos++;
+}
+
+static void json_parse_value(JsonParser* p, Json* out, int depth);
+
+static void json_append_utf8(char* buf, size_t* n, unsigned cp) {
+    if (cp < 0x80) buf[(*n)++] = (char)cp;
+    else if (cp < 0x800) { buf[(*n)++] = (char)(0xC0 | (cp >> 6)); buf[(*n)++] = (char)(0x80 | (cp & 0x3F)); }
+    else if (cp < 0x10000) { buf[(*n)++] = (char)(0xE0 | (cp >> 12)); buf[(*n)++] = (char)(0x80 | ((cp >> 6) & 0x3F)); buf[(*n)++] = (char)(0x80 | (cp & 0x3F)); }
+    else { buf[(*n)++] = (char)(0xF0 | (cp >> 18)); buf[(*n)++] = (char)(0x80 | ((cp >> 12) & 0x3F)); buf[(*n)++] = (char)(0x80 | ((cp >> 6) & 0x3F)); buf[(*n)++] = (char)(0x80 | (cp & 0x3F)); }
+}
+
+static unsigned json_hex4(JsonParser* p) {
+    if (p->pos + 4 > p->len) json_error(p, "truncated \\u escape");
+    unsigned v = 0;
+    for (int i = 0; i < 4; i++) {
+        char c = p->s[p->pos++];
+        v <<= 4;
+        if (c >= '0' && c <= '9') v |= c - '0';
+        else if (c >= 'a' && c <= 'f') v |= c - 'a' + 10;
+        else if (c >= 'A' && c <= 'F') v |= c - 'A' + 10;
+        else json_error(p, "bad \\u escape");
+    }
+    return v;
+}
+
+static char* json_parse_string(JsonParser* p) {
+    if (p->s[p->pos] != '"') json_error(p, "expected a string");
+    p->pos++;
+    char* buf = (char*)xmalloc(p->len - p->pos + 1);  // decoded text is never longer than the source
+    size_t n = 0;
+    for (;;) {
+        if (p->pos >= p->len) json_error(p, "unterminated string");
+        unsigned char c = (unsigned char)p->s[p->pos++];
+        if (c == '"') break;
+        if (c < 0x20) json_error(p, "control character in string");
+        if (c != '\\') { buf[n++] = (char)c; continue; }
+        if (p->pos >= p->len) json_error(p, "unterminated escape");
+        char e = p->s[p->pos++];
+        switch (e) {
+            case '"': buf[n++] = '"'; break;
+            case '\\': buf[n++] = '\\'; break;
+            case '/': buf[n++] = '/'; break;
+            case 'b': buf[n++] = '\b'; break;
+            case 'f': buf[n++] = '\f'; break;
+            case 'n': buf[n++] = '\n'; break;
+            case 'r': buf[n++] = '\r'; break;
+            case 't': buf[n++] = '\t'; break;
+            case 'u': {
+                unsigned cp = json_hex4(p);
+                if (cp >= 0xD800 && cp < 0xDC00 && p->pos + 6 <= p->len && p->s[p->pos] == '\\' && p->s[p->pos + 1] == 'u') {
+                    p->pos += 2;
+                    unsigned lo = json_hex4(p);
+                    cp = 0x10000 + ((cp - 0xD800) << 10) + (lo - 0xDC00);
+                }
+                json_append_utf8(buf, &n, cp);
+                break;
+            }
+            default: json_error(p, "bad escape");
+        }
+    }
+    buf[n] = 0;
+    return buf;
+}
+
+static void json_parse_container(JsonParser* p, Json* out, int depth, int is_object) {
+    char close = is_object ? '}' : ']';
+    p->pos++;
+    int cap = 8;
+    out->type = is_object ? JSON_OBJECT : JSON_ARRAY;
+    out->count = 0;
+    out->items = (Json*)xcalloc(cap, sizeof(Json));
+    out->keys = is_object ? (char**)xcalloc(cap, sizeof(char*)) : NULL;
+    json_skip_ws(p);
+    if (p->pos < p->len && p->s[p->pos] == close) { p->pos++; return; }
+    for (;;) {
+        if (out->count == cap) {
+            cap *= 2;
+            out->items = (Json*)realloc(out->items, cap * sizeof(Json));
+            if (is_object) out->keys = (char**)realloc(out->keys, cap * sizeof(char*));
+            if (!out->items || (is_object && !out->keys)) fail("out of memory parsing %s", p->source);
+        }
+        json_skip_ws(p);
+        if (is_object) {
+            if (p->pos >= p->len) json_error(p, "unterminated object");
+            out->keys[out->count] = json_parse_string(p);
+            json_skip_ws(p);
+            if (p->pos >= p->len || p->s[p->pos] != ':') json_error(p, "expected ':'");
+            p->pos++;
+        }
+        json_parse_value(p, &out->items[out->count], depth + 1);
+        out->count++;
+        json_skip_ws(p);
+        if (p->pos >= p->len) json_error(p, "unterminated container");
+        char c = p->s[p->pos++];
+        if (c == close) return;
+        if (c != ',') json_error(p, "expected ',' or end of container");
+    }
+}
+
+static void json_parse_value(JsonParser* p, Json* out, int depth) {
+    memset(out, 0, sizeof(*out));
+    if (depth > 64) json_error(p, "nesting too deep");
+    json_skip_ws(p);
+    if (p->pos >= p->len) json_error(p, "unexpected end of input");
+    char c = p->s[p->pos];
+    if (c == '{' || c == '[') { json_parse_container(p, out, depth, c == '{'); return; }
+    if (c == '"') { out->type = JSON_STRING; out->string = json_parse_string(p); return; }
+    const char* words[3] = {"true", "false", "null"};
+    for (int w = 0; w < 3; w++) {
+        size_t n = strlen(words[w]);
+        if (p->len - p->pos >= n && strncmp(p->s + p->pos, words[w], n) == 0) {
+            p->pos += n;
+            out->type = w == 2 ? JSON_NULL : JSON_BOOL;
+            out->boolean = w == 0;
+            return;
+        }
+    }
+    if (c == '-' || (c >= '0' && c <= '9')) {
+        char tmp[64];
+        size_t n = 0;
+        while (p->pos < p->len && n < sizeof(tmp) - 1 && strchr("+-0123456789.eE", p->s[p->pos])) tmp[n++] = p->s[p->pos++];
+        tmp[n] = 0;
+        char* end;
+        out->type = JSON_NUMBER;
+        out->number = strtod(tmp, &end);
+        if (*end) json_error(p, "bad number");
+        return;
+    }
+    json_error(p, "unexpected character");
+}
+
+// Parses text of the given length; `source` names it in error messages.
+static Json json_parse(const char* text, size_t len, const char* source) {
+    JsonParser p = {text, 0, len, source};
+    Json root;
+    json_parse_value(&p, &root, 0);
+    json_skip_ws(&p);
+    if (p.pos != p.len) json_error(&p, "trailing characters after the value");
+    return root;
+}
+
+static void json_free(Json* j) {
+    if (j->type == JSON_STRING) free(j->string);
+    if (j->type == JSON_ARRAY || j->type == JSON_OBJECT) {
+        for (int i = 0; i < j->count; i++) {
+            json_free(&j->items[i]);
+            if (j->keys) free(j->keys[i]);
+        }
+        free(j->items);
+        free(j->keys);
+    }
+    memset(j, 0, sizeof(*j));
+}
+
+static const Json* json_get(const Json* obj, const char* key) {
+    if (!obj || obj->type != JSON_OBJECT) return NULL;
+    for (int i = 0; i < obj->count; i++)
+        if (strcmp(obj->keys[i], key) == 0) return &obj->items[i];
+    return NULL;
+}
+
+// Numeric field lookups. The _req variants fail naming the file and the field.
+static double json_number_or(const Json* obj, const char* key, double dflt) {
+    const Json* v = json_get(obj, key);
+    return (v && v->type == JSON_NUMBER) ? v->number : dflt;
+}
+
+static double json_number_req(const Json* obj, const char* key, const char* source) {
+    const Json* v = json_get(obj, key);
+    if (!v) fail("%s: missing field \"%s\"", source, key);
+    if (v->type != JSON_NUMBER) fail("%s: field \"%s\" must be a number", source, key);
+    return v->number;
+}
+
+static int json_int_req(const Json* obj, const char* key, const char* source) {
+    double x = json_number_req(obj, key, source);
+    if (x != floor(x) || x < 0 || x > 2147483647.0) fail("%s: field \"%s\" must be a non-negative integer, got %g", source, key, x);
+    return (int)x;
+}
+
+static int json_bool_or(const Json* obj, const char* key, int dflt) {
+    const Json* v = json_get(obj, key);
+    return (v && v->type == JSON_BOOL) ? v->boolean : dflt;
+}
+
+static const char* json_string_or(const Json* obj, const char* key, const char* dflt) {
+    const Json* v = json_get(obj, key);
+    return (v && v->type == JSON_STRING) ? v->string : dflt;
+}
+
+// Writes s as a JSON string literal (with quotes) to f.
+static void json_write_string(FILE* f, const char* s) {
+    fputc('"', f);
+    for (const unsigned char* c = (const unsigned char*)s; *c; c++) {
+        if (*c == '"' || *c == '\\') fprintf(f, "\\%c", *c);
+        else if (*c < 0x20) fprintf(f, "\\u%04x", *c);
+        else fputc(*c, f);
+    }
+    fputc('"', f);
+}

@@ -1,0 +1,164 @@
+// plan.h: the memory plan. Every buffer a run allocates is first declared here as data (name,
+// owning module, block, category, bytes, where its pointer goes); arenas, one per category, are
+// then sized and allocated in one go, so `--dry-run` can print exactly what a run would allocate
+// without touching weights, and the log can print the plan beside the measured peak.
+#pragma once
+#include "common.h"
+#include "json.h"
+
+typedef enum { MEM_FROZEN, MEM_TRAINABLE, MEM_GRADS, MEM_OPTIM, MEM_SAVED, MEM_SCRATCH, MEM_CATS } MemCategory;
+static const char* mem_category_name[MEM_CATS] = {"frozen weights", "trainable weights", "gradients", "optimizer state",
+                                                  "saved activations", "scratch"};
+static const char* mem_category_key[MEM_CATS] = {"frozen", "trainable", "grads", "optimizer", "saved", "scratch"};
+
+#define PLAN_ALIGN 64
+
+typedef struct {
+    char name[48];
+    const char* module;    // owning module: a row of the per-block table
+    int block;             // -1: not per block
+    MemCategory cat;
+    size_t bytes;
+    void** bind;           // receives the buffer's address at allocation (may be NULL)
+    size_t offset;
+} PlanBuffer;
+
+typedef struct {
+    PlanBuffer* bufs;
+    int count, cap;
+    size_t cat_bytes[MEM_CATS];
+    uint8_t* arena[MEM_CATS];
+    int64_t tokens;        // tokens per micro-batch (B*T), for per-token figures
+    int blocks;
+} MemPlan;
+
+static void plan_add(MemPlan* p, MemCategory cat, const char* module, int block, const char* name, size_t bytes, void* bind) {
+    if (p->count == p->cap) {
+        p->cap = p->cap ? 2 * p->cap : 256;
+        p->bufs = (PlanBuffer*)realloc(p->bufs, p->cap * sizeof(PlanBuffer));
+        if (!p->bufs) fail("out of host memory");
+    }
+    PlanBuffer* b = &p->bufs[p->count++];
+    memset(b, 0, sizeof(*b));
+    snprintf(b->name, sizeof(b->name), "%.47s", name);
+    b->module = module;
+    b->block = block;
+    b->cat = cat;
+    b->bytes = bytes;
+    b->bind = (void**)bind;
+    b->offset = p->cat_bytes[cat];
+    p->cat_bytes[cat] += round_up(bytes, PLAN_ALIGN);
+}
+
+static size_t plan_total(const MemPlan* p) {
+    size_t t = 0;
+    for (int c = 0; c < MEM_CATS; c++) t += p->cat_bytes[c];
+    return t;
+}
+
+// Allocates (zeroed) arenas and writes every buffer's address to its bind.
+static void plan_allocate_host(MemPlan* p) {
+    for (int c = 0; c < MEM_CATS; c++) {
+        p->arena[c] = NULL;
+        if (!p->cat_bytes[c]) continue;
+        p->arena[c] = (uint8_t*)calloc(1, p->cat_bytes[c]);
+        if (!p->arena[c]) fail("cannot allocate %.1f MiB of host memory for %s (try a smaller --batch/--seq, --mode lowmem or --mode ckpt)",
+                               p->cat_bytes[c] / 1048576.0, mem_category_name[c]);
+    }
+    for (int i = 0; i < p->count; i++)
+        if (p->bufs[i].bind) *p->bufs[i].bind = p->arena[p->bufs[i].cat] + p->bufs[i].offset;
+}
+
+static void plan_free(MemPlan* p) {
+    for (int c = 0; c < MEM_CATS; c++) free(p->arena[c]);
+    free(p->bufs);
+    memset(p, 0, sizeof(*p));
+}
+
+// Saved-activation bytes of one module in one block (block -1: the non-block buffers).
+static size_t plan_module_bytes(const MemPlan* p, const char* module, int block) {
+    size_t s = 0;
+    for (int i = 0; i < p->count; i++) {
+        const PlanBuffer* b = &p->bufs[i];
+        if (b->cat == MEM_SAVED && b->block == block && strcmp(b->module, module) == 0) s += b->bytes;
+    }
+    return s;
+}
+
+// The distinct saved modules of both plans, in order of first appearance (at most max).
+static int plan_modules(const MemPlan* a, const MemPlan* b, const char** out, int max) {
+    int n = 0;
+    const MemPlan* ps[2] = {a, b};
+    for (int k = 0; k < 2; k++) {
+        if (!ps[k]) continue;
+        for (int i = 0; i < ps[k]->count; i++) {
+            const PlanBuffer* buf = &ps[k]->bufs[i];
+            if (buf->cat != MEM_SAVED) continue;
+            int seen = 0;
+            for (int j = 0; j < n && !seen; j++) seen = strcmp(out[j], buf->module) == 0;
+            if (!seen && n < max) out[n++] = buf->module;
+        }
+    }
+    return n;
+}
+
+static double mib(size_t b) { return b / 1048576.0; }
+
+// The per-module table: bytes per token per block of the chosen plan beside the baseline plan.
+static void plan_print(const MemPlan* p, const MemPlan* base, const char* mode_name, const char* layout) {
+    const char* mods[32];
+    int n = plan_modules(base, p, mods, 32);
+    double N = (double)p->tokens;
+    printf("activation memory plan (%s layout, %lld tokens per micro-batch, %d blocks)\n", layout, (long long)p->tokens, p->blocks);
+    printf("  %-22s %16s %16s   bytes per token per block\n", "module", "baseline", mode_name);
+    size_t tb = 0, tp = 0;
+    for (int i = 0; i < n; i++) {
+        size_t b = plan_module_bytes(base, mods[i], 0), q = plan_module_bytes(p, mods[i], 0);
+        tb += b; tp += q;
+        if (b || q) printf("  %-22s %16.1f %16.1f\n", mods[i], b / N, q / N);
+    }
+    printf("  %-22s %16.1f %16.1f\n", "per block", tb / N, tp / N);
+    size_t nb_b = 0, nb_p = 0;
+    for (int i = 0; i < n; i++) { nb_b += plan_module_bytes(base, mods[i], -1); nb_p += plan_module_bytes(p, mods[i], -1); }
+    size_t sb = base->cat_bytes[MEM_SAVED], sp = p->cat_bytes[MEM_SAVED];
+    printf("  saved activations: baseline %.2f MiB, %s %.2f MiB (%+.1f%%); non-block %.2f MiB\n", mib(sb), mode_name, mib(sp),
+           sb ? 100.0 * ((double)sp - (double)sb) / (double)sb : 0.0, mib(nb_p));
+    printf("  all arenas:");
+    for (int c = 0; c < MEM_CATS; c++) printf(" %s %.2f MiB%s", mem_category_key[c], mib(p->cat_bytes[c]), c + 1 < MEM_CATS ? "," : "");
+    printf(" = %.2f MiB\n", mib(plan_total(p)));
+    (void)nb_b;
+}
+
+static void plan_json_per_block(FILE* f, const MemPlan* p, const char** mods, int n) {
+    fprintf(f, "{");
+    int first = 1;
+    for (int i = 0; i < n; i++) {
+        size_t q = plan_module_bytes(p, mods[i], 0);
+        if (!q) continue;
+        fprintf(f, "%s", first ? "" : ", ");
+        json_write_string(f, mods[i]);
+        fprintf(f, ": %zu", q);
+        first = 0;
+    }
+    fprintf(f, "}");
+}
+
+// Exact saved bytes (not rounded to the arena alignment).
+static size_t plan_saved_bytes(const MemPlan* p) {
+    size_t s = 0;
+    for (int i = 0; i < p->count; i++) if (p->bufs[i].cat == MEM_SAVED) s += p->bufs[i].bytes;
+    return s;
+}
+
+static void plan_json(FILE* f, const MemPlan* p, const MemPlan* base, const char* settings_json) {
+    const char* mods[32];
+    int n = plan_modules(base, p, mods, 32);
+    fprintf(f, "{%s, \"tokens\": %lld, \"blocks\": %d, \"activation_bytes\": %zu, \"per_block\": ", settings_json,
+            (long long)p->tokens, p->blocks, plan_saved_bytes(p));
+    plan_json_per_block(f, p, mods, n);
+    fprintf(f, ", \"categories\": {");
+    for (int c = 0; c < MEM_CATS; c++) fprintf(f, "%s\"%s\": %zu", c ? ", " : "", mem_category_key[c], p->cat_bytes[c]);
+    fprintf(f, "}, \"total_bytes\": %zu, \"baseline\": {\"activation_bytes\": %zu, \"per_block\": ", plan_total(p), plan_saved_bytes(base));
+    plan_json_per_block(f, base, mods, n);
+    fprintf(f, "}}\n");
+}

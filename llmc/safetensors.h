@@ -1,0 +1,310 @@
+// safetensors.h: reading (mmap, validated) and writing (atomic) of safetensors files, plus
+// a model-directory view over model.safetensors or sharded model-*.safetensors with an index.
+// Format: u64 little-endian header length, JSON header {name: {dtype, shape, data_offsets}},
+// then the data, offsets relative to the end of the header.
+#pragma once
+#include <fcntl.h>
+#include <sys/mman.h>
+#include "common.h"
+#include "json.h"
+
+typedef enum { ST_F32, ST_F16, ST_BF16, ST_I32, ST_I64, ST_U8, ST_UNKNOWN } StDtype;
+
+static const char* st_dtype_name(StDtype d) {
+    static const char* names[] = {"F32", "F16", "BF16", "I32", "I64", "U8", "?"};
+    return names[d];
+}
+
+static size_t st_dtype_size(StDtype d) {
+    static const size_t sizes[] = {4, 2, 2, 4, 8, 1, 0};
+    return sizes[d];
+}
+
+static StDtype st_dtype_parse(const char* s) {
+    for (int d = 0; d < ST_UNKNOWN; d++)
+        if (strcmp(s, st_dtype_name((StDtype)d)) == 0) return (StDtype)d;
+    return ST_UNKNOWN;
+}
+
+#define ST_MAX_DIMS 8
+
+typedef struct {
+    const char* name;
+    StDtype dtype;
+    int ndim;
+    int64_t shape[ST_MAX_DIMS];
+    const uint8_t* data;
+    size_t nbytes;
+    const char* file;     // the file it came from, for messages
+} StTensor;
+
+typedef struct {
+    char* path;
+    uint8_t* map;
+    size_t map_size;
+    int count;
+    StTensor* tensors;
+    Json header;
+} StFile;
+
+static int64_t st_numel(const StTensor* t) {
+    int64_t n = 1;
+    for (int i = 0; i < t->ndim; i++) n *= t->shape[i];
+    return n;
+}
+
+static void st_parse_entry(StFile* f, const char* name, const Json* e, const uint8_t* data, size_t data_size, StTensor* t) {
+    const char* path = f->path;
+    if (e->type != JSON_OBJECT) fail("%s: header entry \"%s\" is not an object", path, name);
+    const Json* dt = json_get(e, "dtype");
+    const Json* shape = json_get(e, "shape");
+    const Json* offs = json_get(e, "data_offsets");
+    if (!dt || dt->type != JSON_STRING) fail("%s: tensor \"%s\" has no dtype", path, name);
+    if (!shape || shape->type != JSON_ARRAY || shape->count > ST_MAX_DIMS) fail("%s: tensor \"%s\" has a bad shape", path, name);
+    if (!offs || offs->type != JSON_ARRAY || offs->count != 2) fail("%s: tensor \"%s\" has bad data_offsets", path, name);
+    t->name = name;
+    t->file = path;
+    t->dtype = st_dtype_parse(dt->string);
+    if (t->dtype == ST_UNKNOWN) fail("%s: tensor \"%s\" has unsupported dtype %s", path, name, dt->string);
+    t->ndim = shape->count;
+    for (int i = 0; i < t->ndim; i++) {
+        double v = shape->items[i].number;
+        if (shape->items[i].type != JSON_NUMBER || v < 0 || v != floor(v)) fail("%s: tensor \"%s\" has a bad shape", path, name);
+        t->shape[i] = (int64_t)v;
+    }
+    double b = offs->items[0].number, en = offs->items[1].number;
+    if (offs->items[0].type != JSON_NUMBER || offs->items[1].type != JSON_NUMBER || b < 0 || en < b || en > (double)data_size)
+        fail("%s: tensor \"%s\" data_offsets [%.0f, %.0f] lie outside the %zu data bytes (file truncated?)", path, name, b, en, data_size);
+    t->nbytes = (size_t)(en - b);
+    if ((size_t)st_numel(t) * st_dtype_size(t->dtype) != t->nbytes)
+        fail("%s: tensor \"%s\" holds %zu bytes but its shape and dtype need %zu", path, name, t->nbytes, (size_t)st_numel(t) * st_dtype_size(t->dtype));
+    t->data = data + (size_t)b;
+}
+
+static void st_open(StFile* f, const char* path) {
+    memset(f, 0, sizeof(*f));
+    f->path = xstrdup(path);
+    int fd = open(path, O_RDONLY);
+    if (fd < 0) fail("%s: cannot open (%s)", path, strerror(errno));
+    struct stat st;
+    if (fstat(fd, &st) != 0) fail("%s: cannot stat (%s)", path, strerror(errno));
+    f->map_size = (size_t)st.st_size;
+    if (f->map_size < 8) fail("%s: too short to be a safetensors file (%zu bytes)", path, f->map_size);
+    f->map = (uint8_t*)mmap(NULL, f->map_size, PROT_READ, MAP_PRIVATE, fd, 0);
+    close(fd);
+    if (f->map == MAP_FAILED) fail("%s: cannot mmap (%s)", path, strerror(errno));
+    uint64_t hlen;
+    memcpy(&hlen, f->map, 8);
+    if (hlen > f->map_size - 8 || hlen > (100u << 20)) fail("%s: header length %llu does not fit in the %zu-byte file (truncated or not safetensors)", path, (unsigned long long)hlen, f->map_size);
+    f->header = json_parse((const char*)f->map + 8, (size_t)hlen, path);
+    if (f->header.type != JSON_OBJECT) fail("%s: header is not a JSON object", path);
+    const uint8_t* data = f->map + 8 + hlen;
+    size_t data_size = f->map_size - 8 - hlen;
+    f->tensors = (StTensor*)xcalloc(f->header.count, sizeof(StTensor));
+    for (int i = 0; i < f->header.count; i++) {
+        if (strcmp(f->header.keys[i], "__metadata__") == 0) continue;
+        st_parse_entry(f, f->header.keys[i], &f->header.items[i], data, data_size, &f->tensors[f->count++]);
+    }
+}
+
+static void st_close(StFile* f) {
+    if (f->map && f->map != MAP_FAILED) munmap(f->map, f->map_size);
+    json_free(&f->header);
+    free(f->tensors);
+    free(f->path);
+    memset(f, 0, sizeof(*f));
+}
+
+static const StTensor* st_find(const StFile* f, const char* name) {
+    for (int i = 0; i < f->count; i++)
+        if (strcmp(f->tensors[i].name, name) == 0) return &f->tensors[i];
+    return NULL;
+}
+
+// ---- conversions to fp32 -------------------------------------------------------------------
+
+static float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static uint16_t f32_to_bf16(float f) {  // round to nearest even; NaN stays NaN
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffff) > 0x7f800000) return (uint16_t)((u >> 16) | 0x40);
+    u += 0x7fff + ((u >> 16) & 1);
+    return (uint16_t)(u >> 16);
+}
+
+static float f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, u;
+    if (exp == 0) {
+        if (man == 0) u = sign;
+        else {  // subnormal: renormalise
+            int e = -1;
+            do { e++; man <<= 1; } while (!(man & 0x400));
+            u = sign | ((uint32_t)(127 - 15 - e) << 23) | ((man & 0x3ff) << 13);
+        }
+    } else if (exp == 31) u = sign | 0x7f800000 | (man << 13);
+    else u = sign | ((exp + 127 - 15) << 23) | (man << 13);
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+// Copies a floating tensor into dst as fp32 (dst holds numel floats).
+static void st_to_f32(const StTensor* t, float* dst) {
+    int64_t n = st_numel(t);
+    switch (t->dtype) {
+        case ST_F32: memcpy(dst, t->data, n * 4); break;
+        case ST_BF16: for (int64_t i = 0; i < n; i++) { uint16_t h; memcpy(&h, t->data + 2 * i, 2); dst[i] = bf16_to_f32(h); } break;
+        case ST_F16: for (int64_t i = 0; i < n; i++) { uint16_t h; memcpy(&h, t->data + 2 * i, 2); dst[i] = f16_to_f32(h); } break;
+        default: fail("%s: tensor \"%s\" has dtype %s, expected F32, F16 or BF16", t->file, t->name, st_dtype_name(t->dtype));
+    }
+}
+
+// Checks a tensor's shape against the expected one (ndim dims), failing with both shapes.
+static void st_check_shape(const StTensor* t, int ndim, const int64_t* shape) {
+    int ok = t->ndim == ndim;
+    for (int i = 0; ok && i < ndim; i++) ok = t->shape[i] == shape[i];
+    if (ok) return;
+    char got[128] = "", want[128] = "";
+    for (int i = 0; i < t->ndim; i++) snprintf(got + strlen(got), sizeof(got) - strlen(got), "%s%lld", i ? "," : "", (long long)t->shape[i]);
+    for (int i = 0; i < ndim; i++) snprintf(want + strlen(want), sizeof(want) - strlen(want), "%s%lld", i ? "," : "", (long long)shape[i]);
+    fail("%s: tensor \"%s\" has shape [%s], expected [%s]", t->file, t->name, got, want);
+}
+
+// ---- a model directory: one file or shards named by model.safetensors.index.json ----------
+
+typedef struct {
+    int nfiles;
+    StFile* files;
+    char* dir;
+} StModel;
+
+static void st_model_open(StModel* m, const char* dir) {
+    memset(m, 0, sizeof(*m));
+    m->dir = xstrdup(dir);
+    char* single = path_join(dir, "model.safetensors");
+    char* index = path_join(dir, "model.safetensors.index.json");
+    if (file_exists(single)) {
+        m->nfiles = 1;
+        m->files = (StFile*)xcalloc(1, sizeof(StFile));
+        st_open(&m->files[0], single);
+    } else if (file_exists(index)) {
+        size_t n;
+        char* text = read_file(index, &n);
+        Json j = json_parse(text, n, index);
+        const Json* map = json_get(&j, "weight_map");
+        if (!map || map->type != JSON_OBJECT) fail("%s: missing object \"weight_map\"", index);
+        // Distinct shard names, in order of first appearance.
+        m->files = (StFile*)xcalloc(map->count ? map->count : 1, sizeof(StFile));
+        for (int i = 0; i < map->count; i++) {
+            if (map->items[i].type != JSON_STRING) fail("%s: weight_map entry \"%s\" is not a file name", index, map->keys[i]);
+            const char* shard = map->items[i].string;
+            if (strchr(shard, '/')) fail("%s: shard name \"%s\" must be a plain file name", index, shard);
+            int seen = 0;
+            for (int k = 0; k < m->nfiles && !seen; k++) seen = strcmp(strrchr(m->files[k].path, '/') + 1, shard) == 0;
+            if (seen) continue;
+            char* p = path_join(dir, shard);
+            st_open(&m->files[m->nfiles++], p);
+            free(p);
+        }
+        json_free(&j);
+        free(text);
+    } else {
+        fail("%s: no model.safetensors or model.safetensors.index.json in the model directory", dir);
+    }
+    free(single);
+    free(index);
+}
+
+static const StTensor* st_model_find(const StModel* m, const char* name) {
+    for (int i = 0; i < m->nfiles; i++) {
+        const StTensor* t = st_find(&m->files[i], name);
+        if (t) return t;
+    }
+    return NULL;
+}
+
+static const StTensor* st_model_require(const StModel* m, const char* name) {
+    const StTensor* t = st_model_find(m, name);
+    if (!t) fail("%s: checkpoint is missing tensor \"%s\"", m->dir, name);
+    return t;
+}
+
+static void st_model_close(StModel* m) {
+    for (int i = 0; i < m->nfiles; i++) st_close(&m->files[i]);
+    free(m->files);
+    free(m->dir);
+    memset(m, 0, sizeof(*m));
+}
+
+// ---- writing ------------------------------------------------------------------------------
+
+typedef struct {
+    char name[256];
+    StDtype dtype;
+    int ndim;
+    int64_t shape[ST_MAX_DIMS];
+    const void* data;     // borrowed until st_writer_save
+} StEntry;
+
+typedef struct {
+    int count, cap;
+    StEntry* entries;
+} StWriter;
+
+static void st_writer_add(StWriter* w, const char* name, StDtype dtype, int ndim, const int64_t* shape, const void* data) {
+    if (w->count == w->cap) {
+        w->cap = w->cap ? 2 * w->cap : 32;
+        w->entries = (StEntry*)realloc(w->entries, w->cap * sizeof(StEntry));
+        if (!w->entries) fail("out of host memory");
+    }
+    StEntry* e = &w->entries[w->count++];
+    if (strlen(name) >= sizeof(e->name)) fail("tensor name too long: %s", name);
+    strcpy(e->name, name);
+    e->dtype = dtype;
+    e->ndim = ndim;
+    memcpy(e->shape, shape, ndim * sizeof(int64_t));
+    e->data = data;
+}
+
+static size_t st_entry_bytes(const StEntry* e) {
+    size_t n = st_dtype_size(e->dtype);
+    for (int i = 0; i < e->ndim; i++) n *= (size_t)e->shape[i];
+    return n;
+}
+
+// Writes all entries atomically. metadata_json is the inner text of "__metadata__" or NULL.
+static void st_writer_save(StWriter* w, const char* path, const char* metadata_json) {
+    size_t cap = 256 + (size_t)w->count * 400 + (metadata_json ? strlen(metadata_json) : 0);
+    char* h = (char*)xmalloc(cap);
+    size_t n = 0, off = 0;
+    n += snprintf(h + n, cap - n, "{");
+    if (metadata_json) n += snprintf(h + n, cap - n, "\"__metadata__\":{%s}", metadata_json);
+    for (int i = 0; i < w->count; i++) {
+        StEntry* e = &w->entries[i];
+        size_t bytes = st_entry_bytes(e);
+        n += snprintf(h + n, cap - n, "%s\"%s\":{\"dtype\":\"%s\",\"shape\":[", (i || metadata_json) ? "," : "", e->name, st_dtype_name(e->dtype));
+        for (int d = 0; d < e->ndim; d++) n += snprintf(h + n, cap - n, "%s%lld", d ? "," : "", (long long)e->shape[d]);
+        n += snprintf(h + n, cap - n, "],\"data_offsets\":[%zu,%zu]}", off, off + bytes);
+        off += bytes;
+    }
+    n += snprintf(h + n, cap - n, "}");
+    while (n % 8) h[n++] = ' ';  // keep the data 8-byte aligned
+    uint64_t hlen = n;
+    AtomicFile a = atomic_open(path);
+    atomic_write(&a, &hlen, 8);
+    atomic_write(&a, h, n);
+    for (int i = 0; i < w->count; i++) atomic_write(&a, w->entries[i].data, st_entry_bytes(&w->entries[i]));
+    atomic_commit(&a);
+    free(h);
+}
+
+static void st_writer_free(StWriter* w) {
+    free(w->entries);
+    memset(w, 0, sizeof(*w));
+}

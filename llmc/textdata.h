@@ -1,0 +1,113 @@
+// textdata.h: token shards and the batch loader. A shard is a 64-byte little-endian header
+// (magic "LMFT", u32 version 1, u64 count, u32 vocab_size, u32 flags: bit0 = has mask), then
+// count uint32 tokens, then count uint8 mask bytes (1 = that token is a prediction target).
+// The loader cuts the stream into non-overlapping windows of seq+1 tokens, visits them in a
+// seeded random order per epoch, and shards each global batch by rank.
+#pragma once
+#include "common.h"
+#include "rng.h"
+
+#define SHARD_MAGIC "LMFT"
+#define SHARD_HEADER_BYTES 64
+
+typedef struct {
+    char* path;
+    int64_t count;
+    int vocab_size;
+    uint32_t* tokens;
+    uint8_t* mask;
+} TokenShard;
+
+static void shard_load(TokenShard* s, const char* path, int model_vocab) {
+    size_t size;
+    uint8_t* buf = (uint8_t*)read_file(path, &size);
+    memset(s, 0, sizeof(*s));
+    s->path = xstrdup(path);
+    if (size < SHARD_HEADER_BYTES || memcmp(buf, SHARD_MAGIC, 4) != 0) fail("%s: not a token shard (bad magic; expected \"LMFT\", made by scripts/prepare_text.py)", path);
+    uint32_t version, vocab, flags;
+    uint64_t count;
+    memcpy(&version, buf + 4, 4);
+    memcpy(&count, buf + 8, 8);
+    memcpy(&vocab, buf + 16, 4);
+    memcpy(&flags, buf + 20, 4);
+    if (version != 1) fail("%s: shard version %u, expected 1", path, version);
+    if (!(flags & 1)) fail("%s: shard has no loss mask (flags bit 0), expected one", path);
+    if (count > (size - SHARD_HEADER_BYTES) / 5 || SHARD_HEADER_BYTES + count * 5 != size)
+        fail("%s: header says %llu tokens, which needs %llu bytes, but the file has %zu (truncated?)", path,
+             (unsigned long long)count, (unsigned long long)(SHARD_HEADER_BYTES + count * 5), size);
+    if (model_vocab > 0 && (int)vocab > model_vocab) fail("%s: shard vocab_size %u exceeds the model's %d (tokenized for another model?)", path, vocab, model_vocab);
+    s->count = (int64_t)count;
+    s->vocab_size = (int)vocab;
+    s->tokens = (uint32_t*)xmalloc(count * 4 + 4);
+    s->mask = (uint8_t*)xmalloc(count + 1);
+    memcpy(s->tokens, buf + SHARD_HEADER_BYTES, count * 4);
+    memcpy(s->mask, buf + SHARD_HEADER_BYTES + count * 4, count);
+    free(buf);
+    int limit = model_vocab > 0 ? model_vocab : (int)vocab;
+    for (int64_t i = 0; i < s->count; i++)
+        if (s->tokens[i] >= (uint32_t)limit) fail("%s: token %lld has id %u, but the vocabulary has %d entries", path, (long long)i, s->tokens[i], limit);
+}
+
+static void shard_free(TokenShard* s) {
+    free(s->path); free(s->tokens); free(s->mask);
+    memset(s, 0, sizeof(*s));
+}
+
+typedef struct {
+    const TokenShard* shard;
+    int seq;
+    int64_t windows;       // windows of seq+1 tokens, stride seq
+    uint64_t seed;
+    int shuffle;
+    int64_t cursor;        // global index into the sequence of windows over all epochs
+    int64_t* order;        // permutation of windows for the current epoch
+    int64_t order_epoch;
+} TextLoader;
+
+static void loader_init(TextLoader* L, const TokenShard* s, int seq, uint64_t seed, int shuffle) {
+    memset(L, 0, sizeof(*L));
+    if (s->count < seq + 1) fail("%s: holds %lld tokens, fewer than --seq + 1 = %d", s->path, (long long)s->count, seq + 1);
+    L->shard = s;
+    L->seq = seq;
+    L->windows = (s->count - 1) / seq;
+    L->seed = seed;
+    L->shuffle = shuffle;
+    L->order = (int64_t*)xmalloc(L->windows * sizeof(int64_t));
+    L->order_epoch = -1;
+}
+
+static void loader_free(TextLoader* L) { free(L->order); }
+
+static int64_t loader_window(TextLoader* L, int64_t global_index) {
+    int64_t epoch = global_index / L->windows, pos = global_index % L->windows;
+    if (epoch != L->order_epoch) {
+        for (int64_t i = 0; i < L->windows; i++) L->order[i] = i;
+        if (L->shuffle) {  // Fisher-Yates with a per-epoch stream: any epoch can be rebuilt on resume
+            Rng r = rng_seeded(L->seed, 1000 + (uint64_t)epoch);
+            for (int64_t i = L->windows - 1; i > 0; i--) {
+                int64_t j = (int64_t)rng_below(&r, (uint64_t)i + 1), t = L->order[i];
+                L->order[i] = L->order[j];
+                L->order[j] = t;
+            }
+        }
+        L->order_epoch = epoch;
+    }
+    return L->order[pos];
+}
+
+// Fills rows [0, B) of inputs (B x seq), targets (B x seq) and mask (B x seq) with the windows
+// rank*B .. rank*B+B-1 of the next global batch of world*B windows, then advances the cursor.
+static void loader_next(TextLoader* L, int B, int rank, int world, int* inputs, int* targets, float* mask) {
+    int T = L->seq;
+    for (int b = 0; b < B; b++) {
+        int64_t w = loader_window(L, L->cursor + (int64_t)rank * B + b);
+        const uint32_t* tok = L->shard->tokens + w * T;
+        const uint8_t* m = L->shard->mask + w * T;
+        for (int t = 0; t < T; t++) {
+            inputs[b * T + t] = (int)tok[t];
+            targets[b * T + t] = (int)tok[t + 1];
+            mask[b * T + t] = m[t + 1] ? 1.0f : 0.0f;
+        }
+    }
+    L->cursor += (int64_t)world * B;
+}

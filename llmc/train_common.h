@@ -1,0 +1,157 @@
+// train_common.h: what both trainers share around the model: the run options and their flag
+// table entries, mode presets, LoRA target lists, the learning-rate schedule and the device
+// choice. The models themselves live in train_llama.cu / train_vit.cu.
+#pragma once
+#include "common.h"
+#include "flags.h"
+
+typedef struct {
+    // model and data
+    const char* model_dir;
+    const char* data_path;
+    const char* val_path;
+    const char* out_dir;
+    // schedule
+    int steps, batch, seq, grad_accum, warmup, val_every, val_batches, log_every;
+    float lr, min_lr_frac, weight_decay, grad_clip;
+    // the paper's switches
+    const char* mode;
+    const char* act;        // exact | approx
+    const char* norm;       // std | ms
+    const char* recompute;  // none | block
+    const char* swiglu_product;  // keep | recompute (beyond the paper; LLaMA only)
+    // LoRA
+    int lora_rank;
+    float lora_alpha;
+    const char* lora_targets;
+    // system
+    const char* device;
+    int seed, threads, dry_run, json;
+    // generation
+    int generate;
+    const char* prompt;
+    float temperature;
+} TrainOptions;
+
+static void train_options_defaults(TrainOptions* o) {
+    memset(o, 0, sizeof(*o));
+    o->steps = 20; o->batch = 4; o->seq = 256; o->grad_accum = 1; o->warmup = 0; o->val_every = 0; o->val_batches = 8;
+    o->log_every = 1;
+    o->lr = 1e-3f; o->min_lr_frac = 0.1f; o->weight_decay = 0.0f; o->grad_clip = 1.0f;
+    o->mode = "lowmem";
+    o->swiglu_product = "keep";
+    o->lora_rank = 8; o->lora_alpha = 16.0f;
+    o->device = "auto";
+    o->seed = 1337; o->threads = 0;
+    o->prompt = "";
+    o->temperature = 0.8f;
+}
+
+// Registers the flags common to both trainers; `targets_help` lists the model's LoRA targets.
+static void train_flags_register(FlagTable* t, TrainOptions* o, const char* targets_help) {
+    t->group = "model and data";
+    flag_string(t, "model", &o->model_dir, "model directory: config.json + model.safetensors (or sharded, with index)");
+    flag_string(t, "data", &o->data_path, "training data shard");
+    flag_string(t, "val", &o->val_path, "validation data shard");
+    flag_string(t, "out", &o->out_dir, "output directory (training log, adapters)");
+    t->group = "training";
+    flag_int(t, "steps", &o->steps, "optimizer steps");
+    flag_int(t, "batch", &o->batch, "sequences per micro-batch");
+    flag_int(t, "seq", &o->seq, "tokens per sequence");
+    flag_int(t, "grad-accum", &o->grad_accum, "micro-batches per optimizer step");
+    flag_float(t, "lr", &o->lr, "peak learning rate");
+    flag_float(t, "min-lr-frac", &o->min_lr_frac, "cosine floor as a fraction of --lr");
+    flag_int(t, "warmup", &o->warmup, "linear warmup steps");
+    flag_float(t, "weight-decay", &o->weight_decay, "AdamW weight decay");
+    flag_float(t, "grad-clip", &o->grad_clip, "clip the global gradient norm to this (0 = off)");
+    flag_int(t, "val-every", &o->val_every, "evaluate on --val every N steps (0 = only at the end)");
+    flag_int(t, "val-batches", &o->val_batches, "micro-batches per evaluation");
+    flag_int(t, "log-every", &o->log_every, "print a log line every N steps");
+    t->group = "memory modes (the paper's layers)";
+    flag_choice(t, "mode", &o->mode, "baseline|lowmem|ckpt", "preset: baseline = exact,std,none; lowmem = approx,ms,none; ckpt = exact,std,block");
+    flag_choice(t, "act", &o->act, "exact|approx", "activation backward: exact, or 2-bit ReSiLU2/ReGELU2 (overrides --mode)");
+    flag_choice(t, "norm", &o->norm, "std|ms", "norms: standard, or memory-sharing MS-RMSNorm/MS-LN (overrides --mode)");
+    flag_choice(t, "recompute", &o->recompute, "none|block", "gradient checkpointing per block (overrides --mode)");
+    t->group = "LoRA";
+    flag_int(t, "lora-rank", &o->lora_rank, "adapter rank r");
+    flag_float(t, "lora-alpha", &o->lora_alpha, "adapter scale alpha (update = alpha/r * B A x)");
+    flag_string(t, "lora-targets", &o->lora_targets, targets_help);
+    t->group = "system";
+    flag_choice(t, "device", &o->device, "cpu|cuda|auto", "backend");
+    flag_int(t, "seed", &o->seed, "seed for LoRA init, data order and sampling");
+    flag_int(t, "threads", &o->threads, "CPU threads (0 = all cores)");
+    flag_bool(t, "dry-run", &o->dry_run, "print the memory plan for the config and exit (no weights read, nothing allocated)");
+    flag_bool(t, "json", &o->json, "with --dry-run: print the plan as JSON");
+    t->group = "generation";
+    flag_int(t, "generate", &o->generate, "after training (or alone, without --data), sample N tokens");
+    flag_string(t, "prompt", &o->prompt, "prompt text for --generate (empty = start from BOS)");
+    flag_float(t, "temperature", &o->temperature, "sampling temperature (0 = greedy)");
+}
+
+// Applies the --mode preset to the switches not given explicitly.
+static void train_resolve_mode(TrainOptions* o) {
+    const char *act = "approx", *norm = "ms", *rec = "none";
+    if (strcmp(o->mode, "baseline") == 0) { act = "exact"; norm = "std"; }
+    if (strcmp(o->mode, "ckpt") == 0) { act = "exact"; norm = "std"; rec = "block"; }
+    if (!o->act) o->act = act;
+    if (!o->norm) o->norm = norm;
+    if (!o->recompute) o->recompute = rec;
+}
+
+static void train_validate(const TrainOptions* o) {
+    if (o->steps < 0) fail("flag --steps: expected >= 0, got %d", o->steps);
+    if (o->batch < 1) fail("flag --batch: expected >= 1, got %d", o->batch);
+    if (o->seq < 1) fail("flag --seq: expected >= 1, got %d", o->seq);
+    if (o->grad_accum < 1) fail("flag --grad-accum: expected >= 1, got %d", o->grad_accum);
+    if (o->lora_rank < 1) fail("flag --lora-rank: expected >= 1, got %d", o->lora_rank);
+    if (o->warmup < 0) fail("flag --warmup: expected >= 0, got %d", o->warmup);
+    if (o->lr < 0) fail("flag --lr: expected >= 0, got %g", o->lr);
+    if (o->threads < 0) fail("flag --threads: expected >= 0, got %d", o->threads);
+    if (o->generate < 0) fail("flag --generate: expected >= 0, got %d", o->generate);
+    if (o->temperature < 0) fail("flag --temperature: expected >= 0, got %g", o->temperature);
+    if (o->val_batches < 1) fail("flag --val-batches: expected >= 1, got %d", o->val_batches);
+    if (o->log_every < 1) fail("flag --log-every: expected >= 1, got %d", o->log_every);
+}
+
+// Parses a comma list of target names into a bit mask over `names` (count n). NULL = all.
+static unsigned parse_targets(const char* list, const char* const* names, int n, const char* flag) {
+    if (!list) return (1u << n) - 1;
+    unsigned mask = 0;
+    char buf[256];
+    snprintf(buf, sizeof(buf), "%s", list);
+    for (char* tok = strtok(buf, ","); tok; tok = strtok(NULL, ",")) {
+        int found = -1;
+        for (int i = 0; i < n; i++) if (strcmp(tok, names[i]) == 0) found = i;
+        if (found < 0) {
+            char all[128] = "";
+            for (int i = 0; i < n; i++) snprintf(all + strlen(all), sizeof(all) - strlen(all), "%s%s", i ? "," : "", names[i]);
+            fail("flag --%s: unknown target \"%s\", expected a comma list of %s", flag, tok, all);
+        }
+        mask |= 1u << found;
+    }
+    if (!mask) fail("flag --%s: empty target list", flag);
+    return mask;
+}
+
+// Linear warmup to lr, then cosine decay to lr * min_frac at the last step.
+static float lr_at_step(const TrainOptions* o, int step) {
+    if (o->warmup > 0 && step < o->warmup) return o->lr * (float)(step + 1) / (float)o->warmup;
+    int decay = o->steps - o->warmup;
+    if (decay <= 1) return o->lr;
+    float t = (float)(step - o->warmup) / (float)(decay - 1);
+    float floor_lr = o->lr * o->min_lr_frac;
+    return floor_lr + 0.5f * (o->lr - floor_lr) * (1.0f + cosf(3.14159265358979f * t));
+}
+
+typedef enum { DEVICE_CPU, DEVICE_CUDA } Device;
+
+// The backend for --device. This binary's CUDA backend status is decided at build time.
+static Device resolve_device(const char* flag) {
+#ifdef LLMC_HAVE_CUDA_BACKEND
+    if (strcmp(flag, "cpu") != 0) return DEVICE_CUDA;
+#else
+    if (strcmp(flag, "cuda") == 0)
+        fail("flag --device cuda: this binary has no CUDA backend (the CUDA backend is not implemented yet; use --device cpu)");
+#endif
+    return DEVICE_CPU;
+}

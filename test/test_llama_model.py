@@ -1,0 +1,286 @@
+"""LLaMA model tests: test/llama_probe (the C model, fp32 CPU backend) against the independent
+PyTorch reference scripts/reference_llama.py (fp64), on small random configs in every mode, plus
+self-checks of the reference itself.
+
+Run:  /usr/bin/python3 -m pytest -q -rA test/test_llama_model.py   (-rA / -s shows the error lines)
+      /usr/bin/python3 test/test_llama_model.py                    (same, verbose)
+The probe must be built first (`make test/llama_probe`); a missing probe FAILS the probe tests.
+LLAMA_PROBE overrides the probe path, LLAMA_PROBE_ARGS appends flags to every probe run.
+
+Approx mode and fp32: the ReSiLU2 derivative jumps at its breakpoints, so a gate pre-activation
+within fp32 rounding of a breakpoint could get another code in the probe than in the reference.
+Cases are re-drawn until no gate pre-activation (in either norm mode) lies within
+llama_cases.BREAKPOINT_MARGIN (2e-4) of a breakpoint; the reference computes codes on its own
+fp64 pre-activations.
+"""
+import functools
+import os
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import llama_cases as lc  # noqa: E402
+
+ref = lc.ref
+torch.set_num_threads(1)
+
+CONFIG_NAMES = list(lc.CONFIGS)
+# (act, norm, recompute): all four act x norm combinations, and block recompute for baseline and
+# lowmem
+MODES = [("exact", "std", "none"), ("exact", "ms", "none"), ("approx", "std", "none"),
+         ("approx", "ms", "none"), ("exact", "std", "block"), ("approx", "ms", "block")]
+MODE_IDS = [f"{a}-{n}-{r}" for a, n, r in MODES]
+SUMMARY = []
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("llama_model"))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def print_summary():
+    yield
+    if SUMMARY:
+        print("\nworst relative errors (probe fp32 vs reference fp64; max|diff| / max|ref|):")
+        for line in SUMMARY:
+            print("  " + line)
+
+
+class Setup:
+    """One config: model directory, fp64 reference model, a case away from the breakpoints."""
+
+    def __init__(self, root, name, targets=lc.ALL_TARGETS):
+        self.name = name
+        self.dir = os.path.join(root, name)
+        lc.write_model(self.dir, lc.model_config(name), seed=1)
+        self.model = ref.LlamaModel.load(self.dir)
+        self.batch, self.seq, self.rank, self.alpha = lc.SHAPES[name]
+        self.targets = ref.parse_targets(targets)
+        self.case, self.seed, self.stats = lc.make_safe_case(
+            self.model, self.batch, self.seq, self.rank, self.alpha, self.targets, seed=7)
+        tag = "all" if len(self.targets) == len(lc.ALL_TARGETS) else "_".join(self.targets)
+        self.case_path = os.path.join(root, f"{name}.{tag}.case.safetensors")
+        lc.st_io.save(self.case_path, self.case)
+        self._ref = {}
+
+    def reference(self, act, norm):
+        if (act, norm) not in self._ref:
+            self._ref[(act, norm)] = ref.run_case(self.model, self.case, act, norm, self.rank,
+                                                  self.alpha, self.targets)
+        return self._ref[(act, norm)]
+
+    def probe(self, act, norm, recompute, out_name):
+        out = os.path.join(os.path.dirname(self.case_path), out_name)
+        return lc.run_probe(self.dir, self.case_path, out, act, norm, recompute, self.rank,
+                            self.alpha, self.targets)
+
+
+@functools.lru_cache(maxsize=None)
+def _setup(root, name, targets=tuple(lc.ALL_TARGETS)):
+    return Setup(root, name, targets)
+
+
+# ---------------------------------------------------------------------------------------------
+# the probe against the reference
+
+@pytest.mark.parametrize("mode", MODES, ids=MODE_IDS)
+@pytest.mark.parametrize("name", CONFIG_NAMES)
+def test_probe_matches_reference(workdir, name, mode):
+    act, norm, recompute = mode
+    s = _setup(workdir, name)
+    want = s.reference(act, norm)
+    got = s.probe(act, norm, recompute, f"{name}.{act}.{norm}.{recompute}.out.safetensors")
+    errs = lc.compare(want, got)
+    SUMMARY.append(lc.check_errors(errs, f"{name:12s} {act:6s} {norm:3s} {recompute:5s}"))
+
+
+@pytest.mark.parametrize("mode", [MODES[0], MODES[3]], ids=[MODE_IDS[0], MODE_IDS[3]])
+def test_probe_lora_subset(workdir, mode):
+    """LoRA on some targets only (q, v, down): no adapter, no gradient for the others."""
+    act, norm, recompute = mode
+    s = _setup(workdir, "gqa_untied", ("q", "v", "down"))
+    got = s.probe(act, norm, recompute, f"subset.{act}.{norm}.out.safetensors")
+    errs = lc.compare(s.reference(act, norm), got)
+    SUMMARY.append(lc.check_errors(errs, f"{'q,v,down':12s} {act:6s} {norm:3s} {recompute:5s}"))
+
+
+def test_probe_deterministic(workdir):
+    """Two runs on the same input give bitwise identical outputs."""
+    s = _setup(workdir, "gqa_untied")
+    a = s.probe("approx", "ms", "none", "det1.out.safetensors")
+    b = s.probe("approx", "ms", "none", "det2.out.safetensors")
+    assert sorted(a) == sorted(b)
+    for k in a:
+        assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
+        assert a[k].tobytes() == b[k].tobytes(), f"{k} differs between two identical runs"
+
+
+# ---------------------------------------------------------------------------------------------
+# self-checks of the reference (no probe needed)
+
+def test_reference_resilu2_backward_is_step_rule():
+    """ReSiLU2: forward is exact SiLU; backward is exactly dy * L[code] with the float32 levels."""
+    L = ref.resilu2_levels()
+    assert L.dtype == np.float32 and L[0] == 0.0
+    np.testing.assert_allclose(L, [0.0, -0.040603572, 1.0403218, 1.0], atol=1e-7)
+    c = ref.RESILU2_C
+    for dtype in (torch.float32, torch.float64):
+        special = []
+        for ci in c:
+            cc = torch.tensor(ci, dtype=dtype)
+            special += [float(cc), float(torch.nextafter(cc, torch.tensor(-np.inf, dtype=dtype))),
+                        float(torch.nextafter(cc, torch.tensor(np.inf, dtype=dtype)))]
+        g = torch.Generator().manual_seed(0)
+        x = torch.cat([torch.tensor(special, dtype=dtype),
+                       10 * torch.randn(2000, generator=g, dtype=dtype)]).requires_grad_(True)
+        dy = torch.randn(x.shape, generator=g, dtype=dtype)
+        y = ref.ReSiLU2.apply(x)
+        assert torch.equal(y.detach(), x.detach() * torch.sigmoid(x.detach()))
+        (dx,) = torch.autograd.grad(y, x, dy)
+        xd = x.detach().double().numpy()
+        # the rule, written out independently: strict comparisons, levels cast to dtype
+        code = sum((xd > np.asarray(ci, dtype=np.float64 if dtype == torch.float64 else np.float32)
+                    ).astype(int) for ci in c)
+        want = dy * torch.from_numpy(L[code]).to(dtype)
+        assert torch.equal(dx, want)
+        assert set(code.tolist()) == {0, 1, 2, 3}
+
+
+def _lora_dict(model, case, targets):
+    lora = {}
+    for l in range(model.cfg.n_layers):
+        for t in targets:
+            lora[(l, t)] = (torch.tensor(case[f"lora.{l}.{t}.A"], dtype=model.dtype),
+                            torch.tensor(case[f"lora.{l}.{t}.B"], dtype=model.dtype))
+    return lora
+
+
+@pytest.mark.parametrize("name", CONFIG_NAMES)
+def test_reference_ms_merge_keeps_forward(workdir, name):
+    """Merging gamma into q,k,v / gate,up leaves the model unchanged: ms logits == std logits,
+    with LoRA A converted as A_ms = A_std * gamma[None, :] (the inverse of the export rule), and
+    the gradients relate by dA_std = dA_ms * gamma[None, :], dB_std = dB_ms."""
+    s = _setup(workdir, name)
+    m = s.model
+    tokens = torch.from_numpy(s.case["tokens"][:, :-1].astype(np.int64))
+    plain = {}
+    std0 = ref.forward(m, tokens, plain, 1.0, "exact", "std")
+    ms0 = ref.forward(m, tokens, plain, 1.0, "exact", "ms")
+    assert lc.rel_to_max(ms0.numpy(), std0.numpy()) < 1e-12
+
+    case_ms = dict(s.case)
+    gamma_of = {"q": "attn_norm", "k": "attn_norm", "v": "attn_norm",
+                "gate": "mlp_norm", "up": "mlp_norm"}
+    for l in range(m.cfg.n_layers):
+        for t, gname in gamma_of.items():
+            gamma = m.w[f"{l}.{gname}"].numpy()
+            case_ms[f"lora.{l}.{t}.A"] = s.case[f"lora.{l}.{t}.A"].astype(np.float64) * gamma[None, :]
+    for act in ("exact", "approx"):
+        a = ref.run_case(m, s.case, act, "std", s.rank, s.alpha)
+        b = ref.run_case(m, case_ms, act, "ms", s.rank, s.alpha)
+        assert lc.rel_to_max(b["logits"], a["logits"]) < 1e-12
+        assert abs(b["loss"][0] - a["loss"][0]) < 1e-12 * abs(a["loss"][0])
+        for l in range(m.cfg.n_layers):
+            for t in lc.ALL_TARGETS:
+                dA = b[f"grad.lora.{l}.{t}.A"]
+                if t in gamma_of:
+                    dA = dA * m.w[f"{l}.{gamma_of[t]}"].numpy()[None, :]
+                assert lc.rel_to_max(dA, a[f"grad.lora.{l}.{t}.A"]) < 1e-10, (act, l, t)
+                assert lc.rel_to_max(b[f"grad.lora.{l}.{t}.B"],
+                                     a[f"grad.lora.{l}.{t}.B"]) < 1e-10, (act, l, t)
+
+
+def test_reference_finite_differences(tmp_path):
+    """Exact-mode LoRA gradients of the fp64 reference against central differences (std and ms)
+    on a tiny GQA config."""
+    config = dict(hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, vocab_size=13,
+                  rope_theta=10000.0, tie_word_embeddings=False)
+    lc.write_model(str(tmp_path), config, seed=3)
+    m = ref.LlamaModel.load(str(tmp_path))
+    rank, alpha = 3, 5.0
+    case = lc.make_case(m.cfg, 2, 5, rank, seed=4)
+    rng = np.random.default_rng(5)
+    for norm in ("std", "ms"):
+        res = ref.run_case(m, case, "exact", norm, rank, alpha)
+        worst = 0.0
+        for key in [k for k in case if k.startswith("lora.")]:
+            g = res["grad." + key]
+            for _ in range(2):
+                idx = tuple(rng.integers(0, n) for n in case[key].shape)
+                vals = []
+                for sign in (1, -1):
+                    c2 = dict(case)
+                    arr = case[key].astype(np.float64).copy()
+                    arr[idx] += sign * 1e-6
+                    c2[key] = arr
+                    vals.append(_loss_only(m, c2, norm, rank, alpha))
+                fd = (vals[0] - vals[1]) / 2e-6
+                err = abs(fd - g[idx]) / max(1e-3, np.abs(g).max())
+                worst = max(worst, err)
+        print(f"finite differences ({norm}): worst error rel to max |grad| {worst:.2e}")
+        assert worst < 1e-6
+
+
+def _loss_only(model, case, norm, rank, alpha):
+    tokens = torch.from_numpy(np.asarray(case["tokens"], dtype=np.int64))
+    mask = torch.from_numpy(np.asarray(case["mask"], dtype=np.float64))
+    lora = _lora_dict(model, case, lc.ALL_TARGETS)
+    with torch.no_grad():
+        logits = ref.forward(model, tokens[:, :-1], lora, alpha / rank, "exact", norm)
+        return float(ref.masked_ce(logits, tokens[:, 1:], mask))
+
+
+@pytest.mark.parametrize("name", CONFIG_NAMES)
+def test_reference_modes_discriminate(workdir, name):
+    """The cases can tell the modes apart: approx gradients differ from exact ones by far more
+    than the probe tolerance (logits do not), every ReSiLU2 code occurs, and ms differs from std
+    for the same adapters."""
+    s = _setup(workdir, name)
+    for norm in ("std", "ms"):
+        assert all(n > 0 for n in s.stats[norm]["code_counts"]), s.stats[norm]
+        ex, ap = s.reference("exact", norm), s.reference("approx", norm)
+        assert np.array_equal(ex["logits"], ap["logits"])
+        diff = max(lc.rel_to_max(ap[k], ex[k]) for k in ex if k.startswith("grad."))
+        assert diff > 30 * lc.TOL["grad"], diff
+    assert lc.rel_to_max(s.reference("exact", "ms")["logits"],
+                         s.reference("exact", "std")["logits"]) > 30 * lc.TOL["logits"]
+
+
+def test_reference_llama3_rope_scaling():
+    """Llama-3.1 frequency adjustment: high frequencies kept, low ones divided by factor, the
+    band between interpolated; and it changes the logits of the llama3_rope config."""
+    cfg = ref.LlamaConfig(lc.model_config("llama3_rope"))
+    plain = ref.LlamaConfig({**lc.model_config("llama3_rope"), "rope_scaling": None})
+    inv, inv0 = ref.rope_inv_freq(cfg).numpy(), ref.rope_inv_freq(plain).numpy()
+    rs = cfg.rope_scaling
+    wavelen = 2 * np.pi / inv0
+    hi = wavelen < rs["original_max_position_embeddings"] / rs["high_freq_factor"]
+    lo = wavelen > rs["original_max_position_embeddings"] / rs["low_freq_factor"]
+    mid = ~hi & ~lo
+    assert hi.any() and lo.any() and mid.any()
+    np.testing.assert_array_equal(inv[hi], inv0[hi])
+    np.testing.assert_allclose(inv[lo], inv0[lo] / rs["factor"], rtol=1e-15)
+    assert np.all(inv[mid] < inv0[mid]) and np.all(inv[mid] > inv0[mid] / rs["factor"])
+    # the interpolation is continuous at both band edges
+    s_of = (rs["original_max_position_embeddings"] / wavelen - rs["low_freq_factor"]) / (
+        rs["high_freq_factor"] - rs["low_freq_factor"])
+    np.testing.assert_allclose(inv[mid], (1 - s_of[mid]) * inv0[mid] / rs["factor"]
+                               + s_of[mid] * inv0[mid], rtol=1e-15)
+
+
+def test_reference_llama3_scaling_changes_logits(workdir):
+    s = _setup(workdir, "llama3_rope")
+    m2 = ref.LlamaModel(ref.LlamaConfig({**lc.model_config("llama3_rope"), "rope_scaling": None}),
+                        ref.load_weights_np(s.dir))
+    a = ref.run_case(s.model, s.case, "exact", "std", s.rank, s.alpha)
+    b = ref.run_case(m2, s.case, "exact", "std", s.rank, s.alpha)
+    assert lc.rel_to_max(b["logits"], a["logits"]) > 30 * lc.TOL["logits"]
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([os.path.abspath(__file__), "-v", "-s"]))

@@ -1,0 +1,430 @@
+// test/test_units.cu: unit tests of the CPU kernels and formats against independent references:
+// naive loops in double precision, explicit Jacobians, finite differences, and the paper's
+// step rule written out longhand. Prints "N passed, M failed" and exits non-zero on any failure.
+#include "../llmc/common.h"
+#include "../llmc/json.h"
+#include "../llmc/safetensors.h"
+#include "../llmc/rng.h"
+#include "../llmc/cpu/matmul.h"
+#include "../llmc/cpu/norms.h"
+#include "../llmc/cpu/activations.h"
+#include "../llmc/cpu/attention.h"
+#include "../llmc/cpu/loss.h"
+
+static int g_pass = 0, g_fail = 0;
+
+static void check(int ok, const char* what, double err) {
+    if (ok) g_pass++;
+    else g_fail++;
+    printf("%s  %-62s (worst error %.3g)\n", ok ? "PASS" : "FAIL", what, err);
+}
+
+static float* randn(int64_t n, Rng* r, float scale) {
+    float* x = (float*)xmalloc(sizeof(float) * n);
+    for (int64_t i = 0; i < n; i++) x[i] = scale * rng_normal(r);
+    return x;
+}
+
+// max |a-b| / max(max|b|, tiny)
+static double rel_err(const float* a, const double* b, int64_t n) {
+    double e = 0, m = 1e-30;
+    for (int64_t i = 0; i < n; i++) {
+        if (isnan(a[i])) return INFINITY;
+        e = fmax(e, fabs(a[i] - b[i]));
+        m = fmax(m, fabs(b[i]));
+    }
+    return e / m;
+}
+
+// ---- 2-bit codes ---------------------------------------------------------------------------
+
+static void test_pack_roundtrip(void) {
+    Rng r = rng_seeded(1, 0);
+    int sizes[] = {1, 2, 3, 4, 5, 7, 8, 13, 1001, 4099};
+    int ok = 1;
+    Relu3Fit fit = RESILU2_FIT;
+    for (int s = 0; s < 10; s++) {
+        int n = sizes[s];
+        float* x = randn(n, &r, 5.0f);
+        x[0] = fit.c1; if (n > 1) x[1] = fit.c2; if (n > 2) x[2] = fit.c3;  // ties: strict >
+        int64_t nb = packed_codes_bytes(n);
+        uint8_t* packed = (uint8_t*)xmalloc(nb + 1);
+        packed[nb] = 0xAB;  // a canary past the end
+        pack_codes_2bit(packed, x, n, fit);
+        for (int i = 0; i < n; i++) {
+            int expect = (x[i] > fit.c1 ? 1 : 0) + (x[i] > fit.c2 ? 1 : 0) + (x[i] > fit.c3 ? 1 : 0);
+            if (codes_get(packed, i) != expect) ok = 0;
+        }
+        if ((n % 4) && (packed[nb - 1] >> (2 * (n % 4))) != 0) ok = 0;  // ragged tail padded with zeros
+        if (packed[nb] != 0xAB) ok = 0;
+        if (nb != (n + 3) / 4) ok = 0;
+        free(x); free(packed);
+    }
+    check(ok, "2-bit packing round-trips at ragged sizes (1..4099), ties strict", 0);
+}
+
+// The step rule, written out independently: dx = dy * {0, a1, a1+a2, a1+a2+a3}[code].
+static double step_level(double x, const double a[3], const double c[3]) {
+    float l1 = (float)a[0], l2 = l1 + (float)a[1], l3 = l2 + (float)a[2];
+    if (x > c[2]) return l3;
+    if (x > c[1]) return l2;
+    if (x > c[0]) return l1;
+    return 0.0;
+}
+
+static void test_resilu2_backward(void) {
+    const double a[3] = {-0.04060357190528599, 1.080925428529668, -0.040321856624382146};
+    const double c[3] = {-6.3050461001646445, -0.0008684942046214787, 6.325815242089708};
+    Rng r = rng_seeded(2, 0);
+    int n = 10007;
+    float *g = randn(n, &r, 6.0f), *u = randn(n, &r, 1.0f), *dp = randn(n, &r, 1.0f);
+    float *p = randn(n, &r, 1), *sg = randn(n, &r, 1), *dg = randn(n, &r, 1), *du = randn(n, &r, 1);
+    uint8_t* codes = (uint8_t*)xmalloc(packed_codes_bytes(n));
+    swiglu_forward(p, sg, codes, g, u, n);
+    swiglu_backward(dg, du, dp, sg, u, NULL, codes, n);
+    int exact = 1;
+    double fwd = 0;
+    for (int i = 0; i < n; i++) {
+        float expect_dg = dp[i] * u[i] * (float)step_level(g[i], a, c);
+        if (dg[i] != expect_dg) exact = 0;
+        if (du[i] != dp[i] * sg[i]) exact = 0;
+        double silu = g[i] / (1.0 + exp(-(double)g[i]));
+        fwd = fmax(fwd, fabs(sg[i] - silu) / fmax(1.0, fabs(silu)));
+    }
+    check(exact, "ReSiLU2 backward equals the step rule exactly", 0);
+    check(fwd < 1e-6, "ReSiLU2 forward is the exact SiLU", fwd);
+    // The levels of the fit, against NOTES.md: {0, -0.040603572, 1.0403218, 1.0}
+    Relu3Fit fit = RESILU2_FIT;
+    double le = fmax(fabs(relu3_level(1, fit) + 0.040603572), fmax(fabs(relu3_level(2, fit) - 1.0403218), fabs(relu3_level(3, fit) - 1.0)));
+    check(le < 1e-6, "ReSiLU2 levels match the published levels", le);
+    Relu3Fit gf = REGELU2_FIT;
+    le = fmax(fabs(relu3_level(1, gf) + 0.049222611), fmax(fabs(relu3_level(2, gf) - 1.0487406), fabs(relu3_level(3, gf) - 1.0)));
+    check(le < 1e-6, "ReGELU2 levels match the published levels", le);
+    free(g); free(u); free(dp); free(p); free(sg); free(dg); free(du); free(codes);
+}
+
+static void test_regelu2_backward(void) {
+    const double a[3] = {-0.04922261145617846, 1.0979632065417297, -0.048740595085551286};
+    const double c[3] = {-3.1858810036855245, -0.001178821281161997, 3.190832613414926};
+    Rng r = rng_seeded(3, 0);
+    int n = 5003;
+    float *x = randn(n, &r, 3.0f), *dy = randn(n, &r, 1.0f), *y = randn(n, &r, 1), *dx = randn(n, &r, 1), *dxe = randn(n, &r, 1);
+    uint8_t* codes = (uint8_t*)xmalloc(packed_codes_bytes(n));
+    gelu_forward(y, codes, x, n, 0);
+    gelu_backward(dx, dy, NULL, codes, n, 0);
+    gelu_backward(dxe, dy, x, NULL, n, 0);
+    int exact = 1;
+    double fwd = 0, ge = 0;
+    for (int i = 0; i < n; i++) {
+        if (dx[i] != dy[i] * (float)step_level(x[i], a, c)) exact = 0;
+        double ref = 0.5 * x[i] * (1.0 + erf(x[i] / sqrt(2.0)));
+        fwd = fmax(fwd, fabs(y[i] - ref));
+        double h = 1e-3, num = (0.5 * (x[i] + h) * (1 + erf((x[i] + h) / sqrt(2.0))) - 0.5 * (x[i] - h) * (1 + erf((x[i] - h) / sqrt(2.0)))) / (2 * h);
+        ge = fmax(ge, fabs(dxe[i] - dy[i] * num));
+    }
+    check(exact, "ReGELU2 backward equals the step rule exactly", 0);
+    check(fwd < 1e-5, "GELU forward (erf form) is exact", fwd);
+    check(ge < 1e-4, "exact GELU backward matches finite differences", ge);
+    free(x); free(dy); free(y); free(dx); free(dxe); free(codes);
+}
+
+// ---- norms ---------------------------------------------------------------------------------
+
+// dx via the explicit Jacobian of z = normalise(x) in double (LayerNorm when center).
+static void norm_jacobian_backward(double* dx, const float* x, const float* dz, int d, float eps, int center) {
+    double mu = 0, var = 0;
+    if (center) { for (int i = 0; i < d; i++) mu += x[i]; mu /= d; }
+    for (int i = 0; i < d; i++) var += (x[i] - mu) * (x[i] - mu);
+    var /= d;
+    double r = 1.0 / sqrt(var + eps);
+    for (int j = 0; j < d; j++) {
+        double s = 0;
+        for (int i = 0; i < d; i++) {
+            double ci = x[i] - mu, cj = x[j] - mu;
+            double jac = r * ((i == j) - (center ? 1.0 / d : 0.0)) - ci * cj * r * r * r / d;
+            s += dz[i] * jac;
+        }
+        dx[j] = s;
+    }
+}
+
+static void test_norm_backward(int layernorm) {
+    Rng r = rng_seeded(4 + layernorm, 0);
+    int N = 7, d = 45;
+    float eps = 1e-5f;
+    float *x = randn(N * d, &r, 2.0f), *gamma = randn(d, &r, 0.5f), *beta = randn(d, &r, 0.5f), *dy = randn(N * d, &r, 1.0f);
+    for (int i = 0; i < d; i++) gamma[i] += 1.0f;
+    float *y = randn(N * d, &r, 1), *z = randn(N * d, &r, 1), *rr = randn(N, &r, 1), *mean = randn(N, &r, 1);
+    float* dx_std = (float*)xcalloc(N * d, sizeof(float));
+    float* dx_ms = (float*)xcalloc(N * d, sizeof(float));
+    float* dz = (float*)xmalloc(sizeof(float) * N * d);
+    double* ref = (double*)xmalloc(sizeof(double) * N * d);
+    if (layernorm) {
+        layernorm_forward(y, rr, mean, x, gamma, beta, N, d, eps);
+        layernorm_backward(dx_std, dy, x, mean, rr, gamma, N, d);
+        layernorm_forward(z, rr, NULL, x, NULL, NULL, N, d, eps);
+    } else {
+        rmsnorm_forward(y, rr, x, gamma, N, d, eps);
+        rmsnorm_backward(dx_std, dy, x, rr, gamma, N, d);
+        rmsnorm_forward(z, rr, x, NULL, N, d, eps);
+    }
+    for (int i = 0; i < N * d; i++) dz[i] = dy[i] * gamma[i % d];  // the merged layer sees dz = dy*gamma
+    if (layernorm) layernorm_ms_backward(dx_ms, dz, z, rr, N, d);
+    else rmsnorm_ms_backward(dx_ms, dz, z, rr, N, d);
+    for (int n = 0; n < N; n++) norm_jacobian_backward(ref + n * d, x + n * d, dz + n * d, d, eps, layernorm);
+    double e_std = rel_err(dx_std, ref, N * d), e_ms = rel_err(dx_ms, ref, N * d);
+    check(e_std < 1e-5, layernorm ? "LayerNorm backward matches the explicit Jacobian" : "RMSNorm backward matches the explicit Jacobian", e_std);
+    check(e_ms < 1e-5, layernorm ? "MS-LN backward (from z, r only) equals LayerNorm backward" : "MS-RMSNorm backward (from z, r only) equals RMSNorm backward", e_ms);
+    // merging gamma (and beta) into the next linear leaves its output unchanged
+    int out = 11;
+    float *W = randn(out * d, &r, 0.3f), *Wm = (float*)xmalloc(sizeof(float) * out * d), *bm = (float*)xcalloc(out, sizeof(float));
+    for (int o = 0; o < out; o++)
+        for (int i = 0; i < d; i++) { Wm[o * d + i] = W[o * d + i] * gamma[i]; bm[o] += W[o * d + i] * (layernorm ? beta[i] : 0.0f); }
+    float *y1 = (float*)xmalloc(sizeof(float) * N * out), *y2 = (float*)xmalloc(sizeof(float) * N * out);
+    matmul_nt(y1, y, W, N, out, d, 1.0f, 0);
+    matmul_nt(y2, z, Wm, N, out, d, 1.0f, 0);
+    double me = 0, mx = 0;
+    for (int n = 0; n < N; n++)
+        for (int o = 0; o < out; o++) { me = fmax(me, fabs(y1[n * out + o] - y2[n * out + o] - bm[o])); mx = fmax(mx, fabs(y1[n * out + o])); }
+    check(me / mx < 1e-5, layernorm ? "merging gamma, beta into the next linear leaves the forward unchanged" : "merging gamma into the next linear leaves the forward unchanged", me / mx);
+    free(x); free(gamma); free(beta); free(dy); free(y); free(z); free(rr); free(mean); free(dx_std); free(dx_ms); free(dz); free(ref);
+    free(W); free(Wm); free(bm); free(y1); free(y2);
+}
+
+// ---- matmul --------------------------------------------------------------------------------
+
+static void test_matmul(void) {
+    Rng r = rng_seeded(6, 0);
+    int M = 13, N = 301, K = 37;
+    float *A = randn(M * K, &r, 1), *Bt = randn(N * K, &r, 1), *Bn = randn(K * N, &r, 1), *At = randn(K * M, &r, 1);
+    float* C = randn(M * N, &r, 1);
+    float* C0 = (float*)xmalloc(sizeof(float) * M * N);
+    memcpy(C0, C, sizeof(float) * M * N);
+    double* ref = (double*)xmalloc(sizeof(double) * M * N);
+    for (int form = 0; form < 3; form++) {
+        for (int m = 0; m < M; m++)
+            for (int n = 0; n < N; n++) {
+                double s = 0;
+                for (int k = 0; k < K; k++) {
+                    double a = form == 2 ? At[k * M + m] : A[m * K + k];
+                    double b = form == 0 ? Bt[n * K + k] : Bn[k * N + n];
+                    s += a * b;
+                }
+                ref[m * N + n] = C0[m * N + n] + 0.5 * s;
+            }
+        memcpy(C, C0, sizeof(float) * M * N);
+        if (form == 0) matmul_nt(C, A, Bt, M, N, K, 0.5f, 1);
+        if (form == 1) matmul_nn(C, A, Bn, M, N, K, 0.5f, 1);
+        if (form == 2) matmul_tn(C, At, Bn, M, N, K, 0.5f, 1);
+        const char* names[3] = {"matmul_nt (C += a A B^T) matches a naive loop", "matmul_nn (C += a A B) matches a naive loop",
+                                "matmul_tn (C += a A^T B) matches a naive loop"};
+        double e = rel_err(C, ref, M * N);
+        check(e < 1e-5, names[form], e);
+    }
+    free(A); free(Bt); free(Bn); free(At); free(C); free(C0); free(ref);
+}
+
+// ---- attention and RoPE --------------------------------------------------------------------
+
+static double attn_loss(const float* q, const float* k, const float* v, const float* w, AttnShape s, float* o, float* lse) {
+    attention_forward(o, lse, q, k, v, s);
+    double L = 0;
+    for (int64_t i = 0; i < (int64_t)s.B * s.T * s.H * s.hd; i++) L += (double)o[i] * w[i];
+    return L;
+}
+
+static void test_attention(int causal) {
+    Rng r = rng_seeded(7 + causal, 0);
+    AttnShape s = {2, 5, 4, 2, 6, causal};
+    int64_t nq = (int64_t)s.B * s.T * s.H * s.hd, nk = (int64_t)s.B * s.T * s.KVH * s.hd;
+    float *q = randn(nq, &r, 1), *k = randn(nk, &r, 1), *v = randn(nk, &r, 1), *w = randn(nq, &r, 1);
+    float *o = randn(nq, &r, 1), *lse = randn(s.B * s.H * s.T, &r, 1);
+    float *dq = randn(nq, &r, 1), *dk = randn(nk, &r, 1), *dv = randn(nk, &r, 1);
+    attn_loss(q, k, v, w, s, o, lse);
+    attention_backward(dq, dk, dv, w, q, k, v, o, lse, s);
+    // naive forward in double
+    double fe = 0;
+    double scale = 1.0 / sqrt((double)s.hd);
+    for (int b = 0; b < s.B; b++)
+        for (int h = 0; h < s.H; h++)
+            for (int t = 0; t < s.T; t++) {
+                int kh = h / (s.H / s.KVH), tend = causal ? t + 1 : s.T;
+                double p[16], mx = -1e300, sum = 0;
+                for (int j = 0; j < tend; j++) {
+                    double d = 0;
+                    for (int i = 0; i < s.hd; i++) d += (double)q[((b * s.T + t) * s.H + h) * s.hd + i] * k[((b * s.T + j) * s.KVH + kh) * s.hd + i];
+                    p[j] = d * scale;
+                    mx = fmax(mx, p[j]);
+                }
+                for (int j = 0; j < tend; j++) { p[j] = exp(p[j] - mx); sum += p[j]; }
+                for (int i = 0; i < s.hd; i++) {
+                    double acc = 0;
+                    for (int j = 0; j < tend; j++) acc += p[j] / sum * v[((b * s.T + j) * s.KVH + kh) * s.hd + i];
+                    fe = fmax(fe, fabs(acc - o[((b * s.T + t) * s.H + h) * s.hd + i]));
+                }
+            }
+    check(fe < 1e-5, causal ? "causal GQA attention forward matches a naive softmax" : "bidirectional GQA attention forward matches a naive softmax", fe);
+    // central finite differences on every input element
+    float* tmp_o = (float*)xmalloc(sizeof(float) * nq);
+    float* tmp_l = (float*)xmalloc(sizeof(float) * s.B * s.H * s.T);
+    double ge = 0, gm = 0;
+    float* ins[3] = {q, k, v};
+    float* grads[3] = {dq, dk, dv};
+    int64_t ns[3] = {nq, nk, nk};
+    for (int which = 0; which < 3; which++)
+        for (int64_t i = 0; i < ns[which]; i++) {
+            float keep = ins[which][i], h = 1e-2f;
+            ins[which][i] = keep + h;
+            double lp = attn_loss(q, k, v, w, s, tmp_o, tmp_l);
+            ins[which][i] = keep - h;
+            double lm = attn_loss(q, k, v, w, s, tmp_o, tmp_l);
+            ins[which][i] = keep;
+            double num = (lp - lm) / (2 * h);
+            ge = fmax(ge, fabs(num - grads[which][i]));
+            gm = fmax(gm, fabs(num));
+        }
+    check(ge / gm < 2e-3, causal ? "causal attention backward (recomputed scores) matches finite differences" : "bidirectional attention backward matches finite differences", ge / gm);
+    free(q); free(k); free(v); free(w); free(o); free(lse); free(dq); free(dk); free(dv); free(tmp_o); free(tmp_l);
+}
+
+static void test_rope(void) {
+    Rng r = rng_seeded(9, 0);
+    int T = 6, H = 3, hd = 8, N = 2 * T, half = hd / 2;
+    float *cs = (float*)xmalloc(sizeof(float) * T * half), *sn = (float*)xmalloc(sizeof(float) * T * half);
+    for (int t = 0; t < T; t++)
+        for (int i = 0; i < half; i++) { double a = t * pow(10000.0, -2.0 * i / hd); cs[t * half + i] = (float)cos(a); sn[t * half + i] = (float)sin(a); }
+    float* x = randn(N * H * hd, &r, 1);
+    float* y = (float*)xmalloc(sizeof(float) * N * H * hd);
+    memcpy(y, x, sizeof(float) * N * H * hd);
+    rope_apply(y, cs, sn, N, T, H, hd, 0);
+    double fe = 0;  // rotate-half: (x_i, x_{i+hd/2}) rotated by angle t*theta^(-2i/hd)
+    for (int n = 0; n < N; n++)
+        for (int h = 0; h < H; h++)
+            for (int i = 0; i < half; i++) {
+                double a = (n % T) * pow(10000.0, -2.0 * i / hd);
+                const float* xv = x + (n * H + h) * hd;
+                const float* yv = y + (n * H + h) * hd;
+                fe = fmax(fe, fabs(yv[i] - (xv[i] * cos(a) - xv[i + half] * sin(a))));
+                fe = fmax(fe, fabs(yv[i + half] - (xv[i + half] * cos(a) + xv[i] * sin(a))));
+            }
+    check(fe < 1e-5, "RoPE (rotate-half) matches the rotation formula", fe);
+    rope_apply(y, cs, sn, N, T, H, hd, 1);
+    double ie = 0;
+    for (int i = 0; i < N * H * hd; i++) ie = fmax(ie, fabs(y[i] - x[i]));
+    check(ie < 1e-5, "RoPE backward (inverse rotation) undoes the forward", ie);
+    free(cs); free(sn); free(x); free(y);
+}
+
+// ---- chunked loss --------------------------------------------------------------------------
+
+static void test_chunked_loss(void) {
+    Rng r = rng_seeded(10, 0);
+    int N = 23, d = 16, V = 37;
+    float *x = randn(N * d, &r, 1), *gamma = randn(d, &r, 0.2f), *W = randn(V * d, &r, 0.5f);
+    for (int i = 0; i < d; i++) gamma[i] += 1.0f;
+    int* tg = (int*)xmalloc(sizeof(int) * N);
+    float* mask = (float*)xmalloc(sizeof(float) * N);
+    for (int i = 0; i < N; i++) { tg[i] = (int)rng_below(&r, V); mask[i] = (i % 5 == 2) ? 0.0f : 1.0f; }
+    float* dx[2];
+    LossStats st[2];
+    int chunks[2] = {N, 4};
+    for (int c = 0; c < 2; c++) {
+        LossScratch sc = {(float*)xmalloc(sizeof(float) * N * d), (float*)xmalloc(sizeof(float) * N), (float*)xmalloc(sizeof(float) * N * V),
+                          (float*)xmalloc(sizeof(float) * N * d)};
+        dx[c] = (float*)xcalloc(N * d, sizeof(float));
+        memset(&st[c], 0, sizeof(LossStats));
+        lm_head_loss(x, gamma, 1e-5f, W, V, d, tg, mask, N, chunks[c], 1.0f / 18, dx[c], NULL, sc, &st[c]);
+        free(sc.z); free(sc.r); free(sc.logits); free(sc.dz);
+    }
+    // independent reference: the full logits matrix in double
+    double loss = 0, cnt = 0;
+    for (int n = 0; n < N; n++) {
+        double ss = 0;
+        for (int i = 0; i < d; i++) ss += (double)x[n * d + i] * x[n * d + i];
+        double rr = 1.0 / sqrt(ss / d + 1e-5), mx = -1e300, lg[64], sum = 0;
+        for (int v = 0; v < V; v++) {
+            lg[v] = 0;
+            for (int i = 0; i < d; i++) lg[v] += x[n * d + i] * rr * gamma[i] * W[v * d + i];
+            mx = fmax(mx, lg[v]);
+        }
+        for (int v = 0; v < V; v++) sum += exp(lg[v] - mx);
+        if (mask[n] != 0) { loss += mx + log(sum) - lg[tg[n]]; cnt += 1; }
+    }
+    double e1 = fabs(st[0].loss_sum - loss) / loss, e2 = fabs(st[1].loss_sum - loss) / loss;
+    check(fmax(e1, e2) < 1e-5 && st[0].count == cnt && st[1].count == cnt, "chunked LM head + CE equals the full-logits loss (mask honoured)", fmax(e1, e2));
+    double de = 0, dm = 0;
+    for (int i = 0; i < N * d; i++) { de = fmax(de, fabs(dx[0][i] - dx[1][i])); dm = fmax(dm, fabs(dx[0][i])); }
+    check(de / dm < 1e-6, "chunk size does not change the head gradient", de / dm);
+    // finite differences on a few inputs of the loss (sum / 18)
+    double ge = 0;
+    LossScratch sc = {(float*)xmalloc(sizeof(float) * N * d), (float*)xmalloc(sizeof(float) * N), (float*)xmalloc(sizeof(float) * N * V),
+                      (float*)xmalloc(sizeof(float) * N * d)};
+    for (int i = 0; i < N * d; i += 7) {
+        float keep = x[i], h = 1e-2f;
+        LossStats a = {0, 0, 0}, b = {0, 0, 0};
+        x[i] = keep + h;
+        lm_head_loss(x, gamma, 1e-5f, W, V, d, tg, mask, N, 5, 0, NULL, NULL, sc, &a);
+        x[i] = keep - h;
+        lm_head_loss(x, gamma, 1e-5f, W, V, d, tg, mask, N, 5, 0, NULL, NULL, sc, &b);
+        x[i] = keep;
+        ge = fmax(ge, fabs((a.loss_sum - b.loss_sum) / (2 * h) / 18 - dx[0][i]));
+    }
+    check(ge / dm < 5e-3, "fused head gradient (final RMSNorm included) matches finite differences", ge / dm);
+    free(sc.z); free(sc.r); free(sc.logits); free(sc.dz);
+    free(x); free(gamma); free(W); free(tg); free(mask); free(dx[0]); free(dx[1]);
+}
+
+// ---- formats -------------------------------------------------------------------------------
+
+static void test_safetensors_roundtrip(void) {
+    const char* path = "test/tmp_units.safetensors";
+    float a[6] = {1, -2, 3.5f, 0, 1e-3f, -7};
+    int32_t b[3] = {7, -1, 123456};
+    StWriter w;
+    memset(&w, 0, sizeof(w));
+    int64_t sa[2] = {2, 3}, sb[1] = {3};
+    st_writer_add(&w, "a", ST_F32, 2, sa, a);
+    st_writer_add(&w, "b.x", ST_I32, 1, sb, b);
+    st_writer_save(&w, path, "\"format\":\"pt\"");
+    st_writer_free(&w);
+    StFile f;
+    st_open(&f, path);
+    const StTensor* ta = st_find(&f, "a");
+    const StTensor* tb = st_find(&f, "b.x");
+    int ok = f.count == 2 && ta && tb && ta->ndim == 2 && ta->shape[1] == 3 && memcmp(ta->data, a, sizeof(a)) == 0 && tb->dtype == ST_I32 &&
+             memcmp(tb->data, b, sizeof(b)) == 0;
+    st_close(&f);
+    remove(path);
+    check(ok, "safetensors write then read gives the same tensors", 0);
+    // bf16/f16 conversion of exactly representable values
+    uint16_t h1 = f32_to_bf16(-3.5f), h2 = 0x3C00 /* f16 1.0 */, h3 = 0x0001 /* f16 smallest subnormal */;
+    int ok2 = bf16_to_f32(h1) == -3.5f && f16_to_f32(h2) == 1.0f && f16_to_f32(h3) == ldexpf(1.0f, -24) && f32_to_bf16(1.00390625f) == 0x3F80;
+    check(ok2, "bf16 / f16 conversions (round to nearest even, subnormals)", 0);
+}
+
+static void test_json(void) {
+    const char* text = "{\"a\": 3, \"b\": [1, 2.5e1, -3], \"s\": \"x\\n\\u00e9\", \"t\": true, \"n\": null, \"o\": {\"k\": \"v\"}}";
+    Json j = json_parse(text, strlen(text), "inline");
+    const Json* b = json_get(&j, "b");
+    int ok = json_number_or(&j, "a", 0) == 3 && b && b->count == 3 && b->items[1].number == 25 && strcmp(json_string_or(&j, "s", ""), "x\n\xc3\xa9") == 0 &&
+             json_bool_or(&j, "t", 0) == 1 && json_get(&j, "n")->type == JSON_NULL && strcmp(json_string_or(json_get(&j, "o"), "k", ""), "v") == 0;
+    json_free(&j);
+    check(ok, "JSON reader: numbers, strings with escapes, nesting, literals", 0);
+}
+
+int main(void) {
+    test_pack_roundtrip();
+    test_resilu2_backward();
+    test_regelu2_backward();
+    test_norm_backward(0);
+    test_norm_backward(1);
+    test_matmul();
+    test_attention(1);
+    test_attention(0);
+    test_rope();
+    test_chunked_loss();
+    test_safetensors_roundtrip();
+    test_json();
+    printf("%d passed, %d failed\n", g_pass, g_fail);
+    return g_fail ? 1 : 0;
+}

@@ -1,0 +1,754 @@
+// train_llama.cu: LoRA fine-tuning of LLaMA-family models with the memory-saving backward pass of
+// "Reducing Fine-Tuning Memory Overhead by Approximate and Memory-Sharing Backpropagation":
+// ReSiLU2 (exact SiLU forward, 2-bit backward) and MS-RMSNorm (gamma merged into the next
+// linears; backward from the normalised output and one scalar per row).
+//
+// Read top to bottom: config -> parameters -> memory plan -> weight loading -> forward -> backward
+// -> training step -> evaluation and generation -> main. The model is written once; the kernels
+// it calls come from the backend (llmc/cpu today).
+#include <omp.h>
+#include "llmc/common.h"
+#include "llmc/json.h"
+#include "llmc/safetensors.h"
+#include "llmc/flags.h"
+#include "llmc/rng.h"
+#include "llmc/tokenizer.h"
+#include "llmc/textdata.h"
+#include "llmc/plan.h"
+#include "llmc/train_common.h"
+#include "llmc/cpu/matmul.h"
+#include "llmc/cpu/norms.h"
+#include "llmc/cpu/activations.h"
+#include "llmc/cpu/attention.h"
+#include "llmc/cpu/loss.h"
+#include "llmc/cpu/adamw.h"
+
+// ----------------------------------------------------------------------------------------------
+// Config (config.json of a Hugging Face LLaMA checkpoint)
+
+typedef struct {
+    int dim, hidden, layers, heads, kv_heads, head_dim, vocab, max_seq;
+    float norm_eps, rope_theta;
+    int tied;
+    int rope_llama3;                       // Llama-3.1 frequency scaling
+    float rs_factor, rs_low_freq, rs_high_freq;
+    int rs_original_ctx;
+    int bos_id, eos_id;
+} LlamaConfig;
+
+static void llama_config_load(LlamaConfig* c, const char* model_dir) {
+    char* path = path_join(model_dir, "config.json");
+    if (!dir_exists(model_dir)) fail("flag --model: %s is not a directory", model_dir);
+    size_t n;
+    char* text = read_file(path, &n);
+    Json j = json_parse(text, n, path);
+    memset(c, 0, sizeof(*c));
+    c->dim = json_int_req(&j, "hidden_size", path);
+    c->hidden = json_int_req(&j, "intermediate_size", path);
+    c->layers = json_int_req(&j, "num_hidden_layers", path);
+    c->heads = json_int_req(&j, "num_attention_heads", path);
+    c->kv_heads = json_get(&j, "num_key_value_heads") ? json_int_req(&j, "num_key_value_heads", path) : c->heads;
+    c->vocab = json_int_req(&j, "vocab_size", path);
+    if (c->dim <= 0 || c->hidden <= 0 || c->layers <= 0 || c->heads <= 0 || c->kv_heads <= 0 || c->vocab <= 0)
+        fail("%s: hidden_size, intermediate_size, num_hidden_layers, num_attention_heads, num_key_value_heads and vocab_size must be positive", path);
+    if (json_get(&j, "head_dim") && json_get(&j, "head_dim")->type == JSON_NUMBER) c->head_dim = json_int_req(&j, "head_dim", path);
+    else {
+        if (c->dim % c->heads) fail("%s: num_attention_heads (%d) does not divide hidden_size (%d)", path, c->heads, c->dim);
+        c->head_dim = c->dim / c->heads;
+    }
+    if (c->heads % c->kv_heads) fail("%s: num_key_value_heads (%d) does not divide num_attention_heads (%d)", path, c->kv_heads, c->heads);
+    if (c->head_dim <= 0 || c->head_dim % 2) fail("%s: head dimension %d must be positive and even (RoPE rotates pairs)", path, c->head_dim);
+    c->max_seq = (int)json_number_or(&j, "max_position_embeddings", 2048);
+    c->norm_eps = (float)json_number_or(&j, "rms_norm_eps", 1e-6);
+    c->rope_theta = (float)json_number_or(&j, "rope_theta", 10000.0);
+    c->tied = json_bool_or(&j, "tie_word_embeddings", 0);
+    c->bos_id = (int)json_number_or(&j, "bos_token_id", 1);
+    c->eos_id = (int)json_number_or(&j, "eos_token_id", 2);
+    const char* act = json_string_or(&j, "hidden_act", "silu");
+    if (strcmp(act, "silu") != 0) fail("%s: hidden_act \"%s\" is not supported (expected silu)", path, act);
+    const Json* rs = json_get(&j, "rope_scaling");
+    if (rs && rs->type == JSON_OBJECT) {
+        const char* type = json_string_or(rs, "rope_type", json_string_or(rs, "type", ""));
+        if (strcmp(type, "llama3") == 0) {
+            c->rope_llama3 = 1;
+            c->rs_factor = (float)json_number_req(rs, "factor", path);
+            c->rs_low_freq = (float)json_number_req(rs, "low_freq_factor", path);
+            c->rs_high_freq = (float)json_number_req(rs, "high_freq_factor", path);
+            c->rs_original_ctx = json_int_req(rs, "original_max_position_embeddings", path);
+        } else if (strcmp(type, "default") != 0) {
+            fail("%s: rope_scaling type \"%s\" is not supported (expected llama3)", path, type);
+        }
+    }
+    json_free(&j);
+    free(text);
+    free(path);
+}
+
+// ----------------------------------------------------------------------------------------------
+// Parameters. Frozen weights live in one arena, LoRA weights (and their grads and AdamW moments)
+// in flat arenas of identical layout, so the optimizer and gradient norm see one array.
+
+enum { T_Q, T_K, T_V, T_O, T_GATE, T_UP, T_DOWN, N_TARGETS };
+static const char* const target_names[N_TARGETS] = {"q", "k", "v", "o", "gate", "up", "down"};
+static const char* const hf_module_names[N_TARGETS] = {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                                                       "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"};
+
+typedef struct {
+    int in, out;
+    float* W;              // [out, in] frozen
+    float *A, *B;          // LoRA [r, in], [out, r]; NULL when not a target
+    float *dA, *dB;
+} Linear;
+
+typedef struct {
+    float* attn_norm;      // gamma [d] (merged into q,k,v under MS-RMSNorm)
+    float* mlp_norm;       // gamma [d] (merged into gate, up under MS-RMSNorm)
+    Linear lin[N_TARGETS];
+} LlamaLayer;
+
+// The buffers one block keeps for its backward (or, where not kept, a shared scratch copy).
+typedef struct {
+    float* x_in;           // block input          (standard attention RMSNorm)
+    float* r1;             // 1/rms per token      (attention norm)
+    float* z1;             // attention norm output = q,k,v input
+    float *q, *k, *v, *o;  // attention (q, k after RoPE); o = o-proj input
+    float* lse;            // [B, H, T] log-sum-exp
+    float* ax[N_TARGETS];  // LoRA A x per adapter
+    float* h_mid;          // residual after attention (standard MLP RMSNorm)
+    float* r2;
+    float* z2;             // MLP norm output = gate, up input
+    float* g;              // gate pre-activation (exact SiLU backward)
+    uint8_t* codes;        // 2-bit ReSiLU2 codes of g
+    float *sg, *u;         // silu(g) and up: the product's operands
+    float* p;              // silu(g) * u = down input
+} BlockActs;
+
+typedef struct {
+    int approx, ms, ckpt, recompute_product;
+    unsigned targets;
+    int rank;
+    float lora_scale;
+} LlamaModes;
+
+typedef struct {
+    LlamaConfig cfg;
+    LlamaModes modes;
+    int B, T;              // planned micro-batch shape
+    float* embed;          // [V, d]
+    float* final_norm;     // [d] (kept standard: the head is tied to the embedding)
+    float* lm_head;        // [V, d] (== embed when tied)
+    LlamaLayer* layers;
+    float *rope_cos, *rope_sin;  // [T, hd/2]
+    float *lora, *lora_grad, *adam_m, *adam_v;  // flat trainable arenas
+    int64_t lora_count;
+    BlockActs* acts;       // [layers]
+    BlockActs tmp;         // scratch set (recompute, or buffers not kept)
+    float** ckpt;          // [layers] block inputs under --recompute block
+    // scratch
+    float *resid, *resid_tmp, *dres, *dz, *dq, *dk, *dv, *dout, *dp, *dg, *du, *dax;
+    int *inputs, *targets;
+    float* mask;
+    LossScratch loss;
+    int loss_chunk;
+    MemPlan plan;
+} Llama;
+
+static int64_t lin_in(const LlamaConfig* c, int t) {
+    return t == T_O ? (int64_t)c->heads * c->head_dim : t == T_DOWN ? c->hidden : c->dim;
+}
+static int64_t lin_out(const LlamaConfig* c, int t) {
+    switch (t) {
+        case T_Q: return (int64_t)c->heads * c->head_dim;
+        case T_K: case T_V: return (int64_t)c->kv_heads * c->head_dim;
+        case T_GATE: case T_UP: return c->hidden;
+        default: return c->dim;
+    }
+}
+
+// ----------------------------------------------------------------------------------------------
+// The memory plan: every buffer, by module. `wbytes` / `abytes` are the element sizes of frozen
+// weights and activations on the planned device (fp32 on the CPU, bf16 on CUDA).
+
+static void plan_block_act(MemPlan* p, Llama* m, int l, int keep, const char* module, const char* name, size_t bytes, void* saved_slot, void* tmp_slot) {
+    char nm[64];
+    snprintf(nm, sizeof(nm), "L%d.%.40s", l, name);
+    if (keep) plan_add(p, MEM_SAVED, module, l, nm, bytes, saved_slot);
+    else if (l == 0) plan_add(p, MEM_SCRATCH, module, -1, name, bytes, tmp_slot);
+    (void)m;
+}
+
+static void llama_plan(Llama* m, MemPlan* p, int wbytes, int abytes) {
+    const LlamaConfig* c = &m->cfg;
+    const LlamaModes* md = &m->modes;
+    int64_t N = (int64_t)m->B * m->T, d = c->dim, f = c->hidden, qd = (int64_t)c->heads * c->head_dim,
+            kvd = (int64_t)c->kv_heads * c->head_dim, V = c->vocab, r = md->rank;
+    memset(p, 0, sizeof(*p));
+    p->tokens = N;
+    p->blocks = c->layers;
+    // weights
+    plan_add(p, MEM_FROZEN, "embedding", -1, "embed", V * d * wbytes, &m->embed);
+    plan_add(p, MEM_FROZEN, "final_norm", -1, "final_norm", d * 4, &m->final_norm);
+    if (!c->tied) plan_add(p, MEM_FROZEN, "lm_head", -1, "lm_head", V * d * wbytes, &m->lm_head);
+    for (int l = 0; l < c->layers; l++) {
+        LlamaLayer* L = &m->layers[l];
+        plan_add(p, MEM_FROZEN, "attn_norm", l, "attn_norm", d * 4, &L->attn_norm);
+        plan_add(p, MEM_FROZEN, "mlp_norm", l, "mlp_norm", d * 4, &L->mlp_norm);
+        for (int t = 0; t < N_TARGETS; t++) plan_add(p, MEM_FROZEN, target_names[t], l, target_names[t], lin_in(c, t) * lin_out(c, t) * wbytes, &L->lin[t].W);
+    }
+    m->lora_count = 0;
+    for (int l = 0; l < c->layers; l++)
+        for (int t = 0; t < N_TARGETS; t++)
+            if (md->targets >> t & 1) m->lora_count += r * (lin_in(c, t) + lin_out(c, t));
+    plan_add(p, MEM_TRAINABLE, "lora", -1, "lora", m->lora_count * 4, &m->lora);
+    plan_add(p, MEM_GRADS, "lora", -1, "lora_grad", m->lora_count * 4, &m->lora_grad);
+    plan_add(p, MEM_OPTIM, "lora", -1, "adam_m", m->lora_count * 4, &m->adam_m);
+    plan_add(p, MEM_OPTIM, "lora", -1, "adam_v", m->lora_count * 4, &m->adam_v);
+    plan_add(p, MEM_SCRATCH, "rope", -1, "rope_cos", m->T * (c->head_dim / 2) * 4, &m->rope_cos);
+    plan_add(p, MEM_SCRATCH, "rope", -1, "rope_sin", m->T * (c->head_dim / 2) * 4, &m->rope_sin);
+    // saved activations, block by block (the table of DESIGN.md section 5)
+    int keep = !md->ckpt;
+    int lora_qkv = md->targets & ((1u << T_Q) | (1u << T_K) | (1u << T_V));
+    int lora_gu = md->targets & ((1u << T_GATE) | (1u << T_UP));
+    for (int l = 0; l < c->layers; l++) {
+        BlockActs* a = &m->acts[l];
+        BlockActs* s = &m->tmp;
+        char nm[48];
+        if (md->ckpt) { snprintf(nm, sizeof(nm), "L%d.block_input", l); plan_add(p, MEM_SAVED, "checkpoint", l, nm, N * d * abytes, &m->ckpt[l]); }
+        if (!md->ms && !md->ckpt) plan_block_act(p, m, l, 1, "attn_norm", "x_in", N * d * abytes, &a->x_in, NULL);
+        plan_block_act(p, m, l, keep, "attn_norm", "r1", N * 4, &a->r1, &s->r1);
+        plan_block_act(p, m, l, keep && (md->ms || lora_qkv), "qkv_input", "z1", N * d * abytes, &a->z1, &s->z1);
+        plan_block_act(p, m, l, keep, "attention", "q", N * qd * abytes, &a->q, &s->q);
+        plan_block_act(p, m, l, keep, "attention", "k", N * kvd * abytes, &a->k, &s->k);
+        plan_block_act(p, m, l, keep, "attention", "v", N * kvd * abytes, &a->v, &s->v);
+        plan_block_act(p, m, l, keep, "attention", "o", N * qd * abytes, &a->o, &s->o);
+        plan_block_act(p, m, l, keep, "attention", "lse", N * c->heads * 4, &a->lse, &s->lse);
+        for (int t = 0; t < N_TARGETS; t++) {
+            if (!(md->targets >> t & 1)) continue;
+            snprintf(nm, sizeof(nm), "lora_%s_ax", target_names[t]);
+            plan_block_act(p, m, l, keep, "lora", nm, N * r * abytes, &a->ax[t], &s->ax[t]);
+        }
+        if (!md->ms) plan_block_act(p, m, l, keep, "mlp_norm", "h_mid", N * d * abytes, &a->h_mid, &s->h_mid);
+        plan_block_act(p, m, l, keep, "mlp_norm", "r2", N * 4, &a->r2, &s->r2);
+        plan_block_act(p, m, l, keep && (md->ms || lora_gu), "gate_up_input", "z2", N * d * abytes, &a->z2, &s->z2);
+        plan_block_act(p, m, l, keep && !md->approx, "silu", "g", N * f * abytes, &a->g, &s->g);
+        if (md->approx) plan_block_act(p, m, l, keep, "silu", "codes", (size_t)packed_codes_bytes(N * f), &a->codes, &s->codes);
+        plan_block_act(p, m, l, keep, "swiglu_product", "silu_g", N * f * abytes, &a->sg, &s->sg);
+        plan_block_act(p, m, l, keep, "swiglu_product", "up", N * f * abytes, &a->u, &s->u);
+        plan_block_act(p, m, l, keep && (md->targets >> T_DOWN & 1) && !md->recompute_product, "down_input", "product", N * f * abytes, &a->p, &s->p);
+    }
+    // scratch of the forward and backward passes
+    plan_add(p, MEM_SCRATCH, "residual", -1, "resid", N * d * abytes, &m->resid);
+    if (md->ckpt) plan_add(p, MEM_SCRATCH, "residual", -1, "resid_tmp", N * d * abytes, &m->resid_tmp);
+    plan_add(p, MEM_SCRATCH, "grads", -1, "dres", N * d * 4, &m->dres);
+    plan_add(p, MEM_SCRATCH, "grads", -1, "dz", N * d * 4, &m->dz);
+    plan_add(p, MEM_SCRATCH, "grads", -1, "dq", N * qd * 4, &m->dq);
+    plan_add(p, MEM_SCRATCH, "grads", -1, "dk", N * kvd * 4, &m->dk);
+    plan_add(p, MEM_SCRATCH, "grads", -1, "dv", N * kvd * 4, &m->dv);
+    plan_add(p, MEM_SCRATCH, "grads", -1, "dout", N * qd * 4, &m->dout);
+    plan_add(p, MEM_SCRATCH, "grads", -1, "dp", N * f * 4, &m->dp);
+    plan_add(p, MEM_SCRATCH, "grads", -1, "dg", N * f * 4, &m->dg);
+    plan_add(p, MEM_SCRATCH, "grads", -1, "du", N * f * 4, &m->du);
+    plan_add(p, MEM_SCRATCH, "grads", -1, "dax", N * r * 4, &m->dax);
+    plan_add(p, MEM_SCRATCH, "batch", -1, "inputs", N * 4, &m->inputs);
+    plan_add(p, MEM_SCRATCH, "batch", -1, "targets", N * 4, &m->targets);
+    plan_add(p, MEM_SCRATCH, "batch", -1, "mask", N * 4, &m->mask);
+    // the loss chunk: at most ~64 MiB of logits, never the whole tokens x vocab matrix
+    int64_t chunk = (64ll << 20) / (V * 4);
+    if (chunk < 1) chunk = 1;
+    if (chunk > N) chunk = N;
+    m->loss_chunk = (int)chunk;
+    plan_add(p, MEM_SCRATCH, "loss", -1, "loss_z", chunk * d * 4, &m->loss.z);
+    plan_add(p, MEM_SCRATCH, "loss", -1, "loss_r", chunk * 4, &m->loss.r);
+    plan_add(p, MEM_SCRATCH, "loss", -1, "loss_logits", chunk * V * 4, &m->loss.logits);
+    plan_add(p, MEM_SCRATCH, "loss", -1, "loss_dz", chunk * d * 4, &m->loss.dz);
+}
+
+// Points the buffers a block does not keep at the shared scratch set, and wires LoRA weights into
+// the flat arenas (layer-major, target order, A then B).
+static void llama_bind(Llama* m) {
+    const LlamaConfig* c = &m->cfg;
+    for (int l = 0; l < c->layers; l++) {
+        float** a = (float**)&m->acts[l];
+        float** s = (float**)&m->tmp;
+        for (size_t i = 0; i < sizeof(BlockActs) / sizeof(float*); i++) if (!a[i]) a[i] = s[i];
+    }
+    if (c->tied) m->lm_head = m->embed;
+    int64_t off = 0, r = m->modes.rank;
+    for (int l = 0; l < c->layers; l++)
+        for (int t = 0; t < N_TARGETS; t++) {
+            Linear* L = &m->layers[l].lin[t];
+            L->in = (int)lin_in(c, t);
+            L->out = (int)lin_out(c, t);
+            if (!(m->modes.targets >> t & 1)) continue;
+            L->A = m->lora + off; L->dA = m->lora_grad + off; off += r * L->in;
+            L->B = m->lora + off; L->dB = m->lora_grad + off; off += r * L->out;
+        }
+}
+
+static void llama_setup(Llama* m, const LlamaConfig* cfg, const LlamaModes* modes, int B, int T, int wbytes, int abytes) {
+    memset(m, 0, sizeof(*m));
+    m->cfg = *cfg;
+    m->modes = *modes;
+    m->B = B;
+    m->T = T;
+    m->layers = (LlamaLayer*)xcalloc(cfg->layers, sizeof(LlamaLayer));
+    m->acts = (BlockActs*)xcalloc(cfg->layers, sizeof(BlockActs));
+    m->ckpt = (float**)xcalloc(cfg->layers, sizeof(float*));
+    llama_plan(m, &m->plan, wbytes, abytes);
+}
+
+static void llama_free(Llama* m) {
+    plan_free(&m->plan);
+    free(m->layers); free(m->acts); free(m->ckpt);
+}
+
+// ----------------------------------------------------------------------------------------------
+// Weights: read from safetensors (any float dtype) into fp32; MS-RMSNorm merges each norm's gamma
+// into the columns of every linear that consumes it (W' = W diag(gamma)), once, here.
+
+static void load_tensor(const StModel* sm, const char* name, float* dst, int64_t rows, int64_t cols) {
+    const StTensor* t = st_model_require(sm, name);
+    int64_t shape2[2] = {rows, cols};
+    st_check_shape(t, cols ? 2 : 1, cols ? shape2 : &rows);
+    st_to_f32(t, dst);
+    for (int64_t i = 0; i < rows * (cols ? cols : 1); i++)
+        if (!isfinite(dst[i])) fail("%s: tensor \"%s\" holds a non-finite value at element %lld", t->file, name, (long long)i);
+}
+
+static void merge_gamma_into(Linear* L, const float* gamma) {
+    for (int o = 0; o < L->out; o++)
+        for (int i = 0; i < L->in; i++) L->W[(int64_t)o * L->in + i] *= gamma[i];
+}
+
+static void llama_load_weights(Llama* m, const char* dir) {
+    const LlamaConfig* c = &m->cfg;
+    StModel sm;
+    st_model_open(&sm, dir);
+    char name[256];
+    load_tensor(&sm, "model.embed_tokens.weight", m->embed, c->vocab, c->dim);
+    load_tensor(&sm, "model.norm.weight", m->final_norm, c->dim, 0);
+    if (!c->tied) load_tensor(&sm, "lm_head.weight", m->lm_head, c->vocab, c->dim);
+    for (int l = 0; l < c->layers; l++) {
+        LlamaLayer* L = &m->layers[l];
+        snprintf(name, sizeof(name), "model.layers.%d.input_layernorm.weight", l);
+        load_tensor(&sm, name, L->attn_norm, c->dim, 0);
+        snprintf(name, sizeof(name), "model.layers.%d.post_attention_layernorm.weight", l);
+        load_tensor(&sm, name, L->mlp_norm, c->dim, 0);
+        for (int t = 0; t < N_TARGETS; t++) {
+            snprintf(name, sizeof(name), "model.layers.%d.%s.weight", l, hf_module_names[t]);
+            load_tensor(&sm, name, L->lin[t].W, L->lin[t].out, L->lin[t].in);
+        }
+        if (m->modes.ms) {
+            for (int t = T_Q; t <= T_V; t++) merge_gamma_into(&L->lin[t], L->attn_norm);
+            merge_gamma_into(&L->lin[T_GATE], L->mlp_norm);
+            merge_gamma_into(&L->lin[T_UP], L->mlp_norm);
+        }
+    }
+    st_model_close(&sm);
+}
+
+// RoPE tables, with the Llama-3.1 wavelength-dependent frequency scaling when configured.
+static void llama_rope_tables(Llama* m) {
+    const LlamaConfig* c = &m->cfg;
+    int half = c->head_dim / 2;
+    for (int i = 0; i < half; i++) {
+        double inv = pow((double)c->rope_theta, -2.0 * i / c->head_dim);
+        if (c->rope_llama3) {
+            double wavelen = 2.0 * M_PI / inv;
+            double low_wl = c->rs_original_ctx / c->rs_low_freq, high_wl = c->rs_original_ctx / c->rs_high_freq;
+            if (wavelen > low_wl) inv /= c->rs_factor;
+            else if (wavelen >= high_wl) {
+                double smooth = (c->rs_original_ctx / wavelen - c->rs_low_freq) / (c->rs_high_freq - c->rs_low_freq);
+                inv = (1.0 - smooth) * inv / c->rs_factor + smooth * inv;
+            }
+        }
+        for (int t = 0; t < m->T; t++) {
+            m->rope_cos[t * half + i] = (float)cos(t * inv);
+            m->rope_sin[t * half + i] = (float)sin(t * inv);
+        }
+    }
+}
+
+// Fresh adapters: A ~ kaiming-uniform (bound 1/sqrt(in), as PEFT), B = 0, so step 0 is exactly
+// the pretrained model. Drawn on the host from the seed, so every backend starts identical.
+static void llama_init_lora(Llama* m, uint64_t seed) {
+    Rng rng = rng_seeded(seed, 7);
+    for (int l = 0; l < m->cfg.layers; l++)
+        for (int t = 0; t < N_TARGETS; t++) {
+            Linear* L = &m->layers[l].lin[t];
+            if (!L->A) continue;
+            float bound = 1.0f / sqrtf((float)L->in);
+            for (int64_t i = 0; i < (int64_t)m->modes.rank * L->in; i++) L->A[i] = (2.0f * rng_uniform(&rng) - 1.0f) * bound;
+            memset(L->B, 0, sizeof(float) * m->modes.rank * L->out);
+        }
+}
+
+// ----------------------------------------------------------------------------------------------
+// Forward
+
+// y (+)= x W^T + scale * (x A^T) B^T, keeping ax = x A^T for the LoRA backward.
+static void linear_forward(float* y, const float* x, const Linear* L, float* ax, int64_t N, int rank, float scale, int accumulate) {
+    matmul_nt(y, x, L->W, (int)N, L->out, L->in, 1.0f, accumulate);
+    if (!L->A) return;
+    matmul_nt(ax, x, L->A, (int)N, rank, L->in, 1.0f, 0);
+    matmul_nt(y, ax, L->B, (int)N, L->out, rank, scale, 1);
+}
+
+// One block, updating the residual stream x [B*T, d] in place and filling a's buffers.
+static void block_forward(Llama* m, int l, float* x, BlockActs* a, int B, int T) {
+    const LlamaConfig* c = &m->cfg;
+    const LlamaLayer* L = &m->layers[l];
+    int64_t N = (int64_t)B * T, d = c->dim;
+    int r = m->modes.rank;
+    float s = m->modes.lora_scale;
+    AttnShape as = {B, T, c->heads, c->kv_heads, c->head_dim, 1};
+    if (a->x_in && a->x_in != x) memcpy(a->x_in, x, sizeof(float) * N * d);
+    rmsnorm_forward(a->z1, a->r1, x, m->modes.ms ? NULL : L->attn_norm, N, (int)d, c->norm_eps);
+    linear_forward(a->q, a->z1, &L->lin[T_Q], a->ax[T_Q], N, r, s, 0);
+    linear_forward(a->k, a->z1, &L->lin[T_K], a->ax[T_K], N, r, s, 0);
+    linear_forward(a->v, a->z1, &L->lin[T_V], a->ax[T_V], N, r, s, 0);
+    rope_apply(a->q, m->rope_cos, m->rope_sin, N, T, c->heads, c->head_dim, 0);
+    rope_apply(a->k, m->rope_cos, m->rope_sin, N, T, c->kv_heads, c->head_dim, 0);
+    attention_forward(a->o, a->lse, a->q, a->k, a->v, as);
+    linear_forward(x, a->o, &L->lin[T_O], a->ax[T_O], N, r, s, 1);
+    if (a->h_mid) memcpy(a->h_mid, x, sizeof(float) * N * d);
+    rmsnorm_forward(a->z2, a->r2, x, m->modes.ms ? NULL : L->mlp_norm, N, (int)d, c->norm_eps);
+    linear_forward(a->g, a->z2, &L->lin[T_GATE], a->ax[T_GATE], N, r, s, 0);
+    linear_forward(a->u, a->z2, &L->lin[T_UP], a->ax[T_UP], N, r, s, 0);
+    swiglu_forward(a->p, a->sg, m->modes.approx ? a->codes : NULL, a->g, a->u, N * c->hidden);
+    linear_forward(x, a->p, &L->lin[T_DOWN], a->ax[T_DOWN], N, r, s, 1);
+}
+
+static void embed_tokens(float* x, const float* embed, const int* ids, int64_t N, int d) {
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++) memcpy(x + n * d, embed + (int64_t)ids[n] * d, sizeof(float) * d);
+}
+
+// Embedding and all blocks; leaves the final norm's input in m->resid.
+static void llama_forward_blocks(Llama* m, const int* inputs, int B, int T) {
+    int64_t N = (int64_t)B * T;
+    embed_tokens(m->resid, m->embed, inputs, N, m->cfg.dim);
+    for (int l = 0; l < m->cfg.layers; l++) {
+        if (m->modes.ckpt) memcpy(m->ckpt[l], m->resid, sizeof(float) * N * m->cfg.dim);
+        block_forward(m, l, m->resid, &m->acts[l], B, T);
+    }
+}
+
+// ----------------------------------------------------------------------------------------------
+// Backward
+
+// Given dy [N, out]: LoRA grads accumulate; dx (+)= dy W + scale * (dy B) A.
+static void linear_backward(float* dx, const float* dy, const float* x, const float* ax, const Linear* L, float* dax,
+                            int64_t N, int rank, float scale, int accumulate) {
+    matmul_nn(dx, dy, L->W, (int)N, L->in, L->out, 1.0f, accumulate);
+    if (!L->A) return;
+    matmul_tn(L->dB, dy, ax, L->out, rank, (int)N, scale, 1);
+    matmul_nn(dax, dy, L->B, (int)N, rank, L->out, scale, 0);
+    matmul_tn(L->dA, dax, x, rank, L->in, (int)N, 1.0f, 1);
+    matmul_nn(dx, dax, L->A, (int)N, L->in, rank, 1.0f, 1);
+}
+
+// Backpropagates m->dres (gradient w.r.t. the block output) to the block input, in place.
+static void block_backward(Llama* m, int l, BlockActs* a, int B, int T) {
+    const LlamaConfig* c = &m->cfg;
+    const LlamaLayer* L = &m->layers[l];
+    int64_t N = (int64_t)B * T, d = c->dim, nf = N * c->hidden;
+    int r = m->modes.rank;
+    float s = m->modes.lora_scale;
+    AttnShape as = {B, T, c->heads, c->kv_heads, c->head_dim, 1};
+    const float* x_in = m->modes.ckpt ? m->ckpt[l] : a->x_in;
+    // MLP: down, SwiGLU (exact or ReSiLU2), gate/up, MLP norm
+    if (m->modes.recompute_product && L->lin[T_DOWN].A) {  // beyond the paper: rebuild the down input
+        for (int64_t i = 0; i < nf; i++) a->p[i] = a->sg[i] * a->u[i];
+    }
+    linear_backward(m->dp, m->dres, a->p, a->ax[T_DOWN], &L->lin[T_DOWN], m->dax, N, r, s, 0);
+    swiglu_backward(m->dg, m->du, m->dp, a->sg, a->u, m->modes.approx ? NULL : a->g, a->codes, nf);
+    linear_backward(m->dz, m->dg, a->z2, a->ax[T_GATE], &L->lin[T_GATE], m->dax, N, r, s, 0);
+    linear_backward(m->dz, m->du, a->z2, a->ax[T_UP], &L->lin[T_UP], m->dax, N, r, s, 1);
+    if (m->modes.ms) rmsnorm_ms_backward(m->dres, m->dz, a->z2, a->r2, N, (int)d);
+    else rmsnorm_backward(m->dres, m->dz, a->h_mid, a->r2, L->mlp_norm, N, (int)d);
+    // attention: o-proj, attention, RoPE, q/k/v, attention norm
+    linear_backward(m->dout, m->dres, a->o, a->ax[T_O], &L->lin[T_O], m->dax, N, r, s, 0);
+    attention_backward(m->dq, m->dk, m->dv, m->dout, a->q, a->k, a->v, a->o, a->lse, as);
+    rope_apply(m->dq, m->rope_cos, m->rope_sin, N, T, c->heads, c->head_dim, 1);
+    rope_apply(m->dk, m->rope_cos, m->rope_sin, N, T, c->kv_heads, c->head_dim, 1);
+    linear_backward(m->dz, m->dq, a->z1, a->ax[T_Q], &L->lin[T_Q], m->dax, N, r, s, 0);
+    linear_backward(m->dz, m->dk, a->z1, a->ax[T_K], &L->lin[T_K], m->dax, N, r, s, 1);
+    linear_backward(m->dz, m->dv, a->z1, a->ax[T_V], &L->lin[T_V], m->dax, N, r, s, 1);
+    if (m->modes.ms) rmsnorm_ms_backward(m->dres, m->dz, a->z1, a->r1, N, (int)d);
+    else rmsnorm_backward(m->dres, m->dz, x_in, a->r1, L->attn_norm, N, (int)d);
+}
+
+static void llama_backward_blocks(Llama* m, int B, int T) {
+    int64_t N = (int64_t)B * T;
+    for (int l = m->cfg.layers - 1; l >= 0; l--) {
+        if (m->modes.ckpt) {  // recompute this block's activations from its saved input
+            memcpy(m->resid_tmp, m->ckpt[l], sizeof(float) * N * m->cfg.dim);
+            block_forward(m, l, m->resid_tmp, &m->acts[l], B, T);
+        }
+        block_backward(m, l, &m->acts[l], B, T);
+    }
+}
+
+// One micro-batch: forward, fused head + loss (+ its gradient), backward. LoRA grads accumulate.
+// grad_scale = 1 / (unmasked tokens in the whole optimizer step). logits_out: tests only.
+static LossStats llama_forward_backward(Llama* m, int B, int T, float grad_scale, int backward, float* logits_out) {
+    int64_t N = (int64_t)B * T;
+    const LlamaConfig* c = &m->cfg;
+    llama_forward_blocks(m, m->inputs, B, T);
+    LossStats st = {0, 0, 0};
+    if (backward) memset(m->dres, 0, sizeof(float) * N * c->dim);
+    lm_head_loss(m->resid, m->final_norm, c->norm_eps, m->lm_head, c->vocab, c->dim, m->targets, m->mask, N, m->loss_chunk,
+                 grad_scale, backward ? m->dres : NULL, logits_out, m->loss, &st);
+    if (backward) llama_backward_blocks(m, B, T);
+    return st;
+}
+
+// ----------------------------------------------------------------------------------------------
+// Training step, evaluation, generation
+
+typedef struct {
+    float loss, grad_norm, lr;
+    double tokens;
+} StepResult;
+
+static double count_mask(const float* mask, int64_t n) {
+    double s = 0.0;
+    for (int64_t i = 0; i < n; i++) s += mask[i];
+    return s;
+}
+
+// One optimizer step over grad_accum micro-batches. The loss is normalised by the unmasked tokens
+// of the whole step, counted before any forward pass, so accumulation equals one big batch.
+static StepResult llama_train_step(Llama* m, TextLoader* loader, const TrainOptions* o, int step) {
+    int B = m->B, T = m->T, K = o->grad_accum;
+    int64_t N = (int64_t)B * T;
+    int* in_all = (int*)xmalloc(sizeof(int) * N * K);
+    int* tg_all = (int*)xmalloc(sizeof(int) * N * K);
+    float* mk_all = (float*)xmalloc(sizeof(float) * N * K);
+    for (int k = 0; k < K; k++) loader_next(loader, B, 0, 1, in_all + k * N, tg_all + k * N, mk_all + k * N);
+    double total = count_mask(mk_all, N * K);
+    float scale = total > 0 ? (float)(1.0 / total) : 0.0f;
+    memset(m->lora_grad, 0, sizeof(float) * m->lora_count);
+    double loss_sum = 0.0;
+    for (int k = 0; k < K; k++) {
+        memcpy(m->inputs, in_all + k * N, sizeof(int) * N);
+        memcpy(m->targets, tg_all + k * N, sizeof(int) * N);
+        memcpy(m->mask, mk_all + k * N, sizeof(float) * N);
+        loss_sum += llama_forward_backward(m, B, T, scale, 1, NULL).loss_sum;
+    }
+    free(in_all); free(tg_all); free(mk_all);
+    StepResult r;
+    r.tokens = (double)N * K;
+    r.loss = total > 0 ? (float)(loss_sum / total) : 0.0f;
+    r.grad_norm = (float)sqrt(sum_squares(m->lora_grad, m->lora_count));
+    if (!isfinite(r.loss) || !isfinite(r.grad_norm)) fail("step %d: non-finite loss (%g) or gradient norm (%g); lower --lr or check the data", step + 1, r.loss, r.grad_norm);
+    if (o->grad_clip > 0 && r.grad_norm > o->grad_clip) scale_inplace(m->lora_grad, m->lora_count, o->grad_clip / r.grad_norm);
+    r.lr = lr_at_step(o, step);
+    adamw_update(m->lora, m->lora_grad, m->adam_m, m->adam_v, m->lora_count, r.lr, 0.9f, 0.999f, 1e-8f, o->weight_decay, step + 1);
+    return r;
+}
+
+// Mean loss over up to `batches` micro-batches of a loader started from its beginning.
+static float llama_evaluate(Llama* m, TextLoader* loader, int batches) {
+    loader->cursor = 0;
+    double ls = 0.0, cnt = 0.0;
+    for (int i = 0; i < batches; i++) {
+        loader_next(loader, m->B, 0, 1, m->inputs, m->targets, m->mask);
+        LossStats st = llama_forward_backward(m, m->B, m->T, 0.0f, 0, NULL);
+        ls += st.loss_sum;
+        cnt += st.count;
+        if (loader->cursor >= loader->windows) break;  // one pass over a small validation set
+    }
+    return cnt > 0 ? (float)(ls / cnt) : NAN;
+}
+
+static int sample_token(const float* logits, int V, float temperature, Rng* rng) {
+    int best = 0;
+    for (int v = 1; v < V; v++) if (logits[v] > logits[best]) best = v;
+    if (temperature <= 0.0f) return best;
+    double sum = 0.0;
+    for (int v = 0; v < V; v++) sum += exp((logits[v] - logits[best]) / temperature);
+    double u = rng_uniform(rng) * sum, acc = 0.0;
+    for (int v = 0; v < V; v++) {
+        acc += exp((logits[v] - logits[best]) / temperature);
+        if (acc >= u) return v;
+    }
+    return V - 1;
+}
+
+// Samples n tokens after the prompt, re-running the forward over the growing window (the
+// trainer's buffers hold B*T tokens, enough for one sequence of m->B*m->T).
+static void llama_generate(Llama* m, const Tokenizer* tok, const char* prompt, int n, float temperature, uint64_t seed) {
+    const LlamaConfig* c = &m->cfg;
+    int cap = (int)strlen(prompt) + 3 + n;
+    int* ids = (int*)xmalloc(sizeof(int) * cap);
+    int len = tokenizer_encode(tok, prompt, 1, ids);
+    int window = m->T;
+    float* logits = (float*)xmalloc(sizeof(float) * (int64_t)window * c->vocab);
+    Rng rng = rng_seeded(seed, 99);
+    char bb[2];
+    printf("%s", prompt);
+    for (int i = 0; i < n; i++) {
+        int start = len > window ? len - window : 0, T = len - start;
+        memcpy(m->inputs, ids + start, sizeof(int) * T);
+        memset(m->targets, 0, sizeof(int) * T);
+        for (int t = 0; t < T; t++) m->mask[t] = 0.0f;
+        llama_forward_blocks(m, m->inputs, 1, T);
+        LossStats st = {0, 0, 0};
+        lm_head_loss(m->resid, m->final_norm, c->norm_eps, m->lm_head, c->vocab, c->dim, m->targets, m->mask, T, m->loss_chunk, 0.0f,
+                     NULL, logits, m->loss, &st);
+        int next = sample_token(logits + (int64_t)(T - 1) * c->vocab, c->vocab, temperature, &rng);
+        if (next == c->eos_id || next == tok->bos_id) break;
+        printf("%s", tokenizer_decode(tok, ids[len - 1], next, bb));
+        fflush(stdout);
+        ids[len++] = next;
+    }
+    printf("\n");
+    free(ids);
+    free(logits);
+}
+
+// ----------------------------------------------------------------------------------------------
+// main
+
+static LlamaModes llama_modes_from(const TrainOptions* o) {
+    LlamaModes md;
+    md.approx = strcmp(o->act, "approx") == 0;
+    md.ms = strcmp(o->norm, "ms") == 0;
+    md.ckpt = strcmp(o->recompute, "block") == 0;
+    md.recompute_product = strcmp(o->swiglu_product, "recompute") == 0;
+    md.targets = parse_targets(o->lora_targets, target_names, N_TARGETS, "lora-targets");
+    md.rank = o->lora_rank;
+    md.lora_scale = o->lora_alpha / (float)o->lora_rank;
+    return md;
+}
+
+static void llama_flags(FlagTable* t, TrainOptions* o) {
+    t->program = "train_llama";
+    t->usage = "--model DIR [--data TRAIN.bin --val VAL.bin] [flags]   (fine-tunes a LLaMA-family model with LoRA)";
+    train_flags_register(t, o, "comma list of q,k,v,o,gate,up,down (default all)");
+    t->group = "memory modes (the paper's layers)";
+    flag_choice(t, "swiglu-product", &o->swiglu_product, "keep|recompute",
+                "keep the down projection's input, or rebuild it from silu(g)*u in backward (beyond the paper)");
+}
+
+static void print_settings_json(char* buf, size_t n, const TrainOptions* o, const char* device) {
+    snprintf(buf, n, "\"model\": \"llama\", \"device\": \"%s\", \"mode\": \"%s\", \"act\": \"%s\", \"norm\": \"%s\", \"recompute\": \"%s\", \"batch\": %d, \"seq\": %d, \"lora_rank\": %d",
+             device, o->mode, o->act, o->norm, o->recompute, o->batch, o->seq, o->lora_rank);
+}
+
+// --dry-run: the plan of the run these flags describe, and the baseline plan beside it.
+static void llama_dry_run(const LlamaConfig* cfg, const TrainOptions* o, LlamaModes md) {
+    int cpu = strcmp(o->device, "cpu") == 0;  // a dry run plans the CUDA layout unless told otherwise
+    int wbytes = cpu ? 4 : 2, abytes = cpu ? 4 : 2;
+    Llama m, base;
+    llama_setup(&m, cfg, &md, o->batch, o->seq, wbytes, abytes);
+    LlamaModes bm = md;
+    bm.approx = 0; bm.ms = 0; bm.ckpt = 0; bm.recompute_product = 0;
+    llama_setup(&base, cfg, &bm, o->batch, o->seq, wbytes, abytes);
+    if (o->json) {
+        char s[512];
+        print_settings_json(s, sizeof(s), o, cpu ? "cpu" : "cuda");
+        plan_json(stdout, &m.plan, &base.plan, s);
+    } else {
+        printf("train_llama dry run: d=%d f=%d layers=%d heads=%d kv_heads=%d vocab=%d, batch %d x seq %d, LoRA r=%d\n", cfg->dim, cfg->hidden,
+               cfg->layers, cfg->heads, cfg->kv_heads, cfg->vocab, o->batch, o->seq, o->lora_rank);
+        plan_print(&m.plan, &base.plan, o->mode, cpu ? "CPU fp32" : "CUDA bf16");
+    }
+    llama_free(&m);
+    llama_free(&base);
+}
+
+#ifndef TESTING
+int main(int argc, char** argv) {
+    TrainOptions o;
+    train_options_defaults(&o);
+    FlagTable ft;
+    memset(&ft, 0, sizeof(ft));
+    llama_flags(&ft, &o);
+    flags_parse(&ft, argc, argv);
+    train_resolve_mode(&o);
+    train_validate(&o);
+    if (!o.model_dir) fail("flag --model is required (a model directory with config.json and model.safetensors)");
+    if (o.json && !o.dry_run) fail("flag --json: only valid with --dry-run");
+    LlamaConfig cfg;
+    llama_config_load(&cfg, o.model_dir);
+    LlamaModes md = llama_modes_from(&o);
+    if (o.dry_run) { llama_dry_run(&cfg, &o, md); return 0; }
+    if (!o.data_path && !o.generate) fail("nothing to do: give --data to train, or --generate N to sample");
+    resolve_device(o.device);
+    if (o.threads > 0) omp_set_num_threads(o.threads);
+    if (o.out_dir) make_dirs(o.out_dir, "flag --out");
+
+    TokenShard train, val;
+    TextLoader tl, vl;
+    if (o.data_path) { shard_load(&train, o.data_path, cfg.vocab); loader_init(&tl, &train, o.seq, (uint64_t)o.seed, 1); }
+    if (o.val_path) { shard_load(&val, o.val_path, cfg.vocab); loader_init(&vl, &val, o.seq, (uint64_t)o.seed, 0); }
+    Tokenizer tok;
+    int have_tok = 0;
+    char* tok_path = path_join(o.model_dir, "tokenizer.bin");
+    if (o.generate) {
+        if (!file_exists(tok_path)) fail("%s: missing; --generate needs the model's tokenizer (scripts/export_llama.py writes it)", tok_path);
+        tokenizer_load(&tok, tok_path, cfg.vocab);
+        have_tok = 1;
+    }
+
+    Llama m;
+    int B = o.data_path ? o.batch : 1, T = o.data_path ? o.seq : (cfg.max_seq < 256 ? cfg.max_seq : 256);
+    llama_setup(&m, &cfg, &md, B, T, 4, 4);
+    Llama base;
+    LlamaModes bm = md;
+    bm.approx = 0; bm.ms = 0; bm.ckpt = 0; bm.recompute_product = 0;
+    llama_setup(&base, &cfg, &bm, B, T, 4, 4);
+    plan_allocate_host(&m.plan);
+    llama_bind(&m);
+    llama_load_weights(&m, o.model_dir);
+    llama_rope_tables(&m);
+    llama_init_lora(&m, (uint64_t)o.seed);
+    printf("train_llama: %s | d=%d f=%d layers=%d heads=%d/%d vocab=%d | act=%s norm=%s recompute=%s | LoRA r=%d alpha=%g on %s (%lld params) | %d threads\n",
+           o.model_dir, cfg.dim, cfg.hidden, cfg.layers, cfg.heads, cfg.kv_heads, cfg.vocab, o.act, o.norm, o.recompute, o.lora_rank,
+           o.lora_alpha, o.lora_targets ? o.lora_targets : "all", (long long)m.lora_count, omp_get_max_threads());
+    plan_print(&m.plan, &base.plan, o.mode, "CPU fp32");
+    llama_free(&base);
+
+    FILE* log = NULL;
+    if (o.out_dir) {
+        char* lp = path_join(o.out_dir, "log.csv");
+        log = fopen(lp, "w");
+        if (!log) fail("flag --out: cannot write %s (%s)", lp, strerror(errno));
+        fprintf(log, "step,loss,lr,grad_norm,tokens_per_s,val_loss\n");
+        free(lp);
+    }
+    if (o.data_path) {
+        double t0 = wall_seconds();
+        for (int step = 0; step < o.steps; step++) {
+            double ts = wall_seconds();
+            StepResult r = llama_train_step(&m, &tl, &o, step);
+            double dt = wall_seconds() - ts;
+            float vloss = NAN;
+            int last = step + 1 == o.steps;
+            if (o.val_path && ((o.val_every > 0 && (step + 1) % o.val_every == 0) || last)) vloss = llama_evaluate(&m, &vl, o.val_batches);
+            if ((step + 1) % o.log_every == 0 || last || !isnan(vloss)) {
+                printf("step %4d/%d | loss %.4f | lr %.2e | grad norm %.4f | %.0f tok/s", step + 1, o.steps, r.loss, r.lr, r.grad_norm, r.tokens / dt);
+                if (!isnan(vloss)) printf(" | val loss %.4f", vloss);
+                printf("\n");
+                fflush(stdout);
+            }
+            if (log) fprintf(log, "%d,%.6f,%.6e,%.6f,%.1f,%s%.6f\n", step + 1, r.loss, r.lr, r.grad_norm, r.tokens / dt, "", isnan(vloss) ? NAN : vloss);
+        }
+        printf("trained %d steps in %.1f s\n", o.steps, wall_seconds() - t0);
+    }
+    if (log) fclose(log);
+    if (o.generate) {
+        if (o.data_path && (m.B * m.T) < 1) fail("internal: no room to generate");
+        llama_generate(&m, &tok, o.prompt, o.generate, o.temperature, (uint64_t)o.seed);
+    }
+    if (have_tok) tokenizer_free(&tok);
+    free(tok_path);
+    if (o.data_path) { loader_free(&tl); shard_free(&train); }
+    if (o.val_path) { loader_free(&vl); shard_free(&val); }
+    llama_free(&m);
+    return 0;
+}
+#endif
