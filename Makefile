@@ -4,11 +4,26 @@
 #   make test       the CPU test suite (what CI runs)
 #   make bench-cpu  our CPU training step against PyTorch CPU on the same config
 CXX      ?= g++
+CPU_ARCH ?= native
 PYTHON   ?= /usr/bin/python3
-CFLAGS   := -O3 -march=x86-64-v2 -fopenmp -Wall -Wextra -Wno-unused-function -Wno-unused-parameter -Wno-vla -std=c++17 -x c++
+CFLAGS   := -O3 -march=$(CPU_ARCH) -fopenmp -Wall -Wextra -Wno-unused-function -Wno-unused-parameter -Wno-vla -std=gnu++17 -x c++
 LDLIBS   := -lm -fopenmp
 HEADERS  := $(wildcard llmc/*.h llmc/cpu/*.h)
 NVCC     := $(shell command -v nvcc 2>/dev/null)
+
+# MPI (data parallelism over mpirun): Open MPI's wrapper tells its flags. Without it the
+# binaries are single-process and refuse a multi-rank launch.
+MPI_COMPILE := $(shell mpicxx --showme:compile 2>/dev/null)
+ifneq ($(MPI_COMPILE),)
+  CFLAGS += $(MPI_COMPILE) -DLLMC_HAVE_MPI -DOMPI_SKIP_MPICXX -DMPICH_SKIP_MPICXX
+  LDLIBS += $(shell mpicxx --showme:link 2>/dev/null)
+  $(info make: MPI found: data-parallel training with mpirun enabled)
+else
+  $(info make: MPI not found (install libopenmpi-dev): single-process build, multi-rank launches refused)
+endif
+ifeq ($(NVCC),)
+  $(info make: nvcc not found: CUDA compile checks SKIPPED)
+endif
 GPU_ARCH ?= 80 90
 
 .PHONY: all run test test-c test-py cuda-compile-check bench-cpu clean

@@ -16,6 +16,10 @@
 #include "llmc/textdata.h"
 #include "llmc/plan.h"
 #include "llmc/train_common.h"
+#include "llmc/lora.h"
+#include "llmc/peft.h"
+#include "llmc/checkpoint.h"
+#include "llmc/dist.h"
 #include "llmc/cpu/matmul.h"
 #include "llmc/cpu/norms.h"
 #include "llmc/cpu/activations.h"
@@ -86,19 +90,13 @@ static void llama_config_load(LlamaConfig* c, const char* model_dir) {
 
 // ----------------------------------------------------------------------------------------------
 // Parameters. Frozen weights live in one arena, LoRA weights (and their grads and AdamW moments)
-// in flat arenas of identical layout, so the optimizer and gradient norm see one array.
+// in flat arenas of identical layout, so the optimizer and gradient norm see one array. The
+// linear layer with its adapter (Linear) is shared with train_vit: llmc/lora.h.
 
 enum { T_Q, T_K, T_V, T_O, T_GATE, T_UP, T_DOWN, N_TARGETS };
 static const char* const target_names[N_TARGETS] = {"q", "k", "v", "o", "gate", "up", "down"};
 static const char* const hf_module_names[N_TARGETS] = {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
                                                        "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"};
-
-typedef struct {
-    int in, out;
-    float* W;              // [out, in] frozen
-    float *A, *B;          // LoRA [r, in], [out, r]; NULL when not a target
-    float *dA, *dB;
-} Linear;
 
 typedef struct {
     float* attn_norm;      // gamma [d] (merged into q,k,v under MS-RMSNorm)
@@ -279,9 +277,7 @@ static void llama_bind(Llama* m) {
             Linear* L = &m->layers[l].lin[t];
             L->in = (int)lin_in(c, t);
             L->out = (int)lin_out(c, t);
-            if (!(m->modes.targets >> t & 1)) continue;
-            L->A = m->lora + off; L->dA = m->lora_grad + off; off += r * L->in;
-            L->B = m->lora + off; L->dB = m->lora_grad + off; off += r * L->out;
+            if (m->modes.targets >> t & 1) lora_bind(L, m->lora, m->lora_grad, &off, (int)r);
         }
 }
 
@@ -315,11 +311,6 @@ static void load_tensor(const StModel* sm, const char* name, float* dst, int64_t
         if (!isfinite(dst[i])) fail("%s: tensor \"%s\" holds a non-finite value at element %lld", t->file, name, (long long)i);
 }
 
-static void merge_gamma_into(Linear* L, const float* gamma) {
-    for (int o = 0; o < L->out; o++)
-        for (int i = 0; i < L->in; i++) L->W[(int64_t)o * L->in + i] *= gamma[i];
-}
-
 static void llama_load_weights(Llama* m, const char* dir) {
     const LlamaConfig* c = &m->cfg;
     StModel sm;
@@ -339,9 +330,9 @@ static void llama_load_weights(Llama* m, const char* dir) {
             load_tensor(&sm, name, L->lin[t].W, L->lin[t].out, L->lin[t].in);
         }
         if (m->modes.ms) {
-            for (int t = T_Q; t <= T_V; t++) merge_gamma_into(&L->lin[t], L->attn_norm);
-            merge_gamma_into(&L->lin[T_GATE], L->mlp_norm);
-            merge_gamma_into(&L->lin[T_UP], L->mlp_norm);
+            for (int t = T_Q; t <= T_V; t++) linear_merge_norm_affine(&L->lin[t], L->attn_norm, NULL);
+            linear_merge_norm_affine(&L->lin[T_GATE], L->mlp_norm, NULL);
+            linear_merge_norm_affine(&L->lin[T_UP], L->mlp_norm, NULL);
         }
     }
     st_model_close(&sm);
@@ -376,23 +367,12 @@ static void llama_init_lora(Llama* m, uint64_t seed) {
     for (int l = 0; l < m->cfg.layers; l++)
         for (int t = 0; t < N_TARGETS; t++) {
             Linear* L = &m->layers[l].lin[t];
-            if (!L->A) continue;
-            float bound = 1.0f / sqrtf((float)L->in);
-            for (int64_t i = 0; i < (int64_t)m->modes.rank * L->in; i++) L->A[i] = (2.0f * rng_uniform(&rng) - 1.0f) * bound;
-            memset(L->B, 0, sizeof(float) * m->modes.rank * L->out);
+            if (L->A) lora_init(L, m->modes.rank, &rng);
         }
 }
 
 // ----------------------------------------------------------------------------------------------
 // Forward
-
-// y (+)= x W^T + scale * (x A^T) B^T, keeping ax = x A^T for the LoRA backward.
-static void linear_forward(float* y, const float* x, const Linear* L, float* ax, int64_t N, int rank, float scale, int accumulate) {
-    matmul_nt(y, x, L->W, (int)N, L->out, L->in, 1.0f, accumulate);
-    if (!L->A) return;
-    matmul_nt(ax, x, L->A, (int)N, rank, L->in, 1.0f, 0);
-    matmul_nt(y, ax, L->B, (int)N, L->out, rank, scale, 1);
-}
 
 // One block, updating the residual stream x [B*T, d] in place and filling a's buffers.
 static void block_forward(Llama* m, int l, float* x, BlockActs* a, int B, int T) {
@@ -436,17 +416,6 @@ static void llama_forward_blocks(Llama* m, const int* inputs, int B, int T) {
 
 // ----------------------------------------------------------------------------------------------
 // Backward
-
-// Given dy [N, out]: LoRA grads accumulate; dx (+)= dy W + scale * (dy B) A.
-static void linear_backward(float* dx, const float* dy, const float* x, const float* ax, const Linear* L, float* dax,
-                            int64_t N, int rank, float scale, int accumulate) {
-    matmul_nn(dx, dy, L->W, (int)N, L->in, L->out, 1.0f, accumulate);
-    if (!L->A) return;
-    matmul_tn(L->dB, dy, ax, L->out, rank, (int)N, scale, 1);
-    matmul_nn(dax, dy, L->B, (int)N, rank, L->out, scale, 0);
-    matmul_tn(L->dA, dax, x, rank, L->in, (int)N, 1.0f, 1);
-    matmul_nn(dx, dax, L->A, (int)N, L->in, rank, 1.0f, 1);
-}
 
 // Backpropagates m->dres (gradient w.r.t. the block output) to the block input, in place.
 static void block_backward(Llama* m, int l, BlockActs* a, int B, int T) {
@@ -509,7 +478,8 @@ static LossStats llama_forward_backward(Llama* m, int B, int T, float grad_scale
 
 typedef struct {
     float loss, grad_norm, lr;
-    double tokens;
+    double tokens;         // global tokens of the step (all ranks)
+    double comm_s;         // seconds spent in the gradient all-reduce
 } StepResult;
 
 static double count_mask(const float* mask, int64_t n) {
@@ -518,16 +488,19 @@ static double count_mask(const float* mask, int64_t n) {
     return s;
 }
 
-// One optimizer step over grad_accum micro-batches. The loss is normalised by the unmasked tokens
-// of the whole step, counted before any forward pass, so accumulation equals one big batch.
-static StepResult llama_train_step(Llama* m, TextLoader* loader, const TrainOptions* o, int step) {
+// One optimizer step over grad_accum micro-batches on every rank. The loss is normalised by the
+// unmasked tokens of the whole global step, counted before any forward pass, so accumulation and
+// data parallelism both equal one big batch; gradients are summed across ranks before clipping,
+// so the norm is the global one and every rank applies the same update.
+static StepResult llama_train_step(Llama* m, TextLoader* loader, const TrainOptions* o, const Dist* dist, int step) {
     int B = m->B, T = m->T, K = o->grad_accum;
     int64_t N = (int64_t)B * T;
     int* in_all = (int*)xmalloc(sizeof(int) * N * K);
     int* tg_all = (int*)xmalloc(sizeof(int) * N * K);
     float* mk_all = (float*)xmalloc(sizeof(float) * N * K);
-    for (int k = 0; k < K; k++) loader_next(loader, B, 0, 1, in_all + k * N, tg_all + k * N, mk_all + k * N);
+    for (int k = 0; k < K; k++) loader_next(loader, B, dist->rank, dist->world, in_all + k * N, tg_all + k * N, mk_all + k * N);
     double total = count_mask(mk_all, N * K);
+    dist_allreduce_sum_f64(dist, &total, 1);
     float scale = total > 0 ? (float)(1.0 / total) : 0.0f;
     memset(m->lora_grad, 0, sizeof(float) * m->lora_count);
     double loss_sum = 0.0;
@@ -538,8 +511,12 @@ static StepResult llama_train_step(Llama* m, TextLoader* loader, const TrainOpti
         loss_sum += llama_forward_backward(m, B, T, scale, 1, NULL).loss_sum;
     }
     free(in_all); free(tg_all); free(mk_all);
+    double t_comm = wall_seconds();
+    dist_allreduce_sum_f64(dist, &loss_sum, 1);
+    dist_allreduce_sum_f32(dist, m->lora_grad, m->lora_count);
     StepResult r;
-    r.tokens = (double)N * K;
+    r.comm_s = wall_seconds() - t_comm;
+    r.tokens = (double)N * K * dist->world;
     r.loss = total > 0 ? (float)(loss_sum / total) : 0.0f;
     r.grad_norm = (float)sqrt(sum_squares(m->lora_grad, m->lora_count));
     if (!isfinite(r.loss) || !isfinite(r.grad_norm)) fail("step %d: non-finite loss (%g) or gradient norm (%g); lower --lr or check the data", step + 1, r.loss, r.grad_norm);
@@ -660,8 +637,141 @@ static void llama_dry_run(const LlamaConfig* cfg, const TrainOptions* o, LlamaMo
     llama_free(&base);
 }
 
+// ----------------------------------------------------------------------------------------------
+// Adapters and training state
+
+// The PEFT view of the adapters: Hugging Face module paths; layers merged with an MS norm carry
+// that norm's gamma so the adapter is mapped back to (and from) the original model's layout.
+static int llama_peft_entries(Llama* m, PeftEntry* e) {
+    int n = 0;
+    for (int l = 0; l < m->cfg.layers; l++)
+        for (int t = 0; t < N_TARGETS; t++) {
+            Linear* L = &m->layers[l].lin[t];
+            if (!L->A) continue;
+            snprintf(e[n].module, sizeof(e[n].module), "model.layers.%d.%s", l, hf_module_names[t]);
+            e[n].L = L;
+            e[n].gamma = !m->modes.ms ? NULL : t <= T_V ? m->layers[l].attn_norm : (t == T_GATE || t == T_UP) ? m->layers[l].mlp_norm : NULL;
+            n++;
+        }
+    return n;
+}
+
+static void llama_save_adapter(Llama* m, const char* dir, const TrainOptions* o) {
+    PeftEntry* e = (PeftEntry*)xcalloc(m->cfg.layers * N_TARGETS, sizeof(PeftEntry));
+    int n = llama_peft_entries(m, e);
+    const char* tm[N_TARGETS];
+    int ntm = 0;
+    for (int t = 0; t < N_TARGETS; t++) if (m->modes.targets >> t & 1) tm[ntm++] = strchr(hf_module_names[t], '.') + 1;
+    peft_save(dir, e, n, NULL, 0, m->modes.rank, o->lora_alpha, "CAUSAL_LM", o->model_dir, tm, ntm, NULL);
+    free(e);
+}
+
+static void llama_load_adapter(Llama* m, const char* dir, const TrainOptions* o) {
+    PeftEntry* e = (PeftEntry*)xcalloc(m->cfg.layers * N_TARGETS, sizeof(PeftEntry));
+    int n = llama_peft_entries(m, e);
+    float alpha;
+    peft_load(dir, e, n, m->modes.rank, &alpha);
+    if (alpha != o->lora_alpha) fail("%s: adapter has lora_alpha %g, but --lora-alpha is %g", dir, alpha, o->lora_alpha);
+    free(e);
+}
+
+// Everything a resumed run must share with the saved one, as "key=value" words.
+static void llama_settings_line(char* buf, size_t n, const Llama* m, const TrainOptions* o, const Dist* d, int64_t data_tokens) {
+    const LlamaConfig* c = &m->cfg;
+    snprintf(buf, n, "d=%d f=%d layers=%d heads=%d kv_heads=%d vocab=%d act=%s norm=%s recompute=%s rank=%d alpha=%g targets=0x%x "
+             "batch=%d seq=%d grad_accum=%d world=%d steps=%d lr=%g warmup=%d min_lr_frac=%g weight_decay=%g grad_clip=%g seed=%d data_tokens=%lld",
+             c->dim, c->hidden, c->layers, c->heads, c->kv_heads, c->vocab, o->act, o->norm, o->recompute, o->lora_rank, o->lora_alpha,
+             m->modes.targets, o->batch, o->seq, o->grad_accum, d->world, o->steps, o->lr, o->warmup, o->min_lr_frac, o->weight_decay,
+             o->grad_clip, o->seed, (long long)data_tokens);
+}
+
+static void llama_save_state(Llama* m, const char* dir, const char* settings, int64_t step, int64_t cursor, int seed) {
+    StateHeader h;
+    memset(&h, 0, sizeof(h));
+    h.step = step;
+    h.cursor = cursor;
+    h.seed = (uint64_t)seed;
+    h.count = m->lora_count;
+    snprintf(h.settings, sizeof(h.settings), "%s", settings);
+    char* path = path_join(dir, "train_state.bin");
+    state_save(path, &h, m->lora, m->adam_m, m->adam_v);
+    free(path);
+}
+
+// ----------------------------------------------------------------------------------------------
+// main
+
+typedef struct {           // what a run reads besides the model
+    TokenShard train, val;
+    TextLoader tl, vl;
+    int have_train, have_val;
+} RunData;
+
+static void run_data_open(RunData* rd, const TrainOptions* o, int vocab) {
+    memset(rd, 0, sizeof(*rd));
+    if (o->data_path) { shard_load(&rd->train, o->data_path, vocab); loader_init(&rd->tl, &rd->train, o->seq, (uint64_t)o->seed, 1); rd->have_train = 1; }
+    if (o->val_path) { shard_load(&rd->val, o->val_path, vocab); loader_init(&rd->vl, &rd->val, o->seq, (uint64_t)o->seed, 0); rd->have_val = 1; }
+}
+
+static void run_data_close(RunData* rd) {
+    if (rd->have_train) { loader_free(&rd->tl); shard_free(&rd->train); }
+    if (rd->have_val) { loader_free(&rd->vl); shard_free(&rd->val); }
+}
+
+static void llama_train(Llama* m, RunData* rd, const TrainOptions* o, const Dist* dist) {
+    int rank0 = dist->rank == 0;
+    const char* out = o->out_dir ? o->out_dir : o->resume_dir;
+    char settings[STATE_SETTINGS_BYTES];
+    llama_settings_line(settings, sizeof(settings), m, o, dist, rd->train.count);
+    int start = 0;
+    if (o->resume_dir) {
+        char* path = path_join(o->resume_dir, "train_state.bin");
+        StateHeader h;
+        state_load(path, &h, settings, m->lora_count, m->lora, m->adam_m, m->adam_v);
+        start = (int)h.step;
+        rd->tl.cursor = h.cursor;
+        if (rank0) printf("resumed %s at step %d\n", path, start);
+        free(path);
+    }
+    FILE* log = NULL;
+    if (out && rank0) {
+        char* lp = path_join(out, "log.csv");
+        log = fopen(lp, o->resume_dir ? "a" : "w");
+        if (!log) fail("flag --out: cannot write %s (%s)", lp, strerror(errno));
+        if (!o->resume_dir) fprintf(log, "step,loss,lr,grad_norm,tokens_per_s,val_loss\n");
+        free(lp);
+    }
+    double t0 = wall_seconds(), comm = 0.0;
+    for (int step = start; step < o->steps; step++) {
+        double ts = wall_seconds();
+        StepResult r = llama_train_step(m, &rd->tl, o, dist, step);
+        double dt = wall_seconds() - ts;
+        comm += r.comm_s;
+        int last = step + 1 == o->steps;
+        float vloss = NAN;
+        if (rank0 && rd->have_val && ((o->val_every > 0 && (step + 1) % o->val_every == 0) || last)) vloss = llama_evaluate(m, &rd->vl, o->val_batches);
+        if (rank0 && ((step + 1) % o->log_every == 0 || last || !isnan(vloss))) {
+            printf("step %4d/%d | loss %.4f | lr %.2e | grad norm %.4f | %.0f tok/s", step + 1, o->steps, r.loss, r.lr, r.grad_norm, r.tokens / dt);
+            if (dist->world > 1) printf(" (%.0f per rank, %.0f%% in all-reduce)", r.tokens / dt / dist->world, 100.0 * r.comm_s / dt);
+            if (!isnan(vloss)) printf(" | val loss %.4f", vloss);
+            printf("\n");
+            fflush(stdout);
+        }
+        if (log) { fprintf(log, "%d,%.6f,%.6e,%.6f,%.1f,%.6f\n", step + 1, r.loss, r.lr, r.grad_norm, r.tokens / dt, vloss); fflush(log); }
+        if (out && rank0 && (last || (o->save_every > 0 && (step + 1) % o->save_every == 0))) {
+            llama_save_adapter(m, out, o);
+            llama_save_state(m, out, settings, step + 1, rd->tl.cursor, o->seed);
+        }
+    }
+    if (rank0) printf("trained %d steps in %.1f s (%.1f s in all-reduce)%s%s\n", o->steps - start, wall_seconds() - t0, comm,
+                      out ? ", adapter and state in " : "", out ? out : "");
+    if (log) fclose(log);
+}
+
 #ifndef TESTING
 int main(int argc, char** argv) {
+    Dist dist;
+    dist_init(&dist, &argc, &argv);
     TrainOptions o;
     train_options_defaults(&o);
     FlagTable ft;
@@ -675,29 +785,29 @@ int main(int argc, char** argv) {
     LlamaConfig cfg;
     llama_config_load(&cfg, o.model_dir);
     LlamaModes md = llama_modes_from(&o);
-    if (o.dry_run) { llama_dry_run(&cfg, &o, md); return 0; }
-    if (!o.data_path && !o.generate) fail("nothing to do: give --data to train, or --generate N to sample");
+    if (o.dry_run) { if (dist.rank == 0) llama_dry_run(&cfg, &o, md); dist_finalize(&dist); return 0; }
+    if (o.eval_only && !o.val_path) fail("flag --eval-only: needs --val");
+    if (!o.data_path && !o.generate && !o.eval_only) fail("nothing to do: give --data to train, --val with --eval-only, or --generate N to sample");
+    if (o.resume_dir && !o.data_path) fail("flag --resume: needs --data (the same training data as the saved run)");
     resolve_device(o.device);
     if (o.threads > 0) omp_set_num_threads(o.threads);
-    if (o.out_dir) make_dirs(o.out_dir, "flag --out");
+    if (o.out_dir && dist.rank == 0) make_dirs(o.out_dir, "flag --out");
+    if (o.resume_dir && !dir_exists(o.resume_dir)) fail("flag --resume: %s is not a directory", o.resume_dir);
 
-    TokenShard train, val;
-    TextLoader tl, vl;
-    if (o.data_path) { shard_load(&train, o.data_path, cfg.vocab); loader_init(&tl, &train, o.seq, (uint64_t)o.seed, 1); }
-    if (o.val_path) { shard_load(&val, o.val_path, cfg.vocab); loader_init(&vl, &val, o.seq, (uint64_t)o.seed, 0); }
+    RunData rd;
+    run_data_open(&rd, &o, cfg.vocab);
     Tokenizer tok;
-    int have_tok = 0;
-    char* tok_path = path_join(o.model_dir, "tokenizer.bin");
     if (o.generate) {
+        char* tok_path = path_join(o.model_dir, "tokenizer.bin");
         if (!file_exists(tok_path)) fail("%s: missing; --generate needs the model's tokenizer (scripts/export_llama.py writes it)", tok_path);
         tokenizer_load(&tok, tok_path, cfg.vocab);
-        have_tok = 1;
+        free(tok_path);
     }
 
-    Llama m;
-    int B = o.data_path ? o.batch : 1, T = o.data_path ? o.seq : (cfg.max_seq < 256 ? cfg.max_seq : 256);
+    Llama m, base;
+    int sized = o.data_path || o.eval_only;  // generation alone needs one sequence
+    int B = sized ? o.batch : 1, T = sized ? o.seq : (cfg.max_seq < 256 ? cfg.max_seq : 256);
     llama_setup(&m, &cfg, &md, B, T, 4, 4);
-    Llama base;
     LlamaModes bm = md;
     bm.approx = 0; bm.ms = 0; bm.ckpt = 0; bm.recompute_product = 0;
     llama_setup(&base, &cfg, &bm, B, T, 4, 4);
@@ -706,49 +816,24 @@ int main(int argc, char** argv) {
     llama_load_weights(&m, o.model_dir);
     llama_rope_tables(&m);
     llama_init_lora(&m, (uint64_t)o.seed);
-    printf("train_llama: %s | d=%d f=%d layers=%d heads=%d/%d vocab=%d | act=%s norm=%s recompute=%s | LoRA r=%d alpha=%g on %s (%lld params) | %d threads\n",
-           o.model_dir, cfg.dim, cfg.hidden, cfg.layers, cfg.heads, cfg.kv_heads, cfg.vocab, o.act, o.norm, o.recompute, o.lora_rank,
-           o.lora_alpha, o.lora_targets ? o.lora_targets : "all", (long long)m.lora_count, omp_get_max_threads());
-    plan_print(&m.plan, &base.plan, o.mode, "CPU fp32");
+    if (o.adapter_dir) llama_load_adapter(&m, o.adapter_dir, &o);
+    if (dist.rank == 0) {
+        printf("train_llama: %s | d=%d f=%d layers=%d heads=%d/%d vocab=%d | act=%s norm=%s recompute=%s | LoRA r=%d alpha=%g on %s (%lld params) | %d threads x %d ranks\n",
+               o.model_dir, cfg.dim, cfg.hidden, cfg.layers, cfg.heads, cfg.kv_heads, cfg.vocab, o.act, o.norm, o.recompute, o.lora_rank,
+               o.lora_alpha, o.lora_targets ? o.lora_targets : "all", (long long)m.lora_count, omp_get_max_threads(), dist.world);
+        plan_print(&m.plan, &base.plan, o.mode, dist.world > 1 ? "CPU fp32, per rank" : "CPU fp32");
+    }
     llama_free(&base);
-
-    FILE* log = NULL;
-    if (o.out_dir) {
-        char* lp = path_join(o.out_dir, "log.csv");
-        log = fopen(lp, "w");
-        if (!log) fail("flag --out: cannot write %s (%s)", lp, strerror(errno));
-        fprintf(log, "step,loss,lr,grad_norm,tokens_per_s,val_loss\n");
-        free(lp);
+    if (o.eval_only) {
+        if (dist.rank == 0) printf("val loss %.6f\n", llama_evaluate(&m, &rd.vl, o.val_batches));
+    } else if (o.data_path) {
+        llama_train(&m, &rd, &o, &dist);
     }
-    if (o.data_path) {
-        double t0 = wall_seconds();
-        for (int step = 0; step < o.steps; step++) {
-            double ts = wall_seconds();
-            StepResult r = llama_train_step(&m, &tl, &o, step);
-            double dt = wall_seconds() - ts;
-            float vloss = NAN;
-            int last = step + 1 == o.steps;
-            if (o.val_path && ((o.val_every > 0 && (step + 1) % o.val_every == 0) || last)) vloss = llama_evaluate(&m, &vl, o.val_batches);
-            if ((step + 1) % o.log_every == 0 || last || !isnan(vloss)) {
-                printf("step %4d/%d | loss %.4f | lr %.2e | grad norm %.4f | %.0f tok/s", step + 1, o.steps, r.loss, r.lr, r.grad_norm, r.tokens / dt);
-                if (!isnan(vloss)) printf(" | val loss %.4f", vloss);
-                printf("\n");
-                fflush(stdout);
-            }
-            if (log) fprintf(log, "%d,%.6f,%.6e,%.6f,%.1f,%s%.6f\n", step + 1, r.loss, r.lr, r.grad_norm, r.tokens / dt, "", isnan(vloss) ? NAN : vloss);
-        }
-        printf("trained %d steps in %.1f s\n", o.steps, wall_seconds() - t0);
-    }
-    if (log) fclose(log);
-    if (o.generate) {
-        if (o.data_path && (m.B * m.T) < 1) fail("internal: no room to generate");
-        llama_generate(&m, &tok, o.prompt, o.generate, o.temperature, (uint64_t)o.seed);
-    }
-    if (have_tok) tokenizer_free(&tok);
-    free(tok_path);
-    if (o.data_path) { loader_free(&tl); shard_free(&train); }
-    if (o.val_path) { loader_free(&vl); shard_free(&val); }
+    if (o.generate && dist.rank == 0) llama_generate(&m, &tok, o.prompt, o.generate, o.temperature, (uint64_t)o.seed);
+    if (o.generate) tokenizer_free(&tok);
+    run_data_close(&rd);
     llama_free(&m);
+    dist_finalize(&dist);
     return 0;
 }
 #endif

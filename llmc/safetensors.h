@@ -235,6 +235,17 @@ static const StTensor* st_model_require(const StModel* m, const char* name) {
     return t;
 }
 
+// Reads tensor `name` of the model into dst as fp32 after checking its shape (ndim dims). A
+// non-finite value is an error: a corrupt checkpoint, not something to train on.
+static void st_model_read_f32(const StModel* m, const char* name, int ndim, const int64_t* shape, float* dst) {
+    const StTensor* t = st_model_require(m, name);
+    st_check_shape(t, ndim, shape);
+    st_to_f32(t, dst);
+    int64_t n = st_numel(t);
+    for (int64_t i = 0; i < n; i++)
+        if (!isfinite(dst[i])) fail("%s: tensor \"%s\" holds a non-finite value at element %lld", t->file, name, (long long)i);
+}
+
 static void st_model_close(StModel* m) {
     for (int i = 0; i < m->nfiles; i++) st_close(&m->files[i]);
     free(m->files);

@@ -11,6 +11,10 @@ typedef struct {
     const char* data_path;
     const char* val_path;
     const char* out_dir;
+    const char* adapter_dir;  // load this LoRA adapter (PEFT layout) before training/generating
+    const char* resume_dir;   // continue the run saved in this --out directory
+    int save_every;
+    int eval_only;
     // schedule
     int steps, batch, seq, grad_accum, warmup, val_every, val_batches, log_every;
     float lr, min_lr_frac, weight_decay, grad_clip;
@@ -27,11 +31,18 @@ typedef struct {
     // system
     const char* device;
     int seed, threads, dry_run, json;
-    // generation
+    // generation (text models)
     int generate;
     const char* prompt;
     float temperature;
+    // images (image models)
+    int classes;            // 0: the training shard's class count
+    const char* image_size; // "S" or "HxW"; NULL: the checkpoint's
+    int hflip;
 } TrainOptions;
+
+// Which flags a trainer offers: the text models' (--seq, generation) or the image models'.
+typedef enum { TRAIN_TEXT, TRAIN_IMAGE } TrainTask;
 
 static void train_options_defaults(TrainOptions* o) {
     memset(o, 0, sizeof(*o));
@@ -47,17 +58,27 @@ static void train_options_defaults(TrainOptions* o) {
     o->temperature = 0.8f;
 }
 
-// Registers the flags common to both trainers; `targets_help` lists the model's LoRA targets.
-static void train_flags_register(FlagTable* t, TrainOptions* o, const char* targets_help) {
+// Registers the flags of a trainer for `task`; `targets_help` lists the model's LoRA targets.
+static void train_flags_register_task(FlagTable* t, TrainOptions* o, const char* targets_help, TrainTask task) {
+    int text = task == TRAIN_TEXT;
     t->group = "model and data";
     flag_string(t, "model", &o->model_dir, "model directory: config.json + model.safetensors (or sharded, with index)");
-    flag_string(t, "data", &o->data_path, "training data shard");
-    flag_string(t, "val", &o->val_path, "validation data shard");
-    flag_string(t, "out", &o->out_dir, "output directory (training log, adapters)");
+    flag_string(t, "data", &o->data_path, text ? "training data shard" : "training image shard (scripts/prepare_images.py)");
+    flag_string(t, "val", &o->val_path, text ? "validation data shard" : "validation image shard");
+    flag_string(t, "out", &o->out_dir, "output directory: log.csv, the PEFT adapter (end and every --save-every), train_state.bin");
+    flag_int(t, "save-every", &o->save_every, "write the adapter and the resumable training state every N steps (0 = only at the end)");
+    flag_string(t, "resume", &o->resume_dir, "continue the run whose --out directory this is (same model and flags)");
+    flag_string(t, "adapter", &o->adapter_dir, "start from this LoRA adapter directory (ours or PEFT's) instead of a fresh one");
+    flag_bool(t, "eval-only", &o->eval_only, "evaluate the model (+ --adapter) on --val and exit");
+    if (!text) {
+        flag_int(t, "classes", &o->classes, "classes of the new head (0 = the training shard's count)");
+        flag_string(t, "image-size", &o->image_size, "fine-tuning resolution S or HxW (default the checkpoint's; position embedding interpolated)");
+        flag_bool(t, "hflip", &o->hflip, "random horizontal flip of training images");
+    }
     t->group = "training";
     flag_int(t, "steps", &o->steps, "optimizer steps");
-    flag_int(t, "batch", &o->batch, "sequences per micro-batch");
-    flag_int(t, "seq", &o->seq, "tokens per sequence");
+    flag_int(t, "batch", &o->batch, text ? "sequences per micro-batch" : "images per micro-batch");
+    if (text) flag_int(t, "seq", &o->seq, "tokens per sequence");
     flag_int(t, "grad-accum", &o->grad_accum, "micro-batches per optimizer step");
     flag_float(t, "lr", &o->lr, "peak learning rate");
     flag_float(t, "min-lr-frac", &o->min_lr_frac, "cosine floor as a fraction of --lr");
@@ -82,10 +103,15 @@ static void train_flags_register(FlagTable* t, TrainOptions* o, const char* targ
     flag_int(t, "threads", &o->threads, "CPU threads (0 = all cores)");
     flag_bool(t, "dry-run", &o->dry_run, "print the memory plan for the config and exit (no weights read, nothing allocated)");
     flag_bool(t, "json", &o->json, "with --dry-run: print the plan as JSON");
+    if (!text) return;
     t->group = "generation";
     flag_int(t, "generate", &o->generate, "after training (or alone, without --data), sample N tokens");
     flag_string(t, "prompt", &o->prompt, "prompt text for --generate (empty = start from BOS)");
     flag_float(t, "temperature", &o->temperature, "sampling temperature (0 = greedy)");
+}
+
+static void train_flags_register(FlagTable* t, TrainOptions* o, const char* targets_help) {
+    train_flags_register_task(t, o, targets_help, TRAIN_TEXT);
 }
 
 // Applies the --mode preset to the switches not given explicitly.
@@ -111,6 +137,9 @@ static void train_validate(const TrainOptions* o) {
     if (o->temperature < 0) fail("flag --temperature: expected >= 0, got %g", o->temperature);
     if (o->val_batches < 1) fail("flag --val-batches: expected >= 1, got %d", o->val_batches);
     if (o->log_every < 1) fail("flag --log-every: expected >= 1, got %d", o->log_every);
+    if (o->save_every < 0) fail("flag --save-every: expected >= 0, got %d", o->save_every);
+    if (o->resume_dir && o->adapter_dir) fail("flag --adapter: not with --resume (the training state holds the adapter)");
+    if (o->classes < 0) fail("flag --classes: expected >= 0, got %d", o->classes);
 }
 
 // Parses a comma list of target names into a bit mask over `names` (count n). NULL = all.

@@ -1,102 +1,119 @@
 // cpu/matmul.h: fp32 matrix products of the CPU backend, row-major, OpenMP-parallel.
-//   matmul_nt:  C[M,N] (+)= alpha * A[M,K] . B[N,K]^T   (dot-product form: linear forward)
-//   matmul_nn:  C[M,N] (+)= alpha * A[M,K] . B[K,N]     (axpy form: input gradients)
-//   matmul_tn:  C[M,N] (+)= alpha * A[K,M]^T . B[K,N]   (axpy form: weight gradients)
-// Each thread owns whole rows of C, so no two threads ever write the same element and the
-// result does not depend on the thread count (summation order is fixed per element).
+//   matmul_nt:  C[M,N] (+)= alpha * A[M,K] . B[N,K]^T   (linear forward: x W^T)
+//   matmul_nn:  C[M,N] (+)= alpha * A[M,K] . B[K,N]     (input gradients: dy W)
+//   matmul_tn:  C[M,N] (+)= alpha * A[K,M]^T . B[K,N]   (weight gradients: dy^T x)
+// All three are one packed GEMM: operands are copied into panels (any transposition is just a
+// stride) and a 6x16 register-tile micro-kernel runs over them. Threads split the rows of C and
+// the k loop runs in a fixed order, so results do not depend on the thread count.
 #pragma once
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
-#define MM_NB 256   // columns of C per tile in the axpy kernels (a 4 x 256 fp32 tile stays in L1)
+#define MM_MR 6     // rows of the register tile
+#define MM_NR 16    // columns of the register tile (two 8-wide vectors)
+#define MM_KC 256   // k block: a packed B panel of KC x 16 floats stays in L1/L2
+#define MM_MC 72    // rows of A packed per thread task (multiple of MR)
 
-// 4x4 dot-product micro-kernel over k; the simd reductions let the compiler vectorise without
-// -ffast-math.
-static inline void mm_nt_tile4x4(float* C, int ldc, const float* A, int lda, const float* B, int ldb,
-                                 int K, float alpha, int accumulate) {
-    const float *a0 = A, *a1 = A + lda, *a2 = A + 2 * (int64_t)lda, *a3 = A + 3 * (int64_t)lda;
-    const float *b0 = B, *b1 = B + ldb, *b2 = B + 2 * (int64_t)ldb, *b3 = B + 3 * (int64_t)ldb;
-    float c00 = 0, c01 = 0, c02 = 0, c03 = 0, c10 = 0, c11 = 0, c12 = 0, c13 = 0;
-    float c20 = 0, c21 = 0, c22 = 0, c23 = 0, c30 = 0, c31 = 0, c32 = 0, c33 = 0;
-#pragma omp simd reduction(+ : c00, c01, c02, c03, c10, c11, c12, c13, c20, c21, c22, c23, c30, c31, c32, c33)
-    for (int k = 0; k < K; k++) {
-        float x0 = a0[k], x1 = a1[k], x2 = a2[k], x3 = a3[k];
-        float y0 = b0[k], y1 = b1[k], y2 = b2[k], y3 = b3[k];
-        c00 += x0 * y0; c01 += x0 * y1; c02 += x0 * y2; c03 += x0 * y3;
-        c10 += x1 * y0; c11 += x1 * y1; c12 += x1 * y2; c13 += x1 * y3;
-        c20 += x2 * y0; c21 += x2 * y1; c22 += x2 * y2; c23 += x2 * y3;
-        c30 += x3 * y0; c31 += x3 * y1; c32 += x3 * y2; c33 += x3 * y3;
-    }
-    float r[4][4] = {{c00, c01, c02, c03}, {c10, c11, c12, c13}, {c20, c21, c22, c23}, {c30, c31, c32, c33}};
-    for (int i = 0; i < 4; i++)
-        for (int j = 0; j < 4; j++) {
-            float* c = &C[(int64_t)i * ldc + j];
-            *c = (accumulate ? *c : 0.0f) + alpha * r[i][j];
+typedef float mm_v8 __attribute__((vector_size(32)));
+
+// B(k, n) = B[k*sbk + n*sbn] for k in [k0, k0+kc), all n, into panels of NR columns
+// (zero-padded): Bp[panel][k][0..NR).
+static void mm_pack_b(float* Bp, const float* B, int64_t sbk, int64_t sbn, int k0, int kc, int N) {
+    int panels = (N + MM_NR - 1) / MM_NR;
+#pragma omp parallel for schedule(static)
+    for (int p = 0; p < panels; p++) {
+        float* dst = Bp + (int64_t)p * kc * MM_NR;
+        int n0 = p * MM_NR, nn = N - n0 < MM_NR ? N - n0 : MM_NR;
+        for (int k = 0; k < kc; k++) {
+            const float* src = B + (int64_t)(k0 + k) * sbk + (int64_t)n0 * sbn;
+            float* d = dst + (int64_t)k * MM_NR;
+            if (sbn == 1) { memcpy(d, src, sizeof(float) * nn); }
+            else for (int j = 0; j < nn; j++) d[j] = src[(int64_t)j * sbn];
+            for (int j = nn; j < MM_NR; j++) d[j] = 0.0f;
         }
+    }
 }
 
-static inline float mm_dot(const float* a, const float* b, int K) {
-    float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-    for (int k = 0; k < K; k++) s += a[k] * b[k];
-    return s;
+// A(m, k) = A[m*sam + k*sak], rows [m0, m0+mc), k in [k0, k0+kc), into MR-row slivers
+// (zero-padded): Ap[sliver][k][0..MR).
+static void mm_pack_a(float* Ap, const float* A, int64_t sam, int64_t sak, int m0, int mc, int k0, int kc) {
+    for (int s = 0; s < (mc + MM_MR - 1) / MM_MR; s++) {
+        float* dst = Ap + (int64_t)s * kc * MM_MR;
+        for (int i = 0; i < MM_MR; i++) {
+            int m = s * MM_MR + i;
+            if (m >= mc) { for (int k = 0; k < kc; k++) dst[(int64_t)k * MM_MR + i] = 0.0f; continue; }
+            const float* src = A + (int64_t)(m0 + m) * sam + (int64_t)k0 * sak;
+            for (int k = 0; k < kc; k++) dst[(int64_t)k * MM_MR + i] = src[(int64_t)k * sak];
+        }
+    }
+}
+
+// acc[6][16] = sum_k a[k][i] * b[k][j]
+static inline void mm_kernel_6x16(float acc[MM_MR][MM_NR], const float* a, const float* b, int kc) {
+    mm_v8 c[MM_MR][2];
+    for (int i = 0; i < MM_MR; i++) c[i][0] = c[i][1] = (mm_v8){0, 0, 0, 0, 0, 0, 0, 0};
+    for (int k = 0; k < kc; k++) {
+        mm_v8 b0, b1;
+        memcpy(&b0, b + (int64_t)k * MM_NR, 32);
+        memcpy(&b1, b + (int64_t)k * MM_NR + 8, 32);
+        const float* ak = a + (int64_t)k * MM_MR;
+        for (int i = 0; i < MM_MR; i++) {
+            mm_v8 ai = {ak[i], ak[i], ak[i], ak[i], ak[i], ak[i], ak[i], ak[i]};
+            c[i][0] += ai * b0;
+            c[i][1] += ai * b1;
+        }
+    }
+    for (int i = 0; i < MM_MR; i++) { memcpy(acc[i], &c[i][0], 32); memcpy(acc[i] + 8, &c[i][1], 32); }
+}
+
+static void mm_gemm(float* C, const float* A, int64_t sam, int64_t sak, const float* B, int64_t sbk, int64_t sbn,
+                    int M, int N, int K, float alpha, int accumulate) {
+    if (M <= 0 || N <= 0) return;
+    if (!accumulate) {
+#pragma omp parallel for schedule(static)
+        for (int64_t i = 0; i < (int64_t)M * N; i++) C[i] = 0.0f;
+    }
+    int panels = (N + MM_NR - 1) / MM_NR, mblocks = (M + MM_MC - 1) / MM_MC;
+    int kcmax = K < MM_KC ? K : MM_KC;
+    float* Bp = (float*)malloc(sizeof(float) * (size_t)panels * MM_NR * (kcmax ? kcmax : 1));
+    for (int k0 = 0; k0 < K; k0 += MM_KC) {
+        int kc = K - k0 < MM_KC ? K - k0 : MM_KC;
+        mm_pack_b(Bp, B, sbk, sbn, k0, kc, N);
+#pragma omp parallel
+        {
+            float* Ap = (float*)malloc(sizeof(float) * MM_MC * kc);
+            float acc[MM_MR][MM_NR];
+#pragma omp for schedule(static)
+            for (int mb = 0; mb < mblocks; mb++) {
+                int m0 = mb * MM_MC, mc = M - m0 < MM_MC ? M - m0 : MM_MC;
+                mm_pack_a(Ap, A, sam, sak, m0, mc, k0, kc);
+                for (int p = 0; p < panels; p++) {
+                    int n0 = p * MM_NR, nn = N - n0 < MM_NR ? N - n0 : MM_NR;
+                    for (int s = 0; s * MM_MR < mc; s++) {
+                        mm_kernel_6x16(acc, Ap + (int64_t)s * kc * MM_MR, Bp + (int64_t)p * kc * MM_NR, kc);
+                        int mm = mc - s * MM_MR < MM_MR ? mc - s * MM_MR : MM_MR;
+                        for (int i = 0; i < mm; i++) {
+                            float* c = C + (int64_t)(m0 + s * MM_MR + i) * N + n0;
+                            for (int j = 0; j < nn; j++) c[j] += alpha * acc[i][j];
+                        }
+                    }
+                }
+            }
+            free(Ap);
+        }
+    }
+    free(Bp);
 }
 
 static void matmul_nt(float* C, const float* A, const float* B, int M, int N, int K, float alpha, int accumulate) {
-    int Mb = (M + 3) / 4;
-#pragma omp parallel for schedule(static)
-    for (int mb = 0; mb < Mb; mb++) {
-        int m0 = mb * 4, mrows = M - m0 < 4 ? M - m0 : 4;
-        for (int n0 = 0; n0 < N; n0 += 4) {
-            int ncols = N - n0 < 4 ? N - n0 : 4;
-            if (mrows == 4 && ncols == 4) {
-                mm_nt_tile4x4(C + (int64_t)m0 * N + n0, N, A + (int64_t)m0 * K, K, B + (int64_t)n0 * K, K, K, alpha, accumulate);
-                continue;
-            }
-            for (int i = 0; i < mrows; i++)
-                for (int j = 0; j < ncols; j++) {
-                    float* c = &C[(int64_t)(m0 + i) * N + n0 + j];
-                    float s = mm_dot(A + (int64_t)(m0 + i) * K, B + (int64_t)(n0 + j) * K, K);
-                    *c = (accumulate ? *c : 0.0f) + alpha * s;
-                }
-        }
-    }
-}
-
-// Shared body of the axpy-form products: a(m,k) = A[m*sam + k*sak], B row-major [K,N].
-static void mm_axpy_rows(float* C, const float* A, int64_t sam, int64_t sak, const float* B, int M, int N, int K,
-                         float alpha, int accumulate) {
-    int Mb = (M + 3) / 4;
-#pragma omp parallel for schedule(static)
-    for (int mb = 0; mb < Mb; mb++) {
-        int m0 = mb * 4, mrows = M - m0 < 4 ? M - m0 : 4;
-        float acc[4][MM_NB];
-        for (int n0 = 0; n0 < N; n0 += MM_NB) {
-            int nc = N - n0 < MM_NB ? N - n0 : MM_NB;
-            memset(acc, 0, sizeof(acc));
-            for (int k = 0; k < K; k++) {
-                const float* b = B + (int64_t)k * N + n0;
-                for (int i = 0; i < mrows; i++) {
-                    float a = A[(int64_t)(m0 + i) * sam + (int64_t)k * sak];
-                    if (a == 0.0f) continue;  // masked rows of dlogits and zero-initialised LoRA B
-                    float* ac = acc[i];
-#pragma omp simd
-                    for (int j = 0; j < nc; j++) ac[j] += a * b[j];
-                }
-            }
-            for (int i = 0; i < mrows; i++) {
-                float* c = C + (int64_t)(m0 + i) * N + n0;
-                if (accumulate) for (int j = 0; j < nc; j++) c[j] += alpha * acc[i][j];
-                else for (int j = 0; j < nc; j++) c[j] = alpha * acc[i][j];
-            }
-        }
-    }
+    mm_gemm(C, A, K, 1, B, 1, K, M, N, K, alpha, accumulate);
 }
 
 static void matmul_nn(float* C, const float* A, const float* B, int M, int N, int K, float alpha, int accumulate) {
-    mm_axpy_rows(C, A, K, 1, B, M, N, K, alpha, accumulate);
+    mm_gemm(C, A, K, 1, B, N, 1, M, N, K, alpha, accumulate);
 }
 
 static void matmul_tn(float* C, const float* A, const float* B, int M, int N, int K, float alpha, int accumulate) {
-    mm_axpy_rows(C, A, 1, M, B, M, N, K, alpha, accumulate);
+    mm_gemm(C, A, 1, M, B, N, 1, M, N, K, alpha, accumulate);
 }

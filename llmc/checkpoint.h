@@ -1,0 +1,64 @@
+// checkpoint.h: the resumable training state: trainable weights, AdamW moments, the step, the
+// data cursor, the seed, and a settings line that must match on resume (model shape, modes,
+// LoRA shape, batch geometry). Written atomically (temporary file, fsync, rename), so a run
+// killed at any moment resumes from the last complete save.
+#pragma once
+#include "common.h"
+
+#define STATE_MAGIC "LMFTSTAT"
+#define STATE_VERSION 1u
+#define STATE_SETTINGS_BYTES 1024
+
+typedef struct {
+    int64_t step;          // optimizer steps completed
+    int64_t cursor;        // training data loader cursor (global window index)
+    uint64_t seed;
+    char settings[STATE_SETTINGS_BYTES];
+    int64_t count;         // floats in each of params, m, v
+} StateHeader;
+
+static void state_save(const char* path, const StateHeader* h, const float* params, const float* m, const float* v) {
+    AtomicFile a = atomic_open(path);
+    uint32_t version = STATE_VERSION;
+    atomic_write(&a, STATE_MAGIC, 8);
+    atomic_write(&a, &version, 4);
+    atomic_write(&a, h, sizeof(*h));
+    atomic_write(&a, params, sizeof(float) * h->count);
+    atomic_write(&a, m, sizeof(float) * h->count);
+    atomic_write(&a, v, sizeof(float) * h->count);
+    atomic_commit(&a);
+}
+
+// Names the first "key=value" of two space-separated settings lines that differs.
+static void state_explain_mismatch(const char* path, const char* saved, const char* now) {
+    char a[STATE_SETTINGS_BYTES], b[STATE_SETTINGS_BYTES];
+    snprintf(a, sizeof(a), "%s", saved);
+    snprintf(b, sizeof(b), "%s", now);
+    char *sa, *sb;
+    char* ta = strtok_r(a, " ", &sa);
+    char* tb = strtok_r(b, " ", &sb);
+    while (ta && tb && strcmp(ta, tb) == 0) { ta = strtok_r(NULL, " ", &sa); tb = strtok_r(NULL, " ", &sb); }
+    fail("%s: the saved run does not match this one: saved %s, now %s (resume with the same model and flags)", path,
+         ta ? ta : "(nothing)", tb ? tb : "(nothing)");
+}
+
+// Reads a state; its settings must equal `settings` and its size `count`.
+static void state_load(const char* path, StateHeader* h, const char* settings, int64_t count, float* params, float* m, float* v) {
+    size_t size;
+    char* buf = read_file(path, &size);
+    size_t need = 12 + sizeof(*h);
+    if (size < need || memcmp(buf, STATE_MAGIC, 8) != 0) fail("%s: not a training state (bad magic)", path);
+    uint32_t version;
+    memcpy(&version, buf + 8, 4);
+    if (version != STATE_VERSION) fail("%s: training state version %u, expected %u", path, version, STATE_VERSION);
+    memcpy(h, buf + 12, sizeof(*h));
+    h->settings[STATE_SETTINGS_BYTES - 1] = 0;
+    if (strcmp(h->settings, settings) != 0) state_explain_mismatch(path, h->settings, settings);
+    if (h->count != count) fail("%s: holds %lld trainable values, this run has %lld", path, (long long)h->count, (long long)count);
+    if (size != need + 3 * sizeof(float) * (size_t)count) fail("%s: truncated (%zu bytes, expected %zu)", path, size, need + 3 * sizeof(float) * (size_t)count);
+    const char* p = buf + need;
+    memcpy(params, p, sizeof(float) * count);
+    memcpy(m, p + sizeof(float) * count, sizeof(float) * count);
+    memcpy(v, p + 2 * sizeof(float) * count, sizeof(float) * count);
+    free(buf);
+}

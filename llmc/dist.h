@@ -1,0 +1,78 @@
+// dist.h: data parallelism across processes. Under mpirun each rank is one process (one GPU on
+// the CUDA backend, chosen by local rank); gradients and loss statistics are summed across ranks
+// with MPI on the CPU backend. A plain single-process run needs no MPI at all, and a binary built
+// without MPI refuses a multi-rank launch instead of silently training N independent copies.
+#pragma once
+#include "common.h"
+#ifdef LLMC_HAVE_MPI
+#include <mpi.h>
+#endif
+
+typedef struct {
+    int rank, world, local_rank;
+    int mpi;               // MPI was initialised by us
+} Dist;
+
+// Ranks announced by the common launchers (Open MPI, MPICH/Hydra, Slurm), or 1.
+static int launcher_world_size(void) {
+    const char* vars[] = {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "SLURM_NTASKS"};
+    for (int i = 0; i < 4; i++) {
+        const char* v = getenv(vars[i]);
+        if (v && atoi(v) > 1 && (i < 3 || getenv("SLURM_STEP_ID"))) return atoi(v);
+    }
+    return 1;
+}
+
+#ifdef LLMC_HAVE_MPI
+static void dist_abort_hook(int status) { MPI_Abort(MPI_COMM_WORLD, status); }
+#endif
+
+static void dist_init(Dist* d, int* argc, char*** argv) {
+    memset(d, 0, sizeof(*d));
+    d->world = 1;
+    int launched = launcher_world_size();
+#ifdef LLMC_HAVE_MPI
+    if (launched > 1) {
+        MPI_Init(argc, argv);
+        d->mpi = 1;
+        MPI_Comm_rank(MPI_COMM_WORLD, &d->rank);
+        MPI_Comm_size(MPI_COMM_WORLD, &d->world);
+        MPI_Comm local;
+        MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, d->rank, MPI_INFO_NULL, &local);
+        MPI_Comm_rank(local, &d->local_rank);
+        MPI_Comm_free(&local);
+        g_fail_hook = dist_abort_hook;  // a failing rank stops the whole job, with its message
+    }
+#else
+    (void)argc; (void)argv;
+    if (launched > 1)
+        fail("launched as one of %d ranks, but this binary was built without MPI (install an MPI, e.g. Debian's libopenmpi-dev, and rebuild)", launched);
+#endif
+}
+
+static void dist_allreduce_sum_f32(const Dist* d, float* x, int64_t n) {
+#ifdef LLMC_HAVE_MPI
+    if (d->world > 1)
+        for (int64_t off = 0; off < n; off += 1 << 28) {  // MPI counts are int
+            int c = (int)(n - off < (1 << 28) ? n - off : (1 << 28));
+            MPI_Allreduce(MPI_IN_PLACE, x + off, c, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
+        }
+#else
+    (void)d; (void)x; (void)n;
+#endif
+}
+
+static void dist_allreduce_sum_f64(const Dist* d, double* x, int n) {
+#ifdef LLMC_HAVE_MPI
+    if (d->world > 1) MPI_Allreduce(MPI_IN_PLACE, x, n, MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD);
+#else
+    (void)d; (void)x; (void)n;
+#endif
+}
+
+static void dist_finalize(Dist* d) {
+#ifdef LLMC_HAVE_MPI
+    if (d->mpi) { g_fail_hook = NULL; MPI_Finalize(); }
+#endif
+    d->mpi = 0;
+}

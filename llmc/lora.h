@@ -1,0 +1,82 @@
+// lora.h: the linear layer both models are built from: a frozen weight W [out, in] and optional
+// frozen bias, plus an optional LoRA adapter (A [r, in], B [out, r], trainable) whose update is
+// scale * B (A x). Forward, backward, the fresh-adapter init, the wiring of adapters into the
+// flat trainable arena, and the merge of a preceding norm's affine into W (MS norms).
+// The products are the backend's matmul kernels (llmc/cpu/matmul.h today).
+#pragma once
+#include <math.h>
+#include "common.h"
+#include "rng.h"
+#include "cpu/matmul.h"
+
+typedef struct {
+    int in, out;
+    float* W;              // [out, in] frozen
+    float* bias;           // [out] frozen, or NULL (LLaMA has none; ViT always has one)
+    float *A, *B;          // LoRA [r, in], [out, r]; NULL when not a target
+    float *dA, *dB;        // their gradients (accumulated over micro-batches)
+} Linear;
+
+// The bias of a linear layer, added after its product (on CUDA: the GEMM epilogue). CPU kernel.
+static void add_bias_rows(float* y, const float* bias, int64_t N, int out) {
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        float* r = y + n * out;
+        for (int j = 0; j < out; j++) r[j] += bias[j];
+    }
+}
+
+// y (+)= x W^T + bias + scale * (x A^T) B^T, keeping ax = x A^T for the LoRA backward.
+// accumulate = 1 adds to y (a residual connection), bias included.
+static void linear_forward(float* y, const float* x, const Linear* L, float* ax, int64_t N, int rank, float scale, int accumulate) {
+    matmul_nt(y, x, L->W, (int)N, L->out, L->in, 1.0f, accumulate);
+    if (L->bias) add_bias_rows(y, L->bias, N, L->out);
+    if (!L->A) return;
+    matmul_nt(ax, x, L->A, (int)N, rank, L->in, 1.0f, 0);
+    matmul_nt(y, ax, L->B, (int)N, L->out, rank, scale, 1);
+}
+
+// Given dy [N, out]: LoRA grads accumulate; dx (+)= dy W + scale * (dy B) A. W and the bias are
+// frozen, so they get no gradient; x is needed only when the layer has an adapter.
+static void linear_backward(float* dx, const float* dy, const float* x, const float* ax, const Linear* L, float* dax,
+                            int64_t N, int rank, float scale, int accumulate) {
+    matmul_nn(dx, dy, L->W, (int)N, L->in, L->out, 1.0f, accumulate);
+    if (!L->A) return;
+    matmul_tn(L->dB, dy, ax, L->out, rank, (int)N, scale, 1);
+    matmul_nn(dax, dy, L->B, (int)N, rank, L->out, scale, 0);
+    matmul_tn(L->dA, dax, x, rank, L->in, (int)N, 1.0f, 1);
+    matmul_nn(dx, dax, L->A, (int)N, L->in, rank, 1.0f, 1);
+}
+
+// Points the adapter of L at the next A then B of the flat trainable arena (and its gradient
+// twin) starting at *off, and advances *off. The models call it layer-major in target order, so
+// the arena layout is fixed by the config and the target list alone.
+static void lora_bind(Linear* L, float* params, float* grads, int64_t* off, int rank) {
+    L->A = params + *off; L->dA = grads + *off; *off += (int64_t)rank * L->in;
+    L->B = params + *off; L->dB = grads + *off; *off += (int64_t)rank * L->out;
+}
+
+// A fresh adapter: A ~ kaiming-uniform (bound 1/sqrt(in), as PEFT), B = 0, so step 0 is exactly
+// the pretrained model. Drawn on the host from the caller's stream so every backend starts equal.
+static void lora_init(Linear* L, int rank, Rng* rng) {
+    float bound = 1.0f / sqrtf((float)L->in);
+    for (int64_t i = 0; i < (int64_t)rank * L->in; i++) L->A[i] = (2.0f * rng_uniform(rng) - 1.0f) * bound;
+    memset(L->B, 0, sizeof(float) * rank * L->out);
+}
+
+// MS norms: folds the affine of the norm that feeds L into L, once at load time, so that L applied
+// to the parameter-free norm output z equals L applied to gamma*z + beta:
+//   b' = b + W beta (with the original W, hence first), W' = W diag(gamma).
+// beta NULL: RMSNorm (no shift). A shift needs a bias to land in; L must have one then.
+static void linear_merge_norm_affine(Linear* L, const float* gamma, const float* beta) {
+    if (beta && !L->bias) fail("internal: merging a norm's beta needs a linear with a bias");
+    for (int o = 0; o < L->out; o++) {
+        float* w = L->W + (int64_t)o * L->in;
+        if (beta) {
+            double s = 0.0;
+            for (int i = 0; i < L->in; i++) s += (double)w[i] * beta[i];
+            L->bias[o] += (float)s;
+        }
+        for (int i = 0; i < L->in; i++) w[i] *= gamma[i];
+    }
+}

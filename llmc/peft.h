@@ -1,0 +1,122 @@
+// peft.h: LoRA adapters in the Hugging Face PEFT layout, out and in. adapter_model.safetensors
+// holds base_model.model.<module path>.lora_A.weight [r, in] and .lora_B.weight [out, r];
+// adapter_config.json says peft_type LORA, r, lora_alpha, target_modules, task_type.
+// Adapters trained on MS-merged layers live in the merged input space; on the way out they are
+// mapped back to the original model (A_orig = A diag(1/gamma), NOTES.md section 2) and on the way
+// in forward again (A = A_orig diag(gamma)).
+#pragma once
+#include "common.h"
+#include "json.h"
+#include "safetensors.h"
+#include "lora.h"
+
+typedef struct {
+    char module[160];      // Hugging Face module path, e.g. model.layers.3.self_attn.q_proj
+    const Linear* L;
+    const float* gamma;    // the merged norm's gamma (MS mode), or NULL
+} PeftEntry;
+
+typedef struct {           // a whole tensor saved alongside (ViT: the new classifier)
+    char name[160];
+    const float* data;
+    int ndim;
+    int64_t shape[2];
+} PeftExtra;
+
+// A [r, in] scaled per input column: out[:, j] = A[:, j] * (invert ? 1/gamma_j : gamma_j).
+static void peft_scale_columns(float* out, const float* A, const float* gamma, int rank, int in, int invert, const char* module) {
+    for (int j = 0; j < in; j++) {
+        float g = gamma ? gamma[j] : 1.0f;
+        if (invert && g == 0.0f)
+            fail("cannot export the adapter of %s to the original model: its norm's gamma[%d] is 0, so the merged layer has no inverse "
+                 "(train with --norm std, or use the merged-weights export)", module, j);
+        float s = invert ? 1.0f / g : g;
+        for (int i = 0; i < rank; i++) out[(int64_t)i * in + j] = A[(int64_t)i * in + j] * s;
+    }
+}
+
+static void peft_save(const char* dir, const PeftEntry* e, int n, const PeftExtra* extra, int nextra, int rank, float alpha,
+                      const char* task_type, const char* base_model, const char* const* target_modules, int ntm,
+                      const char* modules_to_save) {
+    make_dirs(dir, "flag --out");
+    StWriter w;
+    memset(&w, 0, sizeof(w));
+    char (*names)[200] = (char(*)[200])xmalloc(sizeof(*names) * (2 * n + nextra + 1));
+    float** copies = (float**)xcalloc(n + 1, sizeof(float*));
+    int k = 0;
+    for (int i = 0; i < n; i++) {
+        const Linear* L = e[i].L;
+        copies[i] = (float*)xmalloc(sizeof(float) * rank * L->in);
+        peft_scale_columns(copies[i], L->A, e[i].gamma, rank, L->in, 1, e[i].module);
+        int64_t sa[2] = {rank, L->in}, sb[2] = {L->out, rank};
+        snprintf(names[k], 200, "base_model.model.%s.lora_A.weight", e[i].module);
+        st_writer_add(&w, names[k++], ST_F32, 2, sa, copies[i]);
+        snprintf(names[k], 200, "base_model.model.%s.lora_B.weight", e[i].module);
+        st_writer_add(&w, names[k++], ST_F32, 2, sb, L->B);
+    }
+    for (int i = 0; i < nextra; i++) {
+        snprintf(names[k], 200, "base_model.model.%s", extra[i].name);
+        st_writer_add(&w, names[k++], ST_F32, extra[i].ndim, extra[i].shape, extra[i].data);
+    }
+    char* path = path_join(dir, "adapter_model.safetensors");
+    st_writer_save(&w, path, "\"format\":\"pt\"");
+    free(path);
+    st_writer_free(&w);
+    for (int i = 0; i < n; i++) free(copies[i]);
+    free(copies);
+    free(names);
+    path = path_join(dir, "adapter_config.json");
+    AtomicFile a = atomic_open(path);
+    fprintf(a.f, "{\n  \"peft_type\": \"LORA\",\n  \"task_type\": \"%s\",\n  \"r\": %d,\n  \"lora_alpha\": %g,\n  \"lora_dropout\": 0.0,\n"
+                 "  \"bias\": \"none\",\n  \"fan_in_fan_out\": false,\n  \"inference_mode\": true,\n  \"base_model_name_or_path\": ",
+            task_type, rank, alpha);
+    json_write_string(a.f, base_model ? base_model : "");
+    fprintf(a.f, ",\n  \"target_modules\": [");
+    for (int i = 0; i < ntm; i++) { fprintf(a.f, "%s", i ? ", " : ""); json_write_string(a.f, target_modules[i]); }
+    fprintf(a.f, "],\n  \"modules_to_save\": %s\n}\n", modules_to_save ? modules_to_save : "null");
+    atomic_commit(&a);
+    free(path);
+}
+
+// Loads an adapter directory into the entries' A/B (re-applying the merge for MS layers). The
+// adapter's rank must equal `rank`; entries missing from the file are an error.
+static void peft_load(const char* dir, const PeftEntry* e, int n, int rank, float* alpha_out) {
+    char* cfg_path = path_join(dir, "adapter_config.json");
+    size_t len;
+    char* text = read_file(cfg_path, &len);
+    Json j = json_parse(text, len, cfg_path);
+    const char* type = json_string_or(&j, "peft_type", "");
+    if (strcmp(type, "LORA") != 0) fail("%s: peft_type is \"%s\", expected \"LORA\"", cfg_path, type);
+    int r = json_int_req(&j, "r", cfg_path);
+    if (r != rank) fail("%s: adapter rank r=%d, but --lora-rank is %d", cfg_path, r, rank);
+    if (alpha_out) *alpha_out = (float)json_number_req(&j, "lora_alpha", cfg_path);
+    json_free(&j);
+    free(text);
+    free(cfg_path);
+    char* st_path = path_join(dir, "adapter_model.safetensors");
+    StFile f;
+    st_open(&f, st_path);
+    char name[200];
+    for (int i = 0; i < n; i++) {
+        Linear* L = (Linear*)e[i].L;
+        const char* variants[2] = {"lora_A.weight", "lora_A.default.weight"};  // PEFT saves without the adapter name
+        const StTensor *ta = NULL, *tb = NULL;
+        for (int v = 0; v < 2 && !ta; v++) {
+            snprintf(name, sizeof(name), "base_model.model.%s.%s", e[i].module, variants[v]);
+            ta = st_find(&f, name);
+            snprintf(name, sizeof(name), "base_model.model.%s.%s", e[i].module, v ? "lora_B.default.weight" : "lora_B.weight");
+            tb = st_find(&f, name);
+        }
+        if (!ta || !tb) fail("%s: no LoRA weights for module %s (adapter trained with other --lora-targets?)", st_path, e[i].module);
+        int64_t sa[2] = {rank, L->in}, sb[2] = {L->out, rank};
+        st_check_shape(ta, 2, sa);
+        st_check_shape(tb, 2, sb);
+        float* tmp = (float*)xmalloc(sizeof(float) * rank * L->in);
+        st_to_f32(ta, tmp);
+        peft_scale_columns(L->A, tmp, e[i].gamma, rank, L->in, 0, e[i].module);
+        st_to_f32(tb, L->B);
+        free(tmp);
+    }
+    st_close(&f);
+    free(st_path);
+}

@@ -1,0 +1,177 @@
+"""train_llama as a system: data parallelism over mpirun equals one process with the combined
+batch; a failing rank stops the job; SIGKILL + --resume equals an uninterrupted run bit for bit;
+a mismatched resume is refused; PEFT adapters out and back in, across norm modes, and against the
+independent PyTorch reference."""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+
+import numpy as np
+import pytest
+
+import llama_cases as lc
+import reference_llama as ref
+import shards
+import st_io
+from test_llama_cli import BIN, ENV, expect_error, losses, run
+
+MPIRUN = shutil.which("mpirun")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    d = tmp_path_factory.mktemp("sys")
+    cfg = lc.model_config("gqa_untied")
+    lc.write_model(str(d / "model"), cfg, seed=4)
+    rng = np.random.default_rng(1)
+    toks = np.tile(rng.integers(3, cfg["vocab_size"], size=13), 600)
+    flip = rng.random(toks.size) < 0.1
+    toks[flip] = rng.integers(3, cfg["vocab_size"], size=flip.sum())
+    mask = (rng.random(toks.size) > 0.2).astype(np.uint8)
+    shards.write_shard(str(d / "train.bin"), toks.astype(np.uint32), mask, cfg["vocab_size"])
+    shards.write_shard(str(d / "val.bin"), toks[:1500].astype(np.uint32), mask[:1500], cfg["vocab_size"])
+    return d
+
+
+def base_args(tiny, *extra):
+    return ["--model", tiny / "model", "--data", tiny / "train.bin", "--seq", 24, "--lora-rank", 4, "--lr", 5e-3,
+            "--seed", 11, "--threads", 1, *extra]
+
+
+def adapter(dir_):
+    return st_io.load(str(dir_ / "adapter_model.safetensors"))
+
+
+def mpirun(np_, args, check=True, timeout=120):
+    if not MPIRUN:
+        pytest.fail("mpirun not found: install openmpi-bin (.ci/run does)")
+    cmd = [MPIRUN, "--allow-run-as-root", "--oversubscribe", "-np", str(np_), BIN] + [str(a) for a in args]
+    p = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=timeout)
+    if check and p.returncode != 0:
+        pytest.fail(f"mpirun failed ({p.returncode}):\n{p.stdout}\n{p.stderr}")
+    return p
+
+
+# ---- data parallelism ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode", ["baseline", "lowmem"])
+def test_two_ranks_equal_one_process_with_combined_batch(tiny, tmp_path, mode):
+    one = run(base_args(tiny, "--mode", mode, "--steps", 5, "--batch", 4, "--out", tmp_path / "one"))
+    two = mpirun(2, base_args(tiny, "--mode", mode, "--steps", 5, "--batch", 2, "--out", tmp_path / "two"))
+    np.testing.assert_allclose(losses(one.stdout), losses(two.stdout), rtol=1e-5)
+    a, b = adapter(tmp_path / "one"), adapter(tmp_path / "two")
+    assert a.keys() == b.keys() and len(a) == 2 * 7 * 2
+    worst = max(float(np.abs(a[k] - b[k]).max() / (np.abs(a[k]).max() + 1e-12)) for k in a)
+    print(f"{mode}: 1 process x batch 4 vs 2 ranks x batch 2: worst relative weight difference {worst:.2e}")
+    assert worst < 1e-4
+    assert "2 ranks" in two.stdout and "per rank" in two.stdout
+
+
+def test_failing_rank_stops_the_job(tiny, tmp_path):
+    bad = tmp_path / "bad.bin"
+    bad.write_bytes(b"nope" * 40)
+    t0 = time.time()
+    p = mpirun(2, base_args(tiny, "--steps", 3, "--batch", 2, "--data", bad), check=False, timeout=60)
+    assert p.returncode != 0
+    assert "bad.bin" in p.stderr and "magic" in p.stderr
+    assert time.time() - t0 < 30
+
+
+# ---- resume ----------------------------------------------------------------------------------
+
+def test_sigkill_then_resume_is_bit_identical(tiny, tmp_path):
+    steps = 30
+    args = base_args(tiny, "--mode", "lowmem", "--steps", steps, "--batch", 8, "--save-every", 3)
+    run(args + ["--out", tmp_path / "straight"])
+    out = tmp_path / "killed"
+    p = subprocess.Popen([BIN] + [str(a) for a in args + ["--out", out]], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=ENV)
+    state = out / "train_state.bin"
+    deadline = time.time() + 60
+    while time.time() < deadline and p.poll() is None:  # kill right after the second save
+        if state.exists() and (out / "log.csv").exists() and len((out / "log.csv").read_text().splitlines()) >= 7:
+            break
+        time.sleep(0.002)
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    done = len((out / "log.csv").read_text().splitlines()) - 1
+    assert p.returncode == -signal.SIGKILL and done < steps, "the run finished before it could be killed"
+    assert not (out / "train_state.bin.tmp").exists() or state.exists()
+    r = run(base_args(tiny, "--mode", "lowmem", "--steps", steps, "--batch", 8, "--save-every", 3, "--resume", out))
+    resumed_at = int(r.stdout.split("at step ")[1].split()[0])
+    print(f"killed after {done} logged steps, resumed at step {resumed_at}")
+    assert 0 < resumed_at <= done
+    a, b = adapter(tmp_path / "straight"), adapter(out)
+    for k in a:
+        assert np.array_equal(a[k], b[k]), k
+    assert (tmp_path / "straight" / "train_state.bin").read_bytes() == state.read_bytes()
+
+
+def test_mismatched_resume_is_refused(tiny, tmp_path):
+    out = tmp_path / "run"
+    run(base_args(tiny, "--steps", 2, "--batch", 2, "--out", out))
+    expect_error(base_args(tiny, "--steps", 4, "--batch", 2, "--resume", out, "--lora-rank", 8), "train_state.bin", "rank=4", "rank=8")
+    expect_error(base_args(tiny, "--steps", 4, "--batch", 2, "--resume", out, "--mode", "baseline"), "train_state.bin", "act=approx")
+    expect_error(base_args(tiny, "--steps", 4, "--batch", 2, "--resume", tmp_path / "none"), "--resume")
+
+
+# ---- adapters --------------------------------------------------------------------------------
+
+def test_peft_adapter_layout(tiny, tmp_path):
+    out = tmp_path / "a"
+    run(base_args(tiny, "--steps", 2, "--batch", 2, "--out", out, "--lora-targets", "q,v,down"))
+    cfg = json.loads((out / "adapter_config.json").read_text())
+    assert cfg["peft_type"] == "LORA" and cfg["r"] == 4 and cfg["lora_alpha"] == 16 and cfg["task_type"] == "CAUSAL_LM"
+    assert cfg["target_modules"] == ["q_proj", "v_proj", "down_proj"]
+    t = adapter(out)
+    d, f, kv = 48, 100, 24
+    want = {}
+    for l in range(2):
+        p = f"base_model.model.model.layers.{l}."
+        want[p + "self_attn.q_proj.lora_A.weight"] = (4, d)
+        want[p + "self_attn.q_proj.lora_B.weight"] = (d, 4)
+        want[p + "self_attn.v_proj.lora_A.weight"] = (4, d)
+        want[p + "self_attn.v_proj.lora_B.weight"] = (kv, 4)
+        want[p + "mlp.down_proj.lora_A.weight"] = (4, f)
+        want[p + "mlp.down_proj.lora_B.weight"] = (d, 4)
+    assert {k: v.shape for k, v in t.items()} == want
+
+
+def eval_loss(tiny, *extra):
+    p = run(["--model", tiny / "model", "--val", tiny / "val.bin", "--eval-only", "--seq", 24, "--batch", 4, "--lora-rank", 4,
+             "--threads", 1, *extra])
+    return float(p.stdout.split("val loss ")[-1].split()[0])
+
+
+def test_adapter_round_trip_across_norm_modes_and_against_pytorch(tiny, tmp_path):
+    """An adapter trained with MS-RMSNorm (merged gamma) is written in the original model's layout:
+    loading it into a standard-norm model, or into the PyTorch reference of the original model,
+    gives the same loss as the merged model it was trained in."""
+    out = tmp_path / "ms"
+    trained = run(base_args(tiny, "--mode", "lowmem", "--steps", 8, "--batch", 4, "--out", out, "--val", tiny / "val.bin",
+                            "--val-batches", 4))
+    val_ms = float((out / "log.csv").read_text().splitlines()[-1].split(",")[-1])  # 6 digits; stdout has 4
+    fresh = eval_loss(tiny, "--val-batches", 4)
+    std = eval_loss(tiny, "--val-batches", 4, "--adapter", out, "--mode", "baseline")
+    ms = eval_loss(tiny, "--val-batches", 4, "--adapter", out, "--mode", "lowmem")
+    print(f"val loss: fresh {fresh:.6f}, trained (ms) {val_ms:.6f}, adapter in std {std:.6f}, in ms {ms:.6f}")
+    assert abs(std - val_ms) < 2e-6 * val_ms and abs(ms - val_ms) < 2e-6 * val_ms
+    assert fresh - val_ms > 0.05
+    # the PyTorch reference of the ORIGINAL model (std norms) with the PEFT tensors as they are
+    toks, mask = shards.read_shard(str(tiny / "val.bin"))[:2]
+    T = 24
+    n = 4 * 4  # --val-batches 4 micro-batches of --batch 4 windows, in order
+    windows = np.stack([toks[i * T: i * T + T + 1] for i in range(n)]).astype(np.int32)
+    wmask = np.stack([mask[i * T + 1: i * T + T + 1] for i in range(n)]).astype(np.float32)
+    case = {"tokens": windows, "mask": wmask}
+    t = adapter(out)
+    for l in range(2):
+        for tg, mod in ref._MODULE_OF.items():
+            case[f"lora.{l}.{tg}.A"] = t[f"base_model.model.model.layers.{l}.{mod}.lora_A.weight"]
+            case[f"lora.{l}.{tg}.B"] = t[f"base_model.model.model.layers.{l}.{mod}.lora_B.weight"]
+    want = ref.run_case(str(tiny / "model"), case, act="exact", norm="std", lora_rank=4, lora_alpha=16.0,
+                        targets=list(ref._MODULE_OF))
+    print(f"PyTorch reference loss of base + PEFT adapter: {float(want['loss'][0]):.6f}")
+    assert abs(float(want["loss"][0]) - std) < 1e-4 * std
