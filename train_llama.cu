@@ -608,6 +608,8 @@ static void llama_flags(FlagTable* t, TrainOptions* o) {
     t->group = "memory modes (the paper's layers)";
     flag_choice(t, "swiglu-product", &o->swiglu_product, "keep|recompute",
                 "keep the down projection's input, or rebuild it from silu(g)*u in backward (beyond the paper)");
+    t->group = "model and data";
+    flag_string(t, "export-merged", &o->export_merged, "after training (or alone, with --adapter), write the model with the adapter folded in to this directory");
 }
 
 static void print_settings_json(char* buf, size_t n, const TrainOptions* o, const char* device) {
@@ -640,6 +642,14 @@ static void llama_dry_run(const LlamaConfig* cfg, const TrainOptions* o, LlamaMo
 // ----------------------------------------------------------------------------------------------
 // Adapters and training state
 
+// The gamma that MS-RMSNorm merged into linear t of layer l, or NULL (standard norms, o, down).
+static const float* llama_merged_gamma(const Llama* m, int l, int t) {
+    if (!m->modes.ms) return NULL;
+    if (t == T_Q || t == T_K || t == T_V) return m->layers[l].attn_norm;
+    if (t == T_GATE || t == T_UP) return m->layers[l].mlp_norm;
+    return NULL;
+}
+
 // The PEFT view of the adapters: Hugging Face module paths; layers merged with an MS norm carry
 // that norm's gamma so the adapter is mapped back to (and from) the original model's layout.
 static int llama_peft_entries(Llama* m, PeftEntry* e) {
@@ -650,7 +660,7 @@ static int llama_peft_entries(Llama* m, PeftEntry* e) {
             if (!L->A) continue;
             snprintf(e[n].module, sizeof(e[n].module), "model.layers.%d.%s", l, hf_module_names[t]);
             e[n].L = L;
-            e[n].gamma = !m->modes.ms ? NULL : t <= T_V ? m->layers[l].attn_norm : (t == T_GATE || t == T_UP) ? m->layers[l].mlp_norm : NULL;
+            e[n].gamma = llama_merged_gamma(m, l, t);
             n++;
         }
     return n;
@@ -673,6 +683,70 @@ static void llama_load_adapter(Llama* m, const char* dir, const TrainOptions* o)
     peft_load(dir, e, n, m->modes.rank, &alpha);
     if (alpha != o->lora_alpha) fail("%s: adapter has lora_alpha %g, but --lora-alpha is %g", dir, alpha, o->lora_alpha);
     free(e);
+}
+
+// The adapted Linear whose Hugging Face weight is `name`, or NULL.
+static const Linear* llama_linear_named(Llama* m, const char* name, int* layer, int* target) {
+    char buf[256];
+    for (int l = 0; l < m->cfg.layers; l++)
+        for (int t = 0; t < N_TARGETS; t++) {
+            snprintf(buf, sizeof(buf), "model.layers.%d.%s.weight", l, hf_module_names[t]);
+            if (strcmp(buf, name) == 0) { *layer = l; *target = t; return &m->layers[l].lin[t]; }
+        }
+    return NULL;
+}
+
+static void copy_file_atomic(const char* src, const char* dst) {
+    size_t n;
+    char* buf = read_file(src, &n);
+    AtomicFile a = atomic_open(dst);
+    atomic_write(&a, buf, n);
+    atomic_commit(&a);
+    free(buf);
+}
+
+// --export-merged: the input checkpoint with every adapter folded in, W + alpha/r * B A, in the
+// original layout (adapters of MS-merged layers are mapped back first, so the norms keep their
+// original gamma), in each tensor's original dtype; every other tensor is copied unchanged.
+static void llama_export_merged(Llama* m, const TrainOptions* o, const char* dir) {
+    make_dirs(dir, "flag --export-merged");
+    StModel sm;
+    st_model_open(&sm, o->model_dir);
+    StWriter w;
+    memset(&w, 0, sizeof(w));
+    int total = 0, k = 0, r = m->modes.rank;
+    for (int f = 0; f < sm.nfiles; f++) total += sm.files[f].count;
+    void** owned = (void**)xcalloc(total + 1, sizeof(void*));
+    for (int f = 0; f < sm.nfiles; f++)
+        for (int i = 0; i < sm.files[f].count; i++) {
+            const StTensor* t = &sm.files[f].tensors[i];
+            int l, tg;
+            const Linear* L = llama_linear_named(m, t->name, &l, &tg);
+            if (!L || !L->A) { st_writer_add(&w, t->name, t->dtype, t->ndim, t->shape, t->data); continue; }
+            float* W = (float*)xmalloc(sizeof(float) * L->out * L->in);
+            float* A = (float*)xmalloc(sizeof(float) * r * L->in);
+            st_to_f32(t, W);
+            peft_scale_columns(A, L->A, llama_merged_gamma(m, l, tg), r, L->in, 1, t->name);
+            matmul_nn(W, L->B, A, L->out, L->in, r, m->modes.lora_scale, 1);
+            owned[k] = xmalloc(st_dtype_size(t->dtype) * L->out * L->in);
+            f32_to_dtype(owned[k], W, (int64_t)L->out * L->in, t->dtype);
+            st_writer_add(&w, t->name, t->dtype, t->ndim, t->shape, owned[k++]);
+            free(W); free(A);
+        }
+    char* path = path_join(dir, "model.safetensors");
+    st_writer_save(&w, path, "\"format\":\"pt\"");
+    free(path);
+    const char* aux[] = {"config.json", "generation_config.json", "tokenizer.bin", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"};
+    for (int i = 0; i < 6; i++) {
+        char* src = path_join(o->model_dir, aux[i]);
+        char* dst = path_join(dir, aux[i]);
+        if (file_exists(src)) copy_file_atomic(src, dst);
+        free(src); free(dst);
+    }
+    for (int i = 0; i < k; i++) free(owned[i]);
+    free(owned);
+    st_writer_free(&w);
+    st_model_close(&sm);
 }
 
 // Everything a resumed run must share with the saved one, as "key=value" words.
@@ -787,7 +861,8 @@ int main(int argc, char** argv) {
     LlamaModes md = llama_modes_from(&o);
     if (o.dry_run) { if (dist.rank == 0) llama_dry_run(&cfg, &o, md); dist_finalize(&dist); return 0; }
     if (o.eval_only && !o.val_path) fail("flag --eval-only: needs --val");
-    if (!o.data_path && !o.generate && !o.eval_only) fail("nothing to do: give --data to train, --val with --eval-only, or --generate N to sample");
+    if (!o.data_path && !o.generate && !o.eval_only && !o.export_merged)
+        fail("nothing to do: give --data to train, --val with --eval-only, --generate N to sample, or --export-merged DIR");
     if (o.resume_dir && !o.data_path) fail("flag --resume: needs --data (the same training data as the saved run)");
     resolve_device(o.device);
     if (o.threads > 0) omp_set_num_threads(o.threads);
@@ -828,6 +903,10 @@ int main(int argc, char** argv) {
         if (dist.rank == 0) printf("val loss %.6f\n", llama_evaluate(&m, &rd.vl, o.val_batches));
     } else if (o.data_path) {
         llama_train(&m, &rd, &o, &dist);
+    }
+    if (o.export_merged && dist.rank == 0) {
+        llama_export_merged(&m, &o, o.export_merged);
+        printf("wrote merged model to %s\n", o.export_merged);
     }
     if (o.generate && dist.rank == 0) llama_generate(&m, &tok, o.prompt, o.generate, o.temperature, (uint64_t)o.seed);
     if (o.generate) tokenizer_free(&tok);

@@ -154,6 +154,32 @@ static float f16_to_f32(uint16_t h) {
     return f;
 }
 
+static uint16_t f32_to_f16(float f) {  // round to nearest even; overflow to inf, NaN stays NaN
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    uint32_t sign = (u >> 16) & 0x8000, absu = u & 0x7fffffff;
+    if (absu > 0x7f800000) return (uint16_t)(sign | 0x7e00);
+    if (absu >= 0x477ff000) return (uint16_t)(sign | 0x7c00);  // rounds past the largest half
+    if (absu < 0x38800000) {  // subnormal half (or zero): scale into the 10-bit mantissa
+        float a;
+        memcpy(&a, &absu, 4);
+        return (uint16_t)(sign | (uint32_t)lrintf(a * 16777216.0f));  // a / 2^-24, ties to even
+    }
+    uint32_t r = absu + 0xfff + ((absu >> 13) & 1) - (112u << 23);
+    return (uint16_t)(sign | (r >> 13));
+}
+
+// Converts n fp32 values to a floating dtype's bytes (F32, BF16 or F16) for writing.
+static void f32_to_dtype(void* dst, const float* src, int64_t n, StDtype dtype) {
+    uint16_t* h = (uint16_t*)dst;
+    switch (dtype) {
+        case ST_F32: memcpy(dst, src, sizeof(float) * n); break;
+        case ST_BF16: for (int64_t i = 0; i < n; i++) h[i] = f32_to_bf16(src[i]); break;
+        case ST_F16: for (int64_t i = 0; i < n; i++) h[i] = f32_to_f16(src[i]); break;
+        default: fail("internal: cannot write floats as %s", st_dtype_name(dtype));
+    }
+}
+
 // Copies a floating tensor into dst as fp32 (dst holds numel floats).
 static void st_to_f32(const StTensor* t, float* dst) {
     int64_t n = st_numel(t);

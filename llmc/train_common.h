@@ -14,6 +14,7 @@ typedef struct {
     const char* adapter_dir;  // load this LoRA adapter (PEFT layout) before training/generating
     const char* resume_dir;   // continue the run saved in this --out directory
     int save_every;
+    const char* export_merged;  // write base + adapter folded in here (text models)
     int eval_only;
     // schedule
     int steps, batch, seq, grad_accum, warmup, val_every, val_batches, log_every;

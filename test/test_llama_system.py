@@ -175,3 +175,42 @@ def test_adapter_round_trip_across_norm_modes_and_against_pytorch(tiny, tmp_path
                         targets=list(ref._MODULE_OF))
     print(f"PyTorch reference loss of base + PEFT adapter: {float(want['loss'][0]):.6f}")
     assert abs(float(want["loss"][0]) - std) < 1e-4 * std
+
+
+# ---- merged export ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_export_merged_equals_base_plus_adapter(tiny, tmp_path, dtype):
+    model = tiny / "model"
+    if dtype == "bf16":  # the same model stored in bf16: the export must keep that dtype
+        model = tmp_path / "bf16"
+        model.mkdir()
+        shutil.copy(tiny / "model" / "config.json", model / "config.json")
+        st_io.save(str(model / "model.safetensors"), st_io.load(str(tiny / "model" / "model.safetensors")), bf16=True)
+    ad, merged = tmp_path / "ad", tmp_path / "merged"
+    run(["--model", model, "--data", tiny / "train.bin", "--seq", 24, "--lora-rank", 4, "--lr", 5e-3, "--steps", 6, "--batch", 4,
+         "--threads", 1, "--mode", "lowmem", "--out", ad, "--export-merged", merged])
+    base = st_io.load(str(model / "model.safetensors"), raw=True)
+    out = st_io.load(str(merged / "model.safetensors"), raw=True)
+    assert base.keys() == out.keys()
+    hdr = st_io.read_header(str(merged / "model.safetensors"))[0]
+    assert {hdr[k]["dtype"] for k in base} == {"BF16" if dtype == "bf16" else "F32"}
+    for k in base:  # only the adapted linears change
+        assert np.array_equal(base[k], out[k]) == (".self_attn." not in k and ".mlp." not in k), k
+    # W + alpha/r B A for one linear, from the PEFT tensors (original layout)
+    a = adapter(ad)
+    f32 = lambda path: st_io.load(str(path / "model.safetensors"))
+    name = "model.layers.1.mlp.gate_proj.weight"
+    pre = "base_model.model.model.layers.1.mlp.gate_proj."
+    want = f32(model)[name] + 4.0 * a[pre + "lora_B.weight"] @ a[pre + "lora_A.weight"]
+    got = f32(merged)[name]
+    tol = 1e-2 if dtype == "bf16" else 1e-5
+    assert np.abs(got - want).max() <= tol * np.abs(want).max()
+    # the same function: merged model alone vs base + adapter, in both norm modes
+    ev = lambda m, *x: float(run(["--model", m, "--val", tiny / "val.bin", "--eval-only", "--seq", 24, "--batch", 4, "--lora-rank", 4,
+                                  "--threads", 1, *x]).stdout.split("val loss ")[-1])
+    with_adapter = ev(model, "--adapter", ad, "--mode", "baseline")
+    for mode in ["baseline", "lowmem"]:
+        alone = ev(merged, "--mode", mode)
+        print(f"{dtype} {mode}: base+adapter {with_adapter:.6f}, merged {alone:.6f}")
+        assert abs(alone - with_adapter) < (2e-3 if dtype == "bf16" else 2e-6) * with_adapter

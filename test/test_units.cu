@@ -399,7 +399,19 @@ static void test_safetensors_roundtrip(void) {
     // bf16/f16 conversion of exactly representable values
     uint16_t h1 = f32_to_bf16(-3.5f), h2 = 0x3C00 /* f16 1.0 */, h3 = 0x0001 /* f16 smallest subnormal */;
     int ok2 = bf16_to_f32(h1) == -3.5f && f16_to_f32(h2) == 1.0f && f16_to_f32(h3) == ldexpf(1.0f, -24) && f32_to_bf16(1.00390625f) == 0x3F80;
-    check(ok2, "bf16 / f16 conversions (round to nearest even, subnormals)", 0);
+    // f32 -> f16 -> f32 against the exact rounding of random values (and the special cases)
+    Rng r = rng_seeded(12, 0);
+    int ok3 = f32_to_f16(65504.0f) == 0x7BFF && f32_to_f16(1e6f) == 0x7C00 && f32_to_f16(-0.0f) == 0x8000 &&
+              f32_to_f16(ldexpf(1.0f, -24)) == 0x0001 && f32_to_f16(ldexpf(1.0f, -25)) == 0x0000 && f32_to_f16(1.0f + ldexpf(1.0f, -11)) == 0x3C00;
+    for (int i = 0; i < 20000 && ok3; i++) {
+        float x = rng_normal(&r) * ldexpf(1.0f, (int)rng_below(&r, 40) - 26);
+        float y = f16_to_f32(f32_to_f16(x));
+        // y must be a nearest half: no half lies strictly closer (the neighbours differ by one ulp)
+        uint16_t hy = f32_to_f16(x);
+        float up = f16_to_f32((uint16_t)(hy + 1)), dn = f16_to_f32((uint16_t)(hy - 1));
+        if (fabsf(x) < 65504.0f && (fabsf(up - x) < fabsf(y - x) || ((hy & 0x7fff) && fabsf(dn - x) < fabsf(y - x)))) ok3 = 0;
+    }
+    check(ok2 && ok3, "bf16 / f16 conversions (round to nearest even, subnormals, overflow)", 0);
 }
 
 static void test_json(void) {
