@@ -837,8 +837,12 @@ static void llama_train(Llama* m, RunData* rd, const TrainOptions* o, const Dist
             llama_save_state(m, out, settings, step + 1, rd->tl.cursor, o->seed);
         }
     }
-    if (rank0) printf("trained %d steps in %.1f s (%.1f s in all-reduce)%s%s\n", o->steps - start, wall_seconds() - t0, comm,
-                      out ? ", adapter and state in " : "", out ? out : "");
+    if (rank0) {
+        printf("trained %d steps in %.1f s (%.1f s in all-reduce)%s%s\n", o->steps - start, wall_seconds() - t0, comm,
+               out ? ", adapter and state in " : "", out ? out : "");
+        printf("memory: planned %.2f MiB (saved activations %.2f MiB), measured peak RSS %.2f MiB\n", mib(plan_total(&m->plan)),
+               mib(plan_saved_bytes(&m->plan)), peak_rss_mib());
+    }
     if (log) fclose(log);
 }
 
