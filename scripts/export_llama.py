@@ -1,10 +1,17 @@
-"""Convert a llama2.c checkpoint into a Hugging Face LLaMA model directory.
+"""Convert a llama2.c checkpoint or a LLaMA GGUF file into a Hugging Face LLaMA model directory.
 
     python3 scripts/export_llama.py --llama2c model.bin --tokenizer tok.bin --out DIR [--dtype bf16]
+    python3 scripts/export_llama.py --gguf model.gguf --out DIR [--dtype bf16]
 
 DIR gets config.json, model.safetensors and tokenizer.bin (the C trainer reads the
 llama2.c tokenizer for encode/decode). The trainer reads only the Hugging Face
 layout, so every other source is converted here once.
+
+GGUF (needs `pip install gguf`): the tensors are dequantized (scripts/gguf_llama.py says
+which types and how), the hyperparameters come from the llama.* metadata, and the tokenizer
+from tokenizer.ggml.*; a byte-level BPE (GPT-2 style) tokenizer is written as a tokenizer.bin
+of raw-byte pieces plus tokenizer_config.json, whose "tokenizer_bin" block tells the trainer
+to use byte-level conventions (llmc/tokenizer.h).
 
 llama2.c rotates interleaved pairs (2i, 2i+1) in RoPE; Hugging Face rotates pairs
 (i, i + head_dim/2). Permuting the rows of wq and wk within each head turns one
@@ -21,7 +28,9 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import st_io  # noqa: E402
-from llama2c_tokenizer import read_tokenizer_bin  # noqa: E402
+import gguf_llama  # noqa: E402
+from gguf_llama import interleaved_to_half  # noqa: E402  (the same permutation serves both)
+from llama2c_tokenizer import read_tokenizer_bin, write_tokenizer_bin  # noqa: E402
 
 V1_MAGIC = 0x616B3432  # "ak42" read as a little-endian uint32
 V1_HEADER_BYTES = 256
@@ -100,16 +109,6 @@ def read_weights(path, data, offset, shapes):
     return out
 
 
-def interleaved_to_half(w, n_heads):
-    """Permute q/k rows from llama2.c's interleaved RoPE pairs to HF rotate-half pairs.
-
-    Within a head, row 2i (real part of pair i) goes to row i and row 2i+1 to
-    row i + head_dim/2, which is where rotate-half expects them.
-    """
-    rows, cols = w.shape
-    return w.reshape(n_heads, rows // n_heads // 2, 2, cols).transpose(0, 2, 1, 3).reshape(rows, cols)
-
-
 def to_hf_tensors(cfg, w, shared):
     """Map llama2.c arrays to Hugging Face LlamaForCausalLM parameter names."""
     t = {"model.embed_tokens.weight": w["tok_embeddings"], "model.norm.weight": w["rms_final"]}
@@ -175,25 +174,61 @@ def check_tokenizer(path, vocab_size):
                           f"vocab_size is {vocab_size}")
 
 
-def write_model_dir(out, config, tensors, tokenizer_path, dtype):
-    """Write everything into OUT.tmp, then swap it into place so OUT is never half-written."""
+def write_json(path, obj):
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=2, ensure_ascii=False)
+        f.write("\n")
+
+
+def write_model_dir(out, config, tensors, tokenizer, dtype):
+    """Write everything into OUT.tmp, then swap it into place so OUT is never half-written.
+
+    tokenizer: a tokenizer.bin path to copy, or (pieces, scores, tokenizer_config dict)."""
     out = out.rstrip("/")
     tmp = out + ".tmp"
     if os.path.exists(tmp):
         shutil.rmtree(tmp)
     os.makedirs(tmp)
-    with open(os.path.join(tmp, "config.json"), "w") as f:
-        json.dump(config, f, indent=2)
-        f.write("\n")
-    st_io.save(os.path.join(tmp, "model.safetensors"), tensors, metadata={"format": "pt"},
-               bf16=(dtype == "bf16"))
-    shutil.copyfile(tokenizer_path, os.path.join(tmp, "tokenizer.bin"))
+    try:
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(config, f, indent=2)
+            f.write("\n")
+        st_io.save(os.path.join(tmp, "model.safetensors"), tensors, metadata={"format": "pt"},
+                   bf16=(dtype == "bf16"))
+        if isinstance(tokenizer, str):
+            shutil.copyfile(tokenizer, os.path.join(tmp, "tokenizer.bin"))
+        else:
+            pieces, scores, tok_config = tokenizer
+            write_tokenizer_bin(os.path.join(tmp, "tokenizer.bin"), pieces, scores)
+            write_json(os.path.join(tmp, "tokenizer_config.json"), tok_config)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # leave no partial output behind
+        raise
     if os.path.isdir(out):
         shutil.rmtree(out)
     os.replace(tmp, out)
 
 
+def export_gguf(args):
+    try:
+        config, tensors, tokenizer, types = gguf_llama.load_gguf(args.gguf, args.dtype)
+    except gguf_llama.GGUFError as e:
+        raise ExportError(str(e)) from None
+    try:
+        write_model_dir(args.out, config, tensors, tokenizer, args.dtype)
+    except OSError as e:
+        raise ExportError(f"{args.out}: cannot write output ({e.strerror})") from None
+    n_params = sum(t.size for t in tensors.values())
+    shape = {k: config[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
+                                    "num_attention_heads", "num_key_value_heads", "vocab_size")}
+    print(f"wrote {args.out}: {shape}, tied={config['tie_word_embeddings']}, {n_params} "
+          f"parameters dequantized from {types}, {args.dtype}, tokenizer "
+          f"{tokenizer[2]['tokenizer_bin']['type']}")
+
+
 def export(args):
+    if args.gguf:
+        return export_gguf(args)
     cfg, shared, tensors = load_llama2c(args.llama2c)
     check_tokenizer(args.tokenizer, cfg["vocab_size"])
     config = hf_config(cfg, shared, args.dtype)
@@ -210,15 +245,21 @@ def parse_args(argv=None):
     src = ap.add_argument_group("source checkpoint (exactly one)")
     src.add_argument("--llama2c", metavar="FILE.bin",
                      help="llama2.c checkpoint (legacy v0 or version-1 fp32)")
-    # --gguf FILE belongs here: dequantize with the PyPI `gguf` package (not implemented yet)
-    ap.add_argument("--tokenizer", required=True, metavar="TOK.bin",
-                    help="llama2.c tokenizer.bin matching the model's vocabulary")
+    src.add_argument("--gguf", metavar="FILE.gguf",
+                     help="llama.cpp GGUF file of a LLaMA model (F32/F16/BF16/Q8_0/Q4_0/Q4_1/"
+                          "Q5_0/Q5_1 tensors; needs `pip install gguf`); its tokenizer comes along")
+    ap.add_argument("--tokenizer", metavar="TOK.bin",
+                    help="llama2.c tokenizer.bin matching the model's vocabulary (--llama2c only)")
     ap.add_argument("--out", required=True, metavar="DIR", help="output model directory")
     ap.add_argument("--dtype", choices=("f32", "bf16"), default="f32",
                     help="dtype of the weights in model.safetensors (default f32)")
     args = ap.parse_args(argv)
-    if not args.llama2c:
-        ap.error("a source checkpoint is required: --llama2c FILE.bin")
+    if bool(args.llama2c) == bool(args.gguf):
+        ap.error("exactly one source checkpoint is required: --llama2c FILE.bin or --gguf FILE.gguf")
+    if args.llama2c and not args.tokenizer:
+        ap.error("--llama2c needs --tokenizer TOK.bin")
+    if args.gguf and args.tokenizer:
+        ap.error("--tokenizer is for --llama2c; a GGUF file carries its own tokenizer")
     return args
 
 
