@@ -123,6 +123,7 @@ typedef struct {
 
 typedef struct {
     int approx, ms, ckpt, recompute_product;
+    int full;              // train the linear weights themselves instead of LoRA adapters
     unsigned targets;
     int rank;
     float lora_scale;
@@ -137,8 +138,8 @@ typedef struct {
     float* lm_head;        // [V, d] (== embed when tied)
     LlamaLayer* layers;
     float *rope_cos, *rope_sin;  // [T, hd/2]
-    float *lora, *lora_grad, *adam_m, *adam_v;  // flat trainable arenas
-    int64_t lora_count;
+    float *params, *grads, *adam_m, *adam_v;  // flat trainable arenas: LoRA A/B, or (--full) the linear weights
+    int64_t n_params;
     BlockActs* acts;       // [layers]
     BlockActs tmp;         // scratch set (recompute, or buffers not kept)
     float** ckpt;          // [layers] block inputs under --recompute block
@@ -191,22 +192,27 @@ static void llama_plan(Llama* m, MemPlan* p, int wbytes, int abytes) {
         LlamaLayer* L = &m->layers[l];
         plan_add(p, MEM_FROZEN, "attn_norm", l, "attn_norm", d * 4, &L->attn_norm);
         plan_add(p, MEM_FROZEN, "mlp_norm", l, "mlp_norm", d * 4, &L->mlp_norm);
+        if (md->full) continue;  // the linear weights are the trainable arena then (fp32)
         for (int t = 0; t < N_TARGETS; t++) plan_add(p, MEM_FROZEN, target_names[t], l, target_names[t], lin_in(c, t) * lin_out(c, t) * wbytes, &L->lin[t].W);
     }
-    m->lora_count = 0;
+    m->n_params = 0;
     for (int l = 0; l < c->layers; l++)
-        for (int t = 0; t < N_TARGETS; t++)
-            if (md->targets >> t & 1) m->lora_count += r * (lin_in(c, t) + lin_out(c, t));
-    plan_add(p, MEM_TRAINABLE, "lora", -1, "lora", m->lora_count * 4, &m->lora);
-    plan_add(p, MEM_GRADS, "lora", -1, "lora_grad", m->lora_count * 4, &m->lora_grad);
-    plan_add(p, MEM_OPTIM, "lora", -1, "adam_m", m->lora_count * 4, &m->adam_m);
-    plan_add(p, MEM_OPTIM, "lora", -1, "adam_v", m->lora_count * 4, &m->adam_v);
+        for (int t = 0; t < N_TARGETS; t++) {
+            if (md->full) m->n_params += lin_in(c, t) * lin_out(c, t);
+            else if (md->targets >> t & 1) m->n_params += r * (lin_in(c, t) + lin_out(c, t));
+        }
+    const char* what = md->full ? "linear weights" : "lora";
+    plan_add(p, MEM_TRAINABLE, what, -1, "params", m->n_params * 4, &m->params);
+    plan_add(p, MEM_GRADS, what, -1, "grads", m->n_params * 4, &m->grads);
+    plan_add(p, MEM_OPTIM, what, -1, "adam_m", m->n_params * 4, &m->adam_m);
+    plan_add(p, MEM_OPTIM, what, -1, "adam_v", m->n_params * 4, &m->adam_v);
     plan_add(p, MEM_SCRATCH, "rope", -1, "rope_cos", m->T * (c->head_dim / 2) * 4, &m->rope_cos);
     plan_add(p, MEM_SCRATCH, "rope", -1, "rope_sin", m->T * (c->head_dim / 2) * 4, &m->rope_sin);
     // saved activations, block by block (the table of DESIGN.md section 5)
     int keep = !md->ckpt;
-    int lora_qkv = md->targets & ((1u << T_Q) | (1u << T_K) | (1u << T_V));
-    int lora_gu = md->targets & ((1u << T_GATE) | (1u << T_UP));
+    // a linear keeps its input when its own backward needs it: it has an adapter or trains W
+    int lora_qkv = md->full || (md->targets & ((1u << T_Q) | (1u << T_K) | (1u << T_V)));
+    int lora_gu = md->full || (md->targets & ((1u << T_GATE) | (1u << T_UP)));
     for (int l = 0; l < c->layers; l++) {
         BlockActs* a = &m->acts[l];
         BlockActs* s = &m->tmp;
@@ -232,7 +238,7 @@ static void llama_plan(Llama* m, MemPlan* p, int wbytes, int abytes) {
         if (md->approx) plan_block_act(p, m, l, keep, "silu", "codes", (size_t)packed_codes_bytes(N * f), &a->codes, &s->codes);
         plan_block_act(p, m, l, keep, "swiglu_product", "silu_g", N * f * abytes, &a->sg, &s->sg);
         plan_block_act(p, m, l, keep, "swiglu_product", "up", N * f * abytes, &a->u, &s->u);
-        plan_block_act(p, m, l, keep && (md->targets >> T_DOWN & 1) && !md->recompute_product, "down_input", "product", N * f * abytes, &a->p, &s->p);
+        plan_block_act(p, m, l, keep && (md->full || (md->targets >> T_DOWN & 1)) && !md->recompute_product, "down_input", "product", N * f * abytes, &a->p, &s->p);
     }
     // scratch of the forward and backward passes
     plan_add(p, MEM_SCRATCH, "residual", -1, "resid", N * d * abytes, &m->resid);
@@ -261,8 +267,8 @@ static void llama_plan(Llama* m, MemPlan* p, int wbytes, int abytes) {
     plan_add(p, MEM_SCRATCH, "loss", -1, "loss_dz", chunk * d * 4, &m->loss.dz);
 }
 
-// Points the buffers a block does not keep at the shared scratch set, and wires LoRA weights into
-// the flat arenas (layer-major, target order, A then B).
+// Points the buffers a block does not keep at the shared scratch set, and wires the trainable
+// weights into the flat arenas (layer-major, target order; LoRA A then B, or W under --full).
 static void llama_bind(Llama* m) {
     const LlamaConfig* c = &m->cfg;
     for (int l = 0; l < c->layers; l++) {
@@ -277,7 +283,13 @@ static void llama_bind(Llama* m) {
             Linear* L = &m->layers[l].lin[t];
             L->in = (int)lin_in(c, t);
             L->out = (int)lin_out(c, t);
-            if (m->modes.targets >> t & 1) lora_bind(L, m->lora, m->lora_grad, &off, (int)r);
+            if (m->modes.full) {  // full fine-tuning: W and its gradient live in the flat arenas
+                L->W = m->params + off;
+                L->dW = m->grads + off;
+                off += (int64_t)L->in * L->out;
+            } else if (m->modes.targets >> t & 1) {
+                lora_bind(L, m->params, m->grads, &off, (int)r);
+            }
         }
 }
 
@@ -502,7 +514,7 @@ static StepResult llama_train_step(Llama* m, TextLoader* loader, const TrainOpti
     double total = count_mask(mk_all, N * K);
     dist_allreduce_sum_f64(dist, &total, 1);
     float scale = total > 0 ? (float)(1.0 / total) : 0.0f;
-    memset(m->lora_grad, 0, sizeof(float) * m->lora_count);
+    memset(m->grads, 0, sizeof(float) * m->n_params);
     double loss_sum = 0.0;
     for (int k = 0; k < K; k++) {
         memcpy(m->inputs, in_all + k * N, sizeof(int) * N);
@@ -513,16 +525,16 @@ static StepResult llama_train_step(Llama* m, TextLoader* loader, const TrainOpti
     free(in_all); free(tg_all); free(mk_all);
     double t_comm = wall_seconds();
     dist_allreduce_sum_f64(dist, &loss_sum, 1);
-    dist_allreduce_sum_f32(dist, m->lora_grad, m->lora_count);
+    dist_allreduce_sum_f32(dist, m->grads, m->n_params);
     StepResult r;
     r.comm_s = wall_seconds() - t_comm;
     r.tokens = (double)N * K * dist->world;
     r.loss = total > 0 ? (float)(loss_sum / total) : 0.0f;
-    r.grad_norm = (float)sqrt(sum_squares(m->lora_grad, m->lora_count));
+    r.grad_norm = (float)sqrt(sum_squares(m->grads, m->n_params));
     if (!isfinite(r.loss) || !isfinite(r.grad_norm)) fail("step %d: non-finite loss (%g) or gradient norm (%g); lower --lr or check the data", step + 1, r.loss, r.grad_norm);
-    if (o->grad_clip > 0 && r.grad_norm > o->grad_clip) scale_inplace(m->lora_grad, m->lora_count, o->grad_clip / r.grad_norm);
+    if (o->grad_clip > 0 && r.grad_norm > o->grad_clip) scale_inplace(m->grads, m->n_params, o->grad_clip / r.grad_norm);
     r.lr = lr_at_step(o, step);
-    adamw_update(m->lora, m->lora_grad, m->adam_m, m->adam_v, m->lora_count, r.lr, 0.9f, 0.999f, 1e-8f, o->weight_decay, step + 1);
+    adamw_update(m->params, m->grads, m->adam_m, m->adam_v, m->n_params, r.lr, 0.9f, 0.999f, 1e-8f, o->weight_decay, step + 1);
     return r;
 }
 
@@ -595,7 +607,8 @@ static LlamaModes llama_modes_from(const TrainOptions* o) {
     md.ms = strcmp(o->norm, "ms") == 0;
     md.ckpt = strcmp(o->recompute, "block") == 0;
     md.recompute_product = strcmp(o->swiglu_product, "recompute") == 0;
-    md.targets = parse_targets(o->lora_targets, target_names, N_TARGETS, "lora-targets");
+    md.full = o->full;
+    md.targets = o->full ? 0 : parse_targets(o->lora_targets, target_names, N_TARGETS, "lora-targets");
     md.rank = o->lora_rank;
     md.lora_scale = o->lora_alpha / (float)o->lora_rank;
     return md;
@@ -705,9 +718,10 @@ static void copy_file_atomic(const char* src, const char* dst) {
     free(buf);
 }
 
-// --export-merged: the input checkpoint with every adapter folded in, W + alpha/r * B A, in the
-// original layout (adapters of MS-merged layers are mapped back first, so the norms keep their
-// original gamma), in each tensor's original dtype; every other tensor is copied unchanged.
+// --export-merged (and the output of --full): the input checkpoint with every adapter folded in,
+// W + alpha/r * B A, or the fully fine-tuned W, in the original layout (MS-merged layers are
+// mapped back first, so the norms keep their original gamma), in each tensor's original dtype;
+// every other tensor is copied unchanged.
 static void llama_export_merged(Llama* m, const TrainOptions* o, const char* dir) {
     make_dirs(dir, "flag --export-merged");
     StModel sm;
@@ -722,16 +736,22 @@ static void llama_export_merged(Llama* m, const TrainOptions* o, const char* dir
             const StTensor* t = &sm.files[f].tensors[i];
             int l, tg;
             const Linear* L = llama_linear_named(m, t->name, &l, &tg);
-            if (!L || !L->A) { st_writer_add(&w, t->name, t->dtype, t->ndim, t->shape, t->data); continue; }
+            if (!L || (!L->A && !L->dW)) { st_writer_add(&w, t->name, t->dtype, t->ndim, t->shape, t->data); continue; }
             float* W = (float*)xmalloc(sizeof(float) * L->out * L->in);
-            float* A = (float*)xmalloc(sizeof(float) * r * L->in);
-            st_to_f32(t, W);
-            peft_scale_columns(A, L->A, llama_merged_gamma(m, l, tg), r, L->in, 1, t->name);
-            matmul_nn(W, L->B, A, L->out, L->in, r, m->modes.lora_scale, 1);
+            const float* gamma = llama_merged_gamma(m, l, tg);
+            if (L->dW) {  // full fine-tuning trained W' = W diag(gamma): undo the merge
+                peft_scale_columns(W, L->W, gamma, L->out, L->in, 1, t->name);
+            } else {
+                float* A = (float*)xmalloc(sizeof(float) * r * L->in);
+                st_to_f32(t, W);
+                peft_scale_columns(A, L->A, gamma, r, L->in, 1, t->name);
+                matmul_nn(W, L->B, A, L->out, L->in, r, m->modes.lora_scale, 1);
+                free(A);
+            }
             owned[k] = xmalloc(st_dtype_size(t->dtype) * L->out * L->in);
             f32_to_dtype(owned[k], W, (int64_t)L->out * L->in, t->dtype);
             st_writer_add(&w, t->name, t->dtype, t->ndim, t->shape, owned[k++]);
-            free(W); free(A);
+            free(W);
         }
     char* path = path_join(dir, "model.safetensors");
     st_writer_save(&w, path, "\"format\":\"pt\"");
@@ -752,9 +772,9 @@ static void llama_export_merged(Llama* m, const TrainOptions* o, const char* dir
 // Everything a resumed run must share with the saved one, as "key=value" words.
 static void llama_settings_line(char* buf, size_t n, const Llama* m, const TrainOptions* o, const Dist* d, int64_t data_tokens) {
     const LlamaConfig* c = &m->cfg;
-    snprintf(buf, n, "d=%d f=%d layers=%d heads=%d kv_heads=%d vocab=%d act=%s norm=%s recompute=%s rank=%d alpha=%g targets=0x%x "
+    snprintf(buf, n, "d=%d f=%d layers=%d heads=%d kv_heads=%d vocab=%d full=%d act=%s norm=%s recompute=%s rank=%d alpha=%g targets=0x%x "
              "batch=%d seq=%d grad_accum=%d world=%d steps=%d lr=%g warmup=%d min_lr_frac=%g weight_decay=%g grad_clip=%g seed=%d data_tokens=%lld",
-             c->dim, c->hidden, c->layers, c->heads, c->kv_heads, c->vocab, o->act, o->norm, o->recompute, o->lora_rank, o->lora_alpha,
+             c->dim, c->hidden, c->layers, c->heads, c->kv_heads, c->vocab, o->full, o->act, o->norm, o->recompute, o->lora_rank, o->lora_alpha,
              m->modes.targets, o->batch, o->seq, o->grad_accum, d->world, o->steps, o->lr, o->warmup, o->min_lr_frac, o->weight_decay,
              o->grad_clip, o->seed, (long long)data_tokens);
 }
@@ -765,10 +785,10 @@ static void llama_save_state(Llama* m, const char* dir, const char* settings, in
     h.step = step;
     h.cursor = cursor;
     h.seed = (uint64_t)seed;
-    h.count = m->lora_count;
+    h.count = m->n_params;
     snprintf(h.settings, sizeof(h.settings), "%s", settings);
     char* path = path_join(dir, "train_state.bin");
-    state_save(path, &h, m->lora, m->adam_m, m->adam_v);
+    state_save(path, &h, m->params, m->adam_m, m->adam_v);
     free(path);
 }
 
@@ -801,7 +821,7 @@ static void llama_train(Llama* m, RunData* rd, const TrainOptions* o, const Dist
     if (o->resume_dir) {
         char* path = path_join(o->resume_dir, "train_state.bin");
         StateHeader h;
-        state_load(path, &h, settings, m->lora_count, m->lora, m->adam_m, m->adam_v);
+        state_load(path, &h, settings, m->n_params, m->params, m->adam_m, m->adam_v);
         start = (int)h.step;
         rd->tl.cursor = h.cursor;
         if (rank0) printf("resumed %s at step %d\n", path, start);
@@ -833,7 +853,8 @@ static void llama_train(Llama* m, RunData* rd, const TrainOptions* o, const Dist
         }
         if (log) { fprintf(log, "%d,%.6f,%.6e,%.6f,%.1f,%.6f\n", step + 1, r.loss, r.lr, r.grad_norm, r.tokens / dt, vloss); fflush(log); }
         if (out && rank0 && (last || (o->save_every > 0 && (step + 1) % o->save_every == 0))) {
-            llama_save_adapter(m, out, o);
+            if (m->modes.full) llama_export_merged(m, o, out);  // a loadable model directory
+            else llama_save_adapter(m, out, o);
             llama_save_state(m, out, settings, step + 1, rd->tl.cursor, o->seed);
         }
     }
@@ -894,12 +915,15 @@ int main(int argc, char** argv) {
     llama_bind(&m);
     llama_load_weights(&m, o.model_dir);
     llama_rope_tables(&m);
-    llama_init_lora(&m, (uint64_t)o.seed);
+    if (!md.full) llama_init_lora(&m, (uint64_t)o.seed);
     if (o.adapter_dir) llama_load_adapter(&m, o.adapter_dir, &o);
     if (dist.rank == 0) {
-        printf("train_llama: %s | d=%d f=%d layers=%d heads=%d/%d vocab=%d | act=%s norm=%s recompute=%s | LoRA r=%d alpha=%g on %s (%lld params) | %d threads x %d ranks\n",
-               o.model_dir, cfg.dim, cfg.hidden, cfg.layers, cfg.heads, cfg.kv_heads, cfg.vocab, o.act, o.norm, o.recompute, o.lora_rank,
-               o.lora_alpha, o.lora_targets ? o.lora_targets : "all", (long long)m.lora_count, omp_get_max_threads(), dist.world);
+        char what[160];
+        if (md.full) snprintf(what, sizeof(what), "full fine-tuning of the linear weights");
+        else snprintf(what, sizeof(what), "LoRA r=%d alpha=%g on %s", o.lora_rank, o.lora_alpha, o.lora_targets ? o.lora_targets : "all");
+        printf("train_llama: %s | d=%d f=%d layers=%d heads=%d/%d vocab=%d | act=%s norm=%s recompute=%s | %s (%lld trainable) | %d threads x %d ranks\n",
+               o.model_dir, cfg.dim, cfg.hidden, cfg.layers, cfg.heads, cfg.kv_heads, cfg.vocab, o.act, o.norm, o.recompute, what,
+               (long long)m.n_params, omp_get_max_threads(), dist.world);
         plan_print(&m.plan, &base.plan, o.mode, dist.world > 1 ? "CPU fp32, per rank" : "CPU fp32");
     }
     llama_free(&base);

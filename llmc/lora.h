@@ -15,11 +15,12 @@ typedef struct {
     float* bias;           // [out] frozen, or NULL (LLaMA has none; ViT always has one)
     float *A, *B;          // LoRA [r, in], [out, r]; NULL when not a target
     float *dA, *dB;        // their gradients (accumulated over micro-batches)
+    float* dW;             // full fine-tuning: W is trainable and this is its gradient; else NULL
 } Linear;
 
 // The bias of a linear layer, added after its product (on CUDA: the GEMM epilogue). CPU kernel.
 static void add_bias_rows(float* y, const float* bias, int64_t N, int out) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (N * out > 32768)
     for (int64_t n = 0; n < N; n++) {
         float* r = y + n * out;
         for (int j = 0; j < out; j++) r[j] += bias[j];
@@ -36,11 +37,13 @@ static void linear_forward(float* y, const float* x, const Linear* L, float* ax,
     matmul_nt(y, ax, L->B, (int)N, L->out, rank, scale, 1);
 }
 
-// Given dy [N, out]: LoRA grads accumulate; dx (+)= dy W + scale * (dy B) A. W and the bias are
-// frozen, so they get no gradient; x is needed only when the layer has an adapter.
+// Given dy [N, out]: LoRA grads accumulate; dx (+)= dy W + scale * (dy B) A. Under full
+// fine-tuning dW += dy^T x as well; the bias stays frozen. x is needed only when the layer has an
+// adapter or a trainable W.
 static void linear_backward(float* dx, const float* dy, const float* x, const float* ax, const Linear* L, float* dax,
                             int64_t N, int rank, float scale, int accumulate) {
     matmul_nn(dx, dy, L->W, (int)N, L->in, L->out, 1.0f, accumulate);
+    if (L->dW) matmul_tn(L->dW, dy, x, L->out, L->in, (int)N, 1.0f, 1);
     if (!L->A) return;
     matmul_tn(L->dB, dy, ax, L->out, rank, (int)N, scale, 1);
     matmul_nn(dax, dy, L->B, (int)N, rank, L->out, scale, 0);

@@ -16,6 +16,7 @@ typedef struct {
     int save_every;
     const char* export_merged;  // write base + adapter folded in here (text models)
     int eval_only;
+    int full;               // full fine-tuning of the linear weights instead of LoRA
     // schedule
     int steps, batch, seq, grad_accum, warmup, val_every, val_batches, log_every;
     float lr, min_lr_frac, weight_decay, grad_clip;
@@ -98,6 +99,7 @@ static void train_flags_register_task(FlagTable* t, TrainOptions* o, const char*
     flag_int(t, "lora-rank", &o->lora_rank, "adapter rank r");
     flag_float(t, "lora-alpha", &o->lora_alpha, "adapter scale alpha (update = alpha/r * B A x)");
     flag_string(t, "lora-targets", &o->lora_targets, targets_help);
+    flag_bool(t, "full", &o->full, "full fine-tuning: train every linear weight (fp32 master + AdamW) instead of LoRA adapters");
     t->group = "system";
     flag_choice(t, "device", &o->device, "cpu|cuda|auto", "backend");
     flag_int(t, "seed", &o->seed, "seed for LoRA init, data order and sampling");
@@ -140,6 +142,7 @@ static void train_validate(const TrainOptions* o) {
     if (o->log_every < 1) fail("flag --log-every: expected >= 1, got %d", o->log_every);
     if (o->save_every < 0) fail("flag --save-every: expected >= 0, got %d", o->save_every);
     if (o->resume_dir && o->adapter_dir) fail("flag --adapter: not with --resume (the training state holds the adapter)");
+    if (o->full && (o->lora_targets || o->adapter_dir)) fail("flag --full: not with --lora-targets or --adapter (no adapters in full fine-tuning)");
     if (o->classes < 0) fail("flag --classes: expected >= 0, got %d", o->classes);
 }
 

@@ -290,7 +290,7 @@ def attention(q, k, v, n_rep):
     return torch.softmax(scores, dim=-1) @ v
 
 
-def forward(model, tokens, lora, scale, act="exact", norm="std", stats=None):
+def forward(model, tokens, lora, scale, act="exact", norm="std", stats=None, weights=None):
     """Logits [B, T, V] for input tokens [B, T] (int64 tensor).
 
     lora: dict (layer, target) -> (A, B). stats, if a dict, receives "gate_preact": the list of
@@ -300,7 +300,7 @@ def forward(model, tokens, lora, scale, act="exact", norm="std", stats=None):
         raise ValueError(f"act must be exact|approx, got {act!r}")
     if norm not in ("std", "ms"):
         raise ValueError(f"norm must be std|ms, got {norm!r}")
-    w = model.merged_weights() if norm == "ms" else model.w
+    w = weights if weights is not None else (model.merged_weights() if norm == "ms" else model.w)
     silu = ReSiLU2.apply if act == "approx" else silu_exact
     B, T = tokens.shape
     hd = c.head_dim
@@ -349,12 +349,14 @@ def parse_targets(targets):
 
 
 def run_case(model_dir, case, act="exact", norm="std", lora_rank=None, lora_alpha=None,
-             targets=LORA_TARGETS, dtype=torch.float64):
+             targets=LORA_TARGETS, dtype=torch.float64, full=False):
     """Run one case through the reference.
 
     model_dir: a model directory or an already loaded LlamaModel (of the wanted dtype).
     case: a CASE .safetensors path or the dict of its numpy arrays.
     lora_rank: checked against the A shapes when given. lora_alpha: default = rank.
+    full: full fine-tuning: no adapters; the gradients are those of every linear weight (of the
+    merged model under norm="ms"), named "grad.{l}.{t}.W".
     Returns a dict with the OUT names ("logits" [B,T,V], "loss" [1], "grad.lora.{l}.{t}.A|B"),
     all float64 numpy, plus "stats": {"min_margin": smallest distance of any gate
     pre-activation to a ReSiLU2 breakpoint, "margins": the same per breakpoint, "code_counts":
@@ -375,7 +377,7 @@ def run_case(model_dir, case, act="exact", norm="std", lora_rank=None, lora_alph
     lora = {}
     rank = None
     for l in range(c.n_layers):
-        for t in targets:
+        for t in ([] if full else targets):
             A = np.asarray(case[f"lora.{l}.{t}.A"], dtype=np.float64)
             B = np.asarray(case[f"lora.{l}.{t}.B"], dtype=np.float64)
             i, o = c.in_out(t)
@@ -394,14 +396,26 @@ def run_case(model_dir, case, act="exact", norm="std", lora_rank=None, lora_alph
     scale = alpha / rank
 
     stats = {}
-    logits = forward(model, tokens[:, :-1], lora, scale, act, norm, stats)
+    weights = None
+    if full:  # every linear weight becomes a leaf that needs a gradient
+        weights = dict(model.merged_weights() if norm == "ms" else model.w)
+        for l in range(c.n_layers):
+            for t in LORA_TARGETS:
+                weights[f"{l}.{t}"] = weights[f"{l}.{t}"].clone().requires_grad_(True)
+    logits = forward(model, tokens[:, :-1], lora, scale, act, norm, stats, weights)
     loss = masked_ce(logits, tokens[:, 1:], mask)
     params = [p for ab in lora.values() for p in ab]
+    if full:
+        params = [weights[f"{l}.{t}"] for l in range(c.n_layers) for t in LORA_TARGETS]
     grads = torch.autograd.grad(loss, params) if params else []
 
     out = {"logits": logits.detach().to(torch.float64).numpy(),
            "loss": np.array([float(loss)], dtype=np.float64)}
     gi = iter(grads)
+    if full:
+        for l in range(c.n_layers):
+            for t in LORA_TARGETS:
+                out[f"grad.{l}.{t}.W"] = next(gi).to(torch.float64).numpy()
     for (l, t) in lora:
         out[f"grad.lora.{l}.{t}.A"] = next(gi).to(torch.float64).numpy()
         out[f"grad.lora.{l}.{t}.B"] = next(gi).to(torch.float64).numpy()

@@ -74,6 +74,13 @@ int main(int argc, char** argv) {
     static char names[2 * N_TARGETS * 256][64];
     int k = 0;
     for (int l = 0; l < cfg.layers; l++)
+        for (int t = 0; t < N_TARGETS && md.full; t++) {  // --full: the gradient of every linear weight
+            Linear* L = &m.layers[l].lin[t];
+            int64_t sw[2] = {L->out, L->in};
+            snprintf(names[k], 64, "grad.%d.%s.W", l, target_names[t]);
+            st_writer_add(&w, names[k++], ST_F32, 2, sw, L->dW);
+        }
+    for (int l = 0; l < cfg.layers; l++)
         for (int t = 0; t < N_TARGETS; t++) {
             Linear* L = &m.layers[l].lin[t];
             if (!L->A) continue;

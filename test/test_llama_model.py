@@ -108,6 +108,26 @@ def test_probe_lora_subset(workdir, mode):
     SUMMARY.append(lc.check_errors(errs, f"{'q,v,down':12s} {act:6s} {norm:3s} {recompute:5s}"))
 
 
+@pytest.mark.parametrize("mode", MODES, ids=MODE_IDS)
+def test_probe_full_finetuning_matches_reference(workdir, mode):
+    """--full: the gradient of every linear weight (of the merged model under MS norms) against
+    the reference, in every mode; the case's adapters are ignored."""
+    act, norm, recompute = mode
+    s = _setup(workdir, "gqa_untied")
+    key = ("full", act, norm)
+    if key not in s._ref:
+        s._ref[key] = ref.run_case(s.model, s.case, act, norm, s.rank, s.alpha, s.targets, full=True)
+    want = s._ref[key]
+    out = os.path.join(workdir, f"full.{act}.{norm}.{recompute}.out.safetensors")
+    cmd = [lc.probe_path(), "--model", s.dir, "--case", s.case_path, "--out-file", out, "--act", act, "--norm", norm,
+           "--recompute", recompute, "--full"]
+    p = lc.subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    errs = lc.compare(want, lc.st_io.load(out))
+    assert sum(k.endswith(".W") for k in want) == 2 * 7
+    SUMMARY.append(lc.check_errors(errs, f"{'full':12s} {act:6s} {norm:3s} {recompute:5s}"))
+
+
 def test_probe_deterministic(workdir):
     """Two runs on the same input give bitwise identical outputs."""
     s = _setup(workdir, "gqa_untied")

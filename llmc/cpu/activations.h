@@ -9,7 +9,7 @@
 // Packs the codes of x[0..n) into out[(n+3)/4], 4 per byte (ragged tail zero-padded).
 static void pack_codes_2bit(uint8_t* out, const float* x, int64_t n, Relu3Fit fit) {
     int64_t nb = packed_codes_bytes(n);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (n > 32768)
     for (int64_t b = 0; b < nb; b++) {
         uint8_t c[4] = {0, 0, 0, 0};
         int cnt = (int)(n - 4 * b < 4 ? n - 4 * b : 4);
@@ -20,7 +20,7 @@ static void pack_codes_2bit(uint8_t* out, const float* x, int64_t n, Relu3Fit fi
 
 // sg = silu(g), p = sg * u; codes (ReSiLU2) written when non-NULL.
 static void swiglu_forward(float* p, float* sg, uint8_t* codes, const float* g, const float* u, int64_t n) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (n > 32768)
     for (int64_t i = 0; i < n; i++) {
         float s = silu_f(g[i]);
         sg[i] = s;
@@ -36,7 +36,7 @@ static void swiglu_forward(float* p, float* sg, uint8_t* codes, const float* g, 
 static void swiglu_backward(float* dg, float* du, const float* dp, const float* sg, const float* u, const float* g,
                             const uint8_t* codes, int64_t n) {
     Relu3Fit fit = RESILU2_FIT;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (n > 32768)
     for (int64_t i = 0; i < n; i++) {
         float dsg = dp[i] * u[i];
         du[i] = dp[i] * sg[i];
@@ -46,7 +46,7 @@ static void swiglu_backward(float* dg, float* du, const float* dp, const float* 
 
 // y = gelu(x) (erf form, or tanh form when tanh_form); codes (ReGELU2) written when non-NULL.
 static void gelu_forward(float* y, uint8_t* codes, const float* x, int64_t n, int tanh_form) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (n > 32768)
     for (int64_t i = 0; i < n; i++) y[i] = tanh_form ? gelu_tanh_f(x[i]) : gelu_f(x[i]);
     if (codes) {
         Relu3Fit fit = REGELU2_FIT;
@@ -57,7 +57,7 @@ static void gelu_forward(float* y, uint8_t* codes, const float* x, int64_t n, in
 // dx = dy * gelu'(x) (exact, x kept) or dy * level(code) (approx, x NULL). Overwrites dx.
 static void gelu_backward(float* dx, const float* dy, const float* x, const uint8_t* codes, int64_t n, int tanh_form) {
     Relu3Fit fit = REGELU2_FIT;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (n > 32768)
     for (int64_t i = 0; i < n; i++) {
         float gr = x ? (tanh_form ? gelu_tanh_grad_f(x[i]) : gelu_grad_f(x[i])) : relu3_level(codes_get(codes, i), fit);
         dx[i] = dy[i] * gr;

@@ -5,13 +5,13 @@
 
 static double sum_squares(const float* g, int64_t n) {
     double s = 0.0;
-#pragma omp parallel for reduction(+ : s) schedule(static)
+#pragma omp parallel for reduction(+ : s) schedule(static) if (n > 32768)
     for (int64_t i = 0; i < n; i++) s += (double)g[i] * g[i];
     return s;
 }
 
 static void scale_inplace(float* x, int64_t n, float s) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (n > 32768)
     for (int64_t i = 0; i < n; i++) x[i] *= s;
 }
 
@@ -19,7 +19,7 @@ static void scale_inplace(float* x, int64_t n, float s) {
 static void adamw_update(float* p, const float* g, float* m, float* v, int64_t n, float lr, float beta1, float beta2,
                          float eps, float weight_decay, int t) {
     float bc1 = 1.0f - powf(beta1, (float)t), bc2 = 1.0f - powf(beta2, (float)t);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (n > 32768)
     for (int64_t i = 0; i < n; i++) {
         float mi = beta1 * m[i] + (1.0f - beta1) * g[i];
         float vi = beta2 * v[i] + (1.0f - beta2) * g[i] * g[i];

@@ -13,7 +13,7 @@
 static void rope_apply(float* x, const float* cos_t, const float* sin_t, int64_t N, int T, int nheads, int hd, int inverse) {
     int half = hd / 2;
     float sgn = inverse ? -1.0f : 1.0f;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (N * nheads * hd > 32768)
     for (int64_t n = 0; n < N; n++) {
         const float* c = cos_t + (int64_t)(n % T) * half;
         const float* s = sin_t + (int64_t)(n % T) * half;
@@ -38,7 +38,7 @@ static void attention_forward(float* o, float* lse, const float* q, const float*
     int64_t qs = (int64_t)s.H * s.hd, ks = (int64_t)s.KVH * s.hd;
     int group = s.H / s.KVH;
     float scale = 1.0f / sqrtf((float)s.hd);
-#pragma omp parallel for collapse(2) schedule(dynamic)
+#pragma omp parallel for collapse(2) schedule(dynamic) if ((double)s.B * s.H * s.T * s.T * s.hd > (1 << 18))
     for (int b = 0; b < s.B; b++)
         for (int h = 0; h < s.H; h++) {
             float* p = (float*)malloc(sizeof(float) * s.T);
@@ -77,7 +77,7 @@ static void attention_backward(float* dq, float* dk, float* dv, const float* dou
     int64_t qs = (int64_t)s.H * s.hd, ks = (int64_t)s.KVH * s.hd;
     int group = s.H / s.KVH;
     float scale = 1.0f / sqrtf((float)s.hd);
-#pragma omp parallel for collapse(2) schedule(dynamic)
+#pragma omp parallel for collapse(2) schedule(dynamic) if ((double)s.B * s.H * s.T * s.T * s.hd > (1 << 18))
     for (int b = 0; b < s.B; b++)
         for (int kh = 0; kh < s.KVH; kh++) {
             for (int t = 0; t < s.T; t++) {

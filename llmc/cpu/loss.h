@@ -49,7 +49,7 @@ static void lm_head_loss(const float* xf, const float* gamma, float eps, const f
         matmul_nt(sc.logits, sc.z, W, c, V, d, 1.0f, 0);
         if (logits_out) memcpy(logits_out + n0 * V, sc.logits, sizeof(float) * c * V);
         double ls = 0.0, cnt = 0.0, cor = 0.0;
-#pragma omp parallel for reduction(+ : ls, cnt, cor) schedule(static)
+#pragma omp parallel for reduction(+ : ls, cnt, cor) schedule(static) if ((int64_t)c * V > 32768)
         for (int i = 0; i < c; i++) {
             float m = mask ? mask[n0 + i] : 1.0f;
             int am;

@@ -14,14 +14,15 @@
 #define MM_NR 16    // columns of the register tile (two 8-wide vectors)
 #define MM_KC 256   // k block: a packed B panel of KC x 16 floats stays in L1/L2
 #define MM_MC 72    // rows of A packed per thread task (multiple of MR)
+#define MM_PARALLEL_FLOPS (1 << 18)  // below this a product runs on one thread: forking costs more
 
 typedef float mm_v8 __attribute__((vector_size(32)));
 
 // B(k, n) = B[k*sbk + n*sbn] for k in [k0, k0+kc), all n, into panels of NR columns
 // (zero-padded): Bp[panel][k][0..NR).
-static void mm_pack_b(float* Bp, const float* B, int64_t sbk, int64_t sbn, int k0, int kc, int N) {
+static void mm_pack_b(float* Bp, const float* B, int64_t sbk, int64_t sbn, int k0, int kc, int N, int parallel) {
     int panels = (N + MM_NR - 1) / MM_NR;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (parallel)
     for (int p = 0; p < panels; p++) {
         float* dst = Bp + (int64_t)p * kc * MM_NR;
         int n0 = p * MM_NR, nn = N - n0 < MM_NR ? N - n0 : MM_NR;
@@ -70,8 +71,9 @@ static inline void mm_kernel_6x16(float acc[MM_MR][MM_NR], const float* a, const
 static void mm_gemm(float* C, const float* A, int64_t sam, int64_t sak, const float* B, int64_t sbk, int64_t sbn,
                     int M, int N, int K, float alpha, int accumulate) {
     if (M <= 0 || N <= 0) return;
+    int parallel = (double)M * N * K > MM_PARALLEL_FLOPS;
     if (!accumulate) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (parallel)
         for (int64_t i = 0; i < (int64_t)M * N; i++) C[i] = 0.0f;
     }
     int panels = (N + MM_NR - 1) / MM_NR, mblocks = (M + MM_MC - 1) / MM_MC;
@@ -79,8 +81,8 @@ static void mm_gemm(float* C, const float* A, int64_t sam, int64_t sak, const fl
     float* Bp = (float*)malloc(sizeof(float) * (size_t)panels * MM_NR * (kcmax ? kcmax : 1));
     for (int k0 = 0; k0 < K; k0 += MM_KC) {
         int kc = K - k0 < MM_KC ? K - k0 : MM_KC;
-        mm_pack_b(Bp, B, sbk, sbn, k0, kc, N);
-#pragma omp parallel
+        mm_pack_b(Bp, B, sbk, sbn, k0, kc, N, parallel);
+#pragma omp parallel if (parallel)
         {
             float* Ap = (float*)malloc(sizeof(float) * MM_MC * kc);
             float acc[MM_MR][MM_NR];

@@ -11,7 +11,7 @@
 
 // y = x * r (* gamma); gamma NULL means the MS (parameter-free) form.
 static void rmsnorm_forward(float* y, float* r_out, const float* x, const float* gamma, int64_t N, int d, float eps) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (N * d > 32768)
     for (int64_t n = 0; n < N; n++) {
         const float* xr = x + n * d;
         float* yr = y + n * d;
@@ -32,13 +32,13 @@ static inline void norm_row_backward(float* dx, const float* dz, const float* z,
 }
 
 static void rmsnorm_ms_backward(float* dx, const float* dz, const float* z, const float* r, int64_t N, int d) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (N * d > 32768)
     for (int64_t n = 0; n < N; n++) norm_row_backward(dx + n * d, dz + n * d, z + n * d, r[n], d, 0);
 }
 
 // Standard RMSNorm backward from the kept input x: z = x*r and dz = dy*gamma are rebuilt per row.
 static void rmsnorm_backward(float* dx, const float* dy, const float* x, const float* r, const float* gamma, int64_t N, int d) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (N * d > 32768)
     for (int64_t n = 0; n < N; n++) {
         float zbuf[d > 0 ? d : 1], dzbuf[d > 0 ? d : 1];
         for (int i = 0; i < d; i++) { zbuf[i] = x[n * d + i] * r[n]; dzbuf[i] = dy[n * d + i] * gamma[i]; }
@@ -49,7 +49,7 @@ static void rmsnorm_backward(float* dx, const float* dy, const float* x, const f
 // LayerNorm: z = (x - mean) * r (* gamma + beta); mean is returned only for the standard form.
 static void layernorm_forward(float* y, float* r_out, float* mean_out, const float* x, const float* gamma, const float* beta,
                               int64_t N, int d, float eps) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (N * d > 32768)
     for (int64_t n = 0; n < N; n++) {
         const float* xr = x + n * d;
         float* yr = y + n * d;
@@ -68,13 +68,13 @@ static void layernorm_forward(float* y, float* r_out, float* mean_out, const flo
 }
 
 static void layernorm_ms_backward(float* dx, const float* dz, const float* z, const float* r, int64_t N, int d) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (N * d > 32768)
     for (int64_t n = 0; n < N; n++) norm_row_backward(dx + n * d, dz + n * d, z + n * d, r[n], d, 1);
 }
 
 static void layernorm_backward(float* dx, const float* dy, const float* x, const float* mean, const float* r,
                                const float* gamma, int64_t N, int d) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (N * d > 32768)
     for (int64_t n = 0; n < N; n++) {
         float zbuf[d > 0 ? d : 1], dzbuf[d > 0 ? d : 1];
         for (int i = 0; i < d; i++) { zbuf[i] = (x[n * d + i] - mean[n]) * r[n]; dzbuf[i] = dy[n * d + i] * gamma[i]; }
