@@ -146,6 +146,7 @@ typedef struct {
     // scratch
     float *resid, *resid_tmp, *dres, *dz, *dq, *dk, *dv, *dout, *dp, *dg, *du, *dax;
     int *inputs, *targets;
+    int* pos;              // position of each token within its (packed) example
     float* mask;
     LossScratch loss;
     int loss_chunk;
@@ -256,6 +257,7 @@ static void llama_plan(Llama* m, MemPlan* p, int wbytes, int abytes) {
     plan_add(p, MEM_SCRATCH, "batch", -1, "inputs", N * 4, &m->inputs);
     plan_add(p, MEM_SCRATCH, "batch", -1, "targets", N * 4, &m->targets);
     plan_add(p, MEM_SCRATCH, "batch", -1, "mask", N * 4, &m->mask);
+    plan_add(p, MEM_SCRATCH, "batch", -1, "pos", N * 4, &m->pos);
     // the loss chunk: at most ~64 MiB of logits, never the whole tokens x vocab matrix
     int64_t chunk = (64ll << 20) / (V * 4);
     if (chunk < 1) chunk = 1;
@@ -393,14 +395,14 @@ static void block_forward(Llama* m, int l, float* x, BlockActs* a, int B, int T)
     int64_t N = (int64_t)B * T, d = c->dim;
     int r = m->modes.rank;
     float s = m->modes.lora_scale;
-    AttnShape as = {B, T, c->heads, c->kv_heads, c->head_dim, 1};
+    AttnShape as = {B, T, c->heads, c->kv_heads, c->head_dim, 1, m->pos};
     if (a->x_in && a->x_in != x) memcpy(a->x_in, x, sizeof(float) * N * d);
     rmsnorm_forward(a->z1, a->r1, x, m->modes.ms ? NULL : L->attn_norm, N, (int)d, c->norm_eps);
     linear_forward(a->q, a->z1, &L->lin[T_Q], a->ax[T_Q], N, r, s, 0);
     linear_forward(a->k, a->z1, &L->lin[T_K], a->ax[T_K], N, r, s, 0);
     linear_forward(a->v, a->z1, &L->lin[T_V], a->ax[T_V], N, r, s, 0);
-    rope_apply(a->q, m->rope_cos, m->rope_sin, N, T, c->heads, c->head_dim, 0);
-    rope_apply(a->k, m->rope_cos, m->rope_sin, N, T, c->kv_heads, c->head_dim, 0);
+    rope_apply(a->q, m->rope_cos, m->rope_sin, m->pos, N, T, c->heads, c->head_dim, 0);
+    rope_apply(a->k, m->rope_cos, m->rope_sin, m->pos, N, T, c->kv_heads, c->head_dim, 0);
     attention_forward(a->o, a->lse, a->q, a->k, a->v, as);
     linear_forward(x, a->o, &L->lin[T_O], a->ax[T_O], N, r, s, 1);
     if (a->h_mid) memcpy(a->h_mid, x, sizeof(float) * N * d);
@@ -436,7 +438,7 @@ static void block_backward(Llama* m, int l, BlockActs* a, int B, int T) {
     int64_t N = (int64_t)B * T, d = c->dim, nf = N * c->hidden;
     int r = m->modes.rank;
     float s = m->modes.lora_scale;
-    AttnShape as = {B, T, c->heads, c->kv_heads, c->head_dim, 1};
+    AttnShape as = {B, T, c->heads, c->kv_heads, c->head_dim, 1, m->pos};
     const float* x_in = m->modes.ckpt ? m->ckpt[l] : a->x_in;
     // MLP: down, SwiGLU (exact or ReSiLU2), gate/up, MLP norm
     if (m->modes.recompute_product && L->lin[T_DOWN].A) {  // beyond the paper: rebuild the down input
@@ -451,8 +453,8 @@ static void block_backward(Llama* m, int l, BlockActs* a, int B, int T) {
     // attention: o-proj, attention, RoPE, q/k/v, attention norm
     linear_backward(m->dout, m->dres, a->o, a->ax[T_O], &L->lin[T_O], m->dax, N, r, s, 0);
     attention_backward(m->dq, m->dk, m->dv, m->dout, a->q, a->k, a->v, a->o, a->lse, as);
-    rope_apply(m->dq, m->rope_cos, m->rope_sin, N, T, c->heads, c->head_dim, 1);
-    rope_apply(m->dk, m->rope_cos, m->rope_sin, N, T, c->kv_heads, c->head_dim, 1);
+    rope_apply(m->dq, m->rope_cos, m->rope_sin, m->pos, N, T, c->heads, c->head_dim, 1);
+    rope_apply(m->dk, m->rope_cos, m->rope_sin, m->pos, N, T, c->kv_heads, c->head_dim, 1);
     linear_backward(m->dz, m->dq, a->z1, a->ax[T_Q], &L->lin[T_Q], m->dax, N, r, s, 0);
     linear_backward(m->dz, m->dk, a->z1, a->ax[T_K], &L->lin[T_K], m->dax, N, r, s, 1);
     linear_backward(m->dz, m->dv, a->z1, a->ax[T_V], &L->lin[T_V], m->dax, N, r, s, 1);
@@ -510,7 +512,9 @@ static StepResult llama_train_step(Llama* m, TextLoader* loader, const TrainOpti
     int* in_all = (int*)xmalloc(sizeof(int) * N * K);
     int* tg_all = (int*)xmalloc(sizeof(int) * N * K);
     float* mk_all = (float*)xmalloc(sizeof(float) * N * K);
-    for (int k = 0; k < K; k++) loader_next(loader, B, dist->rank, dist->world, in_all + k * N, tg_all + k * N, mk_all + k * N);
+    int* pos_all = (int*)xmalloc(sizeof(int) * N * K);
+    for (int k = 0; k < K; k++)
+        loader_next(loader, B, dist->rank, dist->world, in_all + k * N, tg_all + k * N, mk_all + k * N, pos_all + k * N);
     double total = count_mask(mk_all, N * K);
     dist_allreduce_sum_f64(dist, &total, 1);
     float scale = total > 0 ? (float)(1.0 / total) : 0.0f;
@@ -520,9 +524,10 @@ static StepResult llama_train_step(Llama* m, TextLoader* loader, const TrainOpti
         memcpy(m->inputs, in_all + k * N, sizeof(int) * N);
         memcpy(m->targets, tg_all + k * N, sizeof(int) * N);
         memcpy(m->mask, mk_all + k * N, sizeof(float) * N);
+        memcpy(m->pos, pos_all + k * N, sizeof(int) * N);
         loss_sum += llama_forward_backward(m, B, T, scale, 1, NULL).loss_sum;
     }
-    free(in_all); free(tg_all); free(mk_all);
+    free(in_all); free(tg_all); free(mk_all); free(pos_all);
     double t_comm = wall_seconds();
     dist_allreduce_sum_f64(dist, &loss_sum, 1);
     dist_allreduce_sum_f32(dist, m->grads, m->n_params);
@@ -543,7 +548,7 @@ static float llama_evaluate(Llama* m, TextLoader* loader, int batches) {
     loader->cursor = 0;
     double ls = 0.0, cnt = 0.0;
     for (int i = 0; i < batches; i++) {
-        loader_next(loader, m->B, 0, 1, m->inputs, m->targets, m->mask);
+        loader_next(loader, m->B, 0, 1, m->inputs, m->targets, m->mask, m->pos);
         LossStats st = llama_forward_backward(m, m->B, m->T, 0.0f, 0, NULL);
         ls += st.loss_sum;
         cnt += st.count;
@@ -582,7 +587,7 @@ static void llama_generate(Llama* m, const Tokenizer* tok, const char* prompt, i
         int start = len > window ? len - window : 0, T = len - start;
         memcpy(m->inputs, ids + start, sizeof(int) * T);
         memset(m->targets, 0, sizeof(int) * T);
-        for (int t = 0; t < T; t++) m->mask[t] = 0.0f;
+        for (int t = 0; t < T; t++) { m->mask[t] = 0.0f; m->pos[t] = t; }
         llama_forward_blocks(m, m->inputs, 1, T);
         LossStats st = {0, 0, 0};
         lm_head_loss(m->resid, m->final_norm, c->norm_eps, m->lm_head, c->vocab, c->dim, m->targets, m->mask, T, m->loss_chunk, 0.0f,

@@ -1,6 +1,8 @@
 // textdata.h: token shards and the batch loader. A shard is a 64-byte little-endian header
 // (magic "LMFT", u32 version 1, u64 count, u32 vocab_size, u32 flags: bit0 = has mask), then
-// count uint32 tokens, then count uint8 mask bytes (1 = that token is a prediction target).
+// count uint32 tokens, then count uint8 mask bytes (1 = that token is a prediction target), then,
+// when flags bit1 is set (packed instruction data), count uint8 example-start bytes (1 = the
+// token begins an example: attention and positions restart there).
 // The loader cuts the stream into non-overlapping windows of seq+1 tokens, visits them in a
 // seeded random order per epoch, and shards each global batch by rank.
 #pragma once
@@ -16,6 +18,7 @@ typedef struct {
     int vocab_size;
     uint32_t* tokens;
     uint8_t* mask;
+    uint8_t* starts;       // example starts, or NULL (one continuous stream)
 } TokenShard;
 
 static void shard_load(TokenShard* s, const char* path, int model_vocab) {
@@ -32,9 +35,11 @@ static void shard_load(TokenShard* s, const char* path, int model_vocab) {
     memcpy(&flags, buf + 20, 4);
     if (version != 1) fail("%s: shard version %u, expected 1", path, version);
     if (!(flags & 1)) fail("%s: shard has no loss mask (flags bit 0), expected one", path);
-    if (count > (size - SHARD_HEADER_BYTES) / 5 || SHARD_HEADER_BYTES + count * 5 != size)
+    if (flags & ~3u) fail("%s: unknown shard flags 0x%x (expected bits 0-1)", path, flags);
+    uint64_t per_token = (flags & 2) ? 6 : 5;
+    if (count > (size - SHARD_HEADER_BYTES) / per_token || SHARD_HEADER_BYTES + count * per_token != size)
         fail("%s: header says %llu tokens, which needs %llu bytes, but the file has %zu (truncated?)", path,
-             (unsigned long long)count, (unsigned long long)(SHARD_HEADER_BYTES + count * 5), size);
+             (unsigned long long)count, (unsigned long long)(SHARD_HEADER_BYTES + count * per_token), size);
     if (model_vocab > 0 && (int)vocab > model_vocab) fail("%s: shard vocab_size %u exceeds the model's %d (tokenized for another model?)", path, vocab, model_vocab);
     s->count = (int64_t)count;
     s->vocab_size = (int)vocab;
@@ -42,6 +47,10 @@ static void shard_load(TokenShard* s, const char* path, int model_vocab) {
     s->mask = (uint8_t*)xmalloc(count + 1);
     memcpy(s->tokens, buf + SHARD_HEADER_BYTES, count * 4);
     memcpy(s->mask, buf + SHARD_HEADER_BYTES + count * 4, count);
+    if (flags & 2) {
+        s->starts = (uint8_t*)xmalloc(count + 1);
+        memcpy(s->starts, buf + SHARD_HEADER_BYTES + count * 5, count);
+    }
     free(buf);
     int limit = model_vocab > 0 ? model_vocab : (int)vocab;
     for (int64_t i = 0; i < s->count; i++)
@@ -49,7 +58,7 @@ static void shard_load(TokenShard* s, const char* path, int model_vocab) {
 }
 
 static void shard_free(TokenShard* s) {
-    free(s->path); free(s->tokens); free(s->mask);
+    free(s->path); free(s->tokens); free(s->mask); free(s->starts);
     memset(s, 0, sizeof(*s));
 }
 
@@ -95,9 +104,11 @@ static int64_t loader_window(TextLoader* L, int64_t global_index) {
     return L->order[pos];
 }
 
-// Fills rows [0, B) of inputs (B x seq), targets (B x seq) and mask (B x seq) with the windows
-// rank*B .. rank*B+B-1 of the next global batch of world*B windows, then advances the cursor.
-static void loader_next(TextLoader* L, int B, int rank, int world, int* inputs, int* targets, float* mask) {
+// Fills rows [0, B) of inputs (B x seq), targets (B x seq), mask (B x seq) and pos (B x seq: the
+// position of each input token within its example, restarting at example starts; window start = 0)
+// with the windows rank*B .. rank*B+B-1 of the next global batch of world*B windows, then advances
+// the cursor.
+static void loader_next(TextLoader* L, int B, int rank, int world, int* inputs, int* targets, float* mask, int* pos) {
     int T = L->seq;
     for (int b = 0; b < B; b++) {
         int64_t w = loader_window(L, L->cursor + (int64_t)rank * B + b);
@@ -107,6 +118,8 @@ static void loader_next(TextLoader* L, int B, int rank, int world, int* inputs, 
             inputs[b * T + t] = (int)tok[t];
             targets[b * T + t] = (int)tok[t + 1];
             mask[b * T + t] = m[t + 1] ? 1.0f : 0.0f;
+            int start = t == 0 || (L->shard->starts && L->shard->starts[w * T + t]);
+            pos[b * T + t] = start ? 0 : pos[b * T + t - 1] + 1;
         }
     }
     L->cursor += (int64_t)world * B;

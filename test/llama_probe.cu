@@ -47,6 +47,13 @@ int main(int argc, char** argv) {
             m.targets[b * T + t] = tk[b * (T + 1) + t + 1];
         }
     memcpy(m.mask, mask->data, sizeof(float) * B * T);
+    // optional "starts" U8 [B, T]: 1 where an input token begins a packed example
+    const StTensor* starts = st_find(&cf, "starts");
+    for (int b = 0; b < B; b++)
+        for (int t = 0; t < T; t++) {
+            int s0 = t == 0 || (starts && starts->data[b * T + t]);
+            m.pos[b * T + t] = s0 ? 0 : m.pos[b * T + t - 1] + 1;
+        }
     char name[128];
     for (int l = 0; l < cfg.layers; l++)
         for (int t = 0; t < N_TARGETS; t++) {

@@ -233,9 +233,11 @@ static double attn_loss(const float* q, const float* k, const float* v, const fl
     return L;
 }
 
+// causal = 2: causal with packed examples (positions restart; a query sees only its example).
 static void test_attention(int causal) {
     Rng r = rng_seeded(7 + causal, 0);
-    AttnShape s = {2, 5, 4, 2, 6, causal};
+    static const int packed_pos[2 * 5] = {0, 1, 2, 0, 1, 0, 0, 1, 2, 3};
+    AttnShape s = {2, 5, 4, 2, 6, causal != 0, causal == 2 ? packed_pos : NULL};
     int64_t nq = (int64_t)s.B * s.T * s.H * s.hd, nk = (int64_t)s.B * s.T * s.KVH * s.hd;
     float *q = randn(nq, &r, 1), *k = randn(nk, &r, 1), *v = randn(nk, &r, 1), *w = randn(nq, &r, 1);
     float *o = randn(nq, &r, 1), *lse = randn(s.B * s.H * s.T, &r, 1);
@@ -248,22 +250,24 @@ static void test_attention(int causal) {
     for (int b = 0; b < s.B; b++)
         for (int h = 0; h < s.H; h++)
             for (int t = 0; t < s.T; t++) {
-                int kh = h / (s.H / s.KVH), tend = causal ? t + 1 : s.T;
+                int kh = h / (s.H / s.KVH), tend = causal ? t + 1 : s.T, j0 = causal == 2 ? t - packed_pos[b * s.T + t] : 0;
                 double p[16], mx = -1e300, sum = 0;
-                for (int j = 0; j < tend; j++) {
+                for (int j = j0; j < tend; j++) {
                     double d = 0;
                     for (int i = 0; i < s.hd; i++) d += (double)q[((b * s.T + t) * s.H + h) * s.hd + i] * k[((b * s.T + j) * s.KVH + kh) * s.hd + i];
                     p[j] = d * scale;
                     mx = fmax(mx, p[j]);
                 }
-                for (int j = 0; j < tend; j++) { p[j] = exp(p[j] - mx); sum += p[j]; }
+                for (int j = j0; j < tend; j++) { p[j] = exp(p[j] - mx); sum += p[j]; }
                 for (int i = 0; i < s.hd; i++) {
                     double acc = 0;
-                    for (int j = 0; j < tend; j++) acc += p[j] / sum * v[((b * s.T + j) * s.KVH + kh) * s.hd + i];
+                    for (int j = j0; j < tend; j++) acc += p[j] / sum * v[((b * s.T + j) * s.KVH + kh) * s.hd + i];
                     fe = fmax(fe, fabs(acc - o[((b * s.T + t) * s.H + h) * s.hd + i]));
                 }
             }
-    check(fe < 1e-5, causal ? "causal GQA attention forward matches a naive softmax" : "bidirectional GQA attention forward matches a naive softmax", fe);
+    const char* fw[3] = {"bidirectional GQA attention forward matches a naive softmax", "causal GQA attention forward matches a naive softmax",
+                         "packed-example attention forward matches a per-example softmax"};
+    check(fe < 1e-5, fw[causal], fe);
     // central finite differences on every input element
     float* tmp_o = (float*)xmalloc(sizeof(float) * nq);
     float* tmp_l = (float*)xmalloc(sizeof(float) * s.B * s.H * s.T);
@@ -283,7 +287,9 @@ static void test_attention(int causal) {
             ge = fmax(ge, fabs(num - grads[which][i]));
             gm = fmax(gm, fabs(num));
         }
-    check(ge / gm < 2e-3, causal ? "causal attention backward (recomputed scores) matches finite differences" : "bidirectional attention backward matches finite differences", ge / gm);
+    const char* bw[3] = {"bidirectional attention backward matches finite differences", "causal attention backward (recomputed scores) matches finite differences",
+                         "packed-example attention backward matches finite differences"};
+    check(ge / gm < 2e-3, bw[causal], ge / gm);
     free(q); free(k); free(v); free(w); free(o); free(lse); free(dq); free(dk); free(dv); free(tmp_o); free(tmp_l);
 }
 
@@ -296,7 +302,7 @@ static void test_rope(void) {
     float* x = randn(N * H * hd, &r, 1);
     float* y = (float*)xmalloc(sizeof(float) * N * H * hd);
     memcpy(y, x, sizeof(float) * N * H * hd);
-    rope_apply(y, cs, sn, N, T, H, hd, 0);
+    rope_apply(y, cs, sn, NULL, N, T, H, hd, 0);
     double fe = 0;  // rotate-half: (x_i, x_{i+hd/2}) rotated by angle t*theta^(-2i/hd)
     for (int n = 0; n < N; n++)
         for (int h = 0; h < H; h++)
@@ -308,7 +314,7 @@ static void test_rope(void) {
                 fe = fmax(fe, fabs(yv[i + half] - (xv[i + half] * cos(a) + xv[i] * sin(a))));
             }
     check(fe < 1e-5, "RoPE (rotate-half) matches the rotation formula", fe);
-    rope_apply(y, cs, sn, N, T, H, hd, 1);
+    rope_apply(y, cs, sn, NULL, N, T, H, hd, 1);
     double ie = 0;
     for (int i = 0; i < N * H * hd; i++) ie = fmax(ie, fabs(y[i] - x[i]));
     check(ie < 1e-5, "RoPE backward (inverse rotation) undoes the forward", ie);
@@ -433,6 +439,7 @@ int main(void) {
     test_matmul();
     test_attention(1);
     test_attention(0);
+    test_attention(2);
     test_rope();
     test_chunked_loss();
     test_safetensors_roundtrip();

@@ -8,15 +8,17 @@
 #include <math.h>
 #include <stdint.h>
 
-// Rotate-half RoPE (pairs i, i+hd/2) applied in place to x [N, nheads*hd] at position n % T.
-// cos/sin tables are [T, hd/2]. inverse = 1 applies the transpose rotation (the backward).
-static void rope_apply(float* x, const float* cos_t, const float* sin_t, int64_t N, int T, int nheads, int hd, int inverse) {
+// Rotate-half RoPE (pairs i, i+hd/2) applied in place to x [N, nheads*hd] at position pos[n]
+// (packed examples restart at 0), or n % T when pos is NULL. cos/sin tables are [T, hd/2].
+// inverse = 1 applies the transpose rotation (the backward).
+static void rope_apply(float* x, const float* cos_t, const float* sin_t, const int* pos, int64_t N, int T, int nheads, int hd, int inverse) {
     int half = hd / 2;
     float sgn = inverse ? -1.0f : 1.0f;
 #pragma omp parallel for schedule(static) if (N * nheads * hd > 32768)
     for (int64_t n = 0; n < N; n++) {
-        const float* c = cos_t + (int64_t)(n % T) * half;
-        const float* s = sin_t + (int64_t)(n % T) * half;
+        int64_t p = pos ? pos[n] : n % T;
+        const float* c = cos_t + p * half;
+        const float* s = sin_t + p * half;
         for (int h = 0; h < nheads; h++) {
             float* v = x + n * (int64_t)nheads * hd + (int64_t)h * hd;
             for (int i = 0; i < half; i++) {
@@ -31,7 +33,14 @@ static void rope_apply(float* x, const float* cos_t, const float* sin_t, int64_t
 typedef struct {
     int B, T, H, KVH, hd;
     int causal;
+    const int* pos;        // [B*T] position of each token within its packed example, or NULL:
+                           // a query then sees only keys of its own example (causal only)
 } AttnShape;
+
+// First key a causal query (b, t) may see: the start of its example.
+static inline int attn_first_key(const AttnShape* s, int b, int t) {
+    return s->pos ? t - s->pos[(int64_t)b * s->T + t] : 0;
+}
 
 // o = softmax(q k^T * scale) v per (b, h); lse[b, h, t] = log-sum-exp of the scaled scores.
 static void attention_forward(float* o, float* lse, const float* q, const float* k, const float* v, AttnShape s) {
@@ -45,9 +54,9 @@ static void attention_forward(float* o, float* lse, const float* q, const float*
             int kh = h / group;
             for (int t = 0; t < s.T; t++) {
                 const float* qi = q + ((int64_t)b * s.T + t) * qs + (int64_t)h * s.hd;
-                int tend = s.causal ? t + 1 : s.T;
+                int tend = s.causal ? t + 1 : s.T, j0 = s.causal ? attn_first_key(&s, b, t) : 0;
                 float mx = -FLT_MAX;
-                for (int j = 0; j < tend; j++) {
+                for (int j = j0; j < tend; j++) {
                     const float* kj = k + ((int64_t)b * s.T + j) * ks + (int64_t)kh * s.hd;
                     float d = 0.0f;
                     for (int i = 0; i < s.hd; i++) d += qi[i] * kj[i];
@@ -55,11 +64,11 @@ static void attention_forward(float* o, float* lse, const float* q, const float*
                     if (p[j] > mx) mx = p[j];
                 }
                 double sum = 0.0;
-                for (int j = 0; j < tend; j++) { p[j] = expf(p[j] - mx); sum += p[j]; }
+                for (int j = j0; j < tend; j++) { p[j] = expf(p[j] - mx); sum += p[j]; }
                 float inv = (float)(1.0 / sum);
                 float* oi = o + ((int64_t)b * s.T + t) * qs + (int64_t)h * s.hd;
                 for (int i = 0; i < s.hd; i++) oi[i] = 0.0f;
-                for (int j = 0; j < tend; j++) {
+                for (int j = j0; j < tend; j++) {
                     const float* vj = v + ((int64_t)b * s.T + j) * ks + (int64_t)kh * s.hd;
                     float w = p[j] * inv;
                     for (int i = 0; i < s.hd; i++) oi[i] += w * vj[i];
@@ -91,8 +100,8 @@ static void attention_backward(float* dq, float* dk, float* dv, const float* dou
                     float* dqi = dq + row;
                     float D = 0.0f, L = lse[((int64_t)b * s.H + h) * s.T + t];
                     for (int i = 0; i < s.hd; i++) { D += doi[i] * oi[i]; dqi[i] = 0.0f; }
-                    int tend = s.causal ? t + 1 : s.T;
-                    for (int j = 0; j < tend; j++) {
+                    int tend = s.causal ? t + 1 : s.T, j0 = s.causal ? attn_first_key(&s, b, t) : 0;
+                    for (int j = j0; j < tend; j++) {
                         int64_t krow = ((int64_t)b * s.T + j) * ks + (int64_t)kh * s.hd;
                         const float *kj = k + krow, *vj = v + krow;
                         float sc = 0.0f, dp = 0.0f;
