@@ -4,7 +4,9 @@ Layout (little endian):
   64-byte header: b"LMFT", u32 version=1, u64 count, u32 vocab_size, u32 flags, zeros
   count x uint32 tokens
   count x uint8 mask   (mask[i] = 1: the loss for predicting token i from tokens < i counts)
-flags bit 0 = the mask is present (always set by this writer).
+  count x uint8 starts (only when flags bit 1 is set: starts[i] = 1 where token i begins a
+                        packed example; the trainer restarts positions and attention there)
+flags bit 0 = the mask is present (always set by this writer); bit 1 = example starts present.
 """
 import os
 import struct
@@ -15,34 +17,44 @@ MAGIC = b"LMFT"
 VERSION = 1
 HEADER_BYTES = 64
 FLAG_HAS_MASK = 1
+FLAG_HAS_STARTS = 2
 _HEADER = struct.Struct("<4sIQII")
 
 
-def write_shard(path, tokens, mask, vocab_size):
-    """Write tokens (uint32) and mask (0/1) atomically; validates ids against vocab_size."""
+def write_shard(path, tokens, mask, vocab_size, starts=None):
+    """Write tokens (uint32), mask (0/1) and optional example starts (0/1) atomically; validates
+    ids against vocab_size."""
     tokens = np.asarray(tokens, dtype=np.int64)
     mask = np.asarray(mask, dtype=np.uint8)
+    if starts is not None:
+        starts = np.asarray(starts, dtype=np.uint8)
+        if starts.shape != tokens.shape or (starts.size and starts.max() > 1):
+            raise ValueError(f"{path}: starts must be 0/1 and as long as tokens")
     if tokens.ndim != 1 or tokens.shape != mask.shape:
         raise ValueError(f"{path}: tokens and mask must be 1-D and of equal length")
     if tokens.size and (tokens.min() < 0 or tokens.max() >= vocab_size):
         raise ValueError(f"{path}: token id {int(tokens.max())} outside vocab of {vocab_size}")
     if mask.size and mask.max() > 1:
         raise ValueError(f"{path}: mask values must be 0 or 1")
-    header = _HEADER.pack(MAGIC, VERSION, tokens.size, vocab_size, FLAG_HAS_MASK)
+    flags = FLAG_HAS_MASK | (FLAG_HAS_STARTS if starts is not None else 0)
+    header = _HEADER.pack(MAGIC, VERSION, tokens.size, vocab_size, flags)
     tmp = f"{path}.tmp{os.getpid()}"
     try:
         with open(tmp, "wb") as f:
             f.write(header.ljust(HEADER_BYTES, b"\0"))
             f.write(tokens.astype("<u4").tobytes())
             f.write(mask.tobytes())
+            if starts is not None:
+                f.write(starts.tobytes())
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
 
 
-def read_shard(path):
-    """Return (tokens uint32 array, mask uint8 array, vocab_size); raise ValueError on bad files."""
+def read_shard(path, with_starts=False):
+    """Return (tokens uint32 array, mask uint8 array, vocab_size[, starts uint8 array or None]);
+    raise ValueError on bad files."""
     with open(path, "rb") as f:
         data = f.read()
     if len(data) < HEADER_BYTES:
@@ -54,11 +66,15 @@ def read_shard(path):
         raise ValueError(f"{path}: shard version {version}, expected {VERSION}")
     if not flags & FLAG_HAS_MASK:
         raise ValueError(f"{path}: flags {flags} lack the mask bit")
-    if len(data) != HEADER_BYTES + 5 * count:
+    if flags & ~(FLAG_HAS_MASK | FLAG_HAS_STARTS):
+        raise ValueError(f"{path}: unknown flags {flags}")
+    per = 6 if flags & FLAG_HAS_STARTS else 5
+    if len(data) != HEADER_BYTES + per * count:
         raise ValueError(f"{path}: {len(data)} bytes but count {count} needs "
-                         f"{HEADER_BYTES + 5 * count}")
+                         f"{HEADER_BYTES + per * count}")
     tokens = np.frombuffer(data, "<u4", count, HEADER_BYTES).astype(np.uint32)
     mask = np.frombuffer(data, np.uint8, count, HEADER_BYTES + 4 * count).copy()
     if count and int(tokens.max()) >= vocab:
         raise ValueError(f"{path}: token id {int(tokens.max())} >= vocab_size {vocab}")
-    return tokens, mask, vocab
+    starts = np.frombuffer(data, np.uint8, count, HEADER_BYTES + 5 * count).copy() if per == 6 else None
+    return (tokens, mask, vocab, starts) if with_starts else (tokens, mask, vocab)
