@@ -1,8 +1,31 @@
 // tokenizer.h: the llama2.c tokenizer.bin format (int32 max_token_length, then per token:
 // float32 score, int32 length, bytes) with its score-driven BPE encoder and a decoder that turns
 // byte pieces "<0xXX>" into raw bytes. The model directory carries it as tokenizer.bin.
+//
+// A tokenizer_config.json beside tokenizer.bin may hold a "tokenizer_bin" block (written by
+// scripts/export_llama.py --gguf): {"type": "sentencepiece" (default) | "byte_level", "bos_id",
+// "eos_id", "add_bos", "special_ids": [...], "pretokenizer": "gpt2" | "gpt2_digits" | "none"}.
+// Without one: llama2.c's sentencepiece rules, BOS 1, EOS 2, add_bos. With add_bos false, encode
+// adds the BOS it is asked for only to an empty text (generation needs a first token).
+// "byte_level" is a GPT-2 style byte-level BPE whose pieces are the raw bytes and whose scores
+// are minus the merge rank:
+//   - encode: no dummy-prefix space; special tokens are matched literally in the text (longest
+//     first) and never merged; the text between them is split into pre-tokens by GPT-2's regex
+//     's|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+
+//     ("gpt2_digits": every digit alone, as SmolLM2/StarCoder split them first; "none": no
+//     split); each pre-token starts as one token per byte (a byte without a token is dropped) and
+//     is merged like llama2.c's (best-scoring adjacent pair first);
+//   - decode: the piece's bytes, exactly (no BOS-space stripping, no "<0xXX>" parsing).
+// Approximations: the regex classes are ASCII ones, with every byte >= 0x80 a letter (so
+// non-ASCII punctuation, symbols and digits join words); and merges are ranked by the token they
+// make, not by the pair (real BPE merges only listed pairs). On English text the ids equal the
+// real tokenizer's (test/test_gguf_export.py checks SmolLM2 against an exact BPE of its merges);
+// wherever they differ they still decode to the same text. scripts/llama2c_tokenizer.py
+// implements the same rules in Python. C strings: the byte 0 cannot be encoded and prints as
+// nothing.
 #pragma once
 #include "common.h"
+#include "json.h"
 
 typedef struct {
     int vocab_size;
@@ -11,7 +34,16 @@ typedef struct {
     float* scores;
     int* sorted;          // token ids sorted by piece, for binary search
     int bos_id, eos_id;
+    int add_bos;          // encode(bos=1) adds BOS: always for llama2.c; per the config if byte-level
+    int byte_level;       // GPT-2 style byte-level BPE (see above)
+    int pretok;           // byte-level pre-tokenizer: TOK_PRE_NONE, TOK_PRE_GPT2, TOK_PRE_GPT2_DIGITS
+    int byte_ids[256];    // byte-level: the token of each single byte, -1 if it has none
+    char* special;        // byte-level: 1 for tokens matched literally and never merged (or NULL)
+    int* special_ids;     // the same tokens, longest piece first
+    int n_special;
 } Tokenizer;
+
+enum { TOK_PRE_NONE, TOK_PRE_GPT2, TOK_PRE_GPT2_DIGITS };
 
 static const Tokenizer* g_sort_tok;  // only used during qsort in tokenizer_load
 static int tok_cmp_ids(const void* a, const void* b) {
@@ -19,6 +51,67 @@ static int tok_cmp_ids(const void* a, const void* b) {
     int x = *(const int*)a, y = *(const int*)b;
     int c = strcmp(t->pieces[x], t->pieces[y]);
     return c ? c : x - y;
+}
+
+static const Tokenizer* g_sort_special;  // only used during qsort in tokenizer_read_config
+static int tok_cmp_special(const void* a, const void* b) {
+    int x = *(const int*)a, y = *(const int*)b;
+    int d = g_sort_special->lengths[y] - g_sort_special->lengths[x];
+    return d ? d : x - y;
+}
+
+static int tok_config_id(const Json* block, const char* key, int dflt, int vocab, const char* src) {
+    const Json* v = json_get(block, key);
+    if (!v) return dflt;
+    if (v->type != JSON_NUMBER || v->number != floor(v->number) || v->number < 0 || v->number >= vocab)
+        fail("%s: tokenizer_bin.%s must be a token id below the vocabulary size %d", src, key, vocab);
+    return (int)v->number;
+}
+
+// Reads the "tokenizer_bin" block of DIR/tokenizer_config.json, DIR being tokenizer.bin's folder.
+static void tokenizer_read_config(Tokenizer* t, const char* path) {
+    const char* slash = strrchr(path, '/');
+    char* dir = slash ? xstrdup(path) : xstrdup(".");
+    if (slash) dir[slash - path] = 0;
+    char* cfg_path = path_join(dir, "tokenizer_config.json");  // "/x.bin": dir "" gives "/tokenizer_config.json"
+    free(dir);
+    if (!file_exists(cfg_path)) { free(cfg_path); return; }
+    size_t n;
+    char* text = read_file(cfg_path, &n);
+    Json j = json_parse(text, n, cfg_path);
+    const Json* b = json_get(&j, "tokenizer_bin");
+    if (b) {
+        if (b->type != JSON_OBJECT) fail("%s: tokenizer_bin must be an object", cfg_path);
+        const char* type = json_string_or(b, "type", "sentencepiece");
+        if (strcmp(type, "byte_level") == 0) t->byte_level = 1;
+        else if (strcmp(type, "sentencepiece") != 0) fail("%s: tokenizer_bin.type \"%s\" is not sentencepiece or byte_level", cfg_path, type);
+        t->bos_id = tok_config_id(b, "bos_id", t->bos_id, t->vocab_size, cfg_path);
+        t->eos_id = tok_config_id(b, "eos_id", t->eos_id, t->vocab_size, cfg_path);
+        t->add_bos = json_bool_or(b, "add_bos", 1);
+        const char* pre = json_string_or(b, "pretokenizer", "none");
+        if (strcmp(pre, "gpt2") == 0) t->pretok = TOK_PRE_GPT2;
+        else if (strcmp(pre, "gpt2_digits") == 0) t->pretok = TOK_PRE_GPT2_DIGITS;
+        else if (strcmp(pre, "none") != 0) fail("%s: tokenizer_bin.pretokenizer \"%s\" is not gpt2, gpt2_digits or none", cfg_path, pre);
+        const Json* sp = json_get(b, "special_ids");
+        if (t->byte_level && sp) {
+            if (sp->type != JSON_ARRAY) fail("%s: tokenizer_bin.special_ids must be an array", cfg_path);
+            t->special = (char*)xcalloc(t->vocab_size, 1);
+            t->special_ids = (int*)xmalloc(sizeof(int) * (sp->count + 1));
+            for (int i = 0; i < sp->count; i++) {
+                const Json* v = &sp->items[i];
+                if (v->type != JSON_NUMBER || v->number != floor(v->number) || v->number < 0 || v->number >= t->vocab_size)
+                    fail("%s: tokenizer_bin.special_ids[%d] is not a token id below %d", cfg_path, i, t->vocab_size);
+                int id = (int)v->number;
+                if (!t->special[id] && t->lengths[id] > 0) t->special_ids[t->n_special++] = id;
+                t->special[id] = 1;
+            }
+            g_sort_special = t;
+            qsort(t->special_ids, t->n_special, sizeof(int), tok_cmp_special);
+        }
+    }
+    json_free(&j);
+    free(text);
+    free(cfg_path);
 }
 
 static void tokenizer_load(Tokenizer* t, const char* path, int expected_vocab) {
@@ -61,11 +154,18 @@ static void tokenizer_load(Tokenizer* t, const char* path, int expected_vocab) {
     qsort(t->sorted, t->vocab_size, sizeof(int), tok_cmp_ids);
     t->bos_id = 1;
     t->eos_id = 2;
+    t->add_bos = 1;
+    tokenizer_read_config(t, path);
+    for (int b = 0; b < 256; b++) t->byte_ids[b] = -1;
+    if (t->byte_level)
+        for (int i = t->vocab_size - 1; i >= 0; i--)  // the smallest id wins
+            if (t->lengths[i] == 1 && !(t->special && t->special[i])) t->byte_ids[(unsigned char)t->pieces[i][0]] = i;
 }
 
 static void tokenizer_free(Tokenizer* t) {
     for (int i = 0; i < t->vocab_size; i++) free(t->pieces[i]);
     free(t->pieces); free(t->lengths); free(t->scores); free(t->sorted);
+    free(t->special); free(t->special_ids);
     memset(t, 0, sizeof(*t));
 }
 
@@ -83,11 +183,96 @@ static int tokenizer_lookup(const Tokenizer* t, const char* s) {
     return -1;
 }
 
+// Merges the best-scoring adjacent pair of ids[0..n) whose concatenation is a token (not a
+// special one), leftmost on ties, until none is; returns the new count.
+static int tokenizer_merge(const Tokenizer* t, int* ids, int n) {
+    char* merged = (char*)xmalloc(2 * 256 + 2);
+    for (;;) {
+        float best = -1e30f;
+        int best_id = -1, best_at = -1;
+        for (int i = 0; i + 1 < n; i++) {
+            if (t->lengths[ids[i]] + t->lengths[ids[i + 1]] > 512) continue;
+            snprintf(merged, 2 * 256 + 2, "%s%s", t->pieces[ids[i]], t->pieces[ids[i + 1]]);
+            int id = tokenizer_lookup(t, merged);
+            if (id >= 0 && t->special && t->special[id]) continue;
+            if (id >= 0 && t->scores[id] > best) { best = t->scores[id]; best_id = id; best_at = i; }
+        }
+        if (best_at < 0) break;
+        ids[best_at] = best_id;
+        memmove(ids + best_at + 1, ids + best_at + 2, (n - best_at - 2) * sizeof(int));
+        n--;
+    }
+    free(merged);
+    return n;
+}
+
+// Byte classes of the pre-tokenizer regex: ASCII letters and every byte >= 0x80 are letters.
+enum { TOK_OTHER, TOK_LETTER, TOK_DIGIT, TOK_SPACE };
+static int tok_class(unsigned char c) {
+    if (c >= 0x80 || (unsigned)((c | 32) - 'a') < 26u) return TOK_LETTER;
+    if ((unsigned)(c - '0') < 10u) return TOK_DIGIT;
+    if (c == ' ' || (c >= '\t' && c <= '\r')) return TOK_SPACE;
+    return TOK_OTHER;
+}
+
+// The end of the pre-token that starts at s[i] (i < n), n being the end of the stretch; see the
+// regex in the header comment. digits_alone: each digit is its own piece and ends the text
+// around it, as a split on \p{N} before the regex does.
+static int tok_pretoken_end(const unsigned char* s, int i, int n, int digits_alone) {
+    if (s[i] == '\'' && i + 1 < n) {
+        unsigned char a = s[i + 1], b = i + 2 < n ? s[i + 2] : 0;
+        if (a == 's' || a == 't' || a == 'm' || a == 'd') return i + 2;
+        if ((a == 'r' && b == 'e') || (a == 'v' && b == 'e') || (a == 'l' && b == 'l')) return i + 3;
+    }
+    int c = tok_class(s[i]);
+    if (c == TOK_DIGIT && digits_alone) return i + 1;
+    int j = i;
+    if (s[i] == ' ' && i + 1 < n && tok_class(s[i + 1]) != TOK_SPACE && !(digits_alone && tok_class(s[i + 1]) == TOK_DIGIT))
+        c = tok_class(s[++j]);  // " ?" before a word, a number or punctuation
+    if (c != TOK_SPACE) {
+        while (j < n && tok_class(s[j]) == c) j++;
+        return j;
+    }
+    while (j < n && tok_class(s[j]) == TOK_SPACE) j++;
+    if (j == n || (digits_alone && tok_class(s[j]) == TOK_DIGIT)) return j;  // to the end of the text
+    return j - i > 1 ? j - 1 : j;  // \s+(?!\S) leaves the last one to what follows; else \s+
+}
+
+// Byte-level encoding of text after the optional BOS (see the header comment).
+static int tokenizer_encode_byte_level(const Tokenizer* t, const char* text, int* ids) {
+    int n = 0, start = 0;
+    const unsigned char* s = (const unsigned char*)text;
+    for (int pos = 0;; pos++) {
+        int hit = -1;
+        for (int k = 0; s[pos] && k < t->n_special && hit < 0; k++) {
+            int id = t->special_ids[k];
+            if (strncmp(text + pos, t->pieces[id], t->lengths[id]) == 0) hit = id;
+        }
+        if (hit < 0 && s[pos]) continue;
+        // the stretch [start, pos): pre-tokens, each one token per byte, then merges
+        for (int a = start; a < pos;) {
+            int b = t->pretok == TOK_PRE_NONE ? pos : tok_pretoken_end(s, a, pos, t->pretok == TOK_PRE_GPT2_DIGITS);
+            int seg = n;
+            for (int i = a; i < b; i++)
+                if (t->byte_ids[s[i]] >= 0) ids[n++] = t->byte_ids[s[i]];
+            n = seg + tokenizer_merge(t, ids + seg, n - seg);
+            a = b;
+        }
+        if (hit < 0) break;  // end of text
+        ids[n++] = hit;
+        pos += t->lengths[hit] - 1;
+        start = pos + 1;
+    }
+    return n;
+}
+
 // Encodes text (with a leading BOS if bos) into ids; returns the count. ids holds strlen(text)+3.
 static int tokenizer_encode(const Tokenizer* t, const char* text, int bos, int* ids) {
     int n = 0;
-    if (bos) ids[n++] = t->bos_id;
+    if (bos && (t->add_bos || !*text)) ids[n++] = t->bos_id;  // an empty text still needs a start
+    if (t->byte_level) return n + tokenizer_encode_byte_level(t, text, ids + n);
     if (!*text) return n;
+    int head = n;  // merges start after the BOS
     int space = tokenizer_lookup(t, " ");  // the dummy prefix of sentencepiece models
     if (space >= 0) ids[n++] = space;
     char cp[8];
@@ -101,29 +286,14 @@ static int tokenizer_encode(const Tokenizer* t, const char* text, int bos, int* 
         else for (int k = 0; k < len; k++) ids[n++] = (unsigned char)cp[k] + 3;  // byte fallback
         c += len;
     }
-    char* merged = (char*)xmalloc(2 * 256 + 2);
-    for (;;) {  // merge the best-scoring adjacent pair until none is a token
-        float best = -1e30f;
-        int best_id = -1, best_at = -1;
-        for (int i = (bos ? 1 : 0); i + 1 < n; i++) {
-            if (t->lengths[ids[i]] + t->lengths[ids[i + 1]] > 512) continue;
-            snprintf(merged, 2 * 256 + 2, "%s%s", t->pieces[ids[i]], t->pieces[ids[i + 1]]);
-            int id = tokenizer_lookup(t, merged);
-            if (id >= 0 && t->scores[id] > best) { best = t->scores[id]; best_id = id; best_at = i; }
-        }
-        if (best_at < 0) break;
-        ids[best_at] = best_id;
-        memmove(ids + best_at + 1, ids + best_at + 2, (n - best_at - 2) * sizeof(int));
-        n--;
-    }
-    free(merged);
-    return n;
+    return head + tokenizer_merge(t, ids + head, n - head);
 }
 
 // The bytes one token stands for, given the previous token (a leading space after BOS is dropped).
 static const char* tokenizer_decode(const Tokenizer* t, int prev, int id, char byte_buf[2]) {
     if (id < 0 || id >= t->vocab_size) return "";
     const char* p = t->pieces[id];
+    if (t->byte_level) return p;
     if (prev == t->bos_id && p[0] == ' ') p++;
     unsigned v;
     if (strlen(p) == 6 && sscanf(p, "<0x%02X>", &v) == 1) { byte_buf[0] = (char)v; byte_buf[1] = 0; return byte_buf; }

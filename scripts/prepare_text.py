@@ -3,7 +3,8 @@
     python3 scripts/prepare_text.py --tokenizer TOK --input FILE --out PREFIX
         [--val-frac 0.1] [--seed 0] [--chunk-chars 4096]
 
-TOK: a llama2.c tokenizer.bin, or a Hugging Face tokenizer.json (needs `pip install tokenizers`).
+TOK: a llama2.c tokenizer.bin (also the byte-level one scripts/export_llama.py --gguf writes),
+or a Hugging Face tokenizer.json (needs `pip install tokenizers`).
 FILE: plain text, or .jsonl with one {"prompt": ..., "response": ...} per line.
 Writes PREFIX_train.bin and PREFIX_val.bin.
 
@@ -84,11 +85,10 @@ def load_tokenizer(path):
     if head.startswith(b"{"):
         return HFTokenizer(path)
     try:
-        tok = Llama2cTokenizer(path)
+        # bos/eos ids: 1/2, or the "tokenizer_bin" block of a tokenizer_config.json beside it
+        return Llama2cTokenizer(path)
     except ValueError as e:
         raise PrepError(str(e)) from None
-    tok.bos_id, tok.eos_id = 1, 2
-    return tok
 
 
 def split_paragraph_chunks(text, chunk_chars):
