@@ -5,14 +5,18 @@
 
 TOK: a llama2.c tokenizer.bin (also the byte-level one scripts/export_llama.py --gguf writes),
 or a Hugging Face tokenizer.json (needs `pip install tokenizers`).
-FILE: plain text, or .jsonl with one {"prompt": ..., "response": ...} per line.
+FILE: plain text, or .jsonl with one {"prompt": ..., "response": ...} or
+{"messages": [{"role": "system|user|assistant", "content": ...}, ...]} per line.
 Writes PREFIX_train.bin and PREFIX_val.bin.
 
 Plain text is cut at paragraph boundaries into chunks of about --chunk-chars
 characters, each BOS + tokens, every token a target except BOS (nothing in a chunk
 predicts it); val is the last val-frac of chunks, so it is text the model did not
-see. JSONL gives BOS + prompt (not trained on) + response + EOS (trained on); val is
-a seeded random val-frac of the lines, since instruction lines are independent.
+see. JSONL examples go through the model's chat template (--chat-template, default: the one
+named in tokenizer_config.json beside the tokenizer; chatml or llama2), or without one BOS +
+prompt + response + EOS; only assistant replies are trained on. Examples are packed back to
+back and the shards mark where each starts, so the trainer restarts positions and keeps
+attention inside each example. val is a seeded random val-frac of the lines.
 """
 import argparse
 import json
@@ -125,8 +129,61 @@ def encode_pair(tok, prompt, response):
     return p + r, [0] * len(p) + [1] * len(r)
 
 
+# Chat templates: how a conversation becomes text. Only assistant turns (and their end marker)
+# are trained on. "chatml": <|im_start|>role\ncontent<|im_end|>\n per message (SmolLM2, Qwen);
+# "llama2": <s>[INST] <<SYS>>\nsystem\n<</SYS>>\n\nuser [/INST] assistant </s> per exchange.
+CHAT_TEMPLATES = ("chatml", "llama2")
+
+
+def detect_chat_template(tok_path):
+    """The template named by the chat_template of a tokenizer_config.json beside the tokenizer."""
+    cfg_path = os.path.join(os.path.dirname(os.path.abspath(tok_path)), "tokenizer_config.json")
+    try:
+        with open(cfg_path) as f:
+            tmpl = json.load(f).get("chat_template") or ""
+    except (OSError, ValueError):
+        tmpl = ""
+    if "<|im_start|>" in tmpl:
+        return "chatml"
+    if "[INST]" in tmpl:
+        return "llama2"
+    return None
+
+
+def encode_chat(tok, messages, template):
+    """A conversation -> (ids, mask) with loss on the assistant turns only."""
+    ids, mask = [], []
+
+    def add(text, train, bos=False):
+        t = tok.encode(text, bos=bos)
+        ids.extend(t)
+        mask.extend([1 if train else 0] * len(t))
+
+    if template == "chatml":
+        for m in messages:
+            add(f"<|im_start|>{m['role']}\n", False)
+            train = m["role"] == "assistant"
+            add(m["content"] + "<|im_end|>", train)
+            add("\n", False)
+        return ids, mask
+    # llama2: [INST] blocks; a system message goes into the first user turn
+    system = ""
+    for m in messages:
+        if m["role"] == "system":
+            system = f"<<SYS>>\n{m['content']}\n<</SYS>>\n\n"
+        elif m["role"] == "user":
+            add(f"[INST] {system}{m['content']} [/INST]", False, bos=True)
+            system = ""
+        else:
+            t = tok.encode(m["content"], bos=False, eos=True)  # the dummy-prefix space separates it from [/INST]
+            ids.extend(t)
+            mask.extend([1] * len(t))
+    return ids, mask
+
+
 def read_jsonl(path):
-    """Yield (prompt, response) per non-empty line, with errors naming file and line."""
+    """Yield each non-empty line as ("pair", prompt, response) or ("chat", messages), with
+    errors naming file and line."""
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
@@ -135,10 +192,19 @@ def read_jsonl(path):
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
                 raise PrepError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+            if isinstance(obj, dict) and isinstance(obj.get("messages"), list):
+                msgs = obj["messages"]
+                ok = msgs and all(isinstance(m, dict) and m.get("role") in ("system", "user", "assistant")
+                                  and isinstance(m.get("content"), str) for m in msgs)
+                if not ok or not any(m["role"] == "assistant" for m in msgs):
+                    raise PrepError(f"{path}:{lineno}: \"messages\" must be a list of {{\"role\": system|user|assistant, "
+                                    f"\"content\": str}} with at least one assistant turn")
+                yield ("chat", msgs)
+                continue
             if (not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str)
                     or not isinstance(obj.get("response"), str)):
-                raise PrepError(f"{path}:{lineno}: expected {{\"prompt\": str, \"response\": str}}")
-            yield obj["prompt"], obj["response"]
+                raise PrepError(f"{path}:{lineno}: expected {{\"prompt\": str, \"response\": str}} or {{\"messages\": [...]}}")
+            yield ("pair", obj["prompt"], obj["response"])
 
 
 def n_val_items(n, val_frac):
@@ -149,16 +215,30 @@ def n_val_items(n, val_frac):
 
 
 def concat(docs):
-    """List of (ids, mask) -> two flat numpy arrays."""
+    """List of (ids, mask) -> three flat numpy arrays: ids, mask, example starts."""
     ids = np.array([t for d, _ in docs for t in d], dtype=np.int64)
     mask = np.array([m for _, ms in docs for m in ms], dtype=np.uint8)
-    return ids, mask
+    starts = np.array([int(i == 0) for d, _ in docs for i in range(len(d))], dtype=np.uint8)
+    return ids, mask, starts
 
 
-def prepare_docs(tok, path, val_frac, seed, chunk_chars):
+def encode_item(tok, item, template):
+    """One JSONL item -> (ids, mask): a chat through its template; a pair through the template
+    as a user/assistant exchange, or as BOS + prompt + response + EOS without one."""
+    if item[0] == "pair":
+        if template is None:
+            return encode_pair(tok, item[1], item[2])
+        item = ("chat", [{"role": "user", "content": item[1]}, {"role": "assistant", "content": item[2]}])
+    if template is None:
+        raise PrepError("a \"messages\" line needs a chat template: --chat-template chatml|llama2 "
+                        "(none found in a tokenizer_config.json beside the tokenizer)")
+    return encode_chat(tok, item[1], template)
+
+
+def prepare_docs(tok, path, val_frac, seed, chunk_chars, template=None):
     """Return (train docs, val docs) for a text or JSONL file."""
     if path.endswith(".jsonl"):
-        docs = [encode_pair(tok, p, r) for p, r in read_jsonl(path)]
+        docs = [encode_item(tok, item, template) for item in read_jsonl(path)]
         order = list(range(len(docs)))
         random.Random(seed).shuffle(order)
         val_idx = set(order[:n_val_items(len(docs), val_frac)])
@@ -172,12 +252,13 @@ def prepare_docs(tok, path, val_frac, seed, chunk_chars):
     return docs[:len(docs) - n_val], docs[len(docs) - n_val:]
 
 
-def write_split(prefix, train, val, vocab_size):
-    """Write PREFIX_train.bin and PREFIX_val.bin; print what went where."""
+def write_split(prefix, train, val, vocab_size, packed=False):
+    """Write PREFIX_train.bin and PREFIX_val.bin; print what went where. packed: instruction
+    examples, so the shards mark where each starts (the trainer keeps attention inside one)."""
     for name, docs in (("train", train), ("val", val)):
-        ids, mask = concat(docs)
+        ids, mask, starts = concat(docs)
         path = f"{prefix}_{name}.bin"
-        shards.write_shard(path, ids, mask, vocab_size)
+        shards.write_shard(path, ids, mask, vocab_size, starts if packed else None)
         print(f"{path}: {len(docs)} docs, {ids.size} tokens, {int(mask.sum())} targets")
 
 
@@ -188,6 +269,9 @@ def parse_args(argv=None):
     ap.add_argument("--out", required=True, metavar="PREFIX", help="writes PREFIX_{train,val}.bin")
     ap.add_argument("--val-frac", type=float, default=0.1, help="fraction held out (default 0.1)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the JSONL val split")
+    ap.add_argument("--chat-template", choices=("auto", "none") + CHAT_TEMPLATES, default="auto",
+                    help="JSONL: how conversations become text (auto: from tokenizer_config.json's "
+                         "chat_template beside the tokenizer; none: BOS + prompt + response + EOS)")
     ap.add_argument("--chunk-chars", type=int, default=4096,
                     help="target characters per plain-text chunk (default 4096)")
     args = ap.parse_args(argv)
@@ -204,10 +288,13 @@ def main(argv=None):
         tok = load_tokenizer(args.tokenizer)
         if not os.path.isfile(args.input):
             raise PrepError(f"{args.input}: no such input file")
-        train, val = prepare_docs(tok, args.input, args.val_frac, args.seed, args.chunk_chars)
+        template = {"auto": None, "none": None}.get(args.chat_template, args.chat_template)
+        if args.chat_template == "auto":
+            template = detect_chat_template(args.tokenizer)
+        train, val = prepare_docs(tok, args.input, args.val_frac, args.seed, args.chunk_chars, template)
         if not train:
             raise PrepError(f"{args.input}: no text to tokenise")
-        write_split(args.out, train, val, tok.vocab_size)
+        write_split(args.out, train, val, tok.vocab_size, packed=args.input.endswith(".jsonl"))
     except (PrepError, ValueError, OSError) as e:
         print(f"prepare_text: {e}", file=sys.stderr)
         return 1
