@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
 # The CPU benchmark: our LoRA training step (train_llama --device cpu) against the same step in
 # PyTorch CPU (scripts/bench_cpu.py), same config, same thread count, one run, side by side.
-# Usage: scripts/bench_cpu.sh [THREADS] (default: all cores). Env PYTORCH_BLAS_LIB may name a
-# directory holding a faster libblas for PyTorch (Debian's torch uses the system BLAS).
+# Usage: scripts/bench_cpu.sh [THREADS] (default: all cores).
+# Debian's python3-torch calls the system BLAS, which by default is the slow reference BLAS; a
+# comparison against that flatters us. So PyTorch runs with OpenBLAS: PYTORCH_BLAS_LIB names a
+# directory with its libblas.so.3, else Debian's libopenblas0-pthread is unpacked into
+# build/openblas (apt-get download; nothing is installed system-wide). The BLAS PyTorch used is
+# printed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 THREADS=${1:-$(nproc)}
@@ -12,6 +16,15 @@ B=4; T=256; R=16; STEPS=5
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 [ -x ./train_llama ] || make -s train_llama
+if [ -z "${PYTORCH_BLAS_LIB:-}" ]; then
+  PYTORCH_BLAS_LIB=$PWD/build/openblas/root/usr/lib/x86_64-linux-gnu/openblas-pthread
+  if [ ! -e "$PYTORCH_BLAS_LIB/libblas.so.3" ]; then
+    mkdir -p build/openblas
+    (cd build/openblas && apt-get download -q libopenblas0-pthread >/dev/null 2>&1 && dpkg -x libopenblas0-pthread_*.deb root) ||
+      { echo "bench_cpu: could not fetch OpenBLAS; PyTorch uses the system BLAS (likely the slow reference one)"; PYTORCH_BLAS_LIB=; }
+  fi
+fi
+echo "PyTorch BLAS: ${PYTORCH_BLAS_LIB:-system default}"
 $PY scripts/bench_cpu.py "${CFG[@]}" --write-model "$work/model" --write-only >/dev/null
 $PY - "$work/data.bin" <<'PY'
 import sys, numpy as np
