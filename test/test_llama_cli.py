@@ -277,3 +277,29 @@ def test_help_lists_every_flag():
                  "--act", "--norm", "--recompute", "--lora-rank", "--lora-alpha", "--lora-targets", "--device", "--seed",
                  "--threads", "--out", "--dry-run", "--json", "--generate", "--prompt", "--temperature", "--val-every"]:
         assert flag in p.stdout, flag
+
+
+def test_sharded_checkpoint_with_index(tiny, tmp_path):
+    """model-0000N-of-0000M.safetensors + model.safetensors.index.json load like one file."""
+    import st_io
+    m = tmp_path / "sharded"
+    m.mkdir()
+    shutil.copy(tiny / "model" / "config.json", m / "config.json")
+    t = st_io.load(str(tiny / "model" / "model.safetensors"))
+    names = sorted(t)
+    parts = [names[: len(names) // 2], names[len(names) // 2:]]
+    weight_map = {}
+    for i, part in enumerate(parts):
+        fname = f"model-{i + 1:05d}-of-00002.safetensors"
+        st_io.save(str(m / fname), {k: t[k] for k in part}, bf16=(i == 1))  # mixed dtypes too
+        weight_map.update({k: fname for k in part})
+    (m / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    ev = lambda model: run(["--model", model, "--val", tiny / "val.bin", "--eval-only", "--seq", 32, "--batch", 2,
+                            "--val-batches", 2]).stdout.split("val loss ")[-1]
+    one, sharded = float(ev(tiny / "model")), float(ev(m))
+    print(f"one file {one:.6f}, two shards (one bf16) {sharded:.6f}")
+    assert abs(one - sharded) < 2e-2 * one and one != sharded  # bf16 rounding of half the weights
+    (m / "model-00002-of-00002.safetensors").unlink()
+    expect_error(["--model", m, "--val", tiny / "val.bin", "--eval-only", "--seq", 32], "model-00002-of-00002.safetensors")
+    (m / "model.safetensors.index.json").write_text("{\"weight_map\": 3}")
+    expect_error(["--model", m, "--val", tiny / "val.bin", "--eval-only", "--seq", 32], "index.json", "weight_map")
