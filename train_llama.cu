@@ -140,6 +140,11 @@ typedef struct {
     float *rope_cos, *rope_sin;  // [T, hd/2]
     float *params, *grads, *adam_m, *adam_v;  // flat trainable arenas: LoRA A/B, or (--full) the linear weights
     int64_t n_params;
+    // ZeRO-1 (--full on several ranks): each rank keeps the AdamW state of one shard of the
+    // parameters; params and grads are padded to world * shard floats.
+    int zero1, rank, world;
+    int64_t shard;
+    float* grad_shard;
     BlockActs* acts;       // [layers]
     BlockActs tmp;         // scratch set (recompute, or buffers not kept)
     float** ckpt;          // [layers] block inputs under --recompute block
@@ -203,10 +208,14 @@ static void llama_plan(Llama* m, MemPlan* p, int wbytes, int abytes) {
             else if (md->targets >> t & 1) m->n_params += r * (lin_in(c, t) + lin_out(c, t));
         }
     const char* what = md->full ? "linear weights" : "lora";
-    plan_add(p, MEM_TRAINABLE, what, -1, "params", m->n_params * 4, &m->params);
-    plan_add(p, MEM_GRADS, what, -1, "grads", m->n_params * 4, &m->grads);
-    plan_add(p, MEM_OPTIM, what, -1, "adam_m", m->n_params * 4, &m->adam_m);
-    plan_add(p, MEM_OPTIM, what, -1, "adam_v", m->n_params * 4, &m->adam_v);
+    m->zero1 = md->full && m->world > 1;
+    m->shard = m->zero1 ? (m->n_params + m->world - 1) / m->world : m->n_params;
+    int64_t padded = m->zero1 ? m->shard * m->world : m->n_params;
+    plan_add(p, MEM_TRAINABLE, what, -1, "params", padded * 4, &m->params);
+    plan_add(p, MEM_GRADS, what, -1, "grads", padded * 4, &m->grads);
+    plan_add(p, MEM_OPTIM, what, -1, "adam_m", m->shard * 4, &m->adam_m);
+    plan_add(p, MEM_OPTIM, what, -1, "adam_v", m->shard * 4, &m->adam_v);
+    if (m->zero1) plan_add(p, MEM_SCRATCH, what, -1, "grad_shard", m->shard * 4, &m->grad_shard);
     plan_add(p, MEM_SCRATCH, "rope", -1, "rope_cos", m->T * (c->head_dim / 2) * 4, &m->rope_cos);
     plan_add(p, MEM_SCRATCH, "rope", -1, "rope_sin", m->T * (c->head_dim / 2) * 4, &m->rope_sin);
     // saved activations, block by block (the table of DESIGN.md section 5)
@@ -295,8 +304,10 @@ static void llama_bind(Llama* m) {
         }
 }
 
-static void llama_setup(Llama* m, const LlamaConfig* cfg, const LlamaModes* modes, int B, int T, int wbytes, int abytes) {
+static void llama_setup(Llama* m, const LlamaConfig* cfg, const LlamaModes* modes, int B, int T, int wbytes, int abytes, const Dist* dist) {
     memset(m, 0, sizeof(*m));
+    m->rank = dist ? dist->rank : 0;
+    m->world = dist ? dist->world : 1;
     m->cfg = *cfg;
     m->modes = *modes;
     m->B = B;
@@ -530,16 +541,27 @@ static StepResult llama_train_step(Llama* m, TextLoader* loader, const TrainOpti
     free(in_all); free(tg_all); free(mk_all); free(pos_all);
     double t_comm = wall_seconds();
     dist_allreduce_sum_f64(dist, &loss_sum, 1);
-    dist_allreduce_sum_f32(dist, m->grads, m->n_params);
+    // the gradient this rank updates: all of it, or (ZeRO-1) its shard of the sum over ranks
+    float* g = m->grads;
+    if (m->zero1) { dist_reduce_scatter_sum_f32(dist, m->grads, m->grad_shard, m->shard); g = m->grad_shard; }
+    else dist_allreduce_sum_f32(dist, m->grads, m->n_params);
+    double ss = sum_squares(g, m->shard);
+    if (m->zero1) dist_allreduce_sum_f64(dist, &ss, 1);
     StepResult r;
     r.comm_s = wall_seconds() - t_comm;
     r.tokens = (double)N * K * dist->world;
     r.loss = total > 0 ? (float)(loss_sum / total) : 0.0f;
-    r.grad_norm = (float)sqrt(sum_squares(m->grads, m->n_params));
+    r.grad_norm = (float)sqrt(ss);
     if (!isfinite(r.loss) || !isfinite(r.grad_norm)) fail("step %d: non-finite loss (%g) or gradient norm (%g); lower --lr or check the data", step + 1, r.loss, r.grad_norm);
-    if (o->grad_clip > 0 && r.grad_norm > o->grad_clip) scale_inplace(m->grads, m->n_params, o->grad_clip / r.grad_norm);
+    if (o->grad_clip > 0 && r.grad_norm > o->grad_clip) scale_inplace(g, m->shard, o->grad_clip / r.grad_norm);
     r.lr = lr_at_step(o, step);
-    adamw_update(m->params, m->grads, m->adam_m, m->adam_v, m->n_params, r.lr, 0.9f, 0.999f, 1e-8f, o->weight_decay, step + 1);
+    float* p = m->params + (m->zero1 ? (int64_t)m->rank * m->shard : 0);
+    adamw_update(p, g, m->adam_m, m->adam_v, m->shard, r.lr, 0.9f, 0.999f, 1e-8f, o->weight_decay, step + 1);
+    if (m->zero1) {  // everyone gets every updated shard
+        double t = wall_seconds();
+        dist_allgather_f32(dist, m->params, m->shard);
+        r.comm_s += wall_seconds() - t;
+    }
     return r;
 }
 
@@ -640,10 +662,10 @@ static void llama_dry_run(const LlamaConfig* cfg, const TrainOptions* o, LlamaMo
     int cpu = strcmp(o->device, "cpu") == 0;  // a dry run plans the CUDA layout unless told otherwise
     int wbytes = cpu ? 4 : 2, abytes = cpu ? 4 : 2;
     Llama m, base;
-    llama_setup(&m, cfg, &md, o->batch, o->seq, wbytes, abytes);
+    llama_setup(&m, cfg, &md, o->batch, o->seq, wbytes, abytes, NULL);
     LlamaModes bm = md;
     bm.approx = 0; bm.ms = 0; bm.ckpt = 0; bm.recompute_product = 0;
-    llama_setup(&base, cfg, &bm, o->batch, o->seq, wbytes, abytes);
+    llama_setup(&base, cfg, &bm, o->batch, o->seq, wbytes, abytes, NULL);
     if (o->json) {
         char s[512];
         print_settings_json(s, sizeof(s), o, cpu ? "cpu" : "cuda");
@@ -784,17 +806,48 @@ static void llama_settings_line(char* buf, size_t n, const Llama* m, const Train
              o->grad_clip, o->seed, (long long)data_tokens);
 }
 
-static void llama_save_state(Llama* m, const char* dir, const char* settings, int64_t step, int64_t cursor, int seed) {
-    StateHeader h;
-    memset(&h, 0, sizeof(h));
-    h.step = step;
-    h.cursor = cursor;
-    h.seed = (uint64_t)seed;
-    h.count = m->n_params;
-    snprintf(h.settings, sizeof(h.settings), "%s", settings);
+// Called on every rank (ZeRO-1 gathers the AdamW shards); rank 0 writes the file.
+static void llama_save_state(Llama* m, const Dist* dist, const char* dir, const char* settings, int64_t step, int64_t cursor, int seed) {
+    float *adam_m = m->adam_m, *adam_v = m->adam_v;
+    if (m->zero1) {
+        adam_m = (float*)xmalloc(sizeof(float) * m->shard * m->world);
+        adam_v = (float*)xmalloc(sizeof(float) * m->shard * m->world);
+        dist_gather_f32(dist, m->adam_m, adam_m, m->shard);
+        dist_gather_f32(dist, m->adam_v, adam_v, m->shard);
+    }
+    if (dist->rank == 0) {
+        StateHeader h;
+        memset(&h, 0, sizeof(h));
+        h.step = step;
+        h.cursor = cursor;
+        h.seed = (uint64_t)seed;
+        h.count = m->n_params;
+        snprintf(h.settings, sizeof(h.settings), "%s", settings);
+        char* path = path_join(dir, "train_state.bin");
+        state_save(path, &h, m->params, adam_m, adam_v);
+        free(path);
+    }
+    if (m->zero1) { free(adam_m); free(adam_v); }
+}
+
+// Every rank reads the state; under ZeRO-1 it keeps its own shard of the AdamW moments.
+static int64_t llama_load_state(Llama* m, const char* dir, const char* settings, int64_t* cursor) {
     char* path = path_join(dir, "train_state.bin");
-    state_save(path, &h, m->params, m->adam_m, m->adam_v);
+    StateHeader h;
+    float *adam_m = m->adam_m, *adam_v = m->adam_v;
+    if (m->zero1) {
+        adam_m = (float*)xcalloc(m->shard * m->world, sizeof(float));
+        adam_v = (float*)xcalloc(m->shard * m->world, sizeof(float));
+    }
+    state_load(path, &h, settings, m->n_params, m->params, adam_m, adam_v);
+    if (m->zero1) {
+        memcpy(m->adam_m, adam_m + (int64_t)m->rank * m->shard, sizeof(float) * m->shard);
+        memcpy(m->adam_v, adam_v + (int64_t)m->rank * m->shard, sizeof(float) * m->shard);
+        free(adam_m); free(adam_v);
+    }
     free(path);
+    *cursor = h.cursor;
+    return h.step;
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -824,13 +877,8 @@ static void llama_train(Llama* m, RunData* rd, const TrainOptions* o, const Dist
     llama_settings_line(settings, sizeof(settings), m, o, dist, rd->train.count);
     int start = 0;
     if (o->resume_dir) {
-        char* path = path_join(o->resume_dir, "train_state.bin");
-        StateHeader h;
-        state_load(path, &h, settings, m->n_params, m->params, m->adam_m, m->adam_v);
-        start = (int)h.step;
-        rd->tl.cursor = h.cursor;
-        if (rank0) printf("resumed %s at step %d\n", path, start);
-        free(path);
+        start = (int)llama_load_state(m, o->resume_dir, settings, &rd->tl.cursor);
+        if (rank0) printf("resumed %s/train_state.bin at step %d\n", o->resume_dir, start);
     }
     FILE* log = NULL;
     if (out && rank0) {
@@ -857,10 +905,10 @@ static void llama_train(Llama* m, RunData* rd, const TrainOptions* o, const Dist
             fflush(stdout);
         }
         if (log) { fprintf(log, "%d,%.6f,%.6e,%.6f,%.1f,%.6f\n", step + 1, r.loss, r.lr, r.grad_norm, r.tokens / dt, vloss); fflush(log); }
-        if (out && rank0 && (last || (o->save_every > 0 && (step + 1) % o->save_every == 0))) {
-            if (m->modes.full) llama_export_merged(m, o, out);  // a loadable model directory
-            else llama_save_adapter(m, out, o);
-            llama_save_state(m, out, settings, step + 1, rd->tl.cursor, o->seed);
+        if (out && (last || (o->save_every > 0 && (step + 1) % o->save_every == 0))) {
+            if (rank0 && m->modes.full) llama_export_merged(m, o, out);  // a loadable model directory
+            else if (rank0) llama_save_adapter(m, out, o);
+            llama_save_state(m, dist, out, settings, step + 1, rd->tl.cursor, o->seed);
         }
     }
     if (rank0) {
@@ -912,10 +960,10 @@ int main(int argc, char** argv) {
     Llama m, base;
     int sized = o.data_path || o.eval_only;  // generation alone needs one sequence
     int B = sized ? o.batch : 1, T = sized ? o.seq : (cfg.max_seq < 256 ? cfg.max_seq : 256);
-    llama_setup(&m, &cfg, &md, B, T, 4, 4);
+    llama_setup(&m, &cfg, &md, B, T, 4, 4, &dist);
     LlamaModes bm = md;
     bm.approx = 0; bm.ms = 0; bm.ckpt = 0; bm.recompute_product = 0;
-    llama_setup(&base, &cfg, &bm, B, T, 4, 4);
+    llama_setup(&base, &cfg, &bm, B, T, 4, 4, &dist);
     plan_allocate_host(&m.plan);
     llama_bind(&m);
     llama_load_weights(&m, o.model_dir);

@@ -76,3 +76,32 @@ static void dist_finalize(Dist* d) {
 #endif
     d->mpi = 0;
 }
+
+// ZeRO-1 pieces: `full` holds world * shard floats. Sums every rank's `full` and leaves this
+// rank's shard of the sum in `shard_out`.
+static void dist_reduce_scatter_sum_f32(const Dist* d, const float* full, float* shard_out, int64_t shard) {
+#ifdef LLMC_HAVE_MPI
+    if (shard > (1 << 30)) fail("ZeRO-1 shard of %lld floats is too large for one MPI call", (long long)shard);
+    MPI_Reduce_scatter_block(full, shard_out, (int)shard, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
+#else
+    (void)d; memcpy(shard_out, full, sizeof(float) * shard);
+#endif
+}
+
+// Every rank's shard (in place at rank * shard of `full`) to every rank.
+static void dist_allgather_f32(const Dist* d, float* full, int64_t shard) {
+#ifdef LLMC_HAVE_MPI
+    if (d->world > 1) MPI_Allgather(MPI_IN_PLACE, 0, MPI_FLOAT, full, (int)shard, MPI_FLOAT, MPI_COMM_WORLD);
+#else
+    (void)d; (void)full; (void)shard;
+#endif
+}
+
+// Every rank's `shard_in` to rank 0's `full_out` (world * shard floats; ignored on other ranks).
+static void dist_gather_f32(const Dist* d, const float* shard_in, float* full_out, int64_t shard) {
+#ifdef LLMC_HAVE_MPI
+    if (d->world > 1) { MPI_Gather(shard_in, (int)shard, MPI_FLOAT, full_out, (int)shard, MPI_FLOAT, 0, MPI_COMM_WORLD); return; }
+#endif
+    (void)d;
+    memcpy(full_out, shard_in, sizeof(float) * shard);
+}

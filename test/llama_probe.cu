@@ -35,7 +35,7 @@ int main(int argc, char** argv) {
     const StTensor* mask = case_tensor(&cf, "mask", ST_F32);
     int B = (int)tokens->shape[0], T = (int)tokens->shape[1] - 1;
     Llama m;
-    llama_setup(&m, &cfg, &md, B, T, 4, 4);
+    llama_setup(&m, &cfg, &md, B, T, 4, 4, NULL);
     plan_allocate_host(&m.plan);
     llama_bind(&m);
     llama_load_weights(&m, o.model_dir);

@@ -258,3 +258,38 @@ def test_full_finetuning_trains_and_writes_a_model(tiny, tmp_path, mode):
     print(f"{mode}: loss {ls[0]:.3f} -> {ls[-1]:.3f}; val at end {val_end:.6f}, reloaded {again:.6f}")
     assert abs(again - val_end) < 2e-6 * val_end
     assert (out / "config.json").exists() and not (out / "adapter_model.safetensors").exists()
+
+
+def test_zero1_full_finetuning_two_ranks(tiny, tmp_path):
+    """--full over 2 ranks shards the AdamW state (ZeRO-1): optimizer memory halves, the weights
+    equal one process with the combined batch, and a resumed sharded run equals an unbroken one."""
+    args = ["--model", tiny / "model", "--data", tiny / "train.bin", "--seq", 24, "--lr", 2e-3, "--threads", 1, "--full",
+            "--mode", "lowmem", "--save-every", 3]
+    one = run(args + ["--steps", 6, "--batch", 4, "--out", tmp_path / "one"])
+    two = mpirun(2, args + ["--steps", 6, "--batch", 2, "--out", tmp_path / "two"])
+    opt = lambda out: float(out.split("optimizer ")[1].split()[0])
+    print(f"optimizer state: 1 rank {opt(one.stdout)} MiB, 2 ranks {opt(two.stdout)} MiB per rank")
+    assert opt(two.stdout) < 0.55 * opt(one.stdout)
+    np.testing.assert_allclose(losses(one.stdout), losses(two.stdout), rtol=1e-5)
+    f32 = lambda d: st_io.load(str(d / "model.safetensors"))
+    a, b = f32(tmp_path / "one"), f32(tmp_path / "two")
+    assert max(float(np.abs(a[k] - b[k]).max()) for k in a) < 1e-5
+    # a sharded run stopped mid-way and resumed equals an unbroken sharded run (the AdamW shards
+    # are gathered into the state file and scattered back)
+    long = args + ["--steps", 150, "--batch", 2]
+    mpirun(2, long + ["--out", tmp_path / "straight"])
+    out = tmp_path / "stopped"
+    cmd = [MPIRUN, "--allow-run-as-root", "--oversubscribe", "-np", "2", BIN] + [str(x) for x in long + ["--out", out]]
+    p = subprocess.Popen(cmd, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 60
+    while time.time() < deadline and p.poll() is None:
+        if (out / "log.csv").exists() and len((out / "log.csv").read_text().splitlines()) > 10:
+            break
+        time.sleep(0.002)
+    p.terminate()
+    p.wait(timeout=30)
+    done = len((out / "log.csv").read_text().splitlines()) - 1
+    assert done < 150, "the run finished before it could be stopped"
+    r = mpirun(2, long + ["--resume", out])
+    print(f"stopped after {done} steps; {r.stdout.split('resumed ')[1].split(chr(10))[0]}")
+    assert (out / "train_state.bin").read_bytes() == (tmp_path / "straight" / "train_state.bin").read_bytes()
