@@ -35,9 +35,12 @@ static void peft_scale_columns(float* out, const float* A, const float* gamma, i
     }
 }
 
-static void peft_save(const char* dir, const PeftEntry* e, int n, const PeftExtra* extra, int nextra, int rank, float alpha,
-                      const char* task_type, const char* base_model, const char* const* target_modules, int ntm,
-                      const char* modules_to_save) {
+// task_type NULL writes null (PEFT has no task type for image classification). bias_mode is
+// PEFT's "bias" field: "none", or "lora_only" when the extras carry the biases of the adapted
+// modules (ViT under MS-LN: the merged beta leaves a constant that only a bias can carry).
+static void peft_save_ex(const char* dir, const PeftEntry* e, int n, const PeftExtra* extra, int nextra, int rank, float alpha,
+                         const char* task_type, const char* base_model, const char* const* target_modules, int ntm,
+                         const char* modules_to_save, const char* bias_mode) {
     make_dirs(dir, "flag --out");
     StWriter w;
     memset(&w, 0, sizeof(w));
@@ -67,15 +70,24 @@ static void peft_save(const char* dir, const PeftEntry* e, int n, const PeftExtr
     free(names);
     path = path_join(dir, "adapter_config.json");
     AtomicFile a = atomic_open(path);
-    fprintf(a.f, "{\n  \"peft_type\": \"LORA\",\n  \"task_type\": \"%s\",\n  \"r\": %d,\n  \"lora_alpha\": %g,\n  \"lora_dropout\": 0.0,\n"
-                 "  \"bias\": \"none\",\n  \"fan_in_fan_out\": false,\n  \"inference_mode\": true,\n  \"base_model_name_or_path\": ",
-            task_type, rank, alpha);
+    fprintf(a.f, "{\n  \"peft_type\": \"LORA\",\n  \"task_type\": ");
+    if (task_type) json_write_string(a.f, task_type);
+    else fprintf(a.f, "null");
+    fprintf(a.f, ",\n  \"r\": %d,\n  \"lora_alpha\": %g,\n  \"lora_dropout\": 0.0,\n"
+                 "  \"bias\": \"%s\",\n  \"fan_in_fan_out\": false,\n  \"inference_mode\": true,\n  \"base_model_name_or_path\": ",
+            rank, alpha, bias_mode);
     json_write_string(a.f, base_model ? base_model : "");
     fprintf(a.f, ",\n  \"target_modules\": [");
     for (int i = 0; i < ntm; i++) { fprintf(a.f, "%s", i ? ", " : ""); json_write_string(a.f, target_modules[i]); }
     fprintf(a.f, "],\n  \"modules_to_save\": %s\n}\n", modules_to_save ? modules_to_save : "null");
     atomic_commit(&a);
     free(path);
+}
+
+static void peft_save(const char* dir, const PeftEntry* e, int n, const PeftExtra* extra, int nextra, int rank, float alpha,
+                      const char* task_type, const char* base_model, const char* const* target_modules, int ntm,
+                      const char* modules_to_save) {
+    peft_save_ex(dir, e, n, extra, nextra, rank, alpha, task_type, base_model, target_modules, ntm, modules_to_save, "none");
 }
 
 // Loads an adapter directory into the entries' A/B (re-applying the merge for MS layers). The

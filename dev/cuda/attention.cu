@@ -1,0 +1,146 @@
+// dev/cuda/attention.cu: RoPE and flash attention of llmc/cuda/attention.cuh against
+// llmc/cpu/attention.h: causal and bidirectional, grouped-query (H/KVH = 1, 2, 3, 4), head dims
+// 16..128 including ones that are not a multiple of 8 or 32, sequence lengths that are not a
+// multiple of the 32-row tiles. Forward (o, lse) and backward (dq, dk, dv) from identical bf16
+// inputs; the backward gets the CPU forward's o (rounded to bf16) and lse, as the GPU would keep
+// them. Then times forward and backward at LLaMA-7B-like shapes in TFLOP/s.
+#include "check.h"
+#include "../../llmc/cpu/attention.h"
+#include "../../llmc/cuda/attention.cuh"
+
+static void test_attention(AttnShape s, Rng* rng) {
+    int64_t N = (int64_t)s.B * s.T, nq = N * s.H * s.hd, nk = N * s.KVH * s.hd, nl = (int64_t)s.B * s.H * s.T;
+    float *q = host_randn(nq, rng, 1.0f, 1), *k = host_randn(nk, rng, 1.0f, 1), *v = host_randn(nk, rng, 1.0f, 1);
+    float *o = (float*)xmalloc(4 * nq), *lse = (float*)xmalloc(4 * nl);
+    attention_forward(o, lse, q, k, v, s);
+    bf16 *d_q = upload_bf16(q, nq), *d_k = upload_bf16(k, nk), *d_v = upload_bf16(v, nk), *d_o = (bf16*)dev_alloc(2 * nq);
+    float* d_lse = (float*)dev_alloc(4 * nl);
+    dev_poison(d_o, 2 * nq);
+    dev_poison(d_lse, 4 * nl);
+    attention_forward_cuda(d_o, d_lse, d_q, d_k, d_v, s, g_stream);
+    float *go = download_bf16(d_o, nq), *glse = download_f32(d_lse, nl);
+    char tag[96], name[160];
+    snprintf(tag, sizeof(tag), "B=%d T=%d H=%d KVH=%d hd=%d %s", s.B, s.T, s.H, s.KVH, s.hd, s.causal ? "causal" : "bidir");
+    snprintf(name, sizeof(name), "attn fwd o, %s", tag);
+    check_close(name, go, o, nq, 1e-2);
+    snprintf(name, sizeof(name), "attn fwd lse, %s", tag);
+    check_close(name, glse, lse, nl, 1e-5);
+
+    // backward: both sides get o as the CUDA forward would have stored it (bf16) and the CPU lse
+    host_round_bf16(o, nq);
+    float *dout = host_randn(nq, rng, 1.0f, 1), *dq = (float*)xmalloc(4 * nq), *dk = (float*)xmalloc(4 * nk),
+          *dv = (float*)xmalloc(4 * nk);
+    attention_backward(dq, dk, dv, dout, q, k, v, o, lse, s);
+    upload_bf16_to(d_o, o, nq);
+    CUDA_CHECK(cudaMemcpy(d_lse, lse, 4 * nl, cudaMemcpyHostToDevice));
+    bf16 *d_dout = upload_bf16(dout, nq), *d_dq = (bf16*)dev_alloc(2 * nq), *d_dk = (bf16*)dev_alloc(2 * nk),
+         *d_dv = (bf16*)dev_alloc(2 * nk);
+    float* d_scratch = (float*)dev_alloc(4 * nl);
+    dev_poison(d_dq, 2 * nq);
+    dev_poison(d_dk, 2 * nk);
+    dev_poison(d_dv, 2 * nk);
+    dev_poison(d_scratch, 4 * nl);
+    attention_backward_cuda(d_dq, d_dk, d_dv, d_dout, d_q, d_k, d_v, d_o, d_lse, d_scratch, s, g_stream);
+    float *gdq = download_bf16(d_dq, nq), *gdk = download_bf16(d_dk, nk), *gdv = download_bf16(d_dv, nk);
+    snprintf(name, sizeof(name), "attn bwd dq, %s", tag);
+    check_close(name, gdq, dq, nq, 1e-2);
+    snprintf(name, sizeof(name), "attn bwd dk, %s", tag);
+    check_close(name, gdk, dk, nk, 1e-2);
+    snprintf(name, sizeof(name), "attn bwd dv, %s", tag);
+    check_close(name, gdv, dv, nk, 1e-2);
+
+    CUDA_CHECK(cudaFree(d_q)); CUDA_CHECK(cudaFree(d_k)); CUDA_CHECK(cudaFree(d_v)); CUDA_CHECK(cudaFree(d_o));
+    CUDA_CHECK(cudaFree(d_lse)); CUDA_CHECK(cudaFree(d_dout)); CUDA_CHECK(cudaFree(d_dq)); CUDA_CHECK(cudaFree(d_dk));
+    CUDA_CHECK(cudaFree(d_dv)); CUDA_CHECK(cudaFree(d_scratch));
+    free(q); free(k); free(v); free(o); free(lse); free(go); free(glse); free(dout); free(dq); free(dk); free(dv);
+    free(gdq); free(gdk); free(gdv);
+}
+
+static void test_rope(int64_t N, int T, int nheads, int hd, Rng* rng) {
+    int half = hd / 2;
+    int64_t n = N * nheads * hd;
+    float *cos_t = (float*)xmalloc(4 * (int64_t)T * half), *sin_t = (float*)xmalloc(4 * (int64_t)T * half);
+    for (int t = 0; t < T; t++)
+        for (int i = 0; i < half; i++) {
+            double ang = t * pow(10000.0, -2.0 * i / hd);
+            cos_t[(int64_t)t * half + i] = (float)cos(ang);
+            sin_t[(int64_t)t * half + i] = (float)sin(ang);
+        }
+    float* x = host_randn(n, rng, 1.0f, 1);
+    float *d_cos = (float*)upload(cos_t, 4 * (int64_t)T * half), *d_sin = (float*)upload(sin_t, 4 * (int64_t)T * half);
+    bf16* d_x = upload_bf16(x, n);
+    char name[128];
+    for (int inverse = 0; inverse < 2; inverse++) {
+        float* want = host_copy(x, n);
+        rope_apply(want, cos_t, sin_t, N, T, nheads, hd, inverse);
+        upload_bf16_to(d_x, x, n);
+        rope_apply_cuda(d_x, d_cos, d_sin, N, T, nheads, hd, inverse, g_stream);
+        float* got = download_bf16(d_x, n);
+        snprintf(name, sizeof(name), "rope_apply%s, N=%lld T=%d heads=%d hd=%d", inverse ? " inverse" : "", (long long)N, T, nheads, hd);
+        check_close(name, got, want, n, 1e-2);
+        free(want);
+        free(got);
+    }
+    upload_bf16_to(d_x, x, n);  // the inverse undoes the rotation (up to two bf16 roundings)
+    rope_apply_cuda(d_x, d_cos, d_sin, N, T, nheads, hd, 0, g_stream);
+    rope_apply_cuda(d_x, d_cos, d_sin, N, T, nheads, hd, 1, g_stream);
+    float* back = download_bf16(d_x, n);
+    snprintf(name, sizeof(name), "rope_apply then inverse is the identity, hd=%d", hd);
+    check_close(name, back, x, n, 1e-2);
+    CUDA_CHECK(cudaFree(d_cos)); CUDA_CHECK(cudaFree(d_sin)); CUDA_CHECK(cudaFree(d_x));
+    free(cos_t); free(sin_t); free(x); free(back);
+}
+
+// FLOPs of attention: 2 matmuls of 2*T*T*hd per (b, h) forward (halved when causal); the
+// backward recomputes the scores and does 4 more in FlashAttention-2 counting (2.5x forward).
+// Our backward recomputes QK^T and dO V^T in both kernels, so it does more work than it is
+// credited with: the figure is comparable with other flash-attention implementations.
+static void time_attention(AttnShape s, const char* label) {
+    int64_t N = (int64_t)s.B * s.T, nq = N * s.H * s.hd, nk = N * s.KVH * s.hd, nl = (int64_t)s.B * s.H * s.T;
+    bf16 *q = (bf16*)dev_alloc(2 * nq), *k = (bf16*)dev_alloc(2 * nk), *v = (bf16*)dev_alloc(2 * nk), *o = (bf16*)dev_alloc(2 * nq);
+    bf16 *dq = (bf16*)dev_alloc(2 * nq), *dk = (bf16*)dev_alloc(2 * nk), *dv = (bf16*)dev_alloc(2 * nk), *dout = (bf16*)dev_alloc(2 * nq);
+    float *lse = (float*)dev_alloc(4 * nl), *scratch = (float*)dev_alloc(4 * nl);
+    CUDA_CHECK(cudaMemset(q, 0x3c, 2 * nq));  // bf16 0x3c3c ~ 0.0115: finite, tame scores
+    CUDA_CHECK(cudaMemset(k, 0x3c, 2 * nk));
+    CUDA_CHECK(cudaMemset(v, 0x3c, 2 * nk));
+    CUDA_CHECK(cudaMemset(dout, 0x3c, 2 * nq));
+    double fwd = 4.0 * s.B * s.H * (double)s.T * s.T * s.hd * (s.causal ? 0.5 : 1.0);
+    char name[128];
+    snprintf(name, sizeof(name), "attention_forward %s", label);
+    report_flops(name, fwd, time_kernel([&] { attention_forward_cuda(o, lse, q, k, v, s, g_stream); }, 3));
+    snprintf(name, sizeof(name), "attention_backward %s", label);
+    report_flops(name, 2.5 * fwd,
+                 time_kernel([&] { attention_backward_cuda(dq, dk, dv, dout, q, k, v, o, lse, scratch, s, g_stream); }, 3));
+    float* hl = download_f32(lse, nl);
+    int finite = 1;
+    for (int64_t i = 0; i < nl; i++) finite &= isfinite(hl[i]);
+    snprintf(name, sizeof(name), "timed attention left finite lse, %s", label);
+    check_true(name, finite, "");
+    free(hl);
+    CUDA_CHECK(cudaFree(q)); CUDA_CHECK(cudaFree(k)); CUDA_CHECK(cudaFree(v)); CUDA_CHECK(cudaFree(o));
+    CUDA_CHECK(cudaFree(dq)); CUDA_CHECK(cudaFree(dk)); CUDA_CHECK(cudaFree(dv)); CUDA_CHECK(cudaFree(dout));
+    CUDA_CHECK(cudaFree(lse)); CUDA_CHECK(cudaFree(scratch));
+}
+
+int main(void) {
+    Rng rng = rng_seeded(99, 3);
+    check_begin("dev/cuda/attention: RoPE and flash attention vs llmc/cpu/attention.h");
+    test_rope(2 * 37, 37, 3, 16, &rng);
+    test_rope(65, 65, 2, 128, &rng);
+    AttnShape cases[] = {
+        {2, 37, 4, 2, 16, 1},   // GQA 2, tiny head dim, ragged T
+        {1, 70, 3, 1, 64, 1},   // multi-query (3 heads on 1 kv head)
+        {2, 33, 2, 2, 80, 0},   // bidirectional, hd not a power of two (ViT-like)
+        {1, 65, 4, 1, 128, 1},  // hd 128, GQA 4
+        {1, 64, 2, 2, 128, 0},  // bidirectional, T a multiple of the tile
+        {3, 5, 2, 1, 8, 1},     // shorter than one tile
+        {1, 97, 2, 2, 36, 1},   // hd 36: partial last register group
+    };
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) test_attention(cases[i], &rng);
+    if (g_timing) {
+        AttnShape llama = {4, 2048, 32, 8, 128, 1}, vit = {64, 197, 12, 12, 64, 0};
+        time_attention(llama, "B=4 T=2048 H=32 KVH=8 hd=128 causal");
+        time_attention(vit, "B=64 T=197 H=12 hd=64 bidir (ViT-B/16)");
+    }
+    return finish();
+}

@@ -1,0 +1,170 @@
+// dev/cuda/loss.cu: the chunked LM head + cross-entropy of llmc/cuda/loss.cuh against
+// llmc/cpu/loss.h: final RMSNorm (standard), logits, masked loss, count, argmax-correct and the
+// gradient into the final norm's input (accumulated), with an odd vocabulary, a ragged last
+// chunk and masked tokens; evaluation mode (no gradient); and softmax_ce_rows on its own with fp32
+// dlogits (the ViT head). Then times a LLaMA-7B-sized head.
+#include "check.h"
+#include "../../llmc/cpu/loss.h"
+#include "../../llmc/cuda/loss.cuh"
+
+static LossScratchCuda alloc_loss_scratch(int chunk, int d, int V) {
+    LossScratchCuda sc;
+    sc.z = (bf16*)dev_alloc(2 * (int64_t)chunk * d);
+    sc.r = (float*)dev_alloc(4 * (int64_t)chunk);
+    sc.logits = (float*)dev_alloc(4 * (int64_t)chunk * V);
+    sc.dlogits = (bf16*)dev_alloc(2 * (int64_t)chunk * V);
+    sc.dz = (bf16*)dev_alloc(2 * (int64_t)chunk * d);
+    sc.row_stats = (float*)dev_alloc(4 * 3 * (int64_t)chunk);
+    sc.stats = (double*)dev_alloc(3 * sizeof(double));
+    return sc;
+}
+static void free_loss_scratch(LossScratchCuda sc) {
+    CUDA_CHECK(cudaFree(sc.z)); CUDA_CHECK(cudaFree(sc.r)); CUDA_CHECK(cudaFree(sc.logits)); CUDA_CHECK(cudaFree(sc.dlogits));
+    CUDA_CHECK(cudaFree(sc.dz)); CUDA_CHECK(cudaFree(sc.row_stats)); CUDA_CHECK(cudaFree(sc.stats));
+}
+
+static void test_lm_head(int64_t N, int d, int V, int chunk, int grad, Rng* rng) {
+    float eps = 1e-5f, grad_scale = 1.0f / 29.0f;
+    float *xf = host_randn(N * d, rng, 1.0f, 1), *gamma = host_randn(d, rng, 1.0f, 1), *W = host_randn((int64_t)V * d, rng, 0.3f, 1);
+    int* targets = (int*)xmalloc(sizeof(int) * N);
+    float* mask = (float*)xmalloc(sizeof(float) * N);
+    for (int64_t i = 0; i < N; i++) {
+        targets[i] = (int)rng_below(rng, V);
+        mask[i] = i % 5 == 2 ? 0.0f : 1.0f;  // some tokens are not trained on
+    }
+    // make a few targets the argmax, so `correct` is not trivially zero
+    for (int64_t i = 0; i < N; i += 3) targets[i] = -1;
+    float* dx0 = host_randn(N * d, rng, 0.002f, 1);  // small: the check measures what the kernel adds
+    // CPU
+    LossScratch cs = {(float*)xmalloc(4 * (int64_t)chunk * d), (float*)xmalloc(4 * (int64_t)chunk),
+                      (float*)xmalloc(4 * (int64_t)chunk * V), (float*)xmalloc(4 * (int64_t)chunk * d)};
+    float* logits = (float*)xmalloc(4 * N * V);
+    {  // targets[i] = -1 above means "the argmax of the row": find it from a logits-only pass
+        LossStats tmp = {0, 0, 0};
+        int* t0 = (int*)xcalloc(N, sizeof(int));
+        lm_head_loss(xf, gamma, eps, W, V, d, t0, mask, N, chunk, grad_scale, NULL, logits, cs, &tmp);
+        for (int64_t i = 0; i < N; i++)
+            if (targets[i] < 0) {
+                int am = 0;
+                for (int v = 1; v < V; v++) if (logits[i * V + v] > logits[i * V + am]) am = v;
+                targets[i] = am;
+            }
+        free(t0);
+    }
+    float* dx = host_copy(dx0, N * d);
+    LossStats st = {0, 0, 0};
+    lm_head_loss(xf, gamma, eps, W, V, d, targets, mask, N, chunk, grad_scale, grad ? dx : NULL, logits, cs, &st);
+    // GPU
+    LossScratchCuda sc = alloc_loss_scratch(chunk, d, V);
+    bf16 *d_xf = upload_bf16(xf, N * d), *d_gamma = upload_bf16(gamma, d), *d_W = upload_bf16(W, (int64_t)V * d);
+    bf16* d_dx = upload_bf16(dx0, N * d);
+    int* d_t = (int*)upload(targets, sizeof(int) * N);
+    float *d_mask = (float*)upload(mask, 4 * N), *d_logits = (float*)dev_alloc(4 * N * V);
+    dev_poison(d_logits, 4 * N * V);
+    LossStats gst = {0, 0, 0};
+    lm_head_loss_cuda(d_xf, d_gamma, eps, d_W, V, d, d_t, d_mask, N, chunk, grad_scale, grad ? d_dx : NULL, d_logits, sc, &gst,
+                      g_stream);
+    char tag[96], name[160], detail[160];
+    snprintf(tag, sizeof(tag), "N=%lld d=%d V=%d chunk=%d%s", (long long)N, d, V, chunk, grad ? "" : " eval");
+    float* glogits = download_f32(d_logits, N * V);
+    snprintf(name, sizeof(name), "lm_head_loss logits, %s", tag);
+    check_close(name, glogits, logits, N * V, 1e-2);
+    double lerr = fabs(gst.loss_sum - st.loss_sum) / fmax(1e-9, fabs(st.loss_sum));
+    snprintf(name, sizeof(name), "lm_head_loss loss sum, %s", tag);
+    snprintf(detail, sizeof(detail), "(%.6f vs %.6f, rel %.1e, tol 1e-3)", gst.loss_sum, st.loss_sum, lerr);
+    check_true(name, isfinite(gst.loss_sum) && lerr < 1e-3, detail);
+    snprintf(name, sizeof(name), "lm_head_loss count, %s", tag);
+    snprintf(detail, sizeof(detail), "(%.0f vs %.0f)", gst.count, st.count);
+    check_true(name, gst.count == st.count, detail);
+    snprintf(name, sizeof(name), "lm_head_loss correct, %s", tag);
+    snprintf(detail, sizeof(detail), "(%.0f vs %.0f; near-ties may flip one)", gst.correct, st.correct);
+    check_true(name, fabs(gst.correct - st.correct) <= 1 && st.correct > 0, detail);
+    if (grad) {
+        float* gdx = download_bf16(d_dx, N * d);
+        for (int64_t i = 0; i < N * d; i++) { gdx[i] -= dx0[i]; dx[i] -= dx0[i]; }
+        snprintf(name, sizeof(name), "lm_head_loss dxf (accumulated), %s", tag);
+        check_close(name, gdx, dx, N * d, 1e-2);
+        free(gdx);
+    } else {
+        float* gdx = download_bf16(d_dx, N * d);
+        snprintf(name, sizeof(name), "lm_head_loss eval leaves dxf alone, %s", tag);
+        check_equal_f32(name, gdx, dx0, N * d);
+        free(gdx);
+    }
+    free_loss_scratch(sc);
+    CUDA_CHECK(cudaFree(d_xf)); CUDA_CHECK(cudaFree(d_gamma)); CUDA_CHECK(cudaFree(d_W)); CUDA_CHECK(cudaFree(d_dx));
+    CUDA_CHECK(cudaFree(d_t)); CUDA_CHECK(cudaFree(d_mask)); CUDA_CHECK(cudaFree(d_logits));
+    free(xf); free(gamma); free(W); free(targets); free(mask); free(dx0); free(cs.z); free(cs.r); free(cs.logits); free(cs.dz);
+    free(logits); free(dx); free(glogits);
+}
+
+// softmax_ce_rows with fp32 dlogits against ce_row, row by row (the ViT head: few classes).
+static void test_ce_rows(int rows, int V, Rng* rng) {
+    float grad_scale = 0.25f;
+    float* logits = host_randn((int64_t)rows * V, rng, 3.0f, 0);
+    int* targets = (int*)xmalloc(sizeof(int) * rows);
+    for (int i = 0; i < rows; i++) targets[i] = (int)rng_below(rng, V);
+    float* want = host_copy(logits, (int64_t)rows * V);
+    double loss = 0, correct = 0;
+    for (int i = 0; i < rows; i++) {
+        int am;
+        loss += ce_row(want + (int64_t)i * V, V, targets[i], 1.0f, grad_scale, 1, &am);
+        correct += am == targets[i];
+    }
+    float *d_logits = (float*)upload(logits, 4 * (int64_t)rows * V), *d_dl = (float*)dev_alloc(4 * (int64_t)rows * V);
+    float* d_rows = (float*)dev_alloc(4 * 3 * (int64_t)rows);
+    int* d_t = (int*)upload(targets, sizeof(int) * rows);
+    double* d_stats = (double*)dev_alloc(3 * sizeof(double));
+    dev_poison(d_dl, 4 * (int64_t)rows * V);
+    CUDA_CHECK(cudaMemset(d_stats, 0, 3 * sizeof(double)));
+    softmax_ce_rows_cuda(d_dl, d_rows, d_logits, d_t, NULL, rows, V, grad_scale, 1, g_stream);
+    loss_stats_accumulate_cuda(d_stats, d_rows, rows, g_stream);
+    float* got = download_f32(d_dl, (int64_t)rows * V);
+    double h[3];
+    CUDA_CHECK(cudaMemcpy(h, d_stats, sizeof(h), cudaMemcpyDeviceToHost));
+    char name[128], detail[160];
+    snprintf(name, sizeof(name), "softmax_ce_rows fp32 dlogits, rows=%d V=%d", rows, V);
+    check_close(name, got, want, (int64_t)rows * V, 1e-5);
+    snprintf(name, sizeof(name), "softmax_ce_rows loss/count/correct, rows=%d V=%d", rows, V);
+    snprintf(detail, sizeof(detail), "(loss %.6f vs %.6f, count %.0f, correct %.0f vs %.0f)", h[0], loss, h[1], h[2], correct);
+    check_true(name, fabs(h[0] - loss) < 1e-4 * fmax(1.0, fabs(loss)) && h[1] == rows && h[2] == correct, detail);
+    CUDA_CHECK(cudaFree(d_logits)); CUDA_CHECK(cudaFree(d_dl)); CUDA_CHECK(cudaFree(d_rows)); CUDA_CHECK(cudaFree(d_t));
+    CUDA_CHECK(cudaFree(d_stats));
+    free(logits); free(targets); free(want); free(got);
+}
+
+static void time_lm_head(void) {
+    int64_t N = 8192;
+    int d = 4096, V = 32000, chunk = 2048;
+    LossScratchCuda sc = alloc_loss_scratch(chunk, d, V);
+    bf16 *xf = (bf16*)dev_alloc(2 * N * d), *gamma = (bf16*)dev_alloc(2 * (int64_t)d), *W = (bf16*)dev_alloc(2 * (int64_t)V * d);
+    bf16* dx = (bf16*)dev_alloc(2 * N * d);
+    int* t = (int*)dev_alloc(sizeof(int) * N);
+    CUDA_CHECK(cudaMemset(xf, 0x3c, 2 * N * d));
+    CUDA_CHECK(cudaMemset(gamma, 0x3c, 2 * (int64_t)d));
+    CUDA_CHECK(cudaMemset(W, 0x3c, 2 * (int64_t)V * d));
+    CUDA_CHECK(cudaMemset(dx, 0, 2 * N * d));
+    CUDA_CHECK(cudaMemset(t, 0, sizeof(int) * N));
+    LossStats st = {0, 0, 0};
+    double flops = 2.0 * 2.0 * N * V * d;  // logits and dz products
+    report_flops("lm_head_loss 8192 tok, d=4096, V=32000, chunk 2048",
+                 flops, time_kernel([&] { lm_head_loss_cuda(xf, gamma, 1e-5f, W, V, d, t, NULL, N, chunk, 1.0f / N, dx, NULL, sc, &st, g_stream); }, 3));
+    char detail[96];
+    snprintf(detail, sizeof(detail), "(loss sum %.3f over %.0f tokens)", st.loss_sum, st.count);
+    check_true("timed lm_head_loss gave a finite loss", isfinite(st.loss_sum), detail);
+    free_loss_scratch(sc);
+    CUDA_CHECK(cudaFree(xf)); CUDA_CHECK(cudaFree(gamma)); CUDA_CHECK(cudaFree(W)); CUDA_CHECK(cudaFree(dx)); CUDA_CHECK(cudaFree(t));
+}
+
+int main(void) {
+    Rng rng = rng_seeded(11, 5);
+    check_begin("dev/cuda/loss: chunked LM head + cross-entropy vs llmc/cpu/loss.h");
+    test_lm_head(45, 64, 1003, 16, 1, &rng);
+    test_lm_head(45, 64, 1003, 16, 0, &rng);
+    test_lm_head(32, 96, 2048, 32, 1, &rng);
+    test_lm_head(7, 40, 517, 100, 1, &rng);
+    test_ce_rows(9, 10, &rng);
+    test_ce_rows(4, 1000, &rng);
+    if (g_timing) time_lm_head();
+    return finish();
+}

@@ -1,0 +1,193 @@
+// dev/cuda/matmul.cu: the cuBLASLt products of llmc/cuda/matmul.cuh (forms nt, nn, tn; the three
+// precision paths bf16->bf16, bf16->fp32, fp32->fp32; alpha; accumulate; the bias epilogue) and
+// the LoRA linear layer of llmc/cuda/linear.cuh, against llmc/cpu/matmul.h and llmc/lora.h, at
+// odd shapes (leading dimensions that are not a multiple of 8: cuBLASLt may have no algorithm
+// and the cublasGemmEx fallback runs) and aligned ones. Then times the shapes of a LLaMA-7B LoRA
+// step against the measured dense bf16 ceiling.
+// (On the CPU emulator, matmul.cuh is a plain loop: there this checks the wiring, not cuBLAS.)
+#include "check.h"
+#include "../../llmc/cpu/matmul.h"
+#include "../../llmc/lora.h"
+#include "../../llmc/cuda/matmul.cuh"
+#include "../../llmc/cuda/linear.cuh"
+
+typedef enum { P_BF16, P_BF16_F32OUT, P_F32 } Path;
+static const char* path_name[3] = {"bf16->bf16", "bf16->fp32", "fp32->fp32"};
+static const char* form_name[3] = {"nt", "nn", "tn"};
+
+static void cpu_matmul(MatmulForm f, float* C, const float* A, const float* B, int M, int N, int K, float alpha, int acc) {
+    if (f == MM_NT) matmul_nt(C, A, B, M, N, K, alpha, acc);
+    else if (f == MM_NN) matmul_nn(C, A, B, M, N, K, alpha, acc);
+    else matmul_tn(C, A, B, M, N, K, alpha, acc);
+}
+
+template <class TC, class TAB>
+static void cuda_matmul(MatmulForm f, TC* C, const TAB* A, const TAB* B, int M, int N, int K, float alpha, int acc) {
+    if (f == MM_NT) matmul_nt_cuda(C, A, B, M, N, K, alpha, acc, g_stream);
+    else if (f == MM_NN) matmul_nn_cuda(C, A, B, M, N, K, alpha, acc, g_stream);
+    else matmul_tn_cuda(C, A, B, M, N, K, alpha, acc, g_stream);
+}
+
+// bias_mode: 0 none, 1 bias epilogue (nt only).
+static void test_matmul(MatmulForm f, Path p, int M, int N, int K, float alpha, int acc, int bias_mode, Rng* rng) {
+    int round = p != P_F32;  // bf16 operands: give the CPU the same rounded values
+    int64_t na = (int64_t)M * K, nb = (int64_t)N * K, nc = (int64_t)M * N;
+    float *A = host_randn(na, rng, 1.0f, round), *B = host_randn(nb, rng, 1.0f, round);
+    float *C0 = host_randn(nc, rng, 1.0f, p == P_BF16), *bias = host_randn(N, rng, 1.0f, p == P_BF16);
+    float* want = host_copy(C0, nc);
+    cpu_matmul(f, want, A, B, M, N, K, alpha, acc);
+    if (bias_mode) add_bias_rows(want, bias, M, N);
+    float* got = NULL;
+    if (p == P_F32) {
+        float *dA = (float*)upload(A, 4 * na), *dB = (float*)upload(B, 4 * nb), *dC = (float*)upload(C0, 4 * nc);
+        float* dbias = (float*)upload(bias, 4 * N);
+        if (!acc) dev_poison(dC, 4 * nc);
+        if (bias_mode) matmul_nt_bias_cuda(dC, dA, dB, dbias, M, N, K, alpha, acc, g_stream);
+        else cuda_matmul(f, dC, dA, dB, M, N, K, alpha, acc);
+        got = download_f32(dC, nc);
+        CUDA_CHECK(cudaFree(dA)); CUDA_CHECK(cudaFree(dB)); CUDA_CHECK(cudaFree(dC)); CUDA_CHECK(cudaFree(dbias));
+    } else {
+        bf16 *dA = upload_bf16(A, na), *dB = upload_bf16(B, nb), *dbias = upload_bf16(bias, N);
+        if (p == P_BF16) {
+            bf16* dC = upload_bf16(C0, nc);
+            if (!acc) dev_poison(dC, 2 * nc);
+            if (bias_mode) matmul_nt_bias_cuda(dC, dA, dB, dbias, M, N, K, alpha, acc, g_stream);
+            else cuda_matmul(f, dC, dA, dB, M, N, K, alpha, acc);
+            got = download_bf16(dC, nc);
+            CUDA_CHECK(cudaFree(dC));
+        } else {
+            float* dC = (float*)upload(C0, 4 * nc);
+            if (!acc) dev_poison(dC, 4 * nc);
+            cuda_matmul(f, dC, dA, dB, M, N, K, alpha, acc);
+            got = download_f32(dC, nc);
+            CUDA_CHECK(cudaFree(dC));
+        }
+        CUDA_CHECK(cudaFree(dA)); CUDA_CHECK(cudaFree(dB)); CUDA_CHECK(cudaFree(dbias));
+    }
+    char name[160];
+    snprintf(name, sizeof(name), "matmul_%s%s %s M=%d N=%d K=%d alpha=%g%s", form_name[f], bias_mode ? "_bias" : "", path_name[p],
+             M, N, K, alpha, acc ? " accumulate" : "");
+    check_close(name, got, want, nc, p == P_BF16 ? 1e-2 : 1e-5);
+    free(A); free(B); free(C0); free(bias); free(want); free(got);
+}
+
+// linear_forward / linear_backward with a LoRA adapter (and optionally a bias), GPU vs CPU. The
+// CPU gets W and the adapter as the GPU's products see them (bf16-rounded), so what is compared
+// is the kernels, not the storage precision.
+static void test_linear(int64_t N, int in, int out, int rank, int with_bias, int with_lora, Rng* rng) {
+    float scale = 2.0f;
+    float *W = host_randn((int64_t)out * in, rng, 0.1f, 1), *bias = host_randn(out, rng, 0.5f, 1);
+    float *A = host_randn((int64_t)rank * in, rng, 0.1f, 1), *B = host_randn((int64_t)out * rank, rng, 0.1f, 1);
+    float *dA0 = host_randn((int64_t)rank * in, rng, 0.1f, 0), *dB0 = host_randn((int64_t)out * rank, rng, 0.1f, 0);
+    float *x = host_randn(N * in, rng, 1.0f, 1), *y0 = host_randn(N * out, rng, 1.0f, 1), *dy = host_randn(N * out, rng, 1.0f, 1);
+    float *dx0 = host_randn(N * in, rng, 1.0f, 1);
+    // CPU
+    float *dA = host_copy(dA0, (int64_t)rank * in), *dB = host_copy(dB0, (int64_t)out * rank);
+    Linear L = {in, out, W, with_bias ? bias : NULL, with_lora ? A : NULL, with_lora ? B : NULL, dA, dB};
+    float *y = host_copy(y0, N * out), *ax = (float*)xmalloc(4 * N * rank), *dax = (float*)xmalloc(4 * N * rank);
+    float* dx = host_copy(dx0, N * in);
+    linear_forward(y, x, &L, ax, N, rank, scale, 1);
+    float* ax16 = host_copy(ax, N * rank);
+    host_round_bf16(ax16, N * rank);  // the GPU keeps ax in bf16
+    linear_backward(dx, dy, x, ax16, &L, dax, N, rank, scale, 1);
+    // GPU
+    LinearCuda G = {in, out, upload_bf16(W, (int64_t)out * in), with_bias ? upload_bf16(bias, out) : NULL, NULL, NULL, NULL, NULL,
+                    NULL, NULL};
+    if (with_lora) {
+        G.A = (float*)upload(A, 4 * (int64_t)rank * in);
+        G.B = (float*)upload(B, 4 * (int64_t)out * rank);
+        G.A16 = (bf16*)dev_alloc(2 * (int64_t)rank * in);
+        G.B16 = (bf16*)dev_alloc(2 * (int64_t)out * rank);
+        G.dA = (float*)upload(dA0, 4 * (int64_t)rank * in);
+        G.dB = (float*)upload(dB0, 4 * (int64_t)out * rank);
+        lora_refresh_shadows_cuda(&G, rank, g_stream);
+    }
+    bf16 *d_x = upload_bf16(x, N * in), *d_y = upload_bf16(y0, N * out), *d_dy = upload_bf16(dy, N * out);
+    bf16 *d_dx = upload_bf16(dx0, N * in), *d_ax = (bf16*)dev_alloc(2 * N * rank), *d_dax = (bf16*)dev_alloc(2 * N * rank);
+    dev_poison(d_ax, 2 * N * rank);
+    dev_poison(d_dax, 2 * N * rank);
+    linear_forward_cuda(d_y, d_x, &G, d_ax, N, rank, scale, 1, g_stream);
+    linear_backward_cuda(d_dx, d_dy, d_x, d_ax, &G, d_dax, N, rank, scale, 1, g_stream);
+    char tag[128], name[200];
+    snprintf(tag, sizeof(tag), "N=%lld in=%d out=%d r=%d%s%s", (long long)N, in, out, rank, with_bias ? " bias" : "",
+             with_lora ? " lora" : "");
+    float *gy = download_bf16(d_y, N * out), *gdx = download_bf16(d_dx, N * in);
+    for (int64_t i = 0; i < N * out; i++) { gy[i] -= y0[i]; y[i] -= y0[i]; }  // compare what was added
+    for (int64_t i = 0; i < N * in; i++) { gdx[i] -= dx0[i]; dx[i] -= dx0[i]; }
+    snprintf(name, sizeof(name), "linear_forward y (accumulated), %s", tag);
+    check_close(name, gy, y, N * out, 1e-2);
+    snprintf(name, sizeof(name), "linear_backward dx (accumulated), %s", tag);
+    check_close(name, gdx, dx, N * in, 1e-2);
+    if (with_lora) {
+        float *gax = download_bf16(d_ax, N * rank), *gdA = download_f32(G.dA, (int64_t)rank * in),
+              *gdB = download_f32(G.dB, (int64_t)out * rank);
+        for (int64_t i = 0; i < (int64_t)rank * in; i++) { gdA[i] -= dA0[i]; dA[i] -= dA0[i]; }
+        for (int64_t i = 0; i < (int64_t)out * rank; i++) { gdB[i] -= dB0[i]; dB[i] -= dB0[i]; }
+        snprintf(name, sizeof(name), "linear_forward kept ax, %s", tag);
+        check_close(name, gax, ax, N * rank, 1e-2);
+        snprintf(name, sizeof(name), "linear_backward dA (fp32, accumulated), %s", tag);
+        check_close(name, gdA, dA, (int64_t)rank * in, 1e-2);
+        snprintf(name, sizeof(name), "linear_backward dB (fp32, accumulated), %s", tag);
+        check_close(name, gdB, dB, (int64_t)out * rank, 1e-2);
+        free(gax); free(gdA); free(gdB);
+        CUDA_CHECK(cudaFree(G.A)); CUDA_CHECK(cudaFree(G.B)); CUDA_CHECK(cudaFree(G.A16)); CUDA_CHECK(cudaFree(G.B16));
+        CUDA_CHECK(cudaFree(G.dA)); CUDA_CHECK(cudaFree(G.dB));
+    }
+    CUDA_CHECK(cudaFree((void*)G.W));
+    if (G.bias) CUDA_CHECK(cudaFree((void*)G.bias));
+    CUDA_CHECK(cudaFree(d_x)); CUDA_CHECK(cudaFree(d_y)); CUDA_CHECK(cudaFree(d_dy)); CUDA_CHECK(cudaFree(d_dx));
+    CUDA_CHECK(cudaFree(d_ax)); CUDA_CHECK(cudaFree(d_dax));
+    free(W); free(bias); free(A); free(B); free(dA0); free(dB0); free(x); free(y0); free(dy); free(dx0); free(dA); free(dB);
+    free(y); free(ax); free(dax); free(dx); free(ax16); free(gy); free(gdx);
+}
+
+static void time_matmul(MatmulForm f, int M, int N, int K, const char* label) {
+    bf16 *A = (bf16*)dev_alloc(2 * (int64_t)M * K), *B = (bf16*)dev_alloc(2 * (int64_t)N * K), *C = (bf16*)dev_alloc(2 * (int64_t)M * N);
+    CUDA_CHECK(cudaMemset(A, 0x3c, 2 * (int64_t)M * K));
+    CUDA_CHECK(cudaMemset(B, 0x3c, 2 * (int64_t)N * K));
+    char name[128];
+    snprintf(name, sizeof(name), "matmul_%s bf16 %dx%dx%d %s", form_name[f], M, N, K, label);
+    report_flops(name, 2.0 * M * N * K, time_kernel([&] { cuda_matmul(f, C, A, B, M, N, K, 1.0f, 0); }, 10));
+    CUDA_CHECK(cudaFree(A)); CUDA_CHECK(cudaFree(B)); CUDA_CHECK(cudaFree(C));
+}
+
+static void time_matmul_f32(int M, int N, int K) {
+    float *A = (float*)dev_alloc(4 * (int64_t)M * K), *B = (float*)dev_alloc(4 * (int64_t)N * K), *C = (float*)dev_alloc(4 * (int64_t)M * N);
+    CUDA_CHECK(cudaMemset(A, 0, 4 * (int64_t)M * K));
+    CUDA_CHECK(cudaMemset(B, 0, 4 * (int64_t)N * K));
+    char name[128];
+    snprintf(name, sizeof(name), "matmul_nt fp32 %dx%dx%d (no tensor cores)", M, N, K);
+    report_flops(name, 2.0 * M * N * K, time_kernel([&] { matmul_nt_cuda(C, A, B, M, N, K, 1.0f, 0, g_stream); }, 3));
+    CUDA_CHECK(cudaFree(A)); CUDA_CHECK(cudaFree(B)); CUDA_CHECK(cudaFree(C));
+}
+
+int main(void) {
+    Rng rng = rng_seeded(5, 4);
+    check_begin("dev/cuda/matmul: cuBLASLt products and the LoRA linear vs llmc/cpu/matmul.h, llmc/lora.h");
+    int shapes[][3] = {{37, 53, 71}, {128, 256, 192}, {1, 40, 9}, {96, 8, 300}};
+    for (int s = 0; s < 4; s++)
+        for (int f = 0; f < 3; f++)
+            for (int p = 0; p < 3; p++) {
+                test_matmul((MatmulForm)f, (Path)p, shapes[s][0], shapes[s][1], shapes[s][2], 1.0f, 0, 0, &rng);
+                test_matmul((MatmulForm)f, (Path)p, shapes[s][0], shapes[s][1], shapes[s][2], 0.5f, 1, 0, &rng);
+            }
+    for (int s = 0; s < 2; s++) {
+        test_matmul(MM_NT, P_BF16, shapes[s][0], shapes[s][1], shapes[s][2], 1.0f, 0, 1, &rng);
+        test_matmul(MM_NT, P_BF16, shapes[s][0], shapes[s][1], shapes[s][2], 1.0f, 1, 1, &rng);
+        test_matmul(MM_NT, P_F32, shapes[s][0], shapes[s][1], shapes[s][2], 0.5f, 1, 1, &rng);
+    }
+    test_linear(37, 48, 80, 4, 0, 1, &rng);
+    test_linear(64, 96, 64, 8, 1, 1, &rng);
+    test_linear(33, 40, 24, 4, 1, 0, &rng);
+    test_linear(19, 35, 21, 3, 0, 1, &rng);
+    if (g_timing) {
+        time_matmul(MM_NT, 8192, 8192, 8192, "(peak shape)");
+        time_matmul(MM_NT, 8192, 4096, 4096, "(7B q/k/v/o fwd, 8192 tokens)");
+        time_matmul(MM_NT, 8192, 11008, 4096, "(7B gate/up fwd)");
+        time_matmul(MM_NN, 8192, 4096, 11008, "(7B down dx)");
+        time_matmul(MM_NT, 8192, 16, 4096, "(LoRA r=16 x A^T, skinny)");
+        time_matmul(MM_TN, 16, 4096, 8192, "(LoRA dA, skinny)");
+        time_matmul_f32(4096, 4096, 4096);
+    }
+    return finish();
+}

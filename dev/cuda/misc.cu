@@ -1,0 +1,223 @@
+// dev/cuda/misc.cu: the small kernels of llmc/cuda/misc.cuh against their CPU twins: token
+// embedding gather, residual add, bias add and bias gradient, ViT patch unfold and patch-embed
+// finish, and the image resize/normalise of the image loader (llmc/imagedata.h's
+// image_loader_convert with the bilinear taps of llmc/resample.h, grayscale and RGB, with flips).
+// Where the CPU twin is a loop inside a model file (embed_tokens in train_llama.cu, vit_embed in
+// train_vit.cu), the reference below is that loop transcribed; moving those loops into
+// llmc/cpu/ would let both sides share one copy. Then times the memory-bound ones.
+#include "check.h"
+#include "../../llmc/lora.h"
+#include "../../llmc/imagedata.h"
+#include "../../llmc/cuda/misc.cuh"
+
+static void test_embed(int64_t N, int d, int V, Rng* rng) {
+    float* embed = host_randn((int64_t)V * d, rng, 1.0f, 1);
+    int* ids = (int*)xmalloc(sizeof(int) * N);
+    for (int64_t i = 0; i < N; i++) ids[i] = (int)rng_below(rng, V);
+    ids[0] = V - 1;  // the last row of the table
+    float* want = (float*)xmalloc(4 * N * d);
+    for (int64_t n = 0; n < N; n++) memcpy(want + n * d, embed + (int64_t)ids[n] * d, sizeof(float) * d);  // train_llama.cu embed_tokens
+    bf16 *d_e = upload_bf16(embed, (int64_t)V * d), *d_x = (bf16*)dev_alloc(2 * N * d);
+    int* d_ids = (int*)upload(ids, sizeof(int) * N);
+    dev_poison(d_x, 2 * N * d);
+    embed_tokens_cuda(d_x, d_e, d_ids, N, d, g_stream);
+    float* got = download_bf16(d_x, N * d);
+    char name[96];
+    snprintf(name, sizeof(name), "embed_tokens, N=%lld d=%d V=%d", (long long)N, d, V);
+    check_equal_f32(name, got, want, N * d);
+    CUDA_CHECK(cudaFree(d_e)); CUDA_CHECK(cudaFree(d_x)); CUDA_CHECK(cudaFree(d_ids));
+    free(embed); free(ids); free(want); free(got);
+}
+
+static void test_residual_bias(int64_t N, int out, Rng* rng) {
+    int64_t n = N * out;
+    float *a = host_randn(n, rng, 1.0f, 1), *b = host_randn(n, rng, 1.0f, 1), *bias = host_randn(out, rng, 1.0f, 1);
+    float* want = (float*)xmalloc(4 * n);
+    for (int64_t i = 0; i < n; i++) want[i] = bf16_round(a[i] + b[i]);  // one rounding of the fp32 sum
+    bf16 *d_a = upload_bf16(a, n), *d_b = upload_bf16(b, n), *d_out = (bf16*)dev_alloc(2 * n), *d_bias = upload_bf16(bias, out);
+    dev_poison(d_out, 2 * n);
+    residual_add_cuda(d_out, d_a, d_b, n, g_stream);
+    float* got = download_bf16(d_out, n);
+    char name[96];
+    snprintf(name, sizeof(name), "residual_add, n=%lld", (long long)n);
+    check_equal_f32(name, got, want, n);
+    // in place, out aliasing a (the residual stream)
+    residual_add_cuda(d_a, d_a, d_b, n, g_stream);
+    float* got2 = download_bf16(d_a, n);
+    snprintf(name, sizeof(name), "residual_add in place, n=%lld", (long long)n);
+    check_equal_f32(name, got2, want, n);
+
+    // bias add, bf16 and fp32 rows, vs llmc/lora.h add_bias_rows
+    float* yb = host_copy(b, n);
+    add_bias_rows(yb, bias, N, out);
+    for (int64_t i = 0; i < n; i++) yb[i] = bf16_round(yb[i]);
+    add_bias_rows_cuda(d_b, d_bias, N, out, g_stream);
+    float* gb = download_bf16(d_b, n);
+    snprintf(name, sizeof(name), "add_bias_rows bf16, N=%lld out=%d", (long long)N, out);
+    check_equal_f32(name, gb, yb, n);
+    float *yf = host_randn(n, rng, 1.0f, 0), *biasf = host_randn(out, rng, 1.0f, 0);
+    float *d_yf = (float*)upload(yf, 4 * n), *d_biasf = (float*)upload(biasf, 4 * out);
+    add_bias_rows(yf, biasf, N, out);
+    add_bias_rows_cuda(d_yf, d_biasf, N, out, g_stream);
+    float* gf = download_f32(d_yf, n);
+    snprintf(name, sizeof(name), "add_bias_rows fp32, N=%lld out=%d", (long long)N, out);
+    check_equal_f32(name, gf, yf, n);
+
+    // bias gradient: db += column sums (train_vit.cu head), fp32 and bf16 dy
+    float* db0 = host_randn(out, rng, 1.0f, 0);
+    float* wantdb = host_copy(db0, out);
+    for (int64_t r = 0; r < N; r++)
+        for (int j = 0; j < out; j++) wantdb[j] += yf[r * out + j];
+    float* d_db = (float*)upload(db0, 4 * out);
+    bias_grad_rows_cuda(d_db, d_yf, N, out, g_stream);
+    float* gdb = download_f32(d_db, out);
+    snprintf(name, sizeof(name), "bias_grad_rows fp32, N=%lld out=%d", (long long)N, out);
+    check_close(name, gdb, wantdb, out, 1e-6);
+    CUDA_CHECK(cudaMemcpy(d_db, db0, 4 * out, cudaMemcpyHostToDevice));
+    bf16* d_yb = upload_bf16(yb, n);
+    float* wantdb2 = host_copy(db0, out);
+    for (int64_t r = 0; r < N; r++)
+        for (int j = 0; j < out; j++) wantdb2[j] += yb[r * out + j];
+    bias_grad_rows_cuda(d_db, d_yb, N, out, g_stream);
+    float* gdb2 = download_f32(d_db, out);
+    snprintf(name, sizeof(name), "bias_grad_rows bf16 dy, N=%lld out=%d", (long long)N, out);
+    check_close(name, gdb2, wantdb2, out, 1e-6);
+
+    CUDA_CHECK(cudaFree(d_a)); CUDA_CHECK(cudaFree(d_b)); CUDA_CHECK(cudaFree(d_out)); CUDA_CHECK(cudaFree(d_bias));
+    CUDA_CHECK(cudaFree(d_yf)); CUDA_CHECK(cudaFree(d_biasf)); CUDA_CHECK(cudaFree(d_db)); CUDA_CHECK(cudaFree(d_yb));
+    free(a); free(b); free(bias); free(want); free(got); free(got2); free(yb); free(gb); free(yf); free(biasf); free(gf);
+    free(db0); free(wantdb); free(gdb); free(wantdb2); free(gdb2);
+}
+
+// Patch unfold and the embedding finish, against the loops of train_vit.cu vit_embed.
+static void test_patches(int B, int C, int H, int W, int ph, int pw, int d, Rng* rng) {
+    int gh = H / ph, gw = W / pw, T = 1 + gh * gw;
+    int64_t N = (int64_t)B * T, P = (int64_t)C * ph * pw;
+    float* pixels = host_randn((int64_t)B * C * H * W, rng, 1.0f, 1);
+    float* want = (float*)xmalloc(4 * N * P);
+    for (int64_t n = 0; n < N; n++) {  // train_vit.cu vit_embed, first loop
+        float* row = want + n * P;
+        int b = (int)(n / T), t = (int)(n % T);
+        if (t == 0) { memset(row, 0, sizeof(float) * P); continue; }
+        int py = (t - 1) / gw, pxx = (t - 1) % gw;
+        for (int ch = 0; ch < C; ch++)
+            for (int i = 0; i < ph; i++)
+                memcpy(row + ((int64_t)ch * ph + i) * pw, pixels + (((int64_t)b * C + ch) * H + py * ph + i) * W + pxx * pw,
+                       sizeof(float) * pw);
+    }
+    bf16 *d_pix = upload_bf16(pixels, (int64_t)B * C * H * W), *d_patches = (bf16*)dev_alloc(2 * N * P);
+    dev_poison(d_patches, 2 * N * P);
+    PatchShape s = {B, T, C, H, W, ph, pw, gw};
+    patch_unfold_cuda(d_patches, d_pix, s, g_stream);
+    float* got = download_bf16(d_patches, N * P);
+    char name[128];
+    snprintf(name, sizeof(name), "patch_unfold, B=%d C=%d %dx%d patch %dx%d", B, C, H, W, ph, pw);
+    check_equal_f32(name, got, want, N * P);
+
+    float *x = host_randn(N * d, rng, 1.0f, 1), *cls = host_randn(d, rng, 1.0f, 1), *pb = host_randn(d, rng, 1.0f, 1);
+    float* pos = host_randn((int64_t)T * d, rng, 1.0f, 1);
+    float* wantx = host_copy(x, N * d);
+    for (int64_t n = 0; n < N; n++) {  // train_vit.cu vit_embed, second loop
+        float* xr = wantx + n * d;
+        int64_t t = n % T;
+        const float* p = pos + t * d;
+        if (t == 0) for (int64_t i = 0; i < d; i++) xr[i] = cls[i] + p[i];
+        else for (int64_t i = 0; i < d; i++) xr[i] += pb[i] + p[i];
+    }
+    bf16 *d_x = upload_bf16(x, N * d), *d_cls = upload_bf16(cls, d), *d_pb = upload_bf16(pb, d), *d_pos = upload_bf16(pos, (int64_t)T * d);
+    patch_embed_finish_cuda(d_x, d_cls, d_pb, d_pos, N, T, d, g_stream);
+    float* gx = download_bf16(d_x, N * d);
+    snprintf(name, sizeof(name), "patch_embed_finish, B=%d T=%d d=%d", B, T, d);
+    check_close(name, gx, wantx, N * d, 1e-2);
+    CUDA_CHECK(cudaFree(d_pix)); CUDA_CHECK(cudaFree(d_patches)); CUDA_CHECK(cudaFree(d_x)); CUDA_CHECK(cudaFree(d_cls));
+    CUDA_CHECK(cudaFree(d_pb)); CUDA_CHECK(cudaFree(d_pos));
+    free(pixels); free(want); free(got); free(x); free(cls); free(pb); free(pos); free(wantx); free(gx);
+}
+
+// B images of sH x sW x sC uint8 -> [B, C, H, W], against image_loader_convert image by image.
+static void test_image(int B, int sH, int sW, int sC, int H, int W, int C, Rng* rng) {
+    ImageShard shard;
+    memset(&shard, 0, sizeof(shard));
+    shard.n = B;
+    shard.H = sH;
+    shard.W = sW;
+    shard.C = sC;
+    shard.pixels = (uint8_t*)xmalloc((size_t)B * sH * sW * sC);
+    for (int64_t i = 0; i < (int64_t)B * sH * sW * sC; i++) shard.pixels[i] = (uint8_t)rng_below(rng, 256);
+    ImageLoader L;
+    memset(&L, 0, sizeof(L));
+    L.shard = &shard;
+    L.H = H;
+    L.W = W;
+    L.C = C;
+    float mean[3] = {0.485f, 0.456f, 0.406f}, stdv[3] = {0.229f, 0.224f, 0.225f};
+    for (int c = 0; c < 3; c++) { L.mean[c] = mean[c]; L.std[c] = stdv[c]; }
+    L.ty = (ResampleTaps*)xmalloc(sizeof(ResampleTaps) * H);
+    L.tx = (ResampleTaps*)xmalloc(sizeof(ResampleTaps) * W);
+    bilinear_taps(L.ty, sH, H);
+    bilinear_taps(L.tx, sW, W);
+    int* flip = (int*)xmalloc(sizeof(int) * B);
+    int64_t per = (int64_t)C * H * W;
+    float* want = (float*)xmalloc(4 * B * per);
+    for (int b = 0; b < B; b++) {
+        flip[b] = b % 2;
+        image_loader_convert(&L, b, flip[b], want + b * per);
+    }
+    uint8_t* d_src = (uint8_t*)upload(shard.pixels, (size_t)B * sH * sW * sC);
+    ResampleTaps *d_ty = (ResampleTaps*)upload(L.ty, sizeof(ResampleTaps) * H), *d_tx = (ResampleTaps*)upload(L.tx, sizeof(ResampleTaps) * W);
+    int* d_flip = (int*)upload(flip, sizeof(int) * B);
+    bf16* d_dst = (bf16*)dev_alloc(2 * B * per);
+    dev_poison(d_dst, 2 * B * per);
+    ImageShape s = {B, sH, sW, sC, H, W, C, {mean[0], mean[1], mean[2]}, {stdv[0], stdv[1], stdv[2]}};
+    image_resize_normalize_cuda(d_dst, d_src, d_ty, d_tx, d_flip, s, g_stream);
+    float* got = download_bf16(d_dst, B * per);
+    char name[128];
+    snprintf(name, sizeof(name), "image_resize_normalize %dx%dx%d -> %dx%dx%d, flips", sH, sW, sC, C, H, W);
+    check_close(name, got, want, B * per, 1e-2);
+    CUDA_CHECK(cudaFree(d_src)); CUDA_CHECK(cudaFree(d_ty)); CUDA_CHECK(cudaFree(d_tx)); CUDA_CHECK(cudaFree(d_flip));
+    CUDA_CHECK(cudaFree(d_dst));
+    free(shard.pixels); free(L.ty); free(L.tx); free(flip); free(want); free(got);
+}
+
+static void time_misc(void) {
+    int64_t N = 16384;
+    int d = 4096, V = 32000;
+    bf16 *e = (bf16*)dev_alloc(2 * (int64_t)V * d), *x = (bf16*)dev_alloc(2 * N * d), *y = (bf16*)dev_alloc(2 * N * d);
+    int* ids = (int*)dev_alloc(sizeof(int) * N);
+    CUDA_CHECK(cudaMemset(ids, 0, sizeof(int) * N));
+    CUDA_CHECK(cudaMemset(e, 0x3c, 2 * (int64_t)V * d));
+    CUDA_CHECK(cudaMemset(y, 0x3c, 2 * N * d));
+    report_bandwidth("embed_tokens 16384x4096", 2.0 * 2 * N * d, time_kernel([&] { embed_tokens_cuda(x, e, ids, N, d, g_stream); }, 10));
+    report_bandwidth("residual_add 16384x4096", 3.0 * 2 * N * d, time_kernel([&] { residual_add_cuda(x, x, y, N * d, g_stream); }, 10));
+    int B = 64, H = 224, W = 224;
+    uint8_t* src = (uint8_t*)dev_alloc((size_t)B * 256 * 256 * 3);
+    bf16* dst = (bf16*)dev_alloc(2 * (int64_t)B * 3 * H * W);
+    CUDA_CHECK(cudaMemset(src, 7, (size_t)B * 256 * 256 * 3));
+    ResampleTaps *ty = (ResampleTaps*)xmalloc(sizeof(ResampleTaps) * H), *tx = (ResampleTaps*)xmalloc(sizeof(ResampleTaps) * W);
+    bilinear_taps(ty, 256, H);
+    bilinear_taps(tx, 256, W);
+    ResampleTaps *d_ty = (ResampleTaps*)upload(ty, sizeof(ResampleTaps) * H), *d_tx = (ResampleTaps*)upload(tx, sizeof(ResampleTaps) * W);
+    ImageShape s = {B, 256, 256, 3, H, W, 3, {0.5f, 0.5f, 0.5f}, {0.5f, 0.5f, 0.5f}};
+    report_bandwidth("image_resize_normalize 64 x 256^2 -> 224^2",
+                     (double)B * 256 * 256 * 3 + 2.0 * B * 3 * H * W,
+                     time_kernel([&] { image_resize_normalize_cuda(dst, src, d_ty, d_tx, NULL, s, g_stream); }, 10));
+    CUDA_CHECK(cudaFree(e)); CUDA_CHECK(cudaFree(x)); CUDA_CHECK(cudaFree(y)); CUDA_CHECK(cudaFree(ids)); CUDA_CHECK(cudaFree(src));
+    CUDA_CHECK(cudaFree(dst)); CUDA_CHECK(cudaFree(d_ty)); CUDA_CHECK(cudaFree(d_tx));
+    free(ty); free(tx);
+}
+
+int main(void) {
+    Rng rng = rng_seeded(17, 7);
+    check_begin("dev/cuda/misc: embedding, residual, bias, patches, image resize vs their CPU twins");
+    test_embed(37, 67, 101, &rng);
+    test_embed(5, 512, 7, &rng);
+    test_residual_bias(37, 67, &rng);
+    test_residual_bias(3, 10, &rng);
+    test_patches(2, 3, 32, 48, 16, 16, 24, &rng);
+    test_patches(1, 1, 28, 28, 7, 4, 9, &rng);
+    test_image(3, 37, 53, 3, 32, 32, 3, &rng);    // upscale and downscale, RGB
+    test_image(2, 28, 28, 1, 40, 24, 3, &rng);    // grayscale feeding RGB
+    test_image(2, 64, 30, 3, 16, 45, 3, &rng);
+    if (g_timing) time_misc();
+    return finish();
+}

@@ -1,0 +1,133 @@
+// dev/cuda/norms.cu: RMSNorm and LayerNorm of llmc/cuda/norms.cuh (forward standard and MS,
+// backward standard and MS, accumulating into dx) against llmc/cpu/norms.h, at odd and model
+// sizes; then times each at a LLaMA-7B-like shape (16384 rows x 4096) against HBM bandwidth.
+#include "check.h"
+#include "../../llmc/cpu/norms.h"
+#include "../../llmc/cuda/norms.cuh"
+
+typedef struct { int64_t N; int d; } NormCase;
+
+static void test_forward(NormCase c, Rng* rng, int layer, int ms) {
+    int64_t N = c.N, nd = N * c.d;
+    float eps = 1e-5f;
+    float *x = host_randn(nd, rng, 2.0f, 1), *gamma = host_randn(c.d, rng, 1.0f, 1), *beta = host_randn(c.d, rng, 0.5f, 1);
+    for (int i = 0; i < c.d; i++) x[i] += 3.0f;  // a row with a large mean: the LayerNorm two-pass variance matters
+    host_round_bf16(x, c.d);
+    float *y = (float*)xmalloc(4 * nd), *r = (float*)xmalloc(4 * N), *mean = (float*)xmalloc(4 * N);
+    bf16 *dx = upload_bf16(x, nd), *dg = upload_bf16(gamma, c.d), *db = upload_bf16(beta, c.d), *dy = (bf16*)dev_alloc(2 * nd);
+    float *dr = (float*)dev_alloc(4 * N), *dmean = (float*)dev_alloc(4 * N);
+    dev_poison(dy, 2 * nd);
+    dev_poison(dr, 4 * N);
+    dev_poison(dmean, 4 * N);
+    if (layer) {
+        layernorm_forward(y, r, ms ? NULL : mean, x, ms ? NULL : gamma, ms ? NULL : beta, N, c.d, eps);
+        layernorm_forward_cuda(dy, dr, ms ? NULL : dmean, dx, ms ? NULL : dg, ms ? NULL : db, N, c.d, eps, g_stream);
+    } else {
+        rmsnorm_forward(y, r, x, ms ? NULL : gamma, N, c.d, eps);
+        rmsnorm_forward_cuda(dy, dr, dx, ms ? NULL : dg, N, c.d, eps, g_stream);
+    }
+    float *gy = download_bf16(dy, nd), *gr = download_f32(dr, N);
+    char name[128];
+    const char* kind = layer ? (ms ? "layernorm_forward MS" : "layernorm_forward") : (ms ? "rmsnorm_forward MS" : "rmsnorm_forward");
+    snprintf(name, sizeof(name), "%s y, N=%lld d=%d", kind, (long long)N, c.d);
+    check_close(name, gy, y, nd, 1e-2);
+    snprintf(name, sizeof(name), "%s r, N=%lld d=%d", kind, (long long)N, c.d);
+    check_close(name, gr, r, N, 1e-5);
+    if (layer && !ms) {
+        float* gm = download_f32(dmean, N);
+        snprintf(name, sizeof(name), "%s mean, N=%lld d=%d", kind, (long long)N, c.d);
+        check_close(name, gm, mean, N, 1e-5);
+        free(gm);
+    }
+    CUDA_CHECK(cudaFree(dx)); CUDA_CHECK(cudaFree(dg)); CUDA_CHECK(cudaFree(db)); CUDA_CHECK(cudaFree(dy));
+    CUDA_CHECK(cudaFree(dr)); CUDA_CHECK(cudaFree(dmean));
+    free(x); free(gamma); free(beta); free(y); free(r); free(mean); free(gy); free(gr);
+}
+
+// The backward gets the forward's own outputs (z, r, mean as the CPU computed them, z rounded to
+// bf16 as the CUDA forward would store it) and a dx that already holds a residual gradient.
+static void test_backward(NormCase c, Rng* rng, int layer, int ms) {
+    int64_t N = c.N, nd = N * c.d;
+    float eps = 1e-5f;
+    float *x = host_randn(nd, rng, 1.5f, 1), *gamma = host_randn(c.d, rng, 1.0f, 1);
+    float *z = (float*)xmalloc(4 * nd), *r = (float*)xmalloc(4 * N), *mean = (float*)xmalloc(4 * N);
+    if (layer) layernorm_forward(z, r, mean, x, NULL, NULL, N, c.d, eps);
+    else rmsnorm_forward(z, r, x, NULL, N, c.d, eps);
+    host_round_bf16(z, nd);
+    float *dz = host_randn(nd, rng, 1.0f, 1), *dx0 = host_randn(nd, rng, 1.0f, 1);
+    float* dx = host_copy(dx0, nd);
+    if (layer) {
+        if (ms) layernorm_ms_backward(dx, dz, z, r, N, c.d);
+        else layernorm_backward(dx, dz, x, mean, r, gamma, N, c.d);
+    } else {
+        if (ms) rmsnorm_ms_backward(dx, dz, z, r, N, c.d);
+        else rmsnorm_backward(dx, dz, x, r, gamma, N, c.d);
+    }
+    bf16 *d_dx = upload_bf16(dx0, nd), *d_dz = upload_bf16(dz, nd), *d_z = upload_bf16(z, nd), *d_x = upload_bf16(x, nd);
+    bf16* d_g = upload_bf16(gamma, c.d);
+    float *d_r = (float*)upload(r, 4 * N), *d_mean = (float*)upload(mean, 4 * N);
+    if (layer) {
+        if (ms) layernorm_ms_backward_cuda(d_dx, d_dz, d_z, d_r, N, c.d, g_stream);
+        else layernorm_backward_cuda(d_dx, d_dz, d_x, d_mean, d_r, d_g, N, c.d, g_stream);
+    } else {
+        if (ms) rmsnorm_ms_backward_cuda(d_dx, d_dz, d_z, d_r, N, c.d, g_stream);
+        else rmsnorm_backward_cuda(d_dx, d_dz, d_x, d_r, d_g, N, c.d, g_stream);
+    }
+    float* got = download_bf16(d_dx, nd);
+    // compare the added part (dx - dx0): the check must not pass just because dx0 dominates
+    for (int64_t i = 0; i < nd; i++) { got[i] -= dx0[i]; dx[i] -= dx0[i]; }
+    char name[128];
+    snprintf(name, sizeof(name), "%s dx (accumulated), N=%lld d=%d",
+             layer ? (ms ? "layernorm_ms_backward" : "layernorm_backward") : (ms ? "rmsnorm_ms_backward" : "rmsnorm_backward"),
+             (long long)N, c.d);
+    check_close(name, got, dx, nd, 1e-2);
+    CUDA_CHECK(cudaFree(d_dx)); CUDA_CHECK(cudaFree(d_dz)); CUDA_CHECK(cudaFree(d_z)); CUDA_CHECK(cudaFree(d_x));
+    CUDA_CHECK(cudaFree(d_g)); CUDA_CHECK(cudaFree(d_r)); CUDA_CHECK(cudaFree(d_mean));
+    free(x); free(gamma); free(z); free(r); free(mean); free(dz); free(dx0); free(dx); free(got);
+}
+
+static void time_norms(void) {
+    int64_t N = 16384;
+    int d = 4096;
+    int64_t nd = N * d;
+    bf16 *x = (bf16*)dev_alloc(2 * nd), *y = (bf16*)dev_alloc(2 * nd), *dz = (bf16*)dev_alloc(2 * nd), *dx = (bf16*)dev_alloc(2 * nd);
+    bf16* g = (bf16*)dev_alloc(2 * d);
+    float *r = (float*)dev_alloc(4 * N), *mean = (float*)dev_alloc(4 * N);
+    CUDA_CHECK(cudaMemset(x, 0x3f, 2 * nd));  // bf16 0x3f3f ~ 0.75: finite values
+    CUDA_CHECK(cudaMemset(dz, 0x3f, 2 * nd));
+    CUDA_CHECK(cudaMemset(dx, 0, 2 * nd));
+    CUDA_CHECK(cudaMemset(g, 0x3f, 2 * d));
+    double rw = 2.0 * nd * 2 + 4.0 * N;  // read x, write y, write r
+    report_bandwidth("rmsnorm_forward 16384x4096",
+                     rw, time_kernel([&] { rmsnorm_forward_cuda(y, r, x, g, N, d, 1e-5f, g_stream); }, 20));
+    report_bandwidth("layernorm_forward 16384x4096",
+                     rw + 4.0 * N, time_kernel([&] { layernorm_forward_cuda(y, r, mean, x, g, g, N, d, 1e-5f, g_stream); }, 20));
+    double rb = 2.0 * nd * 4 + 4.0 * N;  // read dz, z, dx; write dx
+    report_bandwidth("rmsnorm_ms_backward 16384x4096",
+                     rb, time_kernel([&] { rmsnorm_ms_backward_cuda(dx, dz, y, r, N, d, g_stream); }, 20));
+    report_bandwidth("rmsnorm_backward 16384x4096",
+                     rb, time_kernel([&] { rmsnorm_backward_cuda(dx, dz, x, r, g, N, d, g_stream); }, 20));
+    report_bandwidth("layernorm_ms_backward 16384x4096",
+                     rb, time_kernel([&] { layernorm_ms_backward_cuda(dx, dz, y, r, N, d, g_stream); }, 20));
+    float* hr = download_f32(r, N);
+    int finite = 1;
+    for (int64_t i = 0; i < N; i++) finite &= isfinite(hr[i]);
+    check_true("timed kernels left finite statistics", finite, "");
+    free(hr);
+    CUDA_CHECK(cudaFree(x)); CUDA_CHECK(cudaFree(y)); CUDA_CHECK(cudaFree(dz)); CUDA_CHECK(cudaFree(dx));
+    CUDA_CHECK(cudaFree(g)); CUDA_CHECK(cudaFree(r)); CUDA_CHECK(cudaFree(mean));
+}
+
+int main(void) {
+    Rng rng = rng_seeded(42, 1);
+    check_begin("dev/cuda/norms: RMSNorm / LayerNorm, standard and MS, vs llmc/cpu/norms.h");
+    NormCase cases[] = {{37, 67}, {64, 768}, {5, 2050}, {1, 31}};
+    for (int i = 0; i < 4; i++)
+        for (int layer = 0; layer < 2; layer++)
+            for (int ms = 0; ms < 2; ms++) {
+                test_forward(cases[i], &rng, layer, ms);
+                test_backward(cases[i], &rng, layer, ms);
+            }
+    if (g_timing) time_norms();
+    return finish();
+}

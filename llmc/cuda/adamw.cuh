@@ -1,0 +1,65 @@
+// cuda/adamw.cuh: the optimizer step and gradient-norm helpers over one flat fp32 array on the
+// device, the twins of llmc/cpu/adamw.h. Master weights, gradients and both moments are fp32
+// (the trainable set is small: LoRA adapters, a head). The bias corrections are computed on the
+// host exactly as the CPU twin does, so both backends apply the same update to ~1 ulp (FMA
+// contraction on the device is the only difference).
+#pragma once
+#include "common.cuh"
+
+// Decoupled AdamW (Loshchilov & Hutter); t is the 1-based step for bias correction.
+__global__ void adamw_update_kernel(float* __restrict__ p, const float* __restrict__ g, float* __restrict__ m,
+                                    float* __restrict__ v, int64_t n, float lr, float beta1, float beta2, float eps,
+                                    float weight_decay, float bc1, float bc2) {
+    for (int64_t i = thread_index_1d(); i < n; i += grid_stride_1d()) {
+        float gi = g[i];
+        float mi = beta1 * m[i] + (1.0f - beta1) * gi;
+        float vi = beta2 * v[i] + (1.0f - beta2) * gi * gi;
+        m[i] = mi;
+        v[i] = vi;
+        p[i] -= lr * ((mi / bc1) / (sqrtf(vi / bc2) + eps) + weight_decay * p[i]);
+    }
+}
+static void adamw_update_cuda(float* p, const float* g, float* m, float* v, int64_t n, float lr, float beta1, float beta2,
+                              float eps, float weight_decay, int t, cudaStream_t stream) {
+    if (n == 0) return;
+    float bc1 = 1.0f - powf(beta1, (float)t), bc2 = 1.0f - powf(beta2, (float)t);
+    launch_kernel(grid_for(n, 256), 256, 0, stream, adamw_update_kernel, p, g, m, v, n, lr, beta1, beta2, eps, weight_decay,
+                  bc1, bc2);
+}
+
+// Sum of squares in double, in two deterministic stages: SUMSQ_BLOCKS partial sums (each block
+// a grid-stride slice), then one block adds them in order.
+#define SUMSQ_BLOCKS 512
+#define SUM_SQUARES_SCRATCH (SUMSQ_BLOCKS + 1)  // doubles of scratch sum_squares_cuda needs
+
+__global__ void sum_squares_partial_kernel(double* __restrict__ partial, const float* __restrict__ g, int64_t n) {
+    double s = 0.0;
+    for (int64_t i = thread_index_1d(); i < n; i += grid_stride_1d()) s += (double)g[i] * g[i];
+    s = block_reduce_sum_double(s);
+    if (threadIdx.x == 0) partial[blockIdx.x] = s;
+}
+__global__ void sum_partials_kernel(double* __restrict__ out, const double* __restrict__ partial, int count) {
+    double s = 0.0;
+    for (int i = threadIdx.x; i < count; i += blockDim.x) s += partial[i];
+    s = block_reduce_sum_double(s);
+    if (threadIdx.x == 0) *out = s;
+}
+
+// Returns sum g^2 (host value: synchronises the stream). scratch: SUM_SQUARES_SCRATCH doubles.
+static double sum_squares_cuda(const float* g, int64_t n, double* scratch, cudaStream_t stream) {
+    launch_kernel(SUMSQ_BLOCKS, 256, 0, stream, sum_squares_partial_kernel, scratch, g, n);
+    launch_kernel(1, 256, 0, stream, sum_partials_kernel, scratch + SUMSQ_BLOCKS, scratch, SUMSQ_BLOCKS);
+    double h = 0.0;
+    CUDA_CHECK(cudaMemcpyAsync(&h, scratch + SUMSQ_BLOCKS, sizeof(double), cudaMemcpyDeviceToHost, stream));
+    CUDA_CHECK(cudaStreamSynchronize(stream));
+    return h;
+}
+
+__global__ void scale_inplace_kernel(float* x, int64_t n, float s) {
+    for (int64_t i = thread_index_1d(); i < n; i += grid_stride_1d()) x[i] *= s;
+}
+// x *= s (gradient clipping, or averaging over ranks).
+static void scale_inplace_cuda(float* x, int64_t n, float s, cudaStream_t stream) {
+    if (n == 0) return;
+    launch_kernel(grid_for(n, 256), 256, 0, stream, scale_inplace_kernel, x, n, s);
+}

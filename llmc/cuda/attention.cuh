@@ -1,0 +1,339 @@
+// cuda/attention.cuh: rotary position embedding and flash attention (forward and backward) of the
+// CUDA backend, the twins of llmc/cpu/attention.h, same layout and shape struct (AttnShape):
+// q [N, H*hd], k and v [N, KVH*hd], o [N, H*hd] in bf16, token n = b*T + t, head h at columns
+// h*hd; query head h reads kv head h / (H/KVH) (grouped-query attention by index, no copies);
+// lse [B, H, T] in fp32. Causal or bidirectional; head dims up to 128.
+//
+// Design (correctness first): the flash-attention tiling of Dao et al. on CUDA cores in fp32.
+// A block owns ATT_ROWS = 32 rows (queries in the forward and dq pass, keys in the dk/dv pass) of
+// one (batch, head); each row belongs to ATT_TPR = 8 consecutive threads, each holding hd/8 of
+// its dimensions (dim = c*8 + sub, so the 8 threads read 8 consecutive shared-memory words:
+// no bank conflicts) in registers. The other operand streams through shared memory in tiles of
+// 32 rows, converted to fp32 once per tile; a dot product is a per-thread partial sum plus 3
+// shuffles. The forward keeps the online-softmax running max and sum per row, writes o and
+// lse = max + log(sum), and never stores a score matrix. The backward is FlashAttention-2's:
+//   D = rowsum(dO * O)                          (attention_backward_preprocess_kernel)
+//   dQ: per query tile, loop over key tiles     (attention_backward_dq_kernel)
+//   dK, dV: per key tile, loop over the query tiles of every query head of its group
+//                                               (attention_backward_dkdv_kernel)
+// Scores and probabilities are recomputed from q, k and lse in both backward kernels, so
+// nothing is written twice and no atomics are needed: the result is deterministic.
+//
+// Performance, honestly: this is CUDA-core fp32 arithmetic fed from shared memory (one shared
+// load per FMA), so expect on the order of 10-25 TFLOP/s on an H200, far from the 300 TFLOP/s
+// target of DESIGN.md section 8, which needs tensor cores (mma.sync / WGMMA with bf16 operands).
+// That rewrite is the known next step; these kernels and dev/cuda/attention.cu are the oracle it
+// will be checked against. dev/cuda/attention.cu reports the measured figure.
+#pragma once
+#include "common.cuh"
+#include "../cpu/attention.h"  // AttnShape, shared with the CPU twin
+
+#define ATT_TPR 8      // threads per row
+#define ATT_ROWS 32    // rows per block
+#define ATT_TILE 32    // rows of the streamed operand per shared-memory tile
+#define ATT_THREADS (ATT_TPR * ATT_ROWS)
+
+// ---- RoPE ------------------------------------------------------------------------------------
+
+// Rotate-half RoPE (pairs i, i+hd/2) in place on x [N, nheads*hd] at position n % T; cos/sin
+// tables [T, hd/2] in fp32. inverse = 1 applies the transpose rotation (the backward).
+__global__ void rope_apply_kernel(bf16* x, const float* __restrict__ cos_t, const float* __restrict__ sin_t, int64_t N, int T,
+                                  int nheads, int hd, int inverse) {
+    int half = hd / 2;
+    float sgn = inverse ? -1.0f : 1.0f;
+    int64_t total = N * nheads * half;
+    for (int64_t idx = thread_index_1d(); idx < total; idx += grid_stride_1d()) {
+        int i = (int)(idx % half);
+        int64_t nh = idx / half, n = nh / nheads;
+        int h = (int)(nh % nheads);
+        int64_t tab = (n % T) * half + i;
+        float c = cos_t[tab], si = sgn * sin_t[tab];
+        bf16* v = x + n * nheads * hd + (int64_t)h * hd;
+        float a = bf2f(v[i]), b = bf2f(v[i + half]);
+        v[i] = f2bf(a * c - b * si);
+        v[i + half] = f2bf(b * c + a * si);
+    }
+}
+static void rope_apply_cuda(bf16* x, const float* cos_t, const float* sin_t, int64_t N, int T, int nheads, int hd, int inverse,
+                            cudaStream_t stream) {
+    int64_t total = N * nheads * (hd / 2);
+    if (total == 0) return;
+    launch_kernel(grid_for(total, 256), 256, 0, stream, rope_apply_kernel, x, cos_t, sin_t, N, T, nheads, hd, inverse);
+}
+
+// ---- shared pieces of the attention kernels --------------------------------------------------
+
+// Loads rows [r0, r0+ATT_TILE) of head `head` of a [B*T, nheads*hd] tensor into tile[ATT_TILE][HDMAX]
+// as fp32, zero beyond T and beyond hd. All threads of the block call it.
+template <int HDMAX>
+static __device__ __forceinline__ void att_load_tile(float (*tile)[HDMAX], const bf16* __restrict__ src, int b, int r0, int head,
+                                                     int nheads, const AttnShape& s) {
+    for (int idx = threadIdx.x; idx < ATT_TILE * HDMAX; idx += ATT_THREADS) {
+        int rr = idx / HDMAX, dim = idx % HDMAX, t = r0 + rr;
+        float val = 0.0f;
+        if (t < s.T && dim < s.hd) val = bf2f(src[((int64_t)b * s.T + t) * nheads * s.hd + (int64_t)head * s.hd + dim]);
+        tile[rr][dim] = val;
+    }
+}
+
+// This thread's dims of one row of a [B*T, nheads*hd] tensor (zero when out of range).
+template <int HDMAX>
+static __device__ __forceinline__ void att_load_row(float* dst, const bf16* __restrict__ src, int b, int t, int head, int nheads,
+                                                    int sub, const AttnShape& s) {
+    constexpr int DPT = HDMAX / ATT_TPR;
+    const bf16* row = src + ((int64_t)b * s.T + t) * nheads * s.hd + (int64_t)head * s.hd;
+#pragma unroll
+    for (int c = 0; c < DPT; c++) {
+        int dim = c * ATT_TPR + sub;
+        dst[c] = (t < s.T && dim < s.hd) ? bf2f(row[dim]) : 0.0f;
+    }
+}
+
+template <int HDMAX>
+static __device__ __forceinline__ void att_store_row(bf16* dst, const float* val, float mul, int b, int t, int head, int nheads,
+                                                     int sub, const AttnShape& s) {
+    constexpr int DPT = HDMAX / ATT_TPR;
+    bf16* row = dst + ((int64_t)b * s.T + t) * nheads * s.hd + (int64_t)head * s.hd;
+#pragma unroll
+    for (int c = 0; c < DPT; c++) {
+        int dim = c * ATT_TPR + sub;
+        if (dim < s.hd) row[dim] = f2bf(val[c] * mul);
+    }
+}
+
+// Dot product of this row (per-thread dims in `mine`) with row rr of a tile: all 8 threads of the
+// row get the full sum.
+template <int HDMAX>
+static __device__ __forceinline__ float att_row_dot(const float* mine, const float (*tile)[HDMAX], int rr, int sub) {
+    constexpr int DPT = HDMAX / ATT_TPR;
+    float part = 0.0f;
+#pragma unroll
+    for (int c = 0; c < DPT; c++) part += mine[c] * tile[rr][c * ATT_TPR + sub];
+    return group_reduce_sum(part, ATT_TPR);
+}
+
+// ---- forward ---------------------------------------------------------------------------------
+
+// grid (ceil(T/32), B*H), block 256. Online softmax over key tiles; o = sum p v / sum p.
+template <int HDMAX>
+__global__ void __launch_bounds__(ATT_THREADS)
+attention_forward_kernel(bf16* o, float* lse, const bf16* __restrict__ q, const bf16* __restrict__ k,
+                         const bf16* __restrict__ v, AttnShape s) {
+    constexpr int DPT = HDMAX / ATT_TPR;
+    __shared__ float Ks[ATT_TILE][HDMAX];
+    __shared__ float Vs[ATT_TILE][HDMAX];
+    int row = threadIdx.x / ATT_TPR, sub = threadIdx.x % ATT_TPR;
+    int b = blockIdx.y / s.H, h = blockIdx.y % s.H, kh = h / (s.H / s.KVH);
+    int t0 = blockIdx.x * ATT_ROWS, t = t0 + row;
+    float scale = 1.0f / sqrtf((float)s.hd);
+
+    float qr[DPT], acc[DPT];
+    att_load_row<HDMAX>(qr, q, b, t, h, s.H, sub, s);
+#pragma unroll
+    for (int c = 0; c < DPT; c++) acc[c] = 0.0f;
+    float m = -INFINITY, l = 0.0f;
+
+    int kend = s.causal ? min(s.T, t0 + ATT_ROWS) : s.T;  // the causal block never looks past its last query
+    for (int j0 = 0; j0 < kend; j0 += ATT_TILE) {
+        __syncthreads();  // everyone is done with the previous tile
+        att_load_tile<HDMAX>(Ks, k, b, j0, kh, s.KVH, s);
+        att_load_tile<HDMAX>(Vs, v, b, j0, kh, s.KVH, s);
+        __syncthreads();
+        float sc[ATT_TILE];
+        float mt = -INFINITY;
+#pragma unroll
+        for (int jj = 0; jj < ATT_TILE; jj++) {
+            float dot = att_row_dot<HDMAX>(qr, Ks, jj, sub);
+            int key = j0 + jj;
+            int ok = key < s.T && (!s.causal || key <= t);
+            sc[jj] = ok ? dot * scale : -INFINITY;
+            mt = fmaxf(mt, sc[jj]);
+        }
+        float mnew = fmaxf(m, mt);
+        float corr = m == -INFINITY ? 0.0f : expf(m - mnew);  // nothing seen yet: nothing to rescale
+        l *= corr;
+#pragma unroll
+        for (int c = 0; c < DPT; c++) acc[c] *= corr;
+#pragma unroll
+        for (int jj = 0; jj < ATT_TILE; jj++) {
+            float p = sc[jj] == -INFINITY ? 0.0f : expf(sc[jj] - mnew);
+            l += p;
+#pragma unroll
+            for (int c = 0; c < DPT; c++) acc[c] += p * Vs[jj][c * ATT_TPR + sub];
+        }
+        m = mnew;
+    }
+    if (t < s.T) {
+        att_store_row<HDMAX>(o, acc, 1.0f / l, b, t, h, s.H, sub, s);
+        if (sub == 0) lse[((int64_t)b * s.H + h) * s.T + t] = m + logf(l);
+    }
+}
+
+// ---- backward --------------------------------------------------------------------------------
+
+// D[b, h, t] = sum_i dout[n, h, i] * o[n, h, i]: one warp per (token, head) row.
+__global__ void attention_backward_preprocess_kernel(float* __restrict__ D, const bf16* __restrict__ dout,
+                                                     const bf16* __restrict__ o, AttnShape s) {
+    int64_t rowi = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    int64_t rows = (int64_t)s.B * s.T * s.H;
+    if (rowi >= rows) return;
+    int lane = threadIdx.x & 31;
+    int64_t n = rowi / s.H;
+    int h = (int)(rowi % s.H);
+    const bf16* dr = dout + n * s.H * s.hd + (int64_t)h * s.hd;
+    const bf16* orow = o + n * s.H * s.hd + (int64_t)h * s.hd;
+    float acc = 0.0f;
+    for (int i = lane; i < s.hd; i += 32) acc += bf2f(dr[i]) * bf2f(orow[i]);
+    acc = warp_reduce_sum(acc);
+    int64_t b = n / s.T, t = n % s.T;
+    if (lane == 0) D[(b * s.H + h) * s.T + t] = acc;
+}
+
+// dq (overwritten): grid (ceil(T/32), B*H). dq_i = scale * sum_j p_ij (dp_ij - D_i) k_j with
+// p_ij = exp(q_i.k_j*scale - lse_i) and dp_ij = do_i.v_j.
+template <int HDMAX>
+__global__ void __launch_bounds__(ATT_THREADS)
+attention_backward_dq_kernel(bf16* dq, const bf16* __restrict__ dout, const bf16* __restrict__ q, const bf16* __restrict__ k,
+                             const bf16* __restrict__ v, const float* __restrict__ lse, const float* __restrict__ D,
+                             AttnShape s) {
+    constexpr int DPT = HDMAX / ATT_TPR;
+    __shared__ float Ks[ATT_TILE][HDMAX];
+    __shared__ float Vs[ATT_TILE][HDMAX];
+    int row = threadIdx.x / ATT_TPR, sub = threadIdx.x % ATT_TPR;
+    int b = blockIdx.y / s.H, h = blockIdx.y % s.H, kh = h / (s.H / s.KVH);
+    int t0 = blockIdx.x * ATT_ROWS, t = t0 + row;
+    float scale = 1.0f / sqrtf((float)s.hd);
+
+    float qr[DPT], dor[DPT], acc[DPT];
+    att_load_row<HDMAX>(qr, q, b, t, h, s.H, sub, s);
+    att_load_row<HDMAX>(dor, dout, b, t, h, s.H, sub, s);
+#pragma unroll
+    for (int c = 0; c < DPT; c++) acc[c] = 0.0f;
+    int64_t st = ((int64_t)b * s.H + h) * s.T + t;
+    float L = t < s.T ? lse[st] : 0.0f, Dv = t < s.T ? D[st] : 0.0f;
+
+    int kend = s.causal ? min(s.T, t0 + ATT_ROWS) : s.T;
+    for (int j0 = 0; j0 < kend; j0 += ATT_TILE) {
+        __syncthreads();
+        att_load_tile<HDMAX>(Ks, k, b, j0, kh, s.KVH, s);
+        att_load_tile<HDMAX>(Vs, v, b, j0, kh, s.KVH, s);
+        __syncthreads();
+#pragma unroll 4
+        for (int jj = 0; jj < ATT_TILE; jj++) {
+            float sdot = att_row_dot<HDMAX>(qr, Ks, jj, sub);
+            float dp = att_row_dot<HDMAX>(dor, Vs, jj, sub);
+            int key = j0 + jj;
+            int ok = t < s.T && key < s.T && (!s.causal || key <= t);
+            float p = ok ? expf(sdot * scale - L) : 0.0f;
+            float ds = p * (dp - Dv) * scale;
+#pragma unroll
+            for (int c = 0; c < DPT; c++) acc[c] += ds * Ks[jj][c * ATT_TPR + sub];
+        }
+    }
+    if (t < s.T) att_store_row<HDMAX>(dq, acc, 1.0f, b, t, h, s.H, sub, s);
+}
+
+// dk, dv (overwritten): grid (ceil(T/32), B*KVH); the rows of a block are keys of kv head kh,
+// and the query tiles of every query head of its group stream through shared memory.
+//   dv_j = sum_i p_ij do_i,   dk_j = scale * sum_i p_ij (dp_ij - D_i) q_i
+template <int HDMAX>
+__global__ void __launch_bounds__(ATT_THREADS)
+attention_backward_dkdv_kernel(bf16* dk, bf16* dv, const bf16* __restrict__ dout, const bf16* __restrict__ q,
+                               const bf16* __restrict__ k, const bf16* __restrict__ v, const float* __restrict__ lse,
+                               const float* __restrict__ D, AttnShape s) {
+    constexpr int DPT = HDMAX / ATT_TPR;
+    __shared__ float Qs[ATT_TILE][HDMAX];
+    __shared__ float dOs[ATT_TILE][HDMAX];
+    __shared__ float Ls[ATT_TILE], Ds[ATT_TILE];
+    int row = threadIdx.x / ATT_TPR, sub = threadIdx.x % ATT_TPR;
+    int b = blockIdx.y / s.KVH, kh = blockIdx.y % s.KVH, group = s.H / s.KVH;
+    int j0 = blockIdx.x * ATT_ROWS, j = j0 + row;
+    float scale = 1.0f / sqrtf((float)s.hd);
+
+    float kr[DPT], vr[DPT], dk_acc[DPT], dv_acc[DPT];
+    att_load_row<HDMAX>(kr, k, b, j, kh, s.KVH, sub, s);
+    att_load_row<HDMAX>(vr, v, b, j, kh, s.KVH, sub, s);
+#pragma unroll
+    for (int c = 0; c < DPT; c++) dk_acc[c] = dv_acc[c] = 0.0f;
+
+    int istart = s.causal ? j0 / ATT_TILE * ATT_TILE : 0;  // causal: queries before the block see none of its keys
+    for (int h = kh * group; h < (kh + 1) * group; h++) {
+        for (int i0 = istart; i0 < s.T; i0 += ATT_TILE) {
+            __syncthreads();
+            att_load_tile<HDMAX>(Qs, q, b, i0, h, s.H, s);
+            att_load_tile<HDMAX>(dOs, dout, b, i0, h, s.H, s);
+            if (threadIdx.x < ATT_TILE) {
+                int i = i0 + threadIdx.x;
+                int64_t st = ((int64_t)b * s.H + h) * s.T + i;
+                Ls[threadIdx.x] = i < s.T ? lse[st] : 0.0f;
+                Ds[threadIdx.x] = i < s.T ? D[st] : 0.0f;
+            }
+            __syncthreads();
+#pragma unroll 4
+            for (int ii = 0; ii < ATT_TILE; ii++) {
+                float sdot = att_row_dot<HDMAX>(kr, Qs, ii, sub);
+                float dp = att_row_dot<HDMAX>(vr, dOs, ii, sub);
+                int i = i0 + ii;
+                int ok = i < s.T && j < s.T && (!s.causal || j <= i);
+                float p = ok ? expf(sdot * scale - Ls[ii]) : 0.0f;
+                float ds = p * (dp - Ds[ii]) * scale;
+#pragma unroll
+                for (int c = 0; c < DPT; c++) {
+                    dv_acc[c] += p * dOs[ii][c * ATT_TPR + sub];
+                    dk_acc[c] += ds * Qs[ii][c * ATT_TPR + sub];
+                }
+            }
+        }
+    }
+    if (j < s.T) {
+        att_store_row<HDMAX>(dk, dk_acc, 1.0f, b, j, kh, s.KVH, sub, s);
+        att_store_row<HDMAX>(dv, dv_acc, 1.0f, b, j, kh, s.KVH, sub, s);
+    }
+}
+
+// ---- host launchers --------------------------------------------------------------------------
+
+static int att_hdmax(const AttnShape* s) {
+    if (s->hd <= 0 || s->hd > 128) fail("attention: head_dim %d not supported by the CUDA kernels (1..128)", s->hd);
+    if (s->KVH <= 0 || s->H % s->KVH != 0) fail("attention: %d heads do not group over %d kv heads", s->H, s->KVH);
+    if ((int64_t)s->B * s->H > 65535) fail("attention: batch x heads = %lld exceeds the grid's y limit (65535)", (long long)s->B * s->H);
+    return s->hd <= 32 ? 32 : s->hd <= 64 ? 64 : 128;
+}
+
+// o = softmax(q k^T * scale) v per (b, h); lse[b, h, t] = log-sum-exp of the scaled scores.
+static void attention_forward_cuda(bf16* o, float* lse, const bf16* q, const bf16* k, const bf16* v, AttnShape s,
+                                   cudaStream_t stream) {
+    if ((int64_t)s.B * s.T * s.H == 0) return;
+    dim3 grid((unsigned)ceil_div(s.T, ATT_ROWS), (unsigned)(s.B * s.H));
+    switch (att_hdmax(&s)) {
+    case 32: launch_kernel(grid, ATT_THREADS, 0, stream, attention_forward_kernel<32>, o, lse, q, k, v, s); break;
+    case 64: launch_kernel(grid, ATT_THREADS, 0, stream, attention_forward_kernel<64>, o, lse, q, k, v, s); break;
+    default: launch_kernel(grid, ATT_THREADS, 0, stream, attention_forward_kernel<128>, o, lse, q, k, v, s); break;
+    }
+}
+
+// Gradients dq, dk, dv (overwritten) from dout. scratch: B*H*T floats (the row sums D; the same
+// size as lse), planned by the caller.
+static void attention_backward_cuda(bf16* dq, bf16* dk, bf16* dv, const bf16* dout, const bf16* q, const bf16* k, const bf16* v,
+                                    const bf16* o, const float* lse, float* scratch, AttnShape s, cudaStream_t stream) {
+    if ((int64_t)s.B * s.T * s.H == 0) return;
+    int hdmax = att_hdmax(&s);
+    int64_t rows = (int64_t)s.B * s.T * s.H;
+    launch_kernel(grid_for(rows * 32, 256), 256, 0, stream, attention_backward_preprocess_kernel, scratch, dout, o, s);
+    dim3 gq((unsigned)ceil_div(s.T, ATT_ROWS), (unsigned)(s.B * s.H));
+    dim3 gk((unsigned)ceil_div(s.T, ATT_ROWS), (unsigned)(s.B * s.KVH));
+    switch (hdmax) {
+    case 32:
+        launch_kernel(gq, ATT_THREADS, 0, stream, attention_backward_dq_kernel<32>, dq, dout, q, k, v, lse, scratch, s);
+        launch_kernel(gk, ATT_THREADS, 0, stream, attention_backward_dkdv_kernel<32>, dk, dv, dout, q, k, v, lse, scratch, s);
+        break;
+    case 64:
+        launch_kernel(gq, ATT_THREADS, 0, stream, attention_backward_dq_kernel<64>, dq, dout, q, k, v, lse, scratch, s);
+        launch_kernel(gk, ATT_THREADS, 0, stream, attention_backward_dkdv_kernel<64>, dk, dv, dout, q, k, v, lse, scratch, s);
+        break;
+    default:
+        launch_kernel(gq, ATT_THREADS, 0, stream, attention_backward_dq_kernel<128>, dq, dout, q, k, v, lse, scratch, s);
+        launch_kernel(gk, ATT_THREADS, 0, stream, attention_backward_dkdv_kernel<128>, dk, dv, dout, q, k, v, lse, scratch, s);
+        break;
+    }
+}

@@ -1,0 +1,125 @@
+// cuda/loss.cuh: final RMSNorm + LM head + cross-entropy, fused and chunked over tokens, the twin
+// of llmc/cpu/loss.h: only chunk x vocab logits ever exist. Per chunk: the norm (fp32 r), the
+// logits from cuBLASLt (bf16 x bf16 -> fp32, so the softmax sees unrounded logits), one block per
+// row computes max/argmax, log-sum-exp, the masked loss and, in training, dlogits =
+// w * (softmax - onehot) with w = mask * grad_scale (as bf16: the operand of the next product),
+// then dz = dlogits W and the norm's backward ACCUMULATE into dxf. Loss, count and correct are
+// summed on the device in double, chunk by chunk in a fixed order (deterministic), and copied to
+// the host once per call.
+//
+// softmax_ce_rows_cuda and loss_stats_accumulate_cuda are the pieces, usable on their own (the
+// ViT head: a few rows of `classes` logits).
+#pragma once
+#include "common.cuh"
+#include "matmul.cuh"
+#include "norms.cuh"
+#include "../cpu/loss.h"  // LossStats, shared with the CPU twin
+
+typedef struct {           // scratch for one chunk (and the device statistics), from the plan
+    bf16* z;               // [chunk, d]
+    float* r;              // [chunk]
+    float* logits;         // [chunk, V] fp32
+    bf16* dlogits;         // [chunk, V]
+    bf16* dz;              // [chunk, d]
+    float* row_stats;      // [chunk, 3]: mask * CE, mask, mask * [argmax == target]
+    double* stats;         // [3]: loss_sum, count, correct
+} LossScratchCuda;
+
+#define CE_THREADS 512
+
+// One block per row of logits [rows, V]: writes row_stats[row] and, when grad, dlogits[row].
+// A target outside [0, V) gives a NaN loss (never a wild read), so it cannot pass unnoticed.
+template <class T>
+__global__ void __launch_bounds__(CE_THREADS)
+softmax_ce_rows_kernel(T* __restrict__ dlogits, float* __restrict__ row_stats, const float* __restrict__ logits,
+                       const int* __restrict__ targets, const float* __restrict__ mask, int V, float grad_scale, int grad) {
+    int64_t row = blockIdx.x;
+    const float* x = logits + row * V;
+    float m = mask ? mask[row] : 1.0f;
+    int target = targets[row];
+
+    MaxLoc best = {-INFINITY, INT64_MAX};
+    for (int v = threadIdx.x; v < V; v += blockDim.x)
+        if (x[v] > best.v) best = MaxLoc{x[v], (int64_t)v};  // increasing v: keeps this thread's first max
+    best = block_reduce_maxloc(best);
+    float mx = best.v;
+
+    float sum = 0.0f;
+    for (int v = threadIdx.x; v < V; v += blockDim.x) sum += expf(x[v] - mx);
+    sum = block_reduce_sum(sum);
+    float lse = mx + logf(sum);
+
+    int valid = target >= 0 && target < V;
+    if (threadIdx.x == 0) {
+        float loss = valid ? lse - x[target] : NAN;
+        row_stats[row * 3 + 0] = m != 0.0f ? m * loss : 0.0f;
+        row_stats[row * 3 + 1] = m;
+        row_stats[row * 3 + 2] = m != 0.0f ? m * (float)(best.i == target) : 0.0f;
+    }
+    if (!grad) return;
+    float w = m * grad_scale;
+    T* dl = dlogits + row * V;
+    for (int v = threadIdx.x; v < V; v += blockDim.x) {
+        float g = w * expf(x[v] - lse) - (v == target ? w : 0.0f);
+        dl[v] = (T)g;
+    }
+}
+
+static void softmax_ce_rows_cuda(bf16* dlogits, float* row_stats, const float* logits, const int* targets, const float* mask,
+                                 int64_t rows, int V, float grad_scale, int grad, cudaStream_t stream) {
+    if (rows == 0) return;
+    launch_kernel((unsigned)rows, CE_THREADS, 0, stream, softmax_ce_rows_kernel<bf16>, dlogits, row_stats, logits, targets, mask,
+                  V, grad_scale, grad);
+}
+static void softmax_ce_rows_cuda(float* dlogits, float* row_stats, const float* logits, const int* targets, const float* mask,
+                                 int64_t rows, int V, float grad_scale, int grad, cudaStream_t stream) {
+    if (rows == 0) return;
+    launch_kernel((unsigned)rows, CE_THREADS, 0, stream, softmax_ce_rows_kernel<float>, dlogits, row_stats, logits, targets,
+                  mask, V, grad_scale, grad);
+}
+
+// stats[k] += sum over rows of row_stats[row, k] (k = loss, count, correct), in double, by one
+// block: a fixed summation order, so repeated runs give identical statistics.
+__global__ void loss_stats_accumulate_kernel(double* stats, const float* __restrict__ row_stats, int64_t rows) {
+    for (int k = 0; k < 3; k++) {
+        double s = 0.0;
+        for (int64_t r = threadIdx.x; r < rows; r += blockDim.x) s += row_stats[r * 3 + k];
+        s = block_reduce_sum_double(s);
+        if (threadIdx.x == 0) stats[k] += s;
+    }
+}
+static void loss_stats_accumulate_cuda(double* stats, const float* row_stats, int64_t rows, cudaStream_t stream) {
+    if (rows == 0) return;
+    launch_kernel(1, 256, 0, stream, loss_stats_accumulate_kernel, stats, row_stats, rows);
+}
+
+// xf [N,d] final-norm input; W [V,d] head; dxf [N,d] accumulated when non-NULL; logits_out
+// [N,V] (device, fp32) receives the logits when non-NULL (tests). targets [N] and mask [N] (NULL:
+// all ones) live on the device. grad_scale = 1 / (masked tokens of the whole step). gamma NULL
+// means an MS final norm (backward from z and r). Synchronises the stream once, to return st.
+static void lm_head_loss_cuda(const bf16* xf, const bf16* gamma, float eps, const bf16* W, int V, int d, const int* targets,
+                              const float* mask, int64_t N, int chunk, float grad_scale, bf16* dxf, float* logits_out,
+                              LossScratchCuda sc, LossStats* st, cudaStream_t stream) {
+    if (chunk <= 0) fail("lm_head_loss_cuda: chunk must be positive");
+    CUDA_CHECK(cudaMemsetAsync(sc.stats, 0, 3 * sizeof(double), stream));
+    for (int64_t n0 = 0; n0 < N; n0 += chunk) {
+        int c = (int)(N - n0 < chunk ? N - n0 : chunk);
+        rmsnorm_forward_cuda(sc.z, sc.r, xf + n0 * d, gamma, c, d, eps, stream);
+        matmul_nt_cuda(sc.logits, sc.z, W, c, V, d, 1.0f, 0, stream);
+        if (logits_out)
+            CUDA_CHECK(cudaMemcpyAsync(logits_out + n0 * V, sc.logits, sizeof(float) * c * V, cudaMemcpyDeviceToDevice, stream));
+        softmax_ce_rows_cuda(sc.dlogits, sc.row_stats, sc.logits, targets + n0, mask ? mask + n0 : NULL, c, V, grad_scale,
+                             dxf != NULL, stream);
+        loss_stats_accumulate_cuda(sc.stats, sc.row_stats, c, stream);
+        if (!dxf) continue;
+        matmul_nn_cuda(sc.dz, sc.dlogits, W, c, d, V, 1.0f, 0, stream);
+        if (gamma) rmsnorm_backward_cuda(dxf + n0 * d, sc.dz, xf + n0 * d, sc.r, gamma, c, d, stream);
+        else rmsnorm_ms_backward_cuda(dxf + n0 * d, sc.dz, sc.z, sc.r, c, d, stream);
+    }
+    double h[3];
+    CUDA_CHECK(cudaMemcpyAsync(h, sc.stats, sizeof(h), cudaMemcpyDeviceToHost, stream));
+    CUDA_CHECK(cudaStreamSynchronize(stream));
+    st->loss_sum += h[0];
+    st->count += h[1];
+    st->correct += h[2];
+}

@@ -1,0 +1,200 @@
+// cuda/matmul.cuh: matrix products of the CUDA backend through cuBLASLt, the twins of
+// llmc/cpu/matmul.h, same row-major contract:
+//   matmul_nt_cuda:  C[M,N] (+)= alpha * A[M,K] . B[N,K]^T   (linear forward: x W^T)
+//   matmul_nn_cuda:  C[M,N] (+)= alpha * A[M,K] . B[K,N]     (input gradients: dy W)
+//   matmul_tn_cuda:  C[M,N] (+)= alpha * A[K,M]^T . B[K,N]   (weight gradients: dy^T x)
+//   matmul_nt_bias_cuda: the nt form plus a bias[N] per column of C, in the GEMM epilogue.
+// accumulate = 1 adds to C (beta = 1), 0 overwrites it (C is then never read).
+//
+// Precision policy (the operand types pick the path, by overload):
+//   bf16 x bf16 -> bf16   activations and frozen weights: tensor cores, fp32 accumulation
+//                         (CUBLAS_COMPUTE_32F), one rounding to bf16 at the end.
+//   bf16 x bf16 -> fp32   products whose result must not be rounded to bf16: LoRA and other
+//                         trainable weight gradients (accumulated over micro-batches in fp32 with
+//                         beta = 1), and logits for the loss. Same tensor-core speed.
+//   fp32 x fp32 -> fp32   true fp32 (CUBLAS_COMPUTE_32F, no TF32), for small products whose
+//                         operands are fp32 anyway (a classification head on fp32 features, a
+//                         test). Not tensor cores: ~15x slower per FLOP, keep it to small shapes.
+// LoRA: the fp32 master A and B (what AdamW updates) are cast to bf16 shadows once per optimizer
+// step (cast_f32_to_bf16_cuda), which feed the bf16 products; their gradients come out of the
+// bf16 x bf16 -> fp32 path straight into the fp32 gradient arena (llmc/cuda/linear.cuh).
+//
+// Row-major C = op(A) op(B) is computed as the column-major C^T = op(B)^T op(A)^T, so cuBLAS's
+// first operand is our B. Every call asks the cuBLASLt heuristic for an algorithm with the true
+// alignment of its buffers (the default assumes 256 bytes); when cuBLASLt has none (odd leading
+// dimensions), it falls back to cublasGemmEx with the same types, and the bias to a kernel.
+#pragma once
+#include "common.cuh"
+#include "misc.cuh"
+#ifdef LLMC_CUDA_EMU
+#include <library_types.h>
+#endif
+
+typedef enum { MM_NT, MM_NN, MM_TN } MatmulForm;
+
+#ifndef LLMC_CUDA_EMU
+// The process-wide cuBLAS state (handles and the cuBLASLt workspace): set up once per process.
+typedef struct {
+    cublasLtHandle_t lt;
+    cublasHandle_t blas;   // only for the fallback path
+    void* workspace;
+    size_t workspace_bytes;
+    int ready;
+} CublasState;
+static CublasState g_cublas;
+
+static void cublas_setup(void) {
+    if (g_cublas.ready) return;
+    CUBLAS_CHECK(cublasLtCreate(&g_cublas.lt));
+    CUBLAS_CHECK(cublasCreate(&g_cublas.blas));
+    g_cublas.workspace_bytes = (size_t)32 << 20;  // what Hopper's cuBLASLt kernels like to have
+    g_cublas.workspace = cuda_malloc_checked(g_cublas.workspace_bytes, "cuBLASLt workspace");
+    g_cublas.ready = 1;
+}
+
+static void cublas_teardown(void) {
+    if (!g_cublas.ready) return;
+    CUDA_CHECK(cudaFree(g_cublas.workspace));
+    CUBLAS_CHECK(cublasDestroy(g_cublas.blas));
+    CUBLAS_CHECK(cublasLtDestroy(g_cublas.lt));
+    memset(&g_cublas, 0, sizeof(g_cublas));
+}
+
+// The largest power of two (<= 256) that divides the address and every column start.
+static uint32_t mm_alignment(const void* p, int64_t ld, size_t elem) {
+    uint64_t a = (uint64_t)(uintptr_t)p | (uint64_t)(ld * (int64_t)elem) | 256u;
+    return (uint32_t)(a & (~a + 1));
+}
+#else
+static void cublas_setup(void) {}
+static void cublas_teardown(void) {}
+
+// The emulator's product: a plain loop over host memory with the same types and fp32 sums.
+static float mm_emu_load(const void* p, cudaDataType_t t, int64_t i) {
+    return t == CUDA_R_16BF ? __bfloat162float(((const bf16*)p)[i]) : ((const float*)p)[i];
+}
+#endif
+
+static size_t mm_elem_size(cudaDataType_t t) { return t == CUDA_R_16BF ? 2 : 4; }
+
+// The one generic product behind every wrapper below. A and B share a type; C has its own.
+static void matmul_generic_cuda(MatmulForm form, void* C, cudaDataType_t ctype, const void* A, const void* B,
+                                cudaDataType_t abtype, const void* bias, int M, int N, int K, float alpha, int accumulate,
+                                cudaStream_t stream) {
+    if (M <= 0 || N <= 0) return;
+    if (K <= 0) {  // an empty sum: C keeps its value (accumulate) or becomes 0, then the bias
+        if (!accumulate) CUDA_CHECK(cudaMemsetAsync(C, 0, (size_t)M * N * mm_elem_size(ctype), stream));
+        if (bias) {
+            if (ctype == CUDA_R_16BF) add_bias_rows_cuda((bf16*)C, (const bf16*)bias, M, N, stream);
+            else add_bias_rows_cuda((float*)C, (const float*)bias, M, N, stream);
+        }
+        return;
+    }
+#ifdef LLMC_CUDA_EMU
+    (void)stream;
+    for (int64_t i = 0; i < M; i++)
+        for (int64_t j = 0; j < N; j++) {
+            float s = 0.0f;
+            for (int64_t k = 0; k < K; k++) {
+                float a = form == MM_TN ? mm_emu_load(A, abtype, k * M + i) : mm_emu_load(A, abtype, i * K + k);
+                float b = form == MM_NT ? mm_emu_load(B, abtype, j * K + k) : mm_emu_load(B, abtype, k * N + j);
+                s += a * b;
+            }
+            float c = alpha * s + (accumulate ? mm_emu_load(C, ctype, i * N + j) : 0.0f) + (bias ? mm_emu_load(bias, ctype, j) : 0.0f);
+            if (ctype == CUDA_R_16BF) ((bf16*)C)[i * N + j] = __float2bfloat16(c);
+            else ((float*)C)[i * N + j] = c;
+        }
+#else
+    cublas_setup();
+    // column-major view: D[N x M] = op1(B) op2(A); "a" below is cuBLAS's first operand (our B)
+    cublasOperation_t opa, opb;
+    uint64_t arows, acols, lda, brows, bcols, ldb;
+    switch (form) {
+    case MM_NT: opa = CUBLAS_OP_T; arows = K; acols = N; lda = K; opb = CUBLAS_OP_N; brows = K; bcols = M; ldb = K; break;
+    case MM_NN: opa = CUBLAS_OP_N; arows = N; acols = K; lda = N; opb = CUBLAS_OP_N; brows = K; bcols = M; ldb = K; break;
+    default:    opa = CUBLAS_OP_N; arows = N; acols = K; lda = N; opb = CUBLAS_OP_T; brows = M; bcols = K; ldb = M; break;
+    }
+    float beta = accumulate ? 1.0f : 0.0f;
+    size_t ab = mm_elem_size(abtype), cb = mm_elem_size(ctype);
+
+    cublasLtMatmulDesc_t desc;
+    cublasLtMatrixLayout_t la, lb, lc;
+    cublasLtMatmulPreference_t pref;
+    CUBLAS_CHECK(cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &opa, sizeof(opa)));
+    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &opb, sizeof(opb)));
+    if (bias) {
+        cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_BIAS;  // bias of D's type, one per row of D^T
+        CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof(epi)));
+        CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
+    }
+    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&la, abtype, arows, acols, lda));
+    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&lb, abtype, brows, bcols, ldb));
+    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&lc, ctype, N, M, N));
+    CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+    CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &g_cublas.workspace_bytes,
+                                                      sizeof(g_cublas.workspace_bytes)));
+    uint32_t al_a = mm_alignment(B, lda, ab), al_b = mm_alignment(A, ldb, ab), al_c = mm_alignment(C, N, cb);
+    if (bias) { uint32_t al_bias = mm_alignment(bias, 0, cb); al_c = al_c < al_bias ? al_c : al_bias; }
+    CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &al_a, sizeof(al_a)));
+    CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &al_b, sizeof(al_b)));
+    CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &al_c, sizeof(al_c)));
+    CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al_c, sizeof(al_c)));
+
+    cublasLtMatmulHeuristicResult_t heur;
+    int found = 0;
+    cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(g_cublas.lt, desc, la, lb, lc, lc, pref, 1, &heur, &found);
+    int done = 0;
+    if (st == CUBLAS_STATUS_SUCCESS && found > 0) {
+        st = cublasLtMatmul(g_cublas.lt, desc, &alpha, B, la, A, lb, &beta, C, lc, C, lc, &heur.algo, g_cublas.workspace,
+                            g_cublas.workspace_bytes, stream);
+        if (st != CUBLAS_STATUS_NOT_SUPPORTED) { CUBLAS_CHECK(st); done = 1; }
+    } else if (st != CUBLAS_STATUS_SUCCESS && st != CUBLAS_STATUS_NOT_SUPPORTED) {
+        CUBLAS_CHECK(st);
+    }
+    CUBLAS_CHECK(cublasLtMatmulPreferenceDestroy(pref));
+    CUBLAS_CHECK(cublasLtMatrixLayoutDestroy(lc));
+    CUBLAS_CHECK(cublasLtMatrixLayoutDestroy(lb));
+    CUBLAS_CHECK(cublasLtMatrixLayoutDestroy(la));
+    CUBLAS_CHECK(cublasLtMatmulDescDestroy(desc));
+    if (done) return;
+
+    // fallback: classic cuBLAS, same types and compute precision, bias in a separate pass
+    CUBLAS_CHECK(cublasSetStream(g_cublas.blas, stream));
+    CUBLAS_CHECK(cublasGemmEx(g_cublas.blas, opa, opb, N, M, K, &alpha, B, abtype, (int)lda, A, abtype, (int)ldb, &beta, C, ctype,
+                              N, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    if (bias) {
+        if (ctype == CUDA_R_16BF) add_bias_rows_cuda((bf16*)C, (const bf16*)bias, M, N, stream);
+        else add_bias_rows_cuda((float*)C, (const float*)bias, M, N, stream);
+    }
+#endif
+}
+
+// Typed wrappers: the overload (output type, operand type) selects the precision path.
+#define LLMC_MATMUL_FORM(name, form)                                                                                  \
+    static void name(bf16* C, const bf16* A, const bf16* B, int M, int N, int K, float alpha, int accumulate,         \
+                     cudaStream_t stream) {                                                                           \
+        matmul_generic_cuda(form, C, CUDA_R_16BF, A, B, CUDA_R_16BF, NULL, M, N, K, alpha, accumulate, stream);       \
+    }                                                                                                                 \
+    static void name(float* C, const bf16* A, const bf16* B, int M, int N, int K, float alpha, int accumulate,        \
+                     cudaStream_t stream) {                                                                           \
+        matmul_generic_cuda(form, C, CUDA_R_32F, A, B, CUDA_R_16BF, NULL, M, N, K, alpha, accumulate, stream);        \
+    }                                                                                                                 \
+    static void name(float* C, const float* A, const float* B, int M, int N, int K, float alpha, int accumulate,      \
+                     cudaStream_t stream) {                                                                           \
+        matmul_generic_cuda(form, C, CUDA_R_32F, A, B, CUDA_R_32F, NULL, M, N, K, alpha, accumulate, stream);         \
+    }
+LLMC_MATMUL_FORM(matmul_nt_cuda, MM_NT)
+LLMC_MATMUL_FORM(matmul_nn_cuda, MM_NN)
+LLMC_MATMUL_FORM(matmul_tn_cuda, MM_TN)
+#undef LLMC_MATMUL_FORM
+
+// C[M,N] (+)= alpha * A . B^T + bias[N]: the linear forward with its bias in the epilogue.
+static void matmul_nt_bias_cuda(bf16* C, const bf16* A, const bf16* B, const bf16* bias, int M, int N, int K, float alpha,
+                                int accumulate, cudaStream_t stream) {
+    matmul_generic_cuda(MM_NT, C, CUDA_R_16BF, A, B, CUDA_R_16BF, bias, M, N, K, alpha, accumulate, stream);
+}
+static void matmul_nt_bias_cuda(float* C, const float* A, const float* B, const float* bias, int M, int N, int K, float alpha,
+                                int accumulate, cudaStream_t stream) {
+    matmul_generic_cuda(MM_NT, C, CUDA_R_32F, A, B, CUDA_R_32F, bias, M, N, K, alpha, accumulate, stream);
+}

@@ -1,0 +1,176 @@
+// cuda/misc.cuh: the small memory-bound kernels of the CUDA backend, each the twin of a CPU loop:
+//   embed_tokens_cuda           token embedding gather          (train_llama.cu embed_tokens)
+//   residual_add_cuda           out = a + b                     (elementwise; reference in dev/cuda/misc.cu)
+//   add_bias_rows_cuda          y[n, :] += bias                 (llmc/lora.h add_bias_rows)
+//   bias_grad_rows_cuda         db += sum_n dy[n, :]            (train_vit.cu head bias gradient)
+//   cast_f32_to_bf16_cuda       bf16 shadows of fp32 masters (LoRA), and back for tests
+//   patch_unfold_cuda           image -> patch rows, class-token row zero (train_vit.cu vit_embed)
+//   patch_embed_finish_cuda     + class token / patch bias + positions (train_vit.cu vit_embed)
+//   image_resize_normalize_cuda uint8 HWC images -> normalised CHW, bilinear taps of
+//                               llmc/resample.h, optional flip (llmc/imagedata.h convert)
+// Elementwise kernels use grid-stride loops with 64-bit indices; accumulation into bf16 happens
+// in fp32 and rounds once.
+#pragma once
+#include "common.cuh"
+#include "../resample.h"
+
+// ---- token embedding -------------------------------------------------------------------------
+
+// x[n, :] = embed[ids[n], :]. One thread per element; ids are validated at load (< vocab).
+__global__ void embed_tokens_kernel(bf16* __restrict__ x, const bf16* __restrict__ embed, const int* __restrict__ ids,
+                                    int64_t N, int d) {
+    for (int64_t i = thread_index_1d(); i < N * d; i += grid_stride_1d()) {
+        int64_t n = i / d, c = i % d;
+        x[i] = embed[(int64_t)ids[n] * d + c];
+    }
+}
+static void embed_tokens_cuda(bf16* x, const bf16* embed, const int* ids, int64_t N, int d, cudaStream_t stream) {
+    if (N * d == 0) return;
+    launch_kernel(grid_for(N * d, 256), 256, 0, stream, embed_tokens_kernel, x, embed, ids, N, d);
+}
+
+// ---- residual add and bias -------------------------------------------------------------------
+
+// out = a + b (out may alias a or b).
+__global__ void residual_add_kernel(bf16* out, const bf16* a, const bf16* b, int64_t n) {
+    for (int64_t i = thread_index_1d(); i < n; i += grid_stride_1d()) out[i] = f2bf(bf2f(a[i]) + bf2f(b[i]));
+}
+static void residual_add_cuda(bf16* out, const bf16* a, const bf16* b, int64_t n, cudaStream_t stream) {
+    if (n == 0) return;
+    launch_kernel(grid_for(n, 256), 256, 0, stream, residual_add_kernel, out, a, b, n);
+}
+
+template <class T>
+__global__ void add_bias_rows_kernel(T* y, const T* __restrict__ bias, int64_t N, int out) {
+    for (int64_t i = thread_index_1d(); i < N * out; i += grid_stride_1d()) {
+        float v = (float)y[i] + (float)bias[i % out];
+        y[i] = (T)v;
+    }
+}
+static void add_bias_rows_cuda(bf16* y, const bf16* bias, int64_t N, int out, cudaStream_t stream) {
+    if (N * out == 0) return;
+    launch_kernel(grid_for(N * out, 256), 256, 0, stream, add_bias_rows_kernel<bf16>, y, bias, N, out);
+}
+static void add_bias_rows_cuda(float* y, const float* bias, int64_t N, int out, cudaStream_t stream) {
+    if (N * out == 0) return;
+    launch_kernel(grid_for(N * out, 256), 256, 0, stream, add_bias_rows_kernel<float>, y, bias, N, out);
+}
+
+// db[j] += sum_n dy[n, j]: one thread per column, rows summed in order (deterministic). Meant for
+// narrow outputs (a classification head); wide ones belong in a GEMM epilogue.
+template <class T>
+__global__ void bias_grad_rows_kernel(float* db, const T* __restrict__ dy, int64_t N, int out) {
+    int64_t j = thread_index_1d();
+    if (j >= out) return;
+    float s = 0.0f;
+    for (int64_t n = 0; n < N; n++) s += (float)dy[n * out + j];
+    db[j] += s;
+}
+static void bias_grad_rows_cuda(float* db, const float* dy, int64_t N, int out, cudaStream_t stream) {
+    if (out == 0) return;
+    launch_kernel(ceil_div(out, 128), 128, 0, stream, bias_grad_rows_kernel<float>, db, dy, N, out);
+}
+static void bias_grad_rows_cuda(float* db, const bf16* dy, int64_t N, int out, cudaStream_t stream) {
+    if (out == 0) return;
+    launch_kernel(ceil_div(out, 128), 128, 0, stream, bias_grad_rows_kernel<bf16>, db, dy, N, out);
+}
+
+// ---- casts -----------------------------------------------------------------------------------
+
+__global__ void cast_f32_to_bf16_kernel(bf16* __restrict__ dst, const float* __restrict__ src, int64_t n) {
+    for (int64_t i = thread_index_1d(); i < n; i += grid_stride_1d()) dst[i] = f2bf(src[i]);
+}
+__global__ void cast_bf16_to_f32_kernel(float* __restrict__ dst, const bf16* __restrict__ src, int64_t n) {
+    for (int64_t i = thread_index_1d(); i < n; i += grid_stride_1d()) dst[i] = bf2f(src[i]);
+}
+static void cast_f32_to_bf16_cuda(bf16* dst, const float* src, int64_t n, cudaStream_t stream) {
+    if (n == 0) return;
+    launch_kernel(grid_for(n, 256), 256, 0, stream, cast_f32_to_bf16_kernel, dst, src, n);
+}
+static void cast_bf16_to_f32_cuda(float* dst, const bf16* src, int64_t n, cudaStream_t stream) {
+    if (n == 0) return;
+    launch_kernel(grid_for(n, 256), 256, 0, stream, cast_bf16_to_f32_kernel, dst, src, n);
+}
+
+// ---- ViT patch embedding ---------------------------------------------------------------------
+
+typedef struct {
+    int B, T;              // images, tokens per image (1 class token + gh*gw patches)
+    int C, H, W;           // pixels [B, C, H, W]
+    int ph, pw, gw;        // patch size, patches per row
+} PatchShape;
+
+// patches[n, (c*ph + i)*pw + j] = pixels[b, c, py*ph + i, px*pw + j] for token t = 1 + py*gw + px
+// of image b (n = b*T + t); the class token's row (t = 0) is zero, so that the patch product
+// lands straight in the residual stream. One thread per patch-row element.
+__global__ void patch_unfold_kernel(bf16* __restrict__ patches, const bf16* __restrict__ pixels, PatchShape s) {
+    int64_t P = (int64_t)s.C * s.ph * s.pw, total = (int64_t)s.B * s.T * P;
+    for (int64_t idx = thread_index_1d(); idx < total; idx += grid_stride_1d()) {
+        int64_t n = idx / P, e = idx % P;
+        int b = (int)(n / s.T), t = (int)(n % s.T);
+        if (t == 0) { patches[idx] = f2bf(0.0f); continue; }
+        int c = (int)(e / ((int64_t)s.ph * s.pw)), i = (int)(e / s.pw % s.ph), j = (int)(e % s.pw);
+        int py = (t - 1) / s.gw, px = (t - 1) % s.gw;
+        patches[idx] = pixels[(((int64_t)b * s.C + c) * s.H + (int64_t)py * s.ph + i) * s.W + (int64_t)px * s.pw + j];
+    }
+}
+static void patch_unfold_cuda(bf16* patches, const bf16* pixels, PatchShape s, cudaStream_t stream) {
+    int64_t total = (int64_t)s.B * s.T * s.C * s.ph * s.pw;
+    if (total == 0) return;
+    launch_kernel(grid_for(total, 256), 256, 0, stream, patch_unfold_kernel, patches, pixels, s);
+}
+
+// After the patch product: x[b, 0, :] = cls + pos[0]; x[b, t, :] += patch_bias + pos[t] (t > 0).
+__global__ void patch_embed_finish_kernel(bf16* x, const bf16* __restrict__ cls, const bf16* __restrict__ patch_b,
+                                          const bf16* __restrict__ pos, int64_t N, int T, int d) {
+    for (int64_t i = thread_index_1d(); i < N * d; i += grid_stride_1d()) {
+        int64_t n = i / d, c = i % d, t = n % T;
+        float p = bf2f(pos[t * d + c]);
+        x[i] = t == 0 ? f2bf(bf2f(cls[c]) + p) : f2bf(bf2f(x[i]) + (bf2f(patch_b[c]) + p));
+    }
+}
+static void patch_embed_finish_cuda(bf16* x, const bf16* cls, const bf16* patch_b, const bf16* pos, int64_t N, int T, int d,
+                                    cudaStream_t stream) {
+    if (N * d == 0) return;
+    launch_kernel(grid_for(N * d, 256), 256, 0, stream, patch_embed_finish_kernel, x, cls, patch_b, pos, N, T, d);
+}
+
+// ---- image resize and normalise --------------------------------------------------------------
+
+typedef struct {
+    int B;                 // images
+    int sH, sW, sC;        // source images [B, sH, sW, sC] uint8, channels last
+    int H, W, C;           // output [B, C, H, W]; a 1-channel source feeds every output channel
+    float mean[3], std[3]; // per output channel
+} ImageShape;
+
+// dst[b, c, y, x] = (sum_a sum_b' wy[a] wx[b'] img[...]) * 1/(255 std) - mean/std, with the taps
+// of llmc/resample.h (bilinear_taps, computed on the host and uploaded), x mirrored when flip[b]
+// is set: exactly the arithmetic of image_loader_convert. One thread per output pixel value.
+__global__ void image_resize_normalize_kernel(bf16* __restrict__ dst, const uint8_t* __restrict__ src,
+                                              const ResampleTaps* __restrict__ ty, const ResampleTaps* __restrict__ tx,
+                                              const int* __restrict__ flip, ImageShape s) {
+    int64_t total = (int64_t)s.B * s.C * s.H * s.W;
+    for (int64_t idx = thread_index_1d(); idx < total; idx += grid_stride_1d()) {
+        int x = (int)(idx % s.W), y = (int)(idx / s.W % s.H), c = (int)(idx / ((int64_t)s.W * s.H) % s.C);
+        int b = (int)(idx / ((int64_t)s.W * s.H * s.C));
+        int sc = s.sC == 1 ? 0 : c;
+        float scale = 1.0f / (255.0f * s.std[c]), shift = s.mean[c] / s.std[c];
+        const uint8_t* img = src + (int64_t)b * s.sH * s.sW * s.sC;
+        const ResampleTaps* tyy = &ty[y];
+        const ResampleTaps* txx = &tx[flip && flip[b] ? s.W - 1 - x : x];
+        float v = 0.0f;
+        for (int a = 0; a < 2; a++)
+            for (int k = 0; k < 2; k++)
+                v += tyy->w[a] * txx->w[k] * (float)img[((int64_t)tyy->idx[a] * s.sW + txx->idx[k]) * s.sC + sc];
+        dst[idx] = f2bf(v * scale - shift);
+    }
+}
+// ty [H] and tx [W] are device copies of bilinear_taps(ty, sH, H) and bilinear_taps(tx, sW, W);
+// flip [B] may be NULL (no flips).
+static void image_resize_normalize_cuda(bf16* dst, const uint8_t* src, const ResampleTaps* ty, const ResampleTaps* tx,
+                                        const int* flip, ImageShape s, cudaStream_t stream) {
+    int64_t total = (int64_t)s.B * s.C * s.H * s.W;
+    if (total == 0) return;
+    launch_kernel(grid_for(total, 256), 256, 0, stream, image_resize_normalize_kernel, dst, src, ty, tx, flip, s);
+}

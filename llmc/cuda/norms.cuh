@@ -1,0 +1,160 @@
+// cuda/norms.cuh: RMSNorm and LayerNorm, standard and memory-sharing (MS) variants, the twins of
+// llmc/cpu/norms.h. bf16 activations, fp32 statistics: forward writes z (times gamma/beta for the
+// standard norm, plain for MS, whose affine lives in the next linears) and r = 1/sqrt(var + eps)
+// per row (and the mean, for the standard LayerNorm). Backward:
+//   MS-RMSNorm: dx += r * (dz - z * mean(dz*z))                  from z and r only
+//   MS-LN:      dx += r * (dz - mean(dz) - z * mean(dz*z))
+//   standard:   the same with dz <- dy*gamma and z recomputed from the kept input x.
+// Like the CPU twin, every backward ACCUMULATES into dx (it already holds the residual-path
+// gradient); dx is bf16, the sum is formed in fp32 and rounded once.
+//
+// One warp per row, four rows per block: a row is read once per pass with coalesced loads and
+// the statistics are warp shuffles, no shared memory or __syncthreads. The second and third
+// passes over a row (d <= a few thousand) hit L1/L2, so DRAM traffic is one read of each input
+// and one write of each output: the bandwidth figure dev/cuda/norms.cu reports.
+#pragma once
+#include "common.cuh"
+
+#define NORM_ROWS_PER_BLOCK 4
+
+static __device__ __forceinline__ int64_t norm_row_index(void) {
+    return (int64_t)blockIdx.x * NORM_ROWS_PER_BLOCK + (threadIdx.x >> 5);
+}
+static unsigned norm_grid(int64_t N) { return (unsigned)ceil_div(N, NORM_ROWS_PER_BLOCK); }
+
+// ---- forward ---------------------------------------------------------------------------------
+
+// y = x * r (* gamma); gamma NULL means the MS (parameter-free) form.
+__global__ void rmsnorm_forward_kernel(bf16* __restrict__ y, float* __restrict__ r_out, const bf16* __restrict__ x,
+                                       const bf16* __restrict__ gamma, int64_t N, int d, float eps) {
+    int64_t n = norm_row_index();
+    if (n >= N) return;  // the whole warp leaves together
+    int lane = threadIdx.x & 31;
+    const bf16* xr = x + n * d;
+    bf16* yr = y + n * d;
+    float ss = 0.0f;
+    for (int i = lane; i < d; i += 32) { float v = bf2f(xr[i]); ss += v * v; }
+    ss = warp_reduce_sum(ss);
+    float r = 1.0f / sqrtf(ss / d + eps);
+    if (lane == 0) r_out[n] = r;
+    for (int i = lane; i < d; i += 32) yr[i] = f2bf(bf2f(xr[i]) * r * (gamma ? bf2f(gamma[i]) : 1.0f));
+}
+
+// LayerNorm: z = (x - mean) * r (* gamma + beta); mean_out written only when non-NULL. Two-pass
+// variance (mean first), as the CPU twin.
+__global__ void layernorm_forward_kernel(bf16* __restrict__ y, float* __restrict__ r_out, float* __restrict__ mean_out,
+                                         const bf16* __restrict__ x, const bf16* __restrict__ gamma,
+                                         const bf16* __restrict__ beta, int64_t N, int d, float eps) {
+    int64_t n = norm_row_index();
+    if (n >= N) return;
+    int lane = threadIdx.x & 31;
+    const bf16* xr = x + n * d;
+    bf16* yr = y + n * d;
+    float s = 0.0f;
+    for (int i = lane; i < d; i += 32) s += bf2f(xr[i]);
+    float mu = warp_reduce_sum(s) / d;
+    float ss = 0.0f;
+    for (int i = lane; i < d; i += 32) { float c = bf2f(xr[i]) - mu; ss += c * c; }
+    ss = warp_reduce_sum(ss);
+    float r = 1.0f / sqrtf(ss / d + eps);
+    if (lane == 0) {
+        r_out[n] = r;
+        if (mean_out) mean_out[n] = mu;
+    }
+    for (int i = lane; i < d; i += 32) {
+        float z = (bf2f(xr[i]) - mu) * r;
+        yr[i] = f2bf(gamma ? z * bf2f(gamma[i]) + (beta ? bf2f(beta[i]) : 0.0f) : z);
+    }
+}
+
+static void rmsnorm_forward_cuda(bf16* y, float* r_out, const bf16* x, const bf16* gamma, int64_t N, int d, float eps,
+                                 cudaStream_t stream) {
+    if (N == 0) return;
+    launch_kernel(norm_grid(N), 32 * NORM_ROWS_PER_BLOCK, 0, stream, rmsnorm_forward_kernel, y, r_out, x, gamma, N, d, eps);
+}
+
+static void layernorm_forward_cuda(bf16* y, float* r_out, float* mean_out, const bf16* x, const bf16* gamma, const bf16* beta,
+                                   int64_t N, int d, float eps, cudaStream_t stream) {
+    if (N == 0) return;
+    launch_kernel(norm_grid(N), 32 * NORM_ROWS_PER_BLOCK, 0, stream, layernorm_forward_kernel, y, r_out, mean_out, x, gamma,
+                  beta, N, d, eps);
+}
+
+// ---- backward --------------------------------------------------------------------------------
+// One kernel for all four backward forms. The row's z and dz come either straight from the kept
+// buffers (MS) or are rebuilt from the kept input (standard): z = (x - mean) * r, dz = dy * gamma.
+// center = 1 for LayerNorm (subtract mean(dz)).
+
+typedef struct {
+    const bf16* dz;        // MS: dz; standard: dy
+    const bf16* z;         // MS: z;  standard: x
+    const float* r;        // [N]
+    const float* mean;     // standard LayerNorm only, else NULL
+    const bf16* gamma;     // standard only, else NULL
+    int center;
+} NormBackwardArgs;
+
+static __device__ __forceinline__ void norm_bwd_load(const NormBackwardArgs& a, int64_t n, int64_t off, int i, float r,
+                                                     float* z, float* dz) {
+    float zv = bf2f(a.z[off + i]), dv = bf2f(a.dz[off + i]);
+    if (a.gamma) {  // standard form: rebuild z and dz
+        zv = (zv - (a.mean ? a.mean[n] : 0.0f)) * r;
+        dv *= bf2f(a.gamma[i]);
+    }
+    *z = zv;
+    *dz = dv;
+}
+
+__global__ void norm_backward_kernel(bf16* dx, NormBackwardArgs a, int64_t N, int d) {
+    int64_t n = norm_row_index();
+    if (n >= N) return;
+    int lane = threadIdx.x & 31;
+    int64_t off = n * d;
+    float r = a.r[n];
+    float sdz = 0.0f, sdzz = 0.0f;
+    for (int i = lane; i < d; i += 32) {
+        float z, dz;
+        norm_bwd_load(a, n, off, i, r, &z, &dz);
+        sdz += dz;
+        sdzz += dz * z;
+    }
+    sdz = warp_reduce_sum(sdz);
+    sdzz = warp_reduce_sum(sdzz);
+    float mdz = a.center ? sdz / d : 0.0f, mdzz = sdzz / d;
+    for (int i = lane; i < d; i += 32) {
+        float z, dz;
+        norm_bwd_load(a, n, off, i, r, &z, &dz);
+        dx[off + i] = f2bf(bf2f(dx[off + i]) + r * (dz - mdz - z * mdzz));
+    }
+}
+
+static void norm_backward_launch(bf16* dx, NormBackwardArgs a, int64_t N, int d, cudaStream_t stream) {
+    if (N == 0) return;
+    launch_kernel(norm_grid(N), 32 * NORM_ROWS_PER_BLOCK, 0, stream, norm_backward_kernel, dx, a, N, d);
+}
+
+static void rmsnorm_ms_backward_cuda(bf16* dx, const bf16* dz, const bf16* z, const float* r, int64_t N, int d,
+                                     cudaStream_t stream) {
+    NormBackwardArgs a = {dz, z, r, NULL, NULL, 0};
+    norm_backward_launch(dx, a, N, d, stream);
+}
+
+static void rmsnorm_backward_cuda(bf16* dx, const bf16* dy, const bf16* x, const float* r, const bf16* gamma, int64_t N, int d,
+                                  cudaStream_t stream) {
+    if (!gamma) fail("rmsnorm_backward_cuda: the standard backward needs gamma (use rmsnorm_ms_backward_cuda)");
+    NormBackwardArgs a = {dy, x, r, NULL, gamma, 0};
+    norm_backward_launch(dx, a, N, d, stream);
+}
+
+static void layernorm_ms_backward_cuda(bf16* dx, const bf16* dz, const bf16* z, const float* r, int64_t N, int d,
+                                       cudaStream_t stream) {
+    NormBackwardArgs a = {dz, z, r, NULL, NULL, 1};
+    norm_backward_launch(dx, a, N, d, stream);
+}
+
+static void layernorm_backward_cuda(bf16* dx, const bf16* dy, const bf16* x, const float* mean, const float* r,
+                                    const bf16* gamma, int64_t N, int d, cudaStream_t stream) {
+    if (!gamma || !mean) fail("layernorm_backward_cuda: the standard backward needs mean and gamma");
+    NormBackwardArgs a = {dy, x, r, mean, gamma, 1};
+    norm_backward_launch(dx, a, N, d, stream);
+}

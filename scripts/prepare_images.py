@@ -1,0 +1,345 @@
+#!/usr/bin/env python3
+"""Write an image shard for train_vit from Fashion-MNIST, CIFAR-10/100 or a folder of class folders.
+
+Shard format (read by llmc/imagedata.h), little-endian:
+  64-byte header: b"IMGS", u32 version = 1, u32 n, u32 H, u32 W, u32 C (1 or 3), u32 classes,
+                  zeros up to byte 64
+  n * H * W * C uint8 pixels, image after image, each row-major HWC at its native resolution
+  n uint16 labels, each < classes
+The trainer resizes and normalises on the fly, so shards stay at native resolution.
+
+Sources:
+  --fashion-mnist [DIR]  the IDX files of Debian's dataset-fashion-mnist package
+                         (default /usr/share/datasets/fashion-mnist: {train,t10k}-images-idx3-ubyte.gz,
+                         {train,t10k}-labels-idx1-ubyte.gz; plain or gzip'd), 28x28 grayscale, 10 classes
+  --cifar10 PATH         the CIFAR-10 binary version: cifar-10-binary.tar.gz, or the directory holding
+                         data_batch_1..5.bin / test_batch.bin (records: 1 label byte + 3072 bytes CHW)
+  --cifar100 PATH        the CIFAR-100 binary version: cifar-100-binary.tar.gz or the directory of
+                         train.bin / test.bin (records: coarse byte, fine byte, 3072 bytes); fine labels
+                         unless --coarse
+  --folder DIR           DIR/<class>/<image files>; classes are the sorted folder names (needs PIL);
+                         --size HxW resizes (bilinear), else all images must share one size
+
+Selection: --split train|test; --classes 5,6,7 keeps those labels and renumbers them 0,1,2 in that
+order; --per-class N keeps N per class; --limit N keeps N in all; --seed picks which (seeded shuffle).
+
+  /usr/bin/python3 scripts/prepare_images.py --fashion-mnist --split train --classes 5,6,7,8,9 \\
+      --per-class 100 --out data/fmnist_5to9_train.bin
+"""
+import argparse
+import gzip
+import os
+import struct
+import sys
+import tarfile
+
+import numpy as np
+
+MAGIC = b"IMGS"
+VERSION = 1
+HEADER_BYTES = 64
+FASHION_MNIST_DIR = "/usr/share/datasets/fashion-mnist"
+IMAGE_EXTS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".ppm", ".pgm", ".tif", ".tiff")
+
+
+class DataError(Exception):
+    """A source that is not what it claims to be (reported as one line, exit status 1)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# the shard
+
+def shard_bytes(images, labels, classes):
+    """images uint8 [n, H, W, C], labels [n] -> the bytes of a shard."""
+    images = np.ascontiguousarray(images, dtype=np.uint8)
+    labels = np.asarray(labels)
+    if images.ndim != 4 or images.shape[3] not in (1, 3):
+        raise DataError(f"images must be [n, H, W, 1 or 3], got {list(images.shape)}")
+    n, H, W, C = images.shape
+    if n < 1:
+        raise DataError("no images selected")
+    if labels.shape != (n,):
+        raise DataError(f"{labels.shape[0]} labels for {n} images")
+    if not 1 <= classes <= 65535:
+        raise DataError(f"classes {classes} outside 1..65535")
+    if labels.min() < 0 or labels.max() >= classes:
+        raise DataError(f"labels outside [0, {classes})")
+    head = MAGIC + struct.pack("<6I", VERSION, n, H, W, C, classes)
+    head += b"\0" * (HEADER_BYTES - len(head))
+    return head + images.tobytes() + labels.astype("<u2").tobytes()
+
+
+def write_shard(path, images, labels, classes):
+    """Writes atomically: a temporary file renamed into place when complete."""
+    data = shard_bytes(images, labels, classes)
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def read_shard(path):
+    """(images [n, H, W, C] uint8, labels [n] int64, classes), validated like the C reader."""
+    with open(path, "rb") as f:
+        data = f.read()
+    if len(data) < HEADER_BYTES or data[:4] != MAGIC:
+        raise DataError(f"{path}: not an image shard (bad magic)")
+    version, n, H, W, C, classes = struct.unpack("<6I", data[4:28])
+    if version != VERSION:
+        raise DataError(f"{path}: version {version}, expected {VERSION}")
+    need = HEADER_BYTES + n * (H * W * C + 2)
+    if len(data) != need:
+        raise DataError(f"{path}: {len(data)} bytes, header implies {need}")
+    px = np.frombuffer(data, np.uint8, n * H * W * C, HEADER_BYTES).reshape(n, H, W, C)
+    labels = np.frombuffer(data, "<u2", n, HEADER_BYTES + n * H * W * C).astype(np.int64)
+    if n and labels.max() >= classes:
+        raise DataError(f"{path}: label {labels.max()} >= classes {classes}")
+    return px.copy(), labels, classes
+
+
+# ---------------------------------------------------------------------------------------------
+# sources
+
+def _open_maybe_gz(path):
+    with open(path, "rb") as f:
+        data = f.read()
+    return gzip.decompress(data) if data[:2] == b"\x1f\x8b" else data
+
+
+def read_idx(path, want_dims):
+    """An IDX file (unsigned bytes) as a numpy array; plain or gzip'd."""
+    data = _open_maybe_gz(path)
+    if len(data) < 4 or data[0] != 0 or data[1] != 0:
+        raise DataError(f"{path}: not an IDX file (bad magic)")
+    if data[2] != 0x08:
+        raise DataError(f"{path}: IDX element type 0x{data[2]:02x}, expected unsigned byte (0x08)")
+    ndim = data[3]
+    if ndim != want_dims:
+        raise DataError(f"{path}: IDX has {ndim} dimensions, expected {want_dims}")
+    if len(data) < 4 + 4 * ndim:
+        raise DataError(f"{path}: IDX header truncated")
+    dims = struct.unpack(f">{ndim}I", data[4:4 + 4 * ndim])
+    count = int(np.prod(dims))
+    if len(data) != 4 + 4 * ndim + count:
+        raise DataError(f"{path}: IDX dimensions {list(dims)} need {count} bytes of data, "
+                        f"file has {len(data) - 4 - 4 * ndim}")
+    return np.frombuffer(data, np.uint8, count, 4 + 4 * ndim).reshape(dims)
+
+
+def _find(directory, stem):
+    for name in (stem, stem + ".gz"):
+        p = os.path.join(directory, name)
+        if os.path.isfile(p):
+            return p
+    raise DataError(f"{directory}: missing {stem}[.gz] (apt-get install dataset-fashion-mnist)")
+
+
+def load_fashion_mnist(directory, split):
+    """(images [n, 28, 28, 1], labels [n], 10)."""
+    prefix = "train" if split == "train" else "t10k"
+    images = read_idx(_find(directory, f"{prefix}-images-idx3-ubyte"), 3)
+    labels = read_idx(_find(directory, f"{prefix}-labels-idx1-ubyte"), 1)
+    if images.shape[0] != labels.shape[0]:
+        raise DataError(f"{directory}: {images.shape[0]} images but {labels.shape[0]} labels")
+    if labels.max() >= 10:
+        raise DataError(f"{directory}: label {labels.max()} >= 10")
+    return images[..., None], labels.astype(np.int64), 10
+
+
+def _cifar_members(path, names):
+    """{name: bytes} of the wanted batch files, from a .tar(.gz) archive or a directory (searched
+    recursively, since the archives unpack into a subfolder)."""
+    found = {}
+    if os.path.isfile(path):
+        try:
+            with tarfile.open(path) as tar:
+                for m in tar.getmembers():
+                    base = os.path.basename(m.name)
+                    if m.isfile() and base in names:
+                        found[base] = tar.extractfile(m).read()
+        except tarfile.TarError as e:
+            raise DataError(f"{path}: not a readable tar archive ({e})") from None
+    elif os.path.isdir(path):
+        for root, _, files in os.walk(path):
+            for base in files:
+                if base in names and base not in found:
+                    with open(os.path.join(root, base), "rb") as f:
+                        found[base] = f.read()
+    else:
+        raise DataError(f"{path}: no such file or directory")
+    missing = [n for n in names if n not in found]
+    if missing:
+        raise DataError(f"{path}: missing {', '.join(missing)} (expected the CIFAR binary version)")
+    return [found[n] for n in names]
+
+
+def _cifar_records(blobs, label_bytes, label_index, path):
+    rec = label_bytes + 3072
+    images, labels = [], []
+    for blob in blobs:
+        if len(blob) % rec:
+            raise DataError(f"{path}: batch of {len(blob)} bytes is not a whole number of "
+                            f"{rec}-byte records")
+        a = np.frombuffer(blob, np.uint8).reshape(-1, rec)
+        labels.append(a[:, label_index].astype(np.int64))
+        images.append(a[:, label_bytes:].reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1))
+    return np.concatenate(images), np.concatenate(labels)
+
+
+def load_cifar10(path, split):
+    names = [f"data_batch_{i}.bin" for i in range(1, 6)] if split == "train" else ["test_batch.bin"]
+    images, labels = _cifar_records(_cifar_members(path, names), 1, 0, path)
+    if labels.max() >= 10:
+        raise DataError(f"{path}: label {labels.max()} >= 10 (is this CIFAR-100?)")
+    return images, labels, 10
+
+
+def load_cifar100(path, split, coarse=False):
+    names = ["train.bin" if split == "train" else "test.bin"]
+    images, labels = _cifar_records(_cifar_members(path, names), 2, 0 if coarse else 1, path)
+    classes = 20 if coarse else 100
+    if labels.max() >= classes:
+        raise DataError(f"{path}: label {labels.max()} >= {classes}")
+    return images, labels, classes
+
+
+def load_folder(directory, size=None, channels=3):
+    """DIR/<class>/<images>: (images [n, H, W, C], labels, classes); classes = sorted folders."""
+    try:
+        from PIL import Image
+    except ImportError:
+        raise DataError("--folder needs PIL (Debian: apt-get install python3-pil); "
+                        "other sources work without it") from None
+    if not os.path.isdir(directory):
+        raise DataError(f"{directory}: not a directory")
+    classes = sorted(d for d in os.listdir(directory) if os.path.isdir(os.path.join(directory, d)))
+    if not classes:
+        raise DataError(f"{directory}: no class subfolders")
+    images, labels = [], []
+    for k, cls in enumerate(classes):
+        files = sorted(f for f in os.listdir(os.path.join(directory, cls))
+                       if f.lower().endswith(IMAGE_EXTS))
+        for name in files:
+            p = os.path.join(directory, cls, name)
+            try:
+                with Image.open(p) as im:
+                    im = im.convert("RGB" if channels == 3 else "L")
+                    if size is not None:
+                        im = im.resize((size[1], size[0]), Image.BILINEAR)
+                    a = np.asarray(im, dtype=np.uint8)
+            except OSError as e:
+                raise DataError(f"{p}: cannot read image ({e})") from None
+            a = a.reshape(a.shape[0], a.shape[1], channels)
+            if images and a.shape != images[0].shape:
+                raise DataError(f"{p}: size {a.shape[1]}x{a.shape[0]} differs from "
+                                f"{images[0].shape[1]}x{images[0].shape[0]}; give --size HxW")
+            images.append(a)
+            labels.append(k)
+    if not images:
+        raise DataError(f"{directory}: no images ({', '.join(IMAGE_EXTS)}) in the class folders")
+    return np.stack(images), np.asarray(labels, np.int64), len(classes)
+
+
+# ---------------------------------------------------------------------------------------------
+# selection
+
+def select(images, labels, classes, keep=None, per_class=None, limit=None, seed=0):
+    """Keep the listed classes (renumbered 0.. in the given order), at most per_class of each and
+    limit in all, chosen by a seeded shuffle; returns (images, labels, classes) in shuffled order."""
+    order = np.random.default_rng(seed).permutation(len(labels))
+    if keep is not None:
+        bad = [k for k in keep if not 0 <= k < classes]
+        if bad:
+            raise DataError(f"--classes: {bad} outside [0, {classes})")
+        if len(set(keep)) != len(keep):
+            raise DataError("--classes: repeated class")
+        remap = np.full(classes, -1, np.int64)
+        remap[keep] = np.arange(len(keep))
+        order = order[remap[labels[order]] >= 0]
+        new_labels, classes = remap[labels], len(keep)
+    else:
+        new_labels = labels
+    if per_class is not None:
+        taken = np.zeros(classes, np.int64)
+        chosen = []
+        for i in order:
+            c = new_labels[i]
+            if taken[c] < per_class:
+                taken[c] += 1
+                chosen.append(i)
+        order = np.asarray(chosen, np.int64)
+    if limit is not None:
+        order = order[:limit]
+    return images[order], new_labels[order], classes
+
+
+def parse_size(text):
+    try:
+        parts = [int(x) for x in text.lower().split("x")]
+    except ValueError:
+        parts = []
+    if len(parts) == 1:
+        parts *= 2
+    if len(parts) != 2 or min(parts) < 1:
+        raise DataError(f"--size: expected S or HxW, got {text!r}")
+    return tuple(parts)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog=__doc__.split("\n", 2)[2])
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--fashion-mnist", nargs="?", const=FASHION_MNIST_DIR, metavar="DIR")
+    src.add_argument("--cifar10", metavar="PATH")
+    src.add_argument("--cifar100", metavar="PATH")
+    src.add_argument("--folder", metavar="DIR")
+    ap.add_argument("--out", required=True, help="output shard")
+    ap.add_argument("--split", choices=("train", "test"), default="train")
+    ap.add_argument("--classes", help="comma list of labels to keep, renumbered in that order")
+    ap.add_argument("--per-class", type=int, help="at most N images per class")
+    ap.add_argument("--limit", type=int, help="at most N images in all")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--coarse", action="store_true", help="CIFAR-100: the 20 coarse labels")
+    ap.add_argument("--size", help="--folder: resize every image to HxW (or SxS)")
+    ap.add_argument("--channels", type=int, choices=(1, 3), default=3, help="--folder: 1 = grayscale")
+    a = ap.parse_args(argv)
+    try:
+        if a.fashion_mnist:
+            data = load_fashion_mnist(a.fashion_mnist, a.split)
+        elif a.cifar10:
+            data = load_cifar10(a.cifar10, a.split)
+        elif a.cifar100:
+            data = load_cifar100(a.cifar100, a.split, a.coarse)
+        else:
+            data = load_folder(a.folder, parse_size(a.size) if a.size else None, a.channels)
+        keep = None
+        if a.classes:
+            try:
+                keep = [int(x) for x in a.classes.split(",")]
+            except ValueError:
+                raise DataError(f"--classes: expected a comma list of integers, got {a.classes!r}") from None
+        for flag, v in (("--per-class", a.per_class), ("--limit", a.limit)):
+            if v is not None and v < 1:
+                raise DataError(f"{flag}: expected >= 1, got {v}")
+        images, labels, classes = select(*data, keep=keep, per_class=a.per_class, limit=a.limit,
+                                         seed=a.seed)
+        write_shard(a.out, images, labels, classes)
+    except (DataError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    n, H, W, C = images.shape
+    counts = np.bincount(labels, minlength=classes)
+    print(f"wrote {a.out}: {n} images {H}x{W}x{C}, {classes} classes "
+          f"(per class {counts.min()}..{counts.max()})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

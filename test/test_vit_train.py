@@ -1,0 +1,199 @@
+"""ViT training end to end: train_vit fine-tunes the bundled demo model (data/vit_demo, pretrained
+by scripts/make_demo_vit.py on Fashion-MNIST classes 0-4) on the bundled subset of the other
+classes; validation accuracy must rise well above the new head's chance level; the same seed gives
+the same run; another seed gives another. Also the system around it: PEFT adapters out and back in
+across norm modes and against PyTorch, SIGKILL + --resume bit-identical, a mismatched resume
+refused, mpirun -np 2 equal to one process with the combined batch.
+VIT_DEMO_MODEL / VIT_DEMO_TRAIN / VIT_DEMO_VAL override the bundled files.
+
+Run:  /usr/bin/python3 -m pytest -q test/test_vit_train.py
+train_vit must be built and data/vit_demo* present; if not, the tests FAIL.
+"""
+import csv
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import vit_cases as vc  # noqa: E402
+
+DATA = os.path.join(vc.REPO, "data")
+MODEL = os.environ.get("VIT_DEMO_MODEL", os.path.join(DATA, "vit_demo"))
+TRAIN = os.environ.get("VIT_DEMO_TRAIN", os.path.join(DATA, "vit_demo_ft_train.bin"))
+VAL = os.environ.get("VIT_DEMO_VAL", os.path.join(DATA, "vit_demo_ft_val.bin"))
+
+
+def fine_tune(out_dir, seed, steps, mode="lowmem", extra=()):
+    for p in (os.path.join(MODEL, "model.safetensors"), TRAIN, VAL):
+        assert os.path.isfile(p), f"{p} is missing (made by scripts/make_demo_vit.py)"
+    p = vc.train_vit("--model", MODEL, "--data", TRAIN, "--val", VAL, "--mode", mode,
+                     "--steps", steps, "--batch", 16, "--lr", "3e-3", "--warmup", 3,
+                     "--lora-rank", 4, "--seed", seed, "--threads", 2, "--val-every", steps,
+                     "--out", out_dir, *extra)
+    with open(os.path.join(out_dir, "log.csv")) as f:
+        rows = list(csv.DictReader(f))
+    return rows, p.stdout
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vit_train")
+    return {"a": fine_tune(str(root / "a"), 5, 40),
+            "b": fine_tune(str(root / "b"), 5, 40),
+            "c": fine_tune(str(root / "c"), 6, 40)}
+
+
+def test_fine_tune_raises_accuracy(runs):
+    rows, stdout = runs["a"]
+    assert "lowmem" in stdout and "baseline" in stdout  # the memory table beside the baseline
+    before = float(rows[0]["val_accuracy"])
+    after = float(rows[-1]["val_accuracy"])
+    print(f"val accuracy {before:.3f} -> {after:.3f}; val loss {rows[0]['val_loss']} -> "
+          f"{rows[-1]['val_loss']}")
+    assert before < 0.45, "the new head should start near chance (5 classes)"
+    assert after > before + 0.25
+    assert float(rows[-1]["val_loss"]) < float(rows[0]["val_loss"]) - 0.3
+
+
+def test_same_seed_same_run(runs):
+    (a, _), (b, _) = runs["a"], runs["b"]
+    strip = [{k: v for k, v in r.items() if k != "images_per_s"} for r in a]
+    assert strip == [{k: v for k, v in r.items() if k != "images_per_s"} for r in b]
+
+
+def test_other_seed_other_run(runs):
+    (a, _), (c, _) = runs["a"], runs["c"]
+    assert [r["loss"] for r in a[1:]] != [r["loss"] for r in c[1:]]
+
+
+# ---------------------------------------------------------------------------------------------
+# adapters (PEFT layout) and the resumable state
+
+def _eval_only(adapter, mode, extra=()):
+    p = vc.train_vit("--model", MODEL, "--val", VAL, "--eval-only", "--adapter", adapter, "--mode", mode,
+                     "--lora-rank", 4, "--batch", 50, "--val-batches", 100, "--threads", 2, *extra)
+    line = [l for l in p.stdout.splitlines() if l.startswith("val loss")][-1]
+    return float(line.split()[2]), float(line.split()[6])
+
+
+def test_adapter_round_trip_across_norm_modes_and_against_pytorch(tmp_path):
+    """An adapter trained under MS-LN (gamma, beta merged into q,k,v / fc1) is written for the
+    ORIGINAL model: A diag(1/gamma), and the constant that beta leaves in the layer's bias (PEFT
+    bias "lora_only"). Evaluated with standard LayerNorm it gives the training run's own numbers;
+    so does PyTorch applying it to the original weights."""
+    out = str(tmp_path / "ms")
+    rows, _ = fine_tune(out, 3, 8, mode="lowmem", extra=("--val-batches", 100))
+    import json
+    with open(os.path.join(out, "adapter_config.json")) as f:
+        ac = json.load(f)
+    assert ac["peft_type"] == "LORA" and ac["r"] == 4 and ac["bias"] == "lora_only"
+    assert ac["modules_to_save"] == ["classifier"] and ac["task_type"] is None
+    assert "vit.encoder.layer.0.output.dense" in ac["target_modules"]
+    ad = vc.st_io.load(os.path.join(out, "adapter_model.safetensors"))
+    assert ad["base_model.model.classifier.weight"].shape == (5, 64)
+    want_loss, want_acc = float(rows[-1]["val_loss"]), float(rows[-1]["val_accuracy"])
+    for mode in ("baseline", "lowmem"):
+        loss, acc = _eval_only(out, mode)
+        assert abs(loss - want_loss) < 1e-4 * want_loss and abs(acc - want_acc) < 1e-6, (mode, loss, want_loss)
+    # PyTorch: original weights, adapted biases replaced, LoRA A/B and the head from the adapter
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+    sys.path.insert(0, os.path.join(vc.REPO, "scripts"))
+    import prepare_images as pi
+    model = vc.ref.VitModel.load(MODEL)
+    pre = "base_model.model."
+    lora = {}
+    for l in range(model.cfg.n_layers):
+        for t, mod in vc.ref.HF_MODULE.items():
+            k = f"{pre}vit.encoder.layer.{l}.{mod}"
+            lora[(l, t)] = (torch.from_numpy(ad[k + ".lora_A.weight"]).double(),
+                            torch.from_numpy(ad[k + ".lora_B.weight"]).double())
+            model.w[f"{l}.{t}.b"] = torch.from_numpy(ad[k + ".bias"]).double()
+    head = (torch.from_numpy(ad[pre + "classifier.weight"]).double(),
+            torch.from_numpy(ad[pre + "classifier.bias"]).double())
+    images, labels, _ = pi.read_shard(VAL)
+    with open(os.path.join(MODEL, "preprocessor_config.json")) as f:
+        pc = json.load(f)
+    x = (torch.from_numpy(images.astype(np.float64) / 255.0).permute(0, 3, 1, 2) - pc["image_mean"][0]) / pc["image_std"][0]
+    with torch.no_grad():
+        logits = vc.ref.forward(model, x, lora, ac["lora_alpha"] / ac["r"], head, "exact", "std")
+        loss = float(F.cross_entropy(logits, torch.from_numpy(labels)))
+        acc = float((logits.argmax(1) == torch.from_numpy(labels)).double().mean())
+    print(f"val loss: train_vit {want_loss:.6f}, PyTorch on the exported adapter {loss:.6f}")
+    assert abs(loss - want_loss) < 1e-4 * want_loss and abs(acc - want_acc) < 1e-6
+
+
+def test_sigkill_then_resume_is_bit_identical(tmp_path):
+    import signal
+    import subprocess
+    import time
+    steps = 12
+    args = ["--model", MODEL, "--data", TRAIN, "--mode", "lowmem", "--steps", str(steps), "--batch", "64",
+            "--lr", "3e-3", "--lora-rank", "4", "--seed", "9", "--threads", "2", "--save-every", "3"]
+    exe = vc.binary("train_vit", "TRAIN_VIT")
+    whole = str(tmp_path / "whole")
+    vc.run([exe] + args + ["--out", whole])
+    out = str(tmp_path / "killed")
+    p = subprocess.Popen([exe] + args + ["--out", out], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = os.path.join(out, "log.csv")
+    deadline, done = time.time() + 120, 0
+    while time.time() < deadline and p.poll() is None:  # kill once the save after step 3 is done
+        if os.path.exists(log):
+            with open(log) as f:
+                done = sum(1 for line in f) - 1
+            if done >= 4:
+                p.send_signal(signal.SIGKILL)
+                break
+        time.sleep(0.005)
+    p.wait()
+    assert p.returncode == -signal.SIGKILL and done < steps, "the run finished before it could be killed"
+    r = vc.run([exe] + args + ["--resume", out])
+    resumed_at = int(r.stdout.split("at step ")[1].split()[0])
+    assert 3 <= resumed_at < steps
+    for name in ("adapter_model.safetensors", "train_state.bin"):
+        with open(os.path.join(whole, name), "rb") as a, open(os.path.join(out, name), "rb") as b:
+            assert a.read() == b.read(), f"{name} differs after kill + resume"
+
+
+def test_mismatched_resume_is_refused(tmp_path):
+    out = str(tmp_path / "run")
+    vc.train_vit("--model", MODEL, "--data", TRAIN, "--steps", 2, "--batch", 8, "--lora-rank", 4, "--out", out)
+    for extra, needle in ((["--lora-rank", 8], "rank=4"), (["--lora-rank", 4, "--mode", "baseline"], "act=approx"),
+                          (["--lora-rank", 4, "--image-size", "35"], "image=28x28")):
+        p = vc.train_vit("--model", MODEL, "--data", TRAIN, "--steps", 2, "--batch", 8, "--resume", out, *extra, check=False)
+        assert p.returncode == 1 and "train_state.bin" in p.stderr and needle in p.stderr, p.stderr
+
+
+def test_two_ranks_equal_one_process_with_combined_batch(tmp_path):
+    """mpirun -np 2 with --batch 8 trains like one process with --batch 16: the loader gives each
+    rank its half of the same global batch, gradients and loss are summed across ranks."""
+    import shutil
+    import subprocess
+    import numpy as np
+    mpirun = shutil.which("mpirun")
+    if not mpirun:
+        pytest.fail("mpirun not found: install openmpi-bin (.ci/run does)")
+    args = ["--model", MODEL, "--data", TRAIN, "--mode", "lowmem", "--steps", "5", "--lr", "3e-3",
+            "--lora-rank", "4", "--seed", "4", "--threads", "1", "--hflip"]
+    exe = vc.binary("train_vit", "TRAIN_VIT")
+    vc.run([exe] + args + ["--batch", "16", "--out", str(tmp_path / "one")])
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    p = subprocess.run([mpirun, "--allow-run-as-root", "--oversubscribe", "-np", "2", exe] + args +
+                       ["--batch", "8", "--out", str(tmp_path / "two")], capture_output=True, text=True, env=env, timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "2 ranks" in p.stdout and "per rank" in p.stdout
+
+    def losses(d):
+        with open(os.path.join(d, "log.csv")) as f:
+            return [float(r["loss"]) for r in csv.DictReader(f)]
+    np.testing.assert_allclose(losses(tmp_path / "one"), losses(tmp_path / "two"), rtol=1e-5)
+    a = vc.st_io.load(str(tmp_path / "one" / "adapter_model.safetensors"))
+    b = vc.st_io.load(str(tmp_path / "two" / "adapter_model.safetensors"))
+    assert a.keys() == b.keys()
+    # relative L2 per tensor: AdamW turns an element's near-zero gradient into a step of +-lr by its
+    # sign, which summation order can flip, so single elements may differ by up to ~lr
+    worst = max(float(np.linalg.norm(a[k] - b[k]) / (np.linalg.norm(a[k]) + 1e-12)) for k in a)
+    print(f"1 process x batch 16 vs 2 ranks x batch 8: worst relative weight difference {worst:.2e}")
+    assert worst < 1e-3  # a wrong split of the batch gives O(1) differences (and the losses differ)

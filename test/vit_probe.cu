@@ -1,0 +1,148 @@
+// test/vit_probe.cu: runs train_vit's model and loader on inputs given in files and writes what
+// they computed to a safetensors file, for comparison with the PyTorch reference
+// (scripts/reference_vit.py, test/test_vit_model.py). Same flags as train_vit, plus:
+//   --case CASE --out-file OUT    one forward + backward of a batch:
+//       CASE: pixels F32 [B, C, H, W] (normalised, at the fine-tuning resolution), labels I32 [B],
+//             lora.{l}.{t}.A [r, in] / .B [out, r], head.weight [K, d], head.bias [K]
+//       OUT:  logits [B, K], loss [1], grad.lora.{l}.{t}.A/B, grad.head.weight, grad.head.bias
+//   --data SHARD --dump-batches N --out-file OUT    the loader's first N training batches:
+//       OUT:  pixels F32 [N*B, C, H, W], labels I32 [N*B], index I32 (image in the shard),
+//             flip I32 (1 = flipped)
+#define TESTING
+#include "../train_vit.cu"
+
+static const StTensor* case_tensor(const StFile* f, const char* name, StDtype dtype) {
+    const StTensor* t = st_find(f, name);
+    if (!t) fail("%s: missing tensor \"%s\"", f->path, name);
+    if (t->dtype != dtype) fail("%s: tensor \"%s\" has dtype %s, expected %s", f->path, name, st_dtype_name(t->dtype), st_dtype_name(dtype));
+    return t;
+}
+
+static void dump_batches(const VitConfig* cfg, const TrainOptions* o, int batches, const char* out_path) {
+    ImageShard s;
+    image_shard_load(&s, o->data_path);
+    int h, w, B = o->batch, C = cfg->channels;
+    vit_resolution(cfg, o->image_size, &h, &w);
+    ImageLoader L;
+    image_loader_init(&L, &s, h, w, C, cfg->mean, cfg->std, (uint64_t)o->seed, 1, o->hflip);
+    int64_t n = (int64_t)batches * B, per = (int64_t)C * h * w;
+    float* pixels = (float*)xmalloc(sizeof(float) * n * per);
+    int32_t *labels = (int32_t*)xmalloc(4 * n), *index = (int32_t*)xmalloc(4 * n), *flip = (int32_t*)xmalloc(4 * n);
+    for (int k = 0; k < batches; k++) {
+        for (int b = 0; b < B; b++) {  // what the next call will pick, from the same rules
+            int64_t g = L.cursor + b;
+            index[k * B + b] = (int32_t)image_loader_index(&L, g);
+            flip[k * B + b] = image_loader_flip(&L, g);
+        }
+        image_loader_next(&L, B, 0, 1, pixels + k * B * per, labels + k * B);
+    }
+    StWriter wr;
+    memset(&wr, 0, sizeof(wr));
+    int64_t ps[4] = {n, C, h, w};
+    st_writer_add(&wr, "pixels", ST_F32, 4, ps, pixels);
+    st_writer_add(&wr, "labels", ST_I32, 1, &n, labels);
+    st_writer_add(&wr, "index", ST_I32, 1, &n, index);
+    st_writer_add(&wr, "flip", ST_I32, 1, &n, flip);
+    st_writer_save(&wr, out_path, NULL);
+    st_writer_free(&wr);
+    free(pixels); free(labels); free(index); free(flip);
+    image_loader_free(&L);
+    image_shard_free(&s);
+}
+
+int main(int argc, char** argv) {
+    TrainOptions o;
+    train_options_defaults(&o);
+    const char *case_path = NULL, *out_path = NULL;
+    int dump = 0;
+    FlagTable ft;
+    memset(&ft, 0, sizeof(ft));
+    vit_flags(&ft, &o);
+    ft.program = "vit_probe";
+    ft.group = "probe";
+    flag_string(&ft, "case", &case_path, "input safetensors: pixels F32 [B,C,H,W], labels I32 [B], lora.{l}.{t}.A/B, head.weight, head.bias");
+    flag_string(&ft, "out-file", &out_path, "output safetensors: logits, loss, grad.lora.{l}.{t}.A/B, grad.head.weight/bias");
+    flag_int(&ft, "dump-batches", &dump, "with --data: write the loader's first N batches instead");
+    flags_parse(&ft, argc, argv);
+    train_resolve_mode(&o);
+    if (!o.model_dir || !out_path || (!case_path && !dump)) fail("vit_probe needs --model, --out-file and --case (or --data with --dump-batches)");
+    VitConfig cfg;
+    vit_config_load(&cfg, o.model_dir);
+    if (dump) {
+        if (!o.data_path) fail("flag --dump-batches needs --data");
+        dump_batches(&cfg, &o, dump, out_path);
+        return 0;
+    }
+    VitModes md = vit_modes_from(&o);
+    StFile cf;
+    st_open(&cf, case_path);
+    const StTensor* px = case_tensor(&cf, "pixels", ST_F32);
+    const StTensor* lb = case_tensor(&cf, "labels", ST_I32);
+    const StTensor* hw = case_tensor(&cf, "head.weight", ST_F32);
+    if (px->ndim != 4 || px->shape[1] != cfg.channels) fail("%s: pixels must be [B, %d, H, W]", case_path, cfg.channels);
+    if (hw->ndim != 2) fail("%s: head.weight must be [classes, d]", case_path);
+    int B = (int)px->shape[0], h = (int)px->shape[2], w = (int)px->shape[3], K = (int)hw->shape[0];
+    int64_t lshape[1] = {B}, hshape[2] = {K, cfg.dim};
+    st_check_shape(lb, 1, lshape);
+    st_check_shape(hw, 2, hshape);
+    Vit m;
+    vit_setup(&m, &cfg, &md, B, h, w, K, 4, 4);
+    plan_allocate_host(&m.plan);
+    vit_bind(&m);
+    vit_load_weights(&m, o.model_dir);
+    memcpy(m.pixels, px->data, px->nbytes);
+    const int32_t* labels = (const int32_t*)lb->data;
+    for (int b = 0; b < B; b++) {
+        if (labels[b] < 0 || labels[b] >= K) fail("%s: label %d outside [0, %d)", case_path, labels[b], K);
+        m.labels[b] = labels[b];
+    }
+    memcpy(m.head_w, hw->data, hw->nbytes);
+    const StTensor* hb = case_tensor(&cf, "head.bias", ST_F32);
+    st_check_shape(hb, 1, &hshape[0]);
+    memcpy(m.head_b, hb->data, hb->nbytes);
+    char name[128];
+    for (int l = 0; l < cfg.layers; l++)
+        for (int t = 0; t < N_TARGETS; t++) {
+            Linear* L = &m.layers[l].lin[t];
+            if (!L->A) continue;
+            int64_t sa[2] = {md.rank, L->in}, sb[2] = {L->out, md.rank};
+            snprintf(name, sizeof(name), "lora.%d.%s.A", l, target_names[t]);
+            const StTensor* a = case_tensor(&cf, name, ST_F32);
+            st_check_shape(a, 2, sa);
+            memcpy(L->A, a->data, a->nbytes);
+            snprintf(name, sizeof(name), "lora.%d.%s.B", l, target_names[t]);
+            const StTensor* bt = case_tensor(&cf, name, ST_F32);
+            st_check_shape(bt, 2, sb);
+            memcpy(L->B, bt->data, bt->nbytes);
+        }
+    memset(m.grads, 0, sizeof(float) * m.param_count);
+    float* logits = (float*)xmalloc(sizeof(float) * B * K);
+    LossStats st = vit_forward_backward(&m, B, 1.0f / B, 1, logits);
+    float loss = (float)(st.loss_sum / B);
+    StWriter wr;
+    memset(&wr, 0, sizeof(wr));
+    int64_t ls[2] = {B, K}, one = 1;
+    st_writer_add(&wr, "logits", ST_F32, 2, ls, logits);
+    st_writer_add(&wr, "loss", ST_F32, 1, &one, &loss);
+    st_writer_add(&wr, "grad.head.weight", ST_F32, 2, hshape, m.dhead_w);
+    st_writer_add(&wr, "grad.head.bias", ST_F32, 1, &hshape[0], m.dhead_b);
+    static char names[2 * N_TARGETS * 256][64];
+    int k = 0;
+    for (int l = 0; l < cfg.layers; l++)
+        for (int t = 0; t < N_TARGETS; t++) {
+            Linear* L = &m.layers[l].lin[t];
+            if (!L->A) continue;
+            if (k + 2 > (int)(sizeof(names) / sizeof(names[0]))) fail("too many adapters for the probe");
+            int64_t sa[2] = {md.rank, L->in}, sb[2] = {L->out, md.rank};
+            snprintf(names[k], 64, "grad.lora.%d.%s.A", l, target_names[t]);
+            st_writer_add(&wr, names[k++], ST_F32, 2, sa, L->dA);
+            snprintf(names[k], 64, "grad.lora.%d.%s.B", l, target_names[t]);
+            st_writer_add(&wr, names[k++], ST_F32, 2, sb, L->dB);
+        }
+    st_writer_save(&wr, out_path, NULL);
+    st_writer_free(&wr);
+    free(logits);
+    st_close(&cf);
+    vit_free(&m);
+    return 0;
+}

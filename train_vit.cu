@@ -1,0 +1,1076 @@
+// train_vit.cu: LoRA fine-tuning of Vision Transformers (ViT-B/16 style) for image classification
+// with the memory-saving backward pass of "Reducing Fine-Tuning Memory Overhead by Approximate and
+// Memory-Sharing Backpropagation": ReGELU2 (exact GELU forward, 2-bit backward) and MS-LN (gamma
+// and beta merged into the next linears; backward from the normalised output and one scalar per
+// row).
+//
+// Read top to bottom: config -> parameters -> memory plan -> weight loading -> forward -> backward
+// -> training step and evaluation -> main. The model is written once; the kernels it calls come
+// from the backend (llmc/cpu today). Same shape as train_llama.cu, with which it shares the LoRA
+// linear (llmc/lora.h), the plan, the flags and the optimizer.
+#include <omp.h>
+#include "llmc/common.h"
+#include "llmc/json.h"
+#include "llmc/safetensors.h"
+#include "llmc/flags.h"
+#include "llmc/rng.h"
+#include "llmc/imagedata.h"
+#include "llmc/resample.h"
+#include "llmc/plan.h"
+#include "llmc/train_common.h"
+#include "llmc/lora.h"
+#include "llmc/peft.h"
+#include "llmc/checkpoint.h"
+#include "llmc/dist.h"
+#include "llmc/cpu/matmul.h"
+#include "llmc/cpu/norms.h"
+#include "llmc/cpu/activations.h"
+#include "llmc/cpu/attention.h"
+#include "llmc/cpu/loss.h"
+#include "llmc/cpu/adamw.h"
+
+// ----------------------------------------------------------------------------------------------
+// Config: config.json of a Hugging Face ViT (ViTModel / ViTForImageClassification), and the
+// normalisation of preprocessor_config.json (image_mean / image_std; 0.5 / 0.5 when absent, the
+// Hugging Face ViT default).
+
+typedef struct {
+    int dim, hidden, layers, heads, head_dim, channels;
+    int image_h, image_w, patch_h, patch_w;  // pretraining resolution: the position embedding's grid
+    float norm_eps;
+    int gelu_tanh;         // hidden_act gelu_pytorch_tanh / gelu_new: the tanh form
+    int qkv_bias;          // false: q, k, v have no bias in the checkpoint (zeros here)
+    float mean[3], std[3]; // per channel, on pixels scaled to [0, 1]
+} VitConfig;
+
+// A field that is an integer or an [h, w] pair (image_size, patch_size).
+static void json_size_pair(const Json* j, const char* key, const char* path, int* h, int* w) {
+    const Json* v = json_get(j, key);
+    if (!v) fail("%s: missing field \"%s\"", path, key);
+    if (v->type == JSON_NUMBER) {
+        *h = *w = json_int_req(j, key, path);
+    } else if (v->type == JSON_ARRAY && v->count == 2 && v->items[0].type == JSON_NUMBER && v->items[1].type == JSON_NUMBER &&
+               v->items[0].number == floor(v->items[0].number) && v->items[1].number == floor(v->items[1].number)) {
+        *h = (int)v->items[0].number;
+        *w = (int)v->items[1].number;
+    } else {
+        fail("%s: field \"%s\" must be an integer or a pair [height, width]", path, key);
+    }
+    if (*h <= 0 || *w <= 0) fail("%s: field \"%s\" must be positive", path, key);
+}
+
+// image_mean / image_std: one number per channel (a single number is used for every channel).
+static void json_channel_values(const Json* j, const char* key, const char* path, int C, float* out) {
+    const Json* v = json_get(j, key);
+    if (!v) return;
+    if (v->type == JSON_NUMBER) { for (int c = 0; c < C; c++) out[c] = (float)v->number; return; }
+    if (v->type != JSON_ARRAY || (v->count != C && v->count != 1)) fail("%s: field \"%s\" must be a list of %d numbers", path, key, C);
+    for (int c = 0; c < C; c++) {
+        const Json* e = &v->items[v->count == 1 ? 0 : c];
+        if (e->type != JSON_NUMBER) fail("%s: field \"%s\" must be a list of %d numbers", path, key, C);
+        out[c] = (float)e->number;
+    }
+}
+
+static void vit_config_load(VitConfig* c, const char* model_dir) {
+    if (!dir_exists(model_dir)) fail("flag --model: %s is not a directory", model_dir);
+    char* path = path_join(model_dir, "config.json");
+    size_t n;
+    char* text = read_file(path, &n);
+    Json j = json_parse(text, n, path);
+    memset(c, 0, sizeof(*c));
+    c->dim = json_int_req(&j, "hidden_size", path);
+    c->hidden = json_int_req(&j, "intermediate_size", path);
+    c->layers = json_int_req(&j, "num_hidden_layers", path);
+    c->heads = json_int_req(&j, "num_attention_heads", path);
+    if (c->dim <= 0 || c->hidden <= 0 || c->layers <= 0 || c->heads <= 0)
+        fail("%s: hidden_size, intermediate_size, num_hidden_layers and num_attention_heads must be positive", path);
+    if (c->dim % c->heads) fail("%s: num_attention_heads (%d) does not divide hidden_size (%d)", path, c->heads, c->dim);
+    c->head_dim = c->dim / c->heads;
+    json_size_pair(&j, "image_size", path, &c->image_h, &c->image_w);
+    json_size_pair(&j, "patch_size", path, &c->patch_h, &c->patch_w);
+    if (c->image_h % c->patch_h || c->image_w % c->patch_w)
+        fail("%s: image_size %dx%d is not a multiple of patch_size %dx%d", path, c->image_h, c->image_w, c->patch_h, c->patch_w);
+    c->channels = json_get(&j, "num_channels") ? json_int_req(&j, "num_channels", path) : 3;
+    if (c->channels != 1 && c->channels != 3) fail("%s: num_channels %d, expected 1 or 3", path, c->channels);
+    c->norm_eps = (float)json_number_or(&j, "layer_norm_eps", 1e-12);
+    c->qkv_bias = json_bool_or(&j, "qkv_bias", 1);
+    const char* act = json_string_or(&j, "hidden_act", "gelu");
+    if (strcmp(act, "gelu") == 0) c->gelu_tanh = 0;
+    else if (strcmp(act, "gelu_pytorch_tanh") == 0 || strcmp(act, "gelu_new") == 0) c->gelu_tanh = 1;
+    else fail("%s: hidden_act \"%s\" is not supported (expected gelu, gelu_pytorch_tanh or gelu_new)", path, act);
+    json_free(&j);
+    free(text);
+    free(path);
+    for (int i = 0; i < 3; i++) { c->mean[i] = 0.5f; c->std[i] = 0.5f; }
+    char* pp = path_join(model_dir, "preprocessor_config.json");
+    if (file_exists(pp)) {
+        char* t = read_file(pp, &n);
+        Json pj = json_parse(t, n, pp);
+        json_channel_values(&pj, "image_mean", pp, c->channels, c->mean);
+        json_channel_values(&pj, "image_std", pp, c->channels, c->std);
+        for (int i = 0; i < c->channels; i++)
+            if (!(c->std[i] > 0)) fail("%s: image_std must be positive", pp);
+        json_free(&pj);
+        free(t);
+    }
+    free(pp);
+}
+
+// ----------------------------------------------------------------------------------------------
+// Parameters. Frozen weights live in one arena. The trainable ones (LoRA adapters, then the new
+// classification head), their grads and AdamW moments live in flat arenas of identical layout, so
+// the optimizer and gradient norm see one array.
+
+enum { T_Q, T_K, T_V, T_PROJ, T_FC1, T_FC2, N_TARGETS };
+static const char* const target_names[N_TARGETS] = {"q", "k", "v", "proj", "fc1", "fc2"};
+static const char* const hf_module_names[N_TARGETS] = {"attention.attention.query", "attention.attention.key",
+                                                       "attention.attention.value", "attention.output.dense",
+                                                       "intermediate.dense", "output.dense"};
+static const char* const timm_module_names[N_TARGETS] = {"attn.qkv", "attn.qkv", "attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2"};
+
+typedef struct {
+    float *ln1_g, *ln1_b;  // attention LayerNorm (merged into q,k,v under MS-LN)
+    float *ln2_g, *ln2_b;  // MLP LayerNorm (merged into fc1 under MS-LN)
+    Linear lin[N_TARGETS];
+} VitLayer;
+
+// The buffers one block keeps for its backward (or, where not kept, a shared scratch copy).
+typedef struct {
+    float* x_in;           // block input          (standard attention LayerNorm)
+    float *mean1, *r1;     // per token            (mean: standard LayerNorm only)
+    float* z1;             // attention norm output = q,k,v input
+    float *q, *k, *v, *o;  // attention; o = proj input
+    float* lse;            // [B, H, T] log-sum-exp
+    float* ax[N_TARGETS];  // LoRA A x per adapter
+    float* h_mid;          // residual after attention (standard MLP LayerNorm)
+    float *mean2, *r2;
+    float* z2;             // MLP norm output = fc1 input
+    float* h;              // fc1 output = GELU input (exact GELU backward)
+    uint8_t* codes;        // 2-bit ReGELU2 codes of h
+    float* g;              // gelu(h) = fc2 input
+} BlockActs;
+
+typedef struct {
+    int approx, ms, ckpt;
+    unsigned targets;
+    int rank;
+    float lora_scale;
+} VitModes;
+
+typedef struct {
+    VitConfig cfg;
+    VitModes modes;
+    int B;                 // planned micro-batch (images)
+    int img_h, img_w;      // fine-tuning resolution
+    int grid_h, grid_w;    // patch grid at that resolution
+    int T;                 // tokens per image: class token + grid_h * grid_w patches
+    int classes;
+    float* patch_w;        // [d, C*ph*pw] (the conv kernel [d, C, ph, pw], flattened)
+    float* patch_b;        // [d]
+    float* cls;            // [d] class token
+    float* pos;            // [T, d] at the fine-tuning resolution (interpolated at load)
+    float *norm_g, *norm_b;  // final LayerNorm (kept standard: only the class token goes through it)
+    VitLayer* layers;
+    float *params, *grads, *adam_m, *adam_v;  // flat trainable arenas: LoRA, then head W, head b
+    int64_t param_count, lora_count;
+    float *head_w, *head_b, *dhead_w, *dhead_b;  // [classes, d], [classes] inside the arenas
+    BlockActs* acts;       // [layers]
+    BlockActs tmp;         // scratch set (recompute, or buffers not kept)
+    float** ckpt;          // [layers] block inputs under --recompute block
+    // scratch
+    float* pixels;         // [B, C, H, W] normalised input
+    int* labels;           // [B]
+    float* patches;        // [B*T, C*ph*pw] unfolded patches (class-token rows zero)
+    float *resid, *resid_tmp, *dres, *dz, *dq, *dk, *dv, *dout, *dh, *dax;
+    float *xcls, *mcls, *rcls, *zcls, *logits, *dzcls, *dxcls;  // the head on the class tokens [B, .]
+    MemPlan plan;
+} Vit;
+
+static int64_t lin_in(const VitConfig* c, int t) { return t == T_FC2 ? c->hidden : c->dim; }
+static int64_t lin_out(const VitConfig* c, int t) { return t == T_FC1 ? c->hidden : c->dim; }
+static int64_t patch_len(const VitConfig* c) { return (int64_t)c->channels * c->patch_h * c->patch_w; }
+
+// ----------------------------------------------------------------------------------------------
+// The memory plan: every buffer, by module. `wbytes` / `abytes` are the element sizes of frozen
+// weights and activations on the planned device (fp32 on the CPU, bf16 on CUDA). Per token and
+// block, LoRA on all six linears, the baseline keeps 16d + 4f bytes (DESIGN.md section 5):
+//   attn_norm x_in 2d (+ mean, r), qkv_input z1 2d, attention q,k,v,o 8d (+ lse), mlp_norm h_mid 2d,
+//   fc1_input z2 2d, gelu h 2f, fc2_input g 2f
+// and lowmem 12d + 2.25f: MS-LN drops x_in and h_mid (z1, z2 are kept anyway), ReGELU2 keeps
+// f/4 bytes of codes instead of h. Without LoRA on fc2, g is not kept at all.
+
+static void plan_block_act(MemPlan* p, int l, int keep, const char* module, const char* name, size_t bytes, void* saved_slot, void* tmp_slot) {
+    char nm[64];
+    snprintf(nm, sizeof(nm), "L%d.%.40s", l, name);
+    if (keep) plan_add(p, MEM_SAVED, module, l, nm, bytes, saved_slot);
+    else if (l == 0) plan_add(p, MEM_SCRATCH, module, -1, name, bytes, tmp_slot);
+}
+
+static void vit_plan(Vit* m, MemPlan* p, int wbytes, int abytes) {
+    const VitConfig* c = &m->cfg;
+    const VitModes* md = &m->modes;
+    int64_t B = m->B, T = m->T, N = B * T, d = c->dim, f = c->hidden, r = md->rank, K = m->classes, P = patch_len(c);
+    memset(p, 0, sizeof(*p));
+    p->tokens = N;
+    p->blocks = c->layers;
+    // frozen weights
+    plan_add(p, MEM_FROZEN, "patch_embed", -1, "patch_w", d * P * wbytes, &m->patch_w);
+    plan_add(p, MEM_FROZEN, "patch_embed", -1, "patch_b", d * 4, &m->patch_b);
+    plan_add(p, MEM_FROZEN, "embeddings", -1, "cls", d * 4, &m->cls);
+    plan_add(p, MEM_FROZEN, "embeddings", -1, "pos", T * d * 4, &m->pos);
+    plan_add(p, MEM_FROZEN, "final_norm", -1, "norm_g", d * 4, &m->norm_g);
+    plan_add(p, MEM_FROZEN, "final_norm", -1, "norm_b", d * 4, &m->norm_b);
+    for (int l = 0; l < c->layers; l++) {
+        VitLayer* L = &m->layers[l];
+        plan_add(p, MEM_FROZEN, "attn_norm", l, "ln1_g", d * 4, &L->ln1_g);
+        plan_add(p, MEM_FROZEN, "attn_norm", l, "ln1_b", d * 4, &L->ln1_b);
+        plan_add(p, MEM_FROZEN, "mlp_norm", l, "ln2_g", d * 4, &L->ln2_g);
+        plan_add(p, MEM_FROZEN, "mlp_norm", l, "ln2_b", d * 4, &L->ln2_b);
+        for (int t = 0; t < N_TARGETS; t++) {
+            plan_add(p, MEM_FROZEN, target_names[t], l, target_names[t], lin_in(c, t) * lin_out(c, t) * wbytes, &L->lin[t].W);
+            plan_add(p, MEM_FROZEN, target_names[t], l, "bias", lin_out(c, t) * 4, &L->lin[t].bias);
+        }
+    }
+    // trainable: adapters, then the head
+    m->lora_count = 0;
+    for (int l = 0; l < c->layers; l++)
+        for (int t = 0; t < N_TARGETS; t++)
+            if (md->targets >> t & 1) m->lora_count += r * (lin_in(c, t) + lin_out(c, t));
+    m->param_count = m->lora_count + K * d + K;
+    plan_add(p, MEM_TRAINABLE, "lora+head", -1, "params", m->param_count * 4, &m->params);
+    plan_add(p, MEM_GRADS, "lora+head", -1, "grads", m->param_count * 4, &m->grads);
+    plan_add(p, MEM_OPTIM, "lora+head", -1, "adam_m", m->param_count * 4, &m->adam_m);
+    plan_add(p, MEM_OPTIM, "lora+head", -1, "adam_v", m->param_count * 4, &m->adam_v);
+    // saved activations, block by block (the table above)
+    int keep = !md->ckpt, std_norm = !md->ms;
+    int lora_qkv = md->targets & ((1u << T_Q) | (1u << T_K) | (1u << T_V));
+    for (int l = 0; l < c->layers; l++) {
+        BlockActs* a = &m->acts[l];
+        BlockActs* s = &m->tmp;
+        char nm[48];
+        if (md->ckpt) { snprintf(nm, sizeof(nm), "L%d.block_input", l); plan_add(p, MEM_SAVED, "checkpoint", l, nm, N * d * abytes, &m->ckpt[l]); }
+        if (std_norm && keep) plan_block_act(p, l, 1, "attn_norm", "x_in", N * d * abytes, &a->x_in, NULL);
+        if (std_norm) plan_block_act(p, l, keep, "attn_norm", "mean1", N * 4, &a->mean1, &s->mean1);
+        plan_block_act(p, l, keep, "attn_norm", "r1", N * 4, &a->r1, &s->r1);
+        plan_block_act(p, l, keep && (md->ms || lora_qkv), "qkv_input", "z1", N * d * abytes, &a->z1, &s->z1);
+        plan_block_act(p, l, keep, "attention", "q", N * d * abytes, &a->q, &s->q);
+        plan_block_act(p, l, keep, "attention", "k", N * d * abytes, &a->k, &s->k);
+        plan_block_act(p, l, keep, "attention", "v", N * d * abytes, &a->v, &s->v);
+        plan_block_act(p, l, keep, "attention", "o", N * d * abytes, &a->o, &s->o);
+        plan_block_act(p, l, keep, "attention", "lse", N * c->heads * 4, &a->lse, &s->lse);
+        for (int t = 0; t < N_TARGETS; t++) {
+            if (!(md->targets >> t & 1)) continue;
+            snprintf(nm, sizeof(nm), "lora_%s_ax", target_names[t]);
+            plan_block_act(p, l, keep, "lora", nm, N * r * abytes, &a->ax[t], &s->ax[t]);
+        }
+        if (std_norm) plan_block_act(p, l, keep, "mlp_norm", "h_mid", N * d * abytes, &a->h_mid, &s->h_mid);
+        if (std_norm) plan_block_act(p, l, keep, "mlp_norm", "mean2", N * 4, &a->mean2, &s->mean2);
+        plan_block_act(p, l, keep, "mlp_norm", "r2", N * 4, &a->r2, &s->r2);
+        plan_block_act(p, l, keep && (md->ms || (md->targets >> T_FC1 & 1)), "fc1_input", "z2", N * d * abytes, &a->z2, &s->z2);
+        plan_block_act(p, l, keep && !md->approx, "gelu", "h", N * f * abytes, &a->h, &s->h);
+        if (md->approx) plan_block_act(p, l, keep, "gelu", "codes", (size_t)packed_codes_bytes(N * f), &a->codes, &s->codes);
+        plan_block_act(p, l, keep && (md->targets >> T_FC2 & 1), "fc2_input", "g", N * f * abytes, &a->g, &s->g);
+    }
+    // scratch of the forward and backward passes
+    plan_add(p, MEM_SCRATCH, "batch", -1, "pixels", B * c->channels * (int64_t)m->img_h * m->img_w * 4, &m->pixels);
+    plan_add(p, MEM_SCRATCH, "batch", -1, "labels", B * 4, &m->labels);
+    plan_add(p, MEM_SCRATCH, "patch_embed", -1, "patches", N * P * 4, &m->patches);
+    plan_add(p, MEM_SCRATCH, "residual", -1, "resid", N * d * abytes, &m->resid);
+    if (md->ckpt) plan_add(p, MEM_SCRATCH, "residual", -1, "resid_tmp", N * d * abytes, &m->resid_tmp);
+    plan_add(p, MEM_SCRATCH, "grads", -1, "dres", N * d * 4, &m->dres);
+    plan_add(p, MEM_SCRATCH, "grads", -1, "dz", N * d * 4, &m->dz);
+    plan_add(p, MEM_SCRATCH, "grads", -1, "dq", N * d * 4, &m->dq);
+    plan_add(p, MEM_SCRATCH, "grads", -1, "dk", N * d * 4, &m->dk);
+    plan_add(p, MEM_SCRATCH, "grads", -1, "dv", N * d * 4, &m->dv);
+    plan_add(p, MEM_SCRATCH, "grads", -1, "dout", N * d * 4, &m->dout);
+    plan_add(p, MEM_SCRATCH, "grads", -1, "dh", N * f * 4, &m->dh);
+    plan_add(p, MEM_SCRATCH, "grads", -1, "dax", N * r * 4, &m->dax);
+    // the head works on the B class tokens only and consumes its buffers at once (fused with the
+    // loss, as train_llama's head): scratch, not saved
+    plan_add(p, MEM_SCRATCH, "head", -1, "xcls", B * d * 4, &m->xcls);
+    plan_add(p, MEM_SCRATCH, "head", -1, "mcls", B * 4, &m->mcls);
+    plan_add(p, MEM_SCRATCH, "head", -1, "rcls", B * 4, &m->rcls);
+    plan_add(p, MEM_SCRATCH, "head", -1, "zcls", B * d * 4, &m->zcls);
+    plan_add(p, MEM_SCRATCH, "head", -1, "logits", B * K * 4, &m->logits);
+    plan_add(p, MEM_SCRATCH, "head", -1, "dzcls", B * d * 4, &m->dzcls);
+    plan_add(p, MEM_SCRATCH, "head", -1, "dxcls", B * d * 4, &m->dxcls);
+}
+
+// Points the buffers a block does not keep at the shared scratch set, and wires LoRA weights and
+// the head into the flat arenas (layer-major, target order, A then B; then head W, head b).
+static void vit_bind(Vit* m) {
+    const VitConfig* c = &m->cfg;
+    for (int l = 0; l < c->layers; l++) {
+        void** a = (void**)&m->acts[l];
+        void** s = (void**)&m->tmp;
+        for (size_t i = 0; i < sizeof(BlockActs) / sizeof(void*); i++) if (!a[i]) a[i] = s[i];
+    }
+    int64_t off = 0;
+    for (int l = 0; l < c->layers; l++)
+        for (int t = 0; t < N_TARGETS; t++) {
+            Linear* L = &m->layers[l].lin[t];
+            L->in = (int)lin_in(c, t);
+            L->out = (int)lin_out(c, t);
+            if (m->modes.targets >> t & 1) lora_bind(L, m->params, m->grads, &off, m->modes.rank);
+        }
+    m->head_w = m->params + off; m->dhead_w = m->grads + off; off += (int64_t)m->classes * c->dim;
+    m->head_b = m->params + off; m->dhead_b = m->grads + off;
+}
+
+// The fine-tuning resolution must be a whole number of patches.
+static void vit_setup(Vit* m, const VitConfig* cfg, const VitModes* modes, int B, int img_h, int img_w, int classes, int wbytes,
+                      int abytes) {
+    memset(m, 0, sizeof(*m));
+    if (img_h % cfg->patch_h || img_w % cfg->patch_w)
+        fail("flag --image-size: %dx%d is not a multiple of the patch size %dx%d", img_h, img_w, cfg->patch_h, cfg->patch_w);
+    m->cfg = *cfg;
+    m->modes = *modes;
+    m->B = B;
+    m->img_h = img_h;
+    m->img_w = img_w;
+    m->grid_h = img_h / cfg->patch_h;
+    m->grid_w = img_w / cfg->patch_w;
+    m->T = 1 + m->grid_h * m->grid_w;
+    m->classes = classes;
+    m->layers = (VitLayer*)xcalloc(cfg->layers, sizeof(VitLayer));
+    m->acts = (BlockActs*)xcalloc(cfg->layers, sizeof(BlockActs));
+    m->ckpt = (float**)xcalloc(cfg->layers, sizeof(float*));
+    vit_plan(m, &m->plan, wbytes, abytes);
+}
+
+static void vit_free(Vit* m) {
+    plan_free(&m->plan);
+    free(m->layers); free(m->acts); free(m->ckpt);
+}
+
+// ----------------------------------------------------------------------------------------------
+// Weights: Hugging Face ViT layout (vit.embeddings..., vit.encoder.layer.N...; also without the
+// "vit." prefix, as ViTModel saves it) or timm layout (blocks.N.attn.qkv fused), told apart by
+// their key names, read (any float dtype) into fp32. The classifier in the checkpoint, if any, is
+// ignored: the head is new. The position embedding is interpolated to the fine-tuning grid, and
+// MS-LN merges each norm's gamma and beta into every linear that consumes it, once, here.
+
+typedef enum { LAYOUT_HF, LAYOUT_TIMM } VitLayout;
+
+static VitLayout vit_detect_layout(const StModel* sm, const char** prefix) {
+    if (st_model_find(sm, "vit.embeddings.cls_token")) { *prefix = "vit."; return LAYOUT_HF; }
+    if (st_model_find(sm, "embeddings.cls_token")) { *prefix = ""; return LAYOUT_HF; }
+    if (st_model_find(sm, "cls_token")) {
+        *prefix = "";
+        if (st_model_find(sm, "fc_norm.weight")) fail("%s: timm checkpoint with fc_norm (global average pooling) is not supported; expected a class-token ViT", sm->dir);
+        return LAYOUT_TIMM;
+    }
+    fail("%s: checkpoint is neither a Hugging Face ViT (vit.embeddings.cls_token) nor a timm ViT (cls_token)", sm->dir);
+    return LAYOUT_HF;
+}
+
+static void read_1d(const StModel* sm, const char* name, int64_t n, float* dst) { st_model_read_f32(sm, name, 1, &n, dst); }
+static void read_2d(const StModel* sm, const char* name, int64_t rows, int64_t cols, float* dst) {
+    int64_t s[2] = {rows, cols};
+    st_model_read_f32(sm, name, 2, s, dst);
+}
+
+// The checkpoint's position embedding [1, 1 + gh0*gw0, d] -> m->pos [T, d]: the class token's row
+// as is, the patch grid resized bicubically (align_corners=False) when the grid differs, as
+// Hugging Face's interpolate_pos_encoding does (timm also antialiases when shrinking; we do not).
+static void vit_load_pos_embed(Vit* m, const StModel* sm, const char* name) {
+    const VitConfig* c = &m->cfg;
+    int gh0 = c->image_h / c->patch_h, gw0 = c->image_w / c->patch_w;
+    int64_t rows = 1 + (int64_t)gh0 * gw0, d = c->dim;
+    int64_t shape[3] = {1, rows, d};
+    float* pos0 = (float*)xmalloc(sizeof(float) * rows * d);
+    st_model_read_f32(sm, name, 3, shape, pos0);
+    memcpy(m->pos, pos0, sizeof(float) * d);
+    if (gh0 == m->grid_h && gw0 == m->grid_w) memcpy(m->pos + d, pos0 + d, sizeof(float) * (rows - 1) * d);
+    else bicubic_resize_hwc(m->pos + d, pos0 + d, gh0, gw0, m->grid_h, m->grid_w, (int)d);
+    free(pos0);
+}
+
+static void vit_load_weights(Vit* m, const char* dir) {
+    const VitConfig* c = &m->cfg;
+    int64_t d = c->dim;
+    StModel sm;
+    st_model_open(&sm, dir);
+    const char* px;
+    VitLayout layout = vit_detect_layout(&sm, &px);
+    int hf = layout == LAYOUT_HF;
+    char name[256];
+    int64_t cls_shape[3] = {1, 1, d}, pw_shape[4] = {d, c->channels, c->patch_h, c->patch_w};
+#define NAME(...) (snprintf(name, sizeof(name), __VA_ARGS__), name)
+    st_model_read_f32(&sm, hf ? NAME("%sembeddings.cls_token", px) : "cls_token", 3, cls_shape, m->cls);
+    vit_load_pos_embed(m, &sm, hf ? NAME("%sembeddings.position_embeddings", px) : "pos_embed");
+    st_model_read_f32(&sm, hf ? NAME("%sembeddings.patch_embeddings.projection.weight", px) : "patch_embed.proj.weight", 4, pw_shape, m->patch_w);
+    read_1d(&sm, hf ? NAME("%sembeddings.patch_embeddings.projection.bias", px) : "patch_embed.proj.bias", d, m->patch_b);
+    read_1d(&sm, hf ? NAME("%slayernorm.weight", px) : "norm.weight", d, m->norm_g);
+    read_1d(&sm, hf ? NAME("%slayernorm.bias", px) : "norm.bias", d, m->norm_b);
+    float* qkv = hf ? NULL : (float*)xmalloc(sizeof(float) * 3 * d * d);
+    float* qkv_b = hf ? NULL : (float*)xmalloc(sizeof(float) * 3 * d);
+    for (int l = 0; l < c->layers; l++) {
+        VitLayer* L = &m->layers[l];
+        if (hf) {
+            read_1d(&sm, NAME("%sencoder.layer.%d.layernorm_before.weight", px, l), d, L->ln1_g);
+            read_1d(&sm, NAME("%sencoder.layer.%d.layernorm_before.bias", px, l), d, L->ln1_b);
+            read_1d(&sm, NAME("%sencoder.layer.%d.layernorm_after.weight", px, l), d, L->ln2_g);
+            read_1d(&sm, NAME("%sencoder.layer.%d.layernorm_after.bias", px, l), d, L->ln2_b);
+            for (int t = 0; t < N_TARGETS; t++) {
+                Linear* lin = &L->lin[t];
+                read_2d(&sm, NAME("%sencoder.layer.%d.%s.weight", px, l, hf_module_names[t]), lin->out, lin->in, lin->W);
+                if (t <= T_V && !c->qkv_bias) memset(lin->bias, 0, sizeof(float) * lin->out);
+                else read_1d(&sm, NAME("%sencoder.layer.%d.%s.bias", px, l, hf_module_names[t]), lin->out, lin->bias);
+            }
+        } else {
+            read_1d(&sm, NAME("blocks.%d.norm1.weight", l), d, L->ln1_g);
+            read_1d(&sm, NAME("blocks.%d.norm1.bias", l), d, L->ln1_b);
+            read_1d(&sm, NAME("blocks.%d.norm2.weight", l), d, L->ln2_g);
+            read_1d(&sm, NAME("blocks.%d.norm2.bias", l), d, L->ln2_b);
+            // timm fuses q, k, v into one [3d, d] linear, rows in that order
+            read_2d(&sm, NAME("blocks.%d.attn.qkv.weight", l), 3 * d, d, qkv);
+            int has_bias = st_model_find(&sm, NAME("blocks.%d.attn.qkv.bias", l)) != NULL;
+            if (has_bias) read_1d(&sm, name, 3 * d, qkv_b);
+            else memset(qkv_b, 0, sizeof(float) * 3 * d);
+            for (int t = T_Q; t <= T_V; t++) {
+                memcpy(L->lin[t].W, qkv + t * d * d, sizeof(float) * d * d);
+                memcpy(L->lin[t].bias, qkv_b + t * d, sizeof(float) * d);
+            }
+            for (int t = T_PROJ; t < N_TARGETS; t++) {
+                Linear* lin = &L->lin[t];
+                read_2d(&sm, NAME("blocks.%d.%s.weight", l, timm_module_names[t]), lin->out, lin->in, lin->W);
+                read_1d(&sm, NAME("blocks.%d.%s.bias", l, timm_module_names[t]), lin->out, lin->bias);
+            }
+        }
+        if (m->modes.ms) {
+            for (int t = T_Q; t <= T_V; t++) linear_merge_norm_affine(&L->lin[t], L->ln1_g, L->ln1_b);
+            linear_merge_norm_affine(&L->lin[T_FC1], L->ln2_g, L->ln2_b);
+        }
+    }
+#undef NAME
+    free(qkv);
+    free(qkv_b);
+    st_model_close(&sm);
+}
+
+// Fresh adapters (llmc/lora.h: A kaiming-uniform, B = 0) and a new head: W ~ N(0, 0.02) (the
+// Hugging Face initializer_range), b = 0. Drawn on the host from the seed, so every backend starts
+// identical; AdamW moments start at zero.
+static void vit_init_trainable(Vit* m, uint64_t seed) {
+    Rng rng = rng_seeded(seed, 7);
+    for (int l = 0; l < m->cfg.layers; l++)
+        for (int t = 0; t < N_TARGETS; t++) {
+            Linear* L = &m->layers[l].lin[t];
+            if (L->A) lora_init(L, m->modes.rank, &rng);
+        }
+    Rng hr = rng_seeded(seed, 8);
+    for (int64_t i = 0; i < (int64_t)m->classes * m->cfg.dim; i++) m->head_w[i] = 0.02f * rng_normal(&hr);
+    memset(m->head_b, 0, sizeof(float) * m->classes);
+}
+
+// ----------------------------------------------------------------------------------------------
+// Forward
+
+// Patch embedding as one matmul: every ph x pw patch, unfolded in the conv kernel's (c, i, j)
+// order, times the kernel [d, C*ph*pw]. Token 0 of each image is the class token; its patch row
+// is left zero so the product lands straight in the residual stream. Then bias and positions.
+static void vit_embed(Vit* m, int B) {
+    const VitConfig* c = &m->cfg;
+    int64_t T = m->T, d = c->dim, P = patch_len(c), N = (int64_t)B * T;
+    int H = m->img_h, W = m->img_w, ph = c->patch_h, pw = c->patch_w, gw = m->grid_w;
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        float* row = m->patches + n * P;
+        int b = (int)(n / T), t = (int)(n % T);
+        if (t == 0) { memset(row, 0, sizeof(float) * P); continue; }
+        int py = (t - 1) / gw, pxx = (t - 1) % gw;
+        for (int ch = 0; ch < c->channels; ch++)
+            for (int i = 0; i < ph; i++)
+                memcpy(row + ((int64_t)ch * ph + i) * pw,
+                       m->pixels + (((int64_t)b * c->channels + ch) * H + py * ph + i) * W + pxx * pw, sizeof(float) * pw);
+    }
+    matmul_nt(m->resid, m->patches, m->patch_w, (int)N, (int)d, (int)P, 1.0f, 0);
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        float* x = m->resid + n * d;
+        int64_t t = n % T;
+        const float* pos = m->pos + t * d;
+        if (t == 0) for (int64_t i = 0; i < d; i++) x[i] = m->cls[i] + pos[i];
+        else for (int64_t i = 0; i < d; i++) x[i] += m->patch_b[i] + pos[i];
+    }
+}
+
+// One pre-LN block, updating the residual stream x [B*T, d] in place and filling a's buffers.
+static void block_forward(Vit* m, int l, float* x, BlockActs* a, int B) {
+    const VitConfig* c = &m->cfg;
+    const VitLayer* L = &m->layers[l];
+    int64_t N = (int64_t)B * m->T, d = c->dim;
+    int r = m->modes.rank, ms = m->modes.ms;
+    float s = m->modes.lora_scale;
+    AttnShape as = {B, m->T, c->heads, c->heads, c->head_dim, 0, NULL};  // bidirectional, one image per row
+    if (a->x_in && a->x_in != x) memcpy(a->x_in, x, sizeof(float) * N * d);
+    layernorm_forward(a->z1, a->r1, ms ? NULL : a->mean1, x, ms ? NULL : L->ln1_g, ms ? NULL : L->ln1_b, N, (int)d, c->norm_eps);
+    linear_forward(a->q, a->z1, &L->lin[T_Q], a->ax[T_Q], N, r, s, 0);
+    linear_forward(a->k, a->z1, &L->lin[T_K], a->ax[T_K], N, r, s, 0);
+    linear_forward(a->v, a->z1, &L->lin[T_V], a->ax[T_V], N, r, s, 0);
+    attention_forward(a->o, a->lse, a->q, a->k, a->v, as);
+    linear_forward(x, a->o, &L->lin[T_PROJ], a->ax[T_PROJ], N, r, s, 1);
+    if (a->h_mid) memcpy(a->h_mid, x, sizeof(float) * N * d);
+    layernorm_forward(a->z2, a->r2, ms ? NULL : a->mean2, x, ms ? NULL : L->ln2_g, ms ? NULL : L->ln2_b, N, (int)d, c->norm_eps);
+    linear_forward(a->h, a->z2, &L->lin[T_FC1], a->ax[T_FC1], N, r, s, 0);
+    gelu_forward(a->g, m->modes.approx ? a->codes : NULL, a->h, N * c->hidden, c->gelu_tanh);
+    linear_forward(x, a->g, &L->lin[T_FC2], a->ax[T_FC2], N, r, s, 1);
+}
+
+// Embedding and all blocks; leaves the final norm's input in m->resid.
+static void vit_forward_blocks(Vit* m, int B) {
+    int64_t N = (int64_t)B * m->T;
+    vit_embed(m, B);
+    for (int l = 0; l < m->cfg.layers; l++) {
+        if (m->modes.ckpt) memcpy(m->ckpt[l], m->resid, sizeof(float) * N * m->cfg.dim);
+        block_forward(m, l, m->resid, &m->acts[l], B);
+    }
+}
+
+// Final LayerNorm on the class tokens, head, softmax cross-entropy against m->labels. In training
+// the same pass writes the head's gradients (accumulated) and the gradient w.r.t. the class-token
+// rows of the residual stream into m->dres (zero elsewhere). grad_scale = 1 / (images in the
+// optimizer step). logits_out [B, classes] receives the logits when non-NULL.
+static LossStats vit_head_loss(Vit* m, int B, float grad_scale, int backward, float* logits_out) {
+    const VitConfig* c = &m->cfg;
+    int d = c->dim, K = m->classes;
+    for (int b = 0; b < B; b++) memcpy(m->xcls + (int64_t)b * d, m->resid + (int64_t)b * m->T * d, sizeof(float) * d);
+    layernorm_forward(m->zcls, m->rcls, m->mcls, m->xcls, m->norm_g, m->norm_b, B, d, c->norm_eps);
+    matmul_nt(m->logits, m->zcls, m->head_w, B, K, d, 1.0f, 0);
+    add_bias_rows(m->logits, m->head_b, B, K);
+    if (logits_out) memcpy(logits_out, m->logits, sizeof(float) * B * K);
+    LossStats st = {0, 0, 0};
+    for (int b = 0; b < B; b++) {
+        int am;
+        st.loss_sum += ce_row(m->logits + (int64_t)b * K, K, m->labels[b], 1.0f, grad_scale, backward, &am);
+        st.correct += am == m->labels[b];
+        st.count += 1;
+    }
+    if (!backward) return st;
+    // m->logits now holds dlogits
+    matmul_tn(m->dhead_w, m->logits, m->zcls, K, d, B, 1.0f, 1);
+    for (int b = 0; b < B; b++)
+        for (int k = 0; k < K; k++) m->dhead_b[k] += m->logits[(int64_t)b * K + k];
+    matmul_nn(m->dzcls, m->logits, m->head_w, B, d, K, 1.0f, 0);
+    memset(m->dxcls, 0, sizeof(float) * B * d);
+    layernorm_backward(m->dxcls, m->dzcls, m->xcls, m->mcls, m->rcls, m->norm_g, B, d);
+    memset(m->dres, 0, sizeof(float) * B * m->T * d);
+    for (int b = 0; b < B; b++) memcpy(m->dres + (int64_t)b * m->T * d, m->dxcls + (int64_t)b * d, sizeof(float) * d);
+    return st;
+}
+
+// ----------------------------------------------------------------------------------------------
+// Backward
+
+// Backpropagates m->dres (gradient w.r.t. the block output) to the block input, in place.
+static void block_backward(Vit* m, int l, BlockActs* a, int B) {
+    const VitConfig* c = &m->cfg;
+    const VitLayer* L = &m->layers[l];
+    int64_t N = (int64_t)B * m->T, d = c->dim;
+    int r = m->modes.rank, ms = m->modes.ms;
+    float s = m->modes.lora_scale;
+    AttnShape as = {B, m->T, c->heads, c->heads, c->head_dim, 0, NULL};
+    const float* x_in = m->modes.ckpt ? m->ckpt[l] : a->x_in;
+    // MLP: fc2, GELU (exact from h, or ReGELU2 from the codes), fc1, MLP norm
+    linear_backward(m->dh, m->dres, a->g, a->ax[T_FC2], &L->lin[T_FC2], m->dax, N, r, s, 0);
+    gelu_backward(m->dh, m->dh, m->modes.approx ? NULL : a->h, a->codes, N * c->hidden, c->gelu_tanh);
+    linear_backward(m->dz, m->dh, a->z2, a->ax[T_FC1], &L->lin[T_FC1], m->dax, N, r, s, 0);
+    if (ms) layernorm_ms_backward(m->dres, m->dz, a->z2, a->r2, N, (int)d);
+    else layernorm_backward(m->dres, m->dz, a->h_mid, a->mean2, a->r2, L->ln2_g, N, (int)d);
+    // attention: proj, attention, q/k/v, attention norm
+    linear_backward(m->dout, m->dres, a->o, a->ax[T_PROJ], &L->lin[T_PROJ], m->dax, N, r, s, 0);
+    attention_backward(m->dq, m->dk, m->dv, m->dout, a->q, a->k, a->v, a->o, a->lse, as);
+    linear_backward(m->dz, m->dq, a->z1, a->ax[T_Q], &L->lin[T_Q], m->dax, N, r, s, 0);
+    linear_backward(m->dz, m->dk, a->z1, a->ax[T_K], &L->lin[T_K], m->dax, N, r, s, 1);
+    linear_backward(m->dz, m->dv, a->z1, a->ax[T_V], &L->lin[T_V], m->dax, N, r, s, 1);
+    if (ms) layernorm_ms_backward(m->dres, m->dz, a->z1, a->r1, N, (int)d);
+    else layernorm_backward(m->dres, m->dz, x_in, a->mean1, a->r1, L->ln1_g, N, (int)d);
+}
+
+// The blocks in reverse. Nothing upstream of the first block is trainable (patch embedding, class
+// token and positions are frozen), so the gradient stops there.
+static void vit_backward_blocks(Vit* m, int B) {
+    int64_t N = (int64_t)B * m->T;
+    for (int l = m->cfg.layers - 1; l >= 0; l--) {
+        if (m->modes.ckpt) {  // recompute this block's activations from its saved input
+            memcpy(m->resid_tmp, m->ckpt[l], sizeof(float) * N * m->cfg.dim);
+            block_forward(m, l, m->resid_tmp, &m->acts[l], B);
+        }
+        block_backward(m, l, &m->acts[l], B);
+    }
+}
+
+// One micro-batch of B <= m->B images in m->pixels / m->labels: forward, fused head + loss (+ its
+// gradient), backward. Trainable grads accumulate. logits_out: tests only.
+static LossStats vit_forward_backward(Vit* m, int B, float grad_scale, int backward, float* logits_out) {
+    vit_forward_blocks(m, B);
+    LossStats st = vit_head_loss(m, B, grad_scale, backward, logits_out);
+    if (backward) vit_backward_blocks(m, B);
+    return st;
+}
+
+// ----------------------------------------------------------------------------------------------
+// Training step and evaluation
+
+typedef struct {
+    float loss, accuracy, grad_norm, lr;
+    double images;         // global images of the step (all ranks)
+    double comm_s;         // seconds spent in the gradient all-reduce
+} StepResult;
+
+// One optimizer step over grad_accum micro-batches on every rank; the loss is the mean over all
+// images of the global step, so accumulation and data parallelism both equal one big batch.
+// Gradients are summed across ranks before clipping: the norm is the global one and every rank
+// applies the same update.
+static StepResult vit_train_step(Vit* m, ImageLoader* loader, const TrainOptions* o, const Dist* dist, int step) {
+    int B = m->B, K = o->grad_accum;
+    float scale = 1.0f / (float)((double)B * K * dist->world);
+    memset(m->grads, 0, sizeof(float) * m->param_count);
+    double sums[2] = {0.0, 0.0};  // loss, correct
+    for (int k = 0; k < K; k++) {
+        image_loader_next(loader, B, dist->rank, dist->world, m->pixels, m->labels);
+        LossStats st = vit_forward_backward(m, B, scale, 1, NULL);
+        sums[0] += st.loss_sum;
+        sums[1] += st.correct;
+    }
+    double t_comm = wall_seconds();
+    dist_allreduce_sum_f64(dist, sums, 2);
+    dist_allreduce_sum_f32(dist, m->grads, m->param_count);
+    StepResult r;
+    r.comm_s = wall_seconds() - t_comm;
+    r.images = (double)B * K * dist->world;
+    r.loss = (float)(sums[0] / r.images);
+    r.accuracy = (float)(sums[1] / r.images);
+    r.grad_norm = (float)sqrt(sum_squares(m->grads, m->param_count));
+    if (!isfinite(r.loss) || !isfinite(r.grad_norm)) fail("step %d: non-finite loss (%g) or gradient norm (%g); lower --lr or check the data", step + 1, r.loss, r.grad_norm);
+    if (o->grad_clip > 0 && r.grad_norm > o->grad_clip) scale_inplace(m->grads, m->param_count, o->grad_clip / r.grad_norm);
+    r.lr = lr_at_step(o, step);
+    adamw_update(m->params, m->grads, m->adam_m, m->adam_v, m->param_count, r.lr, 0.9f, 0.999f, 1e-8f, o->weight_decay, step + 1);
+    return r;
+}
+
+typedef struct {
+    float loss, accuracy;
+    int64_t images;
+} EvalResult;
+
+// Mean loss and top-1 accuracy over the first `batches` micro-batches of the validation shard, in
+// file order (the last one may be short), or the whole shard when it is smaller.
+static EvalResult vit_evaluate(Vit* m, const ImageLoader* loader, int batches) {
+    int64_t n = loader->shard->n;
+    double ls = 0.0, cor = 0.0;
+    int64_t seen = 0;
+    for (int i = 0; i < batches && seen < n; i++) {
+        int B = (int)(n - seen < m->B ? n - seen : m->B);
+        image_loader_range(loader, seen, B, m->pixels, m->labels);
+        LossStats st = vit_forward_backward(m, B, 0.0f, 0, NULL);
+        ls += st.loss_sum;
+        cor += st.correct;
+        seen += B;
+    }
+    EvalResult r = {(float)(ls / seen), (float)(cor / seen), seen};
+    return r;
+}
+
+// ----------------------------------------------------------------------------------------------
+// Adapters and training state. The adapter directory is PEFT's layout for a ViTForImageClassification
+// base: lora_A/lora_B of each adapted module (vit.encoder.layer.N.<module>), the new head as the
+// saved module "classifier". Under MS-LN an adapter of q, k, v or fc1 lives on the merged layer,
+// whose input is z, while the original layer sees gamma*z + beta: on the way out A becomes
+// A diag(1/gamma) (llmc/peft.h), and the constant scale*B*A_orig*beta that beta leaves behind goes
+// into the layer's bias, so the adapter carries the biases of its modules (PEFT bias "lora_only"):
+//   exported bias = b' - (W' + scale*B*A) (beta / gamma)     (b', W': the merged bias and weight)
+// which is the original bias minus that constant; loading inverts it.
+
+static const float* vit_merged_gamma(const Vit* m, int l, int t) {
+    if (!m->modes.ms) return NULL;
+    if (t <= T_V) return m->layers[l].ln1_g;
+    return t == T_FC1 ? m->layers[l].ln2_g : NULL;
+}
+
+static const float* vit_merged_beta(const Vit* m, int l, int t) {
+    if (!m->modes.ms) return NULL;
+    if (t <= T_V) return m->layers[l].ln1_b;
+    return t == T_FC1 ? m->layers[l].ln2_b : NULL;
+}
+
+static int vit_peft_entries(Vit* m, PeftEntry* e) {
+    int n = 0;
+    for (int l = 0; l < m->cfg.layers; l++)
+        for (int t = 0; t < N_TARGETS; t++) {
+            Linear* L = &m->layers[l].lin[t];
+            if (!L->A) continue;
+            snprintf(e[n].module, sizeof(e[n].module), "vit.encoder.layer.%d.%s", l, hf_module_names[t]);
+            e[n].L = L;
+            e[n].gamma = vit_merged_gamma(m, l, t);
+            n++;
+        }
+    return n;
+}
+
+// out = (W + scale*B*A) (beta / gamma), the shift between a merged layer's bias and the original
+// one's (see above); fails when some gamma_j is 0 (no inverse).
+static void vit_merge_shift(float* out, const Vit* m, const Linear* L, const float* gamma, const float* beta, const char* module) {
+    float* u = (float*)xmalloc(sizeof(float) * L->in);
+    for (int j = 0; j < L->in; j++) {
+        if (gamma[j] == 0.0f)
+            fail("cannot map the adapter of %s between the merged and the original model: its norm's gamma[%d] is 0 (train with --norm std)", module, j);
+        u[j] = beta[j] / gamma[j];
+    }
+    float au[64];
+    int r = m->modes.rank;
+    float* ax = r <= 64 ? au : (float*)xmalloc(sizeof(float) * r);
+    for (int i = 0; i < r; i++) {
+        double s = 0.0;
+        for (int j = 0; j < L->in; j++) s += (double)L->A[(int64_t)i * L->in + j] * u[j];
+        ax[i] = (float)s;
+    }
+    for (int o = 0; o < L->out; o++) {
+        double s = 0.0;
+        for (int j = 0; j < L->in; j++) s += (double)L->W[(int64_t)o * L->in + j] * u[j];
+        for (int i = 0; i < r; i++) s += (double)m->modes.lora_scale * L->B[(int64_t)o * r + i] * ax[i];
+        out[o] = (float)s;
+    }
+    if (ax != au) free(ax);
+    free(u);
+}
+
+static void vit_save_adapter(Vit* m, const char* dir, const TrainOptions* o) {
+    const VitConfig* c = &m->cfg;
+    int cap = c->layers * N_TARGETS;
+    PeftEntry* e = (PeftEntry*)xcalloc(cap, sizeof(PeftEntry));
+    int n = vit_peft_entries(m, e);
+    PeftExtra* ex = (PeftExtra*)xcalloc(n + 2, sizeof(PeftExtra));
+    float** biases = (float**)xcalloc(n + 1, sizeof(float*));
+    char (*tm)[160] = (char(*)[160])xmalloc(sizeof(*tm) * (n + 1));
+    const char** tmp = (const char**)xmalloc(sizeof(char*) * (n + 1));
+    int nex = 0;
+    for (int i = 0; i < n; i++) {
+        // full module paths: PEFT matches target_modules by suffix, and "output.dense" (fc2) is
+        // also the suffix of "attention.output.dense" (proj)
+        snprintf(tm[i], sizeof(tm[i]), "%s", e[i].module);
+        tmp[i] = tm[i];
+        if (!m->modes.ms) continue;
+        const Linear* L = e[i].L;
+        int l = atoi(e[i].module + strlen("vit.encoder.layer.")), t = 0;
+        while (&m->layers[l].lin[t] != L) t++;
+        biases[i] = (float*)xmalloc(sizeof(float) * L->out);
+        memcpy(biases[i], L->bias, sizeof(float) * L->out);
+        if (vit_merged_gamma(m, l, t)) {
+            float* shift = (float*)xmalloc(sizeof(float) * L->out);
+            vit_merge_shift(shift, m, L, vit_merged_gamma(m, l, t), vit_merged_beta(m, l, t), e[i].module);
+            for (int k = 0; k < L->out; k++) biases[i][k] -= shift[k];
+            free(shift);
+        }
+        snprintf(ex[nex].name, sizeof(ex[nex].name), "%s.bias", e[i].module);
+        ex[nex].data = biases[i];
+        ex[nex].ndim = 1;
+        ex[nex].shape[0] = L->out;
+        nex++;
+    }
+    snprintf(ex[nex].name, sizeof(ex[nex].name), "classifier.weight");
+    ex[nex].data = m->head_w; ex[nex].ndim = 2; ex[nex].shape[0] = m->classes; ex[nex].shape[1] = c->dim; nex++;
+    snprintf(ex[nex].name, sizeof(ex[nex].name), "classifier.bias");
+    ex[nex].data = m->head_b; ex[nex].ndim = 1; ex[nex].shape[0] = m->classes; nex++;
+    peft_save_ex(dir, e, n, ex, nex, m->modes.rank, o->lora_alpha, NULL, o->model_dir, tmp, n, "[\"classifier\"]",
+                 m->modes.ms ? "lora_only" : "none");
+    for (int i = 0; i < n; i++) free(biases[i]);
+    free(biases); free(ex); free(tm); free(tmp); free(e);
+}
+
+// --adapter: A, B (llmc/peft.h), then the biases of the adapted modules if the adapter carries them
+// (mapped into the merged layer under MS-LN), then the head if it carries "classifier" (its shape
+// must match --classes); without one the head stays new.
+static void vit_load_adapter(Vit* m, const char* dir, const TrainOptions* o, int need_head) {
+    const VitConfig* c = &m->cfg;
+    PeftEntry* e = (PeftEntry*)xcalloc(c->layers * N_TARGETS, sizeof(PeftEntry));
+    int n = vit_peft_entries(m, e);
+    float alpha;
+    peft_load(dir, e, n, m->modes.rank, &alpha);
+    if (alpha != o->lora_alpha) fail("%s: adapter has lora_alpha %g, but --lora-alpha is %g", dir, alpha, o->lora_alpha);
+    char* path = path_join(dir, "adapter_model.safetensors");
+    StFile f;
+    st_open(&f, path);
+    char name[256];
+    for (int i = 0; i < n; i++) {
+        Linear* L = (Linear*)e[i].L;
+        snprintf(name, sizeof(name), "base_model.model.%s.bias", e[i].module);
+        const StTensor* tb = st_find(&f, name);
+        if (!tb) continue;
+        int64_t sh = L->out;
+        st_check_shape(tb, 1, &sh);
+        int l = atoi(e[i].module + strlen("vit.encoder.layer.")), t = 0;
+        while (&m->layers[l].lin[t] != L) t++;
+        float* shift = (float*)xcalloc(L->out, sizeof(float));
+        if (vit_merged_gamma(m, l, t)) vit_merge_shift(shift, m, L, vit_merged_gamma(m, l, t), vit_merged_beta(m, l, t), e[i].module);
+        st_to_f32(tb, L->bias);
+        for (int k = 0; k < L->out; k++) L->bias[k] += shift[k];
+        free(shift);
+    }
+    const StTensor* hw = st_find(&f, "base_model.model.classifier.weight");
+    const StTensor* hb = st_find(&f, "base_model.model.classifier.bias");
+    if (hw && hb) {
+        int64_t sw[2] = {m->classes, c->dim}, sb = m->classes;
+        st_check_shape(hw, 2, sw);
+        st_check_shape(hb, 1, &sb);
+        st_to_f32(hw, m->head_w);
+        st_to_f32(hb, m->head_b);
+    } else if (need_head) {
+        fail("%s: no classifier.weight/bias (an adapter saved by train_vit or PEFT with modules_to_save=[\"classifier\"]); --eval-only needs the trained head", path);
+    }
+    st_close(&f);
+    free(path);
+    free(e);
+}
+
+// Everything a resumed run must share with the saved one, as "key=value" words.
+static void vit_settings_line(char* buf, size_t n, const Vit* m, const TrainOptions* o, const Dist* d, int64_t images) {
+    const VitConfig* c = &m->cfg;
+    snprintf(buf, n, "d=%d f=%d layers=%d heads=%d patch=%dx%d image=%dx%d classes=%d act=%s norm=%s recompute=%s rank=%d alpha=%g targets=0x%x "
+             "batch=%d grad_accum=%d world=%d steps=%d lr=%g warmup=%d min_lr_frac=%g weight_decay=%g grad_clip=%g hflip=%d seed=%d data_images=%lld",
+             c->dim, c->hidden, c->layers, c->heads, c->patch_h, c->patch_w, m->img_h, m->img_w, m->classes, o->act, o->norm, o->recompute,
+             o->lora_rank, o->lora_alpha, m->modes.targets, o->batch, o->grad_accum, d->world, o->steps, o->lr, o->warmup, o->min_lr_frac,
+             o->weight_decay, o->grad_clip, o->hflip, o->seed, (long long)images);
+}
+
+static void vit_save_state(Vit* m, const char* dir, const char* settings, int64_t step, int64_t cursor, int seed) {
+    StateHeader h;
+    memset(&h, 0, sizeof(h));
+    h.step = step;
+    h.cursor = cursor;
+    h.seed = (uint64_t)seed;
+    h.count = m->param_count;
+    snprintf(h.settings, sizeof(h.settings), "%s", settings);
+    char* path = path_join(dir, "train_state.bin");
+    state_save(path, &h, m->params, m->adam_m, m->adam_v);
+    free(path);
+}
+
+// ----------------------------------------------------------------------------------------------
+// main
+
+static VitModes vit_modes_from(const TrainOptions* o) {
+    VitModes md;
+    md.approx = strcmp(o->act, "approx") == 0;
+    md.ms = strcmp(o->norm, "ms") == 0;
+    md.ckpt = strcmp(o->recompute, "block") == 0;
+    md.targets = parse_targets(o->lora_targets, target_names, N_TARGETS, "lora-targets");
+    md.rank = o->lora_rank;
+    md.lora_scale = o->lora_alpha / (float)o->lora_rank;
+    return md;
+}
+
+static void vit_flags(FlagTable* t, TrainOptions* o) {
+    t->program = "train_vit";
+    t->usage = "--model DIR [--data TRAIN.bin --val VAL.bin] [flags]   (fine-tunes a ViT image classifier with LoRA and a new head)";
+    train_flags_register_task(t, o, "comma list of q,k,v,proj,fc1,fc2 (default all)", TRAIN_IMAGE);
+}
+
+// The fine-tuning resolution: --image-size S or HxW, else the checkpoint's.
+static void vit_resolution(const VitConfig* c, const char* flag, int* h, int* w) {
+    *h = c->image_h;
+    *w = c->image_w;
+    if (!flag) return;
+    char extra;
+    if (sscanf(flag, "%dx%d%c", h, w, &extra) == 2) {
+    } else if (sscanf(flag, "%d%c", h, &extra) == 1) {
+        *w = *h;
+    } else {
+        fail("flag --image-size: expected S or HxW, got \"%s\"", flag);
+    }
+    if (*h < 1 || *w < 1 || *h > 65536 || *w > 65536) fail("flag --image-size: expected sides in 1..65536, got \"%s\"", flag);
+}
+
+static void print_settings_json(char* buf, size_t n, const TrainOptions* o, const Vit* m, const char* device) {
+    snprintf(buf, n,
+             "\"model\": \"vit\", \"device\": \"%s\", \"mode\": \"%s\", \"act\": \"%s\", \"norm\": \"%s\", \"recompute\": \"%s\", "
+             "\"batch\": %d, \"image_size\": [%d, %d], \"tokens_per_image\": %d, \"classes\": %d, \"lora_rank\": %d, \"lora_targets\": \"%s\"",
+             device, o->mode, o->act, o->norm, o->recompute, o->batch, m->img_h, m->img_w, m->T, m->classes, o->lora_rank,
+             o->lora_targets ? o->lora_targets : "q,k,v,proj,fc1,fc2");
+}
+
+static VitModes baseline_modes(VitModes md) {
+    md.approx = 0; md.ms = 0; md.ckpt = 0;
+    return md;
+}
+
+// --dry-run: the plan of the run these flags describe, and the baseline plan beside it.
+static void vit_dry_run(const VitConfig* cfg, const TrainOptions* o, VitModes md) {
+    int cpu = strcmp(o->device, "cpu") == 0;  // a dry run plans the CUDA layout unless told otherwise
+    int wbytes = cpu ? 4 : 2, abytes = cpu ? 4 : 2;
+    int h, w, classes = o->classes > 0 ? o->classes : 10;
+    vit_resolution(cfg, o->image_size, &h, &w);
+    Vit m, base;
+    vit_setup(&m, cfg, &md, o->batch, h, w, classes, wbytes, abytes);
+    VitModes bm = baseline_modes(md);
+    vit_setup(&base, cfg, &bm, o->batch, h, w, classes, wbytes, abytes);
+    if (o->json) {
+        char s[768];
+        print_settings_json(s, sizeof(s), o, &m, cpu ? "cpu" : "cuda");
+        plan_json(stdout, &m.plan, &base.plan, s);
+    } else {
+        printf("train_vit dry run: d=%d f=%d layers=%d heads=%d, image %dx%d patch %dx%d (%d tokens), %d classes, batch %d, LoRA r=%d on %s\n",
+               cfg->dim, cfg->hidden, cfg->layers, cfg->heads, h, w, cfg->patch_h, cfg->patch_w, m.T, classes, o->batch, o->lora_rank,
+               o->lora_targets ? o->lora_targets : "all");
+        plan_print(&m.plan, &base.plan, o->mode, cpu ? "CPU fp32" : "CUDA bf16");
+    }
+    vit_free(&m);
+    vit_free(&base);
+}
+
+typedef struct {           // what a run reads besides the model
+    ImageShard train, val;
+    ImageLoader tl, vl;
+    int have_train, have_val;
+} RunData;
+
+// Opens the shards (the head's class count must cover their labels) and their loaders.
+static void run_data_open(RunData* rd, const TrainOptions* o, const VitConfig* c, int h, int w, int* classes) {
+    memset(rd, 0, sizeof(*rd));
+    if (o->data_path) { image_shard_load(&rd->train, o->data_path); rd->have_train = 1; }
+    if (o->val_path) { image_shard_load(&rd->val, o->val_path); rd->have_val = 1; }
+    *classes = o->classes ? o->classes : rd->have_train ? rd->train.classes : rd->val.classes;
+    if (rd->have_train && rd->train.classes > *classes) fail("%s: the shard has %d classes, more than --classes %d", o->data_path, rd->train.classes, *classes);
+    if (rd->have_val && rd->val.classes > *classes) fail("%s: the shard has %d classes, more than the head's %d", o->val_path, rd->val.classes, *classes);
+    if (rd->have_train) image_loader_init(&rd->tl, &rd->train, h, w, c->channels, c->mean, c->std, (uint64_t)o->seed, 1, o->hflip);
+    if (rd->have_val) image_loader_init(&rd->vl, &rd->val, h, w, c->channels, c->mean, c->std, (uint64_t)o->seed, 0, 0);
+}
+
+static void run_data_close(RunData* rd) {
+    if (rd->have_train) { image_loader_free(&rd->tl); image_shard_free(&rd->train); }
+    if (rd->have_val) { image_loader_free(&rd->vl); image_shard_free(&rd->val); }
+}
+
+static void vit_train(Vit* m, RunData* rd, const TrainOptions* o, const Dist* dist) {
+    int rank0 = dist->rank == 0;
+    const char* out = o->out_dir ? o->out_dir : o->resume_dir;
+    char settings[STATE_SETTINGS_BYTES];
+    vit_settings_line(settings, sizeof(settings), m, o, dist, rd->train.n);
+    int start = 0;
+    if (o->resume_dir) {
+        char* path = path_join(o->resume_dir, "train_state.bin");
+        StateHeader h;
+        state_load(path, &h, settings, m->param_count, m->params, m->adam_m, m->adam_v);
+        start = (int)h.step;
+        rd->tl.cursor = h.cursor;
+        if (rank0) printf("resumed %s at step %d\n", path, start);
+        free(path);
+    }
+    FILE* log = NULL;
+    if (out && rank0) {
+        char* lp = path_join(out, "log.csv");
+        log = fopen(lp, o->resume_dir ? "a" : "w");
+        if (!log) fail("flag --out: cannot write %s (%s)", lp, strerror(errno));
+        if (!o->resume_dir) fprintf(log, "step,loss,accuracy,lr,grad_norm,images_per_s,val_loss,val_accuracy\n");
+        free(lp);
+    }
+    if (rank0 && rd->have_val && start == 0) {  // where the new head starts: about chance level
+        EvalResult e = vit_evaluate(m, &rd->vl, o->val_batches);
+        printf("step %4d/%d | val loss %.4f | val acc %.4f (%lld images)\n", 0, o->steps, e.loss, e.accuracy, (long long)e.images);
+        if (log) fprintf(log, "0,,,,,,%.6f,%.6f\n", e.loss, e.accuracy);
+    }
+    double t0 = wall_seconds(), comm = 0.0;
+    for (int step = start; step < o->steps; step++) {
+        double ts = wall_seconds();
+        StepResult r = vit_train_step(m, &rd->tl, o, dist, step);
+        double dt = wall_seconds() - ts;
+        comm += r.comm_s;
+        int last = step + 1 == o->steps;
+        EvalResult e = {NAN, NAN, 0};
+        if (rank0 && rd->have_val && ((o->val_every > 0 && (step + 1) % o->val_every == 0) || last)) e = vit_evaluate(m, &rd->vl, o->val_batches);
+        if (rank0 && ((step + 1) % o->log_every == 0 || last || !isnan(e.loss))) {
+            printf("step %4d/%d | loss %.4f | acc %.4f | lr %.2e | grad norm %.4f | %.0f img/s", step + 1, o->steps, r.loss, r.accuracy, r.lr,
+                   r.grad_norm, r.images / dt);
+            if (dist->world > 1) printf(" (%.0f per rank, %.0f%% in all-reduce)", r.images / dt / dist->world, 100.0 * r.comm_s / dt);
+            if (!isnan(e.loss)) printf(" | val loss %.4f | val acc %.4f", e.loss, e.accuracy);
+            printf("\n");
+            fflush(stdout);
+        }
+        if (log) {
+            fprintf(log, "%d,%.6f,%.6f,%.6e,%.6f,%.1f,", step + 1, r.loss, r.accuracy, r.lr, r.grad_norm, r.images / dt);
+            if (!isnan(e.loss)) fprintf(log, "%.6f,%.6f\n", e.loss, e.accuracy);
+            else fprintf(log, ",\n");
+            fflush(log);
+        }
+        if (out && rank0 && (last || (o->save_every > 0 && (step + 1) % o->save_every == 0))) {
+            vit_save_adapter(m, out, o);
+            vit_save_state(m, out, settings, step + 1, rd->tl.cursor, o->seed);
+        }
+    }
+    if (rank0) {
+        printf("trained %d steps in %.1f s (%.1f s in all-reduce)%s%s\n", o->steps - start, wall_seconds() - t0, comm,
+               out ? ", adapter and state in " : "", out ? out : "");
+        printf("memory: planned %.2f MiB (saved activations %.2f MiB), measured peak RSS %.2f MiB\n", mib(plan_total(&m->plan)),
+               mib(plan_saved_bytes(&m->plan)), peak_rss_mib());
+    }
+    if (log) fclose(log);
+}
+
+#ifndef TESTING
+int main(int argc, char** argv) {
+    Dist dist;
+    dist_init(&dist, &argc, &argv);
+    TrainOptions o;
+    train_options_defaults(&o);
+    FlagTable ft;
+    memset(&ft, 0, sizeof(ft));
+    vit_flags(&ft, &o);
+    flags_parse(&ft, argc, argv);
+    train_resolve_mode(&o);
+    train_validate(&o);
+    if (!o.model_dir) fail("flag --model is required (a model directory with config.json and model.safetensors)");
+    if (o.json && !o.dry_run) fail("flag --json: only valid with --dry-run");
+    if (o.full) fail("flag --full: train_vit trains LoRA adapters and the new head; full fine-tuning is not implemented for ViT yet");
+    VitConfig cfg;
+    vit_config_load(&cfg, o.model_dir);
+    VitModes md = vit_modes_from(&o);
+    if (o.dry_run) { if (dist.rank == 0) vit_dry_run(&cfg, &o, md); dist_finalize(&dist); return 0; }
+    if (o.eval_only && !o.val_path) fail("flag --eval-only: needs --val");
+    if (!o.data_path && !o.eval_only) fail("nothing to do: give --data (an image shard from scripts/prepare_images.py), or --val with --eval-only");
+    if (o.resume_dir && !o.data_path) fail("flag --resume: needs --data (the same training data as the saved run)");
+    resolve_device(o.device);
+    if (o.threads > 0) omp_set_num_threads(o.threads);
+    if (o.out_dir && dist.rank == 0) make_dirs(o.out_dir, "flag --out");
+    if (o.resume_dir && !dir_exists(o.resume_dir)) fail("flag --resume: %s is not a directory", o.resume_dir);
+
+    int h, w, classes;
+    vit_resolution(&cfg, o.image_size, &h, &w);
+    RunData rd;
+    run_data_open(&rd, &o, &cfg, h, w, &classes);
+    Vit m, base;
+    vit_setup(&m, &cfg, &md, o.batch, h, w, classes, 4, 4);
+    VitModes bm = baseline_modes(md);
+    vit_setup(&base, &cfg, &bm, o.batch, h, w, classes, 4, 4);
+    plan_allocate_host(&m.plan);
+    vit_bind(&m);
+    vit_load_weights(&m, o.model_dir);
+    vit_init_trainable(&m, (uint64_t)o.seed);
+    if (o.adapter_dir) vit_load_adapter(&m, o.adapter_dir, &o, o.eval_only);
+    if (dist.rank == 0) {
+        printf("train_vit: %s | d=%d f=%d layers=%d heads=%d | image %dx%d (checkpoint %dx%d) patch %dx%d, %d tokens | %d classes | act=%s norm=%s recompute=%s | "
+               "LoRA r=%d alpha=%g on %s + head (%lld trainable params) | %d threads x %d ranks\n",
+               o.model_dir, cfg.dim, cfg.hidden, cfg.layers, cfg.heads, h, w, cfg.image_h, cfg.image_w, cfg.patch_h, cfg.patch_w, m.T, classes,
+               o.act, o.norm, o.recompute, o.lora_rank, o.lora_alpha, o.lora_targets ? o.lora_targets : "all", (long long)m.param_count,
+               omp_get_max_threads(), dist.world);
+        if (rd.have_train) printf("data: %s (%lld images %dx%dx%d, %d classes)", o.data_path, (long long)rd.train.n, rd.train.H, rd.train.W, rd.train.C, rd.train.classes);
+        if (rd.have_val) printf("%sval %s (%lld images)", rd.have_train ? ", " : "data: ", o.val_path, (long long)rd.val.n);
+        printf("\n");
+        plan_print(&m.plan, &base.plan, o.mode, dist.world > 1 ? "CPU fp32, per rank" : "CPU fp32");
+    }
+    vit_free(&base);
+    if (o.eval_only) {
+        if (dist.rank == 0) {
+            EvalResult e = vit_evaluate(&m, &rd.vl, o.val_batches);
+            printf("val loss %.6f | val acc %.6f (%lld images)\n", e.loss, e.accuracy, (long long)e.images);
+        }
+    } else {
+        vit_train(&m, &rd, &o, &dist);
+    }
+    run_data_close(&rd);
+    vit_free(&m);
+    dist_finalize(&dist);
+    return 0;
+}
+#endif
