@@ -20,6 +20,7 @@
 #include "llmc/peft.h"
 #include "llmc/checkpoint.h"
 #include "llmc/dist.h"
+#include "llmc/trainable.h"
 #include "llmc/cpu/matmul.h"
 #include "llmc/cpu/norms.h"
 #include "llmc/cpu/activations.h"
@@ -138,13 +139,8 @@ typedef struct {
     float* lm_head;        // [V, d] (== embed when tied)
     LlamaLayer* layers;
     float *rope_cos, *rope_sin;  // [T, hd/2]
-    float *params, *grads, *adam_m, *adam_v;  // flat trainable arenas: LoRA A/B, or (--full) the linear weights
-    int64_t n_params;
-    // ZeRO-1 (--full on several ranks): each rank keeps the AdamW state of one shard of the
-    // parameters; params and grads are padded to world * shard floats.
-    int zero1, rank, world;
-    int64_t shard;
-    float* grad_shard;
+    Trainable tr;          // LoRA A/B, or (--full) the linear weights: one flat array (ZeRO-1 across ranks)
+    const Dist* dist;
     BlockActs* acts;       // [layers]
     BlockActs tmp;         // scratch set (recompute, or buffers not kept)
     float** ckpt;          // [layers] block inputs under --recompute block
@@ -201,21 +197,13 @@ static void llama_plan(Llama* m, MemPlan* p, int wbytes, int abytes) {
         if (md->full) continue;  // the linear weights are the trainable arena then (fp32)
         for (int t = 0; t < N_TARGETS; t++) plan_add(p, MEM_FROZEN, target_names[t], l, target_names[t], lin_in(c, t) * lin_out(c, t) * wbytes, &L->lin[t].W);
     }
-    m->n_params = 0;
+    int64_t n_params = 0;
     for (int l = 0; l < c->layers; l++)
         for (int t = 0; t < N_TARGETS; t++) {
-            if (md->full) m->n_params += lin_in(c, t) * lin_out(c, t);
-            else if (md->targets >> t & 1) m->n_params += r * (lin_in(c, t) + lin_out(c, t));
+            if (md->full) n_params += lin_in(c, t) * lin_out(c, t);
+            else if (md->targets >> t & 1) n_params += r * (lin_in(c, t) + lin_out(c, t));
         }
-    const char* what = md->full ? "linear weights" : "lora";
-    m->zero1 = md->full && m->world > 1;
-    m->shard = m->zero1 ? (m->n_params + m->world - 1) / m->world : m->n_params;
-    int64_t padded = m->zero1 ? m->shard * m->world : m->n_params;
-    plan_add(p, MEM_TRAINABLE, what, -1, "params", padded * 4, &m->params);
-    plan_add(p, MEM_GRADS, what, -1, "grads", padded * 4, &m->grads);
-    plan_add(p, MEM_OPTIM, what, -1, "adam_m", m->shard * 4, &m->adam_m);
-    plan_add(p, MEM_OPTIM, what, -1, "adam_v", m->shard * 4, &m->adam_v);
-    if (m->zero1) plan_add(p, MEM_SCRATCH, what, -1, "grad_shard", m->shard * 4, &m->grad_shard);
+    trainable_plan(&m->tr, p, md->full ? "linear weights" : "lora", n_params, md->full, m->dist);
     plan_add(p, MEM_SCRATCH, "rope", -1, "rope_cos", m->T * (c->head_dim / 2) * 4, &m->rope_cos);
     plan_add(p, MEM_SCRATCH, "rope", -1, "rope_sin", m->T * (c->head_dim / 2) * 4, &m->rope_sin);
     // saved activations, block by block (the table of DESIGN.md section 5)
@@ -295,19 +283,18 @@ static void llama_bind(Llama* m) {
             L->in = (int)lin_in(c, t);
             L->out = (int)lin_out(c, t);
             if (m->modes.full) {  // full fine-tuning: W and its gradient live in the flat arenas
-                L->W = m->params + off;
-                L->dW = m->grads + off;
+                L->W = m->tr.params + off;
+                L->dW = m->tr.grads + off;
                 off += (int64_t)L->in * L->out;
             } else if (m->modes.targets >> t & 1) {
-                lora_bind(L, m->params, m->grads, &off, (int)r);
+                lora_bind(L, m->tr.params, m->tr.grads, &off, (int)r);
             }
         }
 }
 
 static void llama_setup(Llama* m, const LlamaConfig* cfg, const LlamaModes* modes, int B, int T, int wbytes, int abytes, const Dist* dist) {
     memset(m, 0, sizeof(*m));
-    m->rank = dist ? dist->rank : 0;
-    m->world = dist ? dist->world : 1;
+    m->dist = dist;
     m->cfg = *cfg;
     m->modes = *modes;
     m->B = B;
@@ -529,7 +516,7 @@ static StepResult llama_train_step(Llama* m, TextLoader* loader, const TrainOpti
     double total = count_mask(mk_all, N * K);
     dist_allreduce_sum_f64(dist, &total, 1);
     float scale = total > 0 ? (float)(1.0 / total) : 0.0f;
-    memset(m->grads, 0, sizeof(float) * m->n_params);
+    memset(m->tr.grads, 0, sizeof(float) * m->tr.count);
     double loss_sum = 0.0;
     for (int k = 0; k < K; k++) {
         memcpy(m->inputs, in_all + k * N, sizeof(int) * N);
@@ -541,27 +528,15 @@ static StepResult llama_train_step(Llama* m, TextLoader* loader, const TrainOpti
     free(in_all); free(tg_all); free(mk_all); free(pos_all);
     double t_comm = wall_seconds();
     dist_allreduce_sum_f64(dist, &loss_sum, 1);
-    // the gradient this rank updates: all of it, or (ZeRO-1) its shard of the sum over ranks
-    float* g = m->grads;
-    if (m->zero1) { dist_reduce_scatter_sum_f32(dist, m->grads, m->grad_shard, m->shard); g = m->grad_shard; }
-    else dist_allreduce_sum_f32(dist, m->grads, m->n_params);
-    double ss = sum_squares(g, m->shard);
-    if (m->zero1) dist_allreduce_sum_f64(dist, &ss, 1);
     StepResult r;
     r.comm_s = wall_seconds() - t_comm;
     r.tokens = (double)N * K * dist->world;
     r.loss = total > 0 ? (float)(loss_sum / total) : 0.0f;
-    r.grad_norm = (float)sqrt(ss);
-    if (!isfinite(r.loss) || !isfinite(r.grad_norm)) fail("step %d: non-finite loss (%g) or gradient norm (%g); lower --lr or check the data", step + 1, r.loss, r.grad_norm);
-    if (o->grad_clip > 0 && r.grad_norm > o->grad_clip) scale_inplace(g, m->shard, o->grad_clip / r.grad_norm);
-    r.lr = lr_at_step(o, step);
-    float* p = m->params + (m->zero1 ? (int64_t)m->rank * m->shard : 0);
-    adamw_update(p, g, m->adam_m, m->adam_v, m->shard, r.lr, 0.9f, 0.999f, 1e-8f, o->weight_decay, step + 1);
-    if (m->zero1) {  // everyone gets every updated shard
-        double t = wall_seconds();
-        dist_allgather_f32(dist, m->params, m->shard);
-        r.comm_s += wall_seconds() - t;
-    }
+    if (!isfinite(r.loss)) fail("step %d: non-finite loss (%g); lower --lr or check the data", step + 1, r.loss);
+    OptimStep os = trainable_step(&m->tr, o, dist, step);
+    r.grad_norm = os.grad_norm;
+    r.lr = os.lr;
+    r.comm_s += os.comm_s;
     return r;
 }
 
@@ -806,50 +781,6 @@ static void llama_settings_line(char* buf, size_t n, const Llama* m, const Train
              o->grad_clip, o->seed, (long long)data_tokens);
 }
 
-// Called on every rank (ZeRO-1 gathers the AdamW shards); rank 0 writes the file.
-static void llama_save_state(Llama* m, const Dist* dist, const char* dir, const char* settings, int64_t step, int64_t cursor, int seed) {
-    float *adam_m = m->adam_m, *adam_v = m->adam_v;
-    if (m->zero1) {
-        adam_m = (float*)xmalloc(sizeof(float) * m->shard * m->world);
-        adam_v = (float*)xmalloc(sizeof(float) * m->shard * m->world);
-        dist_gather_f32(dist, m->adam_m, adam_m, m->shard);
-        dist_gather_f32(dist, m->adam_v, adam_v, m->shard);
-    }
-    if (dist->rank == 0) {
-        StateHeader h;
-        memset(&h, 0, sizeof(h));
-        h.step = step;
-        h.cursor = cursor;
-        h.seed = (uint64_t)seed;
-        h.count = m->n_params;
-        snprintf(h.settings, sizeof(h.settings), "%s", settings);
-        char* path = path_join(dir, "train_state.bin");
-        state_save(path, &h, m->params, adam_m, adam_v);
-        free(path);
-    }
-    if (m->zero1) { free(adam_m); free(adam_v); }
-}
-
-// Every rank reads the state; under ZeRO-1 it keeps its own shard of the AdamW moments.
-static int64_t llama_load_state(Llama* m, const char* dir, const char* settings, int64_t* cursor) {
-    char* path = path_join(dir, "train_state.bin");
-    StateHeader h;
-    float *adam_m = m->adam_m, *adam_v = m->adam_v;
-    if (m->zero1) {
-        adam_m = (float*)xcalloc(m->shard * m->world, sizeof(float));
-        adam_v = (float*)xcalloc(m->shard * m->world, sizeof(float));
-    }
-    state_load(path, &h, settings, m->n_params, m->params, adam_m, adam_v);
-    if (m->zero1) {
-        memcpy(m->adam_m, adam_m + (int64_t)m->rank * m->shard, sizeof(float) * m->shard);
-        memcpy(m->adam_v, adam_v + (int64_t)m->rank * m->shard, sizeof(float) * m->shard);
-        free(adam_m); free(adam_v);
-    }
-    free(path);
-    *cursor = h.cursor;
-    return h.step;
-}
-
 // ----------------------------------------------------------------------------------------------
 // main
 
@@ -877,7 +808,7 @@ static void llama_train(Llama* m, RunData* rd, const TrainOptions* o, const Dist
     llama_settings_line(settings, sizeof(settings), m, o, dist, rd->train.count);
     int start = 0;
     if (o->resume_dir) {
-        start = (int)llama_load_state(m, o->resume_dir, settings, &rd->tl.cursor);
+        start = (int)trainable_load_state(&m->tr, o->resume_dir, settings, &rd->tl.cursor);
         if (rank0) printf("resumed %s/train_state.bin at step %d\n", o->resume_dir, start);
     }
     FILE* log = NULL;
@@ -889,12 +820,13 @@ static void llama_train(Llama* m, RunData* rd, const TrainOptions* o, const Dist
         free(lp);
     }
     double t0 = wall_seconds(), comm = 0.0;
-    for (int step = start; step < o->steps; step++) {
+    int stop = train_stop_step(o);
+    for (int step = start; step < stop; step++) {
         double ts = wall_seconds();
         StepResult r = llama_train_step(m, &rd->tl, o, dist, step);
         double dt = wall_seconds() - ts;
         comm += r.comm_s;
-        int last = step + 1 == o->steps;
+        int last = step + 1 == stop;
         float vloss = NAN;
         if (rank0 && rd->have_val && ((o->val_every > 0 && (step + 1) % o->val_every == 0) || last)) vloss = llama_evaluate(m, &rd->vl, o->val_batches);
         if (rank0 && ((step + 1) % o->log_every == 0 || last || !isnan(vloss))) {
@@ -905,15 +837,16 @@ static void llama_train(Llama* m, RunData* rd, const TrainOptions* o, const Dist
             fflush(stdout);
         }
         if (log) { fprintf(log, "%d,%.6f,%.6e,%.6f,%.1f,%.6f\n", step + 1, r.loss, r.lr, r.grad_norm, r.tokens / dt, vloss); fflush(log); }
-        if (out && (last || (o->save_every > 0 && (step + 1) % o->save_every == 0))) {
+        if (out && train_save_due(o, step + 1)) {
             if (rank0 && m->modes.full) llama_export_merged(m, o, out);  // a loadable model directory
             else if (rank0) llama_save_adapter(m, out, o);
-            llama_save_state(m, dist, out, settings, step + 1, rd->tl.cursor, o->seed);
+            trainable_save_state(&m->tr, dist, out, settings, step + 1, rd->tl.cursor, o->seed);
         }
     }
     if (rank0) {
-        printf("trained %d steps in %.1f s (%.1f s in all-reduce)%s%s\n", o->steps - start, wall_seconds() - t0, comm,
+        printf("trained %d steps in %.1f s (%.1f s in all-reduce)%s%s\n", stop - start, wall_seconds() - t0, comm,
                out ? ", adapter and state in " : "", out ? out : "");
+        if (stop < o->steps) printf("stopped at step %d of %d (--stop-at); continue with --resume %s\n", stop, o->steps, out ? out : "OUT");
         printf("memory: planned %.2f MiB (saved activations %.2f MiB), measured peak RSS %.2f MiB\n", mib(plan_total(&m->plan)),
                mib(plan_saved_bytes(&m->plan)), peak_rss_mib());
     }
@@ -946,6 +879,7 @@ int main(int argc, char** argv) {
     if (o.threads > 0) omp_set_num_threads(o.threads);
     if (o.out_dir && dist.rank == 0) make_dirs(o.out_dir, "flag --out");
     if (o.resume_dir && !dir_exists(o.resume_dir)) fail("flag --resume: %s is not a directory", o.resume_dir);
+    if (o.stop_at && !o.out_dir && !o.resume_dir) fail("flag --stop-at: needs --out (where the run is saved to resume later)");
 
     RunData rd;
     run_data_open(&rd, &o, cfg.vocab);
@@ -976,7 +910,7 @@ int main(int argc, char** argv) {
         else snprintf(what, sizeof(what), "LoRA r=%d alpha=%g on %s", o.lora_rank, o.lora_alpha, o.lora_targets ? o.lora_targets : "all");
         printf("train_llama: %s | d=%d f=%d layers=%d heads=%d/%d vocab=%d | act=%s norm=%s recompute=%s | %s (%lld trainable) | %d threads x %d ranks\n",
                o.model_dir, cfg.dim, cfg.hidden, cfg.layers, cfg.heads, cfg.kv_heads, cfg.vocab, o.act, o.norm, o.recompute, what,
-               (long long)m.n_params, omp_get_max_threads(), dist.world);
+               (long long)m.tr.count, omp_get_max_threads(), dist.world);
         plan_print(&m.plan, &base.plan, o.mode, dist.world > 1 ? "CPU fp32, per rank" : "CPU fp32");
     }
     llama_free(&base);

@@ -22,6 +22,7 @@
 #include "llmc/peft.h"
 #include "llmc/checkpoint.h"
 #include "llmc/dist.h"
+#include "llmc/trainable.h"
 #include "llmc/cpu/matmul.h"
 #include "llmc/cpu/norms.h"
 #include "llmc/cpu/activations.h"
@@ -172,8 +173,8 @@ typedef struct {
     float* pos;            // [T, d] at the fine-tuning resolution (interpolated at load)
     float *norm_g, *norm_b;  // final LayerNorm (kept standard: only the class token goes through it)
     VitLayer* layers;
-    float *params, *grads, *adam_m, *adam_v;  // flat trainable arenas: LoRA, then head W, head b
-    int64_t param_count, lora_count;
+    Trainable tr;          // flat trainable arenas: LoRA, then head W, head b
+    int64_t lora_count;
     float *head_w, *head_b, *dhead_w, *dhead_b;  // [classes, d], [classes] inside the arenas
     BlockActs* acts;       // [layers]
     BlockActs tmp;         // scratch set (recompute, or buffers not kept)
@@ -237,11 +238,7 @@ static void vit_plan(Vit* m, MemPlan* p, int wbytes, int abytes) {
     for (int l = 0; l < c->layers; l++)
         for (int t = 0; t < N_TARGETS; t++)
             if (md->targets >> t & 1) m->lora_count += r * (lin_in(c, t) + lin_out(c, t));
-    m->param_count = m->lora_count + K * d + K;
-    plan_add(p, MEM_TRAINABLE, "lora+head", -1, "params", m->param_count * 4, &m->params);
-    plan_add(p, MEM_GRADS, "lora+head", -1, "grads", m->param_count * 4, &m->grads);
-    plan_add(p, MEM_OPTIM, "lora+head", -1, "adam_m", m->param_count * 4, &m->adam_m);
-    plan_add(p, MEM_OPTIM, "lora+head", -1, "adam_v", m->param_count * 4, &m->adam_v);
+    trainable_plan(&m->tr, p, "lora+head", m->lora_count + K * d + K, 0, NULL);
     // saved activations, block by block (the table above)
     int keep = !md->ckpt, std_norm = !md->ms;
     int lora_qkv = md->targets & ((1u << T_Q) | (1u << T_K) | (1u << T_V));
@@ -312,10 +309,10 @@ static void vit_bind(Vit* m) {
             Linear* L = &m->layers[l].lin[t];
             L->in = (int)lin_in(c, t);
             L->out = (int)lin_out(c, t);
-            if (m->modes.targets >> t & 1) lora_bind(L, m->params, m->grads, &off, m->modes.rank);
+            if (m->modes.targets >> t & 1) lora_bind(L, m->tr.params, m->tr.grads, &off, m->modes.rank);
         }
-    m->head_w = m->params + off; m->dhead_w = m->grads + off; off += (int64_t)m->classes * c->dim;
-    m->head_b = m->params + off; m->dhead_b = m->grads + off;
+    m->head_w = m->tr.params + off; m->dhead_w = m->tr.grads + off; off += (int64_t)m->classes * c->dim;
+    m->head_b = m->tr.params + off; m->dhead_b = m->tr.grads + off;
 }
 
 // The fine-tuning resolution must be a whole number of patches.
@@ -627,7 +624,7 @@ typedef struct {
 static StepResult vit_train_step(Vit* m, ImageLoader* loader, const TrainOptions* o, const Dist* dist, int step) {
     int B = m->B, K = o->grad_accum;
     float scale = 1.0f / (float)((double)B * K * dist->world);
-    memset(m->grads, 0, sizeof(float) * m->param_count);
+    memset(m->tr.grads, 0, sizeof(float) * m->tr.count);
     double sums[2] = {0.0, 0.0};  // loss, correct
     for (int k = 0; k < K; k++) {
         image_loader_next(loader, B, dist->rank, dist->world, m->pixels, m->labels);
@@ -637,17 +634,16 @@ static StepResult vit_train_step(Vit* m, ImageLoader* loader, const TrainOptions
     }
     double t_comm = wall_seconds();
     dist_allreduce_sum_f64(dist, sums, 2);
-    dist_allreduce_sum_f32(dist, m->grads, m->param_count);
     StepResult r;
     r.comm_s = wall_seconds() - t_comm;
     r.images = (double)B * K * dist->world;
     r.loss = (float)(sums[0] / r.images);
     r.accuracy = (float)(sums[1] / r.images);
-    r.grad_norm = (float)sqrt(sum_squares(m->grads, m->param_count));
-    if (!isfinite(r.loss) || !isfinite(r.grad_norm)) fail("step %d: non-finite loss (%g) or gradient norm (%g); lower --lr or check the data", step + 1, r.loss, r.grad_norm);
-    if (o->grad_clip > 0 && r.grad_norm > o->grad_clip) scale_inplace(m->grads, m->param_count, o->grad_clip / r.grad_norm);
-    r.lr = lr_at_step(o, step);
-    adamw_update(m->params, m->grads, m->adam_m, m->adam_v, m->param_count, r.lr, 0.9f, 0.999f, 1e-8f, o->weight_decay, step + 1);
+    if (!isfinite(r.loss)) fail("step %d: non-finite loss (%g); lower --lr or check the data", step + 1, r.loss);
+    OptimStep os = trainable_step(&m->tr, o, dist, step);
+    r.grad_norm = os.grad_norm;
+    r.lr = os.lr;
+    r.comm_s += os.comm_s;
     return r;
 }
 
@@ -835,19 +831,6 @@ static void vit_settings_line(char* buf, size_t n, const Vit* m, const TrainOpti
              o->weight_decay, o->grad_clip, o->hflip, o->seed, (long long)images);
 }
 
-static void vit_save_state(Vit* m, const char* dir, const char* settings, int64_t step, int64_t cursor, int seed) {
-    StateHeader h;
-    memset(&h, 0, sizeof(h));
-    h.step = step;
-    h.cursor = cursor;
-    h.seed = (uint64_t)seed;
-    h.count = m->param_count;
-    snprintf(h.settings, sizeof(h.settings), "%s", settings);
-    char* path = path_join(dir, "train_state.bin");
-    state_save(path, &h, m->params, m->adam_m, m->adam_v);
-    free(path);
-}
-
 // ----------------------------------------------------------------------------------------------
 // main
 
@@ -950,13 +933,8 @@ static void vit_train(Vit* m, RunData* rd, const TrainOptions* o, const Dist* di
     vit_settings_line(settings, sizeof(settings), m, o, dist, rd->train.n);
     int start = 0;
     if (o->resume_dir) {
-        char* path = path_join(o->resume_dir, "train_state.bin");
-        StateHeader h;
-        state_load(path, &h, settings, m->param_count, m->params, m->adam_m, m->adam_v);
-        start = (int)h.step;
-        rd->tl.cursor = h.cursor;
-        if (rank0) printf("resumed %s at step %d\n", path, start);
-        free(path);
+        start = (int)trainable_load_state(&m->tr, o->resume_dir, settings, &rd->tl.cursor);
+        if (rank0) printf("resumed %s/train_state.bin at step %d\n", o->resume_dir, start);
     }
     FILE* log = NULL;
     if (out && rank0) {
@@ -972,12 +950,13 @@ static void vit_train(Vit* m, RunData* rd, const TrainOptions* o, const Dist* di
         if (log) fprintf(log, "0,,,,,,%.6f,%.6f\n", e.loss, e.accuracy);
     }
     double t0 = wall_seconds(), comm = 0.0;
-    for (int step = start; step < o->steps; step++) {
+    int stop = train_stop_step(o);
+    for (int step = start; step < stop; step++) {
         double ts = wall_seconds();
         StepResult r = vit_train_step(m, &rd->tl, o, dist, step);
         double dt = wall_seconds() - ts;
         comm += r.comm_s;
-        int last = step + 1 == o->steps;
+        int last = step + 1 == stop;
         EvalResult e = {NAN, NAN, 0};
         if (rank0 && rd->have_val && ((o->val_every > 0 && (step + 1) % o->val_every == 0) || last)) e = vit_evaluate(m, &rd->vl, o->val_batches);
         if (rank0 && ((step + 1) % o->log_every == 0 || last || !isnan(e.loss))) {
@@ -994,14 +973,15 @@ static void vit_train(Vit* m, RunData* rd, const TrainOptions* o, const Dist* di
             else fprintf(log, ",\n");
             fflush(log);
         }
-        if (out && rank0 && (last || (o->save_every > 0 && (step + 1) % o->save_every == 0))) {
-            vit_save_adapter(m, out, o);
-            vit_save_state(m, out, settings, step + 1, rd->tl.cursor, o->seed);
+        if (out && train_save_due(o, step + 1)) {
+            if (rank0) vit_save_adapter(m, out, o);
+            trainable_save_state(&m->tr, dist, out, settings, step + 1, rd->tl.cursor, o->seed);
         }
     }
     if (rank0) {
-        printf("trained %d steps in %.1f s (%.1f s in all-reduce)%s%s\n", o->steps - start, wall_seconds() - t0, comm,
+        printf("trained %d steps in %.1f s (%.1f s in all-reduce)%s%s\n", stop - start, wall_seconds() - t0, comm,
                out ? ", adapter and state in " : "", out ? out : "");
+        if (stop < o->steps) printf("stopped at step %d of %d (--stop-at); continue with --resume %s\n", stop, o->steps, out ? out : "OUT");
         printf("memory: planned %.2f MiB (saved activations %.2f MiB), measured peak RSS %.2f MiB\n", mib(plan_total(&m->plan)),
                mib(plan_saved_bytes(&m->plan)), peak_rss_mib());
     }
@@ -1034,6 +1014,7 @@ int main(int argc, char** argv) {
     if (o.threads > 0) omp_set_num_threads(o.threads);
     if (o.out_dir && dist.rank == 0) make_dirs(o.out_dir, "flag --out");
     if (o.resume_dir && !dir_exists(o.resume_dir)) fail("flag --resume: %s is not a directory", o.resume_dir);
+    if (o.stop_at && !o.out_dir && !o.resume_dir) fail("flag --stop-at: needs --out (where the run is saved to resume later)");
 
     int h, w, classes;
     vit_resolution(&cfg, o.image_size, &h, &w);
@@ -1052,7 +1033,7 @@ int main(int argc, char** argv) {
         printf("train_vit: %s | d=%d f=%d layers=%d heads=%d | image %dx%d (checkpoint %dx%d) patch %dx%d, %d tokens | %d classes | act=%s norm=%s recompute=%s | "
                "LoRA r=%d alpha=%g on %s + head (%lld trainable params) | %d threads x %d ranks\n",
                o.model_dir, cfg.dim, cfg.hidden, cfg.layers, cfg.heads, h, w, cfg.image_h, cfg.image_w, cfg.patch_h, cfg.patch_w, m.T, classes,
-               o.act, o.norm, o.recompute, o.lora_rank, o.lora_alpha, o.lora_targets ? o.lora_targets : "all", (long long)m.param_count,
+               o.act, o.norm, o.recompute, o.lora_rank, o.lora_alpha, o.lora_targets ? o.lora_targets : "all", (long long)m.tr.count,
                omp_get_max_threads(), dist.world);
         if (rd.have_train) printf("data: %s (%lld images %dx%dx%d, %d classes)", o.data_path, (long long)rd.train.n, rd.train.H, rd.train.W, rd.train.C, rd.train.classes);
         if (rd.have_val) printf("%sval %s (%lld images)", rd.have_train ? ", " : "data: ", o.val_path, (long long)rd.val.n);

@@ -14,6 +14,7 @@ typedef struct {
     const char* adapter_dir;  // load this LoRA adapter (PEFT layout) before training/generating
     const char* resume_dir;   // continue the run saved in this --out directory
     int save_every;
+    int stop_at;            // stop (and save) after this step, keeping the --steps schedule
     const char* export_merged;  // write base + adapter folded in here (text models)
     int eval_only;
     int full;               // full fine-tuning of the linear weights instead of LoRA
@@ -69,6 +70,7 @@ static void train_flags_register_task(FlagTable* t, TrainOptions* o, const char*
     flag_string(t, "val", &o->val_path, text ? "validation data shard" : "validation image shard");
     flag_string(t, "out", &o->out_dir, "output directory: log.csv, the PEFT adapter (end and every --save-every), train_state.bin");
     flag_int(t, "save-every", &o->save_every, "write the adapter and the resumable training state every N steps (0 = only at the end)");
+    flag_int(t, "stop-at", &o->stop_at, "stop after this step, saving as at the end, with the schedule of --steps (resume later)");
     flag_string(t, "resume", &o->resume_dir, "continue the run whose --out directory this is (same model and flags)");
     flag_string(t, "adapter", &o->adapter_dir, "start from this LoRA adapter directory (ours or PEFT's) instead of a fresh one");
     flag_bool(t, "eval-only", &o->eval_only, "evaluate the model (+ --adapter) on --val and exit");
@@ -140,6 +142,7 @@ static void train_validate(const TrainOptions* o) {
     if (o->temperature < 0) fail("flag --temperature: expected >= 0, got %g", o->temperature);
     if (o->val_batches < 1) fail("flag --val-batches: expected >= 1, got %d", o->val_batches);
     if (o->log_every < 1) fail("flag --log-every: expected >= 1, got %d", o->log_every);
+    if (o->stop_at < 0) fail("flag --stop-at: expected >= 0, got %d", o->stop_at);
     if (o->save_every < 0) fail("flag --save-every: expected >= 0, got %d", o->save_every);
     if (o->resume_dir && o->adapter_dir) fail("flag --adapter: not with --resume (the training state holds the adapter)");
     if (o->full && (o->lora_targets || o->adapter_dir)) fail("flag --full: not with --lora-targets or --adapter (no adapters in full fine-tuning)");

@@ -157,6 +157,21 @@ def test_sigkill_then_resume_is_bit_identical(tmp_path):
             assert a.read() == b.read(), f"{name} differs after kill + resume"
 
 
+def test_stop_at_then_resume_equals_whole_run(tmp_path):
+    """--stop-at N saves and stops with the schedule of --steps; --resume finishes the same run."""
+    args = ["--model", MODEL, "--data", TRAIN, "--mode", "lowmem", "--steps", "6", "--batch", "32", "--lr", "3e-3",
+            "--lora-rank", "4", "--seed", "4", "--threads", "2"]
+    exe = vc.binary("train_vit", "TRAIN_VIT")
+    whole, part = str(tmp_path / "whole"), str(tmp_path / "part")
+    vc.run([exe] + args + ["--out", whole])
+    r = vc.run([exe] + args + ["--out", part, "--stop-at", "4"])
+    assert "stopped at step 4 of 6" in r.stdout
+    vc.run([exe] + args + ["--resume", part])
+    for name in ("adapter_model.safetensors", "train_state.bin"):
+        with open(os.path.join(whole, name), "rb") as a, open(os.path.join(part, name), "rb") as b:
+            assert a.read() == b.read(), f"{name} differs after --stop-at + --resume"
+
+
 def test_mismatched_resume_is_refused(tmp_path):
     out = str(tmp_path / "run")
     vc.train_vit("--model", MODEL, "--data", TRAIN, "--steps", 2, "--batch", 8, "--lora-rank", 4, "--out", out)

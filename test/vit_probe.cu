@@ -115,7 +115,7 @@ int main(int argc, char** argv) {
             st_check_shape(bt, 2, sb);
             memcpy(L->B, bt->data, bt->nbytes);
         }
-    memset(m.grads, 0, sizeof(float) * m.param_count);
+    memset(m.tr.grads, 0, sizeof(float) * m.tr.count);
     float* logits = (float*)xmalloc(sizeof(float) * B * K);
     LossStats st = vit_forward_backward(&m, B, 1.0f / B, 1, logits);
     float loss = (float)(st.loss_sum / B);

@@ -1,0 +1,124 @@
+// trainable.h: a model's trainable parameters as one flat fp32 array (LoRA adapters, a new head,
+// or under --full the linear weights) with its gradient and AdamW moments; the optimizer half of a
+// training step (gradients summed across ranks, or reduce-scattered under ZeRO-1; the global
+// norm; clipping; AdamW; the all-gather); and that part of the resumable training state.
+// Both trainers use it, so data parallelism and resume behave the same for every model.
+#pragma once
+#include "common.h"
+#include "plan.h"
+#include "dist.h"
+#include "checkpoint.h"
+#include "train_common.h"
+#include "cpu/adamw.h"
+
+typedef struct {
+    float *params, *grads;     // count values (padded to world * shard under ZeRO-1)
+    float *adam_m, *adam_v;    // shard values: the moments of the part this rank updates
+    float* grad_shard;         // ZeRO-1: this rank's shard of the summed gradient
+    int64_t count, shard;
+    int zero1, rank, world;
+} Trainable;
+
+// Declares the arenas in the plan. zero1: shard the optimizer state across the ranks of `dist`
+// (used for full fine-tuning, where the AdamW state is as big as the model).
+static void trainable_plan(Trainable* tr, MemPlan* p, const char* module, int64_t count, int zero1, const Dist* dist) {
+    tr->count = count;
+    tr->rank = dist ? dist->rank : 0;
+    tr->world = dist ? dist->world : 1;
+    tr->zero1 = zero1 && tr->world > 1;
+    tr->shard = tr->zero1 ? (count + tr->world - 1) / tr->world : count;
+    int64_t padded = tr->zero1 ? tr->shard * tr->world : count;
+    plan_add(p, MEM_TRAINABLE, module, -1, "params", padded * 4, &tr->params);
+    plan_add(p, MEM_GRADS, module, -1, "grads", padded * 4, &tr->grads);
+    plan_add(p, MEM_OPTIM, module, -1, "adam_m", tr->shard * 4, &tr->adam_m);
+    plan_add(p, MEM_OPTIM, module, -1, "adam_v", tr->shard * 4, &tr->adam_v);
+    if (tr->zero1) plan_add(p, MEM_SCRATCH, module, -1, "grad_shard", tr->shard * 4, &tr->grad_shard);
+}
+
+typedef struct {
+    float grad_norm, lr;
+    double comm_s;             // seconds in cross-rank communication
+} OptimStep;
+
+// The locally accumulated gradients (already scaled so that their sum over ranks is the gradient
+// of the global mean loss) -> one AdamW step, identical on every rank.
+static OptimStep trainable_step(Trainable* tr, const TrainOptions* o, const Dist* dist, int step) {
+    OptimStep r;
+    double t = wall_seconds();
+    float* g = tr->grads;
+    if (tr->zero1) { dist_reduce_scatter_sum_f32(dist, tr->grads, tr->grad_shard, tr->shard); g = tr->grad_shard; }
+    else dist_allreduce_sum_f32(dist, tr->grads, tr->count);
+    double ss = sum_squares(g, tr->shard);
+    if (tr->zero1) dist_allreduce_sum_f64(dist, &ss, 1);
+    r.comm_s = wall_seconds() - t;
+    r.grad_norm = (float)sqrt(ss);
+    if (!isfinite(r.grad_norm)) fail("step %d: non-finite gradient norm; lower --lr or check the data", step + 1);
+    if (o->grad_clip > 0 && r.grad_norm > o->grad_clip) scale_inplace(g, tr->shard, o->grad_clip / r.grad_norm);
+    r.lr = lr_at_step(o, step);
+    float* p = tr->params + (tr->zero1 ? (int64_t)tr->rank * tr->shard : 0);
+    adamw_update(p, g, tr->adam_m, tr->adam_v, tr->shard, r.lr, 0.9f, 0.999f, 1e-8f, o->weight_decay, step + 1);
+    if (tr->zero1) {  // everyone gets every updated shard
+        t = wall_seconds();
+        dist_allgather_f32(dist, tr->params, tr->shard);
+        r.comm_s += wall_seconds() - t;
+    }
+    return r;
+}
+
+// Writes DIR/train_state.bin. Called on every rank (ZeRO-1 gathers the moments); rank 0 writes.
+static void trainable_save_state(const Trainable* tr, const Dist* dist, const char* dir, const char* settings, int64_t step,
+                                 int64_t cursor, int seed) {
+    float *adam_m = tr->adam_m, *adam_v = tr->adam_v;
+    if (tr->zero1) {
+        adam_m = (float*)xmalloc(sizeof(float) * tr->shard * tr->world);
+        adam_v = (float*)xmalloc(sizeof(float) * tr->shard * tr->world);
+        dist_gather_f32(dist, tr->adam_m, adam_m, tr->shard);
+        dist_gather_f32(dist, tr->adam_v, adam_v, tr->shard);
+    }
+    if (!dist || dist->rank == 0) {
+        StateHeader h;
+        memset(&h, 0, sizeof(h));
+        h.step = step;
+        h.cursor = cursor;
+        h.seed = (uint64_t)seed;
+        h.count = tr->count;
+        snprintf(h.settings, sizeof(h.settings), "%s", settings);
+        char* path = path_join(dir, "train_state.bin");
+        state_save(path, &h, tr->params, adam_m, adam_v);
+        free(path);
+    }
+    if (tr->zero1) { free(adam_m); free(adam_v); }
+}
+
+// Reads DIR/train_state.bin on every rank (each keeps its own shard of the moments under ZeRO-1);
+// returns the step to continue from and sets *cursor, the training loader's position.
+static int64_t trainable_load_state(Trainable* tr, const char* dir, const char* settings, int64_t* cursor) {
+    char* path = path_join(dir, "train_state.bin");
+    StateHeader h;
+    float *adam_m = tr->adam_m, *adam_v = tr->adam_v;
+    if (tr->zero1) {
+        adam_m = (float*)xcalloc(tr->shard * tr->world, sizeof(float));
+        adam_v = (float*)xcalloc(tr->shard * tr->world, sizeof(float));
+    }
+    state_load(path, &h, settings, tr->count, tr->params, adam_m, adam_v);
+    if (tr->zero1) {
+        memcpy(tr->adam_m, adam_m + (int64_t)tr->rank * tr->shard, sizeof(float) * tr->shard);
+        memcpy(tr->adam_v, adam_v + (int64_t)tr->rank * tr->shard, sizeof(float) * tr->shard);
+        free(adam_m);
+        free(adam_v);
+    }
+    free(path);
+    *cursor = h.cursor;
+    return h.step;
+}
+
+// The step at which this run stops: --steps, or earlier with --stop-at (the schedule stays that
+// of --steps, so a later --resume continues as if never stopped).
+static int train_stop_step(const TrainOptions* o) {
+    return o->stop_at > 0 && o->stop_at < o->steps ? o->stop_at : o->steps;
+}
+
+// Whether to write the adapter/model and the state after `step` steps (1-based).
+static int train_save_due(const TrainOptions* o, int step) {
+    return step == train_stop_step(o) || (o->save_every > 0 && step % o->save_every == 0);
+}
