@@ -862,24 +862,14 @@ int main(int argc, char** argv) {
     FlagTable ft;
     memset(&ft, 0, sizeof(ft));
     llama_flags(&ft, &o);
-    flags_parse(&ft, argc, argv);
-    train_resolve_mode(&o);
-    train_validate(&o);
-    if (!o.model_dir) fail("flag --model is required (a model directory with config.json and model.safetensors)");
-    if (o.json && !o.dry_run) fail("flag --json: only valid with --dry-run");
+    train_parse_flags(&ft, &o, argc, argv);
     LlamaConfig cfg;
     llama_config_load(&cfg, o.model_dir);
     LlamaModes md = llama_modes_from(&o);
     if (o.dry_run) { if (dist.rank == 0) llama_dry_run(&cfg, &o, md); dist_finalize(&dist); return 0; }
-    if (o.eval_only && !o.val_path) fail("flag --eval-only: needs --val");
     if (!o.data_path && !o.generate && !o.eval_only && !o.export_merged)
         fail("nothing to do: give --data to train, --val with --eval-only, --generate N to sample, or --export-merged DIR");
-    if (o.resume_dir && !o.data_path) fail("flag --resume: needs --data (the same training data as the saved run)");
-    resolve_device(o.device);
-    if (o.threads > 0) omp_set_num_threads(o.threads);
-    if (o.out_dir && dist.rank == 0) make_dirs(o.out_dir, "flag --out");
-    if (o.resume_dir && !dir_exists(o.resume_dir)) fail("flag --resume: %s is not a directory", o.resume_dir);
-    if (o.stop_at && !o.out_dir && !o.resume_dir) fail("flag --stop-at: needs --out (where the run is saved to resume later)");
+    train_prepare_run(&o, dist.rank);
 
     RunData rd;
     run_data_open(&rd, &o, cfg.vocab);

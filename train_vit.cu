@@ -997,24 +997,14 @@ int main(int argc, char** argv) {
     FlagTable ft;
     memset(&ft, 0, sizeof(ft));
     vit_flags(&ft, &o);
-    flags_parse(&ft, argc, argv);
-    train_resolve_mode(&o);
-    train_validate(&o);
-    if (!o.model_dir) fail("flag --model is required (a model directory with config.json and model.safetensors)");
-    if (o.json && !o.dry_run) fail("flag --json: only valid with --dry-run");
+    train_parse_flags(&ft, &o, argc, argv);
     if (o.full) fail("flag --full: train_vit trains LoRA adapters and the new head; full fine-tuning is not implemented for ViT yet");
     VitConfig cfg;
     vit_config_load(&cfg, o.model_dir);
     VitModes md = vit_modes_from(&o);
     if (o.dry_run) { if (dist.rank == 0) vit_dry_run(&cfg, &o, md); dist_finalize(&dist); return 0; }
-    if (o.eval_only && !o.val_path) fail("flag --eval-only: needs --val");
     if (!o.data_path && !o.eval_only) fail("nothing to do: give --data (an image shard from scripts/prepare_images.py), or --val with --eval-only");
-    if (o.resume_dir && !o.data_path) fail("flag --resume: needs --data (the same training data as the saved run)");
-    resolve_device(o.device);
-    if (o.threads > 0) omp_set_num_threads(o.threads);
-    if (o.out_dir && dist.rank == 0) make_dirs(o.out_dir, "flag --out");
-    if (o.resume_dir && !dir_exists(o.resume_dir)) fail("flag --resume: %s is not a directory", o.resume_dir);
-    if (o.stop_at && !o.out_dir && !o.resume_dir) fail("flag --stop-at: needs --out (where the run is saved to resume later)");
+    train_prepare_run(&o, dist.rank);
 
     int h, w, classes;
     vit_resolution(&cfg, o.image_size, &h, &w);

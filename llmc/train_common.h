@@ -4,6 +4,7 @@
 #pragma once
 #include "common.h"
 #include "flags.h"
+#include <omp.h>
 
 typedef struct {
     // model and data
@@ -190,4 +191,26 @@ static Device resolve_device(const char* flag) {
         fail("flag --device cuda: this binary has no CUDA backend (the CUDA backend is not implemented yet; use --device cpu)");
 #endif
     return DEVICE_CPU;
+}
+
+// Parses argv with the trainer's flag table and applies the checks every trainer makes before it
+// reads anything.
+static void train_parse_flags(FlagTable* t, TrainOptions* o, int argc, char** argv) {
+    flags_parse(t, argc, argv);
+    train_resolve_mode(o);
+    train_validate(o);
+    if (!o->model_dir) fail("flag --model is required (a model directory with config.json and model.safetensors)");
+    if (o->json && !o->dry_run) fail("flag --json: only valid with --dry-run");
+}
+
+// The run-level checks and setup shared by the trainers (after the dry-run branch): flags that
+// need each other, the backend, threads, and the output directory (made by rank 0).
+static void train_prepare_run(const TrainOptions* o, int rank) {
+    if (o->eval_only && !o->val_path) fail("flag --eval-only: needs --val");
+    if (o->resume_dir && !o->data_path) fail("flag --resume: needs --data (the same training data as the saved run)");
+    if (o->resume_dir && !dir_exists(o->resume_dir)) fail("flag --resume: %s is not a directory", o->resume_dir);
+    if (o->stop_at && !o->out_dir && !o->resume_dir) fail("flag --stop-at: needs --out (where the run is saved to resume later)");
+    resolve_device(o->device);
+    if (o->threads > 0) omp_set_num_threads(o->threads);
+    if (o->out_dir && rank == 0) make_dirs(o->out_dir, "flag --out");
 }
