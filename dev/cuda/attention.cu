@@ -8,8 +8,17 @@
 #include "../../llmc/cpu/attention.h"
 #include "../../llmc/cuda/attention.cuh"
 
-static void test_attention(AttnShape s, Rng* rng) {
+// packed: the rows hold examples of random lengths (positions restart; attention stays inside).
+static void test_attention(AttnShape s, Rng* rng, int packed) {
     int64_t N = (int64_t)s.B * s.T, nq = N * s.H * s.hd, nk = N * s.KVH * s.hd, nl = (int64_t)s.B * s.H * s.T;
+    int* pos = NULL;
+    AttnShape sd = s;  // the device side's shape: same, but pos on the device
+    if (packed) {
+        pos = (int*)xmalloc(sizeof(int) * N);
+        for (int64_t n = 0; n < N; n++) pos[n] = (n % s.T == 0 || rng_below(rng, 7) == 0) ? 0 : pos[n - 1] + 1;
+        s.pos = pos;
+        sd.pos = (const int*)upload(pos, sizeof(int) * N);
+    }
     float *q = host_randn(nq, rng, 1.0f, 1), *k = host_randn(nk, rng, 1.0f, 1), *v = host_randn(nk, rng, 1.0f, 1);
     float *o = (float*)xmalloc(4 * nq), *lse = (float*)xmalloc(4 * nl);
     attention_forward(o, lse, q, k, v, s);
@@ -17,10 +26,10 @@ static void test_attention(AttnShape s, Rng* rng) {
     float* d_lse = (float*)dev_alloc(4 * nl);
     dev_poison(d_o, 2 * nq);
     dev_poison(d_lse, 4 * nl);
-    attention_forward_cuda(d_o, d_lse, d_q, d_k, d_v, s, g_stream);
+    attention_forward_cuda(d_o, d_lse, d_q, d_k, d_v, sd, g_stream);
     float *go = download_bf16(d_o, nq), *glse = download_f32(d_lse, nl);
     char tag[96], name[160];
-    snprintf(tag, sizeof(tag), "B=%d T=%d H=%d KVH=%d hd=%d %s", s.B, s.T, s.H, s.KVH, s.hd, s.causal ? "causal" : "bidir");
+    snprintf(tag, sizeof(tag), "B=%d T=%d H=%d KVH=%d hd=%d %s", s.B, s.T, s.H, s.KVH, s.hd, packed ? "causal packed" : s.causal ? "causal" : "bidir");
     snprintf(name, sizeof(name), "attn fwd o, %s", tag);
     check_close(name, go, o, nq, 1e-2);
     snprintf(name, sizeof(name), "attn fwd lse, %s", tag);
@@ -40,7 +49,7 @@ static void test_attention(AttnShape s, Rng* rng) {
     dev_poison(d_dk, 2 * nk);
     dev_poison(d_dv, 2 * nk);
     dev_poison(d_scratch, 4 * nl);
-    attention_backward_cuda(d_dq, d_dk, d_dv, d_dout, d_q, d_k, d_v, d_o, d_lse, d_scratch, s, g_stream);
+    attention_backward_cuda(d_dq, d_dk, d_dv, d_dout, d_q, d_k, d_v, d_o, d_lse, d_scratch, sd, g_stream);
     float *gdq = download_bf16(d_dq, nq), *gdk = download_bf16(d_dk, nk), *gdv = download_bf16(d_dv, nk);
     snprintf(name, sizeof(name), "attn bwd dq, %s", tag);
     check_close(name, gdq, dq, nq, 1e-2);
@@ -52,6 +61,7 @@ static void test_attention(AttnShape s, Rng* rng) {
     CUDA_CHECK(cudaFree(d_q)); CUDA_CHECK(cudaFree(d_k)); CUDA_CHECK(cudaFree(d_v)); CUDA_CHECK(cudaFree(d_o));
     CUDA_CHECK(cudaFree(d_lse)); CUDA_CHECK(cudaFree(d_dout)); CUDA_CHECK(cudaFree(d_dq)); CUDA_CHECK(cudaFree(d_dk));
     CUDA_CHECK(cudaFree(d_dv)); CUDA_CHECK(cudaFree(d_scratch));
+    if (packed) { CUDA_CHECK(cudaFree((void*)sd.pos)); free(pos); }
     free(q); free(k); free(v); free(o); free(lse); free(go); free(glse); free(dout); free(dq); free(dk); free(dv);
     free(gdq); free(gdk); free(gdv);
 }
@@ -72,9 +82,9 @@ static void test_rope(int64_t N, int T, int nheads, int hd, Rng* rng) {
     char name[128];
     for (int inverse = 0; inverse < 2; inverse++) {
         float* want = host_copy(x, n);
-        rope_apply(want, cos_t, sin_t, N, T, nheads, hd, inverse);
+        rope_apply(want, cos_t, sin_t, NULL, N, T, nheads, hd, inverse);
         upload_bf16_to(d_x, x, n);
-        rope_apply_cuda(d_x, d_cos, d_sin, N, T, nheads, hd, inverse, g_stream);
+        rope_apply_cuda(d_x, d_cos, d_sin, NULL, N, T, nheads, hd, inverse, g_stream);
         float* got = download_bf16(d_x, n);
         snprintf(name, sizeof(name), "rope_apply%s, N=%lld T=%d heads=%d hd=%d", inverse ? " inverse" : "", (long long)N, T, nheads, hd);
         check_close(name, got, want, n, 1e-2);
@@ -82,8 +92,8 @@ static void test_rope(int64_t N, int T, int nheads, int hd, Rng* rng) {
         free(got);
     }
     upload_bf16_to(d_x, x, n);  // the inverse undoes the rotation (up to two bf16 roundings)
-    rope_apply_cuda(d_x, d_cos, d_sin, N, T, nheads, hd, 0, g_stream);
-    rope_apply_cuda(d_x, d_cos, d_sin, N, T, nheads, hd, 1, g_stream);
+    rope_apply_cuda(d_x, d_cos, d_sin, NULL, N, T, nheads, hd, 0, g_stream);
+    rope_apply_cuda(d_x, d_cos, d_sin, NULL, N, T, nheads, hd, 1, g_stream);
     float* back = download_bf16(d_x, n);
     snprintf(name, sizeof(name), "rope_apply then inverse is the identity, hd=%d", hd);
     check_close(name, back, x, n, 1e-2);
@@ -136,7 +146,9 @@ int main(void) {
         {3, 5, 2, 1, 8, 1},     // shorter than one tile
         {1, 97, 2, 2, 36, 1},   // hd 36: partial last register group
     };
-    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) test_attention(cases[i], &rng);
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) test_attention(cases[i], &rng, 0);
+    AttnShape packed[] = {{2, 37, 4, 2, 16, 1}, {1, 97, 2, 2, 36, 1}};  // packed examples, ragged tiles
+    for (size_t i = 0; i < sizeof(packed) / sizeof(packed[0]); i++) test_attention(packed[i], &rng, 1);
     if (g_timing) {
         AttnShape llama = {4, 2048, 32, 8, 128, 1}, vit = {64, 197, 12, 12, 64, 0};
         time_attention(llama, "B=4 T=2048 H=32 KVH=8 hd=128 causal");

@@ -35,10 +35,11 @@
 
 // ---- RoPE ------------------------------------------------------------------------------------
 
-// Rotate-half RoPE (pairs i, i+hd/2) in place on x [N, nheads*hd] at position n % T; cos/sin
-// tables [T, hd/2] in fp32. inverse = 1 applies the transpose rotation (the backward).
-__global__ void rope_apply_kernel(bf16* x, const float* __restrict__ cos_t, const float* __restrict__ sin_t, int64_t N, int T,
-                                  int nheads, int hd, int inverse) {
+// Rotate-half RoPE (pairs i, i+hd/2) in place on x [N, nheads*hd] at position pos[n] (device
+// array; packed examples restart at 0) or n % T when pos is NULL; cos/sin tables [T, hd/2] in
+// fp32. inverse = 1 applies the transpose rotation (the backward).
+__global__ void rope_apply_kernel(bf16* x, const float* __restrict__ cos_t, const float* __restrict__ sin_t,
+                                  const int* __restrict__ pos, int64_t N, int T, int nheads, int hd, int inverse) {
     int half = hd / 2;
     float sgn = inverse ? -1.0f : 1.0f;
     int64_t total = N * nheads * half;
@@ -46,7 +47,7 @@ __global__ void rope_apply_kernel(bf16* x, const float* __restrict__ cos_t, cons
         int i = (int)(idx % half);
         int64_t nh = idx / half, n = nh / nheads;
         int h = (int)(nh % nheads);
-        int64_t tab = (n % T) * half + i;
+        int64_t tab = (pos ? (int64_t)pos[n] : n % T) * half + i;
         float c = cos_t[tab], si = sgn * sin_t[tab];
         bf16* v = x + n * nheads * hd + (int64_t)h * hd;
         float a = bf2f(v[i]), b = bf2f(v[i + half]);
@@ -54,11 +55,19 @@ __global__ void rope_apply_kernel(bf16* x, const float* __restrict__ cos_t, cons
         v[i + half] = f2bf(b * c + a * si);
     }
 }
-static void rope_apply_cuda(bf16* x, const float* cos_t, const float* sin_t, int64_t N, int T, int nheads, int hd, int inverse,
-                            cudaStream_t stream) {
+static void rope_apply_cuda(bf16* x, const float* cos_t, const float* sin_t, const int* pos, int64_t N, int T, int nheads, int hd,
+                            int inverse, cudaStream_t stream) {
     int64_t total = N * nheads * (hd / 2);
     if (total == 0) return;
-    launch_kernel(grid_for(total, 256), 256, 0, stream, rope_apply_kernel, x, cos_t, sin_t, N, T, nheads, hd, inverse);
+    launch_kernel(grid_for(total, 256), 256, 0, stream, rope_apply_kernel, x, cos_t, sin_t, pos, N, T, nheads, hd, inverse);
+}
+
+// Whether query row `query` of batch b sees key row `key`: inside the sequence, not in the future
+// when causal, and (packed examples, s.pos a device array) not before the query's example start.
+static __device__ __forceinline__ int att_visible(const AttnShape& s, int b, int query, int key) {
+    if (query >= s.T || key >= s.T) return 0;
+    if (!s.causal) return 1;
+    return key <= query && (!s.pos || key >= query - s.pos[(int64_t)b * s.T + query]);
 }
 
 // ---- shared pieces of the attention kernels --------------------------------------------------
@@ -145,7 +154,7 @@ attention_forward_kernel(bf16* o, float* lse, const bf16* __restrict__ q, const 
         for (int jj = 0; jj < ATT_TILE; jj++) {
             float dot = att_row_dot<HDMAX>(qr, Ks, jj, sub);
             int key = j0 + jj;
-            int ok = key < s.T && (!s.causal || key <= t);
+            int ok = att_visible(s, b, t, key);
             sc[jj] = ok ? dot * scale : -INFINITY;
             mt = fmaxf(mt, sc[jj]);
         }
@@ -223,7 +232,7 @@ attention_backward_dq_kernel(bf16* dq, const bf16* __restrict__ dout, const bf16
             float sdot = att_row_dot<HDMAX>(qr, Ks, jj, sub);
             float dp = att_row_dot<HDMAX>(dor, Vs, jj, sub);
             int key = j0 + jj;
-            int ok = t < s.T && key < s.T && (!s.causal || key <= t);
+            int ok = att_visible(s, b, t, key);
             float p = ok ? expf(sdot * scale - L) : 0.0f;
             float ds = p * (dp - Dv) * scale;
 #pragma unroll
@@ -274,7 +283,7 @@ attention_backward_dkdv_kernel(bf16* dk, bf16* dv, const bf16* __restrict__ dout
                 float sdot = att_row_dot<HDMAX>(kr, Qs, ii, sub);
                 float dp = att_row_dot<HDMAX>(vr, dOs, ii, sub);
                 int i = i0 + ii;
-                int ok = i < s.T && j < s.T && (!s.causal || j <= i);
+                int ok = att_visible(s, b, i, j);
                 float p = ok ? expf(sdot * scale - Ls[ii]) : 0.0f;
                 float ds = p * (dp - Ds[ii]) * scale;
 #pragma unroll
