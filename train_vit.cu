@@ -154,6 +154,7 @@ typedef struct {
 
 typedef struct {
     int approx, ms, ckpt;
+    int full;              // train the linear weights themselves (and the head) instead of LoRA adapters
     unsigned targets;
     int rank;
     float lora_scale;
@@ -167,13 +168,14 @@ typedef struct {
     int grid_h, grid_w;    // patch grid at that resolution
     int T;                 // tokens per image: class token + grid_h * grid_w patches
     int classes;
+    const Dist* dist;      // ZeRO-1 sharding of the AdamW state under --full (NULL: one process)
     float* patch_w;        // [d, C*ph*pw] (the conv kernel [d, C, ph, pw], flattened)
     float* patch_b;        // [d]
     float* cls;            // [d] class token
     float* pos;            // [T, d] at the fine-tuning resolution (interpolated at load)
     float *norm_g, *norm_b;  // final LayerNorm (kept standard: only the class token goes through it)
     VitLayer* layers;
-    Trainable tr;          // flat trainable arenas: LoRA, then head W, head b
+    Trainable tr;          // flat trainable arenas: LoRA (or, --full, the linear weights), then head W, head b
     int64_t lora_count;
     float *head_w, *head_b, *dhead_w, *dhead_b;  // [classes, d], [classes] inside the arenas
     BlockActs* acts;       // [layers]
@@ -229,7 +231,8 @@ static void vit_plan(Vit* m, MemPlan* p, int wbytes, int abytes) {
         plan_add(p, MEM_FROZEN, "mlp_norm", l, "ln2_g", d * 4, &L->ln2_g);
         plan_add(p, MEM_FROZEN, "mlp_norm", l, "ln2_b", d * 4, &L->ln2_b);
         for (int t = 0; t < N_TARGETS; t++) {
-            plan_add(p, MEM_FROZEN, target_names[t], l, target_names[t], lin_in(c, t) * lin_out(c, t) * wbytes, &L->lin[t].W);
+            // under --full the linear weights are the trainable arena (fp32); biases stay frozen
+            if (!md->full) plan_add(p, MEM_FROZEN, target_names[t], l, target_names[t], lin_in(c, t) * lin_out(c, t) * wbytes, &L->lin[t].W);
             plan_add(p, MEM_FROZEN, target_names[t], l, "bias", lin_out(c, t) * 4, &L->lin[t].bias);
         }
     }
@@ -237,11 +240,13 @@ static void vit_plan(Vit* m, MemPlan* p, int wbytes, int abytes) {
     m->lora_count = 0;
     for (int l = 0; l < c->layers; l++)
         for (int t = 0; t < N_TARGETS; t++)
-            if (md->targets >> t & 1) m->lora_count += r * (lin_in(c, t) + lin_out(c, t));
-    trainable_plan(&m->tr, p, "lora+head", m->lora_count + K * d + K, 0, NULL);
+            if (md->full) m->lora_count += lin_in(c, t) * lin_out(c, t);
+            else if (md->targets >> t & 1) m->lora_count += r * (lin_in(c, t) + lin_out(c, t));
+    trainable_plan(&m->tr, p, md->full ? "linear weights+head" : "lora+head", m->lora_count + K * d + K, md->full, m->dist);
     // saved activations, block by block (the table above)
     int keep = !md->ckpt, std_norm = !md->ms;
-    int lora_qkv = md->targets & ((1u << T_Q) | (1u << T_K) | (1u << T_V));
+    // a linear keeps its input when its own backward needs it: it has an adapter or trains W
+    int lora_qkv = md->full || (md->targets & ((1u << T_Q) | (1u << T_K) | (1u << T_V)));
     for (int l = 0; l < c->layers; l++) {
         BlockActs* a = &m->acts[l];
         BlockActs* s = &m->tmp;
@@ -264,10 +269,10 @@ static void vit_plan(Vit* m, MemPlan* p, int wbytes, int abytes) {
         if (std_norm) plan_block_act(p, l, keep, "mlp_norm", "h_mid", N * d * abytes, &a->h_mid, &s->h_mid);
         if (std_norm) plan_block_act(p, l, keep, "mlp_norm", "mean2", N * 4, &a->mean2, &s->mean2);
         plan_block_act(p, l, keep, "mlp_norm", "r2", N * 4, &a->r2, &s->r2);
-        plan_block_act(p, l, keep && (md->ms || (md->targets >> T_FC1 & 1)), "fc1_input", "z2", N * d * abytes, &a->z2, &s->z2);
+        plan_block_act(p, l, keep && (md->ms || md->full || (md->targets >> T_FC1 & 1)), "fc1_input", "z2", N * d * abytes, &a->z2, &s->z2);
         plan_block_act(p, l, keep && !md->approx, "gelu", "h", N * f * abytes, &a->h, &s->h);
         if (md->approx) plan_block_act(p, l, keep, "gelu", "codes", (size_t)packed_codes_bytes(N * f), &a->codes, &s->codes);
-        plan_block_act(p, l, keep && (md->targets >> T_FC2 & 1), "fc2_input", "g", N * f * abytes, &a->g, &s->g);
+        plan_block_act(p, l, keep && (md->full || (md->targets >> T_FC2 & 1)), "fc2_input", "g", N * f * abytes, &a->g, &s->g);
     }
     // scratch of the forward and backward passes
     plan_add(p, MEM_SCRATCH, "batch", -1, "pixels", B * c->channels * (int64_t)m->img_h * m->img_w * 4, &m->pixels);
@@ -309,7 +314,13 @@ static void vit_bind(Vit* m) {
             Linear* L = &m->layers[l].lin[t];
             L->in = (int)lin_in(c, t);
             L->out = (int)lin_out(c, t);
-            if (m->modes.targets >> t & 1) lora_bind(L, m->tr.params, m->tr.grads, &off, m->modes.rank);
+            if (m->modes.full) {  // full fine-tuning: W and its gradient live in the flat arenas
+                L->W = m->tr.params + off;
+                L->dW = m->tr.grads + off;
+                off += (int64_t)L->in * L->out;
+            } else if (m->modes.targets >> t & 1) {
+                lora_bind(L, m->tr.params, m->tr.grads, &off, m->modes.rank);
+            }
         }
     m->head_w = m->tr.params + off; m->dhead_w = m->tr.grads + off; off += (int64_t)m->classes * c->dim;
     m->head_b = m->tr.params + off; m->dhead_b = m->tr.grads + off;
@@ -317,8 +328,9 @@ static void vit_bind(Vit* m) {
 
 // The fine-tuning resolution must be a whole number of patches.
 static void vit_setup(Vit* m, const VitConfig* cfg, const VitModes* modes, int B, int img_h, int img_w, int classes, int wbytes,
-                      int abytes) {
+                      int abytes, const Dist* dist) {
     memset(m, 0, sizeof(*m));
+    m->dist = dist;
     if (img_h % cfg->patch_h || img_w % cfg->patch_w)
         fail("flag --image-size: %dx%d is not a multiple of the patch size %dx%d", img_h, img_w, cfg->patch_h, cfg->patch_w);
     m->cfg = *cfg;
@@ -821,12 +833,244 @@ static void vit_load_adapter(Vit* m, const char* dir, const TrainOptions* o, int
     free(e);
 }
 
+// ----------------------------------------------------------------------------------------------
+// --export-merged (and the output of --full): the input checkpoint (Hugging Face or timm layout,
+// its tensor names and dtypes) with every adapter folded in, W + alpha/r * B A, or the fully
+// fine-tuned W, the trained head as its classifier (classifier.* / head.*, with the new class
+// count), every other tensor unchanged. A layer that MS-LN merged (y = W' z + b', z the plain
+// normalised input) is mapped back to the original one, y = W (gamma*z + beta) + b:
+//   W = W' diag(1/gamma),   b = b' - W beta = b' - W' (beta / gamma)
+// with W' the trained (or adapted) merged weight and b' the merged bias as loaded; a zero gamma
+// has no inverse and fails. config.json gets num_labels = the head's classes (and qkv_bias true
+// when the mapping gives q, k, v a bias the checkpoint did not have).
+
+// The linear (l, t) in the original layout: W [out, in] and b [out], fp32.
+static void vit_linear_original(const Vit* m, int l, int t, float* W, float* b) {
+    const Linear* L = &m->layers[l].lin[t];
+    int64_t n = (int64_t)L->out * L->in;
+    memcpy(W, L->W, sizeof(float) * n);
+    if (L->A) matmul_nn(W, L->B, L->A, L->out, L->in, m->modes.rank, m->modes.lora_scale, 1);
+    memcpy(b, L->bias, sizeof(float) * L->out);
+    const float *g = vit_merged_gamma(m, l, t), *be = vit_merged_beta(m, l, t);
+    if (!g) return;
+    double* u = (double*)xmalloc(sizeof(double) * L->in);
+    for (int j = 0; j < L->in; j++) {
+        if (g[j] == 0.0f)
+            fail("cannot export vit.encoder.layer.%d.%s to the original model: its norm's gamma[%d] is 0, so the merged layer has no "
+                 "inverse (train with --norm std)", l, hf_module_names[t], j);
+        u[j] = (double)be[j] / g[j];
+    }
+    for (int o = 0; o < L->out; o++) {
+        float* w = W + (int64_t)o * L->in;
+        double s = 0.0;
+        for (int j = 0; j < L->in; j++) s += (double)w[j] * u[j];
+        b[o] = (float)((double)b[o] - s);
+        for (int j = 0; j < L->in; j++) w[j] = (float)((double)w[j] / g[j]);
+    }
+    free(u);
+}
+
+// JSON out, as parsed (numbers that are integers print as integers).
+static void vit_json_dump(FILE* f, const Json* j, int indent) {
+    switch (j->type) {
+    case JSON_NULL: fputs("null", f); break;
+    case JSON_BOOL: fputs(j->boolean ? "true" : "false", f); break;
+    case JSON_NUMBER:
+        if (j->number == floor(j->number) && fabs(j->number) < 1e15) fprintf(f, "%lld", (long long)j->number);
+        else {  // the shortest form that reads back to the same double
+            char b[40];
+            for (int prec = 15; prec <= 17; prec++) { snprintf(b, sizeof(b), "%.*g", prec, j->number); if (strtod(b, NULL) == j->number) break; }
+            fputs(b, f);
+        }
+        break;
+    case JSON_STRING: json_write_string(f, j->string); break;
+    case JSON_ARRAY:
+        fputc('[', f);
+        for (int i = 0; i < j->count; i++) { if (i) fputs(", ", f); vit_json_dump(f, &j->items[i], indent); }
+        fputc(']', f);
+        break;
+    case JSON_OBJECT:
+        fputs("{", f);
+        for (int i = 0; i < j->count; i++) {
+            fprintf(f, "%s\n%*s", i ? "," : "", indent + 2, "");
+            json_write_string(f, j->keys[i]);
+            fputs(": ", f);
+            vit_json_dump(f, &j->items[i], indent + 2);
+        }
+        fprintf(f, "\n%*s}", indent, "");
+        break;
+    }
+}
+
+// config.json of the exported model: the input's, without id2label / label2id / num_labels /
+// qkv_bias, then num_labels (and qkv_bias) as they now are.
+static void vit_export_config(const Vit* m, const char* model_dir, const char* dir, int qkv_bias) {
+    char* src = path_join(model_dir, "config.json");
+    size_t n;
+    char* text = read_file(src, &n);
+    Json j = json_parse(text, n, src);
+    char* buf = NULL;
+    size_t len = 0;
+    FILE* f = open_memstream(&buf, &len);
+    if (!f) fail("out of memory");
+    fputs("{", f);
+    int k = 0;
+    for (int i = 0; i < j.count; i++) {
+        const char* key = j.keys[i];
+        if (!strcmp(key, "id2label") || !strcmp(key, "label2id") || !strcmp(key, "num_labels") || !strcmp(key, "qkv_bias")) continue;
+        fprintf(f, "%s\n  ", k++ ? "," : "");
+        json_write_string(f, key);
+        fputs(": ", f);
+        vit_json_dump(f, &j.items[i], 2);
+    }
+    fprintf(f, "%s\n  \"num_labels\": %d,\n  \"qkv_bias\": %s\n}\n", k ? "," : "", m->classes, qkv_bias ? "true" : "false");
+    fclose(f);
+    char* dst = path_join(dir, "config.json");
+    AtomicFile a = atomic_open(dst);
+    atomic_write(&a, buf, len);
+    atomic_commit(&a);
+    free(buf); free(dst); json_free(&j); free(text); free(src);
+}
+
+static void vit_copy_file(const char* src, const char* dst) {
+    size_t n;
+    char* buf = read_file(src, &n);
+    AtomicFile a = atomic_open(dst);
+    atomic_write(&a, buf, n);
+    atomic_commit(&a);
+    free(buf);
+}
+
+static void vit_export_merged(Vit* m, const TrainOptions* o, const char* dir) {
+    const VitConfig* c = &m->cfg;
+    make_dirs(dir, "flag --export-merged");
+    StModel sm;
+    st_model_open(&sm, o->model_dir);
+    const char* px;
+    int hf = vit_detect_layout(&sm, &px) == LAYOUT_HF;
+    int64_t d = c->dim;
+    StWriter w;
+    memset(&w, 0, sizeof(w));
+    int total = 0, k = 0;
+    for (int f = 0; f < sm.nfiles; f++) total += sm.files[f].count;
+    int cap = total + 4 * c->layers + 4;
+    void** owned = (void**)xcalloc(cap, sizeof(void*));
+    char (*names)[256] = (char(*)[256])xcalloc(cap, sizeof(*names));
+    StDtype head_dtype = ST_F32;
+    int have_qkv_bias = 1;  // every q, k, v has a bias tensor in the output
+    // (l, t) of a tensor name, and whether it is the weight or the bias; timm's fused qkv: t = -1
+    char name[256];
+    for (int f = 0; f < sm.nfiles; f++)
+        for (int i = 0; i < sm.files[f].count; i++) {
+            const StTensor* t = &sm.files[f].tensors[i];
+            if (!strcmp(t->name, hf ? "classifier.weight" : "head.weight")) { head_dtype = t->dtype; continue; }
+            if (!strcmp(t->name, hf ? "classifier.bias" : "head.bias")) continue;
+            int hit_l = -1, hit_t = -2, is_bias = 0;
+            for (int l = 0; l < c->layers && hit_l < 0; l++)
+                for (int tg = hf ? 0 : -1; tg < N_TARGETS && hit_l < 0; tg++) {
+                    if (!hf && tg >= T_Q && tg <= T_V) continue;
+                    for (int bias = 0; bias < 2; bias++) {
+                        if (hf) snprintf(name, sizeof(name), "%sencoder.layer.%d.%s.%s", px, l, hf_module_names[tg], bias ? "bias" : "weight");
+                        else snprintf(name, sizeof(name), "blocks.%d.%s.%s", l, tg < 0 ? "attn.qkv" : timm_module_names[tg], bias ? "bias" : "weight");
+                        if (!strcmp(name, t->name)) { hit_l = l; hit_t = tg; is_bias = bias; break; }
+                    }
+                }
+            int lo = hit_t < 0 ? T_Q : hit_t, hi = hit_t < 0 ? T_V : hit_t, changed = 0;
+            for (int tg = lo; hit_l >= 0 && tg <= hi; tg++) changed |= m->layers[hit_l].lin[tg].A || m->layers[hit_l].lin[tg].dW;
+            if (!changed) { st_writer_add(&w, t->name, t->dtype, t->ndim, t->shape, t->data); continue; }
+            int64_t numel = st_numel(t), per = numel / (hi - lo + 1);
+            float* v = (float*)xmalloc(sizeof(float) * numel);
+            st_to_f32(t, v);  // unchanged parts (timm's fused q, k, v) stay as they are
+            for (int tg = lo; tg <= hi; tg++) {
+                const Linear* L = &m->layers[hit_l].lin[tg];
+                if (!L->A && !L->dW) continue;
+                float* W = (float*)xmalloc(sizeof(float) * L->out * L->in);
+                float* b = (float*)xmalloc(sizeof(float) * L->out);
+                vit_linear_original(m, hit_l, tg, W, b);
+                memcpy(v + (tg - lo) * per, is_bias ? b : W, sizeof(float) * per);
+                free(W); free(b);
+            }
+            owned[k] = xmalloc(st_dtype_size(t->dtype) * numel);
+            f32_to_dtype(owned[k], v, numel, t->dtype);
+            st_writer_add(&w, t->name, t->dtype, t->ndim, t->shape, owned[k++]);
+            free(v);
+        }
+    // q, k, v without a bias in the checkpoint: under MS-LN the mapping back can give them one
+    for (int l = 0; l < c->layers; l++) {
+        int need = 0;
+        StDtype dt = ST_F32;
+        for (int tg = T_Q; tg <= T_V; tg++) {
+            const Linear* L = &m->layers[l].lin[tg];
+            need |= m->modes.ms && (L->A || L->dW);
+        }
+        if (hf) snprintf(name, sizeof(name), "%sencoder.layer.%d.%s.bias", px, l, hf_module_names[T_Q]);
+        else snprintf(name, sizeof(name), "blocks.%d.attn.qkv.bias", l);
+        if (st_model_find(&sm, name) && (!hf || c->qkv_bias || need)) continue;  // (HF: ignored unless qkv_bias or rewritten above)
+        if (!need) { have_qkv_bias = 0; continue; }
+        if (hf) snprintf(name, sizeof(name), "%sencoder.layer.%d.%s.weight", px, l, hf_module_names[T_Q]);
+        else snprintf(name, sizeof(name), "blocks.%d.attn.qkv.weight", l);
+        const StTensor* wt = st_model_find(&sm, name);
+        if (wt) dt = wt->dtype;
+        float* W = (float*)xmalloc(sizeof(float) * d * d);
+        float* b = (float*)xcalloc(3 * d, sizeof(float));
+        for (int tg = T_Q; tg <= T_V; tg++) {
+            const Linear* L = &m->layers[l].lin[tg];
+            if (L->A || L->dW) vit_linear_original(m, l, tg, W, b + (tg - T_Q) * d);
+        }
+        for (int tg = T_Q; tg <= (hf ? T_V : T_Q); tg++) {
+            int64_t cnt = hf ? d : 3 * d;
+            if (hf) snprintf(names[k], sizeof(names[k]), "%sencoder.layer.%d.%s.bias", px, l, hf_module_names[tg]);
+            else snprintf(names[k], sizeof(names[k]), "blocks.%d.attn.qkv.bias", l);
+            owned[k] = xmalloc(st_dtype_size(dt) * cnt);
+            f32_to_dtype(owned[k], b + (tg - T_Q) * d, cnt, dt);
+            st_writer_add(&w, names[k], dt, 1, &cnt, owned[k]);
+            k++;
+        }
+        free(W); free(b);
+    }
+    // the trained head as the classifier
+    int64_t hw_shape[2] = {m->classes, d}, hb_shape = m->classes;
+    owned[k] = xmalloc(st_dtype_size(head_dtype) * m->classes * d);
+    f32_to_dtype(owned[k], m->head_w, (int64_t)m->classes * d, head_dtype);
+    st_writer_add(&w, hf ? "classifier.weight" : "head.weight", head_dtype, 2, hw_shape, owned[k++]);
+    owned[k] = xmalloc(st_dtype_size(head_dtype) * m->classes);
+    f32_to_dtype(owned[k], m->head_b, m->classes, head_dtype);
+    st_writer_add(&w, hf ? "classifier.bias" : "head.bias", head_dtype, 1, &hb_shape, owned[k++]);
+    char* path = path_join(dir, "model.safetensors");
+    st_writer_save(&w, path, "\"format\":\"pt\"");
+    free(path);
+    vit_export_config(m, o->model_dir, dir, have_qkv_bias);
+    char* src = path_join(o->model_dir, "preprocessor_config.json");
+    char* dst = path_join(dir, "preprocessor_config.json");
+    if (file_exists(src)) vit_copy_file(src, dst);
+    free(src); free(dst);
+    for (int i = 0; i < k; i++) free(owned[i]);
+    free(owned); free(names);
+    st_writer_free(&w);
+    st_model_close(&sm);
+}
+
+// A model directory written by --export-merged or --full carries its trained head: --eval-only
+// without --adapter uses it (classifier.* / head.*; its class count must match the head's).
+static void vit_load_checkpoint_head(Vit* m, const char* dir) {
+    StModel sm;
+    st_model_open(&sm, dir);
+    const char* px;
+    int hf = vit_detect_layout(&sm, &px) == LAYOUT_HF;
+    const char *wn = hf ? "classifier.weight" : "head.weight", *bn = hf ? "classifier.bias" : "head.bias";
+    if (!st_model_find(&sm, wn) || !st_model_find(&sm, bn))
+        fail("%s: no %s / %s; --eval-only needs a trained head (give --adapter, or a model written by --export-merged or --full)", dir, wn, bn);
+    read_2d(&sm, wn, m->classes, m->cfg.dim, m->head_w);
+    read_1d(&sm, bn, m->classes, m->head_b);
+    st_model_close(&sm);
+}
+
 // Everything a resumed run must share with the saved one, as "key=value" words.
 static void vit_settings_line(char* buf, size_t n, const Vit* m, const TrainOptions* o, const Dist* d, int64_t images) {
     const VitConfig* c = &m->cfg;
-    snprintf(buf, n, "d=%d f=%d layers=%d heads=%d patch=%dx%d image=%dx%d classes=%d act=%s norm=%s recompute=%s rank=%d alpha=%g targets=0x%x "
+    snprintf(buf, n, "d=%d f=%d layers=%d heads=%d patch=%dx%d image=%dx%d classes=%d full=%d act=%s norm=%s recompute=%s rank=%d alpha=%g targets=0x%x "
              "batch=%d grad_accum=%d world=%d steps=%d lr=%g warmup=%d min_lr_frac=%g weight_decay=%g grad_clip=%g hflip=%d seed=%d data_images=%lld",
-             c->dim, c->hidden, c->layers, c->heads, c->patch_h, c->patch_w, m->img_h, m->img_w, m->classes, o->act, o->norm, o->recompute,
+             c->dim, c->hidden, c->layers, c->heads, c->patch_h, c->patch_w, m->img_h, m->img_w, m->classes, o->full, o->act, o->norm, o->recompute,
              o->lora_rank, o->lora_alpha, m->modes.targets, o->batch, o->grad_accum, d->world, o->steps, o->lr, o->warmup, o->min_lr_frac,
              o->weight_decay, o->grad_clip, o->hflip, o->seed, (long long)images);
 }
@@ -839,7 +1083,8 @@ static VitModes vit_modes_from(const TrainOptions* o) {
     md.approx = strcmp(o->act, "approx") == 0;
     md.ms = strcmp(o->norm, "ms") == 0;
     md.ckpt = strcmp(o->recompute, "block") == 0;
-    md.targets = parse_targets(o->lora_targets, target_names, N_TARGETS, "lora-targets");
+    md.full = o->full;
+    md.targets = o->full ? 0 : parse_targets(o->lora_targets, target_names, N_TARGETS, "lora-targets");
     md.rank = o->lora_rank;
     md.lora_scale = o->lora_alpha / (float)o->lora_rank;
     return md;
@@ -849,6 +1094,9 @@ static void vit_flags(FlagTable* t, TrainOptions* o) {
     t->program = "train_vit";
     t->usage = "--model DIR [--data TRAIN.bin --val VAL.bin] [flags]   (fine-tunes a ViT image classifier with LoRA and a new head)";
     train_flags_register_task(t, o, "comma list of q,k,v,proj,fc1,fc2 (default all)", TRAIN_IMAGE);
+    t->group = "model and data";
+    flag_string(t, "export-merged", &o->export_merged,
+                "after training (or alone, with --adapter), write the model with the adapter folded in and the trained head to this directory");
 }
 
 // The fine-tuning resolution: --image-size S or HxW, else the checkpoint's.
@@ -886,9 +1134,9 @@ static void vit_dry_run(const VitConfig* cfg, const TrainOptions* o, VitModes md
     int h, w, classes = o->classes > 0 ? o->classes : 10;
     vit_resolution(cfg, o->image_size, &h, &w);
     Vit m, base;
-    vit_setup(&m, cfg, &md, o->batch, h, w, classes, wbytes, abytes);
+    vit_setup(&m, cfg, &md, o->batch, h, w, classes, wbytes, abytes, NULL);
     VitModes bm = baseline_modes(md);
-    vit_setup(&base, cfg, &bm, o->batch, h, w, classes, wbytes, abytes);
+    vit_setup(&base, cfg, &bm, o->batch, h, w, classes, wbytes, abytes, NULL);
     if (o->json) {
         char s[768];
         print_settings_json(s, sizeof(s), o, &m, cpu ? "cpu" : "cuda");
@@ -915,6 +1163,16 @@ static void run_data_open(RunData* rd, const TrainOptions* o, const VitConfig* c
     if (o->data_path) { image_shard_load(&rd->train, o->data_path); rd->have_train = 1; }
     if (o->val_path) { image_shard_load(&rd->val, o->val_path); rd->have_val = 1; }
     *classes = o->classes ? o->classes : rd->have_train ? rd->train.classes : rd->val.classes;
+    if (*classes == 0 && o->adapter_dir) {  // --export-merged alone: the adapter's head says
+        char* ap = path_join(o->adapter_dir, "adapter_model.safetensors");
+        StFile f;
+        st_open(&f, ap);
+        const StTensor* hw = st_find(&f, "base_model.model.classifier.weight");
+        if (hw && hw->ndim == 2) *classes = (int)hw->shape[0];
+        st_close(&f);
+        free(ap);
+    }
+    if (*classes <= 0) fail("flag --classes: give the head's class count (no --data, --val or adapter head to take it from)");
     if (rd->have_train && rd->train.classes > *classes) fail("%s: the shard has %d classes, more than --classes %d", o->data_path, rd->train.classes, *classes);
     if (rd->have_val && rd->val.classes > *classes) fail("%s: the shard has %d classes, more than the head's %d", o->val_path, rd->val.classes, *classes);
     if (rd->have_train) image_loader_init(&rd->tl, &rd->train, h, w, c->channels, c->mean, c->std, (uint64_t)o->seed, 1, o->hflip);
@@ -974,13 +1232,14 @@ static void vit_train(Vit* m, RunData* rd, const TrainOptions* o, const Dist* di
             fflush(log);
         }
         if (out && train_save_due(o, step + 1)) {
-            if (rank0) vit_save_adapter(m, out, o);
+            if (rank0 && m->modes.full) vit_export_merged(m, o, out);  // a loadable model directory
+            else if (rank0) vit_save_adapter(m, out, o);
             trainable_save_state(&m->tr, dist, out, settings, step + 1, rd->tl.cursor, o->seed);
         }
     }
     if (rank0) {
         printf("trained %d steps in %.1f s (%.1f s in all-reduce)%s%s\n", stop - start, wall_seconds() - t0, comm,
-               out ? ", adapter and state in " : "", out ? out : "");
+               out ? (m->modes.full ? ", model and state in " : ", adapter and state in ") : "", out ? out : "");
         if (stop < o->steps) printf("stopped at step %d of %d (--stop-at); continue with --resume %s\n", stop, o->steps, out ? out : "OUT");
         printf("memory: planned %.2f MiB (saved activations %.2f MiB), measured peak RSS %.2f MiB\n", mib(plan_total(&m->plan)),
                mib(plan_saved_bytes(&m->plan)), peak_rss_mib());
@@ -998,12 +1257,13 @@ int main(int argc, char** argv) {
     memset(&ft, 0, sizeof(ft));
     vit_flags(&ft, &o);
     train_parse_flags(&ft, &o, argc, argv);
-    if (o.full) fail("flag --full: train_vit trains LoRA adapters and the new head; full fine-tuning is not implemented for ViT yet");
     VitConfig cfg;
     vit_config_load(&cfg, o.model_dir);
     VitModes md = vit_modes_from(&o);
     if (o.dry_run) { if (dist.rank == 0) vit_dry_run(&cfg, &o, md); dist_finalize(&dist); return 0; }
-    if (!o.data_path && !o.eval_only) fail("nothing to do: give --data (an image shard from scripts/prepare_images.py), or --val with --eval-only");
+    if (!o.data_path && !o.eval_only && !o.export_merged)
+        fail("nothing to do: give --data (an image shard from scripts/prepare_images.py), --val with --eval-only, or --export-merged DIR with --adapter");
+    if (!o.data_path && !o.eval_only && !o.adapter_dir) fail("flag --export-merged: alone, it needs --adapter (the adapter and head to fold in)");
     train_prepare_run(&o, dist.rank);
 
     int h, w, classes;
@@ -1011,19 +1271,23 @@ int main(int argc, char** argv) {
     RunData rd;
     run_data_open(&rd, &o, &cfg, h, w, &classes);
     Vit m, base;
-    vit_setup(&m, &cfg, &md, o.batch, h, w, classes, 4, 4);
+    vit_setup(&m, &cfg, &md, o.batch, h, w, classes, 4, 4, &dist);
     VitModes bm = baseline_modes(md);
-    vit_setup(&base, &cfg, &bm, o.batch, h, w, classes, 4, 4);
+    vit_setup(&base, &cfg, &bm, o.batch, h, w, classes, 4, 4, &dist);
     plan_allocate_host(&m.plan);
     vit_bind(&m);
     vit_load_weights(&m, o.model_dir);
     vit_init_trainable(&m, (uint64_t)o.seed);
-    if (o.adapter_dir) vit_load_adapter(&m, o.adapter_dir, &o, o.eval_only);
+    if (o.adapter_dir) vit_load_adapter(&m, o.adapter_dir, &o, o.eval_only || !o.data_path);
+    else if (o.eval_only) vit_load_checkpoint_head(&m, o.model_dir);
     if (dist.rank == 0) {
+        char what[160];
+        if (md.full) snprintf(what, sizeof(what), "full fine-tuning of the linear weights");
+        else snprintf(what, sizeof(what), "LoRA r=%d alpha=%g on %s", o.lora_rank, o.lora_alpha, o.lora_targets ? o.lora_targets : "all");
         printf("train_vit: %s | d=%d f=%d layers=%d heads=%d | image %dx%d (checkpoint %dx%d) patch %dx%d, %d tokens | %d classes | act=%s norm=%s recompute=%s | "
-               "LoRA r=%d alpha=%g on %s + head (%lld trainable params) | %d threads x %d ranks\n",
+               "%s + head (%lld trainable params) | %d threads x %d ranks\n",
                o.model_dir, cfg.dim, cfg.hidden, cfg.layers, cfg.heads, h, w, cfg.image_h, cfg.image_w, cfg.patch_h, cfg.patch_w, m.T, classes,
-               o.act, o.norm, o.recompute, o.lora_rank, o.lora_alpha, o.lora_targets ? o.lora_targets : "all", (long long)m.tr.count,
+               o.act, o.norm, o.recompute, what, (long long)m.tr.count,
                omp_get_max_threads(), dist.world);
         if (rd.have_train) printf("data: %s (%lld images %dx%dx%d, %d classes)", o.data_path, (long long)rd.train.n, rd.train.H, rd.train.W, rd.train.C, rd.train.classes);
         if (rd.have_val) printf("%sval %s (%lld images)", rd.have_train ? ", " : "data: ", o.val_path, (long long)rd.val.n);
@@ -1036,8 +1300,12 @@ int main(int argc, char** argv) {
             EvalResult e = vit_evaluate(&m, &rd.vl, o.val_batches);
             printf("val loss %.6f | val acc %.6f (%lld images)\n", e.loss, e.accuracy, (long long)e.images);
         }
-    } else {
+    } else if (o.data_path) {
         vit_train(&m, &rd, &o, &dist);
+    }
+    if (o.export_merged && dist.rank == 0) {
+        vit_export_merged(&m, &o, o.export_merged);
+        printf("wrote merged model to %s\n", o.export_merged);
     }
     run_data_close(&rd);
     vit_free(&m);

@@ -269,17 +269,18 @@ def attention(q, k, v):
     return torch.softmax(scores, dim=-1) @ v
 
 
-def forward(model, pixels, lora, scale, head, act="exact", norm="std", stats=None):
+def forward(model, pixels, lora, scale, head, act="exact", norm="std", stats=None, weights=None):
     """Logits [B, K] for normalised pixels [B, C, H, W].
 
     lora: dict (layer, target) -> (A, B); head: (W [K, d], b [K]). stats, if a dict, receives
-    "fc1_preact": the list of per-layer GELU inputs."""
+    "fc1_preact": the list of per-layer GELU inputs. weights: the weight dict to use instead of
+    the model's (merged under norm="ms"), e.g. with leaves that need gradients (full FT)."""
     c = model.cfg
     if act not in ("exact", "approx"):
         raise ValueError(f"act must be exact|approx, got {act!r}")
     if norm not in ("std", "ms"):
         raise ValueError(f"norm must be std|ms, got {norm!r}")
-    w = model.merged_weights() if norm == "ms" else model.w
+    w = weights if weights is not None else (model.merged_weights() if norm == "ms" else model.w)
     B, C, H, W = pixels.shape
     ph, pw = c.patch
     if C != c.channels or H % ph or W % pw:
@@ -325,8 +326,12 @@ def parse_targets(targets):
 
 
 def run_case(model_dir, case, act="exact", norm="std", lora_rank=None, lora_alpha=None,
-             targets=LORA_TARGETS, dtype=torch.float64):
+             targets=LORA_TARGETS, dtype=torch.float64, full=False):
     """Run one case through the reference.
+
+    full: full fine-tuning: no adapters (the case's are ignored); the gradients are those of
+    every linear weight (of the merged model under norm="ms"), named "grad.{l}.{t}.W", besides
+    the head's.
 
     model_dir: a model directory or an already loaded VitModel. case: a CASE path or dict.
     Returns the OUT names as float64 numpy arrays plus "stats": {"min_margin": smallest distance
@@ -351,7 +356,7 @@ def run_case(model_dir, case, act="exact", norm="std", lora_rank=None, lora_alph
     lora = {}
     rank = None
     for l in range(c.n_layers):
-        for t in targets:
+        for t in ([] if full else targets):
             A = np.asarray(case[f"lora.{l}.{t}.A"], dtype=np.float64)
             Bm = np.asarray(case[f"lora.{l}.{t}.B"], dtype=np.float64)
             i, o = c.in_out(t)
@@ -370,14 +375,26 @@ def run_case(model_dir, case, act="exact", norm="std", lora_rank=None, lora_alph
     scale = alpha / rank
 
     stats = {}
-    logits = forward(model, pixels, lora, scale, (hw, hb), act, norm, stats)
+    weights = None
+    if full:  # every linear weight becomes a leaf that needs a gradient
+        weights = dict(model.merged_weights() if norm == "ms" else model.w)
+        for l in range(c.n_layers):
+            for t in LORA_TARGETS:
+                weights[f"{l}.{t}.w"] = weights[f"{l}.{t}.w"].clone().requires_grad_(True)
+    logits = forward(model, pixels, lora, scale, (hw, hb), act, norm, stats, weights)
     loss = F.cross_entropy(logits, labels)
     params = [p for ab in lora.values() for p in ab] + [hw, hb]
+    if full:
+        params = [weights[f"{l}.{t}.w"] for l in range(c.n_layers) for t in LORA_TARGETS] + params
     grads = torch.autograd.grad(loss, params)
 
     out = {"logits": logits.detach().to(torch.float64).numpy(),
            "loss": np.array([float(loss)], dtype=np.float64)}
     gi = iter(grads)
+    if full:
+        for l in range(c.n_layers):
+            for t in LORA_TARGETS:
+                out[f"grad.{l}.{t}.W"] = next(gi).to(torch.float64).numpy()
     for (l, t) in lora:
         out[f"grad.lora.{l}.{t}.A"] = next(gi).to(torch.float64).numpy()
         out[f"grad.lora.{l}.{t}.B"] = next(gi).to(torch.float64).numpy()
@@ -404,9 +421,10 @@ def main(argv=None):
     ap.add_argument("--lora-alpha", type=float, default=None)
     ap.add_argument("--lora-targets", default=",".join(LORA_TARGETS))
     ap.add_argument("--dtype", choices=("float64", "float32"), default="float64")
+    ap.add_argument("--full", action="store_true", help="full fine-tuning: gradients of every linear weight")
     a = ap.parse_args(argv)
     res = run_case(a.model, a.case, a.act, a.norm, a.lora_rank, a.lora_alpha, a.lora_targets,
-                   torch.float64 if a.dtype == "float64" else torch.float32)
+                   torch.float64 if a.dtype == "float64" else torch.float32, a.full)
     stats = res.pop("stats")
     st_io.save(a.out, {k: v.astype(np.float32) for k, v in res.items()})
     print(f"loss {float(res['loss'][0]):.6f} min_breakpoint_margin {stats['min_margin']:.3g} "

@@ -376,7 +376,7 @@ BAD_FLAGS = {
     "targets": (["--lora-targets", "q,gate"], 'unknown target "gate", expected a comma list of q,k,v,proj,fc1,fc2'),
     "seq": (["--seq", "5"], "unknown flag --seq"),
     "no_model_dir": (["--model", "/nonexistent/vit"], "flag --model: /nonexistent/vit is not a directory"),
-    "full": (["--full"], "flag --full: train_vit trains LoRA adapters and the new head"),
+    "full": (["--full", "--lora-targets", "q"], "flag --full: not with --lora-targets or --adapter"),
     "eval_only": (["--eval-only"], "flag --eval-only: needs --val"),
 }
 

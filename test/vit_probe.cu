@@ -5,6 +5,8 @@
 //       CASE: pixels F32 [B, C, H, W] (normalised, at the fine-tuning resolution), labels I32 [B],
 //             lora.{l}.{t}.A [r, in] / .B [out, r], head.weight [K, d], head.bias [K]
 //       OUT:  logits [B, K], loss [1], grad.lora.{l}.{t}.A/B, grad.head.weight, grad.head.bias
+//             (--full: the case's adapters are ignored; grad.{l}.{t}.W of every linear weight
+//             instead of the LoRA gradients, of the merged layer under --norm ms)
 //   --data SHARD --dump-batches N --out-file OUT    the loader's first N training batches:
 //       OUT:  pixels F32 [N*B, C, H, W], labels I32 [N*B], index I32 (image in the shard),
 //             flip I32 (1 = flipped)
@@ -86,7 +88,7 @@ int main(int argc, char** argv) {
     st_check_shape(lb, 1, lshape);
     st_check_shape(hw, 2, hshape);
     Vit m;
-    vit_setup(&m, &cfg, &md, B, h, w, K, 4, 4);
+    vit_setup(&m, &cfg, &md, B, h, w, K, 4, 4, NULL);
     plan_allocate_host(&m.plan);
     vit_bind(&m);
     vit_load_weights(&m, o.model_dir);
@@ -128,6 +130,14 @@ int main(int argc, char** argv) {
     st_writer_add(&wr, "grad.head.bias", ST_F32, 1, &hshape[0], m.dhead_b);
     static char names[2 * N_TARGETS * 256][64];
     int k = 0;
+    for (int l = 0; l < cfg.layers; l++)
+        for (int t = 0; t < N_TARGETS && md.full; t++) {  // --full: the gradient of every linear weight
+            Linear* L = &m.layers[l].lin[t];
+            if (k + 1 > (int)(sizeof(names) / sizeof(names[0]))) fail("too many linears for the probe");
+            int64_t sw[2] = {L->out, L->in};
+            snprintf(names[k], 64, "grad.%d.%s.W", l, target_names[t]);
+            st_writer_add(&wr, names[k++], ST_F32, 2, sw, L->dW);
+        }
     for (int l = 0; l < cfg.layers; l++)
         for (int t = 0; t < N_TARGETS; t++) {
             Linear* L = &m.layers[l].lin[t];
