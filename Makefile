@@ -74,7 +74,7 @@ else
 	done; done
 endif
 
-test: test-c test-py cuda-compile-check cuda-emu-check
+test: test-c cuda-compile-check cuda-emu-check test-py
 
 test-c: test/test_units
 	./test/test_units

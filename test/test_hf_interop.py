@@ -1,0 +1,40 @@
+"""What train_llama writes loads in the real Hugging Face stack: transformers reads our
+--export-merged directory and PEFT reads our adapter (trained with MS-RMSNorm, written in the
+original layout), and both give the loss our own --eval-only gives. The stack lives in a venv
+that .ci/run makes (build/hfvenv: transformers 4.36, peft 0.7 over Debian's torch); HF_PYTHON
+may name another interpreter. Missing, the test fails."""
+import os
+import subprocess
+
+import numpy as np
+import pytest
+
+import llama_cases as lc
+import shards
+from test_llama_cli import ENV, run
+
+HF_PYTHON = os.environ.get("HF_PYTHON", os.path.join(lc.REPO, "build", "hfvenv", "bin", "python"))
+
+
+def test_transformers_and_peft_load_our_outputs(tmp_path):
+    if not os.path.exists(HF_PYTHON):
+        pytest.fail(f"{HF_PYTHON} missing: .ci/run makes it (python3 -m venv --system-site-packages build/hfvenv; "
+                    "pip install transformers==4.36.2 peft==0.7.1 accelerate==0.25.0)")
+    cfg = lc.model_config("gqa_untied")
+    lc.write_model(str(tmp_path / "model"), cfg, seed=5)
+    rng = np.random.default_rng(2)
+    toks = np.tile(rng.integers(3, cfg["vocab_size"], size=11), 500)
+    shards.write_shard(str(tmp_path / "data.bin"), toks.astype(np.uint32), np.ones(toks.size, np.uint8), cfg["vocab_size"])
+    run(["--model", tmp_path / "model", "--data", tmp_path / "data.bin", "--steps", 8, "--batch", 4, "--seq", 24, "--lora-rank", 4,
+         "--lr", 1e-2, "--mode", "lowmem", "--out", tmp_path / "adapter", "--export-merged", tmp_path / "merged", "--threads", 1])
+    ours = [float(run(["--model", m, "--val", tmp_path / "data.bin", "--eval-only", "--seq", 24, "--batch", 4, "--val-batches", 4,
+                       "--lora-rank", 4, "--threads", 1, *x]).stdout.split("val loss ")[-1])
+            for m, x in ((tmp_path / "model", ()), (tmp_path / "model", ("--adapter", tmp_path / "adapter")), (tmp_path / "merged", ()))]
+    p = subprocess.run([HF_PYTHON, os.path.join(lc.REPO, "scripts", "check_hf_interop.py"), "--base", str(tmp_path / "model"),
+                        "--adapter", str(tmp_path / "adapter"), "--merged", str(tmp_path / "merged"), "--val", str(tmp_path / "data.bin"),
+                        "--seq", "24", "--windows", "16"], capture_output=True, text=True, timeout=300, env=ENV)
+    assert p.returncode == 0, p.stderr[-3000:]
+    theirs = [float(line.split(":")[-1]) for line in p.stdout.splitlines() if line.startswith("transformers")]
+    print("ours (base, base+adapter, merged):", ours, "transformers/PEFT:", theirs)
+    assert len(theirs) == 3 and ours[1] < ours[0] - 0.1
+    np.testing.assert_allclose(theirs, ours, rtol=2e-6)
