@@ -819,6 +819,11 @@ static void llama_train(Llama* m, RunData* rd, const TrainOptions* o, const Dist
         if (!o->resume_dir) fprintf(log, "step,loss,lr,grad_norm,tokens_per_s,val_loss\n");
         free(lp);
     }
+    if (rank0 && rd->have_val && start == 0) {  // the pretrained model's loss, before any update
+        float v0 = llama_evaluate(m, &rd->vl, o->val_batches);
+        printf("step %4d/%d | val loss %.4f\n", 0, o->steps, v0);
+        if (log) fprintf(log, "0,,,,,%.6f\n", v0);
+    }
     double t0 = wall_seconds(), comm = 0.0;
     int stop = train_stop_step(o);
     for (int step = start; step < stop; step++) {

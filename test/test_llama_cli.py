@@ -66,7 +66,7 @@ def train_args(tiny, *extra):
 
 
 def losses(stdout):
-    return [float(line.split("| loss ")[1].split()[0]) for line in stdout.splitlines() if line.startswith("step ")]
+    return [float(line.split("| loss ")[1].split()[0]) for line in stdout.splitlines() if line.startswith("step ") and "| loss " in line]
 
 
 def val_losses(stdout):
@@ -77,7 +77,7 @@ def val_losses(stdout):
 def test_finetune_lowers_loss(tiny, mode):
     p = run(train_args(tiny, "--mode", mode, "--val-every", 5))
     ls, vl = losses(p.stdout), val_losses(p.stdout)
-    assert len(ls) == 25 and len(vl) == 5
+    assert len(ls) == 25 and len(vl) == 6  # before training, then every 5 steps
     first, last = np.mean(ls[:3]), np.mean(ls[-3:])
     print(f"{mode}: train loss {first:.3f} -> {last:.3f}, val {vl[0]:.3f} -> {vl[-1]:.3f}")
     assert last < 0.8 * first, f"loss did not go down: {ls}"
@@ -101,7 +101,7 @@ def test_grad_accum_equals_big_batch(tiny):
     one = run(train_args(tiny, "--mode", "baseline", "--steps", 3, "--batch", 4))
     two = run(train_args(tiny, "--mode", "baseline", "--steps", 3, "--batch", 2, "--grad-accum", 2))
     np.testing.assert_allclose(losses(one.stdout), losses(two.stdout), rtol=1e-5)
-    gn = lambda s: [float(l.split("grad norm ")[1].split()[0]) for l in s.splitlines() if l.startswith("step ")]
+    gn = lambda s: [float(l.split("grad norm ")[1].split()[0]) for l in s.splitlines() if "grad norm " in l]
     np.testing.assert_allclose(gn(one.stdout), gn(two.stdout), rtol=1e-4)
 
 
@@ -109,7 +109,8 @@ def test_out_dir_log(tiny, tmp_path):
     out = tmp_path / "run"
     run(train_args(tiny, "--steps", 3, "--out", out))
     rows = (out / "log.csv").read_text().splitlines()
-    assert rows[0].startswith("step,loss") and len(rows) == 4
+    assert rows[0].startswith("step,loss") and len(rows) == 5  # header, the val loss before training, 3 steps
+    assert rows[1].startswith("0,") and rows[-1].startswith("3,")
 
 
 # ---- memory plan ---------------------------------------------------------------------------
