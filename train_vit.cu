@@ -772,7 +772,7 @@ static void vit_save_adapter(Vit* m, const char* dir, const TrainOptions* o) {
             for (int k = 0; k < L->out; k++) biases[i][k] -= shift[k];
             free(shift);
         }
-        snprintf(ex[nex].name, sizeof(ex[nex].name), "%s.bias", e[i].module);
+        snprintf(ex[nex].name, sizeof(ex[nex].name), "%.150s.bias", e[i].module);
         ex[nex].data = biases[i];
         ex[nex].ndim = 1;
         ex[nex].shape[0] = L->out;
