@@ -28,7 +28,7 @@ ifeq ($(NVCC),)
 endif
 GPU_ARCH ?= 80 90
 
-.PHONY: all run run-smollm2 test test-c test-asan test-py cuda-compile-check bench-cpu clean
+.PHONY: all run run-smollm2 test test-c test-asan test-py cuda-compile-check bench-cpu fuzz clean
 
 all: train_llama train_vit
 
@@ -174,6 +174,24 @@ cuda-clean:
 	rm -f $(CUDA_DEV_BINS)
 clean: cuda-clean
 # ==== end of the CUDA section ===================================================================
+
+# libFuzzer (clang) over every file parser (test/fuzz_parsers.cu), seeded with the bundled files.
+# Not part of make test: it runs FUZZ_SECONDS and reports any crash or sanitizer finding.
+FUZZ_SECONDS ?= 60
+build/fuzz_parsers: test/fuzz_parsers.cu $(HEADERS)
+	@mkdir -p build
+	clang++ -x c++ -std=gnu++17 -O1 -g -fsanitize=fuzzer,address,undefined $< -o $@ -lm
+
+fuzz: build/fuzz_parsers
+	@rm -rf build/fuzz_seeds && mkdir -p build/fuzz_seeds build/fuzz_corpus
+	@printf '\000' | cat - data/llama_demo/config.json > build/fuzz_seeds/json
+	@printf '\001' | cat - data/vit_demo/model.safetensors | head -c 4096 > build/fuzz_seeds/safetensors_head
+	@printf '\001\070\000\000\000\000\000\000\000{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}      ' > build/fuzz_seeds/safetensors
+	@printf '\001\000\000\000\000\000\000\200\077' >> build/fuzz_seeds/safetensors
+	@printf '\002' | cat - data/llama_demo_ft_val.bin > build/fuzz_seeds/shard
+	@printf '\003' | cat - data/llama_demo/tokenizer.bin > build/fuzz_seeds/tokenizer
+	@printf '\004' | cat - data/vit_demo_ft_val.bin | head -c 20000 > build/fuzz_seeds/images
+	ASAN_OPTIONS=detect_leaks=0 ./build/fuzz_parsers -max_total_time=$(FUZZ_SECONDS) -detect_leaks=0 -max_len=65536 build/fuzz_corpus build/fuzz_seeds
 
 bench-cpu: train_llama train_vit
 	bash scripts/bench_cpu.sh

@@ -283,7 +283,8 @@ static int tokenizer_encode(const Tokenizer* t, const char* text, int bos, int* 
         cp[len] = 0;
         int id = tokenizer_lookup(t, cp);
         if (id >= 0) ids[n++] = id;
-        else for (int k = 0; k < len; k++) ids[n++] = (unsigned char)cp[k] + 3;  // byte fallback
+        else  // byte fallback: <0xXX> is token 3 + XX in sentencepiece vocabularies; <unk> if the vocabulary is smaller
+            for (int k = 0; k < len; k++) ids[n++] = (unsigned char)cp[k] + 3 < t->vocab_size ? (unsigned char)cp[k] + 3 : 0;
         c += len;
     }
     return head + tokenizer_merge(t, ids + head, n - head);
