@@ -633,11 +633,12 @@ static void print_settings_json(char* buf, size_t n, const TrainOptions* o, cons
 }
 
 // --dry-run: the plan of the run these flags describe, and the baseline plan beside it.
-static void llama_dry_run(const LlamaConfig* cfg, const TrainOptions* o, LlamaModes md) {
+// Under mpirun the plan is per rank (ZeRO-1 divides full fine-tuning's optimizer state).
+static void llama_dry_run(const LlamaConfig* cfg, const TrainOptions* o, LlamaModes md, const Dist* dist) {
     int cpu = strcmp(o->device, "cpu") == 0;  // a dry run plans the CUDA layout unless told otherwise
     int wbytes = cpu ? 4 : 2, abytes = cpu ? 4 : 2;
     Llama m, base;
-    llama_setup(&m, cfg, &md, o->batch, o->seq, wbytes, abytes, NULL);
+    llama_setup(&m, cfg, &md, o->batch, o->seq, wbytes, abytes, dist);
     LlamaModes bm = md;
     bm.approx = 0; bm.ms = 0; bm.ckpt = 0; bm.recompute_product = 0;
     llama_setup(&base, cfg, &bm, o->batch, o->seq, wbytes, abytes, NULL);
@@ -871,7 +872,7 @@ int main(int argc, char** argv) {
     LlamaConfig cfg;
     llama_config_load(&cfg, o.model_dir);
     LlamaModes md = llama_modes_from(&o);
-    if (o.dry_run) { if (dist.rank == 0) llama_dry_run(&cfg, &o, md); dist_finalize(&dist); return 0; }
+    if (o.dry_run) { if (dist.rank == 0) llama_dry_run(&cfg, &o, md, &dist); dist_finalize(&dist); return 0; }
     if (!o.data_path && !o.generate && !o.eval_only && !o.export_merged)
         fail("nothing to do: give --data to train, --val with --eval-only, --generate N to sample, or --export-merged DIR");
     train_prepare_run(&o, dist.rank);
