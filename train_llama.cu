@@ -807,19 +807,8 @@ static void llama_train(Llama* m, RunData* rd, const TrainOptions* o, const Dist
     const char* out = o->out_dir ? o->out_dir : o->resume_dir;
     char settings[STATE_SETTINGS_BYTES];
     llama_settings_line(settings, sizeof(settings), m, o, dist, rd->train.count);
-    int start = 0;
-    if (o->resume_dir) {
-        start = (int)trainable_load_state(&m->tr, o->resume_dir, settings, &rd->tl.cursor);
-        if (rank0) printf("resumed %s/train_state.bin at step %d\n", o->resume_dir, start);
-    }
-    FILE* log = NULL;
-    if (out && rank0) {
-        char* lp = path_join(out, "log.csv");
-        log = fopen(lp, o->resume_dir ? "a" : "w");
-        if (!log) fail("flag --out: cannot write %s (%s)", lp, strerror(errno));
-        if (!o->resume_dir) fprintf(log, "step,loss,lr,grad_norm,tokens_per_s,val_loss\n");
-        free(lp);
-    }
+    int start = train_resume(&m->tr, o, settings, &rd->tl.cursor, rank0);
+    FILE* log = train_open_log(o, rank0, "step,loss,lr,grad_norm,tokens_per_s,val_loss");
     if (rank0 && rd->have_val && start == 0) {  // the pretrained model's loss, before any update
         float v0 = llama_evaluate(m, &rd->vl, o->val_batches);
         printf("step %4d/%d | val loss %.4f\n", 0, o->steps, v0);

@@ -1189,19 +1189,8 @@ static void vit_train(Vit* m, RunData* rd, const TrainOptions* o, const Dist* di
     const char* out = o->out_dir ? o->out_dir : o->resume_dir;
     char settings[STATE_SETTINGS_BYTES];
     vit_settings_line(settings, sizeof(settings), m, o, dist, rd->train.n);
-    int start = 0;
-    if (o->resume_dir) {
-        start = (int)trainable_load_state(&m->tr, o->resume_dir, settings, &rd->tl.cursor);
-        if (rank0) printf("resumed %s/train_state.bin at step %d\n", o->resume_dir, start);
-    }
-    FILE* log = NULL;
-    if (out && rank0) {
-        char* lp = path_join(out, "log.csv");
-        log = fopen(lp, o->resume_dir ? "a" : "w");
-        if (!log) fail("flag --out: cannot write %s (%s)", lp, strerror(errno));
-        if (!o->resume_dir) fprintf(log, "step,loss,accuracy,lr,grad_norm,images_per_s,val_loss,val_accuracy\n");
-        free(lp);
-    }
+    int start = train_resume(&m->tr, o, settings, &rd->tl.cursor, rank0);
+    FILE* log = train_open_log(o, rank0, "step,loss,accuracy,lr,grad_norm,images_per_s,val_loss,val_accuracy");
     if (rank0 && rd->have_val && start == 0) {  // where the new head starts: about chance level
         EvalResult e = vit_evaluate(m, &rd->vl, o->val_batches);
         printf("step %4d/%d | val loss %.4f | val acc %.4f (%lld images)\n", 0, o->steps, e.loss, e.accuracy, (long long)e.images);

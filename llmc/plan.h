@@ -118,15 +118,14 @@ static void plan_print(const MemPlan* p, const MemPlan* base, const char* mode_n
         if (b || q) printf("  %-22s %16.1f %16.1f\n", mods[i], b / N, q / N);
     }
     printf("  %-22s %16.1f %16.1f\n", "per block", tb / N, tp / N);
-    size_t nb_b = 0, nb_p = 0;
-    for (int i = 0; i < n; i++) { nb_b += plan_module_bytes(base, mods[i], -1); nb_p += plan_module_bytes(p, mods[i], -1); }
+    size_t nb_p = 0;
+    for (int i = 0; i < n; i++) nb_p += plan_module_bytes(p, mods[i], -1);
     size_t sb = base->cat_bytes[MEM_SAVED], sp = p->cat_bytes[MEM_SAVED];
     printf("  saved activations: baseline %.2f MiB, %s %.2f MiB (%+.1f%%); non-block %.2f MiB\n", mib(sb), mode_name, mib(sp),
            sb ? 100.0 * ((double)sp - (double)sb) / (double)sb : 0.0, mib(nb_p));
     printf("  all arenas:");
     for (int c = 0; c < MEM_CATS; c++) printf(" %s %.2f MiB%s", mem_category_key[c], mib(p->cat_bytes[c]), c + 1 < MEM_CATS ? "," : "");
     printf(" = %.2f MiB\n", mib(plan_total(p)));
-    (void)nb_b;
 }
 
 static void plan_json_per_block(FILE* f, const MemPlan* p, const char** mods, int n) {

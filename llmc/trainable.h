@@ -122,3 +122,24 @@ static int train_stop_step(const TrainOptions* o) {
 static int train_save_due(const TrainOptions* o, int step) {
     return step == train_stop_step(o) || (o->save_every > 0 && step % o->save_every == 0);
 }
+
+// --resume: every rank loads the saved state; returns the step to continue from (0 without).
+static int train_resume(Trainable* tr, const TrainOptions* o, const char* settings, int64_t* cursor, int rank0) {
+    if (!o->resume_dir) return 0;
+    int start = (int)trainable_load_state(tr, o->resume_dir, settings, cursor);
+    if (rank0) printf("resumed %s/train_state.bin at step %d\n", o->resume_dir, start);
+    return start;
+}
+
+// The run's log.csv in its output directory (rank 0 only, else NULL): appended to on resume,
+// otherwise started with the CSV header line.
+static FILE* train_open_log(const TrainOptions* o, int rank0, const char* header) {
+    const char* out = o->out_dir ? o->out_dir : o->resume_dir;
+    if (!out || !rank0) return NULL;
+    char* lp = path_join(out, "log.csv");
+    FILE* log = fopen(lp, o->resume_dir ? "a" : "w");
+    if (!log) fail("flag --out: cannot write %s (%s)", lp, strerror(errno));
+    if (!o->resume_dir) fprintf(log, "%s\n", header);
+    free(lp);
+    return log;
+}
