@@ -439,7 +439,7 @@ static void block_backward(Llama* m, int l, BlockActs* a, int B, int T) {
     AttnShape as = {B, T, c->heads, c->kv_heads, c->head_dim, 1, m->pos};
     const float* x_in = m->modes.ckpt ? m->ckpt[l] : a->x_in;
     // MLP: down, SwiGLU (exact or ReSiLU2), gate/up, MLP norm
-    if (m->modes.recompute_product && L->lin[T_DOWN].A) {  // beyond the paper: rebuild the down input
+    if (m->modes.recompute_product && (L->lin[T_DOWN].A || L->lin[T_DOWN].dW)) {  // beyond the paper: rebuild the down input
         for (int64_t i = 0; i < nf; i++) a->p[i] = a->sg[i] * a->u[i];
     }
     linear_backward(m->dp, m->dres, a->p, a->ax[T_DOWN], &L->lin[T_DOWN], m->dax, N, r, s, 0);

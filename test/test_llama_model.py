@@ -172,6 +172,25 @@ def test_probe_packed_examples_match_separate_runs(workdir, mode):
     assert lc.rel_to_max(plain["logits"][0, 4:], got["logits"][0, 4:]) > 100 * lc.TOL["logits"]
 
 
+@pytest.mark.parametrize("full", [False, True], ids=["lora", "full"])
+def test_probe_swiglu_product_recompute_changes_nothing(workdir, full):
+    """--swiglu-product recompute rebuilds the down projection's input in backward: outputs are
+    the same as when it is kept (LoRA and full fine-tuning)."""
+    s = _setup(workdir, "gqa_untied")
+    outs = []
+    for keep in ("keep", "recompute"):
+        out = os.path.join(workdir, f"product.{keep}.{full}.out.safetensors")
+        cmd = [lc.probe_path(), "--model", s.dir, "--case", s.case_path, "--out-file", out, "--mode", "lowmem",
+               "--swiglu-product", keep]
+        cmd += ["--full"] if full else ["--lora-rank", str(s.rank), "--lora-alpha", str(s.alpha)]
+        p = lc.subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0, p.stderr
+        outs.append(lc.st_io.load(out))
+    assert sorted(outs[0]) == sorted(outs[1])
+    for k in outs[0]:
+        assert np.array_equal(outs[0][k], outs[1][k]), k
+
+
 def test_probe_deterministic(workdir):
     """Two runs on the same input give bitwise identical outputs."""
     s = _setup(workdir, "gqa_untied")
