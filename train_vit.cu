@@ -750,7 +750,7 @@ static void vit_save_adapter(Vit* m, const char* dir, const TrainOptions* o) {
     int cap = c->layers * N_TARGETS;
     PeftEntry* e = (PeftEntry*)xcalloc(cap, sizeof(PeftEntry));
     int n = vit_peft_entries(m, e);
-    PeftExtra* ex = (PeftExtra*)xcalloc(n + 2, sizeof(PeftExtra));
+    PeftExtra* ex = (PeftExtra*)xcalloc(2 * n + 2, sizeof(PeftExtra));
     float** biases = (float**)xcalloc(n + 1, sizeof(float*));
     char (*tm)[160] = (char(*)[160])xmalloc(sizeof(*tm) * (n + 1));
     const char** tmp = (const char**)xmalloc(sizeof(char*) * (n + 1));
@@ -772,11 +772,15 @@ static void vit_save_adapter(Vit* m, const char* dir, const TrainOptions* o) {
             for (int k = 0; k < L->out; k++) biases[i][k] -= shift[k];
             free(shift);
         }
-        snprintf(ex[nex].name, sizeof(ex[nex].name), "%.150s.bias", e[i].module);
-        ex[nex].data = biases[i];
-        ex[nex].ndim = 1;
-        ex[nex].shape[0] = L->out;
-        nex++;
+        // the bias under both names PEFT has used: "<module>.bias" (before 0.7) and
+        // "<module>.base_layer.bias" (0.7 on, where the adapted layer wraps the original)
+        for (int v = 0; v < 2; v++) {
+            snprintf(ex[nex].name, sizeof(ex[nex].name), v ? "%.140s.base_layer.bias" : "%.150s.bias", e[i].module);
+            ex[nex].data = biases[i];
+            ex[nex].ndim = 1;
+            ex[nex].shape[0] = L->out;
+            nex++;
+        }
     }
     snprintf(ex[nex].name, sizeof(ex[nex].name), "classifier.weight");
     ex[nex].data = m->head_w; ex[nex].ndim = 2; ex[nex].shape[0] = m->classes; ex[nex].shape[1] = c->dim; nex++;
@@ -804,8 +808,10 @@ static void vit_load_adapter(Vit* m, const char* dir, const TrainOptions* o, int
     char name[256];
     for (int i = 0; i < n; i++) {
         Linear* L = (Linear*)e[i].L;
-        snprintf(name, sizeof(name), "base_model.model.%s.bias", e[i].module);
+        snprintf(name, sizeof(name), "base_model.model.%s.base_layer.bias", e[i].module);  // PEFT >= 0.7 names it so
         const StTensor* tb = st_find(&f, name);
+        snprintf(name, sizeof(name), "base_model.model.%s.bias", e[i].module);
+        if (!tb) tb = st_find(&f, name);
         if (!tb) continue;
         int64_t sh = L->out;
         st_check_shape(tb, 1, &sh);

@@ -38,3 +38,30 @@ def test_transformers_and_peft_load_our_outputs(tmp_path):
     print("ours (base, base+adapter, merged):", ours, "transformers/PEFT:", theirs)
     assert len(theirs) == 3 and ours[1] < ours[0] - 0.1
     np.testing.assert_allclose(theirs, ours, rtol=2e-6)
+
+
+def test_transformers_and_peft_load_our_vit_outputs(tmp_path):
+    """train_vit under MS-LN (the merged beta leaves a bias shift, exported as PEFT lora_only
+    biases): transformers' ViTForImageClassification reads our merged export and PEFT our adapter
+    (new head as modules_to_save), both with our --eval-only loss and accuracy."""
+    if not os.path.exists(HF_PYTHON):
+        pytest.fail(f"{HF_PYTHON} missing: .ci/run makes it")
+    data = os.path.join(lc.REPO, "data")
+    vit = os.path.join(lc.REPO, "train_vit")
+    model, val = os.path.join(data, "vit_demo"), os.path.join(data, "vit_demo_ft_val.bin")
+    p = subprocess.run([vit, "--model", model, "--data", os.path.join(data, "vit_demo_ft_train.bin"), "--steps", "15", "--batch", "32",
+                        "--lr", "3e-3", "--lora-rank", "4", "--mode", "lowmem", "--out", str(tmp_path / "ad"),
+                        "--export-merged", str(tmp_path / "merged"), "--threads", "2"], capture_output=True, text=True, env=ENV, timeout=300)
+    assert p.returncode == 0, p.stderr
+    ev = subprocess.run([vit, "--model", str(tmp_path / "merged"), "--val", val, "--eval-only", "--batch", "50", "--val-batches", "2"],
+                        capture_output=True, text=True, env=ENV, timeout=300)
+    ours = ev.stdout.split("val loss ")[-1].split()
+    ours_loss, ours_acc = float(ours[0]), float(ours[4])  # "1.05 | val acc 0.61 (...)"
+    q = subprocess.run([HF_PYTHON, os.path.join(lc.REPO, "scripts", "check_hf_vit.py"), "--base", model, "--adapter", str(tmp_path / "ad"),
+                        "--merged", str(tmp_path / "merged"), "--val", val, "--images", "100"], capture_output=True, text=True, timeout=300, env=ENV)
+    assert q.returncode == 0, q.stderr[-3000:]
+    rows = [line.split(": loss ")[1].split(" acc ") for line in q.stdout.splitlines() if line.startswith("transformers")]
+    print("ours:", ours_loss, ours_acc, "transformers merged / PEFT:", rows)
+    assert len(rows) == 2
+    for loss, acc in rows:
+        assert abs(float(loss) - ours_loss) < 2e-6 * ours_loss and abs(float(acc) - ours_acc) < 1e-9
