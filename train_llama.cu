@@ -712,15 +712,6 @@ static const Linear* llama_linear_named(Llama* m, const char* name, int* layer, 
     return NULL;
 }
 
-static void copy_file_atomic(const char* src, const char* dst) {
-    size_t n;
-    char* buf = read_file(src, &n);
-    AtomicFile a = atomic_open(dst);
-    atomic_write(&a, buf, n);
-    atomic_commit(&a);
-    free(buf);
-}
-
 // --export-merged (and the output of --full): the input checkpoint with every adapter folded in,
 // W + alpha/r * B A, or the fully fine-tuned W, in the original layout (MS-merged layers are
 // mapped back first, so the norms keep their original gamma), in each tensor's original dtype;
@@ -838,13 +829,7 @@ static void llama_train(Llama* m, RunData* rd, const TrainOptions* o, const Dist
             trainable_save_state(&m->tr, dist, out, settings, step + 1, rd->tl.cursor, o->seed);
         }
     }
-    if (rank0) {
-        printf("trained %d steps in %.1f s (%.1f s in all-reduce)%s%s\n", stop - start, wall_seconds() - t0, comm,
-               out ? ", adapter and state in " : "", out ? out : "");
-        if (stop < o->steps) printf("stopped at step %d of %d (--stop-at); continue with --resume %s\n", stop, o->steps, out ? out : "OUT");
-        printf("memory: planned %.2f MiB (saved activations %.2f MiB), measured peak RSS %.2f MiB\n", mib(plan_total(&m->plan)),
-               mib(plan_saved_bytes(&m->plan)), peak_rss_mib());
-    }
+    if (rank0) train_print_summary(o, start, stop, wall_seconds() - t0, comm, m->modes.full, &m->plan);
     if (log) fclose(log);
 }
 

@@ -938,15 +938,6 @@ static void vit_export_config(const Vit* m, const char* model_dir, const char* d
     free(buf); free(dst); json_free(&j); free(text); free(src);
 }
 
-static void vit_copy_file(const char* src, const char* dst) {
-    size_t n;
-    char* buf = read_file(src, &n);
-    AtomicFile a = atomic_open(dst);
-    atomic_write(&a, buf, n);
-    atomic_commit(&a);
-    free(buf);
-}
-
 static void vit_export_merged(Vit* m, const TrainOptions* o, const char* dir) {
     const VitConfig* c = &m->cfg;
     make_dirs(dir, "flag --export-merged");
@@ -1048,7 +1039,7 @@ static void vit_export_merged(Vit* m, const TrainOptions* o, const char* dir) {
     vit_export_config(m, o->model_dir, dir, have_qkv_bias);
     char* src = path_join(o->model_dir, "preprocessor_config.json");
     char* dst = path_join(dir, "preprocessor_config.json");
-    if (file_exists(src)) vit_copy_file(src, dst);
+    if (file_exists(src)) copy_file_atomic(src, dst);
     free(src); free(dst);
     for (int i = 0; i < k; i++) free(owned[i]);
     free(owned); free(names);
@@ -1232,13 +1223,7 @@ static void vit_train(Vit* m, RunData* rd, const TrainOptions* o, const Dist* di
             trainable_save_state(&m->tr, dist, out, settings, step + 1, rd->tl.cursor, o->seed);
         }
     }
-    if (rank0) {
-        printf("trained %d steps in %.1f s (%.1f s in all-reduce)%s%s\n", stop - start, wall_seconds() - t0, comm,
-               out ? (m->modes.full ? ", model and state in " : ", adapter and state in ") : "", out ? out : "");
-        if (stop < o->steps) printf("stopped at step %d of %d (--stop-at); continue with --resume %s\n", stop, o->steps, out ? out : "OUT");
-        printf("memory: planned %.2f MiB (saved activations %.2f MiB), measured peak RSS %.2f MiB\n", mib(plan_total(&m->plan)),
-               mib(plan_saved_bytes(&m->plan)), peak_rss_mib());
-    }
+    if (rank0) train_print_summary(o, start, stop, wall_seconds() - t0, comm, m->modes.full, &m->plan);
     if (log) fclose(log);
 }
 

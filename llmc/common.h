@@ -144,6 +144,16 @@ static void atomic_commit(AtomicFile* a) {
     free(a->tmp_path);
 }
 
+// Copies a file (through a temporary file and rename, like every writer here).
+static void copy_file_atomic(const char* src, const char* dst) {
+    size_t n;
+    char* buf = read_file(src, &n);
+    AtomicFile a = atomic_open(dst);
+    atomic_write(&a, buf, n);
+    atomic_commit(&a);
+    free(buf);
+}
+
 static double wall_seconds(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);

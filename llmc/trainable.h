@@ -143,3 +143,14 @@ static FILE* train_open_log(const TrainOptions* o, int rank0, const char* header
     free(lp);
     return log;
 }
+
+// The last lines of a training run (rank 0): steps and time, where the outputs went, and the
+// planned memory beside the measured peak.
+static void train_print_summary(const TrainOptions* o, int start, int stop, double seconds, double comm_s, int full, const MemPlan* plan) {
+    const char* out = o->out_dir ? o->out_dir : o->resume_dir;
+    printf("trained %d steps in %.1f s (%.1f s in all-reduce)%s%s\n", stop - start, seconds, comm_s,
+           out ? (full ? ", model and state in " : ", adapter and state in ") : "", out ? out : "");
+    if (stop < o->steps) printf("stopped at step %d of %d (--stop-at); continue with --resume %s\n", stop, o->steps, out ? out : "OUT");
+    printf("memory: planned %.2f MiB (saved activations %.2f MiB), measured peak RSS %.2f MiB\n", mib(plan_total(plan)),
+           mib(plan_saved_bytes(plan)), peak_rss_mib());
+}
