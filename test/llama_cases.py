@@ -17,6 +17,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "scripts"))
 import reference_llama as ref  # noqa: E402
 import st_io  # noqa: E402
+import probe_compare  # noqa: E402
+from probe_compare import compare, rel_to_max  # noqa: E402,F401  (used by the tests through this module)
 
 ALL_TARGETS = ref.LORA_TARGETS
 
@@ -155,47 +157,6 @@ def run_probe(model_dir, case_path, out_path, act, norm, recompute, rank, alpha,
     return st_io.load(str(out_path))
 
 
-def rel_to_max(got, want):
-    """max |got - want| / max |want| (NaN in got counts as infinite error)."""
-    got = np.asarray(got, dtype=np.float64)
-    want = np.asarray(want, dtype=np.float64)
-    if got.shape != want.shape:
-        raise AssertionError(f"shape {list(got.shape)} != expected {list(want.shape)}")
-    if not np.all(np.isfinite(got)):
-        return float("inf")
-    scale = float(np.abs(want).max()) if want.size else 0.0
-    err = float(np.abs(got - want).max()) if want.size else 0.0
-    return err / scale if scale > 0 else err
-
-
-def compare(ref_out, got):
-    """Worst relative errors of probe output vs reference: {"logits": e, "loss": e,
-    "grad": (e, name)}. Also checks that the probe wrote exactly the expected tensors."""
-    want_keys = {k for k in ref_out if k != "stats"}
-    missing = sorted(want_keys - set(got))
-    extra = sorted(set(got) - want_keys)
-    if missing or extra:
-        raise AssertionError(f"probe output keys: missing {missing}, unexpected {extra}")
-    errs = {"logits": rel_to_max(got["logits"], ref_out["logits"]),
-            "loss": rel_to_max(got["loss"], ref_out["loss"])}
-    worst = (0.0, "-")
-    for k in sorted(want_keys):
-        if k.startswith("grad."):
-            e = rel_to_max(got[k], ref_out[k])
-            if e >= worst[0]:
-                worst = (e, k)
-    errs["grad"] = worst
-    return errs
-
-
 def check_errors(errs, label=""):
     """Print the worst errors on one line and assert them against TOL."""
-    g, gname = errs["grad"]
-    line = (f"{label}: logits {errs['logits']:.2e}  loss {errs['loss']:.2e}  "
-            f"grad {g:.2e} ({gname})")
-    print(line)
-    bad = [q for q in ("logits", "loss") if not errs[q] < TOL[q]]
-    if not g < TOL["grad"]:
-        bad.append("grad")
-    assert not bad, f"{line}: over tolerance {', '.join(bad)} (tolerances {TOL})"
-    return line
+    return probe_compare.check_errors(errs, TOL, label)
