@@ -35,13 +35,13 @@ all: train_llama train_vit
 train_llama: train_llama.cu $(HEADERS)
 	$(CXX) $(CFLAGS) $< -o $@ $(LDLIBS)
 
-test/llama_probe: test/llama_probe.cu train_llama.cu $(HEADERS)
+test/llama_probe: test/llama_probe.cu test/probe_common.h train_llama.cu $(HEADERS)
 	$(CXX) $(CFLAGS) $< -o $@ $(LDLIBS)
 
 train_vit: train_vit.cu $(HEADERS)
 	$(CXX) $(CFLAGS) $< -o $@ $(LDLIBS)
 
-test/vit_probe: test/vit_probe.cu train_vit.cu $(HEADERS)
+test/vit_probe: test/vit_probe.cu test/probe_common.h train_vit.cu $(HEADERS)
 	$(CXX) $(CFLAGS) $< -o $@ $(LDLIBS)
 
 test/test_units: test/test_units.cu $(HEADERS)

@@ -4,13 +4,7 @@
 // (scripts/reference_llama.py, test/test_llama_model.py). Same flags as train_llama.
 #define TESTING
 #include "../train_llama.cu"
-
-static const StTensor* case_tensor(const StFile* f, const char* name, StDtype dtype) {
-    const StTensor* t = st_find(f, name);
-    if (!t) fail("%s: missing tensor \"%s\"", f->path, name);
-    if (t->dtype != dtype) fail("%s: tensor \"%s\" has dtype %s, expected %s", f->path, name, st_dtype_name(t->dtype), st_dtype_name(dtype));
-    return t;
-}
+#include "probe_common.h"
 
 int main(int argc, char** argv) {
     TrainOptions o;
@@ -54,21 +48,8 @@ int main(int argc, char** argv) {
             int s0 = t == 0 || (starts && starts->data[b * T + t]);
             m.pos[b * T + t] = s0 ? 0 : m.pos[b * T + t - 1] + 1;
         }
-    char name[128];
     for (int l = 0; l < cfg.layers; l++)
-        for (int t = 0; t < N_TARGETS; t++) {
-            Linear* L = &m.layers[l].lin[t];
-            if (!L->A) continue;
-            snprintf(name, sizeof(name), "lora.%d.%s.A", l, target_names[t]);
-            const StTensor* a = case_tensor(&cf, name, ST_F32);
-            int64_t sa[2] = {md.rank, L->in}, sb[2] = {L->out, md.rank};
-            st_check_shape(a, 2, sa);
-            memcpy(L->A, a->data, a->nbytes);
-            snprintf(name, sizeof(name), "lora.%d.%s.B", l, target_names[t]);
-            const StTensor* bt = case_tensor(&cf, name, ST_F32);
-            st_check_shape(bt, 2, sb);
-            memcpy(L->B, bt->data, bt->nbytes);
-        }
+        for (int t = 0; t < N_TARGETS; t++) probe_load_lora(&cf, &m.layers[l].lin[t], l, target_names[t], md.rank);
     double count = count_mask(m.mask, (int64_t)B * T);
     float* logits = (float*)xmalloc(sizeof(float) * B * T * cfg.vocab);
     LossStats st = llama_forward_backward(&m, B, T, count > 0 ? (float)(1.0 / count) : 0.0f, 1, logits);
@@ -78,26 +59,8 @@ int main(int argc, char** argv) {
     int64_t ls[3] = {B, T, cfg.vocab}, one = 1;
     st_writer_add(&w, "logits", ST_F32, 3, ls, logits);
     st_writer_add(&w, "loss", ST_F32, 1, &one, &loss);
-    static char names[2 * N_TARGETS * 256][64];
-    int k = 0;
     for (int l = 0; l < cfg.layers; l++)
-        for (int t = 0; t < N_TARGETS && md.full; t++) {  // --full: the gradient of every linear weight
-            Linear* L = &m.layers[l].lin[t];
-            int64_t sw[2] = {L->out, L->in};
-            snprintf(names[k], 64, "grad.%d.%s.W", l, target_names[t]);
-            st_writer_add(&w, names[k++], ST_F32, 2, sw, L->dW);
-        }
-    for (int l = 0; l < cfg.layers; l++)
-        for (int t = 0; t < N_TARGETS; t++) {
-            Linear* L = &m.layers[l].lin[t];
-            if (!L->A) continue;
-            if (k + 2 > (int)(sizeof(names) / sizeof(names[0]))) fail("too many adapters for the probe");
-            int64_t sa[2] = {md.rank, L->in}, sb[2] = {L->out, md.rank};
-            snprintf(names[k], 64, "grad.lora.%d.%s.A", l, target_names[t]);
-            st_writer_add(&w, names[k++], ST_F32, 2, sa, L->dA);
-            snprintf(names[k], 64, "grad.lora.%d.%s.B", l, target_names[t]);
-            st_writer_add(&w, names[k++], ST_F32, 2, sb, L->dB);
-        }
+        for (int t = 0; t < N_TARGETS; t++) probe_add_grads(&w, &m.layers[l].lin[t], l, target_names[t], md.rank);
     st_writer_save(&w, out_path, NULL);
     st_writer_free(&w);
     free(logits);

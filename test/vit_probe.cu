@@ -12,13 +12,7 @@
 //             flip I32 (1 = flipped)
 #define TESTING
 #include "../train_vit.cu"
-
-static const StTensor* case_tensor(const StFile* f, const char* name, StDtype dtype) {
-    const StTensor* t = st_find(f, name);
-    if (!t) fail("%s: missing tensor \"%s\"", f->path, name);
-    if (t->dtype != dtype) fail("%s: tensor \"%s\" has dtype %s, expected %s", f->path, name, st_dtype_name(t->dtype), st_dtype_name(dtype));
-    return t;
-}
+#include "probe_common.h"
 
 static void dump_batches(const VitConfig* cfg, const TrainOptions* o, int batches, const char* out_path) {
     ImageShard s;
@@ -102,21 +96,8 @@ int main(int argc, char** argv) {
     const StTensor* hb = case_tensor(&cf, "head.bias", ST_F32);
     st_check_shape(hb, 1, &hshape[0]);
     memcpy(m.head_b, hb->data, hb->nbytes);
-    char name[128];
     for (int l = 0; l < cfg.layers; l++)
-        for (int t = 0; t < N_TARGETS; t++) {
-            Linear* L = &m.layers[l].lin[t];
-            if (!L->A) continue;
-            int64_t sa[2] = {md.rank, L->in}, sb[2] = {L->out, md.rank};
-            snprintf(name, sizeof(name), "lora.%d.%s.A", l, target_names[t]);
-            const StTensor* a = case_tensor(&cf, name, ST_F32);
-            st_check_shape(a, 2, sa);
-            memcpy(L->A, a->data, a->nbytes);
-            snprintf(name, sizeof(name), "lora.%d.%s.B", l, target_names[t]);
-            const StTensor* bt = case_tensor(&cf, name, ST_F32);
-            st_check_shape(bt, 2, sb);
-            memcpy(L->B, bt->data, bt->nbytes);
-        }
+        for (int t = 0; t < N_TARGETS; t++) probe_load_lora(&cf, &m.layers[l].lin[t], l, target_names[t], md.rank);
     memset(m.tr.grads, 0, sizeof(float) * m.tr.count);
     float* logits = (float*)xmalloc(sizeof(float) * B * K);
     LossStats st = vit_forward_backward(&m, B, 1.0f / B, 1, logits);
@@ -128,27 +109,8 @@ int main(int argc, char** argv) {
     st_writer_add(&wr, "loss", ST_F32, 1, &one, &loss);
     st_writer_add(&wr, "grad.head.weight", ST_F32, 2, hshape, m.dhead_w);
     st_writer_add(&wr, "grad.head.bias", ST_F32, 1, &hshape[0], m.dhead_b);
-    static char names[2 * N_TARGETS * 256][64];
-    int k = 0;
     for (int l = 0; l < cfg.layers; l++)
-        for (int t = 0; t < N_TARGETS && md.full; t++) {  // --full: the gradient of every linear weight
-            Linear* L = &m.layers[l].lin[t];
-            if (k + 1 > (int)(sizeof(names) / sizeof(names[0]))) fail("too many linears for the probe");
-            int64_t sw[2] = {L->out, L->in};
-            snprintf(names[k], 64, "grad.%d.%s.W", l, target_names[t]);
-            st_writer_add(&wr, names[k++], ST_F32, 2, sw, L->dW);
-        }
-    for (int l = 0; l < cfg.layers; l++)
-        for (int t = 0; t < N_TARGETS; t++) {
-            Linear* L = &m.layers[l].lin[t];
-            if (!L->A) continue;
-            if (k + 2 > (int)(sizeof(names) / sizeof(names[0]))) fail("too many adapters for the probe");
-            int64_t sa[2] = {md.rank, L->in}, sb[2] = {L->out, md.rank};
-            snprintf(names[k], 64, "grad.lora.%d.%s.A", l, target_names[t]);
-            st_writer_add(&wr, names[k++], ST_F32, 2, sa, L->dA);
-            snprintf(names[k], 64, "grad.lora.%d.%s.B", l, target_names[t]);
-            st_writer_add(&wr, names[k++], ST_F32, 2, sb, L->dB);
-        }
+        for (int t = 0; t < N_TARGETS; t++) probe_add_grads(&wr, &m.layers[l].lin[t], l, target_names[t], md.rank);
     st_writer_save(&wr, out_path, NULL);
     st_writer_free(&wr);
     free(logits);
