@@ -4,8 +4,9 @@
 // linears; backward from the normalised output and one scalar per row).
 //
 // Read top to bottom: config -> parameters -> memory plan -> weight loading -> forward -> backward
-// -> training step -> evaluation and generation -> main. The model is written once; the kernels
-// it calls come from the backend (llmc/cpu today).
+// -> training step -> evaluation and generation -> main. The model is written once; the operations
+// it calls (llmc/ops.h) run on the backend chosen by --device: the CPU (fp32) or a CUDA GPU (bf16
+// activations and frozen weights, fp32 statistics, LoRA masters, gradients and AdamW state).
 #include <omp.h>
 #include "llmc/common.h"
 #include "llmc/json.h"
@@ -21,12 +22,8 @@
 #include "llmc/checkpoint.h"
 #include "llmc/dist.h"
 #include "llmc/trainable.h"
-#include "llmc/cpu/matmul.h"
-#include "llmc/cpu/norms.h"
-#include "llmc/cpu/activations.h"
-#include "llmc/cpu/attention.h"
-#include "llmc/cpu/loss.h"
-#include "llmc/cpu/adamw.h"
+#include "llmc/backend.h"
+#include "llmc/ops.h"
 
 // ----------------------------------------------------------------------------------------------
 // Config (config.json of a Hugging Face LLaMA checkpoint)
@@ -99,27 +96,29 @@ static const char* const target_names[N_TARGETS] = {"q", "k", "v", "o", "gate", 
 static const char* const hf_module_names[N_TARGETS] = {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
                                                        "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"};
 
+// Weights and activations are backend buffers (`void*`: fp32 on the CPU, bf16 on CUDA); norm
+// statistics and the attention lse are fp32 on both.
 typedef struct {
-    float* attn_norm;      // gamma [d] (merged into q,k,v under MS-RMSNorm)
-    float* mlp_norm;       // gamma [d] (merged into gate, up under MS-RMSNorm)
+    void* attn_norm;       // gamma [d] (merged into q,k,v under MS-RMSNorm)
+    void* mlp_norm;        // gamma [d] (merged into gate, up under MS-RMSNorm)
     Linear lin[N_TARGETS];
 } LlamaLayer;
 
 // The buffers one block keeps for its backward (or, where not kept, a shared scratch copy).
 typedef struct {
-    float* x_in;           // block input          (standard attention RMSNorm)
+    void* x_in;            // block input          (standard attention RMSNorm)
     float* r1;             // 1/rms per token      (attention norm)
-    float* z1;             // attention norm output = q,k,v input
-    float *q, *k, *v, *o;  // attention (q, k after RoPE); o = o-proj input
+    void* z1;              // attention norm output = q,k,v input
+    void *q, *k, *v, *o;   // attention (q, k after RoPE); o = o-proj input
     float* lse;            // [B, H, T] log-sum-exp
-    float* ax[N_TARGETS];  // LoRA A x per adapter
-    float* h_mid;          // residual after attention (standard MLP RMSNorm)
+    void* ax[N_TARGETS];   // LoRA A x per adapter
+    void* h_mid;           // residual after attention (standard MLP RMSNorm)
     float* r2;
-    float* z2;             // MLP norm output = gate, up input
-    float* g;              // gate pre-activation (exact SiLU backward)
+    void* z2;              // MLP norm output = gate, up input
+    void* g;               // gate pre-activation (exact SiLU backward)
     uint8_t* codes;        // 2-bit ReSiLU2 codes of g
-    float *sg, *u;         // silu(g) and up: the product's operands
-    float* p;              // silu(g) * u = down input
+    void *sg, *u;          // silu(g) and up: the product's operands
+    void* p;               // silu(g) * u = down input
 } BlockActs;
 
 typedef struct {
@@ -133,23 +132,28 @@ typedef struct {
 typedef struct {
     LlamaConfig cfg;
     LlamaModes modes;
+    const Backend* be;
     int B, T;              // planned micro-batch shape
-    float* embed;          // [V, d]
-    float* final_norm;     // [d] (kept standard: the head is tied to the embedding)
-    float* lm_head;        // [V, d] (== embed when tied)
+    void* embed;           // [V, d]
+    void* final_norm;      // [d] (kept standard: the head is tied to the embedding)
+    void* lm_head;         // [V, d] (== embed when tied)
     LlamaLayer* layers;
+    float* gamma_host;     // [layers][2][d] the norms' gammas on the host (MS merge, adapters)
     float *rope_cos, *rope_sin;  // [T, hd/2]
     Trainable tr;          // LoRA A/B, or (--full) the linear weights: one flat array (ZeRO-1 across ranks)
     const Dist* dist;
     BlockActs* acts;       // [layers]
     BlockActs tmp;         // scratch set (recompute, or buffers not kept)
-    float** ckpt;          // [layers] block inputs under --recompute block
-    // scratch
-    float *resid, *resid_tmp, *dres, *dz, *dq, *dk, *dv, *dout, *dp, *dg, *du, *dax;
-    int *inputs, *targets;
+    void** ckpt;           // [layers] block inputs under --recompute block
+    // scratch (activation gradients have the activations' element type)
+    void *resid, *resid_tmp, *dres, *dz, *dq, *dk, *dv, *dout, *dp, *dg, *du, *dax;
+    float* att_scratch;    // CUDA attention backward: [B, H, T]
+    int *inputs, *targets; // on the backend
     int* pos;              // position of each token within its (packed) example
     float* mask;
-    LossScratch loss;
+    int *h_inputs, *h_targets, *h_pos;  // the batch as the loader writes it (host; == the above on the CPU)
+    float* h_mask;
+    LossBuffers loss;
     int loss_chunk;
     MemPlan plan;
 } Llama;
@@ -167,8 +171,8 @@ static int64_t lin_out(const LlamaConfig* c, int t) {
 }
 
 // ----------------------------------------------------------------------------------------------
-// The memory plan: every buffer, by module. `wbytes` / `abytes` are the element sizes of frozen
-// weights and activations on the planned device (fp32 on the CPU, bf16 on CUDA).
+// The memory plan: every buffer, by module, with the element sizes of the planned backend
+// (`wbytes` / `abytes`: fp32 on the CPU, bf16 on CUDA).
 
 static void plan_block_act(MemPlan* p, Llama* m, int l, int keep, const char* module, const char* name, size_t bytes, void* saved_slot, void* tmp_slot) {
     char nm[64];
@@ -178,7 +182,9 @@ static void plan_block_act(MemPlan* p, Llama* m, int l, int keep, const char* mo
     (void)m;
 }
 
-static void llama_plan(Llama* m, MemPlan* p, int wbytes, int abytes) {
+static void llama_plan(Llama* m, MemPlan* p) {
+    const Backend* be = m->be;
+    int wbytes = be->wbytes, abytes = be->abytes;
     const LlamaConfig* c = &m->cfg;
     const LlamaModes* md = &m->modes;
     int64_t N = (int64_t)m->B * m->T, d = c->dim, f = c->hidden, qd = (int64_t)c->heads * c->head_dim,
@@ -188,14 +194,15 @@ static void llama_plan(Llama* m, MemPlan* p, int wbytes, int abytes) {
     p->blocks = c->layers;
     // weights
     plan_add(p, MEM_FROZEN, "embedding", -1, "embed", V * d * wbytes, &m->embed);
-    plan_add(p, MEM_FROZEN, "final_norm", -1, "final_norm", d * 4, &m->final_norm);
+    plan_add(p, MEM_FROZEN, "final_norm", -1, "final_norm", d * wbytes, &m->final_norm);
     if (!c->tied) plan_add(p, MEM_FROZEN, "lm_head", -1, "lm_head", V * d * wbytes, &m->lm_head);
     for (int l = 0; l < c->layers; l++) {
         LlamaLayer* L = &m->layers[l];
-        plan_add(p, MEM_FROZEN, "attn_norm", l, "attn_norm", d * 4, &L->attn_norm);
-        plan_add(p, MEM_FROZEN, "mlp_norm", l, "mlp_norm", d * 4, &L->mlp_norm);
+        plan_add(p, MEM_FROZEN, "attn_norm", l, "attn_norm", d * wbytes, &L->attn_norm);
+        plan_add(p, MEM_FROZEN, "mlp_norm", l, "mlp_norm", d * wbytes, &L->mlp_norm);
         if (md->full) continue;  // the linear weights are the trainable arena then (fp32)
-        for (int t = 0; t < N_TARGETS; t++) plan_add(p, MEM_FROZEN, target_names[t], l, target_names[t], lin_in(c, t) * lin_out(c, t) * wbytes, &L->lin[t].W);
+        for (int t = 0; t < N_TARGETS; t++)
+            plan_add(p, MEM_FROZEN, target_names[t], l, target_names[t], lin_in(c, t) * lin_out(c, t) * wbytes, linear_weight_slot(be, &L->lin[t]));
     }
     int64_t n_params = 0;
     for (int l = 0; l < c->layers; l++)
@@ -203,7 +210,7 @@ static void llama_plan(Llama* m, MemPlan* p, int wbytes, int abytes) {
             if (md->full) n_params += lin_in(c, t) * lin_out(c, t);
             else if (md->targets >> t & 1) n_params += r * (lin_in(c, t) + lin_out(c, t));
         }
-    trainable_plan(&m->tr, p, md->full ? "linear weights" : "lora", n_params, md->full, m->dist);
+    trainable_plan(&m->tr, p, md->full ? "linear weights" : "lora", n_params, md->full, m->dist, be);
     plan_add(p, MEM_SCRATCH, "rope", -1, "rope_cos", m->T * (c->head_dim / 2) * 4, &m->rope_cos);
     plan_add(p, MEM_SCRATCH, "rope", -1, "rope_sin", m->T * (c->head_dim / 2) * 4, &m->rope_sin);
     // saved activations, block by block (the table of DESIGN.md section 5)
@@ -241,41 +248,37 @@ static void llama_plan(Llama* m, MemPlan* p, int wbytes, int abytes) {
     // scratch of the forward and backward passes
     plan_add(p, MEM_SCRATCH, "residual", -1, "resid", N * d * abytes, &m->resid);
     if (md->ckpt) plan_add(p, MEM_SCRATCH, "residual", -1, "resid_tmp", N * d * abytes, &m->resid_tmp);
-    plan_add(p, MEM_SCRATCH, "grads", -1, "dres", N * d * 4, &m->dres);
-    plan_add(p, MEM_SCRATCH, "grads", -1, "dz", N * d * 4, &m->dz);
-    plan_add(p, MEM_SCRATCH, "grads", -1, "dq", N * qd * 4, &m->dq);
-    plan_add(p, MEM_SCRATCH, "grads", -1, "dk", N * kvd * 4, &m->dk);
-    plan_add(p, MEM_SCRATCH, "grads", -1, "dv", N * kvd * 4, &m->dv);
-    plan_add(p, MEM_SCRATCH, "grads", -1, "dout", N * qd * 4, &m->dout);
-    plan_add(p, MEM_SCRATCH, "grads", -1, "dp", N * f * 4, &m->dp);
-    plan_add(p, MEM_SCRATCH, "grads", -1, "dg", N * f * 4, &m->dg);
-    plan_add(p, MEM_SCRATCH, "grads", -1, "du", N * f * 4, &m->du);
-    plan_add(p, MEM_SCRATCH, "grads", -1, "dax", N * r * 4, &m->dax);
+    plan_add(p, MEM_SCRATCH, "grads", -1, "dres", N * d * abytes, &m->dres);
+    plan_add(p, MEM_SCRATCH, "grads", -1, "dz", N * d * abytes, &m->dz);
+    plan_add(p, MEM_SCRATCH, "grads", -1, "dq", N * qd * abytes, &m->dq);
+    plan_add(p, MEM_SCRATCH, "grads", -1, "dk", N * kvd * abytes, &m->dk);
+    plan_add(p, MEM_SCRATCH, "grads", -1, "dv", N * kvd * abytes, &m->dv);
+    plan_add(p, MEM_SCRATCH, "grads", -1, "dout", N * qd * abytes, &m->dout);
+    plan_add(p, MEM_SCRATCH, "grads", -1, "dp", N * f * abytes, &m->dp);
+    plan_add(p, MEM_SCRATCH, "grads", -1, "dg", N * f * abytes, &m->dg);
+    plan_add(p, MEM_SCRATCH, "grads", -1, "du", N * f * abytes, &m->du);
+    plan_add(p, MEM_SCRATCH, "grads", -1, "dax", N * r * abytes, &m->dax);
+    if (be->cuda) plan_add(p, MEM_SCRATCH, "attention", -1, "attn_bwd_rowsums", N * c->heads * 4, &m->att_scratch);
     plan_add(p, MEM_SCRATCH, "batch", -1, "inputs", N * 4, &m->inputs);
     plan_add(p, MEM_SCRATCH, "batch", -1, "targets", N * 4, &m->targets);
     plan_add(p, MEM_SCRATCH, "batch", -1, "mask", N * 4, &m->mask);
     plan_add(p, MEM_SCRATCH, "batch", -1, "pos", N * 4, &m->pos);
-    // the loss chunk: at most ~64 MiB of logits, never the whole tokens x vocab matrix
-    int64_t chunk = (64ll << 20) / (V * 4);
-    if (chunk < 1) chunk = 1;
-    if (chunk > N) chunk = N;
-    m->loss_chunk = (int)chunk;
-    plan_add(p, MEM_SCRATCH, "loss", -1, "loss_z", chunk * d * 4, &m->loss.z);
-    plan_add(p, MEM_SCRATCH, "loss", -1, "loss_r", chunk * 4, &m->loss.r);
-    plan_add(p, MEM_SCRATCH, "loss", -1, "loss_logits", chunk * V * 4, &m->loss.logits);
-    plan_add(p, MEM_SCRATCH, "loss", -1, "loss_dz", chunk * d * 4, &m->loss.dz);
+    m->loss_chunk = (int)lm_head_chunk(N, V);
+    op_plan_lm_head_loss(be, p, &m->loss, m->loss_chunk, d, V);
 }
 
-// Points the buffers a block does not keep at the shared scratch set, and wires the trainable
-// weights into the flat arenas (layer-major, target order; LoRA A then B, or W under --full).
+// After allocation: points the buffers a block does not keep at the shared scratch set, wires the
+// trainable weights into the flat arenas (layer-major, target order; LoRA A then B, or W under
+// --full), and sets up the host side of the batch and of the trainable arena.
 static void llama_bind(Llama* m) {
     const LlamaConfig* c = &m->cfg;
     for (int l = 0; l < c->layers; l++) {
-        float** a = (float**)&m->acts[l];
-        float** s = (float**)&m->tmp;
-        for (size_t i = 0; i < sizeof(BlockActs) / sizeof(float*); i++) if (!a[i]) a[i] = s[i];
+        void** a = (void**)&m->acts[l];
+        void** s = (void**)&m->tmp;
+        for (size_t i = 0; i < sizeof(BlockActs) / sizeof(void*); i++) if (!a[i]) a[i] = s[i];
     }
     if (c->tied) m->lm_head = m->embed;
+    trainable_bind_host(&m->tr);
     int64_t off = 0, r = m->modes.rank;
     for (int l = 0; l < c->layers; l++)
         for (int t = 0; t < N_TARGETS; t++) {
@@ -287,13 +290,34 @@ static void llama_bind(Llama* m) {
                 L->dW = m->tr.grads + off;
                 off += (int64_t)L->in * L->out;
             } else if (m->modes.targets >> t & 1) {
-                lora_bind(L, m->tr.params, m->tr.grads, &off, (int)r);
+                if (m->be->cuda) lora_bind_device(L, m->tr.params, m->tr.grads, m->tr.params16, off, (int)r);
+                lora_bind(L, m->tr.host_params, m->tr.host_grads, &off, (int)r);
             }
         }
+    int64_t N = (int64_t)m->B * m->T;
+    if (m->be->cuda) {
+        m->h_inputs = (int*)xcalloc(N, sizeof(int));
+        m->h_targets = (int*)xcalloc(N, sizeof(int));
+        m->h_pos = (int*)xcalloc(N, sizeof(int));
+        m->h_mask = (float*)xcalloc(N, sizeof(float));
+    } else {
+        m->h_inputs = m->inputs; m->h_targets = m->targets; m->h_pos = m->pos; m->h_mask = m->mask;
+    }
 }
 
-static void llama_setup(Llama* m, const LlamaConfig* cfg, const LlamaModes* modes, int B, int T, int wbytes, int abytes, const Dist* dist) {
+// The first n tokens of the host batch to the backend.
+static void llama_upload_batch(Llama* m, int64_t n) {
+    backend_upload(m->be, m->inputs, m->h_inputs, sizeof(int) * n);
+    backend_upload(m->be, m->targets, m->h_targets, sizeof(int) * n);
+    backend_upload(m->be, m->mask, m->h_mask, sizeof(float) * n);
+    backend_upload(m->be, m->pos, m->h_pos, sizeof(int) * n);
+}
+
+// Declares the model's memory for a micro-batch of B x T on backend `be`; nothing is allocated
+// until llama_allocate (a dry run stops at the plan).
+static void llama_setup(Llama* m, const LlamaConfig* cfg, const LlamaModes* modes, int B, int T, const Backend* be, const Dist* dist) {
     memset(m, 0, sizeof(*m));
+    m->be = be;
     m->dist = dist;
     m->cfg = *cfg;
     m->modes = *modes;
@@ -301,18 +325,31 @@ static void llama_setup(Llama* m, const LlamaConfig* cfg, const LlamaModes* mode
     m->T = T;
     m->layers = (LlamaLayer*)xcalloc(cfg->layers, sizeof(LlamaLayer));
     m->acts = (BlockActs*)xcalloc(cfg->layers, sizeof(BlockActs));
-    m->ckpt = (float**)xcalloc(cfg->layers, sizeof(float*));
-    llama_plan(m, &m->plan, wbytes, abytes);
+    m->ckpt = (void**)xcalloc(cfg->layers, sizeof(void*));
+    llama_plan(m, &m->plan);
+}
+
+static void llama_allocate(Llama* m) {
+    if (m->be->cuda && m->modes.full) fail("flag --full: full fine-tuning is not implemented on the CUDA backend yet (use --device cpu, or LoRA)");
+    backend_allocate_plan(m->be, &m->plan);
+    llama_bind(m);
 }
 
 static void llama_free(Llama* m) {
-    plan_free(&m->plan);
-    free(m->layers); free(m->acts); free(m->ckpt);
+    if (m->plan.arena[MEM_SCRATCH] || m->plan.arena[MEM_FROZEN]) {  // allocated (not a dry run)
+        trainable_free_host(&m->tr);
+        if (m->be->cuda) { free(m->h_inputs); free(m->h_targets); free(m->h_pos); free(m->h_mask); }
+        backend_free_plan(m->be, &m->plan);
+    } else {
+        plan_free(&m->plan);
+    }
+    free(m->layers); free(m->acts); free(m->ckpt); free(m->gamma_host);
 }
 
 // ----------------------------------------------------------------------------------------------
-// Weights: read from safetensors (any float dtype) into fp32; MS-RMSNorm merges each norm's gamma
-// into the columns of every linear that consumes it (W' = W diag(gamma)), once, here.
+// Weights: read from safetensors (any float dtype) into fp32 on the host; MS-RMSNorm merges each
+// norm's gamma into the columns of every linear that consumes it (W' = W diag(gamma)), once,
+// here; then each tensor goes to the backend (bf16 on CUDA).
 
 static void load_tensor(const StModel* sm, const char* name, float* dst, int64_t rows, int64_t cols) {
     const StTensor* t = st_model_require(sm, name);
@@ -323,37 +360,77 @@ static void load_tensor(const StModel* sm, const char* name, float* dst, int64_t
         if (!isfinite(dst[i])) fail("%s: tensor \"%s\" holds a non-finite value at element %lld", t->file, name, (long long)i);
 }
 
+// Reads tensor `name` [rows, cols] into the host buffer tmp and uploads it to the backend weight dst.
+static void load_weight(Llama* m, const StModel* sm, const char* name, void* dst, float* tmp, int64_t rows, int64_t cols) {
+    load_tensor(sm, name, tmp, rows, cols);
+    backend_upload_weights(m->be, dst, tmp, rows * (cols ? cols : 1));
+}
+
 static void llama_load_weights(Llama* m, const char* dir) {
     const LlamaConfig* c = &m->cfg;
+    int64_t d = c->dim, biggest = (int64_t)c->vocab * d;
+    for (int t = 0; t < N_TARGETS; t++) if (lin_in(c, t) * lin_out(c, t) > biggest) biggest = lin_in(c, t) * lin_out(c, t);
+    float* tmp = (float*)xmalloc(sizeof(float) * biggest);
+    m->gamma_host = (float*)xmalloc(sizeof(float) * 2 * c->layers * d);
     StModel sm;
     st_model_open(&sm, dir);
     char name[256];
-    load_tensor(&sm, "model.embed_tokens.weight", m->embed, c->vocab, c->dim);
-    load_tensor(&sm, "model.norm.weight", m->final_norm, c->dim, 0);
-    if (!c->tied) load_tensor(&sm, "lm_head.weight", m->lm_head, c->vocab, c->dim);
+    load_weight(m, &sm, "model.embed_tokens.weight", m->embed, tmp, c->vocab, d);
+    load_weight(m, &sm, "model.norm.weight", m->final_norm, tmp, d, 0);
+    if (!c->tied) load_weight(m, &sm, "lm_head.weight", m->lm_head, tmp, c->vocab, d);
     for (int l = 0; l < c->layers; l++) {
         LlamaLayer* L = &m->layers[l];
+        float *g_attn = m->gamma_host + 2 * l * d, *g_mlp = g_attn + d;
         snprintf(name, sizeof(name), "model.layers.%d.input_layernorm.weight", l);
-        load_tensor(&sm, name, L->attn_norm, c->dim, 0);
+        load_tensor(&sm, name, g_attn, d, 0);
+        backend_upload_weights(m->be, L->attn_norm, g_attn, d);
         snprintf(name, sizeof(name), "model.layers.%d.post_attention_layernorm.weight", l);
-        load_tensor(&sm, name, L->mlp_norm, c->dim, 0);
+        load_tensor(&sm, name, g_mlp, d, 0);
+        backend_upload_weights(m->be, L->mlp_norm, g_mlp, d);
         for (int t = 0; t < N_TARGETS; t++) {
+            Linear* lin = &L->lin[t];
             snprintf(name, sizeof(name), "model.layers.%d.%s.weight", l, hf_module_names[t]);
-            load_tensor(&sm, name, L->lin[t].W, L->lin[t].out, L->lin[t].in);
-        }
-        if (m->modes.ms) {
-            for (int t = T_Q; t <= T_V; t++) linear_merge_norm_affine(&L->lin[t], L->attn_norm, NULL);
-            linear_merge_norm_affine(&L->lin[T_GATE], L->mlp_norm, NULL);
-            linear_merge_norm_affine(&L->lin[T_UP], L->mlp_norm, NULL);
+            load_tensor(&sm, name, tmp, lin->out, lin->in);
+            const float* gamma = !m->modes.ms ? NULL : t <= T_V ? g_attn : (t == T_GATE || t == T_UP) ? g_mlp : NULL;
+            if (gamma) merge_norm_affine(tmp, NULL, lin->out, lin->in, gamma, NULL);
+            backend_upload_weights(m->be, *linear_weight_slot(m->be, lin), tmp, (int64_t)lin->out * lin->in);
         }
     }
     st_model_close(&sm);
+    free(tmp);
+}
+
+// --random-init (benchmarks): weights drawn from N(0, 0.02^2), gammas 1, for a config.json alone.
+// One random buffer serves every tensor (their values do not matter for speed or memory, and
+// drawing billions of normals would take longer than the benchmark).
+static void llama_random_weights(Llama* m, uint64_t seed) {
+    const LlamaConfig* c = &m->cfg;
+    int64_t d = c->dim, biggest = (int64_t)c->vocab * d;
+    for (int t = 0; t < N_TARGETS; t++) if (lin_in(c, t) * lin_out(c, t) > biggest) biggest = lin_in(c, t) * lin_out(c, t);
+    float* tmp = (float*)xmalloc(sizeof(float) * biggest);
+    Rng rng = rng_seeded(seed, 11);
+    for (int64_t i = 0; i < biggest; i++) tmp[i] = 0.02f * rng_normal(&rng);
+    m->gamma_host = (float*)xmalloc(sizeof(float) * 2 * c->layers * d);
+    for (int64_t i = 0; i < 2 * c->layers * d; i++) m->gamma_host[i] = 1.0f;
+    backend_upload_weights(m->be, m->embed, tmp, c->vocab * d);
+    backend_upload_weights(m->be, m->final_norm, m->gamma_host, d);
+    if (!c->tied) backend_upload_weights(m->be, m->lm_head, tmp, c->vocab * d);
+    for (int l = 0; l < c->layers; l++) {
+        LlamaLayer* L = &m->layers[l];
+        backend_upload_weights(m->be, L->attn_norm, m->gamma_host, d);
+        backend_upload_weights(m->be, L->mlp_norm, m->gamma_host, d);
+        for (int t = 0; t < N_TARGETS; t++)
+            backend_upload_weights(m->be, *linear_weight_slot(m->be, &L->lin[t]), tmp, (int64_t)L->lin[t].out * L->lin[t].in);
+    }
+    free(tmp);
 }
 
 // RoPE tables, with the Llama-3.1 wavelength-dependent frequency scaling when configured.
 static void llama_rope_tables(Llama* m) {
     const LlamaConfig* c = &m->cfg;
     int half = c->head_dim / 2;
+    float* cs = (float*)xmalloc(sizeof(float) * 2 * m->T * half);
+    float* sn = cs + (int64_t)m->T * half;
     for (int i = 0; i < half; i++) {
         double inv = pow((double)c->rope_theta, -2.0 * i / c->head_dim);
         if (c->rope_llama3) {
@@ -366,10 +443,13 @@ static void llama_rope_tables(Llama* m) {
             }
         }
         for (int t = 0; t < m->T; t++) {
-            m->rope_cos[t * half + i] = (float)cos(t * inv);
-            m->rope_sin[t * half + i] = (float)sin(t * inv);
+            cs[t * half + i] = (float)cos(t * inv);
+            sn[t * half + i] = (float)sin(t * inv);
         }
     }
+    backend_upload(m->be, m->rope_cos, cs, sizeof(float) * m->T * half);
+    backend_upload(m->be, m->rope_sin, sn, sizeof(float) * m->T * half);
+    free(cs);
 }
 
 // Fresh adapters: A ~ kaiming-uniform (bound 1/sqrt(in), as PEFT), B = 0, so step 0 is exactly
@@ -381,47 +461,44 @@ static void llama_init_lora(Llama* m, uint64_t seed) {
             Linear* L = &m->layers[l].lin[t];
             if (L->A) lora_init(L, m->modes.rank, &rng);
         }
+    trainable_to_device(&m->tr);
 }
 
 // ----------------------------------------------------------------------------------------------
 // Forward
 
 // One block, updating the residual stream x [B*T, d] in place and filling a's buffers.
-static void block_forward(Llama* m, int l, float* x, BlockActs* a, int B, int T) {
+static void block_forward(Llama* m, int l, void* x, BlockActs* a, int B, int T) {
+    const Backend* be = m->be;
     const LlamaConfig* c = &m->cfg;
     const LlamaLayer* L = &m->layers[l];
     int64_t N = (int64_t)B * T, d = c->dim;
     int r = m->modes.rank;
     float s = m->modes.lora_scale;
     AttnShape as = {B, T, c->heads, c->kv_heads, c->head_dim, 1, m->pos};
-    if (a->x_in && a->x_in != x) memcpy(a->x_in, x, sizeof(float) * N * d);
-    rmsnorm_forward(a->z1, a->r1, x, m->modes.ms ? NULL : L->attn_norm, N, (int)d, c->norm_eps);
-    linear_forward(a->q, a->z1, &L->lin[T_Q], a->ax[T_Q], N, r, s, 0);
-    linear_forward(a->k, a->z1, &L->lin[T_K], a->ax[T_K], N, r, s, 0);
-    linear_forward(a->v, a->z1, &L->lin[T_V], a->ax[T_V], N, r, s, 0);
-    rope_apply(a->q, m->rope_cos, m->rope_sin, m->pos, N, T, c->heads, c->head_dim, 0);
-    rope_apply(a->k, m->rope_cos, m->rope_sin, m->pos, N, T, c->kv_heads, c->head_dim, 0);
-    attention_forward(a->o, a->lse, a->q, a->k, a->v, as);
-    linear_forward(x, a->o, &L->lin[T_O], a->ax[T_O], N, r, s, 1);
-    if (a->h_mid) memcpy(a->h_mid, x, sizeof(float) * N * d);
-    rmsnorm_forward(a->z2, a->r2, x, m->modes.ms ? NULL : L->mlp_norm, N, (int)d, c->norm_eps);
-    linear_forward(a->g, a->z2, &L->lin[T_GATE], a->ax[T_GATE], N, r, s, 0);
-    linear_forward(a->u, a->z2, &L->lin[T_UP], a->ax[T_UP], N, r, s, 0);
-    swiglu_forward(a->p, a->sg, m->modes.approx ? a->codes : NULL, a->g, a->u, N * c->hidden);
-    linear_forward(x, a->p, &L->lin[T_DOWN], a->ax[T_DOWN], N, r, s, 1);
+    if (a->x_in) op_copy(be, a->x_in, x, N * d);
+    op_rmsnorm_forward(be, a->z1, a->r1, x, m->modes.ms ? NULL : L->attn_norm, N, (int)d, c->norm_eps);
+    op_linear_forward(be, a->q, a->z1, &L->lin[T_Q], a->ax[T_Q], N, r, s, 0);
+    op_linear_forward(be, a->k, a->z1, &L->lin[T_K], a->ax[T_K], N, r, s, 0);
+    op_linear_forward(be, a->v, a->z1, &L->lin[T_V], a->ax[T_V], N, r, s, 0);
+    op_rope(be, a->q, m->rope_cos, m->rope_sin, m->pos, N, T, c->heads, c->head_dim, 0);
+    op_rope(be, a->k, m->rope_cos, m->rope_sin, m->pos, N, T, c->kv_heads, c->head_dim, 0);
+    op_attention_forward(be, a->o, a->lse, a->q, a->k, a->v, as);
+    op_linear_forward(be, x, a->o, &L->lin[T_O], a->ax[T_O], N, r, s, 1);
+    if (a->h_mid) op_copy(be, a->h_mid, x, N * d);
+    op_rmsnorm_forward(be, a->z2, a->r2, x, m->modes.ms ? NULL : L->mlp_norm, N, (int)d, c->norm_eps);
+    op_linear_forward(be, a->g, a->z2, &L->lin[T_GATE], a->ax[T_GATE], N, r, s, 0);
+    op_linear_forward(be, a->u, a->z2, &L->lin[T_UP], a->ax[T_UP], N, r, s, 0);
+    op_swiglu_forward(be, a->p, a->sg, m->modes.approx ? a->codes : NULL, a->g, a->u, N * c->hidden);
+    op_linear_forward(be, x, a->p, &L->lin[T_DOWN], a->ax[T_DOWN], N, r, s, 1);
 }
 
-static void embed_tokens(float* x, const float* embed, const int* ids, int64_t N, int d) {
-#pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < N; n++) memcpy(x + n * d, embed + (int64_t)ids[n] * d, sizeof(float) * d);
-}
-
-// Embedding and all blocks; leaves the final norm's input in m->resid.
-static void llama_forward_blocks(Llama* m, const int* inputs, int B, int T) {
+// Embedding and all blocks over the uploaded batch; leaves the final norm's input in m->resid.
+static void llama_forward_blocks(Llama* m, int B, int T) {
     int64_t N = (int64_t)B * T;
-    embed_tokens(m->resid, m->embed, inputs, N, m->cfg.dim);
+    op_embed(m->be, m->resid, m->embed, m->inputs, N, m->cfg.dim);
     for (int l = 0; l < m->cfg.layers; l++) {
-        if (m->modes.ckpt) memcpy(m->ckpt[l], m->resid, sizeof(float) * N * m->cfg.dim);
+        if (m->modes.ckpt) op_copy(m->be, m->ckpt[l], m->resid, N * m->cfg.dim);
         block_forward(m, l, m->resid, &m->acts[l], B, T);
     }
 }
@@ -431,56 +508,57 @@ static void llama_forward_blocks(Llama* m, const int* inputs, int B, int T) {
 
 // Backpropagates m->dres (gradient w.r.t. the block output) to the block input, in place.
 static void block_backward(Llama* m, int l, BlockActs* a, int B, int T) {
+    const Backend* be = m->be;
     const LlamaConfig* c = &m->cfg;
     const LlamaLayer* L = &m->layers[l];
     int64_t N = (int64_t)B * T, d = c->dim, nf = N * c->hidden;
     int r = m->modes.rank;
     float s = m->modes.lora_scale;
     AttnShape as = {B, T, c->heads, c->kv_heads, c->head_dim, 1, m->pos};
-    const float* x_in = m->modes.ckpt ? m->ckpt[l] : a->x_in;
+    const void* x_in = m->modes.ckpt ? m->ckpt[l] : a->x_in;
     // MLP: down, SwiGLU (exact or ReSiLU2), gate/up, MLP norm
-    if (m->modes.recompute_product && (L->lin[T_DOWN].A || L->lin[T_DOWN].dW)) {  // beyond the paper: rebuild the down input
-        for (int64_t i = 0; i < nf; i++) a->p[i] = a->sg[i] * a->u[i];
-    }
-    linear_backward(m->dp, m->dres, a->p, a->ax[T_DOWN], &L->lin[T_DOWN], m->dax, N, r, s, 0);
-    swiglu_backward(m->dg, m->du, m->dp, a->sg, a->u, m->modes.approx ? NULL : a->g, a->codes, nf);
-    linear_backward(m->dz, m->dg, a->z2, a->ax[T_GATE], &L->lin[T_GATE], m->dax, N, r, s, 0);
-    linear_backward(m->dz, m->du, a->z2, a->ax[T_UP], &L->lin[T_UP], m->dax, N, r, s, 1);
-    if (m->modes.ms) rmsnorm_ms_backward(m->dres, m->dz, a->z2, a->r2, N, (int)d);
-    else rmsnorm_backward(m->dres, m->dz, a->h_mid, a->r2, L->mlp_norm, N, (int)d);
+    if (m->modes.recompute_product && (L->lin[T_DOWN].A || L->lin[T_DOWN].dW))  // beyond the paper: rebuild the down input
+        op_mul(be, a->p, a->sg, a->u, nf);
+    op_linear_backward(be, m->dp, m->dres, a->p, a->ax[T_DOWN], &L->lin[T_DOWN], m->dax, N, r, s, 0);
+    op_swiglu_backward(be, m->dg, m->du, m->dp, a->sg, a->u, m->modes.approx ? NULL : a->g, a->codes, nf);
+    op_linear_backward(be, m->dz, m->dg, a->z2, a->ax[T_GATE], &L->lin[T_GATE], m->dax, N, r, s, 0);
+    op_linear_backward(be, m->dz, m->du, a->z2, a->ax[T_UP], &L->lin[T_UP], m->dax, N, r, s, 1);
+    if (m->modes.ms) op_rmsnorm_ms_backward(be, m->dres, m->dz, a->z2, a->r2, N, (int)d);
+    else op_rmsnorm_backward(be, m->dres, m->dz, a->h_mid, a->r2, L->mlp_norm, N, (int)d);
     // attention: o-proj, attention, RoPE, q/k/v, attention norm
-    linear_backward(m->dout, m->dres, a->o, a->ax[T_O], &L->lin[T_O], m->dax, N, r, s, 0);
-    attention_backward(m->dq, m->dk, m->dv, m->dout, a->q, a->k, a->v, a->o, a->lse, as);
-    rope_apply(m->dq, m->rope_cos, m->rope_sin, m->pos, N, T, c->heads, c->head_dim, 1);
-    rope_apply(m->dk, m->rope_cos, m->rope_sin, m->pos, N, T, c->kv_heads, c->head_dim, 1);
-    linear_backward(m->dz, m->dq, a->z1, a->ax[T_Q], &L->lin[T_Q], m->dax, N, r, s, 0);
-    linear_backward(m->dz, m->dk, a->z1, a->ax[T_K], &L->lin[T_K], m->dax, N, r, s, 1);
-    linear_backward(m->dz, m->dv, a->z1, a->ax[T_V], &L->lin[T_V], m->dax, N, r, s, 1);
-    if (m->modes.ms) rmsnorm_ms_backward(m->dres, m->dz, a->z1, a->r1, N, (int)d);
-    else rmsnorm_backward(m->dres, m->dz, x_in, a->r1, L->attn_norm, N, (int)d);
+    op_linear_backward(be, m->dout, m->dres, a->o, a->ax[T_O], &L->lin[T_O], m->dax, N, r, s, 0);
+    op_attention_backward(be, m->dq, m->dk, m->dv, m->dout, a->q, a->k, a->v, a->o, a->lse, m->att_scratch, as);
+    op_rope(be, m->dq, m->rope_cos, m->rope_sin, m->pos, N, T, c->heads, c->head_dim, 1);
+    op_rope(be, m->dk, m->rope_cos, m->rope_sin, m->pos, N, T, c->kv_heads, c->head_dim, 1);
+    op_linear_backward(be, m->dz, m->dq, a->z1, a->ax[T_Q], &L->lin[T_Q], m->dax, N, r, s, 0);
+    op_linear_backward(be, m->dz, m->dk, a->z1, a->ax[T_K], &L->lin[T_K], m->dax, N, r, s, 1);
+    op_linear_backward(be, m->dz, m->dv, a->z1, a->ax[T_V], &L->lin[T_V], m->dax, N, r, s, 1);
+    if (m->modes.ms) op_rmsnorm_ms_backward(be, m->dres, m->dz, a->z1, a->r1, N, (int)d);
+    else op_rmsnorm_backward(be, m->dres, m->dz, x_in, a->r1, L->attn_norm, N, (int)d);
 }
 
 static void llama_backward_blocks(Llama* m, int B, int T) {
     int64_t N = (int64_t)B * T;
     for (int l = m->cfg.layers - 1; l >= 0; l--) {
         if (m->modes.ckpt) {  // recompute this block's activations from its saved input
-            memcpy(m->resid_tmp, m->ckpt[l], sizeof(float) * N * m->cfg.dim);
+            op_copy(m->be, m->resid_tmp, m->ckpt[l], N * m->cfg.dim);
             block_forward(m, l, m->resid_tmp, &m->acts[l], B, T);
         }
         block_backward(m, l, &m->acts[l], B, T);
     }
 }
 
-// One micro-batch: forward, fused head + loss (+ its gradient), backward. LoRA grads accumulate.
-// grad_scale = 1 / (unmasked tokens in the whole optimizer step). logits_out: tests only.
+// One micro-batch (already uploaded): forward, fused head + loss (+ its gradient), backward. LoRA
+// grads accumulate. grad_scale = 1 / (unmasked tokens in the whole optimizer step). logits_out
+// (backend memory, fp32 [B*T, V]): tests and generation only.
 static LossStats llama_forward_backward(Llama* m, int B, int T, float grad_scale, int backward, float* logits_out) {
     int64_t N = (int64_t)B * T;
     const LlamaConfig* c = &m->cfg;
-    llama_forward_blocks(m, m->inputs, B, T);
+    llama_forward_blocks(m, B, T);
     LossStats st = {0, 0, 0};
-    if (backward) memset(m->dres, 0, sizeof(float) * N * c->dim);
-    lm_head_loss(m->resid, m->final_norm, c->norm_eps, m->lm_head, c->vocab, c->dim, m->targets, m->mask, N, m->loss_chunk,
-                 grad_scale, backward ? m->dres : NULL, logits_out, m->loss, &st);
+    if (backward) op_zero(m->be, m->dres, (size_t)N * c->dim * m->be->abytes);
+    op_lm_head_loss(m->be, m->resid, m->final_norm, c->norm_eps, m->lm_head, c->vocab, c->dim, m->targets, m->mask, N, m->loss_chunk,
+                    grad_scale, backward ? m->dres : NULL, logits_out, &m->loss, &st);
     if (backward) llama_backward_blocks(m, B, T);
     return st;
 }
@@ -516,13 +594,14 @@ static StepResult llama_train_step(Llama* m, TextLoader* loader, const TrainOpti
     double total = count_mask(mk_all, N * K);
     dist_allreduce_sum_f64(dist, &total, 1);
     float scale = total > 0 ? (float)(1.0 / total) : 0.0f;
-    memset(m->tr.grads, 0, sizeof(float) * m->tr.count);
+    trainable_zero_grads(&m->tr);
     double loss_sum = 0.0;
     for (int k = 0; k < K; k++) {
-        memcpy(m->inputs, in_all + k * N, sizeof(int) * N);
-        memcpy(m->targets, tg_all + k * N, sizeof(int) * N);
-        memcpy(m->mask, mk_all + k * N, sizeof(float) * N);
-        memcpy(m->pos, pos_all + k * N, sizeof(int) * N);
+        memcpy(m->h_inputs, in_all + k * N, sizeof(int) * N);
+        memcpy(m->h_targets, tg_all + k * N, sizeof(int) * N);
+        memcpy(m->h_mask, mk_all + k * N, sizeof(float) * N);
+        memcpy(m->h_pos, pos_all + k * N, sizeof(int) * N);
+        llama_upload_batch(m, N);
         loss_sum += llama_forward_backward(m, B, T, scale, 1, NULL).loss_sum;
     }
     free(in_all); free(tg_all); free(mk_all); free(pos_all);
@@ -545,7 +624,8 @@ static float llama_evaluate(Llama* m, TextLoader* loader, int batches) {
     loader->cursor = 0;
     double ls = 0.0, cnt = 0.0;
     for (int i = 0; i < batches; i++) {
-        loader_next(loader, m->B, 0, 1, m->inputs, m->targets, m->mask, m->pos);
+        loader_next(loader, m->B, 0, 1, m->h_inputs, m->h_targets, m->h_mask, m->h_pos);
+        llama_upload_batch(m, (int64_t)m->B * m->T);
         LossStats st = llama_forward_backward(m, m->B, m->T, 0.0f, 0, NULL);
         ls += st.loss_sum;
         cnt += st.count;
@@ -576,20 +656,23 @@ static void llama_generate(Llama* m, const Tokenizer* tok, const char* prompt, i
     int* ids = (int*)xmalloc(sizeof(int) * cap);
     int len = tokenizer_encode(tok, prompt, 1, ids);
     int window = m->T;
-    float* logits = (float*)xmalloc(sizeof(float) * (int64_t)window * c->vocab);
+    float* logits = (float*)backend_alloc(m->be, sizeof(float) * (int64_t)window * c->vocab, "generation logits");
+    float* last = (float*)xmalloc(sizeof(float) * c->vocab);
     Rng rng = rng_seeded(seed, 99);
     char bb[2];
     printf("%s", prompt);
     for (int i = 0; i < n; i++) {
         int start = len > window ? len - window : 0, T = len - start;
-        memcpy(m->inputs, ids + start, sizeof(int) * T);
-        memset(m->targets, 0, sizeof(int) * T);
-        for (int t = 0; t < T; t++) { m->mask[t] = 0.0f; m->pos[t] = t; }
-        llama_forward_blocks(m, m->inputs, 1, T);
+        memcpy(m->h_inputs, ids + start, sizeof(int) * T);
+        memset(m->h_targets, 0, sizeof(int) * T);
+        for (int t = 0; t < T; t++) { m->h_mask[t] = 0.0f; m->h_pos[t] = t; }
+        llama_upload_batch(m, T);
+        llama_forward_blocks(m, 1, T);
         LossStats st = {0, 0, 0};
-        lm_head_loss(m->resid, m->final_norm, c->norm_eps, m->lm_head, c->vocab, c->dim, m->targets, m->mask, T, m->loss_chunk, 0.0f,
-                     NULL, logits, m->loss, &st);
-        int next = sample_token(logits + (int64_t)(T - 1) * c->vocab, c->vocab, temperature, &rng);
+        op_lm_head_loss(m->be, m->resid, m->final_norm, c->norm_eps, m->lm_head, c->vocab, c->dim, m->targets, m->mask, T, m->loss_chunk, 0.0f,
+                        NULL, logits, &m->loss, &st);
+        backend_download(m->be, last, logits + (int64_t)(T - 1) * c->vocab, sizeof(float) * c->vocab);
+        int next = sample_token(last, c->vocab, temperature, &rng);
         if (next == c->eos_id || next == tok->bos_id) break;
         printf("%s", tokenizer_decode(tok, ids[len - 1], next, bb));
         fflush(stdout);
@@ -597,7 +680,8 @@ static void llama_generate(Llama* m, const Tokenizer* tok, const char* prompt, i
     }
     printf("\n");
     free(ids);
-    free(logits);
+    free(last);
+    backend_free(m->be, logits);
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -636,12 +720,12 @@ static void print_settings_json(char* buf, size_t n, const TrainOptions* o, cons
 // Under mpirun the plan is per rank (ZeRO-1 divides full fine-tuning's optimizer state).
 static void llama_dry_run(const LlamaConfig* cfg, const TrainOptions* o, LlamaModes md, const Dist* dist) {
     int cpu = strcmp(o->device, "cpu") == 0;  // a dry run plans the CUDA layout unless told otherwise
-    int wbytes = cpu ? 4 : 2, abytes = cpu ? 4 : 2;
+    Backend be = backend_for_plan(!cpu);
     Llama m, base;
-    llama_setup(&m, cfg, &md, o->batch, o->seq, wbytes, abytes, dist);
+    llama_setup(&m, cfg, &md, o->batch, o->seq, &be, dist);
     LlamaModes bm = md;
     bm.approx = 0; bm.ms = 0; bm.ckpt = 0; bm.recompute_product = 0;
-    llama_setup(&base, cfg, &bm, o->batch, o->seq, wbytes, abytes, NULL);
+    llama_setup(&base, cfg, &bm, o->batch, o->seq, &be, NULL);
     if (o->json) {
         char s[512];
         print_settings_json(s, sizeof(s), o, cpu ? "cpu" : "cuda");
@@ -649,7 +733,7 @@ static void llama_dry_run(const LlamaConfig* cfg, const TrainOptions* o, LlamaMo
     } else {
         printf("train_llama dry run: d=%d f=%d layers=%d heads=%d kv_heads=%d vocab=%d, batch %d x seq %d, LoRA r=%d\n", cfg->dim, cfg->hidden,
                cfg->layers, cfg->heads, cfg->kv_heads, cfg->vocab, o->batch, o->seq, o->lora_rank);
-        plan_print(&m.plan, &base.plan, o->mode, cpu ? "CPU fp32" : "CUDA bf16");
+        plan_print(&m.plan, &base.plan, o->mode, be.layout);
     }
     llama_free(&m);
     llama_free(&base);
@@ -661,8 +745,9 @@ static void llama_dry_run(const LlamaConfig* cfg, const TrainOptions* o, LlamaMo
 // The gamma that MS-RMSNorm merged into linear t of layer l, or NULL (standard norms, o, down).
 static const float* llama_merged_gamma(const Llama* m, int l, int t) {
     if (!m->modes.ms) return NULL;
-    if (t == T_Q || t == T_K || t == T_V) return m->layers[l].attn_norm;
-    if (t == T_GATE || t == T_UP) return m->layers[l].mlp_norm;
+    const float* g = m->gamma_host + 2 * (int64_t)l * m->cfg.dim;
+    if (t == T_Q || t == T_K || t == T_V) return g;
+    if (t == T_GATE || t == T_UP) return g + m->cfg.dim;
     return NULL;
 }
 
@@ -683,6 +768,7 @@ static int llama_peft_entries(Llama* m, PeftEntry* e) {
 }
 
 static void llama_save_adapter(Llama* m, const char* dir, const TrainOptions* o) {
+    trainable_to_host(&m->tr, 0);
     PeftEntry* e = (PeftEntry*)xcalloc(m->cfg.layers * N_TARGETS, sizeof(PeftEntry));
     int n = llama_peft_entries(m, e);
     const char* tm[N_TARGETS];
@@ -699,6 +785,7 @@ static void llama_load_adapter(Llama* m, const char* dir, const TrainOptions* o)
     peft_load(dir, e, n, m->modes.rank, &alpha);
     if (alpha != o->lora_alpha) fail("%s: adapter has lora_alpha %g, but --lora-alpha is %g", dir, alpha, o->lora_alpha);
     free(e);
+    trainable_to_device(&m->tr);
 }
 
 // The adapted Linear whose Hugging Face weight is `name`, or NULL.
@@ -718,6 +805,7 @@ static const Linear* llama_linear_named(Llama* m, const char* name, int* layer, 
 // every other tensor is copied unchanged.
 static void llama_export_merged(Llama* m, const TrainOptions* o, const char* dir) {
     make_dirs(dir, "flag --export-merged");
+    trainable_to_host(&m->tr, 0);
     StModel sm;
     st_model_open(&sm, o->model_dir);
     StWriter w;
@@ -829,7 +917,7 @@ static void llama_train(Llama* m, RunData* rd, const TrainOptions* o, const Dist
             trainable_save_state(&m->tr, dist, out, settings, step + 1, rd->tl.cursor, o->seed);
         }
     }
-    if (rank0) train_print_summary(o, start, stop, wall_seconds() - t0, comm, m->modes.full, &m->plan);
+    if (rank0) train_print_summary(o, start, stop, wall_seconds() - t0, comm, m->modes.full, &m->plan, m->be);
     if (log) fclose(log);
 }
 
@@ -861,16 +949,18 @@ int main(int argc, char** argv) {
         free(tok_path);
     }
 
+    Backend be;
+    backend_init(&be, o.device, dist.local_rank);
     Llama m, base;
     int sized = o.data_path || o.eval_only;  // generation alone needs one sequence
     int B = sized ? o.batch : 1, T = sized ? o.seq : (cfg.max_seq < 256 ? cfg.max_seq : 256);
-    llama_setup(&m, &cfg, &md, B, T, 4, 4, &dist);
+    llama_setup(&m, &cfg, &md, B, T, &be, &dist);
     LlamaModes bm = md;
     bm.approx = 0; bm.ms = 0; bm.ckpt = 0; bm.recompute_product = 0;
-    llama_setup(&base, &cfg, &bm, B, T, 4, 4, &dist);
-    plan_allocate_host(&m.plan);
-    llama_bind(&m);
-    llama_load_weights(&m, o.model_dir);
+    llama_setup(&base, &cfg, &bm, B, T, &be, &dist);
+    llama_allocate(&m);
+    if (o.random_init) llama_random_weights(&m, (uint64_t)o.seed);
+    else llama_load_weights(&m, o.model_dir);
     llama_rope_tables(&m);
     if (!md.full) llama_init_lora(&m, (uint64_t)o.seed);
     if (o.adapter_dir) llama_load_adapter(&m, o.adapter_dir, &o);
@@ -878,10 +968,15 @@ int main(int argc, char** argv) {
         char what[160];
         if (md.full) snprintf(what, sizeof(what), "full fine-tuning of the linear weights");
         else snprintf(what, sizeof(what), "LoRA r=%d alpha=%g on %s", o.lora_rank, o.lora_alpha, o.lora_targets ? o.lora_targets : "all");
-        printf("train_llama: %s | d=%d f=%d layers=%d heads=%d/%d vocab=%d | act=%s norm=%s recompute=%s | %s (%lld trainable) | %d threads x %d ranks\n",
+        char where[64];
+        if (be.cuda) snprintf(where, sizeof(where), "CUDA GPU %d x %d ranks", be.device, dist.world);
+        else snprintf(where, sizeof(where), "CPU, %d threads x %d ranks", omp_get_max_threads(), dist.world);
+        printf("train_llama: %s | d=%d f=%d layers=%d heads=%d/%d vocab=%d | act=%s norm=%s recompute=%s | %s (%lld trainable) | %s\n",
                o.model_dir, cfg.dim, cfg.hidden, cfg.layers, cfg.heads, cfg.kv_heads, cfg.vocab, o.act, o.norm, o.recompute, what,
-               (long long)m.tr.count, omp_get_max_threads(), dist.world);
-        plan_print(&m.plan, &base.plan, o.mode, dist.world > 1 ? "CPU fp32, per rank" : "CPU fp32");
+               (long long)m.tr.count, where);
+        char layout[64];
+        snprintf(layout, sizeof(layout), "%s%s", be.layout, dist.world > 1 ? ", per rank" : "");
+        plan_print(&m.plan, &base.plan, o.mode, layout);
     }
     llama_free(&base);
     if (o.eval_only) {

@@ -242,7 +242,7 @@ static void vit_plan(Vit* m, MemPlan* p, int wbytes, int abytes) {
         for (int t = 0; t < N_TARGETS; t++)
             if (md->full) m->lora_count += lin_in(c, t) * lin_out(c, t);
             else if (md->targets >> t & 1) m->lora_count += r * (lin_in(c, t) + lin_out(c, t));
-    trainable_plan(&m->tr, p, md->full ? "linear weights+head" : "lora+head", m->lora_count + K * d + K, md->full, m->dist);
+    trainable_plan(&m->tr, p, md->full ? "linear weights+head" : "lora+head", m->lora_count + K * d + K, md->full, m->dist, NULL);
     // saved activations, block by block (the table above)
     int keep = !md->ckpt, std_norm = !md->ms;
     // a linear keeps its input when its own backward needs it: it has an adapter or trains W
@@ -1223,7 +1223,8 @@ static void vit_train(Vit* m, RunData* rd, const TrainOptions* o, const Dist* di
             trainable_save_state(&m->tr, dist, out, settings, step + 1, rd->tl.cursor, o->seed);
         }
     }
-    if (rank0) train_print_summary(o, start, stop, wall_seconds() - t0, comm, m->modes.full, &m->plan);
+    Backend cpu = backend_for_plan(0);
+    if (rank0) train_print_summary(o, start, stop, wall_seconds() - t0, comm, m->modes.full, &m->plan, &cpu);
     if (log) fclose(log);
 }
 
@@ -1245,6 +1246,10 @@ int main(int argc, char** argv) {
         fail("nothing to do: give --data (an image shard from scripts/prepare_images.py), --val with --eval-only, or --export-merged DIR with --adapter");
     if (!o.data_path && !o.eval_only && !o.adapter_dir) fail("flag --export-merged: alone, it needs --adapter (the adapter and head to fold in)");
     train_prepare_run(&o, dist.rank);
+    if (o.random_init) fail("flag --random-init: not supported by train_vit yet");
+    Backend be;  // the CUDA backend is not wired into this model yet: auto means the CPU here
+    backend_init(&be, strcmp(o.device, "cuda") == 0 ? "cuda" : "cpu", dist.local_rank);
+    if (be.cuda) fail("flag --device cuda: train_vit runs on the CPU backend only so far (train_llama has the CUDA backend)");
 
     int h, w, classes;
     vit_resolution(&cfg, o.image_size, &h, &w);
@@ -1255,6 +1260,7 @@ int main(int argc, char** argv) {
     VitModes bm = baseline_modes(md);
     vit_setup(&base, &cfg, &bm, o.batch, h, w, classes, 4, 4, &dist);
     plan_allocate_host(&m.plan);
+    trainable_bind_host(&m.tr);
     vit_bind(&m);
     vit_load_weights(&m, o.model_dir);
     vit_init_trainable(&m, (uint64_t)o.seed);

@@ -2,16 +2,37 @@
 // the CUDA backend, chosen by local rank); gradients and loss statistics are summed across ranks
 // with MPI on the CPU backend. A plain single-process run needs no MPI at all, and a binary built
 // without MPI refuses a multi-rank launch instead of silently training N independent copies.
+// On the CUDA backend built with NCCL (LLMC_HAVE_NCCL, nvcc builds only) the device gradients are
+// summed by NCCL on the GPU; without it they go through host memory and MPI.
 #pragma once
 #include "common.h"
 #ifdef LLMC_HAVE_MPI
 #include <mpi.h>
 #endif
+// NCCL needs the real CUDA runtime: the CPU emulator and plain C++ builds ignore LLMC_HAVE_NCCL,
+// so one set of flags can serve every build and the CPU paths stay unchanged.
+#if defined(LLMC_HAVE_NCCL) && defined(__CUDACC__) && !defined(LLMC_CUDA_EMU)
+#define LLMC_DIST_NCCL 1
+#include <nccl.h>
+#endif
 
 typedef struct {
     int rank, world, local_rank;
     int mpi;               // MPI was initialised by us
+#ifdef LLMC_DIST_NCCL
+    int has_nccl;          // `nccl` is live (dist_nccl_init ran), dist_finalize destroys it
+    ncclComm_t nccl;
+#endif
 } Dist;
+
+#ifdef LLMC_DIST_NCCL
+static void nccl_check(ncclResult_t r, const char* call, const char* file, int line) {
+    // ncclGetLastError carries the detail (which peer, which socket) that the code alone lacks.
+    if (r != ncclSuccess)
+        fail("NCCL error at %s:%d: %s: %s (%s)", file, line, call, ncclGetErrorString(r), ncclGetLastError(NULL));
+}
+#define NCCL_CHECK(call) nccl_check((call), #call, __FILE__, __LINE__)
+#endif
 
 // Ranks announced by the common launchers (Open MPI, MPICH/Hydra, Slurm), or 1.
 static int launcher_world_size(void) {
@@ -71,10 +92,44 @@ static void dist_allreduce_sum_f64(const Dist* d, double* x, int n) {
 }
 
 static void dist_finalize(Dist* d) {
+#ifdef LLMC_DIST_NCCL
+    // Before MPI_Finalize: NCCL's teardown may still talk to the other ranks.
+    if (d->has_nccl) { NCCL_CHECK(ncclCommDestroy(d->nccl)); d->has_nccl = 0; }
+#endif
 #ifdef LLMC_HAVE_MPI
     if (d->mpi) { g_fail_hook = NULL; MPI_Finalize(); }
 #endif
     d->mpi = 0;
+}
+
+// The GPU communicator. The CUDA trainers call this right after cudaSetDevice(local_rank), since
+// the communicator binds to the current device. Defined in every build, as a no-op without NCCL,
+// so that callers need no #ifdef. One rank makes a (1-rank) communicator only when
+// LLMC_NCCL_SELFTEST=1: a single GPU then proves the NCCL path end to end (the sum over one rank
+// changes nothing), while ordinary single-GPU runs spend neither NCCL's start-up nor its buffers.
+static void dist_nccl_init(Dist* d) {
+#ifdef LLMC_DIST_NCCL
+    const char* selftest = getenv("LLMC_NCCL_SELFTEST");
+    if (d->has_nccl || (d->world == 1 && !(selftest && strcmp(selftest, "1") == 0))) return;
+    ncclUniqueId id;
+    memset(&id, 0, sizeof(id));
+    if (d->rank == 0) NCCL_CHECK(ncclGetUniqueId(&id));
+#ifdef LLMC_HAVE_MPI
+    if (d->world > 1) MPI_Bcast(&id, (int)sizeof(id), MPI_BYTE, 0, MPI_COMM_WORLD);
+#endif
+    NCCL_CHECK(ncclCommInitRank(&d->nccl, d->world, id, d->rank));
+    d->has_nccl = 1;
+#else
+    (void)d;
+#endif
+}
+
+// What sums the device gradients, for the trainers' start-up line.
+static const char* dist_gpu_collectives(const Dist* d) {
+#ifdef LLMC_DIST_NCCL
+    if (d->has_nccl) return "NCCL";
+#endif
+    return d->world > 1 ? "MPI via host" : "none";
 }
 
 // ZeRO-1 pieces: `full` holds world * shard floats. Sums every rank's `full` and leaves this
@@ -105,3 +160,25 @@ static void dist_gather_f32(const Dist* d, const float* shard_in, float* full_ou
     (void)d;
     memcpy(full_out, shard_in, sizeof(float) * shard);
 }
+
+#if defined(__CUDACC__) || defined(LLMC_CUDA_EMU)
+#include "cuda/common.cuh"
+// Sums n floats of device memory across ranks, in place (the CUDA backend's gradient all-reduce).
+// With a communicator (dist_nccl_init) NCCL sums on the GPU in stream order, with no host sync:
+// the kernels queued after it on `stream` see the sum. Otherwise the sum goes through host memory
+// and MPI: correct, but slower than NCCL.
+static void dist_allreduce_sum_f32_device(const Dist* d, float* x, int64_t n, cudaStream_t stream) {
+    if (!d || n == 0) return;
+#ifdef LLMC_DIST_NCCL
+    if (d->has_nccl) { NCCL_CHECK(ncclAllReduce(x, x, (size_t)n, ncclFloat, ncclSum, d->nccl, stream)); return; }
+#endif
+    if (d->world <= 1) return;
+    float* h = (float*)xmalloc(sizeof(float) * n);
+    CUDA_CHECK(cudaMemcpyAsync(h, x, sizeof(float) * n, cudaMemcpyDeviceToHost, stream));
+    CUDA_CHECK(cudaStreamSynchronize(stream));
+    dist_allreduce_sum_f32(d, h, n);
+    CUDA_CHECK(cudaMemcpyAsync(x, h, sizeof(float) * n, cudaMemcpyHostToDevice, stream));
+    CUDA_CHECK(cudaStreamSynchronize(stream));
+    free(h);
+}
+#endif

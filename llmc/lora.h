@@ -9,13 +9,23 @@
 #include "rng.h"
 #include "cpu/matmul.h"
 
+// The CUDA backend's copy of a layer (device pointers; all NULL on the CPU backend). The adapter's
+// fp32 masters and gradients sit in the device trainable arena at the same offsets as the host
+// mirror's; the products read the bf16 shadows of the masters (llmc/cuda/linear.cuh).
+typedef struct {
+    void *W, *bias;        // bf16 [out, in], [out] (bias NULL when the layer has none)
+    float *A, *B, *dA, *dB;
+    void *A16, *B16;       // bf16 shadows of A and B
+} LinearDevice;
+
 typedef struct {
     int in, out;
-    float* W;              // [out, in] frozen
+    float* W;              // [out, in] frozen (host fp32; NULL on CUDA once uploaded, if not needed)
     float* bias;           // [out] frozen, or NULL (LLaMA has none; ViT always has one)
-    float *A, *B;          // LoRA [r, in], [out, r]; NULL when not a target
+    float *A, *B;          // LoRA [r, in], [out, r]; NULL when not a target (host: the arena's mirror)
     float *dA, *dB;        // their gradients (accumulated over micro-batches)
     float* dW;             // full fine-tuning: W is trainable and this is its gradient; else NULL
+    LinearDevice dev;      // the CUDA backend's copy
 } Linear;
 
 // The bias of a linear layer, added after its product (on CUDA: the GEMM epilogue). CPU kernel.
@@ -59,6 +69,15 @@ static void lora_bind(Linear* L, float* params, float* grads, int64_t* off, int 
     L->B = params + *off; L->dB = grads + *off; *off += (int64_t)rank * L->out;
 }
 
+// The same for the CUDA copy: masters and gradients in the device arenas, shadows in the bf16
+// arena of the same layout (2-byte elements, hence the separate pointer arithmetic).
+static void lora_bind_device(Linear* L, float* params, float* grads, void* params16, int64_t off, int rank) {
+    LinearDevice* d = &L->dev;
+    int64_t offB = off + (int64_t)rank * L->in;
+    d->A = params + off; d->dA = grads + off; d->A16 = (uint16_t*)params16 + off;
+    d->B = params + offB; d->dB = grads + offB; d->B16 = (uint16_t*)params16 + offB;
+}
+
 // A fresh adapter: A ~ kaiming-uniform (bound 1/sqrt(in), as PEFT), B = 0, so step 0 is exactly
 // the pretrained model. Drawn on the host from the caller's stream so every backend starts equal.
 static void lora_init(Linear* L, int rank, Rng* rng) {
@@ -67,19 +86,23 @@ static void lora_init(Linear* L, int rank, Rng* rng) {
     memset(L->B, 0, sizeof(float) * rank * L->out);
 }
 
-// MS norms: folds the affine of the norm that feeds L into L, once at load time, so that L applied
-// to the parameter-free norm output z equals L applied to gamma*z + beta:
+// MS norms: folds the affine of the norm that feeds a linear layer into its weight W [out, in] (and
+// bias), once at load time on the host, so that the layer applied to the parameter-free norm
+// output z equals it applied to gamma*z + beta:
 //   b' = b + W beta (with the original W, hence first), W' = W diag(gamma).
-// beta NULL: RMSNorm (no shift). A shift needs a bias to land in; L must have one then.
-static void linear_merge_norm_affine(Linear* L, const float* gamma, const float* beta) {
-    if (beta && !L->bias) fail("internal: merging a norm's beta needs a linear with a bias");
-    for (int o = 0; o < L->out; o++) {
-        float* w = L->W + (int64_t)o * L->in;
+// beta NULL: RMSNorm (no shift). A shift needs a bias to land in.
+static void merge_norm_affine(float* W, float* bias, int out, int in, const float* gamma, const float* beta) {
+    if (beta && !bias) fail("internal: merging a norm's beta needs a linear with a bias");
+    for (int o = 0; o < out; o++) {
+        float* w = W + (int64_t)o * in;
         if (beta) {
             double s = 0.0;
-            for (int i = 0; i < L->in; i++) s += (double)w[i] * beta[i];
-            L->bias[o] += (float)s;
+            for (int i = 0; i < in; i++) s += (double)w[i] * beta[i];
+            bias[o] += (float)s;
         }
-        for (int i = 0; i < L->in; i++) w[i] *= gamma[i];
+        for (int i = 0; i < in; i++) w[i] *= gamma[i];
     }
+}
+static void linear_merge_norm_affine(Linear* L, const float* gamma, const float* beta) {
+    merge_norm_affine(L->W, L->bias, L->out, L->in, gamma, beta);
 }

@@ -35,6 +35,7 @@ typedef struct {
     // system
     const char* device;
     int seed, threads, dry_run, json;
+    int random_init;        // benchmark: random frozen weights of config.json's shapes, no weight file
     // generation (text models)
     int generate;
     const char* prompt;
@@ -104,7 +105,8 @@ static void train_flags_register_task(FlagTable* t, TrainOptions* o, const char*
     flag_string(t, "lora-targets", &o->lora_targets, targets_help);
     flag_bool(t, "full", &o->full, "full fine-tuning: train every linear weight (fp32 master + AdamW) instead of LoRA adapters");
     t->group = "system";
-    flag_choice(t, "device", &o->device, "cpu|cuda|auto", "backend");
+    flag_choice(t, "device", &o->device, "cpu|cuda|auto", "backend: auto takes a CUDA GPU when this binary has the CUDA backend and one is visible");
+    flag_bool(t, "random-init", &o->random_init, "random frozen weights of config.json's shapes instead of reading them (speed and memory benchmarks)");
     flag_int(t, "seed", &o->seed, "seed for LoRA init, data order and sampling");
     flag_int(t, "threads", &o->threads, "CPU threads (0 = all cores)");
     flag_bool(t, "dry-run", &o->dry_run, "print the memory plan for the config and exit (no weights read, nothing allocated)");
@@ -180,19 +182,6 @@ static float lr_at_step(const TrainOptions* o, int step) {
     return floor_lr + 0.5f * (o->lr - floor_lr) * (1.0f + cosf(3.14159265358979f * t));
 }
 
-typedef enum { DEVICE_CPU, DEVICE_CUDA } Device;
-
-// The backend for --device. This binary's CUDA backend status is decided at build time.
-static Device resolve_device(const char* flag) {
-#ifdef LLMC_HAVE_CUDA_BACKEND
-    if (strcmp(flag, "cpu") != 0) return DEVICE_CUDA;
-#else
-    if (strcmp(flag, "cuda") == 0)
-        fail("flag --device cuda: this binary has no CUDA backend (the CUDA backend is not implemented yet; use --device cpu)");
-#endif
-    return DEVICE_CPU;
-}
-
 // Parses argv with the trainer's flag table and applies the checks every trainer makes before it
 // reads anything.
 static void train_parse_flags(FlagTable* t, TrainOptions* o, int argc, char** argv) {
@@ -204,13 +193,13 @@ static void train_parse_flags(FlagTable* t, TrainOptions* o, int argc, char** ar
 }
 
 // The run-level checks and setup shared by the trainers (after the dry-run branch): flags that
-// need each other, the backend, threads, and the output directory (made by rank 0).
+// need each other, threads, and the output directory (made by rank 0). The backend is chosen by
+// backend_init (llmc/backend.h).
 static void train_prepare_run(const TrainOptions* o, int rank) {
     if (o->eval_only && !o->val_path) fail("flag --eval-only: needs --val");
     if (o->resume_dir && !o->data_path) fail("flag --resume: needs --data (the same training data as the saved run)");
     if (o->resume_dir && !dir_exists(o->resume_dir)) fail("flag --resume: %s is not a directory", o->resume_dir);
     if (o->stop_at && !o->out_dir && !o->resume_dir) fail("flag --stop-at: needs --out (where the run is saved to resume later)");
-    resolve_device(o->device);
     if (o->threads > 0) omp_set_num_threads(o->threads);
     if (o->out_dir && rank == 0) make_dirs(o->out_dir, "flag --out");
 }

@@ -3,13 +3,20 @@
 // training step (gradients summed across ranks, or reduce-scattered under ZeRO-1; the global
 // norm; clipping; AdamW; the all-gather); and that part of the resumable training state.
 // Both trainers use it, so data parallelism and resume behave the same for every model.
+// On the CUDA backend the arrays live on the GPU (plus a bf16 shadow of the parameters, what the
+// products read) and a host mirror serves initialisation, adapters and checkpoints: copies cross
+// only at trainable_to_device / trainable_to_host, never inside a step.
 #pragma once
 #include "common.h"
 #include "plan.h"
 #include "dist.h"
 #include "checkpoint.h"
 #include "train_common.h"
+#include "backend.h"
 #include "cpu/adamw.h"
+#ifdef LLMC_HAVE_CUDA
+#include "cuda/adamw.cuh"
+#endif
 
 typedef struct {
     float *params, *grads;     // count values (padded to world * shard under ZeRO-1)
@@ -17,11 +24,16 @@ typedef struct {
     float* grad_shard;         // ZeRO-1: this rank's shard of the summed gradient
     int64_t count, shard;
     int zero1, rank, world;
+    const Backend* be;
+    float *host_params, *host_grads;  // the host mirror (the arrays themselves on the CPU)
+    void* params16;                   // CUDA: bf16 copy of params, refreshed after every update
+    double* sumsq_scratch;            // CUDA: the gradient norm's partial sums
 } Trainable;
 
 // Declares the arenas in the plan. zero1: shard the optimizer state across the ranks of `dist`
 // (used for full fine-tuning, where the AdamW state is as big as the model).
-static void trainable_plan(Trainable* tr, MemPlan* p, const char* module, int64_t count, int zero1, const Dist* dist) {
+static void trainable_plan(Trainable* tr, MemPlan* p, const char* module, int64_t count, int zero1, const Dist* dist, const Backend* be) {
+    tr->be = be;
     tr->count = count;
     tr->rank = dist ? dist->rank : 0;
     tr->world = dist ? dist->world : 1;
@@ -33,6 +45,50 @@ static void trainable_plan(Trainable* tr, MemPlan* p, const char* module, int64_
     plan_add(p, MEM_OPTIM, module, -1, "adam_m", tr->shard * 4, &tr->adam_m);
     plan_add(p, MEM_OPTIM, module, -1, "adam_v", tr->shard * 4, &tr->adam_v);
     if (tr->zero1) plan_add(p, MEM_SCRATCH, module, -1, "grad_shard", tr->shard * 4, &tr->grad_shard);
+    if (be && be->cuda) {
+        if (tr->zero1) fail("ZeRO-1 (--full under mpirun) is not implemented on the CUDA backend yet");
+        plan_add(p, MEM_TRAINABLE, module, -1, "params_bf16", count * 2, &tr->params16);
+#ifdef LLMC_HAVE_CUDA
+        plan_add(p, MEM_SCRATCH, module, -1, "grad_norm_partials", SUM_SQUARES_SCRATCH * sizeof(double), &tr->sumsq_scratch);
+#endif
+    }
+}
+
+static int trainable_on_device(const Trainable* tr) { return tr->be && tr->be->cuda; }
+
+// After the arenas exist: the host mirror (the arrays themselves on the CPU).
+static void trainable_bind_host(Trainable* tr) {
+    if (!trainable_on_device(tr)) { tr->host_params = tr->params; tr->host_grads = tr->grads; return; }
+    tr->host_params = (float*)xcalloc(tr->count ? tr->count : 1, sizeof(float));
+    tr->host_grads = (float*)xcalloc(tr->count ? tr->count : 1, sizeof(float));
+}
+
+static void trainable_free_host(Trainable* tr) {
+    if (trainable_on_device(tr)) { free(tr->host_params); free(tr->host_grads); }
+    tr->host_params = tr->host_grads = NULL;
+}
+
+// Host mirror -> device (after init, adapter load, resume), then the bf16 shadow.
+static void trainable_to_device(Trainable* tr) {
+    if (!trainable_on_device(tr)) return;
+#ifdef LLMC_HAVE_CUDA
+    backend_upload(tr->be, tr->params, tr->host_params, sizeof(float) * tr->count);
+    cast_f32_to_bf16_cuda((bf16*)tr->params16, tr->params, tr->count, tr->be->stream);
+#endif
+}
+
+// Device -> host mirror: the parameters, and the gradients when asked (tests).
+static void trainable_to_host(Trainable* tr, int grads) {
+    if (!trainable_on_device(tr)) return;
+    backend_download(tr->be, tr->host_params, tr->params, sizeof(float) * tr->count);
+    if (grads) backend_download(tr->be, tr->host_grads, tr->grads, sizeof(float) * tr->count);
+}
+
+static void trainable_zero_grads(Trainable* tr) {
+#ifdef LLMC_HAVE_CUDA
+    if (trainable_on_device(tr)) { CUDA_CHECK(cudaMemsetAsync(tr->grads, 0, sizeof(float) * tr->count, tr->be->stream)); return; }
+#endif
+    memset(tr->grads, 0, sizeof(float) * tr->count);
 }
 
 typedef struct {
@@ -42,7 +98,30 @@ typedef struct {
 
 // The locally accumulated gradients (already scaled so that their sum over ranks is the gradient
 // of the global mean loss) -> one AdamW step, identical on every rank.
+#ifdef LLMC_HAVE_CUDA
+// The CUDA step: gradients summed across ranks on the device (NCCL, or MPI through the host when
+// built without NCCL), the norm from two deterministic reduction kernels, AdamW, the bf16 shadow.
+static OptimStep trainable_step_cuda(Trainable* tr, const TrainOptions* o, const Dist* dist, int step) {
+    OptimStep r;
+    cudaStream_t st = tr->be->stream;
+    double t = wall_seconds();
+    dist_allreduce_sum_f32_device(dist, tr->grads, tr->count, st);
+    r.comm_s = wall_seconds() - t;
+    double ss = sum_squares_cuda(tr->grads, tr->count, tr->sumsq_scratch, st);
+    r.grad_norm = (float)sqrt(ss);
+    if (!isfinite(r.grad_norm)) fail("step %d: non-finite gradient norm; lower --lr or check the data", step + 1);
+    if (o->grad_clip > 0 && r.grad_norm > o->grad_clip) scale_inplace_cuda(tr->grads, tr->count, o->grad_clip / r.grad_norm, st);
+    r.lr = lr_at_step(o, step);
+    adamw_update_cuda(tr->params, tr->grads, tr->adam_m, tr->adam_v, tr->count, r.lr, 0.9f, 0.999f, 1e-8f, o->weight_decay, step + 1, st);
+    cast_f32_to_bf16_cuda((bf16*)tr->params16, tr->params, tr->count, st);
+    return r;
+}
+#endif
+
 static OptimStep trainable_step(Trainable* tr, const TrainOptions* o, const Dist* dist, int step) {
+#ifdef LLMC_HAVE_CUDA
+    if (trainable_on_device(tr)) return trainable_step_cuda(tr, o, dist, step);
+#endif
     OptimStep r;
     double t = wall_seconds();
     float* g = tr->grads;
@@ -69,11 +148,18 @@ static OptimStep trainable_step(Trainable* tr, const TrainOptions* o, const Dist
 static void trainable_save_state(const Trainable* tr, const Dist* dist, const char* dir, const char* settings, int64_t step,
                                  int64_t cursor, int seed) {
     float *adam_m = tr->adam_m, *adam_v = tr->adam_v;
+    int dev = trainable_on_device(tr);
     if (tr->zero1) {
         adam_m = (float*)xmalloc(sizeof(float) * tr->shard * tr->world);
         adam_v = (float*)xmalloc(sizeof(float) * tr->shard * tr->world);
         dist_gather_f32(dist, tr->adam_m, adam_m, tr->shard);
         dist_gather_f32(dist, tr->adam_v, adam_v, tr->shard);
+    } else if (dev) {  // the moments come to the host for the file (the parameters' mirror too)
+        adam_m = (float*)xmalloc(sizeof(float) * (tr->count ? tr->count : 1));
+        adam_v = (float*)xmalloc(sizeof(float) * (tr->count ? tr->count : 1));
+        backend_download(tr->be, adam_m, tr->adam_m, sizeof(float) * tr->count);
+        backend_download(tr->be, adam_v, tr->adam_v, sizeof(float) * tr->count);
+        backend_download(tr->be, tr->host_params, tr->params, sizeof(float) * tr->count);
     }
     if (!dist || dist->rank == 0) {
         StateHeader h;
@@ -84,10 +170,10 @@ static void trainable_save_state(const Trainable* tr, const Dist* dist, const ch
         h.count = tr->count;
         snprintf(h.settings, sizeof(h.settings), "%s", settings);
         char* path = path_join(dir, "train_state.bin");
-        state_save(path, &h, tr->params, adam_m, adam_v);
+        state_save(path, &h, tr->host_params ? tr->host_params : tr->params, adam_m, adam_v);
         free(path);
     }
-    if (tr->zero1) { free(adam_m); free(adam_v); }
+    if (tr->zero1 || dev) { free(adam_m); free(adam_v); }
 }
 
 // Reads DIR/train_state.bin on every rank (each keeps its own shard of the moments under ZeRO-1);
@@ -96,11 +182,19 @@ static int64_t trainable_load_state(Trainable* tr, const char* dir, const char* 
     char* path = path_join(dir, "train_state.bin");
     StateHeader h;
     float *adam_m = tr->adam_m, *adam_v = tr->adam_v;
-    if (tr->zero1) {
-        adam_m = (float*)xcalloc(tr->shard * tr->world, sizeof(float));
-        adam_v = (float*)xcalloc(tr->shard * tr->world, sizeof(float));
+    int dev = trainable_on_device(tr);
+    if (tr->zero1 || dev) {
+        adam_m = (float*)xcalloc(tr->shard * tr->world + 1, sizeof(float));
+        adam_v = (float*)xcalloc(tr->shard * tr->world + 1, sizeof(float));
     }
-    state_load(path, &h, settings, tr->count, tr->params, adam_m, adam_v);
+    state_load(path, &h, settings, tr->count, tr->host_params ? tr->host_params : tr->params, adam_m, adam_v);
+    if (dev) {  // everything read on the host goes to the device
+        backend_upload(tr->be, tr->adam_m, adam_m, sizeof(float) * tr->count);
+        backend_upload(tr->be, tr->adam_v, adam_v, sizeof(float) * tr->count);
+        free(adam_m);
+        free(adam_v);
+        trainable_to_device(tr);
+    }
     if (tr->zero1) {
         memcpy(tr->adam_m, adam_m + (int64_t)tr->rank * tr->shard, sizeof(float) * tr->shard);
         memcpy(tr->adam_v, adam_v + (int64_t)tr->rank * tr->shard, sizeof(float) * tr->shard);
@@ -146,11 +240,11 @@ static FILE* train_open_log(const TrainOptions* o, int rank0, const char* header
 
 // The last lines of a training run (rank 0): steps and time, where the outputs went, and the
 // planned memory beside the measured peak.
-static void train_print_summary(const TrainOptions* o, int start, int stop, double seconds, double comm_s, int full, const MemPlan* plan) {
+static void train_print_summary(const TrainOptions* o, int start, int stop, double seconds, double comm_s, int full, const MemPlan* plan,
+                                const Backend* be) {
     const char* out = o->out_dir ? o->out_dir : o->resume_dir;
     printf("trained %d steps in %.1f s (%.1f s in all-reduce)%s%s\n", stop - start, seconds, comm_s,
            out ? (full ? ", model and state in " : ", adapter and state in ") : "", out ? out : "");
     if (stop < o->steps) printf("stopped at step %d of %d (--stop-at); continue with --resume %s\n", stop, o->steps, out ? out : "OUT");
-    printf("memory: planned %.2f MiB (saved activations %.2f MiB), measured peak RSS %.2f MiB\n", mib(plan_total(plan)),
-           mib(plan_saved_bytes(plan)), peak_rss_mib());
+    backend_print_memory(be, plan);
 }

@@ -1,7 +1,8 @@
 // test/llama_probe.cu: runs one forward + backward of train_llama's model on a batch given in a
 // safetensors "case" file (tokens, mask, LoRA weights) and writes logits, loss and every LoRA
 // gradient to another safetensors file, for comparison with the PyTorch reference
-// (scripts/reference_llama.py, test/test_llama_model.py). Same flags as train_llama.
+// (scripts/reference_llama.py, test/test_llama_model.py), or for backend-against-backend checks
+// (--device cuda vs --device cpu, test/test_cuda_models.py). Same flags as train_llama.
 #define TESTING
 #include "../train_llama.cu"
 #include "probe_common.h"
@@ -28,31 +29,39 @@ int main(int argc, char** argv) {
     const StTensor* tokens = case_tensor(&cf, "tokens", ST_I32);
     const StTensor* mask = case_tensor(&cf, "mask", ST_F32);
     int B = (int)tokens->shape[0], T = (int)tokens->shape[1] - 1;
+    Backend be;
+    backend_init(&be, o.device, 0);
     Llama m;
-    llama_setup(&m, &cfg, &md, B, T, 4, 4, NULL);
-    plan_allocate_host(&m.plan);
-    llama_bind(&m);
+    llama_setup(&m, &cfg, &md, B, T, &be, NULL);
+    llama_allocate(&m);
     llama_load_weights(&m, o.model_dir);
     llama_rope_tables(&m);
     const int32_t* tk = (const int32_t*)tokens->data;
     for (int b = 0; b < B; b++)
         for (int t = 0; t < T; t++) {
-            m.inputs[b * T + t] = tk[b * (T + 1) + t];
-            m.targets[b * T + t] = tk[b * (T + 1) + t + 1];
+            m.h_inputs[b * T + t] = tk[b * (T + 1) + t];
+            m.h_targets[b * T + t] = tk[b * (T + 1) + t + 1];
         }
-    memcpy(m.mask, mask->data, sizeof(float) * B * T);
+    memcpy(m.h_mask, mask->data, sizeof(float) * B * T);
     // optional "starts" U8 [B, T]: 1 where an input token begins a packed example
     const StTensor* starts = st_find(&cf, "starts");
     for (int b = 0; b < B; b++)
         for (int t = 0; t < T; t++) {
             int s0 = t == 0 || (starts && starts->data[b * T + t]);
-            m.pos[b * T + t] = s0 ? 0 : m.pos[b * T + t - 1] + 1;
+            m.h_pos[b * T + t] = s0 ? 0 : m.h_pos[b * T + t - 1] + 1;
         }
+    llama_upload_batch(&m, (int64_t)B * T);
     for (int l = 0; l < cfg.layers; l++)
         for (int t = 0; t < N_TARGETS; t++) probe_load_lora(&cf, &m.layers[l].lin[t], l, target_names[t], md.rank);
-    double count = count_mask(m.mask, (int64_t)B * T);
-    float* logits = (float*)xmalloc(sizeof(float) * B * T * cfg.vocab);
-    LossStats st = llama_forward_backward(&m, B, T, count > 0 ? (float)(1.0 / count) : 0.0f, 1, logits);
+    trainable_to_device(&m.tr);
+    double count = count_mask(m.h_mask, (int64_t)B * T);
+    int64_t nlogits = (int64_t)B * T * cfg.vocab;
+    float* logits_be = (float*)backend_alloc(&be, sizeof(float) * nlogits, "probe logits");
+    float* logits = (float*)xmalloc(sizeof(float) * nlogits);
+    LossStats st = llama_forward_backward(&m, B, T, count > 0 ? (float)(1.0 / count) : 0.0f, 1, logits_be);
+    backend_download(&be, logits, logits_be, sizeof(float) * nlogits);
+    backend_free(&be, logits_be);
+    trainable_to_host(&m.tr, 1);
     float loss = count > 0 ? (float)(st.loss_sum / count) : 0.0f;
     StWriter w;
     memset(&w, 0, sizeof(w));

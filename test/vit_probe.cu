@@ -84,6 +84,7 @@ int main(int argc, char** argv) {
     Vit m;
     vit_setup(&m, &cfg, &md, B, h, w, K, 4, 4, NULL);
     plan_allocate_host(&m.plan);
+    trainable_bind_host(&m.tr);
     vit_bind(&m);
     vit_load_weights(&m, o.model_dir);
     memcpy(m.pixels, px->data, px->nbytes);

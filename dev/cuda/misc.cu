@@ -41,6 +41,16 @@ static void test_residual_bias(int64_t N, int out, Rng* rng) {
     char name[96];
     snprintf(name, sizeof(name), "residual_add, n=%lld", (long long)n);
     check_equal_f32(name, got, want, n);
+    // elementwise product (SwiGLU's down input rebuilt from silu(g) and u), one rounding
+    float* want3 = (float*)xmalloc(4 * n);
+    for (int64_t i = 0; i < n; i++) want3[i] = bf16_round(bf16_round(a[i]) * bf16_round(b[i]));
+    dev_poison(d_out, 2 * n);
+    multiply_cuda(d_out, d_a, d_b, n, g_stream);
+    float* got3 = download_bf16(d_out, n);
+    snprintf(name, sizeof(name), "multiply, n=%lld", (long long)n);
+    check_equal_f32(name, got3, want3, n);
+    free(got3);
+    free(want3);
     // in place, out aliasing a (the residual stream)
     residual_add_cuda(d_a, d_a, d_b, n, g_stream);
     float* got2 = download_bf16(d_a, n);

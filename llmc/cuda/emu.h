@@ -232,11 +232,32 @@ template <class T> static inline T __ldg(const T* p) { return *p; }
 // ---- the runtime API subset the backend uses: host memory, synchronous, always succeeding ----
 
 extern "C" {
+// Allocations carry a 64-byte header with their size, so cudaMemGetInfo can report what is in use
+// (the trainers compare it with their memory plan) against a pretend 80 GiB device.
+static size_t emu_bytes_in_use;
+#define EMU_DEVICE_BYTES ((size_t)80 << 30)
 cudaError_t cudaMalloc(void** p, size_t n) {
-    *p = malloc(n ? n : 1);
-    return *p ? cudaSuccess : cudaErrorMemoryAllocation;
+    char* raw = (char*)malloc(64 + (n ? n : 1));
+    if (!raw) { *p = NULL; return cudaErrorMemoryAllocation; }
+    *(size_t*)raw = n;
+    emu_bytes_in_use += n;
+    *p = raw + 64;
+    return cudaSuccess;
 }
-cudaError_t cudaFree(void* p) { free(p); return cudaSuccess; }
+cudaError_t cudaFree(void* p) {
+    if (!p) return cudaSuccess;
+    char* raw = (char*)p - 64;
+    emu_bytes_in_use -= *(size_t*)raw;
+    free(raw);
+    return cudaSuccess;
+}
+cudaError_t cudaMemGetInfo(size_t* free_bytes, size_t* total) {
+    *total = EMU_DEVICE_BYTES;
+    *free_bytes = EMU_DEVICE_BYTES - emu_bytes_in_use;
+    return cudaSuccess;
+}
+cudaError_t cudaGetDeviceCount(int* n) { *n = 1; return cudaSuccess; }
+cudaError_t cudaSetDevice(int d) { return d == 0 ? cudaSuccess : cudaErrorInvalidDevice; }
 cudaError_t cudaMemcpy(void* dst, const void* src, size_t n, enum cudaMemcpyKind kind) {
     (void)kind;
     if (n) memmove(dst, src, n);

@@ -40,6 +40,15 @@ static void residual_add_cuda(bf16* out, const bf16* a, const bf16* b, int64_t n
     launch_kernel(grid_for(n, 256), 256, 0, stream, residual_add_kernel, out, a, b, n);
 }
 
+// out = a * b elementwise, product in fp32 then rounded once (rebuilding SwiGLU's down input).
+__global__ void multiply_kernel(bf16* out, const bf16* a, const bf16* b, int64_t n) {
+    for (int64_t i = thread_index_1d(); i < n; i += grid_stride_1d()) out[i] = f2bf(bf2f(a[i]) * bf2f(b[i]));
+}
+static void multiply_cuda(bf16* out, const bf16* a, const bf16* b, int64_t n, cudaStream_t stream) {
+    if (n == 0) return;
+    launch_kernel(grid_for(n, 256), 256, 0, stream, multiply_kernel, out, a, b, n);
+}
+
 template <class T>
 __global__ void add_bias_rows_kernel(T* y, const T* __restrict__ bias, int64_t N, int out) {
     for (int64_t i = thread_index_1d(); i < N * out; i += grid_stride_1d()) {

@@ -1,0 +1,200 @@
+// backend.h: where a model runs: the CPU (fp32 everywhere) or one CUDA GPU (bf16 frozen weights
+// and activations, fp32 statistics, LoRA masters, gradients and AdamW state). Defines Backend
+// (the choice, the element sizes the memory plan uses, the CUDA stream), --device resolution, the
+// plan's arenas on the backend (calloc or cudaMalloc), host<->backend copies, and the measured
+// memory line printed beside the plan.
+//
+// The CUDA backend is compiled in when the translation unit is built by nvcc (or on the CPU
+// emulator of llmc/cuda/emu.h with -DLLMC_CUDA_EMU, which is how CI runs it); a g++ build is
+// CPU-only and says so when asked for --device cuda.
+#pragma once
+#include "common.h"
+#include "plan.h"
+#include "safetensors.h"
+#if defined(__CUDACC__) || defined(LLMC_CUDA_EMU)
+#define LLMC_HAVE_CUDA 1
+#include "cuda/common.cuh"
+#include "cuda/misc.cuh"
+#endif
+
+typedef struct {
+    int cuda;              // 1: the CUDA backend
+    int wbytes;            // bytes per frozen-weight element (4 CPU, 2 CUDA)
+    int abytes;            // bytes per activation (and activation-gradient) element
+    const char* layout;    // "CPU fp32" or "CUDA bf16", for the logs
+    int device;            // the GPU's ordinal (CUDA)
+#ifdef LLMC_HAVE_CUDA
+    cudaStream_t stream;
+    size_t used_before;    // device bytes already in use before our arenas (context, other jobs)
+#endif
+} Backend;
+
+static int backend_cuda_devices(void) {
+#ifdef LLMC_HAVE_CUDA
+    int n = 0;
+    if (cudaGetDeviceCount(&n) != cudaSuccess) { (void)cudaGetLastError(); return 0; }
+    return n;
+#else
+    return 0;
+#endif
+}
+
+// --device cpu|cuda|auto. auto takes the GPU when this binary has the CUDA backend and a GPU is
+// visible. Each rank of an mpirun job takes GPU local_rank (one process per GPU).
+static void backend_init(Backend* be, const char* flag, int local_rank) {
+    memset(be, 0, sizeof(*be));
+    int want_cuda = strcmp(flag, "cuda") == 0;
+#ifndef LLMC_HAVE_CUDA
+    if (want_cuda) fail("flag --device cuda: this binary was built without the CUDA backend (no nvcc at build time); rebuild with the CUDA toolkit or use --device cpu");
+#else
+    int n = strcmp(flag, "cpu") == 0 ? 0 : backend_cuda_devices();
+    if (want_cuda && n == 0) fail("flag --device cuda: no CUDA GPU is visible (cudaGetDeviceCount found none)");
+    if (n > 0) {
+        if (local_rank >= n) fail("rank with local rank %d has no GPU of its own (%d visible); launch at most %d ranks per node", local_rank, n, n);
+        be->cuda = 1;
+        be->device = local_rank;
+        CUDA_CHECK(cudaSetDevice(be->device));
+        be->stream = 0;  // the default stream: one stream keeps every op in program order
+        size_t fr, tot;
+        CUDA_CHECK(cudaMemGetInfo(&fr, &tot));
+        be->used_before = tot - fr;
+    }
+#endif
+    be->wbytes = be->abytes = be->cuda ? 2 : 4;
+    be->layout = be->cuda ? "CUDA bf16" : "CPU fp32";
+}
+
+// A backend described but not started: what --dry-run plans for (the CUDA layout can be planned
+// by a build without CUDA).
+static Backend backend_for_plan(int cuda) {
+    Backend be;
+    memset(&be, 0, sizeof(be));
+    be.cuda = cuda;
+    be.wbytes = be.abytes = cuda ? 2 : 4;
+    be.layout = cuda ? "CUDA bf16" : "CPU fp32";
+    return be;
+}
+
+// Allocates the plan's arenas (zeroed) on the backend and writes every buffer's address.
+static void backend_allocate_plan(const Backend* be, MemPlan* p) {
+    if (!be->cuda) { plan_allocate_host(p); return; }
+#ifdef LLMC_HAVE_CUDA
+    for (int c = 0; c < MEM_CATS; c++) {
+        p->arena[c] = NULL;
+        if (!p->cat_bytes[c]) continue;
+        void* a = NULL;
+        if (cudaMalloc(&a, p->cat_bytes[c]) != cudaSuccess)
+            fail("cannot allocate %.1f MiB of GPU memory for %s (try a smaller --batch/--seq, --mode lowmem or --mode ckpt)",
+                 p->cat_bytes[c] / 1048576.0, mem_category_name[c]);
+        CUDA_CHECK(cudaMemset(a, 0, p->cat_bytes[c]));
+        p->arena[c] = (uint8_t*)a;
+    }
+    for (int i = 0; i < p->count; i++)
+        if (p->bufs[i].bind) *p->bufs[i].bind = p->arena[p->bufs[i].cat] + p->bufs[i].offset;
+#endif
+}
+
+static void backend_free_plan(const Backend* be, MemPlan* p) {
+#ifdef LLMC_HAVE_CUDA
+    if (be->cuda) {
+        for (int c = 0; c < MEM_CATS; c++) if (p->arena[c]) CUDA_CHECK(cudaFree(p->arena[c]));
+        memset(p->arena, 0, sizeof(p->arena));
+    }
+#else
+    (void)be;
+#endif
+    plan_free(p);
+}
+
+// Scratch outside the plan (generation's logits, a download buffer): malloc or cudaMalloc.
+static void* backend_alloc(const Backend* be, size_t bytes, const char* what) {
+#ifdef LLMC_HAVE_CUDA
+    if (be->cuda) return cuda_malloc_checked(bytes, what);
+#endif
+    (void)be;
+    void* p = calloc(1, bytes ? bytes : 1);
+    if (!p) fail("cannot allocate %.1f MiB of host memory for %s", bytes / 1048576.0, what);
+    return p;
+}
+static void backend_free(const Backend* be, void* p) {
+#ifdef LLMC_HAVE_CUDA
+    if (be->cuda) { CUDA_CHECK(cudaFree(p)); return; }
+#endif
+    (void)be;
+    free(p);
+}
+
+// Byte copies between the host and the backend (plain memcpy on the CPU; no-ops when equal).
+static void backend_upload(const Backend* be, void* dst, const void* src, size_t bytes) {
+    if (!bytes || dst == src) return;
+#ifdef LLMC_HAVE_CUDA
+    if (be->cuda) { CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice)); return; }
+#endif
+    (void)be;
+    memcpy(dst, src, bytes);
+}
+static void backend_download(const Backend* be, void* dst, const void* src, size_t bytes) {
+    if (!bytes || dst == src) return;
+#ifdef LLMC_HAVE_CUDA
+    if (be->cuda) { CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost)); return; }
+#endif
+    (void)be;
+    memcpy(dst, src, bytes);
+}
+
+// n fp32 host values into a weight buffer of the backend's weight type (bf16 on CUDA, converted
+// in slices so the host never holds a second copy of a large tensor).
+static void backend_upload_weights(const Backend* be, void* dst, const float* src, int64_t n) {
+    if (!be->cuda) { backend_upload(be, dst, src, sizeof(float) * n); return; }
+#ifdef LLMC_HAVE_CUDA
+    const int64_t slice = 1 << 20;
+    uint16_t* tmp = (uint16_t*)xmalloc(sizeof(uint16_t) * slice);
+    for (int64_t off = 0; off < n; off += slice) {
+        int64_t c = n - off < slice ? n - off : slice;
+        f32_to_dtype(tmp, src + off, c, ST_BF16);
+        CUDA_CHECK(cudaMemcpy((uint16_t*)dst + off, tmp, sizeof(uint16_t) * c, cudaMemcpyHostToDevice));
+    }
+    free(tmp);
+#endif
+}
+
+// n activations of the backend's type back to fp32 on the host (tests, generation).
+static void backend_download_acts(const Backend* be, float* dst, const void* src, int64_t n) {
+    if (!be->cuda) { backend_download(be, dst, src, sizeof(float) * n); return; }
+#ifdef LLMC_HAVE_CUDA
+    uint16_t* tmp = (uint16_t*)xmalloc(sizeof(uint16_t) * (n ? n : 1));
+    CUDA_CHECK(cudaMemcpy(tmp, src, sizeof(uint16_t) * n, cudaMemcpyDeviceToHost));
+    for (int64_t i = 0; i < n; i++) { uint32_t b = (uint32_t)tmp[i] << 16; memcpy(&dst[i], &b, 4); }
+    free(tmp);
+#endif
+}
+
+static void backend_sync(const Backend* be) {
+#ifdef LLMC_HAVE_CUDA
+    if (be->cuda) CUDA_CHECK(cudaStreamSynchronize(be->stream));
+#else
+    (void)be;
+#endif
+}
+
+// Memory actually in use by this process's run, in bytes: on CUDA the device memory taken since
+// backend_init (our arenas, cuBLASLt's workspace, anything a library allocated); on the CPU the
+// peak resident set.
+static double backend_measured_mib(const Backend* be) {
+#ifdef LLMC_HAVE_CUDA
+    if (be->cuda) {
+        size_t fr, tot;
+        CUDA_CHECK(cudaMemGetInfo(&fr, &tot));
+        return ((double)(tot - fr) - (double)be->used_before) / 1048576.0;
+    }
+#endif
+    (void)be;
+    return peak_rss_mib();
+}
+
+// The line printed after training: the plan beside what was measured.
+static void backend_print_memory(const Backend* be, const MemPlan* plan) {
+    printf("memory: planned %.2f MiB (saved activations %.2f MiB), measured %s %.2f MiB\n", mib(plan_total(plan)),
+           mib(plan_saved_bytes(plan)), be->cuda ? "device memory in use (cudaMemGetInfo, beyond the CUDA context)" : "peak RSS",
+           backend_measured_mib(be));
+}
