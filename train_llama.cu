@@ -951,6 +951,7 @@ int main(int argc, char** argv) {
 
     Backend be;
     backend_init(&be, o.device, dist.local_rank);
+    if (be.cuda) dist_nccl_init(&dist);
     Llama m, base;
     int sized = o.data_path || o.eval_only;  // generation alone needs one sequence
     int B = sized ? o.batch : 1, T = sized ? o.seq : (cfg.max_seq < 256 ? cfg.max_seq : 256);

@@ -256,8 +256,9 @@ cudaError_t cudaMemGetInfo(size_t* free_bytes, size_t* total) {
     *free_bytes = EMU_DEVICE_BYTES - emu_bytes_in_use;
     return cudaSuccess;
 }
-cudaError_t cudaGetDeviceCount(int* n) { *n = 1; return cudaSuccess; }
-cudaError_t cudaSetDevice(int d) { return d == 0 ? cudaSuccess : cudaErrorInvalidDevice; }
+// Eight pretend GPUs, so an mpirun job can give each rank its own (each process emulates one).
+cudaError_t cudaGetDeviceCount(int* n) { *n = 8; return cudaSuccess; }
+cudaError_t cudaSetDevice(int d) { return d >= 0 && d < 8 ? cudaSuccess : cudaErrorInvalidDevice; }
 cudaError_t cudaMemcpy(void* dst, const void* src, size_t n, enum cudaMemcpyKind kind) {
     (void)kind;
     if (n) memmove(dst, src, n);
