@@ -200,8 +200,12 @@ else
 	if [ -n "$$failed" ]; then echo "cuda-emu-check: FAILED:$$failed (logs in build/emu/*.log)"; exit 1; fi
 endif
 
-# One line per program ("test-gpu: PROGRAM rc=... seconds=... LAST LINE") for gpu_check.sh's table.
-test-gpu: cuda-dev
+# One line per program ("test-gpu: PROGRAM rc=... seconds=... LAST LINE") for gpu_check.sh's table,
+# then both trainers on the GPU against their CPU backend in every mode, with the measured device
+# memory against the plan (test/test_cuda_*.py with CUDA_TEST_BACKEND=gpu; python3 with numpy,
+# pytest and torch, as on the GPU machines).
+GPU_PYTHON ?= python3
+test-gpu: cuda-dev train_llama train_vit test/llama_probe test/vit_probe
 	@mkdir -p build; failed=""; for b in $(CUDA_DEV_BINS); do \
 	  echo "== $$b"; s=$$(date +%s.%N); log=build/$$(basename $$b).gpu.log; \
 	  timeout 120 ./$$b > $$log 2>&1; rc=$$?; cat $$log; \
@@ -209,10 +213,13 @@ test-gpu: cuda-dev
 	  echo "test-gpu: $$b rc=$$rc seconds=$$t $$(tail -n 1 $$log)"; \
 	  [ $$rc -eq 0 ] || failed="$$failed $$b"; \
 	done; \
-	echo "test-gpu: whole-model GPU vs CPU runs: not yet wired"; \
-	echo "test-gpu: measured vs planned activation memory: not yet wired"; \
 	if [ -n "$$failed" ]; then echo "test-gpu: FAILED:$$failed"; exit 1; fi; \
 	echo "test-gpu: every dev/cuda check passed"
+	CUDA_TEST_BACKEND=gpu $(GPU_PYTHON) -m pytest -q -p no:cacheprovider $(wildcard test/test_cuda_models.py test/test_cuda_vit.py)
+
+# Speed and memory on a GPU: LLaMA-7B shape and ViT-B/16, baseline / lowmem / ckpt (scripts/bench_gpu.sh).
+bench: train_llama train_vit
+	bash scripts/bench_gpu.sh
 
 cuda-clean:
 	rm -f $(CUDA_DEV_BINS)

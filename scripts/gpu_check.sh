@@ -6,7 +6,8 @@
 #   3. make test-gpu: each kernel family against its CPU twin, with timings
 #   4. any failing program again with synchronous launches (LLMC_CUDA_SYNC=1), to name the launch
 #   5. compute-sanitizer memcheck on every check, racecheck on the shared-memory kernels
-#   6. not yet wired: whole-model GPU vs CPU runs, measured vs planned memory, benchmarks
+#   6. the trainers built by nvcc; whole models GPU vs CPU backend in every mode with measured vs
+#      planned memory (test/test_cuda_*.py, CUDA_TEST_BACKEND=gpu); NCCL on one GPU; make bench
 # Each step is timed and a failing step does not stop the later ones. A results table (steps, then
 # the kernel figures) is printed last and written, with the full log, to $OUT when it is set
 # (else build/gpu_check/). Record the outcome in dev/gpu/RESULTS.md.
@@ -141,10 +142,27 @@ else
     done
 fi
 
-# ---- 6. what the lead wires in later ------------------------------------------------------------
-row "whole-model GPU vs CPU (train_llama, train_vit, every mode)" "NOT YET WIRED" 0 "not yet wired: whole-model GPU runs"
-row "measured vs planned activation memory" "NOT YET WIRED" 0 "not yet wired"
-row "make bench (7B-shaped LLaMA, ViT-B/16)" "NOT YET WIRED" 0 "not yet wired"
+# ---- 6. the trainers on the GPU -------------------------------------------------------------------
+# Whole models, CUDA against the CPU backend (the same tests CI runs on the CPU emulator), the
+# measured device memory against the plan (inside those tests), NCCL on one GPU, then the
+# benchmark. Built for sm_90 only, to save time.
+if [ $HAVE_NVCC -eq 1 ]; then
+    run_step "build trainers (sm_90)" 300 make -j"$JOBS" GPU_ARCH=90 train_llama train_vit test/llama_probe test/vit_probe
+    row "build train_llama, train_vit, probes (nvcc sm_90)" "$STEP_STATUS" "$STEP_SECONDS" "make GPU_ARCH=90 train_llama train_vit test/*_probe"
+    TESTS=$(ls test/test_cuda_models.py test/test_cuda_vit.py 2>/dev/null | tr '\n' ' ')
+    run_step "whole models GPU vs CPU" 300 env CUDA_TEST_BACKEND=gpu OMP_NUM_THREADS=8 python3 -m pytest -q -rfE -p no:cacheprovider $TESTS
+    row "whole models, CUDA vs CPU backend, every mode; measured vs planned memory" "$STEP_STATUS" "$STEP_SECONDS" \
+        "$(grep -a -E '^[0-9]+ (passed|failed)|^(FAILED|ERROR) ' "$LOG" | tail -n 4 | tr '\n' ';')"
+    run_step "NCCL on one GPU" 120 env LLMC_NCCL_SELFTEST=1 ./train_llama --model data/llama_demo --data data/llama_demo_ft_train.bin \
+        --device cuda --steps 3 --batch 4 --seq 128
+    row "NCCL path, one rank (LLMC_NCCL_SELFTEST=1)" "$STEP_STATUS" "$STEP_SECONDS" "$(grep -a 'step    3/3' "$LOG" | tail -n 1)"
+    if [ "$(elapsed)" -gt $((BUDGET_S + 60)) ]; then
+        row "make bench (7B-shaped LLaMA, ViT-B/16)" SKIPPED 0 "time budget"
+    else
+        run_step "bench" 420 env BENCH_STEPS=${BENCH_STEPS:-6} bash scripts/bench_gpu.sh
+        row "make bench (7B-shaped LLaMA, ViT-B/16; table below)" "$STEP_STATUS" "$STEP_SECONDS" "build/bench/bench.md"
+    fi
+fi
 
 # ---- results table ------------------------------------------------------------------------------
 {
@@ -167,6 +185,8 @@ row "make bench (7B-shaped LLaMA, ViT-B/16)" "NOT YET WIRED" 0 "not yet wired"
     echo '```'
     grep -a -h '^TIME' build/*.gpu.log 2>/dev/null | sed 's/^TIME  //' || true
     echo '```'
+    echo
+    [ -f build/bench/bench.md ] && sed 's/^# /## /' build/bench/bench.md
 } > "$TABLE.tmp"
 mv "$TABLE.tmp" "$TABLE"
 echo
