@@ -29,6 +29,7 @@
 #include <setjmp.h>
 #include <ucontext.h>
 #include <functional>
+#include <map>
 
 // Execution-space keywords become nothing (host_defines.h leaves them alone once defined).
 #define __global__
@@ -231,24 +232,49 @@ template <class T> static inline T __ldg(const T* p) { return *p; }
 
 // ---- the runtime API subset the backend uses: host memory, synchronous, always succeeding ----
 
-extern "C" {
-// Allocations carry a 64-byte header with their size, so cudaMemGetInfo can report what is in use
-// (the trainers compare it with their memory plan) against a pretend 80 GiB device.
+// "Device" allocations are registered (start -> size), so every copy and memset can check that
+// its pointers are on the side its kind says: passing a host pointer where device memory is
+// expected (or the reverse) is a bug on a GPU even though both are host memory here. The
+// registry also gives cudaMemGetInfo the bytes in use, against a pretend 80 GiB device.
+static std::map<const char*, size_t>& emu_allocations(void) {
+    static std::map<const char*, size_t> m;
+    return m;
+}
 static size_t emu_bytes_in_use;
 #define EMU_DEVICE_BYTES ((size_t)80 << 30)
+
+// Whether [p, p + n) lies inside one device allocation.
+static int emu_on_device(const void* p, size_t n) {
+    const std::map<const char*, size_t>& m = emu_allocations();
+    const char* c = (const char*)p;
+    std::map<const char*, size_t>::const_iterator it = m.upper_bound(c);
+    if (it == m.begin()) return 0;
+    --it;
+    return c >= it->first && c + n <= it->first + (it->second ? it->second : 1);
+}
+static void emu_check_side(const void* p, size_t n, int device, const char* call, const char* which) {
+    if (emu_on_device(p, n) == device) return;
+    fprintf(stderr, "emu: %s: %s pointer %p (%zu bytes) is %s, expected %s\n", call, which, p, n,
+            device ? "not inside a device allocation" : "device memory", device ? "device memory" : "host memory");
+    abort();
+}
+
+extern "C" {
 cudaError_t cudaMalloc(void** p, size_t n) {
-    char* raw = (char*)malloc(64 + (n ? n : 1));
+    char* raw = (char*)malloc(n ? n : 1);
     if (!raw) { *p = NULL; return cudaErrorMemoryAllocation; }
-    *(size_t*)raw = n;
+    emu_allocations()[raw] = n;
     emu_bytes_in_use += n;
-    *p = raw + 64;
+    *p = raw;
     return cudaSuccess;
 }
 cudaError_t cudaFree(void* p) {
     if (!p) return cudaSuccess;
-    char* raw = (char*)p - 64;
-    emu_bytes_in_use -= *(size_t*)raw;
-    free(raw);
+    std::map<const char*, size_t>::iterator it = emu_allocations().find((const char*)p);
+    if (it == emu_allocations().end()) { fprintf(stderr, "emu: cudaFree of %p, which cudaMalloc did not return\n", p); abort(); }
+    emu_bytes_in_use -= it->second;
+    emu_allocations().erase(it);
+    free(p);
     return cudaSuccess;
 }
 cudaError_t cudaMemGetInfo(size_t* free_bytes, size_t* total) {
@@ -260,15 +286,24 @@ cudaError_t cudaMemGetInfo(size_t* free_bytes, size_t* total) {
 cudaError_t cudaGetDeviceCount(int* n) { *n = 8; return cudaSuccess; }
 cudaError_t cudaSetDevice(int d) { return d >= 0 && d < 8 ? cudaSuccess : cudaErrorInvalidDevice; }
 cudaError_t cudaMemcpy(void* dst, const void* src, size_t n, enum cudaMemcpyKind kind) {
-    (void)kind;
-    if (n) memmove(dst, src, n);
+    if (!n) return cudaSuccess;
+    if (kind != cudaMemcpyDefault) {
+        emu_check_side(dst, n, kind == cudaMemcpyHostToDevice || kind == cudaMemcpyDeviceToDevice, "cudaMemcpy", "destination");
+        emu_check_side(src, n, kind == cudaMemcpyDeviceToHost || kind == cudaMemcpyDeviceToDevice, "cudaMemcpy", "source");
+    }
+    memmove(dst, src, n);
     return cudaSuccess;
 }
 cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t n, enum cudaMemcpyKind kind, cudaStream_t st) {
     (void)st;
     return cudaMemcpy(dst, src, n, kind);
 }
-cudaError_t cudaMemset(void* p, int v, size_t n) { if (n) memset(p, v, n); return cudaSuccess; }
+cudaError_t cudaMemset(void* p, int v, size_t n) {
+    if (!n) return cudaSuccess;
+    emu_check_side(p, n, 1, "cudaMemset", "destination");
+    memset(p, v, n);
+    return cudaSuccess;
+}
 cudaError_t cudaMemsetAsync(void* p, int v, size_t n, cudaStream_t st) { (void)st; return cudaMemset(p, v, n); }
 cudaError_t cudaDeviceSynchronize(void) { return cudaSuccess; }
 cudaError_t cudaStreamSynchronize(cudaStream_t st) { (void)st; return cudaSuccess; }
