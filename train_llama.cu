@@ -286,8 +286,12 @@ static void llama_bind(Llama* m) {
             L->in = (int)lin_in(c, t);
             L->out = (int)lin_out(c, t);
             if (m->modes.full) {  // full fine-tuning: W and its gradient live in the flat arenas
-                L->W = m->tr.params + off;
-                L->dW = m->tr.grads + off;
+                L->W = m->tr.host_params + off;
+                L->dW = m->tr.host_grads + off;
+                if (m->be->cuda) {  // the products read the bf16 shadow of the fp32 master
+                    L->dev.W = (uint16_t*)m->tr.params16 + off;
+                    L->dev.dW = m->tr.grads + off;
+                }
                 off += (int64_t)L->in * L->out;
             } else if (m->modes.targets >> t & 1) {
                 if (m->be->cuda) lora_bind_device(L, m->tr.params, m->tr.grads, m->tr.params16, off, (int)r);
@@ -330,7 +334,6 @@ static void llama_setup(Llama* m, const LlamaConfig* cfg, const LlamaModes* mode
 }
 
 static void llama_allocate(Llama* m) {
-    if (m->be->cuda && m->modes.full) fail("flag --full: full fine-tuning is not implemented on the CUDA backend yet (use --device cpu, or LoRA)");
     backend_allocate_plan(m->be, &m->plan);
     llama_bind(m);
 }
@@ -366,6 +369,14 @@ static void load_weight(Llama* m, const StModel* sm, const char* name, void* dst
     backend_upload_weights(m->be, dst, tmp, rows * (cols ? cols : 1));
 }
 
+// A linear's weight from fp32 host values: frozen, to the backend (bf16 on CUDA); trained under
+// --full, to the trainable arena's host mirror (trainable_to_device sends it on, with its shadow).
+static void llama_set_linear_weight(Llama* m, Linear* lin, const float* w) {
+    int64_t n = (int64_t)lin->out * lin->in;
+    if (m->modes.full) memcpy(lin->W, w, sizeof(float) * n);
+    else backend_upload_weights(m->be, *linear_weight_slot(m->be, lin), w, n);
+}
+
 static void llama_load_weights(Llama* m, const char* dir) {
     const LlamaConfig* c = &m->cfg;
     int64_t d = c->dim, biggest = (int64_t)c->vocab * d;
@@ -393,11 +404,12 @@ static void llama_load_weights(Llama* m, const char* dir) {
             load_tensor(&sm, name, tmp, lin->out, lin->in);
             const float* gamma = !m->modes.ms ? NULL : t <= T_V ? g_attn : (t == T_GATE || t == T_UP) ? g_mlp : NULL;
             if (gamma) merge_norm_affine(tmp, NULL, lin->out, lin->in, gamma, NULL);
-            backend_upload_weights(m->be, *linear_weight_slot(m->be, lin), tmp, (int64_t)lin->out * lin->in);
+            llama_set_linear_weight(m, lin, tmp);
         }
     }
     st_model_close(&sm);
     free(tmp);
+    if (m->modes.full) trainable_to_device(&m->tr);
 }
 
 // --random-init (benchmarks): weights drawn from N(0, 0.02^2), gammas 1, for a config.json alone.
@@ -419,10 +431,10 @@ static void llama_random_weights(Llama* m, uint64_t seed) {
         LlamaLayer* L = &m->layers[l];
         backend_upload_weights(m->be, L->attn_norm, m->gamma_host, d);
         backend_upload_weights(m->be, L->mlp_norm, m->gamma_host, d);
-        for (int t = 0; t < N_TARGETS; t++)
-            backend_upload_weights(m->be, *linear_weight_slot(m->be, &L->lin[t]), tmp, (int64_t)L->lin[t].out * L->lin[t].in);
+        for (int t = 0; t < N_TARGETS; t++) llama_set_linear_weight(m, &L->lin[t], tmp);
     }
     free(tmp);
+    if (m->modes.full) trainable_to_device(&m->tr);
 }
 
 // RoPE tables, with the Llama-3.1 wavelength-dependent frequency scaling when configured.

@@ -181,4 +181,40 @@ static void dist_allreduce_sum_f32_device(const Dist* d, float* x, int64_t n, cu
     CUDA_CHECK(cudaStreamSynchronize(stream));
     free(h);
 }
+
+// ZeRO-1 on the device: every rank's `full` (world * shard floats) summed, this rank's shard of the
+// sum into `shard_out` (NCCL, or MPI through the host).
+static void dist_reduce_scatter_sum_f32_device(const Dist* d, const float* full, float* shard_out, int64_t shard, cudaStream_t stream) {
+#ifdef LLMC_DIST_NCCL
+    if (d->has_nccl) { NCCL_CHECK(ncclReduceScatter(full, shard_out, (size_t)shard, ncclFloat, ncclSum, d->nccl, stream)); return; }
+#endif
+    int64_t n = shard * d->world;
+    float* h = (float*)xmalloc(sizeof(float) * (n + shard));
+    CUDA_CHECK(cudaMemcpyAsync(h, full, sizeof(float) * n, cudaMemcpyDeviceToHost, stream));
+    CUDA_CHECK(cudaStreamSynchronize(stream));
+    dist_reduce_scatter_sum_f32(d, h, h + n, shard);
+    CUDA_CHECK(cudaMemcpyAsync(shard_out, h + n, sizeof(float) * shard, cudaMemcpyHostToDevice, stream));
+    CUDA_CHECK(cudaStreamSynchronize(stream));
+    free(h);
+}
+
+// Every rank's shard (in place at rank * shard of the device array `full`) to every rank.
+static void dist_allgather_f32_device(const Dist* d, float* full, int64_t shard, cudaStream_t stream) {
+    if (d->world <= 1) return;
+#ifdef LLMC_DIST_NCCL
+    if (d->has_nccl) {
+        NCCL_CHECK(ncclAllGather(full + (int64_t)d->rank * shard, full, (size_t)shard, ncclFloat, d->nccl, stream));
+        return;
+    }
+#endif
+    int64_t n = shard * d->world;
+    float* h = (float*)xmalloc(sizeof(float) * n);
+    CUDA_CHECK(cudaMemcpyAsync(h + (int64_t)d->rank * shard, full + (int64_t)d->rank * shard, sizeof(float) * shard,
+                               cudaMemcpyDeviceToHost, stream));
+    CUDA_CHECK(cudaStreamSynchronize(stream));
+    dist_allgather_f32(d, h, shard);
+    CUDA_CHECK(cudaMemcpyAsync(full, h, sizeof(float) * n, cudaMemcpyHostToDevice, stream));
+    CUDA_CHECK(cudaStreamSynchronize(stream));
+    free(h);
+}
 #endif

@@ -13,9 +13,11 @@
 // fp32 masters and gradients sit in the device trainable arena at the same offsets as the host
 // mirror's; the products read the bf16 shadows of the masters (llmc/cuda/linear.cuh).
 typedef struct {
-    void *W, *bias;        // bf16 [out, in], [out] (bias NULL when the layer has none)
+    void *W, *bias;        // bf16 [out, in], [out] (bias NULL when the layer has none); under full
+                           // fine-tuning W is the bf16 shadow of the fp32 master in the arena
     float *A, *B, *dA, *dB;
     void *A16, *B16;       // bf16 shadows of A and B
+    float* dW;             // full fine-tuning: W's gradient (fp32, in the device arena)
 } LinearDevice;
 
 typedef struct {

@@ -98,13 +98,15 @@ static void op_linear_forward(const Backend* be, void* y, const void* x, const L
     linear_forward(F32(y), CF32(x), L, F32(ax), N, rank, scale, accumulate);
 }
 
-// dx (+)= dy W + scale * (dy B) A; adapter (or, on the CPU, full-fine-tuning) gradients accumulate.
+// dx (+)= dy W + scale * (dy B) A; adapter (or full-fine-tuning) gradients accumulate.
 static void op_linear_backward(const Backend* be, void* dx, const void* dy, const void* x, const void* ax, const Linear* L, void* dax,
                                int64_t N, int rank, float scale, int accumulate) {
 #ifdef LLMC_HAVE_CUDA
     if (be->cuda) {
         LinearCuda v = linear_cuda_view(L);
         linear_backward_cuda(B16(dx), CB16(dy), CB16(x), CB16(ax), &v, B16(dax), N, rank, scale, accumulate, be->stream);
+        // full fine-tuning: dW += dy^T x, bf16 operands, fp32 sums straight into the gradient arena
+        if (L->dev.dW) matmul_tn_cuda(L->dev.dW, CB16(dy), CB16(x), L->out, L->in, (int)N, 1.0f, 1, be->stream);
         return;
     }
 #endif
@@ -194,4 +196,164 @@ static void op_lm_head_loss(const Backend* be, const void* xf, const void* gamma
 #endif
     LossScratch sc = {F32(lb->z), lb->r, lb->logits, F32(lb->dz)};
     lm_head_loss(CF32(xf), CF32(gamma), eps, CF32(W), V, d, targets, mask, N, chunk, grad_scale, F32(dxf), logits_out, sc, st);
+}
+
+// ---- ViT operations ----------------------------------------------------------------------------
+// What train_vit adds to the above: LayerNorm, GELU, the patch embedding, the class-token rows
+// and the classification head. The head is a small fp32 linear layer (B x d x classes) whose
+// weight and bias are trainable fp32 masters: it runs in fp32 on both backends, on an fp32 copy
+// of its input (op_acts_to_f32), so the head and its gradients take no bf16 rounding besides that
+// of the features they read.
+
+// LayerNorm: y = (x - mean) * r (* gamma + beta); gamma NULL is the MS form (affine merged into
+// the next linears; mean not written then).
+static void op_layernorm_forward(const Backend* be, void* y, float* r, float* mean, const void* x, const void* gamma, const void* beta,
+                                 int64_t N, int d, float eps) {
+    OP_CUDA(be, layernorm_forward_cuda(B16(y), r, mean, CB16(x), CB16(gamma), CB16(beta), N, d, eps, be->stream))
+    layernorm_forward(F32(y), r, mean, CF32(x), CF32(gamma), CF32(beta), N, d, eps);
+}
+// dx += standard LayerNorm backward from the kept input x.
+static void op_layernorm_backward(const Backend* be, void* dx, const void* dy, const void* x, const float* mean, const float* r,
+                                  const void* gamma, int64_t N, int d) {
+    OP_CUDA(be, layernorm_backward_cuda(B16(dx), CB16(dy), CB16(x), mean, r, CB16(gamma), N, d, be->stream))
+    layernorm_backward(F32(dx), CF32(dy), CF32(x), mean, r, CF32(gamma), N, d);
+}
+// dx += MS-LN backward from the normalised output z and r alone.
+static void op_layernorm_ms_backward(const Backend* be, void* dx, const void* dz, const void* z, const float* r, int64_t N, int d) {
+    OP_CUDA(be, layernorm_ms_backward_cuda(B16(dx), CB16(dz), CB16(z), r, N, d, be->stream))
+    layernorm_ms_backward(F32(dx), CF32(dz), CF32(z), r, N, d);
+}
+
+// y = gelu(x), the 2-bit ReGELU2 codes of x when codes is non-NULL.
+static void op_gelu_forward(const Backend* be, void* y, uint8_t* codes, const void* x, int64_t n, int tanh_form) {
+    OP_CUDA(be, gelu_forward_cuda(B16(y), codes, CB16(x), n, tanh_form, be->stream))
+    gelu_forward(F32(y), codes, CF32(x), n, tanh_form);
+}
+// dx = dy * gelu'(x) (exact, x kept) or dy * level(code) (ReGELU2, x NULL); dx may alias dy.
+static void op_gelu_backward(const Backend* be, void* dx, const void* dy, const void* x, const uint8_t* codes, int64_t n, int tanh_form) {
+    OP_CUDA(be, gelu_backward_cuda(B16(dx), CB16(dy), CB16(x), codes, n, tanh_form, be->stream))
+    gelu_backward(F32(dx), CF32(dy), CF32(x), codes, n, tanh_form);
+}
+
+// Images [B, C, H, W] (fp32 on both backends: the loader's output) -> patch rows [B*T, C*ph*pw]
+// of the backend's activation type, T = 1 + (H/ph)*(W/pw): token t = 1 + py*gw + px holds patch
+// (py, px) unfolded in the conv kernel's (c, i, j) order; the class token's row (t = 0) is zero,
+// so the patch product lands straight in the residual stream.
+static void op_patch_unfold(const Backend* be, void* patches, const float* pixels, int B, int C, int H, int W, int ph, int pw) {
+    int gw = W / pw, T = 1 + (H / ph) * gw;
+#ifdef LLMC_HAVE_CUDA
+    if (be->cuda) {
+        PatchShape s = {B, T, C, H, W, ph, pw, gw};
+        patch_unfold_cuda(B16(patches), pixels, s, be->stream);
+        return;
+    }
+#endif
+    int64_t P = (int64_t)C * ph * pw, N = (int64_t)B * T;
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        float* row = F32(patches) + n * P;
+        int b = (int)(n / T), t = (int)(n % T);
+        if (t == 0) { memset(row, 0, sizeof(float) * P); continue; }
+        int py = (t - 1) / gw, px = (t - 1) % gw;
+        for (int ch = 0; ch < C; ch++)
+            for (int i = 0; i < ph; i++)
+                memcpy(row + ((int64_t)ch * ph + i) * pw, pixels + (((int64_t)b * C + ch) * H + py * ph + i) * W + px * pw, sizeof(float) * pw);
+    }
+}
+
+// After the patch product x [N, d] (N = B*T): x[b, 0] = cls + pos[0] (the class token);
+// x[b, t] += patch_b + pos[t] for the patches (t > 0).
+static void op_patch_embed_finish(const Backend* be, void* x, const void* cls, const void* patch_b, const void* pos, int64_t N, int T, int d) {
+    OP_CUDA(be, patch_embed_finish_cuda(B16(x), CB16(cls), CB16(patch_b), CB16(pos), N, T, d, be->stream))
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        float* xr = F32(x) + n * d;
+        int64_t t = n % T;
+        const float* p = CF32(pos) + t * d;
+        if (t == 0) for (int i = 0; i < d; i++) xr[i] = CF32(cls)[i] + p[i];
+        else for (int i = 0; i < d; i++) xr[i] += CF32(patch_b)[i] + p[i];
+    }
+}
+
+// dst[r*dst_stride + c] = src[r*src_stride + c], rows x d activations (strides in elements): the
+// class-token rows out of the residual stream, and their gradient back into it.
+static void op_copy_rows(const Backend* be, void* dst, int64_t dst_stride, const void* src, int64_t src_stride, int64_t rows, int d) {
+    OP_CUDA(be, copy_rows_cuda(B16(dst), dst_stride, CB16(src), src_stride, rows, d, be->stream))
+    for (int64_t r = 0; r < rows; r++) memcpy(F32(dst) + r * dst_stride, CF32(src) + r * src_stride, sizeof(float) * d);
+}
+
+// n activations <-> fp32 (a cast on CUDA; on the CPU a copy, nothing when the buffers are one).
+static void op_acts_to_f32(const Backend* be, float* dst, const void* src, int64_t n) {
+    OP_CUDA(be, cast_bf16_to_f32_cuda(dst, CB16(src), n, be->stream))
+    if (dst != src) memcpy(dst, src, sizeof(float) * n);
+}
+static void op_f32_to_acts(const Backend* be, void* dst, const float* src, int64_t n) {
+    OP_CUDA(be, cast_f32_to_bf16_cuda(B16(dst), src, n, be->stream))
+    if (dst != src) memcpy(dst, src, sizeof(float) * n);
+}
+
+// The fp32 linear layer (the classification head): y [N, out] = x W^T + bias.
+static void op_linear_f32_forward(const Backend* be, float* y, const float* x, const float* W, const float* bias, int N, int out, int in) {
+    OP_CUDA(be, matmul_nt_bias_cuda(y, x, W, bias, N, out, in, 1.0f, 0, be->stream))
+    matmul_nt(y, x, W, N, out, in, 1.0f, 0);
+    add_bias_rows(y, bias, N, out);
+}
+// Its backward: dW += dy^T x and db += sum_n dy[n] (accumulated over micro-batches); dx = dy W.
+static void op_linear_f32_backward(const Backend* be, float* dx, float* dW, float* db, const float* dy, const float* x, const float* W,
+                                   int N, int out, int in) {
+#ifdef LLMC_HAVE_CUDA
+    if (be->cuda) {
+        matmul_tn_cuda(dW, dy, x, out, in, N, 1.0f, 1, be->stream);
+        bias_grad_rows_cuda(db, dy, N, out, be->stream);
+        matmul_nn_cuda(dx, dy, W, N, in, out, 1.0f, 0, be->stream);
+        return;
+    }
+#endif
+    matmul_tn(dW, dy, x, out, in, N, 1.0f, 1);
+    for (int n = 0; n < N; n++)
+        for (int j = 0; j < out; j++) db[j] += dy[(int64_t)n * out + j];
+    matmul_nn(dx, dy, W, N, in, out, 1.0f, 0);
+}
+
+// Softmax cross-entropy over a few rows of fp32 logits (a classification head), every row
+// counted. Scratch of the CUDA reduction (planned by op_plan_ce_rows; none on the CPU).
+typedef struct {
+    float* row_stats;      // [rows, 3]
+    double* stats;         // [3]
+} CeBuffers;
+
+static void op_plan_ce_rows(const Backend* be, MemPlan* p, const char* module, CeBuffers* cb, int64_t rows) {
+    if (!be->cuda) return;
+    plan_add(p, MEM_SCRATCH, module, -1, "ce_row_stats", rows * 3 * 4, &cb->row_stats);
+    plan_add(p, MEM_SCRATCH, module, -1, "ce_stats", 3 * 8, &cb->stats);
+}
+
+// logits [rows, V] against targets [rows] (backend memory): loss, count and correct add to st (on
+// the host; CUDA synchronises once); dlogits [rows, V] = grad_scale * (softmax - onehot) when
+// grad. logits are left as they are.
+static void op_softmax_ce_rows(const Backend* be, float* dlogits, const float* logits, const int* targets, int64_t rows, int V,
+                               float grad_scale, int grad, const CeBuffers* cb, LossStats* st) {
+#ifdef LLMC_HAVE_CUDA
+    if (be->cuda) {
+        CUDA_CHECK(cudaMemsetAsync(cb->stats, 0, 3 * sizeof(double), be->stream));
+        softmax_ce_rows_cuda(dlogits, cb->row_stats, logits, targets, NULL, rows, V, grad_scale, grad, be->stream);
+        loss_stats_accumulate_cuda(cb->stats, cb->row_stats, rows, be->stream);
+        double h[3];
+        CUDA_CHECK(cudaMemcpyAsync(h, cb->stats, sizeof(h), cudaMemcpyDeviceToHost, be->stream));
+        CUDA_CHECK(cudaStreamSynchronize(be->stream));
+        st->loss_sum += h[0];
+        st->count += h[1];
+        st->correct += h[2];
+        return;
+    }
+#endif
+    (void)cb;
+    for (int64_t i = 0; i < rows; i++) {  // ce_row works in place: on a copy of the row
+        float* row = dlogits + i * V;
+        memcpy(row, logits + i * V, sizeof(float) * V);
+        int am;
+        st->loss_sum += ce_row(row, V, targets[i], 1.0f, grad_scale, grad, &am);
+        st->correct += am == targets[i];
+        st->count += 1;
+    }
 }

@@ -46,7 +46,6 @@ static void trainable_plan(Trainable* tr, MemPlan* p, const char* module, int64_
     plan_add(p, MEM_OPTIM, module, -1, "adam_v", tr->shard * 4, &tr->adam_v);
     if (tr->zero1) plan_add(p, MEM_SCRATCH, module, -1, "grad_shard", tr->shard * 4, &tr->grad_shard);
     if (be && be->cuda) {
-        if (tr->zero1) fail("ZeRO-1 (--full under mpirun) is not implemented on the CUDA backend yet");
         plan_add(p, MEM_TRAINABLE, module, -1, "params_bf16", count * 2, &tr->params16);
 #ifdef LLMC_HAVE_CUDA
         plan_add(p, MEM_SCRATCH, module, -1, "grad_norm_partials", SUM_SQUARES_SCRATCH * sizeof(double), &tr->sumsq_scratch);
@@ -105,14 +104,24 @@ static OptimStep trainable_step_cuda(Trainable* tr, const TrainOptions* o, const
     OptimStep r;
     cudaStream_t st = tr->be->stream;
     double t = wall_seconds();
-    dist_allreduce_sum_f32_device(dist, tr->grads, tr->count, st);
+    float* g = tr->grads;
+    if (tr->zero1) { dist_reduce_scatter_sum_f32_device(dist, tr->grads, tr->grad_shard, tr->shard, st); g = tr->grad_shard; }
+    else dist_allreduce_sum_f32_device(dist, tr->grads, tr->count, st);
+    double ss = sum_squares_cuda(g, tr->shard, tr->sumsq_scratch, st);
+    if (tr->zero1) dist_allreduce_sum_f64(dist, &ss, 1);
     r.comm_s = wall_seconds() - t;
-    double ss = sum_squares_cuda(tr->grads, tr->count, tr->sumsq_scratch, st);
     r.grad_norm = (float)sqrt(ss);
     if (!isfinite(r.grad_norm)) fail("step %d: non-finite gradient norm; lower --lr or check the data", step + 1);
-    if (o->grad_clip > 0 && r.grad_norm > o->grad_clip) scale_inplace_cuda(tr->grads, tr->count, o->grad_clip / r.grad_norm, st);
+    if (o->grad_clip > 0 && r.grad_norm > o->grad_clip) scale_inplace_cuda(g, tr->shard, o->grad_clip / r.grad_norm, st);
     r.lr = lr_at_step(o, step);
-    adamw_update_cuda(tr->params, tr->grads, tr->adam_m, tr->adam_v, tr->count, r.lr, 0.9f, 0.999f, 1e-8f, o->weight_decay, step + 1, st);
+    float* p = tr->params + (tr->zero1 ? (int64_t)tr->rank * tr->shard : 0);
+    adamw_update_cuda(p, g, tr->adam_m, tr->adam_v, tr->shard, r.lr, 0.9f, 0.999f, 1e-8f, o->weight_decay, step + 1, st);
+    if (tr->zero1) {  // everyone gets every updated shard
+        t = wall_seconds();
+        dist_allgather_f32_device(dist, tr->params, tr->shard, st);
+        backend_sync(tr->be);
+        r.comm_s += wall_seconds() - t;
+    }
     cast_f32_to_bf16_cuda((bf16*)tr->params16, tr->params, tr->count, st);
     return r;
 }
@@ -147,19 +156,21 @@ static OptimStep trainable_step(Trainable* tr, const TrainOptions* o, const Dist
 // Writes DIR/train_state.bin. Called on every rank (ZeRO-1 gathers the moments); rank 0 writes.
 static void trainable_save_state(const Trainable* tr, const Dist* dist, const char* dir, const char* settings, int64_t step,
                                  int64_t cursor, int seed) {
-    float *adam_m = tr->adam_m, *adam_v = tr->adam_v;
     int dev = trainable_on_device(tr);
-    if (tr->zero1) {
+    float *own_m = tr->adam_m, *own_v = tr->adam_v;  // this rank's moments, on the host
+    if (dev) {  // the moments and the parameters come to the host for the file
+        own_m = (float*)xmalloc(sizeof(float) * (tr->shard + 1));
+        own_v = (float*)xmalloc(sizeof(float) * (tr->shard + 1));
+        backend_download(tr->be, own_m, tr->adam_m, sizeof(float) * tr->shard);
+        backend_download(tr->be, own_v, tr->adam_v, sizeof(float) * tr->shard);
+        backend_download(tr->be, tr->host_params, tr->params, sizeof(float) * tr->count);
+    }
+    float *adam_m = own_m, *adam_v = own_v;
+    if (tr->zero1) {  // rank 0 gathers every shard
         adam_m = (float*)xmalloc(sizeof(float) * tr->shard * tr->world);
         adam_v = (float*)xmalloc(sizeof(float) * tr->shard * tr->world);
-        dist_gather_f32(dist, tr->adam_m, adam_m, tr->shard);
-        dist_gather_f32(dist, tr->adam_v, adam_v, tr->shard);
-    } else if (dev) {  // the moments come to the host for the file (the parameters' mirror too)
-        adam_m = (float*)xmalloc(sizeof(float) * (tr->count ? tr->count : 1));
-        adam_v = (float*)xmalloc(sizeof(float) * (tr->count ? tr->count : 1));
-        backend_download(tr->be, adam_m, tr->adam_m, sizeof(float) * tr->count);
-        backend_download(tr->be, adam_v, tr->adam_v, sizeof(float) * tr->count);
-        backend_download(tr->be, tr->host_params, tr->params, sizeof(float) * tr->count);
+        dist_gather_f32(dist, own_m, adam_m, tr->shard);
+        dist_gather_f32(dist, own_v, adam_v, tr->shard);
     }
     if (!dist || dist->rank == 0) {
         StateHeader h;
@@ -173,7 +184,8 @@ static void trainable_save_state(const Trainable* tr, const Dist* dist, const ch
         state_save(path, &h, tr->host_params ? tr->host_params : tr->params, adam_m, adam_v);
         free(path);
     }
-    if (tr->zero1 || dev) { free(adam_m); free(adam_v); }
+    if (tr->zero1) { free(adam_m); free(adam_v); }
+    if (dev) { free(own_m); free(own_v); }
 }
 
 // Reads DIR/train_state.bin on every rank (each keeps its own shard of the moments under ZeRO-1);
@@ -181,23 +193,23 @@ static void trainable_save_state(const Trainable* tr, const Dist* dist, const ch
 static int64_t trainable_load_state(Trainable* tr, const char* dir, const char* settings, int64_t* cursor) {
     char* path = path_join(dir, "train_state.bin");
     StateHeader h;
+    int dev = trainable_on_device(tr), staged = tr->zero1 || dev;
     float *adam_m = tr->adam_m, *adam_v = tr->adam_v;
-    int dev = trainable_on_device(tr);
-    if (tr->zero1 || dev) {
+    if (staged) {  // the whole file's moments on the host first
         adam_m = (float*)xcalloc(tr->shard * tr->world + 1, sizeof(float));
         adam_v = (float*)xcalloc(tr->shard * tr->world + 1, sizeof(float));
     }
     state_load(path, &h, settings, tr->count, tr->host_params ? tr->host_params : tr->params, adam_m, adam_v);
-    if (dev) {  // everything read on the host goes to the device
-        backend_upload(tr->be, tr->adam_m, adam_m, sizeof(float) * tr->count);
-        backend_upload(tr->be, tr->adam_v, adam_v, sizeof(float) * tr->count);
-        free(adam_m);
-        free(adam_v);
-        trainable_to_device(tr);
-    }
-    if (tr->zero1) {
-        memcpy(tr->adam_m, adam_m + (int64_t)tr->rank * tr->shard, sizeof(float) * tr->shard);
-        memcpy(tr->adam_v, adam_v + (int64_t)tr->rank * tr->shard, sizeof(float) * tr->shard);
+    if (staged) {  // this rank's part of the moments where the optimizer keeps them
+        int64_t own = tr->zero1 ? (int64_t)tr->rank * tr->shard : 0;
+        if (dev) {
+            backend_upload(tr->be, tr->adam_m, adam_m + own, sizeof(float) * tr->shard);
+            backend_upload(tr->be, tr->adam_v, adam_v + own, sizeof(float) * tr->shard);
+            trainable_to_device(tr);
+        } else {
+            memcpy(tr->adam_m, adam_m + own, sizeof(float) * tr->shard);
+            memcpy(tr->adam_v, adam_v + own, sizeof(float) * tr->shard);
+        }
         free(adam_m);
         free(adam_v);
     }
