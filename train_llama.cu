@@ -147,7 +147,8 @@ typedef struct {
     void** ckpt;           // [layers] block inputs under --recompute block
     // scratch (activation gradients have the activations' element type)
     void *resid, *resid_tmp, *dres, *dz, *dq, *dk, *dv, *dout, *dp, *dg, *du, *dax;
-    float* att_scratch;    // CUDA attention backward: [B, H, T]
+    void* att_work;        // CUDA attention: the tensor-core path's chunk of scores (llmc/attn_plan.h)
+    size_t att_work_bytes;
     int *inputs, *targets; // on the backend
     int* pos;              // position of each token within its (packed) example
     float* mask;
@@ -258,7 +259,9 @@ static void llama_plan(Llama* m, MemPlan* p) {
     plan_add(p, MEM_SCRATCH, "grads", -1, "dg", N * f * abytes, &m->dg);
     plan_add(p, MEM_SCRATCH, "grads", -1, "du", N * f * abytes, &m->du);
     plan_add(p, MEM_SCRATCH, "grads", -1, "dax", N * r * abytes, &m->dax);
-    if (be->cuda) plan_add(p, MEM_SCRATCH, "attention", -1, "attn_bwd_rowsums", N * c->heads * 4, &m->att_scratch);
+    AttnShape as = {m->B, m->T, c->heads, c->kv_heads, c->head_dim, 1, NULL};
+    m->att_work_bytes = op_attention_work_bytes(be, as);
+    if (be->cuda) plan_add(p, MEM_SCRATCH, "attention", -1, "attn_workspace", m->att_work_bytes, &m->att_work);
     plan_add(p, MEM_SCRATCH, "batch", -1, "inputs", N * 4, &m->inputs);
     plan_add(p, MEM_SCRATCH, "batch", -1, "targets", N * 4, &m->targets);
     plan_add(p, MEM_SCRATCH, "batch", -1, "mask", N * 4, &m->mask);
@@ -479,6 +482,12 @@ static void llama_init_lora(Llama* m, uint64_t seed) {
 // ----------------------------------------------------------------------------------------------
 // Forward
 
+// The planned attention workspace, if this call's shape fits in it (generation runs shorter
+// windows of one sequence); NULL makes CUDA use the flash kernels, which need none in the forward.
+static void* llama_attn_work(const Llama* m, AttnShape as) {
+    return op_attention_work_bytes(m->be, as) <= m->att_work_bytes ? m->att_work : NULL;
+}
+
 // One block, updating the residual stream x [B*T, d] in place and filling a's buffers.
 static void block_forward(Llama* m, int l, void* x, BlockActs* a, int B, int T) {
     const Backend* be = m->be;
@@ -495,7 +504,7 @@ static void block_forward(Llama* m, int l, void* x, BlockActs* a, int B, int T) 
     op_linear_forward(be, a->v, a->z1, &L->lin[T_V], a->ax[T_V], N, r, s, 0);
     op_rope(be, a->q, m->rope_cos, m->rope_sin, m->pos, N, T, c->heads, c->head_dim, 0);
     op_rope(be, a->k, m->rope_cos, m->rope_sin, m->pos, N, T, c->kv_heads, c->head_dim, 0);
-    op_attention_forward(be, a->o, a->lse, a->q, a->k, a->v, as);
+    op_attention_forward(be, a->o, a->lse, a->q, a->k, a->v, as, llama_attn_work(m, as));
     op_linear_forward(be, x, a->o, &L->lin[T_O], a->ax[T_O], N, r, s, 1);
     if (a->h_mid) op_copy(be, a->h_mid, x, N * d);
     op_rmsnorm_forward(be, a->z2, a->r2, x, m->modes.ms ? NULL : L->mlp_norm, N, (int)d, c->norm_eps);
@@ -539,7 +548,7 @@ static void block_backward(Llama* m, int l, BlockActs* a, int B, int T) {
     else op_rmsnorm_backward(be, m->dres, m->dz, a->h_mid, a->r2, L->mlp_norm, N, (int)d);
     // attention: o-proj, attention, RoPE, q/k/v, attention norm
     op_linear_backward(be, m->dout, m->dres, a->o, a->ax[T_O], &L->lin[T_O], m->dax, N, r, s, 0);
-    op_attention_backward(be, m->dq, m->dk, m->dv, m->dout, a->q, a->k, a->v, a->o, a->lse, m->att_scratch, as);
+    op_attention_backward(be, m->dq, m->dk, m->dv, m->dout, a->q, a->k, a->v, a->o, a->lse, NULL, as, llama_attn_work(m, as));
     op_rope(be, m->dq, m->rope_cos, m->rope_sin, m->pos, N, T, c->heads, c->head_dim, 1);
     op_rope(be, m->dk, m->rope_cos, m->rope_sin, m->pos, N, T, c->kv_heads, c->head_dim, 1);
     op_linear_backward(be, m->dz, m->dq, a->z1, a->ax[T_Q], &L->lin[T_Q], m->dax, N, r, s, 0);

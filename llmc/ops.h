@@ -14,10 +14,12 @@
 #include "cpu/activations.h"
 #include "cpu/attention.h"
 #include "cpu/loss.h"
+#include "attn_plan.h"
 #ifdef LLMC_HAVE_CUDA
 #include "cuda/norms.cuh"
 #include "cuda/activations.cuh"
 #include "cuda/attention.cuh"
+#include "cuda/attention_gemm.cuh"
 #include "cuda/matmul.cuh"
 #include "cuda/linear.cuh"
 #include "cuda/loss.cuh"
@@ -125,16 +127,48 @@ static void op_rope(const Backend* be, void* x, const float* cos_t, const float*
     rope_apply(F32(x), cos_t, sin_t, pos, N, T, nheads, hd, inverse);
 }
 
-static void op_attention_forward(const Backend* be, void* o, float* lse, const void* q, const void* k, const void* v, AttnShape s) {
-    OP_CUDA(be, attention_forward_cuda(B16(o), lse, CB16(q), CB16(k), CB16(v), s, be->stream))
+// On CUDA, attention runs on tensor cores through batched GEMMs (llmc/cuda/attention_gemm.cuh)
+// when given `work` (op_attention_work_bytes, planned with the model), else with the fp32 flash
+// kernels of llmc/cuda/attention.cuh; LLMC_ATTENTION=flash in the environment forces the latter
+// (the first GPU sessions compare the two).
+static size_t op_attention_work_bytes(const Backend* be, AttnShape s) {
+    return be->cuda ? attn_gemm_work_bytes(&s, 1) : 0;  // also holds the flash backward's B*H*T row sums
+}
+
+#ifdef LLMC_HAVE_CUDA
+static int op_attention_use_gemm(const void* work) {
+    const char* e = getenv("LLMC_ATTENTION");
+    return work && !(e && strcmp(e, "flash") == 0);
+}
+#endif
+
+static void op_attention_forward(const Backend* be, void* o, float* lse, const void* q, const void* k, const void* v, AttnShape s,
+                                 void* work = NULL) {
+#ifdef LLMC_HAVE_CUDA
+    if (be->cuda) {
+        if (op_attention_use_gemm(work)) attention_forward_gemm_cuda(B16(o), lse, CB16(q), CB16(k), CB16(v), s, work, be->stream);
+        else attention_forward_cuda(B16(o), lse, CB16(q), CB16(k), CB16(v), s, be->stream);
+        return;
+    }
+#endif
+    (void)work;
     attention_forward(F32(o), lse, CF32(q), CF32(k), CF32(v), s);
 }
 
-// scratch: B*H*T floats on CUDA (planned with the model; unused on the CPU).
+// scratch: B*H*T floats for the flash backward on CUDA, or NULL with `work` (unused on the CPU).
 static void op_attention_backward(const Backend* be, void* dq, void* dk, void* dv, const void* dout, const void* q, const void* k,
-                                  const void* v, const void* o, const float* lse, float* scratch, AttnShape s) {
-    OP_CUDA(be, attention_backward_cuda(B16(dq), B16(dk), B16(dv), CB16(dout), CB16(q), CB16(k), CB16(v), CB16(o), lse, scratch, s, be->stream))
-    (void)scratch;
+                                  const void* v, const void* o, const float* lse, void* scratch, AttnShape s, void* work = NULL) {
+#ifdef LLMC_HAVE_CUDA
+    if (be->cuda) {
+        if (op_attention_use_gemm(work))
+            attention_backward_gemm_cuda(B16(dq), B16(dk), B16(dv), CB16(dout), CB16(q), CB16(k), CB16(v), CB16(o), lse, s, work, be->stream);
+        else
+            attention_backward_cuda(B16(dq), B16(dk), B16(dv), CB16(dout), CB16(q), CB16(k), CB16(v), CB16(o), lse,
+                                    (float*)(scratch ? scratch : work), s, be->stream);
+        return;
+    }
+#endif
+    (void)scratch; (void)work;
     attention_backward(F32(dq), F32(dk), F32(dv), CF32(dout), CF32(q), CF32(k), CF32(v), CF32(o), lse, s);
 }
 

@@ -66,10 +66,10 @@ def rel_l2(got, want):
     return float(np.linalg.norm(got - want) / n) if n > 0 else float(np.linalg.norm(got))
 
 
-def probe(exe, model, case, out, act, norm, rec, rank, alpha, extra, device):
+def probe(exe, model, case, out, act, norm, rec, rank, alpha, extra, device, env=None):
     cmd = [need(exe), "--model", model, "--case", case, "--out-file", out, "--act", act, "--norm", norm,
            "--recompute", rec, "--lora-rank", str(rank), "--lora-alpha", repr(float(alpha)), "--device", device] + extra
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=ENV)
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=dict(ENV, **(env or {})))
     assert p.returncode == 0, f"{' '.join(cmd)}\n{p.stdout[-2000:]}\n{p.stderr[-2000:]}"
     return st_io.load(out)
 
@@ -122,6 +122,20 @@ def test_cuda_probe_full_finetuning_matches_cpu(models, mode):
     print(f"full {mode}: logits {e_logits:.2e}  grads worst {grads[-1][0]:.2e} ({grads[-1][1]})")
     tol = TOL_APPROX if act == "approx" else TOL_EXACT
     assert e_logits < tol["logits"] and grads[-1][0] < tol["grad"]
+
+
+@pytest.mark.parametrize("env", [{"LLMC_ATTN_CHUNK": "3"}, {"LLMC_ATTENTION": "flash"}], ids=["gemm_chunks_of_3", "flash"])
+@pytest.mark.parametrize("name", ["gqa_untied", "llama3_rope"])
+def test_cuda_attention_paths(models, name, env):
+    """The tensor-core attention split into many chunks of query rows, and the flash kernels
+    (LLMC_ATTENTION=flash), inside the whole model."""
+    d, cp, r, alpha = models[name]
+    want = probe(CPU_PROBE, d, cp, cp + ".paths.cpu", "exact", "std", "none", r, alpha, [], "cpu")
+    got = probe(CUDA_PROBE, d, cp, cp + ".paths.cuda", "exact", "std", "none", r, alpha, [], "cuda", env)
+    e = rel_l2(got["logits"], want["logits"])
+    worst = max(rel_l2(got[k], want[k]) for k in want if k.startswith("grad."))
+    print(f"{name} {env}: logits {e:.2e} grads worst {worst:.2e}")
+    assert e < TOL_EXACT["logits"] and worst < TOL_EXACT["grad"]
 
 
 def test_cuda_probe_packed_examples(models):

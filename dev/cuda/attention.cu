@@ -1,4 +1,5 @@
-// dev/cuda/attention.cu: RoPE and flash attention of llmc/cuda/attention.cuh against
+// dev/cuda/attention.cu: RoPE and flash attention of llmc/cuda/attention.cuh, and the batched-GEMM
+// attention of llmc/cuda/attention_gemm.cuh (also split into many chunks of query rows), against
 // llmc/cpu/attention.h: causal and bidirectional, grouped-query (H/KVH = 1, 2, 3, 4), head dims
 // 16..128 including ones that are not a multiple of 8 or 32, sequence lengths that are not a
 // multiple of the 32-row tiles. Forward (o, lse) and backward (dq, dk, dv) from identical bf16
@@ -7,6 +8,7 @@
 #include "check.h"
 #include "../../llmc/cpu/attention.h"
 #include "../../llmc/cuda/attention.cuh"
+#include "../../llmc/cuda/attention_gemm.cuh"
 
 // packed: the rows hold examples of random lengths (positions restart; attention stays inside).
 static void test_attention(AttnShape s, Rng* rng, int packed) {
@@ -57,6 +59,35 @@ static void test_attention(AttnShape s, Rng* rng, int packed) {
     check_close(name, gdk, dk, nk, 1e-2);
     snprintf(name, sizeof(name), "attn bwd dv, %s", tag);
     check_close(name, gdv, dv, nk, 1e-2);
+
+    // the tensor-core (batched GEMM) path: forward from the same inputs, backward from the same o and lse
+    void* work = dev_alloc(attn_gemm_work_bytes(&sd, 1));
+    dev_poison(work, attn_gemm_work_bytes(&sd, 1));
+    dev_poison(d_o, 2 * nq);
+    dev_poison(d_lse, 4 * nl);
+    attention_forward_gemm_cuda(d_o, d_lse, d_q, d_k, d_v, sd, work, g_stream);
+    float *go2 = download_bf16(d_o, nq), *glse2 = download_f32(d_lse, nl);
+    float *o_ref = (float*)xmalloc(4 * nq), *lse_ref = (float*)xmalloc(4 * nl);
+    attention_forward(o_ref, lse_ref, q, k, v, s);  // o as fp32, before the rounding above
+    snprintf(name, sizeof(name), "attn gemm fwd o, %s", tag);
+    check_close(name, go2, o_ref, nq, 1e-2);
+    snprintf(name, sizeof(name), "attn gemm fwd lse, %s", tag);
+    check_close(name, glse2, lse_ref, nl, 1e-4);
+    upload_bf16_to(d_o, o, nq);
+    CUDA_CHECK(cudaMemcpy(d_lse, lse, 4 * nl, cudaMemcpyHostToDevice));
+    dev_poison(d_dq, 2 * nq);
+    dev_poison(d_dk, 2 * nk);
+    dev_poison(d_dv, 2 * nk);
+    attention_backward_gemm_cuda(d_dq, d_dk, d_dv, d_dout, d_q, d_k, d_v, d_o, d_lse, sd, work, g_stream);
+    float *g2dq = download_bf16(d_dq, nq), *g2dk = download_bf16(d_dk, nk), *g2dv = download_bf16(d_dv, nk);
+    snprintf(name, sizeof(name), "attn gemm bwd dq, %s", tag);
+    check_close(name, g2dq, dq, nq, 1e-2);
+    snprintf(name, sizeof(name), "attn gemm bwd dk, %s", tag);
+    check_close(name, g2dk, dk, nk, 1e-2);
+    snprintf(name, sizeof(name), "attn gemm bwd dv, %s", tag);
+    check_close(name, g2dv, dv, nk, 1e-2);
+    CUDA_CHECK(cudaFree(work));
+    free(go2); free(glse2); free(o_ref); free(lse_ref); free(g2dq); free(g2dk); free(g2dv);
 
     CUDA_CHECK(cudaFree(d_q)); CUDA_CHECK(cudaFree(d_k)); CUDA_CHECK(cudaFree(d_v)); CUDA_CHECK(cudaFree(d_o));
     CUDA_CHECK(cudaFree(d_lse)); CUDA_CHECK(cudaFree(d_dout)); CUDA_CHECK(cudaFree(d_dq)); CUDA_CHECK(cudaFree(d_dk));
@@ -121,6 +152,13 @@ static void time_attention(AttnShape s, const char* label) {
     snprintf(name, sizeof(name), "attention_backward %s", label);
     report_flops(name, 2.5 * fwd,
                  time_kernel([&] { attention_backward_cuda(dq, dk, dv, dout, q, k, v, o, lse, scratch, s, g_stream); }, 3));
+    void* work = dev_alloc(attn_gemm_work_bytes(&s, 1));
+    snprintf(name, sizeof(name), "attention_forward tensor-core GEMMs %s", label);
+    report_flops(name, fwd, time_kernel([&] { attention_forward_gemm_cuda(o, lse, q, k, v, s, work, g_stream); }, 3));
+    snprintf(name, sizeof(name), "attention_backward tensor-core GEMMs %s", label);
+    report_flops(name, 2.5 * fwd,
+                 time_kernel([&] { attention_backward_gemm_cuda(dq, dk, dv, dout, q, k, v, o, lse, s, work, g_stream); }, 3));
+    CUDA_CHECK(cudaFree(work));
     float* hl = download_f32(lse, nl);
     int finite = 1;
     for (int64_t i = 0; i < nl; i++) finite &= isfinite(hl[i]);
@@ -134,7 +172,7 @@ static void time_attention(AttnShape s, const char* label) {
 
 int main(void) {
     Rng rng = rng_seeded(99, 3);
-    check_begin("dev/cuda/attention: RoPE and flash attention vs llmc/cpu/attention.h");
+    check_begin("dev/cuda/attention: RoPE, flash attention and the tensor-core GEMM attention vs llmc/cpu/attention.h");
     test_rope(2 * 37, 37, 3, 16, &rng);
     test_rope(65, 65, 2, 128, &rng);
     AttnShape cases[] = {
@@ -149,6 +187,14 @@ int main(void) {
     for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) test_attention(cases[i], &rng, 0);
     AttnShape packed[] = {{2, 37, 4, 2, 16, 1}, {1, 97, 2, 2, 36, 1}};  // packed examples, ragged tiles
     for (size_t i = 0; i < sizeof(packed) / sizeof(packed[0]); i++) test_attention(packed[i], &rng, 1);
+    // the tensor-core path over many chunks of query rows (ragged last chunk; causal key ranges)
+    setenv("LLMC_ATTN_CHUNK", "16", 1);
+    printf("with LLMC_ATTN_CHUNK=16:\n");
+    test_attention(cases[0], &rng, 0);
+    test_attention(cases[2], &rng, 0);
+    test_attention(cases[3], &rng, 0);
+    test_attention(packed[1], &rng, 1);
+    unsetenv("LLMC_ATTN_CHUNK");
     if (g_timing) {
         AttnShape llama = {4, 2048, 32, 8, 128, 1}, vit = {64, 197, 12, 12, 64, 0};
         time_attention(llama, "B=4 T=2048 H=32 KVH=8 hd=128 causal");

@@ -189,6 +189,41 @@ LLMC_MATMUL_FORM(matmul_nn_cuda, MM_NN)
 LLMC_MATMUL_FORM(matmul_tn_cuda, MM_TN)
 #undef LLMC_MATMUL_FORM
 
+// Batched products with explicit row-major leading dimensions, one (A, B, C) per batch entry from
+// device arrays of pointers (so entries may share an operand, as grouped-query heads share their
+// kv head). Entries must not share C when accumulating. Through cublasGemmBatchedEx: tensor cores
+// with bf16 operands, fp32 accumulation, C in bf16 or fp32.
+static void matmul_batched_cuda(MatmulForm form, void* const* C, cudaDataType_t ctype, const void* const* A, const void* const* B,
+                                int M, int N, int K, int lda, int ldb, int ldc, float alpha, int accumulate, int batch,
+                                cudaStream_t stream) {
+    if (M <= 0 || N <= 0 || batch <= 0) return;
+#ifdef LLMC_CUDA_EMU
+    (void)stream;
+    for (int e = 0; e < batch; e++)
+        for (int64_t i = 0; i < M; i++)
+            for (int64_t j = 0; j < N; j++) {
+                float acc = 0.0f;
+                for (int64_t k = 0; k < K; k++) {
+                    float a = form == MM_TN ? mm_emu_load(A[e], CUDA_R_16BF, k * lda + i) : mm_emu_load(A[e], CUDA_R_16BF, i * lda + k);
+                    float bv = form == MM_NT ? mm_emu_load(B[e], CUDA_R_16BF, j * ldb + k) : mm_emu_load(B[e], CUDA_R_16BF, k * ldb + j);
+                    acc += a * bv;
+                }
+                float c = alpha * acc + (accumulate ? mm_emu_load(C[e], ctype, i * ldc + j) : 0.0f);
+                if (ctype == CUDA_R_16BF) ((bf16*)C[e])[i * ldc + j] = __float2bfloat16(c);
+                else ((float*)C[e])[i * ldc + j] = c;
+            }
+#else
+    cublas_setup();
+    CUBLAS_CHECK(cublasSetStream(g_cublas.blas, stream));
+    cublasOperation_t opa = form == MM_NT ? CUBLAS_OP_T : CUBLAS_OP_N, opb = form == MM_TN ? CUBLAS_OP_T : CUBLAS_OP_N;
+    float beta = accumulate ? 1.0f : 0.0f;
+    // column-major C^T [N x M] = op(B) op(A): cuBLAS's first operand is our B
+    CUBLAS_CHECK(cublasGemmBatchedEx(g_cublas.blas, opa, opb, N, M, K, &alpha, (const void* const*)B, CUDA_R_16BF, ldb,
+                                     (const void* const*)A, CUDA_R_16BF, lda, &beta, (void* const*)C, ctype, ldc, batch,
+                                     CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+#endif
+}
+
 // C[M,N] (+)= alpha * A . B^T + bias[N]: the linear forward with its bias in the epilogue.
 static void matmul_nt_bias_cuda(bf16* C, const bf16* A, const bf16* B, const bf16* bias, int M, int N, int K, float alpha,
                                 int accumulate, cudaStream_t stream) {
