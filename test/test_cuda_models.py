@@ -226,10 +226,10 @@ def test_cuda_resume_is_bit_identical_and_adapter_loads_on_cpu(tmp_path):
 
 
 def test_cuda_two_ranks_equal_one_process(tmp_path):
-    if not MPIRUN:
-        pytest.fail("mpirun not found: install openmpi-bin (.ci/run does)")
     if GPU:
         pytest.skip("needs two GPUs")  # the one-GPU session checks NCCL with LLMC_NCCL_SELFTEST instead
+    if not MPIRUN:
+        pytest.fail("mpirun not found: install openmpi-bin (.ci/run does)")
     one = train(CUDA_TRAIN, "cuda", "--steps", 3, "--batch", 4, "--out", tmp_path / "one")
     cmd = [MPIRUN, "--allow-run-as-root", "--oversubscribe", "-np", "2", need(CUDA_TRAIN)] + DEMO + \
           ["--device", "cuda", "--steps", "3", "--batch", "2", "--threads", "1", "--out", str(tmp_path / "two")]
