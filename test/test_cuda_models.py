@@ -284,6 +284,9 @@ def test_cuda_generates(tmp_path):
 def test_cuda_bad_inputs_fail_cleanly(tmp_path):
     p = train(CUDA_TRAIN, "cuda", "--steps", 2, "--lora-rank", 0, check=False)
     assert p.returncode != 0 and "--lora-rank" in p.stderr and p.stderr.count("\n") == 1
+    if not GPU:  # more than the (pretend 80 GiB) device holds: one line naming the arena and what to try
+        p = train(CUDA_TRAIN, "cuda", "--steps", 1, "--batch", 100000, "--seq", 128, check=False)
+        assert p.returncode != 0 and "GPU memory" in p.stderr and "--batch" in p.stderr and p.stderr.count("\n") == 1, p.stderr
     p = subprocess.run([CPU_TRAIN] + DEMO + ["--device", "cuda", "--steps", "1"], capture_output=True, text=True, env=ENV)
     if not GPU:  # the CPU machine's nvcc build has the backend but no GPU; a g++ build has no backend
         assert p.returncode != 0 and "--device cuda" in p.stderr and p.stderr.count("\n") == 1

@@ -261,6 +261,7 @@ static void emu_check_side(const void* p, size_t n, int device, const char* call
 
 extern "C" {
 cudaError_t cudaMalloc(void** p, size_t n) {
+    if (n > EMU_DEVICE_BYTES - emu_bytes_in_use) { *p = NULL; return cudaErrorMemoryAllocation; }  // the pretend device is full
     char* raw = (char*)malloc(n ? n : 1);
     if (!raw) { *p = NULL; return cudaErrorMemoryAllocation; }
     emu_allocations()[raw] = n;
