@@ -5,9 +5,11 @@
 // row).
 //
 // Read top to bottom: config -> parameters -> memory plan -> weight loading -> forward -> backward
-// -> training step and evaluation -> main. The model is written once; the kernels it calls come
-// from the backend (llmc/cpu today). Same shape as train_llama.cu, with which it shares the LoRA
-// linear (llmc/lora.h), the plan, the flags and the optimizer.
+// -> training step and evaluation -> main. The model is written once; the operations it calls
+// (llmc/ops.h) run on the backend chosen by --device: the CPU (fp32) or a CUDA GPU (bf16
+// activations and frozen weights, fp32 statistics, LoRA masters, the head, gradients and AdamW
+// state). Same shape as train_llama.cu, with which it shares the LoRA linear (llmc/lora.h), the
+// plan, the flags, the backend and the optimizer.
 #include <omp.h>
 #include "llmc/common.h"
 #include "llmc/json.h"
@@ -23,12 +25,8 @@
 #include "llmc/checkpoint.h"
 #include "llmc/dist.h"
 #include "llmc/trainable.h"
-#include "llmc/cpu/matmul.h"
-#include "llmc/cpu/norms.h"
-#include "llmc/cpu/activations.h"
-#include "llmc/cpu/attention.h"
-#include "llmc/cpu/loss.h"
-#include "llmc/cpu/adamw.h"
+#include "llmc/backend.h"
+#include "llmc/ops.h"
 
 // ----------------------------------------------------------------------------------------------
 // Config: config.json of a Hugging Face ViT (ViTModel / ViTForImageClassification), and the
@@ -119,9 +117,9 @@ static void vit_config_load(VitConfig* c, const char* model_dir) {
 }
 
 // ----------------------------------------------------------------------------------------------
-// Parameters. Frozen weights live in one arena. The trainable ones (LoRA adapters, then the new
-// classification head), their grads and AdamW moments live in flat arenas of identical layout, so
-// the optimizer and gradient norm see one array.
+// Parameters. Frozen weights live in one arena (of the backend). The trainable ones (LoRA
+// adapters, then the new classification head), their grads and AdamW moments live in flat arenas
+// of identical layout, so the optimizer and gradient norm see one array.
 
 enum { T_Q, T_K, T_V, T_PROJ, T_FC1, T_FC2, N_TARGETS };
 static const char* const target_names[N_TARGETS] = {"q", "k", "v", "proj", "fc1", "fc2"};
@@ -130,26 +128,31 @@ static const char* const hf_module_names[N_TARGETS] = {"attention.attention.quer
                                                        "intermediate.dense", "output.dense"};
 static const char* const timm_module_names[N_TARGETS] = {"attn.qkv", "attn.qkv", "attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2"};
 
+// The four LayerNorm vectors of a block, in this order in Vit.norms_host.
+enum { LN1_G, LN1_B, LN2_G, LN2_B, N_LN };
+
+// Weights and activations are backend buffers (`void*`: fp32 on the CPU, bf16 on CUDA); norm
+// statistics and the attention lse are fp32 on both.
 typedef struct {
-    float *ln1_g, *ln1_b;  // attention LayerNorm (merged into q,k,v under MS-LN)
-    float *ln2_g, *ln2_b;  // MLP LayerNorm (merged into fc1 under MS-LN)
-    Linear lin[N_TARGETS];
+    void *ln1_g, *ln1_b;   // attention LayerNorm (merged into q,k,v under MS-LN)
+    void *ln2_g, *ln2_b;   // MLP LayerNorm (merged into fc1 under MS-LN)
+    Linear lin[N_TARGETS]; // W and bias also on the host in fp32 (adapters and export read them)
 } VitLayer;
 
 // The buffers one block keeps for its backward (or, where not kept, a shared scratch copy).
 typedef struct {
-    float* x_in;           // block input          (standard attention LayerNorm)
+    void* x_in;            // block input          (standard attention LayerNorm)
     float *mean1, *r1;     // per token            (mean: standard LayerNorm only)
-    float* z1;             // attention norm output = q,k,v input
-    float *q, *k, *v, *o;  // attention; o = proj input
+    void* z1;              // attention norm output = q,k,v input
+    void *q, *k, *v, *o;   // attention; o = proj input
     float* lse;            // [B, H, T] log-sum-exp
-    float* ax[N_TARGETS];  // LoRA A x per adapter
-    float* h_mid;          // residual after attention (standard MLP LayerNorm)
+    void* ax[N_TARGETS];   // LoRA A x per adapter
+    void* h_mid;           // residual after attention (standard MLP LayerNorm)
     float *mean2, *r2;
-    float* z2;             // MLP norm output = fc1 input
-    float* h;              // fc1 output = GELU input (exact GELU backward)
+    void* z2;              // MLP norm output = fc1 input
+    void* h;               // fc1 output = GELU input (exact GELU backward)
     uint8_t* codes;        // 2-bit ReGELU2 codes of h
-    float* g;              // gelu(h) = fc2 input
+    void* g;               // gelu(h) = fc2 input
 } BlockActs;
 
 typedef struct {
@@ -163,30 +166,45 @@ typedef struct {
 typedef struct {
     VitConfig cfg;
     VitModes modes;
+    const Backend* be;
     int B;                 // planned micro-batch (images)
     int img_h, img_w;      // fine-tuning resolution
     int grid_h, grid_w;    // patch grid at that resolution
     int T;                 // tokens per image: class token + grid_h * grid_w patches
     int classes;
     const Dist* dist;      // ZeRO-1 sharding of the AdamW state under --full (NULL: one process)
-    float* patch_w;        // [d, C*ph*pw] (the conv kernel [d, C, ph, pw], flattened)
-    float* patch_b;        // [d]
-    float* cls;            // [d] class token
-    float* pos;            // [T, d] at the fine-tuning resolution (interpolated at load)
-    float *norm_g, *norm_b;  // final LayerNorm (kept standard: only the class token goes through it)
+    Linear patch;          // the patch embedding as a linear layer over unfolded patches: W [d, C*ph*pw]
+                           // (the conv kernel [d, C, ph, pw], flattened); no bias here, since the
+                           // class-token rows take none: op_patch_embed_finish adds it
+    void* patch_b;         // [d]
+    void* cls;             // [d] class token
+    void* pos;             // [T, d] at the fine-tuning resolution (interpolated at load)
+    void *norm_g, *norm_b; // final LayerNorm (kept standard: only the class token goes through it)
     VitLayer* layers;
+    float* norms_host;     // [layers][N_LN][d] the blocks' LayerNorm vectors on the host (MS merge, adapters, export)
+    float* lin_host;       // CUDA: the host fp32 W and bias of every linear (the plan holds them on the CPU)
     Trainable tr;          // flat trainable arenas: LoRA (or, --full, the linear weights), then head W, head b
     int64_t lora_count;
-    float *head_w, *head_b, *dhead_w, *dhead_b;  // [classes, d], [classes] inside the arenas
+    float *head_w, *head_b, *dhead_w, *dhead_b;  // [classes, d], [classes] inside the backend's arenas
+    float *host_head_w, *host_head_b, *host_dhead_w, *host_dhead_b;  // the same in the host mirror
     BlockActs* acts;       // [layers]
     BlockActs tmp;         // scratch set (recompute, or buffers not kept)
-    float** ckpt;          // [layers] block inputs under --recompute block
-    // scratch
-    float* pixels;         // [B, C, H, W] normalised input
+    void** ckpt;           // [layers] block inputs under --recompute block
+    // scratch (activation gradients have the activations' element type)
+    float* pixels;         // [B, C, H, W] normalised input, fp32 on both backends (the loader's output)
     int* labels;           // [B]
-    float* patches;        // [B*T, C*ph*pw] unfolded patches (class-token rows zero)
-    float *resid, *resid_tmp, *dres, *dz, *dq, *dk, *dv, *dout, *dh, *dax;
-    float *xcls, *mcls, *rcls, *zcls, *logits, *dzcls, *dxcls;  // the head on the class tokens [B, .]
+    float* h_pixels;       // the batch as the loader writes it (host; == the above on the CPU)
+    int* h_labels;
+    void* patches;         // [B*T, C*ph*pw] unfolded patches (class-token rows zero)
+    void *resid, *resid_tmp, *dres, *dz, *dq, *dk, *dv, *dout, *dh, *dax;
+    void* att_work;        // CUDA attention: the tensor-core path's chunk of scores (llmc/attn_plan.h)
+    size_t att_work_bytes;
+    // the head on the class tokens [B, .]: final LayerNorm in the activation type, then fp32
+    void *xcls, *zcls, *dzcls, *dxcls;
+    float *mcls, *rcls;
+    float *zcls32, *dzcls32;   // fp32 copies of zcls / dzcls for the fp32 head (the same buffers on the CPU)
+    float *logits, *dlogits;   // [B, classes] fp32
+    CeBuffers ce;
     MemPlan plan;
 } Vit;
 
@@ -195,9 +213,9 @@ static int64_t lin_out(const VitConfig* c, int t) { return t == T_FC1 ? c->hidde
 static int64_t patch_len(const VitConfig* c) { return (int64_t)c->channels * c->patch_h * c->patch_w; }
 
 // ----------------------------------------------------------------------------------------------
-// The memory plan: every buffer, by module. `wbytes` / `abytes` are the element sizes of frozen
-// weights and activations on the planned device (fp32 on the CPU, bf16 on CUDA). Per token and
-// block, LoRA on all six linears, the baseline keeps 16d + 4f bytes (DESIGN.md section 5):
+// The memory plan: every buffer, by module, with the element sizes of the planned backend
+// (`wbytes` / `abytes`: fp32 on the CPU, bf16 on CUDA). Per token and block, LoRA on all six
+// linears, the baseline keeps 16d + 4f bytes in bf16 (DESIGN.md section 5):
 //   attn_norm x_in 2d (+ mean, r), qkv_input z1 2d, attention q,k,v,o 8d (+ lse), mlp_norm h_mid 2d,
 //   fc1_input z2 2d, gelu h 2f, fc2_input g 2f
 // and lowmem 12d + 2.25f: MS-LN drops x_in and h_mid (z1, z2 are kept anyway), ReGELU2 keeps
@@ -210,126 +228,201 @@ static void plan_block_act(MemPlan* p, int l, int keep, const char* module, cons
     else if (l == 0) plan_add(p, MEM_SCRATCH, module, -1, name, bytes, tmp_slot);
 }
 
-static void vit_plan(Vit* m, MemPlan* p, int wbytes, int abytes) {
+static void vit_plan_weights(Vit* m, MemPlan* p) {
+    const Backend* be = m->be;
     const VitConfig* c = &m->cfg;
-    const VitModes* md = &m->modes;
-    int64_t B = m->B, T = m->T, N = B * T, d = c->dim, f = c->hidden, r = md->rank, K = m->classes, P = patch_len(c);
-    memset(p, 0, sizeof(*p));
-    p->tokens = N;
-    p->blocks = c->layers;
-    // frozen weights
-    plan_add(p, MEM_FROZEN, "patch_embed", -1, "patch_w", d * P * wbytes, &m->patch_w);
-    plan_add(p, MEM_FROZEN, "patch_embed", -1, "patch_b", d * 4, &m->patch_b);
-    plan_add(p, MEM_FROZEN, "embeddings", -1, "cls", d * 4, &m->cls);
-    plan_add(p, MEM_FROZEN, "embeddings", -1, "pos", T * d * 4, &m->pos);
-    plan_add(p, MEM_FROZEN, "final_norm", -1, "norm_g", d * 4, &m->norm_g);
-    plan_add(p, MEM_FROZEN, "final_norm", -1, "norm_b", d * 4, &m->norm_b);
+    int64_t T = m->T, d = c->dim, w = be->wbytes;
+    plan_add(p, MEM_FROZEN, "patch_embed", -1, "patch_w", d * patch_len(c) * w, linear_weight_slot(be, &m->patch));
+    plan_add(p, MEM_FROZEN, "patch_embed", -1, "patch_b", d * w, &m->patch_b);
+    plan_add(p, MEM_FROZEN, "embeddings", -1, "cls", d * w, &m->cls);
+    plan_add(p, MEM_FROZEN, "embeddings", -1, "pos", T * d * w, &m->pos);
+    plan_add(p, MEM_FROZEN, "final_norm", -1, "norm_g", d * w, &m->norm_g);
+    plan_add(p, MEM_FROZEN, "final_norm", -1, "norm_b", d * w, &m->norm_b);
     for (int l = 0; l < c->layers; l++) {
         VitLayer* L = &m->layers[l];
-        plan_add(p, MEM_FROZEN, "attn_norm", l, "ln1_g", d * 4, &L->ln1_g);
-        plan_add(p, MEM_FROZEN, "attn_norm", l, "ln1_b", d * 4, &L->ln1_b);
-        plan_add(p, MEM_FROZEN, "mlp_norm", l, "ln2_g", d * 4, &L->ln2_g);
-        plan_add(p, MEM_FROZEN, "mlp_norm", l, "ln2_b", d * 4, &L->ln2_b);
+        plan_add(p, MEM_FROZEN, "attn_norm", l, "ln1_g", d * w, &L->ln1_g);
+        plan_add(p, MEM_FROZEN, "attn_norm", l, "ln1_b", d * w, &L->ln1_b);
+        plan_add(p, MEM_FROZEN, "mlp_norm", l, "ln2_g", d * w, &L->ln2_g);
+        plan_add(p, MEM_FROZEN, "mlp_norm", l, "ln2_b", d * w, &L->ln2_b);
         for (int t = 0; t < N_TARGETS; t++) {
             // under --full the linear weights are the trainable arena (fp32); biases stay frozen
-            if (!md->full) plan_add(p, MEM_FROZEN, target_names[t], l, target_names[t], lin_in(c, t) * lin_out(c, t) * wbytes, &L->lin[t].W);
-            plan_add(p, MEM_FROZEN, target_names[t], l, "bias", lin_out(c, t) * 4, &L->lin[t].bias);
+            if (!m->modes.full)
+                plan_add(p, MEM_FROZEN, target_names[t], l, target_names[t], lin_in(c, t) * lin_out(c, t) * w, linear_weight_slot(be, &L->lin[t]));
+            plan_add(p, MEM_FROZEN, target_names[t], l, "bias", lin_out(c, t) * w, linear_bias_slot(be, &L->lin[t]));
         }
     }
+}
+
+// Saved activations, block by block (the table above).
+static void vit_plan_blocks(Vit* m, MemPlan* p) {
+    const VitConfig* c = &m->cfg;
+    const VitModes* md = &m->modes;
+    int64_t N = (int64_t)m->B * m->T, d = c->dim, f = c->hidden, r = md->rank, a = m->be->abytes;
+    int keep = !md->ckpt, std_norm = !md->ms;
+    // a linear keeps its input when its own backward needs it: it has an adapter or trains W
+    int lora_qkv = md->full || (md->targets & ((1u << T_Q) | (1u << T_K) | (1u << T_V)));
+    for (int l = 0; l < c->layers; l++) {
+        BlockActs* A = &m->acts[l];
+        BlockActs* s = &m->tmp;
+        char nm[48];
+        if (md->ckpt) { snprintf(nm, sizeof(nm), "L%d.block_input", l); plan_add(p, MEM_SAVED, "checkpoint", l, nm, N * d * a, &m->ckpt[l]); }
+        if (std_norm && keep) plan_block_act(p, l, 1, "attn_norm", "x_in", N * d * a, &A->x_in, NULL);
+        if (std_norm) plan_block_act(p, l, keep, "attn_norm", "mean1", N * 4, &A->mean1, &s->mean1);
+        plan_block_act(p, l, keep, "attn_norm", "r1", N * 4, &A->r1, &s->r1);
+        plan_block_act(p, l, keep && (md->ms || lora_qkv), "qkv_input", "z1", N * d * a, &A->z1, &s->z1);
+        plan_block_act(p, l, keep, "attention", "q", N * d * a, &A->q, &s->q);
+        plan_block_act(p, l, keep, "attention", "k", N * d * a, &A->k, &s->k);
+        plan_block_act(p, l, keep, "attention", "v", N * d * a, &A->v, &s->v);
+        plan_block_act(p, l, keep, "attention", "o", N * d * a, &A->o, &s->o);
+        plan_block_act(p, l, keep, "attention", "lse", N * c->heads * 4, &A->lse, &s->lse);
+        for (int t = 0; t < N_TARGETS; t++) {
+            if (!(md->targets >> t & 1)) continue;
+            snprintf(nm, sizeof(nm), "lora_%s_ax", target_names[t]);
+            plan_block_act(p, l, keep, "lora", nm, N * r * a, &A->ax[t], &s->ax[t]);
+        }
+        if (std_norm) plan_block_act(p, l, keep, "mlp_norm", "h_mid", N * d * a, &A->h_mid, &s->h_mid);
+        if (std_norm) plan_block_act(p, l, keep, "mlp_norm", "mean2", N * 4, &A->mean2, &s->mean2);
+        plan_block_act(p, l, keep, "mlp_norm", "r2", N * 4, &A->r2, &s->r2);
+        plan_block_act(p, l, keep && (md->ms || md->full || (md->targets >> T_FC1 & 1)), "fc1_input", "z2", N * d * a, &A->z2, &s->z2);
+        plan_block_act(p, l, keep && !md->approx, "gelu", "h", N * f * a, &A->h, &s->h);
+        if (md->approx) plan_block_act(p, l, keep, "gelu", "codes", (size_t)packed_codes_bytes(N * f), &A->codes, &s->codes);
+        plan_block_act(p, l, keep && (md->full || (md->targets >> T_FC2 & 1)), "fc2_input", "g", N * f * a, &A->g, &s->g);
+    }
+}
+
+// Scratch of the forward and backward passes, and the head.
+static void vit_plan_scratch(Vit* m, MemPlan* p) {
+    const Backend* be = m->be;
+    const VitConfig* c = &m->cfg;
+    int64_t B = m->B, N = B * m->T, d = c->dim, f = c->hidden, r = m->modes.rank, K = m->classes, a = be->abytes;
+    plan_add(p, MEM_SCRATCH, "batch", -1, "pixels", B * c->channels * (int64_t)m->img_h * m->img_w * 4, &m->pixels);
+    plan_add(p, MEM_SCRATCH, "batch", -1, "labels", B * 4, &m->labels);
+    plan_add(p, MEM_SCRATCH, "patch_embed", -1, "patches", N * patch_len(c) * a, &m->patches);
+    plan_add(p, MEM_SCRATCH, "residual", -1, "resid", N * d * a, &m->resid);
+    if (m->modes.ckpt) plan_add(p, MEM_SCRATCH, "residual", -1, "resid_tmp", N * d * a, &m->resid_tmp);
+    plan_add(p, MEM_SCRATCH, "grads", -1, "dres", N * d * a, &m->dres);
+    plan_add(p, MEM_SCRATCH, "grads", -1, "dz", N * d * a, &m->dz);
+    plan_add(p, MEM_SCRATCH, "grads", -1, "dq", N * d * a, &m->dq);
+    plan_add(p, MEM_SCRATCH, "grads", -1, "dk", N * d * a, &m->dk);
+    plan_add(p, MEM_SCRATCH, "grads", -1, "dv", N * d * a, &m->dv);
+    plan_add(p, MEM_SCRATCH, "grads", -1, "dout", N * d * a, &m->dout);
+    plan_add(p, MEM_SCRATCH, "grads", -1, "dh", N * f * a, &m->dh);
+    plan_add(p, MEM_SCRATCH, "grads", -1, "dax", N * r * a, &m->dax);
+    AttnShape as = {m->B, m->T, c->heads, c->heads, c->head_dim, 0, NULL};
+    m->att_work_bytes = op_attention_work_bytes(be, as);
+    if (be->cuda) plan_add(p, MEM_SCRATCH, "attention", -1, "attn_workspace", m->att_work_bytes, &m->att_work);
+    // the head works on the B class tokens only and consumes its buffers at once (fused with the
+    // loss, as train_llama's head): scratch, not saved
+    plan_add(p, MEM_SCRATCH, "head", -1, "xcls", B * d * a, &m->xcls);
+    plan_add(p, MEM_SCRATCH, "head", -1, "mcls", B * 4, &m->mcls);
+    plan_add(p, MEM_SCRATCH, "head", -1, "rcls", B * 4, &m->rcls);
+    plan_add(p, MEM_SCRATCH, "head", -1, "zcls", B * d * a, &m->zcls);
+    plan_add(p, MEM_SCRATCH, "head", -1, "logits", B * K * 4, &m->logits);
+    plan_add(p, MEM_SCRATCH, "head", -1, "dlogits", B * K * 4, &m->dlogits);
+    plan_add(p, MEM_SCRATCH, "head", -1, "dzcls", B * d * a, &m->dzcls);
+    plan_add(p, MEM_SCRATCH, "head", -1, "dxcls", B * d * a, &m->dxcls);
+    if (be->cuda) {  // the fp32 head's input and its gradient (on the CPU zcls and dzcls are fp32 already)
+        plan_add(p, MEM_SCRATCH, "head", -1, "zcls_f32", B * d * 4, &m->zcls32);
+        plan_add(p, MEM_SCRATCH, "head", -1, "dzcls_f32", B * d * 4, &m->dzcls32);
+    }
+    op_plan_ce_rows(be, p, "head", &m->ce, B);
+}
+
+static void vit_plan(Vit* m, MemPlan* p) {
+    const VitConfig* c = &m->cfg;
+    const VitModes* md = &m->modes;
+    int64_t K = m->classes, d = c->dim, r = md->rank;
+    memset(p, 0, sizeof(*p));
+    p->tokens = (int64_t)m->B * m->T;
+    p->blocks = c->layers;
+    vit_plan_weights(m, p);
     // trainable: adapters, then the head
     m->lora_count = 0;
     for (int l = 0; l < c->layers; l++)
         for (int t = 0; t < N_TARGETS; t++)
             if (md->full) m->lora_count += lin_in(c, t) * lin_out(c, t);
             else if (md->targets >> t & 1) m->lora_count += r * (lin_in(c, t) + lin_out(c, t));
-    trainable_plan(&m->tr, p, md->full ? "linear weights+head" : "lora+head", m->lora_count + K * d + K, md->full, m->dist, NULL);
-    // saved activations, block by block (the table above)
-    int keep = !md->ckpt, std_norm = !md->ms;
-    // a linear keeps its input when its own backward needs it: it has an adapter or trains W
-    int lora_qkv = md->full || (md->targets & ((1u << T_Q) | (1u << T_K) | (1u << T_V)));
-    for (int l = 0; l < c->layers; l++) {
-        BlockActs* a = &m->acts[l];
-        BlockActs* s = &m->tmp;
-        char nm[48];
-        if (md->ckpt) { snprintf(nm, sizeof(nm), "L%d.block_input", l); plan_add(p, MEM_SAVED, "checkpoint", l, nm, N * d * abytes, &m->ckpt[l]); }
-        if (std_norm && keep) plan_block_act(p, l, 1, "attn_norm", "x_in", N * d * abytes, &a->x_in, NULL);
-        if (std_norm) plan_block_act(p, l, keep, "attn_norm", "mean1", N * 4, &a->mean1, &s->mean1);
-        plan_block_act(p, l, keep, "attn_norm", "r1", N * 4, &a->r1, &s->r1);
-        plan_block_act(p, l, keep && (md->ms || lora_qkv), "qkv_input", "z1", N * d * abytes, &a->z1, &s->z1);
-        plan_block_act(p, l, keep, "attention", "q", N * d * abytes, &a->q, &s->q);
-        plan_block_act(p, l, keep, "attention", "k", N * d * abytes, &a->k, &s->k);
-        plan_block_act(p, l, keep, "attention", "v", N * d * abytes, &a->v, &s->v);
-        plan_block_act(p, l, keep, "attention", "o", N * d * abytes, &a->o, &s->o);
-        plan_block_act(p, l, keep, "attention", "lse", N * c->heads * 4, &a->lse, &s->lse);
-        for (int t = 0; t < N_TARGETS; t++) {
-            if (!(md->targets >> t & 1)) continue;
-            snprintf(nm, sizeof(nm), "lora_%s_ax", target_names[t]);
-            plan_block_act(p, l, keep, "lora", nm, N * r * abytes, &a->ax[t], &s->ax[t]);
-        }
-        if (std_norm) plan_block_act(p, l, keep, "mlp_norm", "h_mid", N * d * abytes, &a->h_mid, &s->h_mid);
-        if (std_norm) plan_block_act(p, l, keep, "mlp_norm", "mean2", N * 4, &a->mean2, &s->mean2);
-        plan_block_act(p, l, keep, "mlp_norm", "r2", N * 4, &a->r2, &s->r2);
-        plan_block_act(p, l, keep && (md->ms || md->full || (md->targets >> T_FC1 & 1)), "fc1_input", "z2", N * d * abytes, &a->z2, &s->z2);
-        plan_block_act(p, l, keep && !md->approx, "gelu", "h", N * f * abytes, &a->h, &s->h);
-        if (md->approx) plan_block_act(p, l, keep, "gelu", "codes", (size_t)packed_codes_bytes(N * f), &a->codes, &s->codes);
-        plan_block_act(p, l, keep && (md->full || (md->targets >> T_FC2 & 1)), "fc2_input", "g", N * f * abytes, &a->g, &s->g);
-    }
-    // scratch of the forward and backward passes
-    plan_add(p, MEM_SCRATCH, "batch", -1, "pixels", B * c->channels * (int64_t)m->img_h * m->img_w * 4, &m->pixels);
-    plan_add(p, MEM_SCRATCH, "batch", -1, "labels", B * 4, &m->labels);
-    plan_add(p, MEM_SCRATCH, "patch_embed", -1, "patches", N * P * 4, &m->patches);
-    plan_add(p, MEM_SCRATCH, "residual", -1, "resid", N * d * abytes, &m->resid);
-    if (md->ckpt) plan_add(p, MEM_SCRATCH, "residual", -1, "resid_tmp", N * d * abytes, &m->resid_tmp);
-    plan_add(p, MEM_SCRATCH, "grads", -1, "dres", N * d * 4, &m->dres);
-    plan_add(p, MEM_SCRATCH, "grads", -1, "dz", N * d * 4, &m->dz);
-    plan_add(p, MEM_SCRATCH, "grads", -1, "dq", N * d * 4, &m->dq);
-    plan_add(p, MEM_SCRATCH, "grads", -1, "dk", N * d * 4, &m->dk);
-    plan_add(p, MEM_SCRATCH, "grads", -1, "dv", N * d * 4, &m->dv);
-    plan_add(p, MEM_SCRATCH, "grads", -1, "dout", N * d * 4, &m->dout);
-    plan_add(p, MEM_SCRATCH, "grads", -1, "dh", N * f * 4, &m->dh);
-    plan_add(p, MEM_SCRATCH, "grads", -1, "dax", N * r * 4, &m->dax);
-    // the head works on the B class tokens only and consumes its buffers at once (fused with the
-    // loss, as train_llama's head): scratch, not saved
-    plan_add(p, MEM_SCRATCH, "head", -1, "xcls", B * d * 4, &m->xcls);
-    plan_add(p, MEM_SCRATCH, "head", -1, "mcls", B * 4, &m->mcls);
-    plan_add(p, MEM_SCRATCH, "head", -1, "rcls", B * 4, &m->rcls);
-    plan_add(p, MEM_SCRATCH, "head", -1, "zcls", B * d * 4, &m->zcls);
-    plan_add(p, MEM_SCRATCH, "head", -1, "logits", B * K * 4, &m->logits);
-    plan_add(p, MEM_SCRATCH, "head", -1, "dzcls", B * d * 4, &m->dzcls);
-    plan_add(p, MEM_SCRATCH, "head", -1, "dxcls", B * d * 4, &m->dxcls);
+    trainable_plan(&m->tr, p, md->full ? "linear weights+head" : "lora+head", m->lora_count + K * d + K, md->full, m->dist, m->be);
+    vit_plan_blocks(m, p);
+    vit_plan_scratch(m, p);
 }
 
-// Points the buffers a block does not keep at the shared scratch set, and wires LoRA weights and
-// the head into the flat arenas (layer-major, target order, A then B; then head W, head b).
+// After allocation: points the buffers a block does not keep at the shared scratch set, wires the
+// trainable weights into the flat arenas (layer-major, target order, LoRA A then B, or W under
+// --full; then head W, head b), and sets up the host side: the trainable arena's mirror, every
+// linear's fp32 W and bias, the norms and the batch.
 static void vit_bind(Vit* m) {
     const VitConfig* c = &m->cfg;
+    const Backend* be = m->be;
     for (int l = 0; l < c->layers; l++) {
         void** a = (void**)&m->acts[l];
         void** s = (void**)&m->tmp;
         for (size_t i = 0; i < sizeof(BlockActs) / sizeof(void*); i++) if (!a[i]) a[i] = s[i];
     }
-    int64_t off = 0;
+    m->patch.in = (int)patch_len(c);
+    m->patch.out = c->dim;
+    trainable_bind_host(&m->tr);
+    int full = m->modes.full;
+    int64_t off = 0, host_lin = 0;
+    for (int t = 0; t < N_TARGETS; t++) host_lin += (full ? 1 : lin_in(c, t) + 1) * lin_out(c, t);
+    if (be->cuda) m->lin_host = (float*)xcalloc(host_lin * c->layers, sizeof(float));
+    float* h = m->lin_host;
     for (int l = 0; l < c->layers; l++)
         for (int t = 0; t < N_TARGETS; t++) {
             Linear* L = &m->layers[l].lin[t];
             L->in = (int)lin_in(c, t);
             L->out = (int)lin_out(c, t);
-            if (m->modes.full) {  // full fine-tuning: W and its gradient live in the flat arenas
-                L->W = m->tr.params + off;
-                L->dW = m->tr.grads + off;
+            if (be->cuda) {  // the host copies; the backend's are L->dev.W / L->dev.bias
+                L->bias = h; h += L->out;
+                if (!full) { L->W = h; h += (int64_t)L->in * L->out; }
+            }
+            if (full) {  // full fine-tuning: W and its gradient live in the flat arenas (L->W: the host mirror)
+                L->W = m->tr.host_params + off;
+                L->dW = m->tr.host_grads + off;
+                if (be->cuda) {  // the products read the bf16 shadow of the fp32 master
+                    L->dev.W = (uint16_t*)m->tr.params16 + off;
+                    L->dev.dW = m->tr.grads + off;
+                }
                 off += (int64_t)L->in * L->out;
             } else if (m->modes.targets >> t & 1) {
-                lora_bind(L, m->tr.params, m->tr.grads, &off, m->modes.rank);
+                if (be->cuda) lora_bind_device(L, m->tr.params, m->tr.grads, m->tr.params16, off, m->modes.rank);
+                lora_bind(L, m->tr.host_params, m->tr.host_grads, &off, m->modes.rank);
             }
         }
-    m->head_w = m->tr.params + off; m->dhead_w = m->tr.grads + off; off += (int64_t)m->classes * c->dim;
-    m->head_b = m->tr.params + off; m->dhead_b = m->tr.grads + off;
+    int64_t hw = (int64_t)m->classes * c->dim;
+    m->head_w = m->tr.params + off; m->dhead_w = m->tr.grads + off;
+    m->host_head_w = m->tr.host_params + off; m->host_dhead_w = m->tr.host_grads + off;
+    m->head_b = m->head_w + hw; m->dhead_b = m->dhead_w + hw;
+    m->host_head_b = m->host_head_w + hw; m->host_dhead_b = m->host_dhead_w + hw;
+    m->norms_host = (float*)xcalloc((int64_t)c->layers * N_LN * c->dim, sizeof(float));
+    if (be->cuda) {
+        m->h_pixels = (float*)xcalloc((int64_t)m->B * c->channels * m->img_h * m->img_w, sizeof(float));
+        m->h_labels = (int*)xcalloc(m->B, sizeof(int));
+    } else {
+        m->h_pixels = m->pixels; m->h_labels = m->labels;
+        m->zcls32 = (float*)m->zcls; m->dzcls32 = (float*)m->dzcls;
+    }
 }
 
-// The fine-tuning resolution must be a whole number of patches.
-static void vit_setup(Vit* m, const VitConfig* cfg, const VitModes* modes, int B, int img_h, int img_w, int classes, int wbytes,
-                      int abytes, const Dist* dist) {
+// The host-side LayerNorm vector `which` (LN1_G ...) of block l.
+static float* vit_norm_host(const Vit* m, int l, int which) {
+    return m->norms_host + ((int64_t)l * N_LN + which) * m->cfg.dim;
+}
+
+// The first B images of the host batch to the backend.
+static void vit_upload_batch(Vit* m, int B) {
+    const VitConfig* c = &m->cfg;
+    backend_upload(m->be, m->pixels, m->h_pixels, sizeof(float) * B * c->channels * m->img_h * m->img_w);
+    backend_upload(m->be, m->labels, m->h_labels, sizeof(int) * B);
+}
+
+// Declares the model's memory for a micro-batch of B images at img_h x img_w on backend `be`;
+// nothing is allocated until vit_allocate (a dry run stops at the plan). The fine-tuning
+// resolution must be a whole number of patches.
+static void vit_setup(Vit* m, const VitConfig* cfg, const VitModes* modes, int B, int img_h, int img_w, int classes, const Backend* be,
+                      const Dist* dist) {
     memset(m, 0, sizeof(*m));
+    m->be = be;
     m->dist = dist;
     if (img_h % cfg->patch_h || img_w % cfg->patch_w)
         fail("flag --image-size: %dx%d is not a multiple of the patch size %dx%d", img_h, img_w, cfg->patch_h, cfg->patch_w);
@@ -344,21 +437,32 @@ static void vit_setup(Vit* m, const VitConfig* cfg, const VitModes* modes, int B
     m->classes = classes;
     m->layers = (VitLayer*)xcalloc(cfg->layers, sizeof(VitLayer));
     m->acts = (BlockActs*)xcalloc(cfg->layers, sizeof(BlockActs));
-    m->ckpt = (float**)xcalloc(cfg->layers, sizeof(float*));
-    vit_plan(m, &m->plan, wbytes, abytes);
+    m->ckpt = (void**)xcalloc(cfg->layers, sizeof(void*));
+    vit_plan(m, &m->plan);
 }
 
+static void vit_allocate(Vit* m) {
+    backend_allocate_plan(m->be, &m->plan);
+    vit_bind(m);
+}
+
+// Frees what vit_setup planned and vit_allocate made (either may be all there was: a dry run).
 static void vit_free(Vit* m) {
-    plan_free(&m->plan);
-    free(m->layers); free(m->acts); free(m->ckpt);
+    trainable_free_host(&m->tr);
+    if (m->be->cuda) { free(m->h_pixels); free(m->h_labels); free(m->lin_host); }
+    backend_free_plan(m->be, &m->plan);
+    free(m->layers); free(m->acts); free(m->ckpt); free(m->norms_host);
 }
 
 // ----------------------------------------------------------------------------------------------
 // Weights: Hugging Face ViT layout (vit.embeddings..., vit.encoder.layer.N...; also without the
 // "vit." prefix, as ViTModel saves it) or timm layout (blocks.N.attn.qkv fused), told apart by
-// their key names, read (any float dtype) into fp32. The classifier in the checkpoint, if any, is
-// ignored: the head is new. The position embedding is interpolated to the fine-tuning grid, and
-// MS-LN merges each norm's gamma and beta into every linear that consumes it, once, here.
+// their key names, read (any float dtype) into fp32 on the host. The classifier in the
+// checkpoint, if any, is ignored: the head is new. The position embedding is interpolated to the
+// fine-tuning grid, and MS-LN merges each norm's gamma and beta into every linear that consumes
+// it, once, here; then each tensor goes to the backend (bf16 on CUDA). The linears' fp32 W and
+// bias stay on the host as well (on the CPU they are the backend's): adapters and the export are
+// computed from them.
 
 typedef enum { LAYOUT_HF, LAYOUT_TIMM } VitLayout;
 
@@ -380,20 +484,64 @@ static void read_2d(const StModel* sm, const char* name, int64_t rows, int64_t c
     st_model_read_f32(sm, name, 2, s, dst);
 }
 
-// The checkpoint's position embedding [1, 1 + gh0*gw0, d] -> m->pos [T, d]: the class token's row
-// as is, the patch grid resized bicubically (align_corners=False) when the grid differs, as
+// The checkpoint's position embedding [1, 1 + gh0*gw0, d] -> pos [T, d] (host): the class token's
+// row as is, the patch grid resized bicubically (align_corners=False) when the grid differs, as
 // Hugging Face's interpolate_pos_encoding does (timm also antialiases when shrinking; we do not).
-static void vit_load_pos_embed(Vit* m, const StModel* sm, const char* name) {
+static void vit_load_pos_embed(const Vit* m, const StModel* sm, const char* name, float* pos) {
     const VitConfig* c = &m->cfg;
     int gh0 = c->image_h / c->patch_h, gw0 = c->image_w / c->patch_w;
     int64_t rows = 1 + (int64_t)gh0 * gw0, d = c->dim;
     int64_t shape[3] = {1, rows, d};
     float* pos0 = (float*)xmalloc(sizeof(float) * rows * d);
     st_model_read_f32(sm, name, 3, shape, pos0);
-    memcpy(m->pos, pos0, sizeof(float) * d);
-    if (gh0 == m->grid_h && gw0 == m->grid_w) memcpy(m->pos + d, pos0 + d, sizeof(float) * (rows - 1) * d);
-    else bicubic_resize_hwc(m->pos + d, pos0 + d, gh0, gw0, m->grid_h, m->grid_w, (int)d);
+    memcpy(pos, pos0, sizeof(float) * d);
+    if (gh0 == m->grid_h && gw0 == m->grid_w) memcpy(pos + d, pos0 + d, sizeof(float) * (rows - 1) * d);
+    else bicubic_resize_hwc(pos + d, pos0 + d, gh0, gw0, m->grid_h, m->grid_w, (int)d);
     free(pos0);
+}
+
+// The host fp32 W and bias of L to the backend (nothing to do on the CPU, where they are the
+// same). A trained W (--full) is the trainable arena's host mirror: trainable_to_device sends it
+// on, with its bf16 shadow (vit_init_trainable, after the weights).
+static void vit_upload_linear(Vit* m, Linear* L) {
+    if (!L->dW) backend_upload_weights(m->be, *linear_weight_slot(m->be, L), L->W, (int64_t)L->out * L->in);
+    backend_upload_weights(m->be, *linear_bias_slot(m->be, L), L->bias, L->out);
+}
+
+// Block l's LayerNorm vectors (host) to the backend.
+static void vit_upload_norms(Vit* m, int l) {
+    VitLayer* L = &m->layers[l];
+    void* dst[N_LN] = {L->ln1_g, L->ln1_b, L->ln2_g, L->ln2_b};
+    for (int k = 0; k < N_LN; k++) backend_upload_weights(m->be, dst[k], vit_norm_host(m, l, k), m->cfg.dim);
+}
+
+// MS-LN: gamma and beta of block l's norms into the linears that consume them (host fp32).
+static void vit_merge_norms(Vit* m, int l) {
+    VitLayer* L = &m->layers[l];
+    for (int t = T_Q; t <= T_V; t++) linear_merge_norm_affine(&L->lin[t], vit_norm_host(m, l, LN1_G), vit_norm_host(m, l, LN1_B));
+    linear_merge_norm_affine(&L->lin[T_FC1], vit_norm_host(m, l, LN2_G), vit_norm_host(m, l, LN2_B));
+}
+
+// The embeddings and the final norm: read (host, tmp holds d * max(C*ph*pw, T)) and uploaded.
+static void vit_load_embeddings(Vit* m, const StModel* sm, int hf, const char* px, float* tmp) {
+    const VitConfig* c = &m->cfg;
+    int64_t d = c->dim;
+    char name[256];
+    int64_t cls_shape[3] = {1, 1, d}, pw_shape[4] = {d, c->channels, c->patch_h, c->patch_w};
+#define NAME(...) (snprintf(name, sizeof(name), __VA_ARGS__), name)
+    st_model_read_f32(sm, hf ? NAME("%sembeddings.cls_token", px) : "cls_token", 3, cls_shape, tmp);
+    backend_upload_weights(m->be, m->cls, tmp, d);
+    vit_load_pos_embed(m, sm, hf ? NAME("%sembeddings.position_embeddings", px) : "pos_embed", tmp);
+    backend_upload_weights(m->be, m->pos, tmp, m->T * d);
+    st_model_read_f32(sm, hf ? NAME("%sembeddings.patch_embeddings.projection.weight", px) : "patch_embed.proj.weight", 4, pw_shape, tmp);
+    backend_upload_weights(m->be, *linear_weight_slot(m->be, &m->patch), tmp, d * patch_len(c));
+    read_1d(sm, hf ? NAME("%sembeddings.patch_embeddings.projection.bias", px) : "patch_embed.proj.bias", d, tmp);
+    backend_upload_weights(m->be, m->patch_b, tmp, d);
+    read_1d(sm, hf ? NAME("%slayernorm.weight", px) : "norm.weight", d, tmp);
+    backend_upload_weights(m->be, m->norm_g, tmp, d);
+    read_1d(sm, hf ? NAME("%slayernorm.bias", px) : "norm.bias", d, tmp);
+    backend_upload_weights(m->be, m->norm_b, tmp, d);
+#undef NAME
 }
 
 static void vit_load_weights(Vit* m, const char* dir) {
@@ -404,24 +552,22 @@ static void vit_load_weights(Vit* m, const char* dir) {
     const char* px;
     VitLayout layout = vit_detect_layout(&sm, &px);
     int hf = layout == LAYOUT_HF;
+    float* tmp = (float*)xmalloc(sizeof(float) * d * (patch_len(c) > m->T ? patch_len(c) : m->T));
+    vit_load_embeddings(m, &sm, hf, px, tmp);
+    free(tmp);
     char name[256];
-    int64_t cls_shape[3] = {1, 1, d}, pw_shape[4] = {d, c->channels, c->patch_h, c->patch_w};
 #define NAME(...) (snprintf(name, sizeof(name), __VA_ARGS__), name)
-    st_model_read_f32(&sm, hf ? NAME("%sembeddings.cls_token", px) : "cls_token", 3, cls_shape, m->cls);
-    vit_load_pos_embed(m, &sm, hf ? NAME("%sembeddings.position_embeddings", px) : "pos_embed");
-    st_model_read_f32(&sm, hf ? NAME("%sembeddings.patch_embeddings.projection.weight", px) : "patch_embed.proj.weight", 4, pw_shape, m->patch_w);
-    read_1d(&sm, hf ? NAME("%sembeddings.patch_embeddings.projection.bias", px) : "patch_embed.proj.bias", d, m->patch_b);
-    read_1d(&sm, hf ? NAME("%slayernorm.weight", px) : "norm.weight", d, m->norm_g);
-    read_1d(&sm, hf ? NAME("%slayernorm.bias", px) : "norm.bias", d, m->norm_b);
     float* qkv = hf ? NULL : (float*)xmalloc(sizeof(float) * 3 * d * d);
     float* qkv_b = hf ? NULL : (float*)xmalloc(sizeof(float) * 3 * d);
     for (int l = 0; l < c->layers; l++) {
         VitLayer* L = &m->layers[l];
+        float *ln1_g = vit_norm_host(m, l, LN1_G), *ln1_b = vit_norm_host(m, l, LN1_B);
+        float *ln2_g = vit_norm_host(m, l, LN2_G), *ln2_b = vit_norm_host(m, l, LN2_B);
         if (hf) {
-            read_1d(&sm, NAME("%sencoder.layer.%d.layernorm_before.weight", px, l), d, L->ln1_g);
-            read_1d(&sm, NAME("%sencoder.layer.%d.layernorm_before.bias", px, l), d, L->ln1_b);
-            read_1d(&sm, NAME("%sencoder.layer.%d.layernorm_after.weight", px, l), d, L->ln2_g);
-            read_1d(&sm, NAME("%sencoder.layer.%d.layernorm_after.bias", px, l), d, L->ln2_b);
+            read_1d(&sm, NAME("%sencoder.layer.%d.layernorm_before.weight", px, l), d, ln1_g);
+            read_1d(&sm, NAME("%sencoder.layer.%d.layernorm_before.bias", px, l), d, ln1_b);
+            read_1d(&sm, NAME("%sencoder.layer.%d.layernorm_after.weight", px, l), d, ln2_g);
+            read_1d(&sm, NAME("%sencoder.layer.%d.layernorm_after.bias", px, l), d, ln2_b);
             for (int t = 0; t < N_TARGETS; t++) {
                 Linear* lin = &L->lin[t];
                 read_2d(&sm, NAME("%sencoder.layer.%d.%s.weight", px, l, hf_module_names[t]), lin->out, lin->in, lin->W);
@@ -429,10 +575,10 @@ static void vit_load_weights(Vit* m, const char* dir) {
                 else read_1d(&sm, NAME("%sencoder.layer.%d.%s.bias", px, l, hf_module_names[t]), lin->out, lin->bias);
             }
         } else {
-            read_1d(&sm, NAME("blocks.%d.norm1.weight", l), d, L->ln1_g);
-            read_1d(&sm, NAME("blocks.%d.norm1.bias", l), d, L->ln1_b);
-            read_1d(&sm, NAME("blocks.%d.norm2.weight", l), d, L->ln2_g);
-            read_1d(&sm, NAME("blocks.%d.norm2.bias", l), d, L->ln2_b);
+            read_1d(&sm, NAME("blocks.%d.norm1.weight", l), d, ln1_g);
+            read_1d(&sm, NAME("blocks.%d.norm1.bias", l), d, ln1_b);
+            read_1d(&sm, NAME("blocks.%d.norm2.weight", l), d, ln2_g);
+            read_1d(&sm, NAME("blocks.%d.norm2.bias", l), d, ln2_b);
             // timm fuses q, k, v into one [3d, d] linear, rows in that order
             read_2d(&sm, NAME("blocks.%d.attn.qkv.weight", l), 3 * d, d, qkv);
             int has_bias = st_model_find(&sm, NAME("blocks.%d.attn.qkv.bias", l)) != NULL;
@@ -448,10 +594,9 @@ static void vit_load_weights(Vit* m, const char* dir) {
                 read_1d(&sm, NAME("blocks.%d.%s.bias", l, timm_module_names[t]), lin->out, lin->bias);
             }
         }
-        if (m->modes.ms) {
-            for (int t = T_Q; t <= T_V; t++) linear_merge_norm_affine(&L->lin[t], L->ln1_g, L->ln1_b);
-            linear_merge_norm_affine(&L->lin[T_FC1], L->ln2_g, L->ln2_b);
-        }
+        if (m->modes.ms) vit_merge_norms(m, l);
+        vit_upload_norms(m, l);
+        for (int t = 0; t < N_TARGETS; t++) vit_upload_linear(m, &L->lin[t]);
     }
 #undef NAME
     free(qkv);
@@ -459,9 +604,44 @@ static void vit_load_weights(Vit* m, const char* dir) {
     st_model_close(&sm);
 }
 
+// --random-init (benchmarks without a checkpoint, e.g. a ViT-B/16 config.json alone): weights,
+// class token and positions drawn from N(0, 0.02^2), biases and betas 0, gammas 1 (so the MS
+// merge is the identity and is skipped). One random buffer serves every tensor: their values do
+// not matter for speed or memory.
+static void vit_random_weights(Vit* m, uint64_t seed) {
+    const VitConfig* c = &m->cfg;
+    int64_t d = c->dim, biggest = d * (patch_len(c) > m->T ? patch_len(c) : m->T);
+    for (int t = 0; t < N_TARGETS; t++) if (lin_in(c, t) * lin_out(c, t) > biggest) biggest = lin_in(c, t) * lin_out(c, t);
+    float* tmp = (float*)xmalloc(sizeof(float) * biggest);
+    Rng rng = rng_seeded(seed, 11);
+    for (int64_t i = 0; i < biggest; i++) tmp[i] = 0.02f * rng_normal(&rng);
+    float* zeros = (float*)xcalloc(d, sizeof(float));
+    float* ones = (float*)xmalloc(sizeof(float) * d);
+    for (int64_t i = 0; i < d; i++) ones[i] = 1.0f;
+    backend_upload_weights(m->be, m->cls, tmp, d);
+    backend_upload_weights(m->be, m->pos, tmp, m->T * d);
+    backend_upload_weights(m->be, *linear_weight_slot(m->be, &m->patch), tmp, d * patch_len(c));
+    backend_upload_weights(m->be, m->patch_b, zeros, d);
+    backend_upload_weights(m->be, m->norm_g, ones, d);
+    backend_upload_weights(m->be, m->norm_b, zeros, d);
+    for (int l = 0; l < c->layers; l++) {
+        memcpy(vit_norm_host(m, l, LN1_G), ones, sizeof(float) * d);
+        memcpy(vit_norm_host(m, l, LN2_G), ones, sizeof(float) * d);
+        vit_upload_norms(m, l);  // betas: zero since allocation
+        for (int t = 0; t < N_TARGETS; t++) {
+            Linear* L = &m->layers[l].lin[t];
+            memcpy(L->W, tmp, sizeof(float) * L->out * L->in);
+            memset(L->bias, 0, sizeof(float) * L->out);
+            vit_upload_linear(m, L);
+        }
+    }
+    free(tmp); free(zeros); free(ones);
+}
+
 // Fresh adapters (llmc/lora.h: A kaiming-uniform, B = 0) and a new head: W ~ N(0, 0.02) (the
 // Hugging Face initializer_range), b = 0. Drawn on the host from the seed, so every backend starts
-// identical; AdamW moments start at zero.
+// identical; AdamW moments start at zero. Then the whole trainable arena (with --full's loaded
+// weights) goes to the backend.
 static void vit_init_trainable(Vit* m, uint64_t seed) {
     Rng rng = rng_seeded(seed, 7);
     for (int l = 0; l < m->cfg.layers; l++)
@@ -470,70 +650,60 @@ static void vit_init_trainable(Vit* m, uint64_t seed) {
             if (L->A) lora_init(L, m->modes.rank, &rng);
         }
     Rng hr = rng_seeded(seed, 8);
-    for (int64_t i = 0; i < (int64_t)m->classes * m->cfg.dim; i++) m->head_w[i] = 0.02f * rng_normal(&hr);
-    memset(m->head_b, 0, sizeof(float) * m->classes);
+    for (int64_t i = 0; i < (int64_t)m->classes * m->cfg.dim; i++) m->host_head_w[i] = 0.02f * rng_normal(&hr);
+    memset(m->host_head_b, 0, sizeof(float) * m->classes);
+    trainable_to_device(&m->tr);
 }
 
 // ----------------------------------------------------------------------------------------------
 // Forward
 
-// Patch embedding as one matmul: every ph x pw patch, unfolded in the conv kernel's (c, i, j)
+// Patch embedding as one product: every ph x pw patch, unfolded in the conv kernel's (c, i, j)
 // order, times the kernel [d, C*ph*pw]. Token 0 of each image is the class token; its patch row
-// is left zero so the product lands straight in the residual stream. Then bias and positions.
+// is zero so the product lands straight in the residual stream. Then bias and positions.
 static void vit_embed(Vit* m, int B) {
     const VitConfig* c = &m->cfg;
-    int64_t T = m->T, d = c->dim, P = patch_len(c), N = (int64_t)B * T;
-    int H = m->img_h, W = m->img_w, ph = c->patch_h, pw = c->patch_w, gw = m->grid_w;
-#pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < N; n++) {
-        float* row = m->patches + n * P;
-        int b = (int)(n / T), t = (int)(n % T);
-        if (t == 0) { memset(row, 0, sizeof(float) * P); continue; }
-        int py = (t - 1) / gw, pxx = (t - 1) % gw;
-        for (int ch = 0; ch < c->channels; ch++)
-            for (int i = 0; i < ph; i++)
-                memcpy(row + ((int64_t)ch * ph + i) * pw,
-                       m->pixels + (((int64_t)b * c->channels + ch) * H + py * ph + i) * W + pxx * pw, sizeof(float) * pw);
-    }
-    matmul_nt(m->resid, m->patches, m->patch_w, (int)N, (int)d, (int)P, 1.0f, 0);
-#pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < N; n++) {
-        float* x = m->resid + n * d;
-        int64_t t = n % T;
-        const float* pos = m->pos + t * d;
-        if (t == 0) for (int64_t i = 0; i < d; i++) x[i] = m->cls[i] + pos[i];
-        else for (int64_t i = 0; i < d; i++) x[i] += m->patch_b[i] + pos[i];
-    }
+    int64_t N = (int64_t)B * m->T;
+    op_patch_unfold(m->be, m->patches, m->pixels, B, c->channels, m->img_h, m->img_w, c->patch_h, c->patch_w);
+    op_linear_forward(m->be, m->resid, m->patches, &m->patch, NULL, N, 0, 0.0f, 0);
+    op_patch_embed_finish(m->be, m->resid, m->cls, m->patch_b, m->pos, N, m->T, c->dim);
+}
+
+// The planned attention workspace, if this call's shape fits in it (a short last evaluation
+// batch); NULL makes CUDA use the flash kernels, which need none in the forward.
+static void* vit_attn_work(const Vit* m, AttnShape as) {
+    return op_attention_work_bytes(m->be, as) <= m->att_work_bytes ? m->att_work : NULL;
 }
 
 // One pre-LN block, updating the residual stream x [B*T, d] in place and filling a's buffers.
-static void block_forward(Vit* m, int l, float* x, BlockActs* a, int B) {
+static void block_forward(Vit* m, int l, void* x, BlockActs* a, int B) {
+    const Backend* be = m->be;
     const VitConfig* c = &m->cfg;
     const VitLayer* L = &m->layers[l];
     int64_t N = (int64_t)B * m->T, d = c->dim;
     int r = m->modes.rank, ms = m->modes.ms;
     float s = m->modes.lora_scale;
     AttnShape as = {B, m->T, c->heads, c->heads, c->head_dim, 0, NULL};  // bidirectional, one image per row
-    if (a->x_in && a->x_in != x) memcpy(a->x_in, x, sizeof(float) * N * d);
-    layernorm_forward(a->z1, a->r1, ms ? NULL : a->mean1, x, ms ? NULL : L->ln1_g, ms ? NULL : L->ln1_b, N, (int)d, c->norm_eps);
-    linear_forward(a->q, a->z1, &L->lin[T_Q], a->ax[T_Q], N, r, s, 0);
-    linear_forward(a->k, a->z1, &L->lin[T_K], a->ax[T_K], N, r, s, 0);
-    linear_forward(a->v, a->z1, &L->lin[T_V], a->ax[T_V], N, r, s, 0);
-    attention_forward(a->o, a->lse, a->q, a->k, a->v, as);
-    linear_forward(x, a->o, &L->lin[T_PROJ], a->ax[T_PROJ], N, r, s, 1);
-    if (a->h_mid) memcpy(a->h_mid, x, sizeof(float) * N * d);
-    layernorm_forward(a->z2, a->r2, ms ? NULL : a->mean2, x, ms ? NULL : L->ln2_g, ms ? NULL : L->ln2_b, N, (int)d, c->norm_eps);
-    linear_forward(a->h, a->z2, &L->lin[T_FC1], a->ax[T_FC1], N, r, s, 0);
-    gelu_forward(a->g, m->modes.approx ? a->codes : NULL, a->h, N * c->hidden, c->gelu_tanh);
-    linear_forward(x, a->g, &L->lin[T_FC2], a->ax[T_FC2], N, r, s, 1);
+    if (a->x_in) op_copy(be, a->x_in, x, N * d);
+    op_layernorm_forward(be, a->z1, a->r1, ms ? NULL : a->mean1, x, ms ? NULL : L->ln1_g, ms ? NULL : L->ln1_b, N, (int)d, c->norm_eps);
+    op_linear_forward(be, a->q, a->z1, &L->lin[T_Q], a->ax[T_Q], N, r, s, 0);
+    op_linear_forward(be, a->k, a->z1, &L->lin[T_K], a->ax[T_K], N, r, s, 0);
+    op_linear_forward(be, a->v, a->z1, &L->lin[T_V], a->ax[T_V], N, r, s, 0);
+    op_attention_forward(be, a->o, a->lse, a->q, a->k, a->v, as, vit_attn_work(m, as));
+    op_linear_forward(be, x, a->o, &L->lin[T_PROJ], a->ax[T_PROJ], N, r, s, 1);
+    if (a->h_mid) op_copy(be, a->h_mid, x, N * d);
+    op_layernorm_forward(be, a->z2, a->r2, ms ? NULL : a->mean2, x, ms ? NULL : L->ln2_g, ms ? NULL : L->ln2_b, N, (int)d, c->norm_eps);
+    op_linear_forward(be, a->h, a->z2, &L->lin[T_FC1], a->ax[T_FC1], N, r, s, 0);
+    op_gelu_forward(be, a->g, m->modes.approx ? a->codes : NULL, a->h, N * c->hidden, c->gelu_tanh);
+    op_linear_forward(be, x, a->g, &L->lin[T_FC2], a->ax[T_FC2], N, r, s, 1);
 }
 
-// Embedding and all blocks; leaves the final norm's input in m->resid.
+// Embedding and all blocks over the uploaded batch; leaves the final norm's input in m->resid.
 static void vit_forward_blocks(Vit* m, int B) {
     int64_t N = (int64_t)B * m->T;
     vit_embed(m, B);
     for (int l = 0; l < m->cfg.layers; l++) {
-        if (m->modes.ckpt) memcpy(m->ckpt[l], m->resid, sizeof(float) * N * m->cfg.dim);
+        if (m->modes.ckpt) op_copy(m->be, m->ckpt[l], m->resid, N * m->cfg.dim);
         block_forward(m, l, m->resid, &m->acts[l], B);
     }
 }
@@ -541,32 +711,25 @@ static void vit_forward_blocks(Vit* m, int B) {
 // Final LayerNorm on the class tokens, head, softmax cross-entropy against m->labels. In training
 // the same pass writes the head's gradients (accumulated) and the gradient w.r.t. the class-token
 // rows of the residual stream into m->dres (zero elsewhere). grad_scale = 1 / (images in the
-// optimizer step). logits_out [B, classes] receives the logits when non-NULL.
-static LossStats vit_head_loss(Vit* m, int B, float grad_scale, int backward, float* logits_out) {
+// optimizer step). The norm runs in the activation type, the head in fp32 (llmc/ops.h).
+static LossStats vit_head_loss(Vit* m, int B, float grad_scale, int backward) {
+    const Backend* be = m->be;
     const VitConfig* c = &m->cfg;
     int d = c->dim, K = m->classes;
-    for (int b = 0; b < B; b++) memcpy(m->xcls + (int64_t)b * d, m->resid + (int64_t)b * m->T * d, sizeof(float) * d);
-    layernorm_forward(m->zcls, m->rcls, m->mcls, m->xcls, m->norm_g, m->norm_b, B, d, c->norm_eps);
-    matmul_nt(m->logits, m->zcls, m->head_w, B, K, d, 1.0f, 0);
-    add_bias_rows(m->logits, m->head_b, B, K);
-    if (logits_out) memcpy(logits_out, m->logits, sizeof(float) * B * K);
+    int64_t T = m->T, nd = (int64_t)B * d;
+    op_copy_rows(be, m->xcls, d, m->resid, T * d, B, d);
+    op_layernorm_forward(be, m->zcls, m->rcls, m->mcls, m->xcls, m->norm_g, m->norm_b, B, d, c->norm_eps);
+    op_acts_to_f32(be, m->zcls32, m->zcls, nd);
+    op_linear_f32_forward(be, m->logits, m->zcls32, m->head_w, m->head_b, B, K, d);
     LossStats st = {0, 0, 0};
-    for (int b = 0; b < B; b++) {
-        int am;
-        st.loss_sum += ce_row(m->logits + (int64_t)b * K, K, m->labels[b], 1.0f, grad_scale, backward, &am);
-        st.correct += am == m->labels[b];
-        st.count += 1;
-    }
+    op_softmax_ce_rows(be, m->dlogits, m->logits, m->labels, B, K, grad_scale, backward, &m->ce, &st);
     if (!backward) return st;
-    // m->logits now holds dlogits
-    matmul_tn(m->dhead_w, m->logits, m->zcls, K, d, B, 1.0f, 1);
-    for (int b = 0; b < B; b++)
-        for (int k = 0; k < K; k++) m->dhead_b[k] += m->logits[(int64_t)b * K + k];
-    matmul_nn(m->dzcls, m->logits, m->head_w, B, d, K, 1.0f, 0);
-    memset(m->dxcls, 0, sizeof(float) * B * d);
-    layernorm_backward(m->dxcls, m->dzcls, m->xcls, m->mcls, m->rcls, m->norm_g, B, d);
-    memset(m->dres, 0, sizeof(float) * B * m->T * d);
-    for (int b = 0; b < B; b++) memcpy(m->dres + (int64_t)b * m->T * d, m->dxcls + (int64_t)b * d, sizeof(float) * d);
+    op_linear_f32_backward(be, m->dzcls32, m->dhead_w, m->dhead_b, m->dlogits, m->zcls32, m->head_w, B, K, d);
+    op_f32_to_acts(be, m->dzcls, m->dzcls32, nd);
+    op_zero(be, m->dxcls, (size_t)nd * be->abytes);
+    op_layernorm_backward(be, m->dxcls, m->dzcls, m->xcls, m->mcls, m->rcls, m->norm_g, B, d);
+    op_zero(be, m->dres, (size_t)B * T * d * be->abytes);
+    op_copy_rows(be, m->dres, T * d, m->dxcls, d, B, d);
     return st;
 }
 
@@ -575,27 +738,28 @@ static LossStats vit_head_loss(Vit* m, int B, float grad_scale, int backward, fl
 
 // Backpropagates m->dres (gradient w.r.t. the block output) to the block input, in place.
 static void block_backward(Vit* m, int l, BlockActs* a, int B) {
+    const Backend* be = m->be;
     const VitConfig* c = &m->cfg;
     const VitLayer* L = &m->layers[l];
     int64_t N = (int64_t)B * m->T, d = c->dim;
     int r = m->modes.rank, ms = m->modes.ms;
     float s = m->modes.lora_scale;
     AttnShape as = {B, m->T, c->heads, c->heads, c->head_dim, 0, NULL};
-    const float* x_in = m->modes.ckpt ? m->ckpt[l] : a->x_in;
+    const void* x_in = m->modes.ckpt ? m->ckpt[l] : a->x_in;
     // MLP: fc2, GELU (exact from h, or ReGELU2 from the codes), fc1, MLP norm
-    linear_backward(m->dh, m->dres, a->g, a->ax[T_FC2], &L->lin[T_FC2], m->dax, N, r, s, 0);
-    gelu_backward(m->dh, m->dh, m->modes.approx ? NULL : a->h, a->codes, N * c->hidden, c->gelu_tanh);
-    linear_backward(m->dz, m->dh, a->z2, a->ax[T_FC1], &L->lin[T_FC1], m->dax, N, r, s, 0);
-    if (ms) layernorm_ms_backward(m->dres, m->dz, a->z2, a->r2, N, (int)d);
-    else layernorm_backward(m->dres, m->dz, a->h_mid, a->mean2, a->r2, L->ln2_g, N, (int)d);
+    op_linear_backward(be, m->dh, m->dres, a->g, a->ax[T_FC2], &L->lin[T_FC2], m->dax, N, r, s, 0);
+    op_gelu_backward(be, m->dh, m->dh, m->modes.approx ? NULL : a->h, a->codes, N * c->hidden, c->gelu_tanh);
+    op_linear_backward(be, m->dz, m->dh, a->z2, a->ax[T_FC1], &L->lin[T_FC1], m->dax, N, r, s, 0);
+    if (ms) op_layernorm_ms_backward(be, m->dres, m->dz, a->z2, a->r2, N, (int)d);
+    else op_layernorm_backward(be, m->dres, m->dz, a->h_mid, a->mean2, a->r2, L->ln2_g, N, (int)d);
     // attention: proj, attention, q/k/v, attention norm
-    linear_backward(m->dout, m->dres, a->o, a->ax[T_PROJ], &L->lin[T_PROJ], m->dax, N, r, s, 0);
-    attention_backward(m->dq, m->dk, m->dv, m->dout, a->q, a->k, a->v, a->o, a->lse, as);
-    linear_backward(m->dz, m->dq, a->z1, a->ax[T_Q], &L->lin[T_Q], m->dax, N, r, s, 0);
-    linear_backward(m->dz, m->dk, a->z1, a->ax[T_K], &L->lin[T_K], m->dax, N, r, s, 1);
-    linear_backward(m->dz, m->dv, a->z1, a->ax[T_V], &L->lin[T_V], m->dax, N, r, s, 1);
-    if (ms) layernorm_ms_backward(m->dres, m->dz, a->z1, a->r1, N, (int)d);
-    else layernorm_backward(m->dres, m->dz, x_in, a->mean1, a->r1, L->ln1_g, N, (int)d);
+    op_linear_backward(be, m->dout, m->dres, a->o, a->ax[T_PROJ], &L->lin[T_PROJ], m->dax, N, r, s, 0);
+    op_attention_backward(be, m->dq, m->dk, m->dv, m->dout, a->q, a->k, a->v, a->o, a->lse, NULL, as, vit_attn_work(m, as));
+    op_linear_backward(be, m->dz, m->dq, a->z1, a->ax[T_Q], &L->lin[T_Q], m->dax, N, r, s, 0);
+    op_linear_backward(be, m->dz, m->dk, a->z1, a->ax[T_K], &L->lin[T_K], m->dax, N, r, s, 1);
+    op_linear_backward(be, m->dz, m->dv, a->z1, a->ax[T_V], &L->lin[T_V], m->dax, N, r, s, 1);
+    if (ms) op_layernorm_ms_backward(be, m->dres, m->dz, a->z1, a->r1, N, (int)d);
+    else op_layernorm_backward(be, m->dres, m->dz, x_in, a->mean1, a->r1, L->ln1_g, N, (int)d);
 }
 
 // The blocks in reverse. Nothing upstream of the first block is trainable (patch embedding, class
@@ -604,18 +768,19 @@ static void vit_backward_blocks(Vit* m, int B) {
     int64_t N = (int64_t)B * m->T;
     for (int l = m->cfg.layers - 1; l >= 0; l--) {
         if (m->modes.ckpt) {  // recompute this block's activations from its saved input
-            memcpy(m->resid_tmp, m->ckpt[l], sizeof(float) * N * m->cfg.dim);
+            op_copy(m->be, m->resid_tmp, m->ckpt[l], N * m->cfg.dim);
             block_forward(m, l, m->resid_tmp, &m->acts[l], B);
         }
         block_backward(m, l, &m->acts[l], B);
     }
 }
 
-// One micro-batch of B <= m->B images in m->pixels / m->labels: forward, fused head + loss (+ its
-// gradient), backward. Trainable grads accumulate. logits_out: tests only.
+// One micro-batch of B <= m->B images (already uploaded): forward, fused head + loss (+ its
+// gradient), backward. Trainable grads accumulate. logits_out (host, [B, classes]): tests only.
 static LossStats vit_forward_backward(Vit* m, int B, float grad_scale, int backward, float* logits_out) {
     vit_forward_blocks(m, B);
-    LossStats st = vit_head_loss(m, B, grad_scale, backward, logits_out);
+    LossStats st = vit_head_loss(m, B, grad_scale, backward);
+    if (logits_out) backend_download(m->be, logits_out, m->logits, sizeof(float) * B * m->classes);
     if (backward) vit_backward_blocks(m, B);
     return st;
 }
@@ -636,10 +801,11 @@ typedef struct {
 static StepResult vit_train_step(Vit* m, ImageLoader* loader, const TrainOptions* o, const Dist* dist, int step) {
     int B = m->B, K = o->grad_accum;
     float scale = 1.0f / (float)((double)B * K * dist->world);
-    memset(m->tr.grads, 0, sizeof(float) * m->tr.count);
+    trainable_zero_grads(&m->tr);
     double sums[2] = {0.0, 0.0};  // loss, correct
     for (int k = 0; k < K; k++) {
-        image_loader_next(loader, B, dist->rank, dist->world, m->pixels, m->labels);
+        image_loader_next(loader, B, dist->rank, dist->world, m->h_pixels, m->h_labels);
+        vit_upload_batch(m, B);
         LossStats st = vit_forward_backward(m, B, scale, 1, NULL);
         sums[0] += st.loss_sum;
         sums[1] += st.correct;
@@ -672,7 +838,8 @@ static EvalResult vit_evaluate(Vit* m, const ImageLoader* loader, int batches) {
     int64_t seen = 0;
     for (int i = 0; i < batches && seen < n; i++) {
         int B = (int)(n - seen < m->B ? n - seen : m->B);
-        image_loader_range(loader, seen, B, m->pixels, m->labels);
+        image_loader_range(loader, seen, B, m->h_pixels, m->h_labels);
+        vit_upload_batch(m, B);
         LossStats st = vit_forward_backward(m, B, 0.0f, 0, NULL);
         ls += st.loss_sum;
         cor += st.correct;
@@ -692,16 +859,17 @@ static EvalResult vit_evaluate(Vit* m, const ImageLoader* loader, int batches) {
 //   exported bias = b' - (W' + scale*B*A) (beta / gamma)     (b', W': the merged bias and weight)
 // which is the original bias minus that constant; loading inverts it.
 
+// The gamma (beta) that MS-LN merged into linear t of block l (host), or NULL.
 static const float* vit_merged_gamma(const Vit* m, int l, int t) {
     if (!m->modes.ms) return NULL;
-    if (t <= T_V) return m->layers[l].ln1_g;
-    return t == T_FC1 ? m->layers[l].ln2_g : NULL;
+    if (t <= T_V) return vit_norm_host(m, l, LN1_G);
+    return t == T_FC1 ? vit_norm_host(m, l, LN2_G) : NULL;
 }
 
 static const float* vit_merged_beta(const Vit* m, int l, int t) {
     if (!m->modes.ms) return NULL;
-    if (t <= T_V) return m->layers[l].ln1_b;
-    return t == T_FC1 ? m->layers[l].ln2_b : NULL;
+    if (t <= T_V) return vit_norm_host(m, l, LN1_B);
+    return t == T_FC1 ? vit_norm_host(m, l, LN2_B) : NULL;
 }
 
 static int vit_peft_entries(Vit* m, PeftEntry* e) {
@@ -747,6 +915,7 @@ static void vit_merge_shift(float* out, const Vit* m, const Linear* L, const flo
 
 static void vit_save_adapter(Vit* m, const char* dir, const TrainOptions* o) {
     const VitConfig* c = &m->cfg;
+    trainable_to_host(&m->tr, 0);
     int cap = c->layers * N_TARGETS;
     PeftEntry* e = (PeftEntry*)xcalloc(cap, sizeof(PeftEntry));
     int n = vit_peft_entries(m, e);
@@ -783,9 +952,9 @@ static void vit_save_adapter(Vit* m, const char* dir, const TrainOptions* o) {
         }
     }
     snprintf(ex[nex].name, sizeof(ex[nex].name), "classifier.weight");
-    ex[nex].data = m->head_w; ex[nex].ndim = 2; ex[nex].shape[0] = m->classes; ex[nex].shape[1] = c->dim; nex++;
+    ex[nex].data = m->host_head_w; ex[nex].ndim = 2; ex[nex].shape[0] = m->classes; ex[nex].shape[1] = c->dim; nex++;
     snprintf(ex[nex].name, sizeof(ex[nex].name), "classifier.bias");
-    ex[nex].data = m->head_b; ex[nex].ndim = 1; ex[nex].shape[0] = m->classes; nex++;
+    ex[nex].data = m->host_head_b; ex[nex].ndim = 1; ex[nex].shape[0] = m->classes; nex++;
     peft_save_ex(dir, e, n, ex, nex, m->modes.rank, o->lora_alpha, NULL, o->model_dir, tmp, n, "[\"classifier\"]",
                  m->modes.ms ? "lora_only" : "none");
     for (int i = 0; i < n; i++) free(biases[i]);
@@ -822,6 +991,7 @@ static void vit_load_adapter(Vit* m, const char* dir, const TrainOptions* o, int
         st_to_f32(tb, L->bias);
         for (int k = 0; k < L->out; k++) L->bias[k] += shift[k];
         free(shift);
+        backend_upload_weights(m->be, *linear_bias_slot(m->be, L), L->bias, L->out);
     }
     const StTensor* hw = st_find(&f, "base_model.model.classifier.weight");
     const StTensor* hb = st_find(&f, "base_model.model.classifier.bias");
@@ -829,14 +999,15 @@ static void vit_load_adapter(Vit* m, const char* dir, const TrainOptions* o, int
         int64_t sw[2] = {m->classes, c->dim}, sb = m->classes;
         st_check_shape(hw, 2, sw);
         st_check_shape(hb, 1, &sb);
-        st_to_f32(hw, m->head_w);
-        st_to_f32(hb, m->head_b);
+        st_to_f32(hw, m->host_head_w);
+        st_to_f32(hb, m->host_head_b);
     } else if (need_head) {
         fail("%s: no classifier.weight/bias (an adapter saved by train_vit or PEFT with modules_to_save=[\"classifier\"]); --eval-only needs the trained head", path);
     }
     st_close(&f);
     free(path);
     free(e);
+    trainable_to_device(&m->tr);
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -941,6 +1112,7 @@ static void vit_export_config(const Vit* m, const char* model_dir, const char* d
 static void vit_export_merged(Vit* m, const TrainOptions* o, const char* dir) {
     const VitConfig* c = &m->cfg;
     make_dirs(dir, "flag --export-merged");
+    trainable_to_host(&m->tr, 0);
     StModel sm;
     st_model_open(&sm, o->model_dir);
     const char* px;
@@ -1028,10 +1200,10 @@ static void vit_export_merged(Vit* m, const TrainOptions* o, const char* dir) {
     // the trained head as the classifier
     int64_t hw_shape[2] = {m->classes, d}, hb_shape = m->classes;
     owned[k] = xmalloc(st_dtype_size(head_dtype) * m->classes * d);
-    f32_to_dtype(owned[k], m->head_w, (int64_t)m->classes * d, head_dtype);
+    f32_to_dtype(owned[k], m->host_head_w, (int64_t)m->classes * d, head_dtype);
     st_writer_add(&w, hf ? "classifier.weight" : "head.weight", head_dtype, 2, hw_shape, owned[k++]);
     owned[k] = xmalloc(st_dtype_size(head_dtype) * m->classes);
-    f32_to_dtype(owned[k], m->head_b, m->classes, head_dtype);
+    f32_to_dtype(owned[k], m->host_head_b, m->classes, head_dtype);
     st_writer_add(&w, hf ? "classifier.bias" : "head.bias", head_dtype, 1, &hb_shape, owned[k++]);
     char* path = path_join(dir, "model.safetensors");
     st_writer_save(&w, path, "\"format\":\"pt\"");
@@ -1057,9 +1229,10 @@ static void vit_load_checkpoint_head(Vit* m, const char* dir) {
     const char *wn = hf ? "classifier.weight" : "head.weight", *bn = hf ? "classifier.bias" : "head.bias";
     if (!st_model_find(&sm, wn) || !st_model_find(&sm, bn))
         fail("%s: no %s / %s; --eval-only needs a trained head (give --adapter, or a model written by --export-merged or --full)", dir, wn, bn);
-    read_2d(&sm, wn, m->classes, m->cfg.dim, m->head_w);
-    read_1d(&sm, bn, m->classes, m->head_b);
+    read_2d(&sm, wn, m->classes, m->cfg.dim, m->host_head_w);
+    read_1d(&sm, bn, m->classes, m->host_head_b);
     st_model_close(&sm);
+    trainable_to_device(&m->tr);
 }
 
 // Everything a resumed run must share with the saved one, as "key=value" words.
@@ -1127,13 +1300,13 @@ static VitModes baseline_modes(VitModes md) {
 // --dry-run: the plan of the run these flags describe, and the baseline plan beside it.
 static void vit_dry_run(const VitConfig* cfg, const TrainOptions* o, VitModes md) {
     int cpu = strcmp(o->device, "cpu") == 0;  // a dry run plans the CUDA layout unless told otherwise
-    int wbytes = cpu ? 4 : 2, abytes = cpu ? 4 : 2;
+    Backend be = backend_for_plan(!cpu);
     int h, w, classes = o->classes > 0 ? o->classes : 10;
     vit_resolution(cfg, o->image_size, &h, &w);
     Vit m, base;
-    vit_setup(&m, cfg, &md, o->batch, h, w, classes, wbytes, abytes, NULL);
+    vit_setup(&m, cfg, &md, o->batch, h, w, classes, &be, NULL);
     VitModes bm = baseline_modes(md);
-    vit_setup(&base, cfg, &bm, o->batch, h, w, classes, wbytes, abytes, NULL);
+    vit_setup(&base, cfg, &bm, o->batch, h, w, classes, &be, NULL);
     if (o->json) {
         char s[768];
         print_settings_json(s, sizeof(s), o, &m, cpu ? "cpu" : "cuda");
@@ -1142,7 +1315,7 @@ static void vit_dry_run(const VitConfig* cfg, const TrainOptions* o, VitModes md
         printf("train_vit dry run: d=%d f=%d layers=%d heads=%d, image %dx%d patch %dx%d (%d tokens), %d classes, batch %d, LoRA r=%d on %s\n",
                cfg->dim, cfg->hidden, cfg->layers, cfg->heads, h, w, cfg->patch_h, cfg->patch_w, m.T, classes, o->batch, o->lora_rank,
                o->lora_targets ? o->lora_targets : "all");
-        plan_print(&m.plan, &base.plan, o->mode, cpu ? "CPU fp32" : "CUDA bf16");
+        plan_print(&m.plan, &base.plan, o->mode, be.layout);
     }
     vit_free(&m);
     vit_free(&base);
@@ -1223,8 +1396,7 @@ static void vit_train(Vit* m, RunData* rd, const TrainOptions* o, const Dist* di
             trainable_save_state(&m->tr, dist, out, settings, step + 1, rd->tl.cursor, o->seed);
         }
     }
-    Backend cpu = backend_for_plan(0);
-    if (rank0) train_print_summary(o, start, stop, wall_seconds() - t0, comm, m->modes.full, &m->plan, &cpu);
+    if (rank0) train_print_summary(o, start, stop, wall_seconds() - t0, comm, m->modes.full, &m->plan, m->be);
     if (log) fclose(log);
 }
 
@@ -1246,23 +1418,25 @@ int main(int argc, char** argv) {
         fail("nothing to do: give --data (an image shard from scripts/prepare_images.py), --val with --eval-only, or --export-merged DIR with --adapter");
     if (!o.data_path && !o.eval_only && !o.adapter_dir) fail("flag --export-merged: alone, it needs --adapter (the adapter and head to fold in)");
     train_prepare_run(&o, dist.rank);
-    if (o.random_init) fail("flag --random-init: not supported by train_vit yet");
-    Backend be;  // the CUDA backend is not wired into this model yet: auto means the CPU here
-    backend_init(&be, strcmp(o.device, "cuda") == 0 ? "cuda" : "cpu", dist.local_rank);
-    if (be.cuda) fail("flag --device cuda: train_vit runs on the CPU backend only so far (train_llama has the CUDA backend)");
+    // without a checkpoint there is nothing to rewrite and no trained head to read
+    if (o.random_init && (o.export_merged || (o.full && (o.out_dir || o.resume_dir))))
+        fail("flag --random-init: not with --export-merged or --full --out (they rewrite the checkpoint's tensors, and there is none)");
+    if (o.random_init && o.eval_only && !o.adapter_dir) fail("flag --random-init: --eval-only needs --adapter (the trained head)");
 
     int h, w, classes;
     vit_resolution(&cfg, o.image_size, &h, &w);
     RunData rd;
     run_data_open(&rd, &o, &cfg, h, w, &classes);
+    Backend be;
+    backend_init(&be, o.device, dist.local_rank);
+    if (be.cuda) dist_nccl_init(&dist);
     Vit m, base;
-    vit_setup(&m, &cfg, &md, o.batch, h, w, classes, 4, 4, &dist);
+    vit_setup(&m, &cfg, &md, o.batch, h, w, classes, &be, &dist);
     VitModes bm = baseline_modes(md);
-    vit_setup(&base, &cfg, &bm, o.batch, h, w, classes, 4, 4, &dist);
-    plan_allocate_host(&m.plan);
-    trainable_bind_host(&m.tr);
-    vit_bind(&m);
-    vit_load_weights(&m, o.model_dir);
+    vit_setup(&base, &cfg, &bm, o.batch, h, w, classes, &be, &dist);
+    vit_allocate(&m);
+    if (o.random_init) vit_random_weights(&m, (uint64_t)o.seed);
+    else vit_load_weights(&m, o.model_dir);
     vit_init_trainable(&m, (uint64_t)o.seed);
     if (o.adapter_dir) vit_load_adapter(&m, o.adapter_dir, &o, o.eval_only || !o.data_path);
     else if (o.eval_only) vit_load_checkpoint_head(&m, o.model_dir);
@@ -1270,15 +1444,19 @@ int main(int argc, char** argv) {
         char what[160];
         if (md.full) snprintf(what, sizeof(what), "full fine-tuning of the linear weights");
         else snprintf(what, sizeof(what), "LoRA r=%d alpha=%g on %s", o.lora_rank, o.lora_alpha, o.lora_targets ? o.lora_targets : "all");
+        char where[64];
+        if (be.cuda) snprintf(where, sizeof(where), "CUDA GPU %d x %d ranks", be.device, dist.world);
+        else snprintf(where, sizeof(where), "CPU, %d threads x %d ranks", omp_get_max_threads(), dist.world);
         printf("train_vit: %s | d=%d f=%d layers=%d heads=%d | image %dx%d (checkpoint %dx%d) patch %dx%d, %d tokens | %d classes | act=%s norm=%s recompute=%s | "
-               "%s + head (%lld trainable params) | %d threads x %d ranks\n",
+               "%s + head (%lld trainable params) | %s\n",
                o.model_dir, cfg.dim, cfg.hidden, cfg.layers, cfg.heads, h, w, cfg.image_h, cfg.image_w, cfg.patch_h, cfg.patch_w, m.T, classes,
-               o.act, o.norm, o.recompute, what, (long long)m.tr.count,
-               omp_get_max_threads(), dist.world);
+               o.act, o.norm, o.recompute, what, (long long)m.tr.count, where);
         if (rd.have_train) printf("data: %s (%lld images %dx%dx%d, %d classes)", o.data_path, (long long)rd.train.n, rd.train.H, rd.train.W, rd.train.C, rd.train.classes);
         if (rd.have_val) printf("%sval %s (%lld images)", rd.have_train ? ", " : "data: ", o.val_path, (long long)rd.val.n);
         printf("\n");
-        plan_print(&m.plan, &base.plan, o.mode, dist.world > 1 ? "CPU fp32, per rank" : "CPU fp32");
+        char layout[64];
+        snprintf(layout, sizeof(layout), "%s%s", be.layout, dist.world > 1 ? ", per rank" : "");
+        plan_print(&m.plan, &base.plan, o.mode, layout);
     }
     vit_free(&base);
     if (o.eval_only) {

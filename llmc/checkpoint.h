@@ -42,23 +42,32 @@ static void state_explain_mismatch(const char* path, const char* saved, const ch
          ta ? ta : "(nothing)", tb ? tb : "(nothing)");
 }
 
-// Reads a state; its settings must equal `settings` and its size `count`.
+// Reads a state; its settings must equal `settings` and its size `count`. The file's buffer is
+// freed before any error, so a refused resume leaks nothing (make test-asan checks leaks).
 static void state_load(const char* path, StateHeader* h, const char* settings, int64_t count, float* params, float* m, float* v) {
     size_t size;
     char* buf = read_file(path, &size);
     size_t need = 12 + sizeof(*h);
-    if (size < need || memcmp(buf, STATE_MAGIC, 8) != 0) fail("%s: not a training state (bad magic)", path);
-    uint32_t version;
-    memcpy(&version, buf + 8, 4);
+    uint32_t version = 0;
+    int magic_ok = size >= need && memcmp(buf, STATE_MAGIC, 8) == 0;
+    if (magic_ok) {
+        memcpy(&version, buf + 8, 4);
+        memcpy(h, buf + 12, sizeof(*h));
+        h->settings[STATE_SETTINGS_BYTES - 1] = 0;
+    }
+    int fits = magic_ok && version == STATE_VERSION && h->count == count && size == need + 3 * sizeof(float) * (size_t)count;
+    if (fits && strcmp(h->settings, settings) == 0) {
+        const char* p = buf + need;
+        memcpy(params, p, sizeof(float) * count);
+        memcpy(m, p + sizeof(float) * count, sizeof(float) * count);
+        memcpy(v, p + 2 * sizeof(float) * count, sizeof(float) * count);
+        free(buf);
+        return;
+    }
+    free(buf);
+    if (!magic_ok) fail("%s: not a training state (bad magic)", path);
     if (version != STATE_VERSION) fail("%s: training state version %u, expected %u", path, version, STATE_VERSION);
-    memcpy(h, buf + 12, sizeof(*h));
-    h->settings[STATE_SETTINGS_BYTES - 1] = 0;
     if (strcmp(h->settings, settings) != 0) state_explain_mismatch(path, h->settings, settings);
     if (h->count != count) fail("%s: holds %lld trainable values, this run has %lld", path, (long long)h->count, (long long)count);
-    if (size != need + 3 * sizeof(float) * (size_t)count) fail("%s: truncated (%zu bytes, expected %zu)", path, size, need + 3 * sizeof(float) * (size_t)count);
-    const char* p = buf + need;
-    memcpy(params, p, sizeof(float) * count);
-    memcpy(m, p + sizeof(float) * count, sizeof(float) * count);
-    memcpy(v, p + 2 * sizeof(float) * count, sizeof(float) * count);
-    free(buf);
+    fail("%s: truncated (%zu bytes, expected %zu)", path, size, need + 3 * sizeof(float) * (size_t)count);
 }

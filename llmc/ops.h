@@ -162,9 +162,11 @@ static void op_attention_backward(const Backend* be, void* dq, void* dk, void* d
     if (be->cuda) {
         if (op_attention_use_gemm(work))
             attention_backward_gemm_cuda(B16(dq), B16(dk), B16(dv), CB16(dout), CB16(q), CB16(k), CB16(v), CB16(o), lse, s, work, be->stream);
-        else
+        else if (scratch || work)
             attention_backward_cuda(B16(dq), B16(dk), B16(dv), CB16(dout), CB16(q), CB16(k), CB16(v), CB16(o), lse,
                                     (float*)(scratch ? scratch : work), s, be->stream);
+        else
+            fail("internal: the CUDA attention backward needs a workspace or scratch");
         return;
     }
 #endif

@@ -1,6 +1,7 @@
 // test/vit_probe.cu: runs train_vit's model and loader on inputs given in files and writes what
 // they computed to a safetensors file, for comparison with the PyTorch reference
-// (scripts/reference_vit.py, test/test_vit_model.py). Same flags as train_vit, plus:
+// (scripts/reference_vit.py, test/test_vit_model.py), or for backend-against-backend checks
+// (--device cuda vs --device cpu, test/test_cuda_vit.py). Same flags as train_vit, plus:
 //   --case CASE --out-file OUT    one forward + backward of a batch:
 //       CASE: pixels F32 [B, C, H, W] (normalised, at the fine-tuning resolution), labels I32 [B],
 //             lora.{l}.{t}.A [r, in] / .B [out, r], head.weight [K, d], head.bias [K]
@@ -81,35 +82,38 @@ int main(int argc, char** argv) {
     int64_t lshape[1] = {B}, hshape[2] = {K, cfg.dim};
     st_check_shape(lb, 1, lshape);
     st_check_shape(hw, 2, hshape);
+    Backend be;
+    backend_init(&be, o.device, 0);
     Vit m;
-    vit_setup(&m, &cfg, &md, B, h, w, K, 4, 4, NULL);
-    plan_allocate_host(&m.plan);
-    trainable_bind_host(&m.tr);
-    vit_bind(&m);
+    vit_setup(&m, &cfg, &md, B, h, w, K, &be, NULL);
+    vit_allocate(&m);
     vit_load_weights(&m, o.model_dir);
-    memcpy(m.pixels, px->data, px->nbytes);
+    memcpy(m.h_pixels, px->data, px->nbytes);
     const int32_t* labels = (const int32_t*)lb->data;
     for (int b = 0; b < B; b++) {
         if (labels[b] < 0 || labels[b] >= K) fail("%s: label %d outside [0, %d)", case_path, labels[b], K);
-        m.labels[b] = labels[b];
+        m.h_labels[b] = labels[b];
     }
-    memcpy(m.head_w, hw->data, hw->nbytes);
+    vit_upload_batch(&m, B);
+    memcpy(m.host_head_w, hw->data, hw->nbytes);
     const StTensor* hb = case_tensor(&cf, "head.bias", ST_F32);
     st_check_shape(hb, 1, &hshape[0]);
-    memcpy(m.head_b, hb->data, hb->nbytes);
+    memcpy(m.host_head_b, hb->data, hb->nbytes);
     for (int l = 0; l < cfg.layers; l++)
         for (int t = 0; t < N_TARGETS; t++) probe_load_lora(&cf, &m.layers[l].lin[t], l, target_names[t], md.rank);
-    memset(m.tr.grads, 0, sizeof(float) * m.tr.count);
+    trainable_to_device(&m.tr);
+    trainable_zero_grads(&m.tr);
     float* logits = (float*)xmalloc(sizeof(float) * B * K);
     LossStats st = vit_forward_backward(&m, B, 1.0f / B, 1, logits);
+    trainable_to_host(&m.tr, 1);
     float loss = (float)(st.loss_sum / B);
     StWriter wr;
     memset(&wr, 0, sizeof(wr));
     int64_t ls[2] = {B, K}, one = 1;
     st_writer_add(&wr, "logits", ST_F32, 2, ls, logits);
     st_writer_add(&wr, "loss", ST_F32, 1, &one, &loss);
-    st_writer_add(&wr, "grad.head.weight", ST_F32, 2, hshape, m.dhead_w);
-    st_writer_add(&wr, "grad.head.bias", ST_F32, 1, &hshape[0], m.dhead_b);
+    st_writer_add(&wr, "grad.head.weight", ST_F32, 2, hshape, m.host_dhead_w);
+    st_writer_add(&wr, "grad.head.bias", ST_F32, 1, &hshape[0], m.host_dhead_b);
     for (int l = 0; l < cfg.layers; l++)
         for (int t = 0; t < N_TARGETS; t++) probe_add_grads(&wr, &m.layers[l].lin[t], l, target_names[t], md.rank);
     st_writer_save(&wr, out_path, NULL);

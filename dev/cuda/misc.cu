@@ -1,10 +1,11 @@
 // dev/cuda/misc.cu: the small kernels of llmc/cuda/misc.cuh against their CPU twins: token
-// embedding gather, residual add, bias add and bias gradient, ViT patch unfold and patch-embed
-// finish, and the image resize/normalise of the image loader (llmc/imagedata.h's
-// image_loader_convert with the bilinear taps of llmc/resample.h, grayscale and RGB, with flips).
-// Where the CPU twin is a loop inside a model file (embed_tokens in train_llama.cu, vit_embed in
-// train_vit.cu), the reference below is that loop transcribed; moving those loops into
-// llmc/cpu/ would let both sides share one copy. Then times the memory-bound ones.
+// embedding gather, residual add, bias add and bias gradient, ViT patch unfold (bf16 and fp32
+// pixels) and patch-embed finish, strided row copies, and the image resize/normalise of the image
+// loader (llmc/imagedata.h's image_loader_convert with the bilinear taps of llmc/resample.h,
+// grayscale and RGB, with flips). Where the CPU twin is a loop inside llmc/ops.h (op_embed,
+// op_patch_unfold, op_patch_embed_finish, op_copy_rows), the reference below is that loop
+// transcribed; moving those loops into llmc/cpu/ would let both sides share one copy. Then times
+// the memory-bound ones.
 #include "check.h"
 #include "../../llmc/lora.h"
 #include "../../llmc/imagedata.h"
@@ -16,7 +17,7 @@ static void test_embed(int64_t N, int d, int V, Rng* rng) {
     for (int64_t i = 0; i < N; i++) ids[i] = (int)rng_below(rng, V);
     ids[0] = V - 1;  // the last row of the table
     float* want = (float*)xmalloc(4 * N * d);
-    for (int64_t n = 0; n < N; n++) memcpy(want + n * d, embed + (int64_t)ids[n] * d, sizeof(float) * d);  // train_llama.cu embed_tokens
+    for (int64_t n = 0; n < N; n++) memcpy(want + n * d, embed + (int64_t)ids[n] * d, sizeof(float) * d);  // llmc/ops.h op_embed
     bf16 *d_e = upload_bf16(embed, (int64_t)V * d), *d_x = (bf16*)dev_alloc(2 * N * d);
     int* d_ids = (int*)upload(ids, sizeof(int) * N);
     dev_poison(d_x, 2 * N * d);
@@ -99,13 +100,13 @@ static void test_residual_bias(int64_t N, int out, Rng* rng) {
     free(db0); free(wantdb); free(gdb); free(wantdb2); free(gdb2);
 }
 
-// Patch unfold and the embedding finish, against the loops of train_vit.cu vit_embed.
+// Patch unfold and the embedding finish, against the CPU loops of llmc/ops.h.
 static void test_patches(int B, int C, int H, int W, int ph, int pw, int d, Rng* rng) {
     int gh = H / ph, gw = W / pw, T = 1 + gh * gw;
     int64_t N = (int64_t)B * T, P = (int64_t)C * ph * pw;
     float* pixels = host_randn((int64_t)B * C * H * W, rng, 1.0f, 1);
     float* want = (float*)xmalloc(4 * N * P);
-    for (int64_t n = 0; n < N; n++) {  // train_vit.cu vit_embed, first loop
+    for (int64_t n = 0; n < N; n++) {  // llmc/ops.h op_patch_unfold
         float* row = want + n * P;
         int b = (int)(n / T), t = (int)(n % T);
         if (t == 0) { memset(row, 0, sizeof(float) * P); continue; }
@@ -123,11 +124,21 @@ static void test_patches(int B, int C, int H, int W, int ph, int pw, int d, Rng*
     char name[128];
     snprintf(name, sizeof(name), "patch_unfold, B=%d C=%d %dx%d patch %dx%d", B, C, H, W, ph, pw);
     check_equal_f32(name, got, want, N * P);
+    // the same from fp32 pixels (what train_vit uploads): the values are bf16-representable, so
+    // the conversion inside the kernel is exact and the result identical
+    float* d_pix32 = (float*)upload(pixels, 4 * (int64_t)B * C * H * W);
+    dev_poison(d_patches, 2 * N * P);
+    patch_unfold_cuda(d_patches, d_pix32, s, g_stream);
+    float* got32 = download_bf16(d_patches, N * P);
+    snprintf(name, sizeof(name), "patch_unfold fp32 pixels, B=%d C=%d %dx%d patch %dx%d", B, C, H, W, ph, pw);
+    check_equal_f32(name, got32, want, N * P);
+    CUDA_CHECK(cudaFree(d_pix32));
+    free(got32);
 
     float *x = host_randn(N * d, rng, 1.0f, 1), *cls = host_randn(d, rng, 1.0f, 1), *pb = host_randn(d, rng, 1.0f, 1);
     float* pos = host_randn((int64_t)T * d, rng, 1.0f, 1);
     float* wantx = host_copy(x, N * d);
-    for (int64_t n = 0; n < N; n++) {  // train_vit.cu vit_embed, second loop
+    for (int64_t n = 0; n < N; n++) {  // llmc/ops.h op_patch_embed_finish
         float* xr = wantx + n * d;
         int64_t t = n % T;
         const float* p = pos + t * d;
@@ -142,6 +153,31 @@ static void test_patches(int B, int C, int H, int W, int ph, int pw, int d, Rng*
     CUDA_CHECK(cudaFree(d_pix)); CUDA_CHECK(cudaFree(d_patches)); CUDA_CHECK(cudaFree(d_x)); CUDA_CHECK(cudaFree(d_cls));
     CUDA_CHECK(cudaFree(d_pb)); CUDA_CHECK(cudaFree(d_pos));
     free(pixels); free(want); free(got); free(x); free(cls); free(pb); free(pos); free(wantx); free(gx);
+}
+
+// Strided row copies both ways (the ViT head's class tokens out of the residual stream [B, T, d]
+// and their gradient back), against plain loops; rows outside the copy must stay untouched.
+static void test_copy_rows(int B, int T, int d, Rng* rng) {
+    int64_t n = (int64_t)B * T * d;
+    float *resid = host_randn(n, rng, 1.0f, 1), *dense = host_randn((int64_t)B * d, rng, 1.0f, 1);
+    float* want = (float*)xmalloc(4 * B * d);
+    for (int b = 0; b < B; b++) memcpy(want + (int64_t)b * d, resid + (int64_t)b * T * d, sizeof(float) * d);
+    bf16 *d_resid = upload_bf16(resid, n), *d_dense = (bf16*)dev_alloc(2 * (int64_t)B * d);
+    dev_poison(d_dense, 2 * (int64_t)B * d);
+    copy_rows_cuda(d_dense, d, d_resid, (int64_t)T * d, B, d, g_stream);
+    float* got = download_bf16(d_dense, (int64_t)B * d);
+    char name[96];
+    snprintf(name, sizeof(name), "copy_rows gather, B=%d T=%d d=%d", B, T, d);
+    check_equal_f32(name, got, want, (int64_t)B * d);
+    float* want2 = host_copy(resid, n);
+    for (int b = 0; b < B; b++) memcpy(want2 + (int64_t)b * T * d, dense + (int64_t)b * d, sizeof(float) * d);
+    bf16* d_src = upload_bf16(dense, (int64_t)B * d);
+    copy_rows_cuda(d_resid, (int64_t)T * d, d_src, d, B, d, g_stream);
+    float* got2 = download_bf16(d_resid, n);
+    snprintf(name, sizeof(name), "copy_rows scatter, B=%d T=%d d=%d", B, T, d);
+    check_equal_f32(name, got2, want2, n);
+    CUDA_CHECK(cudaFree(d_resid)); CUDA_CHECK(cudaFree(d_dense)); CUDA_CHECK(cudaFree(d_src));
+    free(resid); free(dense); free(want); free(got); free(want2); free(got2);
 }
 
 // B images of sH x sW x sC uint8 -> [B, C, H, W], against image_loader_convert image by image.
@@ -218,13 +254,15 @@ static void time_misc(void) {
 
 int main(void) {
     Rng rng = rng_seeded(17, 7);
-    check_begin("dev/cuda/misc: embedding, residual, bias, patches, image resize vs their CPU twins");
+    check_begin("dev/cuda/misc: embedding, residual, bias, patches, strided rows, image resize vs their CPU twins");
     test_embed(37, 67, 101, &rng);
     test_embed(5, 512, 7, &rng);
     test_residual_bias(37, 67, &rng);
     test_residual_bias(3, 10, &rng);
     test_patches(2, 3, 32, 48, 16, 16, 24, &rng);
     test_patches(1, 1, 28, 28, 7, 4, 9, &rng);
+    test_copy_rows(3, 17, 67, &rng);
+    test_copy_rows(1, 5, 8, &rng);
     test_image(3, 37, 53, 3, 32, 32, 3, &rng);    // upscale and downscale, RGB
     test_image(2, 28, 28, 1, 40, 24, 3, &rng);    // grayscale feeding RGB
     test_image(2, 64, 30, 3, 16, 45, 3, &rng);

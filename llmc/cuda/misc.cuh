@@ -1,11 +1,13 @@
 // cuda/misc.cuh: the small memory-bound kernels of the CUDA backend, each the twin of a CPU loop:
-//   embed_tokens_cuda           token embedding gather          (train_llama.cu embed_tokens)
+//   embed_tokens_cuda           token embedding gather          (llmc/ops.h op_embed)
 //   residual_add_cuda           out = a + b                     (elementwise; reference in dev/cuda/misc.cu)
 //   add_bias_rows_cuda          y[n, :] += bias                 (llmc/lora.h add_bias_rows)
-//   bias_grad_rows_cuda         db += sum_n dy[n, :]            (train_vit.cu head bias gradient)
-//   cast_f32_to_bf16_cuda       bf16 shadows of fp32 masters (LoRA), and back for tests
-//   patch_unfold_cuda           image -> patch rows, class-token row zero (train_vit.cu vit_embed)
-//   patch_embed_finish_cuda     + class token / patch bias + positions (train_vit.cu vit_embed)
+//   bias_grad_rows_cuda         db += sum_n dy[n, :]            (the ViT head: llmc/ops.h op_linear_f32_backward)
+//   cast_f32_to_bf16_cuda       bf16 shadows of fp32 masters (LoRA), and back (the ViT head, tests)
+//   copy_rows_cuda              strided row copy: the ViT class tokens out of the residual
+//                               stream and their gradient back (llmc/ops.h op_copy_rows)
+//   patch_unfold_cuda           image -> patch rows, class-token row zero (llmc/ops.h op_patch_unfold)
+//   patch_embed_finish_cuda     + class token / patch bias + positions (op_patch_embed_finish)
 //   image_resize_normalize_cuda uint8 HWC images -> normalised CHW, bilinear taps of
 //                               llmc/resample.h, optional flip (llmc/imagedata.h convert)
 // Elementwise kernels use grid-stride loops with 64-bit indices; accumulation into bf16 happens
@@ -84,6 +86,23 @@ static void bias_grad_rows_cuda(float* db, const bf16* dy, int64_t N, int out, c
     launch_kernel(ceil_div(out, 128), 128, 0, stream, bias_grad_rows_kernel<bf16>, db, dy, N, out);
 }
 
+// ---- strided rows --------------------------------------------------------------------------
+
+// dst[r*dst_stride + c] = src[r*src_stride + c] for r < rows, c < d (strides in elements): the
+// class-token rows of the ViT residual stream into a dense [rows, d] buffer, and back.
+__global__ void copy_rows_kernel(bf16* __restrict__ dst, int64_t dst_stride, const bf16* __restrict__ src, int64_t src_stride,
+                                 int64_t rows, int d) {
+    for (int64_t i = thread_index_1d(); i < rows * d; i += grid_stride_1d()) {
+        int64_t r = i / d, c = i % d;
+        dst[r * dst_stride + c] = src[r * src_stride + c];
+    }
+}
+static void copy_rows_cuda(bf16* dst, int64_t dst_stride, const bf16* src, int64_t src_stride, int64_t rows, int d,
+                           cudaStream_t stream) {
+    if (rows * d == 0) return;
+    launch_kernel(grid_for(rows * d, 256), 256, 0, stream, copy_rows_kernel, dst, dst_stride, src, src_stride, rows, d);
+}
+
 // ---- casts -----------------------------------------------------------------------------------
 
 __global__ void cast_f32_to_bf16_kernel(bf16* __restrict__ dst, const float* __restrict__ src, int64_t n) {
@@ -111,8 +130,11 @@ typedef struct {
 
 // patches[n, (c*ph + i)*pw + j] = pixels[b, c, py*ph + i, px*pw + j] for token t = 1 + py*gw + px
 // of image b (n = b*T + t); the class token's row (t = 0) is zero, so that the patch product
-// lands straight in the residual stream. One thread per patch-row element.
-__global__ void patch_unfold_kernel(bf16* __restrict__ patches, const bf16* __restrict__ pixels, PatchShape s) {
+// lands straight in the residual stream. One thread per patch-row element. The pixels are bf16,
+// or fp32 as the image loader writes them (the trainer uploads those and converts here, so no
+// bf16 copy of the images is ever stored).
+template <class T>
+__global__ void patch_unfold_kernel(bf16* __restrict__ patches, const T* __restrict__ pixels, PatchShape s) {
     int64_t P = (int64_t)s.C * s.ph * s.pw, total = (int64_t)s.B * s.T * P;
     for (int64_t idx = thread_index_1d(); idx < total; idx += grid_stride_1d()) {
         int64_t n = idx / P, e = idx % P;
@@ -120,13 +142,19 @@ __global__ void patch_unfold_kernel(bf16* __restrict__ patches, const bf16* __re
         if (t == 0) { patches[idx] = f2bf(0.0f); continue; }
         int c = (int)(e / ((int64_t)s.ph * s.pw)), i = (int)(e / s.pw % s.ph), j = (int)(e % s.pw);
         int py = (t - 1) / s.gw, px = (t - 1) % s.gw;
-        patches[idx] = pixels[(((int64_t)b * s.C + c) * s.H + (int64_t)py * s.ph + i) * s.W + (int64_t)px * s.pw + j];
+        patches[idx] = f2bf((float)pixels[(((int64_t)b * s.C + c) * s.H + (int64_t)py * s.ph + i) * s.W + (int64_t)px * s.pw + j]);
     }
 }
+static int64_t patch_unfold_total(PatchShape s) { return (int64_t)s.B * s.T * s.C * s.ph * s.pw; }
 static void patch_unfold_cuda(bf16* patches, const bf16* pixels, PatchShape s, cudaStream_t stream) {
-    int64_t total = (int64_t)s.B * s.T * s.C * s.ph * s.pw;
+    int64_t total = patch_unfold_total(s);
     if (total == 0) return;
-    launch_kernel(grid_for(total, 256), 256, 0, stream, patch_unfold_kernel, patches, pixels, s);
+    launch_kernel(grid_for(total, 256), 256, 0, stream, patch_unfold_kernel<bf16>, patches, pixels, s);
+}
+static void patch_unfold_cuda(bf16* patches, const float* pixels, PatchShape s, cudaStream_t stream) {
+    int64_t total = patch_unfold_total(s);
+    if (total == 0) return;
+    launch_kernel(grid_for(total, 256), 256, 0, stream, patch_unfold_kernel<float>, patches, pixels, s);
 }
 
 // After the patch product: x[b, 0, :] = cls + pos[0]; x[b, t, :] += patch_bias + pos[t] (t > 0).
