@@ -215,7 +215,7 @@ test-gpu: cuda-dev train_llama train_vit test/llama_probe test/vit_probe
 	done; \
 	if [ -n "$$failed" ]; then echo "test-gpu: FAILED:$$failed"; exit 1; fi; \
 	echo "test-gpu: every dev/cuda check passed"
-	CUDA_TEST_BACKEND=gpu $(GPU_PYTHON) -m pytest -q -p no:cacheprovider $(wildcard test/test_cuda_models.py test/test_cuda_vit.py)
+	CUDA_TEST_BACKEND=gpu $(GPU_PYTHON) -m pytest -q -p no:cacheprovider $(wildcard test/test_cuda_llama.py test/test_cuda_vit.py)
 
 # Speed and memory on a GPU: LLaMA-7B shape and ViT-B/16, baseline / lowmem / ckpt (scripts/bench_gpu.sh).
 bench: train_llama train_vit

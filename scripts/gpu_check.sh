@@ -149,7 +149,7 @@ fi
 if [ $HAVE_NVCC -eq 1 ]; then
     run_step "build trainers (sm_90)" 300 make -j"$JOBS" GPU_ARCH=90 train_llama train_vit test/llama_probe test/vit_probe
     row "build train_llama, train_vit, probes (nvcc sm_90)" "$STEP_STATUS" "$STEP_SECONDS" "make GPU_ARCH=90 train_llama train_vit test/*_probe"
-    TESTS=$(ls test/test_cuda_models.py test/test_cuda_vit.py 2>/dev/null | tr '\n' ' ')
+    TESTS=$(ls test/test_cuda_llama.py test/test_cuda_vit.py 2>/dev/null | tr '\n' ' ')
     run_step "whole models GPU vs CPU" 300 env CUDA_TEST_BACKEND=gpu OMP_NUM_THREADS=8 python3 -m pytest -q -rfE -p no:cacheprovider $TESTS
     row "whole models, CUDA vs CPU backend, every mode; measured vs planned memory" "$STEP_STATUS" "$STEP_SECONDS" \
         "$(grep -a -E '^[0-9]+ (passed|failed)|^(FAILED|ERROR) ' "$LOG" | tail -n 4 | tr '\n' ';')"

@@ -2,7 +2,7 @@
 // safetensors "case" file (tokens, mask, LoRA weights) and writes logits, loss and every LoRA
 // gradient to another safetensors file, for comparison with the PyTorch reference
 // (scripts/reference_llama.py, test/test_llama_model.py), or for backend-against-backend checks
-// (--device cuda vs --device cpu, test/test_cuda_models.py). Same flags as train_llama.
+// (--device cuda vs --device cpu, test/test_cuda_llama.py). Same flags as train_llama.
 #define TESTING
 #include "../train_llama.cu"
 #include "probe_common.h"

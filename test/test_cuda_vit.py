@@ -26,7 +26,6 @@ wrong buffer, a missing accumulation, a stale copy) gives O(1) errors.
 import os
 import re
 import shutil
-import subprocess
 import sys
 
 import numpy as np
@@ -34,16 +33,10 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import vit_cases as vc  # noqa: E402
+from cuda_backend import GPU, REPO, binaries, mpirun, need, rel_l2, run  # noqa: E402
 
 ref = vc.ref
-REPO = vc.REPO
-GPU = os.environ.get("CUDA_TEST_BACKEND", "emu") == "gpu"
-CUDA_TRAIN = os.path.join(REPO, "train_vit" if GPU else "build/emu/train_vit")
-CUDA_PROBE = os.path.join(REPO, "test/vit_probe" if GPU else "build/emu/vit_probe")
-CPU_TRAIN = os.path.join(REPO, "train_vit")
-CPU_PROBE = os.path.join(REPO, "test/vit_probe")
-ENV = dict(os.environ, OMP_NUM_THREADS="2")
-MPIRUN = shutil.which("mpirun")
+CUDA_TRAIN, CUDA_PROBE, CPU_TRAIN, CPU_PROBE = binaries("train_vit", "vit_probe")
 
 BATCH = 4
 SEED = 0
@@ -76,30 +69,6 @@ FC1_WEIGHT_SCALE = 0.05
 FC1_LORA_B_SCALE = 0.1
 
 SUMMARY = []
-
-
-def need(path):
-    if not os.path.isfile(path):
-        pytest.fail(f"{path} is missing: build it with `make {os.path.relpath(path, REPO)}`")
-    return path
-
-
-def run(cmd, check=True, timeout=600):
-    cmd = [str(c) for c in cmd]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=ENV)
-    if check:
-        assert p.returncode == 0, f"{' '.join(cmd)}\n{p.stdout[-3000:]}\n{p.stderr[-2000:]}"
-    return p
-
-
-def rel_l2(got, want):
-    got = np.asarray(got, dtype=np.float64)
-    want = np.asarray(want, dtype=np.float64)
-    assert got.shape == want.shape, f"shape {got.shape} != {want.shape}"
-    if not np.all(np.isfinite(got)):
-        return float("inf")
-    n = np.linalg.norm(want)
-    return float(np.linalg.norm(got - want) / n) if n > 0 else float(np.linalg.norm(got))
 
 
 @pytest.fixture(scope="module")
@@ -272,11 +241,7 @@ def test_resume_adapter_and_export_across_backends(tmp_path):
 
 
 def two_ranks(*args):
-    if not MPIRUN:
-        pytest.fail("mpirun not found: install openmpi-bin (.ci/run does)")
-    cmd = [MPIRUN, "--allow-run-as-root", "--oversubscribe", "-np", "2", need(CUDA_TRAIN), "--model", DEMO_MODEL] + DEMO + \
-          ["--device", "cuda", "--batch", "2", "--threads", "1"] + list(args)
-    return run(cmd)
+    return mpirun(2, CUDA_TRAIN, ["--model", DEMO_MODEL] + DEMO + ["--device", "cuda", "--batch", 2, "--threads", 1] + list(args))
 
 
 def test_two_ranks_equal_one_process(tmp_path):

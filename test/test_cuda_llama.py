@@ -18,24 +18,15 @@ so gradients differ more. A wiring bug (a wrong buffer, a missing accumulation, 
 weight) gives O(1) errors."""
 import os
 import re
-import shutil
-import subprocess
 
 import numpy as np
 import pytest
 
 import llama_cases as lc
-import shards
 import st_io
+from cuda_backend import GPU, REPO, binaries, mpirun, need, rel_l2, run
 
-REPO = lc.REPO
-GPU = os.environ.get("CUDA_TEST_BACKEND", "emu") == "gpu"
-CUDA_TRAIN = os.path.join(REPO, "train_llama" if GPU else "build/emu/train_llama")
-CUDA_PROBE = os.path.join(REPO, "test/llama_probe" if GPU else "build/emu/llama_probe")
-CPU_TRAIN = os.path.join(REPO, "train_llama")
-CPU_PROBE = os.path.join(REPO, "test/llama_probe")
-ENV = dict(os.environ, OMP_NUM_THREADS="2")
-MPIRUN = shutil.which("mpirun")
+CUDA_TRAIN, CUDA_PROBE, CPU_TRAIN, CPU_PROBE = binaries("train_llama", "llama_probe")
 
 # (act, norm, recompute, extra flags)
 MODES = {
@@ -50,27 +41,9 @@ TOL_EXACT = {"logits": 0.05, "loss": 1e-2, "grad": 0.15}
 TOL_APPROX = {"logits": 0.05, "loss": 1e-2, "grad": 0.6}
 
 
-def need(path):
-    if not os.path.isfile(path):
-        pytest.fail(f"{path} is missing: build it with `make {os.path.relpath(path, REPO)}`")
-    return path
-
-
-def rel_l2(got, want):
-    got = np.asarray(got, np.float64)
-    want = np.asarray(want, np.float64)
-    assert got.shape == want.shape, (got.shape, want.shape)
-    if not np.all(np.isfinite(got)):
-        return float("inf")
-    n = np.linalg.norm(want)
-    return float(np.linalg.norm(got - want) / n) if n > 0 else float(np.linalg.norm(got))
-
-
 def probe(exe, model, case, out, act, norm, rec, rank, alpha, extra, device, env=None):
-    cmd = [need(exe), "--model", model, "--case", case, "--out-file", out, "--act", act, "--norm", norm,
-           "--recompute", rec, "--lora-rank", str(rank), "--lora-alpha", repr(float(alpha)), "--device", device] + extra
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=dict(ENV, **(env or {})))
-    assert p.returncode == 0, f"{' '.join(cmd)}\n{p.stdout[-2000:]}\n{p.stderr[-2000:]}"
+    run([need(exe), "--model", model, "--case", case, "--out-file", out, "--act", act, "--norm", norm, "--recompute", rec,
+         "--lora-rank", rank, "--lora-alpha", repr(float(alpha)), "--device", device] + extra, env=env)
     return st_io.load(out)
 
 
@@ -162,12 +135,13 @@ DEMO = ["--model", os.path.join(REPO, "data/llama_demo"), "--data", os.path.join
         "--lr", "3e-3", "--lora-rank", "4", "--seed", "5", "--threads", "2"]
 
 
-def train(exe, device, *args, check=True, timeout=600):
-    cmd = [need(exe)] + DEMO + ["--device", device] + [str(a) for a in args]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=ENV)
-    if check:
-        assert p.returncode == 0, f"{' '.join(cmd)}\n{p.stdout[-3000:]}\n{p.stderr[-2000:]}"
-    return p
+def train(exe, device, *args, check=True):
+    return run([need(exe)] + DEMO + ["--device", device] + list(args), check=check)
+
+
+def train_two_ranks(*args):
+    """mpirun -np 2 of the CUDA trainer on the demo, one thread per rank."""
+    return mpirun(2, CUDA_TRAIN, DEMO + ["--device", "cuda", "--threads", 1] + list(args))
 
 
 def step_losses(out):
@@ -228,13 +202,8 @@ def test_cuda_resume_is_bit_identical_and_adapter_loads_on_cpu(tmp_path):
 def test_cuda_two_ranks_equal_one_process(tmp_path):
     if GPU:
         pytest.skip("needs two GPUs")  # the one-GPU session checks NCCL with LLMC_NCCL_SELFTEST instead
-    if not MPIRUN:
-        pytest.fail("mpirun not found: install openmpi-bin (.ci/run does)")
     one = train(CUDA_TRAIN, "cuda", "--steps", 3, "--batch", 4, "--out", tmp_path / "one")
-    cmd = [MPIRUN, "--allow-run-as-root", "--oversubscribe", "-np", "2", need(CUDA_TRAIN)] + DEMO + \
-          ["--device", "cuda", "--steps", "3", "--batch", "2", "--threads", "1", "--out", str(tmp_path / "two")]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=ENV)
-    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    p = train_two_ranks("--steps", 3, "--batch", 2, "--out", tmp_path / "two")
     a, b = step_losses(one.stdout), step_losses(p.stdout)
     print(f"1 x batch 4: {a}\n2 x batch 2: {b}")
     np.testing.assert_allclose(b, a, rtol=2e-3)
@@ -255,12 +224,7 @@ def test_cuda_full_finetuning_trains_and_zero1_equals_one_process(tmp_path):
     np.testing.assert_allclose(b, a, rtol=0.01)
     if GPU:
         return  # two ranks need two GPUs
-    if not MPIRUN:
-        pytest.fail("mpirun not found: install openmpi-bin (.ci/run does)")
-    cmd = [MPIRUN, "--allow-run-as-root", "--oversubscribe", "-np", "2", need(CUDA_TRAIN)] + DEMO + \
-          ["--device", "cuda", "--full", "--lr", "1e-3", "--steps", "3", "--batch", "2", "--threads", "1", "--out", str(tmp_path / "two")]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=ENV)
-    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    p = train_two_ranks("--full", "--lr", "1e-3", "--steps", 3, "--batch", 2, "--out", tmp_path / "two")
     np.testing.assert_allclose(step_losses(p.stdout), b, rtol=2e-3)
     opt = lambda out: float(re.search(r"optimizer ([0-9.]+) MiB", out).group(1))
     print(f"optimizer arena: 1 rank {opt(one.stdout)} MiB, 2 ranks {opt(p.stdout)} MiB per rank")
@@ -273,9 +237,8 @@ def test_cuda_full_finetuning_trains_and_zero1_equals_one_process(tmp_path):
 
 
 def test_cuda_generates(tmp_path):
-    p = subprocess.run([need(CUDA_TRAIN), "--model", os.path.join(REPO, "data/llama_demo"), "--device", "cuda", "--generate", "12",
-                        "--prompt", "Licensed under the", "--temperature", "0"], capture_output=True, text=True, timeout=600, env=ENV)
-    assert p.returncode == 0, p.stderr
+    p = run([need(CUDA_TRAIN), "--model", os.path.join(REPO, "data/llama_demo"), "--device", "cuda", "--generate", 12,
+             "--prompt", "Licensed under the", "--temperature", 0])
     text = p.stdout.strip().splitlines()[-1]
     print(text)
     assert text.startswith("Licensed under the") and len(text) > len("Licensed under the") + 5
@@ -287,6 +250,6 @@ def test_cuda_bad_inputs_fail_cleanly(tmp_path):
     if not GPU:  # more than the (pretend 80 GiB) device holds: one line naming the arena and what to try
         p = train(CUDA_TRAIN, "cuda", "--steps", 1, "--batch", 100000, "--seq", 128, check=False)
         assert p.returncode != 0 and "GPU memory" in p.stderr and "--batch" in p.stderr and p.stderr.count("\n") == 1, p.stderr
-    p = subprocess.run([CPU_TRAIN] + DEMO + ["--device", "cuda", "--steps", "1"], capture_output=True, text=True, env=ENV)
+    p = run([CPU_TRAIN] + DEMO + ["--device", "cuda", "--steps", 1], check=False)
     if not GPU:  # the CPU machine's nvcc build has the backend but no GPU; a g++ build has no backend
         assert p.returncode != 0 and "--device cuda" in p.stderr and p.stderr.count("\n") == 1
