@@ -160,7 +160,7 @@ CUDA_LDLIBS   := -lcublasLt -lcublas -lgomp
 CUDA_BF16_H   := $(wildcard $(CUDA_INC)/cuda_bf16.h)
 EMU_FLAGS     := -O1 -std=gnu++17 -x c++ -DLLMC_CUDA_EMU -Wall -Wno-unknown-pragmas -Wno-unused-function -I$(CUDA_INC)
 
-.PHONY: cuda-dev cuda-kernels-compile-check cuda-emu-check test-gpu cuda-clean
+.PHONY: cuda-dev cuda-kernels-compile-check cuda-emu-check test-gpu test-gpu-kernels test-gpu-models cuda-clean
 
 dev/cuda/%: dev/cuda/%.cu $(CUDA_HEADERS)
 ifeq ($(NVCC),)
@@ -205,7 +205,8 @@ endif
 # memory against the plan (test/test_cuda_*.py with CUDA_TEST_BACKEND=gpu; python3 with numpy,
 # pytest and torch, as on the GPU machines).
 GPU_PYTHON ?= python3
-test-gpu: cuda-dev train_llama train_vit test/llama_probe test/vit_probe
+test-gpu: test-gpu-kernels test-gpu-models
+test-gpu-kernels: cuda-dev
 	@mkdir -p build; failed=""; for b in $(CUDA_DEV_BINS); do \
 	  echo "== $$b"; s=$$(date +%s.%N); log=build/$$(basename $$b).gpu.log; \
 	  timeout 120 ./$$b > $$log 2>&1; rc=$$?; cat $$log; \
@@ -215,7 +216,8 @@ test-gpu: cuda-dev train_llama train_vit test/llama_probe test/vit_probe
 	done; \
 	if [ -n "$$failed" ]; then echo "test-gpu: FAILED:$$failed"; exit 1; fi; \
 	echo "test-gpu: every dev/cuda check passed"
-	CUDA_TEST_BACKEND=gpu $(GPU_PYTHON) -m pytest -q -p no:cacheprovider $(wildcard test/test_cuda_llama.py test/test_cuda_vit.py)
+test-gpu-models: train_llama train_vit test/llama_probe test/vit_probe
+	CUDA_TEST_BACKEND=gpu $(GPU_PYTHON) -m pytest -q -rfE -p no:cacheprovider test/test_cuda_llama.py test/test_cuda_vit.py
 
 # Speed and memory on a GPU: LLaMA-7B shape and ViT-B/16, baseline / lowmem / ckpt (scripts/bench_gpu.sh).
 bench: train_llama train_vit

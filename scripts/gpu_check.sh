@@ -1,16 +1,20 @@
 #!/usr/bin/env bash
 # scripts/gpu_check.sh: everything a GPU session runs, in one go, on a bare checkout (see
-# ../shared/docs/GPU-TESTING.md). About 7 minutes on an H200:
+# ../shared/docs/GPU-TESTING.md). About 9 minutes on an H200, most important first:
 #   1. the machine: nvidia-smi, nvcc, commit
-#   2. build every dev/cuda check for sm_90 (GPU_ARCH=90)
-#   3. make test-gpu: each kernel family against its CPU twin, with timings
-#   4. any failing program again with synchronous launches (LLMC_CUDA_SYNC=1), to name the launch
-#   5. compute-sanitizer memcheck on every check, racecheck on the shared-memory kernels
-#   6. the trainers built by nvcc; whole models GPU vs CPU backend in every mode with measured vs
-#      planned memory (test/test_cuda_*.py, CUDA_TEST_BACKEND=gpu); NCCL on one GPU; make bench
-# Each step is timed and a failing step does not stop the later ones. A results table (steps, then
-# the kernel figures) is printed last and written, with the full log, to $OUT when it is set
-# (else build/gpu_check/). Record the outcome in dev/gpu/RESULTS.md.
+#   2. one parallel build for sm_90: every dev/cuda check, both trainers, both probes
+#   3. make test-gpu-kernels: each kernel family against its CPU twin, with timings
+#   4. make test-gpu-models: both trainers, CUDA against the CPU backend in every mode, with the
+#      measured device memory against the plan (test/test_cuda_*.py, CUDA_TEST_BACKEND=gpu)
+#   5. the NCCL path on one GPU (LLMC_NCCL_SELFTEST=1)
+#   6. scripts/bench_gpu.sh: LLaMA-7B shape and ViT-B/16, baseline / lowmem / ckpt
+#   7. any failing kernel program again with synchronous launches (LLMC_CUDA_SYNC=1)
+#   8. compute-sanitizer memcheck on every check, racecheck on the shared-memory kernels
+# Each step is timed and a failing step does not stop the later ones; steps 6-8 are skipped once
+# GPU_CHECK_BUDGET_S (default 420) seconds have gone, so the whole fits one 10-minute call. A results
+# table (steps, then the kernel figures and the benchmark) is printed last and written, with the
+# full log, to $OUT when it is set (else build/gpu_check/). Record the outcome in
+# dev/gpu/RESULTS.md.
 # Usage: bash scripts/gpu_check.sh            (from the repository root or anywhere inside it)
 set -u
 cd "$(dirname "$0")/.." || exit 1
@@ -23,7 +27,7 @@ TABLE="$DEST/gpu_check_results.md"
 exec > >(tee -a "$LOG") 2>&1
 
 T_START=$(date +%s)
-BUDGET_S=${GPU_CHECK_BUDGET_S:-360}   # optional steps are skipped once this much time has gone
+BUDGET_S=${GPU_CHECK_BUDGET_S:-420}   # optional steps are skipped once this much time has gone
 JOBS=$(nproc 2>/dev/null || echo 8)
 ROWS=()                               # "step|status|seconds|detail"
 
@@ -70,8 +74,8 @@ fi
 # ---- 2. build -----------------------------------------------------------------------------------
 BUILD_OK=0
 if [ $HAVE_NVCC -eq 1 ]; then  # -k: one program that does not compile leaves the others to run
-    run_step "build dev/cuda (sm_90)" 240 make -k -j"$JOBS" GPU_ARCH=90 cuda-dev && BUILD_OK=1
-    row "build dev/cuda for sm_90" "$STEP_STATUS" "$STEP_SECONDS" "make -k -j$JOBS GPU_ARCH=90 cuda-dev"
+    run_step "build (sm_90)" 300 make -k -j"$JOBS" GPU_ARCH=90 cuda-dev train_llama train_vit test/llama_probe test/vit_probe && BUILD_OK=1
+    row "build dev/cuda, trainers, probes for sm_90" "$STEP_STATUS" "$STEP_SECONDS" "make -k -j$JOBS GPU_ARCH=90 cuda-dev train_llama train_vit test/*_probe"
 fi
 BINS=()
 for src in dev/cuda/*.cu; do
@@ -80,10 +84,10 @@ for src in dev/cuda/*.cu; do
 done
 echo "built: ${BINS[*]:-nothing}"
 
-# ---- 3. make test-gpu ---------------------------------------------------------------------------
+# ---- 3. make test-gpu-kernels -------------------------------------------------------------------
 if [ $BUILD_OK -eq 1 ]; then
-    run_step "make test-gpu" 420 make GPU_ARCH=90 test-gpu
-    row "make test-gpu" "$STEP_STATUS" "$STEP_SECONDS" "each dev/cuda program below"
+    run_step "make test-gpu-kernels" 300 make GPU_ARCH=90 test-gpu-kernels
+    row "make test-gpu-kernels" "$STEP_STATUS" "$STEP_SECONDS" "each dev/cuda program below"
 else  # no compiler, or a build failure: run whatever binaries exist, the way test-gpu would
     for b in "${BINS[@]}"; do
         log="build/$(basename "$b").gpu.log"
@@ -108,7 +112,25 @@ for b in "${BINS[@]}"; do
     fi
 done
 
-# ---- 4. failures again, launches synchronous ----------------------------------------------------
+# ---- 4-6. the trainers on the GPU ---------------------------------------------------------------
+if [ -x ./train_llama ] && [ -x ./test/llama_probe ]; then
+    run_step "make test-gpu-models" 300 make GPU_ARCH=90 test-gpu-models
+    row "whole models, CUDA vs CPU backend, every mode; measured vs planned memory" "$STEP_STATUS" "$STEP_SECONDS" \
+        "$(grep -a -E '^[0-9]+ (passed|failed)|^(FAILED|ERROR) ' "$LOG" | tail -n 4 | tr '\n' ';')"
+    run_step "NCCL on one GPU" 120 env LLMC_NCCL_SELFTEST=1 ./train_llama --model data/llama_demo --data data/llama_demo_ft_train.bin \
+        --device cuda --steps 3 --batch 4 --seq 128
+    row "NCCL path, one rank (LLMC_NCCL_SELFTEST=1)" "$STEP_STATUS" "$STEP_SECONDS" "$(grep -a 'step    3/3' "$LOG" | tail -n 1)"
+    if [ "$(elapsed)" -gt "$BUDGET_S" ]; then
+        row "bench (7B-shaped LLaMA, ViT-B/16)" SKIPPED 0 "time budget"
+    else
+        run_step "bench" 300 env BENCH_STEPS=${BENCH_STEPS:-6} bash scripts/bench_gpu.sh
+        row "bench (7B-shaped LLaMA, ViT-B/16; table below)" "$STEP_STATUS" "$STEP_SECONDS" "build/bench/bench.md"
+    fi
+else
+    row "trainers on the GPU" "NOT RUN" 0 "the build did not produce ./train_llama and test/llama_probe"
+fi
+
+# ---- 7. failures again, launches synchronous ----------------------------------------------------
 for b in "${FAILED_BINS[@]}"; do
     [ -x "$b" ] || continue
     if [ "$(elapsed)" -gt "$BUDGET_S" ]; then row "sync rerun $b" SKIPPED 0 "time budget"; continue; fi
@@ -117,7 +139,7 @@ for b in "${FAILED_BINS[@]}"; do
     row "sync rerun $b" "$STEP_STATUS" "$STEP_SECONDS" "${err:-no CUDA error reported}"
 done
 
-# ---- 5. compute-sanitizer -----------------------------------------------------------------------
+# ---- 8. compute-sanitizer -----------------------------------------------------------------------
 SAN=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null || true)
 if [ -z "$SAN" ]; then
     row "compute-sanitizer" SKIPPED 0 "not installed"
@@ -140,28 +162,6 @@ else
         tail -n 3 "$slog"
         row "racecheck $b" "$st" "$sec" "$(grep -a 'RACECHECK SUMMARY\|ERROR SUMMARY' "$slog" | tail -n 1)"
     done
-fi
-
-# ---- 6. the trainers on the GPU -------------------------------------------------------------------
-# Whole models, CUDA against the CPU backend (the same tests CI runs on the CPU emulator), the
-# measured device memory against the plan (inside those tests), NCCL on one GPU, then the
-# benchmark. Built for sm_90 only, to save time.
-if [ $HAVE_NVCC -eq 1 ]; then
-    run_step "build trainers (sm_90)" 300 make -j"$JOBS" GPU_ARCH=90 train_llama train_vit test/llama_probe test/vit_probe
-    row "build train_llama, train_vit, probes (nvcc sm_90)" "$STEP_STATUS" "$STEP_SECONDS" "make GPU_ARCH=90 train_llama train_vit test/*_probe"
-    TESTS=$(ls test/test_cuda_llama.py test/test_cuda_vit.py 2>/dev/null | tr '\n' ' ')
-    run_step "whole models GPU vs CPU" 300 env CUDA_TEST_BACKEND=gpu OMP_NUM_THREADS=8 python3 -m pytest -q -rfE -p no:cacheprovider $TESTS
-    row "whole models, CUDA vs CPU backend, every mode; measured vs planned memory" "$STEP_STATUS" "$STEP_SECONDS" \
-        "$(grep -a -E '^[0-9]+ (passed|failed)|^(FAILED|ERROR) ' "$LOG" | tail -n 4 | tr '\n' ';')"
-    run_step "NCCL on one GPU" 120 env LLMC_NCCL_SELFTEST=1 ./train_llama --model data/llama_demo --data data/llama_demo_ft_train.bin \
-        --device cuda --steps 3 --batch 4 --seq 128
-    row "NCCL path, one rank (LLMC_NCCL_SELFTEST=1)" "$STEP_STATUS" "$STEP_SECONDS" "$(grep -a 'step    3/3' "$LOG" | tail -n 1)"
-    if [ "$(elapsed)" -gt $((BUDGET_S + 60)) ]; then
-        row "make bench (7B-shaped LLaMA, ViT-B/16)" SKIPPED 0 "time budget"
-    else
-        run_step "bench" 420 env BENCH_STEPS=${BENCH_STEPS:-6} bash scripts/bench_gpu.sh
-        row "make bench (7B-shaped LLaMA, ViT-B/16; table below)" "$STEP_STATUS" "$STEP_SECONDS" "build/bench/bench.md"
-    fi
 fi
 
 # ---- results table ------------------------------------------------------------------------------
