@@ -488,8 +488,17 @@ static void* llama_attn_work(const Llama* m, AttnShape as) {
     return op_attention_work_bytes(m->be, as) <= m->att_work_bytes ? m->att_work : NULL;
 }
 
-// One block, updating the residual stream x [B*T, d] in place and filling a's buffers.
-static void block_forward(Llama* m, int l, void* x, BlockActs* a, int B, int T) {
+// Generation's key/value cache: per layer, the keys (after RoPE) and values of every position fed
+// so far, [cap, KVH*hd] in the backend's activation type.
+typedef struct {
+    void **k, **v;
+    int len, cap;
+} KVCache;
+
+// One block, updating the residual stream x [B*T, d] in place and filling a's buffers. With a
+// cache (generation, B = 1), the T new tokens sit at positions kv->len.., their keys and values
+// join the cache and attention reads it.
+static void block_forward(Llama* m, int l, void* x, BlockActs* a, int B, int T, const KVCache* kv) {
     const Backend* be = m->be;
     const LlamaConfig* c = &m->cfg;
     const LlamaLayer* L = &m->layers[l];
@@ -504,7 +513,14 @@ static void block_forward(Llama* m, int l, void* x, BlockActs* a, int B, int T) 
     op_linear_forward(be, a->v, a->z1, &L->lin[T_V], a->ax[T_V], N, r, s, 0);
     op_rope(be, a->q, m->rope_cos, m->rope_sin, m->pos, N, T, c->heads, c->head_dim, 0);
     op_rope(be, a->k, m->rope_cos, m->rope_sin, m->pos, N, T, c->kv_heads, c->head_dim, 0);
-    op_attention_forward(be, a->o, a->lse, a->q, a->k, a->v, as, llama_attn_work(m, as));
+    if (kv) {
+        int64_t kvd = (int64_t)c->kv_heads * c->head_dim, at = (int64_t)kv->len * kvd * be->abytes;
+        op_copy(be, (char*)kv->k[l] + at, a->k, N * kvd);
+        op_copy(be, (char*)kv->v[l] + at, a->v, N * kvd);
+        op_attention_cached(be, a->o, a->q, kv->k[l], kv->v[l], T, kv->len, c->heads, c->kv_heads, c->head_dim);
+    } else {
+        op_attention_forward(be, a->o, a->lse, a->q, a->k, a->v, as, llama_attn_work(m, as));
+    }
     op_linear_forward(be, x, a->o, &L->lin[T_O], a->ax[T_O], N, r, s, 1);
     if (a->h_mid) op_copy(be, a->h_mid, x, N * d);
     op_rmsnorm_forward(be, a->z2, a->r2, x, m->modes.ms ? NULL : L->mlp_norm, N, (int)d, c->norm_eps);
@@ -515,12 +531,12 @@ static void block_forward(Llama* m, int l, void* x, BlockActs* a, int B, int T) 
 }
 
 // Embedding and all blocks over the uploaded batch; leaves the final norm's input in m->resid.
-static void llama_forward_blocks(Llama* m, int B, int T) {
+static void llama_forward_blocks(Llama* m, int B, int T, const KVCache* kv) {
     int64_t N = (int64_t)B * T;
     op_embed(m->be, m->resid, m->embed, m->inputs, N, m->cfg.dim);
     for (int l = 0; l < m->cfg.layers; l++) {
         if (m->modes.ckpt) op_copy(m->be, m->ckpt[l], m->resid, N * m->cfg.dim);
-        block_forward(m, l, m->resid, &m->acts[l], B, T);
+        block_forward(m, l, m->resid, &m->acts[l], B, T, kv);
     }
 }
 
@@ -563,7 +579,7 @@ static void llama_backward_blocks(Llama* m, int B, int T) {
     for (int l = m->cfg.layers - 1; l >= 0; l--) {
         if (m->modes.ckpt) {  // recompute this block's activations from its saved input
             op_copy(m->be, m->resid_tmp, m->ckpt[l], N * m->cfg.dim);
-            block_forward(m, l, m->resid_tmp, &m->acts[l], B, T);
+            block_forward(m, l, m->resid_tmp, &m->acts[l], B, T, NULL);
         }
         block_backward(m, l, &m->acts[l], B, T);
     }
@@ -575,7 +591,7 @@ static void llama_backward_blocks(Llama* m, int B, int T) {
 static LossStats llama_forward_backward(Llama* m, int B, int T, float grad_scale, int backward, float* logits_out) {
     int64_t N = (int64_t)B * T;
     const LlamaConfig* c = &m->cfg;
-    llama_forward_blocks(m, B, T);
+    llama_forward_blocks(m, B, T, NULL);
     LossStats st = {0, 0, 0};
     if (backward) op_zero(m->be, m->dres, (size_t)N * c->dim * m->be->abytes);
     op_lm_head_loss(m->be, m->resid, m->final_norm, c->norm_eps, m->lm_head, c->vocab, c->dim, m->targets, m->mask, N, m->loss_chunk,
@@ -669,30 +685,51 @@ static int sample_token(const float* logits, int V, float temperature, Rng* rng)
     return V - 1;
 }
 
-// Samples n tokens after the prompt, re-running the forward over the growing window (the
-// trainer's buffers hold B*T tokens, enough for one sequence of m->B*m->T).
+// Samples n tokens after the prompt with a key/value cache: the prompt is fed once, then one
+// token per step. The trainer's buffers hold one sequence of m->T tokens (the window); when the
+// cache is full, it restarts from the last half window (positions then count from there).
+// LLMC_NO_KV_CACHE=1 recomputes the whole window for every token instead (tests compare the two).
 static void llama_generate(Llama* m, const Tokenizer* tok, const char* prompt, int n, float temperature, uint64_t seed) {
     const LlamaConfig* c = &m->cfg;
-    int cap = (int)strlen(prompt) + 3 + n;
+    const Backend* be = m->be;
+    int cap = (int)strlen(prompt) + 3 + n, window = m->T;
     int* ids = (int*)xmalloc(sizeof(int) * cap);
     int len = tokenizer_encode(tok, prompt, 1, ids);
-    int window = m->T;
-    float* logits = (float*)backend_alloc(m->be, sizeof(float) * (int64_t)window * c->vocab, "generation logits");
+    const char* nc = getenv("LLMC_NO_KV_CACHE");
+    int recompute = nc && strcmp(nc, "1") == 0;
+    int64_t kvd = (int64_t)c->kv_heads * c->head_dim, d = c->dim;
+    KVCache kv = {(void**)xcalloc(c->layers, sizeof(void*)), (void**)xcalloc(c->layers, sizeof(void*)), 0, window};
+    for (int l = 0; l < c->layers; l++) {
+        kv.k[l] = backend_alloc(be, (size_t)window * kvd * be->abytes, "key cache");
+        kv.v[l] = backend_alloc(be, (size_t)window * kvd * be->abytes, "value cache");
+    }
+    float* logits = (float*)backend_alloc(be, sizeof(float) * c->vocab, "generation logits");
     float* last = (float*)xmalloc(sizeof(float) * c->vocab);
     Rng rng = rng_seeded(seed, 99);
     char bb[2];
     printf("%s", prompt);
+    int fed = 0;  // ids[0, fed) are in the cache
     for (int i = 0; i < n; i++) {
-        int start = len > window ? len - window : 0, T = len - start;
-        memcpy(m->h_inputs, ids + start, sizeof(int) * T);
-        memset(m->h_targets, 0, sizeof(int) * T);
-        for (int t = 0; t < T; t++) { m->h_mask[t] = 0.0f; m->h_pos[t] = t; }
+        if (recompute || kv.len + (len - fed) > window) {  // (re)start the window
+            kv.len = 0;
+            fed = len - (recompute ? window : window / 2);
+            if (fed < 0) fed = 0;
+        }
+        int T = len - fed;
+        for (int t = 0; t < T; t++) {
+            m->h_inputs[t] = ids[fed + t];
+            m->h_targets[t] = 0;
+            m->h_mask[t] = 0.0f;
+            m->h_pos[t] = kv.len + t;
+        }
         llama_upload_batch(m, T);
-        llama_forward_blocks(m, 1, T);
-        LossStats st = {0, 0, 0};
-        op_lm_head_loss(m->be, m->resid, m->final_norm, c->norm_eps, m->lm_head, c->vocab, c->dim, m->targets, m->mask, T, m->loss_chunk, 0.0f,
-                        NULL, logits, &m->loss, &st);
-        backend_download(m->be, last, logits + (int64_t)(T - 1) * c->vocab, sizeof(float) * c->vocab);
+        llama_forward_blocks(m, 1, T, &kv);
+        kv.len += T;
+        fed = len;
+        LossStats st = {0, 0, 0};  // the head on the last token only
+        op_lm_head_loss(be, (char*)m->resid + (int64_t)(T - 1) * d * be->abytes, m->final_norm, c->norm_eps, m->lm_head, c->vocab,
+                        (int)d, m->targets, m->mask, 1, 1, 0.0f, NULL, logits, &m->loss, &st);
+        backend_download(be, last, logits, sizeof(float) * c->vocab);
         int next = sample_token(last, c->vocab, temperature, &rng);
         if (next == c->eos_id || next == tok->bos_id) break;
         printf("%s", tokenizer_decode(tok, ids[len - 1], next, bb));
@@ -700,9 +737,11 @@ static void llama_generate(Llama* m, const Tokenizer* tok, const char* prompt, i
         ids[len++] = next;
     }
     printf("\n");
+    for (int l = 0; l < c->layers; l++) { backend_free(be, kv.k[l]); backend_free(be, kv.v[l]); }
+    free(kv.k); free(kv.v);
     free(ids);
     free(last);
-    backend_free(m->be, logits);
+    backend_free(be, logits);
 }
 
 // ----------------------------------------------------------------------------------------------

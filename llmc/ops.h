@@ -175,6 +175,13 @@ static void op_attention_backward(const Backend* be, void* dq, void* dk, void* d
     attention_backward(F32(dq), F32(dk), F32(dv), CF32(dout), CF32(q), CF32(k), CF32(v), CF32(o), lse, s);
 }
 
+// Generation: n new queries at positions start.. against the key/value cache kc, vc (causal).
+static void op_attention_cached(const Backend* be, void* o, const void* q, const void* kc, const void* vc, int n, int start, int H,
+                                int KVH, int hd) {
+    OP_CUDA(be, attention_cached_cuda(B16(o), CB16(q), CB16(kc), CB16(vc), n, start, H, KVH, hd, be->stream))
+    attention_cached(F32(o), CF32(q), CF32(kc), CF32(vc), n, start, H, KVH, hd);
+}
+
 // ---- activations -------------------------------------------------------------------------------
 
 static void op_swiglu_forward(const Backend* be, void* p, void* sg, uint8_t* codes, const void* g, const void* u, int64_t n) {

@@ -236,12 +236,15 @@ def test_cuda_full_finetuning_trains_and_zero1_equals_one_process(tmp_path):
     assert worst < 1e-3
 
 
-def test_cuda_generates(tmp_path):
-    p = run([need(CUDA_TRAIN), "--model", os.path.join(REPO, "data/llama_demo"), "--device", "cuda", "--generate", 12,
-             "--prompt", "Licensed under the", "--temperature", 0])
-    text = p.stdout.strip().splitlines()[-1]
+def test_cuda_generates_with_the_kv_cache(tmp_path):
+    """Greedy text with the CUDA key/value cache equals recomputing the window every token."""
+    args = [need(CUDA_TRAIN), "--model", os.path.join(REPO, "data/llama_demo"), "--device", "cuda", "--generate", 20,
+            "--prompt", "Licensed under the", "--temperature", 0]
+    cached, recomputed = run(args).stdout, run(args, env={"LLMC_NO_KV_CACHE": "1"}).stdout
+    text = cached[cached.index("Licensed under the"):]
     print(text)
-    assert text.startswith("Licensed under the") and len(text) > len("Licensed under the") + 5
+    assert text == recomputed[recomputed.index("Licensed under the"):]
+    assert len(text.split()) > 8
 
 
 def test_cuda_bad_inputs_fail_cleanly(tmp_path):

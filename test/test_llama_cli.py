@@ -174,6 +174,22 @@ def test_stories260k_generates(tmp_path):
     assert sum(w.strip(".,!\"'").isalpha() for w in words) > 0.8 * len(words)
 
 
+def test_generation_kv_cache_equals_recomputing_the_window():
+    """Greedy sampling with the key/value cache gives the very text of recomputing the whole window
+    for every token (LLMC_NO_KV_CACHE=1) while the text fits the window (128 tokens here); past it
+    the cache restarts from the last half window and generation goes on."""
+    args = ["--model", os.path.join(REPO, "data/llama_demo"), "--temperature", 0, "--prompt", "Licensed under the"]
+    cached = run(args + ["--generate", 100]).stdout
+    p = subprocess.run([BIN] + [str(a) for a in args + ["--generate", 100]], capture_output=True, text=True,
+                       env=dict(ENV, LLMC_NO_KV_CACHE="1"))
+    assert p.returncode == 0, p.stderr
+    text = cached[cached.index("Licensed under the"):]
+    assert text == p.stdout[p.stdout.index("Licensed under the"):]
+    assert len(text.split()) > 30, text
+    long = run(args + ["--generate", 300]).stdout
+    assert len(long[long.index("Licensed under the"):].split()) > len(text.split())
+
+
 # ---- bad input -------------------------------------------------------------------------------
 
 def copy_model(tiny, tmp_path):

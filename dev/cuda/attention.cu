@@ -97,6 +97,24 @@ static void test_attention(AttnShape s, Rng* rng, int packed) {
     free(gdq); free(gdk); free(gdv);
 }
 
+// Generation: n new queries against a cache of start + n keys (prefill: start = 0; decode: n = 1).
+static void test_attention_cached(int n, int start, int H, int KVH, int hd, Rng* rng) {
+    int keys = start + n;
+    int64_t nq = (int64_t)n * H * hd, nk = (int64_t)keys * KVH * hd;
+    float *q = host_randn(nq, rng, 1.0f, 1), *kc = host_randn(nk, rng, 1.0f, 1), *vc = host_randn(nk, rng, 1.0f, 1);
+    float* want = (float*)xmalloc(4 * nq);
+    attention_cached(want, q, kc, vc, n, start, H, KVH, hd);
+    bf16 *d_q = upload_bf16(q, nq), *d_k = upload_bf16(kc, nk), *d_v = upload_bf16(vc, nk), *d_o = (bf16*)dev_alloc(2 * nq);
+    dev_poison(d_o, 2 * nq);
+    attention_cached_cuda(d_o, d_q, d_k, d_v, n, start, H, KVH, hd, g_stream);
+    float* got = download_bf16(d_o, nq);
+    char name[128];
+    snprintf(name, sizeof(name), "attention_cached n=%d start=%d H=%d KVH=%d hd=%d", n, start, H, KVH, hd);
+    check_close(name, got, want, nq, 1e-2);
+    CUDA_CHECK(cudaFree(d_q)); CUDA_CHECK(cudaFree(d_k)); CUDA_CHECK(cudaFree(d_v)); CUDA_CHECK(cudaFree(d_o));
+    free(q); free(kc); free(vc); free(want); free(got);
+}
+
 static void test_rope(int64_t N, int T, int nheads, int hd, Rng* rng) {
     int half = hd / 2;
     int64_t n = N * nheads * hd;
@@ -187,6 +205,10 @@ int main(void) {
     for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) test_attention(cases[i], &rng, 0);
     AttnShape packed[] = {{2, 37, 4, 2, 16, 1}, {1, 97, 2, 2, 36, 1}};  // packed examples, ragged tiles
     for (size_t i = 0; i < sizeof(packed) / sizeof(packed[0]); i++) test_attention(packed[i], &rng, 1);
+    test_attention_cached(13, 0, 4, 2, 16, &rng);    // prefill, GQA
+    test_attention_cached(1, 200, 3, 1, 64, &rng);   // decode, many keys (more than the block's threads)
+    test_attention_cached(2, 37, 2, 2, 128, &rng);   // hd 128
+    test_attention_cached(1, 0, 2, 1, 36, &rng);     // the first token
     // the tensor-core path over many chunks of query rows (ragged last chunk; causal key ranges)
     setenv("LLMC_ATTN_CHUNK", "16", 1);
     printf("with LLMC_ATTN_CHUNK=16:\n");

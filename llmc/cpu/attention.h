@@ -118,3 +118,35 @@ static void attention_backward(float* dq, float* dk, float* dv, const float* dou
                 }
         }
 }
+
+// Attention of n new queries against a key/value cache (generation): q [n, H*hd] at absolute
+// positions start .. start+n-1, kc and vc [cap, KVH*hd] holding every position up to start+n-1
+// (the new rows included); causal. o [n, H*hd]. No lse: nothing is trained from it.
+static void attention_cached(float* o, const float* q, const float* kc, const float* vc, int n, int start, int H, int KVH, int hd) {
+    int64_t qs = (int64_t)H * hd, ks = (int64_t)KVH * hd;
+    int group = H / KVH;
+    float scale = 1.0f / sqrtf((float)hd);
+    float* p = (float*)malloc(sizeof(float) * (start + n));
+    for (int t = 0; t < n; t++)
+        for (int h = 0; h < H; h++) {
+            const float* qi = q + t * qs + (int64_t)h * hd;
+            int keys = start + t + 1, kh = h / group;
+            float mx = -FLT_MAX;
+            for (int j = 0; j < keys; j++) {
+                const float* kj = kc + j * ks + (int64_t)kh * hd;
+                float d = 0.0f;
+                for (int i = 0; i < hd; i++) d += qi[i] * kj[i];
+                p[j] = d * scale;
+                if (p[j] > mx) mx = p[j];
+            }
+            double sum = 0.0;
+            for (int j = 0; j < keys; j++) { p[j] = expf(p[j] - mx); sum += p[j]; }
+            float inv = (float)(1.0 / sum), *oi = o + t * qs + (int64_t)h * hd;
+            for (int i = 0; i < hd; i++) oi[i] = 0.0f;
+            for (int j = 0; j < keys; j++) {
+                const float* vj = vc + j * ks + (int64_t)kh * hd;
+                for (int i = 0; i < hd; i++) oi[i] += p[j] * inv * vj[i];
+            }
+        }
+    free(p);
+}

@@ -347,3 +347,52 @@ static void attention_backward_cuda(bf16* dq, bf16* dk, bf16* dv, const bf16* do
         break;
     }
 }
+
+// ---- attention against a key/value cache (generation) ----------------------------------------
+
+#define ATT_CACHE_MAX 4096   // keys one call can attend to: the scores live in shared memory
+#define ATT_CACHE_THREADS 128
+
+// One block per (new query t, head h): scores against every cached key up to the query's own
+// position (start + t), a block-wide softmax, then o = p V with threads over the head dims.
+__global__ void attention_cached_kernel(bf16* o, const bf16* __restrict__ q, const bf16* __restrict__ kc, const bf16* __restrict__ vc,
+                                        int start, int H, int KVH, int hd) {
+    __shared__ float p[ATT_CACHE_MAX];
+    __shared__ float qs[128];
+    int t = blockIdx.x / H, h = blockIdx.x % H, kh = h / (H / KVH), keys = start + t + 1;
+    int64_t qrow = (int64_t)t * H * hd + (int64_t)h * hd, ks = (int64_t)KVH * hd;
+    float scale = rsqrtf((float)hd);
+    for (int i = threadIdx.x; i < hd; i += blockDim.x) qs[i] = bf2f(q[qrow + i]) * scale;
+    __syncthreads();
+    float mx = -INFINITY;
+    for (int j = threadIdx.x; j < keys; j += blockDim.x) {
+        const bf16* kj = kc + j * ks + (int64_t)kh * hd;
+        float d = 0.0f;
+        for (int i = 0; i < hd; i++) d += qs[i] * bf2f(kj[i]);
+        p[j] = d;
+        mx = fmaxf(mx, d);
+    }
+    MaxLoc init = {mx, 0};
+    mx = block_reduce_maxloc(init).v;
+    float sum = 0.0f;
+    for (int j = threadIdx.x; j < keys; j += blockDim.x) {
+        p[j] = expf(p[j] - mx);
+        sum += p[j];
+    }
+    float inv = 1.0f / block_reduce_sum(sum);  // its barriers also publish every p[j]
+    for (int i = threadIdx.x; i < hd; i += blockDim.x) {
+        float acc = 0.0f;
+        for (int j = 0; j < keys; j++) acc += p[j] * bf2f(vc[j * ks + (int64_t)kh * hd + i]);
+        o[qrow + i] = f2bf(acc * inv);
+    }
+}
+
+// o [n, H*hd] for n new queries q at positions start .. start+n-1 against kc, vc [>= start+n,
+// KVH*hd] (the twin of attention_cached in llmc/cpu/attention.h).
+static void attention_cached_cuda(bf16* o, const bf16* q, const bf16* kc, const bf16* vc, int n, int start, int H, int KVH, int hd,
+                                  cudaStream_t stream) {
+    if (n <= 0) return;
+    if (start + n > ATT_CACHE_MAX) fail("attention_cached_cuda: %d cached positions exceed the kernel's %d", start + n, ATT_CACHE_MAX);
+    if (hd > 128 || H % KVH) fail("attention_cached_cuda: head_dim %d (max 128) or %d heads over %d kv heads not supported", hd, H, KVH);
+    launch_kernel((unsigned)n * H, ATT_CACHE_THREADS, 0, stream, attention_cached_kernel, o, q, kc, vc, start, H, KVH, hd);
+}
