@@ -164,6 +164,8 @@ static void time_matmul_f32(int M, int N, int K) {
 int main(void) {
     Rng rng = rng_seeded(5, 4);
     check_begin("dev/cuda/matmul: cuBLASLt products and the LoRA linear vs llmc/cpu/matmul.h, llmc/lora.h");
+    // every shape runs twice per form and path (new buffers, beta 0 then 1; the bias cases with a
+    // new bias): the second call reuses the cuBLASLt plan cached by the first
     int shapes[][3] = {{37, 53, 71}, {128, 256, 192}, {1, 40, 9}, {96, 8, 300}};
     for (int s = 0; s < 4; s++)
         for (int f = 0; f < 3; f++)

@@ -52,8 +52,10 @@ static void cublas_setup(void) {
     g_cublas.ready = 1;
 }
 
+static void matmul_plans_free(void);
 static void cublas_teardown(void) {
     if (!g_cublas.ready) return;
+    matmul_plans_free();
     CUDA_CHECK(cudaFree(g_cublas.workspace));
     CUBLAS_CHECK(cublasDestroy(g_cublas.blas));
     CUBLAS_CHECK(cublasLtDestroy(g_cublas.lt));
@@ -76,6 +78,95 @@ static float mm_emu_load(const void* p, cudaDataType_t t, int64_t i) {
 #endif
 
 static size_t mm_elem_size(cudaDataType_t t) { return t == CUDA_R_16BF ? 2 : 4; }
+
+#ifndef LLMC_CUDA_EMU
+// cuBLASLt plans (descriptors, layouts and the heuristic's algorithm) cached per shape, types and
+// alignment: a model calls a few dozen distinct products thousands of times, and asking the
+// heuristic each time costs tens of microseconds of host time per product, more than many of
+// the products themselves take on the GPU (ViT-B, the LoRA ranks). Process-wide, like the handles.
+typedef struct {
+    MatmulForm form;
+    cudaDataType_t ctype, abtype;
+    int bias, M, N, K;
+    uint32_t al_a, al_b, al_c;
+} MatmulPlanKey;
+
+typedef struct {
+    MatmulPlanKey key;
+    cublasLtMatmulDesc_t desc;
+    cublasLtMatrixLayout_t la, lb, lc;
+    cublasLtMatmulAlgo_t algo;
+    int found;             // the heuristic had an algorithm; else the product takes the fallback
+} MatmulPlan;
+
+#define MATMUL_PLANS 512
+static MatmulPlan g_matmul_plans[MATMUL_PLANS];
+static int g_matmul_plan_count;
+
+static void matmul_plan_build(MatmulPlan* p) {
+    const MatmulPlanKey* k = &p->key;
+    cublasOperation_t opa, opb;
+    uint64_t arows, acols, lda, brows, bcols, ldb;
+    int M = k->M, N = k->N, K = k->K;
+    switch (k->form) {
+    case MM_NT: opa = CUBLAS_OP_T; arows = K; acols = N; lda = K; opb = CUBLAS_OP_N; brows = K; bcols = M; ldb = K; break;
+    case MM_NN: opa = CUBLAS_OP_N; arows = N; acols = K; lda = N; opb = CUBLAS_OP_N; brows = K; bcols = M; ldb = K; break;
+    default:    opa = CUBLAS_OP_N; arows = N; acols = K; lda = N; opb = CUBLAS_OP_T; brows = M; bcols = K; ldb = M; break;
+    }
+    CUBLAS_CHECK(cublasLtMatmulDescCreate(&p->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_TRANSA, &opa, sizeof(opa)));
+    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_TRANSB, &opb, sizeof(opb)));
+    if (k->bias) {
+        cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_BIAS;  // bias of D's type, one per row of D^T
+        CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof(epi)));
+    }
+    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p->la, k->abtype, arows, acols, lda));
+    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p->lb, k->abtype, brows, bcols, ldb));
+    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p->lc, k->ctype, N, M, N));
+    cublasLtMatmulPreference_t pref;
+    CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+    CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &g_cublas.workspace_bytes,
+                                                      sizeof(g_cublas.workspace_bytes)));
+    CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &k->al_a, sizeof(k->al_a)));
+    CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &k->al_b, sizeof(k->al_b)));
+    CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &k->al_c, sizeof(k->al_c)));
+    CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &k->al_c, sizeof(k->al_c)));
+    cublasLtMatmulHeuristicResult_t heur;
+    int found = 0;
+    cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(g_cublas.lt, p->desc, p->la, p->lb, p->lc, p->lc, pref, 1, &heur, &found);
+    if (st != CUBLAS_STATUS_SUCCESS && st != CUBLAS_STATUS_NOT_SUPPORTED) CUBLAS_CHECK(st);
+    p->found = st == CUBLAS_STATUS_SUCCESS && found > 0;
+    if (p->found) p->algo = heur.algo;
+    CUBLAS_CHECK(cublasLtMatmulPreferenceDestroy(pref));
+}
+
+static void matmul_plan_destroy(MatmulPlan* p) {
+    if (!p->desc) return;
+    CUBLAS_CHECK(cublasLtMatrixLayoutDestroy(p->lc));
+    CUBLAS_CHECK(cublasLtMatrixLayoutDestroy(p->lb));
+    CUBLAS_CHECK(cublasLtMatrixLayoutDestroy(p->la));
+    CUBLAS_CHECK(cublasLtMatmulDescDestroy(p->desc));
+    p->desc = NULL;
+}
+
+static void matmul_plans_free(void) {
+    for (int i = 0; i < g_matmul_plan_count; i++) matmul_plan_destroy(&g_matmul_plans[i]);
+    g_matmul_plan_count = 0;
+}
+
+// The plan for key: from the cache, or built (and cached while there is room; a plan that does
+// not fit stays in the last slot, rebuilt when the next uncached key comes).
+static const MatmulPlan* matmul_plan_get(const MatmulPlanKey* key) {
+    for (int i = 0; i < g_matmul_plan_count; i++)
+        if (memcmp(&g_matmul_plans[i].key, key, sizeof(*key)) == 0) return &g_matmul_plans[i];
+    MatmulPlan* p = &g_matmul_plans[g_matmul_plan_count < MATMUL_PLANS ? g_matmul_plan_count++ : MATMUL_PLANS - 1];
+    matmul_plan_destroy(p);  // the overflow slot, when the cache is full
+    memset(p, 0, sizeof(*p));
+    p->key = *key;  // memset first: the key is compared bytewise, padding included
+    matmul_plan_build(p);
+    return p;
+}
+#endif
 
 // The one generic product behind every wrapper below. A and B share a type; C has its own.
 static void matmul_generic_cuda(MatmulForm form, void* C, cudaDataType_t ctype, const void* A, const void* B,
@@ -107,57 +198,23 @@ static void matmul_generic_cuda(MatmulForm form, void* C, cudaDataType_t ctype, 
 #else
     cublas_setup();
     // column-major view: D[N x M] = op1(B) op2(A); "a" below is cuBLAS's first operand (our B)
-    cublasOperation_t opa, opb;
-    uint64_t arows, acols, lda, brows, bcols, ldb;
-    switch (form) {
-    case MM_NT: opa = CUBLAS_OP_T; arows = K; acols = N; lda = K; opb = CUBLAS_OP_N; brows = K; bcols = M; ldb = K; break;
-    case MM_NN: opa = CUBLAS_OP_N; arows = N; acols = K; lda = N; opb = CUBLAS_OP_N; brows = K; bcols = M; ldb = K; break;
-    default:    opa = CUBLAS_OP_N; arows = N; acols = K; lda = N; opb = CUBLAS_OP_T; brows = M; bcols = K; ldb = M; break;
-    }
+    uint64_t lda = form == MM_NT ? K : N, ldb = form == MM_TN ? M : K;
     float beta = accumulate ? 1.0f : 0.0f;
     size_t ab = mm_elem_size(abtype), cb = mm_elem_size(ctype);
-
-    cublasLtMatmulDesc_t desc;
-    cublasLtMatrixLayout_t la, lb, lc;
-    cublasLtMatmulPreference_t pref;
-    CUBLAS_CHECK(cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
-    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &opa, sizeof(opa)));
-    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &opb, sizeof(opb)));
-    if (bias) {
-        cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_BIAS;  // bias of D's type, one per row of D^T
-        CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof(epi)));
-        CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
-    }
-    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&la, abtype, arows, acols, lda));
-    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&lb, abtype, brows, bcols, ldb));
-    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&lc, ctype, N, M, N));
-    CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
-    CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &g_cublas.workspace_bytes,
-                                                      sizeof(g_cublas.workspace_bytes)));
     uint32_t al_a = mm_alignment(B, lda, ab), al_b = mm_alignment(A, ldb, ab), al_c = mm_alignment(C, N, cb);
     if (bias) { uint32_t al_bias = mm_alignment(bias, 0, cb); al_c = al_c < al_bias ? al_c : al_bias; }
-    CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &al_a, sizeof(al_a)));
-    CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &al_b, sizeof(al_b)));
-    CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &al_c, sizeof(al_c)));
-    CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al_c, sizeof(al_c)));
-
-    cublasLtMatmulHeuristicResult_t heur;
-    int found = 0;
-    cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(g_cublas.lt, desc, la, lb, lc, lc, pref, 1, &heur, &found);
-    int done = 0;
-    if (st == CUBLAS_STATUS_SUCCESS && found > 0) {
-        st = cublasLtMatmul(g_cublas.lt, desc, &alpha, B, la, A, lb, &beta, C, lc, C, lc, &heur.algo, g_cublas.workspace,
-                            g_cublas.workspace_bytes, stream);
-        if (st != CUBLAS_STATUS_NOT_SUPPORTED) { CUBLAS_CHECK(st); done = 1; }
-    } else if (st != CUBLAS_STATUS_SUCCESS && st != CUBLAS_STATUS_NOT_SUPPORTED) {
-        CUBLAS_CHECK(st);
+    MatmulPlanKey key;
+    memset(&key, 0, sizeof(key));  // compared bytewise
+    key.form = form; key.ctype = ctype; key.abtype = abtype; key.bias = bias != NULL;
+    key.M = M; key.N = N; key.K = K; key.al_a = al_a; key.al_b = al_b; key.al_c = al_c;
+    const MatmulPlan* plan = matmul_plan_get(&key);
+    if (plan->found) {
+        if (bias) CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
+        cublasStatus_t st = cublasLtMatmul(g_cublas.lt, plan->desc, &alpha, B, plan->la, A, plan->lb, &beta, C, plan->lc, C, plan->lc,
+                                           &plan->algo, g_cublas.workspace, g_cublas.workspace_bytes, stream);
+        if (st != CUBLAS_STATUS_NOT_SUPPORTED) { CUBLAS_CHECK(st); return; }
     }
-    CUBLAS_CHECK(cublasLtMatmulPreferenceDestroy(pref));
-    CUBLAS_CHECK(cublasLtMatrixLayoutDestroy(lc));
-    CUBLAS_CHECK(cublasLtMatrixLayoutDestroy(lb));
-    CUBLAS_CHECK(cublasLtMatrixLayoutDestroy(la));
-    CUBLAS_CHECK(cublasLtMatmulDescDestroy(desc));
-    if (done) return;
+    cublasOperation_t opa = form == MM_NT ? CUBLAS_OP_T : CUBLAS_OP_N, opb = form == MM_TN ? CUBLAS_OP_T : CUBLAS_OP_N;
 
     // fallback: classic cuBLAS, same types and compute precision, bias in a separate pass
     CUBLAS_CHECK(cublasSetStream(g_cublas.blas, stream));
