@@ -234,6 +234,12 @@ def test_cuda_full_finetuning_trains_and_zero1_equals_one_process(tmp_path):
     worst = max(rel_l2(wb[k], wa[k]) for k in wa)
     print(f"full weights, 2 ranks vs 1 process: worst relative L2 {worst:.2e}")
     assert worst < 1e-3
+    # stopped after 2 steps and resumed (each rank's shard of the moments back on its device)
+    train_two_ranks("--full", "--lr", "1e-3", "--steps", 3, "--batch", 2, "--stop-at", 2, "--out", tmp_path / "split")
+    r = train_two_ranks("--full", "--lr", "1e-3", "--steps", 3, "--batch", 2, "--resume", tmp_path / "split")
+    assert step_losses(r.stdout) == step_losses(p.stdout)[2:]
+    wc = st_io.load(str(tmp_path / "split" / "model.safetensors"))
+    assert all(np.array_equal(wc[k], wb[k]) for k in wb)
 
 
 def test_cuda_generates_with_the_kv_cache(tmp_path):
