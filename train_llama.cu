@@ -424,7 +424,9 @@ static void llama_random_weights(Llama* m, uint64_t seed) {
     for (int t = 0; t < N_TARGETS; t++) if (lin_in(c, t) * lin_out(c, t) > biggest) biggest = lin_in(c, t) * lin_out(c, t);
     float* tmp = (float*)xmalloc(sizeof(float) * biggest);
     Rng rng = rng_seeded(seed, 11);
-    for (int64_t i = 0; i < biggest; i++) tmp[i] = 0.02f * rng_normal(&rng);
+    int64_t drawn = biggest < (1 << 22) ? biggest : (1 << 22);  // 4M normals, repeated
+    for (int64_t i = 0; i < drawn; i++) tmp[i] = 0.02f * rng_normal(&rng);
+    for (int64_t i = drawn; i < biggest; i += drawn) memcpy(tmp + i, tmp, sizeof(float) * (biggest - i < drawn ? biggest - i : drawn));
     m->gamma_host = (float*)xmalloc(sizeof(float) * 2 * c->layers * d);
     for (int64_t i = 0; i < 2 * c->layers * d; i++) m->gamma_host[i] = 1.0f;
     backend_upload_weights(m->be, m->embed, tmp, c->vocab * d);

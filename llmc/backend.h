@@ -147,11 +147,12 @@ static void backend_download(const Backend* be, void* dst, const void* src, size
 static void backend_upload_weights(const Backend* be, void* dst, const float* src, int64_t n) {
     if (!be->cuda) { backend_upload(be, dst, src, sizeof(float) * n); return; }
 #ifdef LLMC_HAVE_CUDA
-    const int64_t slice = 1 << 20;
+    const int64_t slice = 1 << 24, part = 1 << 16;  // converted by all threads, a part each
     uint16_t* tmp = (uint16_t*)xmalloc(sizeof(uint16_t) * slice);
     for (int64_t off = 0; off < n; off += slice) {
         int64_t c = n - off < slice ? n - off : slice;
-        f32_to_dtype(tmp, src + off, c, ST_BF16);
+#pragma omp parallel for schedule(static)
+        for (int64_t p = 0; p < c; p += part) f32_to_dtype(tmp + p, src + off + p, c - p < part ? c - p : part, ST_BF16);
         CUDA_CHECK(cudaMemcpy((uint16_t*)dst + off, tmp, sizeof(uint16_t) * c, cudaMemcpyHostToDevice));
     }
     free(tmp);

@@ -11,7 +11,10 @@
 # layer (causal QK^T, PV and their four backward products, halved for the mask; 12 T d for ViT's
 # bidirectional attention), the planned saved-activation bytes and the device memory the run
 # measured (cudaMemGetInfo after training: every arena is allocated up front and held, so this
-# is the peak). Writes build/bench/bench.md (and $OUT/bench.md when OUT is set).
+# is the peak). Beside them, the same configs in Hugging Face transformers + PEFT
+# (scripts/bench_hf.py: bf16 weights, fp32 adapters under autocast, SDPA attention; plain and with
+# gradient checkpointing; BENCH_HF=0 skips them), the comparison of DESIGN.md section 8.
+# Writes build/bench/bench.md (and $OUT/bench.md when OUT is set).
 # Usage: bash scripts/bench_gpu.sh [llama|vit|all]    (a GPU and an nvcc build are required)
 set -u
 cd "$(dirname "$0")/.." || exit 1
@@ -40,7 +43,6 @@ EOF
 
 # mean of the per-step throughput figures after the warm-up steps
 rate() { grep -o "| [0-9]* $1/s" | awk -v w="$WARM" '{ n++; if (n > w) { s += $2; k++ } } END { if (k) printf "%.0f", s / k; else print "n/a" }'; }
-field() { sed -n "s/.*$1 \([0-9.]*\) MiB.*/\1/p" | tail -n 1; }
 
 bench_run() {  # model mode unit flops_per_item command...
     local model=$1 mode=$2 unit=$3 fpi=$4; shift 4
@@ -59,6 +61,22 @@ bench_run() {  # model mode unit flops_per_item command...
     ROWS+=("$model|$mode|$r $unit/s|$mfu|${saved:-?}|${plan:-?}|${meas:-?}")
 }
 
+hf_run() {  # model kind mode unit flops_per_item bench_hf.py-arguments...: the same config in transformers + PEFT
+    local model=$1 kind=$2 mode=$3 unit=$4 fpi=$5; shift 5
+    local log="$D/$model.hf-$mode.log"
+    [ "${BENCH_HF:-1}" = 1 ] || return 0
+    echo "== $model transformers+PEFT $mode"
+    timeout 600 $PY scripts/bench_hf.py --model "$D/$model" "$kind" --mode "$mode" --steps "$STEPS" --warmup "$WARM" "$@" > "$log" 2>&1
+    local rc=$? line r peak mfu
+    line=$(grep '^HF ' "$log" | tail -n 1)
+    echo "${line:-$(tail -n 3 "$log")}"
+    r=$(echo "$line" | sed -n "s/.*: \([0-9]*\) $unit\/s.*/\1/p")
+    peak=$(echo "$line" | sed -n 's/.*peak \([0-9.]*\) MiB.*/\1/p')
+    mfu=$(awk -v r="${r:-0}" -v f="$fpi" 'BEGIN { if (r + 0 > 0) printf "%.1f%%", 100 * r * f / 989e12; else print "n/a" }')
+    [ $rc -eq 0 ] && [ -n "$r" ] || r="FAIL(rc=$rc)"
+    ROWS+=("$model|transformers+PEFT, $mode|${r} $unit/s|$mfu|-|-|${peak:-?} (torch peak allocated)")
+}
+
 if [ "$WHAT" = all ] || [ "$WHAT" = llama ]; then
     [ -f "$D/tokens.bin" ] || $PY scripts/bench_data.py tokens "$D/tokens.bin" 32000 $(( (STEPS + 2) * LB * (LS + 1) ))
     # N = 6.74e9 parameters; attention 6 * T * d * layers per token
@@ -67,6 +85,7 @@ if [ "$WHAT" = all ] || [ "$WHAT" = llama ]; then
         bench_run llama7b $mode tok "$F" ./train_llama --model "$D/llama7b" --random-init --device cuda --data "$D/tokens.bin" \
             --mode $mode --batch "$LB" --seq "$LS" --steps "$STEPS" --lora-rank 16 --lora-alpha 32 --lr 1e-4
     done
+    for mode in plain ckpt; do hf_run llama7b llama $mode tok "$F" --batch "$LB" --seq "$LS" --rank 16; done
 fi
 if [ "$WHAT" = all ] || [ "$WHAT" = vit ]; then
     [ -f "$D/images.bin" ] || $PY scripts/bench_data.py images "$D/images.bin" $(( (STEPS + 1) * VB )) 224 100
@@ -76,6 +95,7 @@ if [ "$WHAT" = all ] || [ "$WHAT" = vit ]; then
         bench_run vitb16 $mode img "$F" ./train_vit --model "$D/vitb16" --random-init --device cuda --data "$D/images.bin" \
             --mode $mode --batch "$VB" --steps "$STEPS" --lora-rank 4 --lr 1e-4
     done
+    for mode in plain ckpt; do hf_run vitb16 vit $mode img "$F" --batch "$VB" --rank 4; done
 fi
 
 {

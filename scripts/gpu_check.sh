@@ -123,7 +123,7 @@ if [ -x ./train_llama ] && [ -x ./test/llama_probe ]; then
     if [ "$(elapsed)" -gt "$BUDGET_S" ]; then
         row "bench (7B-shaped LLaMA, ViT-B/16)" SKIPPED 0 "time budget"
     else
-        run_step "bench" 300 env BENCH_STEPS=${BENCH_STEPS:-6} bash scripts/bench_gpu.sh
+        run_step "bench" 300 env BENCH_STEPS=${BENCH_STEPS:-5} bash scripts/bench_gpu.sh
         row "bench (7B-shaped LLaMA, ViT-B/16; table below)" "$STEP_STATUS" "$STEP_SECONDS" "build/bench/bench.md"
     fi
 else

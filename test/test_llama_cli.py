@@ -174,6 +174,23 @@ def test_stories260k_generates(tmp_path):
     assert sum(w.strip(".,!\"'").isalpha() for w in words) > 0.8 * len(words)
 
 
+def test_random_init_trains_from_a_config_alone(tmp_path):
+    """--random-init (the benchmarks' mode): no weight file needed, random N(0, 0.02) weights, so
+    the first loss is close to ln(vocab); the run trains, and a missing config still fails."""
+    import json
+    import math
+    cfg = json.load(open(os.path.join(REPO, "data/llama_demo/config.json")))
+    (tmp_path / "cfg").mkdir()
+    (tmp_path / "cfg" / "config.json").write_text(json.dumps(cfg))
+    p = run(["--model", tmp_path / "cfg", "--random-init", "--data", os.path.join(REPO, "data/llama_demo_ft_train.bin"),
+             "--steps", 3, "--batch", 2, "--seq", 32, "--lr", 1e-3])
+    first = float(p.stdout.split("| loss ")[1].split()[0])
+    print(f"first loss {first:.4f}, ln(vocab) {math.log(cfg['vocab_size']):.4f}")
+    assert abs(first - math.log(cfg["vocab_size"])) < 0.1
+    p = run(["--model", tmp_path / "cfg", "--data", os.path.join(REPO, "data/llama_demo_ft_train.bin"), "--steps", 1], check=False)
+    assert p.returncode != 0 and "model.safetensors" in p.stderr
+
+
 def test_generation_kv_cache_equals_recomputing_the_window():
     """Greedy sampling with the key/value cache gives the very text of recomputing the whole window
     for every token (LLMC_NO_KV_CACHE=1) while the text fits the window (128 tokens here); past it
