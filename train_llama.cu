@@ -303,10 +303,10 @@ static void llama_bind(Llama* m) {
         }
     int64_t N = (int64_t)m->B * m->T;
     if (m->be->cuda) {
-        m->h_inputs = (int*)xcalloc(N, sizeof(int));
-        m->h_targets = (int*)xcalloc(N, sizeof(int));
-        m->h_pos = (int*)xcalloc(N, sizeof(int));
-        m->h_mask = (float*)xcalloc(N, sizeof(float));
+        m->h_inputs = (int*)backend_alloc_staging(m->be, sizeof(int) * N);
+        m->h_targets = (int*)backend_alloc_staging(m->be, sizeof(int) * N);
+        m->h_pos = (int*)backend_alloc_staging(m->be, sizeof(int) * N);
+        m->h_mask = (float*)backend_alloc_staging(m->be, sizeof(float) * N);
     } else {
         m->h_inputs = m->inputs; m->h_targets = m->targets; m->h_pos = m->pos; m->h_mask = m->mask;
     }
@@ -344,7 +344,10 @@ static void llama_allocate(Llama* m) {
 static void llama_free(Llama* m) {
     if (m->plan.arena[MEM_SCRATCH] || m->plan.arena[MEM_FROZEN]) {  // allocated (not a dry run)
         trainable_free_host(&m->tr);
-        if (m->be->cuda) { free(m->h_inputs); free(m->h_targets); free(m->h_pos); free(m->h_mask); }
+        if (m->be->cuda) {
+            backend_free_staging(m->be, m->h_inputs); backend_free_staging(m->be, m->h_targets);
+            backend_free_staging(m->be, m->h_pos); backend_free_staging(m->be, m->h_mask);
+        }
         backend_free_plan(m->be, &m->plan);
     } else {
         plan_free(&m->plan);

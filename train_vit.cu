@@ -396,8 +396,8 @@ static void vit_bind(Vit* m) {
     m->host_head_b = m->host_head_w + hw; m->host_dhead_b = m->host_dhead_w + hw;
     m->norms_host = (float*)xcalloc((int64_t)c->layers * N_LN * c->dim, sizeof(float));
     if (be->cuda) {
-        m->h_pixels = (float*)xcalloc((int64_t)m->B * c->channels * m->img_h * m->img_w, sizeof(float));
-        m->h_labels = (int*)xcalloc(m->B, sizeof(int));
+        m->h_pixels = (float*)backend_alloc_staging(be, sizeof(float) * m->B * c->channels * m->img_h * m->img_w);
+        m->h_labels = (int*)backend_alloc_staging(be, sizeof(int) * m->B);
     } else {
         m->h_pixels = m->pixels; m->h_labels = m->labels;
         m->zcls32 = (float*)m->zcls; m->dzcls32 = (float*)m->dzcls;
@@ -449,7 +449,7 @@ static void vit_allocate(Vit* m) {
 // Frees what vit_setup planned and vit_allocate made (either may be all there was: a dry run).
 static void vit_free(Vit* m) {
     trainable_free_host(&m->tr);
-    if (m->be->cuda) { free(m->h_pixels); free(m->h_labels); free(m->lin_host); }
+    if (m->be->cuda) { backend_free_staging(m->be, m->h_pixels); backend_free_staging(m->be, m->h_labels); free(m->lin_host); }
     backend_free_plan(m->be, &m->plan);
     free(m->layers); free(m->acts); free(m->ckpt); free(m->norms_host);
 }

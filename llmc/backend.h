@@ -124,6 +124,29 @@ static void backend_free(const Backend* be, void* p) {
     free(p);
 }
 
+// Host staging for what crosses to the GPU every step (the batch): page-locked on CUDA, so the
+// copies run at full bus speed and need no bounce buffer; plain zeroed memory otherwise.
+static void* backend_alloc_staging(const Backend* be, size_t bytes) {
+#ifdef LLMC_HAVE_CUDA
+    if (be->cuda) {
+        void* p = NULL;
+        if (cudaMallocHost(&p, bytes ? bytes : 1) != cudaSuccess) fail("cannot allocate %.1f MiB of pinned host memory for the batch", bytes / 1048576.0);
+        memset(p, 0, bytes);
+        return p;
+    }
+#endif
+    (void)be;
+    return xcalloc(bytes ? bytes : 1, 1);
+}
+static void backend_free_staging(const Backend* be, void* p) {
+    if (!p) return;
+#ifdef LLMC_HAVE_CUDA
+    if (be->cuda) { CUDA_CHECK(cudaFreeHost(p)); return; }
+#endif
+    (void)be;
+    free(p);
+}
+
 // Byte copies between the host and the backend (plain memcpy on the CPU; no-ops when equal).
 static void backend_upload(const Backend* be, void* dst, const void* src, size_t bytes) {
     if (!bytes || dst == src) return;

@@ -107,9 +107,11 @@ static OptimStep trainable_step_cuda(Trainable* tr, const TrainOptions* o, const
     float* g = tr->grads;
     if (tr->zero1) { dist_reduce_scatter_sum_f32_device(dist, tr->grads, tr->grad_shard, tr->shard, st); g = tr->grad_shard; }
     else dist_allreduce_sum_f32_device(dist, tr->grads, tr->count, st);
+    r.comm_s = wall_seconds() - t;  // (NCCL returns at once: its time then shows in the step time)
     double ss = sum_squares_cuda(g, tr->shard, tr->sumsq_scratch, st);
+    t = wall_seconds();
     if (tr->zero1) dist_allreduce_sum_f64(dist, &ss, 1);
-    r.comm_s = wall_seconds() - t;
+    r.comm_s += wall_seconds() - t;
     r.grad_norm = (float)sqrt(ss);
     if (!isfinite(r.grad_norm)) fail("step %d: non-finite gradient norm; lower --lr or check the data", step + 1);
     if (o->grad_clip > 0 && r.grad_norm > o->grad_clip) scale_inplace_cuda(g, tr->shard, o->grad_clip / r.grad_norm, st);

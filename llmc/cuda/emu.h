@@ -278,6 +278,12 @@ cudaError_t cudaFree(void* p) {
     free(p);
     return cudaSuccess;
 }
+// Page-locked host memory is plain host memory here (not registered: it is host memory).
+cudaError_t cudaMallocHost(void** p, size_t n) {
+    *p = malloc(n ? n : 1);
+    return *p ? cudaSuccess : cudaErrorMemoryAllocation;
+}
+cudaError_t cudaFreeHost(void* p) { free(p); return cudaSuccess; }
 cudaError_t cudaMemGetInfo(size_t* free_bytes, size_t* total) {
     *total = EMU_DEVICE_BYTES;
     *free_bytes = EMU_DEVICE_BYTES - emu_bytes_in_use;
