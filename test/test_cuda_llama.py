@@ -199,6 +199,19 @@ def test_cuda_resume_is_bit_identical_and_adapter_loads_on_cpu(tmp_path):
     assert vc != base  # the adapter changed the model
 
 
+def test_cuda_grad_accum_and_merged_export(tmp_path):
+    """Gradient accumulation on CUDA equals the bigger batch; --export-merged after CUDA training
+    writes what the CPU backend writes from the same adapter."""
+    big = train(CUDA_TRAIN, "cuda", "--steps", 2, "--batch", 4, "--out", tmp_path / "big")
+    acc = train(CUDA_TRAIN, "cuda", "--steps", 2, "--batch", 2, "--grad-accum", 2)
+    np.testing.assert_allclose(step_losses(acc.stdout), step_losses(big.stdout), rtol=2e-3)
+    train(CUDA_TRAIN, "cuda", "--eval-only", "--adapter", tmp_path / "big", "--export-merged", tmp_path / "m_cuda")
+    train(CPU_TRAIN, "cpu", "--eval-only", "--adapter", tmp_path / "big", "--export-merged", tmp_path / "m_cpu")
+    a = st_io.load(str(tmp_path / "m_cuda" / "model.safetensors"))
+    b = st_io.load(str(tmp_path / "m_cpu" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+
+
 def test_cuda_two_ranks_equal_one_process(tmp_path):
     if GPU:
         pytest.skip("needs two GPUs")  # the one-GPU session checks NCCL with LLMC_NCCL_SELFTEST instead
