@@ -145,6 +145,7 @@ typedef struct {
     BlockActs* acts;       // [layers]
     BlockActs tmp;         // scratch set (recompute, or buffers not kept)
     void** ckpt;           // [layers] block inputs under --recompute block
+    int64_t* layer_off;    // [layers] where each block's trainable values start in the arena
     // scratch (activation gradients have the activations' element type)
     void *resid, *resid_tmp, *dres, *dz, *dq, *dk, *dv, *dout, *dp, *dg, *du, *dax;
     void* att_work;        // CUDA attention: the tensor-core path's chunk of scores (llmc/attn_plan.h)
@@ -286,6 +287,7 @@ static void llama_bind(Llama* m) {
     for (int l = 0; l < c->layers; l++)
         for (int t = 0; t < N_TARGETS; t++) {
             Linear* L = &m->layers[l].lin[t];
+            if (t == 0) m->layer_off[l] = off;
             L->in = (int)lin_in(c, t);
             L->out = (int)lin_out(c, t);
             if (m->modes.full) {  // full fine-tuning: W and its gradient live in the flat arenas
@@ -333,6 +335,7 @@ static void llama_setup(Llama* m, const LlamaConfig* cfg, const LlamaModes* mode
     m->layers = (LlamaLayer*)xcalloc(cfg->layers, sizeof(LlamaLayer));
     m->acts = (BlockActs*)xcalloc(cfg->layers, sizeof(BlockActs));
     m->ckpt = (void**)xcalloc(cfg->layers, sizeof(void*));
+    m->layer_off = (int64_t*)xcalloc(cfg->layers, sizeof(int64_t));
     llama_plan(m, &m->plan);
 }
 
@@ -352,7 +355,7 @@ static void llama_free(Llama* m) {
     } else {
         plan_free(&m->plan);
     }
-    free(m->layers); free(m->acts); free(m->ckpt); free(m->gamma_host);
+    free(m->layers); free(m->acts); free(m->ckpt); free(m->gamma_host); free(m->layer_off);
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -587,6 +590,7 @@ static void llama_backward_blocks(Llama* m, int B, int T) {
             block_forward(m, l, m->resid_tmp, &m->acts[l], B, T, NULL);
         }
         block_backward(m, l, &m->acts[l], B, T);
+        trainable_grads_final_from(&m->tr, m->dist, m->layer_off[l]);  // this block's are final
     }
 }
 
@@ -639,6 +643,7 @@ static StepResult llama_train_step(Llama* m, TextLoader* loader, const TrainOpti
     trainable_zero_grads(&m->tr);
     double loss_sum = 0.0;
     for (int k = 0; k < K; k++) {
+        if (k == K - 1) trainable_buckets_begin(&m->tr, dist);  // the last backward sends buckets as they finish
         memcpy(m->h_inputs, in_all + k * N, sizeof(int) * N);
         memcpy(m->h_targets, tg_all + k * N, sizeof(int) * N);
         memcpy(m->h_mask, mk_all + k * N, sizeof(float) * N);

@@ -199,6 +199,7 @@ typedef struct {
     void *resid, *resid_tmp, *dres, *dz, *dq, *dk, *dv, *dout, *dh, *dax;
     void* att_work;        // CUDA attention: the tensor-core path's chunk of scores (llmc/attn_plan.h)
     size_t att_work_bytes;
+    int64_t* layer_off;    // [layers] where each block's trainable values start in the arena
     // the head on the class tokens [B, .]: final LayerNorm in the activation type, then fp32
     void *xcls, *zcls, *dzcls, *dxcls;
     float *mcls, *rcls;
@@ -370,6 +371,7 @@ static void vit_bind(Vit* m) {
     for (int l = 0; l < c->layers; l++)
         for (int t = 0; t < N_TARGETS; t++) {
             Linear* L = &m->layers[l].lin[t];
+            if (t == 0) m->layer_off[l] = off;
             L->in = (int)lin_in(c, t);
             L->out = (int)lin_out(c, t);
             if (be->cuda) {  // the host copies; the backend's are L->dev.W / L->dev.bias
@@ -438,6 +440,7 @@ static void vit_setup(Vit* m, const VitConfig* cfg, const VitModes* modes, int B
     m->layers = (VitLayer*)xcalloc(cfg->layers, sizeof(VitLayer));
     m->acts = (BlockActs*)xcalloc(cfg->layers, sizeof(BlockActs));
     m->ckpt = (void**)xcalloc(cfg->layers, sizeof(void*));
+    m->layer_off = (int64_t*)xcalloc(cfg->layers, sizeof(int64_t));
     vit_plan(m, &m->plan);
 }
 
@@ -451,7 +454,7 @@ static void vit_free(Vit* m) {
     trainable_free_host(&m->tr);
     if (m->be->cuda) { backend_free_staging(m->be, m->h_pixels); backend_free_staging(m->be, m->h_labels); free(m->lin_host); }
     backend_free_plan(m->be, &m->plan);
-    free(m->layers); free(m->acts); free(m->ckpt); free(m->norms_host);
+    free(m->layers); free(m->acts); free(m->ckpt); free(m->norms_host); free(m->layer_off);
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -772,6 +775,7 @@ static void vit_backward_blocks(Vit* m, int B) {
             block_forward(m, l, m->resid_tmp, &m->acts[l], B);
         }
         block_backward(m, l, &m->acts[l], B);
+        trainable_grads_final_from(&m->tr, m->dist, m->layer_off[l]);  // this block's and the head's are final
     }
 }
 
@@ -804,6 +808,7 @@ static StepResult vit_train_step(Vit* m, ImageLoader* loader, const TrainOptions
     trainable_zero_grads(&m->tr);
     double sums[2] = {0.0, 0.0};  // loss, correct
     for (int k = 0; k < K; k++) {
+        if (k == K - 1) trainable_buckets_begin(&m->tr, dist);  // the last backward sends buckets as they finish
         image_loader_next(loader, B, dist->rank, dist->world, m->h_pixels, m->h_labels);
         vit_upload_batch(m, B);
         LossStats st = vit_forward_backward(m, B, scale, 1, NULL);

@@ -124,6 +124,16 @@ static void dist_nccl_init(Dist* d) {
 #endif
 }
 
+// Whether device collectives go through NCCL (else through the host and MPI).
+static int dist_has_nccl(const Dist* d) {
+#ifdef LLMC_DIST_NCCL
+    return d && d->has_nccl;
+#else
+    (void)d;
+    return 0;
+#endif
+}
+
 // What sums the device gradients, for the trainers' start-up line.
 static const char* dist_gpu_collectives(const Dist* d) {
 #ifdef LLMC_DIST_NCCL

@@ -28,6 +28,15 @@ typedef struct {
     float *host_params, *host_grads;  // the host mirror (the arrays themselves on the CPU)
     void* params16;                   // CUDA: bf16 copy of params, refreshed after every update
     double* sumsq_scratch;            // CUDA: the gradient norm's partial sums
+    // Gradient buckets summed across ranks during the last micro-batch's backward (CUDA, several
+    // ranks, not ZeRO-1): the models report, block by block, from which offset on the gradients
+    // are final (the arena is laid out in forward order, the backward runs the other way).
+    int buckets_armed;
+    int64_t reduced_from;             // [reduced_from, count) already summed this step
+#ifdef LLMC_HAVE_CUDA
+    cudaStream_t comm;                // NCCL buckets run here, overlapping the rest of the backward
+    cudaEvent_t grads_ready, comm_done;
+#endif
 } Trainable;
 
 // Declares the arenas in the plan. zero1: shard the optimizer state across the ranks of `dist`
@@ -65,6 +74,14 @@ static void trainable_bind_host(Trainable* tr) {
 static void trainable_free_host(Trainable* tr) {
     if (trainable_on_device(tr)) { free(tr->host_params); free(tr->host_grads); }
     tr->host_params = tr->host_grads = NULL;
+#ifdef LLMC_HAVE_CUDA
+    if (tr->comm) {
+        CUDA_CHECK(cudaEventDestroy(tr->grads_ready));
+        CUDA_CHECK(cudaEventDestroy(tr->comm_done));
+        CUDA_CHECK(cudaStreamDestroy(tr->comm));
+        tr->comm = NULL;
+    }
+#endif
 }
 
 // Host mirror -> device (after init, adapter load, resume), then the bf16 shadow.
@@ -97,6 +114,54 @@ typedef struct {
 
 // The locally accumulated gradients (already scaled so that their sum over ranks is the gradient
 // of the global mean loss) -> one AdamW step, identical on every rank.
+// Whether gradients go to the other ranks in buckets during the backward: CUDA, more than one
+// rank, and one all-reduce of the whole arena otherwise (ZeRO-1 reduce-scatters it at the step).
+static int trainable_uses_buckets(const Trainable* tr, const Dist* dist) {
+    return trainable_on_device(tr) && dist && dist->world > 1 && !tr->zero1;
+}
+
+// A bucket is sent once this many bytes of final gradients are waiting (LLMC_GRAD_BUCKET_BYTES
+// overrides it; tests use 1 to send every block on its own).
+static int64_t trainable_bucket_bytes(void) {
+    const char* e = getenv("LLMC_GRAD_BUCKET_BYTES");
+    return e && atoll(e) > 0 ? atoll(e) : (int64_t)32 << 20;
+}
+
+#ifdef LLMC_HAVE_CUDA
+// Sums grads [lo, hi) across ranks: with NCCL on the comm stream, after the compute stream has
+// written them (so the rest of the backward overlaps it); else through the host, in place.
+static void trainable_reduce_range(Trainable* tr, const Dist* dist, int64_t lo, int64_t hi) {
+    if (hi <= lo) return;
+    if (!dist_has_nccl(dist)) { dist_allreduce_sum_f32_device(dist, tr->grads + lo, hi - lo, tr->be->stream); return; }
+    if (!tr->comm) {
+        CUDA_CHECK(cudaStreamCreateWithFlags(&tr->comm, cudaStreamNonBlocking));
+        CUDA_CHECK(cudaEventCreateWithFlags(&tr->grads_ready, cudaEventDisableTiming));
+        CUDA_CHECK(cudaEventCreateWithFlags(&tr->comm_done, cudaEventDisableTiming));
+    }
+    CUDA_CHECK(cudaEventRecord(tr->grads_ready, tr->be->stream));
+    CUDA_CHECK(cudaStreamWaitEvent(tr->comm, tr->grads_ready, 0));
+    dist_allreduce_sum_f32_device(dist, tr->grads + lo, hi - lo, tr->comm);
+}
+#endif
+
+// Called before the last micro-batch's backward of a step.
+static void trainable_buckets_begin(Trainable* tr, const Dist* dist) {
+    tr->buckets_armed = trainable_uses_buckets(tr, dist);
+    tr->reduced_from = tr->count;
+}
+
+// The models call this after each block's backward: gradients from offset lo to the end are
+// final. Sends them once a bucket's worth has gathered.
+static void trainable_grads_final_from(Trainable* tr, const Dist* dist, int64_t lo) {
+    if (!tr->buckets_armed || (tr->reduced_from - lo) * 4 < trainable_bucket_bytes()) return;
+#ifdef LLMC_HAVE_CUDA
+    trainable_reduce_range(tr, dist, lo, tr->reduced_from);
+#else
+    (void)dist;
+#endif
+    tr->reduced_from = lo;
+}
+
 #ifdef LLMC_HAVE_CUDA
 // The CUDA step: gradients summed across ranks on the device (NCCL, or MPI through the host when
 // built without NCCL), the norm from two deterministic reduction kernels, AdamW, the bf16 shadow.
@@ -105,8 +170,19 @@ static OptimStep trainable_step_cuda(Trainable* tr, const TrainOptions* o, const
     cudaStream_t st = tr->be->stream;
     double t = wall_seconds();
     float* g = tr->grads;
-    if (tr->zero1) { dist_reduce_scatter_sum_f32_device(dist, tr->grads, tr->grad_shard, tr->shard, st); g = tr->grad_shard; }
-    else dist_allreduce_sum_f32_device(dist, tr->grads, tr->count, st);
+    if (tr->zero1) {
+        dist_reduce_scatter_sum_f32_device(dist, tr->grads, tr->grad_shard, tr->shard, st);
+        g = tr->grad_shard;
+    } else if (tr->buckets_armed) {  // the rest of the buckets, then wait for all of them
+        trainable_reduce_range(tr, dist, 0, tr->reduced_from);
+        if (tr->comm) {
+            CUDA_CHECK(cudaEventRecord(tr->comm_done, tr->comm));
+            CUDA_CHECK(cudaStreamWaitEvent(st, tr->comm_done, 0));
+        }
+        tr->buckets_armed = 0;
+    } else {
+        dist_allreduce_sum_f32_device(dist, tr->grads, tr->count, st);
+    }
     r.comm_s = wall_seconds() - t;  // (NCCL returns at once: its time then shows in the step time)
     double ss = sum_squares_cuda(g, tr->shard, tr->sumsq_scratch, st);
     t = wall_seconds();

@@ -240,17 +240,18 @@ def test_resume_adapter_and_export_across_backends(tmp_path):
     assert abs(ev_merged - ev_cpu) / ev_cpu < 1e-4
 
 
-def two_ranks(*args):
-    return mpirun(2, CUDA_TRAIN, ["--model", DEMO_MODEL] + DEMO + ["--device", "cuda", "--batch", 2, "--threads", 1] + list(args))
+def two_ranks(*args, env=None):
+    return mpirun(2, CUDA_TRAIN, ["--model", DEMO_MODEL] + DEMO + ["--device", "cuda", "--batch", 2, "--threads", 1] + list(args),
+                  env=env)
 
 
 def test_two_ranks_equal_one_process(tmp_path):
     """mpirun -np 2 with batch 2 each equals one process with batch 4 (gradients all-reduced on
-    the device path)."""
+    the device path, block by block during the backward: buckets of 1 byte)."""
     if GPU:
         pytest.skip("needs two GPUs")
     one = train(CUDA_TRAIN, "cuda", "--steps", 3, "--out", tmp_path / "one")
-    two = two_ranks("--steps", 3, "--out", tmp_path / "two")
+    two = two_ranks("--steps", 3, "--out", tmp_path / "two", env={"LLMC_GRAD_BUCKET_BYTES": "1"})
     a, b = step_losses(one.stdout), step_losses(two.stdout)
     wa = vc.st_io.load(str(tmp_path / "one" / "adapter_model.safetensors"))
     wb = vc.st_io.load(str(tmp_path / "two" / "adapter_model.safetensors"))
