@@ -2,7 +2,8 @@
 // frozen bias, plus an optional LoRA adapter (A [r, in], B [out, r], trainable) whose update is
 // scale * B (A x). Forward, backward, the fresh-adapter init, the wiring of adapters into the
 // flat trainable arena, and the merge of a preceding norm's affine into W (MS norms).
-// The products are the backend's matmul kernels (llmc/cpu/matmul.h today).
+// These are the CPU twins (llmc/cpu/matmul.h); the CUDA backend runs the same layer through
+// llmc/cuda/linear.cuh, with the device copy of each layer in LinearDevice (llmc/ops.h dispatches).
 #pragma once
 #include <math.h>
 #include "common.h"

@@ -111,4 +111,5 @@ fi
 } > "$D/bench.md"
 cat "$D/bench.md"
 [ -n "${OUT:-}" ] && cp "$D/bench.md" "$OUT/bench.md"
+if grep -q FAIL "$D/bench.md"; then echo "bench: some runs failed (logs in $D/*.log)"; exit 1; fi
 exit 0

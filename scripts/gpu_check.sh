@@ -116,7 +116,7 @@ done
 if [ -x ./train_llama ] && [ -x ./test/llama_probe ]; then
     run_step "make test-gpu-models" 300 make GPU_ARCH=90 test-gpu-models
     row "whole models, CUDA vs CPU backend, every mode; measured vs planned memory" "$STEP_STATUS" "$STEP_SECONDS" \
-        "$(grep -a -E '^[0-9]+ (passed|failed)|^(FAILED|ERROR) ' "$LOG" | tail -n 4 | tr '\n' ';')"
+        "$(grep -a -v '^====' "$LOG" | grep -a -E '(passed|failed|error)' | tail -n 1); $(grep -a -E '^(FAILED|ERROR) ' "$LOG" | head -n 3 | tr '\n' ';')"
     run_step "NCCL on one GPU" 120 env LLMC_NCCL_SELFTEST=1 ./train_llama --model data/llama_demo --data data/llama_demo_ft_train.bin \
         --device cuda --steps 3 --batch 4 --seq 128
     row "NCCL path, one rank (LLMC_NCCL_SELFTEST=1)" "$STEP_STATUS" "$STEP_SECONDS" "$(grep -a 'step    3/3' "$LOG" | tail -n 1)"
