@@ -275,9 +275,12 @@ static void matmul_batched_cuda(MatmulForm form, void* const* C, cudaDataType_t 
     cublasOperation_t opa = form == MM_NT ? CUBLAS_OP_T : CUBLAS_OP_N, opb = form == MM_TN ? CUBLAS_OP_T : CUBLAS_OP_N;
     float beta = accumulate ? 1.0f : 0.0f;
     // column-major C^T [N x M] = op(B) op(A): cuBLAS's first operand is our B
-    CUBLAS_CHECK(cublasGemmBatchedEx(g_cublas.blas, opa, opb, N, M, K, &alpha, (const void* const*)B, CUDA_R_16BF, ldb,
-                                     (const void* const*)A, CUDA_R_16BF, lda, &beta, (void* const*)C, ctype, ldc, batch,
-                                     CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    cublasStatus_t st = cublasGemmBatchedEx(g_cublas.blas, opa, opb, N, M, K, &alpha, (const void* const*)B, CUDA_R_16BF, ldb,
+                                            (const void* const*)A, CUDA_R_16BF, lda, &beta, (void* const*)C, ctype, ldc, batch,
+                                            CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+    if (st != CUBLAS_STATUS_SUCCESS)  // its one user is the tensor-core attention, which has an alternative
+        fail("cuBLAS error: cublasGemmBatchedEx (%d x %d x %d, %d products): %s; LLMC_ATTENTION=flash runs attention without it", M, N, K,
+             batch, cublasGetStatusString(st));
 #endif
 }
 
