@@ -102,6 +102,8 @@ typedef struct {
     void* attn_norm;       // gamma [d] (merged into q,k,v under MS-RMSNorm)
     void* mlp_norm;        // gamma [d] (merged into gate, up under MS-RMSNorm)
     Linear lin[N_TARGETS];
+    // --full with standard norms trains the gammas too: gradients and host mirrors, else NULL
+    float *d_attn_norm, *d_mlp_norm, *h_attn_norm, *h_mlp_norm;
 } LlamaLayer;
 
 // The buffers one block keeps for its backward (or, where not kept, a shared scratch copy).
@@ -123,7 +125,7 @@ typedef struct {
 
 typedef struct {
     int approx, ms, ckpt, recompute_product;
-    int full;              // train the linear weights themselves instead of LoRA adapters
+    int full;              // train the weights themselves instead of LoRA adapters
     unsigned targets;
     int rank;
     float lora_scale;
@@ -137,10 +139,12 @@ typedef struct {
     void* embed;           // [V, d]
     void* final_norm;      // [d] (kept standard: the head is tied to the embedding)
     void* lm_head;         // [V, d] (== embed when tied)
+    // --full trains these too: their gradients and host mirrors (NULL when frozen)
+    float *d_embed, *d_lm_head, *d_final_norm, *h_embed, *h_lm_head, *h_final_norm;
     LlamaLayer* layers;
     float* gamma_host;     // [layers][2][d] the norms' gammas on the host (MS merge, adapters)
     float *rope_cos, *rope_sin;  // [T, hd/2]
-    Trainable tr;          // LoRA A/B, or (--full) the linear weights: one flat array (ZeRO-1 across ranks)
+    Trainable tr;          // LoRA A/B, or (--full) every weight: one flat array (ZeRO-1 across ranks)
     const Dist* dist;
     BlockActs* acts;       // [layers]
     BlockActs tmp;         // scratch set (recompute, or buffers not kept)
@@ -195,24 +199,30 @@ static void llama_plan(Llama* m, MemPlan* p) {
     p->tokens = N;
     p->blocks = c->layers;
     // weights
-    plan_add(p, MEM_FROZEN, "embedding", -1, "embed", V * d * wbytes, &m->embed);
-    plan_add(p, MEM_FROZEN, "final_norm", -1, "final_norm", d * wbytes, &m->final_norm);
-    if (!c->tied) plan_add(p, MEM_FROZEN, "lm_head", -1, "lm_head", V * d * wbytes, &m->lm_head);
+    // --full trains every weight but the MS-merged gammas: those live in the trainable arena
+    int train_norms = md->full && !md->ms;
+    if (!md->full) {
+        plan_add(p, MEM_FROZEN, "embedding", -1, "embed", V * d * wbytes, &m->embed);
+        plan_add(p, MEM_FROZEN, "final_norm", -1, "final_norm", d * wbytes, &m->final_norm);
+        if (!c->tied) plan_add(p, MEM_FROZEN, "lm_head", -1, "lm_head", V * d * wbytes, &m->lm_head);
+    }
     for (int l = 0; l < c->layers; l++) {
         LlamaLayer* L = &m->layers[l];
-        plan_add(p, MEM_FROZEN, "attn_norm", l, "attn_norm", d * wbytes, &L->attn_norm);
-        plan_add(p, MEM_FROZEN, "mlp_norm", l, "mlp_norm", d * wbytes, &L->mlp_norm);
+        if (!train_norms) {
+            plan_add(p, MEM_FROZEN, "attn_norm", l, "attn_norm", d * wbytes, &L->attn_norm);
+            plan_add(p, MEM_FROZEN, "mlp_norm", l, "mlp_norm", d * wbytes, &L->mlp_norm);
+        }
         if (md->full) continue;  // the linear weights are the trainable arena then (fp32)
         for (int t = 0; t < N_TARGETS; t++)
             plan_add(p, MEM_FROZEN, target_names[t], l, target_names[t], lin_in(c, t) * lin_out(c, t) * wbytes, linear_weight_slot(be, &L->lin[t]));
     }
-    int64_t n_params = 0;
+    int64_t n_params = md->full ? V * d * (c->tied ? 1 : 2) + d + (train_norms ? 2 * c->layers * d : 0) : 0;
     for (int l = 0; l < c->layers; l++)
         for (int t = 0; t < N_TARGETS; t++) {
             if (md->full) n_params += lin_in(c, t) * lin_out(c, t);
             else if (md->targets >> t & 1) n_params += r * (lin_in(c, t) + lin_out(c, t));
         }
-    trainable_plan(&m->tr, p, md->full ? "linear weights" : "lora", n_params, md->full, m->dist, be);
+    trainable_plan(&m->tr, p, md->full ? "all weights" : "lora", n_params, md->full, m->dist, be);
     plan_add(p, MEM_SCRATCH, "rope", -1, "rope_cos", m->T * (c->head_dim / 2) * 4, &m->rope_cos);
     plan_add(p, MEM_SCRATCH, "rope", -1, "rope_sin", m->T * (c->head_dim / 2) * 4, &m->rope_sin);
     // saved activations, block by block (the table of DESIGN.md section 5)
@@ -271,6 +281,17 @@ static void llama_plan(Llama* m, MemPlan* p) {
     op_plan_lm_head_loss(be, p, &m->loss, m->loss_chunk, d, V);
 }
 
+// Under --full, a weight other than the linears trained in the arena at *off: the copy the kernels
+// read (the fp32 value on the CPU, its bf16 shadow on CUDA) into *weight, its fp32 gradient into
+// *grad; returns its host mirror (what loading, init and export use).
+static float* llama_bind_trained(Llama* m, void** weight, float** grad, int64_t* off, int64_t n) {
+    float* host = m->tr.host_params + *off;
+    *weight = m->be->cuda ? (void*)((uint16_t*)m->tr.params16 + *off) : (void*)(m->tr.params + *off);
+    *grad = m->tr.grads + *off;
+    *off += n;
+    return host;
+}
+
 // After allocation: points the buffers a block does not keep at the shared scratch set, wires the
 // trainable weights into the flat arenas (layer-major, target order; LoRA A then B, or W under
 // --full), and sets up the host side of the batch and of the trainable arena.
@@ -281,13 +302,25 @@ static void llama_bind(Llama* m) {
         void** s = (void**)&m->tmp;
         for (size_t i = 0; i < sizeof(BlockActs) / sizeof(void*); i++) if (!a[i]) a[i] = s[i];
     }
-    if (c->tied) m->lm_head = m->embed;
     trainable_bind_host(&m->tr);
-    int64_t off = 0, r = m->modes.rank;
+    int64_t off = 0, r = m->modes.rank, d = c->dim, V = c->vocab;
+    if (m->modes.full) {  // arena: embedding, head (untied), final norm, then block by block
+        m->h_embed = llama_bind_trained(m, &m->embed, &m->d_embed, &off, V * d);
+        if (!c->tied) m->h_lm_head = llama_bind_trained(m, &m->lm_head, &m->d_lm_head, &off, V * d);
+        m->h_final_norm = llama_bind_trained(m, &m->final_norm, &m->d_final_norm, &off, d);
+    }
+    if (c->tied) { m->lm_head = m->embed; m->d_lm_head = m->d_embed; m->h_lm_head = m->h_embed; }
     for (int l = 0; l < c->layers; l++)
         for (int t = 0; t < N_TARGETS; t++) {
             Linear* L = &m->layers[l].lin[t];
-            if (t == 0) m->layer_off[l] = off;
+            if (t == 0) {
+                m->layer_off[l] = off;
+                LlamaLayer* Ll = &m->layers[l];
+                if (m->modes.full && !m->modes.ms) {  // the gammas train too (MS merged them into W)
+                    Ll->h_attn_norm = llama_bind_trained(m, &Ll->attn_norm, &Ll->d_attn_norm, &off, d);
+                    Ll->h_mlp_norm = llama_bind_trained(m, &Ll->mlp_norm, &Ll->d_mlp_norm, &off, d);
+                }
+            }
             L->in = (int)lin_in(c, t);
             L->out = (int)lin_out(c, t);
             if (m->modes.full) {  // full fine-tuning: W and its gradient live in the flat arenas
@@ -372,10 +405,18 @@ static void load_tensor(const StModel* sm, const char* name, float* dst, int64_t
         if (!isfinite(dst[i])) fail("%s: tensor \"%s\" holds a non-finite value at element %lld", t->file, name, (long long)i);
 }
 
-// Reads tensor `name` [rows, cols] into the host buffer tmp and uploads it to the backend weight dst.
-static void load_weight(Llama* m, const StModel* sm, const char* name, void* dst, float* tmp, int64_t rows, int64_t cols) {
+// n fp32 values into a weight: a frozen one goes to the backend (bf16 on CUDA); a trained one
+// (host mirror non-NULL, --full) into the trainable arena's host mirror, which trainable_to_device
+// sends on with its shadow once everything is loaded.
+static void llama_set_weight(Llama* m, void* backend_dst, float* host_mirror, const float* src, int64_t n) {
+    if (host_mirror) memcpy(host_mirror, src, sizeof(float) * n);
+    else backend_upload_weights(m->be, backend_dst, src, n);
+}
+
+// Reads tensor `name` [rows, cols] into the host buffer tmp, then into the weight (see above).
+static void load_weight(Llama* m, const StModel* sm, const char* name, void* dst, float* host_mirror, float* tmp, int64_t rows, int64_t cols) {
     load_tensor(sm, name, tmp, rows, cols);
-    backend_upload_weights(m->be, dst, tmp, rows * (cols ? cols : 1));
+    llama_set_weight(m, dst, host_mirror, tmp, rows * (cols ? cols : 1));
 }
 
 // A linear's weight from fp32 host values: frozen, to the backend (bf16 on CUDA); trained under
@@ -395,18 +436,18 @@ static void llama_load_weights(Llama* m, const char* dir) {
     StModel sm;
     st_model_open(&sm, dir);
     char name[256];
-    load_weight(m, &sm, "model.embed_tokens.weight", m->embed, tmp, c->vocab, d);
-    load_weight(m, &sm, "model.norm.weight", m->final_norm, tmp, d, 0);
-    if (!c->tied) load_weight(m, &sm, "lm_head.weight", m->lm_head, tmp, c->vocab, d);
+    load_weight(m, &sm, "model.embed_tokens.weight", m->embed, m->h_embed, tmp, c->vocab, d);
+    load_weight(m, &sm, "model.norm.weight", m->final_norm, m->h_final_norm, tmp, d, 0);
+    if (!c->tied) load_weight(m, &sm, "lm_head.weight", m->lm_head, m->h_lm_head, tmp, c->vocab, d);
     for (int l = 0; l < c->layers; l++) {
         LlamaLayer* L = &m->layers[l];
         float *g_attn = m->gamma_host + 2 * l * d, *g_mlp = g_attn + d;
         snprintf(name, sizeof(name), "model.layers.%d.input_layernorm.weight", l);
         load_tensor(&sm, name, g_attn, d, 0);
-        backend_upload_weights(m->be, L->attn_norm, g_attn, d);
+        llama_set_weight(m, L->attn_norm, L->h_attn_norm, g_attn, d);
         snprintf(name, sizeof(name), "model.layers.%d.post_attention_layernorm.weight", l);
         load_tensor(&sm, name, g_mlp, d, 0);
-        backend_upload_weights(m->be, L->mlp_norm, g_mlp, d);
+        llama_set_weight(m, L->mlp_norm, L->h_mlp_norm, g_mlp, d);
         for (int t = 0; t < N_TARGETS; t++) {
             Linear* lin = &L->lin[t];
             snprintf(name, sizeof(name), "model.layers.%d.%s.weight", l, hf_module_names[t]);
@@ -435,13 +476,13 @@ static void llama_random_weights(Llama* m, uint64_t seed) {
     for (int64_t i = drawn; i < biggest; i += drawn) memcpy(tmp + i, tmp, sizeof(float) * (biggest - i < drawn ? biggest - i : drawn));
     m->gamma_host = (float*)xmalloc(sizeof(float) * 2 * c->layers * d);
     for (int64_t i = 0; i < 2 * c->layers * d; i++) m->gamma_host[i] = 1.0f;
-    backend_upload_weights(m->be, m->embed, tmp, c->vocab * d);
-    backend_upload_weights(m->be, m->final_norm, m->gamma_host, d);
-    if (!c->tied) backend_upload_weights(m->be, m->lm_head, tmp, c->vocab * d);
+    llama_set_weight(m, m->embed, m->h_embed, tmp, c->vocab * d);
+    llama_set_weight(m, m->final_norm, m->h_final_norm, m->gamma_host, d);
+    if (!c->tied) llama_set_weight(m, m->lm_head, m->h_lm_head, tmp, c->vocab * d);
     for (int l = 0; l < c->layers; l++) {
         LlamaLayer* L = &m->layers[l];
-        backend_upload_weights(m->be, L->attn_norm, m->gamma_host, d);
-        backend_upload_weights(m->be, L->mlp_norm, m->gamma_host, d);
+        llama_set_weight(m, L->attn_norm, L->h_attn_norm, m->gamma_host, d);
+        llama_set_weight(m, L->mlp_norm, L->h_mlp_norm, m->gamma_host, d);
         for (int t = 0; t < N_TARGETS; t++) llama_set_linear_weight(m, &L->lin[t], tmp);
     }
     free(tmp);
@@ -568,6 +609,7 @@ static void block_backward(Llama* m, int l, BlockActs* a, int B, int T) {
     op_swiglu_backward(be, m->dg, m->du, m->dp, a->sg, a->u, m->modes.approx ? NULL : a->g, a->codes, nf);
     op_linear_backward(be, m->dz, m->dg, a->z2, a->ax[T_GATE], &L->lin[T_GATE], m->dax, N, r, s, 0);
     op_linear_backward(be, m->dz, m->du, a->z2, a->ax[T_UP], &L->lin[T_UP], m->dax, N, r, s, 1);
+    if (L->d_mlp_norm) op_rmsnorm_gamma_grad(be, L->d_mlp_norm, m->dz, a->h_mid, a->r2, N, (int)d);
     if (m->modes.ms) op_rmsnorm_ms_backward(be, m->dres, m->dz, a->z2, a->r2, N, (int)d);
     else op_rmsnorm_backward(be, m->dres, m->dz, a->h_mid, a->r2, L->mlp_norm, N, (int)d);
     // attention: o-proj, attention, RoPE, q/k/v, attention norm
@@ -578,6 +620,7 @@ static void block_backward(Llama* m, int l, BlockActs* a, int B, int T) {
     op_linear_backward(be, m->dz, m->dq, a->z1, a->ax[T_Q], &L->lin[T_Q], m->dax, N, r, s, 0);
     op_linear_backward(be, m->dz, m->dk, a->z1, a->ax[T_K], &L->lin[T_K], m->dax, N, r, s, 1);
     op_linear_backward(be, m->dz, m->dv, a->z1, a->ax[T_V], &L->lin[T_V], m->dax, N, r, s, 1);
+    if (L->d_attn_norm) op_rmsnorm_gamma_grad(be, L->d_attn_norm, m->dz, x_in, a->r1, N, (int)d);
     if (m->modes.ms) op_rmsnorm_ms_backward(be, m->dres, m->dz, a->z1, a->r1, N, (int)d);
     else op_rmsnorm_backward(be, m->dres, m->dz, x_in, a->r1, L->attn_norm, N, (int)d);
 }
@@ -604,8 +647,10 @@ static LossStats llama_forward_backward(Llama* m, int B, int T, float grad_scale
     LossStats st = {0, 0, 0};
     if (backward) op_zero(m->be, m->dres, (size_t)N * c->dim * m->be->abytes);
     op_lm_head_loss(m->be, m->resid, m->final_norm, c->norm_eps, m->lm_head, c->vocab, c->dim, m->targets, m->mask, N, m->loss_chunk,
-                    grad_scale, backward ? m->dres : NULL, logits_out, &m->loss, &st);
-    if (backward) llama_backward_blocks(m, B, T);
+                    grad_scale, backward ? m->dres : NULL, logits_out, &m->loss, &st, m->d_lm_head, m->d_final_norm);
+    if (!backward) return st;
+    llama_backward_blocks(m, B, T);
+    if (m->d_embed) op_embedding_backward(m->be, m->d_embed, m->dres, m->inputs, N, c->dim);  // dres: d loss / d embeddings
     return st;
 }
 
@@ -869,6 +914,23 @@ static const Linear* llama_linear_named(Llama* m, const char* name, int* layer, 
     return NULL;
 }
 
+// Under --full, the host mirror of the trained non-linear weight whose Hugging Face name is
+// `name` (embedding, head, final norm, block norms under standard norms), or NULL.
+static const float* llama_trained_tensor(const Llama* m, const char* name) {
+    if (!m->modes.full) return NULL;
+    if (!strcmp(name, "model.embed_tokens.weight")) return m->h_embed;
+    if (!strcmp(name, "model.norm.weight")) return m->h_final_norm;
+    if (!strcmp(name, "lm_head.weight")) return m->cfg.tied ? NULL : m->h_lm_head;
+    char buf[128];
+    for (int l = 0; l < m->cfg.layers; l++) {
+        snprintf(buf, sizeof(buf), "model.layers.%d.input_layernorm.weight", l);
+        if (!strcmp(name, buf)) return m->layers[l].h_attn_norm;
+        snprintf(buf, sizeof(buf), "model.layers.%d.post_attention_layernorm.weight", l);
+        if (!strcmp(name, buf)) return m->layers[l].h_mlp_norm;
+    }
+    return NULL;
+}
+
 // --export-merged (and the output of --full): the input checkpoint with every adapter folded in,
 // W + alpha/r * B A, or the fully fine-tuned W, in the original layout (MS-merged layers are
 // mapped back first, so the norms keep their original gamma), in each tensor's original dtype;
@@ -888,6 +950,13 @@ static void llama_export_merged(Llama* m, const TrainOptions* o, const char* dir
             const StTensor* t = &sm.files[f].tensors[i];
             int l, tg;
             const Linear* L = llama_linear_named(m, t->name, &l, &tg);
+            const float* trained = llama_trained_tensor(m, t->name);
+            if (trained) {  // --full: embedding, head or a norm, as trained
+                owned[k] = xmalloc(st_dtype_size(t->dtype) * st_numel(t));
+                f32_to_dtype(owned[k], trained, st_numel(t), t->dtype);
+                st_writer_add(&w, t->name, t->dtype, t->ndim, t->shape, owned[k++]);
+                continue;
+            }
             if (!L || (!L->A && !L->dW)) { st_writer_add(&w, t->name, t->dtype, t->ndim, t->shape, t->data); continue; }
             float* W = (float*)xmalloc(sizeof(float) * L->out * L->in);
             const float* gamma = llama_merged_gamma(m, l, tg);
@@ -1037,7 +1106,7 @@ int main(int argc, char** argv) {
     if (o.adapter_dir) llama_load_adapter(&m, o.adapter_dir, &o);
     if (dist.rank == 0) {
         char what[160];
-        if (md.full) snprintf(what, sizeof(what), "full fine-tuning of the linear weights");
+        if (md.full) snprintf(what, sizeof(what), "full fine-tuning of every weight");
         else snprintf(what, sizeof(what), "LoRA r=%d alpha=%g on %s", o.lora_rank, o.lora_alpha, o.lora_targets ? o.lora_targets : "all");
         char where[64];
         if (be.cuda) snprintf(where, sizeof(where), "CUDA GPU %d x %d ranks", be.device, dist.world);

@@ -11,6 +11,7 @@
 #include "backend.h"
 #include "lora.h"
 #include "cpu/matmul.h"
+#include "cpu/embedding.h"
 #include "cpu/norms.h"
 #include "cpu/activations.h"
 #include "cpu/attention.h"
@@ -61,8 +62,13 @@ static void op_mul(const Backend* be, void* out, const void* a, const void* b, i
 // x[n] = embed[ids[n]] (rows of d).
 static void op_embed(const Backend* be, void* x, const void* embed, const int* ids, int64_t N, int d) {
     OP_CUDA(be, embed_tokens_cuda(B16(x), CB16(embed), ids, N, d, be->stream))
-#pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < N; n++) memcpy(F32(x) + n * d, CF32(embed) + (int64_t)ids[n] * d, sizeof(float) * d);
+    embed_tokens(F32(x), CF32(embed), ids, N, d);
+}
+
+// dE[ids[n]] += dx[n]: the gradient of a trained embedding (fp32 dE on both backends).
+static void op_embedding_backward(const Backend* be, float* dE, const void* dx, const int* ids, int64_t N, int d) {
+    OP_CUDA(be, embedding_backward_cuda(dE, CB16(dx), ids, N, d, be->stream))
+    embedding_backward(dE, CF32(dx), ids, N, d);
 }
 
 // ---- norms -------------------------------------------------------------------------------------
@@ -75,6 +81,11 @@ static void op_rmsnorm_forward(const Backend* be, void* y, float* r, const void*
 static void op_rmsnorm_backward(const Backend* be, void* dx, const void* dy, const void* x, const float* r, const void* gamma, int64_t N, int d) {
     OP_CUDA(be, rmsnorm_backward_cuda(B16(dx), CB16(dy), CB16(x), r, CB16(gamma), N, d, be->stream))
     rmsnorm_backward(F32(dx), CF32(dy), CF32(x), r, CF32(gamma), N, d);
+}
+// dgamma += sum over rows of dy * x * r: a trained RMSNorm gamma (fp32 dgamma on both backends).
+static void op_rmsnorm_gamma_grad(const Backend* be, float* dgamma, const void* dy, const void* x, const float* r, int64_t N, int d) {
+    OP_CUDA(be, rmsnorm_gamma_grad_cuda(dgamma, CB16(dy), CB16(x), r, N, d, be->stream))
+    rmsnorm_gamma_grad(dgamma, CF32(dy), CF32(x), r, N, d);
 }
 // dx += MS-RMSNorm backward from the normalised output z and r alone.
 static void op_rmsnorm_ms_backward(const Backend* be, void* dx, const void* dz, const void* z, const float* r, int64_t N, int d) {
@@ -230,16 +241,17 @@ static void op_plan_lm_head_loss(const Backend* be, MemPlan* p, LossBuffers* lb,
 // of the norm's input; logits_out (backend memory, fp32 [N, V]) receives the logits when non-NULL.
 static void op_lm_head_loss(const Backend* be, const void* xf, const void* gamma, float eps, const void* W, int V, int d, const int* targets,
                             const float* mask, int64_t N, int chunk, float grad_scale, void* dxf, float* logits_out, const LossBuffers* lb,
-                            LossStats* st) {
+                            LossStats* st, float* dW = NULL, float* dgamma = NULL) {
 #ifdef LLMC_HAVE_CUDA
     if (be->cuda) {
         LossScratchCuda sc = {B16(lb->z), lb->r, lb->logits, B16(lb->dlogits), B16(lb->dz), lb->row_stats, lb->stats};
-        lm_head_loss_cuda(CB16(xf), CB16(gamma), eps, CB16(W), V, d, targets, mask, N, chunk, grad_scale, B16(dxf), logits_out, sc, st, be->stream);
+        lm_head_loss_cuda(CB16(xf), CB16(gamma), eps, CB16(W), V, d, targets, mask, N, chunk, grad_scale, B16(dxf), logits_out, sc, st,
+                          be->stream, dW, dgamma);
         return;
     }
 #endif
     LossScratch sc = {F32(lb->z), lb->r, lb->logits, F32(lb->dz)};
-    lm_head_loss(CF32(xf), CF32(gamma), eps, CF32(W), V, d, targets, mask, N, chunk, grad_scale, F32(dxf), logits_out, sc, st);
+    lm_head_loss(CF32(xf), CF32(gamma), eps, CF32(W), V, d, targets, mask, N, chunk, grad_scale, F32(dxf), logits_out, sc, st, dW, dgamma);
 }
 
 // ---- ViT operations ----------------------------------------------------------------------------

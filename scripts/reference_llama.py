@@ -356,7 +356,9 @@ def run_case(model_dir, case, act="exact", norm="std", lora_rank=None, lora_alph
     case: a CASE .safetensors path or the dict of its numpy arrays.
     lora_rank: checked against the A shapes when given. lora_alpha: default = rank.
     full: full fine-tuning: no adapters; the gradients are those of every linear weight (of the
-    merged model under norm="ms"), named "grad.{l}.{t}.W".
+    merged model under norm="ms"), named "grad.{l}.{t}.W", and of the embedding ("grad.embed"),
+    the untied head ("grad.lm_head"), the final norm ("grad.final_norm") and, with standard norms,
+    the block norms ("grad.{l}.attn_norm", "grad.{l}.mlp_norm").
     Returns a dict with the OUT names ("logits" [B,T,V], "loss" [1], "grad.lora.{l}.{t}.A|B"),
     all float64 numpy, plus "stats": {"min_margin": smallest distance of any gate
     pre-activation to a ReSiLU2 breakpoint, "margins": the same per breakpoint, "code_counts":
@@ -397,16 +399,26 @@ def run_case(model_dir, case, act="exact", norm="std", lora_rank=None, lora_alph
 
     stats = {}
     weights = None
-    if full:  # every linear weight becomes a leaf that needs a gradient
+    extra = []  # --full: the non-linear weights that train too, (output name, weights key)
+    if full:  # every weight becomes a leaf that needs a gradient (the MS-merged gammas are gone)
         weights = dict(model.merged_weights() if norm == "ms" else model.w)
         for l in range(c.n_layers):
             for t in LORA_TARGETS:
                 weights[f"{l}.{t}"] = weights[f"{l}.{t}"].clone().requires_grad_(True)
+        extra = [("grad.embed", "embed"), ("grad.final_norm", "norm")]
+        if not c.tied:
+            extra.append(("grad.lm_head", "head"))
+        if norm == "std":
+            extra += [(f"grad.{l}.{n}", f"{l}.{n}") for l in range(c.n_layers) for n in ("attn_norm", "mlp_norm")]
+        for _, key in extra:
+            weights[key] = weights[key].clone().requires_grad_(True)
+        if c.tied:
+            weights["head"] = weights["embed"]
     logits = forward(model, tokens[:, :-1], lora, scale, act, norm, stats, weights)
     loss = masked_ce(logits, tokens[:, 1:], mask)
     params = [p for ab in lora.values() for p in ab]
     if full:
-        params = [weights[f"{l}.{t}"] for l in range(c.n_layers) for t in LORA_TARGETS]
+        params = [weights[f"{l}.{t}"] for l in range(c.n_layers) for t in LORA_TARGETS] + [weights[k] for _, k in extra]
     grads = torch.autograd.grad(loss, params) if params else []
 
     out = {"logits": logits.detach().to(torch.float64).numpy(),
@@ -416,6 +428,8 @@ def run_case(model_dir, case, act="exact", norm="std", lora_rank=None, lora_alph
         for l in range(c.n_layers):
             for t in LORA_TARGETS:
                 out[f"grad.{l}.{t}.W"] = next(gi).to(torch.float64).numpy()
+        for name, _ in extra:
+            out[name] = next(gi).to(torch.float64).numpy()
     for (l, t) in lora:
         out[f"grad.lora.{l}.{t}.A"] = next(gi).to(torch.float64).numpy()
         out[f"grad.lora.{l}.{t}.B"] = next(gi).to(torch.float64).numpy()

@@ -70,6 +70,21 @@ int main(int argc, char** argv) {
     st_writer_add(&w, "loss", ST_F32, 1, &one, &loss);
     for (int l = 0; l < cfg.layers; l++)
         for (int t = 0; t < N_TARGETS; t++) probe_add_grads(&w, &m.layers[l].lin[t], l, target_names[t], md.rank);
+    // --full: the other trained weights' gradients, from the host mirror of the gradient arena
+    int64_t vd[2] = {cfg.vocab, cfg.dim}, dd = cfg.dim;
+    char nm[64];
+#define HOST_GRAD(g) (m.tr.host_grads + ((g) - m.tr.grads))
+    if (m.d_embed) st_writer_add(&w, "grad.embed", ST_F32, 2, vd, HOST_GRAD(m.d_embed));
+    if (m.d_lm_head && !cfg.tied) st_writer_add(&w, "grad.lm_head", ST_F32, 2, vd, HOST_GRAD(m.d_lm_head));
+    if (m.d_final_norm) st_writer_add(&w, "grad.final_norm", ST_F32, 1, &dd, HOST_GRAD(m.d_final_norm));
+    for (int l = 0; l < cfg.layers; l++) {
+        if (!m.layers[l].d_attn_norm) continue;
+        snprintf(nm, sizeof(nm), "grad.%d.attn_norm", l);
+        st_writer_add(&w, nm, ST_F32, 1, &dd, HOST_GRAD(m.layers[l].d_attn_norm));
+        snprintf(nm, sizeof(nm), "grad.%d.mlp_norm", l);
+        st_writer_add(&w, nm, ST_F32, 1, &dd, HOST_GRAD(m.layers[l].d_mlp_norm));
+    }
+#undef HOST_GRAD
     st_writer_save(&w, out_path, NULL);
     st_writer_free(&w);
     free(logits);

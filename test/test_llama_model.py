@@ -128,6 +128,24 @@ def test_probe_full_finetuning_matches_reference(workdir, mode):
     SUMMARY.append(lc.check_errors(errs, f"{'full':12s} {act:6s} {norm:3s} {recompute:5s}"))
 
 
+@pytest.mark.parametrize("norm", ["std", "ms"])
+def test_probe_full_finetuning_tied_head_trains_embedding(workdir, norm):
+    """--full with a tied head: the embedding's gradient gathers both its uses (input rows and head),
+    besides every linear weight, the final norm and (std) the block norms."""
+    s = _setup(workdir, "mha_tied")
+    want = ref.run_case(s.model, s.case, "exact", norm, s.rank, s.alpha, s.targets, full=True)
+    out = os.path.join(workdir, f"full.tied.{norm}.out.safetensors")
+    cmd = [lc.probe_path(), "--model", s.dir, "--case", s.case_path, "--out-file", out, "--act", "exact", "--norm", norm, "--full"]
+    p = lc.subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    got = lc.st_io.load(out)
+    assert "grad.embed" in want and "grad.lm_head" not in want and ("grad.0.attn_norm" in want) == (norm == "std")
+    errs = lc.compare(want, got)
+    worst_extra = max(lc.rel_to_max(got[k], want[k]) for k in want if k.startswith("grad.") and not k.endswith(".W"))
+    print(f"full tied {norm}: embedding / norms worst {worst_extra:.2e}")
+    SUMMARY.append(lc.check_errors(errs, f"{'full tied':12s} exact  {norm:3s} none "))
+
+
 @pytest.mark.parametrize("mode", [MODES[0], MODES[3], MODES[5]], ids=[MODE_IDS[0], MODE_IDS[3], MODE_IDS[5]])
 def test_probe_packed_examples_match_separate_runs(workdir, mode):
     """Packed instruction data: examples of lengths 4, 5, 2 in one row (plus an ordinary row).

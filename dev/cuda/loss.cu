@@ -53,7 +53,10 @@ static void test_lm_head(int64_t N, int d, int V, int chunk, int grad, Rng* rng)
     }
     float* dx = host_copy(dx0, N * d);
     LossStats st = {0, 0, 0};
-    lm_head_loss(xf, gamma, eps, W, V, d, targets, mask, N, chunk, grad_scale, grad ? dx : NULL, logits, cs, &st);
+    // the trained head and final norm (full fine-tuning): dW and dgamma accumulate onto random values
+    float *dW0 = host_randn((int64_t)V * d, rng, 0.1f, 0), *dg0 = host_randn(d, rng, 0.1f, 0);
+    float *dW = host_copy(dW0, (int64_t)V * d), *dg = host_copy(dg0, d);
+    lm_head_loss(xf, gamma, eps, W, V, d, targets, mask, N, chunk, grad_scale, grad ? dx : NULL, logits, cs, &st, dW, dg);
     // GPU
     LossScratchCuda sc = alloc_loss_scratch(chunk, d, V);
     bf16 *d_xf = upload_bf16(xf, N * d), *d_gamma = upload_bf16(gamma, d), *d_W = upload_bf16(W, (int64_t)V * d);
@@ -62,8 +65,9 @@ static void test_lm_head(int64_t N, int d, int V, int chunk, int grad, Rng* rng)
     float *d_mask = (float*)upload(mask, 4 * N), *d_logits = (float*)dev_alloc(4 * N * V);
     dev_poison(d_logits, 4 * N * V);
     LossStats gst = {0, 0, 0};
+    float *d_dW = (float*)upload(dW0, 4 * (int64_t)V * d), *d_dg = (float*)upload(dg0, 4 * (int64_t)d);
     lm_head_loss_cuda(d_xf, d_gamma, eps, d_W, V, d, d_t, d_mask, N, chunk, grad_scale, grad ? d_dx : NULL, d_logits, sc, &gst,
-                      g_stream);
+                      g_stream, d_dW, d_dg);
     char tag[96], name[160], detail[160];
     snprintf(tag, sizeof(tag), "N=%lld d=%d V=%d chunk=%d%s", (long long)N, d, V, chunk, grad ? "" : " eval");
     float* glogits = download_f32(d_logits, N * V);
@@ -84,7 +88,14 @@ static void test_lm_head(int64_t N, int d, int V, int chunk, int grad, Rng* rng)
         for (int64_t i = 0; i < N * d; i++) { gdx[i] -= dx0[i]; dx[i] -= dx0[i]; }
         snprintf(name, sizeof(name), "lm_head_loss dxf (accumulated), %s", tag);
         check_close(name, gdx, dx, N * d, 1e-2);
-        free(gdx);
+        float *gdW = download_f32(d_dW, (int64_t)V * d), *gdg = download_f32(d_dg, d);
+        for (int64_t i = 0; i < (int64_t)V * d; i++) { gdW[i] -= dW0[i]; dW[i] -= dW0[i]; }
+        for (int i = 0; i < d; i++) { gdg[i] -= dg0[i]; dg[i] -= dg0[i]; }
+        snprintf(name, sizeof(name), "lm_head_loss head dW (accumulated), %s", tag);
+        check_close(name, gdW, dW, (int64_t)V * d, 1e-2);
+        snprintf(name, sizeof(name), "lm_head_loss final-norm dgamma (accumulated), %s", tag);
+        check_close(name, gdg, dg, d, 1e-2);
+        free(gdx); free(gdW); free(gdg);
     } else {
         float* gdx = download_bf16(d_dx, N * d);
         snprintf(name, sizeof(name), "lm_head_loss eval leaves dxf alone, %s", tag);
@@ -93,7 +104,9 @@ static void test_lm_head(int64_t N, int d, int V, int chunk, int grad, Rng* rng)
     }
     free_loss_scratch(sc);
     CUDA_CHECK(cudaFree(d_xf)); CUDA_CHECK(cudaFree(d_gamma)); CUDA_CHECK(cudaFree(d_W)); CUDA_CHECK(cudaFree(d_dx));
-    CUDA_CHECK(cudaFree(d_t)); CUDA_CHECK(cudaFree(d_mask)); CUDA_CHECK(cudaFree(d_logits));
+    CUDA_CHECK(cudaFree(d_t)); CUDA_CHECK(cudaFree(d_mask)); CUDA_CHECK(cudaFree(d_logits)); CUDA_CHECK(cudaFree(d_dW));
+    CUDA_CHECK(cudaFree(d_dg));
+    free(dW0); free(dg0); free(dW); free(dg);
     free(xf); free(gamma); free(W); free(targets); free(mask); free(dx0); free(cs.z); free(cs.r); free(cs.logits); free(cs.dz);
     free(logits); free(dx); free(glogits);
 }

@@ -7,6 +7,7 @@
 // transcribed; moving those loops into llmc/cpu/ would let both sides share one copy. Then times
 // the memory-bound ones.
 #include "check.h"
+#include "../../llmc/cpu/embedding.h"
 #include "../../llmc/lora.h"
 #include "../../llmc/imagedata.h"
 #include "../../llmc/cuda/misc.cuh"
@@ -28,6 +29,26 @@ static void test_embed(int64_t N, int d, int V, Rng* rng) {
     check_equal_f32(name, got, want, N * d);
     CUDA_CHECK(cudaFree(d_e)); CUDA_CHECK(cudaFree(d_x)); CUDA_CHECK(cudaFree(d_ids));
     free(embed); free(ids); free(want); free(got);
+}
+
+// The gradient of a trained embedding: repeated ids add up (accumulated onto random values).
+static void test_embedding_backward(int64_t N, int d, int V, Rng* rng) {
+    float *dx = host_randn(N * d, rng, 1.0f, 1), *e0 = host_randn((int64_t)V * d, rng, 1.0f, 0);
+    int* ids = (int*)xmalloc(sizeof(int) * N);
+    for (int64_t n = 0; n < N; n++) ids[n] = (int)rng_below(rng, V);
+    ids[N - 1] = ids[0];  // a repeat for sure
+    float* want = host_copy(e0, (int64_t)V * d);
+    embedding_backward(want, dx, ids, N, d);
+    bf16* d_dx = upload_bf16(dx, N * d);
+    float* d_e = (float*)upload(e0, 4 * (int64_t)V * d);
+    int* d_ids = (int*)upload(ids, sizeof(int) * N);
+    embedding_backward_cuda(d_e, d_dx, d_ids, N, d, g_stream);
+    float* got = download_f32(d_e, (int64_t)V * d);
+    char name[96];
+    snprintf(name, sizeof(name), "embedding_backward (accumulated), N=%lld d=%d V=%d", (long long)N, d, V);
+    check_close(name, got, want, (int64_t)V * d, 1e-6);
+    CUDA_CHECK(cudaFree(d_dx)); CUDA_CHECK(cudaFree(d_e)); CUDA_CHECK(cudaFree(d_ids));
+    free(dx); free(e0); free(ids); free(want); free(got);
 }
 
 static void test_residual_bias(int64_t N, int out, Rng* rng) {
@@ -257,6 +278,8 @@ int main(void) {
     check_begin("dev/cuda/misc: embedding, residual, bias, patches, strided rows, image resize vs their CPU twins");
     test_embed(37, 67, 101, &rng);
     test_embed(5, 512, 7, &rng);
+    test_embedding_backward(37, 67, 11, &rng);
+    test_embedding_backward(300, 129, 50, &rng);
     test_residual_bias(37, 67, &rng);
     test_residual_bias(3, 10, &rng);
     test_patches(2, 3, 32, 48, 16, 16, 24, &rng);

@@ -86,6 +86,24 @@ static void test_backward(NormCase c, Rng* rng, int layer, int ms) {
     free(x); free(gamma); free(z); free(r); free(mean); free(dz); free(dx0); free(dx); free(got);
 }
 
+// The gradient of a trained RMSNorm gamma (full fine-tuning), accumulated onto random values.
+static void test_gamma_grad(NormCase c, Rng* rng) {
+    int64_t nd = c.N * c.d;
+    float *dy = host_randn(nd, rng, 1.0f, 1), *x = host_randn(nd, rng, 1.0f, 1), *r = host_randn(c.N, rng, 0.5f, 0);
+    float *g0 = host_randn(c.d, rng, 1.0f, 0), *want = host_copy(g0, c.d);
+    rmsnorm_gamma_grad(want, dy, x, r, c.N, c.d);
+    bf16 *d_dy = upload_bf16(dy, nd), *d_x = upload_bf16(x, nd);
+    float *d_r = (float*)upload(r, 4 * c.N), *d_g = (float*)upload(g0, 4 * (int64_t)c.d);
+    rmsnorm_gamma_grad_cuda(d_g, d_dy, d_x, d_r, c.N, c.d, g_stream);
+    float* got = download_f32(d_g, c.d);
+    for (int i = 0; i < c.d; i++) { got[i] -= g0[i]; want[i] -= g0[i]; }
+    char name[96];
+    snprintf(name, sizeof(name), "rmsnorm_gamma_grad (accumulated), N=%lld d=%d", (long long)c.N, c.d);
+    check_close(name, got, want, c.d, 1e-4);
+    CUDA_CHECK(cudaFree(d_dy)); CUDA_CHECK(cudaFree(d_x)); CUDA_CHECK(cudaFree(d_r)); CUDA_CHECK(cudaFree(d_g));
+    free(dy); free(x); free(r); free(g0); free(want); free(got);
+}
+
 static void time_norms(void) {
     int64_t N = 16384;
     int d = 4096;
@@ -128,6 +146,7 @@ int main(void) {
                 test_forward(cases[i], &rng, layer, ms);
                 test_backward(cases[i], &rng, layer, ms);
             }
+    for (int i = 0; i < 4; i++) test_gamma_grad(cases[i], &rng);
     if (g_timing) time_norms();
     return finish();
 }

@@ -40,9 +40,11 @@ static double ce_row(float* row, int V, int target, float weight, float grad_sca
 
 // xf [N,d] final-norm input; W [V,d] head; dxf [N,d] accumulated when non-NULL; logits_out [N,V]
 // receives the logits when non-NULL (tests). grad_scale = 1 / (masked tokens of the whole step).
+// Full fine-tuning also trains the head and the final norm: dW [V,d] and dgamma [d] accumulate
+// when non-NULL (with dxf).
 static void lm_head_loss(const float* xf, const float* gamma, float eps, const float* W, int V, int d, const int* targets,
                          const float* mask, int64_t N, int chunk, float grad_scale, float* dxf, float* logits_out,
-                         LossScratch sc, LossStats* st) {
+                         LossScratch sc, LossStats* st, float* dW = NULL, float* dgamma = NULL) {
     for (int64_t n0 = 0; n0 < N; n0 += chunk) {
         int c = (int)(N - n0 < chunk ? N - n0 : chunk);
         rmsnorm_forward(sc.z, sc.r, xf + n0 * d, gamma, c, d, eps);
@@ -60,7 +62,9 @@ static void lm_head_loss(const float* xf, const float* gamma, float eps, const f
         st->count += cnt;
         st->correct += cor;
         if (!dxf) continue;
+        if (dW) matmul_tn(dW, sc.logits, sc.z, V, d, c, 1.0f, 1);  // trained head: dW += dlogits^T z
         matmul_nn(sc.dz, sc.logits, W, c, d, V, 1.0f, 0);
+        if (dgamma) rmsnorm_gamma_grad(dgamma, sc.dz, xf + n0 * d, sc.r, c, d);
         rmsnorm_backward(dxf + n0 * d, sc.dz, xf + n0 * d, sc.r, gamma, c, d);
     }
 }

@@ -46,6 +46,17 @@ static void rmsnorm_backward(float* dx, const float* dy, const float* x, const f
     }
 }
 
+// dgamma[i] += sum_n dy[n, i] * x[n, i] * r[n]: the gradient of a trained RMSNorm gamma (full
+// fine-tuning). Columns in parallel, rows in order: deterministic.
+static void rmsnorm_gamma_grad(float* dgamma, const float* dy, const float* x, const float* r, int64_t N, int d) {
+#pragma omp parallel for schedule(static) if (N * d > 32768)
+    for (int i = 0; i < d; i++) {
+        double s = 0.0;
+        for (int64_t n = 0; n < N; n++) s += (double)dy[n * d + i] * x[n * d + i] * r[n];
+        dgamma[i] += (float)s;
+    }
+}
+
 // LayerNorm: z = (x - mean) * r (* gamma + beta); mean is returned only for the standard form.
 static void layernorm_forward(float* y, float* r_out, float* mean_out, const float* x, const float* gamma, const float* beta,
                               int64_t N, int d, float eps) {

@@ -97,9 +97,10 @@ static void loss_stats_accumulate_cuda(double* stats, const float* row_stats, in
 // [N,V] (device, fp32) receives the logits when non-NULL (tests). targets [N] and mask [N] (NULL:
 // all ones) live on the device. grad_scale = 1 / (masked tokens of the whole step). gamma NULL
 // means an MS final norm (backward from z and r). Synchronises the stream once, to return st.
+// Full fine-tuning: dW [V,d] and dgamma [d] (fp32) accumulate when non-NULL.
 static void lm_head_loss_cuda(const bf16* xf, const bf16* gamma, float eps, const bf16* W, int V, int d, const int* targets,
                               const float* mask, int64_t N, int chunk, float grad_scale, bf16* dxf, float* logits_out,
-                              LossScratchCuda sc, LossStats* st, cudaStream_t stream) {
+                              LossScratchCuda sc, LossStats* st, cudaStream_t stream, float* dW = NULL, float* dgamma = NULL) {
     if (chunk <= 0) fail("lm_head_loss_cuda: chunk must be positive");
     CUDA_CHECK(cudaMemsetAsync(sc.stats, 0, 3 * sizeof(double), stream));
     for (int64_t n0 = 0; n0 < N; n0 += chunk) {
@@ -112,7 +113,9 @@ static void lm_head_loss_cuda(const bf16* xf, const bf16* gamma, float eps, cons
                              dxf != NULL, stream);
         loss_stats_accumulate_cuda(sc.stats, sc.row_stats, c, stream);
         if (!dxf) continue;
+        if (dW) matmul_tn_cuda(dW, sc.dlogits, sc.z, V, d, c, 1.0f, 1, stream);  // trained head: dW += dlogits^T z
         matmul_nn_cuda(sc.dz, sc.dlogits, W, c, d, V, 1.0f, 0, stream);
+        if (dgamma) rmsnorm_gamma_grad_cuda(dgamma, sc.dz, xf + n0 * d, sc.r, c, d, stream);
         if (gamma) rmsnorm_backward_cuda(dxf + n0 * d, sc.dz, xf + n0 * d, sc.r, gamma, c, d, stream);
         else rmsnorm_ms_backward_cuda(dxf + n0 * d, sc.dz, sc.z, sc.r, c, d, stream);
     }

@@ -31,6 +31,18 @@ static void embed_tokens_cuda(bf16* x, const bf16* embed, const int* ids, int64_
     launch_kernel(grid_for(N * d, 256), 256, 0, stream, embed_tokens_kernel, x, embed, ids, N, d);
 }
 
+// dE[ids[n]] += dx[n] (a trained embedding, full fine-tuning): one thread per column walks the
+// tokens in order, so repeated ids add up without atomics and the sum is deterministic.
+__global__ void embedding_backward_kernel(float* dE, const bf16* __restrict__ dx, const int* __restrict__ ids, int64_t N, int d) {
+    int64_t i = thread_index_1d();
+    if (i >= d) return;
+    for (int64_t n = 0; n < N; n++) dE[(int64_t)ids[n] * d + i] += bf2f(dx[n * d + i]);
+}
+static void embedding_backward_cuda(float* dE, const bf16* dx, const int* ids, int64_t N, int d, cudaStream_t stream) {
+    if (d == 0 || N == 0) return;
+    launch_kernel(ceil_div(d, 128), 128, 0, stream, embedding_backward_kernel, dE, dx, ids, N, d);
+}
+
 // ---- residual add and bias -------------------------------------------------------------------
 
 // out = a + b (out may alias a or b).

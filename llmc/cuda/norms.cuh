@@ -158,3 +158,18 @@ static void layernorm_backward_cuda(bf16* dx, const bf16* dy, const bf16* x, con
     NormBackwardArgs a = {dy, x, r, mean, gamma, 1};
     norm_backward_launch(dx, a, N, d, stream);
 }
+
+// dgamma[i] += sum_n dy[n, i] * x[n, i] * r[n] (a trained RMSNorm gamma, full fine-tuning): one
+// thread per column, rows in order, so the sum is deterministic (the twin of rmsnorm_gamma_grad).
+__global__ void rmsnorm_gamma_grad_kernel(float* dgamma, const bf16* __restrict__ dy, const bf16* __restrict__ x,
+                                          const float* __restrict__ r, int64_t N, int d) {
+    int64_t i = thread_index_1d();
+    if (i >= d) return;
+    float s = 0.0f;
+    for (int64_t n = 0; n < N; n++) s += bf2f(dy[n * d + i]) * bf2f(x[n * d + i]) * r[n];
+    dgamma[i] += s;
+}
+static void rmsnorm_gamma_grad_cuda(float* dgamma, const bf16* dy, const bf16* x, const float* r, int64_t N, int d, cudaStream_t stream) {
+    if (d == 0) return;
+    launch_kernel(ceil_div(d, 128), 128, 0, stream, rmsnorm_gamma_grad_kernel, dgamma, dy, x, r, N, d);
+}
