@@ -191,10 +191,14 @@ typedef struct {
     BlockActs tmp;         // scratch set (recompute, or buffers not kept)
     void** ckpt;           // [layers] block inputs under --recompute block
     // scratch (activation gradients have the activations' element type)
-    float* pixels;         // [B, C, H, W] normalised input, fp32 on both backends (the loader's output)
+    void* pixels;          // [B, C, H, W] normalised input: fp32 from the CPU loader, or bf16 resized on the GPU
     int* labels;           // [B]
-    float* h_pixels;       // the batch as the loader writes it (host; == the above on the CPU)
-    int* h_labels;
+    int* h_labels;         // the labels as the loader writes them (host; == labels on the CPU)
+    // CUDA: the raw images go up and the GPU resizes, flips and normalises them
+    uint8_t *raw, *h_raw;  // [B, source bytes] (pinned staging on the host)
+    int *flip, *h_flip;    // [B]
+    void* taps;            // ResampleTaps [img_h + img_w]: rows, then columns
+    int64_t src_bytes;     // the largest source image of the run's shards
     void* patches;         // [B*T, C*ph*pw] unfolded patches (class-token rows zero)
     void *resid, *resid_tmp, *dres, *dz, *dq, *dk, *dv, *dout, *dh, *dax;
     void* att_work;        // CUDA attention: the tensor-core path's chunk of scores (llmc/attn_plan.h)
@@ -296,8 +300,13 @@ static void vit_plan_scratch(Vit* m, MemPlan* p) {
     const Backend* be = m->be;
     const VitConfig* c = &m->cfg;
     int64_t B = m->B, N = B * m->T, d = c->dim, f = c->hidden, r = m->modes.rank, K = m->classes, a = be->abytes;
-    plan_add(p, MEM_SCRATCH, "batch", -1, "pixels", B * c->channels * (int64_t)m->img_h * m->img_w * 4, &m->pixels);
+    plan_add(p, MEM_SCRATCH, "batch", -1, "pixels", B * c->channels * (int64_t)m->img_h * m->img_w * a, &m->pixels);
     plan_add(p, MEM_SCRATCH, "batch", -1, "labels", B * 4, &m->labels);
+    if (be->cuda) {
+        plan_add(p, MEM_SCRATCH, "batch", -1, "raw_images", B * m->src_bytes, &m->raw);
+        plan_add(p, MEM_SCRATCH, "batch", -1, "flips", B * 4, &m->flip);
+        plan_add(p, MEM_SCRATCH, "batch", -1, "resize_taps", ((int64_t)m->img_h + m->img_w) * sizeof(ResampleTaps), &m->taps);
+    }
     plan_add(p, MEM_SCRATCH, "patch_embed", -1, "patches", N * patch_len(c) * a, &m->patches);
     plan_add(p, MEM_SCRATCH, "residual", -1, "resid", N * d * a, &m->resid);
     if (m->modes.ckpt) plan_add(p, MEM_SCRATCH, "residual", -1, "resid_tmp", N * d * a, &m->resid_tmp);
@@ -398,10 +407,11 @@ static void vit_bind(Vit* m) {
     m->host_head_b = m->host_head_w + hw; m->host_dhead_b = m->host_dhead_w + hw;
     m->norms_host = (float*)xcalloc((int64_t)c->layers * N_LN * c->dim, sizeof(float));
     if (be->cuda) {
-        m->h_pixels = (float*)backend_alloc_staging(be, sizeof(float) * m->B * c->channels * m->img_h * m->img_w);
+        m->h_raw = (uint8_t*)backend_alloc_staging(be, m->B * m->src_bytes);
+        m->h_flip = (int*)backend_alloc_staging(be, sizeof(int) * m->B);
         m->h_labels = (int*)backend_alloc_staging(be, sizeof(int) * m->B);
     } else {
-        m->h_pixels = m->pixels; m->h_labels = m->labels;
+        m->h_labels = m->labels;
         m->zcls32 = (float*)m->zcls; m->dzcls32 = (float*)m->dzcls;
     }
 }
@@ -411,18 +421,54 @@ static float* vit_norm_host(const Vit* m, int l, int which) {
     return m->norms_host + ((int64_t)l * N_LN + which) * m->cfg.dim;
 }
 
-// The first B images of the host batch to the backend.
-static void vit_upload_batch(Vit* m, int B) {
+// A batch of B images into pixels and labels. The CPU loader resizes and normalises on the host;
+// on CUDA only the raw bytes (a quarter of the fp32 pixels, or less) cross to the GPU, which
+// resizes, flips and normalises them with the same arithmetic (image_resize_normalize_cuda).
+// idx/flip: which shard images (and whether mirrored), labels already in h_labels.
+static void vit_images_to_device(Vit* m, const ImageLoader* L, const int64_t* idx, int B) {
     const VitConfig* c = &m->cfg;
-    backend_upload(m->be, m->pixels, m->h_pixels, sizeof(float) * B * c->channels * m->img_h * m->img_w);
+    const ImageShard* s = L->shard;
+    int64_t per = (int64_t)s->H * s->W * s->C;
+    if (per > m->src_bytes) fail("internal: %s has images of %lld bytes, planned for %lld", s->path, (long long)per, (long long)m->src_bytes);
+    image_loader_gather(L, idx, B, m->h_raw);
+    backend_upload(m->be, m->raw, m->h_raw, (size_t)(B * per));
+    backend_upload(m->be, m->flip, m->h_flip, sizeof(int) * B);
     backend_upload(m->be, m->labels, m->h_labels, sizeof(int) * B);
+    backend_upload(m->be, m->taps, L->ty, sizeof(ResampleTaps) * m->img_h);
+    backend_upload(m->be, (ResampleTaps*)m->taps + m->img_h, L->tx, sizeof(ResampleTaps) * m->img_w);
+    op_resize_normalize_images(m->be, m->pixels, m->raw, (const ResampleTaps*)m->taps, (const ResampleTaps*)m->taps + m->img_h, m->flip, B,
+                               s->H, s->W, s->C, m->img_h, m->img_w, c->channels, L->mean, L->std);
+}
+
+// This rank's part of the next training batch, on the backend.
+static void vit_next_batch(Vit* m, ImageLoader* L, int B, int rank, int world) {
+    if (!m->be->cuda) { image_loader_next(L, B, rank, world, (float*)m->pixels, m->h_labels); return; }
+    int64_t* idx = (int64_t*)xmalloc(sizeof(int64_t) * B);
+    image_loader_pick(L, B, rank, world, idx, m->h_flip, m->h_labels);
+    vit_images_to_device(m, L, idx, B);
+    free(idx);
+}
+
+// Images [start, start+B) in file order, unflipped (evaluation), on the backend.
+static void vit_range_batch(Vit* m, const ImageLoader* L, int64_t start, int B) {
+    if (!m->be->cuda) { image_loader_range(L, start, B, (float*)m->pixels, m->h_labels); return; }
+    int64_t* idx = (int64_t*)xmalloc(sizeof(int64_t) * B);
+    for (int b = 0; b < B; b++) {
+        idx[b] = start + b;
+        m->h_flip[b] = 0;
+        m->h_labels[b] = L->shard->labels[start + b];
+    }
+    vit_images_to_device(m, L, idx, B);
+    free(idx);
 }
 
 // Declares the model's memory for a micro-batch of B images at img_h x img_w on backend `be`;
 // nothing is allocated until vit_allocate (a dry run stops at the plan). The fine-tuning
 // resolution must be a whole number of patches.
-static void vit_setup(Vit* m, const VitConfig* cfg, const VitModes* modes, int B, int img_h, int img_w, int classes, const Backend* be,
-                      const Dist* dist) {
+// src_bytes: the largest source image of the run's shards (0: none, as in a dry run: the model's
+// input size is planned).
+static void vit_setup(Vit* m, const VitConfig* cfg, const VitModes* modes, int B, int img_h, int img_w, int classes, int64_t src_bytes,
+                      const Backend* be, const Dist* dist) {
     memset(m, 0, sizeof(*m));
     m->be = be;
     m->dist = dist;
@@ -437,6 +483,7 @@ static void vit_setup(Vit* m, const VitConfig* cfg, const VitModes* modes, int B
     m->grid_w = img_w / cfg->patch_w;
     m->T = 1 + m->grid_h * m->grid_w;
     m->classes = classes;
+    m->src_bytes = src_bytes > 0 ? src_bytes : (int64_t)cfg->channels * img_h * img_w;
     m->layers = (VitLayer*)xcalloc(cfg->layers, sizeof(VitLayer));
     m->acts = (BlockActs*)xcalloc(cfg->layers, sizeof(BlockActs));
     m->ckpt = (void**)xcalloc(cfg->layers, sizeof(void*));
@@ -452,7 +499,10 @@ static void vit_allocate(Vit* m) {
 // Frees what vit_setup planned and vit_allocate made (either may be all there was: a dry run).
 static void vit_free(Vit* m) {
     trainable_free_host(&m->tr);
-    if (m->be->cuda) { backend_free_staging(m->be, m->h_pixels); backend_free_staging(m->be, m->h_labels); free(m->lin_host); }
+    if (m->be->cuda) {
+        backend_free_staging(m->be, m->h_raw); backend_free_staging(m->be, m->h_flip); backend_free_staging(m->be, m->h_labels);
+        free(m->lin_host);
+    }
     backend_free_plan(m->be, &m->plan);
     free(m->layers); free(m->acts); free(m->ckpt); free(m->norms_host); free(m->layer_off);
 }
@@ -809,8 +859,7 @@ static StepResult vit_train_step(Vit* m, ImageLoader* loader, const TrainOptions
     double sums[2] = {0.0, 0.0};  // loss, correct
     for (int k = 0; k < K; k++) {
         if (k == K - 1) trainable_buckets_begin(&m->tr, dist);  // the last backward sends buckets as they finish
-        image_loader_next(loader, B, dist->rank, dist->world, m->h_pixels, m->h_labels);
-        vit_upload_batch(m, B);
+        vit_next_batch(m, loader, B, dist->rank, dist->world);
         LossStats st = vit_forward_backward(m, B, scale, 1, NULL);
         sums[0] += st.loss_sum;
         sums[1] += st.correct;
@@ -843,8 +892,7 @@ static EvalResult vit_evaluate(Vit* m, const ImageLoader* loader, int batches) {
     int64_t seen = 0;
     for (int i = 0; i < batches && seen < n; i++) {
         int B = (int)(n - seen < m->B ? n - seen : m->B);
-        image_loader_range(loader, seen, B, m->h_pixels, m->h_labels);
-        vit_upload_batch(m, B);
+        vit_range_batch(m, loader, seen, B);
         LossStats st = vit_forward_backward(m, B, 0.0f, 0, NULL);
         ls += st.loss_sum;
         cor += st.correct;
@@ -1309,9 +1357,9 @@ static void vit_dry_run(const VitConfig* cfg, const TrainOptions* o, VitModes md
     int h, w, classes = o->classes > 0 ? o->classes : 10;
     vit_resolution(cfg, o->image_size, &h, &w);
     Vit m, base;
-    vit_setup(&m, cfg, &md, o->batch, h, w, classes, &be, NULL);
+    vit_setup(&m, cfg, &md, o->batch, h, w, classes, 0, &be, NULL);
     VitModes bm = baseline_modes(md);
-    vit_setup(&base, cfg, &bm, o->batch, h, w, classes, &be, NULL);
+    vit_setup(&base, cfg, &bm, o->batch, h, w, classes, 0, &be, NULL);
     if (o->json) {
         char s[768];
         print_settings_json(s, sizeof(s), o, &m, cpu ? "cpu" : "cuda");
@@ -1352,6 +1400,14 @@ static void run_data_open(RunData* rd, const TrainOptions* o, const VitConfig* c
     if (rd->have_val && rd->val.classes > *classes) fail("%s: the shard has %d classes, more than the head's %d", o->val_path, rd->val.classes, *classes);
     if (rd->have_train) image_loader_init(&rd->tl, &rd->train, h, w, c->channels, c->mean, c->std, (uint64_t)o->seed, 1, o->hflip);
     if (rd->have_val) image_loader_init(&rd->vl, &rd->val, h, w, c->channels, c->mean, c->std, (uint64_t)o->seed, 0, 0);
+}
+
+// The largest source image of the open shards, in bytes (what the GPU's raw-image buffer holds).
+static int64_t run_data_src_bytes(const RunData* rd) {
+    int64_t m = 0;
+    if (rd->have_train) m = (int64_t)rd->train.H * rd->train.W * rd->train.C;
+    if (rd->have_val && (int64_t)rd->val.H * rd->val.W * rd->val.C > m) m = (int64_t)rd->val.H * rd->val.W * rd->val.C;
+    return m;
 }
 
 static void run_data_close(RunData* rd) {
@@ -1436,9 +1492,9 @@ int main(int argc, char** argv) {
     backend_init(&be, o.device, dist.local_rank);
     if (be.cuda) dist_nccl_init(&dist);
     Vit m, base;
-    vit_setup(&m, &cfg, &md, o.batch, h, w, classes, &be, &dist);
+    vit_setup(&m, &cfg, &md, o.batch, h, w, classes, run_data_src_bytes(&rd), &be, &dist);
     VitModes bm = baseline_modes(md);
-    vit_setup(&base, &cfg, &bm, o.batch, h, w, classes, &be, &dist);
+    vit_setup(&base, &cfg, &bm, o.batch, h, w, classes, run_data_src_bytes(&rd), &be, &dist);
     vit_allocate(&m);
     if (o.random_init) vit_random_weights(&m, (uint64_t)o.seed);
     else vit_load_weights(&m, o.model_dir);

@@ -151,23 +151,37 @@ static int image_loader_flip(const ImageLoader* L, int64_t global_index) {
     return (int)(rng_next_u64(&r) >> 63);
 }
 
-// Fills pixels [B, C, H, W] and labels [B] with the images rank*B .. rank*B+B-1 of the next global
-// batch of world*B images, then advances the cursor.
-static void image_loader_next(ImageLoader* L, int B, int rank, int world, float* pixels, int* labels) {
-    int64_t* idx = (int64_t*)xmalloc(sizeof(int64_t) * B);
-    int* flip = (int*)xmalloc(sizeof(int) * B);
+// Which images are this rank's part of the next global batch of world*B: rank*B .. rank*B+B-1,
+// their shard indices, flips and labels; advances the cursor.
+static void image_loader_pick(ImageLoader* L, int B, int rank, int world, int64_t* idx, int* flip, int* labels) {
     for (int b = 0; b < B; b++) {
         int64_t g = L->cursor + (int64_t)rank * B + b;
         idx[b] = image_loader_index(L, g);
         flip[b] = image_loader_flip(L, g);
         labels[b] = L->shard->labels[idx[b]];
     }
+    L->cursor += (int64_t)world * B;
+}
+
+// Fills pixels [B, C, H, W] and labels [B] with this rank's images of the next global batch.
+static void image_loader_next(ImageLoader* L, int B, int rank, int world, float* pixels, int* labels) {
+    int64_t* idx = (int64_t*)xmalloc(sizeof(int64_t) * B);
+    int* flip = (int*)xmalloc(sizeof(int) * B);
+    image_loader_pick(L, B, rank, world, idx, flip, labels);
     int64_t per = (int64_t)L->C * L->H * L->W;
 #pragma omp parallel for schedule(static)
     for (int b = 0; b < B; b++) image_loader_convert(L, idx[b], flip[b], pixels + b * per);
-    L->cursor += (int64_t)world * B;
     free(idx);
     free(flip);
+}
+
+// The shard's raw images idx[0..B) (uint8, [sH, sW, sC] each) packed into raw: what a GPU resizes
+// and normalises itself (llmc/cuda/misc.cuh image_resize_normalize_cuda, the same arithmetic).
+static void image_loader_gather(const ImageLoader* L, const int64_t* idx, int B, uint8_t* raw) {
+    const ImageShard* s = L->shard;
+    int64_t per = (int64_t)s->H * s->W * s->C;
+#pragma omp parallel for schedule(static)
+    for (int b = 0; b < B; b++) memcpy(raw + b * per, s->pixels + idx[b] * per, per);
 }
 
 // Images [start, start+count) in file order, unflipped (evaluation).

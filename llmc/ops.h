@@ -291,19 +291,20 @@ static void op_gelu_backward(const Backend* be, void* dx, const void* dy, const 
     gelu_backward(F32(dx), CF32(dy), CF32(x), codes, n, tanh_form);
 }
 
-// Images [B, C, H, W] (fp32 on both backends: the loader's output) -> patch rows [B*T, C*ph*pw]
+// Images [B, C, H, W] (the backend's type: fp32 from the CPU loader, bf16 resized on the GPU) -> patch rows [B*T, C*ph*pw]
 // of the backend's activation type, T = 1 + (H/ph)*(W/pw): token t = 1 + py*gw + px holds patch
 // (py, px) unfolded in the conv kernel's (c, i, j) order; the class token's row (t = 0) is zero,
 // so the patch product lands straight in the residual stream.
-static void op_patch_unfold(const Backend* be, void* patches, const float* pixels, int B, int C, int H, int W, int ph, int pw) {
+static void op_patch_unfold(const Backend* be, void* patches, const void* pixels_be, int B, int C, int H, int W, int ph, int pw) {
     int gw = W / pw, T = 1 + (H / ph) * gw;
 #ifdef LLMC_HAVE_CUDA
     if (be->cuda) {
         PatchShape s = {B, T, C, H, W, ph, pw, gw};
-        patch_unfold_cuda(B16(patches), pixels, s, be->stream);
+        patch_unfold_cuda(B16(patches), CB16(pixels_be), s, be->stream);
         return;
     }
 #endif
+    const float* pixels = CF32(pixels_be);
     int64_t P = (int64_t)C * ph * pw, N = (int64_t)B * T;
 #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++) {
@@ -315,6 +316,25 @@ static void op_patch_unfold(const Backend* be, void* patches, const float* pixel
             for (int i = 0; i < ph; i++)
                 memcpy(row + ((int64_t)ch * ph + i) * pw, pixels + (((int64_t)b * C + ch) * H + py * ph + i) * W + px * pw, sizeof(float) * pw);
     }
+}
+
+// CUDA only: raw images [B, sH, sW, sC] (uint8, device) -> pixels [B, C, H, W] (bf16): bilinear
+// taps ty [H] and tx [W] (device), x mirrored where flip[b], /255, (x - mean) / std. The CPU
+// loader does the same on the host (image_loader_convert), so the CPU backend never calls this.
+static void op_resize_normalize_images(const Backend* be, void* pixels, const uint8_t* raw, const ResampleTaps* ty, const ResampleTaps* tx,
+                                       const int* flip, int B, int sH, int sW, int sC, int H, int W, int C, const float* mean,
+                                       const float* std) {
+#ifdef LLMC_HAVE_CUDA
+    if (be->cuda) {
+        ImageShape s = {B, sH, sW, sC, H, W, C, {0, 0, 0}, {1, 1, 1}};
+        for (int c = 0; c < C && c < 3; c++) { s.mean[c] = mean[c]; s.std[c] = std[c]; }
+        image_resize_normalize_cuda(B16(pixels), raw, ty, tx, flip, s, be->stream);
+        return;
+    }
+#endif
+    (void)be; (void)pixels; (void)raw; (void)ty; (void)tx; (void)flip; (void)B; (void)sH; (void)sW; (void)sC; (void)H; (void)W; (void)C;
+    (void)mean; (void)std;
+    fail("internal: op_resize_normalize_images is the CUDA backend's (the CPU loader normalises on the host)");
 }
 
 // After the patch product x [N, d] (N = B*T): x[b, 0] = cls + pos[0] (the class token);

@@ -215,6 +215,20 @@ def test_training_tracks_cpu(mode):
     assert worst < 0.02, line
 
 
+def test_gpu_resizes_flips_and_normalises_like_the_cpu_loader():
+    """On CUDA the raw images are resized (28 px -> 35 px here), flipped and normalised on the GPU
+    (image_resize_normalize_cuda) where the CPU backend's loader does it on the host: the losses of
+    a few steps and the validation (unflipped, in file order, a short last batch) agree."""
+    args = ["--image-size", 35, "--hflip", "--steps", 3, "--batch", 5] + VAL + ["--val-batches", 3]
+    cpu, cuda = train(CPU_TRAIN, "cpu", *args), train(CUDA_TRAIN, "cuda", *args)
+    a, b = step_losses(cpu.stdout), step_losses(cuda.stdout)
+    va, vb = (float(re.findall(r"val loss ([0-9.]+)", o.stdout)[-1]) for o in (cpu, cuda))
+    print(f"resized + flipped: cpu {a} val {va} | cuda {b} val {vb}")
+    assert len(a) == len(b) == 3
+    assert max(abs(x - y) / y for x, y in zip(b, a)) < 0.02 and abs(va - vb) / va < 0.02
+    check_memory_line(cuda.stdout)
+
+
 def test_resume_adapter_and_export_across_backends(tmp_path):
     """CUDA: stop at step 2 and --resume gives the uninterrupted run bit for bit; the adapter it
     saves (MS-LN: A and the biases mapped back to the original layout) and the merged model it

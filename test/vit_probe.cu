@@ -47,6 +47,13 @@ static void dump_batches(const VitConfig* cfg, const TrainOptions* o, int batche
     image_shard_free(&s);
 }
 
+// Given pixels [B, C, H, W] (fp32, host) and labels (in h_labels): the batch on the backend.
+static void vit_set_batch(Vit* m, const float* pixels, int B) {
+    const VitConfig* c = &m->cfg;
+    backend_upload_weights(m->be, m->pixels, pixels, (int64_t)B * c->channels * m->img_h * m->img_w);  // bf16 on CUDA
+    backend_upload(m->be, m->labels, m->h_labels, sizeof(int) * B);
+}
+
 int main(int argc, char** argv) {
     TrainOptions o;
     train_options_defaults(&o);
@@ -85,16 +92,15 @@ int main(int argc, char** argv) {
     Backend be;
     backend_init(&be, o.device, 0);
     Vit m;
-    vit_setup(&m, &cfg, &md, B, h, w, K, &be, NULL);
+    vit_setup(&m, &cfg, &md, B, h, w, K, 0, &be, NULL);
     vit_allocate(&m);
     vit_load_weights(&m, o.model_dir);
-    memcpy(m.h_pixels, px->data, px->nbytes);
     const int32_t* labels = (const int32_t*)lb->data;
     for (int b = 0; b < B; b++) {
         if (labels[b] < 0 || labels[b] >= K) fail("%s: label %d outside [0, %d)", case_path, labels[b], K);
         m.h_labels[b] = labels[b];
     }
-    vit_upload_batch(&m, B);
+    vit_set_batch(&m, (const float*)px->data, B);
     memcpy(m.host_head_w, hw->data, hw->nbytes);
     const StTensor* hb = case_tensor(&cf, "head.bias", ST_F32);
     st_check_shape(hb, 1, &hshape[0]);
