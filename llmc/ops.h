@@ -12,6 +12,7 @@
 #include "lora.h"
 #include "cpu/matmul.h"
 #include "cpu/embedding.h"
+#include "resample.h"
 #include "cpu/norms.h"
 #include "cpu/activations.h"
 #include "cpu/attention.h"
