@@ -1108,6 +1108,12 @@ int main(int argc, char** argv) {
         char what[160];
         if (md.full) snprintf(what, sizeof(what), "full fine-tuning of every weight");
         else snprintf(what, sizeof(what), "LoRA r=%d alpha=%g on %s", o.lora_rank, o.lora_alpha, o.lora_targets ? o.lora_targets : "all");
+        if (be.cuda) {
+            char gpu[192];
+            backend_describe(&be, gpu, sizeof(gpu));
+            printf("device: %s%s%s\n", gpu, dist.world > 1 || dist_has_nccl(&dist) ? "; gradients across ranks: " : "",
+                   dist.world > 1 || dist_has_nccl(&dist) ? dist_gpu_collectives(&dist) : "");
+        }
         char where[64];
         if (be.cuda) snprintf(where, sizeof(where), "CUDA GPU %d x %d ranks", be.device, dist.world);
         else snprintf(where, sizeof(where), "CPU, %d threads x %d ranks", omp_get_max_threads(), dist.world);

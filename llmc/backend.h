@@ -64,6 +64,19 @@ static void backend_init(Backend* be, const char* flag, int local_rank) {
     be->layout = be->cuda ? "CUDA bf16" : "CPU fp32";
 }
 
+// One line about the GPU for the log: its name, compute capability and memory.
+static void backend_describe(const Backend* be, char* buf, size_t n) {
+    snprintf(buf, n, "CPU");
+#ifdef LLMC_HAVE_CUDA
+    if (!be->cuda) return;
+    cudaDeviceProp p;
+    CUDA_CHECK(cudaGetDeviceProperties(&p, be->device));
+    snprintf(buf, n, "%.160s (sm_%d%d, %.1f GiB)", p.name, p.major, p.minor, p.totalGlobalMem / 1073741824.0);
+#else
+    (void)be;
+#endif
+}
+
 // A backend described but not started: what --dry-run plans for (the CUDA layout can be planned
 // by a build without CUDA).
 static Backend backend_for_plan(int cuda) {

@@ -290,6 +290,13 @@ cudaError_t cudaMemGetInfo(size_t* free_bytes, size_t* total) {
     *free_bytes = EMU_DEVICE_BYTES - emu_bytes_in_use;
     return cudaSuccess;
 }
+cudaError_t cudaGetDeviceProperties(cudaDeviceProp* p, int d) {
+    memset(p, 0, sizeof(*p));
+    snprintf(p->name, sizeof(p->name), "CPU emulator (llmc/cuda/emu.h), pretend device %d", d);
+    p->totalGlobalMem = EMU_DEVICE_BYTES;
+    p->major = 9;
+    return cudaSuccess;
+}
 // Eight pretend GPUs, so an mpirun job can give each rank its own (each process emulates one).
 cudaError_t cudaGetDeviceCount(int* n) { *n = 8; return cudaSuccess; }
 cudaError_t cudaSetDevice(int d) { return d >= 0 && d < 8 ? cudaSuccess : cudaErrorInvalidDevice; }
