@@ -531,12 +531,6 @@ static void llama_init_lora(Llama* m, uint64_t seed) {
 // ----------------------------------------------------------------------------------------------
 // Forward
 
-// The planned attention workspace, if this call's shape fits in it (generation runs shorter
-// windows of one sequence); NULL makes CUDA use the flash kernels, which need none in the forward.
-static void* llama_attn_work(const Llama* m, AttnShape as) {
-    return op_attention_work_bytes(m->be, as) <= m->att_work_bytes ? m->att_work : NULL;
-}
-
 // Generation's key/value cache: per layer, the keys (after RoPE) and values of every position fed
 // so far, [cap, KVH*hd] in the backend's activation type.
 typedef struct {
@@ -568,7 +562,8 @@ static void block_forward(Llama* m, int l, void* x, BlockActs* a, int B, int T, 
         op_copy(be, (char*)kv->v[l] + at, a->v, N * kvd);
         op_attention_cached(be, a->o, a->q, kv->k[l], kv->v[l], T, kv->len, c->heads, c->kv_heads, c->head_dim);
     } else {
-        op_attention_forward(be, a->o, a->lse, a->q, a->k, a->v, as, llama_attn_work(m, as));
+        op_attention_forward(be, a->o, a->lse, a->q, a->k, a->v, as,
+                             op_attention_work_fitting(be, as, m->att_work, m->att_work_bytes));
     }
     op_linear_forward(be, x, a->o, &L->lin[T_O], a->ax[T_O], N, r, s, 1);
     if (a->h_mid) op_copy(be, a->h_mid, x, N * d);
@@ -614,7 +609,8 @@ static void block_backward(Llama* m, int l, BlockActs* a, int B, int T) {
     else op_rmsnorm_backward(be, m->dres, m->dz, a->h_mid, a->r2, L->mlp_norm, N, (int)d);
     // attention: o-proj, attention, RoPE, q/k/v, attention norm
     op_linear_backward(be, m->dout, m->dres, a->o, a->ax[T_O], &L->lin[T_O], m->dax, N, r, s, 0);
-    op_attention_backward(be, m->dq, m->dk, m->dv, m->dout, a->q, a->k, a->v, a->o, a->lse, NULL, as, llama_attn_work(m, as));
+    op_attention_backward(be, m->dq, m->dk, m->dv, m->dout, a->q, a->k, a->v, a->o, a->lse, NULL, as,
+                          op_attention_work_fitting(be, as, m->att_work, m->att_work_bytes));
     op_rope(be, m->dq, m->rope_cos, m->rope_sin, m->pos, N, T, c->heads, c->head_dim, 1);
     op_rope(be, m->dk, m->rope_cos, m->rope_sin, m->pos, N, T, c->kv_heads, c->head_dim, 1);
     op_linear_backward(be, m->dz, m->dq, a->z1, a->ax[T_Q], &L->lin[T_Q], m->dax, N, r, s, 0);
@@ -1108,12 +1104,7 @@ int main(int argc, char** argv) {
         char what[160];
         if (md.full) snprintf(what, sizeof(what), "full fine-tuning of every weight");
         else snprintf(what, sizeof(what), "LoRA r=%d alpha=%g on %s", o.lora_rank, o.lora_alpha, o.lora_targets ? o.lora_targets : "all");
-        if (be.cuda) {
-            char gpu[192];
-            backend_describe(&be, gpu, sizeof(gpu));
-            printf("device: %s%s%s\n", gpu, dist.world > 1 || dist_has_nccl(&dist) ? "; gradients across ranks: " : "",
-                   dist.world > 1 || dist_has_nccl(&dist) ? dist_gpu_collectives(&dist) : "");
-        }
+        backend_print_device(&be, dist.world > 1 || dist_has_nccl(&dist) ? dist_gpu_collectives(&dist) : NULL);
         char where[64];
         if (be.cuda) snprintf(where, sizeof(where), "CUDA GPU %d x %d ranks", be.device, dist.world);
         else snprintf(where, sizeof(where), "CPU, %d threads x %d ranks", omp_get_max_threads(), dist.world);

@@ -722,12 +722,6 @@ static void vit_embed(Vit* m, int B) {
     op_patch_embed_finish(m->be, m->resid, m->cls, m->patch_b, m->pos, N, m->T, c->dim);
 }
 
-// The planned attention workspace, if this call's shape fits in it (a short last evaluation
-// batch); NULL makes CUDA use the flash kernels, which need none in the forward.
-static void* vit_attn_work(const Vit* m, AttnShape as) {
-    return op_attention_work_bytes(m->be, as) <= m->att_work_bytes ? m->att_work : NULL;
-}
-
 // One pre-LN block, updating the residual stream x [B*T, d] in place and filling a's buffers.
 static void block_forward(Vit* m, int l, void* x, BlockActs* a, int B) {
     const Backend* be = m->be;
@@ -742,7 +736,8 @@ static void block_forward(Vit* m, int l, void* x, BlockActs* a, int B) {
     op_linear_forward(be, a->q, a->z1, &L->lin[T_Q], a->ax[T_Q], N, r, s, 0);
     op_linear_forward(be, a->k, a->z1, &L->lin[T_K], a->ax[T_K], N, r, s, 0);
     op_linear_forward(be, a->v, a->z1, &L->lin[T_V], a->ax[T_V], N, r, s, 0);
-    op_attention_forward(be, a->o, a->lse, a->q, a->k, a->v, as, vit_attn_work(m, as));
+    op_attention_forward(be, a->o, a->lse, a->q, a->k, a->v, as,
+                             op_attention_work_fitting(be, as, m->att_work, m->att_work_bytes));
     op_linear_forward(be, x, a->o, &L->lin[T_PROJ], a->ax[T_PROJ], N, r, s, 1);
     if (a->h_mid) op_copy(be, a->h_mid, x, N * d);
     op_layernorm_forward(be, a->z2, a->r2, ms ? NULL : a->mean2, x, ms ? NULL : L->ln2_g, ms ? NULL : L->ln2_b, N, (int)d, c->norm_eps);
@@ -807,7 +802,8 @@ static void block_backward(Vit* m, int l, BlockActs* a, int B) {
     else op_layernorm_backward(be, m->dres, m->dz, a->h_mid, a->mean2, a->r2, L->ln2_g, N, (int)d);
     // attention: proj, attention, q/k/v, attention norm
     op_linear_backward(be, m->dout, m->dres, a->o, a->ax[T_PROJ], &L->lin[T_PROJ], m->dax, N, r, s, 0);
-    op_attention_backward(be, m->dq, m->dk, m->dv, m->dout, a->q, a->k, a->v, a->o, a->lse, NULL, as, vit_attn_work(m, as));
+    op_attention_backward(be, m->dq, m->dk, m->dv, m->dout, a->q, a->k, a->v, a->o, a->lse, NULL, as,
+                          op_attention_work_fitting(be, as, m->att_work, m->att_work_bytes));
     op_linear_backward(be, m->dz, m->dq, a->z1, a->ax[T_Q], &L->lin[T_Q], m->dax, N, r, s, 0);
     op_linear_backward(be, m->dz, m->dk, a->z1, a->ax[T_K], &L->lin[T_K], m->dax, N, r, s, 1);
     op_linear_backward(be, m->dz, m->dv, a->z1, a->ax[T_V], &L->lin[T_V], m->dax, N, r, s, 1);
@@ -1505,12 +1501,7 @@ int main(int argc, char** argv) {
         char what[160];
         if (md.full) snprintf(what, sizeof(what), "full fine-tuning of the linear weights");
         else snprintf(what, sizeof(what), "LoRA r=%d alpha=%g on %s", o.lora_rank, o.lora_alpha, o.lora_targets ? o.lora_targets : "all");
-        if (be.cuda) {
-            char gpu[192];
-            backend_describe(&be, gpu, sizeof(gpu));
-            printf("device: %s%s%s\n", gpu, dist.world > 1 || dist_has_nccl(&dist) ? "; gradients across ranks: " : "",
-                   dist.world > 1 || dist_has_nccl(&dist) ? dist_gpu_collectives(&dist) : "");
-        }
+        backend_print_device(&be, dist.world > 1 || dist_has_nccl(&dist) ? dist_gpu_collectives(&dist) : NULL);
         char where[64];
         if (be.cuda) snprintf(where, sizeof(where), "CUDA GPU %d x %d ranks", be.device, dist.world);
         else snprintf(where, sizeof(where), "CPU, %d threads x %d ranks", omp_get_max_threads(), dist.world);

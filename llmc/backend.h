@@ -77,6 +77,15 @@ static void backend_describe(const Backend* be, char* buf, size_t n) {
 #endif
 }
 
+// The start-up line about the GPU (rank 0, CUDA only); collectives: what sums gradients across
+// ranks, or NULL for a single rank.
+static void backend_print_device(const Backend* be, const char* collectives) {
+    if (!be->cuda) return;
+    char gpu[192];
+    backend_describe(be, gpu, sizeof(gpu));
+    printf("device: %s%s%s\n", gpu, collectives ? "; gradients across ranks: " : "", collectives ? collectives : "");
+}
+
 // A backend described but not started: what --dry-run plans for (the CUDA layout can be planned
 // by a build without CUDA).
 static Backend backend_for_plan(int cuda) {

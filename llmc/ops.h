@@ -148,6 +148,13 @@ static size_t op_attention_work_bytes(const Backend* be, AttnShape s) {
     return be->cuda ? attn_gemm_work_bytes(&s, 1) : 0;  // also holds the flash backward's B*H*T row sums
 }
 
+// The planned workspace `work` of `bytes`, if shape s fits in it (generation's shorter windows, a
+// short last evaluation batch), else NULL: CUDA then uses the flash kernels, which need none in
+// the forward.
+static void* op_attention_work_fitting(const Backend* be, AttnShape s, void* work, size_t bytes) {
+    return op_attention_work_bytes(be, s) <= bytes ? work : NULL;
+}
+
 #ifdef LLMC_HAVE_CUDA
 static int op_attention_use_gemm(const void* work) {
     const char* e = getenv("LLMC_ATTENTION");
