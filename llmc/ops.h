@@ -96,19 +96,10 @@ static void op_rmsnorm_ms_backward(const Backend* be, void* dx, const void* dz, 
 
 // ---- the linear layer with its adapter ---------------------------------------------------------
 
-#ifdef LLMC_HAVE_CUDA
-static LinearCuda linear_cuda_view(const Linear* L) {
-    LinearCuda v = {L->in, L->out, CB16(L->dev.W), CB16(L->dev.bias), L->dev.A, L->dev.B, B16(L->dev.A16), B16(L->dev.B16),
-                    L->dev.dA, L->dev.dB};
-    if (!L->A) v.A = v.B = NULL;
-    return v;
-}
-#endif
-
 // y (+)= x W^T + bias + scale * (x A^T) B^T, keeping ax for the adapter's backward.
 static void op_linear_forward(const Backend* be, void* y, const void* x, const Linear* L, void* ax, int64_t N, int rank, float scale, int accumulate) {
 #ifdef LLMC_HAVE_CUDA
-    if (be->cuda) { LinearCuda v = linear_cuda_view(L); linear_forward_cuda(B16(y), CB16(x), &v, B16(ax), N, rank, scale, accumulate, be->stream); return; }
+    if (be->cuda) { linear_forward_cuda(B16(y), CB16(x), L, B16(ax), N, rank, scale, accumulate, be->stream); return; }
 #endif
     linear_forward(F32(y), CF32(x), L, F32(ax), N, rank, scale, accumulate);
 }
@@ -117,13 +108,7 @@ static void op_linear_forward(const Backend* be, void* y, const void* x, const L
 static void op_linear_backward(const Backend* be, void* dx, const void* dy, const void* x, const void* ax, const Linear* L, void* dax,
                                int64_t N, int rank, float scale, int accumulate) {
 #ifdef LLMC_HAVE_CUDA
-    if (be->cuda) {
-        LinearCuda v = linear_cuda_view(L);
-        linear_backward_cuda(B16(dx), CB16(dy), CB16(x), CB16(ax), &v, B16(dax), N, rank, scale, accumulate, be->stream);
-        // full fine-tuning: dW += dy^T x, bf16 operands, fp32 sums straight into the gradient arena
-        if (L->dev.dW) matmul_tn_cuda(L->dev.dW, CB16(dy), CB16(x), L->out, L->in, (int)N, 1.0f, 1, be->stream);
-        return;
-    }
+    if (be->cuda) { linear_backward_cuda(B16(dx), CB16(dy), CB16(x), CB16(ax), L, B16(dax), N, rank, scale, accumulate, be->stream); return; }
 #endif
     linear_backward(F32(dx), CF32(dy), CF32(x), CF32(ax), L, F32(dax), N, rank, scale, accumulate);
 }

@@ -83,7 +83,9 @@ static void test_linear(int64_t N, int in, int out, int rank, int with_bias, int
     float *dx0 = host_randn(N * in, rng, 1.0f, 1);
     // CPU
     float *dA = host_copy(dA0, (int64_t)rank * in), *dB = host_copy(dB0, (int64_t)out * rank);
-    Linear L = {in, out, W, with_bias ? bias : NULL, with_lora ? A : NULL, with_lora ? B : NULL, dA, dB};
+    // without an adapter the layer trains W itself (full fine-tuning): dW accumulates onto random values
+    float *dW0 = host_randn((int64_t)out * in, rng, 0.1f, 0), *dW = host_copy(dW0, (int64_t)out * in);
+    Linear L = {in, out, W, with_bias ? bias : NULL, with_lora ? A : NULL, with_lora ? B : NULL, dA, dB, with_lora ? NULL : dW};
     float *y = host_copy(y0, N * out), *ax = (float*)xmalloc(4 * N * rank), *dax = (float*)xmalloc(4 * N * rank);
     float* dx = host_copy(dx0, N * in);
     linear_forward(y, x, &L, ax, N, rank, scale, 1);
@@ -91,16 +93,22 @@ static void test_linear(int64_t N, int in, int out, int rank, int with_bias, int
     host_round_bf16(ax16, N * rank);  // the GPU keeps ax in bf16
     linear_backward(dx, dy, x, ax16, &L, dax, N, rank, scale, 1);
     // GPU
-    LinearCuda G = {in, out, upload_bf16(W, (int64_t)out * in), with_bias ? upload_bf16(bias, out) : NULL, NULL, NULL, NULL, NULL,
-                    NULL, NULL};
-    if (with_lora) {
-        G.A = (float*)upload(A, 4 * (int64_t)rank * in);
-        G.B = (float*)upload(B, 4 * (int64_t)out * rank);
-        G.A16 = (bf16*)dev_alloc(2 * (int64_t)rank * in);
-        G.B16 = (bf16*)dev_alloc(2 * (int64_t)out * rank);
-        G.dA = (float*)upload(dA0, 4 * (int64_t)rank * in);
-        G.dB = (float*)upload(dB0, 4 * (int64_t)out * rank);
-        lora_refresh_shadows_cuda(&G, rank, g_stream);
+    Linear G;  // the CUDA copy lives in G.dev, as the trainers bind it
+    memset(&G, 0, sizeof(G));
+    G.in = in;
+    G.out = out;
+    LinearDevice* D = &G.dev;
+    D->W = upload_bf16(W, (int64_t)out * in);
+    D->bias = with_bias ? upload_bf16(bias, out) : NULL;
+    if (with_lora) {  // fp32 masters and their bf16 shadows
+        D->A = (float*)upload(A, 4 * (int64_t)rank * in);
+        D->B = (float*)upload(B, 4 * (int64_t)out * rank);
+        D->A16 = upload_bf16(A, (int64_t)rank * in);
+        D->B16 = upload_bf16(B, (int64_t)out * rank);
+        D->dA = (float*)upload(dA0, 4 * (int64_t)rank * in);
+        D->dB = (float*)upload(dB0, 4 * (int64_t)out * rank);
+    } else {
+        D->dW = (float*)upload(dW0, 4 * (int64_t)out * in);
     }
     bf16 *d_x = upload_bf16(x, N * in), *d_y = upload_bf16(y0, N * out), *d_dy = upload_bf16(dy, N * out);
     bf16 *d_dx = upload_bf16(dx0, N * in), *d_ax = (bf16*)dev_alloc(2 * N * rank), *d_dax = (bf16*)dev_alloc(2 * N * rank);
@@ -119,8 +127,8 @@ static void test_linear(int64_t N, int in, int out, int rank, int with_bias, int
     snprintf(name, sizeof(name), "linear_backward dx (accumulated), %s", tag);
     check_close(name, gdx, dx, N * in, 1e-2);
     if (with_lora) {
-        float *gax = download_bf16(d_ax, N * rank), *gdA = download_f32(G.dA, (int64_t)rank * in),
-              *gdB = download_f32(G.dB, (int64_t)out * rank);
+        float *gax = download_bf16(d_ax, N * rank), *gdA = download_f32(D->dA, (int64_t)rank * in),
+              *gdB = download_f32(D->dB, (int64_t)out * rank);
         for (int64_t i = 0; i < (int64_t)rank * in; i++) { gdA[i] -= dA0[i]; dA[i] -= dA0[i]; }
         for (int64_t i = 0; i < (int64_t)out * rank; i++) { gdB[i] -= dB0[i]; dB[i] -= dB0[i]; }
         snprintf(name, sizeof(name), "linear_forward kept ax, %s", tag);
@@ -130,11 +138,19 @@ static void test_linear(int64_t N, int in, int out, int rank, int with_bias, int
         snprintf(name, sizeof(name), "linear_backward dB (fp32, accumulated), %s", tag);
         check_close(name, gdB, dB, (int64_t)out * rank, 1e-2);
         free(gax); free(gdA); free(gdB);
-        CUDA_CHECK(cudaFree(G.A)); CUDA_CHECK(cudaFree(G.B)); CUDA_CHECK(cudaFree(G.A16)); CUDA_CHECK(cudaFree(G.B16));
-        CUDA_CHECK(cudaFree(G.dA)); CUDA_CHECK(cudaFree(G.dB));
+        CUDA_CHECK(cudaFree(D->A)); CUDA_CHECK(cudaFree(D->B)); CUDA_CHECK(cudaFree(D->A16)); CUDA_CHECK(cudaFree(D->B16));
+        CUDA_CHECK(cudaFree(D->dA)); CUDA_CHECK(cudaFree(D->dB));
+    } else {
+        float* gdW = download_f32(D->dW, (int64_t)out * in);
+        for (int64_t i = 0; i < (int64_t)out * in; i++) { gdW[i] -= dW0[i]; dW[i] -= dW0[i]; }
+        snprintf(name, sizeof(name), "linear_backward dW (full fine-tuning, fp32, accumulated), %s", tag);
+        check_close(name, gdW, dW, (int64_t)out * in, 1e-2);
+        free(gdW);
+        CUDA_CHECK(cudaFree(D->dW));
     }
-    CUDA_CHECK(cudaFree((void*)G.W));
-    if (G.bias) CUDA_CHECK(cudaFree((void*)G.bias));
+    free(dW0); free(dW);
+    CUDA_CHECK(cudaFree(D->W));
+    if (D->bias) CUDA_CHECK(cudaFree(D->bias));
     CUDA_CHECK(cudaFree(d_x)); CUDA_CHECK(cudaFree(d_y)); CUDA_CHECK(cudaFree(d_dy)); CUDA_CHECK(cudaFree(d_dx));
     CUDA_CHECK(cudaFree(d_ax)); CUDA_CHECK(cudaFree(d_dax));
     free(W); free(bias); free(A); free(B); free(dA0); free(dB0); free(x); free(y0); free(dy); free(dx0); free(dA); free(dB);
