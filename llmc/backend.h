@@ -204,17 +204,6 @@ static void backend_upload_weights(const Backend* be, void* dst, const float* sr
 #endif
 }
 
-// n activations of the backend's type back to fp32 on the host (tests, generation).
-static void backend_download_acts(const Backend* be, float* dst, const void* src, int64_t n) {
-    if (!be->cuda) { backend_download(be, dst, src, sizeof(float) * n); return; }
-#ifdef LLMC_HAVE_CUDA
-    uint16_t* tmp = (uint16_t*)xmalloc(sizeof(uint16_t) * (n ? n : 1));
-    CUDA_CHECK(cudaMemcpy(tmp, src, sizeof(uint16_t) * n, cudaMemcpyDeviceToHost));
-    for (int64_t i = 0; i < n; i++) { uint32_t b = (uint32_t)tmp[i] << 16; memcpy(&dst[i], &b, 4); }
-    free(tmp);
-#endif
-}
-
 static void backend_sync(const Backend* be) {
 #ifdef LLMC_HAVE_CUDA
     if (be->cuda) CUDA_CHECK(cudaStreamSynchronize(be->stream));

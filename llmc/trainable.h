@@ -112,8 +112,6 @@ typedef struct {
     double comm_s;             // seconds in cross-rank communication
 } OptimStep;
 
-// The locally accumulated gradients (already scaled so that their sum over ranks is the gradient
-// of the global mean loss) -> one AdamW step, identical on every rank.
 // Whether gradients go to the other ranks in buckets during the backward: CUDA, more than one
 // rank, and one all-reduce of the whole arena otherwise (ZeRO-1 reduce-scatters it at the step).
 static int trainable_uses_buckets(const Trainable* tr, const Dist* dist) {
@@ -162,72 +160,90 @@ static void trainable_grads_final_from(Trainable* tr, const Dist* dist, int64_t 
     tr->reduced_from = lo;
 }
 
+// The step's pieces on the arrays' backend (CUDA kernels, or the CPU twins).
+
+// The locally accumulated gradients summed across ranks (on CUDA: NCCL, or MPI through the host;
+// the buckets sent during the backward are waited for here). Returns what this rank updates from:
+// all the gradients, or under ZeRO-1 its shard of them.
+static float* trainable_sum_grads(Trainable* tr, const Dist* dist) {
 #ifdef LLMC_HAVE_CUDA
-// The CUDA step: gradients summed across ranks on the device (NCCL, or MPI through the host when
-// built without NCCL), the norm from two deterministic reduction kernels, AdamW, the bf16 shadow.
-static OptimStep trainable_step_cuda(Trainable* tr, const TrainOptions* o, const Dist* dist, int step) {
-    OptimStep r;
-    cudaStream_t st = tr->be->stream;
-    double t = wall_seconds();
-    float* g = tr->grads;
-    if (tr->zero1) {
-        dist_reduce_scatter_sum_f32_device(dist, tr->grads, tr->grad_shard, tr->shard, st);
-        g = tr->grad_shard;
-    } else if (tr->buckets_armed) {  // the rest of the buckets, then wait for all of them
-        trainable_reduce_range(tr, dist, 0, tr->reduced_from);
+    if (trainable_on_device(tr)) {
+        cudaStream_t st = tr->be->stream;
+        if (tr->zero1) { dist_reduce_scatter_sum_f32_device(dist, tr->grads, tr->grad_shard, tr->shard, st); return tr->grad_shard; }
+        if (!tr->buckets_armed) { dist_allreduce_sum_f32_device(dist, tr->grads, tr->count, st); return tr->grads; }
+        trainable_reduce_range(tr, dist, 0, tr->reduced_from);  // the last bucket, then wait for all of them
         if (tr->comm) {
             CUDA_CHECK(cudaEventRecord(tr->comm_done, tr->comm));
             CUDA_CHECK(cudaStreamWaitEvent(st, tr->comm_done, 0));
         }
         tr->buckets_armed = 0;
-    } else {
-        dist_allreduce_sum_f32_device(dist, tr->grads, tr->count, st);
+        return tr->grads;
     }
-    r.comm_s = wall_seconds() - t;  // (NCCL returns at once: its time then shows in the step time)
-    double ss = sum_squares_cuda(g, tr->shard, tr->sumsq_scratch, st);
+#endif
+    if (tr->zero1) { dist_reduce_scatter_sum_f32(dist, tr->grads, tr->grad_shard, tr->shard); return tr->grad_shard; }
+    dist_allreduce_sum_f32(dist, tr->grads, tr->count);
+    return tr->grads;
+}
+
+static double trainable_sum_squares(const Trainable* tr, const float* g) {
+#ifdef LLMC_HAVE_CUDA
+    if (trainable_on_device(tr)) return sum_squares_cuda(g, tr->shard, tr->sumsq_scratch, tr->be->stream);
+#endif
+    return sum_squares(g, tr->shard);
+}
+
+static void trainable_scale(const Trainable* tr, float* g, float s) {
+#ifdef LLMC_HAVE_CUDA
+    if (trainable_on_device(tr)) { scale_inplace_cuda(g, tr->shard, s, tr->be->stream); return; }
+#endif
+    scale_inplace(g, tr->shard, s);
+}
+
+// AdamW on this rank's part (p, g: shard values), then every rank gets every updated shard
+// (ZeRO-1) and, on CUDA, the bf16 shadow is refreshed. Returns the seconds of communication.
+static double trainable_update(Trainable* tr, const Dist* dist, float* g, float lr, float weight_decay, int t) {
+    float* p = tr->params + (tr->zero1 ? (int64_t)tr->rank * tr->shard : 0);
+    double comm = 0.0, t0;
+#ifdef LLMC_HAVE_CUDA
+    if (trainable_on_device(tr)) {
+        cudaStream_t st = tr->be->stream;
+        adamw_update_cuda(p, g, tr->adam_m, tr->adam_v, tr->shard, lr, 0.9f, 0.999f, 1e-8f, weight_decay, t, st);
+        if (tr->zero1) {
+            t0 = wall_seconds();
+            dist_allgather_f32_device(dist, tr->params, tr->shard, st);
+            backend_sync(tr->be);
+            comm = wall_seconds() - t0;
+        }
+        cast_f32_to_bf16_cuda((bf16*)tr->params16, tr->params, tr->count, st);
+        return comm;
+    }
+#endif
+    adamw_update(p, g, tr->adam_m, tr->adam_v, tr->shard, lr, 0.9f, 0.999f, 1e-8f, weight_decay, t);
+    if (tr->zero1) {
+        t0 = wall_seconds();
+        dist_allgather_f32(dist, tr->params, tr->shard);
+        comm = wall_seconds() - t0;
+    }
+    return comm;
+}
+
+// The locally accumulated gradients (already scaled so that their sum over ranks is the gradient
+// of the global mean loss) -> one AdamW step, identical on every rank. The all-reduce time counts
+// as communication (with NCCL the call returns at once: its time then shows in the step time).
+static OptimStep trainable_step(Trainable* tr, const TrainOptions* o, const Dist* dist, int step) {
+    OptimStep r;
+    double t = wall_seconds();
+    float* g = trainable_sum_grads(tr, dist);
+    r.comm_s = wall_seconds() - t;
+    double ss = trainable_sum_squares(tr, g);
     t = wall_seconds();
     if (tr->zero1) dist_allreduce_sum_f64(dist, &ss, 1);
     r.comm_s += wall_seconds() - t;
     r.grad_norm = (float)sqrt(ss);
     if (!isfinite(r.grad_norm)) fail("step %d: non-finite gradient norm; lower --lr or check the data", step + 1);
-    if (o->grad_clip > 0 && r.grad_norm > o->grad_clip) scale_inplace_cuda(g, tr->shard, o->grad_clip / r.grad_norm, st);
+    if (o->grad_clip > 0 && r.grad_norm > o->grad_clip) trainable_scale(tr, g, o->grad_clip / r.grad_norm);
     r.lr = lr_at_step(o, step);
-    float* p = tr->params + (tr->zero1 ? (int64_t)tr->rank * tr->shard : 0);
-    adamw_update_cuda(p, g, tr->adam_m, tr->adam_v, tr->shard, r.lr, 0.9f, 0.999f, 1e-8f, o->weight_decay, step + 1, st);
-    if (tr->zero1) {  // everyone gets every updated shard
-        t = wall_seconds();
-        dist_allgather_f32_device(dist, tr->params, tr->shard, st);
-        backend_sync(tr->be);
-        r.comm_s += wall_seconds() - t;
-    }
-    cast_f32_to_bf16_cuda((bf16*)tr->params16, tr->params, tr->count, st);
-    return r;
-}
-#endif
-
-static OptimStep trainable_step(Trainable* tr, const TrainOptions* o, const Dist* dist, int step) {
-#ifdef LLMC_HAVE_CUDA
-    if (trainable_on_device(tr)) return trainable_step_cuda(tr, o, dist, step);
-#endif
-    OptimStep r;
-    double t = wall_seconds();
-    float* g = tr->grads;
-    if (tr->zero1) { dist_reduce_scatter_sum_f32(dist, tr->grads, tr->grad_shard, tr->shard); g = tr->grad_shard; }
-    else dist_allreduce_sum_f32(dist, tr->grads, tr->count);
-    double ss = sum_squares(g, tr->shard);
-    if (tr->zero1) dist_allreduce_sum_f64(dist, &ss, 1);
-    r.comm_s = wall_seconds() - t;
-    r.grad_norm = (float)sqrt(ss);
-    if (!isfinite(r.grad_norm)) fail("step %d: non-finite gradient norm; lower --lr or check the data", step + 1);
-    if (o->grad_clip > 0 && r.grad_norm > o->grad_clip) scale_inplace(g, tr->shard, o->grad_clip / r.grad_norm);
-    r.lr = lr_at_step(o, step);
-    float* p = tr->params + (tr->zero1 ? (int64_t)tr->rank * tr->shard : 0);
-    adamw_update(p, g, tr->adam_m, tr->adam_v, tr->shard, r.lr, 0.9f, 0.999f, 1e-8f, o->weight_decay, step + 1);
-    if (tr->zero1) {  // everyone gets every updated shard
-        t = wall_seconds();
-        dist_allgather_f32(dist, tr->params, tr->shard);
-        r.comm_s += wall_seconds() - t;
-    }
+    r.comm_s += trainable_update(tr, dist, g, r.lr, o->weight_decay, step + 1);
     return r;
 }
 
