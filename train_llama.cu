@@ -609,8 +609,7 @@ static void block_backward(Llama* m, int l, BlockActs* a, int B, int T) {
     else op_rmsnorm_backward(be, m->dres, m->dz, a->h_mid, a->r2, L->mlp_norm, N, (int)d);
     // attention: o-proj, attention, RoPE, q/k/v, attention norm
     op_linear_backward(be, m->dout, m->dres, a->o, a->ax[T_O], &L->lin[T_O], m->dax, N, r, s, 0);
-    op_attention_backward(be, m->dq, m->dk, m->dv, m->dout, a->q, a->k, a->v, a->o, a->lse, NULL, as,
-                          op_attention_work_fitting(be, as, m->att_work, m->att_work_bytes));
+    op_attention_backward(be, m->dq, m->dk, m->dv, m->dout, a->q, a->k, a->v, a->o, a->lse, as, m->att_work);
     op_rope(be, m->dq, m->rope_cos, m->rope_sin, m->pos, N, T, c->heads, c->head_dim, 1);
     op_rope(be, m->dk, m->rope_cos, m->rope_sin, m->pos, N, T, c->kv_heads, c->head_dim, 1);
     op_linear_backward(be, m->dz, m->dq, a->z1, a->ax[T_Q], &L->lin[T_Q], m->dax, N, r, s, 0);

@@ -802,8 +802,7 @@ static void block_backward(Vit* m, int l, BlockActs* a, int B) {
     else op_layernorm_backward(be, m->dres, m->dz, a->h_mid, a->mean2, a->r2, L->ln2_g, N, (int)d);
     // attention: proj, attention, q/k/v, attention norm
     op_linear_backward(be, m->dout, m->dres, a->o, a->ax[T_PROJ], &L->lin[T_PROJ], m->dax, N, r, s, 0);
-    op_attention_backward(be, m->dq, m->dk, m->dv, m->dout, a->q, a->k, a->v, a->o, a->lse, NULL, as,
-                          op_attention_work_fitting(be, as, m->att_work, m->att_work_bytes));
+    op_attention_backward(be, m->dq, m->dk, m->dv, m->dout, a->q, a->k, a->v, a->o, a->lse, as, m->att_work);
     op_linear_backward(be, m->dz, m->dq, a->z1, a->ax[T_Q], &L->lin[T_Q], m->dax, N, r, s, 0);
     op_linear_backward(be, m->dz, m->dk, a->z1, a->ax[T_K], &L->lin[T_K], m->dax, N, r, s, 1);
     op_linear_backward(be, m->dz, m->dv, a->z1, a->ax[T_V], &L->lin[T_V], m->dax, N, r, s, 1);

@@ -141,17 +141,18 @@ static void* op_attention_work_fitting(const Backend* be, AttnShape s, void* wor
 }
 
 #ifdef LLMC_HAVE_CUDA
-static int op_attention_use_gemm(const void* work) {
+static int op_attention_flash_forced(void) {
     const char* e = getenv("LLMC_ATTENTION");
-    return work && !(e && strcmp(e, "flash") == 0);
+    return e && strcmp(e, "flash") == 0;
 }
 #endif
 
+// work: the planned workspace, or NULL (a shape that does not fit it: the flash kernels then).
 static void op_attention_forward(const Backend* be, void* o, float* lse, const void* q, const void* k, const void* v, AttnShape s,
-                                 void* work = NULL) {
+                                 void* work) {
 #ifdef LLMC_HAVE_CUDA
     if (be->cuda) {
-        if (op_attention_use_gemm(work)) attention_forward_gemm_cuda(B16(o), lse, CB16(q), CB16(k), CB16(v), s, work, be->stream);
+        if (work && !op_attention_flash_forced()) attention_forward_gemm_cuda(B16(o), lse, CB16(q), CB16(k), CB16(v), s, work, be->stream);
         else attention_forward_cuda(B16(o), lse, CB16(q), CB16(k), CB16(v), s, be->stream);
         return;
     }
@@ -160,22 +161,21 @@ static void op_attention_forward(const Backend* be, void* o, float* lse, const v
     attention_forward(F32(o), lse, CF32(q), CF32(k), CF32(v), s);
 }
 
-// scratch: B*H*T floats for the flash backward on CUDA, or NULL with `work` (unused on the CPU).
+// work: the planned workspace (CUDA; it also holds the flash backward's B*H*T row sums).
 static void op_attention_backward(const Backend* be, void* dq, void* dk, void* dv, const void* dout, const void* q, const void* k,
-                                  const void* v, const void* o, const float* lse, void* scratch, AttnShape s, void* work = NULL) {
+                                  const void* v, const void* o, const float* lse, AttnShape s, void* work) {
 #ifdef LLMC_HAVE_CUDA
     if (be->cuda) {
-        if (op_attention_use_gemm(work))
+        if (!work) fail("internal: the CUDA attention backward needs its planned workspace");
+        if (!op_attention_flash_forced())
             attention_backward_gemm_cuda(B16(dq), B16(dk), B16(dv), CB16(dout), CB16(q), CB16(k), CB16(v), CB16(o), lse, s, work, be->stream);
-        else if (scratch || work)
-            attention_backward_cuda(B16(dq), B16(dk), B16(dv), CB16(dout), CB16(q), CB16(k), CB16(v), CB16(o), lse,
-                                    (float*)(scratch ? scratch : work), s, be->stream);
         else
-            fail("internal: the CUDA attention backward needs a workspace or scratch");
+            attention_backward_cuda(B16(dq), B16(dk), B16(dv), CB16(dout), CB16(q), CB16(k), CB16(v), CB16(o), lse, (float*)work, s,
+                                    be->stream);
         return;
     }
 #endif
-    (void)scratch; (void)work;
+    (void)work;
     attention_backward(F32(dq), F32(dk), F32(dv), CF32(dout), CF32(q), CF32(k), CF32(v), CF32(o), lse, s);
 }
 
