@@ -336,6 +336,7 @@ static void llama_bind(Llama* m) {
                 lora_bind(L, m->tr.host_params, m->tr.host_grads, &off, (int)r);
             }
         }
+    trainable_plan_buckets(&m->tr, m->layer_off, c->layers);  // embedding, head and final norm lie below the first block
     int64_t N = (int64_t)m->B * m->T;
     if (m->be->cuda) {
         m->h_inputs = (int*)backend_alloc_staging(m->be, sizeof(int) * N);
@@ -1113,6 +1114,7 @@ int main(int argc, char** argv) {
         char layout[64];
         snprintf(layout, sizeof(layout), "%s%s", be.layout, dist.world > 1 ? ", per rank" : "");
         plan_print(&m.plan, &base.plan, o.mode, layout);
+        trainable_print_parallel(&m.tr, &dist);
     }
     llama_free(&base);
     if (o.eval_only) {

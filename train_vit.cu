@@ -405,6 +405,7 @@ static void vit_bind(Vit* m) {
     m->host_head_w = m->tr.host_params + off; m->host_dhead_w = m->tr.host_grads + off;
     m->head_b = m->head_w + hw; m->dhead_b = m->dhead_w + hw;
     m->host_head_b = m->host_head_w + hw; m->host_dhead_b = m->host_dhead_w + hw;
+    trainable_plan_buckets(&m->tr, m->layer_off, c->layers);  // the head lies above the last block
     m->norms_host = (float*)xcalloc((int64_t)c->layers * N_LN * c->dim, sizeof(float));
     if (be->cuda) {
         m->h_raw = (uint8_t*)backend_alloc_staging(be, m->B * m->src_bytes);
@@ -1514,6 +1515,7 @@ int main(int argc, char** argv) {
         char layout[64];
         snprintf(layout, sizeof(layout), "%s%s", be.layout, dist.world > 1 ? ", per rank" : "");
         plan_print(&m.plan, &base.plan, o.mode, layout);
+        trainable_print_parallel(&m.tr, &dist);
     }
     vit_free(&base);
     if (o.eval_only) {

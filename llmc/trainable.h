@@ -18,21 +18,32 @@
 #include "cuda/adamw.cuh"
 #endif
 
+// One range [lo, hi) of the arena whose gradients cross ranks together. Under ZeRO-1 each bucket is
+// split into world equal pieces and rank r updates piece r, [lo + r*piece, lo + (r+1)*piece); its
+// pieces sit in the rank's shard arrays in arena order, this one from shard_off = lo / world on.
+// So a bucket can be reduce-scattered as soon as the backward has finished it, and the optimizer
+// state still divides by the number of ranks.
+typedef struct {
+    int64_t lo, hi, shard_off;
+} GradBucket;
+
 typedef struct {
     float *params, *grads;     // count values (padded to world * shard under ZeRO-1)
     float *adam_m, *adam_v;    // shard values: the moments of the part this rank updates
     float* grad_shard;         // ZeRO-1: this rank's shard of the summed gradient
-    int64_t count, shard;
+    int64_t count, shard, padded;
     int zero1, rank, world;
     const Backend* be;
     float *host_params, *host_grads;  // the host mirror (the arrays themselves on the CPU)
     void* params16;                   // CUDA: bf16 copy of params, refreshed after every update
     double* sumsq_scratch;            // CUDA: the gradient norm's partial sums
-    // Gradient buckets summed across ranks during the last micro-batch's backward (CUDA, several
-    // ranks, not ZeRO-1): the models report, block by block, from which offset on the gradients
-    // are final (the arena is laid out in forward order, the backward runs the other way).
-    int buckets_armed;
-    int64_t reduced_from;             // [reduced_from, count) already summed this step
+    // The arena's gradient buckets, in the order the backward finishes them (highest offsets
+    // first: the arena is laid out in forward order). On CUDA with several ranks they are summed
+    // (or reduce-scattered) during the last micro-batch's backward as the models report, block by
+    // block, from which offset on the gradients are final; the rest at the step.
+    GradBucket* buckets;
+    int n_buckets;
+    int buckets_armed, next_bucket;   // next_bucket: the first not yet sent this step
 #ifdef LLMC_HAVE_CUDA
     cudaStream_t comm;                // NCCL buckets run here, overlapping the rest of the backward
     cudaEvent_t grads_ready, comm_done;
@@ -48,7 +59,7 @@ static void trainable_plan(Trainable* tr, MemPlan* p, const char* module, int64_
     tr->world = dist ? dist->world : 1;
     tr->zero1 = zero1 && tr->world > 1;
     tr->shard = tr->zero1 ? (count + tr->world - 1) / tr->world : count;
-    int64_t padded = tr->zero1 ? tr->shard * tr->world : count;
+    int64_t padded = tr->padded = tr->zero1 ? tr->shard * tr->world : count;
     plan_add(p, MEM_TRAINABLE, module, -1, "params", padded * 4, &tr->params);
     plan_add(p, MEM_GRADS, module, -1, "grads", padded * 4, &tr->grads);
     plan_add(p, MEM_OPTIM, module, -1, "adam_m", tr->shard * 4, &tr->adam_m);
@@ -64,8 +75,59 @@ static void trainable_plan(Trainable* tr, MemPlan* p, const char* module, int64_
 
 static int trainable_on_device(const Trainable* tr) { return tr->be && tr->be->cuda; }
 
-// After the arenas exist: the host mirror (the arrays themselves on the CPU).
+// A bucket is closed once this many bytes of final gradients are waiting (LLMC_GRAD_BUCKET_BYTES
+// overrides it; tests use 1 to make every block its own bucket).
+static int64_t trainable_bucket_bytes(void) {
+    const char* e = getenv("LLMC_GRAD_BUCKET_BYTES");
+    return e && atoll(e) > 0 ? atoll(e) : (int64_t)32 << 20;
+}
+
+// The buckets, from where each of the model's blocks starts in the arena (forward order; the
+// backward finishes them last to first, and whatever lies below the first block at the end).
+// Under ZeRO-1 the boundaries are rounded up to a multiple of the world size, so that every
+// bucket splits into equal pieces; the arena's padded end is one too.
+static void trainable_plan_buckets(Trainable* tr, const int64_t* block_off, int blocks) {
+    int64_t align = tr->zero1 ? tr->world : 1, want = trainable_bucket_bytes(), hi = tr->padded;
+    free(tr->buckets);
+    tr->buckets = (GradBucket*)xcalloc(blocks + 1, sizeof(GradBucket));
+    tr->n_buckets = 0;
+    for (int l = blocks; l >= 0 && hi > 0; l--) {
+        int64_t lo = l > 0 ? (block_off[l - 1] + align - 1) / align * align : 0;
+        if (lo >= hi || (lo > 0 && (hi - lo) * 4 < want)) continue;
+        GradBucket* b = &tr->buckets[tr->n_buckets++];
+        b->lo = lo; b->hi = hi;
+        b->shard_off = lo / align;  // the pieces in arena order: without ZeRO-1 the shard is the arena
+        hi = lo;
+    }
+}
+
+// Under ZeRO-1, the length of each rank's piece of bucket b (else the whole bucket).
+static int64_t bucket_piece(const Trainable* tr, const GradBucket* b) {
+    return (b->hi - b->lo) / (tr->zero1 ? tr->world : 1);
+}
+
+// This rank's shard (`shard` values, its pieces in bucket order) <-> the arena-ordered array
+// `arena` (ranks' pieces in place): what the state file holds, whatever the world size.
+static void trainable_shard_from_arena(const Trainable* tr, const float* arena, float* shard, int rank) {
+    for (int i = 0; i < tr->n_buckets; i++) {
+        const GradBucket* b = &tr->buckets[i];
+        int64_t n = bucket_piece(tr, b);
+        memcpy(shard + b->shard_off, arena + b->lo + rank * n, sizeof(float) * n);
+    }
+}
+
+static void trainable_shard_to_arena(const Trainable* tr, const float* shard, float* arena, int rank) {
+    for (int i = 0; i < tr->n_buckets; i++) {
+        const GradBucket* b = &tr->buckets[i];
+        int64_t n = bucket_piece(tr, b);
+        memcpy(arena + b->lo + rank * n, shard + b->shard_off, sizeof(float) * n);
+    }
+}
+
+// After the arenas exist: the host mirror (the arrays themselves on the CPU). One bucket until the
+// model says where its blocks start (trainable_plan_buckets).
 static void trainable_bind_host(Trainable* tr) {
+    trainable_plan_buckets(tr, NULL, 0);
     if (!trainable_on_device(tr)) { tr->host_params = tr->params; tr->host_grads = tr->grads; return; }
     tr->host_params = (float*)xcalloc(tr->count ? tr->count : 1, sizeof(float));
     tr->host_grads = (float*)xcalloc(tr->count ? tr->count : 1, sizeof(float));
@@ -74,6 +136,9 @@ static void trainable_bind_host(Trainable* tr) {
 static void trainable_free_host(Trainable* tr) {
     if (trainable_on_device(tr)) { free(tr->host_params); free(tr->host_grads); }
     tr->host_params = tr->host_grads = NULL;
+    free(tr->buckets);
+    tr->buckets = NULL;
+    tr->n_buckets = 0;
 #ifdef LLMC_HAVE_CUDA
     if (tr->comm) {
         CUDA_CHECK(cudaEventDestroy(tr->grads_ready));
@@ -102,9 +167,9 @@ static void trainable_to_host(Trainable* tr, int grads) {
 
 static void trainable_zero_grads(Trainable* tr) {
 #ifdef LLMC_HAVE_CUDA
-    if (trainable_on_device(tr)) { CUDA_CHECK(cudaMemsetAsync(tr->grads, 0, sizeof(float) * tr->count, tr->be->stream)); return; }
+    if (trainable_on_device(tr)) { CUDA_CHECK(cudaMemsetAsync(tr->grads, 0, sizeof(float) * tr->padded, tr->be->stream)); return; }
 #endif
-    memset(tr->grads, 0, sizeof(float) * tr->count);
+    memset(tr->grads, 0, sizeof(float) * tr->padded);  // the padding too: ZeRO-1 updates it
 }
 
 typedef struct {
@@ -112,77 +177,100 @@ typedef struct {
     double comm_s;             // seconds in cross-rank communication
 } OptimStep;
 
-// Whether gradients go to the other ranks in buckets during the backward: CUDA, more than one
-// rank, and one all-reduce of the whole arena otherwise (ZeRO-1 reduce-scatters it at the step).
+// Whether buckets go to the other ranks during the backward: CUDA with more than one rank (with
+// NCCL they then overlap the rest of the backward). On the CPU, where MPI would only stall the
+// backward's threads, every bucket goes at the step.
 static int trainable_uses_buckets(const Trainable* tr, const Dist* dist) {
-    return trainable_on_device(tr) && dist && dist->world > 1 && !tr->zero1;
-}
-
-// A bucket is sent once this many bytes of final gradients are waiting (LLMC_GRAD_BUCKET_BYTES
-// overrides it; tests use 1 to send every block on its own).
-static int64_t trainable_bucket_bytes(void) {
-    const char* e = getenv("LLMC_GRAD_BUCKET_BYTES");
-    return e && atoll(e) > 0 ? atoll(e) : (int64_t)32 << 20;
+    return trainable_on_device(tr) && dist && dist->world > 1;
 }
 
 #ifdef LLMC_HAVE_CUDA
-// Sums grads [lo, hi) across ranks: with NCCL on the comm stream, after the compute stream has
-// written them (so the rest of the backward overlaps it); else through the host, in place.
-static void trainable_reduce_range(Trainable* tr, const Dist* dist, int64_t lo, int64_t hi) {
-    if (hi <= lo) return;
-    if (!dist_has_nccl(dist)) { dist_allreduce_sum_f32_device(dist, tr->grads + lo, hi - lo, tr->be->stream); return; }
-    if (!tr->comm) {
-        CUDA_CHECK(cudaStreamCreateWithFlags(&tr->comm, cudaStreamNonBlocking));
-        CUDA_CHECK(cudaEventCreateWithFlags(&tr->grads_ready, cudaEventDisableTiming));
-        CUDA_CHECK(cudaEventCreateWithFlags(&tr->comm_done, cudaEventDisableTiming));
+static void bucket_sum_device(Trainable* tr, const Dist* dist, const GradBucket* b, cudaStream_t st) {
+    if (tr->zero1) dist_reduce_scatter_sum_f32_device(dist, tr->grads + b->lo, tr->grad_shard + b->shard_off, bucket_piece(tr, b), st);
+    else dist_allreduce_sum_f32_device(dist, tr->grads + b->lo, b->hi - b->lo, st);
+}
+
+// Sends the buckets not yet sent whose gradients all lie at or above offset `lo`: with NCCL on the
+// comm stream, after the compute stream has written them (so the kernels queued next on the
+// compute stream overlap the transfer); else through the host, at once.
+static void trainable_send_buckets_device(Trainable* tr, const Dist* dist, int64_t lo) {
+    int first = tr->next_bucket;
+    while (tr->next_bucket < tr->n_buckets && tr->buckets[tr->next_bucket].lo >= lo) tr->next_bucket++;
+    if (first == tr->next_bucket) return;
+    cudaStream_t st = tr->be->stream;
+    if (dist_has_nccl(dist)) {
+        if (!tr->comm) {
+            CUDA_CHECK(cudaStreamCreateWithFlags(&tr->comm, cudaStreamNonBlocking));
+            CUDA_CHECK(cudaEventCreateWithFlags(&tr->grads_ready, cudaEventDisableTiming));
+            CUDA_CHECK(cudaEventCreateWithFlags(&tr->comm_done, cudaEventDisableTiming));
+        }
+        CUDA_CHECK(cudaEventRecord(tr->grads_ready, st));
+        CUDA_CHECK(cudaStreamWaitEvent(tr->comm, tr->grads_ready, 0));
+        st = tr->comm;
     }
-    CUDA_CHECK(cudaEventRecord(tr->grads_ready, tr->be->stream));
-    CUDA_CHECK(cudaStreamWaitEvent(tr->comm, tr->grads_ready, 0));
-    dist_allreduce_sum_f32_device(dist, tr->grads + lo, hi - lo, tr->comm);
+    for (int i = first; i < tr->next_bucket; i++) bucket_sum_device(tr, dist, &tr->buckets[i], st);
 }
 #endif
+
+// Every bucket not yet sent, through MPI (the CPU backend).
+static void trainable_send_buckets_host(Trainable* tr, const Dist* dist) {
+    for (; tr->next_bucket < tr->n_buckets; tr->next_bucket++) {
+        const GradBucket* b = &tr->buckets[tr->next_bucket];
+        if (tr->zero1) dist_reduce_scatter_sum_f32(dist, tr->grads + b->lo, tr->grad_shard + b->shard_off, bucket_piece(tr, b));
+        else dist_allreduce_sum_f32(dist, tr->grads + b->lo, b->hi - b->lo);
+    }
+}
 
 // Called before the last micro-batch's backward of a step.
 static void trainable_buckets_begin(Trainable* tr, const Dist* dist) {
     tr->buckets_armed = trainable_uses_buckets(tr, dist);
-    tr->reduced_from = tr->count;
+    tr->next_bucket = 0;
 }
 
 // The models call this after each block's backward: gradients from offset lo to the end are
-// final. Sends them once a bucket's worth has gathered.
+// final. Sends the buckets that this completes.
 static void trainable_grads_final_from(Trainable* tr, const Dist* dist, int64_t lo) {
-    if (!tr->buckets_armed || (tr->reduced_from - lo) * 4 < trainable_bucket_bytes()) return;
+    if (!tr->buckets_armed) return;
 #ifdef LLMC_HAVE_CUDA
-    trainable_reduce_range(tr, dist, lo, tr->reduced_from);
+    trainable_send_buckets_device(tr, dist, lo);
 #else
-    (void)dist;
+    (void)dist; (void)lo;
 #endif
-    tr->reduced_from = lo;
+}
+
+// The start-up line about data parallelism (rank 0, more than one rank): what sums the gradients,
+// in how many buckets and when, and whether the AdamW state is sharded.
+static void trainable_print_parallel(const Trainable* tr, const Dist* dist) {
+    if (!dist || dist->world <= 1) return;
+    int dev = trainable_on_device(tr);
+    printf("data parallel: %d ranks; gradients %s by %s in %d bucket%s %s%s\n", dist->world, tr->zero1 ? "reduce-scattered" : "summed",
+           dev ? dist_gpu_collectives(dist) : "MPI", tr->n_buckets, tr->n_buckets == 1 ? "" : "s",
+           dev ? "during the last backward" : "after the backward",
+           tr->zero1 ? "; ZeRO-1: each rank updates its piece of every bucket, then all-gathers" : "");
 }
 
 // The step's pieces on the arrays' backend (CUDA kernels, or the CPU twins).
 
-// The locally accumulated gradients summed across ranks (on CUDA: NCCL, or MPI through the host;
-// the buckets sent during the backward are waited for here). Returns what this rank updates from:
-// all the gradients, or under ZeRO-1 its shard of them.
+// The locally accumulated gradients summed across ranks: the buckets not sent during the backward
+// go now, and those that were are waited for. Returns what this rank updates from: all the
+// gradients, or under ZeRO-1 its shard of them.
 static float* trainable_sum_grads(Trainable* tr, const Dist* dist) {
+    int dev = trainable_on_device(tr);
+    if (dist && dist->world > 1) {
 #ifdef LLMC_HAVE_CUDA
-    if (trainable_on_device(tr)) {
-        cudaStream_t st = tr->be->stream;
-        if (tr->zero1) { dist_reduce_scatter_sum_f32_device(dist, tr->grads, tr->grad_shard, tr->shard, st); return tr->grad_shard; }
-        if (!tr->buckets_armed) { dist_allreduce_sum_f32_device(dist, tr->grads, tr->count, st); return tr->grads; }
-        trainable_reduce_range(tr, dist, 0, tr->reduced_from);  // the last bucket, then wait for all of them
-        if (tr->comm) {
-            CUDA_CHECK(cudaEventRecord(tr->comm_done, tr->comm));
-            CUDA_CHECK(cudaStreamWaitEvent(st, tr->comm_done, 0));
+        if (dev) {
+            trainable_send_buckets_device(tr, dist, 0);
+            if (tr->comm) {
+                CUDA_CHECK(cudaEventRecord(tr->comm_done, tr->comm));
+                CUDA_CHECK(cudaStreamWaitEvent(tr->be->stream, tr->comm_done, 0));
+            }
         }
-        tr->buckets_armed = 0;
-        return tr->grads;
-    }
 #endif
-    if (tr->zero1) { dist_reduce_scatter_sum_f32(dist, tr->grads, tr->grad_shard, tr->shard); return tr->grad_shard; }
-    dist_allreduce_sum_f32(dist, tr->grads, tr->count);
-    return tr->grads;
+        if (!dev) trainable_send_buckets_host(tr, dist);
+    }
+    tr->buckets_armed = 0;
+    tr->next_bucket = 0;
+    return tr->zero1 ? tr->grad_shard : tr->grads;
 }
 
 static double trainable_sum_squares(const Trainable* tr, const float* g) {
@@ -199,31 +287,41 @@ static void trainable_scale(const Trainable* tr, float* g, float s) {
     scale_inplace(g, tr->shard, s);
 }
 
-// AdamW on this rank's part (p, g: shard values), then every rank gets every updated shard
-// (ZeRO-1) and, on CUDA, the bf16 shadow is refreshed. Returns the seconds of communication.
-static double trainable_update(Trainable* tr, const Dist* dist, float* g, float lr, float weight_decay, int t) {
-    float* p = tr->params + (tr->zero1 ? (int64_t)tr->rank * tr->shard : 0);
-    double comm = 0.0, t0;
+static void trainable_adamw(const Trainable* tr, float* p, const float* g, float* m, float* v, int64_t n, float lr, float weight_decay, int t) {
 #ifdef LLMC_HAVE_CUDA
-    if (trainable_on_device(tr)) {
-        cudaStream_t st = tr->be->stream;
-        adamw_update_cuda(p, g, tr->adam_m, tr->adam_v, tr->shard, lr, 0.9f, 0.999f, 1e-8f, weight_decay, t, st);
-        if (tr->zero1) {
-            t0 = wall_seconds();
-            dist_allgather_f32_device(dist, tr->params, tr->shard, st);
-            backend_sync(tr->be);
-            comm = wall_seconds() - t0;
-        }
-        cast_f32_to_bf16_cuda((bf16*)tr->params16, tr->params, tr->count, st);
-        return comm;
-    }
+    if (trainable_on_device(tr)) { adamw_update_cuda(p, g, m, v, n, lr, 0.9f, 0.999f, 1e-8f, weight_decay, t, tr->be->stream); return; }
 #endif
-    adamw_update(p, g, tr->adam_m, tr->adam_v, tr->shard, lr, 0.9f, 0.999f, 1e-8f, weight_decay, t);
+    adamw_update(p, g, m, v, n, lr, 0.9f, 0.999f, 1e-8f, weight_decay, t);
+}
+
+// ZeRO-1: every rank's updated piece of bucket b (in place in params) to every rank.
+static void trainable_allgather_bucket(const Trainable* tr, const Dist* dist, const GradBucket* b) {
+#ifdef LLMC_HAVE_CUDA
+    if (trainable_on_device(tr)) { dist_allgather_f32_device(dist, tr->params + b->lo, bucket_piece(tr, b), tr->be->stream); return; }
+#endif
+    dist_allgather_f32(dist, tr->params + b->lo, bucket_piece(tr, b));
+}
+
+// AdamW on this rank's part (g: shard values; under ZeRO-1 its piece of every bucket), then every
+// rank gets every updated piece (ZeRO-1) and, on CUDA, the bf16 shadow is refreshed. Returns the
+// seconds of communication.
+static double trainable_update(Trainable* tr, const Dist* dist, float* g, float lr, float weight_decay, int t) {
+    if (!tr->zero1) trainable_adamw(tr, tr->params, g, tr->adam_m, tr->adam_v, tr->count, lr, weight_decay, t);
+    for (int i = 0; tr->zero1 && i < tr->n_buckets; i++) {
+        const GradBucket* b = &tr->buckets[i];
+        int64_t n = bucket_piece(tr, b), o = b->shard_off;
+        trainable_adamw(tr, tr->params + b->lo + tr->rank * n, g + o, tr->adam_m + o, tr->adam_v + o, n, lr, weight_decay, t);
+    }
+    double comm = 0.0;
     if (tr->zero1) {
-        t0 = wall_seconds();
-        dist_allgather_f32(dist, tr->params, tr->shard);
+        double t0 = wall_seconds();
+        for (int i = 0; i < tr->n_buckets; i++) trainable_allgather_bucket(tr, dist, &tr->buckets[i]);
+        backend_sync(tr->be);
         comm = wall_seconds() - t0;
     }
+#ifdef LLMC_HAVE_CUDA
+    if (trainable_on_device(tr)) cast_f32_to_bf16_cuda((bf16*)tr->params16, tr->params, tr->count, tr->be->stream);
+#endif
     return comm;
 }
 
@@ -247,25 +345,34 @@ static OptimStep trainable_step(Trainable* tr, const TrainOptions* o, const Dist
     return r;
 }
 
+// The whole AdamW moment array in arena order (what the state file holds, whatever the world size),
+// on rank 0, from every rank's `own` shard (host memory). Other ranks get NULL.
+static float* trainable_gather_moments(const Trainable* tr, const Dist* dist, const float* own) {
+    int rank0 = !dist || dist->rank == 0;
+    float* by_rank = (float*)xmalloc(sizeof(float) * (tr->shard * tr->world + 1));
+    dist_gather_f32(dist, own, by_rank, tr->shard);
+    float* arena = NULL;
+    if (rank0) {
+        arena = (float*)xcalloc(tr->padded + 1, sizeof(float));
+        for (int r = 0; r < tr->world; r++) trainable_shard_to_arena(tr, by_rank + r * tr->shard, arena, tr->zero1 ? r : 0);
+    }
+    free(by_rank);
+    return arena;
+}
+
 // Writes DIR/train_state.bin. Called on every rank (ZeRO-1 gathers the moments); rank 0 writes.
 static void trainable_save_state(const Trainable* tr, const Dist* dist, const char* dir, const char* settings, int64_t step,
                                  int64_t cursor, int seed) {
-    int dev = trainable_on_device(tr);
     float *own_m = tr->adam_m, *own_v = tr->adam_v;  // this rank's moments, on the host
-    if (dev) {  // the moments and the parameters come to the host for the file
+    if (trainable_on_device(tr)) {  // the moments and the parameters come to the host for the file
         own_m = (float*)xmalloc(sizeof(float) * (tr->shard + 1));
         own_v = (float*)xmalloc(sizeof(float) * (tr->shard + 1));
         backend_download(tr->be, own_m, tr->adam_m, sizeof(float) * tr->shard);
         backend_download(tr->be, own_v, tr->adam_v, sizeof(float) * tr->shard);
         backend_download(tr->be, tr->host_params, tr->params, sizeof(float) * tr->count);
     }
-    float *adam_m = own_m, *adam_v = own_v;
-    if (tr->zero1) {  // rank 0 gathers every shard
-        adam_m = (float*)xmalloc(sizeof(float) * tr->shard * tr->world);
-        adam_v = (float*)xmalloc(sizeof(float) * tr->shard * tr->world);
-        dist_gather_f32(dist, own_m, adam_m, tr->shard);
-        dist_gather_f32(dist, own_v, adam_v, tr->shard);
-    }
+    float* adam_m = tr->zero1 ? trainable_gather_moments(tr, dist, own_m) : own_m;
+    float* adam_v = tr->zero1 ? trainable_gather_moments(tr, dist, own_v) : own_v;
     if (!dist || dist->rank == 0) {
         StateHeader h;
         memset(&h, 0, sizeof(h));
@@ -279,7 +386,7 @@ static void trainable_save_state(const Trainable* tr, const Dist* dist, const ch
         free(path);
     }
     if (tr->zero1) { free(adam_m); free(adam_v); }
-    if (dev) { free(own_m); free(own_v); }
+    if (own_m != tr->adam_m) { free(own_m); free(own_v); }
 }
 
 // Reads DIR/train_state.bin on every rank (each keeps its own shard of the moments under ZeRO-1);
@@ -289,20 +396,22 @@ static int64_t trainable_load_state(Trainable* tr, const char* dir, const char* 
     StateHeader h;
     int dev = trainable_on_device(tr), staged = tr->zero1 || dev;
     float *adam_m = tr->adam_m, *adam_v = tr->adam_v;
-    if (staged) {  // the whole file's moments on the host first
-        adam_m = (float*)xcalloc(tr->shard * tr->world + 1, sizeof(float));
-        adam_v = (float*)xcalloc(tr->shard * tr->world + 1, sizeof(float));
+    if (staged) {  // the file's moments (arena order) on the host first
+        adam_m = (float*)xcalloc(tr->padded + 1, sizeof(float));
+        adam_v = (float*)xcalloc(tr->padded + 1, sizeof(float));
     }
     state_load(path, &h, settings, tr->count, tr->host_params ? tr->host_params : tr->params, adam_m, adam_v);
     if (staged) {  // this rank's part of the moments where the optimizer keeps them
-        int64_t own = tr->zero1 ? (int64_t)tr->rank * tr->shard : 0;
+        float* own_m = dev ? (float*)xmalloc(sizeof(float) * (tr->shard + 1)) : tr->adam_m;
+        float* own_v = dev ? (float*)xmalloc(sizeof(float) * (tr->shard + 1)) : tr->adam_v;
+        trainable_shard_from_arena(tr, adam_m, own_m, tr->zero1 ? tr->rank : 0);
+        trainable_shard_from_arena(tr, adam_v, own_v, tr->zero1 ? tr->rank : 0);
         if (dev) {
-            backend_upload(tr->be, tr->adam_m, adam_m + own, sizeof(float) * tr->shard);
-            backend_upload(tr->be, tr->adam_v, adam_v + own, sizeof(float) * tr->shard);
+            backend_upload(tr->be, tr->adam_m, own_m, sizeof(float) * tr->shard);
+            backend_upload(tr->be, tr->adam_v, own_v, sizeof(float) * tr->shard);
             trainable_to_device(tr);
-        } else {
-            memcpy(tr->adam_m, adam_m + own, sizeof(float) * tr->shard);
-            memcpy(tr->adam_v, adam_v + own, sizeof(float) * tr->shard);
+            free(own_m);
+            free(own_v);
         }
         free(adam_m);
         free(adam_v);

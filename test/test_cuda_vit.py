@@ -286,7 +286,11 @@ def test_full_finetuning_tracks_cpu_and_zero1_equals_one_process(tmp_path):
     check_memory_line(one.stdout)
     if GPU:
         return  # two ranks need two GPUs
-    two = two_ranks("--full", "--mode", "baseline", "--lr", "1e-3", "--steps", 3, "--out", tmp_path / "two")
+    # every block its own bucket: each rank reduce-scatters and updates a piece of every one
+    two = two_ranks("--full", "--mode", "baseline", "--lr", "1e-3", "--steps", 3, "--out", tmp_path / "two",
+                    env={"LLMC_GRAD_BUCKET_BYTES": "1"})
+    n_buckets = int(re.search(r"reduce-scattered by MPI via host in (\d+) buckets during the last backward; ZeRO-1", two.stdout).group(1))
+    assert n_buckets > 1
     np.testing.assert_allclose(step_losses(two.stdout), b, rtol=2e-3)
     opt = lambda out: float(re.search(r"optimizer ([0-9.]+) MiB", out).group(1))  # noqa: E731
     assert opt(two.stdout) < 0.51 * opt(one.stdout) + 0.01

@@ -10,6 +10,7 @@
 #include "../llmc/cpu/activations.h"
 #include "../llmc/cpu/attention.h"
 #include "../llmc/cpu/loss.h"
+#include "../llmc/trainable.h"
 
 static int g_pass = 0, g_fail = 0;
 
@@ -430,6 +431,60 @@ static void test_json(void) {
     check(ok, "JSON reader: numbers, strings with escapes, nesting, literals", 0);
 }
 
+// ---- gradient buckets and the ZeRO-1 shard layout ------------------------------------------
+
+// For several arena sizes, world sizes, block layouts and bucket sizes: the buckets tile the
+// padded arena from the top down, each splits into equal pieces per rank, 1-byte buckets give
+// every block its own; the ranks' shards tile [0, shard) and, written back in arena order,
+// rebuild the arena exactly.
+static void test_grad_buckets(void) {
+    int ok = 1;
+    const int64_t counts[] = {1, 7, 1000, 4099};
+    const char* bytes[] = {"1", "64", "1000000000"};
+    for (int ci = 0; ci < 4; ci++)
+        for (int world = 1; world <= 4; world++)
+            for (int bi = 0; bi < 3; bi++) {
+                int64_t count = counts[ci], off[5];
+                int blocks = 0;
+                for (int64_t o = count / 7; o < count && blocks < 5; o += count / 5 + 1) off[blocks++] = o;  // blocks above a stem
+                setenv("LLMC_GRAD_BUCKET_BYTES", bytes[bi], 1);
+                Trainable tr;
+                memset(&tr, 0, sizeof(tr));
+                tr.count = count; tr.world = world; tr.zero1 = world > 1;
+                tr.shard = tr.zero1 ? (count + world - 1) / world : count;
+                tr.padded = tr.zero1 ? tr.shard * world : count;
+                trainable_plan_buckets(&tr, off, blocks);
+                int64_t hi = tr.padded, align = tr.zero1 ? world : 1;
+                for (int i = 0; i < tr.n_buckets; i++) {
+                    const GradBucket* b = &tr.buckets[i];
+                    ok &= b->hi == hi && b->lo < b->hi && (b->hi - b->lo) % align == 0 && b->shard_off * align == b->lo;
+                    hi = b->lo;
+                }
+                // 1-byte buckets: one per distinct (rounded) block start, plus the stem's; 1 GB: one
+                int expect = 1;
+                for (int l = 0; l < blocks; l++) {
+                    int64_t lo = (off[l] + align - 1) / align * align, prev = l ? (off[l - 1] + align - 1) / align * align : 0;
+                    expect += lo > 0 && lo < tr.padded && lo != prev;
+                }
+                ok &= hi == 0 && tr.n_buckets == (bi == 0 ? expect : bi == 2 ? 1 : tr.n_buckets);
+                float* arena = (float*)xmalloc(sizeof(float) * tr.padded);
+                float* back = (float*)xcalloc(tr.padded, sizeof(float));
+                float* shard = (float*)xmalloc(sizeof(float) * tr.shard);
+                for (int64_t i = 0; i < tr.padded; i++) arena[i] = (float)i;
+                for (int r = 0; r < world; r++) {
+                    int64_t seen = 0;
+                    trainable_shard_from_arena(&tr, arena, shard, tr.zero1 ? r : 0);
+                    trainable_shard_to_arena(&tr, shard, back, tr.zero1 ? r : 0);
+                    for (int i = 0; i < tr.n_buckets; i++) seen += bucket_piece(&tr, &tr.buckets[i]);
+                    ok &= seen == tr.shard;
+                }
+                ok &= memcmp(arena, back, sizeof(float) * tr.padded) == 0;
+                free(arena); free(back); free(shard); free(tr.buckets);
+            }
+    unsetenv("LLMC_GRAD_BUCKET_BYTES");
+    check(ok, "gradient buckets: ZeRO-1 pieces tile the padded arena", 0);
+}
+
 int main(void) {
     test_pack_roundtrip();
     test_resilu2_backward();
@@ -444,6 +499,7 @@ int main(void) {
     test_chunked_loss();
     test_safetensors_roundtrip();
     test_json();
+    test_grad_buckets();
     printf("%d passed, %d failed\n", g_pass, g_fail);
     return g_fail ? 1 : 0;
 }
