@@ -118,8 +118,9 @@ static void vit_config_load(VitConfig* c, const char* model_dir) {
 
 // ----------------------------------------------------------------------------------------------
 // Parameters. Frozen weights live in one arena (of the backend). The trainable ones (LoRA
-// adapters, then the new classification head), their grads and AdamW moments live in flat arenas
-// of identical layout, so the optimizer and gradient norm see one array.
+// adapters or, under --full, every weight; then the new classification head), their grads and
+// AdamW moments live in flat arenas of identical layout, so the optimizer and gradient norm see
+// one array.
 
 enum { T_Q, T_K, T_V, T_PROJ, T_FC1, T_FC2, N_TARGETS };
 static const char* const target_names[N_TARGETS] = {"q", "k", "v", "proj", "fc1", "fc2"};
@@ -136,6 +137,8 @@ enum { LN1_G, LN1_B, LN2_G, LN2_B, N_LN };
 typedef struct {
     void *ln1_g, *ln1_b;   // attention LayerNorm (merged into q,k,v under MS-LN)
     void *ln2_g, *ln2_b;   // MLP LayerNorm (merged into fc1 under MS-LN)
+    float* ln_host[N_LN];  // the same on the host, fp32 (Vit.norms_host, or the trainable arena's mirror)
+    float* ln_grad[N_LN];  // --full with standard norms: their gradients (backend, fp32); else NULL
     Linear lin[N_TARGETS]; // W and bias also on the host in fp32 (adapters and export read them)
 } VitLayer;
 
@@ -157,7 +160,7 @@ typedef struct {
 
 typedef struct {
     int approx, ms, ckpt;
-    int full;              // train the linear weights themselves (and the head) instead of LoRA adapters
+    int full;              // train every weight (and the head) instead of LoRA adapters
     unsigned targets;
     int rank;
     float lora_scale;
@@ -180,11 +183,14 @@ typedef struct {
     void* cls;             // [d] class token
     void* pos;             // [T, d] at the fine-tuning resolution (interpolated at load)
     void *norm_g, *norm_b; // final LayerNorm (kept standard: only the class token goes through it)
+    // --full trains the above too: their fp32 masters' host mirrors (what loading fills) and their
+    // gradients (backend, fp32); NULL when frozen
+    float *h_patch_b, *h_cls, *h_pos, *h_norm_g, *h_norm_b;
+    float *d_patch_b, *d_cls, *d_pos, *d_norm_g, *d_norm_b;
     VitLayer* layers;
     float* norms_host;     // [layers][N_LN][d] the blocks' LayerNorm vectors on the host (MS merge, adapters, export)
     float* lin_host;       // CUDA: the host fp32 W and bias of every linear (the plan holds them on the CPU)
-    Trainable tr;          // flat trainable arenas: LoRA (or, --full, the linear weights), then head W, head b
-    int64_t lora_count;
+    Trainable tr;          // flat trainable arenas: LoRA (or, --full, every weight), then head W, head b
     float *head_w, *head_b, *dhead_w, *dhead_b;  // [classes, d], [classes] inside the backend's arenas
     float *host_head_w, *host_head_b, *host_dhead_w, *host_dhead_b;  // the same in the host mirror
     BlockActs* acts;       // [layers]
@@ -233,26 +239,58 @@ static void plan_block_act(MemPlan* p, int l, int keep, const char* module, cons
     else if (l == 0) plan_add(p, MEM_SCRATCH, module, -1, name, bytes, tmp_slot);
 }
 
+// What --full trains besides the linear weights and the head: the embeddings and the final norm;
+// the blocks' norms when standard (MS-LN merged them into the linears, which train them); the
+// linears' biases, except q and v of a model without them (under MS-LN they carry the merged
+// beta) and the key bias always: its gradient is zero in exact arithmetic (softmax ignores a
+// shift shared by every score of a query), so AdamW would only walk it by rounding noise.
+static int vit_trains_block_norms(const VitModes* md) { return md->full && !md->ms; }
+static int vit_trains_bias(const Vit* m, int t) {
+    return m->modes.full && t != T_K && (t > T_V || m->cfg.qkv_bias || m->modes.ms);
+}
+
+// The trainable arena's size: adapters (or, --full, every weight), then the head.
+static int64_t vit_trainable_count(const Vit* m) {
+    const VitConfig* c = &m->cfg;
+    const VitModes* md = &m->modes;
+    int64_t d = c->dim, r = md->rank, n = (int64_t)m->classes * d + m->classes;
+    if (md->full) n += d * patch_len(c) + 2 * d + m->T * d + 2 * d + (vit_trains_block_norms(md) ? (int64_t)N_LN * d * c->layers : 0);
+    for (int l = 0; l < c->layers; l++)
+        for (int t = 0; t < N_TARGETS; t++) {
+            if (md->full) n += lin_in(c, t) * lin_out(c, t) + (vit_trains_bias(m, t) ? lin_out(c, t) : 0);
+            else if (md->targets >> t & 1) n += r * (lin_in(c, t) + lin_out(c, t));
+        }
+    return n;
+}
+
+// The frozen weights (under --full only what it does not train: the MS-merged norm vectors).
 static void vit_plan_weights(Vit* m, MemPlan* p) {
     const Backend* be = m->be;
     const VitConfig* c = &m->cfg;
     int64_t T = m->T, d = c->dim, w = be->wbytes;
-    plan_add(p, MEM_FROZEN, "patch_embed", -1, "patch_w", d * patch_len(c) * w, linear_weight_slot(be, &m->patch));
-    plan_add(p, MEM_FROZEN, "patch_embed", -1, "patch_b", d * w, &m->patch_b);
-    plan_add(p, MEM_FROZEN, "embeddings", -1, "cls", d * w, &m->cls);
-    plan_add(p, MEM_FROZEN, "embeddings", -1, "pos", T * d * w, &m->pos);
-    plan_add(p, MEM_FROZEN, "final_norm", -1, "norm_g", d * w, &m->norm_g);
-    plan_add(p, MEM_FROZEN, "final_norm", -1, "norm_b", d * w, &m->norm_b);
+    if (!m->modes.full) {
+        plan_add(p, MEM_FROZEN, "patch_embed", -1, "patch_w", d * patch_len(c) * w, linear_weight_slot(be, &m->patch));
+        plan_add(p, MEM_FROZEN, "patch_embed", -1, "patch_b", d * w, &m->patch_b);
+        plan_add(p, MEM_FROZEN, "embeddings", -1, "cls", d * w, &m->cls);
+        plan_add(p, MEM_FROZEN, "embeddings", -1, "pos", T * d * w, &m->pos);
+        plan_add(p, MEM_FROZEN, "final_norm", -1, "norm_g", d * w, &m->norm_g);
+        plan_add(p, MEM_FROZEN, "final_norm", -1, "norm_b", d * w, &m->norm_b);
+    }
     for (int l = 0; l < c->layers; l++) {
         VitLayer* L = &m->layers[l];
-        plan_add(p, MEM_FROZEN, "attn_norm", l, "ln1_g", d * w, &L->ln1_g);
-        plan_add(p, MEM_FROZEN, "attn_norm", l, "ln1_b", d * w, &L->ln1_b);
-        plan_add(p, MEM_FROZEN, "mlp_norm", l, "ln2_g", d * w, &L->ln2_g);
-        plan_add(p, MEM_FROZEN, "mlp_norm", l, "ln2_b", d * w, &L->ln2_b);
+        if (!vit_trains_block_norms(&m->modes)) {
+            plan_add(p, MEM_FROZEN, "attn_norm", l, "ln1_g", d * w, &L->ln1_g);
+            plan_add(p, MEM_FROZEN, "attn_norm", l, "ln1_b", d * w, &L->ln1_b);
+            plan_add(p, MEM_FROZEN, "mlp_norm", l, "ln2_g", d * w, &L->ln2_g);
+            plan_add(p, MEM_FROZEN, "mlp_norm", l, "ln2_b", d * w, &L->ln2_b);
+        }
+        if (m->modes.full) {  // the frozen q, k, v biases of a model without them (zeros)
+            for (int t = 0; t < N_TARGETS; t++)
+                if (!vit_trains_bias(m, t)) plan_add(p, MEM_FROZEN, target_names[t], l, "bias", lin_out(c, t) * w, linear_bias_slot(be, &L->lin[t]));
+            continue;
+        }
         for (int t = 0; t < N_TARGETS; t++) {
-            // under --full the linear weights are the trainable arena (fp32); biases stay frozen
-            if (!m->modes.full)
-                plan_add(p, MEM_FROZEN, target_names[t], l, target_names[t], lin_in(c, t) * lin_out(c, t) * w, linear_weight_slot(be, &L->lin[t]));
+            plan_add(p, MEM_FROZEN, target_names[t], l, target_names[t], lin_in(c, t) * lin_out(c, t) * w, linear_weight_slot(be, &L->lin[t]));
             plan_add(p, MEM_FROZEN, target_names[t], l, "bias", lin_out(c, t) * w, linear_bias_slot(be, &L->lin[t]));
         }
     }
@@ -341,25 +379,51 @@ static void vit_plan_scratch(Vit* m, MemPlan* p) {
 static void vit_plan(Vit* m, MemPlan* p) {
     const VitConfig* c = &m->cfg;
     const VitModes* md = &m->modes;
-    int64_t K = m->classes, d = c->dim, r = md->rank;
     memset(p, 0, sizeof(*p));
     p->tokens = (int64_t)m->B * m->T;
     p->blocks = c->layers;
     vit_plan_weights(m, p);
-    // trainable: adapters, then the head
-    m->lora_count = 0;
-    for (int l = 0; l < c->layers; l++)
-        for (int t = 0; t < N_TARGETS; t++)
-            if (md->full) m->lora_count += lin_in(c, t) * lin_out(c, t);
-            else if (md->targets >> t & 1) m->lora_count += r * (lin_in(c, t) + lin_out(c, t));
-    trainable_plan(&m->tr, p, md->full ? "linear weights+head" : "lora+head", m->lora_count + K * d + K, md->full, m->dist, m->be);
+    trainable_plan(&m->tr, p, md->full ? "all weights" : "lora+head", vit_trainable_count(m), md->full, m->dist, m->be);
     vit_plan_blocks(m, p);
     vit_plan_scratch(m, p);
 }
 
+// One tensor of n values that --full trains, at *off in the trainable arena: *dev gets what the
+// kernels read (the bf16 shadow on CUDA, the fp32 master on the CPU), *grad its gradient; returns
+// the host mirror that loading fills.
+static float* vit_bind_trained(Vit* m, void** dev, float** grad, int64_t* off, int64_t n) {
+    float* host = m->tr.host_params + *off;
+    *dev = m->be->cuda ? (void*)((uint16_t*)m->tr.params16 + *off) : (void*)(m->tr.params + *off);
+    *grad = m->tr.grads + *off;
+    *off += n;
+    return host;
+}
+
+// The linear (l, t): W, and under --full its bias, from *off in the trainable arena (host mirror,
+// bf16 shadow on CUDA, gradients), or its adapter; the host copies of what stays frozen from *h.
+static void vit_bind_linear(Vit* m, Linear* L, int t, int64_t* off, float** h) {
+    const Backend* be = m->be;
+    int full = m->modes.full;
+    if (be->cuda && !(full && vit_trains_bias(m, t))) { L->bias = *h; *h += L->out; }
+    if (be->cuda && !full) { L->W = *h; *h += (int64_t)L->in * L->out; }
+    if (full) {  // W (and its bias) and the gradients live in the flat arenas (L->W: the host mirror)
+        void* dev;
+        L->W = vit_bind_trained(m, &dev, &L->dW, off, (int64_t)L->in * L->out);
+        if (be->cuda) { L->dev.W = dev; L->dev.dW = L->dW; L->dW = m->tr.host_grads + (L->dW - m->tr.grads); }
+        if (vit_trains_bias(m, t)) {
+            L->bias = vit_bind_trained(m, &dev, &L->dbias, off, L->out);
+            if (be->cuda) { L->dev.bias = dev; L->dev.dbias = L->dbias; L->dbias = m->tr.host_grads + (L->dbias - m->tr.grads); }
+        }
+    } else if (m->modes.targets >> t & 1) {
+        if (be->cuda) lora_bind_device(L, m->tr.params, m->tr.grads, m->tr.params16, *off, m->modes.rank);
+        lora_bind(L, m->tr.host_params, m->tr.host_grads, off, m->modes.rank);
+    }
+}
+
 // After allocation: points the buffers a block does not keep at the shared scratch set, wires the
-// trainable weights into the flat arenas (layer-major, target order, LoRA A then B, or W under
-// --full; then head W, head b), and sets up the host side: the trainable arena's mirror, every
+// trainable weights into the flat arenas (LoRA: layer-major, target order, A then B; --full: the
+// embeddings, then block by block its norms (standard) and each linear's W and bias, then the
+// final norm; then head W, head b), and sets up the host side: the trainable arena's mirror, every
 // linear's fp32 W and bias, the norms and the batch.
 static void vit_bind(Vit* m) {
     const VitConfig* c = &m->cfg;
@@ -373,40 +437,43 @@ static void vit_bind(Vit* m) {
     m->patch.out = c->dim;
     trainable_bind_host(&m->tr);
     int full = m->modes.full;
-    int64_t off = 0, host_lin = 0;
+    int64_t off = 0, host_lin = 0, d = c->dim;
     for (int t = 0; t < N_TARGETS; t++) host_lin += (full ? 1 : lin_in(c, t) + 1) * lin_out(c, t);
     if (be->cuda) m->lin_host = (float*)xcalloc(host_lin * c->layers, sizeof(float));
+    m->norms_host = (float*)xcalloc((int64_t)c->layers * N_LN * d, sizeof(float));
+    if (full) {
+        void* dev;
+        m->patch.W = vit_bind_trained(m, &dev, &m->patch.dW, &off, d * patch_len(c));
+        if (be->cuda) { m->patch.dev.W = dev; m->patch.dev.dW = m->patch.dW; m->patch.dW = m->tr.host_grads + (m->patch.dW - m->tr.grads); }
+        m->h_patch_b = vit_bind_trained(m, &m->patch_b, &m->d_patch_b, &off, d);
+        m->h_cls = vit_bind_trained(m, &m->cls, &m->d_cls, &off, d);
+        m->h_pos = vit_bind_trained(m, &m->pos, &m->d_pos, &off, m->T * d);
+    }
     float* h = m->lin_host;
-    for (int l = 0; l < c->layers; l++)
+    for (int l = 0; l < c->layers; l++) {
+        VitLayer* Ly = &m->layers[l];
+        m->layer_off[l] = off;
+        void** ln_dev[N_LN] = {&Ly->ln1_g, &Ly->ln1_b, &Ly->ln2_g, &Ly->ln2_b};
+        for (int k = 0; k < N_LN; k++)
+            Ly->ln_host[k] = vit_trains_block_norms(&m->modes) ? vit_bind_trained(m, ln_dev[k], &Ly->ln_grad[k], &off, d)
+                                                                : m->norms_host + ((int64_t)l * N_LN + k) * d;
         for (int t = 0; t < N_TARGETS; t++) {
-            Linear* L = &m->layers[l].lin[t];
-            if (t == 0) m->layer_off[l] = off;
+            Linear* L = &Ly->lin[t];
             L->in = (int)lin_in(c, t);
             L->out = (int)lin_out(c, t);
-            if (be->cuda) {  // the host copies; the backend's are L->dev.W / L->dev.bias
-                L->bias = h; h += L->out;
-                if (!full) { L->W = h; h += (int64_t)L->in * L->out; }
-            }
-            if (full) {  // full fine-tuning: W and its gradient live in the flat arenas (L->W: the host mirror)
-                L->W = m->tr.host_params + off;
-                L->dW = m->tr.host_grads + off;
-                if (be->cuda) {  // the products read the bf16 shadow of the fp32 master
-                    L->dev.W = (uint16_t*)m->tr.params16 + off;
-                    L->dev.dW = m->tr.grads + off;
-                }
-                off += (int64_t)L->in * L->out;
-            } else if (m->modes.targets >> t & 1) {
-                if (be->cuda) lora_bind_device(L, m->tr.params, m->tr.grads, m->tr.params16, off, m->modes.rank);
-                lora_bind(L, m->tr.host_params, m->tr.host_grads, &off, m->modes.rank);
-            }
+            vit_bind_linear(m, L, t, &off, &h);
         }
-    int64_t hw = (int64_t)m->classes * c->dim;
+    }
+    if (full) {
+        m->h_norm_g = vit_bind_trained(m, &m->norm_g, &m->d_norm_g, &off, d);
+        m->h_norm_b = vit_bind_trained(m, &m->norm_b, &m->d_norm_b, &off, d);
+    }
+    int64_t hw = (int64_t)m->classes * d;
     m->head_w = m->tr.params + off; m->dhead_w = m->tr.grads + off;
     m->host_head_w = m->tr.host_params + off; m->host_dhead_w = m->tr.host_grads + off;
     m->head_b = m->head_w + hw; m->dhead_b = m->dhead_w + hw;
     m->host_head_b = m->host_head_w + hw; m->host_dhead_b = m->host_dhead_w + hw;
-    trainable_plan_buckets(&m->tr, m->layer_off, c->layers);  // the head lies above the last block
-    m->norms_host = (float*)xcalloc((int64_t)c->layers * N_LN * c->dim, sizeof(float));
+    trainable_plan_buckets(&m->tr, m->layer_off, c->layers);  // the final norm and the head lie above the last block
     if (be->cuda) {
         m->h_raw = (uint8_t*)backend_alloc_staging(be, m->B * m->src_bytes);
         m->h_flip = (int*)backend_alloc_staging(be, sizeof(int) * m->B);
@@ -419,7 +486,7 @@ static void vit_bind(Vit* m) {
 
 // The host-side LayerNorm vector `which` (LN1_G ...) of block l.
 static float* vit_norm_host(const Vit* m, int l, int which) {
-    return m->norms_host + ((int64_t)l * N_LN + which) * m->cfg.dim;
+    return m->layers[l].ln_host[which];
 }
 
 // A batch of B images into pixels and labels. The CPU loader resizes and normalises on the host;
@@ -559,12 +626,13 @@ static void vit_load_pos_embed(const Vit* m, const StModel* sm, const char* name
 // on, with its bf16 shadow (vit_init_trainable, after the weights).
 static void vit_upload_linear(Vit* m, Linear* L) {
     if (!L->dW) backend_upload_weights(m->be, *linear_weight_slot(m->be, L), L->W, (int64_t)L->out * L->in);
-    backend_upload_weights(m->be, *linear_bias_slot(m->be, L), L->bias, L->out);
+    if (!L->dbias) backend_upload_weights(m->be, *linear_bias_slot(m->be, L), L->bias, L->out);
 }
 
-// Block l's LayerNorm vectors (host) to the backend.
+// Block l's frozen LayerNorm vectors (host) to the backend (trained ones go with the arena).
 static void vit_upload_norms(Vit* m, int l) {
     VitLayer* L = &m->layers[l];
+    if (L->ln_grad[0]) return;
     void* dst[N_LN] = {L->ln1_g, L->ln1_b, L->ln2_g, L->ln2_b};
     for (int k = 0; k < N_LN; k++) backend_upload_weights(m->be, dst[k], vit_norm_host(m, l, k), m->cfg.dim);
 }
@@ -576,7 +644,14 @@ static void vit_merge_norms(Vit* m, int l) {
     linear_merge_norm_affine(&L->lin[T_FC1], vit_norm_host(m, l, LN2_G), vit_norm_host(m, l, LN2_B));
 }
 
-// The embeddings and the final norm: read (host, tmp holds d * max(C*ph*pw, T)) and uploaded.
+// n weight values v (host fp32) to where they live: the trainable arena's host mirror when --full
+// trains them (trainable_to_device sends it on), else the backend's frozen copy.
+static void vit_put(Vit* m, void* dev, float* host, const float* v, int64_t n) {
+    if (host) memcpy(host, v, sizeof(float) * n);
+    else backend_upload_weights(m->be, dev, v, n);
+}
+
+// The embeddings and the final norm: read (host, tmp holds d * max(C*ph*pw, T)) and stored.
 static void vit_load_embeddings(Vit* m, const StModel* sm, int hf, const char* px, float* tmp) {
     const VitConfig* c = &m->cfg;
     int64_t d = c->dim;
@@ -584,17 +659,17 @@ static void vit_load_embeddings(Vit* m, const StModel* sm, int hf, const char* p
     int64_t cls_shape[3] = {1, 1, d}, pw_shape[4] = {d, c->channels, c->patch_h, c->patch_w};
 #define NAME(...) (snprintf(name, sizeof(name), __VA_ARGS__), name)
     st_model_read_f32(sm, hf ? NAME("%sembeddings.cls_token", px) : "cls_token", 3, cls_shape, tmp);
-    backend_upload_weights(m->be, m->cls, tmp, d);
+    vit_put(m, m->cls, m->h_cls, tmp, d);
     vit_load_pos_embed(m, sm, hf ? NAME("%sembeddings.position_embeddings", px) : "pos_embed", tmp);
-    backend_upload_weights(m->be, m->pos, tmp, m->T * d);
+    vit_put(m, m->pos, m->h_pos, tmp, m->T * d);
     st_model_read_f32(sm, hf ? NAME("%sembeddings.patch_embeddings.projection.weight", px) : "patch_embed.proj.weight", 4, pw_shape, tmp);
-    backend_upload_weights(m->be, *linear_weight_slot(m->be, &m->patch), tmp, d * patch_len(c));
+    vit_put(m, *linear_weight_slot(m->be, &m->patch), m->patch.dW ? m->patch.W : NULL, tmp, d * patch_len(c));
     read_1d(sm, hf ? NAME("%sembeddings.patch_embeddings.projection.bias", px) : "patch_embed.proj.bias", d, tmp);
-    backend_upload_weights(m->be, m->patch_b, tmp, d);
+    vit_put(m, m->patch_b, m->h_patch_b, tmp, d);
     read_1d(sm, hf ? NAME("%slayernorm.weight", px) : "norm.weight", d, tmp);
-    backend_upload_weights(m->be, m->norm_g, tmp, d);
+    vit_put(m, m->norm_g, m->h_norm_g, tmp, d);
     read_1d(sm, hf ? NAME("%slayernorm.bias", px) : "norm.bias", d, tmp);
-    backend_upload_weights(m->be, m->norm_b, tmp, d);
+    vit_put(m, m->norm_b, m->h_norm_b, tmp, d);
 #undef NAME
 }
 
@@ -672,12 +747,12 @@ static void vit_random_weights(Vit* m, uint64_t seed) {
     float* zeros = (float*)xcalloc(d, sizeof(float));
     float* ones = (float*)xmalloc(sizeof(float) * d);
     for (int64_t i = 0; i < d; i++) ones[i] = 1.0f;
-    backend_upload_weights(m->be, m->cls, tmp, d);
-    backend_upload_weights(m->be, m->pos, tmp, m->T * d);
-    backend_upload_weights(m->be, *linear_weight_slot(m->be, &m->patch), tmp, d * patch_len(c));
-    backend_upload_weights(m->be, m->patch_b, zeros, d);
-    backend_upload_weights(m->be, m->norm_g, ones, d);
-    backend_upload_weights(m->be, m->norm_b, zeros, d);
+    vit_put(m, m->cls, m->h_cls, tmp, d);
+    vit_put(m, m->pos, m->h_pos, tmp, m->T * d);
+    vit_put(m, *linear_weight_slot(m->be, &m->patch), m->patch.dW ? m->patch.W : NULL, tmp, d * patch_len(c));
+    vit_put(m, m->patch_b, m->h_patch_b, zeros, d);
+    vit_put(m, m->norm_g, m->h_norm_g, ones, d);
+    vit_put(m, m->norm_b, m->h_norm_b, zeros, d);
     for (int l = 0; l < c->layers; l++) {
         memcpy(vit_norm_host(m, l, LN1_G), ones, sizeof(float) * d);
         memcpy(vit_norm_host(m, l, LN2_G), ones, sizeof(float) * d);
@@ -777,6 +852,7 @@ static LossStats vit_head_loss(Vit* m, int B, float grad_scale, int backward) {
     op_f32_to_acts(be, m->dzcls, m->dzcls32, nd);
     op_zero(be, m->dxcls, (size_t)nd * be->abytes);
     op_layernorm_backward(be, m->dxcls, m->dzcls, m->xcls, m->mcls, m->rcls, m->norm_g, B, d);
+    if (m->d_norm_g) op_layernorm_affine_grad(be, m->d_norm_g, m->d_norm_b, m->dzcls, m->xcls, m->mcls, m->rcls, B, d);
     op_zero(be, m->dres, (size_t)B * T * d * be->abytes);
     op_copy_rows(be, m->dres, T * d, m->dxcls, d, B, d);
     return st;
@@ -799,6 +875,7 @@ static void block_backward(Vit* m, int l, BlockActs* a, int B) {
     op_linear_backward(be, m->dh, m->dres, a->g, a->ax[T_FC2], &L->lin[T_FC2], m->dax, N, r, s, 0);
     op_gelu_backward(be, m->dh, m->dh, m->modes.approx ? NULL : a->h, a->codes, N * c->hidden, c->gelu_tanh);
     op_linear_backward(be, m->dz, m->dh, a->z2, a->ax[T_FC1], &L->lin[T_FC1], m->dax, N, r, s, 0);
+    if (L->ln_grad[LN2_G]) op_layernorm_affine_grad(be, L->ln_grad[LN2_G], L->ln_grad[LN2_B], m->dz, a->h_mid, a->mean2, a->r2, N, (int)d);
     if (ms) op_layernorm_ms_backward(be, m->dres, m->dz, a->z2, a->r2, N, (int)d);
     else op_layernorm_backward(be, m->dres, m->dz, a->h_mid, a->mean2, a->r2, L->ln2_g, N, (int)d);
     // attention: proj, attention, q/k/v, attention norm
@@ -807,12 +884,15 @@ static void block_backward(Vit* m, int l, BlockActs* a, int B) {
     op_linear_backward(be, m->dz, m->dq, a->z1, a->ax[T_Q], &L->lin[T_Q], m->dax, N, r, s, 0);
     op_linear_backward(be, m->dz, m->dk, a->z1, a->ax[T_K], &L->lin[T_K], m->dax, N, r, s, 1);
     op_linear_backward(be, m->dz, m->dv, a->z1, a->ax[T_V], &L->lin[T_V], m->dax, N, r, s, 1);
+    if (L->ln_grad[LN1_G]) op_layernorm_affine_grad(be, L->ln_grad[LN1_G], L->ln_grad[LN1_B], m->dz, x_in, a->mean1, a->r1, N, (int)d);
     if (ms) op_layernorm_ms_backward(be, m->dres, m->dz, a->z1, a->r1, N, (int)d);
     else op_layernorm_backward(be, m->dres, m->dz, x_in, a->mean1, a->r1, L->ln1_g, N, (int)d);
 }
 
-// The blocks in reverse. Nothing upstream of the first block is trainable (patch embedding, class
-// token and positions are frozen), so the gradient stops there.
+// The blocks in reverse, then (--full) the embeddings: m->dres is then the gradient of the first
+// block's input, whose class-token rows are cls + pos[0] and whose patch rows are the patch
+// product + patch_b + pos (the class rows of the unfolded patches are zero, so they add nothing
+// to the patch weight's gradient). Without --full nothing upstream trains and it stops there.
 static void vit_backward_blocks(Vit* m, int B) {
     int64_t N = (int64_t)B * m->T;
     for (int l = m->cfg.layers - 1; l >= 0; l--) {
@@ -821,8 +901,11 @@ static void vit_backward_blocks(Vit* m, int B) {
             block_forward(m, l, m->resid_tmp, &m->acts[l], B);
         }
         block_backward(m, l, &m->acts[l], B);
-        trainable_grads_final_from(&m->tr, m->dist, m->layer_off[l]);  // this block's and the head's are final
+        trainable_grads_final_from(&m->tr, m->dist, m->layer_off[l]);  // this block's, the final norm's and the head's are final
     }
+    if (!m->modes.full) return;
+    op_patch_embed_finish_backward(m->be, m->d_cls, m->d_patch_b, m->d_pos, m->dres, N, m->T, m->cfg.dim);
+    op_linear_backward(m->be, NULL, m->dres, m->patches, NULL, &m->patch, NULL, N, 0, 0.0f, 0);
 }
 
 // One micro-batch of B <= m->B images (already uploaded): forward, fused head + loss (+ its
@@ -1129,8 +1212,10 @@ static void vit_json_dump(FILE* f, const Json* j, int indent) {
 }
 
 // config.json of the exported model: the input's, without id2label / label2id / num_labels /
-// qkv_bias, then num_labels (and qkv_bias) as they now are.
+// qkv_bias, then num_labels (and qkv_bias) as they now are; and image_size, when --full trained
+// the positions at another resolution than the checkpoint's.
 static void vit_export_config(const Vit* m, const char* model_dir, const char* dir, int qkv_bias) {
+    int resized = m->modes.full && (m->img_h != m->cfg.image_h || m->img_w != m->cfg.image_w);
     char* src = path_join(model_dir, "config.json");
     size_t n;
     char* text = read_file(src, &n);
@@ -1144,11 +1229,13 @@ static void vit_export_config(const Vit* m, const char* model_dir, const char* d
     for (int i = 0; i < j.count; i++) {
         const char* key = j.keys[i];
         if (!strcmp(key, "id2label") || !strcmp(key, "label2id") || !strcmp(key, "num_labels") || !strcmp(key, "qkv_bias")) continue;
+        if (resized && !strcmp(key, "image_size")) continue;
         fprintf(f, "%s\n  ", k++ ? "," : "");
         json_write_string(f, key);
         fputs(": ", f);
         vit_json_dump(f, &j.items[i], 2);
     }
+    if (resized) fprintf(f, "%s\n  \"image_size\": [%d, %d]", k++ ? "," : "", m->img_h, m->img_w);
     fprintf(f, "%s\n  \"num_labels\": %d,\n  \"qkv_bias\": %s\n}\n", k ? "," : "", m->classes, qkv_bias ? "true" : "false");
     fclose(f);
     char* dst = path_join(dir, "config.json");
@@ -1156,6 +1243,27 @@ static void vit_export_config(const Vit* m, const char* model_dir, const char* d
     atomic_write(&a, buf, len);
     atomic_commit(&a);
     free(buf); free(dst); json_free(&j); free(text); free(src);
+}
+
+// --full: the trained value (host fp32) of checkpoint tensor `name` when it is no linear's (the
+// embeddings, the final norm, standard block norms), else NULL.
+static const float* vit_trained_tensor(const Vit* m, int hf, const char* px, const char* name) {
+    if (!m->modes.full) return NULL;
+    char want[256];
+#define IS(...) (snprintf(want, sizeof(want), __VA_ARGS__), !strcmp(want, name))
+    if (hf ? IS("%sembeddings.cls_token", px) : IS("cls_token")) return m->h_cls;
+    if (hf ? IS("%sembeddings.position_embeddings", px) : IS("pos_embed")) return m->h_pos;
+    if (hf ? IS("%sembeddings.patch_embeddings.projection.weight", px) : IS("patch_embed.proj.weight")) return m->patch.W;
+    if (hf ? IS("%sembeddings.patch_embeddings.projection.bias", px) : IS("patch_embed.proj.bias")) return m->h_patch_b;
+    if (hf ? IS("%slayernorm.weight", px) : IS("norm.weight")) return m->h_norm_g;
+    if (hf ? IS("%slayernorm.bias", px) : IS("norm.bias")) return m->h_norm_b;
+    static const char* const hf_ln[N_LN] = {"layernorm_before.weight", "layernorm_before.bias", "layernorm_after.weight", "layernorm_after.bias"};
+    static const char* const timm_ln[N_LN] = {"norm1.weight", "norm1.bias", "norm2.weight", "norm2.bias"};
+    for (int l = 0; l < m->cfg.layers && vit_trains_block_norms(&m->modes); l++)
+        for (int k = 0; k < N_LN; k++)
+            if (hf ? IS("%sencoder.layer.%d.%s", px, l, hf_ln[k]) : IS("blocks.%d.%s", l, timm_ln[k])) return vit_norm_host(m, l, k);
+#undef IS
+    return NULL;
 }
 
 static void vit_export_merged(Vit* m, const TrainOptions* o, const char* dir) {
@@ -1182,6 +1290,16 @@ static void vit_export_merged(Vit* m, const TrainOptions* o, const char* dir) {
         for (int i = 0; i < sm.files[f].count; i++) {
             const StTensor* t = &sm.files[f].tensors[i];
             if (!strcmp(t->name, hf ? "classifier.weight" : "head.weight")) { head_dtype = t->dtype; continue; }
+            const float* trained = vit_trained_tensor(m, hf, px, t->name);
+            if (trained) {  // the positions at the fine-tuning grid ([1, T, d]: config.json's image_size follows)
+                int64_t numel = st_numel(t), pos_shape[3] = {1, m->T, d};
+                int is_pos = trained == m->h_pos;
+                if (is_pos) numel = m->T * d;
+                owned[k] = xmalloc(st_dtype_size(t->dtype) * numel);
+                f32_to_dtype(owned[k], trained, numel, t->dtype);
+                st_writer_add(&w, t->name, t->dtype, is_pos ? 3 : t->ndim, is_pos ? pos_shape : t->shape, owned[k++]);
+                continue;
+            }
             if (!strcmp(t->name, hf ? "classifier.bias" : "head.bias")) continue;
             int hit_l = -1, hit_t = -2, is_bias = 0;
             for (int l = 0; l < c->layers && hit_l < 0; l++)
@@ -1219,7 +1337,7 @@ static void vit_export_merged(Vit* m, const TrainOptions* o, const char* dir) {
         StDtype dt = ST_F32;
         for (int tg = T_Q; tg <= T_V; tg++) {
             const Linear* L = &m->layers[l].lin[tg];
-            need |= m->modes.ms && (L->A || L->dW);
+            need |= (m->modes.ms && (L->A || L->dW)) || L->dbias;
         }
         if (hf) snprintf(name, sizeof(name), "%sencoder.layer.%d.%s.bias", px, l, hf_module_names[T_Q]);
         else snprintf(name, sizeof(name), "blocks.%d.attn.qkv.bias", l);
@@ -1499,7 +1617,7 @@ int main(int argc, char** argv) {
     else if (o.eval_only) vit_load_checkpoint_head(&m, o.model_dir);
     if (dist.rank == 0) {
         char what[160];
-        if (md.full) snprintf(what, sizeof(what), "full fine-tuning of the linear weights");
+        if (md.full) snprintf(what, sizeof(what), "full fine-tuning of every weight");
         else snprintf(what, sizeof(what), "LoRA r=%d alpha=%g on %s", o.lora_rank, o.lora_alpha, o.lora_targets ? o.lora_targets : "all");
         backend_print_device(&be, dist.world > 1 || dist_has_nccl(&dist) ? dist_gpu_collectives(&dist) : NULL);
         char where[64];

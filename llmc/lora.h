@@ -19,6 +19,7 @@ typedef struct {
     float *A, *B, *dA, *dB;
     void *A16, *B16;       // bf16 shadows of A and B
     float* dW;             // full fine-tuning: W's gradient (fp32, in the device arena)
+    float* dbias;          // full fine-tuning of a layer with a bias: its gradient (fp32)
 } LinearDevice;
 
 typedef struct {
@@ -28,6 +29,7 @@ typedef struct {
     float *A, *B;          // LoRA [r, in], [out, r]; NULL when not a target (host: the arena's mirror)
     float *dA, *dB;        // their gradients (accumulated over micro-batches)
     float* dW;             // full fine-tuning: W is trainable and this is its gradient; else NULL
+    float* dbias;          // full fine-tuning: the bias's gradient (ViT; NULL when frozen or absent)
     LinearDevice dev;      // the CUDA backend's copy
 } Linear;
 
@@ -50,13 +52,24 @@ static void linear_forward(float* y, const float* x, const Linear* L, float* ax,
     matmul_nt(y, ax, L->B, (int)N, L->out, rank, scale, 1);
 }
 
+// db[j] += sum_n dy[n, j]: the gradient of a trained bias. Columns in parallel, rows in order.
+static void bias_grad_rows(float* db, const float* dy, int64_t N, int out) {
+#pragma omp parallel for schedule(static) if (N * out > 32768)
+    for (int j = 0; j < out; j++) {
+        double s = 0.0;
+        for (int64_t n = 0; n < N; n++) s += dy[n * out + j];
+        db[j] += (float)s;
+    }
+}
+
 // Given dy [N, out]: LoRA grads accumulate; dx (+)= dy W + scale * (dy B) A. Under full
-// fine-tuning dW += dy^T x as well; the bias stays frozen. x is needed only when the layer has an
-// adapter or a trainable W.
+// fine-tuning dW += dy^T x and (with dbias) db += sum_n dy as well. x is needed only when the
+// layer has an adapter or a trainable W. dx NULL: no input gradient (the patch embedding).
 static void linear_backward(float* dx, const float* dy, const float* x, const float* ax, const Linear* L, float* dax,
                             int64_t N, int rank, float scale, int accumulate) {
-    matmul_nn(dx, dy, L->W, (int)N, L->in, L->out, 1.0f, accumulate);
+    if (dx) matmul_nn(dx, dy, L->W, (int)N, L->in, L->out, 1.0f, accumulate);
     if (L->dW) matmul_tn(L->dW, dy, x, L->out, L->in, (int)N, 1.0f, 1);
+    if (L->dbias) bias_grad_rows(L->dbias, dy, N, L->out);
     if (!L->A) return;
     matmul_tn(L->dB, dy, ax, L->out, rank, (int)N, scale, 1);
     matmul_nn(dax, dy, L->B, (int)N, rank, L->out, scale, 0);

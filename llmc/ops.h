@@ -267,6 +267,13 @@ static void op_layernorm_backward(const Backend* be, void* dx, const void* dy, c
     OP_CUDA(be, layernorm_backward_cuda(B16(dx), CB16(dy), CB16(x), mean, r, CB16(gamma), N, d, be->stream))
     layernorm_backward(F32(dx), CF32(dy), CF32(x), mean, r, CF32(gamma), N, d);
 }
+// dgamma += sum over rows of dy * (x - mean) * r, dbeta += sum of dy: a trained LayerNorm affine
+// (fp32 gradients on both backends).
+static void op_layernorm_affine_grad(const Backend* be, float* dgamma, float* dbeta, const void* dy, const void* x, const float* mean,
+                                     const float* r, int64_t N, int d) {
+    OP_CUDA(be, layernorm_affine_grad_cuda(dgamma, dbeta, CB16(dy), CB16(x), mean, r, N, d, be->stream))
+    layernorm_affine_grad(dgamma, dbeta, CF32(dy), CF32(x), mean, r, N, d);
+}
 // dx += MS-LN backward from the normalised output z and r alone.
 static void op_layernorm_ms_backward(const Backend* be, void* dx, const void* dz, const void* z, const float* r, int64_t N, int d) {
     OP_CUDA(be, layernorm_ms_backward_cuda(B16(dx), CB16(dz), CB16(z), r, N, d, be->stream))
@@ -344,6 +351,14 @@ static void op_patch_embed_finish(const Backend* be, void* x, const void* cls, c
     }
 }
 
+// Its backward when the embeddings train (fp32 gradients): dcls += sum_b dx[b, 0], dpos[t] +=
+// sum_b dx[b, t], dpatch_b += the sum over every patch row (t > 0).
+static void op_patch_embed_finish_backward(const Backend* be, float* dcls, float* dpatch_b, float* dpos, const void* dx, int64_t N, int T,
+                                           int d) {
+    OP_CUDA(be, patch_embed_finish_backward_cuda(dcls, dpatch_b, dpos, CB16(dx), N, T, d, be->stream))
+    patch_embed_finish_backward(dcls, dpatch_b, dpos, CF32(dx), N, T, d);
+}
+
 // dst[r*dst_stride + c] = src[r*src_stride + c], rows x d activations (strides in elements): the
 // class-token rows out of the residual stream, and their gradient back into it.
 static void op_copy_rows(const Backend* be, void* dst, int64_t dst_stride, const void* src, int64_t src_stride, int64_t rows, int d) {
@@ -379,8 +394,7 @@ static void op_linear_f32_backward(const Backend* be, float* dx, float* dW, floa
     }
 #endif
     matmul_tn(dW, dy, x, out, in, N, 1.0f, 1);
-    for (int n = 0; n < N; n++)
-        for (int j = 0; j < out; j++) db[j] += dy[(int64_t)n * out + j];
+    bias_grad_rows(db, dy, N, out);
     matmul_nn(dx, dy, W, N, in, out, 1.0f, 0);
 }
 

@@ -103,7 +103,7 @@ static void train_flags_register_task(FlagTable* t, TrainOptions* o, const char*
     flag_int(t, "lora-rank", &o->lora_rank, "adapter rank r");
     flag_float(t, "lora-alpha", &o->lora_alpha, "adapter scale alpha (update = alpha/r * B A x)");
     flag_string(t, "lora-targets", &o->lora_targets, targets_help);
-    flag_bool(t, "full", &o->full, "full fine-tuning (fp32 masters + AdamW) instead of LoRA adapters: every weight (train_llama), every linear and the head (train_vit)");
+    flag_bool(t, "full", &o->full, "full fine-tuning (fp32 masters + AdamW) instead of LoRA adapters: every weight (train_vit: all but the key bias, whose gradient is zero)");
     t->group = "system";
     flag_choice(t, "device", &o->device, "cpu|cuda|auto", "backend: auto takes a CUDA GPU when this binary has the CUDA backend and one is visible");
     flag_bool(t, "random-init", &o->random_init, "random frozen weights of config.json's shapes instead of reading them (speed and memory benchmarks)");

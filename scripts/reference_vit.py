@@ -290,7 +290,8 @@ def forward(model, pixels, lora, scale, head, act="exact", norm="std", stats=Non
     x = F.conv2d(pixels, w["patch_w"], w["patch_b"], stride=(ph, pw))  # [B, d, gh, gw]
     x = x.flatten(2).transpose(1, 2)
     x = torch.cat([w["cls"].expand(B, 1, c.dim), x], dim=1)
-    x = x + position_embedding(model, grid)
+    # "pos_ft": the positions at this resolution as a leaf of their own (full fine-tuning trains them)
+    x = x + (w["pos_ft"] if "pos_ft" in w else position_embedding(model, grid))
     T = x.shape[1]
     hs = []
     for l in range(c.n_layers):
@@ -330,8 +331,11 @@ def run_case(model_dir, case, act="exact", norm="std", lora_rank=None, lora_alph
     """Run one case through the reference.
 
     full: full fine-tuning: no adapters (the case's are ignored); the gradients are those of
-    every linear weight (of the merged model under norm="ms"), named "grad.{l}.{t}.W", besides
-    the head's.
+    every weight (of the merged model under norm="ms"), besides the head's: "grad.{l}.{t}.W" and
+    "grad.{l}.{t}.b" of each linear (no key bias, whose gradient is zero, and no q, v bias for a
+    model without them, unless MS-LN merged a beta into it), "grad.{l}.ln1.g" / ln1.b / ln2.g / ln2.b (norm="std"),
+    "grad.patch_w", "grad.patch_b", "grad.cls", "grad.pos" (the positions at the case's
+    resolution), "grad.norm_g", "grad.norm_b".
 
     model_dir: a model directory or an already loaded VitModel. case: a CASE path or dict.
     Returns the OUT names as float64 numpy arrays plus "stats": {"min_margin": smallest distance
@@ -376,25 +380,33 @@ def run_case(model_dir, case, act="exact", norm="std", lora_rank=None, lora_alph
 
     stats = {}
     weights = None
-    if full:  # every linear weight becomes a leaf that needs a gradient
+    full_names = []
+    if full:  # every weight becomes a leaf that needs a gradient
         weights = dict(model.merged_weights() if norm == "ms" else model.w)
+        grid = (pixels.shape[2] // c.patch[0], pixels.shape[3] // c.patch[1])
+        weights["pos_ft"] = position_embedding(model, grid).detach()
         for l in range(c.n_layers):
             for t in LORA_TARGETS:
-                weights[f"{l}.{t}.w"] = weights[f"{l}.{t}.w"].clone().requires_grad_(True)
+                full_names.append(f"{l}.{t}.w")
+                # the key bias is not trained (its gradient is zero: softmax is shift invariant)
+                if t not in ("q", "k", "v") or (t != "k" and (c.qkv_bias or norm == "ms")):
+                    full_names.append(f"{l}.{t}.b")
+            if norm == "std":
+                full_names += [f"{l}.ln1.g", f"{l}.ln1.b", f"{l}.ln2.g", f"{l}.ln2.b"]
+        full_names += ["patch_w", "patch_b", "cls", "pos_ft", "norm_g", "norm_b"]
+        for k in full_names:
+            weights[k] = weights[k].clone().requires_grad_(True)
     logits = forward(model, pixels, lora, scale, (hw, hb), act, norm, stats, weights)
     loss = F.cross_entropy(logits, labels)
-    params = [p for ab in lora.values() for p in ab] + [hw, hb]
-    if full:
-        params = [weights[f"{l}.{t}.w"] for l in range(c.n_layers) for t in LORA_TARGETS] + params
+    params = [weights[k] for k in full_names] + [p for ab in lora.values() for p in ab] + [hw, hb]
     grads = torch.autograd.grad(loss, params)
 
     out = {"logits": logits.detach().to(torch.float64).numpy(),
            "loss": np.array([float(loss)], dtype=np.float64)}
     gi = iter(grads)
-    if full:
-        for l in range(c.n_layers):
-            for t in LORA_TARGETS:
-                out[f"grad.{l}.{t}.W"] = next(gi).to(torch.float64).numpy()
+    for k in full_names:  # the probe's names: grad.{l}.{t}.W / .b, grad.{l}.ln1.g, grad.pos ...
+        name = k[:-2] + ".W" if k.endswith(".w") else "pos" if k == "pos_ft" else k
+        out["grad." + name] = next(gi).to(torch.float64).numpy()
     for (l, t) in lora:
         out[f"grad.lora.{l}.{t}.A"] = next(gi).to(torch.float64).numpy()
         out[f"grad.lora.{l}.{t}.B"] = next(gi).to(torch.float64).numpy()

@@ -36,6 +36,11 @@ static void probe_add_grads(StWriter* w, const Linear* L, int layer, const char*
         snprintf(name, sizeof(name), "grad.%d.%s.W", layer, target);
         st_writer_add(w, name, ST_F32, 2, sw, L->dW);
     }
+    if (L->dbias) {
+        int64_t sb = L->out;
+        snprintf(name, sizeof(name), "grad.%d.%s.b", layer, target);
+        st_writer_add(w, name, ST_F32, 1, &sb, L->dbias);
+    }
     if (!L->A) return;
     int64_t sa[2] = {rank, L->in}, sb[2] = {L->out, rank};
     snprintf(name, sizeof(name), "grad.lora.%d.%s.A", layer, target);

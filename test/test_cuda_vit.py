@@ -157,8 +157,11 @@ def test_probe_cuda_matches_cpu(workdir, case):
             f"grads median {np.median(list(grads.values())):.1e} worst {grads[worst]:.1e} ({worst}, {len(grads)} tensors)")
     SUMMARY.append(line)
     print(line)
-    if full:  # every linear weight of both layers, and the head
-        assert len(grads) == 2 * 6 + 2 and all(k.endswith(".W") or ".head." in k for k in grads), sorted(grads)
+    if full:  # every weight: the linears of both layers, the embeddings, the final norm, the head
+        names = set(grads)
+        assert {f"grad.{l}.{t}.W" for l in range(2) for t in vc.ALL_TARGETS} <= names, sorted(names)
+        assert {"grad.patch_w", "grad.patch_b", "grad.cls", "grad.pos", "grad.norm_g", "grad.norm_b"} <= names, sorted(names)
+        assert (norm == "std") == ("grad.0.ln1.g" in names) and "grad.1.fc2.b" in names and "grad.0.k.b" not in names
     elif targets != vc.ALL_TARGETS:
         assert not any(f".{t}." in k for k in grads for t in ("k", "proj", "fc1", "fc2")), sorted(grads)
     bad = [f"{k} {v:.2e}" for k, v in errs.items() if not v < TOL["grad" if k.startswith("grad.") else k]]

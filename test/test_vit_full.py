@@ -1,7 +1,8 @@
 """ViT full fine-tuning (--full) and merged export (--export-merged): the probe's gradient of every
-linear weight (of the merged layer under MS-LN) and of the head against the PyTorch reference in
-all four act x norm modes; full fine-tuning lowers the loss and its --out model directory reloads
-(--model DIR --eval-only) to the same validation loss; a merged export (W + alpha/r B A and the
+weight (linears and biases, of the merged layer under MS-LN; norms; patch embedding, class token,
+positions; the head) against the PyTorch reference in all four act x norm modes; full fine-tuning
+lowers the loss and its --out model directory reloads (--model DIR --eval-only) to the same
+validation loss, also when trained at another resolution; a merged export (W + alpha/r B A and the
 trained head, MS merge undone) evaluates like base + adapter, for the bundled Hugging Face demo and
 for random timm / no-qkv-bias checkpoints; a zero gamma fails clearly; mpirun -np 2 --full (ZeRO-1)
 equals one process with the combined batch.
@@ -68,8 +69,9 @@ def workdir(tmp_path_factory):
 @pytest.mark.parametrize("mode", MODES, ids=MODE_IDS)
 @pytest.mark.parametrize("name", ["square", "nonsquare"])
 def test_probe_full_finetuning_matches_reference(workdir, name, mode):
-    """--full: the gradient of every linear weight (q, k, v, proj, fc1, fc2; of the merged layer
-    under MS-LN) and of the head against the fp64 reference; the case's adapters are ignored."""
+    """--full: the gradient of every weight (the linears' W and b, of the merged layer under MS-LN;
+    the standard norms; the embeddings; the final norm) and of the head against the fp64
+    reference; the case's adapters are ignored."""
     act, norm, recompute = mode
     d, model, case, path, cache = _full_case(workdir, name)
     if (act, norm) not in cache:
@@ -119,14 +121,37 @@ def test_full_fine_tune_lowers_loss_and_out_reloads(tmp_path, mode):
     assert st["classifier.weight"].shape == (5, 64) and st["classifier.weight"].dtype == np.float32
     base = vc.st_io.load(os.path.join(MODEL, "model.safetensors"))
     assert set(base) == set(st)
-    k = "vit.encoder.layer.0.intermediate.dense.weight"
-    assert not np.array_equal(base[k], st[k])  # trained
-    for k in ("vit.encoder.layer.0.layernorm_before.weight", "vit.embeddings.cls_token"):
-        assert np.array_equal(base[k], st[k])  # frozen, unchanged
+    # every weight trains: the linears with their biases, the embeddings, the final norm, and the
+    # block norms when standard (under MS-LN they are merged into the linears and train there)
+    trained = ["vit.encoder.layer.0.intermediate.dense.weight", "vit.encoder.layer.1.output.dense.bias",
+               "vit.embeddings.cls_token", "vit.embeddings.position_embeddings",
+               "vit.embeddings.patch_embeddings.projection.weight", "vit.embeddings.patch_embeddings.projection.bias",
+               "vit.layernorm.weight", "vit.layernorm.bias"]
+    block_norm = "vit.encoder.layer.0.layernorm_before.weight"
+    for k in trained + ([block_norm] if mode == "baseline" else []):
+        assert not np.array_equal(base[k], st[k]), k
+    if mode == "lowmem":
+        assert np.array_equal(base[block_norm], st[block_norm])  # merged: W and b carry its training
     want = (after, float(rows[-1]["val_accuracy"]))
     for m in ("lowmem", "baseline"):  # the exported model in either norm mode
         got = _eval(out, m)
         assert _close(got, want), (m, got, want)
+
+
+def test_full_at_another_resolution_exports_that_resolution(tmp_path):
+    """--full at --image-size 35 (the checkpoint's is 28) trains the positions of the 5x5 grid: the
+    model directory holds them, its config.json says 35, and it reloads (no --image-size) to the
+    same validation loss."""
+    out = str(tmp_path / "full35")
+    rows = _train(out, "baseline", 6, ("--full", "--lr", "1e-3", "--image-size", "35"))
+    st = vc.st_io.load(os.path.join(out, "model.safetensors"))
+    assert st["vit.embeddings.position_embeddings"].shape == (1, 1 + 5 * 5, 64)
+    with open(os.path.join(out, "config.json")) as f:
+        assert json.load(f)["image_size"] == [35, 35]
+    want = (float(rows[-1]["val_loss"]), float(rows[-1]["val_accuracy"]))
+    got = _eval(out, "baseline")
+    print(f"--full at 35 px: val {want}, reloaded {got}")
+    assert _close(got, want), (got, want)
 
 
 @pytest.mark.parametrize("mode", ["lowmem", "baseline"])

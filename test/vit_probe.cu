@@ -6,8 +6,10 @@
 //       CASE: pixels F32 [B, C, H, W] (normalised, at the fine-tuning resolution), labels I32 [B],
 //             lora.{l}.{t}.A [r, in] / .B [out, r], head.weight [K, d], head.bias [K]
 //       OUT:  logits [B, K], loss [1], grad.lora.{l}.{t}.A/B, grad.head.weight, grad.head.bias
-//             (--full: the case's adapters are ignored; grad.{l}.{t}.W of every linear weight
-//             instead of the LoRA gradients, of the merged layer under --norm ms)
+//             (--full: the case's adapters are ignored; instead of the LoRA gradients those of
+//             every weight: grad.{l}.{t}.W / .b of each linear (of the merged layer under --norm
+//             ms), grad.{l}.ln1.g / ln1.b / ln2.g / ln2.b (--norm std), grad.patch_w [d, C, ph, pw],
+//             grad.patch_b, grad.cls [1, 1, d], grad.pos [1, T, d], grad.norm_g, grad.norm_b)
 //   --data SHARD --dump-batches N --out-file OUT    the loader's first N training batches:
 //       OUT:  pixels F32 [N*B, C, H, W], labels I32 [N*B], index I32 (image in the shard),
 //             flip I32 (1 = flipped)
@@ -45,6 +47,28 @@ static void dump_batches(const VitConfig* cfg, const TrainOptions* o, int batche
     free(pixels); free(labels); free(index); free(flip);
     image_loader_free(&L);
     image_shard_free(&s);
+}
+
+// The host mirror of a gradient in the trainable arena (backend pointer g).
+static float* host_grad(const Vit* m, const float* g) { return m->tr.host_grads + (g - m->tr.grads); }
+
+// --full: the gradients of the embeddings and the norms.
+static void add_full_grads(StWriter* wr, const Vit* m) {
+    const VitConfig* c = &m->cfg;
+    int64_t d = c->dim, spw[4] = {d, c->channels, c->patch_h, c->patch_w}, sc[3] = {1, 1, d}, sp[3] = {1, m->T, d};
+    st_writer_add(wr, "grad.patch_w", ST_F32, 4, spw, m->patch.dW);
+    st_writer_add(wr, "grad.patch_b", ST_F32, 1, &d, host_grad(m, m->d_patch_b));
+    st_writer_add(wr, "grad.cls", ST_F32, 3, sc, host_grad(m, m->d_cls));
+    st_writer_add(wr, "grad.pos", ST_F32, 3, sp, host_grad(m, m->d_pos));
+    st_writer_add(wr, "grad.norm_g", ST_F32, 1, &d, host_grad(m, m->d_norm_g));
+    st_writer_add(wr, "grad.norm_b", ST_F32, 1, &d, host_grad(m, m->d_norm_b));
+    const char* names[N_LN] = {"ln1.g", "ln1.b", "ln2.g", "ln2.b"};
+    char name[64];
+    for (int l = 0; l < c->layers; l++)
+        for (int k = 0; k < N_LN && m->layers[l].ln_grad[k]; k++) {
+            snprintf(name, sizeof(name), "grad.%d.%s", l, names[k]);
+            st_writer_add(wr, name, ST_F32, 1, &d, host_grad(m, m->layers[l].ln_grad[k]));
+        }
 }
 
 // Given pixels [B, C, H, W] (fp32, host) and labels (in h_labels): the batch on the backend.
@@ -122,6 +146,7 @@ int main(int argc, char** argv) {
     st_writer_add(&wr, "grad.head.bias", ST_F32, 1, &hshape[0], m.host_dhead_b);
     for (int l = 0; l < cfg.layers; l++)
         for (int t = 0; t < N_TARGETS; t++) probe_add_grads(&wr, &m.layers[l].lin[t], l, target_names[t], md.rank);
+    if (md.full) add_full_grads(&wr, &m);
     st_writer_save(&wr, out_path, NULL);
     st_writer_free(&wr);
     free(logits);

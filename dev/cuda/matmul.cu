@@ -85,7 +85,10 @@ static void test_linear(int64_t N, int in, int out, int rank, int with_bias, int
     float *dA = host_copy(dA0, (int64_t)rank * in), *dB = host_copy(dB0, (int64_t)out * rank);
     // without an adapter the layer trains W itself (full fine-tuning): dW accumulates onto random values
     float *dW0 = host_randn((int64_t)out * in, rng, 0.1f, 0), *dW = host_copy(dW0, (int64_t)out * in);
-    Linear L = {in, out, W, with_bias ? bias : NULL, with_lora ? A : NULL, with_lora ? B : NULL, dA, dB, with_lora ? NULL : dW};
+    float *db0 = host_randn(out, rng, 0.1f, 0), *db = host_copy(db0, out);  // and its bias, when it has one
+    int train_bias = with_bias && !with_lora;
+    Linear L = {in, out, W, with_bias ? bias : NULL, with_lora ? A : NULL, with_lora ? B : NULL, dA, dB, with_lora ? NULL : dW,
+                train_bias ? db : NULL};
     float *y = host_copy(y0, N * out), *ax = (float*)xmalloc(4 * N * rank), *dax = (float*)xmalloc(4 * N * rank);
     float* dx = host_copy(dx0, N * in);
     linear_forward(y, x, &L, ax, N, rank, scale, 1);
@@ -109,6 +112,7 @@ static void test_linear(int64_t N, int in, int out, int rank, int with_bias, int
         D->dB = (float*)upload(dB0, 4 * (int64_t)out * rank);
     } else {
         D->dW = (float*)upload(dW0, 4 * (int64_t)out * in);
+        if (train_bias) D->dbias = (float*)upload(db0, 4 * (int64_t)out);
     }
     bf16 *d_x = upload_bf16(x, N * in), *d_y = upload_bf16(y0, N * out), *d_dy = upload_bf16(dy, N * out);
     bf16 *d_dx = upload_bf16(dx0, N * in), *d_ax = (bf16*)dev_alloc(2 * N * rank), *d_dax = (bf16*)dev_alloc(2 * N * rank);
@@ -147,8 +151,16 @@ static void test_linear(int64_t N, int in, int out, int rank, int with_bias, int
         check_close(name, gdW, dW, (int64_t)out * in, 1e-2);
         free(gdW);
         CUDA_CHECK(cudaFree(D->dW));
+        if (train_bias) {
+            float* gdb = download_f32(D->dbias, out);
+            for (int j = 0; j < out; j++) { gdb[j] -= db0[j]; db[j] -= db0[j]; }
+            snprintf(name, sizeof(name), "linear_backward dbias (full fine-tuning, fp32, accumulated), %s", tag);
+            check_close(name, gdb, db, out, 1e-2);
+            free(gdb);
+            CUDA_CHECK(cudaFree(D->dbias));
+        }
     }
-    free(dW0); free(dW);
+    free(dW0); free(dW); free(db0); free(db);
     CUDA_CHECK(cudaFree(D->W));
     if (D->bias) CUDA_CHECK(cudaFree(D->bias));
     CUDA_CHECK(cudaFree(d_x)); CUDA_CHECK(cudaFree(d_y)); CUDA_CHECK(cudaFree(d_dy)); CUDA_CHECK(cudaFree(d_dx));

@@ -176,6 +176,31 @@ static void test_patches(int B, int C, int H, int W, int ph, int pw, int d, Rng*
     free(pixels); free(want); free(got); free(x); free(cls); free(pb); free(pos); free(wantx); free(gx);
 }
 
+// The embeddings' gradient when they train (--full): class token, patch bias and positions from
+// dx [B*T, d], accumulated onto random values, against the CPU twin (llmc/cpu/embedding.h).
+static void test_patch_embed_backward(int B, int T, int d, Rng* rng) {
+    int64_t N = (int64_t)B * T, Td = (int64_t)T * d;
+    float* dx = host_randn(N * d, rng, 1.0f, 1);
+    float *c0 = host_randn(d, rng, 1.0f, 0), *b0 = host_randn(d, rng, 1.0f, 0), *p0 = host_randn(Td, rng, 1.0f, 0);
+    float *wc = host_copy(c0, d), *wb = host_copy(b0, d), *wp = host_copy(p0, Td);
+    patch_embed_finish_backward(wc, wb, wp, dx, N, T, d);
+    bf16* d_dx = upload_bf16(dx, N * d);
+    float *d_c = (float*)upload(c0, 4 * (int64_t)d), *d_b = (float*)upload(b0, 4 * (int64_t)d), *d_p = (float*)upload(p0, 4 * Td);
+    patch_embed_finish_backward_cuda(d_c, d_b, d_p, d_dx, N, T, d, g_stream);
+    float *gc = download_f32(d_c, d), *gb = download_f32(d_b, d), *gp = download_f32(d_p, Td);
+    for (int i = 0; i < d; i++) { gc[i] -= c0[i]; wc[i] -= c0[i]; gb[i] -= b0[i]; wb[i] -= b0[i]; }
+    for (int64_t i = 0; i < Td; i++) { gp[i] -= p0[i]; wp[i] -= p0[i]; }
+    char name[96];
+    snprintf(name, sizeof(name), "patch_embed_finish_backward dcls, B=%d T=%d d=%d", B, T, d);
+    check_close(name, gc, wc, d, 1e-4);
+    snprintf(name, sizeof(name), "patch_embed_finish_backward dpatch_b, B=%d T=%d d=%d", B, T, d);
+    check_close(name, gb, wb, d, 1e-4);
+    snprintf(name, sizeof(name), "patch_embed_finish_backward dpos, B=%d T=%d d=%d", B, T, d);
+    check_close(name, gp, wp, Td, 1e-4);
+    CUDA_CHECK(cudaFree(d_dx)); CUDA_CHECK(cudaFree(d_c)); CUDA_CHECK(cudaFree(d_b)); CUDA_CHECK(cudaFree(d_p));
+    free(dx); free(c0); free(b0); free(p0); free(wc); free(wb); free(wp); free(gc); free(gb); free(gp);
+}
+
 // Strided row copies both ways (the ViT head's class tokens out of the residual stream [B, T, d]
 // and their gradient back), against plain loops; rows outside the copy must stay untouched.
 static void test_copy_rows(int B, int T, int d, Rng* rng) {
@@ -284,6 +309,8 @@ int main(void) {
     test_residual_bias(3, 10, &rng);
     test_patches(2, 3, 32, 48, 16, 16, 24, &rng);
     test_patches(1, 1, 28, 28, 7, 4, 9, &rng);
+    test_patch_embed_backward(3, 17, 67, &rng);
+    test_patch_embed_backward(1, 50, 130, &rng);
     test_copy_rows(3, 17, 67, &rng);
     test_copy_rows(1, 5, 8, &rng);
     test_image(3, 37, 53, 3, 32, 32, 3, &rng);    // upscale and downscale, RGB

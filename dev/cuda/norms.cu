@@ -104,6 +104,32 @@ static void test_gamma_grad(NormCase c, Rng* rng) {
     free(dy); free(x); free(r); free(g0); free(want); free(got);
 }
 
+// The gradient of a trained LayerNorm gamma and beta (full fine-tuning, standard norm),
+// accumulated onto random values, from the forward's own mean and r.
+static void test_affine_grad(NormCase c, Rng* rng) {
+    int64_t nd = c.N * c.d;
+    float *dy = host_randn(nd, rng, 1.0f, 1), *x = host_randn(nd, rng, 1.5f, 1);
+    float *z = (float*)xmalloc(4 * nd), *r = (float*)xmalloc(4 * c.N), *mean = (float*)xmalloc(4 * c.N);
+    layernorm_forward(z, r, mean, x, NULL, NULL, c.N, c.d, 1e-5f);
+    float *g0 = host_randn(c.d, rng, 1.0f, 0), *b0 = host_randn(c.d, rng, 1.0f, 0);
+    float *wg = host_copy(g0, c.d), *wb = host_copy(b0, c.d);
+    layernorm_affine_grad(wg, wb, dy, x, mean, r, c.N, c.d);
+    bf16 *d_dy = upload_bf16(dy, nd), *d_x = upload_bf16(x, nd);
+    float *d_r = (float*)upload(r, 4 * c.N), *d_mean = (float*)upload(mean, 4 * c.N);
+    float *d_g = (float*)upload(g0, 4 * (int64_t)c.d), *d_b = (float*)upload(b0, 4 * (int64_t)c.d);
+    layernorm_affine_grad_cuda(d_g, d_b, d_dy, d_x, d_mean, d_r, c.N, c.d, g_stream);
+    float *gg = download_f32(d_g, c.d), *gb = download_f32(d_b, c.d);
+    for (int i = 0; i < c.d; i++) { gg[i] -= g0[i]; wg[i] -= g0[i]; gb[i] -= b0[i]; wb[i] -= b0[i]; }
+    char name[96];
+    snprintf(name, sizeof(name), "layernorm_affine_grad dgamma (accumulated), N=%lld d=%d", (long long)c.N, c.d);
+    check_close(name, gg, wg, c.d, 1e-3);
+    snprintf(name, sizeof(name), "layernorm_affine_grad dbeta (accumulated), N=%lld d=%d", (long long)c.N, c.d);
+    check_close(name, gb, wb, c.d, 1e-3);
+    CUDA_CHECK(cudaFree(d_dy)); CUDA_CHECK(cudaFree(d_x)); CUDA_CHECK(cudaFree(d_r)); CUDA_CHECK(cudaFree(d_mean));
+    CUDA_CHECK(cudaFree(d_g)); CUDA_CHECK(cudaFree(d_b));
+    free(dy); free(x); free(z); free(r); free(mean); free(g0); free(b0); free(wg); free(wb); free(gg); free(gb);
+}
+
 static void time_norms(void) {
     int64_t N = 16384;
     int d = 4096;
@@ -147,6 +173,7 @@ int main(void) {
                 test_backward(cases[i], &rng, layer, ms);
             }
     for (int i = 0; i < 4; i++) test_gamma_grad(cases[i], &rng);
+    for (int i = 0; i < 4; i++) test_affine_grad(cases[i], &rng);
     if (g_timing) time_norms();
     return finish();
 }

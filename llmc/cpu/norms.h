@@ -78,6 +78,23 @@ static void layernorm_forward(float* y, float* r_out, float* mean_out, const flo
     }
 }
 
+// dgamma[i] += sum_n dy[n, i] * (x[n, i] - mean[n]) * r[n] and dbeta[i] += sum_n dy[n, i]: a
+// trained LayerNorm affine (full fine-tuning, standard norm). Columns in parallel, rows in order.
+static void layernorm_affine_grad(float* dgamma, float* dbeta, const float* dy, const float* x, const float* mean, const float* r,
+                                  int64_t N, int d) {
+#pragma omp parallel for schedule(static) if (N * d > 32768)
+    for (int i = 0; i < d; i++) {
+        double sg = 0.0, sb = 0.0;
+        for (int64_t n = 0; n < N; n++) {
+            double g = dy[n * d + i];
+            sg += g * ((double)x[n * d + i] - mean[n]) * r[n];
+            sb += g;
+        }
+        dgamma[i] += (float)sg;
+        dbeta[i] += (float)sb;
+    }
+}
+
 static void layernorm_ms_backward(float* dx, const float* dz, const float* z, const float* r, int64_t N, int d) {
 #pragma omp parallel for schedule(static) if (N * d > 32768)
     for (int64_t n = 0; n < N; n++) norm_row_backward(dx + n * d, dz + n * d, z + n * d, r[n], d, 1);

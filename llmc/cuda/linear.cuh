@@ -25,12 +25,14 @@ static void linear_forward_cuda(bf16* y, const bf16* x, const Linear* L, bf16* a
 }
 
 // Given dy [N, out]: LoRA grads accumulate (fp32); dx (+)= dy W + scale * (dy B) A; under full
-// fine-tuning dW += dy^T x. dax is a [N, rank] bf16 scratch. The bias stays frozen.
+// fine-tuning dW += dy^T x and (with dbias) db += sum_n dy. dax is a [N, rank] bf16 scratch.
+// dx NULL: no input gradient (the patch embedding).
 static void linear_backward_cuda(bf16* dx, const bf16* dy, const bf16* x, const bf16* ax, const Linear* L, bf16* dax, int64_t N,
                                  int rank, float scale, int accumulate, cudaStream_t stream) {
     const LinearDevice* D = &L->dev;
-    matmul_nn_cuda(dx, dy, (const bf16*)D->W, (int)N, L->in, L->out, 1.0f, accumulate, stream);
+    if (dx) matmul_nn_cuda(dx, dy, (const bf16*)D->W, (int)N, L->in, L->out, 1.0f, accumulate, stream);
     if (D->dW) matmul_tn_cuda(D->dW, dy, x, L->out, L->in, (int)N, 1.0f, 1, stream);
+    if (D->dbias) bias_grad_rows_cuda(D->dbias, dy, N, L->out, stream);
     if (!D->A) return;
     matmul_tn_cuda(D->dB, dy, ax, L->out, rank, (int)N, scale, 1, stream);
     matmul_nn_cuda(dax, dy, (const bf16*)D->B16, (int)N, rank, L->out, scale, 0, stream);

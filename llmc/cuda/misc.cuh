@@ -7,7 +7,8 @@
 //   copy_rows_cuda              strided row copy: the ViT class tokens out of the residual
 //                               stream and their gradient back (llmc/ops.h op_copy_rows)
 //   patch_unfold_cuda           image -> patch rows, class-token row zero (llmc/ops.h op_patch_unfold)
-//   patch_embed_finish_cuda     + class token / patch bias + positions (op_patch_embed_finish)
+//   patch_embed_finish_cuda     + class token / patch bias + positions (op_patch_embed_finish),
+//                               and its backward when they train (--full)
 //   image_resize_normalize_cuda uint8 HWC images -> normalised CHW, bilinear taps of
 //                               llmc/resample.h, optional flip (llmc/imagedata.h convert)
 // Elementwise kernels use grid-stride loops with 64-bit indices; accumulation into bf16 happens
@@ -178,6 +179,33 @@ __global__ void patch_embed_finish_kernel(bf16* x, const bf16* __restrict__ cls,
         x[i] = t == 0 ? f2bf(bf2f(cls[c]) + p) : f2bf(bf2f(x[i]) + (bf2f(patch_b[c]) + p));
     }
 }
+// Its backward, from dx [N, d] (N = B*T) when the embeddings train: dcls += sum_b dx[b, 0],
+// dpos[t] += sum_b dx[b, t], dpatch_b += sum_b sum_{t>0} dx[b, t]. One thread per (t, c), images
+// in order; then one thread per column sums the patch rows' dpos into dpatch_b: deterministic.
+__global__ void patch_embed_finish_backward_kernel(float* dcls, float* dpos, const bf16* __restrict__ dx, int64_t N, int T, int d) {
+    int64_t i = thread_index_1d();
+    if (i >= (int64_t)T * d) return;
+    int64_t t = i / d, c = i % d;
+    float s = 0.0f;
+    for (int64_t b = 0; b < N / T; b++) s += bf2f(dx[(b * T + t) * d + c]);
+    dpos[i] += s;
+    if (t == 0) dcls[c] += s;
+}
+__global__ void patch_bias_grad_kernel(float* dpatch_b, const bf16* __restrict__ dx, int64_t N, int T, int d) {
+    int64_t c = thread_index_1d();
+    if (c >= d) return;
+    float s = 0.0f;
+    for (int64_t t = 1; t < T; t++)
+        for (int64_t b = 0; b < N / T; b++) s += bf2f(dx[(b * T + t) * d + c]);
+    dpatch_b[c] += s;
+}
+static void patch_embed_finish_backward_cuda(float* dcls, float* dpatch_b, float* dpos, const bf16* dx, int64_t N, int T, int d,
+                                             cudaStream_t stream) {
+    if (N * d == 0) return;
+    launch_kernel(ceil_div((int64_t)T * d, 128), 128, 0, stream, patch_embed_finish_backward_kernel, dcls, dpos, dx, N, T, d);
+    launch_kernel(ceil_div(d, 128), 128, 0, stream, patch_bias_grad_kernel, dpatch_b, dx, N, T, d);
+}
+
 static void patch_embed_finish_cuda(bf16* x, const bf16* cls, const bf16* patch_b, const bf16* pos, int64_t N, int T, int d,
                                     cudaStream_t stream) {
     if (N * d == 0) return;

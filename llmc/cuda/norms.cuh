@@ -146,6 +146,28 @@ static void rmsnorm_backward_cuda(bf16* dx, const bf16* dy, const bf16* x, const
     norm_backward_launch(dx, a, N, d, stream);
 }
 
+// dgamma[i] += sum_n dy[n, i] * (x[n, i] - mean[n]) * r[n], dbeta[i] += sum_n dy[n, i] (a trained
+// LayerNorm affine): one thread per column, rows in order, deterministic (the twin of
+// layernorm_affine_grad).
+__global__ void layernorm_affine_grad_kernel(float* dgamma, float* dbeta, const bf16* __restrict__ dy, const bf16* __restrict__ x,
+                                             const float* __restrict__ mean, const float* __restrict__ r, int64_t N, int d) {
+    int64_t i = thread_index_1d();
+    if (i >= d) return;
+    float sg = 0.0f, sb = 0.0f;
+    for (int64_t n = 0; n < N; n++) {
+        float g = bf2f(dy[n * d + i]);
+        sg += g * (bf2f(x[n * d + i]) - mean[n]) * r[n];
+        sb += g;
+    }
+    dgamma[i] += sg;
+    dbeta[i] += sb;
+}
+static void layernorm_affine_grad_cuda(float* dgamma, float* dbeta, const bf16* dy, const bf16* x, const float* mean, const float* r,
+                                       int64_t N, int d, cudaStream_t stream) {
+    if (d == 0) return;
+    launch_kernel(ceil_div(d, 128), 128, 0, stream, layernorm_affine_grad_kernel, dgamma, dbeta, dy, x, mean, r, N, d);
+}
+
 static void layernorm_ms_backward_cuda(bf16* dx, const bf16* dz, const bf16* z, const float* r, int64_t N, int d,
                                        cudaStream_t stream) {
     NormBackwardArgs a = {dz, z, r, NULL, NULL, 1};
