@@ -2,7 +2,7 @@
 //   embed_tokens_cuda           token embedding gather          (llmc/ops.h op_embed)
 //   residual_add_cuda           out = a + b                     (elementwise; reference in dev/cuda/misc.cu)
 //   add_bias_rows_cuda          y[n, :] += bias                 (llmc/lora.h add_bias_rows)
-//   bias_grad_rows_cuda         db += sum_n dy[n, :]            (the ViT head: llmc/ops.h op_linear_f32_backward)
+//   bias_grad_rows_cuda         db += sum_n dy[n, :]            (the ViT head, and its linears under --full)
 //   cast_f32_to_bf16_cuda       bf16 shadows of fp32 masters (LoRA), and back (the ViT head, tests)
 //   copy_rows_cuda              strided row copy: the ViT class tokens out of the residual
 //                               stream and their gradient back (llmc/ops.h op_copy_rows)
@@ -80,23 +80,20 @@ static void add_bias_rows_cuda(float* y, const float* bias, int64_t N, int out, 
     launch_kernel(grid_for(N * out, 256), 256, 0, stream, add_bias_rows_kernel<float>, y, bias, N, out);
 }
 
-// db[j] += sum_n dy[n, j]: one thread per column, rows summed in order (deterministic). Meant for
-// narrow outputs (a classification head); wide ones belong in a GEMM epilogue.
-template <class T>
-__global__ void bias_grad_rows_kernel(float* db, const T* __restrict__ dy, int64_t N, int out) {
-    int64_t j = thread_index_1d();
-    if (j >= out) return;
-    float s = 0.0f;
-    for (int64_t n = 0; n < N; n++) s += (float)dy[n * out + j];
-    db[j] += s;
-}
+// db[j] += sum_n dy[n, j]: the gradient of a bias (the ViT head; under --full every ViT linear),
+// by column_sums_kernel: rows in a fixed order, deterministic.
+template <typename T>
+struct BiasGradTerm {
+    static const int K = 1;
+    const T* dy;
+    int out;
+    __device__ void add(int64_t n, int64_t j, float* s) const { s[0] += (float)dy[n * out + j]; }
+};
 static void bias_grad_rows_cuda(float* db, const float* dy, int64_t N, int out, cudaStream_t stream) {
-    if (out == 0) return;
-    launch_kernel(ceil_div(out, 128), 128, 0, stream, bias_grad_rows_kernel<float>, db, dy, N, out);
+    column_sums_cuda(db, (float*)NULL, BiasGradTerm<float>{dy, out}, N, out, stream);
 }
 static void bias_grad_rows_cuda(float* db, const bf16* dy, int64_t N, int out, cudaStream_t stream) {
-    if (out == 0) return;
-    launch_kernel(ceil_div(out, 128), 128, 0, stream, bias_grad_rows_kernel<bf16>, db, dy, N, out);
+    column_sums_cuda(db, (float*)NULL, BiasGradTerm<bf16>{dy, out}, N, out, stream);
 }
 
 // ---- strided rows --------------------------------------------------------------------------
@@ -181,7 +178,7 @@ __global__ void patch_embed_finish_kernel(bf16* x, const bf16* __restrict__ cls,
 }
 // Its backward, from dx [N, d] (N = B*T) when the embeddings train: dcls += sum_b dx[b, 0],
 // dpos[t] += sum_b dx[b, t], dpatch_b += sum_b sum_{t>0} dx[b, t]. One thread per (t, c), images
-// in order; then one thread per column sums the patch rows' dpos into dpatch_b: deterministic.
+// in order; dpatch_b by column_sums_kernel over the patch rows: deterministic.
 __global__ void patch_embed_finish_backward_kernel(float* dcls, float* dpos, const bf16* __restrict__ dx, int64_t N, int T, int d) {
     int64_t i = thread_index_1d();
     if (i >= (int64_t)T * d) return;
@@ -191,19 +188,17 @@ __global__ void patch_embed_finish_backward_kernel(float* dcls, float* dpos, con
     dpos[i] += s;
     if (t == 0) dcls[c] += s;
 }
-__global__ void patch_bias_grad_kernel(float* dpatch_b, const bf16* __restrict__ dx, int64_t N, int T, int d) {
-    int64_t c = thread_index_1d();
-    if (c >= d) return;
-    float s = 0.0f;
-    for (int64_t t = 1; t < T; t++)
-        for (int64_t b = 0; b < N / T; b++) s += bf2f(dx[(b * T + t) * d + c]);
-    dpatch_b[c] += s;
-}
+struct PatchBiasTerm {  // dx[n, j] of the patch rows, token t = n % T > 0 (column_sums_kernel)
+    static const int K = 1;
+    const bf16* dx;
+    int T, d;
+    __device__ void add(int64_t n, int64_t j, float* s) const { if (n % T) s[0] += bf2f(dx[n * d + j]); }
+};
 static void patch_embed_finish_backward_cuda(float* dcls, float* dpatch_b, float* dpos, const bf16* dx, int64_t N, int T, int d,
                                              cudaStream_t stream) {
     if (N * d == 0) return;
     launch_kernel(ceil_div((int64_t)T * d, 128), 128, 0, stream, patch_embed_finish_backward_kernel, dcls, dpos, dx, N, T, d);
-    launch_kernel(ceil_div(d, 128), 128, 0, stream, patch_bias_grad_kernel, dpatch_b, dx, N, T, d);
+    column_sums_cuda(dpatch_b, (float*)NULL, PatchBiasTerm{dx, T, d}, N, d, stream);
 }
 
 static void patch_embed_finish_cuda(bf16* x, const bf16* cls, const bf16* patch_b, const bf16* pos, int64_t N, int T, int d,

@@ -147,25 +147,22 @@ static void rmsnorm_backward_cuda(bf16* dx, const bf16* dy, const bf16* x, const
 }
 
 // dgamma[i] += sum_n dy[n, i] * (x[n, i] - mean[n]) * r[n], dbeta[i] += sum_n dy[n, i] (a trained
-// LayerNorm affine): one thread per column, rows in order, deterministic (the twin of
-// layernorm_affine_grad).
-__global__ void layernorm_affine_grad_kernel(float* dgamma, float* dbeta, const bf16* __restrict__ dy, const bf16* __restrict__ x,
-                                             const float* __restrict__ mean, const float* __restrict__ r, int64_t N, int d) {
-    int64_t i = thread_index_1d();
-    if (i >= d) return;
-    float sg = 0.0f, sb = 0.0f;
-    for (int64_t n = 0; n < N; n++) {
+// LayerNorm affine), by column_sums_kernel: deterministic (the twin of layernorm_affine_grad).
+struct LnAffineTerm {
+    static const int K = 2;
+    const bf16 *dy, *x;
+    const float *mean, *r;
+    int d;
+    __device__ void add(int64_t n, int64_t i, float* s) const {
         float g = bf2f(dy[n * d + i]);
-        sg += g * (bf2f(x[n * d + i]) - mean[n]) * r[n];
-        sb += g;
+        s[0] += g * (bf2f(x[n * d + i]) - mean[n]) * r[n];
+        s[1] += g;
     }
-    dgamma[i] += sg;
-    dbeta[i] += sb;
-}
+};
 static void layernorm_affine_grad_cuda(float* dgamma, float* dbeta, const bf16* dy, const bf16* x, const float* mean, const float* r,
                                        int64_t N, int d, cudaStream_t stream) {
     if (d == 0) return;
-    launch_kernel(ceil_div(d, 128), 128, 0, stream, layernorm_affine_grad_kernel, dgamma, dbeta, dy, x, mean, r, N, d);
+    column_sums_cuda(dgamma, dbeta, LnAffineTerm{dy, x, mean, r, d}, N, d, stream);
 }
 
 static void layernorm_ms_backward_cuda(bf16* dx, const bf16* dz, const bf16* z, const float* r, int64_t N, int d,
@@ -181,17 +178,16 @@ static void layernorm_backward_cuda(bf16* dx, const bf16* dy, const bf16* x, con
     norm_backward_launch(dx, a, N, d, stream);
 }
 
-// dgamma[i] += sum_n dy[n, i] * x[n, i] * r[n] (a trained RMSNorm gamma, full fine-tuning): one
-// thread per column, rows in order, so the sum is deterministic (the twin of rmsnorm_gamma_grad).
-__global__ void rmsnorm_gamma_grad_kernel(float* dgamma, const bf16* __restrict__ dy, const bf16* __restrict__ x,
-                                          const float* __restrict__ r, int64_t N, int d) {
-    int64_t i = thread_index_1d();
-    if (i >= d) return;
-    float s = 0.0f;
-    for (int64_t n = 0; n < N; n++) s += bf2f(dy[n * d + i]) * bf2f(x[n * d + i]) * r[n];
-    dgamma[i] += s;
-}
+// dgamma[i] += sum_n dy[n, i] * x[n, i] * r[n] (a trained RMSNorm gamma, full fine-tuning), by
+// column_sums_kernel: rows in a fixed order, deterministic (the twin of rmsnorm_gamma_grad).
+struct RmsGammaTerm {
+    static const int K = 1;
+    const bf16 *dy, *x;
+    const float* r;
+    int d;
+    __device__ void add(int64_t n, int64_t i, float* s) const { s[0] += bf2f(dy[n * d + i]) * bf2f(x[n * d + i]) * r[n]; }
+};
 static void rmsnorm_gamma_grad_cuda(float* dgamma, const bf16* dy, const bf16* x, const float* r, int64_t N, int d, cudaStream_t stream) {
     if (d == 0) return;
-    launch_kernel(ceil_div(d, 128), 128, 0, stream, rmsnorm_gamma_grad_kernel, dgamma, dy, x, r, N, d);
+    column_sums_cuda(dgamma, (float*)NULL, RmsGammaTerm{dy, x, r, d}, N, d, stream);
 }
