@@ -281,17 +281,6 @@ static void llama_plan(Llama* m, MemPlan* p) {
     op_plan_lm_head_loss(be, p, &m->loss, m->loss_chunk, d, V);
 }
 
-// Under --full, a weight other than the linears trained in the arena at *off: the copy the kernels
-// read (the fp32 value on the CPU, its bf16 shadow on CUDA) into *weight, its fp32 gradient into
-// *grad; returns its host mirror (what loading, init and export use).
-static float* llama_bind_trained(Llama* m, void** weight, float** grad, int64_t* off, int64_t n) {
-    float* host = m->tr.host_params + *off;
-    *weight = m->be->cuda ? (void*)((uint16_t*)m->tr.params16 + *off) : (void*)(m->tr.params + *off);
-    *grad = m->tr.grads + *off;
-    *off += n;
-    return host;
-}
-
 // After allocation: points the buffers a block does not keep at the shared scratch set, wires the
 // trainable weights into the flat arenas (layer-major, target order; LoRA A then B, or W under
 // --full), and sets up the host side of the batch and of the trainable arena.
@@ -305,9 +294,9 @@ static void llama_bind(Llama* m) {
     trainable_bind_host(&m->tr);
     int64_t off = 0, r = m->modes.rank, d = c->dim, V = c->vocab;
     if (m->modes.full) {  // arena: embedding, head (untied), final norm, then block by block
-        m->h_embed = llama_bind_trained(m, &m->embed, &m->d_embed, &off, V * d);
-        if (!c->tied) m->h_lm_head = llama_bind_trained(m, &m->lm_head, &m->d_lm_head, &off, V * d);
-        m->h_final_norm = llama_bind_trained(m, &m->final_norm, &m->d_final_norm, &off, d);
+        m->h_embed = trainable_bind_tensor(&m->tr, &off, V * d, &m->embed, &m->d_embed, NULL);
+        if (!c->tied) m->h_lm_head = trainable_bind_tensor(&m->tr, &off, V * d, &m->lm_head, &m->d_lm_head, NULL);
+        m->h_final_norm = trainable_bind_tensor(&m->tr, &off, d, &m->final_norm, &m->d_final_norm, NULL);
     }
     if (c->tied) { m->lm_head = m->embed; m->d_lm_head = m->d_embed; m->h_lm_head = m->h_embed; }
     for (int l = 0; l < c->layers; l++)
@@ -317,20 +306,17 @@ static void llama_bind(Llama* m) {
                 m->layer_off[l] = off;
                 LlamaLayer* Ll = &m->layers[l];
                 if (m->modes.full && !m->modes.ms) {  // the gammas train too (MS merged them into W)
-                    Ll->h_attn_norm = llama_bind_trained(m, &Ll->attn_norm, &Ll->d_attn_norm, &off, d);
-                    Ll->h_mlp_norm = llama_bind_trained(m, &Ll->mlp_norm, &Ll->d_mlp_norm, &off, d);
+                    Ll->h_attn_norm = trainable_bind_tensor(&m->tr, &off, d, &Ll->attn_norm, &Ll->d_attn_norm, NULL);
+                    Ll->h_mlp_norm = trainable_bind_tensor(&m->tr, &off, d, &Ll->mlp_norm, &Ll->d_mlp_norm, NULL);
                 }
             }
             L->in = (int)lin_in(c, t);
             L->out = (int)lin_out(c, t);
             if (m->modes.full) {  // full fine-tuning: W and its gradient live in the flat arenas
-                L->W = m->tr.host_params + off;
-                L->dW = m->tr.host_grads + off;
-                if (m->be->cuda) {  // the products read the bf16 shadow of the fp32 master
-                    L->dev.W = (uint16_t*)m->tr.params16 + off;
-                    L->dev.dW = m->tr.grads + off;
-                }
-                off += (int64_t)L->in * L->out;
+                void* dev;
+                float* grad;
+                L->W = trainable_bind_tensor(&m->tr, &off, (int64_t)L->in * L->out, &dev, &grad, &L->dW);
+                if (m->be->cuda) { L->dev.W = dev; L->dev.dW = grad; }  // the products read the bf16 shadow
             } else if (m->modes.targets >> t & 1) {
                 if (m->be->cuda) lora_bind_device(L, m->tr.params, m->tr.grads, m->tr.params16, off, (int)r);
                 lora_bind(L, m->tr.host_params, m->tr.host_grads, &off, (int)r);

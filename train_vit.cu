@@ -388,17 +388,6 @@ static void vit_plan(Vit* m, MemPlan* p) {
     vit_plan_scratch(m, p);
 }
 
-// One tensor of n values that --full trains, at *off in the trainable arena: *dev gets what the
-// kernels read (the bf16 shadow on CUDA, the fp32 master on the CPU), *grad its gradient; returns
-// the host mirror that loading fills.
-static float* vit_bind_trained(Vit* m, void** dev, float** grad, int64_t* off, int64_t n) {
-    float* host = m->tr.host_params + *off;
-    *dev = m->be->cuda ? (void*)((uint16_t*)m->tr.params16 + *off) : (void*)(m->tr.params + *off);
-    *grad = m->tr.grads + *off;
-    *off += n;
-    return host;
-}
-
 // The linear (l, t): W, and under --full its bias, from *off in the trainable arena (host mirror,
 // bf16 shadow on CUDA, gradients), or its adapter; the host copies of what stays frozen from *h.
 static void vit_bind_linear(Vit* m, Linear* L, int t, int64_t* off, float** h) {
@@ -408,11 +397,12 @@ static void vit_bind_linear(Vit* m, Linear* L, int t, int64_t* off, float** h) {
     if (be->cuda && !full) { L->W = *h; *h += (int64_t)L->in * L->out; }
     if (full) {  // W (and its bias) and the gradients live in the flat arenas (L->W: the host mirror)
         void* dev;
-        L->W = vit_bind_trained(m, &dev, &L->dW, off, (int64_t)L->in * L->out);
-        if (be->cuda) { L->dev.W = dev; L->dev.dW = L->dW; L->dW = m->tr.host_grads + (L->dW - m->tr.grads); }
+        float* grad;
+        L->W = trainable_bind_tensor(&m->tr, off, (int64_t)L->in * L->out, &dev, &grad, &L->dW);
+        if (be->cuda) { L->dev.W = dev; L->dev.dW = grad; }
         if (vit_trains_bias(m, t)) {
-            L->bias = vit_bind_trained(m, &dev, &L->dbias, off, L->out);
-            if (be->cuda) { L->dev.bias = dev; L->dev.dbias = L->dbias; L->dbias = m->tr.host_grads + (L->dbias - m->tr.grads); }
+            L->bias = trainable_bind_tensor(&m->tr, off, L->out, &dev, &grad, &L->dbias);
+            if (be->cuda) { L->dev.bias = dev; L->dev.dbias = grad; }
         }
     } else if (m->modes.targets >> t & 1) {
         if (be->cuda) lora_bind_device(L, m->tr.params, m->tr.grads, m->tr.params16, *off, m->modes.rank);
@@ -443,11 +433,12 @@ static void vit_bind(Vit* m) {
     m->norms_host = (float*)xcalloc((int64_t)c->layers * N_LN * d, sizeof(float));
     if (full) {
         void* dev;
-        m->patch.W = vit_bind_trained(m, &dev, &m->patch.dW, &off, d * patch_len(c));
-        if (be->cuda) { m->patch.dev.W = dev; m->patch.dev.dW = m->patch.dW; m->patch.dW = m->tr.host_grads + (m->patch.dW - m->tr.grads); }
-        m->h_patch_b = vit_bind_trained(m, &m->patch_b, &m->d_patch_b, &off, d);
-        m->h_cls = vit_bind_trained(m, &m->cls, &m->d_cls, &off, d);
-        m->h_pos = vit_bind_trained(m, &m->pos, &m->d_pos, &off, m->T * d);
+        float* grad;
+        m->patch.W = trainable_bind_tensor(&m->tr, &off, d * patch_len(c), &dev, &grad, &m->patch.dW);
+        if (be->cuda) { m->patch.dev.W = dev; m->patch.dev.dW = grad; }
+        m->h_patch_b = trainable_bind_tensor(&m->tr, &off, d, &m->patch_b, &m->d_patch_b, NULL);
+        m->h_cls = trainable_bind_tensor(&m->tr, &off, d, &m->cls, &m->d_cls, NULL);
+        m->h_pos = trainable_bind_tensor(&m->tr, &off, m->T * d, &m->pos, &m->d_pos, NULL);
     }
     float* h = m->lin_host;
     for (int l = 0; l < c->layers; l++) {
@@ -455,7 +446,7 @@ static void vit_bind(Vit* m) {
         m->layer_off[l] = off;
         void** ln_dev[N_LN] = {&Ly->ln1_g, &Ly->ln1_b, &Ly->ln2_g, &Ly->ln2_b};
         for (int k = 0; k < N_LN; k++)
-            Ly->ln_host[k] = vit_trains_block_norms(&m->modes) ? vit_bind_trained(m, ln_dev[k], &Ly->ln_grad[k], &off, d)
+            Ly->ln_host[k] = vit_trains_block_norms(&m->modes) ? trainable_bind_tensor(&m->tr, &off, d, ln_dev[k], &Ly->ln_grad[k], NULL)
                                                                 : m->norms_host + ((int64_t)l * N_LN + k) * d;
         for (int t = 0; t < N_TARGETS; t++) {
             Linear* L = &Ly->lin[t];
@@ -465,8 +456,8 @@ static void vit_bind(Vit* m) {
         }
     }
     if (full) {
-        m->h_norm_g = vit_bind_trained(m, &m->norm_g, &m->d_norm_g, &off, d);
-        m->h_norm_b = vit_bind_trained(m, &m->norm_b, &m->d_norm_b, &off, d);
+        m->h_norm_g = trainable_bind_tensor(&m->tr, &off, d, &m->norm_g, &m->d_norm_g, NULL);
+        m->h_norm_b = trainable_bind_tensor(&m->tr, &off, d, &m->norm_b, &m->d_norm_b, NULL);
     }
     int64_t hw = (int64_t)m->classes * d;
     m->head_w = m->tr.params + off; m->dhead_w = m->tr.grads + off;

@@ -149,6 +149,19 @@ static void trainable_free_host(Trainable* tr) {
 #endif
 }
 
+// A tensor of n values trained in the arena at *off (advanced past it): *dev gets what the kernels
+// read (the fp32 master on the CPU, its bf16 shadow on CUDA), *grad its gradient on the backend,
+// *host_grad (if not NULL) that gradient's host mirror; returns the parameters' host mirror (what
+// loading, init and export use).
+static float* trainable_bind_tensor(const Trainable* tr, int64_t* off, int64_t n, void** dev, float** grad, float** host_grad) {
+    float* host = tr->host_params + *off;
+    *dev = trainable_on_device(tr) ? (void*)((uint16_t*)tr->params16 + *off) : (void*)(tr->params + *off);
+    *grad = tr->grads + *off;
+    if (host_grad) *host_grad = tr->host_grads + *off;
+    *off += n;
+    return host;
+}
+
 // Host mirror -> device (after init, adapter load, resume), then the bf16 shadow.
 static void trainable_to_device(Trainable* tr) {
     if (!trainable_on_device(tr)) return;
