@@ -89,7 +89,11 @@ build/emu/train_vit: train_vit.cu $(HEADERS) $(CUDA_SRC_HEADERS)
 build/emu/vit_probe: test/vit_probe.cu test/probe_common.h train_vit.cu $(HEADERS) $(CUDA_SRC_HEADERS)
 	@mkdir -p build/emu
 	$(CXX) $(EMU_TRAIN_FLAGS) $< -o $@ $(LDLIBS)
-EMU_MODEL_BINS := build/emu/train_llama build/emu/llama_probe build/emu/train_vit build/emu/vit_probe
+# The NCCL emulation (llmc/cuda/emu_nccl.h) checked on its own, under mpirun (test/test_emu_nccl.py).
+build/emu/emu_nccl_probe: test/emu_nccl_probe.cu $(HEADERS) $(CUDA_SRC_HEADERS)
+	@mkdir -p build/emu
+	$(CXX) $(EMU_TRAIN_FLAGS) $< -o $@ $(LDLIBS)
+EMU_MODEL_BINS := build/emu/train_llama build/emu/llama_probe build/emu/train_vit build/emu/vit_probe build/emu/emu_nccl_probe
 
 test/test_units: test/test_units.cu $(HEADERS)
 	$(CXX) $(CFLAGS) $< -o $@ $(LDLIBS)

@@ -222,7 +222,7 @@ static void llama_plan(Llama* m, MemPlan* p) {
             if (md->full) n_params += lin_in(c, t) * lin_out(c, t);
             else if (md->targets >> t & 1) n_params += r * (lin_in(c, t) + lin_out(c, t));
         }
-    trainable_plan(&m->tr, p, md->full ? "all weights" : "lora", n_params, md->full, m->dist, be);
+    trainable_plan(&m->tr, p, md->full ? "all weights" : "lora", n_params, md->full ? SHARD_OPTIM_AND_MASTER : SHARD_NONE, m->dist, be);
     plan_add(p, MEM_SCRATCH, "rope", -1, "rope_cos", m->T * (c->head_dim / 2) * 4, &m->rope_cos);
     plan_add(p, MEM_SCRATCH, "rope", -1, "rope_sin", m->T * (c->head_dim / 2) * 4, &m->rope_sin);
     // saved activations, block by block (the table of DESIGN.md section 5)
@@ -1033,6 +1033,7 @@ static void llama_train(Llama* m, RunData* rd, const TrainOptions* o, const Dist
         }
         if (log) { fprintf(log, "%d,%.6f,%.6e,%.6f,%.1f,%.6f\n", step + 1, r.loss, r.lr, r.grad_norm, r.tokens / dt, vloss); fflush(log); }
         if (out && train_save_due(o, step + 1)) {
+            trainable_sync_host(&m->tr, dist);  // every rank: a sharded master comes together on rank 0
             if (rank0 && m->modes.full) llama_export_merged(m, o, out);  // a loadable model directory
             else if (rank0) llama_save_adapter(m, out, o);
             trainable_save_state(&m->tr, dist, out, settings, step + 1, rd->tl.cursor, o->seed);

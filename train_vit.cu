@@ -383,7 +383,8 @@ static void vit_plan(Vit* m, MemPlan* p) {
     p->tokens = (int64_t)m->B * m->T;
     p->blocks = c->layers;
     vit_plan_weights(m, p);
-    trainable_plan(&m->tr, p, md->full ? "all weights" : "lora+head", vit_trainable_count(m), md->full, m->dist, m->be);
+    // The head's kernels read its fp32 master (m->head_w), so ZeRO-1 keeps every rank's master whole.
+    trainable_plan(&m->tr, p, md->full ? "all weights" : "lora+head", vit_trainable_count(m), md->full ? SHARD_OPTIM : SHARD_NONE, m->dist, m->be);
     vit_plan_blocks(m, p);
     vit_plan_scratch(m, p);
 }
@@ -1557,6 +1558,7 @@ static void vit_train(Vit* m, RunData* rd, const TrainOptions* o, const Dist* di
             fflush(log);
         }
         if (out && train_save_due(o, step + 1)) {
+            trainable_sync_host(&m->tr, dist);  // every rank: a sharded master comes together on rank 0
             if (rank0 && m->modes.full) vit_export_merged(m, o, out);  // a loadable model directory
             else if (rank0) vit_save_adapter(m, out, o);
             trainable_save_state(&m->tr, dist, out, settings, step + 1, rd->tl.cursor, o->seed);

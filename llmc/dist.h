@@ -9,11 +9,15 @@
 #ifdef LLMC_HAVE_MPI
 #include <mpi.h>
 #endif
-// NCCL needs the real CUDA runtime: the CPU emulator and plain C++ builds ignore LLMC_HAVE_NCCL,
-// so one set of flags can serve every build and the CPU paths stay unchanged.
+// NCCL needs the real CUDA runtime: plain C++ builds ignore LLMC_HAVE_NCCL, so one set of flags
+// can serve every build and the CPU paths stay unchanged. The CPU emulator of the CUDA backend
+// always has NCCL, emulated over MPI (cuda/emu_nccl.h), so that CI runs the NCCL code path too.
 #if defined(LLMC_HAVE_NCCL) && defined(__CUDACC__) && !defined(LLMC_CUDA_EMU)
 #define LLMC_DIST_NCCL 1
 #include <nccl.h>
+#elif defined(LLMC_CUDA_EMU)
+#define LLMC_DIST_NCCL 1
+#include "cuda/emu_nccl.h"
 #endif
 
 typedef struct {
@@ -104,12 +108,16 @@ static void dist_finalize(Dist* d) {
 
 // The GPU communicator. The CUDA trainers call this right after cudaSetDevice(local_rank), since
 // the communicator binds to the current device. Defined in every build, as a no-op without NCCL,
-// so that callers need no #ifdef. One rank makes a (1-rank) communicator only when
-// LLMC_NCCL_SELFTEST=1: a single GPU then proves the NCCL path end to end (the sum over one rank
-// changes nothing), while ordinary single-GPU runs spend neither NCCL's start-up nor its buffers.
+// so that callers need no #ifdef. LLMC_NCCL=0 keeps NCCL out (the device sums then go through the
+// host and MPI), to rule NCCL out when a multi-GPU job hangs or fails. One rank makes a (1-rank)
+// communicator only when LLMC_NCCL_SELFTEST=1: the gradients then take the multi-rank path
+// through NCCL (the sum over one rank changes nothing; --full is ZeRO-1 with one piece), which
+// proves an NCCL build on a single GPU, while ordinary single-GPU runs spend neither NCCL's
+// start-up nor its buffers.
 static void dist_nccl_init(Dist* d) {
 #ifdef LLMC_DIST_NCCL
-    const char* selftest = getenv("LLMC_NCCL_SELFTEST");
+    const char *selftest = getenv("LLMC_NCCL_SELFTEST"), *use = getenv("LLMC_NCCL");
+    if (use && strcmp(use, "0") == 0) return;
     if (d->has_nccl || (d->world == 1 && !(selftest && strcmp(selftest, "1") == 0))) return;
     ncclUniqueId id;
     memset(&id, 0, sizeof(id));
@@ -133,6 +141,9 @@ static int dist_has_nccl(const Dist* d) {
     return 0;
 #endif
 }
+
+// Whether gradients cross ranks: more than one rank, or the one-rank NCCL self-test.
+static int dist_sums_grads(const Dist* d) { return d && (d->world > 1 || dist_has_nccl(d)); }
 
 // What sums the device gradients, for the trainers' start-up line.
 static const char* dist_gpu_collectives(const Dist* d) {
@@ -208,23 +219,37 @@ static void dist_reduce_scatter_sum_f32_device(const Dist* d, const float* full,
     free(h);
 }
 
-// Every rank's shard (in place at rank * shard of the device array `full`) to every rank.
-static void dist_allgather_f32_device(const Dist* d, float* full, int64_t shard, cudaStream_t stream) {
-    if (d->world <= 1) return;
+// Every rank's shard of `elem`-byte values (in place at rank * shard of the device array `full`)
+// to every rank: NCCL, or MPI through the host.
+static void dist_allgather_device(const Dist* d, void* full, int64_t shard, int elem, cudaStream_t stream) {
 #ifdef LLMC_DIST_NCCL
     if (d->has_nccl) {
-        NCCL_CHECK(ncclAllGather(full + (int64_t)d->rank * shard, full, (size_t)shard, ncclFloat, d->nccl, stream));
+        char* mine = (char*)full + (int64_t)d->rank * shard * elem;
+        NCCL_CHECK(ncclAllGather(mine, full, (size_t)shard, elem == 2 ? ncclBfloat16 : ncclFloat, d->nccl, stream));
         return;
     }
 #endif
-    int64_t n = shard * d->world;
-    float* h = (float*)xmalloc(sizeof(float) * n);
-    CUDA_CHECK(cudaMemcpyAsync(h + (int64_t)d->rank * shard, full + (int64_t)d->rank * shard, sizeof(float) * shard,
-                               cudaMemcpyDeviceToHost, stream));
+    if (d->world <= 1) return;
+#ifdef LLMC_HAVE_MPI
+    int64_t bytes = shard * elem, n = bytes * d->world;
+    if (bytes > INT32_MAX) fail("ZeRO-1 piece of %lld bytes is too large for one MPI call", (long long)bytes);
+    char* h = (char*)xmalloc(n);
+    CUDA_CHECK(cudaMemcpyAsync(h + (int64_t)d->rank * bytes, (char*)full + (int64_t)d->rank * bytes, bytes, cudaMemcpyDeviceToHost, stream));
     CUDA_CHECK(cudaStreamSynchronize(stream));
-    dist_allgather_f32(d, h, shard);
-    CUDA_CHECK(cudaMemcpyAsync(full, h, sizeof(float) * n, cudaMemcpyHostToDevice, stream));
+    MPI_Allgather(MPI_IN_PLACE, 0, MPI_BYTE, h, (int)bytes, MPI_BYTE, MPI_COMM_WORLD);
+    CUDA_CHECK(cudaMemcpyAsync(full, h, n, cudaMemcpyHostToDevice, stream));
     CUDA_CHECK(cudaStreamSynchronize(stream));
     free(h);
+#endif
+}
+
+static void dist_allgather_f32_device(const Dist* d, float* full, int64_t shard, cudaStream_t stream) {
+    dist_allgather_device(d, full, shard, 4, stream);
+}
+
+// The bf16 shadow's pieces (a sharded fp32 master: each rank casts its own piece, the ranks
+// exchange half the bytes of fp32).
+static void dist_allgather_bf16_device(const Dist* d, uint16_t* full, int64_t shard, cudaStream_t stream) {
+    dist_allgather_device(d, full, shard, 2, stream);
 }
 #endif

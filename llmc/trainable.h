@@ -5,7 +5,12 @@
 // Both trainers use it, so data parallelism and resume behave the same for every model.
 // On the CUDA backend the arrays live on the GPU (plus a bf16 shadow of the parameters, what the
 // products read) and a host mirror serves initialisation, adapters and checkpoints: copies cross
-// only at trainable_to_device / trainable_to_host, never inside a step.
+// only at trainable_to_device / trainable_to_host / trainable_sync_host, never inside a step.
+// ZeRO-1 on CUDA can shard the fp32 master too (SHARD_OPTIM_AND_MASTER, when the model's kernels
+// read only the bf16 shadow): each rank then keeps the fp32 values of its pieces alone, updates
+// them, and the ranks all-gather the bf16 shadow (half the bytes of fp32). Per rank that is
+// 2 + 4 + 12/world bytes per parameter (shadow, gradient; master and moments) instead of
+// 2 + 4 + 4 + 8/world.
 #pragma once
 #include "common.h"
 #include "plan.h"
@@ -27,12 +32,23 @@ typedef struct {
     int64_t lo, hi, shard_off;
 } GradBucket;
 
+// How much of the optimizer's side ZeRO-1 shards across ranks (full fine-tuning).
+typedef enum {
+    SHARD_NONE,              // every rank holds everything (LoRA: the state is small)
+    SHARD_OPTIM,             // the AdamW moments
+    SHARD_OPTIM_AND_MASTER,  // and, on CUDA, the fp32 master (the model's kernels read only the shadow)
+} ShardMode;
+
 typedef struct {
-    float *params, *grads;     // count values (padded to world * shard under ZeRO-1)
+    float *params, *grads;     // count values (padded to world * shard under ZeRO-1); params: shard
+                               // values when master_sharded
     float *adam_m, *adam_v;    // shard values: the moments of the part this rank updates
     float* grad_shard;         // ZeRO-1: this rank's shard of the summed gradient
     int64_t count, shard, padded;
     int zero1, rank, world;
+    int master_sharded;        // params holds this rank's pieces only (in shard order, like adam_m)
+    int host_current;          // the host mirror holds the current parameters (rank 0's only, when
+                               // master_sharded); the same value on every rank
     const Backend* be;
     float *host_params, *host_grads;  // the host mirror (the arrays themselves on the CPU)
     void* params16;                   // CUDA: bf16 copy of params, refreshed after every update
@@ -50,23 +66,27 @@ typedef struct {
 #endif
 } Trainable;
 
-// Declares the arenas in the plan. zero1: shard the optimizer state across the ranks of `dist`
-// (used for full fine-tuning, where the AdamW state is as big as the model).
-static void trainable_plan(Trainable* tr, MemPlan* p, const char* module, int64_t count, int zero1, const Dist* dist, const Backend* be) {
+// Declares the arenas in the plan. shard: what ZeRO-1 shards across the ranks of `dist` (full
+// fine-tuning, where the AdamW state is as big as the model); it applies whenever gradients
+// cross ranks (dist_sums_grads: also the one-rank NCCL self-test, with a single piece).
+static void trainable_plan(Trainable* tr, MemPlan* p, const char* module, int64_t count, ShardMode shard, const Dist* dist, const Backend* be) {
     tr->be = be;
     tr->count = count;
     tr->rank = dist ? dist->rank : 0;
     tr->world = dist ? dist->world : 1;
-    tr->zero1 = zero1 && tr->world > 1;
+    tr->zero1 = shard != SHARD_NONE && dist_sums_grads(dist);
+    tr->master_sharded = tr->zero1 && shard == SHARD_OPTIM_AND_MASTER && be && be->cuda;
+    tr->host_current = 0;
     tr->shard = tr->zero1 ? (count + tr->world - 1) / tr->world : count;
     int64_t padded = tr->padded = tr->zero1 ? tr->shard * tr->world : count;
-    plan_add(p, MEM_TRAINABLE, module, -1, "params", padded * 4, &tr->params);
+    plan_add(p, MEM_TRAINABLE, module, -1, tr->master_sharded ? "params_fp32_shard" : "params", (tr->master_sharded ? tr->shard : padded) * 4,
+             &tr->params);
     plan_add(p, MEM_GRADS, module, -1, "grads", padded * 4, &tr->grads);
     plan_add(p, MEM_OPTIM, module, -1, "adam_m", tr->shard * 4, &tr->adam_m);
     plan_add(p, MEM_OPTIM, module, -1, "adam_v", tr->shard * 4, &tr->adam_v);
     if (tr->zero1) plan_add(p, MEM_SCRATCH, module, -1, "grad_shard", tr->shard * 4, &tr->grad_shard);
     if (be && be->cuda) {
-        plan_add(p, MEM_TRAINABLE, module, -1, "params_bf16", count * 2, &tr->params16);
+        plan_add(p, MEM_TRAINABLE, module, -1, "params_bf16", padded * 2, &tr->params16);
 #ifdef LLMC_HAVE_CUDA
         plan_add(p, MEM_SCRATCH, module, -1, "grad_norm_partials", SUM_SQUARES_SCRATCH * sizeof(double), &tr->sumsq_scratch);
 #endif
@@ -124,13 +144,15 @@ static void trainable_shard_to_arena(const Trainable* tr, const float* shard, fl
     }
 }
 
-// After the arenas exist: the host mirror (the arrays themselves on the CPU). One bucket until the
-// model says where its blocks start (trainable_plan_buckets).
+// After the arenas exist: the host mirror (the arrays themselves on the CPU; padded like the
+// gradients, so that the padding of the pieces reads as zeros). One bucket until the model says
+// where its blocks start (trainable_plan_buckets).
 static void trainable_bind_host(Trainable* tr) {
     trainable_plan_buckets(tr, NULL, 0);
+    tr->host_current = 1;
     if (!trainable_on_device(tr)) { tr->host_params = tr->params; tr->host_grads = tr->grads; return; }
-    tr->host_params = (float*)xcalloc(tr->count ? tr->count : 1, sizeof(float));
-    tr->host_grads = (float*)xcalloc(tr->count ? tr->count : 1, sizeof(float));
+    tr->host_params = (float*)xcalloc(tr->padded + 1, sizeof(float));
+    tr->host_grads = (float*)xcalloc(tr->padded + 1, sizeof(float));
 }
 
 static void trainable_free_host(Trainable* tr) {
@@ -162,19 +184,38 @@ static float* trainable_bind_tensor(const Trainable* tr, int64_t* off, int64_t n
     return host;
 }
 
-// Host mirror -> device (after init, adapter load, resume), then the bf16 shadow.
+// Host mirror -> device (after init, adapter load, resume: every rank holds all of it), then the
+// bf16 shadow. A sharded master keeps this rank's pieces; the shadow is then cast from the whole
+// mirror staged in the gradient arena (as large, and zeroed again here: a step starts from zero).
 static void trainable_to_device(Trainable* tr) {
     if (!trainable_on_device(tr)) return;
+    tr->host_current = 1;
 #ifdef LLMC_HAVE_CUDA
-    backend_upload(tr->be, tr->params, tr->host_params, sizeof(float) * tr->count);
-    cast_f32_to_bf16_cuda((bf16*)tr->params16, tr->params, tr->count, tr->be->stream);
+    if (!tr->master_sharded) {
+        backend_upload(tr->be, tr->params, tr->host_params, sizeof(float) * tr->count);
+        cast_f32_to_bf16_cuda((bf16*)tr->params16, tr->params, tr->count, tr->be->stream);
+        return;
+    }
+    backend_upload(tr->be, tr->grads, tr->host_params, sizeof(float) * tr->padded);
+    cast_f32_to_bf16_cuda((bf16*)tr->params16, tr->grads, tr->padded, tr->be->stream);
+    float* own = (float*)xmalloc(sizeof(float) * (tr->shard + 1));
+    trainable_shard_from_arena(tr, tr->host_params, own, tr->rank);
+    backend_upload(tr->be, tr->params, own, sizeof(float) * tr->shard);
+    free(own);
+    CUDA_CHECK(cudaMemsetAsync(tr->grads, 0, sizeof(float) * tr->padded, tr->be->stream));
+    backend_sync(tr->be);
 #endif
 }
 
-// Device -> host mirror: the parameters, and the gradients when asked (tests).
+// Device -> host mirror: the parameters, and the gradients when asked (tests). A sharded master
+// has no whole copy on any device: trainable_sync_host (every rank) gathers it first.
 static void trainable_to_host(Trainable* tr, int grads) {
     if (!trainable_on_device(tr)) return;
-    backend_download(tr->be, tr->host_params, tr->params, sizeof(float) * tr->count);
+    if (!tr->host_current) {
+        if (tr->master_sharded) fail("internal: the parameters are sharded across ranks; trainable_sync_host gathers them");
+        backend_download(tr->be, tr->host_params, tr->params, sizeof(float) * tr->count);
+        tr->host_current = 1;
+    }
     if (grads) backend_download(tr->be, tr->host_grads, tr->grads, sizeof(float) * tr->count);
 }
 
@@ -194,7 +235,7 @@ typedef struct {
 // NCCL they then overlap the rest of the backward). On the CPU, where MPI would only stall the
 // backward's threads, every bucket goes at the step.
 static int trainable_uses_buckets(const Trainable* tr, const Dist* dist) {
-    return trainable_on_device(tr) && dist && dist->world > 1;
+    return trainable_on_device(tr) && dist_sums_grads(dist);
 }
 
 #ifdef LLMC_HAVE_CUDA
@@ -254,12 +295,13 @@ static void trainable_grads_final_from(Trainable* tr, const Dist* dist, int64_t 
 // The start-up line about data parallelism (rank 0, more than one rank): what sums the gradients,
 // in how many buckets and when, and whether the AdamW state is sharded.
 static void trainable_print_parallel(const Trainable* tr, const Dist* dist) {
-    if (!dist || dist->world <= 1) return;
+    if (!dist_sums_grads(dist)) return;
     int dev = trainable_on_device(tr);
-    printf("data parallel: %d ranks; gradients %s by %s in %d bucket%s %s%s\n", dist->world, tr->zero1 ? "reduce-scattered" : "summed",
-           dev ? dist_gpu_collectives(dist) : "MPI", tr->n_buckets, tr->n_buckets == 1 ? "" : "s",
+    printf("data parallel: %d rank%s; gradients %s by %s in %d bucket%s %s%s%s\n", dist->world, dist->world == 1 ? "" : "s",
+           tr->zero1 ? "reduce-scattered" : "summed", dev ? dist_gpu_collectives(dist) : "MPI", tr->n_buckets, tr->n_buckets == 1 ? "" : "s",
            dev ? "during the last backward" : "after the backward",
-           tr->zero1 ? "; ZeRO-1: each rank updates its piece of every bucket, then all-gathers" : "");
+           tr->zero1 ? "; ZeRO-1: each rank updates its piece of every bucket, then all-gathers" : "",
+           tr->master_sharded ? " the bf16 weights (fp32 master sharded too)" : "");
 }
 
 // The step's pieces on the arrays' backend (CUDA kernels, or the CPU twins).
@@ -269,7 +311,7 @@ static void trainable_print_parallel(const Trainable* tr, const Dist* dist) {
 // gradients, or under ZeRO-1 its shard of them.
 static float* trainable_sum_grads(Trainable* tr, const Dist* dist) {
     int dev = trainable_on_device(tr);
-    if (dist && dist->world > 1) {
+    if (dist_sums_grads(dist)) {
 #ifdef LLMC_HAVE_CUDA
         if (dev) {
             trainable_send_buckets_device(tr, dist, 0);
@@ -307,24 +349,35 @@ static void trainable_adamw(const Trainable* tr, float* p, const float* g, float
     adamw_update(p, g, m, v, n, lr, 0.9f, 0.999f, 1e-8f, weight_decay, t);
 }
 
-// ZeRO-1: every rank's updated piece of bucket b (in place in params) to every rank.
+// ZeRO-1: every rank's updated piece of bucket b to every rank, in place: the bf16 shadow when the
+// master is sharded, else the fp32 parameters.
 static void trainable_allgather_bucket(const Trainable* tr, const Dist* dist, const GradBucket* b) {
 #ifdef LLMC_HAVE_CUDA
+    if (tr->master_sharded) { dist_allgather_bf16_device(dist, (uint16_t*)tr->params16 + b->lo, bucket_piece(tr, b), tr->be->stream); return; }
     if (trainable_on_device(tr)) { dist_allgather_f32_device(dist, tr->params + b->lo, bucket_piece(tr, b), tr->be->stream); return; }
 #endif
     dist_allgather_f32(dist, tr->params + b->lo, bucket_piece(tr, b));
+}
+
+// ZeRO-1's update of this rank's piece of bucket b (g, adam_m, adam_v: shard arrays): the fp32
+// values are at b->shard_off of the sharded master, else in place in the whole parameters; a
+// sharded master's piece is cast into its place in the bf16 shadow for the all-gather.
+static void trainable_update_piece(const Trainable* tr, const GradBucket* b, const float* g, float lr, float weight_decay, int t) {
+    int64_t n = bucket_piece(tr, b), o = b->shard_off;
+    float* p = tr->master_sharded ? tr->params + o : tr->params + b->lo + tr->rank * n;
+    trainable_adamw(tr, p, g + o, tr->adam_m + o, tr->adam_v + o, n, lr, weight_decay, t);
+#ifdef LLMC_HAVE_CUDA
+    if (tr->master_sharded) cast_f32_to_bf16_cuda((bf16*)tr->params16 + b->lo + tr->rank * n, p, n, tr->be->stream);
+#endif
 }
 
 // AdamW on this rank's part (g: shard values; under ZeRO-1 its piece of every bucket), then every
 // rank gets every updated piece (ZeRO-1) and, on CUDA, the bf16 shadow is refreshed. Returns the
 // seconds of communication.
 static double trainable_update(Trainable* tr, const Dist* dist, float* g, float lr, float weight_decay, int t) {
+    tr->host_current = !trainable_on_device(tr);
     if (!tr->zero1) trainable_adamw(tr, tr->params, g, tr->adam_m, tr->adam_v, tr->count, lr, weight_decay, t);
-    for (int i = 0; tr->zero1 && i < tr->n_buckets; i++) {
-        const GradBucket* b = &tr->buckets[i];
-        int64_t n = bucket_piece(tr, b), o = b->shard_off;
-        trainable_adamw(tr, tr->params + b->lo + tr->rank * n, g + o, tr->adam_m + o, tr->adam_v + o, n, lr, weight_decay, t);
-    }
+    for (int i = 0; tr->zero1 && i < tr->n_buckets; i++) trainable_update_piece(tr, &tr->buckets[i], g, lr, weight_decay, t);
     double comm = 0.0;
     if (tr->zero1) {
         double t0 = wall_seconds();
@@ -333,7 +386,7 @@ static double trainable_update(Trainable* tr, const Dist* dist, float* g, float 
         comm = wall_seconds() - t0;
     }
 #ifdef LLMC_HAVE_CUDA
-    if (trainable_on_device(tr)) cast_f32_to_bf16_cuda((bf16*)tr->params16, tr->params, tr->count, tr->be->stream);
+    if (trainable_on_device(tr) && !tr->master_sharded) cast_f32_to_bf16_cuda((bf16*)tr->params16, tr->params, tr->count, tr->be->stream);
 #endif
     return comm;
 }
@@ -358,9 +411,10 @@ static OptimStep trainable_step(Trainable* tr, const TrainOptions* o, const Dist
     return r;
 }
 
-// The whole AdamW moment array in arena order (what the state file holds, whatever the world size),
-// on rank 0, from every rank's `own` shard (host memory). Other ranks get NULL.
-static float* trainable_gather_moments(const Trainable* tr, const Dist* dist, const float* own) {
+// A whole shard-ordered array (AdamW moments, a sharded master) in arena order (what the state
+// file holds, whatever the world size), on rank 0, from every rank's `own` shard (host memory).
+// Other ranks get NULL.
+static float* trainable_gather_shards(const Trainable* tr, const Dist* dist, const float* own) {
     int rank0 = !dist || dist->rank == 0;
     float* by_rank = (float*)xmalloc(sizeof(float) * (tr->shard * tr->world + 1));
     dist_gather_f32(dist, own, by_rank, tr->shard);
@@ -373,19 +427,34 @@ static float* trainable_gather_moments(const Trainable* tr, const Dist* dist, co
     return arena;
 }
 
+// The current parameters to the host mirror: rank 0's gathers every rank's pieces of a sharded
+// master, otherwise each rank copies its own. Called on every rank (a collective when sharded),
+// before rank 0 writes a model, an adapter or the state.
+static void trainable_sync_host(Trainable* tr, const Dist* dist) {
+    if (tr->host_current || !trainable_on_device(tr)) return;
+    if (!tr->master_sharded) { trainable_to_host(tr, 0); return; }
+    float* own = (float*)xmalloc(sizeof(float) * (tr->shard + 1));
+    backend_download(tr->be, own, tr->params, sizeof(float) * tr->shard);
+    float* arena = trainable_gather_shards(tr, dist, own);
+    if (arena) memcpy(tr->host_params, arena, sizeof(float) * tr->count);
+    free(arena);
+    free(own);
+    tr->host_current = 1;
+}
+
 // Writes DIR/train_state.bin. Called on every rank (ZeRO-1 gathers the moments); rank 0 writes.
-static void trainable_save_state(const Trainable* tr, const Dist* dist, const char* dir, const char* settings, int64_t step,
+static void trainable_save_state(Trainable* tr, const Dist* dist, const char* dir, const char* settings, int64_t step,
                                  int64_t cursor, int seed) {
+    trainable_sync_host(tr, dist);
     float *own_m = tr->adam_m, *own_v = tr->adam_v;  // this rank's moments, on the host
-    if (trainable_on_device(tr)) {  // the moments and the parameters come to the host for the file
+    if (trainable_on_device(tr)) {  // the moments come to the host for the file
         own_m = (float*)xmalloc(sizeof(float) * (tr->shard + 1));
         own_v = (float*)xmalloc(sizeof(float) * (tr->shard + 1));
         backend_download(tr->be, own_m, tr->adam_m, sizeof(float) * tr->shard);
         backend_download(tr->be, own_v, tr->adam_v, sizeof(float) * tr->shard);
-        backend_download(tr->be, tr->host_params, tr->params, sizeof(float) * tr->count);
     }
-    float* adam_m = tr->zero1 ? trainable_gather_moments(tr, dist, own_m) : own_m;
-    float* adam_v = tr->zero1 ? trainable_gather_moments(tr, dist, own_v) : own_v;
+    float* adam_m = tr->zero1 ? trainable_gather_shards(tr, dist, own_m) : own_m;
+    float* adam_v = tr->zero1 ? trainable_gather_shards(tr, dist, own_v) : own_v;
     if (!dist || dist->rank == 0) {
         StateHeader h;
         memset(&h, 0, sizeof(h));
@@ -395,7 +464,7 @@ static void trainable_save_state(const Trainable* tr, const Dist* dist, const ch
         h.count = tr->count;
         snprintf(h.settings, sizeof(h.settings), "%s", settings);
         char* path = path_join(dir, "train_state.bin");
-        state_save(path, &h, tr->host_params ? tr->host_params : tr->params, adam_m, adam_v);
+        state_save(path, &h, tr->host_params, adam_m, adam_v);
         free(path);
     }
     if (tr->zero1) { free(adam_m); free(adam_v); }

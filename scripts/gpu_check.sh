@@ -117,9 +117,15 @@ if [ -x ./train_llama ] && [ -x ./test/llama_probe ]; then
     run_step "make test-gpu-models" 300 make GPU_ARCH=90 test-gpu-models
     row "whole models, CUDA vs CPU backend, every mode; measured vs planned memory" "$STEP_STATUS" "$STEP_SECONDS" \
         "$(grep -a -v '^====' "$LOG" | grep -a -E '(passed|failed|error)' | tail -n 1); $(grep -a -E '^(FAILED|ERROR) ' "$LOG" | head -n 3 | tr '\n' ';')"
+    # a one-rank communicator: LoRA's gradients all-reduced, --full's reduce-scattered with the fp32
+    # master sharded and the bf16 weights all-gathered (test_cuda_nccl_selftest_one_rank_changes_nothing,
+    # in the step above, also checks both equal a plain run bit for bit)
     run_step "NCCL on one GPU" 120 env LLMC_NCCL_SELFTEST=1 ./train_llama --model data/llama_demo --data data/llama_demo_ft_train.bin \
         --device cuda --steps 3 --batch 4 --seq 128
-    row "NCCL path, one rank (LLMC_NCCL_SELFTEST=1)" "$STEP_STATUS" "$STEP_SECONDS" "$(grep -a 'step    3/3' "$LOG" | tail -n 1)"
+    row "NCCL path, one rank (LLMC_NCCL_SELFTEST=1), LoRA" "$STEP_STATUS" "$STEP_SECONDS" "$(grep -a -E '^data parallel|step    3/3' "$LOG" | tail -n 2 | tr '\n' ' ')"
+    run_step "NCCL on one GPU, --full" 120 env LLMC_NCCL_SELFTEST=1 ./train_llama --model data/llama_demo --data data/llama_demo_ft_train.bin \
+        --device cuda --steps 3 --batch 4 --seq 128 --full --lr 1e-3
+    row "NCCL path, one rank (LLMC_NCCL_SELFTEST=1), --full (ZeRO-1)" "$STEP_STATUS" "$STEP_SECONDS" "$(grep -a -E '^data parallel|step    3/3' "$LOG" | tail -n 2 | tr '\n' ' ')"
     if [ "$(elapsed)" -gt "$BUDGET_S" ]; then
         row "bench (7B-shaped LLaMA, ViT-B/16)" SKIPPED 0 "time budget"
     else

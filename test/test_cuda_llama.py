@@ -214,21 +214,46 @@ def test_cuda_grad_accum_and_merged_export(tmp_path):
 
 
 def test_cuda_two_ranks_equal_one_process(tmp_path):
+    """Two ranks with batch 2 each equal one process with batch 4, with the gradients summed by
+    NCCL (emulated over MPI: llmc/cuda/emu_nccl.h) block by block during the backward, and by the
+    host-and-MPI fallback (LLMC_NCCL=0) in one piece after it."""
     if GPU:
         pytest.skip("needs two GPUs")  # the one-GPU session checks NCCL with LLMC_NCCL_SELFTEST instead
     one = train(CUDA_TRAIN, "cuda", "--steps", 3, "--batch", 4, "--grad-accum", 2, "--out", tmp_path / "one")
     wa = st_io.load(str(tmp_path / "one" / "adapter_model.safetensors"))
-    # the gradients summed in one piece after the backward, and block by block during it
-    for bucket, out in (("1000000000", "two"), ("1", "two_buckets")):
-        p = train_two_ranks("--steps", 3, "--batch", 2, "--grad-accum", 2, "--out", tmp_path / out, env={"LLMC_GRAD_BUCKET_BYTES": bucket})
+    for how, env in (("NCCL", {"LLMC_GRAD_BUCKET_BYTES": "1"}), ("MPI via host", {"LLMC_NCCL": "0", "LLMC_GRAD_BUCKET_BYTES": "1000000000"})):
+        out = tmp_path / how.replace(" ", "_")
+        p = train_two_ranks("--steps", 3, "--batch", 2, "--grad-accum", 2, "--out", out, env=env)
         a, b = step_losses(one.stdout), step_losses(p.stdout)
-        print(f"1 x batch 4: {a}\n2 x batch 2, buckets of {bucket} bytes: {b}")
+        print(f"1 x batch 4: {a}\n2 x batch 2, {how}: {b}")
         np.testing.assert_allclose(b, a, rtol=2e-3)
-        assert "gradients across ranks: MPI via host" in p.stdout  # the emulator build has no NCCL
-        wb = st_io.load(str(tmp_path / out / "adapter_model.safetensors"))
+        assert f"gradients across ranks: {how}" in p.stdout
+        buckets = int(re.search(rf"gradients summed by {how} in (\d+) buckets? during the last backward", p.stdout).group(1))
+        assert (buckets > 1) == (how == "NCCL")
+        wb = st_io.load(str(out / "adapter_model.safetensors"))
         worst = max(rel_l2(wb[k], wa[k]) for k in wa)
-        print(f"adapter weights, 2 ranks vs 1 process: worst relative L2 {worst:.2e}")
+        print(f"adapter weights, 2 ranks ({how}) vs 1 process: worst relative L2 {worst:.2e}")
         assert worst < 1e-2
+    # the same collectives, bit for bit, whichever path carries them
+    wn, wh = (st_io.load(str(tmp_path / d / "adapter_model.safetensors")) for d in ("NCCL", "MPI_via_host"))
+    assert all(np.array_equal(wn[k], wh[k]) for k in wn)
+
+
+def test_cuda_nccl_selftest_one_rank_changes_nothing(tmp_path):
+    """LLMC_NCCL_SELFTEST=1 on one GPU sends every gradient through a one-rank communicator (and
+    --full through ZeRO-1's reduce-scatter, sharded master and bf16 all-gather): the result must be
+    exactly that of a plain run, which is what scripts/gpu_check.sh relies on."""
+    for mode in ([], ["--full", "--lr", "1e-3"]):
+        plain = train(CUDA_TRAIN, "cuda", "--steps", 3, *mode, "--out", tmp_path / "plain")
+        st = run([need(CUDA_TRAIN)] + DEMO + ["--device", "cuda", "--steps", 3, *mode, "--out", tmp_path / "self"],
+                 env={"LLMC_NCCL_SELFTEST": "1"})
+        assert "gradients across ranks: NCCL" in st.stdout
+        assert re.search(r"data parallel: 1 rank; gradients (summed|reduce-scattered) by NCCL", st.stdout), st.stdout
+        assert ("fp32 master sharded too" in st.stdout) == bool(mode)
+        assert step_losses(st.stdout) == step_losses(plain.stdout)
+        name = "model.safetensors" if mode else "adapter_model.safetensors"
+        a, b = (st_io.load(str(tmp_path / d / name)) for d in ("plain", "self"))
+        assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
 
 
 def test_cuda_full_finetuning_trains_and_zero1_equals_one_process(tmp_path):
@@ -241,22 +266,27 @@ def test_cuda_full_finetuning_trains_and_zero1_equals_one_process(tmp_path):
     np.testing.assert_allclose(b, a, rtol=0.01)
     if GPU:
         return  # two ranks need two GPUs
-    # every block its own bucket: each rank reduce-scatters and updates a piece of every one
+    # every block its own bucket: each rank reduce-scatters (emulated NCCL) and updates a piece of
+    # every one, keeping only that piece's fp32 master; the ranks all-gather the bf16 weights
     buckets = {"LLMC_GRAD_BUCKET_BYTES": "1"}
     p = train_two_ranks("--full", "--lr", "1e-3", "--steps", 3, "--batch", 2, "--out", tmp_path / "two", env=buckets)
-    assert re.search(r"data parallel: 2 ranks; gradients reduce-scattered by MPI via host in \d+ buckets during the last backward; ZeRO-1", p.stdout)
+    assert re.search(r"data parallel: 2 ranks; gradients reduce-scattered by NCCL in \d+ buckets during the last backward; ZeRO-1.*"
+                     r"all-gathers the bf16 weights \(fp32 master sharded too\)", p.stdout), p.stdout
     np.testing.assert_allclose(step_losses(p.stdout), b, rtol=2e-3)
-    opt = lambda out: float(re.search(r"optimizer ([0-9.]+) MiB", out).group(1))
-    print(f"optimizer arena: 1 rank {opt(one.stdout)} MiB, 2 ranks {opt(p.stdout)} MiB per rank")
-    assert opt(p.stdout) < 0.51 * opt(one.stdout) + 0.01
+    arena = lambda what, out: float(re.search(what + r" ([0-9.]+) MiB", out).group(1))  # noqa: E731
+    o1, o2, t1, t2 = arena("optimizer", one.stdout), arena("optimizer", p.stdout), arena("trainable", one.stdout), arena("trainable", p.stdout)
+    print(f"per rank: optimizer {o1} -> {o2} MiB, trainable (fp32 master + bf16 shadow) {t1} -> {t2} MiB")
+    assert o2 < 0.51 * o1 + 0.01
+    assert t2 < 0.68 * t1 + 0.01  # 4 + 2 bytes per weight -> 4/2 + 2
     wa = st_io.load(str(tmp_path / "one" / "model.safetensors"))
     wb = st_io.load(str(tmp_path / "two" / "model.safetensors"))
     worst = max(rel_l2(wb[k], wa[k]) for k in wa)
     print(f"full weights, 2 ranks vs 1 process: worst relative L2 {worst:.2e}")
     assert worst < 1e-3
-    # stopped after 2 steps in one bucket and resumed in many (each rank's shard of the moments back
-    # on its device: the state file is in the arena's order, whatever the layout of the shards)
-    train_two_ranks("--full", "--lr", "1e-3", "--steps", 3, "--batch", 2, "--stop-at", 2, "--out", tmp_path / "split")
+    # stopped after 2 steps in one bucket through the host and resumed in many through NCCL (each
+    # rank's shard of the master and the moments back on its device: the state file is in the
+    # arena's order, whatever the layout of the shards)
+    train_two_ranks("--full", "--lr", "1e-3", "--steps", 3, "--batch", 2, "--stop-at", 2, "--out", tmp_path / "split", env={"LLMC_NCCL": "0"})
     r = train_two_ranks("--full", "--lr", "1e-3", "--steps", 3, "--batch", 2, "--resume", tmp_path / "split", env=buckets)
     assert step_losses(r.stdout) == step_losses(p.stdout)[2:]
     wc = st_io.load(str(tmp_path / "split" / "model.safetensors"))

@@ -64,7 +64,7 @@ static void cuda_check_launch(const char* kernel, const char* file, int line) {
 #ifdef LLMC_CUDA_EMU
 #define launch_kernel(grid, block, smem, stream, kernel, ...)                                          \
     do {                                                                                               \
-        (void)(stream);                                                                                \
+        emu_stream_issue(stream);                                                                      \
         emu_launch(dim3(grid), dim3(block), (smem), #kernel, [&]() { kernel(__VA_ARGS__); });          \
     } while (0)
 #else

@@ -13,8 +13,10 @@
 // alternate forward and reverse fiber order, so a missing __syncthreads between a shared-memory
 // write and another thread's read shows up as a wrong result. __shared__ variables are function
 // statics: shared by the threads of a block, and blocks never run concurrently.
-// "Device" memory is host memory; streams are ignored and copies are synchronous. The runtime
-// functions are defined here, so include it in one translation unit only (each dev/cuda program).
+// "Device" memory is host memory and kernels and copies run when issued. Streams other than the
+// default one may hold deferred work (the emulated NCCL calls of emu_nccl.h): it runs only when
+// stream order forces it, so a missing cudaStreamWaitEvent shows up as stale data; see "streams"
+// below. The runtime functions are defined here, so include it in one translation unit only.
 // It says nothing about performance, memory coherence, register limits or what nvcc makes of the
 // code: only a GPU does.
 #pragma once
@@ -28,8 +30,10 @@
 #include <string.h>
 #include <setjmp.h>
 #include <ucontext.h>
+#include <deque>
 #include <functional>
 #include <map>
+#include <set>
 
 // Execution-space keywords become nothing (host_defines.h leaves them alone once defined).
 #define __global__
@@ -272,6 +276,7 @@ cudaError_t cudaMalloc(void** p, size_t n) {
 }
 cudaError_t cudaFree(void* p) {
     if (!p) return cudaSuccess;
+    cudaDeviceSynchronize();  // as on a GPU; held-back work may still use the memory
     std::map<const char*, size_t>::iterator it = emu_allocations().find((const char*)p);
     if (it == emu_allocations().end()) { fprintf(stderr, "emu: cudaFree of %p, which cudaMalloc did not return\n", p); abort(); }
     emu_bytes_in_use -= it->second;
@@ -300,35 +305,145 @@ cudaError_t cudaGetDeviceProperties(cudaDeviceProp* p, int d) {
 // Eight pretend GPUs, so an mpirun job can give each rank its own (each process emulates one).
 cudaError_t cudaGetDeviceCount(int* n) { *n = 8; return cudaSuccess; }
 cudaError_t cudaSetDevice(int d) { return d >= 0 && d < 8 ? cudaSuccess : cudaErrorInvalidDevice; }
-cudaError_t cudaMemcpy(void* dst, const void* src, size_t n, enum cudaMemcpyKind kind) {
-    if (!n) return cudaSuccess;
+}
+
+// ---- streams ------------------------------------------------------------------------------------
+// Kernels, copies and memsets run when issued, whatever their stream. Work a stream may hold back
+// (emu_stream_submit: the emulated NCCL collectives) waits on its created stream until stream order
+// forces it: more work issued to that stream, cudaStreamSynchronize or cudaDeviceSynchronize, or
+// cudaStreamWaitEvent / cudaEventSynchronize on an event recorded after it. Running it as late as
+// CUDA allows makes a consumer that forgot to wait read stale data (tests then fail); and, since
+// the default stream's kernels ran long before, emu_stream_submit also checks the producer side:
+// the held-back work's stream must have waited (an event) for every earlier kernel of the default
+// stream, which a GPU would otherwise overlap with it. As on a GPU, the default stream's own work
+// does not wait for streams created with cudaStreamNonBlocking.
+struct CUstream_st {
+    std::deque<std::function<void()> > pending;
+    long long issued, done;     // held-back work items so far, and how many have run
+    long long seen_default;     // default-stream work this stream has waited for (events)
+    int nonblocking;
+};
+struct CUevent_st {
+    cudaStream_t stream;        // where it was recorded (NULL: the default stream)
+    long long position;         // that stream's `issued` then
+    long long default_work;     // the default stream's work count then
+};
+static long long emu_default_work;  // kernels, copies and memsets issued to the default stream
+static std::set<cudaStream_t>& emu_streams(void) {
+    static std::set<cudaStream_t> s;
+    return s;
+}
+
+static void emu_stream_run_until(cudaStream_t st, long long position) {
+    while (st && st->done < position && !st->pending.empty()) {
+        std::function<void()> f = std::move(st->pending.front());
+        st->pending.pop_front();
+        st->done++;
+        f();
+    }
+}
+static void emu_stream_drain(cudaStream_t st) { if (st) emu_stream_run_until(st, st->issued); }
+static void emu_drain_all(int blocking_only) {
+    for (std::set<cudaStream_t>::iterator it = emu_streams().begin(); it != emu_streams().end(); ++it)
+        if (!blocking_only || !(*it)->nonblocking) emu_stream_drain(*it);
+}
+
+// Before a kernel, copy or memset on `st`: what the stream holds runs first (stream order).
+static void emu_stream_issue(cudaStream_t st) {
+    if (st) { emu_stream_drain(st); return; }
+    emu_default_work++;
+    emu_drain_all(1);  // the default stream waits for blocking streams
+}
+
+// Work that may run late (see above); `what` names it in the error.
+static void emu_stream_submit(cudaStream_t st, const char* what, const std::function<void()>& f) {
+    if (!st) { emu_stream_issue(NULL); f(); return; }
+    if (st->seen_default < emu_default_work) {
+        fprintf(stderr, "emu: race: %s issued on stream %p without waiting for the %lld earlier kernels/copies of the default "
+                        "stream (cudaEventRecord on it, then cudaStreamWaitEvent)\n", what, (void*)st, emu_default_work - st->seen_default);
+        abort();
+    }
+    st->pending.push_back(f);
+    st->issued++;
+}
+
+static void emu_copy(void* dst, const void* src, size_t n, enum cudaMemcpyKind kind) {
+    if (!n) return;
     if (kind != cudaMemcpyDefault) {
         emu_check_side((uintptr_t)dst, n, kind == cudaMemcpyHostToDevice || kind == cudaMemcpyDeviceToDevice, "cudaMemcpy", "destination");
         emu_check_side((uintptr_t)src, n, kind == cudaMemcpyDeviceToHost || kind == cudaMemcpyDeviceToDevice, "cudaMemcpy", "source");
     }
     memmove(dst, src, n);
+}
+static void emu_fill(void* p, int v, size_t n) {
+    if (!n) return;
+    emu_check_side((uintptr_t)p, n, 1, "cudaMemset", "destination");
+    memset(p, v, n);
+}
+
+extern "C" {
+cudaError_t cudaMemcpy(void* dst, const void* src, size_t n, enum cudaMemcpyKind kind) {
+    emu_stream_issue(NULL);
+    emu_copy(dst, src, n, kind);
     return cudaSuccess;
 }
 cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t n, enum cudaMemcpyKind kind, cudaStream_t st) {
-    (void)st;
-    return cudaMemcpy(dst, src, n, kind);
-}
-cudaError_t cudaMemset(void* p, int v, size_t n) {
-    if (!n) return cudaSuccess;
-    emu_check_side((uintptr_t)p, n, 1, "cudaMemset", "destination");
-    memset(p, v, n);
+    emu_stream_issue(st);
+    emu_copy(dst, src, n, kind);
     return cudaSuccess;
 }
-cudaError_t cudaMemsetAsync(void* p, int v, size_t n, cudaStream_t st) { (void)st; return cudaMemset(p, v, n); }
-cudaError_t cudaDeviceSynchronize(void) { return cudaSuccess; }
-// One stream of work in program order: extra streams and events have nothing to order.
-cudaError_t cudaStreamCreateWithFlags(cudaStream_t* st, unsigned flags) { (void)flags; *st = NULL; return cudaSuccess; }
-cudaError_t cudaStreamDestroy(cudaStream_t st) { (void)st; return cudaSuccess; }
-cudaError_t cudaEventCreateWithFlags(cudaEvent_t* ev, unsigned flags) { (void)flags; *ev = NULL; return cudaSuccess; }
-cudaError_t cudaEventDestroy(cudaEvent_t ev) { (void)ev; return cudaSuccess; }
-cudaError_t cudaEventRecord(cudaEvent_t ev, cudaStream_t st) { (void)ev; (void)st; return cudaSuccess; }
-cudaError_t cudaStreamWaitEvent(cudaStream_t st, cudaEvent_t ev, unsigned flags) { (void)st; (void)ev; (void)flags; return cudaSuccess; }
-cudaError_t cudaStreamSynchronize(cudaStream_t st) { (void)st; return cudaSuccess; }
+cudaError_t cudaMemset(void* p, int v, size_t n) {
+    emu_stream_issue(NULL);
+    emu_fill(p, v, n);
+    return cudaSuccess;
+}
+cudaError_t cudaMemsetAsync(void* p, int v, size_t n, cudaStream_t st) {
+    emu_stream_issue(st);
+    emu_fill(p, v, n);
+    return cudaSuccess;
+}
+cudaError_t cudaDeviceSynchronize(void) { emu_drain_all(0); return cudaSuccess; }
+cudaError_t cudaStreamCreateWithFlags(cudaStream_t* st, unsigned flags) {
+    *st = new CUstream_st();
+    (*st)->issued = (*st)->done = 0;
+    (*st)->seen_default = 0;
+    (*st)->nonblocking = (flags & cudaStreamNonBlocking) != 0;
+    emu_streams().insert(*st);
+    return cudaSuccess;
+}
+cudaError_t cudaStreamDestroy(cudaStream_t st) {
+    if (!st) return cudaSuccess;
+    emu_stream_drain(st);  // CUDA lets queued work finish
+    emu_streams().erase(st);
+    delete st;
+    return cudaSuccess;
+}
+cudaError_t cudaEventCreateWithFlags(cudaEvent_t* ev, unsigned flags) {
+    (void)flags;
+    *ev = new CUevent_st();
+    (*ev)->stream = NULL;
+    (*ev)->position = (*ev)->default_work = 0;
+    return cudaSuccess;
+}
+cudaError_t cudaEventDestroy(cudaEvent_t ev) { delete ev; return cudaSuccess; }
+cudaError_t cudaEventRecord(cudaEvent_t ev, cudaStream_t st) {
+    ev->stream = st;
+    ev->position = st ? st->issued : 0;
+    ev->default_work = st ? st->seen_default : emu_default_work;
+    return cudaSuccess;
+}
+cudaError_t cudaEventSynchronize(cudaEvent_t ev) { emu_stream_run_until(ev->stream, ev->position); return cudaSuccess; }
+cudaError_t cudaStreamWaitEvent(cudaStream_t st, cudaEvent_t ev, unsigned flags) {
+    (void)flags;
+    emu_stream_run_until(ev->stream, ev->position);
+    if (st && ev->default_work > st->seen_default) st->seen_default = ev->default_work;
+    return cudaSuccess;
+}
+cudaError_t cudaStreamSynchronize(cudaStream_t st) {
+    if (st) emu_stream_drain(st);
+    else emu_drain_all(1);
+    return cudaSuccess;
+}
 cudaError_t cudaGetLastError(void) { return cudaSuccess; }
 const char* cudaGetErrorString(cudaError_t e) { return e == cudaSuccess ? "no error" : "emulated error"; }
 }

@@ -1,0 +1,227 @@
+// cuda/emu_nccl.h: the part of NCCL's API that llmc/dist.h calls, emulated over MPI for the CPU
+// emulator (-DLLMC_CUDA_EMU), so that CI runs the trainers' NCCL code path (communicator set-up,
+// the bucketed all-reduce and reduce-scatter, the in-place all-gather) and not only its
+// host-and-MPI fallback. Each MPI rank emulates one GPU; "device" buffers are the emulator's
+// registered host allocations.
+//
+// It checks what a GPU would only show as a hang, a crash or wrong numbers:
+//   - every buffer lies inside one device allocation (host pointers are a bug with NCCL);
+//   - the unique id reached every rank from rank 0 (the broadcast before ncclCommInitRank);
+//   - nranks and rank agree with MPI;
+//   - in-place calls use NCCL's definition of in place (all-gather: sendbuff = recvbuff +
+//     rank * sendcount; reduce-scatter: recvbuff = sendbuff + rank * recvcount), and other calls
+//     do not overlap their buffers;
+//   - every rank makes the same sequence of collectives with the same counts and types.
+//   - stream order (through emu.h's streams): a collective on a second stream runs as late as CUDA
+//     allows, so a consumer that does not wait for it reads stale data; it must have waited for
+//     the default stream's earlier kernels; and its input must not change before it runs.
+// What it cannot check is NCCL's performance or its behaviour on real interconnects: only GPUs can.
+// Without MPI (a single-process build) a communicator can only have one rank.
+#pragma once
+#ifndef LLMC_CUDA_EMU
+#error "llmc/cuda/emu_nccl.h is only for -DLLMC_CUDA_EMU builds"
+#endif
+#include <stdarg.h>
+#include <stdio.h>
+#include <string.h>
+#include <unistd.h>
+#include <memory>
+#include <string>
+#include <vector>
+#include "common.cuh"
+#ifdef LLMC_HAVE_MPI
+#include <mpi.h>
+#endif
+
+#define NCCL_UNIQUE_ID_BYTES 128
+typedef struct { char internal[NCCL_UNIQUE_ID_BYTES]; } ncclUniqueId;
+typedef enum { ncclSuccess = 0, ncclInvalidArgument = 4, ncclInvalidUsage = 5 } ncclResult_t;
+typedef enum { ncclFloat32 = 7, ncclFloat = 7, ncclBfloat16 = 9 } ncclDataType_t;
+typedef enum { ncclSum = 0 } ncclRedOp_t;
+
+typedef struct EmuNcclComm {
+    int rank, nranks;
+    long long calls;       // collectives so far: the sequence every rank must agree on
+#ifdef LLMC_HAVE_MPI
+    MPI_Comm mpi;          // a duplicate of MPI_COMM_WORLD: NCCL's traffic never meets the host's
+    MPI_Comm check;        // another: the agreement checks made at issue, while data moves at run
+#endif
+} EmuNcclComm;
+typedef EmuNcclComm* ncclComm_t;
+
+static char emu_nccl_error[512];
+
+static ncclResult_t emu_nccl_fail(ncclResult_t r, const char* fmt, ...) __attribute__((format(printf, 2, 3)));
+static ncclResult_t emu_nccl_fail(ncclResult_t r, const char* fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(emu_nccl_error, sizeof(emu_nccl_error), fmt, ap);
+    va_end(ap);
+    return r;
+}
+
+static const char* ncclGetErrorString(ncclResult_t r) {
+    return r == ncclSuccess ? "no error" : r == ncclInvalidArgument ? "invalid argument" : "invalid usage";
+}
+static const char* ncclGetLastError(ncclComm_t comm) { (void)comm; return emu_nccl_error; }
+
+static int emu_nccl_world(void) {
+    int world = 1;
+#ifdef LLMC_HAVE_MPI
+    int up = 0;
+    MPI_Initialized(&up);
+    if (up) MPI_Comm_size(MPI_COMM_WORLD, &world);
+#endif
+    return world;
+}
+
+// The id names the job: its bytes are a tag and rank 0's process id, so a rank that did not get
+// rank 0's id (a missing broadcast) is caught in ncclCommInitRank.
+static ncclResult_t ncclGetUniqueId(ncclUniqueId* id) {
+    memset(id, 0, sizeof(*id));
+    snprintf(id->internal, sizeof(id->internal), "emu-nccl %ld", (long)getpid());
+    return ncclSuccess;
+}
+
+static ncclResult_t ncclCommInitRank(ncclComm_t* comm, int nranks, ncclUniqueId id, int rank) {
+    int world = emu_nccl_world();
+    if (nranks != world) return emu_nccl_fail(ncclInvalidArgument, "ncclCommInitRank: nranks %d, but the job has %d processes", nranks, world);
+    if (rank < 0 || rank >= nranks) return emu_nccl_fail(ncclInvalidArgument, "ncclCommInitRank: rank %d outside [0, %d)", rank, nranks);
+    if (strncmp(id.internal, "emu-nccl ", 9) != 0) return emu_nccl_fail(ncclInvalidArgument, "ncclCommInitRank: rank %d has no unique id from ncclGetUniqueId", rank);
+    EmuNcclComm* c = (EmuNcclComm*)calloc(1, sizeof(EmuNcclComm));
+    c->rank = rank;
+    c->nranks = nranks;
+#ifdef LLMC_HAVE_MPI
+    if (world > 1) {
+        int mpi_rank;
+        MPI_Comm_rank(MPI_COMM_WORLD, &mpi_rank);
+        ncclUniqueId root = id;
+        MPI_Bcast(&root, (int)sizeof(root), MPI_BYTE, 0, MPI_COMM_WORLD);
+        if (memcmp(&root, &id, sizeof(id)) != 0) { free(c); return emu_nccl_fail(ncclInvalidArgument, "ncclCommInitRank: rank %d's unique id differs from rank 0's (was it broadcast?)", rank); }
+        if (mpi_rank != rank) { free(c); return emu_nccl_fail(ncclInvalidArgument, "ncclCommInitRank: rank %d is MPI rank %d", rank, mpi_rank); }
+        MPI_Comm_dup(MPI_COMM_WORLD, &c->mpi);
+        MPI_Comm_dup(MPI_COMM_WORLD, &c->check);
+    }
+#endif
+    *comm = c;
+    return ncclSuccess;
+}
+
+static ncclResult_t ncclCommDestroy(ncclComm_t comm) {
+#ifdef LLMC_HAVE_MPI
+    cudaDeviceSynchronize();  // what it still holds runs first
+    if (comm->nranks > 1) { MPI_Comm_free(&comm->mpi); MPI_Comm_free(&comm->check); }
+#endif
+    free(comm);
+    return ncclSuccess;
+}
+
+static size_t emu_nccl_elem_bytes(ncclDataType_t t) { return t == ncclBfloat16 ? 2 : 4; }
+
+// What every collective checks first: known type and op, device buffers, and (several ranks)
+// that every rank is making the same call: kind, count and type.
+static ncclResult_t emu_nccl_enter(ncclComm_t comm, const char* call, int kind, const void* send, size_t send_n, const void* recv,
+                                   size_t recv_n, size_t count, ncclDataType_t type) {
+    if (type != ncclFloat && type != ncclBfloat16) return emu_nccl_fail(ncclInvalidArgument, "%s: data type %d is not emulated", call, (int)type);
+    size_t e = emu_nccl_elem_bytes(type);
+    if (!emu_on_device((uintptr_t)send, send_n * e) || !emu_on_device((uintptr_t)recv, recv_n * e))
+        return emu_nccl_fail(ncclInvalidArgument, "%s: a buffer (send %p, %zu values; recv %p, %zu values) is not device memory", call, send, send_n, recv, recv_n);
+    comm->calls++;
+#ifdef LLMC_HAVE_MPI
+    if (comm->nranks > 1) {
+        long long mine[3] = {kind, (long long)count, (long long)type}, lo[3], hi[3];
+        MPI_Allreduce(mine, lo, 3, MPI_LONG_LONG, MPI_MIN, comm->check);
+        MPI_Allreduce(mine, hi, 3, MPI_LONG_LONG, MPI_MAX, comm->check);
+        if (memcmp(lo, hi, sizeof(lo)) != 0)
+            return emu_nccl_fail(ncclInvalidUsage, "%s: collective #%lld differs across ranks (rank %d: kind %d, %zu values, type %d)", call, comm->calls,
+                                 comm->rank, kind, count, (int)type);
+    }
+#else
+    (void)kind; (void)count;
+#endif
+    return ncclSuccess;
+}
+
+static int emu_nccl_overlap(const void* a, size_t an, const void* b, size_t bn) {
+    const char *x = (const char*)a, *y = (const char*)b;
+    return x < y + bn && y < x + an;
+}
+
+#ifdef LLMC_HAVE_MPI
+static MPI_Datatype emu_nccl_mpi_type(ncclDataType_t t) { return t == ncclBfloat16 ? MPI_UINT16_T : MPI_FLOAT; }
+#endif
+
+// Issues a collective on `st` (emu.h's streams: run when stream order forces it). Its input is
+// snapshotted now and compared when it runs: a change in between means the buffer was written
+// while NCCL would be reading it (a race on a GPU).
+static void emu_nccl_issue(cudaStream_t st, const char* call, const void* in, size_t in_bytes, const std::function<void()>& body) {
+    std::shared_ptr<std::vector<char> > snap(new std::vector<char>((const char*)in, (const char*)in + in_bytes));
+    std::string name(call);
+    emu_stream_submit(st, call, [=]() {
+        if (memcmp(snap->data(), in, in_bytes) != 0) {
+            fprintf(stderr, "emu: race: the input of %s changed between its issue and its run on the stream "
+                            "(written while NCCL reads it)\n", name.c_str());
+            abort();
+        }
+        body();
+    });
+}
+
+static ncclResult_t ncclAllReduce(const void* send, void* recv, size_t count, ncclDataType_t type, ncclRedOp_t op, ncclComm_t comm, cudaStream_t st) {
+    ncclResult_t r = emu_nccl_enter(comm, "ncclAllReduce", 1, send, count, recv, count, count, type);
+    if (r != ncclSuccess) return r;
+    if (op != ncclSum || type != ncclFloat) return emu_nccl_fail(ncclInvalidArgument, "ncclAllReduce: only fp32 sums are emulated");
+    if (send != recv && emu_nccl_overlap(send, count * 4, recv, count * 4)) return emu_nccl_fail(ncclInvalidArgument, "ncclAllReduce: buffers overlap but are not the same");
+    emu_nccl_issue(st, "ncclAllReduce", send, count * 4, [=]() {
+        if (send != recv) memmove(recv, send, count * 4);
+#ifdef LLMC_HAVE_MPI
+        for (size_t off = 0; comm->nranks > 1 && off < count; off += (size_t)1 << 28) {
+            size_t n = count - off < ((size_t)1 << 28) ? count - off : ((size_t)1 << 28);
+            MPI_Allreduce(MPI_IN_PLACE, (float*)recv + off, (int)n, MPI_FLOAT, MPI_SUM, comm->mpi);
+        }
+#endif
+    });
+    return ncclSuccess;
+}
+
+// send: nranks * recvcount values; this rank's block of the sum lands in recv.
+static ncclResult_t ncclReduceScatter(const void* send, void* recv, size_t recvcount, ncclDataType_t type, ncclRedOp_t op, ncclComm_t comm,
+                                      cudaStream_t st) {
+    size_t total = recvcount * comm->nranks;
+    ncclResult_t r = emu_nccl_enter(comm, "ncclReduceScatter", 2, send, total, recv, recvcount, recvcount, type);
+    if (r != ncclSuccess) return r;
+    if (op != ncclSum || type != ncclFloat) return emu_nccl_fail(ncclInvalidArgument, "ncclReduceScatter: only fp32 sums are emulated");
+    int in_place = (const float*)recv == (const float*)send + (size_t)comm->rank * recvcount;
+    if (!in_place && emu_nccl_overlap(send, total * 4, recv, recvcount * 4))
+        return emu_nccl_fail(ncclInvalidArgument, "ncclReduceScatter: recvbuff overlaps sendbuff but is not sendbuff + rank * recvcount");
+    if (recvcount > (1u << 30)) return emu_nccl_fail(ncclInvalidArgument, "ncclReduceScatter: %zu values per rank is beyond the emulation", recvcount);
+    emu_nccl_issue(st, "ncclReduceScatter", send, total * 4, [=]() {
+        if (comm->nranks == 1) { if (!in_place) memmove(recv, send, recvcount * 4); return; }
+#ifdef LLMC_HAVE_MPI
+        float* out = (float*)malloc(recvcount * 4 + 4);
+        MPI_Reduce_scatter_block(send, out, (int)recvcount, MPI_FLOAT, MPI_SUM, comm->mpi);
+        memcpy(recv, out, recvcount * 4);
+        free(out);
+#endif
+    });
+    return ncclSuccess;
+}
+
+// Every rank's sendcount values to recv (nranks * sendcount), rank r's at r * sendcount.
+static ncclResult_t ncclAllGather(const void* send, void* recv, size_t sendcount, ncclDataType_t type, ncclComm_t comm, cudaStream_t st) {
+    size_t e = emu_nccl_elem_bytes(type), total = sendcount * comm->nranks;
+    ncclResult_t r = emu_nccl_enter(comm, "ncclAllGather", 3, send, sendcount, recv, total, sendcount, type);
+    if (r != ncclSuccess) return r;
+    char* mine = (char*)recv + (size_t)comm->rank * sendcount * e;
+    int in_place = (const char*)send == mine;
+    if (!in_place && emu_nccl_overlap(send, sendcount * e, recv, total * e))
+        return emu_nccl_fail(ncclInvalidArgument, "ncclAllGather: sendbuff overlaps recvbuff but is not recvbuff + rank * sendcount");
+    if (sendcount > (1u << 30)) return emu_nccl_fail(ncclInvalidArgument, "ncclAllGather: %zu values per rank is beyond the emulation", sendcount);
+    emu_nccl_issue(st, "ncclAllGather", send, sendcount * e, [=]() {
+        if (!in_place) memmove(mine, send, sendcount * e);
+#ifdef LLMC_HAVE_MPI
+        if (comm->nranks > 1) MPI_Allgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, recv, (int)sendcount, emu_nccl_mpi_type(type), comm->mpi);
+#endif
+    });
+    return ncclSuccess;
+}
