@@ -643,6 +643,7 @@ typedef struct {
     float loss, grad_norm, lr;
     double tokens;         // global tokens of the step (all ranks)
     double comm_s;         // seconds spent in the gradient all-reduce
+    int skipped;           // --nonfinite skip: no update this step
 } StepResult;
 
 static double count_mask(const float* mask, int64_t n) {
@@ -685,8 +686,9 @@ static StepResult llama_train_step(Llama* m, TextLoader* loader, const TrainOpti
     r.comm_s = wall_seconds() - t_comm;
     r.tokens = (double)N * K * dist->world;
     r.loss = total > 0 ? (float)(loss_sum / total) : 0.0f;
-    if (!isfinite(r.loss)) fail("step %d: non-finite loss (%g); lower --lr or check the data", step + 1, r.loss);
-    OptimStep os = trainable_step(&m->tr, o, dist, step);
+    r.loss = train_fault_injected_loss(r.loss, step);
+    OptimStep os = trainable_step(&m->tr, o, dist, step, r.loss);
+    r.skipped = os.skipped;
     r.grad_norm = os.grad_norm;
     r.lr = os.lr;
     r.comm_s += os.comm_s;
@@ -1015,19 +1017,21 @@ static void llama_train(Llama* m, RunData* rd, const TrainOptions* o, const Dist
         if (log) fprintf(log, "0,,,,,%.6f\n", v0);
     }
     double t0 = wall_seconds(), comm = 0.0;
-    int stop = train_stop_step(o);
+    int stop = train_stop_step(o), skips = 0;
     for (int step = start; step < stop; step++) {
         double ts = wall_seconds();
         StepResult r = llama_train_step(m, &rd->tl, o, dist, step);
         double dt = wall_seconds() - ts;
         comm += r.comm_s;
+        train_count_skip(&skips, r.skipped, step);
         int last = step + 1 == stop;
         float vloss = NAN;
         if (rank0 && rd->have_val && ((o->val_every > 0 && (step + 1) % o->val_every == 0) || last)) vloss = llama_evaluate(m, &rd->vl, o->val_batches);
-        if (rank0 && ((step + 1) % o->log_every == 0 || last || !isnan(vloss))) {
+        if (rank0 && ((step + 1) % o->log_every == 0 || last || !isnan(vloss) || r.skipped)) {
             printf("step %4d/%d | loss %.4f | lr %.2e | grad norm %.4f | %.0f tok/s", step + 1, o->steps, r.loss, r.lr, r.grad_norm, r.tokens / dt);
             if (dist->world > 1) printf(" (%.0f per rank, %.0f%% in all-reduce)", r.tokens / dt / dist->world, 100.0 * r.comm_s / dt);
             if (!isnan(vloss)) printf(" | val loss %.4f", vloss);
+            if (r.skipped) printf(" | skipped: non-finite loss or gradient");
             printf("\n");
             fflush(stdout);
         }

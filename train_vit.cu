@@ -917,6 +917,7 @@ typedef struct {
     float loss, accuracy, grad_norm, lr;
     double images;         // global images of the step (all ranks)
     double comm_s;         // seconds spent in the gradient all-reduce
+    int skipped;           // --nonfinite skip: no update this step
 } StepResult;
 
 // One optimizer step over grad_accum micro-batches on every rank; the loss is the mean over all
@@ -942,8 +943,9 @@ static StepResult vit_train_step(Vit* m, ImageLoader* loader, const TrainOptions
     r.images = (double)B * K * dist->world;
     r.loss = (float)(sums[0] / r.images);
     r.accuracy = (float)(sums[1] / r.images);
-    if (!isfinite(r.loss)) fail("step %d: non-finite loss (%g); lower --lr or check the data", step + 1, r.loss);
-    OptimStep os = trainable_step(&m->tr, o, dist, step);
+    r.loss = train_fault_injected_loss(r.loss, step);
+    OptimStep os = trainable_step(&m->tr, o, dist, step, r.loss);
+    r.skipped = os.skipped;
     r.grad_norm = os.grad_norm;
     r.lr = os.lr;
     r.comm_s += os.comm_s;
@@ -1534,20 +1536,22 @@ static void vit_train(Vit* m, RunData* rd, const TrainOptions* o, const Dist* di
         if (log) fprintf(log, "0,,,,,,%.6f,%.6f\n", e.loss, e.accuracy);
     }
     double t0 = wall_seconds(), comm = 0.0;
-    int stop = train_stop_step(o);
+    int stop = train_stop_step(o), skips = 0;
     for (int step = start; step < stop; step++) {
         double ts = wall_seconds();
         StepResult r = vit_train_step(m, &rd->tl, o, dist, step);
         double dt = wall_seconds() - ts;
         comm += r.comm_s;
+        train_count_skip(&skips, r.skipped, step);
         int last = step + 1 == stop;
         EvalResult e = {NAN, NAN, 0};
         if (rank0 && rd->have_val && ((o->val_every > 0 && (step + 1) % o->val_every == 0) || last)) e = vit_evaluate(m, &rd->vl, o->val_batches);
-        if (rank0 && ((step + 1) % o->log_every == 0 || last || !isnan(e.loss))) {
+        if (rank0 && ((step + 1) % o->log_every == 0 || last || !isnan(e.loss) || r.skipped)) {
             printf("step %4d/%d | loss %.4f | acc %.4f | lr %.2e | grad norm %.4f | %.0f img/s", step + 1, o->steps, r.loss, r.accuracy, r.lr,
                    r.grad_norm, r.images / dt);
             if (dist->world > 1) printf(" (%.0f per rank, %.0f%% in all-reduce)", r.images / dt / dist->world, 100.0 * r.comm_s / dt);
             if (!isnan(e.loss)) printf(" | val loss %.4f | val acc %.4f", e.loss, e.accuracy);
+            if (r.skipped) printf(" | skipped: non-finite loss or gradient");
             printf("\n");
             fflush(stdout);
         }

@@ -22,6 +22,7 @@ typedef struct {
     // schedule
     int steps, batch, seq, grad_accum, warmup, val_every, val_batches, log_every;
     float lr, min_lr_frac, weight_decay, grad_clip;
+    const char* nonfinite;  // stop | skip: a step whose loss or gradient norm is NaN or Inf
     // the paper's switches
     const char* mode;
     const char* act;        // exact | approx
@@ -55,6 +56,7 @@ static void train_options_defaults(TrainOptions* o) {
     o->log_every = 1;
     o->lr = 1e-3f; o->min_lr_frac = 0.1f; o->weight_decay = 0.0f; o->grad_clip = 1.0f;
     o->mode = "lowmem";
+    o->nonfinite = "stop";
     o->swiglu_product = "keep";
     o->lora_rank = 8; o->lora_alpha = 16.0f;
     o->device = "auto";
@@ -91,6 +93,8 @@ static void train_flags_register_task(FlagTable* t, TrainOptions* o, const char*
     flag_int(t, "warmup", &o->warmup, "linear warmup steps");
     flag_float(t, "weight-decay", &o->weight_decay, "AdamW weight decay");
     flag_float(t, "grad-clip", &o->grad_clip, "clip the global gradient norm to this (0 = off)");
+    flag_choice(t, "nonfinite", &o->nonfinite, "stop|skip",
+                "a step with a NaN/Inf loss or gradient: stop with an error, or skip its update (stops after 10 in a row)");
     flag_int(t, "val-every", &o->val_every, "evaluate on --val every N steps (0 = only at the end)");
     flag_int(t, "val-batches", &o->val_batches, "micro-batches per evaluation");
     flag_int(t, "log-every", &o->log_every, "print a log line every N steps");

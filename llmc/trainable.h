@@ -229,6 +229,7 @@ static void trainable_zero_grads(Trainable* tr) {
 typedef struct {
     float grad_norm, lr;
     double comm_s;             // seconds in cross-rank communication
+    int skipped;               // --nonfinite skip: the loss or the gradient was not finite, no update
 } OptimStep;
 
 // Whether buckets go to the other ranks during the backward: CUDA with more than one rank (with
@@ -391,11 +392,22 @@ static double trainable_update(Trainable* tr, const Dist* dist, float* g, float 
     return comm;
 }
 
+// LLMC_FAULT_NONFINITE_STEP=k makes step k's loss NaN (1-based), as a diverging run would: how the
+// tests reach --nonfinite's two behaviours on demand. Unset, it changes nothing.
+static float train_fault_injected_loss(float loss, int step) {
+    const char* e = getenv("LLMC_FAULT_NONFINITE_STEP");
+    return e && atoi(e) == step + 1 ? NAN : loss;
+}
+
 // The locally accumulated gradients (already scaled so that their sum over ranks is the gradient
 // of the global mean loss) -> one AdamW step, identical on every rank. The all-reduce time counts
 // as communication (with NCCL the call returns at once: its time then shows in the step time).
-static OptimStep trainable_step(Trainable* tr, const TrainOptions* o, const Dist* dist, int step) {
+// `loss` is the step's global mean loss: it and the global gradient norm must be finite, else
+// the step stops the run or (--nonfinite skip) leaves the weights and the optimizer state as
+// they were. Every rank sees the same global values, so every rank decides the same.
+static OptimStep trainable_step(Trainable* tr, const TrainOptions* o, const Dist* dist, int step, float loss) {
     OptimStep r;
+    memset(&r, 0, sizeof(r));
     double t = wall_seconds();
     float* g = trainable_sum_grads(tr, dist);
     r.comm_s = wall_seconds() - t;
@@ -404,11 +416,28 @@ static OptimStep trainable_step(Trainable* tr, const TrainOptions* o, const Dist
     if (tr->zero1) dist_allreduce_sum_f64(dist, &ss, 1);
     r.comm_s += wall_seconds() - t;
     r.grad_norm = (float)sqrt(ss);
-    if (!isfinite(r.grad_norm)) fail("step %d: non-finite gradient norm; lower --lr or check the data", step + 1);
-    if (o->grad_clip > 0 && r.grad_norm > o->grad_clip) trainable_scale(tr, g, o->grad_clip / r.grad_norm);
     r.lr = lr_at_step(o, step);
+    if (!isfinite(loss) || !isfinite(r.grad_norm)) {
+        const char* what = !isfinite(loss) ? "loss" : "gradient norm";
+        if (strcmp(o->nonfinite, "skip") != 0)
+            fail("step %d: non-finite %s (%g); lower --lr or check the data (--nonfinite skip skips such steps)", step + 1, what,
+                 !isfinite(loss) ? loss : r.grad_norm);
+        r.skipped = 1;
+        return r;
+    }
+    if (o->grad_clip > 0 && r.grad_norm > o->grad_clip) trainable_scale(tr, g, o->grad_clip / r.grad_norm);
     r.comm_s += trainable_update(tr, dist, g, r.lr, o->weight_decay, step + 1);
     return r;
+}
+
+// --nonfinite skip: a run that keeps producing NaN stops instead of skipping forever. `in_a_row`
+// counts the skipped steps since the last update.
+#define TRAIN_MAX_SKIPS_IN_A_ROW 10
+static void train_count_skip(int* in_a_row, int skipped, int step) {
+    *in_a_row = skipped ? *in_a_row + 1 : 0;
+    if (*in_a_row >= TRAIN_MAX_SKIPS_IN_A_ROW)
+        fail("step %d: %d steps in a row had a non-finite loss or gradient (--nonfinite skip); lower --lr or check the data", step + 1,
+             *in_a_row);
 }
 
 // A whole shard-ordered array (AdamW moments, a sharded master) in arena order (what the state

@@ -293,6 +293,21 @@ def test_cuda_full_finetuning_trains_and_zero1_equals_one_process(tmp_path):
     assert all(np.array_equal(wc[k], wb[k]) for k in wb)
 
 
+def test_cuda_nonfinite_step_skipped_with_buckets_in_flight(tmp_path):
+    """--nonfinite skip on CUDA under ZeRO-1 with every block its own bucket: the buckets already
+    reduce-scattered during the backward are waited for, nothing is updated, and the run equals
+    one stopped before the skipped step, bit for bit."""
+    if GPU:
+        pytest.skip("needs two GPUs")
+    args = ["--full", "--lr", "1e-3", "--steps", 2, "--batch", 2]
+    p = train_two_ranks(*args, "--nonfinite", "skip", "--out", tmp_path / "skip",
+                        env={"LLMC_GRAD_BUCKET_BYTES": "1", "LLMC_FAULT_NONFINITE_STEP": "2"})
+    assert "skipped: non-finite loss or gradient" in p.stdout
+    train_two_ranks(*args, "--stop-at", 1, "--out", tmp_path / "one_step")
+    a, b = (st_io.load(str(tmp_path / d / "model.safetensors")) for d in ("skip", "one_step"))
+    assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+
+
 def test_cuda_generates_with_the_kv_cache(tmp_path):
     """Greedy text with the CUDA key/value cache equals recomputing the window every token."""
     args = [need(CUDA_TRAIN), "--model", os.path.join(REPO, "data/llama_demo"), "--device", "cuda", "--generate", 20,

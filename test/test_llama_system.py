@@ -83,6 +83,46 @@ def test_failing_rank_stops_the_job(tiny, tmp_path):
     assert time.time() - t0 < 30
 
 
+# ---- non-finite steps ------------------------------------------------------------------------
+
+FAULT_AT_2 = {"LLMC_FAULT_NONFINITE_STEP": "2"}  # step 2's loss becomes NaN, as in a diverging run
+
+
+def run_env(args, env, check=True):
+    p = subprocess.run([BIN] + [str(a) for a in args], capture_output=True, text=True, env=dict(ENV, **env), timeout=120)
+    if check and p.returncode != 0:
+        pytest.fail(f"train_llama failed ({p.returncode}):\n{p.stdout}\n{p.stderr}")
+    return p
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_nonfinite_step_stops_or_is_skipped(tiny, tmp_path, ranks):
+    """--nonfinite stop (default): a NaN loss ends the run with one error line. --nonfinite skip:
+    the step leaves weights and optimizer state alone, so a run whose last step is skipped equals
+    one stopped before it, bit for bit, on one rank or two (every rank decides the same)."""
+    go = (lambda a, env, check=True: run_env(a, env, check)) if ranks == 1 else \
+         (lambda a, env, check=True: mpirun(2, a, check=check, env=env))
+    args = base_args(tiny, "--steps", 2, "--batch", 2)
+    p = go(args, FAULT_AT_2, check=False)
+    assert p.returncode != 0 and "step 2: non-finite loss (nan)" in p.stderr and "--nonfinite skip" in p.stderr, p.stderr
+    if ranks == 1:
+        assert p.stderr.count("\n") == 1, p.stderr
+    skipped = go(args + ["--nonfinite", "skip", "--out", tmp_path / "skip"], FAULT_AT_2)
+    assert "step    2/2 | loss nan" in skipped.stdout and "skipped: non-finite loss or gradient" in skipped.stdout
+    go(args + ["--stop-at", 1, "--out", tmp_path / "one_step"], {})
+    a, b = adapter(tmp_path / "skip"), adapter(tmp_path / "one_step")
+    assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+
+
+def test_nonfinite_skips_stop_after_ten_in_a_row(tiny):
+    """A run that diverges for good (lr 1e38: the weights overflow) stops after 10 skipped steps
+    instead of spinning to the end."""
+    p = run_env(base_args(tiny, "--steps", 40, "--batch", 2, "--lr", "1e38", "--nonfinite", "skip"), {}, check=False)
+    assert p.returncode == 1, p.stdout[-2000:]
+    assert "10 steps in a row had a non-finite loss or gradient (--nonfinite skip)" in p.stderr, p.stderr
+    assert p.stdout.count("skipped: non-finite") == 9  # the tenth stops the run before its log line
+
+
 # ---- resume ----------------------------------------------------------------------------------
 
 def test_sigkill_then_resume_is_bit_identical(tiny, tmp_path):

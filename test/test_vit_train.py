@@ -172,6 +172,22 @@ def test_stop_at_then_resume_equals_whole_run(tmp_path):
             assert a.read() == b.read(), f"{name} differs after --stop-at + --resume"
 
 
+def test_nonfinite_step_is_skipped(tmp_path, monkeypatch):
+    """--nonfinite skip leaves the weights alone on a step with a NaN loss (LLMC_FAULT_NONFINITE_STEP
+    injects it): the run then equals one stopped before that step, bit for bit."""
+    args = ["--model", MODEL, "--data", TRAIN, "--steps", "3", "--batch", "8", "--lora-rank", "4", "--seed", "4"]
+    exe = vc.binary("train_vit", "TRAIN_VIT")
+    vc.run([exe] + args + ["--stop-at", "2", "--out", str(tmp_path / "two_steps")])
+    monkeypatch.setenv("LLMC_FAULT_NONFINITE_STEP", "3")
+    p = vc.run([exe] + args, check=False)
+    assert p.returncode == 1 and "step 3: non-finite loss (nan)" in p.stderr, p.stderr
+    p = vc.run([exe] + args + ["--nonfinite", "skip", "--out", str(tmp_path / "skip")])
+    assert "skipped: non-finite loss or gradient" in p.stdout
+    name = "adapter_model.safetensors"
+    with open(tmp_path / "skip" / name, "rb") as a, open(tmp_path / "two_steps" / name, "rb") as b:
+        assert a.read() == b.read()
+
+
 def test_mismatched_resume_is_refused(tmp_path):
     out = str(tmp_path / "run")
     vc.train_vit("--model", MODEL, "--data", TRAIN, "--steps", 2, "--batch", 8, "--lora-rank", 4, "--out", out)
