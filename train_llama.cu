@@ -24,6 +24,7 @@
 #include "llmc/trainable.h"
 #include "llmc/backend.h"
 #include "llmc/ops.h"
+#include "llmc/fit.h"
 
 // ----------------------------------------------------------------------------------------------
 // Config (config.json of a Hugging Face LLaMA checkpoint)
@@ -815,6 +816,24 @@ static void print_settings_json(char* buf, size_t n, const TrainOptions* o, cons
              device, o->mode, o->act, o->norm, o->recompute, o->batch, o->seq, o->lora_rank);
 }
 
+// What fit_check_plan plans with: the run's model, backend and ranks at sequence length T.
+typedef struct {
+    const LlamaConfig* cfg;
+    const Backend* be;
+    const Dist* dist;
+    int T;
+} LlamaPlanCtx;
+
+static size_t llama_plan_bytes(const void* ctx, const TrainOptions* o, int batch) {
+    const LlamaPlanCtx* c = (const LlamaPlanCtx*)ctx;
+    LlamaModes md = llama_modes_from(o);
+    Llama m;
+    llama_setup(&m, c->cfg, &md, batch, c->T, c->be, c->dist);
+    size_t bytes = plan_total(&m.plan);
+    llama_free(&m);
+    return bytes;
+}
+
 // --dry-run: the plan of the run these flags describe, and the baseline plan beside it.
 // Under mpirun the plan is per rank (ZeRO-1 divides full fine-tuning's optimizer state).
 static void llama_dry_run(const LlamaConfig* cfg, const TrainOptions* o, LlamaModes md, const Dist* dist) {
@@ -1082,6 +1101,10 @@ int main(int argc, char** argv) {
     int sized = o.data_path || o.eval_only;  // generation alone needs one sequence
     int B = sized ? o.batch : 1, T = sized ? o.seq : (cfg.max_seq < 256 ? cfg.max_seq : 256);
     llama_setup(&m, &cfg, &md, B, T, &be, &dist);
+    TrainOptions planned = o;
+    planned.batch = B;
+    LlamaPlanCtx pc = {&cfg, &be, &dist, T};
+    fit_check_plan(&be, &m.plan, llama_plan_bytes, &pc, &planned);  // before any allocation
     LlamaModes bm = md;
     bm.approx = 0; bm.ms = 0; bm.ckpt = 0; bm.recompute_product = 0;
     llama_setup(&base, &cfg, &bm, B, T, &be, &dist);

@@ -27,6 +27,7 @@
 #include "llmc/trainable.h"
 #include "llmc/backend.h"
 #include "llmc/ops.h"
+#include "llmc/fit.h"
 
 // ----------------------------------------------------------------------------------------------
 // Config: config.json of a Hugging Face ViT (ViTModel / ViTForImageClassification), and the
@@ -1458,6 +1459,25 @@ static VitModes baseline_modes(VitModes md) {
     return md;
 }
 
+// What fit_check_plan plans with: the run's model, resolution, classes, backend and ranks.
+typedef struct {
+    const VitConfig* cfg;
+    int h, w, classes;
+    int64_t src_bytes;
+    const Backend* be;
+    const Dist* dist;
+} VitPlanCtx;
+
+static size_t vit_plan_bytes(const void* ctx, const TrainOptions* o, int batch) {
+    const VitPlanCtx* c = (const VitPlanCtx*)ctx;
+    VitModes md = vit_modes_from(o);
+    Vit m;
+    vit_setup(&m, c->cfg, &md, batch, c->h, c->w, c->classes, c->src_bytes, c->be, c->dist);
+    size_t bytes = plan_total(&m.plan);
+    vit_free(&m);
+    return bytes;
+}
+
 // --dry-run: the plan of the run these flags describe, and the baseline plan beside it.
 static void vit_dry_run(const VitConfig* cfg, const TrainOptions* o, VitModes md) {
     int cpu = strcmp(o->device, "cpu") == 0;  // a dry run plans the CUDA layout unless told otherwise
@@ -1604,6 +1624,8 @@ int main(int argc, char** argv) {
     if (be.cuda) dist_nccl_init(&dist);
     Vit m, base;
     vit_setup(&m, &cfg, &md, o.batch, h, w, classes, run_data_src_bytes(&rd), &be, &dist);
+    VitPlanCtx pc = {&cfg, h, w, classes, run_data_src_bytes(&rd), &be, &dist};
+    fit_check_plan(&be, &m.plan, vit_plan_bytes, &pc, &o);  // before any allocation
     VitModes bm = baseline_modes(md);
     vit_setup(&base, &cfg, &bm, o.batch, h, w, classes, run_data_src_bytes(&rd), &be, &dist);
     vit_allocate(&m);

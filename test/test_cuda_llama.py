@@ -16,6 +16,7 @@ mantissa), so a 2-layer random test model drifts by ~1-2 % (relative L2) in the 
 that element's derivative level; the middle step is at -0.0009, where many pre-activations lie,
 so gradients differ more. A wiring bug (a wrong buffer, a missing accumulation, a transposed
 weight) gives O(1) errors."""
+import json
 import os
 import re
 
@@ -319,12 +320,47 @@ def test_cuda_generates_with_the_kv_cache(tmp_path):
     assert len(text.split()) > 8
 
 
+def check_refused_plan_says_what_fits(args):
+    """A plan bigger than the emulator's free 80 GiB is refused in one line naming what would fit
+    for these flags, --mode lowmem and --mode ckpt; each suggested --batch is the largest whose
+    --dry-run plan fits, as the independent dry run computes it."""
+    p = train(CUDA_TRAIN, "cuda", "--steps", 1, *args, check=False)
+    err = p.stderr
+    assert p.returncode == 1 and err.count("\n") == 1, err
+    assert re.search(r"the memory plan needs [0-9.]+ GiB of GPU memory \(.*saved [0-9.]+ GiB.*\) but 80.00 GiB is free on GPU 0", err), err
+    hints = re.findall(r"(--mode \w+ )?--batch (\d+) --grad-accum (\d+)", err.split("would fit: ")[1])
+    assert {m for m, _, _ in hints} == {"", "--mode lowmem ", "--mode ckpt "}, err
+
+    def plan_bytes(mode_flags, batch):
+        flags = [str(a) for a in args]
+        i = flags.index("--batch")
+        flags[i + 1] = str(batch)
+        out = run([need(CUDA_TRAIN)] + DEMO + ["--device", "cuda", "--dry-run", "--json", *flags, *mode_flags]).stdout
+        return json.loads(out)["total_bytes"]
+
+    for mode, batch, accum in hints:
+        mode_flags, b = mode.split(), int(batch)
+        assert plan_bytes(mode_flags, b) <= 80 << 30, (mode, b)
+        assert b == 100000 or plan_bytes(mode_flags, b + 1) > 80 << 30, (mode, b)
+        assert b * int(accum) >= 100000 > b * (int(accum) - 1)
+
+
 def test_cuda_bad_inputs_fail_cleanly(tmp_path):
     p = train(CUDA_TRAIN, "cuda", "--steps", 2, "--lora-rank", 0, check=False)
     assert p.returncode != 0 and "--lora-rank" in p.stderr and p.stderr.count("\n") == 1
-    if not GPU:  # more than the (pretend 80 GiB) device holds: one line naming the arena and what to try
-        p = train(CUDA_TRAIN, "cuda", "--steps", 1, "--batch", 100000, "--seq", 128, check=False)
-        assert p.returncode != 0 and "GPU memory" in p.stderr and "--batch" in p.stderr and p.stderr.count("\n") == 1, p.stderr
+    if not GPU:  # more than the (pretend 80 GiB) device holds: refused before allocating, in one line
+        check_refused_plan_says_what_fits(["--batch", 100000, "--seq", 128, "--mode", "baseline"])
+        # a 7B shape under --full: the weights, gradients and optimizer state alone exceed one device
+        big = tmp_path / "llama7b"
+        big.mkdir()
+        with open(os.path.join(REPO, "data/llama_demo/config.json")) as f:
+            cfg = json.load(f)
+        cfg.update(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
+                   vocab_size=32000, max_position_embeddings=4096)
+        (big / "config.json").write_text(json.dumps(cfg))
+        p = run([need(CUDA_TRAIN)] + DEMO + ["--model", big, "--random-init", "--device", "cuda", "--full", "--steps", 1], check=False)
+        assert p.returncode == 1 and p.stderr.count("\n") == 1, p.stderr
+        assert "would fit: not even --batch 1; --mode ckpt: not even --batch 1 (full fine-tuning: ranks under mpirun divide" in p.stderr
     p = run([CPU_TRAIN] + DEMO + ["--device", "cuda", "--steps", 1], check=False)
     if not GPU:  # the CPU machine's nvcc build has the backend but no GPU; a g++ build has no backend
         assert p.returncode != 0 and "--device cuda" in p.stderr and p.stderr.count("\n") == 1

@@ -24,6 +24,7 @@ the activations is large; the loss of 4 images moves with the logits' rounding. 
 wrong buffer, a missing accumulation, a stale copy) gives O(1) errors.
 """
 import os
+import json
 import re
 import shutil
 import sys
@@ -321,3 +322,22 @@ def test_random_init_both_backends(tmp_path):
     check_memory_line(cuda.stdout)
     p = train(CUDA_TRAIN, "cuda", *args, "--export-merged", tmp_path / "x", check=False, model=cfg_only)
     assert p.returncode != 0 and "--random-init" in p.stderr and p.stderr.count("\n") == 1, p.stderr
+
+
+def test_plan_too_big_for_the_device_is_refused_with_what_fits():
+    """More images than the (pretend 80 GiB) device holds: one line before anything is allocated,
+    naming the largest --batch that fits with these flags and with --mode ckpt; that batch's
+    --dry-run plan fits, one more does not."""
+    if GPU:
+        pytest.skip("the emulator's device size is known; a real GPU's free memory is not")
+    p = train(CUDA_TRAIN, "cuda", "--steps", 1, "--batch", 3000000, check=False)
+    assert p.returncode == 1 and p.stderr.count("\n") == 1, p.stderr
+    assert "the memory plan needs" in p.stderr and "but 80.00 GiB is free on GPU 0" in p.stderr, p.stderr
+    b = int(re.search(r"would fit: --batch (\d+) --grad-accum \d+;", p.stderr).group(1))
+
+    def plan_bytes(batch):
+        out = run([need(CUDA_TRAIN), "--model", DEMO_MODEL] + DEMO + [
+            "--device", "cuda", "--dry-run", "--json", "--classes", 5, "--batch", batch]).stdout  # the demo shard has 5 classes
+        return json.loads(out)["total_bytes"]
+
+    assert plan_bytes(b) <= 80 << 30 < plan_bytes(b + 1)

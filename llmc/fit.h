@@ -1,0 +1,80 @@
+// fit.h: whether a run's memory plan fits the GPU, checked before anything is allocated, and when
+// it does not, what would: the largest --batch that fits with the run's own flags, with
+// --mode lowmem and with --mode ckpt (each found by planning, which allocates nothing), with the
+// --grad-accum that keeps the tokens or images per step. A memory-bound user gets one line that
+// says what to change, instead of an out-of-memory error after minutes of loading.
+#pragma once
+#include "common.h"
+#include "plan.h"
+#include "backend.h"
+#include "train_common.h"
+
+// A trainer's planner: the bytes of the plan of the run `o` describes at micro-batch `batch`
+// (the model is set up, planned and freed; nothing is allocated).
+typedef size_t (*PlanBytesFn)(const void* ctx, const TrainOptions* o, int batch);
+
+// Free device memory in bytes (SIZE_MAX on the CPU, where the check does not apply).
+static size_t backend_free_bytes(const Backend* be) {
+#ifdef LLMC_HAVE_CUDA
+    if (be->cuda) {
+        size_t fr, tot;
+        CUDA_CHECK(cudaMemGetInfo(&fr, &tot));
+        return fr;
+    }
+#endif
+    (void)be;
+    return SIZE_MAX;
+}
+
+// The largest micro-batch up to `most` whose plan under o's switches fits `avail` bytes, or 0.
+// (A plan grows with the batch, so a bisection finds it.)
+static int fit_largest_batch(PlanBytesFn plan_bytes, const void* ctx, const TrainOptions* o, int most, size_t avail) {
+    if (plan_bytes(ctx, o, most) <= avail) return most;
+    int lo = 0, hi = most;  // fits(lo) (0: nothing yet), !fits(hi)
+    while (hi - lo > 1) {
+        int mid = lo + (hi - lo) / 2;
+        if (plan_bytes(ctx, o, mid) <= avail) lo = mid;
+        else hi = mid;
+    }
+    return lo;
+}
+
+// Appends "[MODE ]--batch b --grad-accum k" for the largest batch that fits under o's switches
+// (k keeps at least the step's sequences or images), or that not even one does.
+static void fit_suggest(char* buf, size_t n, const char* mode, PlanBytesFn plan_bytes, const void* ctx, const TrainOptions* o, size_t avail) {
+    int b = fit_largest_batch(plan_bytes, ctx, o, o->batch, avail);
+    size_t len = strlen(buf);
+    const char* sep = len ? "; " : "";
+    if (b == 0) { snprintf(buf + len, n - len, "%s%s%snot even --batch 1", sep, mode, *mode ? ": " : ""); return; }
+    int accum = (int)(((int64_t)o->batch * o->grad_accum + b - 1) / b);
+    snprintf(buf + len, n - len, "%s%s%s--batch %d --grad-accum %d", sep, mode, *mode ? " " : "", b, accum);
+}
+
+// "12.34 GiB" or, below 1 GiB, "56.7 MiB".
+static const char* fit_size(char* buf, size_t n, size_t bytes) {
+    if (bytes >= ((size_t)1 << 30)) snprintf(buf, n, "%.2f GiB", bytes / 1073741824.0);
+    else snprintf(buf, n, "%.1f MiB", bytes / 1048576.0);
+    return buf;
+}
+
+// Fails (one line) when `plan` needs more than the device has free: what the plan needs by
+// category, what is free, and what would fit.
+static void fit_check_plan(const Backend* be, const MemPlan* plan, PlanBytesFn plan_bytes, const void* ctx, const TrainOptions* o) {
+    size_t need = plan_total(plan), avail = backend_free_bytes(be);
+    if (need <= avail) return;
+    char parts[320] = "", hint[512] = "", a[32], b[32];
+    for (int c = 0; c < MEM_CATS; c++)
+        if (plan->cat_bytes[c]) {
+            size_t len = strlen(parts);
+            snprintf(parts + len, sizeof(parts) - len, "%s%s %s", len ? ", " : "", mem_category_key[c], fit_size(a, sizeof(a), plan->cat_bytes[c]));
+        }
+    TrainOptions v = *o;
+    fit_suggest(hint, sizeof(hint), "", plan_bytes, ctx, &v, avail);
+    int is_lowmem = !strcmp(o->act, "approx") && !strcmp(o->norm, "ms") && !strcmp(o->recompute, "none");
+    int is_ckpt = !strcmp(o->act, "exact") && !strcmp(o->norm, "std") && !strcmp(o->recompute, "block");
+    if (!is_lowmem) { v.act = "approx"; v.norm = "ms"; v.recompute = "none"; fit_suggest(hint, sizeof(hint), "--mode lowmem", plan_bytes, ctx, &v, avail); }
+    if (!is_ckpt) { v.act = "exact"; v.norm = "std"; v.recompute = "block"; fit_suggest(hint, sizeof(hint), "--mode ckpt", plan_bytes, ctx, &v, avail); }
+    fail("the memory plan needs %s of GPU memory (%s) but %s is free on GPU %d; would fit: %s%s", fit_size(a, sizeof(a), need), parts,
+         fit_size(b, sizeof(b), avail), be->device, hint,
+         o->full ? " (full fine-tuning: ranks under mpirun divide the optimizer state, and on train_llama the fp32 master)" : "");
+}
