@@ -696,6 +696,20 @@ static StepResult llama_train_step(Llama* m, TextLoader* loader, const TrainOpti
     return r;
 }
 
+// Model FLOPs of one token's forward and backward at sequence length T: every linear layer
+// (linear_train_flops) and the head, plus causal attention, 6 T q_dim per layer (QK^T, PV and
+// their four backward products, halved by the mask). The convention of scripts/bench_gpu.sh.
+static double llama_flops_per_token(const Llama* m) {
+    const LlamaConfig* c = &m->cfg;
+    int full = m->modes.full;
+    double f = 0.0;
+    for (int t = 0; t < N_TARGETS; t++)
+        f += c->layers * linear_train_flops(lin_in(c, t), lin_out(c, t), full, !full && (m->modes.targets >> t & 1) ? m->modes.rank : 0);
+    f += linear_train_flops(c->dim, c->vocab, full, 0);
+    f += c->layers * 6.0 * m->T * c->heads * c->head_dim;
+    return f;
+}
+
 // Mean loss over up to `batches` micro-batches of a loader started from its beginning.
 static float llama_evaluate(Llama* m, TextLoader* loader, int batches) {
     loader->cursor = 0;
@@ -1037,6 +1051,7 @@ static void llama_train(Llama* m, RunData* rd, const TrainOptions* o, const Dist
     }
     double t0 = wall_seconds(), comm = 0.0;
     int stop = train_stop_step(o), skips = 0;
+    double peak = backend_peak_flops(m->be), flops = llama_flops_per_token(m);
     for (int step = start; step < stop; step++) {
         double ts = wall_seconds();
         StepResult r = llama_train_step(m, &rd->tl, o, dist, step);
@@ -1049,6 +1064,7 @@ static void llama_train(Llama* m, RunData* rd, const TrainOptions* o, const Dist
         if (rank0 && ((step + 1) % o->log_every == 0 || last || !isnan(vloss) || r.skipped)) {
             printf("step %4d/%d | loss %.4f | lr %.2e | grad norm %.4f | %.0f tok/s", step + 1, o->steps, r.loss, r.lr, r.grad_norm, r.tokens / dt);
             if (dist->world > 1) printf(" (%.0f per rank, %.0f%% in all-reduce)", r.tokens / dt / dist->world, 100.0 * r.comm_s / dt);
+            print_mfu(r.tokens / dt / dist->world, flops, peak);
             if (!isnan(vloss)) printf(" | val loss %.4f", vloss);
             if (r.skipped) printf(" | skipped: non-finite loss or gradient");
             printf("\n");

@@ -958,6 +958,20 @@ typedef struct {
     int64_t images;
 } EvalResult;
 
+// Model FLOPs of one image's forward and backward: every token through the block linears
+// (linear_train_flops), the patch embedding, bidirectional attention (12 T d per layer per token:
+// QK^T, PV and their four backward products) and the head. The convention of scripts/bench_gpu.sh.
+static double vit_flops_per_image(const Vit* m) {
+    const VitConfig* c = &m->cfg;
+    int full = m->modes.full;
+    double per_token = 0.0;
+    for (int t = 0; t < N_TARGETS; t++)
+        per_token += c->layers * linear_train_flops(lin_in(c, t), lin_out(c, t), full, !full && (m->modes.targets >> t & 1) ? m->modes.rank : 0);
+    per_token += c->layers * 12.0 * m->T * c->dim;
+    double patches = (double)(m->T - 1) * linear_train_flops(patch_len(c), c->dim, full, 0);
+    return m->T * per_token + patches + linear_train_flops(c->dim, m->classes, 1, 0);
+}
+
 // Mean loss and top-1 accuracy over the first `batches` micro-batches of the validation shard, in
 // file order (the last one may be short), or the whole shard when it is smaller.
 static EvalResult vit_evaluate(Vit* m, const ImageLoader* loader, int batches) {
@@ -1557,6 +1571,7 @@ static void vit_train(Vit* m, RunData* rd, const TrainOptions* o, const Dist* di
     }
     double t0 = wall_seconds(), comm = 0.0;
     int stop = train_stop_step(o), skips = 0;
+    double peak = backend_peak_flops(m->be), flops = vit_flops_per_image(m);
     for (int step = start; step < stop; step++) {
         double ts = wall_seconds();
         StepResult r = vit_train_step(m, &rd->tl, o, dist, step);
@@ -1570,6 +1585,7 @@ static void vit_train(Vit* m, RunData* rd, const TrainOptions* o, const Dist* di
             printf("step %4d/%d | loss %.4f | acc %.4f | lr %.2e | grad norm %.4f | %.0f img/s", step + 1, o->steps, r.loss, r.accuracy, r.lr,
                    r.grad_norm, r.images / dt);
             if (dist->world > 1) printf(" (%.0f per rank, %.0f%% in all-reduce)", r.images / dt / dist->world, 100.0 * r.comm_s / dt);
+            print_mfu(r.images / dt / dist->world, flops, peak);
             if (!isnan(e.loss)) printf(" | val loss %.4f | val acc %.4f", e.loss, e.accuracy);
             if (r.skipped) printf(" | skipped: non-finite loss or gradient");
             printf("\n");

@@ -64,6 +64,24 @@ static void backend_init(Backend* be, const char* flag, int local_rank) {
     be->layout = be->cuda ? "CUDA bf16" : "CPU fp32";
 }
 
+// The GPU's dense bf16 peak in FLOP/s, MFU's denominator: LLMC_PEAK_TFLOPS when set, else by
+// compute capability (sm_90: H100/H200 SXM, 989 TFLOP/s; sm_80: A100, 312; sm_100: B200, 2250;
+// the PCIe and NVL parts are lower: set LLMC_PEAK_TFLOPS), else 0 (unknown: no MFU in the log).
+static double backend_peak_flops(const Backend* be) {
+    const char* e = getenv("LLMC_PEAK_TFLOPS");
+    if (e && atof(e) > 0) return atof(e) * 1e12;
+#ifdef LLMC_HAVE_CUDA
+    if (be->cuda) {
+        cudaDeviceProp p;
+        CUDA_CHECK(cudaGetDeviceProperties(&p, be->device));
+        int cc = p.major * 10 + p.minor;
+        return cc == 90 ? 989e12 : cc == 80 ? 312e12 : cc == 100 ? 2250e12 : 0.0;
+    }
+#endif
+    (void)be;
+    return 0.0;
+}
+
 // One line about the GPU for the log: its name, compute capability and memory.
 static void backend_describe(const Backend* be, char* buf, size_t n) {
     snprintf(buf, n, "CPU");

@@ -33,6 +33,14 @@ typedef struct {
     LinearDevice dev;      // the CUDA backend's copy
 } Linear;
 
+// Model FLOPs per token of a linear layer in one training step (MFU's numerator; recomputation
+// is not counted): 2 in*out for the forward product, as many for the input gradient, as many again
+// for the weight gradient when W trains (--full); a LoRA adapter of rank r adds its own three
+// products, 6 r (in + out).
+static double linear_train_flops(int64_t in, int64_t out, int w_trains, int lora_rank) {
+    return (double)in * out * (w_trains ? 6.0 : 4.0) + 6.0 * lora_rank * (double)(in + out);
+}
+
 // The bias of a linear layer, added after its product (on CUDA: the GEMM epilogue). CPU kernel.
 static void add_bias_rows(float* y, const float* bias, int64_t N, int out) {
 #pragma omp parallel for schedule(static) if (N * out > 32768)

@@ -156,6 +156,12 @@ static void train_validate(const TrainOptions* o) {
     if (o->classes < 0) fail("flag --classes: expected >= 0, got %d", o->classes);
 }
 
+// The log's " | MFU x%" for a step (nothing when the peak is unknown: the CPU, an unlisted GPU):
+// items/s on this GPU times the model FLOPs per item, over the GPU's peak.
+static void print_mfu(double items_per_s_per_gpu, double flops_per_item, double peak_flops) {
+    if (peak_flops > 0) printf(" | MFU %.1f%%", 100.0 * items_per_s_per_gpu * flops_per_item / peak_flops);
+}
+
 // Parses a comma list of target names into a bit mask over `names` (count n). NULL = all.
 static unsigned parse_targets(const char* list, const char* const* names, int n, const char* flag) {
     if (!list) return (1u << n) - 1;

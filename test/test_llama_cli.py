@@ -3,6 +3,7 @@ plan and --dry-run --json, the real stories260K model, and every bad input of DE
 (one-line error naming the file or flag, non-zero exit, no crash, no partial output)."""
 import json
 import os
+import re
 import shutil
 import struct
 import subprocess
@@ -337,3 +338,35 @@ def test_sharded_checkpoint_with_index(tiny, tmp_path):
     expect_error(["--model", m, "--val", tiny / "val.bin", "--eval-only", "--seq", 32], "model-00002-of-00002.safetensors")
     (m / "model.safetensors.index.json").write_text("{\"weight_map\": 3}")
     expect_error(["--model", m, "--val", tiny / "val.bin", "--eval-only", "--seq", 32], "index.json", "weight_map")
+
+
+def llama_flops_per_token(cfg, seq, rank, full):
+    """Model FLOPs of one token's training step, written from the convention (not from the C):
+    2 per weight forward, 2 for the input gradient, 2 for a trained weight's gradient; LoRA's
+    three products 6 r (in + out); causal attention 6 T d per layer."""
+    d, f, hd = cfg["hidden_size"], cfg["intermediate_size"], cfg["hidden_size"] // cfg["num_attention_heads"]
+    q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
+    shapes = [(d, q), (d, kv), (d, kv), (q, d), (d, f), (d, f), (f, d)]
+    per_weight = 6 if full else 4
+    layer = sum(i * o * per_weight + (0 if full else 6 * rank * (i + o)) for i, o in shapes)
+    return cfg["num_hidden_layers"] * (layer + 6 * seq * q) + d * cfg["vocab_size"] * per_weight
+
+
+@pytest.mark.parametrize("full", [False, True])
+def test_log_reports_mfu_from_the_model_flops(full):
+    """Each step line shows MFU (tokens/s x model FLOPs per token / the GPU's peak; on the CPU only
+    when LLMC_PEAK_TFLOPS names a peak); the FLOPs it implies match the independent count."""
+    model = os.path.join(REPO, "data", "llama_demo")
+    args = ["--model", model, "--data", os.path.join(REPO, "data", "llama_demo_ft_train.bin"), "--steps", 3, "--batch", 2,
+            "--seq", 32, "--threads", 1] + (["--full"] if full else [])
+    assert "MFU" not in run(args).stdout  # the CPU's peak is unknown
+    p = subprocess.run([BIN] + [str(a) for a in args], capture_output=True, text=True, timeout=120,
+                       env=dict(ENV, LLMC_PEAK_TFLOPS="0.0001"))
+    assert p.returncode == 0, p.stderr
+    with open(os.path.join(model, "config.json")) as fh:
+        want = llama_flops_per_token(json.load(fh), 32, 8, full)
+    steps = re.findall(r"\| (\d+) tok/s \| MFU ([0-9.]+)%", p.stdout)
+    assert len(steps) == 3, p.stdout
+    for toks, mfu in steps:
+        got = float(mfu) / 100 * 1e8 / int(toks)
+        assert abs(got / want - 1) < 0.5 / int(toks) + 0.005, (got, want)  # the rate is printed rounded

@@ -228,3 +228,26 @@ def test_two_ranks_equal_one_process_with_combined_batch(tmp_path):
     worst = max(float(np.linalg.norm(a[k] - b[k]) / (np.linalg.norm(a[k]) + 1e-12)) for k in a)
     print(f"1 process x batch 16 vs 2 ranks x batch 8: worst relative weight difference {worst:.2e}")
     assert worst < 1e-3  # a wrong split of the batch gives O(1) differences (and the losses differ)
+
+
+def test_log_reports_mfu_from_the_model_flops(monkeypatch):
+    """MFU on each step line (with LLMC_PEAK_TFLOPS naming a peak on the CPU): the FLOPs per image
+    it implies match a count written from the convention: every token through the block linears
+    (4 FLOPs per weight under LoRA, plus the adapters' 6 r (in + out)), bidirectional attention
+    12 T d per layer, the patch embedding, and the new head (trained: 6 per weight)."""
+    import json
+    import re
+    with open(os.path.join(MODEL, "config.json")) as f:
+        c = json.load(f)
+    d, h, r, classes = c["hidden_size"], c["intermediate_size"], 8, 5
+    T = 1 + (c["image_size"] // c["patch_size"]) ** 2
+    shapes = [(d, d)] * 4 + [(d, h), (h, d)]
+    per_token = c["num_hidden_layers"] * (sum(4 * i * o + 6 * r * (i + o) for i, o in shapes) + 12 * T * d)
+    want = T * per_token + (T - 1) * 4 * c["patch_size"] ** 2 * c["num_channels"] * d + 6 * d * classes
+    monkeypatch.setenv("LLMC_PEAK_TFLOPS", "0.0001")
+    p = vc.train_vit("--model", MODEL, "--data", TRAIN, "--steps", 3, "--batch", 8, "--threads", 1)
+    steps = re.findall(r"\| (\d+) img/s \| MFU ([0-9.]+)%", p.stdout)
+    assert len(steps) == 3, p.stdout
+    for imgs, mfu in steps:
+        got = float(mfu) / 100 * 1e8 / int(imgs)
+        assert abs(got / want - 1) < 0.5 / int(imgs) + 0.005, (got, want)  # the rate is printed rounded
