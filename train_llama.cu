@@ -838,23 +838,26 @@ typedef struct {
     int T;
 } LlamaPlanCtx;
 
-static size_t llama_plan_bytes(const void* ctx, const TrainOptions* o, int batch) {
+static size_t llama_plan_bytes(const void* ctx, const TrainOptions* o, int batch, int world) {
     const LlamaPlanCtx* c = (const LlamaPlanCtx*)ctx;
     LlamaModes md = llama_modes_from(o);
+    Dist ranks = dist_for_plan(c->dist, world);
     Llama m;
-    llama_setup(&m, c->cfg, &md, batch, c->T, c->be, c->dist);
+    llama_setup(&m, c->cfg, &md, batch, c->T, c->be, &ranks);
     size_t bytes = plan_total(&m.plan);
     llama_free(&m);
     return bytes;
 }
 
 // --dry-run: the plan of the run these flags describe, and the baseline plan beside it.
-// Under mpirun the plan is per rank (ZeRO-1 divides full fine-tuning's optimizer state).
+// Under mpirun, or for --ranks N, the plan is per rank (ZeRO-1 divides full fine-tuning's
+// optimizer state, and on CUDA its fp32 master).
 static void llama_dry_run(const LlamaConfig* cfg, const TrainOptions* o, LlamaModes md, const Dist* dist) {
     int cpu = strcmp(o->device, "cpu") == 0;  // a dry run plans the CUDA layout unless told otherwise
     Backend be = backend_for_plan(!cpu);
+    Dist ranks = dist_for_plan(dist, o->ranks ? o->ranks : dist->world);
     Llama m, base;
-    llama_setup(&m, cfg, &md, o->batch, o->seq, &be, dist);
+    llama_setup(&m, cfg, &md, o->batch, o->seq, &be, &ranks);
     LlamaModes bm = md;
     bm.approx = 0; bm.ms = 0; bm.ckpt = 0; bm.recompute_product = 0;
     llama_setup(&base, cfg, &bm, o->batch, o->seq, &be, NULL);
@@ -863,8 +866,11 @@ static void llama_dry_run(const LlamaConfig* cfg, const TrainOptions* o, LlamaMo
         print_settings_json(s, sizeof(s), o, cpu ? "cpu" : "cuda");
         plan_json(stdout, &m.plan, &base.plan, s);
     } else {
-        printf("train_llama dry run: d=%d f=%d layers=%d heads=%d kv_heads=%d vocab=%d, batch %d x seq %d, LoRA r=%d\n", cfg->dim, cfg->hidden,
-               cfg->layers, cfg->heads, cfg->kv_heads, cfg->vocab, o->batch, o->seq, o->lora_rank);
+        printf("train_llama dry run: d=%d f=%d layers=%d heads=%d kv_heads=%d vocab=%d, batch %d x seq %d, %s", cfg->dim, cfg->hidden,
+               cfg->layers, cfg->heads, cfg->kv_heads, cfg->vocab, o->batch, o->seq, o->full ? "full fine-tuning" : "LoRA");
+        if (!o->full) printf(" r=%d", o->lora_rank);
+        if (ranks.world > 1) printf(", one of %d ranks", ranks.world);
+        printf("\n");
         plan_print(&m.plan, &base.plan, o->mode, be.layout);
     }
     llama_free(&m);
@@ -1120,7 +1126,7 @@ int main(int argc, char** argv) {
     TrainOptions planned = o;
     planned.batch = B;
     LlamaPlanCtx pc = {&cfg, &be, &dist, T};
-    fit_check_plan(&be, &m.plan, llama_plan_bytes, &pc, &planned);  // before any allocation
+    fit_check_plan(&be, &m.plan, llama_plan_bytes, &pc, &planned, dist.world);  // before any allocation
     LlamaModes bm = md;
     bm.approx = 0; bm.ms = 0; bm.ckpt = 0; bm.recompute_product = 0;
     llama_setup(&base, &cfg, &bm, B, T, &be, &dist);

@@ -1482,24 +1482,27 @@ typedef struct {
     const Dist* dist;
 } VitPlanCtx;
 
-static size_t vit_plan_bytes(const void* ctx, const TrainOptions* o, int batch) {
+static size_t vit_plan_bytes(const void* ctx, const TrainOptions* o, int batch, int world) {
     const VitPlanCtx* c = (const VitPlanCtx*)ctx;
     VitModes md = vit_modes_from(o);
+    Dist ranks = dist_for_plan(c->dist, world);
     Vit m;
-    vit_setup(&m, c->cfg, &md, batch, c->h, c->w, c->classes, c->src_bytes, c->be, c->dist);
+    vit_setup(&m, c->cfg, &md, batch, c->h, c->w, c->classes, c->src_bytes, c->be, &ranks);
     size_t bytes = plan_total(&m.plan);
     vit_free(&m);
     return bytes;
 }
 
 // --dry-run: the plan of the run these flags describe, and the baseline plan beside it.
-static void vit_dry_run(const VitConfig* cfg, const TrainOptions* o, VitModes md) {
+// Under mpirun, or for --ranks N, the plan is per rank (ZeRO-1 under --full).
+static void vit_dry_run(const VitConfig* cfg, const TrainOptions* o, VitModes md, const Dist* dist) {
     int cpu = strcmp(o->device, "cpu") == 0;  // a dry run plans the CUDA layout unless told otherwise
     Backend be = backend_for_plan(!cpu);
+    Dist ranks = dist_for_plan(dist, o->ranks ? o->ranks : dist->world);
     int h, w, classes = o->classes > 0 ? o->classes : 10;
     vit_resolution(cfg, o->image_size, &h, &w);
     Vit m, base;
-    vit_setup(&m, cfg, &md, o->batch, h, w, classes, 0, &be, NULL);
+    vit_setup(&m, cfg, &md, o->batch, h, w, classes, 0, &be, &ranks);
     VitModes bm = baseline_modes(md);
     vit_setup(&base, cfg, &bm, o->batch, h, w, classes, 0, &be, NULL);
     if (o->json) {
@@ -1507,9 +1510,12 @@ static void vit_dry_run(const VitConfig* cfg, const TrainOptions* o, VitModes md
         print_settings_json(s, sizeof(s), o, &m, cpu ? "cpu" : "cuda");
         plan_json(stdout, &m.plan, &base.plan, s);
     } else {
-        printf("train_vit dry run: d=%d f=%d layers=%d heads=%d, image %dx%d patch %dx%d (%d tokens), %d classes, batch %d, LoRA r=%d on %s\n",
-               cfg->dim, cfg->hidden, cfg->layers, cfg->heads, h, w, cfg->patch_h, cfg->patch_w, m.T, classes, o->batch, o->lora_rank,
-               o->lora_targets ? o->lora_targets : "all");
+        printf("train_vit dry run: d=%d f=%d layers=%d heads=%d, image %dx%d patch %dx%d (%d tokens), %d classes, batch %d, ", cfg->dim,
+               cfg->hidden, cfg->layers, cfg->heads, h, w, cfg->patch_h, cfg->patch_w, m.T, classes, o->batch);
+        if (o->full) printf("full fine-tuning");
+        else printf("LoRA r=%d on %s", o->lora_rank, o->lora_targets ? o->lora_targets : "all");
+        if (ranks.world > 1) printf(", one of %d ranks", ranks.world);
+        printf("\n");
         plan_print(&m.plan, &base.plan, o->mode, be.layout);
     }
     vit_free(&m);
@@ -1621,7 +1627,7 @@ int main(int argc, char** argv) {
     VitConfig cfg;
     vit_config_load(&cfg, o.model_dir);
     VitModes md = vit_modes_from(&o);
-    if (o.dry_run) { if (dist.rank == 0) vit_dry_run(&cfg, &o, md); dist_finalize(&dist); return 0; }
+    if (o.dry_run) { if (dist.rank == 0) vit_dry_run(&cfg, &o, md, &dist); dist_finalize(&dist); return 0; }
     if (!o.data_path && !o.eval_only && !o.export_merged)
         fail("nothing to do: give --data (an image shard from scripts/prepare_images.py), --val with --eval-only, or --export-merged DIR with --adapter");
     if (!o.data_path && !o.eval_only && !o.adapter_dir) fail("flag --export-merged: alone, it needs --adapter (the adapter and head to fold in)");
@@ -1641,7 +1647,7 @@ int main(int argc, char** argv) {
     Vit m, base;
     vit_setup(&m, &cfg, &md, o.batch, h, w, classes, run_data_src_bytes(&rd), &be, &dist);
     VitPlanCtx pc = {&cfg, h, w, classes, run_data_src_bytes(&rd), &be, &dist};
-    fit_check_plan(&be, &m.plan, vit_plan_bytes, &pc, &o);  // before any allocation
+    fit_check_plan(&be, &m.plan, vit_plan_bytes, &pc, &o, dist.world);  // before any allocation
     VitModes bm = baseline_modes(md);
     vit_setup(&base, &cfg, &bm, o.batch, h, w, classes, run_data_src_bytes(&rd), &be, &dist);
     vit_allocate(&m);

@@ -142,6 +142,17 @@ static int dist_has_nccl(const Dist* d) {
 #endif
 }
 
+// What a plan for one of `world` ranks sees (--dry-run --ranks, the fit check's suggestions): this
+// process's Dist with another world size (rank 0: every rank's plan is the same).
+static Dist dist_for_plan(const Dist* d, int world) {
+    Dist p;
+    memset(&p, 0, sizeof(p));
+    if (d) p = *d;
+    p.world = world;
+    p.rank = 0;
+    return p;
+}
+
 // Whether gradients cross ranks: more than one rank, or the one-rank NCCL self-test.
 static int dist_sums_grads(const Dist* d) { return d && (d->world > 1 || dist_has_nccl(d)); }
 
@@ -161,6 +172,18 @@ static void dist_reduce_scatter_sum_f32(const Dist* d, const float* full, float*
     MPI_Reduce_scatter_block(full, shard_out, (int)shard, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
 #else
     (void)d; memcpy(shard_out, full, sizeof(float) * shard);
+#endif
+}
+
+// The same in place: this rank's shard of the sum lands at rank * shard of `full` (MPI puts it at
+// the start of the buffer; it moves to the rank's own piece, as NCCL's in-place form leaves it).
+static void dist_reduce_scatter_sum_f32_inplace(const Dist* d, float* full, int64_t shard) {
+#ifdef LLMC_HAVE_MPI
+    if (shard > (1 << 30)) fail("ZeRO-1 shard of %lld floats is too large for one MPI call", (long long)shard);
+    MPI_Reduce_scatter_block(MPI_IN_PLACE, full, (int)shard, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
+    if (d->rank > 0) memmove(full + (int64_t)d->rank * shard, full, sizeof(float) * shard);
+#else
+    (void)d; (void)full; (void)shard;
 #endif
 }
 

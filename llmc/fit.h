@@ -1,17 +1,18 @@
 // fit.h: whether a run's memory plan fits the GPU, checked before anything is allocated, and when
 // it does not, what would: the largest --batch that fits with the run's own flags, with
 // --mode lowmem and with --mode ckpt (each found by planning, which allocates nothing), with the
-// --grad-accum that keeps the tokens or images per step. A memory-bound user gets one line that
-// says what to change, instead of an out-of-memory error after minutes of loading.
+// --grad-accum that keeps the tokens or images per step, and under --full the fewest ranks
+// whose ZeRO-1 shards fit. A memory-bound user gets one line that says what to change, instead
+// of an out-of-memory error after minutes of loading.
 #pragma once
 #include "common.h"
 #include "plan.h"
 #include "backend.h"
 #include "train_common.h"
 
-// A trainer's planner: the bytes of the plan of the run `o` describes at micro-batch `batch`
-// (the model is set up, planned and freed; nothing is allocated).
-typedef size_t (*PlanBytesFn)(const void* ctx, const TrainOptions* o, int batch);
+// A trainer's planner: the bytes of one rank's plan of the run `o` describes at micro-batch
+// `batch` over `world` ranks (the model is set up, planned and freed; nothing is allocated).
+typedef size_t (*PlanBytesFn)(const void* ctx, const TrainOptions* o, int batch, int world);
 
 // Free device memory in bytes (SIZE_MAX on the CPU, where the check does not apply).
 static size_t backend_free_bytes(const Backend* be) {
@@ -28,12 +29,12 @@ static size_t backend_free_bytes(const Backend* be) {
 
 // The largest micro-batch up to `most` whose plan under o's switches fits `avail` bytes, or 0.
 // (A plan grows with the batch, so a bisection finds it.)
-static int fit_largest_batch(PlanBytesFn plan_bytes, const void* ctx, const TrainOptions* o, int most, size_t avail) {
-    if (plan_bytes(ctx, o, most) <= avail) return most;
+static int fit_largest_batch(PlanBytesFn plan_bytes, const void* ctx, const TrainOptions* o, int most, int world, size_t avail) {
+    if (plan_bytes(ctx, o, most, world) <= avail) return most;
     int lo = 0, hi = most;  // fits(lo) (0: nothing yet), !fits(hi)
     while (hi - lo > 1) {
         int mid = lo + (hi - lo) / 2;
-        if (plan_bytes(ctx, o, mid) <= avail) lo = mid;
+        if (plan_bytes(ctx, o, mid, world) <= avail) lo = mid;
         else hi = mid;
     }
     return lo;
@@ -41,8 +42,9 @@ static int fit_largest_batch(PlanBytesFn plan_bytes, const void* ctx, const Trai
 
 // Appends "[MODE ]--batch b --grad-accum k" for the largest batch that fits under o's switches
 // (k keeps at least the step's sequences or images), or that not even one does.
-static void fit_suggest(char* buf, size_t n, const char* mode, PlanBytesFn plan_bytes, const void* ctx, const TrainOptions* o, size_t avail) {
-    int b = fit_largest_batch(plan_bytes, ctx, o, o->batch, avail);
+static void fit_suggest(char* buf, size_t n, const char* mode, PlanBytesFn plan_bytes, const void* ctx, const TrainOptions* o, int world,
+                        size_t avail) {
+    int b = fit_largest_batch(plan_bytes, ctx, o, o->batch, world, avail);
     size_t len = strlen(buf);
     const char* sep = len ? "; " : "";
     if (b == 0) { snprintf(buf + len, n - len, "%s%s%snot even --batch 1", sep, mode, *mode ? ": " : ""); return; }
@@ -59,7 +61,7 @@ static const char* fit_size(char* buf, size_t n, size_t bytes) {
 
 // Fails (one line) when `plan` needs more than the device has free: what the plan needs by
 // category, what is free, and what would fit.
-static void fit_check_plan(const Backend* be, const MemPlan* plan, PlanBytesFn plan_bytes, const void* ctx, const TrainOptions* o) {
+static void fit_check_plan(const Backend* be, const MemPlan* plan, PlanBytesFn plan_bytes, const void* ctx, const TrainOptions* o, int world) {
     size_t need = plan_total(plan), avail = backend_free_bytes(be);
     if (need <= avail) return;
     char parts[320] = "", hint[512] = "", a[32], b[32];
@@ -69,12 +71,19 @@ static void fit_check_plan(const Backend* be, const MemPlan* plan, PlanBytesFn p
             snprintf(parts + len, sizeof(parts) - len, "%s%s %s", len ? ", " : "", mem_category_key[c], fit_size(a, sizeof(a), plan->cat_bytes[c]));
         }
     TrainOptions v = *o;
-    fit_suggest(hint, sizeof(hint), "", plan_bytes, ctx, &v, avail);
+    fit_suggest(hint, sizeof(hint), "", plan_bytes, ctx, &v, world, avail);
     int is_lowmem = !strcmp(o->act, "approx") && !strcmp(o->norm, "ms") && !strcmp(o->recompute, "none");
     int is_ckpt = !strcmp(o->act, "exact") && !strcmp(o->norm, "std") && !strcmp(o->recompute, "block");
-    if (!is_lowmem) { v.act = "approx"; v.norm = "ms"; v.recompute = "none"; fit_suggest(hint, sizeof(hint), "--mode lowmem", plan_bytes, ctx, &v, avail); }
-    if (!is_ckpt) { v.act = "exact"; v.norm = "std"; v.recompute = "block"; fit_suggest(hint, sizeof(hint), "--mode ckpt", plan_bytes, ctx, &v, avail); }
-    fail("the memory plan needs %s of GPU memory (%s) but %s is free on GPU %d; would fit: %s%s", fit_size(a, sizeof(a), need), parts,
-         fit_size(b, sizeof(b), avail), be->device, hint,
-         o->full ? " (full fine-tuning: ranks under mpirun divide the optimizer state, and on train_llama the fp32 master)" : "");
+    if (!is_lowmem) { v.act = "approx"; v.norm = "ms"; v.recompute = "none"; fit_suggest(hint, sizeof(hint), "--mode lowmem", plan_bytes, ctx, &v, world, avail); }
+    if (!is_ckpt) { v.act = "exact"; v.norm = "std"; v.recompute = "block"; fit_suggest(hint, sizeof(hint), "--mode ckpt", plan_bytes, ctx, &v, world, avail); }
+    if (o->full) {  // ZeRO-1 divides the optimizer state (and on train_llama the fp32 master) by the ranks
+        for (int w = 2 * world; w <= 4096; w *= 2)
+            if (plan_bytes(ctx, o, o->batch, w) <= avail) {
+                size_t len = strlen(hint);
+                snprintf(hint + len, sizeof(hint) - len, "; these flags on %d ranks (ZeRO-1 shards; --dry-run --ranks N plans them)", w);
+                break;
+            }
+    }
+    fail("the memory plan needs %s of GPU memory (%s) but %s is free on GPU %d; would fit: %s", fit_size(a, sizeof(a), need), parts,
+         fit_size(b, sizeof(b), avail), be->device, hint);
 }

@@ -36,6 +36,7 @@ typedef struct {
     // system
     const char* device;
     int seed, threads, dry_run, json;
+    int ranks;              // --dry-run: plan one rank of this many (0: the launch's)
     int random_init;        // benchmark: random frozen weights of config.json's shapes, no weight file
     // generation (text models)
     int generate;
@@ -115,6 +116,7 @@ static void train_flags_register_task(FlagTable* t, TrainOptions* o, const char*
     flag_int(t, "threads", &o->threads, "CPU threads (0 = all cores)");
     flag_bool(t, "dry-run", &o->dry_run, "print the memory plan for the config and exit (no weights read, nothing allocated)");
     flag_bool(t, "json", &o->json, "with --dry-run: print the plan as JSON");
+    flag_int(t, "ranks", &o->ranks, "with --dry-run: plan one of N data-parallel ranks (ZeRO-1 under --full) without launching them");
     if (!text) return;
     t->group = "generation";
     flag_int(t, "generate", &o->generate, "after training (or alone, without --data), sample N tokens");
@@ -200,6 +202,8 @@ static void train_parse_flags(FlagTable* t, TrainOptions* o, int argc, char** ar
     train_validate(o);
     if (!o->model_dir) fail("flag --model is required (a model directory with config.json and model.safetensors)");
     if (o->json && !o->dry_run) fail("flag --json: only valid with --dry-run");
+    if (o->ranks < 0) fail("flag --ranks: expected >= 1, got %d", o->ranks);
+    if (o->ranks && !o->dry_run) fail("flag --ranks: only valid with --dry-run (mpirun -np N launches the ranks)");
 }
 
 // The run-level checks and setup shared by the trainers (after the dry-run branch): flags that

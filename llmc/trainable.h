@@ -24,10 +24,12 @@
 #endif
 
 // One range [lo, hi) of the arena whose gradients cross ranks together. Under ZeRO-1 each bucket is
-// split into world equal pieces and rank r updates piece r, [lo + r*piece, lo + (r+1)*piece); its
-// pieces sit in the rank's shard arrays in arena order, this one from shard_off = lo / world on.
-// So a bucket can be reduce-scattered as soon as the backward has finished it, and the optimizer
-// state still divides by the number of ranks.
+// split into world equal pieces and rank r updates piece r, [lo + r*piece, lo + (r+1)*piece): the
+// bucket is reduce-scattered in place (rank r's piece of the sum lands on its own piece of the
+// gradient arena, so no separate shard of the gradient is kept), and the piece's AdamW moments
+// (and a sharded master) sit in the rank's shard arrays in arena order, from shard_off = lo / world
+// on. So a bucket can go as soon as the backward has finished it, and the optimizer state still
+// divides by the number of ranks.
 typedef struct {
     int64_t lo, hi, shard_off;
 } GradBucket;
@@ -43,7 +45,6 @@ typedef struct {
     float *params, *grads;     // count values (padded to world * shard under ZeRO-1); params: shard
                                // values when master_sharded
     float *adam_m, *adam_v;    // shard values: the moments of the part this rank updates
-    float* grad_shard;         // ZeRO-1: this rank's shard of the summed gradient
     int64_t count, shard, padded;
     int zero1, rank, world;
     int master_sharded;        // params holds this rank's pieces only (in shard order, like adam_m)
@@ -84,7 +85,6 @@ static void trainable_plan(Trainable* tr, MemPlan* p, const char* module, int64_
     plan_add(p, MEM_GRADS, module, -1, "grads", padded * 4, &tr->grads);
     plan_add(p, MEM_OPTIM, module, -1, "adam_m", tr->shard * 4, &tr->adam_m);
     plan_add(p, MEM_OPTIM, module, -1, "adam_v", tr->shard * 4, &tr->adam_v);
-    if (tr->zero1) plan_add(p, MEM_SCRATCH, module, -1, "grad_shard", tr->shard * 4, &tr->grad_shard);
     if (be && be->cuda) {
         plan_add(p, MEM_TRAINABLE, module, -1, "params_bf16", padded * 2, &tr->params16);
 #ifdef LLMC_HAVE_CUDA
@@ -241,7 +241,8 @@ static int trainable_uses_buckets(const Trainable* tr, const Dist* dist) {
 
 #ifdef LLMC_HAVE_CUDA
 static void bucket_sum_device(Trainable* tr, const Dist* dist, const GradBucket* b, cudaStream_t st) {
-    if (tr->zero1) dist_reduce_scatter_sum_f32_device(dist, tr->grads + b->lo, tr->grad_shard + b->shard_off, bucket_piece(tr, b), st);
+    int64_t n = bucket_piece(tr, b);
+    if (tr->zero1) dist_reduce_scatter_sum_f32_device(dist, tr->grads + b->lo, tr->grads + b->lo + tr->rank * n, n, st);
     else dist_allreduce_sum_f32_device(dist, tr->grads + b->lo, b->hi - b->lo, st);
 }
 
@@ -271,7 +272,7 @@ static void trainable_send_buckets_device(Trainable* tr, const Dist* dist, int64
 static void trainable_send_buckets_host(Trainable* tr, const Dist* dist) {
     for (; tr->next_bucket < tr->n_buckets; tr->next_bucket++) {
         const GradBucket* b = &tr->buckets[tr->next_bucket];
-        if (tr->zero1) dist_reduce_scatter_sum_f32(dist, tr->grads + b->lo, tr->grad_shard + b->shard_off, bucket_piece(tr, b));
+        if (tr->zero1) dist_reduce_scatter_sum_f32_inplace(dist, tr->grads + b->lo, bucket_piece(tr, b));
         else dist_allreduce_sum_f32(dist, tr->grads + b->lo, b->hi - b->lo);
     }
 }
@@ -308,9 +309,9 @@ static void trainable_print_parallel(const Trainable* tr, const Dist* dist) {
 // The step's pieces on the arrays' backend (CUDA kernels, or the CPU twins).
 
 // The locally accumulated gradients summed across ranks: the buckets not sent during the backward
-// go now, and those that were are waited for. Returns what this rank updates from: all the
-// gradients, or under ZeRO-1 its shard of them.
-static float* trainable_sum_grads(Trainable* tr, const Dist* dist) {
+// go now, and those that were are waited for. Afterwards this rank's part of the gradient arena
+// (all of it, or under ZeRO-1 its piece of every bucket) holds the sum.
+static void trainable_sum_grads(Trainable* tr, const Dist* dist) {
     int dev = trainable_on_device(tr);
     if (dist_sums_grads(dist)) {
 #ifdef LLMC_HAVE_CUDA
@@ -326,21 +327,42 @@ static float* trainable_sum_grads(Trainable* tr, const Dist* dist) {
     }
     tr->buckets_armed = 0;
     tr->next_bucket = 0;
-    return tr->zero1 ? tr->grad_shard : tr->grads;
 }
 
-static double trainable_sum_squares(const Trainable* tr, const float* g) {
-#ifdef LLMC_HAVE_CUDA
-    if (trainable_on_device(tr)) return sum_squares_cuda(g, tr->shard, tr->sumsq_scratch, tr->be->stream);
-#endif
-    return sum_squares(g, tr->shard);
+// The part of the gradient arena this rank updates, as ranges: bucket b's piece under ZeRO-1
+// (b < n_buckets), else the whole arena (b == 0). Returns the count of values, *g their start.
+static int trainable_own_ranges(const Trainable* tr) { return tr->zero1 ? tr->n_buckets : 1; }
+static int64_t trainable_own_range(const Trainable* tr, int b, float** g) {
+    if (!tr->zero1) { *g = tr->grads; return tr->count; }
+    int64_t n = bucket_piece(tr, &tr->buckets[b]);
+    *g = tr->grads + tr->buckets[b].lo + tr->rank * n;
+    return n;
 }
 
-static void trainable_scale(const Trainable* tr, float* g, float s) {
+// Sum of squares of this rank's summed gradients (one bucket's piece at a time, in a fixed order,
+// so it does not depend on timing).
+static double trainable_sum_squares(const Trainable* tr) {
+    double s = 0.0;
+    for (int b = 0; b < trainable_own_ranges(tr); b++) {
+        float* g;
+        int64_t n = trainable_own_range(tr, b, &g);
 #ifdef LLMC_HAVE_CUDA
-    if (trainable_on_device(tr)) { scale_inplace_cuda(g, tr->shard, s, tr->be->stream); return; }
+        if (trainable_on_device(tr)) { s += sum_squares_cuda(g, n, tr->sumsq_scratch, tr->be->stream); continue; }
 #endif
-    scale_inplace(g, tr->shard, s);
+        s += sum_squares(g, n);
+    }
+    return s;
+}
+
+static void trainable_scale(const Trainable* tr, float s) {
+    for (int b = 0; b < trainable_own_ranges(tr); b++) {
+        float* g;
+        int64_t n = trainable_own_range(tr, b, &g);
+#ifdef LLMC_HAVE_CUDA
+        if (trainable_on_device(tr)) { scale_inplace_cuda(g, n, s, tr->be->stream); continue; }
+#endif
+        scale_inplace(g, n, s);
+    }
 }
 
 static void trainable_adamw(const Trainable* tr, float* p, const float* g, float* m, float* v, int64_t n, float lr, float weight_decay, int t) {
@@ -360,25 +382,26 @@ static void trainable_allgather_bucket(const Trainable* tr, const Dist* dist, co
     dist_allgather_f32(dist, tr->params + b->lo, bucket_piece(tr, b));
 }
 
-// ZeRO-1's update of this rank's piece of bucket b (g, adam_m, adam_v: shard arrays): the fp32
-// values are at b->shard_off of the sharded master, else in place in the whole parameters; a
-// sharded master's piece is cast into its place in the bf16 shadow for the all-gather.
-static void trainable_update_piece(const Trainable* tr, const GradBucket* b, const float* g, float lr, float weight_decay, int t) {
-    int64_t n = bucket_piece(tr, b), o = b->shard_off;
-    float* p = tr->master_sharded ? tr->params + o : tr->params + b->lo + tr->rank * n;
-    trainable_adamw(tr, p, g + o, tr->adam_m + o, tr->adam_v + o, n, lr, weight_decay, t);
+// ZeRO-1's update of this rank's piece of bucket b: its summed gradient is in place in the
+// gradient arena, its moments at b->shard_off of the shard arrays, its fp32 values there too in a
+// sharded master, else in place in the whole parameters; a sharded master's piece is cast into its
+// place in the bf16 shadow for the all-gather.
+static void trainable_update_piece(const Trainable* tr, const GradBucket* b, float lr, float weight_decay, int t) {
+    int64_t n = bucket_piece(tr, b), o = b->shard_off, at = b->lo + tr->rank * n;
+    float* p = tr->master_sharded ? tr->params + o : tr->params + at;
+    trainable_adamw(tr, p, tr->grads + at, tr->adam_m + o, tr->adam_v + o, n, lr, weight_decay, t);
 #ifdef LLMC_HAVE_CUDA
     if (tr->master_sharded) cast_f32_to_bf16_cuda((bf16*)tr->params16 + b->lo + tr->rank * n, p, n, tr->be->stream);
 #endif
 }
 
-// AdamW on this rank's part (g: shard values; under ZeRO-1 its piece of every bucket), then every
-// rank gets every updated piece (ZeRO-1) and, on CUDA, the bf16 shadow is refreshed. Returns the
-// seconds of communication.
-static double trainable_update(Trainable* tr, const Dist* dist, float* g, float lr, float weight_decay, int t) {
+// AdamW on this rank's part (under ZeRO-1 its piece of every bucket), then every rank gets every
+// updated piece (ZeRO-1) and, on CUDA, the bf16 shadow is refreshed. Returns the seconds of
+// communication.
+static double trainable_update(Trainable* tr, const Dist* dist, float lr, float weight_decay, int t) {
     tr->host_current = !trainable_on_device(tr);
-    if (!tr->zero1) trainable_adamw(tr, tr->params, g, tr->adam_m, tr->adam_v, tr->count, lr, weight_decay, t);
-    for (int i = 0; tr->zero1 && i < tr->n_buckets; i++) trainable_update_piece(tr, &tr->buckets[i], g, lr, weight_decay, t);
+    if (!tr->zero1) trainable_adamw(tr, tr->params, tr->grads, tr->adam_m, tr->adam_v, tr->count, lr, weight_decay, t);
+    for (int i = 0; tr->zero1 && i < tr->n_buckets; i++) trainable_update_piece(tr, &tr->buckets[i], lr, weight_decay, t);
     double comm = 0.0;
     if (tr->zero1) {
         double t0 = wall_seconds();
@@ -409,9 +432,9 @@ static OptimStep trainable_step(Trainable* tr, const TrainOptions* o, const Dist
     OptimStep r;
     memset(&r, 0, sizeof(r));
     double t = wall_seconds();
-    float* g = trainable_sum_grads(tr, dist);
+    trainable_sum_grads(tr, dist);
     r.comm_s = wall_seconds() - t;
-    double ss = trainable_sum_squares(tr, g);
+    double ss = trainable_sum_squares(tr);
     t = wall_seconds();
     if (tr->zero1) dist_allreduce_sum_f64(dist, &ss, 1);
     r.comm_s += wall_seconds() - t;
@@ -425,8 +448,8 @@ static OptimStep trainable_step(Trainable* tr, const TrainOptions* o, const Dist
         r.skipped = 1;
         return r;
     }
-    if (o->grad_clip > 0 && r.grad_norm > o->grad_clip) trainable_scale(tr, g, o->grad_clip / r.grad_norm);
-    r.comm_s += trainable_update(tr, dist, g, r.lr, o->weight_decay, step + 1);
+    if (o->grad_clip > 0 && r.grad_norm > o->grad_clip) trainable_scale(tr, o->grad_clip / r.grad_norm);
+    r.comm_s += trainable_update(tr, dist, r.lr, o->weight_decay, step + 1);
     return r;
 }
 

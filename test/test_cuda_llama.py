@@ -360,7 +360,9 @@ def test_cuda_bad_inputs_fail_cleanly(tmp_path):
         (big / "config.json").write_text(json.dumps(cfg))
         p = run([need(CUDA_TRAIN)] + DEMO + ["--model", big, "--random-init", "--device", "cuda", "--full", "--steps", 1], check=False)
         assert p.returncode == 1 and p.stderr.count("\n") == 1, p.stderr
-        assert "would fit: not even --batch 1; --mode ckpt: not even --batch 1 (full fine-tuning: ranks under mpirun divide" in p.stderr
+        assert "would fit: not even --batch 1; --mode ckpt: not even --batch 1; these flags on 2 ranks (ZeRO-1 shards" in p.stderr, p.stderr
+        dry = run([need(CUDA_TRAIN)] + DEMO + ["--model", big, "--device", "cuda", "--full", "--dry-run", "--json", "--ranks", 2]).stdout
+        assert json.loads(dry)["total_bytes"] <= 80 << 30
     p = run([CPU_TRAIN] + DEMO + ["--device", "cuda", "--steps", 1], check=False)
     if not GPU:  # the CPU machine's nvcc build has the backend but no GPU; a g++ build has no backend
         assert p.returncode != 0 and "--device cuda" in p.stderr and p.stderr.count("\n") == 1

@@ -159,6 +159,26 @@ def test_dry_run_ckpt_and_product_switch(tmp_path):
     assert cpu["device"] == "cpu" and cpu["per_block"]["qkv_input"] == 4 * d * N
 
 
+def test_dry_run_ranks_plans_one_zero1_rank(tmp_path):
+    """--dry-run --ranks N plans one of N ranks without launching them: under --full on CUDA,
+    ZeRO-1 divides the AdamW moments and the fp32 master by N (the bf16 weights and the fp32
+    gradient stay whole), per weight 2 + 4 + 12/N bytes; on the CPU the master stays whole."""
+    d, f, V, L = 4096, 11008, 32000, 32
+    n = 2 * V * d + d + L * (4 * d * d + 3 * d * f)  # embedding, head, final norm, 7 linears per block (MS merges the rest)
+    one = dry_run(tmp_path, LLAMA2_7B, "--full", "--batch", 1, "--seq", 256)
+    for ranks in (2, 8):
+        r = dry_run(tmp_path, LLAMA2_7B, "--full", "--batch", 1, "--seq", 256, "--ranks", ranks)
+        shard = -(-n // ranks)
+        assert abs(r["categories"]["optimizer"] - 8 * shard) < 256 and abs(one["categories"]["optimizer"] - 8 * n) < 256
+        assert abs(r["categories"]["trainable"] - (2 * shard * ranks + 4 * shard)) < 256  # bf16 whole (padded), fp32 shard
+        assert abs(r["categories"]["grads"] - 4 * shard * ranks) < 256
+        assert r["categories"]["saved"] == one["categories"]["saved"]
+    cpu = dry_run(tmp_path, LLAMA2_7B, "--full", "--batch", 1, "--seq", 256, "--ranks", 8, "--device", "cpu")
+    assert abs(cpu["categories"]["trainable"] - 4 * 8 * (-(-n // 8))) < 256
+    p = run(["--model", tmp_path / "cfg", "--ranks", 2], check=False)
+    assert p.returncode == 1 and "flag --ranks: only valid with --dry-run" in p.stderr
+
+
 # ---- the real pretrained model ---------------------------------------------------------------
 
 def test_stories260k_generates(tmp_path):
