@@ -294,8 +294,9 @@ static void trainable_grads_final_from(Trainable* tr, const Dist* dist, int64_t 
 #endif
 }
 
-// The start-up line about data parallelism (rank 0, more than one rank): what sums the gradients,
-// in how many buckets and when, and whether the AdamW state is sharded.
+// The start-up line about data parallelism (rank 0, when gradients cross ranks: more than one,
+// or the one-rank NCCL self-test): what sums the gradients, in how many buckets and when, and
+// what ZeRO-1 shards.
 static void trainable_print_parallel(const Trainable* tr, const Dist* dist) {
     if (!dist_sums_grads(dist)) return;
     int dev = trainable_on_device(tr);
