@@ -1493,35 +1493,6 @@ static size_t vit_plan_bytes(const void* ctx, const TrainOptions* o, int batch, 
     return bytes;
 }
 
-// --dry-run: the plan of the run these flags describe, and the baseline plan beside it.
-// Under mpirun, or for --ranks N, the plan is per rank (ZeRO-1 under --full).
-static void vit_dry_run(const VitConfig* cfg, const TrainOptions* o, VitModes md, const Dist* dist) {
-    int cpu = strcmp(o->device, "cpu") == 0;  // a dry run plans the CUDA layout unless told otherwise
-    Backend be = backend_for_plan(!cpu);
-    Dist ranks = dist_for_plan(dist, o->ranks ? o->ranks : dist->world);
-    int h, w, classes = o->classes > 0 ? o->classes : 10;
-    vit_resolution(cfg, o->image_size, &h, &w);
-    Vit m, base;
-    vit_setup(&m, cfg, &md, o->batch, h, w, classes, 0, &be, &ranks);
-    VitModes bm = baseline_modes(md);
-    vit_setup(&base, cfg, &bm, o->batch, h, w, classes, 0, &be, NULL);
-    if (o->json) {
-        char s[768];
-        print_settings_json(s, sizeof(s), o, &m, cpu ? "cpu" : "cuda");
-        plan_json(stdout, &m.plan, &base.plan, s);
-    } else {
-        printf("train_vit dry run: d=%d f=%d layers=%d heads=%d, image %dx%d patch %dx%d (%d tokens), %d classes, batch %d, ", cfg->dim,
-               cfg->hidden, cfg->layers, cfg->heads, h, w, cfg->patch_h, cfg->patch_w, m.T, classes, o->batch);
-        if (o->full) printf("full fine-tuning");
-        else printf("LoRA r=%d on %s", o->lora_rank, o->lora_targets ? o->lora_targets : "all");
-        if (ranks.world > 1) printf(", one of %d ranks", ranks.world);
-        printf("\n");
-        plan_print(&m.plan, &base.plan, o->mode, be.layout);
-    }
-    vit_free(&m);
-    vit_free(&base);
-}
-
 typedef struct {           // what a run reads besides the model
     ImageShard train, val;
     ImageLoader tl, vl;
@@ -1561,6 +1532,42 @@ static int64_t run_data_src_bytes(const RunData* rd) {
 static void run_data_close(RunData* rd) {
     if (rd->have_train) { image_loader_free(&rd->tl); image_shard_free(&rd->train); }
     if (rd->have_val) { image_loader_free(&rd->vl); image_shard_free(&rd->val); }
+}
+
+// --dry-run: the plan of the run these flags describe, and the baseline plan beside it (with
+// --data or --val, for their class count and image size; else --classes or 10). Under mpirun, or for --ranks N, the plan is per rank (ZeRO-1 under --full).
+static void vit_dry_run(const VitConfig* cfg, const TrainOptions* o, VitModes md, const Dist* dist) {
+    int cpu = strcmp(o->device, "cpu") == 0;  // a dry run plans the CUDA layout unless told otherwise
+    Backend be = backend_for_plan(!cpu);
+    Dist ranks = dist_for_plan(dist, o->ranks ? o->ranks : dist->world);
+    int h, w, classes = o->classes > 0 ? o->classes : 10;
+    int64_t src_bytes = 0;
+    vit_resolution(cfg, o->image_size, &h, &w);
+    if (o->data_path || o->val_path) {  // the shards' class count and image size, as a run has them
+        RunData rd;
+        run_data_open(&rd, o, cfg, h, w, &classes);
+        src_bytes = run_data_src_bytes(&rd);
+        run_data_close(&rd);
+    }
+    Vit m, base;
+    vit_setup(&m, cfg, &md, o->batch, h, w, classes, src_bytes, &be, &ranks);
+    VitModes bm = baseline_modes(md);
+    vit_setup(&base, cfg, &bm, o->batch, h, w, classes, src_bytes, &be, NULL);
+    if (o->json) {
+        char s[768];
+        print_settings_json(s, sizeof(s), o, &m, cpu ? "cpu" : "cuda");
+        plan_json(stdout, &m.plan, &base.plan, s);
+    } else {
+        printf("train_vit dry run: d=%d f=%d layers=%d heads=%d, image %dx%d patch %dx%d (%d tokens), %d classes, batch %d, ", cfg->dim,
+               cfg->hidden, cfg->layers, cfg->heads, h, w, cfg->patch_h, cfg->patch_w, m.T, classes, o->batch);
+        if (o->full) printf("full fine-tuning");
+        else printf("LoRA r=%d on %s", o->lora_rank, o->lora_targets ? o->lora_targets : "all");
+        if (ranks.world > 1) printf(", one of %d ranks", ranks.world);
+        printf("\n");
+        plan_print(&m.plan, &base.plan, o->mode, be.layout);
+    }
+    vit_free(&m);
+    vit_free(&base);
 }
 
 static void vit_train(Vit* m, RunData* rd, const TrainOptions* o, const Dist* dist) {
