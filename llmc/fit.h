@@ -1,4 +1,6 @@
-// fit.h: whether a run's memory plan fits the GPU, checked before anything is allocated, and when
+// fit.h: whether a run's memory plan fits the GPU (or, on the CPU backend, the host's available
+// memory, where Linux would otherwise let the run start and kill it later), checked before
+// anything is allocated, and when
 // it does not, what would: the largest --batch that fits with the run's own flags, with
 // --mode lowmem and with --mode ckpt (each found by planning, which allocates nothing), with the
 // --grad-accum that keeps the tokens or images per step, and under --full the fewest ranks
@@ -14,7 +16,9 @@
 // `batch` over `world` ranks (the model is set up, planned and freed; nothing is allocated).
 typedef size_t (*PlanBytesFn)(const void* ctx, const TrainOptions* o, int batch, int world);
 
-// Free device memory in bytes (SIZE_MAX on the CPU, where the check does not apply).
+// Memory the plan may take, in bytes: the GPU's free memory, or on the CPU the kernel's estimate
+// of what can be allocated without swapping (MemAvailable in /proc/meminfo; SIZE_MAX when there
+// is none, and the check then passes). LLMC_HOST_MEMORY_BYTES replaces the host's figure (tests).
 static size_t backend_free_bytes(const Backend* be) {
 #ifdef LLMC_HAVE_CUDA
     if (be->cuda) {
@@ -24,7 +28,16 @@ static size_t backend_free_bytes(const Backend* be) {
     }
 #endif
     (void)be;
-    return SIZE_MAX;
+    const char* e = getenv("LLMC_HOST_MEMORY_BYTES");
+    if (e && atoll(e) > 0) return (size_t)atoll(e);
+    FILE* f = fopen("/proc/meminfo", "r");
+    if (!f) return SIZE_MAX;
+    char line[256];
+    unsigned long long kb = 0;
+    int found = 0;
+    while (!found && fgets(line, sizeof(line), f)) found = sscanf(line, "MemAvailable: %llu kB", &kb) == 1;
+    fclose(f);
+    return found ? (size_t)kb * 1024 : SIZE_MAX;
 }
 
 // The largest micro-batch up to `most` whose plan under o's switches fits `avail` bytes, or 0.
@@ -59,8 +72,8 @@ static const char* fit_size(char* buf, size_t n, size_t bytes) {
     return buf;
 }
 
-// Fails (one line) when `plan` needs more than the device has free: what the plan needs by
-// category, what is free, and what would fit.
+// Fails (one line) when `plan` needs more than the device has free (the host has available):
+// what the plan needs by category, what is free, and what would fit.
 static void fit_check_plan(const Backend* be, const MemPlan* plan, PlanBytesFn plan_bytes, const void* ctx, const TrainOptions* o, int world) {
     size_t need = plan_total(plan), avail = backend_free_bytes(be);
     if (need <= avail) return;
@@ -84,6 +97,9 @@ static void fit_check_plan(const Backend* be, const MemPlan* plan, PlanBytesFn p
                 break;
             }
     }
-    fail("the memory plan needs %s of GPU memory (%s) but %s is free on GPU %d; would fit: %s", fit_size(a, sizeof(a), need), parts,
-         fit_size(b, sizeof(b), avail), be->device, hint);
+    char where[64];
+    if (be->cuda) snprintf(where, sizeof(where), "is free on GPU %d", be->device);
+    else snprintf(where, sizeof(where), "is available (%s)", getenv("LLMC_HOST_MEMORY_BYTES") ? "LLMC_HOST_MEMORY_BYTES" : "MemAvailable");
+    fail("the memory plan needs %s of %s memory (%s) but %s %s; would fit: %s", fit_size(a, sizeof(a), need), be->cuda ? "GPU" : "host", parts,
+         fit_size(b, sizeof(b), avail), where, hint);
 }

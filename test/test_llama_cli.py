@@ -390,3 +390,20 @@ def test_log_reports_mfu_from_the_model_flops(full):
     for toks, mfu in steps:
         got = float(mfu) / 100 * 1e8 / int(toks)
         assert abs(got / want - 1) < 0.5 / int(toks) + 0.005, (got, want)  # the rate is printed rounded
+
+
+def test_plan_bigger_than_host_memory_is_refused_with_what_fits():
+    """On the CPU backend the plan is checked against the host's available memory (here pretended
+    64 MiB by LLMC_HOST_MEMORY_BYTES) before anything is allocated, so the kernel never kills
+    the run later: one line naming the largest --batch that fits, which --dry-run confirms."""
+    args = ["--model", os.path.join(REPO, "data", "llama_demo"), "--data", os.path.join(REPO, "data", "llama_demo_ft_train.bin"),
+            "--steps", 1, "--seq", 128, "--device", "cpu"]
+    p = subprocess.run([BIN] + [str(a) for a in args + ["--batch", 512]], capture_output=True, text=True, timeout=60,
+                       env=dict(ENV, LLMC_HOST_MEMORY_BYTES=str(64 << 20)))
+    err = p.stderr
+    assert p.returncode == 1 and err.count("\n") == 1, err
+    assert "of host memory" in err and "but 64.0 MiB is available (LLMC_HOST_MEMORY_BYTES)" in err, err
+    b, accum = (int(x) for x in re.search(r"would fit: --batch (\d+) --grad-accum (\d+);", err).groups())
+    plan = lambda batch: json.loads(run(args + ["--dry-run", "--json", "--batch", batch]).stdout)["total_bytes"]  # noqa: E731
+    assert plan(b) <= 64 << 20 < plan(b + 1)
+    assert b * accum >= 512 > b * (accum - 1)
