@@ -563,10 +563,15 @@ static void block_forward(Llama* m, int l, void* x, BlockActs* a, int B, int T, 
 }
 
 // Embedding and all blocks over the uploaded batch; leaves the final norm's input in m->resid.
+// Each part first waits for its weights' all-gather when ZeRO-1 overlaps it with this forward
+// (the embedding, head and final norm lie below the first block in the arena).
 static void llama_forward_blocks(Llama* m, int B, int T, const KVCache* kv) {
     int64_t N = (int64_t)B * T;
+    int layers = m->cfg.layers;
+    trainable_weights_ready(&m->tr, 0, m->layer_off[0]);
     op_embed(m->be, m->resid, m->embed, m->inputs, N, m->cfg.dim);
-    for (int l = 0; l < m->cfg.layers; l++) {
+    for (int l = 0; l < layers; l++) {
+        trainable_weights_ready(&m->tr, m->layer_off[l], l + 1 < layers ? m->layer_off[l + 1] : m->tr.padded);
         if (m->modes.ckpt) op_copy(m->be, m->ckpt[l], m->resid, N * m->cfg.dim);
         block_forward(m, l, m->resid, &m->acts[l], B, T, kv);
     }

@@ -64,6 +64,14 @@ typedef struct {
 #ifdef LLMC_HAVE_CUDA
     cudaStream_t comm;                // NCCL buckets run here, overlapping the rest of the backward
     cudaEvent_t grads_ready, comm_done;
+    // A sharded master with NCCL: the all-gather of the updated bf16 weights runs on the comm
+    // stream too, bucket by bucket in forward order, overlapping the next forward, which waits for
+    // each bucket's event (trainable_weights_ready) before its blocks read the weights.
+    cudaEvent_t updated;              // the optimizer's casts into the shadow are done
+    cudaEvent_t* gathered;            // [n_gathered == n_buckets]: bucket i's all-gather is done
+    int n_gathered;
+    unsigned char* awaited;           // [n_buckets]: the compute stream waits for it already
+    int gathers_pending;              // some bucket is not awaited yet
 #endif
 } Trainable;
 
@@ -144,6 +152,29 @@ static void trainable_shard_to_arena(const Trainable* tr, const float* shard, fl
     }
 }
 
+// Before the compute stream reads the bf16 weights in arena range [lo, hi): it waits for the
+// all-gathers of the buckets holding them, when some are still pending (a sharded master with
+// NCCL). A model whose master is sharded calls it per block in its forward; whatever else writes
+// or reads the whole shadow calls trainable_weights_ready_all.
+static void trainable_weights_ready(Trainable* tr, int64_t lo, int64_t hi) {
+#ifdef LLMC_HAVE_CUDA
+    if (!tr->gathers_pending) return;
+    int left = 0;
+    for (int i = 0; i < tr->n_buckets; i++) {
+        const GradBucket* b = &tr->buckets[i];
+        if (!tr->awaited[i] && b->lo < hi && lo < b->hi) {
+            CUDA_CHECK(cudaStreamWaitEvent(tr->be->stream, tr->gathered[i], 0));
+            tr->awaited[i] = 1;
+        }
+        left += !tr->awaited[i];
+    }
+    tr->gathers_pending = left > 0;
+#else
+    (void)tr; (void)lo; (void)hi;
+#endif
+}
+static void trainable_weights_ready_all(Trainable* tr) { trainable_weights_ready(tr, 0, tr->padded); }
+
 // After the arenas exist: the host mirror (the arrays themselves on the CPU; padded like the
 // gradients, so that the padding of the pieces reads as zeros). One bucket until the model says
 // where its blocks start (trainable_plan_buckets).
@@ -163,9 +194,15 @@ static void trainable_free_host(Trainable* tr) {
     tr->n_buckets = 0;
 #ifdef LLMC_HAVE_CUDA
     if (tr->comm) {
+        CUDA_CHECK(cudaStreamDestroy(tr->comm));  // after what it still holds has run
         CUDA_CHECK(cudaEventDestroy(tr->grads_ready));
         CUDA_CHECK(cudaEventDestroy(tr->comm_done));
-        CUDA_CHECK(cudaStreamDestroy(tr->comm));
+        CUDA_CHECK(cudaEventDestroy(tr->updated));
+        for (int i = 0; tr->gathered && i < tr->n_gathered; i++) CUDA_CHECK(cudaEventDestroy(tr->gathered[i]));
+        free(tr->gathered);
+        free(tr->awaited);
+        tr->gathered = NULL;
+        tr->awaited = NULL;
         tr->comm = NULL;
     }
 #endif
@@ -189,6 +226,7 @@ static float* trainable_bind_tensor(const Trainable* tr, int64_t* off, int64_t n
 // mirror staged in the gradient arena (as large, and zeroed again here: a step starts from zero).
 static void trainable_to_device(Trainable* tr) {
     if (!trainable_on_device(tr)) return;
+    trainable_weights_ready_all(tr);
     tr->host_current = 1;
 #ifdef LLMC_HAVE_CUDA
     if (!tr->master_sharded) {
@@ -249,17 +287,26 @@ static void bucket_sum_device(Trainable* tr, const Dist* dist, const GradBucket*
 // Sends the buckets not yet sent whose gradients all lie at or above offset `lo`: with NCCL on the
 // comm stream, after the compute stream has written them (so the kernels queued next on the
 // compute stream overlap the transfer); else through the host, at once.
+// The comm stream and its events, made on first use (runs without NCCL never need them).
+static void trainable_comm_init(Trainable* tr) {
+    if (tr->comm) return;
+    CUDA_CHECK(cudaStreamCreateWithFlags(&tr->comm, cudaStreamNonBlocking));
+    CUDA_CHECK(cudaEventCreateWithFlags(&tr->grads_ready, cudaEventDisableTiming));
+    CUDA_CHECK(cudaEventCreateWithFlags(&tr->comm_done, cudaEventDisableTiming));
+    CUDA_CHECK(cudaEventCreateWithFlags(&tr->updated, cudaEventDisableTiming));
+    tr->n_gathered = tr->n_buckets;
+    tr->gathered = (cudaEvent_t*)xcalloc(tr->n_buckets + 1, sizeof(cudaEvent_t));
+    tr->awaited = (unsigned char*)xcalloc(tr->n_buckets + 1, 1);
+    for (int i = 0; i < tr->n_buckets; i++) CUDA_CHECK(cudaEventCreateWithFlags(&tr->gathered[i], cudaEventDisableTiming));
+}
+
 static void trainable_send_buckets_device(Trainable* tr, const Dist* dist, int64_t lo) {
     int first = tr->next_bucket;
     while (tr->next_bucket < tr->n_buckets && tr->buckets[tr->next_bucket].lo >= lo) tr->next_bucket++;
     if (first == tr->next_bucket) return;
     cudaStream_t st = tr->be->stream;
     if (dist_has_nccl(dist)) {
-        if (!tr->comm) {
-            CUDA_CHECK(cudaStreamCreateWithFlags(&tr->comm, cudaStreamNonBlocking));
-            CUDA_CHECK(cudaEventCreateWithFlags(&tr->grads_ready, cudaEventDisableTiming));
-            CUDA_CHECK(cudaEventCreateWithFlags(&tr->comm_done, cudaEventDisableTiming));
-        }
+        trainable_comm_init(tr);
         CUDA_CHECK(cudaEventRecord(tr->grads_ready, st));
         CUDA_CHECK(cudaStreamWaitEvent(tr->comm, tr->grads_ready, 0));
         st = tr->comm;
@@ -304,7 +351,8 @@ static void trainable_print_parallel(const Trainable* tr, const Dist* dist) {
            tr->zero1 ? "reduce-scattered" : "summed", dev ? dist_gpu_collectives(dist) : "MPI", tr->n_buckets, tr->n_buckets == 1 ? "" : "s",
            dev ? "during the last backward" : "after the backward",
            tr->zero1 ? "; ZeRO-1: each rank updates its piece of every bucket, then all-gathers" : "",
-           tr->master_sharded ? " the bf16 weights (fp32 master sharded too)" : "");
+           !tr->master_sharded ? "" : dev && dist_has_nccl(dist) ? " the bf16 weights during the next forward (fp32 master sharded too)"
+                                                                 : " the bf16 weights (fp32 master sharded too)");
 }
 
 // The step's pieces on the arrays' backend (CUDA kernels, or the CPU twins).
@@ -396,13 +444,35 @@ static void trainable_update_piece(const Trainable* tr, const GradBucket* b, flo
 #endif
 }
 
+#ifdef LLMC_HAVE_CUDA
+// A sharded master with NCCL: the bf16 pieces go to every rank on the comm stream, the bottom
+// bucket first (the order the next forward reads them), each recording its event; the forward
+// waits bucket by bucket (trainable_weights_ready), so the transfer overlaps it.
+static void trainable_allgather_async(Trainable* tr, const Dist* dist) {
+    trainable_comm_init(tr);
+    CUDA_CHECK(cudaEventRecord(tr->updated, tr->be->stream));
+    CUDA_CHECK(cudaStreamWaitEvent(tr->comm, tr->updated, 0));
+    for (int i = tr->n_buckets - 1; i >= 0; i--) {
+        const GradBucket* b = &tr->buckets[i];
+        dist_allgather_bf16_device(dist, (uint16_t*)tr->params16 + b->lo, bucket_piece(tr, b), tr->comm);
+        CUDA_CHECK(cudaEventRecord(tr->gathered[i], tr->comm));
+        tr->awaited[i] = 0;
+    }
+    tr->gathers_pending = 1;
+}
+#endif
+
 // AdamW on this rank's part (under ZeRO-1 its piece of every bucket), then every rank gets every
 // updated piece (ZeRO-1) and, on CUDA, the bf16 shadow is refreshed. Returns the seconds of
-// communication.
+// communication (0 when the all-gather overlaps the next forward).
 static double trainable_update(Trainable* tr, const Dist* dist, float lr, float weight_decay, int t) {
+    trainable_weights_ready_all(tr);  // the last all-gathers still read the pieces about to change
     tr->host_current = !trainable_on_device(tr);
     if (!tr->zero1) trainable_adamw(tr, tr->params, tr->grads, tr->adam_m, tr->adam_v, tr->count, lr, weight_decay, t);
     for (int i = 0; tr->zero1 && i < tr->n_buckets; i++) trainable_update_piece(tr, &tr->buckets[i], lr, weight_decay, t);
+#ifdef LLMC_HAVE_CUDA
+    if (tr->master_sharded && dist_has_nccl(dist)) { trainable_allgather_async(tr, dist); return 0.0; }
+#endif
     double comm = 0.0;
     if (tr->zero1) {
         double t0 = wall_seconds();

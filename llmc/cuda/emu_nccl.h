@@ -151,19 +151,40 @@ static int emu_nccl_overlap(const void* a, size_t an, const void* b, size_t bn) 
 static MPI_Datatype emu_nccl_mpi_type(ncclDataType_t t) { return t == ncclBfloat16 ? MPI_UINT16_T : MPI_FLOAT; }
 #endif
 
-// Issues a collective on `st` (emu.h's streams: run when stream order forces it). Its input is
-// snapshotted now and compared when it runs: a change in between means the buffer was written
+// A collective in flight. It starts when issued, as NCCL's does (a non-blocking MPI call from a
+// snapshot of the input into `out`, so every rank's progress is independent of when its host
+// code waits, as on GPUs), and lands in the receive buffer only when stream order runs it: the
+// snapshot is then compared with the input, whose change in between means the buffer was written
 // while NCCL would be reading it (a race on a GPU).
-static void emu_nccl_issue(cudaStream_t st, const char* call, const void* in, size_t in_bytes, const std::function<void()>& body) {
-    std::shared_ptr<std::vector<char> > snap(new std::vector<char>((const char*)in, (const char*)in + in_bytes));
+typedef struct {
+    std::vector<char> snap, out;
+#ifdef LLMC_HAVE_MPI
+    MPI_Request req;
+#endif
+} EmuNcclFlight;
+
+// Issues a collective on `st` (emu.h's streams): start(f) begins it from f->snap into f->out;
+// when it runs, `land` (bytes of f->out) is copied to `recv`.
+static void emu_nccl_issue(cudaStream_t st, const char* call, const void* in, size_t in_bytes, void* recv, size_t land,
+                           const std::function<void(EmuNcclFlight*)>& start) {
+    std::shared_ptr<EmuNcclFlight> f(new EmuNcclFlight());
+    f->snap.assign((const char*)in, (const char*)in + in_bytes);
+    f->out.resize(land + 1);
+#ifdef LLMC_HAVE_MPI
+    f->req = MPI_REQUEST_NULL;
+#endif
+    start(f.get());
     std::string name(call);
     emu_stream_submit(st, call, [=]() {
-        if (memcmp(snap->data(), in, in_bytes) != 0) {
+#ifdef LLMC_HAVE_MPI
+        if (f->req != MPI_REQUEST_NULL) MPI_Wait(&f->req, MPI_STATUS_IGNORE);  // (one rank: no MPI at all)
+#endif
+        if (memcmp(f->snap.data(), in, in_bytes) != 0) {
             fprintf(stderr, "emu: race: the input of %s changed between its issue and its run on the stream "
                             "(written while NCCL reads it)\n", name.c_str());
             abort();
         }
-        body();
+        memcpy(recv, f->out.data(), land);
     });
 }
 
@@ -172,13 +193,11 @@ static ncclResult_t ncclAllReduce(const void* send, void* recv, size_t count, nc
     if (r != ncclSuccess) return r;
     if (op != ncclSum || type != ncclFloat) return emu_nccl_fail(ncclInvalidArgument, "ncclAllReduce: only fp32 sums are emulated");
     if (send != recv && emu_nccl_overlap(send, count * 4, recv, count * 4)) return emu_nccl_fail(ncclInvalidArgument, "ncclAllReduce: buffers overlap but are not the same");
-    emu_nccl_issue(st, "ncclAllReduce", send, count * 4, [=]() {
-        if (send != recv) memmove(recv, send, count * 4);
+    if (count > (1u << 30)) return emu_nccl_fail(ncclInvalidArgument, "ncclAllReduce: %zu values is beyond the emulation", count);
+    emu_nccl_issue(st, "ncclAllReduce", send, count * 4, recv, count * 4, [=](EmuNcclFlight* f) {
+        memcpy(f->out.data(), f->snap.data(), count * 4);
 #ifdef LLMC_HAVE_MPI
-        for (size_t off = 0; comm->nranks > 1 && off < count; off += (size_t)1 << 28) {
-            size_t n = count - off < ((size_t)1 << 28) ? count - off : ((size_t)1 << 28);
-            MPI_Allreduce(MPI_IN_PLACE, (float*)recv + off, (int)n, MPI_FLOAT, MPI_SUM, comm->mpi);
-        }
+        if (comm->nranks > 1) MPI_Iallreduce(f->snap.data(), f->out.data(), (int)count, MPI_FLOAT, MPI_SUM, comm->mpi, &f->req);
 #endif
     });
     return ncclSuccess;
@@ -195,13 +214,10 @@ static ncclResult_t ncclReduceScatter(const void* send, void* recv, size_t recvc
     if (!in_place && emu_nccl_overlap(send, total * 4, recv, recvcount * 4))
         return emu_nccl_fail(ncclInvalidArgument, "ncclReduceScatter: recvbuff overlaps sendbuff but is not sendbuff + rank * recvcount");
     if (recvcount > (1u << 30)) return emu_nccl_fail(ncclInvalidArgument, "ncclReduceScatter: %zu values per rank is beyond the emulation", recvcount);
-    emu_nccl_issue(st, "ncclReduceScatter", send, total * 4, [=]() {
-        if (comm->nranks == 1) { if (!in_place) memmove(recv, send, recvcount * 4); return; }
+    emu_nccl_issue(st, "ncclReduceScatter", send, total * 4, recv, recvcount * 4, [=](EmuNcclFlight* f) {
+        if (comm->nranks == 1) { memcpy(f->out.data(), f->snap.data(), recvcount * 4); return; }
 #ifdef LLMC_HAVE_MPI
-        float* out = (float*)malloc(recvcount * 4 + 4);
-        MPI_Reduce_scatter_block(send, out, (int)recvcount, MPI_FLOAT, MPI_SUM, comm->mpi);
-        memcpy(recv, out, recvcount * 4);
-        free(out);
+        MPI_Ireduce_scatter_block(f->snap.data(), f->out.data(), (int)recvcount, MPI_FLOAT, MPI_SUM, comm->mpi, &f->req);
 #endif
     });
     return ncclSuccess;
@@ -212,15 +228,17 @@ static ncclResult_t ncclAllGather(const void* send, void* recv, size_t sendcount
     size_t e = emu_nccl_elem_bytes(type), total = sendcount * comm->nranks;
     ncclResult_t r = emu_nccl_enter(comm, "ncclAllGather", 3, send, sendcount, recv, total, sendcount, type);
     if (r != ncclSuccess) return r;
-    char* mine = (char*)recv + (size_t)comm->rank * sendcount * e;
+    const char* mine = (const char*)recv + (size_t)comm->rank * sendcount * e;
     int in_place = (const char*)send == mine;
     if (!in_place && emu_nccl_overlap(send, sendcount * e, recv, total * e))
         return emu_nccl_fail(ncclInvalidArgument, "ncclAllGather: sendbuff overlaps recvbuff but is not recvbuff + rank * sendcount");
     if (sendcount > (1u << 30)) return emu_nccl_fail(ncclInvalidArgument, "ncclAllGather: %zu values per rank is beyond the emulation", sendcount);
-    emu_nccl_issue(st, "ncclAllGather", send, sendcount * e, [=]() {
-        if (!in_place) memmove(mine, send, sendcount * e);
+    emu_nccl_issue(st, "ncclAllGather", send, sendcount * e, recv, total * e, [=](EmuNcclFlight* f) {
+        memcpy(f->out.data() + (size_t)comm->rank * sendcount * e, f->snap.data(), sendcount * e);
 #ifdef LLMC_HAVE_MPI
-        if (comm->nranks > 1) MPI_Allgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, recv, (int)sendcount, emu_nccl_mpi_type(type), comm->mpi);
+        if (comm->nranks > 1)
+            MPI_Iallgather(f->snap.data(), (int)sendcount, emu_nccl_mpi_type(type), f->out.data(), (int)sendcount, emu_nccl_mpi_type(type),
+                           comm->mpi, &f->req);
 #endif
     });
     return ncclSuccess;
