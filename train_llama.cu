@@ -1131,7 +1131,7 @@ int main(int argc, char** argv) {
     TrainOptions planned = o;
     planned.batch = B;
     LlamaPlanCtx pc = {&cfg, &be, &dist, T};
-    fit_check_plan(&be, &m.plan, llama_plan_bytes, &pc, &planned, dist.world);  // before any allocation, on either backend
+    fit_check_plan(&be, &m.plan, llama_plan_bytes, &pc, &planned, dist.world, dist.local_size);  // before any allocation, on either backend
     LlamaModes bm = md;
     bm.approx = 0; bm.ms = 0; bm.ckpt = 0; bm.recompute_product = 0;
     llama_setup(&base, &cfg, &bm, B, T, &be, &dist);

@@ -1654,7 +1654,7 @@ int main(int argc, char** argv) {
     Vit m, base;
     vit_setup(&m, &cfg, &md, o.batch, h, w, classes, run_data_src_bytes(&rd), &be, &dist);
     VitPlanCtx pc = {&cfg, h, w, classes, run_data_src_bytes(&rd), &be, &dist};
-    fit_check_plan(&be, &m.plan, vit_plan_bytes, &pc, &o, dist.world);  // before any allocation
+    fit_check_plan(&be, &m.plan, vit_plan_bytes, &pc, &o, dist.world, dist.local_size);  // before any allocation
     VitModes bm = baseline_modes(md);
     vit_setup(&base, &cfg, &bm, o.batch, h, w, classes, run_data_src_bytes(&rd), &be, &dist);
     vit_allocate(&m);

@@ -22,6 +22,7 @@
 
 typedef struct {
     int rank, world, local_rank;
+    int local_size;        // ranks on this node (they share its host memory)
     int mpi;               // MPI was initialised by us
 #ifdef LLMC_DIST_NCCL
     int has_nccl;          // `nccl` is live (dist_nccl_init ran), dist_finalize destroys it
@@ -54,7 +55,7 @@ static void dist_abort_hook(int status) { MPI_Abort(MPI_COMM_WORLD, status); }
 
 static void dist_init(Dist* d, int* argc, char*** argv) {
     memset(d, 0, sizeof(*d));
-    d->world = 1;
+    d->world = d->local_size = 1;
     int launched = launcher_world_size();
 #ifdef LLMC_HAVE_MPI
     if (launched > 1) {
@@ -65,6 +66,7 @@ static void dist_init(Dist* d, int* argc, char*** argv) {
         MPI_Comm local;
         MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, d->rank, MPI_INFO_NULL, &local);
         MPI_Comm_rank(local, &d->local_rank);
+        MPI_Comm_size(local, &d->local_size);
         MPI_Comm_free(&local);
         g_fail_hook = dist_abort_hook;  // a failing rank stops the whole job, with its message
     }

@@ -72,10 +72,13 @@ static const char* fit_size(char* buf, size_t n, size_t bytes) {
     return buf;
 }
 
-// Fails (one line) when `plan` needs more than the device has free (the host has available):
-// what the plan needs by category, what is free, and what would fit.
-static void fit_check_plan(const Backend* be, const MemPlan* plan, PlanBytesFn plan_bytes, const void* ctx, const TrainOptions* o, int world) {
+// Fails (one line) when `plan` needs more than the device has free (the host has available,
+// shared by the node's `local_ranks`): what the plan needs by category, what is free, and what
+// would fit.
+static void fit_check_plan(const Backend* be, const MemPlan* plan, PlanBytesFn plan_bytes, const void* ctx, const TrainOptions* o, int world,
+                           int local_ranks) {
     size_t need = plan_total(plan), avail = backend_free_bytes(be);
+    if (!be->cuda && avail != SIZE_MAX && local_ranks > 1) avail /= (size_t)local_ranks;
     if (need <= avail) return;
     char parts[320] = "", hint[512] = "", a[32], b[32];
     for (int c = 0; c < MEM_CATS; c++)
@@ -97,9 +100,10 @@ static void fit_check_plan(const Backend* be, const MemPlan* plan, PlanBytesFn p
                 break;
             }
     }
-    char where[64];
+    char where[128], share[64] = "";
+    if (local_ranks > 1) snprintf(share, sizeof(share), ", divided among the node's %d ranks", local_ranks);
     if (be->cuda) snprintf(where, sizeof(where), "is free on GPU %d", be->device);
-    else snprintf(where, sizeof(where), "is available (%s)", getenv("LLMC_HOST_MEMORY_BYTES") ? "LLMC_HOST_MEMORY_BYTES" : "MemAvailable");
+    else snprintf(where, sizeof(where), "is available (%s%s)", getenv("LLMC_HOST_MEMORY_BYTES") ? "LLMC_HOST_MEMORY_BYTES" : "MemAvailable", share);
     fail("the memory plan needs %s of %s memory (%s) but %s %s; would fit: %s", fit_size(a, sizeof(a), need), be->cuda ? "GPU" : "host", parts,
          fit_size(b, sizeof(b), avail), where, hint);
 }

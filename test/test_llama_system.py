@@ -336,3 +336,11 @@ def test_zero1_full_finetuning_two_ranks(tiny, tmp_path):
     r = mpirun(2, long + ["--resume", out])
     print(f"stopped after {done} steps; {r.stdout.split('resumed ')[1].split(chr(10))[0]}")
     assert (out / "train_state.bin").read_bytes() == (tmp_path / "straight" / "train_state.bin").read_bytes()
+
+
+def test_ranks_on_one_node_share_its_memory_in_the_fit_check(tiny):
+    """Ranks of one node share its host memory: with 64 MiB available (LLMC_HOST_MEMORY_BYTES), each
+    of two ranks gets 32 MiB, and a plan over that is refused before anything is allocated."""
+    p = mpirun(2, base_args(tiny, "--steps", 1, "--batch", 2000), check=False, env={"LLMC_HOST_MEMORY_BYTES": str(64 << 20)})
+    assert p.returncode != 0
+    assert "but 32.0 MiB is available (LLMC_HOST_MEMORY_BYTES, divided among the node's 2 ranks); would fit: --batch" in p.stderr, p.stderr
