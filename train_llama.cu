@@ -821,7 +821,7 @@ static LlamaModes llama_modes_from(const TrainOptions* o) {
 
 static void llama_flags(FlagTable* t, TrainOptions* o) {
     t->program = "train_llama";
-    t->usage = "--model DIR [--data TRAIN.bin --val VAL.bin] [flags]   (fine-tunes a LLaMA-family model with LoRA)";
+    t->usage = "--model DIR [--data TRAIN.bin --val VAL.bin] [flags]   (fine-tunes a LLaMA-family model: LoRA, or every weight with --full)";
     train_flags_register(t, o, "comma list of q,k,v,o,gate,up,down (default all)");
     t->group = "memory modes (the paper's layers)";
     flag_choice(t, "swiglu-product", &o->swiglu_product, "keep|recompute",

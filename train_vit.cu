@@ -1438,7 +1438,7 @@ static VitModes vit_modes_from(const TrainOptions* o) {
 
 static void vit_flags(FlagTable* t, TrainOptions* o) {
     t->program = "train_vit";
-    t->usage = "--model DIR [--data TRAIN.bin --val VAL.bin] [flags]   (fine-tunes a ViT image classifier with LoRA and a new head)";
+    t->usage = "--model DIR [--data TRAIN.bin --val VAL.bin] [flags]   (fine-tunes a ViT image classifier: LoRA and a new head, or every weight with --full)";
     train_flags_register_task(t, o, "comma list of q,k,v,proj,fc1,fc2 (default all)", TRAIN_IMAGE);
     t->group = "model and data";
     flag_string(t, "export-merged", &o->export_merged,

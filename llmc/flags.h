@@ -81,26 +81,41 @@ static void flag_set(Flag* f, const char* v) {
     f->seen = 1;
 }
 
+// One line of --help: the flag, its argument, its help and its default (none when empty).
+static void flag_print_line(const Flag* f) {
+    char lhs[64];
+    const char* arg = f->kind == FLAG_INT ? " N" : f->kind == FLAG_FLOAT ? " X" : f->kind == FLAG_STRING ? " S" : "";
+    if (f->kind == FLAG_CHOICE) snprintf(lhs, sizeof(lhs), "--%s %s", f->name, f->choices);
+    else snprintf(lhs, sizeof(lhs), "--%s%s", f->name, arg);
+    char dflt[64] = "";
+    switch (f->kind) {
+        case FLAG_INT: snprintf(dflt, sizeof(dflt), " (default %d)", *(int*)f->target); break;
+        case FLAG_FLOAT: snprintf(dflt, sizeof(dflt), " (default %g)", *(float*)f->target); break;
+        case FLAG_STRING: case FLAG_CHOICE: {
+            const char* v = *(const char**)f->target;
+            if (v && *v) snprintf(dflt, sizeof(dflt), " (default %s)", v);
+            break;
+        }
+        case FLAG_BOOL: break;
+    }
+    printf("  %-34s %s%s\n", lhs, f->help, dflt);
+}
+
+static int flag_same_group(const Flag* a, const Flag* b) {
+    return a->group == b->group || (a->group && b->group && strcmp(a->group, b->group) == 0);
+}
+
+// The usage line, then every flag under its group's heading, groups in the order they first
+// appear (a trainer may add flags to a shared group after the shared flags).
 static void flags_print_help(const FlagTable* t) {
     printf("usage: %s %s\n", t->program, t->usage);
-    const char* group = NULL;
     for (int i = 0; i < t->count; i++) {
-        const Flag* f = &t->flags[i];
-        if (f->group && (!group || strcmp(group, f->group) != 0)) { printf("\n%s:\n", f->group); group = f->group; }
-        char lhs[64];
-        const char* arg = f->kind == FLAG_INT ? " N" : f->kind == FLAG_FLOAT ? " X" : f->kind == FLAG_STRING ? " S" : "";
-        if (f->kind == FLAG_CHOICE) snprintf(lhs, sizeof(lhs), "--%s %s", f->name, f->choices);
-        else snprintf(lhs, sizeof(lhs), "--%s%s", f->name, arg);
-        char dflt[64] = "";
-        switch (f->kind) {
-            case FLAG_INT: snprintf(dflt, sizeof(dflt), " (default %d)", *(int*)f->target); break;
-            case FLAG_FLOAT: snprintf(dflt, sizeof(dflt), " (default %g)", *(float*)f->target); break;
-            case FLAG_STRING: case FLAG_CHOICE:
-                if (*(const char**)f->target) snprintf(dflt, sizeof(dflt), " (default %s)", *(const char**)f->target);
-                break;
-            case FLAG_BOOL: break;
-        }
-        printf("  %-34s %s%s\n", lhs, f->help, dflt);
+        int first = 1;
+        for (int j = 0; j < i && first; j++) first = !flag_same_group(&t->flags[j], &t->flags[i]);
+        if (!first) continue;
+        if (t->flags[i].group) printf("\n%s:\n", t->flags[i].group);
+        for (int k = i; k < t->count; k++)
+            if (flag_same_group(&t->flags[k], &t->flags[i])) flag_print_line(&t->flags[k]);
     }
     printf("  %-34s %s\n", "--help", "print this help and exit");
 }
