@@ -341,3 +341,17 @@ def test_plan_too_big_for_the_device_is_refused_with_what_fits():
         return json.loads(out)["total_bytes"]
 
     assert plan_bytes(b) <= 80 << 30 < plan_bytes(b + 1)
+
+
+def test_nccl_selftest_one_rank_changes_nothing(tmp_path):
+    """LLMC_NCCL_SELFTEST=1 on one GPU: LoRA's gradients all-reduced through a one-rank NCCL
+    communicator, --full's reduce-scattered in place and the fp32 weights all-gathered (ViT keeps
+    a whole master): bit for bit a plain run."""
+    for mode, name in (([], "adapter_model.safetensors"), (["--full"], "model.safetensors")):
+        plain = train(CUDA_TRAIN, "cuda", "--steps", 3, *mode, "--out", tmp_path / "plain")
+        st = run([need(CUDA_TRAIN), "--model", DEMO_MODEL] + DEMO + ["--device", "cuda", "--steps", 3, *mode, "--out", tmp_path / "self"],
+                 env={"LLMC_NCCL_SELFTEST": "1"})
+        assert re.search(r"data parallel: 1 rank; gradients (summed|reduce-scattered) by NCCL", st.stdout), st.stdout
+        assert step_losses(st.stdout) == step_losses(plain.stdout)
+        with open(tmp_path / "plain" / name, "rb") as a, open(tmp_path / "self" / name, "rb") as b:
+            assert a.read() == b.read()
