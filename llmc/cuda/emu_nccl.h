@@ -11,10 +11,12 @@
 //   - in-place calls use NCCL's definition of in place (all-gather: sendbuff = recvbuff +
 //     rank * sendcount; reduce-scatter: recvbuff = sendbuff + rank * recvcount), and other calls
 //     do not overlap their buffers;
-//   - every rank makes the same sequence of collectives with the same counts and types.
-//   - stream order (through emu.h's streams): a collective on a second stream runs as late as CUDA
-//     allows, so a consumer that does not wait for it reads stale data; it must have waited for
-//     the default stream's earlier kernels; and its input must not change before it runs.
+//   - every rank makes the same sequence of collectives with the same counts and types;
+//   - stream order (through emu.h's streams): a collective starts when issued (non-blocking MPI,
+//     so ranks progress independently, as NCCL's kernels do) but its result lands only when its
+//     stream runs it, as late as CUDA allows, so a consumer that does not wait for it reads stale
+//     data; it must have waited for the default stream's earlier kernels; and its input must not
+//     change before it runs.
 // What it cannot check is NCCL's performance or its behaviour on real interconnects: only GPUs can.
 // Without MPI (a single-process build) a communicator can only have one rank.
 #pragma once
