@@ -166,19 +166,9 @@ static const char* dist_gpu_collectives(const Dist* d) {
     return d->world > 1 ? "MPI via host" : "none";
 }
 
-// ZeRO-1 pieces: `full` holds world * shard floats. Sums every rank's `full` and leaves this
-// rank's shard of the sum in `shard_out`.
-static void dist_reduce_scatter_sum_f32(const Dist* d, const float* full, float* shard_out, int64_t shard) {
-#ifdef LLMC_HAVE_MPI
-    if (shard > (1 << 30)) fail("ZeRO-1 shard of %lld floats is too large for one MPI call", (long long)shard);
-    MPI_Reduce_scatter_block(full, shard_out, (int)shard, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
-#else
-    (void)d; memcpy(shard_out, full, sizeof(float) * shard);
-#endif
-}
-
-// The same in place: this rank's shard of the sum lands at rank * shard of `full` (MPI puts it at
-// the start of the buffer; it moves to the rank's own piece, as NCCL's in-place form leaves it).
+// ZeRO-1 pieces: `full` holds world * shard floats. Sums every rank's `full`, in place: this
+// rank's shard of the sum lands at rank * shard of `full` (MPI puts it at the start of the buffer;
+// it moves to the rank's own piece, as NCCL's in-place form leaves it).
 static void dist_reduce_scatter_sum_f32_inplace(const Dist* d, float* full, int64_t shard) {
 #ifdef LLMC_HAVE_MPI
     if (shard > (1 << 30)) fail("ZeRO-1 shard of %lld floats is too large for one MPI call", (long long)shard);
@@ -228,18 +218,19 @@ static void dist_allreduce_sum_f32_device(const Dist* d, float* x, int64_t n, cu
     free(h);
 }
 
-// ZeRO-1 on the device: every rank's `full` (world * shard floats) summed, this rank's shard of the
-// sum into `shard_out` (NCCL, or MPI through the host).
-static void dist_reduce_scatter_sum_f32_device(const Dist* d, const float* full, float* shard_out, int64_t shard, cudaStream_t stream) {
+// ZeRO-1 on the device: every rank's `full` (world * shard floats) summed in place, this rank's
+// shard of the sum at rank * shard of `full` (NCCL, or MPI through the host).
+static void dist_reduce_scatter_sum_f32_device_inplace(const Dist* d, float* full, int64_t shard, cudaStream_t stream) {
+    float* mine = full + (int64_t)d->rank * shard;
 #ifdef LLMC_DIST_NCCL
-    if (d->has_nccl) { NCCL_CHECK(ncclReduceScatter(full, shard_out, (size_t)shard, ncclFloat, ncclSum, d->nccl, stream)); return; }
+    if (d->has_nccl) { NCCL_CHECK(ncclReduceScatter(full, mine, (size_t)shard, ncclFloat, ncclSum, d->nccl, stream)); return; }
 #endif
     int64_t n = shard * d->world;
-    float* h = (float*)xmalloc(sizeof(float) * (n + shard));
+    float* h = (float*)xmalloc(sizeof(float) * n);
     CUDA_CHECK(cudaMemcpyAsync(h, full, sizeof(float) * n, cudaMemcpyDeviceToHost, stream));
     CUDA_CHECK(cudaStreamSynchronize(stream));
-    dist_reduce_scatter_sum_f32(d, h, h + n, shard);
-    CUDA_CHECK(cudaMemcpyAsync(shard_out, h + n, sizeof(float) * shard, cudaMemcpyHostToDevice, stream));
+    dist_reduce_scatter_sum_f32_inplace(d, h, shard);
+    CUDA_CHECK(cudaMemcpyAsync(mine, h + (int64_t)d->rank * shard, sizeof(float) * shard, cudaMemcpyHostToDevice, stream));
     CUDA_CHECK(cudaStreamSynchronize(stream));
     free(h);
 }

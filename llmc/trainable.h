@@ -10,7 +10,7 @@
 // read only the bf16 shadow): each rank then keeps the fp32 values of its pieces alone, updates
 // them, and the ranks all-gather the bf16 shadow (half the bytes of fp32). Per rank that is
 // 2 + 4 + 12/world bytes per parameter (shadow, gradient; master and moments) instead of
-// 2 + 4 + 4 + 8/world.
+// 2 + 4 + 4 + 8/world with the whole master.
 #pragma once
 #include "common.h"
 #include "plan.h"
@@ -68,8 +68,7 @@ typedef struct {
     // stream too, bucket by bucket in forward order, overlapping the next forward, which waits for
     // each bucket's event (trainable_weights_ready) before its blocks read the weights.
     cudaEvent_t updated;              // the optimizer's casts into the shadow are done
-    cudaEvent_t* gathered;            // [n_gathered == n_buckets]: bucket i's all-gather is done
-    int n_gathered;
+    cudaEvent_t* gathered;            // [n_buckets]: bucket i's all-gather is done
     unsigned char* awaited;           // [n_buckets]: the compute stream waits for it already
     int gathers_pending;              // some bucket is not awaited yet
 #endif
@@ -189,16 +188,13 @@ static void trainable_bind_host(Trainable* tr) {
 static void trainable_free_host(Trainable* tr) {
     if (trainable_on_device(tr)) { free(tr->host_params); free(tr->host_grads); }
     tr->host_params = tr->host_grads = NULL;
-    free(tr->buckets);
-    tr->buckets = NULL;
-    tr->n_buckets = 0;
 #ifdef LLMC_HAVE_CUDA
     if (tr->comm) {
         CUDA_CHECK(cudaStreamDestroy(tr->comm));  // after what it still holds has run
         CUDA_CHECK(cudaEventDestroy(tr->grads_ready));
         CUDA_CHECK(cudaEventDestroy(tr->comm_done));
         CUDA_CHECK(cudaEventDestroy(tr->updated));
-        for (int i = 0; tr->gathered && i < tr->n_gathered; i++) CUDA_CHECK(cudaEventDestroy(tr->gathered[i]));
+        for (int i = 0; i < tr->n_buckets; i++) CUDA_CHECK(cudaEventDestroy(tr->gathered[i]));
         free(tr->gathered);
         free(tr->awaited);
         tr->gathered = NULL;
@@ -206,6 +202,9 @@ static void trainable_free_host(Trainable* tr) {
         tr->comm = NULL;
     }
 #endif
+    free(tr->buckets);
+    tr->buckets = NULL;
+    tr->n_buckets = 0;
 }
 
 // A tensor of n values trained in the arena at *off (advanced past it): *dev gets what the kernels
@@ -270,8 +269,8 @@ typedef struct {
     int skipped;               // --nonfinite skip: the loss or the gradient was not finite, no update
 } OptimStep;
 
-// Whether buckets go to the other ranks during the backward: CUDA with more than one rank (with
-// NCCL they then overlap the rest of the backward). On the CPU, where MPI would only stall the
+// Whether buckets go to the other ranks during the backward: CUDA whenever gradients cross ranks
+// (with NCCL they then overlap the rest of the backward). On the CPU, where MPI would only stall the
 // backward's threads, every bucket goes at the step.
 static int trainable_uses_buckets(const Trainable* tr, const Dist* dist) {
     return trainable_on_device(tr) && dist_sums_grads(dist);
@@ -279,27 +278,26 @@ static int trainable_uses_buckets(const Trainable* tr, const Dist* dist) {
 
 #ifdef LLMC_HAVE_CUDA
 static void bucket_sum_device(Trainable* tr, const Dist* dist, const GradBucket* b, cudaStream_t st) {
-    int64_t n = bucket_piece(tr, b);
-    if (tr->zero1) dist_reduce_scatter_sum_f32_device(dist, tr->grads + b->lo, tr->grads + b->lo + tr->rank * n, n, st);
+    if (tr->zero1) dist_reduce_scatter_sum_f32_device_inplace(dist, tr->grads + b->lo, bucket_piece(tr, b), st);
     else dist_allreduce_sum_f32_device(dist, tr->grads + b->lo, b->hi - b->lo, st);
 }
 
-// Sends the buckets not yet sent whose gradients all lie at or above offset `lo`: with NCCL on the
-// comm stream, after the compute stream has written them (so the kernels queued next on the
-// compute stream overlap the transfer); else through the host, at once.
-// The comm stream and its events, made on first use (runs without NCCL never need them).
+// The comm stream and its events, made on first use (runs without NCCL never need them). The
+// buckets are planned by then (the models plan them when they bind).
 static void trainable_comm_init(Trainable* tr) {
     if (tr->comm) return;
     CUDA_CHECK(cudaStreamCreateWithFlags(&tr->comm, cudaStreamNonBlocking));
     CUDA_CHECK(cudaEventCreateWithFlags(&tr->grads_ready, cudaEventDisableTiming));
     CUDA_CHECK(cudaEventCreateWithFlags(&tr->comm_done, cudaEventDisableTiming));
     CUDA_CHECK(cudaEventCreateWithFlags(&tr->updated, cudaEventDisableTiming));
-    tr->n_gathered = tr->n_buckets;
     tr->gathered = (cudaEvent_t*)xcalloc(tr->n_buckets + 1, sizeof(cudaEvent_t));
     tr->awaited = (unsigned char*)xcalloc(tr->n_buckets + 1, 1);
     for (int i = 0; i < tr->n_buckets; i++) CUDA_CHECK(cudaEventCreateWithFlags(&tr->gathered[i], cudaEventDisableTiming));
 }
 
+// Sends the buckets not yet sent whose gradients all lie at or above offset `lo`: with NCCL on the
+// comm stream, after the compute stream has written them (so the kernels queued next on the
+// compute stream overlap the transfer); else through the host, at once.
 static void trainable_send_buckets_device(Trainable* tr, const Dist* dist, int64_t lo) {
     int first = tr->next_bucket;
     while (tr->next_bucket < tr->n_buckets && tr->buckets[tr->next_bucket].lo >= lo) tr->next_bucket++;
@@ -534,9 +532,9 @@ static void train_count_skip(int* in_a_row, int skipped, int step) {
              *in_a_row);
 }
 
-// A whole shard-ordered array (AdamW moments, a sharded master) in arena order (what the state
-// file holds, whatever the world size), on rank 0, from every rank's `own` shard (host memory).
-// Other ranks get NULL.
+// ZeRO-1: a whole shard-ordered array (AdamW moments, a sharded master) in arena order (what the
+// state file holds, whatever the world size), on rank 0, from every rank's `own` shard (host
+// memory). Other ranks get NULL.
 static float* trainable_gather_shards(const Trainable* tr, const Dist* dist, const float* own) {
     int rank0 = !dist || dist->rank == 0;
     float* by_rank = (float*)xmalloc(sizeof(float) * (tr->shard * tr->world + 1));
@@ -544,7 +542,7 @@ static float* trainable_gather_shards(const Trainable* tr, const Dist* dist, con
     float* arena = NULL;
     if (rank0) {
         arena = (float*)xcalloc(tr->padded + 1, sizeof(float));
-        for (int r = 0; r < tr->world; r++) trainable_shard_to_arena(tr, by_rank + r * tr->shard, arena, tr->zero1 ? r : 0);
+        for (int r = 0; r < tr->world; r++) trainable_shard_to_arena(tr, by_rank + r * tr->shard, arena, r);
     }
     free(by_rank);
     return arena;
@@ -605,7 +603,7 @@ static int64_t trainable_load_state(Trainable* tr, const char* dir, const char* 
         adam_m = (float*)xcalloc(tr->padded + 1, sizeof(float));
         adam_v = (float*)xcalloc(tr->padded + 1, sizeof(float));
     }
-    state_load(path, &h, settings, tr->count, tr->host_params ? tr->host_params : tr->params, adam_m, adam_v);
+    state_load(path, &h, settings, tr->count, tr->host_params, adam_m, adam_v);
     if (staged) {  // this rank's part of the moments where the optimizer keeps them
         float* own_m = dev ? (float*)xmalloc(sizeof(float) * (tr->shard + 1)) : tr->adam_m;
         float* own_v = dev ? (float*)xmalloc(sizeof(float) * (tr->shard + 1)) : tr->adam_v;

@@ -36,10 +36,10 @@ static void run_ok(Dist* d) {
     float* full = device_floats(n * w);
     float* piece = device_floats(n);
     for (int64_t i = 0; i < n * w; i++) full[i] = (float)(i + r);
-    dist_reduce_scatter_sum_f32_device(d, full, piece, n, 0);
+    NCCL_CHECK(ncclReduceScatter(full, piece, (size_t)n, ncclFloat, ncclSum, d->nccl, 0));
     for (int64_t i = 0; i < n; i++) check(piece[i] == (float)(w * (r * n + i) + w * (w - 1) / 2), "ncclReduceScatter", r);
     for (int64_t i = 0; i < n * w; i++) full[i] = (float)(i + r);
-    NCCL_CHECK(ncclReduceScatter(full, full + r * n, (size_t)n, ncclFloat, ncclSum, d->nccl, 0));
+    dist_reduce_scatter_sum_f32_device_inplace(d, full, n, 0);
     for (int64_t i = 0; i < n; i++) check(full[r * n + i] == (float)(w * (r * n + i) + w * (w - 1) / 2), "in-place ncclReduceScatter", r);
     // all-gather in place, fp32 and bf16: rank q's piece holds q * 100 + i
     for (int64_t i = 0; i < n; i++) x[r * n + i] = (float)(r * 100 + i);

@@ -319,7 +319,7 @@ cudaError_t cudaSetDevice(int d) { return d >= 0 && d < 8 ? cudaSuccess : cudaEr
 // does not wait for streams created with cudaStreamNonBlocking.
 struct CUstream_st {
     std::deque<std::function<void()> > pending;
-    long long issued, done;     // held-back work items so far, and how many have run
+    long long issued;           // held-back work items so far (those not run yet: `pending`)
     long long seen_default;     // default-stream work this stream has waited for (events)
     int nonblocking;
 };
@@ -335,10 +335,9 @@ static std::set<cudaStream_t>& emu_streams(void) {
 }
 
 static void emu_stream_run_until(cudaStream_t st, long long position) {
-    while (st && st->done < position && !st->pending.empty()) {
+    while (st && !st->pending.empty() && st->issued - (long long)st->pending.size() < position) {
         std::function<void()> f = std::move(st->pending.front());
         st->pending.pop_front();
-        st->done++;
         f();
     }
 }
@@ -405,7 +404,7 @@ cudaError_t cudaMemsetAsync(void* p, int v, size_t n, cudaStream_t st) {
 cudaError_t cudaDeviceSynchronize(void) { emu_drain_all(0); return cudaSuccess; }
 cudaError_t cudaStreamCreateWithFlags(cudaStream_t* st, unsigned flags) {
     *st = new CUstream_st();
-    (*st)->issued = (*st)->done = 0;
+    (*st)->issued = 0;
     (*st)->seen_default = 0;
     (*st)->nonblocking = (flags & cudaStreamNonBlocking) != 0;
     emu_streams().insert(*st);
