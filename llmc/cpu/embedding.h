@@ -3,6 +3,8 @@
 // ViT's class token, patch bias and positions. fp32.
 #pragma once
 #include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 // x[n] = embed[ids[n]] (rows of d).
@@ -11,11 +13,39 @@ static void embed_tokens(float* x, const float* embed, const int* ids, int64_t N
     for (int64_t n = 0; n < N; n++) memcpy(x + n * d, embed + (int64_t)ids[n] * d, sizeof(float) * d);
 }
 
-// dE[ids[n]] += dx[n]. Columns in parallel, tokens in order: repeated ids add up deterministically.
+static int emb_key_cmp(const void* a, const void* b) {
+    int64_t x = *(const int64_t*)a, y = *(const int64_t*)b;
+    return (x > y) - (x < y);
+}
+
+// dE[v] += (the sum of dx[n] over the tokens n with ids[n] == v, in token order). Each row's sum is
+// formed first and added once: a gradient accumulated over micro-batches is then (0 + s1) + s2,
+// the same bits as data parallelism's all-reduce of the ranks' s1 and s2, and no result depends
+// on the thread count (rows in parallel, each row's tokens in order).
 static void embedding_backward(float* dE, const float* dx, const int* ids, int64_t N, int d) {
-#pragma omp parallel for schedule(static) if (N * d > 32768)
-    for (int i = 0; i < d; i++)
-        for (int64_t n = 0; n < N; n++) dE[(int64_t)ids[n] * d + i] += dx[n * d + i];
+    if (N <= 0 || d <= 0) return;
+    int64_t* key = (int64_t*)malloc(sizeof(int64_t) * N);  // id * N + n sorts by id, then token order
+    if (!key) { fprintf(stderr, "error: out of host memory in embedding_backward\n"); exit(1); }
+    for (int64_t n = 0; n < N; n++) key[n] = (int64_t)ids[n] * N + n;
+    qsort(key, (size_t)N, sizeof(int64_t), emb_key_cmp);
+#pragma omp parallel if (N * d > 32768)
+    {
+        float* s = (float*)malloc(sizeof(float) * d);
+#pragma omp for schedule(dynamic, 16)
+        for (int64_t g = 0; g < N; g++) {
+            int64_t v = key[g] / N;
+            if (g > 0 && key[g - 1] / N == v) continue;  // not the first token of its row
+            memset(s, 0, sizeof(float) * d);
+            for (int64_t e = g; e < N && key[e] / N == v; e++) {
+                const float* x = dx + (key[e] % N) * d;
+                for (int i = 0; i < d; i++) s[i] += x[i];
+            }
+            float* row = dE + v * d;
+            for (int i = 0; i < d; i++) row[i] += s[i];
+        }
+        free(s);
+    }
+    free(key);
 }
 
 // The ViT embeddings' gradient from dx [N, d] (N = B*T, token 0 of each image the class token):
