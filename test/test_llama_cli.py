@@ -98,12 +98,16 @@ def test_same_seed_same_result_and_modes_differ(tiny, tmp_path):
 
 
 def test_grad_accum_equals_big_batch(tiny):
-    """K micro-batches of B equal one batch of K*B: same data, loss normalised by all tokens."""
-    one = run(train_args(tiny, "--mode", "baseline", "--steps", 3, "--batch", 4))
-    two = run(train_args(tiny, "--mode", "baseline", "--steps", 3, "--batch", 2, "--grad-accum", 2))
-    np.testing.assert_allclose(losses(one.stdout), losses(two.stdout), rtol=1e-5)
-    gn = lambda s: [float(l.split("grad norm ")[1].split()[0]) for l in s.splitlines() if "grad norm " in l]
-    np.testing.assert_allclose(gn(one.stdout), gn(two.stdout), rtol=1e-4)
+    """K micro-batches of B equal one batch of K*B: same data, loss normalised by all tokens.
+    Compared at step 1, before AdamW amplifies rounding: the forward is row by row (the same bits:
+    the same loss), and the gradients differ only by how the weight-gradient row sums are grouped
+    (fp32, 128 rows: relative error below 128 x 2^-24 ~ 8e-6, which the norm inherits); the log
+    prints the norm to 4 decimals, one unit of which may differ on top."""
+    one = run(train_args(tiny, "--mode", "baseline", "--steps", 1, "--batch", 4))
+    two = run(train_args(tiny, "--mode", "baseline", "--steps", 1, "--batch", 2, "--grad-accum", 2))
+    assert losses(one.stdout) == losses(two.stdout) and len(losses(one.stdout)) == 1
+    gn = lambda s: float(s.split("grad norm ")[1].split()[0])  # noqa: E731
+    assert abs(gn(one.stdout) - gn(two.stdout)) <= 1e-4 + 8e-6 * gn(one.stdout), (gn(one.stdout), gn(two.stdout))
 
 
 def test_out_dir_log(tiny, tmp_path):
