@@ -13,7 +13,9 @@ CPU_ARCH ?= native
 PYTHON   ?= /usr/bin/python3
 CFLAGS   := -O3 -march=$(CPU_ARCH) -fopenmp -Wall -Wextra -Wno-unused-function -Wno-unused-parameter -Wno-vla -std=gnu++17 -x c++
 LDLIBS   := -lm -fopenmp
-HEADERS  := $(wildcard llmc/*.h llmc/cpu/*.h)
+# Every header of the trainers, both backends and the emulator: one list, so that any edit rebuilds
+# every binary that could include it.
+HEADERS  := $(wildcard llmc/*.h llmc/*/*.h llmc/*/*.cuh)
 NVCC     := $(shell command -v nvcc 2>/dev/null)
 
 # MPI (data parallelism over mpirun): Open MPI's wrapper tells its flags. Without it the
@@ -29,7 +31,11 @@ endif
 GPU_ARCH ?= 80 90
 CUDA     ?= 1
 CUDA_INC := $(if $(NVCC),$(abspath $(dir $(realpath $(NVCC)))../include),/usr/local/cuda/include)
-CUDA_SRC_HEADERS := $(wildcard llmc/cuda/*.cuh llmc/cuda/*.h)
+# One nvcc flag set for every CUDA build (kernel checks and trainers); the trainers add MPI and NCCL.
+CUDA_GENCODE = $(foreach a,$(GPU_ARCH),-gencode arch=compute_$(a),code=sm_$(a))
+NVCC_FLAGS  := -O3 -std=c++17 --threads 2 $(CUDA_GENCODE) \
+               -Xcompiler -fopenmp,-march=$(CPU_ARCH),-Wall,-Wno-unknown-pragmas,-Wno-unused-function,-Wno-unused-parameter
+CUDA_LDLIBS := -lcublasLt -lcublas -lgomp -lm
 
 # The trainers (and their test probes): one binary per model holding both backends when nvcc is
 # here; the host code gets the same g++ flags as the CPU-only build.
@@ -51,48 +57,33 @@ else
   # MPI's flags for nvcc: include and library paths as they are, everything else to the host compiler
   MPI_NVCC_COMPILE := $(foreach f,$(MPI_COMPILE),$(if $(filter -I%,$(f)),$(f),-Xcompiler $(f)))
   MPI_NVCC_LINK    := $(foreach f,$(shell mpicxx --showme:link 2>/dev/null),$(if $(filter -L% -l%,$(f)),$(f),-Xcompiler $(f)))
-  NVCC_TRAIN_FLAGS := -O3 -std=c++17 --threads 2 $(foreach a,$(GPU_ARCH),-gencode arch=compute_$(a),code=sm_$(a)) \
-                      -Xcompiler -fopenmp,-march=$(CPU_ARCH),-Wall,-Wno-unknown-pragmas,-Wno-unused-function,-Wno-unused-parameter \
-                      $(if $(MPI_COMPILE),$(MPI_NVCC_COMPILE) -DLLMC_HAVE_MPI -DOMPI_SKIP_MPICXX -DMPICH_SKIP_MPICXX) $(NCCL_FLAGS)
-  TRAIN_BUILD = $(NVCC) $(NVCC_TRAIN_FLAGS) $< -o $@ -lcublasLt -lcublas $(NCCL_LIBS) $(if $(MPI_COMPILE),$(MPI_NVCC_LINK)) -lgomp -lm
+  TRAIN_BUILD = $(NVCC) $(NVCC_FLAGS) $(if $(MPI_COMPILE),$(MPI_NVCC_COMPILE) -DLLMC_HAVE_MPI -DOMPI_SKIP_MPICXX -DMPICH_SKIP_MPICXX) \
+                $(NCCL_FLAGS) $< -o $@ $(NCCL_LIBS) $(if $(MPI_COMPILE),$(MPI_NVCC_LINK)) $(CUDA_LDLIBS)
 endif
 
-.PHONY: all run run-smollm2 test test-c test-asan test-py test-cuda-models cuda-compile-check bench bench-cpu fuzz clean
+.PHONY: all run run-smollm2 test test-c test-asan test-py cuda-compile-check bench bench-cpu fuzz clean
 
 all: train_llama train_vit
 
-train_llama: train_llama.cu $(HEADERS) $(CUDA_SRC_HEADERS)
+# The test probes include their trainer's source: these lines add it (and the probes' shared
+# header) to the probes' prerequisites, native and emulated alike.
+test/llama_probe build/emu/llama_probe: train_llama.cu test/probe_common.h
+test/vit_probe build/emu/vit_probe: train_vit.cu test/probe_common.h
+
+train_llama train_vit test/llama_probe test/vit_probe: %: %.cu $(HEADERS)
 	$(TRAIN_BUILD)
 
-test/llama_probe: test/llama_probe.cu test/probe_common.h train_llama.cu $(HEADERS) $(CUDA_SRC_HEADERS)
-	$(TRAIN_BUILD)
-
-train_vit: train_vit.cu $(HEADERS) $(CUDA_SRC_HEADERS)
-	$(TRAIN_BUILD)
-
-test/vit_probe: test/vit_probe.cu test/probe_common.h train_vit.cu $(HEADERS) $(CUDA_SRC_HEADERS)
-	$(TRAIN_BUILD)
-
-# The same trainers and probes on the CPU emulator of the CUDA programming model
-# (llmc/cuda/emu.h): `--device cuda` runs the CUDA backend's kernels on the CPU, so the wiring of
-# both models into the CUDA backend is tested on machines without a GPU (test/test_cuda_*.py).
-EMU_TRAIN_FLAGS = $(filter-out -O3,$(CFLAGS)) -O2 -Wno-unknown-pragmas -DLLMC_CUDA_EMU -I$(CUDA_INC)
-build/emu/train_llama: train_llama.cu $(HEADERS) $(CUDA_SRC_HEADERS)
+# Every program on the CPU emulator of the CUDA programming model (llmc/cuda/emu.h), one rule and
+# one flag set: build/emu/NAME is built from NAME.cu found at the top, in test/ or in dev/cuda/.
+# The trainers and probes there run the CUDA backend's kernels on the CPU under `--device cuda`,
+# so the wiring of both models into the CUDA backend is tested without a GPU (test/test_cuda_*.py);
+# emu_nccl_probe checks the NCCL emulation (llmc/cuda/emu_nccl.h) under mpirun
+# (test/test_emu_nccl.py); the dev/cuda checks test each kernel family (cuda-emu-check below).
+vpath %.cu test dev/cuda
+EMU_FLAGS = $(filter-out -O3,$(CFLAGS)) -O2 -Wno-unknown-pragmas -DLLMC_CUDA_EMU -I$(CUDA_INC)
+build/emu/%: %.cu $(HEADERS) dev/cuda/check.h
 	@mkdir -p build/emu
-	$(CXX) $(EMU_TRAIN_FLAGS) $< -o $@ $(LDLIBS)
-build/emu/llama_probe: test/llama_probe.cu test/probe_common.h train_llama.cu $(HEADERS) $(CUDA_SRC_HEADERS)
-	@mkdir -p build/emu
-	$(CXX) $(EMU_TRAIN_FLAGS) $< -o $@ $(LDLIBS)
-build/emu/train_vit: train_vit.cu $(HEADERS) $(CUDA_SRC_HEADERS)
-	@mkdir -p build/emu
-	$(CXX) $(EMU_TRAIN_FLAGS) $< -o $@ $(LDLIBS)
-build/emu/vit_probe: test/vit_probe.cu test/probe_common.h train_vit.cu $(HEADERS) $(CUDA_SRC_HEADERS)
-	@mkdir -p build/emu
-	$(CXX) $(EMU_TRAIN_FLAGS) $< -o $@ $(LDLIBS)
-# The NCCL emulation (llmc/cuda/emu_nccl.h) checked on its own, under mpirun (test/test_emu_nccl.py).
-build/emu/emu_nccl_probe: test/emu_nccl_probe.cu $(HEADERS) $(CUDA_SRC_HEADERS)
-	@mkdir -p build/emu
-	$(CXX) $(EMU_TRAIN_FLAGS) $< -o $@ $(LDLIBS)
+	$(CXX) $(EMU_FLAGS) $< -o $@ $(LDLIBS)
 EMU_MODEL_BINS := build/emu/train_llama build/emu/llama_probe build/emu/train_vit build/emu/vit_probe build/emu/emu_nccl_probe
 
 test/test_units: test/test_units.cu $(HEADERS)
@@ -157,20 +148,15 @@ test-py: train_llama test/llama_probe train_vit test/vit_probe test/tokenizer_pr
 CUDA_DEV_SRCS := $(wildcard dev/cuda/*.cu)
 CUDA_DEV_BINS := $(CUDA_DEV_SRCS:.cu=)
 CUDA_EMU_BINS := $(patsubst dev/cuda/%.cu,build/emu/%,$(CUDA_DEV_SRCS))
-CUDA_HEADERS  := $(HEADERS) $(wildcard llmc/cuda/*.cuh llmc/cuda/*.h) dev/cuda/check.h
-CUDA_GENCODE   = $(foreach a,$(GPU_ARCH),-gencode arch=compute_$(a),code=sm_$(a))
-NVCC_FLAGS    := -O3 -std=c++17 --threads 2 -Xcompiler -fopenmp,-Wall,-Wno-unknown-pragmas,-Wno-unused-function
-CUDA_LDLIBS   := -lcublasLt -lcublas -lgomp
 CUDA_BF16_H   := $(wildcard $(CUDA_INC)/cuda_bf16.h)
-EMU_FLAGS     := -O1 -std=gnu++17 -x c++ -DLLMC_CUDA_EMU -Wall -Wno-unknown-pragmas -Wno-unused-function -I$(CUDA_INC)
 
-.PHONY: cuda-dev cuda-kernels-compile-check cuda-emu-check test-gpu test-gpu-kernels test-gpu-models cuda-clean
+.PHONY: cuda-dev cuda-kernels-compile-check cuda-emu-check test-gpu test-gpu-kernels test-gpu-models
 
-dev/cuda/%: dev/cuda/%.cu $(CUDA_HEADERS)
+dev/cuda/%: dev/cuda/%.cu $(HEADERS) dev/cuda/check.h
 ifeq ($(NVCC),)
 	@echo "$@: nvcc not found: the GPU checks need the CUDA toolkit"; exit 1
 else
-	$(NVCC) $(NVCC_FLAGS) $(CUDA_GENCODE) $< -o $@ $(CUDA_LDLIBS)
+	$(NVCC) $(NVCC_FLAGS) $< -o $@ $(CUDA_LDLIBS)
 endif
 
 cuda-dev: $(CUDA_DEV_BINS)
@@ -182,13 +168,9 @@ else
 	@mkdir -p build/cuda-check
 	@for f in $(CUDA_DEV_SRCS); do \
 	  echo "nvcc $(foreach a,$(GPU_ARCH),sm_$(a)): $$f"; \
-	  $(NVCC) $(NVCC_FLAGS) $(CUDA_GENCODE) $$f -o build/cuda-check/$$(basename $$f .cu) $(CUDA_LDLIBS) || exit 1; \
+	  $(NVCC) $(NVCC_FLAGS) $$f -o build/cuda-check/$$(basename $$f .cu) $(CUDA_LDLIBS) || exit 1; \
 	done
 endif
-
-build/emu/%: dev/cuda/%.cu $(CUDA_HEADERS)
-	@mkdir -p build/emu
-	$(CXX) $(EMU_FLAGS) $< -o $@ -lm
 
 cuda-emu-check:
 ifeq ($(CUDA_BF16_H),)
@@ -227,9 +209,6 @@ test-gpu-models: train_llama train_vit test/llama_probe test/vit_probe
 bench: train_llama train_vit
 	bash scripts/bench_gpu.sh
 
-cuda-clean:
-	rm -f $(CUDA_DEV_BINS)
-clean: cuda-clean
 # ==== end of the CUDA section ===================================================================
 
 # libFuzzer (clang) over every file parser (test/fuzz_parsers.cu), seeded with the bundled files.
@@ -255,4 +234,4 @@ bench-cpu: train_llama train_vit
 	bash scripts/bench_vit_cpu.sh
 
 clean:
-	rm -rf train_llama test/llama_probe test/test_units train_vit test/vit_probe test/tokenizer_probe build
+	rm -rf train_llama test/llama_probe test/test_units train_vit test/vit_probe test/tokenizer_probe build $(CUDA_DEV_BINS)
