@@ -15,10 +15,6 @@ import numpy as np
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MODELS = os.path.join(os.path.dirname(ROOT), "shared", "models")
-CKPT = os.path.join(MODELS, "stories260K.bin")
-TOK = os.path.join(MODELS, "tok512.bin")
-BIG_TOK = os.path.join(MODELS, "tokenizer.bin")
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
 import export_llama  # noqa: E402
@@ -117,10 +113,10 @@ def raw_llama2c(path):
     return cfg, shared, w
 
 
-def run_export(tmp_path, ckpt, *extra):
+def run_export(tmp_path, ckpt, tok, *extra):
     out = str(tmp_path / "model")
     cmd = [sys.executable, os.path.join(ROOT, "scripts", "export_llama.py"),
-           "--llama2c", ckpt, "--tokenizer", TOK, "--out", out, *extra]
+           "--llama2c", ckpt, "--tokenizer", tok, "--out", out, *extra]
     res = subprocess.run(cmd, capture_output=True, text=True)
     return res, out
 
@@ -131,8 +127,9 @@ def load_dir(out):
     return config, st_io.load(os.path.join(out, "model.safetensors"))
 
 
-def test_stories260k_exports_same_logits(tmp_path):
-    res, out = run_export(tmp_path, CKPT)
+def test_stories260k_exports_same_logits(tmp_path, stories260k):
+    ckpt, tok = stories260k.ckpt, stories260k.tok
+    res, out = run_export(tmp_path, ckpt, tok)
     assert res.returncode == 0, res.stderr
     config, tensors = load_dir(out)
     assert config["hidden_size"] == 64 and config["intermediate_size"] == 172
@@ -140,10 +137,10 @@ def test_stories260k_exports_same_logits(tmp_path):
     assert config["num_key_value_heads"] == 4 and config["vocab_size"] == 512
     assert config["tie_word_embeddings"] is True and "lm_head.weight" not in tensors
     assert len(tensors) == 2 + 9 * 5
-    assert open(os.path.join(out, "tokenizer.bin"), "rb").read() == open(TOK, "rb").read()
+    assert open(os.path.join(out, "tokenizer.bin"), "rb").read() == open(tok, "rb").read()
 
-    cfg, _, w = raw_llama2c(CKPT)
-    tokens = Tokenizer(TOK).encode("Once upon a time, there was a little girl named Lily.")
+    cfg, _, w = raw_llama2c(ckpt)
+    tokens = Tokenizer(tok).encode("Once upon a time, there was a little girl named Lily.")
     ref = forward_llama2c(cfg, w, tokens)
     got = forward_hf(config, tensors, tokens)
     assert (got - ref).abs().max().item() < 1e-9
@@ -171,15 +168,16 @@ def write_v1(path, cfg, w, shared):
             f.write(np.asarray(w[name], dtype="<f4").tobytes())
 
 
-def test_version1_and_untied_match_legacy(tmp_path):
-    cfg, _, w = raw_llama2c(CKPT)
-    res, out = run_export(tmp_path, CKPT)
+def test_version1_and_untied_match_legacy(tmp_path, stories260k):
+    ckpt, tok = stories260k.ckpt, stories260k.tok
+    cfg, _, w = raw_llama2c(ckpt)
+    res, out = run_export(tmp_path, ckpt, tok)
     assert res.returncode == 0, res.stderr
     _, ref = load_dir(out)
 
     v1 = str(tmp_path / "v1.bin")
     write_v1(v1, cfg, w, shared=True)
-    res, out = run_export(tmp_path / "a", v1)
+    res, out = run_export(tmp_path / "a", v1, tok)
     assert res.returncode == 0, res.stderr
     _, got = load_dir(out)
     assert got.keys() == ref.keys()
@@ -187,40 +185,42 @@ def test_version1_and_untied_match_legacy(tmp_path):
 
     # legacy untied: negative vocab_size, classifier appended after the rope tables
     wcls = np.arange(512 * 64, dtype=np.float32).reshape(512, 64) / 1000
-    data = bytearray(open(CKPT, "rb").read())
+    data = bytearray(open(ckpt, "rb").read())
     struct.pack_into("<i", data, 20, -512)
     untied = tmp_path / "untied.bin"
     untied.write_bytes(bytes(data) + wcls.tobytes())
-    res, out = run_export(tmp_path / "b", str(untied))
+    res, out = run_export(tmp_path / "b", str(untied), tok)
     assert res.returncode == 0, res.stderr
     config, got = load_dir(out)
     assert config["tie_word_embeddings"] is False
     assert np.array_equal(got["lm_head.weight"], wcls)
 
 
-def test_bf16_export_rounds_to_nearest(tmp_path):
-    res, out = run_export(tmp_path, CKPT, "--dtype", "bf16")
+def test_bf16_export_rounds_to_nearest(tmp_path, stories260k):
+    ckpt, tok = stories260k.ckpt, stories260k.tok
+    res, out = run_export(tmp_path, ckpt, tok, "--dtype", "bf16")
     assert res.returncode == 0, res.stderr
     header = st_io.read_header(os.path.join(out, "model.safetensors"))[0]
     assert {e["dtype"] for e in header.values()} == {"BF16"}
-    _, f32 = load_dir(run_export(tmp_path / "f", CKPT)[1])
+    _, f32 = load_dir(run_export(tmp_path / "f", ckpt, tok)[1])
     _, b16 = load_dir(out)
     for k in f32:
         err = np.abs(b16[k] - f32[k])
         assert np.all(err <= np.abs(f32[k]) * 2.0 ** -8), k
 
 
-def test_bad_inputs_fail_with_one_line(tmp_path):
+def test_bad_inputs_fail_with_one_line(tmp_path, stories260k, shared):
+    ckpt, tok, big_tok = stories260k.ckpt, stories260k.tok, shared("models/tokenizer.bin")
     trunc = tmp_path / "trunc.bin"
-    trunc.write_bytes(open(CKPT, "rb").read()[:100000])
-    res, out = run_export(tmp_path, str(trunc))
+    trunc.write_bytes(open(ckpt, "rb").read()[:100000])
+    res, out = run_export(tmp_path, str(trunc), tok)
     assert res.returncode == 1 and "truncated" in res.stderr and str(trunc) in res.stderr
     assert len(res.stderr.strip().splitlines()) == 1 and not os.path.exists(out)
     # a tokenizer of the wrong size
-    cmd = [sys.executable, os.path.join(ROOT, "scripts", "export_llama.py"), "--llama2c", CKPT,
-           "--tokenizer", BIG_TOK, "--out", str(tmp_path / "m2")]
+    cmd = [sys.executable, os.path.join(ROOT, "scripts", "export_llama.py"), "--llama2c", ckpt,
+           "--tokenizer", big_tok, "--out", str(tmp_path / "m2")]
     res = subprocess.run(cmd, capture_output=True, text=True)
-    assert res.returncode == 1 and "32000" in res.stderr and BIG_TOK in res.stderr
+    assert res.returncode == 1 and "32000" in res.stderr and big_tok in res.stderr
 
 
 def test_safetensors_round_trip_and_validation(tmp_path):
@@ -243,9 +243,10 @@ def test_safetensors_round_trip_and_validation(tmp_path):
         assert "cut.safetensors" in str(e)
 
 
-def test_tokenizer_matches_llama_sentencepiece():
+def test_tokenizer_matches_llama_sentencepiece(shared):
+    big_tok = shared("models/tokenizer.bin")
     # known LLaMA ids for this sentence; the dummy prefix and merges must match llama2.c
-    tok = Tokenizer(BIG_TOK)
+    tok = Tokenizer(big_tok)
     ids = tok.encode("Once upon a time")
     assert ids == [1, 9038, 2501, 263, 931]
     text = "Héllo wörld 🙂, two  spaces\nnew line"

@@ -37,7 +37,6 @@ from llama2c_tokenizer import Tokenizer  # noqa: E402
 ROOT = lc.REPO
 EXPORT = os.path.join(ROOT, "scripts", "export_llama.py")
 TOK_PROBE = os.path.join(ROOT, "test", "tokenizer_probe")
-MODELS = os.path.join(os.path.dirname(ROOT), "shared", "models")
 torch.set_num_threads(2)
 # OpenMP threads that spin while waiting cost a time slice per barrier when the cores are shared
 # (measured here: the SmolLM2 probe 36 s active vs 1.3 s passive); our subprocesses wait passively
@@ -536,9 +535,9 @@ def test_byte_level_equals_exact_bpe_on_ascii(tiny):
         assert c_encode(tiny["tok"], text) == exact_bpe(text, tiny["merges"], token_id), text
 
 
-def test_llama2c_tokenizer_path_unchanged():
+def test_llama2c_tokenizer_path_unchanged(stories260k):
     """No tokenizer_config.json beside it: sentencepiece rules, C and Python agree."""
-    path = os.path.join(MODELS, "tok512.bin")
+    path = stories260k.tok
     assert tok_probe(path, "info").split() == ["512", "1", "2", "1", "0", "0"]
     tok = Tokenizer(path)
     for text in ["Once upon a time, there was a little girl named Lily.", "Héllo  🙂\nx", ""]:
@@ -548,11 +547,11 @@ def test_llama2c_tokenizer_path_unchanged():
             tok.piece_bytes(t, p) for p, t in zip([None] + ids, ids))
 
 
-def test_sentencepiece_gguf_tokenizer_keeps_llama2c_rules(tmp_path):
+def test_sentencepiece_gguf_tokenizer_keeps_llama2c_rules(tmp_path, stories260k):
     """tokenizer.ggml.model "llama": the pieces of tok512.bin, written to GGUF the way llama.cpp
     does (spaces as U+2581, byte tokens typed 6), come back as the same tokenizer.bin."""
     from llama2c_tokenizer import read_tokenizer_bin
-    src = os.path.join(MODELS, "tok512.bin")
+    src = stories260k.tok
     pieces, scores, _ = read_tokenizer_bin(src)
     tokens = [p.decode().replace(" ", "\u2581") for p in pieces]
     types = [2, 3, 3] + [6] * 256 + [1] * (len(pieces) - 259)
