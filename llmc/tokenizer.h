@@ -3,7 +3,7 @@
 // byte pieces "<0xXX>" into raw bytes. The model directory carries it as tokenizer.bin.
 //
 // A tokenizer_config.json beside tokenizer.bin may hold a "tokenizer_bin" block (written by
-// scripts/export_llama.py --gguf): {"type": "sentencepiece" (default) | "byte_level", "bos_id",
+// scripts/export/export_llama.py --gguf): {"type": "sentencepiece" (default) | "byte_level", "bos_id",
 // "eos_id", "add_bos", "special_ids": [...], "pretokenizer": "gpt2" | "gpt2_digits" | "none"}.
 // Without one: llama2.c's sentencepiece rules, BOS 1, EOS 2, add_bos. With add_bos false, encode
 // adds the BOS it is asked for only to an empty text (generation needs a first token).
@@ -20,7 +20,7 @@
 // non-ASCII punctuation, symbols and digits join words); and merges are ranked by the token they
 // make, not by the pair (real BPE merges only listed pairs). On English text the ids equal the
 // real tokenizer's (test/test_gguf_export.py checks SmolLM2 against an exact BPE of its merges);
-// wherever they differ they still decode to the same text. scripts/llama2c_tokenizer.py
+// wherever they differ they still decode to the same text. scripts/formats/llama2c_tokenizer.py
 // implements the same rules in Python. C strings: the byte 0 cannot be encoded and prints as
 // nothing.
 #pragma once

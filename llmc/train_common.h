@@ -71,7 +71,7 @@ static void train_flags_register_task(FlagTable* t, TrainOptions* o, const char*
     int text = task == TRAIN_TEXT;
     t->group = "model and data";
     flag_string(t, "model", &o->model_dir, "model directory: config.json + model.safetensors (or sharded, with index)");
-    flag_string(t, "data", &o->data_path, text ? "training data shard" : "training image shard (scripts/prepare_images.py)");
+    flag_string(t, "data", &o->data_path, text ? "training data shard" : "training image shard (scripts/data/prepare_images.py)");
     flag_string(t, "val", &o->val_path, text ? "validation data shard" : "validation image shard");
     flag_string(t, "out", &o->out_dir, "output directory: log.csv, the PEFT adapter (end and every --save-every), train_state.bin");
     flag_int(t, "save-every", &o->save_every, "write the adapter and the resumable training state every N steps (0 = only at the end)");

@@ -1,8 +1,8 @@
 """Helpers for the LLaMA model tests: small random Hugging Face-layout model directories, random
 cases (tokens, loss mask, LoRA adapters), running test/llama_probe, and comparing its output with
-the PyTorch reference (scripts/reference_llama.py).
+the PyTorch reference (test/reference_llama.py).
 
-Case contract (see scripts/reference_llama.py): "tokens" I32 [B, T+1], "mask" F32 [B, T],
+Case contract (see test/reference_llama.py): "tokens" I32 [B, T+1], "mask" F32 [B, T],
 "lora.{l}.{t}.A" F32 [r, in], "lora.{l}.{t}.B" F32 [out, r].
 """
 import json
@@ -14,7 +14,8 @@ import sys
 import numpy as np
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(REPO, "scripts"))
+# the Python tools the tests exercise: file formats, data preparation, exporters
+sys.path[:0] = [os.path.join(REPO, "scripts", d) for d in ("formats", "data", "export")]
 import reference_llama as ref  # noqa: E402
 import st_io  # noqa: E402
 import probe_compare  # noqa: E402

@@ -1,7 +1,7 @@
 // test/llama_probe.cu: runs one forward + backward of train_llama's model on a batch given in a
 // safetensors "case" file (tokens, mask, LoRA weights) and writes logits, loss and every LoRA
 // gradient to another safetensors file, for comparison with the PyTorch reference
-// (scripts/reference_llama.py, test/test_llama_model.py), or for backend-against-backend checks
+// (test/reference_llama.py, test/test_llama_model.py), or for backend-against-backend checks
 // (--device cuda vs --device cpu, test/test_cuda_llama.py). Same flags as train_llama.
 #define TESTING
 #include "../train_llama.cu"

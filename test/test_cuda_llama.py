@@ -260,7 +260,7 @@ def test_cuda_two_ranks_accumulating_equal_one_process_at_step_one(tmp_path):
 def test_cuda_nccl_selftest_one_rank_changes_nothing(tmp_path):
     """LLMC_NCCL_SELFTEST=1 on one GPU sends every gradient through a one-rank communicator (and
     --full through ZeRO-1's reduce-scatter, sharded master and bf16 all-gather): the result must be
-    exactly that of a plain run, which is what scripts/gpu_check.sh relies on."""
+    exactly that of a plain run, which is what scripts/ci/gpu_check.sh relies on."""
     for mode in ([], ["--full", "--lr", "1e-3"]):
         plain = train(CUDA_TRAIN, "cuda", "--steps", 3, *mode, "--out", tmp_path / "plain")
         st = run([need(CUDA_TRAIN)] + DEMO + ["--device", "cuda", "--steps", 3, *mode, "--out", tmp_path / "self"],

@@ -1,4 +1,4 @@
-"""scripts/export_llama.py: the exported Hugging Face layout computes the same model.
+"""scripts/export/export_llama.py: the exported Hugging Face layout computes the same model.
 
 Run with /usr/bin/python3 -m pytest test/test_export_llama.py (needs torch).
 A llama2.c-style forward (interleaved RoPE) of the raw checkpoint and an
@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
+sys.path[:0] = [os.path.join(ROOT, "scripts", d) for d in ("formats", "export")]
 
 import export_llama  # noqa: E402
 import st_io  # noqa: E402
@@ -115,7 +115,7 @@ def raw_llama2c(path):
 
 def run_export(tmp_path, ckpt, tok, *extra):
     out = str(tmp_path / "model")
-    cmd = [sys.executable, os.path.join(ROOT, "scripts", "export_llama.py"),
+    cmd = [sys.executable, os.path.join(ROOT, "scripts", "export", "export_llama.py"),
            "--llama2c", ckpt, "--tokenizer", tok, "--out", out, *extra]
     res = subprocess.run(cmd, capture_output=True, text=True)
     return res, out
@@ -217,7 +217,7 @@ def test_bad_inputs_fail_with_one_line(tmp_path, stories260k, shared):
     assert res.returncode == 1 and "truncated" in res.stderr and str(trunc) in res.stderr
     assert len(res.stderr.strip().splitlines()) == 1 and not os.path.exists(out)
     # a tokenizer of the wrong size
-    cmd = [sys.executable, os.path.join(ROOT, "scripts", "export_llama.py"), "--llama2c", ckpt,
+    cmd = [sys.executable, os.path.join(ROOT, "scripts", "export", "export_llama.py"), "--llama2c", ckpt,
            "--tokenizer", big_tok, "--out", str(tmp_path / "m2")]
     res = subprocess.run(cmd, capture_output=True, text=True)
     assert res.returncode == 1 and "32000" in res.stderr and big_tok in res.stderr

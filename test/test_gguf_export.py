@@ -1,4 +1,4 @@
-"""scripts/export_llama.py --gguf (scripts/gguf_llama.py) and the byte-level tokenizer.
+"""scripts/export/export_llama.py --gguf (scripts/formats/gguf_llama.py) and the byte-level tokenizer.
 
 Run:  /usr/bin/python3 -m pytest -q test/test_gguf_export.py
 Needs the PyPI package `gguf` (python3 -m pip install gguf; .ci/run installs it): without it
@@ -28,14 +28,14 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import llama_cases as lc  # noqa: E402  (puts scripts/ on sys.path)
+import llama_cases as lc  # noqa: E402  (puts scripts/formats, data and export on sys.path)
 import gguf_llama  # noqa: E402
 import shards  # noqa: E402
 import st_io  # noqa: E402
 from llama2c_tokenizer import Tokenizer  # noqa: E402
 
 ROOT = lc.REPO
-EXPORT = os.path.join(ROOT, "scripts", "export_llama.py")
+EXPORT = os.path.join(ROOT, "scripts", "export", "export_llama.py")
 TOK_PROBE = os.path.join(ROOT, "test", "tokenizer_probe")
 torch.set_num_threads(2)
 # OpenMP threads that spin while waiting cost a time slice per barrier when the cores are shared
@@ -572,7 +572,7 @@ def test_sentencepiece_gguf_tokenizer_keeps_llama2c_rules(tmp_path, stories260k)
 def test_prepare_text_and_generate_with_byte_level_tokenizer(tiny, tmp_path):
     text = tmp_path / "corpus.txt"
     text.write_text("First paragraph, it's short.\n\nSecond one:  2 lines\nhere.\n")
-    res = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "prepare_text.py"),
+    res = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "data", "prepare_text.py"),
                           "--tokenizer", str(tiny["tok"]), "--input", str(text),
                           "--out", str(tmp_path / "d"), "--val-frac", "0"],
                          capture_output=True, text=True)

@@ -30,7 +30,7 @@ def test_transformers_and_peft_load_our_outputs(tmp_path):
     ours = [float(run(["--model", m, "--val", tmp_path / "data.bin", "--eval-only", "--seq", 24, "--batch", 4, "--val-batches", 4,
                        "--lora-rank", 4, "--threads", 1, *x]).stdout.split("val loss ")[-1])
             for m, x in ((tmp_path / "model", ()), (tmp_path / "model", ("--adapter", tmp_path / "adapter")), (tmp_path / "merged", ()))]
-    p = subprocess.run([HF_PYTHON, os.path.join(lc.REPO, "scripts", "check_hf_interop.py"), "--base", str(tmp_path / "model"),
+    p = subprocess.run([HF_PYTHON, os.path.join(lc.REPO, "scripts", "interop", "check_hf_interop.py"), "--base", str(tmp_path / "model"),
                         "--adapter", str(tmp_path / "adapter"), "--merged", str(tmp_path / "merged"), "--val", str(tmp_path / "data.bin"),
                         "--seq", "24", "--windows", "16"], capture_output=True, text=True, timeout=300, env=ENV)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -57,7 +57,7 @@ def test_transformers_and_peft_load_our_vit_outputs(tmp_path):
                         capture_output=True, text=True, env=ENV, timeout=300)
     ours = ev.stdout.split("val loss ")[-1].split()
     ours_loss, ours_acc = float(ours[0]), float(ours[4])  # "1.05 | val acc 0.61 (...)"
-    q = subprocess.run([HF_PYTHON, os.path.join(lc.REPO, "scripts", "check_hf_vit.py"), "--base", model, "--adapter", str(tmp_path / "ad"),
+    q = subprocess.run([HF_PYTHON, os.path.join(lc.REPO, "scripts", "interop", "check_hf_vit.py"), "--base", model, "--adapter", str(tmp_path / "ad"),
                         "--merged", str(tmp_path / "merged"), "--val", val, "--images", "100"], capture_output=True, text=True, timeout=300, env=ENV)
     assert q.returncode == 0, q.stderr[-3000:]
     rows = [line.split(": loss ")[1].split(" acc ") for line in q.stdout.splitlines() if line.startswith("transformers")]

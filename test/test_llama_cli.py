@@ -15,7 +15,7 @@ import llama_cases as lc
 
 REPO = lc.REPO
 BIN = os.path.join(REPO, "train_llama")
-import shards  # noqa: E402  (scripts/ is on sys.path via llama_cases)
+import shards  # noqa: E402  (scripts/formats is on sys.path via llama_cases)
 
 ENV = dict(os.environ, OMP_NUM_THREADS="2")
 
@@ -186,7 +186,7 @@ def test_dry_run_ranks_plans_one_zero1_rank(tmp_path):
 
 def test_stories260k_generates(tmp_path, stories260k):
     model = tmp_path / "s260"
-    subprocess.run(["/usr/bin/python3", os.path.join(REPO, "scripts/export_llama.py"), "--llama2c",
+    subprocess.run(["/usr/bin/python3", os.path.join(REPO, "scripts/export/export_llama.py"), "--llama2c",
                     stories260k.ckpt, "--tokenizer", stories260k.tok,
                     "--out", str(model)], check=True, capture_output=True)
     p = run(["--model", model, "--generate", 40, "--temperature", 0, "--prompt", "Once upon a time"])

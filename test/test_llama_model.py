@@ -1,5 +1,5 @@
 """LLaMA model tests: test/llama_probe (the C model, fp32 CPU backend) against the independent
-PyTorch reference scripts/reference_llama.py (fp64), on small random configs in every mode, plus
+PyTorch reference test/reference_llama.py (fp64), on small random configs in every mode, plus
 self-checks of the reference itself.
 
 Run:  /usr/bin/python3 -m pytest -q -rA test/test_llama_model.py   (-rA / -s shows the error lines)

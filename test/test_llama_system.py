@@ -281,7 +281,7 @@ def test_export_merged_equals_base_plus_adapter(tiny, tmp_path, dtype):
 
 def test_compare_modes_report(tiny, tmp_path):
     out = tmp_path / "cmp"
-    p = subprocess.run(["bash", os.path.join(lc.REPO, "scripts/compare_modes.sh"), str(out), BIN, "--model", str(tiny / "model"),
+    p = subprocess.run(["bash", os.path.join(lc.REPO, "scripts/bench/compare_modes.sh"), str(out), BIN, "--model", str(tiny / "model"),
                         "--data", str(tiny / "train.bin"), "--val", str(tiny / "val.bin"), "--steps", "3", "--seq", "24", "--batch", "2",
                         "--lora-rank", "4", "--threads", "1"], capture_output=True, text=True, env=ENV, timeout=300)
     assert p.returncode == 0, p.stderr
@@ -294,7 +294,7 @@ def test_compare_modes_report(tiny, tmp_path):
         assert float(rows[m][3]) > 0 and float(rows[m][4]) > 0
     plan = json.loads((out / "plan_lowmem.json").read_text())
     assert plan["activation_bytes"] < plan["baseline"]["activation_bytes"]
-    q = subprocess.run(["/usr/bin/python3", os.path.join(lc.REPO, "scripts/plot_modes.py"), str(out)], capture_output=True, text=True)
+    q = subprocess.run(["/usr/bin/python3", os.path.join(lc.REPO, "scripts/bench/plot_modes.py"), str(out)], capture_output=True, text=True)
     assert q.returncode == 0, q.stderr
     assert (out / "modes.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

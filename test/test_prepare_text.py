@@ -1,4 +1,4 @@
-"""scripts/prepare_text.py on instruction data: chat templates (ChatML, LLaMA-2), loss on the
+"""scripts/data/prepare_text.py on instruction data: chat templates (ChatML, LLaMA-2), loss on the
 assistant replies only, examples packed with their starts marked, and train_llama training on
 the result with attention kept inside each example."""
 import json
@@ -11,12 +11,12 @@ import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-import llama_cases as lc  # noqa: E402  (puts scripts/ on sys.path)
+import llama_cases as lc  # noqa: E402  (puts scripts/formats, data and export on sys.path)
 import shards  # noqa: E402
 from llama2c_tokenizer import Tokenizer  # noqa: E402
 from test_gguf_export import export, need_gguf, write_tiny_gguf  # noqa: E402
 
-PREP = os.path.join(lc.REPO, "scripts", "prepare_text.py")
+PREP = os.path.join(lc.REPO, "scripts", "data", "prepare_text.py")
 CONVERSATIONS = [
     {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is the GPL?"},
                   {"role": "assistant", "content": "A copyleft license."}]},

@@ -1,6 +1,6 @@
 """ViT data, formats and plan: the image loader (llmc/imagedata.h, through test/vit_probe
---dump-batches) against torch's F.interpolate; scripts/prepare_images.py on synthetic
-Fashion-MNIST IDX files, CIFAR-10/100 binary archives and an image folder; scripts/export_vit.py
+--dump-batches) against torch's F.interpolate; scripts/data/prepare_images.py on synthetic
+Fashion-MNIST IDX files, CIFAR-10/100 binary archives and an image folder; scripts/export/export_vit.py
 from timm state dicts; bad input to train_vit (one-line error, exit status 1); and the memory plan
 of --dry-run against the per-module accounting of DESIGN.md section 5.
 
@@ -21,9 +21,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import vit_cases as vc  # noqa: E402
-
-sys.path.insert(0, os.path.join(vc.REPO, "scripts"))
+import vit_cases as vc  # noqa: E402  (puts scripts/formats, data and export on sys.path)
 import export_vit  # noqa: E402
 import prepare_images as pi  # noqa: E402
 
@@ -102,7 +100,7 @@ def test_loader_matches_torch(tmp_path, shape, channels, size):
 # prepare_images.py
 
 def run_prepare(*args, check=True):
-    p = subprocess.run([PY, os.path.join(vc.REPO, "scripts", "prepare_images.py")] +
+    p = subprocess.run([PY, os.path.join(vc.REPO, "scripts", "data", "prepare_images.py")] +
                        [str(a) for a in args], capture_output=True, text=True, timeout=120)
     if check and p.returncode != 0:
         raise AssertionError(f"prepare_images failed: {p.stderr}")
@@ -241,7 +239,7 @@ def test_export_timm(tmp_path, fmt):
     else:
         torch.save({"model": {k: torch.from_numpy(v) for k, v in timm.items()}}, src)
     out = str(tmp_path / "exported")
-    p = subprocess.run([PY, os.path.join(vc.REPO, "scripts", "export_vit.py"), "--input", src,
+    p = subprocess.run([PY, os.path.join(vc.REPO, "scripts", "export", "export_vit.py"), "--input", src,
                         "--out", out, "--heads", "3", "--mean", "0.1,0.2,0.3", "--std", "0.5"],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
@@ -276,7 +274,7 @@ def test_export_refuses_global_pool(tmp_path):
     timm = vc.hf_to_timm(cfg, vc.random_hf_weights(cfg))
     timm["fc_norm.weight"] = np.ones(cfg.dim, np.float32)
     np.savez(tmp_path / "s.npz", **timm)
-    p = subprocess.run([PY, os.path.join(vc.REPO, "scripts", "export_vit.py"), "--input",
+    p = subprocess.run([PY, os.path.join(vc.REPO, "scripts", "export", "export_vit.py"), "--input",
                         str(tmp_path / "s.npz"), "--out", str(tmp_path / "o")],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 1 and "fc_norm" in p.stderr and p.stderr.count("\n") == 1

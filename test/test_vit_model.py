@@ -1,5 +1,5 @@
 """ViT model tests: test/vit_probe (the C model, fp32 CPU backend) against the independent PyTorch
-reference scripts/reference_vit.py (fp64), on small random configs in every mode, with resolution
+reference test/reference_vit.py (fp64), on small random configs in every mode, with resolution
 changes and both checkpoint layouts, plus self-checks of the reference itself.
 
 Run:  /usr/bin/python3 -m pytest -q -rA test/test_vit_model.py   (-rA / -s shows the error lines)

@@ -1,5 +1,5 @@
 """ViT training end to end: train_vit fine-tunes the bundled demo model (data/vit_demo, pretrained
-by scripts/make_demo_vit.py on Fashion-MNIST classes 0-4) on the bundled subset of the other
+by scripts/demo/make_demo_vit.py on Fashion-MNIST classes 0-4) on the bundled subset of the other
 classes; validation accuracy must rise well above the new head's chance level; the same seed gives
 the same run; another seed gives another. Also the system around it: PEFT adapters out and back in
 across norm modes and against PyTorch, SIGKILL + --resume bit-identical, a mismatched resume
@@ -26,7 +26,7 @@ VAL = os.environ.get("VIT_DEMO_VAL", os.path.join(DATA, "vit_demo_ft_val.bin"))
 
 def fine_tune(out_dir, seed, steps, mode="lowmem", extra=()):
     for p in (os.path.join(MODEL, "model.safetensors"), TRAIN, VAL):
-        assert os.path.isfile(p), f"{p} is missing (made by scripts/make_demo_vit.py)"
+        assert os.path.isfile(p), f"{p} is missing (made by scripts/demo/make_demo_vit.py)"
     p = vc.train_vit("--model", MODEL, "--data", TRAIN, "--val", VAL, "--mode", mode,
                      "--steps", steps, "--batch", 16, "--lr", "3e-3", "--warmup", 3,
                      "--lora-rank", 4, "--seed", seed, "--threads", 2, "--val-every", steps,
@@ -100,7 +100,6 @@ def test_adapter_round_trip_across_norm_modes_and_against_pytorch(tmp_path):
     import numpy as np
     import torch
     import torch.nn.functional as F
-    sys.path.insert(0, os.path.join(vc.REPO, "scripts"))
     import prepare_images as pi
     model = vc.ref.VitModel.load(MODEL)
     pre = "base_model.model."

@@ -1,8 +1,8 @@
 """Helpers for the ViT tests: small random model directories (Hugging Face or timm layout), random
 cases (pixels, labels, LoRA adapters, head), image shards, running test/vit_probe and train_vit,
-and comparing the probe's output with the PyTorch reference (scripts/reference_vit.py).
+and comparing the probe's output with the PyTorch reference (test/reference_vit.py).
 
-Case contract (see scripts/reference_vit.py): "pixels" F32 [B, C, H, W], "labels" I32 [B],
+Case contract (see test/reference_vit.py): "pixels" F32 [B, C, H, W], "labels" I32 [B],
 "lora.{l}.{t}.A" F32 [r, in], "lora.{l}.{t}.B" F32 [out, r], "head.weight" [K, d], "head.bias" [K].
 """
 import json
@@ -15,7 +15,8 @@ import sys
 import numpy as np
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(REPO, "scripts"))
+# the Python tools the tests exercise: file formats, data preparation, exporters
+sys.path[:0] = [os.path.join(REPO, "scripts", d) for d in ("formats", "data", "export")]
 import reference_vit as ref  # noqa: E402
 import st_io  # noqa: E402
 import probe_compare  # noqa: E402

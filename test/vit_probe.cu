@@ -1,6 +1,6 @@
 // test/vit_probe.cu: runs train_vit's model and loader on inputs given in files and writes what
 // they computed to a safetensors file, for comparison with the PyTorch reference
-// (scripts/reference_vit.py, test/test_vit_model.py), or for backend-against-backend checks
+// (test/reference_vit.py, test/test_vit_model.py), or for backend-against-backend checks
 // (--device cuda vs --device cpu, test/test_cuda_vit.py). Same flags as train_vit, plus:
 //   --case CASE --out-file OUT    one forward + backward of a batch:
 //       CASE: pixels F32 [B, C, H, W] (normalised, at the fine-tuning resolution), labels I32 [B],

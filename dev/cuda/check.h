@@ -210,7 +210,7 @@ static double time_kernel(const std::function<void()>& fn, int reps) {
 }
 #endif
 
-// "TIME" lines are what scripts/gpu_check.sh collects into its results table.
+// "TIME" lines are what scripts/ci/gpu_check.sh collects into its results table.
 static void report_bandwidth(const char* what, double bytes, double ms) {
     if (ms <= 0) return;
     double gbps = bytes / (ms * 1e-3) / 1e9;

@@ -8,7 +8,7 @@ with the highest vocab score. The C trainer uses the same file, so the two must
 agree token for token.
 
 A tokenizer_config.json beside the file may carry a "tokenizer_bin" block
-(scripts/gguf_llama.py writes one): {"type": "sentencepiece" | "byte_level",
+(scripts/formats/gguf_llama.py writes one): {"type": "sentencepiece" | "byte_level",
 "bos_id", "eos_id", "add_bos", "special_ids", "pretokenizer"}. Byte-level (GPT-2
 style BPE, pieces are raw bytes): no dummy prefix, special tokens are matched
 literally in the text and never merged, the rest is split into pre-tokens (GPT-2's

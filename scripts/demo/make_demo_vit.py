@@ -7,11 +7,11 @@ and a new head (data/vit_demo_ft_train.bin, data/vit_demo_ft_val.bin).
 
 Needs Debian's dataset-fashion-mnist package (IDX files under /usr/share/datasets/fashion-mnist)
 and python3-torch. Deterministic for a given --seed and thread count. The model is the one of
-scripts/reference_vit.py (float32 here), so it is exactly what train_vit loads:
+test/reference_vit.py (float32 here), so it is exactly what train_vit loads:
 28x28 grayscale, patch 7 (4x4 grid + class token = 17 tokens), width 64, 4 layers, 4 heads,
 MLP 256, erf GELU, LayerNorm eps 1e-6, normalisation mean 0.2860 / std 0.3530 (the training set's).
 
-  /usr/bin/python3 scripts/make_demo_vit.py            # ~2-4 minutes on 2 cores
+  /usr/bin/python3 scripts/demo/make_demo_vit.py            # ~2-4 minutes on 2 cores
 """
 import argparse
 import json
@@ -24,12 +24,14 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# sibling modules: scripts/<folder>/ (and the PyTorch references in test/)
+SCRIPTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [os.path.join(SCRIPTS, d) for d in ("formats", "data", "../test",)]
 import prepare_images as pi  # noqa: E402
 import reference_vit as ref  # noqa: E402
 import st_io  # noqa: E402
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(SCRIPTS)
 CONFIG = {"architectures": ["ViTForImageClassification"], "model_type": "vit",
           "hidden_size": 64, "intermediate_size": 256, "num_hidden_layers": 4,
           "num_attention_heads": 4, "image_size": 28, "patch_size": 7, "num_channels": 1,

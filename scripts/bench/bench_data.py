@@ -1,9 +1,9 @@
-"""Random training data for the GPU benchmarks (scripts/bench_gpu.sh), with the standard library
-alone (the GPU machine may have no numpy): a token shard (LMFT, scripts/shards.py's layout) and an
-image shard (IMGS, scripts/prepare_images.py's layout). Speed and memory do not depend on values.
+"""Random training data for the GPU benchmarks (scripts/bench/bench_gpu.sh), with the standard library
+alone (the GPU machine may have no numpy): a token shard (LMFT, scripts/formats/shards.py's layout) and an
+image shard (IMGS, scripts/data/prepare_images.py's layout). Speed and memory do not depend on values.
 
-usage: python3 scripts/bench_data.py tokens PATH VOCAB COUNT
-       python3 scripts/bench_data.py images PATH N SIZE CLASSES"""
+usage: python3 scripts/bench/bench_data.py tokens PATH VOCAB COUNT
+       python3 scripts/bench/bench_data.py images PATH N SIZE CLASSES"""
 import os
 import random
 import struct

@@ -8,7 +8,7 @@
 # Environment: PYTHON (default /usr/bin/python3), OUT (default build/smollm2), STEPS (5),
 # DEVICE (auto: the GPU when the binary has the CUDA backend, else the CPU), THREADS (0 = all).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 PYTHON=${PYTHON:-/usr/bin/python3}
 OUT=${OUT:-build/smollm2}
 STEPS=${STEPS:-5}
@@ -54,7 +54,7 @@ echo "$GGUF ($(du -h "$GGUF" | cut -f1))"
 
 phase "export to $OUT"
 if [ ! -f "$OUT/model.safetensors" ] || [ "$GGUF" -nt "$OUT/model.safetensors" ]; then
-    "$PYTHON" scripts/export_llama.py --gguf "$GGUF" --out "$OUT"
+    "$PYTHON" scripts/export/export_llama.py --gguf "$GGUF" --out "$OUT"
 else
     echo "$OUT is up to date"
 fi
@@ -62,7 +62,7 @@ fi
 phase "fine-tuning data (license text)"
 mkdir -p "$DATA"
 head -n 600 /usr/share/common-licenses/GPL-3 > "$DATA/gpl3.txt"
-"$PYTHON" scripts/prepare_text.py --tokenizer "$OUT/tokenizer.bin" --input "$DATA/gpl3.txt" \
+"$PYTHON" scripts/data/prepare_text.py --tokenizer "$OUT/tokenizer.bin" --input "$DATA/gpl3.txt" \
     --out "$DATA/gpl3" --chunk-chars 1000 --val-frac 0.2
 
 phase "LoRA fine-tuning ($STEPS steps, lowmem) and generation"

@@ -15,7 +15,7 @@ size), --eps (timm: 1e-6), --act, --mean/--std (timm's ViT-B/16 ImageNet-21k wei
 A class-token ViT only: timm models with global average pooling (fc_norm), register tokens or
 no class token are refused.
 
-  /usr/bin/python3 scripts/export_vit.py --input vit_base_patch16_224.pth --out models/vit-b16
+  /usr/bin/python3 scripts/export/export_vit.py --input vit_base_patch16_224.pth --out models/vit-b16
 """
 import argparse
 import json
@@ -25,7 +25,9 @@ import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# sibling modules in scripts/<folder>/
+SCRIPTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [os.path.join(SCRIPTS, d) for d in ("formats",)]
 import st_io  # noqa: E402
 
 

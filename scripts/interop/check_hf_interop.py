@@ -4,7 +4,7 @@ base model + our PEFT adapter (PeftModel.from_pretrained) and of our --export-me
 (LlamaForCausalLM.from_pretrained), on the first windows of a token shard, the same windows
 train_llama --eval-only uses. Needs transformers, peft (and accelerate); not part of make test.
 
-    python scripts/check_hf_interop.py --base DIR --adapter DIR --merged DIR --val SHARD --seq T --windows N
+    python scripts/interop/check_hf_interop.py --base DIR --adapter DIR --merged DIR --val SHARD --seq T --windows N
 """
 import argparse
 import os
@@ -13,7 +13,9 @@ import sys
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# sibling modules in scripts/<folder>/
+SCRIPTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [os.path.join(SCRIPTS, d) for d in ("formats",)]
 import shards  # noqa: E402
 
 

@@ -1,12 +1,12 @@
 """Build the bundled demo of `make run`: a tiny LLaMA pretrained here, plus fine-tuning data.
 
-    /usr/bin/python3 scripts/make_demo_llama.py [--out data] [--steps 800]
+    /usr/bin/python3 scripts/demo/make_demo_llama.py [--out data] [--steps 800]
 
 1. a byte-level BPE tokenizer (llama2.c format, 512 tokens) learned from license texts;
 2. a tiny LLaMA (dim 64, 4 layers, GQA 4/2 heads, tied embeddings) pretrained on
    GPL/LGPL/MPL/GFDL/Artistic from /usr/share/common-licenses (CPU, 2 threads);
 3. OUT/llama_demo/: config.json + model.safetensors + tokenizer.bin, the same layout
-   as scripts/export_llama.py writes;
+   as scripts/export/export_llama.py writes;
 4. OUT/llama_demo_ft_{train,val}.bin: Apache-2.0 + BSD, a different text to fine-tune on.
 Everything is seeded, so a rerun rebuilds the same files.
 """
@@ -24,7 +24,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# sibling modules in scripts/<folder>/
+SCRIPTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [os.path.join(SCRIPTS, d) for d in ("formats", "data", "export",)]
 import export_llama  # noqa: E402
 import prepare_text  # noqa: E402
 from llama2c_tokenizer import Tokenizer, write_tokenizer_bin  # noqa: E402

@@ -5,7 +5,7 @@ base model + our PEFT adapter (PeftModel.from_pretrained; the new head as module
 the first images of an image shard already at the model's resolution, normalised with its
 preprocessor_config.json. Needs transformers, peft (and accelerate); not part of make test.
 
-    python scripts/check_hf_vit.py --base DIR --adapter DIR --merged DIR --val SHARD --images N
+    python scripts/interop/check_hf_vit.py --base DIR --adapter DIR --merged DIR --val SHARD --images N
 """
 import argparse
 import json
@@ -15,7 +15,9 @@ import sys
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# sibling modules in scripts/<folder>/
+SCRIPTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [os.path.join(SCRIPTS, d) for d in ("data",)]
 from prepare_images import read_shard  # noqa: E402
 
 

@@ -1,13 +1,13 @@
 """Convert a llama2.c checkpoint or a LLaMA GGUF file into a Hugging Face LLaMA model directory.
 
-    python3 scripts/export_llama.py --llama2c model.bin --tokenizer tok.bin --out DIR [--dtype bf16]
-    python3 scripts/export_llama.py --gguf model.gguf --out DIR [--dtype bf16]
+    python3 scripts/export/export_llama.py --llama2c model.bin --tokenizer tok.bin --out DIR [--dtype bf16]
+    python3 scripts/export/export_llama.py --gguf model.gguf --out DIR [--dtype bf16]
 
 DIR gets config.json, model.safetensors and tokenizer.bin (the C trainer reads the
 llama2.c tokenizer for encode/decode). The trainer reads only the Hugging Face
 layout, so every other source is converted here once.
 
-GGUF (needs `pip install gguf`): the tensors are dequantized (scripts/gguf_llama.py says
+GGUF (needs `pip install gguf`): the tensors are dequantized (scripts/formats/gguf_llama.py says
 which types and how), the hyperparameters come from the llama.* metadata, and the tokenizer
 from tokenizer.ggml.*; a byte-level BPE (GPT-2 style) tokenizer is written as a tokenizer.bin
 of raw-byte pieces plus tokenizer_config.json, whose "tokenizer_bin" block tells the trainer
@@ -26,7 +26,9 @@ import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# sibling modules in scripts/<folder>/
+SCRIPTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [os.path.join(SCRIPTS, d) for d in ("formats",)]
 import st_io  # noqa: E402
 import gguf_llama  # noqa: E402
 from gguf_llama import interleaved_to_half  # noqa: E402  (the same permutation serves both)

@@ -1,23 +1,23 @@
 #!/usr/bin/env bash
-# scripts/bench_gpu.sh (make bench): speed and memory of the CUDA backend on the shapes the paper
+# scripts/bench/bench_gpu.sh (make bench): speed and memory of the CUDA backend on the shapes the paper
 # measures, each in baseline, lowmem and ckpt modes, side by side:
 #   - LLaMA-2-7B shape (d 4096, f 11008, 32 layers, 32 heads, vocab 32000), LoRA r=16 on all seven
 #     linears, batch 1 x seq 2048 (BENCH_LLAMA_BATCH / BENCH_LLAMA_SEQ to change)
 #   - ViT-B/16 (d 768, f 3072, 12 layers, 224 px), LoRA r=4 on all linears, batch 64
 # Weights are random (--random-init: a config.json alone, no download); the data is random tokens
-# and pixels (scripts/bench_data.py). Reported per run: throughput over the timed steps (after
+# and pixels (scripts/bench/bench_data.py). Reported per run: throughput over the timed steps (after
 # BENCH_WARMUP steps), MFU against 989 TFLOP/s dense bf16 (H100/H200 SXM) with FLOPs per token
 # = 4 N (forward 2N + input gradients 2N: LoRA trains no frozen weight) + attention 6 T d per
 # layer (causal QK^T, PV and their four backward products, halved for the mask; 12 T d for ViT's
 # bidirectional attention), the planned saved-activation bytes and the device memory the run
 # measured (cudaMemGetInfo after training: every arena is allocated up front and held, so this
 # is the peak). Beside them, the same configs in Hugging Face transformers + PEFT
-# (scripts/bench_hf.py: bf16 weights, fp32 adapters under autocast, SDPA attention; plain and with
+# (scripts/bench/bench_hf.py: bf16 weights, fp32 adapters under autocast, SDPA attention; plain and with
 # gradient checkpointing; BENCH_HF=0 skips them), the comparison of DESIGN.md section 8.
 # Writes build/bench/bench.md (and $OUT/bench.md when OUT is set).
-# Usage: bash scripts/bench_gpu.sh [llama|vit|all]    (a GPU and an nvcc build are required)
+# Usage: bash scripts/bench/bench_gpu.sh [llama|vit|all]    (a GPU and an nvcc build are required)
 set -u
-cd "$(dirname "$0")/.." || exit 1
+cd "$(dirname "$0")/../.." || exit 1
 WHAT=${1:-all}
 STEPS=${BENCH_STEPS:-8}
 WARM=${BENCH_WARMUP:-3}
@@ -66,7 +66,7 @@ hf_run() {  # model kind mode unit flops_per_item bench_hf.py-arguments...: the 
     local log="$D/$model.hf-$mode.log"
     [ "${BENCH_HF:-1}" = 1 ] || return 0
     echo "== $model transformers+PEFT $mode"
-    timeout 600 $PY scripts/bench_hf.py --model "$D/$model" "$kind" --mode "$mode" --steps "$STEPS" --warmup "$WARM" "$@" > "$log" 2>&1
+    timeout 600 $PY scripts/bench/bench_hf.py --model "$D/$model" "$kind" --mode "$mode" --steps "$STEPS" --warmup "$WARM" "$@" > "$log" 2>&1
     local rc=$? line r peak mfu
     line=$(grep '^HF ' "$log" | tail -n 1)
     echo "${line:-$(tail -n 3 "$log")}"
@@ -78,7 +78,7 @@ hf_run() {  # model kind mode unit flops_per_item bench_hf.py-arguments...: the 
 }
 
 if [ "$WHAT" = all ] || [ "$WHAT" = llama ]; then
-    [ -f "$D/tokens.bin" ] || $PY scripts/bench_data.py tokens "$D/tokens.bin" 32000 $(( (STEPS + 2) * LB * (LS + 1) ))
+    [ -f "$D/tokens.bin" ] || $PY scripts/bench/bench_data.py tokens "$D/tokens.bin" 32000 $(( (STEPS + 2) * LB * (LS + 1) ))
     # N = 6.74e9 parameters; attention 6 * T * d * layers per token
     F=$(awk -v T="$LS" 'BEGIN { printf "%.0f", 4 * 6.738e9 + 6 * T * 4096 * 32 }')
     for mode in baseline lowmem ckpt; do
@@ -88,7 +88,7 @@ if [ "$WHAT" = all ] || [ "$WHAT" = llama ]; then
     for mode in plain ckpt; do hf_run llama7b llama $mode tok "$F" --batch "$LB" --seq "$LS" --rank 16; done
 fi
 if [ "$WHAT" = all ] || [ "$WHAT" = vit ]; then
-    [ -f "$D/images.bin" ] || $PY scripts/bench_data.py images "$D/images.bin" $(( (STEPS + 1) * VB )) 224 100
+    [ -f "$D/images.bin" ] || $PY scripts/bench/bench_data.py images "$D/images.bin" $(( (STEPS + 1) * VB )) 224 100
     # N = 85.8e6 parameters, T = 197 tokens, bidirectional attention 12 * T * d * layers per image token
     F=$(awk 'BEGIN { printf "%.0f", 197 * (4 * 85.8e6 + 12 * 197 * 768 * 12) }')
     for mode in baseline lowmem ckpt; do

@@ -10,8 +10,8 @@ The model is random (seeded) unless --model DIR loads one. --write-model DIR wri
 random model as a Hugging Face directory (config.json + model.safetensors, F32) so the C trainer
 can be timed on the identical config; --write-only stops after writing.
 
-    /usr/bin/python3 scripts/bench_cpu.py --threads 2
-    /usr/bin/python3 scripts/bench_cpu.py --write-model out/bench_model --write-only
+    /usr/bin/python3 scripts/bench/bench_cpu.py --threads 2
+    /usr/bin/python3 scripts/bench/bench_cpu.py --write-model out/bench_model --write-only
 """
 import argparse
 import json
@@ -22,7 +22,9 @@ import time
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# sibling modules: scripts/<folder>/ (and the PyTorch references in test/)
+SCRIPTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [os.path.join(SCRIPTS, d) for d in ("formats", "../test",)]
 import reference_llama as ref  # noqa: E402
 import st_io  # noqa: E402
 

@@ -2,8 +2,8 @@
 # Runs the same short fine-tuning in baseline, lowmem and ckpt modes and prints one side-by-side
 # table: planned saved-activation bytes, planned total, measured peak memory, step time,
 # throughput, final train and validation loss. Writes OUT/compare_modes.csv and the plans as
-# OUT/plan_<mode>.json for scripts/plot_modes.py.
-# Usage: scripts/compare_modes.sh OUT_DIR BINARY --model DIR --data TRAIN.bin [--val VAL.bin] [more train flags]
+# OUT/plan_<mode>.json for scripts/bench/plot_modes.py.
+# Usage: scripts/bench/compare_modes.sh OUT_DIR BINARY --model DIR --data TRAIN.bin [--val VAL.bin] [more train flags]
 # (BINARY is ./train_llama or ./train_vit.) On the CPU backend "peak" is the process's peak RSS,
 # which includes the weights, the program and the memory-mapped checkpoint.
 set -euo pipefail

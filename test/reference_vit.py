@@ -5,7 +5,7 @@ head: the oracle the C trainer is tested against (test/test_vit_model.py).
 Written plainly with autograd, float64 by default. Reads a Hugging Face ViT model directory
 (config.json + model.safetensors, keys vit.embeddings..., vit.encoder.layer.N..., or the same
 without the "vit." prefix) through st_io. timm checkpoints are converted to that layout by
-scripts/export_vit.py.
+scripts/export/export_vit.py.
 
 The model: patch embedding = F.conv2d with stride = patch size; class token; learned position
 embedding, whose patch grid is resized with F.interpolate(mode="bicubic", align_corners=False)
@@ -32,7 +32,7 @@ Case / output contract (same as test/vit_probe):
         "grad.head.weight", "grad.head.bias"
 
 CLI:
-  python3 scripts/reference_vit.py --model DIR --case CASE.safetensors --out OUT.safetensors \
+  python3 test/reference_vit.py --model DIR --case CASE.safetensors --out OUT.safetensors \
       --act exact|approx --norm std|ms --lora-rank R --lora-alpha A --lora-targets q,v
 """
 import argparse
@@ -45,7 +45,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "formats"))
 import st_io  # noqa: E402
 
 # ReGELU2 constants (paper NOTES.md section 1)

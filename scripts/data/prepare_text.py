@@ -1,9 +1,9 @@
-"""Tokenise text into train/val token shards (format: scripts/shards.py).
+"""Tokenise text into train/val token shards (format: scripts/formats/shards.py).
 
-    python3 scripts/prepare_text.py --tokenizer TOK --input FILE --out PREFIX
+    python3 scripts/data/prepare_text.py --tokenizer TOK --input FILE --out PREFIX
         [--val-frac 0.1] [--seed 0] [--chunk-chars 4096]
 
-TOK: a llama2.c tokenizer.bin (also the byte-level one scripts/export_llama.py --gguf writes),
+TOK: a llama2.c tokenizer.bin (also the byte-level one scripts/export/export_llama.py --gguf writes),
 or a Hugging Face tokenizer.json (needs `pip install tokenizers`).
 FILE: plain text, or .jsonl with one {"prompt": ..., "response": ...} or
 {"messages": [{"role": "system|user|assistant", "content": ...}, ...]} per line.
@@ -27,7 +27,9 @@ import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# sibling modules in scripts/<folder>/
+SCRIPTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [os.path.join(SCRIPTS, d) for d in ("formats",)]
 import shards  # noqa: E402
 from llama2c_tokenizer import Tokenizer as Llama2cTokenizer  # noqa: E402
 

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
-"""Draws the output of scripts/compare_modes.sh as one PNG in the spirit of the paper's Figures 1
+"""Draws the output of scripts/bench/compare_modes.sh as one PNG in the spirit of the paper's Figures 1
 and 2: (left) throughput against peak memory per mode, (middle) planned saved activations per
 mode, (right) the per-module breakdown of one block's saved activations, baseline vs lowmem.
-Usage: python3 scripts/plot_modes.py OUT_DIR [--title TEXT]  (writes OUT_DIR/modes.png)"""
+Usage: python3 scripts/bench/plot_modes.py OUT_DIR [--title TEXT]  (writes OUT_DIR/modes.png)"""
 import argparse
 import csv
 import json
@@ -26,7 +26,7 @@ def main():
         rows = list(csv.DictReader(open(path)))
         plans = {r["mode"]: json.load(open(os.path.join(a.out_dir, f"plan_{r['mode']}.json"))) for r in rows}
     except (OSError, ValueError, KeyError) as e:
-        sys.exit(f"error: {path}: cannot read the comparison ({e}); run scripts/compare_modes.sh first")
+        sys.exit(f"error: {path}: cannot read the comparison ({e}); run scripts/bench/compare_modes.sh first")
     modes = [r["mode"] for r in rows]
     colors = {"baseline": "#888888", "lowmem": "#d62728", "ckpt": "#1f77b4"}
     fig, ax = plt.subplots(1, 3, figsize=(15, 4.5))

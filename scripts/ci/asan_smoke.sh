@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Runs the sanitizer builds (make test-asan: AddressSanitizer + UndefinedBehaviorSanitizer, leak
 # checks on) through every mode and output of both trainers and through bad inputs, on the
-# bundled demo data. Any sanitizer report fails the run. Usage: scripts/asan_smoke.sh BUILD_DIR
+# bundled demo data. Any sanitizer report fails the run. Usage: scripts/ci/asan_smoke.sh BUILD_DIR
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 B=${1:-build/asan}
 W=$(mktemp -d)
 trap 'rm -rf "$W"' EXIT

@@ -8,7 +8,7 @@ Prints one machine-readable line on stdout:
 writes that random model as a Hugging Face directory so train_vit can be timed on the same config,
 and --write-data FILE writes a random image shard at the model's resolution for it.
 
-    /usr/bin/python3 scripts/bench_vit_cpu.py --threads 2
+    /usr/bin/python3 scripts/bench/bench_vit_cpu.py --threads 2
 """
 import argparse
 import json
@@ -20,7 +20,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# sibling modules: scripts/<folder>/ (and the PyTorch references in test/)
+SCRIPTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [os.path.join(SCRIPTS, d) for d in ("formats", "data", "../test",)]
 import prepare_images as pi  # noqa: E402
 import reference_vit as ref  # noqa: E402
 import st_io  # noqa: E402

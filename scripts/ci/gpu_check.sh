@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# scripts/gpu_check.sh: everything a GPU session runs, in one go, on a bare checkout (see
+# scripts/ci/gpu_check.sh: everything a GPU session runs, in one go, on a bare checkout (see
 # ../shared/docs/GPU-TESTING.md). About 9 minutes on an H200, most important first:
 #   1. the machine: nvidia-smi, nvcc, commit
 #   2. one parallel build for sm_90: every dev/cuda check, both trainers, both probes
@@ -7,7 +7,7 @@
 #   4. make test-gpu-models: both trainers, CUDA against the CPU backend in every mode, with the
 #      measured device memory against the plan (test/test_cuda_*.py, CUDA_TEST_BACKEND=gpu)
 #   5. the NCCL path on one GPU (LLMC_NCCL_SELFTEST=1)
-#   6. scripts/bench_gpu.sh: LLaMA-7B shape and ViT-B/16, baseline / lowmem / ckpt
+#   6. scripts/bench/bench_gpu.sh: LLaMA-7B shape and ViT-B/16, baseline / lowmem / ckpt
 #   7. any failing kernel program again with synchronous launches (LLMC_CUDA_SYNC=1)
 #   8. compute-sanitizer memcheck on every check, racecheck on the shared-memory kernels
 # Each step is timed and a failing step does not stop the later ones; steps 6-8 are skipped once
@@ -15,9 +15,9 @@
 # table (steps, then the kernel figures and the benchmark) is printed last and written, with the
 # full log, to $OUT when it is set (else build/gpu_check/). Record the outcome in
 # dev/gpu/RESULTS.md.
-# Usage: bash scripts/gpu_check.sh            (from the repository root or anywhere inside it)
+# Usage: bash scripts/ci/gpu_check.sh            (from the repository root or anywhere inside it)
 set -u
-cd "$(dirname "$0")/.." || exit 1
+cd "$(dirname "$0")/../.." || exit 1
 ROOT=$(pwd)
 DEST=${OUT:-$ROOT/build/gpu_check}
 mkdir -p "$DEST" "$ROOT/build"
@@ -129,7 +129,7 @@ if [ -x ./train_llama ] && [ -x ./test/llama_probe ]; then
     if [ "$(elapsed)" -gt "$BUDGET_S" ]; then
         row "bench (7B-shaped LLaMA, ViT-B/16)" SKIPPED 0 "time budget"
     else
-        run_step "bench" 300 env BENCH_STEPS=${BENCH_STEPS:-5} bash scripts/bench_gpu.sh
+        run_step "bench" 300 env BENCH_STEPS=${BENCH_STEPS:-5} bash scripts/bench/bench_gpu.sh
         row "bench (7B-shaped LLaMA, ViT-B/16; table below)" "$STEP_STATUS" "$STEP_SECONDS" "build/bench/bench.md"
     fi
 else

@@ -23,7 +23,7 @@ Sources:
 Selection: --split train|test; --classes 5,6,7 keeps those labels and renumbers them 0,1,2 in that
 order; --per-class N keeps N per class; --limit N keeps N in all; --seed picks which (seeded shuffle).
 
-  /usr/bin/python3 scripts/prepare_images.py --fashion-mnist --split train --classes 5,6,7,8,9 \\
+  /usr/bin/python3 scripts/data/prepare_images.py --fashion-mnist --split train --classes 5,6,7,8,9 \\
       --per-class 100 --out data/fmnist_5to9_train.bin
 """
 import argparse

@@ -1,4 +1,4 @@
-"""Token shard files: what scripts/prepare_text.py writes and the C loader reads.
+"""Token shard files: what scripts/data/prepare_text.py writes and the C loader reads.
 
 Layout (little endian):
   64-byte header: b"LMFT", u32 version=1, u64 count, u32 vocab_size, u32 flags, zeros

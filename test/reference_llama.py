@@ -22,7 +22,7 @@ Case / output contract (same as test/llama_probe):
   loss = sum over positions with mask == 1 of cross-entropy / number of such positions.
 
 CLI (same flags as the probe, plus --dtype):
-  python3 scripts/reference_llama.py --model DIR --case CASE.safetensors --out(-file) OUT.safetensors \
+  python3 test/reference_llama.py --model DIR --case CASE.safetensors --out(-file) OUT.safetensors \
       --act exact|approx --norm std|ms --lora-rank R --lora-alpha A --lora-targets q,k,v,o,gate,up,down
 """
 import argparse
@@ -34,7 +34,7 @@ import sys
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "formats"))
 import st_io  # noqa: E402
 
 # ReSiLU2 constants (paper NOTES.md section 1)

