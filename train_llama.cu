@@ -226,7 +226,7 @@ static void llama_plan(Llama* m, MemPlan* p) {
     trainable_plan(&m->tr, p, md->full ? "all weights" : "lora", n_params, md->full ? SHARD_OPTIM_AND_MASTER : SHARD_NONE, m->dist, be);
     plan_add(p, MEM_SCRATCH, "rope", -1, "rope_cos", m->T * (c->head_dim / 2) * 4, &m->rope_cos);
     plan_add(p, MEM_SCRATCH, "rope", -1, "rope_sin", m->T * (c->head_dim / 2) * 4, &m->rope_sin);
-    // saved activations, block by block (the table of DESIGN.md section 5)
+    // saved activations, block by block (the table of docs/memory.md)
     int keep = !md->ckpt;
     // a linear keeps its input when its own backward needs it: it has an adapter or trains W
     int lora_qkv = md->full || (md->targets & ((1u << T_Q) | (1u << T_K) | (1u << T_V)));

@@ -227,7 +227,7 @@ static int64_t patch_len(const VitConfig* c) { return (int64_t)c->channels * c->
 // ----------------------------------------------------------------------------------------------
 // The memory plan: every buffer, by module, with the element sizes of the planned backend
 // (`wbytes` / `abytes`: fp32 on the CPU, bf16 on CUDA). Per token and block, LoRA on all six
-// linears, the baseline keeps 16d + 4f bytes in bf16 (DESIGN.md section 5):
+// linears, the baseline keeps 16d + 4f bytes in bf16 (docs/memory.md):
 //   attn_norm x_in 2d (+ mean, r), qkv_input z1 2d, attention q,k,v,o 8d (+ lse), mlp_norm h_mid 2d,
 //   fc1_input z2 2d, gelu h 2f, fc2_input g 2f
 // and lowmem 12d + 2.25f: MS-LN drops x_in and h_mid (z1, z2 are kept anyway), ReGELU2 keeps

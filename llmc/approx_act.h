@@ -1,7 +1,7 @@
 // approx_act.h: the per-element math of the paper's approximate activations, shared by the CPU
 // and CUDA backends: exact SiLU/GELU forward, the 2-bit code rule of ReSiLU2/ReGELU2, the four
 // derivative levels, and the 4-codes-per-byte packing (element i in byte i>>2, bits 2*(i&3)).
-// Constants: ../shared/paper/NOTES.md section 1 (fitted sums of 3 ReLUs).
+// Constants: docs/architecture.md, the method (fitted sums of 3 ReLUs).
 #pragma once
 #include <math.h>
 #include <stdint.h>

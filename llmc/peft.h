@@ -2,7 +2,7 @@
 // holds base_model.model.<module path>.lora_A.weight [r, in] and .lora_B.weight [out, r];
 // adapter_config.json says peft_type LORA, r, lora_alpha, target_modules, task_type.
 // Adapters trained on MS-merged layers live in the merged input space; on the way out they are
-// mapped back to the original model (A_orig = A diag(1/gamma), NOTES.md section 2) and on the way
+// mapped back to the original model (A_orig = A diag(1/gamma), docs/architecture.md, the method) and on the way
 // in forward again (A = A_orig diag(gamma)).
 #pragma once
 #include "common.h"

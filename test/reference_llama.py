@@ -37,7 +37,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "formats"))
 import st_io  # noqa: E402
 
-# ReSiLU2 constants (paper NOTES.md section 1)
+# ReSiLU2 constants (docs/architecture.md, the method)
 RESILU2_A = (-0.04060357190528599, 1.080925428529668, -0.040321856624382146)
 RESILU2_C = (-6.3050461001646445, -0.0008684942046214787, 6.325815242089708)
 

@@ -48,7 +48,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "formats"))
 import st_io  # noqa: E402
 
-# ReGELU2 constants (paper NOTES.md section 1)
+# ReGELU2 constants (docs/architecture.md, the method)
 REGELU2_A = (-0.04922261145617846, 1.0979632065417297, -0.048740595085551286)
 REGELU2_C = (-3.1858810036855245, -0.001178821281161997, 3.190832613414926)
 

@@ -1,5 +1,5 @@
 """train_llama as a user runs it: training lowers the loss, runs are deterministic, the memory
-plan and --dry-run --json, the real stories260K model, and every bad input of DESIGN.md section 9
+plan and --dry-run --json, the real stories260K model, and every bad input of docs/testing.md
 (one-line error naming the file or flag, non-zero exit, no crash, no partial output)."""
 import json
 import os
@@ -132,7 +132,7 @@ def dry_run(tmp_path, config, *flags):
 
 
 def test_dry_run_7b_matches_design_accounting(tmp_path):
-    """DESIGN.md section 5: per block main terms 12d + 4kv + 8f (baseline) and 4d + 2f - f/4 less in
+    """docs/memory.md: per block main terms 12d + 4kv + 8f (baseline) and 4d + 2f - f/4 less in
     lowmem, in bf16 at batch 1 x seq 2048, plus 4h (lse) + 8 (two r) + LoRA 2r per adapter."""
     d, f, kv, h, r, N = 4096, 11008, 4096, 32, 16, 2048
     base = dry_run(tmp_path, LLAMA2_7B, "--mode", "baseline", "--batch", 1, "--seq", 2048, "--lora-rank", r)

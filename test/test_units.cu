@@ -94,7 +94,7 @@ static void test_resilu2_backward(void) {
     }
     check(exact, "ReSiLU2 backward equals the step rule exactly", 0);
     check(fwd < 1e-6, "ReSiLU2 forward is the exact SiLU", fwd);
-    // The levels of the fit, against NOTES.md: {0, -0.040603572, 1.0403218, 1.0}
+    // The levels of the fit, against docs/architecture.md: {0, -0.040603572, 1.0403218, 1.0}
     Relu3Fit fit = RESILU2_FIT;
     double le = fmax(fabs(relu3_level(1, fit) + 0.040603572), fmax(fabs(relu3_level(2, fit) - 1.0403218), fabs(relu3_level(3, fit) - 1.0)));
     check(le < 1e-6, "ReSiLU2 levels match the published levels", le);

@@ -2,7 +2,7 @@
 --dump-batches) against torch's F.interpolate; scripts/data/prepare_images.py on synthetic
 Fashion-MNIST IDX files, CIFAR-10/100 binary archives and an image folder; scripts/export/export_vit.py
 from timm state dicts; bad input to train_vit (one-line error, exit status 1); and the memory plan
-of --dry-run against the per-module accounting of DESIGN.md section 5.
+of --dry-run against the per-module accounting of docs/memory.md.
 
 Run:  /usr/bin/python3 -m pytest -q test/test_vit_data.py
 train_vit and test/vit_probe must be built first; a missing binary FAILS the tests that use it.
@@ -398,7 +398,7 @@ VIT_B16 = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, nu
 
 
 def expected_per_token(mode, targets, d=768, f=3072, h=12, r=4, a=2):
-    """Bytes per token per block by module, written out from DESIGN.md section 5 (a = bytes per
+    """Bytes per token per block by module, written out from docs/memory.md (a = bytes per
     activation element; mean, r and lse are fp32)."""
     lowmem = mode == "lowmem"
     m = {"attn_norm": 4 if lowmem else a * d + 8,
@@ -437,7 +437,7 @@ def test_dry_run_vit_b16(tmp_path, targets):
         base = expected_per_token("baseline", tl)
         assert j["baseline"]["per_block"] == {k: int(v * N) for k, v in base.items()}
         res[mode] = j["activation_bytes"]
-    # the main terms of DESIGN.md: baseline 16d + 4f, lowmem 12d + 2.25f (all targets)
+    # the main terms of docs/memory.md: baseline 16d + 4f, lowmem 12d + 2.25f (all targets)
     if len(tl) == 6:
         small = 2 * 8 + 4 * 12 + 2 * 4 * 6  # mean/r, lse, LoRA A x (baseline); lowmem 8 + 48 + 48
         assert res["baseline"] == 12 * N * (16 * 768 + 4 * 3072 + small)

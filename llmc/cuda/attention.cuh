@@ -21,7 +21,7 @@
 //
 // Performance, honestly: this is CUDA-core fp32 arithmetic fed from shared memory (one shared
 // load per FMA), so expect on the order of 10-25 TFLOP/s on an H200, far from the 300 TFLOP/s
-// target of DESIGN.md section 8, which needs tensor cores. attention_gemm.cuh puts the products
+// target in docs/gpu-testing.md, which needs tensor cores. attention_gemm.cuh puts the products
 // on tensor cores through batched cuBLAS GEMMs, and the trainers use it by default; these kernels
 // stay as the second implementation (LLMC_ATTENTION=flash) and need no workspace in the forward.
 // dev/cuda/attention.cu checks and times both.

@@ -13,7 +13,7 @@
 # measured (cudaMemGetInfo after training: every arena is allocated up front and held, so this
 # is the peak). Beside them, the same configs in Hugging Face transformers + PEFT
 # (scripts/bench/bench_hf.py: bf16 weights, fp32 adapters under autocast, SDPA attention; plain and with
-# gradient checkpointing; BENCH_HF=0 skips them), the comparison of DESIGN.md section 8.
+# gradient checkpointing; BENCH_HF=0 skips them), the comparison of docs/gpu-testing.md.
 # Writes build/bench/bench.md (and $OUT/bench.md when OUT is set).
 # Usage: bash scripts/bench/bench_gpu.sh [llama|vit|all]    (a GPU and an nvcc build are required)
 set -u

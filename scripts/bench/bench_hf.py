@@ -1,5 +1,5 @@
 """The Hugging Face side of `make bench`: transformers + PEFT LoRA on the same config.json, batch
-and rank as our trainers (DESIGN.md section 8 compares the two on one GPU), random weights and
+and rank as our trainers (docs/gpu-testing.md compares the two on one GPU), random weights and
 data, bf16 weights with fp32 adapters under autocast (the usual mixed-precision recipe), SDPA
 attention, AdamW. Prints one line that scripts/bench/bench_gpu.sh puts in its table:
 

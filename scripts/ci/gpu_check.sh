@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # scripts/ci/gpu_check.sh: everything a GPU session runs, in one go, on a bare checkout (see
-# ../shared/docs/GPU-TESTING.md). About 9 minutes on an H200, most important first:
+# docs/gpu-testing.md). About 9 minutes on an H200, most important first:
 #   1. the machine: nvidia-smi, nvcc, commit
 #   2. one parallel build for sm_90: every dev/cuda check, both trainers, both probes
 #   3. make test-gpu-kernels: each kernel family against its CPU twin, with timings
