@@ -535,9 +535,9 @@ def test_byte_level_equals_exact_bpe_on_ascii(tiny):
         assert c_encode(tiny["tok"], text) == exact_bpe(text, tiny["merges"], token_id), text
 
 
-def test_llama2c_tokenizer_path_unchanged(stories260k):
+def test_llama2c_tokenizer_path_unchanged(shared):
     """No tokenizer_config.json beside it: sentencepiece rules, C and Python agree."""
-    path = stories260k.tok
+    path = shared("models/tok512.bin")
     assert tok_probe(path, "info").split() == ["512", "1", "2", "1", "0", "0"]
     tok = Tokenizer(path)
     for text in ["Once upon a time, there was a little girl named Lily.", "Héllo  🙂\nx", ""]:
@@ -547,11 +547,11 @@ def test_llama2c_tokenizer_path_unchanged(stories260k):
             tok.piece_bytes(t, p) for p, t in zip([None] + ids, ids))
 
 
-def test_sentencepiece_gguf_tokenizer_keeps_llama2c_rules(tmp_path, stories260k):
+def test_sentencepiece_gguf_tokenizer_keeps_llama2c_rules(tmp_path, shared):
     """tokenizer.ggml.model "llama": the pieces of tok512.bin, written to GGUF the way llama.cpp
     does (spaces as U+2581, byte tokens typed 6), come back as the same tokenizer.bin."""
     from llama2c_tokenizer import read_tokenizer_bin
-    src = stories260k.tok
+    src = shared("models/tok512.bin")
     pieces, scores, _ = read_tokenizer_bin(src)
     tokens = [p.decode().replace(" ", "\u2581") for p in pieces]
     types = [2, 3, 3] + [6] * 256 + [1] * (len(pieces) - 259)
