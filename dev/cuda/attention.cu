@@ -194,16 +194,16 @@ int main(void) {
     test_rope(2 * 37, 37, 3, 16, &rng);
     test_rope(65, 65, 2, 128, &rng);
     AttnShape cases[] = {
-        {2, 37, 4, 2, 16, 1},   // GQA 2, tiny head dim, ragged T
-        {1, 70, 3, 1, 64, 1},   // multi-query (3 heads on 1 kv head)
-        {2, 33, 2, 2, 80, 0},   // bidirectional, hd not a power of two (ViT-like)
-        {1, 65, 4, 1, 128, 1},  // hd 128, GQA 4
-        {1, 64, 2, 2, 128, 0},  // bidirectional, T a multiple of the tile
-        {3, 5, 2, 1, 8, 1},     // shorter than one tile
-        {1, 97, 2, 2, 36, 1},   // hd 36: partial last register group
+        {2, 37, 4, 2, 16, 1, NULL},   // GQA 2, tiny head dim, ragged T
+        {1, 70, 3, 1, 64, 1, NULL},   // multi-query (3 heads on 1 kv head)
+        {2, 33, 2, 2, 80, 0, NULL},   // bidirectional, hd not a power of two (ViT-like)
+        {1, 65, 4, 1, 128, 1, NULL},  // hd 128, GQA 4
+        {1, 64, 2, 2, 128, 0, NULL},  // bidirectional, T a multiple of the tile
+        {3, 5, 2, 1, 8, 1, NULL},     // shorter than one tile
+        {1, 97, 2, 2, 36, 1, NULL},   // hd 36: partial last register group
     };
     for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) test_attention(cases[i], &rng, 0);
-    AttnShape packed[] = {{2, 37, 4, 2, 16, 1}, {1, 97, 2, 2, 36, 1}};  // packed examples, ragged tiles
+    AttnShape packed[] = {{2, 37, 4, 2, 16, 1, NULL}, {1, 97, 2, 2, 36, 1, NULL}};  // packed examples, ragged tiles
     for (size_t i = 0; i < sizeof(packed) / sizeof(packed[0]); i++) test_attention(packed[i], &rng, 1);
     test_attention_cached(13, 0, 4, 2, 16, &rng);    // prefill, GQA
     test_attention_cached(1, 200, 3, 1, 64, &rng);   // decode, many keys (more than the block's threads)
@@ -218,7 +218,7 @@ int main(void) {
     test_attention(packed[1], &rng, 1);
     unsetenv("LLMC_ATTN_CHUNK");
     if (g_timing) {
-        AttnShape llama = {4, 2048, 32, 8, 128, 1}, vit = {64, 197, 12, 12, 64, 0};
+        AttnShape llama = {4, 2048, 32, 8, 128, 1, NULL}, vit = {64, 197, 12, 12, 64, 0, NULL};
         time_attention(llama, "B=4 T=2048 H=32 KVH=8 hd=128 causal");
         time_attention(vit, "B=64 T=197 H=12 hd=64 bidir (ViT-B/16)");
     }

@@ -88,7 +88,7 @@ static void test_linear(int64_t N, int in, int out, int rank, int with_bias, int
     float *db0 = host_randn(out, rng, 0.1f, 0), *db = host_copy(db0, out);  // and its bias, when it has one
     int train_bias = with_bias && !with_lora;
     Linear L = {in, out, W, with_bias ? bias : NULL, with_lora ? A : NULL, with_lora ? B : NULL, dA, dB, with_lora ? NULL : dW,
-                train_bias ? db : NULL};
+                train_bias ? db : NULL, {}};  // dev: no CUDA copy yet
     float *y = host_copy(y0, N * out), *ax = (float*)xmalloc(4 * N * rank), *dax = (float*)xmalloc(4 * N * rank);
     float* dx = host_copy(dx0, N * in);
     linear_forward(y, x, &L, ax, N, rank, scale, 1);
