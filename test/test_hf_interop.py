@@ -18,7 +18,7 @@ HF_PYTHON = os.environ.get("HF_PYTHON", os.path.join(lc.REPO, "build", "hfvenv",
 
 def test_transformers_and_peft_load_our_outputs(tmp_path):
     if not os.path.exists(HF_PYTHON):
-        pytest.fail(f"{HF_PYTHON} missing: .ci/run makes it (python3 -m venv --system-site-packages build/hfvenv; "
+        pytest.fail(f"{HF_PYTHON} missing: scripts/ci/install_deps.sh makes it (python3 -m venv --system-site-packages build/hfvenv; "
                     "pip install transformers==4.36.2 peft==0.7.1 accelerate==0.25.0)")
     cfg = lc.model_config("gqa_untied")
     lc.write_model(str(tmp_path / "model"), cfg, seed=5)
@@ -45,7 +45,7 @@ def test_transformers_and_peft_load_our_vit_outputs(tmp_path):
     biases): transformers' ViTForImageClassification reads our merged export and PEFT our adapter
     (new head as modules_to_save), both with our --eval-only loss and accuracy."""
     if not os.path.exists(HF_PYTHON):
-        pytest.fail(f"{HF_PYTHON} missing: .ci/run makes it")
+        pytest.fail(f"{HF_PYTHON} missing: scripts/ci/install_deps.sh makes it")
     data = os.path.join(lc.REPO, "data")
     vit = os.path.join(lc.REPO, "train_vit")
     model, val = os.path.join(data, "vit_demo"), os.path.join(data, "vit_demo_ft_val.bin")

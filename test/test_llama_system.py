@@ -49,7 +49,7 @@ def adapter(dir_):
 def mpirun(np_, args, check=True, timeout=120, env=None):
     """np_ ranks of the trainer; env: variables set for every rank."""
     if not MPIRUN:
-        pytest.fail("mpirun not found: install openmpi-bin (.ci/run does)")
+        pytest.fail("mpirun not found: install openmpi-bin (scripts/ci/install_deps.sh does)")
     exports = [x for k, v in (env or {}).items() for x in ("-x", f"{k}={v}")]
     cmd = [MPIRUN, "--allow-run-as-root", "--oversubscribe", "-np", str(np_)] + exports + [BIN] + [str(a) for a in args]
     p = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=timeout)

@@ -233,7 +233,7 @@ def test_zero1_full_finetuning_two_ranks(tmp_path):
     elementwise on the shards, so the same losses and the same weights, bit for bit."""
     mpirun = shutil.which("mpirun")
     if not mpirun:
-        pytest.fail("mpirun not found: install openmpi-bin (.ci/run does)")
+        pytest.fail("mpirun not found: install openmpi-bin (scripts/ci/install_deps.sh does)")
     args = ["--model", MODEL, "--data", TRAIN, "--mode", "lowmem", "--full", "--steps", "5", "--lr", "1e-3",
             "--seed", "4", "--threads", "1", "--hflip"]
     exe = vc.binary("train_vit", "TRAIN_VIT")

@@ -207,7 +207,7 @@ def test_two_ranks_equal_one_process_with_combined_batch(tmp_path):
     import numpy as np
     mpirun = shutil.which("mpirun")
     if not mpirun:
-        pytest.fail("mpirun not found: install openmpi-bin (.ci/run does)")
+        pytest.fail("mpirun not found: install openmpi-bin (scripts/ci/install_deps.sh does)")
     args = ["--model", MODEL, "--data", TRAIN, "--mode", "lowmem", "--steps", "5", "--lr", "3e-3",
             "--lora-rank", "4", "--seed", "4", "--threads", "1", "--hflip"]
     exe = vc.binary("train_vit", "TRAIN_VIT")
