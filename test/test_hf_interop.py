@@ -1,7 +1,7 @@
 """What train_llama writes loads in the real Hugging Face stack: transformers reads our
 --export-merged directory and PEFT reads our adapter (trained with MS-RMSNorm, written in the
 original layout), and both give the loss our own --eval-only gives. The stack lives in a venv
-that .ci/run makes (build/hfvenv: transformers 4.36, peft 0.7 over Debian's torch); HF_PYTHON
+that scripts/ci/install_deps.sh makes (build/hfvenv: transformers 4.36, peft 0.7 over Debian's torch); HF_PYTHON
 may name another interpreter. Missing, the test fails."""
 import os
 import subprocess
