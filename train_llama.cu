@@ -156,6 +156,7 @@ typedef struct {
     void* att_work;        // CUDA attention: the tensor-core path's chunk of scores (llmc/attn_plan.h)
     size_t att_work_bytes;
     int *inputs, *targets; // on the backend
+    int *embed_order, *h_embed_order;  // --full: the batch's positions sorted by token (embedding_token_order)
     int* pos;              // position of each token within its (packed) example
     float* mask;
     int *h_inputs, *h_targets, *h_pos;  // the batch as the loader writes it (host; == the above on the CPU)
@@ -278,6 +279,7 @@ static void llama_plan(Llama* m, MemPlan* p) {
     plan_add(p, MEM_SCRATCH, "batch", -1, "targets", N * 4, &m->targets);
     plan_add(p, MEM_SCRATCH, "batch", -1, "mask", N * 4, &m->mask);
     plan_add(p, MEM_SCRATCH, "batch", -1, "pos", N * 4, &m->pos);
+    if (m->modes.full) plan_add(p, MEM_SCRATCH, "batch", -1, "embed_order", N * 4, &m->embed_order);
     m->loss_chunk = (int)lm_head_chunk(N, V);
     op_plan_lm_head_loss(be, p, &m->loss, m->loss_chunk, d, V);
 }
@@ -330,8 +332,10 @@ static void llama_bind(Llama* m) {
         m->h_targets = (int*)backend_alloc_staging(m->be, sizeof(int) * N);
         m->h_pos = (int*)backend_alloc_staging(m->be, sizeof(int) * N);
         m->h_mask = (float*)backend_alloc_staging(m->be, sizeof(float) * N);
+        if (m->embed_order) m->h_embed_order = (int*)backend_alloc_staging(m->be, sizeof(int) * N);
     } else {
         m->h_inputs = m->inputs; m->h_targets = m->targets; m->h_pos = m->pos; m->h_mask = m->mask;
+        m->h_embed_order = m->embed_order;
     }
 }
 
@@ -341,6 +345,10 @@ static void llama_upload_batch(Llama* m, int64_t n) {
     backend_upload(m->be, m->targets, m->h_targets, sizeof(int) * n);
     backend_upload(m->be, m->mask, m->h_mask, sizeof(float) * n);
     backend_upload(m->be, m->pos, m->h_pos, sizeof(int) * n);
+    if (m->embed_order) {
+        embedding_token_order(m->h_embed_order, m->h_inputs, n);
+        backend_upload(m->be, m->embed_order, m->h_embed_order, sizeof(int) * n);
+    }
 }
 
 // Declares the model's memory for a micro-batch of B x T on backend `be`; nothing is allocated
@@ -371,6 +379,7 @@ static void llama_free(Llama* m) {
         if (m->be->cuda) {
             backend_free_staging(m->be, m->h_inputs); backend_free_staging(m->be, m->h_targets);
             backend_free_staging(m->be, m->h_pos); backend_free_staging(m->be, m->h_mask);
+            if (m->h_embed_order) backend_free_staging(m->be, m->h_embed_order);
         }
         backend_free_plan(m->be, &m->plan);
     } else {
@@ -638,7 +647,7 @@ static LossStats llama_forward_backward(Llama* m, int B, int T, float grad_scale
                     grad_scale, backward ? m->dres : NULL, logits_out, &m->loss, &st, m->d_lm_head, m->d_final_norm);
     if (!backward) return st;
     llama_backward_blocks(m, B, T);
-    if (m->d_embed) op_embedding_backward(m->be, m->d_embed, m->dres, m->inputs, N, c->dim);  // dres: d loss / d embeddings
+    if (m->d_embed) op_embedding_backward(m->be, m->d_embed, m->dres, m->inputs, m->embed_order, N, c->dim);  // dres: d loss / d embeddings
     return st;
 }
 

@@ -66,10 +66,11 @@ static void op_embed(const Backend* be, void* x, const void* embed, const int* i
     embed_tokens(F32(x), CF32(embed), ids, N, d);
 }
 
-// dE[ids[n]] += dx[n]: the gradient of a trained embedding (fp32 dE on both backends).
-static void op_embedding_backward(const Backend* be, float* dE, const void* dx, const int* ids, int64_t N, int d) {
-    OP_CUDA(be, embedding_backward_cuda(dE, CB16(dx), ids, N, d, be->stream))
-    embedding_backward(dE, CF32(dx), ids, N, d);
+// dE[ids[n]] += dx[n]: the gradient of a trained embedding (fp32 dE on both backends), each row's
+// tokens summed in text order before the add (order: embedding_token_order of the batch).
+static void op_embedding_backward(const Backend* be, float* dE, const void* dx, const int* ids, const int* order, int64_t N, int d) {
+    OP_CUDA(be, embedding_backward_cuda(dE, CB16(dx), ids, order, N, d, be->stream))
+    embedding_backward(dE, CF32(dx), ids, order, N, d);
 }
 
 // ---- norms -------------------------------------------------------------------------------------

@@ -140,6 +140,26 @@ def train(exe, device, *args, check=True):
     return run([need(exe)] + DEMO + ["--device", device] + list(args), check=check)
 
 
+def demo_args(model):
+    """DEMO with another model directory."""
+    return ["--model", str(model)] + DEMO[2:]
+
+
+def untied_demo(path):
+    """The demo model with its head untied: lm_head.weight a copy of the embedding."""
+    os.makedirs(path, exist_ok=True)
+    src = os.path.join(REPO, "data/llama_demo")
+    with open(os.path.join(src, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["tie_word_embeddings"] = False
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    w = st_io.load(os.path.join(src, "model.safetensors"))
+    w["lm_head.weight"] = w["model.embed_tokens.weight"].copy()
+    st_io.save(os.path.join(path, "model.safetensors"), w)
+    return path
+
+
 def train_two_ranks(*args, env=None):
     """mpirun -np 2 of the CUDA trainer on the demo, one thread per rank."""
     return mpirun(2, CUDA_TRAIN, DEMO + ["--device", "cuda", "--threads", 1] + list(args), env=env)
@@ -297,17 +317,26 @@ def test_cuda_full_finetuning_trains_and_zero1_equals_one_process(tmp_path):
     assert step_losses(h.stdout) == step_losses(p.stdout)
     wn, wh = (st_io.load(str(tmp_path / d / "model.safetensors")) for d in ("two", "host"))
     assert all(np.array_equal(wn[k], wh[k]) for k in wn)
-    np.testing.assert_allclose(step_losses(p.stdout), b, rtol=2e-3)
     arena = lambda what, out: float(re.search(what + r" ([0-9.]+) MiB", out).group(1))  # noqa: E731
     o1, o2, t1, t2 = arena("optimizer", one.stdout), arena("optimizer", p.stdout), arena("trainable", one.stdout), arena("trainable", p.stdout)
     print(f"per rank: optimizer {o1} -> {o2} MiB, trainable (fp32 master + bf16 shadow) {t1} -> {t2} MiB")
     assert o2 < 0.51 * o1 + 0.01
     assert t2 < 0.68 * t1 + 0.01  # 4 + 2 bytes per weight -> 4/2 + 2
-    wa = st_io.load(str(tmp_path / "one" / "model.safetensors"))
+    # two ranks against one process accumulating their two micro-batches, on the demo untied:
+    # then every weight's gradient is one sum per micro-batch (the embedding's rows too: each row's
+    # tokens are summed before the add), a sum of two is exact in either order, and AdamW is
+    # elementwise on the shards, so the weights must be the same bits. (A tied embedding takes two
+    # sums per micro-batch, the head's and the lookup's, and the grouping of four is not exact.)
+    untied = untied_demo(tmp_path / "untied")
+    two_u = mpirun(2, CUDA_TRAIN, demo_args(untied) + ["--device", "cuda", "--threads", 1, "--full", "--lr", "1e-3", "--steps", 3,
+                                                      "--batch", 2, "--out", tmp_path / "two_u"], env=buckets)
+    acc = run([need(CUDA_TRAIN)] + demo_args(untied) + ["--device", "cuda", "--full", "--lr", "1e-3", "--steps", 3, "--batch", 2,
+                                                     "--grad-accum", 2, "--out", tmp_path / "acc"])
+    assert step_losses(two_u.stdout) == step_losses(acc.stdout) and len(step_losses(acc.stdout)) == 3
+    ua = st_io.load(str(tmp_path / "acc" / "model.safetensors"))
+    ub = st_io.load(str(tmp_path / "two_u" / "model.safetensors"))
+    assert ua.keys() == ub.keys() and "lm_head.weight" in ua and all(np.array_equal(ua[k], ub[k]) for k in ua)
     wb = st_io.load(str(tmp_path / "two" / "model.safetensors"))
-    worst = max(rel_l2(wb[k], wa[k]) for k in wa)
-    print(f"full weights, 2 ranks vs 1 process: worst relative L2 {worst:.2e}")
-    assert worst < 1e-3
     # stopped after 2 steps in one bucket through the host and resumed in many through NCCL (each
     # rank's shard of the master and the moments back on its device: the state file is in the
     # arena's order, whatever the layout of the shards)

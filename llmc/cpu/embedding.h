@@ -18,34 +18,39 @@ static int emb_key_cmp(const void* a, const void* b) {
     return (x > y) - (x < y);
 }
 
-// dE[v] += (the sum of dx[n] over the tokens n with ids[n] == v, in token order). Each row's sum is
-// formed first and added once: a gradient accumulated over micro-batches is then (0 + s1) + s2,
-// the same bits as data parallelism's all-reduce of the ranks' s1 and s2, and no result depends
-// on the thread count (rows in parallel, each row's tokens in order).
-static void embedding_backward(float* dE, const float* dx, const int* ids, int64_t N, int d) {
-    if (N <= 0 || d <= 0) return;
-    int64_t* key = (int64_t*)malloc(sizeof(int64_t) * N);  // id * N + n sorts by id, then token order
-    if (!key) { fprintf(stderr, "error: out of host memory in embedding_backward\n"); exit(1); }
+// order = the token positions 0..N-1 sorted by id, then by position: the tokens of one embedding
+// row lie together, in text order. Computed on the host from the batch (both backends use it).
+static void embedding_token_order(int* order, const int* ids, int64_t N) {
+    int64_t* key = (int64_t*)malloc(sizeof(int64_t) * (N > 0 ? N : 1));  // id * N + n
+    if (!key) { fprintf(stderr, "error: out of host memory in embedding_token_order\n"); exit(1); }
     for (int64_t n = 0; n < N; n++) key[n] = (int64_t)ids[n] * N + n;
     qsort(key, (size_t)N, sizeof(int64_t), emb_key_cmp);
+    for (int64_t n = 0; n < N; n++) order[n] = (int)(key[n] % N);
+    free(key);
+}
+
+// dE[v] += (the sum of dx[n] over the tokens with ids[n] == v, in text order), order from
+// embedding_token_order. Each row's sum is formed first and added once: a gradient accumulated over
+// micro-batches is then (0 + s1) + s2, the same bits as data parallelism's all-reduce of the
+// ranks' s1 and s2, and no result depends on the thread count (rows in parallel).
+static void embedding_backward(float* dE, const float* dx, const int* ids, const int* order, int64_t N, int d) {
 #pragma omp parallel if (N * d > 32768)
     {
-        float* s = (float*)malloc(sizeof(float) * d);
+        float* s = (float*)malloc(sizeof(float) * (d > 0 ? d : 1));
 #pragma omp for schedule(dynamic, 16)
         for (int64_t g = 0; g < N; g++) {
-            int64_t v = key[g] / N;
-            if (g > 0 && key[g - 1] / N == v) continue;  // not the first token of its row
+            int v = ids[order[g]];
+            if (g > 0 && ids[order[g - 1]] == v) continue;  // not the first token of its row
             memset(s, 0, sizeof(float) * d);
-            for (int64_t e = g; e < N && key[e] / N == v; e++) {
-                const float* x = dx + (key[e] % N) * d;
+            for (int64_t e = g; e < N && ids[order[e]] == v; e++) {
+                const float* x = dx + (int64_t)order[e] * d;
                 for (int i = 0; i < d; i++) s[i] += x[i];
             }
-            float* row = dE + v * d;
+            float* row = dE + (int64_t)v * d;
             for (int i = 0; i < d; i++) row[i] += s[i];
         }
         free(s);
     }
-    free(key);
 }
 
 // The ViT embeddings' gradient from dx [N, d] (N = B*T, token 0 of each image the class token):

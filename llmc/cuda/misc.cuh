@@ -32,16 +32,26 @@ static void embed_tokens_cuda(bf16* x, const bf16* embed, const int* ids, int64_
     launch_kernel(grid_for(N * d, 256), 256, 0, stream, embed_tokens_kernel, x, embed, ids, N, d);
 }
 
-// dE[ids[n]] += dx[n] (a trained embedding, full fine-tuning): one thread per column walks the
-// tokens in order, so repeated ids add up without atomics and the sum is deterministic.
-__global__ void embedding_backward_kernel(float* dE, const bf16* __restrict__ dx, const int* __restrict__ ids, int64_t N, int d) {
-    int64_t i = thread_index_1d();
-    if (i >= d) return;
-    for (int64_t n = 0; n < N; n++) dE[(int64_t)ids[n] * d + i] += bf2f(dx[n * d + i]);
+// dE[v] += the sum of dx[n] over the tokens with ids[n] == v, in text order (a trained embedding,
+// full fine-tuning). order: the positions sorted by id, then position (embedding_token_order, on
+// the host). The thread for (g, i) works only where g starts a row's run: it sums column i of the
+// run and adds it once, so there are no atomics, the sum is deterministic, and a gradient
+// accumulated over micro-batches equals the all-reduce of the ranks' sums bit for bit.
+__global__ void embedding_backward_kernel(float* dE, const bf16* __restrict__ dx, const int* __restrict__ ids,
+                                          const int* __restrict__ order, int64_t N, int d) {
+    for (int64_t idx = thread_index_1d(); idx < N * d; idx += grid_stride_1d()) {
+        int64_t g = idx / d;
+        int i = (int)(idx % d);
+        int v = ids[order[g]];
+        if (g > 0 && ids[order[g - 1]] == v) continue;
+        float s = 0.0f;
+        for (int64_t e = g; e < N && ids[order[e]] == v; e++) s += bf2f(dx[(int64_t)order[e] * d + i]);
+        dE[(int64_t)v * d + i] += s;
+    }
 }
-static void embedding_backward_cuda(float* dE, const bf16* dx, const int* ids, int64_t N, int d, cudaStream_t stream) {
+static void embedding_backward_cuda(float* dE, const bf16* dx, const int* ids, const int* order, int64_t N, int d, cudaStream_t stream) {
     if (d == 0 || N == 0) return;
-    launch_kernel(ceil_div(d, 128), 128, 0, stream, embedding_backward_kernel, dE, dx, ids, N, d);
+    launch_kernel(grid_for(N * d, 256), 256, 0, stream, embedding_backward_kernel, dE, dx, ids, order, N, d);
 }
 
 // ---- residual add and bias -------------------------------------------------------------------
