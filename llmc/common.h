@@ -56,10 +56,14 @@ static char* xstrdup(const char* s) {
     return p;
 }
 
-// Reads a whole file into a NUL-terminated buffer. Returns NULL (errno set) if it cannot be read.
+// Reads a whole file into a NUL-terminated buffer. Returns NULL (errno set) if it cannot be read;
+// a directory (which fopen opens, and whose ftell is garbage) gives EISDIR.
 static char* read_file_or_null(const char* path, size_t* size_out) {
     FILE* f = fopen(path, "rb");
     if (!f) return NULL;
+    struct stat st;
+    if (fstat(fileno(f), &st) != 0) { int e = errno; fclose(f); errno = e; return NULL; }
+    if (S_ISDIR(st.st_mode)) { fclose(f); errno = EISDIR; return NULL; }
     if (fseek(f, 0, SEEK_END) != 0) { fclose(f); return NULL; }
     long n = ftell(f);
     if (n < 0) { fclose(f); return NULL; }
@@ -75,6 +79,7 @@ static char* read_file_or_null(const char* path, size_t* size_out) {
 
 static char* read_file(const char* path, size_t* size_out) {
     char* buf = read_file_or_null(path, size_out);
+    if (!buf && errno == EISDIR) fail("%s: is a directory, expected a file", path);
     if (!buf) fail("%s: cannot read file (%s)", path, strerror(errno));
     return buf;
 }
