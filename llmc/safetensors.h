@@ -47,11 +47,26 @@ typedef struct {
     Json header;
 } StFile;
 
-static int64_t st_numel(const StTensor* t) {
-    int64_t n = 1;
-    for (int i = 0; i < t->ndim; i++) n *= t->shape[i];
-    return n;
+// The element count of a shape, multiplied with overflow checks: 0 when it would not fit in
+// 64 bits (a shape with a zero dimension has 0 elements whatever the others say).
+static int st_shape_numel(const int64_t* shape, int ndim, uint64_t* numel) {
+    *numel = 1;
+    for (int i = 0; i < ndim; i++)
+        if (shape[i] == 0) { *numel = 0; return 1; }
+    for (int i = 0; i < ndim; i++)
+        if (__builtin_mul_overflow(*numel, (uint64_t)shape[i], numel)) return 0;
+    return 1;
 }
+
+// Elements of a tensor st_open accepted (its byte count was checked, so this cannot overflow).
+static int64_t st_numel(const StTensor* t) {
+    uint64_t n;
+    st_shape_numel(t->shape, t->ndim, &n);
+    return (int64_t)n;
+}
+
+// A JSON number usable as a size or offset: a non-negative integer that a double holds exactly.
+static int st_json_index(double v) { return v >= 0 && v <= 9007199254740992.0 && v == floor(v); }
 
 static void st_parse_entry(StFile* f, const char* name, const Json* e, const uint8_t* data, size_t data_size, StTensor* t) {
     const char* path = f->path;
@@ -69,16 +84,53 @@ static void st_parse_entry(StFile* f, const char* name, const Json* e, const uin
     t->ndim = shape->count;
     for (int i = 0; i < t->ndim; i++) {
         double v = shape->items[i].number;
-        if (shape->items[i].type != JSON_NUMBER || v < 0 || v != floor(v)) fail("%s: tensor \"%s\" has a bad shape", path, name);
+        if (shape->items[i].type != JSON_NUMBER || !st_json_index(v)) fail("%s: tensor \"%s\" has a bad shape (dimension %d is not an integer in [0, 2^53])", path, name, i);
         t->shape[i] = (int64_t)v;
     }
     double b = offs->items[0].number, en = offs->items[1].number;
-    if (offs->items[0].type != JSON_NUMBER || offs->items[1].type != JSON_NUMBER || b < 0 || en < b || en > (double)data_size)
+    if (offs->items[0].type != JSON_NUMBER || offs->items[1].type != JSON_NUMBER || !st_json_index(b) || !st_json_index(en))
+        fail("%s: tensor \"%s\" has bad data_offsets (expected two non-negative integers)", path, name);
+    if (en < b || en > (double)data_size)
         fail("%s: tensor \"%s\" data_offsets [%.0f, %.0f] lie outside the %zu data bytes (file truncated?)", path, name, b, en, data_size);
     t->nbytes = (size_t)(en - b);
-    if ((size_t)st_numel(t) * st_dtype_size(t->dtype) != t->nbytes)
-        fail("%s: tensor \"%s\" holds %zu bytes but its shape and dtype need %zu", path, name, t->nbytes, (size_t)st_numel(t) * st_dtype_size(t->dtype));
+    uint64_t numel, need;
+    if (!st_shape_numel(t->shape, t->ndim, &numel) || __builtin_mul_overflow(numel, (uint64_t)st_dtype_size(t->dtype), &need))
+        fail("%s: tensor \"%s\" has a shape whose size overflows 64 bits", path, name);
+    if (need != t->nbytes)
+        fail("%s: tensor \"%s\" holds %zu bytes but its shape and dtype need %llu", path, name, t->nbytes, (unsigned long long)need);
     t->data = data + (size_t)b;
+}
+
+static int st_by_offset(const void* a, const void* b) {
+    const StTensor *x = *(const StTensor* const*)a, *y = *(const StTensor* const*)b;
+    if (x->data != y->data) return x->data < y->data ? -1 : 1;
+    return x->nbytes < y->nbytes ? -1 : x->nbytes > y->nbytes;
+}
+
+// The format requires the tensors' bytes to tile the data section: sorted by offset, each starts
+// where the previous one ends, the first at 0 and the last at the end. Overlaps would let one
+// tensor silently read another's weights; gaps and trailing bytes would hide other content.
+static void st_check_tiling(const StFile* f, const uint8_t* data, size_t data_size) {
+    const StTensor** order = (const StTensor**)xcalloc(f->count, sizeof(StTensor*));
+    for (int i = 0; i < f->count; i++) order[i] = &f->tensors[i];
+    qsort(order, f->count, sizeof(*order), st_by_offset);
+    size_t end = 0;
+    const char* prev = NULL;
+    for (int i = 0; i < f->count; i++) {
+        size_t b = (size_t)(order[i]->data - data);
+        if (b != end) {
+            char name[256];
+            snprintf(name, sizeof(name), "%s", order[i]->name);
+            free(order);
+            if (b < end) fail("%s: tensor \"%s\" data_offsets start at %zu, inside the bytes of tensor \"%s\" (which end at %zu): overlapping tensors", f->path, name, b, prev, end);
+            fail("%s: tensor \"%s\" data_offsets start at %zu, leaving a gap after byte %zu (the format requires contiguous tensors)", f->path, name, b, end);
+        }
+        end = b + order[i]->nbytes;
+        prev = order[i]->name;
+    }
+    free(order);
+    if (end != data_size)
+        fail("%s: the tensors cover %zu of the %zu data bytes (trailing bytes after the last tensor: not a valid safetensors file)", f->path, end, data_size);
 }
 
 static void st_open(StFile* f, const char* path) {
@@ -87,7 +139,11 @@ static void st_open(StFile* f, const char* path) {
     int fd = open(path, O_RDONLY);
     if (fd < 0) fail("%s: cannot open (%s)", path, strerror(errno));
     struct stat st;
-    if (fstat(fd, &st) != 0) fail("%s: cannot stat (%s)", path, strerror(errno));
+    int stat_ok = fstat(fd, &st) == 0, stat_errno = errno;
+    if (!stat_ok || !S_ISREG(st.st_mode)) close(fd);
+    if (!stat_ok) fail("%s: cannot stat (%s)", path, strerror(stat_errno));
+    if (S_ISDIR(st.st_mode)) fail("%s: is a directory, expected a safetensors file", path);
+    if (!S_ISREG(st.st_mode)) fail("%s: not a regular file, expected a safetensors file", path);
     f->map_size = (size_t)st.st_size;
     if (f->map_size < 8) fail("%s: too short to be a safetensors file (%zu bytes)", path, f->map_size);
     f->map = (uint8_t*)mmap(NULL, f->map_size, PROT_READ, MAP_PRIVATE, fd, 0);
@@ -105,6 +161,7 @@ static void st_open(StFile* f, const char* path) {
         if (strcmp(f->header.keys[i], "__metadata__") == 0) continue;
         st_parse_entry(f, f->header.keys[i], &f->header.items[i], data, data_size, &f->tensors[f->count++]);
     }
+    st_check_tiling(f, data, data_size);
 }
 
 static void st_close(StFile* f) {
