@@ -218,17 +218,21 @@ bench: train_llama train_vit
 
 # libFuzzer (clang) over every file parser (test/fuzz_parsers.cu), seeded with the bundled files.
 # Not part of make test: it runs FUZZ_SECONDS and reports any crash or sanitizer finding.
+# -fno-sanitize-recover=all: undefined behaviour aborts the input, so libFuzzer counts it as a
+# crash and saves the input (UBSan's default only prints and goes on, so findings went unnoticed).
 FUZZ_SECONDS ?= 60
 build/fuzz_parsers: test/fuzz_parsers.cu $(HEADERS)
 	@mkdir -p build
-	clang++ -x c++ -std=gnu++17 -O1 -g -fsanitize=fuzzer,address,undefined $< -o $@ -lm
+	clang++ -x c++ -std=gnu++17 -O1 -g -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=all $< -o $@ -lm
 
 fuzz: build/fuzz_parsers
 	@rm -rf build/fuzz_seeds && mkdir -p build/fuzz_seeds build/fuzz_corpus
 	@printf '\000' | cat - data/llama_demo/config.json > build/fuzz_seeds/json
 	@printf '\001' | cat - data/vit_demo/model.safetensors | head -c 4096 > build/fuzz_seeds/safetensors_head
-	@printf '\001\070\000\000\000\000\000\000\000{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}      ' > build/fuzz_seeds/safetensors
-	@printf '\001\000\000\000\000\000\000\200\077' >> build/fuzz_seeds/safetensors
+	@printf '\001\070\000\000\000\000\000\000\000{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}  ' > build/fuzz_seeds/safetensors
+	@printf '\001\000\000\000\000\000\200\077' >> build/fuzz_seeds/safetensors
+	@printf '\001\160\000\000\000\000\000\000\000{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"b":{"dtype":"BF16","shape":[2],"data_offsets":[4,8]}}    ' > build/fuzz_seeds/safetensors2
+	@printf '\000\000\200\077\200\077\000\300' >> build/fuzz_seeds/safetensors2
 	@printf '\002' | cat - data/llama_demo_ft_val.bin > build/fuzz_seeds/shard
 	@printf '\003' | cat - data/llama_demo/tokenizer.bin > build/fuzz_seeds/tokenizer
 	@printf '\004' | cat - data/vit_demo_ft_val.bin | head -c 20000 > build/fuzz_seeds/images
