@@ -39,6 +39,14 @@ typedef struct {
     int bos_id, eos_id;
 } LlamaConfig;
 
+// bos/eos ids: the number when it is one an int holds (a cast of 1e12 would be undefined), else
+// the default (also for a list, as Llama-3.1's eos is).
+static int llama_token_id_or(const Json* j, const char* key, int dflt) {
+    const Json* v = json_get(j, key);
+    if (!v || v->type != JSON_NUMBER || !(v->number >= 0 && v->number < 2147483647.0)) return dflt;
+    return (int)v->number;
+}
+
 static void llama_config_load(LlamaConfig* c, const char* model_dir) {
     char* path = path_join(model_dir, "config.json");
     if (!dir_exists(model_dir)) fail("flag --model: %s is not a directory", model_dir);
@@ -46,27 +54,31 @@ static void llama_config_load(LlamaConfig* c, const char* model_dir) {
     char* text = read_file(path, &n);
     Json j = json_parse(text, n, path);
     memset(c, 0, sizeof(*c));
-    c->dim = json_int_req(&j, "hidden_size", path);
-    c->hidden = json_int_req(&j, "intermediate_size", path);
-    c->layers = json_int_req(&j, "num_hidden_layers", path);
-    c->heads = json_int_req(&j, "num_attention_heads", path);
-    c->kv_heads = json_get(&j, "num_key_value_heads") ? json_int_req(&j, "num_key_value_heads", path) : c->heads;
-    c->vocab = json_int_req(&j, "vocab_size", path);
-    if (c->dim <= 0 || c->hidden <= 0 || c->layers <= 0 || c->heads <= 0 || c->kv_heads <= 0 || c->vocab <= 0)
-        fail("%s: hidden_size, intermediate_size, num_hidden_layers, num_attention_heads, num_key_value_heads and vocab_size must be positive", path);
-    if (json_get(&j, "head_dim") && json_get(&j, "head_dim")->type == JSON_NUMBER) c->head_dim = json_int_req(&j, "head_dim", path);
+    // Ranges: every real model lies well inside (Llama-3.1-405B: hidden 16384, intermediate 53248,
+    // 126 layers, 128 heads, vocab 128256); beyond them a config is corrupt, and the limits keep
+    // every product of sizes the code forms far from 64-bit overflow.
+    c->dim = json_int_in(&j, "hidden_size", path, 1, 1 << 16);
+    c->hidden = json_int_in(&j, "intermediate_size", path, 1, 1 << 18);
+    c->layers = json_int_in(&j, "num_hidden_layers", path, 1, 1024);
+    c->heads = json_int_in(&j, "num_attention_heads", path, 1, 1024);
+    c->kv_heads = json_get(&j, "num_key_value_heads") ? json_int_in(&j, "num_key_value_heads", path, 1, 1024) : c->heads;
+    c->vocab = json_int_in(&j, "vocab_size", path, 1, 1 << 22);
+    if (json_get(&j, "head_dim") && json_get(&j, "head_dim")->type == JSON_NUMBER) c->head_dim = json_int_in(&j, "head_dim", path, 2, 1024);
     else {
         if (c->dim % c->heads) fail("%s: num_attention_heads (%d) does not divide hidden_size (%d)", path, c->heads, c->dim);
         c->head_dim = c->dim / c->heads;
     }
     if (c->heads % c->kv_heads) fail("%s: num_key_value_heads (%d) does not divide num_attention_heads (%d)", path, c->kv_heads, c->heads);
     if (c->head_dim <= 0 || c->head_dim % 2) fail("%s: head dimension %d must be positive and even (RoPE rotates pairs)", path, c->head_dim);
-    c->max_seq = (int)json_number_or(&j, "max_position_embeddings", 2048);
-    c->norm_eps = (float)json_number_or(&j, "rms_norm_eps", 1e-6);
-    c->rope_theta = (float)json_number_or(&j, "rope_theta", 10000.0);
+    c->max_seq = json_get(&j, "max_position_embeddings") && json_get(&j, "max_position_embeddings")->type != JSON_NULL
+                     ? json_int_in(&j, "max_position_embeddings", path, 1, 1 << 26) : 2048;
+    // A non-positive epsilon divides by zero on an all-zero row; a non-positive base makes RoPE's
+    // frequencies NaN: either would surface later as a NaN loss blamed on --lr or the data.
+    c->norm_eps = json_positive_float(json_number_opt(&j, "rms_norm_eps", path, 1e-6), "rms_norm_eps", path);
+    c->rope_theta = json_positive_float(json_number_opt(&j, "rope_theta", path, 10000.0), "rope_theta", path);
     c->tied = json_bool_or(&j, "tie_word_embeddings", 0);
-    c->bos_id = (int)json_number_or(&j, "bos_token_id", 1);
-    c->eos_id = (int)json_number_or(&j, "eos_token_id", 2);
+    c->bos_id = llama_token_id_or(&j, "bos_token_id", 1);
+    c->eos_id = llama_token_id_or(&j, "eos_token_id", 2);
     const char* act = json_string_or(&j, "hidden_act", "silu");
     if (strcmp(act, "silu") != 0) fail("%s: hidden_act \"%s\" is not supported (expected silu)", path, act);
     const Json* rs = json_get(&j, "rope_scaling");
@@ -74,10 +86,13 @@ static void llama_config_load(LlamaConfig* c, const char* model_dir) {
         const char* type = json_string_or(rs, "rope_type", json_string_or(rs, "type", ""));
         if (strcmp(type, "llama3") == 0) {
             c->rope_llama3 = 1;
-            c->rs_factor = (float)json_number_req(rs, "factor", path);
-            c->rs_low_freq = (float)json_number_req(rs, "low_freq_factor", path);
-            c->rs_high_freq = (float)json_number_req(rs, "high_freq_factor", path);
-            c->rs_original_ctx = json_int_req(rs, "original_max_position_embeddings", path);
+            c->rs_factor = json_positive_float(json_number_req(rs, "factor", path), "rope_scaling.factor", path);
+            c->rs_low_freq = json_positive_float(json_number_req(rs, "low_freq_factor", path), "rope_scaling.low_freq_factor", path);
+            c->rs_high_freq = json_positive_float(json_number_req(rs, "high_freq_factor", path), "rope_scaling.high_freq_factor", path);
+            c->rs_original_ctx = json_int_in(rs, "original_max_position_embeddings", path, 1, 1 << 26);
+            // the smooth band between the two wavelengths divides by their difference
+            if (!(c->rs_high_freq > c->rs_low_freq))
+                fail("%s: rope_scaling.high_freq_factor (%g) must exceed low_freq_factor (%g)", path, c->rs_high_freq, c->rs_low_freq);
         } else if (strcmp(type, "default") != 0) {
             fail("%s: rope_scaling type \"%s\" is not supported (expected llama3)", path, type);
         }
@@ -1102,6 +1117,16 @@ static void llama_train(Llama* m, RunData* rd, const TrainOptions* o, const Dist
     if (log) fclose(log);
 }
 
+// The flags checked against the model's config. --seq beyond max_position_embeddings is a warning,
+// not an error: RoPE is defined at every position and training past the pretrained context is how
+// long-context fine-tunes are made, but a user who did not mean it should hear that quality may drop.
+static void llama_check_options(const LlamaConfig* c, const TrainOptions* o, int rank) {
+    train_check_lora_rank(o, c->dim, o->model_dir);
+    if (rank == 0 && (o->data_path || o->eval_only || o->dry_run) && o->seq > c->max_seq)
+        fprintf(stderr, "warning: flag --seq: %d exceeds max_position_embeddings %d of %s/config.json (positions beyond it were "
+                "not pretrained; RoPE extends to them, but quality may drop)\n", o->seq, c->max_seq, o->model_dir);
+}
+
 #ifndef TESTING
 int main(int argc, char** argv) {
     Dist dist;
@@ -1114,6 +1139,7 @@ int main(int argc, char** argv) {
     train_parse_flags(&ft, &o, argc, argv);
     LlamaConfig cfg;
     llama_config_load(&cfg, o.model_dir);
+    llama_check_options(&cfg, &o, dist.rank);
     LlamaModes md = llama_modes_from(&o);
     if (o.dry_run) { if (dist.rank == 0) llama_dry_run(&cfg, &o, md, &dist); dist_finalize(&dist); return 0; }
     if (!o.data_path && !o.generate && !o.eval_only && !o.export_merged)

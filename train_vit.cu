@@ -43,20 +43,23 @@ typedef struct {
     float mean[3], std[3]; // per channel, on pixels scaled to [0, 1]
 } VitConfig;
 
-// A field that is an integer or an [h, w] pair (image_size, patch_size).
+// A field that is an integer or an [h, w] pair (image_size, patch_size), each in [1, 16384]
+// (far beyond any ViT's 224-518 pixels; the limit keeps pixel counts far from overflow).
 static void json_size_pair(const Json* j, const char* key, const char* path, int* h, int* w) {
     const Json* v = json_get(j, key);
     if (!v) fail("%s: missing field \"%s\"", path, key);
     if (v->type == JSON_NUMBER) {
-        *h = *w = json_int_req(j, key, path);
-    } else if (v->type == JSON_ARRAY && v->count == 2 && v->items[0].type == JSON_NUMBER && v->items[1].type == JSON_NUMBER &&
-               v->items[0].number == floor(v->items[0].number) && v->items[1].number == floor(v->items[1].number)) {
-        *h = (int)v->items[0].number;
-        *w = (int)v->items[1].number;
-    } else {
-        fail("%s: field \"%s\" must be an integer or a pair [height, width]", path, key);
+        *h = *w = json_int_in(j, key, path, 1, 16384);
+        return;
     }
-    if (*h <= 0 || *w <= 0) fail("%s: field \"%s\" must be positive", path, key);
+    if (v->type != JSON_ARRAY || v->count != 2) fail("%s: field \"%s\" must be an integer or a pair [height, width]", path, key);
+    for (int i = 0; i < 2; i++) {
+        double x = v->items[i].number;
+        if (v->items[i].type != JSON_NUMBER || x != floor(x) || x < 1 || x > 16384)
+            fail("%s: field \"%s\" must be an integer or a pair [height, width] of integers in [1, 16384]", path, key);
+    }
+    *h = (int)v->items[0].number;
+    *w = (int)v->items[1].number;
 }
 
 // image_mean / image_std: one number per channel (a single number is used for every channel).
@@ -79,21 +82,22 @@ static void vit_config_load(VitConfig* c, const char* model_dir) {
     char* text = read_file(path, &n);
     Json j = json_parse(text, n, path);
     memset(c, 0, sizeof(*c));
-    c->dim = json_int_req(&j, "hidden_size", path);
-    c->hidden = json_int_req(&j, "intermediate_size", path);
-    c->layers = json_int_req(&j, "num_hidden_layers", path);
-    c->heads = json_int_req(&j, "num_attention_heads", path);
-    if (c->dim <= 0 || c->hidden <= 0 || c->layers <= 0 || c->heads <= 0)
-        fail("%s: hidden_size, intermediate_size, num_hidden_layers and num_attention_heads must be positive", path);
+    // Ranges: every real ViT lies well inside (ViT-22B: hidden 6144, intermediate 24576, 48 layers,
+    // 48 heads); beyond them a config is corrupt, and the limits keep size products far from overflow.
+    c->dim = json_int_in(&j, "hidden_size", path, 1, 1 << 16);
+    c->hidden = json_int_in(&j, "intermediate_size", path, 1, 1 << 18);
+    c->layers = json_int_in(&j, "num_hidden_layers", path, 1, 1024);
+    c->heads = json_int_in(&j, "num_attention_heads", path, 1, 1024);
     if (c->dim % c->heads) fail("%s: num_attention_heads (%d) does not divide hidden_size (%d)", path, c->heads, c->dim);
     c->head_dim = c->dim / c->heads;
     json_size_pair(&j, "image_size", path, &c->image_h, &c->image_w);
     json_size_pair(&j, "patch_size", path, &c->patch_h, &c->patch_w);
     if (c->image_h % c->patch_h || c->image_w % c->patch_w)
         fail("%s: image_size %dx%d is not a multiple of patch_size %dx%d", path, c->image_h, c->image_w, c->patch_h, c->patch_w);
-    c->channels = json_get(&j, "num_channels") ? json_int_req(&j, "num_channels", path) : 3;
+    c->channels = json_get(&j, "num_channels") ? json_int_in(&j, "num_channels", path, 1, 3) : 3;
     if (c->channels != 1 && c->channels != 3) fail("%s: num_channels %d, expected 1 or 3", path, c->channels);
-    c->norm_eps = (float)json_number_or(&j, "layer_norm_eps", 1e-12);
+    // a non-positive epsilon divides by zero on a constant row: a NaN later blamed on --lr or the data
+    c->norm_eps = json_positive_float(json_number_opt(&j, "layer_norm_eps", path, 1e-12), "layer_norm_eps", path);
     c->qkv_bias = json_bool_or(&j, "qkv_bias", 1);
     const char* act = json_string_or(&j, "hidden_act", "gelu");
     if (strcmp(act, "gelu") == 0) c->gelu_tanh = 0;
@@ -110,7 +114,7 @@ static void vit_config_load(VitConfig* c, const char* model_dir) {
         json_channel_values(&pj, "image_mean", pp, c->channels, c->mean);
         json_channel_values(&pj, "image_std", pp, c->channels, c->std);
         for (int i = 0; i < c->channels; i++)
-            if (!(c->std[i] > 0)) fail("%s: image_std must be positive", pp);
+            if (!(c->std[i] > 0) || !isfinite(c->std[i]) || !isfinite(c->mean[i])) fail("%s: image_std must be positive and image_mean finite", pp);
         json_free(&pj);
         free(t);
     }
@@ -1633,6 +1637,7 @@ int main(int argc, char** argv) {
     train_parse_flags(&ft, &o, argc, argv);
     VitConfig cfg;
     vit_config_load(&cfg, o.model_dir);
+    train_check_lora_rank(&o, cfg.dim, o.model_dir);
     VitModes md = vit_modes_from(&o);
     if (o.dry_run) { if (dist.rank == 0) vit_dry_run(&cfg, &o, md, &dist); dist_finalize(&dist); return 0; }
     if (!o.data_path && !o.eval_only && !o.export_merged)

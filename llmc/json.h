@@ -202,10 +202,31 @@ static double json_number_req(const Json* obj, const char* key, const char* sour
     return v->number;
 }
 
-static int json_int_req(const Json* obj, const char* key, const char* source) {
+// An integer field within [lo, hi]; the message names the file, the field and the range.
+static int json_int_in(const Json* obj, const char* key, const char* source, int lo, int hi) {
     double x = json_number_req(obj, key, source);
-    if (x != floor(x) || x < 0 || x > 2147483647.0) fail("%s: field \"%s\" must be a non-negative integer, got %g", source, key, x);
+    if (x != floor(x) || x < lo || x > hi) fail("%s: field \"%s\" must be an integer in [%d, %d], got %g", source, key, lo, hi, x);
     return (int)x;
+}
+
+static int json_int_req(const Json* obj, const char* key, const char* source) {
+    return json_int_in(obj, key, source, 0, 2147483647);
+}
+
+// An optional number: dflt when the field is absent or null, an error when it is something else.
+static double json_number_opt(const Json* obj, const char* key, const char* source, double dflt) {
+    const Json* v = json_get(obj, key);
+    if (!v || v->type == JSON_NULL) return dflt;
+    if (v->type != JSON_NUMBER) fail("%s: field \"%s\" must be a number", source, key);
+    return v->number;
+}
+
+// A positive, finite float (a norm's epsilon, RoPE's base): checked after the conversion to
+// float, where 1e-50 becomes 0 and 1e39 becomes infinity, because the kernels see the float.
+static float json_positive_float(double x, const char* key, const char* source) {
+    float f = (float)x;
+    if (!(f > 0) || !isfinite(f)) fail("%s: field \"%s\" must be a positive finite number (as a float32), got %g", source, key, x);
+    return f;
 }
 
 static int json_bool_or(const Json* obj, const char* key, int dflt) {

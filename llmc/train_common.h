@@ -158,6 +158,15 @@ static void train_validate(const TrainOptions* o) {
     if (o->classes < 0) fail("flag --classes: expected >= 0, got %d", o->classes);
 }
 
+// --lora-rank above the hidden size is refused, not warned about: every adapted linear reads or
+// writes the hidden size, so B A has rank at most that whatever r is, and a larger r only costs
+// memory. A user asking for it has most likely mistyped; --full is the way to train whole matrices.
+static void train_check_lora_rank(const TrainOptions* o, int hidden_size, const char* model_dir) {
+    if (o->full || o->lora_rank <= hidden_size) return;
+    fail("flag --lora-rank: %d exceeds hidden_size %d of %s/config.json (every adapted linear reads or writes the hidden size, "
+         "so a larger rank adds memory but no expressiveness; use a rank <= %d, or --full)", o->lora_rank, hidden_size, model_dir, hidden_size);
+}
+
 // The log's " | MFU x%" for a step (nothing when the peak is unknown: the CPU, an unlisted GPU):
 // items/s on this GPU times the model FLOPs per item, over the GPU's peak.
 static void print_mfu(double items_per_s_per_gpu, double flops_per_item, double peak_flops) {
@@ -204,6 +213,8 @@ static void train_parse_flags(FlagTable* t, TrainOptions* o, int argc, char** ar
     if (o->json && !o->dry_run) fail("flag --json: only valid with --dry-run");
     if (o->ranks < 0) fail("flag --ranks: expected >= 1, got %d", o->ranks);
     if (o->ranks && !o->dry_run) fail("flag --ranks: only valid with --dry-run (mpirun -np N launches the ranks)");
+    if (o->adapter_dir && !dir_exists(o->adapter_dir))
+        fail("flag --adapter: %s is not a directory (expected one holding adapter_config.json and adapter_model.safetensors)", o->adapter_dir);
 }
 
 // The run-level checks and setup shared by the trainers (after the dry-run branch): flags that
