@@ -9,6 +9,7 @@ bf16 has no numpy dtype: on write we round float32 to nearest-even bf16 bits,
 on read we widen the bits back to float32 (or return raw uint16 if asked).
 """
 import json
+import math
 import os
 import struct
 
@@ -141,11 +142,29 @@ def _check_entry(path, name, entry, data_len):
     if not 0 <= begin <= end <= data_len:
         raise ValueError(f"{path}: tensor {name}: data_offsets {offs} outside data of "
                          f"{data_len} bytes")
-    expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    expected = math.prod(shape) * dtype.itemsize  # Python ints: no overflow (np.prod wraps at 2^63)
     if end - begin != expected:
         raise ValueError(f"{path}: tensor {name}: {end - begin} bytes but shape {shape} "
                          f"{entry['dtype']} needs {expected}")
     return dtype, shape, begin, end
+
+
+def _check_tiling(path, checked, data_len):
+    """The format requires the tensors' bytes to tile the data section: sorted by offset, each
+    starts where the previous ends, from 0 to the end (an overlap would read another tensor's
+    weights; gaps and trailing bytes would hide other content)."""
+    pos, prev = 0, None
+    for name, (_, _, begin, end) in sorted(checked.items(), key=lambda kv: (kv[1][2], kv[1][3])):
+        if begin < pos:
+            raise ValueError(f"{path}: tensor {name}: data_offsets start at {begin}, inside the bytes of "
+                             f"tensor {prev} (which end at {pos}): overlapping tensors")
+        if begin > pos:
+            raise ValueError(f"{path}: tensor {name}: data_offsets start at {begin}, leaving a gap after "
+                             f"byte {pos} (the format requires contiguous tensors)")
+        pos, prev = end, name
+    if pos != data_len:
+        raise ValueError(f"{path}: the tensors cover {pos} of the {data_len} data bytes (trailing bytes "
+                         "after the last tensor: not a valid safetensors file)")
 
 
 def load(path, raw=False, with_metadata=False):
@@ -159,9 +178,11 @@ def load(path, raw=False, with_metadata=False):
     with open(path, "rb") as f:
         f.seek(start)
         data = f.read()
+    checked = {name: _check_entry(path, name, entry, len(data)) for name, entry in header.items()}
+    _check_tiling(path, checked, len(data))
     out = {}
     for name, entry in header.items():
-        dtype, shape, begin, end = _check_entry(path, name, entry, len(data))
+        dtype, shape, begin, end = checked[name]
         arr = np.frombuffer(data, dtype=dtype, count=(end - begin) // dtype.itemsize,
                             offset=begin).reshape(shape)
         if not raw and entry["dtype"] == "BF16":
