@@ -7,7 +7,8 @@ TOK: a llama2.c tokenizer.bin (also the byte-level one scripts/export/export_lla
 or a Hugging Face tokenizer.json (needs `pip install tokenizers`).
 FILE: plain text, or .jsonl with one {"prompt": ..., "response": ...} or
 {"messages": [{"role": "system|user|assistant", "content": ...}, ...]} per line.
-Writes PREFIX_train.bin and PREFIX_val.bin.
+Writes PREFIX_train.bin and PREFIX_val.bin (no val shard with --val-frac 0).
+Invalid UTF-8 is an error naming the byte offset (--utf8-errors replace substitutes U+FFFD).
 
 Plain text is cut at paragraph boundaries into chunks of about --chunk-chars
 characters, each BOS + tokens, every token a target except BOS (nothing in a chunk
@@ -45,12 +46,16 @@ class HFTokenizer:
     EOS_NAMES = ("</s>", "<|end_of_text|>", "<eos>", "<|endoftext|>")
 
     def __init__(self, path):
+        check_tokenizer_json(path)
         try:
             from tokenizers import Tokenizer
         except ImportError:
             raise PrepError(f"{path}: reading a tokenizer.json needs the `tokenizers` package: "
                             "pip install tokenizers") from None
-        self.tok = Tokenizer.from_file(path)
+        try:
+            self.tok = Tokenizer.from_file(path)
+        except Exception as e:  # the Rust library's errors have no common Python type
+            raise PrepError(f"{path}: not a valid tokenizer.json ({one_line(e)})") from None
         self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
         names = self._special_names(path)
         self.bos_id = self._find(path, "bos", [names.get("bos_token")] + list(self.BOS_NAMES))
@@ -81,8 +86,28 @@ class HFTokenizer:
         return ([self.bos_id] if bos else []) + ids + ([self.eos_id] if eos else [])
 
 
+def one_line(e):
+    """An exception's message on one line (library messages can span several)."""
+    return " ".join(str(e).split())
+
+
+def check_tokenizer_json(path):
+    """A JSON file is only a Hugging Face tokenizer.json if it has the "model" object the
+    tokenizers library reads (say so, rather than asking for the package or a cryptic parse error)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            obj = json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise PrepError(f"{path}: starts like JSON but is not valid JSON ({one_line(e)})") from None
+    if not isinstance(obj, dict) or not isinstance(obj.get("model"), dict):
+        raise PrepError(f"{path}: a JSON file but not a Hugging Face tokenizer.json (no \"model\" object); "
+                        "expected tokenizer.json or a llama2.c tokenizer.bin")
+
+
 def load_tokenizer(path):
     """llama2.c tokenizer.bin, or a Hugging Face tokenizer.json (told apart by its content)."""
+    if os.path.isdir(path):
+        raise PrepError(f"{path}: is a directory, expected a tokenizer.json or tokenizer.bin file")
     try:
         with open(path, "rb") as f:
             head = f.read(64).lstrip()
@@ -183,30 +208,44 @@ def encode_chat(tok, messages, template):
     return ids, mask
 
 
-def read_jsonl(path):
+def read_text(path, utf8_errors):
+    """The file's text. Invalid UTF-8 is an error naming the byte offset (and line) unless
+    utf8_errors is "replace": silently substituted characters would train the model on garbage."""
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        if utf8_errors == "replace":
+            return data.decode("utf-8", errors="replace")
+        line = data.count(b"\n", 0, e.start) + 1
+        raise PrepError(f"{path}: invalid UTF-8 at byte offset {e.start} (line {line}): {e.reason}; "
+                        "fix the file or pass --utf8-errors replace to substitute U+FFFD") from None
+
+
+def read_jsonl(path, utf8_errors="strict"):
     """Yield each non-empty line as ("pair", prompt, response) or ("chat", messages), with
     errors naming file and line."""
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise PrepError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
-            if isinstance(obj, dict) and isinstance(obj.get("messages"), list):
-                msgs = obj["messages"]
-                ok = msgs and all(isinstance(m, dict) and m.get("role") in ("system", "user", "assistant")
-                                  and isinstance(m.get("content"), str) for m in msgs)
-                if not ok or not any(m["role"] == "assistant" for m in msgs):
-                    raise PrepError(f"{path}:{lineno}: \"messages\" must be a list of {{\"role\": system|user|assistant, "
-                                    f"\"content\": str}} with at least one assistant turn")
-                yield ("chat", msgs)
-                continue
-            if (not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str)
-                    or not isinstance(obj.get("response"), str)):
-                raise PrepError(f"{path}:{lineno}: expected {{\"prompt\": str, \"response\": str}} or {{\"messages\": [...]}}")
-            yield ("pair", obj["prompt"], obj["response"])
+    for lineno, line in enumerate(read_text(path, utf8_errors).split("\n"), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise PrepError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+        if isinstance(obj, dict) and isinstance(obj.get("messages"), list):
+            msgs = obj["messages"]
+            ok = msgs and all(isinstance(m, dict) and m.get("role") in ("system", "user", "assistant")
+                              and isinstance(m.get("content"), str) for m in msgs)
+            if not ok or not any(m["role"] == "assistant" for m in msgs):
+                raise PrepError(f"{path}:{lineno}: \"messages\" must be a list of {{\"role\": system|user|assistant, "
+                                f"\"content\": str}} with at least one assistant turn")
+            yield ("chat", msgs)
+            continue
+        if (not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str)
+                or not isinstance(obj.get("response"), str)):
+            raise PrepError(f"{path}:{lineno}: expected {{\"prompt\": str, \"response\": str}} or {{\"messages\": [...]}}")
+        yield ("pair", obj["prompt"], obj["response"])
 
 
 def n_val_items(n, val_frac):
@@ -237,35 +276,53 @@ def encode_item(tok, item, template):
     return encode_chat(tok, item[1], template)
 
 
-def prepare_docs(tok, path, val_frac, seed, chunk_chars, template=None):
+def prepare_docs(tok, path, val_frac, seed, chunk_chars, template=None, utf8_errors="strict"):
     """Return (train docs, val docs) for a text or JSONL file."""
     if path.endswith(".jsonl"):
-        docs = [encode_item(tok, item, template) for item in read_jsonl(path)]
+        docs = [encode_item(tok, item, template) for item in read_jsonl(path, utf8_errors)]
         order = list(range(len(docs)))
         random.Random(seed).shuffle(order)
         val_idx = set(order[:n_val_items(len(docs), val_frac)])
         train = [d for i, d in enumerate(docs) if i not in val_idx]
         val = [d for i, d in enumerate(docs) if i in val_idx]
         return train, val
-    with open(path, encoding="utf-8", errors="replace") as f:
-        chunks = split_paragraph_chunks(f.read(), chunk_chars)
+    chunks = split_paragraph_chunks(read_text(path, utf8_errors), chunk_chars)
     docs = encode_text_chunks(tok, chunks)
     n_val = n_val_items(len(docs), val_frac)
     return docs[:len(docs) - n_val], docs[len(docs) - n_val:]
 
 
 def write_split(prefix, train, val, vocab_size, packed=False):
-    """Write PREFIX_train.bin and PREFIX_val.bin; print what went where. packed: instruction
-    examples, so the shards mark where each starts (the trainer keeps attention inside one)."""
+    """Write PREFIX_train.bin and PREFIX_val.bin (the latter only when val has documents); print
+    what went where. packed: instruction examples, so the shards mark where each starts (the
+    trainer keeps attention inside one). A failed write (a full disk) names the file and leaves
+    neither shard behind."""
+    written = []
     for name, docs in (("train", train), ("val", val)):
-        ids, mask, starts = concat(docs)
         path = f"{prefix}_{name}.bin"
-        shards.write_shard(path, ids, mask, vocab_size, starts if packed else None)
+        if not docs:
+            print(f"{path}: not written (no validation split: --val-frac 0)")
+            continue
+        ids, mask, starts = concat(docs)
+        try:
+            shards.write_shard(path, ids, mask, vocab_size, starts if packed else None)
+        except OSError as e:
+            for p in written:
+                os.remove(p)
+            raise PrepError(f"{path}: cannot write ({e.strerror or one_line(e)})") from None
+        written.append(path)
         print(f"{path}: {len(docs)} docs, {ids.size} tokens, {int(mask.sum())} targets")
 
 
+class OneLineArgumentParser(argparse.ArgumentParser):
+    """argparse whose errors are one line (its default prints the usage first, 3-4 lines)."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (--help lists the flags)\n")
+
+
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = OneLineArgumentParser(prog="prepare_text", description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokenizer", required=True, help="llama2.c tokenizer.bin or HF tokenizer.json")
     ap.add_argument("--input", required=True, help="text file, or .jsonl of prompt/response")
     ap.add_argument("--out", required=True, metavar="PREFIX", help="writes PREFIX_{train,val}.bin")
@@ -276,6 +333,9 @@ def parse_args(argv=None):
                          "chat_template beside the tokenizer; none: BOS + prompt + response + EOS)")
     ap.add_argument("--chunk-chars", type=int, default=4096,
                     help="target characters per plain-text chunk (default 4096)")
+    ap.add_argument("--utf8-errors", choices=("strict", "replace"), default="strict",
+                    help="invalid UTF-8 in the input: an error naming the byte offset (strict, the default), "
+                         "or substitute U+FFFD (replace)")
     args = ap.parse_args(argv)
     if not 0 <= args.val_frac < 1:
         ap.error(f"--val-frac must be in [0, 1), got {args.val_frac}")
@@ -288,17 +348,25 @@ def main(argv=None):
     args = parse_args(argv)
     try:
         tok = load_tokenizer(args.tokenizer)
+        if os.path.isdir(args.input):
+            raise PrepError(f"{args.input}: is a directory, expected a text or .jsonl file")
         if not os.path.isfile(args.input):
             raise PrepError(f"{args.input}: no such input file")
         template = {"auto": None, "none": None}.get(args.chat_template, args.chat_template)
         if args.chat_template == "auto":
             template = detect_chat_template(args.tokenizer)
-        train, val = prepare_docs(tok, args.input, args.val_frac, args.seed, args.chunk_chars, template)
+        train, val = prepare_docs(tok, args.input, args.val_frac, args.seed, args.chunk_chars, template,
+                                  args.utf8_errors)
         if not train:
             raise PrepError(f"{args.input}: no text to tokenise")
+        if args.val_frac > 0 and not val:
+            # an empty val shard would only be refused later by the trainer
+            what = "example" if args.input.endswith(".jsonl") else f"chunk of --chunk-chars {args.chunk_chars}"
+            raise PrepError(f"{args.input}: only {len(train)} {what}, too little for a validation split "
+                            f"(lower --chunk-chars, or --val-frac 0 for no validation shard)")
         write_split(args.out, train, val, tok.vocab_size, packed=args.input.endswith(".jsonl"))
     except (PrepError, ValueError, OSError) as e:
-        print(f"prepare_text: {e}", file=sys.stderr)
+        print(f"prepare_text: {one_line(e)}", file=sys.stderr)
         return 1
     return 0
 
