@@ -1117,12 +1117,12 @@ static void llama_train(Llama* m, RunData* rd, const TrainOptions* o, const Dist
     if (log) fclose(log);
 }
 
-// The flags checked against the model's config. --seq beyond max_position_embeddings is a warning,
-// not an error: RoPE is defined at every position and training past the pretrained context is how
-// long-context fine-tunes are made, but a user who did not mean it should hear that quality may drop.
-static void llama_check_options(const LlamaConfig* c, const TrainOptions* o, int rank) {
-    train_check_lora_rank(o, c->dim, o->model_dir);
-    if (rank == 0 && (o->data_path || o->eval_only || o->dry_run) && o->seq > c->max_seq)
+// --seq beyond max_position_embeddings is a warning, not an error: RoPE is defined at every
+// position and training past the pretrained context is how long-context fine-tunes are made, but
+// a user who did not mean it should hear that quality may drop. Printed once the run has passed
+// every input check, so that a bad input still ends in exactly one line.
+static void llama_warn_seq(const LlamaConfig* c, const TrainOptions* o) {
+    if ((o->data_path || o->eval_only || o->dry_run) && o->seq > c->max_seq)
         fprintf(stderr, "warning: flag --seq: %d exceeds max_position_embeddings %d of %s/config.json (positions beyond it were "
                 "not pretrained; RoPE extends to them, but quality may drop)\n", o->seq, c->max_seq, o->model_dir);
 }
@@ -1139,9 +1139,13 @@ int main(int argc, char** argv) {
     train_parse_flags(&ft, &o, argc, argv);
     LlamaConfig cfg;
     llama_config_load(&cfg, o.model_dir);
-    llama_check_options(&cfg, &o, dist.rank);
+    train_check_lora_rank(&o, cfg.dim, o.model_dir);
     LlamaModes md = llama_modes_from(&o);
-    if (o.dry_run) { if (dist.rank == 0) llama_dry_run(&cfg, &o, md, &dist); dist_finalize(&dist); return 0; }
+    if (o.dry_run) {
+        if (dist.rank == 0) { llama_dry_run(&cfg, &o, md, &dist); llama_warn_seq(&cfg, &o); }
+        dist_finalize(&dist);
+        return 0;
+    }
     if (!o.data_path && !o.generate && !o.eval_only && !o.export_merged)
         fail("nothing to do: give --data to train, --val with --eval-only, --generate N to sample, or --export-merged DIR");
     train_prepare_run(&o, dist.rank);
@@ -1191,6 +1195,7 @@ int main(int argc, char** argv) {
         snprintf(layout, sizeof(layout), "%s%s", be.layout, dist.world > 1 ? ", per rank" : "");
         plan_print(&m.plan, &base.plan, o.mode, layout);
         trainable_print_parallel(&m.tr, &dist);
+        llama_warn_seq(&cfg, &o);
     }
     llama_free(&base);
     if (o.eval_only) {

@@ -272,6 +272,7 @@ static void st_model_open(StModel* m, const char* dir) {
     m->dir = xstrdup(dir);
     char* single = path_join(dir, "model.safetensors");
     char* index = path_join(dir, "model.safetensors.index.json");
+    if (dir_exists(single)) fail("%s: is a directory, expected a safetensors file", single);
     if (file_exists(single)) {
         m->nfiles = 1;
         m->files = (StFile*)xcalloc(1, sizeof(StFile));
