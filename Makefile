@@ -233,6 +233,7 @@ fuzz: build/fuzz_parsers
 	@printf '\001\000\000\000\000\000\200\077' >> build/fuzz_seeds/safetensors
 	@printf '\001\160\000\000\000\000\000\000\000{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"b":{"dtype":"BF16","shape":[2],"data_offsets":[4,8]}}    ' > build/fuzz_seeds/safetensors2
 	@printf '\000\000\200\077\200\077\000\300' >> build/fuzz_seeds/safetensors2
+	@printf '\001\120\000\000\000\000\000\000\000{"a":{"dtype":"F32","shape":[4294967296,4294967296],"data_offsets":[0,0]}}      ' > build/fuzz_seeds/safetensors_overflow
 	@printf '\002' | cat - data/llama_demo_ft_val.bin > build/fuzz_seeds/shard
 	@printf '\003' | cat - data/llama_demo/tokenizer.bin > build/fuzz_seeds/tokenizer
 	@printf '\004' | cat - data/vit_demo_ft_val.bin | head -c 20000 > build/fuzz_seeds/images
