@@ -140,7 +140,7 @@ static void st_open(StFile* f, const char* path) {
     if (fd < 0) fail("%s: cannot open (%s)", path, strerror(errno));
     struct stat st;
     int stat_ok = fstat(fd, &st) == 0, stat_errno = errno;
-    if (!stat_ok || !S_ISREG(st.st_mode)) close(fd);
+    if (!stat_ok || !S_ISREG(st.st_mode) || st.st_size < 8) close(fd);  // every refusal below closes it first
     if (!stat_ok) fail("%s: cannot stat (%s)", path, strerror(stat_errno));
     if (S_ISDIR(st.st_mode)) fail("%s: is a directory, expected a safetensors file", path);
     if (!S_ISREG(st.st_mode)) fail("%s: not a regular file, expected a safetensors file", path);

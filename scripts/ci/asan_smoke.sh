@@ -33,12 +33,16 @@ check 0 $B/train_llama --model data/llama_demo --dry-run --json --batch 2 --seq 
 check 1 $B/train_llama --model data/llama_demo --data data/llama_demo/config.json
 check 1 $B/train_llama --model data --generate 3
 check 1 $L --resume "$W/a" --lora-rank 4
+check 1 $B/train_llama --model data/llama_demo --data data   # a directory where a file is expected
+mkdir -p "$W/ad" && cp "$W/a/adapter_config.json" "$W/ad/" && mkdir "$W/ad/adapter_model.safetensors"
+check 1 $L --adapter "$W/ad"
 V="$B/train_vit --model data/vit_demo --data data/vit_demo_ft_train.bin --val data/vit_demo_ft_val.bin --steps 2 --batch 8 --val-batches 1"
 check 0 $V --mode lowmem --out "$W/v" --export-merged "$W/vm"
 check 0 $V --mode ckpt --lora-targets q,v
 check 0 $V --full --mode baseline
 check 0 $B/train_vit --model "$W/vm" --val data/vit_demo_ft_val.bin --eval-only --batch 8 --val-batches 1
 check 1 $B/train_vit --model data/vit_demo --data data/llama_demo_ft_train.bin
+check 1 $B/train_vit --model data/vit_demo --data data
 check 0 $B/test_units
 echo "asan-smoke: $((runs - fails)) passed, $fails failed"
 [ $fails = 0 ]
