@@ -1155,7 +1155,7 @@ int main(int argc, char** argv) {
     Tokenizer tok;
     if (o.generate) {
         char* tok_path = path_join(o.model_dir, "tokenizer.bin");
-        if (!file_exists(tok_path)) fail("%s: missing; --generate needs the model's tokenizer (scripts/export/export_llama.py writes it)", tok_path);
+        if (!optional_file_exists(tok_path)) fail("%s: missing; --generate needs the model's tokenizer (scripts/export/export_llama.py writes it)", tok_path);
         tokenizer_load(&tok, tok_path, cfg.vocab);
         free(tok_path);
     }

@@ -108,7 +108,7 @@ static void vit_config_load(VitConfig* c, const char* model_dir) {
     free(path);
     for (int i = 0; i < 3; i++) { c->mean[i] = 0.5f; c->std[i] = 0.5f; }
     char* pp = path_join(model_dir, "preprocessor_config.json");
-    if (file_exists(pp)) {
+    if (optional_file_exists(pp)) {
         char* t = read_file(pp, &n);
         Json pj = json_parse(t, n, pp);
         json_channel_values(&pj, "image_mean", pp, c->channels, c->mean);

@@ -94,6 +94,13 @@ static int dir_exists(const char* path) {
     return stat(path, &st) == 0 && S_ISDIR(st.st_mode);
 }
 
+// An optional input file: 1 when it is there, 0 when absent. A directory in its place is an error,
+// since skipping it would silently change the result (ViT's normalisation, a tokenizer's ids).
+static int optional_file_exists(const char* path) {
+    if (dir_exists(path)) fail("%s: is a directory, expected a file", path);
+    return file_exists(path);
+}
+
 // Joins a directory and a file name into a fresh heap string.
 static char* path_join(const char* dir, const char* name) {
     size_t n = strlen(dir) + strlen(name) + 2;

@@ -272,12 +272,11 @@ static void st_model_open(StModel* m, const char* dir) {
     m->dir = xstrdup(dir);
     char* single = path_join(dir, "model.safetensors");
     char* index = path_join(dir, "model.safetensors.index.json");
-    if (dir_exists(single)) fail("%s: is a directory, expected a safetensors file", single);
-    if (file_exists(single)) {
+    if (optional_file_exists(single)) {
         m->nfiles = 1;
         m->files = (StFile*)xcalloc(1, sizeof(StFile));
         st_open(&m->files[0], single);
-    } else if (file_exists(index)) {
+    } else if (optional_file_exists(index)) {
         size_t n;
         char* text = read_file(index, &n);
         Json j = json_parse(text, n, index);

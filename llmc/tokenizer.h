@@ -75,7 +75,7 @@ static void tokenizer_read_config(Tokenizer* t, const char* path) {
     if (slash) dir[slash - path] = 0;
     char* cfg_path = path_join(dir, "tokenizer_config.json");  // "/x.bin": dir "" gives "/tokenizer_config.json"
     free(dir);
-    if (!file_exists(cfg_path)) { free(cfg_path); return; }
+    if (!optional_file_exists(cfg_path)) { free(cfg_path); return; }
     size_t n;
     char* text = read_file(cfg_path, &n);
     Json j = json_parse(text, n, cfg_path);

@@ -143,6 +143,10 @@ def w(tmp_path_factory):
     ns.st_dir = os.path.join(root, "stdir")
     os.makedirs(os.path.join(ns.st_dir, "model.safetensors"))
     shutil.copy(os.path.join(LLAMA, "config.json"), ns.st_dir)
+    ns.tok_dir = model_with(root, "tokdir", LLAMA)  # optional files that are directories
+    os.makedirs(os.path.join(ns.tok_dir, "tokenizer.bin"))
+    ns.pre_dir = model_with(root, "predir", VIT)
+    os.makedirs(os.path.join(ns.pre_dir, "preprocessor_config.json"))
     # LLaMA configs without sense
     cfgs = {
         "eps_neg": setdict(rms_norm_eps=-1), "eps_zero": setdict(rms_norm_eps=0),
@@ -228,6 +232,8 @@ ROWS = {
     "llama_weights_are_dir": ("llama", lambda w: (llama_model(w.st_dir), ["model.safetensors", "is a directory"])),
     "llama_state_is_dir": ("llama", lambda w: (llama("--resume", w.resume_dir, "--steps", 2),
                                                 ["train_state.bin", "is a directory"])),
+    "llama_tokenizer_is_dir": ("llama", lambda w: (["--model", w.tok_dir, "--generate", 4], ["tokenizer.bin", "is a directory"])),
+    "vit_preprocessor_config_is_dir": ("vit", lambda w: (vit_model(w.pre_dir), ["preprocessor_config.json", "is a directory"])),
     "vit_data_is_dir": ("vit", lambda w: (["--model", VIT, "--data", w.dir], [w.dir, "is a directory"])),
     "vit_val_is_dir": ("vit", lambda w: (vit("--val", w.dir), [w.dir, "is a directory"])),
     # --adapter (item 12)
