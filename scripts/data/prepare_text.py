@@ -214,13 +214,14 @@ def read_text(path, utf8_errors):
     with open(path, "rb") as f:
         data = f.read()
     try:
-        return data.decode("utf-8")
+        text = data.decode("utf-8")
     except UnicodeDecodeError as e:
-        if utf8_errors == "replace":
-            return data.decode("utf-8", errors="replace")
-        line = data.count(b"\n", 0, e.start) + 1
-        raise PrepError(f"{path}: invalid UTF-8 at byte offset {e.start} (line {line}): {e.reason}; "
-                        "fix the file or pass --utf8-errors replace to substitute U+FFFD") from None
+        if utf8_errors != "replace":
+            line = data.count(b"\n", 0, e.start) + 1
+            raise PrepError(f"{path}: invalid UTF-8 at byte offset {e.start} (line {line}): {e.reason}; "
+                            "fix the file or pass --utf8-errors replace to substitute U+FFFD") from None
+        text = data.decode("utf-8", errors="replace")
+    return text.replace("\r\n", "\n").replace("\r", "\n")  # universal newlines, as open() in text mode
 
 
 def read_jsonl(path, utf8_errors="strict"):
