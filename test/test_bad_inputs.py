@@ -1,5 +1,5 @@
 """The bad-input matrix: every bad input a user can give train_llama, train_vit and
-scripts/prepare_text.py, one row each, with the line it must produce. Each row asserts a non-zero
+scripts/data/prepare_text.py, one row each, with the line it must produce. Each row asserts a non-zero
 exit that is not a signal, exactly one line on stderr, and the words that name the file or flag.
 
 Rows cover issue 13 (a directory where a file is expected, lying or overlapping safetensors
@@ -18,7 +18,7 @@ import sys
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(REPO, "scripts"))
+sys.path.insert(0, os.path.join(REPO, "scripts", "formats"))
 import st_io  # noqa: E402
 
 DATA = os.path.join(REPO, "data")
@@ -29,7 +29,7 @@ TOK = os.path.join(LLAMA, "tokenizer.bin")
 PROGRAMS = {
     "llama": [os.path.join(REPO, "train_llama")],
     "vit": [os.path.join(REPO, "train_vit")],
-    "prep": [sys.executable, os.path.join(REPO, "scripts", "prepare_text.py")],
+    "prep": [sys.executable, os.path.join(REPO, "scripts", "data", "prepare_text.py")],
 }
 PREFIX = {"llama": "error: ", "vit": "error: ", "prep": "prepare_text: "}
 ENV = dict(os.environ, OMP_NUM_THREADS="1")
@@ -339,7 +339,7 @@ def test_prepare_text_replace_and_no_val_shard(w, tmp_path):
 
 @pytest.mark.parametrize("case", ["overlap", "gap", "trailing", "overflow"])
 def test_python_reader_refuses_what_the_c_reader_refuses(w, case):
-    """scripts/st_io.py (the export scripts' reader) applies the same rules as llmc/safetensors.h."""
+    """scripts/formats/st_io.py (the export scripts' reader) applies the same rules as llmc/safetensors.h."""
     words = {"overlap": "overlapping", "gap": "gap", "trailing": "trailing", "overflow": "needs"}[case]
     with pytest.raises(ValueError, match=words):
         st_io.load(os.path.join(w.lst[case], "model.safetensors"))
