@@ -146,6 +146,12 @@ static void train_validate(const TrainOptions* o) {
     if (o->lora_rank < 1) fail("flag --lora-rank: expected >= 1, got %d", o->lora_rank);
     if (o->warmup < 0) fail("flag --warmup: expected >= 0, got %d", o->warmup);
     if (o->lr < 0) fail("flag --lr: expected >= 0, got %g", o->lr);
+    // values that would run without a word but not as asked: a negative clip is silently no clip,
+    // a negative decay grows the weights, a floor above 1 raises the rate, alpha 0 trains nothing
+    if (o->grad_clip < 0) fail("flag --grad-clip: expected >= 0 (0 = off), got %g", o->grad_clip);
+    if (o->weight_decay < 0) fail("flag --weight-decay: expected >= 0, got %g", o->weight_decay);
+    if (o->min_lr_frac < 0 || o->min_lr_frac > 1) fail("flag --min-lr-frac: expected a fraction in [0, 1], got %g", o->min_lr_frac);
+    if (!o->full && !(o->lora_alpha > 0)) fail("flag --lora-alpha: expected > 0 (the update is alpha/r B A x), got %g", o->lora_alpha);
     if (o->threads < 0) fail("flag --threads: expected >= 0, got %d", o->threads);
     if (o->generate < 0) fail("flag --generate: expected >= 0, got %d", o->generate);
     if (o->temperature < 0) fail("flag --temperature: expected >= 0, got %g", o->temperature);

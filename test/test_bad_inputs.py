@@ -282,6 +282,10 @@ ROWS = {
     "prep_bad_choice": ("prep", lambda w: (["--tokenizer", TOK, "--input", w.one_chunk, "--out", w.out, "--utf8-errors", "x"],
                                            ["--utf8-errors"])),
     # also in test_llama_cli.py / test_vit_train.py: flags, missing files, corrupt shards
+    "grad_clip_negative": ("llama", lambda w: (llama("--grad-clip", -1), ["--grad-clip", ">= 0"])),
+    "weight_decay_negative": ("llama", lambda w: (llama("--weight-decay", -0.1), ["--weight-decay", ">= 0"])),
+    "min_lr_frac_above_one": ("vit", lambda w: (vit("--min-lr-frac", 2), ["--min-lr-frac", "[0, 1]"])),
+    "lora_alpha_zero": ("vit", lambda w: (vit("--lora-alpha", 0), ["--lora-alpha", "> 0"])),
     "llama_unknown_flag": ("llama", lambda w: (["--model", LLAMA, "--bogus", 1], ["--bogus"])),
     "llama_steps_not_integer": ("llama", lambda w: (llama("--steps", "ten"), ["--steps", "integer"])),
     "llama_bad_mode": ("llama", lambda w: (llama("--mode", "fast"), ["--mode", "baseline|lowmem|ckpt"])),
