@@ -61,7 +61,7 @@ else
                 $(NCCL_FLAGS) $< -o $@ $(NCCL_LIBS) $(if $(MPI_COMPILE),$(MPI_NVCC_LINK)) $(CUDA_LDLIBS)
 endif
 
-.PHONY: all run run-smollm2 test check-deps test-c test-asan test-py cuda-compile-check bench bench-cpu fuzz clean
+.PHONY: all run run-smollm2 test check-deps test-c test-asan test-py cuda-compile-check cuda-resource-check bench bench-cpu fuzz clean
 
 all: train_llama train_vit
 
@@ -106,7 +106,7 @@ run-smollm2: train_llama
 
 # The CUDA toolkit is present on CI machines even without a GPU: every .cu source compiles under
 # nvcc for each GPU_ARCH (the trainers themselves are built by nvcc whenever it is found).
-cuda-compile-check: cuda-kernels-compile-check
+cuda-compile-check: cuda-kernels-compile-check cuda-resource-check
 ifeq ($(NVCC),)
 	@echo "cuda-compile-check: nvcc not found, SKIPPED"
 else
@@ -120,6 +120,16 @@ test: check-deps test-c test-asan cuda-compile-check cuda-emu-check test-py
 
 check-deps:
 	@bash scripts/ci/check_deps.sh $(PYTHON)
+
+# Registers, static shared memory and spills of every kernel the trainers compile for sm_90, from
+# ptxas -v (scripts/check_resources.py: fails when registers x the launch's block size exceed an
+# SM's 65,536, static shared memory exceeds 48 KiB, or a hot-path kernel spills).
+cuda-resource-check:
+ifeq ($(NVCC),)
+	@echo "cuda-resource-check: nvcc not found, SKIPPED"
+else
+	$(PYTHON) scripts/check_resources.py --nvcc $(NVCC) --arch 90 train_llama.cu train_vit.cu
+endif
 
 # Both trainers and the unit tests built with AddressSanitizer + UndefinedBehaviorSanitizer, run
 # through every mode, output and a few bad inputs (scripts/ci/asan_smoke.sh).
