@@ -78,7 +78,7 @@ def test_deadline_cuts_every_step_and_the_order_is_kept(tmp_path):
     assert rs[1][1].startswith("TIMEOUT(") and int(re.search(r"\d+", rs[1][1]).group()) <= 7, rs[1]
     assert all(s == "SKIPPED" for _, s in rs[2:]), rs
     assert kinds(rs) == ORDER, kinds(rs)
-    assert re.search(r"^- state: finished at t=\d+ s \(deadline 12 s\)", text, re.M)
+    assert re.search(r"^- state: finished at t=\d+ s \(deadline 9 s\)", text, re.M)
     assert sorted(os.listdir(tmp_path)) == ["gpu_check.log", "sanitizer.txt", "summary.md"]
 
 

@@ -134,7 +134,7 @@ finish_step() {
     [ "$STEP_STATUS" = SKIPPED ] && detail="deadline: $(( DEADLINE - $(elapsed) )) s left"
     ROWS+=("$STEP_NAME|$STEP_STATUS|$STEP_SECONDS|${detail//|//}")
     STATE="between steps, after '$STEP_NAME' (if this is the last summary, the call was killed there)"
-    write_summary
+    [ "$STEP_STATUS" = SKIPPED ] || write_summary  # past the deadline only the final summary is written
 }
 
 # row NAME STATUS SECONDS DETAIL: a row that is not a step of its own (a kernel program's result).
