@@ -170,6 +170,7 @@ typedef struct {
     void *resid, *resid_tmp, *dres, *dz, *dq, *dk, *dv, *dout, *dp, *dg, *du, *dax;
     void* att_work;        // CUDA attention: the tensor-core path's chunk of scores (llmc/attn_plan.h)
     size_t att_work_bytes;
+    void* blas_work;       // CUDA: cuBLAS's and cuBLASLt's workspace (llmc/blas_plan.h)
     int *inputs, *targets; // on the backend
     int *embed_order, *h_embed_order;  // --full: the batch's positions sorted by token (embedding_token_order)
     int* pos;              // position of each token within its (packed) example
@@ -290,6 +291,7 @@ static void llama_plan(Llama* m, MemPlan* p) {
     AttnShape as = {m->B, m->T, c->heads, c->kv_heads, c->head_dim, 1, NULL};
     m->att_work_bytes = op_attention_work_bytes(be, as);
     if (be->cuda) plan_add(p, MEM_SCRATCH, "attention", -1, "attn_workspace", m->att_work_bytes, &m->att_work);
+    op_plan_matmul_workspace(be, p, &m->blas_work);
     plan_add(p, MEM_SCRATCH, "batch", -1, "inputs", N * 4, &m->inputs);
     plan_add(p, MEM_SCRATCH, "batch", -1, "targets", N * 4, &m->targets);
     plan_add(p, MEM_SCRATCH, "batch", -1, "mask", N * 4, &m->mask);
@@ -385,6 +387,7 @@ static void llama_setup(Llama* m, const LlamaConfig* cfg, const LlamaModes* mode
 
 static void llama_allocate(Llama* m) {
     backend_allocate_plan(m->be, &m->plan);
+    op_attach_matmul_workspace(m->be, m->blas_work);
     llama_bind(m);
 }
 
@@ -396,6 +399,7 @@ static void llama_free(Llama* m) {
             backend_free_staging(m->be, m->h_pos); backend_free_staging(m->be, m->h_mask);
             if (m->h_embed_order) backend_free_staging(m->be, m->h_embed_order);
         }
+        op_detach_matmul_workspace(m->be, m->blas_work);
         backend_free_plan(m->be, &m->plan);
     } else {
         plan_free(&m->plan);

@@ -214,6 +214,7 @@ typedef struct {
     void *resid, *resid_tmp, *dres, *dz, *dq, *dk, *dv, *dout, *dh, *dax;
     void* att_work;        // CUDA attention: the tensor-core path's chunk of scores (llmc/attn_plan.h)
     size_t att_work_bytes;
+    void* blas_work;       // CUDA: cuBLAS's and cuBLASLt's workspace (llmc/blas_plan.h)
     int64_t* layer_off;    // [layers] where each block's trainable values start in the arena
     // the head on the class tokens [B, .]: final LayerNorm in the activation type, then fp32
     void *xcls, *zcls, *dzcls, *dxcls;
@@ -364,6 +365,7 @@ static void vit_plan_scratch(Vit* m, MemPlan* p) {
     AttnShape as = {m->B, m->T, c->heads, c->heads, c->head_dim, 0, NULL};
     m->att_work_bytes = op_attention_work_bytes(be, as);
     if (be->cuda) plan_add(p, MEM_SCRATCH, "attention", -1, "attn_workspace", m->att_work_bytes, &m->att_work);
+    op_plan_matmul_workspace(be, p, &m->blas_work);
     // the head works on the B class tokens only and consumes its buffers at once (fused with the
     // loss, as train_llama's head): scratch, not saved
     plan_add(p, MEM_SCRATCH, "head", -1, "xcls", B * d * a, &m->xcls);
@@ -558,6 +560,7 @@ static void vit_setup(Vit* m, const VitConfig* cfg, const VitModes* modes, int B
 
 static void vit_allocate(Vit* m) {
     backend_allocate_plan(m->be, &m->plan);
+    op_attach_matmul_workspace(m->be, m->blas_work);
     vit_bind(m);
 }
 
@@ -568,6 +571,7 @@ static void vit_free(Vit* m) {
         backend_free_staging(m->be, m->h_raw); backend_free_staging(m->be, m->h_flip); backend_free_staging(m->be, m->h_labels);
         free(m->lin_host);
     }
+    op_detach_matmul_workspace(m->be, m->blas_work);  // before the plan's memory goes
     backend_free_plan(m->be, &m->plan);
     free(m->layers); free(m->acts); free(m->ckpt); free(m->norms_host); free(m->layer_off);
 }

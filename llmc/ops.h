@@ -18,6 +18,7 @@
 #include "cpu/attention.h"
 #include "cpu/loss.h"
 #include "attn_plan.h"
+#include "blas_plan.h"
 #ifdef LLMC_HAVE_CUDA
 #include "cuda/norms.cuh"
 #include "cuda/activations.cuh"
@@ -200,6 +201,21 @@ static void op_swiglu_backward(const Backend* be, void* dg, void* du, const void
 }
 
 // ---- the LM head and loss ----------------------------------------------------------------------
+
+// cuBLAS's and cuBLASLt's workspace (CUDA): a buffer of the model's plan, so that the plan names
+// every device byte the run allocates. Attached to the handles once allocated; detached before the
+// plan is freed.
+static void op_plan_matmul_workspace(const Backend* be, MemPlan* p, void** work) {
+    if (be->cuda) plan_add_aligned(p, MEM_SCRATCH, "cublas", -1, "cublas_workspace", BLAS_WORKSPACE_BYTES, work, BLAS_WORKSPACE_ALIGN);
+}
+static void op_attach_matmul_workspace(const Backend* be, void* work) {
+    OP_CUDA(be, cublas_attach_workspace(work, BLAS_WORKSPACE_BYTES))
+    (void)work;
+}
+static void op_detach_matmul_workspace(const Backend* be, void* work) {
+    OP_CUDA(be, cublas_detach_workspace(work))
+    (void)work;
+}
 
 // The loss chunk's buffers, typed per backend (planned by op_plan_lm_head_loss).
 typedef struct {

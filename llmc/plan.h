@@ -32,7 +32,10 @@ typedef struct {
     int blocks;
 } MemPlan;
 
-static void plan_add(MemPlan* p, MemCategory cat, const char* module, int block, const char* name, size_t bytes, void* bind) {
+// Declares a buffer at an offset of its category's arena that is a multiple of align (a power of
+// two, at least PLAN_ALIGN; arenas start 256-byte aligned); the padding before it counts in the arena.
+static void plan_add_aligned(MemPlan* p, MemCategory cat, const char* module, int block, const char* name, size_t bytes, void* bind,
+                             size_t align) {
     if (p->count == p->cap) {
         p->cap = p->cap ? 2 * p->cap : 256;
         p->bufs = (PlanBuffer*)realloc(p->bufs, p->cap * sizeof(PlanBuffer));
@@ -46,8 +49,12 @@ static void plan_add(MemPlan* p, MemCategory cat, const char* module, int block,
     b->cat = cat;
     b->bytes = bytes;
     b->bind = (void**)bind;
-    b->offset = p->cat_bytes[cat];
-    p->cat_bytes[cat] += round_up(bytes, PLAN_ALIGN);
+    b->offset = round_up(p->cat_bytes[cat], align);
+    p->cat_bytes[cat] = b->offset + round_up(bytes, PLAN_ALIGN);
+}
+
+static void plan_add(MemPlan* p, MemCategory cat, const char* module, int block, const char* name, size_t bytes, void* bind) {
+    plan_add_aligned(p, cat, module, block, name, bytes, bind, PLAN_ALIGN);
 }
 
 static size_t plan_total(const MemPlan* p) {

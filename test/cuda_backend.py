@@ -13,6 +13,28 @@ GPU = os.environ.get("CUDA_TEST_BACKEND", "emu") == "gpu"
 ENV = dict(os.environ, OMP_NUM_THREADS="2")
 MPIRUN = shutil.which("mpirun")
 
+# What the measured device memory (cudaMemGetInfo: in use now minus in use at start-up, after the
+# CUDA context was made) may exceed the plan by. The plan names every byte the trainer allocates,
+# arenas and cuBLAS's workspace included; the emulator allocates exactly those, so there the
+# figures are equal (up to the line's rounding to 0.01 MiB). A GPU adds a cost no plan can name:
+# cudaMalloc rounds each of the at most 6 arenas up to its 2 MiB page (< 12 MiB), CUDA loads the
+# code of each kernel on its first launch (ours, cuBLAS's, cuBLASLt's: a few MiB to a few tens),
+# and the library handles keep some state. 64 MiB bounds these in this estimate (not yet measured
+# on a GPU: gpu_check.sh's smoke runs print both figures), plus 1 % of the plan for any per-byte
+# overhead of the allocator.
+MEASURED_OVER_PLAN_MIB = 64.0 if GPU else 0.0
+MEASURED_OVER_PLAN_FRACTION = 0.01 if GPU else 0.0
+LINE_ROUNDING_MIB = 0.01  # the memory line prints MiB with two decimals
+BLAS_WORKSPACE_MIB = 32   # llmc/blas_plan.h's BLAS_WORKSPACE_BYTES, a buffer of every CUDA plan
+
+
+def check_measured_memory(planned, measured):
+    """The measured device memory is the plan plus at most the stated constant and 1 % (GPU)."""
+    assert planned - LINE_ROUNDING_MIB <= measured, (planned, measured)
+    limit = planned * (1 + MEASURED_OVER_PLAN_FRACTION) + MEASURED_OVER_PLAN_MIB + LINE_ROUNDING_MIB
+    assert measured <= limit, (f"measured {measured} MiB > planned {planned} MiB + {100 * MEASURED_OVER_PLAN_FRACTION:g} % + "
+                               f"{MEASURED_OVER_PLAN_MIB} MiB")
+
 
 def binaries(trainer, probe):
     """(cuda trainer, cuda probe, cpu trainer, cpu probe) paths for e.g. ("train_llama", "llama_probe")."""

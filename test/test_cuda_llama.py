@@ -25,7 +25,7 @@ import pytest
 
 import llama_cases as lc
 import st_io
-from cuda_backend import GPU, REPO, binaries, mpirun, need, rel_l2, run
+from cuda_backend import BLAS_WORKSPACE_MIB, GPU, REPO, binaries, check_measured_memory, mpirun, need, rel_l2, run
 
 CUDA_TRAIN, CUDA_PROBE, CPU_TRAIN, CPU_PROBE = binaries("train_llama", "llama_probe")
 
@@ -188,10 +188,9 @@ def test_cuda_training_tracks_cpu(mode):
     planned, what, measured = memory_line(cuda.stdout)
     print(f"{mode}: planned {planned} MiB, measured {measured} MiB ({what})")
     assert "cudaMemGetInfo" in what
-    assert planned <= measured + 0.01
-    # the arenas are everything (the emulator allocates nothing else; a GPU adds cuBLASLt's 32 MiB
-    # workspace and NCCL or library buffers)
-    assert measured <= planned * 1.02 + (96 if GPU else 0.05), (planned, measured)
+    # the plan holds cuBLAS's 32 MiB workspace beside the demo's ~5 MiB of arenas
+    assert planned >= BLAS_WORKSPACE_MIB, planned
+    check_measured_memory(planned, measured)
 
 
 def test_cuda_lowmem_plan_saves_memory():

@@ -11,6 +11,8 @@
 #include "../llmc/cpu/attention.h"
 #include "../llmc/cpu/loss.h"
 #include "../llmc/trainable.h"
+#include "../llmc/plan.h"
+#include "../llmc/blas_plan.h"
 
 static int g_pass = 0, g_fail = 0;
 
@@ -485,6 +487,22 @@ static void test_grad_buckets(void) {
     check(ok, "gradient buckets: ZeRO-1 pieces tile the padded arena", 0);
 }
 
+// A buffer planned with an alignment (the cuBLAS workspace: 256 bytes) starts at such an offset,
+// its padding counts in the arena, and the buffers around it keep PLAN_ALIGN and do not overlap.
+static void test_plan_alignment(void) {
+    MemPlan p;
+    memset(&p, 0, sizeof(p));
+    void *a, *w, *b;
+    plan_add(&p, MEM_SCRATCH, "m", -1, "a", 100, &a);  // offset 0, next free 128
+    plan_add_aligned(&p, MEM_SCRATCH, "cublas", -1, "w", BLAS_WORKSPACE_BYTES, &w, BLAS_WORKSPACE_ALIGN);
+    plan_add(&p, MEM_SCRATCH, "m", -1, "b", 3, &b);
+    const PlanBuffer* B = p.bufs;
+    int ok = B[0].offset == 0 && B[1].offset == 256 && B[2].offset == 256 + BLAS_WORKSPACE_BYTES &&
+             p.cat_bytes[MEM_SCRATCH] == 256 + BLAS_WORKSPACE_BYTES + PLAN_ALIGN;
+    plan_free(&p);
+    check(ok, "plan: a 256-byte aligned buffer between two others", 0);
+}
+
 int main(void) {
     test_pack_roundtrip();
     test_resilu2_backward();
@@ -500,6 +518,7 @@ int main(void) {
     test_safetensors_roundtrip();
     test_json();
     test_grad_buckets();
+    test_plan_alignment();
     printf("%d passed, %d failed\n", g_pass, g_fail);
     return g_fail ? 1 : 0;
 }

@@ -267,7 +267,7 @@ static void emu_check_side(uintptr_t p, size_t n, int device, const char* call, 
 extern "C" {
 cudaError_t cudaMalloc(void** p, size_t n) {
     if (n > EMU_DEVICE_BYTES - emu_bytes_in_use) { *p = NULL; return cudaErrorMemoryAllocation; }  // the pretend device is full
-    char* raw = (char*)malloc(n ? n : 1);
+    char* raw = (char*)aligned_alloc(256, ((n ? n : 1) + 255) / 256 * 256);  // cudaMalloc aligns to 256 bytes at least
     if (!raw) { *p = NULL; return cudaErrorMemoryAllocation; }
     emu_allocations()[raw] = n;
     emu_bytes_in_use += n;

@@ -26,40 +26,89 @@
 #pragma once
 #include "common.cuh"
 #include "misc.cuh"
+#include "../blas_plan.h"
 #ifdef LLMC_CUDA_EMU
 #include <library_types.h>
 #endif
 
 typedef enum { MM_NT, MM_NN, MM_TN } MatmulForm;
 
-#ifndef LLMC_CUDA_EMU
-// The process-wide cuBLAS state (handles and the cuBLASLt workspace): set up once per process.
+// The process-wide cuBLAS state: the handles (GPU builds) and the one workspace both use. A
+// trainer attaches the workspace its memory plan holds (cublas_attach_workspace), so the plan
+// names every device byte it allocates; a program without a plan (the dev/cuda checks) gets one
+// allocated here at the first product, which the emulator's cudaMemGetInfo counts like a GPU's.
+// One workspace serves both handles because every product runs on the backend's one stream, in
+// order (NCCL's second stream makes no product).
 typedef struct {
+#ifndef LLMC_CUDA_EMU
     cublasLtHandle_t lt;
-    cublasHandle_t blas;   // only for the fallback path
+    cublasHandle_t blas;   // the fallback and the batched products
+#endif
     void* workspace;
     size_t workspace_bytes;
-    int ready;
+    int owns_workspace;    // allocated here (no plan attached one)
+    int ready;             // handles created
 } CublasState;
 static CublasState g_cublas;
 
+static void matmul_plans_free(void);
+
 static void cublas_setup(void) {
+    if (!g_cublas.workspace) {
+        g_cublas.workspace_bytes = BLAS_WORKSPACE_BYTES;
+        g_cublas.workspace = cuda_malloc_checked(g_cublas.workspace_bytes, "the cuBLAS workspace");
+        g_cublas.owns_workspace = 1;
+    }
     if (g_cublas.ready) return;
+#ifndef LLMC_CUDA_EMU
     CUBLAS_CHECK(cublasLtCreate(&g_cublas.lt));
     CUBLAS_CHECK(cublasCreate(&g_cublas.blas));
-    g_cublas.workspace_bytes = (size_t)32 << 20;  // what Hopper's cuBLASLt kernels like to have
-    g_cublas.workspace = cuda_malloc_checked(g_cublas.workspace_bytes, "cuBLASLt workspace");
+#endif
     g_cublas.ready = 1;
 }
 
-static void matmul_plans_free(void);
+// Makes `work` (device memory of `bytes` that the caller keeps, 256-byte aligned: the memory
+// plan's buffer) the workspace of both handles, freeing one allocated here; NULL detaches it
+// (before the caller frees it). The cached cuBLASLt plans were chosen for the old size: dropped
+// when it changes.
+static void cublas_attach_workspace(void* work, size_t bytes) {
+    if (work && ((uintptr_t)work % BLAS_WORKSPACE_ALIGN || !bytes))
+        fail("internal: the cuBLAS workspace %p (%zu bytes) is not %d-byte aligned device memory", work, bytes, BLAS_WORKSPACE_ALIGN);
+#ifdef LLMC_CUDA_EMU
+    if (work) emu_check_side((uintptr_t)work, bytes, 1, "cublas_attach_workspace", "workspace");
+#else
+    if (g_cublas.ready && bytes != g_cublas.workspace_bytes) matmul_plans_free();
+#endif
+    if (g_cublas.owns_workspace) CUDA_CHECK(cudaFree(g_cublas.workspace));
+    g_cublas.owns_workspace = 0;
+    g_cublas.workspace = work;
+    g_cublas.workspace_bytes = work ? bytes : 0;
+}
+
+// Detaches `work` if it is the attached workspace (a model's free, which must not take another
+// model's: a plan that was never allocated has none).
+static void cublas_detach_workspace(const void* work) {
+    if (work && g_cublas.workspace == work && !g_cublas.owns_workspace) cublas_attach_workspace(NULL, 0);
+}
+
 static void cublas_teardown(void) {
-    if (!g_cublas.ready) return;
-    matmul_plans_free();
-    CUDA_CHECK(cudaFree(g_cublas.workspace));
-    CUBLAS_CHECK(cublasDestroy(g_cublas.blas));
-    CUBLAS_CHECK(cublasLtDestroy(g_cublas.lt));
+    if (g_cublas.owns_workspace) CUDA_CHECK(cudaFree(g_cublas.workspace));
+#ifndef LLMC_CUDA_EMU
+    if (g_cublas.ready) {
+        matmul_plans_free();
+        CUBLAS_CHECK(cublasDestroy(g_cublas.blas));
+        CUBLAS_CHECK(cublasLtDestroy(g_cublas.lt));
+    }
+#endif
     memset(&g_cublas, 0, sizeof(g_cublas));
+}
+
+#ifndef LLMC_CUDA_EMU
+// The classic handle on `stream` with our workspace: cublasSetStream resets the workspace to
+// cuBLAS's own pool (which it would allocate outside the plan), so it is set again every time.
+static void cublas_use_stream(cudaStream_t stream) {
+    CUBLAS_CHECK(cublasSetStream(g_cublas.blas, stream));
+    CUBLAS_CHECK(cublasSetWorkspace(g_cublas.blas, g_cublas.workspace, g_cublas.workspace_bytes));
 }
 
 // The largest power of two (<= 256) that divides the address and every column start.
@@ -68,9 +117,6 @@ static uint32_t mm_alignment(const void* p, int64_t ld, size_t elem) {
     return (uint32_t)(a & (~a + 1));
 }
 #else
-static void cublas_setup(void) {}
-static void cublas_teardown(void) {}
-
 // The emulator's product: a plain loop over host memory with the same types and fp32 sums.
 static float mm_emu_load(const void* p, cudaDataType_t t, int64_t i) {
     return t == CUDA_R_16BF ? __bfloat162float(((const bf16*)p)[i]) : ((const float*)p)[i];
@@ -181,6 +227,7 @@ static void matmul_generic_cuda(MatmulForm form, void* C, cudaDataType_t ctype, 
         }
         return;
     }
+    cublas_setup();  // the workspace the product may use: planned, or allocated now
 #ifdef LLMC_CUDA_EMU
     (void)stream;
     for (int64_t i = 0; i < M; i++)
@@ -196,7 +243,6 @@ static void matmul_generic_cuda(MatmulForm form, void* C, cudaDataType_t ctype, 
             else ((float*)C)[i * N + j] = c;
         }
 #else
-    cublas_setup();
     // column-major view: D[N x M] = op1(B) op2(A); "a" below is cuBLAS's first operand (our B)
     uint64_t lda = form == MM_NT ? K : N, ldb = form == MM_TN ? M : K;
     float beta = accumulate ? 1.0f : 0.0f;
@@ -217,7 +263,7 @@ static void matmul_generic_cuda(MatmulForm form, void* C, cudaDataType_t ctype, 
     cublasOperation_t opa = form == MM_NT ? CUBLAS_OP_T : CUBLAS_OP_N, opb = form == MM_TN ? CUBLAS_OP_T : CUBLAS_OP_N;
 
     // fallback: classic cuBLAS, same types and compute precision, bias in a separate pass
-    CUBLAS_CHECK(cublasSetStream(g_cublas.blas, stream));
+    cublas_use_stream(stream);
     CUBLAS_CHECK(cublasGemmEx(g_cublas.blas, opa, opb, N, M, K, &alpha, B, abtype, (int)lda, A, abtype, (int)ldb, &beta, C, ctype,
                               N, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
     if (bias) {
@@ -254,6 +300,7 @@ static void matmul_batched_cuda(MatmulForm form, void* const* C, cudaDataType_t 
                                 int M, int N, int K, int lda, int ldb, int ldc, float alpha, int accumulate, int batch,
                                 cudaStream_t stream) {
     if (M <= 0 || N <= 0 || batch <= 0) return;
+    cublas_setup();
 #ifdef LLMC_CUDA_EMU
     (void)stream;
     for (int e = 0; e < batch; e++)
@@ -270,8 +317,7 @@ static void matmul_batched_cuda(MatmulForm form, void* const* C, cudaDataType_t 
                 else ((float*)C[e])[i * ldc + j] = c;
             }
 #else
-    cublas_setup();
-    CUBLAS_CHECK(cublasSetStream(g_cublas.blas, stream));
+    cublas_use_stream(stream);
     cublasOperation_t opa = form == MM_NT ? CUBLAS_OP_T : CUBLAS_OP_N, opb = form == MM_TN ? CUBLAS_OP_T : CUBLAS_OP_N;
     float beta = accumulate ? 1.0f : 0.0f;
     // column-major C^T [N x M] = op(B) op(A): cuBLAS's first operand is our B
