@@ -46,11 +46,27 @@ else ifeq ($(CUDA),0)
   $(info make: CUDA=0: CPU-only trainers (g++))
   TRAIN_BUILD = $(CXX) $(CFLAGS) $< -o $@ $(LDLIBS)
 else
-  NCCL_H := $(wildcard $(CUDA_INC)/nccl.h /usr/include/nccl.h /usr/local/include/nccl.h)
+  # NCCL: the CUDA toolkit's or the system's header (-lnccl), else the PyPI wheel
+  # (nvidia-nccl-cu13 / -cu12: site-packages/nvidia/nccl/{include,lib} of NCCL_PYTHON's path),
+  # linked by the library's file name with an rpath to its folder, so the binary finds it at run time.
+  NCCL_SYSTEM_DIRS ?= $(CUDA_INC) /usr/include /usr/local/include
+  NCCL_PYTHON      ?= python3
+  NCCL_H := $(firstword $(wildcard $(addsuffix /nccl.h,$(NCCL_SYSTEM_DIRS))))
   ifneq ($(NCCL_H),)
+    NCCL_FROM  := $(NCCL_H)
     NCCL_FLAGS := -DLLMC_HAVE_NCCL
     NCCL_LIBS  := -lnccl
-    $(info make: nvcc $(shell $(NVCC) --version | grep -o 'release [0-9.]*') found: trainers with the CUDA backend for sm_$(GPU_ARCH), NCCL found: GPU all-reduce with NCCL)
+  else
+    NCCL_WHEEL := $(shell $(NCCL_PYTHON) -c 'import nvidia.nccl as m; print(list(m.__path__)[0])' 2>/dev/null)
+    NCCL_LIB   := $(firstword $(wildcard $(NCCL_WHEEL)/lib/libnccl.so $(NCCL_WHEEL)/lib/libnccl.so.*))
+    ifneq ($(and $(NCCL_LIB),$(wildcard $(NCCL_WHEEL)/include/nccl.h)),)
+      NCCL_FROM  := the PyPI wheel in $(NCCL_WHEEL)
+      NCCL_FLAGS := -DLLMC_HAVE_NCCL -I$(NCCL_WHEEL)/include
+      NCCL_LIBS  := -L$(NCCL_WHEEL)/lib -l:$(notdir $(NCCL_LIB)) -Xlinker -rpath=$(NCCL_WHEEL)/lib
+    endif
+  endif
+  ifneq ($(NCCL_FROM),)
+    $(info make: nvcc $(shell $(NVCC) --version | grep -o 'release [0-9.]*') found: trainers with the CUDA backend for sm_$(GPU_ARCH), NCCL found ($(NCCL_FROM)): GPU all-reduce with NCCL)
   else
     $(info make: nvcc found: trainers with the CUDA backend for sm_$(GPU_ARCH); NCCL not found: multi-GPU gradients go through MPI on the host)
   endif
@@ -61,7 +77,7 @@ else
                 $(NCCL_FLAGS) $< -o $@ $(NCCL_LIBS) $(if $(MPI_COMPILE),$(MPI_NVCC_LINK)) $(CUDA_LDLIBS)
 endif
 
-.PHONY: all run run-smollm2 test check-deps test-c test-asan test-py cuda-compile-check cuda-resource-check bench bench-cpu fuzz clean
+.PHONY: all run run-smollm2 test check-deps test-c test-asan test-py cuda-compile-check cuda-resource-check print-nccl bench bench-cpu fuzz clean
 
 all: train_llama train_vit
 
@@ -120,6 +136,12 @@ test: check-deps test-c test-asan cuda-compile-check cuda-emu-check test-py
 
 check-deps:
 	@bash scripts/ci/check_deps.sh $(PYTHON)
+
+# Where NCCL comes from and how the trainers compile and link it (test/test_nccl_wheel.py).
+print-nccl:
+	@echo "NCCL_FROM=$(NCCL_FROM)"
+	@echo "NCCL_FLAGS=$(NCCL_FLAGS)"
+	@echo "NCCL_LIBS=$(NCCL_LIBS)"
 
 # Registers, static shared memory and spills of every kernel the trainers compile for sm_90, from
 # ptxas -v (scripts/check_resources.py: fails when registers x the launch's block size exceed an
