@@ -145,6 +145,7 @@ typedef struct {
     unsigned targets;
     int rank;
     float lora_scale;
+    int generate;          // --generate: plan the key/value cache and the logits it samples from
 } LlamaModes;
 
 typedef struct {
@@ -170,6 +171,8 @@ typedef struct {
     void *resid, *resid_tmp, *dres, *dz, *dq, *dk, *dv, *dout, *dp, *dg, *du, *dax;
     void* att_work;        // CUDA attention: the tensor-core path's chunk of scores (llmc/attn_plan.h)
     size_t att_work_bytes;
+    void **kv_k, **kv_v;   // --generate: [layers] the key/value cache, [T, KVH*hd] each
+    float* gen_logits;     // --generate: [V] the last position's logits
     void* blas_work;       // CUDA: cuBLAS's and cuBLASLt's workspace (llmc/blas_plan.h)
     int *inputs, *targets; // on the backend
     int *embed_order, *h_embed_order;  // --full: the batch's positions sorted by token (embedding_token_order)
@@ -299,6 +302,16 @@ static void llama_plan(Llama* m, MemPlan* p) {
     if (m->modes.full) plan_add(p, MEM_SCRATCH, "batch", -1, "embed_order", N * 4, &m->embed_order);
     m->loss_chunk = (int)lm_head_chunk(N, V);
     op_plan_lm_head_loss(be, p, &m->loss, m->loss_chunk, d, V);
+    if (md->generate) {  // one window of m->T positions (llama_generate)
+        char nm[48];
+        for (int l = 0; l < c->layers; l++) {
+            snprintf(nm, sizeof(nm), "L%d.key_cache", l);
+            plan_add(p, MEM_SCRATCH, "generation", -1, nm, m->T * kvd * abytes, &m->kv_k[l]);
+            snprintf(nm, sizeof(nm), "L%d.value_cache", l);
+            plan_add(p, MEM_SCRATCH, "generation", -1, nm, m->T * kvd * abytes, &m->kv_v[l]);
+        }
+        plan_add(p, MEM_SCRATCH, "generation", -1, "generation_logits", V * 4, &m->gen_logits);
+    }
 }
 
 // After allocation: points the buffers a block does not keep at the shared scratch set, wires the
@@ -382,6 +395,8 @@ static void llama_setup(Llama* m, const LlamaConfig* cfg, const LlamaModes* mode
     m->acts = (BlockActs*)xcalloc(cfg->layers, sizeof(BlockActs));
     m->ckpt = (void**)xcalloc(cfg->layers, sizeof(void*));
     m->layer_off = (int64_t*)xcalloc(cfg->layers, sizeof(int64_t));
+    m->kv_k = (void**)xcalloc(cfg->layers, sizeof(void*));
+    m->kv_v = (void**)xcalloc(cfg->layers, sizeof(void*));
     llama_plan(m, &m->plan);
 }
 
@@ -404,7 +419,7 @@ static void llama_free(Llama* m) {
     } else {
         plan_free(&m->plan);
     }
-    free(m->layers); free(m->acts); free(m->ckpt); free(m->gamma_host); free(m->layer_off);
+    free(m->layers); free(m->acts); free(m->ckpt); free(m->gamma_host); free(m->layer_off); free(m->kv_k); free(m->kv_v);
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -776,6 +791,7 @@ static int sample_token(const float* logits, int V, float temperature, Rng* rng)
 // token per step. The trainer's buffers hold one sequence of m->T tokens (the window); when the
 // cache is full, it restarts from the last half window (positions then count from there).
 // LLMC_NO_KV_CACHE=1 recomputes the whole window for every token instead (tests compare the two).
+// The cache and the logits are buffers of the plan (LlamaModes.generate).
 static void llama_generate(Llama* m, const Tokenizer* tok, const char* prompt, int n, float temperature, uint64_t seed) {
     const LlamaConfig* c = &m->cfg;
     const Backend* be = m->be;
@@ -784,13 +800,10 @@ static void llama_generate(Llama* m, const Tokenizer* tok, const char* prompt, i
     int len = tokenizer_encode(tok, prompt, 1, ids);
     const char* nc = getenv("LLMC_NO_KV_CACHE");
     int recompute = nc && strcmp(nc, "1") == 0;
-    int64_t kvd = (int64_t)c->kv_heads * c->head_dim, d = c->dim;
-    KVCache kv = {(void**)xcalloc(c->layers, sizeof(void*)), (void**)xcalloc(c->layers, sizeof(void*)), 0, window};
-    for (int l = 0; l < c->layers; l++) {
-        kv.k[l] = backend_alloc(be, (size_t)window * kvd * be->abytes, "key cache");
-        kv.v[l] = backend_alloc(be, (size_t)window * kvd * be->abytes, "value cache");
-    }
-    float* logits = (float*)backend_alloc(be, sizeof(float) * c->vocab, "generation logits");
+    int64_t d = c->dim;
+    if (!m->modes.generate) fail("internal: llama_generate needs a plan made with LlamaModes.generate");
+    KVCache kv = {m->kv_k, m->kv_v, 0, window};
+    float* logits = m->gen_logits;
     float* last = (float*)xmalloc(sizeof(float) * c->vocab);
     Rng rng = rng_seeded(seed, 99);
     char bb[2];
@@ -824,11 +837,8 @@ static void llama_generate(Llama* m, const Tokenizer* tok, const char* prompt, i
         ids[len++] = next;
     }
     printf("\n");
-    for (int l = 0; l < c->layers; l++) { backend_free(be, kv.k[l]); backend_free(be, kv.v[l]); }
-    free(kv.k); free(kv.v);
     free(ids);
     free(last);
-    backend_free(be, logits);
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -844,6 +854,7 @@ static LlamaModes llama_modes_from(const TrainOptions* o) {
     md.targets = o->full ? 0 : parse_targets(o->lora_targets, target_names, N_TARGETS, "lora-targets");
     md.rank = o->lora_rank;
     md.lora_scale = o->lora_alpha / (float)o->lora_rank;
+    md.generate = o->generate > 0;
     return md;
 }
 

@@ -162,6 +162,19 @@ def test_dry_run_ckpt_and_product_switch(tmp_path):
     assert cpu["device"] == "cpu" and cpu["per_block"]["qkv_input"] == 4 * d * N
 
 
+def test_dry_run_plans_the_generation_buffers(tmp_path):
+    """The plan names every device byte, --generate's too: the key/value cache of one window (per
+    layer keys and values, T x kv_dim in the activation type) and the fp32 logits, each buffer a
+    multiple of the plan's 64 bytes here. LLaMA-2-7B, CUDA: 32 x 2 x 2048 x 4096 x 2 + 32000 x 4
+    bytes; CPU (fp32): twice the cache."""
+    for device, abytes in (("cuda", 2), ("cpu", 4)):
+        args = ("--mode", "lowmem", "--batch", 1, "--seq", 2048, "--device", device)
+        plain, gen = dry_run(tmp_path, LLAMA2_7B, *args), dry_run(tmp_path, LLAMA2_7B, *args, "--generate", 10)
+        extra = 32 * 2 * 2048 * 4096 * abytes + 32000 * 4
+        assert gen["total_bytes"] - plain["total_bytes"] == extra, device
+        assert gen["categories"]["scratch"] - plain["categories"]["scratch"] == extra, device
+
+
 def test_dry_run_ranks_plans_one_zero1_rank(tmp_path):
     """--dry-run --ranks N plans one of N ranks without launching them: under --full on CUDA,
     ZeRO-1 divides the AdamW moments and the fp32 master by N (the bf16 weights and the fp32
