@@ -146,7 +146,8 @@ static void backend_free_plan(const Backend* be, MemPlan* p) {
     plan_free(p);
 }
 
-// Scratch outside the plan (generation's logits, a download buffer): malloc or cudaMalloc.
+// Memory outside the plan (a test probe's download buffer; the trainers plan everything they
+// allocate): malloc or cudaMalloc.
 static void* backend_alloc(const Backend* be, size_t bytes, const char* what) {
 #ifdef LLMC_HAVE_CUDA
     if (be->cuda) return cuda_malloc_checked(bytes, what);
@@ -231,8 +232,9 @@ static void backend_sync(const Backend* be) {
 }
 
 // Memory actually in use by this process's run, in bytes: on CUDA the device memory taken since
-// backend_init (our arenas, cuBLASLt's workspace, anything a library allocated); on the CPU the
-// peak resident set.
+// backend_init (the plan's arenas, cuBLAS's workspace among them, plus what no plan can name: the
+// code of kernels loaded on first use, library handles, cudaMalloc's page rounding); on the CPU
+// the peak resident set.
 static double backend_measured_mib(const Backend* be) {
 #ifdef LLMC_HAVE_CUDA
     if (be->cuda) {
