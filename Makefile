@@ -144,13 +144,13 @@ print-nccl:
 	@echo "NCCL_LIBS=$(NCCL_LIBS)"
 
 # Registers, static shared memory and spills of every kernel the trainers compile for sm_90, from
-# ptxas -v (scripts/check_resources.py: fails when registers x the launch's block size exceed an
+# ptxas -v (scripts/ci/check_resources.py: fails when registers x the launch's block size exceed an
 # SM's 65,536, static shared memory exceeds 48 KiB, or a hot-path kernel spills).
 cuda-resource-check:
 ifeq ($(NVCC),)
 	@echo "cuda-resource-check: nvcc not found, SKIPPED"
 else
-	$(PYTHON) scripts/check_resources.py --nvcc $(NVCC) --arch 90 train_llama.cu train_vit.cu
+	$(PYTHON) scripts/ci/check_resources.py --nvcc $(NVCC) --arch 90 train_llama.cu train_vit.cu
 endif
 
 # Both trainers and the unit tests built with AddressSanitizer + UndefinedBehaviorSanitizer, run

@@ -1,4 +1,4 @@
-"""scripts/check_resources.py, the per-kernel resource check of `make cuda-resource-check`: kernels
+"""scripts/ci/check_resources.py, the per-kernel resource check of `make cuda-resource-check`: kernels
 planted to break each rule (test/resource_planted*.cu) are caught, with the rule named, and a clean
 kernel passes. Needs nvcc (the CUDA toolkit CI machines have; no GPU)."""
 import os
@@ -10,7 +10,7 @@ import sys
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CHECK = os.path.join(REPO, "scripts", "check_resources.py")
+CHECK = os.path.join(REPO, "scripts", "ci", "check_resources.py")
 pytestmark = pytest.mark.skipif(not shutil.which("nvcc"), reason="nvcc not found: the resource check needs the CUDA toolkit")
 
 

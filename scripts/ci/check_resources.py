@@ -239,7 +239,7 @@ def main():
     ap.add_argument("--ptxas-log", help="check this saved ptxas -v report instead of compiling")
     ap.add_argument("-I", dest="includes", action="append", default=[])
     a = ap.parse_args()
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # scripts/ci/ -> the repository
     for s in a.sources + ([a.ptxas_log] if a.ptxas_log else []):
         if not os.path.isfile(s):
             print("check_resources.py: %s: no such file (expected a CUDA source or a ptxas report)" % s, file=sys.stderr)
