@@ -103,3 +103,43 @@ def test_bad_argument_is_one_line_error(tmp_path):
     assert p.returncode == 2 and p.stdout == ""
     assert p.stderr == "gpu_check.sh: unknown argument '--fast' (expected nothing or --smoke)\n"
     assert os.listdir(tmp_path) == []
+
+
+# Canned output in the formats the real steps print (make test-gpu-kernels' lines, compute-sanitizer's
+# report, the trainers' last step and memory line, pytest -v), keyed by the step's name ($0).
+CANNED = r'''case "$0" in
+  "kernel checks"*) echo "test-gpu: dev/cuda/norms rc=0 seconds=1.5 57 passed, 0 failed"
+                    echo "TIME  rmsnorm_forward 4096x4096 12.0 us 2800 GB/s"
+                    echo "test-gpu: dev/cuda/loss rc=1 seconds=2.0 3 passed, 1 failed"; exit 1 ;;
+  "memcheck"*) echo "========= COMPUTE-SANITIZER"
+               echo "========= Invalid __global__ read of size 4 bytes"
+               echo "=========     at attention_forward_kernel<64>+0x1f0"
+               echo "========= ERROR SUMMARY: 1 error"; exit 3 ;;
+  "smoke llama"*) echo "step    3/3 | loss 2.7028 | lr 1.00e-04"
+                  echo "memory: planned 41.08 MiB (saved activations 3.66 MiB), measured device memory in use (cudaMemGetInfo, beyond the CUDA context) 60.50 MiB" ;;
+  "whole models"*) echo "test/test_cuda_llama.py::test_a[lowmem] PASSED"
+                   echo "test/test_cuda_llama.py::test_b FAILED"
+                   echo "FAILED test/test_cuda_llama.py::test_b - AssertionError: measured"; exit 1 ;;
+esac'''
+
+
+def test_step_results_reach_the_summary(tmp_path):
+    p = subprocess.run(["bash", SCRIPT, "--smoke"], env=env(tmp_path, GPU_CHECK_FAKE_CMD=CANNED), capture_output=True, text=True, timeout=120)
+    text = (tmp_path / "summary.md").read_text()
+    print(text)
+    assert p.returncode == 0
+    assert "| kernel checks (make test-gpu-kernels) | FAIL(rc=1) |" in text
+    assert "|   dev/cuda/norms | PASS | 1.5 | 57 passed, 0 failed |" in text
+    assert "|   dev/cuda/loss | FAIL(rc=1) | 2.0 | 3 passed, 1 failed" in text
+    assert "rmsnorm_forward 4096x4096 12.0 us 2800 GB/s" in text  # the kernel figures
+    assert re.search(r"\| memcheck dev/cuda/attention \| FAIL\(rc=3\) \| [0-9.]+ \| ========= ERROR SUMMARY: 1 error "
+                     r"========= Invalid __global__ read of size 4 bytes \|", text), text
+    san = (tmp_path / "sanitizer.txt").read_text()
+    assert san.startswith("== memcheck dev/cuda/attention: FAIL(rc=3)\n========= Invalid __global__ read of size 4 bytes\n"
+                          "=========     at attention_forward_kernel<64>+0x1f0\n")
+    assert "llama lowmem: memory: planned 41.08 MiB" in text and "measured" in text
+    # the last step (its '|' turned to '/' in the cell) and the memory line, shortened
+    assert re.search(r"\| smoke llama --mode lowmem \| PASS \| [0-9.]+ \| step +3/3 / loss 2.7028 / lr 1.00e-04 memory: planned "
+                     r"41.08 MiB \(saved activations 3.66 MiB\), measured device memory in use 60.50 MiB +\|", text), text
+    assert re.search(r"\| whole models GPU vs CPU .* \| FAIL\(rc=1\) \| [0-9.]+ \| 1 passed, 1 failed so far; FAILED "
+                     r"test/test_cuda_llama.py::test_b - AssertionError: measured \|", text), text
