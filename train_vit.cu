@@ -25,6 +25,8 @@
 #include "llmc/checkpoint.h"
 #include "llmc/dist.h"
 #include "llmc/trainable.h"
+#include "llmc/zero.h"
+#include "llmc/train_loop.h"
 #include "llmc/backend.h"
 #include "llmc/ops.h"
 #include "llmc/fit.h"
