@@ -1,10 +1,13 @@
-// train_llama.cu: LoRA fine-tuning of LLaMA-family models with the memory-saving backward pass of
-// "Reducing Fine-Tuning Memory Overhead by Approximate and Memory-Sharing Backpropagation":
-// ReSiLU2 (exact SiLU forward, 2-bit backward) and MS-RMSNorm (gamma merged into the next
-// linears; backward from the normalised output and one scalar per row).
+// train_llama.cu: fine-tuning of LLaMA-family models (LoRA adapters, or every weight with --full)
+// with the memory-saving backward pass of "Reducing Fine-Tuning Memory Overhead by Approximate
+// and Memory-Sharing Backpropagation": ReSiLU2 (exact SiLU forward, 2-bit backward) and
+// MS-RMSNorm (gamma merged into the next linears; backward from the normalised output and one
+// scalar per row).
 //
 // Read top to bottom: config -> parameters -> memory plan -> weight loading -> forward -> backward
-// -> training step -> evaluation and generation -> main. The model is written once; the operations
+// -> training step (with evaluation and generation) -> the dry run -> adapters, state and export
+// -> main (the training loop, the flags, main). The loop's shared pieces are llmc/train_loop.h,
+// the optimizer llmc/zero.h. The model is written once; the operations
 // it calls (llmc/ops.h) run on the backend chosen by --device: the CPU (fp32) or a CUDA GPU (bf16
 // activations and frozen weights, fp32 statistics, LoRA masters, gradients and AdamW state).
 #include <omp.h>
@@ -142,17 +145,8 @@ typedef struct {
 } BlockActs;
 
 typedef struct {
-    int approx, ms, ckpt, recompute_product;
-    int full;              // train the weights themselves instead of LoRA adapters
-    unsigned targets;
-    int rank;
-    float lora_scale;
-    int generate;          // --generate: plan the key/value cache and the logits it samples from
-} LlamaModes;
-
-typedef struct {
     LlamaConfig cfg;
-    LlamaModes modes;
+    TrainModes modes;
     const Backend* be;
     int B, T;              // planned micro-batch shape
     void* embed;           // [V, d]
@@ -215,7 +209,7 @@ static void llama_plan(Llama* m, MemPlan* p) {
     const Backend* be = m->be;
     int wbytes = be->wbytes, abytes = be->abytes;
     const LlamaConfig* c = &m->cfg;
-    const LlamaModes* md = &m->modes;
+    const TrainModes* md = &m->modes;
     int64_t N = (int64_t)m->B * m->T, d = c->dim, f = c->hidden, qd = (int64_t)c->heads * c->head_dim,
             kvd = (int64_t)c->kv_heads * c->head_dim, V = c->vocab, r = md->rank;
     memset(p, 0, sizeof(*p));
@@ -294,8 +288,7 @@ static void llama_plan(Llama* m, MemPlan* p) {
     plan_add(p, MEM_SCRATCH, "grads", -1, "du", N * f * abytes, &m->du);
     plan_add(p, MEM_SCRATCH, "grads", -1, "dax", N * r * abytes, &m->dax);
     AttnShape as = {m->B, m->T, c->heads, c->kv_heads, c->head_dim, 1, NULL};
-    m->att_work_bytes = op_attention_work_bytes(be, as);
-    if (be->cuda) plan_add(p, MEM_SCRATCH, "attention", -1, "attn_workspace", m->att_work_bytes, &m->att_work);
+    m->att_work_bytes = op_plan_attention_work(be, p, as, &m->att_work);
     op_plan_matmul_workspace(be, p, &m->blas_work);
     plan_add(p, MEM_SCRATCH, "batch", -1, "inputs", N * 4, &m->inputs);
     plan_add(p, MEM_SCRATCH, "batch", -1, "targets", N * 4, &m->targets);
@@ -347,28 +340,16 @@ static void llama_bind(Llama* m) {
             }
             L->in = (int)lin_in(c, t);
             L->out = (int)lin_out(c, t);
-            if (m->modes.full) {  // full fine-tuning: W and its gradient live in the flat arenas
-                void* dev;
-                float* grad;
-                L->W = trainable_bind_tensor(&m->tr, &off, (int64_t)L->in * L->out, &dev, &grad, &L->dW);
-                if (m->be->cuda) { L->dev.W = dev; L->dev.dW = grad; }  // the products read the bf16 shadow
-            } else if (m->modes.targets >> t & 1) {
-                if (m->be->cuda) lora_bind_device(L, m->tr.params, m->tr.grads, m->tr.params16, off, (int)r);
-                lora_bind(L, m->tr.host_params, m->tr.host_grads, &off, (int)r);
-            }
+            if (m->modes.full) trainable_bind_linear_weight(&m->tr, &off, L);  // full fine-tuning: W trains in the arena
+            else if (m->modes.targets >> t & 1) trainable_bind_adapter(&m->tr, &off, L, (int)r);
         }
     trainable_plan_buckets(&m->tr, m->layer_off, c->layers);  // embedding, head and final norm lie below the first block
     int64_t N = (int64_t)m->B * m->T;
-    if (m->be->cuda) {
-        m->h_inputs = (int*)backend_alloc_staging(m->be, sizeof(int) * N);
-        m->h_targets = (int*)backend_alloc_staging(m->be, sizeof(int) * N);
-        m->h_pos = (int*)backend_alloc_staging(m->be, sizeof(int) * N);
-        m->h_mask = (float*)backend_alloc_staging(m->be, sizeof(float) * N);
-        if (m->embed_order) m->h_embed_order = (int*)backend_alloc_staging(m->be, sizeof(int) * N);
-    } else {
-        m->h_inputs = m->inputs; m->h_targets = m->targets; m->h_pos = m->pos; m->h_mask = m->mask;
-        m->h_embed_order = m->embed_order;
-    }
+    m->h_inputs = (int*)backend_host_side(m->be, m->inputs, sizeof(int) * N);
+    m->h_targets = (int*)backend_host_side(m->be, m->targets, sizeof(int) * N);
+    m->h_pos = (int*)backend_host_side(m->be, m->pos, sizeof(int) * N);
+    m->h_mask = (float*)backend_host_side(m->be, m->mask, sizeof(float) * N);
+    if (m->embed_order) m->h_embed_order = (int*)backend_host_side(m->be, m->embed_order, sizeof(int) * N);
 }
 
 // The first n tokens of the host batch to the backend.
@@ -385,7 +366,7 @@ static void llama_upload_batch(Llama* m, int64_t n) {
 
 // Declares the model's memory for a micro-batch of B x T on backend `be`; nothing is allocated
 // until llama_allocate (a dry run stops at the plan).
-static void llama_setup(Llama* m, const LlamaConfig* cfg, const LlamaModes* modes, int B, int T, const Backend* be, const Dist* dist) {
+static void llama_setup(Llama* m, const LlamaConfig* cfg, const TrainModes* modes, int B, int T, const Backend* be, const Dist* dist) {
     memset(m, 0, sizeof(*m));
     m->be = be;
     m->dist = dist;
@@ -411,11 +392,9 @@ static void llama_allocate(Llama* m) {
 static void llama_free(Llama* m) {
     if (m->plan.arena[MEM_SCRATCH] || m->plan.arena[MEM_FROZEN]) {  // allocated (not a dry run)
         trainable_free_host(&m->tr);
-        if (m->be->cuda) {
-            backend_free_staging(m->be, m->h_inputs); backend_free_staging(m->be, m->h_targets);
-            backend_free_staging(m->be, m->h_pos); backend_free_staging(m->be, m->h_mask);
-            if (m->h_embed_order) backend_free_staging(m->be, m->h_embed_order);
-        }
+        backend_free_host_side(m->be, m->h_inputs); backend_free_host_side(m->be, m->h_targets);
+        backend_free_host_side(m->be, m->h_pos); backend_free_host_side(m->be, m->h_mask);
+        backend_free_host_side(m->be, m->h_embed_order);
         op_detach_matmul_workspace(m->be, m->blas_work);
         backend_free_plan(m->be, &m->plan);
     } else {
@@ -438,18 +417,10 @@ static void load_tensor(const StModel* sm, const char* name, float* dst, int64_t
         if (!isfinite(dst[i])) fail("%s: tensor \"%s\" holds a non-finite value at element %lld", t->file, name, (long long)i);
 }
 
-// n fp32 values into a weight: a frozen one goes to the backend (bf16 on CUDA); a trained one
-// (host mirror non-NULL, --full) into the trainable arena's host mirror, which trainable_to_device
-// sends on with its shadow once everything is loaded.
-static void llama_set_weight(Llama* m, void* backend_dst, float* host_mirror, const float* src, int64_t n) {
-    if (host_mirror) memcpy(host_mirror, src, sizeof(float) * n);
-    else backend_upload_weights(m->be, backend_dst, src, n);
-}
-
-// Reads tensor `name` [rows, cols] into the host buffer tmp, then into the weight (see above).
+// Reads tensor `name` [rows, cols] into the host buffer tmp, then into the weight (backend_set_weight).
 static void load_weight(Llama* m, const StModel* sm, const char* name, void* dst, float* host_mirror, float* tmp, int64_t rows, int64_t cols) {
     load_tensor(sm, name, tmp, rows, cols);
-    llama_set_weight(m, dst, host_mirror, tmp, rows * (cols ? cols : 1));
+    backend_set_weight(m->be, dst, host_mirror, tmp, rows * (cols ? cols : 1));
 }
 
 // A linear's weight from fp32 host values: frozen, to the backend (bf16 on CUDA); trained under
@@ -477,10 +448,10 @@ static void llama_load_weights(Llama* m, const char* dir) {
         float *g_attn = m->gamma_host + 2 * l * d, *g_mlp = g_attn + d;
         snprintf(name, sizeof(name), "model.layers.%d.input_layernorm.weight", l);
         load_tensor(&sm, name, g_attn, d, 0);
-        llama_set_weight(m, L->attn_norm, L->h_attn_norm, g_attn, d);
+        backend_set_weight(m->be, L->attn_norm, L->h_attn_norm, g_attn, d);
         snprintf(name, sizeof(name), "model.layers.%d.post_attention_layernorm.weight", l);
         load_tensor(&sm, name, g_mlp, d, 0);
-        llama_set_weight(m, L->mlp_norm, L->h_mlp_norm, g_mlp, d);
+        backend_set_weight(m->be, L->mlp_norm, L->h_mlp_norm, g_mlp, d);
         for (int t = 0; t < N_TARGETS; t++) {
             Linear* lin = &L->lin[t];
             snprintf(name, sizeof(name), "model.layers.%d.%s.weight", l, hf_module_names[t]);
@@ -509,13 +480,13 @@ static void llama_random_weights(Llama* m, uint64_t seed) {
     for (int64_t i = drawn; i < biggest; i += drawn) memcpy(tmp + i, tmp, sizeof(float) * (biggest - i < drawn ? biggest - i : drawn));
     m->gamma_host = (float*)xmalloc(sizeof(float) * 2 * c->layers * d);
     for (int64_t i = 0; i < 2 * c->layers * d; i++) m->gamma_host[i] = 1.0f;
-    llama_set_weight(m, m->embed, m->h_embed, tmp, c->vocab * d);
-    llama_set_weight(m, m->final_norm, m->h_final_norm, m->gamma_host, d);
-    if (!c->tied) llama_set_weight(m, m->lm_head, m->h_lm_head, tmp, c->vocab * d);
+    backend_set_weight(m->be, m->embed, m->h_embed, tmp, c->vocab * d);
+    backend_set_weight(m->be, m->final_norm, m->h_final_norm, m->gamma_host, d);
+    if (!c->tied) backend_set_weight(m->be, m->lm_head, m->h_lm_head, tmp, c->vocab * d);
     for (int l = 0; l < c->layers; l++) {
         LlamaLayer* L = &m->layers[l];
-        llama_set_weight(m, L->attn_norm, L->h_attn_norm, m->gamma_host, d);
-        llama_set_weight(m, L->mlp_norm, L->h_mlp_norm, m->gamma_host, d);
+        backend_set_weight(m->be, L->attn_norm, L->h_attn_norm, m->gamma_host, d);
+        backend_set_weight(m->be, L->mlp_norm, L->h_mlp_norm, m->gamma_host, d);
         for (int t = 0; t < N_TARGETS; t++) llama_set_linear_weight(m, &L->lin[t], tmp);
     }
     free(tmp);
@@ -690,13 +661,6 @@ static LossStats llama_forward_backward(Llama* m, int B, int T, float grad_scale
 // ----------------------------------------------------------------------------------------------
 // Training step, evaluation, generation
 
-typedef struct {
-    float loss, grad_norm, lr;
-    double tokens;         // global tokens of the step (all ranks)
-    double comm_s;         // seconds spent in the gradient all-reduce
-    int skipped;           // --nonfinite skip: no update this step
-} StepResult;
-
 static double count_mask(const float* mask, int64_t n) {
     double s = 0.0;
     for (int64_t i = 0; i < n; i++) s += mask[i];
@@ -731,19 +695,7 @@ static StepResult llama_train_step(Llama* m, TextLoader* loader, const TrainOpti
         loss_sum += llama_forward_backward(m, B, T, scale, 1, NULL).loss_sum;
     }
     free(in_all); free(tg_all); free(mk_all); free(pos_all);
-    double t_comm = wall_seconds();
-    dist_allreduce_sum_f64(dist, &loss_sum, 1);
-    StepResult r;
-    r.comm_s = wall_seconds() - t_comm;
-    r.tokens = (double)N * K * dist->world;
-    r.loss = total > 0 ? (float)(loss_sum / total) : 0.0f;
-    r.loss = train_fault_injected_loss(r.loss, step);
-    OptimStep os = trainable_step(&m->tr, o, dist, step, r.loss);
-    r.skipped = os.skipped;
-    r.grad_norm = os.grad_norm;
-    r.lr = os.lr;
-    r.comm_s += os.comm_s;
-    return r;
+    return train_step_finish(&m->tr, o, dist, step, &loss_sum, 1, total, (double)N * K * dist->world);
 }
 
 // Model FLOPs of one token's forward and backward at sequence length T: every linear layer
@@ -793,7 +745,7 @@ static int sample_token(const float* logits, int V, float temperature, Rng* rng)
 // token per step. The trainer's buffers hold one sequence of m->T tokens (the window); when the
 // cache is full, it restarts from the last half window (positions then count from there).
 // LLMC_NO_KV_CACHE=1 recomputes the whole window for every token instead (tests compare the two).
-// The cache and the logits are buffers of the plan (LlamaModes.generate).
+// The cache and the logits are buffers of the plan (TrainModes.generate).
 static void llama_generate(Llama* m, const Tokenizer* tok, const char* prompt, int n, float temperature, uint64_t seed) {
     const LlamaConfig* c = &m->cfg;
     const Backend* be = m->be;
@@ -803,7 +755,7 @@ static void llama_generate(Llama* m, const Tokenizer* tok, const char* prompt, i
     const char* nc = getenv("LLMC_NO_KV_CACHE");
     int recompute = nc && strcmp(nc, "1") == 0;
     int64_t d = c->dim;
-    if (!m->modes.generate) fail("internal: llama_generate needs a plan made with LlamaModes.generate");
+    if (!m->modes.generate) fail("internal: llama_generate needs a plan made with TrainModes.generate");
     KVCache kv = {m->kv_k, m->kv_v, 0, window};
     float* logits = m->gen_logits;
     float* last = (float*)xmalloc(sizeof(float) * c->vocab);
@@ -844,34 +796,10 @@ static void llama_generate(Llama* m, const Tokenizer* tok, const char* prompt, i
 }
 
 // ----------------------------------------------------------------------------------------------
-// main
+// The dry run: the plan of a run, without allocating it
 
-static LlamaModes llama_modes_from(const TrainOptions* o) {
-    LlamaModes md;
-    md.approx = strcmp(o->act, "approx") == 0;
-    md.ms = strcmp(o->norm, "ms") == 0;
-    md.ckpt = strcmp(o->recompute, "block") == 0;
-    md.recompute_product = strcmp(o->swiglu_product, "recompute") == 0;
-    md.full = o->full;
-    md.targets = o->full ? 0 : parse_targets(o->lora_targets, target_names, N_TARGETS, "lora-targets");
-    md.rank = o->lora_rank;
-    md.lora_scale = o->lora_alpha / (float)o->lora_rank;
-    md.generate = o->generate > 0;
-    return md;
-}
-
-static void llama_flags(FlagTable* t, TrainOptions* o) {
-    t->program = "train_llama";
-    t->usage = "--model DIR [--data TRAIN.bin --val VAL.bin] [flags]   (fine-tunes a LLaMA-family model: LoRA, or every weight with --full)";
-    train_flags_register(t, o, "comma list of q,k,v,o,gate,up,down (default all)");
-    t->group = "memory modes (the paper's layers)";
-    flag_choice(t, "swiglu-product", &o->swiglu_product, "keep|recompute",
-                "keep the down projection's input, or rebuild it from silu(g)*u in backward (beyond the paper)");
-    t->group = "model and data";
-    flag_string(t, "export-merged", &o->export_merged, "after training (or alone, with --adapter), write the model with the adapter folded in to this directory");
-}
-
-static void print_settings_json(char* buf, size_t n, const TrainOptions* o, const char* device) {
+// --dry-run --json: the run's settings as the fields of a JSON object, into buf (plan_json writes them).
+static void llama_settings_json(char* buf, size_t n, const TrainOptions* o, const char* device) {
     snprintf(buf, n, "\"model\": \"llama\", \"device\": \"%s\", \"mode\": \"%s\", \"act\": \"%s\", \"norm\": \"%s\", \"recompute\": \"%s\", \"batch\": %d, \"seq\": %d, \"lora_rank\": %d",
              device, o->mode, o->act, o->norm, o->recompute, o->batch, o->seq, o->lora_rank);
 }
@@ -886,7 +814,7 @@ typedef struct {
 
 static size_t llama_plan_bytes(const void* ctx, const TrainOptions* o, int batch, int world) {
     const LlamaPlanCtx* c = (const LlamaPlanCtx*)ctx;
-    LlamaModes md = llama_modes_from(o);
+    TrainModes md = train_modes_from(o, target_names, N_TARGETS);
     Dist ranks = dist_for_plan(c->dist, world);
     Llama m;
     llama_setup(&m, c->cfg, &md, batch, c->T, c->be, &ranks);
@@ -898,18 +826,17 @@ static size_t llama_plan_bytes(const void* ctx, const TrainOptions* o, int batch
 // --dry-run: the plan of the run these flags describe, and the baseline plan beside it.
 // Under mpirun, or for --ranks N, the plan is per rank (ZeRO-1 divides full fine-tuning's
 // optimizer state, and on CUDA its fp32 master).
-static void llama_dry_run(const LlamaConfig* cfg, const TrainOptions* o, LlamaModes md, const Dist* dist) {
+static void llama_dry_run(const LlamaConfig* cfg, const TrainOptions* o, TrainModes md, const Dist* dist) {
     int cpu = strcmp(o->device, "cpu") == 0;  // a dry run plans the CUDA layout unless told otherwise
     Backend be = backend_for_plan(!cpu);
     Dist ranks = dist_for_plan(dist, o->ranks ? o->ranks : dist->world);
     Llama m, base;
     llama_setup(&m, cfg, &md, o->batch, o->seq, &be, &ranks);
-    LlamaModes bm = md;
-    bm.approx = 0; bm.ms = 0; bm.ckpt = 0; bm.recompute_product = 0;
+    TrainModes bm = train_baseline_modes(md);
     llama_setup(&base, cfg, &bm, o->batch, o->seq, &be, NULL);
     if (o->json) {
         char s[512];
-        print_settings_json(s, sizeof(s), o, cpu ? "cpu" : "cuda");
+        llama_settings_json(s, sizeof(s), o, cpu ? "cpu" : "cuda");
         plan_json(stdout, &m.plan, &base.plan, s);
     } else {
         printf("train_llama dry run: d=%d f=%d layers=%d heads=%d kv_heads=%d vocab=%d, batch %d x seq %d, %s", cfg->dim, cfg->hidden,
@@ -940,14 +867,8 @@ static const float* llama_merged_gamma(const Llama* m, int l, int t) {
 static int llama_peft_entries(Llama* m, PeftEntry* e) {
     int n = 0;
     for (int l = 0; l < m->cfg.layers; l++)
-        for (int t = 0; t < N_TARGETS; t++) {
-            Linear* L = &m->layers[l].lin[t];
-            if (!L->A) continue;
-            snprintf(e[n].module, sizeof(e[n].module), "model.layers.%d.%s", l, hf_module_names[t]);
-            e[n].L = L;
-            e[n].gamma = llama_merged_gamma(m, l, t);
-            n++;
-        }
+        for (int t = 0; t < N_TARGETS; t++)
+            n = peft_add_entry(e, n, &m->layers[l].lin[t], "model.layers", l, hf_module_names[t], llama_merged_gamma(m, l, t));
     return n;
 }
 
@@ -1059,6 +980,15 @@ static void llama_export_merged(Llama* m, const TrainOptions* o, const char* dir
     st_model_close(&sm);
 }
 
+// A save after `step` steps (every rank: a sharded master comes together on rank 0): rank 0
+// writes the model (--full: a loadable model directory) or the adapter, every rank the state.
+static void llama_save(Llama* m, const TrainOptions* o, const Dist* dist, const char* out, const char* settings, int step, int64_t cursor) {
+    trainable_sync_host(&m->tr, dist);
+    if (dist->rank == 0 && m->modes.full) llama_export_merged(m, o, out);
+    else if (dist->rank == 0) llama_save_adapter(m, out, o);
+    trainable_save_state(&m->tr, dist, out, settings, step, cursor, o->seed);
+}
+
 // Everything a resumed run must share with the saved one, as "key=value" words.
 static void llama_settings_line(char* buf, size_t n, const Llama* m, const TrainOptions* o, const Dist* d, int64_t data_tokens) {
     const LlamaConfig* c = &m->cfg;
@@ -1112,23 +1042,12 @@ static void llama_train(Llama* m, RunData* rd, const TrainOptions* o, const Dist
         train_count_skip(&skips, r.skipped, step);
         int last = step + 1 == stop;
         float vloss = NAN;
-        if (rank0 && rd->have_val && ((o->val_every > 0 && (step + 1) % o->val_every == 0) || last)) vloss = llama_evaluate(m, &rd->vl, o->val_batches);
-        if (rank0 && ((step + 1) % o->log_every == 0 || last || !isnan(vloss) || r.skipped)) {
-            printf("step %4d/%d | loss %.4f | lr %.2e | grad norm %.4f | %.0f tok/s", step + 1, o->steps, r.loss, r.lr, r.grad_norm, r.tokens / dt);
-            if (dist->world > 1) printf(" (%.0f per rank, %.0f%% in all-reduce)", r.tokens / dt / dist->world, 100.0 * r.comm_s / dt);
-            print_mfu(r.tokens / dt / dist->world, flops, peak);
-            if (!isnan(vloss)) printf(" | val loss %.4f", vloss);
-            if (r.skipped) printf(" | skipped: non-finite loss or gradient");
-            printf("\n");
-            fflush(stdout);
-        }
-        if (log) { fprintf(log, "%d,%.6f,%.6e,%.6f,%.1f,%.6f\n", step + 1, r.loss, r.lr, r.grad_norm, r.tokens / dt, vloss); fflush(log); }
-        if (out && train_save_due(o, step + 1)) {
-            trainable_sync_host(&m->tr, dist);  // every rank: a sharded master comes together on rank 0
-            if (rank0 && m->modes.full) llama_export_merged(m, o, out);  // a loadable model directory
-            else if (rank0) llama_save_adapter(m, out, o);
-            trainable_save_state(&m->tr, dist, out, settings, step + 1, rd->tl.cursor, o->seed);
-        }
+        if (rank0 && rd->have_val && train_val_due(o, step, last)) vloss = llama_evaluate(m, &rd->vl, o->val_batches);
+        char val[64];
+        snprintf(val, sizeof(val), "val loss %.4f", vloss);
+        if (rank0) train_print_step(o, dist, step, last, &r, dt, "tok", flops, peak, isnan(vloss) ? NULL : val);
+        if (log) { fprintf(log, "%d,%.6f,%.6e,%.6f,%.1f,%.6f\n", step + 1, r.loss, r.lr, r.grad_norm, r.items / dt, vloss); fflush(log); }
+        if (out && train_save_due(o, step + 1)) llama_save(m, o, dist, out, settings, step + 1, rd->tl.cursor);
     }
     if (rank0) train_print_summary(o, start, stop, wall_seconds() - t0, comm, m->modes.full, &m->plan, m->be);
     if (log) fclose(log);
@@ -1144,20 +1063,26 @@ static void llama_warn_seq(const LlamaConfig* c, const TrainOptions* o) {
                 "not pretrained; RoPE extends to them, but quality may drop)\n", o->seq, c->max_seq, o->model_dir);
 }
 
+static void llama_flags(FlagTable* t, TrainOptions* o) {
+    t->program = "train_llama";
+    t->usage = "--model DIR [--data TRAIN.bin --val VAL.bin] [flags]   (fine-tunes a LLaMA-family model: LoRA, or every weight with --full)";
+    train_flags_register(t, o, "comma list of q,k,v,o,gate,up,down (default all)");
+    t->group = "memory modes (the paper's layers)";
+    flag_choice(t, "swiglu-product", &o->swiglu_product, "keep|recompute",
+                "keep the down projection's input, or rebuild it from silu(g)*u in backward (beyond the paper)");
+    t->group = "model and data";
+    flag_string(t, "export-merged", &o->export_merged, "after training (or alone, with --adapter), write the model with the adapter folded in to this directory");
+}
+
 #ifndef TESTING
 int main(int argc, char** argv) {
     Dist dist;
-    dist_init(&dist, &argc, &argv);
     TrainOptions o;
-    train_options_defaults(&o);
-    FlagTable ft;
-    memset(&ft, 0, sizeof(ft));
-    llama_flags(&ft, &o);
-    train_parse_flags(&ft, &o, argc, argv);
+    train_start(&dist, &o, &argc, &argv, llama_flags);
     LlamaConfig cfg;
     llama_config_load(&cfg, o.model_dir);
     train_check_lora_rank(&o, cfg.dim, o.model_dir);
-    LlamaModes md = llama_modes_from(&o);
+    TrainModes md = train_modes_from(&o, target_names, N_TARGETS);
     if (o.dry_run) {
         if (dist.rank == 0) { llama_dry_run(&cfg, &o, md, &dist); llama_warn_seq(&cfg, &o); }
         dist_finalize(&dist);
@@ -1188,8 +1113,7 @@ int main(int argc, char** argv) {
     planned.batch = B;
     LlamaPlanCtx pc = {&cfg, &be, &dist, T};
     fit_check_plan(&be, &m.plan, llama_plan_bytes, &pc, &planned, dist.world, dist.local_size);  // before any allocation, on either backend
-    LlamaModes bm = md;
-    bm.approx = 0; bm.ms = 0; bm.ckpt = 0; bm.recompute_product = 0;
+    TrainModes bm = train_baseline_modes(md);
     llama_setup(&base, &cfg, &bm, B, T, &be, &dist);
     llama_allocate(&m);
     if (o.random_init) llama_random_weights(&m, (uint64_t)o.seed);
@@ -1198,20 +1122,13 @@ int main(int argc, char** argv) {
     if (!md.full) llama_init_lora(&m, (uint64_t)o.seed);
     if (o.adapter_dir) llama_load_adapter(&m, o.adapter_dir, &o);
     if (dist.rank == 0) {
-        char what[160];
-        if (md.full) snprintf(what, sizeof(what), "full fine-tuning of every weight");
-        else snprintf(what, sizeof(what), "LoRA r=%d alpha=%g on %s", o.lora_rank, o.lora_alpha, o.lora_targets ? o.lora_targets : "all");
         backend_print_device(&be, dist.world > 1 || dist_has_nccl(&dist) ? dist_gpu_collectives(&dist) : NULL);
-        char where[64];
-        if (be.cuda) snprintf(where, sizeof(where), "CUDA GPU %d x %d ranks", be.device, dist.world);
-        else snprintf(where, sizeof(where), "CPU, %d threads x %d ranks", omp_get_max_threads(), dist.world);
+        char what[160], where[64];
+        train_describe(&o, &be, &dist, what, sizeof(what), where, sizeof(where));
         printf("train_llama: %s | d=%d f=%d layers=%d heads=%d/%d vocab=%d | act=%s norm=%s recompute=%s | %s (%lld trainable) | %s\n",
                o.model_dir, cfg.dim, cfg.hidden, cfg.layers, cfg.heads, cfg.kv_heads, cfg.vocab, o.act, o.norm, o.recompute, what,
                (long long)m.tr.count, where);
-        char layout[64];
-        snprintf(layout, sizeof(layout), "%s%s", be.layout, dist.world > 1 ? ", per rank" : "");
-        plan_print(&m.plan, &base.plan, o.mode, layout);
-        trainable_print_parallel(&m.tr, &dist);
+        train_print_plan(&o, &be, &dist, &m.plan, &base.plan, &m.tr);
         llama_warn_seq(&cfg, &o);
     }
     llama_free(&base);

@@ -1,11 +1,13 @@
-// train_vit.cu: LoRA fine-tuning of Vision Transformers (ViT-B/16 style) for image classification
-// with the memory-saving backward pass of "Reducing Fine-Tuning Memory Overhead by Approximate and
-// Memory-Sharing Backpropagation": ReGELU2 (exact GELU forward, 2-bit backward) and MS-LN (gamma
-// and beta merged into the next linears; backward from the normalised output and one scalar per
-// row).
+// train_vit.cu: fine-tuning of Vision Transformers (ViT-B/16 style) for image classification (LoRA
+// adapters and a new head, or every weight with --full) with the memory-saving backward pass of
+// "Reducing Fine-Tuning Memory Overhead by Approximate and Memory-Sharing Backpropagation":
+// ReGELU2 (exact GELU forward, 2-bit backward) and MS-LN (gamma and beta merged into the next
+// linears; backward from the normalised output and one scalar per row).
 //
 // Read top to bottom: config -> parameters -> memory plan -> weight loading -> forward -> backward
-// -> training step and evaluation -> main. The model is written once; the operations it calls
+// -> training step and evaluation -> adapters and state -> export -> main (the data, the dry run,
+// the training loop, the flags, main). The loop's shared pieces are llmc/train_loop.h, the
+// optimizer llmc/zero.h. The model is written once; the operations it calls
 // (llmc/ops.h) run on the backend chosen by --device: the CPU (fp32) or a CUDA GPU (bf16
 // activations and frozen weights, fp32 statistics, LoRA masters, the head, gradients and AdamW
 // state). Same shape as train_llama.cu, with which it shares the LoRA linear (llmc/lora.h), the
@@ -166,16 +168,8 @@ typedef struct {
 } BlockActs;
 
 typedef struct {
-    int approx, ms, ckpt;
-    int full;              // train every weight (and the head) instead of LoRA adapters
-    unsigned targets;
-    int rank;
-    float lora_scale;
-} VitModes;
-
-typedef struct {
     VitConfig cfg;
-    VitModes modes;
+    TrainModes modes;
     const Backend* be;
     int B;                 // planned micro-batch (images)
     int img_h, img_w;      // fine-tuning resolution
@@ -252,7 +246,7 @@ static void plan_block_act(MemPlan* p, int l, int keep, const char* module, cons
 // linears' biases, except q and v of a model without them (under MS-LN they carry the merged
 // beta) and the key bias always: its gradient is zero in exact arithmetic (softmax ignores a
 // shift shared by every score of a query), so AdamW would only walk it by rounding noise.
-static int vit_trains_block_norms(const VitModes* md) { return md->full && !md->ms; }
+static int vit_trains_block_norms(const TrainModes* md) { return md->full && !md->ms; }
 static int vit_trains_bias(const Vit* m, int t) {
     return m->modes.full && t != T_K && (t > T_V || m->cfg.qkv_bias || m->modes.ms);
 }
@@ -260,7 +254,7 @@ static int vit_trains_bias(const Vit* m, int t) {
 // The trainable arena's size: adapters (or, --full, every weight), then the head.
 static int64_t vit_trainable_count(const Vit* m) {
     const VitConfig* c = &m->cfg;
-    const VitModes* md = &m->modes;
+    const TrainModes* md = &m->modes;
     int64_t d = c->dim, r = md->rank, n = (int64_t)m->classes * d + m->classes;
     if (md->full) n += d * patch_len(c) + 2 * d + m->T * d + 2 * d + (vit_trains_block_norms(md) ? (int64_t)N_LN * d * c->layers : 0);
     for (int l = 0; l < c->layers; l++)
@@ -307,7 +301,7 @@ static void vit_plan_weights(Vit* m, MemPlan* p) {
 // Saved activations, block by block (the table above).
 static void vit_plan_blocks(Vit* m, MemPlan* p) {
     const VitConfig* c = &m->cfg;
-    const VitModes* md = &m->modes;
+    const TrainModes* md = &m->modes;
     int64_t N = (int64_t)m->B * m->T, d = c->dim, f = c->hidden, r = md->rank, a = m->be->abytes;
     int keep = !md->ckpt, std_norm = !md->ms;
     // a linear keeps its input when its own backward needs it: it has an adapter or trains W
@@ -365,8 +359,7 @@ static void vit_plan_scratch(Vit* m, MemPlan* p) {
     plan_add(p, MEM_SCRATCH, "grads", -1, "dh", N * f * a, &m->dh);
     plan_add(p, MEM_SCRATCH, "grads", -1, "dax", N * r * a, &m->dax);
     AttnShape as = {m->B, m->T, c->heads, c->heads, c->head_dim, 0, NULL};
-    m->att_work_bytes = op_attention_work_bytes(be, as);
-    if (be->cuda) plan_add(p, MEM_SCRATCH, "attention", -1, "attn_workspace", m->att_work_bytes, &m->att_work);
+    m->att_work_bytes = op_plan_attention_work(be, p, as, &m->att_work);
     op_plan_matmul_workspace(be, p, &m->blas_work);
     // the head works on the B class tokens only and consumes its buffers at once (fused with the
     // loss, as train_llama's head): scratch, not saved
@@ -387,7 +380,7 @@ static void vit_plan_scratch(Vit* m, MemPlan* p) {
 
 static void vit_plan(Vit* m, MemPlan* p) {
     const VitConfig* c = &m->cfg;
-    const VitModes* md = &m->modes;
+    const TrainModes* md = &m->modes;
     memset(p, 0, sizeof(*p));
     p->tokens = (int64_t)m->B * m->T;
     p->blocks = c->layers;
@@ -399,24 +392,17 @@ static void vit_plan(Vit* m, MemPlan* p) {
 }
 
 // The linear (l, t): W, and under --full its bias, from *off in the trainable arena (host mirror,
-// bf16 shadow on CUDA, gradients), or its adapter; the host copies of what stays frozen from *h.
+// bf16 shadow on CUDA, gradients), or its adapter; the host copies of what stays frozen from *h
+// (CUDA; *h is NULL on the CPU, where the backend's fp32 buffers are the host's).
 static void vit_bind_linear(Vit* m, Linear* L, int t, int64_t* off, float** h) {
-    const Backend* be = m->be;
     int full = m->modes.full;
-    if (be->cuda && !(full && vit_trains_bias(m, t))) { L->bias = *h; *h += L->out; }
-    if (be->cuda && !full) { L->W = *h; *h += (int64_t)L->in * L->out; }
+    if (*h && !(full && vit_trains_bias(m, t))) { L->bias = *h; *h += L->out; }
+    if (*h && !full) { L->W = *h; *h += (int64_t)L->in * L->out; }
     if (full) {  // W (and its bias) and the gradients live in the flat arenas (L->W: the host mirror)
-        void* dev;
-        float* grad;
-        L->W = trainable_bind_tensor(&m->tr, off, (int64_t)L->in * L->out, &dev, &grad, &L->dW);
-        if (be->cuda) { L->dev.W = dev; L->dev.dW = grad; }
-        if (vit_trains_bias(m, t)) {
-            L->bias = trainable_bind_tensor(&m->tr, off, L->out, &dev, &grad, &L->dbias);
-            if (be->cuda) { L->dev.bias = dev; L->dev.dbias = grad; }
-        }
+        trainable_bind_linear_weight(&m->tr, off, L);
+        if (vit_trains_bias(m, t)) trainable_bind_linear_bias(&m->tr, off, L);
     } else if (m->modes.targets >> t & 1) {
-        if (be->cuda) lora_bind_device(L, m->tr.params, m->tr.grads, m->tr.params16, *off, m->modes.rank);
-        lora_bind(L, m->tr.host_params, m->tr.host_grads, off, m->modes.rank);
+        trainable_bind_adapter(&m->tr, off, L, m->modes.rank);
     }
 }
 
@@ -442,10 +428,7 @@ static void vit_bind(Vit* m) {
     if (be->cuda) m->lin_host = (float*)xcalloc(host_lin * c->layers, sizeof(float));
     m->norms_host = (float*)xcalloc((int64_t)c->layers * N_LN * d, sizeof(float));
     if (full) {
-        void* dev;
-        float* grad;
-        m->patch.W = trainable_bind_tensor(&m->tr, &off, d * patch_len(c), &dev, &grad, &m->patch.dW);
-        if (be->cuda) { m->patch.dev.W = dev; m->patch.dev.dW = grad; }
+        trainable_bind_linear_weight(&m->tr, &off, &m->patch);
         m->h_patch_b = trainable_bind_tensor(&m->tr, &off, d, &m->patch_b, &m->d_patch_b, NULL);
         m->h_cls = trainable_bind_tensor(&m->tr, &off, d, &m->cls, &m->d_cls, NULL);
         m->h_pos = trainable_bind_tensor(&m->tr, &off, m->T * d, &m->pos, &m->d_pos, NULL);
@@ -475,14 +458,10 @@ static void vit_bind(Vit* m) {
     m->head_b = m->head_w + hw; m->dhead_b = m->dhead_w + hw;
     m->host_head_b = m->host_head_w + hw; m->host_dhead_b = m->host_dhead_w + hw;
     trainable_plan_buckets(&m->tr, m->layer_off, c->layers);  // the final norm and the head lie above the last block
-    if (be->cuda) {
-        m->h_raw = (uint8_t*)backend_alloc_staging(be, m->B * m->src_bytes);
-        m->h_flip = (int*)backend_alloc_staging(be, sizeof(int) * m->B);
-        m->h_labels = (int*)backend_alloc_staging(be, sizeof(int) * m->B);
-    } else {
-        m->h_labels = m->labels;
-        m->zcls32 = (float*)m->zcls; m->dzcls32 = (float*)m->dzcls;
-    }
+    m->h_raw = (uint8_t*)backend_host_side(be, m->raw, m->B * m->src_bytes);
+    m->h_flip = (int*)backend_host_side(be, m->flip, sizeof(int) * m->B);
+    m->h_labels = (int*)backend_host_side(be, m->labels, sizeof(int) * m->B);
+    if (!m->zcls32) { m->zcls32 = (float*)m->zcls; m->dzcls32 = (float*)m->dzcls; }  // the CPU's are fp32 already
 }
 
 // The host-side LayerNorm vector `which` (LN1_G ...) of block l.
@@ -536,7 +515,7 @@ static void vit_range_batch(Vit* m, const ImageLoader* L, int64_t start, int B) 
 // resolution must be a whole number of patches.
 // src_bytes: the largest source image of the run's shards (0: none, as in a dry run: the model's
 // input size is planned).
-static void vit_setup(Vit* m, const VitConfig* cfg, const VitModes* modes, int B, int img_h, int img_w, int classes, int64_t src_bytes,
+static void vit_setup(Vit* m, const VitConfig* cfg, const TrainModes* modes, int B, int img_h, int img_w, int classes, int64_t src_bytes,
                       const Backend* be, const Dist* dist) {
     memset(m, 0, sizeof(*m));
     m->be = be;
@@ -569,10 +548,8 @@ static void vit_allocate(Vit* m) {
 // Frees what vit_setup planned and vit_allocate made (either may be all there was: a dry run).
 static void vit_free(Vit* m) {
     trainable_free_host(&m->tr);
-    if (m->be->cuda) {
-        backend_free_staging(m->be, m->h_raw); backend_free_staging(m->be, m->h_flip); backend_free_staging(m->be, m->h_labels);
-        free(m->lin_host);
-    }
+    backend_free_host_side(m->be, m->h_raw); backend_free_host_side(m->be, m->h_flip); backend_free_host_side(m->be, m->h_labels);
+    free(m->lin_host);
     op_detach_matmul_workspace(m->be, m->blas_work);  // before the plan's memory goes
     backend_free_plan(m->be, &m->plan);
     free(m->layers); free(m->acts); free(m->ckpt); free(m->norms_host); free(m->layer_off);
@@ -647,13 +624,6 @@ static void vit_merge_norms(Vit* m, int l) {
     linear_merge_norm_affine(&L->lin[T_FC1], vit_norm_host(m, l, LN2_G), vit_norm_host(m, l, LN2_B));
 }
 
-// n weight values v (host fp32) to where they live: the trainable arena's host mirror when --full
-// trains them (trainable_to_device sends it on), else the backend's frozen copy.
-static void vit_put(Vit* m, void* dev, float* host, const float* v, int64_t n) {
-    if (host) memcpy(host, v, sizeof(float) * n);
-    else backend_upload_weights(m->be, dev, v, n);
-}
-
 // The embeddings and the final norm: read (host, tmp holds d * max(C*ph*pw, T)) and stored.
 static void vit_load_embeddings(Vit* m, const StModel* sm, int hf, const char* px, float* tmp) {
     const VitConfig* c = &m->cfg;
@@ -662,17 +632,17 @@ static void vit_load_embeddings(Vit* m, const StModel* sm, int hf, const char* p
     int64_t cls_shape[3] = {1, 1, d}, pw_shape[4] = {d, c->channels, c->patch_h, c->patch_w};
 #define NAME(...) (snprintf(name, sizeof(name), __VA_ARGS__), name)
     st_model_read_f32(sm, hf ? NAME("%sembeddings.cls_token", px) : "cls_token", 3, cls_shape, tmp);
-    vit_put(m, m->cls, m->h_cls, tmp, d);
+    backend_set_weight(m->be, m->cls, m->h_cls, tmp, d);
     vit_load_pos_embed(m, sm, hf ? NAME("%sembeddings.position_embeddings", px) : "pos_embed", tmp);
-    vit_put(m, m->pos, m->h_pos, tmp, m->T * d);
+    backend_set_weight(m->be, m->pos, m->h_pos, tmp, m->T * d);
     st_model_read_f32(sm, hf ? NAME("%sembeddings.patch_embeddings.projection.weight", px) : "patch_embed.proj.weight", 4, pw_shape, tmp);
-    vit_put(m, *linear_weight_slot(m->be, &m->patch), m->patch.dW ? m->patch.W : NULL, tmp, d * patch_len(c));
+    backend_set_weight(m->be, *linear_weight_slot(m->be, &m->patch), m->patch.dW ? m->patch.W : NULL, tmp, d * patch_len(c));
     read_1d(sm, hf ? NAME("%sembeddings.patch_embeddings.projection.bias", px) : "patch_embed.proj.bias", d, tmp);
-    vit_put(m, m->patch_b, m->h_patch_b, tmp, d);
+    backend_set_weight(m->be, m->patch_b, m->h_patch_b, tmp, d);
     read_1d(sm, hf ? NAME("%slayernorm.weight", px) : "norm.weight", d, tmp);
-    vit_put(m, m->norm_g, m->h_norm_g, tmp, d);
+    backend_set_weight(m->be, m->norm_g, m->h_norm_g, tmp, d);
     read_1d(sm, hf ? NAME("%slayernorm.bias", px) : "norm.bias", d, tmp);
-    vit_put(m, m->norm_b, m->h_norm_b, tmp, d);
+    backend_set_weight(m->be, m->norm_b, m->h_norm_b, tmp, d);
 #undef NAME
 }
 
@@ -750,12 +720,12 @@ static void vit_random_weights(Vit* m, uint64_t seed) {
     float* zeros = (float*)xcalloc(d, sizeof(float));
     float* ones = (float*)xmalloc(sizeof(float) * d);
     for (int64_t i = 0; i < d; i++) ones[i] = 1.0f;
-    vit_put(m, m->cls, m->h_cls, tmp, d);
-    vit_put(m, m->pos, m->h_pos, tmp, m->T * d);
-    vit_put(m, *linear_weight_slot(m->be, &m->patch), m->patch.dW ? m->patch.W : NULL, tmp, d * patch_len(c));
-    vit_put(m, m->patch_b, m->h_patch_b, zeros, d);
-    vit_put(m, m->norm_g, m->h_norm_g, ones, d);
-    vit_put(m, m->norm_b, m->h_norm_b, zeros, d);
+    backend_set_weight(m->be, m->cls, m->h_cls, tmp, d);
+    backend_set_weight(m->be, m->pos, m->h_pos, tmp, m->T * d);
+    backend_set_weight(m->be, *linear_weight_slot(m->be, &m->patch), m->patch.dW ? m->patch.W : NULL, tmp, d * patch_len(c));
+    backend_set_weight(m->be, m->patch_b, m->h_patch_b, zeros, d);
+    backend_set_weight(m->be, m->norm_g, m->h_norm_g, ones, d);
+    backend_set_weight(m->be, m->norm_b, m->h_norm_b, zeros, d);
     for (int l = 0; l < c->layers; l++) {
         memcpy(vit_norm_host(m, l, LN1_G), ones, sizeof(float) * d);
         memcpy(vit_norm_host(m, l, LN2_G), ones, sizeof(float) * d);
@@ -924,13 +894,6 @@ static LossStats vit_forward_backward(Vit* m, int B, float grad_scale, int backw
 // ----------------------------------------------------------------------------------------------
 // Training step and evaluation
 
-typedef struct {
-    float loss, accuracy, grad_norm, lr;
-    double images;         // global images of the step (all ranks)
-    double comm_s;         // seconds spent in the gradient all-reduce
-    int skipped;           // --nonfinite skip: no update this step
-} StepResult;
-
 // One optimizer step over grad_accum micro-batches on every rank; the loss is the mean over all
 // images of the global step, so accumulation and data parallelism both equal one big batch.
 // Gradients are summed across ranks before clipping: the norm is the global one and every rank
@@ -947,20 +910,8 @@ static StepResult vit_train_step(Vit* m, ImageLoader* loader, const TrainOptions
         sums[0] += st.loss_sum;
         sums[1] += st.correct;
     }
-    double t_comm = wall_seconds();
-    dist_allreduce_sum_f64(dist, sums, 2);
-    StepResult r;
-    r.comm_s = wall_seconds() - t_comm;
-    r.images = (double)B * K * dist->world;
-    r.loss = (float)(sums[0] / r.images);
-    r.accuracy = (float)(sums[1] / r.images);
-    r.loss = train_fault_injected_loss(r.loss, step);
-    OptimStep os = trainable_step(&m->tr, o, dist, step, r.loss);
-    r.skipped = os.skipped;
-    r.grad_norm = os.grad_norm;
-    r.lr = os.lr;
-    r.comm_s += os.comm_s;
-    return r;
+    double images = (double)B * K * dist->world;
+    return train_step_finish(&m->tr, o, dist, step, sums, 2, images, images);
 }
 
 typedef struct {
@@ -1026,42 +977,9 @@ static const float* vit_merged_beta(const Vit* m, int l, int t) {
 static int vit_peft_entries(Vit* m, PeftEntry* e) {
     int n = 0;
     for (int l = 0; l < m->cfg.layers; l++)
-        for (int t = 0; t < N_TARGETS; t++) {
-            Linear* L = &m->layers[l].lin[t];
-            if (!L->A) continue;
-            snprintf(e[n].module, sizeof(e[n].module), "vit.encoder.layer.%d.%s", l, hf_module_names[t]);
-            e[n].L = L;
-            e[n].gamma = vit_merged_gamma(m, l, t);
-            n++;
-        }
+        for (int t = 0; t < N_TARGETS; t++)
+            n = peft_add_entry(e, n, &m->layers[l].lin[t], "vit.encoder.layer", l, hf_module_names[t], vit_merged_gamma(m, l, t));
     return n;
-}
-
-// out = (W + scale*B*A) (beta / gamma), the shift between a merged layer's bias and the original
-// one's (see above); fails when some gamma_j is 0 (no inverse).
-static void vit_merge_shift(float* out, const Vit* m, const Linear* L, const float* gamma, const float* beta, const char* module) {
-    float* u = (float*)xmalloc(sizeof(float) * L->in);
-    for (int j = 0; j < L->in; j++) {
-        if (gamma[j] == 0.0f)
-            fail("cannot map the adapter of %s between the merged and the original model: its norm's gamma[%d] is 0 (train with --norm std)", module, j);
-        u[j] = beta[j] / gamma[j];
-    }
-    float au[64];
-    int r = m->modes.rank;
-    float* ax = r <= 64 ? au : (float*)xmalloc(sizeof(float) * r);
-    for (int i = 0; i < r; i++) {
-        double s = 0.0;
-        for (int j = 0; j < L->in; j++) s += (double)L->A[(int64_t)i * L->in + j] * u[j];
-        ax[i] = (float)s;
-    }
-    for (int o = 0; o < L->out; o++) {
-        double s = 0.0;
-        for (int j = 0; j < L->in; j++) s += (double)L->W[(int64_t)o * L->in + j] * u[j];
-        for (int i = 0; i < r; i++) s += (double)m->modes.lora_scale * L->B[(int64_t)o * r + i] * ax[i];
-        out[o] = (float)s;
-    }
-    if (ax != au) free(ax);
-    free(u);
 }
 
 static void vit_save_adapter(Vit* m, const char* dir, const TrainOptions* o) {
@@ -1088,7 +1006,7 @@ static void vit_save_adapter(Vit* m, const char* dir, const TrainOptions* o) {
         memcpy(biases[i], L->bias, sizeof(float) * L->out);
         if (vit_merged_gamma(m, l, t)) {
             float* shift = (float*)xmalloc(sizeof(float) * L->out);
-            vit_merge_shift(shift, m, L, vit_merged_gamma(m, l, t), vit_merged_beta(m, l, t), e[i].module);
+            lora_merged_shift(shift, L, m->modes.rank, m->modes.lora_scale, vit_merged_gamma(m, l, t), vit_merged_beta(m, l, t), e[i].module);
             for (int k = 0; k < L->out; k++) biases[i][k] -= shift[k];
             free(shift);
         }
@@ -1138,7 +1056,7 @@ static void vit_load_adapter(Vit* m, const char* dir, const TrainOptions* o, int
         int l = atoi(e[i].module + strlen("vit.encoder.layer.")), t = 0;
         while (&m->layers[l].lin[t] != L) t++;
         float* shift = (float*)xcalloc(L->out, sizeof(float));
-        if (vit_merged_gamma(m, l, t)) vit_merge_shift(shift, m, L, vit_merged_gamma(m, l, t), vit_merged_beta(m, l, t), e[i].module);
+        if (vit_merged_gamma(m, l, t)) lora_merged_shift(shift, L, m->modes.rank, m->modes.lora_scale, vit_merged_gamma(m, l, t), vit_merged_beta(m, l, t), e[i].module);
         st_to_f32(tb, L->bias);
         for (int k = 0; k < L->out; k++) L->bias[k] += shift[k];
         free(shift);
@@ -1179,55 +1097,11 @@ static void vit_linear_original(const Vit* m, int l, int t, float* W, float* b) 
     memcpy(W, L->W, sizeof(float) * n);
     if (L->A) matmul_nn(W, L->B, L->A, L->out, L->in, m->modes.rank, m->modes.lora_scale, 1);
     memcpy(b, L->bias, sizeof(float) * L->out);
-    const float *g = vit_merged_gamma(m, l, t), *be = vit_merged_beta(m, l, t);
+    const float* g = vit_merged_gamma(m, l, t);
     if (!g) return;
-    double* u = (double*)xmalloc(sizeof(double) * L->in);
-    for (int j = 0; j < L->in; j++) {
-        if (g[j] == 0.0f)
-            fail("cannot export vit.encoder.layer.%d.%s to the original model: its norm's gamma[%d] is 0, so the merged layer has no "
-                 "inverse (train with --norm std)", l, hf_module_names[t], j);
-        u[j] = (double)be[j] / g[j];
-    }
-    for (int o = 0; o < L->out; o++) {
-        float* w = W + (int64_t)o * L->in;
-        double s = 0.0;
-        for (int j = 0; j < L->in; j++) s += (double)w[j] * u[j];
-        b[o] = (float)((double)b[o] - s);
-        for (int j = 0; j < L->in; j++) w[j] = (float)((double)w[j] / g[j]);
-    }
-    free(u);
-}
-
-// JSON out, as parsed (numbers that are integers print as integers).
-static void vit_json_dump(FILE* f, const Json* j, int indent) {
-    switch (j->type) {
-    case JSON_NULL: fputs("null", f); break;
-    case JSON_BOOL: fputs(j->boolean ? "true" : "false", f); break;
-    case JSON_NUMBER:
-        if (j->number == floor(j->number) && fabs(j->number) < 1e15) fprintf(f, "%lld", (long long)j->number);
-        else {  // the shortest form that reads back to the same double
-            char b[40];
-            for (int prec = 15; prec <= 17; prec++) { snprintf(b, sizeof(b), "%.*g", prec, j->number); if (strtod(b, NULL) == j->number) break; }
-            fputs(b, f);
-        }
-        break;
-    case JSON_STRING: json_write_string(f, j->string); break;
-    case JSON_ARRAY:
-        fputc('[', f);
-        for (int i = 0; i < j->count; i++) { if (i) fputs(", ", f); vit_json_dump(f, &j->items[i], indent); }
-        fputc(']', f);
-        break;
-    case JSON_OBJECT:
-        fputs("{", f);
-        for (int i = 0; i < j->count; i++) {
-            fprintf(f, "%s\n%*s", i ? "," : "", indent + 2, "");
-            json_write_string(f, j->keys[i]);
-            fputs(": ", f);
-            vit_json_dump(f, &j->items[i], indent + 2);
-        }
-        fprintf(f, "\n%*s}", indent, "");
-        break;
-    }
+    char module[160];
+    snprintf(module, sizeof(module), "vit.encoder.layer.%d.%s", l, hf_module_names[t]);
+    unmerge_norm_affine(W, b, L->out, L->in, g, vit_merged_beta(m, l, t), module);
 }
 
 // config.json of the exported model: the input's, without id2label / label2id / num_labels /
@@ -1252,7 +1126,7 @@ static void vit_export_config(const Vit* m, const char* model_dir, const char* d
         fprintf(f, "%s\n  ", k++ ? "," : "");
         json_write_string(f, key);
         fputs(": ", f);
-        vit_json_dump(f, &j.items[i], 2);
+        json_dump(f, &j.items[i], 2);
     }
     if (resized) fprintf(f, "%s\n  \"image_size\": [%d, %d]", k++ ? "," : "", m->img_h, m->img_w);
     fprintf(f, "%s\n  \"num_labels\": %d,\n  \"qkv_bias\": %s\n}\n", k ? "," : "", m->classes, qkv_bias ? "true" : "false");
@@ -1421,6 +1295,15 @@ static void vit_load_checkpoint_head(Vit* m, const char* dir) {
     trainable_to_device(&m->tr);
 }
 
+// A save after `step` steps (every rank: a sharded master comes together on rank 0): rank 0
+// writes the model (--full: a loadable model directory) or the adapter, every rank the state.
+static void vit_save(Vit* m, const TrainOptions* o, const Dist* dist, const char* out, const char* settings, int step, int64_t cursor) {
+    trainable_sync_host(&m->tr, dist);
+    if (dist->rank == 0 && m->modes.full) vit_export_merged(m, o, out);
+    else if (dist->rank == 0) vit_save_adapter(m, out, o);
+    trainable_save_state(&m->tr, dist, out, settings, step, cursor, o->seed);
+}
+
 // Everything a resumed run must share with the saved one, as "key=value" words.
 static void vit_settings_line(char* buf, size_t n, const Vit* m, const TrainOptions* o, const Dist* d, int64_t images) {
     const VitConfig* c = &m->cfg;
@@ -1433,27 +1316,6 @@ static void vit_settings_line(char* buf, size_t n, const Vit* m, const TrainOpti
 
 // ----------------------------------------------------------------------------------------------
 // main
-
-static VitModes vit_modes_from(const TrainOptions* o) {
-    VitModes md;
-    md.approx = strcmp(o->act, "approx") == 0;
-    md.ms = strcmp(o->norm, "ms") == 0;
-    md.ckpt = strcmp(o->recompute, "block") == 0;
-    md.full = o->full;
-    md.targets = o->full ? 0 : parse_targets(o->lora_targets, target_names, N_TARGETS, "lora-targets");
-    md.rank = o->lora_rank;
-    md.lora_scale = o->lora_alpha / (float)o->lora_rank;
-    return md;
-}
-
-static void vit_flags(FlagTable* t, TrainOptions* o) {
-    t->program = "train_vit";
-    t->usage = "--model DIR [--data TRAIN.bin --val VAL.bin] [flags]   (fine-tunes a ViT image classifier: LoRA and a new head, or every weight with --full)";
-    train_flags_register_task(t, o, "comma list of q,k,v,proj,fc1,fc2 (default all)", TRAIN_IMAGE);
-    t->group = "model and data";
-    flag_string(t, "export-merged", &o->export_merged,
-                "after training (or alone, with --adapter), write the model with the adapter folded in and the trained head to this directory");
-}
 
 // The fine-tuning resolution: --image-size S or HxW, else the checkpoint's.
 static void vit_resolution(const VitConfig* c, const char* flag, int* h, int* w) {
@@ -1470,17 +1332,13 @@ static void vit_resolution(const VitConfig* c, const char* flag, int* h, int* w)
     if (*h < 1 || *w < 1 || *h > 65536 || *w > 65536) fail("flag --image-size: expected sides in 1..65536, got \"%s\"", flag);
 }
 
-static void print_settings_json(char* buf, size_t n, const TrainOptions* o, const Vit* m, const char* device) {
+// --dry-run --json: the run's settings as the fields of a JSON object, into buf (plan_json writes them).
+static void vit_settings_json(char* buf, size_t n, const TrainOptions* o, const Vit* m, const char* device) {
     snprintf(buf, n,
              "\"model\": \"vit\", \"device\": \"%s\", \"mode\": \"%s\", \"act\": \"%s\", \"norm\": \"%s\", \"recompute\": \"%s\", "
              "\"batch\": %d, \"image_size\": [%d, %d], \"tokens_per_image\": %d, \"classes\": %d, \"lora_rank\": %d, \"lora_targets\": \"%s\"",
              device, o->mode, o->act, o->norm, o->recompute, o->batch, m->img_h, m->img_w, m->T, m->classes, o->lora_rank,
              o->lora_targets ? o->lora_targets : "q,k,v,proj,fc1,fc2");
-}
-
-static VitModes baseline_modes(VitModes md) {
-    md.approx = 0; md.ms = 0; md.ckpt = 0;
-    return md;
 }
 
 // What fit_check_plan plans with: the run's model, resolution, classes, backend and ranks.
@@ -1494,7 +1352,7 @@ typedef struct {
 
 static size_t vit_plan_bytes(const void* ctx, const TrainOptions* o, int batch, int world) {
     const VitPlanCtx* c = (const VitPlanCtx*)ctx;
-    VitModes md = vit_modes_from(o);
+    TrainModes md = train_modes_from(o, target_names, N_TARGETS);
     Dist ranks = dist_for_plan(c->dist, world);
     Vit m;
     vit_setup(&m, c->cfg, &md, batch, c->h, c->w, c->classes, c->src_bytes, c->be, &ranks);
@@ -1546,7 +1404,7 @@ static void run_data_close(RunData* rd) {
 
 // --dry-run: the plan of the run these flags describe, and the baseline plan beside it (with
 // --data or --val, for their class count and image size; else --classes or 10). Under mpirun, or for --ranks N, the plan is per rank (ZeRO-1 under --full).
-static void vit_dry_run(const VitConfig* cfg, const TrainOptions* o, VitModes md, const Dist* dist) {
+static void vit_dry_run(const VitConfig* cfg, const TrainOptions* o, TrainModes md, const Dist* dist) {
     int cpu = strcmp(o->device, "cpu") == 0;  // a dry run plans the CUDA layout unless told otherwise
     Backend be = backend_for_plan(!cpu);
     Dist ranks = dist_for_plan(dist, o->ranks ? o->ranks : dist->world);
@@ -1561,11 +1419,11 @@ static void vit_dry_run(const VitConfig* cfg, const TrainOptions* o, VitModes md
     }
     Vit m, base;
     vit_setup(&m, cfg, &md, o->batch, h, w, classes, src_bytes, &be, &ranks);
-    VitModes bm = baseline_modes(md);
+    TrainModes bm = train_baseline_modes(md);
     vit_setup(&base, cfg, &bm, o->batch, h, w, classes, src_bytes, &be, NULL);
     if (o->json) {
         char s[768];
-        print_settings_json(s, sizeof(s), o, &m, cpu ? "cpu" : "cuda");
+        vit_settings_json(s, sizeof(s), o, &m, cpu ? "cpu" : "cuda");
         plan_json(stdout, &m.plan, &base.plan, s);
     } else {
         printf("train_vit dry run: d=%d f=%d layers=%d heads=%d, image %dx%d patch %dx%d (%d tokens), %d classes, batch %d, ", cfg->dim,
@@ -1603,48 +1461,40 @@ static void vit_train(Vit* m, RunData* rd, const TrainOptions* o, const Dist* di
         train_count_skip(&skips, r.skipped, step);
         int last = step + 1 == stop;
         EvalResult e = {NAN, NAN, 0};
-        if (rank0 && rd->have_val && ((o->val_every > 0 && (step + 1) % o->val_every == 0) || last)) e = vit_evaluate(m, &rd->vl, o->val_batches);
-        if (rank0 && ((step + 1) % o->log_every == 0 || last || !isnan(e.loss) || r.skipped)) {
-            printf("step %4d/%d | loss %.4f | acc %.4f | lr %.2e | grad norm %.4f | %.0f img/s", step + 1, o->steps, r.loss, r.accuracy, r.lr,
-                   r.grad_norm, r.images / dt);
-            if (dist->world > 1) printf(" (%.0f per rank, %.0f%% in all-reduce)", r.images / dt / dist->world, 100.0 * r.comm_s / dt);
-            print_mfu(r.images / dt / dist->world, flops, peak);
-            if (!isnan(e.loss)) printf(" | val loss %.4f | val acc %.4f", e.loss, e.accuracy);
-            if (r.skipped) printf(" | skipped: non-finite loss or gradient");
-            printf("\n");
-            fflush(stdout);
-        }
+        if (rank0 && rd->have_val && train_val_due(o, step, last)) e = vit_evaluate(m, &rd->vl, o->val_batches);
+        char val[96];
+        snprintf(val, sizeof(val), "val loss %.4f | val acc %.4f", e.loss, e.accuracy);
+        if (rank0) train_print_step(o, dist, step, last, &r, dt, "img", flops, peak, isnan(e.loss) ? NULL : val);
         if (log) {
-            fprintf(log, "%d,%.6f,%.6f,%.6e,%.6f,%.1f,", step + 1, r.loss, r.accuracy, r.lr, r.grad_norm, r.images / dt);
+            fprintf(log, "%d,%.6f,%.6f,%.6e,%.6f,%.1f,", step + 1, r.loss, r.accuracy, r.lr, r.grad_norm, r.items / dt);
             if (!isnan(e.loss)) fprintf(log, "%.6f,%.6f\n", e.loss, e.accuracy);
             else fprintf(log, ",\n");
             fflush(log);
         }
-        if (out && train_save_due(o, step + 1)) {
-            trainable_sync_host(&m->tr, dist);  // every rank: a sharded master comes together on rank 0
-            if (rank0 && m->modes.full) vit_export_merged(m, o, out);  // a loadable model directory
-            else if (rank0) vit_save_adapter(m, out, o);
-            trainable_save_state(&m->tr, dist, out, settings, step + 1, rd->tl.cursor, o->seed);
-        }
+        if (out && train_save_due(o, step + 1)) vit_save(m, o, dist, out, settings, step + 1, rd->tl.cursor);
     }
     if (rank0) train_print_summary(o, start, stop, wall_seconds() - t0, comm, m->modes.full, &m->plan, m->be);
     if (log) fclose(log);
 }
 
+static void vit_flags(FlagTable* t, TrainOptions* o) {
+    t->program = "train_vit";
+    t->usage = "--model DIR [--data TRAIN.bin --val VAL.bin] [flags]   (fine-tunes a ViT image classifier: LoRA and a new head, or every weight with --full)";
+    train_flags_register_task(t, o, "comma list of q,k,v,proj,fc1,fc2 (default all)", TRAIN_IMAGE);
+    t->group = "model and data";
+    flag_string(t, "export-merged", &o->export_merged,
+                "after training (or alone, with --adapter), write the model with the adapter folded in and the trained head to this directory");
+}
+
 #ifndef TESTING
 int main(int argc, char** argv) {
     Dist dist;
-    dist_init(&dist, &argc, &argv);
     TrainOptions o;
-    train_options_defaults(&o);
-    FlagTable ft;
-    memset(&ft, 0, sizeof(ft));
-    vit_flags(&ft, &o);
-    train_parse_flags(&ft, &o, argc, argv);
+    train_start(&dist, &o, &argc, &argv, vit_flags);
     VitConfig cfg;
     vit_config_load(&cfg, o.model_dir);
     train_check_lora_rank(&o, cfg.dim, o.model_dir);
-    VitModes md = vit_modes_from(&o);
+    TrainModes md = train_modes_from(&o, target_names, N_TARGETS);
     if (o.dry_run) { if (dist.rank == 0) vit_dry_run(&cfg, &o, md, &dist); dist_finalize(&dist); return 0; }
     if (!o.data_path && !o.eval_only && !o.export_merged)
         fail("nothing to do: give --data (an image shard from scripts/data/prepare_images.py), --val with --eval-only, or --export-merged DIR with --adapter");
@@ -1666,7 +1516,7 @@ int main(int argc, char** argv) {
     vit_setup(&m, &cfg, &md, o.batch, h, w, classes, run_data_src_bytes(&rd), &be, &dist);
     VitPlanCtx pc = {&cfg, h, w, classes, run_data_src_bytes(&rd), &be, &dist};
     fit_check_plan(&be, &m.plan, vit_plan_bytes, &pc, &o, dist.world, dist.local_size);  // before any allocation
-    VitModes bm = baseline_modes(md);
+    TrainModes bm = train_baseline_modes(md);
     vit_setup(&base, &cfg, &bm, o.batch, h, w, classes, run_data_src_bytes(&rd), &be, &dist);
     vit_allocate(&m);
     if (o.random_init) vit_random_weights(&m, (uint64_t)o.seed);
@@ -1675,13 +1525,9 @@ int main(int argc, char** argv) {
     if (o.adapter_dir) vit_load_adapter(&m, o.adapter_dir, &o, o.eval_only || !o.data_path);
     else if (o.eval_only) vit_load_checkpoint_head(&m, o.model_dir);
     if (dist.rank == 0) {
-        char what[160];
-        if (md.full) snprintf(what, sizeof(what), "full fine-tuning of every weight");
-        else snprintf(what, sizeof(what), "LoRA r=%d alpha=%g on %s", o.lora_rank, o.lora_alpha, o.lora_targets ? o.lora_targets : "all");
         backend_print_device(&be, dist.world > 1 || dist_has_nccl(&dist) ? dist_gpu_collectives(&dist) : NULL);
-        char where[64];
-        if (be.cuda) snprintf(where, sizeof(where), "CUDA GPU %d x %d ranks", be.device, dist.world);
-        else snprintf(where, sizeof(where), "CPU, %d threads x %d ranks", omp_get_max_threads(), dist.world);
+        char what[160], where[64];
+        train_describe(&o, &be, &dist, what, sizeof(what), where, sizeof(where));
         printf("train_vit: %s | d=%d f=%d layers=%d heads=%d | image %dx%d (checkpoint %dx%d) patch %dx%d, %d tokens | %d classes | act=%s norm=%s recompute=%s | "
                "%s + head (%lld trainable params) | %s\n",
                o.model_dir, cfg.dim, cfg.hidden, cfg.layers, cfg.heads, h, w, cfg.image_h, cfg.image_w, cfg.patch_h, cfg.patch_w, m.T, classes,
@@ -1689,10 +1535,7 @@ int main(int argc, char** argv) {
         if (rd.have_train) printf("data: %s (%lld images %dx%dx%d, %d classes)", o.data_path, (long long)rd.train.n, rd.train.H, rd.train.W, rd.train.C, rd.train.classes);
         if (rd.have_val) printf("%sval %s (%lld images)", rd.have_train ? ", " : "data: ", o.val_path, (long long)rd.val.n);
         printf("\n");
-        char layout[64];
-        snprintf(layout, sizeof(layout), "%s%s", be.layout, dist.world > 1 ? ", per rank" : "");
-        plan_print(&m.plan, &base.plan, o.mode, layout);
-        trainable_print_parallel(&m.tr, &dist);
+        train_print_plan(&o, &be, &dist, &m.plan, &base.plan, &m.tr);
     }
     vit_free(&base);
     if (o.eval_only) {

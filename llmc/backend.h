@@ -188,6 +188,15 @@ static void backend_free_staging(const Backend* be, void* p) {
     free(p);
 }
 
+// The host side of batch buffer `dev` (what the loader fills): on the CPU the buffer itself, on
+// CUDA staging of `bytes`, uploaded each step (backend_upload is a no-op when the two are one).
+static void* backend_host_side(const Backend* be, void* dev, size_t bytes) {
+    return be->cuda ? backend_alloc_staging(be, bytes) : dev;
+}
+static void backend_free_host_side(const Backend* be, void* host) {
+    if (be->cuda) backend_free_staging(be, host);
+}
+
 // Byte copies between the host and the backend (plain memcpy on the CPU; no-ops when equal).
 static void backend_upload(const Backend* be, void* dst, const void* src, size_t bytes) {
     if (!bytes || dst == src) return;
@@ -221,6 +230,14 @@ static void backend_upload_weights(const Backend* be, void* dst, const float* sr
     }
     free(tmp);
 #endif
+}
+
+// n fp32 values into a weight: a frozen one to the backend (backend_upload_weights); a trained
+// one (host_mirror non-NULL, --full) into the trainable arena's host mirror, which
+// trainable_to_device sends on with its shadow once everything is loaded.
+static void backend_set_weight(const Backend* be, void* dev, float* host_mirror, const float* src, int64_t n) {
+    if (host_mirror) memcpy(host_mirror, src, sizeof(float) * n);
+    else backend_upload_weights(be, dev, src, n);
 }
 
 static void backend_sync(const Backend* be) {

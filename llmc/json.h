@@ -1,5 +1,6 @@
-// json.h: a small strict JSON reader (config.json, safetensors headers, index files) and the
-// few lookups the loaders need. Parse errors name the source and the byte offset.
+// json.h: a small strict JSON reader (config.json, safetensors headers, index files), the few
+// lookups the loaders need, and the writer of a parsed value (an exported config.json). Parse
+// errors name the source and the byte offset.
 #pragma once
 #include <math.h>
 #include "common.h"
@@ -248,4 +249,36 @@ static void json_write_string(FILE* f, const char* s) {
         else fputc(*c, f);
     }
     fputc('"', f);
+}
+
+// JSON out, as parsed (numbers that are integers print as integers).
+static void json_dump(FILE* f, const Json* j, int indent) {
+    switch (j->type) {
+    case JSON_NULL: fputs("null", f); break;
+    case JSON_BOOL: fputs(j->boolean ? "true" : "false", f); break;
+    case JSON_NUMBER:
+        if (j->number == floor(j->number) && fabs(j->number) < 1e15) fprintf(f, "%lld", (long long)j->number);
+        else {  // the shortest form that reads back to the same double
+            char b[40];
+            for (int prec = 15; prec <= 17; prec++) { snprintf(b, sizeof(b), "%.*g", prec, j->number); if (strtod(b, NULL) == j->number) break; }
+            fputs(b, f);
+        }
+        break;
+    case JSON_STRING: json_write_string(f, j->string); break;
+    case JSON_ARRAY:
+        fputc('[', f);
+        for (int i = 0; i < j->count; i++) { if (i) fputs(", ", f); json_dump(f, &j->items[i], indent); }
+        fputc(']', f);
+        break;
+    case JSON_OBJECT:
+        fputs("{", f);
+        for (int i = 0; i < j->count; i++) {
+            fprintf(f, "%s\n%*s", i ? "," : "", indent + 2, "");
+            json_write_string(f, j->keys[i]);
+            fputs(": ", f);
+            json_dump(f, &j->items[i], indent + 2);
+        }
+        fprintf(f, "\n%*s}", indent, "");
+        break;
+    }
 }

@@ -1,7 +1,8 @@
 // lora.h: the linear layer both models are built from: a frozen weight W [out, in] and optional
 // frozen bias, plus an optional LoRA adapter (A [r, in], B [out, r], trainable) whose update is
 // scale * B (A x). Forward, backward, the fresh-adapter init, the wiring of adapters into the
-// flat trainable arena, and the merge of a preceding norm's affine into W (MS norms).
+// flat trainable arena, and the merge of a preceding norm's affine into W (MS norms) and its
+// inverse (exports and adapters in the original model's terms).
 // These are the CPU twins (llmc/cpu/matmul.h); the CUDA backend runs the same layer through
 // llmc/cuda/linear.cuh, with the device copy of each layer in LinearDevice (llmc/ops.h dispatches).
 #pragma once
@@ -129,4 +130,52 @@ static void merge_norm_affine(float* W, float* bias, int out, int in, const floa
 }
 static void linear_merge_norm_affine(Linear* L, const float* gamma, const float* beta) {
     merge_norm_affine(L->W, L->bias, L->out, L->in, gamma, beta);
+}
+
+// Its inverse, on a merged weight W' [out, in] (its adapter folded in, if any) and bias b': the
+// original layer's W = W' diag(1/gamma), b = b' - W' (beta / gamma). A zero gamma has no inverse:
+// fails, naming the module.
+static void unmerge_norm_affine(float* W, float* b, int out, int in, const float* g, const float* be, const char* module) {
+    double* u = (double*)xmalloc(sizeof(double) * in);
+    for (int j = 0; j < in; j++) {
+        if (g[j] == 0.0f)
+            fail("cannot export %s to the original model: its norm's gamma[%d] is 0, so the merged layer has no "
+                 "inverse (train with --norm std)", module, j);
+        u[j] = (double)be[j] / g[j];
+    }
+    for (int o = 0; o < out; o++) {
+        float* w = W + (int64_t)o * in;
+        double s = 0.0;
+        for (int j = 0; j < in; j++) s += (double)w[j] * u[j];
+        b[o] = (float)((double)b[o] - s);
+        for (int j = 0; j < in; j++) w[j] = (float)((double)w[j] / g[j]);
+    }
+    free(u);
+}
+
+// out = (W + scale*B*A) (beta / gamma): the shift between the bias of a merged layer with an
+// adapter and the original layer's (what a PEFT adapter of a merged layer carries in its bias),
+// without forming B*A; fails when some gamma_j is 0 (no inverse).
+static void lora_merged_shift(float* out, const Linear* L, int r, float scale, const float* gamma, const float* beta, const char* module) {
+    float* u = (float*)xmalloc(sizeof(float) * L->in);
+    for (int j = 0; j < L->in; j++) {
+        if (gamma[j] == 0.0f)
+            fail("cannot map the adapter of %s between the merged and the original model: its norm's gamma[%d] is 0 (train with --norm std)", module, j);
+        u[j] = beta[j] / gamma[j];
+    }
+    float au[64];
+    float* ax = r <= 64 ? au : (float*)xmalloc(sizeof(float) * r);
+    for (int i = 0; i < r; i++) {
+        double s = 0.0;
+        for (int j = 0; j < L->in; j++) s += (double)L->A[(int64_t)i * L->in + j] * u[j];
+        ax[i] = (float)s;
+    }
+    for (int o = 0; o < L->out; o++) {
+        double s = 0.0;
+        for (int j = 0; j < L->in; j++) s += (double)L->W[(int64_t)o * L->in + j] * u[j];
+        for (int i = 0; i < r; i++) s += (double)scale * L->B[(int64_t)o * r + i] * ax[i];
+        out[o] = (float)s;
+    }
+    if (ax != au) free(ax);
+    free(u);
 }

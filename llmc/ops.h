@@ -17,8 +17,10 @@
 #include "cpu/activations.h"
 #include "cpu/attention.h"
 #include "cpu/loss.h"
+#include "cpu/misc.h"
 #include "attn_plan.h"
 #include "blas_plan.h"
+#include "loss_buffers.h"
 #ifdef LLMC_HAVE_CUDA
 #include "cuda/norms.cuh"
 #include "cuda/activations.cuh"
@@ -34,9 +36,6 @@
 #ifdef LLMC_HAVE_CUDA
 #define B16(p) ((bf16*)(p))
 #define CB16(p) ((const bf16*)(p))
-#define OP_CUDA(be, call) if ((be)->cuda) { call; return; }
-#else
-#define OP_CUDA(be, call)
 #endif
 
 // ---- copies ------------------------------------------------------------------------------------
@@ -44,55 +43,72 @@
 // dst = src, n activation elements (device-to-device on CUDA).
 static void op_copy(const Backend* be, void* dst, const void* src, int64_t n) {
     if (dst == src || n == 0) return;
-    OP_CUDA(be, CUDA_CHECK(cudaMemcpyAsync(dst, src, (size_t)n * be->abytes, cudaMemcpyDeviceToDevice, be->stream)))
+#ifdef LLMC_HAVE_CUDA
+    if (be->cuda) { CUDA_CHECK(cudaMemcpyAsync(dst, src, (size_t)n * be->abytes, cudaMemcpyDeviceToDevice, be->stream)); return; }
+#endif
     memcpy(dst, src, (size_t)n * be->abytes);
 }
 
 static void op_zero(const Backend* be, void* p, size_t bytes) {
     if (!bytes) return;
-    OP_CUDA(be, CUDA_CHECK(cudaMemsetAsync(p, 0, bytes, be->stream)))
+#ifdef LLMC_HAVE_CUDA
+    if (be->cuda) { CUDA_CHECK(cudaMemsetAsync(p, 0, bytes, be->stream)); return; }
+#endif
     memset(p, 0, bytes);
 }
 
 // out = a * b elementwise (rebuilding SwiGLU's down input from silu(g) and u).
 static void op_mul(const Backend* be, void* out, const void* a, const void* b, int64_t n) {
-    OP_CUDA(be, multiply_cuda(B16(out), CB16(a), CB16(b), n, be->stream))
-#pragma omp parallel for schedule(static) if (n > 32768)
-    for (int64_t i = 0; i < n; i++) F32(out)[i] = CF32(a)[i] * CF32(b)[i];
+#ifdef LLMC_HAVE_CUDA
+    if (be->cuda) { multiply_cuda(B16(out), CB16(a), CB16(b), n, be->stream); return; }
+#endif
+    multiply(F32(out), CF32(a), CF32(b), n);
 }
 
 // x[n] = embed[ids[n]] (rows of d).
 static void op_embed(const Backend* be, void* x, const void* embed, const int* ids, int64_t N, int d) {
-    OP_CUDA(be, embed_tokens_cuda(B16(x), CB16(embed), ids, N, d, be->stream))
+#ifdef LLMC_HAVE_CUDA
+    if (be->cuda) { embed_tokens_cuda(B16(x), CB16(embed), ids, N, d, be->stream); return; }
+#endif
     embed_tokens(F32(x), CF32(embed), ids, N, d);
 }
 
 // dE[ids[n]] += dx[n]: the gradient of a trained embedding (fp32 dE on both backends), each row's
 // tokens summed in text order before the add (order: embedding_token_order of the batch).
 static void op_embedding_backward(const Backend* be, float* dE, const void* dx, const int* ids, const int* order, int64_t N, int d) {
-    OP_CUDA(be, embedding_backward_cuda(dE, CB16(dx), ids, order, N, d, be->stream))
+#ifdef LLMC_HAVE_CUDA
+    if (be->cuda) { embedding_backward_cuda(dE, CB16(dx), ids, order, N, d, be->stream); return; }
+#endif
     embedding_backward(dE, CF32(dx), ids, order, N, d);
 }
 
 // ---- norms -------------------------------------------------------------------------------------
 
 static void op_rmsnorm_forward(const Backend* be, void* y, float* r, const void* x, const void* gamma, int64_t N, int d, float eps) {
-    OP_CUDA(be, rmsnorm_forward_cuda(B16(y), r, CB16(x), CB16(gamma), N, d, eps, be->stream))
+#ifdef LLMC_HAVE_CUDA
+    if (be->cuda) { rmsnorm_forward_cuda(B16(y), r, CB16(x), CB16(gamma), N, d, eps, be->stream); return; }
+#endif
     rmsnorm_forward(F32(y), r, CF32(x), CF32(gamma), N, d, eps);
 }
 // dx += standard RMSNorm backward from the kept input x.
 static void op_rmsnorm_backward(const Backend* be, void* dx, const void* dy, const void* x, const float* r, const void* gamma, int64_t N, int d) {
-    OP_CUDA(be, rmsnorm_backward_cuda(B16(dx), CB16(dy), CB16(x), r, CB16(gamma), N, d, be->stream))
+#ifdef LLMC_HAVE_CUDA
+    if (be->cuda) { rmsnorm_backward_cuda(B16(dx), CB16(dy), CB16(x), r, CB16(gamma), N, d, be->stream); return; }
+#endif
     rmsnorm_backward(F32(dx), CF32(dy), CF32(x), r, CF32(gamma), N, d);
 }
 // dgamma += sum over rows of dy * x * r: a trained RMSNorm gamma (fp32 dgamma on both backends).
 static void op_rmsnorm_gamma_grad(const Backend* be, float* dgamma, const void* dy, const void* x, const float* r, int64_t N, int d) {
-    OP_CUDA(be, rmsnorm_gamma_grad_cuda(dgamma, CB16(dy), CB16(x), r, N, d, be->stream))
+#ifdef LLMC_HAVE_CUDA
+    if (be->cuda) { rmsnorm_gamma_grad_cuda(dgamma, CB16(dy), CB16(x), r, N, d, be->stream); return; }
+#endif
     rmsnorm_gamma_grad(dgamma, CF32(dy), CF32(x), r, N, d);
 }
 // dx += MS-RMSNorm backward from the normalised output z and r alone.
 static void op_rmsnorm_ms_backward(const Backend* be, void* dx, const void* dz, const void* z, const float* r, int64_t N, int d) {
-    OP_CUDA(be, rmsnorm_ms_backward_cuda(B16(dx), CB16(dz), CB16(z), r, N, d, be->stream))
+#ifdef LLMC_HAVE_CUDA
+    if (be->cuda) { rmsnorm_ms_backward_cuda(B16(dx), CB16(dz), CB16(z), r, N, d, be->stream); return; }
+#endif
     rmsnorm_ms_backward(F32(dx), CF32(dz), CF32(z), r, N, d);
 }
 
@@ -123,7 +139,9 @@ static void** linear_bias_slot(const Backend* be, Linear* L) { return be->cuda ?
 
 static void op_rope(const Backend* be, void* x, const float* cos_t, const float* sin_t, const int* pos, int64_t N, int T, int nheads,
                     int hd, int inverse) {
-    OP_CUDA(be, rope_apply_cuda(B16(x), cos_t, sin_t, pos, N, T, nheads, hd, inverse, be->stream))
+#ifdef LLMC_HAVE_CUDA
+    if (be->cuda) { rope_apply_cuda(B16(x), cos_t, sin_t, pos, N, T, nheads, hd, inverse, be->stream); return; }
+#endif
     rope_apply(F32(x), cos_t, sin_t, pos, N, T, nheads, hd, inverse);
 }
 
@@ -133,6 +151,13 @@ static void op_rope(const Backend* be, void* x, const float* cos_t, const float*
 // (the first GPU sessions compare the two).
 static size_t op_attention_work_bytes(const Backend* be, AttnShape s) {
     return be->cuda ? attn_gemm_work_bytes(&s, 1) : 0;  // also holds the flash backward's B*H*T row sums
+}
+
+// Declares that workspace for shape s in the plan (the CPU kernels need none); returns its bytes.
+static size_t op_plan_attention_work(const Backend* be, MemPlan* p, AttnShape s, void** work) {
+    size_t bytes = op_attention_work_bytes(be, s);
+    if (be->cuda) plan_add(p, MEM_SCRATCH, "attention", -1, "attn_workspace", bytes, work);
+    return bytes;
 }
 
 // The planned workspace `work` of `bytes`, if shape s fits in it (generation's shorter windows, a
@@ -184,19 +209,25 @@ static void op_attention_backward(const Backend* be, void* dq, void* dk, void* d
 // Generation: n new queries at positions start.. against the key/value cache kc, vc (causal).
 static void op_attention_cached(const Backend* be, void* o, const void* q, const void* kc, const void* vc, int n, int start, int H,
                                 int KVH, int hd) {
-    OP_CUDA(be, attention_cached_cuda(B16(o), CB16(q), CB16(kc), CB16(vc), n, start, H, KVH, hd, be->stream))
+#ifdef LLMC_HAVE_CUDA
+    if (be->cuda) { attention_cached_cuda(B16(o), CB16(q), CB16(kc), CB16(vc), n, start, H, KVH, hd, be->stream); return; }
+#endif
     attention_cached(F32(o), CF32(q), CF32(kc), CF32(vc), n, start, H, KVH, hd);
 }
 
 // ---- activations -------------------------------------------------------------------------------
 
 static void op_swiglu_forward(const Backend* be, void* p, void* sg, uint8_t* codes, const void* g, const void* u, int64_t n) {
-    OP_CUDA(be, swiglu_forward_cuda(B16(p), B16(sg), codes, CB16(g), CB16(u), n, be->stream))
+#ifdef LLMC_HAVE_CUDA
+    if (be->cuda) { swiglu_forward_cuda(B16(p), B16(sg), codes, CB16(g), CB16(u), n, be->stream); return; }
+#endif
     swiglu_forward(F32(p), F32(sg), codes, CF32(g), CF32(u), n);
 }
 static void op_swiglu_backward(const Backend* be, void* dg, void* du, const void* dp, const void* sg, const void* u, const void* g,
                                const uint8_t* codes, int64_t n) {
-    OP_CUDA(be, swiglu_backward_cuda(B16(dg), B16(du), CB16(dp), CB16(sg), CB16(u), CB16(g), codes, n, be->stream))
+#ifdef LLMC_HAVE_CUDA
+    if (be->cuda) { swiglu_backward_cuda(B16(dg), B16(du), CB16(dp), CB16(sg), CB16(u), CB16(g), codes, n, be->stream); return; }
+#endif
     swiglu_backward(F32(dg), F32(du), CF32(dp), CF32(sg), CF32(u), CF32(g), codes, n);
 }
 
@@ -209,42 +240,16 @@ static void op_plan_matmul_workspace(const Backend* be, MemPlan* p, void** work)
     if (be->cuda) plan_add_aligned(p, MEM_SCRATCH, "cublas", -1, "cublas_workspace", BLAS_WORKSPACE_BYTES, work, BLAS_WORKSPACE_ALIGN);
 }
 static void op_attach_matmul_workspace(const Backend* be, void* work) {
-    OP_CUDA(be, cublas_attach_workspace(work, BLAS_WORKSPACE_BYTES))
+#ifdef LLMC_HAVE_CUDA
+    if (be->cuda) { cublas_attach_workspace(work, BLAS_WORKSPACE_BYTES); return; }
+#endif
     (void)work;
 }
 static void op_detach_matmul_workspace(const Backend* be, void* work) {
-    OP_CUDA(be, cublas_detach_workspace(work))
+#ifdef LLMC_HAVE_CUDA
+    if (be->cuda) { cublas_detach_workspace(work); return; }
+#endif
     (void)work;
-}
-
-// The loss chunk's buffers, typed per backend (planned by op_plan_lm_head_loss).
-typedef struct {
-    void* z;               // [chunk, d] activations
-    float* r;              // [chunk]
-    float* logits;         // [chunk, V] fp32
-    void* dlogits;         // [chunk, V] (CUDA: bf16; the CPU turns logits into dlogits in place)
-    void* dz;              // [chunk, d] (CPU fp32, CUDA bf16)
-    float* row_stats;      // [chunk, 3] (CUDA)
-    double* stats;         // [3] (CUDA)
-} LossBuffers;
-
-// At most ~64 MiB of fp32 logits per chunk, never the whole tokens x vocab matrix.
-static int64_t lm_head_chunk(int64_t N, int64_t V) {
-    int64_t chunk = (64ll << 20) / (V * 4);
-    if (chunk < 1) chunk = 1;
-    return chunk > N ? N : chunk;
-}
-
-static void op_plan_lm_head_loss(const Backend* be, MemPlan* p, LossBuffers* lb, int64_t chunk, int64_t d, int64_t V) {
-    int a = be->abytes;
-    plan_add(p, MEM_SCRATCH, "loss", -1, "loss_z", chunk * d * a, &lb->z);
-    plan_add(p, MEM_SCRATCH, "loss", -1, "loss_r", chunk * 4, &lb->r);
-    plan_add(p, MEM_SCRATCH, "loss", -1, "loss_logits", chunk * V * 4, &lb->logits);
-    plan_add(p, MEM_SCRATCH, "loss", -1, "loss_dz", chunk * d * a, &lb->dz);
-    if (!be->cuda) return;
-    plan_add(p, MEM_SCRATCH, "loss", -1, "loss_dlogits", chunk * V * a, &lb->dlogits);
-    plan_add(p, MEM_SCRATCH, "loss", -1, "loss_row_stats", chunk * 3 * 4, &lb->row_stats);
-    plan_add(p, MEM_SCRATCH, "loss", -1, "loss_stats", 3 * 8, &lb->stats);
 }
 
 // Final RMSNorm + head + CE over N tokens in chunks; dxf (when non-NULL) accumulates the gradient
@@ -275,36 +280,48 @@ static void op_lm_head_loss(const Backend* be, const void* xf, const void* gamma
 // the next linears; mean not written then).
 static void op_layernorm_forward(const Backend* be, void* y, float* r, float* mean, const void* x, const void* gamma, const void* beta,
                                  int64_t N, int d, float eps) {
-    OP_CUDA(be, layernorm_forward_cuda(B16(y), r, mean, CB16(x), CB16(gamma), CB16(beta), N, d, eps, be->stream))
+#ifdef LLMC_HAVE_CUDA
+    if (be->cuda) { layernorm_forward_cuda(B16(y), r, mean, CB16(x), CB16(gamma), CB16(beta), N, d, eps, be->stream); return; }
+#endif
     layernorm_forward(F32(y), r, mean, CF32(x), CF32(gamma), CF32(beta), N, d, eps);
 }
 // dx += standard LayerNorm backward from the kept input x.
 static void op_layernorm_backward(const Backend* be, void* dx, const void* dy, const void* x, const float* mean, const float* r,
                                   const void* gamma, int64_t N, int d) {
-    OP_CUDA(be, layernorm_backward_cuda(B16(dx), CB16(dy), CB16(x), mean, r, CB16(gamma), N, d, be->stream))
+#ifdef LLMC_HAVE_CUDA
+    if (be->cuda) { layernorm_backward_cuda(B16(dx), CB16(dy), CB16(x), mean, r, CB16(gamma), N, d, be->stream); return; }
+#endif
     layernorm_backward(F32(dx), CF32(dy), CF32(x), mean, r, CF32(gamma), N, d);
 }
 // dgamma += sum over rows of dy * (x - mean) * r, dbeta += sum of dy: a trained LayerNorm affine
 // (fp32 gradients on both backends).
 static void op_layernorm_affine_grad(const Backend* be, float* dgamma, float* dbeta, const void* dy, const void* x, const float* mean,
                                      const float* r, int64_t N, int d) {
-    OP_CUDA(be, layernorm_affine_grad_cuda(dgamma, dbeta, CB16(dy), CB16(x), mean, r, N, d, be->stream))
+#ifdef LLMC_HAVE_CUDA
+    if (be->cuda) { layernorm_affine_grad_cuda(dgamma, dbeta, CB16(dy), CB16(x), mean, r, N, d, be->stream); return; }
+#endif
     layernorm_affine_grad(dgamma, dbeta, CF32(dy), CF32(x), mean, r, N, d);
 }
 // dx += MS-LN backward from the normalised output z and r alone.
 static void op_layernorm_ms_backward(const Backend* be, void* dx, const void* dz, const void* z, const float* r, int64_t N, int d) {
-    OP_CUDA(be, layernorm_ms_backward_cuda(B16(dx), CB16(dz), CB16(z), r, N, d, be->stream))
+#ifdef LLMC_HAVE_CUDA
+    if (be->cuda) { layernorm_ms_backward_cuda(B16(dx), CB16(dz), CB16(z), r, N, d, be->stream); return; }
+#endif
     layernorm_ms_backward(F32(dx), CF32(dz), CF32(z), r, N, d);
 }
 
 // y = gelu(x), the 2-bit ReGELU2 codes of x when codes is non-NULL.
 static void op_gelu_forward(const Backend* be, void* y, uint8_t* codes, const void* x, int64_t n, int tanh_form) {
-    OP_CUDA(be, gelu_forward_cuda(B16(y), codes, CB16(x), n, tanh_form, be->stream))
+#ifdef LLMC_HAVE_CUDA
+    if (be->cuda) { gelu_forward_cuda(B16(y), codes, CB16(x), n, tanh_form, be->stream); return; }
+#endif
     gelu_forward(F32(y), codes, CF32(x), n, tanh_form);
 }
 // dx = dy * gelu'(x) (exact, x kept) or dy * level(code) (ReGELU2, x NULL); dx may alias dy.
 static void op_gelu_backward(const Backend* be, void* dx, const void* dy, const void* x, const uint8_t* codes, int64_t n, int tanh_form) {
-    OP_CUDA(be, gelu_backward_cuda(B16(dx), CB16(dy), CB16(x), codes, n, tanh_form, be->stream))
+#ifdef LLMC_HAVE_CUDA
+    if (be->cuda) { gelu_backward_cuda(B16(dx), CB16(dy), CB16(x), codes, n, tanh_form, be->stream); return; }
+#endif
     gelu_backward(F32(dx), CF32(dy), CF32(x), codes, n, tanh_form);
 }
 
@@ -313,26 +330,15 @@ static void op_gelu_backward(const Backend* be, void* dx, const void* dy, const 
 // (py, px) unfolded in the conv kernel's (c, i, j) order; the class token's row (t = 0) is zero,
 // so the patch product lands straight in the residual stream.
 static void op_patch_unfold(const Backend* be, void* patches, const void* pixels_be, int B, int C, int H, int W, int ph, int pw) {
-    int gw = W / pw, T = 1 + (H / ph) * gw;
 #ifdef LLMC_HAVE_CUDA
     if (be->cuda) {
+        int gw = W / pw, T = 1 + (H / ph) * gw;
         PatchShape s = {B, T, C, H, W, ph, pw, gw};
         patch_unfold_cuda(B16(patches), CB16(pixels_be), s, be->stream);
         return;
     }
 #endif
-    const float* pixels = CF32(pixels_be);
-    int64_t P = (int64_t)C * ph * pw, N = (int64_t)B * T;
-#pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < N; n++) {
-        float* row = F32(patches) + n * P;
-        int b = (int)(n / T), t = (int)(n % T);
-        if (t == 0) { memset(row, 0, sizeof(float) * P); continue; }
-        int py = (t - 1) / gw, px = (t - 1) % gw;
-        for (int ch = 0; ch < C; ch++)
-            for (int i = 0; i < ph; i++)
-                memcpy(row + ((int64_t)ch * ph + i) * pw, pixels + (((int64_t)b * C + ch) * H + py * ph + i) * W + px * pw, sizeof(float) * pw);
-    }
+    patch_unfold(F32(patches), CF32(pixels_be), B, C, H, W, ph, pw);
 }
 
 // CUDA only: raw images [B, sH, sW, sC] (uint8, device) -> pixels [B, C, H, W] (bf16): bilinear
@@ -357,45 +363,50 @@ static void op_resize_normalize_images(const Backend* be, void* pixels, const ui
 // After the patch product x [N, d] (N = B*T): x[b, 0] = cls + pos[0] (the class token);
 // x[b, t] += patch_b + pos[t] for the patches (t > 0).
 static void op_patch_embed_finish(const Backend* be, void* x, const void* cls, const void* patch_b, const void* pos, int64_t N, int T, int d) {
-    OP_CUDA(be, patch_embed_finish_cuda(B16(x), CB16(cls), CB16(patch_b), CB16(pos), N, T, d, be->stream))
-#pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < N; n++) {
-        float* xr = F32(x) + n * d;
-        int64_t t = n % T;
-        const float* p = CF32(pos) + t * d;
-        if (t == 0) for (int i = 0; i < d; i++) xr[i] = CF32(cls)[i] + p[i];
-        else for (int i = 0; i < d; i++) xr[i] += CF32(patch_b)[i] + p[i];
-    }
+#ifdef LLMC_HAVE_CUDA
+    if (be->cuda) { patch_embed_finish_cuda(B16(x), CB16(cls), CB16(patch_b), CB16(pos), N, T, d, be->stream); return; }
+#endif
+    patch_embed_finish(F32(x), CF32(cls), CF32(patch_b), CF32(pos), N, T, d);
 }
 
 // Its backward when the embeddings train (fp32 gradients): dcls += sum_b dx[b, 0], dpos[t] +=
 // sum_b dx[b, t], dpatch_b += the sum over every patch row (t > 0).
 static void op_patch_embed_finish_backward(const Backend* be, float* dcls, float* dpatch_b, float* dpos, const void* dx, int64_t N, int T,
                                            int d) {
-    OP_CUDA(be, patch_embed_finish_backward_cuda(dcls, dpatch_b, dpos, CB16(dx), N, T, d, be->stream))
+#ifdef LLMC_HAVE_CUDA
+    if (be->cuda) { patch_embed_finish_backward_cuda(dcls, dpatch_b, dpos, CB16(dx), N, T, d, be->stream); return; }
+#endif
     patch_embed_finish_backward(dcls, dpatch_b, dpos, CF32(dx), N, T, d);
 }
 
 // dst[r*dst_stride + c] = src[r*src_stride + c], rows x d activations (strides in elements): the
 // class-token rows out of the residual stream, and their gradient back into it.
 static void op_copy_rows(const Backend* be, void* dst, int64_t dst_stride, const void* src, int64_t src_stride, int64_t rows, int d) {
-    OP_CUDA(be, copy_rows_cuda(B16(dst), dst_stride, CB16(src), src_stride, rows, d, be->stream))
-    for (int64_t r = 0; r < rows; r++) memcpy(F32(dst) + r * dst_stride, CF32(src) + r * src_stride, sizeof(float) * d);
+#ifdef LLMC_HAVE_CUDA
+    if (be->cuda) { copy_rows_cuda(B16(dst), dst_stride, CB16(src), src_stride, rows, d, be->stream); return; }
+#endif
+    copy_rows(F32(dst), dst_stride, CF32(src), src_stride, rows, d);
 }
 
 // n activations <-> fp32 (a cast on CUDA; on the CPU a copy, nothing when the buffers are one).
 static void op_acts_to_f32(const Backend* be, float* dst, const void* src, int64_t n) {
-    OP_CUDA(be, cast_bf16_to_f32_cuda(dst, CB16(src), n, be->stream))
+#ifdef LLMC_HAVE_CUDA
+    if (be->cuda) { cast_bf16_to_f32_cuda(dst, CB16(src), n, be->stream); return; }
+#endif
     if (dst != src) memcpy(dst, src, sizeof(float) * n);
 }
 static void op_f32_to_acts(const Backend* be, void* dst, const float* src, int64_t n) {
-    OP_CUDA(be, cast_f32_to_bf16_cuda(B16(dst), src, n, be->stream))
+#ifdef LLMC_HAVE_CUDA
+    if (be->cuda) { cast_f32_to_bf16_cuda(B16(dst), src, n, be->stream); return; }
+#endif
     if (dst != src) memcpy(dst, src, sizeof(float) * n);
 }
 
 // The fp32 linear layer (the classification head): y [N, out] = x W^T + bias.
 static void op_linear_f32_forward(const Backend* be, float* y, const float* x, const float* W, const float* bias, int N, int out, int in) {
-    OP_CUDA(be, matmul_nt_bias_cuda(y, x, W, bias, N, out, in, 1.0f, 0, be->stream))
+#ifdef LLMC_HAVE_CUDA
+    if (be->cuda) { matmul_nt_bias_cuda(y, x, W, bias, N, out, in, 1.0f, 0, be->stream); return; }
+#endif
     matmul_nt(y, x, W, N, out, in, 1.0f, 0);
     add_bias_rows(y, bias, N, out);
 }
@@ -413,19 +424,6 @@ static void op_linear_f32_backward(const Backend* be, float* dx, float* dW, floa
     matmul_tn(dW, dy, x, out, in, N, 1.0f, 1);
     bias_grad_rows(db, dy, N, out);
     matmul_nn(dx, dy, W, N, in, out, 1.0f, 0);
-}
-
-// Softmax cross-entropy over a few rows of fp32 logits (a classification head), every row
-// counted. Scratch of the CUDA reduction (planned by op_plan_ce_rows; none on the CPU).
-typedef struct {
-    float* row_stats;      // [rows, 3]
-    double* stats;         // [3]
-} CeBuffers;
-
-static void op_plan_ce_rows(const Backend* be, MemPlan* p, const char* module, CeBuffers* cb, int64_t rows) {
-    if (!be->cuda) return;
-    plan_add(p, MEM_SCRATCH, module, -1, "ce_row_stats", rows * 3 * 4, &cb->row_stats);
-    plan_add(p, MEM_SCRATCH, module, -1, "ce_stats", 3 * 8, &cb->stats);
 }
 
 // logits [rows, V] against targets [rows] (backend memory): loss, count and correct add to st (on
@@ -448,12 +446,5 @@ static void op_softmax_ce_rows(const Backend* be, float* dlogits, const float* l
     }
 #endif
     (void)cb;
-    for (int64_t i = 0; i < rows; i++) {  // ce_row works in place: on a copy of the row
-        float* row = dlogits + i * V;
-        memcpy(row, logits + i * V, sizeof(float) * V);
-        int am;
-        st->loss_sum += ce_row(row, V, targets[i], 1.0f, grad_scale, grad, &am);
-        st->correct += am == targets[i];
-        st->count += 1;
-    }
+    softmax_ce_rows(dlogits, logits, targets, rows, V, grad_scale, grad, st);
 }

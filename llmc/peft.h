@@ -23,6 +23,16 @@ typedef struct {           // a whole tensor saved alongside (ViT: the new class
     int64_t shape[2];
 } PeftExtra;
 
+// Appends the entry of linear L of block l when it carries an adapter: its Hugging Face module
+// path "<prefix>.<l>.<module>" and the norm gamma MS merged into it (or NULL). Returns the count.
+static int peft_add_entry(PeftEntry* e, int n, const Linear* L, const char* prefix, int l, const char* module, const float* gamma) {
+    if (!L->A) return n;
+    snprintf(e[n].module, sizeof(e[n].module), "%s.%d.%s", prefix, l, module);
+    e[n].L = L;
+    e[n].gamma = gamma;
+    return n + 1;
+}
+
 // A [r, in] scaled per input column: out[:, j] = A[:, j] * (invert ? 1/gamma_j : gamma_j).
 static void peft_scale_columns(float* out, const float* A, const float* gamma, int rank, int in, int invert, const char* module) {
     for (int j = 0; j < in; j++) {

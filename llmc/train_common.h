@@ -199,6 +199,38 @@ static unsigned parse_targets(const char* list, const char* const* names, int n,
     return mask;
 }
 
+// The switches a model reads, from the flags: the paper's memory modes and what trains.
+typedef struct {
+    int approx, ms, ckpt;
+    int recompute_product;  // --swiglu-product recompute (LLaMA only)
+    int generate;           // --generate: plan the key/value cache and the logits it samples from (LLaMA only)
+    int full;               // train the weights themselves instead of LoRA adapters
+    unsigned targets;       // bit t: linear t of every block carries an adapter
+    int rank;
+    float lora_scale;
+} TrainModes;
+
+// target_names: the model's linears in its order, what --lora-targets names.
+static TrainModes train_modes_from(const TrainOptions* o, const char* const* target_names, int n_targets) {
+    TrainModes md;
+    md.approx = strcmp(o->act, "approx") == 0;
+    md.ms = strcmp(o->norm, "ms") == 0;
+    md.ckpt = strcmp(o->recompute, "block") == 0;
+    md.recompute_product = strcmp(o->swiglu_product, "recompute") == 0;
+    md.full = o->full;
+    md.targets = o->full ? 0 : parse_targets(o->lora_targets, target_names, n_targets, "lora-targets");
+    md.rank = o->lora_rank;
+    md.lora_scale = o->lora_alpha / (float)o->lora_rank;
+    md.generate = o->generate > 0;
+    return md;
+}
+
+// The same run in --mode baseline: every memory-saving switch off (what plans are compared with).
+static TrainModes train_baseline_modes(TrainModes md) {
+    md.approx = 0; md.ms = 0; md.ckpt = 0; md.recompute_product = 0;
+    return md;
+}
+
 // Linear warmup to lr, then cosine decay to lr * min_frac at the last step.
 static float lr_at_step(const TrainOptions* o, int step) {
     if (o->warmup > 0 && step < o->warmup) return o->lr * (float)(step + 1) / (float)o->warmup;

@@ -1,12 +1,14 @@
 // train_loop.h: the pieces of the training loop both trainers share around their model: the
-// fault-injection hook, the non-finite step counter, when to stop and save, resume, the run's
-// log.csv and the closing summary.
+// fault-injection hook, the non-finite step counter, the end of a step (global loss, optimizer
+// step), when to validate, stop and save, resume, the start-up lines, the step's line, the run's
+// log.csv and the closing summary. Each trainer's loop (llama_train, vit_train) calls them in order.
 #pragma once
 #include "common.h"
 #include "plan.h"
 #include "backend.h"
 #include "train_common.h"
 #include "checkpoint.h"
+#include <omp.h>
 
 // LLMC_FAULT_NONFINITE_STEP=k makes step k's loss NaN (1-based), as a diverging run would: how the
 // tests reach --nonfinite's two behaviours on demand. Unset, it changes nothing.
@@ -23,6 +25,85 @@ static void train_count_skip(int* in_a_row, int skipped, int step) {
     if (*in_a_row >= TRAIN_MAX_SKIPS_IN_A_ROW)
         fail("step %d: %d steps in a row had a non-finite loss or gradient (--nonfinite skip); lower --lr or check the data", step + 1,
              *in_a_row);
+}
+
+// One optimizer step as the loop reports it.
+typedef struct {
+    float loss, accuracy, grad_norm, lr;  // accuracy: NAN where the model counts none
+    double items;          // global tokens or images of the step (all ranks)
+    double comm_s;         // seconds spent in cross-rank communication
+    int skipped;           // --nonfinite skip: no update this step
+} StepResult;
+
+// The end of a step on every rank, after its micro-batches: their sums (sums[0] the loss, sums[1]
+// the correct predictions when n is 2) added across ranks, the means over `count` items, then
+// the optimizer step on that global loss.
+static StepResult train_step_finish(Trainable* tr, const TrainOptions* o, const Dist* dist, int step, double* sums, int n, double count,
+                                    double items) {
+    double t_comm = wall_seconds();
+    dist_allreduce_sum_f64(dist, sums, n);
+    StepResult r;
+    r.comm_s = wall_seconds() - t_comm;
+    r.items = items;
+    r.loss = count > 0 ? (float)(sums[0] / count) : 0.0f;
+    r.accuracy = n > 1 ? (float)(sums[1] / count) : NAN;
+    r.loss = train_fault_injected_loss(r.loss, step);
+    OptimStep os = trainable_step(tr, o, dist, step, r.loss);
+    r.skipped = os.skipped;
+    r.grad_norm = os.grad_norm;
+    r.lr = os.lr;
+    r.comm_s += os.comm_s;
+    return r;
+}
+
+// Whether this step's validation runs: every --val-every steps, and at the last.
+static int train_val_due(const TrainOptions* o, int step, int last) {
+    return (o->val_every > 0 && (step + 1) % o->val_every == 0) || last;
+}
+
+// The step's line on stdout (rank 0): every --log-every steps, the last, one with validation
+// (`val`: its text, or NULL) and a skipped one. `unit`: what the throughput counts (tok, img).
+static void train_print_step(const TrainOptions* o, const Dist* dist, int step, int last, const StepResult* r, double dt, const char* unit,
+                             double flops_per_item, double peak_flops, const char* val) {
+    if ((step + 1) % o->log_every != 0 && !last && !val && !r->skipped) return;
+    printf("step %4d/%d | loss %.4f", step + 1, o->steps, r->loss);
+    if (!isnan(r->accuracy)) printf(" | acc %.4f", r->accuracy);
+    printf(" | lr %.2e | grad norm %.4f | %.0f %s/s", r->lr, r->grad_norm, r->items / dt, unit);
+    if (dist->world > 1) printf(" (%.0f per rank, %.0f%% in all-reduce)", r->items / dt / dist->world, 100.0 * r->comm_s / dt);
+    print_mfu(r->items / dt / dist->world, flops_per_item, peak_flops);
+    if (val) printf(" | %s", val);
+    if (r->skipped) printf(" | skipped: non-finite loss or gradient");
+    printf("\n");
+    fflush(stdout);
+}
+
+// The opening of both mains: the ranks (under mpirun), the options' defaults, the trainer's flag
+// table (register_flags), then the command line parsed and checked.
+static void train_start(Dist* dist, TrainOptions* o, int* argc, char*** argv, void (*register_flags)(FlagTable*, TrainOptions*)) {
+    dist_init(dist, argc, argv);
+    train_options_defaults(o);
+    FlagTable ft;
+    memset(&ft, 0, sizeof(ft));
+    register_flags(&ft, o);
+    train_parse_flags(&ft, o, *argc, *argv);
+}
+
+// Parts of the start-up line (rank 0): what trains, and on what.
+static void train_describe(const TrainOptions* o, const Backend* be, const Dist* dist, char* what, size_t nwhat, char* where, size_t nwhere) {
+    if (o->full) snprintf(what, nwhat, "full fine-tuning of every weight");
+    else snprintf(what, nwhat, "LoRA r=%d alpha=%g on %s", o->lora_rank, o->lora_alpha, o->lora_targets ? o->lora_targets : "all");
+    if (be->cuda) snprintf(where, nwhere, "CUDA GPU %d x %d ranks", be->device, dist->world);
+    else snprintf(where, nwhere, "CPU, %d threads x %d ranks", omp_get_max_threads(), dist->world);
+}
+
+// After the start-up line (rank 0): the memory plan beside the baseline's, and how the ranks
+// share the gradients.
+static void train_print_plan(const TrainOptions* o, const Backend* be, const Dist* dist, const MemPlan* plan, const MemPlan* base,
+                             const Trainable* tr) {
+    char layout[64];
+    snprintf(layout, sizeof(layout), "%s%s", be->layout, dist->world > 1 ? ", per rank" : "");
+    plan_print(plan, base, o->mode, layout);
+    trainable_print_parallel(tr, dist);
 }
 
 // The step at which this run stops: --steps, or earlier with --stop-at (the schedule stays that

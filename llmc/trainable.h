@@ -16,6 +16,7 @@
 #include "plan.h"
 #include "dist.h"
 #include "backend.h"
+#include "lora.h"
 #ifdef LLMC_HAVE_CUDA
 #include "cuda/adamw.cuh"
 #endif
@@ -216,6 +217,30 @@ static float* trainable_bind_tensor(const Trainable* tr, int64_t* off, int64_t n
     if (host_grad) *host_grad = tr->host_grads + *off;
     *off += n;
     return host;
+}
+
+// A Linear trained whole (--full): its W at *off (advanced past it). L->W is the host mirror and
+// L->dW its gradient's; on CUDA the products read the bf16 shadow (L->dev.W) and write L->dev.dW.
+static void trainable_bind_linear_weight(const Trainable* tr, int64_t* off, Linear* L) {
+    void* dev;
+    float* grad;
+    L->W = trainable_bind_tensor(tr, off, (int64_t)L->in * L->out, &dev, &grad, &L->dW);
+    if (trainable_on_device(tr)) { L->dev.W = dev; L->dev.dW = grad; }
+}
+
+// The same for its bias (ViT's linears under --full).
+static void trainable_bind_linear_bias(const Trainable* tr, int64_t* off, Linear* L) {
+    void* dev;
+    float* grad;
+    L->bias = trainable_bind_tensor(tr, off, L->out, &dev, &grad, &L->dbias);
+    if (trainable_on_device(tr)) { L->dev.bias = dev; L->dev.dbias = grad; }
+}
+
+// L's LoRA adapter (A then B) at *off, advanced past it: the host mirror, and on CUDA the masters,
+// gradients and bf16 shadows the kernels use.
+static void trainable_bind_adapter(const Trainable* tr, int64_t* off, Linear* L, int rank) {
+    if (trainable_on_device(tr)) lora_bind_device(L, tr->params, tr->grads, tr->params16, *off, rank);
+    lora_bind(L, tr->host_params, tr->host_grads, off, rank);
 }
 
 // Host mirror -> device (after init, adapter load, resume: every rank holds all of it), then the

@@ -23,7 +23,7 @@ int main(int argc, char** argv) {
     if (!o.model_dir || !case_path || !out_path) fail("llama_probe needs --model, --case and --out-file");
     LlamaConfig cfg;
     llama_config_load(&cfg, o.model_dir);
-    LlamaModes md = llama_modes_from(&o);
+    TrainModes md = train_modes_from(&o, target_names, N_TARGETS);
     StFile cf;
     st_open(&cf, case_path);
     const StTensor* tokens = case_tensor(&cf, "tokens", ST_I32);

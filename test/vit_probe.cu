@@ -101,7 +101,7 @@ int main(int argc, char** argv) {
         dump_batches(&cfg, &o, dump, out_path);
         return 0;
     }
-    VitModes md = vit_modes_from(&o);
+    TrainModes md = train_modes_from(&o, target_names, N_TARGETS);
     StFile cf;
     st_open(&cf, case_path);
     const StTensor* px = case_tensor(&cf, "pixels", ST_F32);

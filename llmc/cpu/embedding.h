@@ -1,6 +1,7 @@
 // cpu/embedding.h: the token embedding of the CPU backend: the gather (forward) and, when the
-// embedding is trained (full fine-tuning), the scatter-add of its gradient; and the gradient of
-// ViT's class token, patch bias and positions. fp32.
+// embedding is trained (full fine-tuning), the scatter-add of its gradient; and ViT's patch
+// embedding around its product: the unfold into patch rows, the class token, patch bias and
+// positions, and their gradient. fp32.
 #pragma once
 #include <stdint.h>
 #include <stdio.h>
@@ -50,6 +51,37 @@ static void embedding_backward(float* dE, const float* dx, const int* ids, const
             for (int i = 0; i < d; i++) row[i] += s[i];
         }
         free(s);
+    }
+}
+
+// Images [B, C, H, W] -> patch rows [B*T, C*ph*pw], T = 1 + (H/ph)*(W/pw): token t = 1 + py*gw + px
+// holds patch (py, px) unfolded in the conv kernel's (c, i, j) order; the class token's row (t = 0)
+// is zero, so the patch product lands straight in the residual stream.
+static void patch_unfold(float* patches, const float* pixels, int B, int C, int H, int W, int ph, int pw) {
+    int gw = W / pw, T = 1 + (H / ph) * gw;
+    int64_t P = (int64_t)C * ph * pw, N = (int64_t)B * T;
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        float* row = patches + n * P;
+        int b = (int)(n / T), t = (int)(n % T);
+        if (t == 0) { memset(row, 0, sizeof(float) * P); continue; }
+        int py = (t - 1) / gw, px = (t - 1) % gw;
+        for (int ch = 0; ch < C; ch++)
+            for (int i = 0; i < ph; i++)
+                memcpy(row + ((int64_t)ch * ph + i) * pw, pixels + (((int64_t)b * C + ch) * H + py * ph + i) * W + px * pw, sizeof(float) * pw);
+    }
+}
+
+// After the patch product x [N, d] (N = B*T): x[b, 0] = cls + pos[0] (the class token);
+// x[b, t] += patch_b + pos[t] for the patches (t > 0).
+static void patch_embed_finish(float* x, const float* cls, const float* patch_b, const float* pos, int64_t N, int T, int d) {
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        float* xr = x + n * d;
+        int64_t t = n % T;
+        const float* p = pos + t * d;
+        if (t == 0) for (int i = 0; i < d; i++) xr[i] = cls[i] + p[i];
+        else for (int i = 0; i < d; i++) xr[i] += patch_b[i] + p[i];
     }
 }
 

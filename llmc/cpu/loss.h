@@ -68,3 +68,18 @@ static void lm_head_loss(const float* xf, const float* gamma, float eps, const f
         rmsnorm_backward(dxf + n0 * d, sc.dz, xf + n0 * d, sc.r, gamma, c, d);
     }
 }
+
+// Softmax cross-entropy over a few rows of fp32 logits (a classification head), every row counted:
+// loss, count and correct add to st; dlogits [rows, V] = grad_scale * (softmax - onehot) when grad.
+// logits are left as they are (ce_row works in place: on a copy of the row in dlogits).
+static void softmax_ce_rows(float* dlogits, const float* logits, const int* targets, int64_t rows, int V, float grad_scale, int grad,
+                            LossStats* st) {
+    for (int64_t i = 0; i < rows; i++) {
+        float* row = dlogits + i * V;
+        memcpy(row, logits + i * V, sizeof(float) * V);
+        int am;
+        st->loss_sum += ce_row(row, V, targets[i], 1.0f, grad_scale, grad, &am);
+        st->correct += am == targets[i];
+        st->count += 1;
+    }
+}

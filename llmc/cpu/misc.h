@@ -1,0 +1,16 @@
+// cpu/misc.h: the small memory-bound loops of the CPU backend, twins of kernels in cuda/misc.cuh:
+// an elementwise product and a strided row copy. fp32.
+#pragma once
+#include <stdint.h>
+#include <string.h>
+
+// out = a * b elementwise (rebuilding SwiGLU's down input from silu(g) and u).
+static void multiply(float* out, const float* a, const float* b, int64_t n) {
+#pragma omp parallel for schedule(static) if (n > 32768)
+    for (int64_t i = 0; i < n; i++) out[i] = a[i] * b[i];
+}
+
+// dst[r*dst_stride + c] = src[r*src_stride + c], rows x d values (strides in elements).
+static void copy_rows(float* dst, int64_t dst_stride, const float* src, int64_t src_stride, int64_t rows, int d) {
+    for (int64_t r = 0; r < rows; r++) memcpy(dst + r * dst_stride, src + r * src_stride, sizeof(float) * d);
+}
