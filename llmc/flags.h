@@ -126,11 +126,6 @@ static Flag* flags_find(FlagTable* t, const char* name) {
     return NULL;
 }
 
-static int flag_was_set(FlagTable* t, const char* name) {
-    Flag* f = flags_find(t, name);
-    return f && f->seen;
-}
-
 // Parses argv against the table. --help prints the table and exits 0.
 static void flags_parse(FlagTable* t, int argc, char** argv) {
     for (int i = 1; i < argc; i++) {

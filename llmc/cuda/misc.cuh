@@ -1,6 +1,5 @@
 // cuda/misc.cuh: the small memory-bound kernels of the CUDA backend, each the twin of a CPU loop:
 //   embed_tokens_cuda           token embedding gather          (llmc/ops.h op_embed)
-//   residual_add_cuda           out = a + b                     (elementwise; reference in dev/cuda/misc.cu)
 //   add_bias_rows_cuda          y[n, :] += bias                 (llmc/lora.h add_bias_rows)
 //   bias_grad_rows_cuda         db += sum_n dy[n, :]            (the ViT head, and its linears under --full)
 //   cast_f32_to_bf16_cuda       bf16 shadows of fp32 masters (LoRA), and back (the ViT head, tests)
@@ -55,15 +54,6 @@ static void embedding_backward_cuda(float* dE, const bf16* dx, const int* ids, c
 }
 
 // ---- residual add and bias -------------------------------------------------------------------
-
-// out = a + b (out may alias a or b).
-__global__ void residual_add_kernel(bf16* out, const bf16* a, const bf16* b, int64_t n) {
-    for (int64_t i = thread_index_1d(); i < n; i += grid_stride_1d()) out[i] = f2bf(bf2f(a[i]) + bf2f(b[i]));
-}
-static void residual_add_cuda(bf16* out, const bf16* a, const bf16* b, int64_t n, cudaStream_t stream) {
-    if (n == 0) return;
-    launch_kernel(grid_for(n, 256), 256, 0, stream, residual_add_kernel, out, a, b, n);
-}
 
 // out = a * b elementwise, product in fp32 then rounded once (rebuilding SwiGLU's down input).
 __global__ void multiply_kernel(bf16* out, const bf16* a, const bf16* b, int64_t n) {
