@@ -124,7 +124,7 @@ typedef struct {
     void* mlp_norm;        // gamma [d] (merged into gate, up under MS-RMSNorm)
     Linear lin[N_TARGETS];
     // --full with standard norms trains the gammas too: gradients and host mirrors, else NULL
-    float *d_attn_norm, *d_mlp_norm, *h_attn_norm, *h_mlp_norm;
+    float *dattn_norm, *dmlp_norm, *h_attn_norm, *h_mlp_norm;
 } LlamaLayer;
 
 // The buffers one block keeps for its backward (or, where not kept, a shared scratch copy).
@@ -153,7 +153,7 @@ typedef struct {
     void* final_norm;      // [d] (kept standard: the head is tied to the embedding)
     void* lm_head;         // [V, d] (== embed when tied)
     // --full trains these too: their gradients and host mirrors (NULL when frozen)
-    float *d_embed, *d_lm_head, *d_final_norm, *h_embed, *h_lm_head, *h_final_norm;
+    float *dembed, *dlm_head, *dfinal_norm, *h_embed, *h_lm_head, *h_final_norm;
     LlamaLayer* layers;
     float* gamma_host;     // [layers][2][d] the norms' gammas on the host (MS merge, adapters)
     float *rope_cos, *rope_sin;  // [T, hd/2]
@@ -224,14 +224,14 @@ static void llama_plan(Llama* m, MemPlan* p) {
         if (!c->tied) plan_add(p, MEM_FROZEN, "lm_head", -1, "lm_head", V * d * wbytes, &m->lm_head);
     }
     for (int l = 0; l < c->layers; l++) {
-        LlamaLayer* L = &m->layers[l];
+        LlamaLayer* layer = &m->layers[l];
         if (!train_norms) {
-            plan_add(p, MEM_FROZEN, "attn_norm", l, "attn_norm", d * wbytes, &L->attn_norm);
-            plan_add(p, MEM_FROZEN, "mlp_norm", l, "mlp_norm", d * wbytes, &L->mlp_norm);
+            plan_add(p, MEM_FROZEN, "attn_norm", l, "attn_norm", d * wbytes, &layer->attn_norm);
+            plan_add(p, MEM_FROZEN, "mlp_norm", l, "mlp_norm", d * wbytes, &layer->mlp_norm);
         }
         if (md->full) continue;  // the linear weights are the trainable arena then (fp32)
         for (int t = 0; t < N_TARGETS; t++)
-            plan_add(p, MEM_FROZEN, target_names[t], l, target_names[t], lin_in(c, t) * lin_out(c, t) * wbytes, linear_weight_slot(be, &L->lin[t]));
+            plan_add(p, MEM_FROZEN, target_names[t], l, target_names[t], lin_in(c, t) * lin_out(c, t) * wbytes, linear_weight_slot(be, &layer->lin[t]));
     }
     int64_t n_params = md->full ? V * d * (c->tied ? 1 : 2) + d + (train_norms ? 2 * c->layers * d : 0) : 0;
     for (int l = 0; l < c->layers; l++)
@@ -322,20 +322,20 @@ static void llama_bind(Llama* m) {
     trainable_bind_host(&m->tr);
     int64_t off = 0, r = m->modes.rank, d = c->dim, V = c->vocab;
     if (m->modes.full) {  // arena: embedding, head (untied), final norm, then block by block
-        m->h_embed = trainable_bind_tensor(&m->tr, &off, V * d, &m->embed, &m->d_embed, NULL);
-        if (!c->tied) m->h_lm_head = trainable_bind_tensor(&m->tr, &off, V * d, &m->lm_head, &m->d_lm_head, NULL);
-        m->h_final_norm = trainable_bind_tensor(&m->tr, &off, d, &m->final_norm, &m->d_final_norm, NULL);
+        m->h_embed = trainable_bind_tensor(&m->tr, &off, V * d, &m->embed, &m->dembed, NULL);
+        if (!c->tied) m->h_lm_head = trainable_bind_tensor(&m->tr, &off, V * d, &m->lm_head, &m->dlm_head, NULL);
+        m->h_final_norm = trainable_bind_tensor(&m->tr, &off, d, &m->final_norm, &m->dfinal_norm, NULL);
     }
-    if (c->tied) { m->lm_head = m->embed; m->d_lm_head = m->d_embed; m->h_lm_head = m->h_embed; }
+    if (c->tied) { m->lm_head = m->embed; m->dlm_head = m->dembed; m->h_lm_head = m->h_embed; }
     for (int l = 0; l < c->layers; l++)
         for (int t = 0; t < N_TARGETS; t++) {
             Linear* L = &m->layers[l].lin[t];
             if (t == 0) {
                 m->layer_off[l] = off;
-                LlamaLayer* Ll = &m->layers[l];
+                LlamaLayer* layer = &m->layers[l];
                 if (m->modes.full && !m->modes.ms) {  // the gammas train too (MS merged them into W)
-                    Ll->h_attn_norm = trainable_bind_tensor(&m->tr, &off, d, &Ll->attn_norm, &Ll->d_attn_norm, NULL);
-                    Ll->h_mlp_norm = trainable_bind_tensor(&m->tr, &off, d, &Ll->mlp_norm, &Ll->d_mlp_norm, NULL);
+                    layer->h_attn_norm = trainable_bind_tensor(&m->tr, &off, d, &layer->attn_norm, &layer->dattn_norm, NULL);
+                    layer->h_mlp_norm = trainable_bind_tensor(&m->tr, &off, d, &layer->mlp_norm, &layer->dmlp_norm, NULL);
                 }
             }
             L->in = (int)lin_in(c, t);
@@ -444,16 +444,16 @@ static void llama_load_weights(Llama* m, const char* dir) {
     load_weight(m, &sm, "model.norm.weight", m->final_norm, m->h_final_norm, tmp, d, 0);
     if (!c->tied) load_weight(m, &sm, "lm_head.weight", m->lm_head, m->h_lm_head, tmp, c->vocab, d);
     for (int l = 0; l < c->layers; l++) {
-        LlamaLayer* L = &m->layers[l];
+        LlamaLayer* layer = &m->layers[l];
         float *g_attn = m->gamma_host + 2 * l * d, *g_mlp = g_attn + d;
         snprintf(name, sizeof(name), "model.layers.%d.input_layernorm.weight", l);
         load_tensor(&sm, name, g_attn, d, 0);
-        backend_set_weight(m->be, L->attn_norm, L->h_attn_norm, g_attn, d);
+        backend_set_weight(m->be, layer->attn_norm, layer->h_attn_norm, g_attn, d);
         snprintf(name, sizeof(name), "model.layers.%d.post_attention_layernorm.weight", l);
         load_tensor(&sm, name, g_mlp, d, 0);
-        backend_set_weight(m->be, L->mlp_norm, L->h_mlp_norm, g_mlp, d);
+        backend_set_weight(m->be, layer->mlp_norm, layer->h_mlp_norm, g_mlp, d);
         for (int t = 0; t < N_TARGETS; t++) {
-            Linear* lin = &L->lin[t];
+            Linear* lin = &layer->lin[t];
             snprintf(name, sizeof(name), "model.layers.%d.%s.weight", l, hf_module_names[t]);
             load_tensor(&sm, name, tmp, lin->out, lin->in);
             const float* gamma = !m->modes.ms ? NULL : t <= T_V ? g_attn : (t == T_GATE || t == T_UP) ? g_mlp : NULL;
@@ -484,10 +484,10 @@ static void llama_random_weights(Llama* m, uint64_t seed) {
     backend_set_weight(m->be, m->final_norm, m->h_final_norm, m->gamma_host, d);
     if (!c->tied) backend_set_weight(m->be, m->lm_head, m->h_lm_head, tmp, c->vocab * d);
     for (int l = 0; l < c->layers; l++) {
-        LlamaLayer* L = &m->layers[l];
-        backend_set_weight(m->be, L->attn_norm, L->h_attn_norm, m->gamma_host, d);
-        backend_set_weight(m->be, L->mlp_norm, L->h_mlp_norm, m->gamma_host, d);
-        for (int t = 0; t < N_TARGETS; t++) llama_set_linear_weight(m, &L->lin[t], tmp);
+        LlamaLayer* layer = &m->layers[l];
+        backend_set_weight(m->be, layer->attn_norm, layer->h_attn_norm, m->gamma_host, d);
+        backend_set_weight(m->be, layer->mlp_norm, layer->h_mlp_norm, m->gamma_host, d);
+        for (int t = 0; t < N_TARGETS; t++) llama_set_linear_weight(m, &layer->lin[t], tmp);
     }
     free(tmp);
     if (m->modes.full) trainable_to_device(&m->tr);
@@ -548,16 +548,16 @@ typedef struct {
 static void block_forward(Llama* m, int l, void* x, BlockActs* a, int B, int T, const KVCache* kv) {
     const Backend* be = m->be;
     const LlamaConfig* c = &m->cfg;
-    const LlamaLayer* L = &m->layers[l];
+    const LlamaLayer* layer = &m->layers[l];
     int64_t N = (int64_t)B * T, d = c->dim;
     int r = m->modes.rank;
     float s = m->modes.lora_scale;
     AttnShape as = {B, T, c->heads, c->kv_heads, c->head_dim, 1, m->pos};
     if (a->x_in) op_copy(be, a->x_in, x, N * d);
-    op_rmsnorm_forward(be, a->z1, a->r1, x, m->modes.ms ? NULL : L->attn_norm, N, (int)d, c->norm_eps);
-    op_linear_forward(be, a->q, a->z1, &L->lin[T_Q], a->ax[T_Q], N, r, s, 0);
-    op_linear_forward(be, a->k, a->z1, &L->lin[T_K], a->ax[T_K], N, r, s, 0);
-    op_linear_forward(be, a->v, a->z1, &L->lin[T_V], a->ax[T_V], N, r, s, 0);
+    op_rmsnorm_forward(be, a->z1, a->r1, x, m->modes.ms ? NULL : layer->attn_norm, N, (int)d, c->norm_eps);
+    op_linear_forward(be, a->q, a->z1, &layer->lin[T_Q], a->ax[T_Q], N, r, s, 0);
+    op_linear_forward(be, a->k, a->z1, &layer->lin[T_K], a->ax[T_K], N, r, s, 0);
+    op_linear_forward(be, a->v, a->z1, &layer->lin[T_V], a->ax[T_V], N, r, s, 0);
     op_rope(be, a->q, m->rope_cos, m->rope_sin, m->pos, N, T, c->heads, c->head_dim, 0);
     op_rope(be, a->k, m->rope_cos, m->rope_sin, m->pos, N, T, c->kv_heads, c->head_dim, 0);
     if (kv) {
@@ -569,13 +569,13 @@ static void block_forward(Llama* m, int l, void* x, BlockActs* a, int B, int T, 
         op_attention_forward(be, a->o, a->lse, a->q, a->k, a->v, as,
                              op_attention_work_fitting(be, as, m->att_work, m->att_work_bytes));
     }
-    op_linear_forward(be, x, a->o, &L->lin[T_O], a->ax[T_O], N, r, s, 1);
+    op_linear_forward(be, x, a->o, &layer->lin[T_O], a->ax[T_O], N, r, s, 1);
     if (a->h_mid) op_copy(be, a->h_mid, x, N * d);
-    op_rmsnorm_forward(be, a->z2, a->r2, x, m->modes.ms ? NULL : L->mlp_norm, N, (int)d, c->norm_eps);
-    op_linear_forward(be, a->g, a->z2, &L->lin[T_GATE], a->ax[T_GATE], N, r, s, 0);
-    op_linear_forward(be, a->u, a->z2, &L->lin[T_UP], a->ax[T_UP], N, r, s, 0);
+    op_rmsnorm_forward(be, a->z2, a->r2, x, m->modes.ms ? NULL : layer->mlp_norm, N, (int)d, c->norm_eps);
+    op_linear_forward(be, a->g, a->z2, &layer->lin[T_GATE], a->ax[T_GATE], N, r, s, 0);
+    op_linear_forward(be, a->u, a->z2, &layer->lin[T_UP], a->ax[T_UP], N, r, s, 0);
     op_swiglu_forward(be, a->p, a->sg, m->modes.approx ? a->codes : NULL, a->g, a->u, N * c->hidden);
-    op_linear_forward(be, x, a->p, &L->lin[T_DOWN], a->ax[T_DOWN], N, r, s, 1);
+    op_linear_forward(be, x, a->p, &layer->lin[T_DOWN], a->ax[T_DOWN], N, r, s, 1);
 }
 
 // Embedding and all blocks over the uploaded batch; leaves the final norm's input in m->resid.
@@ -600,33 +600,33 @@ static void llama_forward_blocks(Llama* m, int B, int T, const KVCache* kv) {
 static void block_backward(Llama* m, int l, BlockActs* a, int B, int T) {
     const Backend* be = m->be;
     const LlamaConfig* c = &m->cfg;
-    const LlamaLayer* L = &m->layers[l];
+    const LlamaLayer* layer = &m->layers[l];
     int64_t N = (int64_t)B * T, d = c->dim, nf = N * c->hidden;
     int r = m->modes.rank;
     float s = m->modes.lora_scale;
     AttnShape as = {B, T, c->heads, c->kv_heads, c->head_dim, 1, m->pos};
     const void* x_in = m->modes.ckpt ? m->ckpt[l] : a->x_in;
     // MLP: down, SwiGLU (exact or ReSiLU2), gate/up, MLP norm
-    if (m->modes.recompute_product && (L->lin[T_DOWN].A || L->lin[T_DOWN].dW))  // beyond the paper: rebuild the down input
+    if (m->modes.recompute_product && (layer->lin[T_DOWN].A || layer->lin[T_DOWN].dW))  // beyond the paper: rebuild the down input
         op_mul(be, a->p, a->sg, a->u, nf);
-    op_linear_backward(be, m->dp, m->dres, a->p, a->ax[T_DOWN], &L->lin[T_DOWN], m->dax, N, r, s, 0);
+    op_linear_backward(be, m->dp, m->dres, a->p, a->ax[T_DOWN], &layer->lin[T_DOWN], m->dax, N, r, s, 0);
     op_swiglu_backward(be, m->dg, m->du, m->dp, a->sg, a->u, m->modes.approx ? NULL : a->g, a->codes, nf);
-    op_linear_backward(be, m->dz, m->dg, a->z2, a->ax[T_GATE], &L->lin[T_GATE], m->dax, N, r, s, 0);
-    op_linear_backward(be, m->dz, m->du, a->z2, a->ax[T_UP], &L->lin[T_UP], m->dax, N, r, s, 1);
-    if (L->d_mlp_norm) op_rmsnorm_gamma_grad(be, L->d_mlp_norm, m->dz, a->h_mid, a->r2, N, (int)d);
+    op_linear_backward(be, m->dz, m->dg, a->z2, a->ax[T_GATE], &layer->lin[T_GATE], m->dax, N, r, s, 0);
+    op_linear_backward(be, m->dz, m->du, a->z2, a->ax[T_UP], &layer->lin[T_UP], m->dax, N, r, s, 1);
+    if (layer->dmlp_norm) op_rmsnorm_gamma_grad(be, layer->dmlp_norm, m->dz, a->h_mid, a->r2, N, (int)d);
     if (m->modes.ms) op_rmsnorm_ms_backward(be, m->dres, m->dz, a->z2, a->r2, N, (int)d);
-    else op_rmsnorm_backward(be, m->dres, m->dz, a->h_mid, a->r2, L->mlp_norm, N, (int)d);
+    else op_rmsnorm_backward(be, m->dres, m->dz, a->h_mid, a->r2, layer->mlp_norm, N, (int)d);
     // attention: o-proj, attention, RoPE, q/k/v, attention norm
-    op_linear_backward(be, m->dout, m->dres, a->o, a->ax[T_O], &L->lin[T_O], m->dax, N, r, s, 0);
+    op_linear_backward(be, m->dout, m->dres, a->o, a->ax[T_O], &layer->lin[T_O], m->dax, N, r, s, 0);
     op_attention_backward(be, m->dq, m->dk, m->dv, m->dout, a->q, a->k, a->v, a->o, a->lse, as, m->att_work);
     op_rope(be, m->dq, m->rope_cos, m->rope_sin, m->pos, N, T, c->heads, c->head_dim, 1);
     op_rope(be, m->dk, m->rope_cos, m->rope_sin, m->pos, N, T, c->kv_heads, c->head_dim, 1);
-    op_linear_backward(be, m->dz, m->dq, a->z1, a->ax[T_Q], &L->lin[T_Q], m->dax, N, r, s, 0);
-    op_linear_backward(be, m->dz, m->dk, a->z1, a->ax[T_K], &L->lin[T_K], m->dax, N, r, s, 1);
-    op_linear_backward(be, m->dz, m->dv, a->z1, a->ax[T_V], &L->lin[T_V], m->dax, N, r, s, 1);
-    if (L->d_attn_norm) op_rmsnorm_gamma_grad(be, L->d_attn_norm, m->dz, x_in, a->r1, N, (int)d);
+    op_linear_backward(be, m->dz, m->dq, a->z1, a->ax[T_Q], &layer->lin[T_Q], m->dax, N, r, s, 0);
+    op_linear_backward(be, m->dz, m->dk, a->z1, a->ax[T_K], &layer->lin[T_K], m->dax, N, r, s, 1);
+    op_linear_backward(be, m->dz, m->dv, a->z1, a->ax[T_V], &layer->lin[T_V], m->dax, N, r, s, 1);
+    if (layer->dattn_norm) op_rmsnorm_gamma_grad(be, layer->dattn_norm, m->dz, x_in, a->r1, N, (int)d);
     if (m->modes.ms) op_rmsnorm_ms_backward(be, m->dres, m->dz, a->z1, a->r1, N, (int)d);
-    else op_rmsnorm_backward(be, m->dres, m->dz, x_in, a->r1, L->attn_norm, N, (int)d);
+    else op_rmsnorm_backward(be, m->dres, m->dz, x_in, a->r1, layer->attn_norm, N, (int)d);
 }
 
 static void llama_backward_blocks(Llama* m, int B, int T) {
@@ -651,10 +651,10 @@ static LossStats llama_forward_backward(Llama* m, int B, int T, float grad_scale
     LossStats st = {0, 0, 0};
     if (backward) op_zero(m->be, m->dres, (size_t)N * c->dim * m->be->abytes);
     op_lm_head_loss(m->be, m->resid, m->final_norm, c->norm_eps, m->lm_head, c->vocab, c->dim, m->targets, m->mask, N, m->loss_chunk,
-                    grad_scale, backward ? m->dres : NULL, logits_out, &m->loss, &st, m->d_lm_head, m->d_final_norm);
+                    grad_scale, backward ? m->dres : NULL, logits_out, &m->loss, &st, m->dlm_head, m->dfinal_norm);
     if (!backward) return st;
     llama_backward_blocks(m, B, T);
-    if (m->d_embed) op_embedding_backward(m->be, m->d_embed, m->dres, m->inputs, m->embed_order, N, c->dim);  // dres: d loss / d embeddings
+    if (m->dembed) op_embedding_backward(m->be, m->dembed, m->dres, m->inputs, m->embed_order, N, c->dim);  // dres: d loss / d embeddings
     return st;
 }
 

@@ -187,13 +187,13 @@ typedef struct {
     // --full trains the above too: their fp32 masters' host mirrors (what loading fills) and their
     // gradients (backend, fp32); NULL when frozen
     float *h_patch_b, *h_cls, *h_pos, *h_norm_g, *h_norm_b;
-    float *d_patch_b, *d_cls, *d_pos, *d_norm_g, *d_norm_b;
+    float *dpatch_b, *dcls, *dpos, *dnorm_g, *dnorm_b;
     VitLayer* layers;
     float* norms_host;     // [layers][N_LN][d] the blocks' LayerNorm vectors on the host (MS merge, adapters, export)
     float* lin_host;       // CUDA: the host fp32 W and bias of every linear (the plan holds them on the CPU)
     Trainable tr;          // flat trainable arenas: LoRA (or, --full, every weight), then head W, head b
     float *head_w, *head_b, *dhead_w, *dhead_b;  // [classes, d], [classes] inside the backend's arenas
-    float *host_head_w, *host_head_b, *host_dhead_w, *host_dhead_b;  // the same in the host mirror
+    float *h_head_w, *h_head_b, *h_dhead_w, *h_dhead_b;  // the same in the host mirror
     BlockActs* acts;       // [layers]
     BlockActs tmp;         // scratch set (recompute, or buffers not kept)
     void** ckpt;           // [layers] block inputs under --recompute block
@@ -279,21 +279,21 @@ static void vit_plan_weights(Vit* m, MemPlan* p) {
         plan_add(p, MEM_FROZEN, "final_norm", -1, "norm_b", d * w, &m->norm_b);
     }
     for (int l = 0; l < c->layers; l++) {
-        VitLayer* L = &m->layers[l];
+        VitLayer* layer = &m->layers[l];
         if (!vit_trains_block_norms(&m->modes)) {
-            plan_add(p, MEM_FROZEN, "attn_norm", l, "ln1_g", d * w, &L->ln1_g);
-            plan_add(p, MEM_FROZEN, "attn_norm", l, "ln1_b", d * w, &L->ln1_b);
-            plan_add(p, MEM_FROZEN, "mlp_norm", l, "ln2_g", d * w, &L->ln2_g);
-            plan_add(p, MEM_FROZEN, "mlp_norm", l, "ln2_b", d * w, &L->ln2_b);
+            plan_add(p, MEM_FROZEN, "attn_norm", l, "ln1_g", d * w, &layer->ln1_g);
+            plan_add(p, MEM_FROZEN, "attn_norm", l, "ln1_b", d * w, &layer->ln1_b);
+            plan_add(p, MEM_FROZEN, "mlp_norm", l, "ln2_g", d * w, &layer->ln2_g);
+            plan_add(p, MEM_FROZEN, "mlp_norm", l, "ln2_b", d * w, &layer->ln2_b);
         }
         if (m->modes.full) {  // the frozen q, k, v biases of a model without them (zeros)
             for (int t = 0; t < N_TARGETS; t++)
-                if (!vit_trains_bias(m, t)) plan_add(p, MEM_FROZEN, target_names[t], l, "bias", lin_out(c, t) * w, linear_bias_slot(be, &L->lin[t]));
+                if (!vit_trains_bias(m, t)) plan_add(p, MEM_FROZEN, target_names[t], l, "bias", lin_out(c, t) * w, linear_bias_slot(be, &layer->lin[t]));
             continue;
         }
         for (int t = 0; t < N_TARGETS; t++) {
-            plan_add(p, MEM_FROZEN, target_names[t], l, target_names[t], lin_in(c, t) * lin_out(c, t) * w, linear_weight_slot(be, &L->lin[t]));
-            plan_add(p, MEM_FROZEN, target_names[t], l, "bias", lin_out(c, t) * w, linear_bias_slot(be, &L->lin[t]));
+            plan_add(p, MEM_FROZEN, target_names[t], l, target_names[t], lin_in(c, t) * lin_out(c, t) * w, linear_weight_slot(be, &layer->lin[t]));
+            plan_add(p, MEM_FROZEN, target_names[t], l, "bias", lin_out(c, t) * w, linear_bias_slot(be, &layer->lin[t]));
         }
     }
 }
@@ -429,34 +429,34 @@ static void vit_bind(Vit* m) {
     m->norms_host = (float*)xcalloc((int64_t)c->layers * N_LN * d, sizeof(float));
     if (full) {
         trainable_bind_linear_weight(&m->tr, &off, &m->patch);
-        m->h_patch_b = trainable_bind_tensor(&m->tr, &off, d, &m->patch_b, &m->d_patch_b, NULL);
-        m->h_cls = trainable_bind_tensor(&m->tr, &off, d, &m->cls, &m->d_cls, NULL);
-        m->h_pos = trainable_bind_tensor(&m->tr, &off, m->T * d, &m->pos, &m->d_pos, NULL);
+        m->h_patch_b = trainable_bind_tensor(&m->tr, &off, d, &m->patch_b, &m->dpatch_b, NULL);
+        m->h_cls = trainable_bind_tensor(&m->tr, &off, d, &m->cls, &m->dcls, NULL);
+        m->h_pos = trainable_bind_tensor(&m->tr, &off, m->T * d, &m->pos, &m->dpos, NULL);
     }
     float* h = m->lin_host;
     for (int l = 0; l < c->layers; l++) {
-        VitLayer* Ly = &m->layers[l];
+        VitLayer* layer = &m->layers[l];
         m->layer_off[l] = off;
-        void** ln_dev[N_LN] = {&Ly->ln1_g, &Ly->ln1_b, &Ly->ln2_g, &Ly->ln2_b};
+        void** ln_dev[N_LN] = {&layer->ln1_g, &layer->ln1_b, &layer->ln2_g, &layer->ln2_b};
         for (int k = 0; k < N_LN; k++)
-            Ly->ln_host[k] = vit_trains_block_norms(&m->modes) ? trainable_bind_tensor(&m->tr, &off, d, ln_dev[k], &Ly->ln_grad[k], NULL)
+            layer->ln_host[k] = vit_trains_block_norms(&m->modes) ? trainable_bind_tensor(&m->tr, &off, d, ln_dev[k], &layer->ln_grad[k], NULL)
                                                                 : m->norms_host + ((int64_t)l * N_LN + k) * d;
         for (int t = 0; t < N_TARGETS; t++) {
-            Linear* L = &Ly->lin[t];
+            Linear* L = &layer->lin[t];
             L->in = (int)lin_in(c, t);
             L->out = (int)lin_out(c, t);
             vit_bind_linear(m, L, t, &off, &h);
         }
     }
     if (full) {
-        m->h_norm_g = trainable_bind_tensor(&m->tr, &off, d, &m->norm_g, &m->d_norm_g, NULL);
-        m->h_norm_b = trainable_bind_tensor(&m->tr, &off, d, &m->norm_b, &m->d_norm_b, NULL);
+        m->h_norm_g = trainable_bind_tensor(&m->tr, &off, d, &m->norm_g, &m->dnorm_g, NULL);
+        m->h_norm_b = trainable_bind_tensor(&m->tr, &off, d, &m->norm_b, &m->dnorm_b, NULL);
     }
     int64_t hw = (int64_t)m->classes * d;
     m->head_w = m->tr.params + off; m->dhead_w = m->tr.grads + off;
-    m->host_head_w = m->tr.host_params + off; m->host_dhead_w = m->tr.host_grads + off;
+    m->h_head_w = m->tr.h_params + off; m->h_dhead_w = m->tr.h_grads + off;
     m->head_b = m->head_w + hw; m->dhead_b = m->dhead_w + hw;
-    m->host_head_b = m->host_head_w + hw; m->host_dhead_b = m->host_dhead_w + hw;
+    m->h_head_b = m->h_head_w + hw; m->h_dhead_b = m->h_dhead_w + hw;
     trainable_plan_buckets(&m->tr, m->layer_off, c->layers);  // the final norm and the head lie above the last block
     m->h_raw = (uint8_t*)backend_host_side(be, m->raw, m->B * m->src_bytes);
     m->h_flip = (int*)backend_host_side(be, m->flip, sizeof(int) * m->B);
@@ -473,40 +473,40 @@ static float* vit_norm_host(const Vit* m, int l, int which) {
 // on CUDA only the raw bytes (a quarter of the fp32 pixels, or less) cross to the GPU, which
 // resizes, flips and normalises them with the same arithmetic (image_resize_normalize_cuda).
 // idx/flip: which shard images (and whether mirrored), labels already in h_labels.
-static void vit_images_to_device(Vit* m, const ImageLoader* L, const int64_t* idx, int B) {
+static void vit_images_to_device(Vit* m, const ImageLoader* loader, const int64_t* idx, int B) {
     const VitConfig* c = &m->cfg;
-    const ImageShard* s = L->shard;
+    const ImageShard* s = loader->shard;
     int64_t per = (int64_t)s->H * s->W * s->C;
     if (per > m->src_bytes) fail("internal: %s has images of %lld bytes, planned for %lld", s->path, (long long)per, (long long)m->src_bytes);
-    image_loader_gather(L, idx, B, m->h_raw);
+    image_loader_gather(loader, idx, B, m->h_raw);
     backend_upload(m->be, m->raw, m->h_raw, (size_t)(B * per));
     backend_upload(m->be, m->flip, m->h_flip, sizeof(int) * B);
     backend_upload(m->be, m->labels, m->h_labels, sizeof(int) * B);
-    backend_upload(m->be, m->taps, L->ty, sizeof(ResampleTaps) * m->img_h);
-    backend_upload(m->be, (ResampleTaps*)m->taps + m->img_h, L->tx, sizeof(ResampleTaps) * m->img_w);
+    backend_upload(m->be, m->taps, loader->ty, sizeof(ResampleTaps) * m->img_h);
+    backend_upload(m->be, (ResampleTaps*)m->taps + m->img_h, loader->tx, sizeof(ResampleTaps) * m->img_w);
     op_resize_normalize_images(m->be, m->pixels, m->raw, (const ResampleTaps*)m->taps, (const ResampleTaps*)m->taps + m->img_h, m->flip, B,
-                               s->H, s->W, s->C, m->img_h, m->img_w, c->channels, L->mean, L->std);
+                               s->H, s->W, s->C, m->img_h, m->img_w, c->channels, loader->mean, loader->std);
 }
 
 // This rank's part of the next training batch, on the backend.
-static void vit_next_batch(Vit* m, ImageLoader* L, int B, int rank, int world) {
-    if (!m->be->cuda) { image_loader_next(L, B, rank, world, (float*)m->pixels, m->h_labels); return; }
+static void vit_next_batch(Vit* m, ImageLoader* loader, int B, int rank, int world) {
+    if (!m->be->cuda) { image_loader_next(loader, B, rank, world, (float*)m->pixels, m->h_labels); return; }
     int64_t* idx = (int64_t*)xmalloc(sizeof(int64_t) * B);
-    image_loader_pick(L, B, rank, world, idx, m->h_flip, m->h_labels);
-    vit_images_to_device(m, L, idx, B);
+    image_loader_pick(loader, B, rank, world, idx, m->h_flip, m->h_labels);
+    vit_images_to_device(m, loader, idx, B);
     free(idx);
 }
 
 // Images [start, start+B) in file order, unflipped (evaluation), on the backend.
-static void vit_range_batch(Vit* m, const ImageLoader* L, int64_t start, int B) {
-    if (!m->be->cuda) { image_loader_range(L, start, B, (float*)m->pixels, m->h_labels); return; }
+static void vit_range_batch(Vit* m, const ImageLoader* loader, int64_t start, int B) {
+    if (!m->be->cuda) { image_loader_range(loader, start, B, (float*)m->pixels, m->h_labels); return; }
     int64_t* idx = (int64_t*)xmalloc(sizeof(int64_t) * B);
     for (int b = 0; b < B; b++) {
         idx[b] = start + b;
         m->h_flip[b] = 0;
-        m->h_labels[b] = L->shard->labels[start + b];
+        m->h_labels[b] = loader->shard->labels[start + b];
     }
-    vit_images_to_device(m, L, idx, B);
+    vit_images_to_device(m, loader, idx, B);
     free(idx);
 }
 
@@ -611,17 +611,17 @@ static void vit_upload_linear(Vit* m, Linear* L) {
 
 // Block l's frozen LayerNorm vectors (host) to the backend (trained ones go with the arena).
 static void vit_upload_norms(Vit* m, int l) {
-    VitLayer* L = &m->layers[l];
-    if (L->ln_grad[0]) return;
-    void* dst[N_LN] = {L->ln1_g, L->ln1_b, L->ln2_g, L->ln2_b};
+    VitLayer* layer = &m->layers[l];
+    if (layer->ln_grad[0]) return;
+    void* dst[N_LN] = {layer->ln1_g, layer->ln1_b, layer->ln2_g, layer->ln2_b};
     for (int k = 0; k < N_LN; k++) backend_upload_weights(m->be, dst[k], vit_norm_host(m, l, k), m->cfg.dim);
 }
 
 // MS-LN: gamma and beta of block l's norms into the linears that consume them (host fp32).
 static void vit_merge_norms(Vit* m, int l) {
-    VitLayer* L = &m->layers[l];
-    for (int t = T_Q; t <= T_V; t++) linear_merge_norm_affine(&L->lin[t], vit_norm_host(m, l, LN1_G), vit_norm_host(m, l, LN1_B));
-    linear_merge_norm_affine(&L->lin[T_FC1], vit_norm_host(m, l, LN2_G), vit_norm_host(m, l, LN2_B));
+    VitLayer* layer = &m->layers[l];
+    for (int t = T_Q; t <= T_V; t++) linear_merge_norm_affine(&layer->lin[t], vit_norm_host(m, l, LN1_G), vit_norm_host(m, l, LN1_B));
+    linear_merge_norm_affine(&layer->lin[T_FC1], vit_norm_host(m, l, LN2_G), vit_norm_host(m, l, LN2_B));
 }
 
 // The embeddings and the final norm: read (host, tmp holds d * max(C*ph*pw, T)) and stored.
@@ -662,7 +662,7 @@ static void vit_load_weights(Vit* m, const char* dir) {
     float* qkv = hf ? NULL : (float*)xmalloc(sizeof(float) * 3 * d * d);
     float* qkv_b = hf ? NULL : (float*)xmalloc(sizeof(float) * 3 * d);
     for (int l = 0; l < c->layers; l++) {
-        VitLayer* L = &m->layers[l];
+        VitLayer* layer = &m->layers[l];
         float *ln1_g = vit_norm_host(m, l, LN1_G), *ln1_b = vit_norm_host(m, l, LN1_B);
         float *ln2_g = vit_norm_host(m, l, LN2_G), *ln2_b = vit_norm_host(m, l, LN2_B);
         if (hf) {
@@ -671,7 +671,7 @@ static void vit_load_weights(Vit* m, const char* dir) {
             read_1d(&sm, NAME("%sencoder.layer.%d.layernorm_after.weight", px, l), d, ln2_g);
             read_1d(&sm, NAME("%sencoder.layer.%d.layernorm_after.bias", px, l), d, ln2_b);
             for (int t = 0; t < N_TARGETS; t++) {
-                Linear* lin = &L->lin[t];
+                Linear* lin = &layer->lin[t];
                 read_2d(&sm, NAME("%sencoder.layer.%d.%s.weight", px, l, hf_module_names[t]), lin->out, lin->in, lin->W);
                 if (t <= T_V && !c->qkv_bias) memset(lin->bias, 0, sizeof(float) * lin->out);
                 else read_1d(&sm, NAME("%sencoder.layer.%d.%s.bias", px, l, hf_module_names[t]), lin->out, lin->bias);
@@ -687,18 +687,18 @@ static void vit_load_weights(Vit* m, const char* dir) {
             if (has_bias) read_1d(&sm, name, 3 * d, qkv_b);
             else memset(qkv_b, 0, sizeof(float) * 3 * d);
             for (int t = T_Q; t <= T_V; t++) {
-                memcpy(L->lin[t].W, qkv + t * d * d, sizeof(float) * d * d);
-                memcpy(L->lin[t].bias, qkv_b + t * d, sizeof(float) * d);
+                memcpy(layer->lin[t].W, qkv + t * d * d, sizeof(float) * d * d);
+                memcpy(layer->lin[t].bias, qkv_b + t * d, sizeof(float) * d);
             }
             for (int t = T_PROJ; t < N_TARGETS; t++) {
-                Linear* lin = &L->lin[t];
+                Linear* lin = &layer->lin[t];
                 read_2d(&sm, NAME("blocks.%d.%s.weight", l, timm_module_names[t]), lin->out, lin->in, lin->W);
                 read_1d(&sm, NAME("blocks.%d.%s.bias", l, timm_module_names[t]), lin->out, lin->bias);
             }
         }
         if (m->modes.ms) vit_merge_norms(m, l);
         vit_upload_norms(m, l);
-        for (int t = 0; t < N_TARGETS; t++) vit_upload_linear(m, &L->lin[t]);
+        for (int t = 0; t < N_TARGETS; t++) vit_upload_linear(m, &layer->lin[t]);
     }
 #undef NAME
     free(qkv);
@@ -752,8 +752,8 @@ static void vit_init_trainable(Vit* m, uint64_t seed) {
             if (L->A) lora_init(L, m->modes.rank, &rng);
         }
     Rng hr = rng_seeded(seed, 8);
-    for (int64_t i = 0; i < (int64_t)m->classes * m->cfg.dim; i++) m->host_head_w[i] = 0.02f * rng_normal(&hr);
-    memset(m->host_head_b, 0, sizeof(float) * m->classes);
+    for (int64_t i = 0; i < (int64_t)m->classes * m->cfg.dim; i++) m->h_head_w[i] = 0.02f * rng_normal(&hr);
+    memset(m->h_head_b, 0, sizeof(float) * m->classes);
     trainable_to_device(&m->tr);
 }
 
@@ -775,24 +775,24 @@ static void vit_embed(Vit* m, int B) {
 static void block_forward(Vit* m, int l, void* x, BlockActs* a, int B) {
     const Backend* be = m->be;
     const VitConfig* c = &m->cfg;
-    const VitLayer* L = &m->layers[l];
+    const VitLayer* layer = &m->layers[l];
     int64_t N = (int64_t)B * m->T, d = c->dim;
     int r = m->modes.rank, ms = m->modes.ms;
     float s = m->modes.lora_scale;
     AttnShape as = {B, m->T, c->heads, c->heads, c->head_dim, 0, NULL};  // bidirectional, one image per row
     if (a->x_in) op_copy(be, a->x_in, x, N * d);
-    op_layernorm_forward(be, a->z1, a->r1, ms ? NULL : a->mean1, x, ms ? NULL : L->ln1_g, ms ? NULL : L->ln1_b, N, (int)d, c->norm_eps);
-    op_linear_forward(be, a->q, a->z1, &L->lin[T_Q], a->ax[T_Q], N, r, s, 0);
-    op_linear_forward(be, a->k, a->z1, &L->lin[T_K], a->ax[T_K], N, r, s, 0);
-    op_linear_forward(be, a->v, a->z1, &L->lin[T_V], a->ax[T_V], N, r, s, 0);
+    op_layernorm_forward(be, a->z1, a->r1, ms ? NULL : a->mean1, x, ms ? NULL : layer->ln1_g, ms ? NULL : layer->ln1_b, N, (int)d, c->norm_eps);
+    op_linear_forward(be, a->q, a->z1, &layer->lin[T_Q], a->ax[T_Q], N, r, s, 0);
+    op_linear_forward(be, a->k, a->z1, &layer->lin[T_K], a->ax[T_K], N, r, s, 0);
+    op_linear_forward(be, a->v, a->z1, &layer->lin[T_V], a->ax[T_V], N, r, s, 0);
     op_attention_forward(be, a->o, a->lse, a->q, a->k, a->v, as,
                              op_attention_work_fitting(be, as, m->att_work, m->att_work_bytes));
-    op_linear_forward(be, x, a->o, &L->lin[T_PROJ], a->ax[T_PROJ], N, r, s, 1);
+    op_linear_forward(be, x, a->o, &layer->lin[T_PROJ], a->ax[T_PROJ], N, r, s, 1);
     if (a->h_mid) op_copy(be, a->h_mid, x, N * d);
-    op_layernorm_forward(be, a->z2, a->r2, ms ? NULL : a->mean2, x, ms ? NULL : L->ln2_g, ms ? NULL : L->ln2_b, N, (int)d, c->norm_eps);
-    op_linear_forward(be, a->h, a->z2, &L->lin[T_FC1], a->ax[T_FC1], N, r, s, 0);
+    op_layernorm_forward(be, a->z2, a->r2, ms ? NULL : a->mean2, x, ms ? NULL : layer->ln2_g, ms ? NULL : layer->ln2_b, N, (int)d, c->norm_eps);
+    op_linear_forward(be, a->h, a->z2, &layer->lin[T_FC1], a->ax[T_FC1], N, r, s, 0);
     op_gelu_forward(be, a->g, m->modes.approx ? a->codes : NULL, a->h, N * c->hidden, c->gelu_tanh);
-    op_linear_forward(be, x, a->g, &L->lin[T_FC2], a->ax[T_FC2], N, r, s, 1);
+    op_linear_forward(be, x, a->g, &layer->lin[T_FC2], a->ax[T_FC2], N, r, s, 1);
 }
 
 // Embedding and all blocks over the uploaded batch; leaves the final norm's input in m->resid.
@@ -825,7 +825,7 @@ static LossStats vit_head_loss(Vit* m, int B, float grad_scale, int backward) {
     op_f32_to_acts(be, m->dzcls, m->dzcls32, nd);
     op_zero(be, m->dxcls, (size_t)nd * be->abytes);
     op_layernorm_backward(be, m->dxcls, m->dzcls, m->xcls, m->mcls, m->rcls, m->norm_g, B, d);
-    if (m->d_norm_g) op_layernorm_affine_grad(be, m->d_norm_g, m->d_norm_b, m->dzcls, m->xcls, m->mcls, m->rcls, B, d);
+    if (m->dnorm_g) op_layernorm_affine_grad(be, m->dnorm_g, m->dnorm_b, m->dzcls, m->xcls, m->mcls, m->rcls, B, d);
     op_zero(be, m->dres, (size_t)B * T * d * be->abytes);
     op_copy_rows(be, m->dres, T * d, m->dxcls, d, B, d);
     return st;
@@ -838,28 +838,28 @@ static LossStats vit_head_loss(Vit* m, int B, float grad_scale, int backward) {
 static void block_backward(Vit* m, int l, BlockActs* a, int B) {
     const Backend* be = m->be;
     const VitConfig* c = &m->cfg;
-    const VitLayer* L = &m->layers[l];
+    const VitLayer* layer = &m->layers[l];
     int64_t N = (int64_t)B * m->T, d = c->dim;
     int r = m->modes.rank, ms = m->modes.ms;
     float s = m->modes.lora_scale;
     AttnShape as = {B, m->T, c->heads, c->heads, c->head_dim, 0, NULL};
     const void* x_in = m->modes.ckpt ? m->ckpt[l] : a->x_in;
     // MLP: fc2, GELU (exact from h, or ReGELU2 from the codes), fc1, MLP norm
-    op_linear_backward(be, m->dh, m->dres, a->g, a->ax[T_FC2], &L->lin[T_FC2], m->dax, N, r, s, 0);
+    op_linear_backward(be, m->dh, m->dres, a->g, a->ax[T_FC2], &layer->lin[T_FC2], m->dax, N, r, s, 0);
     op_gelu_backward(be, m->dh, m->dh, m->modes.approx ? NULL : a->h, a->codes, N * c->hidden, c->gelu_tanh);
-    op_linear_backward(be, m->dz, m->dh, a->z2, a->ax[T_FC1], &L->lin[T_FC1], m->dax, N, r, s, 0);
-    if (L->ln_grad[LN2_G]) op_layernorm_affine_grad(be, L->ln_grad[LN2_G], L->ln_grad[LN2_B], m->dz, a->h_mid, a->mean2, a->r2, N, (int)d);
+    op_linear_backward(be, m->dz, m->dh, a->z2, a->ax[T_FC1], &layer->lin[T_FC1], m->dax, N, r, s, 0);
+    if (layer->ln_grad[LN2_G]) op_layernorm_affine_grad(be, layer->ln_grad[LN2_G], layer->ln_grad[LN2_B], m->dz, a->h_mid, a->mean2, a->r2, N, (int)d);
     if (ms) op_layernorm_ms_backward(be, m->dres, m->dz, a->z2, a->r2, N, (int)d);
-    else op_layernorm_backward(be, m->dres, m->dz, a->h_mid, a->mean2, a->r2, L->ln2_g, N, (int)d);
+    else op_layernorm_backward(be, m->dres, m->dz, a->h_mid, a->mean2, a->r2, layer->ln2_g, N, (int)d);
     // attention: proj, attention, q/k/v, attention norm
-    op_linear_backward(be, m->dout, m->dres, a->o, a->ax[T_PROJ], &L->lin[T_PROJ], m->dax, N, r, s, 0);
+    op_linear_backward(be, m->dout, m->dres, a->o, a->ax[T_PROJ], &layer->lin[T_PROJ], m->dax, N, r, s, 0);
     op_attention_backward(be, m->dq, m->dk, m->dv, m->dout, a->q, a->k, a->v, a->o, a->lse, as, m->att_work);
-    op_linear_backward(be, m->dz, m->dq, a->z1, a->ax[T_Q], &L->lin[T_Q], m->dax, N, r, s, 0);
-    op_linear_backward(be, m->dz, m->dk, a->z1, a->ax[T_K], &L->lin[T_K], m->dax, N, r, s, 1);
-    op_linear_backward(be, m->dz, m->dv, a->z1, a->ax[T_V], &L->lin[T_V], m->dax, N, r, s, 1);
-    if (L->ln_grad[LN1_G]) op_layernorm_affine_grad(be, L->ln_grad[LN1_G], L->ln_grad[LN1_B], m->dz, x_in, a->mean1, a->r1, N, (int)d);
+    op_linear_backward(be, m->dz, m->dq, a->z1, a->ax[T_Q], &layer->lin[T_Q], m->dax, N, r, s, 0);
+    op_linear_backward(be, m->dz, m->dk, a->z1, a->ax[T_K], &layer->lin[T_K], m->dax, N, r, s, 1);
+    op_linear_backward(be, m->dz, m->dv, a->z1, a->ax[T_V], &layer->lin[T_V], m->dax, N, r, s, 1);
+    if (layer->ln_grad[LN1_G]) op_layernorm_affine_grad(be, layer->ln_grad[LN1_G], layer->ln_grad[LN1_B], m->dz, x_in, a->mean1, a->r1, N, (int)d);
     if (ms) op_layernorm_ms_backward(be, m->dres, m->dz, a->z1, a->r1, N, (int)d);
-    else op_layernorm_backward(be, m->dres, m->dz, x_in, a->mean1, a->r1, L->ln1_g, N, (int)d);
+    else op_layernorm_backward(be, m->dres, m->dz, x_in, a->mean1, a->r1, layer->ln1_g, N, (int)d);
 }
 
 // The blocks in reverse, then (--full) the embeddings: m->dres is then the gradient of the first
@@ -877,7 +877,7 @@ static void vit_backward_blocks(Vit* m, int B) {
         trainable_grads_final_from(&m->tr, m->dist, m->layer_off[l]);  // this block's, the final norm's and the head's are final
     }
     if (!m->modes.full) return;
-    op_patch_embed_finish_backward(m->be, m->d_cls, m->d_patch_b, m->d_pos, m->dres, N, m->T, m->cfg.dim);
+    op_patch_embed_finish_backward(m->be, m->dcls, m->dpatch_b, m->dpos, m->dres, N, m->T, m->cfg.dim);
     op_linear_backward(m->be, NULL, m->dres, m->patches, NULL, &m->patch, NULL, N, 0, 0.0f, 0);
 }
 
@@ -1021,9 +1021,9 @@ static void vit_save_adapter(Vit* m, const char* dir, const TrainOptions* o) {
         }
     }
     snprintf(ex[nex].name, sizeof(ex[nex].name), "classifier.weight");
-    ex[nex].data = m->host_head_w; ex[nex].ndim = 2; ex[nex].shape[0] = m->classes; ex[nex].shape[1] = c->dim; nex++;
+    ex[nex].data = m->h_head_w; ex[nex].ndim = 2; ex[nex].shape[0] = m->classes; ex[nex].shape[1] = c->dim; nex++;
     snprintf(ex[nex].name, sizeof(ex[nex].name), "classifier.bias");
-    ex[nex].data = m->host_head_b; ex[nex].ndim = 1; ex[nex].shape[0] = m->classes; nex++;
+    ex[nex].data = m->h_head_b; ex[nex].ndim = 1; ex[nex].shape[0] = m->classes; nex++;
     peft_save_ex(dir, e, n, ex, nex, m->modes.rank, o->lora_alpha, NULL, o->model_dir, tmp, n, "[\"classifier\"]",
                  m->modes.ms ? "lora_only" : "none");
     for (int i = 0; i < n; i++) free(biases[i]);
@@ -1068,8 +1068,8 @@ static void vit_load_adapter(Vit* m, const char* dir, const TrainOptions* o, int
         int64_t sw[2] = {m->classes, c->dim}, sb = m->classes;
         st_check_shape(hw, 2, sw);
         st_check_shape(hb, 1, &sb);
-        st_to_f32(hw, m->host_head_w);
-        st_to_f32(hb, m->host_head_b);
+        st_to_f32(hw, m->h_head_w);
+        st_to_f32(hb, m->h_head_b);
     } else if (need_head) {
         fail("%s: no classifier.weight/bias (an adapter saved by train_vit or PEFT with modules_to_save=[\"classifier\"]); --eval-only needs the trained head", path);
     }
@@ -1260,10 +1260,10 @@ static void vit_export_merged(Vit* m, const TrainOptions* o, const char* dir) {
     // the trained head as the classifier
     int64_t hw_shape[2] = {m->classes, d}, hb_shape = m->classes;
     owned[k] = xmalloc(st_dtype_size(head_dtype) * m->classes * d);
-    f32_to_dtype(owned[k], m->host_head_w, (int64_t)m->classes * d, head_dtype);
+    f32_to_dtype(owned[k], m->h_head_w, (int64_t)m->classes * d, head_dtype);
     st_writer_add(&w, hf ? "classifier.weight" : "head.weight", head_dtype, 2, hw_shape, owned[k++]);
     owned[k] = xmalloc(st_dtype_size(head_dtype) * m->classes);
-    f32_to_dtype(owned[k], m->host_head_b, m->classes, head_dtype);
+    f32_to_dtype(owned[k], m->h_head_b, m->classes, head_dtype);
     st_writer_add(&w, hf ? "classifier.bias" : "head.bias", head_dtype, 1, &hb_shape, owned[k++]);
     char* path = path_join(dir, "model.safetensors");
     st_writer_save(&w, path, "\"format\":\"pt\"");
@@ -1289,8 +1289,8 @@ static void vit_load_checkpoint_head(Vit* m, const char* dir) {
     const char *wn = hf ? "classifier.weight" : "head.weight", *bn = hf ? "classifier.bias" : "head.bias";
     if (!st_model_find(&sm, wn) || !st_model_find(&sm, bn))
         fail("%s: no %s / %s; --eval-only needs a trained head (give --adapter, or a model written by --export-merged or --full)", dir, wn, bn);
-    read_2d(&sm, wn, m->classes, m->cfg.dim, m->host_head_w);
-    read_1d(&sm, bn, m->classes, m->host_head_b);
+    read_2d(&sm, wn, m->classes, m->cfg.dim, m->h_head_w);
+    read_1d(&sm, bn, m->classes, m->h_head_b);
     st_model_close(&sm);
     trainable_to_device(&m->tr);
 }

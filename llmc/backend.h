@@ -233,10 +233,10 @@ static void backend_upload_weights(const Backend* be, void* dst, const float* sr
 }
 
 // n fp32 values into a weight: a frozen one to the backend (backend_upload_weights); a trained
-// one (host_mirror non-NULL, --full) into the trainable arena's host mirror, which
+// one (h_mirror non-NULL, --full) into the trainable arena's host mirror, which
 // trainable_to_device sends on with its shadow once everything is loaded.
-static void backend_set_weight(const Backend* be, void* dev, float* host_mirror, const float* src, int64_t n) {
-    if (host_mirror) memcpy(host_mirror, src, sizeof(float) * n);
+static void backend_set_weight(const Backend* be, void* dev, float* h_mirror, const float* src, int64_t n) {
+    if (h_mirror) memcpy(h_mirror, src, sizeof(float) * n);
     else backend_upload_weights(be, dev, src, n);
 }
 

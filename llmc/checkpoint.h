@@ -97,7 +97,7 @@ static void trainable_save_state(Trainable* tr, const Dist* dist, const char* di
         h.count = tr->count;
         snprintf(h.settings, sizeof(h.settings), "%s", settings);
         char* path = path_join(dir, "train_state.bin");
-        state_save(path, &h, tr->host_params, adam_m, adam_v);
+        state_save(path, &h, tr->h_params, adam_m, adam_v);
         free(path);
     }
     if (tr->zero1) { free(adam_m); free(adam_v); }
@@ -115,7 +115,7 @@ static int64_t trainable_load_state(Trainable* tr, const char* dir, const char* 
         adam_m = (float*)xcalloc(tr->padded + 1, sizeof(float));
         adam_v = (float*)xcalloc(tr->padded + 1, sizeof(float));
     }
-    state_load(path, &h, settings, tr->count, tr->host_params, adam_m, adam_v);
+    state_load(path, &h, settings, tr->count, tr->h_params, adam_m, adam_v);
     if (staged) {  // this rank's part of the moments where the optimizer keeps them
         float* own_m = dev ? (float*)xmalloc(sizeof(float) * (tr->shard + 1)) : tr->adam_m;
         float* own_v = dev ? (float*)xmalloc(sizeof(float) * (tr->shard + 1)) : tr->adam_v;

@@ -50,7 +50,7 @@ typedef struct {
     int host_current;          // the host mirror holds the current parameters (rank 0's only, when
                                // master_sharded); the same value on every rank
     const Backend* be;
-    float *host_params, *host_grads;  // the host mirror (the arrays themselves on the CPU)
+    float *h_params, *h_grads;  // the host mirror (the arrays themselves on the CPU)
     void* params16;                   // CUDA: bf16 copy of params, refreshed after every update
     double* sumsq_scratch;            // CUDA: the gradient norm's partial sums
     // The arena's gradient buckets, in the order the backward finishes them (highest offsets
@@ -179,14 +179,14 @@ static void trainable_weights_ready_all(Trainable* tr) { trainable_weights_ready
 static void trainable_bind_host(Trainable* tr) {
     trainable_plan_buckets(tr, NULL, 0);
     tr->host_current = 1;
-    if (!trainable_on_device(tr)) { tr->host_params = tr->params; tr->host_grads = tr->grads; return; }
-    tr->host_params = (float*)xcalloc(tr->padded + 1, sizeof(float));
-    tr->host_grads = (float*)xcalloc(tr->padded + 1, sizeof(float));
+    if (!trainable_on_device(tr)) { tr->h_params = tr->params; tr->h_grads = tr->grads; return; }
+    tr->h_params = (float*)xcalloc(tr->padded + 1, sizeof(float));
+    tr->h_grads = (float*)xcalloc(tr->padded + 1, sizeof(float));
 }
 
 static void trainable_free_host(Trainable* tr) {
-    if (trainable_on_device(tr)) { free(tr->host_params); free(tr->host_grads); }
-    tr->host_params = tr->host_grads = NULL;
+    if (trainable_on_device(tr)) { free(tr->h_params); free(tr->h_grads); }
+    tr->h_params = tr->h_grads = NULL;
 #ifdef LLMC_HAVE_CUDA
     if (tr->comm) {
         CUDA_CHECK(cudaStreamDestroy(tr->comm));  // after what it still holds has run
@@ -208,13 +208,13 @@ static void trainable_free_host(Trainable* tr) {
 
 // A tensor of n values trained in the arena at *off (advanced past it): *dev gets what the kernels
 // read (the fp32 master on the CPU, its bf16 shadow on CUDA), *grad its gradient on the backend,
-// *host_grad (if not NULL) that gradient's host mirror; returns the parameters' host mirror (what
+// *h_grad (if not NULL) that gradient's host mirror; returns the parameters' host mirror (what
 // loading, init and export use).
-static float* trainable_bind_tensor(const Trainable* tr, int64_t* off, int64_t n, void** dev, float** grad, float** host_grad) {
-    float* host = tr->host_params + *off;
+static float* trainable_bind_tensor(const Trainable* tr, int64_t* off, int64_t n, void** dev, float** grad, float** h_grad) {
+    float* host = tr->h_params + *off;
     *dev = trainable_on_device(tr) ? (void*)((uint16_t*)tr->params16 + *off) : (void*)(tr->params + *off);
     *grad = tr->grads + *off;
-    if (host_grad) *host_grad = tr->host_grads + *off;
+    if (h_grad) *h_grad = tr->h_grads + *off;
     *off += n;
     return host;
 }
@@ -240,7 +240,7 @@ static void trainable_bind_linear_bias(const Trainable* tr, int64_t* off, Linear
 // gradients and bf16 shadows the kernels use.
 static void trainable_bind_adapter(const Trainable* tr, int64_t* off, Linear* L, int rank) {
     if (trainable_on_device(tr)) lora_bind_device(L, tr->params, tr->grads, tr->params16, *off, rank);
-    lora_bind(L, tr->host_params, tr->host_grads, off, rank);
+    lora_bind(L, tr->h_params, tr->h_grads, off, rank);
 }
 
 // Host mirror -> device (after init, adapter load, resume: every rank holds all of it), then the
@@ -252,14 +252,14 @@ static void trainable_to_device(Trainable* tr) {
     tr->host_current = 1;
 #ifdef LLMC_HAVE_CUDA
     if (!tr->master_sharded) {
-        backend_upload(tr->be, tr->params, tr->host_params, sizeof(float) * tr->count);
+        backend_upload(tr->be, tr->params, tr->h_params, sizeof(float) * tr->count);
         cast_f32_to_bf16_cuda((bf16*)tr->params16, tr->params, tr->count, tr->be->stream);
         return;
     }
-    backend_upload(tr->be, tr->grads, tr->host_params, sizeof(float) * tr->padded);
+    backend_upload(tr->be, tr->grads, tr->h_params, sizeof(float) * tr->padded);
     cast_f32_to_bf16_cuda((bf16*)tr->params16, tr->grads, tr->padded, tr->be->stream);
     float* own = (float*)xmalloc(sizeof(float) * (tr->shard + 1));
-    trainable_shard_from_arena(tr, tr->host_params, own, tr->rank);
+    trainable_shard_from_arena(tr, tr->h_params, own, tr->rank);
     backend_upload(tr->be, tr->params, own, sizeof(float) * tr->shard);
     free(own);
     CUDA_CHECK(cudaMemsetAsync(tr->grads, 0, sizeof(float) * tr->padded, tr->be->stream));
@@ -273,10 +273,10 @@ static void trainable_to_host(Trainable* tr, int grads) {
     if (!trainable_on_device(tr)) return;
     if (!tr->host_current) {
         if (tr->master_sharded) fail("internal: the parameters are sharded across ranks; trainable_sync_host gathers them");
-        backend_download(tr->be, tr->host_params, tr->params, sizeof(float) * tr->count);
+        backend_download(tr->be, tr->h_params, tr->params, sizeof(float) * tr->count);
         tr->host_current = 1;
     }
-    if (grads) backend_download(tr->be, tr->host_grads, tr->grads, sizeof(float) * tr->count);
+    if (grads) backend_download(tr->be, tr->h_grads, tr->grads, sizeof(float) * tr->count);
 }
 
 static void trainable_zero_grads(Trainable* tr) {

@@ -284,7 +284,7 @@ static void trainable_sync_host(Trainable* tr, const Dist* dist) {
     float* own = (float*)xmalloc(sizeof(float) * (tr->shard + 1));
     backend_download(tr->be, own, tr->params, sizeof(float) * tr->shard);
     float* arena = trainable_gather_shards(tr, dist, own);
-    if (arena) memcpy(tr->host_params, arena, sizeof(float) * tr->count);
+    if (arena) memcpy(tr->h_params, arena, sizeof(float) * tr->count);
     free(arena);
     free(own);
     tr->host_current = 1;

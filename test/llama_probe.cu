@@ -73,16 +73,16 @@ int main(int argc, char** argv) {
     // --full: the other trained weights' gradients, from the host mirror of the gradient arena
     int64_t vd[2] = {cfg.vocab, cfg.dim}, dd = cfg.dim;
     char nm[64];
-#define HOST_GRAD(g) (m.tr.host_grads + ((g) - m.tr.grads))
-    if (m.d_embed) st_writer_add(&w, "grad.embed", ST_F32, 2, vd, HOST_GRAD(m.d_embed));
-    if (m.d_lm_head && !cfg.tied) st_writer_add(&w, "grad.lm_head", ST_F32, 2, vd, HOST_GRAD(m.d_lm_head));
-    if (m.d_final_norm) st_writer_add(&w, "grad.final_norm", ST_F32, 1, &dd, HOST_GRAD(m.d_final_norm));
+#define HOST_GRAD(g) (m.tr.h_grads + ((g) - m.tr.grads))
+    if (m.dembed) st_writer_add(&w, "grad.embed", ST_F32, 2, vd, HOST_GRAD(m.dembed));
+    if (m.dlm_head && !cfg.tied) st_writer_add(&w, "grad.lm_head", ST_F32, 2, vd, HOST_GRAD(m.dlm_head));
+    if (m.dfinal_norm) st_writer_add(&w, "grad.final_norm", ST_F32, 1, &dd, HOST_GRAD(m.dfinal_norm));
     for (int l = 0; l < cfg.layers; l++) {
-        if (!m.layers[l].d_attn_norm) continue;
+        if (!m.layers[l].dattn_norm) continue;
         snprintf(nm, sizeof(nm), "grad.%d.attn_norm", l);
-        st_writer_add(&w, nm, ST_F32, 1, &dd, HOST_GRAD(m.layers[l].d_attn_norm));
+        st_writer_add(&w, nm, ST_F32, 1, &dd, HOST_GRAD(m.layers[l].dattn_norm));
         snprintf(nm, sizeof(nm), "grad.%d.mlp_norm", l);
-        st_writer_add(&w, nm, ST_F32, 1, &dd, HOST_GRAD(m.layers[l].d_mlp_norm));
+        st_writer_add(&w, nm, ST_F32, 1, &dd, HOST_GRAD(m.layers[l].dmlp_norm));
     }
 #undef HOST_GRAD
     st_writer_save(&w, out_path, NULL);

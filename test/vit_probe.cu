@@ -50,18 +50,18 @@ static void dump_batches(const VitConfig* cfg, const TrainOptions* o, int batche
 }
 
 // The host mirror of a gradient in the trainable arena (backend pointer g).
-static float* host_grad(const Vit* m, const float* g) { return m->tr.host_grads + (g - m->tr.grads); }
+static float* host_grad(const Vit* m, const float* g) { return m->tr.h_grads + (g - m->tr.grads); }
 
 // --full: the gradients of the embeddings and the norms.
 static void add_full_grads(StWriter* wr, const Vit* m) {
     const VitConfig* c = &m->cfg;
     int64_t d = c->dim, spw[4] = {d, c->channels, c->patch_h, c->patch_w}, sc[3] = {1, 1, d}, sp[3] = {1, m->T, d};
     st_writer_add(wr, "grad.patch_w", ST_F32, 4, spw, m->patch.dW);
-    st_writer_add(wr, "grad.patch_b", ST_F32, 1, &d, host_grad(m, m->d_patch_b));
-    st_writer_add(wr, "grad.cls", ST_F32, 3, sc, host_grad(m, m->d_cls));
-    st_writer_add(wr, "grad.pos", ST_F32, 3, sp, host_grad(m, m->d_pos));
-    st_writer_add(wr, "grad.norm_g", ST_F32, 1, &d, host_grad(m, m->d_norm_g));
-    st_writer_add(wr, "grad.norm_b", ST_F32, 1, &d, host_grad(m, m->d_norm_b));
+    st_writer_add(wr, "grad.patch_b", ST_F32, 1, &d, host_grad(m, m->dpatch_b));
+    st_writer_add(wr, "grad.cls", ST_F32, 3, sc, host_grad(m, m->dcls));
+    st_writer_add(wr, "grad.pos", ST_F32, 3, sp, host_grad(m, m->dpos));
+    st_writer_add(wr, "grad.norm_g", ST_F32, 1, &d, host_grad(m, m->dnorm_g));
+    st_writer_add(wr, "grad.norm_b", ST_F32, 1, &d, host_grad(m, m->dnorm_b));
     const char* names[N_LN] = {"ln1.g", "ln1.b", "ln2.g", "ln2.b"};
     char name[64];
     for (int l = 0; l < c->layers; l++)
@@ -125,10 +125,10 @@ int main(int argc, char** argv) {
         m.h_labels[b] = labels[b];
     }
     vit_set_batch(&m, (const float*)px->data, B);
-    memcpy(m.host_head_w, hw->data, hw->nbytes);
+    memcpy(m.h_head_w, hw->data, hw->nbytes);
     const StTensor* hb = case_tensor(&cf, "head.bias", ST_F32);
     st_check_shape(hb, 1, &hshape[0]);
-    memcpy(m.host_head_b, hb->data, hb->nbytes);
+    memcpy(m.h_head_b, hb->data, hb->nbytes);
     for (int l = 0; l < cfg.layers; l++)
         for (int t = 0; t < N_TARGETS; t++) probe_load_lora(&cf, &m.layers[l].lin[t], l, target_names[t], md.rank);
     trainable_to_device(&m.tr);
@@ -142,8 +142,8 @@ int main(int argc, char** argv) {
     int64_t ls[2] = {B, K}, one = 1;
     st_writer_add(&wr, "logits", ST_F32, 2, ls, logits);
     st_writer_add(&wr, "loss", ST_F32, 1, &one, &loss);
-    st_writer_add(&wr, "grad.head.weight", ST_F32, 2, hshape, m.host_dhead_w);
-    st_writer_add(&wr, "grad.head.bias", ST_F32, 1, &hshape[0], m.host_dhead_b);
+    st_writer_add(&wr, "grad.head.weight", ST_F32, 2, hshape, m.h_dhead_w);
+    st_writer_add(&wr, "grad.head.bias", ST_F32, 1, &hshape[0], m.h_dhead_b);
     for (int l = 0; l < cfg.layers; l++)
         for (int t = 0; t < N_TARGETS; t++) probe_add_grads(&wr, &m.layers[l].lin[t], l, target_names[t], md.rank);
     if (md.full) add_full_grads(&wr, &m);
