@@ -1138,25 +1138,83 @@ static void vit_export_config(const Vit* m, const char* model_dir, const char* d
     free(buf); free(dst); json_free(&j); free(text); free(src);
 }
 
-// --full: the trained value (host fp32) of checkpoint tensor `name` when it is no linear's (the
-// embeddings, the final norm, standard block norms), else NULL.
-static const float* vit_trained_tensor(const Vit* m, int hf, const char* px, const char* name) {
-    if (!m->modes.full) return NULL;
-    char want[256];
-#define IS(...) (snprintf(want, sizeof(want), __VA_ARGS__), !strcmp(want, name))
-    if (hf ? IS("%sembeddings.cls_token", px) : IS("cls_token")) return m->h_cls;
-    if (hf ? IS("%sembeddings.position_embeddings", px) : IS("pos_embed")) return m->h_pos;
-    if (hf ? IS("%sembeddings.patch_embeddings.projection.weight", px) : IS("patch_embed.proj.weight")) return m->patch.W;
-    if (hf ? IS("%sembeddings.patch_embeddings.projection.bias", px) : IS("patch_embed.proj.bias")) return m->h_patch_b;
-    if (hf ? IS("%slayernorm.weight", px) : IS("norm.weight")) return m->h_norm_g;
-    if (hf ? IS("%slayernorm.bias", px) : IS("norm.bias")) return m->h_norm_b;
+// The checkpoint names the export may rewrite, built once for the checkpoint's layout: each
+// linear's weight and bias (timm fuses q, k, v into attn.qkv: target -1), and under --full the
+// tensors that are no linear's (embeddings, final norm, standard block norms) with their trained
+// value (host fp32).
+typedef struct {
+    char name[256];
+    int layer, target, is_bias;  // a linear's tensor (layer >= 0), else layer -1
+    const float* trained;        // the trained value of a tensor that is no linear's, else NULL
+} ExportName;
+
+typedef struct {
+    ExportName* e;
+    int n, cap;
+} ExportNames;
+
+static void export_name_add(ExportNames* t, int layer, int target, int is_bias, const float* trained, const char* fmt, ...) {
+    if (t->n == t->cap) fail("internal: the export name table is full");
+    ExportName* e = &t->e[t->n++];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(e->name, sizeof(e->name), fmt, ap);
+    va_end(ap);
+    e->layer = layer; e->target = target; e->is_bias = is_bias; e->trained = trained;
+}
+
+static ExportNames vit_export_names(const Vit* m, int hf, const char* px) {
     static const char* const hf_ln[N_LN] = {"layernorm_before.weight", "layernorm_before.bias", "layernorm_after.weight", "layernorm_after.bias"};
     static const char* const timm_ln[N_LN] = {"norm1.weight", "norm1.bias", "norm2.weight", "norm2.bias"};
-    for (int l = 0; l < m->cfg.layers && vit_trains_block_norms(&m->modes); l++)
-        for (int k = 0; k < N_LN; k++)
-            if (hf ? IS("%sencoder.layer.%d.%s", px, l, hf_ln[k]) : IS("blocks.%d.%s", l, timm_ln[k])) return vit_norm_host(m, l, k);
-#undef IS
+    ExportNames t;
+    t.n = 0;
+    t.cap = m->cfg.layers * (2 * (N_TARGETS + 1) + N_LN) + 6;
+    t.e = (ExportName*)xcalloc(t.cap, sizeof(ExportName));
+    if (m->modes.full) {
+        if (hf) {
+            export_name_add(&t, -1, 0, 0, m->h_cls, "%sembeddings.cls_token", px);
+            export_name_add(&t, -1, 0, 0, m->h_pos, "%sembeddings.position_embeddings", px);
+            export_name_add(&t, -1, 0, 0, m->patch.W, "%sembeddings.patch_embeddings.projection.weight", px);
+            export_name_add(&t, -1, 0, 0, m->h_patch_b, "%sembeddings.patch_embeddings.projection.bias", px);
+            export_name_add(&t, -1, 0, 0, m->h_norm_g, "%slayernorm.weight", px);
+            export_name_add(&t, -1, 0, 0, m->h_norm_b, "%slayernorm.bias", px);
+        } else {
+            export_name_add(&t, -1, 0, 0, m->h_cls, "cls_token");
+            export_name_add(&t, -1, 0, 0, m->h_pos, "pos_embed");
+            export_name_add(&t, -1, 0, 0, m->patch.W, "patch_embed.proj.weight");
+            export_name_add(&t, -1, 0, 0, m->h_patch_b, "patch_embed.proj.bias");
+            export_name_add(&t, -1, 0, 0, m->h_norm_g, "norm.weight");
+            export_name_add(&t, -1, 0, 0, m->h_norm_b, "norm.bias");
+        }
+    }
+    for (int l = 0; l < m->cfg.layers; l++) {
+        for (int k = 0; k < N_LN && vit_trains_block_norms(&m->modes); k++) {
+            if (hf) export_name_add(&t, -1, 0, 0, vit_norm_host(m, l, k), "%sencoder.layer.%d.%s", px, l, hf_ln[k]);
+            else export_name_add(&t, -1, 0, 0, vit_norm_host(m, l, k), "blocks.%d.%s", l, timm_ln[k]);
+        }
+        for (int tg = hf ? 0 : -1; tg < N_TARGETS; tg++) {
+            if (!hf && tg >= T_Q && tg <= T_V) continue;
+            for (int bias = 0; bias < 2; bias++) {
+                const char* part = bias ? "bias" : "weight";
+                if (hf) export_name_add(&t, l, tg, bias, NULL, "%sencoder.layer.%d.%s.%s", px, l, hf_module_names[tg], part);
+                else export_name_add(&t, l, tg, bias, NULL, "blocks.%d.%s.%s", l, tg < 0 ? "attn.qkv" : timm_module_names[tg], part);
+            }
+        }
+    }
+    return t;
+}
+
+static const ExportName* export_name_find(const ExportNames* t, const char* name) {
+    for (int i = 0; i < t->n; i++)
+        if (!strcmp(t->e[i].name, name)) return &t->e[i];
     return NULL;
+}
+
+// The name of linear (layer, target)'s weight or bias (target -1: timm's fused qkv).
+static const char* export_linear_name(const ExportNames* t, int layer, int target, int is_bias) {
+    for (int i = 0; i < t->n; i++)
+        if (t->e[i].layer == layer && t->e[i].target == target && t->e[i].is_bias == is_bias) return t->e[i].name;
+    fail("internal: no export name for linear (%d, %d)", layer, target);
 }
 
 static void vit_export_merged(Vit* m, const TrainOptions* o, const char* dir) {
@@ -1174,16 +1232,15 @@ static void vit_export_merged(Vit* m, const TrainOptions* o, const char* dir) {
     for (int f = 0; f < sm.nfiles; f++) total += sm.files[f].count;
     int cap = total + 4 * c->layers + 4;
     void** owned = (void**)xcalloc(cap, sizeof(void*));
-    char (*names)[256] = (char(*)[256])xcalloc(cap, sizeof(*names));
     StDtype head_dtype = ST_F32;
     int have_qkv_bias = 1;  // every q, k, v has a bias tensor in the output
-    // (l, t) of a tensor name, and whether it is the weight or the bias; timm's fused qkv: t = -1
-    char name[256];
+    ExportNames names = vit_export_names(m, hf, px);
     for (int f = 0; f < sm.nfiles; f++)
         for (int i = 0; i < sm.files[f].count; i++) {
             const StTensor* t = &sm.files[f].tensors[i];
             if (!strcmp(t->name, hf ? "classifier.weight" : "head.weight")) { head_dtype = t->dtype; continue; }
-            const float* trained = vit_trained_tensor(m, hf, px, t->name);
+            const ExportName* hit = export_name_find(&names, t->name);
+            const float* trained = hit ? hit->trained : NULL;
             if (trained) {  // the positions at the fine-tuning grid ([1, T, d]: config.json's image_size follows)
                 int64_t numel = st_numel(t), pos_shape[3] = {1, m->T, d};
                 int is_pos = trained == m->h_pos;
@@ -1194,16 +1251,8 @@ static void vit_export_merged(Vit* m, const TrainOptions* o, const char* dir) {
                 continue;
             }
             if (!strcmp(t->name, hf ? "classifier.bias" : "head.bias")) continue;
-            int hit_l = -1, hit_t = -2, is_bias = 0;
-            for (int l = 0; l < c->layers && hit_l < 0; l++)
-                for (int tg = hf ? 0 : -1; tg < N_TARGETS && hit_l < 0; tg++) {
-                    if (!hf && tg >= T_Q && tg <= T_V) continue;
-                    for (int bias = 0; bias < 2; bias++) {
-                        if (hf) snprintf(name, sizeof(name), "%sencoder.layer.%d.%s.%s", px, l, hf_module_names[tg], bias ? "bias" : "weight");
-                        else snprintf(name, sizeof(name), "blocks.%d.%s.%s", l, tg < 0 ? "attn.qkv" : timm_module_names[tg], bias ? "bias" : "weight");
-                        if (!strcmp(name, t->name)) { hit_l = l; hit_t = tg; is_bias = bias; break; }
-                    }
-                }
+            // (l, t) of a linear's tensor, and whether it is the weight or the bias; timm's fused qkv: t = -1
+            int hit_l = hit ? hit->layer : -1, hit_t = hit ? hit->target : -2, is_bias = hit ? hit->is_bias : 0;
             int lo = hit_t < 0 ? T_Q : hit_t, hi = hit_t < 0 ? T_V : hit_t, changed = 0;
             for (int tg = lo; hit_l >= 0 && tg <= hi; tg++) changed |= m->layers[hit_l].lin[tg].A || m->layers[hit_l].lin[tg].dW;
             if (!changed) { st_writer_add(&w, t->name, t->dtype, t->ndim, t->shape, t->data); continue; }
@@ -1232,13 +1281,10 @@ static void vit_export_merged(Vit* m, const TrainOptions* o, const char* dir) {
             const Linear* L = &m->layers[l].lin[tg];
             need |= (m->modes.ms && (L->A || L->dW)) || L->dbias;
         }
-        if (hf) snprintf(name, sizeof(name), "%sencoder.layer.%d.%s.bias", px, l, hf_module_names[T_Q]);
-        else snprintf(name, sizeof(name), "blocks.%d.attn.qkv.bias", l);
-        if (st_model_find(&sm, name) && (!hf || c->qkv_bias || need)) continue;  // (HF: ignored unless qkv_bias or rewritten above)
+        int qkv = hf ? T_Q : -1;
+        if (st_model_find(&sm, export_linear_name(&names, l, qkv, 1)) && (!hf || c->qkv_bias || need)) continue;  // (HF: ignored unless qkv_bias or rewritten above)
         if (!need) { have_qkv_bias = 0; continue; }
-        if (hf) snprintf(name, sizeof(name), "%sencoder.layer.%d.%s.weight", px, l, hf_module_names[T_Q]);
-        else snprintf(name, sizeof(name), "blocks.%d.attn.qkv.weight", l);
-        const StTensor* wt = st_model_find(&sm, name);
+        const StTensor* wt = st_model_find(&sm, export_linear_name(&names, l, qkv, 0));
         if (wt) dt = wt->dtype;
         float* W = (float*)xmalloc(sizeof(float) * d * d);
         float* b = (float*)xcalloc(3 * d, sizeof(float));
@@ -1248,11 +1294,9 @@ static void vit_export_merged(Vit* m, const TrainOptions* o, const char* dir) {
         }
         for (int tg = T_Q; tg <= (hf ? T_V : T_Q); tg++) {
             int64_t cnt = hf ? d : 3 * d;
-            if (hf) snprintf(names[k], sizeof(names[k]), "%sencoder.layer.%d.%s.bias", px, l, hf_module_names[tg]);
-            else snprintf(names[k], sizeof(names[k]), "blocks.%d.attn.qkv.bias", l);
             owned[k] = xmalloc(st_dtype_size(dt) * cnt);
             f32_to_dtype(owned[k], b + (tg - T_Q) * d, cnt, dt);
-            st_writer_add(&w, names[k], dt, 1, &cnt, owned[k]);
+            st_writer_add(&w, export_linear_name(&names, l, hf ? tg : -1, 1), dt, 1, &cnt, owned[k]);
             k++;
         }
         free(W); free(b);
@@ -1274,7 +1318,7 @@ static void vit_export_merged(Vit* m, const TrainOptions* o, const char* dir) {
     if (file_exists(src)) copy_file_atomic(src, dst);
     free(src); free(dst);
     for (int i = 0; i < k; i++) free(owned[i]);
-    free(owned); free(names);
+    free(owned); free(names.e);
     st_writer_free(&w);
     st_model_close(&sm);
 }
