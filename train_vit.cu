@@ -1212,9 +1212,11 @@ static const ExportName* export_name_find(const ExportNames* t, const char* name
 
 // The name of linear (layer, target)'s weight or bias (target -1: timm's fused qkv).
 static const char* export_linear_name(const ExportNames* t, int layer, int target, int is_bias) {
-    for (int i = 0; i < t->n; i++)
-        if (t->e[i].layer == layer && t->e[i].target == target && t->e[i].is_bias == is_bias) return t->e[i].name;
-    fail("internal: no export name for linear (%d, %d)", layer, target);
+    const char* name = NULL;
+    for (int i = 0; i < t->n && !name; i++)
+        if (t->e[i].layer == layer && t->e[i].target == target && t->e[i].is_bias == is_bias) name = t->e[i].name;
+    if (!name) fail("internal: no export name for linear (%d, %d)", layer, target);
+    return name;
 }
 
 static void vit_export_merged(Vit* m, const TrainOptions* o, const char* dir) {
