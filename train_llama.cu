@@ -16,7 +16,7 @@
 #include "llmc/safetensors.h"
 #include "llmc/flags.h"
 #include "llmc/rng.h"
-#include "llmc/tokenizer.h"
+#include "llmc/model_tokenizer.h"
 #include "llmc/textdata.h"
 #include "llmc/plan.h"
 #include "llmc/train_common.h"
@@ -746,12 +746,14 @@ static int sample_token(const float* logits, int V, float temperature, Rng* rng)
 // cache is full, it restarts from the last half window (positions then count from there).
 // LLMC_NO_KV_CACHE=1 recomputes the whole window for every token instead (tests compare the two).
 // The cache and the logits are buffers of the plan (TrainModes.generate).
-static void llama_generate(Llama* m, const Tokenizer* tok, const char* prompt, int n, float temperature, uint64_t seed) {
+static void llama_generate(Llama* m, const ModelTokenizer* tok, const char* prompt, int n, float temperature, uint64_t seed) {
     const LlamaConfig* c = &m->cfg;
     const Backend* be = m->be;
-    int cap = (int)strlen(prompt) + 3 + n, window = m->T;
-    int* ids = (int*)xmalloc(sizeof(int) * cap);
-    int len = tokenizer_encode(tok, prompt, 1, ids);
+    int len, window = m->T;
+    int* prompt_ids = model_tokenizer_encode(tok, prompt, &len);
+    int* ids = (int*)xmalloc(sizeof(int) * (len + n));
+    memcpy(ids, prompt_ids, sizeof(int) * len);
+    free(prompt_ids);
     const char* nc = getenv("LLMC_NO_KV_CACHE");
     int recompute = nc && strcmp(nc, "1") == 0;
     int64_t d = c->dim;
@@ -785,8 +787,8 @@ static void llama_generate(Llama* m, const Tokenizer* tok, const char* prompt, i
                         (int)d, m->targets, m->mask, 1, 1, 0.0f, NULL, logits, &m->loss, &st);
         backend_download(be, last, logits, sizeof(float) * c->vocab);
         int next = sample_token(last, c->vocab, temperature, &rng);
-        if (next == c->eos_id || next == tok->bos_id) break;
-        printf("%s", tokenizer_decode(tok, ids[len - 1], next, bb));
+        if (model_tokenizer_ends(tok, next)) break;
+        printf("%s", model_tokenizer_decode(tok, ids[len - 1], next, bb));
         fflush(stdout);
         ids[len++] = next;
     }
@@ -1094,13 +1096,8 @@ int main(int argc, char** argv) {
 
     RunData rd;
     run_data_open(&rd, &o, cfg.vocab);
-    Tokenizer tok;
-    if (o.generate) {
-        char* tok_path = path_join(o.model_dir, "tokenizer.bin");
-        if (!optional_file_exists(tok_path)) fail("%s: missing; --generate needs the model's tokenizer (scripts/export/export_llama.py writes it)", tok_path);
-        tokenizer_load(&tok, tok_path, cfg.vocab);
-        free(tok_path);
-    }
+    ModelTokenizer tok;
+    if (o.generate) model_tokenizer_load(&tok, o.model_dir, cfg.vocab, cfg.eos_id);
 
     Backend be;
     backend_init(&be, o.device, dist.local_rank);
@@ -1142,7 +1139,7 @@ int main(int argc, char** argv) {
         printf("wrote merged model to %s\n", o.export_merged);
     }
     if (o.generate && dist.rank == 0) llama_generate(&m, &tok, o.prompt, o.generate, o.temperature, (uint64_t)o.seed);
-    if (o.generate) tokenizer_free(&tok);
+    if (o.generate) model_tokenizer_free(&tok);
     run_data_close(&rd);
     llama_free(&m);
     dist_finalize(&dist);

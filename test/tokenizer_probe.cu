@@ -1,12 +1,51 @@
-// tokenizer_probe: llmc/tokenizer.h from the command line, for test/test_gguf_export.py.
-//   tokenizer_probe TOKENIZER.bin info              vocab bos eos add_bos byte_level n_special
-//   tokenizer_probe TOKENIZER.bin encode TEXT       the ids (with BOS as --generate asks for it)
-//   tokenizer_probe TOKENIZER.bin decode ID...      the decoded bytes, each token given the
-//                                                   previous one as --generate does
-#include "../llmc/tokenizer.h"
+// tokenizer_probe: llmc/tokenizer.h and llmc/model_tokenizer.h from the command line, for
+// test/test_gguf_export.py and test/test_hf_tokenizer.py.
+//   tokenizer_probe TOKENIZER.bin info          vocab bos eos add_bos byte_level n_special
+//   tokenizer_probe TOKENIZER.bin encode TEXT   the ids (with BOS as --generate asks for it)
+//   tokenizer_probe TOKENIZER.bin decode ID...  the decoded bytes, each token given the
+//                                               previous one as --generate does
+// With a model directory instead (its tokenizer.bin, else its tokenizer.json, as --generate
+// picks; vocabulary size taken from the tokenizer):
+//   tokenizer_probe DIR info                    kind (bin|hf) bos, then the ids ending generation
+//   tokenizer_probe DIR encode TEXT             the ids --generate feeds for the prompt TEXT
+//   tokenizer_probe DIR encode-plain TEXT       tokenizer.json only: the ids without the
+//                                               post-processor's tokens
+//   tokenizer_probe DIR decode ID...            as above
+#include "../llmc/model_tokenizer.h"
+
+static void print_ids(const int* ids, int n) {
+    for (int i = 0; i < n; i++) printf(i ? " %d" : "%d", ids[i]);
+    printf("\n");
+}
+
+static int probe_dir(int argc, char** argv) {
+    ModelTokenizer t;
+    model_tokenizer_load(&t, argv[1], 1 << 30, -1);
+    if (strcmp(argv[2], "info") == 0) {
+        printf("%s %d", t.is_hf ? "hf" : "bin", t.bos_id);
+        for (int k = 0; k < t.n_end; k++) printf(" %d", t.end_ids[k]);
+        printf("\n");
+    } else if (strcmp(argv[2], "encode") == 0 && argc == 4) {
+        int n, *ids = model_tokenizer_encode(&t, argv[3], &n);
+        print_ids(ids, n);
+        free(ids);
+    } else if (strcmp(argv[2], "encode-plain") == 0 && argc == 4 && t.is_hf) {
+        int n, *ids = hf_encode(&t.hf, argv[3], 0, &n);
+        print_ids(ids, n);
+        free(ids);
+    } else if (strcmp(argv[2], "decode") == 0) {
+        char bb[2];
+        for (int i = 3, prev = -1; i < argc; prev = atoi(argv[i++])) fputs(model_tokenizer_decode(&t, prev, atoi(argv[i]), bb), stdout);
+    } else {
+        fail("tokenizer_probe: unknown command %s", argv[2]);
+    }
+    model_tokenizer_free(&t);
+    return 0;
+}
 
 int main(int argc, char** argv) {
-    if (argc < 3) fail("usage: tokenizer_probe TOKENIZER.bin info | encode TEXT | decode ID...");
+    if (argc < 3) fail("usage: tokenizer_probe TOKENIZER.bin|DIR info | encode TEXT | encode-plain TEXT | decode ID...");
+    if (dir_exists(argv[1])) return probe_dir(argc, argv);
     Tokenizer t;
     tokenizer_load(&t, argv[1], 0);
     if (strcmp(argv[2], "info") == 0) {
@@ -14,8 +53,7 @@ int main(int argc, char** argv) {
     } else if (strcmp(argv[2], "encode") == 0 && argc == 4) {
         int* ids = (int*)xmalloc(sizeof(int) * (strlen(argv[3]) + 3));
         int n = tokenizer_encode(&t, argv[3], 1, ids);
-        for (int i = 0; i < n; i++) printf(i ? " %d" : "%d", ids[i]);
-        printf("\n");
+        print_ids(ids, n);
         free(ids);
     } else if (strcmp(argv[2], "decode") == 0) {
         char bb[2];
