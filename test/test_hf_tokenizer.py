@@ -235,16 +235,16 @@ def test_unsupported_pipelines_are_refused(tmp_path):
 # ---- generation ------------------------------------------------------------------------------
 
 def reference_greedy(model_dir, prompt_ids, n):
-    """Greedy ids after prompt_ids from the float64 PyTorch reference; each step's winner must
-    lead the runner-up by more than the fp32-vs-fp64 logit error (TOL["logits"] of the maximum,
-    as test_llama_model.py checks it) times 100, so the C model's argmax is the same token."""
+    """Greedy ids after prompt_ids from the float64 PyTorch reference. The C model's fp32 logits
+    are within TOL["logits"] of the largest |logit| of these (test_llama_model.py), so a winner
+    that leads the runner-up by more than twice that is the C model's argmax too."""
     model = ref.LlamaModel.load(model_dir)
     ids = list(prompt_ids)
     for _ in range(n):
         with torch.no_grad():
             logits = ref.forward(model, torch.tensor([ids]), {}, 1.0)[0, -1]
         top = torch.topk(logits, 2).values
-        assert float(top[0] - top[1]) > 100 * lc.TOL["logits"] * float(logits.abs().max()), "near tie"
+        assert float(top[0] - top[1]) > 2 * lc.TOL["logits"] * float(logits.abs().max()), "near tie"
         ids.append(int(torch.argmax(logits)))
     return ids[len(prompt_ids):]
 

