@@ -450,8 +450,8 @@ static void hf_set_token(HfTokenizer* t, int id, const char* name, const char* p
 }
 
 static int hf_json_id(const Json* v, const char* path, const char* what) {
-    if (!v || v->type != JSON_NUMBER || v->number != floor(v->number) || v->number < 0 || v->number > 1e8)
-        fail("%s: %s must be a token id", path, what);
+    if (!v || v->type != JSON_NUMBER || v->number != floor(v->number) || v->number < 0 || v->number >= (1 << 24))
+        fail("%s: %s must be a token id below 2^24", path, what);
     return (int)v->number;
 }
 

@@ -1,6 +1,6 @@
 // test/fuzz_parsers.cu: a libFuzzer target over every parser that reads user files: JSON
-// (config.json), safetensors (model and adapter files), token shards, tokenizer.bin and image
-// shards. The first input byte picks the parser; the rest is the file. A parser must either
+// (config.json), safetensors (model and adapter files), token shards, tokenizer.bin, tokenizer.json
+// and image shards. The first input byte picks the parser; the rest is the file. A parser must either
 // accept the bytes or reject them through fail(); anything else (a crash, an out-of-bounds read
 // under ASan, a hang) is a finding. Build and run: make fuzz (clang with libFuzzer).
 #include <setjmp.h>
@@ -9,6 +9,7 @@
 #include "../llmc/safetensors.h"
 #include "../llmc/textdata.h"
 #include "../llmc/tokenizer.h"
+#include "../llmc/hf_tokenizer.h"
 #include "../llmc/imagedata.h"
 
 static jmp_buf g_reject;
@@ -29,7 +30,7 @@ static StFile g_st;
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     if (size < 1) return 0;
-    int which = data[0] % 5;
+    int which = data[0] % 6;
     data++; size--;
     FILE* saved_stderr = stderr;
     stderr = fopen("/dev/null", "w");  // fail() messages are expected here
@@ -48,6 +49,15 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
                 break;
             }
             case 4: { ImageShard s; image_shard_load(&s, fuzz_file(data, size)); image_shard_free(&s); break; }
+            case 5: {
+                HfTokenizer t;
+                hf_tokenizer_load(&t, fuzz_file(data, size));
+                int n, *ids = hf_encode(&t, "fuzz me  12 \xC3\xA9<s>", 1, &n);
+                for (int i = 0; i < n; i++) (void)hf_decode(&t, i ? ids[i - 1] : -1, ids[i]);
+                free(ids);
+                hf_tokenizer_free(&t);
+                break;
+            }
         }
     }
     st_close(&g_st);  // accepted or rejected (st_close of a closed file does nothing)
