@@ -1,6 +1,7 @@
 // hf_tokenizer.h: a Hugging Face tokenizer.json (the `tokenizers` library's format) read into a
 // BPE encoder and decoder, for the two families LLaMA-type models ship:
-//   - byte-level BPE (GPT-2, Llama-3, SmolLM2): pre-tokenizer ByteLevel, alone or after Digits
+//   - byte-level BPE (GPT-2, Llama-3, SmolLM2, Qwen2 with its NFC normalizer,
+//     unicode_nfc.h): pre-tokenizer ByteLevel, alone or after Digits
 //     and/or a Split on one of the regexes of GPT-2, Llama-3 or Qwen2 (recognised by their text,
 //     matched by hand-written code below); every byte is mapped to a printable character
 //     (GPT-2's bytes_to_unicode) before BPE; decoder ByteLevel;
@@ -23,6 +24,7 @@
 #include "common.h"
 #include "json.h"
 #include "unicode_classes.h"
+#include "unicode_nfc.h"
 
 enum { HF_BYTE_LEVEL = 1, HF_METASPACE = 2 };
 enum { HF_RE_NONE, HF_RE_GPT2, HF_RE_LLAMA3, HF_RE_QWEN2 };
@@ -53,6 +55,7 @@ typedef struct {
     int n_added;
     char* special;            // per id: 1 for special tokens
     int prepend;              // normalizer Prepend("▁") + Replace(" ", "▁")
+    int nfc;                  // normalizer NFC (Qwen2)
     HfPreStep steps[HF_MAX_STEPS];
     int n_steps;
     int byte_fallback, unk_id, fuse_unk, ignore_merges;
@@ -344,11 +347,34 @@ static int hf_bpe_word(const HfTokenizer* t, const char* w, int* ids, int n) {
     return n;
 }
 
+// The NFC form of s[0..len), malloc'd; at most 3 len bytes (in Unicode's data no code point of
+// k bytes decomposes into more than 3 k).
+static char* hf_nfc(const char* s, size_t len, size_t* out_len) {
+    uint32_t* cp = (uint32_t*)xmalloc(sizeof(uint32_t) * (len + 1));
+    uint32_t* norm = (uint32_t*)xmalloc(sizeof(uint32_t) * (4 * len + 1));
+    int n = 0;
+    for (size_t b = 0; b < len; n++) b += hf_utf8((const unsigned char*)s + b, (int)(len - b), &cp[n]);
+    int m = nfc(cp, n, norm);
+    char* out = (char*)xmalloc(4 * (size_t)m + 1);
+    size_t k = 0;
+    for (int i = 0; i < m; i++) k += hf_put_utf8(out + k, norm[i]);
+    out[k] = 0;
+    *out_len = k;
+    free(cp);
+    free(norm);
+    return out;
+}
+
 // Encodes a stretch of text between added tokens; first: it starts the text.
 static int hf_encode_stretch(const HfTokenizer* t, const char* s, size_t len, int first, int* ids, int n) {
     if (len == 0) return n;
     HfWords ws = {NULL, 0, 0};
-    if (t->prepend) {  // Prepend("▁") + Replace(" ", "▁")
+    if (t->nfc) {
+        size_t k;
+        char* norm = hf_nfc(s, len, &k);
+        hf_words_push(&ws, norm, k);
+        free(norm);
+    } else if (t->prepend) {  // Prepend("▁") + Replace(" ", "▁")
         char* m = (char*)xmalloc(3 * len + 4);
         size_t k = 3;
         memcpy(m, "\xE2\x96\x81", 3);
@@ -369,7 +395,8 @@ static int hf_encode_stretch(const HfTokenizer* t, const char* s, size_t len, in
 // count goes to *n_out.
 static int* hf_encode(const HfTokenizer* t, const char* text, int specials, int* n_out) {
     size_t len = strlen(text);
-    int* ids = (int*)xmalloc(sizeof(int) * (2 * len + 8));  // a ByteLevel prefix space per byte at most
+    // a ByteLevel prefix space per byte at most; NFC makes at most 3 bytes of one
+    int* ids = (int*)xmalloc(sizeof(int) * ((t->nfc ? 6 : 2) * len + 8));
     int n = 0;
     if (specials) for (int k = 0; k < t->n_prefix; k++) ids[n++] = t->prefix_ids[k];
     size_t start = 0;
@@ -597,12 +624,14 @@ static void hf_load_pre_tokenizer(HfTokenizer* t, const Json* pre, const char* p
     if (metaspace && t->n_steps != 1) fail("%s: pre-tokenizer Metaspace must come alone", path);
     t->kind = byte_level ? HF_BYTE_LEVEL : (metaspace || t->prepend) ? HF_METASPACE : 0;
     if (!t->kind) fail("%s: neither a ByteLevel nor a Metaspace (or Prepend + Replace) tokenizer: not a LLaMA-family BPE", path);
+    if (metaspace && t->nfc) fail("%s: an NFC normalizer with a Metaspace pre-tokenizer is not supported", path);
     if (byte_level && t->prepend) fail("%s: a Prepend normalizer with a ByteLevel pre-tokenizer is not supported", path);
 }
 
-// Llama-2's normalizer: Sequence [Prepend("▁"), Replace(" " -> "▁")]; none otherwise.
+// Llama-2's normalizer: Sequence [Prepend("▁"), Replace(" " -> "▁")]; Qwen2's: NFC; or none.
 static void hf_load_normalizer(HfTokenizer* t, const Json* norm, const char* path) {
     if (!norm || norm->type == JSON_NULL) return;
+    if (strcmp(hf_type(norm), "NFC") == 0) { t->nfc = 1; return; }
     const Json* list = json_get(norm, "normalizers");
     int ok = strcmp(hf_type(norm), "Sequence") == 0 && list && list->type == JSON_ARRAY && list->count == 2;
     if (ok) {
@@ -611,7 +640,7 @@ static void hf_load_normalizer(HfTokenizer* t, const Json* norm, const char* pat
              strcmp(hf_type(r), "Replace") == 0 && strcmp(json_string_or(json_get(r, "pattern"), "String", ""), " ") == 0 &&
              strcmp(json_string_or(r, "content", ""), "\xE2\x96\x81") == 0;
     }
-    if (!ok) fail("%s: normalizer %s is not supported (expected none, or Llama-2's Prepend(\"\xE2\x96\x81\") + Replace(\" \", \"\xE2\x96\x81\"))", path, hf_type(norm));
+    if (!ok) fail("%s: normalizer %s is not supported (expected none, NFC, or Llama-2's Prepend(\"\xE2\x96\x81\") + Replace(\" \", \"\xE2\x96\x81\"))", path, hf_type(norm));
     t->prepend = 1;
 }
 

@@ -10,6 +10,7 @@ library's decoding of those tokens. Unsupported tokenizer.json files get a one-l
 import json
 import os
 import subprocess
+import unicodedata
 
 import numpy as np
 import pytest
@@ -60,16 +61,21 @@ CORPUS = [
     "punctuation!!! ... ??? --- (a) [b] {c} \"q\" 'x' @#$%^&*",
     "    def main():\n        return 42  # code",
     "x" * 200 + " " + "ab" * 50,
+    # NFC at work (Qwen2): decomposed accents, mark order, Hangul jamo, a singleton, exclusions
+    "cafe\u0301 A\u030a \u212b a\u0301\u0323 a\u0323\u0301 \u1100\u1161\u11a8 \u0958 \u0344 \U0001D15E",
 ]
 
+QWEN2_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+               r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 CHAT_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
 def byte_level(style):
-    """A byte-level BPE: SmolLM2's pre-tokenizer (Digits then ByteLevel with its regex) or
-    Llama-3's (its Split regex, then ByteLevel without one; a BOS post-processor; ignore_merges)."""
+    """A byte-level BPE: SmolLM2's pre-tokenizer (Digits then ByteLevel with its regex),
+    Llama-3's (its Split regex, then ByteLevel without one; a BOS post-processor; ignore_merges)
+    or Qwen2's (NFC, its Split regex, ByteLevel without one)."""
     tok = Tokenizer(models.BPE(ignore_merges=style == "llama3"))
     if style == "smollm2":
         tok.pre_tokenizer = pre_tokenizers.Sequence([
@@ -77,8 +83,10 @@ def byte_level(style):
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
     else:
         tok.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(LLAMA3_REGEX), behavior="isolated"),
+            pre_tokenizers.Split(Regex(LLAMA3_REGEX if style == "llama3" else QWEN2_REGEX), behavior="isolated"),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    if style == "qwen2":
+        tok.normalizer = normalizers.NFC()
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=600, min_frequency=1, special_tokens=CHAT_SPECIALS,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
@@ -118,6 +126,7 @@ def sentencepiece_style(style):
 
 
 STYLES = {"smollm2": lambda: byte_level("smollm2"), "llama3": lambda: byte_level("llama3"),
+          "qwen2": lambda: byte_level("qwen2"),
           "llama2": lambda: sentencepiece_style("llama2"), "metaspace": lambda: sentencepiece_style("metaspace")}
 
 
@@ -189,6 +198,23 @@ def test_info_reads_bos_and_eos_from_the_configs(tmp_path):
     assert probe(tmp_path, "info").decode().split() == ["hf", str(start), "9", str(eot), "7", str(end)]
     # an empty prompt starts from BOS
     assert probe_ids(tmp_path, "encode", "") == [start]
+
+
+def test_nfc_equals_pythons_on_every_code_point(tmp_path):
+    # every code point but surrogates, alone and after "a" (which composes with many marks), and
+    # shuffled runs of marks after letters; the tables come from the same unicodedata, the
+    # algorithm (decompose, order, compose, Hangul) is what this checks
+    rng = np.random.default_rng(0)
+    cps = [c for c in range(0x110000) if not 0xD800 <= c < 0xE000]
+    marks = [c for c in range(0x300, 0x370)] + [0x323, 0x327, 0x328, 0x31B, 0x1DCE, 0x05B0, 0x0F71, 0x3099]
+    text = "".join(chr(c) + "a" + chr(c) for c in cps)
+    text += "".join(chr(int(rng.integers(0x41, 0x7B))) + "".join(chr(int(m)) for m in rng.choice(marks, 3))
+                    for _ in range(20000))
+    text += "".join(chr(0x1100 + k % 19) + chr(0x1161 + k % 21) + chr(0x11A7 + k % 28) for k in range(2000))
+    (tmp_path / "t").write_bytes(text.encode("utf-8", "surrogatepass"))
+    got = subprocess.run([PROBE, "--nfc", str(tmp_path / "t")], capture_output=True, timeout=120).stdout
+    want = unicodedata.normalize("NFC", text)
+    assert got.decode("utf-8") == want
 
 
 # ---- errors ----------------------------------------------------------------------------------

@@ -13,6 +13,7 @@
 //   tokenizer_probe DIR decode ID...            as above
 //   tokenizer_probe DIR encode-each FILE        encode-plain for each NUL-terminated text of FILE,
 //                                               one line of ids each (one load for many texts)
+//   tokenizer_probe --nfc FILE                  the NFC form of FILE's text (llmc/unicode_nfc.h)
 #include "../llmc/model_tokenizer.h"
 
 static void print_ids(const int* ids, int n) {
@@ -54,7 +55,18 @@ static int probe_dir(int argc, char** argv) {
     return 0;
 }
 
+static int probe_nfc(const char* path) {
+    size_t size, n;
+    char* text = read_file(path, &size);
+    char* norm = hf_nfc(text, size, &n);
+    fwrite(norm, 1, n, stdout);
+    free(norm);
+    free(text);
+    return 0;
+}
+
 int main(int argc, char** argv) {
+    if (argc == 3 && strcmp(argv[1], "--nfc") == 0) return probe_nfc(argv[2]);
     if (argc < 3) fail("usage: tokenizer_probe TOKENIZER.bin|DIR info | encode TEXT | encode-plain TEXT | decode ID...");
     if (dir_exists(argv[1])) return probe_dir(argc, argv);
     Tokenizer t;
