@@ -145,6 +145,10 @@ def w(tmp_path_factory):
     shutil.copy(os.path.join(LLAMA, "config.json"), ns.st_dir)
     ns.tok_dir = model_with(root, "tokdir", LLAMA)  # optional files that are directories
     os.makedirs(os.path.join(ns.tok_dir, "tokenizer.bin"))
+    ns.no_tok = model_with(root, "notok", LLAMA)  # neither tokenizer.bin nor tokenizer.json
+    ns.wp_tok = model_with(root, "wptok", LLAMA)  # a tokenizer.json of a WordPiece model
+    with open(os.path.join(ns.wp_tok, "tokenizer.json"), "w") as f:
+        json.dump({"model": {"type": "WordPiece", "vocab": {"[UNK]": 0}, "unk_token": "[UNK]"}}, f)
     ns.pre_dir = model_with(root, "predir", VIT)
     os.makedirs(os.path.join(ns.pre_dir, "preprocessor_config.json"))
     # LLaMA configs without sense
@@ -233,6 +237,9 @@ ROWS = {
     "llama_state_is_dir": ("llama", lambda w: (llama("--resume", w.resume_dir, "--steps", 2),
                                                 ["train_state.bin", "is a directory"])),
     "llama_tokenizer_is_dir": ("llama", lambda w: (["--model", w.tok_dir, "--generate", 4], ["tokenizer.bin", "is a directory"])),
+    "llama_no_tokenizer": ("llama", lambda w: (["--model", w.no_tok, "--generate", 4], [w.no_tok, "tokenizer.bin", "tokenizer.json"])),
+    "llama_tokenizer_json_wordpiece": ("llama", lambda w: (["--model", w.wp_tok, "--generate", 4],
+                                                           ["tokenizer.json", "model type WordPiece is not supported"])),
     "vit_preprocessor_config_is_dir": ("vit", lambda w: (vit_model(w.pre_dir), ["preprocessor_config.json", "is a directory"])),
     "vit_data_is_dir": ("vit", lambda w: (["--model", VIT, "--data", w.dir], [w.dir, "is a directory"])),
     "vit_val_is_dir": ("vit", lambda w: (vit("--val", w.dir), [w.dir, "is a directory"])),
