@@ -57,7 +57,9 @@ static unsigned json_hex4(JsonParser* p) {
 static char* json_parse_string(JsonParser* p) {
     if (p->s[p->pos] != '"') json_error(p, "expected a string");
     p->pos++;
-    char* buf = (char*)xmalloc(p->len - p->pos + 1);  // decoded text is never longer than the source
+    size_t end = p->pos;  // the closing quote (or the end of input): decoded text is never longer
+    while (end < p->len && p->s[end] != '"') end += p->s[end] == '\\' ? 2 : 1;
+    char* buf = (char*)xmalloc((end < p->len ? end : p->len) - p->pos + 1);
     size_t n = 0;
     for (;;) {
         if (p->pos >= p->len) json_error(p, "unterminated string");
