@@ -17,7 +17,8 @@
 // single_word) is refused in one line naming the file and what was found (the Metaspace decoder too: the
 // library's joins the words of pieces that span a "▁", which no real tokenizer has to rely on).
 // Known differences: post-processor tokens after the sequence are not added (generation continues
-// the text); decoding is per token and writes raw bytes where the library replaces invalid UTF-8
+// the text); added tokens are matched in the text before normalization, also those marked
+// "normalized" (LLaMA-family files mark theirs not normalized); decoding is per token and writes raw bytes where the library replaces invalid UTF-8
 // by U+FFFD; the regex classes follow unicode_classes.h's Unicode version.
 #pragma once
 #include <stdint.h>
@@ -251,44 +252,51 @@ static void hf_split_word(const HfPreStep* st, const char* word, HfWords* out) {
     free(off);
 }
 
+// Metaspace: spaces become "▁", one is prepended (always, or only at the start of the text:
+// prepend_first) unless the word starts with one, and with split the word is cut before each.
+static void hf_metaspace_word(const HfPreStep* st, const char* w, int prepend_first, HfWords* out) {
+    size_t len = strlen(w), n = 0;
+    char* m = (char*)xmalloc(3 * len + 4);
+    for (size_t i = 0; i < len; i++)
+        if (w[i] == ' ') { memcpy(m + n, "\xE2\x96\x81", 3); n += 3; } else m[n++] = w[i];
+    int lead = n >= 3 && memcmp(m, "\xE2\x96\x81", 3) == 0;
+    if (!lead && (st->prefix == 2 || (st->prefix == 1 && prepend_first))) {
+        memmove(m + 3, m, n);
+        memcpy(m, "\xE2\x96\x81", 3);
+        n += 3;
+    }
+    size_t start = 0;
+    for (size_t i = 1; st->split && i + 3 <= n; i++)
+        if (memcmp(m + i, "\xE2\x96\x81", 3) == 0) { hf_words_push(out, m + start, i - start); start = i; }
+    hf_words_push(out, m + start, n - start);
+    free(m);
+}
+
+// ByteLevel: a space prepended if asked (to every word, as the library does), GPT-2's regex if
+// use_regex, then each byte written as its printable character.
+static void hf_byte_level_word(const HfTokenizer* t, const HfPreStep* st, const char* w, HfWords* out) {
+    HfWords parts = {NULL, 0, 0};
+    char* pre = NULL;
+    if (st->prefix && w[0] != ' ') { pre = (char*)xmalloc(strlen(w) + 2); pre[0] = ' '; strcpy(pre + 1, w); w = pre; }
+    if (st->arg) hf_split_word(st, w, &parts); else hf_words_push(&parts, w, strlen(w));
+    for (int p = 0; p < parts.n; p++) {
+        size_t n = 0, len = strlen(parts.w[p]);
+        char* m = (char*)xmalloc(2 * len + 1);
+        for (size_t i = 0; i < len; i++) n += hf_put_utf8(m + n, t->byte_char[(unsigned char)parts.w[p][i]]);
+        hf_words_push(out, m, n);
+        free(m);
+    }
+    hf_words_free(&parts);
+    free(pre);
+}
+
 // Applies one pre-tokenizer step to every word. first: the words come from the start of the text.
 static void hf_pre_step(const HfTokenizer* t, const HfPreStep* st, HfWords* ws, int first) {
     HfWords out = {NULL, 0, 0};
     for (int k = 0; k < ws->n; k++) {
-        const char* w = ws->w[k];
-        if (st->kind == HF_STEP_METASPACE) {
-            size_t len = strlen(w), n = 0;
-            char* m = (char*)xmalloc(3 * len + 4);
-            for (size_t i = 0; i < len; i++)
-                if (w[i] == ' ') { memcpy(m + n, "\xE2\x96\x81", 3); n += 3; } else m[n++] = w[i];
-            int lead = n >= 3 && memcmp(m, "\xE2\x96\x81", 3) == 0;
-            if (!lead && (st->prefix == 2 || (st->prefix == 1 && first && k == 0))) {  // prepended after the replace
-                memmove(m + 3, m, n); memcpy(m, "\xE2\x96\x81", 3); n += 3;
-            }
-            size_t start = 0;
-            for (size_t i = 1; st->split && i + 3 <= n; i++)
-                if (memcmp(m + i, "\xE2\x96\x81", 3) == 0) { hf_words_push(&out, m + start, i - start); start = i; }
-            hf_words_push(&out, m + start, n - start);
-            free(m);
-            continue;
-        }
-        if (st->kind == HF_STEP_BYTE_LEVEL) {
-            HfWords parts = {NULL, 0, 0};
-            char* pre = NULL;
-            if (st->prefix && w[0] != ' ') { pre = (char*)xmalloc(strlen(w) + 2); pre[0] = ' '; strcpy(pre + 1, w); w = pre; }
-            if (st->arg) hf_split_word(st, w, &parts); else hf_words_push(&parts, w, strlen(w));
-            for (int p = 0; p < parts.n; p++) {  // each byte as its printable character
-                size_t n = 0, len = strlen(parts.w[p]);
-                char* m = (char*)xmalloc(2 * len + 1);
-                for (size_t i = 0; i < len; i++) n += hf_put_utf8(m + n, t->byte_char[(unsigned char)parts.w[p][i]]);
-                hf_words_push(&out, m, n);
-                free(m);
-            }
-            hf_words_free(&parts);
-            free(pre);
-            continue;
-        }
-        hf_split_word(st, w, &out);
+        if (st->kind == HF_STEP_METASPACE) hf_metaspace_word(st, ws->w[k], first && k == 0, &out);
+        else if (st->kind == HF_STEP_BYTE_LEVEL) hf_byte_level_word(t, st, ws->w[k], &out);
+        else hf_split_word(st, ws->w[k], &out);
     }
     hf_words_free(ws);
     *ws = out;
