@@ -1,25 +1,27 @@
 // hf_tokenizer.h: a Hugging Face tokenizer.json (the `tokenizers` library's format) read into a
 // BPE encoder and decoder, for the two families LLaMA-type models ship:
-//   - byte-level BPE (GPT-2, Llama-3, SmolLM2, Qwen2 with its NFC normalizer,
-//     unicode_nfc.h): pre-tokenizer ByteLevel, alone or after Digits
-//     and/or a Split on one of the regexes of GPT-2, Llama-3 or Qwen2 (recognised by their text,
-//     matched by hand-written code below); every byte is mapped to a printable character
-//     (GPT-2's bytes_to_unicode) before BPE; decoder ByteLevel;
+//   - byte-level BPE (GPT-2, Llama-3, SmolLM2, Qwen2): pre-tokenizer ByteLevel, alone or after
+//     Digits and/or a Split on the regex of GPT-2, Llama-3 or Qwen2 (recognised by its text,
+//     matched by hand-written code below); normalizer none or NFC (Qwen2, unicode_nfc.h); every
+//     byte is mapped to a printable character (GPT-2's bytes_to_unicode) before BPE; decoder
+//     ByteLevel;
 //   - SentencePiece-style BPE (Llama-2): normalizer Prepend("▁") + Replace(" ", "▁") or
-//     pre-tokenizer Metaspace, byte_fallback to "<0xXX>" tokens, unk; decoder Replace + ByteFallback
-//     + Fuse + Strip.
+//     pre-tokenizer Metaspace; byte_fallback to "<0xXX>" tokens, unk; decoder Replace +
+//     ByteFallback + Fuse + Strip.
 // Encoding as the library does it: added tokens (special or not) are matched in the text first,
 // leftmost then longest, and never merged; each stretch between them is normalized and split into
 // words; each word starts as one symbol per character and merges the adjacent pair of lowest merge
 // rank (leftmost on ties) until no listed pair is left; the post-processor's special tokens before
 // the sequence (TemplateProcessing, e.g. Llama's BOS) lead. Anything else (another model type,
 // normalizer, pre-tokenizer, regex or decoder, BPE dropout, added tokens with lstrip, rstrip or
-// single_word) is refused in one line naming the file and what was found (the Metaspace decoder too: the
-// library's joins the words of pieces that span a "▁", which no real tokenizer has to rely on).
+// single_word) is refused in one line naming the file and what was found. That includes the
+// Metaspace decoder: the library's joins the words of pieces that span a "▁", and the LLaMA
+// family ships the Replace + ByteFallback + Fuse + Strip one.
 // Known differences: post-processor tokens after the sequence are not added (generation continues
-// the text); added tokens are matched in the text before normalization, also those marked
-// "normalized" (LLaMA-family files mark theirs not normalized); decoding is per token and writes raw bytes where the library replaces invalid UTF-8
-// by U+FFFD; the regex classes follow unicode_classes.h's Unicode version.
+// the text); added tokens are matched before normalization, also those marked "normalized" (the
+// LLaMA family marks its own not normalized); decoding goes token by token and writes raw bytes
+// where the library puts U+FFFD for invalid UTF-8; the regex classes and NFC follow the Unicode
+// version of unicode_classes.h and unicode_nfc.h.
 #pragma once
 #include <stdint.h>
 #include "common.h"
@@ -54,7 +56,6 @@ typedef struct {
     HfMap merges;             // (left id, right id) -> rank
     int* added;               // added tokens, longest first
     int n_added;
-    char* special;            // per id: 1 for special tokens
     int prepend;              // normalizer Prepend("▁") + Replace(" ", "▁")
     int nfc;                  // normalizer NFC (Qwen2)
     HfPreStep steps[HF_MAX_STEPS];
@@ -506,7 +507,6 @@ static void hf_load_vocab(HfTokenizer* t, const Json* model, const Json* added, 
     }
     t->vocab_size = max_id + 1;
     t->names = (char**)xcalloc(t->vocab_size, sizeof(char*));
-    t->special = (char*)xcalloc(t->vocab_size, 1);
     for (int i = 0; i < vocab->count; i++) hf_set_token(t, (int)vocab->items[i].number, vocab->keys[i], path);
     t->added = (int*)xmalloc(sizeof(int) * (added ? added->count + 1 : 1));
     for (int i = 0; added && i < added->count; i++) {
@@ -517,7 +517,6 @@ static void hf_load_vocab(HfTokenizer* t, const Json* model, const Json* added, 
             fail("%s: added token \"%s\" uses lstrip, rstrip or single_word, which is not supported", path, content);
         int id = (int)json_get(a, "id")->number;
         hf_set_token(t, id, content, path);
-        t->special[id] = (char)json_bool_or(a, "special", 0);
         t->added[t->n_added++] = id;
     }
     hf_map_init(&t->by_name, t->vocab_size);
@@ -742,7 +741,7 @@ static void hf_tokenizer_load(HfTokenizer* t, const char* path) {
 
 static void hf_tokenizer_free(HfTokenizer* t) {
     for (int i = 0; i < t->vocab_size; i++) { free(t->names[i]); free(t->pieces[i]); }
-    free(t->names); free(t->pieces); free(t->added); free(t->special);
+    free(t->names); free(t->pieces); free(t->added);
     hf_map_free(&t->by_name);
     hf_map_free(&t->merges);
     memset(t, 0, sizeof(*t));
