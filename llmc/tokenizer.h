@@ -1,6 +1,7 @@
 // tokenizer.h: the llama2.c tokenizer.bin format (int32 max_token_length, then per token:
 // float32 score, int32 length, bytes) with its score-driven BPE encoder and a decoder that turns
-// byte pieces "<0xXX>" into raw bytes. The model directory carries it as tokenizer.bin.
+// byte pieces "<0xXX>" into raw bytes. The model directory carries it as tokenizer.bin (without
+// one, --generate reads the Hugging Face tokenizer.json: hf_tokenizer.h, model_tokenizer.h).
 //
 // A tokenizer_config.json beside tokenizer.bin may hold a "tokenizer_bin" block (written by
 // scripts/export/export_llama.py --gguf): {"type": "sentencepiece" (default) | "byte_level", "bos_id",
