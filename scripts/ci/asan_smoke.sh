@@ -32,6 +32,28 @@ check 0 $B/train_llama --model "$W/m" --val data/llama_demo_ft_val.bin --eval-on
 check 0 $B/train_llama --model data/llama_demo --dry-run --json --batch 2 --seq 64
 check 1 $B/train_llama --model data/llama_demo --data data/llama_demo/config.json
 check 1 $B/train_llama --model data --generate 3
+# --generate through a tokenizer.json (no tokenizer.bin): SentencePiece-style and byte-level + NFC
+for k in sp bl; do mkdir -p "$W/$k" && cp data/llama_demo/config.json data/llama_demo/model.safetensors "$W/$k/"; done
+cat > "$W/sp/tokenizer.json" <<'JSON'
+{"added_tokens": [{"id": 1, "content": "<s>", "special": true}],
+ "normalizer": {"type": "Sequence", "normalizers": [{"type": "Prepend", "prepend": "\u2581"},
+                {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"}]},
+ "post_processor": {"type": "TemplateProcessing", "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}]},
+ "decoder": {"type": "Sequence", "decoders": [{"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "},
+             {"type": "ByteFallback"}, {"type": "Fuse"}, {"type": "Strip", "content": " ", "start": 1, "stop": 0}]},
+ "model": {"type": "BPE", "unk_token": "<unk>", "byte_fallback": true, "fuse_unk": true,
+           "vocab": {"<unk>": 0, "<s>": 1, "<0xC3>": 2, "<0xA9>": 3, "\u2581": 4, "H": 5, "\u2581H": 6}, "merges": ["\u2581 H"]}}
+JSON
+cat > "$W/bl/tokenizer.json" <<'JSON'
+{"added_tokens": [{"id": 4, "content": "<|e|>", "special": true}], "normalizer": {"type": "NFC"},
+ "pre_tokenizer": {"type": "Sequence", "pretokenizers": [{"type": "Digits", "individual_digits": true},
+   {"type": "Split", "pattern": {"Regex": "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"}, "behavior": "Isolated", "invert": false},
+   {"type": "ByteLevel", "add_prefix_space": false, "use_regex": false}]},
+ "decoder": {"type": "ByteLevel"},
+ "model": {"type": "BPE", "vocab": {"H": 0, "\u00c3": 1, "\u00a9": 2, "\u00c3\u00a9": 3, "<|e|>": 4}, "merges": [["\u00c3", "\u00a9"]]}}
+JSON
+check 0 $B/train_llama --model "$W/sp" --generate 6 --seq 64 --prompt $'He\xcc\x81 H 12<s>'
+check 0 $B/train_llama --model "$W/bl" --generate 6 --seq 64 --prompt $'He\xcc\x81 H 12<|e|>'
 check 1 $L --resume "$W/a" --lora-rank 4
 check 1 $B/train_llama --model data/llama_demo --data data   # a directory where a file is expected
 mkdir -p "$W/ad" && cp "$W/a/adapter_config.json" "$W/ad/" && mkdir "$W/ad/adapter_model.safetensors"
