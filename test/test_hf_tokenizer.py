@@ -170,6 +170,25 @@ def test_encode_equals_the_library(hf_dir, text):
     assert probe_ids(d, "encode", text) == want
 
 
+# the pieces random texts are made of: each character class the pre-tokenizer regexes and the
+# normalizers tell apart (letters of several scripts, numbers beyond ASCII digits, every kind of
+# white space, punctuation, contractions in both cases, marks that NFC composes, emoji, specials)
+PIECES = (list("abcXYZéßЖж中語ㄱ각ا٣²½Ⅻ0123456789") + [" ", "  ", "\t", "\n", "\r\n", "\u00a0", "\u3000", "\u2028",
+          "\u0085"] + list(".,!?;:'\"-()[]{}@#$%^&*_/\\|~`") + ["'s", "'T", "'re", "'LL", "'d", "e\u0301", "a\u0323\u0301",
+          "\u1100\u1161", "\u212b", "😀", "👍🏽", "👨\u200d👩", "<s>", "</s>", "<|im_start|>", "<|im_end|>", "<0x41>", "▁"])
+
+
+def test_random_texts_equal_the_library(hf_dir):
+    d, tok, _ = hf_dir
+    rng = np.random.default_rng(1)
+    texts = ["".join(PIECES[k] for k in rng.integers(0, len(PIECES), int(rng.integers(1, 40)))) for _ in range(400)]
+    (d / "random_texts").write_bytes(b"".join(t.encode() + b"\0" for t in texts))
+    got = probe(d, "encode-each", d / "random_texts").decode().split("\n")[:-1]
+    assert len(got) == len(texts)
+    for text, line in zip(texts, got):
+        assert [int(x) for x in line.split()] == tok.encode(text, add_special_tokens=False).ids, repr(text)
+
+
 @pytest.mark.parametrize("text", CORPUS, ids=range(len(CORPUS)))
 def test_decode_equals_the_library(hf_dir, text):
     # the C decoder prints what --generate prints after the prompt; after the post-processor's BOS
