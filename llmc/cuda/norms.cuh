@@ -12,8 +12,13 @@
 // the statistics are warp shuffles, no shared memory or __syncthreads. The second and third
 // passes over a row (d <= a few thousand) hit L1/L2, so DRAM traffic is one read of each input
 // and one write of each output: the bandwidth figure dev/cuda/norms.cu reports.
+//
+// Statistics cannot overflow for finite inputs (../norm_math.h): the fp32 sums are kept, and a
+// row whose fp32 sum of squares overflowed (|x| above ~1e19) forms its statistics again in fp64,
+// a third pass over the row that normal rows never take (warp-uniform branch).
 #pragma once
 #include "common.cuh"
+#include "../norm_math.h"
 
 #define NORM_ROWS_PER_BLOCK 4
 
@@ -23,6 +28,19 @@ static __device__ __forceinline__ int64_t norm_row_index(void) {
 static unsigned norm_grid(int64_t N) { return (unsigned)ceil_div(N, NORM_ROWS_PER_BLOCK); }
 
 // ---- forward ---------------------------------------------------------------------------------
+
+// fp64 sums over a row of sum (x - mean)^2 and of x, for a row whose fp32 statistics
+// overflowed; every lane of the warp gets the result.
+static __device__ double norm_row_sum_squares_f64(const bf16* xr, int d, float mean, int lane) {
+    double ss = 0.0;
+    for (int i = lane; i < d; i += 32) { double c = (double)bf2f(xr[i]) - mean; ss += c * c; }
+    return warp_reduce_sum_double(ss);
+}
+static __device__ double norm_row_sum_f64(const bf16* xr, int d, int lane) {
+    double s = 0.0;
+    for (int i = lane; i < d; i += 32) s += bf2f(xr[i]);
+    return warp_reduce_sum_double(s);
+}
 
 // y = x * r (* gamma); gamma NULL means the MS (parameter-free) form.
 __global__ void rmsnorm_forward_kernel(bf16* __restrict__ y, float* __restrict__ r_out, const bf16* __restrict__ x,
@@ -36,6 +54,7 @@ __global__ void rmsnorm_forward_kernel(bf16* __restrict__ y, float* __restrict__
     for (int i = lane; i < d; i += 32) { float v = bf2f(xr[i]); ss += v * v; }
     ss = warp_reduce_sum(ss);
     float r = 1.0f / sqrtf(ss / d + eps);
+    if (isinf(ss)) r = norm_inv_rms(norm_row_sum_squares_f64(xr, d, 0.0f, lane), d, eps);
     if (lane == 0) r_out[n] = r;
     for (int i = lane; i < d; i += 32) yr[i] = f2bf(bf2f(xr[i]) * r * (gamma ? bf2f(gamma[i]) : 1.0f));
 }
@@ -57,12 +76,16 @@ __global__ void layernorm_forward_kernel(bf16* __restrict__ y, float* __restrict
     for (int i = lane; i < d; i += 32) { float c = bf2f(xr[i]) - mu; ss += c * c; }
     ss = warp_reduce_sum(ss);
     float r = 1.0f / sqrtf(ss / d + eps);
+    if (!isfinite(ss)) {  // the fp32 sum or a centred value overflowed: again in fp64
+        mu = (float)(norm_row_sum_f64(xr, d, lane) / d);
+        r = norm_inv_rms(norm_row_sum_squares_f64(xr, d, mu, lane), d, eps);
+    }
     if (lane == 0) {
         r_out[n] = r;
         if (mean_out) mean_out[n] = mu;
     }
     for (int i = lane; i < d; i += 32) {
-        float z = (bf2f(xr[i]) - mu) * r;
+        float z = norm_normalise(bf2f(xr[i]), mu, r);
         yr[i] = f2bf(gamma ? z * bf2f(gamma[i]) + (beta ? bf2f(beta[i]) : 0.0f) : z);
     }
 }
@@ -98,7 +121,7 @@ static __device__ __forceinline__ void norm_bwd_load(const NormBackwardArgs& a, 
                                                      float* z, float* dz) {
     float zv = bf2f(a.z[off + i]), dv = bf2f(a.dz[off + i]);
     if (a.gamma) {  // standard form: rebuild z and dz
-        zv = (zv - (a.mean ? a.mean[n] : 0.0f)) * r;
+        zv = norm_normalise(zv, a.mean ? a.mean[n] : 0.0f, r);
         dv *= bf2f(a.gamma[i]);
     }
     *z = zv;
@@ -155,7 +178,7 @@ struct LnAffineTerm {
     int d;
     __device__ void add(int64_t n, int64_t i, float* s) const {
         float g = bf2f(dy[n * d + i]);
-        s[0] += g * (bf2f(x[n * d + i]) - mean[n]) * r[n];
+        s[0] += g * norm_normalise(bf2f(x[n * d + i]), mean[n], r[n]);  // z first: dy * x could overflow
         s[1] += g;
     }
 };
@@ -185,9 +208,22 @@ struct RmsGammaTerm {
     const bf16 *dy, *x;
     const float* r;
     int d;
-    __device__ void add(int64_t n, int64_t i, float* s) const { s[0] += bf2f(dy[n * d + i]) * bf2f(x[n * d + i]) * r[n]; }
+    __device__ void add(int64_t n, int64_t i, float* s) const { s[0] += bf2f(dy[n * d + i]) * (bf2f(x[n * d + i]) * r[n]); }  // z first
 };
 static void rmsnorm_gamma_grad_cuda(float* dgamma, const bf16* dy, const bf16* x, const float* r, int64_t N, int d, cudaStream_t stream) {
     if (d == 0) return;
     column_sums_cuda(dgamma, (float*)NULL, RmsGammaTerm{dy, x, r, d}, N, d, stream);
+}
+
+// *count += the rows of r [n] whose statistics left fp32's range (the twin of
+// norm_overflowed_rows): one block, a fixed order, so the count is exact and deterministic.
+__global__ void norm_overflowed_rows_kernel(double* count, const float* __restrict__ r, int64_t n) {
+    double c = 0.0;
+    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) c += norm_stats_overflowed(r[i]);
+    c = block_reduce_sum_double(c);
+    if (threadIdx.x == 0) *count += c;
+}
+static void norm_overflowed_rows_cuda(double* count, const float* r, int64_t n, cudaStream_t stream) {
+    if (n == 0) return;
+    launch_kernel(1, 256, 0, stream, norm_overflowed_rows_kernel, count, r, n);
 }
