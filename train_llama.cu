@@ -648,7 +648,7 @@ static LossStats llama_forward_backward(Llama* m, int B, int T, float grad_scale
     int64_t N = (int64_t)B * T;
     const LlamaConfig* c = &m->cfg;
     llama_forward_blocks(m, B, T, NULL);
-    LossStats st = {0, 0, 0};
+    LossStats st = {};
     if (backward) op_zero(m->be, m->dres, (size_t)N * c->dim * m->be->abytes);
     op_lm_head_loss(m->be, m->resid, m->final_norm, c->norm_eps, m->lm_head, c->vocab, c->dim, m->targets, m->mask, N, m->loss_chunk,
                     grad_scale, backward ? m->dres : NULL, logits_out, &m->loss, &st, m->dlm_head, m->dfinal_norm);
@@ -684,7 +684,7 @@ static StepResult llama_train_step(Llama* m, TextLoader* loader, const TrainOpti
     dist_allreduce_sum_f64(dist, &total, 1);
     float scale = total > 0 ? (float)(1.0 / total) : 0.0f;
     trainable_zero_grads(&m->tr);
-    double loss_sum = 0.0;
+    double sums[2] = {0.0, 0.0};  // loss, final-norm rows that overflowed (health.h)
     for (int k = 0; k < K; k++) {
         if (k == K - 1) trainable_buckets_begin(&m->tr, dist);  // the last backward sends buckets as they finish
         memcpy(m->h_inputs, in_all + k * N, sizeof(int) * N);
@@ -692,10 +692,12 @@ static StepResult llama_train_step(Llama* m, TextLoader* loader, const TrainOpti
         memcpy(m->h_mask, mk_all + k * N, sizeof(float) * N);
         memcpy(m->h_pos, pos_all + k * N, sizeof(int) * N);
         llama_upload_batch(m, N);
-        loss_sum += llama_forward_backward(m, B, T, scale, 1, NULL).loss_sum;
+        LossStats st = llama_forward_backward(m, B, T, scale, 1, NULL);
+        sums[0] += st.loss_sum;
+        sums[1] += st.overflowed;
     }
     free(in_all); free(tg_all); free(mk_all); free(pos_all);
-    return train_step_finish(&m->tr, o, dist, step, &loss_sum, 1, total, (double)N * K * dist->world);
+    return train_step_finish(&m->tr, o, dist, step, sums, 2, total, (double)N * K * dist->world, m->cfg.vocab);
 }
 
 // Model FLOPs of one token's forward and backward at sequence length T: every linear layer
@@ -782,7 +784,7 @@ static void llama_generate(Llama* m, const ModelTokenizer* tok, const char* prom
         llama_forward_blocks(m, 1, T, &kv);
         kv.len += T;
         fed = len;
-        LossStats st = {0, 0, 0};  // the head on the last token only
+        LossStats st = {};  // the head on the last token only
         op_lm_head_loss(be, (char*)m->resid + (int64_t)(T - 1) * d * be->abytes, m->final_norm, c->norm_eps, m->lm_head, c->vocab,
                         (int)d, m->targets, m->mask, 1, 1, 0.0f, NULL, logits, &m->loss, &st);
         backend_download(be, last, logits, sizeof(float) * c->vocab);

@@ -818,7 +818,8 @@ static LossStats vit_head_loss(Vit* m, int B, float grad_scale, int backward) {
     op_layernorm_forward(be, m->zcls, m->rcls, m->mcls, m->xcls, m->norm_g, m->norm_b, B, d, c->norm_eps);
     op_acts_to_f32(be, m->zcls32, m->zcls, nd);
     op_linear_f32_forward(be, m->logits, m->zcls32, m->head_w, m->head_b, B, K, d);
-    LossStats st = {0, 0, 0};
+    LossStats st = {};
+    st.overflowed = op_norm_overflowed_rows(be, m->rcls, B);
     op_softmax_ce_rows(be, m->dlogits, m->logits, m->labels, B, K, grad_scale, backward, &m->ce, &st);
     if (!backward) return st;
     op_linear_f32_backward(be, m->dzcls32, m->dhead_w, m->dhead_b, m->dlogits, m->zcls32, m->head_w, B, K, d);
@@ -902,16 +903,17 @@ static StepResult vit_train_step(Vit* m, ImageLoader* loader, const TrainOptions
     int B = m->B, K = o->grad_accum;
     float scale = 1.0f / (float)((double)B * K * dist->world);
     trainable_zero_grads(&m->tr);
-    double sums[2] = {0.0, 0.0};  // loss, correct
+    double sums[3] = {0.0, 0.0, 0.0};  // loss, final-norm rows that overflowed (health.h), correct
     for (int k = 0; k < K; k++) {
         if (k == K - 1) trainable_buckets_begin(&m->tr, dist);  // the last backward sends buckets as they finish
         vit_next_batch(m, loader, B, dist->rank, dist->world);
         LossStats st = vit_forward_backward(m, B, scale, 1, NULL);
         sums[0] += st.loss_sum;
-        sums[1] += st.correct;
+        sums[1] += st.overflowed;
+        sums[2] += st.correct;
     }
     double images = (double)B * K * dist->world;
-    return train_step_finish(&m->tr, o, dist, step, sums, 2, images, images);
+    return train_step_finish(&m->tr, o, dist, step, sums, 3, images, images, m->classes);
 }
 
 typedef struct {

@@ -13,7 +13,7 @@ typedef struct {
     void* dlogits;         // [chunk, V] (CUDA: bf16; the CPU turns logits into dlogits in place)
     void* dz;              // [chunk, d] (CPU fp32, CUDA bf16)
     float* row_stats;      // [chunk, 3] (CUDA)
-    double* stats;         // [3] (CUDA)
+    double* stats;         // [4] (CUDA): LossStats
 } LossBuffers;
 
 // At most ~64 MiB of fp32 logits per chunk, never the whole tokens x vocab matrix.
@@ -32,7 +32,7 @@ static void op_plan_lm_head_loss(const Backend* be, MemPlan* p, LossBuffers* lb,
     if (!be->cuda) return;
     plan_add(p, MEM_SCRATCH, "loss", -1, "loss_dlogits", chunk * V * a, &lb->dlogits);
     plan_add(p, MEM_SCRATCH, "loss", -1, "loss_row_stats", chunk * 3 * 4, &lb->row_stats);
-    plan_add(p, MEM_SCRATCH, "loss", -1, "loss_stats", 3 * 8, &lb->stats);
+    plan_add(p, MEM_SCRATCH, "loss", -1, "loss_stats", 4 * 8, &lb->stats);
 }
 
 // Softmax cross-entropy over a few rows of fp32 logits (a classification head), every row

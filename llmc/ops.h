@@ -310,6 +310,16 @@ static void op_layernorm_ms_backward(const Backend* be, void* dx, const void* dz
     layernorm_ms_backward(F32(dx), CF32(dz), CF32(z), r, N, d);
 }
 
+// How many of the n rows whose norm wrote r (backend memory) have statistics beyond fp32's range
+// (llmc/norm_math.h): the activations of a diverged run. CUDA: a copy of r to the host (few rows).
+static double op_norm_overflowed_rows(const Backend* be, const float* r, int64_t n) {
+    float* h = (float*)xmalloc(sizeof(float) * (n + 1));
+    backend_download(be, h, r, sizeof(float) * n);
+    double count = norm_overflowed_rows(h, n);
+    free(h);
+    return count;
+}
+
 // y = gelu(x), the 2-bit ReGELU2 codes of x when codes is non-NULL.
 static void op_gelu_forward(const Backend* be, void* y, uint8_t* codes, const void* x, int64_t n, int tanh_form) {
 #ifdef LLMC_HAVE_CUDA

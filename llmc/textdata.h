@@ -73,6 +73,17 @@ typedef struct {
     int64_t order_epoch;
 } TextLoader;
 
+// A shard whose every target is masked has no loss to train on or evaluate (0/0; it trained with
+// "loss 0, grad norm 0" and exited 0): refused at load, naming the file. The targets are the
+// tokens the loader's windows predict: 1 .. windows * seq.
+static void loader_require_targets(const TextLoader* L) {
+    int64_t last = L->windows * L->seq;
+    for (int64_t i = 1; i <= last; i++)
+        if (L->shard->mask[i]) return;
+    fail("%s: every target is masked (the loss mask is 0 at all %lld tokens the batches predict): nothing to train on or "
+         "evaluate; prompt/response data with empty responses?", L->shard->path, (long long)last);
+}
+
 static void loader_init(TextLoader* L, const TokenShard* s, int seq, uint64_t seed, int shuffle) {
     memset(L, 0, sizeof(*L));
     if (s->count < seq + 1) fail("%s: holds %lld tokens, fewer than --seq + 1 = %d", s->path, (long long)s->count, seq + 1);
@@ -83,6 +94,7 @@ static void loader_init(TextLoader* L, const TokenShard* s, int seq, uint64_t se
     L->shuffle = shuffle;
     L->order = (int64_t*)xmalloc(L->windows * sizeof(int64_t));
     L->order_epoch = -1;
+    loader_require_targets(L);
 }
 
 static void loader_free(TextLoader* L) { free(L->order); }

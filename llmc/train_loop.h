@@ -17,14 +17,14 @@ static float train_fault_injected_loss(float loss, int step) {
     return e && atoi(e) == step + 1 ? NAN : loss;
 }
 
-// --nonfinite skip: a run that keeps producing NaN stops instead of skipping forever. `in_a_row`
-// counts the skipped steps since the last update.
+// --nonfinite skip: a run that keeps producing NaN (or diverged steps) stops instead of skipping
+// forever. `in_a_row` counts the skipped steps since the last update.
 #define TRAIN_MAX_SKIPS_IN_A_ROW 10
 static void train_count_skip(int* in_a_row, int skipped, int step) {
     *in_a_row = skipped ? *in_a_row + 1 : 0;
     if (*in_a_row >= TRAIN_MAX_SKIPS_IN_A_ROW)
-        fail("step %d: %d steps in a row had a non-finite loss or gradient (--nonfinite skip); lower --lr or check the data", step + 1,
-             *in_a_row);
+        fail("step %d: %d steps in a row were skipped for a non-finite loss or gradient, or a diverged or collapsed run "
+             "(--nonfinite skip); lower --lr or check the data", step + 1, *in_a_row);
 }
 
 // One optimizer step as the loop reports it.
@@ -33,23 +33,28 @@ typedef struct {
     double items;          // global tokens or images of the step (all ranks)
     double comm_s;         // seconds spent in cross-rank communication
     int skipped;           // --nonfinite skip: no update this step
+    const char* note;      // why no update was made (the log line says it), or NULL
 } StepResult;
 
 // The end of a step on every rank, after its micro-batches: their sums (sums[0] the loss, sums[1]
-// the correct predictions when n is 2) added across ranks, the means over `count` items, then
-// the optimizer step on that global loss.
+// the final-norm rows whose statistics left fp32's range, sums[2] the correct predictions when n
+// is 3) added across ranks, the means over `count` items (the targets that count: NaN loss when
+// there are none), then the optimizer step on that global loss; `classes` (vocabulary or
+// classes) sets the loss of uniform predictions for health.h.
 static StepResult train_step_finish(Trainable* tr, const TrainOptions* o, const Dist* dist, int step, double* sums, int n, double count,
-                                    double items) {
+                                    double items, int classes) {
     double t_comm = wall_seconds();
     dist_allreduce_sum_f64(dist, sums, n);
     StepResult r;
     r.comm_s = wall_seconds() - t_comm;
     r.items = items;
-    r.loss = count > 0 ? (float)(sums[0] / count) : 0.0f;
-    r.accuracy = n > 1 ? (float)(sums[1] / count) : NAN;
+    r.loss = count > 0 ? (float)(sums[0] / count) : NAN;  // no target: no loss
+    r.accuracy = n > 2 ? (float)(sums[2] / count) : NAN;
     r.loss = train_fault_injected_loss(r.loss, step);
-    OptimStep os = trainable_step(tr, o, dist, step, r.loss);
+    StepStats health = {r.loss, count, sums[1], classes};
+    OptimStep os = trainable_step(tr, o, dist, step, &health);
     r.skipped = os.skipped;
+    r.note = os.note;
     r.grad_norm = os.grad_norm;
     r.lr = os.lr;
     r.comm_s += os.comm_s;
@@ -62,17 +67,17 @@ static int train_val_due(const TrainOptions* o, int step, int last) {
 }
 
 // The step's line on stdout (rank 0): every --log-every steps, the last, one with validation
-// (`val`: its text, or NULL) and a skipped one. `unit`: what the throughput counts (tok, img).
+// (`val`: its text, or NULL) and one without an update (with its note). `unit`: what the throughput counts (tok, img).
 static void train_print_step(const TrainOptions* o, const Dist* dist, int step, int last, const StepResult* r, double dt, const char* unit,
                              double flops_per_item, double peak_flops, const char* val) {
-    if ((step + 1) % o->log_every != 0 && !last && !val && !r->skipped) return;
+    if ((step + 1) % o->log_every != 0 && !last && !val && !r->note) return;
     printf("step %4d/%d | loss %.4f", step + 1, o->steps, r->loss);
     if (!isnan(r->accuracy)) printf(" | acc %.4f", r->accuracy);
     printf(" | lr %.2e | grad norm %.4f | %.0f %s/s", r->lr, r->grad_norm, r->items / dt, unit);
     if (dist->world > 1) printf(" (%.0f per rank, %.0f%% in all-reduce)", r->items / dt / dist->world, 100.0 * r->comm_s / dt);
     print_mfu(r->items / dt / dist->world, flops_per_item, peak_flops);
     if (val) printf(" | %s", val);
-    if (r->skipped) printf(" | skipped: non-finite loss or gradient");
+    if (r->note) printf(" | %s", r->note);
     printf("\n");
     fflush(stdout);
 }

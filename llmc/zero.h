@@ -2,15 +2,17 @@
 // buckets summed across ranks during the backward (NCCL on its own stream, or MPI at the step),
 // or reduce-scattered under ZeRO-1; the global gradient norm, clipping and the non-finite check;
 // AdamW on this rank's part; the all-gather of the updated pieces; and gathering a sharded
-// master back to the host mirror.
+// master back to the host mirror. Whether a step may update at all: health.h.
 #pragma once
 #include "trainable.h"
 #include "train_common.h"
+#include "health.h"
 #include "cpu/adamw.h"
 typedef struct {
     float grad_norm, lr;
     double comm_s;             // seconds in cross-rank communication
-    int skipped;               // --nonfinite skip: the loss or the gradient was not finite, no update
+    int skipped;               // --nonfinite skip: a non-finite or unhealthy step (health.h), no update
+    const char* note;          // why there was no update (the log line says it), or NULL
 } OptimStep;
 
 // Whether buckets go to the other ranks during the backward: CUDA whenever gradients cross ranks
@@ -233,8 +235,10 @@ static double trainable_update(Trainable* tr, const Dist* dist, float lr, float 
 // as communication (with NCCL the call returns at once: its time then shows in the step time).
 // `loss` is the step's global mean loss: it and the global gradient norm must be finite, else
 // the step stops the run or (--nonfinite skip) leaves the weights and the optimizer state as
-// they were. Every rank sees the same global values, so every rank decides the same.
-static OptimStep trainable_step(Trainable* tr, const TrainOptions* o, const Dist* dist, int step, float loss) {
+// they were; so does a step that diverged or collapsed (health.h). A step with no target makes
+// no update. Every rank sees the same global values, so every rank decides the same.
+static OptimStep trainable_step(Trainable* tr, const TrainOptions* o, const Dist* dist, int step, const StepStats* s) {
+    float loss = s->loss;
     OptimStep r;
     memset(&r, 0, sizeof(r));
     double t = wall_seconds();
@@ -246,12 +250,27 @@ static OptimStep trainable_step(Trainable* tr, const TrainOptions* o, const Dist
     r.comm_s += wall_seconds() - t;
     r.grad_norm = (float)sqrt(ss);
     r.lr = lr_at_step(o, step);
+    StepHealth h = step_health(s, r.grad_norm);
+    if (h == STEP_NO_TARGETS) {  // no loss (NaN), so no gradient either: before the non-finite check
+        r.grad_norm = NAN;
+        r.note = step_health_note(h);
+        return r;
+    }
     if (!isfinite(loss) || !isfinite(r.grad_norm)) {
         const char* what = !isfinite(loss) ? "loss" : "gradient norm";
         if (strcmp(o->nonfinite, "skip") != 0)
             fail("step %d: non-finite %s (%g); lower --lr or check the data (--nonfinite skip skips such steps)", step + 1, what,
                  !isfinite(loss) ? loss : r.grad_norm);
         r.skipped = 1;
+        r.note = "skipped: non-finite loss or gradient";
+        return r;
+    }
+    if (h != STEP_HEALTHY) {
+        char msg[512];
+        step_health_message(msg, sizeof(msg), h, s, step + 1, r.lr);
+        if (strcmp(o->nonfinite, "skip") != 0) fail("%s", msg);
+        r.skipped = 1;
+        r.note = step_health_note(h);
         return r;
     }
     if (o->grad_clip > 0 && r.grad_norm > o->grad_clip) trainable_scale(tr, o->grad_clip / r.grad_norm);

@@ -361,6 +361,18 @@ def test_cuda_nonfinite_step_skipped_with_buckets_in_flight(tmp_path):
     assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
 
 
+def test_cuda_diverged_run_stops_with_a_diagnosis(tmp_path):
+    """--lr 1e3 on the CUDA backend: by step 3 the final norm's input has an RMS beyond 2^64. The
+    bf16 norms compute it (their fp32 statistics no longer overflow to r = 0), the loss kernel
+    counts those rows, and the run stops with one line and no adapter, as on the CPU."""
+    out = tmp_path / "out"
+    p = train(CUDA_TRAIN, "cuda", "--lr", "1e3", "--steps", 10, "--out", out, check=False)
+    err = p.stderr.strip()
+    assert p.returncode == 1 and len(err.splitlines()) == 1, (p.returncode, p.stdout[-1500:], err)
+    assert "the run diverged" in err and "final norm with an RMS beyond 2^64" in err and "lower --lr" in err, err
+    assert not (out / "adapter_model.safetensors").exists()
+
+
 def test_cuda_generates_with_the_kv_cache(tmp_path):
     """Greedy text with the CUDA key/value cache equals recomputing the window every token."""
     args = [need(CUDA_TRAIN), "--model", os.path.join(REPO, "data/llama_demo"), "--device", "cuda", "--generate", 20,

@@ -220,6 +220,17 @@ def test_training_tracks_cpu(mode):
     assert worst < 0.02, line
 
 
+def test_diverged_run_stops_with_a_diagnosis(tmp_path):
+    """--lr 1e3 on the CUDA backend: the loss reaches ~1e4 at step 2, over 100 nats above ln(5)
+    (llmc/health.h); the run stops with one line and saves no adapter, as on the CPU."""
+    out = tmp_path / "out"
+    p = train(CUDA_TRAIN, "cuda", "--lr", "1e3", "--steps", 10, "--out", out, check=False)
+    err = p.stderr.strip()
+    assert p.returncode == 1 and len(err.splitlines()) == 1, (p.returncode, p.stdout[-1500:], err)
+    assert "the run diverged: loss" in err and "nats above ln(5)" in err, err
+    assert not (out / "adapter_model.safetensors").exists()
+
+
 def test_gpu_resizes_flips_and_normalises_like_the_cpu_loader():
     """On CUDA the raw images are resized (28 px -> 35 px here), flipped and normalised on the GPU
     (image_resize_normalize_cuda) where the CPU backend's loader does it on the host: the losses of

@@ -137,7 +137,7 @@ def test_nonfinite_skips_stop_after_ten_in_a_row(tiny):
     instead of spinning to the end."""
     p = run_env(base_args(tiny, "--steps", 40, "--batch", 2, "--lr", "1e38", "--nonfinite", "skip"), {}, check=False)
     assert p.returncode == 1, p.stdout[-2000:]
-    assert "10 steps in a row had a non-finite loss or gradient (--nonfinite skip)" in p.stderr, p.stderr
+    assert "10 steps in a row were skipped for a non-finite loss or gradient" in p.stderr, p.stderr
     assert p.stdout.count("skipped: non-finite") == 9  # the tenth stops the run before its log line
 
 
@@ -364,3 +364,98 @@ def test_ranks_on_one_node_share_its_memory_in_the_fit_check(tiny):
     p = mpirun(2, base_args(tiny, "--steps", 1, "--batch", 2000), check=False, env={"LLMC_HOST_MEMORY_BYTES": str(64 << 20)})
     assert p.returncode != 0
     assert "but 32.0 MiB is available (LLMC_HOST_MEMORY_BYTES, divided among the node's 2 ranks); would fit: --batch" in p.stderr, p.stderr
+
+
+# ---- training health (issue 13, items 5 and 6) -------------------------------------------------
+
+def one_error_line(p, *needles):
+    err = p.stderr.strip()
+    assert p.returncode == 1, (p.returncode, p.stdout[-1500:], err)
+    assert err.startswith("error: ") and len(err.splitlines()) == 1, err
+    for n in needles:
+        assert n in err, (n, err)
+    return err
+
+
+@pytest.mark.parametrize("mode", ["baseline", "lowmem"])
+def test_diverged_run_stops_with_a_diagnosis(tiny, tmp_path, mode):
+    """--lr 1e3 blows the LoRA weights up within two steps: the residual stream's RMS passes 2^64,
+    where fp32 cannot square it. Before, the norm's fp32 statistics overflowed (r = 0), the loss sat
+    at exactly ln(vocab) with a zero gradient and the run exited 0, saving a collapsed adapter. Now
+    the norms compute such rows right and the run stops at the first step that sees them, with one
+    line that says what happened and what to try, and no adapter is saved."""
+    out = tmp_path / "out"
+    p = run_env(base_args(tiny, "--mode", mode, "--steps", 10, "--batch", 2, "--lr", "1e3", "--out", out), {}, check=False)
+    one_error_line(p, "the run diverged", "final norm with an RMS beyond 2^64", "lower --lr")
+    assert not (out / "adapter_model.safetensors").exists() and not (out / "train_state.bin").exists()
+
+
+def test_diverged_steps_are_skipped_then_stop(tiny, tmp_path):
+    """--nonfinite skip applies to diverged steps too: each is logged and not applied; the weights
+    stay diverged, so ten in a row stop the run."""
+    p = run_env(base_args(tiny, "--steps", 30, "--batch", 2, "--lr", "1e3", "--nonfinite", "skip"), {}, check=False)
+    one_error_line(p, "10 steps in a row were skipped", "diverged")
+    assert "skipped: diverged (final-norm input beyond fp32 range)" in p.stdout, p.stdout[-2000:]
+
+
+def test_collapsed_model_stops(tiny, tmp_path):
+    """A final norm of zeros makes every logit 0: the loss is exactly ln(vocab) and no trainable
+    weight can change it (the gradient is exactly zero), the state an overflowed fp32 norm used to
+    leave. The run stops at step 1 and says so."""
+    model = tmp_path / "model"
+    shutil.copytree(tiny / "model", model)
+    w = st_io.load(str(model / "model.safetensors"))
+    w["model.norm.weight"] = np.zeros_like(w["model.norm.weight"])
+    st_io.save(str(model / "model.safetensors"), w, metadata={"format": "pt"})
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    for mode in ("baseline", "lowmem"):
+        args = base_args(tiny, "--mode", mode, "--steps", 3, "--batch", 2, "--out", tmp_path / mode)
+        args[1] = model
+        p = run_env(args, {}, check=False)
+        one_error_line(p, "step 1: the run collapsed: the gradient is exactly zero",
+                       f"loss {np.log(vocab):.4f}, uniform predictions ln({vocab}) = {np.log(vocab):.4f}")
+        assert not (tmp_path / mode / "adapter_model.safetensors").exists()
+
+
+def test_fully_masked_shard_is_refused_at_load(tiny, tmp_path):
+    """A shard whose every target is masked has nothing to train on (it trained with loss 0 and
+    gradient norm 0 and exited 0): one line naming the file, as --data or --val, before anything
+    runs. The first token is never a target, so a mask set there alone counts as none."""
+    toks = np.fromfile(tiny / "train.bin", dtype=np.uint32, offset=64)[:500]
+    mask = np.zeros(toks.size, np.uint8)
+    mask[0] = 1
+    bad = tmp_path / "masked.bin"
+    shards.write_shard(str(bad), toks, mask, 67)
+    for flag in ("--data", "--val"):
+        args = base_args(tiny, "--steps", 2, "--batch", 2, "--out", tmp_path / "out")
+        if flag == "--data":
+            args[args.index("--data") + 1] = bad
+        else:
+            args += ["--val", bad]
+        p = run_env(args, {}, check=False)
+        one_error_line(p, f"{bad}: every target is masked")
+        assert not list((tmp_path / "out").glob("*"))  # --out is made before the data is read, but stays empty
+
+
+def test_step_without_targets_is_reported_not_applied(tiny, tmp_path):
+    """Only one window of the shard (batch 1, seq 24) has targets: the other steps have none on any
+    rank, so no loss exists. They say so, log NaN (not loss 0, gradient norm 0) and change nothing:
+    the adapter after them equals the adapter of a run stopped after the last step with targets."""
+    toks = np.fromfile(tiny / "train.bin", dtype=np.uint32, offset=64)[:24 * 8 + 1]
+    mask = np.zeros(toks.size, np.uint8)
+    mask[24 * 3 + 1:24 * 4 + 1] = 1  # the targets of window 3 only
+    data = tmp_path / "sparse.bin"
+    shards.write_shard(str(data), toks, mask, 67)
+    args = base_args(tiny, "--steps", 8, "--batch", 1)
+    args[args.index("--data") + 1] = data
+    p = run_env(args + ["--out", tmp_path / "all", "--log-every", 1], {})
+    lines = [l for l in p.stdout.splitlines() if l.startswith("step ")]
+    empty = [l for l in lines if "no unmasked target in this step's batches: no loss, no update" in l]
+    trained = [i for i, l in enumerate(lines) if "no unmasked target" not in l]
+    assert len(lines) == 8 and len(empty) == 7 and len(trained) == 1, "\n".join(lines)
+    assert all("loss nan" in l and "grad norm nan" in l for l in empty), "\n".join(empty)
+    log = (tmp_path / "all" / "log.csv").read_text().splitlines()[1:]
+    assert sum(",nan," in row for row in log) == 7, log
+    run_env(args + ["--out", tmp_path / "one", "--stop-at", trained[0] + 1], {})
+    a, b = adapter(tmp_path / "all"), adapter(tmp_path / "one")
+    assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)

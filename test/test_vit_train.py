@@ -187,6 +187,21 @@ def test_nonfinite_step_is_skipped(tmp_path, monkeypatch):
         assert a.read() == b.read()
 
 
+@pytest.mark.parametrize("mode", ["baseline", "lowmem"])
+def test_diverged_run_stops_with_a_diagnosis(tmp_path, mode):
+    """--lr 1e3 drives the re-initialised head to logits that put the loss at ~1e4 (5 classes:
+    uniform predictions score ln 5 = 1.61) from step 2 on; it used to run to the end, exit 0 and
+    save that adapter. A loss more than 100 nats above ln(classes) cannot come from cross-entropy
+    training (llmc/health.h says why): the run stops with one line and saves nothing."""
+    out = tmp_path / "out"
+    p = vc.train_vit("--model", MODEL, "--data", TRAIN, "--mode", mode, "--steps", 10, "--batch", 16, "--lr", "1e3",
+                     "--lora-rank", 4, "--threads", 2, "--out", str(out), check=False)
+    err = p.stderr.strip()
+    assert p.returncode == 1 and err.startswith("error: ") and len(err.splitlines()) == 1, (p.returncode, p.stdout[-1500:], err)
+    assert "the run diverged: loss" in err and "nats above ln(5) = 1.6094" in err and "lower --lr" in err, err
+    assert not (out / "adapter_model.safetensors").exists() and not (out / "train_state.bin").exists()
+
+
 def test_mismatched_resume_is_refused(tmp_path):
     out = str(tmp_path / "run")
     vc.train_vit("--model", MODEL, "--data", TRAIN, "--steps", 2, "--batch", 8, "--lora-rank", 4, "--out", out)

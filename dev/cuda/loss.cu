@@ -2,7 +2,9 @@
 // llmc/cpu/loss.h: final RMSNorm (standard), logits, masked loss, count, argmax-correct and the
 // gradient into the final norm's input (accumulated), with an odd vocabulary, a ragged last
 // chunk and masked tokens; evaluation mode (no gradient); and softmax_ce_rows on its own with fp32
-// dlogits (the ViT head). Then times a LLaMA-7B-sized head.
+// dlogits (the ViT head). Two rows of every case are finite but huge (|x| ~ 1e30): their norm
+// statistics must come out right and be counted as overflowed (LossStats.overflowed) on both
+// backends. Then times a LLaMA-7B-sized head.
 #include "check.h"
 #include "../../llmc/cpu/loss.h"
 #include "../../llmc/cuda/loss.cuh"
@@ -15,7 +17,7 @@ static LossScratchCuda alloc_loss_scratch(int chunk, int d, int V) {
     sc.dlogits = (bf16*)dev_alloc(2 * (int64_t)chunk * V);
     sc.dz = (bf16*)dev_alloc(2 * (int64_t)chunk * d);
     sc.row_stats = (float*)dev_alloc(4 * 3 * (int64_t)chunk);
-    sc.stats = (double*)dev_alloc(3 * sizeof(double));
+    sc.stats = (double*)dev_alloc(4 * sizeof(double));
     return sc;
 }
 static void free_loss_scratch(LossScratchCuda sc) {
@@ -26,6 +28,8 @@ static void free_loss_scratch(LossScratchCuda sc) {
 static void test_lm_head(int64_t N, int d, int V, int chunk, int grad, Rng* rng) {
     float eps = 1e-5f, grad_scale = 1.0f / 29.0f;
     float *xf = host_randn(N * d, rng, 1.0f, 1), *gamma = host_randn(d, rng, 1.0f, 1), *W = host_randn((int64_t)V * d, rng, 0.3f, 1);
+    for (int64_t n : {(int64_t)1, N - 2})  // RMS ~1e30, beyond 2^64: two overflowed rows
+        for (int i = 0; i < d; i++) xf[n * d + i] = bf16_round(xf[n * d + i] * 1e30f);
     int* targets = (int*)xmalloc(sizeof(int) * N);
     float* mask = (float*)xmalloc(sizeof(float) * N);
     for (int64_t i = 0; i < N; i++) {
@@ -40,7 +44,7 @@ static void test_lm_head(int64_t N, int d, int V, int chunk, int grad, Rng* rng)
                       (float*)xmalloc(4 * (int64_t)chunk * V), (float*)xmalloc(4 * (int64_t)chunk * d)};
     float* logits = (float*)xmalloc(4 * N * V);
     {  // targets[i] = -1 above means "the argmax of the row": find it from a logits-only pass
-        LossStats tmp = {0, 0, 0};
+        LossStats tmp = {};
         int* t0 = (int*)xcalloc(N, sizeof(int));
         lm_head_loss(xf, gamma, eps, W, V, d, t0, mask, N, chunk, grad_scale, NULL, logits, cs, &tmp);
         for (int64_t i = 0; i < N; i++)
@@ -52,7 +56,7 @@ static void test_lm_head(int64_t N, int d, int V, int chunk, int grad, Rng* rng)
         free(t0);
     }
     float* dx = host_copy(dx0, N * d);
-    LossStats st = {0, 0, 0};
+    LossStats st = {};
     // the trained head and final norm (full fine-tuning): dW and dgamma accumulate onto random values
     float *dW0 = host_randn((int64_t)V * d, rng, 0.1f, 0), *dg0 = host_randn(d, rng, 0.1f, 0);
     float *dW = host_copy(dW0, (int64_t)V * d), *dg = host_copy(dg0, d);
@@ -64,7 +68,7 @@ static void test_lm_head(int64_t N, int d, int V, int chunk, int grad, Rng* rng)
     int* d_t = (int*)upload(targets, sizeof(int) * N);
     float *d_mask = (float*)upload(mask, 4 * N), *d_logits = (float*)dev_alloc(4 * N * V);
     dev_poison(d_logits, 4 * N * V);
-    LossStats gst = {0, 0, 0};
+    LossStats gst = {};
     float *d_dW = (float*)upload(dW0, 4 * (int64_t)V * d), *d_dg = (float*)upload(dg0, 4 * (int64_t)d);
     lm_head_loss_cuda(d_xf, d_gamma, eps, d_W, V, d, d_t, d_mask, N, chunk, grad_scale, grad ? d_dx : NULL, d_logits, sc, &gst,
                       g_stream, d_dW, d_dg);
@@ -83,6 +87,9 @@ static void test_lm_head(int64_t N, int d, int V, int chunk, int grad, Rng* rng)
     snprintf(name, sizeof(name), "lm_head_loss correct, %s", tag);
     snprintf(detail, sizeof(detail), "(%.0f vs %.0f; near-ties may flip one)", gst.correct, st.correct);
     check_true(name, fabs(gst.correct - st.correct) <= 1 && st.correct > 0, detail);
+    snprintf(name, sizeof(name), "lm_head_loss overflowed rows, %s", tag);
+    snprintf(detail, sizeof(detail), "(%.0f vs %.0f, expected 2)", gst.overflowed, st.overflowed);
+    check_true(name, gst.overflowed == 2 && st.overflowed == 2, detail);
     if (grad) {
         float* gdx = download_bf16(d_dx, N * d);
         for (int64_t i = 0; i < N * d; i++) { gdx[i] -= dx0[i]; dx[i] -= dx0[i]; }

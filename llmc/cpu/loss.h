@@ -11,6 +11,8 @@ typedef struct {
     double loss_sum;       // sum of CE over counted (mask != 0) positions
     double count;          // number of counted positions
     double correct;        // counted positions whose argmax equals the target
+    double overflowed;     // rows whose final-norm statistics left fp32's range (norm_stats_overflowed),
+                           // masked or not: the activations of a diverged run
 } LossStats;
 
 typedef struct {           // scratch for one chunk, from the plan
@@ -48,6 +50,7 @@ static void lm_head_loss(const float* xf, const float* gamma, float eps, const f
     for (int64_t n0 = 0; n0 < N; n0 += chunk) {
         int c = (int)(N - n0 < chunk ? N - n0 : chunk);
         rmsnorm_forward(sc.z, sc.r, xf + n0 * d, gamma, c, d, eps);
+        st->overflowed += norm_overflowed_rows(sc.r, c);
         matmul_nt(sc.logits, sc.z, W, c, V, d, 1.0f, 0);
         if (logits_out) memcpy(logits_out + n0 * V, sc.logits, sizeof(float) * c * V);
         double ls = 0.0, cnt = 0.0, cor = 0.0;

@@ -3,7 +3,8 @@
 // logits from cuBLASLt (bf16 x bf16 -> fp32, so the softmax sees unrounded logits), one block per
 // row computes max/argmax, log-sum-exp, the masked loss and, in training, dlogits =
 // w * (softmax - onehot) with w = mask * grad_scale (as bf16: the operand of the next product),
-// then dz = dlogits W and the norm's backward ACCUMULATE into dxf. Loss, count and correct are
+// then dz = dlogits W and the norm's backward ACCUMULATE into dxf. Loss, count and correct (and
+// the final-norm rows whose statistics left fp32's range: a diverged run, llmc/health.h) are
 // summed on the device in double, chunk by chunk in a fixed order (deterministic), and copied to
 // the host once per call.
 //
@@ -22,7 +23,7 @@ typedef struct {           // scratch for one chunk (and the device statistics),
     bf16* dlogits;         // [chunk, V]
     bf16* dz;              // [chunk, d]
     float* row_stats;      // [chunk, 3]: mask * CE, mask, mask * [argmax == target]
-    double* stats;         // [3]: loss_sum, count, correct
+    double* stats;         // [4]: loss_sum, count, correct, overflowed (LossStats)
 } LossScratchCuda;
 
 #define CE_THREADS 512
@@ -102,10 +103,11 @@ static void lm_head_loss_cuda(const bf16* xf, const bf16* gamma, float eps, cons
                               const float* mask, int64_t N, int chunk, float grad_scale, bf16* dxf, float* logits_out,
                               LossScratchCuda sc, LossStats* st, cudaStream_t stream, float* dW = NULL, float* dgamma = NULL) {
     if (chunk <= 0) fail("lm_head_loss_cuda: chunk must be positive");
-    CUDA_CHECK(cudaMemsetAsync(sc.stats, 0, 3 * sizeof(double), stream));
+    CUDA_CHECK(cudaMemsetAsync(sc.stats, 0, 4 * sizeof(double), stream));
     for (int64_t n0 = 0; n0 < N; n0 += chunk) {
         int c = (int)(N - n0 < chunk ? N - n0 : chunk);
         rmsnorm_forward_cuda(sc.z, sc.r, xf + n0 * d, gamma, c, d, eps, stream);
+        norm_overflowed_rows_cuda(sc.stats + 3, sc.r, c, stream);
         matmul_nt_cuda(sc.logits, sc.z, W, c, V, d, 1.0f, 0, stream);
         if (logits_out)
             CUDA_CHECK(cudaMemcpyAsync(logits_out + n0 * V, sc.logits, sizeof(float) * c * V, cudaMemcpyDeviceToDevice, stream));
@@ -119,10 +121,11 @@ static void lm_head_loss_cuda(const bf16* xf, const bf16* gamma, float eps, cons
         if (gamma) rmsnorm_backward_cuda(dxf + n0 * d, sc.dz, xf + n0 * d, sc.r, gamma, c, d, stream);
         else rmsnorm_ms_backward_cuda(dxf + n0 * d, sc.dz, sc.z, sc.r, c, d, stream);
     }
-    double h[3];
+    double h[4];
     CUDA_CHECK(cudaMemcpyAsync(h, sc.stats, sizeof(h), cudaMemcpyDeviceToHost, stream));
     CUDA_CHECK(cudaStreamSynchronize(stream));
     st->loss_sum += h[0];
     st->count += h[1];
     st->correct += h[2];
+    st->overflowed += h[3];
 }
