@@ -11,7 +11,10 @@ train_vit must be built and data/vit_demo* present; if not, the tests FAIL.
 """
 import csv
 import os
+import shutil
 import sys
+
+import numpy as np
 
 import pytest
 
@@ -200,6 +203,30 @@ def test_diverged_run_stops_with_a_diagnosis(tmp_path, mode):
     assert p.returncode == 1 and err.startswith("error: ") and len(err.splitlines()) == 1, (p.returncode, p.stdout[-1500:], err)
     assert "the run diverged: loss" in err and "nats above ln(5) = 1.6094" in err and "lower --lr" in err, err
     assert not (out / "adapter_model.safetensors").exists() and not (out / "train_state.bin").exists()
+
+
+def test_activations_beyond_fp32_squares_stop_the_run(tmp_path):
+    """A checkpoint whose embeddings are scaled by 1e25 puts every token's residual RMS beyond 2^64
+    (the demo's blocks are pre-LN, so the residual keeps that scale): the final LayerNorm computes
+    those rows right, its fp32 statistics no longer overflowing, and the run stops at step 1 saying
+    the activations are beyond fp32 range. The head only sees normalised features, so the loss
+    alone would not show it. On the CUDA backend too (the emulator)."""
+    model = tmp_path / "model"
+    shutil.copytree(MODEL, model)
+    w = vc.st_io.load(str(model / "model.safetensors"))
+    for k in ("vit.embeddings.cls_token", "vit.embeddings.position_embeddings", "vit.embeddings.patch_embeddings.projection.weight",
+              "vit.embeddings.patch_embeddings.projection.bias"):
+        w[k] = w[k] * np.float32(1e25)
+    vc.st_io.save(str(model / "model.safetensors"), w, metadata={"format": "pt"})
+    cuda_emu = os.path.join(vc.REPO, "build/emu/train_vit")
+    for exe, device in ((vc.binary("train_vit", "TRAIN_VIT"), "cpu"), (cuda_emu, "cuda")):
+        assert os.path.isfile(exe), f"{exe} is missing (make {os.path.relpath(exe, vc.REPO)})"
+        p = vc.run([exe, "--model", str(model), "--data", TRAIN, "--steps", "3", "--batch", "4", "--lora-rank", "4",
+                    "--threads", "2", "--device", device, "--out", str(tmp_path / device)], check=False)
+        err = p.stderr.strip()
+        assert p.returncode == 1 and len(err.splitlines()) == 1, (device, p.returncode, p.stdout[-1500:], err)
+        assert "step 1: the run diverged: 4 rows reached the final norm with an RMS beyond 2^64" in err, (device, err)
+        assert not (tmp_path / device / "adapter_model.safetensors").exists()
 
 
 def test_mismatched_resume_is_refused(tmp_path):
