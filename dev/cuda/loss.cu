@@ -165,7 +165,7 @@ static void time_lm_head(void) {
     CUDA_CHECK(cudaMemset(W, 0x3c, 2 * (int64_t)V * d));
     CUDA_CHECK(cudaMemset(dx, 0, 2 * N * d));
     CUDA_CHECK(cudaMemset(t, 0, sizeof(int) * N));
-    LossStats st = {0, 0, 0};
+    LossStats st = {};
     double flops = 2.0 * 2.0 * N * V * d;  // logits and dz products
     report_flops("lm_head_loss 8192 tok, d=4096, V=32000, chunk 2048",
                  flops, time_kernel([&] { lm_head_loss_cuda(xf, gamma, 1e-5f, W, V, d, t, NULL, N, chunk, 1.0f / N, dx, NULL, sc, &st, g_stream); }, 3));
