@@ -15,10 +15,12 @@ import struct
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "scripts", "formats"))
+import shards  # noqa: E402
 import st_io  # noqa: E402
 
 DATA = os.path.join(REPO, "data")
@@ -197,6 +199,10 @@ def w(tmp_path_factory):
     ns.bad_shard = os.path.join(root, "bad.bin")
     with open(ns.bad_shard, "wb") as f:
         f.write(b"NOPE" + b"\0" * 60)
+    # a token shard whose every target is masked (it trained with loss 0, grad norm 0)
+    ns.masked_shard = os.path.join(root, "masked.bin")
+    tokens = [(3 + 7 * i) % 512 for i in range(200)]
+    shards.write_shard(ns.masked_shard, np.array(tokens, np.uint32), np.zeros(200, np.uint8), 512)
     # prepare_text inputs
     ns.bad_utf8 = os.path.join(root, "bad_utf8.txt")
     with open(ns.bad_utf8, "wb") as f:
@@ -300,6 +306,10 @@ ROWS = {
     "llama_shard_bad_magic": ("llama", lambda w: (["--model", LLAMA, "--data", w.bad_shard], ["bad.bin", "magic"])),
     "vit_unknown_flag": ("vit", lambda w: (["--model", VIT, "--bogus", 1], ["--bogus"])),
     "vit_shard_bad_magic": ("vit", lambda w: (["--model", VIT, "--data", w.bad_shard], ["bad.bin"])),
+    # also in test_llama_system.py: a shard with no unmasked target, for training or validation
+    "llama_shard_all_targets_masked": ("llama", lambda w: (llama()[:2] + ["--data", w.masked_shard] + llama()[4:],
+                                                           ["masked.bin", "every target is masked"])),
+    "llama_val_all_targets_masked": ("llama", lambda w: (llama("--val", w.masked_shard), ["masked.bin", "every target is masked"])),
 }
 
 
