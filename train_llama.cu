@@ -120,8 +120,8 @@ static const char* const hf_module_names[N_TARGETS] = {"self_attn.q_proj", "self
 // Weights and activations are backend buffers (`void*`: fp32 on the CPU, bf16 on CUDA); norm
 // statistics and the attention lse are fp32 on both.
 typedef struct {
-    void* attn_norm;       // gamma [d] (merged into q,k,v under MS-RMSNorm)
-    void* mlp_norm;        // gamma [d] (merged into gate, up under MS-RMSNorm)
+    void* attn_norm;       // gamma [d] (merged into q,k,v under MS-RMSNorm; their adapters still apply it)
+    void* mlp_norm;        // gamma [d] (merged into gate, up under MS-RMSNorm; likewise)
     Linear lin[N_TARGETS];
     // --full with standard norms trains the gammas too: gradients and host mirrors, else NULL
     float *dattn_norm, *dmlp_norm, *h_attn_norm, *h_mlp_norm;
@@ -170,6 +170,7 @@ typedef struct {
     void **kv_k, **kv_v;   // --generate: [layers] the key/value cache, [T, KVH*hd] each
     float* gen_logits;     // --generate: [V] the last position's logits
     void* blas_work;       // CUDA: cuBLAS's and cuBLASLt's workspace (llmc/blas_plan.h)
+    void* lora_norm_work;  // MS norms, --ms-lora exact: the adapters' scratch (llmc/lora.h), else NULL
     int *inputs, *targets; // on the backend
     int *embed_order, *h_embed_order;  // --full: the batch's positions sorted by token (embedding_token_order)
     int* pos;              // position of each token within its (packed) example
@@ -192,6 +193,11 @@ static int64_t lin_out(const LlamaConfig* c, int t) {
         default: return c->dim;
     }
 }
+
+// Under MS-RMSNorm (and LoRA), W' = W diag(gamma) absorbed the gamma of the norm that feeds q, k,
+// v (gate, up), but the adapters keep acting on gamma*z as in the original model (llmc/lora.h),
+// so they train exactly what --norm std trains; --ms-lora merged puts them on z (the paper's).
+static int llama_adapters_see_gamma(const Llama* m) { return m->modes.ms && !m->modes.full && !m->modes.ms_lora_merged; }
 
 // ----------------------------------------------------------------------------------------------
 // The memory plan: every buffer, by module, with the element sizes of the planned backend
@@ -287,6 +293,8 @@ static void llama_plan(Llama* m, MemPlan* p) {
     plan_add(p, MEM_SCRATCH, "grads", -1, "dg", N * f * abytes, &m->dg);
     plan_add(p, MEM_SCRATCH, "grads", -1, "du", N * f * abytes, &m->du);
     plan_add(p, MEM_SCRATCH, "grads", -1, "dax", N * r * abytes, &m->dax);
+    if (llama_adapters_see_gamma(m) && (lora_qkv || lora_gu))
+        plan_add(p, MEM_SCRATCH, "lora", -1, "lora_norm_work", lora_norm_work_bytes((int)r, (int)d, abytes), &m->lora_norm_work);
     AttnShape as = {m->B, m->T, c->heads, c->kv_heads, c->head_dim, 1, NULL};
     m->att_work_bytes = op_plan_attention_work(be, p, as, &m->att_work);
     op_plan_matmul_workspace(be, p, &m->blas_work);
@@ -340,8 +348,13 @@ static void llama_bind(Llama* m) {
             }
             L->in = (int)lin_in(c, t);
             L->out = (int)lin_out(c, t);
-            if (m->modes.full) trainable_bind_linear_weight(&m->tr, &off, L);  // full fine-tuning: W trains in the arena
-            else if (m->modes.targets >> t & 1) trainable_bind_adapter(&m->tr, &off, L, (int)r);
+            if (m->modes.full) {
+                trainable_bind_linear_weight(&m->tr, &off, L);  // full fine-tuning: W trains in the arena
+            } else if (m->modes.targets >> t & 1) {
+                trainable_bind_adapter(&m->tr, &off, L, (int)r);
+                const void* gamma = t <= T_V ? m->layers[l].attn_norm : t == T_GATE || t == T_UP ? m->layers[l].mlp_norm : NULL;
+                if (gamma && llama_adapters_see_gamma(m)) lora_norm_bind(L, gamma, NULL, m->lora_norm_work);
+            }
         }
     trainable_plan_buckets(&m->tr, m->layer_off, c->layers);  // embedding, head and final norm lie below the first block
     int64_t N = (int64_t)m->B * m->T;
@@ -866,13 +879,21 @@ static const float* llama_merged_gamma(const Llama* m, int l, int t) {
     return NULL;
 }
 
-// The PEFT view of the adapters: Hugging Face module paths; layers merged with an MS norm carry
-// that norm's gamma so the adapter is mapped back to (and from) the original model's layout.
+// The gamma an adapter of linear t of layer l is mapped through between our layout and the
+// original model's (A_orig = A diag(1/gamma)): only under the paper's variant (--ms-lora merged),
+// where the adapter sees the merged input. Otherwise adapters are the original model's as they are.
+static const float* llama_adapter_gamma(const Llama* m, int l, int t) {
+    return m->modes.ms_lora_merged ? llama_merged_gamma(m, l, t) : NULL;
+}
+
+// The PEFT view of the adapters: Hugging Face module paths; under --ms-lora merged, layers merged
+// with an MS norm carry that norm's gamma so the adapter is mapped back to (and from) the original
+// model's layout.
 static int llama_peft_entries(Llama* m, PeftEntry* e) {
     int n = 0;
     for (int l = 0; l < m->cfg.layers; l++)
         for (int t = 0; t < N_TARGETS; t++)
-            n = peft_add_entry(e, n, &m->layers[l].lin[t], "model.layers", l, hf_module_names[t], llama_merged_gamma(m, l, t));
+            n = peft_add_entry(e, n, &m->layers[l].lin[t], "model.layers", l, hf_module_names[t], llama_adapter_gamma(m, l, t));
     return n;
 }
 
@@ -926,9 +947,10 @@ static const float* llama_trained_tensor(const Llama* m, const char* name) {
 }
 
 // --export-merged (and the output of --full): the input checkpoint with every adapter folded in,
-// W + alpha/r * B A, or the fully fine-tuned W, in the original layout (MS-merged layers are
-// mapped back first, so the norms keep their original gamma), in each tensor's original dtype;
-// every other tensor is copied unchanged.
+// W + alpha/r * B A (A in the original layout, from the checkpoint's W), or the fully fine-tuned W,
+// in the original layout (a W' that --full trained under MS norms, or an adapter of --ms-lora
+// merged, is mapped back first, so the norms keep their original gamma), in each tensor's original
+// dtype; every other tensor is copied unchanged.
 static void llama_export_merged(Llama* m, const TrainOptions* o, const char* dir) {
     make_dirs(dir, "flag --export-merged");
     trainable_to_host(&m->tr, 0);
@@ -942,7 +964,7 @@ static void llama_export_merged(Llama* m, const TrainOptions* o, const char* dir
     for (int f = 0; f < sm.nfiles; f++)
         for (int i = 0; i < sm.files[f].count; i++) {
             const StTensor* t = &sm.files[f].tensors[i];
-            int l, tg;
+            int l = 0, tg = 0;
             const Linear* L = llama_linear_named(m, t->name, &l, &tg);
             const float* trained = llama_trained_tensor(m, t->name);
             if (trained) {  // --full: embedding, head or a norm, as trained
@@ -953,13 +975,12 @@ static void llama_export_merged(Llama* m, const TrainOptions* o, const char* dir
             }
             if (!L || (!L->A && !L->dW)) { st_writer_add(&w, t->name, t->dtype, t->ndim, t->shape, t->data); continue; }
             float* W = (float*)xmalloc(sizeof(float) * L->out * L->in);
-            const float* gamma = llama_merged_gamma(m, l, tg);
             if (L->dW) {  // full fine-tuning trained W' = W diag(gamma): undo the merge
-                peft_scale_columns(W, L->W, gamma, L->out, L->in, 1, t->name);
+                peft_scale_columns(W, L->W, llama_merged_gamma(m, l, tg), L->out, L->in, 1, t->name);
             } else {
                 float* A = (float*)xmalloc(sizeof(float) * r * L->in);
                 st_to_f32(t, W);
-                peft_scale_columns(A, L->A, gamma, r, L->in, 1, t->name);
+                peft_scale_columns(A, L->A, llama_adapter_gamma(m, l, tg), r, L->in, 1, t->name);
                 matmul_nn(W, L->B, A, L->out, L->in, r, m->modes.lora_scale, 1);
                 free(A);
             }
@@ -996,9 +1017,9 @@ static void llama_save(Llama* m, const TrainOptions* o, const Dist* dist, const 
 // Everything a resumed run must share with the saved one, as "key=value" words.
 static void llama_settings_line(char* buf, size_t n, const Llama* m, const TrainOptions* o, const Dist* d, int64_t data_tokens) {
     const LlamaConfig* c = &m->cfg;
-    snprintf(buf, n, "d=%d f=%d layers=%d heads=%d kv_heads=%d vocab=%d full=%d act=%s norm=%s recompute=%s rank=%d alpha=%g targets=0x%x "
+    snprintf(buf, n, "d=%d f=%d layers=%d heads=%d kv_heads=%d vocab=%d full=%d act=%s norm=%s ms_lora=%s recompute=%s rank=%d alpha=%g targets=0x%x "
              "batch=%d seq=%d grad_accum=%d world=%d steps=%d lr=%g warmup=%d min_lr_frac=%g weight_decay=%g grad_clip=%g seed=%d data_tokens=%lld",
-             c->dim, c->hidden, c->layers, c->heads, c->kv_heads, c->vocab, o->full, o->act, o->norm, o->recompute, o->lora_rank, o->lora_alpha,
+             c->dim, c->hidden, c->layers, c->heads, c->kv_heads, c->vocab, o->full, o->act, o->norm, o->ms_lora, o->recompute, o->lora_rank, o->lora_alpha,
              m->modes.targets, o->batch, o->seq, o->grad_accum, d->world, o->steps, o->lr, o->warmup, o->min_lr_frac, o->weight_decay,
              o->grad_clip, o->seed, (long long)data_tokens);
 }

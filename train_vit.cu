@@ -144,7 +144,7 @@ enum { LN1_G, LN1_B, LN2_G, LN2_B, N_LN };
 // Weights and activations are backend buffers (`void*`: fp32 on the CPU, bf16 on CUDA); norm
 // statistics and the attention lse are fp32 on both.
 typedef struct {
-    void *ln1_g, *ln1_b;   // attention LayerNorm (merged into q,k,v under MS-LN)
+    void *ln1_g, *ln1_b;   // attention LayerNorm (merged into q,k,v under MS-LN; their adapters still apply it)
     void *ln2_g, *ln2_b;   // MLP LayerNorm (merged into fc1 under MS-LN)
     float* ln_host[N_LN];  // the same on the host, fp32 (Vit.norms_host, or the trainable arena's mirror)
     float* ln_grad[N_LN];  // --full with standard norms: their gradients (backend, fp32); else NULL
@@ -211,6 +211,7 @@ typedef struct {
     void* att_work;        // CUDA attention: the tensor-core path's chunk of scores (llmc/attn_plan.h)
     size_t att_work_bytes;
     void* blas_work;       // CUDA: cuBLAS's and cuBLASLt's workspace (llmc/blas_plan.h)
+    void* lora_norm_work;  // MS-LN, --ms-lora exact: the adapters' scratch (llmc/lora.h), else NULL
     int64_t* layer_off;    // [layers] where each block's trainable values start in the arena
     // the head on the class tokens [B, .]: final LayerNorm in the activation type, then fp32
     void *xcls, *zcls, *dzcls, *dxcls;
@@ -224,6 +225,16 @@ typedef struct {
 static int64_t lin_in(const VitConfig* c, int t) { return t == T_FC2 ? c->hidden : c->dim; }
 static int64_t lin_out(const VitConfig* c, int t) { return t == T_FC1 ? c->hidden : c->dim; }
 static int64_t patch_len(const VitConfig* c) { return (int64_t)c->channels * c->patch_h * c->patch_w; }
+
+// Under MS-LN (and LoRA), q, k, v (fc1) absorbed the gamma and beta of the norm that feeds them
+// (W' = W diag(gamma), b' = b + W beta), but their adapters keep acting on gamma*z + beta as in the
+// original model (llmc/lora.h), so they train exactly what --norm std trains; --ms-lora merged
+// puts them on z (the paper's variant).
+static int vit_adapters_see_affine(const Vit* m) { return m->modes.ms && !m->modes.full && !m->modes.ms_lora_merged; }
+static int vit_lora_behind_norm(const Vit* m) {
+    unsigned normed = (1u << T_Q) | (1u << T_K) | (1u << T_V) | (1u << T_FC1);
+    return vit_adapters_see_affine(m) && (m->modes.targets & normed);
+}
 
 // ----------------------------------------------------------------------------------------------
 // The memory plan: every buffer, by module, with the element sizes of the planned backend
@@ -358,6 +369,8 @@ static void vit_plan_scratch(Vit* m, MemPlan* p) {
     plan_add(p, MEM_SCRATCH, "grads", -1, "dout", N * d * a, &m->dout);
     plan_add(p, MEM_SCRATCH, "grads", -1, "dh", N * f * a, &m->dh);
     plan_add(p, MEM_SCRATCH, "grads", -1, "dax", N * r * a, &m->dax);
+    if (vit_lora_behind_norm(m))
+        plan_add(p, MEM_SCRATCH, "lora", -1, "lora_norm_work", lora_norm_work_bytes((int)r, (int)d, (int)a), &m->lora_norm_work);
     AttnShape as = {m->B, m->T, c->heads, c->heads, c->head_dim, 0, NULL};
     m->att_work_bytes = op_plan_attention_work(be, p, as, &m->att_work);
     op_plan_matmul_workspace(be, p, &m->blas_work);
@@ -446,6 +459,9 @@ static void vit_bind(Vit* m) {
             L->in = (int)lin_in(c, t);
             L->out = (int)lin_out(c, t);
             vit_bind_linear(m, L, t, &off, &h);
+            int attn = t <= T_V;
+            if (L->A && vit_adapters_see_affine(m) && (attn || t == T_FC1))
+                lora_norm_bind(L, attn ? layer->ln1_g : layer->ln2_g, attn ? layer->ln1_b : layer->ln2_b, m->lora_norm_work);
         }
     }
     if (full) {
@@ -956,8 +972,10 @@ static EvalResult vit_evaluate(Vit* m, const ImageLoader* loader, int batches) {
 // ----------------------------------------------------------------------------------------------
 // Adapters and training state. The adapter directory is PEFT's layout for a ViTForImageClassification
 // base: lora_A/lora_B of each adapted module (vit.encoder.layer.N.<module>), the new head as the
-// saved module "classifier". Under MS-LN an adapter of q, k, v or fc1 lives on the merged layer,
-// whose input is z, while the original layer sees gamma*z + beta: on the way out A becomes
+// saved module "classifier". Under MS-LN the adapters see gamma*z + beta, as in the original model,
+// so they are written and read as they are. Under the paper's variant (--ms-lora merged) an
+// adapter of q, k, v or fc1 lives on the merged layer, whose input is z, while the original layer
+// sees gamma*z + beta: on the way out A becomes
 // A diag(1/gamma) (llmc/peft.h), and the constant scale*B*A_orig*beta that beta leaves behind goes
 // into the layer's bias, so the adapter carries the biases of its modules (PEFT bias "lora_only"):
 //   exported bias = b' - (W' + scale*B*A) (beta / gamma)     (b', W': the merged bias and weight)
@@ -976,12 +994,34 @@ static const float* vit_merged_beta(const Vit* m, int l, int t) {
     return t == T_FC1 ? vit_norm_host(m, l, LN2_B) : NULL;
 }
 
+// --ms-lora merged (the paper's variant): adapters behind an MS-LN live in the merged input space.
+static int vit_adapters_merged(const Vit* m) { return m->modes.ms && !m->modes.full && m->modes.ms_lora_merged; }
+
 static int vit_peft_entries(Vit* m, PeftEntry* e) {
     int n = 0;
     for (int l = 0; l < m->cfg.layers; l++)
         for (int t = 0; t < N_TARGETS; t++)
-            n = peft_add_entry(e, n, &m->layers[l].lin[t], "vit.encoder.layer", l, hf_module_names[t], vit_merged_gamma(m, l, t));
+            n = peft_add_entry(e, n, &m->layers[l].lin[t], "vit.encoder.layer", l, hf_module_names[t], vit_adapters_merged(m) ? vit_merged_gamma(m, l, t) : NULL);
     return n;
+}
+
+// out = W beta, what MS-LN added to the bias of linear (l, t) at load time: the merged bias (host)
+// minus the checkpoint's own bias (read again; zero for q, k, v of a model without them).
+static void vit_merged_bias_shift(float* out, const Vit* m, const char* model_dir, int l, int t) {
+    const Linear* L = &m->layers[l].lin[t];
+    StModel sm;
+    st_model_open(&sm, model_dir);
+    const char* px;
+    int hf = vit_detect_layout(&sm, &px) == LAYOUT_HF;
+    char name[256];
+    float* b = (float*)xcalloc(3 * (int64_t)L->out, sizeof(float));
+    if (hf) snprintf(name, sizeof(name), "%sencoder.layer.%d.%s.bias", px, l, hf_module_names[t]);
+    else snprintf(name, sizeof(name), "blocks.%d.%s.bias", l, timm_module_names[t]);
+    int fused = !hf && t <= T_V;  // timm's qkv bias [3d], rows q, k, v
+    if (st_model_find(&sm, name) && (!hf || t > T_V || m->cfg.qkv_bias)) read_1d(&sm, name, fused ? 3 * L->out : L->out, b);
+    for (int k = 0; k < L->out; k++) out[k] = L->bias[k] - b[(fused ? t * L->out : 0) + k];
+    free(b);
+    st_model_close(&sm);
 }
 
 static void vit_save_adapter(Vit* m, const char* dir, const TrainOptions* o) {
@@ -1000,7 +1040,7 @@ static void vit_save_adapter(Vit* m, const char* dir, const TrainOptions* o) {
         // also the suffix of "attention.output.dense" (proj)
         snprintf(tm[i], sizeof(tm[i]), "%s", e[i].module);
         tmp[i] = tm[i];
-        if (!m->modes.ms) continue;
+        if (!vit_adapters_merged(m)) continue;
         const Linear* L = e[i].L;
         int l = atoi(e[i].module + strlen("vit.encoder.layer.")), t = 0;
         while (&m->layers[l].lin[t] != L) t++;
@@ -1027,7 +1067,7 @@ static void vit_save_adapter(Vit* m, const char* dir, const TrainOptions* o) {
     snprintf(ex[nex].name, sizeof(ex[nex].name), "classifier.bias");
     ex[nex].data = m->h_head_b; ex[nex].ndim = 1; ex[nex].shape[0] = m->classes; nex++;
     peft_save_ex(dir, e, n, ex, nex, m->modes.rank, o->lora_alpha, NULL, o->model_dir, tmp, n, "[\"classifier\"]",
-                 m->modes.ms ? "lora_only" : "none");
+                 vit_adapters_merged(m) ? "lora_only" : "none");
     for (int i = 0; i < n; i++) free(biases[i]);
     free(biases); free(ex); free(tm); free(tmp); free(e);
 }
@@ -1058,7 +1098,10 @@ static void vit_load_adapter(Vit* m, const char* dir, const TrainOptions* o, int
         int l = atoi(e[i].module + strlen("vit.encoder.layer.")), t = 0;
         while (&m->layers[l].lin[t] != L) t++;
         float* shift = (float*)xcalloc(L->out, sizeof(float));
-        if (vit_merged_gamma(m, l, t)) lora_merged_shift(shift, L, m->modes.rank, m->modes.lora_scale, vit_merged_gamma(m, l, t), vit_merged_beta(m, l, t), e[i].module);
+        if (vit_adapters_merged(m) && vit_merged_gamma(m, l, t))
+            lora_merged_shift(shift, L, m->modes.rank, m->modes.lora_scale, vit_merged_gamma(m, l, t), vit_merged_beta(m, l, t), e[i].module);
+        else if (m->modes.ms && vit_merged_gamma(m, l, t))  // the loaded bias is b + W beta: keep W beta, replace b
+            vit_merged_bias_shift(shift, m, o->model_dir, l, t);
         st_to_f32(tb, L->bias);
         for (int k = 0; k < L->out; k++) L->bias[k] += shift[k];
         free(shift);
@@ -1085,8 +1128,10 @@ static void vit_load_adapter(Vit* m, const char* dir, const TrainOptions* o, int
 // --export-merged (and the output of --full): the input checkpoint (Hugging Face or timm layout,
 // its tensor names and dtypes) with every adapter folded in, W + alpha/r * B A, or the fully
 // fine-tuned W, the trained head as its classifier (classifier.* / head.*, with the new class
-// count), every other tensor unchanged. A layer that MS-LN merged (y = W' z + b', z the plain
-// normalised input) is mapped back to the original one, y = W (gamma*z + beta) + b:
+// count), every other tensor unchanged. An adapter that sees the original input (LoRA, --ms-lora
+// exact) folds into the checkpoint's W as it is, its bias unchanged. A W' that --full trained under
+// MS-LN, or an adapter of --ms-lora merged, lives on the merged layer (y = W' z + b', z the plain
+// normalised input) and is mapped back to the original one, y = W (gamma*z + beta) + b:
 //   W = W' diag(1/gamma),   b = b' - W beta = b' - W' (beta / gamma)
 // with W' the trained (or adapted) merged weight and b' the merged bias as loaded; a zero gamma
 // has no inverse and fails. config.json gets num_labels = the head's classes (and qkv_bias true
@@ -1266,6 +1311,10 @@ static void vit_export_merged(Vit* m, const TrainOptions* o, const char* dir) {
             for (int tg = lo; tg <= hi; tg++) {
                 const Linear* L = &m->layers[hit_l].lin[tg];
                 if (!L->A && !L->dW) continue;
+                if (L->A && m->modes.ms && !vit_adapters_merged(m)) {  // an original-layout adapter on the checkpoint's W
+                    if (!is_bias) matmul_nn(v + (tg - lo) * per, L->B, L->A, L->out, L->in, m->modes.rank, m->modes.lora_scale, 1);
+                    continue;
+                }
                 float* W = (float*)xmalloc(sizeof(float) * L->out * L->in);
                 float* b = (float*)xmalloc(sizeof(float) * L->out);
                 vit_linear_original(m, hit_l, tg, W, b);
@@ -1283,7 +1332,7 @@ static void vit_export_merged(Vit* m, const TrainOptions* o, const char* dir) {
         StDtype dt = ST_F32;
         for (int tg = T_Q; tg <= T_V; tg++) {
             const Linear* L = &m->layers[l].lin[tg];
-            need |= (m->modes.ms && (L->A || L->dW)) || L->dbias;
+            need |= (m->modes.ms && (L->dW || (L->A && vit_adapters_merged(m)))) || L->dbias;
         }
         int qkv = hf ? T_Q : -1;
         if (st_model_find(&sm, export_linear_name(&names, l, qkv, 1)) && (!hf || c->qkv_bias || need)) continue;  // (HF: ignored unless qkv_bias or rewritten above)
@@ -1355,10 +1404,10 @@ static void vit_save(Vit* m, const TrainOptions* o, const Dist* dist, const char
 // Everything a resumed run must share with the saved one, as "key=value" words.
 static void vit_settings_line(char* buf, size_t n, const Vit* m, const TrainOptions* o, const Dist* d, int64_t images) {
     const VitConfig* c = &m->cfg;
-    snprintf(buf, n, "d=%d f=%d layers=%d heads=%d patch=%dx%d image=%dx%d classes=%d full=%d act=%s norm=%s recompute=%s rank=%d alpha=%g targets=0x%x "
+    snprintf(buf, n, "d=%d f=%d layers=%d heads=%d patch=%dx%d image=%dx%d classes=%d full=%d act=%s norm=%s ms_lora=%s recompute=%s rank=%d alpha=%g targets=0x%x "
              "batch=%d grad_accum=%d world=%d steps=%d lr=%g warmup=%d min_lr_frac=%g weight_decay=%g grad_clip=%g hflip=%d seed=%d data_images=%lld",
-             c->dim, c->hidden, c->layers, c->heads, c->patch_h, c->patch_w, m->img_h, m->img_w, m->classes, o->full, o->act, o->norm, o->recompute,
-             o->lora_rank, o->lora_alpha, m->modes.targets, o->batch, o->grad_accum, d->world, o->steps, o->lr, o->warmup, o->min_lr_frac,
+             c->dim, c->hidden, c->layers, c->heads, c->patch_h, c->patch_w, m->img_h, m->img_w, m->classes, o->full, o->act, o->norm, o->ms_lora,
+             o->recompute, o->lora_rank, o->lora_alpha, m->modes.targets, o->batch, o->grad_accum, d->world, o->steps, o->lr, o->warmup, o->min_lr_frac,
              o->weight_decay, o->grad_clip, o->hflip, o->seed, (long long)images);
 }
 

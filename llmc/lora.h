@@ -1,8 +1,9 @@
 // lora.h: the linear layer both models are built from: a frozen weight W [out, in] and optional
 // frozen bias, plus an optional LoRA adapter (A [r, in], B [out, r], trainable) whose update is
 // scale * B (A x). Forward, backward, the fresh-adapter init, the wiring of adapters into the
-// flat trainable arena, and the merge of a preceding norm's affine into W (MS norms) and its
-// inverse (exports and adapters in the original model's terms).
+// flat trainable arena, the merge of a preceding norm's affine into W (MS norms), with the adapter
+// still acting on the norm's affine output (the original model's parameterisation), and the
+// merge's inverse (--full and --ms-lora merged: exports and adapters in the original model's terms).
 // These are the CPU twins (llmc/cpu/matmul.h); the CUDA backend runs the same layer through
 // llmc/cuda/linear.cuh, with the device copy of each layer in LinearDevice (llmc/ops.h dispatches).
 #pragma once
@@ -32,6 +33,11 @@ typedef struct {
     float* dW;             // full fine-tuning: W is trainable and this is its gradient; else NULL
     float* dbias;          // full fine-tuning: the bias's gradient (ViT; NULL when frozen or absent)
     LinearDevice dev;      // the CUDA backend's copy
+    // MS norms, --ms-lora exact: W absorbed the preceding norm's gamma (and beta, into the bias) but
+    // the adapter still sees gamma*z + beta, as in the original model (lora_norm_bind). Backend
+    // buffers (fp32 on the CPU, bf16 on CUDA); NULL otherwise (beta NULL for RMSNorm).
+    const void *norm_gamma, *norm_beta;
+    void* norm_work;       // scratch shared by every such layer: lora_norm_work_bytes
 } Linear;
 
 // Model FLOPs per token of a linear layer in one training step (MFU's numerator; recomputation
@@ -51,13 +57,89 @@ static void add_bias_rows(float* y, const float* bias, int64_t N, int out) {
     }
 }
 
+// ---- an adapter behind a merged norm (MS norms, --ms-lora exact) ------------------------------
+// The layer's input is the norm's bare output z; the original model feeds gamma*z + beta. W and
+// the bias absorbed gamma and beta at load time; the adapter keeps A in the original layout and
+// applies it as
+//   A (gamma*z + beta) = (A diag(gamma)) z + A beta
+// and its gradient, from dax = scale * dy B and the z the layer keeps anyway, is
+//   dA += dax^T (gamma*z + beta) = (dax^T z) diag(gamma) + (sum_n dax_n) beta^T
+// while z's gradient gets dax (A diag(gamma)). O(r * in) work per call, no activation memory:
+// the scratch holds A diag(gamma) [r, in] and A beta [r] (activation type), dax^T z [r, in] and
+// sum_n dax_n [r] (fp32).
+
+typedef struct {
+    void* Ag;              // A diag(gamma) [r, in]
+    void* c;               // A beta [r]
+    float* G;              // dax^T z [r, in]
+    float* colsum;         // sum_n dax_n [r]
+} LoraNormWork;
+
+static size_t lora_align16(size_t b) { return (b + 15) & ~(size_t)15; }
+static size_t lora_norm_work_bytes(int rank, int in, int abytes) {
+    return lora_align16((size_t)rank * in * abytes) + lora_align16((size_t)rank * abytes) + lora_align16((size_t)rank * in * 4) +
+           lora_align16((size_t)rank * 4);
+}
+static LoraNormWork lora_norm_work(const Linear* L, int rank, int abytes) {
+    char* p = (char*)L->norm_work;
+    LoraNormWork w;
+    w.Ag = p; p += lora_align16((size_t)rank * L->in * abytes);
+    w.c = p; p += lora_align16((size_t)rank * abytes);
+    w.G = (float*)p; p += lora_align16((size_t)rank * L->in * 4);
+    w.colsum = (float*)p;
+    return w;
+}
+
+// Points L's adapter at the affine of the norm that W absorbed (backend buffers) and the shared
+// scratch (lora_norm_work_bytes for the largest such layer).
+static void lora_norm_bind(Linear* L, const void* gamma, const void* beta, void* work) {
+    L->norm_gamma = gamma;
+    L->norm_beta = beta;
+    L->norm_work = work;
+}
+
+// Ag = A diag(gamma): column j of A [r, in] scaled by gamma_j. CPU kernel.
+static void lora_fold_gamma(float* Ag, const float* A, const float* gamma, int rank, int in) {
+    for (int i = 0; i < rank; i++)
+        for (int j = 0; j < in; j++) Ag[(int64_t)i * in + j] = A[(int64_t)i * in + j] * gamma[j];
+}
+
+// c = A beta [r], in double. CPU kernel.
+static void lora_beta_shift(float* c, const float* A, const float* beta, int rank, int in) {
+    for (int i = 0; i < rank; i++) {
+        double s = 0.0;
+        for (int j = 0; j < in; j++) s += (double)A[(int64_t)i * in + j] * beta[j];
+        c[i] = (float)s;
+    }
+}
+
+// dA += G diag(gamma) + colsum beta^T (beta NULL: RMSNorm, no second term). CPU kernel.
+static void lora_norm_grad(float* dA, const float* G, const float* gamma, const float* beta, const float* colsum, int rank, int in) {
+    for (int i = 0; i < rank; i++)
+        for (int j = 0; j < in; j++) {
+            int64_t k = (int64_t)i * in + j;
+            dA[k] += G[k] * gamma[j] + (beta ? colsum[i] * beta[j] : 0.0f);
+        }
+}
+
 // y (+)= x W^T + bias + scale * (x A^T) B^T, keeping ax = x A^T for the LoRA backward.
-// accumulate = 1 adds to y (a residual connection), bias included.
+// accumulate = 1 adds to y (a residual connection), bias included. Behind a merged norm the
+// adapter's input is gamma*x + beta (see above).
 static void linear_forward(float* y, const float* x, const Linear* L, float* ax, int64_t N, int rank, float scale, int accumulate) {
     matmul_nt(y, x, L->W, (int)N, L->out, L->in, 1.0f, accumulate);
     if (L->bias) add_bias_rows(y, L->bias, N, L->out);
     if (!L->A) return;
-    matmul_nt(ax, x, L->A, (int)N, rank, L->in, 1.0f, 0);
+    if (L->norm_gamma) {
+        LoraNormWork w = lora_norm_work(L, rank, 4);
+        lora_fold_gamma((float*)w.Ag, L->A, (const float*)L->norm_gamma, rank, L->in);
+        matmul_nt(ax, x, (const float*)w.Ag, (int)N, rank, L->in, 1.0f, 0);
+        if (L->norm_beta) {
+            lora_beta_shift((float*)w.c, L->A, (const float*)L->norm_beta, rank, L->in);
+            add_bias_rows(ax, (const float*)w.c, N, rank);
+        }
+    } else {
+        matmul_nt(ax, x, L->A, (int)N, rank, L->in, 1.0f, 0);
+    }
     matmul_nt(y, ax, L->B, (int)N, L->out, rank, scale, 1);
 }
 
@@ -82,6 +164,19 @@ static void linear_backward(float* dx, const float* dy, const float* x, const fl
     if (!L->A) return;
     matmul_tn(L->dB, dy, ax, L->out, rank, (int)N, scale, 1);
     matmul_nn(dax, dy, L->B, (int)N, rank, L->out, scale, 0);
+    if (L->norm_gamma) {  // behind a merged norm: the adapter's input is gamma*x + beta
+        LoraNormWork w = lora_norm_work(L, rank, 4);
+        const float *gamma = (const float*)L->norm_gamma, *beta = (const float*)L->norm_beta;
+        matmul_tn(w.G, dax, x, rank, L->in, (int)N, 1.0f, 0);
+        if (beta) {
+            memset(w.colsum, 0, sizeof(float) * rank);
+            bias_grad_rows(w.colsum, dax, N, rank);
+        }
+        lora_norm_grad(L->dA, w.G, gamma, beta, w.colsum, rank, L->in);
+        lora_fold_gamma((float*)w.Ag, L->A, gamma, rank, L->in);
+        matmul_nn(dx, dax, (const float*)w.Ag, (int)N, L->in, rank, 1.0f, 1);
+        return;
+    }
     matmul_tn(L->dA, dax, x, rank, L->in, (int)N, 1.0f, 1);
     matmul_nn(dx, dax, L->A, (int)N, L->in, rank, 1.0f, 1);
 }

@@ -1,9 +1,11 @@
 // peft.h: LoRA adapters in the Hugging Face PEFT layout, out and in. adapter_model.safetensors
 // holds base_model.model.<module path>.lora_A.weight [r, in] and .lora_B.weight [out, r];
 // adapter_config.json says peft_type LORA, r, lora_alpha, target_modules, task_type.
-// Adapters trained on MS-merged layers live in the merged input space; on the way out they are
-// mapped back to the original model (A_orig = A diag(1/gamma), docs/architecture.md, the method) and on the way
-// in forward again (A = A_orig diag(gamma)).
+// Adapters are the original model's as they are, also under MS norms (llmc/lora.h: the adapter
+// of a merged layer still sees gamma*z + beta). Only the paper's variant (--ms-lora merged) trains
+// them in the merged input space; its entries carry gamma, and they are mapped back to the
+// original model on the way out (A_orig = A diag(1/gamma), docs/architecture.md, the method) and
+// forward again on the way in (A = A_orig diag(gamma)).
 #pragma once
 #include "common.h"
 #include "json.h"
@@ -13,7 +15,7 @@
 typedef struct {
     char module[160];      // Hugging Face module path, e.g. model.layers.3.self_attn.q_proj
     const Linear* L;
-    const float* gamma;    // the merged norm's gamma (MS mode), or NULL
+    const float* gamma;    // the merged norm's gamma (--ms-lora merged), or NULL
 } PeftEntry;
 
 typedef struct {           // a whole tensor saved alongside (ViT: the new classifier)
@@ -47,7 +49,8 @@ static void peft_scale_columns(float* out, const float* A, const float* gamma, i
 
 // task_type NULL writes null (PEFT has no task type for image classification). bias_mode is
 // PEFT's "bias" field: "none", or "lora_only" when the extras carry the biases of the adapted
-// modules (ViT under MS-LN: the merged beta leaves a constant that only a bias can carry).
+// modules (ViT under MS-LN with --ms-lora merged: the merged beta leaves a constant that only a
+// bias can carry).
 static void peft_save_ex(const char* dir, const PeftEntry* e, int n, const PeftExtra* extra, int nextra, int rank, float alpha,
                          const char* task_type, const char* base_model, const char* const* target_modules, int ntm,
                          const char* modules_to_save, const char* bias_mode) {
@@ -100,7 +103,7 @@ static void peft_save(const char* dir, const PeftEntry* e, int n, const PeftExtr
     peft_save_ex(dir, e, n, extra, nextra, rank, alpha, task_type, base_model, target_modules, ntm, modules_to_save, "none");
 }
 
-// Loads an adapter directory into the entries' A/B (re-applying the merge for MS layers). The
+// Loads an adapter directory into the entries' A/B (re-applying the merge for --ms-lora merged). The
 // adapter's rank must equal `rank`; entries missing from the file are an error.
 static void peft_load(const char* dir, const PeftEntry* e, int n, int rank, float* alpha_out) {
     char* cfg_path = path_join(dir, "adapter_config.json");

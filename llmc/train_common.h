@@ -29,6 +29,7 @@ typedef struct {
     const char* norm;       // std | ms
     const char* recompute;  // none | block
     const char* swiglu_product;  // keep | recompute (beyond the paper; LLaMA only)
+    const char* ms_lora;    // exact | merged: what an adapter behind an MS norm sees (gamma*z + beta, or z: the paper's)
     // LoRA
     int lora_rank;
     float lora_alpha;
@@ -59,6 +60,7 @@ static void train_options_defaults(TrainOptions* o) {
     o->mode = "lowmem";
     o->nonfinite = "stop";
     o->swiglu_product = "keep";
+    o->ms_lora = "exact";
     o->lora_rank = 8; o->lora_alpha = 16.0f;
     o->device = "auto";
     o->seed = 1337; o->threads = 0;
@@ -108,6 +110,9 @@ static void train_flags_register_task(FlagTable* t, TrainOptions* o, const char*
     flag_int(t, "lora-rank", &o->lora_rank, "adapter rank r");
     flag_float(t, "lora-alpha", &o->lora_alpha, "adapter scale alpha (update = alpha/r * B A x)");
     flag_string(t, "lora-targets", &o->lora_targets, targets_help);
+    flag_choice(t, "ms-lora", &o->ms_lora, "exact|merged",
+                "under --norm ms, an adapter of a layer fed by a norm sees gamma*z + beta as in the original model (exact: the "
+                "gradients of --norm std), or the merged input z (the paper's variant, for reproducing it: another parameterisation)");
     flag_bool(t, "full", &o->full, "full fine-tuning (fp32 masters + AdamW) instead of LoRA adapters: every weight (train_vit: all but the key bias, whose gradient is zero)");
     t->group = "system";
     flag_choice(t, "device", &o->device, "cpu|cuda|auto", "backend: auto takes a CUDA GPU when this binary has the CUDA backend and one is visible");
@@ -162,6 +167,8 @@ static void train_validate(const TrainOptions* o) {
     if (o->resume_dir && o->adapter_dir) fail("flag --adapter: not with --resume (the training state holds the adapter)");
     if (o->full && (o->lora_targets || o->adapter_dir)) fail("flag --full: not with --lora-targets or --adapter (no adapters in full fine-tuning)");
     if (o->classes < 0) fail("flag --classes: expected >= 0, got %d", o->classes);
+    if (!strcmp(o->ms_lora, "merged") && (strcmp(o->norm, "ms") != 0 || o->full))
+        fail("flag --ms-lora merged: only with --norm ms (or --mode lowmem) and LoRA, not with %s", o->full ? "--full" : "--norm std");
 }
 
 // --lora-rank above the hidden size is refused, not warned about: every adapted linear reads or
@@ -202,6 +209,7 @@ static unsigned parse_targets(const char* list, const char* const* names, int n,
 // The switches a model reads, from the flags: the paper's memory modes and what trains.
 typedef struct {
     int approx, ms, ckpt;
+    int ms_lora_merged;     // --ms-lora merged: adapters behind an MS norm see its bare output z (the paper's)
     int recompute_product;  // --swiglu-product recompute (LLaMA only)
     int generate;           // --generate: plan the key/value cache and the logits it samples from (LLaMA only)
     int full;               // train the weights themselves instead of LoRA adapters
@@ -217,6 +225,7 @@ static TrainModes train_modes_from(const TrainOptions* o, const char* const* tar
     md.ms = strcmp(o->norm, "ms") == 0;
     md.ckpt = strcmp(o->recompute, "block") == 0;
     md.recompute_product = strcmp(o->swiglu_product, "recompute") == 0;
+    md.ms_lora_merged = strcmp(o->ms_lora, "merged") == 0;
     md.full = o->full;
     md.targets = o->full ? 0 : parse_targets(o->lora_targets, target_names, n_targets, "lora-targets");
     md.rank = o->lora_rank;

@@ -13,7 +13,9 @@ Modes (mirroring the trainer's switches):
        ms      gamma merged into every consuming linear (q,k,v <- input_layernorm;
                gate,up <- post_attention_layernorm; W' = W * gamma[None, :]), parameter-free
                RMSNorm. The final norm stays standard. LoRA A/B given by the caller are the
-               adapters of the merged linears.
+               original model's adapters: they see gamma*z (ms_lora "exact", the default, so
+               the function and its gradients are those of std), or, with ms_lora "merged" (the
+               paper's variant), the adapters of the merged linears, which see z.
   recompute    does not change the math; ignored here.
 
 Case / output contract (same as test/llama_probe):
@@ -269,12 +271,13 @@ def rmsnorm(x, gamma, eps):
     return z if gamma is None else z * gamma
 
 
-def lora_linear(x, W, lora, scale):
-    """y = x W^T + scale * (x A^T) B^T; lora is (A [r, in], B [out, r]) or None."""
+def lora_linear(x, W, lora, scale, xa=None):
+    """y = x W^T + scale * (xa A^T) B^T; lora is (A [r, in], B [out, r]) or None; the adapter's
+    input xa defaults to x."""
     y = x @ W.t()
     if lora is not None:
         A, B = lora
-        y = y + scale * ((x @ A.t()) @ B.t())
+        y = y + scale * (((x if xa is None else xa) @ A.t()) @ B.t())
     return y
 
 
@@ -290,16 +293,20 @@ def attention(q, k, v, n_rep):
     return torch.softmax(scores, dim=-1) @ v
 
 
-def forward(model, tokens, lora, scale, act="exact", norm="std", stats=None, weights=None):
+def forward(model, tokens, lora, scale, act="exact", norm="std", stats=None, weights=None, ms_lora="exact"):
     """Logits [B, T, V] for input tokens [B, T] (int64 tensor).
 
     lora: dict (layer, target) -> (A, B). stats, if a dict, receives "gate_preact": the list of
-    the per-layer gate pre-activations (before the activation)."""
+    the per-layer gate pre-activations (before the activation). ms_lora: what the adapters of the
+    merged linears see under norm="ms": "exact" gamma*z, "merged" z."""
     c = model.cfg
     if act not in ("exact", "approx"):
         raise ValueError(f"act must be exact|approx, got {act!r}")
     if norm not in ("std", "ms"):
         raise ValueError(f"norm must be std|ms, got {norm!r}")
+    if ms_lora not in ("exact", "merged"):
+        raise ValueError(f"ms_lora must be exact|merged, got {ms_lora!r}")
+    see_gamma = norm == "ms" and ms_lora == "exact"
     w = weights if weights is not None else (model.merged_weights() if norm == "ms" else model.w)
     silu = ReSiLU2.apply if act == "approx" else silu_exact
     B, T = tokens.shape
@@ -308,20 +315,22 @@ def forward(model, tokens, lora, scale, act="exact", norm="std", stats=None, wei
     x = w["embed"][tokens]
     gates = []
     for l in range(c.n_layers):
-        def lin(t, inp):
-            return lora_linear(inp, w[f"{l}.{t}"], lora.get((l, t)), scale)
+        def lin(t, inp, norm_key=None):
+            # behind an MS norm (ms_lora "exact") the adapter sees the original input gamma*z
+            xa = inp * model.w[f"{l}.{norm_key}"] if see_gamma and norm_key else None
+            return lora_linear(inp, w[f"{l}.{t}"], lora.get((l, t)), scale, xa)
         z = rmsnorm(x, w[f"{l}.attn_norm"], c.eps)
-        q = lin("q", z).view(B, T, c.n_heads, hd).transpose(1, 2)
-        k = lin("k", z).view(B, T, c.n_kv_heads, hd).transpose(1, 2)
-        v = lin("v", z).view(B, T, c.n_kv_heads, hd).transpose(1, 2)
+        q = lin("q", z, "attn_norm").view(B, T, c.n_heads, hd).transpose(1, 2)
+        k = lin("k", z, "attn_norm").view(B, T, c.n_kv_heads, hd).transpose(1, 2)
+        v = lin("v", z, "attn_norm").view(B, T, c.n_kv_heads, hd).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         o = attention(q, k, v, c.n_heads // c.n_kv_heads)
         o = o.transpose(1, 2).reshape(B, T, c.n_heads * hd)
         x = x + lin("o", o)
         z2 = rmsnorm(x, w[f"{l}.mlp_norm"], c.eps)
-        g = lin("gate", z2)
+        g = lin("gate", z2, "mlp_norm")
         gates.append(g.detach())
-        u = lin("up", z2)
+        u = lin("up", z2, "mlp_norm")
         x = x + lin("down", silu(g) * u)
     if stats is not None:
         stats["gate_preact"] = gates
@@ -349,7 +358,7 @@ def parse_targets(targets):
 
 
 def run_case(model_dir, case, act="exact", norm="std", lora_rank=None, lora_alpha=None,
-             targets=LORA_TARGETS, dtype=torch.float64, full=False):
+             targets=LORA_TARGETS, dtype=torch.float64, full=False, ms_lora="exact"):
     """Run one case through the reference.
 
     model_dir: a model directory or an already loaded LlamaModel (of the wanted dtype).
@@ -359,6 +368,7 @@ def run_case(model_dir, case, act="exact", norm="std", lora_rank=None, lora_alph
     merged model under norm="ms"), named "grad.{l}.{t}.W", and of the embedding ("grad.embed"),
     the untied head ("grad.lm_head"), the final norm ("grad.final_norm") and, with standard norms,
     the block norms ("grad.{l}.attn_norm", "grad.{l}.mlp_norm").
+    ms_lora: under norm="ms", the adapters see gamma*z ("exact") or z ("merged", the paper's).
     Returns a dict with the OUT names ("logits" [B,T,V], "loss" [1], "grad.lora.{l}.{t}.A|B"),
     all float64 numpy, plus "stats": {"min_margin": smallest distance of any gate
     pre-activation to a ReSiLU2 breakpoint, "margins": the same per breakpoint, "code_counts":
@@ -414,7 +424,7 @@ def run_case(model_dir, case, act="exact", norm="std", lora_rank=None, lora_alph
             weights[key] = weights[key].clone().requires_grad_(True)
         if c.tied:
             weights["head"] = weights["embed"]
-    logits = forward(model, tokens[:, :-1], lora, scale, act, norm, stats, weights)
+    logits = forward(model, tokens[:, :-1], lora, scale, act, norm, stats, weights, ms_lora)
     loss = masked_ce(logits, tokens[:, 1:], mask)
     params = [p for ab in lora.values() for p in ab]
     if full:
@@ -448,6 +458,7 @@ def main(argv=None):
     ap.add_argument("--out", "--out-file", dest="out", required=True)
     ap.add_argument("--act", choices=("exact", "approx"), default="exact")
     ap.add_argument("--norm", choices=("std", "ms"), default="std")
+    ap.add_argument("--ms-lora", choices=("exact", "merged"), default="exact")
     ap.add_argument("--recompute", choices=("none", "block"), default="none",
                     help="accepted for symmetry with the probe; does not change the math")
     ap.add_argument("--lora-rank", type=int, default=None)
@@ -456,7 +467,7 @@ def main(argv=None):
     ap.add_argument("--dtype", choices=("float64", "float32"), default="float64")
     a = ap.parse_args(argv)
     res = run_case(a.model, a.case, a.act, a.norm, a.lora_rank, a.lora_alpha, a.lora_targets,
-                   torch.float64 if a.dtype == "float64" else torch.float32)
+                   torch.float64 if a.dtype == "float64" else torch.float32, ms_lora=a.ms_lora)
     stats = res.pop("stats")
     st_io.save(a.out, {k: v.astype(np.float32) for k, v in res.items()})
     print(f"loss {float(res['loss'][0]):.6f} min_breakpoint_margin {stats['min_margin']:.3g} "

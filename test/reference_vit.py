@@ -20,8 +20,10 @@ Modes (mirroring the trainer's switches):
   norm std     LayerNorm with gamma, beta
        ms      each block norm's gamma and beta merged into its consumers (q,k,v <- layernorm_before,
                fc1 <- layernorm_after; W' = W * gamma[None, :], b' = b + W @ beta), parameter-free
-               LayerNorm. The final norm stays standard. LoRA A/B are the adapters of the merged
-               linears.
+               LayerNorm. The final norm stays standard. LoRA A/B are the original model's
+               adapters: they see gamma*z + beta (ms_lora "exact", the default, so the function
+               and its gradients are those of std), or, with ms_lora "merged" (the paper's
+               variant), the adapters of the merged linears, which see z.
   recompute    does not change the math; ignored here.
 
 Case / output contract (same as test/vit_probe):
@@ -254,12 +256,13 @@ def position_embedding(model, grid):
     return torch.cat([pos[:, :1], patch], dim=1)
 
 
-def lora_linear(x, W, b, lora, scale):
-    """y = x W^T + b + scale * (x A^T) B^T; lora is (A [r, in], B [out, r]) or None."""
+def lora_linear(x, W, b, lora, scale, xa=None):
+    """y = x W^T + b + scale * (xa A^T) B^T; lora is (A [r, in], B [out, r]) or None; the
+    adapter's input xa defaults to x."""
     y = x @ W.t() + b
     if lora is not None:
         A, B = lora
-        y = y + scale * ((x @ A.t()) @ B.t())
+        y = y + scale * (((x if xa is None else xa) @ A.t()) @ B.t())
     return y
 
 
@@ -269,17 +272,21 @@ def attention(q, k, v):
     return torch.softmax(scores, dim=-1) @ v
 
 
-def forward(model, pixels, lora, scale, head, act="exact", norm="std", stats=None, weights=None):
+def forward(model, pixels, lora, scale, head, act="exact", norm="std", stats=None, weights=None, ms_lora="exact"):
     """Logits [B, K] for normalised pixels [B, C, H, W].
 
     lora: dict (layer, target) -> (A, B); head: (W [K, d], b [K]). stats, if a dict, receives
     "fc1_preact": the list of per-layer GELU inputs. weights: the weight dict to use instead of
-    the model's (merged under norm="ms"), e.g. with leaves that need gradients (full FT)."""
+    the model's (merged under norm="ms"), e.g. with leaves that need gradients (full FT). ms_lora:
+    what the adapters of the merged linears see under norm="ms": "exact" gamma*z + beta, "merged" z."""
     c = model.cfg
     if act not in ("exact", "approx"):
         raise ValueError(f"act must be exact|approx, got {act!r}")
     if norm not in ("std", "ms"):
         raise ValueError(f"norm must be std|ms, got {norm!r}")
+    if ms_lora not in ("exact", "merged"):
+        raise ValueError(f"ms_lora must be exact|merged, got {ms_lora!r}")
+    see_affine = norm == "ms" and ms_lora == "exact"
     w = weights if weights is not None else (model.merged_weights() if norm == "ms" else model.w)
     B, C, H, W = pixels.shape
     ph, pw = c.patch
@@ -295,16 +302,18 @@ def forward(model, pixels, lora, scale, head, act="exact", norm="std", stats=Non
     T = x.shape[1]
     hs = []
     for l in range(c.n_layers):
-        def lin(t, inp):
-            return lora_linear(inp, w[f"{l}.{t}.w"], w[f"{l}.{t}.b"], lora.get((l, t)), scale)
+        def lin(t, inp, ln=None):
+            # behind an MS-LN (ms_lora "exact") the adapter sees the original input gamma*z + beta
+            xa = inp * model.w[f"{l}.{ln}.g"] + model.w[f"{l}.{ln}.b"] if see_affine and ln else None
+            return lora_linear(inp, w[f"{l}.{t}.w"], w[f"{l}.{t}.b"], lora.get((l, t)), scale, xa)
 
         def heads(y):
             return y.view(B, T, c.n_heads, c.head_dim).transpose(1, 2)
         z = F.layer_norm(x, (c.dim,), w[f"{l}.ln1.g"], w[f"{l}.ln1.b"], c.eps)
-        o = attention(heads(lin("q", z)), heads(lin("k", z)), heads(lin("v", z)))
+        o = attention(heads(lin("q", z, "ln1")), heads(lin("k", z, "ln1")), heads(lin("v", z, "ln1")))
         x = x + lin("proj", o.transpose(1, 2).reshape(B, T, c.dim))
         z2 = F.layer_norm(x, (c.dim,), w[f"{l}.ln2.g"], w[f"{l}.ln2.b"], c.eps)
-        h = lin("fc1", z2)
+        h = lin("fc1", z2, "ln2")
         hs.append(h.detach())
         g = ReGELU2.apply(h, c.gelu_tanh) if act == "approx" else gelu_exact(h, c.gelu_tanh)
         x = x + lin("fc2", g)
@@ -327,8 +336,9 @@ def parse_targets(targets):
 
 
 def run_case(model_dir, case, act="exact", norm="std", lora_rank=None, lora_alpha=None,
-             targets=LORA_TARGETS, dtype=torch.float64, full=False):
-    """Run one case through the reference.
+             targets=LORA_TARGETS, dtype=torch.float64, full=False, ms_lora="exact"):
+    """Run one case through the reference. ms_lora: under norm="ms", the adapters see
+    gamma*z + beta ("exact") or z ("merged", the paper's).
 
     full: full fine-tuning: no adapters (the case's are ignored); the gradients are those of
     every weight (of the merged model under norm="ms"), besides the head's: "grad.{l}.{t}.W" and
@@ -396,7 +406,7 @@ def run_case(model_dir, case, act="exact", norm="std", lora_rank=None, lora_alph
         full_names += ["patch_w", "patch_b", "cls", "pos_ft", "norm_g", "norm_b"]
         for k in full_names:
             weights[k] = weights[k].clone().requires_grad_(True)
-    logits = forward(model, pixels, lora, scale, (hw, hb), act, norm, stats, weights)
+    logits = forward(model, pixels, lora, scale, (hw, hb), act, norm, stats, weights, ms_lora)
     loss = F.cross_entropy(logits, labels)
     params = [weights[k] for k in full_names] + [p for ab in lora.values() for p in ab] + [hw, hb]
     grads = torch.autograd.grad(loss, params)
@@ -427,6 +437,7 @@ def main(argv=None):
     ap.add_argument("--out", "--out-file", dest="out", required=True)
     ap.add_argument("--act", choices=("exact", "approx"), default="exact")
     ap.add_argument("--norm", choices=("std", "ms"), default="std")
+    ap.add_argument("--ms-lora", choices=("exact", "merged"), default="exact")
     ap.add_argument("--recompute", choices=("none", "block"), default="none",
                     help="accepted for symmetry with the probe; does not change the math")
     ap.add_argument("--lora-rank", type=int, default=None)
@@ -436,7 +447,7 @@ def main(argv=None):
     ap.add_argument("--full", action="store_true", help="full fine-tuning: gradients of every linear weight")
     a = ap.parse_args(argv)
     res = run_case(a.model, a.case, a.act, a.norm, a.lora_rank, a.lora_alpha, a.lora_targets,
-                   torch.float64 if a.dtype == "float64" else torch.float32, a.full)
+                   torch.float64 if a.dtype == "float64" else torch.float32, a.full, a.ms_lora)
     stats = res.pop("stats")
     st_io.save(a.out, {k: v.astype(np.float32) for k, v in res.items()})
     print(f"loss {float(res['loss'][0]):.6f} min_breakpoint_margin {stats['min_margin']:.3g} "

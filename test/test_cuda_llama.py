@@ -37,6 +37,8 @@ MODES = {
     "approx_std": ("approx", "std", "none", []),
     "exact_ms": ("exact", "ms", "none", []),
     "lowmem_product_recompute": ("approx", "ms", "none", ["--swiglu-product", "recompute"]),
+    "exact_ms_block": ("exact", "ms", "block", []),
+    "exact_ms_merged": ("exact", "ms", "none", ["--ms-lora", "merged"]),  # the paper's variant
 }
 TOL_EXACT = {"logits": 0.05, "loss": 1e-2, "grad": 0.15}
 TOL_APPROX = {"logits": 0.05, "loss": 1e-2, "grad": 0.6}
@@ -81,6 +83,20 @@ def test_cuda_probe_matches_cpu_probe(models, name, mode):
     assert e_logits < tol["logits"] and e_loss < tol["loss"], (e_logits, e_loss)
     assert worst < tol["grad"], (worst, wname)
     assert median < tol["grad"] / 3, median
+
+
+@pytest.mark.parametrize("name", list(lc.CONFIGS))
+def test_cuda_ms_lora_matches_cpu_std(models, name):
+    """Under MS-RMSNorm the CUDA adapters of q, k, v, gate and up see gamma*z (bf16 A diag(gamma)):
+    the CUDA probe under --norm ms against the CPU probe under --norm std, the original model,
+    within the same bf16 tolerances."""
+    d, cp, r, alpha = models[name]
+    want = probe(CPU_PROBE, d, cp, cp + ".msstd.cpu", "exact", "std", "none", r, alpha, [], "cpu")
+    got = probe(CUDA_PROBE, d, cp, cp + ".msstd.cuda", "exact", "ms", "none", r, alpha, [], "cuda")
+    e_logits = rel_l2(got["logits"], want["logits"])
+    grads = sorted((rel_l2(got[k], want[k]), k) for k in want if k.startswith("grad."))
+    print(f"{name} cuda ms vs cpu std: logits {e_logits:.2e}  grads median {grads[len(grads) // 2][0]:.2e} worst {grads[-1][0]:.2e} ({grads[-1][1]})")
+    assert e_logits < TOL_EXACT["logits"] and grads[-1][0] < TOL_EXACT["grad"] and grads[len(grads) // 2][0] < TOL_EXACT["grad"] / 3
 
 
 @pytest.mark.parametrize("mode", ["baseline", "lowmem", "ckpt"])

@@ -169,6 +169,32 @@ def test_probe_cuda_matches_cpu(workdir, case):
     assert not bad, f"{line}\nover tolerance {TOL}: {bad}"
 
 
+@pytest.mark.parametrize("name", list(vc.CONFIGS))
+def test_probe_cuda_ms_lora_matches_cpu_std(workdir, name):
+    """Under MS-LN the CUDA adapters of q, k, v and fc1 see gamma*z + beta (bf16 A diag(gamma) and
+    A beta in the product's epilogue): the CUDA probe under --norm ms against the CPU probe under
+    --norm std, the original model, within the same bf16 tolerances; --ms-lora merged (adapters on
+    z) is another function."""
+    model = model_dir(workdir, name, False)
+    _, rank, alpha, _ = vc.SHAPES[name]
+    case_path = os.path.join(workdir, f"{name}.msstd.case.safetensors")
+    vc.st_io.save(case_path, make_case(name, vc.ALL_TARGETS, False))
+    args = (rank, alpha, vc.ALL_TARGETS, False)
+    cpu = probe(CPU_PROBE, "cpu", model, case_path, case_path + ".cpu_std", "exact", "std", "none", *args)
+    cuda = probe(CUDA_PROBE, "cuda", model, case_path, case_path + ".cuda_ms", "exact", "ms", "none", *args)
+    errs = {k: rel_l2(cuda[k], cpu[k]) for k in sorted(cpu)}
+    grads = {k: v for k, v in errs.items() if k.startswith("grad.")}
+    line = f"{name:9s} cuda ms vs cpu std: logits {errs['logits']:.1e}  loss {errs['loss']:.1e}  grads worst {max(grads.values()):.1e}"
+    SUMMARY.append(line)
+    print(line)
+    bad = [f"{k} {v:.2e}" for k, v in errs.items() if not v < TOL["grad" if k.startswith("grad.") else k]]
+    assert not bad, f"{line}\nover tolerance {TOL}: {bad}"
+    run([need(CUDA_PROBE), "--model", model, "--case", case_path, "--out-file", case_path + ".cuda_merged", "--device", "cuda",
+         "--act", "exact", "--norm", "ms", "--ms-lora", "merged", "--lora-rank", rank, "--lora-alpha", repr(float(alpha))])
+    merged = vc.st_io.load(case_path + ".cuda_merged")
+    assert max(rel_l2(merged[k], cpu[k]) for k in cpu if k.startswith("grad.lora")) > TOL["grad"]
+
+
 # ---- training runs -------------------------------------------------------------------------------
 
 DEMO_MODEL = os.path.join(REPO, "data/vit_demo")

@@ -40,17 +40,19 @@ def test_transformers_and_peft_load_our_outputs(tmp_path):
     np.testing.assert_allclose(theirs, ours, rtol=2e-6)
 
 
-def test_transformers_and_peft_load_our_vit_outputs(tmp_path):
-    """train_vit under MS-LN (the merged beta leaves a bias shift, exported as PEFT lora_only
-    biases): transformers' ViTForImageClassification reads our merged export and PEFT our adapter
-    (new head as modules_to_save), both with our --eval-only loss and accuracy."""
+@pytest.mark.parametrize("ms_lora", ["exact", "merged"])
+def test_transformers_and_peft_load_our_vit_outputs(tmp_path, ms_lora):
+    """train_vit under MS-LN (exact: a plain adapter; --ms-lora merged, the paper's variant: the
+    merged beta leaves a bias shift, exported as PEFT lora_only biases): transformers'
+    ViTForImageClassification reads our merged export and PEFT our adapter (new head as
+    modules_to_save), both with our --eval-only loss and accuracy."""
     if not os.path.exists(HF_PYTHON):
         pytest.fail(f"{HF_PYTHON} missing: scripts/ci/install_deps.sh makes it")
     data = os.path.join(lc.REPO, "data")
     vit = os.path.join(lc.REPO, "train_vit")
     model, val = os.path.join(data, "vit_demo"), os.path.join(data, "vit_demo_ft_val.bin")
     p = subprocess.run([vit, "--model", model, "--data", os.path.join(data, "vit_demo_ft_train.bin"), "--steps", "15", "--batch", "32",
-                        "--lr", "3e-3", "--lora-rank", "4", "--mode", "lowmem", "--out", str(tmp_path / "ad"),
+                        "--lr", "3e-3", "--lora-rank", "4", "--mode", "lowmem", "--ms-lora", ms_lora, "--out", str(tmp_path / "ad"),
                         "--export-merged", str(tmp_path / "merged"), "--threads", "2"], capture_output=True, text=True, env=ENV, timeout=300)
     assert p.returncode == 0, p.stderr
     ev = subprocess.run([vit, "--model", str(tmp_path / "merged"), "--val", val, "--eval-only", "--batch", "50", "--val-batches", "2"],

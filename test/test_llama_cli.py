@@ -257,6 +257,10 @@ def test_unknown_flag(tiny):
     expect_error(["--model", tiny / "model", "--steps", "ten"], "--steps", "integer")
     expect_error(["--model", tiny / "model", "--mode", "fast"], "--mode", "baseline|lowmem|ckpt")
     expect_error(["--model", tiny / "model", "--lora-targets", "q,x"], "--lora-targets", "x")
+    expect_error(["--model", tiny / "model", "--ms-lora", "paper"], "--ms-lora", "exact|merged")
+    expect_error(["--model", tiny / "model", "--data", tiny / "train.bin", "--mode", "baseline", "--ms-lora", "merged"],
+                 "--ms-lora merged", "--norm ms")
+    expect_error(["--model", tiny / "model", "--data", tiny / "train.bin", "--full", "--ms-lora", "merged"], "--ms-lora merged", "--full")
 
 
 def test_missing_model_dir_and_config(tmp_path):

@@ -209,6 +209,87 @@ def test_probe_swiglu_product_recompute_changes_nothing(workdir, full):
         assert np.array_equal(outs[0][k], outs[1][k]), k
 
 
+# ---------------------------------------------------------------------------------------------
+# MS-RMSNorm under LoRA trains what standard norms train: the adapters keep the original model's
+# parameterisation (they see gamma*z, not the merged input z)
+
+MS_LORA_MODES = [("exact", "none"), ("approx", "none"), ("exact", "block"), ("approx", "block")]
+MS_LORA_IDS = [f"{a}-{r}" for a, r in MS_LORA_MODES]
+
+
+def _std_vs_ms(s, act, recompute, tag, label):
+    """The probe under --norm ms and --norm std against the fp64 reference of the ORIGINAL model
+    (std norms), then against each other. Each probe is within TOL of those fp64 values, so the two
+    fp32 runs are within 2 TOL of each other (triangle inequality); what they measure is printed."""
+    want = s.reference(act, "std")
+    got = {norm: s.probe(act, norm, recompute, f"{tag}.{act}.{norm}.{recompute}.out.safetensors") for norm in ("std", "ms")}
+    SUMMARY.append(lc.check_errors(lc.compare(want, got["ms"]), f"{label:12s} {act:6s} ms  {recompute:5s} vs std ref"))
+    lc.check_errors(lc.compare(want, got["std"]), f"{label:12s} {act:6s} std {recompute:5s} vs std ref")
+    both = lc.probe_compare.check_errors(lc.compare(dict(got["std"]), got["ms"]), {k: 2 * v for k, v in lc.TOL.items()},
+                                         f"{label:12s} {act:6s} ms vs std probe {recompute:5s}")
+    SUMMARY.append(both)
+    return got
+
+
+@pytest.mark.parametrize("act,recompute", MS_LORA_MODES, ids=MS_LORA_IDS)
+def test_ms_lora_gradients_equal_std(workdir, act, recompute):
+    """--norm ms (gamma merged into q, k, v, gate, up) gives every LoRA gradient of --norm std: the
+    adapters still act on gamma*z. Before, they acted on z and the gradients differed by O(1)."""
+    _std_vs_ms(_setup(workdir, "gqa_untied"), act, recompute, "msstd", "gqa_untied")
+
+
+def test_ms_lora_merged_is_the_papers_variant(workdir):
+    """--ms-lora merged keeps the paper's parameterisation (adapters on the merged input z): equal
+    to the reference's merged variant, and NOT to the original model's gradients."""
+    s = _setup(workdir, "gqa_untied")
+    out = os.path.join(workdir, "merged.out.safetensors")
+    got = lc.run_probe(s.dir, s.case_path, out, "exact", "ms", "none", s.rank, s.alpha, s.targets, ms_lora="merged")
+    want = ref.run_case(s.model, s.case, "exact", "ms", s.rank, s.alpha, s.targets, ms_lora="merged")
+    SUMMARY.append(lc.check_errors(lc.compare(want, got), f"{'ms merged':12s} exact  ms  none "))
+    g, name = lc.compare(s.reference("exact", "std"), got)["grad"]
+    print(f"--ms-lora merged vs the original model's gradients: {g:.2e} ({name})")
+    assert g > 100 * lc.TOL["grad"]
+
+
+def _setup_gammas(root, name, gammas):
+    """gqa_untied with its block norms' gammas replaced by gammas(rng, d) (the final norm too)."""
+    d = os.path.join(root, name)
+    s = _setup(root, "gqa_untied")
+    os.makedirs(d, exist_ok=True)
+    t = lc.st_io.load(os.path.join(s.dir, "model.safetensors"))
+    rng = np.random.default_rng(3)
+    for k in t:
+        if k.endswith("layernorm.weight") or k == "model.norm.weight":
+            t[k] = gammas(rng, t[k].shape[0]).astype(np.float32)
+    lc.st_io.save(os.path.join(d, "model.safetensors"), t, metadata={"format": "pt"})
+    lc.shutil.copy(os.path.join(s.dir, "config.json"), os.path.join(d, "config.json"))
+    g = Setup.__new__(Setup)
+    g.__dict__.update(s.__dict__)
+    g.dir, g.name, g._ref = d, name, {}
+    g.model = ref.LlamaModel.load(d)
+    return g
+
+
+def _wide_gammas(rng, n):
+    """log-uniform over 1e-2 .. 1e2 with random signs: four orders of magnitude"""
+    return np.sign(rng.standard_normal(n)) * 10.0 ** rng.uniform(-2, 2, n)
+
+
+def _zero_gammas(rng, n):
+    """1 + 0.3 N(0, 1) with every 5th entry exactly 0 (the merged layer has no inverse there)"""
+    g = 1.0 + 0.3 * rng.standard_normal(n)
+    g[::5] = 0.0
+    return g
+
+
+@pytest.mark.parametrize("kind", ["wide", "zero"])
+def test_ms_lora_equals_std_with_extreme_gammas(workdir, kind):
+    """The same with gammas spanning four orders of magnitude, and with zero gammas (exact act:
+    these gate pre-activations are not kept away from the ReSiLU2 breakpoints)."""
+    s = _setup_gammas(workdir, f"gammas_{kind}", _wide_gammas if kind == "wide" else _zero_gammas)
+    _std_vs_ms(s, "exact", "none", f"gammas_{kind}", f"gammas {kind}")
+
+
 def test_probe_deterministic(workdir):
     """Two runs on the same input give bitwise identical outputs."""
     s = _setup(workdir, "gqa_untied")
@@ -262,9 +343,11 @@ def _lora_dict(model, case, targets):
 
 @pytest.mark.parametrize("name", CONFIG_NAMES)
 def test_reference_ms_merge_keeps_forward(workdir, name):
-    """Merging gamma into q,k,v / gate,up leaves the model unchanged: ms logits == std logits,
-    with LoRA A converted as A_ms = A_std * gamma[None, :] (the inverse of the export rule), and
-    the gradients relate by dA_std = dA_ms * gamma[None, :], dB_std = dB_ms."""
+    """Merging gamma into q,k,v / gate,up leaves the model unchanged: ms logits == std logits; the
+    default ms (adapters on gamma*z) gives std's logits and gradients for the same adapters; the
+    paper's --ms-lora merged does with LoRA A converted as A_ms = A_std * gamma[None, :] (the
+    inverse of its export rule), the gradients relating by dA_std = dA_ms * gamma[None, :],
+    dB_std = dB_ms."""
     s = _setup(workdir, name)
     m = s.model
     tokens = torch.from_numpy(s.case["tokens"][:, :-1].astype(np.int64))
@@ -282,7 +365,11 @@ def test_reference_ms_merge_keeps_forward(workdir, name):
             case_ms[f"lora.{l}.{t}.A"] = s.case[f"lora.{l}.{t}.A"].astype(np.float64) * gamma[None, :]
     for act in ("exact", "approx"):
         a = ref.run_case(m, s.case, act, "std", s.rank, s.alpha)
-        b = ref.run_case(m, case_ms, act, "ms", s.rank, s.alpha)
+        exact = ref.run_case(m, s.case, act, "ms", s.rank, s.alpha)
+        for k in a:
+            if k != "stats":
+                assert lc.rel_to_max(exact[k], a[k]) < 1e-10, (act, k)
+        b = ref.run_case(m, case_ms, act, "ms", s.rank, s.alpha, ms_lora="merged")
         assert lc.rel_to_max(b["logits"], a["logits"]) < 1e-12
         assert abs(b["loss"][0] - a["loss"][0]) < 1e-12 * abs(a["loss"][0])
         for l in range(m.cfg.n_layers):
@@ -339,8 +426,8 @@ def _loss_only(model, case, norm, rank, alpha):
 @pytest.mark.parametrize("name", CONFIG_NAMES)
 def test_reference_modes_discriminate(workdir, name):
     """The cases can tell the modes apart: approx gradients differ from exact ones by far more
-    than the probe tolerance (logits do not), every ReSiLU2 code occurs, and ms differs from std
-    for the same adapters."""
+    than the probe tolerance (logits do not), every ReSiLU2 code occurs, and the paper's --ms-lora
+    merged differs from std for the same adapters (the default ms does not: it is std's function)."""
     s = _setup(workdir, name)
     for norm in ("std", "ms"):
         assert all(n > 0 for n in s.stats[norm]["code_counts"]), s.stats[norm]
@@ -348,8 +435,8 @@ def test_reference_modes_discriminate(workdir, name):
         assert np.array_equal(ex["logits"], ap["logits"])
         diff = max(lc.rel_to_max(ap[k], ex[k]) for k in ex if k.startswith("grad."))
         assert diff > 30 * lc.TOL["grad"], diff
-    assert lc.rel_to_max(s.reference("exact", "ms")["logits"],
-                         s.reference("exact", "std")["logits"]) > 30 * lc.TOL["logits"]
+    merged = ref.run_case(s.model, s.case, "exact", "ms", s.rank, s.alpha, s.targets, ms_lora="merged")
+    assert lc.rel_to_max(merged["logits"], s.reference("exact", "std")["logits"]) > 30 * lc.TOL["logits"]
 
 
 def test_reference_llama3_rope_scaling():

@@ -277,6 +277,61 @@ def test_export_merged_equals_base_plus_adapter(tiny, tmp_path, dtype):
         assert abs(alone - with_adapter) < (2e-3 if dtype == "bf16" else 2e-6) * with_adapter
 
 
+# ---- MS-RMSNorm under LoRA trains what standard norms train -----------------------------------
+
+def log_losses(out):
+    return [float(line.split(",")[1]) for line in (out / "log.csv").read_text().splitlines()[1:]]
+
+
+@pytest.mark.parametrize("act", ["exact", "approx"])
+def test_ms_lora_trains_what_std_trains(tiny, tmp_path, act):
+    """8 steps under --norm ms equal 8 steps under --norm std: the same per-step losses and the same
+    adapters, up to float rounding; the paper's --ms-lora merged is another optimisation problem.
+    Tolerances: one step's fp32 LoRA gradients of the two agree within 2 TOL["grad"] and the losses
+    within 2 TOL["loss"] (test_llama_model.py::test_ms_lora_gradients_equal_std); each AdamW step
+    moves an element by at most lr with m/sqrt(v) perturbed by the same relative amount, so after 8
+    steps the adapters agree within 8 * 2 TOL["grad"] of their largest element, the losses within
+    8 * 2 TOL["loss"]."""
+    steps = 8
+    outs = {}
+    for name, flags in [("std", ["--norm", "std"]), ("ms", ["--norm", "ms"]), ("merged", ["--norm", "ms", "--ms-lora", "merged"])]:
+        outs[name] = tmp_path / name
+        run(base_args(tiny, "--act", act, *flags, "--steps", steps, "--batch", 4, "--out", outs[name]))
+    loss = {k: log_losses(v) for k, v in outs.items()}
+    ad = {k: adapter(v) for k, v in outs.items()}
+    d_loss = {k: max(abs(a - b) / b for a, b in zip(loss[k], loss["std"])) for k in ("ms", "merged")}
+    d_ad = {k: max(lc.rel_to_max(ad[k][n], ad["std"][n]) for n in ad["std"]) for k in ("ms", "merged")}
+    tol_loss, tol_ad = steps * 2 * lc.TOL["loss"], steps * 2 * lc.TOL["grad"]
+    print(f"{act}: ms vs std: losses {d_loss['ms']:.2e}, adapters {d_ad['ms']:.2e}; "
+          f"--ms-lora merged vs std: losses {d_loss['merged']:.2e}, adapters {d_ad['merged']:.2e}")
+    assert len(loss["ms"]) == steps and d_loss["ms"] < tol_loss and d_ad["ms"] < tol_ad
+    assert d_loss["merged"] > tol_loss and d_ad["merged"] > tol_ad
+
+
+def test_export_with_a_zero_gamma(tiny, tmp_path):
+    """A model with zero gammas trains under MS-RMSNorm and exports its merged weights: the adapter
+    is the original model's, so nothing divides by gamma (the paper's --ms-lora merged cannot map it
+    back, and says so in one line). The export equals W + alpha/r B A from the PEFT tensors."""
+    model = tmp_path / "zero"
+    model.mkdir()
+    shutil.copy(tiny / "model" / "config.json", model / "config.json")
+    t = st_io.load(str(tiny / "model" / "model.safetensors"))
+    for k in t:
+        if k.endswith("layernorm.weight"):
+            t[k][::5] = 0.0
+    st_io.save(str(model / "model.safetensors"), t)
+    ad, merged = tmp_path / "ad", tmp_path / "merged"
+    args = ["--model", model, "--data", tiny / "train.bin", "--seq", 24, "--lora-rank", 4, "--lr", 5e-3, "--steps", 4, "--batch", 4,
+            "--threads", 1, "--mode", "lowmem"]
+    run(args + ["--out", ad, "--export-merged", merged])
+    a, got = adapter(ad), st_io.load(str(merged / "model.safetensors"))
+    for name in ["model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.up_proj.weight"]:
+        pre = "base_model.model." + name[:-len("weight")]
+        want = t[name] + 4.0 * a[pre + "lora_B.weight"] @ a[pre + "lora_A.weight"]
+        assert np.abs(got[name] - want).max() <= 1e-5 * np.abs(want).max(), name  # fp32 sums of r = 4 products
+    expect_error(args + ["--ms-lora", "merged", "--export-merged", tmp_path / "m2"], "gamma", "is 0")
+
+
 # ---- memory comparison report ------------------------------------------------------------------
 
 def test_compare_modes_report(tiny, tmp_path):

@@ -4,7 +4,7 @@ positions; the head) against the PyTorch reference in all four act x norm modes;
 lowers the loss and its --out model directory reloads (--model DIR --eval-only) to the same
 validation loss, also when trained at another resolution; a merged export (W + alpha/r B A and the
 trained head, MS merge undone) evaluates like base + adapter, for the bundled Hugging Face demo and
-for random timm / no-qkv-bias checkpoints; a zero gamma fails clearly; mpirun -np 2 --full (ZeRO-1)
+for random timm / no-qkv-bias checkpoints; a zero gamma fails clearly under --full and exports under LoRA; mpirun -np 2 --full (ZeRO-1)
 equals one process with the combined batch.
 
 Run:  /usr/bin/python3 -m pytest -q test/test_vit_full.py   (needs train_vit and test/vit_probe)
@@ -191,9 +191,10 @@ def _random_setup(root, name, layout, **cfg_over):
 
 @pytest.mark.parametrize("layout,name", [("timm", "square"), ("hf", "nonsquare")])
 def test_export_random_checkpoints_lora_and_full(tmp_path, layout, name):
-    """timm (fused qkv, head.*) and a Hugging Face checkpoint without q/k/v biases (the MS-LN
-    mapping gives them one: written, with qkv_bias true) under lowmem: the merged export and the
-    --full output reload to the training run's validation numbers."""
+    """timm (fused qkv, head.*) and a Hugging Face checkpoint without q/k/v biases under lowmem: the
+    merged export and the --full output reload to the training run's validation numbers. --full
+    trains the merged layer, whose mapping back gives q, k, v a bias (written, with qkv_bias true);
+    a LoRA adapter is the original model's and folds in without one."""
     d, train, val = _random_setup(str(tmp_path), name, layout)
     for what, extra in (("lora", ("--lora-rank", 3, "--lr", "1e-2")), ("full", ("--full", "--lr", "3e-3"))):
         out, merged = str(tmp_path / what), str(tmp_path / (what + "_merged"))
@@ -208,9 +209,10 @@ def test_export_random_checkpoints_lora_and_full(tmp_path, layout, name):
         if layout == "timm":
             assert st["head.weight"].shape[0] == 4 and "blocks.0.attn.qkv.weight" in st
         else:
-            assert st["classifier.weight"].shape[0] == 4 and "vit.encoder.layer.0.attention.attention.query.bias" in st
+            assert st["classifier.weight"].shape[0] == 4
+            assert ("vit.encoder.layer.0.attention.attention.query.bias" in st) == (what == "full")
             with open(os.path.join(target, "config.json")) as f:
-                assert json.load(f)["qkv_bias"] is True
+                assert json.load(f)["qkv_bias"] is (what == "full")
 
 
 def test_zero_gamma_export_fails_clearly(tmp_path):
@@ -225,6 +227,17 @@ def test_zero_gamma_export_fails_clearly(tmp_path):
     # with standard LayerNorm there is nothing to undo
     vc.train_vit("--model", d, "--data", train, "--mode", "baseline", "--full", "--steps", 1, "--batch", 8,
                  "--out", str(tmp_path / "s"))
+    # nor under LoRA: the adapter sees gamma*z + beta as in the original model and folds into its W;
+    # the export reloads to the run's validation numbers (the paper's --ms-lora merged cannot map back)
+    out, merged = str(tmp_path / "lora"), str(tmp_path / "lora_merged")
+    rows = _train(out, "lowmem", 4, ("--lora-rank", 3, "--lr", "1e-2", "--export-merged", merged), model=d, train=train, val=val, batch=8)
+    want = (float(rows[-1]["val_loss"]), float(rows[-1]["val_accuracy"]))
+    for m in ("lowmem", "baseline"):
+        got = _eval(merged, m, val=val)
+        assert _close(got, want), (m, got, want)
+    r = vc.train_vit("--model", d, "--data", train, "--mode", "lowmem", "--ms-lora", "merged", "--steps", 1, "--batch", 8,
+                     "--lora-rank", 3, "--export-merged", str(tmp_path / "m2"), check=False)
+    assert r.returncode == 1 and "gamma[3] is 0" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
 def test_zero1_full_finetuning_two_ranks(tmp_path):

@@ -158,6 +158,90 @@ def test_checkpoint_layouts_agree(workdir, layout):
         assert a[k].tobytes() == b[k].tobytes(), f"{k} differs between layouts hf and {layout}"
 
 
+# ---------------------------------------------------------------------------------------------
+# MS-LN under LoRA trains what standard LayerNorm trains: the adapters of q, k, v and fc1 keep the
+# original model's parameterisation (they see gamma*z + beta, not the merged input z)
+
+MS_LORA_MODES = [("exact", "none"), ("approx", "none"), ("exact", "block"), ("approx", "block")]
+MS_LORA_IDS = [f"{a}-{r}" for a, r in MS_LORA_MODES]
+
+
+def _std_vs_ms(s, act, recompute, tag, label):
+    """The probe under --norm ms and --norm std against the fp64 reference of the ORIGINAL model
+    (std norms), then against each other. Each probe is within TOL of those fp64 values, so the two
+    fp32 runs are within 2 TOL of each other (triangle inequality); what they measure is printed."""
+    want = s.reference(act, "std")
+    got = {norm: s.probe(act, norm, recompute, f"{tag}.{act}.{norm}.{recompute}.out.safetensors") for norm in ("std", "ms")}
+    SUMMARY.append(vc.check_errors(vc.compare(want, got["ms"]), f"{label:9s} {act:6s} ms  {recompute:5s} vs std ref"))
+    vc.check_errors(vc.compare(want, got["std"]), f"{label:9s} {act:6s} std {recompute:5s} vs std ref")
+    SUMMARY.append(vc.probe_compare.check_errors(vc.compare(dict(got["std"]), got["ms"]), {k: 2 * v for k, v in vc.TOL.items()},
+                                                 f"{label:9s} {act:6s} ms vs std probe {recompute:5s}"))
+
+
+@pytest.mark.parametrize("act,recompute", MS_LORA_MODES, ids=MS_LORA_IDS)
+@pytest.mark.parametrize("name", CONFIG_NAMES)
+def test_ms_lora_gradients_equal_std(workdir, name, act, recompute):
+    """--norm ms (gamma and beta merged into q, k, v, fc1) gives every LoRA and head gradient of
+    --norm std: the adapters still act on gamma*z + beta. Before, they acted on z."""
+    _std_vs_ms(_setup(workdir, name), act, recompute, f"msstd.{name}", name)
+
+
+def test_ms_lora_merged_is_the_papers_variant(workdir):
+    """--ms-lora merged keeps the paper's parameterisation (adapters on the merged input z): equal
+    to the reference's merged variant, and NOT to the original model's gradients."""
+    s = _setup(workdir, "square")
+    out = os.path.join(workdir, "merged.out.safetensors")
+    got = vc.run_probe(s.dir, s.case_path, out, "exact", "ms", "none", s.rank, s.alpha, s.targets, ms_lora="merged")
+    want = ref.run_case(s.model, s.case, "exact", "ms", s.rank, s.alpha, s.targets, ms_lora="merged")
+    SUMMARY.append(vc.check_errors(vc.compare(want, got), f"{'ms merged':9s} exact  ms  none "))
+    g, name = vc.compare(s.reference("exact", "std"), got)["grad"]
+    print(f"--ms-lora merged vs the original model's gradients: {g:.2e} ({name})")
+    assert g > 100 * vc.TOL["grad"]
+
+
+def _setup_affine(root, name, gammas):
+    """"square" with its block LayerNorms' gammas replaced by gammas(rng, d) (betas 0.3 N(0, 1))."""
+    s = _setup(root, "square")
+    d = os.path.join(root, name)
+    os.makedirs(d, exist_ok=True)
+    t = vc.st_io.load(os.path.join(s.dir, "model.safetensors"))
+    rng = np.random.default_rng(3)
+    for k in t:
+        if ".layernorm_before." in k or ".layernorm_after." in k:
+            n = t[k].shape[0]
+            t[k] = (gammas(rng, n) if k.endswith(".weight") else 0.3 * rng.standard_normal(n)).astype(np.float32)
+    vc.st_io.save(os.path.join(d, "model.safetensors"), t, metadata={"format": "pt"})
+    for f in os.listdir(s.dir):
+        if f.endswith(".json"):
+            with open(os.path.join(s.dir, f)) as src, open(os.path.join(d, f), "w") as dst:
+                dst.write(src.read())
+    g = Setup.__new__(Setup)
+    g.__dict__.update(s.__dict__)
+    g.dir, g.name, g._ref = d, name, {}
+    g.model = ref.VitModel.load(d)
+    return g
+
+
+def _wide_gammas(rng, n):
+    """log-uniform over 1e-2 .. 1e2 with random signs: four orders of magnitude"""
+    return np.sign(rng.standard_normal(n)) * 10.0 ** rng.uniform(-2, 2, n)
+
+
+def _zero_gammas(rng, n):
+    """1 + 0.3 N(0, 1) with every 5th entry exactly 0 (the merged layer has no inverse there)"""
+    g = 1.0 + 0.3 * rng.standard_normal(n)
+    g[::5] = 0.0
+    return g
+
+
+@pytest.mark.parametrize("kind", ["wide", "zero"])
+def test_ms_lora_equals_std_with_extreme_gammas(workdir, kind):
+    """The same with gammas spanning four orders of magnitude, and with zero gammas (exact act:
+    these GELU inputs are not kept away from the ReGELU2 breakpoints)."""
+    s = _setup_affine(workdir, f"gammas_{kind}", _wide_gammas if kind == "wide" else _zero_gammas)
+    _std_vs_ms(s, "exact", "none", f"gammas_{kind}", f"gam {kind}")
+
+
 def test_probe_deterministic(workdir):
     """Two runs on the same input give bitwise identical outputs."""
     s = _setup(workdir, "square")
@@ -246,8 +330,8 @@ def test_reference_finite_differences(tmp_path):
 @pytest.mark.parametrize("name", CONFIG_NAMES)
 def test_reference_modes_discriminate(workdir, name):
     """The cases tell the modes apart: approx gradients differ from exact ones by far more than the
-    probe tolerance (logits do not), every ReGELU2 code occurs, ms differs from std for the same
-    adapters."""
+    probe tolerance (logits do not), every ReGELU2 code occurs, the paper's --ms-lora merged differs
+    from std for the same adapters (the default ms gives std's logits and gradients)."""
     s = _setup(workdir, name)
     for norm in ("std", "ms"):
         assert all(n > 0 for n in s.stats[norm]["code_counts"]), s.stats[norm]
@@ -255,8 +339,12 @@ def test_reference_modes_discriminate(workdir, name):
         assert np.array_equal(ex["logits"], ap["logits"])
         diff = max(vc.rel_to_max(ap[k], ex[k]) for k in ex if k.startswith("grad.lora"))
         assert diff > 30 * vc.TOL["grad"], diff
-    assert vc.rel_to_max(s.reference("exact", "ms")["logits"],
-                         s.reference("exact", "std")["logits"]) > 30 * vc.TOL["logits"]
+    std = s.reference("exact", "std")
+    for k, v in s.reference("exact", "ms").items():
+        if k != "stats":
+            assert vc.rel_to_max(v, std[k]) < 1e-10, k
+    merged = ref.run_case(s.model, s.case, "exact", "ms", s.rank, s.alpha, s.targets, ms_lora="merged")
+    assert vc.rel_to_max(merged["logits"], std["logits"]) > 30 * vc.TOL["logits"]
 
 
 if __name__ == "__main__":

@@ -41,8 +41,9 @@ SHAPES = {"square": (3, 4, 8.0, 5), "nonsquare": (2, 3, 6.0, 7)}
 # fp32 probe vs fp64 reference
 TOL = {"logits": 2e-5, "loss": 1e-5, "grad": 2e-4}
 # approx mode: a GELU input closer than this to a ReGELU2 breakpoint could get another code in fp32
-# than in fp64; cases are re-drawn until none is, in both norm modes (their pre-activations differ:
-# the same LoRA A sees gamma*z+beta in std and z in ms).
+# than in fp64; cases are re-drawn until none is, in both norm modes and under the paper's
+# --ms-lora merged (whose pre-activations differ: the same LoRA A sees z there, gamma*z+beta in std
+# and in ms with the default --ms-lora exact).
 BREAKPOINT_MARGIN = 2e-4
 
 
@@ -166,12 +167,14 @@ def make_case(cfg, batch, rank, classes, targets=ALL_TARGETS, seed=0, image=None
 def make_safe_case(model, batch, rank, alpha, classes, targets=ALL_TARGETS, seed=0, image=None,
                    tries=50):
     """make_case, re-drawn (seed, seed+1000, ...) until no GELU input is near a ReGELU2 breakpoint
-    in either norm mode. Returns (case, seed used, {norm: stats})."""
+    in either norm mode (and the paper's --ms-lora merged, where the adapters see z). Returns (case,
+    seed used, {norm: stats})."""
     for k in range(tries):
         s = seed + 1000 * k
         case = make_case(model.cfg, batch, rank, classes, targets, s, image)
         stats = {norm: ref.run_case(model, case, "exact", norm, rank, alpha, targets)["stats"]
                  for norm in ("std", "ms")}
+        stats["ms-merged"] = ref.run_case(model, case, "exact", "ms", rank, alpha, targets, ms_lora="merged")["stats"]
         if all(st["min_margin"] > BREAKPOINT_MARGIN for st in stats.values()):
             return case, s, stats
     raise RuntimeError("could not draw a case away from the ReGELU2 breakpoints")
@@ -216,12 +219,12 @@ def run(cmd, timeout=300, check=True):
 
 
 def run_probe(model_dir, case_path, out_path, act, norm, recompute, rank, alpha,
-              targets=ALL_TARGETS, extra=()):
+              targets=ALL_TARGETS, extra=(), ms_lora="exact"):
     """Run test/vit_probe on a case and return its OUT tensors. VIT_PROBE overrides the probe's
     path; VIT_PROBE_ARGS appends flags to every run."""
     cmd = [binary("test/vit_probe", "VIT_PROBE"), "--model", str(model_dir), "--case",
            str(case_path), "--out-file", str(out_path), "--act", act, "--norm", norm,
-           "--recompute", recompute, "--lora-rank", str(rank), "--lora-alpha", repr(float(alpha)),
+           "--recompute", recompute, "--ms-lora", ms_lora, "--lora-rank", str(rank), "--lora-alpha", repr(float(alpha)),
            "--lora-targets", ",".join(ref.parse_targets(targets))] + list(extra)
     cmd += shlex.split(os.environ.get("VIT_PROBE_ARGS", ""))
     run(cmd)

@@ -1,6 +1,8 @@
 // dev/cuda/matmul.cu: the cuBLASLt products of llmc/cuda/matmul.cuh (forms nt, nn, tn; the three
 // precision paths bf16->bf16, bf16->fp32, fp32->fp32; alpha; accumulate; the bias epilogue) and
-// the LoRA linear layer of llmc/cuda/linear.cuh, against llmc/cpu/matmul.h and llmc/lora.h, at
+// the LoRA linear layer of llmc/cuda/linear.cuh (also behind a merged RMSNorm or LayerNorm: the
+// adapter sees gamma*x + beta, with its two small kernels checked on their own), against
+// llmc/cpu/matmul.h and llmc/lora.h, at
 // odd shapes (leading dimensions that are not a multiple of 8: cuBLASLt may have no algorithm
 // and the cublasGemmEx fallback runs) and aligned ones. Then times the shapes of a LLaMA-7B LoRA
 // step against the measured dense bf16 ceiling.
@@ -71,10 +73,39 @@ static void test_matmul(MatmulForm f, Path p, int M, int N, int K, float alpha, 
     free(A); free(B); free(C0); free(bias); free(want); free(got);
 }
 
+// The adapter behind a merged norm: A diag(gamma) rounded once to bf16 from the fp32 master (bit
+// for bit), and dA += G diag(gamma) + colsum beta^T (fp32; the CPU twin's float products, up to a
+// fused multiply-add: tolerance 1e-6).
+static void test_lora_norm_kernels(int rank, int in, int with_beta, Rng* rng) {
+    float *A = host_randn((int64_t)rank * in, rng, 0.1f, 0), *gamma = host_randn(in, rng, 1.0f, 1), *beta = host_randn(in, rng, 0.5f, 1);
+    float *G = host_randn((int64_t)rank * in, rng, 1.0f, 0), *colsum = host_randn(rank, rng, 1.0f, 0);
+    float *dA0 = host_randn((int64_t)rank * in, rng, 0.1f, 0), *dA = host_copy(dA0, (int64_t)rank * in);
+    float* Ag = (float*)xmalloc(4 * (int64_t)rank * in);
+    lora_fold_gamma(Ag, A, gamma, rank, in);
+    host_round_bf16(Ag, (int64_t)rank * in);
+    lora_norm_grad(dA, G, gamma, with_beta ? beta : NULL, colsum, rank, in);
+    float *d_A = (float*)upload(A, 4 * (int64_t)rank * in), *d_G = (float*)upload(G, 4 * (int64_t)rank * in);
+    float *d_colsum = (float*)upload(colsum, 4 * (int64_t)rank), *d_dA = (float*)upload(dA0, 4 * (int64_t)rank * in);
+    bf16 *d_gamma = upload_bf16(gamma, in), *d_beta = upload_bf16(beta, in), *d_Ag = (bf16*)dev_alloc(2 * (int64_t)rank * in);
+    lora_fold_gamma_cuda(d_Ag, d_A, d_gamma, rank, in, g_stream);
+    lora_norm_grad_cuda(d_dA, d_G, d_gamma, with_beta ? d_beta : NULL, d_colsum, rank, in, g_stream);
+    float *gAg = download_bf16(d_Ag, (int64_t)rank * in), *gdA = download_f32(d_dA, (int64_t)rank * in);
+    char name[128];
+    snprintf(name, sizeof(name), "lora_fold_gamma, r=%d in=%d", rank, in);
+    check_equal_f32(name, gAg, Ag, (int64_t)rank * in);
+    snprintf(name, sizeof(name), "lora_norm_grad (accumulated)%s, r=%d in=%d", with_beta ? " with beta" : "", rank, in);
+    check_close(name, gdA, dA, (int64_t)rank * in, 1e-6);
+    CUDA_CHECK(cudaFree(d_A)); CUDA_CHECK(cudaFree(d_G)); CUDA_CHECK(cudaFree(d_colsum)); CUDA_CHECK(cudaFree(d_dA));
+    CUDA_CHECK(cudaFree(d_gamma)); CUDA_CHECK(cudaFree(d_beta)); CUDA_CHECK(cudaFree(d_Ag));
+    free(A); free(gamma); free(beta); free(G); free(colsum); free(dA0); free(dA); free(Ag); free(gAg); free(gdA);
+}
+
 // linear_forward / linear_backward with a LoRA adapter (and optionally a bias), GPU vs CPU. The
 // CPU gets W and the adapter as the GPU's products see them (bf16-rounded), so what is compared
-// is the kernels, not the storage precision.
-static void test_linear(int64_t N, int in, int out, int rank, int with_bias, int with_lora, Rng* rng) {
+// is the kernels, not the storage precision. norm: 0 a plain input; 1 behind a merged RMSNorm (the
+// adapter sees gamma*x), 2 behind a merged LayerNorm (gamma*x + beta), gamma and beta bf16 as the
+// frozen weights are on the GPU.
+static void test_linear(int64_t N, int in, int out, int rank, int with_bias, int with_lora, Rng* rng, int norm = 0) {
     float scale = 2.0f;
     float *W = host_randn((int64_t)out * in, rng, 0.1f, 1), *bias = host_randn(out, rng, 0.5f, 1);
     float *A = host_randn((int64_t)rank * in, rng, 0.1f, 1), *B = host_randn((int64_t)out * rank, rng, 0.1f, 1);
@@ -88,7 +119,10 @@ static void test_linear(int64_t N, int in, int out, int rank, int with_bias, int
     float *db0 = host_randn(out, rng, 0.1f, 0), *db = host_copy(db0, out);  // and its bias, when it has one
     int train_bias = with_bias && !with_lora;
     Linear L = {in, out, W, with_bias ? bias : NULL, with_lora ? A : NULL, with_lora ? B : NULL, dA, dB, with_lora ? NULL : dW,
-                train_bias ? db : NULL, {}};  // dev: no CUDA copy yet
+                train_bias ? db : NULL, {}, NULL, NULL, NULL};  // dev: no CUDA copy yet; no norm in front (bound below)
+    float *gamma = host_randn(in, rng, 1.0f, 1), *beta = host_randn(in, rng, 0.5f, 1);
+    void* work = xmalloc(lora_norm_work_bytes(rank, in, 4));
+    if (norm) lora_norm_bind(&L, gamma, norm == 2 ? beta : NULL, work);
     float *y = host_copy(y0, N * out), *ax = (float*)xmalloc(4 * N * rank), *dax = (float*)xmalloc(4 * N * rank);
     float* dx = host_copy(dx0, N * in);
     linear_forward(y, x, &L, ax, N, rank, scale, 1);
@@ -114,6 +148,9 @@ static void test_linear(int64_t N, int in, int out, int rank, int with_bias, int
         D->dW = (float*)upload(dW0, 4 * (int64_t)out * in);
         if (train_bias) D->dbias = (float*)upload(db0, 4 * (int64_t)out);
     }
+    bf16 *d_gamma = upload_bf16(gamma, in), *d_beta = upload_bf16(beta, in);
+    void* d_work = dev_alloc(lora_norm_work_bytes(rank, in, 2));
+    if (norm) lora_norm_bind(&G, d_gamma, norm == 2 ? d_beta : NULL, d_work);
     bf16 *d_x = upload_bf16(x, N * in), *d_y = upload_bf16(y0, N * out), *d_dy = upload_bf16(dy, N * out);
     bf16 *d_dx = upload_bf16(dx0, N * in), *d_ax = (bf16*)dev_alloc(2 * N * rank), *d_dax = (bf16*)dev_alloc(2 * N * rank);
     dev_poison(d_ax, 2 * N * rank);
@@ -121,8 +158,8 @@ static void test_linear(int64_t N, int in, int out, int rank, int with_bias, int
     linear_forward_cuda(d_y, d_x, &G, d_ax, N, rank, scale, 1, g_stream);
     linear_backward_cuda(d_dx, d_dy, d_x, d_ax, &G, d_dax, N, rank, scale, 1, g_stream);
     char tag[128], name[200];
-    snprintf(tag, sizeof(tag), "N=%lld in=%d out=%d r=%d%s%s", (long long)N, in, out, rank, with_bias ? " bias" : "",
-             with_lora ? " lora" : "");
+    snprintf(tag, sizeof(tag), "N=%lld in=%d out=%d r=%d%s%s%s", (long long)N, in, out, rank, with_bias ? " bias" : "",
+             with_lora ? " lora" : "", norm == 1 ? " behind merged RMSNorm" : norm == 2 ? " behind merged LayerNorm" : "");
     float *gy = download_bf16(d_y, N * out), *gdx = download_bf16(d_dx, N * in);
     for (int64_t i = 0; i < N * out; i++) { gy[i] -= y0[i]; y[i] -= y0[i]; }  // compare what was added
     for (int64_t i = 0; i < N * in; i++) { gdx[i] -= dx0[i]; dx[i] -= dx0[i]; }
@@ -165,6 +202,8 @@ static void test_linear(int64_t N, int in, int out, int rank, int with_bias, int
     if (D->bias) CUDA_CHECK(cudaFree(D->bias));
     CUDA_CHECK(cudaFree(d_x)); CUDA_CHECK(cudaFree(d_y)); CUDA_CHECK(cudaFree(d_dy)); CUDA_CHECK(cudaFree(d_dx));
     CUDA_CHECK(cudaFree(d_ax)); CUDA_CHECK(cudaFree(d_dax));
+    CUDA_CHECK(cudaFree(d_gamma)); CUDA_CHECK(cudaFree(d_beta)); CUDA_CHECK(cudaFree(d_work));
+    free(gamma); free(beta); free(work);
     free(W); free(bias); free(A); free(B); free(dA0); free(dB0); free(x); free(y0); free(dy); free(dx0); free(dA); free(dB);
     free(y); free(ax); free(dax); free(dx); free(ax16); free(gy); free(gdx);
 }
@@ -210,6 +249,11 @@ int main(void) {
     test_linear(64, 96, 64, 8, 1, 1, &rng);
     test_linear(33, 40, 24, 4, 1, 0, &rng);
     test_linear(19, 35, 21, 3, 0, 1, &rng);
+    test_lora_norm_kernels(4, 48, 0, &rng);
+    test_lora_norm_kernels(3, 35, 1, &rng);
+    test_linear(37, 48, 80, 4, 0, 1, &rng, 1);
+    test_linear(64, 96, 64, 8, 1, 1, &rng, 2);
+    test_linear(19, 35, 21, 3, 1, 1, &rng, 2);
     if (g_timing) {
         time_matmul(MM_NT, 8192, 8192, 8192, "(peak shape)");
         time_matmul(MM_NT, 8192, 4096, 4096, "(7B q/k/v/o fwd, 8192 tokens)");

@@ -5,12 +5,35 @@
 // their bf16 shadows A16, B16 (refreshed by the trainable arena after every optimizer step); ax =
 // x A^T is kept in bf16 (rank columns per token); dA, dB and, under full fine-tuning, dW are
 // accumulated in fp32 straight from the bf16 products (bf16 x bf16 -> fp32 matmul path, beta = 1
-// across micro-batches). See matmul.cuh for the precision policy.
+// across micro-batches). See matmul.cuh for the precision policy. An adapter behind a merged norm
+// (L->norm_gamma, --ms-lora exact; llmc/lora.h says the math) applies bf16(A diag(gamma)), formed
+// from the fp32 master each call, and adds bf16(A16 beta) in the product's epilogue.
 #pragma once
 #include "common.cuh"
 #include "matmul.cuh"
 #include "misc.cuh"
 #include "../lora.h"
+
+// Ag = bf16(A diag(gamma)) from the fp32 master A [r, in]: one rounding. Twin of lora_fold_gamma.
+__global__ void lora_fold_gamma_kernel(bf16* __restrict__ Ag, const float* __restrict__ A, const bf16* __restrict__ gamma, int rank, int in) {
+    for (int64_t i = thread_index_1d(); i < (int64_t)rank * in; i += grid_stride_1d()) Ag[i] = f2bf(A[i] * bf2f(gamma[i % in]));
+}
+static void lora_fold_gamma_cuda(bf16* Ag, const float* A, const bf16* gamma, int rank, int in, cudaStream_t stream) {
+    launch_kernel(grid_for((int64_t)rank * in, 256), 256, 0, stream, lora_fold_gamma_kernel, Ag, A, gamma, rank, in);
+}
+
+// dA += G diag(gamma) + colsum beta^T (beta NULL: no second term). Twin of lora_norm_grad.
+__global__ void lora_norm_grad_kernel(float* dA, const float* __restrict__ G, const bf16* __restrict__ gamma, const bf16* __restrict__ beta,
+                                      const float* __restrict__ colsum, int rank, int in) {
+    for (int64_t k = thread_index_1d(); k < (int64_t)rank * in; k += grid_stride_1d()) {
+        int64_t i = k / in, j = k % in;
+        dA[k] += G[k] * bf2f(gamma[j]) + (beta ? colsum[i] * bf2f(beta[j]) : 0.0f);
+    }
+}
+static void lora_norm_grad_cuda(float* dA, const float* G, const bf16* gamma, const bf16* beta, const float* colsum, int rank, int in,
+                                cudaStream_t stream) {
+    launch_kernel(grid_for((int64_t)rank * in, 256), 256, 0, stream, lora_norm_grad_kernel, dA, G, gamma, beta, colsum, rank, in);
+}
 
 // y (+)= x W^T + bias + scale * (x A^T) B^T, keeping ax = x A^T for the LoRA backward.
 // accumulate = 1 adds to y (a residual connection), bias included.
@@ -20,7 +43,18 @@ static void linear_forward_cuda(bf16* y, const bf16* x, const Linear* L, bf16* a
     if (D->bias) matmul_nt_bias_cuda(y, x, (const bf16*)D->W, (const bf16*)D->bias, (int)N, L->out, L->in, 1.0f, accumulate, stream);
     else matmul_nt_cuda(y, x, (const bf16*)D->W, (int)N, L->out, L->in, 1.0f, accumulate, stream);
     if (!D->A) return;
-    matmul_nt_cuda(ax, x, (const bf16*)D->A16, (int)N, rank, L->in, 1.0f, 0, stream);
+    if (L->norm_gamma) {  // behind a merged norm: ax = x (A diag(gamma))^T + A beta
+        LoraNormWork w = lora_norm_work(L, rank, 2);
+        lora_fold_gamma_cuda((bf16*)w.Ag, D->A, (const bf16*)L->norm_gamma, rank, L->in, stream);
+        if (L->norm_beta) {
+            matmul_nt_cuda((bf16*)w.c, (const bf16*)L->norm_beta, (const bf16*)D->A16, 1, rank, L->in, 1.0f, 0, stream);
+            matmul_nt_bias_cuda(ax, x, (const bf16*)w.Ag, (const bf16*)w.c, (int)N, rank, L->in, 1.0f, 0, stream);
+        } else {
+            matmul_nt_cuda(ax, x, (const bf16*)w.Ag, (int)N, rank, L->in, 1.0f, 0, stream);
+        }
+    } else {
+        matmul_nt_cuda(ax, x, (const bf16*)D->A16, (int)N, rank, L->in, 1.0f, 0, stream);
+    }
     matmul_nt_cuda(y, ax, (const bf16*)D->B16, (int)N, L->out, rank, scale, 1, stream);
 }
 
@@ -36,6 +70,19 @@ static void linear_backward_cuda(bf16* dx, const bf16* dy, const bf16* x, const 
     if (!D->A) return;
     matmul_tn_cuda(D->dB, dy, ax, L->out, rank, (int)N, scale, 1, stream);
     matmul_nn_cuda(dax, dy, (const bf16*)D->B16, (int)N, rank, L->out, scale, 0, stream);
+    if (L->norm_gamma) {  // behind a merged norm: dA += (dax^T x) diag(gamma) + (sum_n dax_n) beta^T
+        LoraNormWork w = lora_norm_work(L, rank, 2);
+        const bf16 *gamma = (const bf16*)L->norm_gamma, *beta = (const bf16*)L->norm_beta;
+        matmul_tn_cuda(w.G, dax, x, rank, L->in, (int)N, 1.0f, 0, stream);
+        if (beta) {
+            CUDA_CHECK(cudaMemsetAsync(w.colsum, 0, sizeof(float) * rank, stream));
+            bias_grad_rows_cuda(w.colsum, (const bf16*)dax, N, rank, stream);
+        }
+        lora_norm_grad_cuda(D->dA, w.G, gamma, beta, w.colsum, rank, L->in, stream);
+        lora_fold_gamma_cuda((bf16*)w.Ag, D->A, gamma, rank, L->in, stream);
+        matmul_nn_cuda(dx, dax, (const bf16*)w.Ag, (int)N, L->in, rank, 1.0f, 1, stream);
+        return;
+    }
     matmul_tn_cuda(D->dA, dax, x, rank, L->in, (int)N, 1.0f, 1, stream);
     matmul_nn_cuda(dx, dax, (const bf16*)D->A16, (int)N, L->in, rank, 1.0f, 1, stream);
 }

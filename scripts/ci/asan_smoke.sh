@@ -24,6 +24,7 @@ check() {  # expected-exit-code command...
 L="$B/train_llama --model data/llama_demo --data data/llama_demo_ft_train.bin --val data/llama_demo_ft_val.bin --steps 2 --batch 2 --seq 64 --val-batches 1"
 check 0 $L --mode lowmem --out "$W/a" --generate 8 --prompt Licensed
 check 0 $L --mode ckpt
+check 0 $L --mode lowmem --recompute block --ms-lora merged
 check 0 $L --mode baseline --swiglu-product recompute --grad-accum 2
 check 0 $L --full --out "$W/f" --stop-at 1
 check 0 $L --full --resume "$W/f"
@@ -61,6 +62,8 @@ check 1 $L --adapter "$W/ad"
 V="$B/train_vit --model data/vit_demo --data data/vit_demo_ft_train.bin --val data/vit_demo_ft_val.bin --steps 2 --batch 8 --val-batches 1"
 check 0 $V --mode lowmem --out "$W/v" --export-merged "$W/vm"
 check 0 $V --mode ckpt --lora-targets q,v
+check 0 $V --mode lowmem --ms-lora merged --out "$W/vp"
+check 0 $V --mode lowmem --adapter "$W/vp" --recompute block
 check 0 $V --full --mode baseline
 check 0 $B/train_vit --model "$W/vm" --val data/vit_demo_ft_val.bin --eval-only --batch 8 --val-batches 1
 check 1 $B/train_vit --model data/vit_demo --data data/llama_demo_ft_train.bin
