@@ -1006,12 +1006,16 @@ static void llama_export_merged(Llama* m, const TrainOptions* o, const char* dir
 }
 
 // A save after `step` steps (every rank: a sharded master comes together on rank 0): rank 0
-// writes the model (--full: a loadable model directory) or the adapter, every rank the state.
+// stages the model (--full: a loadable model directory) or the adapter, every rank the state
+// (which records the checksum of that file), then rank 0 commits them as one step (savedir.h).
 static void llama_save(Llama* m, const TrainOptions* o, const Dist* dist, const char* out, const char* settings, int step, int64_t cursor) {
+    int rank0 = dist->rank == 0;
     trainable_sync_host(&m->tr, dist);
-    if (dist->rank == 0 && m->modes.full) llama_export_merged(m, o, out);
-    else if (dist->rank == 0) llama_save_adapter(m, out, o);
-    trainable_save_state(&m->tr, dist, out, settings, step, cursor, o->seed);
+    char* stage = rank0 ? save_begin(out) : NULL;
+    if (rank0 && m->modes.full) llama_export_merged(m, o, stage);
+    else if (rank0) llama_save_adapter(m, stage, o);
+    trainable_save_state(&m->tr, dist, stage, settings, step, cursor, o->seed, m->modes.full ? "model.safetensors" : "adapter_model.safetensors");
+    if (rank0) save_commit(out, stage, step);
 }
 
 // Everything a resumed run must share with the saved one, as "key=value" words.
@@ -1049,8 +1053,8 @@ static void llama_train(Llama* m, RunData* rd, const TrainOptions* o, const Dist
     const char* out = o->out_dir ? o->out_dir : o->resume_dir;
     char settings[STATE_SETTINGS_BYTES];
     llama_settings_line(settings, sizeof(settings), m, o, dist, rd->train.count);
-    int start = train_resume(&m->tr, o, settings, &rd->tl.cursor, rank0);
-    FILE* log = train_open_log(o, rank0, "step,loss,lr,grad_norm,tokens_per_s,val_loss");
+    int start = train_resume(&m->tr, o, settings, &rd->tl.cursor, dist);
+    FILE* log = train_open_log(o, rank0, "step,loss,lr,grad_norm,tokens_per_s,val_loss", start);
     if (rank0 && rd->have_val && start == 0) {  // the pretrained model's loss, before any update
         float v0 = llama_evaluate(m, &rd->vl, o->val_batches);
         printf("step %4d/%d | val loss %.4f\n", 0, o->steps, v0);

@@ -1393,12 +1393,16 @@ static void vit_load_checkpoint_head(Vit* m, const char* dir) {
 }
 
 // A save after `step` steps (every rank: a sharded master comes together on rank 0): rank 0
-// writes the model (--full: a loadable model directory) or the adapter, every rank the state.
+// stages the model (--full: a loadable model directory) or the adapter, every rank the state
+// (which records the checksum of that file), then rank 0 commits them as one step (savedir.h).
 static void vit_save(Vit* m, const TrainOptions* o, const Dist* dist, const char* out, const char* settings, int step, int64_t cursor) {
+    int rank0 = dist->rank == 0;
     trainable_sync_host(&m->tr, dist);
-    if (dist->rank == 0 && m->modes.full) vit_export_merged(m, o, out);
-    else if (dist->rank == 0) vit_save_adapter(m, out, o);
-    trainable_save_state(&m->tr, dist, out, settings, step, cursor, o->seed);
+    char* stage = rank0 ? save_begin(out) : NULL;
+    if (rank0 && m->modes.full) vit_export_merged(m, o, stage);
+    else if (rank0) vit_save_adapter(m, stage, o);
+    trainable_save_state(&m->tr, dist, stage, settings, step, cursor, o->seed, m->modes.full ? "model.safetensors" : "adapter_model.safetensors");
+    if (rank0) save_commit(out, stage, step);
 }
 
 // Everything a resumed run must share with the saved one, as "key=value" words.
@@ -1540,8 +1544,8 @@ static void vit_train(Vit* m, RunData* rd, const TrainOptions* o, const Dist* di
     const char* out = o->out_dir ? o->out_dir : o->resume_dir;
     char settings[STATE_SETTINGS_BYTES];
     vit_settings_line(settings, sizeof(settings), m, o, dist, rd->train.n);
-    int start = train_resume(&m->tr, o, settings, &rd->tl.cursor, rank0);
-    FILE* log = train_open_log(o, rank0, "step,loss,accuracy,lr,grad_norm,images_per_s,val_loss,val_accuracy");
+    int start = train_resume(&m->tr, o, settings, &rd->tl.cursor, dist);
+    FILE* log = train_open_log(o, rank0, "step,loss,accuracy,lr,grad_norm,images_per_s,val_loss,val_accuracy", start);
     if (rank0 && rd->have_val && start == 0) {  // where the new head starts: about chance level
         EvalResult e = vit_evaluate(m, &rd->vl, o->val_batches);
         printf("step %4d/%d | val loss %.4f | val acc %.4f (%lld images)\n", 0, o->steps, e.loss, e.accuracy, (long long)e.images);

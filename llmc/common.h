@@ -2,7 +2,9 @@
 // Every user-facing failure goes through fail(): one line on stderr, exit status 1, so bad input
 // never ends in a crash or a partial output file.
 #pragma once
+#include <dirent.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <stdarg.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -125,13 +127,63 @@ static void make_dirs(const char* path, const char* what) {
     if (access(buf, W_OK) != 0) fail("%s: directory %s is not writable", what, buf);
 }
 
+// Removes the plain files of a directory, then the directory (an abandoned save's staging
+// directory: it holds files only). Best effort: what cannot go stays for the next clean-up.
+static void remove_flat_dir(const char* dir) {
+    DIR* d = opendir(dir);
+    if (!d) return;
+    for (struct dirent* e; (e = readdir(d)) != NULL;) {
+        if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, "..")) continue;
+        char* p = path_join(dir, e->d_name);
+        unlink(p);
+        free(p);
+    }
+    closedir(d);
+    rmdir(dir);
+}
+
+// Makes a directory entry's changes (a rename into it, a new file) durable, as fsync does for a
+// file's bytes. Returns 0 or -1 with errno set.
+static int fsync_path(const char* path) {
+    int fd = open(path, O_RDONLY);
+    if (fd < 0) return -1;
+    int r = fsync(fd);
+    int err = errno;
+    close(fd);
+    errno = err;
+    return r;
+}
+
+// A training save is staged in OUT/SAVE_STAGING (llmc/savedir.h). When one of its files cannot be
+// written the whole unfinished save goes with it, so that a full disk is not left fuller.
+#define SAVE_STAGING ".saving.tmp"
+
 // Atomic file writing: everything goes to PATH.tmp, which is fsync'ed and renamed over PATH only
-// when complete, so a crash never leaves a half-written checkpoint or adapter behind.
+// when complete, so a crash never leaves a half-written checkpoint or adapter behind, and a
+// failure (a full disk) removes PATH.tmp before it reports, so none is left behind either.
 typedef struct {
     FILE* f;
     char* path;
     char* tmp_path;
 } AtomicFile;
+
+// The failure of an atomic write: the temporary file (and a staged save it belongs to) is
+// removed, then the error names `shown` (the temporary file or the destination).
+static void atomic_fail(AtomicFile* a, const char* shown, const char* what) {
+    const char* why = strerror(errno);
+    if (a->f) fclose(a->f);
+    a->f = NULL;
+    unlink(a->tmp_path);
+    const char* slash = strrchr(a->path, '/');
+    size_t dir_len = slash ? (size_t)(slash - a->path) : 0, n = strlen(SAVE_STAGING);
+    if (dir_len >= n && memcmp(a->path + dir_len - n, SAVE_STAGING, n) == 0 && (dir_len == n || a->path[dir_len - n - 1] == '/')) {
+        char* stage = xstrdup(a->path);
+        stage[dir_len] = 0;
+        remove_flat_dir(stage);
+        free(stage);
+    }
+    fail("%s: %s (%s)", shown, what, why);
+}
 
 static AtomicFile atomic_open(const char* path) {
     AtomicFile a;
@@ -140,18 +192,20 @@ static AtomicFile atomic_open(const char* path) {
     a.tmp_path = (char*)xmalloc(n);
     snprintf(a.tmp_path, n, "%s.tmp", path);
     a.f = fopen(a.tmp_path, "wb");
-    if (!a.f) fail("%s: cannot open for writing (%s)", a.tmp_path, strerror(errno));
+    if (!a.f) atomic_fail(&a, a.tmp_path, "cannot open for writing");
     return a;
 }
 
 static void atomic_write(AtomicFile* a, const void* data, size_t n) {
-    if (n && fwrite(data, 1, n, a->f) != n) fail("%s: write failed (%s)", a->tmp_path, strerror(errno));
+    if (n && fwrite(data, 1, n, a->f) != n) atomic_fail(a, a->tmp_path, "write failed");
 }
 
 static void atomic_commit(AtomicFile* a) {
-    if (fflush(a->f) != 0 || fsync(fileno(a->f)) != 0) fail("%s: flush failed (%s)", a->tmp_path, strerror(errno));
+    // ferror: a failed fprintf straight to a->f (the JSON writers) shows only here
+    if (ferror(a->f) || fflush(a->f) != 0 || fsync(fileno(a->f)) != 0) atomic_fail(a, a->tmp_path, "flush failed");
     fclose(a->f);
-    if (rename(a->tmp_path, a->path) != 0) fail("%s: cannot rename into place (%s)", a->path, strerror(errno));
+    a->f = NULL;
+    if (rename(a->tmp_path, a->path) != 0) atomic_fail(a, a->path, "cannot rename into place");
     free(a->path);
     free(a->tmp_path);
 }

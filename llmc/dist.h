@@ -97,6 +97,15 @@ static void dist_allreduce_sum_f64(const Dist* d, double* x, int n) {
 #endif
 }
 
+// Every rank waits here until all have arrived (rank 0 has finished something the others read).
+static void dist_barrier(const Dist* d) {
+#ifdef LLMC_HAVE_MPI
+    if (d && d->world > 1) MPI_Barrier(MPI_COMM_WORLD);
+#else
+    (void)d;
+#endif
+}
+
 static void dist_finalize(Dist* d) {
 #ifdef LLMC_DIST_NCCL
     // Before MPI_Finalize: NCCL's teardown may still talk to the other ranks.

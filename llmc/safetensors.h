@@ -1,12 +1,15 @@
 // safetensors.h: reading (mmap, validated) and writing (atomic) of safetensors files, plus
 // a model-directory view over model.safetensors or sharded model-*.safetensors with an index.
 // Format: u64 little-endian header length, JSON header {name: {dtype, shape, data_offsets}},
-// then the data, offsets relative to the end of the header.
+// then the data, offsets relative to the end of the header. Files we write record the CRC-32 of
+// their data section in __metadata__ as "llmc_crc32" (8 hex digits; metadata is a string map,
+// which PEFT and the safetensors package carry along and ignore); st_open verifies it when present.
 #pragma once
 #include <fcntl.h>
 #include <sys/mman.h>
 #include "common.h"
 #include "json.h"
+#include "checksum.h"
 
 typedef enum { ST_F32, ST_F16, ST_BF16, ST_I32, ST_I64, ST_U8, ST_UNKNOWN } StDtype;
 
@@ -133,6 +136,30 @@ static void st_check_tiling(const StFile* f, const uint8_t* data, size_t data_si
         fail("%s: the tensors cover %zu of the %zu data bytes (trailing bytes after the last tensor: not a valid safetensors file)", f->path, end, data_size);
 }
 
+// The CRC-32 of the data section that the header's __metadata__ records (llmc_crc32): 1 and
+// *crc, or 0 when none is recorded (files from other writers).
+static int st_recorded_crc(const StFile* f, uint32_t* crc) {
+    const Json* meta = json_get(&f->header, "__metadata__");
+    const Json* v = meta && meta->type == JSON_OBJECT ? json_get(meta, "llmc_crc32") : NULL;
+    if (!v) return 0;
+    char* end = NULL;
+    unsigned long x = v->type == JSON_STRING ? strtoul(v->string, &end, 16) : 0;
+    if (!end || end == v->string || *end || strlen(v->string) != 8)
+        fail("%s: __metadata__ llmc_crc32 is not 8 hex digits (the header is corrupt)", f->path);
+    *crc = (uint32_t)x;
+    return 1;
+}
+
+// A recorded checksum must match the data: a flipped bit or a torn copy is named, not trained on.
+static void st_verify_crc(const StFile* f, const uint8_t* data, size_t data_size) {
+    uint32_t want;
+    if (!st_recorded_crc(f, &want)) return;
+    uint32_t got = crc32_of(data, data_size);
+    if (got != want)
+        fail("%s: checksum mismatch: the data's CRC-32 is %08x, the header records %08x (the file is corrupt; use an intact copy)", f->path,
+             got, want);
+}
+
 static void st_open(StFile* f, const char* path) {
     memset(f, 0, sizeof(*f));
     f->path = xstrdup(path);
@@ -162,6 +189,7 @@ static void st_open(StFile* f, const char* path) {
         st_parse_entry(f, f->header.keys[i], &f->header.items[i], data, data_size, &f->tensors[f->count++]);
     }
     st_check_tiling(f, data, data_size);
+    st_verify_crc(f, data, data_size);
 }
 
 static void st_close(StFile* f) {
@@ -372,17 +400,21 @@ static size_t st_entry_bytes(const StEntry* e) {
     return n;
 }
 
-// Writes all entries atomically. metadata_json is the inner text of "__metadata__" or NULL.
+// Writes all entries atomically. metadata_json is the inner text of "__metadata__" or NULL; the
+// data's CRC-32 is added to it.
 static void st_writer_save(StWriter* w, const char* path, const char* metadata_json) {
     size_t cap = 256 + (size_t)w->count * 400 + (metadata_json ? strlen(metadata_json) : 0);
     char* h = (char*)xmalloc(cap);
     size_t n = 0, off = 0;
-    n += snprintf(h + n, cap - n, "{");
-    if (metadata_json) n += snprintf(h + n, cap - n, "\"__metadata__\":{%s}", metadata_json);
+    Crc32 crc;
+    crc32_init(&crc);
+    for (int i = 0; i < w->count; i++) crc32_update(&crc, w->entries[i].data, st_entry_bytes(&w->entries[i]));
+    n += snprintf(h + n, cap - n, "{\"__metadata__\":{%s%s\"llmc_crc32\":\"%08x\"}", metadata_json ? metadata_json : "",
+                  metadata_json ? "," : "", crc32_final(&crc));
     for (int i = 0; i < w->count; i++) {
         StEntry* e = &w->entries[i];
         size_t bytes = st_entry_bytes(e);
-        n += snprintf(h + n, cap - n, "%s\"%s\":{\"dtype\":\"%s\",\"shape\":[", (i || metadata_json) ? "," : "", e->name, st_dtype_name(e->dtype));
+        n += snprintf(h + n, cap - n, ",\"%s\":{\"dtype\":\"%s\",\"shape\":[", e->name, st_dtype_name(e->dtype));
         for (int d = 0; d < e->ndim; d++) n += snprintf(h + n, cap - n, "%s%lld", d ? "," : "", (long long)e->shape[d]);
         n += snprintf(h + n, cap - n, "],\"data_offsets\":[%zu,%zu]}", off, off + bytes);
         off += bytes;

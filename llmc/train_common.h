@@ -264,6 +264,25 @@ static void train_parse_flags(FlagTable* t, TrainOptions* o, int argc, char** ar
         fail("flag --adapter: %s is not a directory (expected one holding adapter_config.json and adapter_model.safetensors)", o->adapter_dir);
 }
 
+// Whether two paths name the same existing directory: device and inode, so that a symlink, "..",
+// or a trailing slash cannot make the model's own directory look like another.
+static int same_directory(const char* a, const char* b) {
+    struct stat sa, sb;
+    return stat(a, &sa) == 0 && stat(b, &sb) == 0 && S_ISDIR(sa.st_mode) && sa.st_dev == sb.st_dev && sa.st_ino == sb.st_ino;
+}
+
+// --export-merged and --full's saves write model.safetensors and config.json: into --model's own
+// directory they would overwrite the base model, so they are refused before anything runs.
+static void train_refuse_model_dir_outputs(const TrainOptions* o) {
+    if (o->export_merged && same_directory(o->export_merged, o->model_dir))
+        fail("flag --export-merged: %s is the model's own directory (--model %s); writing there would overwrite the base model, choose "
+             "another directory", o->export_merged, o->model_dir);
+    const char* out = o->out_dir ? o->out_dir : o->resume_dir;
+    if (o->full && out && same_directory(out, o->model_dir))
+        fail("flag --%s: %s is the model's own directory (--model %s); --full saves model.safetensors there, over the base model, choose "
+             "another directory", o->out_dir ? "out" : "resume", out, o->model_dir);
+}
+
 // The run-level checks and setup shared by the trainers (after the dry-run branch): flags that
 // need each other, threads, and the output directory (made by rank 0). The backend is chosen by
 // backend_init (llmc/backend.h).
@@ -272,6 +291,7 @@ static void train_prepare_run(const TrainOptions* o, int rank) {
     if (o->resume_dir && !o->data_path) fail("flag --resume: needs --data (the same training data as the saved run)");
     if (o->resume_dir && !dir_exists(o->resume_dir)) fail("flag --resume: %s is not a directory", o->resume_dir);
     if (o->stop_at && !o->out_dir && !o->resume_dir) fail("flag --stop-at: needs --out (where the run is saved to resume later)");
+    train_refuse_model_dir_outputs(o);
     if (o->threads > 0) omp_set_num_threads(o->threads);
     if (o->out_dir && rank == 0) make_dirs(o->out_dir, "flag --out");
 }

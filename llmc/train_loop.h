@@ -8,6 +8,7 @@
 #include "backend.h"
 #include "train_common.h"
 #include "checkpoint.h"
+#include "savedir.h"
 #include <omp.h>
 
 // LLMC_FAULT_NONFINITE_STEP=k makes step k's loss NaN (1-based), as a diverging run would: how the
@@ -122,20 +123,41 @@ static int train_save_due(const TrainOptions* o, int step) {
     return step == train_stop_step(o) || (o->save_every > 0 && step % o->save_every == 0);
 }
 
-// --resume: every rank loads the saved state; returns the step to continue from (0 without).
-static int train_resume(Trainable* tr, const TrainOptions* o, const char* settings, int64_t* cursor, int rank0) {
+// --resume: rank 0 first finishes or clears an interrupted save in the directory (savedir.h),
+// then every rank loads the saved state; returns the step to continue from (0 without).
+static int train_resume(Trainable* tr, const TrainOptions* o, const char* settings, int64_t* cursor, const Dist* dist) {
     if (!o->resume_dir) return 0;
+    int rank0 = !dist || dist->rank == 0;
+    if (rank0) save_dir_recover(o->resume_dir);
+    dist_barrier(dist);
     int start = (int)trainable_load_state(tr, o->resume_dir, settings, cursor);
     if (rank0) printf("resumed %s/train_state.bin at step %d\n", o->resume_dir, start);
     return start;
 }
 
-// The run's log.csv in its output directory (rank 0 only, else NULL): appended to on resume,
-// otherwise started with the CSV header line.
-static FILE* train_open_log(const TrainOptions* o, int rank0, const char* header) {
+// A resumed run's log.csv keeps its header and the rows of steps up to `start`: the steps about to
+// be replayed would otherwise appear twice (and a row cut short by a kill goes too). Rewritten
+// through a temporary file, so a kill here leaves the old log.
+static void train_trim_log(const char* path, int start, const char* header) {
+    size_t n = 0;
+    char* text = read_file_or_null(path, &n);
+    AtomicFile a = atomic_open(path);
+    if (!text || n == 0 || text[0] < 'a' || text[0] > 'z') fprintf(a.f, "%s\n", header);
+    for (char *line = text, *end; line && (end = strchr(line, '\n')); line = end + 1) {
+        int is_row = line[0] >= '0' && line[0] <= '9';
+        if (!is_row || atoll(line) <= start) fwrite(line, 1, (size_t)(end - line) + 1, a.f);
+    }
+    atomic_commit(&a);
+    free(text);
+}
+
+// The run's log.csv in its output directory (rank 0 only, else NULL): on resume, trimmed to the
+// resumed step and appended to; otherwise started with the CSV header line.
+static FILE* train_open_log(const TrainOptions* o, int rank0, const char* header, int start) {
     const char* out = o->out_dir ? o->out_dir : o->resume_dir;
     if (!out || !rank0) return NULL;
     char* lp = path_join(out, "log.csv");
+    if (o->resume_dir) train_trim_log(lp, start, header);
     FILE* log = fopen(lp, o->resume_dir ? "a" : "w");
     if (!log) fail("flag --out: cannot write %s (%s)", lp, strerror(errno));
     if (!o->resume_dir) fprintf(log, "%s\n", header);

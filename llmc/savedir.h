@@ -1,0 +1,102 @@
+// savedir.h: a training save as one step on disk. Its files (the adapter, or under --full the
+// model directory's files, and train_state.bin) are written into OUT/.saving.tmp; once all are
+// complete and fsynced, that directory is renamed to OUT/.saving.done (the commit), then its
+// files move into OUT, train_state.bin first, and it goes. A kill before the commit leaves the
+// previous save whole (the staging directory is deleted by the next save or resume); a kill after
+// it is finished by save_dir_recover, which every save and every resume runs first. So a resume
+// always finds the state and the adapter of one step, and OUT never holds an adapter newer than
+// its state, even mid-publish.
+#pragma once
+#include <signal.h>
+#include "common.h"
+
+#define SAVE_COMMITTED ".saving.done"
+#define SAVE_STATE_NAME "train_state.bin"
+
+// LLMC_FAULT_KILL_SAVE=STEP:POINT kills the process (SIGKILL, as the OOM killer or a scheduler
+// would) inside the save after step STEP at POINT: "staged" (all files written, not committed),
+// "committed" (renamed to .saving.done, nothing published) or "state" (train_state.bin published,
+// the rest not). How the tests reach the moments between the renames. Unset, it changes nothing.
+static void save_fault_point(int64_t step, const char* point) {
+    const char* e = getenv("LLMC_FAULT_KILL_SAVE");
+    const char* colon = e ? strchr(e, ':') : NULL;
+    if (colon && atoll(e) == step && strcmp(colon + 1, point) == 0) raise(SIGKILL);
+}
+
+static void save_fsync_dir(const char* dir) {
+    if (fsync_path(dir) != 0) fail("%s: cannot sync the directory (%s)", dir, strerror(errno));
+}
+
+// Moves one committed file into OUT.
+static void save_publish_file(const char* done, const char* out, const char* name) {
+    char* src = path_join(done, name);
+    char* dst = path_join(out, name);
+    if (rename(src, dst) != 0) fail("%s: cannot move the saved file into place (%s)", dst, strerror(errno));
+    free(src);
+    free(dst);
+}
+
+// Moves the committed save's files into OUT: the state first, so that OUT's adapter is never newer
+// than OUT's state; then the rest, and the empty directory goes.
+static void save_publish(const char* out, int64_t step) {
+    char* done = path_join(out, SAVE_COMMITTED);
+    char* state = path_join(done, SAVE_STATE_NAME);
+    if (file_exists(state)) {
+        save_publish_file(done, out, SAVE_STATE_NAME);
+        save_fsync_dir(out);
+    }
+    save_fault_point(step, "state");
+    DIR* d = opendir(done);
+    if (!d) fail("%s: cannot list the committed save (%s)", done, strerror(errno));
+    for (struct dirent* e; (e = readdir(d));)
+        if (strcmp(e->d_name, ".") && strcmp(e->d_name, "..")) save_publish_file(done, out, e->d_name);
+    closedir(d);
+    if (rmdir(done) != 0) fail("%s: cannot remove the published save's directory (%s)", done, strerror(errno));
+    save_fsync_dir(out);
+    free(state);
+    free(done);
+}
+
+// Brings OUT to one consistent save: finishes a committed one (a kill mid-publish), deletes an
+// uncommitted staging directory and the temporary files that interrupted writes of older
+// versions left beside the outputs. Run by rank 0 before a save and before a resume reads OUT.
+static void save_dir_recover(const char* out) {
+    char* done = path_join(out, SAVE_COMMITTED);
+    if (dir_exists(done)) save_publish(out, -1);
+    char* stage = path_join(out, SAVE_STAGING);
+    if (dir_exists(stage)) remove_flat_dir(stage);
+    static const char* const names[] = {SAVE_STATE_NAME, "adapter_model.safetensors", "adapter_config.json", "model.safetensors",
+                                        "config.json", "generation_config.json", "tokenizer.bin", "tokenizer.json",
+                                        "tokenizer_config.json", "special_tokens_map.json", "preprocessor_config.json", "log.csv"};
+    for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++) {
+        char* p = path_join(out, names[i]);
+        char* tmp = (char*)xmalloc(strlen(p) + 5);
+        sprintf(tmp, "%s.tmp", p);
+        if (file_exists(tmp)) unlink(tmp);
+        free(tmp);
+        free(p);
+    }
+    free(stage);
+    free(done);
+}
+
+// Starts a save into OUT: recovers OUT, then returns the fresh staging directory to write into.
+static char* save_begin(const char* out) {
+    save_dir_recover(out);
+    char* stage = path_join(out, SAVE_STAGING);
+    if (mkdir(stage, 0755) != 0) fail("%s: cannot create the save's staging directory (%s)", stage, strerror(errno));
+    return stage;
+}
+
+// Commits the staged save (every file in it complete and fsynced by its writer) and publishes it.
+static void save_commit(const char* out, char* stage, int64_t step) {
+    save_fsync_dir(stage);
+    save_fault_point(step, "staged");
+    char* done = path_join(out, SAVE_COMMITTED);
+    if (rename(stage, done) != 0) fail("%s: cannot commit the save (%s)", done, strerror(errno));
+    save_fsync_dir(out);
+    save_fault_point(step, "committed");
+    save_publish(out, step);
+    free(done);
+    free(stage);
+}
