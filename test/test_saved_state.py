@@ -301,3 +301,52 @@ def test_outputs_into_the_model_directory_are_refused(llama_model, tmp_path, tra
     assert {f.name: f.read_bytes() for f in model.iterdir()} == before
     train(trainer, args + ["--export-merged", str(tmp_path / "merged")])  # elsewhere is fine
     assert json.loads((tmp_path / "merged" / "config.json").read_text())
+
+
+# ---- several ranks and the CUDA backend --------------------------------------------------------
+
+def test_kill_inside_a_save_of_two_ranks_then_resume(llama_model, tmp_path):
+    """mpirun -np 2 --full (ZeRO-1: rank 0 gathers the moments and writes): rank 0 killed right
+    after committing the save of step 4, before publishing it (OUT still holds step 2's state); in
+    the resumed job rank 0 publishes it while the other rank waits at a barrier, then both read
+    step 4's state, and the job ends like an uninterrupted one."""
+    import cuda_backend as cb
+    straight, out = tmp_path / "straight", tmp_path / "killed"
+    run_args = args_for("llama", llama_model, "--steps", 6, "--save-every", 2, "--full")
+    cb.mpirun(2, BINS["llama"], run_args + ["--out", straight])
+    p = cb.mpirun(2, BINS["llama"], run_args + ["--out", out], check=False, env={"LLMC_FAULT_KILL_SAVE": "4:committed"})
+    assert p.returncode != 0 and state_step(out / "train_state.bin") == 2 and state_step(out / ".saving.done" / "train_state.bin") == 4
+    r = cb.mpirun(2, BINS["llama"], run_args + ["--resume", out])
+    assert "at step 4" in r.stdout
+    same_files(straight, out, ["model.safetensors", "train_state.bin"])
+
+
+@pytest.mark.parametrize("full", [False, True])
+def test_kill_inside_a_save_on_the_cuda_backend_then_resume(llama_model, tmp_path, full):
+    """--device cuda (the CPU emulator, or a GPU with CUDA_TEST_BACKEND=gpu): the state and the
+    adapter or model come from device memory; the same staged save, kill and resume."""
+    import cuda_backend as cb
+    exe = cb.need(cb.binaries("train_llama", "llama_probe")[0])
+    straight, out = tmp_path / "straight", tmp_path / "killed"
+    run_args = args_for("llama", llama_model, "--steps", 4, "--save-every", 2, "--device", "cuda", *(["--full"] if full else []))
+    cb.run([exe] + run_args + ["--out", straight])
+    p = cb.run([exe] + run_args + ["--out", out], check=False, env={"LLMC_FAULT_KILL_SAVE": "2:state"})
+    assert p.returncode == -signal.SIGKILL
+    cb.run([exe] + run_args + ["--resume", out])
+    same_files(straight, out, [companion(full), "train_state.bin"])
+
+
+def test_a_corrupt_model_we_wrote_is_named_when_loaded(llama_model, tmp_path):
+    """--export-merged's model.safetensors records its checksum too: --model reads it through the
+    same check, so a flipped bit in a model we wrote is named, not trained on."""
+    merged = tmp_path / "merged"
+    train("llama", args_for("llama", llama_model, "--steps", 1, "--export-merged", merged))
+    model = merged / "model.safetensors"
+    assert recorded_crc(model) == data_crc(model)
+    evaluate = ["--model", str(merged), "--val", str(llama_model / "train.bin"), "--eval-only", "--seq", "16", "--batch", "2",
+                "--val-batches", "1", "--threads", "1"]
+    train("llama", evaluate)
+    raw = bytearray(model.read_bytes())
+    raw[-3] ^= 0x04
+    model.write_bytes(bytes(raw))
+    one_line_error(train("llama", evaluate, check=False), str(model), "checksum mismatch")

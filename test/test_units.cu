@@ -491,6 +491,41 @@ static void test_safetensors_roundtrip(void) {
     check(ok2 && ok3, "bf16 / f16 conversions (round to nearest even, subnormals, overflow)", 0);
 }
 
+// CRC-32 against the standard check value (CRC-32/ISO-HDLC of "123456789" is cbf43926, the
+// value zlib.crc32 gives), any split into updates giving the same value (the slicing-by-8 path
+// and the byte path), and a flipped bit in a safetensors file's data refused by st_open's check.
+static void test_crc32(void) {
+    const char* s = "123456789";
+    int ok = crc32_of(s, 9) == 0xCBF43926u && crc32_of("", 0) == 0;
+    unsigned char buf[1000];
+    for (int i = 0; i < 1000; i++) buf[i] = (unsigned char)(i * 7 + 3);
+    uint32_t whole = crc32_of(buf, sizeof(buf));
+    for (int cut = 0; cut <= 1000 && ok; cut += 37) {
+        Crc32 c;
+        crc32_init(&c);
+        crc32_update(&c, buf, cut);
+        crc32_update(&c, buf + cut, 1000 - cut);
+        ok = crc32_final(&c) == whole;
+    }
+    buf[500] ^= 1;
+    ok = ok && crc32_of(buf, sizeof(buf)) != whole;
+    const char* path = "test/tmp_units_crc.safetensors";
+    float a[4] = {1, 2, 3, 4};
+    int64_t sa[1] = {4};
+    StWriter w;
+    memset(&w, 0, sizeof(w));
+    st_writer_add(&w, "a", ST_F32, 1, sa, a);
+    st_writer_save(&w, path, "\"format\":\"pt\"");
+    st_writer_free(&w);
+    StFile f;
+    st_open(&f, path);
+    uint32_t rec = 0;
+    ok = ok && st_recorded_crc(&f, &rec) && rec == crc32_of(a, sizeof(a));
+    st_close(&f);
+    remove(path);
+    check(ok, "CRC-32: check value, split updates, a flipped bit; safetensors records its data's CRC", 0);
+}
+
 static void test_json(void) {
     const char* text = "{\"a\": 3, \"b\": [1, 2.5e1, -3], \"s\": \"x\\n\\u00e9\", \"t\": true, \"n\": null, \"o\": {\"k\": \"v\"}}";
     Json j = json_parse(text, strlen(text), "inline");
@@ -586,6 +621,7 @@ int main(void) {
     test_rope();
     test_chunked_loss();
     test_safetensors_roundtrip();
+    test_crc32();
     test_json();
     test_grad_buckets();
     test_plan_alignment();
