@@ -23,8 +23,11 @@ static void save_fault_point(int64_t step, const char* point) {
     if (colon && atoll(e) == step && strcmp(colon + 1, point) == 0) raise(SIGKILL);
 }
 
+// A file system that cannot sync a directory (EINVAL: some network and FUSE file systems) orders
+// the renames as well as it can without; any other failure is an error.
 static void save_fsync_dir(const char* dir) {
-    if (fsync_path(dir) != 0) fail("%s: cannot sync the directory (%s)", dir, strerror(errno));
+    if (fsync_path(dir) != 0 && errno != EINVAL && errno != ENOTSUP)
+        fail("%s: cannot sync the directory (%s)", dir, strerror(errno));
 }
 
 // Moves one committed file into OUT.
@@ -46,11 +49,14 @@ static void save_publish(const char* out, int64_t step) {
         save_fsync_dir(out);
     }
     save_fault_point(step, "state");
-    DIR* d = opendir(done);
-    if (!d) fail("%s: cannot list the committed save (%s)", done, strerror(errno));
-    for (struct dirent* e; (e = readdir(d));)
-        if (strcmp(e->d_name, ".") && strcmp(e->d_name, "..")) save_publish_file(done, out, e->d_name);
-    closedir(d);
+    for (int moved = 1; moved;) {  // until empty: readdir may skip entries while others are renamed away
+        DIR* d = opendir(done);
+        if (!d) fail("%s: cannot list the committed save (%s)", done, strerror(errno));
+        moved = 0;
+        for (struct dirent* e; (e = readdir(d));)
+            if (strcmp(e->d_name, ".") && strcmp(e->d_name, "..")) { save_publish_file(done, out, e->d_name); moved = 1; }
+        closedir(d);
+    }
     if (rmdir(done) != 0) fail("%s: cannot remove the published save's directory (%s)", done, strerror(errno));
     save_fsync_dir(out);
     free(state);
