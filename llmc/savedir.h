@@ -75,12 +75,8 @@ static void save_dir_recover(const char* out) {
                                         "config.json", "generation_config.json", "tokenizer.bin", "tokenizer.json",
                                         "tokenizer_config.json", "special_tokens_map.json", "preprocessor_config.json", "log.csv"};
     for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++) {
-        char* p = path_join(out, names[i]);
-        char* tmp = (char*)xmalloc(strlen(p) + 5);
-        sprintf(tmp, "%s.tmp", p);
-        if (file_exists(tmp)) unlink(tmp);
-        free(tmp);
-        free(p);
+        char tmp[4096];
+        if ((size_t)snprintf(tmp, sizeof(tmp), "%s/%s.tmp", out, names[i]) < sizeof(tmp) && file_exists(tmp)) unlink(tmp);
     }
     free(stage);
     free(done);

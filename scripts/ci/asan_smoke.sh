@@ -59,6 +59,12 @@ check 1 $L --resume "$W/a" --lora-rank 4
 check 1 $B/train_llama --model data/llama_demo --data data   # a directory where a file is expected
 mkdir -p "$W/ad" && cp "$W/a/adapter_config.json" "$W/ad/" && mkdir "$W/ad/adapter_model.safetensors"
 check 1 $L --adapter "$W/ad"
+# a save killed between its renames (SIGKILL: no sanitizer report to read), finished by the resume;
+# then one flipped byte in the state, refused
+(LLMC_FAULT_KILL_SAVE=2:state $L --out "$W/k" --save-every 1) > /dev/null 2>&1
+check 0 $L --resume "$W/k" --save-every 1
+printf 'X' | dd of="$W/k/train_state.bin" bs=1 seek=2000 conv=notrunc 2>/dev/null
+check 1 $L --resume "$W/k" --save-every 1
 V="$B/train_vit --model data/vit_demo --data data/vit_demo_ft_train.bin --val data/vit_demo_ft_val.bin --steps 2 --batch 8 --val-batches 1"
 check 0 $V --mode lowmem --out "$W/v" --export-merged "$W/vm"
 check 0 $V --mode ckpt --lora-targets q,v
