@@ -117,7 +117,7 @@ def same_files(a, b, names):
 
 # ---- checksums -------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("trainer,full", [("llama", False), ("vit", False), ("llama", True)])
+@pytest.mark.parametrize("trainer,full", [("llama", False), ("vit", False), ("llama", True), ("vit", True)])
 def test_saved_files_carry_checksums_that_zlib_agrees_with(llama_model, tmp_path, trainer, full):
     out = tmp_path / "run"
     train(trainer, args_for(trainer, llama_model, "--steps", 2, "--out", out, *(["--full"] if full else [])))
