@@ -274,6 +274,12 @@ fuzz: build/fuzz_parsers
 	@printf '\004' | cat - data/vit_demo_ft_val.bin | head -c 20000 > build/fuzz_seeds/images
 	@printf '\005{"added_tokens":[{"id":4,"content":"<s>","special":true}],"pre_tokenizer":{"type":"Sequence","pretokenizers":[{"type":"Digits","individual_digits":true},{"type":"ByteLevel","add_prefix_space":false,"use_regex":true}]},"decoder":{"type":"ByteLevel"},"model":{"type":"BPE","vocab":{"f":0,"u":1,"fu":2,"z":3,"<s>":4},"merges":[["f","u"]]}}' > build/fuzz_seeds/tokenizer_json
 	@printf '\005{"added_tokens":[{"id":1,"content":"<s>","special":true}],"normalizer":{"type":"Sequence","normalizers":[{"type":"Prepend","prepend":"\\u2581"},{"type":"Replace","pattern":{"String":" "},"content":"\\u2581"}]},"post_processor":{"type":"TemplateProcessing","single":[{"SpecialToken":{"id":"<s>","type_id":0}},{"Sequence":{"id":"A","type_id":0}}]},"decoder":{"type":"Sequence","decoders":[{"type":"Replace","pattern":{"String":"\\u2581"},"content":" "},{"type":"ByteFallback"},{"type":"Fuse"},{"type":"Strip","content":" ","start":1,"stop":0}]},"model":{"type":"BPE","unk_token":"<unk>","byte_fallback":true,"vocab":{"<unk>":0,"<s>":1,"<0x66>":2,"\\u2581":3,"f":4,"\\u2581f":5},"merges":["\\u2581 f"]}}' > build/fuzz_seeds/tokenizer_json_sp
+	@$(PYTHON) -c "import struct, zlib; b = b'LMFTSTAT' + struct.pack('<Iqq', 2, 1, 0) + bytes(8) + b'fuzz'.ljust(1024, b'\0') + \
+	  struct.pack('<q', 4) + bytes(72) + struct.pack('<12f', *range(12)); \
+	  open('build/fuzz_seeds/state', 'wb').write(b'\6' + b + struct.pack('<I', zlib.crc32(b)))"
+	@$(PYTHON) -c "import struct, zlib; d = struct.pack('<2f', 1, 2); \
+	  h = ('{\"__metadata__\":{\"llmc_crc32\":\"%08x\"},\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]}}' % zlib.crc32(d)).encode(); \
+	  open('build/fuzz_seeds/safetensors_crc', 'wb').write(b'\1' + struct.pack('<Q', len(h)) + h + d)"
 	@end=$$(( $$(date +%s) + $(FUZZ_SECONDS) )); rounds=0; \
 	while [ $$(date +%s) -lt $$end ]; do rounds=$$((rounds + 1)); \
 	  ASAN_OPTIONS=detect_leaks=0 ./build/fuzz_parsers -runs=20000 -max_total_time=$$(( end - $$(date +%s) )) -detect_leaks=0 \

@@ -1,8 +1,9 @@
 // test/fuzz_parsers.cu: a libFuzzer target over every parser that reads user files: JSON
-// (config.json), safetensors (model and adapter files), token shards, tokenizer.bin, tokenizer.json
-// and image shards. The first input byte picks the parser; the rest is the file. A parser must either
-// accept the bytes or reject them through fail(); anything else (a crash, an out-of-bounds read
-// under ASan, a hang) is a finding. Build and run: make fuzz (clang with libFuzzer).
+// (config.json), safetensors (model and adapter files), token shards, tokenizer.bin, tokenizer.json,
+// image shards and the training state (train_state.bin, for a run of 4 trainable values). The
+// first input byte picks the parser; the rest is the file. A parser must either accept the bytes
+// or reject them through fail(); anything else (a crash, an out-of-bounds read under ASan, a hang)
+// is a finding. Build and run: make fuzz (clang with libFuzzer).
 #include <setjmp.h>
 #include "../llmc/common.h"
 #include "../llmc/json.h"
@@ -11,6 +12,7 @@
 #include "../llmc/tokenizer.h"
 #include "../llmc/hf_tokenizer.h"
 #include "../llmc/imagedata.h"
+#include "../llmc/checkpoint.h"
 
 static jmp_buf g_reject;
 static void reject_hook(int status) { (void)status; longjmp(g_reject, 1); }  // fail() returns here
@@ -30,7 +32,7 @@ static StFile g_st;
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     if (size < 1) return 0;
-    int which = data[0] % 6;
+    int which = data[0] % 7;
     data++; size--;
     FILE* saved_stderr = stderr;
     stderr = fopen("/dev/null", "w");  // fail() messages are expected here
@@ -58,6 +60,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
                 hf_tokenizer_free(&t);
                 break;
             }
+            case 6: { StateHeader h; float p[4], m[4], v[4]; state_load(fuzz_file(data, size), &h, "fuzz", 4, p, m, v); break; }
         }
     }
     st_close(&g_st);  // accepted or rejected (st_close of a closed file does nothing)
