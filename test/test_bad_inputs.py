@@ -3,7 +3,8 @@ scripts/data/prepare_text.py, one row each, with the line it must produce. Each 
 exit that is not a signal, exactly one line on stderr, and the words that name the file or flag.
 
 Rows cover issue 13 (a directory where a file is expected, lying or overlapping safetensors
-offsets, config values without sense, prepare_text's inputs, an --adapter that is not one) and
+offsets, config values without sense, prepare_text's inputs, an --adapter that is not one, a
+corrupt or unpaired saved state or adapter, outputs into the model's own directory) and
 repeat a few cheap cases also checked elsewhere (marked "also in test_*.py"), so the whole matrix
 reads in one place. Every trainer row fails before training, on the bundled demo models, so the
 table runs in seconds."""
@@ -14,6 +15,7 @@ import shutil
 import struct
 import subprocess
 import sys
+import zlib
 
 import numpy as np
 import pytest
@@ -195,6 +197,41 @@ def w(tmp_path_factory):
     os.makedirs(os.path.join(ns.adapter_dir, "adapter_model.safetensors"))
     shutil.copy(os.path.join(out, "adapter_config.json"), ns.adapter_dir)
     ns.adapter_file = os.path.join(out, "adapter_model.safetensors")
+    # saved states and adapters that are corrupt, or not a pair (item 4); the state's layout is
+    # docs/formats.md's: the values start after the 12-byte preamble and the 1128-byte header
+    def saved_copy(name, edit_state=None, edit_adapter=None, fix_crc=False):
+        d = os.path.join(root, name)
+        shutil.copytree(out, d)
+        for fname, edit in (("train_state.bin", edit_state), ("adapter_model.safetensors", edit_adapter)):
+            if edit:
+                with open(os.path.join(d, fname), "rb") as f:
+                    raw = bytearray(f.read())
+                if fix_crc:  # a valid checksum over the edited contents: only the value is wrong
+                    raw = raw[:-4]
+                    edit(raw)
+                    raw += struct.pack("<I", zlib.crc32(raw))
+                else:
+                    edit(raw)
+                with open(os.path.join(d, fname), "wb") as f:
+                    f.write(raw)
+        return d
+
+    def flip(at):
+        def edit(raw):
+            raw[at] ^= 0x10
+        return edit
+    ns.state_flipped = saved_copy("state_flipped", edit_state=flip(1140 + 41))
+    ns.state_nan = saved_copy("state_nan", edit_state=lambda r: struct.pack_into("<f", r, 1140 + 4 * 3, float("nan")), fix_crc=True)
+    ns.adapter_flipped = saved_copy("adapter_flipped", edit_adapter=flip(-6))
+    ns.adapter_other = saved_copy("adapter_other")
+    other = os.path.join(root, "run_other")
+    p = run("llama", ["--model", LLAMA, "--data", LTRAIN, "--steps", 1, "--batch", 1, "--seq", 16, "--lora-rank", 2, "--lr", "2e-3",
+                      "--out", other])
+    assert p.returncode == 0, p.stderr
+    shutil.copy(os.path.join(other, "adapter_model.safetensors"), ns.adapter_other)
+    # a copy of a model, to be refused as an output directory (item 10)
+    ns.own = model_with(root, "own_model", LLAMA)
+    ns.own_vit = model_with(root, "own_vit", VIT)
     # a token shard with a bad magic
     ns.bad_shard = os.path.join(root, "bad.bin")
     with open(ns.bad_shard, "wb") as f:
@@ -249,6 +286,21 @@ ROWS = {
     "vit_preprocessor_config_is_dir": ("vit", lambda w: (vit_model(w.pre_dir), ["preprocessor_config.json", "is a directory"])),
     "vit_data_is_dir": ("vit", lambda w: (["--model", VIT, "--data", w.dir], [w.dir, "is a directory"])),
     "vit_val_is_dir": ("vit", lambda w: (vit("--val", w.dir), [w.dir, "is a directory"])),
+    # saved state and adapter integrity (item 4): named on resume or load
+    "state_bit_flipped": ("llama", lambda w: (llama("--resume", w.state_flipped), ["train_state.bin", "checksum mismatch"])),
+    "state_value_nan": ("llama", lambda w: (llama("--resume", w.state_nan), ["train_state.bin", "trainable value 3 ", "nan"])),
+    "adapter_bit_flipped_on_resume": ("llama", lambda w: (llama("--resume", w.adapter_flipped),
+                                                          ["adapter_model.safetensors", "checksum mismatch"])),
+    "adapter_bit_flipped_as_adapter": ("llama", lambda w: (llama("--adapter", w.adapter_flipped),
+                                                           ["adapter_model.safetensors", "checksum mismatch"])),
+    "adapter_from_another_save": ("llama", lambda w: (llama("--resume", w.adapter_other),
+                                                      ["adapter_model.safetensors", "not the file saved with", "train_state.bin"])),
+    # outputs into the model's own directory (item 10)
+    "export_merged_into_model_dir": ("llama", lambda w: (llama_model(w.own, "--export-merged", w.own + "/."),
+                                                         ["--export-merged", "model's own directory"])),
+    "full_out_into_model_dir": ("llama", lambda w: (llama_model(w.own, "--full", "--out", w.own), ["--out", "model's own directory"])),
+    "vit_export_merged_into_model_dir": ("vit", lambda w: (vit_model(w.own_vit, "--export-merged", w.own_vit),
+                                                           ["--export-merged", "model's own directory"])),
     # --adapter (item 12)
     "llama_adapter_weights_are_dir": ("llama", lambda w: (llama("--adapter", w.adapter_dir),
                                                           ["adapter_model.safetensors", "is a directory"])),
