@@ -53,7 +53,7 @@ static void save_publish(const char* out, int64_t step) {
         DIR* d = opendir(done);
         if (!d) fail("%s: cannot list the committed save (%s)", done, strerror(errno));
         moved = 0;
-        for (struct dirent* e; (e = readdir(d));)
+        for (struct dirent* e; (e = readdir(d)) != NULL;)
             if (strcmp(e->d_name, ".") && strcmp(e->d_name, "..")) { save_publish_file(done, out, e->d_name); moved = 1; }
         closedir(d);
     }
