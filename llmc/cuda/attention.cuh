@@ -184,19 +184,21 @@ attention_forward_kernel(bf16* o, float* lse, const bf16* __restrict__ q, const 
 // D[b, h, t] = sum_i dout[n, h, i] * o[n, h, i]: one warp per (token, head) row.
 __global__ void attention_backward_preprocess_kernel(float* __restrict__ D, const bf16* __restrict__ dout,
                                                      const bf16* __restrict__ o, AttnShape s) {
-    int64_t rowi = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-    int64_t rows = (int64_t)s.B * s.T * s.H;
-    if (rowi >= rows) return;
+    int64_t rows = (int64_t)s.B * s.T * s.H, warps = grid_stride_1d() >> 5;
     int lane = threadIdx.x & 31;
-    int64_t n = rowi / s.H;
-    int h = (int)(rowi % s.H);
-    const bf16* dr = dout + n * s.H * s.hd + (int64_t)h * s.hd;
-    const bf16* orow = o + n * s.H * s.hd + (int64_t)h * s.hd;
-    float acc = 0.0f;
-    for (int i = lane; i < s.hd; i += 32) acc += bf2f(dr[i]) * bf2f(orow[i]);
-    acc = warp_reduce_sum(acc);
-    int64_t b = n / s.T, t = n % s.T;
-    if (lane == 0) D[(b * s.H + h) * s.T + t] = acc;
+    // a grid-stride loop over rows, a warp per row (launched with the capped grid_for); the warps
+    // stay whole, so the shuffles of warp_reduce_sum see every lane
+    for (int64_t rowi = thread_index_1d() >> 5; rowi < rows; rowi += warps) {
+        int64_t n = rowi / s.H;
+        int h = (int)(rowi % s.H);
+        const bf16* dr = dout + n * s.H * s.hd + (int64_t)h * s.hd;
+        const bf16* orow = o + n * s.H * s.hd + (int64_t)h * s.hd;
+        float acc = 0.0f;
+        for (int i = lane; i < s.hd; i += 32) acc += bf2f(dr[i]) * bf2f(orow[i]);
+        acc = warp_reduce_sum(acc);
+        int64_t b = n / s.T, t = n % s.T;
+        if (lane == 0) D[(b * s.H + h) * s.T + t] = acc;
+    }
 }
 
 // dq (overwritten): grid (ceil(T/32), B*H). dq_i = scale * sum_j p_ij (dp_ij - D_i) k_j with
