@@ -131,6 +131,12 @@ static void backend_allocate_plan(const Backend* be, MemPlan* p) {
     }
     for (int i = 0; i < p->count; i++)
         if (p->bufs[i].bind) *p->bufs[i].bind = p->arena[p->bufs[i].cat] + p->bufs[i].offset;
+#ifdef LLMC_CUDA_EMU
+    for (int i = 0; i < p->count; i++) {  // from each buffer's end to the next one: the emulator's guard zone
+        const PlanBuffer* b = &p->bufs[i];
+        emu_guard_add(p->arena[b->cat] + b->offset + b->bytes, round_up(b->bytes, PLAN_ALIGN) + PLAN_GUARD - b->bytes, b->name);
+    }
+#endif
 #endif
 }
 

@@ -12,6 +12,13 @@ static const char* mem_category_name[MEM_CATS] = {"frozen weights", "trainable w
 static const char* mem_category_key[MEM_CATS] = {"frozen", "trainable", "grads", "optimizer", "saved", "scratch"};
 
 #define PLAN_ALIGN 64
+// The CPU emulator of the CUDA backend (llmc/cuda/emu.h) is given a guard zone after every
+// buffer, so that an out-of-bounds access inside an arena is caught (backend.h registers them).
+#ifdef LLMC_CUDA_EMU
+#define PLAN_GUARD 256
+#else
+#define PLAN_GUARD 0
+#endif
 
 typedef struct {
     char name[48];
@@ -50,7 +57,7 @@ static void plan_add_aligned(MemPlan* p, MemCategory cat, const char* module, in
     b->bytes = bytes;
     b->bind = (void**)bind;
     b->offset = round_up(p->cat_bytes[cat], align);
-    p->cat_bytes[cat] = b->offset + round_up(bytes, PLAN_ALIGN);
+    p->cat_bytes[cat] = b->offset + round_up(bytes, PLAN_ALIGN) + PLAN_GUARD;
 }
 
 static void plan_add(MemPlan* p, MemCategory cat, const char* module, int block, const char* name, size_t bytes, void* bind) {

@@ -18,6 +18,7 @@
 #include "../common.h"
 #ifdef LLMC_CUDA_EMU
 #include "emu.h"
+#include "emu_cublas.h"
 #else
 #include <cuda_runtime.h>
 #include <cuda_bf16.h>
@@ -34,12 +35,10 @@ static void cuda_check(cudaError_t err, const char* call, const char* file, int 
 }
 #define CUDA_CHECK(call) cuda_check((call), #call, __FILE__, __LINE__)
 
-#ifndef LLMC_CUDA_EMU
 static void cublas_check(cublasStatus_t st, const char* call, const char* file, int line) {
     if (st != CUBLAS_STATUS_SUCCESS) fail("cuBLAS error at %s:%d: %s: %s", file, line, call, cublasGetStatusString(st));
 }
 #define CUBLAS_CHECK(call) cublas_check((call), #call, __FILE__, __LINE__)
-#endif
 
 // LLMC_CUDA_SYNC=1 in the environment makes every launch synchronous, so an asynchronous fault
 // (an illegal address) is reported at the launch that caused it instead of at a later call.
@@ -65,7 +64,9 @@ static void cuda_check_launch(const char* kernel, const char* file, int line) {
 #define launch_kernel(grid, block, smem, stream, kernel, ...)                                          \
     do {                                                                                               \
         emu_stream_issue(stream);                                                                      \
-        emu_launch(dim3(grid), dim3(block), (smem), #kernel, [&]() { kernel(__VA_ARGS__); });          \
+        emu_launch(dim3(grid), dim3(block), (smem), #kernel, (const void*)kernel,                      \
+                   [&]() { kernel(__VA_ARGS__); });                                                    \
+        cuda_check_launch(#kernel, __FILE__, __LINE__);                                                \
     } while (0)
 #else
 #define launch_kernel(grid, block, smem, stream, kernel, ...)                                          \
@@ -80,9 +81,16 @@ static void cuda_check_launch(const char* kernel, const char* file, int line) {
 static inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // Blocks for a grid-stride loop over n items: enough to fill the GPU, never more than needed.
+// The emulator gives at most EMU_GRID_FOR_CAP (3), so that every test size needs the loop: a
+// kernel launched with grid_for that is not a grid-stride loop leaves items undone there.
 static inline unsigned grid_for(int64_t n, int threads) {
+#ifdef LLMC_CUDA_EMU
+    const int64_t cap = EMU_GRID_FOR_CAP;
+#else
+    const int64_t cap = 65536 * 4;
+#endif
     int64_t b = ceil_div(n > 0 ? n : 1, threads);
-    return (unsigned)(b < 65536 * 4 ? b : 65536 * 4);
+    return (unsigned)(b < cap ? b : cap);
 }
 
 static __device__ __forceinline__ int64_t thread_index_1d(void) {

@@ -9,14 +9,35 @@
 // call of swapcontext). A fiber runs until it reaches __syncthreads() or a warp collective (shuffles,
 // __syncwarp), which are barriers: the block barrier opens when every live thread of the block is
 // waiting on it, a warp barrier when every live thread of that warp is. Threads of a warp waiting
-// at different barriers (a shuffle in divergent code) are reported as a deadlock. Launches
-// alternate forward and reverse fiber order, so a missing __syncthreads between a shared-memory
-// write and another thread's read shows up as a wrong result. __shared__ variables are function
-// statics: shared by the threads of a block, and blocks never run concurrently.
+// at different barriers (a shuffle in divergent code) are reported as a deadlock.
+// __shared__ variables are function statics: shared by the threads of a block, and blocks never
+// run concurrently.
 // "Device" memory is host memory and kernels and copies run when issued. Streams other than the
 // default one may hold deferred work (the emulated NCCL calls of emu_nccl.h): it runs only when
 // stream order forces it, so a missing cudaStreamWaitEvent shows up as stale data; see "streams"
 // below. The runtime functions are defined here, so include it in one translation unit only.
+//
+// What it catches that a GPU would show as a crash, garbage or a compute-sanitizer report
+// (test/test_emu_checks.py plants each bug and sees it caught):
+//   - out-of-bounds accesses: every cudaMalloc and every buffer of the memory plan (plan.h leaves
+//     a gap after each) is followed by a guard zone filled with 0xFF (NaN as float or bf16, -1 as
+//     an integer), checked after every kernel, copy and cuBLAS call: a write there is reported
+//     with the kernel and the buffer; a read gives NaN (under AddressSanitizer the zones are also
+//     poisoned, so a read is reported at the access);
+//   - reads of shared memory no thread wrote: every __shared__ variable lives in one linker
+//     section, refilled with 0xFF before each block, so nothing carries over between blocks;
+//   - kernels that do not cover their grid: grid_for (common.cuh) gives at most EMU_GRID_FOR_CAP
+//     blocks, so a kernel launched with it must be a grid-stride loop;
+//   - thread-order dependence: within a block the runnable threads are resumed forward, in
+//     reverse or shuffled (each block of a launch in the next of the three, per kernel), and the
+//     blocks of a launch run in a shuffled order, so a missing __syncthreads shows up as a wrong
+//     result;
+//   - a warp collective whose mask names a lane that has exited or does not exist (undefined on a
+//     GPU): reported;
+//   - launch configurations a GPU refuses (block size, grid size, dynamic shared memory beyond
+//     48 KiB without cudaFuncSetAttribute): the kernel does not run and cudaGetLastError returns
+//     the error, as on a GPU;
+//   - cuBLAS / cuBLASLt misuse: emu_cublas.h checks every call against the documented contract.
 // It says nothing about performance, memory coherence, register limits or what nvcc makes of the
 // code: only a GPU does.
 #pragma once
@@ -34,22 +55,41 @@
 #include <functional>
 #include <map>
 #include <set>
+#include <string>
+#include <vector>
+#if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/asan_interface.h>
+#define EMU_ASAN 1
+#else
+#define EMU_ASAN 0
+#endif
 
 // Execution-space keywords become nothing (host_defines.h leaves them alone once defined).
 #define __global__
 #define __device__
 #define __host__
 #include <cuda_bf16.h>
+// __shared__ variables: statics in one section, whose bounds the linker provides, so that the
+// emulator can refill all of them with poison before each block.
 #undef __shared__
-#define __shared__ static
+#define __shared__ static __attribute__((section("emu_shared")))
+extern "C" char __start_emu_shared[] __attribute__((weak));
+extern "C" char __stop_emu_shared[] __attribute__((weak));
 #undef __forceinline__
 #define __forceinline__ inline
 #undef __launch_bounds__
 #define __launch_bounds__(...)
 
+#define EMU_POISON 0xFF            // guard zones and fresh shared memory: NaN as float or bf16
+#define EMU_GUARD_BYTES 256        // the guard zone before and after every cudaMalloc
+#define EMU_GRID_FOR_CAP 3         // grid_for's most blocks on the emulator
+#define EMU_SMEM_DEFAULT (48 << 10)     // dynamic shared memory without the opt-in
+#define EMU_SMEM_OPTIN_MAX (227 << 10)  // with cudaFuncSetAttribute (sm_90)
+
 // ---- fibers and the per-block scheduler -----------------------------------------------------
 
 enum { EMU_RUN, EMU_WAIT_BLOCK, EMU_WAIT_WARP, EMU_DONE };
+enum { EMU_ORDER_FORWARD, EMU_ORDER_REVERSE, EMU_ORDER_SHUFFLED };
 
 typedef struct {
     ucontext_t ctx;        // only to start the fiber
@@ -64,6 +104,7 @@ typedef struct {
     dim3 grid, block;
     uint3 bid;
     EmuThread* threads;
+    int* order;            // the order in which runnable threads are resumed (a permutation)
     int nthreads;
     char* stacks;
     size_t stack_size;
@@ -72,7 +113,7 @@ typedef struct {
     EmuThread* cur;
     const std::function<void()>* body;
     const char* kernel;
-    unsigned long long launches;
+    cudaError_t last_error;  // what cudaGetLastError returns (and clears)
     unsigned char slots[32][32][16];  // warp shuffle exchange: [warp][lane][bytes]
 } EmuState;
 
@@ -82,6 +123,21 @@ static EmuState emu_state;
 #define blockIdx (emu_state.bid)
 #define blockDim (emu_state.block)
 #define gridDim (emu_state.grid)
+
+// A small deterministic generator (splitmix64) for the shuffled orders.
+static uint64_t emu_random(uint64_t* state) {
+    uint64_t z = (*state += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+static void emu_shuffle(int* a, int n, uint64_t seed) {
+    for (int i = n - 1; i > 0; i--) {
+        int j = (int)(emu_random(&seed) % (uint64_t)(i + 1)), t = a[i];
+        a[i] = a[j];
+        a[j] = t;
+    }
+}
 
 static void emu_trampoline(void) {
     (*emu_state.body)();
@@ -107,13 +163,37 @@ static void emu_resume(EmuThread* t) {
     _longjmp(t->jb, 1);
 }
 
-static void __syncthreads(void) { emu_wait(EMU_WAIT_BLOCK); }
-static void __syncwarp(unsigned mask = 0xffffffffu) { (void)mask; emu_wait(EMU_WAIT_WARP); }
-
-// Runs every fiber of the current block to completion, opening barriers as they fill.
-static void emu_run_block(void) {
+// A warp collective whose mask names a lane that has exited (or lies beyond the block) is
+// undefined on a GPU (it may hang or read garbage); checked once the warp barrier has opened.
+static void emu_check_mask(unsigned mask, const char* what) {
     EmuState* s = &emu_state;
-    int n = s->nthreads, reverse = (int)(s->launches & 1);
+    int warp = s->cur->linear / 32;
+    for (int lane = 0; lane < 32; lane++) {
+        if (!(mask >> lane & 1)) continue;
+        int i = warp * 32 + lane;
+        if (i < s->nthreads && s->threads[i].state != EMU_DONE) continue;
+        fprintf(stderr, "emu: %s with mask 0x%08x in %s, block (%u,%u,%u), warp %d: lane %d %s (undefined on a GPU)\n", what, mask,
+                s->kernel, s->bid.x, s->bid.y, s->bid.z, warp, lane, i < s->nthreads ? "has exited" : "does not exist (partial warp)");
+        exit(1);
+    }
+}
+
+static void __syncthreads(void) { emu_wait(EMU_WAIT_BLOCK); }
+static void __syncwarp(unsigned mask = 0xffffffffu) {
+    emu_wait(EMU_WAIT_WARP);
+    emu_check_mask(mask, "__syncwarp");
+}
+
+// Every __shared__ variable back to poison: what a block reads before writing is NaN or -1.
+static void emu_poison_shared(void) {
+    if (__start_emu_shared) memset(__start_emu_shared, EMU_POISON, (size_t)(__stop_emu_shared - __start_emu_shared));
+}
+
+// Runs every fiber of the current block to completion, opening barriers as they fill; runnable
+// threads are resumed in the given order (forward, reverse or shuffled by seed).
+static void emu_run_block(int order, uint64_t seed) {
+    EmuState* s = &emu_state;
+    int n = s->nthreads;
     for (int i = 0; i < n; i++) {
         EmuThread* t = &s->threads[i];
         getcontext(&t->ctx);
@@ -123,11 +203,14 @@ static void emu_run_block(void) {
         makecontext(&t->ctx, emu_trampoline, 0);
         t->started = 0;
         t->state = EMU_RUN;
+        s->order[i] = order == EMU_ORDER_REVERSE ? n - 1 - i : i;
     }
+    if (order == EMU_ORDER_SHUFFLED) emu_shuffle(s->order, n, seed);
+    emu_poison_shared();
     for (;;) {
         int live = 0;
         for (int k = 0; k < n; k++) {
-            EmuThread* t = &s->threads[reverse ? n - 1 - k : k];
+            EmuThread* t = &s->threads[s->order[k]];
             if (t->state == EMU_RUN) emu_resume(t);
         }
         int released = 0, at_block = 0;
@@ -159,16 +242,44 @@ static void emu_run_block(void) {
     }
 }
 
-// The launch: every block of the grid in order, each as a set of fibers calling body().
-static void emu_launch(dim3 grid, dim3 block, size_t smem, const char* kernel, const std::function<void()>& body) {
+// ---- launch configuration: what a GPU refuses ----------------------------------------------
+
+// Dynamic shared memory each kernel opted into (cudaFuncSetAttribute), by its address.
+static std::map<const void*, int>& emu_smem_optin(void) {
+    static std::map<const void*, int> m;
+    return m;
+}
+
+// cudaSuccess, or the error a GPU's launch would leave for cudaGetLastError.
+static cudaError_t emu_launch_error(dim3 grid, dim3 block, size_t smem, const void* fn) {
+    uint64_t threads = (uint64_t)block.x * block.y * block.z;
+    if (threads == 0 || threads > 1024 || block.x > 1024 || block.y > 1024 || block.z > 64) return cudaErrorInvalidConfiguration;
+    if (grid.x == 0 || grid.y == 0 || grid.z == 0 || grid.x > 0x7fffffffu || grid.y > 65535 || grid.z > 65535)
+        return cudaErrorInvalidConfiguration;
+    std::map<const void*, int>::const_iterator it = emu_smem_optin().find(fn);
+    size_t limit = it != emu_smem_optin().end() ? (size_t)it->second : EMU_SMEM_DEFAULT;
+    if (smem > limit) return cudaErrorInvalidValue;
+    return cudaSuccess;
+}
+
+// How often each kernel has been launched: picks the thread orders of its next launch.
+static unsigned long long emu_kernel_launches(const char* kernel) {
+    static std::map<std::string, unsigned long long> m;
+    return m[kernel]++;
+}
+
+static void emu_guards_check(const char* after);
+
+// The launch: the blocks of the grid in a shuffled order, each as a set of fibers calling body(),
+// block i of the launch with thread order (i + this kernel's launch count) mod 3. A configuration
+// a GPU refuses runs nothing and leaves its error for cudaGetLastError.
+static void emu_launch(dim3 grid, dim3 block, size_t smem, const char* kernel, const void* fn, const std::function<void()>& body) {
     EmuState* s = &emu_state;
-    int n = (int)(block.x * block.y * block.z);
-    if (n <= 0 || n > 1024 || grid.x == 0 || grid.y == 0 || grid.z == 0 || grid.y > 65535 || grid.z > 65535) {
-        fprintf(stderr, "emu: invalid launch of %s: grid (%u,%u,%u) block (%u,%u,%u)\n", kernel, grid.x, grid.y, grid.z,
-                block.x, block.y, block.z);
-        exit(1);
-    }
+    cudaError_t err = emu_launch_error(grid, block, smem, fn);
+    if (err != cudaSuccess) { s->last_error = err; return; }
     if (smem > 0) { fprintf(stderr, "emu: %s asks for dynamic shared memory, which the emulator lacks\n", kernel); exit(1); }
+    int n = (int)(block.x * block.y * block.z);
+    unsigned long long launch = emu_kernel_launches(kernel);
     s->grid = grid;
     s->block = block;
     s->nthreads = n;
@@ -181,7 +292,8 @@ static void emu_launch(dim3 grid, dim3 block, size_t smem, const char* kernel, c
         s->stacks_for = n;
     }
     s->threads = (EmuThread*)calloc(n, sizeof(EmuThread));
-    if (!s->threads || !s->stacks) { fprintf(stderr, "emu: out of memory\n"); exit(1); }
+    s->order = (int*)calloc(n, sizeof(int));
+    if (!s->threads || !s->order || !s->stacks) { fprintf(stderr, "emu: out of memory\n"); exit(1); }
     for (int i = 0; i < n; i++) {
         EmuThread* t = &s->threads[i];
         t->linear = i;
@@ -189,30 +301,35 @@ static void emu_launch(dim3 grid, dim3 block, size_t smem, const char* kernel, c
         t->tid.y = (i / block.x) % block.y;
         t->tid.z = i / (block.x * block.y);
     }
-    for (unsigned z = 0; z < grid.z; z++)
-        for (unsigned y = 0; y < grid.y; y++)
-            for (unsigned x = 0; x < grid.x; x++) {
-                s->bid.x = x;
-                s->bid.y = y;
-                s->bid.z = z;
-                emu_run_block();
-            }
+    uint64_t nblocks = (uint64_t)grid.x * grid.y * grid.z;
+    std::vector<int> blocks(nblocks);
+    for (uint64_t b = 0; b < nblocks; b++) blocks[b] = (int)b;
+    emu_shuffle(blocks.data(), (int)nblocks, launch * 0x51ed27ull + nblocks);
+    for (uint64_t k = 0; k < nblocks; k++) {
+        uint64_t b = (uint64_t)blocks[k];
+        s->bid.x = (unsigned)(b % grid.x);
+        s->bid.y = (unsigned)(b / grid.x % grid.y);
+        s->bid.z = (unsigned)(b / ((uint64_t)grid.x * grid.y));
+        emu_run_block((int)((k + launch) % 3), launch * 1000003ull + k);
+    }
     free(s->threads);
-    s->launches++;
+    free(s->order);
+    emu_guards_check(kernel);
 }
 
 // ---- warp collectives ------------------------------------------------------------------------
 
 template <class T>
-static T emu_exchange(T v, int src_lane_of_mine_fn(int lane, int arg), int arg) {
+static T emu_exchange(unsigned mask, const char* what, T v, int src_lane_of_mine_fn(int lane, int arg), int arg) {
     static_assert(sizeof(T) <= 16, "shuffle of a type wider than 16 bytes");
     int lin = emu_state.cur->linear, warp = lin / 32, lane = lin % 32;
     memcpy(emu_state.slots[warp][lane], &v, sizeof(T));
-    __syncwarp();
+    emu_wait(EMU_WAIT_WARP);
+    emu_check_mask(mask, what);
     int src = src_lane_of_mine_fn(lane, arg);
     T r = v;
     if (src >= 0 && src < 32 && warp * 32 + src < emu_state.nthreads) memcpy(&r, emu_state.slots[warp][src], sizeof(T));
-    __syncwarp();  // nobody overwrites a slot before every lane has read
+    emu_wait(EMU_WAIT_WARP);  // nobody overwrites a slot before every lane has read
     return r;
 }
 static int emu_src_xor(int lane, int m) { return lane ^ m; }
@@ -220,10 +337,10 @@ static int emu_src_down(int lane, int d) { return lane + d < 32 ? lane + d : lan
 static int emu_src_up(int lane, int d) { return lane - d >= 0 ? lane - d : lane; }
 static int emu_src_idx(int lane, int src) { (void)lane; return src & 31; }
 
-template <class T> static T __shfl_xor_sync(unsigned mask, T v, int lane_mask, int width = 32) { (void)mask; (void)width; return emu_exchange(v, emu_src_xor, lane_mask); }
-template <class T> static T __shfl_down_sync(unsigned mask, T v, unsigned d, int width = 32) { (void)mask; (void)width; return emu_exchange(v, emu_src_down, (int)d); }
-template <class T> static T __shfl_up_sync(unsigned mask, T v, unsigned d, int width = 32) { (void)mask; (void)width; return emu_exchange(v, emu_src_up, (int)d); }
-template <class T> static T __shfl_sync(unsigned mask, T v, int src, int width = 32) { (void)mask; (void)width; return emu_exchange(v, emu_src_idx, src); }
+template <class T> static T __shfl_xor_sync(unsigned mask, T v, int lane_mask, int width = 32) { (void)width; return emu_exchange(mask, "__shfl_xor_sync", v, emu_src_xor, lane_mask); }
+template <class T> static T __shfl_down_sync(unsigned mask, T v, unsigned d, int width = 32) { (void)width; return emu_exchange(mask, "__shfl_down_sync", v, emu_src_down, (int)d); }
+template <class T> static T __shfl_up_sync(unsigned mask, T v, unsigned d, int width = 32) { (void)width; return emu_exchange(mask, "__shfl_up_sync", v, emu_src_up, (int)d); }
+template <class T> static T __shfl_sync(unsigned mask, T v, int src, int width = 32) { (void)width; return emu_exchange(mask, "__shfl_sync", v, emu_src_idx, src); }
 
 // Fibers never interleave between two barriers, so plain read-modify-write is atomic here.
 template <class T> static T atomicAdd(T* p, T v) { T old = *p; *p = old + v; return old; }
@@ -234,7 +351,7 @@ static inline int max(int a, int b) { return a > b ? a : b; }
 static inline float rsqrtf(float x) { return 1.0f / sqrtf(x); }
 template <class T> static inline T __ldg(const T* p) { return *p; }
 
-// ---- the runtime API subset the backend uses: host memory, synchronous, always succeeding ----
+// ---- the runtime API subset the backend uses: host memory, synchronous ----------------------
 
 // "Device" allocations are registered (start -> size), so every copy and memset can check that
 // its pointers are on the side its kind says: passing a host pointer where device memory is
@@ -257,21 +374,109 @@ static int emu_on_device(uintptr_t p, size_t n) {
     --it;
     return c >= it->first && c + n <= it->first + (it->second ? it->second : 1);
 }
+
+// ---- guard zones -----------------------------------------------------------------------------
+// Device memory no buffer owns, filled with EMU_POISON: before and after every cudaMalloc, and
+// after every buffer of the memory plan (registered by backend.h). Checked after every kernel,
+// cuBLAS call and copy; copies and cuBLAS operands that overlap one are refused before they run.
+typedef struct {
+    size_t bytes;
+    std::string owner;     // whose end it follows, for the report
+} EmuGuard;
+static std::map<const char*, EmuGuard>& emu_guards(void) {
+    static std::map<const char*, EmuGuard> m;
+    return m;
+}
+
+static void emu_guard_add(void* p, size_t n, const char* owner) {
+    if (!n) return;
+    memset(p, EMU_POISON, n);
+#if EMU_ASAN
+    ASAN_POISON_MEMORY_REGION(p, n);
+#endif
+    EmuGuard g = {n, owner};
+    emu_guards()[(const char*)p] = g;
+}
+
+// Forgets the guard zones inside [lo, hi) (the memory is being freed).
+static void emu_guards_remove(const char* lo, const char* hi) {
+    std::map<const char*, EmuGuard>& m = emu_guards();
+    std::map<const char*, EmuGuard>::iterator it = m.lower_bound(lo);
+    while (it != m.end() && it->first < hi) {
+#if EMU_ASAN
+        ASAN_UNPOISON_MEMORY_REGION((void*)it->first, it->second.bytes);
+#endif
+        m.erase(it++);
+    }
+}
+
+// The guard zone that [p, p + n) overlaps, or NULL.
+static const std::pair<const char* const, EmuGuard>* emu_guard_overlap(uintptr_t p, size_t n) {
+    const std::map<const char*, EmuGuard>& m = emu_guards();
+    const char* c = (const char*)p;
+    std::map<const char*, EmuGuard>::const_iterator it = m.lower_bound(c + (n ? n : 1));
+    if (it == m.begin()) return NULL;
+    --it;
+    return c < it->first + it->second.bytes ? &*it : NULL;
+}
+
+// Reports the first guard byte that is no longer poison: something wrote out of bounds. Under
+// AddressSanitizer the zones are poisoned and the access itself is reported instead.
+static void emu_guards_check(const char* after) {
+#if !EMU_ASAN
+    static unsigned char poison[4096];
+    if (!poison[0]) memset(poison, EMU_POISON, sizeof(poison));
+    const std::map<const char*, EmuGuard>& m = emu_guards();
+    for (std::map<const char*, EmuGuard>::const_iterator it = m.begin(); it != m.end(); ++it)
+        for (size_t at = 0; at < it->second.bytes; at += sizeof(poison)) {
+            size_t len = it->second.bytes - at < sizeof(poison) ? it->second.bytes - at : sizeof(poison);
+            if (!memcmp(it->first + at, poison, len)) continue;
+            size_t i = at;
+            while ((unsigned char)it->first[i] == EMU_POISON) i++;
+            fprintf(stderr, "emu: out-of-bounds write by %s: byte %zu of the guard zone after %s was written\n", after, i,
+                    it->second.owner.c_str());
+            exit(1);
+        }
+#else
+    (void)after;
+#endif
+}
+
+// Checks that [p, p + n) is on the side `device` says and, on the device, touches no guard zone.
 static void emu_check_side(uintptr_t p, size_t n, int device, const char* call, const char* which) {
-    if (emu_on_device(p, n) == device) return;
-    fprintf(stderr, "emu: %s: %s pointer %p (%zu bytes) is %s, expected %s\n", call, which, (void*)p, n,
-            device ? "not inside a device allocation" : "device memory", device ? "device memory" : "host memory");
-    abort();
+    if (device && !emu_on_device(p, n) && emu_on_device(p, 1)) {
+        fprintf(stderr, "emu: %s: %s [%p, +%zu bytes) runs past the end of its device allocation (out of bounds)\n", call, which,
+                (void*)p, n);
+        abort();
+    }
+    if (emu_on_device(p, n) != device) {
+        fprintf(stderr, "emu: %s: %s pointer %p (%zu bytes) is %s, expected %s\n", call, which, (void*)p, n,
+                device ? "not inside a device allocation" : "device memory", device ? "device memory" : "host memory");
+        abort();
+    }
+    const std::pair<const char* const, EmuGuard>* g = device ? emu_guard_overlap(p, n) : NULL;
+    if (g) {
+        fprintf(stderr, "emu: %s: %s [%p, +%zu bytes) runs out of bounds into the guard zone after %s\n", call, which, (void*)p, n,
+                g->second.owner.c_str());
+        abort();
+    }
 }
 
 extern "C" {
+// Each allocation sits between two guard zones; its start is 256-byte aligned, as cudaMalloc's.
 cudaError_t cudaMalloc(void** p, size_t n) {
     if (n > EMU_DEVICE_BYTES - emu_bytes_in_use) { *p = NULL; return cudaErrorMemoryAllocation; }  // the pretend device is full
-    char* raw = (char*)aligned_alloc(256, ((n ? n : 1) + 255) / 256 * 256);  // cudaMalloc aligns to 256 bytes at least
+    size_t tail = (n + 255) / 256 * 256 - n + EMU_GUARD_BYTES;
+    char* raw = (char*)aligned_alloc(256, EMU_GUARD_BYTES + n + tail);
     if (!raw) { *p = NULL; return cudaErrorMemoryAllocation; }
-    emu_allocations()[raw] = n;
+    char* user = raw + EMU_GUARD_BYTES;
+    char owner[64];
+    snprintf(owner, sizeof(owner), "the cudaMalloc of %zu bytes at %p", n, (void*)user);
+    emu_guard_add(raw, EMU_GUARD_BYTES, "the allocation before it");
+    emu_guard_add(user + n, tail, owner);
+    emu_allocations()[user] = n;
     emu_bytes_in_use += n;
-    *p = raw;
+    *p = user;
     return cudaSuccess;
 }
 cudaError_t cudaFree(void* p) {
@@ -279,9 +484,12 @@ cudaError_t cudaFree(void* p) {
     cudaDeviceSynchronize();  // as on a GPU; held-back work may still use the memory
     std::map<const char*, size_t>::iterator it = emu_allocations().find((const char*)p);
     if (it == emu_allocations().end()) { fprintf(stderr, "emu: cudaFree of %p, which cudaMalloc did not return\n", p); abort(); }
+    emu_guards_check("a kernel (seen at cudaFree)");
+    char* raw = (char*)p - EMU_GUARD_BYTES;
+    emu_guards_remove(raw, (char*)p + (it->second + 255) / 256 * 256 + EMU_GUARD_BYTES);
     emu_bytes_in_use -= it->second;
     emu_allocations().erase(it);
-    free(p);
+    free(raw);
     return cudaSuccess;
 }
 // Page-locked host memory is plain host memory here (not registered: it is host memory).
@@ -371,6 +579,9 @@ static void emu_copy(void* dst, const void* src, size_t n, enum cudaMemcpyKind k
     if (kind != cudaMemcpyDefault) {
         emu_check_side((uintptr_t)dst, n, kind == cudaMemcpyHostToDevice || kind == cudaMemcpyDeviceToDevice, "cudaMemcpy", "destination");
         emu_check_side((uintptr_t)src, n, kind == cudaMemcpyDeviceToHost || kind == cudaMemcpyDeviceToDevice, "cudaMemcpy", "source");
+    } else {  // either side may be device memory, which must stay out of the guard zones
+        if (emu_on_device((uintptr_t)dst, n)) emu_check_side((uintptr_t)dst, n, 1, "cudaMemcpy", "destination");
+        if (emu_on_device((uintptr_t)src, n)) emu_check_side((uintptr_t)src, n, 1, "cudaMemcpy", "source");
     }
     memmove(dst, src, n);
 }
@@ -443,6 +654,29 @@ cudaError_t cudaStreamSynchronize(cudaStream_t st) {
     else emu_drain_all(1);
     return cudaSuccess;
 }
-cudaError_t cudaGetLastError(void) { return cudaSuccess; }
-const char* cudaGetErrorString(cudaError_t e) { return e == cudaSuccess ? "no error" : "emulated error"; }
+// Launch errors are sticky until read, as on a GPU (the emulator has no asynchronous faults).
+cudaError_t cudaGetLastError(void) {
+    cudaError_t e = emu_state.last_error;
+    emu_state.last_error = cudaSuccess;
+    return e;
+}
+cudaError_t cudaPeekAtLastError(void) { return emu_state.last_error; }
+const char* cudaGetErrorString(cudaError_t e) {
+    switch (e) {
+    case cudaSuccess: return "no error";
+    case cudaErrorInvalidValue: return "invalid argument";
+    case cudaErrorInvalidConfiguration: return "invalid configuration argument";
+    case cudaErrorMemoryAllocation: return "out of memory";
+    case cudaErrorInvalidDevice: return "invalid device ordinal";
+    default: return "emulated error";
+    }
+}
+}
+
+// The opt-in to more dynamic shared memory than the default 48 KiB (the one attribute modelled).
+template <class F> static cudaError_t cudaFuncSetAttribute(F* fn, enum cudaFuncAttribute attr, int value) {
+    if (attr != cudaFuncAttributeMaxDynamicSharedMemorySize) return cudaErrorInvalidValue;
+    if (value < 0 || value > EMU_SMEM_OPTIN_MAX) return cudaErrorInvalidValue;
+    emu_smem_optin()[(const void*)fn] = value;
+    return cudaSuccess;
 }

@@ -23,13 +23,12 @@
 // first operand is our B. Every call asks the cuBLASLt heuristic for an algorithm with the true
 // alignment of its buffers (the default assumes 256 bytes); when cuBLASLt has none (odd leading
 // dimensions), it falls back to cublasGemmEx with the same types, and the bias to a kernel.
+// On the CPU emulator the same calls go to llmc/cuda/emu_cublas.h, which checks each against
+// cuBLAS's documented contract.
 #pragma once
 #include "common.cuh"
 #include "misc.cuh"
 #include "../blas_plan.h"
-#ifdef LLMC_CUDA_EMU
-#include <library_types.h>
-#endif
 
 typedef enum { MM_NT, MM_NN, MM_TN } MatmulForm;
 
@@ -40,10 +39,8 @@ typedef enum { MM_NT, MM_NN, MM_TN } MatmulForm;
 // One workspace serves both handles because every product runs on the backend's one stream, in
 // order (NCCL's second stream makes no product).
 typedef struct {
-#ifndef LLMC_CUDA_EMU
     cublasLtHandle_t lt;
     cublasHandle_t blas;   // the fallback and the batched products
-#endif
     void* workspace;
     size_t workspace_bytes;
     int owns_workspace;    // allocated here (no plan attached one)
@@ -60,10 +57,8 @@ static void cublas_setup(void) {
         g_cublas.owns_workspace = 1;
     }
     if (g_cublas.ready) return;
-#ifndef LLMC_CUDA_EMU
     CUBLAS_CHECK(cublasLtCreate(&g_cublas.lt));
     CUBLAS_CHECK(cublasCreate(&g_cublas.blas));
-#endif
     g_cublas.ready = 1;
 }
 
@@ -74,11 +69,7 @@ static void cublas_setup(void) {
 static void cublas_attach_workspace(void* work, size_t bytes) {
     if (work && ((uintptr_t)work % BLAS_WORKSPACE_ALIGN || !bytes))
         fail("internal: the cuBLAS workspace %p (%zu bytes) is not %d-byte aligned device memory", work, bytes, BLAS_WORKSPACE_ALIGN);
-#ifdef LLMC_CUDA_EMU
-    if (work) emu_check_side((uintptr_t)work, bytes, 1, "cublas_attach_workspace", "workspace");
-#else
     if (g_cublas.ready && bytes != g_cublas.workspace_bytes) matmul_plans_free();
-#endif
     if (g_cublas.owns_workspace) CUDA_CHECK(cudaFree(g_cublas.workspace));
     g_cublas.owns_workspace = 0;
     g_cublas.workspace = work;
@@ -93,17 +84,14 @@ static void cublas_detach_workspace(const void* work) {
 
 static void cublas_teardown(void) {
     if (g_cublas.owns_workspace) CUDA_CHECK(cudaFree(g_cublas.workspace));
-#ifndef LLMC_CUDA_EMU
     if (g_cublas.ready) {
         matmul_plans_free();
         CUBLAS_CHECK(cublasDestroy(g_cublas.blas));
         CUBLAS_CHECK(cublasLtDestroy(g_cublas.lt));
     }
-#endif
     memset(&g_cublas, 0, sizeof(g_cublas));
 }
 
-#ifndef LLMC_CUDA_EMU
 // The classic handle on `stream` with our workspace: cublasSetStream resets the workspace to
 // cuBLAS's own pool (which it would allocate outside the plan), so it is set again every time.
 static void cublas_use_stream(cudaStream_t stream) {
@@ -116,16 +104,9 @@ static uint32_t mm_alignment(const void* p, int64_t ld, size_t elem) {
     uint64_t a = (uint64_t)(uintptr_t)p | (uint64_t)(ld * (int64_t)elem) | 256u;
     return (uint32_t)(a & (~a + 1));
 }
-#else
-// The emulator's product: a plain loop over host memory with the same types and fp32 sums.
-static float mm_emu_load(const void* p, cudaDataType_t t, int64_t i) {
-    return t == CUDA_R_16BF ? __bfloat162float(((const bf16*)p)[i]) : ((const float*)p)[i];
-}
-#endif
 
 static size_t mm_elem_size(cudaDataType_t t) { return t == CUDA_R_16BF ? 2 : 4; }
 
-#ifndef LLMC_CUDA_EMU
 // cuBLASLt plans (descriptors, layouts and the heuristic's algorithm) cached per shape, types and
 // alignment: a model calls a few dozen distinct products thousands of times, and asking the
 // heuristic each time costs tens of microseconds of host time per product, more than many of
@@ -212,7 +193,6 @@ static const MatmulPlan* matmul_plan_get(const MatmulPlanKey* key) {
     matmul_plan_build(p);
     return p;
 }
-#endif
 
 // The one generic product behind every wrapper below. A and B share a type; C has its own.
 static void matmul_generic_cuda(MatmulForm form, void* C, cudaDataType_t ctype, const void* A, const void* B,
@@ -228,21 +208,6 @@ static void matmul_generic_cuda(MatmulForm form, void* C, cudaDataType_t ctype, 
         return;
     }
     cublas_setup();  // the workspace the product may use: planned, or allocated now
-#ifdef LLMC_CUDA_EMU
-    (void)stream;
-    for (int64_t i = 0; i < M; i++)
-        for (int64_t j = 0; j < N; j++) {
-            float s = 0.0f;
-            for (int64_t k = 0; k < K; k++) {
-                float a = form == MM_TN ? mm_emu_load(A, abtype, k * M + i) : mm_emu_load(A, abtype, i * K + k);
-                float b = form == MM_NT ? mm_emu_load(B, abtype, j * K + k) : mm_emu_load(B, abtype, k * N + j);
-                s += a * b;
-            }
-            float c = alpha * s + (accumulate ? mm_emu_load(C, ctype, i * N + j) : 0.0f) + (bias ? mm_emu_load(bias, ctype, j) : 0.0f);
-            if (ctype == CUDA_R_16BF) ((bf16*)C)[i * N + j] = __float2bfloat16(c);
-            else ((float*)C)[i * N + j] = c;
-        }
-#else
     // column-major view: D[N x M] = op1(B) op2(A); "a" below is cuBLAS's first operand (our B)
     uint64_t lda = form == MM_NT ? K : N, ldb = form == MM_TN ? M : K;
     float beta = accumulate ? 1.0f : 0.0f;
@@ -270,7 +235,6 @@ static void matmul_generic_cuda(MatmulForm form, void* C, cudaDataType_t ctype, 
         if (ctype == CUDA_R_16BF) add_bias_rows_cuda((bf16*)C, (const bf16*)bias, M, N, stream);
         else add_bias_rows_cuda((float*)C, (const float*)bias, M, N, stream);
     }
-#endif
 }
 
 // Typed wrappers: the overload (output type, operand type) selects the precision path.
@@ -301,22 +265,6 @@ static void matmul_batched_cuda(MatmulForm form, void* const* C, cudaDataType_t 
                                 cudaStream_t stream) {
     if (M <= 0 || N <= 0 || batch <= 0) return;
     cublas_setup();
-#ifdef LLMC_CUDA_EMU
-    (void)stream;
-    for (int e = 0; e < batch; e++)
-        for (int64_t i = 0; i < M; i++)
-            for (int64_t j = 0; j < N; j++) {
-                float acc = 0.0f;
-                for (int64_t k = 0; k < K; k++) {
-                    float a = form == MM_TN ? mm_emu_load(A[e], CUDA_R_16BF, k * lda + i) : mm_emu_load(A[e], CUDA_R_16BF, i * lda + k);
-                    float bv = form == MM_NT ? mm_emu_load(B[e], CUDA_R_16BF, j * ldb + k) : mm_emu_load(B[e], CUDA_R_16BF, k * ldb + j);
-                    acc += a * bv;
-                }
-                float c = alpha * acc + (accumulate ? mm_emu_load(C[e], ctype, i * ldc + j) : 0.0f);
-                if (ctype == CUDA_R_16BF) ((bf16*)C[e])[i * ldc + j] = __float2bfloat16(c);
-                else ((float*)C[e])[i * ldc + j] = c;
-            }
-#else
     cublas_use_stream(stream);
     cublasOperation_t opa = form == MM_NT ? CUBLAS_OP_T : CUBLAS_OP_N, opb = form == MM_TN ? CUBLAS_OP_T : CUBLAS_OP_N;
     float beta = accumulate ? 1.0f : 0.0f;
@@ -327,7 +275,6 @@ static void matmul_batched_cuda(MatmulForm form, void* const* C, cudaDataType_t 
     if (st != CUBLAS_STATUS_SUCCESS)  // its one user is the tensor-core attention, which has an alternative
         fail("cuBLAS error: cublasGemmBatchedEx (%d x %d x %d, %d products): %s; LLMC_ATTENTION=flash runs attention without it", M, N, K,
              batch, cublasGetStatusString(st));
-#endif
 }
 
 // C[M,N] (+)= alpha * A . B^T + bias[N]: the linear forward with its bias in the epilogue.
