@@ -100,7 +100,9 @@ EMU_FLAGS = $(filter-out -O3,$(CFLAGS)) -O2 -Wno-unknown-pragmas -DLLMC_CUDA_EMU
 build/emu/%: %.cu $(HEADERS) dev/cuda/check.h
 	@mkdir -p build/emu
 	$(CXX) $(EMU_FLAGS) $< -o $@ $(LDLIBS)
-EMU_MODEL_BINS := build/emu/train_llama build/emu/llama_probe build/emu/train_vit build/emu/vit_probe build/emu/emu_nccl_probe
+# emu_checks_probe proves the emulator's own checks on planted bugs (test/test_emu_checks.py).
+EMU_MODEL_BINS := build/emu/train_llama build/emu/llama_probe build/emu/train_vit build/emu/vit_probe build/emu/emu_nccl_probe \
+                  build/emu/emu_checks_probe
 
 test/test_units: test/test_units.cu $(HEADERS)
 	$(CXX) $(CFLAGS) $< -o $@ $(LDLIBS)
