@@ -128,6 +128,9 @@ static ncclResult_t emu_nccl_enter(ncclComm_t comm, const char* call, int kind, 
     size_t e = emu_nccl_elem_bytes(type);
     if (!emu_on_device((uintptr_t)send, send_n * e) || !emu_on_device((uintptr_t)recv, recv_n * e))
         return emu_nccl_fail(ncclInvalidArgument, "%s: a buffer (send %p, %zu values; recv %p, %zu values) is not device memory", call, send, send_n, recv, recv_n);
+    if (emu_guard_overlap((uintptr_t)send, send_n * e) || emu_guard_overlap((uintptr_t)recv, recv_n * e))  // emu.h's guard zones
+        return emu_nccl_fail(ncclInvalidArgument, "%s: a buffer (send %p, %zu values; recv %p, %zu values) runs out of bounds into a guard zone",
+                             call, send, send_n, recv, recv_n);
     comm->calls++;
 #ifdef LLMC_HAVE_MPI
     if (comm->nranks > 1) {
