@@ -42,7 +42,7 @@ static void record(int ok, const char* what, const char* detail) {
 static void check_begin(const char* title) {
     printf("%s\n", title);
 #ifdef LLMC_CUDA_EMU
-    printf("device: the CPU emulator of llmc/cuda/emu.h (kernel logic only; matmul is a plain loop)\n");
+    printf("device: the CPU emulator of llmc/cuda/emu.h (kernel logic, and the cuBLAS calls checked against their contracts)\n");
 #else
     int count = 0;
     cudaError_t err = cudaGetDeviceCount(&count);
