@@ -102,6 +102,10 @@ PRODUCTION_PLANTS = [
     ("shared-unwritten", "llmc/cuda/common.cuh",
      "    v = lane < nwarps ? partial[lane] : 0.0f;\n    return warp_reduce_sum(v);\n}\nstatic __device__ double",
      "    v = partial[lane];\n    return warp_reduce_sum(v);\n}\nstatic __device__ double", "common", "FAIL"),
+    # a kernel template's shared tile left unwritten past the last key (read, then multiplied by 0)
+    ("shared-unwritten-template", "llmc/cuda/attention.cuh",
+     "        tile[rr][dim] = val;\n",
+     "        if (t < s.T) tile[rr][dim] = val;\n", "attention", "FAIL  attn fwd"),
     # one element past the end
     ("oob-write", "llmc/cuda/misc.cuh",
      "for (int64_t i = thread_index_1d(); i < n; i += grid_stride_1d()) out[i] = f2bf(bf2f(a[i]) + bf2f(b[i]));",

@@ -24,8 +24,9 @@
 //     an integer), checked after every kernel, copy and cuBLAS call: a write there is reported
 //     with the kernel and the buffer; a read gives NaN (under AddressSanitizer the zones are also
 //     poisoned, so a read is reported at the access);
-//   - reads of shared memory no thread wrote: every __shared__ variable lives in one linker
-//     section, refilled with 0xFF before each block, so nothing carries over between blocks;
+//   - reads of shared memory no thread wrote: every __shared__ variable is refilled with 0xFF
+//     before each block (they are the executable's thread-local storage), so nothing carries
+//     over between blocks;
 //   - kernels that do not cover their grid: grid_for (common.cuh) gives at most EMU_GRID_FOR_CAP
 //     blocks, so a kernel launched with it must be a grid-stride loop;
 //   - thread-order dependence: within a block the runnable threads are resumed forward, in
@@ -49,6 +50,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <link.h>
 #include <setjmp.h>
 #include <ucontext.h>
 #include <deque>
@@ -69,12 +71,13 @@
 #define __device__
 #define __host__
 #include <cuda_bf16.h>
-// __shared__ variables: statics in one section, whose bounds the linker provides, so that the
-// emulator can refill all of them with poison before each block.
+// __shared__ variables: thread-local statics. Every fiber runs on the one host thread, so the
+// threads of a block share them; and they are then all that the executable's TLS segment holds
+// (nothing else in this code base is thread_local), so that the emulator can refill all of them
+// with poison before each block. (A section attribute would be simpler, but GCC ignores it for
+// the statics of function templates, which most kernels are.)
 #undef __shared__
-#define __shared__ static __attribute__((section("emu_shared")))
-extern "C" char __start_emu_shared[] __attribute__((weak));
-extern "C" char __stop_emu_shared[] __attribute__((weak));
+#define __shared__ static thread_local
 #undef __forceinline__
 #define __forceinline__ inline
 #undef __launch_bounds__
@@ -184,9 +187,30 @@ static void __syncwarp(unsigned mask = 0xffffffffu) {
     emu_check_mask(mask, "__syncwarp");
 }
 
+// The executable's TLS segment in this thread: every __shared__ variable (see above).
+typedef struct {
+    void* start;
+    size_t bytes;
+} EmuRange;
+static int emu_find_tls(struct dl_phdr_info* info, size_t size, void* out) {
+    (void)size;
+    for (int i = 0; i < info->dlpi_phnum; i++)
+        if (info->dlpi_phdr[i].p_type == PT_TLS && info->dlpi_tls_data) {
+            EmuRange* r = (EmuRange*)out;
+            r->start = info->dlpi_tls_data;
+            r->bytes = info->dlpi_phdr[i].p_memsz;
+        }
+    return 1;  // the executable comes first; the libraries' TLS is theirs
+}
+
 // Every __shared__ variable back to poison: what a block reads before writing is NaN or -1.
 static void emu_poison_shared(void) {
-    if (__start_emu_shared) memset(__start_emu_shared, EMU_POISON, (size_t)(__stop_emu_shared - __start_emu_shared));
+    static EmuRange tls = {NULL, (size_t)-1};
+    if (tls.bytes == (size_t)-1) {
+        tls.bytes = 0;
+        dl_iterate_phdr(emu_find_tls, &tls);
+    }
+    if (tls.bytes) memset(tls.start, EMU_POISON, tls.bytes);
 }
 
 // Runs every fiber of the current block to completion, opening barriers as they fill; runnable
