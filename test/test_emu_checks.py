@@ -108,13 +108,13 @@ PRODUCTION_PLANTS = [
      "        if (t < s.T) tile[rr][dim] = val;\n", "attention", "FAIL  attn fwd"),
     # one element past the end
     ("oob-write", "llmc/cuda/misc.cuh",
-     "for (int64_t i = thread_index_1d(); i < n; i += grid_stride_1d()) out[i] = f2bf(bf2f(a[i]) + bf2f(b[i]));",
-     "for (int64_t i = thread_index_1d(); i <= n; i += grid_stride_1d()) out[i] = f2bf(bf2f(a[i]) + bf2f(b[i]));", "misc",
-     "emu: out-of-bounds write by residual_add_kernel"),
+     "for (int64_t i = thread_index_1d(); i < n; i += grid_stride_1d()) out[i] = f2bf(bf2f(a[i]) * bf2f(b[i]));",
+     "for (int64_t i = thread_index_1d(); i <= n; i += grid_stride_1d()) out[i] = f2bf(bf2f(a[i]) * bf2f(b[i]));", "misc",
+     "emu: out-of-bounds write by multiply_kernel"),
     # the grid-stride step dropped
     ("grid-stride", "llmc/cuda/misc.cuh",
-     "for (int64_t i = thread_index_1d(); i < n; i += grid_stride_1d()) out[i] = f2bf(bf2f(a[i]) + bf2f(b[i]));",
-     "for (int64_t i = thread_index_1d(); i < n; i += n) out[i] = f2bf(bf2f(a[i]) + bf2f(b[i]));", "misc", "FAIL  residual"),
+     "for (int64_t i = thread_index_1d(); i < n; i += grid_stride_1d()) out[i] = f2bf(bf2f(a[i]) * bf2f(b[i]));",
+     "for (int64_t i = thread_index_1d(); i < n; i += n) out[i] = f2bf(bf2f(a[i]) * bf2f(b[i]));", "misc", "FAIL  multiply"),
     # the column sums' barrier between the partial sums and their total
     ("thread-order", "llmc/cuda/common.cuh",
      "    for (int k = 0; k < Term::K; k++) part[k][threadIdx.y][threadIdx.x] = s[k];\n    __syncthreads();",
