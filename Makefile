@@ -15,7 +15,7 @@ CFLAGS   := -O3 -march=$(CPU_ARCH) -fopenmp -Wall -Wextra -Wno-unused-function -
 LDLIBS   := -lm -fopenmp
 # Every header of the trainers, both backends and the emulator: one list, so that any edit rebuilds
 # every binary that could include it.
-HEADERS  := $(wildcard llmc/*.h llmc/*/*.h llmc/*/*.cuh)
+HEADERS  := $(wildcard llmc/*.h llmc/*/*.h llmc/*/*.cuh llmc/*/*/*.h)
 NVCC     := $(shell command -v nvcc 2>/dev/null)
 
 # MPI (data parallelism over mpirun): Open MPI's wrapper tells its flags. Without it the
@@ -89,11 +89,11 @@ test/vit_probe build/emu/vit_probe: train_vit.cu test/probe_common.h
 train_llama train_vit test/llama_probe test/vit_probe: %: %.cu $(HEADERS)
 	$(TRAIN_BUILD)
 
-# Every program on the CPU emulator of the CUDA programming model (llmc/cuda/emu.h), one rule and
+# Every program on the CPU emulator of the CUDA programming model (llmc/cuda/emu/emu.h), one rule and
 # one flag set: build/emu/NAME is built from NAME.cu found at the top, in test/ or in dev/cuda/.
 # The trainers and probes there run the CUDA backend's kernels on the CPU under `--device cuda`,
 # so the wiring of both models into the CUDA backend is tested without a GPU (test/test_cuda_*.py);
-# emu_nccl_probe checks the NCCL emulation (llmc/cuda/emu_nccl.h) under mpirun
+# emu_nccl_probe checks the NCCL emulation (llmc/cuda/emu/emu_nccl.h) under mpirun
 # (test/test_emu_nccl.py); the dev/cuda checks test each kernel family (cuda-emu-check below).
 vpath %.cu test dev/cuda
 EMU_FLAGS = $(filter-out -O3,$(CFLAGS)) -O2 -Wno-unknown-pragmas -DLLMC_CUDA_EMU -I$(CUDA_INC)
@@ -177,7 +177,7 @@ test-py: train_llama test/llama_probe train_vit test/vit_probe test/tokenizer_pr
 # times it (dev/cuda/check.h). The same sources build three ways:
 #   make dev/cuda/norms            a GPU binary: nvcc, one -gencode per GPU_ARCH (GPU_ARCH=90 on an
 #                                  H100/H200 halves the build); run it on a GPU
-#   make cuda-emu-check            every check on the CPU emulator of llmc/cuda/emu.h (g++ and the
+#   make cuda-emu-check            every check on the CPU emulator of llmc/cuda/emu/emu.h (g++ and the
 #                                  CUDA headers only, no GPU): the kernels' logic is tested on every
 #                                  machine, CI included; part of `make test`
 #   make cuda-kernels-compile-check  every check compiled and linked by nvcc for each GPU_ARCH

@@ -12,7 +12,7 @@ static const char* mem_category_name[MEM_CATS] = {"frozen weights", "trainable w
 static const char* mem_category_key[MEM_CATS] = {"frozen", "trainable", "grads", "optimizer", "saved", "scratch"};
 
 #define PLAN_ALIGN 64
-// The CPU emulator of the CUDA backend (llmc/cuda/emu.h) is given a guard zone after every
+// The CPU emulator of the CUDA backend (llmc/cuda/emu/emu.h) is given a guard zone after every
 // buffer, so that an out-of-bounds access inside an arena is caught (backend.h registers them).
 #ifdef LLMC_CUDA_EMU
 #define PLAN_GUARD 256

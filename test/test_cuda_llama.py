@@ -251,7 +251,7 @@ def test_cuda_grad_accum_and_merged_export(tmp_path):
 
 def test_cuda_two_ranks_equal_one_process(tmp_path):
     """Two ranks with batch 2 each equal one process accumulating the same two micro-batches, with
-    the gradients summed by NCCL (emulated over MPI: llmc/cuda/emu_nccl.h) block by block during the
+    the gradients summed by NCCL (emulated over MPI: llmc/cuda/emu/emu_nccl.h) block by block during the
     backward, and by the host-and-MPI fallback (LLMC_NCCL=0) in one piece after it. Each rank's
     gradient is the process's micro-batch gradient (the same products in the same order) and a sum
     of two is exact in either order, so the adapters must be the same bits."""
