@@ -152,25 +152,6 @@ static void backend_free_plan(const Backend* be, MemPlan* p) {
     plan_free(p);
 }
 
-// Memory outside the plan (a test probe's download buffer; the trainers plan everything they
-// allocate): malloc or cudaMalloc.
-static void* backend_alloc(const Backend* be, size_t bytes, const char* what) {
-#ifdef LLMC_HAVE_CUDA
-    if (be->cuda) return cuda_malloc_checked(bytes, what);
-#endif
-    (void)be;
-    void* p = calloc(1, bytes ? bytes : 1);
-    if (!p) fail("cannot allocate %.1f MiB of host memory for %s", bytes / 1048576.0, what);
-    return p;
-}
-static void backend_free(const Backend* be, void* p) {
-#ifdef LLMC_HAVE_CUDA
-    if (be->cuda) { CUDA_CHECK(cudaFree(p)); return; }
-#endif
-    (void)be;
-    free(p);
-}
-
 // Host staging for what crosses to the GPU every step (the batch): page-locked on CUDA, so the
 // copies run at full bus speed and need no bounce buffer; plain zeroed memory otherwise.
 static void* backend_alloc_staging(const Backend* be, size_t bytes) {

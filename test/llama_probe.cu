@@ -7,6 +7,25 @@
 #include "../train_llama.cu"
 #include "probe_common.h"
 
+// Memory outside the plan, for the probe's download buffer (the trainers plan everything they
+// allocate, so this lives here, not in llmc/backend.h): malloc or cudaMalloc.
+static void* probe_alloc(const Backend* be, size_t bytes, const char* what) {
+#ifdef LLMC_HAVE_CUDA
+    if (be->cuda) return cuda_malloc_checked(bytes, what);
+#endif
+    (void)be;
+    void* p = calloc(1, bytes ? bytes : 1);
+    if (!p) fail("cannot allocate %.1f MiB of host memory for %s", bytes / 1048576.0, what);
+    return p;
+}
+static void probe_free(const Backend* be, void* p) {
+#ifdef LLMC_HAVE_CUDA
+    if (be->cuda) { CUDA_CHECK(cudaFree(p)); return; }
+#endif
+    (void)be;
+    free(p);
+}
+
 int main(int argc, char** argv) {
     TrainOptions o;
     train_options_defaults(&o);
@@ -56,11 +75,11 @@ int main(int argc, char** argv) {
     trainable_to_device(&m.tr);
     double count = count_mask(m.h_mask, (int64_t)B * T);
     int64_t nlogits = (int64_t)B * T * cfg.vocab;
-    float* logits_be = (float*)backend_alloc(&be, sizeof(float) * nlogits, "probe logits");
+    float* logits_be = (float*)probe_alloc(&be, sizeof(float) * nlogits, "probe logits");
     float* logits = (float*)xmalloc(sizeof(float) * nlogits);
     LossStats st = llama_forward_backward(&m, B, T, count > 0 ? (float)(1.0 / count) : 0.0f, 1, logits_be);
     backend_download(&be, logits, logits_be, sizeof(float) * nlogits);
-    backend_free(&be, logits_be);
+    probe_free(&be, logits_be);
     trainable_to_host(&m.tr, 1);
     float loss = count > 0 ? (float)(st.loss_sum / count) : 0.0f;
     StWriter w;

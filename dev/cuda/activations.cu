@@ -126,27 +126,6 @@ static void test_gelu(int64_t n, Rng* rng, int mode, int inplace) {
     free(x); free(y); free(codes); free(gy); free(gcodes); free(dy); free(dx); free(gdx);
 }
 
-static void test_pack(int64_t n, Rng* rng) {
-    Relu3Fit fits[2] = {RESILU2_FIT, REGELU2_FIT};
-    for (int f = 0; f < 2; f++) {
-        float* x = kink_inputs(n, rng, 4.0f, fits[f]);
-        int64_t nb = packed_codes_bytes(n);
-        uint8_t* want = (uint8_t*)xmalloc(nb);
-        pack_codes_2bit(want, x, n, fits[f]);
-        bf16* d_x = upload_bf16(x, n);
-        uint8_t* d_c = (uint8_t*)dev_alloc(nb);
-        dev_poison(d_c, nb);
-        pack_codes_2bit_cuda(d_c, d_x, n, fits[f], g_stream);
-        uint8_t* got = download_bytes(d_c, nb);
-        char name[96];
-        snprintf(name, sizeof(name), "pack_codes_2bit %s, n=%lld", f ? "ReGELU2" : "ReSiLU2", (long long)n);
-        check_equal_bytes(name, got, want, nb);
-        CUDA_CHECK(cudaFree(d_x));
-        CUDA_CHECK(cudaFree(d_c));
-        free(x); free(want); free(got);
-    }
-}
-
 static void time_activations(void) {
     int64_t n = (int64_t)8192 * 11008;  // tokens x LLaMA-7B hidden
     bf16 *g = (bf16*)dev_alloc(2 * n), *u = (bf16*)dev_alloc(2 * n), *p = (bf16*)dev_alloc(2 * n), *sg = (bf16*)dev_alloc(2 * n);
@@ -174,7 +153,6 @@ int main(void) {
     check_begin("dev/cuda/activations: SwiGLU / GELU, exact and 2-bit, vs llmc/cpu/activations.h");
     int64_t sizes[] = {1, 3, 14, 1001, 4099, 65537};
     for (int i = 0; i < 6; i++) {
-        test_pack(sizes[i], &rng);
         for (int approx = 0; approx < 2; approx++) test_swiglu(sizes[i], &rng, approx);
         for (int mode = 0; mode < 3; mode++) test_gelu(sizes[i], &rng, mode, 0);
     }

@@ -11,23 +11,6 @@
 #include "common.cuh"
 #include "../approx_act.h"
 
-// Packs the codes of x[0..n) into out[(n+3)/4] (twin of pack_codes_2bit).
-__global__ void pack_codes_2bit_kernel(uint8_t* __restrict__ out, const bf16* __restrict__ x, int64_t n, Relu3Fit fit) {
-    int64_t nb = (n + 3) / 4;
-    for (int64_t b = thread_index_1d(); b < nb; b += grid_stride_1d()) {
-        uint8_t byte = 0;
-        for (int k = 0; k < 4; k++) {
-            int64_t i = 4 * b + k;
-            if (i < n) byte |= (uint8_t)(relu3_code(bf2f(x[i]), fit) << (2 * k));
-        }
-        out[b] = byte;
-    }
-}
-static void pack_codes_2bit_cuda(uint8_t* out, const bf16* x, int64_t n, Relu3Fit fit, cudaStream_t stream) {
-    if (n == 0) return;
-    launch_kernel(grid_for((n + 3) / 4, 256), 256, 0, stream, pack_codes_2bit_kernel, out, x, n, fit);
-}
-
 // ---- SwiGLU ----------------------------------------------------------------------------------
 
 // sg = silu(g), p = sg * u (from the unrounded silu, as the CPU); codes (ReSiLU2) when non-NULL.

@@ -82,16 +82,6 @@ static void cublas_detach_workspace(const void* work) {
     if (work && g_cublas.workspace == work && !g_cublas.owns_workspace) cublas_attach_workspace(NULL, 0);
 }
 
-static void cublas_teardown(void) {
-    if (g_cublas.owns_workspace) CUDA_CHECK(cudaFree(g_cublas.workspace));
-    if (g_cublas.ready) {
-        matmul_plans_free();
-        CUBLAS_CHECK(cublasDestroy(g_cublas.blas));
-        CUBLAS_CHECK(cublasLtDestroy(g_cublas.lt));
-    }
-    memset(&g_cublas, 0, sizeof(g_cublas));
-}
-
 // The classic handle on `stream` with our workspace: cublasSetStream resets the workspace to
 // cuBLAS's own pool (which it would allocate outside the plan), so it is set again every time.
 static void cublas_use_stream(cudaStream_t stream) {
