@@ -30,6 +30,7 @@
 #include "llmc/backend.h"
 #include "llmc/ops.h"
 #include "llmc/fit.h"
+#include "llmc/nf4.h"
 
 // ----------------------------------------------------------------------------------------------
 // Config (config.json of a Hugging Face LLaMA checkpoint)
@@ -170,6 +171,11 @@ typedef struct {
     void **kv_k, **kv_v;   // --generate: [layers] the key/value cache, [T, KVH*hd] each
     float* gen_logits;     // --generate: [V] the last position's logits
     void* blas_work;       // CUDA: cuBLAS's and cuBLASLt's workspace (llmc/blas_plan.h)
+    // --quant nf4: the tables (NF4 values, dynamic map; backend and host copies) and the scratch
+    // every linear's W is dequantized into before its products (llmc/nf4.h), else NULL
+    float* nf4_tables;
+    float h_nf4_tables[NF4_TABLE_FLOATS];
+    void* nf4_scratch;
     void* lora_norm_work;  // MS norms, --ms-lora exact: the adapters' scratch (llmc/lora.h), else NULL
     int *inputs, *targets; // on the backend
     int *embed_order, *h_embed_order;  // --full: the batch's positions sorted by token (embedding_token_order)
@@ -236,8 +242,17 @@ static void llama_plan(Llama* m, MemPlan* p) {
             plan_add(p, MEM_FROZEN, "mlp_norm", l, "mlp_norm", d * wbytes, &layer->mlp_norm);
         }
         if (md->full) continue;  // the linear weights are the trainable arena then (fp32)
-        for (int t = 0; t < N_TARGETS; t++)
-            plan_add(p, MEM_FROZEN, target_names[t], l, target_names[t], lin_in(c, t) * lin_out(c, t) * wbytes, linear_weight_slot(be, &layer->lin[t]));
+        for (int t = 0; t < N_TARGETS; t++) {
+            int64_t n = lin_in(c, t) * lin_out(c, t);
+            if (md->nf4) plan_add(p, MEM_FROZEN, target_names[t], l, target_names[t], (size_t)nf4_tensor_bytes(n), (void*)&layer->lin[t].nf4);
+            else plan_add(p, MEM_FROZEN, target_names[t], l, target_names[t], n * wbytes, linear_weight_slot(be, &layer->lin[t]));
+        }
+    }
+    if (md->nf4) {  // the tables, and one scratch of the largest linear's weights, refilled before each product
+        int64_t biggest = 0;
+        for (int t = 0; t < N_TARGETS; t++) biggest = lin_in(c, t) * lin_out(c, t) > biggest ? lin_in(c, t) * lin_out(c, t) : biggest;
+        plan_add(p, MEM_FROZEN, "nf4", -1, "nf4_tables", sizeof(float) * NF4_TABLE_FLOATS, &m->nf4_tables);
+        plan_add(p, MEM_SCRATCH, "nf4", -1, "nf4_dequant", biggest * wbytes, &m->nf4_scratch);
     }
     int64_t n_params = md->full ? V * d * (c->tied ? 1 : 2) + d + (train_norms ? 2 * c->layers * d : 0) : 0;
     for (int l = 0; l < c->layers; l++)
@@ -348,6 +363,10 @@ static void llama_bind(Llama* m) {
             }
             L->in = (int)lin_in(c, t);
             L->out = (int)lin_out(c, t);
+            if (m->modes.nf4) {
+                L->nf4_tables = m->nf4_tables;
+                *linear_weight_slot(m->be, L) = m->nf4_scratch;
+            }
             if (m->modes.full) {
                 trainable_bind_linear_weight(&m->tr, &off, L);  // full fine-tuning: W trains in the arena
             } else if (m->modes.targets >> t & 1) {
@@ -438,10 +457,34 @@ static void load_weight(Llama* m, const StModel* sm, const char* name, void* dst
 
 // A linear's weight from fp32 host values: frozen, to the backend (bf16 on CUDA); trained under
 // --full, to the trainable arena's host mirror (trainable_to_device sends it on, with its shadow).
+// Under --quant nf4 the weight is quantized here, on the host, and its NF4 bytes go to the backend.
 static void llama_set_linear_weight(Llama* m, Linear* lin, const float* w) {
     int64_t n = (int64_t)lin->out * lin->in;
-    if (m->modes.full) memcpy(lin->W, w, sizeof(float) * n);
-    else backend_upload_weights(m->be, *linear_weight_slot(m->be, lin), w, n);
+    if (m->modes.full) { memcpy(lin->W, w, sizeof(float) * n); return; }
+    if (!m->modes.nf4) { backend_upload_weights(m->be, *linear_weight_slot(m->be, lin), w, n); return; }
+    void* q = xmalloc((size_t)nf4_tensor_bytes(n));
+    float* absmax = (float*)xmalloc(sizeof(float) * nf4_blocks(n));
+    nf4_quantize(nf4_view(q, n), w, m->h_nf4_tables, absmax);
+    backend_upload(m->be, (void*)lin->nf4, q, (size_t)nf4_tensor_bytes(n));
+    free(absmax);
+    free(q);
+}
+
+// --quant nf4: the tables every NF4 weight is quantized and dequantized with (host and backend).
+static void llama_set_nf4_tables(Llama* m, const float* tables) {
+    if (!m->modes.nf4) return;
+    memcpy(m->h_nf4_tables, tables, sizeof(m->h_nf4_tables));
+    backend_upload(m->be, m->nf4_tables, tables, sizeof(m->h_nf4_tables));
+}
+
+// Under --quant nf4, the fp32 weights a linear's products use: its NF4 tensor read back from the
+// backend and dequantized (merged under MS norms). w: out*in floats.
+static void llama_linear_weights_f32(const Llama* m, const Linear* L, float* w) {
+    int64_t n = (int64_t)L->out * L->in;
+    void* q = xmalloc((size_t)nf4_tensor_bytes(n));
+    backend_download(m->be, q, L->nf4, (size_t)nf4_tensor_bytes(n));
+    nf4_dequantize(w, nf4_view(q, n), m->h_nf4_tables);
+    free(q);
 }
 
 static void llama_load_weights(Llama* m, const char* dir) {
@@ -450,6 +493,9 @@ static void llama_load_weights(Llama* m, const char* dir) {
     for (int t = 0; t < N_TARGETS; t++) if (lin_in(c, t) * lin_out(c, t) > biggest) biggest = lin_in(c, t) * lin_out(c, t);
     float* tmp = (float*)xmalloc(sizeof(float) * biggest);
     m->gamma_host = (float*)xmalloc(sizeof(float) * 2 * c->layers * d);
+    float tables[NF4_TABLE_FLOATS];
+    nf4_fill_tables(tables);
+    llama_set_nf4_tables(m, tables);
     StModel sm;
     st_model_open(&sm, dir);
     char name[256];
@@ -493,6 +539,9 @@ static void llama_random_weights(Llama* m, uint64_t seed) {
     for (int64_t i = drawn; i < biggest; i += drawn) memcpy(tmp + i, tmp, sizeof(float) * (biggest - i < drawn ? biggest - i : drawn));
     m->gamma_host = (float*)xmalloc(sizeof(float) * 2 * c->layers * d);
     for (int64_t i = 0; i < 2 * c->layers * d; i++) m->gamma_host[i] = 1.0f;
+    float tables[NF4_TABLE_FLOATS];
+    nf4_fill_tables(tables);
+    llama_set_nf4_tables(m, tables);
     backend_set_weight(m->be, m->embed, m->h_embed, tmp, c->vocab * d);
     backend_set_weight(m->be, m->final_norm, m->h_final_norm, m->gamma_host, d);
     if (!c->tied) backend_set_weight(m->be, m->lm_head, m->h_lm_head, tmp, c->vocab * d);
@@ -817,8 +866,8 @@ static void llama_generate(Llama* m, const ModelTokenizer* tok, const char* prom
 
 // --dry-run --json: the run's settings as the fields of a JSON object, into buf (plan_json writes them).
 static void llama_settings_json(char* buf, size_t n, const TrainOptions* o, const char* device) {
-    snprintf(buf, n, "\"model\": \"llama\", \"device\": \"%s\", \"mode\": \"%s\", \"act\": \"%s\", \"norm\": \"%s\", \"recompute\": \"%s\", \"batch\": %d, \"seq\": %d, \"lora_rank\": %d",
-             device, o->mode, o->act, o->norm, o->recompute, o->batch, o->seq, o->lora_rank);
+    snprintf(buf, n, "\"model\": \"llama\", \"device\": \"%s\", \"mode\": \"%s\", \"act\": \"%s\", \"norm\": \"%s\", \"recompute\": \"%s\", \"batch\": %d, \"seq\": %d, \"lora_rank\": %d, \"quant\": \"%s\"",
+             device, o->mode, o->act, o->norm, o->recompute, o->batch, o->seq, o->lora_rank, o->quant);
 }
 
 // What fit_check_plan plans with: the run's model, backend and ranks at sequence length T.
@@ -859,6 +908,7 @@ static void llama_dry_run(const LlamaConfig* cfg, const TrainOptions* o, TrainMo
         printf("train_llama dry run: d=%d f=%d layers=%d heads=%d kv_heads=%d vocab=%d, batch %d x seq %d, %s", cfg->dim, cfg->hidden,
                cfg->layers, cfg->heads, cfg->kv_heads, cfg->vocab, o->batch, o->seq, o->full ? "full fine-tuning" : "LoRA");
         if (!o->full) printf(" r=%d", o->lora_rank);
+        if (md.nf4) printf(", frozen linears NF4");
         if (ranks.world > 1) printf(", one of %d ranks", ranks.world);
         printf("\n");
         plan_print(&m.plan, &base.plan, o->mode, be.layout);
@@ -979,7 +1029,12 @@ static void llama_export_merged(Llama* m, const TrainOptions* o, const char* dir
                 peft_scale_columns(W, L->W, llama_merged_gamma(m, l, tg), L->out, L->in, 1, t->name);
             } else {
                 float* A = (float*)xmalloc(sizeof(float) * r * L->in);
-                st_to_f32(t, W);
+                if (L->nf4) {  // NF4: the dequantized weight the run used, the MS merge undone (as PEFT merges a 4-bit model)
+                    llama_linear_weights_f32(m, L, W);
+                    peft_scale_columns(W, W, llama_merged_gamma(m, l, tg), L->out, L->in, 1, t->name);
+                } else {
+                    st_to_f32(t, W);
+                }
                 peft_scale_columns(A, L->A, llama_adapter_gamma(m, l, tg), r, L->in, 1, t->name);
                 matmul_nn(W, L->B, A, L->out, L->in, r, m->modes.lora_scale, 1);
                 free(A);
@@ -1022,10 +1077,10 @@ static void llama_save(Llama* m, const TrainOptions* o, const Dist* dist, const 
 static void llama_settings_line(char* buf, size_t n, const Llama* m, const TrainOptions* o, const Dist* d, int64_t data_tokens) {
     const LlamaConfig* c = &m->cfg;
     snprintf(buf, n, "d=%d f=%d layers=%d heads=%d kv_heads=%d vocab=%d full=%d act=%s norm=%s ms_lora=%s recompute=%s rank=%d alpha=%g targets=0x%x "
-             "batch=%d seq=%d grad_accum=%d world=%d steps=%d lr=%g warmup=%d min_lr_frac=%g weight_decay=%g grad_clip=%g seed=%d data_tokens=%lld",
+             "batch=%d seq=%d grad_accum=%d world=%d steps=%d lr=%g warmup=%d min_lr_frac=%g weight_decay=%g grad_clip=%g seed=%d data_tokens=%lld quant=%s",
              c->dim, c->hidden, c->layers, c->heads, c->kv_heads, c->vocab, o->full, o->act, o->norm, o->ms_lora, o->recompute, o->lora_rank, o->lora_alpha,
              m->modes.targets, o->batch, o->seq, o->grad_accum, d->world, o->steps, o->lr, o->warmup, o->min_lr_frac, o->weight_decay,
-             o->grad_clip, o->seed, (long long)data_tokens);
+             o->grad_clip, o->seed, (long long)data_tokens, o->quant);
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -1101,6 +1156,9 @@ static void llama_flags(FlagTable* t, TrainOptions* o) {
                 "keep the down projection's input, or rebuild it from silu(g)*u in backward (beyond the paper)");
     t->group = "model and data";
     flag_string(t, "export-merged", &o->export_merged, "after training (or alone, with --adapter), write the model with the adapter folded in to this directory");
+    t->group = "memory modes (the paper's layers)";
+    flag_choice(t, "quant", &o->quant, "none|nf4",
+                "frozen linear weights: as read (bf16 on CUDA, fp32 on the CPU), or QLoRA's NF4 with double quantization (after the MS merge)");
 }
 
 #ifndef TESTING

@@ -11,6 +11,7 @@
 #include "common.h"
 #include "rng.h"
 #include "cpu/matmul.h"
+#include "nf4.h"
 
 // The CUDA backend's copy of a layer (device pointers; all NULL on the CPU backend). The adapter's
 // fp32 masters and gradients sit in the device trainable arena at the same offsets as the host
@@ -38,6 +39,11 @@ typedef struct {
     // buffers (fp32 on the CPU, bf16 on CUDA); NULL otherwise (beta NULL for RMSNorm).
     const void *norm_gamma, *norm_beta;
     void* norm_work;       // scratch shared by every such layer: lora_norm_work_bytes
+    // --quant nf4: W (L->W on the CPU, L->dev.W on CUDA) is a dequantization scratch shared by
+    // every layer, refilled from this NF4 tensor (llmc/nf4.h) before each product that reads W.
+    // Backend buffers: the quantized tensor and the tables (NF4 values, dynamic map); else NULL.
+    const void* nf4;
+    const float* nf4_tables;
 } Linear;
 
 // Model FLOPs per token of a linear layer in one training step (MFU's numerator; recomputation
@@ -126,6 +132,7 @@ static void lora_norm_grad(float* dA, const float* G, const float* gamma, const 
 // accumulate = 1 adds to y (a residual connection), bias included. Behind a merged norm the
 // adapter's input is gamma*x + beta (see above).
 static void linear_forward(float* y, const float* x, const Linear* L, float* ax, int64_t N, int rank, float scale, int accumulate) {
+    if (L->nf4) nf4_dequantize(L->W, nf4_view((void*)L->nf4, (int64_t)L->out * L->in), L->nf4_tables);
     matmul_nt(y, x, L->W, (int)N, L->out, L->in, 1.0f, accumulate);
     if (L->bias) add_bias_rows(y, L->bias, N, L->out);
     if (!L->A) return;
@@ -158,6 +165,7 @@ static void bias_grad_rows(float* db, const float* dy, int64_t N, int out) {
 // layer has an adapter or a trainable W. dx NULL: no input gradient (the patch embedding).
 static void linear_backward(float* dx, const float* dy, const float* x, const float* ax, const Linear* L, float* dax,
                             int64_t N, int rank, float scale, int accumulate) {
+    if (dx && L->nf4) nf4_dequantize(L->W, nf4_view((void*)L->nf4, (int64_t)L->out * L->in), L->nf4_tables);
     if (dx) matmul_nn(dx, dy, L->W, (int)N, L->in, L->out, 1.0f, accumulate);
     if (L->dW) matmul_tn(L->dW, dy, x, L->out, L->in, (int)N, 1.0f, 1);
     if (L->dbias) bias_grad_rows(L->dbias, dy, N, L->out);

@@ -30,6 +30,7 @@ typedef struct {
     const char* recompute;  // none | block
     const char* swiglu_product;  // keep | recompute (beyond the paper; LLaMA only)
     const char* ms_lora;    // exact | merged: what an adapter behind an MS norm sees (gamma*z + beta, or z: the paper's)
+    const char* quant;      // none | nf4: frozen linear weights stored as NF4 (llmc/nf4.h; LLaMA only)
     // LoRA
     int lora_rank;
     float lora_alpha;
@@ -61,6 +62,7 @@ static void train_options_defaults(TrainOptions* o) {
     o->nonfinite = "stop";
     o->swiglu_product = "keep";
     o->ms_lora = "exact";
+    o->quant = "none";
     o->lora_rank = 8; o->lora_alpha = 16.0f;
     o->device = "auto";
     o->seed = 1337; o->threads = 0;
@@ -167,6 +169,8 @@ static void train_validate(const TrainOptions* o) {
     if (o->resume_dir && o->adapter_dir) fail("flag --adapter: not with --resume (the training state holds the adapter)");
     if (o->full && (o->lora_targets || o->adapter_dir)) fail("flag --full: not with --lora-targets or --adapter (no adapters in full fine-tuning)");
     if (o->classes < 0) fail("flag --classes: expected >= 0, got %d", o->classes);
+    if (o->full && strcmp(o->quant, "none") != 0)
+        fail("flag --quant %s: not with --full (full fine-tuning trains the weights themselves, in fp32; quantization is for frozen weights)", o->quant);
     if (!strcmp(o->ms_lora, "merged") && (strcmp(o->norm, "ms") != 0 || o->full))
         fail("flag --ms-lora merged: only with --norm ms (or --mode lowmem) and LoRA, not with %s", o->full ? "--full" : "--norm std");
 }
@@ -213,6 +217,7 @@ typedef struct {
     int recompute_product;  // --swiglu-product recompute (LLaMA only)
     int generate;           // --generate: plan the key/value cache and the logits it samples from (LLaMA only)
     int full;               // train the weights themselves instead of LoRA adapters
+    int nf4;                // --quant nf4: frozen linear weights in NF4, dequantized before each product
     unsigned targets;       // bit t: linear t of every block carries an adapter
     int rank;
     float lora_scale;
@@ -227,6 +232,7 @@ static TrainModes train_modes_from(const TrainOptions* o, const char* const* tar
     md.recompute_product = strcmp(o->swiglu_product, "recompute") == 0;
     md.ms_lora_merged = strcmp(o->ms_lora, "merged") == 0;
     md.full = o->full;
+    md.nf4 = strcmp(o->quant, "nf4") == 0;
     md.targets = o->full ? 0 : parse_targets(o->lora_targets, target_names, n_targets, "lora-targets");
     md.rank = o->lora_rank;
     md.lora_scale = o->lora_alpha / (float)o->lora_rank;

@@ -12,6 +12,7 @@
 #include "common.cuh"
 #include "matmul.cuh"
 #include "misc.cuh"
+#include "nf4.cuh"
 #include "../lora.h"
 
 // Ag = bf16(A diag(gamma)) from the fp32 master A [r, in]: one rounding. Twin of lora_fold_gamma.
@@ -40,6 +41,7 @@ static void lora_norm_grad_cuda(float* dA, const float* G, const bf16* gamma, co
 static void linear_forward_cuda(bf16* y, const bf16* x, const Linear* L, bf16* ax, int64_t N, int rank, float scale, int accumulate,
                                 cudaStream_t stream) {
     const LinearDevice* D = &L->dev;
+    if (L->nf4) nf4_dequantize_cuda((bf16*)D->W, L->nf4, L->nf4_tables, (int64_t)L->out * L->in, stream);
     if (D->bias) matmul_nt_bias_cuda(y, x, (const bf16*)D->W, (const bf16*)D->bias, (int)N, L->out, L->in, 1.0f, accumulate, stream);
     else matmul_nt_cuda(y, x, (const bf16*)D->W, (int)N, L->out, L->in, 1.0f, accumulate, stream);
     if (!D->A) return;
@@ -64,6 +66,7 @@ static void linear_forward_cuda(bf16* y, const bf16* x, const Linear* L, bf16* a
 static void linear_backward_cuda(bf16* dx, const bf16* dy, const bf16* x, const bf16* ax, const Linear* L, bf16* dax, int64_t N,
                                  int rank, float scale, int accumulate, cudaStream_t stream) {
     const LinearDevice* D = &L->dev;
+    if (dx && L->nf4) nf4_dequantize_cuda((bf16*)D->W, L->nf4, L->nf4_tables, (int64_t)L->out * L->in, stream);
     if (dx) matmul_nn_cuda(dx, dy, (const bf16*)D->W, (int)N, L->in, L->out, 1.0f, accumulate, stream);
     if (D->dW) matmul_tn_cuda(D->dW, dy, x, L->out, L->in, (int)N, 1.0f, 1, stream);
     if (D->dbias) bias_grad_rows_cuda(D->dbias, dy, N, L->out, stream);
