@@ -113,6 +113,9 @@ test/test_units: test/test_units.cu $(HEADERS)
 test/tokenizer_probe: test/tokenizer_probe.cu $(HEADERS)
 	$(CXX) $(CFLAGS) $< -o $@ $(LDLIBS)
 
+test/nf4_probe: test/nf4_probe.cu $(HEADERS)
+	$(CXX) $(CFLAGS) $< -o $@ $(LDLIBS)
+
 run: train_llama train_vit
 	./train_llama --model data/llama_demo --data data/llama_demo_ft_train.bin --val data/llama_demo_ft_val.bin \
 	  --mode lowmem --steps 60 --batch 8 --seq 128 --lr 3e-3 --warmup 5 --val-every 20 --lora-rank 8 \
@@ -172,7 +175,7 @@ test-asan: build/asan/train_llama build/asan/train_vit build/asan/test/test_unit
 test-c: test/test_units
 	./test/test_units
 
-test-py: train_llama test/llama_probe train_vit test/vit_probe test/tokenizer_probe $(if $(wildcard $(CUDA_INC)/cuda_bf16.h),$(EMU_MODEL_BINS))
+test-py: train_llama test/llama_probe train_vit test/vit_probe test/tokenizer_probe test/nf4_probe $(if $(wildcard $(CUDA_INC)/cuda_bf16.h),$(EMU_MODEL_BINS))
 	$(PYTHON) -m pytest -q test
 
 # ==== CUDA backend: kernel checks, compile checks, the GPU suite ================================
@@ -304,4 +307,4 @@ quality: train_llama train_vit
 	PYTHON=$(PYTHON) bash scripts/bench/quality.sh $(QUALITY_ARGS)
 
 clean:
-	rm -rf train_llama test/llama_probe test/test_units train_vit test/vit_probe test/tokenizer_probe build $(CUDA_DEV_BINS)
+	rm -rf train_llama test/llama_probe test/test_units train_vit test/vit_probe test/tokenizer_probe test/nf4_probe build $(CUDA_DEV_BINS)
