@@ -150,3 +150,73 @@ def test_cuda_nf4_model_matches_reference_on_dequantized_weights(setup, mode):
     print(f"nf4 cuda {mode}: logits {e_logits:.2e} loss {e_loss:.2e} grads median {grads[len(grads) // 2][0]:.2e} worst {grads[-1]}")
     assert e_logits < tol["logits"] and e_loss < tol["loss"], (e_logits, e_loss)
     assert grads[-1][0] < tol["grad"] and grads[len(grads) // 2][0] < tol["grad"] / 3, grads[-1]
+
+
+# ---- the plan, the command line, resume and export ------------------------------------------------
+
+from test_llama_cli import LLAMA2_7B, dry_run, expect_error, losses, run, tiny, train_args, val_losses  # noqa: E402,F401
+from test_cuda_llama import memory_line  # noqa: E402
+from cuda_backend import check_measured_memory, run as run_cmd  # noqa: E402
+
+
+def nf4_bytes(n):
+    """One NF4 tensor of n weights, from the format's rules (no padding at LLaMA-2's sizes, all
+    multiples of 64 x 256 x 16): n/2 bytes of codes, one absmax code per 64 weights, one fp32
+    nested absmax per 256 absmaxes, one fp32 offset."""
+    assert n % (64 * 256 * 16) == 0
+    return n // 2 + n // 64 + 4 * (n // 64 // 256) + 4
+
+
+@pytest.mark.parametrize("device,wbytes", [("cuda", 2), ("cpu", 4)])
+def test_dry_run_counts_nf4_bytes_exactly(tmp_path, device, wbytes):
+    """LLaMA-2-7B: the frozen arena swaps each linear's wbytes * n for its NF4 bytes (each buffer
+    rounded up to the plan's 64 bytes), plus the tables (16 + 256 fp32); the scratch gains one
+    dequantized copy of the largest linear (11008 x 4096) in the backend's weight type."""
+    args = ("--mode", "lowmem", "--batch", 1, "--seq", 2048, "--device", device)
+    plain = dry_run(tmp_path, LLAMA2_7B, *args)
+    q = dry_run(tmp_path, LLAMA2_7B, *args, "--quant", "nf4")
+    d, f, L = 4096, 11008, 32
+    sizes = [d * d] * 4 + [d * f] * 3
+    r64 = lambda b: -(-b // 64) * 64  # noqa: E731
+    want = plain["categories"]["frozen"] - L * sum(r64(wbytes * n) for n in sizes) + L * sum(r64(nf4_bytes(n)) for n in sizes) + r64(272 * 4)
+    assert q["categories"]["frozen"] == want
+    assert q["categories"]["scratch"] - plain["categories"]["scratch"] == r64(wbytes * d * f)
+    assert q["activation_bytes"] == plain["activation_bytes"] and q["quant"] == "nf4"
+    print(f"7B {device}: frozen {plain['categories']['frozen'] / 2**30:.2f} GiB -> NF4 {q['categories']['frozen'] / 2**30:.2f} GiB")
+
+
+def test_full_refuses_nf4(tiny):
+    expect_error(train_args(tiny, "--full", "--quant", "nf4"), "--quant nf4", "--full")
+
+
+def test_nf4_resume_and_merged_export(tiny, tmp_path):
+    """Under --quant nf4 (lowmem: quantized after the MS merge): a run stopped and resumed equals an
+    uninterrupted one bit for bit; a resume without --quant nf4 is refused; the merged export
+    (dequantized W, MS merge undone, + alpha/r B A; fp32 like the input) evaluated without NF4
+    gives the loss of the NF4 model with its adapter, up to fp32 rounding of the merge and its
+    inverse (relative 1e-5 on a loss of order 1)."""
+    a, b, e = tmp_path / "a", tmp_path / "b", tmp_path / "merged"
+    full = run(train_args(tiny, "--steps", 4, "--quant", "nf4", "--out", a))
+    run(train_args(tiny, "--steps", 4, "--stop-at", 2, "--quant", "nf4", "--out", b))
+    rest = run(train_args(tiny, "--steps", 4, "--quant", "nf4", "--resume", b))
+    assert losses(full.stdout)[2:] == losses(rest.stdout) and len(losses(rest.stdout)) == 2
+    expect_error(train_args(tiny, "--steps", 4, "--resume", b), "quant")
+    common = ["--val", tiny / "val.bin", "--eval-only", "--batch", 4, "--seq", 32, "--val-batches", 4]
+    q = run(["--model", tiny / "model", "--adapter", a, "--lora-rank", 4, "--quant", "nf4", "--export-merged", e] + common)
+    m = run(["--model", e] + common)
+    lq, lm = val_losses(q.stdout)[-1], val_losses(m.stdout)[-1]
+    unq = val_losses(run(["--model", tiny / "model", "--adapter", a, "--lora-rank", 4] + common).stdout)[-1]
+    assert abs(lq - lm) <= 1e-5 * abs(lq), (lq, lm)
+    assert abs(lq - unq) > 1e-4, (lq, unq)  # the export carries NF4's weights, not the checkpoint's
+
+
+def test_cuda_nf4_run_measures_its_plan(tiny):
+    """On the CUDA emulator: a short --quant nf4 run allocates exactly its plan (NF4 tensors,
+    tables, the bf16 scratch) and its losses track the CPU backend's within bf16 drift (1 %)."""
+    args = [str(x) for x in train_args(tiny, "--steps", 3, "--quant", "nf4")]
+    cuda = run_cmd([need(CUDA_TRAIN)] + args + ["--device", "cuda"]).stdout
+    cpu = run_cmd([need(CPU_TRAIN)] + args + ["--device", "cpu"]).stdout
+    planned, _, measured = memory_line(cuda)
+    check_measured_memory(planned, measured)
+    for x, y in zip(losses(cuda), losses(cpu)):
+        assert abs(x - y) <= 0.01 * abs(y), (losses(cuda), losses(cpu))
