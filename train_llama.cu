@@ -31,6 +31,7 @@
 #include "llmc/ops.h"
 #include "llmc/fit.h"
 #include "llmc/nf4.h"
+#include "llmc/bnb.h"
 
 // ----------------------------------------------------------------------------------------------
 // Config (config.json of a Hugging Face LLaMA checkpoint)
@@ -106,6 +107,7 @@ static void llama_config_load(LlamaConfig* c, const char* model_dir) {
     json_free(&j);
     free(text);
     free(path);
+    bnb_config_nf4(model_dir);  // a quantization_config other than bitsandbytes NF4 is refused here, before any work
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -442,6 +444,8 @@ static void llama_free(Llama* m) {
 
 static void load_tensor(const StModel* sm, const char* name, float* dst, int64_t rows, int64_t cols) {
     const StTensor* t = st_model_require(sm, name);
+    if (t->dtype == ST_U8)  // bitsandbytes quantizes the blocks' linears only (not the embedding, head or norms)
+        fail("%s: tensor \"%s\" is stored quantized (U8); only the blocks' linear weights may be 4-bit", t->file, name);
     int64_t shape2[2] = {rows, cols};
     st_check_shape(t, cols ? 2 : 1, cols ? shape2 : &rows);
     st_to_f32(t, dst);
@@ -487,17 +491,53 @@ static void llama_linear_weights_f32(const Llama* m, const Linear* L, float* w) 
     free(q);
 }
 
+// A bitsandbytes checkpoint: the dynamic map of its first quantized weight becomes the model's
+// (every weight must carry the same one), so that its NF4 bytes are used as they are.
+static void llama_bnb_tables(const Llama* m, const StModel* sm, float* tables) {
+    char name[256];
+    snprintf(name, sizeof(name), "model.layers.0.%s.weight", hf_module_names[0]);
+    if (!bnb_is_quantized(sm, name)) return;
+    BnbWeight w = bnb_read(sm, name, lin_out(&m->cfg, 0), lin_in(&m->cfg, 0));
+    if (!w.dyn) return;
+    for (int i = 0; i < NF4_DYN_SIZE; i++)  // bitsandbytes' fp32 linspace: a few ulps from ours
+        if (!(fabsf(w.dyn[i] - tables[16 + i]) <= 1e-6f * fabsf(tables[16 + i])))
+            fail("%s: \"%s.nested_quant_map\" is not bitsandbytes' dynamic map (entry %d is %g, expected %g)", sm->dir, name, i, w.dyn[i], tables[16 + i]);
+    memcpy(tables + 16, w.dyn, sizeof(float) * NF4_DYN_SIZE);
+}
+
+// Linear `lin`'s weight `name` into tmp (fp32), or, when it is a bitsandbytes NF4 weight that can
+// stay as stored (--quant nf4, double-quantized, no norm to merge into it), straight to the
+// backend: returns 1 then.
+static int llama_read_linear(Llama* m, const StModel* sm, int bnb, const char* name, Linear* lin, float* tmp, int merging) {
+    if (!bnb || !bnb_is_quantized(sm, name)) { load_tensor(sm, name, tmp, lin->out, lin->in); return 0; }
+    BnbWeight w = bnb_read(sm, name, lin->out, lin->in);
+    if (w.dyn && memcmp(w.dyn, m->h_nf4_tables + 16, sizeof(float) * NF4_DYN_SIZE) != 0 && m->modes.nf4)
+        fail("%s: \"%s.nested_quant_map\" differs from the first weight's (a mismatched quant state)", sm->dir, name);
+    if (m->modes.nf4 && w.qabsmax && !merging) {
+        int64_t n = (int64_t)lin->out * lin->in;
+        void* q = xcalloc(1, (size_t)nf4_tensor_bytes(n));
+        bnb_to_nf4(&w, q);
+        backend_upload(m->be, (void*)lin->nf4, q, (size_t)nf4_tensor_bytes(n));
+        free(q);
+        return 1;
+    }
+    bnb_dequantize(&w, tmp);  // to fp32: for the MS merge (requantized after it), or for a run without --quant nf4
+    return 0;
+}
+
 static void llama_load_weights(Llama* m, const char* dir) {
     const LlamaConfig* c = &m->cfg;
     int64_t d = c->dim, biggest = (int64_t)c->vocab * d;
     for (int t = 0; t < N_TARGETS; t++) if (lin_in(c, t) * lin_out(c, t) > biggest) biggest = lin_in(c, t) * lin_out(c, t);
     float* tmp = (float*)xmalloc(sizeof(float) * biggest);
     m->gamma_host = (float*)xmalloc(sizeof(float) * 2 * c->layers * d);
-    float tables[NF4_TABLE_FLOATS];
-    nf4_fill_tables(tables);
-    llama_set_nf4_tables(m, tables);
+    int bnb = bnb_config_nf4(dir);
     StModel sm;
     st_model_open(&sm, dir);
+    float tables[NF4_TABLE_FLOATS];
+    nf4_fill_tables(tables);
+    if (bnb) llama_bnb_tables(m, &sm, tables);
+    llama_set_nf4_tables(m, tables);
     char name[256];
     load_weight(m, &sm, "model.embed_tokens.weight", m->embed, m->h_embed, tmp, c->vocab, d);
     load_weight(m, &sm, "model.norm.weight", m->final_norm, m->h_final_norm, tmp, d, 0);
@@ -514,8 +554,8 @@ static void llama_load_weights(Llama* m, const char* dir) {
         for (int t = 0; t < N_TARGETS; t++) {
             Linear* lin = &layer->lin[t];
             snprintf(name, sizeof(name), "model.layers.%d.%s.weight", l, hf_module_names[t]);
-            load_tensor(&sm, name, tmp, lin->out, lin->in);
             const float* gamma = !m->modes.ms ? NULL : t <= T_V ? g_attn : (t == T_GATE || t == T_UP) ? g_mlp : NULL;
+            if (llama_read_linear(m, &sm, bnb, name, lin, tmp, gamma != NULL)) continue;
             if (gamma) merge_norm_affine(tmp, NULL, lin->out, lin->in, gamma, NULL);
             llama_set_linear_weight(m, lin, tmp);
         }
@@ -996,6 +1036,36 @@ static const float* llama_trained_tensor(const Llama* m, const char* name) {
     return NULL;
 }
 
+// An NF4 linear of the export, as PEFT merges a 4-bit model: the dequantized W (a bitsandbytes
+// checkpoint's own, or under --quant nf4 the NF4 copy the run used with the MS merge undone) plus
+// alpha/r B A, in bf16 for a bitsandbytes input, else in the input tensor's dtype. Added to the
+// writer under t's name; returns the buffer (the writer's until it is saved).
+static void* llama_export_nf4_linear(Llama* m, const StModel* sm, int from_bnb, int l, int tg, const StTensor* t, StWriter* w) {
+    const Linear* L = &m->layers[l].lin[tg];
+    int64_t n = (int64_t)L->out * L->in, shape[2] = {L->out, L->in};
+    float* W = (float*)xmalloc(sizeof(float) * n);
+    if (from_bnb) {
+        BnbWeight bw = bnb_read(sm, t->name, L->out, L->in);
+        bnb_dequantize(&bw, W);
+    } else {
+        llama_linear_weights_f32(m, L, W);
+        peft_scale_columns(W, W, llama_merged_gamma(m, l, tg), L->out, L->in, 1, t->name);
+    }
+    if (L->A) {
+        int r = m->modes.rank;
+        float* A = (float*)xmalloc(sizeof(float) * r * L->in);
+        peft_scale_columns(A, L->A, llama_adapter_gamma(m, l, tg), r, L->in, 1, t->name);
+        matmul_nn(W, L->B, A, L->out, L->in, r, m->modes.lora_scale, 1);
+        free(A);
+    }
+    StDtype dt = from_bnb ? ST_BF16 : t->dtype;
+    void* out = xmalloc(st_dtype_size(dt) * n);
+    f32_to_dtype(out, W, n, dt);
+    st_writer_add(w, t->name, dt, 2, shape, out);
+    free(W);
+    return out;
+}
+
 // --export-merged (and the output of --full): the input checkpoint with every adapter folded in,
 // W + alpha/r * B A (A in the original layout, from the checkpoint's W), or the fully fine-tuned W,
 // in the original layout (a W' that --full trained under MS norms, or an adapter of --ms-lora
@@ -1006,6 +1076,7 @@ static void llama_export_merged(Llama* m, const TrainOptions* o, const char* dir
     trainable_to_host(&m->tr, 0);
     StModel sm;
     st_model_open(&sm, o->model_dir);
+    int bnb = bnb_config_nf4(o->model_dir);
     StWriter w;
     memset(&w, 0, sizeof(w));
     int total = 0, k = 0, r = m->modes.rank;
@@ -1023,18 +1094,19 @@ static void llama_export_merged(Llama* m, const TrainOptions* o, const char* dir
                 st_writer_add(&w, t->name, t->dtype, t->ndim, t->shape, owned[k++]);
                 continue;
             }
+            if (bnb && bnb_is_quant_state_name(t->name)) continue;  // the export is dequantized
+            if (L && !L->dW && (L->nf4 || (bnb && t->dtype == ST_U8))) {  // NF4: bf16 (or the input's dtype), dequantized
+                owned[k] = llama_export_nf4_linear(m, &sm, bnb && t->dtype == ST_U8, l, tg, t, &w);
+                k++;
+                continue;
+            }
             if (!L || (!L->A && !L->dW)) { st_writer_add(&w, t->name, t->dtype, t->ndim, t->shape, t->data); continue; }
             float* W = (float*)xmalloc(sizeof(float) * L->out * L->in);
             if (L->dW) {  // full fine-tuning trained W' = W diag(gamma): undo the merge
                 peft_scale_columns(W, L->W, llama_merged_gamma(m, l, tg), L->out, L->in, 1, t->name);
             } else {
                 float* A = (float*)xmalloc(sizeof(float) * r * L->in);
-                if (L->nf4) {  // NF4: the dequantized weight the run used, the MS merge undone (as PEFT merges a 4-bit model)
-                    llama_linear_weights_f32(m, L, W);
-                    peft_scale_columns(W, W, llama_merged_gamma(m, l, tg), L->out, L->in, 1, t->name);
-                } else {
-                    st_to_f32(t, W);
-                }
+                st_to_f32(t, W);
                 peft_scale_columns(A, L->A, llama_adapter_gamma(m, l, tg), r, L->in, 1, t->name);
                 matmul_nn(W, L->B, A, L->out, L->in, r, m->modes.lora_scale, 1);
                 free(A);
@@ -1051,7 +1123,8 @@ static void llama_export_merged(Llama* m, const TrainOptions* o, const char* dir
     for (int i = 0; i < 6; i++) {
         char* src = path_join(o->model_dir, aux[i]);
         char* dst = path_join(dir, aux[i]);
-        if (file_exists(src)) copy_file_atomic(src, dst);
+        if (bnb && i == 0) bnb_write_config_unquantized(o->model_dir, dst);  // dequantized: no quantization_config
+        else if (file_exists(src)) copy_file_atomic(src, dst);
         free(src); free(dst);
     }
     for (int i = 0; i < k; i++) free(owned[i]);

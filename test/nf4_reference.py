@@ -67,9 +67,9 @@ def _quantize_blocks(v, size, table, zero_code):
     return codes.reshape(-1)[:v.size], absmax
 
 
-def quantize(w):
-    """w: fp32 array (flattened row-major). Returns dict: codes (packed uint8), qabsmax (uint8),
-    nested (fp32), offset (fp32 scalar)."""
+def quantize(w, dyn=None):
+    """w: fp32 array (flattened row-major); dyn: the dynamic map (default dynamic_map()). Returns
+    dict: codes (packed uint8), qabsmax (uint8), nested (fp32), offset (fp32 scalar)."""
     w = np.asarray(w, dtype=np.float32).reshape(-1)
     codes, absmax = _quantize_blocks(w, BLOCK, NF4_VALUES, 7)
     if codes.size % 2:
@@ -77,7 +77,7 @@ def quantize(w):
     packed = ((codes[0::2] << 4) | codes[1::2]).astype(np.uint8)
     offset = np.float32(math.fsum(absmax.astype(np.float64)) / absmax.size)
     centered = (absmax - offset).astype(np.float32)
-    dyn = dynamic_map()
+    dyn = dynamic_map() if dyn is None else np.asarray(dyn, dtype=np.float32)
     qabsmax, nested = _quantize_blocks(centered, NESTED_BLOCK, dyn, int(nearest([0.0], dyn)[0]))
     return {"codes": packed, "qabsmax": qabsmax.astype(np.uint8), "nested": nested, "offset": offset}
 

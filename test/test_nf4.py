@@ -33,6 +33,16 @@ MODES = [("exact", "std", "none"), ("exact", "ms", "none"), ("approx", "std", "n
 MODE_IDS = [f"{a}-{n}-{r}" for a, n, r in MODES]
 
 
+def torch_dynamic_map():
+    """bitsandbytes' create_dynamic_map as it computes it: fp32 torch.linspace, then Python floats."""
+    data = []
+    for i in range(7):
+        b = torch.linspace(0.1, 1, 2 ** i + 1)
+        m = (b[:-1] + b[1:]) / 2.0
+        data += ((10 ** (-6 + i)) * m).tolist() + (-(10 ** (-6 + i)) * m).tolist()
+    return np.array(sorted(data + [0.0, 1.0]), dtype=np.float32)
+
+
 def run_nf4_probe(tmp_path, w):
     src, out = str(tmp_path / "w.safetensors"), str(tmp_path / "q.safetensors")
     st_io.save(src, {"w": np.asarray(w, dtype=np.float32)})
@@ -46,12 +56,7 @@ def test_tables_are_nf4_and_the_dynamic_map(tmp_path):
     assert np.array_equal(got[:16].view(np.uint32), nr.NF4_VALUES.view(np.uint32))
     assert np.array_equal(got[16:].view(np.uint32), nr.dynamic_map().view(np.uint32))
     # bitsandbytes builds the same map from fp32 torch.linspace: within one fp32 ulp of ours
-    data = []
-    for i in range(7):
-        b = torch.linspace(0.1, 1, 2 ** i + 1)
-        m = (b[:-1] + b[1:]) / 2.0
-        data += ((10 ** (-6 + i)) * m).tolist() + (-(10 ** (-6 + i)) * m).tolist()
-    bnb = np.array(sorted(data + [0.0, 1.0]), dtype=np.float32)
+    bnb = torch_dynamic_map()
     assert np.all(np.abs(bnb - got[16:]) <= np.spacing(np.abs(got[16:])))
 
 
@@ -220,3 +225,140 @@ def test_cuda_nf4_run_measures_its_plan(tiny):
     check_measured_memory(planned, measured)
     for x, y in zip(losses(cuda), losses(cpu)):
         assert abs(x - y) <= 0.01 * abs(y), (losses(cuda), losses(cpu))
+
+
+# ---- bitsandbytes checkpoints ------------------------------------------------------------------
+
+LINEAR_MODULES = tuple(ref._MODULE_OF.values())
+BNB_CONFIG = {"quant_method": "bitsandbytes", "load_in_4bit": True, "load_in_8bit": False, "bnb_4bit_quant_type": "nf4",
+              "bnb_4bit_use_double_quant": True, "bnb_4bit_compute_dtype": "bfloat16"}
+
+
+def is_linear(name):
+    return name.endswith(".weight") and any(f".{m}." in name for m in LINEAR_MODULES)
+
+
+def write_bnb_model(src, dst, edit=None):
+    """src's model in bitsandbytes' saved 4-bit layout (QuantState.as_dict(packed=True) per
+    linear), quantized by the NumPy reference with bitsandbytes' own (torch fp32) dynamic map.
+    edit(tensors, config) may corrupt it. Returns {linear name: its dequantized fp32 weight}."""
+    os.makedirs(dst, exist_ok=True)
+    dyn = torch_dynamic_map()
+    tensors, deq = {}, {}
+    for name, arr in ref.load_weights_np(src).items():
+        if not is_linear(name):
+            tensors[name] = arr
+            continue
+        q = nr.quantize(arr, dyn)
+        blob = {"quant_type": "nf4", "blocksize": 64, "dtype": "float32", "shape": list(arr.shape), "nested_blocksize": 256,
+                "nested_dtype": "float32", "nested_offset": float(q["offset"])}
+        tensors[name] = q["codes"].reshape(-1, 1)
+        tensors[name + ".absmax"] = q["qabsmax"]
+        tensors[name + ".quant_map"] = nr.NF4_VALUES.copy()
+        tensors[name + ".nested_absmax"] = q["nested"]
+        tensors[name + ".nested_quant_map"] = dyn
+        tensors[name + ".quant_state.bitsandbytes__nf4"] = np.frombuffer(json.dumps(blob).encode(), np.uint8).copy()
+        deq[name] = nr.dequantize(q, arr.size, dyn).reshape(arr.shape)
+    with open(os.path.join(src, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"] = dict(BNB_CONFIG)
+    if edit:
+        edit(tensors, config)
+    st_io.save(os.path.join(dst, "model.safetensors"), tensors, metadata={"format": "pt"})
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(config, f)
+    return deq
+
+
+def reference_on(model_dir, linears):
+    """The reference model of model_dir with its linears replaced (float64)."""
+    cfg = ref.LlamaConfig.from_dir(model_dir)
+    w = ref.load_weights_np(model_dir)
+    w.update({k: v.astype(np.float64) for k, v in linears.items()})
+    return ref.LlamaModel(cfg, w)
+
+
+def test_bitsandbytes_checkpoint_loads_the_same_weights(setup):
+    """A hand-made bitsandbytes NF4 checkpoint: under --quant nf4 with standard norms its bytes are
+    used as stored (the probe equals the reference on its dequantized weights, to fp32 rounding);
+    without --quant it is dequantized to fp32 (lowmem: then merged); under lowmem with --quant nf4
+    it is dequantized, merged and quantized again (the reference does the same with the NumPy
+    quantizer and bitsandbytes' map); and --export-merged writes bf16 linears equal to
+    bf16(dequantized W) bit for bit (a fresh adapter: B = 0), no quant state, no
+    quantization_config, every other tensor as stored."""
+    s = dict(setup)
+    bnb = os.path.join(s["root"], "bnb")
+    deq = write_bnb_model(s["dir"], bnb)
+    s["dir"] = bnb
+    case = st_io.load(s["case"])
+    r, a = s["rank"], s["alpha"]
+    ref_std = reference_on(s["dir"], deq)
+    got = probe(s, CPU_PROBE, "cpu", "exact", "std", "none")
+    lc.check_errors(lc.compare(ref.run_case(ref_std, case, "exact", "std", r, a), got), "bnb nf4 as stored, std")
+    out = os.path.join(s["root"], "bnb.plain.safetensors")
+    cmd = [need(CPU_PROBE), "--model", bnb, "--case", s["case"], "--out-file", out, "--mode", "lowmem",
+           "--lora-rank", str(r), "--lora-alpha", repr(float(a)), "--device", "cpu"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    lc.check_errors(lc.compare(ref.run_case(ref_std, case, "approx", "ms", r, a), st_io.load(out)), "bnb dequantized, lowmem")
+    # lowmem + NF4: requantized after the merge, with the checkpoint's map
+    w = ref.load_weights_np(bnb)
+    requant = {}
+    for name, d in deq.items():
+        layer = name.split(".")[2]
+        gname = {"q_proj": "input_layernorm", "k_proj": "input_layernorm", "v_proj": "input_layernorm",
+                 "gate_proj": "post_attention_layernorm", "up_proj": "post_attention_layernorm"}.get(name.split(".")[4])
+        if gname is None:
+            requant[name] = d
+            continue
+        g = w[f"model.layers.{layer}.{gname}.weight"].astype(np.float32)
+        merged = (d * g[None, :]).astype(np.float32)
+        requant[name] = nr.dequantize(nr.quantize(merged, torch_dynamic_map()), merged.size, torch_dynamic_map()).reshape(d.shape).astype(np.float64) / g[None, :]
+    got = probe(s, CPU_PROBE, "cpu", "approx", "ms", "none")
+    lc.check_errors(lc.compare(ref.run_case(reference_on(bnb, requant), case, "approx", "ms", r, a), got), "bnb requantized, lowmem")
+    # the export
+    e = os.path.join(s["root"], "bnb_export")
+    run(["--model", bnb, "--quant", "nf4", "--mode", "baseline", "--lora-rank", r, "--export-merged", e])
+    exp = st_io.load(os.path.join(e, "model.safetensors"))
+    src = ref.load_weights_np(bnb)
+    assert set(exp) == {k for k in src if "absmax" not in k and "quant" not in k}
+    for name, d in deq.items():
+        bf = (d.view(np.uint32).astype(np.uint64) + 0x7FFF + ((d.view(np.uint32) >> 16) & 1)) >> 16 << 16  # round to nearest even
+        assert np.array_equal(exp[name].astype(np.float32).view(np.uint32), bf.astype(np.uint32)), name
+    for name in exp:
+        if name not in deq:
+            assert np.array_equal(exp[name], src[name]), name
+    with open(os.path.join(e, "config.json")) as f:
+        cfg = json.load(f)
+    assert "quantization_config" not in cfg and cfg["hidden_size"] == 48
+
+
+def _set(tensors, key, value):
+    tensors[key] = value
+
+
+L0Q = "model.layers.0.self_attn.q_proj.weight"
+BAD_BNB = {
+    "gptq": (lambda t, c: c.update(quantization_config={"quant_method": "gptq", "bits": 4}), "gptq"),
+    "fp4": (lambda t, c: c["quantization_config"].update(bnb_4bit_quant_type="fp4"), "fp4"),
+    "8bit": (lambda t, c: c["quantization_config"].update(load_in_4bit=False, load_in_8bit=True), "8-bit"),
+    "shape": (lambda t, c: _set(t, L0Q + ".quant_state.bitsandbytes__nf4", np.frombuffer(json.dumps(
+        {"quant_type": "nf4", "blocksize": 64, "shape": [48, 47], "nested_blocksize": 256, "nested_offset": 0.1}).encode(), np.uint8).copy()), "shape"),
+    "blocksize": (lambda t, c: _set(t, L0Q + ".quant_state.bitsandbytes__nf4", np.frombuffer(json.dumps(
+        {"quant_type": "nf4", "blocksize": 128, "shape": [48, 48], "nested_blocksize": 256, "nested_offset": 0.1}).encode(), np.uint8).copy()), "blocksize"),
+    "blob": (lambda t, c: _set(t, L0Q + ".quant_state.bitsandbytes__nf4", np.frombuffer(b"{not json", np.uint8).copy()), "invalid JSON"),
+    "absmax": (lambda t, c: _set(t, L0Q + ".absmax", t[L0Q + ".absmax"][:-1].copy()), "absmax"),
+    "quant_map": (lambda t, c: _set(t, L0Q + ".quant_map", np.linspace(-1, 1, 16).astype(np.float32)), "quant_map"),
+    "nested": (lambda t, c: t.pop(L0Q + ".nested_absmax"), "nested_absmax"),
+    "dyn": (lambda t, c: _set(t, L0Q + ".nested_quant_map", np.linspace(-1, 1, 256).astype(np.float32)), "nested_quant_map"),
+    "codes": (lambda t, c: _set(t, L0Q, t[L0Q][:-2].copy()), "q_proj"),
+}
+
+
+@pytest.mark.parametrize("bad", list(BAD_BNB))
+def test_bad_bitsandbytes_checkpoint_fails_in_one_line(setup, tiny, bad):
+    """A corrupt or mismatched quant state, or another quantization: one line naming it, exit 1."""
+    edit, needle = BAD_BNB[bad]
+    d = os.path.join(setup["root"], f"bad_{bad}")
+    write_bnb_model(setup["dir"], d, edit)
+    expect_error(["--model", d, "--quant", "nf4", "--mode", "baseline", "--val", tiny / "val.bin", "--eval-only", "--batch", 2, "--seq", 16], needle)
