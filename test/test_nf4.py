@@ -362,3 +362,16 @@ def test_bad_bitsandbytes_checkpoint_fails_in_one_line(setup, tiny, bad):
     d = os.path.join(setup["root"], f"bad_{bad}")
     write_bnb_model(setup["dir"], d, edit)
     expect_error(["--model", d, "--quant", "nf4", "--mode", "baseline", "--val", tiny / "val.bin", "--eval-only", "--batch", 2, "--seq", 16], needle)
+
+
+def test_nf4_two_ranks_equal_one_process_accumulating(tiny, tmp_path):
+    """mpirun under --quant nf4 (lowmem): 2 ranks x batch 2 against 1 process x batch 2 x
+    --grad-accum 2, the same bits (test_llama_system.py says why no tolerance is needed)."""
+    from test_llama_system import adapter, mpirun
+    args = ["--model", tiny / "model", "--data", tiny / "train.bin", "--seq", 24, "--lora-rank", 4, "--lr", 5e-3, "--seed", 11,
+            "--threads", 1, "--quant", "nf4", "--steps", 3, "--batch", 2]
+    one = run(args + ["--grad-accum", 2, "--out", tmp_path / "one"])
+    two = mpirun(2, args + ["--out", tmp_path / "two"])
+    assert losses(one.stdout) == losses(two.stdout) and len(losses(one.stdout)) == 3
+    a, b = adapter(tmp_path / "one"), adapter(tmp_path / "two")
+    assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)

@@ -8,6 +8,8 @@
 // across micro-batches). See matmul.cuh for the precision policy. An adapter behind a merged norm
 // (L->norm_gamma, --ms-lora exact; llmc/lora.h says the math) applies bf16(A diag(gamma)), formed
 // from the fp32 master each call, and adds bf16(A16 beta) in the product's epilogue.
+// Under --quant nf4 (L->nf4) W is a shared scratch, refilled by nf4_dequantize_cuda before the
+// forward product and before the input-gradient product.
 #pragma once
 #include "common.cuh"
 #include "matmul.cuh"
