@@ -2,7 +2,8 @@
 // memory, where Linux would otherwise let the run start and kill it later), checked before
 // anything is allocated, and when
 // it does not, what would: the largest --batch that fits with the run's own flags, with
-// --mode lowmem and with --mode ckpt (each found by planning, which allocates nothing), with the
+// --mode lowmem, with --mode ckpt and (LoRA, train_llama) with --mode lowmem --quant nf4 (each
+// found by planning, which allocates nothing), with the
 // --grad-accum that keeps the tokens or images per step, and under --full the fewest ranks
 // whose ZeRO-1 shards fit. A memory-bound user gets one line that says what to change, instead
 // of an out-of-memory error after minutes of loading.
@@ -92,6 +93,14 @@ static void fit_check_plan(const Backend* be, const MemPlan* plan, PlanBytesFn p
     int is_ckpt = !strcmp(o->act, "exact") && !strcmp(o->norm, "std") && !strcmp(o->recompute, "block");
     if (!is_lowmem) { v.act = "approx"; v.norm = "ms"; v.recompute = "none"; fit_suggest(hint, sizeof(hint), "--mode lowmem", plan_bytes, ctx, &v, world, avail); }
     if (!is_ckpt) { v.act = "exact"; v.norm = "std"; v.recompute = "block"; fit_suggest(hint, sizeof(hint), "--mode ckpt", plan_bytes, ctx, &v, world, avail); }
+    if (!o->full && !strcmp(o->quant, "none")) {  // frozen linears in NF4, where the trainer offers it (its plan shrinks)
+        TrainOptions q = *o;
+        q.act = "approx"; q.norm = "ms"; q.recompute = "none"; q.quant = "nf4";
+        TrainOptions p = q;
+        p.quant = "none";
+        if (plan_bytes(ctx, &q, 1, world) < plan_bytes(ctx, &p, 1, world))
+            fit_suggest(hint, sizeof(hint), "--mode lowmem --quant nf4", plan_bytes, ctx, &q, world, avail);
+    }
     if (o->full) {  // ZeRO-1 divides the optimizer state (and on train_llama the fp32 master) by the ranks
         for (int w = 2 * world; w <= 4096; w *= 2)
             if (plan_bytes(ctx, o, o->batch, w) <= avail) {

@@ -402,14 +402,14 @@ def test_cuda_generates_with_the_kv_cache(tmp_path):
 
 def check_refused_plan_says_what_fits(args):
     """A plan bigger than the emulator's free 80 GiB is refused in one line naming what would fit
-    for these flags, --mode lowmem and --mode ckpt; each suggested --batch is the largest whose
-    --dry-run plan fits, as the independent dry run computes it."""
+    for these flags, --mode lowmem, --mode ckpt and --mode lowmem --quant nf4; each suggested
+    --batch is the largest whose --dry-run plan fits, as the independent dry run computes it."""
     p = train(CUDA_TRAIN, "cuda", "--steps", 1, *args, check=False)
     err = p.stderr
     assert p.returncode == 1 and err.count("\n") == 1, err
     assert re.search(r"the memory plan needs [0-9.]+ GiB of GPU memory \(.*saved [0-9.]+ GiB.*\) but 80.00 GiB is free on GPU 0", err), err
-    hints = re.findall(r"(--mode \w+ )?--batch (\d+) --grad-accum (\d+)", err.split("would fit: ")[1])
-    assert {m for m, _, _ in hints} == {"", "--mode lowmem ", "--mode ckpt "}, err
+    hints = re.findall(r"((?:--(?:mode|quant) \w+ )*)--batch (\d+) --grad-accum (\d+)", err.split("would fit: ")[1])
+    assert {m for m, _, _ in hints} == {"", "--mode lowmem ", "--mode ckpt ", "--mode lowmem --quant nf4 "}, err
 
     def plan_bytes(mode_flags, batch):
         flags = [str(a) for a in args]
