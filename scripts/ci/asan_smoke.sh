@@ -29,6 +29,7 @@ check 0 $L --mode baseline --swiglu-product recompute --grad-accum 2
 check 0 $L --full --out "$W/f" --stop-at 1
 check 0 $L --full --resume "$W/f"
 check 0 $L --adapter "$W/a" --export-merged "$W/m" --steps 1
+check 0 $L --mode lowmem --quant nf4 --adapter "$W/a" --export-merged "$W/q" --generate 4 --prompt Licensed
 check 0 $B/train_llama --model "$W/m" --val data/llama_demo_ft_val.bin --eval-only --seq 64 --batch 2
 check 0 $B/train_llama --model data/llama_demo --dry-run --json --batch 2 --seq 64
 check 1 $B/train_llama --model data/llama_demo --data data/llama_demo/config.json
