@@ -28,9 +28,12 @@ ref = lc.ref
 REPO = lc.REPO
 PROBE = os.path.join(REPO, "test", "nf4_probe")
 CUDA_TRAIN, CUDA_PROBE, CPU_TRAIN, CPU_PROBE = binaries("train_llama", "llama_probe")
-MODES = [("exact", "std", "none"), ("exact", "ms", "none"), ("approx", "std", "none"),
-         ("approx", "ms", "none"), ("exact", "std", "block"), ("approx", "ms", "block")]
-MODE_IDS = [f"{a}-{n}-{r}" for a, n, r in MODES]
+# (act, norm, recompute, extra flags): the four act x norm modes, block recompute, the SwiGLU
+# product rebuilt, and the paper's adapters on the merged input
+MODES = [("exact", "std", "none", ()), ("exact", "ms", "none", ()), ("approx", "std", "none", ()),
+         ("approx", "ms", "none", ()), ("exact", "std", "block", ()), ("approx", "ms", "block", ()),
+         ("approx", "ms", "none", ("--swiglu-product", "recompute")), ("exact", "ms", "none", ("--ms-lora", "merged"))]
+MODE_IDS = [f"{a}-{n}-{r}" + "".join(x for x in e if not x.startswith("-")) for a, n, r, e in MODES]
 
 
 def torch_dynamic_map():
@@ -118,18 +121,19 @@ def setup(tmp_path_factory):
     st_io.save(cp, case)
     refs = {}
 
-    def reference(act, norm):
-        if (act, norm) not in refs:
-            refs[(act, norm)] = ref.run_case(models[norm], case, act, norm, rank, alpha)
-        return refs[(act, norm)]
+    def reference(act, norm, extra=()):
+        ms_lora = "merged" if "merged" in extra else "exact"
+        if (act, norm, ms_lora) not in refs:
+            refs[(act, norm, ms_lora)] = ref.run_case(models[norm], case, act, norm, rank, alpha, ms_lora=ms_lora)
+        return refs[(act, norm, ms_lora)]
     return {"dir": d, "case": cp, "rank": rank, "alpha": alpha, "reference": reference, "root": root}
 
 
-def probe(s, exe, device, act, norm, rec):
-    out = os.path.join(s["root"], f"out.{device}.{act}.{norm}.{rec}.safetensors")
+def probe(s, exe, device, act, norm, rec, extra=()):
+    out = os.path.join(s["root"], f"out.{device}.{act}.{norm}.{rec}.{'_'.join(extra)}.safetensors")
     cmd = [need(exe), "--model", s["dir"], "--case", s["case"], "--out-file", out, "--act", act, "--norm", norm,
            "--recompute", rec, "--lora-rank", str(s["rank"]), "--lora-alpha", repr(float(s["alpha"])),
-           "--device", device, "--quant", "nf4"]
+           "--device", device, "--quant", "nf4", *extra]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="2"))
     assert p.returncode == 0, p.stderr
     return st_io.load(out)
@@ -137,17 +141,17 @@ def probe(s, exe, device, act, norm, rec):
 
 @pytest.mark.parametrize("mode", MODES, ids=MODE_IDS)
 def test_cpu_nf4_model_matches_reference_on_dequantized_weights(setup, mode):
-    act, norm, rec = mode
-    want = setup["reference"](act, norm)
-    got = probe(setup, CPU_PROBE, "cpu", act, norm, rec)
+    act, norm, rec, extra = mode
+    want = setup["reference"](act, norm, extra)
+    got = probe(setup, CPU_PROBE, "cpu", act, norm, rec, extra)
     lc.check_errors(lc.compare(want, got), f"nf4 cpu {act} {norm} {rec}")
 
 
 @pytest.mark.parametrize("mode", MODES, ids=MODE_IDS)
 def test_cuda_nf4_model_matches_reference_on_dequantized_weights(setup, mode):
-    act, norm, rec = mode
-    want = setup["reference"](act, norm)
-    got = probe(setup, CUDA_PROBE, "cuda", act, norm, rec)
+    act, norm, rec, extra = mode
+    want = setup["reference"](act, norm, extra)
+    got = probe(setup, CUDA_PROBE, "cuda", act, norm, rec, extra)
     tol = TOL_APPROX if act == "approx" else TOL_EXACT
     e_logits = rel_l2(got["logits"], want["logits"])
     e_loss = abs(float(got["loss"][0]) - float(want["loss"][0])) / abs(float(want["loss"][0]))
