@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # NF4 against bf16/fp32 frozen weights (issue 15): SmolLM2-135M-Instruct (make run-smollm2's model),
 # LoRA on tinyshakespeare, the same steps in --mode baseline and --mode lowmem, each with and
-# without --quant nf4. Prints one row per run: final validation loss, mean step time (steps 2..N),
+# without --quant nf4. Prints one row per run: final validation loss, step time (tokens per step over
+# the mean tokens/s of steps 2..N),
 # planned memory and measured peak (RSS on the CPU, device memory on a GPU).
 # Environment: PYTHON, OUT (build/compare_nf4), STEPS (20), BATCH (2), SEQ (128), DEVICE (cpu),
 # THREADS (0 = all), LLMC_SHARED_DIR (where data/tinyshakespeare.txt is; default ../shared).
@@ -37,7 +38,7 @@ text = open(sys.argv[1]).read()
 val = re.findall(r"val loss ([0-9.]+)", text)[-1]
 tok = [float(t) for t in re.findall(r"\| ([0-9.]+) tok/s", text)][1:]  # step 1 warms up
 m = re.search(r"memory: planned ([0-9.]+) MiB .* measured [^0-9]*([0-9.]+) MiB", text)
-step = "%.2f" % (len(tok) * int(sys.argv[4]) / sum(tok)) if tok else "-"  # mean seconds per step
+step = "%.2f" % (len(tok) * int(sys.argv[4]) / sum(tok)) if tok else "-"  # tokens per step / mean tokens/s
 print("%-9s %-5s %9s %13s %12s %14s" % (sys.argv[2], sys.argv[3], val, step, m.group(1), m.group(2)))
 PY
     done
