@@ -179,6 +179,8 @@ typedef struct {
     float h_nf4_tables[NF4_TABLE_FLOATS];
     void* nf4_scratch;
     void* lora_norm_work;  // MS norms, --ms-lora exact: the adapters' scratch (llmc/lora.h), else NULL
+    LoraDropout drop;      // --lora-dropout: the masks' key and the adapters' input scratch (llmc/lora_dropout.h)
+    void* drop_work;
     int *inputs, *targets; // on the backend
     int *embed_order, *h_embed_order;  // --full: the batch's positions sorted by token (embedding_token_order)
     int* pos;              // position of each token within its (packed) example
@@ -312,6 +314,12 @@ static void llama_plan(Llama* m, MemPlan* p) {
     plan_add(p, MEM_SCRATCH, "grads", -1, "dax", N * r * abytes, &m->dax);
     if (llama_adapters_see_gamma(m) && (lora_qkv || lora_gu))
         plan_add(p, MEM_SCRATCH, "lora", -1, "lora_norm_work", lora_norm_work_bytes((int)r, (int)d, abytes), &m->lora_norm_work);
+    if (md->lora_dropout > 0 && md->targets) {  // one adapter input at a time, the widest: regenerated, not kept
+        int64_t widest = 0;
+        for (int t = 0; t < N_TARGETS; t++)
+            if ((md->targets >> t & 1) && lin_in(c, t) > widest) widest = lin_in(c, t);
+        plan_add(p, MEM_SCRATCH, "lora", -1, "lora_dropout_input", N * widest * abytes, &m->drop_work);
+    }
     AttnShape as = {m->B, m->T, c->heads, c->kv_heads, c->head_dim, 1, NULL};
     m->att_work_bytes = op_plan_attention_work(be, p, as, &m->att_work);
     op_plan_matmul_workspace(be, p, &m->blas_work);
@@ -345,6 +353,7 @@ static void llama_bind(Llama* m) {
         for (size_t i = 0; i < sizeof(BlockActs) / sizeof(void*); i++) if (!a[i]) a[i] = s[i];
     }
     trainable_bind_host(&m->tr);
+    lora_dropout_init(&m->drop, m->modes.lora_dropout, m->modes.seed, m->drop_work);
     int64_t off = 0, r = m->modes.rank, d = c->dim, V = c->vocab;
     if (m->modes.full) {  // arena: embedding, head (untied), final norm, then block by block
         m->h_embed = trainable_bind_tensor(&m->tr, &off, V * d, &m->embed, &m->dembed, NULL);
@@ -375,6 +384,7 @@ static void llama_bind(Llama* m) {
                 trainable_bind_adapter(&m->tr, &off, L, (int)r);
                 const void* gamma = t <= T_V ? m->layers[l].attn_norm : t == T_GATE || t == T_UP ? m->layers[l].mlp_norm : NULL;
                 if (gamma && llama_adapters_see_gamma(m)) lora_norm_bind(L, gamma, NULL, m->lora_norm_work);
+                if (m->drop_work) lora_dropout_bind(L, &m->drop, (uint32_t)(l * N_TARGETS + t));
             }
         }
     trainable_plan_buckets(&m->tr, m->layer_off, c->layers);  // embedding, head and final norm lie below the first block
@@ -786,6 +796,7 @@ static StepResult llama_train_step(Llama* m, TextLoader* loader, const TrainOpti
     dist_allreduce_sum_f64(dist, &total, 1);
     float scale = total > 0 ? (float)(1.0 / total) : 0.0f;
     trainable_zero_grads(&m->tr);
+    m->drop.step = (uint64_t)step;
     double sums[2] = {0.0, 0.0};  // loss, final-norm rows that overflowed (health.h)
     for (int k = 0; k < K; k++) {
         if (k == K - 1) trainable_buckets_begin(&m->tr, dist);  // the last backward sends buckets as they finish
@@ -794,7 +805,10 @@ static StepResult llama_train_step(Llama* m, TextLoader* loader, const TrainOpti
         memcpy(m->h_mask, mk_all + k * N, sizeof(float) * N);
         memcpy(m->h_pos, pos_all + k * N, sizeof(int) * N);
         llama_upload_batch(m, N);
+        m->drop.row0 = lora_dropout_row0(k, dist->rank, dist->world, N);
+        m->drop.active = 1;  // training only: evaluation and generation see the adapters' whole input
         LossStats st = llama_forward_backward(m, B, T, scale, 1, NULL);
+        m->drop.active = 0;
         sums[0] += st.loss_sum;
         sums[1] += st.overflowed;
     }
@@ -906,8 +920,8 @@ static void llama_generate(Llama* m, const ModelTokenizer* tok, const char* prom
 
 // --dry-run --json: the run's settings as the fields of a JSON object, into buf (plan_json writes them).
 static void llama_settings_json(char* buf, size_t n, const TrainOptions* o, const char* device) {
-    snprintf(buf, n, "\"model\": \"llama\", \"device\": \"%s\", \"mode\": \"%s\", \"act\": \"%s\", \"norm\": \"%s\", \"recompute\": \"%s\", \"batch\": %d, \"seq\": %d, \"lora_rank\": %d, \"quant\": \"%s\"",
-             device, o->mode, o->act, o->norm, o->recompute, o->batch, o->seq, o->lora_rank, o->quant);
+    snprintf(buf, n, "\"model\": \"llama\", \"device\": \"%s\", \"mode\": \"%s\", \"act\": \"%s\", \"norm\": \"%s\", \"recompute\": \"%s\", \"batch\": %d, \"seq\": %d, \"lora_rank\": %d, \"lora_dropout\": %g, \"quant\": \"%s\"",
+             device, o->mode, o->act, o->norm, o->recompute, o->batch, o->seq, o->lora_rank, o->lora_dropout, o->quant);
 }
 
 // What fit_check_plan plans with: the run's model, backend and ranks at sequence length T.
@@ -994,7 +1008,7 @@ static void llama_save_adapter(Llama* m, const char* dir, const TrainOptions* o)
     const char* tm[N_TARGETS];
     int ntm = 0;
     for (int t = 0; t < N_TARGETS; t++) if (m->modes.targets >> t & 1) tm[ntm++] = strchr(hf_module_names[t], '.') + 1;
-    peft_save(dir, e, n, NULL, 0, m->modes.rank, o->lora_alpha, "CAUSAL_LM", o->model_dir, tm, ntm, NULL);
+    peft_save(dir, e, n, NULL, 0, m->modes.rank, o->lora_alpha, o->lora_dropout, "CAUSAL_LM", o->model_dir, tm, ntm, NULL);
     free(e);
 }
 
@@ -1150,9 +1164,9 @@ static void llama_save(Llama* m, const TrainOptions* o, const Dist* dist, const 
 static void llama_settings_line(char* buf, size_t n, const Llama* m, const TrainOptions* o, const Dist* d, int64_t data_tokens) {
     const LlamaConfig* c = &m->cfg;
     snprintf(buf, n, "d=%d f=%d layers=%d heads=%d kv_heads=%d vocab=%d full=%d act=%s norm=%s ms_lora=%s recompute=%s rank=%d alpha=%g targets=0x%x "
-             "batch=%d seq=%d grad_accum=%d world=%d steps=%d lr=%g warmup=%d min_lr_frac=%g weight_decay=%g grad_clip=%g seed=%d data_tokens=%lld quant=%s",
+             "lora_dropout=%g batch=%d seq=%d grad_accum=%d world=%d steps=%d lr=%g warmup=%d min_lr_frac=%g weight_decay=%g grad_clip=%g seed=%d data_tokens=%lld quant=%s",
              c->dim, c->hidden, c->layers, c->heads, c->kv_heads, c->vocab, o->full, o->act, o->norm, o->ms_lora, o->recompute, o->lora_rank, o->lora_alpha,
-             m->modes.targets, o->batch, o->seq, o->grad_accum, d->world, o->steps, o->lr, o->warmup, o->min_lr_frac, o->weight_decay,
+             m->modes.targets, o->lora_dropout, o->batch, o->seq, o->grad_accum, d->world, o->steps, o->lr, o->warmup, o->min_lr_frac, o->weight_decay,
              o->grad_clip, o->seed, (long long)data_tokens, o->quant);
 }
 

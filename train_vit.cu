@@ -212,6 +212,8 @@ typedef struct {
     size_t att_work_bytes;
     void* blas_work;       // CUDA: cuBLAS's and cuBLASLt's workspace (llmc/blas_plan.h)
     void* lora_norm_work;  // MS-LN, --ms-lora exact: the adapters' scratch (llmc/lora.h), else NULL
+    LoraDropout drop;      // --lora-dropout: the masks' key and the adapters' input scratch (llmc/lora_dropout.h)
+    void* drop_work;
     int64_t* layer_off;    // [layers] where each block's trainable values start in the arena
     // the head on the class tokens [B, .]: final LayerNorm in the activation type, then fp32
     void *xcls, *zcls, *dzcls, *dxcls;
@@ -371,6 +373,12 @@ static void vit_plan_scratch(Vit* m, MemPlan* p) {
     plan_add(p, MEM_SCRATCH, "grads", -1, "dax", N * r * a, &m->dax);
     if (vit_lora_behind_norm(m))
         plan_add(p, MEM_SCRATCH, "lora", -1, "lora_norm_work", lora_norm_work_bytes((int)r, (int)d, (int)a), &m->lora_norm_work);
+    if (m->modes.lora_dropout > 0 && m->modes.targets) {  // one adapter input at a time, the widest: regenerated, not kept
+        int64_t widest = 0;
+        for (int t = 0; t < N_TARGETS; t++)
+            if ((m->modes.targets >> t & 1) && lin_in(c, t) > widest) widest = lin_in(c, t);
+        plan_add(p, MEM_SCRATCH, "lora", -1, "lora_dropout_input", N * widest * a, &m->drop_work);
+    }
     AttnShape as = {m->B, m->T, c->heads, c->heads, c->head_dim, 0, NULL};
     m->att_work_bytes = op_plan_attention_work(be, p, as, &m->att_work);
     op_plan_matmul_workspace(be, p, &m->blas_work);
@@ -435,6 +443,7 @@ static void vit_bind(Vit* m) {
     m->patch.in = (int)patch_len(c);
     m->patch.out = c->dim;
     trainable_bind_host(&m->tr);
+    lora_dropout_init(&m->drop, m->modes.lora_dropout, m->modes.seed, m->drop_work);
     int full = m->modes.full;
     int64_t off = 0, host_lin = 0, d = c->dim;
     for (int t = 0; t < N_TARGETS; t++) host_lin += (full ? 1 : lin_in(c, t) + 1) * lin_out(c, t);
@@ -462,6 +471,7 @@ static void vit_bind(Vit* m) {
             int attn = t <= T_V;
             if (L->A && vit_adapters_see_affine(m) && (attn || t == T_FC1))
                 lora_norm_bind(L, attn ? layer->ln1_g : layer->ln2_g, attn ? layer->ln1_b : layer->ln2_b, m->lora_norm_work);
+            if (L->A && m->drop_work) lora_dropout_bind(L, &m->drop, (uint32_t)(l * N_TARGETS + t));
         }
     }
     if (full) {
@@ -919,11 +929,15 @@ static StepResult vit_train_step(Vit* m, ImageLoader* loader, const TrainOptions
     int B = m->B, K = o->grad_accum;
     float scale = 1.0f / (float)((double)B * K * dist->world);
     trainable_zero_grads(&m->tr);
+    m->drop.step = (uint64_t)step;
     double sums[3] = {0.0, 0.0, 0.0};  // loss, final-norm rows that overflowed (health.h), correct
     for (int k = 0; k < K; k++) {
         if (k == K - 1) trainable_buckets_begin(&m->tr, dist);  // the last backward sends buckets as they finish
         vit_next_batch(m, loader, B, dist->rank, dist->world);
+        m->drop.row0 = lora_dropout_row0(k, dist->rank, dist->world, (int64_t)B * m->T);
+        m->drop.active = 1;  // training only: evaluation sees the adapters' whole input
         LossStats st = vit_forward_backward(m, B, scale, 1, NULL);
+        m->drop.active = 0;
         sums[0] += st.loss_sum;
         sums[1] += st.overflowed;
         sums[2] += st.correct;
@@ -1066,7 +1080,7 @@ static void vit_save_adapter(Vit* m, const char* dir, const TrainOptions* o) {
     ex[nex].data = m->h_head_w; ex[nex].ndim = 2; ex[nex].shape[0] = m->classes; ex[nex].shape[1] = c->dim; nex++;
     snprintf(ex[nex].name, sizeof(ex[nex].name), "classifier.bias");
     ex[nex].data = m->h_head_b; ex[nex].ndim = 1; ex[nex].shape[0] = m->classes; nex++;
-    peft_save_ex(dir, e, n, ex, nex, m->modes.rank, o->lora_alpha, NULL, o->model_dir, tmp, n, "[\"classifier\"]",
+    peft_save_ex(dir, e, n, ex, nex, m->modes.rank, o->lora_alpha, o->lora_dropout, NULL, o->model_dir, tmp, n, "[\"classifier\"]",
                  vit_adapters_merged(m) ? "lora_only" : "none");
     for (int i = 0; i < n; i++) free(biases[i]);
     free(biases); free(ex); free(tm); free(tmp); free(e);
@@ -1409,9 +1423,9 @@ static void vit_save(Vit* m, const TrainOptions* o, const Dist* dist, const char
 static void vit_settings_line(char* buf, size_t n, const Vit* m, const TrainOptions* o, const Dist* d, int64_t images) {
     const VitConfig* c = &m->cfg;
     snprintf(buf, n, "d=%d f=%d layers=%d heads=%d patch=%dx%d image=%dx%d classes=%d full=%d act=%s norm=%s ms_lora=%s recompute=%s rank=%d alpha=%g targets=0x%x "
-             "batch=%d grad_accum=%d world=%d steps=%d lr=%g warmup=%d min_lr_frac=%g weight_decay=%g grad_clip=%g hflip=%d seed=%d data_images=%lld",
+             "lora_dropout=%g batch=%d grad_accum=%d world=%d steps=%d lr=%g warmup=%d min_lr_frac=%g weight_decay=%g grad_clip=%g hflip=%d seed=%d data_images=%lld",
              c->dim, c->hidden, c->layers, c->heads, c->patch_h, c->patch_w, m->img_h, m->img_w, m->classes, o->full, o->act, o->norm, o->ms_lora,
-             o->recompute, o->lora_rank, o->lora_alpha, m->modes.targets, o->batch, o->grad_accum, d->world, o->steps, o->lr, o->warmup, o->min_lr_frac,
+             o->recompute, o->lora_rank, o->lora_alpha, m->modes.targets, o->lora_dropout, o->batch, o->grad_accum, d->world, o->steps, o->lr, o->warmup, o->min_lr_frac,
              o->weight_decay, o->grad_clip, o->hflip, o->seed, (long long)images);
 }
 
@@ -1437,8 +1451,8 @@ static void vit_resolution(const VitConfig* c, const char* flag, int* h, int* w)
 static void vit_settings_json(char* buf, size_t n, const TrainOptions* o, const Vit* m, const char* device) {
     snprintf(buf, n,
              "\"model\": \"vit\", \"device\": \"%s\", \"mode\": \"%s\", \"act\": \"%s\", \"norm\": \"%s\", \"recompute\": \"%s\", "
-             "\"batch\": %d, \"image_size\": [%d, %d], \"tokens_per_image\": %d, \"classes\": %d, \"lora_rank\": %d, \"lora_targets\": \"%s\"",
-             device, o->mode, o->act, o->norm, o->recompute, o->batch, m->img_h, m->img_w, m->T, m->classes, o->lora_rank,
+             "\"batch\": %d, \"image_size\": [%d, %d], \"tokens_per_image\": %d, \"classes\": %d, \"lora_rank\": %d, \"lora_dropout\": %g, \"lora_targets\": \"%s\"",
+             device, o->mode, o->act, o->norm, o->recompute, o->batch, m->img_h, m->img_w, m->T, m->classes, o->lora_rank, o->lora_dropout,
              o->lora_targets ? o->lora_targets : "q,k,v,proj,fc1,fc2");
 }
 

@@ -3,13 +3,15 @@
 // scale * B (A x). Forward, backward, the fresh-adapter init, the wiring of adapters into the
 // flat trainable arena, the merge of a preceding norm's affine into W (MS norms), with the adapter
 // still acting on the norm's affine output (the original model's parameterisation), and the
-// merge's inverse (--full and --ms-lora merged: exports and adapters in the original model's terms).
+// merge's inverse (--full and --ms-lora merged: exports and adapters in the original model's terms),
+// and LoRA dropout on the adapter's input while training (--lora-dropout, llmc/lora_dropout.h).
 // These are the CPU twins (llmc/cpu/matmul.h); the CUDA backend runs the same layer through
 // llmc/cuda/linear.cuh, with the device copy of each layer in LinearDevice (llmc/ops.h dispatches).
 #pragma once
 #include <math.h>
 #include "common.h"
 #include "rng.h"
+#include "lora_dropout.h"
 #include "cpu/matmul.h"
 #include "nf4.h"
 
@@ -44,6 +46,9 @@ typedef struct {
     // Backend buffers: the quantized tensor and the tables (NF4 values, dynamic map); else NULL.
     const void* nf4;
     const float* nf4_tables;
+    // --lora-dropout: the model's dropout state (NULL: none) and this adapter's index in it
+    const LoraDropout* drop;
+    uint32_t drop_id;
 } Linear;
 
 // Model FLOPs per token of a linear layer in one training step (MFU's numerator; recomputation
@@ -128,6 +133,50 @@ static void lora_norm_grad(float* dA, const float* G, const float* gamma, const 
         }
 }
 
+// ---- LoRA dropout (--lora-dropout; llmc/lora_dropout.h) -------------------------------------------
+// While training, the adapter reads xa = dropout(u), u its input (gamma*x + beta behind a merged
+// norm, else x); the layer keeps x as it does anyway and xa is formed again in the backward, in a
+// scratch shared by every layer (LoraDropout.work), so the mask costs no saved memory:
+//   ax = xa A^T,   dA += dax^T xa,   dx += keep * scale * gamma * (dax A).
+// Per element, u = fmaf(gamma, x, beta) (one rounding, as the CUDA twin) and xa = u * scale or 0.
+
+static void lora_dropout_bind(Linear* L, const LoraDropout* d, uint32_t id) {
+    L->drop = d;
+    L->drop_id = id;
+}
+static int lora_dropout_on(const Linear* L) { return L->drop && L->drop->active; }
+static uint64_t lora_dropout_layer_key(const Linear* L) { return lora_dropout_key(L->drop->seed, L->drop->step, L->drop_id); }
+
+// xa [N, in] = dropout(u) for the micro-batch's rows (global rows row0..). CPU kernel.
+static void lora_dropout_input(float* xa, const float* x, const Linear* L, int64_t N) {
+    const LoraDropout* d = L->drop;
+    const float *gamma = (const float*)L->norm_gamma, *beta = (const float*)L->norm_beta;
+    uint64_t key = lora_dropout_layer_key(L), e0 = (uint64_t)d->row0 * L->in;
+    int in = L->in;
+#pragma omp parallel for schedule(static) if (N * in > 32768)
+    for (int64_t n = 0; n < N; n++)
+        for (int j = 0; j < in; j++) {
+            int64_t i = n * in + j;
+            float u = gamma ? fmaf(gamma[j], x[i], beta ? beta[j] : 0.0f) : x[i];
+            xa[i] = lora_dropout_keep(key, e0 + (uint64_t)i, d->threshold) ? u * d->scale : 0.0f;
+        }
+}
+
+// dx [N, in] += keep * scale * gamma * t, t = dax A: the input gradient through the dropout (and
+// the norm's gamma). CPU kernel.
+static void lora_dropout_input_backward(float* dx, const float* t, const Linear* L, int64_t N) {
+    const LoraDropout* d = L->drop;
+    const float* gamma = (const float*)L->norm_gamma;
+    uint64_t key = lora_dropout_layer_key(L), e0 = (uint64_t)d->row0 * L->in;
+    int in = L->in;
+#pragma omp parallel for schedule(static) if (N * in > 32768)
+    for (int64_t n = 0; n < N; n++)
+        for (int j = 0; j < in; j++) {
+            int64_t i = n * in + j;
+            if (lora_dropout_keep(key, e0 + (uint64_t)i, d->threshold)) dx[i] = fmaf(t[i] * d->scale, gamma ? gamma[j] : 1.0f, dx[i]);
+        }
+}
+
 // y (+)= x W^T + bias + scale * (x A^T) B^T, keeping ax = x A^T for the LoRA backward.
 // accumulate = 1 adds to y (a residual connection), bias included. Behind a merged norm the
 // adapter's input is gamma*x + beta (see above).
@@ -136,7 +185,11 @@ static void linear_forward(float* y, const float* x, const Linear* L, float* ax,
     matmul_nt(y, x, L->W, (int)N, L->out, L->in, 1.0f, accumulate);
     if (L->bias) add_bias_rows(y, L->bias, N, L->out);
     if (!L->A) return;
-    if (L->norm_gamma) {
+    if (lora_dropout_on(L)) {  // training with --lora-dropout: the adapter reads dropout(its input)
+        float* xa = (float*)L->drop->work;
+        lora_dropout_input(xa, x, L, N);
+        matmul_nt(ax, xa, L->A, (int)N, rank, L->in, 1.0f, 0);
+    } else if (L->norm_gamma) {
         LoraNormWork w = lora_norm_work(L, rank, 4);
         lora_fold_gamma((float*)w.Ag, L->A, (const float*)L->norm_gamma, rank, L->in);
         matmul_nt(ax, x, (const float*)w.Ag, (int)N, rank, L->in, 1.0f, 0);
@@ -172,6 +225,15 @@ static void linear_backward(float* dx, const float* dy, const float* x, const fl
     if (!L->A) return;
     matmul_tn(L->dB, dy, ax, L->out, rank, (int)N, scale, 1);
     matmul_nn(dax, dy, L->B, (int)N, rank, L->out, scale, 0);
+    if (lora_dropout_on(L)) {  // the forward's adapter input, mask regenerated, then back through it
+        float* xa = (float*)L->drop->work;
+        lora_dropout_input(xa, x, L, N);
+        matmul_tn(L->dA, dax, xa, rank, L->in, (int)N, 1.0f, 1);
+        if (!dx) return;
+        matmul_nn(xa, dax, L->A, (int)N, L->in, rank, 1.0f, 0);
+        lora_dropout_input_backward(dx, xa, L, N);
+        return;
+    }
     if (L->norm_gamma) {  // behind a merged norm: the adapter's input is gamma*x + beta
         LoraNormWork w = lora_norm_work(L, rank, 4);
         const float *gamma = (const float*)L->norm_gamma, *beta = (const float*)L->norm_beta;

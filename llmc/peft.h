@@ -52,7 +52,7 @@ static void peft_scale_columns(float* out, const float* A, const float* gamma, i
 // modules (ViT under MS-LN with --ms-lora merged: the merged beta leaves a constant that only a
 // bias can carry).
 static void peft_save_ex(const char* dir, const PeftEntry* e, int n, const PeftExtra* extra, int nextra, int rank, float alpha,
-                         const char* task_type, const char* base_model, const char* const* target_modules, int ntm,
+                         float dropout, const char* task_type, const char* base_model, const char* const* target_modules, int ntm,
                          const char* modules_to_save, const char* bias_mode) {
     make_dirs(dir, "flag --out");
     StWriter w;
@@ -86,9 +86,9 @@ static void peft_save_ex(const char* dir, const PeftEntry* e, int n, const PeftE
     fprintf(a.f, "{\n  \"peft_type\": \"LORA\",\n  \"task_type\": ");
     if (task_type) json_write_string(a.f, task_type);
     else fprintf(a.f, "null");
-    fprintf(a.f, ",\n  \"r\": %d,\n  \"lora_alpha\": %g,\n  \"lora_dropout\": 0.0,\n"
+    fprintf(a.f, ",\n  \"r\": %d,\n  \"lora_alpha\": %g,\n  \"lora_dropout\": %g,\n"
                  "  \"bias\": \"%s\",\n  \"fan_in_fan_out\": false,\n  \"inference_mode\": true,\n  \"base_model_name_or_path\": ",
-            rank, alpha, bias_mode);
+            rank, alpha, dropout, bias_mode);
     json_write_string(a.f, base_model ? base_model : "");
     fprintf(a.f, ",\n  \"target_modules\": [");
     for (int i = 0; i < ntm; i++) { fprintf(a.f, "%s", i ? ", " : ""); json_write_string(a.f, target_modules[i]); }
@@ -98,9 +98,9 @@ static void peft_save_ex(const char* dir, const PeftEntry* e, int n, const PeftE
 }
 
 static void peft_save(const char* dir, const PeftEntry* e, int n, const PeftExtra* extra, int nextra, int rank, float alpha,
-                      const char* task_type, const char* base_model, const char* const* target_modules, int ntm,
+                      float dropout, const char* task_type, const char* base_model, const char* const* target_modules, int ntm,
                       const char* modules_to_save) {
-    peft_save_ex(dir, e, n, extra, nextra, rank, alpha, task_type, base_model, target_modules, ntm, modules_to_save, "none");
+    peft_save_ex(dir, e, n, extra, nextra, rank, alpha, dropout, task_type, base_model, target_modules, ntm, modules_to_save, "none");
 }
 
 // Loads an adapter directory into the entries' A/B (re-applying the merge for --ms-lora merged). The

@@ -34,6 +34,7 @@ typedef struct {
     // LoRA
     int lora_rank;
     float lora_alpha;
+    float lora_dropout;     // dropout probability on each adapter's input while training (0 = off)
     const char* lora_targets;
     // system
     const char* device;
@@ -111,6 +112,9 @@ static void train_flags_register_task(FlagTable* t, TrainOptions* o, const char*
     t->group = "LoRA";
     flag_int(t, "lora-rank", &o->lora_rank, "adapter rank r");
     flag_float(t, "lora-alpha", &o->lora_alpha, "adapter scale alpha (update = alpha/r * B A x)");
+    flag_float(t, "lora-dropout", &o->lora_dropout,
+               "dropout probability on each adapter's input while training, as PEFT's lora_dropout (the mask is regenerated in "
+               "the backward from a hash of seed, step, layer and element: no memory kept)");
     flag_string(t, "lora-targets", &o->lora_targets, targets_help);
     flag_choice(t, "ms-lora", &o->ms_lora, "exact|merged",
                 "under --norm ms, an adapter of a layer fed by a norm sees gamma*z + beta as in the original model (exact: the "
@@ -158,6 +162,9 @@ static void train_validate(const TrainOptions* o) {
     if (o->grad_clip < 0) fail("flag --grad-clip: expected >= 0 (0 = off), got %g", o->grad_clip);
     if (o->weight_decay < 0) fail("flag --weight-decay: expected >= 0, got %g", o->weight_decay);
     if (o->min_lr_frac < 0 || o->min_lr_frac > 1) fail("flag --min-lr-frac: expected a fraction in [0, 1], got %g", o->min_lr_frac);
+    if (!(o->lora_dropout >= 0 && o->lora_dropout < 1))
+        fail("flag --lora-dropout: expected a probability in [0, 1), got %g", o->lora_dropout);
+    if (o->full && o->lora_dropout > 0) fail("flag --lora-dropout: only with LoRA adapters, not with --full");
     if (!o->full && !(o->lora_alpha > 0)) fail("flag --lora-alpha: expected > 0 (the update is alpha/r B A x), got %g", o->lora_alpha);
     if (o->threads < 0) fail("flag --threads: expected >= 0, got %d", o->threads);
     if (o->generate < 0) fail("flag --generate: expected >= 0, got %d", o->generate);
@@ -221,6 +228,8 @@ typedef struct {
     unsigned targets;       // bit t: linear t of every block carries an adapter
     int rank;
     float lora_scale;
+    float lora_dropout;     // --lora-dropout (0: off; the state and its scratch exist only above 0)
+    uint64_t seed;          // --seed: keys the dropout masks
 } TrainModes;
 
 // target_names: the model's linears in its order, what --lora-targets names.
@@ -236,6 +245,8 @@ static TrainModes train_modes_from(const TrainOptions* o, const char* const* tar
     md.targets = o->full ? 0 : parse_targets(o->lora_targets, target_names, n_targets, "lora-targets");
     md.rank = o->lora_rank;
     md.lora_scale = o->lora_alpha / (float)o->lora_rank;
+    md.lora_dropout = o->full ? 0.0f : o->lora_dropout;
+    md.seed = (uint64_t)(uint32_t)o->seed;
     md.generate = o->generate > 0;
     return md;
 }

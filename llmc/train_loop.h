@@ -97,7 +97,10 @@ static void train_start(Dist* dist, TrainOptions* o, int* argc, char*** argv, vo
 // Parts of the start-up line (rank 0): what trains, and on what.
 static void train_describe(const TrainOptions* o, const Backend* be, const Dist* dist, char* what, size_t nwhat, char* where, size_t nwhere) {
     if (o->full) snprintf(what, nwhat, "full fine-tuning of every weight");
-    else snprintf(what, nwhat, "LoRA r=%d alpha=%g on %s", o->lora_rank, o->lora_alpha, o->lora_targets ? o->lora_targets : "all");
+    else {
+        int k = snprintf(what, nwhat, "LoRA r=%d alpha=%g on %s", o->lora_rank, o->lora_alpha, o->lora_targets ? o->lora_targets : "all");
+        if (o->lora_dropout > 0 && k >= 0 && (size_t)k < nwhat) snprintf(what + k, nwhat - k, ", dropout %g", o->lora_dropout);
+    }
     if (be->cuda) snprintf(where, nwhere, "CUDA GPU %d x %d ranks", be->device, dist->world);
     else snprintf(where, nwhere, "CPU, %d threads x %d ranks", omp_get_max_threads(), dist->world);
 }

@@ -37,6 +37,9 @@ int main(int argc, char** argv) {
     ft.group = "probe";
     flag_string(&ft, "case", &case_path, "input safetensors: tokens I32 [B,T+1], mask F32 [B,T], lora.{l}.{t}.A/B");
     flag_string(&ft, "out-file", &out_path, "output safetensors: logits, loss, grad.lora.{l}.{t}.A/B");
+    int drop_step = 0, drop_row0 = 0;
+    flag_int(&ft, "dropout-step", &drop_step, "with --lora-dropout: the optimizer step that keys the masks");
+    flag_int(&ft, "dropout-row0", &drop_row0, "with --lora-dropout: the batch's first row in the step's global batch");
     flags_parse(&ft, argc, argv);
     train_resolve_mode(&o);
     if (!o.model_dir || !case_path || !out_path) fail("llama_probe needs --model, --case and --out-file");
@@ -77,6 +80,9 @@ int main(int argc, char** argv) {
     int64_t nlogits = (int64_t)B * T * cfg.vocab;
     float* logits_be = (float*)probe_alloc(&be, sizeof(float) * nlogits, "probe logits");
     float* logits = (float*)xmalloc(sizeof(float) * nlogits);
+    m.drop.step = (uint64_t)drop_step;  // a training pass: dropout on, as llama_train_step / vit_train_step set it
+    m.drop.row0 = drop_row0;
+    m.drop.active = 1;
     LossStats st = llama_forward_backward(&m, B, T, count > 0 ? (float)(1.0 / count) : 0.0f, 1, logits_be);
     backend_download(&be, logits, logits_be, sizeof(float) * nlogits);
     probe_free(&be, logits_be);

@@ -91,6 +91,9 @@ int main(int argc, char** argv) {
     flag_string(&ft, "case", &case_path, "input safetensors: pixels F32 [B,C,H,W], labels I32 [B], lora.{l}.{t}.A/B, head.weight, head.bias");
     flag_string(&ft, "out-file", &out_path, "output safetensors: logits, loss, grad.lora.{l}.{t}.A/B, grad.head.weight/bias");
     flag_int(&ft, "dump-batches", &dump, "with --data: write the loader's first N batches instead");
+    int drop_step = 0, drop_row0 = 0;
+    flag_int(&ft, "dropout-step", &drop_step, "with --lora-dropout: the optimizer step that keys the masks");
+    flag_int(&ft, "dropout-row0", &drop_row0, "with --lora-dropout: the batch's first row in the step's global batch");
     flags_parse(&ft, argc, argv);
     train_resolve_mode(&o);
     if (!o.model_dir || !out_path || (!case_path && !dump)) fail("vit_probe needs --model, --out-file and --case (or --data with --dump-batches)");
@@ -134,6 +137,9 @@ int main(int argc, char** argv) {
     trainable_to_device(&m.tr);
     trainable_zero_grads(&m.tr);
     float* logits = (float*)xmalloc(sizeof(float) * B * K);
+    m.drop.step = (uint64_t)drop_step;  // a training pass: dropout on, as llama_train_step / vit_train_step set it
+    m.drop.row0 = drop_row0;
+    m.drop.active = 1;
     LossStats st = vit_forward_backward(&m, B, 1.0f / B, 1, logits);
     trainable_to_host(&m.tr, 1);
     float loss = (float)(st.loss_sum / B);

@@ -1,7 +1,8 @@
 // dev/cuda/matmul.cu: the cuBLASLt products of llmc/cuda/matmul.cuh (forms nt, nn, tn; the three
 // precision paths bf16->bf16, bf16->fp32, fp32->fp32; alpha; accumulate; the bias epilogue) and
 // the LoRA linear layer of llmc/cuda/linear.cuh (also behind a merged RMSNorm or LayerNorm: the
-// adapter sees gamma*x + beta, with its two small kernels checked on their own), against
+// adapter sees gamma*x + beta, with its two small kernels checked on their own; and with LoRA
+// dropout, whose two mask kernels must equal their CPU twins bit for bit), against
 // llmc/cpu/matmul.h and llmc/lora.h, at
 // odd shapes (leading dimensions that are not a multiple of 8: cuBLASLt may have no algorithm
 // and the cublasGemmEx fallback runs) and aligned ones. Then times the shapes of a LLaMA-7B LoRA
@@ -105,7 +106,49 @@ static void test_lora_norm_kernels(int rank, int in, int with_beta, Rng* rng) {
 // is the kernels, not the storage precision. norm: 0 a plain input; 1 behind a merged RMSNorm (the
 // adapter sees gamma*x), 2 behind a merged LayerNorm (gamma*x + beta), gamma and beta bf16 as the
 // frozen weights are on the GPU.
-static void test_linear(int64_t N, int in, int out, int rank, int with_bias, int with_lora, Rng* rng, int norm = 0) {
+// The two kernels of LoRA dropout (--lora-dropout) against their twins in llmc/lora.h: the same
+// hash decides the same elements and the arithmetic is the same fp32 (fmaf, one multiply), so the
+// adapter input and the accumulated dx are equal bit for bit once the CPU's fp32 is rounded to bf16.
+static void test_lora_dropout_kernels(int64_t N, int in, int norm, float p, Rng* rng) {
+    int64_t n = N * in;
+    float *x = host_randn(n, rng, 1.0f, 1), *t = host_randn(n, rng, 1.0f, 1), *dx0 = host_randn(n, rng, 1.0f, 1);
+    float *gamma = host_randn(in, rng, 1.0f, 1), *beta = host_randn(in, rng, 0.5f, 1);
+    LoraDropout d;
+    lora_dropout_init(&d, p, 99, NULL);
+    d.step = 12;
+    d.row0 = 7 * N;
+    d.active = 1;
+    Linear L, G;
+    memset(&L, 0, sizeof(L));
+    L.in = in;
+    lora_dropout_bind(&L, &d, 5);
+    G = L;
+    bf16 *d_gamma = upload_bf16(gamma, in), *d_beta = upload_bf16(beta, in);
+    if (norm) { L.norm_gamma = gamma; L.norm_beta = norm == 2 ? beta : NULL; G.norm_gamma = d_gamma; G.norm_beta = norm == 2 ? d_beta : NULL; }
+    float *xa = (float*)xmalloc(4 * n), *dx = host_copy(dx0, n);
+    lora_dropout_input(xa, x, &L, N);
+    host_round_bf16(xa, n);
+    lora_dropout_input_backward(dx, t, &L, N);
+    host_round_bf16(dx, n);
+    bf16 *d_x = upload_bf16(x, n), *d_t = upload_bf16(t, n), *d_dx = upload_bf16(dx0, n), *d_xa = (bf16*)dev_alloc(2 * n);
+    dev_poison(d_xa, 2 * n);
+    lora_dropout_input_cuda(d_xa, d_x, &G, N, g_stream);
+    lora_dropout_input_backward_cuda(d_dx, d_t, &G, N, g_stream);
+    float *gxa = download_bf16(d_xa, n), *gdx = download_bf16(d_dx, n);
+    char tag[96], name[160];
+    snprintf(tag, sizeof(tag), "p=%g N=%lld in=%d%s", p, (long long)N, in, norm == 1 ? " behind RMSNorm" : norm == 2 ? " behind LayerNorm" : "");
+    snprintf(name, sizeof(name), "lora_dropout_input, %s", tag);
+    check_equal_f32(name, gxa, xa, n);
+    snprintf(name, sizeof(name), "lora_dropout_input_backward (accumulated), %s", tag);
+    check_equal_f32(name, gdx, dx, n);
+    CUDA_CHECK(cudaFree(d_x)); CUDA_CHECK(cudaFree(d_t)); CUDA_CHECK(cudaFree(d_dx)); CUDA_CHECK(cudaFree(d_xa));
+    CUDA_CHECK(cudaFree(d_gamma)); CUDA_CHECK(cudaFree(d_beta));
+    free(x); free(t); free(dx0); free(gamma); free(beta); free(xa); free(dx); free(gxa); free(gdx);
+}
+
+// drop_p > 0: training with LoRA dropout (the adapter reads dropout(gamma*x + beta), both sides
+// keyed alike).
+static void test_linear(int64_t N, int in, int out, int rank, int with_bias, int with_lora, Rng* rng, int norm = 0, float drop_p = 0.0f) {
     float scale = 2.0f;
     float *W = host_randn((int64_t)out * in, rng, 0.1f, 1), *bias = host_randn(out, rng, 0.5f, 1);
     float *A = host_randn((int64_t)rank * in, rng, 0.1f, 1), *B = host_randn((int64_t)out * rank, rng, 0.1f, 1);
@@ -119,10 +162,18 @@ static void test_linear(int64_t N, int in, int out, int rank, int with_bias, int
     float *db0 = host_randn(out, rng, 0.1f, 0), *db = host_copy(db0, out);  // and its bias, when it has one
     int train_bias = with_bias && !with_lora;
     Linear L = {in, out, W, with_bias ? bias : NULL, with_lora ? A : NULL, with_lora ? B : NULL, dA, dB, with_lora ? NULL : dW,
-                train_bias ? db : NULL, {}, NULL, NULL, NULL};  // dev: no CUDA copy yet; no norm in front (bound below)
+                train_bias ? db : NULL, {}, NULL, NULL, NULL, NULL, 0};  // dev: no CUDA copy yet; no norm, no dropout (bound below)
     float *gamma = host_randn(in, rng, 1.0f, 1), *beta = host_randn(in, rng, 0.5f, 1);
     void* work = xmalloc(lora_norm_work_bytes(rank, in, 4));
     if (norm) lora_norm_bind(&L, gamma, norm == 2 ? beta : NULL, work);
+    LoraDropout drop_cpu, drop_gpu;
+    lora_dropout_init(&drop_cpu, drop_p, 31, xmalloc(4 * N * in));
+    drop_cpu.step = 2;
+    drop_cpu.row0 = 3 * N;
+    drop_cpu.active = 1;
+    drop_gpu = drop_cpu;
+    drop_gpu.work = dev_alloc(2 * N * in);
+    if (drop_p > 0) lora_dropout_bind(&L, &drop_cpu, 4);
     float *y = host_copy(y0, N * out), *ax = (float*)xmalloc(4 * N * rank), *dax = (float*)xmalloc(4 * N * rank);
     float* dx = host_copy(dx0, N * in);
     linear_forward(y, x, &L, ax, N, rank, scale, 1);
@@ -151,6 +202,7 @@ static void test_linear(int64_t N, int in, int out, int rank, int with_bias, int
     bf16 *d_gamma = upload_bf16(gamma, in), *d_beta = upload_bf16(beta, in);
     void* d_work = dev_alloc(lora_norm_work_bytes(rank, in, 2));
     if (norm) lora_norm_bind(&G, d_gamma, norm == 2 ? d_beta : NULL, d_work);
+    if (drop_p > 0) lora_dropout_bind(&G, &drop_gpu, 4);
     bf16 *d_x = upload_bf16(x, N * in), *d_y = upload_bf16(y0, N * out), *d_dy = upload_bf16(dy, N * out);
     bf16 *d_dx = upload_bf16(dx0, N * in), *d_ax = (bf16*)dev_alloc(2 * N * rank), *d_dax = (bf16*)dev_alloc(2 * N * rank);
     dev_poison(d_ax, 2 * N * rank);
@@ -158,8 +210,9 @@ static void test_linear(int64_t N, int in, int out, int rank, int with_bias, int
     linear_forward_cuda(d_y, d_x, &G, d_ax, N, rank, scale, 1, g_stream);
     linear_backward_cuda(d_dx, d_dy, d_x, d_ax, &G, d_dax, N, rank, scale, 1, g_stream);
     char tag[128], name[200];
-    snprintf(tag, sizeof(tag), "N=%lld in=%d out=%d r=%d%s%s%s", (long long)N, in, out, rank, with_bias ? " bias" : "",
-             with_lora ? " lora" : "", norm == 1 ? " behind merged RMSNorm" : norm == 2 ? " behind merged LayerNorm" : "");
+    snprintf(tag, sizeof(tag), "N=%lld in=%d out=%d r=%d%s%s%s%s", (long long)N, in, out, rank, with_bias ? " bias" : "",
+             with_lora ? " lora" : "", norm == 1 ? " behind merged RMSNorm" : norm == 2 ? " behind merged LayerNorm" : "",
+             drop_p > 0 ? " dropout" : "");
     float *gy = download_bf16(d_y, N * out), *gdx = download_bf16(d_dx, N * in);
     for (int64_t i = 0; i < N * out; i++) { gy[i] -= y0[i]; y[i] -= y0[i]; }  // compare what was added
     for (int64_t i = 0; i < N * in; i++) { gdx[i] -= dx0[i]; dx[i] -= dx0[i]; }
@@ -203,7 +256,8 @@ static void test_linear(int64_t N, int in, int out, int rank, int with_bias, int
     CUDA_CHECK(cudaFree(d_x)); CUDA_CHECK(cudaFree(d_y)); CUDA_CHECK(cudaFree(d_dy)); CUDA_CHECK(cudaFree(d_dx));
     CUDA_CHECK(cudaFree(d_ax)); CUDA_CHECK(cudaFree(d_dax));
     CUDA_CHECK(cudaFree(d_gamma)); CUDA_CHECK(cudaFree(d_beta)); CUDA_CHECK(cudaFree(d_work));
-    free(gamma); free(beta); free(work);
+    CUDA_CHECK(cudaFree(drop_gpu.work));
+    free(gamma); free(beta); free(work); free(drop_cpu.work);
     free(W); free(bias); free(A); free(B); free(dA0); free(dB0); free(x); free(y0); free(dy); free(dx0); free(dA); free(dB);
     free(y); free(ax); free(dax); free(dx); free(ax16); free(gy); free(gdx);
 }
@@ -254,6 +308,12 @@ int main(void) {
     test_linear(37, 48, 80, 4, 0, 1, &rng, 1);
     test_linear(64, 96, 64, 8, 1, 1, &rng, 2);
     test_linear(19, 35, 21, 3, 1, 1, &rng, 2);
+    test_lora_dropout_kernels(37, 48, 0, 0.1f, &rng);
+    test_lora_dropout_kernels(19, 35, 1, 0.5f, &rng);
+    test_lora_dropout_kernels(64, 96, 2, 0.1f, &rng);
+    test_linear(37, 48, 80, 4, 0, 1, &rng, 0, 0.1f);
+    test_linear(64, 96, 64, 8, 1, 1, &rng, 1, 0.1f);
+    test_linear(19, 35, 21, 3, 1, 1, &rng, 2, 0.3f);
     if (g_timing) {
         time_matmul(MM_NT, 8192, 8192, 8192, "(peak shape)");
         time_matmul(MM_NT, 8192, 4096, 4096, "(7B q/k/v/o fwd, 8192 tokens)");

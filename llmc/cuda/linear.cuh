@@ -7,7 +7,9 @@
 // accumulated in fp32 straight from the bf16 products (bf16 x bf16 -> fp32 matmul path, beta = 1
 // across micro-batches). See matmul.cuh for the precision policy. An adapter behind a merged norm
 // (L->norm_gamma, --ms-lora exact; llmc/lora.h says the math) applies bf16(A diag(gamma)), formed
-// from the fp32 master each call, and adds bf16(A16 beta) in the product's epilogue.
+// from the fp32 master each call, and adds bf16(A16 beta) in the product's epilogue. Training with
+// --lora-dropout, the adapter reads bf16(dropout(gamma*x + beta)) formed in a scratch, forward and
+// again in the backward, from the hash of llmc/lora_dropout.h (the twins are in llmc/lora.h).
 // Under --quant nf4 (L->nf4) W is a shared scratch, refilled by nf4_dequantize_cuda before the
 // forward product and before the input-gradient product.
 #pragma once
@@ -38,6 +40,39 @@ static void lora_norm_grad_cuda(float* dA, const float* G, const bf16* gamma, co
     launch_kernel(grid_for((int64_t)rank * in, 256), 256, 0, stream, lora_norm_grad_kernel, dA, G, gamma, beta, colsum, rank, in);
 }
 
+// xa = bf16(dropout(u)), u = fmaf(gamma, x, beta) in fp32 (x alone without a norm): the
+// adapter's input under --lora-dropout. Twin of lora_dropout_input.
+__global__ void lora_dropout_input_kernel(bf16* __restrict__ xa, const bf16* __restrict__ x, const bf16* __restrict__ gamma,
+                                          const bf16* __restrict__ beta, uint64_t key, uint64_t e0, uint32_t threshold, float scale,
+                                          int64_t n, int in) {
+    for (int64_t i = thread_index_1d(); i < n; i += grid_stride_1d()) {
+        int j = (int)(i % in);
+        float u = gamma ? fmaf(bf2f(gamma[j]), bf2f(x[i]), beta ? bf2f(beta[j]) : 0.0f) : bf2f(x[i]);
+        xa[i] = f2bf(lora_dropout_keep(key, e0 + (uint64_t)i, threshold) ? u * scale : 0.0f);
+    }
+}
+static void lora_dropout_input_cuda(bf16* xa, const bf16* x, const Linear* L, int64_t N, cudaStream_t stream) {
+    const LoraDropout* d = L->drop;
+    int64_t n = N * L->in;
+    launch_kernel(grid_for(n, 256), 256, 0, stream, lora_dropout_input_kernel, xa, x, (const bf16*)L->norm_gamma,
+                  (const bf16*)L->norm_beta, lora_dropout_layer_key(L), (uint64_t)d->row0 * L->in, d->threshold, d->scale, n, L->in);
+}
+
+// dx += bf16(keep * scale * gamma * t), t = dax A (bf16): the input gradient through the dropout.
+// Twin of lora_dropout_input_backward.
+__global__ void lora_dropout_input_backward_kernel(bf16* dx, const bf16* __restrict__ t, const bf16* __restrict__ gamma, uint64_t key,
+                                                   uint64_t e0, uint32_t threshold, float scale, int64_t n, int in) {
+    for (int64_t i = thread_index_1d(); i < n; i += grid_stride_1d())
+        if (lora_dropout_keep(key, e0 + (uint64_t)i, threshold))
+            dx[i] = f2bf(fmaf(bf2f(t[i]) * scale, gamma ? bf2f(gamma[i % in]) : 1.0f, bf2f(dx[i])));
+}
+static void lora_dropout_input_backward_cuda(bf16* dx, const bf16* t, const Linear* L, int64_t N, cudaStream_t stream) {
+    const LoraDropout* d = L->drop;
+    int64_t n = N * L->in;
+    launch_kernel(grid_for(n, 256), 256, 0, stream, lora_dropout_input_backward_kernel, dx, t, (const bf16*)L->norm_gamma,
+                  lora_dropout_layer_key(L), (uint64_t)d->row0 * L->in, d->threshold, d->scale, n, L->in);
+}
+
 // y (+)= x W^T + bias + scale * (x A^T) B^T, keeping ax = x A^T for the LoRA backward.
 // accumulate = 1 adds to y (a residual connection), bias included.
 static void linear_forward_cuda(bf16* y, const bf16* x, const Linear* L, bf16* ax, int64_t N, int rank, float scale, int accumulate,
@@ -47,7 +82,11 @@ static void linear_forward_cuda(bf16* y, const bf16* x, const Linear* L, bf16* a
     if (D->bias) matmul_nt_bias_cuda(y, x, (const bf16*)D->W, (const bf16*)D->bias, (int)N, L->out, L->in, 1.0f, accumulate, stream);
     else matmul_nt_cuda(y, x, (const bf16*)D->W, (int)N, L->out, L->in, 1.0f, accumulate, stream);
     if (!D->A) return;
-    if (L->norm_gamma) {  // behind a merged norm: ax = x (A diag(gamma))^T + A beta
+    if (lora_dropout_on(L)) {  // training with --lora-dropout: the adapter reads dropout(its input)
+        bf16* xa = (bf16*)L->drop->work;
+        lora_dropout_input_cuda(xa, x, L, N, stream);
+        matmul_nt_cuda(ax, xa, (const bf16*)D->A16, (int)N, rank, L->in, 1.0f, 0, stream);
+    } else if (L->norm_gamma) {  // behind a merged norm: ax = x (A diag(gamma))^T + A beta
         LoraNormWork w = lora_norm_work(L, rank, 2);
         lora_fold_gamma_cuda((bf16*)w.Ag, D->A, (const bf16*)L->norm_gamma, rank, L->in, stream);
         if (L->norm_beta) {
@@ -75,6 +114,15 @@ static void linear_backward_cuda(bf16* dx, const bf16* dy, const bf16* x, const 
     if (!D->A) return;
     matmul_tn_cuda(D->dB, dy, ax, L->out, rank, (int)N, scale, 1, stream);
     matmul_nn_cuda(dax, dy, (const bf16*)D->B16, (int)N, rank, L->out, scale, 0, stream);
+    if (lora_dropout_on(L)) {  // the forward's adapter input, mask regenerated, then back through it
+        bf16* xa = (bf16*)L->drop->work;
+        lora_dropout_input_cuda(xa, x, L, N, stream);
+        matmul_tn_cuda(D->dA, dax, xa, rank, L->in, (int)N, 1.0f, 1, stream);
+        if (!dx) return;
+        matmul_nn_cuda(xa, dax, (const bf16*)D->A16, (int)N, L->in, rank, 1.0f, 0, stream);
+        lora_dropout_input_backward_cuda(dx, xa, L, N, stream);
+        return;
+    }
     if (L->norm_gamma) {  // behind a merged norm: dA += (dax^T x) diag(gamma) + (sum_n dax_n) beta^T
         LoraNormWork w = lora_norm_work(L, rank, 2);
         const bf16 *gamma = (const bf16*)L->norm_gamma, *beta = (const bf16*)L->norm_beta;
