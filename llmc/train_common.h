@@ -245,7 +245,10 @@ static TrainModes train_modes_from(const TrainOptions* o, const char* const* tar
     md.targets = o->full ? 0 : parse_targets(o->lora_targets, target_names, n_targets, "lora-targets");
     md.rank = o->lora_rank;
     md.lora_scale = o->lora_alpha / (float)o->lora_rank;
-    md.lora_dropout = o->full ? 0.0f : o->lora_dropout;
+    // a run that cannot train (--eval-only; --generate or --export-merged without --data) plans no
+    // dropout scratch; a --dry-run plans the training run
+    int trains = !o->eval_only && (o->data_path || o->dry_run);
+    md.lora_dropout = o->full || !trains ? 0.0f : o->lora_dropout;
     md.seed = (uint64_t)(uint32_t)o->seed;
     md.generate = o->generate > 0;
     return md;

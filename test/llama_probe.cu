@@ -46,6 +46,7 @@ int main(int argc, char** argv) {
     LlamaConfig cfg;
     llama_config_load(&cfg, o.model_dir);
     TrainModes md = train_modes_from(&o, target_names, N_TARGETS);
+    md.lora_dropout = o.full ? 0.0f : o.lora_dropout;  // a training pass, without --data
     StFile cf;
     st_open(&cf, case_path);
     const StTensor* tokens = case_tensor(&cf, "tokens", ST_I32);

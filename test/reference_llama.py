@@ -293,8 +293,12 @@ def attention(q, k, v, n_rep):
     return torch.softmax(scores, dim=-1) @ v
 
 
-def forward(model, tokens, lora, scale, act="exact", norm="std", stats=None, weights=None, ms_lora="exact"):
+def forward(model, tokens, lora, scale, act="exact", norm="std", stats=None, weights=None, ms_lora="exact",
+            dropout=None):
     """Logits [B, T, V] for input tokens [B, T] (int64 tensor).
+
+    dropout: None, or LoRA dropout while training as a function (layer, target, xa) -> the
+    adapter's input after dropout (xa [B, T, in] is what the adapter would see without it).
 
     lora: dict (layer, target) -> (A, B). stats, if a dict, receives "gate_preact": the list of
     the per-layer gate pre-activations (before the activation). ms_lora: what the adapters of the
@@ -318,6 +322,8 @@ def forward(model, tokens, lora, scale, act="exact", norm="std", stats=None, wei
         def lin(t, inp, norm_key=None):
             # behind an MS norm (ms_lora "exact") the adapter sees the original input gamma*z
             xa = inp * model.w[f"{l}.{norm_key}"] if see_gamma and norm_key else None
+            if dropout is not None and lora.get((l, t)) is not None:
+                xa = dropout(l, t, inp if xa is None else xa)
             return lora_linear(inp, w[f"{l}.{t}"], lora.get((l, t)), scale, xa)
         z = rmsnorm(x, w[f"{l}.attn_norm"], c.eps)
         q = lin("q", z, "attn_norm").view(B, T, c.n_heads, hd).transpose(1, 2)
@@ -358,7 +364,7 @@ def parse_targets(targets):
 
 
 def run_case(model_dir, case, act="exact", norm="std", lora_rank=None, lora_alpha=None,
-             targets=LORA_TARGETS, dtype=torch.float64, full=False, ms_lora="exact"):
+             targets=LORA_TARGETS, dtype=torch.float64, full=False, ms_lora="exact", dropout=None):
     """Run one case through the reference.
 
     model_dir: a model directory or an already loaded LlamaModel (of the wanted dtype).
@@ -369,6 +375,7 @@ def run_case(model_dir, case, act="exact", norm="std", lora_rank=None, lora_alph
     the untied head ("grad.lm_head"), the final norm ("grad.final_norm") and, with standard norms,
     the block norms ("grad.{l}.attn_norm", "grad.{l}.mlp_norm").
     ms_lora: under norm="ms", the adapters see gamma*z ("exact") or z ("merged", the paper's).
+    dropout: LoRA dropout, as forward() takes it (None: none).
     Returns a dict with the OUT names ("logits" [B,T,V], "loss" [1], "grad.lora.{l}.{t}.A|B"),
     all float64 numpy, plus "stats": {"min_margin": smallest distance of any gate
     pre-activation to a ReSiLU2 breakpoint, "margins": the same per breakpoint, "code_counts":
@@ -424,7 +431,7 @@ def run_case(model_dir, case, act="exact", norm="std", lora_rank=None, lora_alph
             weights[key] = weights[key].clone().requires_grad_(True)
         if c.tied:
             weights["head"] = weights["embed"]
-    logits = forward(model, tokens[:, :-1], lora, scale, act, norm, stats, weights, ms_lora)
+    logits = forward(model, tokens[:, :-1], lora, scale, act, norm, stats, weights, ms_lora, dropout)
     loss = masked_ce(logits, tokens[:, 1:], mask)
     params = [p for ab in lora.values() for p in ab]
     if full:

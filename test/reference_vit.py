@@ -272,7 +272,8 @@ def attention(q, k, v):
     return torch.softmax(scores, dim=-1) @ v
 
 
-def forward(model, pixels, lora, scale, head, act="exact", norm="std", stats=None, weights=None, ms_lora="exact"):
+def forward(model, pixels, lora, scale, head, act="exact", norm="std", stats=None, weights=None, ms_lora="exact",
+            dropout=None):
     """Logits [B, K] for normalised pixels [B, C, H, W].
 
     lora: dict (layer, target) -> (A, B); head: (W [K, d], b [K]). stats, if a dict, receives
@@ -305,6 +306,8 @@ def forward(model, pixels, lora, scale, head, act="exact", norm="std", stats=Non
         def lin(t, inp, ln=None):
             # behind an MS-LN (ms_lora "exact") the adapter sees the original input gamma*z + beta
             xa = inp * model.w[f"{l}.{ln}.g"] + model.w[f"{l}.{ln}.b"] if see_affine and ln else None
+            if dropout is not None and lora.get((l, t)) is not None:  # LoRA dropout: (layer, target, input) -> dropped
+                xa = dropout(l, t, inp if xa is None else xa)
             return lora_linear(inp, w[f"{l}.{t}.w"], w[f"{l}.{t}.b"], lora.get((l, t)), scale, xa)
 
         def heads(y):
@@ -336,9 +339,10 @@ def parse_targets(targets):
 
 
 def run_case(model_dir, case, act="exact", norm="std", lora_rank=None, lora_alpha=None,
-             targets=LORA_TARGETS, dtype=torch.float64, full=False, ms_lora="exact"):
+             targets=LORA_TARGETS, dtype=torch.float64, full=False, ms_lora="exact", dropout=None):
     """Run one case through the reference. ms_lora: under norm="ms", the adapters see
-    gamma*z + beta ("exact") or z ("merged", the paper's).
+    gamma*z + beta ("exact") or z ("merged", the paper's). dropout: LoRA dropout while training,
+    a function (layer, target, adapter input [B, T, in]) -> that input after dropout, or None.
 
     full: full fine-tuning: no adapters (the case's are ignored); the gradients are those of
     every weight (of the merged model under norm="ms"), besides the head's: "grad.{l}.{t}.W" and
@@ -406,7 +410,7 @@ def run_case(model_dir, case, act="exact", norm="std", lora_rank=None, lora_alph
         full_names += ["patch_w", "patch_b", "cls", "pos_ft", "norm_g", "norm_b"]
         for k in full_names:
             weights[k] = weights[k].clone().requires_grad_(True)
-    logits = forward(model, pixels, lora, scale, (hw, hb), act, norm, stats, weights, ms_lora)
+    logits = forward(model, pixels, lora, scale, (hw, hb), act, norm, stats, weights, ms_lora, dropout)
     loss = F.cross_entropy(logits, labels)
     params = [weights[k] for k in full_names] + [p for ab in lora.values() for p in ab] + [hw, hb]
     grads = torch.autograd.grad(loss, params)

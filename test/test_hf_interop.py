@@ -3,6 +3,7 @@
 original layout), and both give the loss our own --eval-only gives. The stack lives in a venv
 that scripts/ci/install_deps.sh makes (build/hfvenv: transformers 4.36, peft 0.7 over Debian's torch); HF_PYTHON
 may name another interpreter. Missing, the test fails."""
+import json
 import os
 import subprocess
 
@@ -17,6 +18,8 @@ HF_PYTHON = os.environ.get("HF_PYTHON", os.path.join(lc.REPO, "build", "hfvenv",
 
 
 def test_transformers_and_peft_load_our_outputs(tmp_path):
+    """Trained with --lora-dropout 0.1: adapter_config.json records it and PEFT, in eval mode,
+    applies none, as our --eval-only."""
     if not os.path.exists(HF_PYTHON):
         pytest.fail(f"{HF_PYTHON} missing: scripts/ci/install_deps.sh makes it (python3 -m venv --system-site-packages build/hfvenv; "
                     "pip install transformers==4.36.2 peft==0.7.1 accelerate==0.25.0)")
@@ -26,7 +29,10 @@ def test_transformers_and_peft_load_our_outputs(tmp_path):
     toks = np.tile(rng.integers(3, cfg["vocab_size"], size=11), 500)
     shards.write_shard(str(tmp_path / "data.bin"), toks.astype(np.uint32), np.ones(toks.size, np.uint8), cfg["vocab_size"])
     run(["--model", tmp_path / "model", "--data", tmp_path / "data.bin", "--steps", 8, "--batch", 4, "--seq", 24, "--lora-rank", 4,
-         "--lr", 1e-2, "--mode", "lowmem", "--out", tmp_path / "adapter", "--export-merged", tmp_path / "merged", "--threads", 1])
+         "--lr", 1e-2, "--mode", "lowmem", "--out", tmp_path / "adapter", "--export-merged", tmp_path / "merged", "--threads", 1,
+         "--lora-dropout", 0.1])
+    with open(tmp_path / "adapter" / "adapter_config.json") as f:
+        assert json.load(f)["lora_dropout"] == pytest.approx(0.1)
     ours = [float(run(["--model", m, "--val", tmp_path / "data.bin", "--eval-only", "--seq", 24, "--batch", 4, "--val-batches", 4,
                        "--lora-rank", 4, "--threads", 1, *x]).stdout.split("val loss ")[-1])
             for m, x in ((tmp_path / "model", ()), (tmp_path / "model", ("--adapter", tmp_path / "adapter")), (tmp_path / "merged", ()))]

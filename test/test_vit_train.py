@@ -267,12 +267,14 @@ def test_mismatched_resume_is_refused(tmp_path):
         assert p.returncode == 1 and "train_state.bin" in p.stderr and needle in p.stderr, p.stderr
 
 
-def test_two_ranks_equal_one_process_with_combined_batch(tmp_path):
+@pytest.mark.parametrize("dropout", ["0", "0.1"])
+def test_two_ranks_equal_one_process_with_combined_batch(tmp_path, dropout):
     """mpirun -np 2 with --batch 8 trains like one process accumulating the same two micro-batches
     of 8 (--grad-accum 2): the loader gives each rank its half of the global batch, gradients and
     loss are summed across ranks. Each rank's gradient is the process's micro-batch gradient (the
     same sums in the same order) and a sum of two is exact in either order, so the adapters must be
-    the same bits: no tolerance, nothing that depends on the CPU."""
+    the same bits: no tolerance, nothing that depends on the CPU. With --lora-dropout the masks are
+    keyed by the row in the step's global batch, so rank r draws the process's micro-batch r's."""
     import shutil
     import subprocess
     import numpy as np
@@ -280,7 +282,7 @@ def test_two_ranks_equal_one_process_with_combined_batch(tmp_path):
     if not mpirun:
         pytest.fail("mpirun not found: install openmpi-bin (scripts/ci/install_deps.sh does)")
     args = ["--model", MODEL, "--data", TRAIN, "--mode", "lowmem", "--steps", "5", "--lr", "3e-3",
-            "--lora-rank", "4", "--seed", "4", "--threads", "1", "--hflip"]
+            "--lora-rank", "4", "--seed", "4", "--threads", "1", "--hflip", "--lora-dropout", dropout]
     exe = vc.binary("train_vit", "TRAIN_VIT")
     vc.run([exe] + args + ["--batch", "8", "--grad-accum", "2", "--out", str(tmp_path / "one")])
     env = dict(os.environ, OMP_NUM_THREADS="1")

@@ -105,6 +105,7 @@ int main(int argc, char** argv) {
         return 0;
     }
     TrainModes md = train_modes_from(&o, target_names, N_TARGETS);
+    md.lora_dropout = o.full ? 0.0f : o.lora_dropout;  // a training pass, without --data
     StFile cf;
     st_open(&cf, case_path);
     const StTensor* px = case_tensor(&cf, "pixels", ST_F32);
