@@ -25,6 +25,7 @@ L="$B/train_llama --model data/llama_demo --data data/llama_demo_ft_train.bin --
 check 0 $L --mode lowmem --out "$W/a" --generate 8 --prompt Licensed
 check 0 $L --mode ckpt
 check 0 $L --mode lowmem --recompute block --ms-lora merged
+check 0 $L --mode lowmem --lora-dropout 0.1 --grad-accum 2
 check 0 $L --mode baseline --swiglu-product recompute --grad-accum 2
 check 0 $L --full --out "$W/f" --stop-at 1
 check 0 $L --full --resume "$W/f"
@@ -68,6 +69,7 @@ printf 'X' | dd of="$W/k/train_state.bin" bs=1 seek=2000 conv=notrunc 2>/dev/nul
 check 1 $L --resume "$W/k" --save-every 1
 V="$B/train_vit --model data/vit_demo --data data/vit_demo_ft_train.bin --val data/vit_demo_ft_val.bin --steps 2 --batch 8 --val-batches 1"
 check 0 $V --mode lowmem --out "$W/v" --export-merged "$W/vm"
+check 0 $V --mode lowmem --lora-dropout 0.1
 check 0 $V --mode ckpt --lora-targets q,v
 check 0 $V --mode lowmem --ms-lora merged --out "$W/vp"
 check 0 $V --mode lowmem --adapter "$W/vp" --recompute block
