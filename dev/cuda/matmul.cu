@@ -162,7 +162,7 @@ static void test_linear(int64_t N, int in, int out, int rank, int with_bias, int
     float *db0 = host_randn(out, rng, 0.1f, 0), *db = host_copy(db0, out);  // and its bias, when it has one
     int train_bias = with_bias && !with_lora;
     Linear L = {in, out, W, with_bias ? bias : NULL, with_lora ? A : NULL, with_lora ? B : NULL, dA, dB, with_lora ? NULL : dW,
-                train_bias ? db : NULL, {}, NULL, NULL, NULL, NULL, 0};  // dev: no CUDA copy yet; no norm, no dropout (bound below)
+                train_bias ? db : NULL, {}, NULL, NULL, NULL, NULL, NULL, NULL, 0};  // dev: no CUDA copy yet; no norm, NF4 or dropout (bound below)
     float *gamma = host_randn(in, rng, 1.0f, 1), *beta = host_randn(in, rng, 0.5f, 1);
     void* work = xmalloc(lora_norm_work_bytes(rank, in, 4));
     if (norm) lora_norm_bind(&L, gamma, norm == 2 ? beta : NULL, work);

@@ -44,7 +44,7 @@ EOF
     --chat-template none --val-frac 0.1
 
 QUANT=()
-if ./train_llama --help | grep -q -- '--quant '; then
+if ./train_llama --help | grep -- '--quant ' > /dev/null; then  # not -q: an early exit would fail the pipe
     QUANT=(--quant nf4)
 else
     echo "recipe: this train_llama has no --quant flag (NF4 frozen weights): running the rest of the recipe without it"
