@@ -22,6 +22,8 @@ def test_recipe_script_runs_the_recipe_and_learns(tmp_path):
                        env=env, timeout=300, cwd=REPO)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert "dropout 0.1" in p.stdout and "LoRA r=64 alpha=16" in p.stdout
+    has_quant = "--quant " in subprocess.run([os.path.join(REPO, "train_llama"), "--help"], capture_output=True, text=True).stdout
+    assert ("--quant nf4" in p.stdout) == has_quant, "NF4 frozen weights whenever the trainer has them"
     with open(tmp_path / "run" / "log.csv") as f:
         rows = list(csv.DictReader(f))
     lrs = {r["lr"] for r in rows if r["lr"]}
