@@ -14,7 +14,12 @@
 //   tokenizer_probe DIR encode-each FILE        encode-plain for each NUL-terminated text of FILE,
 //                                               one line of ids each (one load for many texts)
 //   tokenizer_probe --nfc FILE                  the NFC form of FILE's text (llmc/unicode_nfc.h)
+//   tokenizer_probe --chat FILE                 FILE: JSON {"template", "messages": [{"role",
+//                                               "content"}], "add_generation_prompt", "bos_token",
+//                                               "eos_token"}; prints the rendering
+//                                               (llmc/chat_template.h), or fails in one line
 #include "../llmc/model_tokenizer.h"
+#include "../llmc/chat_template.h"
 
 static void print_ids(const int* ids, int n) {
     for (int i = 0; i < n; i++) printf(i ? " %d" : "%d", ids[i]);
@@ -65,8 +70,30 @@ static int probe_nfc(const char* path) {
     return 0;
 }
 
+static int probe_chat(const char* path) {
+    size_t size;
+    char* text = read_file(path, &size);
+    Json j = json_parse(text, size, path);
+    const Json* msgs = json_get(&j, "messages");
+    int n = msgs ? msgs->count : 0;
+    ChatMsg* m = (ChatMsg*)xcalloc(n + 1, sizeof(ChatMsg));
+    for (int i = 0; i < n; i++) {
+        m[i].role = json_string_or(&msgs->items[i], "role", "");
+        m[i].content = json_string_or(&msgs->items[i], "content", "");
+    }
+    char* out = chat_template_render(json_string_or(&j, "template", ""), path, m, n, json_bool_or(&j, "add_generation_prompt", 0),
+                                     json_string_or(&j, "bos_token", ""), json_string_or(&j, "eos_token", ""));
+    fputs(out, stdout);
+    free(out);
+    free(m);
+    json_free(&j);
+    free(text);
+    return 0;
+}
+
 int main(int argc, char** argv) {
     if (argc == 3 && strcmp(argv[1], "--nfc") == 0) return probe_nfc(argv[2]);
+    if (argc == 3 && strcmp(argv[1], "--chat") == 0) return probe_chat(argv[2]);
     if (argc < 3) fail("usage: tokenizer_probe TOKENIZER.bin|DIR info | encode TEXT | encode-plain TEXT | decode ID...");
     if (dir_exists(argv[1])) return probe_dir(argc, argv);
     Tokenizer t;
