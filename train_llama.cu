@@ -864,11 +864,13 @@ static int sample_token(const float* logits, int V, float temperature, Rng* rng)
 // cache is full, it restarts from the last half window (positions then count from there).
 // LLMC_NO_KV_CACHE=1 recomputes the whole window for every token instead (tests compare the two).
 // The cache and the logits are buffers of the plan (TrainModes.generate).
-static void llama_generate(Llama* m, const ModelTokenizer* tok, const char* prompt, int n, float temperature, uint64_t seed) {
+// chat: prompt is a rendered chat template, fed as it stands (no BOS added).
+static void llama_generate(Llama* m, const ModelTokenizer* tok, const char* prompt, int chat, int n, float temperature, uint64_t seed) {
     const LlamaConfig* c = &m->cfg;
     const Backend* be = m->be;
     int len, window = m->T;
-    int* prompt_ids = model_tokenizer_encode(tok, prompt, &len);
+    int* prompt_ids = chat ? model_tokenizer_encode_plain(tok, prompt, &len) : model_tokenizer_encode(tok, prompt, &len);
+    if (len == 0) fail(chat ? "flag --chat: the chat template rendered nothing to start from" : "flag --prompt: empty, and the tokenizer adds no BOS to start from");
     int* ids = (int*)xmalloc(sizeof(int) * (len + n));
     memcpy(ids, prompt_ids, sizeof(int) * len);
     free(prompt_ids);
@@ -1269,7 +1271,9 @@ int main(int argc, char** argv) {
     RunData rd;
     run_data_open(&rd, &o, cfg.vocab);
     ModelTokenizer tok;
+    char* chat_prompt = NULL;
     if (o.generate) model_tokenizer_load(&tok, o.model_dir, cfg.vocab, cfg.eos_id);
+    if (o.chat) chat_prompt = model_tokenizer_chat(&tok, o.model_dir, o.system, o.prompt);
 
     Backend be;
     backend_init(&be, o.device, dist.local_rank);
@@ -1310,8 +1314,10 @@ int main(int argc, char** argv) {
         llama_export_merged(&m, &o, o.export_merged);
         printf("wrote merged model to %s\n", o.export_merged);
     }
-    if (o.generate && dist.rank == 0) llama_generate(&m, &tok, o.prompt, o.generate, o.temperature, (uint64_t)o.seed);
+    if (o.generate && dist.rank == 0)
+        llama_generate(&m, &tok, chat_prompt ? chat_prompt : o.prompt, o.chat, o.generate, o.temperature, (uint64_t)o.seed);
     if (o.generate) model_tokenizer_free(&tok);
+    free(chat_prompt);
     run_data_close(&rd);
     llama_free(&m);
     dist_finalize(&dist);

@@ -480,7 +480,7 @@ static const char* ct_take_op(CtParser* p, const char* const* ops) {
 static CtExpr* ct_mul(CtParser* p) {
     static const char* const ops[] = {"*", "//", "/", "%", NULL};
     CtExpr* e = ct_unary(p);
-    for (const char* op; (op = ct_take_op(p, ops));) e = ct_bin(p, op, e, ct_unary(p));
+    for (const char* op; (op = ct_take_op(p, ops)) != NULL;) e = ct_bin(p, op, e, ct_unary(p));
     return e;
 }
 
@@ -493,7 +493,7 @@ static CtExpr* ct_concat(CtParser* p) {
 static CtExpr* ct_add(CtParser* p) {
     static const char* const ops[] = {"+", "-", NULL};
     CtExpr* e = ct_concat(p);
-    for (const char* op; (op = ct_take_op(p, ops));) e = ct_bin(p, op, e, ct_concat(p));
+    for (const char* op; (op = ct_take_op(p, ops)) != NULL;) e = ct_bin(p, op, e, ct_concat(p));
     return e;
 }
 

@@ -7,9 +7,13 @@
 //   generation_config.json and config.json (a number or a list) and at tokenizer_config.json's
 //   eos_token, whichever of these files exist.
 // Generation also ends at BOS, which starts a new document.
+// --chat: the prompt becomes a user message (after an optional system message) rendered by the
+// model's own chat template (tokenizer_config.json's chat_template, llmc/chat_template.h) with
+// add_generation_prompt, and generation also ends at the template's end-of-turn token.
 #pragma once
 #include "tokenizer.h"
 #include "hf_tokenizer.h"
+#include "chat_template.h"
 
 enum { MODEL_TOK_MAX_END = 16 };
 
@@ -123,6 +127,72 @@ static int* model_tokenizer_encode(const ModelTokenizer* t, const char* text, in
         ids[(*n)++] = t->bos_id;
     }
     return ids;
+}
+
+// The ids of text as it stands: no BOS added (a chat template renders its own).
+static int* model_tokenizer_encode_plain(const ModelTokenizer* t, const char* text, int* n) {
+    if (t->is_hf) return hf_encode(&t->hf, text, 0, n);
+    int* ids = (int*)xmalloc(sizeof(int) * (strlen(text) + 3));
+    *n = tokenizer_encode(&t->bin, text, 0, ids);
+    return ids;
+}
+
+// Whether id is a token the tokenizer matches whole in text (an added or special token).
+static int model_tokenizer_is_special(const ModelTokenizer* t, int id) {
+    int n = t->is_hf ? t->hf.n_added : t->bin.n_special;
+    const int* list = t->is_hf ? t->hf.added : t->bin.special_ids;
+    for (int k = 0; k < n; k++) if (list[k] == id) return 1;
+    return 0;
+}
+
+// tokenizer_config.json's bos_token / eos_token as a string ("" when absent).
+static const char* model_tok_string(const Json* cfg, const char* key) {
+    const Json* v = json_get(cfg, key);
+    if (v && v->type == JSON_OBJECT) v = json_get(v, "content");
+    return v && v->type == JSON_STRING ? v->string : "";
+}
+
+// The template's end-of-turn token: what its rendering puts right after an assistant reply,
+// when that is a special token (<|im_end|>, <|eot_id|>); generation stops there too.
+static void model_tok_add_turn_end(ModelTokenizer* t, const char* tmpl, const char* path, const char* bos, const char* eos) {
+    ChatMsg conv[2] = {{"user", "x"}, {"assistant", "y"}};
+    char* before = chat_template_render(tmpl, path, conv, 1, 1, bos, eos);
+    char* after = chat_template_render(tmpl, path, conv, 2, 0, bos, eos);
+    size_t n = strlen(before);
+    if (strncmp(after, before, n) == 0 && after[n] == 'y') {
+        const char* rest = after + n + 1;
+        while (*rest == ' ' || *rest == '\n') rest++;
+        int k, *ids = model_tokenizer_encode_plain(t, rest, &k);
+        if (k > 0 && model_tokenizer_is_special(t, ids[0])) model_tok_add_end(t, ids[0]);
+        free(ids);
+    }
+    free(before);
+    free(after);
+}
+
+// --chat: the text --generate starts from, prompt as the user's message (after system's, unless
+// NULL) through DIR/tokenizer_config.json's chat_template with add_generation_prompt; adds the
+// template's end-of-turn token to the tokens that end generation. A malloc'd string.
+static char* model_tokenizer_chat(ModelTokenizer* t, const char* dir, const char* system, const char* prompt) {
+    Json cfg;
+    char* path;
+    if (!model_tok_read_json(dir, "tokenizer_config.json", &cfg, &path))
+        fail("flag --chat: %s: no such file; --chat renders the model's chat_template from it", path);
+    const Json* tj = json_get(&cfg, "chat_template");
+    const char* tmpl = tj && tj->type == JSON_STRING ? tj->string : NULL;
+    for (int i = 0; tj && tj->type == JSON_ARRAY && i < tj->count && !tmpl; i++)  // named templates: the default
+        if (!strcmp(json_string_or(&tj->items[i], "name", ""), "default")) tmpl = json_string_or(&tj->items[i], "template", NULL);
+    if (!tmpl) fail("flag --chat: %s has no chat_template (a string, or a list holding one named \"default\")", path);
+    char* name = (char*)xmalloc(strlen(path) + 16);
+    sprintf(name, "%s: chat_template", path);
+    const char *bos = model_tok_string(&cfg, "bos_token"), *eos = model_tok_string(&cfg, "eos_token");
+    ChatMsg conv[2] = {{"system", system ? system : ""}, {"user", prompt}};
+    char* text = chat_template_render(tmpl, name, system ? conv : conv + 1, system ? 2 : 1, 1, bos, eos);
+    model_tok_add_turn_end(t, tmpl, name, bos, eos);
+    free(name);
+    json_free(&cfg);
+    free(path);
+    return text;
 }
 
 // The bytes of token id after prev (-1 at the start).

@@ -44,6 +44,8 @@ typedef struct {
     // generation (text models)
     int generate;
     const char* prompt;
+    int chat;               // --chat: wrap --prompt in the model's chat template
+    const char* system;     // --system: with --chat, a system message before it
     float temperature;
     // images (image models)
     int classes;            // 0: the training shard's class count
@@ -133,6 +135,9 @@ static void train_flags_register_task(FlagTable* t, TrainOptions* o, const char*
     flag_int(t, "generate", &o->generate, "after training (or alone, without --data), sample N tokens");
     flag_string(t, "prompt", &o->prompt, "prompt text for --generate (empty = start from BOS)");
     flag_float(t, "temperature", &o->temperature, "sampling temperature (0 = greedy)");
+    flag_bool(t, "chat", &o->chat, "--prompt is a user message: render it with tokenizer_config.json's chat_template "
+              "(add_generation_prompt) and stop at the template's end-of-turn token");
+    flag_string(t, "system", &o->system, "with --chat: a system message before the prompt");
 }
 
 static void train_flags_register(FlagTable* t, TrainOptions* o, const char* targets_help) {
@@ -169,6 +174,8 @@ static void train_validate(const TrainOptions* o) {
     if (o->threads < 0) fail("flag --threads: expected >= 0, got %d", o->threads);
     if (o->generate < 0) fail("flag --generate: expected >= 0, got %d", o->generate);
     if (o->temperature < 0) fail("flag --temperature: expected >= 0, got %g", o->temperature);
+    if (o->chat && !o->generate) fail("flag --chat: only with --generate N (it wraps the --prompt of generation)");
+    if (o->system && !o->chat) fail("flag --system: only with --chat");
     if (o->val_batches < 1) fail("flag --val-batches: expected >= 1, got %d", o->val_batches);
     if (o->log_every < 1) fail("flag --log-every: expected >= 1, got %d", o->log_every);
     if (o->stop_at < 0) fail("flag --stop-at: expected >= 0, got %d", o->stop_at);

@@ -278,7 +278,8 @@ def write_tiny_gguf(path, seed=0, tied=True, n_merges=120, sentencepiece=None):
         w.add_add_bos_token(False)
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
-    w.add_chat_template("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}")
+    w.add_chat_template("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
     hf = {}
 
     def add(gname, hfname, arr, qtype, perm_heads=None):

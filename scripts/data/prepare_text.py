@@ -13,9 +13,11 @@ Invalid UTF-8 is an error naming the byte offset (--utf8-errors replace substitu
 Plain text is cut at paragraph boundaries into chunks of about --chunk-chars
 characters, each BOS + tokens, every token a target except BOS (nothing in a chunk
 predicts it); val is the last val-frac of chunks, so it is text the model did not
-see. JSONL examples go through the model's chat template (--chat-template, default: the one
-named in tokenizer_config.json beside the tokenizer; chatml or llama2), or without one BOS +
-prompt + response + EOS; only assistant replies are trained on. Examples are packed back to
+see. JSONL examples go through the model's own chat template (--chat-template auto, the default: the
+Jinja chat_template of the tokenizer_config.json beside the tokenizer, rendered by
+scripts/formats/chat_template.py as transformers' apply_chat_template renders it; or the fixed
+chatml or llama2), or without one BOS + prompt + response + EOS; only assistant replies (up to
+and including their end-of-turn token) are trained on. Examples are packed back to
 back and the shards mark where each starts, so the trainer restarts positions and keeps
 attention inside each example. val is a seeded random val-frac of the lines.
 """
@@ -31,6 +33,7 @@ import numpy as np
 # sibling modules in scripts/<folder>/
 SCRIPTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [os.path.join(SCRIPTS, d) for d in ("formats",)]
+import chat_template  # noqa: E402
 import shards  # noqa: E402
 from llama2c_tokenizer import Tokenizer as Llama2cTokenizer  # noqa: E402
 
@@ -156,29 +159,116 @@ def encode_pair(tok, prompt, response):
     return p + r, [0] * len(p) + [1] * len(r)
 
 
-# Chat templates: how a conversation becomes text. Only assistant turns (and their end marker)
-# are trained on. "chatml": <|im_start|>role\ncontent<|im_end|>\n per message (SmolLM2, Qwen);
-# "llama2": <s>[INST] <<SYS>>\nsystem\n<</SYS>>\n\nuser [/INST] assistant </s> per exchange.
+# Chat templates: how a conversation becomes text. "auto" renders the model's own Jinja template
+# (tokenizer_config.json's chat_template, in the subset scripts/formats/chat_template.py renders).
+# Two fixed ones remain for tokenizers without a template: "chatml":
+# <|im_start|>role\ncontent<|im_end|>\n per message (SmolLM2, Qwen); "llama2": <s>[INST] <<SYS>>\n
+# system\n<</SYS>>\n\nuser [/INST] assistant </s> per exchange. Only assistant turns (and their
+# end marker) are trained on.
 CHAT_TEMPLATES = ("chatml", "llama2")
 
 
-def detect_chat_template(tok_path):
-    """The template named by the chat_template of a tokenizer_config.json beside the tokenizer."""
+class ModelTemplate:
+    """A model's chat template with the bos_token and eos_token strings it renders with."""
+
+    def __init__(self, cfg_path, source, bos, eos):
+        self.cfg_path, self.source, self.bos, self.eos = cfg_path, source, bos, eos
+        chat_template.parse(source, self.name())  # outside the subset: say so now, not at line 1000
+
+    def name(self):
+        return f"{self.cfg_path}: chat_template"
+
+    def render(self, messages, add_generation_prompt):
+        return chat_template.render(self.source, messages, add_generation_prompt, self.bos, self.eos, self.name())
+
+
+def token_string(v):
+    """tokenizer_config.json's bos_token / eos_token: a string or {"content": string}."""
+    v = v.get("content") if isinstance(v, dict) else v
+    return v if isinstance(v, str) else ""
+
+
+def load_model_template(tok_path):
+    """The chat template of a tokenizer_config.json beside the tokenizer, or None."""
     cfg_path = os.path.join(os.path.dirname(os.path.abspath(tok_path)), "tokenizer_config.json")
+    if not os.path.exists(cfg_path):
+        return None
     try:
-        with open(cfg_path) as f:
-            tmpl = json.load(f).get("chat_template") or ""
-    except (OSError, ValueError):
-        tmpl = ""
-    if "<|im_start|>" in tmpl:
-        return "chatml"
-    if "[INST]" in tmpl:
-        return "llama2"
-    return None
+        with open(cfg_path, encoding="utf-8") as f:
+            cfg = json.load(f)
+    except (OSError, ValueError) as e:
+        raise PrepError(f"{cfg_path}: cannot read ({one_line(e)})") from None
+    tmpl = cfg.get("chat_template") if isinstance(cfg, dict) else None
+    if isinstance(tmpl, list):  # named templates: the default one
+        tmpl = next((t.get("template") for t in tmpl if isinstance(t, dict) and t.get("name") == "default"), None)
+    if not tmpl:
+        return None
+    if not isinstance(tmpl, str):
+        raise PrepError(f"{cfg_path}: chat_template must be a string or a list of {{name, template}}")
+    try:
+        return ModelTemplate(cfg_path, tmpl, token_string(cfg.get("bos_token")), token_string(cfg.get("eos_token")))
+    except chat_template.ChatTemplateError as e:
+        raise PrepError(str(e)) from None
+
+
+def check_pieces_encode_alone(tok, what):
+    """Encoding a conversation piece by piece gives the whole's tokens only when the tokenizer adds
+    nothing to a piece's start (a SentencePiece-style tokenizer.json prepends "▁")."""
+    inner = getattr(tok, "tok", None)
+    if inner is None:
+        return
+    probe = "x"
+    if inner.normalizer is not None:
+        probe = inner.normalizer.normalize_str(probe)
+    if inner.pre_tokenizer is not None:
+        probe = "".join(p for p, _ in inner.pre_tokenizer.pre_tokenize_str(probe))
+    if probe != "x":
+        raise PrepError(f"{what}: this tokenizer.json adds {probe[:-1]!r} before every piece of text, so a rendered "
+                        "conversation cannot be tokenised turn by turn; use --chat-template llama2 (or chatml)")
+
+
+def template_spans(tmpl, messages):
+    """The rendered conversation and the [start, end) character span of each assistant reply: from
+    the end of the rendering of the turns before it with add_generation_prompt, to the end of the
+    rendering that includes it (less trailing whitespace). Every such rendering must be a prefix of
+    the whole, else the reply's tokens cannot be told apart: refused, never guessed."""
+    full = tmpl.render(messages, False)
+    spans, done = [], 0
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        before = tmpl.render(messages[:i], True)
+        upto = tmpl.render(messages[:i + 1], False).rstrip()
+        if not (full.startswith(upto) and upto.startswith(before) and len(before) >= done):
+            raise PrepError(f"{tmpl.name()}: rendering the turns before assistant message {i + 1} (with "
+                            "add_generation_prompt) does not give a prefix of the whole conversation, so the "
+                            "reply's tokens cannot be found")
+        if len(upto) > len(before):
+            spans.append((len(before), len(upto)))
+            done = len(upto)
+    return full, spans
+
+
+def encode_with_template(tok, messages, tmpl):
+    """A conversation through the model's template -> (ids, mask): each piece of the rendering
+    tokenised alone (no BOS added: a template that wants one renders it), the assistant replies
+    trained on. A prompt piece thus has the tokens --chat feeds for it."""
+    full, spans = template_spans(tmpl, messages)
+    ids, mask, at = [], [], 0
+    for a, b in spans + [(len(full), len(full))]:
+        for text, train in ((full[at:a], 0), (full[a:b], 1)):
+            if text:
+                t = tok.encode(text, bos=False)
+                ids.extend(t)
+                mask.extend([train] * len(t))
+        at = b
+    return ids, mask
 
 
 def encode_chat(tok, messages, template):
     """A conversation -> (ids, mask) with loss on the assistant turns only."""
+    if isinstance(template, ModelTemplate):
+        return encode_with_template(tok, messages, template)
     ids, mask = [], []
 
     def add(text, train, bos=False):
@@ -273,7 +363,7 @@ def encode_item(tok, item, template):
         item = ("chat", [{"role": "user", "content": item[1]}, {"role": "assistant", "content": item[2]}])
     if template is None:
         raise PrepError("a \"messages\" line needs a chat template: --chat-template chatml|llama2 "
-                        "(none found in a tokenizer_config.json beside the tokenizer)")
+                        "(no chat_template in a tokenizer_config.json beside the tokenizer)")
     return encode_chat(tok, item[1], template)
 
 
@@ -330,8 +420,9 @@ def parse_args(argv=None):
     ap.add_argument("--val-frac", type=float, default=0.1, help="fraction held out (default 0.1)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the JSONL val split")
     ap.add_argument("--chat-template", choices=("auto", "none") + CHAT_TEMPLATES, default="auto",
-                    help="JSONL: how conversations become text (auto: from tokenizer_config.json's "
-                         "chat_template beside the tokenizer; none: BOS + prompt + response + EOS)")
+                    help="JSONL: how conversations become text (auto: the model's own chat_template of the "
+                         "tokenizer_config.json beside the tokenizer, rendered as transformers does; none: BOS + "
+                         "prompt + response + EOS; chatml, llama2: fixed templates)")
     ap.add_argument("--chunk-chars", type=int, default=4096,
                     help="target characters per plain-text chunk (default 4096)")
     ap.add_argument("--utf8-errors", choices=("strict", "replace"), default="strict",
@@ -354,8 +445,10 @@ def main(argv=None):
         if not os.path.isfile(args.input):
             raise PrepError(f"{args.input}: no such input file")
         template = {"auto": None, "none": None}.get(args.chat_template, args.chat_template)
-        if args.chat_template == "auto":
-            template = detect_chat_template(args.tokenizer)
+        if args.chat_template == "auto" and args.input.endswith(".jsonl"):
+            template = load_model_template(args.tokenizer)
+            if template:
+                check_pieces_encode_alone(tok, args.tokenizer)
         train, val = prepare_docs(tok, args.input, args.val_frac, args.seed, args.chunk_chars, template,
                                   args.utf8_errors)
         if not train:
