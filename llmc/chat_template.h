@@ -139,10 +139,10 @@ static size_t ct_lex_string(const CtCtx* c, const char* src, size_t len, size_t 
         if (e == 'u' && i + 6 <= len) {
             for (int k = 2; k < 6; k++) {
                 char h = src[i + k];
-                if (!isxdigit((unsigned char)h)) fail("%s: chat template: bad \\u escape at offset %zu", c->name, i);
+                if (!isxdigit((unsigned char)h)) fail("%s: bad \\u escape at offset %zu", c->name, i);
                 cp = cp * 16 + (unsigned)(isdigit((unsigned char)h) ? h - '0' : (tolower((unsigned char)h) - 'a' + 10));
             }
-            if (cp >= 0xD800 && cp < 0xE000) fail("%s: chat template: unsupported construct: surrogate \\u escape at offset %zu", c->name, i);
+            if (cp >= 0xD800 && cp < 0xE000) fail("%s: unsupported construct: surrogate \\u escape at offset %zu", c->name, i);
             ct_put_utf8(out, &n, cp);
             i += 6;
             continue;
@@ -150,11 +150,11 @@ static size_t ct_lex_string(const CtCtx* c, const char* src, size_t len, size_t 
         const char* from = "ntr\\'\"0";
         const char* to = "\n\t\r\\'\"";
         const char* at = e ? strchr(from, e) : NULL;
-        if (!at) fail("%s: chat template: unsupported escape \\%c in a string at offset %zu", c->name, e ? e : ' ', i);
+        if (!at) fail("%s: unsupported escape \\%c in a string at offset %zu", c->name, e ? e : ' ', i);
         out[n++] = at - from == 6 ? 0 : to[at - from];
         i += 2;
     }
-    if (i >= len) fail("%s: chat template: unterminated string at end of template", c->name);
+    if (i >= len) fail("%s: unterminated string at end of template", c->name);
     out[n] = 0;
     t->kind = TK_STR;
     t->s = out;
@@ -167,7 +167,7 @@ static size_t ct_lex_tag(const CtCtx* c, const char* src, size_t len, size_t i, 
     int cap = 0;
     for (;;) {
         while (i < len && ct_is_ws(src[i])) i++;
-        if (i >= len) fail("%s: chat template: unterminated tag at end of template", c->name);
+        if (i >= len) fail("%s: unterminated tag at end of template", c->name);
         for (int m = 0; m < 3; m++) {
             const char* pre = m == 0 ? "-" : m == 1 ? "+" : "";
             size_t pl = strlen(pre);
@@ -184,11 +184,11 @@ static size_t ct_lex_tag(const CtCtx* c, const char* src, size_t len, size_t i, 
             size_t j = i;
             long long v = 0;
             while (j < len && isdigit((unsigned char)src[j])) {
-                if (v > (LLONG_MAX - 9) / 10) fail("%s: chat template: integer too large at offset %zu", c->name, i);
+                if (v > (LLONG_MAX - 9) / 10) fail("%s: integer too large at offset %zu", c->name, i);
                 v = v * 10 + (src[j++] - '0');
             }
             if (j + 1 < len && src[j] == '.' && isdigit((unsigned char)src[j + 1]))
-                fail("%s: chat template: unsupported construct: floating-point number at offset %zu", c->name, i);
+                fail("%s: unsupported construct: floating-point number at offset %zu", c->name, i);
             t.kind = TK_INT;
             t.i = v;
             i = j;
@@ -202,7 +202,7 @@ static size_t ct_lex_tag(const CtCtx* c, const char* src, size_t len, size_t i, 
             const char* op = NULL;
             for (size_t k = 0; k < sizeof(CT_OPS) / sizeof(CT_OPS[0]) && !op; k++)
                 if (strncmp(src + i, CT_OPS[k], strlen(CT_OPS[k])) == 0) op = CT_OPS[k];
-            if (!op) fail("%s: chat template: unsupported construct: character '%c' at offset %zu", c->name, ch, i);
+            if (!op) fail("%s: unsupported construct: character '%c' at offset %zu", c->name, ch, i);
             t.kind = TK_OP;
             t.s = op;
             i += strlen(op);
@@ -253,7 +253,7 @@ static CtParts ct_lex(const CtCtx* c, const char* template_text) {
         char close_mod = 0;
         if (kind == '#') {
             size_t end = ct_find(src, len, j, "#}");
-            if (end == (size_t)-1) fail("%s: chat template: unterminated comment at offset %zu", c->name, at);
+            if (end == (size_t)-1) fail("%s: unterminated comment at offset %zu", c->name, at);
             close_mod = end > j && (src[end - 1] == '-' || src[end - 1] == '+') ? src[end - 1] : 0;
             pos = end + 2;
         } else {
@@ -314,12 +314,12 @@ static const char* ct_tok_text(const CtParser* p) {
 
 static const CtTok* ct_need(CtParser* p, int kind, const char* s) {
     const CtTok* t = ct_take(p, kind, s);
-    if (!t) fail("%s: chat template: expected %s, got '%s'", p->c->name, s ? s : kind == TK_NAME ? "a name" : "a token", ct_tok_text(p));
+    if (!t) fail("%s: expected %s, got '%s'", p->c->name, s ? s : kind == TK_NAME ? "a name" : "a token", ct_tok_text(p));
     return t;
 }
 
 static void ct_done(const CtParser* p) {
-    if (p->i < p->n) fail("%s: chat template: unsupported construct: unexpected '%s'", p->c->name, ct_tok_text(p));
+    if (p->i < p->n) fail("%s: unsupported construct: unexpected '%s'", p->c->name, ct_tok_text(p));
 }
 
 static CtExpr* ct_node(const CtParser* p, int kind, CtExpr* a, CtExpr* b) {
@@ -349,14 +349,14 @@ static void ct_push_arg(CtParser* p, CtExpr* e, CtExpr* x) {
 static void ct_parse_list(CtParser* p, CtExpr* e, const char* close) {
     while (!ct_take(p, TK_OP, close)) {
         if (ct_peek(p, TK_NAME, NULL, 0) && ct_peek(p, TK_OP, "=", 1))
-            fail("%s: chat template: unsupported construct: keyword argument %s=", p->c->name, p->t[p->i].s);
+            fail("%s: unsupported construct: keyword argument %s=", p->c->name, p->t[p->i].s);
         ct_push_arg(p, e, ct_expr(p));
         if (!ct_take(p, TK_OP, ",")) { ct_need(p, TK_OP, close); break; }
     }
 }
 
 static CtExpr* ct_primary(CtParser* p) {
-    if (p->i >= p->n) fail("%s: chat template: expected an expression, got end of tag", p->c->name);
+    if (p->i >= p->n) fail("%s: expected an expression, got end of tag", p->c->name);
     const CtTok* t = &p->t[p->i++];
     CtExpr* e = ct_node(p, E_LIT, NULL, NULL);
     if (t->kind == TK_INT) { e->lit = ct_int(t->i); return e; }
@@ -386,7 +386,7 @@ static CtExpr* ct_primary(CtParser* p) {
         ct_parse_list(p, e, "]");
         return e;
     }
-    fail("%s: chat template: unsupported construct: '%s' in an expression", p->c->name, t->s);
+    fail("%s: unsupported construct: '%s' in an expression", p->c->name, t->s);
     return NULL;  // not reached: fail() exits
 }
 
@@ -401,17 +401,19 @@ static const char* const CT_METHODS[] = {"strip", "lstrip", "rstrip", "startswit
 
 // fn(args): raise_exception(msg) or a string method; every other call is outside the subset.
 static CtExpr* ct_call(CtParser* p, CtExpr* fn) {
+    int method = fn->kind == E_ITEM && fn->b->kind == E_LIT && fn->b->lit.type == CT_STR;
+    int raise = fn->kind == E_VAR && !strcmp(fn->op, "raise_exception");
+    if (!raise && !(method && ct_is_one_of(fn->b->lit.s, CT_METHODS)))
+        fail("%s: unsupported construct: call of %s()", p->c->name, fn->kind == E_VAR ? fn->op : method ? fn->b->lit.s : "a call");
     CtExpr* call = ct_node(p, E_METHOD, NULL, NULL);
     ct_parse_list(p, call, ")");
-    if (fn->kind == E_VAR && !strcmp(fn->op, "raise_exception") && call->nargs == 1) return ct_node(p, E_RAISE, call->args[0], NULL);
-    int method = fn->kind == E_ITEM && fn->b->kind == E_LIT && fn->b->lit.type == CT_STR;
-    if (method && ct_is_one_of(fn->b->lit.s, CT_METHODS)) {
-        call->op = fn->b->lit.s;
-        call->a = fn->a;
-        return call;
+    if (raise) {
+        if (call->nargs != 1) fail("%s: raise_exception takes one argument", p->c->name);
+        return ct_node(p, E_RAISE, call->args[0], NULL);
     }
-    fail("%s: chat template: unsupported construct: call of %s()", p->c->name, fn->kind == E_VAR ? fn->op : method ? fn->b->lit.s : "a call");
-    return NULL;  // not reached
+    call->op = fn->b->lit.s;
+    call->a = fn->a;
+    return call;
 }
 
 static CtExpr* ct_postfix(CtParser* p, CtExpr* e) {
@@ -425,7 +427,7 @@ static CtExpr* ct_postfix(CtParser* p, CtExpr* e) {
             CtExpr* lo = ct_peek(p, TK_OP, ":", 0) ? NULL : ct_expr(p);
             if (ct_take(p, TK_OP, ":")) {
                 CtExpr* hi = ct_peek(p, TK_OP, "]", 0) ? NULL : ct_expr(p);
-                if (ct_peek(p, TK_OP, ":", 0)) fail("%s: chat template: unsupported construct: slice step", p->c->name);
+                if (ct_peek(p, TK_OP, ":", 0)) fail("%s: unsupported construct: slice step", p->c->name);
                 e = ct_node(p, E_SLICE, e, lo);
                 e->c = hi;
             } else {
@@ -445,14 +447,14 @@ static CtExpr* ct_filters(CtParser* p, CtExpr* e) {
     for (;;) {
         if (ct_take(p, TK_OP, "|")) {
             const char* f = ct_need(p, TK_NAME, NULL)->s;
-            if (!ct_is_one_of(f, CT_FILTERS)) fail("%s: chat template: unsupported construct: filter %s", p->c->name, f);
-            if (ct_peek(p, TK_OP, "(", 0)) fail("%s: chat template: unsupported construct: arguments to filter %s", p->c->name, f);
+            if (!ct_is_one_of(f, CT_FILTERS)) fail("%s: unsupported construct: filter %s", p->c->name, f);
+            if (ct_peek(p, TK_OP, "(", 0)) fail("%s: unsupported construct: arguments to filter %s", p->c->name, f);
             e = ct_node(p, E_FILTER, e, NULL);
             e->op = f;
         } else if (ct_take(p, TK_NAME, "is")) {
             int neg = ct_take(p, TK_NAME, "not") != NULL;
             const char* t = ct_need(p, TK_NAME, NULL)->s;
-            if (!ct_is_one_of(t, CT_TESTS)) fail("%s: chat template: unsupported construct: test 'is %s'", p->c->name, t);
+            if (!ct_is_one_of(t, CT_TESTS)) fail("%s: unsupported construct: test 'is %s'", p->c->name, t);
             e = ct_node(p, E_TEST, e, NULL);
             e->op = t;
             if (neg) e = ct_node(p, E_NOT, e, NULL);
@@ -559,7 +561,7 @@ static CtStmt* ct_stmt_new(const CtCtx* c, int kind) {
 static CtStmt* ct_parse_body(CtBody* b, const char* const* ends, const CtPart** end);
 
 static CtStmt* ct_parse_if(CtBody* b, const CtPart* tag) {
-    static const char* const ends[] = {"elif", "else", "endif", NULL};
+    static const char* const ends[] = {"endif", "elif", "else", NULL};  // the closer first: it names what is missing
     CtStmt* s = ct_stmt_new(b->c, S_IF);
     s->e = ct_tag_expr(b->c, tag, 1, NULL);
     const CtPart* end;
@@ -567,7 +569,7 @@ static CtStmt* ct_parse_if(CtBody* b, const CtPart* tag) {
     const char* kw = end->toks[0].s;
     if (!strcmp(kw, "elif")) s->orelse = ct_parse_if(b, end);
     else if (!strcmp(kw, "else")) {
-        if (end->n != 1) fail("%s: chat template: unsupported construct: unexpected '%s' after else", b->c->name, end->toks[1].s);
+        if (end->n != 1) fail("%s: unsupported construct: unexpected '%s' after else", b->c->name, end->toks[1].s);
         static const char* const endif[] = {"endif", NULL};
         s->orelse = ct_stmt_new(b->c, S_IF);
         s->orelse->body = ct_parse_body(b, endif, &end);
@@ -582,24 +584,24 @@ static CtStmt* ct_parse_stmt(CtBody* b, const CtPart* tag) {
     if (!strcmp(kw, "for")) {
         CtStmt* s = ct_stmt_new(b->c, S_FOR);
         s->var = ct_need(&p, TK_NAME, NULL)->s;
-        if (ct_peek(&p, TK_OP, ",", 0)) fail("%s: chat template: unsupported construct: for with several variables", b->c->name);
+        if (ct_peek(&p, TK_OP, ",", 0)) fail("%s: unsupported construct: for with several variables", b->c->name);
         ct_need(&p, TK_NAME, "in");
         s->e = ct_tag_expr(b->c, tag, p.i, NULL);
         static const char* const ends[] = {"endfor", "else", NULL};
         const CtPart* end;
         s->body = ct_parse_body(b, ends, &end);
-        if (strcmp(end->toks[0].s, "endfor") != 0) fail("%s: chat template: unsupported construct: for ... else", b->c->name);
+        if (strcmp(end->toks[0].s, "endfor") != 0) fail("%s: unsupported construct: for ... else", b->c->name);
         return s;
     }
     if (!strcmp(kw, "set")) {
         CtStmt* s = ct_stmt_new(b->c, S_SET);
         s->var = ct_need(&p, TK_NAME, NULL)->s;
         if (!ct_take(&p, TK_OP, "="))
-            fail("%s: chat template: unsupported construct: set of %s without = (block set or attribute)", b->c->name, s->var);
+            fail("%s: unsupported construct: set of %s without = (block set or attribute)", b->c->name, s->var);
         s->e = ct_tag_expr(b->c, tag, p.i, NULL);
         return s;
     }
-    fail("%s: chat template: unsupported construct: {%% %s %%}", b->c->name, kw);
+    fail("%s: unsupported construct: {%% %s %%}", b->c->name, kw);
     return NULL;  // not reached
 }
 
@@ -616,14 +618,14 @@ static CtStmt* ct_parse_body(CtBody* b, const char* const* ends, const CtPart** 
             s = ct_stmt_new(b->c, S_OUT);
             s->e = ct_tag_expr(b->c, part, 0, NULL);
         } else {
-            if (!part->n || part->toks[0].kind != TK_NAME) fail("%s: chat template: empty or malformed {%% %%} tag", b->c->name);
+            if (!part->n || part->toks[0].kind != TK_NAME) fail("%s: empty or malformed {%% %%} tag", b->c->name);
             if (ends && ct_is_one_of(part->toks[0].s, ends)) { *end = part; return head.next; }
             s = ct_parse_stmt(b, part);
         }
         tail->next = s;
         tail = s;
     }
-    if (ends) fail("%s: chat template: missing {%% %s %%} at end of template", b->c->name, ends[0]);
+    if (ends) fail("%s: missing {%% %s %%} at end of template", b->c->name, ends[0]);
     return head.next;
 }
 
@@ -675,7 +677,7 @@ static const char* ct_text(const CtRun* r, CtVal v) {
             snprintf(buf, sizeof(buf), "%lld", v.i);
             return ct_strndup(r->c->arena, buf, strlen(buf));
         }
-        default: fail("%s: chat template: unsupported construct: printing a %s", r->c->name, ct_type_name(v.type));
+        default: fail("%s: unsupported construct: printing a %s", r->c->name, ct_type_name(v.type));
     }
     return "";  // not reached
 }
@@ -709,7 +711,7 @@ static CtVal ct_binop(CtRun* r, const char* op, CtVal a, CtVal b) {
         if (b.type == CT_STR && a.type == CT_STR) return ct_bool(strstr(b.s, a.s) != NULL);
         if (b.type == CT_LIST) { for (int i = 0; i < b.n; i++) if (ct_equal(a, b.items[i])) return ct_bool(1); return ct_bool(0); }
         if (b.type == CT_DICT && a.type == CT_STR) { for (int i = 0; i < b.n; i++) if (!strcmp(a.s, b.keys[i])) return ct_bool(1); return ct_bool(0); }
-        fail("%s: chat template: 'in' needs a string, list or mapping on its right", r->c->name);
+        fail("%s: 'in' needs a string, list or mapping on its right", r->c->name);
     }
     int ints = a.type == CT_INT && b.type == CT_INT, strs = a.type == CT_STR && b.type == CT_STR;
     if (!strcmp(op, "+") && strs) {
@@ -721,7 +723,7 @@ static CtVal ct_binop(CtRun* r, const char* op, CtVal a, CtVal b) {
     if ((ints || strs) && op[0] == '<') return ct_bool(op[1] ? cmp <= 0 : cmp < 0);
     if ((ints || strs) && op[0] == '>') return ct_bool(op[1] ? cmp >= 0 : cmp > 0);
     if (ints && strcmp(op, "/") != 0) {
-        if ((op[0] == '%' || op[0] == '/') && b.i == 0) fail("%s: chat template: division by zero", r->c->name);
+        if ((op[0] == '%' || op[0] == '/') && b.i == 0) fail("%s: division by zero", r->c->name);
         switch (op[0]) {
             case '+': return ct_int(a.i + b.i);
             case '-': return ct_int(a.i - b.i);
@@ -730,7 +732,7 @@ static CtVal ct_binop(CtRun* r, const char* op, CtVal a, CtVal b) {
             case '/': return ct_int(ct_floordiv(a.i, b.i));
         }
     }
-    fail("%s: chat template: unsupported operation '%s' between %s and %s", r->c->name, op, ct_type_name(a.type), ct_type_name(b.type));
+    fail("%s: unsupported operation '%s' between %s and %s", r->c->name, op, ct_type_name(a.type), ct_type_name(b.type));
     return a;  // not reached
 }
 
@@ -742,7 +744,7 @@ static CtVal ct_item(const CtRun* r, CtVal obj, CtVal key) {
         long long k = key.i < 0 ? key.i + obj.n : key.i;
         if (k >= 0 && k < obj.n) return obj.items[k];
     } else if (obj.type == CT_UNDEF) {
-        fail("%s: chat template: indexing an undefined value", r->c->name);
+        fail("%s: indexing an undefined value", r->c->name);
     }
     return u;
 }
@@ -750,7 +752,7 @@ static CtVal ct_item(const CtRun* r, CtVal obj, CtVal key) {
 // Python's list[lo:hi] (either bound may be absent or negative).
 static CtVal ct_slice(const CtRun* r, CtVal obj, const CtVal* lo, const CtVal* hi) {
     if (obj.type != CT_LIST || (lo && lo->type != CT_INT) || (hi && hi->type != CT_INT))
-        fail("%s: chat template: slicing needs a list and integer bounds", r->c->name);
+        fail("%s: slicing needs a list and integer bounds", r->c->name);
     long long n = obj.n, a = lo ? lo->i : 0, b = hi ? hi->i : n;
     if (a < 0) a += n;
     if (b < 0) b += n;
@@ -806,7 +808,7 @@ static CtVal ct_filter(const CtRun* r, const char* f, CtVal v) {
         CtVal u = {};
         return v.n ? v.items[f[0] == 'f' ? 0 : v.n - 1] : u;
     }
-    fail("%s: chat template: filter %s of a %s", r->c->name, f, ct_type_name(v.type));
+    fail("%s: filter %s of a %s", r->c->name, f, ct_type_name(v.type));
     return v;  // not reached
 }
 
@@ -823,10 +825,10 @@ static CtVal ct_eval(CtRun* r, const CtExpr* e);
 static CtVal ct_method(CtRun* r, const CtExpr* e) {
     CtVal obj = ct_eval(r, e->a);
     const char* m = e->op;
-    if (obj.type != CT_STR) fail("%s: chat template: method %s() of a %s", r->c->name, m, ct_type_name(obj.type));
+    if (obj.type != CT_STR) fail("%s: method %s() of a %s", r->c->name, m, ct_type_name(obj.type));
     if (strstr(m, "strip") && e->nargs == 0) return ct_strip(r, obj.s, m[0] != 'r', m[0] != 'l');
     CtVal arg = e->nargs == 1 ? ct_eval(r, e->args[0]) : obj;
-    if (e->nargs != 1 || arg.type != CT_STR || strstr(m, "strip")) fail("%s: chat template: unsupported arguments to %s()", r->c->name, m);
+    if (e->nargs != 1 || arg.type != CT_STR || strstr(m, "strip")) fail("%s: unsupported arguments to %s()", r->c->name, m);
     size_t n = strlen(obj.s), k = strlen(arg.s);
     if (k > n) return ct_bool(0);
     return ct_bool(memcmp(m[0] == 's' ? obj.s : obj.s + n - k, arg.s, k) == 0);
@@ -859,7 +861,7 @@ static CtVal ct_eval(CtRun* r, const CtExpr* e) {
         case E_FILTER: return ct_filter(r, e->op, ct_eval(r, e->a));
         case E_TEST: return ct_bool(ct_test(e->op, ct_eval(r, e->a)));
         case E_METHOD: return ct_method(r, e);
-        default: fail("%s: chat template: the template raised: %s", r->c->name, ct_text(r, ct_eval(r, e->a)));  // E_RAISE
+        default: fail("%s: the template raised: %s", r->c->name, ct_text(r, ct_eval(r, e->a)));  // E_RAISE
     }
     return e->lit;  // not reached
 }
@@ -868,7 +870,7 @@ static void ct_exec(CtRun* r, const CtStmt* s);
 
 static void ct_exec_for(CtRun* r, const CtStmt* s) {
     CtVal seq = ct_eval(r, s->e);
-    if (seq.type != CT_LIST) fail("%s: chat template: for over a %s; only lists are supported", r->c->name, ct_type_name(seq.type));
+    if (seq.type != CT_LIST) fail("%s: for over a %s; only lists are supported", r->c->name, ct_type_name(seq.type));
     static const char* const keys[] = {"index0", "index", "first", "last", "length", "revindex", "revindex0"};
     r->scopes = (CtScope*)realloc(r->scopes, sizeof(CtScope) * (r->depth + 1));
     if (!r->scopes) fail("out of host memory (chat template)");

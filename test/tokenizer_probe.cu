@@ -81,7 +81,7 @@ static int probe_chat(const char* path) {
         m[i].role = json_string_or(&msgs->items[i], "role", "");
         m[i].content = json_string_or(&msgs->items[i], "content", "");
     }
-    char* out = chat_template_render(json_string_or(&j, "template", ""), path, m, n, json_bool_or(&j, "add_generation_prompt", 0),
+    char* out = chat_template_render(json_string_or(&j, "template", ""), "template", m, n, json_bool_or(&j, "add_generation_prompt", 0),
                                      json_string_or(&j, "bos_token", ""), json_string_or(&j, "eos_token", ""));
     fputs(out, stdout);
     free(out);

