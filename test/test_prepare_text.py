@@ -1,6 +1,8 @@
-"""scripts/data/prepare_text.py on instruction data: chat templates (ChatML, LLaMA-2), loss on the
-assistant replies only, examples packed with their starts marked, and train_llama training on
-the result with attention kept inside each example."""
+"""scripts/data/prepare_text.py on instruction data: chat templates (the model's own, rendered as
+transformers renders it; the fixed ChatML and LLaMA-2 ones), loss on the assistant replies only,
+examples packed with their starts marked, and train_llama training on the result with attention
+kept inside each example. With a Hugging Face tokenizer.json, the tokens equal the `tokenizers`
+library's, chunk by chunk and piece by piece."""
 import json
 import os
 import subprocess
@@ -111,3 +113,109 @@ def test_train_llama_on_packed_instruction_data(tmp_path):
     vl = [float(l.split("val loss ")[1].split()[0]) for l in p.stdout.splitlines() if "val loss" in l]
     print("val loss on replies:", vl)
     assert vl[-1] < 0.8 * vl[0]
+
+
+# ---- tokenizer.json and the model's own chat template -------------------------------------------
+
+def hf_tok_dir(tmp_path, style, template=None, bos=None, eos=None):
+    """A directory with a tokenizer.json trained by the `tokenizers` library (test_hf_tokenizer.py's
+    styles, or Llama-3's special tokens) and, with a template, tokenizer_config.json."""
+    import test_hf_tokenizer as th
+    from test_chat_template import llama3_tokenizer
+    d = tmp_path / style
+    d.mkdir()
+    tok = llama3_tokenizer() if style == "llama3chat" else th.STYLES[style]()
+    tok.save(str(d / "tokenizer.json"))
+    if template:
+        (d / "tokenizer_config.json").write_text(json.dumps({"chat_template": template, "bos_token": bos, "eos_token": eos}))
+    return d, tok
+
+
+@pytest.mark.parametrize("style", ["smollm2", "llama3", "qwen2", "llama2", "metaspace"])
+def test_plain_text_with_tokenizer_json_equals_the_library(tmp_path, style):
+    """Every chunk's tokens are BOS + the library's encoding of the chunk, on the varied corpus of
+    test_hf_tokenizer.py (Unicode, emoji, whitespace runs, digits, special tokens in the text)."""
+    import prepare_text
+    import test_hf_tokenizer as th
+    d, tok = hf_tok_dir(tmp_path, style)
+    text = tmp_path / "corpus.txt"
+    text.write_text("\n\n".join(th.CORPUS + th.CORPUS[::-1]), encoding="utf-8")
+    p = prepare(d / "tokenizer.json", text, tmp_path / "c", "--chunk-chars", "300")
+    assert p.returncode == 0, p.stderr
+    ids, mask, _ = shards.read_shard(str(tmp_path / "c_train.bin"))
+    bos = int(ids[0])
+    assert tok.id_to_token(bos) in ("<|endoftext|>", "<s>")
+    chunks = prepare_text.split_paragraph_chunks(prepare_text.read_text(str(text), "strict"), 300)
+    assert len(chunks) > 5
+    want = [t for c in chunks for t in [bos] + tok.encode(c, add_special_tokens=False).ids]
+    assert [int(t) for t in ids] == want
+    assert int(mask.sum()) == len(want) - len(chunks)  # every token but each chunk's BOS is a target
+
+
+def check_replies(tok, ids, mask, starts, convs, reference, end_token, trim):
+    """Per example: the whole decodes to transformers' rendering; each masked run is one assistant
+    reply plus its end-of-turn token, and each run (masked or not) is the library's encoding of its text."""
+    bounds = list(np.flatnonzero(starts)) + [len(ids)]
+    assert len(bounds) - 1 == len(convs)
+    for (a, b), conv, ref in zip(zip(bounds[:-1], bounds[1:]), convs, reference):
+        ex, m = [int(t) for t in ids[a:b]], [int(x) for x in mask[a:b]]
+        assert tok.decode(ex, skip_special_tokens=False) == ref
+        runs, at = [], 0
+        for k in range(1, len(ex) + 1):
+            if k == len(ex) or m[k] != m[at]:
+                runs.append((m[at], ex[at:k]))
+                at = k
+        replies = [r[1] for r in runs if r[0]]
+        want = [(c["content"].strip() if trim else c["content"]) + end_token for c in conv if c["role"] == "assistant"]
+        assert [tok.decode(r, skip_special_tokens=False) for r in replies] == want
+        for _, run in runs:
+            assert tok.encode(tok.decode(run, skip_special_tokens=False), add_special_tokens=False).ids == run
+
+
+@pytest.mark.parametrize("which", ["smollm2", "llama3"])
+def test_jsonl_through_the_models_own_template(tmp_path, which):
+    """SmolLM2's template (from its GGUF) with a SmolLM2-style tokenizer.json, Llama-3's with
+    Llama-3's special tokens: prepare_text.py's examples are transformers' renderings, trained on
+    the assistant replies (and their end-of-turn token) only."""
+    from test_chat_template import CONVERSATIONS as TURNS, LLAMA3, smollm2_template, transformers_render
+    if which == "smollm2":
+        d, tok = hf_tok_dir(tmp_path, "smollm2", smollm2_template(), "<|im_start|>", "<|im_end|>")
+        end, bos, eos = "<|im_end|>", "<|im_start|>", "<|im_end|>"
+    else:
+        d, tok = hf_tok_dir(tmp_path, "llama3chat", LLAMA3, "<|begin_of_text|>", "<|end_of_text|>")
+        end, bos, eos = "<|eot_id|>", "<|begin_of_text|>", "<|end_of_text|>"
+    convs = [c for c in TURNS if any(m["role"] == "assistant" for m in c)]
+    convs += [c + [{"role": "assistant", "content": " Ünïcode 😀 42 <|im_start|> reply "}] for c in TURNS if c[-1]["role"] == "user"]
+    items = [{"messages": c} for c in convs] + [{"prompt": "Name a permissive license.", "response": "MIT."}]
+    convs.append([{"role": "user", "content": "Name a permissive license."}, {"role": "assistant", "content": "MIT."}])
+    jsonl = tmp_path / "chat.jsonl"
+    write_jsonl(jsonl, items)
+    p = prepare(d / "tokenizer.json", jsonl, tmp_path / "chat")
+    assert p.returncode == 0, p.stderr
+    ids, mask, _, starts = shards.read_shard(str(tmp_path / "chat_train.bin"), with_starts=True)
+    cases = [dict(template=json.loads((d / "tokenizer_config.json").read_text())["chat_template"], messages=c,
+                  add_generation_prompt=False, bos_token=bos, eos_token=eos) for c in convs]
+    check_replies(tok, ids, mask, starts, convs, transformers_render(cases), end, trim=which == "llama3")
+
+
+def test_templates_that_hide_the_replies_are_refused(tmp_path):
+    conv = [{"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]}]
+    jsonl = tmp_path / "chat.jsonl"
+    write_jsonl(jsonl, conv)
+    cases = [  # a footer after the last message: the turns before a reply are not a prefix of the whole
+        ("{% for m in messages %}{{ m.role }}: {{ m.content }}{% if loop.last %} END{% endif %}\n{% endfor %}",
+         "smollm2", ["tokenizer_config.json: chat_template", "not give a prefix"]),
+        ("{% for m in messages %}{{ m.content | tojson }}{% endfor %}", "smollm2",
+         ["tokenizer_config.json: chat_template", "filter tojson"]),
+        # a SentencePiece-style tokenizer.json prepends "▁" to each piece it encodes
+        ("{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}", "llama2",
+         ["tokenizer.json", "--chat-template llama2"]),
+    ]
+    for k, (template, style, needles) in enumerate(cases):
+        (tmp_path / str(k)).mkdir()
+        d, _ = hf_tok_dir(tmp_path / str(k), style, template, "<s>", "</s>")
+        p = prepare(d / "tokenizer.json", jsonl, tmp_path / f"bad{k}")
+        err = p.stderr.strip()
+        assert p.returncode == 1 and len(err.splitlines()) == 1, err
+        assert all(n in err for n in needles), err
+        assert not list(tmp_path.glob(f"bad{k}*"))
