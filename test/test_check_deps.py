@@ -19,16 +19,23 @@ def test_missing_pieces_named_in_one_line(tmp_path):
     assert "sudo bash scripts/ci/install_deps.sh" in err
 
 
+def fake_python(path, missing, then="exec /usr/bin/python3 \"$@\""):
+    """A python3 that finds no module `missing` and otherwise runs `then` (a venv: exit 0, it has all)."""
+    path.write_text(f"#!/bin/sh\ncase \"$2\" in *\\'{missing}\\'*) exit 1;; esac\n{then}\n")
+    path.chmod(0o755)
+    return str(path)
+
+
 def test_a_python_without_a_module_is_named(tmp_path):
     # a python3 whose torch cannot be found: the module and its Debian package are named
-    fake = tmp_path / "python3"
-    fake.write_text("#!/bin/sh\ncase \"$2\" in *\\'torch\\'*) exit 1;; esac\nexec /usr/bin/python3 \"$@\"\n")
-    fake.chmod(0o755)
-    p = check(str(fake), HF_PYTHON="/bin/sh")
+    p = check(fake_python(tmp_path / "python3", "torch"), HF_PYTHON=fake_python(tmp_path / "hf", "-", "exit 0"))
     assert p.returncode == 1 and "torch (python3-torch)" in p.stderr and "numpy" not in p.stderr, p.stderr
+    # a venv without jinja2 (transformers' chat templates)
+    p = check("/usr/bin/python3", HF_PYTHON=fake_python(tmp_path / "hf2", "jinja2", "exit 0"))
+    assert p.returncode == 1 and "jinja2 in" in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
 
 
-def test_nothing_missing_passes():
-    # the suite's own interpreter has everything but maybe the venv; /bin/sh stands in for it
-    p = check("/usr/bin/python3", HF_PYTHON="/bin/sh")
+def test_nothing_missing_passes(tmp_path):
+    # the suite's own interpreter has everything but maybe the venv's jinja2; a fake venv finds all
+    p = check("/usr/bin/python3", HF_PYTHON=fake_python(tmp_path / "hf", "-", "exit 0"))
     assert p.returncode == 0 and "found" in p.stdout, p.stdout + p.stderr

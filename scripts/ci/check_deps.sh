@@ -16,7 +16,11 @@ if command -v "$PY" >/dev/null 2>&1; then
     done
 fi
 HF_PYTHON=${HF_PYTHON:-build/hfvenv/bin/python}
-[ -x "$HF_PYTHON" ] || missing+=("$HF_PYTHON (transformers + peft venv)")
+if [ ! -x "$HF_PYTHON" ]; then
+    missing+=("$HF_PYTHON (transformers + peft venv)")
+elif ! "$HF_PYTHON" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('jinja2') is None)" 2>/dev/null; then
+    missing+=("jinja2 in $HF_PYTHON (transformers' apply_chat_template, the chat template reference)")
+fi
 if [ ${#missing[@]} -gt 0 ]; then
     echo "make test: missing $(IFS=,; echo "${missing[*]}" | sed 's/,/, /g'); on Debian run: sudo bash scripts/ci/install_deps.sh" >&2
     exit 1

@@ -23,5 +23,8 @@ if [ ! -x build/hfvenv/bin/python ]; then
     build/hfvenv/bin/python -m pip install -q "transformers==4.36.2"
     build/hfvenv/bin/python -m pip install -q --no-deps "peft==0.7.1" "accelerate==0.25.0" psutil
 fi
+# test/test_chat_template.py: transformers' apply_chat_template (the reference of our chat template
+# renderers) needs jinja2; outside the block above so that an existing venv gets it too
+build/hfvenv/bin/python -m pip install -q "jinja2==3.1.2"
 # scripts run with whatever python3 is first on PATH; give it numpy too
 if ! python3 -c "import numpy" 2>/dev/null; then python3 -m pip install -q numpy; fi
