@@ -63,7 +63,17 @@ static char* ct_strndup(CtArena* a, const char* s, size_t n) {
     return d;
 }
 
-static CtVal ct_str(CtArena* a, const char* s, size_t n) { CtVal v = {}; v.type = CT_STR; v.s = ct_strndup(a, s, n); return v; }
+// No string or rendering grows past this: a template of doubling concatenations would otherwise
+// exhaust memory in a few dozen statements.
+enum { CT_MAX_TEXT = 64 << 20 };
+
+static CtVal ct_str(CtArena* a, const char* s, size_t n) {
+    if (n > CT_MAX_TEXT) fail("chat template: a string grows past %d MiB", CT_MAX_TEXT >> 20);
+    CtVal v = {};
+    v.type = CT_STR;
+    v.s = ct_strndup(a, s, n);
+    return v;
+}
 static CtVal ct_int(long long i) { CtVal v = {}; v.type = CT_INT; v.i = i; return v; }
 static CtVal ct_bool(int b) { CtVal v = {}; v.type = CT_BOOL; v.i = b != 0; return v; }
 
@@ -76,6 +86,7 @@ static const char* ct_type_name(CtType t) {
 typedef struct { char* s; size_t n, cap; } CtBuf;
 
 static void ct_buf_add(CtBuf* b, const char* s, size_t n) {
+    if (b->n + n > CT_MAX_TEXT) fail("chat template: the rendering grows past %d MiB", CT_MAX_TEXT >> 20);
     if (b->n + n + 1 > b->cap) {
         b->cap = (b->n + n + 1) * 2;
         b->s = (char*)realloc(b->s, b->cap);
@@ -695,16 +706,22 @@ static int ct_equal(CtVal a, CtVal b) {
     return 1;  // undefined, none, or equal containers
 }
 
+static CtVal ct_join(CtArena* ar, const char* x, const char* y) {
+    size_t nx = strlen(x), ny = strlen(y);
+    CtVal v = ct_str(ar, "", 0);
+    if (nx + ny > CT_MAX_TEXT) fail("chat template: a string grows past %d MiB", CT_MAX_TEXT >> 20);
+    char* d = (char*)ct_alloc(ar, nx + ny + 1);
+    memcpy(d, x, nx);
+    memcpy(d + nx, y, ny + 1);
+    v.s = d;
+    return v;
+}
+
 static long long ct_floordiv(long long a, long long b) { long long q = a / b; return (a % b != 0 && (a < 0) != (b < 0)) ? q - 1 : q; }
 
 static CtVal ct_binop(CtRun* r, const char* op, CtVal a, CtVal b) {
     CtArena* ar = r->c->arena;
-    if (!strcmp(op, "~")) {
-        const char *x = ct_text(r, a), *y = ct_text(r, b);
-        CtVal v = ct_str(ar, x, strlen(x) + strlen(y));
-        strcpy((char*)v.s + strlen(x), y);
-        return v;
-    }
+    if (!strcmp(op, "~")) return ct_join(ar, ct_text(r, a), ct_text(r, b));
     if (!strcmp(op, "==")) return ct_bool(ct_equal(a, b));
     if (!strcmp(op, "!=")) return ct_bool(!ct_equal(a, b));
     if (!strcmp(op, "in")) {
@@ -714,11 +731,7 @@ static CtVal ct_binop(CtRun* r, const char* op, CtVal a, CtVal b) {
         fail("%s: 'in' needs a string, list or mapping on its right", r->c->name);
     }
     int ints = a.type == CT_INT && b.type == CT_INT, strs = a.type == CT_STR && b.type == CT_STR;
-    if (!strcmp(op, "+") && strs) {
-        CtVal v = ct_str(ar, a.s, strlen(a.s) + strlen(b.s));
-        strcpy((char*)v.s + strlen(a.s), b.s);
-        return v;
-    }
+    if (!strcmp(op, "+") && strs) return ct_join(ar, a.s, b.s);
     int cmp = ints ? (a.i > b.i) - (a.i < b.i) : strs ? strcmp(a.s, b.s) : 0;
     if ((ints || strs) && op[0] == '<') return ct_bool(op[1] ? cmp <= 0 : cmp < 0);
     if ((ints || strs) && op[0] == '>') return ct_bool(op[1] ? cmp >= 0 : cmp > 0);

@@ -1,6 +1,7 @@
 // test/fuzz_parsers.cu: a libFuzzer target over every parser that reads user files: JSON
 // (config.json), safetensors (model and adapter files), token shards, tokenizer.bin, tokenizer.json,
-// image shards and the training state (train_state.bin, for a run of 4 trainable values). The
+// image shards, the training state (train_state.bin, for a run of 4 trainable values) and chat
+// templates (tokenizer_config.json's chat_template, rendered for a fixed conversation). The
 // first input byte picks the parser; the rest is the file. A parser must either accept the bytes
 // or reject them through fail(); anything else (a crash, an out-of-bounds read under ASan, a hang)
 // is a finding. Build and run: make fuzz (clang with libFuzzer).
@@ -13,6 +14,7 @@
 #include "../llmc/hf_tokenizer.h"
 #include "../llmc/imagedata.h"
 #include "../llmc/checkpoint.h"
+#include "../llmc/chat_template.h"
 
 static jmp_buf g_reject;
 static void reject_hook(int status) { (void)status; longjmp(g_reject, 1); }  // fail() returns here
@@ -32,7 +34,7 @@ static StFile g_st;
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     if (size < 1) return 0;
-    int which = data[0] % 7;
+    int which = data[0] % 8;
     data++; size--;
     FILE* saved_stderr = stderr;
     stderr = fopen("/dev/null", "w");  // fail() messages are expected here
@@ -61,6 +63,16 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
                 break;
             }
             case 6: { StateHeader h; float p[4], m[4], v[4]; state_load(fuzz_file(data, size), &h, "fuzz", 4, p, m, v); break; }
+            case 7: {
+                static char* text;  // static: freed at the next input even when fail() longjmps out
+                free(text);
+                text = (char*)xmalloc(size + 1);
+                memcpy(text, data, size);
+                text[size] = 0;
+                ChatMsg conv[3] = {{"system", " Be brief. "}, {"user", "Hi \xC3\xA9"}, {"assistant", "Hello!"}};
+                for (int agp = 0; agp < 2; agp++) free(chat_template_render(text, "fuzz", conv, 3 - agp, agp, "<s>", "</s>"));
+                break;
+            }
         }
     }
     st_close(&g_st);  // accepted or rejected (st_close of a closed file does nothing)

@@ -35,30 +35,9 @@ LLAMA3_TOKENS = {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"}
 SMOLLM2_TOKENS = {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>"}
 
 # the rest of the subset, in the layout of Llama-3.1-style templates (indented {%- -%} blocks,
-# comments, lstrip_blocks/trim_blocks at work), every operator, filter, test and method
-SUBSET = """{{- bos_token }}
-{%- if messages[0]['role'] == 'system' %}
-    {%- set system_message = messages[0]['content']|trim %}
-    {%- set messages = messages[1:] %}
-{%- else %}
-    {%- set system_message = "" %}
-{%- endif %}
-{#- a comment #}
-  {% if not date_string is defined %}{% set date_string = "26 Jul 2024" %}{% endif %}
-Today: {{ date_string }} | system: {{ system_message if system_message else 'none' }}
-    {% for m in messages %}
-  {{ loop.index }}/{{ loop.length }} {{ loop.revindex0 }} {{ m.role ~ ':' }} {{ m.content.strip() }}{% if not loop.last %},{% endif %}
-{% if m.content.startswith('Hi') or m['content'].endswith('?') %}[greeting or question]{% endif %}
-    {% endfor %}
-{{ 'x' in system_message }} {{ messages|length > 1 and 'multi' or 'single' }} {{ messages[-2:]|length }}
-{{ (messages|last).role }} {{ (messages|first)['role'] }} {{ -7 % 3 }} {{ 7 // -2 }} {{ 2 * 3 - 1 }} {{ 'a' 'b' }}
-{{ 'user' in ['user', 'x'] }} {{ 'role' in messages[0] }} {{ none is none }} {{ 3 is number }} {{ true == 1 }}
-{{ messages[0].nothing is undefined }} {{ 'q' not in 'abc' }} {{ ('b' < 'a') ~ (2 >= 2) ~ (1 != 1) }} {{ 42 | string }}
-{{ messages[0]['content'] | length }} {{ "\\u00e9\\t" ~ 'it\\'s' }} {{ eos_token }}
-{%- if add_generation_prompt %}
-    {{- '<|assistant|>\\n' }}
-{%- endif %}
-"""
+# comments, lstrip_blocks/trim_blocks at work), every operator, filter, test and method; also the
+# seed of make fuzz's chat template parser
+SUBSET = open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "chat_subset.jinja"), encoding="utf-8").read()
 
 CONVERSATIONS = [
     [{"role": "user", "content": "Hi there!"}],
