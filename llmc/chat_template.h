@@ -11,7 +11,10 @@
 // or, not, a if c else b, `is [not] defined|undefined|none|string|number`, the filters trim,
 // length, count, string, first, last, the string methods strip, lstrip, rstrip, startswith,
 // endswith, and raise_exception(msg). Anything else fails in one line naming the construct: a
-// template is rendered exactly or not at all.
+// template is rendered exactly or not at all. Statements outside the subset fail when the
+// template is read; filters, tests and calls outside it (with keyword arguments too) are read
+// and fail when reached, so a template that keeps them in branches a conversation never takes
+// (Llama-3.1's tool calling, Llama-3.2's `strftime_now is defined`) renders.
 #pragma once
 #include <ctype.h>
 #include <limits.h>
@@ -279,15 +282,17 @@ static CtParts ct_lex(const CtCtx* c, const char* template_text) {
 
 // ---- parsing: tags into a tree ------------------------------------------------------------------
 
-enum { E_LIT, E_VAR, E_LIST, E_ITEM, E_SLICE, E_OR, E_AND, E_NOT, E_COND, E_BIN, E_FILTER, E_TEST, E_METHOD, E_RAISE };
+enum { E_LIT, E_VAR, E_LIST, E_ITEM, E_SLICE, E_OR, E_AND, E_NOT, E_COND, E_BIN, E_FILTER, E_TEST, E_CALL };
 
 typedef struct CtExpr {
     int kind;
-    const char* op;          // E_VAR name, E_BIN operator, E_FILTER/E_TEST/E_METHOD name
+    const char* op;          // E_VAR name, E_BIN operator, E_FILTER/E_TEST name
     CtVal lit;               // E_LIT
     struct CtExpr *a, *b, *c;
-    struct CtExpr** args;    // E_LIST items, E_METHOD arguments
+    struct CtExpr** args;    // E_LIST items; E_CALL (a: the function), E_FILTER, E_TEST arguments
     int nargs;
+    int paren;               // E_FILTER, E_TEST: written with (arguments)
+    int nkw;                 // how many of the arguments were keyword arguments
 } CtExpr;
 
 enum { S_TEXT, S_OUT, S_IF, S_FOR, S_SET };
@@ -295,7 +300,8 @@ enum { S_TEXT, S_OUT, S_IF, S_FOR, S_SET };
 typedef struct CtStmt {
     int kind;
     const char* text;        // S_TEXT
-    const char* var;         // S_FOR, S_SET
+    const char* var;         // S_FOR (the first of nvars), S_SET
+    int nvars;
     CtExpr* e;               // S_OUT, S_SET value, S_FOR sequence, S_IF condition (NULL: else)
     struct CtStmt* body;     // S_IF, S_FOR
     struct CtStmt* orelse;   // S_IF: the next elif/else branch
@@ -356,11 +362,11 @@ static void ct_push_arg(CtParser* p, CtExpr* e, CtExpr* x) {
     e->args = grown;
 }
 
-// Comma-separated expressions up to the closing token (the opening one taken).
+// Comma-separated expressions up to the closing token (the opening one taken). Keyword arguments
+// are read (and counted) so that a template may hold them in branches it never renders.
 static void ct_parse_list(CtParser* p, CtExpr* e, const char* close) {
     while (!ct_take(p, TK_OP, close)) {
-        if (ct_peek(p, TK_NAME, NULL, 0) && ct_peek(p, TK_OP, "=", 1))
-            fail("%s: unsupported construct: keyword argument %s=", p->c->name, p->t[p->i].s);
+        if (ct_peek(p, TK_NAME, NULL, 0) && ct_peek(p, TK_OP, "=", 1)) { p->i += 2; e->nkw++; }
         ct_push_arg(p, e, ct_expr(p));
         if (!ct_take(p, TK_OP, ",")) { ct_need(p, TK_OP, close); break; }
     }
@@ -410,20 +416,11 @@ static const char* const CT_FILTERS[] = {"trim", "length", "count", "string", "f
 static const char* const CT_TESTS[] = {"defined", "undefined", "none", "string", "number", NULL};
 static const char* const CT_METHODS[] = {"strip", "lstrip", "rstrip", "startswith", "endswith", NULL};
 
-// fn(args): raise_exception(msg) or a string method; every other call is outside the subset.
+// fn(args): any call is read; raise_exception(msg) and the string methods render, others fail
+// when rendered (a template may guard one with `is defined`, as Llama-3.2's strftime_now).
 static CtExpr* ct_call(CtParser* p, CtExpr* fn) {
-    int method = fn->kind == E_ITEM && fn->b->kind == E_LIT && fn->b->lit.type == CT_STR;
-    int raise = fn->kind == E_VAR && !strcmp(fn->op, "raise_exception");
-    if (!raise && !(method && ct_is_one_of(fn->b->lit.s, CT_METHODS)))
-        fail("%s: unsupported construct: call of %s()", p->c->name, fn->kind == E_VAR ? fn->op : method ? fn->b->lit.s : "a call");
-    CtExpr* call = ct_node(p, E_METHOD, NULL, NULL);
+    CtExpr* call = ct_node(p, E_CALL, fn, NULL);
     ct_parse_list(p, call, ")");
-    if (raise) {
-        if (call->nargs != 1) fail("%s: raise_exception takes one argument", p->c->name);
-        return ct_node(p, E_RAISE, call->args[0], NULL);
-    }
-    call->op = fn->b->lit.s;
-    call->a = fn->a;
     return call;
 }
 
@@ -456,18 +453,17 @@ static CtExpr* ct_postfix(CtParser* p, CtExpr* e) {
 // x | filter and x is [not] test: tighter than any binary operator, as in Jinja.
 static CtExpr* ct_filters(CtParser* p, CtExpr* e) {
     for (;;) {
-        if (ct_take(p, TK_OP, "|")) {
+        if (ct_take(p, TK_OP, "|")) {  // any filter is read; one outside the subset fails when rendered
             const char* f = ct_need(p, TK_NAME, NULL)->s;
-            if (!ct_is_one_of(f, CT_FILTERS)) fail("%s: unsupported construct: filter %s", p->c->name, f);
-            if (ct_peek(p, TK_OP, "(", 0)) fail("%s: unsupported construct: arguments to filter %s", p->c->name, f);
             e = ct_node(p, E_FILTER, e, NULL);
             e->op = f;
+            if ((e->paren = ct_take(p, TK_OP, "(") != NULL)) ct_parse_list(p, e, ")");
         } else if (ct_take(p, TK_NAME, "is")) {
             int neg = ct_take(p, TK_NAME, "not") != NULL;
             const char* t = ct_need(p, TK_NAME, NULL)->s;
-            if (!ct_is_one_of(t, CT_TESTS)) fail("%s: unsupported construct: test 'is %s'", p->c->name, t);
             e = ct_node(p, E_TEST, e, NULL);
             e->op = t;
+            if ((e->paren = ct_take(p, TK_OP, "(") != NULL)) ct_parse_list(p, e, ")");
             if (neg) e = ct_node(p, E_NOT, e, NULL);
         } else {
             return e;
@@ -595,7 +591,7 @@ static CtStmt* ct_parse_stmt(CtBody* b, const CtPart* tag) {
     if (!strcmp(kw, "for")) {
         CtStmt* s = ct_stmt_new(b->c, S_FOR);
         s->var = ct_need(&p, TK_NAME, NULL)->s;
-        if (ct_peek(&p, TK_OP, ",", 0)) fail("%s: unsupported construct: for with several variables", b->c->name);
+        for (s->nvars = 1; ct_take(&p, TK_OP, ","); s->nvars++) ct_need(&p, TK_NAME, NULL);  // read; refused when rendered
         ct_need(&p, TK_NAME, "in");
         s->e = ct_tag_expr(b->c, tag, p.i, NULL);
         static const char* const ends[] = {"endfor", "else", NULL};
@@ -808,7 +804,10 @@ static CtVal ct_strip(const CtRun* r, const char* s, int left, int right) {
     return ct_str(r->c->arena, s + a, b - a);
 }
 
-static CtVal ct_filter(const CtRun* r, const char* f, CtVal v) {
+static CtVal ct_filter(const CtRun* r, const CtExpr* e, CtVal v) {
+    const char* f = e->op;
+    if (!ct_is_one_of(f, CT_FILTERS)) fail("%s: unsupported construct: filter %s", r->c->name, f);
+    if (e->paren) fail("%s: unsupported construct: arguments to filter %s", r->c->name, f);
     if (!strcmp(f, "trim")) return ct_strip(r, ct_text(r, v), 1, 1);
     if (!strcmp(f, "string")) { const char* t = ct_text(r, v); return ct_str(r->c->arena, t, strlen(t)); }
     if ((!strcmp(f, "length") || !strcmp(f, "count")) && (v.type == CT_LIST || v.type == CT_DICT)) return ct_int(v.n);
@@ -825,7 +824,10 @@ static CtVal ct_filter(const CtRun* r, const char* f, CtVal v) {
     return v;  // not reached
 }
 
-static int ct_test(const char* t, CtVal v) {
+static int ct_test(const CtRun* r, const CtExpr* e, CtVal v) {
+    const char* t = e->op;
+    int known = ct_is_one_of(t, CT_TESTS);
+    if (!known || e->paren) fail("%s: unsupported construct: test 'is %s'%s", r->c->name, t, known ? " with arguments" : "");
     if (!strcmp(t, "defined")) return v.type != CT_UNDEF;
     if (!strcmp(t, "undefined")) return v.type == CT_UNDEF;
     if (!strcmp(t, "none")) return v.type == CT_NONE;
@@ -835,9 +837,8 @@ static int ct_test(const char* t, CtVal v) {
 
 static CtVal ct_eval(CtRun* r, const CtExpr* e);
 
-static CtVal ct_method(CtRun* r, const CtExpr* e) {
-    CtVal obj = ct_eval(r, e->a);
-    const char* m = e->op;
+static CtVal ct_method(CtRun* r, const char* m, const CtExpr* e) {
+    CtVal obj = ct_eval(r, e->a->a);
     if (obj.type != CT_STR) fail("%s: method %s() of a %s", r->c->name, m, ct_type_name(obj.type));
     if (strstr(m, "strip") && e->nargs == 0) return ct_strip(r, obj.s, m[0] != 'r', m[0] != 'l');
     CtVal arg = e->nargs == 1 ? ct_eval(r, e->args[0]) : obj;
@@ -845,6 +846,19 @@ static CtVal ct_method(CtRun* r, const CtExpr* e) {
     size_t n = strlen(obj.s), k = strlen(arg.s);
     if (k > n) return ct_bool(0);
     return ct_bool(memcmp(m[0] == 's' ? obj.s : obj.s + n - k, arg.s, k) == 0);
+}
+
+// raise_exception(msg) or a string method; any other call is outside the subset.
+static CtVal ct_eval_call(CtRun* r, const CtExpr* e) {
+    const CtExpr* fn = e->a;
+    int method = fn->kind == E_ITEM && fn->b->kind == E_LIT && fn->b->lit.type == CT_STR;
+    const char* what = fn->kind == E_VAR ? fn->op : method ? fn->b->lit.s : "a call";
+    int known = (fn->kind == E_VAR && !strcmp(what, "raise_exception")) || (method && ct_is_one_of(what, CT_METHODS));
+    if (!known || e->nkw) fail("%s: unsupported construct: call of %s()%s", r->c->name, what, known ? " with keyword arguments" : "");
+    if (method) return ct_method(r, what, e);
+    if (e->nargs != 1) fail("%s: unsupported construct: call of raise_exception() with %d arguments", r->c->name, e->nargs);
+    fail("%s: the template raised: %s", r->c->name, ct_text(r, ct_eval(r, e->args[0])));
+    return e->lit;  // not reached
 }
 
 static CtVal ct_eval(CtRun* r, const CtExpr* e) {
@@ -871,17 +885,16 @@ static CtVal ct_eval(CtRun* r, const CtExpr* e) {
         case E_NOT: return ct_bool(!ct_truthy(ct_eval(r, e->a)));
         case E_COND: return ct_truthy(ct_eval(r, e->a)) ? ct_eval(r, e->b) : ct_eval(r, e->c);
         case E_BIN: { CtVal a = ct_eval(r, e->a); return ct_binop(r, e->op, a, ct_eval(r, e->b)); }
-        case E_FILTER: return ct_filter(r, e->op, ct_eval(r, e->a));
-        case E_TEST: return ct_bool(ct_test(e->op, ct_eval(r, e->a)));
-        case E_METHOD: return ct_method(r, e);
-        default: fail("%s: the template raised: %s", r->c->name, ct_text(r, ct_eval(r, e->a)));  // E_RAISE
+        case E_FILTER: return ct_filter(r, e, ct_eval(r, e->a));
+        case E_TEST: return ct_bool(ct_test(r, e, ct_eval(r, e->a)));
+        default: return ct_eval_call(r, e);  // E_CALL
     }
-    return e->lit;  // not reached
 }
 
 static void ct_exec(CtRun* r, const CtStmt* s);
 
 static void ct_exec_for(CtRun* r, const CtStmt* s) {
+    if (s->nvars > 1) fail("%s: unsupported construct: for with several variables", r->c->name);
     CtVal seq = ct_eval(r, s->e);
     if (seq.type != CT_LIST) fail("%s: for over a %s; only lists are supported", r->c->name, ct_type_name(seq.type));
     static const char* const keys[] = {"index0", "index", "first", "last", "length", "revindex", "revindex0"};

@@ -1,7 +1,8 @@
 """Chat templates rendered by us (llmc/chat_template.h through test/tokenizer_probe --chat, and
 scripts/formats/chat_template.py) against transformers' apply_chat_template (transformers 4.36 in
 build/hfvenv, the venv the HF interop tests use): SmolLM2's and Llama-3's real templates and one
-that uses the rest of the subset, on conversations with and without a system message, one and
+that uses the rest of the subset, and Llama-3.1's (whose tool branches, outside the subset, a
+conversation without tools never reaches), on conversations with and without a system message, one and
 several turns, whitespace the templates trim, Unicode, and add_generation_prompt both ways.
 Templates outside the subset fail in one line naming the construct, in C and in Python alike.
 Then --chat end to end: the prompt train_llama feeds is transformers' rendering, its greedy tokens
@@ -31,13 +32,19 @@ LLAMA3 = ("{% set loop_messages = messages %}{% for message in loop_messages %}{
           "message['role'] + '<|end_header_id|>\n\n'+ message['content'] | trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}"
           "{% set content = bos_token + content %}{% endif %}{{ content }}{% endfor %}{% if add_generation_prompt %}"
           "{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}")
+HERE = os.path.dirname(os.path.abspath(__file__))
+# Llama-3.1's template (tool calling included): meta-llama/Llama-3.1-70B-Instruct's
+# tokenizer_config.json chat_template as quoted in public notes (data shipped with the model);
+# rendered here without tools, so its tool branches (tojson, items, a for over two variables:
+# outside our subset) are read but never reached, and the plain conversation renders exactly.
+LLAMA31 = open(os.path.join(HERE, "chat_llama31.jinja"), encoding="utf-8").read()
 LLAMA3_TOKENS = {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"}
 SMOLLM2_TOKENS = {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>"}
 
 # the rest of the subset, in the layout of Llama-3.1-style templates (indented {%- -%} blocks,
 # comments, lstrip_blocks/trim_blocks at work), every operator, filter, test and method; also the
 # seed of make fuzz's chat template parser
-SUBSET = open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "chat_subset.jinja"), encoding="utf-8").read()
+SUBSET = open(os.path.join(HERE, "chat_subset.jinja"), encoding="utf-8").read()
 
 CONVERSATIONS = [
     [{"role": "user", "content": "Hi there!"}],
@@ -95,7 +102,7 @@ def c_render(tmp_path, case):
 @pytest.fixture(scope="module")
 def cases():
     templates = {"smollm2": (smollm2_template(), SMOLLM2_TOKENS), "llama3": (LLAMA3, LLAMA3_TOKENS),
-                 "subset": (SUBSET, LLAMA3_TOKENS)}
+                 "llama31": (LLAMA31, LLAMA3_TOKENS), "subset": (SUBSET, LLAMA3_TOKENS)}
     out = []
     for name, (tmpl, toks) in templates.items():
         for k, conv in enumerate(CONVERSATIONS):
@@ -129,6 +136,7 @@ def test_the_cases_cover_what_they_should(cases):
     assert refs["llama3-2-True"].endswith("<|start_header_id|>assistant<|end_header_id|>\n\n")
     assert "naïve 😀\n\n  emoji 👍🏽 and\ttabs<|eot_id|>" in refs["llama3-2-False"]  # trimmed, U+3000 included
     assert "system: You are terse." in refs["subset-1-False"] and "system: none" in refs["subset-0-False"]
+    assert "Today Date: 26 Jul 2024\n\nYou are terse.<|eot_id|>" in refs["llama31-1-False"]
 
 
 UNSUPPORTED = [
@@ -138,11 +146,14 @@ UNSUPPORTED = [
     ("{% set ns = namespace(found=false) %}", "call of namespace()"),
     ("{{ strftime_now('%d %b %Y') }}", "call of strftime_now()"),
     ("{% for k, v in messages %}{% endfor %}", "for with several variables"),
+    ("{{ 'a'.strip(chars='a') }}", "call of strip() with keyword arguments"),
+    ("{{ 3 is divisibleby(3) }}", "test 'is divisibleby'"),
     ("{{ 1.5 }}", "floating-point number"),
     ("{% generation %}x{% endgeneration %}", "{% generation %}"),
     ("{{ messages[0]['content'][1:] }}", "slicing needs a list"),
     ("{% if messages %}unclosed", "missing {% endif %}"),
     ("{{ messages is iterable }}", "test 'is iterable'"),
+    ("{{ messages | length(2) }}", "arguments to filter length"),
     ("{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}",
      "the template raised: Conversation roles must alternate"),
 ]

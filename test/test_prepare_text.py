@@ -172,17 +172,18 @@ def check_replies(tok, ids, mask, starts, convs, reference, end_token, trim):
             assert tok.encode(tok.decode(run, skip_special_tokens=False), add_special_tokens=False).ids == run
 
 
-@pytest.mark.parametrize("which", ["smollm2", "llama3"])
+@pytest.mark.parametrize("which", ["smollm2", "llama3", "llama31"])
 def test_jsonl_through_the_models_own_template(tmp_path, which):
-    """SmolLM2's template (from its GGUF) with a SmolLM2-style tokenizer.json, Llama-3's with
-    Llama-3's special tokens: prepare_text.py's examples are transformers' renderings, trained on
-    the assistant replies (and their end-of-turn token) only."""
-    from test_chat_template import CONVERSATIONS as TURNS, LLAMA3, smollm2_template, transformers_render
+    """SmolLM2's template (from its GGUF) with a SmolLM2-style tokenizer.json, Llama-3's and
+    Llama-3.1's with Llama-3's special tokens: prepare_text.py's examples are transformers'
+    renderings, trained on the assistant replies (and their end-of-turn token) only."""
+    from test_chat_template import CONVERSATIONS as TURNS, LLAMA3, LLAMA31, smollm2_template, transformers_render
     if which == "smollm2":
         d, tok = hf_tok_dir(tmp_path, "smollm2", smollm2_template(), "<|im_start|>", "<|im_end|>")
         end, bos, eos = "<|im_end|>", "<|im_start|>", "<|im_end|>"
     else:
-        d, tok = hf_tok_dir(tmp_path, "llama3chat", LLAMA3, "<|begin_of_text|>", "<|end_of_text|>")
+        d, tok = hf_tok_dir(tmp_path, "llama3chat", LLAMA3 if which == "llama3" else LLAMA31, "<|begin_of_text|>",
+                            "<|end_of_text|>")
         end, bos, eos = "<|eot_id|>", "<|begin_of_text|>", "<|end_of_text|>"
     convs = [c for c in TURNS if any(m["role"] == "assistant" for m in c)]
     convs += [c + [{"role": "assistant", "content": " Ünïcode 😀 42 <|im_start|> reply "}] for c in TURNS if c[-1]["role"] == "user"]
@@ -195,7 +196,7 @@ def test_jsonl_through_the_models_own_template(tmp_path, which):
     ids, mask, _, starts = shards.read_shard(str(tmp_path / "chat_train.bin"), with_starts=True)
     cases = [dict(template=json.loads((d / "tokenizer_config.json").read_text())["chat_template"], messages=c,
                   add_generation_prompt=False, bos_token=bos, eos_token=eos) for c in convs]
-    check_replies(tok, ids, mask, starts, convs, transformers_render(cases), end, trim=which == "llama3")
+    check_replies(tok, ids, mask, starts, convs, transformers_render(cases), end, trim=which != "smollm2")
 
 
 def test_templates_that_hide_the_replies_are_refused(tmp_path):

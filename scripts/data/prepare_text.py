@@ -179,7 +179,10 @@ class ModelTemplate:
         return f"{self.cfg_path}: chat_template"
 
     def render(self, messages, add_generation_prompt):
-        return chat_template.render(self.source, messages, add_generation_prompt, self.bos, self.eos, self.name())
+        try:
+            return chat_template.render(self.source, messages, add_generation_prompt, self.bos, self.eos, self.name())
+        except chat_template.ChatTemplateError as e:  # a construct outside the subset, reached, or raise_exception
+            raise PrepError(str(e)) from None
 
 
 def token_string(v):

@@ -11,8 +11,11 @@ control ({%- -%} {{- -}}). Expressions: string, integer, true/false/none literal
 literals, names, x.attr, x[i], list[a:b], + - * // % ~, == != < > <= >=, in, not in, and, or, not,
 a if c else b, `is [not] defined|undefined|none|string|number`, filters trim, length,
 string, first, last (of lists), the string methods strip, lstrip, rstrip, startswith, endswith, and
-raise_exception(msg). Integer arithmetic only (no /), list slicing only, no keyword arguments. Anything else is a ChatTemplateError naming the construct,
-never a guess.
+raise_exception(msg). Integer arithmetic only (no /), list slicing only. Anything else is a
+ChatTemplateError naming the construct, never a guess: statements outside the subset when the
+template is read; filters, tests and calls outside it (with keyword arguments too) when reached,
+so a template keeping them in branches a conversation never takes (Llama-3.1's tool calling)
+renders.
 """
 
 
@@ -268,15 +271,18 @@ class _Parser:
         raise ChatTemplateError(f"{self.name}: unsupported construct: {tk[1]!r} in an expression")
 
     def args(self):
-        out = []
+        """Arguments up to ")" (the "(" taken): (expressions, keyword names). Keyword arguments are
+        read so that a template may hold them in branches it never renders (Llama-3.1's tojson(indent=4))."""
+        out, kws = [], []
         while not self.take("op", ")"):
             if self.peek("name") and self.peek("op", "=", 1):
-                raise ChatTemplateError(f"{self.name}: unsupported construct: keyword argument {self.peek()[1]}=")
+                kws.append(self.take()[1])
+                self.take()
             out.append(self.expr())
             if not self.take("op", ","):
                 self.need("op", ")")
                 break
-        return out
+        return out, kws
 
     def postfix(self, e):
         while True:
@@ -298,33 +304,20 @@ class _Parser:
                 return e
 
     def call(self, fn):
-        """fn(args): raise_exception(msg) or a string method; any other call is outside the subset."""
-        method = fn[0] == "item" and fn[2][0] == "lit" and isinstance(fn[2][1], str)
-        if not (fn == ("var", "raise_exception") or method and fn[2][1] in METHODS):
-            what = fn[1] if fn[0] == "var" else fn[2][1] if method else "a call"
-            raise ChatTemplateError(f"{self.name}: unsupported construct: call of {what}()")
-        args = self.args()
-        if fn[0] == "var":
-            if len(args) != 1:
-                raise ChatTemplateError(f"{self.name}: raise_exception takes one argument")
-            return ("raise", args[0])
-        return ("method", fn[2][1], fn[1], args)
+        """fn(args): raise_exception(msg) and the string methods render; any other call is read
+        and fails when rendered (a template may guard one with `is defined`, as Llama-3.2's strftime_now)."""
+        args, kws = self.args()
+        return ("call", fn, args, kws)
 
     def filters(self, e):
         while True:
-            if self.take("op", "|"):
+            if self.take("op", "|"):  # any filter is read; one outside the subset fails when rendered
                 f = self.need("name")[1]
-                if f not in FILTERS:
-                    raise ChatTemplateError(f"{self.name}: unsupported construct: filter {f}")
-                if self.take("op", "("):
-                    raise ChatTemplateError(f"{self.name}: unsupported construct: arguments to filter {f}")
-                e = ("filter", f, e)
+                e = ("filter", f, e, self.args() if self.take("op", "(") else None)
             elif self.take("name", "is"):
                 neg = bool(self.take("name", "not"))
                 t = self.need("name")[1]
-                if t not in TESTS:
-                    raise ChatTemplateError(f"{self.name}: unsupported construct: test 'is {t}'")
-                e = ("test", t, e)
+                e = ("test", t, e, self.args() if self.take("op", "(") else None)
                 if neg:
                     e = ("not", e)
             else:
@@ -356,9 +349,9 @@ def _parse_body(parts, i, name, ends):
                 i = body[-1][-1]
                 body[-1] = body[-1][:-1]
             elif kw == "for":
-                var = p.need("name")[1]
-                if p.peek("op", ","):
-                    raise ChatTemplateError(f"{name}: unsupported construct: for with several variables")
+                var = [p.need("name")[1]]
+                while p.take("op", ","):  # read, and refused when rendered
+                    var.append(p.need("name")[1])
                 p.need("name", "in")
                 it = p.expr()
                 p.done()
@@ -448,7 +441,11 @@ def _item(obj, key, name):
     return UNDEF
 
 
-def _filter(f, v, name):
+def _filter(f, v, args, name):
+    if f not in FILTERS:
+        raise ChatTemplateError(f"{name}: unsupported construct: filter {f}")
+    if args is not None:
+        raise ChatTemplateError(f"{name}: unsupported construct: arguments to filter {f}")
     if f == "trim":
         return _text(v, name).strip()
     if f == "string":
@@ -461,7 +458,9 @@ def _filter(f, v, name):
     raise ChatTemplateError(f"{name}: filter {f} of a {type(v).__name__}")
 
 
-def _test(t, v):
+def _test(t, v, args, name):
+    if t not in TESTS or args is not None:
+        raise ChatTemplateError(f"{name}: unsupported construct: test 'is {t}'" + (" with arguments" if t in TESTS else ""))
     if t == "defined":
         return v is not UNDEF
     if t == "undefined":
@@ -516,14 +515,26 @@ def _eval(e, scopes, name):
     if k == "bin":
         return _binop(e[1], _eval(e[2], scopes, name), _eval(e[3], scopes, name), name)
     if k == "filter":
-        return _filter(e[1], _eval(e[2], scopes, name), name)
+        return _filter(e[1], _eval(e[2], scopes, name), e[3], name)
     if k == "test":
-        return _test(e[1], _eval(e[2], scopes, name))
-    if k == "method":
-        return _method(e[1], _eval(e[2], scopes, name), [_eval(a, scopes, name) for a in e[3]], name)
-    if k == "raise":
-        raise ChatTemplateError(f"{name}: the template raised: {_text(_eval(e[1], scopes, name), name)}")
+        return _test(e[1], _eval(e[2], scopes, name), e[3], name)
+    if k == "call":
+        return _call(e, scopes, name)
     raise AssertionError(k)
+
+
+def _call(e, scopes, name):
+    fn, args, kws = e[1], e[2], e[3]
+    method = fn[0] == "item" and fn[2][0] == "lit" and isinstance(fn[2][1], str)
+    what = fn[1] if fn[0] == "var" else fn[2][1] if method else "a call"
+    known = fn == ("var", "raise_exception") or method and what in METHODS
+    if not known or kws:
+        raise ChatTemplateError(f"{name}: unsupported construct: call of {what}()" + (" with keyword arguments" if known else ""))
+    if method:
+        return _method(what, _eval(fn[1], scopes, name), [_eval(a, scopes, name) for a in args], name)
+    if len(args) != 1:
+        raise ChatTemplateError(f"{name}: unsupported construct: call of raise_exception() with {len(args)} arguments")
+    raise ChatTemplateError(f"{name}: the template raised: {_text(_eval(args[0], scopes, name), name)}")
 
 
 def _run(body, scopes, out, name):
@@ -541,13 +552,15 @@ def _run(body, scopes, out, name):
                     _run(inner, scopes, out, name)
                     break
         elif k == "for":
+            if len(st[1]) > 1:
+                raise ChatTemplateError(f"{name}: unsupported construct: for with several variables")
             seq = _eval(st[2], scopes, name)
             if not isinstance(seq, list):
                 raise ChatTemplateError(f"{name}: for over a {type(seq).__name__}; only lists are supported")
             for i, x in enumerate(seq):
                 loop = {"index0": i, "index": i + 1, "first": i == 0, "last": i == len(seq) - 1,
                         "length": len(seq), "revindex": len(seq) - i, "revindex0": len(seq) - i - 1}
-                scopes.append({st[1]: x, "loop": loop})
+                scopes.append({st[1][0]: x, "loop": loop})
                 _run(st[3], scopes, out, name)
                 scopes.pop()
 
