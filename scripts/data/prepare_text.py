@@ -218,7 +218,10 @@ def check_pieces_encode_alone(tok, what):
     """Encoding a conversation piece by piece gives the whole's tokens only when the tokenizer adds
     nothing to a piece's start (a SentencePiece-style tokenizer.json prepends "▁")."""
     inner = getattr(tok, "tok", None)
-    if inner is None:
+    if inner is None:  # a tokenizer.bin: llama2.c's SentencePiece encoding adds a dummy-prefix space
+        if not tok.byte_level:
+            raise PrepError(f"{what}: a SentencePiece tokenizer.bin adds a space before every piece of text, so a "
+                            "rendered conversation cannot be tokenised turn by turn; use --chat-template llama2 (or chatml)")
         return
     probe = "x"
     if inner.normalizer is not None:
