@@ -107,6 +107,11 @@ build/emu/%: %.cu $(HEADERS) dev/cuda/check.h
 EMU_MODEL_BINS := build/emu/train_llama build/emu/llama_probe build/emu/train_vit build/emu/vit_probe build/emu/emu_nccl_probe \
                   build/emu/emu_checks_probe
 
+# dev/cpu/gemm: our CPU products against the machine's sgemm (a BLAS given to it, loaded with
+# dlopen), interleaved in one process, at a model's shapes (make bench-cpu runs it).
+dev/cpu/gemm: dev/cpu/gemm.cu $(HEADERS)
+	$(CXX) $(CFLAGS) $< -o $@ $(LDLIBS) -ldl
+
 test/test_units: test/test_units.cu $(HEADERS)
 	$(CXX) $(CFLAGS) $< -o $@ $(LDLIBS)
 
@@ -297,7 +302,7 @@ fuzz: build/fuzz_parsers
 	  grep -E '^#[0-9]+' build/fuzz.log | tail -n 1; \
 	done; echo "fuzz: $(FUZZ_SECONDS) s in $$rounds rounds, no crash, sanitizer finding or hang"
 
-bench-cpu: train_llama train_vit
+bench-cpu: train_llama train_vit dev/cpu/gemm
 	bash scripts/bench/bench_cpu.sh
 	bash scripts/bench/bench_vit_cpu.sh
 

@@ -374,6 +374,7 @@ static void llama_bind(Llama* m) {
             }
             L->in = (int)lin_in(c, t);
             L->out = (int)lin_out(c, t);
+            L->name = target_names[t];
             if (m->modes.nf4) {
                 L->nf4_tables = m->nf4_tables;
                 *linear_weight_slot(m->be, L) = m->nf4_scratch;
@@ -790,8 +791,10 @@ static StepResult llama_train_step(Llama* m, TextLoader* loader, const TrainOpti
     int* tg_all = (int*)xmalloc(sizeof(int) * N * K);
     float* mk_all = (float*)xmalloc(sizeof(float) * N * K);
     int* pos_all = (int*)xmalloc(sizeof(int) * N * K);
+    ProfMark pd = prof_start(m->be->prof);
     for (int k = 0; k < K; k++)
         loader_next(loader, B, dist->rank, dist->world, in_all + k * N, tg_all + k * N, mk_all + k * N, pos_all + k * N);
+    prof_stop(m->be->prof, pd, "data", "step", 0.0, (double)N * K * 13);
     double total = count_mask(mk_all, N * K);
     dist_allreduce_sum_f64(dist, &total, 1);
     float scale = total > 0 ? (float)(1.0 / total) : 0.0f;
@@ -813,6 +816,7 @@ static StepResult llama_train_step(Llama* m, TextLoader* loader, const TrainOpti
         sums[1] += st.overflowed;
     }
     free(in_all); free(tg_all); free(mk_all); free(pos_all);
+    PROF_SCOPE(m->be, "optimizer", "step", 0.0, 0.0);  // gradient all-reduce, clipping and AdamW
     return train_step_finish(&m->tr, o, dist, step, sums, 2, total, (double)N * K * dist->world, m->cfg.vocab);
 }
 
@@ -1209,7 +1213,9 @@ static void llama_train(Llama* m, RunData* rd, const TrainOptions* o, const Dist
     double peak = backend_peak_flops(m->be), flops = llama_flops_per_token(m);
     for (int step = start; step < stop; step++) {
         double ts = wall_seconds();
+        prof_step_begin(m->be->prof);
         StepResult r = llama_train_step(m, &rd->tl, o, dist, step);
+        prof_step_end(m->be->prof, step == start && stop - start > 1);
         double dt = wall_seconds() - ts;
         comm += r.comm_s;
         train_count_skip(&skips, r.skipped, step);
@@ -1223,6 +1229,7 @@ static void llama_train(Llama* m, RunData* rd, const TrainOptions* o, const Dist
         if (out && train_save_due(o, step + 1)) llama_save(m, o, dist, out, settings, step + 1, rd->tl.cursor);
     }
     if (rank0) train_print_summary(o, start, stop, wall_seconds() - t0, comm, m->modes.full, &m->plan, m->be);
+    if (rank0) prof_print(m->be->prof, m->be->layout);
     if (log) fclose(log);
 }
 
@@ -1277,6 +1284,8 @@ int main(int argc, char** argv) {
 
     Backend be;
     backend_init(&be, o.device, dist.local_rank);
+    Profiler prof;
+    if (o.profile) backend_profile(&be, &prof);
     if (be.cuda) dist_nccl_init(&dist);
     Llama m, base;
     int sized = o.data_path || o.eval_only;  // generation alone needs one sequence

@@ -442,6 +442,7 @@ static void vit_bind(Vit* m) {
     }
     m->patch.in = (int)patch_len(c);
     m->patch.out = c->dim;
+    m->patch.name = "patch embed";
     trainable_bind_host(&m->tr);
     lora_dropout_init(&m->drop, m->modes.lora_dropout, m->modes.seed, m->drop_work);
     int full = m->modes.full;
@@ -467,6 +468,7 @@ static void vit_bind(Vit* m) {
             Linear* L = &layer->lin[t];
             L->in = (int)lin_in(c, t);
             L->out = (int)lin_out(c, t);
+            L->name = target_names[t];
             vit_bind_linear(m, L, t, &off, &h);
             int attn = t <= T_V;
             if (L->A && vit_adapters_see_affine(m) && (attn || t == T_FC1))
@@ -933,7 +935,10 @@ static StepResult vit_train_step(Vit* m, ImageLoader* loader, const TrainOptions
     double sums[3] = {0.0, 0.0, 0.0};  // loss, final-norm rows that overflowed (health.h), correct
     for (int k = 0; k < K; k++) {
         if (k == K - 1) trainable_buckets_begin(&m->tr, dist);  // the last backward sends buckets as they finish
-        vit_next_batch(m, loader, B, dist->rank, dist->world);
+        {
+            PROF_SCOPE(m->be, "data", "step", 0.0, 0.0);  // decoding, resizing, normalising, upload
+            vit_next_batch(m, loader, B, dist->rank, dist->world);
+        }
         m->drop.row0 = lora_dropout_row0(k, dist->rank, dist->world, (int64_t)B * m->T);
         m->drop.active = 1;  // training only: evaluation sees the adapters' whole input
         LossStats st = vit_forward_backward(m, B, scale, 1, NULL);
@@ -943,6 +948,7 @@ static StepResult vit_train_step(Vit* m, ImageLoader* loader, const TrainOptions
         sums[2] += st.correct;
     }
     double images = (double)B * K * dist->world;
+    PROF_SCOPE(m->be, "optimizer", "step", 0.0, 0.0);  // gradient all-reduce, clipping and AdamW
     return train_step_finish(&m->tr, o, dist, step, sums, 3, images, images, m->classes);
 }
 
@@ -1570,7 +1576,9 @@ static void vit_train(Vit* m, RunData* rd, const TrainOptions* o, const Dist* di
     double peak = backend_peak_flops(m->be), flops = vit_flops_per_image(m);
     for (int step = start; step < stop; step++) {
         double ts = wall_seconds();
+        prof_step_begin(m->be->prof);
         StepResult r = vit_train_step(m, &rd->tl, o, dist, step);
+        prof_step_end(m->be->prof, step == start && stop - start > 1);
         double dt = wall_seconds() - ts;
         comm += r.comm_s;
         train_count_skip(&skips, r.skipped, step);
@@ -1589,6 +1597,7 @@ static void vit_train(Vit* m, RunData* rd, const TrainOptions* o, const Dist* di
         if (out && train_save_due(o, step + 1)) vit_save(m, o, dist, out, settings, step + 1, rd->tl.cursor);
     }
     if (rank0) train_print_summary(o, start, stop, wall_seconds() - t0, comm, m->modes.full, &m->plan, m->be);
+    if (rank0) prof_print(m->be->prof, m->be->layout);
     if (log) fclose(log);
 }
 
@@ -1626,6 +1635,8 @@ int main(int argc, char** argv) {
     run_data_open(&rd, &o, &cfg, h, w, &classes);
     Backend be;
     backend_init(&be, o.device, dist.local_rank);
+    Profiler prof;
+    if (o.profile) backend_profile(&be, &prof);
     if (be.cuda) dist_nccl_init(&dist);
     Vit m, base;
     vit_setup(&m, &cfg, &md, o.batch, h, w, classes, run_data_src_bytes(&rd), &be, &dist);

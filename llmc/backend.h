@@ -23,6 +23,7 @@ typedef struct {
     int abytes;            // bytes per activation (and activation-gradient) element
     const char* layout;    // "CPU fp32" or "CUDA bf16", for the logs
     int device;            // the GPU's ordinal (CUDA)
+    struct Profiler* prof; // --profile: the ops time themselves into it (llmc/profile.h); NULL: off
 #ifdef LLMC_HAVE_CUDA
     cudaStream_t stream;
     size_t used_before;    // device bytes already in use before our arenas (context, other jobs)

@@ -49,6 +49,7 @@ typedef struct {
     // --lora-dropout: the model's dropout state (NULL: none) and this adapter's index in it
     const LoraDropout* drop;
     uint32_t drop_id;
+    const char* name;      // the module's short name ("q", "fc1", ...): its rows in --profile
 } Linear;
 
 // Model FLOPs per token of a linear layer in one training step (MFU's numerator; recomputation
@@ -177,13 +178,16 @@ static void lora_dropout_input_backward(float* dx, const float* t, const Linear*
         }
 }
 
-// y (+)= x W^T + bias + scale * (x A^T) B^T, keeping ax = x A^T for the LoRA backward.
-// accumulate = 1 adds to y (a residual connection), bias included. Behind a merged norm the
-// adapter's input is gamma*x + beta (see above).
-static void linear_forward(float* y, const float* x, const Linear* L, float* ax, int64_t N, int rank, float scale, int accumulate) {
+// y (+)= x W^T + bias: the frozen part of the layer (accumulate = 1 adds to y, a residual).
+static void linear_forward_frozen(float* y, const float* x, const Linear* L, int64_t N, int accumulate) {
     if (L->nf4) nf4_dequantize(L->W, nf4_view((void*)L->nf4, (int64_t)L->out * L->in), L->nf4_tables);
     matmul_nt(y, x, L->W, (int)N, L->out, L->in, 1.0f, accumulate);
     if (L->bias) add_bias_rows(y, L->bias, N, L->out);
+}
+
+// y += scale * (x A^T) B^T, keeping ax = x A^T for the LoRA backward. Behind a merged norm the
+// adapter's input is gamma*x + beta (see above).
+static void linear_forward_lora(float* y, const float* x, const Linear* L, float* ax, int64_t N, int rank, float scale) {
     if (!L->A) return;
     if (lora_dropout_on(L)) {  // training with --lora-dropout: the adapter reads dropout(its input)
         float* xa = (float*)L->drop->work;
@@ -213,15 +217,19 @@ static void bias_grad_rows(float* db, const float* dy, int64_t N, int out) {
     }
 }
 
-// Given dy [N, out]: LoRA grads accumulate; dx (+)= dy W + scale * (dy B) A. Under full
-// fine-tuning dW += dy^T x and (with dbias) db += sum_n dy as well. x is needed only when the
-// layer has an adapter or a trainable W. dx NULL: no input gradient (the patch embedding).
-static void linear_backward(float* dx, const float* dy, const float* x, const float* ax, const Linear* L, float* dax,
-                            int64_t N, int rank, float scale, int accumulate) {
+// Given dy [N, out], the frozen part: dx (+)= dy W, and under full fine-tuning dW += dy^T x and
+// (with dbias) db += sum_n dy. dx NULL: no input gradient (the patch embedding).
+static void linear_backward_frozen(float* dx, const float* dy, const float* x, const Linear* L, int64_t N, int accumulate) {
     if (dx && L->nf4) nf4_dequantize(L->W, nf4_view((void*)L->nf4, (int64_t)L->out * L->in), L->nf4_tables);
     if (dx) matmul_nn(dx, dy, L->W, (int)N, L->in, L->out, 1.0f, accumulate);
     if (L->dW) matmul_tn(L->dW, dy, x, L->out, L->in, (int)N, 1.0f, 1);
     if (L->dbias) bias_grad_rows(L->dbias, dy, N, L->out);
+}
+
+// The adapter's part, after the frozen part: LoRA grads accumulate and dx += scale * (dy B) A.
+// x is the layer's input (its adapter's gradient needs it).
+static void linear_backward_lora(float* dx, const float* dy, const float* x, const float* ax, const Linear* L, float* dax,
+                                 int64_t N, int rank, float scale) {
     if (!L->A) return;
     matmul_tn(L->dB, dy, ax, L->out, rank, (int)N, scale, 1);
     matmul_nn(dax, dy, L->B, (int)N, rank, L->out, scale, 0);

@@ -9,6 +9,7 @@
 // make test-gpu).
 #pragma once
 #include "backend.h"
+#include "profile.h"
 #include "lora.h"
 #include "cpu/matmul.h"
 #include "cpu/embedding.h"
@@ -42,6 +43,7 @@
 
 // dst = src, n activation elements (device-to-device on CUDA).
 static void op_copy(const Backend* be, void* dst, const void* src, int64_t n) {
+    PROF_SCOPE(be, "copy", "fwd", 0, 2.0 * n * (double)be->abytes);
     if (dst == src || n == 0) return;
 #ifdef LLMC_HAVE_CUDA
     if (be->cuda) { CUDA_CHECK(cudaMemcpyAsync(dst, src, (size_t)n * be->abytes, cudaMemcpyDeviceToDevice, be->stream)); return; }
@@ -59,6 +61,7 @@ static void op_zero(const Backend* be, void* p, size_t bytes) {
 
 // out = a * b elementwise (rebuilding SwiGLU's down input from silu(g) and u).
 static void op_mul(const Backend* be, void* out, const void* a, const void* b, int64_t n) {
+    PROF_SCOPE(be, "swiglu recompute", "bwd", n, 3.0 * n * (double)be->abytes);
 #ifdef LLMC_HAVE_CUDA
     if (be->cuda) { multiply_cuda(B16(out), CB16(a), CB16(b), n, be->stream); return; }
 #endif
@@ -67,6 +70,7 @@ static void op_mul(const Backend* be, void* out, const void* a, const void* b, i
 
 // x[n] = embed[ids[n]] (rows of d).
 static void op_embed(const Backend* be, void* x, const void* embed, const int* ids, int64_t N, int d) {
+    PROF_SCOPE(be, "embedding", "fwd", 0, 2.0 * N * d * (double)be->abytes);
 #ifdef LLMC_HAVE_CUDA
     if (be->cuda) { embed_tokens_cuda(B16(x), CB16(embed), ids, N, d, be->stream); return; }
 #endif
@@ -76,6 +80,7 @@ static void op_embed(const Backend* be, void* x, const void* embed, const int* i
 // dE[ids[n]] += dx[n]: the gradient of a trained embedding (fp32 dE on both backends), each row's
 // tokens summed in text order before the add (order: embedding_token_order of the batch).
 static void op_embedding_backward(const Backend* be, float* dE, const void* dx, const int* ids, const int* order, int64_t N, int d) {
+    PROF_SCOPE(be, "embedding", "bwd", N * (double)d, N * d * ((double)be->abytes + 8.0));
 #ifdef LLMC_HAVE_CUDA
     if (be->cuda) { embedding_backward_cuda(dE, CB16(dx), ids, order, N, d, be->stream); return; }
 #endif
@@ -85,6 +90,7 @@ static void op_embedding_backward(const Backend* be, float* dE, const void* dx, 
 // ---- norms -------------------------------------------------------------------------------------
 
 static void op_rmsnorm_forward(const Backend* be, void* y, float* r, const void* x, const void* gamma, int64_t N, int d, float eps) {
+    PROF_SCOPE(be, "rmsnorm", "fwd", 4.0 * N * d, 2.0 * N * d * (double)be->abytes);
 #ifdef LLMC_HAVE_CUDA
     if (be->cuda) { rmsnorm_forward_cuda(B16(y), r, CB16(x), CB16(gamma), N, d, eps, be->stream); return; }
 #endif
@@ -92,6 +98,7 @@ static void op_rmsnorm_forward(const Backend* be, void* y, float* r, const void*
 }
 // dx += standard RMSNorm backward from the kept input x.
 static void op_rmsnorm_backward(const Backend* be, void* dx, const void* dy, const void* x, const float* r, const void* gamma, int64_t N, int d) {
+    PROF_SCOPE(be, "rmsnorm", "bwd", 6.0 * N * d, 4.0 * N * d * (double)be->abytes);
 #ifdef LLMC_HAVE_CUDA
     if (be->cuda) { rmsnorm_backward_cuda(B16(dx), CB16(dy), CB16(x), r, CB16(gamma), N, d, be->stream); return; }
 #endif
@@ -99,6 +106,7 @@ static void op_rmsnorm_backward(const Backend* be, void* dx, const void* dy, con
 }
 // dgamma += sum over rows of dy * x * r: a trained RMSNorm gamma (fp32 dgamma on both backends).
 static void op_rmsnorm_gamma_grad(const Backend* be, float* dgamma, const void* dy, const void* x, const float* r, int64_t N, int d) {
+    PROF_SCOPE(be, "rmsnorm gamma", "bwd", 3.0 * N * d, 2.0 * N * d * (double)be->abytes);
 #ifdef LLMC_HAVE_CUDA
     if (be->cuda) { rmsnorm_gamma_grad_cuda(dgamma, CB16(dy), CB16(x), r, N, d, be->stream); return; }
 #endif
@@ -106,6 +114,7 @@ static void op_rmsnorm_gamma_grad(const Backend* be, float* dgamma, const void* 
 }
 // dx += MS-RMSNorm backward from the normalised output z and r alone.
 static void op_rmsnorm_ms_backward(const Backend* be, void* dx, const void* dz, const void* z, const float* r, int64_t N, int d) {
+    PROF_SCOPE(be, "rmsnorm", "bwd", 5.0 * N * d, 4.0 * N * d * (double)be->abytes);
 #ifdef LLMC_HAVE_CUDA
     if (be->cuda) { rmsnorm_ms_backward_cuda(B16(dx), CB16(dz), CB16(z), r, N, d, be->stream); return; }
 #endif
@@ -114,21 +123,47 @@ static void op_rmsnorm_ms_backward(const Backend* be, void* dx, const void* dz, 
 
 // ---- the linear layer with its adapter ---------------------------------------------------------
 
+// The --profile row of L's frozen product (its name) or of its adapter ("NAME lora"), in buf[40].
+static const char* linear_prof_name(const Linear* L, int lora, char* buf) {
+    snprintf(buf, 40, "%s%s", L->name ? L->name : "linear", lora ? " lora" : "");
+    return buf;
+}
+
 // y (+)= x W^T + bias + scale * (x A^T) B^T, keeping ax for the adapter's backward.
 static void op_linear_forward(const Backend* be, void* y, const void* x, const Linear* L, void* ax, int64_t N, int rank, float scale, int accumulate) {
+    char name[40];
 #ifdef LLMC_HAVE_CUDA
-    if (be->cuda) { linear_forward_cuda(B16(y), CB16(x), L, B16(ax), N, rank, scale, accumulate, be->stream); return; }
+    if (be->cuda) {  // one row for the layer: its adapter's products run inside linear_forward_cuda
+        PROF_SCOPE(be, linear_prof_name(L, 0, name), "fwd", 2.0 * N * L->in * L->out + (L->A ? 2.0 * N * rank * (L->in + L->out) : 0.0),
+                   (double)L->in * L->out * be->wbytes);
+        linear_forward_cuda(B16(y), CB16(x), L, B16(ax), N, rank, scale, accumulate, be->stream); return; }
 #endif
-    linear_forward(F32(y), CF32(x), L, F32(ax), N, rank, scale, accumulate);
+    {
+        PROF_SCOPE(be, linear_prof_name(L, 0, name), "fwd", 2.0 * N * L->in * L->out, (double)L->in * L->out * be->wbytes);
+        linear_forward_frozen(F32(y), CF32(x), L, N, accumulate);
+    }
+    PROF_SCOPE(be, linear_prof_name(L, 1, name), "fwd", L->A ? 2.0 * N * rank * (L->in + L->out) : 0.0, 0.0);
+    linear_forward_lora(F32(y), CF32(x), L, F32(ax), N, rank, scale);
 }
 
 // dx (+)= dy W + scale * (dy B) A; adapter (or full-fine-tuning) gradients accumulate.
 static void op_linear_backward(const Backend* be, void* dx, const void* dy, const void* x, const void* ax, const Linear* L, void* dax,
                                int64_t N, int rank, float scale, int accumulate) {
+    char name[40];
 #ifdef LLMC_HAVE_CUDA
-    if (be->cuda) { linear_backward_cuda(B16(dx), CB16(dy), CB16(x), CB16(ax), L, B16(dax), N, rank, scale, accumulate, be->stream); return; }
+    if (be->cuda) {  // one row for the layer, as in the forward
+        PROF_SCOPE(be, linear_prof_name(L, 0, name), "bwd",
+                   2.0 * N * L->in * L->out * ((dx ? 1 : 0) + (L->dW ? 1 : 0)) + (L->A ? 4.0 * N * rank * (L->in + L->out) : 0.0),
+                   (double)L->in * L->out * be->wbytes);
+        linear_backward_cuda(B16(dx), CB16(dy), CB16(x), CB16(ax), L, B16(dax), N, rank, scale, accumulate, be->stream); return; }
 #endif
-    linear_backward(F32(dx), CF32(dy), CF32(x), CF32(ax), L, F32(dax), N, rank, scale, accumulate);
+    {
+        PROF_SCOPE(be, linear_prof_name(L, 0, name), "bwd", 2.0 * N * L->in * L->out * ((dx ? 1 : 0) + (L->dW ? 1 : 0)),
+                   (double)L->in * L->out * be->wbytes);
+        linear_backward_frozen(F32(dx), CF32(dy), CF32(x), L, N, accumulate);
+    }
+    PROF_SCOPE(be, linear_prof_name(L, 1, name), "bwd", L->A ? 4.0 * N * rank * (L->in + L->out) : 0.0, 0.0);
+    linear_backward_lora(F32(dx), CF32(dy), CF32(x), CF32(ax), L, F32(dax), N, rank, scale);
 }
 
 // The backend's frozen weight of L (what the plan allocates and the loader fills).
@@ -137,8 +172,17 @@ static void** linear_bias_slot(const Backend* be, Linear* L) { return be->cuda ?
 
 // ---- attention ---------------------------------------------------------------------------------
 
+// --profile's model work of attention: `products` products of T x T x hd per (b, h) (2 forward:
+// q k^T and p v; 4 backward), halved under the causal mask.
+static double attn_flops(AttnShape s, int products) {
+    return products * 2.0 * s.B * s.H * (double)s.T * s.T * s.hd * (s.causal ? 0.5 : 1.0);
+}
+// and its bytes: `tensors` activations of [B*T, H*hd] read or written once each.
+static double attn_bytes(AttnShape s, int abytes, int tensors) { return (double)tensors * s.B * s.T * s.H * s.hd * abytes; }
+
 static void op_rope(const Backend* be, void* x, const float* cos_t, const float* sin_t, const int* pos, int64_t N, int T, int nheads,
                     int hd, int inverse) {
+    PROF_SCOPE(be, "rope", inverse ? "bwd" : "fwd", 6.0 * N * nheads * hd, 2.0 * N * nheads * hd * (double)be->abytes);
 #ifdef LLMC_HAVE_CUDA
     if (be->cuda) { rope_apply_cuda(B16(x), cos_t, sin_t, pos, N, T, nheads, hd, inverse, be->stream); return; }
 #endif
@@ -177,6 +221,7 @@ static int op_attention_flash_forced(void) {
 // work: the planned workspace, or NULL (a shape that does not fit it: the flash kernels then).
 static void op_attention_forward(const Backend* be, void* o, float* lse, const void* q, const void* k, const void* v, AttnShape s,
                                  void* work) {
+    PROF_SCOPE(be, "attention", "fwd", attn_flops(s, 2), attn_bytes(s, be->abytes, 4));
 #ifdef LLMC_HAVE_CUDA
     if (be->cuda) {
         if (work && !op_attention_flash_forced()) attention_forward_gemm_cuda(B16(o), lse, CB16(q), CB16(k), CB16(v), s, work, be->stream);
@@ -191,6 +236,7 @@ static void op_attention_forward(const Backend* be, void* o, float* lse, const v
 // work: the planned workspace (CUDA; it also holds the flash backward's B*H*T row sums).
 static void op_attention_backward(const Backend* be, void* dq, void* dk, void* dv, const void* dout, const void* q, const void* k,
                                   const void* v, const void* o, const float* lse, AttnShape s, void* work) {
+    PROF_SCOPE(be, "attention", "bwd", attn_flops(s, 4), attn_bytes(s, be->abytes, 8));
 #ifdef LLMC_HAVE_CUDA
     if (be->cuda) {
         if (!work) fail("internal: the CUDA attention backward needs its planned workspace");
@@ -218,6 +264,7 @@ static void op_attention_cached(const Backend* be, void* o, const void* q, const
 // ---- activations -------------------------------------------------------------------------------
 
 static void op_swiglu_forward(const Backend* be, void* p, void* sg, uint8_t* codes, const void* g, const void* u, int64_t n) {
+    PROF_SCOPE(be, "swiglu", "fwd", 6.0 * n, 4.0 * n * (double)be->abytes);
 #ifdef LLMC_HAVE_CUDA
     if (be->cuda) { swiglu_forward_cuda(B16(p), B16(sg), codes, CB16(g), CB16(u), n, be->stream); return; }
 #endif
@@ -225,6 +272,7 @@ static void op_swiglu_forward(const Backend* be, void* p, void* sg, uint8_t* cod
 }
 static void op_swiglu_backward(const Backend* be, void* dg, void* du, const void* dp, const void* sg, const void* u, const void* g,
                                const uint8_t* codes, int64_t n) {
+    PROF_SCOPE(be, "swiglu", "bwd", 8.0 * n, 5.0 * n * (double)be->abytes);
 #ifdef LLMC_HAVE_CUDA
     if (be->cuda) { swiglu_backward_cuda(B16(dg), B16(du), CB16(dp), CB16(sg), CB16(u), CB16(g), codes, n, be->stream); return; }
 #endif
@@ -257,6 +305,7 @@ static void op_detach_matmul_workspace(const Backend* be, void* work) {
 static void op_lm_head_loss(const Backend* be, const void* xf, const void* gamma, float eps, const void* W, int V, int d, const int* targets,
                             const float* mask, int64_t N, int chunk, float grad_scale, void* dxf, float* logits_out, const LossBuffers* lb,
                             LossStats* st, float* dW = NULL, float* dgamma = NULL) {
+    PROF_SCOPE(be, dxf ? "lm head + loss" : "lm head + loss (eval)", dxf ? "f+b" : "fwd", (dxf ? 4.0 : 2.0) * N * V * d + (dW ? 2.0 * N * V * d : 0.0), (double)V * d * be->wbytes * ((N + chunk - 1) / chunk) * (dxf ? 2 : 1));
 #ifdef LLMC_HAVE_CUDA
     if (be->cuda) {
         LossScratchCuda sc = {B16(lb->z), lb->r, lb->logits, B16(lb->dlogits), B16(lb->dz), lb->row_stats, lb->stats};
@@ -280,6 +329,7 @@ static void op_lm_head_loss(const Backend* be, const void* xf, const void* gamma
 // the next linears; mean not written then).
 static void op_layernorm_forward(const Backend* be, void* y, float* r, float* mean, const void* x, const void* gamma, const void* beta,
                                  int64_t N, int d, float eps) {
+    PROF_SCOPE(be, "layernorm", "fwd", 7.0 * N * d, 2.0 * N * d * (double)be->abytes);
 #ifdef LLMC_HAVE_CUDA
     if (be->cuda) { layernorm_forward_cuda(B16(y), r, mean, CB16(x), CB16(gamma), CB16(beta), N, d, eps, be->stream); return; }
 #endif
@@ -288,6 +338,7 @@ static void op_layernorm_forward(const Backend* be, void* y, float* r, float* me
 // dx += standard LayerNorm backward from the kept input x.
 static void op_layernorm_backward(const Backend* be, void* dx, const void* dy, const void* x, const float* mean, const float* r,
                                   const void* gamma, int64_t N, int d) {
+    PROF_SCOPE(be, "layernorm", "bwd", 8.0 * N * d, 4.0 * N * d * (double)be->abytes);
 #ifdef LLMC_HAVE_CUDA
     if (be->cuda) { layernorm_backward_cuda(B16(dx), CB16(dy), CB16(x), mean, r, CB16(gamma), N, d, be->stream); return; }
 #endif
@@ -297,6 +348,7 @@ static void op_layernorm_backward(const Backend* be, void* dx, const void* dy, c
 // (fp32 gradients on both backends).
 static void op_layernorm_affine_grad(const Backend* be, float* dgamma, float* dbeta, const void* dy, const void* x, const float* mean,
                                      const float* r, int64_t N, int d) {
+    PROF_SCOPE(be, "layernorm affine", "bwd", 4.0 * N * d, 2.0 * N * d * (double)be->abytes);
 #ifdef LLMC_HAVE_CUDA
     if (be->cuda) { layernorm_affine_grad_cuda(dgamma, dbeta, CB16(dy), CB16(x), mean, r, N, d, be->stream); return; }
 #endif
@@ -304,6 +356,7 @@ static void op_layernorm_affine_grad(const Backend* be, float* dgamma, float* db
 }
 // dx += MS-LN backward from the normalised output z and r alone.
 static void op_layernorm_ms_backward(const Backend* be, void* dx, const void* dz, const void* z, const float* r, int64_t N, int d) {
+    PROF_SCOPE(be, "layernorm", "bwd", 7.0 * N * d, 4.0 * N * d * (double)be->abytes);
 #ifdef LLMC_HAVE_CUDA
     if (be->cuda) { layernorm_ms_backward_cuda(B16(dx), CB16(dz), CB16(z), r, N, d, be->stream); return; }
 #endif
@@ -322,6 +375,7 @@ static double op_norm_overflowed_rows(const Backend* be, const float* r, int64_t
 
 // y = gelu(x), the 2-bit ReGELU2 codes of x when codes is non-NULL.
 static void op_gelu_forward(const Backend* be, void* y, uint8_t* codes, const void* x, int64_t n, int tanh_form) {
+    PROF_SCOPE(be, "gelu", "fwd", 10.0 * n, 2.0 * n * (double)be->abytes);
 #ifdef LLMC_HAVE_CUDA
     if (be->cuda) { gelu_forward_cuda(B16(y), codes, CB16(x), n, tanh_form, be->stream); return; }
 #endif
@@ -329,6 +383,7 @@ static void op_gelu_forward(const Backend* be, void* y, uint8_t* codes, const vo
 }
 // dx = dy * gelu'(x) (exact, x kept) or dy * level(code) (ReGELU2, x NULL); dx may alias dy.
 static void op_gelu_backward(const Backend* be, void* dx, const void* dy, const void* x, const uint8_t* codes, int64_t n, int tanh_form) {
+    PROF_SCOPE(be, "gelu", "bwd", 10.0 * n, 3.0 * n * (double)be->abytes);
 #ifdef LLMC_HAVE_CUDA
     if (be->cuda) { gelu_backward_cuda(B16(dx), CB16(dy), CB16(x), codes, n, tanh_form, be->stream); return; }
 #endif

@@ -39,6 +39,7 @@ typedef struct {
     // system
     const char* device;
     int seed, threads, dry_run, json;
+    int profile;            // print where the step time goes at the end (llmc/profile.h)
     int ranks;              // --dry-run: plan one rank of this many (0: the launch's)
     int random_init;        // benchmark: random frozen weights of config.json's shapes, no weight file
     // generation (text models)
@@ -127,6 +128,8 @@ static void train_flags_register_task(FlagTable* t, TrainOptions* o, const char*
     flag_bool(t, "random-init", &o->random_init, "random frozen weights of config.json's shapes instead of reading them (speed and memory benchmarks)");
     flag_int(t, "seed", &o->seed, "seed for LoRA init, data order and sampling");
     flag_int(t, "threads", &o->threads, "CPU threads (0 = all cores)");
+    flag_bool(t, "profile", &o->profile, "at the end, a table of where the training step's time goes: per module and pass, ms, share, "
+              "GFLOP/s, GB/s (CUDA: events around each op); the first step is not counted");
     flag_bool(t, "dry-run", &o->dry_run, "print the memory plan for the config and exit (no weights read, nothing allocated)");
     flag_bool(t, "json", &o->json, "with --dry-run: print the plan as JSON");
     flag_int(t, "ranks", &o->ranks, "with --dry-run: plan one of N data-parallel ranks (ZeRO-1 under --full) without launching them");

@@ -9,6 +9,7 @@
 #include "train_common.h"
 #include "checkpoint.h"
 #include "savedir.h"
+#include "omp_policy.h"
 #include <omp.h>
 
 // LLMC_FAULT_NONFINITE_STEP=k makes step k's loss NaN (1-based), as a diverging run would: how the
@@ -86,6 +87,7 @@ static void train_print_step(const TrainOptions* o, const Dist* dist, int step, 
 // The opening of both mains: the ranks (under mpirun), the options' defaults, the trainer's flag
 // table (register_flags), then the command line parsed and checked.
 static void train_start(Dist* dist, TrainOptions* o, int* argc, char*** argv, void (*register_flags)(FlagTable*, TrainOptions*)) {
+    omp_policy_apply(*argv);  // before anything: it may execute the program again (llmc/omp_policy.h)
     dist_init(dist, argc, argv);
     train_options_defaults(o);
     FlagTable ft;

@@ -296,6 +296,73 @@ static void test_matmul(void) {
     free(A); free(Bt); free(Bn); free(At); free(C); free(C0); free(ref);
 }
 
+// The packed GEMM at the shapes that exercise its tiling: several k blocks (K > 256), row blocks
+// with a ragged last sliver, column blocks (few row blocks: LoRA's r-row dA), skinny N (r), store
+// (accumulate = 0) and accumulate, every transposition. Per element the bound of a length-K fp32
+// dot product in any order, (K + 2) * 2^-24 * (|alpha| sum_k |a_k b_k| + |C0|) (Higham's gamma_n with
+// n = K plus the scale and the add), against a double reference. Then the thread-count claim:
+// 1, 2 and 3 threads give the same bits.
+static void test_matmul_shapes(void) {
+    Rng r = rng_seeded(61, 0);
+    static const int shapes[][3] = {{512, 16, 576}, {16, 576, 512}, {576, 16, 512}, {100, 1536, 600}, {7, 3, 1000}, {97, 40, 16}, {1, 1, 1}};
+    int nthreads = omp_get_max_threads();
+    for (size_t si = 0; si < sizeof(shapes) / sizeof(shapes[0]); si++) {
+        int M = shapes[si][0], N = shapes[si][1], K = shapes[si][2];
+        float *A = randn((int64_t)M * K, &r, 1), *B = randn((int64_t)N * K, &r, 1), *C0 = randn((int64_t)M * N, &r, 1);
+        float* C = (float*)xmalloc(sizeof(float) * M * N);
+        float* C1 = (float*)xmalloc(sizeof(float) * M * N);
+        for (int form = 0; form < 3; form++)
+            for (int acc = 0; acc < 2; acc++) {
+                // the same numbers in each layout: a(m,k) = A[m*K+k]; b(k,n) = B[n*K+k]
+                float *Af = A, *Bf = B, *tA = NULL, *tB = NULL;
+                if (form == 2) {  // A^T stored [K, M]
+                    tA = (float*)xmalloc(sizeof(float) * M * K);
+                    for (int m = 0; m < M; m++) for (int k = 0; k < K; k++) tA[(int64_t)k * M + m] = A[(int64_t)m * K + k];
+                    Af = tA;
+                }
+                if (form != 0) {  // B stored [K, N]
+                    tB = (float*)xmalloc(sizeof(float) * N * K);
+                    for (int n = 0; n < N; n++) for (int k = 0; k < K; k++) tB[(int64_t)k * N + n] = B[(int64_t)n * K + k];
+                    Bf = tB;
+                }
+                double worst = 0.0;
+                int same = 1;
+                for (int th = 1; th <= 3; th++) {
+                    omp_set_num_threads(th);
+                    memcpy(C, C0, sizeof(float) * M * N);
+                    if (form == 0) matmul_nt(C, Af, Bf, M, N, K, 0.75f, acc);
+                    if (form == 1) matmul_nn(C, Af, Bf, M, N, K, 0.75f, acc);
+                    if (form == 2) matmul_tn(C, Af, Bf, M, N, K, 0.75f, acc);
+                    if (th == 1) memcpy(C1, C, sizeof(float) * M * N);
+                    else same &= memcmp(C, C1, sizeof(float) * M * N) == 0;
+                }
+                omp_set_num_threads(nthreads);
+                for (int m = 0; m < M; m++)
+                    for (int n = 0; n < N; n++) {
+                        double s = 0, sa = 0;
+                        for (int k = 0; k < K; k++) {
+                            double p = (double)A[(int64_t)m * K + k] * B[(int64_t)n * K + k];
+                            s += p;
+                            sa += fabs(p);
+                        }
+                        double c0 = acc ? C0[(int64_t)m * N + n] : 0.0;
+                        double bound = (K + 2) * 0x1p-24 * (0.75 * sa + fabs(c0));
+                        double e = fabs(C1[(int64_t)m * N + n] - (c0 + 0.75 * s)) / (bound > 0 ? bound : 1e-30);
+                        worst = fmax(worst, e);
+                    }
+                char what[160];
+                snprintf(what, sizeof(what), "matmul_%s %dx%dx%d %s: within the fp32 dot-product bound (error / bound)",
+                         form == 0 ? "nt" : form == 1 ? "nn" : "tn", M, N, K, acc ? "accumulating" : "storing");
+                check(worst <= 1.0, what, worst);
+                snprintf(what, sizeof(what), "matmul_%s %dx%dx%d %s: 1, 2 and 3 threads give the same bits",
+                         form == 0 ? "nt" : form == 1 ? "nn" : "tn", M, N, K, acc ? "accumulating" : "storing");
+                check(same, what, 0);
+                free(tA); free(tB);
+            }
+        free(A); free(B); free(C0); free(C); free(C1);
+    }
+}
+
 // ---- attention and RoPE --------------------------------------------------------------------
 
 static double attn_loss(const float* q, const float* k, const float* v, const float* w, AttnShape s, float* o, float* lse) {
@@ -363,6 +430,101 @@ static void test_attention(int causal) {
                          "packed-example attention backward matches finite differences"};
     check(ge / gm < 2e-3, bw[causal], ge / gm);
     free(q); free(k); free(v); free(w); free(o); free(lse); free(dq); free(dk); free(dv); free(tmp_o); free(tmp_l);
+}
+
+// Attention across several 64-row blocks (T = 150: two full blocks and a ragged one), GQA,
+// causal with packed examples, forward and backward against a double-precision reference of
+// the same formulas (P = softmax(scale q k^T), dS = P (dP - D), dq = scale dS k, dk = scale dS^T q,
+// dv = P^T do). Tolerance: each output is a sum of at most T products of magnitude-bounded terms
+// computed in fp32 (scores as length-hd dot products, exp within 2 ulp): we allow 64 T 2^-24 of
+// the largest reference magnitude, about 6e-4 relative at T = 150; a wrong mask or block edge
+// gives O(1) errors. Then 1 and 2 threads give the same bits.
+static void test_attention_blocks(void) {
+    Rng r = rng_seeded(71, 0);
+    const int B = 2, T = 150, H = 4, KVH = 2, hd_ = 16;
+    static int pos[2 * 150];
+    for (int t = 0; t < T; t++) { pos[t] = t < 70 ? t : t - 70; pos[T + t] = t; }  // seq 0: two examples
+    AttnShape s = {B, T, H, KVH, hd_, 1, pos};
+    int64_t nq = (int64_t)B * T * H * hd_, nk = (int64_t)B * T * KVH * hd_;
+    float *q = randn(nq, &r, 1), *k = randn(nk, &r, 1), *v = randn(nk, &r, 1), *dout = randn(nq, &r, 1);
+    float *o = (float*)xmalloc(4 * nq), *lse = (float*)xmalloc(4 * B * H * T);
+    float *dq = (float*)xmalloc(4 * nq), *dk = (float*)xmalloc(4 * nk), *dv = (float*)xmalloc(4 * nk);
+    attention_forward(o, lse, q, k, v, s);
+    attention_backward(dq, dk, dv, dout, q, k, v, o, lse, s);
+    double *ro = (double*)calloc(nq, 8), *rdq = (double*)calloc(nq, 8), *rdk = (double*)calloc(nk, 8), *rdv = (double*)calloc(nk, 8);
+    double scale = 1.0 / sqrt((double)hd_);
+    static double P[150];
+    for (int b = 0; b < B; b++)
+        for (int h = 0; h < H; h++)
+            for (int t = 0; t < T; t++) {
+                int kh = h / (H / KVH), j0 = t - pos[b * T + t];
+                const float *qi = q + ((int64_t)(b * T + t) * H + h) * hd_, *doi = dout + ((int64_t)(b * T + t) * H + h) * hd_;
+                double mx = -1e300, sum = 0, D = 0;
+                for (int j = j0; j <= t; j++) {
+                    double d = 0;
+                    for (int i = 0; i < hd_; i++) d += (double)qi[i] * k[((int64_t)(b * T + j) * KVH + kh) * hd_ + i];
+                    P[j] = d * scale;
+                    mx = fmax(mx, P[j]);
+                }
+                for (int j = j0; j <= t; j++) { P[j] = exp(P[j] - mx); sum += P[j]; }
+                for (int j = j0; j <= t; j++) P[j] /= sum;
+                double* oi = ro + ((int64_t)(b * T + t) * H + h) * hd_;
+                for (int j = j0; j <= t; j++)
+                    for (int i = 0; i < hd_; i++) oi[i] += P[j] * v[((int64_t)(b * T + j) * KVH + kh) * hd_ + i];
+                for (int i = 0; i < hd_; i++) D += doi[i] * oi[i];
+                for (int j = j0; j <= t; j++) {
+                    const float *kj = k + ((int64_t)(b * T + j) * KVH + kh) * hd_, *vj = v + ((int64_t)(b * T + j) * KVH + kh) * hd_;
+                    double dp = 0;
+                    for (int i = 0; i < hd_; i++) dp += (double)doi[i] * vj[i];
+                    double ds = P[j] * (dp - D) * scale;
+                    for (int i = 0; i < hd_; i++) {
+                        rdq[((int64_t)(b * T + t) * H + h) * hd_ + i] += ds * kj[i];
+                        rdk[((int64_t)(b * T + j) * KVH + kh) * hd_ + i] += ds * qi[i];
+                        rdv[((int64_t)(b * T + j) * KVH + kh) * hd_ + i] += P[j] * doi[i];
+                    }
+                }
+            }
+    const float* got[4] = {o, dq, dk, dv};
+    const double* want[4] = {ro, rdq, rdk, rdv};
+    int64_t n[4] = {nq, nq, nk, nk};
+    const char* names[4] = {"o", "dq", "dk", "dv"};
+    for (int w = 0; w < 4; w++) {
+        double err = 0, mag = 0;
+        for (int64_t i = 0; i < n[w]; i++) { err = fmax(err, fabs(got[w][i] - want[w][i])); mag = fmax(mag, fabs(want[w][i])); }
+        char what[160];
+        snprintf(what, sizeof(what), "attention over 64-row blocks (T=150, packed, GQA): %s matches a double reference (error / 64 T 2^-24 max)", names[w]);
+        check(err <= 64.0 * T * 0x1p-24 * mag, what, err / (64.0 * T * 0x1p-24 * mag));
+    }
+    // the same bits on one thread
+    int nthreads = omp_get_max_threads();
+    omp_set_num_threads(1);
+    float *o1 = (float*)xmalloc(4 * nq), *l1 = (float*)xmalloc(4 * B * H * T);
+    float *dq1 = (float*)xmalloc(4 * nq), *dk1 = (float*)xmalloc(4 * nk), *dv1 = (float*)xmalloc(4 * nk);
+    attention_forward(o1, l1, q, k, v, s);
+    attention_backward(dq1, dk1, dv1, dout, q, k, v, o1, l1, s);
+    omp_set_num_threads(nthreads);
+    int same = !memcmp(o, o1, 4 * nq) && !memcmp(lse, l1, 4 * B * H * T) && !memcmp(dq, dq1, 4 * nq) && !memcmp(dk, dk1, 4 * nk) &&
+               !memcmp(dv, dv1, 4 * nk);
+    check(same, "attention forward and backward: one thread gives the same bits as several", 0);
+    free(q); free(k); free(v); free(dout); free(o); free(lse); free(dq); free(dk); free(dv);
+    free(ro); free(rdq); free(rdk); free(rdv); free(o1); free(l1); free(dq1); free(dk1); free(dv1);
+}
+
+// ---- exp -----------------------------------------------------------------------------------
+
+// vx_exp (llmc/cpu/vec_exp.h) against libm's double exp over the range the softmaxes use,
+// [-87.3, 0], and a little above: within 4 ulp relative (the header claims about 2); 0 below -87.3.
+static void test_vec_exp(void) {
+    double worst = 0;
+    for (int i = 0; i <= 400000; i++) {
+        float x = -87.3f + 95.0f * i / 400000.0f;
+        if (x > 8.0f) break;
+        float y = vx_exp(vx_splat(x))[0];
+        double ref = exp((double)x);
+        worst = fmax(worst, fabs(y - ref) / ref / 0x1p-23);
+    }
+    check(worst <= 4.0, "vx_exp within 4 ulp of exp on [-87.3, 8] (worst in ulp)", worst);
+    check(vx_exp(vx_splat(-100.0f))[0] == 0.0f && vx_exp(vx_splat(-88.0f))[0] == 0.0f, "vx_exp gives 0 below -87.3", 0);
 }
 
 static void test_rope(void) {
@@ -686,6 +848,9 @@ int main(void) {
     test_norm_huge_rows(0);
     test_norm_huge_rows(1);
     test_matmul();
+    test_matmul_shapes();
+    test_attention_blocks();
+    test_vec_exp();
     test_attention(1);
     test_attention(0);
     test_attention(2);

@@ -176,10 +176,12 @@ static void test_linear(int64_t N, int in, int out, int rank, int with_bias, int
     if (drop_p > 0) lora_dropout_bind(&L, &drop_cpu, 4);
     float *y = host_copy(y0, N * out), *ax = (float*)xmalloc(4 * N * rank), *dax = (float*)xmalloc(4 * N * rank);
     float* dx = host_copy(dx0, N * in);
-    linear_forward(y, x, &L, ax, N, rank, scale, 1);
+    linear_forward_frozen(y, x, &L, N, 1);
+    linear_forward_lora(y, x, &L, ax, N, rank, scale);
     float* ax16 = host_copy(ax, N * rank);
     host_round_bf16(ax16, N * rank);  // the GPU keeps ax in bf16
-    linear_backward(dx, dy, x, ax16, &L, dax, N, rank, scale, 1);
+    linear_backward_frozen(dx, dy, x, &L, N, 1);
+    linear_backward_lora(dx, dy, x, ax16, &L, dax, N, rank, scale);
     // GPU
     Linear G;  // the CUDA copy lives in G.dev, as the trainers bind it
     memset(&G, 0, sizeof(G));

@@ -6,6 +6,7 @@
 #include <math.h>
 #include "matmul.h"
 #include "norms.h"
+#include "vec_exp.h"
 
 typedef struct {
     double loss_sum;       // sum of CE over counted (mask != 0) positions
@@ -22,22 +23,25 @@ typedef struct {           // scratch for one chunk, from the plan
     float* dz;             // [chunk, d]
 } LossScratch;
 
-// Softmax CE of one row; turns the row into dlogits * grad_scale when grad is set.
+// Softmax CE of one row; overwrites the row, with dlogits * grad_scale when grad is set. The row's
+// exponentials are taken once (vectorised, llmc/cpu/vec_exp.h) and serve both the log-sum-exp and
+// the gradient: this is the loss head's elementwise work, V per token.
 static double ce_row(float* row, int V, int target, float weight, float grad_scale, int grad, int* argmax) {
-    float mx = -FLT_MAX;
+    float mx = vx_max(row, V), xt = row[target];
     int am = 0;
-    for (int v = 0; v < V; v++) if (row[v] > mx) { mx = row[v]; am = v; }
-    double sum = 0.0;
-    for (int v = 0; v < V; v++) sum += exp((double)row[v] - mx);
+    for (int v = 0; v < V; v++) if (row[v] == mx) { am = v; break; }  // the first maximum, as argmax
+    double sum = vx_exp_shifted(row, row, V, mx);
     double lse = mx + log(sum);
-    double loss = lse - row[target];
     *argmax = am;
     if (grad) {
         float w = weight * grad_scale;
-        for (int v = 0; v < V; v++) row[v] = w * (float)exp((double)row[v] - lse);
+        vx_f8 f = vx_splat((float)(w / sum));
+        int v = 0;
+        for (; v + 8 <= V; v += 8) vx_store(row + v, vx_load(row + v) * f);
+        for (; v < V; v++) row[v] *= f[0];
         row[target] -= w;
     }
-    return loss;
+    return lse - xt;
 }
 
 // xf [N,d] final-norm input; W [V,d] head; dxf [N,d] accumulated when non-NULL; logits_out [N,V]

@@ -559,6 +559,7 @@ struct CUevent_st {
     cudaStream_t stream;        // where it was recorded (NULL: the default stream)
     long long position;         // that stream's `issued` then
     long long default_work;     // the default stream's work count then
+    double host_time;           // host wall time at the record (cudaEventElapsedTime's stand-in)
 };
 static long long emu_default_work;  // kernels, copies and memsets issued to the default stream
 static std::set<cudaStream_t>& emu_streams(void) {
@@ -657,16 +658,29 @@ cudaError_t cudaEventCreateWithFlags(cudaEvent_t* ev, unsigned flags) {
     *ev = new CUevent_st();
     (*ev)->stream = NULL;
     (*ev)->position = (*ev)->default_work = 0;
+    (*ev)->host_time = 0.0;
     return cudaSuccess;
 }
+cudaError_t cudaEventCreate(cudaEvent_t* ev) { return cudaEventCreateWithFlags(ev, 0); }
 cudaError_t cudaEventDestroy(cudaEvent_t ev) { delete ev; return cudaSuccess; }
 cudaError_t cudaEventRecord(cudaEvent_t ev, cudaStream_t st) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    ev->host_time = ts.tv_sec + 1e-9 * ts.tv_nsec;
     ev->stream = st;
     ev->position = st ? st->issued : 0;
     ev->default_work = st ? st->seen_default : emu_default_work;
     return cudaSuccess;
 }
 cudaError_t cudaEventSynchronize(cudaEvent_t ev) { emu_stream_run_until(ev->stream, ev->position); return cudaSuccess; }
+// The host time between the two records: the emulator has no device clock (and runs kernels
+// lazily), so this says nothing about kernel time; it lets --profile's event path run.
+cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t a, cudaEvent_t b) {
+    emu_stream_run_until(a->stream, a->position);
+    emu_stream_run_until(b->stream, b->position);
+    *ms = (float)(1e3 * (b->host_time - a->host_time));
+    return cudaSuccess;
+}
 cudaError_t cudaStreamWaitEvent(cudaStream_t st, cudaEvent_t ev, unsigned flags) {
     (void)flags;
     emu_stream_run_until(ev->stream, ev->position);

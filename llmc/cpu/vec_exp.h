@@ -1,0 +1,70 @@
+// cpu/vec_exp.h: exp of 8 floats at once (GCC vector extensions), for the CPU backend's softmaxes
+// (the loss head's 49k-wide rows, attention's score tiles), where libm's scalar exp was most of
+// the time. Range reduction x = n ln2 + r, |r| <= ln2/2 (ln2 split in two parts so n ln2 is
+// exact), e^r by its Taylor polynomial to degree 7 (truncation below 6e-9 relative), times 2^n
+// built in the exponent bits: within about 2 ulp of e^x. Inputs below -87.3 (where e^x is
+// denormal) give 0; above 88 they are clamped to 88 (the callers pass x <= 0).
+#pragma once
+#include <stdint.h>
+#include <string.h>
+
+typedef float vx_f8 __attribute__((vector_size(32)));
+typedef int32_t vx_i8 __attribute__((vector_size(32)));
+
+static inline vx_f8 vx_splat(float a) { return (vx_f8){a, a, a, a, a, a, a, a}; }
+static inline vx_f8 vx_load(const float* p) { vx_f8 v; memcpy(&v, p, 32); return v; }
+static inline void vx_store(float* p, vx_f8 v) { memcpy(p, &v, 32); }
+
+static inline vx_f8 vx_exp(vx_f8 x) {
+    vx_f8 lo = vx_splat(-87.3f), hi = vx_splat(88.0f);
+    vx_i8 under = x < lo;
+    x = x < lo ? lo : x;
+    x = x > hi ? hi : x;
+    vx_f8 round = vx_splat(12582912.0f);  // 1.5 * 2^23: adding and subtracting it rounds to an integer
+    vx_f8 n = (x * vx_splat(1.44269504088896341f) + round) - round;
+    vx_f8 r = x - n * vx_splat(0.693359375f) - n * vx_splat(-2.12194440e-4f);
+    vx_f8 p = vx_splat(1.0f / 5040.0f);
+    p = p * r + vx_splat(1.0f / 720.0f);
+    p = p * r + vx_splat(1.0f / 120.0f);
+    p = p * r + vx_splat(1.0f / 24.0f);
+    p = p * r + vx_splat(1.0f / 6.0f);
+    p = p * r + vx_splat(0.5f);
+    p = p * r + vx_splat(1.0f);
+    p = p * r + vx_splat(1.0f);
+    vx_i8 bits = (__builtin_convertvector(n, vx_i8) + 127) << 23;
+    vx_f8 scale;
+    memcpy(&scale, &bits, 32);
+    vx_f8 y = p * scale;
+    return under ? vx_splat(0.0f) : y;
+}
+
+// y[i] = e^(x[i] - shift) for i < n (x and y may be the same array); returns their sum in double
+// (each group of 8 summed in float, groups in order: the order is fixed by n alone).
+static double vx_exp_shifted(float* y, const float* x, int64_t n, float shift) {
+    vx_f8 sh = vx_splat(shift);
+    double sum = 0.0;
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        vx_f8 e = vx_exp(vx_load(x + i) - sh);
+        vx_store(y + i, e);
+        sum += (double)((e[0] + e[1]) + (e[2] + e[3])) + (double)((e[4] + e[5]) + (e[6] + e[7]));
+    }
+    if (i < n) {  // the tail through the same vector code, padded
+        float t[8];
+        for (int k = 0; k < 8; k++) t[k] = i + k < n ? x[i + k] : shift - 100.0f;
+        vx_f8 e = vx_exp(vx_load(t) - sh);
+        for (int k = 0; i + k < n; k++) { y[i + k] = e[k]; sum += e[k]; }
+    }
+    return sum;
+}
+
+// max of x[0..n) (n >= 1), NaNs ignored (a row of NaNs gives -FLT_MAX).
+static float vx_max(const float* x, int64_t n) {
+    vx_f8 m = vx_splat(-3.402823466e38f);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) { vx_f8 v = vx_load(x + i); m = v > m ? v : m; }
+    float r = -3.402823466e38f;
+    for (int k = 0; k < 8; k++) r = m[k] > r ? m[k] : r;
+    for (; i < n; i++) r = x[i] > r ? x[i] : r;
+    return r;
+}
