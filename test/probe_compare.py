@@ -1,6 +1,6 @@
 """Comparing a C probe's output (logits, loss, gradients) with a PyTorch reference's: shared by
 the LLaMA and ViT model tests (test/llama_cases.py, test/vit_cases.py), which pass their own
-tolerances."""
+tolerances; and the extreme norm gammas both try under MS norms."""
 import numpy as np
 
 
@@ -48,3 +48,19 @@ def check_errors(errs, tol, label=""):
         bad.append("grad")
     assert not bad, f"{line}: over tolerance {', '.join(bad)} (tolerances {tol})"
     return line
+
+
+# Norm gammas that stress the MS merge (W diag(gamma)), used by both model tests.
+def wide_gammas(rng, n):
+    """log-uniform over 1e-2 .. 1e2 with random signs: four orders of magnitude"""
+    return np.sign(rng.standard_normal(n)) * 10.0 ** rng.uniform(-2, 2, n)
+
+
+def zero_gammas(rng, n):
+    """1 + 0.3 N(0, 1) with every 5th entry exactly 0 (the merged layer has no inverse there)"""
+    g = 1.0 + 0.3 * rng.standard_normal(n)
+    g[::5] = 0.0
+    return g
+
+
+EXTREME_GAMMAS = {"wide": wide_gammas, "zero": zero_gammas}

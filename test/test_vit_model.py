@@ -222,23 +222,11 @@ def _setup_affine(root, name, gammas):
     return g
 
 
-def _wide_gammas(rng, n):
-    """log-uniform over 1e-2 .. 1e2 with random signs: four orders of magnitude"""
-    return np.sign(rng.standard_normal(n)) * 10.0 ** rng.uniform(-2, 2, n)
-
-
-def _zero_gammas(rng, n):
-    """1 + 0.3 N(0, 1) with every 5th entry exactly 0 (the merged layer has no inverse there)"""
-    g = 1.0 + 0.3 * rng.standard_normal(n)
-    g[::5] = 0.0
-    return g
-
-
 @pytest.mark.parametrize("kind", ["wide", "zero"])
 def test_ms_lora_equals_std_with_extreme_gammas(workdir, kind):
     """The same with gammas spanning four orders of magnitude, and with zero gammas (exact act:
     these GELU inputs are not kept away from the ReGELU2 breakpoints)."""
-    s = _setup_affine(workdir, f"gammas_{kind}", _wide_gammas if kind == "wide" else _zero_gammas)
+    s = _setup_affine(workdir, f"gammas_{kind}", vc.probe_compare.EXTREME_GAMMAS[kind])
     _std_vs_ms(s, "exact", "none", f"gammas_{kind}", f"gam {kind}")
 
 
