@@ -2,11 +2,15 @@
 // Layout: q [N, H*hd], k and v [N, KVH*hd], o [N, H*hd], token n = b*T + t, head h at columns
 // h*hd; query head h reads kv head h / (H/KVH) (grouped-query attention by index, no copies).
 // Forward keeps only o and the per-row log-sum-exp; backward recomputes the scores block by block,
-// so no T x T matrix is ever stored.
+// so no T x T matrix is ever stored. Both run over blocks of 64 query rows as packed products
+// (llmc/cpu/matmul.h, one thread each): the forward 2 per block (S = q k^T, o = P v), the
+// backward 5 in one pass (S, dP, dq, dk, dv; see attention_backward), work units in parallel,
+// each output element summed in an order fixed by the shape: the bits do not depend on threads.
 #pragma once
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 #include "matmul.h"
 #include "vec_exp.h"
 
@@ -66,11 +70,41 @@ static inline int attn_visible(const AttnShape* s, int b, int t, int j) {
     return !s->causal || (j <= t && j >= attn_first_key(s, b, t));
 }
 
+// x [B*T, nheads*hd] -> xt [B, nheads, hd, T]: each head's rows as columns, so that the products
+// that read k or v along their rows (S = q k^T, dP = do v^T) pack them by contiguous copies.
+// Packing copies the same values either way: the results are the same bits.
+static void attn_transpose_heads(float* xt, const float* x, int B, int T, int nheads, int hd) {
+#pragma omp parallel for collapse(2) schedule(static) if ((int64_t)B * T * nheads * hd > 32768)
+    for (int b = 0; b < B; b++)
+        for (int h = 0; h < nheads; h++) {
+            float* dst = xt + ((int64_t)b * nheads + h) * hd * T;
+            for (int t = 0; t < T; t++) {
+                const float* src = x + ((int64_t)b * T + t) * nheads * hd + (int64_t)h * hd;
+                for (int i = 0; i < hd; i++) dst[(int64_t)i * T + t] = src[i];
+            }
+        }
+}
+
+// Row of a forward score tile, keys [0, nk) of which [a, e) are visible: p = softmax over the
+// visible keys, 0 elsewhere; returns the log-sum-exp.
+static float attn_softmax_row(float* p, int nk, int a, int e) {
+    float mx = vx_max(p + a, e - a);
+    double sum = vx_exp_shifted(p + a, p + a, e - a, mx);
+    float inv = (float)(1.0 / sum);
+    memset(p, 0, sizeof(float) * a);
+    for (int j = a; j < e; j++) p[j] *= inv;
+    memset(p + e, 0, sizeof(float) * (nk - e));
+    return mx + (float)log(sum);
+}
+
 // o = softmax(q k^T * scale) v per (b, h); lse[b, h, t] = log-sum-exp of the scaled scores.
+// Scratch: k transposed (the size of k) and one [ATT_BLOCK, T] tile per thread.
 static void attention_forward(float* o, float* lse, const float* q, const float* k, const float* v, AttnShape s) {
     int64_t qs = (int64_t)s.H * s.hd, ks = (int64_t)s.KVH * s.hd;
     int group = s.H / s.KVH, nqb = (s.T + ATT_BLOCK - 1) / ATT_BLOCK;
     float scale = 1.0f / sqrtf((float)s.hd);
+    float* kt = (float*)malloc(sizeof(float) * s.B * s.T * ks);
+    attn_transpose_heads(kt, k, s.B, s.T, s.KVH, s.hd);
 #pragma omp parallel if ((double)s.B * s.H * s.T * s.T * s.hd > (1 << 18))
     {
         float* S = (float*)malloc(sizeof(float) * ATT_BLOCK * s.T);
@@ -82,104 +116,158 @@ static void attention_forward(float* o, float* lse, const float* q, const float*
                     attn_key_range(&s, b, t0, t1, &lo, &hi);
                     int nk = hi - lo;
                     const float* qrow = q + ((int64_t)b * s.T + t0) * qs + (int64_t)h * s.hd;
-                    const float* krow = k + ((int64_t)b * s.T + lo) * ks + (int64_t)kh * s.hd;
+                    const float* kcol = kt + ((int64_t)b * s.KVH + kh) * s.hd * s.T + lo;
                     const float* vrow = v + ((int64_t)b * s.T + lo) * ks + (int64_t)kh * s.hd;
-                    mm_gemm(S, nk, qrow, qs, 1, krow, 1, ks, t1 - t0, nk, s.hd, scale, 0, 0);  // S = scale q k^T
+                    mm_gemm(S, nk, qrow, qs, 1, kcol, s.T, 1, t1 - t0, nk, s.hd, scale, 0, 0);  // S = scale q k^T
                     for (int t = t0; t < t1; t++) {
-                        float* p = S + (int64_t)(t - t0) * nk;
                         int a, e;
                         attn_visible_range(&s, b, t, &a, &e);
-                        float mx = vx_max(p + a - lo, e - a);
-                        double sum = vx_exp_shifted(p + a - lo, p + a - lo, e - a, mx);
-                        float inv = (float)(1.0 / sum);
-                        for (int j = 0; j < nk; j++) p[j] = j >= a - lo && j < e - lo ? p[j] * inv : 0.0f;
-                        lse[((int64_t)b * s.H + h) * s.T + t] = mx + (float)log(sum);
+                        lse[((int64_t)b * s.H + h) * s.T + t] = attn_softmax_row(S + (int64_t)(t - t0) * nk, nk, a - lo, e - lo);
                     }
                     mm_gemm(o + ((int64_t)b * s.T + t0) * qs + (int64_t)h * s.hd, qs, S, nk, 1, vrow, ks, 1, t1 - t0, s.hd, nk, 1.0f, 0, 0);
                 }
         free(S);
     }
+    free(kt);
 }
 
-// Gradients dq, dk, dv (overwritten) from do, in two passes that each own their outputs: dq by
-// blocks of query rows (scores recomputed as in the forward), then dk and dv by blocks of key rows
-// of each kv head, summed over the group's query heads in order (the transposed scores recomputed).
-// Recomputing the scores twice costs two extra products of the six, and needs no T x T storage and
-// no atomic or per-thread partial sums.
+// Row of a backward tile, keys [0, nk) of which [a, e) are visible: p = e^(s - L) (the forward's
+// probabilities, from its log-sum-exp L), and dp becomes dS = p (dp - D) scale; both 0 elsewhere.
+static void attn_grad_row(float* p, float* dp, int nk, int a, int e, float L, float D, float scale) {
+    memset(p, 0, sizeof(float) * a);
+    memset(dp, 0, sizeof(float) * a);
+    vx_f8 vL = vx_splat(L), vD = vx_splat(D), vs = vx_splat(scale);
+    int j = a;
+    for (; j + 8 <= e; j += 8) {
+        vx_f8 pj = vx_exp(vx_load(p + j) - vL);
+        vx_store(p + j, pj);
+        vx_store(dp + j, pj * (vx_load(dp + j) - vD) * vs);
+    }
+    for (; j < e; j++) {  // the same operations one lane at a time
+        float pj = vx_exp(vx_splat(p[j] - L))[0];
+        p[j] = pj;
+        dp[j] = pj * (dp[j] - D) * scale;
+    }
+    memset(p + e, 0, sizeof(float) * (nk - e));
+    memset(dp + e, 0, sizeof(float) * (nk - e));
+}
+
+// The backward runs in one pass of work units, each one query head h of sequence b over a chunk
+// of its query blocks [qb0, qb1) in order. Per block of query rows and the keys [lo, hi) they see:
+//   S = scale q k^T, dP = do v^T (recomputed tiles), P = e^(S - lse), dS = P (dP - D) scale,
+//   dq = dS k (the block's rows, written), dv += P^T do and dk += dS^T q (rows [lo, hi), summed).
+// Five products per block. A unit owns its dq rows; its dk, dv sums go to its own partial buffer,
+// and a fixed-order sum over the group's heads and the chunks then gives dk, dv, so the bits do
+// not depend on the thread count (or straight into dk, dv when a kv head has a single unit).
+// Chunks: enough units to keep threads busy at batch 1 (9 heads on 2 threads leave one idle a
+// ninth of the time), cut where the causal triangle's work is even. They depend on the shape only.
+#define ATT_MIN_UNITS 16
+
+// Chunks per (b, h): units = B*H*chunks reaches ATT_MIN_UNITS, at most one per query block.
+static int attn_backward_chunks(const AttnShape* s) {
+    int nb = (s->T + ATT_BLOCK - 1) / ATT_BLOCK, c = (ATT_MIN_UNITS + s->B * s->H - 1) / (s->B * s->H);
+    return c < nb ? c : nb;
+}
+
+// First query block of chunk c of n over nb blocks: even shares of the work, block qb costing
+// qb + 1 key blocks when causal (1 otherwise).
+static int attn_chunk_start(const AttnShape* s, int nb, int c, int n) {
+    if (c >= n) return nb;
+    double total = s->causal ? 0.5 * nb * (nb + 1) : nb, target = total * c / n, done = 0;
+    int qb = 0;
+    while (qb < nb && done + 0.5 * (s->causal ? qb + 1 : 1) <= target) done += s->causal ? qb + 1 : 1, qb++;
+    return qb;
+}
+
+typedef struct {
+    const float *dout, *q, *k, *v, *o, *lse, *kt, *vt;  // kt, vt: k and v transposed per head
+    AttnShape s;
+} AttnBwdArgs;
+
+// One unit: head h of sequence b, query blocks [qb0, qb1). dq rows written; dk, dv contributions
+// summed into kacc, vacc (row j at j * ld; every row [0, T) zeroed here first). S, dP: [ATT_BLOCK, T].
+static void attn_backward_unit(float* dq, float* kacc, float* vacc, int64_t ld, const AttnBwdArgs* A, int b, int h, int qb0, int qb1,
+                               float* S, float* dP) {
+    const AttnShape* s = &A->s;
+    int64_t qs = (int64_t)s->H * s->hd, ks = (int64_t)s->KVH * s->hd;
+    int kh = h / (s->H / s->KVH);
+    float scale = 1.0f / sqrtf((float)s->hd);
+    for (int j = 0; j < s->T; j++) {
+        memset(kacc + j * ld, 0, sizeof(float) * s->hd);
+        memset(vacc + j * ld, 0, sizeof(float) * s->hd);
+    }
+    for (int qb = qb0; qb < qb1; qb++) {
+        int t0 = qb * ATT_BLOCK, t1 = t0 + ATT_BLOCK < s->T ? t0 + ATT_BLOCK : s->T, m = t1 - t0, lo, hi;
+        attn_key_range(s, b, t0, t1, &lo, &hi);
+        int nk = hi - lo;
+        int64_t r0 = ((int64_t)b * s->T + t0) * qs + (int64_t)h * s->hd, c0 = ((int64_t)b * s->KVH + kh) * s->hd * s->T + lo;
+        const float* krow = A->k + ((int64_t)b * s->T + lo) * ks + (int64_t)kh * s->hd;
+        mm_gemm(S, nk, A->q + r0, qs, 1, A->kt + c0, s->T, 1, m, nk, s->hd, scale, 0, 0);   // S = scale q k^T
+        mm_gemm(dP, nk, A->dout + r0, qs, 1, A->vt + c0, s->T, 1, m, nk, s->hd, 1.0f, 0, 0);  // dP = do v^T
+        for (int t = t0; t < t1; t++) {
+            const float *dot = A->dout + r0 + (int64_t)(t - t0) * qs, *ot = A->o + r0 + (int64_t)(t - t0) * qs;
+            float D = 0.0f;
+            for (int i = 0; i < s->hd; i++) D += dot[i] * ot[i];
+            int a, e;
+            attn_visible_range(s, b, t, &a, &e);
+            attn_grad_row(S + (int64_t)(t - t0) * nk, dP + (int64_t)(t - t0) * nk, nk, a - lo, e - lo,
+                          A->lse[((int64_t)b * s->H + h) * s->T + t], D, scale);
+        }
+        mm_gemm(dq + r0, qs, dP, nk, 1, krow, ks, 1, m, s->hd, nk, 1.0f, 0, 0);                    // dq = dS k
+        mm_gemm(vacc + lo * ld, ld, S, 1, nk, A->dout + r0, qs, 1, nk, s->hd, m, 1.0f, 1, 0);       // dv += P^T do
+        mm_gemm(kacc + lo * ld, ld, dP, 1, nk, A->q + r0, qs, 1, nk, s->hd, m, 1.0f, 1, 0);         // dk += dS^T q
+    }
+}
+
+// Gradients dq, dk, dv (overwritten) from do. Scratch: k and v transposed (2 x the size of k),
+// one pair of [ATT_BLOCK, T] tiles per thread, and unless each kv head has a single unit, the
+// units' partial dk, dv: 2 x chunks x the size of q.
 static void attention_backward(float* dq, float* dk, float* dv, const float* dout, const float* q, const float* k,
                                const float* v, const float* o, const float* lse, AttnShape s) {
-    int64_t qs = (int64_t)s.H * s.hd, ks = (int64_t)s.KVH * s.hd;
-    int group = s.H / s.KVH, nb = (s.T + ATT_BLOCK - 1) / ATT_BLOCK;
-    float scale = 1.0f / sqrtf((float)s.hd);
+    int64_t ks = (int64_t)s.KVH * s.hd, nkv = (int64_t)s.B * s.T * ks;
+    int group = s.H / s.KVH, nb = (s.T + ATT_BLOCK - 1) / ATT_BLOCK, nch = attn_backward_chunks(&s);
+    int direct = group == 1 && nch == 1, units = s.B * s.H * nch;
+    int64_t part = (int64_t)s.T * s.hd;  // floats of one unit's partial dk (or dv)
+    float* kt = (float*)malloc(sizeof(float) * 2 * nkv);
+    attn_transpose_heads(kt, k, s.B, s.T, s.KVH, s.hd);
+    attn_transpose_heads(kt + nkv, v, s.B, s.T, s.KVH, s.hd);
+    float* pk = direct ? NULL : (float*)malloc(sizeof(float) * 2 * part * units);
+    AttnBwdArgs A = {dout, q, k, v, o, lse, kt, kt + nkv, s};
     int par = (double)s.B * s.H * s.T * s.T * s.hd > (1 << 18);
-    float* Dsum = (float*)malloc(sizeof(float) * s.B * s.H * s.T);  // D[b, h, t] = do . o
-#pragma omp parallel for collapse(2) schedule(static) if (par)
-    for (int b = 0; b < s.B; b++)
-        for (int h = 0; h < s.H; h++)
-            for (int t = 0; t < s.T; t++) {
-                int64_t row = ((int64_t)b * s.T + t) * qs + (int64_t)h * s.hd;
-                float D = 0.0f;
-                for (int i = 0; i < s.hd; i++) D += dout[row + i] * o[row + i];
-                Dsum[((int64_t)b * s.H + h) * s.T + t] = D;
-            }
 #pragma omp parallel if (par)
     {
-        float* S = (float*)malloc(sizeof(float) * ATT_BLOCK * s.T);
-        float* dP = (float*)malloc(sizeof(float) * ATT_BLOCK * s.T);
-#pragma omp for collapse(3) schedule(dynamic)
-        for (int b = 0; b < s.B; b++)
-            for (int h = 0; h < s.H; h++)
-                for (int qb = 0; qb < nb; qb++) {  // dq = dS k, dS = P (dP - D) scale, dP = do v^T
-                    int t0 = qb * ATT_BLOCK, t1 = t0 + ATT_BLOCK < s.T ? t0 + ATT_BLOCK : s.T, kh = h / group, lo, hi;
-                    attn_key_range(&s, b, t0, t1, &lo, &hi);
-                    int nk = hi - lo;
-                    int64_t r0 = ((int64_t)b * s.T + t0) * qs + (int64_t)h * s.hd;
-                    const float* krow = k + ((int64_t)b * s.T + lo) * ks + (int64_t)kh * s.hd;
-                    const float* vrow = v + ((int64_t)b * s.T + lo) * ks + (int64_t)kh * s.hd;
-                    mm_gemm(S, nk, q + r0, qs, 1, krow, 1, ks, t1 - t0, nk, s.hd, scale, 0, 0);
-                    mm_gemm(dP, nk, dout + r0, qs, 1, vrow, 1, ks, t1 - t0, nk, s.hd, 1.0f, 0, 0);
-                    for (int t = t0; t < t1; t++) {
-                        float L = lse[((int64_t)b * s.H + h) * s.T + t], D = Dsum[((int64_t)b * s.H + h) * s.T + t];
-                        float *p = S + (int64_t)(t - t0) * nk, *dp = dP + (int64_t)(t - t0) * nk;
-                        int a, e;
-                        attn_visible_range(&s, b, t, &a, &e);
-                        vx_exp_shifted(p + a - lo, p + a - lo, e - a, L);
-                        for (int j = 0; j < nk; j++) p[j] = j >= a - lo && j < e - lo ? p[j] * (dp[j] - D) * scale : 0.0f;
-                    }
-                    mm_gemm(dq + r0, qs, S, nk, 1, krow, ks, 1, t1 - t0, s.hd, nk, 1.0f, 0, 0);
-                }
-#pragma omp for collapse(3) schedule(dynamic)
-        for (int b = 0; b < s.B; b++)
-            for (int kh = 0; kh < s.KVH; kh++)
-                for (int jb = 0; jb < nb; jb++) {  // dv = P^T do, dk = dS^T q, over the group's heads
-                    int j0 = jb * ATT_BLOCK, j1 = j0 + ATT_BLOCK < s.T ? j0 + ATT_BLOCK : s.T;
-                    int qlo = s.causal ? j0 : 0, nq = s.T - qlo;  // queries that may see these keys
-                    int64_t kr = ((int64_t)b * s.T + j0) * ks + (int64_t)kh * s.hd;
-                    for (int h = kh * group; h < (kh + 1) * group; h++) {
-                        int64_t r0 = ((int64_t)b * s.T + qlo) * qs + (int64_t)h * s.hd;
-                        mm_gemm(S, nq, k + kr, ks, 1, q + r0, 1, qs, j1 - j0, nq, s.hd, scale, 0, 0);     // S^T = scale k q^T
-                        mm_gemm(dP, nq, v + kr, ks, 1, dout + r0, 1, qs, j1 - j0, nq, s.hd, 1.0f, 0, 0);  // dP^T = v do^T
-                        const float *L = lse + ((int64_t)b * s.H + h) * s.T + qlo, *D = Dsum + ((int64_t)b * s.H + h) * s.T + qlo;
-                        for (int j = j0; j < j1; j++) {
-                            float *p = S + (int64_t)(j - j0) * nq, *dp = dP + (int64_t)(j - j0) * nq;
-                            int t = 0;
-                            for (; t + 8 <= nq; t += 8) vx_store(p + t, vx_exp(vx_load(p + t) - vx_load(L + t)));
-                            for (; t < nq; t++) p[t] = vx_exp(vx_splat(p[t] - L[t]))[0];
-                            for (t = 0; t < nq; t++) {
-                                float pj = attn_visible(&s, b, qlo + t, j) ? p[t] : 0.0f;
-                                p[t] = pj;
-                                dp[t] = pj * (dp[t] - D[t]) * scale;
+        float* S = (float*)malloc(sizeof(float) * 2 * ATT_BLOCK * s.T);
+#pragma omp for schedule(dynamic)
+        for (int u = 0; u < units; u++) {
+            int b = u / (s.H * nch), h = u / nch % s.H, c = u % nch;
+            int qb0 = attn_chunk_start(&s, nb, c, nch), qb1 = attn_chunk_start(&s, nb, c + 1, nch);
+            if (direct) {
+                int64_t off = (int64_t)b * s.T * ks + (int64_t)h * s.hd;
+                attn_backward_unit(dq, dk + off, dv + off, ks, &A, b, h, qb0, qb1, S, S + ATT_BLOCK * s.T);
+            } else {
+                float* pu = pk + 2 * part * u;
+                attn_backward_unit(dq, pu, pu + part, s.hd, &A, b, h, qb0, qb1, S, S + ATT_BLOCK * s.T);
+            }
+        }
+        free(S);
+        if (!direct) {  // dk, dv = the units' sums over the group's heads, then the chunks, in order
+#pragma omp for collapse(2) schedule(static)
+            for (int b = 0; b < s.B; b++)
+                for (int j = 0; j < s.T; j++)
+                    for (int kh = 0; kh < s.KVH; kh++) {
+                        float *dkj = dk + ((int64_t)b * s.T + j) * ks + (int64_t)kh * s.hd, *dvj = dv + ((int64_t)b * s.T + j) * ks + (int64_t)kh * s.hd;
+                        for (int r = 0; r < group * nch; r++) {
+                            const float* pu = pk + 2 * part * ((int64_t)(b * s.H + kh * group) * nch + r) + (int64_t)j * s.hd;
+                            for (int i = 0; i < s.hd; i++) {
+                                dkj[i] = r ? dkj[i] + pu[i] : pu[i];
+                                dvj[i] = r ? dvj[i] + pu[part + i] : pu[part + i];
                             }
                         }
-                        int acc = h != kh * group;
-                        mm_gemm(dv + kr, ks, S, nq, 1, dout + r0, qs, 1, j1 - j0, s.hd, nq, 1.0f, acc, 0);
-                        mm_gemm(dk + kr, ks, dP, nq, 1, q + r0, qs, 1, j1 - j0, s.hd, nq, 1.0f, acc, 0);
                     }
-                }
-        free(S);
-        free(dP);
+        }
     }
-    free(Dsum);
+    free(pk);
+    free(kt);
 }
 
 // Attention of n new queries against a key/value cache (generation): q [n, H*hd] at absolute
