@@ -2,33 +2,76 @@
 // Forward is always the exact function. The approximate variants also write the packed 2-bit
 // codes of the pre-activation, which is all their backward needs; the exact variants need the
 // pre-activation itself.
+// Elementwise passes run 8 lanes at a time (GCC vectors), in groups of 8 elements = 2 code bytes,
+// so the parallel split never shares a byte; a ragged tail goes through the same vector code,
+// padded. SiLU and its derivative use vx_exp (llmc/cpu/vec_exp.h, within a few ulp of libm), so
+// they stay the exact function to fp32 rounding; the erf forms of GELU keep libm's erff. The codes
+// are strict comparisons of the pre-activation, the same bits as relu3_code; the approximate
+// backward forms dy * level with the same fp32 operations as the scalar rule (and the CUDA twin).
 #pragma once
 #include <stdint.h>
+#include <string.h>
 #include "../approx_act.h"
+#include "vec_exp.h"
+
+#define ACT_PAR 32768  // elements below which a pass stays on one thread
+
+// 8 elements from x + i (i + 8 <= n) or, at a ragged tail, the n - i left and `pad` after them.
+static inline vx_f8 act_load(const float* x, int64_t i, int64_t n, float pad) {
+    if (i + 8 <= n) return vx_load(x + i);
+    float t[8];
+    for (int k = 0; k < 8; k++) t[k] = i + k < n ? x[i + k] : pad;
+    return vx_load(t);
+}
+// Stores the lanes of v that fall below n.
+static inline void act_store(float* y, int64_t i, int64_t n, vx_f8 v) {
+    if (i + 8 <= n) { vx_store(y + i, v); return; }
+    for (int k = 0; i + k < n; k++) y[i + k] = v[k];
+}
+
+// The codes of 8 pre-activations (relu3_code lane by lane) packed into 2 bytes, element i in
+// bits 2*(i&3) of byte i>>2. A ragged tail is padded with -inf, whose code is 0.
+static inline void act_codes8(uint8_t* out, int64_t i, int64_t n, vx_f8 x, Relu3Fit fit) {
+    vx_i8 c = -((x > vx_splat(fit.c1)) + (x > vx_splat(fit.c2)) + (x > vx_splat(fit.c3)));  // each comparison is 0 or -1
+    c = c << (vx_i8){0, 2, 4, 6, 0, 2, 4, 6};
+    uint8_t b[2] = {(uint8_t)(c[0] | c[1] | c[2] | c[3]), (uint8_t)(c[4] | c[5] | c[6] | c[7])};
+    int64_t nb = packed_codes_bytes(n) - i / 4;
+    memcpy(out + i / 4, b, nb < 2 ? nb : 2);
+}
+// The derivative levels of 8 codes read from the packed bytes (relu3_level lane by lane).
+static inline vx_f8 act_levels8(const uint8_t* codes, int64_t i, int64_t n, Relu3Fit fit) {
+    int64_t nb = packed_codes_bytes(n) - i / 4;
+    int32_t b0 = codes[i / 4], b1 = nb > 1 ? codes[i / 4 + 1] : 0;
+    vx_i8 c = ((vx_i8){b0, b0, b0, b0, b1, b1, b1, b1} >> (vx_i8){0, 2, 4, 6, 0, 2, 4, 6}) & 3;
+    float l1 = fit.a1, l2 = l1 + fit.a2, l3 = l2 + fit.a3;
+    vx_f8 z = vx_splat(0.0f);
+    return c == 1 ? vx_splat(l1) : c == 2 ? vx_splat(l2) : c == 3 ? vx_splat(l3) : z;
+}
+
+// silu(x) = x / (1 + e^-x) and its derivative s (1 + x (1 - s)), s = 1 / (1 + e^-x): the formulas
+// of silu_f / silu_grad_f with vx_exp for expf. (vx_exp clamps -x above 88: silu(x < -88) is then
+// about -1e-37 where it is -5e-37 or less; both round to nothing next to the other terms.)
+static inline vx_f8 vx_silu(vx_f8 x) { return x / (vx_splat(1.0f) + vx_exp(-x)); }
+static inline vx_f8 vx_silu_grad(vx_f8 x) {
+    vx_f8 one = vx_splat(1.0f), s = one / (one + vx_exp(-x));
+    return s * (one + x * (one - s));
+}
 
 // Packs the codes of x[0..n) into out[(n+3)/4], 4 per byte (ragged tail zero-padded).
 static void pack_codes_2bit(uint8_t* out, const float* x, int64_t n, Relu3Fit fit) {
-    int64_t nb = packed_codes_bytes(n);
-#pragma omp parallel for schedule(static) if (n > 32768)
-    for (int64_t b = 0; b < nb; b++) {
-        uint8_t c[4] = {0, 0, 0, 0};
-        int cnt = (int)(n - 4 * b < 4 ? n - 4 * b : 4);
-        for (int k = 0; k < cnt; k++) c[k] = relu3_code(x[4 * b + k], fit);
-        out[b] = codes_pack4(c, cnt);
-    }
+#pragma omp parallel for schedule(static) if (n > ACT_PAR)
+    for (int64_t i = 0; i < n; i += 8) act_codes8(out, i, n, act_load(x, i, n, -INFINITY), fit);
 }
 
-// sg = silu(g), p = sg * u; codes (ReSiLU2) written when non-NULL.
+// sg = silu(g), p = sg * u; codes (ReSiLU2) written when non-NULL, in the same pass.
 static void swiglu_forward(float* p, float* sg, uint8_t* codes, const float* g, const float* u, int64_t n) {
-#pragma omp parallel for schedule(static) if (n > 32768)
-    for (int64_t i = 0; i < n; i++) {
-        float s = silu_f(g[i]);
-        sg[i] = s;
-        p[i] = s * u[i];
-    }
-    if (codes) {
-        Relu3Fit fit = RESILU2_FIT;
-        pack_codes_2bit(codes, g, n, fit);
+    Relu3Fit fit = RESILU2_FIT;
+#pragma omp parallel for schedule(static) if (n > ACT_PAR)
+    for (int64_t i = 0; i < n; i += 8) {
+        vx_f8 x = act_load(g, i, n, -INFINITY), s = vx_silu(x);
+        act_store(sg, i, n, s);
+        act_store(p, i, n, s * act_load(u, i, n, 0.0f));
+        if (codes) act_codes8(codes, i, n, x, fit);
     }
 }
 
@@ -36,30 +79,35 @@ static void swiglu_forward(float* p, float* sg, uint8_t* codes, const float* g, 
 static void swiglu_backward(float* dg, float* du, const float* dp, const float* sg, const float* u, const float* g,
                             const uint8_t* codes, int64_t n) {
     Relu3Fit fit = RESILU2_FIT;
-#pragma omp parallel for schedule(static) if (n > 32768)
-    for (int64_t i = 0; i < n; i++) {
-        float dsg = dp[i] * u[i];
-        du[i] = dp[i] * sg[i];
-        dg[i] = dsg * (g ? silu_grad_f(g[i]) : relu3_level(codes_get(codes, i), fit));
+#pragma omp parallel for schedule(static) if (n > ACT_PAR)
+    for (int64_t i = 0; i < n; i += 8) {
+        vx_f8 d = act_load(dp, i, n, 0.0f), dsg = d * act_load(u, i, n, 0.0f);
+        act_store(du, i, n, d * act_load(sg, i, n, 0.0f));
+        act_store(dg, i, n, dsg * (g ? vx_silu_grad(act_load(g, i, n, 0.0f)) : act_levels8(codes, i, n, fit)));
     }
 }
 
 // y = gelu(x) (erf form, or tanh form when tanh_form); codes (ReGELU2) written when non-NULL.
 static void gelu_forward(float* y, uint8_t* codes, const float* x, int64_t n, int tanh_form) {
-#pragma omp parallel for schedule(static) if (n > 32768)
-    for (int64_t i = 0; i < n; i++) y[i] = tanh_form ? gelu_tanh_f(x[i]) : gelu_f(x[i]);
-    if (codes) {
-        Relu3Fit fit = REGELU2_FIT;
-        pack_codes_2bit(codes, x, n, fit);
+    Relu3Fit fit = REGELU2_FIT;
+#pragma omp parallel for schedule(static) if (n > ACT_PAR)
+    for (int64_t i = 0; i < n; i += 8) {
+        int64_t e = i + 8 < n ? i + 8 : n;
+        for (int64_t j = i; j < e; j++) y[j] = tanh_form ? gelu_tanh_f(x[j]) : gelu_f(x[j]);
+        if (codes) act_codes8(codes, i, n, act_load(x, i, n, -INFINITY), fit);
     }
 }
 
 // dx = dy * gelu'(x) (exact, x kept) or dy * level(code) (approx, x NULL). Overwrites dx.
 static void gelu_backward(float* dx, const float* dy, const float* x, const uint8_t* codes, int64_t n, int tanh_form) {
     Relu3Fit fit = REGELU2_FIT;
-#pragma omp parallel for schedule(static) if (n > 32768)
-    for (int64_t i = 0; i < n; i++) {
-        float gr = x ? (tanh_form ? gelu_tanh_grad_f(x[i]) : gelu_grad_f(x[i])) : relu3_level(codes_get(codes, i), fit);
-        dx[i] = dy[i] * gr;
+#pragma omp parallel for schedule(static) if (n > ACT_PAR)
+    for (int64_t i = 0; i < n; i += 8) {
+        if (x) {
+            int64_t e = i + 8 < n ? i + 8 : n;
+            for (int64_t j = i; j < e; j++) dx[j] = dy[j] * (tanh_form ? gelu_tanh_grad_f(x[j]) : gelu_grad_f(x[j]));
+        } else {
+            act_store(dx, i, n, act_load(dy, i, n, 0.0f) * act_levels8(codes, i, n, fit));
+        }
     }
 }
