@@ -55,9 +55,11 @@ static inline int attn_first_key(const AttnShape* s, int b, int t) {
 // fixed order, so results do not depend on the thread count.
 #define ATT_BLOCK 64
 
-// Keys [*lo, *hi) that some query of rows [t0, t1) of sequence b may see.
+// Keys [*lo, *hi) that some query of rows [t0, t1) of sequence b may see. lo is rounded down to a
+// multiple of MM_NR so that a tile starts on a panel of the packed keys (attn_pack_cols); the
+// extra keys are masked like any other invisible key.
 static void attn_key_range(const AttnShape* s, int b, int t0, int t1, int* lo, int* hi) {
-    *lo = s->causal ? attn_first_key(s, b, t0) : 0;
+    *lo = s->causal ? attn_first_key(s, b, t0) / MM_NR * MM_NR : 0;
     *hi = s->causal ? t1 : s->T;
 }
 // The keys [*a, *e) query t of sequence b sees (a contiguous range: its example's start up to t).
@@ -65,24 +67,46 @@ static inline void attn_visible_range(const AttnShape* s, int b, int t, int* a, 
     *a = s->causal ? attn_first_key(s, b, t) : 0;
     *e = s->causal ? t + 1 : s->T;
 }
-// Whether query t of sequence b sees key j.
-static inline int attn_visible(const AttnShape* s, int b, int t, int j) {
-    return !s->causal || (j <= t && j >= attn_first_key(s, b, t));
+
+// k or v packed once per call, per (b, kv head), in the panel layout of matmul.h's micro-kernel
+// (panels of MM_NR columns, [panel][k][MM_NR], zero-padded), so that the tile products of every
+// query head of the group and every block read them without packing them again:
+//   attn_pack_cols: B(i, j) = x[j][i], the keys as columns (K = hd, N = T): S = q k^T, dP = do v^T
+//   attn_pack_rows: B(j, i) = x[j][i], the keys as k (K = T, N = hd): o = P v, dq = dS k
+// Packing copies values: the products give the same bits as on unpacked operands.
+static int64_t attn_cols_size(const AttnShape* s) { return (int64_t)(s->T + MM_NR - 1) / MM_NR * MM_NR * s->hd; }
+static int64_t attn_rows_size(const AttnShape* s) { return (int64_t)s->T * ((s->hd + MM_NR - 1) / MM_NR * MM_NR); }
+static void attn_pack(float* dst, const float* x, const AttnShape* s, int cols) {
+    int64_t ks = (int64_t)s->KVH * s->hd, size = cols ? attn_cols_size(s) : attn_rows_size(s);
+#pragma omp parallel for collapse(2) schedule(static) if ((int64_t)s->B * s->T * ks > 32768)
+    for (int b = 0; b < s->B; b++)
+        for (int kh = 0; kh < s->KVH; kh++) {
+            const float* src = x + (int64_t)b * s->T * ks + (int64_t)kh * s->hd;
+            float* d = dst + ((int64_t)b * s->KVH + kh) * size;
+            if (cols) mm_pack_b(d, src, 1, ks, 0, s->hd, 0, (s->T + MM_NR - 1) / MM_NR, s->T);
+            else mm_pack_b(d, src, ks, 1, 0, s->T, 0, (s->hd + MM_NR - 1) / MM_NR, s->hd);
+        }
 }
 
-// x [B*T, nheads*hd] -> xt [B, nheads, hd, T]: each head's rows as columns, so that the products
-// that read k or v along their rows (S = q k^T, dP = do v^T) pack them by contiguous copies.
-// Packing copies the same values either way: the results are the same bits.
-static void attn_transpose_heads(float* xt, const float* x, int B, int T, int nheads, int hd) {
-#pragma omp parallel for collapse(2) schedule(static) if ((int64_t)B * T * nheads * hd > 32768)
-    for (int b = 0; b < B; b++)
-        for (int h = 0; h < nheads; h++) {
-            float* dst = xt + ((int64_t)b * nheads + h) * hd * T;
-            for (int t = 0; t < T; t++) {
-                const float* src = x + ((int64_t)b * T + t) * nheads * hd + (int64_t)h * hd;
-                for (int i = 0; i < hd; i++) dst[(int64_t)i * T + t] = src[i];
+#define ATT_KC 256  // k block of the tile products (a B panel of KC x 16 floats stays in L1)
+
+// C[M, N] (+)= alpha * A(m, k) B(k, n), k in [0, K), on one thread, with A(m, k) = A[m*sam + k*sak]
+// and B packed: column panel p at Bp + p * pstride, row k of it at + k * MM_NR. Ap: scratch for
+// the packed A, (M + MM_MR) * ATT_KC floats. k runs in blocks of ATT_KC, in order.
+static void attn_gemm(float* C, int64_t ldc, const float* A, int64_t sam, int64_t sak, const float* Bp, int64_t pstride, int M, int N, int K,
+                      float alpha, int accumulate, float* Ap) {
+    for (int k0 = 0; k0 < K; k0 += ATT_KC) {
+        int kc = K - k0 < ATT_KC ? K - k0 : ATT_KC;
+        mm_pack_a(Ap, A, sam, sak, 0, M, k0, kc);
+        for (int p = 0; p * MM_NR < N; p++) {
+            int nn = N - p * MM_NR < MM_NR ? N - p * MM_NR : MM_NR;
+            for (int i = 0; i * MM_MR < M; i++) {
+                int mm = M - i * MM_MR < MM_MR ? M - i * MM_MR : MM_MR;
+                mm_kernel_6x16(C + (int64_t)i * MM_MR * ldc + p * MM_NR, ldc, mm, nn, Ap + (int64_t)i * kc * MM_MR,
+                               Bp + p * pstride + (int64_t)k0 * MM_NR, kc, alpha, k0 == 0 && !accumulate);
             }
         }
+    }
 }
 
 // Row of a forward score tile, keys [0, nk) of which [a, e) are visible: p = softmax over the
@@ -98,37 +122,37 @@ static float attn_softmax_row(float* p, int nk, int a, int e) {
 }
 
 // o = softmax(q k^T * scale) v per (b, h); lse[b, h, t] = log-sum-exp of the scaled scores.
-// Scratch: k transposed (the size of k) and one [ATT_BLOCK, T] tile per thread.
+// Scratch: k and v packed (about 2 x the size of k), per thread a [ATT_BLOCK, T] tile and a packed A.
 static void attention_forward(float* o, float* lse, const float* q, const float* k, const float* v, AttnShape s) {
-    int64_t qs = (int64_t)s.H * s.hd, ks = (int64_t)s.KVH * s.hd;
+    int64_t qs = (int64_t)s.H * s.hd, csz = attn_cols_size(&s), rsz = attn_rows_size(&s);
     int group = s.H / s.KVH, nqb = (s.T + ATT_BLOCK - 1) / ATT_BLOCK;
     float scale = 1.0f / sqrtf((float)s.hd);
-    float* kt = (float*)malloc(sizeof(float) * s.B * s.T * ks);
-    attn_transpose_heads(kt, k, s.B, s.T, s.KVH, s.hd);
+    float *kc = (float*)malloc(sizeof(float) * s.B * s.KVH * (csz + rsz)), *vr = kc + s.B * s.KVH * csz;
+    attn_pack(kc, k, &s, 1);
+    attn_pack(vr, v, &s, 0);
 #pragma omp parallel if ((double)s.B * s.H * s.T * s.T * s.hd > (1 << 18))
     {
-        float* S = (float*)malloc(sizeof(float) * ATT_BLOCK * s.T);
+        float* S = (float*)malloc(sizeof(float) * (ATT_BLOCK * s.T + (ATT_BLOCK + MM_MR) * ATT_KC));
+        float* Ap = S + ATT_BLOCK * s.T;
 #pragma omp for collapse(3) schedule(dynamic)
         for (int b = 0; b < s.B; b++)
             for (int h = 0; h < s.H; h++)
                 for (int qb = 0; qb < nqb; qb++) {
-                    int t0 = qb * ATT_BLOCK, t1 = t0 + ATT_BLOCK < s.T ? t0 + ATT_BLOCK : s.T, kh = h / group, lo, hi;
+                    int t0 = qb * ATT_BLOCK, t1 = t0 + ATT_BLOCK < s.T ? t0 + ATT_BLOCK : s.T, m = t1 - t0, kh = h / group, lo, hi;
                     attn_key_range(&s, b, t0, t1, &lo, &hi);
                     int nk = hi - lo;
-                    const float* qrow = q + ((int64_t)b * s.T + t0) * qs + (int64_t)h * s.hd;
-                    const float* kcol = kt + ((int64_t)b * s.KVH + kh) * s.hd * s.T + lo;
-                    const float* vrow = v + ((int64_t)b * s.T + lo) * ks + (int64_t)kh * s.hd;
-                    mm_gemm(S, nk, qrow, qs, 1, kcol, s.T, 1, t1 - t0, nk, s.hd, scale, 0, 0);  // S = scale q k^T
+                    int64_t r0 = ((int64_t)b * s.T + t0) * qs + (int64_t)h * s.hd, bh = (int64_t)b * s.KVH + kh;
+                    attn_gemm(S, nk, q + r0, qs, 1, kc + bh * csz + (int64_t)lo * s.hd, (int64_t)s.hd * MM_NR, m, nk, s.hd, scale, 0, Ap);  // S = scale q k^T
                     for (int t = t0; t < t1; t++) {
                         int a, e;
                         attn_visible_range(&s, b, t, &a, &e);
                         lse[((int64_t)b * s.H + h) * s.T + t] = attn_softmax_row(S + (int64_t)(t - t0) * nk, nk, a - lo, e - lo);
                     }
-                    mm_gemm(o + ((int64_t)b * s.T + t0) * qs + (int64_t)h * s.hd, qs, S, nk, 1, vrow, ks, 1, t1 - t0, s.hd, nk, 1.0f, 0, 0);
+                    attn_gemm(o + r0, qs, S, nk, 1, vr + bh * rsz + (int64_t)lo * MM_NR, (int64_t)s.T * MM_NR, m, s.hd, nk, 1.0f, 0, Ap);  // o = P v
                 }
         free(S);
     }
-    free(kt);
+    free(kc);
 }
 
 // Row of a backward tile, keys [0, nk) of which [a, e) are visible: p = e^(s - L) (the forward's
@@ -180,17 +204,19 @@ static int attn_chunk_start(const AttnShape* s, int nb, int c, int n) {
 }
 
 typedef struct {
-    const float *dout, *q, *k, *v, *o, *lse, *kt, *vt;  // kt, vt: k and v transposed per head
+    const float *dout, *q, *o, *lse;
+    const float *kc, *vc, *kr;  // k, v packed as columns, k packed as rows (attn_pack), per (b, kv head)
     AttnShape s;
 } AttnBwdArgs;
 
 // One unit: head h of sequence b, query blocks [qb0, qb1). dq rows written; dk, dv contributions
-// summed into kacc, vacc (row j at j * ld; every row [0, T) zeroed here first). S, dP: [ATT_BLOCK, T].
+// summed into kacc, vacc (row j at j * ld; rows [0, T) zeroed here first). Scratch: S and dP
+// [ATT_BLOCK, T], Ap (ATT_BLOCK + MM_MR) * ATT_KC.
 static void attn_backward_unit(float* dq, float* kacc, float* vacc, int64_t ld, const AttnBwdArgs* A, int b, int h, int qb0, int qb1,
-                               float* S, float* dP) {
+                               float* S, float* dP, float* Ap) {
     const AttnShape* s = &A->s;
-    int64_t qs = (int64_t)s->H * s->hd, ks = (int64_t)s->KVH * s->hd;
-    int kh = h / (s->H / s->KVH);
+    int64_t qs = (int64_t)s->H * s->hd, bh = (int64_t)b * s->KVH + h / (s->H / s->KVH);
+    int64_t csz = attn_cols_size(s), rsz = attn_rows_size(s), cstride = (int64_t)s->hd * MM_NR;
     float scale = 1.0f / sqrtf((float)s->hd);
     for (int j = 0; j < s->T; j++) {
         memset(kacc + j * ld, 0, sizeof(float) * s->hd);
@@ -200,10 +226,9 @@ static void attn_backward_unit(float* dq, float* kacc, float* vacc, int64_t ld, 
         int t0 = qb * ATT_BLOCK, t1 = t0 + ATT_BLOCK < s->T ? t0 + ATT_BLOCK : s->T, m = t1 - t0, lo, hi;
         attn_key_range(s, b, t0, t1, &lo, &hi);
         int nk = hi - lo;
-        int64_t r0 = ((int64_t)b * s->T + t0) * qs + (int64_t)h * s->hd, c0 = ((int64_t)b * s->KVH + kh) * s->hd * s->T + lo;
-        const float* krow = A->k + ((int64_t)b * s->T + lo) * ks + (int64_t)kh * s->hd;
-        mm_gemm(S, nk, A->q + r0, qs, 1, A->kt + c0, s->T, 1, m, nk, s->hd, scale, 0, 0);   // S = scale q k^T
-        mm_gemm(dP, nk, A->dout + r0, qs, 1, A->vt + c0, s->T, 1, m, nk, s->hd, 1.0f, 0, 0);  // dP = do v^T
+        int64_t r0 = ((int64_t)b * s->T + t0) * qs + (int64_t)h * s->hd;
+        attn_gemm(S, nk, A->q + r0, qs, 1, A->kc + bh * csz + (int64_t)lo * s->hd, cstride, m, nk, s->hd, scale, 0, Ap);     // S = scale q k^T
+        attn_gemm(dP, nk, A->dout + r0, qs, 1, A->vc + bh * csz + (int64_t)lo * s->hd, cstride, m, nk, s->hd, 1.0f, 0, Ap);  // dP = do v^T
         for (int t = t0; t < t1; t++) {
             const float *dot = A->dout + r0 + (int64_t)(t - t0) * qs, *ot = A->o + r0 + (int64_t)(t - t0) * qs;
             float D = 0.0f;
@@ -213,41 +238,39 @@ static void attn_backward_unit(float* dq, float* kacc, float* vacc, int64_t ld, 
             attn_grad_row(S + (int64_t)(t - t0) * nk, dP + (int64_t)(t - t0) * nk, nk, a - lo, e - lo,
                           A->lse[((int64_t)b * s->H + h) * s->T + t], D, scale);
         }
-        mm_gemm(dq + r0, qs, dP, nk, 1, krow, ks, 1, m, s->hd, nk, 1.0f, 0, 0);                    // dq = dS k
-        mm_gemm(vacc + lo * ld, ld, S, 1, nk, A->dout + r0, qs, 1, nk, s->hd, m, 1.0f, 1, 0);       // dv += P^T do
-        mm_gemm(kacc + lo * ld, ld, dP, 1, nk, A->q + r0, qs, 1, nk, s->hd, m, 1.0f, 1, 0);         // dk += dS^T q
+        attn_gemm(dq + r0, qs, dP, nk, 1, A->kr + bh * rsz + (int64_t)lo * MM_NR, (int64_t)s->T * MM_NR, m, s->hd, nk, 1.0f, 0, Ap);  // dq = dS k
+        mm_gemm(vacc + lo * ld, ld, S, 1, nk, A->dout + r0, qs, 1, nk, s->hd, m, 1.0f, 1, 0);  // dv += P^T do
+        mm_gemm(kacc + lo * ld, ld, dP, 1, nk, A->q + r0, qs, 1, nk, s->hd, m, 1.0f, 1, 0);    // dk += dS^T q
     }
 }
 
-// Gradients dq, dk, dv (overwritten) from do. Scratch: k and v transposed (2 x the size of k),
-// one pair of [ATT_BLOCK, T] tiles per thread, and unless each kv head has a single unit, the
-// units' partial dk, dv: 2 x chunks x the size of q.
+// Gradients dq, dk, dv (overwritten) from do. Scratch: k and v packed (about 3 x the size of k),
+// per thread two [ATT_BLOCK, T] tiles and a packed A, and unless each kv head has a single unit,
+// the units' partial dk, dv: 2 x chunks x the size of q.
 static void attention_backward(float* dq, float* dk, float* dv, const float* dout, const float* q, const float* k,
                                const float* v, const float* o, const float* lse, AttnShape s) {
-    int64_t ks = (int64_t)s.KVH * s.hd, nkv = (int64_t)s.B * s.T * ks;
+    int64_t ks = (int64_t)s.KVH * s.hd, csz = attn_cols_size(&s), rsz = attn_rows_size(&s), nbh = (int64_t)s.B * s.KVH;
     int group = s.H / s.KVH, nb = (s.T + ATT_BLOCK - 1) / ATT_BLOCK, nch = attn_backward_chunks(&s);
     int direct = group == 1 && nch == 1, units = s.B * s.H * nch;
     int64_t part = (int64_t)s.T * s.hd;  // floats of one unit's partial dk (or dv)
-    float* kt = (float*)malloc(sizeof(float) * 2 * nkv);
-    attn_transpose_heads(kt, k, s.B, s.T, s.KVH, s.hd);
-    attn_transpose_heads(kt + nkv, v, s.B, s.T, s.KVH, s.hd);
+    float* packs = (float*)malloc(sizeof(float) * nbh * (2 * csz + rsz));
+    attn_pack(packs, k, &s, 1);
+    attn_pack(packs + nbh * csz, v, &s, 1);
+    attn_pack(packs + 2 * nbh * csz, k, &s, 0);
     float* pk = direct ? NULL : (float*)malloc(sizeof(float) * 2 * part * units);
-    AttnBwdArgs A = {dout, q, k, v, o, lse, kt, kt + nkv, s};
+    AttnBwdArgs A = {dout, q, o, lse, packs, packs + nbh * csz, packs + 2 * nbh * csz, s};
     int par = (double)s.B * s.H * s.T * s.T * s.hd > (1 << 18);
 #pragma omp parallel if (par)
     {
-        float* S = (float*)malloc(sizeof(float) * 2 * ATT_BLOCK * s.T);
+        float* S = (float*)malloc(sizeof(float) * (2 * ATT_BLOCK * s.T + (ATT_BLOCK + MM_MR) * ATT_KC));
 #pragma omp for schedule(dynamic)
         for (int u = 0; u < units; u++) {
             int b = u / (s.H * nch), h = u / nch % s.H, c = u % nch;
             int qb0 = attn_chunk_start(&s, nb, c, nch), qb1 = attn_chunk_start(&s, nb, c + 1, nch);
-            if (direct) {
-                int64_t off = (int64_t)b * s.T * ks + (int64_t)h * s.hd;
-                attn_backward_unit(dq, dk + off, dv + off, ks, &A, b, h, qb0, qb1, S, S + ATT_BLOCK * s.T);
-            } else {
-                float* pu = pk + 2 * part * u;
-                attn_backward_unit(dq, pu, pu + part, s.hd, &A, b, h, qb0, qb1, S, S + ATT_BLOCK * s.T);
-            }
+            float *kacc = pk + 2 * part * u, *vacc = kacc + part;
+            int64_t ld = s.hd;
+            if (direct) kacc = dk + (int64_t)b * s.T * ks + (int64_t)h * s.hd, vacc = dv + (kacc - dk), ld = ks;
+            attn_backward_unit(dq, kacc, vacc, ld, &A, b, h, qb0, qb1, S, S + ATT_BLOCK * s.T, S + 2 * ATT_BLOCK * s.T);
         }
         free(S);
         if (!direct) {  // dk, dv = the units' sums over the group's heads, then the chunks, in order
@@ -255,7 +278,7 @@ static void attention_backward(float* dq, float* dk, float* dv, const float* dou
             for (int b = 0; b < s.B; b++)
                 for (int j = 0; j < s.T; j++)
                     for (int kh = 0; kh < s.KVH; kh++) {
-                        float *dkj = dk + ((int64_t)b * s.T + j) * ks + (int64_t)kh * s.hd, *dvj = dv + ((int64_t)b * s.T + j) * ks + (int64_t)kh * s.hd;
+                        float *dkj = dk + ((int64_t)b * s.T + j) * ks + (int64_t)kh * s.hd, *dvj = dv + (dkj - dk);
                         for (int r = 0; r < group * nch; r++) {
                             const float* pu = pk + 2 * part * ((int64_t)(b * s.H + kh * group) * nch + r) + (int64_t)j * s.hd;
                             for (int i = 0; i < s.hd; i++) {
@@ -267,7 +290,7 @@ static void attention_backward(float* dq, float* dk, float* dv, const float* dou
         }
     }
     free(pk);
-    free(kt);
+    free(packs);
 }
 
 // Attention of n new queries against a key/value cache (generation): q [n, H*hd] at absolute
