@@ -90,6 +90,19 @@ static void attn_pack(float* dst, const float* x, const AttnShape* s, int cols) 
 
 #define ATT_KC 256  // k block of the tile products (a B panel of KC x 16 floats stays in L1)
 
+// mm_pack_a for rows [0, M) of A with contiguous k (sak == 1, every A of the tile products but
+// dk's and dv's): k outermost, so that each k writes its MR contiguous floats at once.
+static void attn_pack_a(float* Ap, const float* A, int64_t sam, int M, int k0, int kc) {
+    for (int s = 0; s * MM_MR < M; s++) {
+        float* dst = Ap + (int64_t)s * kc * MM_MR;
+        const float* rows[MM_MR];
+        int mm = M - s * MM_MR < MM_MR ? M - s * MM_MR : MM_MR;
+        for (int i = 0; i < MM_MR; i++) rows[i] = A + (int64_t)(s * MM_MR + (i < mm ? i : 0)) * sam + k0;
+        for (int k = 0; k < kc; k++)
+            for (int i = 0; i < MM_MR; i++) dst[(int64_t)k * MM_MR + i] = i < mm ? rows[i][k] : 0.0f;
+    }
+}
+
 // C[M, N] (+)= alpha * A(m, k) B(k, n), k in [0, K), on one thread, with A(m, k) = A[m*sam + k*sak]
 // and B packed: column panel p at Bp + p * pstride, row k of it at + k * MM_NR. Ap: scratch for
 // the packed A, (M + MM_MR) * ATT_KC floats. k runs in blocks of ATT_KC, in order.
@@ -97,7 +110,8 @@ static void attn_gemm(float* C, int64_t ldc, const float* A, int64_t sam, int64_
                       float alpha, int accumulate, float* Ap) {
     for (int k0 = 0; k0 < K; k0 += ATT_KC) {
         int kc = K - k0 < ATT_KC ? K - k0 : ATT_KC;
-        mm_pack_a(Ap, A, sam, sak, 0, M, k0, kc);
+        if (sak == 1) attn_pack_a(Ap, A, sam, M, k0, kc);
+        else mm_pack_a(Ap, A, sam, sak, 0, M, k0, kc);
         for (int p = 0; p * MM_NR < N; p++) {
             int nn = N - p * MM_NR < MM_NR ? N - p * MM_NR : MM_NR;
             for (int i = 0; i * MM_MR < M; i++) {
