@@ -194,9 +194,10 @@ static void attn_grad_row(float* p, float* dp, int nk, int a, int e, float L, fl
 // of its query blocks [qb0, qb1) in order. Per block of query rows and the keys [lo, hi) they see:
 //   S = scale q k^T, dP = do v^T (recomputed tiles), P = e^(S - lse), dS = P (dP - D) scale,
 //   dq = dS k (the block's rows, written), dv += P^T do and dk += dS^T q (rows [lo, hi), summed).
-// Five products per block. A unit owns its dq rows; its dk, dv sums go to its own partial buffer,
-// and a fixed-order sum over the group's heads and the chunks then gives dk, dv, so the bits do
-// not depend on the thread count (or straight into dk, dv when a kv head has a single unit).
+// Five products per block. A unit owns its dq rows. Its dk, dv sums go to its own partial buffer,
+// except the first unit of each kv head (first head of the group, first chunk), which sums
+// straight into dk, dv; then the others' partials are added in a fixed order (the group's heads,
+// then the chunks), so the bits do not depend on the thread count.
 // Chunks: enough units to keep threads busy at batch 1 (9 heads on 2 threads leave one idle a
 // ninth of the time), cut where the causal triangle's work is even. They depend on the shape only.
 #define ATT_MIN_UNITS 16
@@ -259,45 +260,45 @@ static void attn_backward_unit(float* dq, float* kacc, float* vacc, int64_t ld, 
 }
 
 // Gradients dq, dk, dv (overwritten) from do. Scratch: k and v packed (about 3 x the size of k),
-// per thread two [ATT_BLOCK, T] tiles and a packed A, and unless each kv head has a single unit,
-// the units' partial dk, dv: 2 x chunks x the size of q.
+// per thread two [ATT_BLOCK, T] tiles and a packed A, and the partial dk, dv of the units after
+// the first of each kv head: at most 2 x chunks x the size of q (none when group = chunks = 1).
 static void attention_backward(float* dq, float* dk, float* dv, const float* dout, const float* q, const float* k,
                                const float* v, const float* o, const float* lse, AttnShape s) {
     int64_t ks = (int64_t)s.KVH * s.hd, csz = attn_cols_size(&s), rsz = attn_rows_size(&s), nbh = (int64_t)s.B * s.KVH;
     int group = s.H / s.KVH, nb = (s.T + ATT_BLOCK - 1) / ATT_BLOCK, nch = attn_backward_chunks(&s);
-    int direct = group == 1 && nch == 1, units = s.B * s.H * nch;
-    int64_t part = (int64_t)s.T * s.hd;  // floats of one unit's partial dk (or dv)
+    int per_kv = group * nch, units = s.B * s.H * nch;  // units per kv head, in all
+    int64_t part = (int64_t)s.T * s.hd;                  // floats of one unit's partial dk (or dv)
     float* packs = (float*)malloc(sizeof(float) * nbh * (2 * csz + rsz));
     attn_pack(packs, k, &s, 1);
     attn_pack(packs + nbh * csz, v, &s, 1);
     attn_pack(packs + 2 * nbh * csz, k, &s, 0);
-    float* pk = direct ? NULL : (float*)malloc(sizeof(float) * 2 * part * units);
+    float* pk = per_kv > 1 ? (float*)malloc(sizeof(float) * 2 * part * units) : NULL;  // slots of the first units stay unused
     AttnBwdArgs A = {dout, q, o, lse, packs, packs + nbh * csz, packs + 2 * nbh * csz, s};
     int par = (double)s.B * s.H * s.T * s.T * s.hd > (1 << 18);
 #pragma omp parallel if (par)
     {
         float* S = (float*)malloc(sizeof(float) * (2 * ATT_BLOCK * s.T + (ATT_BLOCK + MM_MR) * ATT_KC));
 #pragma omp for schedule(dynamic)
-        for (int u = 0; u < units; u++) {
+        for (int u = 0; u < units; u++) {  // u = ((b * KVH + kh) * group + h % group) * nch + chunk
             int b = u / (s.H * nch), h = u / nch % s.H, c = u % nch;
             int qb0 = attn_chunk_start(&s, nb, c, nch), qb1 = attn_chunk_start(&s, nb, c + 1, nch);
-            float *kacc = pk + 2 * part * u, *vacc = kacc + part;
-            int64_t ld = s.hd;
-            if (direct) kacc = dk + (int64_t)b * s.T * ks + (int64_t)h * s.hd, vacc = dv + (kacc - dk), ld = ks;
+            float *kacc = dk + (int64_t)b * s.T * ks + (int64_t)(h / group) * s.hd, *vacc = dv + (kacc - dk);
+            int64_t ld = ks;
+            if (u % per_kv) kacc = pk + 2 * part * u, vacc = kacc + part, ld = s.hd;
             attn_backward_unit(dq, kacc, vacc, ld, &A, b, h, qb0, qb1, S, S + ATT_BLOCK * s.T, S + 2 * ATT_BLOCK * s.T);
         }
         free(S);
-        if (!direct) {  // dk, dv = the units' sums over the group's heads, then the chunks, in order
+        if (per_kv > 1) {  // dk, dv += the other units' partials, in unit order (the group's heads, then the chunks)
 #pragma omp for collapse(2) schedule(static)
             for (int b = 0; b < s.B; b++)
                 for (int j = 0; j < s.T; j++)
                     for (int kh = 0; kh < s.KVH; kh++) {
                         float *dkj = dk + ((int64_t)b * s.T + j) * ks + (int64_t)kh * s.hd, *dvj = dv + (dkj - dk);
-                        for (int r = 0; r < group * nch; r++) {
-                            const float* pu = pk + 2 * part * ((int64_t)(b * s.H + kh * group) * nch + r) + (int64_t)j * s.hd;
+                        for (int r = 1; r < per_kv; r++) {
+                            const float* pu = pk + 2 * part * (((int64_t)b * s.KVH + kh) * per_kv + r) + (int64_t)j * s.hd;
                             for (int i = 0; i < s.hd; i++) {
-                                dkj[i] = r ? dkj[i] + pu[i] : pu[i];
-                                dvj[i] = r ? dvj[i] + pu[part + i] : pu[part + i];
+                                dkj[i] += pu[i];
+                                dvj[i] += pu[part + i];
                             }
                         }
                     }
