@@ -89,12 +89,11 @@ static void swiglu_backward(float* dg, float* du, const float* dp, const float* 
 
 // y = gelu(x) (erf form, or tanh form when tanh_form); codes (ReGELU2) written when non-NULL.
 static void gelu_forward(float* y, uint8_t* codes, const float* x, int64_t n, int tanh_form) {
-    Relu3Fit fit = REGELU2_FIT;
 #pragma omp parallel for schedule(static) if (n > ACT_PAR)
-    for (int64_t i = 0; i < n; i += 8) {
-        int64_t e = i + 8 < n ? i + 8 : n;
-        for (int64_t j = i; j < e; j++) y[j] = tanh_form ? gelu_tanh_f(x[j]) : gelu_f(x[j]);
-        if (codes) act_codes8(codes, i, n, act_load(x, i, n, -INFINITY), fit);
+    for (int64_t i = 0; i < n; i++) y[i] = tanh_form ? gelu_tanh_f(x[i]) : gelu_f(x[i]);  // libm's erff / tanhf: compute-bound
+    if (codes) {
+        Relu3Fit fit = REGELU2_FIT;
+        pack_codes_2bit(codes, x, n, fit);
     }
 }
 
