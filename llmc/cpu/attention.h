@@ -73,12 +73,13 @@ static inline void attn_visible_range(const AttnShape* s, int b, int t, int* a, 
 // query head of the group and every block read them without packing them again:
 //   attn_pack_cols: B(i, j) = x[j][i], the keys as columns (K = hd, N = T): S = q k^T, dP = do v^T
 //   attn_pack_rows: B(j, i) = x[j][i], the keys as k (K = T, N = hd): o = P v, dq = dS k
-// Packing copies values: the products give the same bits as on unpacked operands.
+// Packing copies values: the products give the same bits as on unpacked operands. Called inside
+// the caller's parallel region (its loop is shared out there, no barrier: the caller places one).
 static int64_t attn_cols_size(const AttnShape* s) { return (int64_t)(s->T + MM_NR - 1) / MM_NR * MM_NR * s->hd; }
 static int64_t attn_rows_size(const AttnShape* s) { return (int64_t)s->T * ((s->hd + MM_NR - 1) / MM_NR * MM_NR); }
 static void attn_pack(float* dst, const float* x, const AttnShape* s, int cols) {
     int64_t ks = (int64_t)s->KVH * s->hd, size = cols ? attn_cols_size(s) : attn_rows_size(s);
-#pragma omp parallel for collapse(2) schedule(static) if ((int64_t)s->B * s->T * ks > 32768)
+#pragma omp for collapse(2) schedule(static) nowait
     for (int b = 0; b < s->B; b++)
         for (int kh = 0; kh < s->KVH; kh++) {
             const float* src = x + (int64_t)b * s->T * ks + (int64_t)kh * s->hd;
@@ -142,10 +143,11 @@ static void attention_forward(float* o, float* lse, const float* q, const float*
     int group = s.H / s.KVH, nqb = (s.T + ATT_BLOCK - 1) / ATT_BLOCK;
     float scale = 1.0f / sqrtf((float)s.hd);
     float *kc = (float*)malloc(sizeof(float) * s.B * s.KVH * (csz + rsz)), *vr = kc + s.B * s.KVH * csz;
-    attn_pack(kc, k, &s, 1);
-    attn_pack(vr, v, &s, 0);
 #pragma omp parallel if ((double)s.B * s.H * s.T * s.T * s.hd > (1 << 18))
     {
+        attn_pack(kc, k, &s, 1);
+        attn_pack(vr, v, &s, 0);
+#pragma omp barrier
         float* S = (float*)malloc(sizeof(float) * (ATT_BLOCK * s.T + (ATT_BLOCK + MM_MR) * ATT_KC));
         float* Ap = S + ATT_BLOCK * s.T;
 #pragma omp for collapse(3) schedule(dynamic)
@@ -269,14 +271,15 @@ static void attention_backward(float* dq, float* dk, float* dv, const float* dou
     int per_kv = group * nch, units = s.B * s.H * nch;  // units per kv head, in all
     int64_t part = (int64_t)s.T * s.hd;                  // floats of one unit's partial dk (or dv)
     float* packs = (float*)malloc(sizeof(float) * nbh * (2 * csz + rsz));
-    attn_pack(packs, k, &s, 1);
-    attn_pack(packs + nbh * csz, v, &s, 1);
-    attn_pack(packs + 2 * nbh * csz, k, &s, 0);
     float* pk = per_kv > 1 ? (float*)malloc(sizeof(float) * 2 * part * units) : NULL;  // slots of the first units stay unused
     AttnBwdArgs A = {dout, q, o, lse, packs, packs + nbh * csz, packs + 2 * nbh * csz, s};
     int par = (double)s.B * s.H * s.T * s.T * s.hd > (1 << 18);
 #pragma omp parallel if (par)
     {
+        attn_pack(packs, k, &s, 1);
+        attn_pack(packs + nbh * csz, v, &s, 1);
+        attn_pack(packs + 2 * nbh * csz, k, &s, 0);
+#pragma omp barrier
         float* S = (float*)malloc(sizeof(float) * (2 * ATT_BLOCK * s.T + (ATT_BLOCK + MM_MR) * ATT_KC));
 #pragma omp for schedule(dynamic)
         for (int u = 0; u < units; u++) {  // u = ((b * KVH + kh) * group + h % group) * nch + chunk
