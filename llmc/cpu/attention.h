@@ -218,6 +218,16 @@ static void attn_grad_row(float* p, float* dp, int nk, int a, int e, float L, fl
     memset(dp + e, 0, sizeof(float) * (nk - e));
 }
 
+// x . y over n floats: 8 lanes, then the lanes and the tail in a fixed order.
+static inline float attn_dot(const float* x, const float* y, int n) {
+    vx_f8 acc = vx_splat(0.0f);
+    int i = 0;
+    for (; i + 8 <= n; i += 8) acc += vx_load(x + i) * vx_load(y + i);
+    float d = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+    for (; i < n; i++) d += x[i] * y[i];
+    return d;
+}
+
 // The backward runs in one pass of work units, each one query head h of sequence b over a chunk
 // of its query blocks [qb0, qb1) in order. Per block of query rows and the keys [lo, hi) they see:
 //   S = scale q k^T, dP = do v^T (recomputed tiles), P = e^(S - lse), dS = P (dP - D) scale,
@@ -274,8 +284,7 @@ static void attn_backward_unit(float* dq, float* kacc, float* vacc, int64_t ld, 
         attn_gemm(dP, nk, A->dout + r0, qs, 1, A->vc + bh * csz + (int64_t)lo * s->hd, cstride, m, nk, s->hd, 1.0f, 0, Ap);  // dP = do v^T
         for (int t = t0; t < t1; t++) {
             const float *dot = A->dout + r0 + (int64_t)(t - t0) * qs, *ot = A->o + r0 + (int64_t)(t - t0) * qs;
-            float D = 0.0f;
-            for (int i = 0; i < s->hd; i++) D += dot[i] * ot[i];
+            float D = attn_dot(dot, ot, s->hd);
             int a, e;
             attn_visible_range(s, b, t, &a, &e);
             attn_grad_row(S + (int64_t)(t - t0) * nk, dP + (int64_t)(t - t0) * nk, nk, a - lo, e - lo,
