@@ -2,10 +2,13 @@
 // Layout: q [N, H*hd], k and v [N, KVH*hd], o [N, H*hd], token n = b*T + t, head h at columns
 // h*hd; query head h reads kv head h / (H/KVH) (grouped-query attention by index, no copies).
 // Forward keeps only o and the per-row log-sum-exp; backward recomputes the scores block by block,
-// so no T x T matrix is ever stored. Both run over blocks of 64 query rows as packed products
-// (llmc/cpu/matmul.h, one thread each): the forward 2 per block (S = q k^T, o = P v), the
-// backward 5 in one pass (S, dP, dq, dk, dv; see attention_backward), work units in parallel,
-// each output element summed in an order fixed by the shape: the bits do not depend on threads.
+// so no T x T matrix is ever stored. Both run over blocks of 64 query rows, each a few products
+// on a [block, keys] tile of scores with matmul.h's micro-kernel on one thread: the forward 2 per
+// block (S = q k^T, o = P v), the backward 5 in one pass (S, dP, dq, and sums into dk, dv; see
+// attention_backward). k and v are packed once per call (attn_pack) for every head and block
+// that reads them. Work units run in parallel; each output element is summed in an order fixed by
+// the shape (partial dk, dv of a kv head's units added in unit order): the bits do not depend on
+// the thread count.
 #pragma once
 #include <float.h>
 #include <math.h>
@@ -48,15 +51,12 @@ static inline int attn_first_key(const AttnShape* s, int b, int t) {
     return s->pos ? t - s->pos[(int64_t)b * s->T + t] : 0;
 }
 
-// Attention runs in blocks of ATT_BLOCK query rows (forward, dq) or key rows (dk, dv): each block
-// is a few packed products (llmc/cpu/matmul.h, one thread each) on a [block, keys] tile of scores,
-// so the work runs at the matrix-product rate and memory stays O(block x T) per thread at any
-// sequence length. Each output row belongs to one block and one thread, and every sum runs in a
-// fixed order, so results do not depend on the thread count.
+// Blocks of ATT_BLOCK query rows: the work runs at the matrix-product rate and the tiles take
+// O(block x T) memory per thread at any sequence length.
 #define ATT_BLOCK 64
 
 // Keys [*lo, *hi) that some query of rows [t0, t1) of sequence b may see. lo is rounded down to a
-// multiple of MM_NR so that a tile starts on a panel of the packed keys (attn_pack_cols); the
+// multiple of MM_NR so that a tile starts on a panel of the packed keys (attn_pack); the
 // extra keys are masked like any other invisible key.
 static void attn_key_range(const AttnShape* s, int b, int t0, int t1, int* lo, int* hi) {
     *lo = s->causal ? attn_first_key(s, b, t0) / MM_NR * MM_NR : 0;
@@ -71,9 +71,9 @@ static inline void attn_visible_range(const AttnShape* s, int b, int t, int* a, 
 // k or v packed once per call, per (b, kv head), in the panel layout of matmul.h's micro-kernel
 // (panels of MM_NR columns, [panel][k][MM_NR], zero-padded), so that the tile products of every
 // query head of the group and every block read them without packing them again:
-//   attn_pack_cols: B(i, j) = x[j][i], the keys as columns (K = hd, N = T): S = q k^T, dP = do v^T
-//   attn_pack_rows: B(j, i) = x[j][i], the keys as k (K = T, N = hd): o = P v, dq = dS k
-// Packing copies values: the products give the same bits as on unpacked operands. Called inside
+//   cols = 1: B(i, j) = x[j][i], the keys as columns (K = hd, N = T): S = q k^T, dP = do v^T
+//   cols = 0: B(j, i) = x[j][i], the keys as k (K = T, N = hd): o = P v, dq = dS k
+// Called inside
 // the caller's parallel region (its loop is shared out there, no barrier: the caller places one).
 static int64_t attn_cols_size(const AttnShape* s) { return (int64_t)(s->T + MM_NR - 1) / MM_NR * MM_NR * s->hd; }
 static int64_t attn_rows_size(const AttnShape* s) { return (int64_t)s->T * ((s->hd + MM_NR - 1) / MM_NR * MM_NR); }
