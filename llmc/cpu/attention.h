@@ -73,8 +73,8 @@ static inline void attn_visible_range(const AttnShape* s, int b, int t, int* a, 
 // query head of the group and every block read them without packing them again:
 //   cols = 1: B(i, j) = x[j][i], the keys as columns (K = hd, N = T): S = q k^T, dP = do v^T
 //   cols = 0: B(j, i) = x[j][i], the keys as k (K = T, N = hd): o = P v, dq = dS k
-// Called inside
-// the caller's parallel region (its loop is shared out there, no barrier: the caller places one).
+// Called inside the caller's parallel region (its loop is shared out there, no barrier: the
+// caller places one).
 static int64_t attn_cols_size(const AttnShape* s) { return (int64_t)(s->T + MM_NR - 1) / MM_NR * MM_NR * s->hd; }
 static int64_t attn_rows_size(const AttnShape* s) { return (int64_t)s->T * ((s->hd + MM_NR - 1) / MM_NR * MM_NR); }
 static void attn_pack(float* dst, const float* x, const AttnShape* s, int cols) {
