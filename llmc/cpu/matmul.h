@@ -4,12 +4,15 @@
 //   matmul_tn:  C[M,N] (+)= alpha * A[K,M]^T . B[K,N]   (weight gradients: dy^T x)
 //   mm_gemm:    the general strided form behind all three, also called single-threaded from
 //               inside other kernels' parallel loops (attention's blocks)
-// All are one packed GEMM: operands are copied into panels (any transposition is just a stride)
-// and a 6x16 register-tile micro-kernel runs over them. The work is cut into tiles of C (row
-// blocks x column blocks, both ways so that skinny products such as LoRA's r-row dA still use
-// every thread), each tile computed by one thread with the k loop in a fixed order and the same
-// k blocking, so every element of C gets the same operations in the same order whatever the thread
-// count: results do not depend on it.
+// All are one GEMM: a 6x16 register-tile micro-kernel runs over B copied into 16-column panels
+// (any transposition is just a stride) and over A's rows read in place when they are contiguous,
+// else copied into 6-row slivers. Skinny operands (LoRA's r = 16 side) skip the copies: B is read
+// in place when its columns are contiguous and few rows of A would reuse a copy, A when one or two
+// panels would. A large B (the LM head) is packed in cache-sized rounds (mm_gemm). The work is cut
+// into tiles of C (row blocks x column blocks, both ways so that skinny products such as LoRA's
+// r-row dA still use every thread), each tile computed by one thread with the k loop in a fixed
+// order and the same k blocking, so every element of C gets the same operations in the same order
+// whatever the thread count (and whatever the rounds or copies): results do not depend on it.
 #pragma once
 #include <stdint.h>
 #include <stdlib.h>
@@ -26,31 +29,63 @@ static inline int mm_threads_available(void) { return 1; }  // a build without O
 #define MM_NR 16    // columns of the register tile (two 8-wide vectors)
 #define MM_KC 256   // k block: a packed B panel of KC x 16 floats stays in L1
 #define MM_MC 96    // rows of A packed per tile (multiple of MR): 96 KiB at KC, within L2
+#define MM_TILE_PANELS 64     // at most 1024 columns per tile: its part of C (MC x 1024) stays in L2
 #define MM_WHOLE_B (4 << 20)  // floats: B packed whole (all k blocks at once) up to 16 MiB
+#define MM_ROUND_B (1 << 18)  // floats: else B is packed in rounds of about 1 MiB, within L2
 #define MM_PARALLEL_FLOPS (1 << 18)  // below this a product runs on one thread: forking costs more
 
 typedef float mm_v8 __attribute__((vector_size(32)));
 
-// B(k, n) = B[k*sbk + n*sbn] for k in [k0, k0+kc), n in [n0, n1), into panels of NR columns
-// (zero-padded): Bp[panel][k][0..NR), panel counted from n = 0.
-static void mm_pack_b(float* Bp, const float* B, int64_t sbk, int64_t sbn, int k0, int kc, int p0, int p1, int N) {
-    for (int p = p0; p < p1; p++) {
-        float* dst = Bp + (int64_t)p * kc * MM_NR;
-        int n0 = p * MM_NR, nn = N - n0 < MM_NR ? N - n0 : MM_NR;
-        if (sbn == 1) {
-            for (int k = 0; k < kc; k++) {
-                const float* src = B + (int64_t)(k0 + k) * sbk + n0;
-                float* d = dst + (int64_t)k * MM_NR;
-                memcpy(d, src, sizeof(float) * nn);
-                for (int j = nn; j < MM_NR; j++) d[j] = 0.0f;
-            }
-        } else {  // B read along its rows (sbk == 1): one source row per column, k contiguous
-            for (int j = 0; j < MM_NR; j++) {
-                const float* src = B + (int64_t)(n0 + j) * sbn + (int64_t)k0 * sbk;
-                if (j < nn) for (int k = 0; k < kc; k++) dst[(int64_t)k * MM_NR + j] = src[(int64_t)k * sbk];
-                else for (int k = 0; k < kc; k++) dst[(int64_t)k * MM_NR + j] = 0.0f;
-            }
+typedef int mm_i8 __attribute__((vector_size(32)));
+
+// 8 rows of 8 floats (r[i] = row i) into d[j*NR .. j*NR + 8) = column j: an 8x8 transpose in
+// three rounds of shuffles (unpack, pair, halves).
+static inline void mm_transpose8(float* d, const mm_v8 r[8]) {
+    const mm_i8 lo = {0, 8, 1, 9, 4, 12, 5, 13}, hi = {2, 10, 3, 11, 6, 14, 7, 15};
+    const mm_i8 pl = {0, 1, 8, 9, 4, 5, 12, 13}, ph = {2, 3, 10, 11, 6, 7, 14, 15};
+    const mm_i8 h0 = {0, 1, 2, 3, 8, 9, 10, 11}, h1 = {4, 5, 6, 7, 12, 13, 14, 15};
+    mm_v8 s[8], u[8];
+    for (int i = 0; i < 8; i += 2) {
+        s[i] = __builtin_shuffle(r[i], r[i + 1], lo);
+        s[i + 1] = __builtin_shuffle(r[i], r[i + 1], hi);
+    }
+    for (int i = 0; i < 8; i += 4) {  // u[i + c] holds columns c and c + 4 of rows i..i+3
+        u[i] = __builtin_shuffle(s[i], s[i + 2], pl);
+        u[i + 1] = __builtin_shuffle(s[i], s[i + 2], ph);
+        u[i + 2] = __builtin_shuffle(s[i + 1], s[i + 3], pl);
+        u[i + 3] = __builtin_shuffle(s[i + 1], s[i + 3], ph);
+    }
+    for (int c = 0; c < 4; c++) {
+        mm_v8 a = __builtin_shuffle(u[c], u[c + 4], h0), b = __builtin_shuffle(u[c], u[c + 4], h1);
+        memcpy(d + c * MM_NR, &a, 32);
+        memcpy(d + (c + 4) * MM_NR, &b, 32);
+    }
+}
+
+// One panel of B: B(k, n) = B[k*sbk + n*sbn] for k in [k0, k0+kc), n in [n0, n0+nn), nn <= NR,
+// into dst[k][0..NR) (zero-padded).
+static void mm_pack_panel(float* dst, const float* B, int64_t sbk, int64_t sbn, int k0, int kc, int n0, int nn) {
+    if (sbn == 1) {
+        for (int k = 0; k < kc; k++) {
+            float* d = dst + (int64_t)k * MM_NR;
+            memcpy(d, B + (int64_t)(k0 + k) * sbk + n0, sizeof(float) * nn);
+            for (int j = nn; j < MM_NR; j++) d[j] = 0.0f;
         }
+        return;
+    }
+    // B read along its rows (sbk == 1, x W^T): one source row per column, k contiguous; a full
+    // panel goes by 8x8 transposes (a forward product packs all of W: scalar copies cost ~10 %)
+    int k8 = nn == MM_NR && sbk == 1 ? kc / 8 * 8 : 0;
+    for (int j0 = 0; j0 < MM_NR; j0 += 8)
+        for (int k = 0; k < k8; k += 8) {
+            mm_v8 r[8];
+            for (int i = 0; i < 8; i++) memcpy(&r[i], B + (int64_t)(n0 + j0 + i) * sbn + k0 + k, 32);
+            mm_transpose8(dst + (int64_t)k * MM_NR + j0, r);
+        }
+    for (int j = 0; j < MM_NR; j++) {
+        const float* src = B + (int64_t)(n0 + j) * sbn + (int64_t)k0 * sbk;
+        if (j < nn) for (int k = k8; k < kc; k++) dst[(int64_t)k * MM_NR + j] = src[(int64_t)k * sbk];
+        else for (int k = k8; k < kc; k++) dst[(int64_t)k * MM_NR + j] = 0.0f;
     }
 }
 
@@ -72,18 +107,22 @@ static void mm_pack_a(float* Ap, const float* A, int64_t sam, int64_t sak, int m
     }
 }
 
-// The 6x16 tile: c = sum_k a[k][i] * b[k][j] in k order, then C = alpha * c (store) or
-// C += alpha * c. Edge tiles (mm < 6 or nn < 16) go through a local copy.
-static inline void mm_kernel_6x16(float* C, int64_t ldc, int mm, int nn, const float* a, const float* b, int kc, float alpha, int store) {
+// The 6x16 tile: c = sum_k a(i, k) * b(k, j) in k order, then C = alpha * c (store) or
+// C += alpha * c, with a(i, k) = a[i*sa + k*ka] and b(k, j) = b[k*sb + j]: a packed sliver and
+// panel (sa = 1, ka = MR, sb = NR) or the operands in place. Always inlined, so the packed calls
+// get constant strides. Edge tiles (mm < 6 or nn < 16) go through a local copy.
+static inline __attribute__((always_inline)) void mm_kernel_6x16(float* C, int64_t ldc, int mm, int nn, const float* a, int64_t sa,
+                                                                 int64_t ka, const float* b, int64_t sb, int kc, float alpha, int store) {
     mm_v8 c[MM_MR][2];
     for (int i = 0; i < MM_MR; i++) c[i][0] = c[i][1] = (mm_v8){0, 0, 0, 0, 0, 0, 0, 0};
     for (int k = 0; k < kc; k++) {
         mm_v8 b0, b1;
-        memcpy(&b0, b + (int64_t)k * MM_NR, 32);
-        memcpy(&b1, b + (int64_t)k * MM_NR + 8, 32);
-        const float* ak = a + (int64_t)k * MM_MR;
+        memcpy(&b0, b + (int64_t)k * sb, 32);
+        memcpy(&b1, b + (int64_t)k * sb + 8, 32);
+        const float* ak = a + (int64_t)k * ka;
         for (int i = 0; i < MM_MR; i++) {
-            mm_v8 ai = {ak[i], ak[i], ak[i], ak[i], ak[i], ak[i], ak[i], ak[i]};
+            float x = ak[i * sa];
+            mm_v8 ai = {x, x, x, x, x, x, x, x};
             c[i][0] += ai * b0;
             c[i][1] += ai * b1;
         }
@@ -118,16 +157,47 @@ static inline void mm_kernel_6x16(float* C, int64_t ldc, int mm, int nn, const f
     }
 }
 
-// One tile of C: rows [m0, m0+mc) x panels [p0, p1), k block k0..k0+kc, from the packed B.
-static void mm_tile(float* C, int64_t ldc, const float* A, int64_t sam, int64_t sak, const float* Bp, float* Ap, int m0, int mc, int p0,
-                    int p1, int N, int k0, int kc, float alpha, int store) {
-    mm_pack_a(Ap, A, sam, sak, m0, mc, k0, kc);
+// One product C[M,N] (+)= alpha * A(m,k) B(k,n), A(m,k) = A[m*sam + k*sak], B(k,n) = B[k*sbk + n*sbn],
+// and how mm_gemm runs it.
+typedef struct {
+    float* C;
+    int64_t ldc;
+    const float* A;
+    int64_t sam, sak;
+    const float* B;
+    int64_t sbk, sbn;
+    int M, N, K, kc0;      // kc0: the k block (the last one may be shorter)
+    float alpha;
+    int accumulate;
+    int direct_a;          // the kernel reads A in place: rows contiguous (sak = 1: six rows
+                           // stream from L2 as well as a packed sliver does), or one or two panels
+                           // to use it (packing A would cost about as much as using it)
+    int direct_b;          // ... and B (columns contiguous, sbn = 1; few rows of A or a short K to
+                           // reuse a packed copy)
+} MmProduct;
+
+// Rows [m0, m0+mc) x panels [p0, p1) of C, k block kb. Bp: that k block's packed panels, the
+// first being panel pb (unused with direct_b). Ap and Be: the thread's scratch for A's packed
+// rows and for an edge panel of B read in place (B's columns end inside it).
+static void mm_tile(const MmProduct* g, const float* Bp, int pb, float* Ap, float* Be, int m0, int mc, int p0, int p1, int kb) {
+    int k0 = kb * g->kc0, kc = g->K - k0 < g->kc0 ? g->K - k0 : g->kc0, store = kb == 0 && !g->accumulate;
+    int full = g->direct_a ? mc / MM_MR : 0;  // slivers read in place; the rest is packed
+    if (full * MM_MR < mc) mm_pack_a(Ap, g->A, g->sam, g->sak, m0 + full * MM_MR, mc - full * MM_MR, k0, kc);
     for (int p = p0; p < p1; p++) {
-        int n0 = p * MM_NR, nn = N - n0 < MM_NR ? N - n0 : MM_NR;
+        int n0 = p * MM_NR, nn = g->N - n0 < MM_NR ? g->N - n0 : MM_NR;
+        const float* b = Be;
+        int64_t sb = MM_NR;
+        if (!g->direct_b) b = Bp + (int64_t)(p - pb) * kc * MM_NR;
+        else if (nn == MM_NR) b = g->B + (int64_t)k0 * g->sbk + n0, sb = g->sbk;
+        else mm_pack_panel(Be, g->B, g->sbk, g->sbn, k0, kc, n0, nn);
         for (int s = 0; s * MM_MR < mc; s++) {
             int mm = mc - s * MM_MR < MM_MR ? mc - s * MM_MR : MM_MR;
-            mm_kernel_6x16(C + (int64_t)(m0 + s * MM_MR) * ldc + n0, ldc, mm, nn, Ap + (int64_t)s * kc * MM_MR,
-                           Bp + (int64_t)p * kc * MM_NR, kc, alpha, store);
+            float* c = g->C + (int64_t)(m0 + s * MM_MR) * g->ldc + n0;
+            if (s < full)
+                mm_kernel_6x16(c, g->ldc, mm, nn, g->A + (int64_t)(m0 + s * MM_MR) * g->sam + (int64_t)k0 * g->sak, g->sam, g->sak, b, sb, kc,
+                               g->alpha, store);
+            else
+                mm_kernel_6x16(c, g->ldc, mm, nn, Ap + (int64_t)(s - full) * kc * MM_MR, 1, MM_MR, b, sb, kc, g->alpha, store);
         }
     }
 }
@@ -135,6 +205,13 @@ static void mm_tile(float* C, int64_t ldc, const float* A, int64_t sam, int64_t 
 // C[M,N] (+)= alpha * A(m,k) B(k,n) with A(m,k) = A[m*sam + k*sak], B(k,n) = B[k*sbk + n*sbn], C
 // with row stride ldc. parallel = 0 runs on the calling thread (inside another parallel loop).
 // K = 0 gives C = 0 (or C unchanged when accumulating).
+// B is packed in rounds (unless read in place): all of it at once when it fits MM_WHOLE_B (every
+// weight of a small model), else about MM_ROUND_B floats at a time: ranges of columns over all of
+// K (the LM head's logits, 49k columns), or, K too long for that (its dz, K = 49k), ranges of k
+// blocks over all columns. In a round, tiles of C (row blocks x column blocks) run through the
+// round's k blocks with their part of C hot in cache. Two packed copies alternate, so a round
+// costs one synchronisation (after its packing; the next round's packing starts as each thread
+// finishes its tiles, and the following barrier waits for every tile before anyone reuses a copy).
 static void mm_gemm(float* C, int64_t ldc, const float* A, int64_t sam, int64_t sak, const float* B, int64_t sbk, int64_t sbn, int M, int N,
                     int K, float alpha, int accumulate, int parallel) {
     if (M <= 0 || N <= 0) return;
@@ -146,42 +223,67 @@ static void mm_gemm(float* C, int64_t ldc, const float* A, int64_t sam, int64_t 
     parallel = threads > 1;
     int panels = (N + MM_NR - 1) / MM_NR, mblocks = (M + MM_MC - 1) / MM_MC;
     int mcb = ((M + mblocks - 1) / mblocks + MM_MR - 1) / MM_MR * MM_MR;  // rows per block, balanced (<= MC)
-    // Column blocks only when the row blocks alone leave threads idle or unbalanced: as few as give
-    // each thread about four tiles (every extra column block packs the same A block again).
-    int ppb = panels;
-    if (mblocks < 4 * threads && threads > 1) {
-        int want = (4 * threads + mblocks - 1) / mblocks;
-        if (want > panels) want = panels;
-        ppb = (panels + want - 1) / want;
-    }
-    int nblocks = (panels + ppb - 1) / ppb, tiles = mblocks * nblocks;
-    // K in equal blocks of at most KC (576 = 3 x 192, not 256 + 256 + 64). When B's packed copy is
-    // small enough (every weight of a small model; not the 49k-row LM head), all of it is packed
-    // at once, and each tile then runs through every k block with its part of C hot in cache:
-    // two synchronisations per product instead of two per k block.
+    // K in equal blocks of at most KC (576 = 3 x 192, not 256 + 256 + 64).
     int kblocks = (K + MM_KC - 1) / MM_KC, kc0 = (K + kblocks - 1) / kblocks;
-    int span = (int64_t)panels * MM_NR * K <= MM_WHOLE_B ? kblocks : 1;  // k blocks packed per round
-    float* Bp = (float*)malloc(sizeof(float) * (size_t)panels * MM_NR * kc0 * span);
+    MmProduct g = {C, ldc, A, sam, sak, B, sbk, sbn, M, N, K, kc0, alpha, accumulate, sak == 1 || panels <= 2,
+                   sbn == 1 && (M <= 4 * MM_MR || (int64_t)N * K <= (1 << 15))};
+    // A round: rp panels x rk k blocks of B.
+    int rp = panels, rk = kblocks;
+    if (!g.direct_b && (int64_t)panels * MM_NR * K > MM_WHOLE_B) {
+        rp = (int)(MM_ROUND_B / ((int64_t)MM_NR * K));
+        if (rp < (panels < 16 ? panels : 16)) {  // K too long to keep a useful width: k ranges
+            rp = MM_ROUND_B / (MM_NR * kc0);
+            rp = rp > panels ? panels : rp < 16 ? 16 : rp;
+            rk = (int)(MM_ROUND_B / ((int64_t)rp * MM_NR * kc0));
+            rk = rk < 1 ? 1 : rk > kblocks ? kblocks : rk;
+        }
+        rp = rp > panels ? panels : rp;
+    }
+    int rounds_n = (panels + rp - 1) / rp, rounds_k = (kblocks + rk - 1) / rk, rounds = rounds_n * rounds_k;
+    int64_t copy = g.direct_b ? 0 : (int64_t)rp * MM_NR * kc0 * rk;  // floats of one packed copy
+    // A single small copy (a LoRA factor, an attention block) is packed before the threads start:
+    // no synchronisation inside the product at all.
+    int prepacked = rounds == 1 && copy > 0 && copy <= (1 << 15);
+    float* Bp = copy ? (float*)malloc(sizeof(float) * (size_t)copy * (rounds > 1 ? 2 : 1)) : NULL;
+    if (prepacked)
+        for (int i = 0; i < rk * rp; i++) {
+            int kb = i / rp, p = i % rp, k0 = kb * kc0, kc = K - k0 < kc0 ? K - k0 : kc0, n0 = p * MM_NR;
+            mm_pack_panel(Bp + (int64_t)rp * MM_NR * kc0 * kb + (int64_t)p * kc * MM_NR, B, sbk, sbn, k0, kc, n0, N - n0 < MM_NR ? N - n0 : MM_NR);
+        }
 #pragma omp parallel if (parallel)
     {
-        float* Ap = (float*)malloc(sizeof(float) * MM_MC * kc0);
-        for (int kb0 = 0; kb0 < kblocks; kb0 += span) {
-            int kb1 = kb0 + span < kblocks ? kb0 + span : kblocks;
+        float* Ap = (float*)malloc(sizeof(float) * (MM_MC * kc0 + MM_NR * kc0));
+        float* Be = Ap + MM_MC * kc0;
+        for (int r = 0; r < rounds; r++) {
+            int pr0 = r / rounds_k * rp, pr1 = pr0 + rp < panels ? pr0 + rp : panels;  // the round's panels
+            int kb0 = r % rounds_k * rk, kb1 = kb0 + rk < kblocks ? kb0 + rk : kblocks;  // and k blocks
+            float* Br = copy ? Bp + (r % 2) * copy : NULL;
+            if (copy && !prepacked) {
 #pragma omp for schedule(static)
-            for (int i = 0; i < (kb1 - kb0) * panels; i++) {
-                int kb = kb0 + i / panels, p = i % panels, k0 = kb * kc0, kc = K - k0 < kc0 ? K - k0 : kc0;
-                mm_pack_b(Bp + (int64_t)panels * MM_NR * (k0 - kb0 * kc0), B, sbk, sbn, k0, kc, p, p + 1, N);
-            }
-#pragma omp for schedule(dynamic)
-            for (int t = 0; t < tiles; t++) {
-                int mb = t / nblocks, nb = t % nblocks;
-                int m0 = mb * mcb, mc = M - m0 < mcb ? M - m0 : mcb;
-                int p0 = nb * ppb, p1 = p0 + ppb < panels ? p0 + ppb : panels;
-                for (int kb = kb0; kb < kb1; kb++) {
-                    int k0 = kb * kc0, kc = K - k0 < kc0 ? K - k0 : kc0;
-                    mm_tile(C, ldc, A, sam, sak, Bp + (int64_t)panels * MM_NR * (k0 - kb0 * kc0), Ap, m0, mc, p0, p1, N, k0, kc, alpha,
-                            kb == 0 && !accumulate);
+                for (int i = 0; i < (kb1 - kb0) * (pr1 - pr0); i++) {
+                    int kb = kb0 + i / (pr1 - pr0), p = pr0 + i % (pr1 - pr0), k0 = kb * kc0, kc = K - k0 < kc0 ? K - k0 : kc0;
+                    int n0 = p * MM_NR;
+                    mm_pack_panel(Br + (int64_t)rp * MM_NR * kc0 * (kb - kb0) + (int64_t)(p - pr0) * kc * MM_NR, B, sbk, sbn, k0, kc, n0,
+                                  N - n0 < MM_NR ? N - n0 : MM_NR);
                 }
+            }
+            // Column blocks only when the row blocks alone leave threads idle or unbalanced: as few
+            // as give each thread about four tiles (every extra column block packs the same A
+            // block again), and none wider than MM_TILE_PANELS.
+            int np = pr1 - pr0, ppb = np < MM_TILE_PANELS ? np : MM_TILE_PANELS;
+            if (mblocks < 4 * threads && threads > 1) {
+                int want = (4 * threads + mblocks - 1) / mblocks;
+                want = want > np ? np : want;
+                if ((np + want - 1) / want < ppb) ppb = (np + want - 1) / want;
+            }
+            int nblocks = (np + ppb - 1) / ppb, tiles = mblocks * nblocks;
+#pragma omp for schedule(dynamic) nowait
+            for (int t = 0; t < tiles; t++) {  // row blocks fastest: they share the tile's part of B
+                int mb = t % mblocks, nb = t / mblocks;
+                int m0 = mb * mcb, mc = M - m0 < mcb ? M - m0 : mcb;
+                int p0 = pr0 + nb * ppb, p1 = p0 + ppb < pr1 ? p0 + ppb : pr1;
+                for (int kb = kb0; kb < kb1; kb++)
+                    mm_tile(&g, Br ? Br + (int64_t)rp * MM_NR * kc0 * (kb - kb0) : NULL, pr0, Ap, Be, m0, mc, p0, p1, kb);
             }
         }
         free(Ap);
