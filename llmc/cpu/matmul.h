@@ -202,6 +202,14 @@ static void mm_tile(const MmProduct* g, const float* Bp, int pb, float* Ap, floa
     }
 }
 
+// Item i of a round's packing: panel pr0 + i % np of k block kb0 + i / np, into the round's copy
+// Br laid out [k block of the round][panel of the round][k][NR], k blocks rp * NR * kc0 apart.
+static void mm_pack_round_item(float* Br, const MmProduct* g, int rp, int pr0, int np, int kb0, int i) {
+    int kb = kb0 + i / np, p = pr0 + i % np, k0 = kb * g->kc0, kc = g->K - k0 < g->kc0 ? g->K - k0 : g->kc0, n0 = p * MM_NR;
+    mm_pack_panel(Br + (int64_t)rp * MM_NR * g->kc0 * (kb - kb0) + (int64_t)(p - pr0) * kc * MM_NR, g->B, g->sbk, g->sbn, k0, kc, n0,
+                  g->N - n0 < MM_NR ? g->N - n0 : MM_NR);
+}
+
 // C[M,N] (+)= alpha * A(m,k) B(k,n) with A(m,k) = A[m*sam + k*sak], B(k,n) = B[k*sbk + n*sbn], C
 // with row stride ldc. parallel = 0 runs on the calling thread (inside another parallel loop).
 // K = 0 gives C = 0 (or C unchanged when accumulating).
@@ -246,10 +254,7 @@ static void mm_gemm(float* C, int64_t ldc, const float* A, int64_t sam, int64_t 
     int prepacked = rounds == 1 && copy > 0 && copy <= (1 << 15);
     float* Bp = copy ? (float*)malloc(sizeof(float) * (size_t)copy * (rounds > 1 ? 2 : 1)) : NULL;
     if (prepacked)
-        for (int i = 0; i < rk * rp; i++) {
-            int kb = i / rp, p = i % rp, k0 = kb * kc0, kc = K - k0 < kc0 ? K - k0 : kc0, n0 = p * MM_NR;
-            mm_pack_panel(Bp + (int64_t)rp * MM_NR * kc0 * kb + (int64_t)p * kc * MM_NR, B, sbk, sbn, k0, kc, n0, N - n0 < MM_NR ? N - n0 : MM_NR);
-        }
+        for (int i = 0; i < rk * rp; i++) mm_pack_round_item(Bp, &g, rp, 0, rp, 0, i);
 #pragma omp parallel if (parallel)
     {
         float* Ap = (float*)malloc(sizeof(float) * (MM_MC * kc0 + MM_NR * kc0));
@@ -260,16 +265,11 @@ static void mm_gemm(float* C, int64_t ldc, const float* A, int64_t sam, int64_t 
             float* Br = copy ? Bp + (r % 2) * copy : NULL;
             if (copy && !prepacked) {
 #pragma omp for schedule(static)
-                for (int i = 0; i < (kb1 - kb0) * (pr1 - pr0); i++) {
-                    int kb = kb0 + i / (pr1 - pr0), p = pr0 + i % (pr1 - pr0), k0 = kb * kc0, kc = K - k0 < kc0 ? K - k0 : kc0;
-                    int n0 = p * MM_NR;
-                    mm_pack_panel(Br + (int64_t)rp * MM_NR * kc0 * (kb - kb0) + (int64_t)(p - pr0) * kc * MM_NR, B, sbk, sbn, k0, kc, n0,
-                                  N - n0 < MM_NR ? N - n0 : MM_NR);
-                }
+                for (int i = 0; i < (kb1 - kb0) * (pr1 - pr0); i++) mm_pack_round_item(Br, &g, rp, pr0, pr1 - pr0, kb0, i);
             }
             // Column blocks only when the row blocks alone leave threads idle or unbalanced: as few
-            // as give each thread about four tiles (every extra column block packs the same A
-            // block again), and none wider than MM_TILE_PANELS.
+            // as give each thread about four tiles (every extra column block reads the same A block
+            // again, or packs it again), and none wider than MM_TILE_PANELS.
             int np = pr1 - pr0, ppb = np < MM_TILE_PANELS ? np : MM_TILE_PANELS;
             if (mblocks < 4 * threads && threads > 1) {
                 int want = (4 * threads + mblocks - 1) / mblocks;
