@@ -89,6 +89,13 @@ static void mm_pack_panel(float* dst, const float* B, int64_t sbk, int64_t sbn, 
     }
 }
 
+// Panels [p0, p1) of B (k block k0, kc; N columns in all) into Bp[panel][k][0..NR), panel counted
+// from n = 0 (attention's packed keys and values).
+static void mm_pack_b(float* Bp, const float* B, int64_t sbk, int64_t sbn, int k0, int kc, int p0, int p1, int N) {
+    for (int p = p0; p < p1; p++)
+        mm_pack_panel(Bp + (int64_t)p * kc * MM_NR, B, sbk, sbn, k0, kc, p * MM_NR, N - p * MM_NR < MM_NR ? N - p * MM_NR : MM_NR);
+}
+
 // A(m, k) = A[m*sam + k*sak], rows [m0, m0+mc), k in [k0, k0+kc), into MR-row slivers
 // (zero-padded): Ap[sliver][k][0..MR).
 static void mm_pack_a(float* Ap, const float* A, int64_t sam, int64_t sak, int m0, int mc, int k0, int kc) {
@@ -111,8 +118,8 @@ static void mm_pack_a(float* Ap, const float* A, int64_t sam, int64_t sak, int m
 // C += alpha * c, with a(i, k) = a[i*sa + k*ka] and b(k, j) = b[k*sb + j]: a packed sliver and
 // panel (sa = 1, ka = MR, sb = NR) or the operands in place. Always inlined, so the packed calls
 // get constant strides. Edge tiles (mm < 6 or nn < 16) go through a local copy.
-static inline __attribute__((always_inline)) void mm_kernel_6x16(float* C, int64_t ldc, int mm, int nn, const float* a, int64_t sa,
-                                                                 int64_t ka, const float* b, int64_t sb, int kc, float alpha, int store) {
+static inline __attribute__((always_inline)) void mm_kernel_strided(float* C, int64_t ldc, int mm, int nn, const float* a, int64_t sa,
+                                                                    int64_t ka, const float* b, int64_t sb, int kc, float alpha, int store) {
     mm_v8 c[MM_MR][2];
     for (int i = 0; i < MM_MR; i++) c[i][0] = c[i][1] = (mm_v8){0, 0, 0, 0, 0, 0, 0, 0};
     for (int k = 0; k < kc; k++) {
@@ -157,6 +164,12 @@ static inline __attribute__((always_inline)) void mm_kernel_6x16(float* C, int64
     }
 }
 
+// The tile from a packed sliver a[k][0..MR) and a packed panel b[k][0..NR) (attention's tiles).
+static inline __attribute__((always_inline)) void mm_kernel_6x16(float* C, int64_t ldc, int mm, int nn, const float* a, const float* b, int kc,
+                                                                 float alpha, int store) {
+    mm_kernel_strided(C, ldc, mm, nn, a, 1, MM_MR, b, MM_NR, kc, alpha, store);
+}
+
 // One product C[M,N] (+)= alpha * A(m,k) B(k,n), A(m,k) = A[m*sam + k*sak], B(k,n) = B[k*sbk + n*sbn],
 // and how mm_gemm runs it.
 typedef struct {
@@ -194,10 +207,10 @@ static void mm_tile(const MmProduct* g, const float* Bp, int pb, float* Ap, floa
             int mm = mc - s * MM_MR < MM_MR ? mc - s * MM_MR : MM_MR;
             float* c = g->C + (int64_t)(m0 + s * MM_MR) * g->ldc + n0;
             if (s < full)
-                mm_kernel_6x16(c, g->ldc, mm, nn, g->A + (int64_t)(m0 + s * MM_MR) * g->sam + (int64_t)k0 * g->sak, g->sam, g->sak, b, sb, kc,
+                mm_kernel_strided(c, g->ldc, mm, nn, g->A + (int64_t)(m0 + s * MM_MR) * g->sam + (int64_t)k0 * g->sak, g->sam, g->sak, b, sb, kc,
                                g->alpha, store);
             else
-                mm_kernel_6x16(c, g->ldc, mm, nn, Ap + (int64_t)(s - full) * kc * MM_MR, 1, MM_MR, b, sb, kc, g->alpha, store);
+                mm_kernel_strided(c, g->ldc, mm, nn, Ap + (int64_t)(s - full) * kc * MM_MR, 1, MM_MR, b, sb, kc, g->alpha, store);
         }
     }
 }
