@@ -141,10 +141,18 @@ static void attn_gemm(float* C, int64_t ldc, const float* A, int64_t sam, int64_
         else mm_pack_a(Ap, A, sam, sak, 0, M, k0, kc);
         for (int p = 0; p * MM_NR < N; p++) {
             int nn = N - p * MM_NR < MM_NR ? N - p * MM_NR : MM_NR;
+            const float *b = Bp + p * pstride + (int64_t)k0 * MM_NR, *b2 = NULL;
+            if (MM_WIDE && (p + 2) * MM_NR <= N) b2 = b + pstride, p++;  // two full panels: 6 x 32 tiles
             for (int i = 0; i * MM_MR < M; i++) {
-                int mm = M - i * MM_MR < MM_MR ? M - i * MM_MR : MM_MR;
-                mm_kernel_6x16(C + (int64_t)i * MM_MR * ldc + p * MM_NR, ldc, mm, nn, Ap + (int64_t)i * kc * MM_MR,
-                               Bp + p * pstride + (int64_t)k0 * MM_NR, kc, alpha, k0 == 0 && !accumulate);
+                int mm = M - i * MM_MR < MM_MR ? M - i * MM_MR : MM_MR, store = k0 == 0 && !accumulate;
+                float* c = C + (int64_t)i * MM_MR * ldc + (b2 ? p - 1 : p) * MM_NR;
+                const float* a = Ap + (int64_t)i * kc * MM_MR;
+                if (b2 && mm == MM_MR) {
+                    mm_kernel_wide(c, ldc, a, 1, MM_MR, b, b2, MM_NR, kc, alpha, store);
+                    continue;
+                }
+                mm_kernel_6x16(c, ldc, mm, nn, a, b, kc, alpha, store);
+                if (b2) mm_kernel_6x16(c + MM_NR, ldc, mm, MM_NR, a, b2, kc, alpha, store);
             }
         }
     }

@@ -4,7 +4,8 @@
 //   matmul_tn:  C[M,N] (+)= alpha * A[K,M]^T . B[K,N]   (weight gradients: dy^T x)
 //   mm_gemm:    the general strided form behind all three, also called single-threaded from
 //               inside other kernels' parallel loops (attention's blocks)
-// All are one GEMM: a 6x16 register-tile micro-kernel runs over B copied into 16-column panels
+// All are one GEMM: a 6x16 register-tile micro-kernel (6x32 over two adjacent panels where the
+// compiler targets 512-bit vectors: same sums, fewer instructions) runs over B copied into 16-column panels
 // (any transposition is just a stride) and over A's rows read in place when they are contiguous,
 // else copied into 6-row slivers. Skinny operands (LoRA's r = 16 side) skip the copies: B is read
 // in place when its columns are contiguous and few rows of A would reuse a copy, A when one or two
@@ -164,6 +165,48 @@ static inline __attribute__((always_inline)) void mm_kernel_strided(float* C, in
     }
 }
 
+#ifdef __AVX512F__
+// Two adjacent full tiles at once (6 x 32, panels b0 and b1), for machines with 512-bit vectors:
+// the same sums as two mm_kernel_strided calls, element for element and in the same k order (the
+// same bits), with one 16-wide load per panel and one broadcast per row feeding two FMAs each,
+// half the instructions per FLOP of the 8-wide kernel.
+typedef float mm_v16 __attribute__((vector_size(64)));
+static inline __attribute__((always_inline)) void mm_kernel_6x32(float* C, int64_t ldc, const float* a, int64_t sa, int64_t ka, const float* b0,
+                                                                 const float* b1, int64_t sb, int kc, float alpha, int store) {
+    mm_v16 c[MM_MR][2];
+    for (int i = 0; i < MM_MR; i++) c[i][0] = c[i][1] = (mm_v16){};
+    for (int k = 0; k < kc; k++) {
+        mm_v16 x0, x1;
+        memcpy(&x0, b0 + (int64_t)k * sb, 64);
+        memcpy(&x1, b1 + (int64_t)k * sb, 64);
+        const float* ak = a + (int64_t)k * ka;
+        for (int i = 0; i < MM_MR; i++) {
+            float x = ak[i * sa];
+            mm_v16 ai = {x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x};
+            c[i][0] += ai * x0;
+            c[i][1] += ai * x1;
+        }
+    }
+    mm_v16 al = {alpha, alpha, alpha, alpha, alpha, alpha, alpha, alpha, alpha, alpha, alpha, alpha, alpha, alpha, alpha, alpha};
+    for (int i = 0; i < MM_MR; i++)
+        for (int h = 0; h < 2; h++) {
+            float* ci = C + (int64_t)i * ldc + h * MM_NR;
+            mm_v16 y = al * c[i][h];
+            if (!store) {
+                mm_v16 x;
+                memcpy(&x, ci, 64);
+                y = x + y;
+            }
+            memcpy(ci, &y, 64);
+        }
+}
+#define MM_WIDE 1
+#define mm_kernel_wide mm_kernel_6x32
+#else
+#define MM_WIDE 0
+#define mm_kernel_wide(...) ((void)0)  // never reached: b2 stays NULL
+#endif
+
 // The tile from a packed sliver a[k][0..MR) and a packed panel b[k][0..NR) (attention's tiles).
 static inline __attribute__((always_inline)) void mm_kernel_6x16(float* C, int64_t ldc, int mm, int nn, const float* a, const float* b, int kc,
                                                                  float alpha, int store) {
@@ -203,14 +246,24 @@ static void mm_tile(const MmProduct* g, const float* Bp, int pb, float* Ap, floa
         if (!g->direct_b) b = Bp + (int64_t)(p - pb) * kc * MM_NR;
         else if (nn == MM_NR) b = g->B + (int64_t)k0 * g->sbk + n0, sb = g->sbk;
         else mm_pack_panel(Be, g->B, g->sbk, g->sbn, k0, kc, n0, nn);
+        // The next panel too when it is full and in this tile (6 x 32 tiles, MM_WIDE machines).
+        const float* b2 = NULL;
+        if (MM_WIDE && p + 1 < p1 && n0 + 2 * MM_NR <= g->N) b2 = g->direct_b ? b + MM_NR : b + (int64_t)kc * MM_NR, p++;
         for (int s = 0; s * MM_MR < mc; s++) {
             int mm = mc - s * MM_MR < MM_MR ? mc - s * MM_MR : MM_MR;
             float* c = g->C + (int64_t)(m0 + s * MM_MR) * g->ldc + n0;
-            if (s < full)
-                mm_kernel_strided(c, g->ldc, mm, nn, g->A + (int64_t)(m0 + s * MM_MR) * g->sam + (int64_t)k0 * g->sak, g->sam, g->sak, b, sb, kc,
-                               g->alpha, store);
-            else
-                mm_kernel_strided(c, g->ldc, mm, nn, Ap + (int64_t)(s - full) * kc * MM_MR, 1, MM_MR, b, sb, kc, g->alpha, store);
+            if (s < full) {
+                const float* a = g->A + (int64_t)(m0 + s * MM_MR) * g->sam + (int64_t)k0 * g->sak;
+                if (b2) mm_kernel_wide(c, g->ldc, a, g->sam, g->sak, b, b2, sb, kc, g->alpha, store);
+                else mm_kernel_strided(c, g->ldc, mm, nn, a, g->sam, g->sak, b, sb, kc, g->alpha, store);
+            } else {
+                const float* a = Ap + (int64_t)(s - full) * kc * MM_MR;
+                if (b2 && mm == MM_MR) mm_kernel_wide(c, g->ldc, a, 1, MM_MR, b, b2, sb, kc, g->alpha, store);
+                else {
+                    mm_kernel_strided(c, g->ldc, mm, nn, a, 1, MM_MR, b, sb, kc, g->alpha, store);
+                    if (b2) mm_kernel_strided(c + MM_NR, g->ldc, mm, MM_NR, a, 1, MM_MR, b2, sb, kc, g->alpha, store);
+                }
+            }
         }
     }
 }
