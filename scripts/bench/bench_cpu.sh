@@ -93,8 +93,8 @@ awk -v o="$ours" -v h="$hf" -v c="$ceil" -v f="$fpt" -v l="$(cut -d' ' -f1 /proc
   g = o * f * 1e-9;
   printf "smollm2-shape: train_llama %.1f tok/s = %.1f GFLOP/s model work (%.0f MFLOP/token)", o, g, f * 1e-6;
   if (c + 0 > 0) printf " = %.0f%% of the machine sgemm %.1f GFLOP/s", 100 * g / c, c;
-  # the same model work for both (frozen forward and input gradients, LoRA, attention), so HF's
-  # share of the same sgemm says how far any ratio to it can go: ours / HF <= 100 % / HF share
+  # the same model work for both (frozen forward and input gradients, LoRA, attention), so the HF
+  # share of the same sgemm bounds any ratio to it: ours / HF <= 100 % / (HF share)
   if (h + 0 > 0) {
     printf " | transformers+PEFT %.1f tok/s", h;
     if (c + 0 > 0) printf " = %.0f%% of sgemm", 100 * h * f * 1e-9 / c;
