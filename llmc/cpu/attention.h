@@ -91,62 +91,29 @@ static void attn_pack(float* dst, const float* x, const AttnShape* s, int cols) 
 
 #define ATT_KC 256  // k block of the tile products (a B panel of KC x 16 floats stays in L1)
 
-// d[k * 6 + i] = rows[i][k0 + k] for k < 8, i < 6: rows interleaved in pairs, then the pairs
-// (as 64-bit lanes) gathered three rows' worth at a time.
-typedef double vx_d4 __attribute__((vector_size(32)));
-typedef int64_t vx_l4 __attribute__((vector_size(32)));
-static inline void attn_transpose_6x8(float* d, const float* const* rows, int k0) {
-    vx_d4 lo[3], hi[3];  // pair p = rows 2p, 2p+1: lo holds k 0..3, hi k 4..7, one (row 2p, row 2p+1) per lane
-    for (int p = 0; p < 3; p++) {
-        vx_f8 a = vx_load(rows[2 * p] + k0), b = vx_load(rows[2 * p + 1] + k0);
-        vx_f8 l = __builtin_shuffle(a, b, (vx_i8){0, 8, 1, 9, 2, 10, 3, 11}), h = __builtin_shuffle(a, b, (vx_i8){4, 12, 5, 13, 6, 14, 7, 15});
-        memcpy(&lo[p], &l, 32);
-        memcpy(&hi[p], &h, 32);
-    }
-    for (int half = 0; half < 2; half++) {
-        vx_d4* x = half ? hi : lo;  // output (in pairs): x0[0] x1[0] x2[0] x0[1] | x1[1] x2[1] x0[2] x1[2] | x2[2] x0[3] x1[3] x2[3]
-        vx_d4 t0 = __builtin_shuffle(x[0], x[1], (vx_l4){0, 4, 0, 1}), o0 = __builtin_shuffle(t0, x[2], (vx_l4){0, 1, 4, 3});
-        vx_d4 t1 = __builtin_shuffle(x[1], x[0], (vx_l4){1, 0, 6, 2}), o1 = __builtin_shuffle(t1, x[2], (vx_l4){0, 5, 2, 3});
-        vx_d4 t2 = __builtin_shuffle(x[2], x[0], (vx_l4){2, 7, 0, 3}), o2 = __builtin_shuffle(t2, x[1], (vx_l4){0, 1, 7, 3});
-        memcpy(d + half * 24, &o0, 32);
-        memcpy(d + half * 24 + 8, &o1, 32);
-        memcpy(d + half * 24 + 16, &o2, 32);
-    }
-}
-
-// mm_pack_a for rows [0, M) of A with contiguous k (sak == 1, every A of the tile products but
-// dk's and dv's): k outermost, so that each k writes its MR contiguous floats at once.
-static void attn_pack_a(float* Ap, const float* A, int64_t sam, int M, int k0, int kc) {
-    for (int s = 0; s * MM_MR < M; s++) {
-        float* dst = Ap + (int64_t)s * kc * MM_MR;
-        const float* rows[MM_MR];
-        int mm = M - s * MM_MR < MM_MR ? M - s * MM_MR : MM_MR;
-        for (int i = 0; i < MM_MR; i++) rows[i] = A + (int64_t)(s * MM_MR + (i < mm ? i : 0)) * sam + k0;
-        int k = 0;
-        if (mm == MM_MR)  // a full sliver, 8 k at a time by shuffles
-            for (; k + 8 <= kc; k += 8) attn_transpose_6x8(dst + (int64_t)k * MM_MR, rows, k);
-        for (; k < kc; k++)
-            for (int i = 0; i < MM_MR; i++) dst[(int64_t)k * MM_MR + i] = i < mm ? rows[i][k] : 0.0f;
-    }
-}
-
 // C[M, N] (+)= alpha * A(m, k) B(k, n), k in [0, K), on one thread, with A(m, k) = A[m*sam + k*sak]
 // and B packed: column panel p at Bp + p * pstride, row k of it at + k * MM_NR. Ap: scratch for
 // the packed A, (M + MM_MR) * ATT_KC floats. k runs in blocks of ATT_KC, in order.
 static void attn_gemm(float* C, int64_t ldc, const float* A, int64_t sam, int64_t sak, const float* Bp, int64_t pstride, int M, int N, int K,
                       float alpha, int accumulate, float* Ap) {
+    int full = sak == 1 ? M / MM_MR : 0;  // 6-row slivers read in place (rows contiguous); the rest packed
     for (int k0 = 0; k0 < K; k0 += ATT_KC) {
-        int kc = K - k0 < ATT_KC ? K - k0 : ATT_KC;
-        if (sak == 1) attn_pack_a(Ap, A, sam, M, k0, kc);
-        else mm_pack_a(Ap, A, sam, sak, 0, M, k0, kc);
+        int kc = K - k0 < ATT_KC ? K - k0 : ATT_KC, store = k0 == 0 && !accumulate;
+        if (full * MM_MR < M) mm_pack_a(Ap, A, sam, sak, full * MM_MR, M - full * MM_MR, k0, kc);
         for (int p = 0; p * MM_NR < N; p++) {
             int nn = N - p * MM_NR < MM_NR ? N - p * MM_NR : MM_NR;
             const float *b = Bp + p * pstride + (int64_t)k0 * MM_NR, *b2 = NULL;
             if (MM_WIDE && (p + 2) * MM_NR <= N) b2 = b + pstride, p++;  // two full panels: 6 x 32 tiles
             for (int i = 0; i * MM_MR < M; i++) {
-                int mm = M - i * MM_MR < MM_MR ? M - i * MM_MR : MM_MR, store = k0 == 0 && !accumulate;
+                int mm = M - i * MM_MR < MM_MR ? M - i * MM_MR : MM_MR;
                 float* c = C + (int64_t)i * MM_MR * ldc + (b2 ? p - 1 : p) * MM_NR;
-                const float* a = Ap + (int64_t)i * kc * MM_MR;
+                if (i < full) {
+                    const float* a = A + (int64_t)i * MM_MR * sam + k0;
+                    if (b2) mm_kernel_wide(c, ldc, a, sam, 1, b, b2, MM_NR, kc, alpha, store);
+                    else mm_kernel_strided(c, ldc, mm, nn, a, sam, 1, b, MM_NR, kc, alpha, store);
+                    continue;
+                }
+                const float* a = Ap + (int64_t)(i - full) * kc * MM_MR;
                 if (b2 && mm == MM_MR) {
                     mm_kernel_wide(c, ldc, a, 1, MM_MR, b, b2, MM_NR, kc, alpha, store);
                     continue;
