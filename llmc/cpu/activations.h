@@ -4,8 +4,8 @@
 // pre-activation itself.
 // Elementwise passes run 8 lanes at a time (GCC vectors), in groups of 8 elements = 2 code bytes,
 // so the parallel split never shares a byte; a ragged tail goes through the same vector code,
-// padded. SiLU and its derivative use vx_exp (llmc/cpu/vec_exp.h, within a few ulp of libm), so
-// they stay the exact function to fp32 rounding; the erf forms of GELU keep libm's erff. The codes
+// padded. SiLU, GELU and their derivatives use vx_exp and vx_erf (llmc/cpu/vec_exp.h, within a few
+// ulp of libm), so they stay the exact functions to fp32 rounding. The codes
 // are strict comparisons of the pre-activation, the same bits as relu3_code; the approximate
 // backward forms dy * level with the same fp32 operations as the scalar rule (and the CUDA twin).
 #pragma once
@@ -57,12 +57,6 @@ static inline vx_f8 vx_silu_grad(vx_f8 x) {
     return s * (one + x * (one - s));
 }
 
-// Packs the codes of x[0..n) into out[(n+3)/4], 4 per byte (ragged tail zero-padded).
-static void pack_codes_2bit(uint8_t* out, const float* x, int64_t n, Relu3Fit fit) {
-#pragma omp parallel for schedule(static) if (n > ACT_PAR)
-    for (int64_t i = 0; i < n; i += 8) act_codes8(out, i, n, act_load(x, i, n, -INFINITY), fit);
-}
-
 // sg = silu(g), p = sg * u; codes (ReSiLU2) written when non-NULL, in the same pass.
 static void swiglu_forward(float* p, float* sg, uint8_t* codes, const float* g, const float* u, int64_t n) {
     Relu3Fit fit = RESILU2_FIT;
@@ -87,13 +81,47 @@ static void swiglu_backward(float* dg, float* du, const float* dp, const float* 
     }
 }
 
+// GELU, erf form: gelu_f's formula 0.5 x (1 + erf(x / sqrt 2)) with vx_erf for erff. Its
+// derivative (gelu_grad_f) 0.5 (1 + erf(x / sqrt 2)) + x phi(x), phi(x) = e^(-x^2/2) / sqrt(2 pi)
+// by vx_exp; where that underflows to 0 (|x| > 13.2, inf included) the second term is 0, so
+// gelu'(+-inf) is 1 and 0 rather than libm's NaN from inf * 0.
+static inline vx_f8 vx_gelu(vx_f8 x) {
+    return vx_splat(0.5f) * x * (vx_splat(1.0f) + vx_erf(x * vx_splat(0.70710678118654752f)));
+}
+static inline vx_f8 vx_gelu_grad(vx_f8 x) {
+    vx_f8 z = vx_splat(0.0f), e = vx_exp(vx_splat(-0.5f) * x * x);
+    vx_f8 phi = e == z ? z : x * vx_splat(0.39894228040143268f) * e;
+    return vx_splat(0.5f) * (vx_splat(1.0f) + vx_erf(x * vx_splat(0.70710678118654752f))) + phi;
+}
+// GELU, tanh form: 0.5 (1 + tanh u) = 1 / (1 + e^(-2u)), u = sqrt(2/pi) (x + 0.044715 x^3), so
+// gelu_tanh_f(x) = x s with s = 1 / (1 + e^(-2u)), which never subtracts near tanh = -1; the
+// derivative's 1 - tanh^2 = 4 s (1 - s) with 1 - s = e^(-2u) s, exactly formed too. Where
+// -2u > 88 (x below about -10, vx_exp's clamp) the function and derivative are 0 (below 1e-37
+// in truth); where e^(-2u) is 0 (x above about 10, inf included) s is 1 and the derivative 1.
+static inline vx_f8 vx_gelu_tanh_s(vx_f8 x, vx_f8* e) {
+    vx_f8 u = vx_splat(0.79788456080286536f) * (x + vx_splat(0.044715f) * x * x * x);
+    *e = vx_exp(vx_splat(-2.0f) * u);
+    return vx_splat(1.0f) / (vx_splat(1.0f) + *e);
+}
+static inline vx_f8 vx_gelu_tanh(vx_f8 x) {
+    vx_f8 e, s = vx_gelu_tanh_s(x, &e);
+    return e > vx_splat(1e38f) ? vx_splat(-0.0f) : x * s;  // e^88 = 1.65e38: clamped
+}
+static inline vx_f8 vx_gelu_tanh_grad(vx_f8 x) {
+    vx_f8 e, s = vx_gelu_tanh_s(x, &e), z = vx_splat(0.0f);
+    vx_f8 d = vx_splat(2.0f) * x * s * (e * s) * vx_splat(0.79788456080286536f) *
+              (vx_splat(1.0f) + vx_splat(3.0f * 0.044715f) * x * x);
+    return e > vx_splat(1e38f) ? z : e == z ? vx_splat(1.0f) : s + d;
+}
+
 // y = gelu(x) (erf form, or tanh form when tanh_form); codes (ReGELU2) written when non-NULL.
 static void gelu_forward(float* y, uint8_t* codes, const float* x, int64_t n, int tanh_form) {
+    Relu3Fit fit = REGELU2_FIT;
 #pragma omp parallel for schedule(static) if (n > ACT_PAR)
-    for (int64_t i = 0; i < n; i++) y[i] = tanh_form ? gelu_tanh_f(x[i]) : gelu_f(x[i]);  // libm's erff / tanhf: compute-bound
-    if (codes) {
-        Relu3Fit fit = REGELU2_FIT;
-        pack_codes_2bit(codes, x, n, fit);
+    for (int64_t i = 0; i < n; i += 8) {
+        vx_f8 v = act_load(x, i, n, -INFINITY);
+        act_store(y, i, n, tanh_form ? vx_gelu_tanh(v) : vx_gelu(v));
+        if (codes) act_codes8(codes, i, n, v, fit);
     }
 }
 
@@ -102,11 +130,12 @@ static void gelu_backward(float* dx, const float* dy, const float* x, const uint
     Relu3Fit fit = REGELU2_FIT;
 #pragma omp parallel for schedule(static) if (n > ACT_PAR)
     for (int64_t i = 0; i < n; i += 8) {
+        vx_f8 d = act_load(dy, i, n, 0.0f);
         if (x) {
-            int64_t e = i + 8 < n ? i + 8 : n;
-            for (int64_t j = i; j < e; j++) dx[j] = dy[j] * (tanh_form ? gelu_tanh_grad_f(x[j]) : gelu_grad_f(x[j]));
+            vx_f8 v = act_load(x, i, n, 0.0f);
+            act_store(dx, i, n, d * (tanh_form ? vx_gelu_tanh_grad(v) : vx_gelu_grad(v)));
         } else {
-            act_store(dx, i, n, act_load(dy, i, n, 0.0f) * act_levels8(codes, i, n, fit));
+            act_store(dx, i, n, d * act_levels8(codes, i, n, fit));
         }
     }
 }
