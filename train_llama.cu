@@ -32,83 +32,10 @@
 #include "llmc/fit.h"
 #include "llmc/nf4.h"
 #include "llmc/bnb.h"
+#include "llmc/llama_family.h"
 
 // ----------------------------------------------------------------------------------------------
-// Config (config.json of a Hugging Face LLaMA checkpoint)
-
-typedef struct {
-    int dim, hidden, layers, heads, kv_heads, head_dim, vocab, max_seq;
-    float norm_eps, rope_theta;
-    int tied;
-    int rope_llama3;                       // Llama-3.1 frequency scaling
-    float rs_factor, rs_low_freq, rs_high_freq;
-    int rs_original_ctx;
-    int bos_id, eos_id;
-} LlamaConfig;
-
-// bos/eos ids: the number when it is one an int holds (a cast of 1e12 would be undefined), else
-// the default (also for a list, as Llama-3.1's eos is).
-static int llama_token_id_or(const Json* j, const char* key, int dflt) {
-    const Json* v = json_get(j, key);
-    if (!v || v->type != JSON_NUMBER || !(v->number >= 0 && v->number < 2147483647.0)) return dflt;
-    return (int)v->number;
-}
-
-static void llama_config_load(LlamaConfig* c, const char* model_dir) {
-    char* path = path_join(model_dir, "config.json");
-    if (!dir_exists(model_dir)) fail("flag --model: %s is not a directory", model_dir);
-    size_t n;
-    char* text = read_file(path, &n);
-    Json j = json_parse(text, n, path);
-    memset(c, 0, sizeof(*c));
-    // Ranges: every real model lies well inside (Llama-3.1-405B: hidden 16384, intermediate 53248,
-    // 126 layers, 128 heads, vocab 128256); beyond them a config is corrupt, and the limits keep
-    // every product of sizes the code forms far from 64-bit overflow.
-    c->dim = json_int_in(&j, "hidden_size", path, 1, 1 << 16);
-    c->hidden = json_int_in(&j, "intermediate_size", path, 1, 1 << 18);
-    c->layers = json_int_in(&j, "num_hidden_layers", path, 1, 1024);
-    c->heads = json_int_in(&j, "num_attention_heads", path, 1, 1024);
-    c->kv_heads = json_get(&j, "num_key_value_heads") ? json_int_in(&j, "num_key_value_heads", path, 1, 1024) : c->heads;
-    c->vocab = json_int_in(&j, "vocab_size", path, 1, 1 << 22);
-    if (json_get(&j, "head_dim") && json_get(&j, "head_dim")->type == JSON_NUMBER) c->head_dim = json_int_in(&j, "head_dim", path, 2, 1024);
-    else {
-        if (c->dim % c->heads) fail("%s: num_attention_heads (%d) does not divide hidden_size (%d)", path, c->heads, c->dim);
-        c->head_dim = c->dim / c->heads;
-    }
-    if (c->heads % c->kv_heads) fail("%s: num_key_value_heads (%d) does not divide num_attention_heads (%d)", path, c->kv_heads, c->heads);
-    if (c->head_dim <= 0 || c->head_dim % 2) fail("%s: head dimension %d must be positive and even (RoPE rotates pairs)", path, c->head_dim);
-    c->max_seq = json_get(&j, "max_position_embeddings") && json_get(&j, "max_position_embeddings")->type != JSON_NULL
-                     ? json_int_in(&j, "max_position_embeddings", path, 1, 1 << 26) : 2048;
-    // A non-positive epsilon divides by zero on an all-zero row; a non-positive base makes RoPE's
-    // frequencies NaN: either would surface later as a NaN loss blamed on --lr or the data.
-    c->norm_eps = json_positive_float(json_number_opt(&j, "rms_norm_eps", path, 1e-6), "rms_norm_eps", path);
-    c->rope_theta = json_positive_float(json_number_opt(&j, "rope_theta", path, 10000.0), "rope_theta", path);
-    c->tied = json_bool_or(&j, "tie_word_embeddings", 0);
-    c->bos_id = llama_token_id_or(&j, "bos_token_id", 1);
-    c->eos_id = llama_token_id_or(&j, "eos_token_id", 2);
-    const char* act = json_string_or(&j, "hidden_act", "silu");
-    if (strcmp(act, "silu") != 0) fail("%s: hidden_act \"%s\" is not supported (expected silu)", path, act);
-    const Json* rs = json_get(&j, "rope_scaling");
-    if (rs && rs->type == JSON_OBJECT) {
-        const char* type = json_string_or(rs, "rope_type", json_string_or(rs, "type", ""));
-        if (strcmp(type, "llama3") == 0) {
-            c->rope_llama3 = 1;
-            c->rs_factor = json_positive_float(json_number_req(rs, "factor", path), "rope_scaling.factor", path);
-            c->rs_low_freq = json_positive_float(json_number_req(rs, "low_freq_factor", path), "rope_scaling.low_freq_factor", path);
-            c->rs_high_freq = json_positive_float(json_number_req(rs, "high_freq_factor", path), "rope_scaling.high_freq_factor", path);
-            c->rs_original_ctx = json_int_in(rs, "original_max_position_embeddings", path, 1, 1 << 26);
-            // the smooth band between the two wavelengths divides by their difference
-            if (!(c->rs_high_freq > c->rs_low_freq))
-                fail("%s: rope_scaling.high_freq_factor (%g) must exceed low_freq_factor (%g)", path, c->rs_high_freq, c->rs_low_freq);
-        } else if (strcmp(type, "default") != 0) {
-            fail("%s: rope_scaling type \"%s\" is not supported (expected llama3)", path, type);
-        }
-    }
-    json_free(&j);
-    free(text);
-    free(path);
-    bnb_config_nf4(model_dir);  // a quantization_config other than bitsandbytes NF4 is refused here, before any work
-}
+// Config: config.json of a LLaMA, Mistral, Qwen2 or Qwen3 checkpoint, read strictly (llmc/llama_family.h)
 
 // ----------------------------------------------------------------------------------------------
 // Parameters. Frozen weights live in one arena, LoRA weights (and their grads and AdamW moments)
@@ -125,9 +52,11 @@ static const char* const hf_module_names[N_TARGETS] = {"self_attn.q_proj", "self
 typedef struct {
     void* attn_norm;       // gamma [d] (merged into q,k,v under MS-RMSNorm; their adapters still apply it)
     void* mlp_norm;        // gamma [d] (merged into gate, up under MS-RMSNorm; likewise)
-    Linear lin[N_TARGETS];
+    Linear lin[N_TARGETS]; // with a bias where the config says (Qwen2: q, k, v; attention_bias, mlp_bias)
+    void *q_norm, *k_norm; // Qwen3: gamma [hd] of the RMSNorm over each head of q and k (NULL otherwise)
     // --full with standard norms trains the gammas too: gradients and host mirrors, else NULL
     float *dattn_norm, *dmlp_norm, *h_attn_norm, *h_mlp_norm;
+    float *dq_norm, *dk_norm, *h_q_norm, *h_k_norm;  // --full: Qwen3's q/k norms train (under MS norms too)
 } LlamaLayer;
 
 // The buffers one block keeps for its backward (or, where not kept, a shared scratch copy).
@@ -136,6 +65,11 @@ typedef struct {
     float* r1;             // 1/rms per token      (attention norm)
     void* z1;              // attention norm output = q,k,v input
     void *q, *k, *v, *o;   // attention (q, k after RoPE); o = o-proj input
+    // Qwen3's q/k norms (llama_qk_norm_ms): their inputs, the q, k projections (standard: kept
+    // for the norm's backward), or their normalised outputs before gamma and RoPE (MS: kept, and
+    // q, k rebuilt from them in backward, so only these are kept), and 1/rms per head row.
+    void *q_pre, *k_pre, *qz, *kz;
+    float *rq, *rk;        // [N*H], [N*KVH]
     float* lse;            // [B, H, T] log-sum-exp
     void* ax[N_TARGETS];   // LoRA A x per adapter
     void* h_mid;           // residual after attention (standard MLP RMSNorm)
@@ -209,6 +143,16 @@ static int64_t lin_out(const LlamaConfig* c, int t) {
 // so they train exactly what --norm std trains; --ms-lora merged puts them on z (the paper's).
 static int llama_adapters_see_gamma(const Llama* m) { return m->modes.ms && !m->modes.full && !m->modes.ms_lora_merged; }
 
+// Qwen3's q/k norms feed RoPE, not a linear, so no merge applies to them. Under MS norms with a
+// frozen gamma (LoRA) the block keeps their normalised output z and 1/rms alone: the norm's
+// backward needs only those (dx = r (g dy - z mean(g dy z))), and q, k after RoPE, which attention's
+// backward reads, are rebuilt from z (RoPE(g z), elementwise) instead of being kept beside it.
+// Otherwise (standard norms, or --full, which trains gamma) the block keeps the norm's input.
+static int llama_qk_norm_ms(const Llama* m) { return m->cfg.qk_norm && m->modes.ms && !m->modes.full; }
+
+// Does linear t carry a bias in this config?
+static int llama_has_bias(const LlamaConfig* c, int t) { return t <= T_V ? c->qkv_bias : t == T_O ? c->o_bias : c->mlp_bias; }
+
 // ----------------------------------------------------------------------------------------------
 // The memory plan: every buffer, by module, with the element sizes of the planned backend
 // (`wbytes` / `abytes`: fp32 on the CPU, bf16 on CUDA).
@@ -245,8 +189,13 @@ static void llama_plan(Llama* m, MemPlan* p) {
             plan_add(p, MEM_FROZEN, "attn_norm", l, "attn_norm", d * wbytes, &layer->attn_norm);
             plan_add(p, MEM_FROZEN, "mlp_norm", l, "mlp_norm", d * wbytes, &layer->mlp_norm);
         }
-        if (md->full) continue;  // the linear weights are the trainable arena then (fp32)
+        if (c->qk_norm && !md->full) {
+            plan_add(p, MEM_FROZEN, "qk_norm", l, "q_norm", c->head_dim * wbytes, &layer->q_norm);
+            plan_add(p, MEM_FROZEN, "qk_norm", l, "k_norm", c->head_dim * wbytes, &layer->k_norm);
+        }
+        if (md->full) continue;  // the linear weights and biases are the trainable arena then (fp32)
         for (int t = 0; t < N_TARGETS; t++) {
+            if (llama_has_bias(c, t)) plan_add(p, MEM_FROZEN, target_names[t], l, "bias", lin_out(c, t) * wbytes, linear_bias_slot(be, &layer->lin[t]));
             int64_t n = lin_in(c, t) * lin_out(c, t);
             if (md->nf4) plan_add(p, MEM_FROZEN, target_names[t], l, target_names[t], (size_t)nf4_tensor_bytes(n), (void*)&layer->lin[t].nf4);
             else plan_add(p, MEM_FROZEN, target_names[t], l, target_names[t], n * wbytes, linear_weight_slot(be, &layer->lin[t]));
@@ -259,9 +208,10 @@ static void llama_plan(Llama* m, MemPlan* p) {
         plan_add(p, MEM_SCRATCH, "nf4", -1, "nf4_dequant", biggest * wbytes, &m->nf4_scratch);
     }
     int64_t n_params = md->full ? V * d * (c->tied ? 1 : 2) + d + (train_norms ? 2 * c->layers * d : 0) : 0;
+    if (md->full && c->qk_norm) n_params += 2 * c->layers * c->head_dim;
     for (int l = 0; l < c->layers; l++)
         for (int t = 0; t < N_TARGETS; t++) {
-            if (md->full) n_params += lin_in(c, t) * lin_out(c, t);
+            if (md->full) n_params += lin_in(c, t) * lin_out(c, t) + (llama_has_bias(c, t) ? lin_out(c, t) : 0);
             else if (md->targets >> t & 1) n_params += r * (lin_in(c, t) + lin_out(c, t));
         }
     trainable_plan(&m->tr, p, md->full ? "all weights" : "lora", n_params, md->full ? SHARD_OPTIM_AND_MASTER : SHARD_NONE, m->dist, be);
@@ -280,8 +230,17 @@ static void llama_plan(Llama* m, MemPlan* p) {
         if (!md->ms && !md->ckpt) plan_block_act(p, m, l, 1, "attn_norm", "x_in", N * d * abytes, &a->x_in, NULL);
         plan_block_act(p, m, l, keep, "attn_norm", "r1", N * 4, &a->r1, &s->r1);
         plan_block_act(p, m, l, keep && (md->ms || lora_qkv), "qkv_input", "z1", N * d * abytes, &a->z1, &s->z1);
-        plan_block_act(p, m, l, keep, "attention", "q", N * qd * abytes, &a->q, &s->q);
-        plan_block_act(p, m, l, keep, "attention", "k", N * kvd * abytes, &a->k, &s->k);
+        if (c->qk_norm) {
+            int msqk = llama_qk_norm_ms(m);
+            plan_block_act(p, m, l, keep && !msqk, "qk_norm", "q_pre", N * qd * abytes, &a->q_pre, &s->q_pre);
+            plan_block_act(p, m, l, keep && !msqk, "qk_norm", "k_pre", N * kvd * abytes, &a->k_pre, &s->k_pre);
+            if (msqk) plan_block_act(p, m, l, keep, "qk_norm", "q_normed", N * qd * abytes, &a->qz, &s->qz);
+            if (msqk) plan_block_act(p, m, l, keep, "qk_norm", "k_normed", N * kvd * abytes, &a->kz, &s->kz);
+            plan_block_act(p, m, l, keep, "qk_norm", "rq", N * c->heads * 4, &a->rq, &s->rq);
+            plan_block_act(p, m, l, keep, "qk_norm", "rk", N * c->kv_heads * 4, &a->rk, &s->rk);
+        }
+        plan_block_act(p, m, l, keep && !llama_qk_norm_ms(m), "attention", "q", N * qd * abytes, &a->q, &s->q);
+        plan_block_act(p, m, l, keep && !llama_qk_norm_ms(m), "attention", "k", N * kvd * abytes, &a->k, &s->k);
         plan_block_act(p, m, l, keep, "attention", "v", N * kvd * abytes, &a->v, &s->v);
         plan_block_act(p, m, l, keep, "attention", "o", N * qd * abytes, &a->o, &s->o);
         plan_block_act(p, m, l, keep, "attention", "lse", N * c->heads * 4, &a->lse, &s->lse);
@@ -371,6 +330,10 @@ static void llama_bind(Llama* m) {
                     layer->h_attn_norm = trainable_bind_tensor(&m->tr, &off, d, &layer->attn_norm, &layer->dattn_norm, NULL);
                     layer->h_mlp_norm = trainable_bind_tensor(&m->tr, &off, d, &layer->mlp_norm, &layer->dmlp_norm, NULL);
                 }
+                if (m->modes.full && c->qk_norm) {  // Qwen3's q/k norms train in every norm mode (no merge took them)
+                    layer->h_q_norm = trainable_bind_tensor(&m->tr, &off, c->head_dim, &layer->q_norm, &layer->dq_norm, NULL);
+                    layer->h_k_norm = trainable_bind_tensor(&m->tr, &off, c->head_dim, &layer->k_norm, &layer->dk_norm, NULL);
+                }
             }
             L->in = (int)lin_in(c, t);
             L->out = (int)lin_out(c, t);
@@ -380,7 +343,8 @@ static void llama_bind(Llama* m) {
                 *linear_weight_slot(m->be, L) = m->nf4_scratch;
             }
             if (m->modes.full) {
-                trainable_bind_linear_weight(&m->tr, &off, L);  // full fine-tuning: W trains in the arena
+                trainable_bind_linear_weight(&m->tr, &off, L);  // full fine-tuning: W (and its bias) train in the arena
+                if (llama_has_bias(c, t)) trainable_bind_linear_bias(&m->tr, &off, L);
             } else if (m->modes.targets >> t & 1) {
                 trainable_bind_adapter(&m->tr, &off, L, (int)r);
                 const void* gamma = t <= T_V ? m->layers[l].attn_norm : t == T_GATE || t == T_UP ? m->layers[l].mlp_norm : NULL;
@@ -545,6 +509,7 @@ static void llama_load_weights(Llama* m, const char* dir) {
     int bnb = bnb_config_nf4(dir);
     StModel sm;
     st_model_open(&sm, dir);
+    llama_check_tensor_names(c, &sm, bnb);
     float tables[NF4_TABLE_FLOATS];
     nf4_fill_tables(tables);
     if (bnb) llama_bnb_tables(m, &sm, tables);
@@ -562,8 +527,18 @@ static void llama_load_weights(Llama* m, const char* dir) {
         snprintf(name, sizeof(name), "model.layers.%d.post_attention_layernorm.weight", l);
         load_tensor(&sm, name, g_mlp, d, 0);
         backend_set_weight(m->be, layer->mlp_norm, layer->h_mlp_norm, g_mlp, d);
+        if (c->qk_norm) {
+            snprintf(name, sizeof(name), "model.layers.%d.self_attn.q_norm.weight", l);
+            load_weight(m, &sm, name, layer->q_norm, layer->h_q_norm, tmp, c->head_dim, 0);
+            snprintf(name, sizeof(name), "model.layers.%d.self_attn.k_norm.weight", l);
+            load_weight(m, &sm, name, layer->k_norm, layer->h_k_norm, tmp, c->head_dim, 0);
+        }
         for (int t = 0; t < N_TARGETS; t++) {
             Linear* lin = &layer->lin[t];
+            if (llama_has_bias(c, t)) {  // RMSNorm has no beta: the MS merge leaves a bias as it is
+                snprintf(name, sizeof(name), "model.layers.%d.%s.bias", l, hf_module_names[t]);
+                load_weight(m, &sm, name, *linear_bias_slot(m->be, lin), m->modes.full ? lin->bias : NULL, tmp, lin->out, 0);
+            }
             snprintf(name, sizeof(name), "model.layers.%d.%s.weight", l, hf_module_names[t]);
             const float* gamma = !m->modes.ms ? NULL : t <= T_V ? g_attn : (t == T_GATE || t == T_UP) ? g_mlp : NULL;
             if (llama_read_linear(m, &sm, bnb, name, lin, tmp, gamma != NULL)) continue;
@@ -590,6 +565,11 @@ static void llama_random_weights(Llama* m, uint64_t seed) {
     for (int64_t i = drawn; i < biggest; i += drawn) memcpy(tmp + i, tmp, sizeof(float) * (biggest - i < drawn ? biggest - i : drawn));
     m->gamma_host = (float*)xmalloc(sizeof(float) * 2 * c->layers * d);
     for (int64_t i = 0; i < 2 * c->layers * d; i++) m->gamma_host[i] = 1.0f;
+    int64_t widest = 0;
+    for (int t = 0; t < N_TARGETS; t++) widest = lin_out(c, t) > widest ? lin_out(c, t) : widest;
+    float* zeros = (float*)xcalloc(widest + c->head_dim, sizeof(float));  // biases 0, then the q/k norms' gammas 1
+    float* qk_ones = zeros + widest;
+    for (int i = 0; i < c->head_dim; i++) qk_ones[i] = 1.0f;
     float tables[NF4_TABLE_FLOATS];
     nf4_fill_tables(tables);
     llama_set_nf4_tables(m, tables);
@@ -600,8 +580,17 @@ static void llama_random_weights(Llama* m, uint64_t seed) {
         LlamaLayer* layer = &m->layers[l];
         backend_set_weight(m->be, layer->attn_norm, layer->h_attn_norm, m->gamma_host, d);
         backend_set_weight(m->be, layer->mlp_norm, layer->h_mlp_norm, m->gamma_host, d);
-        for (int t = 0; t < N_TARGETS; t++) llama_set_linear_weight(m, &layer->lin[t], tmp);
+        if (c->qk_norm) {
+            backend_set_weight(m->be, layer->q_norm, layer->h_q_norm, qk_ones, c->head_dim);
+            backend_set_weight(m->be, layer->k_norm, layer->h_k_norm, qk_ones, c->head_dim);
+        }
+        for (int t = 0; t < N_TARGETS; t++) {
+            Linear* lin = &layer->lin[t];
+            llama_set_linear_weight(m, lin, tmp);
+            if (llama_has_bias(c, t)) backend_set_weight(m->be, *linear_bias_slot(m->be, lin), m->modes.full ? lin->bias : NULL, zeros, lin->out);
+        }
     }
+    free(zeros);
     free(tmp);
     if (m->modes.full) trainable_to_device(&m->tr);
 }
@@ -655,6 +644,32 @@ typedef struct {
     int len, cap;
 } KVCache;
 
+// q (t = T_Q) or k (T_K) of a block into a->q / a->k: the projection of z1, Qwen3's RMSNorm over
+// each head, then RoPE. Under MS norms the norm's output z is what the block keeps and the rotated
+// q, k are built from it (llama_qk_norm_ms), here and again, identically, in backward.
+static void llama_qk_forward(Llama* m, const LlamaLayer* layer, BlockActs* a, int t, int64_t N, int T) {
+    const Backend* be = m->be;
+    const LlamaConfig* c = &m->cfg;
+    int is_q = t == T_Q, heads = is_q ? c->heads : c->kv_heads;
+    void* y = is_q ? a->q : a->k;
+    if (!c->qk_norm) {
+        op_linear_forward(be, y, a->z1, &layer->lin[t], a->ax[t], N, m->modes.rank, m->modes.lora_scale, 0);
+    } else {
+        void* pre = is_q ? a->q_pre : a->k_pre;
+        const void* gamma = is_q ? layer->q_norm : layer->k_norm;
+        float* r = is_q ? a->rq : a->rk;
+        op_linear_forward(be, pre, a->z1, &layer->lin[t], a->ax[t], N, m->modes.rank, m->modes.lora_scale, 0);
+        if (llama_qk_norm_ms(m)) {
+            void* z = is_q ? a->qz : a->kz;
+            op_rmsnorm_forward(be, z, r, pre, NULL, N * heads, c->head_dim, c->norm_eps);
+            op_scale_columns(be, y, z, gamma, N * heads, c->head_dim);
+        } else {
+            op_rmsnorm_forward(be, y, r, pre, gamma, N * heads, c->head_dim, c->norm_eps);
+        }
+    }
+    op_rope(be, y, m->rope_cos, m->rope_sin, m->pos, N, T, heads, c->head_dim, 0);
+}
+
 // One block, updating the residual stream x [B*T, d] in place and filling a's buffers. With a
 // cache (generation, B = 1), the T new tokens sit at positions kv->len.., their keys and values
 // join the cache and attention reads it.
@@ -668,11 +683,9 @@ static void block_forward(Llama* m, int l, void* x, BlockActs* a, int B, int T, 
     AttnShape as = {B, T, c->heads, c->kv_heads, c->head_dim, 1, m->pos};
     if (a->x_in) op_copy(be, a->x_in, x, N * d);
     op_rmsnorm_forward(be, a->z1, a->r1, x, m->modes.ms ? NULL : layer->attn_norm, N, (int)d, c->norm_eps);
-    op_linear_forward(be, a->q, a->z1, &layer->lin[T_Q], a->ax[T_Q], N, r, s, 0);
-    op_linear_forward(be, a->k, a->z1, &layer->lin[T_K], a->ax[T_K], N, r, s, 0);
+    llama_qk_forward(m, layer, a, T_Q, N, T);
+    llama_qk_forward(m, layer, a, T_K, N, T);
     op_linear_forward(be, a->v, a->z1, &layer->lin[T_V], a->ax[T_V], N, r, s, 0);
-    op_rope(be, a->q, m->rope_cos, m->rope_sin, m->pos, N, T, c->heads, c->head_dim, 0);
-    op_rope(be, a->k, m->rope_cos, m->rope_sin, m->pos, N, T, c->kv_heads, c->head_dim, 0);
     if (kv) {
         int64_t kvd = (int64_t)c->kv_heads * c->head_dim, at = (int64_t)kv->len * kvd * be->abytes;
         op_copy(be, (char*)kv->k[l] + at, a->k, N * kvd);
@@ -709,6 +722,40 @@ static void llama_forward_blocks(Llama* m, int B, int T, const KVCache* kv) {
 // ----------------------------------------------------------------------------------------------
 // Backward
 
+// Under MS norms, Qwen3's rotated q (t = T_Q) or k (T_K) for attention's backward: RoPE(gamma z) from
+// the kept z, as the forward built them.
+static void llama_qk_rebuild(Llama* m, const LlamaLayer* layer, BlockActs* a, int t, int64_t N, int T) {
+    const LlamaConfig* c = &m->cfg;
+    int is_q = t == T_Q, heads = is_q ? c->heads : c->kv_heads;
+    void* y = is_q ? a->q : a->k;
+    op_scale_columns(m->be, y, is_q ? a->qz : a->kz, is_q ? layer->q_norm : layer->k_norm, N * heads, c->head_dim);
+    op_rope(m->be, y, m->rope_cos, m->rope_sin, m->pos, N, T, heads, c->head_dim, 0);
+}
+
+// The gradient w.r.t. the q (t = T_Q) or k (T_K) projection's output, from dy, the gradient w.r.t.
+// the rotated q or k with RoPE already undone: dy itself without Qwen3's norm, else dy through
+// the norm into m->dout (free once attention's backward has run; dy is clobbered under MS norms).
+static const void* llama_qk_norm_backward(Llama* m, const LlamaLayer* layer, BlockActs* a, int t, void* dy, int64_t N) {
+    const Backend* be = m->be;
+    const LlamaConfig* c = &m->cfg;
+    if (!c->qk_norm) return dy;
+    int is_q = t == T_Q;
+    int64_t rows = N * (is_q ? c->heads : c->kv_heads);
+    const void* gamma = is_q ? layer->q_norm : layer->k_norm;
+    const float* r = is_q ? a->rq : a->rk;
+    op_zero(be, m->dout, (size_t)rows * c->head_dim * be->abytes);
+    if (llama_qk_norm_ms(m)) {  // dz = gamma dy, then the MS backward from z and r
+        op_scale_columns(be, dy, dy, gamma, rows, c->head_dim);
+        op_rmsnorm_ms_backward(be, m->dout, dy, is_q ? a->qz : a->kz, r, rows, c->head_dim);
+    } else {
+        const void* pre = is_q ? a->q_pre : a->k_pre;
+        float* dgamma = is_q ? layer->dq_norm : layer->dk_norm;
+        if (dgamma) op_rmsnorm_gamma_grad(be, dgamma, dy, pre, r, rows, c->head_dim);
+        op_rmsnorm_backward(be, m->dout, dy, pre, r, gamma, rows, c->head_dim);
+    }
+    return m->dout;
+}
+
 // Backpropagates m->dres (gradient w.r.t. the block output) to the block input, in place.
 static void block_backward(Llama* m, int l, BlockActs* a, int B, int T) {
     const Backend* be = m->be;
@@ -731,11 +778,12 @@ static void block_backward(Llama* m, int l, BlockActs* a, int B, int T) {
     else op_rmsnorm_backward(be, m->dres, m->dz, a->h_mid, a->r2, layer->mlp_norm, N, (int)d);
     // attention: o-proj, attention, RoPE, q/k/v, attention norm
     op_linear_backward(be, m->dout, m->dres, a->o, a->ax[T_O], &layer->lin[T_O], m->dax, N, r, s, 0);
+    if (llama_qk_norm_ms(m)) { llama_qk_rebuild(m, layer, a, T_Q, N, T); llama_qk_rebuild(m, layer, a, T_K, N, T); }
     op_attention_backward(be, m->dq, m->dk, m->dv, m->dout, a->q, a->k, a->v, a->o, a->lse, as, m->att_work);
     op_rope(be, m->dq, m->rope_cos, m->rope_sin, m->pos, N, T, c->heads, c->head_dim, 1);
     op_rope(be, m->dk, m->rope_cos, m->rope_sin, m->pos, N, T, c->kv_heads, c->head_dim, 1);
-    op_linear_backward(be, m->dz, m->dq, a->z1, a->ax[T_Q], &layer->lin[T_Q], m->dax, N, r, s, 0);
-    op_linear_backward(be, m->dz, m->dk, a->z1, a->ax[T_K], &layer->lin[T_K], m->dax, N, r, s, 1);
+    op_linear_backward(be, m->dz, llama_qk_norm_backward(m, layer, a, T_Q, m->dq, N), a->z1, a->ax[T_Q], &layer->lin[T_Q], m->dax, N, r, s, 0);
+    op_linear_backward(be, m->dz, llama_qk_norm_backward(m, layer, a, T_K, m->dk, N), a->z1, a->ax[T_K], &layer->lin[T_K], m->dax, N, r, s, 1);
     op_linear_backward(be, m->dz, m->dv, a->z1, a->ax[T_V], &layer->lin[T_V], m->dax, N, r, s, 1);
     if (layer->dattn_norm) op_rmsnorm_gamma_grad(be, layer->dattn_norm, m->dz, x_in, a->r1, N, (int)d);
     if (m->modes.ms) op_rmsnorm_ms_backward(be, m->dres, m->dz, a->z1, a->r1, N, (int)d);
@@ -1040,7 +1088,8 @@ static const Linear* llama_linear_named(Llama* m, const char* name, int* layer, 
 }
 
 // Under --full, the host mirror of the trained non-linear weight whose Hugging Face name is
-// `name` (embedding, head, final norm, block norms under standard norms), or NULL.
+// `name` (embedding, head, final norm, block norms under standard norms, Qwen3's q/k norms, the
+// linears' biases), or NULL.
 static const float* llama_trained_tensor(const Llama* m, const char* name) {
     if (!m->modes.full) return NULL;
     if (!strcmp(name, "model.embed_tokens.weight")) return m->h_embed;
@@ -1052,6 +1101,14 @@ static const float* llama_trained_tensor(const Llama* m, const char* name) {
         if (!strcmp(name, buf)) return m->layers[l].h_attn_norm;
         snprintf(buf, sizeof(buf), "model.layers.%d.post_attention_layernorm.weight", l);
         if (!strcmp(name, buf)) return m->layers[l].h_mlp_norm;
+        snprintf(buf, sizeof(buf), "model.layers.%d.self_attn.q_norm.weight", l);
+        if (!strcmp(name, buf)) return m->layers[l].h_q_norm;
+        snprintf(buf, sizeof(buf), "model.layers.%d.self_attn.k_norm.weight", l);
+        if (!strcmp(name, buf)) return m->layers[l].h_k_norm;
+        for (int t = 0; t < N_TARGETS; t++) {  // biases, where the model has them (L->bias: the host mirror)
+            snprintf(buf, sizeof(buf), "model.layers.%d.%s.bias", l, hf_module_names[t]);
+            if (!strcmp(name, buf)) return m->layers[l].lin[t].dbias ? m->layers[l].lin[t].bias : NULL;
+        }
     }
     return NULL;
 }
@@ -1267,6 +1324,7 @@ int main(int argc, char** argv) {
     train_check_lora_rank(&o, cfg.dim, o.model_dir);
     TrainModes md = train_modes_from(&o, target_names, N_TARGETS);
     if (o.dry_run) {
+        llama_check_window(&cfg, o.seq, o.model_dir, "flag --seq");
         if (dist.rank == 0) { llama_dry_run(&cfg, &o, md, &dist); llama_warn_seq(&cfg, &o); }
         dist_finalize(&dist);
         return 0;
@@ -1290,6 +1348,7 @@ int main(int argc, char** argv) {
     Llama m, base;
     int sized = o.data_path || o.eval_only;  // generation alone needs one sequence
     int B = sized ? o.batch : 1, T = sized ? o.seq : (cfg.max_seq < 256 ? cfg.max_seq : 256);
+    llama_check_window(&cfg, T, o.model_dir, sized ? "flag --seq" : "the generation window");
     llama_setup(&m, &cfg, &md, B, T, &be, &dist);
     TrainOptions planned = o;
     planned.batch = B;

@@ -68,6 +68,15 @@ static void op_mul(const Backend* be, void* out, const void* a, const void* b, i
     multiply(F32(out), CF32(a), CF32(b), n);
 }
 
+// y[n, i] = x[n, i] * g[i] over rows of d (y may be x): Qwen3's q/k norm gamma under MS norms.
+static void op_scale_columns(const Backend* be, void* y, const void* x, const void* g, int64_t rows, int d) {
+    PROF_SCOPE(be, "qk norm gamma", "fwd", (double)rows * d, 2.0 * rows * d * (double)be->abytes);
+#ifdef LLMC_HAVE_CUDA
+    if (be->cuda) { scale_columns_cuda(B16(y), CB16(x), CB16(g), rows, d, be->stream); return; }
+#endif
+    scale_columns(F32(y), CF32(x), CF32(g), rows, d);
+}
+
 // x[n] = embed[ids[n]] (rows of d).
 static void op_embed(const Backend* be, void* x, const void* embed, const int* ids, int64_t N, int d) {
     PROF_SCOPE(be, "embedding", "fwd", 0, 2.0 * N * d * (double)be->abytes);

@@ -42,9 +42,26 @@ CONFIGS = {
                                       "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                       "original_max_position_embeddings": 64},
                         tie_word_embeddings=True),
+    # Qwen2/2.5: biases on q, k, v (large ones, as real Qwen2.5 k biases are), GQA, untied
+    "qwen2": dict(model_type="qwen2", hidden_size=48, intermediate_size=80, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, vocab_size=61, rms_norm_eps=1e-6,
+                  rope_theta=1000000.0, tie_word_embeddings=False, use_sliding_window=False,
+                  sliding_window=4096, max_window_layers=2),
+    # Qwen3: q/k norms before RoPE, head_dim 16 with 4 heads on hidden 48 (64 != 48), tied
+    "qwen3": dict(model_type="qwen3", hidden_size=48, intermediate_size=72, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=59,
+                  rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True,
+                  attention_bias=False),
+    # LLaMA with every bias: attention_bias (q, k, v, o) and mlp_bias (gate, up, down)
+    "llama_bias": dict(hidden_size=32, intermediate_size=56, num_hidden_layers=2,
+                       num_attention_heads=2, num_key_value_heads=1, vocab_size=53,
+                       attention_bias=True, mlp_bias=True, tie_word_embeddings=False),
 }
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                 "qwen3": "Qwen3ForCausalLM"}
 # batch, sequence length (T), LoRA rank, alpha per config
-SHAPES = {"gqa_untied": (2, 11, 4, 8.0), "mha_tied": (3, 7, 2, 4.0), "llama3_rope": (2, 16, 4, 6.0)}
+SHAPES = {"gqa_untied": (2, 11, 4, 8.0), "mha_tied": (3, 7, 2, 4.0), "llama3_rope": (2, 16, 4, 6.0),
+          "qwen2": (2, 9, 4, 8.0), "qwen3": (2, 10, 4, 8.0), "llama_bias": (2, 8, 2, 4.0)}
 
 # fp32 probe vs fp64 reference
 TOL = {"logits": 1e-4, "loss": 1e-5, "grad": 1e-3}
@@ -58,8 +75,8 @@ BREAKPOINT_MARGIN = 2e-4
 
 def model_config(name):
     d = dict(CONFIGS[name])
-    d.update(model_type="llama", architectures=["LlamaForCausalLM"], torch_dtype="float32",
-             max_position_embeddings=256)
+    d.setdefault("model_type", "llama")
+    d.update(architectures=[ARCHITECTURES[d["model_type"]]], torch_dtype="float32", max_position_embeddings=256)
     return d
 
 
@@ -88,6 +105,13 @@ def write_model(model_dir, config, seed=0):
             if name == "gate":
                 w[::4] *= 10.0
             t[p + module + ".weight"] = w
+            if cfg.bias[name]:  # k's large, as in real Qwen2.5 checkpoints
+                t[p + module + ".bias"] = normal((o,), 1.0 if name == "k" else 0.2)
+        if cfg.qk_norm:  # per-head gammas, wide (and one zero) so that they matter
+            for n in ("q_norm", "k_norm"):
+                g = (1.0 + 0.5 * rng.standard_normal(cfg.head_dim)).astype(np.float32)
+                g[3] = 0.0
+                t[p + f"self_attn.{n}.weight"] = g
         t[p + "input_layernorm.weight"] = gamma()
         t[p + "post_attention_layernorm.weight"] = gamma()
     t["model.norm.weight"] = gamma()

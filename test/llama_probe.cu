@@ -52,6 +52,7 @@ int main(int argc, char** argv) {
     const StTensor* tokens = case_tensor(&cf, "tokens", ST_I32);
     const StTensor* mask = case_tensor(&cf, "mask", ST_F32);
     int B = (int)tokens->shape[0], T = (int)tokens->shape[1] - 1;
+    llama_check_window(&cfg, T, o.model_dir, "the case's sequence");
     Backend be;
     backend_init(&be, o.device, 0);
     Llama m;
@@ -109,6 +110,14 @@ int main(int argc, char** argv) {
         st_writer_add(&w, nm, ST_F32, 1, &dd, HOST_GRAD(m.layers[l].dattn_norm));
         snprintf(nm, sizeof(nm), "grad.%d.mlp_norm", l);
         st_writer_add(&w, nm, ST_F32, 1, &dd, HOST_GRAD(m.layers[l].dmlp_norm));
+    }
+    int64_t hd = cfg.head_dim;
+    for (int l = 0; l < cfg.layers; l++) {
+        if (!m.layers[l].dq_norm) continue;
+        snprintf(nm, sizeof(nm), "grad.%d.q_norm", l);
+        st_writer_add(&w, nm, ST_F32, 1, &hd, HOST_GRAD(m.layers[l].dq_norm));
+        snprintf(nm, sizeof(nm), "grad.%d.k_norm", l);
+        st_writer_add(&w, nm, ST_F32, 1, &hd, HOST_GRAD(m.layers[l].dk_norm));
     }
 #undef HOST_GRAD
     st_writer_save(&w, out_path, NULL);

@@ -1,6 +1,8 @@
 #!/usr/bin/env python3
 """Independent PyTorch reference of a LLaMA forward + backward with LoRA: the oracle the C trainer
-is tested against (test/test_llama_model.py).
+is tested against (test/test_llama_model.py). Covers the LLaMA-architecture families the trainer
+reads: LLaMA (attention_bias, mlp_bias, head_dim), Mistral, Qwen2 (q/k/v biases) and Qwen3 (q/k
+norms before RoPE), as transformers' modeling files define them.
 
 Written plainly with autograd, float64 by default. Reads a Hugging Face model directory
 (config.json + model.safetensors, or sharded with model.safetensors.index.json) through st_io.
@@ -119,6 +121,18 @@ class LlamaConfig:
         self.rope_scaling = d.get("rope_scaling")
         self.tied = bool(d.get("tie_word_embeddings", False))
         self.head_dim = int(d.get("head_dim") or self.dim // self.n_heads)
+        # the families' additions to LLaMA, as transformers' modeling files define them:
+        # Qwen2's q, k, v projections always have biases; LLaMA's and Qwen3's attention_bias puts
+        # one on q, k, v and o; LLaMA's mlp_bias on gate, up and down; Qwen3 normalises each head
+        # of q and k (RMSNorm with its own weight [head_dim], eps rms_norm_eps) before RoPE.
+        self.model_type = d.get("model_type", "llama")
+        attention_bias = bool(d.get("attention_bias", False))
+        qwen2 = self.model_type == "qwen2"
+        self.bias = {"q": qwen2 or attention_bias, "k": qwen2 or attention_bias, "v": qwen2 or attention_bias,
+                     "o": attention_bias and not qwen2}
+        for t in ("gate", "up", "down"):
+            self.bias[t] = bool(d.get("mlp_bias", False))
+        self.qk_norm = self.model_type == "qwen3"
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"config.json: num_attention_heads {self.n_heads} is not a multiple "
                              f"of num_key_value_heads {self.n_kv_heads}")
@@ -187,6 +201,12 @@ class LlamaModel:
             for t in LORA_TARGETS:
                 i, o = c.in_out(t)
                 w[f"{l}.{t}"] = get(p + _MODULE_OF[t] + ".weight", (o, i))
+            for t in LORA_TARGETS:
+                if c.bias[t]:
+                    w[f"{l}.{t}.b"] = get(p + _MODULE_OF[t] + ".bias", (c.in_out(t)[1],))
+            if c.qk_norm:
+                w[f"{l}.q_norm"] = get(p + "self_attn.q_norm.weight", (c.head_dim,))
+                w[f"{l}.k_norm"] = get(p + "self_attn.k_norm.weight", (c.head_dim,))
             w[f"{l}.attn_norm"] = get(p + "input_layernorm.weight", (c.dim,))
             w[f"{l}.mlp_norm"] = get(p + "post_attention_layernorm.weight", (c.dim,))
         w["norm"] = get("model.norm.weight", (c.dim,))
@@ -271,10 +291,12 @@ def rmsnorm(x, gamma, eps):
     return z if gamma is None else z * gamma
 
 
-def lora_linear(x, W, lora, scale, xa=None):
-    """y = x W^T + scale * (xa A^T) B^T; lora is (A [r, in], B [out, r]) or None; the adapter's
-    input xa defaults to x."""
+def lora_linear(x, W, lora, scale, xa=None, bias=None):
+    """y = x W^T (+ bias) + scale * (xa A^T) B^T; lora is (A [r, in], B [out, r]) or None; the
+    adapter's input xa defaults to x."""
     y = x @ W.t()
+    if bias is not None:
+        y = y + bias
     if lora is not None:
         A, B = lora
         y = y + scale * (((x if xa is None else xa) @ A.t()) @ B.t())
@@ -324,10 +346,13 @@ def forward(model, tokens, lora, scale, act="exact", norm="std", stats=None, wei
             xa = inp * model.w[f"{l}.{norm_key}"] if see_gamma and norm_key else None
             if dropout is not None and lora.get((l, t)) is not None:
                 xa = dropout(l, t, inp if xa is None else xa)
-            return lora_linear(inp, w[f"{l}.{t}"], lora.get((l, t)), scale, xa)
+            return lora_linear(inp, w[f"{l}.{t}"], lora.get((l, t)), scale, xa, w.get(f"{l}.{t}.b"))
         z = rmsnorm(x, w[f"{l}.attn_norm"], c.eps)
-        q = lin("q", z, "attn_norm").view(B, T, c.n_heads, hd).transpose(1, 2)
-        k = lin("k", z, "attn_norm").view(B, T, c.n_kv_heads, hd).transpose(1, 2)
+        q = lin("q", z, "attn_norm").view(B, T, c.n_heads, hd)
+        k = lin("k", z, "attn_norm").view(B, T, c.n_kv_heads, hd)
+        if c.qk_norm:
+            q, k = rmsnorm(q, w[f"{l}.q_norm"], c.eps), rmsnorm(k, w[f"{l}.k_norm"], c.eps)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = lin("v", z, "attn_norm").view(B, T, c.n_kv_heads, hd).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         o = attention(q, k, v, c.n_heads // c.n_kv_heads)
@@ -373,7 +398,8 @@ def run_case(model_dir, case, act="exact", norm="std", lora_rank=None, lora_alph
     full: full fine-tuning: no adapters; the gradients are those of every linear weight (of the
     merged model under norm="ms"), named "grad.{l}.{t}.W", and of the embedding ("grad.embed"),
     the untied head ("grad.lm_head"), the final norm ("grad.final_norm") and, with standard norms,
-    the block norms ("grad.{l}.attn_norm", "grad.{l}.mlp_norm").
+    the block norms ("grad.{l}.attn_norm", "grad.{l}.mlp_norm"); where the model has them, of
+    the linears' biases ("grad.{l}.{t}.b") and Qwen3's q/k norms ("grad.{l}.q_norm", "grad.{l}.k_norm").
     ms_lora: under norm="ms", the adapters see gamma*z ("exact") or z ("merged", the paper's).
     dropout: LoRA dropout, as forward() takes it (None: none).
     Returns a dict with the OUT names ("logits" [B,T,V], "loss" [1], "grad.lora.{l}.{t}.A|B"),
@@ -423,6 +449,9 @@ def run_case(model_dir, case, act="exact", norm="std", lora_rank=None, lora_alph
             for t in LORA_TARGETS:
                 weights[f"{l}.{t}"] = weights[f"{l}.{t}"].clone().requires_grad_(True)
         extra = [("grad.embed", "embed"), ("grad.final_norm", "norm")]
+        extra += [(f"grad.{l}.{t}.b", f"{l}.{t}.b") for l in range(c.n_layers) for t in LORA_TARGETS if c.bias[t]]
+        if c.qk_norm:
+            extra += [(f"grad.{l}.{n}", f"{l}.{n}") for l in range(c.n_layers) for n in ("q_norm", "k_norm")]
         if not c.tied:
             extra.append(("grad.lm_head", "head"))
         if norm == "std":

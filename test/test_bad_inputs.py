@@ -164,6 +164,23 @@ def w(tmp_path_factory):
         "layers_zero": setdict(num_hidden_layers=0), "maxpos_zero": setdict(max_position_embeddings=0),
         "rs_band": setdict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0,
                                          "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+        # issue 23: families, keys and values the trainer does not implement
+        "gemma": setdict(model_type="gemma", architectures=["GemmaForCausalLM"], head_dim=16),
+        "phi3": setdict(model_type="phi3", architectures=["Phi3ForCausalLM"]),
+        "mixtral": setdict(model_type="mixtral", architectures=["MixtralForCausalLM"], num_local_experts=8,
+                           num_experts_per_tok=2),
+        "no_model_type": lambda cfg: cfg.pop("model_type"),
+        "arch_mismatch": setdict(architectures=["LlamaForSequenceClassification"]),
+        "softcap": setdict(final_logit_softcapping=30.0),
+        "rope_yarn": setdict(rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}),
+        "rope_string": setdict(rope_scaling="linear"),
+        "partial_rotary": setdict(partial_rotary_factor=0.5),
+        "gelu": setdict(hidden_act="gelu"),
+        "attn_dropout": setdict(attention_dropout=0.1),
+        "tie_int": setdict(tie_word_embeddings=1),
+        "mistral_window": setdict(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=8),
+        "qwen2_window": setdict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], use_sliding_window=True,
+                                sliding_window=8, max_window_layers=0),
     }
     ns.lcfg = {k: model_with(root, "l_" + k, LLAMA, config_edit=e) for k, e in cfgs.items()}
     with open(os.path.join(ns.lcfg["eps_neg"], "config.json")) as f:  # 1e999 is inf to strtod
@@ -183,6 +200,18 @@ def w(tmp_path_factory):
         "huge_dim": add_entry("junk", lambda end: {"dtype": "F32", "shape": [1e20], "data_offsets": [end, end]}),
     }
     ns.lst = {k: model_with(root, "lst_" + k, LLAMA, st_edit=e) for k, e in sts.items()}
+    # checkpoints with a tensor the model would not use (issue 23): the demo's, plus one
+    ns.extra_tensor = os.path.join(root, "extra_tensor")
+    os.makedirs(ns.extra_tensor)
+    shutil.copy(os.path.join(LLAMA, "config.json"), ns.extra_tensor)
+    tensors = st_io.load(os.path.join(LLAMA, "model.safetensors"))
+    st_io.save(os.path.join(ns.extra_tensor, "model.safetensors"),
+               dict(tensors, **{"model.layers.0.self_attn.q_proj.bias": np.zeros(64, np.float32)}), metadata={"format": "pt"})
+    ns.head_differs = os.path.join(root, "head_differs")  # tied, with a stored head that is not the embedding
+    os.makedirs(ns.head_differs)
+    shutil.copy(os.path.join(LLAMA, "config.json"), ns.head_differs)
+    st_io.save(os.path.join(ns.head_differs, "model.safetensors"),
+               dict(tensors, **{"lm_head.weight": tensors[EMBED] + 1.0}), metadata={"format": "pt"})
     ns.vst_overlap = model_with(root, "vst_overlap", VIT, st_edit=overlap(VIT_PATCH, VIT_Q0))
     # a saved run and an adapter, then copies with one file replaced by a directory
     out = os.path.join(root, "run")
@@ -314,6 +343,27 @@ ROWS = {
     "st_dimension_beyond_2e53": ("llama", lambda w: (llama_model(w.lst["huge_dim"]), ["junk", "bad shape"])),
     "vit_st_overlapping_offsets": ("vit", lambda w: (vit_model(w.vst_overlap), ["model.safetensors", "overlapping"])),
     # config values without sense (item 7)
+    # issue 23: every family, key, value and tensor the trainer does not implement, refused by name
+    "family_gemma": ("llama", lambda w: (llama_model(w.lcfg["gemma"]), ["config.json", "model_type \"gemma\"", "not supported"])),
+    "family_phi3": ("llama", lambda w: (llama_model(w.lcfg["phi3"]), ["config.json", "model_type \"phi3\""])),
+    "family_mixtral": ("llama", lambda w: (llama_model(w.lcfg["mixtral"]), ["config.json", "model_type \"mixtral\""])),
+    "family_missing": ("llama", lambda w: (llama_model(w.lcfg["no_model_type"]), ["config.json", "no model_type"])),
+    "architecture_mismatch": ("llama", lambda w: (llama_model(w.lcfg["arch_mismatch"]),
+                                                  ["config.json", "LlamaForSequenceClassification", "not supported"])),
+    "unknown_config_key": ("llama", lambda w: (llama_model(w.lcfg["softcap"]), ["config.json", "final_logit_softcapping", "refused"])),
+    "rope_scaling_yarn": ("llama", lambda w: (llama_model(w.lcfg["rope_yarn"]), ["config.json", "rope_scaling type \"yarn\""])),
+    "rope_scaling_string": ("llama", lambda w: (llama_model(w.lcfg["rope_string"]), ["config.json", "rope_scaling must be an object"])),
+    "partial_rotary_factor": ("llama", lambda w: (llama_model(w.lcfg["partial_rotary"]), ["config.json", "partial_rotary_factor 0.5"])),
+    "hidden_act_gelu": ("llama", lambda w: (llama_model(w.lcfg["gelu"]), ["config.json", "hidden_act \"gelu\""])),
+    "attention_dropout": ("llama", lambda w: (llama_model(w.lcfg["attn_dropout"]), ["config.json", "attention_dropout 0.1"])),
+    "tie_word_embeddings_not_bool": ("llama", lambda w: (llama_model(w.lcfg["tie_int"]), ["config.json", "tie_word_embeddings", "true or false"])),
+    "sliding_window_shorter_than_seq": ("llama", lambda w: (llama_model(w.lcfg["mistral_window"]),
+                                                            ["config.json", "sliding_window 8", "flag --seq 16"])),
+    "qwen2_sliding_window_shorter_than_seq": ("llama", lambda w: (llama_model(w.lcfg["qwen2_window"]),
+                                                                  ["config.json", "sliding_window 8", "flag --seq 16"])),
+    "unused_tensor": ("llama", lambda w: (llama_model(w.extra_tensor),
+                                          ["model.safetensors", "model.layers.0.self_attn.q_proj.bias", "not part of a llama model"])),
+    "tied_head_differs": ("llama", lambda w: (llama_model(w.head_differs), ["model.safetensors", "lm_head.weight differs"])),
     "rms_norm_eps_negative": ("llama", lambda w: (llama_model(w.lcfg["eps_neg"]), ["config.json", "rms_norm_eps", "positive"])),
     "rms_norm_eps_zero": ("llama", lambda w: (llama_model(w.lcfg["eps_zero"]), ["config.json", "rms_norm_eps", "positive"])),
     "rms_norm_eps_float_underflow": ("llama", lambda w: (llama_model(w.lcfg["eps_underflow"]), ["rms_norm_eps", "float32"])),

@@ -128,6 +128,48 @@ def test_probe_full_finetuning_matches_reference(workdir, mode):
     SUMMARY.append(lc.check_errors(errs, f"{'full':12s} {act:6s} {norm:3s} {recompute:5s}"))
 
 
+FAMILIES = ["qwen2", "qwen3", "llama_bias"]
+
+
+@pytest.mark.parametrize("mode", [MODES[0], MODES[3], MODES[5]], ids=[MODE_IDS[0], MODE_IDS[3], MODE_IDS[5]])
+@pytest.mark.parametrize("name", FAMILIES)
+def test_probe_full_finetuning_families(workdir, name, mode):
+    """--full on the families' additions: the biases and Qwen3's q/k norms train (their gradients
+    against the reference), beside every linear weight, in baseline, lowmem and lowmem + recompute."""
+    act, norm, recompute = mode
+    s = _setup(workdir, name)
+    want = ref.run_case(s.model, s.case, act, norm, s.rank, s.alpha, s.targets, full=True)
+    out = os.path.join(workdir, f"full.{name}.{act}.{norm}.{recompute}.out.safetensors")
+    cmd = [lc.probe_path(), "--model", s.dir, "--case", s.case_path, "--out-file", out, "--act", act, "--norm", norm,
+           "--recompute", recompute, "--full"]
+    p = lc.subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    c = s.model.cfg
+    n_bias = sum(c.bias[t] for t in lc.ALL_TARGETS)
+    assert sum(k.endswith(".b") for k in want) == c.n_layers * n_bias > 0 or c.qk_norm
+    assert sum(k.endswith("_norm") and ("q_norm" in k or "k_norm" in k) for k in want) == (2 * c.n_layers if c.qk_norm else 0)
+    errs = lc.compare(want, lc.st_io.load(out))
+    SUMMARY.append(lc.check_errors(errs, f"{'full ' + name:12s} {act:6s} {norm:3s} {recompute:5s}"))
+
+
+def test_reference_family_additions_matter(workdir):
+    """The oracle is only as good as the difference it sees: dropping Qwen2's biases, the LLaMA
+    biases or Qwen3's q/k norms from the reference moves its logits far beyond the tolerance, so a
+    trainer that ignored them (as it did before these families were read) fails the tests above."""
+    for name in FAMILIES:
+        s = _setup(workdir, name)
+        w = dict(s.model.w)
+        for k in list(w):
+            if k.endswith(".b") or k.endswith("q_norm") or k.endswith("k_norm"):
+                w[k] = torch.zeros_like(w[k]) if k.endswith(".b") else torch.ones_like(w[k])
+        tokens = torch.from_numpy(s.case["tokens"][:, :-1].astype(np.int64))
+        stripped = ref.forward(s.model, tokens, {}, 1.0, weights=w)
+        plain = ref.forward(s.model, tokens, {}, 1.0)
+        diff = lc.rel_to_max(stripped.detach().numpy(), plain.detach().numpy())
+        print(f"{name}: logits without the family's additions differ by {diff:.2e} (relative to max)")
+        assert diff > 100 * lc.TOL["logits"], name
+
+
 @pytest.mark.parametrize("norm", ["std", "ms"])
 def test_probe_full_finetuning_tied_head_trains_embedding(workdir, norm):
     """--full with a tied head: the embedding's gradient gathers both its uses (input rows and head),

@@ -108,16 +108,15 @@ def nf4_reference_model(model_dir, norm):
     return ref.LlamaModel(cfg, w)
 
 
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    root = str(tmp_path_factory.mktemp("nf4_model"))
-    name = "gqa_untied"
+def nf4_setup(root, name):
+    """A random model of config `name`, its NF4 reference models and a case away from the ReSiLU2
+    breakpoints."""
     d = os.path.join(root, name)
     lc.write_model(d, lc.model_config(name), seed=1)
     batch, seq, rank, alpha = lc.SHAPES[name]
     models = {norm: nf4_reference_model(d, norm) for norm in ("std", "ms")}
     case, _, _ = lc.make_safe_case(models["std"], batch, seq, rank, alpha, seed=7)
-    cp = os.path.join(root, "case.safetensors")
+    cp = os.path.join(root, f"{name}.case.safetensors")
     st_io.save(cp, case)
     refs = {}
 
@@ -126,11 +125,22 @@ def setup(tmp_path_factory):
         if (act, norm, ms_lora) not in refs:
             refs[(act, norm, ms_lora)] = ref.run_case(models[norm], case, act, norm, rank, alpha, ms_lora=ms_lora)
         return refs[(act, norm, ms_lora)]
-    return {"dir": d, "case": cp, "rank": rank, "alpha": alpha, "reference": reference, "root": root}
+    return {"dir": d, "case": cp, "rank": rank, "alpha": alpha, "reference": reference, "root": root, "name": name}
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    return nf4_setup(str(tmp_path_factory.mktemp("nf4_model")), "gqa_untied")
+
+
+@pytest.fixture(scope="module")
+def family_setups(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("nf4_families"))
+    return {name: nf4_setup(root, name) for name in FAMILIES}
 
 
 def probe(s, exe, device, act, norm, rec, extra=()):
-    out = os.path.join(s["root"], f"out.{device}.{act}.{norm}.{rec}.{'_'.join(extra)}.safetensors")
+    out = os.path.join(s["root"], f"out.{s['name']}.{device}.{act}.{norm}.{rec}.{'_'.join(extra)}.safetensors")
     cmd = [need(exe), "--model", s["dir"], "--case", s["case"], "--out-file", out, "--act", act, "--norm", norm,
            "--recompute", rec, "--lora-rank", str(s["rank"]), "--lora-alpha", repr(float(s["alpha"])),
            "--device", device, "--quant", "nf4", *extra]
@@ -149,6 +159,29 @@ def test_cpu_nf4_model_matches_reference_on_dequantized_weights(setup, mode):
 
 @pytest.mark.parametrize("mode", MODES, ids=MODE_IDS)
 def test_cuda_nf4_model_matches_reference_on_dequantized_weights(setup, mode):
+    check_cuda_nf4(setup, mode)
+
+
+FAMILIES = ["qwen2", "qwen3", "llama_bias"]
+FAMILY_MODES = [MODES[0], MODES[3], MODES[5]]
+
+
+@pytest.mark.parametrize("mode", FAMILY_MODES, ids=[MODE_IDS[MODES.index(m)] for m in FAMILY_MODES])
+@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_nf4_families_match_reference_on_dequantized_weights(family_setups, device, name, mode):
+    """The families' additions (biases, Qwen3's q/k norms) stay as they are under NF4: only the
+    linears' weights are quantized."""
+    s = family_setups[name]
+    if device == "cuda":
+        check_cuda_nf4(s, mode)
+        return
+    act, norm, rec, extra = mode
+    got = probe(s, CPU_PROBE, "cpu", act, norm, rec, extra)
+    lc.check_errors(lc.compare(s["reference"](act, norm, extra), got), f"nf4 cpu {name} {act} {norm} {rec}")
+
+
+def check_cuda_nf4(setup, mode):
     act, norm, rec, extra = mode
     want = setup["reference"](act, norm, extra)
     got = probe(setup, CUDA_PROBE, "cuda", act, norm, rec, extra)
@@ -156,7 +189,7 @@ def test_cuda_nf4_model_matches_reference_on_dequantized_weights(setup, mode):
     e_logits = rel_l2(got["logits"], want["logits"])
     e_loss = abs(float(got["loss"][0]) - float(want["loss"][0])) / abs(float(want["loss"][0]))
     grads = sorted((rel_l2(got[k], want[k]), k) for k in want if k.startswith("grad."))
-    print(f"nf4 cuda {mode}: logits {e_logits:.2e} loss {e_loss:.2e} grads median {grads[len(grads) // 2][0]:.2e} worst {grads[-1]}")
+    print(f"nf4 cuda {setup['name']} {mode}: logits {e_logits:.2e} loss {e_loss:.2e} grads median {grads[len(grads) // 2][0]:.2e} worst {grads[-1]}")
     assert e_logits < tol["logits"] and e_loss < tol["loss"], (e_logits, e_loss)
     assert grads[-1][0] < tol["grad"] and grads[len(grads) // 2][0] < tol["grad"] / 3, grads[-1]
 

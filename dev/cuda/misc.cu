@@ -72,6 +72,26 @@ static void test_multiply_bias(int64_t N, int out, Rng* rng) {
     free(got3);
     free(want3);
 
+    // columns scaled by a vector (Qwen3's q/k norm gamma), in place and out of place
+    float* want4 = (float*)xmalloc(4 * n);
+    for (int64_t i = 0; i < n; i++) want4[i] = bf16_round(a[i]);
+    float* g4 = (float*)xmalloc(4 * out);
+    for (int j = 0; j < out; j++) g4[j] = bf16_round(bias[j]);
+    scale_columns(want4, want4, g4, N, out);
+    for (int64_t i = 0; i < n; i++) want4[i] = bf16_round(want4[i]);
+    dev_poison(d_out, 2 * n);
+    scale_columns_cuda(d_out, d_a, d_bias, N, out, g_stream);
+    float* got4 = download_bf16(d_out, n);
+    snprintf(name, sizeof(name), "scale_columns, N=%lld d=%d", (long long)N, out);
+    check_equal_f32(name, got4, want4, n);
+    bf16* d_a2 = upload_bf16(a, n);
+    scale_columns_cuda(d_a2, d_a2, d_bias, N, out, g_stream);
+    float* got5 = download_bf16(d_a2, n);
+    snprintf(name, sizeof(name), "scale_columns in place, N=%lld d=%d", (long long)N, out);
+    check_equal_f32(name, got5, want4, n);
+    CUDA_CHECK(cudaFree(d_a2));
+    free(got4); free(got5); free(want4); free(g4);
+
     // bias add, bf16 and fp32 rows, vs llmc/lora.h add_bias_rows
     float* yb = host_copy(b, n);
     add_bias_rows(yb, bias, N, out);
@@ -292,7 +312,7 @@ static void time_misc(void) {
 
 int main(void) {
     Rng rng = rng_seeded(17, 7);
-    check_begin("dev/cuda/misc: embedding, residual, bias, patches, strided rows, image resize vs their CPU twins");
+    check_begin("dev/cuda/misc: embedding, residual, bias, column scaling, patches, strided rows, image resize vs their CPU twins");
     test_embed(37, 67, 101, &rng);
     test_embed(5, 512, 7, &rng);
     test_embedding_backward(37, 67, 11, &rng);

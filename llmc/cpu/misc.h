@@ -10,6 +10,14 @@ static void multiply(float* out, const float* a, const float* b, int64_t n) {
     for (int64_t i = 0; i < n; i++) out[i] = a[i] * b[i];
 }
 
+// y[n, i] = x[n, i] * g[i], rows of d (Qwen3's q/k norm gamma, applied apart from the norm under MS
+// norms; y may be x).
+static void scale_columns(float* y, const float* x, const float* g, int64_t rows, int d) {
+#pragma omp parallel for schedule(static) if (rows * d > 32768)
+    for (int64_t n = 0; n < rows; n++)
+        for (int i = 0; i < d; i++) y[n * d + i] = x[n * d + i] * g[i];
+}
+
 // dst[r*dst_stride + c] = src[r*src_stride + c], rows x d values (strides in elements).
 static void copy_rows(float* dst, int64_t dst_stride, const float* src, int64_t src_stride, int64_t rows, int d) {
     for (int64_t r = 0; r < rows; r++) memcpy(dst + r * dst_stride, src + r * src_stride, sizeof(float) * d);

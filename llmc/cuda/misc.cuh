@@ -64,6 +64,16 @@ static void multiply_cuda(bf16* out, const bf16* a, const bf16* b, int64_t n, cu
     launch_kernel(grid_for(n, 256), 256, 0, stream, multiply_kernel, out, a, b, n);
 }
 
+// y[n, i] = x[n, i] * g[i], rows of d, the product in fp32 then rounded once (the twin of scale_columns;
+// y may be x).
+__global__ void scale_columns_kernel(bf16* y, const bf16* x, const bf16* __restrict__ g, int64_t n, int d) {
+    for (int64_t i = thread_index_1d(); i < n; i += grid_stride_1d()) y[i] = f2bf(bf2f(x[i]) * bf2f(g[i % d]));
+}
+static void scale_columns_cuda(bf16* y, const bf16* x, const bf16* g, int64_t rows, int d, cudaStream_t stream) {
+    if (rows * d == 0) return;
+    launch_kernel(grid_for(rows * d, 256), 256, 0, stream, scale_columns_kernel, y, x, g, rows * d, d);
+}
+
 template <class T>
 __global__ void add_bias_rows_kernel(T* y, const T* __restrict__ bias, int64_t N, int out) {
     for (int64_t i = thread_index_1d(); i < N * out; i += grid_stride_1d()) {

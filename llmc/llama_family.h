@@ -1,0 +1,287 @@
+// llama_family.h: which LLaMA-architecture checkpoints train_llama understands, read strictly.
+// LlamaConfig is config.json of a Hugging Face LLaMA, Mistral, Qwen2/2.5 or Qwen3 (dense) model;
+// llama_check_tensor_names proves that every tensor of the checkpoint is one the model uses.
+//
+// The families differ from LLaMA in small ways, each of which changes the math:
+//   llama    attention_bias (q, k, v, o carry biases), mlp_bias (gate, up, down), head_dim
+//   mistral  sliding_window (attention sees only the last W positions)
+//   qwen2    q, k, v always carry biases; use_sliding_window / sliding_window / max_window_layers
+//   qwen3    q_norm / k_norm: an RMSNorm over each head of q and k before RoPE, an explicit head_dim,
+//            attention_bias; the sliding-window keys of qwen2
+// Anything else is refused in one line naming it, never passed over: another model_type or
+// architecture, a config key this file does not know (it could change the math), a value of a
+// known key that the trainer does not implement (rope_scaling types but llama3, a partial rotary
+// factor, attention dropout, a sliding window shorter than the run's sequence), and a tensor of
+// the checkpoint that the model would not use.
+#pragma once
+#include <string.h>
+#include "common.h"
+#include "json.h"
+#include "safetensors.h"
+#include "bnb.h"
+
+typedef struct {
+    char family[16];                       // model_type: llama, mistral, qwen2 or qwen3
+    int dim, hidden, layers, heads, kv_heads, head_dim, vocab, max_seq;
+    float norm_eps, rope_theta;
+    int tied;
+    int rope_llama3;                       // Llama-3.1 frequency scaling
+    float rs_factor, rs_low_freq, rs_high_freq;
+    int rs_original_ctx;
+    int bos_id, eos_id;
+    int qkv_bias, o_bias, mlp_bias;        // which linears carry a bias (q,k,v / o / gate,up,down)
+    int qk_norm;                           // Qwen3: RMSNorm (eps norm_eps) over each head of q and k before RoPE
+    int sliding_window;                    // 0: every position attends to all before it; else only the last W
+} LlamaConfig;
+
+// ---- the keys of config.json ---------------------------------------------------------------------
+
+// Keys that do not change a causal LM's training math: bookkeeping, generation defaults, token ids
+// (read where used), and keys whose values llama_config_load reads and checks itself.
+static const char* const llama_known_keys[] = {
+    // read and checked below
+    "model_type", "architectures", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings", "rms_norm_eps", "rope_theta",
+    "rope_scaling", "tie_word_embeddings", "hidden_act", "attention_bias", "mlp_bias", "attention_dropout",
+    "sliding_window", "use_sliding_window", "max_window_layers", "layer_types", "partial_rotary_factor",
+    "quantization_config", "bos_token_id", "eos_token_id", "pruned_heads",
+    // bookkeeping of transformers' PretrainedConfig and of the exporters
+    "_name_or_path", "torch_dtype", "dtype", "transformers_version", "use_cache", "initializer_range", "pad_token_id",
+    "sep_token_id", "decoder_start_token_id", "tokenizer_class", "output_attentions", "output_hidden_states",
+    "return_dict", "torchscript", "use_bfloat16", "tf_legacy_loss", "is_decoder", "is_encoder_decoder",
+    "add_cross_attention", "tie_encoder_decoder", "cross_attention_hidden_size", "chunk_size_feed_forward",
+    "id2label", "label2id", "problem_type", "finetuning_task", "prefix", "task_specific_params",
+    "_attn_implementation_autoset", "use_return_dict",
+    // tensor parallelism of the original Llama-2 training: the same products, split (no change in math)
+    "pretraining_tp",
+    // generation defaults (generate reads its own flags)
+    "max_length", "min_length", "do_sample", "early_stopping", "num_beams", "num_beam_groups", "diversity_penalty",
+    "temperature", "top_k", "top_p", "typical_p", "repetition_penalty", "length_penalty", "no_repeat_ngram_size",
+    "encoder_no_repeat_ngram_size", "bad_words_ids", "num_return_sequences", "output_scores", "return_dict_in_generate",
+    "forced_bos_token_id", "forced_eos_token_id", "remove_invalid_values", "exponential_decay_length_penalty",
+    "suppress_tokens", "begin_suppress_tokens",
+};
+
+static void llama_check_known_keys(const Json* j, const char* path) {
+    int n = (int)(sizeof(llama_known_keys) / sizeof(llama_known_keys[0]));
+    for (int i = 0; i < j->count; i++) {
+        int known = 0;
+        for (int k = 0; k < n && !known; k++) known = strcmp(j->keys[i], llama_known_keys[k]) == 0;
+        if (!known)
+            fail("%s: config key \"%s\" is not one train_llama knows (it may change the model's math; refused rather than ignored)",
+                 path, j->keys[i]);
+    }
+}
+
+// model_type and architectures: the four families as causal LMs, nothing else.
+static void llama_config_family(LlamaConfig* c, const Json* j, const char* path) {
+    static const char* const types[] = {"llama", "mistral", "qwen2", "qwen3"};
+    static const char* const archs[] = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"};
+    const Json* mt = json_get(j, "model_type");
+    if (!mt || mt->type != JSON_STRING) fail("%s: no model_type string (expected llama, mistral, qwen2 or qwen3)", path);
+    int f = 0;
+    while (f < 4 && strcmp(mt->string, types[f]) != 0) f++;
+    if (f == 4) fail("%s: model_type \"%.60s\" is not supported (train_llama reads llama, mistral, qwen2 and qwen3)", path, mt->string);
+    snprintf(c->family, sizeof(c->family), "%s", types[f]);
+    const Json* ar = json_get(j, "architectures");
+    if (!ar || ar->type == JSON_NULL) return;
+    if (ar->type != JSON_ARRAY) fail("%s: architectures must be a list", path);
+    for (int i = 0; i < ar->count; i++)
+        if (ar->items[i].type != JSON_STRING || strcmp(ar->items[i].string, archs[f]) != 0)
+            fail("%s: architecture %.60s is not supported for model_type %s (expected %s)", path,
+                 ar->items[i].type == JSON_STRING ? ar->items[i].string : "(not a string)", types[f], archs[f]);
+}
+
+// A boolean key: absent or null gives dflt; anything but true/false is refused (1 is not a bool).
+static int llama_config_bool(const Json* j, const char* key, const char* path, int dflt) {
+    const Json* v = json_get(j, key);
+    if (!v || v->type == JSON_NULL) return dflt;
+    if (v->type != JSON_BOOL) fail("%s: field \"%s\" must be true or false", path, key);
+    return v->boolean;
+}
+
+// rope_scaling: absent, null, {"rope_type": "default"} or Llama-3.1's {"rope_type": "llama3", ...}.
+static void llama_config_rope_scaling(LlamaConfig* c, const Json* j, const char* path) {
+    const Json* rs = json_get(j, "rope_scaling");
+    if (!rs || rs->type == JSON_NULL) return;
+    if (rs->type != JSON_OBJECT) fail("%s: rope_scaling must be an object or null", path);
+    const char* type = json_string_or(rs, "rope_type", json_string_or(rs, "type", ""));
+    if (strcmp(type, "default") == 0) return;
+    if (strcmp(type, "llama3") != 0) fail("%s: rope_scaling type \"%.40s\" is not supported (expected llama3 or default)", path, type);
+    c->rope_llama3 = 1;
+    c->rs_factor = json_positive_float(json_number_req(rs, "factor", path), "rope_scaling.factor", path);
+    c->rs_low_freq = json_positive_float(json_number_req(rs, "low_freq_factor", path), "rope_scaling.low_freq_factor", path);
+    c->rs_high_freq = json_positive_float(json_number_req(rs, "high_freq_factor", path), "rope_scaling.high_freq_factor", path);
+    c->rs_original_ctx = json_int_in(rs, "original_max_position_embeddings", path, 1, 1 << 26);
+    // the smooth band between the two wavelengths divides by their difference
+    if (!(c->rs_high_freq > c->rs_low_freq))
+        fail("%s: rope_scaling.high_freq_factor (%g) must exceed low_freq_factor (%g)", path, c->rs_high_freq, c->rs_low_freq);
+}
+
+// The sliding window, when one is active: Mistral's sliding_window (null: none); Qwen2's and Qwen3's
+// when use_sliding_window is true, or when layer_types names a sliding layer. The window itself
+// is not implemented: llama_check_window refuses a run whose sequence it would cut.
+static void llama_config_window(LlamaConfig* c, const Json* j, const char* path) {
+    int active = strcmp(c->family, "mistral") == 0 || llama_config_bool(j, "use_sliding_window", path, 0);
+    const Json* lt = json_get(j, "layer_types");
+    if (lt && lt->type != JSON_NULL) {
+        if (lt->type != JSON_ARRAY) fail("%s: layer_types must be a list", path);
+        for (int i = 0; i < lt->count; i++) {
+            const Json* e = &lt->items[i];
+            int sliding = e->type == JSON_STRING && strcmp(e->string, "sliding_attention") == 0;
+            if (!sliding && !(e->type == JSON_STRING && strcmp(e->string, "full_attention") == 0))
+                fail("%s: layer_types[%d] is not supported (expected full_attention or sliding_attention)", path, i);
+            active |= sliding;
+        }
+    }
+    const Json* w = json_get(j, "sliding_window");
+    if (!active || !w || w->type == JSON_NULL) return;
+    c->sliding_window = json_int_in(j, "sliding_window", path, 1, 1 << 30);
+}
+
+// Values of known keys that the trainer does not implement, refused.
+static void llama_config_refusals(const Json* j, const char* path) {
+    const char* act = json_string_or(j, "hidden_act", "silu");
+    if (strcmp(act, "silu") != 0) fail("%s: hidden_act \"%.40s\" is not supported (expected silu)", path, act);
+    if (json_number_opt(j, "partial_rotary_factor", path, 1.0) != 1.0)
+        fail("%s: partial_rotary_factor %g is not supported (RoPE rotates the whole head here)", path, json_number_or(j, "partial_rotary_factor", 1.0));
+    if (json_number_opt(j, "attention_dropout", path, 0.0) != 0.0)
+        fail("%s: attention_dropout %g is not supported (attention has no dropout here)", path, json_number_or(j, "attention_dropout", 0.0));
+    const Json* ph = json_get(j, "pruned_heads");
+    if (ph && ph->type != JSON_NULL && ph->count > 0) fail("%s: pruned_heads is not supported", path);
+}
+
+// bos/eos ids: the number when it is one an int holds (a cast of 1e12 would be undefined), else
+// the default (also for a list, as Llama-3.1's eos is).
+static int llama_token_id_or(const Json* j, const char* key, int dflt) {
+    const Json* v = json_get(j, key);
+    if (!v || v->type != JSON_NUMBER || !(v->number >= 0 && v->number < 2147483647.0)) return dflt;
+    return (int)v->number;
+}
+
+// Sizes. Ranges: every real model lies well inside (Llama-3.1-405B: hidden 16384, intermediate
+// 53248, 126 layers, 128 heads, vocab 128256); beyond them a config is corrupt, and the limits keep
+// every product of sizes the code forms far from 64-bit overflow.
+static void llama_config_sizes(LlamaConfig* c, const Json* j, const char* path) {
+    c->dim = json_int_in(j, "hidden_size", path, 1, 1 << 16);
+    c->hidden = json_int_in(j, "intermediate_size", path, 1, 1 << 18);
+    c->layers = json_int_in(j, "num_hidden_layers", path, 1, 1024);
+    c->heads = json_int_in(j, "num_attention_heads", path, 1, 1024);
+    c->kv_heads = json_get(j, "num_key_value_heads") ? json_int_in(j, "num_key_value_heads", path, 1, 1024) : c->heads;
+    c->vocab = json_int_in(j, "vocab_size", path, 1, 1 << 22);
+    if (json_get(j, "head_dim") && json_get(j, "head_dim")->type != JSON_NULL) c->head_dim = json_int_in(j, "head_dim", path, 2, 1024);
+    else {
+        if (c->dim % c->heads) fail("%s: num_attention_heads (%d) does not divide hidden_size (%d)", path, c->heads, c->dim);
+        c->head_dim = c->dim / c->heads;
+    }
+    if (c->heads % c->kv_heads) fail("%s: num_key_value_heads (%d) does not divide num_attention_heads (%d)", path, c->kv_heads, c->heads);
+    if (c->head_dim <= 0 || c->head_dim % 2) fail("%s: head dimension %d must be positive and even (RoPE rotates pairs)", path, c->head_dim);
+    c->max_seq = json_get(j, "max_position_embeddings") && json_get(j, "max_position_embeddings")->type != JSON_NULL
+                     ? json_int_in(j, "max_position_embeddings", path, 1, 1 << 26) : 2048;
+}
+
+static void llama_config_load(LlamaConfig* c, const char* model_dir) {
+    char* path = path_join(model_dir, "config.json");
+    if (!dir_exists(model_dir)) fail("flag --model: %s is not a directory", model_dir);
+    size_t n;
+    char* text = read_file(path, &n);
+    Json j = json_parse(text, n, path);
+    if (j.type != JSON_OBJECT) fail("%s: expected a JSON object", path);
+    memset(c, 0, sizeof(*c));
+    llama_config_family(c, &j, path);
+    llama_check_known_keys(&j, path);
+    llama_config_refusals(&j, path);
+    llama_config_sizes(c, &j, path);
+    // A non-positive epsilon divides by zero on an all-zero row; a non-positive base makes RoPE's
+    // frequencies NaN: either would surface later as a NaN loss blamed on --lr or the data.
+    c->norm_eps = json_positive_float(json_number_opt(&j, "rms_norm_eps", path, 1e-6), "rms_norm_eps", path);
+    c->rope_theta = json_positive_float(json_number_opt(&j, "rope_theta", path, 10000.0), "rope_theta", path);
+    c->tied = llama_config_bool(&j, "tie_word_embeddings", path, 0);
+    c->bos_id = llama_token_id_or(&j, "bos_token_id", 1);
+    c->eos_id = llama_token_id_or(&j, "eos_token_id", 2);
+    llama_config_rope_scaling(c, &j, path);
+    llama_config_window(c, &j, path);
+    int qwen2 = strcmp(c->family, "qwen2") == 0, qwen3 = strcmp(c->family, "qwen3") == 0;
+    int attention_bias = llama_config_bool(&j, "attention_bias", path, 0);
+    if (qwen2 && json_get(&j, "attention_bias")) fail("%s: attention_bias is not a qwen2 key (Qwen2's q, k, v always carry biases)", path);
+    c->qkv_bias = qwen2 || attention_bias;
+    c->o_bias = attention_bias;
+    c->mlp_bias = llama_config_bool(&j, "mlp_bias", path, 0);
+    if (c->mlp_bias && strcmp(c->family, "llama") != 0) fail("%s: mlp_bias is a llama key, not a %s one", path, c->family);
+    c->qk_norm = qwen3;
+    json_free(&j);
+    free(text);
+    free(path);
+    bnb_config_nf4(model_dir);  // a quantization_config other than bitsandbytes NF4 is refused here, before any work
+}
+
+// A run whose attention spans more positions than the model's sliding window would need the
+// window, which attention does not implement: refused (a window at least as long as the run's
+// sequence changes nothing, since a position then sees every position before it anyway).
+static void llama_check_window(const LlamaConfig* c, int T, const char* model_dir, const char* what) {
+    if (c->sliding_window && T > c->sliding_window)
+        fail("%s/config.json: sliding_window %d is shorter than %s %d (sliding-window attention is not implemented; "
+             "use a sequence of at most %d)", model_dir, c->sliding_window, what, T, c->sliding_window);
+}
+
+// ---- the tensors of the checkpoint --------------------------------------------------------------
+
+// The per-layer tensor suffixes ("self_attn.q_proj.weight", ...) this config reads, into out;
+// returns how many.
+static int llama_layer_tensor_suffixes(const LlamaConfig* c, const char** out) {
+    static const char* const weights[7] = {"self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+                                           "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"};
+    static const char* const biases[7] = {"self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias",
+                                          "self_attn.o_proj.bias", "mlp.gate_proj.bias", "mlp.up_proj.bias", "mlp.down_proj.bias"};
+    int n = 0;
+    out[n++] = "input_layernorm.weight";
+    out[n++] = "post_attention_layernorm.weight";
+    for (int t = 0; t < 7; t++) {
+        out[n++] = weights[t];
+        int bias = t <= 2 ? c->qkv_bias : t == 3 ? c->o_bias : c->mlp_bias;
+        if (bias) out[n++] = biases[t];
+    }
+    if (c->qk_norm) { out[n++] = "self_attn.q_norm.weight"; out[n++] = "self_attn.k_norm.weight"; }
+    return n;
+}
+
+// Is `name` a tensor this config reads? Buffers that carry no weights (RoPE's inv_freq, which
+// older checkpoints saved) are skipped; a bitsandbytes quant state belongs to its weight.
+static int llama_tensor_is_used(const LlamaConfig* c, const char* name, int bnb) {
+    if (!strcmp(name, "model.embed_tokens.weight") || !strcmp(name, "model.norm.weight")) return 1;
+    if (!strcmp(name, "lm_head.weight")) return 1;  // tied: checked against the embedding by the caller
+    int l = -1, at = 0;
+    if (sscanf(name, "model.layers.%d.%n", &l, &at) != 1 || at == 0 || l < 0 || l >= c->layers) return 0;
+    char first[32];
+    snprintf(first, sizeof(first), "model.layers.%d.", l);
+    if (strncmp(name, first, strlen(first)) != 0) return 0;  // "model.layers.01." is not layer 1
+    const char* rest = name + strlen(first);
+    if (!strcmp(rest, "self_attn.rotary_emb.inv_freq")) return 1;
+    const char* sfx[32];
+    int n = llama_layer_tensor_suffixes(c, sfx);
+    for (int i = 0; i < n; i++) {
+        size_t k = strlen(sfx[i]);
+        if (!strcmp(rest, sfx[i])) return 1;
+        // a bitsandbytes quant state: "<linear>.weight.absmax", "...quant_state.bitsandbytes__nf4", ...
+        if (bnb && !strncmp(rest, sfx[i], k) && rest[k] == '.' && bnb_is_quant_state_name(name) && strstr(sfx[i], "_proj.weight")) return 1;
+    }
+    return 0;
+}
+
+// Every tensor of the checkpoint is one the model reads, or the load is refused naming the first
+// that is not; with tied embeddings a stored lm_head.weight must equal the embedding (transformers
+// ties them, so a different one would be dropped there too, silently).
+static void llama_check_tensor_names(const LlamaConfig* c, const StModel* sm, int bnb) {
+    for (int f = 0; f < sm->nfiles; f++)
+        for (int i = 0; i < sm->files[f].count; i++) {
+            const StTensor* t = &sm->files[f].tensors[i];
+            if (!llama_tensor_is_used(c, t->name, bnb))
+                fail("%s: tensor \"%.120s\" is not part of a %s model with this config.json (refused rather than ignored)",
+                     t->file, t->name, c->family);
+        }
+    const StTensor* head = st_model_find(sm, "lm_head.weight");
+    if (!c->tied || !head) return;
+    const StTensor* emb = st_model_require(sm, "model.embed_tokens.weight");
+    if (head->dtype != emb->dtype || head->nbytes != emb->nbytes || memcmp(head->data, emb->data, head->nbytes) != 0)
+        fail("%s: tie_word_embeddings is true but lm_head.weight differs from model.embed_tokens.weight", head->file);
+}
