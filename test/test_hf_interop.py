@@ -1,7 +1,7 @@
 """What train_llama writes loads in the real Hugging Face stack: transformers reads our
 --export-merged directory and PEFT reads our adapter (trained with MS-RMSNorm, written in the
 original layout), and both give the loss our own --eval-only gives. The stack lives in a venv
-that scripts/ci/install_deps.sh makes (build/hfvenv: transformers 4.36, peft 0.7 over Debian's torch); HF_PYTHON
+that scripts/ci/install_deps.sh makes (build/hfvenv: transformers 4.40, peft 0.10 over Debian's torch); HF_PYTHON
 may name another interpreter. Missing, the test fails."""
 import json
 import os
@@ -17,13 +17,16 @@ from test_llama_cli import ENV, run
 HF_PYTHON = os.environ.get("HF_PYTHON", os.path.join(lc.REPO, "build", "hfvenv", "bin", "python"))
 
 
-def test_transformers_and_peft_load_our_outputs(tmp_path):
+@pytest.mark.parametrize("name,hf_class", [("gqa_untied", "LlamaForCausalLM"), ("llama_bias", "LlamaForCausalLM"),
+                                           ("qwen2", "Qwen2ForCausalLM")])
+def test_transformers_and_peft_load_our_outputs(tmp_path, name, hf_class):
     """Trained with --lora-dropout 0.1: adapter_config.json records it and PEFT, in eval mode,
-    applies none, as our --eval-only."""
+    applies none, as our --eval-only. The LLaMA with every bias and Qwen2 (q, k, v biases, large k
+    ones) load in transformers' own classes with our losses: base, adapter and merged export."""
     if not os.path.exists(HF_PYTHON):
         pytest.fail(f"{HF_PYTHON} missing: scripts/ci/install_deps.sh makes it (python3 -m venv --system-site-packages build/hfvenv; "
-                    "pip install transformers==4.36.2 peft==0.7.1 accelerate==0.25.0)")
-    cfg = lc.model_config("gqa_untied")
+                    "pip install transformers==4.40.2 peft==0.10.0 accelerate==0.25.0)")
+    cfg = lc.model_config(name)
     lc.write_model(str(tmp_path / "model"), cfg, seed=5)
     rng = np.random.default_rng(2)
     toks = np.tile(rng.integers(3, cfg["vocab_size"], size=11), 500)
@@ -40,7 +43,8 @@ def test_transformers_and_peft_load_our_outputs(tmp_path):
                         "--adapter", str(tmp_path / "adapter"), "--merged", str(tmp_path / "merged"), "--val", str(tmp_path / "data.bin"),
                         "--seq", "24", "--windows", "16"], capture_output=True, text=True, timeout=300, env=ENV)
     assert p.returncode == 0, p.stderr[-3000:]
-    theirs = [float(line.split(":")[-1]) for line in p.stdout.splitlines() if line.startswith("transformers")]
+    assert f"transformers class:                {hf_class}" in p.stdout, p.stdout
+    theirs = [float(line.split(":")[-1]) for line in p.stdout.splitlines() if line.startswith("transformers") and "class" not in line]
     print("ours (base, base+adapter, merged):", ours, "transformers/PEFT:", theirs)
     assert len(theirs) == 3 and ours[1] < ours[0] - 0.1
     np.testing.assert_allclose(theirs, ours, rtol=2e-6)

@@ -8,6 +8,7 @@
 // the memory-bound ones.
 #include "check.h"
 #include "../../llmc/cpu/embedding.h"
+#include "../../llmc/cpu/misc.h"
 #include "../../llmc/lora.h"
 #include "../../llmc/imagedata.h"
 #include "../../llmc/cuda/misc.cuh"

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Checks that what train_llama writes loads in Hugging Face transformers and PEFT: the loss of
 base model + our PEFT adapter (PeftModel.from_pretrained) and of our --export-merged directory
-(LlamaForCausalLM.from_pretrained), on the first windows of a token shard, the same windows
+(AutoModelForCausalLM.from_pretrained: LlamaForCausalLM, Qwen2ForCausalLM, ... by config.json), on the first windows of a token shard, the same windows
 train_llama --eval-only uses. Needs transformers, peft (and accelerate); not part of make test.
 
     python scripts/interop/check_hf_interop.py --base DIR --adapter DIR --merged DIR --val SHARD --seq T --windows N
@@ -38,16 +38,19 @@ def main():
     ap.add_argument("--windows", type=int, required=True)
     a = ap.parse_args()
     from peft import PeftModel
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
     toks, mask, _ = shards.read_shard(a.val)
     T = a.seq
     windows = np.stack([toks[i * T: i * T + T + 1] for i in range(a.windows)]).astype(np.int64)
     wmask = np.stack([mask[i * T + 1: i * T + T + 1] for i in range(a.windows)]).astype(np.float64)
-    base = LlamaForCausalLM.from_pretrained(a.base, torch_dtype=torch.float32).eval()
+    # eager attention: the plain softmax(q k^T) v, on every torch transformers supports
+    load = dict(torch_dtype=torch.float32, attn_implementation="eager")
+    base = AutoModelForCausalLM.from_pretrained(a.base, **load).eval()
+    print(f"transformers class:                {type(base).__name__}")
     print(f"transformers base:                 {masked_loss(base, windows, wmask):.6f}")
     peft_model = PeftModel.from_pretrained(base, a.adapter).eval()
     print(f"transformers base + PEFT adapter:  {masked_loss(peft_model, windows, wmask):.6f}")
-    merged = LlamaForCausalLM.from_pretrained(a.merged, torch_dtype=torch.float32).eval()
+    merged = AutoModelForCausalLM.from_pretrained(a.merged, **load).eval()
     print(f"transformers merged export:        {masked_loss(merged, windows, wmask):.6f}")
 
 
