@@ -119,7 +119,7 @@ def test_out_dir_log(tiny, tmp_path):
 
 # ---- memory plan ---------------------------------------------------------------------------
 
-LLAMA2_7B = dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+LLAMA2_7B = dict(model_type="llama", hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
                  num_key_value_heads=32, vocab_size=32000, rms_norm_eps=1e-5, max_position_embeddings=4096)
 
 

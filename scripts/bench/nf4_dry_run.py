@@ -13,12 +13,13 @@ import os
 import subprocess
 import tempfile
 
+LLAMA = dict(model_type="llama", architectures=["LlamaForCausalLM"])
 CONFIGS = {
-    "LLaMA-2-7B": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+    "LLaMA-2-7B": dict(LLAMA, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
                        num_key_value_heads=32, vocab_size=32000, max_position_embeddings=4096),
-    "LLaMA-2-13B": dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=40, num_attention_heads=40,
+    "LLaMA-2-13B": dict(LLAMA, hidden_size=5120, intermediate_size=13824, num_hidden_layers=40, num_attention_heads=40,
                         num_key_value_heads=40, vocab_size=32000, max_position_embeddings=4096),
-    "LLaMA-2-70B": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+    "LLaMA-2-70B": dict(LLAMA, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
                         num_key_value_heads=8, vocab_size=32000, max_position_embeddings=4096),
 }
 GPUS = {"80 GB (79.2 GiB)": 79.2 * 2**30, "141 GB (139.7 GiB)": 139.7 * 2**30}

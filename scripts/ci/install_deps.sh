@@ -17,9 +17,9 @@ apt-get install -y -qq --no-install-recommends build-essential make python3 pyth
 # test/test_hf_tokenizer.py: the Hugging Face `tokenizers` library, the reference for our tokenizer.json reader
 /usr/bin/python3 -m pip install -q --break-system-packages "tokenizers==0.23.3"
 # test/test_hf_interop.py: the real Hugging Face stack (transformers + PEFT over Debian's torch) in a
-# venv, to check that our adapters and merged exports load there. transformers 4.46 is the last
-# line that runs on Debian's torch 1.13 and has every family we check there (Qwen2; LLaMA's
-# mlp_bias); Qwen3 needs a newer transformers on torch 2. An older venv is brought up to date.
+# venv, to check that our adapters and merged exports load there. transformers 4.46 runs on
+# Debian's torch 1.13 and has every family we check there (Qwen2; LLaMA's mlp_bias, which 4.40
+# lacks); Qwen3 came later, with torch 2. An older venv is brought up to date.
 HF_TRANSFORMERS=4.46.3
 if [ ! -x build/hfvenv/bin/python ]; then
     /usr/bin/python3 -m venv --system-site-packages build/hfvenv
