@@ -299,14 +299,14 @@ def llama3_tokenizer():
     return tok
 
 
-def chat_model(tmp_path, tok, seed=3):
+def chat_model(tmp_path, tok, seed=3, template=LLAMA3, bos_token="<|begin_of_text|>", eos_token="<|end_of_text|>"):
     model = tmp_path / "m"
     cfg = dict(lc.model_config("gqa_untied"), vocab_size=tok.get_vocab_size(), bos_token_id=None, eos_token_id=None)
     lc.write_model(str(model), cfg, seed=seed)
     tok.save(str(model / "tokenizer.json"))
     # the base model's EOS, as Meta-Llama-3-8B's: <|eot_id|> must come from the template itself
-    (model / "tokenizer_config.json").write_text(json.dumps(dict(chat_template=LLAMA3, bos_token="<|begin_of_text|>",
-                                                                 eos_token="<|end_of_text|>")))
+    (model / "tokenizer_config.json").write_text(json.dumps(dict(chat_template=template, bos_token=bos_token,
+                                                                 eos_token=eos_token)))
     return model
 
 
@@ -316,19 +316,29 @@ def run_chat(model, n, *extra):
                           capture_output=True, timeout=300, env=ENV)
 
 
-def test_chat_feeds_the_rendering_and_stops_at_end_of_turn(tmp_path):
-    from test_hf_tokenizer import reference_greedy
-    tok = llama3_tokenizer()
-    model = chat_model(tmp_path, tok)
+@pytest.mark.parametrize("which", ["llama3", "qwen3"])
+def test_chat_feeds_the_rendering_and_stops_at_end_of_turn(tmp_path, which):
+    """Llama-3's template with Meta-Llama-3-8B's tokens; the Qwen3-style one with a Qwen2-style
+    tokenizer.json and Qwen3-Base's EOS <|endoftext|>: <|im_end|> comes from the template, found
+    after the empty <think> block it puts before a reply."""
+    from test_hf_tokenizer import byte_level, reference_greedy
+    if which == "llama3":
+        tok, template, tokens, eot_name = llama3_tokenizer(), LLAMA3, LLAMA3_TOKENS, "<|eot_id|>"
+        model = chat_model(tmp_path, tok)
+    else:
+        tok, template, eot_name = byte_level("qwen2"), QWEN3, "<|im_end|>"
+        tokens = dict(bos_token="<|endoftext|>", eos_token="<|endoftext|>")
+        model = chat_model(tmp_path, tok, template=QWEN3, bos_token=None, eos_token="<|endoftext|>")
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Café, 42 😀?"}]
-    case = dict(template=LLAMA3, messages=msgs, add_generation_prompt=True, **LLAMA3_TOKENS)
+    case = dict(template=template, messages=msgs, add_generation_prompt=True, **tokens)
     rendered = transformers_render([case])[0]
     prompt_ids = tok.encode(rendered, add_special_tokens=False).ids  # as apply_chat_template(tokenize=True)
-    assert prompt_ids[0] == tok.token_to_id("<|begin_of_text|>") and prompt_ids.count(prompt_ids[0]) == 1
+    if which == "llama3":
+        assert prompt_ids[0] == tok.token_to_id("<|begin_of_text|>") and prompt_ids.count(prompt_ids[0]) == 1
     greedy = reference_greedy(str(model), prompt_ids, 10)
-    # make <|eot_id|> the greedy choice where the 5th new token first comes: its output row becomes
-    # 3 times that token's (the output head only, so nothing before that point changes)
-    eot, k = tok.token_to_id("<|eot_id|>"), next(i for i in range(4, 10) if greedy[i] not in greedy[:i])
+    # make the end-of-turn token the greedy choice where the 5th new token first comes: its output
+    # row becomes 3 times that token's (the output head only, so nothing before that point changes)
+    eot, k = tok.token_to_id(eot_name), next(i for i in range(4, 10) if greedy[i] not in greedy[:i])
     tensors = {n: np.array(t) for n, t in st_io.load(str(model / "model.safetensors")).items()}
     tensors["lm_head.weight"][eot] = 3.0 * tensors["lm_head.weight"][greedy[k]]
     st_io.save(str(model / "model.safetensors"), tensors)
