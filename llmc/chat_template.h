@@ -1,20 +1,24 @@
 // chat_template.h: renders a model's chat template (the Jinja text of tokenizer_config.json's
-// chat_template) for --chat, in the subset of Jinja that LLaMA-family templates use, as
-// transformers' apply_chat_template does (trim_blocks, lstrip_blocks, no trailing newline).
-// scripts/formats/chat_template.py is the Python twin (same subset, same errors);
-// test/test_chat_template.py checks both against transformers.
+// chat_template) for --chat, in the subset of Jinja that SmolLM2's, Llama-3's, Qwen2.5's and
+// Qwen3's templates use, as transformers' apply_chat_template does (trim_blocks, lstrip_blocks, no
+// trailing newline). scripts/formats/chat_template.py renders any template with jinja2 itself, for
+// prepare_text.py; test/test_chat_template.py checks both against transformers.
 //
 // The subset: text, {{ expr }}, {% if/elif/else/endif %}, {% for x in expr %}...{% endfor %} (loop.
-// index, index0, first, last, length, revindex, revindex0), {% set name = expr %}, {# comments #},
-// whitespace control ({%- -%} {{- -}}). Expressions: string, integer, true/false/none literals,
-// list literals, names, x.attr, x[i], list[a:b], + - * // % ~, == != < > <= >=, in, not in, and,
-// or, not, a if c else b, `is [not] defined|undefined|none|string|number`, the filters trim,
-// length, count, string, first, last, the string methods strip, lstrip, rstrip, startswith,
-// endswith, and raise_exception(msg). Anything else fails in one line naming the construct: a
-// template is rendered exactly or not at all. Statements outside the subset fail when the
-// template is read; filters, tests and calls outside it (with keyword arguments too) are read
-// and fail when reached, so a template that keeps them in branches a conversation never takes
-// (Llama-3.1's tool calling, Llama-3.2's `strftime_now is defined`) renders.
+// index, index0, first, last, length, revindex, revindex0), {% set name = expr %}, {% set
+// ns.attr = expr %} of a namespace(name=value, ...), {# comments #}, whitespace control ({%- -%}
+// {{- -}}). Expressions: string, integer, true/false/none literals, list literals, names, x.attr,
+// x[i] (of a string: a code point), slices x[a:b:step] of lists and strings (code points; any
+// part left out, messages[::-1]), + - * // % ~, == != < > <= >=, in, not in, and, or, not, a if c
+// else b, `is [not] defined|undefined|none|string|number|true|false`, the filters trim, length,
+// count, string, first, last, the string methods strip, lstrip, rstrip (of whitespace or of the
+// characters given), split([sep]), startswith, endswith, and raise_exception(msg). Anything else
+// fails in one line naming the construct: a template is rendered exactly or not at all.
+// Statements outside the subset fail when the template is read; filters, tests and calls outside
+// it (with keyword arguments too) are read and fail when reached, so a template that keeps them in
+// branches a conversation never takes (the tool calling of Llama-3.1's, Qwen2.5's and Qwen3's
+// templates, Llama-3.2's `strftime_now is defined`) renders. A message with role "tool" is refused:
+// tool calling is not supported.
 #pragma once
 #include <ctype.h>
 #include <limits.h>
