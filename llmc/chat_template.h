@@ -430,8 +430,8 @@ static const char* const CT_FILTERS[] = {"trim", "length", "count", "string", "f
 static const char* const CT_TESTS[] = {"defined", "undefined", "none", "string", "number", "true", "false", NULL};
 static const char* const CT_METHODS[] = {"strip", "lstrip", "rstrip", "startswith", "endswith", "split", NULL};
 
-// fn(args): any call is read; raise_exception(msg) and the string methods render, others fail
-// when rendered (a template may guard one with `is defined`, as Llama-3.2's strftime_now).
+// fn(args): any call is read; raise_exception(msg), namespace(...) and the string methods
+// render, others fail when rendered (a template may guard one with `is defined`, as Llama-3.2's strftime_now).
 static CtExpr* ct_call(CtParser* p, CtExpr* fn) {
     CtExpr* call = ct_node(p, E_CALL, fn, NULL);
     ct_parse_list(p, call, ")");
@@ -903,7 +903,8 @@ static size_t ct_split_next(const char* s, size_t n, size_t* from, const char* s
 }
 
 // Python's str.split(sep) (sep not empty), or str.split() on runs of whitespace; counted first,
-// then filled.
+// then filled. A million parts at most (a 64 MiB string of separators would take gigabytes).
+enum { CT_MAX_PARTS = 1 << 20 };
 static CtVal ct_split(const CtRun* r, const char* s, const char* sep) {
     size_t n = strlen(s), k = sep ? strlen(sep) : 0;
     CtVal v = {};
@@ -915,7 +916,7 @@ static CtVal ct_split(const CtRun* r, const char* s, const char* sep) {
             size_t end = ct_split_next(s, n, &from, sep);
             if (!sep && from == n) break;
             if (fill) v.items[parts] = ct_str(r->c->arena, s + from, end - from);
-            if (parts++ == INT_MAX - 1) fail("%s: split() into too many parts", r->c->name);
+            if (parts++ == CT_MAX_PARTS) fail("%s: split() into more than %d parts", r->c->name, CT_MAX_PARTS);
             if (end == n) break;
             from = end + k;
         }
