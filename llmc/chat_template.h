@@ -1,20 +1,24 @@
 // chat_template.h: renders a model's chat template (the Jinja text of tokenizer_config.json's
-// chat_template) for --chat, in the subset of Jinja that LLaMA-family templates use, as
-// transformers' apply_chat_template does (trim_blocks, lstrip_blocks, no trailing newline).
-// scripts/formats/chat_template.py is the Python twin (same subset, same errors);
-// test/test_chat_template.py checks both against transformers.
+// chat_template) for --chat, in the subset of Jinja that SmolLM2's, Llama-3's, Qwen2.5's and
+// Qwen3's templates use, as transformers' apply_chat_template does (trim_blocks, lstrip_blocks, no
+// trailing newline). scripts/formats/chat_template.py renders any template with jinja2 itself, for
+// prepare_text.py; test/test_chat_template.py checks both against transformers.
 //
 // The subset: text, {{ expr }}, {% if/elif/else/endif %}, {% for x in expr %}...{% endfor %} (loop.
-// index, index0, first, last, length, revindex, revindex0), {% set name = expr %}, {# comments #},
-// whitespace control ({%- -%} {{- -}}). Expressions: string, integer, true/false/none literals,
-// list literals, names, x.attr, x[i], list[a:b], + - * // % ~, == != < > <= >=, in, not in, and,
-// or, not, a if c else b, `is [not] defined|undefined|none|string|number`, the filters trim,
-// length, count, string, first, last, the string methods strip, lstrip, rstrip, startswith,
-// endswith, and raise_exception(msg). Anything else fails in one line naming the construct: a
-// template is rendered exactly or not at all. Statements outside the subset fail when the
-// template is read; filters, tests and calls outside it (with keyword arguments too) are read
-// and fail when reached, so a template that keeps them in branches a conversation never takes
-// (Llama-3.1's tool calling, Llama-3.2's `strftime_now is defined`) renders.
+// index, index0, first, last, length, revindex, revindex0), {% set name = expr %}, {% set
+// ns.attr = expr %} of a namespace(name=value, ...), {# comments #}, whitespace control ({%- -%}
+// {{- -}}). Expressions: string, integer, true/false/none literals, list literals, names, x.attr,
+// x[i] (of a string: a code point), slices x[a:b:step] of lists and strings (code points; any
+// part left out, messages[::-1]), + - * // % ~, == != < > <= >=, in, not in, and, or, not, a if c
+// else b, `is [not] defined|undefined|none|string|number|true|false`, the filters trim, length,
+// count, string, first, last, the string methods strip, lstrip, rstrip (of whitespace or of the
+// characters given), split([sep]), startswith, endswith, and raise_exception(msg). Anything else
+// fails in one line naming the construct: a template is rendered exactly or not at all.
+// Statements outside the subset fail when the template is read; filters, tests and calls outside
+// it (with keyword arguments too) are read and fail when reached, so a template that keeps them in
+// branches a conversation never takes (the tool calling of Llama-3.1's, Qwen2.5's and Qwen3's
+// templates, Llama-3.2's `strftime_now is defined`) renders. A message with role "tool" is refused:
+// tool calling is not supported.
 #pragma once
 #include <ctype.h>
 #include <limits.h>
@@ -24,13 +28,15 @@ typedef struct { const char* role; const char* content; } ChatMsg;
 
 // ---- values and the arena that owns everything a rendering allocates ---------------------------
 
-typedef enum { CT_UNDEF, CT_NONE, CT_BOOL, CT_INT, CT_STR, CT_LIST, CT_DICT } CtType;
+typedef enum { CT_UNDEF, CT_NONE, CT_BOOL, CT_INT, CT_STR, CT_LIST, CT_DICT, CT_NS } CtType;
 
+// CT_NS, namespace(): a reference to one CT_DICT (items[0]) that {% set ns.x = ... %} replaces
+// in place, so an assignment inside a loop is seen after it, as in Jinja.
 typedef struct CtVal {
     CtType type;
     long long i;            // CT_BOOL, CT_INT
     const char* s;          // CT_STR
-    struct CtVal* items;    // CT_LIST, CT_DICT values
+    struct CtVal* items;    // CT_LIST, CT_DICT values; CT_NS: its dict
     const char** keys;      // CT_DICT
     int n;
 } CtVal;
@@ -81,7 +87,7 @@ static CtVal ct_int(long long i) { CtVal v = {}; v.type = CT_INT; v.i = i; retur
 static CtVal ct_bool(int b) { CtVal v = {}; v.type = CT_BOOL; v.i = b != 0; return v; }
 
 static const char* ct_type_name(CtType t) {
-    static const char* names[] = {"Undefined", "NoneType", "bool", "int", "str", "list", "dict"};
+    static const char* names[] = {"Undefined", "NoneType", "bool", "int", "str", "list", "dict", "Namespace"};
     return names[t];
 }
 
@@ -288,8 +294,9 @@ typedef struct CtExpr {
     int kind;
     const char* op;          // E_VAR name, E_BIN operator, E_FILTER/E_TEST name
     CtVal lit;               // E_LIT
-    struct CtExpr *a, *b, *c;
+    struct CtExpr *a, *b, *c, *d;  // E_SLICE: a[b:c:d], each of b, c, d optional (NULL)
     struct CtExpr** args;    // E_LIST items; E_CALL (a: the function), E_FILTER, E_TEST arguments
+    const char** kws;        // each argument's keyword, NULL for a positional one
     int nargs;
     int paren;               // E_FILTER, E_TEST: written with (arguments)
     int nkw;                 // how many of the arguments were keyword arguments
@@ -301,6 +308,7 @@ typedef struct CtStmt {
     int kind;
     const char* text;        // S_TEXT
     const char* var;         // S_FOR (the first of nvars), S_SET
+    const char* attr;        // S_SET of a namespace's attribute: {% set var.attr = e %}
     int nvars;
     CtExpr* e;               // S_OUT, S_SET value, S_FOR sequence, S_IF condition (NULL: else)
     struct CtStmt* body;     // S_IF, S_FOR
@@ -355,19 +363,25 @@ static CtExpr* ct_bin(const CtParser* p, const char* op, CtExpr* a, CtExpr* b) {
 
 static CtExpr* ct_expr(CtParser* p);
 
-static void ct_push_arg(CtParser* p, CtExpr* e, CtExpr* x) {
+static void ct_push_arg(CtParser* p, CtExpr* e, CtExpr* x, const char* kw) {
     CtExpr** grown = (CtExpr**)ct_alloc(p->c->arena, sizeof(CtExpr*) * (e->nargs + 1));
+    const char** kws = (const char**)ct_alloc(p->c->arena, sizeof(char*) * (e->nargs + 1));
     if (e->nargs) memcpy(grown, e->args, sizeof(CtExpr*) * e->nargs);
-    grown[e->nargs++] = x;
+    if (e->nargs) memcpy(kws, e->kws, sizeof(char*) * e->nargs);
+    grown[e->nargs] = x;
+    kws[e->nargs++] = kw;
     e->args = grown;
+    e->kws = kws;
 }
 
 // Comma-separated expressions up to the closing token (the opening one taken). Keyword arguments
-// are read (and counted) so that a template may hold them in branches it never renders.
+// are read (and counted): namespace() takes them; elsewhere a template may hold them in branches
+// it never renders.
 static void ct_parse_list(CtParser* p, CtExpr* e, const char* close) {
     while (!ct_take(p, TK_OP, close)) {
-        if (ct_peek(p, TK_NAME, NULL, 0) && ct_peek(p, TK_OP, "=", 1)) { p->i += 2; e->nkw++; }
-        ct_push_arg(p, e, ct_expr(p));
+        const char* kw = NULL;
+        if (ct_peek(p, TK_NAME, NULL, 0) && ct_peek(p, TK_OP, "=", 1)) { kw = p->t[p->i].s; p->i += 2; e->nkw++; }
+        ct_push_arg(p, e, ct_expr(p), kw);
         if (!ct_take(p, TK_OP, ",")) { ct_need(p, TK_OP, close); break; }
     }
 }
@@ -413,15 +427,29 @@ static int ct_is_one_of(const char* s, const char* const* list) {
 }
 
 static const char* const CT_FILTERS[] = {"trim", "length", "count", "string", "first", "last", NULL};
-static const char* const CT_TESTS[] = {"defined", "undefined", "none", "string", "number", NULL};
-static const char* const CT_METHODS[] = {"strip", "lstrip", "rstrip", "startswith", "endswith", NULL};
+static const char* const CT_TESTS[] = {"defined", "undefined", "none", "string", "number", "true", "false", NULL};
+static const char* const CT_METHODS[] = {"strip", "lstrip", "rstrip", "startswith", "endswith", "split", NULL};
 
-// fn(args): any call is read; raise_exception(msg) and the string methods render, others fail
-// when rendered (a template may guard one with `is defined`, as Llama-3.2's strftime_now).
+// fn(args): any call is read; raise_exception(msg), namespace(...) and the string methods
+// render, others fail when rendered (a template may guard one with `is defined`, as Llama-3.2's strftime_now).
 static CtExpr* ct_call(CtParser* p, CtExpr* fn) {
     CtExpr* call = ct_node(p, E_CALL, fn, NULL);
     ct_parse_list(p, call, ")");
     return call;
+}
+
+// obj[i], or a slice obj[start:stop:step] with any of the three left out (the "[" taken).
+static CtExpr* ct_subscript(CtParser* p, CtExpr* obj) {
+    CtExpr* lo = ct_peek(p, TK_OP, ":", 0) ? NULL : ct_expr(p);
+    if (!ct_take(p, TK_OP, ":")) {
+        ct_need(p, TK_OP, "]");
+        return ct_node(p, E_ITEM, obj, lo);
+    }
+    CtExpr* e = ct_node(p, E_SLICE, obj, lo);
+    if (!ct_peek(p, TK_OP, ":", 0) && !ct_peek(p, TK_OP, "]", 0)) e->c = ct_expr(p);
+    if (ct_take(p, TK_OP, ":") && !ct_peek(p, TK_OP, "]", 0)) e->d = ct_expr(p);
+    ct_need(p, TK_OP, "]");
+    return e;
 }
 
 static CtExpr* ct_postfix(CtParser* p, CtExpr* e) {
@@ -432,16 +460,7 @@ static CtExpr* ct_postfix(CtParser* p, CtExpr* e) {
             key->lit = ct_str(p->c->arena, name, strlen(name));
             e = ct_node(p, E_ITEM, e, key);
         } else if (ct_take(p, TK_OP, "[")) {
-            CtExpr* lo = ct_peek(p, TK_OP, ":", 0) ? NULL : ct_expr(p);
-            if (ct_take(p, TK_OP, ":")) {
-                CtExpr* hi = ct_peek(p, TK_OP, "]", 0) ? NULL : ct_expr(p);
-                if (ct_peek(p, TK_OP, ":", 0)) fail("%s: unsupported construct: slice step", p->c->name);
-                e = ct_node(p, E_SLICE, e, lo);
-                e->c = hi;
-            } else {
-                e = ct_node(p, E_ITEM, e, lo);
-            }
-            ct_need(p, TK_OP, "]");
+            e = ct_subscript(p, e);
         } else if (ct_take(p, TK_OP, "(")) {
             e = ct_call(p, e);
         } else {
@@ -603,8 +622,9 @@ static CtStmt* ct_parse_stmt(CtBody* b, const CtPart* tag) {
     if (!strcmp(kw, "set")) {
         CtStmt* s = ct_stmt_new(b->c, S_SET);
         s->var = ct_need(&p, TK_NAME, NULL)->s;
+        if (ct_take(&p, TK_OP, ".")) s->attr = ct_need(&p, TK_NAME, NULL)->s;
         if (!ct_take(&p, TK_OP, "="))
-            fail("%s: unsupported construct: set of %s without = (block set or attribute)", b->c->name, s->var);
+            fail("%s: unsupported construct: set of %s without = (block set or several targets)", b->c->name, s->var);
         s->e = ct_tag_expr(b->c, tag, p.i, NULL);
         return s;
     }
@@ -668,6 +688,7 @@ static int ct_truthy(CtVal v) {
         case CT_UNDEF: case CT_NONE: return 0;
         case CT_BOOL: case CT_INT: return v.i != 0;
         case CT_STR: return v.s[0] != 0;
+        case CT_NS: return 1;
         default: return v.n != 0;
     }
 }
@@ -694,6 +715,7 @@ static int ct_equal(CtVal a, CtVal b) {
     if (an && bn) return a.i == b.i;  // Python: True == 1
     if (a.type != b.type) return 0;
     if (a.type == CT_STR) return !strcmp(a.s, b.s);
+    if (a.type == CT_NS) return a.items == b.items;  // the same namespace() object
     if (a.type == CT_LIST || a.type == CT_DICT) {
         if (a.n != b.n) return 0;
         for (int i = 0; i < a.n; i++)
@@ -745,36 +767,91 @@ static CtVal ct_binop(CtRun* r, const char* op, CtVal a, CtVal b) {
     return a;  // not reached
 }
 
+// The byte offset of each code point of s (a byte that is not a UTF-8 continuation starts one, as
+// |length counts), and strlen(s) after the last: *n code points, *n + 1 offsets.
+static size_t* ct_cp_offsets(const CtRun* r, const char* s, long long* n) {
+    size_t len = strlen(s);
+    size_t* at = (size_t*)ct_alloc(r->c->arena, sizeof(size_t) * (len + 1));
+    *n = 0;
+    for (size_t i = 0; i < len; i++) if (((unsigned char)s[i] & 0xC0) != 0x80) at[(*n)++] = i;
+    at[*n] = len;
+    return at;
+}
+
+// A dict's value for key set in place (the arrays grow by copying into the arena).
+static void ct_dict_set(CtArena* a, CtVal* d, const char* key, CtVal v) {
+    for (int i = 0; i < d->n; i++) if (!strcmp(d->keys[i], key)) { d->items[i] = v; return; }
+    const char** keys = (const char**)ct_alloc(a, sizeof(char*) * (d->n + 1));
+    CtVal* items = (CtVal*)ct_alloc(a, sizeof(CtVal) * (d->n + 1));
+    if (d->n) memcpy(keys, d->keys, sizeof(char*) * d->n);
+    if (d->n) memcpy(items, d->items, sizeof(CtVal) * d->n);
+    keys[d->n] = key;
+    items[d->n++] = v;
+    d->keys = keys;
+    d->items = items;
+}
+
+// obj[key]: a dict's or namespace's value, a list's item, a string's code point (Python's
+// indices, negative ones from the end); anything else is undefined, as in Jinja.
 static CtVal ct_item(const CtRun* r, CtVal obj, CtVal key) {
     CtVal u = {};
+    if (obj.type == CT_NS) return ct_item(r, obj.items[0], key);
     if (obj.type == CT_DICT && key.type == CT_STR) {
         for (int i = 0; i < obj.n; i++) if (!strcmp(obj.keys[i], key.s)) return obj.items[i];
     } else if (obj.type == CT_LIST && key.type == CT_INT) {
         long long k = key.i < 0 ? key.i + obj.n : key.i;
         if (k >= 0 && k < obj.n) return obj.items[k];
+    } else if (obj.type == CT_STR && key.type == CT_INT) {
+        long long n;
+        size_t* at = ct_cp_offsets(r, obj.s, &n);
+        long long k = key.i < 0 ? key.i + n : key.i;
+        if (k >= 0 && k < n) return ct_str(r->c->arena, obj.s + at[k], at[k + 1] - at[k]);
     } else if (obj.type == CT_UNDEF) {
         fail("%s: indexing an undefined value", r->c->name);
     }
     return u;
 }
 
-// Python's list[lo:hi] (either bound may be absent or negative).
-static CtVal ct_slice(const CtRun* r, CtVal obj, const CtVal* lo, const CtVal* hi) {
-    if (obj.type != CT_LIST || (lo && lo->type != CT_INT) || (hi && hi->type != CT_INT))
-        fail("%s: slicing needs a list and integer bounds", r->c->name);
-    long long n = obj.n, a = lo ? lo->i : 0, b = hi ? hi->i : n;
-    if (a < 0) a += n;
-    if (b < 0) b += n;
-    a = a < 0 ? 0 : a > n ? n : a;
-    b = b < a ? a : b > n ? n : b;
+// One bound of a slice of n items as Python's slice.indices() clamps it (absent: from the end
+// the step walks from, or to past the end it walks to).
+static long long ct_slice_bound(const CtVal* x, long long n, long long step, int is_stop) {
+    if (!x) return is_stop ? (step < 0 ? -1 : n) : (step < 0 ? n - 1 : 0);
+    long long k = x->i < 0 ? x->i + n : x->i;
+    if (k < 0) return step < 0 ? -1 : 0;
+    if (k >= n) return step < 0 ? n - 1 : n;
+    return k;
+}
+
+// Python's seq[lo:hi:step] of a list, or of a string by code points: any part absent (NULL),
+// bounds negative from the end, a negative step walks backwards (messages[::-1]).
+static CtVal ct_slice(const CtRun* r, CtVal obj, const CtVal* lo, const CtVal* hi, const CtVal* step) {
+    if ((lo && lo->type != CT_INT) || (hi && hi->type != CT_INT) || (step && step->type != CT_INT))
+        fail("%s: slicing needs integer bounds and step", r->c->name);
+    if (obj.type != CT_LIST && obj.type != CT_STR) fail("%s: slicing a %s", r->c->name, ct_type_name(obj.type));
+    long long st = step ? step->i : 1, n;
+    if (st == 0) fail("%s: slice step cannot be zero", r->c->name);
+    if (st < -LLONG_MAX) st = -LLONG_MAX;  // as far as any index goes, and -st stays defined
+    size_t* at = obj.type == CT_STR ? ct_cp_offsets(r, obj.s, &n) : NULL;
+    if (!at) n = obj.n;
+    long long a = ct_slice_bound(lo, n, st, 0), b = ct_slice_bound(hi, n, st, 1);
+    long long k = st > 0 ? (b > a ? (b - a - 1) / st + 1 : 0) : (a > b ? (a - b - 1) / -st + 1 : 0);
     CtVal v = obj;
-    v.items = obj.items + a;
-    v.n = (int)(b - a);
+    if (at) {  // each code point at most once: no longer than the string
+        char* d = (char*)ct_alloc(r->c->arena, at[n] + 1);
+        size_t m = 0;
+        for (long long j = 0, i = a; j < k; j++, i += st) { memcpy(d + m, obj.s + at[i], at[i + 1] - at[i]); m += at[i + 1] - at[i]; }
+        d[m] = 0;
+        v.s = d;
+        return v;
+    }
+    v.items = (CtVal*)ct_alloc(r->c->arena, sizeof(CtVal) * k);
+    v.n = (int)k;
+    for (long long j = 0, i = a; j < k; j++, i += st) v.items[j] = obj.items[i];
     return v;
 }
 
-// Python's str.isspace() code points, for strip() and trim: the ASCII ones, U+001C-U+001F, U+0085,
-// U+00A0, U+1680, U+2000-U+200A, U+2028, U+2029, U+202F, U+205F and U+3000.
+// Python's str.isspace() code points, for strip(), split() and trim: the ASCII ones,
+// U+001C-U+001F, U+0085, U+00A0, U+1680, U+2000-U+200A, U+2028, U+2029, U+202F, U+205F and U+3000.
 static int ct_py_space(unsigned cp) {
     return (cp >= 9 && cp <= 13) || (cp >= 0x1C && cp <= 0x20) || cp == 0x85 || cp == 0xA0 || cp == 0x1680 ||
            (cp >= 0x2000 && cp <= 0x200A) || cp == 0x2028 || cp == 0x2029 || cp == 0x202F || cp == 0x205F || cp == 0x3000;
@@ -791,24 +868,68 @@ static unsigned ct_utf8_at(const unsigned char* s, size_t i, size_t n, size_t* l
     return cp;
 }
 
-static CtVal ct_strip(const CtRun* r, const char* s, int left, int right) {
+// Whether cp is one that strip(chars) removes: one of chars' code points, or (chars NULL) a space.
+static int ct_strips(unsigned cp, const char* chars) {
+    if (!chars) return ct_py_space(cp);
+    size_t n = strlen(chars), len;
+    for (size_t i = 0; i < n; i += len) if (ct_utf8_at((const unsigned char*)chars, i, n, &len) == cp) return 1;
+    return 0;
+}
+
+// Python's str.strip/lstrip/rstrip(chars), chars NULL for whitespace.
+static CtVal ct_strip(const CtRun* r, const char* s, int left, int right, const char* chars) {
     const unsigned char* u = (const unsigned char*)s;
     size_t n = strlen(s), a = 0, b = n, len;
-    while (left && a < n && ct_py_space(ct_utf8_at(u, a, n, &len))) a += len;
+    while (left && a < n && ct_strips(ct_utf8_at(u, a, n, &len), chars)) a += len;
     while (right && b > a) {
         size_t st = b - 1;
         while (st > a && (u[st] & 0xC0) == 0x80) st--;
-        if (!ct_py_space(ct_utf8_at(u, st, n, &len)) || st + len != b) break;
+        if (!ct_strips(ct_utf8_at(u, st, n, &len), chars) || st + len != b) break;
         b = st;
     }
     return ct_str(r->c->arena, s + a, b - a);
+}
+
+// The end of the next part of s from i for split(): sep's next occurrence (or the end); with sep
+// NULL, the end of the next run of non-spaces, *from set to where it starts (n: no more parts).
+static size_t ct_split_next(const char* s, size_t n, size_t* from, const char* sep) {
+    if (sep) { const char* hit = strstr(s + *from, sep); return hit ? (size_t)(hit - s) : n; }
+    size_t i = *from, len;
+    const unsigned char* u = (const unsigned char*)s;
+    while (i < n && ct_py_space(ct_utf8_at(u, i, n, &len))) i += len;
+    *from = i;
+    while (i < n && !ct_py_space(ct_utf8_at(u, i, n, &len))) i += len;
+    return i;
+}
+
+// Python's str.split(sep) (sep not empty), or str.split() on runs of whitespace; counted first,
+// then filled. A million parts at most (a 64 MiB string of separators would take gigabytes).
+enum { CT_MAX_PARTS = 1 << 20 };
+static CtVal ct_split(const CtRun* r, const char* s, const char* sep) {
+    size_t n = strlen(s), k = sep ? strlen(sep) : 0;
+    CtVal v = {};
+    v.type = CT_LIST;
+    for (int fill = 0; fill < 2; fill++) {
+        if (fill) v.items = (CtVal*)ct_alloc(r->c->arena, sizeof(CtVal) * v.n);
+        int parts = 0;
+        for (size_t from = 0;;) {
+            size_t end = ct_split_next(s, n, &from, sep);
+            if (!sep && from == n) break;
+            if (fill) v.items[parts] = ct_str(r->c->arena, s + from, end - from);
+            if (parts++ == CT_MAX_PARTS) fail("%s: split() into more than %d parts", r->c->name, CT_MAX_PARTS);
+            if (end == n) break;
+            from = end + k;
+        }
+        v.n = parts;
+    }
+    return v;
 }
 
 static CtVal ct_filter(const CtRun* r, const CtExpr* e, CtVal v) {
     const char* f = e->op;
     if (!ct_is_one_of(f, CT_FILTERS)) fail("%s: unsupported construct: filter %s", r->c->name, f);
     if (e->paren) fail("%s: unsupported construct: arguments to filter %s", r->c->name, f);
-    if (!strcmp(f, "trim")) return ct_strip(r, ct_text(r, v), 1, 1);
+    if (!strcmp(f, "trim")) return ct_strip(r, ct_text(r, v), 1, 1, NULL);
     if (!strcmp(f, "string")) { const char* t = ct_text(r, v); return ct_str(r->c->arena, t, strlen(t)); }
     if ((!strcmp(f, "length") || !strcmp(f, "count")) && (v.type == CT_LIST || v.type == CT_DICT)) return ct_int(v.n);
     if ((!strcmp(f, "length") || !strcmp(f, "count")) && v.type == CT_STR) {
@@ -832,27 +953,49 @@ static int ct_test(const CtRun* r, const CtExpr* e, CtVal v) {
     if (!strcmp(t, "undefined")) return v.type == CT_UNDEF;
     if (!strcmp(t, "none")) return v.type == CT_NONE;
     if (!strcmp(t, "string")) return v.type == CT_STR;
+    if (!strcmp(t, "true") || !strcmp(t, "false")) return v.type == CT_BOOL && v.i == (t[0] == 't');
     return v.type == CT_INT;  // number
 }
 
 static CtVal ct_eval(CtRun* r, const CtExpr* e);
 
+// A string method: strip/lstrip/rstrip([chars]), split([sep]), startswith/endswith(s).
 static CtVal ct_method(CtRun* r, const char* m, const CtExpr* e) {
     CtVal obj = ct_eval(r, e->a->a);
     if (obj.type != CT_STR) fail("%s: method %s() of a %s", r->c->name, m, ct_type_name(obj.type));
-    if (strstr(m, "strip") && e->nargs == 0) return ct_strip(r, obj.s, m[0] != 'r', m[0] != 'l');
-    CtVal arg = e->nargs == 1 ? ct_eval(r, e->args[0]) : obj;
-    if (e->nargs != 1 || arg.type != CT_STR || strstr(m, "strip")) fail("%s: unsupported arguments to %s()", r->c->name, m);
+    CtVal arg = {};
+    if (e->nargs == 1) arg = ct_eval(r, e->args[0]);
+    int none = e->nargs == 0 || arg.type == CT_NONE;  // strip() and strip(none) alike
+    int starts = !strcmp(m, "startswith"), ends = !strcmp(m, "endswith");
+    if (e->nargs > 1 || (!none && arg.type != CT_STR) || ((starts || ends) && none))
+        fail("%s: unsupported arguments to %s()", r->c->name, m);
+    if (strstr(m, "strip")) return ct_strip(r, obj.s, m[0] != 'r', m[0] != 'l', none ? NULL : arg.s);
+    if (!starts && !ends) {  // split
+        if (!none && !arg.s[0]) fail("%s: split() with an empty separator", r->c->name);
+        return ct_split(r, obj.s, none ? NULL : arg.s);
+    }
     size_t n = strlen(obj.s), k = strlen(arg.s);
     if (k > n) return ct_bool(0);
-    return ct_bool(memcmp(m[0] == 's' ? obj.s : obj.s + n - k, arg.s, k) == 0);
+    return ct_bool(memcmp(starts ? obj.s : obj.s + n - k, arg.s, k) == 0);
 }
 
-// raise_exception(msg) or a string method; any other call is outside the subset.
+// namespace(name=value, ...): a CT_NS of its keyword arguments.
+static CtVal ct_namespace(CtRun* r, const CtExpr* e) {
+    if (e->nkw != e->nargs) fail("%s: unsupported construct: namespace() with positional arguments", r->c->name);
+    CtVal ns = {};
+    ns.type = CT_NS;
+    ns.items = (CtVal*)ct_alloc(r->c->arena, sizeof(CtVal));
+    ns.items[0].type = CT_DICT;
+    for (int i = 0; i < e->nargs; i++) ct_dict_set(r->c->arena, &ns.items[0], e->kws[i], ct_eval(r, e->args[i]));
+    return ns;
+}
+
+// raise_exception(msg), namespace(...) or a string method; any other call is outside the subset.
 static CtVal ct_eval_call(CtRun* r, const CtExpr* e) {
     const CtExpr* fn = e->a;
     int method = fn->kind == E_ITEM && fn->b->kind == E_LIT && fn->b->lit.type == CT_STR;
     const char* what = fn->kind == E_VAR ? fn->op : method ? fn->b->lit.s : "a call";
+    if (fn->kind == E_VAR && !strcmp(what, "namespace")) return ct_namespace(r, e);
     int known = (fn->kind == E_VAR && !strcmp(what, "raise_exception")) || (method && ct_is_one_of(what, CT_METHODS));
     if (!known || e->nkw) fail("%s: unsupported construct: call of %s()%s", r->c->name, what, known ? " with keyword arguments" : "");
     if (method) return ct_method(r, what, e);
@@ -875,10 +1018,11 @@ static CtVal ct_eval(CtRun* r, const CtExpr* e) {
         }
         case E_ITEM: return ct_item(r, ct_eval(r, e->a), ct_eval(r, e->b));
         case E_SLICE: {
-            CtVal obj = ct_eval(r, e->a), lo, hi;
+            CtVal obj = ct_eval(r, e->a), lo, hi, step;
             if (e->b) lo = ct_eval(r, e->b);
             if (e->c) hi = ct_eval(r, e->c);
-            return ct_slice(r, obj, e->b ? &lo : NULL, e->c ? &hi : NULL);
+            if (e->d) step = ct_eval(r, e->d);
+            return ct_slice(r, obj, e->b ? &lo : NULL, e->c ? &hi : NULL, e->d ? &step : NULL);
         }
         case E_OR: { CtVal a = ct_eval(r, e->a); return ct_truthy(a) ? a : ct_eval(r, e->b); }
         case E_AND: { CtVal a = ct_eval(r, e->a); return ct_truthy(a) ? ct_eval(r, e->b) : a; }
@@ -922,12 +1066,21 @@ static void ct_exec_for(CtRun* r, const CtStmt* s) {
     free(sc->vals);
 }
 
+// {% set x = e %} into the innermost scope, or {% set ns.x = e %} into a namespace().
+static void ct_exec_set(CtRun* r, const CtStmt* s) {
+    CtVal v = ct_eval(r, s->e);
+    if (!s->attr) { ct_scope_set(&r->scopes[r->depth - 1], s->var, v); return; }
+    CtVal ns = ct_lookup(r, s->var);
+    if (ns.type != CT_NS) fail("%s: cannot assign attribute %s of %s, a %s (only of a namespace())", r->c->name, s->attr, s->var, ct_type_name(ns.type));
+    ct_dict_set(r->c->arena, &ns.items[0], s->attr, v);
+}
+
 static void ct_exec(CtRun* r, const CtStmt* s) {
     for (; s; s = s->next) {
         switch (s->kind) {
             case S_TEXT: ct_buf_add(&r->out, s->text, strlen(s->text)); break;
             case S_OUT: { const char* t = ct_text(r, ct_eval(r, s->e)); ct_buf_add(&r->out, t, strlen(t)); break; }
-            case S_SET: ct_scope_set(&r->scopes[r->depth - 1], s->var, ct_eval(r, s->e)); break;
+            case S_SET: ct_exec_set(r, s); break;
             case S_FOR: ct_exec_for(r, s); break;
             case S_IF:
                 for (const CtStmt* b = s; b; b = b->orelse)
@@ -953,6 +1106,7 @@ static char* chat_template_render(const char* template_text, const char* name, c
     messages.n = n_msgs;
     messages.items = (CtVal*)ct_alloc(&arena, sizeof(CtVal) * (n_msgs + 1));
     for (int i = 0; i < n_msgs; i++) {
+        if (!strcmp(msgs[i].role, "tool")) fail("%s: tool calling is not supported (message %d has role \"tool\")", name, i + 1);
         CtVal* m = &messages.items[i];
         m->type = CT_DICT;
         m->n = 2;

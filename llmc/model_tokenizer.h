@@ -152,15 +152,18 @@ static const char* model_tok_string(const Json* cfg, const char* key) {
     return v && v->type == JSON_STRING ? v->string : "";
 }
 
-// The template's end-of-turn token: what its rendering puts right after an assistant reply,
-// when that is a special token (<|im_end|>, <|eot_id|>); generation stops there too.
+// The template's end-of-turn token: what its rendering puts right after an assistant reply (found
+// after whatever the template puts before the reply, as Qwen3's empty <think> block), when that is
+// a special token (<|im_end|>, <|eot_id|>); generation stops there too.
 static void model_tok_add_turn_end(ModelTokenizer* t, const char* tmpl, const char* path, const char* bos, const char* eos) {
-    ChatMsg conv[2] = {{"user", "x"}, {"assistant", "y"}};
+    static const char reply[] = "xyzzy";
+    ChatMsg conv[2] = {{"user", "x"}, {"assistant", reply}};
     char* before = chat_template_render(tmpl, path, conv, 1, 1, bos, eos);
     char* after = chat_template_render(tmpl, path, conv, 2, 0, bos, eos);
     size_t n = strlen(before);
-    if (strncmp(after, before, n) == 0 && after[n] == 'y') {
-        const char* rest = after + n + 1;
+    const char* at = strncmp(after, before, n) == 0 ? strstr(after + n, reply) : NULL;
+    if (at) {
+        const char* rest = at + strlen(reply);
         while (*rest == ' ' || *rest == '\n') rest++;
         int k, *ids = model_tokenizer_encode_plain(t, rest, &k);
         if (k > 0 && model_tokenizer_is_special(t, ids[0])) model_tok_add_end(t, ids[0]);

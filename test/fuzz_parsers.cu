@@ -69,7 +69,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
                 text = (char*)xmalloc(size + 1);
                 memcpy(text, data, size);
                 text[size] = 0;
-                ChatMsg conv[3] = {{"system", " Be brief. "}, {"user", "Hi \xC3\xA9"}, {"assistant", "Hello!"}};
+                ChatMsg conv[3] = {{"system", " Be brief. "}, {"user", "Hi \xC3\xA9"}, {"assistant", "<think>\nhm\n</think>\n\nHello!"}};
                 for (int agp = 0; agp < 2; agp++) free(chat_template_render(text, "fuzz", conv, 3 - agp, agp, "<s>", "</s>"));
                 break;
             }

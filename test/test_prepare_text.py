@@ -152,9 +152,10 @@ def test_plain_text_with_tokenizer_json_equals_the_library(tmp_path, style):
     assert int(mask.sum()) == len(want) - len(chunks)  # every token but each chunk's BOS is a target
 
 
-def check_replies(tok, ids, mask, starts, convs, reference, end_token, trim):
+def check_replies(tok, ids, mask, starts, convs, reference, end_token, trim, expected=None):
     """Per example: the whole decodes to transformers' rendering; each masked run is one assistant
-    reply plus its end-of-turn token, and each run (masked or not) is the library's encoding of its text."""
+    reply plus its end-of-turn token (or, given, that example's replies), and each run (masked or
+    not) is the library's encoding of its text."""
     bounds = list(np.flatnonzero(starts)) + [len(ids)]
     assert len(bounds) - 1 == len(convs)
     for (a, b), conv, ref in zip(zip(bounds[:-1], bounds[1:]), convs, reference):
@@ -167,6 +168,8 @@ def check_replies(tok, ids, mask, starts, convs, reference, end_token, trim):
                 at = k
         replies = [r[1] for r in runs if r[0]]
         want = [(c["content"].strip() if trim else c["content"]) + end_token for c in conv if c["role"] == "assistant"]
+        if expected is not None:
+            want = expected.pop(0)
         assert [tok.decode(r, skip_special_tokens=False) for r in replies] == want
         for _, run in runs:
             assert tok.encode(tok.decode(run, skip_special_tokens=False), add_special_tokens=False).ids == run
@@ -199,6 +202,45 @@ def test_jsonl_through_the_models_own_template(tmp_path, which):
     check_replies(tok, ids, mask, starts, convs, transformers_render(cases), end, trim=which != "smollm2")
 
 
+def test_jsonl_through_qwen_templates(tmp_path):
+    """The templates that render as Qwen2.5's and Qwen3's (test/chat_qwen25.jinja, chat_qwen3.jinja)
+    with a Qwen2-style tokenizer.json: examples are transformers' renderings; Qwen2.5's replies are
+    their content and <|im_end|>; Qwen3's (one per conversation, at the end) are what follows
+    transformers' rendering of the turns before with add_generation_prompt: the <think> block too."""
+    from test_chat_template import CONVERSATIONS as TURNS, QWEN25, QWEN3, QWEN_CONVERSATIONS, QWEN_TOKENS, transformers_render
+    reply = {"role": "assistant", "content": " Ünïcode 😀 42 <|im_start|> reply "}
+    for which, template in (("qwen25", QWEN25), ("qwen3", QWEN3)):
+        d, tok = hf_tok_dir(tmp_path, "qwen2", template, QWEN_TOKENS["bos_token"], QWEN_TOKENS["eos_token"])
+        if which == "qwen25":
+            convs = [c for c in TURNS + QWEN_CONVERSATIONS if any(m["role"] == "assistant" for m in c)]
+            convs = [c[:max(i + 1 for i, m in enumerate(c) if m["role"] == "assistant")] for c in convs]
+        else:
+            convs = [QWEN_CONVERSATIONS[0], QWEN_CONVERSATIONS[3]]
+        convs += [c + [reply] for c in TURNS if all(m["role"] != "assistant" for m in c)]
+        write_jsonl(tmp_path / "chat.jsonl", [{"messages": c} for c in convs])
+        p = prepare(d / "tokenizer.json", tmp_path / "chat.jsonl", tmp_path / which)
+        assert p.returncode == 0, p.stderr
+        ids, mask, _, starts = shards.read_shard(str(tmp_path / f"{which}_train.bin"), with_starts=True)
+        refs = transformers_render([dict(template=template, messages=c, add_generation_prompt=False, **QWEN_TOKENS)
+                                    for c in convs])
+        replies = None
+        if which == "qwen3":
+            prompts = transformers_render([dict(template=template, messages=c[:-1], add_generation_prompt=True,
+                                                **QWEN_TOKENS) for c in convs])
+            assert all(r.startswith(q) for q, r in zip(prompts, refs))
+            replies = [[r[len(q):].rstrip()] for q, r in zip(prompts, refs)]
+            assert replies[0] == ["<think>\nAdd them.\n</think>\n\n4<|im_end|>"]
+        check_replies(tok, ids, mask, starts, convs, refs, "<|im_end|>", trim=False, expected=replies)
+        (tmp_path / "qwen2").rename(tmp_path / f"{which}_tok")
+    # Qwen3's template drops an earlier reply's <think> block once a user turn follows: refused
+    d = tmp_path / "qwen3_tok"
+    write_jsonl(tmp_path / "multi.jsonl", [{"messages": QWEN_CONVERSATIONS[1][:5]}])
+    p = prepare(d / "tokenizer.json", tmp_path / "multi.jsonl", tmp_path / "multi")
+    err = p.stderr.strip()
+    assert p.returncode == 1 and len(err.splitlines()) == 1 and not list(tmp_path.glob("multi_*")), err
+    assert "chat_template: assistant message 3 renders differently once later turns follow it" in err, err
+
+
 def test_templates_that_hide_the_replies_are_refused(tmp_path):
     conv = [{"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]}]
     jsonl = tmp_path / "chat.jsonl"
@@ -206,8 +248,13 @@ def test_templates_that_hide_the_replies_are_refused(tmp_path):
     cases = [  # a footer after the last message: the turns before a reply are not a prefix of the whole
         ("{% for m in messages %}{{ m.role }}: {{ m.content }}{% if loop.last %} END{% endif %}\n{% endfor %}",
          "smollm2", ["tokenizer_config.json: chat_template", "not give a prefix"]),
-        ("{% for m in messages %}{{ m.content | tojson }}{% endfor %}", "smollm2",
-         ["tokenizer_config.json: chat_template", "filter tojson"]),
+        # errors of the template or jinja2, and tool calls, name what happened
+        ("{% for m in messages %}{{ raise_exception('no ' ~ m.role) }}{% endfor %}", "smollm2",
+         ["tokenizer_config.json: chat_template: the template raised: no user"]),
+        ("{% for m in messages %}{{ m.content | nosuchfilter }}{% endfor %}", "smollm2",
+         ["tokenizer_config.json: chat_template: template syntax error at line 1", "nosuchfilter"]),
+        ("{{ messages[0].content.nosuchmethod() }}", "smollm2",
+         ["tokenizer_config.json: chat_template: rendering failed: UndefinedError", "nosuchmethod"]),
         # a SentencePiece-style tokenizer.json prepends "▁" to each piece it encodes
         ("{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}", "llama2",
          ["tokenizer.json", "--chat-template llama2"]),
@@ -220,3 +267,24 @@ def test_templates_that_hide_the_replies_are_refused(tmp_path):
         assert p.returncode == 1 and len(err.splitlines()) == 1, err
         assert all(n in err for n in needles), err
         assert not list(tmp_path.glob(f"bad{k}*"))
+
+
+def test_tool_calls_and_a_missing_jinja2_are_one_line(tmp_path):
+    from test_chat_template import QWEN3, QWEN_TOKENS
+    d, _ = hf_tok_dir(tmp_path, "qwen2", QWEN3, QWEN_TOKENS["bos_token"], QWEN_TOKENS["eos_token"])
+    call = {"name": "weather", "arguments": {"city": "Paris"}}
+    write_jsonl(tmp_path / "tools.jsonl", [{"messages": [{"role": "user", "content": "Weather?"},
+                                                         {"role": "assistant", "content": "", "tool_calls": [call]}]}])
+    write_jsonl(tmp_path / "chat.jsonl", CONVERSATIONS[:1])
+    hidden = tmp_path / "nojinja"  # a jinja2 that cannot be imported, first on the path
+    hidden.mkdir()
+    (hidden / "jinja2.py").write_text("raise ImportError('No module named jinja2')\n")
+    for jsonl, env, needle in ((tmp_path / "tools.jsonl", None, "tool calling is not supported (message 2 has tool_calls)"),
+                               (tmp_path / "chat.jsonl", dict(os.environ, PYTHONPATH=str(hidden)),
+                                "needs the jinja2 package (Debian: apt-get install python3-jinja2")):
+        p = subprocess.run([sys.executable, PREP, "--tokenizer", str(d / "tokenizer.json"), "--input", str(jsonl),
+                            "--out", str(tmp_path / "out"), "--val-frac", "0"], capture_output=True, text=True,
+                           timeout=120, env=env)
+        err = p.stderr.strip()
+        assert p.returncode == 1 and len(err.splitlines()) == 1 and err.startswith("prepare_text: "), err
+        assert needle in err and not list(tmp_path.glob("out_*")), err

@@ -15,7 +15,8 @@ characters, each BOS + tokens, every token a target except BOS (nothing in a chu
 predicts it); val is the last val-frac of chunks, so it is text the model did not
 see. JSONL examples go through the model's own chat template (--chat-template auto, the default: the
 Jinja chat_template of the tokenizer_config.json beside the tokenizer, rendered by
-scripts/formats/chat_template.py as transformers' apply_chat_template renders it; or the fixed
+scripts/formats/chat_template.py with jinja2 as transformers' apply_chat_template renders it (needs
+jinja2: Debian's python3-jinja2; tool calling is refused); or the fixed
 chatml or llama2), or without one BOS + prompt + response + EOS; only assistant replies (up to
 and including their end-of-turn token) are trained on. Examples are packed back to
 back and the shards mark where each starts, so the trainer restarts positions and keeps
@@ -160,7 +161,8 @@ def encode_pair(tok, prompt, response):
 
 
 # Chat templates: how a conversation becomes text. "auto" renders the model's own Jinja template
-# (tokenizer_config.json's chat_template, in the subset scripts/formats/chat_template.py renders).
+# (tokenizer_config.json's chat_template, with jinja2 through scripts/formats/chat_template.py: any
+# template transformers renders, also outside the subset --chat renders in C).
 # Two fixed ones remain for tokenizers without a template: "chatml":
 # <|im_start|>role\ncontent<|im_end|>\n per message (SmolLM2, Qwen); "llama2": <s>[INST] <<SYS>>\n
 # system\n<</SYS>>\n\nuser [/INST] assistant </s> per exchange. Only assistant turns (and their
@@ -173,7 +175,7 @@ class ModelTemplate:
 
     def __init__(self, cfg_path, source, bos, eos):
         self.cfg_path, self.source, self.bos, self.eos = cfg_path, source, bos, eos
-        chat_template.parse(source, self.name())  # outside the subset: say so now, not at line 1000
+        chat_template.parse(source, self.name())  # a syntax error or no jinja2: say so now, not at line 1000
 
     def name(self):
         return f"{self.cfg_path}: chat_template"
@@ -181,7 +183,7 @@ class ModelTemplate:
     def render(self, messages, add_generation_prompt):
         try:
             return chat_template.render(self.source, messages, add_generation_prompt, self.bos, self.eos, self.name())
-        except chat_template.ChatTemplateError as e:  # a construct outside the subset, reached, or raise_exception
+        except chat_template.ChatTemplateError as e:  # raise_exception, another error while rendering, or tools
             raise PrepError(str(e)) from None
 
 
@@ -237,7 +239,9 @@ def template_spans(tmpl, messages):
     """The rendered conversation and the [start, end) character span of each assistant reply: from
     the end of the rendering of the turns before it with add_generation_prompt, to the end of the
     rendering that includes it (less trailing whitespace). Every such rendering must be a prefix of
-    the whole, else the reply's tokens cannot be told apart: refused, never guessed."""
+    the whole, else the reply's tokens cannot be told apart: refused, never guessed. (Qwen3's
+    template renders a reply with its <think> block only while no user turn follows it, so its
+    conversations must have one assistant reply, at the end.)"""
     full = tmpl.render(messages, False)
     spans, done = [], 0
     for i, m in enumerate(messages):
@@ -245,10 +249,14 @@ def template_spans(tmpl, messages):
             continue
         before = tmpl.render(messages[:i], True)
         upto = tmpl.render(messages[:i + 1], False).rstrip()
-        if not (full.startswith(upto) and upto.startswith(before) and len(before) >= done):
+        if not (full.startswith(before) and upto.startswith(before) and len(before) >= done):
             raise PrepError(f"{tmpl.name()}: rendering the turns before assistant message {i + 1} (with "
                             "add_generation_prompt) does not give a prefix of the whole conversation, so the "
                             "reply's tokens cannot be found")
+        if not full.startswith(upto):
+            raise PrepError(f"{tmpl.name()}: assistant message {i + 1} renders differently once later turns "
+                            "follow it (as Qwen3's template drops earlier replies' <think> blocks), so its tokens "
+                            "cannot be found; give such conversations one assistant reply, at the end")
         if len(upto) > len(before):
             spans.append((len(before), len(upto)))
             done = len(upto)
