@@ -1,6 +1,6 @@
 """Chat templates rendered by us (llmc/chat_template.h through test/tokenizer_probe --chat, and
 scripts/formats/chat_template.py, which is jinja2 as transformers sets it up) against transformers'
-apply_chat_template (transformers 4.36 in build/hfvenv, the venv the HF interop tests use):
+apply_chat_template (transformers 4.46 in build/hfvenv, the venv the HF interop tests use):
 SmolLM2's and Llama-3's real templates, Llama-3.1's (whose tool branches, outside the C subset, a
 conversation without tools never reaches), templates written here that render as Qwen2.5's and
 Qwen3's do (namespace(), reversed slices, split, string slicing, <think> blocks), and one that uses
@@ -97,15 +97,9 @@ out = []
 for case in json.load(sys.stdin):
     tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.BPE()), bos_token=case["bos_token"],
                                   eos_token=case["eos_token"])
-    try:
-        if case.get("variables"):  # more template variables (Qwen3's enable_thinking): 4.36's apply_chat_template
-            # takes none, so its own compiled template renders with them, as later versions pass them on
-            out.append(tok._compile_jinja_template(case["template"]).render(
-                messages=case["messages"], add_generation_prompt=case["add_generation_prompt"],
-                **tok.special_tokens_map, **case["variables"]))
-        else:
-            out.append(tok.apply_chat_template(case["messages"], chat_template=case["template"], tokenize=False,
-                                               add_generation_prompt=case["add_generation_prompt"]))
+    try:  # more template variables (Qwen3's enable_thinking) go on to the template as keyword arguments
+        out.append(tok.apply_chat_template(case["messages"], chat_template=case["template"], tokenize=False,
+                                           add_generation_prompt=case["add_generation_prompt"], **case.get("variables", {})))
     except Exception as e:
         out.append({"error": str(e)})
 json.dump(out, sys.stdout)
@@ -202,11 +196,13 @@ def test_python_renders_template_variables_and_extra_keys_as_transformers():
 
 
 def test_python_tojson_is_transformers_own():
-    """tojson as transformers (4.40 and later) defines it: json.dumps without ASCII escapes or key
-    sorting, with indent; 4.36 still had jinja2's HTML-escaping one, so json.dumps is the reference."""
+    """tojson as transformers defines it (json.dumps without ASCII escapes or key sorting, with
+    indent; not jinja2's HTML-escaping one): transformers' own rendering is the reference."""
     msgs = [{"role": "user", "content": "<b>Café 😀</b> & 'q'"}, {"role": "assistant", "content": "x", "a": [1, None]}]
-    got = chat_template.render("{{ messages | tojson }}|{{ messages[1] | tojson(indent=2) }}", msgs, False)
-    assert got == json.dumps(msgs, ensure_ascii=False) + "|" + json.dumps(msgs[1], ensure_ascii=False, indent=2)
+    template = "{{ messages | tojson }}|{{ messages[1] | tojson(indent=2) }}"
+    got = chat_template.render(template, msgs, False)
+    want = transformers_render([dict(template=template, messages=msgs, add_generation_prompt=False, bos_token="", eos_token="")])[0]
+    assert got == want and "<b>Café 😀</b>" in got
 
 
 def test_tool_calling_is_refused_by_name(tmp_path):
@@ -242,6 +238,7 @@ UNSUPPORTED = [
     ("{{ 3 is divisibleby(3) }}", "test 'is divisibleby'"),
     ("{{ 1.5 }}", "floating-point number"),
     ("{% generation %}x{% endgeneration %}", "{% generation %}"),
+    ("{% for m in messages %}{% if loop.index > 1 %}{% break %}{% endif %}{{ m.role }}{% endfor %}", "{% break %}"),
     ("{% if messages %}unclosed", "missing {% endif %}"),
     ("{{ messages is iterable }}", "test 'is iterable'"),
     ("{{ messages | length(2) }}", "arguments to filter length"),

@@ -1,8 +1,9 @@
 """scripts/formats/chat_template.py: renders a model's chat template (the Jinja text in its
 tokenizer_config.json) as transformers' apply_chat_template does, with jinja2 itself: the
 sandboxed environment transformers builds (ImmutableSandboxedEnvironment, trim_blocks,
-lstrip_blocks, no trailing newline), its raise_exception global and its tojson filter (json.dumps
-without ASCII escaping or key sorting, with indent/separators/sort_keys arguments). Any template
+lstrip_blocks, no trailing newline, the loopcontrols extension and {% generation %} blocks), its
+raise_exception and strftime_now globals and its tojson filter (json.dumps without ASCII escaping
+or key sorting, with indent/separators/sort_keys arguments). Any template
 transformers renders renders here, not only the subset of llmc/chat_template.h (the C renderer of
 --chat); test/test_chat_template.py checks both against transformers.
 
@@ -39,17 +40,46 @@ def _raise_exception(message):
     raise _Raised(message)
 
 
+def _strftime_now(fmt):
+    # transformers' global: the current local time, formatted (Llama-3.2's date line)
+    import datetime
+    return datetime.datetime.now().strftime(fmt)
+
+
+def _generation_extension(jinja2):
+    """{% generation %}...{% endgeneration %}: transformers marks the assistant's tokens with it
+    (return_assistant_tokens_mask); the text renders as it is, which is all a rendering sees."""
+    from jinja2 import nodes
+    from jinja2.ext import Extension
+
+    class Generation(Extension):
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller):
+            return caller()
+    return Generation
+
+
 @functools.lru_cache(maxsize=1)
 def _environment():
     try:
         import jinja2
+        import jinja2.ext
         from jinja2.sandbox import ImmutableSandboxedEnvironment
     except ImportError:
         return None
     if int(jinja2.__version__.split(".")[0]) < 3:
         return f"jinja2 {jinja2.__version__} is too old (transformers needs 3.0 or later)"
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    # as transformers builds it: break/continue, {% generation %}, raise_exception, tojson, strftime_now
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[_generation_extension(jinja2), jinja2.ext.loopcontrols])
     env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
     env.filters["tojson"] = _tojson
     return env
 
