@@ -6,36 +6,36 @@
 //
 // Read top to bottom: config -> parameters -> memory plan -> weight loading -> forward -> backward
 // -> training step (with evaluation and generation) -> the dry run -> adapters, state and export
-// -> main (the training loop, the flags, main). The loop's shared pieces are llmc/train_loop.h,
-// the optimizer llmc/zero.h. The model is written once; the operations
+// -> main (the training loop, the flags, main). The loop's shared pieces are llmc/train/train_loop.h,
+// the optimizer llmc/train/zero.h. The model is written once; the operations
 // it calls (llmc/ops.h) run on the backend chosen by --device: the CPU (fp32) or a CUDA GPU (bf16
 // activations and frozen weights, fp32 statistics, LoRA masters, gradients and AdamW state).
 #include <omp.h>
 #include "llmc/common.h"
-#include "llmc/json.h"
-#include "llmc/safetensors.h"
-#include "llmc/flags.h"
+#include "llmc/formats/json.h"
+#include "llmc/formats/safetensors.h"
+#include "llmc/train/flags.h"
 #include "llmc/rng.h"
-#include "llmc/model_tokenizer.h"
-#include "llmc/textdata.h"
-#include "llmc/plan.h"
-#include "llmc/train_common.h"
+#include "llmc/text/model_tokenizer.h"
+#include "llmc/text/textdata.h"
+#include "llmc/memory/plan.h"
+#include "llmc/train/train_common.h"
 #include "llmc/lora.h"
-#include "llmc/peft.h"
-#include "llmc/checkpoint.h"
-#include "llmc/dist.h"
-#include "llmc/trainable.h"
-#include "llmc/zero.h"
-#include "llmc/train_loop.h"
+#include "llmc/formats/peft.h"
+#include "llmc/train/checkpoint.h"
+#include "llmc/train/dist.h"
+#include "llmc/train/trainable.h"
+#include "llmc/train/zero.h"
+#include "llmc/train/train_loop.h"
 #include "llmc/backend.h"
 #include "llmc/ops.h"
-#include "llmc/fit.h"
+#include "llmc/train/fit.h"
 #include "llmc/nf4.h"
-#include "llmc/bnb.h"
-#include "llmc/llama_family.h"
+#include "llmc/formats/bnb.h"
+#include "llmc/models/llama_family.h"
 
 // ----------------------------------------------------------------------------------------------
-// Config: config.json of a LLaMA, Mistral, Qwen2 or Qwen3 checkpoint, read strictly (llmc/llama_family.h)
+// Config: config.json of a LLaMA, Mistral, Qwen2 or Qwen3 checkpoint, read strictly (llmc/models/llama_family.h)
 
 // ----------------------------------------------------------------------------------------------
 // Parameters. Frozen weights live in one arena, LoRA weights (and their grads and AdamW moments)
@@ -102,13 +102,13 @@ typedef struct {
     int64_t* layer_off;    // [layers] where each block's trainable values start in the arena
     // scratch (activation gradients have the activations' element type)
     void *resid, *resid_tmp, *dres, *dz, *dq, *dk, *dv, *dout, *dp, *dg, *du, *dax;
-    void* att_work;        // CUDA attention: the tensor-core path's chunk of scores (llmc/attn_plan.h)
+    void* att_work;        // CUDA attention: the tensor-core path's chunk of scores (llmc/memory/attn_plan.h)
     size_t att_work_bytes;
     void **kv_k, **kv_v;   // --generate: [layers] the key/value cache, [T, KVH*hd] each
     float* gen_logits;     // --generate: [V] the last position's logits
-    void* blas_work;       // CUDA: cuBLAS's and cuBLASLt's workspace (llmc/blas_plan.h)
+    void* blas_work;       // CUDA: cuBLAS's and cuBLASLt's workspace (llmc/memory/blas_plan.h)
     // --quant nf4: the tables (NF4 values, dynamic map; backend and host copies) and the scratch
-    // every linear's W is dequantized into before its products (llmc/nf4.h), else NULL
+    // every linear's W is dequantized into before its products (llmc/formats/nf4.h), else NULL
     float* nf4_tables;
     float h_nf4_tables[NF4_TABLE_FLOATS];
     void* nf4_scratch;

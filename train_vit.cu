@@ -6,32 +6,32 @@
 //
 // Read top to bottom: config -> parameters -> memory plan -> weight loading -> forward -> backward
 // -> training step and evaluation -> adapters and state -> export -> main (the data, the dry run,
-// the training loop, the flags, main). The loop's shared pieces are llmc/train_loop.h, the
-// optimizer llmc/zero.h. The model is written once; the operations it calls
+// the training loop, the flags, main). The loop's shared pieces are llmc/train/train_loop.h, the
+// optimizer llmc/train/zero.h. The model is written once; the operations it calls
 // (llmc/ops.h) run on the backend chosen by --device: the CPU (fp32) or a CUDA GPU (bf16
 // activations and frozen weights, fp32 statistics, LoRA masters, the head, gradients and AdamW
 // state). Same shape as train_llama.cu, with which it shares the LoRA linear (llmc/lora.h), the
 // plan, the flags, the backend and the optimizer.
 #include <omp.h>
 #include "llmc/common.h"
-#include "llmc/json.h"
-#include "llmc/safetensors.h"
-#include "llmc/flags.h"
+#include "llmc/formats/json.h"
+#include "llmc/formats/safetensors.h"
+#include "llmc/train/flags.h"
 #include "llmc/rng.h"
-#include "llmc/imagedata.h"
-#include "llmc/resample.h"
-#include "llmc/plan.h"
-#include "llmc/train_common.h"
+#include "llmc/vision/imagedata.h"
+#include "llmc/vision/resample.h"
+#include "llmc/memory/plan.h"
+#include "llmc/train/train_common.h"
 #include "llmc/lora.h"
-#include "llmc/peft.h"
-#include "llmc/checkpoint.h"
-#include "llmc/dist.h"
-#include "llmc/trainable.h"
-#include "llmc/zero.h"
-#include "llmc/train_loop.h"
+#include "llmc/formats/peft.h"
+#include "llmc/train/checkpoint.h"
+#include "llmc/train/dist.h"
+#include "llmc/train/trainable.h"
+#include "llmc/train/zero.h"
+#include "llmc/train/train_loop.h"
 #include "llmc/backend.h"
 #include "llmc/ops.h"
-#include "llmc/fit.h"
+#include "llmc/train/fit.h"
 
 // ----------------------------------------------------------------------------------------------
 // Config: config.json of a Hugging Face ViT (ViTModel / ViTForImageClassification), and the
@@ -208,9 +208,9 @@ typedef struct {
     int64_t src_bytes;     // the largest source image of the run's shards
     void* patches;         // [B*T, C*ph*pw] unfolded patches (class-token rows zero)
     void *resid, *resid_tmp, *dres, *dz, *dq, *dk, *dv, *dout, *dh, *dax;
-    void* att_work;        // CUDA attention: the tensor-core path's chunk of scores (llmc/attn_plan.h)
+    void* att_work;        // CUDA attention: the tensor-core path's chunk of scores (llmc/memory/attn_plan.h)
     size_t att_work_bytes;
-    void* blas_work;       // CUDA: cuBLAS's and cuBLASLt's workspace (llmc/blas_plan.h)
+    void* blas_work;       // CUDA: cuBLAS's and cuBLASLt's workspace (llmc/memory/blas_plan.h)
     void* lora_norm_work;  // MS-LN, --ms-lora exact: the adapters' scratch (llmc/lora.h), else NULL
     LoraDropout drop;      // --lora-dropout: the masks' key and the adapters' input scratch (llmc/lora_dropout.h)
     void* drop_work;
@@ -996,7 +996,7 @@ static EvalResult vit_evaluate(Vit* m, const ImageLoader* loader, int batches) {
 // so they are written and read as they are. Under the paper's variant (--ms-lora merged) an
 // adapter of q, k, v or fc1 lives on the merged layer, whose input is z, while the original layer
 // sees gamma*z + beta: on the way out A becomes
-// A diag(1/gamma) (llmc/peft.h), and the constant scale*B*A_orig*beta that beta leaves behind goes
+// A diag(1/gamma) (llmc/formats/peft.h), and the constant scale*B*A_orig*beta that beta leaves behind goes
 // into the layer's bias, so the adapter carries the biases of its modules (PEFT bias "lora_only"):
 //   exported bias = b' - (W' + scale*B*A) (beta / gamma)     (b', W': the merged bias and weight)
 // which is the original bias minus that constant; loading inverts it.
@@ -1092,7 +1092,7 @@ static void vit_save_adapter(Vit* m, const char* dir, const TrainOptions* o) {
     free(biases); free(ex); free(tm); free(tmp); free(e);
 }
 
-// --adapter: A, B (llmc/peft.h), then the biases of the adapted modules if the adapter carries them
+// --adapter: A, B (llmc/formats/peft.h), then the biases of the adapted modules if the adapter carries them
 // (mapped into the merged layer under MS-LN), then the head if it carries "classifier" (its shape
 // must match --classes); without one the head stays new.
 static void vit_load_adapter(Vit* m, const char* dir, const TrainOptions* o, int need_head) {

@@ -9,8 +9,8 @@
 // CPU-only and says so when asked for --device cuda.
 #pragma once
 #include "common.h"
-#include "plan.h"
-#include "safetensors.h"
+#include "memory/plan.h"
+#include "formats/safetensors.h"
 #if defined(__CUDACC__) || defined(LLMC_CUDA_EMU)
 #define LLMC_HAVE_CUDA 1
 #include "cuda/common.cuh"
@@ -23,7 +23,7 @@ typedef struct {
     int abytes;            // bytes per activation (and activation-gradient) element
     const char* layout;    // "CPU fp32" or "CUDA bf16", for the logs
     int device;            // the GPU's ordinal (CUDA)
-    struct Profiler* prof; // --profile: the ops time themselves into it (llmc/profile.h); NULL: off
+    struct Profiler* prof; // --profile: the ops time themselves into it (llmc/train/profile.h); NULL: off
 #ifdef LLMC_HAVE_CUDA
     cudaStream_t stream;
     size_t used_before;    // device bytes already in use before our arenas (context, other jobs)

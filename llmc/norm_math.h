@@ -38,7 +38,7 @@ NORM_HD float norm_normalise(float x, float mean, float r) {
 // A row whose mean square is beyond fp32's range: RMS above 2^64 ~1.8e19 (mean square above 2^128,
 // past FLT_MAX), i.e. r below 2^-64 (r = 0 too: an infinite input). Trained networks keep their activations many
 // orders of magnitude below (a LLaMA residual stream stays under ~1e4): only weights that have
-// diverged put a norm's input there, so the trainers stop on it (llmc/health.h). NaN is not
+// diverged put a norm's input there, so the trainers stop on it (llmc/train/health.h). NaN is not
 // counted: the non-finite check owns it.
 #define NORM_OVERFLOW_INV_RMS 0x1p-64f
 NORM_HD int norm_stats_overflowed(float r) { return r < NORM_OVERFLOW_INV_RMS; }

@@ -11,7 +11,7 @@
 //                                  stream's earlier work
 //   emu_nccl_probe write-in-flight a collective's input overwritten before the collective ran
 // Each misuse must end the job with an error naming it (non-zero exit); "ok" prints one line.
-#include "../llmc/dist.h"
+#include "../llmc/train/dist.h"
 
 static void check(int ok, const char* what, int rank) {
     if (!ok) fail("emu_nccl_probe rank %d: %s", rank, what);

@@ -7,14 +7,14 @@
 // is a finding. Build and run: make fuzz (clang with libFuzzer).
 #include <setjmp.h>
 #include "../llmc/common.h"
-#include "../llmc/json.h"
-#include "../llmc/safetensors.h"
-#include "../llmc/textdata.h"
-#include "../llmc/tokenizer.h"
-#include "../llmc/hf_tokenizer.h"
-#include "../llmc/imagedata.h"
-#include "../llmc/checkpoint.h"
-#include "../llmc/chat_template.h"
+#include "../llmc/formats/json.h"
+#include "../llmc/formats/safetensors.h"
+#include "../llmc/text/textdata.h"
+#include "../llmc/text/tokenizer.h"
+#include "../llmc/text/hf_tokenizer.h"
+#include "../llmc/vision/imagedata.h"
+#include "../llmc/train/checkpoint.h"
+#include "../llmc/text/chat_template.h"
 
 static jmp_buf g_reject;
 static void reject_hook(int status) { (void)status; longjmp(g_reject, 1); }  // fail() returns here

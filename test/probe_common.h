@@ -2,7 +2,7 @@
 // the case and output files: typed lookups in the case, the adapters of one linear from it, and
 // the gradients of one linear (its adapter's, or W's under --full) into the output.
 #pragma once
-#include "../llmc/safetensors.h"
+#include "../llmc/formats/safetensors.h"
 #include "../llmc/lora.h"
 
 static const StTensor* case_tensor(const StFile* f, const char* name, StDtype dtype) {

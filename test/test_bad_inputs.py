@@ -466,7 +466,7 @@ def test_prepare_text_replace_and_no_val_shard(w, tmp_path):
 
 @pytest.mark.parametrize("case", ["overlap", "gap", "trailing", "overflow"])
 def test_python_reader_refuses_what_the_c_reader_refuses(w, case):
-    """scripts/formats/st_io.py (the export scripts' reader) applies the same rules as llmc/safetensors.h."""
+    """scripts/formats/st_io.py (the export scripts' reader) applies the same rules as llmc/formats/safetensors.h."""
     words = {"overlap": "overlapping", "gap": "gap", "trailing": "trailing", "overflow": "needs"}[case]
     with pytest.raises(ValueError, match=words):
         st_io.load(os.path.join(w.lst[case], "model.safetensors"))

@@ -1,4 +1,4 @@
-"""Chat templates rendered by us (llmc/chat_template.h through test/tokenizer_probe --chat, and
+"""Chat templates rendered by us (llmc/text/chat_template.h through test/tokenizer_probe --chat, and
 scripts/formats/chat_template.py, which is jinja2 as transformers sets it up) against transformers'
 apply_chat_template (transformers 4.46 in build/hfvenv, the venv the HF interop tests use):
 SmolLM2's and Llama-3's real templates, Llama-3.1's (whose tool branches, outside the C subset, a

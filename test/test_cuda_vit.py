@@ -248,7 +248,7 @@ def test_training_tracks_cpu(mode):
 
 def test_diverged_run_stops_with_a_diagnosis(tmp_path):
     """--lr 1e3 on the CUDA backend: the loss reaches ~1e4 at step 2, over 100 nats above ln(5)
-    (llmc/health.h); the run stops with one line and saves no adapter, as on the CPU."""
+    (llmc/train/health.h); the run stops with one line and saves no adapter, as on the CPU."""
     out = tmp_path / "out"
     p = train(CUDA_TRAIN, "cuda", "--lr", "1e3", "--steps", 10, "--out", out, check=False)
     err = p.stderr.strip()

@@ -1,4 +1,4 @@
-"""llmc/hf_tokenizer.h (a Hugging Face tokenizer.json read in C) against the `tokenizers` library
+"""llmc/text/hf_tokenizer.h (a Hugging Face tokenizer.json read in C) against the `tokenizers` library
 itself: tokenizers of the two LLaMA families are trained here with the library on a small text
 (byte-level BPE as SmolLM2 and Llama-3 configure it; SentencePiece-style BPE with byte fallback as
 Llama-2's tokenizer.json and newer Metaspace conversions configure it), and the C encoder

@@ -2,17 +2,17 @@
 // naive loops in double precision, explicit Jacobians, finite differences, and the paper's
 // step rule written out longhand. Prints "N passed, M failed" and exits non-zero on any failure.
 #include "../llmc/common.h"
-#include "../llmc/json.h"
-#include "../llmc/safetensors.h"
+#include "../llmc/formats/json.h"
+#include "../llmc/formats/safetensors.h"
 #include "../llmc/rng.h"
 #include "../llmc/cpu/matmul.h"
 #include "../llmc/cpu/norms.h"
 #include "../llmc/cpu/activations.h"
 #include "../llmc/cpu/attention.h"
 #include "../llmc/cpu/loss.h"
-#include "../llmc/trainable.h"
-#include "../llmc/plan.h"
-#include "../llmc/blas_plan.h"
+#include "../llmc/train/trainable.h"
+#include "../llmc/memory/plan.h"
+#include "../llmc/memory/blas_plan.h"
 #include "../llmc/lora.h"
 
 static int g_pass = 0, g_fail = 0;

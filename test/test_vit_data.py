@@ -1,4 +1,4 @@
-"""ViT data, formats and plan: the image loader (llmc/imagedata.h, through test/vit_probe
+"""ViT data, formats and plan: the image loader (llmc/vision/imagedata.h, through test/vit_probe
 --dump-batches) against torch's F.interpolate; scripts/data/prepare_images.py on synthetic
 Fashion-MNIST IDX files, CIFAR-10/100 binary archives and an image folder; scripts/export/export_vit.py
 from timm state dicts; bad input to train_vit (one-line error, exit status 1); and the memory plan

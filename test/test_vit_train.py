@@ -224,7 +224,7 @@ def test_diverged_run_stops_with_a_diagnosis(tmp_path, mode):
     """--lr 1e3 drives the re-initialised head to logits that put the loss at ~1e4 (5 classes:
     uniform predictions score ln 5 = 1.61) from step 2 on; it used to run to the end, exit 0 and
     save that adapter. A loss more than 100 nats above ln(classes) cannot come from cross-entropy
-    training (llmc/health.h says why): the run stops with one line and saves nothing."""
+    training (llmc/train/health.h says why): the run stops with one line and saves nothing."""
     out = tmp_path / "out"
     p = vc.train_vit("--model", MODEL, "--data", TRAIN, "--mode", mode, "--steps", 10, "--batch", 16, "--lr", "1e3",
                      "--lora-rank", 4, "--threads", 2, "--out", str(out), check=False)

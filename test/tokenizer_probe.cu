@@ -1,4 +1,4 @@
-// tokenizer_probe: llmc/tokenizer.h and llmc/model_tokenizer.h from the command line, for
+// tokenizer_probe: llmc/text/tokenizer.h and llmc/text/model_tokenizer.h from the command line, for
 // test/test_gguf_export.py and test/test_hf_tokenizer.py.
 //   tokenizer_probe TOKENIZER.bin info          vocab bos eos add_bos byte_level n_special
 //   tokenizer_probe TOKENIZER.bin encode TEXT   the ids (with BOS as --generate asks for it)
@@ -13,13 +13,13 @@
 //   tokenizer_probe DIR decode ID...            as above
 //   tokenizer_probe DIR encode-each FILE        encode-plain for each NUL-terminated text of FILE,
 //                                               one line of ids each (one load for many texts)
-//   tokenizer_probe --nfc FILE                  the NFC form of FILE's text (llmc/unicode_nfc.h)
+//   tokenizer_probe --nfc FILE                  the NFC form of FILE's text (llmc/text/unicode_nfc.h)
 //   tokenizer_probe --chat FILE                 FILE: JSON {"template", "messages": [{"role",
 //                                               "content"}], "add_generation_prompt", "bos_token",
 //                                               "eos_token"}; prints the rendering
-//                                               (llmc/chat_template.h), or fails in one line
-#include "../llmc/model_tokenizer.h"
-#include "../llmc/chat_template.h"
+//                                               (llmc/text/chat_template.h), or fails in one line
+#include "../llmc/text/model_tokenizer.h"
+#include "../llmc/text/chat_template.h"
 
 static void print_ids(const int* ids, int n) {
     for (int i = 0; i < n; i++) printf(i ? " %d" : "%d", ids[i]);

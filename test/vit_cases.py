@@ -181,7 +181,7 @@ def make_safe_case(model, batch, rank, alpha, classes, targets=ALL_TARGETS, seed
 
 
 # ---------------------------------------------------------------------------------------------
-# image shards (the format of llmc/imagedata.h, written independently of prepare_images.py)
+# image shards (the format of llmc/vision/imagedata.h, written independently of prepare_images.py)
 
 def shard_bytes(images, labels, classes, version=1, magic=b"IMGS"):
     """images uint8 [n, H, W, C], labels [n] -> the shard's bytes."""

@@ -1,7 +1,7 @@
 // dev/cuda/misc.cu: the small kernels of llmc/cuda/misc.cuh against their CPU twins: token
 // embedding gather, residual add, bias add and bias gradient, ViT patch unfold (bf16 and fp32
 // pixels) and patch-embed finish, strided row copies, and the image resize/normalise of the image
-// loader (llmc/imagedata.h's image_loader_convert with the bilinear taps of llmc/resample.h,
+// loader (llmc/vision/imagedata.h's image_loader_convert with the bilinear taps of llmc/vision/resample.h,
 // grayscale and RGB, with flips). Where the CPU twin is a loop inside llmc/ops.h (op_embed,
 // op_patch_unfold, op_patch_embed_finish, op_copy_rows), the reference below is that loop
 // transcribed; moving those loops into llmc/cpu/ would let both sides share one copy. Then times
@@ -10,7 +10,7 @@
 #include "../../llmc/cpu/embedding.h"
 #include "../../llmc/cpu/misc.h"
 #include "../../llmc/lora.h"
-#include "../../llmc/imagedata.h"
+#include "../../llmc/vision/imagedata.h"
 #include "../../llmc/cuda/misc.cuh"
 
 static void test_embed(int64_t N, int d, int V, Rng* rng) {

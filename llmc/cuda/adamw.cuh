@@ -1,7 +1,7 @@
 // cuda/adamw.cuh: the optimizer step and gradient-norm helpers over one flat fp32 array on the
 // device, the twins of llmc/cpu/adamw.h. Master weights, gradients and both moments are fp32
 // (LoRA adapters and a head, or under --full every weight, ZeRO-1 sharding the moments across
-// ranks: llmc/zero.h). The bias corrections are computed on the
+// ranks: llmc/train/zero.h). The bias corrections are computed on the
 // host exactly as the CPU twin does, so both backends apply the same update to ~1 ulp (FMA
 // contraction on the device is the only difference).
 #pragma once

@@ -4,7 +4,7 @@
 // row computes max/argmax, log-sum-exp, the masked loss and, in training, dlogits =
 // w * (softmax - onehot) with w = mask * grad_scale (as bf16: the operand of the next product),
 // then dz = dlogits W and the norm's backward ACCUMULATE into dxf. Loss, count and correct (and
-// the final-norm rows whose statistics left fp32's range: a diverged run, llmc/health.h) are
+// the final-norm rows whose statistics left fp32's range: a diverged run, llmc/train/health.h) are
 // summed on the device in double, chunk by chunk in a fixed order (deterministic), and copied to
 // the host once per call.
 //

@@ -9,12 +9,12 @@
 //   patch_embed_finish_cuda     + class token / patch bias + positions (op_patch_embed_finish),
 //                               and its backward when they train (--full)
 //   image_resize_normalize_cuda uint8 HWC images -> normalised CHW, bilinear taps of
-//                               llmc/resample.h, optional flip (llmc/imagedata.h convert)
+//                               llmc/vision/resample.h, optional flip (llmc/vision/imagedata.h convert)
 // Elementwise kernels use grid-stride loops with 64-bit indices; accumulation into bf16 happens
 // in fp32 and rounds once.
 #pragma once
 #include "common.cuh"
-#include "../resample.h"
+#include "../vision/resample.h"
 
 // ---- token embedding -------------------------------------------------------------------------
 
@@ -227,7 +227,7 @@ typedef struct {
 } ImageShape;
 
 // dst[b, c, y, x] = (sum_a sum_b' wy[a] wx[b'] img[...]) * 1/(255 std) - mean/std, with the taps
-// of llmc/resample.h (bilinear_taps, computed on the host and uploaded), x mirrored when flip[b]
+// of llmc/vision/resample.h (bilinear_taps, computed on the host and uploaded), x mirrored when flip[b]
 // is set: exactly the arithmetic of image_loader_convert. One thread per output pixel value.
 __global__ void image_resize_normalize_kernel(bf16* __restrict__ dst, const uint8_t* __restrict__ src,
                                               const ResampleTaps* __restrict__ ty, const ResampleTaps* __restrict__ tx,

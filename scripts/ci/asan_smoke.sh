@@ -57,7 +57,7 @@ cat > "$W/bl/tokenizer.json" <<'JSON'
 JSON
 check 0 $B/train_llama --model "$W/sp" --generate 6 --seq 64 --prompt $'He\xcc\x81 H 12<s>'
 check 0 $B/train_llama --model "$W/bl" --generate 6 --seq 64 --prompt $'He\xcc\x81 H 12<|e|>'
-# --chat through the chat template renderer (llmc/chat_template.h): the subset-wide template of
+# --chat through the chat template renderer (llmc/text/chat_template.h): the subset-wide template of
 # test/chat_subset.jinja, then one outside the subset
 python3 -c "import json, sys; json.dump({'chat_template': open('test/chat_subset.jinja').read(), 'bos_token': 'H', 'eos_token': '<|e|>'}, open(sys.argv[1], 'w'))" "$W/bl/tokenizer_config.json"
 check 0 $B/train_llama --model "$W/bl" --generate 3 --seq 128 --chat --system ' H ' --prompt $'H\xc3\xa9'

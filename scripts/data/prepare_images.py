@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Write an image shard for train_vit from Fashion-MNIST, CIFAR-10/100 or a folder of class folders.
 
-Shard format (read by llmc/imagedata.h), little-endian:
+Shard format (read by llmc/vision/imagedata.h), little-endian:
   64-byte header: b"IMGS", u32 version = 1, u32 n, u32 H, u32 W, u32 C (1 or 3), u32 classes,
                   zeros up to byte 64
   n * H * W * C uint8 pixels, image after image, each row-major HWC at its native resolution

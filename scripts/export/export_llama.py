@@ -11,7 +11,7 @@ GGUF (needs `pip install gguf`): the tensors are dequantized (scripts/formats/gg
 which types and how), the hyperparameters come from the llama.* metadata, and the tokenizer
 from tokenizer.ggml.*; a byte-level BPE (GPT-2 style) tokenizer is written as a tokenizer.bin
 of raw-byte pieces plus tokenizer_config.json, whose "tokenizer_bin" block tells the trainer
-to use byte-level conventions (llmc/tokenizer.h).
+to use byte-level conventions (llmc/text/tokenizer.h).
 
 llama2.c rotates interleaved pairs (2i, 2i+1) in RoPE; Hugging Face rotates pairs
 (i, i + head_dim/2). Permuting the rows of wq and wk within each head turns one

@@ -27,7 +27,7 @@ printable character (GPT-2's byte alphabet), tokens are strings over that alphab
 tokenizer.ggml.merges lists the merges by priority. We write it as a llama2.c tokenizer.bin
 whose pieces are the raw bytes and whose scores are minus the rank of the merge that makes
 the token (base bytes and special tokens score below every merge), plus a "tokenizer_bin"
-block in tokenizer_config.json that tells llmc/tokenizer.h (and scripts/formats/llama2c_tokenizer.py)
+block in tokenizer_config.json that tells llmc/text/tokenizer.h (and scripts/formats/llama2c_tokenizer.py)
 to use byte-level conventions. tokenizer.ggml.model "llama" (sentencepiece) maps "\u2581" back to
 a space and keeps llama2.c's conventions.
 """
@@ -351,7 +351,7 @@ def tokenizer_from_metadata(path, meta, n_vocab):
     }
     if "tokenizer.chat_template" in meta:
         config["chat_template"] = meta["tokenizer.chat_template"]
-    # read by llmc/tokenizer.h and scripts/formats/llama2c_tokenizer.py; other tools ignore it
+    # read by llmc/text/tokenizer.h and scripts/formats/llama2c_tokenizer.py; other tools ignore it
     config["tokenizer_bin"] = block
     return pieces, scores, config
 

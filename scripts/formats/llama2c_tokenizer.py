@@ -15,7 +15,7 @@ literally in the text and never merged, the rest is split into pre-tokens (GPT-2
 regex with ASCII classes, see pretoken_end), each starts as one token per byte and
 is merged the same way; decoding is the pieces' bytes, nothing stripped. In both
 modes BOS is added only when add_bos says so (default true) or the text is empty.
-llmc/tokenizer.h does exactly the same (its header comment lists the approximations).
+llmc/text/tokenizer.h does exactly the same (its header comment lists the approximations).
 """
 import heapq
 import json

@@ -1,4 +1,4 @@
-// cuda/emu/emu_nccl.h: the part of NCCL's API that llmc/dist.h calls, emulated over MPI for the CPU
+// cuda/emu/emu_nccl.h: the part of NCCL's API that llmc/train/dist.h calls, emulated over MPI for the CPU
 // emulator (-DLLMC_CUDA_EMU), so that CI runs the trainers' NCCL code path (communicator set-up,
 // the bucketed all-reduce and reduce-scatter, the in-place all-gather) and not only its
 // host-and-MPI fallback. Each MPI rank emulates one GPU; "device" buffers are the emulator's

@@ -5,13 +5,13 @@
 //   n * H * W * C   uint8 pixels, image after image, each row-major HWC (native resolution)
 //   n               uint16 labels, each < classes (uint16: up to 65535 classes, e.g. ImageNet-21k)
 // The loader resizes each image on the fly to the model's resolution (bilinear, PyTorch's
-// F.interpolate rule: llmc/resample.h), scales to [0, 1], normalises per channel with the
+// F.interpolate rule: llmc/vision/resample.h), scales to [0, 1], normalises per channel with the
 // checkpoint's mean/std, replicates a grayscale channel when the model wants RGB, optionally flips
 // horizontally, and writes CHW floats. Order: a seeded permutation per epoch; each global batch of
-// world*B images is sharded by rank, like llmc/textdata.h.
+// world*B images is sharded by rank, like llmc/text/textdata.h.
 #pragma once
-#include "common.h"
-#include "rng.h"
+#include "../common.h"
+#include "../rng.h"
 #include "resample.h"
 
 #define IMAGE_SHARD_MAGIC "IMGS"

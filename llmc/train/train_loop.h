@@ -3,9 +3,9 @@
 // step), when to validate, stop and save, resume, the start-up lines, the step's line, the run's
 // log.csv and the closing summary. Each trainer's loop (llama_train, vit_train) calls them in order.
 #pragma once
-#include "common.h"
-#include "plan.h"
-#include "backend.h"
+#include "../common.h"
+#include "../memory/plan.h"
+#include "../backend.h"
 #include "train_common.h"
 #include "checkpoint.h"
 #include "savedir.h"
@@ -87,7 +87,7 @@ static void train_print_step(const TrainOptions* o, const Dist* dist, int step, 
 // The opening of both mains: the ranks (under mpirun), the options' defaults, the trainer's flag
 // table (register_flags), then the command line parsed and checked.
 static void train_start(Dist* dist, TrainOptions* o, int* argc, char*** argv, void (*register_flags)(FlagTable*, TrainOptions*)) {
-    omp_policy_apply(*argv);  // before anything: it may execute the program again (llmc/omp_policy.h)
+    omp_policy_apply(*argv);  // before anything: it may execute the program again (llmc/train/omp_policy.h)
     dist_init(dist, argc, argv);
     train_options_defaults(o);
     FlagTable ft;

@@ -24,8 +24,8 @@
 // version of unicode_classes.h and unicode_nfc.h.
 #pragma once
 #include <stdint.h>
-#include "common.h"
-#include "json.h"
+#include "../common.h"
+#include "../formats/json.h"
 #include "pretok_regex.h"
 #include "unicode_nfc.h"
 

@@ -11,8 +11,8 @@
 #include <stdio.h>
 #include <string.h>
 #include <time.h>
-#include "common.h"
-#include "backend.h"
+#include "../common.h"
+#include "../backend.h"
 
 #define PROF_MAX_ROWS 96
 

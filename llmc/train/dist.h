@@ -5,7 +5,7 @@
 // On the CUDA backend built with NCCL (LLMC_HAVE_NCCL, nvcc builds only) the device gradients are
 // summed by NCCL on the GPU; without it they go through host memory and MPI.
 #pragma once
-#include "common.h"
+#include "../common.h"
 #ifdef LLMC_HAVE_MPI
 #include <mpi.h>
 #endif
@@ -17,7 +17,7 @@
 #include <nccl.h>
 #elif defined(LLMC_CUDA_EMU)
 #define LLMC_DIST_NCCL 1
-#include "cuda/emu/emu_nccl.h"
+#include "../cuda/emu/emu_nccl.h"
 #endif
 
 typedef struct {
@@ -207,7 +207,7 @@ static void dist_gather_f32(const Dist* d, const float* shard_in, float* full_ou
 }
 
 #if defined(__CUDACC__) || defined(LLMC_CUDA_EMU)
-#include "cuda/common.cuh"
+#include "../cuda/common.cuh"
 // Sums n floats of device memory across ranks, in place (the CUDA backend's gradient all-reduce).
 // With a communicator (dist_nccl_init) NCCL sums on the GPU in stream order, with no host sync:
 // the kernels queued after it on `stream` see the sum. Otherwise the sum goes through host memory

@@ -6,9 +6,9 @@
 // under --full the model), so a resume catches a corrupt state and a pair from two saves.
 #pragma once
 #include <math.h>
-#include "common.h"
-#include "checksum.h"
-#include "safetensors.h"
+#include "../common.h"
+#include "../formats/checksum.h"
+#include "../formats/safetensors.h"
 #include "zero.h"
 
 #define STATE_MAGIC "LMFTSTAT"

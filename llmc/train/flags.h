@@ -4,7 +4,7 @@
 #pragma once
 #include <limits.h>
 #include <math.h>
-#include "common.h"
+#include "../common.h"
 
 typedef enum { FLAG_INT, FLAG_FLOAT, FLAG_STRING, FLAG_BOOL, FLAG_CHOICE } FlagKind;
 

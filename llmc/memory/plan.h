@@ -3,8 +3,8 @@
 // then sized and allocated in one go, so `--dry-run` can print exactly what a run would allocate
 // without touching weights, and the log can print the plan beside the measured peak.
 #pragma once
-#include "common.h"
-#include "json.h"
+#include "../common.h"
+#include "../formats/json.h"
 
 typedef enum { MEM_FROZEN, MEM_TRAINABLE, MEM_GRADS, MEM_OPTIM, MEM_SAVED, MEM_SCRATCH, MEM_CATS } MemCategory;
 static const char* mem_category_name[MEM_CATS] = {"frozen weights", "trainable weights", "gradients", "optimizer state",

@@ -8,7 +8,7 @@
 // its state, even mid-publish.
 #pragma once
 #include <signal.h>
-#include "common.h"
+#include "../common.h"
 
 #define SAVE_COMMITTED ".saving.done"
 #define SAVE_STATE_NAME "train_state.bin"

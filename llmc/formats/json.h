@@ -3,7 +3,7 @@
 // errors name the source and the byte offset.
 #pragma once
 #include <math.h>
-#include "common.h"
+#include "../common.h"
 
 typedef enum { JSON_NULL, JSON_BOOL, JSON_NUMBER, JSON_STRING, JSON_ARRAY, JSON_OBJECT } JsonType;
 

@@ -2,7 +2,7 @@
 // table entries, mode presets, LoRA target lists, the learning-rate schedule and the device
 // choice. The models themselves live in train_llama.cu / train_vit.cu.
 #pragma once
-#include "common.h"
+#include "../common.h"
 #include "flags.h"
 #include <omp.h>
 
@@ -30,7 +30,7 @@ typedef struct {
     const char* recompute;  // none | block
     const char* swiglu_product;  // keep | recompute (beyond the paper; LLaMA only)
     const char* ms_lora;    // exact | merged: what an adapter behind an MS norm sees (gamma*z + beta, or z: the paper's)
-    const char* quant;      // none | nf4: frozen linear weights stored as NF4 (llmc/nf4.h; LLaMA only)
+    const char* quant;      // none | nf4: frozen linear weights stored as NF4 (llmc/formats/nf4.h; LLaMA only)
     // LoRA
     int lora_rank;
     float lora_alpha;
@@ -39,7 +39,7 @@ typedef struct {
     // system
     const char* device;
     int seed, threads, dry_run, json;
-    int profile;            // print where the step time goes at the end (llmc/profile.h)
+    int profile;            // print where the step time goes at the end (llmc/train/profile.h)
     int ranks;              // --dry-run: plan one rank of this many (0: the launch's)
     int random_init;        // benchmark: random frozen weights of config.json's shapes, no weight file
     // generation (text models)

@@ -7,7 +7,7 @@
 #include "trainable.h"
 #include "train_common.h"
 #include "health.h"
-#include "cpu/adamw.h"
+#include "../cpu/adamw.h"
 typedef struct {
     float grad_norm, lr;
     double comm_s;             // seconds in cross-rank communication

@@ -6,8 +6,8 @@
 // The loader cuts the stream into non-overlapping windows of seq+1 tokens, visits them in a
 // seeded random order per epoch, and shards each global batch by rank.
 #pragma once
-#include "common.h"
-#include "rng.h"
+#include "../common.h"
+#include "../rng.h"
 
 #define SHARD_MAGIC "LMFT"
 #define SHARD_HEADER_BYTES 64

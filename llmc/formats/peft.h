@@ -7,10 +7,10 @@
 // original model on the way out (A_orig = A diag(1/gamma), docs/architecture.md, the method) and
 // forward again on the way in (A = A_orig diag(gamma)).
 #pragma once
-#include "common.h"
+#include "../common.h"
 #include "json.h"
 #include "safetensors.h"
-#include "lora.h"
+#include "../lora.h"
 
 typedef struct {
     char module[160];      // Hugging Face module path, e.g. model.layers.3.self_attn.q_proj

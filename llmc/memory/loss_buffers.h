@@ -3,7 +3,7 @@
 // (op_softmax_ce_rows). Only what a backend uses is planned.
 #pragma once
 #include "plan.h"
-#include "backend.h"
+#include "../backend.h"
 
 // The loss chunk's buffers, typed per backend (planned by op_plan_lm_head_loss).
 typedef struct {

@@ -8,9 +8,9 @@
 // whose ZeRO-1 shards fit. A memory-bound user gets one line that says what to change, instead
 // of an out-of-memory error after minutes of loading.
 #pragma once
-#include "common.h"
-#include "plan.h"
-#include "backend.h"
+#include "../common.h"
+#include "../memory/plan.h"
+#include "../backend.h"
 #include "train_common.h"
 
 // A trainer's planner: the bytes of one rank's plan of the run `o` describes at micro-batch

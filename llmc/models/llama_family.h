@@ -15,10 +15,10 @@
 // the checkpoint that the model would not use.
 #pragma once
 #include <string.h>
-#include "common.h"
-#include "json.h"
-#include "safetensors.h"
-#include "bnb.h"
+#include "../common.h"
+#include "../formats/json.h"
+#include "../formats/safetensors.h"
+#include "../formats/bnb.h"
 
 typedef struct {
     char family[16];                       // model_type: llama, mistral, qwen2 or qwen3

@@ -25,8 +25,8 @@
 // implements the same rules in Python. C strings: the byte 0 cannot be encoded and prints as
 // nothing.
 #pragma once
-#include "common.h"
-#include "json.h"
+#include "../common.h"
+#include "../formats/json.h"
 
 typedef struct {
     int vocab_size;

@@ -1,7 +1,7 @@
 // resample.h: 2-D interpolation with exactly the sampling rule of PyTorch's
 // F.interpolate(..., align_corners=False, antialias=False) given an output size, so that the
 // PyTorch reference (test/reference_vit.py) can reproduce it:
-//   bilinear  the image loader's resize to the model's resolution (llmc/imagedata.h)
+//   bilinear  the image loader's resize to the model's resolution (llmc/vision/imagedata.h)
 //   bicubic   the position-embedding grid at a new fine-tuning resolution (train_vit.cu), as
 //             Hugging Face's interpolate_pos_encoding does (Keys kernel, A = -0.75)
 // Both are separable: per output coordinate a few taps (input indices, clamped to the border)
@@ -9,7 +9,7 @@
 #pragma once
 #include <math.h>
 #include <stdint.h>
-#include "common.h"
+#include "../common.h"
 
 // Source coordinate of output index i: (i + 0.5) * in/out - 0.5 (pixel centres aligned).
 static inline double resample_src(int i, int in, int out) { return (i + 0.5) * ((double)in / out) - 0.5; }

@@ -7,7 +7,7 @@
 #pragma once
 #include <fcntl.h>
 #include <sys/mman.h>
-#include "common.h"
+#include "../common.h"
 #include "json.h"
 #include "checksum.h"
 

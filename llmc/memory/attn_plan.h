@@ -5,8 +5,8 @@
 #pragma once
 #include <stdint.h>
 #include <stdlib.h>
-#include "common.h"
-#include "cpu/attention.h"  // AttnShape
+#include "../common.h"
+#include "../cpu/attention.h"  // AttnShape
 
 // Query rows per chunk: S (fp32) and P (bf16) of all heads within ~128 MiB, a multiple of 64.
 // LLMC_ATTN_CHUNK=n in the environment caps it (tests use it to get many chunks at small sizes).

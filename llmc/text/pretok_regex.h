@@ -6,7 +6,7 @@
 // matches, so the matches tile the text.
 #pragma once
 #include <stdint.h>
-#include "json.h"
+#include "../formats/json.h"
 #include "unicode_classes.h"
 
 // ---------------------------------------------------------------------------------------------

@@ -12,13 +12,13 @@
 // 2 + 4 + 12/world bytes per parameter (shadow, gradient; master and moments) instead of
 // 2 + 4 + 4 + 8/world with the whole master.
 #pragma once
-#include "common.h"
-#include "plan.h"
+#include "../common.h"
+#include "../memory/plan.h"
 #include "dist.h"
-#include "backend.h"
-#include "lora.h"
+#include "../backend.h"
+#include "../lora.h"
 #ifdef LLMC_HAVE_CUDA
-#include "cuda/adamw.cuh"
+#include "../cuda/adamw.cuh"
 #endif
 
 

@@ -8,7 +8,7 @@
 //   eos_token, whichever of these files exist.
 // Generation also ends at BOS, which starts a new document.
 // --chat: the prompt becomes a user message (after an optional system message) rendered by the
-// model's own chat template (tokenizer_config.json's chat_template, llmc/chat_template.h) with
+// model's own chat template (tokenizer_config.json's chat_template, llmc/text/chat_template.h) with
 // add_generation_prompt, and generation also ends at the template's end-of-turn token.
 #pragma once
 #include "tokenizer.h"

@@ -22,7 +22,7 @@
 #pragma once
 #include <ctype.h>
 #include <limits.h>
-#include "common.h"
+#include "../common.h"
 
 typedef struct { const char* role; const char* content; } ChatMsg;
 
