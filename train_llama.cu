@@ -165,18 +165,14 @@ static void plan_block_act(MemPlan* p, Llama* m, int l, int keep, const char* mo
     (void)m;
 }
 
-static void llama_plan(Llama* m, MemPlan* p) {
+// Frozen weights (bf16 on CUDA, NF4 linears under --quant nf4) and the trainable arena: LoRA's A
+// and B, or under --full every weight but the MS-merged gammas.
+static void llama_plan_weights(Llama* m, MemPlan* p) {
     const Backend* be = m->be;
-    int wbytes = be->wbytes, abytes = be->abytes;
+    int wbytes = be->wbytes;
     const LlamaConfig* c = &m->cfg;
     const TrainModes* md = &m->modes;
-    int64_t N = (int64_t)m->B * m->T, d = c->dim, f = c->hidden, qd = (int64_t)c->heads * c->head_dim,
-            kvd = (int64_t)c->kv_heads * c->head_dim, V = c->vocab, r = md->rank;
-    memset(p, 0, sizeof(*p));
-    p->tokens = N;
-    p->blocks = c->layers;
-    // weights
-    // --full trains every weight but the MS-merged gammas: those live in the trainable arena
+    int64_t d = c->dim, V = c->vocab, r = md->rank;
     int train_norms = md->full && !md->ms;
     if (!md->full) {
         plan_add(p, MEM_FROZEN, "embedding", -1, "embed", V * d * wbytes, &m->embed);
@@ -195,10 +191,11 @@ static void llama_plan(Llama* m, MemPlan* p) {
         }
         if (md->full) continue;  // the linear weights and biases are the trainable arena then (fp32)
         for (int t = 0; t < N_TARGETS; t++) {
-            if (llama_has_bias(c, t)) plan_add(p, MEM_FROZEN, target_names[t], l, "bias", lin_out(c, t) * wbytes, linear_bias_slot(be, &layer->lin[t]));
+            Linear* L = &layer->lin[t];
             int64_t n = lin_in(c, t) * lin_out(c, t);
-            if (md->nf4) plan_add(p, MEM_FROZEN, target_names[t], l, target_names[t], (size_t)nf4_tensor_bytes(n), (void*)&layer->lin[t].nf4);
-            else plan_add(p, MEM_FROZEN, target_names[t], l, target_names[t], n * wbytes, linear_weight_slot(be, &layer->lin[t]));
+            if (llama_has_bias(c, t)) plan_add(p, MEM_FROZEN, target_names[t], l, "bias", lin_out(c, t) * wbytes, linear_bias_slot(be, L));
+            if (md->nf4) plan_add(p, MEM_FROZEN, target_names[t], l, target_names[t], (size_t)nf4_tensor_bytes(n), (void*)&L->nf4);
+            else plan_add(p, MEM_FROZEN, target_names[t], l, target_names[t], n * wbytes, linear_weight_slot(be, L));
         }
     }
     if (md->nf4) {  // the tables, and one scratch of the largest linear's weights, refilled before each product
@@ -215,50 +212,65 @@ static void llama_plan(Llama* m, MemPlan* p) {
             else if (md->targets >> t & 1) n_params += r * (lin_in(c, t) + lin_out(c, t));
         }
     trainable_plan(&m->tr, p, md->full ? "all weights" : "lora", n_params, md->full ? SHARD_OPTIM_AND_MASTER : SHARD_NONE, m->dist, be);
-    plan_add(p, MEM_SCRATCH, "rope", -1, "rope_cos", m->T * (c->head_dim / 2) * 4, &m->rope_cos);
-    plan_add(p, MEM_SCRATCH, "rope", -1, "rope_sin", m->T * (c->head_dim / 2) * 4, &m->rope_sin);
-    // saved activations, block by block (the table of docs/memory.md)
-    int keep = !md->ckpt;
+}
+
+// What block l keeps for its backward (the table of docs/memory.md), or, where it keeps nothing
+// (--recompute block, or a buffer its mode does not keep), the shared scratch set.
+static void llama_plan_block(Llama* m, MemPlan* p, int l) {
+    const LlamaConfig* c = &m->cfg;
+    const TrainModes* md = &m->modes;
+    int abytes = m->be->abytes, keep = !md->ckpt, msqk = llama_qk_norm_ms(m);
+    int64_t N = (int64_t)m->B * m->T, d = c->dim, f = c->hidden, qd = (int64_t)c->heads * c->head_dim,
+            kvd = (int64_t)c->kv_heads * c->head_dim, r = md->rank;
     // a linear keeps its input when its own backward needs it: it has an adapter or trains W
     int lora_qkv = md->full || (md->targets & ((1u << T_Q) | (1u << T_K) | (1u << T_V)));
     int lora_gu = md->full || (md->targets & ((1u << T_GATE) | (1u << T_UP)));
-    for (int l = 0; l < c->layers; l++) {
-        BlockActs* a = &m->acts[l];
-        BlockActs* s = &m->tmp;
-        char nm[48];
-        if (md->ckpt) { snprintf(nm, sizeof(nm), "L%d.block_input", l); plan_add(p, MEM_SAVED, "checkpoint", l, nm, N * d * abytes, &m->ckpt[l]); }
-        if (!md->ms && !md->ckpt) plan_block_act(p, m, l, 1, "attn_norm", "x_in", N * d * abytes, &a->x_in, NULL);
-        plan_block_act(p, m, l, keep, "attn_norm", "r1", N * 4, &a->r1, &s->r1);
-        plan_block_act(p, m, l, keep && (md->ms || lora_qkv), "qkv_input", "z1", N * d * abytes, &a->z1, &s->z1);
-        if (c->qk_norm) {
-            int msqk = llama_qk_norm_ms(m);
-            plan_block_act(p, m, l, keep && !msqk, "qk_norm", "q_pre", N * qd * abytes, &a->q_pre, &s->q_pre);
-            plan_block_act(p, m, l, keep && !msqk, "qk_norm", "k_pre", N * kvd * abytes, &a->k_pre, &s->k_pre);
-            if (msqk) plan_block_act(p, m, l, keep, "qk_norm", "q_normed", N * qd * abytes, &a->qz, &s->qz);
-            if (msqk) plan_block_act(p, m, l, keep, "qk_norm", "k_normed", N * kvd * abytes, &a->kz, &s->kz);
-            plan_block_act(p, m, l, keep, "qk_norm", "rq", N * c->heads * 4, &a->rq, &s->rq);
-            plan_block_act(p, m, l, keep, "qk_norm", "rk", N * c->kv_heads * 4, &a->rk, &s->rk);
-        }
-        plan_block_act(p, m, l, keep && !llama_qk_norm_ms(m), "attention", "q", N * qd * abytes, &a->q, &s->q);
-        plan_block_act(p, m, l, keep && !llama_qk_norm_ms(m), "attention", "k", N * kvd * abytes, &a->k, &s->k);
-        plan_block_act(p, m, l, keep, "attention", "v", N * kvd * abytes, &a->v, &s->v);
-        plan_block_act(p, m, l, keep, "attention", "o", N * qd * abytes, &a->o, &s->o);
-        plan_block_act(p, m, l, keep, "attention", "lse", N * c->heads * 4, &a->lse, &s->lse);
-        for (int t = 0; t < N_TARGETS; t++) {
-            if (!(md->targets >> t & 1)) continue;
-            snprintf(nm, sizeof(nm), "lora_%s_ax", target_names[t]);
-            plan_block_act(p, m, l, keep, "lora", nm, N * r * abytes, &a->ax[t], &s->ax[t]);
-        }
-        if (!md->ms) plan_block_act(p, m, l, keep, "mlp_norm", "h_mid", N * d * abytes, &a->h_mid, &s->h_mid);
-        plan_block_act(p, m, l, keep, "mlp_norm", "r2", N * 4, &a->r2, &s->r2);
-        plan_block_act(p, m, l, keep && (md->ms || lora_gu), "gate_up_input", "z2", N * d * abytes, &a->z2, &s->z2);
-        plan_block_act(p, m, l, keep && !md->approx, "silu", "g", N * f * abytes, &a->g, &s->g);
-        if (md->approx) plan_block_act(p, m, l, keep, "silu", "codes", (size_t)packed_codes_bytes(N * f), &a->codes, &s->codes);
-        plan_block_act(p, m, l, keep, "swiglu_product", "silu_g", N * f * abytes, &a->sg, &s->sg);
-        plan_block_act(p, m, l, keep, "swiglu_product", "up", N * f * abytes, &a->u, &s->u);
-        plan_block_act(p, m, l, keep && (md->full || (md->targets >> T_DOWN & 1)) && !md->recompute_product, "down_input", "product", N * f * abytes, &a->p, &s->p);
+    BlockActs* a = &m->acts[l];
+    BlockActs* s = &m->tmp;
+    char nm[48];
+    if (md->ckpt) { snprintf(nm, sizeof(nm), "L%d.block_input", l); plan_add(p, MEM_SAVED, "checkpoint", l, nm, N * d * abytes, &m->ckpt[l]); }
+    if (!md->ms && !md->ckpt) plan_block_act(p, m, l, 1, "attn_norm", "x_in", N * d * abytes, &a->x_in, NULL);
+    plan_block_act(p, m, l, keep, "attn_norm", "r1", N * 4, &a->r1, &s->r1);
+    plan_block_act(p, m, l, keep && (md->ms || lora_qkv), "qkv_input", "z1", N * d * abytes, &a->z1, &s->z1);
+    if (c->qk_norm) {
+        plan_block_act(p, m, l, keep && !msqk, "qk_norm", "q_pre", N * qd * abytes, &a->q_pre, &s->q_pre);
+        plan_block_act(p, m, l, keep && !msqk, "qk_norm", "k_pre", N * kvd * abytes, &a->k_pre, &s->k_pre);
+        if (msqk) plan_block_act(p, m, l, keep, "qk_norm", "q_normed", N * qd * abytes, &a->qz, &s->qz);
+        if (msqk) plan_block_act(p, m, l, keep, "qk_norm", "k_normed", N * kvd * abytes, &a->kz, &s->kz);
+        plan_block_act(p, m, l, keep, "qk_norm", "rq", N * c->heads * 4, &a->rq, &s->rq);
+        plan_block_act(p, m, l, keep, "qk_norm", "rk", N * c->kv_heads * 4, &a->rk, &s->rk);
     }
-    // scratch of the forward and backward passes
+    plan_block_act(p, m, l, keep && !msqk, "attention", "q", N * qd * abytes, &a->q, &s->q);
+    plan_block_act(p, m, l, keep && !msqk, "attention", "k", N * kvd * abytes, &a->k, &s->k);
+    plan_block_act(p, m, l, keep, "attention", "v", N * kvd * abytes, &a->v, &s->v);
+    plan_block_act(p, m, l, keep, "attention", "o", N * qd * abytes, &a->o, &s->o);
+    plan_block_act(p, m, l, keep, "attention", "lse", N * c->heads * 4, &a->lse, &s->lse);
+    for (int t = 0; t < N_TARGETS; t++) {
+        if (!(md->targets >> t & 1)) continue;
+        snprintf(nm, sizeof(nm), "lora_%s_ax", target_names[t]);
+        plan_block_act(p, m, l, keep, "lora", nm, N * r * abytes, &a->ax[t], &s->ax[t]);
+    }
+    if (!md->ms) plan_block_act(p, m, l, keep, "mlp_norm", "h_mid", N * d * abytes, &a->h_mid, &s->h_mid);
+    plan_block_act(p, m, l, keep, "mlp_norm", "r2", N * 4, &a->r2, &s->r2);
+    plan_block_act(p, m, l, keep && (md->ms || lora_gu), "gate_up_input", "z2", N * d * abytes, &a->z2, &s->z2);
+    plan_block_act(p, m, l, keep && !md->approx, "silu", "g", N * f * abytes, &a->g, &s->g);
+    if (md->approx) plan_block_act(p, m, l, keep, "silu", "codes", (size_t)packed_codes_bytes(N * f), &a->codes, &s->codes);
+    plan_block_act(p, m, l, keep, "swiglu_product", "silu_g", N * f * abytes, &a->sg, &s->sg);
+    plan_block_act(p, m, l, keep, "swiglu_product", "up", N * f * abytes, &a->u, &s->u);
+    int down_input = (md->full || (md->targets >> T_DOWN & 1)) && !md->recompute_product;
+    plan_block_act(p, m, l, keep && down_input, "down_input", "product", N * f * abytes, &a->p, &s->p);
+}
+
+// Scratch of the forward and backward passes: the residual stream, the activation gradients, the
+// adapters' and the ops' work buffers, the batch, the loss chunk and (--generate) the KV cache.
+static void llama_plan_scratch(Llama* m, MemPlan* p) {
+    const Backend* be = m->be;
+    int abytes = be->abytes;
+    const LlamaConfig* c = &m->cfg;
+    const TrainModes* md = &m->modes;
+    int64_t N = (int64_t)m->B * m->T, d = c->dim, f = c->hidden, qd = (int64_t)c->heads * c->head_dim,
+            kvd = (int64_t)c->kv_heads * c->head_dim, V = c->vocab, r = md->rank;
+    int lora_norm_inputs = md->full || (md->targets & ((1u << T_Q) | (1u << T_K) | (1u << T_V) | (1u << T_GATE) | (1u << T_UP)));
     plan_add(p, MEM_SCRATCH, "residual", -1, "resid", N * d * abytes, &m->resid);
     if (md->ckpt) plan_add(p, MEM_SCRATCH, "residual", -1, "resid_tmp", N * d * abytes, &m->resid_tmp);
     plan_add(p, MEM_SCRATCH, "grads", -1, "dres", N * d * abytes, &m->dres);
@@ -271,7 +283,7 @@ static void llama_plan(Llama* m, MemPlan* p) {
     plan_add(p, MEM_SCRATCH, "grads", -1, "dg", N * f * abytes, &m->dg);
     plan_add(p, MEM_SCRATCH, "grads", -1, "du", N * f * abytes, &m->du);
     plan_add(p, MEM_SCRATCH, "grads", -1, "dax", N * r * abytes, &m->dax);
-    if (llama_adapters_see_gamma(m) && (lora_qkv || lora_gu))
+    if (llama_adapters_see_gamma(m) && lora_norm_inputs)
         plan_add(p, MEM_SCRATCH, "lora", -1, "lora_norm_work", lora_norm_work_bytes((int)r, (int)d, abytes), &m->lora_norm_work);
     if (md->lora_dropout > 0 && md->targets) {  // one adapter input at a time, the widest: regenerated, not kept
         int64_t widest = 0;
@@ -289,16 +301,27 @@ static void llama_plan(Llama* m, MemPlan* p) {
     if (m->modes.full) plan_add(p, MEM_SCRATCH, "batch", -1, "embed_order", N * 4, &m->embed_order);
     m->loss_chunk = (int)lm_head_chunk(N, V);
     op_plan_lm_head_loss(be, p, &m->loss, m->loss_chunk, d, V);
-    if (md->generate) {  // one window of m->T positions (llama_generate)
-        char nm[48];
-        for (int l = 0; l < c->layers; l++) {
-            snprintf(nm, sizeof(nm), "L%d.key_cache", l);
-            plan_add(p, MEM_SCRATCH, "generation", -1, nm, m->T * kvd * abytes, &m->kv_k[l]);
-            snprintf(nm, sizeof(nm), "L%d.value_cache", l);
-            plan_add(p, MEM_SCRATCH, "generation", -1, nm, m->T * kvd * abytes, &m->kv_v[l]);
-        }
-        plan_add(p, MEM_SCRATCH, "generation", -1, "generation_logits", V * 4, &m->gen_logits);
+    if (!md->generate) return;
+    char nm[48];  // one window of m->T positions (llama_generate)
+    for (int l = 0; l < c->layers; l++) {
+        snprintf(nm, sizeof(nm), "L%d.key_cache", l);
+        plan_add(p, MEM_SCRATCH, "generation", -1, nm, m->T * kvd * abytes, &m->kv_k[l]);
+        snprintf(nm, sizeof(nm), "L%d.value_cache", l);
+        plan_add(p, MEM_SCRATCH, "generation", -1, nm, m->T * kvd * abytes, &m->kv_v[l]);
     }
+    plan_add(p, MEM_SCRATCH, "generation", -1, "generation_logits", V * 4, &m->gen_logits);
+}
+
+static void llama_plan(Llama* m, MemPlan* p) {
+    const LlamaConfig* c = &m->cfg;
+    memset(p, 0, sizeof(*p));
+    p->tokens = (int64_t)m->B * m->T;
+    p->blocks = c->layers;
+    llama_plan_weights(m, p);
+    plan_add(p, MEM_SCRATCH, "rope", -1, "rope_cos", m->T * (c->head_dim / 2) * 4, &m->rope_cos);
+    plan_add(p, MEM_SCRATCH, "rope", -1, "rope_sin", m->T * (c->head_dim / 2) * 4, &m->rope_sin);
+    for (int l = 0; l < c->layers; l++) llama_plan_block(m, p, l);
+    llama_plan_scratch(m, p);
 }
 
 // After allocation: points the buffers a block does not keep at the shared scratch set, wires the
