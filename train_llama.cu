@@ -676,12 +676,12 @@ static void llama_qk_forward(Llama* m, const LlamaLayer* layer, BlockActs* a, in
     int is_q = t == T_Q, heads = is_q ? c->heads : c->kv_heads;
     void* y = is_q ? a->q : a->k;
     if (!c->qk_norm) {
-        op_linear_forward(be, y, a->z1, &layer->lin[t], a->ax[t], N, m->modes.rank, m->modes.lora_scale, 0);
+        op_linear_forward(be, y, a->z1, &layer->lin[t], a->ax[t], N, m->modes.rank, m->modes.lora_scale, OUT_WRITE);
     } else {
         void* pre = is_q ? a->q_pre : a->k_pre;
         const void* gamma = is_q ? layer->q_norm : layer->k_norm;
         float* r = is_q ? a->rq : a->rk;
-        op_linear_forward(be, pre, a->z1, &layer->lin[t], a->ax[t], N, m->modes.rank, m->modes.lora_scale, 0);
+        op_linear_forward(be, pre, a->z1, &layer->lin[t], a->ax[t], N, m->modes.rank, m->modes.lora_scale, OUT_WRITE);
         if (llama_qk_norm_ms(m)) {
             void* z = is_q ? a->qz : a->kz;
             op_rmsnorm_forward(be, z, r, pre, NULL, N * heads, c->head_dim, c->norm_eps);
@@ -690,7 +690,7 @@ static void llama_qk_forward(Llama* m, const LlamaLayer* layer, BlockActs* a, in
             op_rmsnorm_forward(be, y, r, pre, gamma, N * heads, c->head_dim, c->norm_eps);
         }
     }
-    op_rope(be, y, m->rope_cos, m->rope_sin, m->pos, N, T, heads, c->head_dim, 0);
+    op_rope(be, y, m->rope_cos, m->rope_sin, m->pos, N, T, heads, c->head_dim, ROPE_FORWARD);
 }
 
 // One block, updating the residual stream x [B*T, d] in place and filling a's buffers. With a
@@ -708,7 +708,7 @@ static void block_forward(Llama* m, int l, void* x, BlockActs* a, int B, int T, 
     op_rmsnorm_forward(be, a->z1, a->r1, x, m->modes.ms ? NULL : layer->attn_norm, N, (int)d, c->norm_eps);
     llama_qk_forward(m, layer, a, T_Q, N, T);
     llama_qk_forward(m, layer, a, T_K, N, T);
-    op_linear_forward(be, a->v, a->z1, &layer->lin[T_V], a->ax[T_V], N, r, s, 0);
+    op_linear_forward(be, a->v, a->z1, &layer->lin[T_V], a->ax[T_V], N, r, s, OUT_WRITE);
     if (kv) {
         int64_t kvd = (int64_t)c->kv_heads * c->head_dim, at = (int64_t)kv->len * kvd * be->abytes;
         op_copy(be, (char*)kv->k[l] + at, a->k, N * kvd);
@@ -718,13 +718,13 @@ static void block_forward(Llama* m, int l, void* x, BlockActs* a, int B, int T, 
         op_attention_forward(be, a->o, a->lse, a->q, a->k, a->v, as,
                              op_attention_work_fitting(be, as, m->att_work, m->att_work_bytes));
     }
-    op_linear_forward(be, x, a->o, &layer->lin[T_O], a->ax[T_O], N, r, s, 1);
+    op_linear_forward(be, x, a->o, &layer->lin[T_O], a->ax[T_O], N, r, s, OUT_ADD);
     if (a->h_mid) op_copy(be, a->h_mid, x, N * d);
     op_rmsnorm_forward(be, a->z2, a->r2, x, m->modes.ms ? NULL : layer->mlp_norm, N, (int)d, c->norm_eps);
-    op_linear_forward(be, a->g, a->z2, &layer->lin[T_GATE], a->ax[T_GATE], N, r, s, 0);
-    op_linear_forward(be, a->u, a->z2, &layer->lin[T_UP], a->ax[T_UP], N, r, s, 0);
+    op_linear_forward(be, a->g, a->z2, &layer->lin[T_GATE], a->ax[T_GATE], N, r, s, OUT_WRITE);
+    op_linear_forward(be, a->u, a->z2, &layer->lin[T_UP], a->ax[T_UP], N, r, s, OUT_WRITE);
     op_swiglu_forward(be, a->p, a->sg, m->modes.approx ? a->codes : NULL, a->g, a->u, N * c->hidden);
-    op_linear_forward(be, x, a->p, &layer->lin[T_DOWN], a->ax[T_DOWN], N, r, s, 1);
+    op_linear_forward(be, x, a->p, &layer->lin[T_DOWN], a->ax[T_DOWN], N, r, s, OUT_ADD);
 }
 
 // Embedding and all blocks over the uploaded batch; leaves the final norm's input in m->resid.
@@ -752,7 +752,7 @@ static void llama_qk_rebuild(Llama* m, const LlamaLayer* layer, BlockActs* a, in
     int is_q = t == T_Q, heads = is_q ? c->heads : c->kv_heads;
     void* y = is_q ? a->q : a->k;
     op_scale_columns(m->be, y, is_q ? a->qz : a->kz, is_q ? layer->q_norm : layer->k_norm, N * heads, c->head_dim);
-    op_rope(m->be, y, m->rope_cos, m->rope_sin, m->pos, N, T, heads, c->head_dim, 0);
+    op_rope(m->be, y, m->rope_cos, m->rope_sin, m->pos, N, T, heads, c->head_dim, ROPE_FORWARD);
 }
 
 // The gradient w.r.t. the q (t = T_Q) or k (T_K) projection's output, from dy, the gradient w.r.t.
@@ -792,22 +792,22 @@ static void block_backward(Llama* m, int l, BlockActs* a, int B, int T) {
     // MLP: down, SwiGLU (exact or ReSiLU2), gate/up, MLP norm
     if (m->modes.recompute_product && (layer->lin[T_DOWN].A || layer->lin[T_DOWN].dW))  // beyond the paper: rebuild the down input
         op_mul(be, a->p, a->sg, a->u, nf);
-    op_linear_backward(be, m->dp, m->dres, a->p, a->ax[T_DOWN], &layer->lin[T_DOWN], m->dax, N, r, s, 0);
+    op_linear_backward(be, m->dp, m->dres, a->p, a->ax[T_DOWN], &layer->lin[T_DOWN], m->dax, N, r, s, OUT_WRITE);
     op_swiglu_backward(be, m->dg, m->du, m->dp, a->sg, a->u, m->modes.approx ? NULL : a->g, a->codes, nf);
-    op_linear_backward(be, m->dz, m->dg, a->z2, a->ax[T_GATE], &layer->lin[T_GATE], m->dax, N, r, s, 0);
-    op_linear_backward(be, m->dz, m->du, a->z2, a->ax[T_UP], &layer->lin[T_UP], m->dax, N, r, s, 1);
+    op_linear_backward(be, m->dz, m->dg, a->z2, a->ax[T_GATE], &layer->lin[T_GATE], m->dax, N, r, s, OUT_WRITE);
+    op_linear_backward(be, m->dz, m->du, a->z2, a->ax[T_UP], &layer->lin[T_UP], m->dax, N, r, s, OUT_ADD);
     if (layer->dmlp_norm) op_rmsnorm_gamma_grad(be, layer->dmlp_norm, m->dz, a->h_mid, a->r2, N, (int)d);
     if (m->modes.ms) op_rmsnorm_ms_backward(be, m->dres, m->dz, a->z2, a->r2, N, (int)d);
     else op_rmsnorm_backward(be, m->dres, m->dz, a->h_mid, a->r2, layer->mlp_norm, N, (int)d);
     // attention: o-proj, attention, RoPE, q/k/v, attention norm
-    op_linear_backward(be, m->dout, m->dres, a->o, a->ax[T_O], &layer->lin[T_O], m->dax, N, r, s, 0);
+    op_linear_backward(be, m->dout, m->dres, a->o, a->ax[T_O], &layer->lin[T_O], m->dax, N, r, s, OUT_WRITE);
     if (llama_qk_norm_ms(m)) { llama_qk_rebuild(m, layer, a, T_Q, N, T); llama_qk_rebuild(m, layer, a, T_K, N, T); }
     op_attention_backward(be, m->dq, m->dk, m->dv, m->dout, a->q, a->k, a->v, a->o, a->lse, as, m->att_work);
-    op_rope(be, m->dq, m->rope_cos, m->rope_sin, m->pos, N, T, c->heads, c->head_dim, 1);
-    op_rope(be, m->dk, m->rope_cos, m->rope_sin, m->pos, N, T, c->kv_heads, c->head_dim, 1);
-    op_linear_backward(be, m->dz, llama_qk_norm_backward(m, layer, a, T_Q, m->dq, N), a->z1, a->ax[T_Q], &layer->lin[T_Q], m->dax, N, r, s, 0);
-    op_linear_backward(be, m->dz, llama_qk_norm_backward(m, layer, a, T_K, m->dk, N), a->z1, a->ax[T_K], &layer->lin[T_K], m->dax, N, r, s, 1);
-    op_linear_backward(be, m->dz, m->dv, a->z1, a->ax[T_V], &layer->lin[T_V], m->dax, N, r, s, 1);
+    op_rope(be, m->dq, m->rope_cos, m->rope_sin, m->pos, N, T, c->heads, c->head_dim, ROPE_INVERSE);
+    op_rope(be, m->dk, m->rope_cos, m->rope_sin, m->pos, N, T, c->kv_heads, c->head_dim, ROPE_INVERSE);
+    op_linear_backward(be, m->dz, llama_qk_norm_backward(m, layer, a, T_Q, m->dq, N), a->z1, a->ax[T_Q], &layer->lin[T_Q], m->dax, N, r, s, OUT_WRITE);
+    op_linear_backward(be, m->dz, llama_qk_norm_backward(m, layer, a, T_K, m->dk, N), a->z1, a->ax[T_K], &layer->lin[T_K], m->dax, N, r, s, OUT_ADD);
+    op_linear_backward(be, m->dz, m->dv, a->z1, a->ax[T_V], &layer->lin[T_V], m->dax, N, r, s, OUT_ADD);
     if (layer->dattn_norm) op_rmsnorm_gamma_grad(be, layer->dattn_norm, m->dz, x_in, a->r1, N, (int)d);
     if (m->modes.ms) op_rmsnorm_ms_backward(be, m->dres, m->dz, a->z1, a->r1, N, (int)d);
     else op_rmsnorm_backward(be, m->dres, m->dz, x_in, a->r1, layer->attn_norm, N, (int)d);
@@ -825,6 +825,12 @@ static void llama_backward_blocks(Llama* m, int B, int T) {
     }
 }
 
+// The final norm and the head, with their gradients under --full, as the loss reads them.
+static LmHead llama_lm_head(const Llama* m) {
+    LmHead h = {m->final_norm, m->cfg.norm_eps, m->lm_head, m->cfg.vocab, m->cfg.dim, m->loss_chunk, &m->loss, m->dlm_head, m->dfinal_norm};
+    return h;
+}
+
 // One micro-batch (already uploaded): forward, fused head + loss (+ its gradient), backward. LoRA
 // grads accumulate. grad_scale = 1 / (unmasked tokens in the whole optimizer step). logits_out
 // (backend memory, fp32 [B*T, V]): tests and generation only.
@@ -834,8 +840,9 @@ static LossStats llama_forward_backward(Llama* m, int B, int T, float grad_scale
     llama_forward_blocks(m, B, T, NULL);
     LossStats st = {};
     if (backward) op_zero(m->be, m->dres, (size_t)N * c->dim * m->be->abytes);
-    op_lm_head_loss(m->be, m->resid, m->final_norm, c->norm_eps, m->lm_head, c->vocab, c->dim, m->targets, m->mask, N, m->loss_chunk,
-                    grad_scale, backward ? m->dres : NULL, logits_out, &m->loss, &st, m->dlm_head, m->dfinal_norm);
+    LmHead head = llama_lm_head(m);
+    LmHeadCall call = {m->resid, N, m->targets, m->mask, grad_scale, backward ? m->dres : NULL, logits_out};
+    op_lm_head_loss(m->be, &head, &call, &st);
     if (!backward) return st;
     llama_backward_blocks(m, B, T);
     if (m->dembed) op_embedding_backward(m->be, m->dembed, m->dres, m->inputs, m->embed_order, N, c->dim);  // dres: d loss / d embeddings
@@ -978,8 +985,11 @@ static void llama_generate(Llama* m, const ModelTokenizer* tok, const char* prom
         kv.len += T;
         fed = len;
         LossStats st = {};  // the head on the last token only
-        op_lm_head_loss(be, (char*)m->resid + (int64_t)(T - 1) * d * be->abytes, m->final_norm, c->norm_eps, m->lm_head, c->vocab,
-                        (int)d, m->targets, m->mask, 1, 1, 0.0f, NULL, logits, &m->loss, &st);
+        LmHead head = llama_lm_head(m);
+        head.chunk = 1;
+        head.dW = head.dgamma = NULL;
+        LmHeadCall call = {(char*)m->resid + (int64_t)(T - 1) * d * be->abytes, 1, m->targets, m->mask, 0.0f, NULL, logits};
+        op_lm_head_loss(be, &head, &call, &st);
         backend_download(be, last, logits, sizeof(float) * c->vocab);
         int next = sample_token(last, c->vocab, temperature, &rng);
         if (model_tokenizer_ends(tok, next)) break;

@@ -795,7 +795,7 @@ static void vit_embed(Vit* m, int B) {
     const VitConfig* c = &m->cfg;
     int64_t N = (int64_t)B * m->T;
     op_patch_unfold(m->be, m->patches, m->pixels, B, c->channels, m->img_h, m->img_w, c->patch_h, c->patch_w);
-    op_linear_forward(m->be, m->resid, m->patches, &m->patch, NULL, N, 0, 0.0f, 0);
+    op_linear_forward(m->be, m->resid, m->patches, &m->patch, NULL, N, 0, 0.0f, OUT_WRITE);
     op_patch_embed_finish(m->be, m->resid, m->cls, m->patch_b, m->pos, N, m->T, c->dim);
 }
 
@@ -810,17 +810,17 @@ static void block_forward(Vit* m, int l, void* x, BlockActs* a, int B) {
     AttnShape as = {B, m->T, c->heads, c->heads, c->head_dim, 0, NULL};  // bidirectional, one image per row
     if (a->x_in) op_copy(be, a->x_in, x, N * d);
     op_layernorm_forward(be, a->z1, a->r1, ms ? NULL : a->mean1, x, ms ? NULL : layer->ln1_g, ms ? NULL : layer->ln1_b, N, (int)d, c->norm_eps);
-    op_linear_forward(be, a->q, a->z1, &layer->lin[T_Q], a->ax[T_Q], N, r, s, 0);
-    op_linear_forward(be, a->k, a->z1, &layer->lin[T_K], a->ax[T_K], N, r, s, 0);
-    op_linear_forward(be, a->v, a->z1, &layer->lin[T_V], a->ax[T_V], N, r, s, 0);
+    op_linear_forward(be, a->q, a->z1, &layer->lin[T_Q], a->ax[T_Q], N, r, s, OUT_WRITE);
+    op_linear_forward(be, a->k, a->z1, &layer->lin[T_K], a->ax[T_K], N, r, s, OUT_WRITE);
+    op_linear_forward(be, a->v, a->z1, &layer->lin[T_V], a->ax[T_V], N, r, s, OUT_WRITE);
     op_attention_forward(be, a->o, a->lse, a->q, a->k, a->v, as,
                              op_attention_work_fitting(be, as, m->att_work, m->att_work_bytes));
-    op_linear_forward(be, x, a->o, &layer->lin[T_PROJ], a->ax[T_PROJ], N, r, s, 1);
+    op_linear_forward(be, x, a->o, &layer->lin[T_PROJ], a->ax[T_PROJ], N, r, s, OUT_ADD);
     if (a->h_mid) op_copy(be, a->h_mid, x, N * d);
     op_layernorm_forward(be, a->z2, a->r2, ms ? NULL : a->mean2, x, ms ? NULL : layer->ln2_g, ms ? NULL : layer->ln2_b, N, (int)d, c->norm_eps);
-    op_linear_forward(be, a->h, a->z2, &layer->lin[T_FC1], a->ax[T_FC1], N, r, s, 0);
+    op_linear_forward(be, a->h, a->z2, &layer->lin[T_FC1], a->ax[T_FC1], N, r, s, OUT_WRITE);
     op_gelu_forward(be, a->g, m->modes.approx ? a->codes : NULL, a->h, N * c->hidden, c->gelu_tanh);
-    op_linear_forward(be, x, a->g, &layer->lin[T_FC2], a->ax[T_FC2], N, r, s, 1);
+    op_linear_forward(be, x, a->g, &layer->lin[T_FC2], a->ax[T_FC2], N, r, s, OUT_ADD);
 }
 
 // Embedding and all blocks over the uploaded batch; leaves the final norm's input in m->resid.
@@ -874,18 +874,18 @@ static void block_backward(Vit* m, int l, BlockActs* a, int B) {
     AttnShape as = {B, m->T, c->heads, c->heads, c->head_dim, 0, NULL};
     const void* x_in = m->modes.ckpt ? m->ckpt[l] : a->x_in;
     // MLP: fc2, GELU (exact from h, or ReGELU2 from the codes), fc1, MLP norm
-    op_linear_backward(be, m->dh, m->dres, a->g, a->ax[T_FC2], &layer->lin[T_FC2], m->dax, N, r, s, 0);
+    op_linear_backward(be, m->dh, m->dres, a->g, a->ax[T_FC2], &layer->lin[T_FC2], m->dax, N, r, s, OUT_WRITE);
     op_gelu_backward(be, m->dh, m->dh, m->modes.approx ? NULL : a->h, a->codes, N * c->hidden, c->gelu_tanh);
-    op_linear_backward(be, m->dz, m->dh, a->z2, a->ax[T_FC1], &layer->lin[T_FC1], m->dax, N, r, s, 0);
+    op_linear_backward(be, m->dz, m->dh, a->z2, a->ax[T_FC1], &layer->lin[T_FC1], m->dax, N, r, s, OUT_WRITE);
     if (layer->ln_grad[LN2_G]) op_layernorm_affine_grad(be, layer->ln_grad[LN2_G], layer->ln_grad[LN2_B], m->dz, a->h_mid, a->mean2, a->r2, N, (int)d);
     if (ms) op_layernorm_ms_backward(be, m->dres, m->dz, a->z2, a->r2, N, (int)d);
     else op_layernorm_backward(be, m->dres, m->dz, a->h_mid, a->mean2, a->r2, layer->ln2_g, N, (int)d);
     // attention: proj, attention, q/k/v, attention norm
-    op_linear_backward(be, m->dout, m->dres, a->o, a->ax[T_PROJ], &layer->lin[T_PROJ], m->dax, N, r, s, 0);
+    op_linear_backward(be, m->dout, m->dres, a->o, a->ax[T_PROJ], &layer->lin[T_PROJ], m->dax, N, r, s, OUT_WRITE);
     op_attention_backward(be, m->dq, m->dk, m->dv, m->dout, a->q, a->k, a->v, a->o, a->lse, as, m->att_work);
-    op_linear_backward(be, m->dz, m->dq, a->z1, a->ax[T_Q], &layer->lin[T_Q], m->dax, N, r, s, 0);
-    op_linear_backward(be, m->dz, m->dk, a->z1, a->ax[T_K], &layer->lin[T_K], m->dax, N, r, s, 1);
-    op_linear_backward(be, m->dz, m->dv, a->z1, a->ax[T_V], &layer->lin[T_V], m->dax, N, r, s, 1);
+    op_linear_backward(be, m->dz, m->dq, a->z1, a->ax[T_Q], &layer->lin[T_Q], m->dax, N, r, s, OUT_WRITE);
+    op_linear_backward(be, m->dz, m->dk, a->z1, a->ax[T_K], &layer->lin[T_K], m->dax, N, r, s, OUT_ADD);
+    op_linear_backward(be, m->dz, m->dv, a->z1, a->ax[T_V], &layer->lin[T_V], m->dax, N, r, s, OUT_ADD);
     if (layer->ln_grad[LN1_G]) op_layernorm_affine_grad(be, layer->ln_grad[LN1_G], layer->ln_grad[LN1_B], m->dz, x_in, a->mean1, a->r1, N, (int)d);
     if (ms) op_layernorm_ms_backward(be, m->dres, m->dz, a->z1, a->r1, N, (int)d);
     else op_layernorm_backward(be, m->dres, m->dz, x_in, a->mean1, a->r1, layer->ln1_g, N, (int)d);
@@ -907,7 +907,7 @@ static void vit_backward_blocks(Vit* m, int B) {
     }
     if (!m->modes.full) return;
     op_patch_embed_finish_backward(m->be, m->dcls, m->dpatch_b, m->dpos, m->dres, N, m->T, m->cfg.dim);
-    op_linear_backward(m->be, NULL, m->dres, m->patches, NULL, &m->patch, NULL, N, 0, 0.0f, 0);
+    op_linear_backward(m->be, NULL, m->dres, m->patches, NULL, &m->patch, NULL, N, 0, 0.0f, OUT_WRITE);
 }
 
 // One micro-batch of B <= m->B images (already uploaded): forward, fused head + loss (+ its

@@ -39,6 +39,12 @@
 #define CB16(p) ((const bf16*)(p))
 #endif
 
+
+// What an op does with its output: write it, or add to what it holds (the residual stream; a
+// gradient that several consumers of one input each contribute to).
+typedef enum { OUT_WRITE = 0, OUT_ADD = 1 } OutMode;
+// RoPE's direction: rotate (forward), or rotate back (its backward, a rotation by minus the angle).
+typedef enum { ROPE_FORWARD = 0, ROPE_INVERSE = 1 } RopeDir;
 // ---- copies ------------------------------------------------------------------------------------
 
 // dst = src, n activation elements (device-to-device on CUDA).
@@ -139,7 +145,8 @@ static const char* linear_prof_name(const Linear* L, int lora, char* buf) {
 }
 
 // y (+)= x W^T + bias + scale * (x A^T) B^T, keeping ax for the adapter's backward.
-static void op_linear_forward(const Backend* be, void* y, const void* x, const Linear* L, void* ax, int64_t N, int rank, float scale, int accumulate) {
+static void op_linear_forward(const Backend* be, void* y, const void* x, const Linear* L, void* ax, int64_t N, int rank, float scale, OutMode out) {
+    int accumulate = out == OUT_ADD;
     char name[40];
 #ifdef LLMC_HAVE_CUDA
     if (be->cuda) {  // one row for the layer: its adapter's products run inside linear_forward_cuda
@@ -157,7 +164,8 @@ static void op_linear_forward(const Backend* be, void* y, const void* x, const L
 
 // dx (+)= dy W + scale * (dy B) A; adapter (or full-fine-tuning) gradients accumulate.
 static void op_linear_backward(const Backend* be, void* dx, const void* dy, const void* x, const void* ax, const Linear* L, void* dax,
-                               int64_t N, int rank, float scale, int accumulate) {
+                               int64_t N, int rank, float scale, OutMode out) {
+    int accumulate = out == OUT_ADD;
     char name[40];
 #ifdef LLMC_HAVE_CUDA
     if (be->cuda) {  // one row for the layer, as in the forward
@@ -190,7 +198,8 @@ static double attn_flops(AttnShape s, int products) {
 static double attn_bytes(AttnShape s, int abytes, int tensors) { return (double)tensors * s.B * s.T * s.H * s.hd * abytes; }
 
 static void op_rope(const Backend* be, void* x, const float* cos_t, const float* sin_t, const int* pos, int64_t N, int T, int nheads,
-                    int hd, int inverse) {
+                    int hd, RopeDir dir) {
+    int inverse = dir == ROPE_INVERSE;
     PROF_SCOPE(be, "rope", inverse ? "bwd" : "fwd", 6.0 * N * nheads * hd, 2.0 * N * nheads * hd * (double)be->abytes);
 #ifdef LLMC_HAVE_CUDA
     if (be->cuda) { rope_apply_cuda(B16(x), cos_t, sin_t, pos, N, T, nheads, hd, inverse, be->stream); return; }
@@ -311,20 +320,49 @@ static void op_detach_matmul_workspace(const Backend* be, void* work) {
 
 // Final RMSNorm + head + CE over N tokens in chunks; dxf (when non-NULL) accumulates the gradient
 // of the norm's input; logits_out (backend memory, fp32 [N, V]) receives the logits when non-NULL.
-static void op_lm_head_loss(const Backend* be, const void* xf, const void* gamma, float eps, const void* W, int V, int d, const int* targets,
-                            const float* mask, int64_t N, int chunk, float grad_scale, void* dxf, float* logits_out, const LossBuffers* lb,
-                            LossStats* st, float* dW = NULL, float* dgamma = NULL) {
-    PROF_SCOPE(be, dxf ? "lm head + loss" : "lm head + loss (eval)", dxf ? "f+b" : "fwd", (dxf ? 4.0 : 2.0) * N * V * d + (dW ? 2.0 * N * V * d : 0.0), (double)V * d * be->wbytes * ((N + chunk - 1) / chunk) * (dxf ? 2 : 1));
+// The LM head as the loss sees it: the final RMSNorm (gamma, eps) and the head W [V, d], with their
+// gradients under --full (NULL while frozen), and the chunk buffers (llmc/memory/loss_buffers.h)
+// for `chunk` rows at a time.
+typedef struct {
+    const void* gamma;
+    float eps;
+    const void* W;
+    int V, d;
+    int chunk;
+    const LossBuffers* buffers;
+    float *dW, *dgamma;
+} LmHead;
+
+// What one call computes over N rows of final-norm inputs xf [N, d]: masked cross-entropy against
+// targets (grad_scale times its gradient into dxf, when not NULL), and/or the fp32 logits.
+typedef struct {
+    const void* xf;
+    int64_t N;
+    const int* targets;
+    const float* mask;
+    float grad_scale;
+    void* dxf;             // NULL: forward only (evaluation, generation)
+    float* logits_out;     // NULL but in tests and generation
+} LmHeadCall;
+
+static void op_lm_head_loss(const Backend* be, const LmHead* h, const LmHeadCall* c, LossStats* st) {
+    int64_t N = c->N, V = h->V, d = h->d;
+    int backward = c->dxf != NULL;
+    PROF_SCOPE(be, backward ? "lm head + loss" : "lm head + loss (eval)", backward ? "f+b" : "fwd",
+               (backward ? 4.0 : 2.0) * N * V * d + (h->dW ? 2.0 * N * V * d : 0.0),
+               (double)V * d * be->wbytes * ((N + h->chunk - 1) / h->chunk) * (backward ? 2 : 1));
+    const LossBuffers* lb = h->buffers;
 #ifdef LLMC_HAVE_CUDA
     if (be->cuda) {
         LossScratchCuda sc = {B16(lb->z), lb->r, lb->logits, B16(lb->dlogits), B16(lb->dz), lb->row_stats, lb->stats};
-        lm_head_loss_cuda(CB16(xf), CB16(gamma), eps, CB16(W), V, d, targets, mask, N, chunk, grad_scale, B16(dxf), logits_out, sc, st,
-                          be->stream, dW, dgamma);
+        lm_head_loss_cuda(CB16(c->xf), CB16(h->gamma), h->eps, CB16(h->W), h->V, h->d, c->targets, c->mask, N, h->chunk, c->grad_scale,
+                          B16(c->dxf), c->logits_out, sc, st, be->stream, h->dW, h->dgamma);
         return;
     }
 #endif
     LossScratch sc = {F32(lb->z), lb->r, lb->logits, F32(lb->dz)};
-    lm_head_loss(CF32(xf), CF32(gamma), eps, CF32(W), V, d, targets, mask, N, chunk, grad_scale, F32(dxf), logits_out, sc, st, dW, dgamma);
+    lm_head_loss(CF32(c->xf), CF32(h->gamma), h->eps, CF32(h->W), h->V, h->d, c->targets, c->mask, N, h->chunk, c->grad_scale, F32(c->dxf),
+                 c->logits_out, sc, st, h->dW, h->dgamma);
 }
 
 // ---- ViT operations ----------------------------------------------------------------------------
