@@ -104,20 +104,16 @@ int main(int argc, char** argv) {
     if (m.dembed) st_writer_add(&w, "grad.embed", ST_F32, 2, vd, HOST_GRAD(m.dembed));
     if (m.dlm_head && !cfg.tied) st_writer_add(&w, "grad.lm_head", ST_F32, 2, vd, HOST_GRAD(m.dlm_head));
     if (m.dfinal_norm) st_writer_add(&w, "grad.final_norm", ST_F32, 1, &dd, HOST_GRAD(m.dfinal_norm));
-    for (int l = 0; l < cfg.layers; l++) {
-        if (!m.layers[l].dattn_norm) continue;
-        snprintf(nm, sizeof(nm), "grad.%d.attn_norm", l);
-        st_writer_add(&w, nm, ST_F32, 1, &dd, HOST_GRAD(m.layers[l].dattn_norm));
-        snprintf(nm, sizeof(nm), "grad.%d.mlp_norm", l);
-        st_writer_add(&w, nm, ST_F32, 1, &dd, HOST_GRAD(m.layers[l].dmlp_norm));
-    }
     int64_t hd = cfg.head_dim;
-    for (int l = 0; l < cfg.layers; l++) {
-        if (!m.layers[l].dq_norm) continue;
-        snprintf(nm, sizeof(nm), "grad.%d.q_norm", l);
-        st_writer_add(&w, nm, ST_F32, 1, &hd, HOST_GRAD(m.layers[l].dq_norm));
-        snprintf(nm, sizeof(nm), "grad.%d.k_norm", l);
-        st_writer_add(&w, nm, ST_F32, 1, &hd, HOST_GRAD(m.layers[l].dk_norm));
+    for (int l = 0; l < cfg.layers; l++) {  // the block norms (standard norms) and Qwen3's q/k norms, where they train
+        const LlamaLayer* L = &m.layers[l];
+        const char* names[4] = {"attn_norm", "mlp_norm", "q_norm", "k_norm"};
+        const float* grads[4] = {L->dattn_norm, L->dmlp_norm, L->dq_norm, L->dk_norm};
+        for (int k = 0; k < 4; k++) {
+            if (!grads[k]) continue;
+            snprintf(nm, sizeof(nm), "grad.%d.%s", l, names[k]);
+            st_writer_add(&w, nm, ST_F32, 1, k < 2 ? &dd : &hd, HOST_GRAD(grads[k]));
+        }
     }
 #undef HOST_GRAD
     st_writer_save(&w, out_path, NULL);
