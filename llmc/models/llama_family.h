@@ -68,20 +68,24 @@ static void llama_check_known_keys(const Json* j, const char* path) {
         int known = 0;
         for (int k = 0; k < n && !known; k++) known = strcmp(j->keys[i], llama_known_keys[k]) == 0;
         if (!known)
-            fail("%s: config key \"%s\" is not one train_llama knows (it may change the model's math; refused rather than ignored)",
-                 path, j->keys[i]);
+            fail("%s: config key \"%s\" is not one train_llama knows (it may change the model's math; "
+                 "refused rather than ignored)", path, j->keys[i]);
     }
 }
 
 // model_type and architectures: the four families as causal LMs, nothing else.
 static void llama_config_family(LlamaConfig* c, const Json* j, const char* path) {
     static const char* const types[] = {"llama", "mistral", "qwen2", "qwen3"};
-    static const char* const archs[] = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"};
+    static const char* const archs[] = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+                                        "Qwen3ForCausalLM"};
     const Json* mt = json_get(j, "model_type");
-    if (!mt || mt->type != JSON_STRING) fail("%s: no model_type string (expected llama, mistral, qwen2 or qwen3)", path);
+    if (!mt || mt->type != JSON_STRING)
+        fail("%s: no model_type string (expected llama, mistral, qwen2 or qwen3)", path);
     int f = 0;
     while (f < 4 && strcmp(mt->string, types[f]) != 0) f++;
-    if (f == 4) fail("%s: model_type \"%.60s\" is not supported (train_llama reads llama, mistral, qwen2 and qwen3)", path, mt->string);
+    if (f == 4)
+        fail("%s: model_type \"%.60s\" is not supported (train_llama reads llama, mistral, qwen2 and qwen3)", path,
+             mt->string);
     snprintf(c->family, sizeof(c->family), "%s", types[f]);
     const Json* ar = json_get(j, "architectures");
     if (!ar || ar->type == JSON_NULL) return;
@@ -107,15 +111,19 @@ static void llama_config_rope_scaling(LlamaConfig* c, const Json* j, const char*
     if (rs->type != JSON_OBJECT) fail("%s: rope_scaling must be an object or null", path);
     const char* type = json_string_or(rs, "rope_type", json_string_or(rs, "type", ""));
     if (strcmp(type, "default") == 0) return;
-    if (strcmp(type, "llama3") != 0) fail("%s: rope_scaling type \"%.40s\" is not supported (expected llama3 or default)", path, type);
+    if (strcmp(type, "llama3") != 0)
+        fail("%s: rope_scaling type \"%.40s\" is not supported (expected llama3 or default)", path, type);
     c->rope_llama3 = 1;
     c->rs_factor = json_positive_float(json_number_req(rs, "factor", path), "rope_scaling.factor", path);
-    c->rs_low_freq = json_positive_float(json_number_req(rs, "low_freq_factor", path), "rope_scaling.low_freq_factor", path);
-    c->rs_high_freq = json_positive_float(json_number_req(rs, "high_freq_factor", path), "rope_scaling.high_freq_factor", path);
+    c->rs_low_freq =
+        json_positive_float(json_number_req(rs, "low_freq_factor", path), "rope_scaling.low_freq_factor", path);
+    c->rs_high_freq =
+        json_positive_float(json_number_req(rs, "high_freq_factor", path), "rope_scaling.high_freq_factor", path);
     c->rs_original_ctx = json_int_in(rs, "original_max_position_embeddings", path, 1, 1 << 26);
     // the smooth band between the two wavelengths divides by their difference
     if (!(c->rs_high_freq > c->rs_low_freq))
-        fail("%s: rope_scaling.high_freq_factor (%g) must exceed low_freq_factor (%g)", path, c->rs_high_freq, c->rs_low_freq);
+        fail("%s: rope_scaling.high_freq_factor (%g) must exceed low_freq_factor (%g)", path, c->rs_high_freq,
+             c->rs_low_freq);
 }
 
 // The sliding window, when one is active: Mistral's sliding_window (null: none); Qwen2's and Qwen3's
@@ -144,9 +152,11 @@ static void llama_config_refusals(const Json* j, const char* path) {
     const char* act = json_string_or(j, "hidden_act", "silu");
     if (strcmp(act, "silu") != 0) fail("%s: hidden_act \"%.40s\" is not supported (expected silu)", path, act);
     if (json_number_opt(j, "partial_rotary_factor", path, 1.0) != 1.0)
-        fail("%s: partial_rotary_factor %g is not supported (RoPE rotates the whole head here)", path, json_number_or(j, "partial_rotary_factor", 1.0));
+        fail("%s: partial_rotary_factor %g is not supported (RoPE rotates the whole head here)", path,
+             json_number_or(j, "partial_rotary_factor", 1.0));
     if (json_number_opt(j, "attention_dropout", path, 0.0) != 0.0)
-        fail("%s: attention_dropout %g is not supported (attention has no dropout here)", path, json_number_or(j, "attention_dropout", 0.0));
+        fail("%s: attention_dropout %g is not supported (attention has no dropout here)", path,
+             json_number_or(j, "attention_dropout", 0.0));
     const Json* ph = json_get(j, "pruned_heads");
     if (ph && ph->type != JSON_NULL && ph->count > 0) fail("%s: pruned_heads is not supported", path);
 }
@@ -169,13 +179,17 @@ static void llama_config_sizes(LlamaConfig* c, const Json* j, const char* path) 
     c->heads = json_int_in(j, "num_attention_heads", path, 1, 1024);
     c->kv_heads = json_get(j, "num_key_value_heads") ? json_int_in(j, "num_key_value_heads", path, 1, 1024) : c->heads;
     c->vocab = json_int_in(j, "vocab_size", path, 1, 1 << 22);
-    if (json_get(j, "head_dim") && json_get(j, "head_dim")->type != JSON_NULL) c->head_dim = json_int_in(j, "head_dim", path, 2, 1024);
-    else {
-        if (c->dim % c->heads) fail("%s: num_attention_heads (%d) does not divide hidden_size (%d)", path, c->heads, c->dim);
+    if (json_get(j, "head_dim") && json_get(j, "head_dim")->type != JSON_NULL) {
+        c->head_dim = json_int_in(j, "head_dim", path, 2, 1024);
+    } else {
+        if (c->dim % c->heads)
+            fail("%s: num_attention_heads (%d) does not divide hidden_size (%d)", path, c->heads, c->dim);
         c->head_dim = c->dim / c->heads;
     }
-    if (c->heads % c->kv_heads) fail("%s: num_key_value_heads (%d) does not divide num_attention_heads (%d)", path, c->kv_heads, c->heads);
-    if (c->head_dim <= 0 || c->head_dim % 2) fail("%s: head dimension %d must be positive and even (RoPE rotates pairs)", path, c->head_dim);
+    if (c->heads % c->kv_heads)
+        fail("%s: num_key_value_heads (%d) does not divide num_attention_heads (%d)", path, c->kv_heads, c->heads);
+    if (c->head_dim <= 0 || c->head_dim % 2)
+        fail("%s: head dimension %d must be positive and even (RoPE rotates pairs)", path, c->head_dim);
     c->max_seq = json_get(j, "max_position_embeddings") && json_get(j, "max_position_embeddings")->type != JSON_NULL
                      ? json_int_in(j, "max_position_embeddings", path, 1, 1 << 26) : 2048;
 }
@@ -203,11 +217,13 @@ static void llama_config_load(LlamaConfig* c, const char* model_dir) {
     llama_config_window(c, &j, path);
     int qwen2 = strcmp(c->family, "qwen2") == 0, qwen3 = strcmp(c->family, "qwen3") == 0;
     int attention_bias = llama_config_bool(&j, "attention_bias", path, 0);
-    if (qwen2 && json_get(&j, "attention_bias")) fail("%s: attention_bias is not a qwen2 key (Qwen2's q, k, v always carry biases)", path);
+    if (qwen2 && json_get(&j, "attention_bias"))
+        fail("%s: attention_bias is not a qwen2 key (Qwen2's q, k, v always carry biases)", path);
     c->qkv_bias = qwen2 || attention_bias;
     c->o_bias = attention_bias;
     c->mlp_bias = llama_config_bool(&j, "mlp_bias", path, 0);
-    if (c->mlp_bias && strcmp(c->family, "llama") != 0) fail("%s: mlp_bias is a llama key, not a %s one", path, c->family);
+    if (c->mlp_bias && strcmp(c->family, "llama") != 0)
+        fail("%s: mlp_bias is a llama key, not a %s one", path, c->family);
     c->qk_norm = qwen3;
     json_free(&j);
     free(text);
@@ -229,10 +245,12 @@ static void llama_check_window(const LlamaConfig* c, int T, const char* model_di
 // The per-layer tensor suffixes ("self_attn.q_proj.weight", ...) this config reads, into out;
 // returns how many.
 static int llama_layer_tensor_suffixes(const LlamaConfig* c, const char** out) {
-    static const char* const weights[7] = {"self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
-                                           "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"};
+    static const char* const weights[7] = {"self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                                           "self_attn.v_proj.weight", "self_attn.o_proj.weight",
+                                           "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"};
     static const char* const biases[7] = {"self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias",
-                                          "self_attn.o_proj.bias", "mlp.gate_proj.bias", "mlp.up_proj.bias", "mlp.down_proj.bias"};
+                                          "self_attn.o_proj.bias", "mlp.gate_proj.bias", "mlp.up_proj.bias",
+                                          "mlp.down_proj.bias"};
     int n = 0;
     out[n++] = "input_layernorm.weight";
     out[n++] = "post_attention_layernorm.weight";
@@ -263,7 +281,8 @@ static int llama_tensor_is_used(const LlamaConfig* c, const char* name, int bnb)
         size_t k = strlen(sfx[i]);
         if (!strcmp(rest, sfx[i])) return 1;
         // a bitsandbytes quant state: "<linear>.weight.absmax", "...quant_state.bitsandbytes__nf4", ...
-        if (bnb && !strncmp(rest, sfx[i], k) && rest[k] == '.' && bnb_is_quant_state_name(name) && strstr(sfx[i], "_proj.weight")) return 1;
+        int quant_state = bnb && !strncmp(rest, sfx[i], k) && rest[k] == '.' && bnb_is_quant_state_name(name);
+        if (quant_state && strstr(sfx[i], "_proj.weight")) return 1;
     }
     return 0;
 }
@@ -276,8 +295,8 @@ static void llama_check_tensor_names(const LlamaConfig* c, const StModel* sm, in
         for (int i = 0; i < sm->files[f].count; i++) {
             const StTensor* t = &sm->files[f].tensors[i];
             if (!llama_tensor_is_used(c, t->name, bnb))
-                fail("%s: tensor \"%.120s\" is not part of a %s model with this config.json (refused rather than ignored)",
-                     t->file, t->name, c->family);
+                fail("%s: tensor \"%.120s\" is not part of a %s model with this config.json (refused rather than "
+                     "ignored)", t->file, t->name, c->family);
         }
     const StTensor* head = st_model_find(sm, "lm_head.weight");
     if (!c->tied || !head) return;
