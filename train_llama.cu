@@ -44,8 +44,8 @@
 
 enum { T_Q, T_K, T_V, T_O, T_GATE, T_UP, T_DOWN, N_TARGETS };
 static const char* const target_names[N_TARGETS] = {"q", "k", "v", "o", "gate", "up", "down"};
-static const char* const hf_module_names[N_TARGETS] = {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
-                                                       "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"};
+static const char* const* const hf_module_names = llama_hf_modules;  // [N_TARGETS], the checkpoint's names
+static_assert(sizeof(llama_hf_modules) / sizeof(llama_hf_modules[0]) == N_TARGETS, "one module name per target");
 
 // Weights and activations are backend buffers (`void*`: fp32 on the CPU, bf16 on CUDA); norm
 // statistics and the attention lse are fp32 on both.
@@ -150,8 +150,6 @@ static int llama_adapters_see_gamma(const Llama* m) { return m->modes.ms && !m->
 // Otherwise (standard norms, or --full, which trains gamma) the block keeps the norm's input.
 static int llama_qk_norm_ms(const Llama* m) { return m->cfg.qk_norm && m->modes.ms && !m->modes.full; }
 
-// Does linear t carry a bias in this config?
-static int llama_has_bias(const LlamaConfig* c, int t) { return t <= T_V ? c->qkv_bias : t == T_O ? c->o_bias : c->mlp_bias; }
 
 // ----------------------------------------------------------------------------------------------
 // The memory plan: every buffer, by module, with the element sizes of the planned backend
@@ -193,7 +191,7 @@ static void llama_plan_weights(Llama* m, MemPlan* p) {
         for (int t = 0; t < N_TARGETS; t++) {
             Linear* L = &layer->lin[t];
             int64_t n = lin_in(c, t) * lin_out(c, t);
-            if (llama_has_bias(c, t)) plan_add(p, MEM_FROZEN, target_names[t], l, "bias", lin_out(c, t) * wbytes, linear_bias_slot(be, L));
+            if (llama_linear_has_bias(c, t)) plan_add(p, MEM_FROZEN, target_names[t], l, "bias", lin_out(c, t) * wbytes, linear_bias_slot(be, L));
             if (md->nf4) plan_add(p, MEM_FROZEN, target_names[t], l, target_names[t], (size_t)nf4_tensor_bytes(n), (void*)&L->nf4);
             else plan_add(p, MEM_FROZEN, target_names[t], l, target_names[t], n * wbytes, linear_weight_slot(be, L));
         }
@@ -208,7 +206,7 @@ static void llama_plan_weights(Llama* m, MemPlan* p) {
     if (md->full && c->qk_norm) n_params += 2 * c->layers * c->head_dim;
     for (int l = 0; l < c->layers; l++)
         for (int t = 0; t < N_TARGETS; t++) {
-            if (md->full) n_params += lin_in(c, t) * lin_out(c, t) + (llama_has_bias(c, t) ? lin_out(c, t) : 0);
+            if (md->full) n_params += lin_in(c, t) * lin_out(c, t) + (llama_linear_has_bias(c, t) ? lin_out(c, t) : 0);
             else if (md->targets >> t & 1) n_params += r * (lin_in(c, t) + lin_out(c, t));
         }
     trainable_plan(&m->tr, p, md->full ? "all weights" : "lora", n_params, md->full ? SHARD_OPTIM_AND_MASTER : SHARD_NONE, m->dist, be);
@@ -367,7 +365,7 @@ static void llama_bind(Llama* m) {
             }
             if (m->modes.full) {
                 trainable_bind_linear_weight(&m->tr, &off, L);  // full fine-tuning: W (and its bias) train in the arena
-                if (llama_has_bias(c, t)) trainable_bind_linear_bias(&m->tr, &off, L);
+                if (llama_linear_has_bias(c, t)) trainable_bind_linear_bias(&m->tr, &off, L);
             } else if (m->modes.targets >> t & 1) {
                 trainable_bind_adapter(&m->tr, &off, L, (int)r);
                 const void* gamma = t <= T_V ? m->layers[l].attn_norm : t == T_GATE || t == T_UP ? m->layers[l].mlp_norm : NULL;
@@ -558,7 +556,7 @@ static void llama_load_weights(Llama* m, const char* dir) {
         }
         for (int t = 0; t < N_TARGETS; t++) {
             Linear* lin = &layer->lin[t];
-            if (llama_has_bias(c, t)) {  // RMSNorm has no beta: the MS merge leaves a bias as it is
+            if (llama_linear_has_bias(c, t)) {  // RMSNorm has no beta: the MS merge leaves a bias as it is
                 snprintf(name, sizeof(name), "model.layers.%d.%s.bias", l, hf_module_names[t]);
                 load_weight(m, &sm, name, *linear_bias_slot(m->be, lin), m->modes.full ? lin->bias : NULL, tmp, lin->out, 0);
             }
@@ -610,7 +608,7 @@ static void llama_random_weights(Llama* m, uint64_t seed) {
         for (int t = 0; t < N_TARGETS; t++) {
             Linear* lin = &layer->lin[t];
             llama_set_linear_weight(m, lin, tmp);
-            if (llama_has_bias(c, t)) backend_set_weight(m->be, *linear_bias_slot(m->be, lin), m->modes.full ? lin->bias : NULL, zeros, lin->out);
+            if (llama_linear_has_bias(c, t)) backend_set_weight(m->be, *linear_bias_slot(m->be, lin), m->modes.full ? lin->bias : NULL, zeros, lin->out);
         }
     }
     free(zeros);
@@ -801,7 +799,10 @@ static void block_backward(Llama* m, int l, BlockActs* a, int B, int T) {
     else op_rmsnorm_backward(be, m->dres, m->dz, a->h_mid, a->r2, layer->mlp_norm, N, (int)d);
     // attention: o-proj, attention, RoPE, q/k/v, attention norm
     op_linear_backward(be, m->dout, m->dres, a->o, a->ax[T_O], &layer->lin[T_O], m->dax, N, r, s, OUT_WRITE);
-    if (llama_qk_norm_ms(m)) { llama_qk_rebuild(m, layer, a, T_Q, N, T); llama_qk_rebuild(m, layer, a, T_K, N, T); }
+    if (llama_qk_norm_ms(m) && !m->modes.ckpt) {  // (a recomputed block has just built them)
+        llama_qk_rebuild(m, layer, a, T_Q, N, T);
+        llama_qk_rebuild(m, layer, a, T_K, N, T);
+    }
     op_attention_backward(be, m->dq, m->dk, m->dv, m->dout, a->q, a->k, a->v, a->o, a->lse, as, m->att_work);
     op_rope(be, m->dq, m->rope_cos, m->rope_sin, m->pos, N, T, c->heads, c->head_dim, ROPE_INVERSE);
     op_rope(be, m->dk, m->rope_cos, m->rope_sin, m->pos, N, T, c->kv_heads, c->head_dim, ROPE_INVERSE);

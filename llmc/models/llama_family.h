@@ -242,29 +242,32 @@ static void llama_check_window(const LlamaConfig* c, int T, const char* model_di
 
 // ---- the tensors of the checkpoint --------------------------------------------------------------
 
-// The per-layer tensor suffixes ("self_attn.q_proj.weight", ...) this config reads, into out;
-// returns how many.
-static int llama_layer_tensor_suffixes(const LlamaConfig* c, const char** out) {
-    static const char* const weights[7] = {"self_attn.q_proj.weight", "self_attn.k_proj.weight",
-                                           "self_attn.v_proj.weight", "self_attn.o_proj.weight",
-                                           "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"};
-    static const char* const biases[7] = {"self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias",
-                                          "self_attn.o_proj.bias", "mlp.gate_proj.bias", "mlp.up_proj.bias",
-                                          "mlp.down_proj.bias"};
-    int n = 0;
-    out[n++] = "input_layernorm.weight";
-    out[n++] = "post_attention_layernorm.weight";
+// The Hugging Face module path of each linear of a block, in the order q, k, v, o, gate, up, down
+// (train_llama.cu's targets).
+static const char* const llama_hf_modules[7] = {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                                                "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"};
+
+// Does linear t (in llama_hf_modules' order) carry a bias in this config?
+static int llama_linear_has_bias(const LlamaConfig* c, int t) { return t <= 2 ? c->qkv_bias : t == 3 ? c->o_bias : c->mlp_bias; }
+
+// Is `rest`, a tensor name after "model.layers.N.", one that this config reads in every block?
+// RoPE's inv_freq (a buffer older checkpoints saved, no weight) is skipped; a bitsandbytes quant
+// state ("<linear>.weight.absmax", ...) belongs to its weight.
+static int llama_layer_tensor_is_used(const LlamaConfig* c, const char* rest, const char* name, int bnb) {
+    if (!strcmp(rest, "input_layernorm.weight") || !strcmp(rest, "post_attention_layernorm.weight")) return 1;
+    if (c->qk_norm && (!strcmp(rest, "self_attn.q_norm.weight") || !strcmp(rest, "self_attn.k_norm.weight"))) return 1;
+    if (!strcmp(rest, "self_attn.rotary_emb.inv_freq")) return 1;
     for (int t = 0; t < 7; t++) {
-        out[n++] = weights[t];
-        int bias = t <= 2 ? c->qkv_bias : t == 3 ? c->o_bias : c->mlp_bias;
-        if (bias) out[n++] = biases[t];
+        size_t k = strlen(llama_hf_modules[t]);
+        if (strncmp(rest, llama_hf_modules[t], k) != 0) continue;
+        const char* part = rest + k;
+        if (!strcmp(part, ".weight") || (llama_linear_has_bias(c, t) && !strcmp(part, ".bias"))) return 1;
+        if (bnb && !strncmp(part, ".weight.", 8) && bnb_is_quant_state_name(name)) return 1;
     }
-    if (c->qk_norm) { out[n++] = "self_attn.q_norm.weight"; out[n++] = "self_attn.k_norm.weight"; }
-    return n;
+    return 0;
 }
 
-// Is `name` a tensor this config reads? Buffers that carry no weights (RoPE's inv_freq, which
-// older checkpoints saved) are skipped; a bitsandbytes quant state belongs to its weight.
+// Is `name` a tensor this config reads?
 static int llama_tensor_is_used(const LlamaConfig* c, const char* name, int bnb) {
     if (!strcmp(name, "model.embed_tokens.weight") || !strcmp(name, "model.norm.weight")) return 1;
     if (!strcmp(name, "lm_head.weight")) return 1;  // tied: checked against the embedding by the caller
@@ -273,18 +276,7 @@ static int llama_tensor_is_used(const LlamaConfig* c, const char* name, int bnb)
     char first[32];
     snprintf(first, sizeof(first), "model.layers.%d.", l);
     if (strncmp(name, first, strlen(first)) != 0) return 0;  // "model.layers.01." is not layer 1
-    const char* rest = name + strlen(first);
-    if (!strcmp(rest, "self_attn.rotary_emb.inv_freq")) return 1;
-    const char* sfx[32];
-    int n = llama_layer_tensor_suffixes(c, sfx);
-    for (int i = 0; i < n; i++) {
-        size_t k = strlen(sfx[i]);
-        if (!strcmp(rest, sfx[i])) return 1;
-        // a bitsandbytes quant state: "<linear>.weight.absmax", "...quant_state.bitsandbytes__nf4", ...
-        int quant_state = bnb && !strncmp(rest, sfx[i], k) && rest[k] == '.' && bnb_is_quant_state_name(name);
-        if (quant_state && strstr(sfx[i], "_proj.weight")) return 1;
-    }
-    return 0;
+    return llama_layer_tensor_is_used(c, name + strlen(first), name, bnb);
 }
 
 // Every tensor of the checkpoint is one the model reads, or the load is refused naming the first
