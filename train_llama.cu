@@ -6,7 +6,7 @@
 //
 // Read top to bottom: config -> parameters -> memory plan -> weight loading -> forward -> backward
 // -> training step (with evaluation and generation) -> the dry run -> adapters, state and export
-// -> main (the training loop, the flags, main). The loop's shared pieces are llmc/train/train_loop.h,
+// -> main (the training loop, the flags, main). The loop's shared pieces are llmc/train/loop.h,
 // the optimizer llmc/train/zero.h. The model is written once; the operations
 // it calls (llmc/ops.h) run on the backend chosen by --device: the CPU (fp32) or a CUDA GPU (bf16
 // activations and frozen weights, fp32 statistics, LoRA masters, gradients and AdamW state).
@@ -19,14 +19,14 @@
 #include "llmc/text/model_tokenizer.h"
 #include "llmc/text/textdata.h"
 #include "llmc/memory/plan.h"
-#include "llmc/train/train_common.h"
-#include "llmc/lora.h"
+#include "llmc/train/run_options.h"
+#include "llmc/linear.h"
 #include "llmc/formats/peft.h"
-#include "llmc/train/checkpoint.h"
+#include "llmc/train/train_state.h"
 #include "llmc/train/dist.h"
 #include "llmc/train/trainable.h"
 #include "llmc/train/zero.h"
-#include "llmc/train/train_loop.h"
+#include "llmc/train/loop.h"
 #include "llmc/backend.h"
 #include "llmc/ops.h"
 #include "llmc/train/fit.h"
@@ -40,7 +40,7 @@
 // ----------------------------------------------------------------------------------------------
 // Parameters. Frozen weights live in one arena, LoRA weights (and their grads and AdamW moments)
 // in flat arenas of identical layout, so the optimizer and gradient norm see one array. The
-// linear layer with its adapter (Linear) is shared with train_vit: llmc/lora.h.
+// linear layer with its adapter (Linear) is shared with train_vit: llmc/linear.h.
 
 enum { T_Q, T_K, T_V, T_O, T_GATE, T_UP, T_DOWN, N_TARGETS };
 static const char* const target_names[N_TARGETS] = {"q", "k", "v", "o", "gate", "up", "down"};
@@ -98,21 +98,21 @@ typedef struct {
     const Dist* dist;
     BlockActs* acts;       // [layers]
     BlockActs tmp;         // scratch set (recompute, or buffers not kept)
-    void** ckpt;           // [layers] block inputs under --recompute block
+    void** block_input;    // [layers] block inputs under --recompute block
     int64_t* layer_off;    // [layers] where each block's trainable values start in the arena
     // scratch (activation gradients have the activations' element type)
     void *resid, *resid_tmp, *dres, *dz, *dq, *dk, *dv, *dout, *dp, *dg, *du, *dax;
-    void* att_work;        // CUDA attention: the tensor-core path's chunk of scores (llmc/memory/attn_plan.h)
+    void* att_work;        // CUDA attention: the tensor-core path's chunk of scores (llmc/memory/cuda_workspace.h)
     size_t att_work_bytes;
     void **kv_k, **kv_v;   // --generate: [layers] the key/value cache, [T, KVH*hd] each
     float* gen_logits;     // --generate: [V] the last position's logits
-    void* blas_work;       // CUDA: cuBLAS's and cuBLASLt's workspace (llmc/memory/blas_plan.h)
+    void* blas_work;       // CUDA: cuBLAS's and cuBLASLt's workspace (llmc/memory/cuda_workspace.h)
     // --quant nf4: the tables (NF4 values, dynamic map; backend and host copies) and the scratch
     // every linear's W is dequantized into before its products (llmc/formats/nf4.h), else NULL
     float* nf4_tables;
     float h_nf4_tables[NF4_TABLE_FLOATS];
     void* nf4_scratch;
-    void* lora_norm_work;  // MS norms, --ms-lora exact: the adapters' scratch (llmc/lora.h), else NULL
+    void* lora_norm_work;  // MS norms, --ms-lora exact: the adapters' scratch (llmc/linear.h), else NULL
     LoraDropout drop;      // --lora-dropout: the masks' key and the adapters' input scratch (llmc/lora_dropout.h)
     void* drop_work;
     int *inputs, *targets; // on the backend
@@ -139,7 +139,7 @@ static int64_t lin_out(const LlamaConfig* c, int t) {
 }
 
 // Under MS-RMSNorm (and LoRA), W' = W diag(gamma) absorbed the gamma of the norm that feeds q, k,
-// v (gate, up), but the adapters keep acting on gamma*z as in the original model (llmc/lora.h),
+// v (gate, up), but the adapters keep acting on gamma*z as in the original model (llmc/linear.h),
 // so they train exactly what --norm std trains; --ms-lora merged puts them on z (the paper's).
 static int llama_adapters_see_gamma(const Llama* m) { return m->modes.ms && !m->modes.full && !m->modes.ms_lora_merged; }
 
@@ -217,7 +217,7 @@ static void llama_plan_weights(Llama* m, MemPlan* p) {
 static void llama_plan_block(Llama* m, MemPlan* p, int l) {
     const LlamaConfig* c = &m->cfg;
     const TrainModes* md = &m->modes;
-    int abytes = m->be->abytes, keep = !md->ckpt, msqk = llama_qk_norm_ms(m);
+    int abytes = m->be->abytes, keep = !md->recompute_block, msqk = llama_qk_norm_ms(m);
     int64_t N = (int64_t)m->B * m->T, d = c->dim, f = c->hidden, qd = (int64_t)c->heads * c->head_dim,
             kvd = (int64_t)c->kv_heads * c->head_dim, r = md->rank;
     // a linear keeps its input when its own backward needs it: it has an adapter or trains W
@@ -226,8 +226,8 @@ static void llama_plan_block(Llama* m, MemPlan* p, int l) {
     BlockActs* a = &m->acts[l];
     BlockActs* s = &m->tmp;
     char nm[48];
-    if (md->ckpt) { snprintf(nm, sizeof(nm), "L%d.block_input", l); plan_add(p, MEM_SAVED, "checkpoint", l, nm, N * d * abytes, &m->ckpt[l]); }
-    if (!md->ms && !md->ckpt) plan_block_act(p, m, l, 1, "attn_norm", "x_in", N * d * abytes, &a->x_in, NULL);
+    if (md->recompute_block) { snprintf(nm, sizeof(nm), "L%d.block_input", l); plan_add(p, MEM_SAVED, "checkpoint", l, nm, N * d * abytes, &m->block_input[l]); }
+    if (!md->ms && !md->recompute_block) plan_block_act(p, m, l, 1, "attn_norm", "x_in", N * d * abytes, &a->x_in, NULL);
     plan_block_act(p, m, l, keep, "attn_norm", "r1", N * 4, &a->r1, &s->r1);
     plan_block_act(p, m, l, keep && (md->ms || lora_qkv), "qkv_input", "z1", N * d * abytes, &a->z1, &s->z1);
     if (c->qk_norm) {
@@ -270,7 +270,7 @@ static void llama_plan_scratch(Llama* m, MemPlan* p) {
             kvd = (int64_t)c->kv_heads * c->head_dim, V = c->vocab, r = md->rank;
     int lora_norm_inputs = md->full || (md->targets & ((1u << T_Q) | (1u << T_K) | (1u << T_V) | (1u << T_GATE) | (1u << T_UP)));
     plan_add(p, MEM_SCRATCH, "residual", -1, "resid", N * d * abytes, &m->resid);
-    if (md->ckpt) plan_add(p, MEM_SCRATCH, "residual", -1, "resid_tmp", N * d * abytes, &m->resid_tmp);
+    if (md->recompute_block) plan_add(p, MEM_SCRATCH, "residual", -1, "resid_tmp", N * d * abytes, &m->resid_tmp);
     plan_add(p, MEM_SCRATCH, "grads", -1, "dres", N * d * abytes, &m->dres);
     plan_add(p, MEM_SCRATCH, "grads", -1, "dz", N * d * abytes, &m->dz);
     plan_add(p, MEM_SCRATCH, "grads", -1, "dq", N * qd * abytes, &m->dq);
@@ -406,7 +406,7 @@ static void llama_setup(Llama* m, const LlamaConfig* cfg, const TrainModes* mode
     m->T = T;
     m->layers = (LlamaLayer*)xcalloc(cfg->layers, sizeof(LlamaLayer));
     m->acts = (BlockActs*)xcalloc(cfg->layers, sizeof(BlockActs));
-    m->ckpt = (void**)xcalloc(cfg->layers, sizeof(void*));
+    m->block_input = (void**)xcalloc(cfg->layers, sizeof(void*));
     m->layer_off = (int64_t*)xcalloc(cfg->layers, sizeof(int64_t));
     m->kv_k = (void**)xcalloc(cfg->layers, sizeof(void*));
     m->kv_v = (void**)xcalloc(cfg->layers, sizeof(void*));
@@ -430,7 +430,7 @@ static void llama_free(Llama* m) {
     } else {
         plan_free(&m->plan);
     }
-    free(m->layers); free(m->acts); free(m->ckpt); free(m->gamma_host); free(m->layer_off); free(m->kv_k); free(m->kv_v);
+    free(m->layers); free(m->acts); free(m->block_input); free(m->gamma_host); free(m->layer_off); free(m->kv_k); free(m->kv_v);
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -735,7 +735,7 @@ static void llama_forward_blocks(Llama* m, int B, int T, const KVCache* kv) {
     op_embed(m->be, m->resid, m->embed, m->inputs, N, m->cfg.dim);
     for (int l = 0; l < layers; l++) {
         trainable_weights_ready(&m->tr, m->layer_off[l], l + 1 < layers ? m->layer_off[l + 1] : m->tr.padded);
-        if (m->modes.ckpt) op_copy(m->be, m->ckpt[l], m->resid, N * m->cfg.dim);
+        if (m->modes.recompute_block) op_copy(m->be, m->block_input[l], m->resid, N * m->cfg.dim);
         block_forward(m, l, m->resid, &m->acts[l], B, T, kv);
     }
 }
@@ -786,7 +786,7 @@ static void block_backward(Llama* m, int l, BlockActs* a, int B, int T) {
     int r = m->modes.rank;
     float s = m->modes.lora_scale;
     AttnShape as = {B, T, c->heads, c->kv_heads, c->head_dim, 1, m->pos};
-    const void* x_in = m->modes.ckpt ? m->ckpt[l] : a->x_in;
+    const void* x_in = m->modes.recompute_block ? m->block_input[l] : a->x_in;
     // MLP: down, SwiGLU (exact or ReSiLU2), gate/up, MLP norm
     if (m->modes.recompute_product && (layer->lin[T_DOWN].A || layer->lin[T_DOWN].dW))  // beyond the paper: rebuild the down input
         op_mul(be, a->p, a->sg, a->u, nf);
@@ -799,7 +799,7 @@ static void block_backward(Llama* m, int l, BlockActs* a, int B, int T) {
     else op_rmsnorm_backward(be, m->dres, m->dz, a->h_mid, a->r2, layer->mlp_norm, N, (int)d);
     // attention: o-proj, attention, RoPE, q/k/v, attention norm
     op_linear_backward(be, m->dout, m->dres, a->o, a->ax[T_O], &layer->lin[T_O], m->dax, N, r, s, OUT_WRITE);
-    if (llama_qk_norm_ms(m) && !m->modes.ckpt) {  // (a recomputed block has just built them)
+    if (llama_qk_norm_ms(m) && !m->modes.recompute_block) {  // (a recomputed block has just built them)
         llama_qk_rebuild(m, layer, a, T_Q, N, T);
         llama_qk_rebuild(m, layer, a, T_K, N, T);
     }
@@ -817,8 +817,8 @@ static void block_backward(Llama* m, int l, BlockActs* a, int B, int T) {
 static void llama_backward_blocks(Llama* m, int B, int T) {
     int64_t N = (int64_t)B * T;
     for (int l = m->cfg.layers - 1; l >= 0; l--) {
-        if (m->modes.ckpt) {  // recompute this block's activations from its saved input
-            op_copy(m->be, m->resid_tmp, m->ckpt[l], N * m->cfg.dim);
+        if (m->modes.recompute_block) {  // recompute this block's activations from its saved input
+            op_copy(m->be, m->resid_tmp, m->block_input[l], N * m->cfg.dim);
             block_forward(m, l, m->resid_tmp, &m->acts[l], B, T, NULL);
         }
         block_backward(m, l, &m->acts[l], B, T);
@@ -1246,7 +1246,7 @@ static void llama_export_merged(Llama* m, const TrainOptions* o, const char* dir
 
 // A save after `step` steps (every rank: a sharded master comes together on rank 0): rank 0
 // stages the model (--full: a loadable model directory) or the adapter, every rank the state
-// (which records the checksum of that file), then rank 0 commits them as one step (savedir.h).
+// (which records the checksum of that file), then rank 0 commits them as one step (atomic_save.h).
 static void llama_save(Llama* m, const TrainOptions* o, const Dist* dist, const char* out, const char* settings, int step, int64_t cursor) {
     int rank0 = dist->rank == 0;
     trainable_sync_host(&m->tr, dist);

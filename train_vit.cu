@@ -6,11 +6,11 @@
 //
 // Read top to bottom: config -> parameters -> memory plan -> weight loading -> forward -> backward
 // -> training step and evaluation -> adapters and state -> export -> main (the data, the dry run,
-// the training loop, the flags, main). The loop's shared pieces are llmc/train/train_loop.h, the
+// the training loop, the flags, main). The loop's shared pieces are llmc/train/loop.h, the
 // optimizer llmc/train/zero.h. The model is written once; the operations it calls
 // (llmc/ops.h) run on the backend chosen by --device: the CPU (fp32) or a CUDA GPU (bf16
 // activations and frozen weights, fp32 statistics, LoRA masters, the head, gradients and AdamW
-// state). Same shape as train_llama.cu, with which it shares the LoRA linear (llmc/lora.h), the
+// state). Same shape as train_llama.cu, with which it shares the LoRA linear (llmc/linear.h), the
 // plan, the flags, the backend and the optimizer.
 #include <omp.h>
 #include "llmc/common.h"
@@ -21,14 +21,14 @@
 #include "llmc/vision/imagedata.h"
 #include "llmc/vision/resample.h"
 #include "llmc/memory/plan.h"
-#include "llmc/train/train_common.h"
-#include "llmc/lora.h"
+#include "llmc/train/run_options.h"
+#include "llmc/linear.h"
 #include "llmc/formats/peft.h"
-#include "llmc/train/checkpoint.h"
+#include "llmc/train/train_state.h"
 #include "llmc/train/dist.h"
 #include "llmc/train/trainable.h"
 #include "llmc/train/zero.h"
-#include "llmc/train/train_loop.h"
+#include "llmc/train/loop.h"
 #include "llmc/backend.h"
 #include "llmc/ops.h"
 #include "llmc/train/fit.h"
@@ -196,7 +196,7 @@ typedef struct {
     float *h_head_w, *h_head_b, *h_dhead_w, *h_dhead_b;  // the same in the host mirror
     BlockActs* acts;       // [layers]
     BlockActs tmp;         // scratch set (recompute, or buffers not kept)
-    void** ckpt;           // [layers] block inputs under --recompute block
+    void** block_input;    // [layers] block inputs under --recompute block
     // scratch (activation gradients have the activations' element type)
     void* pixels;          // [B, C, H, W] normalised input: fp32 from the CPU loader, or bf16 resized on the GPU
     int* labels;           // [B]
@@ -208,10 +208,10 @@ typedef struct {
     int64_t src_bytes;     // the largest source image of the run's shards
     void* patches;         // [B*T, C*ph*pw] unfolded patches (class-token rows zero)
     void *resid, *resid_tmp, *dres, *dz, *dq, *dk, *dv, *dout, *dh, *dax;
-    void* att_work;        // CUDA attention: the tensor-core path's chunk of scores (llmc/memory/attn_plan.h)
+    void* att_work;        // CUDA attention: the tensor-core path's chunk of scores (llmc/memory/cuda_workspace.h)
     size_t att_work_bytes;
-    void* blas_work;       // CUDA: cuBLAS's and cuBLASLt's workspace (llmc/memory/blas_plan.h)
-    void* lora_norm_work;  // MS-LN, --ms-lora exact: the adapters' scratch (llmc/lora.h), else NULL
+    void* blas_work;       // CUDA: cuBLAS's and cuBLASLt's workspace (llmc/memory/cuda_workspace.h)
+    void* lora_norm_work;  // MS-LN, --ms-lora exact: the adapters' scratch (llmc/linear.h), else NULL
     LoraDropout drop;      // --lora-dropout: the masks' key and the adapters' input scratch (llmc/lora_dropout.h)
     void* drop_work;
     int64_t* layer_off;    // [layers] where each block's trainable values start in the arena
@@ -230,7 +230,7 @@ static int64_t patch_len(const VitConfig* c) { return (int64_t)c->channels * c->
 
 // Under MS-LN (and LoRA), q, k, v (fc1) absorbed the gamma and beta of the norm that feeds them
 // (W' = W diag(gamma), b' = b + W beta), but their adapters keep acting on gamma*z + beta as in the
-// original model (llmc/lora.h), so they train exactly what --norm std trains; --ms-lora merged
+// original model (llmc/linear.h), so they train exactly what --norm std trains; --ms-lora merged
 // puts them on z (the paper's variant).
 static int vit_adapters_see_affine(const Vit* m) { return m->modes.ms && !m->modes.full && !m->modes.ms_lora_merged; }
 static int vit_lora_behind_norm(const Vit* m) {
@@ -316,14 +316,14 @@ static void vit_plan_blocks(Vit* m, MemPlan* p) {
     const VitConfig* c = &m->cfg;
     const TrainModes* md = &m->modes;
     int64_t N = (int64_t)m->B * m->T, d = c->dim, f = c->hidden, r = md->rank, a = m->be->abytes;
-    int keep = !md->ckpt, std_norm = !md->ms;
+    int keep = !md->recompute_block, std_norm = !md->ms;
     // a linear keeps its input when its own backward needs it: it has an adapter or trains W
     int lora_qkv = md->full || (md->targets & ((1u << T_Q) | (1u << T_K) | (1u << T_V)));
     for (int l = 0; l < c->layers; l++) {
         BlockActs* A = &m->acts[l];
         BlockActs* s = &m->tmp;
         char nm[48];
-        if (md->ckpt) { snprintf(nm, sizeof(nm), "L%d.block_input", l); plan_add(p, MEM_SAVED, "checkpoint", l, nm, N * d * a, &m->ckpt[l]); }
+        if (md->recompute_block) { snprintf(nm, sizeof(nm), "L%d.block_input", l); plan_add(p, MEM_SAVED, "checkpoint", l, nm, N * d * a, &m->block_input[l]); }
         if (std_norm && keep) plan_block_act(p, l, 1, "attn_norm", "x_in", N * d * a, &A->x_in, NULL);
         if (std_norm) plan_block_act(p, l, keep, "attn_norm", "mean1", N * 4, &A->mean1, &s->mean1);
         plan_block_act(p, l, keep, "attn_norm", "r1", N * 4, &A->r1, &s->r1);
@@ -362,7 +362,7 @@ static void vit_plan_scratch(Vit* m, MemPlan* p) {
     }
     plan_add(p, MEM_SCRATCH, "patch_embed", -1, "patches", N * patch_len(c) * a, &m->patches);
     plan_add(p, MEM_SCRATCH, "residual", -1, "resid", N * d * a, &m->resid);
-    if (m->modes.ckpt) plan_add(p, MEM_SCRATCH, "residual", -1, "resid_tmp", N * d * a, &m->resid_tmp);
+    if (m->modes.recompute_block) plan_add(p, MEM_SCRATCH, "residual", -1, "resid_tmp", N * d * a, &m->resid_tmp);
     plan_add(p, MEM_SCRATCH, "grads", -1, "dres", N * d * a, &m->dres);
     plan_add(p, MEM_SCRATCH, "grads", -1, "dz", N * d * a, &m->dz);
     plan_add(p, MEM_SCRATCH, "grads", -1, "dq", N * d * a, &m->dq);
@@ -562,7 +562,7 @@ static void vit_setup(Vit* m, const VitConfig* cfg, const TrainModes* modes, int
     m->src_bytes = src_bytes > 0 ? src_bytes : (int64_t)cfg->channels * img_h * img_w;
     m->layers = (VitLayer*)xcalloc(cfg->layers, sizeof(VitLayer));
     m->acts = (BlockActs*)xcalloc(cfg->layers, sizeof(BlockActs));
-    m->ckpt = (void**)xcalloc(cfg->layers, sizeof(void*));
+    m->block_input = (void**)xcalloc(cfg->layers, sizeof(void*));
     m->layer_off = (int64_t*)xcalloc(cfg->layers, sizeof(int64_t));
     vit_plan(m, &m->plan);
 }
@@ -580,7 +580,7 @@ static void vit_free(Vit* m) {
     free(m->lin_host);
     op_detach_matmul_workspace(m->be, m->blas_work);  // before the plan's memory goes
     backend_free_plan(m->be, &m->plan);
-    free(m->layers); free(m->acts); free(m->ckpt); free(m->norms_host); free(m->layer_off);
+    free(m->layers); free(m->acts); free(m->block_input); free(m->norms_host); free(m->layer_off);
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -768,7 +768,7 @@ static void vit_random_weights(Vit* m, uint64_t seed) {
     free(tmp); free(zeros); free(ones);
 }
 
-// Fresh adapters (llmc/lora.h: A kaiming-uniform, B = 0) and a new head: W ~ N(0, 0.02) (the
+// Fresh adapters (llmc/linear.h: A kaiming-uniform, B = 0) and a new head: W ~ N(0, 0.02) (the
 // Hugging Face initializer_range), b = 0. Drawn on the host from the seed, so every backend starts
 // identical; AdamW moments start at zero. Then the whole trainable arena (with --full's loaded
 // weights) goes to the backend.
@@ -828,7 +828,7 @@ static void vit_forward_blocks(Vit* m, int B) {
     int64_t N = (int64_t)B * m->T;
     vit_embed(m, B);
     for (int l = 0; l < m->cfg.layers; l++) {
-        if (m->modes.ckpt) op_copy(m->be, m->ckpt[l], m->resid, N * m->cfg.dim);
+        if (m->modes.recompute_block) op_copy(m->be, m->block_input[l], m->resid, N * m->cfg.dim);
         block_forward(m, l, m->resid, &m->acts[l], B);
     }
 }
@@ -872,7 +872,7 @@ static void block_backward(Vit* m, int l, BlockActs* a, int B) {
     int r = m->modes.rank, ms = m->modes.ms;
     float s = m->modes.lora_scale;
     AttnShape as = {B, m->T, c->heads, c->heads, c->head_dim, 0, NULL};
-    const void* x_in = m->modes.ckpt ? m->ckpt[l] : a->x_in;
+    const void* x_in = m->modes.recompute_block ? m->block_input[l] : a->x_in;
     // MLP: fc2, GELU (exact from h, or ReGELU2 from the codes), fc1, MLP norm
     op_linear_backward(be, m->dh, m->dres, a->g, a->ax[T_FC2], &layer->lin[T_FC2], m->dax, N, r, s, OUT_WRITE);
     op_gelu_backward(be, m->dh, m->dh, m->modes.approx ? NULL : a->h, a->codes, N * c->hidden, c->gelu_tanh);
@@ -898,8 +898,8 @@ static void block_backward(Vit* m, int l, BlockActs* a, int B) {
 static void vit_backward_blocks(Vit* m, int B) {
     int64_t N = (int64_t)B * m->T;
     for (int l = m->cfg.layers - 1; l >= 0; l--) {
-        if (m->modes.ckpt) {  // recompute this block's activations from its saved input
-            op_copy(m->be, m->resid_tmp, m->ckpt[l], N * m->cfg.dim);
+        if (m->modes.recompute_block) {  // recompute this block's activations from its saved input
+            op_copy(m->be, m->resid_tmp, m->block_input[l], N * m->cfg.dim);
             block_forward(m, l, m->resid_tmp, &m->acts[l], B);
         }
         block_backward(m, l, &m->acts[l], B);
@@ -1414,7 +1414,7 @@ static void vit_load_checkpoint_head(Vit* m, const char* dir) {
 
 // A save after `step` steps (every rank: a sharded master comes together on rank 0): rank 0
 // stages the model (--full: a loadable model directory) or the adapter, every rank the state
-// (which records the checksum of that file), then rank 0 commits them as one step (savedir.h).
+// (which records the checksum of that file), then rank 0 commits them as one step (atomic_save.h).
 static void vit_save(Vit* m, const TrainOptions* o, const Dist* dist, const char* out, const char* settings, int step, int64_t cursor) {
     int rank0 = dist->rank == 0;
     trainable_sync_host(&m->tr, dist);

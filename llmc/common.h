@@ -154,7 +154,7 @@ static int fsync_path(const char* path) {
     return r;
 }
 
-// A training save is staged in OUT/SAVE_STAGING (llmc/formats/savedir.h). When one of its files cannot be
+// A training save is staged in OUT/SAVE_STAGING (llmc/train/atomic_save.h). When one of its files cannot be
 // written the whole unfinished save goes with it, so that a full disk is not left fuller.
 #define SAVE_STAGING ".saving.tmp"
 

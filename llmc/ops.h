@@ -10,7 +10,7 @@
 #pragma once
 #include "backend.h"
 #include "train/profile.h"
-#include "lora.h"
+#include "linear.h"
 #include "cpu/matmul.h"
 #include "cpu/embedding.h"
 #include "vision/resample.h"
@@ -19,8 +19,7 @@
 #include "cpu/attention.h"
 #include "cpu/loss.h"
 #include "cpu/misc.h"
-#include "memory/attn_plan.h"
-#include "memory/blas_plan.h"
+#include "memory/cuda_workspace.h"
 #include "memory/loss_buffers.h"
 #ifdef LLMC_HAVE_CUDA
 #include "cuda/norms.cuh"

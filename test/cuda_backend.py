@@ -25,7 +25,7 @@ MPIRUN = shutil.which("mpirun")
 MEASURED_OVER_PLAN_MIB = 64.0 if GPU else 0.0
 MEASURED_OVER_PLAN_FRACTION = 0.01 if GPU else 0.0
 LINE_ROUNDING_MIB = 0.01  # the memory line prints MiB with two decimals
-BLAS_WORKSPACE_MIB = 32   # llmc/memory/blas_plan.h's BLAS_WORKSPACE_BYTES, a buffer of every CUDA plan
+BLAS_WORKSPACE_MIB = 32   # llmc/memory/cuda_workspace.h's BLAS_WORKSPACE_BYTES, a buffer of every CUDA plan
 
 
 def check_measured_memory(planned, measured):

@@ -13,7 +13,7 @@
 #include "../llmc/text/tokenizer.h"
 #include "../llmc/text/hf_tokenizer.h"
 #include "../llmc/vision/imagedata.h"
-#include "../llmc/train/checkpoint.h"
+#include "../llmc/train/train_state.h"
 #include "../llmc/text/chat_template.h"
 
 static jmp_buf g_reject;

@@ -3,7 +3,7 @@
 // the gradients of one linear (its adapter's, or W's under --full) into the output.
 #pragma once
 #include "../llmc/formats/safetensors.h"
-#include "../llmc/lora.h"
+#include "../llmc/linear.h"
 
 static const StTensor* case_tensor(const StFile* f, const char* name, StDtype dtype) {
     const StTensor* t = st_find(f, name);

@@ -2,7 +2,7 @@
 its contents and records the checksum of the adapter (or --full model) saved with it; the
 safetensors files we write record the CRC-32 of their data in __metadata__ (checked here against
 zlib.crc32, an independent implementation). A resume names the file on a flipped bit, a changed
-value, a NaN, or an adapter from another save. A save is committed as one step (llmc/formats/savedir.h):
+value, a NaN, or an adapter from another save. A save is committed as one step (llmc/train/atomic_save.h):
 killed between its renames (LLMC_FAULT_KILL_SAVE) or failing on a full disk (RLIMIT_FSIZE), it
 never leaves the adapter newer than the state, nor *.tmp files; a resume finishes or clears it and
 ends bit-identical to an uninterrupted run. log.csv holds each step once after a resume. Outputs
@@ -35,7 +35,7 @@ VIT_MODEL = os.path.join(REPO, "data", "vit_demo")
 VIT_TRAIN = os.path.join(REPO, "data", "vit_demo_ft_train.bin")
 ENV = dict(os.environ, OMP_NUM_THREADS="1")
 
-# train_state.bin (llmc/formats/checkpoint.h): magic[8], version u32, StateHeader {step, cursor, seed: 8
+# train_state.bin (llmc/train/train_state.h): magic[8], version u32, StateHeader {step, cursor, seed: 8
 # bytes each; settings[1024]; count i64; companion[64]; companion_crc u32; reserved u32}, then
 # params, m, v (count floats each), then the CRC-32 of everything before it.
 STEP_AT, COUNT_AT, COMPANION_CRC_AT, VALUES_AT = 12, 12 + 24 + 1024, 12 + 24 + 1024 + 8 + 64, 12 + 24 + 1024 + 8 + 64 + 8

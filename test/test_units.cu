@@ -12,8 +12,8 @@
 #include "../llmc/cpu/loss.h"
 #include "../llmc/train/trainable.h"
 #include "../llmc/memory/plan.h"
-#include "../llmc/memory/blas_plan.h"
-#include "../llmc/lora.h"
+#include "../llmc/memory/cuda_workspace.h"
+#include "../llmc/linear.h"
 
 static int g_pass = 0, g_fail = 0;
 
@@ -908,7 +908,7 @@ static void test_plan_alignment(void) {
     check(ok, "plan: a 256-byte aligned buffer between two others", 0);
 }
 
-// ---- LoRA dropout (llmc/lora.h, llmc/lora_dropout.h) -----------------------------------------
+// ---- LoRA dropout (llmc/linear.h, llmc/lora_dropout.h) -----------------------------------------
 // On n = 2^20 elements of a constant input: the kept count is Binomial(n, 1 - p), so it lies
 // within 6 standard deviations sqrt(n p (1-p)) of n (1-p) but for a chance below 1e-8; the mean
 // output is scale * kept / n, so E[output] = 1 (the input) within 6 scale sqrt(p (1-p) / n). The

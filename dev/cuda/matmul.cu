@@ -3,14 +3,14 @@
 // the LoRA linear layer of llmc/cuda/linear.cuh (also behind a merged RMSNorm or LayerNorm: the
 // adapter sees gamma*x + beta, with its two small kernels checked on their own; and with LoRA
 // dropout, whose two mask kernels must equal their CPU twins bit for bit), against
-// llmc/cpu/matmul.h and llmc/lora.h, at
+// llmc/cpu/matmul.h and llmc/linear.h, at
 // odd shapes (leading dimensions that are not a multiple of 8: cuBLASLt may have no algorithm
 // and the cublasGemmEx fallback runs) and aligned ones. Then times the shapes of a LLaMA-7B LoRA
 // step against the measured dense bf16 ceiling.
 // (On the CPU emulator, matmul.cuh is a plain loop: there this checks the wiring, not cuBLAS.)
 #include "check.h"
 #include "../../llmc/cpu/matmul.h"
-#include "../../llmc/lora.h"
+#include "../../llmc/linear.h"
 #include "../../llmc/cuda/matmul.cuh"
 #include "../../llmc/cuda/linear.cuh"
 
@@ -106,7 +106,7 @@ static void test_lora_norm_kernels(int rank, int in, int with_beta, Rng* rng) {
 // is the kernels, not the storage precision. norm: 0 a plain input; 1 behind a merged RMSNorm (the
 // adapter sees gamma*x), 2 behind a merged LayerNorm (gamma*x + beta), gamma and beta bf16 as the
 // frozen weights are on the GPU.
-// The two kernels of LoRA dropout (--lora-dropout) against their twins in llmc/lora.h: the same
+// The two kernels of LoRA dropout (--lora-dropout) against their twins in llmc/linear.h: the same
 // hash decides the same elements and the arithmetic is the same fp32 (fmaf, one multiply), so the
 // adapter input and the accumulated dx are equal bit for bit once the CPU's fp32 is rounded to bf16.
 static void test_lora_dropout_kernels(int64_t N, int in, int norm, float p, Rng* rng) {
@@ -286,7 +286,7 @@ static void time_matmul_f32(int M, int N, int K) {
 
 int main(void) {
     Rng rng = rng_seeded(5, 4);
-    check_begin("dev/cuda/matmul: cuBLASLt products and the LoRA linear vs llmc/cpu/matmul.h, llmc/lora.h");
+    check_begin("dev/cuda/matmul: cuBLASLt products and the LoRA linear vs llmc/cpu/matmul.h, llmc/linear.h");
     // every shape runs twice per form and path (new buffers, beta 0 then 1; the bias cases with a
     // new bias): the second call reuses the cuBLASLt plan cached by the first
     int shapes[][3] = {{37, 53, 71}, {128, 256, 192}, {1, 40, 9}, {96, 8, 300}};

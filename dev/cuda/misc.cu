@@ -9,7 +9,7 @@
 #include "check.h"
 #include "../../llmc/cpu/embedding.h"
 #include "../../llmc/cpu/misc.h"
-#include "../../llmc/lora.h"
+#include "../../llmc/linear.h"
 #include "../../llmc/vision/imagedata.h"
 #include "../../llmc/cuda/misc.cuh"
 
@@ -93,7 +93,7 @@ static void test_multiply_bias(int64_t N, int out, Rng* rng) {
     CUDA_CHECK(cudaFree(d_a2));
     free(got4); free(got5); free(want4); free(g4);
 
-    // bias add, bf16 and fp32 rows, vs llmc/lora.h add_bias_rows
+    // bias add, bf16 and fp32 rows, vs llmc/linear.h add_bias_rows
     float* yb = host_copy(b, n);
     add_bias_rows(yb, bias, N, out);
     for (int64_t i = 0; i < n; i++) yb[i] = bf16_round(yb[i]);

@@ -19,7 +19,7 @@
 #include "common.cuh"
 #include "matmul.cuh"
 #include "attention.cuh"
-#include "../memory/attn_plan.h"  // attn_gemm_chunk, attn_gemm_work_bytes
+#include "../memory/cuda_workspace.h"  // attn_gemm_chunk, attn_gemm_work_bytes
 
 typedef struct {
     float* S;              // [B*H, chunk, T] scores, then dP (fp32)

@@ -1,15 +1,15 @@
 // cuda/linear.cuh: the linear layer with its optional LoRA adapter on the CUDA backend, the twin
-// of linear_forward / linear_backward in llmc/lora.h, on the same Linear: the CUDA copy of the
+// of linear_forward / linear_backward in llmc/linear.h, on the same Linear: the CUDA copy of the
 // layer is L->dev (LinearDevice). y (+)= x W^T + bias + scale * (x A^T) B^T.
 // Frozen W and bias are bf16; the adapter's fp32 masters A, B (updated by AdamW) are used through
 // their bf16 shadows A16, B16 (refreshed by the trainable arena after every optimizer step); ax =
 // x A^T is kept in bf16 (rank columns per token); dA, dB and, under full fine-tuning, dW are
 // accumulated in fp32 straight from the bf16 products (bf16 x bf16 -> fp32 matmul path, beta = 1
 // across micro-batches). See matmul.cuh for the precision policy. An adapter behind a merged norm
-// (L->norm_gamma, --ms-lora exact; llmc/lora.h says the math) applies bf16(A diag(gamma)), formed
+// (L->norm_gamma, --ms-lora exact; llmc/linear.h says the math) applies bf16(A diag(gamma)), formed
 // from the fp32 master each call, and adds bf16(A16 beta) in the product's epilogue. Training with
 // --lora-dropout, the adapter reads bf16(dropout(gamma*x + beta)) formed in a scratch, forward and
-// again in the backward, from the hash of llmc/lora_dropout.h (the twins are in llmc/lora.h).
+// again in the backward, from the hash of llmc/lora_dropout.h (the twins are in llmc/linear.h).
 // Under --quant nf4 (L->nf4) W is a shared scratch, refilled by nf4_dequantize_cuda before the
 // forward product and before the input-gradient product.
 #pragma once
@@ -17,7 +17,7 @@
 #include "matmul.cuh"
 #include "misc.cuh"
 #include "nf4.cuh"
-#include "../lora.h"
+#include "../linear.h"
 
 // Ag = bf16(A diag(gamma)) from the fp32 master A [r, in]: one rounding. Twin of lora_fold_gamma.
 __global__ void lora_fold_gamma_kernel(bf16* __restrict__ Ag, const float* __restrict__ A, const bf16* __restrict__ gamma, int rank, int in) {

@@ -28,7 +28,7 @@
 #pragma once
 #include "common.cuh"
 #include "misc.cuh"
-#include "../memory/blas_plan.h"
+#include "../memory/cuda_workspace.h"
 
 typedef enum { MM_NT, MM_NN, MM_TN } MatmulForm;
 

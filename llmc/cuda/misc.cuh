@@ -1,6 +1,6 @@
 // cuda/misc.cuh: the small memory-bound kernels of the CUDA backend, each the twin of a CPU loop:
 //   embed_tokens_cuda           token embedding gather          (llmc/ops.h op_embed)
-//   add_bias_rows_cuda          y[n, :] += bias                 (llmc/lora.h add_bias_rows)
+//   add_bias_rows_cuda          y[n, :] += bias                 (llmc/linear.h add_bias_rows)
 //   bias_grad_rows_cuda         db += sum_n dy[n, :]            (the ViT head, and its linears under --full)
 //   cast_f32_to_bf16_cuda       bf16 shadows of fp32 masters (LoRA), and back (the ViT head, tests)
 //   copy_rows_cuda              strided row copy: the ViT class tokens out of the residual

@@ -1,7 +1,7 @@
 // peft.h: LoRA adapters in the Hugging Face PEFT layout, out and in. adapter_model.safetensors
 // holds base_model.model.<module path>.lora_A.weight [r, in] and .lora_B.weight [out, r];
 // adapter_config.json says peft_type LORA, r, lora_alpha, target_modules, task_type.
-// Adapters are the original model's as they are, also under MS norms (llmc/lora.h: the adapter
+// Adapters are the original model's as they are, also under MS norms (llmc/linear.h: the adapter
 // of a merged layer still sees gamma*z + beta). Only the paper's variant (--ms-lora merged) trains
 // them in the merged input space; its entries carry gamma, and they are mapped back to the
 // original model on the way out (A_orig = A diag(1/gamma), docs/architecture.md, the method) and
@@ -10,7 +10,7 @@
 #include "../common.h"
 #include "json.h"
 #include "safetensors.h"
-#include "../lora.h"
+#include "../linear.h"
 
 typedef struct {
     char module[160];      // Hugging Face module path, e.g. model.layers.3.self_attn.q_proj

@@ -11,7 +11,7 @@
 #include "../common.h"
 #include "../memory/plan.h"
 #include "../backend.h"
-#include "train_common.h"
+#include "run_options.h"
 
 // A trainer's planner: the bytes of one rank's plan of the run `o` describes at micro-batch
 // `batch` over `world` ranks (the model is set up, planned and freed; nothing is allocated).
@@ -90,9 +90,9 @@ static void fit_check_plan(const Backend* be, const MemPlan* plan, PlanBytesFn p
     TrainOptions v = *o;
     fit_suggest(hint, sizeof(hint), "", plan_bytes, ctx, &v, world, avail);
     int is_lowmem = !strcmp(o->act, "approx") && !strcmp(o->norm, "ms") && !strcmp(o->recompute, "none");
-    int is_ckpt = !strcmp(o->act, "exact") && !strcmp(o->norm, "std") && !strcmp(o->recompute, "block");
+    int is_ckpt_preset = !strcmp(o->act, "exact") && !strcmp(o->norm, "std") && !strcmp(o->recompute, "block");
     if (!is_lowmem) { v.act = "approx"; v.norm = "ms"; v.recompute = "none"; fit_suggest(hint, sizeof(hint), "--mode lowmem", plan_bytes, ctx, &v, world, avail); }
-    if (!is_ckpt) { v.act = "exact"; v.norm = "std"; v.recompute = "block"; fit_suggest(hint, sizeof(hint), "--mode ckpt", plan_bytes, ctx, &v, world, avail); }
+    if (!is_ckpt_preset) { v.act = "exact"; v.norm = "std"; v.recompute = "block"; fit_suggest(hint, sizeof(hint), "--mode ckpt", plan_bytes, ctx, &v, world, avail); }
     if (!o->full && !strcmp(o->quant, "none")) {  // frozen linears in NF4, where the trainer offers it (its plan shrinks)
         TrainOptions q = *o;
         q.act = "approx"; q.norm = "ms"; q.recompute = "none"; q.quant = "nf4";

@@ -1,7 +1,7 @@
 // trainable.h: a model's trainable parameters as one flat fp32 array (LoRA adapters, a new head,
 // or under --full the linear weights) with its gradient and AdamW moments: the arena, its layout in
 // gradient buckets, binding the models' tensors into it, and the host mirror. The optimizer half
-// of a step (buckets crossing ranks, ZeRO-1, AdamW) is zero.h; the state files are checkpoint.h.
+// of a step (buckets crossing ranks, ZeRO-1, AdamW) is zero.h; the state files are train_state.h.
 // Both trainers use it, so data parallelism and resume behave the same for every model.
 // On the CUDA backend the arrays live on the GPU (plus a bf16 shadow of the parameters, what the
 // products read) and a host mirror serves initialisation, adapters and checkpoints: copies cross
@@ -16,7 +16,7 @@
 #include "../memory/plan.h"
 #include "dist.h"
 #include "../backend.h"
-#include "../lora.h"
+#include "../linear.h"
 #ifdef LLMC_HAVE_CUDA
 #include "../cuda/adamw.cuh"
 #endif

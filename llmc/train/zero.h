@@ -5,7 +5,7 @@
 // master back to the host mirror. Whether a step may update at all: health.h.
 #pragma once
 #include "trainable.h"
-#include "train_common.h"
+#include "run_options.h"
 #include "health.h"
 #include "../cpu/adamw.h"
 typedef struct {

@@ -1,4 +1,4 @@
-// lora.h: the linear layer both models are built from: a frozen weight W [out, in] and optional
+// linear.h: the linear layer both models are built from: a frozen weight W [out, in] and optional
 // frozen bias, plus an optional LoRA adapter (A [r, in], B [out, r], trainable) whose update is
 // scale * B (A x). Forward, backward, the fresh-adapter init, the wiring of adapters into the
 // flat trainable arena, the merge of a preceding norm's affine into W (MS norms), with the adapter

@@ -1,4 +1,4 @@
-// savedir.h: a training save as one step on disk. Its files (the adapter, or under --full the
+// atomic_save.h: a training save as one step on disk. Its files (the adapter, or under --full the
 // model directory's files, and train_state.bin) are written into OUT/.saving.tmp; once all are
 // complete and fsynced, that directory is renamed to OUT/.saving.done (the commit), then its
 // files move into OUT, train_state.bin first, and it goes. A kill before the commit leaves the

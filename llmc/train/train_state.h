@@ -1,4 +1,4 @@
-// checkpoint.h: the resumable training state: trainable weights, AdamW moments, the step, the
+// train_state.h: the resumable training state: trainable weights, AdamW moments, the step, the
 // data cursor, the seed, and a settings line that must match on resume (model shape, modes,
 // LoRA shape, batch geometry). Written atomically (temporary file, fsync, rename), so a run
 // killed at any moment resumes from the last complete save. Its last four bytes are the CRC-32 of

@@ -1,4 +1,4 @@
-// train_common.h: what both trainers share around the model: the run options and their flag
+// run_options.h: what both trainers share around the model: the run options and their flag
 // table entries, mode presets, LoRA target lists, the learning-rate schedule and the device
 // choice. The models themselves live in train_llama.cu / train_vit.cu.
 #pragma once
@@ -229,7 +229,7 @@ static unsigned parse_targets(const char* list, const char* const* names, int n,
 
 // The switches a model reads, from the flags: the paper's memory modes and what trains.
 typedef struct {
-    int approx, ms, ckpt;
+    int approx, ms, recompute_block;
     int ms_lora_merged;     // --ms-lora merged: adapters behind an MS norm see its bare output z (the paper's)
     int recompute_product;  // --swiglu-product recompute (LLaMA only)
     int generate;           // --generate: plan the key/value cache and the logits it samples from (LLaMA only)
@@ -247,7 +247,7 @@ static TrainModes train_modes_from(const TrainOptions* o, const char* const* tar
     TrainModes md;
     md.approx = strcmp(o->act, "approx") == 0;
     md.ms = strcmp(o->norm, "ms") == 0;
-    md.ckpt = strcmp(o->recompute, "block") == 0;
+    md.recompute_block = strcmp(o->recompute, "block") == 0;
     md.recompute_product = strcmp(o->swiglu_product, "recompute") == 0;
     md.ms_lora_merged = strcmp(o->ms_lora, "merged") == 0;
     md.full = o->full;
@@ -266,7 +266,7 @@ static TrainModes train_modes_from(const TrainOptions* o, const char* const* tar
 
 // The same run in --mode baseline: every memory-saving switch off (what plans are compared with).
 static TrainModes train_baseline_modes(TrainModes md) {
-    md.approx = 0; md.ms = 0; md.ckpt = 0; md.recompute_product = 0;
+    md.approx = 0; md.ms = 0; md.recompute_block = 0; md.recompute_product = 0;
     return md;
 }
 

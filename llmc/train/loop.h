@@ -1,4 +1,4 @@
-// train_loop.h: the pieces of the training loop both trainers share around their model: the
+// loop.h: the pieces of the training loop both trainers share around their model: the
 // fault-injection hook, the non-finite step counter, the end of a step (global loss, optimizer
 // step), when to validate, stop and save, resume, the start-up lines, the step's line, the run's
 // log.csv and the closing summary. Each trainer's loop (llama_train, vit_train) calls them in order.
@@ -6,9 +6,9 @@
 #include "../common.h"
 #include "../memory/plan.h"
 #include "../backend.h"
-#include "train_common.h"
-#include "checkpoint.h"
-#include "savedir.h"
+#include "run_options.h"
+#include "train_state.h"
+#include "atomic_save.h"
 #include "omp_policy.h"
 #include <omp.h>
 
@@ -128,7 +128,7 @@ static int train_save_due(const TrainOptions* o, int step) {
     return step == train_stop_step(o) || (o->save_every > 0 && step % o->save_every == 0);
 }
 
-// --resume: rank 0 first finishes or clears an interrupted save in the directory (savedir.h),
+// --resume: rank 0 first finishes or clears an interrupted save in the directory (atomic_save.h),
 // then every rank loads the saved state; returns the step to continue from (0 without).
 static int train_resume(Trainable* tr, const TrainOptions* o, const char* settings, int64_t* cursor, const Dist* dist) {
     if (!o->resume_dir) return 0;

@@ -1,13 +1,23 @@
-// attn_plan.h: the workspace of the CUDA backend's tensor-core attention (llmc/cuda/
-// attention_gemm.cuh) as plain arithmetic: how many query rows go in one chunk, how many batched
-// products a call makes, and how many bytes it needs. Separate from the kernels because the
-// memory plan needs these sizes in every build, a CPU-only one planning the CUDA layout included.
+// cuda_workspace.h: the scratch the CUDA backend's library calls and attention need, as plain
+// arithmetic: the workspace cuBLAS and cuBLASLt share, and the chunking and workspace of the
+// tensor-core attention (llmc/cuda/attention_gemm.cuh). Both are buffers of the memory plan, so
+// --dry-run and the measured-vs-planned line count them; the plan is made in every build, a CPU-only
+// one planning the CUDA layout included, hence a header without CUDA.
 #pragma once
 #include <stdint.h>
 #include <stdlib.h>
 #include "../common.h"
 #include "../cpu/attention.h"  // AttnShape
 
+// The workspace cuBLAS and cuBLASLt share (op_plan_matmul_workspace).
+// 32 MiB: what cuBLAS recommends on Hopper (sm_90) for its own workspace and what cuBLASLt's
+// Hopper kernels ask for at most; smaller GPUs need less and use what they need of it.
+#define BLAS_WORKSPACE_BYTES ((size_t)32 << 20)
+// cublasSetWorkspace requires a 256-byte aligned pointer; cudaMalloc's are, so the plan aligns
+// the buffer's offset inside its arena.
+#define BLAS_WORKSPACE_ALIGN 256
+
+// The tensor-core attention's chunks and workspace.
 // Query rows per chunk: S (fp32) and P (bf16) of all heads within ~128 MiB, a multiple of 64.
 // LLMC_ATTN_CHUNK=n in the environment caps it (tests use it to get many chunks at small sizes).
 static int attn_gemm_chunk(const AttnShape* s) {
