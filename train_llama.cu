@@ -1004,62 +1004,6 @@ static void llama_generate(Llama* m, const ModelTokenizer* tok, const char* prom
 }
 
 // ----------------------------------------------------------------------------------------------
-// The dry run: the plan of a run, without allocating it
-
-// --dry-run --json: the run's settings as the fields of a JSON object, into buf (plan_json writes them).
-static void llama_settings_json(char* buf, size_t n, const TrainOptions* o, const char* device) {
-    snprintf(buf, n, "\"model\": \"llama\", \"device\": \"%s\", \"mode\": \"%s\", \"act\": \"%s\", \"norm\": \"%s\", \"recompute\": \"%s\", \"batch\": %d, \"seq\": %d, \"lora_rank\": %d, \"lora_dropout\": %g, \"quant\": \"%s\"",
-             device, o->mode, o->act, o->norm, o->recompute, o->batch, o->seq, o->lora_rank, o->lora_dropout, o->quant);
-}
-
-// What fit_check_plan plans with: the run's model, backend and ranks at sequence length T.
-typedef struct {
-    const LlamaConfig* cfg;
-    const Backend* be;
-    const Dist* dist;
-    int T;
-} LlamaPlanCtx;
-
-static size_t llama_plan_bytes(const void* ctx, const TrainOptions* o, int batch, int world) {
-    const LlamaPlanCtx* c = (const LlamaPlanCtx*)ctx;
-    TrainModes md = train_modes_from(o, target_names, N_TARGETS);
-    Dist ranks = dist_for_plan(c->dist, world);
-    Llama m;
-    llama_setup(&m, c->cfg, &md, batch, c->T, c->be, &ranks);
-    size_t bytes = plan_total(&m.plan);
-    llama_free(&m);
-    return bytes;
-}
-
-// --dry-run: the plan of the run these flags describe, and the baseline plan beside it.
-// Under mpirun, or for --ranks N, the plan is per rank (ZeRO-1 divides full fine-tuning's
-// optimizer state, and on CUDA its fp32 master).
-static void llama_dry_run(const LlamaConfig* cfg, const TrainOptions* o, TrainModes md, const Dist* dist) {
-    int cpu = strcmp(o->device, "cpu") == 0;  // a dry run plans the CUDA layout unless told otherwise
-    Backend be = backend_for_plan(!cpu);
-    Dist ranks = dist_for_plan(dist, o->ranks ? o->ranks : dist->world);
-    Llama m, base;
-    llama_setup(&m, cfg, &md, o->batch, o->seq, &be, &ranks);
-    TrainModes bm = train_baseline_modes(md);
-    llama_setup(&base, cfg, &bm, o->batch, o->seq, &be, NULL);
-    if (o->json) {
-        char s[512];
-        llama_settings_json(s, sizeof(s), o, cpu ? "cpu" : "cuda");
-        plan_json(stdout, &m.plan, &base.plan, s);
-    } else {
-        printf("train_llama dry run: d=%d f=%d layers=%d heads=%d kv_heads=%d vocab=%d, batch %d x seq %d, %s", cfg->dim, cfg->hidden,
-               cfg->layers, cfg->heads, cfg->kv_heads, cfg->vocab, o->batch, o->seq, o->full ? "full fine-tuning" : "LoRA");
-        if (!o->full) printf(" r=%d", o->lora_rank);
-        if (md.nf4) printf(", frozen linears NF4");
-        if (ranks.world > 1) printf(", one of %d ranks", ranks.world);
-        printf("\n");
-        plan_print(&m.plan, &base.plan, o->mode, be.layout);
-    }
-    llama_free(&m);
-    llama_free(&base);
-}
-
-// ----------------------------------------------------------------------------------------------
 // Adapters and training state
 
 // The gamma that MS-RMSNorm merged into linear t of layer l, or NULL (standard norms, o, down).
@@ -1244,19 +1188,6 @@ static void llama_export_merged(Llama* m, const TrainOptions* o, const char* dir
     st_model_close(&sm);
 }
 
-// A save after `step` steps (every rank: a sharded master comes together on rank 0): rank 0
-// stages the model (--full: a loadable model directory) or the adapter, every rank the state
-// (which records the checksum of that file), then rank 0 commits them as one step (atomic_save.h).
-static void llama_save(Llama* m, const TrainOptions* o, const Dist* dist, const char* out, const char* settings, int step, int64_t cursor) {
-    int rank0 = dist->rank == 0;
-    trainable_sync_host(&m->tr, dist);
-    char* stage = rank0 ? save_begin(out) : NULL;
-    if (rank0 && m->modes.full) llama_export_merged(m, o, stage);
-    else if (rank0) llama_save_adapter(m, stage, o);
-    trainable_save_state(&m->tr, dist, stage, settings, step, cursor, o->seed, m->modes.full ? "model.safetensors" : "adapter_model.safetensors");
-    if (rank0) save_commit(out, stage, step);
-}
-
 // Everything a resumed run must share with the saved one, as "key=value" words.
 static void llama_settings_line(char* buf, size_t n, const Llama* m, const TrainOptions* o, const Dist* d, int64_t data_tokens) {
     const LlamaConfig* c = &m->cfg;
@@ -1287,41 +1218,108 @@ static void run_data_close(RunData* rd) {
     if (rd->have_val) { loader_free(&rd->vl); shard_free(&rd->val); }
 }
 
-static void llama_train(Llama* m, RunData* rd, const TrainOptions* o, const Dist* dist) {
-    int rank0 = dist->rank == 0;
-    const char* out = o->out_dir ? o->out_dir : o->resume_dir;
-    char settings[STATE_SETTINGS_BYTES];
-    llama_settings_line(settings, sizeof(settings), m, o, dist, rd->train.count);
-    int start = train_resume(&m->tr, o, settings, &rd->tl.cursor, dist);
-    FILE* log = train_open_log(o, rank0, "step,loss,lr,grad_norm,tokens_per_s,val_loss", start);
-    if (rank0 && rd->have_val && start == 0) {  // the pretrained model's loss, before any update
-        float v0 = llama_evaluate(m, &rd->vl, o->val_batches);
-        printf("step %4d/%d | val loss %.4f\n", 0, o->steps, v0);
-        if (log) fprintf(log, "0,,,,,%.6f\n", v0);
-    }
-    double t0 = wall_seconds(), comm = 0.0;
-    int stop = train_stop_step(o), skips = 0;
-    double peak = backend_peak_flops(m->be), flops = llama_flops_per_token(m);
-    for (int step = start; step < stop; step++) {
-        double ts = wall_seconds();
-        prof_step_begin(m->be->prof);
-        StepResult r = llama_train_step(m, &rd->tl, o, dist, step);
-        prof_step_end(m->be->prof, step == start && stop - start > 1);
-        double dt = wall_seconds() - ts;
-        comm += r.comm_s;
-        train_count_skip(&skips, r.skipped, step);
-        int last = step + 1 == stop;
-        float vloss = NAN;
-        if (rank0 && rd->have_val && train_val_due(o, step, last)) vloss = llama_evaluate(m, &rd->vl, o->val_batches);
-        char val[64];
-        snprintf(val, sizeof(val), "val loss %.4f", vloss);
-        if (rank0) train_print_step(o, dist, step, last, &r, dt, "tok", flops, peak, isnan(vloss) ? NULL : val);
-        if (log) { fprintf(log, "%d,%.6f,%.6e,%.6f,%.1f,%.6f\n", step + 1, r.loss, r.lr, r.grad_norm, r.items / dt, vloss); fflush(log); }
-        if (out && train_save_due(o, step + 1)) llama_save(m, o, dist, out, settings, step + 1, rd->tl.cursor);
-    }
-    if (rank0) train_print_summary(o, start, stop, wall_seconds() - t0, comm, m->modes.full, &m->plan, m->be);
-    if (rank0) prof_print(m->be->prof, m->be->layout);
-    if (log) fclose(log);
+// --dry-run --json: the run's settings as the fields of a JSON object, into buf (plan_json writes them).
+static void llama_settings_json(char* buf, size_t n, const TrainOptions* o, const char* device) {
+    snprintf(buf, n, "\"model\": \"llama\", \"device\": \"%s\", \"mode\": \"%s\", \"act\": \"%s\", \"norm\": \"%s\", \"recompute\": \"%s\", \"batch\": %d, \"seq\": %d, \"lora_rank\": %d, \"lora_dropout\": %g, \"quant\": \"%s\"",
+             device, o->mode, o->act, o->norm, o->recompute, o->batch, o->seq, o->lora_rank, o->lora_dropout, o->quant);
+}
+
+// What fit_check_plan plans with: the run's model, backend and ranks at sequence length T.
+typedef struct {
+    const LlamaConfig* cfg;
+    const Backend* be;
+    const Dist* dist;
+    int T;
+} LlamaPlanCtx;
+
+static size_t llama_plan_bytes(const void* ctx, const TrainOptions* o, int batch, int world) {
+    const LlamaPlanCtx* c = (const LlamaPlanCtx*)ctx;
+    TrainModes md = train_modes_from(o, target_names, N_TARGETS);
+    Dist ranks = dist_for_plan(c->dist, world);
+    Llama m;
+    llama_setup(&m, c->cfg, &md, batch, c->T, c->be, &ranks);
+    size_t bytes = plan_total(&m.plan);
+    llama_free(&m);
+    return bytes;
+}
+
+// --dry-run: the plan of the run these flags describe, and the baseline plan beside it.
+// Under mpirun, or for --ranks N, the plan is per rank (ZeRO-1 divides full fine-tuning's
+// optimizer state, and on CUDA its fp32 master).
+static void llama_dry_run(const LlamaConfig* cfg, const TrainOptions* o, TrainModes md, const Dist* dist) {
+    int cpu = strcmp(o->device, "cpu") == 0;  // a dry run plans the CUDA layout unless told otherwise
+    Backend be = backend_for_plan(!cpu);
+    Dist ranks = dist_for_plan(dist, o->ranks ? o->ranks : dist->world);
+    Llama m, base;
+    llama_setup(&m, cfg, &md, o->batch, o->seq, &be, &ranks);
+    TrainModes bm = train_baseline_modes(md);
+    llama_setup(&base, cfg, &bm, o->batch, o->seq, &be, NULL);
+    char json[512], header[256];
+    llama_settings_json(json, sizeof(json), o, cpu ? "cpu" : "cuda");
+    snprintf(header, sizeof(header), "train_llama dry run: d=%d f=%d layers=%d heads=%d kv_heads=%d vocab=%d, "
+             "batch %d x seq %d, %s", cfg->dim, cfg->hidden, cfg->layers, cfg->heads, cfg->kv_heads, cfg->vocab,
+             o->batch, o->seq, o->full ? "full fine-tuning" : "LoRA");
+    if (!o->full) str_appendf(header, sizeof(header), " r=%d", o->lora_rank);
+    if (md.nf4) str_appendf(header, sizeof(header), ", frozen linears NF4");
+    if (ranks.world > 1) str_appendf(header, sizeof(header), ", one of %d ranks", ranks.world);
+    train_dry_run_report(o, &m.plan, &base.plan, &be, json, header);
+    llama_free(&m);
+    llama_free(&base);
+}
+
+// What train_run drives (llmc/train/loop.h): the model and the data it trains and validates on.
+typedef struct {
+    Llama* m;
+    RunData* rd;
+} LlamaRun;
+
+static StepResult llama_run_step(void* run, const TrainOptions* o, const Dist* dist, int step) {
+    LlamaRun* r = (LlamaRun*)run;
+    return llama_train_step(r->m, &r->rd->tl, o, dist, step);
+}
+
+static EvalResult llama_run_evaluate(void* run, int batches) {
+    LlamaRun* r = (LlamaRun*)run;
+    EvalResult e = {llama_evaluate(r->m, &r->rd->vl, batches), NAN, 0};
+    return e;
+}
+
+static void llama_run_save_adapter(void* run, const TrainOptions* o, const char* dir) {
+    llama_save_adapter(((LlamaRun*)run)->m, dir, o);
+}
+
+static void llama_run_export(void* run, const TrainOptions* o, const char* dir) {
+    llama_export_merged(((LlamaRun*)run)->m, o, dir);
+}
+
+static void llama_print_start(void* run, const TrainOptions* o, const char* what, const char* where) {
+    const Llama* m = ((LlamaRun*)run)->m;
+    const LlamaConfig* c = &m->cfg;
+    printf("train_llama: %s | d=%d f=%d layers=%d heads=%d/%d vocab=%d | act=%s norm=%s recompute=%s | %s (%lld trainable) "
+           "| %s\n", o->model_dir, c->dim, c->hidden, c->layers, c->heads, c->kv_heads, c->vocab, o->act, o->norm,
+           o->recompute, what, (long long)m->tr.count, where);
+}
+
+// The model as the shared training loop sees it.
+static void llama_trainer(Trainer* t, LlamaRun* run, const TrainOptions* o, const Dist* dist) {
+    Llama* m = run->m;
+    memset(t, 0, sizeof(*t));
+    t->model = run;
+    t->unit = "tok";
+    t->items = "tokens";
+    t->flops_per_item = llama_flops_per_token(m);
+    t->tr = &m->tr;
+    t->plan = &m->plan;
+    t->be = m->be;
+    t->full = m->modes.full;
+    t->have_val = run->rd->have_val;
+    t->cursor = &run->rd->tl.cursor;
+    llama_settings_line(t->settings, sizeof(t->settings), m, o, dist, run->rd->train.count);
+    t->step = llama_run_step;
+    t->evaluate = llama_run_evaluate;
+    t->save_adapter = llama_run_save_adapter;
+    t->export_merged = llama_run_export;
+    t->print_start = llama_print_start;
 }
 
 // --seq beyond max_position_embeddings is a warning, not an error: RoPE is defined at every
@@ -1375,10 +1373,8 @@ int main(int argc, char** argv) {
     if (o.chat) chat_prompt = model_tokenizer_chat(&tok, o.model_dir, o.system, o.prompt);
 
     Backend be;
-    backend_init(&be, o.device, dist.local_rank);
     Profiler prof;
-    if (o.profile) backend_profile(&be, &prof);
-    if (be.cuda) dist_nccl_init(&dist);
+    train_backend_open(&be, &prof, &o, &dist);
     Llama m, base;
     int sized = o.data_path || o.eval_only;  // generation alone needs one sequence
     int B = sized ? o.batch : 1, T = sized ? o.seq : (cfg.max_seq < 256 ? cfg.max_seq : 256);
@@ -1396,26 +1392,15 @@ int main(int argc, char** argv) {
     llama_rope_tables(&m);
     if (!md.full) llama_init_lora(&m, (uint64_t)o.seed);
     if (o.adapter_dir) llama_load_adapter(&m, o.adapter_dir, &o);
+    LlamaRun run = {&m, &rd};
+    Trainer trainer;
+    llama_trainer(&trainer, &run, &o, &dist);
     if (dist.rank == 0) {
-        backend_print_device(&be, dist.world > 1 || dist_has_nccl(&dist) ? dist_gpu_collectives(&dist) : NULL);
-        char what[160], where[64];
-        train_describe(&o, &be, &dist, what, sizeof(what), where, sizeof(where));
-        printf("train_llama: %s | d=%d f=%d layers=%d heads=%d/%d vocab=%d | act=%s norm=%s recompute=%s | %s (%lld trainable) | %s\n",
-               o.model_dir, cfg.dim, cfg.hidden, cfg.layers, cfg.heads, cfg.kv_heads, cfg.vocab, o.act, o.norm, o.recompute, what,
-               (long long)m.tr.count, where);
-        train_print_plan(&o, &be, &dist, &m.plan, &base.plan, &m.tr);
+        train_print_start(&trainer, &o, &dist, &base.plan);
         llama_warn_seq(&cfg, &o);
     }
     llama_free(&base);
-    if (o.eval_only) {
-        if (dist.rank == 0) printf("val loss %.6f\n", llama_evaluate(&m, &rd.vl, o.val_batches));
-    } else if (o.data_path) {
-        llama_train(&m, &rd, &o, &dist);
-    }
-    if (o.export_merged && dist.rank == 0) {
-        llama_export_merged(&m, &o, o.export_merged);
-        printf("wrote merged model to %s\n", o.export_merged);
-    }
+    train_run(&trainer, &o, &dist);
     if (o.generate && dist.rank == 0)
         llama_generate(&m, &tok, chat_prompt ? chat_prompt : o.prompt, o.chat, o.generate, o.temperature, (uint64_t)o.seed);
     if (o.generate) model_tokenizer_free(&tok);

@@ -952,11 +952,6 @@ static StepResult vit_train_step(Vit* m, ImageLoader* loader, const TrainOptions
     return train_step_finish(&m->tr, o, dist, step, sums, 3, images, images, m->classes);
 }
 
-typedef struct {
-    float loss, accuracy;
-    int64_t images;
-} EvalResult;
-
 // Model FLOPs of one image's forward and backward: every token through the block linears
 // (linear_train_flops), the patch embedding, bidirectional attention (12 T d per layer per token:
 // QK^T, PV and their four backward products) and the head. The convention of scripts/bench/bench_gpu.sh.
@@ -1412,19 +1407,6 @@ static void vit_load_checkpoint_head(Vit* m, const char* dir) {
     trainable_to_device(&m->tr);
 }
 
-// A save after `step` steps (every rank: a sharded master comes together on rank 0): rank 0
-// stages the model (--full: a loadable model directory) or the adapter, every rank the state
-// (which records the checksum of that file), then rank 0 commits them as one step (atomic_save.h).
-static void vit_save(Vit* m, const TrainOptions* o, const Dist* dist, const char* out, const char* settings, int step, int64_t cursor) {
-    int rank0 = dist->rank == 0;
-    trainable_sync_host(&m->tr, dist);
-    char* stage = rank0 ? save_begin(out) : NULL;
-    if (rank0 && m->modes.full) vit_export_merged(m, o, stage);
-    else if (rank0) vit_save_adapter(m, stage, o);
-    trainable_save_state(&m->tr, dist, stage, settings, step, cursor, o->seed, m->modes.full ? "model.safetensors" : "adapter_model.safetensors");
-    if (rank0) save_commit(out, stage, step);
-}
-
 // Everything a resumed run must share with the saved one, as "key=value" words.
 static void vit_settings_line(char* buf, size_t n, const Vit* m, const TrainOptions* o, const Dist* d, int64_t images) {
     const VitConfig* c = &m->cfg;
@@ -1542,63 +1524,79 @@ static void vit_dry_run(const VitConfig* cfg, const TrainOptions* o, TrainModes 
     vit_setup(&m, cfg, &md, o->batch, h, w, classes, src_bytes, &be, &ranks);
     TrainModes bm = train_baseline_modes(md);
     vit_setup(&base, cfg, &bm, o->batch, h, w, classes, src_bytes, &be, NULL);
-    if (o->json) {
-        char s[768];
-        vit_settings_json(s, sizeof(s), o, &m, cpu ? "cpu" : "cuda");
-        plan_json(stdout, &m.plan, &base.plan, s);
-    } else {
-        printf("train_vit dry run: d=%d f=%d layers=%d heads=%d, image %dx%d patch %dx%d (%d tokens), %d classes, batch %d, ", cfg->dim,
-               cfg->hidden, cfg->layers, cfg->heads, h, w, cfg->patch_h, cfg->patch_w, m.T, classes, o->batch);
-        if (o->full) printf("full fine-tuning");
-        else printf("LoRA r=%d on %s", o->lora_rank, o->lora_targets ? o->lora_targets : "all");
-        if (ranks.world > 1) printf(", one of %d ranks", ranks.world);
-        printf("\n");
-        plan_print(&m.plan, &base.plan, o->mode, be.layout);
-    }
+    char json[768], header[1024];
+    vit_settings_json(json, sizeof(json), o, &m, cpu ? "cpu" : "cuda");
+    snprintf(header, sizeof(header), "train_vit dry run: d=%d f=%d layers=%d heads=%d, image %dx%d patch %dx%d "
+             "(%d tokens), %d classes, batch %d, ", cfg->dim, cfg->hidden, cfg->layers, cfg->heads, h, w,
+             cfg->patch_h, cfg->patch_w, m.T, classes, o->batch);
+    if (o->full) str_appendf(header, sizeof(header), "full fine-tuning");
+    else str_appendf(header, sizeof(header), "LoRA r=%d on %s", o->lora_rank, o->lora_targets ? o->lora_targets : "all");
+    if (ranks.world > 1) str_appendf(header, sizeof(header), ", one of %d ranks", ranks.world);
+    train_dry_run_report(o, &m.plan, &base.plan, &be, json, header);
     vit_free(&m);
     vit_free(&base);
 }
 
-static void vit_train(Vit* m, RunData* rd, const TrainOptions* o, const Dist* dist) {
-    int rank0 = dist->rank == 0;
-    const char* out = o->out_dir ? o->out_dir : o->resume_dir;
-    char settings[STATE_SETTINGS_BYTES];
-    vit_settings_line(settings, sizeof(settings), m, o, dist, rd->train.n);
-    int start = train_resume(&m->tr, o, settings, &rd->tl.cursor, dist);
-    FILE* log = train_open_log(o, rank0, "step,loss,accuracy,lr,grad_norm,images_per_s,val_loss,val_accuracy", start);
-    if (rank0 && rd->have_val && start == 0) {  // where the new head starts: about chance level
-        EvalResult e = vit_evaluate(m, &rd->vl, o->val_batches);
-        printf("step %4d/%d | val loss %.4f | val acc %.4f (%lld images)\n", 0, o->steps, e.loss, e.accuracy, (long long)e.images);
-        if (log) fprintf(log, "0,,,,,,%.6f,%.6f\n", e.loss, e.accuracy);
-    }
-    double t0 = wall_seconds(), comm = 0.0;
-    int stop = train_stop_step(o), skips = 0;
-    double peak = backend_peak_flops(m->be), flops = vit_flops_per_image(m);
-    for (int step = start; step < stop; step++) {
-        double ts = wall_seconds();
-        prof_step_begin(m->be->prof);
-        StepResult r = vit_train_step(m, &rd->tl, o, dist, step);
-        prof_step_end(m->be->prof, step == start && stop - start > 1);
-        double dt = wall_seconds() - ts;
-        comm += r.comm_s;
-        train_count_skip(&skips, r.skipped, step);
-        int last = step + 1 == stop;
-        EvalResult e = {NAN, NAN, 0};
-        if (rank0 && rd->have_val && train_val_due(o, step, last)) e = vit_evaluate(m, &rd->vl, o->val_batches);
-        char val[96];
-        snprintf(val, sizeof(val), "val loss %.4f | val acc %.4f", e.loss, e.accuracy);
-        if (rank0) train_print_step(o, dist, step, last, &r, dt, "img", flops, peak, isnan(e.loss) ? NULL : val);
-        if (log) {
-            fprintf(log, "%d,%.6f,%.6f,%.6e,%.6f,%.1f,", step + 1, r.loss, r.accuracy, r.lr, r.grad_norm, r.items / dt);
-            if (!isnan(e.loss)) fprintf(log, "%.6f,%.6f\n", e.loss, e.accuracy);
-            else fprintf(log, ",\n");
-            fflush(log);
-        }
-        if (out && train_save_due(o, step + 1)) vit_save(m, o, dist, out, settings, step + 1, rd->tl.cursor);
-    }
-    if (rank0) train_print_summary(o, start, stop, wall_seconds() - t0, comm, m->modes.full, &m->plan, m->be);
-    if (rank0) prof_print(m->be->prof, m->be->layout);
-    if (log) fclose(log);
+// What train_run drives (llmc/train/loop.h): the model and the data it trains and validates on.
+typedef struct {
+    Vit* m;
+    RunData* rd;
+} VitRun;
+
+static StepResult vit_run_step(void* run, const TrainOptions* o, const Dist* dist, int step) {
+    VitRun* r = (VitRun*)run;
+    return vit_train_step(r->m, &r->rd->tl, o, dist, step);
+}
+
+static EvalResult vit_run_evaluate(void* run, int batches) {
+    VitRun* r = (VitRun*)run;
+    return vit_evaluate(r->m, &r->rd->vl, batches);
+}
+
+static void vit_run_save_adapter(void* run, const TrainOptions* o, const char* dir) {
+    vit_save_adapter(((VitRun*)run)->m, dir, o);
+}
+
+static void vit_run_export(void* run, const TrainOptions* o, const char* dir) {
+    vit_export_merged(((VitRun*)run)->m, o, dir);
+}
+
+static void vit_print_start(void* run, const TrainOptions* o, const char* what, const char* where) {
+    const Vit* m = ((VitRun*)run)->m;
+    const RunData* rd = ((VitRun*)run)->rd;
+    const VitConfig* c = &m->cfg;
+    printf("train_vit: %s | d=%d f=%d layers=%d heads=%d | image %dx%d (checkpoint %dx%d) patch %dx%d, %d tokens | "
+           "%d classes | act=%s norm=%s recompute=%s | %s + head (%lld trainable params) | %s\n", o->model_dir, c->dim,
+           c->hidden, c->layers, c->heads, m->img_h, m->img_w, c->image_h, c->image_w, c->patch_h, c->patch_w, m->T,
+           m->classes, o->act, o->norm, o->recompute, what, (long long)m->tr.count, where);
+    if (rd->have_train)
+        printf("data: %s (%lld images %dx%dx%d, %d classes)", o->data_path, (long long)rd->train.n, rd->train.H,
+               rd->train.W, rd->train.C, rd->train.classes);
+    if (rd->have_val) printf("%sval %s (%lld images)", rd->have_train ? ", " : "data: ", o->val_path, (long long)rd->val.n);
+    printf("\n");
+}
+
+// The model as the shared training loop sees it.
+static void vit_trainer(Trainer* t, VitRun* run, const TrainOptions* o, const Dist* dist) {
+    Vit* m = run->m;
+    memset(t, 0, sizeof(*t));
+    t->model = run;
+    t->unit = "img";
+    t->items = "images";
+    t->classifier = 1;
+    t->flops_per_item = vit_flops_per_image(m);
+    t->tr = &m->tr;
+    t->plan = &m->plan;
+    t->be = m->be;
+    t->full = m->modes.full;
+    t->have_val = run->rd->have_val;
+    t->cursor = &run->rd->tl.cursor;
+    vit_settings_line(t->settings, sizeof(t->settings), m, o, dist, run->rd->train.n);
+    t->step = vit_run_step;
+    t->evaluate = vit_run_evaluate;
+    t->save_adapter = vit_run_save_adapter;
+    t->export_merged = vit_run_export;
+    t->print_start = vit_print_start;
 }
 
 static void vit_flags(FlagTable* t, TrainOptions* o) {
@@ -1634,10 +1632,8 @@ int main(int argc, char** argv) {
     RunData rd;
     run_data_open(&rd, &o, &cfg, h, w, &classes);
     Backend be;
-    backend_init(&be, o.device, dist.local_rank);
     Profiler prof;
-    if (o.profile) backend_profile(&be, &prof);
-    if (be.cuda) dist_nccl_init(&dist);
+    train_backend_open(&be, &prof, &o, &dist);
     Vit m, base;
     vit_setup(&m, &cfg, &md, o.batch, h, w, classes, run_data_src_bytes(&rd), &be, &dist);
     VitPlanCtx pc = {&cfg, h, w, classes, run_data_src_bytes(&rd), &be, &dist};
@@ -1650,32 +1646,12 @@ int main(int argc, char** argv) {
     vit_init_trainable(&m, (uint64_t)o.seed);
     if (o.adapter_dir) vit_load_adapter(&m, o.adapter_dir, &o, o.eval_only || !o.data_path);
     else if (o.eval_only) vit_load_checkpoint_head(&m, o.model_dir);
-    if (dist.rank == 0) {
-        backend_print_device(&be, dist.world > 1 || dist_has_nccl(&dist) ? dist_gpu_collectives(&dist) : NULL);
-        char what[160], where[64];
-        train_describe(&o, &be, &dist, what, sizeof(what), where, sizeof(where));
-        printf("train_vit: %s | d=%d f=%d layers=%d heads=%d | image %dx%d (checkpoint %dx%d) patch %dx%d, %d tokens | %d classes | act=%s norm=%s recompute=%s | "
-               "%s + head (%lld trainable params) | %s\n",
-               o.model_dir, cfg.dim, cfg.hidden, cfg.layers, cfg.heads, h, w, cfg.image_h, cfg.image_w, cfg.patch_h, cfg.patch_w, m.T, classes,
-               o.act, o.norm, o.recompute, what, (long long)m.tr.count, where);
-        if (rd.have_train) printf("data: %s (%lld images %dx%dx%d, %d classes)", o.data_path, (long long)rd.train.n, rd.train.H, rd.train.W, rd.train.C, rd.train.classes);
-        if (rd.have_val) printf("%sval %s (%lld images)", rd.have_train ? ", " : "data: ", o.val_path, (long long)rd.val.n);
-        printf("\n");
-        train_print_plan(&o, &be, &dist, &m.plan, &base.plan, &m.tr);
-    }
+    VitRun run = {&m, &rd};
+    Trainer trainer;
+    vit_trainer(&trainer, &run, &o, &dist);
+    if (dist.rank == 0) train_print_start(&trainer, &o, &dist, &base.plan);
     vit_free(&base);
-    if (o.eval_only) {
-        if (dist.rank == 0) {
-            EvalResult e = vit_evaluate(&m, &rd.vl, o.val_batches);
-            printf("val loss %.6f | val acc %.6f (%lld images)\n", e.loss, e.accuracy, (long long)e.images);
-        }
-    } else if (o.data_path) {
-        vit_train(&m, &rd, &o, &dist);
-    }
-    if (o.export_merged && dist.rank == 0) {
-        vit_export_merged(&m, &o, o.export_merged);
-        printf("wrote merged model to %s\n", o.export_merged);
-    }
+    train_run(&trainer, &o, &dist);
     run_data_close(&rd);
     vit_free(&m);
     dist_finalize(&dist);

@@ -39,6 +39,18 @@ static void fail(const char* fmt, ...) {
     exit(1);
 }
 
+// Appends formatted text to the string in buf (n bytes in all), cut at the end of buf: for lines
+// assembled piece by piece, where a long piece (a --lora-targets list) must not overflow.
+static void str_appendf(char* buf, size_t n, const char* fmt, ...) LLMC_PRINTF(3, 4);
+static void str_appendf(char* buf, size_t n, const char* fmt, ...) {
+    size_t len = strnlen(buf, n);
+    if (len + 1 >= n) return;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(buf + len, n - len, fmt, ap);
+    va_end(ap);
+}
+
 static void* xmalloc(size_t n) {
     void* p = malloc(n ? n : 1);
     if (!p) fail("out of host memory allocating %zu bytes", n);

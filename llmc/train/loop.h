@@ -1,7 +1,8 @@
 // loop.h: the pieces of the training loop both trainers share around their model: the
 // fault-injection hook, the non-finite step counter, the end of a step (global loss, optimizer
 // step), when to validate, stop and save, resume, the start-up lines, the step's line, the run's
-// log.csv and the closing summary. Each trainer's loop (llama_train, vit_train) calls them in order.
+// log.csv and the closing summary; and the run skeleton that calls them: a model's Trainer table
+// (its step, validation, save and export) driven by train_run, the same for every model.
 #pragma once
 #include "../common.h"
 #include "../memory/plan.h"
@@ -10,6 +11,7 @@
 #include "train_state.h"
 #include "atomic_save.h"
 #include "omp_policy.h"
+#include "profile.h"
 #include <omp.h>
 
 // LLMC_FAULT_NONFINITE_STEP=k makes step k's loss NaN (1-based), as a diverging run would: how the
@@ -179,4 +181,172 @@ static void train_print_summary(const TrainOptions* o, int start, int stop, doub
            out ? (full ? ", model and state in " : ", adapter and state in ") : "", out ? out : "");
     if (stop < o->steps) printf("stopped at step %d of %d (--stop-at); continue with --resume %s\n", stop, o->steps, out ? out : "OUT");
     backend_print_memory(be, plan);
+}
+
+// ---- the run skeleton --------------------------------------------------------------------------
+
+// What a validation pass reports: the mean loss over `items` (targets or images) and, for a
+// classifier, its top-1 accuracy (NAN for a language model).
+typedef struct {
+    float loss, accuracy;
+    int64_t items;
+} EvalResult;
+
+// A model as the shared run sees it: the model behind `model`, what the loop reports about it, and
+// the functions the loop calls. Each driver fills one in (llama_trainer, vit_trainer).
+typedef struct {
+    void* model;                       // the driver's run state (its model and data)
+    const char* unit;                  // what the throughput counts on a step's line: "tok", "img"
+    const char* items;                 // the same in log.csv's column name: "tokens", "images"
+    int classifier;                    // reports accuracy: log.csv gets the accuracy columns
+    double flops_per_item;             // training FLOPs per item, for the MFU
+    Trainable* tr;
+    const MemPlan* plan;
+    const Backend* be;
+    int full;                          // --full: a save writes the model, not an adapter
+    int have_val;                      // --val was given
+    int64_t* cursor;                   // the training data's position, saved with the state
+    char settings[STATE_SETTINGS_BYTES];  // what a resumed run must share with the saved one
+    StepResult (*step)(void* model, const TrainOptions* o, const Dist* dist, int step);
+    EvalResult (*evaluate)(void* model, int batches);
+    void (*save_adapter)(void* model, const TrainOptions* o, const char* dir);
+    void (*export_merged)(void* model, const TrainOptions* o, const char* dir);
+    // the model's start-up line, given what trains and where (train_describe)
+    void (*print_start)(void* model, const TrainOptions* o, const char* what, const char* where);
+} Trainer;
+
+// The start of a run on rank 0: the device, the model's line, and the memory plan beside the
+// baseline's (`base`).
+static void train_print_start(const Trainer* t, const TrainOptions* o, const Dist* dist, const MemPlan* base) {
+    backend_print_device(t->be, dist->world > 1 || dist_has_nccl(dist) ? dist_gpu_collectives(dist) : NULL);
+    char what[160], where[64];
+    train_describe(o, t->be, dist, what, sizeof(what), where, sizeof(where));
+    t->print_start(t->model, o, what, where);
+    train_print_plan(o, t->be, dist, t->plan, base, t->tr);
+}
+
+// A validation result as the step's line shows it.
+static void train_eval_text(const Trainer* t, EvalResult e, char* buf, size_t n) {
+    if (t->classifier) snprintf(buf, n, "val loss %.4f | val acc %.4f", e.loss, e.accuracy);
+    else snprintf(buf, n, "val loss %.4f", e.loss);
+}
+
+// log.csv's columns: the step's loss (and accuracy), rate, norm and throughput, then validation's.
+static void train_log_header(const Trainer* t, char* buf, size_t n) {
+    const char* acc = t->classifier ? ",accuracy" : "";
+    const char* val_acc = t->classifier ? ",val_accuracy" : "";
+    snprintf(buf, n, "step,loss%s,lr,grad_norm,%s_per_s,val_loss%s", acc, t->items, val_acc);
+}
+
+// One row of log.csv: the step's columns (empty for step 0, the model before training) and the
+// validation's (empty where none ran).
+static void train_log_row(FILE* log, const Trainer* t, int step, const StepResult* r, double dt, EvalResult e) {
+    if (!log) return;
+    fprintf(log, "%d,", step);
+    if (r) {
+        fprintf(log, "%.6f,", r->loss);
+        if (t->classifier) fprintf(log, "%.6f,", r->accuracy);
+        fprintf(log, "%.6e,%.6f,%.1f,", r->lr, r->grad_norm, r->items / dt);
+    } else {
+        fprintf(log, t->classifier ? ",,,,," : ",,,,");
+    }
+    if (!isnan(e.loss)) fprintf(log, t->classifier ? "%.6f,%.6f\n" : "%.6f\n", e.loss, e.accuracy);
+    else fprintf(log, t->classifier ? ",\n" : "\n");
+    fflush(log);
+}
+
+// A save after `step` steps (every rank: a sharded master comes together on rank 0): rank 0
+// stages the model (--full: a loadable model directory) or the adapter, every rank the state
+// (which records the checksum of that file), then rank 0 commits them as one step (atomic_save.h).
+static void train_save(const Trainer* t, const TrainOptions* o, const Dist* dist, const char* out, int step) {
+    int rank0 = dist->rank == 0;
+    trainable_sync_host(t->tr, dist);
+    char* stage = rank0 ? save_begin(out) : NULL;
+    if (rank0 && t->full) t->export_merged(t->model, o, stage);
+    else if (rank0) t->save_adapter(t->model, o, stage);
+    const char* saved = t->full ? "model.safetensors" : "adapter_model.safetensors";
+    trainable_save_state(t->tr, dist, stage, t->settings, step, *t->cursor, o->seed, saved);
+    if (rank0) save_commit(out, stage, step);
+}
+
+// Validation on rank 0 when this step is due for it (and --val was given), else no result.
+static EvalResult train_validate_if_due(const Trainer* t, const TrainOptions* o, const Dist* dist, int step, int last) {
+    EvalResult none = {NAN, NAN, 0};
+    if (dist->rank != 0 || !t->have_val || !train_val_due(o, step, last)) return none;
+    return t->evaluate(t->model, o->val_batches);
+}
+
+// The training loop: resume, the model's validation before any update, then each step with its
+// line, log row, validation and save, and the closing summary.
+static void train_loop(const Trainer* t, const TrainOptions* o, const Dist* dist) {
+    int rank0 = dist->rank == 0;
+    const char* out = o->out_dir ? o->out_dir : o->resume_dir;
+    int start = train_resume(t->tr, o, t->settings, t->cursor, dist);
+    char header[128], val[96];
+    train_log_header(t, header, sizeof(header));
+    FILE* log = train_open_log(o, rank0, header, start);
+    if (rank0 && t->have_val && start == 0) {  // the pretrained model (or the new head) before any update
+        EvalResult e = t->evaluate(t->model, o->val_batches);
+        train_eval_text(t, e, val, sizeof(val));
+        printf("step %4d/%d | %s", 0, o->steps, val);
+        if (t->classifier) printf(" (%lld images)", (long long)e.items);
+        printf("\n");
+        train_log_row(log, t, 0, NULL, 0.0, e);
+    }
+    double t0 = wall_seconds(), comm = 0.0;
+    int stop = train_stop_step(o), skips = 0;
+    double peak = backend_peak_flops(t->be);
+    for (int step = start; step < stop; step++) {
+        double ts = wall_seconds();
+        prof_step_begin(t->be->prof);
+        StepResult r = t->step(t->model, o, dist, step);
+        prof_step_end(t->be->prof, step == start && stop - start > 1);
+        double dt = wall_seconds() - ts;
+        comm += r.comm_s;
+        train_count_skip(&skips, r.skipped, step);
+        int last = step + 1 == stop;
+        EvalResult e = train_validate_if_due(t, o, dist, step, last);
+        train_eval_text(t, e, val, sizeof(val));
+        if (rank0) train_print_step(o, dist, step, last, &r, dt, t->unit, t->flops_per_item, peak, isnan(e.loss) ? NULL : val);
+        train_log_row(log, t, step + 1, &r, dt, e);
+        if (out && train_save_due(o, step + 1)) train_save(t, o, dist, out, step + 1);
+    }
+    if (rank0) train_print_summary(o, start, stop, wall_seconds() - t0, comm, t->full, t->plan, t->be);
+    if (rank0) prof_print(t->be->prof, t->be->layout);
+    if (log) fclose(log);
+}
+
+// main's closing half, for every model: --eval-only's validation, or training on --data, then
+// --export-merged (rank 0).
+static void train_run(const Trainer* t, const TrainOptions* o, const Dist* dist) {
+    if (o->eval_only && dist->rank == 0) {
+        EvalResult e = t->evaluate(t->model, o->val_batches);
+        if (t->classifier) printf("val loss %.6f | val acc %.6f (%lld images)\n", e.loss, e.accuracy, (long long)e.items);
+        else printf("val loss %.6f\n", e.loss);
+    } else if (!o->eval_only && o->data_path) {
+        train_loop(t, o, dist);
+    }
+    if (o->export_merged && dist->rank == 0) {
+        t->export_merged(t->model, o, o->export_merged);
+        printf("wrote merged model to %s\n", o->export_merged);
+    }
+}
+
+// --dry-run's report: the plan beside the baseline's, as JSON (--json, the run's settings as the
+// fields `settings_json`) or as the table under the run's `header` line.
+static void train_dry_run_report(const TrainOptions* o, const MemPlan* plan, const MemPlan* base, const Backend* be,
+                                 const char* settings_json, const char* header) {
+    if (o->json) {
+        plan_json(stdout, plan, base, settings_json);
+    } else {
+        printf("%s\n", header);
+        plan_print(plan, base, o->mode, be->layout);
+    }
+}
+
+// The backend a run computes on (--device), its profiler (--profile) and, on CUDA, NCCL.
+static void train_backend_open(Backend* be, Profiler* prof, const TrainOptions* o, Dist* dist) {
+    backend_init(be, o->device, dist->local_rank);
+    if (o->profile) backend_profile(be, prof);
+    if (be->cuda) dist_nccl_init(dist);
 }
