@@ -46,12 +46,17 @@ static void backend_init(Backend* be, const char* flag, int local_rank) {
     memset(be, 0, sizeof(*be));
     int want_cuda = strcmp(flag, "cuda") == 0;
 #ifndef LLMC_HAVE_CUDA
-    if (want_cuda) fail("flag --device cuda: this binary was built without the CUDA backend (no nvcc at build time); rebuild with the CUDA toolkit or use --device cpu");
+    if (want_cuda)
+        fail(
+            "flag --device cuda: this binary was built without the CUDA backend (no nvcc at build time); rebuild with "
+            "the CUDA toolkit or use --device cpu");
 #else
     int n = strcmp(flag, "cpu") == 0 ? 0 : backend_cuda_devices();
     if (want_cuda && n == 0) fail("flag --device cuda: no CUDA GPU is visible (cudaGetDeviceCount found none)");
     if (n > 0) {
-        if (local_rank >= n) fail("rank with local rank %d has no GPU of its own (%d visible); launch at most %d ranks per node", local_rank, n, n);
+        if (local_rank >= n)
+            fail("rank with local rank %d has no GPU of its own (%d visible); launch at most %d ranks per node",
+                 local_rank, n, n);
         be->cuda = 1;
         be->device = local_rank;
         CUDA_CHECK(cudaSetDevice(be->device));
@@ -125,8 +130,10 @@ static void backend_allocate_plan(const Backend* be, MemPlan* p) {
         if (!p->cat_bytes[c]) continue;
         void* a = NULL;
         if (cudaMalloc(&a, p->cat_bytes[c]) != cudaSuccess)
-            fail("cannot allocate %.1f MiB of GPU memory for %s (try a smaller --batch/--seq, --mode lowmem or --mode ckpt)",
-                 p->cat_bytes[c] / 1048576.0, mem_category_name[c]);
+            fail(
+                "cannot allocate %.1f MiB of GPU memory for %s (try a smaller --batch/--seq, --mode lowmem or --mode "
+                "ckpt)",
+                p->cat_bytes[c] / 1048576.0, mem_category_name[c]);
         CUDA_CHECK(cudaMemset(a, 0, p->cat_bytes[c]));
         p->arena[c] = (uint8_t*)a;
     }
@@ -135,7 +142,8 @@ static void backend_allocate_plan(const Backend* be, MemPlan* p) {
 #ifdef LLMC_CUDA_EMU
     for (int i = 0; i < p->count; i++) {  // from each buffer's end to the next one: the emulator's guard zone
         const PlanBuffer* b = &p->bufs[i];
-        emu_guard_add(p->arena[b->cat] + b->offset + b->bytes, round_up(b->bytes, PLAN_ALIGN) + PLAN_GUARD - b->bytes, b->name);
+        emu_guard_add(p->arena[b->cat] + b->offset + b->bytes, round_up(b->bytes, PLAN_ALIGN) + PLAN_GUARD - b->bytes,
+                      b->name);
     }
 #endif
 #endif
@@ -159,7 +167,8 @@ static void* backend_alloc_staging(const Backend* be, size_t bytes) {
 #ifdef LLMC_HAVE_CUDA
     if (be->cuda) {
         void* p = NULL;
-        if (cudaMallocHost(&p, bytes ? bytes : 1) != cudaSuccess) fail("cannot allocate %.1f MiB of pinned host memory for the batch", bytes / 1048576.0);
+        if (cudaMallocHost(&p, bytes ? bytes : 1) != cudaSuccess)
+            fail("cannot allocate %.1f MiB of pinned host memory for the batch", bytes / 1048576.0);
         memset(p, 0, bytes);
         return p;
     }
@@ -213,7 +222,8 @@ static void backend_upload_weights(const Backend* be, void* dst, const float* sr
     for (int64_t off = 0; off < n; off += slice) {
         int64_t c = n - off < slice ? n - off : slice;
 #pragma omp parallel for schedule(static)
-        for (int64_t p = 0; p < c; p += part) f32_to_dtype(tmp + p, src + off + p, c - p < part ? c - p : part, ST_BF16);
+        for (int64_t p = 0; p < c; p += part)
+            f32_to_dtype(tmp + p, src + off + p, c - p < part ? c - p : part, ST_BF16);
         CUDA_CHECK(cudaMemcpy((uint16_t*)dst + off, tmp, sizeof(uint16_t) * c, cudaMemcpyHostToDevice));
     }
     free(tmp);
@@ -255,6 +265,7 @@ static double backend_measured_mib(const Backend* be) {
 // The line printed after training: the plan beside what was measured.
 static void backend_print_memory(const Backend* be, const MemPlan* plan) {
     printf("memory: planned %.2f MiB (saved activations %.2f MiB), measured %s %.2f MiB\n", mib(plan_total(plan)),
-           mib(plan_saved_bytes(plan)), be->cuda ? "device memory in use (cudaMemGetInfo, beyond the CUDA context)" : "peak RSS",
+           mib(plan_saved_bytes(plan)),
+           be->cuda ? "device memory in use (cudaMemGetInfo, beyond the CUDA context)" : "peak RSS",
            backend_measured_mib(be));
 }

@@ -131,10 +131,12 @@ static void make_dirs(const char* path, const char* what) {
     for (char* p = buf + 1; *p; p++) {
         if (*p != '/') continue;
         *p = 0;
-        if (mkdir(buf, 0755) != 0 && errno != EEXIST) fail("%s: cannot create directory %s (%s)", what, buf, strerror(errno));
+        if (mkdir(buf, 0755) != 0 && errno != EEXIST)
+            fail("%s: cannot create directory %s (%s)", what, buf, strerror(errno));
         *p = '/';
     }
-    if (mkdir(buf, 0755) != 0 && errno != EEXIST) fail("%s: cannot create directory %s (%s)", what, buf, strerror(errno));
+    if (mkdir(buf, 0755) != 0 && errno != EEXIST)
+        fail("%s: cannot create directory %s (%s)", what, buf, strerror(errno));
     if (!dir_exists(buf)) fail("%s: %s exists and is not a directory", what, buf);
     if (access(buf, W_OK) != 0) fail("%s: directory %s is not writable", what, buf);
 }
@@ -188,7 +190,8 @@ static void atomic_fail(AtomicFile* a, const char* shown, const char* what) {
     unlink(a->tmp_path);
     const char* slash = strrchr(a->path, '/');
     size_t dir_len = slash ? (size_t)(slash - a->path) : 0, n = strlen(SAVE_STAGING);
-    if (dir_len >= n && memcmp(a->path + dir_len - n, SAVE_STAGING, n) == 0 && (dir_len == n || a->path[dir_len - n - 1] == '/')) {
+    if (dir_len >= n && memcmp(a->path + dir_len - n, SAVE_STAGING, n) == 0 &&
+        (dir_len == n || a->path[dir_len - n - 1] == '/')) {
         char* stage = xstrdup(a->path);
         stage[dir_len] = 0;
         remove_flat_dir(stage);

@@ -51,7 +51,10 @@ static void op_copy(const Backend* be, void* dst, const void* src, int64_t n) {
     PROF_SCOPE(be, "copy", "fwd", 0, 2.0 * n * (double)be->abytes);
     if (dst == src || n == 0) return;
 #ifdef LLMC_HAVE_CUDA
-    if (be->cuda) { CUDA_CHECK(cudaMemcpyAsync(dst, src, (size_t)n * be->abytes, cudaMemcpyDeviceToDevice, be->stream)); return; }
+    if (be->cuda) {
+        CUDA_CHECK(cudaMemcpyAsync(dst, src, (size_t)n * be->abytes, cudaMemcpyDeviceToDevice, be->stream));
+        return;
+    }
 #endif
     memcpy(dst, src, (size_t)n * be->abytes);
 }
@@ -93,7 +96,8 @@ static void op_embed(const Backend* be, void* x, const void* embed, const int* i
 
 // dE[ids[n]] += dx[n]: the gradient of a trained embedding (fp32 dE on both backends), each row's
 // tokens summed in text order before the add (order: embedding_token_order of the batch).
-static void op_embedding_backward(const Backend* be, float* dE, const void* dx, const int* ids, const int* order, int64_t N, int d) {
+static void op_embedding_backward(const Backend* be, float* dE, const void* dx, const int* ids, const int* order,
+                                  int64_t N, int d) {
     PROF_SCOPE(be, "embedding", "bwd", N * (double)d, N * d * ((double)be->abytes + 8.0));
 #ifdef LLMC_HAVE_CUDA
     if (be->cuda) { embedding_backward_cuda(dE, CB16(dx), ids, order, N, d, be->stream); return; }
@@ -103,7 +107,8 @@ static void op_embedding_backward(const Backend* be, float* dE, const void* dx, 
 
 // ---- norms -------------------------------------------------------------------------------------
 
-static void op_rmsnorm_forward(const Backend* be, void* y, float* r, const void* x, const void* gamma, int64_t N, int d, float eps) {
+static void op_rmsnorm_forward(const Backend* be, void* y, float* r, const void* x, const void* gamma, int64_t N, int d,
+                               float eps) {
     PROF_SCOPE(be, "rmsnorm", "fwd", 4.0 * N * d, 2.0 * N * d * (double)be->abytes);
 #ifdef LLMC_HAVE_CUDA
     if (be->cuda) { rmsnorm_forward_cuda(B16(y), r, CB16(x), CB16(gamma), N, d, eps, be->stream); return; }
@@ -111,7 +116,8 @@ static void op_rmsnorm_forward(const Backend* be, void* y, float* r, const void*
     rmsnorm_forward(F32(y), r, CF32(x), CF32(gamma), N, d, eps);
 }
 // dx += standard RMSNorm backward from the kept input x.
-static void op_rmsnorm_backward(const Backend* be, void* dx, const void* dy, const void* x, const float* r, const void* gamma, int64_t N, int d) {
+static void op_rmsnorm_backward(const Backend* be, void* dx, const void* dy, const void* x, const float* r,
+                                const void* gamma, int64_t N, int d) {
     PROF_SCOPE(be, "rmsnorm", "bwd", 6.0 * N * d, 4.0 * N * d * (double)be->abytes);
 #ifdef LLMC_HAVE_CUDA
     if (be->cuda) { rmsnorm_backward_cuda(B16(dx), CB16(dy), CB16(x), r, CB16(gamma), N, d, be->stream); return; }
@@ -119,7 +125,8 @@ static void op_rmsnorm_backward(const Backend* be, void* dx, const void* dy, con
     rmsnorm_backward(F32(dx), CF32(dy), CF32(x), r, CF32(gamma), N, d);
 }
 // dgamma += sum over rows of dy * x * r: a trained RMSNorm gamma (fp32 dgamma on both backends).
-static void op_rmsnorm_gamma_grad(const Backend* be, float* dgamma, const void* dy, const void* x, const float* r, int64_t N, int d) {
+static void op_rmsnorm_gamma_grad(const Backend* be, float* dgamma, const void* dy, const void* x, const float* r,
+                                  int64_t N, int d) {
     PROF_SCOPE(be, "rmsnorm gamma", "bwd", 3.0 * N * d, 2.0 * N * d * (double)be->abytes);
 #ifdef LLMC_HAVE_CUDA
     if (be->cuda) { rmsnorm_gamma_grad_cuda(dgamma, CB16(dy), CB16(x), r, N, d, be->stream); return; }
@@ -127,7 +134,8 @@ static void op_rmsnorm_gamma_grad(const Backend* be, float* dgamma, const void* 
     rmsnorm_gamma_grad(dgamma, CF32(dy), CF32(x), r, N, d);
 }
 // dx += MS-RMSNorm backward from the normalised output z and r alone.
-static void op_rmsnorm_ms_backward(const Backend* be, void* dx, const void* dz, const void* z, const float* r, int64_t N, int d) {
+static void op_rmsnorm_ms_backward(const Backend* be, void* dx, const void* dz, const void* z, const float* r,
+                                   int64_t N, int d) {
     PROF_SCOPE(be, "rmsnorm", "bwd", 5.0 * N * d, 4.0 * N * d * (double)be->abytes);
 #ifdef LLMC_HAVE_CUDA
     if (be->cuda) { rmsnorm_ms_backward_cuda(B16(dx), CB16(dz), CB16(z), r, N, d, be->stream); return; }
@@ -144,17 +152,20 @@ static const char* linear_prof_name(const Linear* L, int lora, char* buf) {
 }
 
 // y (+)= x W^T + bias + scale * (x A^T) B^T, keeping ax for the adapter's backward.
-static void op_linear_forward(const Backend* be, void* y, const void* x, const Linear* L, void* ax, int64_t N, int rank, float scale, OutMode out) {
+static void op_linear_forward(const Backend* be, void* y, const void* x, const Linear* L, void* ax, int64_t N, int rank,
+                              float scale, OutMode out) {
     int accumulate = out == OUT_ADD;
     char name[40];
 #ifdef LLMC_HAVE_CUDA
     if (be->cuda) {  // one row for the layer: its adapter's products run inside linear_forward_cuda
-        PROF_SCOPE(be, linear_prof_name(L, 0, name), "fwd", 2.0 * N * L->in * L->out + (L->A ? 2.0 * N * rank * (L->in + L->out) : 0.0),
+        PROF_SCOPE(be, linear_prof_name(L, 0, name), "fwd",
+                   2.0 * N * L->in * L->out + (L->A ? 2.0 * N * rank * (L->in + L->out) : 0.0),
                    (double)L->in * L->out * be->wbytes);
         linear_forward_cuda(B16(y), CB16(x), L, B16(ax), N, rank, scale, accumulate, be->stream); return; }
 #endif
     {
-        PROF_SCOPE(be, linear_prof_name(L, 0, name), "fwd", 2.0 * N * L->in * L->out, (double)L->in * L->out * be->wbytes);
+        PROF_SCOPE(be, linear_prof_name(L, 0, name), "fwd", 2.0 * N * L->in * L->out,
+                   (double)L->in * L->out * be->wbytes);
         linear_forward_frozen(F32(y), CF32(x), L, N, accumulate);
     }
     PROF_SCOPE(be, linear_prof_name(L, 1, name), "fwd", L->A ? 2.0 * N * rank * (L->in + L->out) : 0.0, 0.0);
@@ -162,16 +173,19 @@ static void op_linear_forward(const Backend* be, void* y, const void* x, const L
 }
 
 // dx (+)= dy W + scale * (dy B) A; adapter (or full-fine-tuning) gradients accumulate.
-static void op_linear_backward(const Backend* be, void* dx, const void* dy, const void* x, const void* ax, const Linear* L, void* dax,
-                               int64_t N, int rank, float scale, OutMode out) {
+static void op_linear_backward(const Backend* be, void* dx, const void* dy, const void* x, const void* ax,
+                               const Linear* L, void* dax, int64_t N, int rank, float scale, OutMode out) {
     int accumulate = out == OUT_ADD;
     char name[40];
 #ifdef LLMC_HAVE_CUDA
     if (be->cuda) {  // one row for the layer, as in the forward
         PROF_SCOPE(be, linear_prof_name(L, 0, name), "bwd",
-                   2.0 * N * L->in * L->out * ((dx ? 1 : 0) + (L->dW ? 1 : 0)) + (L->A ? 4.0 * N * rank * (L->in + L->out) : 0.0),
+                   2.0 * N * L->in * L->out * ((dx ? 1 : 0) + (L->dW ? 1 : 0)) +
+                       (L->A ? 4.0 * N * rank * (L->in + L->out) : 0.0),
                    (double)L->in * L->out * be->wbytes);
-        linear_backward_cuda(B16(dx), CB16(dy), CB16(x), CB16(ax), L, B16(dax), N, rank, scale, accumulate, be->stream); return; }
+        linear_backward_cuda(B16(dx), CB16(dy), CB16(x), CB16(ax), L, B16(dax), N, rank, scale, accumulate, be->stream);
+        return;
+    }
 #endif
     {
         PROF_SCOPE(be, linear_prof_name(L, 0, name), "bwd", 2.0 * N * L->in * L->out * ((dx ? 1 : 0) + (L->dW ? 1 : 0)),
@@ -194,10 +208,12 @@ static double attn_flops(AttnShape s, int products) {
     return products * 2.0 * s.B * s.H * (double)s.T * s.T * s.hd * (s.causal ? 0.5 : 1.0);
 }
 // and its bytes: `tensors` activations of [B*T, H*hd] read or written once each.
-static double attn_bytes(AttnShape s, int abytes, int tensors) { return (double)tensors * s.B * s.T * s.H * s.hd * abytes; }
+static double attn_bytes(AttnShape s, int abytes, int tensors) {
+    return (double)tensors * s.B * s.T * s.H * s.hd * abytes;
+}
 
-static void op_rope(const Backend* be, void* x, const float* cos_t, const float* sin_t, const int* pos, int64_t N, int T, int nheads,
-                    int hd, RopeDir dir) {
+static void op_rope(const Backend* be, void* x, const float* cos_t, const float* sin_t, const int* pos, int64_t N,
+                    int T, int nheads, int hd, RopeDir dir) {
     int inverse = dir == ROPE_INVERSE;
     PROF_SCOPE(be, "rope", inverse ? "bwd" : "fwd", 6.0 * N * nheads * hd, 2.0 * N * nheads * hd * (double)be->abytes);
 #ifdef LLMC_HAVE_CUDA
@@ -236,12 +252,13 @@ static int op_attention_flash_forced(void) {
 #endif
 
 // work: the planned workspace, or NULL (a shape that does not fit it: the flash kernels then).
-static void op_attention_forward(const Backend* be, void* o, float* lse, const void* q, const void* k, const void* v, AttnShape s,
-                                 void* work) {
+static void op_attention_forward(const Backend* be, void* o, float* lse, const void* q, const void* k, const void* v,
+                                 AttnShape s, void* work) {
     PROF_SCOPE(be, "attention", "fwd", attn_flops(s, 2), attn_bytes(s, be->abytes, 4));
 #ifdef LLMC_HAVE_CUDA
     if (be->cuda) {
-        if (work && !op_attention_flash_forced()) attention_forward_gemm_cuda(B16(o), lse, CB16(q), CB16(k), CB16(v), s, work, be->stream);
+        if (work && !op_attention_flash_forced())
+            attention_forward_gemm_cuda(B16(o), lse, CB16(q), CB16(k), CB16(v), s, work, be->stream);
         else attention_forward_cuda(B16(o), lse, CB16(q), CB16(k), CB16(v), s, be->stream);
         return;
     }
@@ -251,17 +268,19 @@ static void op_attention_forward(const Backend* be, void* o, float* lse, const v
 }
 
 // work: the planned workspace (CUDA; it also holds the flash backward's B*H*T row sums).
-static void op_attention_backward(const Backend* be, void* dq, void* dk, void* dv, const void* dout, const void* q, const void* k,
-                                  const void* v, const void* o, const float* lse, AttnShape s, void* work) {
+static void op_attention_backward(const Backend* be, void* dq, void* dk, void* dv, const void* dout, const void* q,
+                                  const void* k, const void* v, const void* o, const float* lse, AttnShape s,
+                                  void* work) {
     PROF_SCOPE(be, "attention", "bwd", attn_flops(s, 4), attn_bytes(s, be->abytes, 8));
 #ifdef LLMC_HAVE_CUDA
     if (be->cuda) {
         if (!work) fail("internal: the CUDA attention backward needs its planned workspace");
         if (!op_attention_flash_forced())
-            attention_backward_gemm_cuda(B16(dq), B16(dk), B16(dv), CB16(dout), CB16(q), CB16(k), CB16(v), CB16(o), lse, s, work, be->stream);
+            attention_backward_gemm_cuda(B16(dq), B16(dk), B16(dv), CB16(dout), CB16(q), CB16(k), CB16(v), CB16(o), lse,
+                                         s, work, be->stream);
         else
-            attention_backward_cuda(B16(dq), B16(dk), B16(dv), CB16(dout), CB16(q), CB16(k), CB16(v), CB16(o), lse, (float*)work, s,
-                                    be->stream);
+            attention_backward_cuda(B16(dq), B16(dk), B16(dv), CB16(dout), CB16(q), CB16(k), CB16(v), CB16(o), lse,
+                                    (float*)work, s, be->stream);
         return;
     }
 #endif
@@ -270,28 +289,35 @@ static void op_attention_backward(const Backend* be, void* dq, void* dk, void* d
 }
 
 // Generation: n new queries at positions start.. against the key/value cache kc, vc (causal).
-static void op_attention_cached(const Backend* be, void* o, const void* q, const void* kc, const void* vc, int n, int start, int H,
-                                int KVH, int hd) {
+static void op_attention_cached(const Backend* be, void* o, const void* q, const void* kc, const void* vc, int n,
+                                int start, int H, int KVH, int hd) {
 #ifdef LLMC_HAVE_CUDA
-    if (be->cuda) { attention_cached_cuda(B16(o), CB16(q), CB16(kc), CB16(vc), n, start, H, KVH, hd, be->stream); return; }
+    if (be->cuda) {
+        attention_cached_cuda(B16(o), CB16(q), CB16(kc), CB16(vc), n, start, H, KVH, hd, be->stream);
+        return;
+    }
 #endif
     attention_cached(F32(o), CF32(q), CF32(kc), CF32(vc), n, start, H, KVH, hd);
 }
 
 // ---- activations -------------------------------------------------------------------------------
 
-static void op_swiglu_forward(const Backend* be, void* p, void* sg, uint8_t* codes, const void* g, const void* u, int64_t n) {
+static void op_swiglu_forward(const Backend* be, void* p, void* sg, uint8_t* codes, const void* g, const void* u,
+                              int64_t n) {
     PROF_SCOPE(be, "swiglu", "fwd", 6.0 * n, 4.0 * n * (double)be->abytes);
 #ifdef LLMC_HAVE_CUDA
     if (be->cuda) { swiglu_forward_cuda(B16(p), B16(sg), codes, CB16(g), CB16(u), n, be->stream); return; }
 #endif
     swiglu_forward(F32(p), F32(sg), codes, CF32(g), CF32(u), n);
 }
-static void op_swiglu_backward(const Backend* be, void* dg, void* du, const void* dp, const void* sg, const void* u, const void* g,
-                               const uint8_t* codes, int64_t n) {
+static void op_swiglu_backward(const Backend* be, void* dg, void* du, const void* dp, const void* sg, const void* u,
+                               const void* g, const uint8_t* codes, int64_t n) {
     PROF_SCOPE(be, "swiglu", "bwd", 8.0 * n, 5.0 * n * (double)be->abytes);
 #ifdef LLMC_HAVE_CUDA
-    if (be->cuda) { swiglu_backward_cuda(B16(dg), B16(du), CB16(dp), CB16(sg), CB16(u), CB16(g), codes, n, be->stream); return; }
+    if (be->cuda) {
+        swiglu_backward_cuda(B16(dg), B16(du), CB16(dp), CB16(sg), CB16(u), CB16(g), codes, n, be->stream);
+        return;
+    }
 #endif
     swiglu_backward(F32(dg), F32(du), CF32(dp), CF32(sg), CF32(u), CF32(g), codes, n);
 }
@@ -302,7 +328,9 @@ static void op_swiglu_backward(const Backend* be, void* dg, void* du, const void
 // every device byte the run allocates. Attached to the handles once allocated; detached before the
 // plan is freed.
 static void op_plan_matmul_workspace(const Backend* be, MemPlan* p, void** work) {
-    if (be->cuda) plan_add_aligned(p, MEM_SCRATCH, "cublas", -1, "cublas_workspace", BLAS_WORKSPACE_BYTES, work, BLAS_WORKSPACE_ALIGN);
+    if (be->cuda)
+        plan_add_aligned(p, MEM_SCRATCH, "cublas", -1, "cublas_workspace", BLAS_WORKSPACE_BYTES, work,
+                         BLAS_WORKSPACE_ALIGN);
 }
 static void op_attach_matmul_workspace(const Backend* be, void* work) {
 #ifdef LLMC_HAVE_CUDA
@@ -354,14 +382,14 @@ static void op_lm_head_loss(const Backend* be, const LmHead* h, const LmHeadCall
 #ifdef LLMC_HAVE_CUDA
     if (be->cuda) {
         LossScratchCuda sc = {B16(lb->z), lb->r, lb->logits, B16(lb->dlogits), B16(lb->dz), lb->row_stats, lb->stats};
-        lm_head_loss_cuda(CB16(c->xf), CB16(h->gamma), h->eps, CB16(h->W), h->V, h->d, c->targets, c->mask, N, h->chunk, c->grad_scale,
-                          B16(c->dxf), c->logits_out, sc, st, be->stream, h->dW, h->dgamma);
+        lm_head_loss_cuda(CB16(c->xf), CB16(h->gamma), h->eps, CB16(h->W), h->V, h->d, c->targets, c->mask, N, h->chunk,
+                          c->grad_scale, B16(c->dxf), c->logits_out, sc, st, be->stream, h->dW, h->dgamma);
         return;
     }
 #endif
     LossScratch sc = {F32(lb->z), lb->r, lb->logits, F32(lb->dz)};
-    lm_head_loss(CF32(c->xf), CF32(h->gamma), h->eps, CF32(h->W), h->V, h->d, c->targets, c->mask, N, h->chunk, c->grad_scale, F32(c->dxf),
-                 c->logits_out, sc, st, h->dW, h->dgamma);
+    lm_head_loss(CF32(c->xf), CF32(h->gamma), h->eps, CF32(h->W), h->V, h->d, c->targets, c->mask, N, h->chunk,
+                 c->grad_scale, F32(c->dxf), c->logits_out, sc, st, h->dW, h->dgamma);
 }
 
 // ---- ViT operations ----------------------------------------------------------------------------
@@ -373,27 +401,33 @@ static void op_lm_head_loss(const Backend* be, const LmHead* h, const LmHeadCall
 
 // LayerNorm: y = (x - mean) * r (* gamma + beta); gamma NULL is the MS form (affine merged into
 // the next linears; mean not written then).
-static void op_layernorm_forward(const Backend* be, void* y, float* r, float* mean, const void* x, const void* gamma, const void* beta,
-                                 int64_t N, int d, float eps) {
+static void op_layernorm_forward(const Backend* be, void* y, float* r, float* mean, const void* x, const void* gamma,
+                                 const void* beta, int64_t N, int d, float eps) {
     PROF_SCOPE(be, "layernorm", "fwd", 7.0 * N * d, 2.0 * N * d * (double)be->abytes);
 #ifdef LLMC_HAVE_CUDA
-    if (be->cuda) { layernorm_forward_cuda(B16(y), r, mean, CB16(x), CB16(gamma), CB16(beta), N, d, eps, be->stream); return; }
+    if (be->cuda) {
+        layernorm_forward_cuda(B16(y), r, mean, CB16(x), CB16(gamma), CB16(beta), N, d, eps, be->stream);
+        return;
+    }
 #endif
     layernorm_forward(F32(y), r, mean, CF32(x), CF32(gamma), CF32(beta), N, d, eps);
 }
 // dx += standard LayerNorm backward from the kept input x.
-static void op_layernorm_backward(const Backend* be, void* dx, const void* dy, const void* x, const float* mean, const float* r,
-                                  const void* gamma, int64_t N, int d) {
+static void op_layernorm_backward(const Backend* be, void* dx, const void* dy, const void* x, const float* mean,
+                                  const float* r, const void* gamma, int64_t N, int d) {
     PROF_SCOPE(be, "layernorm", "bwd", 8.0 * N * d, 4.0 * N * d * (double)be->abytes);
 #ifdef LLMC_HAVE_CUDA
-    if (be->cuda) { layernorm_backward_cuda(B16(dx), CB16(dy), CB16(x), mean, r, CB16(gamma), N, d, be->stream); return; }
+    if (be->cuda) {
+        layernorm_backward_cuda(B16(dx), CB16(dy), CB16(x), mean, r, CB16(gamma), N, d, be->stream);
+        return;
+    }
 #endif
     layernorm_backward(F32(dx), CF32(dy), CF32(x), mean, r, CF32(gamma), N, d);
 }
 // dgamma += sum over rows of dy * (x - mean) * r, dbeta += sum of dy: a trained LayerNorm affine
 // (fp32 gradients on both backends).
-static void op_layernorm_affine_grad(const Backend* be, float* dgamma, float* dbeta, const void* dy, const void* x, const float* mean,
-                                     const float* r, int64_t N, int d) {
+static void op_layernorm_affine_grad(const Backend* be, float* dgamma, float* dbeta, const void* dy, const void* x,
+                                     const float* mean, const float* r, int64_t N, int d) {
     PROF_SCOPE(be, "layernorm affine", "bwd", 4.0 * N * d, 2.0 * N * d * (double)be->abytes);
 #ifdef LLMC_HAVE_CUDA
     if (be->cuda) { layernorm_affine_grad_cuda(dgamma, dbeta, CB16(dy), CB16(x), mean, r, N, d, be->stream); return; }
@@ -401,7 +435,8 @@ static void op_layernorm_affine_grad(const Backend* be, float* dgamma, float* db
     layernorm_affine_grad(dgamma, dbeta, CF32(dy), CF32(x), mean, r, N, d);
 }
 // dx += MS-LN backward from the normalised output z and r alone.
-static void op_layernorm_ms_backward(const Backend* be, void* dx, const void* dz, const void* z, const float* r, int64_t N, int d) {
+static void op_layernorm_ms_backward(const Backend* be, void* dx, const void* dz, const void* z, const float* r,
+                                     int64_t N, int d) {
     PROF_SCOPE(be, "layernorm", "bwd", 7.0 * N * d, 4.0 * N * d * (double)be->abytes);
 #ifdef LLMC_HAVE_CUDA
     if (be->cuda) { layernorm_ms_backward_cuda(B16(dx), CB16(dz), CB16(z), r, N, d, be->stream); return; }
@@ -428,7 +463,8 @@ static void op_gelu_forward(const Backend* be, void* y, uint8_t* codes, const vo
     gelu_forward(F32(y), codes, CF32(x), n, tanh_form);
 }
 // dx = dy * gelu'(x) (exact, x kept) or dy * level(code) (ReGELU2, x NULL); dx may alias dy.
-static void op_gelu_backward(const Backend* be, void* dx, const void* dy, const void* x, const uint8_t* codes, int64_t n, int tanh_form) {
+static void op_gelu_backward(const Backend* be, void* dx, const void* dy, const void* x, const uint8_t* codes,
+                             int64_t n, int tanh_form) {
     PROF_SCOPE(be, "gelu", "bwd", 10.0 * n, 3.0 * n * (double)be->abytes);
 #ifdef LLMC_HAVE_CUDA
     if (be->cuda) { gelu_backward_cuda(B16(dx), CB16(dy), CB16(x), codes, n, tanh_form, be->stream); return; }
@@ -436,11 +472,12 @@ static void op_gelu_backward(const Backend* be, void* dx, const void* dy, const 
     gelu_backward(F32(dx), CF32(dy), CF32(x), codes, n, tanh_form);
 }
 
-// Images [B, C, H, W] (the backend's type: fp32 from the CPU loader, bf16 resized on the GPU) -> patch rows [B*T, C*ph*pw]
-// of the backend's activation type, T = 1 + (H/ph)*(W/pw): token t = 1 + py*gw + px holds patch
-// (py, px) unfolded in the conv kernel's (c, i, j) order; the class token's row (t = 0) is zero,
-// so the patch product lands straight in the residual stream.
-static void op_patch_unfold(const Backend* be, void* patches, const void* pixels_be, int B, int C, int H, int W, int ph, int pw) {
+// Images [B, C, H, W] (the backend's type: fp32 from the CPU loader, bf16 resized on the GPU) -> patch rows [B*T,
+// C*ph*pw] of the backend's activation type, T = 1 + (H/ph)*(W/pw): token t = 1 + py*gw + px holds patch (py, px)
+// unfolded in the conv kernel's (c, i, j) order; the class token's row (t = 0) is zero, so the patch product lands
+// straight in the residual stream.
+static void op_patch_unfold(const Backend* be, void* patches, const void* pixels_be, int B, int C, int H, int W, int ph,
+                            int pw) {
 #ifdef LLMC_HAVE_CUDA
     if (be->cuda) {
         int gw = W / pw, T = 1 + (H / ph) * gw;
@@ -455,9 +492,9 @@ static void op_patch_unfold(const Backend* be, void* patches, const void* pixels
 // CUDA only: raw images [B, sH, sW, sC] (uint8, device) -> pixels [B, C, H, W] (bf16): bilinear
 // taps ty [H] and tx [W] (device), x mirrored where flip[b], /255, (x - mean) / std. The CPU
 // loader does the same on the host (image_loader_convert), so the CPU backend never calls this.
-static void op_resize_normalize_images(const Backend* be, void* pixels, const uint8_t* raw, const ResampleTaps* ty, const ResampleTaps* tx,
-                                       const int* flip, int B, int sH, int sW, int sC, int H, int W, int C, const float* mean,
-                                       const float* std) {
+static void op_resize_normalize_images(const Backend* be, void* pixels, const uint8_t* raw, const ResampleTaps* ty,
+                                       const ResampleTaps* tx, const int* flip, int B, int sH, int sW, int sC, int H,
+                                       int W, int C, const float* mean, const float* std) {
 #ifdef LLMC_HAVE_CUDA
     if (be->cuda) {
         ImageShape s = {B, sH, sW, sC, H, W, C, {0, 0, 0}, {1, 1, 1}};
@@ -466,14 +503,27 @@ static void op_resize_normalize_images(const Backend* be, void* pixels, const ui
         return;
     }
 #endif
-    (void)be; (void)pixels; (void)raw; (void)ty; (void)tx; (void)flip; (void)B; (void)sH; (void)sW; (void)sC; (void)H; (void)W; (void)C;
+    (void)be;
+    (void)pixels;
+    (void)raw;
+    (void)ty;
+    (void)tx;
+    (void)flip;
+    (void)B;
+    (void)sH;
+    (void)sW;
+    (void)sC;
+    (void)H;
+    (void)W;
+    (void)C;
     (void)mean; (void)std;
     fail("internal: op_resize_normalize_images is the CUDA backend's (the CPU loader normalises on the host)");
 }
 
 // After the patch product x [N, d] (N = B*T): x[b, 0] = cls + pos[0] (the class token);
 // x[b, t] += patch_b + pos[t] for the patches (t > 0).
-static void op_patch_embed_finish(const Backend* be, void* x, const void* cls, const void* patch_b, const void* pos, int64_t N, int T, int d) {
+static void op_patch_embed_finish(const Backend* be, void* x, const void* cls, const void* patch_b, const void* pos,
+                                  int64_t N, int T, int d) {
 #ifdef LLMC_HAVE_CUDA
     if (be->cuda) { patch_embed_finish_cuda(B16(x), CB16(cls), CB16(patch_b), CB16(pos), N, T, d, be->stream); return; }
 #endif
@@ -482,8 +532,8 @@ static void op_patch_embed_finish(const Backend* be, void* x, const void* cls, c
 
 // Its backward when the embeddings train (fp32 gradients): dcls += sum_b dx[b, 0], dpos[t] +=
 // sum_b dx[b, t], dpatch_b += the sum over every patch row (t > 0).
-static void op_patch_embed_finish_backward(const Backend* be, float* dcls, float* dpatch_b, float* dpos, const void* dx, int64_t N, int T,
-                                           int d) {
+static void op_patch_embed_finish_backward(const Backend* be, float* dcls, float* dpatch_b, float* dpos, const void* dx,
+                                           int64_t N, int T, int d) {
 #ifdef LLMC_HAVE_CUDA
     if (be->cuda) { patch_embed_finish_backward_cuda(dcls, dpatch_b, dpos, CB16(dx), N, T, d, be->stream); return; }
 #endif
@@ -492,7 +542,8 @@ static void op_patch_embed_finish_backward(const Backend* be, float* dcls, float
 
 // dst[r*dst_stride + c] = src[r*src_stride + c], rows x d activations (strides in elements): the
 // class-token rows out of the residual stream, and their gradient back into it.
-static void op_copy_rows(const Backend* be, void* dst, int64_t dst_stride, const void* src, int64_t src_stride, int64_t rows, int d) {
+static void op_copy_rows(const Backend* be, void* dst, int64_t dst_stride, const void* src, int64_t src_stride,
+                         int64_t rows, int d) {
 #ifdef LLMC_HAVE_CUDA
     if (be->cuda) { copy_rows_cuda(B16(dst), dst_stride, CB16(src), src_stride, rows, d, be->stream); return; }
 #endif
@@ -514,7 +565,8 @@ static void op_f32_to_acts(const Backend* be, void* dst, const float* src, int64
 }
 
 // The fp32 linear layer (the classification head): y [N, out] = x W^T + bias.
-static void op_linear_f32_forward(const Backend* be, float* y, const float* x, const float* W, const float* bias, int N, int out, int in) {
+static void op_linear_f32_forward(const Backend* be, float* y, const float* x, const float* W, const float* bias, int N,
+                                  int out, int in) {
 #ifdef LLMC_HAVE_CUDA
     if (be->cuda) { matmul_nt_bias_cuda(y, x, W, bias, N, out, in, 1.0f, 0, be->stream); return; }
 #endif
@@ -522,8 +574,8 @@ static void op_linear_f32_forward(const Backend* be, float* y, const float* x, c
     add_bias_rows(y, bias, N, out);
 }
 // Its backward: dW += dy^T x and db += sum_n dy[n] (accumulated over micro-batches); dx = dy W.
-static void op_linear_f32_backward(const Backend* be, float* dx, float* dW, float* db, const float* dy, const float* x, const float* W,
-                                   int N, int out, int in) {
+static void op_linear_f32_backward(const Backend* be, float* dx, float* dW, float* db, const float* dy, const float* x,
+                                   const float* W, int N, int out, int in) {
 #ifdef LLMC_HAVE_CUDA
     if (be->cuda) {
         matmul_tn_cuda(dW, dy, x, out, in, N, 1.0f, 1, be->stream);
@@ -540,8 +592,8 @@ static void op_linear_f32_backward(const Backend* be, float* dx, float* dW, floa
 // logits [rows, V] against targets [rows] (backend memory): loss, count and correct add to st (on
 // the host; CUDA synchronises once); dlogits [rows, V] = grad_scale * (softmax - onehot) when
 // grad. logits are left as they are.
-static void op_softmax_ce_rows(const Backend* be, float* dlogits, const float* logits, const int* targets, int64_t rows, int V,
-                               float grad_scale, int grad, const CeBuffers* cb, LossStats* st) {
+static void op_softmax_ce_rows(const Backend* be, float* dlogits, const float* logits, const int* targets, int64_t rows,
+                               int V, float grad_scale, int grad, const CeBuffers* cb, LossStats* st) {
 #ifdef LLMC_HAVE_CUDA
     if (be->cuda) {
         CUDA_CHECK(cudaMemsetAsync(cb->stats, 0, 3 * sizeof(double), be->stream));

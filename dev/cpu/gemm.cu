@@ -15,8 +15,8 @@
 #include "../../llmc/rng.h"
 #include "../../llmc/cpu/matmul.h"
 
-typedef void (*SgemmFn)(int order, int ta, int tb, int M, int N, int K, float alpha, const float* A, int lda, const float* B, int ldb,
-                        float beta, float* C, int ldc);
+typedef void (*SgemmFn)(int order, int ta, int tb, int M, int N, int K, float alpha, const float* A, int lda,
+                        const float* B, int ldb, float beta, float* C, int ldc);
 enum { ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112 };
 
 typedef struct {
@@ -44,8 +44,10 @@ int main(int argc, char** argv) {
     int d = 576, f = 1536, r = 16, T = 512, V = 49152, reps = 3;
     for (int i = 1; i + 1 < argc; i += 2) {
         if (!strcmp(argv[i], "--blas")) blas = argv[i + 1];
-        else if (!strcmp(argv[i], "--shape")) { if (sscanf(argv[i + 1], "%d,%d,%d,%d,%d", &d, &f, &r, &T, &V) != 5) fail("--shape d,f,r,T,V"); }
-        else if (!strcmp(argv[i], "--reps")) reps = atoi(argv[i + 1]);
+        else if (!strcmp(argv[i], "--shape")) {
+            if (sscanf(argv[i + 1], "%d,%d,%d,%d,%d", &d, &f, &r, &T, &V) != 5) fail("--shape d,f,r,T,V");
+        } else if (!strcmp(argv[i], "--reps"))
+            reps = atoi(argv[i + 1]);
         else fail("unknown argument %s", argv[i]);
     }
     SgemmFn sgemm = NULL;
@@ -69,7 +71,8 @@ int main(int argc, char** argv) {
         {"head dz = dl W (chunk)", 'd', chunk, d, V, 0}, {"ceiling 2048^3", 'n', 2048, 2048, 2048, 0},
     };
     int n = sizeof(shapes) / sizeof(shapes[0]);
-    printf("gemm: %d threads; ours = llmc/cpu/matmul.h, blas = %s; GFLOP/s, best of %d\n", omp_get_max_threads(), blas ? blas : "(none)", reps);
+    printf("gemm: %d threads; ours = llmc/cpu/matmul.h, blas = %s; GFLOP/s, best of %d\n", omp_get_max_threads(),
+           blas ? blas : "(none)", reps);
     printf("  %-24s %6s %6s %6s %9s %9s %7s\n", "product", "M", "N", "K", "ours", "blas", "ratio");
     Rng rng = rng_seeded(5, 0);
     double ceiling = 0.0;

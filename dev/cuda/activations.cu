@@ -34,7 +34,8 @@ static void test_swiglu(int64_t n, Rng* rng, int approx) {
     int64_t nb = packed_codes_bytes(n);
     uint8_t* codes = (uint8_t*)xmalloc(nb);
     swiglu_forward(p, sg, approx ? codes : NULL, g, u, n);
-    bf16 *d_g = upload_bf16(g, n), *d_u = upload_bf16(u, n), *d_p = (bf16*)dev_alloc(2 * n), *d_sg = (bf16*)dev_alloc(2 * n);
+    bf16 *d_g = upload_bf16(g, n), *d_u = upload_bf16(u, n), *d_p = (bf16*)dev_alloc(2 * n),
+         *d_sg = (bf16*)dev_alloc(2 * n);
     uint8_t* d_codes = (uint8_t*)dev_alloc(nb);
     dev_poison(d_p, 2 * n);
     dev_poison(d_sg, 2 * n);
@@ -58,7 +59,8 @@ static void test_swiglu(int64_t n, Rng* rng, int approx) {
     float* sg16 = host_copy(sg, n);
     host_round_bf16(sg16, n);
     swiglu_backward(dg, du, dp, sg16, u, approx ? NULL : g, codes, n);
-    bf16 *d_dp = upload_bf16(dp, n), *d_sg16 = upload_bf16(sg16, n), *d_dg = (bf16*)dev_alloc(2 * n), *d_du = (bf16*)dev_alloc(2 * n);
+    bf16 *d_dp = upload_bf16(dp, n), *d_sg16 = upload_bf16(sg16, n), *d_dg = (bf16*)dev_alloc(2 * n),
+         *d_du = (bf16*)dev_alloc(2 * n);
     dev_poison(d_dg, 2 * n);
     dev_poison(d_du, 2 * n);
     // the GPU backward reads the GPU's own codes (identical to the CPU's if the check above passed)
@@ -115,7 +117,8 @@ static void test_gelu(int64_t n, Rng* rng, int mode, int inplace) {
     float* gdx = download_bf16(d_dx, n);
     if (approx) {
         host_round_bf16(dx, n);
-        snprintf(name, sizeof(name), "gelu_backward ReGELU2 dx bit-exact%s, n=%lld", inplace ? " (in place)" : "", (long long)n);
+        snprintf(name, sizeof(name), "gelu_backward ReGELU2 dx bit-exact%s, n=%lld", inplace ? " (in place)" : "",
+                 (long long)n);
         check_equal_f32(name, gdx, dx, n);
     } else {
         snprintf(name, sizeof(name), "gelu_backward %s dx%s, n=%lld", kind, inplace ? " (in place)" : "", (long long)n);
@@ -128,7 +131,8 @@ static void test_gelu(int64_t n, Rng* rng, int mode, int inplace) {
 
 static void time_activations(void) {
     int64_t n = (int64_t)8192 * 11008;  // tokens x LLaMA-7B hidden
-    bf16 *g = (bf16*)dev_alloc(2 * n), *u = (bf16*)dev_alloc(2 * n), *p = (bf16*)dev_alloc(2 * n), *sg = (bf16*)dev_alloc(2 * n);
+    bf16 *g = (bf16*)dev_alloc(2 * n), *u = (bf16*)dev_alloc(2 * n), *p = (bf16*)dev_alloc(2 * n),
+         *sg = (bf16*)dev_alloc(2 * n);
     bf16 *dg = (bf16*)dev_alloc(2 * n), *du = (bf16*)dev_alloc(2 * n);
     uint8_t* codes = (uint8_t*)dev_alloc(packed_codes_bytes(n));
     CUDA_CHECK(cudaMemset(g, 0x3f, 2 * n));
@@ -136,10 +140,10 @@ static void time_activations(void) {
     double c = (double)packed_codes_bytes(n);
     report_bandwidth("swiglu_forward ReSiLU2 8192x11008",
                      2.0 * n * 4 + c, time_kernel([&] { swiglu_forward_cuda(p, sg, codes, g, u, n, g_stream); }, 10));
-    report_bandwidth("swiglu_backward ReSiLU2 8192x11008",
-                     2.0 * n * 5 + c, time_kernel([&] { swiglu_backward_cuda(dg, du, p, sg, u, NULL, codes, n, g_stream); }, 10));
-    report_bandwidth("swiglu_backward exact 8192x11008",
-                     2.0 * n * 6, time_kernel([&] { swiglu_backward_cuda(dg, du, p, sg, u, g, NULL, n, g_stream); }, 10));
+    report_bandwidth("swiglu_backward ReSiLU2 8192x11008", 2.0 * n * 5 + c,
+                     time_kernel([&] { swiglu_backward_cuda(dg, du, p, sg, u, NULL, codes, n, g_stream); }, 10));
+    report_bandwidth("swiglu_backward exact 8192x11008", 2.0 * n * 6,
+                     time_kernel([&] { swiglu_backward_cuda(dg, du, p, sg, u, g, NULL, n, g_stream); }, 10));
     report_bandwidth("gelu_forward ReGELU2 8192x11008",
                      2.0 * n * 2 + c, time_kernel([&] { gelu_forward_cuda(p, codes, g, n, 0, g_stream); }, 10));
     report_bandwidth("gelu_backward ReGELU2 8192x11008",

@@ -67,17 +67,23 @@ static void test_norm_and_scale(int64_t n, Rng* rng) {
 
 static void time_adamw(void) {
     int64_t n = (int64_t)64 << 20;  // 64M trainable values (a LoRA r=64 on a 13B model is ~250M)
-    float *p = (float*)dev_alloc(4 * n), *g = (float*)dev_alloc(4 * n), *m = (float*)dev_alloc(4 * n), *v = (float*)dev_alloc(4 * n);
+    float *p = (float*)dev_alloc(4 * n), *g = (float*)dev_alloc(4 * n), *m = (float*)dev_alloc(4 * n),
+          *v = (float*)dev_alloc(4 * n);
     double* scratch = (double*)dev_alloc(sizeof(double) * SUM_SQUARES_SCRATCH);
     CUDA_CHECK(cudaMemset(p, 0, 4 * n));
     CUDA_CHECK(cudaMemset(g, 0, 4 * n));
     CUDA_CHECK(cudaMemset(m, 0, 4 * n));
     CUDA_CHECK(cudaMemset(v, 0, 4 * n));
-    report_bandwidth("adamw_update 64M params",
-                     4.0 * n * 7, time_kernel([&] { adamw_update_cuda(p, g, m, v, n, 1e-3f, 0.9f, 0.999f, 1e-8f, 0.1f, 3, g_stream); }, 10));
+    report_bandwidth(
+        "adamw_update 64M params", 4.0 * n * 7,
+        time_kernel([&] { adamw_update_cuda(p, g, m, v, n, 1e-3f, 0.9f, 0.999f, 1e-8f, 0.1f, 3, g_stream); }, 10));
     report_bandwidth("sum_squares 64M (includes one host sync)",
                      4.0 * n, time_kernel([&] { sum_squares_cuda(g, n, scratch, g_stream); }, 10));
-    CUDA_CHECK(cudaFree(p)); CUDA_CHECK(cudaFree(g)); CUDA_CHECK(cudaFree(m)); CUDA_CHECK(cudaFree(v)); CUDA_CHECK(cudaFree(scratch));
+    CUDA_CHECK(cudaFree(p));
+    CUDA_CHECK(cudaFree(g));
+    CUDA_CHECK(cudaFree(m));
+    CUDA_CHECK(cudaFree(v));
+    CUDA_CHECK(cudaFree(scratch));
 }
 
 int main(void) {

@@ -24,14 +24,18 @@ static void test_attention(AttnShape s, Rng* rng, int packed) {
     float *q = host_randn(nq, rng, 1.0f, 1), *k = host_randn(nk, rng, 1.0f, 1), *v = host_randn(nk, rng, 1.0f, 1);
     float *o = (float*)xmalloc(4 * nq), *lse = (float*)xmalloc(4 * nl);
     attention_forward(o, lse, q, k, v, s);
-    bf16 *d_q = upload_bf16(q, nq), *d_k = upload_bf16(k, nk), *d_v = upload_bf16(v, nk), *d_o = (bf16*)dev_alloc(2 * nq);
+    bf16 *d_q = upload_bf16(q, nq), *d_k = upload_bf16(k, nk), *d_v = upload_bf16(v, nk),
+         *d_o = (bf16*)dev_alloc(2 * nq);
     float* d_lse = (float*)dev_alloc(4 * nl);
     dev_poison(d_o, 2 * nq);
     dev_poison(d_lse, 4 * nl);
     attention_forward_cuda(d_o, d_lse, d_q, d_k, d_v, sd, g_stream);
     float *go = download_bf16(d_o, nq), *glse = download_f32(d_lse, nl);
     char tag[96], name[160];
-    snprintf(tag, sizeof(tag), "B=%d T=%d H=%d KVH=%d hd=%d %s", s.B, s.T, s.H, s.KVH, s.hd, packed ? "causal packed" : s.causal ? "causal" : "bidir");
+    snprintf(tag, sizeof(tag), "B=%d T=%d H=%d KVH=%d hd=%d %s", s.B, s.T, s.H, s.KVH, s.hd,
+             packed     ? "causal packed"
+             : s.causal ? "causal"
+                        : "bidir");
     snprintf(name, sizeof(name), "attn fwd o, %s", tag);
     check_close(name, go, o, nq, 1e-2);
     snprintf(name, sizeof(name), "attn fwd lse, %s", tag);
@@ -104,7 +108,8 @@ static void test_attention_cached(int n, int start, int H, int KVH, int hd, Rng*
     float *q = host_randn(nq, rng, 1.0f, 1), *kc = host_randn(nk, rng, 1.0f, 1), *vc = host_randn(nk, rng, 1.0f, 1);
     float* want = (float*)xmalloc(4 * nq);
     attention_cached(want, q, kc, vc, n, start, H, KVH, hd);
-    bf16 *d_q = upload_bf16(q, nq), *d_k = upload_bf16(kc, nk), *d_v = upload_bf16(vc, nk), *d_o = (bf16*)dev_alloc(2 * nq);
+    bf16 *d_q = upload_bf16(q, nq), *d_k = upload_bf16(kc, nk), *d_v = upload_bf16(vc, nk),
+         *d_o = (bf16*)dev_alloc(2 * nq);
     dev_poison(d_o, 2 * nq);
     attention_cached_cuda(d_o, d_q, d_k, d_v, n, start, H, KVH, hd, g_stream);
     float* got = download_bf16(d_o, nq);
@@ -135,7 +140,8 @@ static void test_rope(int64_t N, int T, int nheads, int hd, Rng* rng) {
         upload_bf16_to(d_x, x, n);
         rope_apply_cuda(d_x, d_cos, d_sin, NULL, N, T, nheads, hd, inverse, g_stream);
         float* got = download_bf16(d_x, n);
-        snprintf(name, sizeof(name), "rope_apply%s, N=%lld T=%d heads=%d hd=%d", inverse ? " inverse" : "", (long long)N, T, nheads, hd);
+        snprintf(name, sizeof(name), "rope_apply%s, N=%lld T=%d heads=%d hd=%d", inverse ? " inverse" : "",
+                 (long long)N, T, nheads, hd);
         check_close(name, got, want, n, 1e-2);
         free(want);
         free(got);
@@ -156,8 +162,10 @@ static void test_rope(int64_t N, int T, int nheads, int hd, Rng* rng) {
 // credited with: the figure is comparable with other flash-attention implementations.
 static void time_attention(AttnShape s, const char* label) {
     int64_t N = (int64_t)s.B * s.T, nq = N * s.H * s.hd, nk = N * s.KVH * s.hd, nl = (int64_t)s.B * s.H * s.T;
-    bf16 *q = (bf16*)dev_alloc(2 * nq), *k = (bf16*)dev_alloc(2 * nk), *v = (bf16*)dev_alloc(2 * nk), *o = (bf16*)dev_alloc(2 * nq);
-    bf16 *dq = (bf16*)dev_alloc(2 * nq), *dk = (bf16*)dev_alloc(2 * nk), *dv = (bf16*)dev_alloc(2 * nk), *dout = (bf16*)dev_alloc(2 * nq);
+    bf16 *q = (bf16*)dev_alloc(2 * nq), *k = (bf16*)dev_alloc(2 * nk), *v = (bf16*)dev_alloc(2 * nk),
+         *o = (bf16*)dev_alloc(2 * nq);
+    bf16 *dq = (bf16*)dev_alloc(2 * nq), *dk = (bf16*)dev_alloc(2 * nk), *dv = (bf16*)dev_alloc(2 * nk),
+         *dout = (bf16*)dev_alloc(2 * nq);
     float *lse = (float*)dev_alloc(4 * nl), *scratch = (float*)dev_alloc(4 * nl);
     CUDA_CHECK(cudaMemset(q, 0x3c, 2 * nq));  // bf16 0x3c3c ~ 0.0115: finite, tame scores
     CUDA_CHECK(cudaMemset(k, 0x3c, 2 * nk));
@@ -168,14 +176,16 @@ static void time_attention(AttnShape s, const char* label) {
     snprintf(name, sizeof(name), "attention_forward %s", label);
     report_flops(name, fwd, time_kernel([&] { attention_forward_cuda(o, lse, q, k, v, s, g_stream); }, 3));
     snprintf(name, sizeof(name), "attention_backward %s", label);
-    report_flops(name, 2.5 * fwd,
-                 time_kernel([&] { attention_backward_cuda(dq, dk, dv, dout, q, k, v, o, lse, scratch, s, g_stream); }, 3));
+    report_flops(
+        name, 2.5 * fwd,
+        time_kernel([&] { attention_backward_cuda(dq, dk, dv, dout, q, k, v, o, lse, scratch, s, g_stream); }, 3));
     void* work = dev_alloc(attn_gemm_work_bytes(&s, 1));
     snprintf(name, sizeof(name), "attention_forward tensor-core GEMMs %s", label);
     report_flops(name, fwd, time_kernel([&] { attention_forward_gemm_cuda(o, lse, q, k, v, s, work, g_stream); }, 3));
     snprintf(name, sizeof(name), "attention_backward tensor-core GEMMs %s", label);
-    report_flops(name, 2.5 * fwd,
-                 time_kernel([&] { attention_backward_gemm_cuda(dq, dk, dv, dout, q, k, v, o, lse, s, work, g_stream); }, 3));
+    report_flops(
+        name, 2.5 * fwd,
+        time_kernel([&] { attention_backward_gemm_cuda(dq, dk, dv, dout, q, k, v, o, lse, s, work, g_stream); }, 3));
     CUDA_CHECK(cudaFree(work));
     float* hl = download_f32(lse, nl);
     int finite = 1;

@@ -42,7 +42,9 @@ static void record(int ok, const char* what, const char* detail) {
 static void check_begin(const char* title) {
     printf("%s\n", title);
 #ifdef LLMC_CUDA_EMU
-    printf("device: the CPU emulator of llmc/cuda/emu/emu.h (kernel logic, and the cuBLAS calls checked against their contracts)\n");
+    printf(
+        "device: the CPU emulator of llmc/cuda/emu/emu.h (kernel logic, and the cuBLAS calls checked against their "
+        "contracts)\n");
 #else
     int count = 0;
     cudaError_t err = cudaGetDeviceCount(&count);
@@ -158,7 +160,9 @@ static int check_equal_bytes(const char* what, const uint8_t* got, const uint8_t
     for (int64_t i = 0; i < n; i++)
         if (got[i] != want[i]) { diff++; if (first < 0) first = i; }
     char detail[160];
-    if (diff) snprintf(detail, sizeof(detail), "(%lld of %lld bytes differ, first at %lld)", (long long)diff, (long long)n, (long long)first);
+    if (diff)
+        snprintf(detail, sizeof(detail), "(%lld of %lld bytes differ, first at %lld)", (long long)diff, (long long)n,
+                 (long long)first);
     else snprintf(detail, sizeof(detail), "(%lld bytes identical)", (long long)n);
     record(diff == 0, what, detail);
     return diff == 0;
@@ -171,8 +175,8 @@ static int check_equal_f32(const char* what, const float* got, const float* want
         if (!(got[i] == want[i])) { diff++; if (first < 0) first = i; }
     char detail[200];
     if (diff)
-        snprintf(detail, sizeof(detail), "(%lld of %lld differ, first at %lld: %.9g vs %.9g)", (long long)diff, (long long)n,
-                 (long long)first, got[first], want[first]);
+        snprintf(detail, sizeof(detail), "(%lld of %lld differ, first at %lld: %.9g vs %.9g)", (long long)diff,
+                 (long long)n, (long long)first, got[first], want[first]);
     else snprintf(detail, sizeof(detail), "(%lld values bit-identical)", (long long)n);
     record(diff == 0, what, detail);
     return diff == 0;

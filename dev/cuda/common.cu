@@ -12,7 +12,8 @@ __global__ void test_warp_kernel(float* sums, float* maxes, float* group8, const
 }
 
 // Two back-to-back block sums on the same scratch (x, then x^2), a double sum, and the argmax.
-__global__ void test_block_kernel(float* sums, float* sums2, double* dsums, float* maxv, int64_t* maxi, const float* x) {
+__global__ void test_block_kernel(float* sums, float* sums2, double* dsums, float* maxv, int64_t* maxi,
+                                  const float* x) {
     int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     float v = x[i];
     float s = block_reduce_sum(v);
@@ -69,7 +70,8 @@ static void test_block(Rng* rng, int threads) {
     hx[threads + threads / 3] = 7.0f;
     hx[threads + threads - 1] = 7.0f;
     float* dx = (float*)upload(hx, sizeof(float) * n);
-    float *ds = (float*)dev_alloc(4 * blocks), *ds2 = (float*)dev_alloc(4 * blocks), *dmv = (float*)dev_alloc(4 * blocks);
+    float *ds = (float*)dev_alloc(4 * blocks), *ds2 = (float*)dev_alloc(4 * blocks),
+          *dmv = (float*)dev_alloc(4 * blocks);
     double* dd = (double*)dev_alloc(8 * blocks);
     int64_t* dmi = (int64_t*)dev_alloc(8 * blocks);
     dev_poison(ds, 4 * blocks); dev_poison(ds2, 4 * blocks); dev_poison(dmv, 4 * blocks);

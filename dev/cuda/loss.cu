@@ -21,13 +21,17 @@ static LossScratchCuda alloc_loss_scratch(int chunk, int d, int V) {
     return sc;
 }
 static void free_loss_scratch(LossScratchCuda sc) {
-    CUDA_CHECK(cudaFree(sc.z)); CUDA_CHECK(cudaFree(sc.r)); CUDA_CHECK(cudaFree(sc.logits)); CUDA_CHECK(cudaFree(sc.dlogits));
+    CUDA_CHECK(cudaFree(sc.z));
+    CUDA_CHECK(cudaFree(sc.r));
+    CUDA_CHECK(cudaFree(sc.logits));
+    CUDA_CHECK(cudaFree(sc.dlogits));
     CUDA_CHECK(cudaFree(sc.dz)); CUDA_CHECK(cudaFree(sc.row_stats)); CUDA_CHECK(cudaFree(sc.stats));
 }
 
 static void test_lm_head(int64_t N, int d, int V, int chunk, int grad, Rng* rng) {
     float eps = 1e-5f, grad_scale = 1.0f / 29.0f;
-    float *xf = host_randn(N * d, rng, 1.0f, 1), *gamma = host_randn(d, rng, 1.0f, 1), *W = host_randn((int64_t)V * d, rng, 0.3f, 1);
+    float *xf = host_randn(N * d, rng, 1.0f, 1), *gamma = host_randn(d, rng, 1.0f, 1),
+          *W = host_randn((int64_t)V * d, rng, 0.3f, 1);
     for (int64_t n : {(int64_t)1, N - 2})  // RMS ~1e30, beyond 2^64: two overflowed rows
         for (int i = 0; i < d; i++) xf[n * d + i] = bf16_round(xf[n * d + i] * 1e30f);
     int* targets = (int*)xmalloc(sizeof(int) * N);
@@ -60,7 +64,8 @@ static void test_lm_head(int64_t N, int d, int V, int chunk, int grad, Rng* rng)
     // the trained head and final norm (full fine-tuning): dW and dgamma accumulate onto random values
     float *dW0 = host_randn((int64_t)V * d, rng, 0.1f, 0), *dg0 = host_randn(d, rng, 0.1f, 0);
     float *dW = host_copy(dW0, (int64_t)V * d), *dg = host_copy(dg0, d);
-    lm_head_loss(xf, gamma, eps, W, V, d, targets, mask, N, chunk, grad_scale, grad ? dx : NULL, logits, cs, &st, dW, dg);
+    lm_head_loss(xf, gamma, eps, W, V, d, targets, mask, N, chunk, grad_scale, grad ? dx : NULL, logits, cs, &st, dW,
+                 dg);
     // GPU
     LossScratchCuda sc = alloc_loss_scratch(chunk, d, V);
     bf16 *d_xf = upload_bf16(xf, N * d), *d_gamma = upload_bf16(gamma, d), *d_W = upload_bf16(W, (int64_t)V * d);
@@ -70,8 +75,8 @@ static void test_lm_head(int64_t N, int d, int V, int chunk, int grad, Rng* rng)
     dev_poison(d_logits, 4 * N * V);
     LossStats gst = {};
     float *d_dW = (float*)upload(dW0, 4 * (int64_t)V * d), *d_dg = (float*)upload(dg0, 4 * (int64_t)d);
-    lm_head_loss_cuda(d_xf, d_gamma, eps, d_W, V, d, d_t, d_mask, N, chunk, grad_scale, grad ? d_dx : NULL, d_logits, sc, &gst,
-                      g_stream, d_dW, d_dg);
+    lm_head_loss_cuda(d_xf, d_gamma, eps, d_W, V, d, d_t, d_mask, N, chunk, grad_scale, grad ? d_dx : NULL, d_logits,
+                      sc, &gst, g_stream, d_dW, d_dg);
     char tag[96], name[160], detail[160];
     snprintf(tag, sizeof(tag), "N=%lld d=%d V=%d chunk=%d%s", (long long)N, d, V, chunk, grad ? "" : " eval");
     float* glogits = download_f32(d_logits, N * V);
@@ -114,7 +119,16 @@ static void test_lm_head(int64_t N, int d, int V, int chunk, int grad, Rng* rng)
     CUDA_CHECK(cudaFree(d_t)); CUDA_CHECK(cudaFree(d_mask)); CUDA_CHECK(cudaFree(d_logits)); CUDA_CHECK(cudaFree(d_dW));
     CUDA_CHECK(cudaFree(d_dg));
     free(dW0); free(dg0); free(dW); free(dg);
-    free(xf); free(gamma); free(W); free(targets); free(mask); free(dx0); free(cs.z); free(cs.r); free(cs.logits); free(cs.dz);
+    free(xf);
+    free(gamma);
+    free(W);
+    free(targets);
+    free(mask);
+    free(dx0);
+    free(cs.z);
+    free(cs.r);
+    free(cs.logits);
+    free(cs.dz);
     free(logits); free(dx); free(glogits);
 }
 
@@ -146,7 +160,8 @@ static void test_ce_rows(int rows, int V, Rng* rng) {
     snprintf(name, sizeof(name), "softmax_ce_rows fp32 dlogits, rows=%d V=%d", rows, V);
     check_close(name, got, want, (int64_t)rows * V, 1e-5);
     snprintf(name, sizeof(name), "softmax_ce_rows loss/count/correct, rows=%d V=%d", rows, V);
-    snprintf(detail, sizeof(detail), "(loss %.6f vs %.6f, count %.0f, correct %.0f vs %.0f)", h[0], loss, h[1], h[2], correct);
+    snprintf(detail, sizeof(detail), "(loss %.6f vs %.6f, count %.0f, correct %.0f vs %.0f)", h[0], loss, h[1], h[2],
+             correct);
     check_true(name, fabs(h[0] - loss) < 1e-4 * fmax(1.0, fabs(loss)) && h[1] == rows && h[2] == correct, detail);
     CUDA_CHECK(cudaFree(d_logits)); CUDA_CHECK(cudaFree(d_dl)); CUDA_CHECK(cudaFree(d_rows)); CUDA_CHECK(cudaFree(d_t));
     CUDA_CHECK(cudaFree(d_stats));
@@ -157,7 +172,8 @@ static void time_lm_head(void) {
     int64_t N = 8192;
     int d = 4096, V = 32000, chunk = 2048;
     LossScratchCuda sc = alloc_loss_scratch(chunk, d, V);
-    bf16 *xf = (bf16*)dev_alloc(2 * N * d), *gamma = (bf16*)dev_alloc(2 * (int64_t)d), *W = (bf16*)dev_alloc(2 * (int64_t)V * d);
+    bf16 *xf = (bf16*)dev_alloc(2 * N * d), *gamma = (bf16*)dev_alloc(2 * (int64_t)d),
+         *W = (bf16*)dev_alloc(2 * (int64_t)V * d);
     bf16* dx = (bf16*)dev_alloc(2 * N * d);
     int* t = (int*)dev_alloc(sizeof(int) * N);
     CUDA_CHECK(cudaMemset(xf, 0x3c, 2 * N * d));
@@ -167,13 +183,22 @@ static void time_lm_head(void) {
     CUDA_CHECK(cudaMemset(t, 0, sizeof(int) * N));
     LossStats st = {};
     double flops = 2.0 * 2.0 * N * V * d;  // logits and dz products
-    report_flops("lm_head_loss 8192 tok, d=4096, V=32000, chunk 2048",
-                 flops, time_kernel([&] { lm_head_loss_cuda(xf, gamma, 1e-5f, W, V, d, t, NULL, N, chunk, 1.0f / N, dx, NULL, sc, &st, g_stream); }, 3));
+    report_flops("lm_head_loss 8192 tok, d=4096, V=32000, chunk 2048", flops,
+                 time_kernel(
+                     [&] {
+                         lm_head_loss_cuda(xf, gamma, 1e-5f, W, V, d, t, NULL, N, chunk, 1.0f / N, dx, NULL, sc, &st,
+                                           g_stream);
+                     },
+                     3));
     char detail[96];
     snprintf(detail, sizeof(detail), "(loss sum %.3f over %.0f tokens)", st.loss_sum, st.count);
     check_true("timed lm_head_loss gave a finite loss", isfinite(st.loss_sum), detail);
     free_loss_scratch(sc);
-    CUDA_CHECK(cudaFree(xf)); CUDA_CHECK(cudaFree(gamma)); CUDA_CHECK(cudaFree(W)); CUDA_CHECK(cudaFree(dx)); CUDA_CHECK(cudaFree(t));
+    CUDA_CHECK(cudaFree(xf));
+    CUDA_CHECK(cudaFree(gamma));
+    CUDA_CHECK(cudaFree(W));
+    CUDA_CHECK(cudaFree(dx));
+    CUDA_CHECK(cudaFree(t));
 }
 
 int main(void) {

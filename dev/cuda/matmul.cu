@@ -18,7 +18,8 @@ typedef enum { P_BF16, P_BF16_F32OUT, P_F32 } Path;
 static const char* path_name[3] = {"bf16->bf16", "bf16->fp32", "fp32->fp32"};
 static const char* form_name[3] = {"nt", "nn", "tn"};
 
-static void cpu_matmul(MatmulForm f, float* C, const float* A, const float* B, int M, int N, int K, float alpha, int acc) {
+static void cpu_matmul(MatmulForm f, float* C, const float* A, const float* B, int M, int N, int K, float alpha,
+                       int acc) {
     if (f == MM_NT) matmul_nt(C, A, B, M, N, K, alpha, acc);
     else if (f == MM_NN) matmul_nn(C, A, B, M, N, K, alpha, acc);
     else matmul_tn(C, A, B, M, N, K, alpha, acc);
@@ -68,8 +69,8 @@ static void test_matmul(MatmulForm f, Path p, int M, int N, int K, float alpha, 
         CUDA_CHECK(cudaFree(dA)); CUDA_CHECK(cudaFree(dB)); CUDA_CHECK(cudaFree(dbias));
     }
     char name[160];
-    snprintf(name, sizeof(name), "matmul_%s%s %s M=%d N=%d K=%d alpha=%g%s", form_name[f], bias_mode ? "_bias" : "", path_name[p],
-             M, N, K, alpha, acc ? " accumulate" : "");
+    snprintf(name, sizeof(name), "matmul_%s%s %s M=%d N=%d K=%d alpha=%g%s", form_name[f], bias_mode ? "_bias" : "",
+             path_name[p], M, N, K, alpha, acc ? " accumulate" : "");
     check_close(name, got, want, nc, p == P_BF16 ? 1e-2 : 1e-5);
     free(A); free(B); free(C0); free(bias); free(want); free(got);
 }
@@ -78,7 +79,8 @@ static void test_matmul(MatmulForm f, Path p, int M, int N, int K, float alpha, 
 // for bit), and dA += G diag(gamma) + colsum beta^T (fp32; the CPU twin's float products, up to a
 // fused multiply-add: tolerance 1e-6).
 static void test_lora_norm_kernels(int rank, int in, int with_beta, Rng* rng) {
-    float *A = host_randn((int64_t)rank * in, rng, 0.1f, 0), *gamma = host_randn(in, rng, 1.0f, 1), *beta = host_randn(in, rng, 0.5f, 1);
+    float *A = host_randn((int64_t)rank * in, rng, 0.1f, 0), *gamma = host_randn(in, rng, 1.0f, 1),
+          *beta = host_randn(in, rng, 0.5f, 1);
     float *G = host_randn((int64_t)rank * in, rng, 1.0f, 0), *colsum = host_randn(rank, rng, 1.0f, 0);
     float *dA0 = host_randn((int64_t)rank * in, rng, 0.1f, 0), *dA = host_copy(dA0, (int64_t)rank * in);
     float* Ag = (float*)xmalloc(4 * (int64_t)rank * in);
@@ -87,7 +89,8 @@ static void test_lora_norm_kernels(int rank, int in, int with_beta, Rng* rng) {
     lora_norm_grad(dA, G, gamma, with_beta ? beta : NULL, colsum, rank, in);
     float *d_A = (float*)upload(A, 4 * (int64_t)rank * in), *d_G = (float*)upload(G, 4 * (int64_t)rank * in);
     float *d_colsum = (float*)upload(colsum, 4 * (int64_t)rank), *d_dA = (float*)upload(dA0, 4 * (int64_t)rank * in);
-    bf16 *d_gamma = upload_bf16(gamma, in), *d_beta = upload_bf16(beta, in), *d_Ag = (bf16*)dev_alloc(2 * (int64_t)rank * in);
+    bf16 *d_gamma = upload_bf16(gamma, in), *d_beta = upload_bf16(beta, in),
+         *d_Ag = (bf16*)dev_alloc(2 * (int64_t)rank * in);
     lora_fold_gamma_cuda(d_Ag, d_A, d_gamma, rank, in, g_stream);
     lora_norm_grad_cuda(d_dA, d_G, d_gamma, with_beta ? d_beta : NULL, d_colsum, rank, in, g_stream);
     float *gAg = download_bf16(d_Ag, (int64_t)rank * in), *gdA = download_f32(d_dA, (int64_t)rank * in);
@@ -124,19 +127,28 @@ static void test_lora_dropout_kernels(int64_t N, int in, int norm, float p, Rng*
     lora_dropout_bind(&L, &d, 5);
     G = L;
     bf16 *d_gamma = upload_bf16(gamma, in), *d_beta = upload_bf16(beta, in);
-    if (norm) { L.norm_gamma = gamma; L.norm_beta = norm == 2 ? beta : NULL; G.norm_gamma = d_gamma; G.norm_beta = norm == 2 ? d_beta : NULL; }
+    if (norm) {
+        L.norm_gamma = gamma;
+        L.norm_beta = norm == 2 ? beta : NULL;
+        G.norm_gamma = d_gamma;
+        G.norm_beta = norm == 2 ? d_beta : NULL;
+    }
     float *xa = (float*)xmalloc(4 * n), *dx = host_copy(dx0, n);
     lora_dropout_input(xa, x, &L, N);
     host_round_bf16(xa, n);
     lora_dropout_input_backward(dx, t, &L, N);
     host_round_bf16(dx, n);
-    bf16 *d_x = upload_bf16(x, n), *d_t = upload_bf16(t, n), *d_dx = upload_bf16(dx0, n), *d_xa = (bf16*)dev_alloc(2 * n);
+    bf16 *d_x = upload_bf16(x, n), *d_t = upload_bf16(t, n), *d_dx = upload_bf16(dx0, n),
+         *d_xa = (bf16*)dev_alloc(2 * n);
     dev_poison(d_xa, 2 * n);
     lora_dropout_input_cuda(d_xa, d_x, &G, N, g_stream);
     lora_dropout_input_backward_cuda(d_dx, d_t, &G, N, g_stream);
     float *gxa = download_bf16(d_xa, n), *gdx = download_bf16(d_dx, n);
     char tag[96], name[160];
-    snprintf(tag, sizeof(tag), "p=%g N=%lld in=%d%s", p, (long long)N, in, norm == 1 ? " behind RMSNorm" : norm == 2 ? " behind LayerNorm" : "");
+    snprintf(tag, sizeof(tag), "p=%g N=%lld in=%d%s", p, (long long)N, in,
+             norm == 1   ? " behind RMSNorm"
+             : norm == 2 ? " behind LayerNorm"
+                         : "");
     snprintf(name, sizeof(name), "lora_dropout_input, %s", tag);
     check_equal_f32(name, gxa, xa, n);
     snprintf(name, sizeof(name), "lora_dropout_input_backward (accumulated), %s", tag);
@@ -148,12 +160,14 @@ static void test_lora_dropout_kernels(int64_t N, int in, int norm, float p, Rng*
 
 // drop_p > 0: training with LoRA dropout (the adapter reads dropout(gamma*x + beta), both sides
 // keyed alike).
-static void test_linear(int64_t N, int in, int out, int rank, int with_bias, int with_lora, Rng* rng, int norm = 0, float drop_p = 0.0f) {
+static void test_linear(int64_t N, int in, int out, int rank, int with_bias, int with_lora, Rng* rng, int norm = 0,
+                        float drop_p = 0.0f) {
     float scale = 2.0f;
     float *W = host_randn((int64_t)out * in, rng, 0.1f, 1), *bias = host_randn(out, rng, 0.5f, 1);
     float *A = host_randn((int64_t)rank * in, rng, 0.1f, 1), *B = host_randn((int64_t)out * rank, rng, 0.1f, 1);
     float *dA0 = host_randn((int64_t)rank * in, rng, 0.1f, 0), *dB0 = host_randn((int64_t)out * rank, rng, 0.1f, 0);
-    float *x = host_randn(N * in, rng, 1.0f, 1), *y0 = host_randn(N * out, rng, 1.0f, 1), *dy = host_randn(N * out, rng, 1.0f, 1);
+    float *x = host_randn(N * in, rng, 1.0f, 1), *y0 = host_randn(N * out, rng, 1.0f, 1),
+          *dy = host_randn(N * out, rng, 1.0f, 1);
     float *dx0 = host_randn(N * in, rng, 1.0f, 1);
     // CPU
     float *dA = host_copy(dA0, (int64_t)rank * in), *dB = host_copy(dB0, (int64_t)out * rank);
@@ -161,8 +175,24 @@ static void test_linear(int64_t N, int in, int out, int rank, int with_bias, int
     float *dW0 = host_randn((int64_t)out * in, rng, 0.1f, 0), *dW = host_copy(dW0, (int64_t)out * in);
     float *db0 = host_randn(out, rng, 0.1f, 0), *db = host_copy(db0, out);  // and its bias, when it has one
     int train_bias = with_bias && !with_lora;
-    Linear L = {in, out, W, with_bias ? bias : NULL, with_lora ? A : NULL, with_lora ? B : NULL, dA, dB, with_lora ? NULL : dW,
-                train_bias ? db : NULL, {}, NULL, NULL, NULL, NULL, NULL, NULL, 0};  // dev: no CUDA copy yet; no norm, NF4 or dropout (bound below)
+    Linear L = {in,
+                out,
+                W,
+                with_bias ? bias : NULL,
+                with_lora ? A : NULL,
+                with_lora ? B : NULL,
+                dA,
+                dB,
+                with_lora ? NULL : dW,
+                train_bias ? db : NULL,
+                {},
+                NULL,
+                NULL,
+                NULL,
+                NULL,
+                NULL,
+                NULL,
+                0};  // dev: no CUDA copy yet; no norm, NF4 or dropout (bound below)
     float *gamma = host_randn(in, rng, 1.0f, 1), *beta = host_randn(in, rng, 0.5f, 1);
     void* work = xmalloc(lora_norm_work_bytes(rank, in, 4));
     if (norm) lora_norm_bind(&L, gamma, norm == 2 ? beta : NULL, work);
@@ -206,14 +236,18 @@ static void test_linear(int64_t N, int in, int out, int rank, int with_bias, int
     if (norm) lora_norm_bind(&G, d_gamma, norm == 2 ? d_beta : NULL, d_work);
     if (drop_p > 0) lora_dropout_bind(&G, &drop_gpu, 4);
     bf16 *d_x = upload_bf16(x, N * in), *d_y = upload_bf16(y0, N * out), *d_dy = upload_bf16(dy, N * out);
-    bf16 *d_dx = upload_bf16(dx0, N * in), *d_ax = (bf16*)dev_alloc(2 * N * rank), *d_dax = (bf16*)dev_alloc(2 * N * rank);
+    bf16 *d_dx = upload_bf16(dx0, N * in), *d_ax = (bf16*)dev_alloc(2 * N * rank),
+         *d_dax = (bf16*)dev_alloc(2 * N * rank);
     dev_poison(d_ax, 2 * N * rank);
     dev_poison(d_dax, 2 * N * rank);
     linear_forward_cuda(d_y, d_x, &G, d_ax, N, rank, scale, 1, g_stream);
     linear_backward_cuda(d_dx, d_dy, d_x, d_ax, &G, d_dax, N, rank, scale, 1, g_stream);
     char tag[128], name[200];
-    snprintf(tag, sizeof(tag), "N=%lld in=%d out=%d r=%d%s%s%s%s", (long long)N, in, out, rank, with_bias ? " bias" : "",
-             with_lora ? " lora" : "", norm == 1 ? " behind merged RMSNorm" : norm == 2 ? " behind merged LayerNorm" : "",
+    snprintf(tag, sizeof(tag), "N=%lld in=%d out=%d r=%d%s%s%s%s", (long long)N, in, out, rank,
+             with_bias ? " bias" : "", with_lora ? " lora" : "",
+             norm == 1   ? " behind merged RMSNorm"
+             : norm == 2 ? " behind merged LayerNorm"
+                         : "",
              drop_p > 0 ? " dropout" : "");
     float *gy = download_bf16(d_y, N * out), *gdx = download_bf16(d_dx, N * in);
     for (int64_t i = 0; i < N * out; i++) { gy[i] -= y0[i]; y[i] -= y0[i]; }  // compare what was added
@@ -234,7 +268,10 @@ static void test_linear(int64_t N, int in, int out, int rank, int with_bias, int
         snprintf(name, sizeof(name), "linear_backward dB (fp32, accumulated), %s", tag);
         check_close(name, gdB, dB, (int64_t)out * rank, 1e-2);
         free(gax); free(gdA); free(gdB);
-        CUDA_CHECK(cudaFree(D->A)); CUDA_CHECK(cudaFree(D->B)); CUDA_CHECK(cudaFree(D->A16)); CUDA_CHECK(cudaFree(D->B16));
+        CUDA_CHECK(cudaFree(D->A));
+        CUDA_CHECK(cudaFree(D->B));
+        CUDA_CHECK(cudaFree(D->A16));
+        CUDA_CHECK(cudaFree(D->B16));
         CUDA_CHECK(cudaFree(D->dA)); CUDA_CHECK(cudaFree(D->dB));
     } else {
         float* gdW = download_f32(D->dW, (int64_t)out * in);
@@ -260,12 +297,24 @@ static void test_linear(int64_t N, int in, int out, int rank, int with_bias, int
     CUDA_CHECK(cudaFree(d_gamma)); CUDA_CHECK(cudaFree(d_beta)); CUDA_CHECK(cudaFree(d_work));
     CUDA_CHECK(cudaFree(drop_gpu.work));
     free(gamma); free(beta); free(work); free(drop_cpu.work);
-    free(W); free(bias); free(A); free(B); free(dA0); free(dB0); free(x); free(y0); free(dy); free(dx0); free(dA); free(dB);
+    free(W);
+    free(bias);
+    free(A);
+    free(B);
+    free(dA0);
+    free(dB0);
+    free(x);
+    free(y0);
+    free(dy);
+    free(dx0);
+    free(dA);
+    free(dB);
     free(y); free(ax); free(dax); free(dx); free(ax16); free(gy); free(gdx);
 }
 
 static void time_matmul(MatmulForm f, int M, int N, int K, const char* label) {
-    bf16 *A = (bf16*)dev_alloc(2 * (int64_t)M * K), *B = (bf16*)dev_alloc(2 * (int64_t)N * K), *C = (bf16*)dev_alloc(2 * (int64_t)M * N);
+    bf16 *A = (bf16*)dev_alloc(2 * (int64_t)M * K), *B = (bf16*)dev_alloc(2 * (int64_t)N * K),
+         *C = (bf16*)dev_alloc(2 * (int64_t)M * N);
     CUDA_CHECK(cudaMemset(A, 0x3c, 2 * (int64_t)M * K));
     CUDA_CHECK(cudaMemset(B, 0x3c, 2 * (int64_t)N * K));
     char name[128];
@@ -275,7 +324,8 @@ static void time_matmul(MatmulForm f, int M, int N, int K, const char* label) {
 }
 
 static void time_matmul_f32(int M, int N, int K) {
-    float *A = (float*)dev_alloc(4 * (int64_t)M * K), *B = (float*)dev_alloc(4 * (int64_t)N * K), *C = (float*)dev_alloc(4 * (int64_t)M * N);
+    float *A = (float*)dev_alloc(4 * (int64_t)M * K), *B = (float*)dev_alloc(4 * (int64_t)N * K),
+          *C = (float*)dev_alloc(4 * (int64_t)M * N);
     CUDA_CHECK(cudaMemset(A, 0, 4 * (int64_t)M * K));
     CUDA_CHECK(cudaMemset(B, 0, 4 * (int64_t)N * K));
     char name[128];

@@ -19,7 +19,8 @@ static void test_embed(int64_t N, int d, int V, Rng* rng) {
     for (int64_t i = 0; i < N; i++) ids[i] = (int)rng_below(rng, V);
     ids[0] = V - 1;  // the last row of the table
     float* want = (float*)xmalloc(4 * N * d);
-    for (int64_t n = 0; n < N; n++) memcpy(want + n * d, embed + (int64_t)ids[n] * d, sizeof(float) * d);  // llmc/ops.h op_embed
+    for (int64_t n = 0; n < N; n++)
+        memcpy(want + n * d, embed + (int64_t)ids[n] * d, sizeof(float) * d);  // llmc/ops.h op_embed
     bf16 *d_e = upload_bf16(embed, (int64_t)V * d), *d_x = (bf16*)dev_alloc(2 * N * d);
     int* d_ids = (int*)upload(ids, sizeof(int) * N);
     dev_poison(d_x, 2 * N * d);
@@ -60,7 +61,8 @@ static void test_embedding_backward(int64_t N, int d, int V, Rng* rng) {
 static void test_multiply_bias(int64_t N, int out, Rng* rng) {
     int64_t n = N * out;
     float *a = host_randn(n, rng, 1.0f, 1), *b = host_randn(n, rng, 1.0f, 1), *bias = host_randn(out, rng, 1.0f, 1);
-    bf16 *d_a = upload_bf16(a, n), *d_b = upload_bf16(b, n), *d_out = (bf16*)dev_alloc(2 * n), *d_bias = upload_bf16(bias, out);
+    bf16 *d_a = upload_bf16(a, n), *d_b = upload_bf16(b, n), *d_out = (bf16*)dev_alloc(2 * n),
+         *d_bias = upload_bf16(bias, out);
     char name[96];
     // elementwise product (SwiGLU's down input rebuilt from silu(g) and u), one rounding
     float* want3 = (float*)xmalloc(4 * n);
@@ -148,8 +150,8 @@ static void test_patches(int B, int C, int H, int W, int ph, int pw, int d, Rng*
         int py = (t - 1) / gw, pxx = (t - 1) % gw;
         for (int ch = 0; ch < C; ch++)
             for (int i = 0; i < ph; i++)
-                memcpy(row + ((int64_t)ch * ph + i) * pw, pixels + (((int64_t)b * C + ch) * H + py * ph + i) * W + pxx * pw,
-                       sizeof(float) * pw);
+                memcpy(row + ((int64_t)ch * ph + i) * pw,
+                       pixels + (((int64_t)b * C + ch) * H + py * ph + i) * W + pxx * pw, sizeof(float) * pw);
     }
     bf16 *d_pix = upload_bf16(pixels, (int64_t)B * C * H * W), *d_patches = (bf16*)dev_alloc(2 * N * P);
     dev_poison(d_patches, 2 * N * P);
@@ -180,12 +182,16 @@ static void test_patches(int B, int C, int H, int W, int ph, int pw, int d, Rng*
         if (t == 0) for (int64_t i = 0; i < d; i++) xr[i] = cls[i] + p[i];
         else for (int64_t i = 0; i < d; i++) xr[i] += pb[i] + p[i];
     }
-    bf16 *d_x = upload_bf16(x, N * d), *d_cls = upload_bf16(cls, d), *d_pb = upload_bf16(pb, d), *d_pos = upload_bf16(pos, (int64_t)T * d);
+    bf16 *d_x = upload_bf16(x, N * d), *d_cls = upload_bf16(cls, d), *d_pb = upload_bf16(pb, d),
+         *d_pos = upload_bf16(pos, (int64_t)T * d);
     patch_embed_finish_cuda(d_x, d_cls, d_pb, d_pos, N, T, d, g_stream);
     float* gx = download_bf16(d_x, N * d);
     snprintf(name, sizeof(name), "patch_embed_finish, B=%d T=%d d=%d", B, T, d);
     check_close(name, gx, wantx, N * d, 1e-2);
-    CUDA_CHECK(cudaFree(d_pix)); CUDA_CHECK(cudaFree(d_patches)); CUDA_CHECK(cudaFree(d_x)); CUDA_CHECK(cudaFree(d_cls));
+    CUDA_CHECK(cudaFree(d_pix));
+    CUDA_CHECK(cudaFree(d_patches));
+    CUDA_CHECK(cudaFree(d_x));
+    CUDA_CHECK(cudaFree(d_cls));
     CUDA_CHECK(cudaFree(d_pb)); CUDA_CHECK(cudaFree(d_pos));
     free(pixels); free(want); free(got); free(x); free(cls); free(pb); free(pos); free(wantx); free(gx);
 }
@@ -199,7 +205,8 @@ static void test_patch_embed_backward(int B, int T, int d, Rng* rng) {
     float *wc = host_copy(c0, d), *wb = host_copy(b0, d), *wp = host_copy(p0, Td);
     patch_embed_finish_backward(wc, wb, wp, dx, N, T, d);
     bf16* d_dx = upload_bf16(dx, N * d);
-    float *d_c = (float*)upload(c0, 4 * (int64_t)d), *d_b = (float*)upload(b0, 4 * (int64_t)d), *d_p = (float*)upload(p0, 4 * Td);
+    float *d_c = (float*)upload(c0, 4 * (int64_t)d), *d_b = (float*)upload(b0, 4 * (int64_t)d),
+          *d_p = (float*)upload(p0, 4 * Td);
     patch_embed_finish_backward_cuda(d_c, d_b, d_p, d_dx, N, T, d, g_stream);
     float *gc = download_f32(d_c, d), *gb = download_f32(d_b, d), *gp = download_f32(d_p, Td);
     for (int i = 0; i < d; i++) { gc[i] -= c0[i]; wc[i] -= c0[i]; gb[i] -= b0[i]; wb[i] -= b0[i]; }
@@ -270,7 +277,8 @@ static void test_image(int B, int sH, int sW, int sC, int H, int W, int C, Rng* 
         image_loader_convert(&L, b, flip[b], want + b * per);
     }
     uint8_t* d_src = (uint8_t*)upload(shard.pixels, (size_t)B * sH * sW * sC);
-    ResampleTaps *d_ty = (ResampleTaps*)upload(L.ty, sizeof(ResampleTaps) * H), *d_tx = (ResampleTaps*)upload(L.tx, sizeof(ResampleTaps) * W);
+    ResampleTaps *d_ty = (ResampleTaps*)upload(L.ty, sizeof(ResampleTaps) * H),
+                 *d_tx = (ResampleTaps*)upload(L.tx, sizeof(ResampleTaps) * W);
     int* d_flip = (int*)upload(flip, sizeof(int) * B);
     bf16* d_dst = (bf16*)dev_alloc(2 * B * per);
     dev_poison(d_dst, 2 * B * per);
@@ -293,27 +301,36 @@ static void time_misc(void) {
     CUDA_CHECK(cudaMemset(ids, 0, sizeof(int) * N));
     CUDA_CHECK(cudaMemset(e, 0x3c, 2 * (int64_t)V * d));
     CUDA_CHECK(cudaMemset(y, 0x3c, 2 * N * d));
-    report_bandwidth("embed_tokens 16384x4096", 2.0 * 2 * N * d, time_kernel([&] { embed_tokens_cuda(x, e, ids, N, d, g_stream); }, 10));
+    report_bandwidth("embed_tokens 16384x4096", 2.0 * 2 * N * d,
+                     time_kernel([&] { embed_tokens_cuda(x, e, ids, N, d, g_stream); }, 10));
     int B = 64, H = 224, W = 224;
     uint8_t* src = (uint8_t*)dev_alloc((size_t)B * 256 * 256 * 3);
     bf16* dst = (bf16*)dev_alloc(2 * (int64_t)B * 3 * H * W);
     CUDA_CHECK(cudaMemset(src, 7, (size_t)B * 256 * 256 * 3));
-    ResampleTaps *ty = (ResampleTaps*)xmalloc(sizeof(ResampleTaps) * H), *tx = (ResampleTaps*)xmalloc(sizeof(ResampleTaps) * W);
+    ResampleTaps *ty = (ResampleTaps*)xmalloc(sizeof(ResampleTaps) * H),
+                 *tx = (ResampleTaps*)xmalloc(sizeof(ResampleTaps) * W);
     bilinear_taps(ty, 256, H);
     bilinear_taps(tx, 256, W);
-    ResampleTaps *d_ty = (ResampleTaps*)upload(ty, sizeof(ResampleTaps) * H), *d_tx = (ResampleTaps*)upload(tx, sizeof(ResampleTaps) * W);
+    ResampleTaps *d_ty = (ResampleTaps*)upload(ty, sizeof(ResampleTaps) * H),
+                 *d_tx = (ResampleTaps*)upload(tx, sizeof(ResampleTaps) * W);
     ImageShape s = {B, 256, 256, 3, H, W, 3, {0.5f, 0.5f, 0.5f}, {0.5f, 0.5f, 0.5f}};
     report_bandwidth("image_resize_normalize 64 x 256^2 -> 224^2",
                      (double)B * 256 * 256 * 3 + 2.0 * B * 3 * H * W,
                      time_kernel([&] { image_resize_normalize_cuda(dst, src, d_ty, d_tx, NULL, s, g_stream); }, 10));
-    CUDA_CHECK(cudaFree(e)); CUDA_CHECK(cudaFree(x)); CUDA_CHECK(cudaFree(y)); CUDA_CHECK(cudaFree(ids)); CUDA_CHECK(cudaFree(src));
+    CUDA_CHECK(cudaFree(e));
+    CUDA_CHECK(cudaFree(x));
+    CUDA_CHECK(cudaFree(y));
+    CUDA_CHECK(cudaFree(ids));
+    CUDA_CHECK(cudaFree(src));
     CUDA_CHECK(cudaFree(dst)); CUDA_CHECK(cudaFree(d_ty)); CUDA_CHECK(cudaFree(d_tx));
     free(ty); free(tx);
 }
 
 int main(void) {
     Rng rng = rng_seeded(17, 7);
-    check_begin("dev/cuda/misc: embedding, residual, bias, column scaling, patches, strided rows, image resize vs their CPU twins");
+    check_begin(
+        "dev/cuda/misc: embedding, residual, bias, column scaling, patches, strided rows, image resize vs their CPU "
+        "twins");
     test_embed(37, 67, 101, &rng);
     test_embed(5, 512, 7, &rng);
     test_embedding_backward(37, 67, 11, &rng);

@@ -31,12 +31,14 @@ static void scale_rows(float* x, NormCase c, float scale, int layer, Rng* rng) {
 static void test_forward(NormCase c, Rng* rng, int layer, int ms, float scale) {
     int64_t N = c.N, nd = N * c.d;
     float eps = 1e-5f;
-    float *x = host_randn(nd, rng, 2.0f, 1), *gamma = host_randn(c.d, rng, 1.0f, 1), *beta = host_randn(c.d, rng, 0.5f, 1);
+    float *x = host_randn(nd, rng, 2.0f, 1), *gamma = host_randn(c.d, rng, 1.0f, 1),
+          *beta = host_randn(c.d, rng, 0.5f, 1);
     for (int i = 0; i < c.d; i++) x[i] += 3.0f;  // a row with a large mean: the LayerNorm two-pass variance matters
     host_round_bf16(x, c.d);
     scale_rows(x, c, scale, layer, rng);
     float *y = (float*)xmalloc(4 * nd), *r = (float*)xmalloc(4 * N), *mean = (float*)xmalloc(4 * N);
-    bf16 *dx = upload_bf16(x, nd), *dg = upload_bf16(gamma, c.d), *db = upload_bf16(beta, c.d), *dy = (bf16*)dev_alloc(2 * nd);
+    bf16 *dx = upload_bf16(x, nd), *dg = upload_bf16(gamma, c.d), *db = upload_bf16(beta, c.d),
+         *dy = (bf16*)dev_alloc(2 * nd);
     float *dr = (float*)dev_alloc(4 * N), *dmean = (float*)dev_alloc(4 * N);
     dev_poison(dy, 2 * nd);
     dev_poison(dr, 4 * N);
@@ -50,7 +52,8 @@ static void test_forward(NormCase c, Rng* rng, int layer, int ms, float scale) {
     }
     float *gy = download_bf16(dy, nd), *gr = download_f32(dr, N);
     char name[128];
-    const char* kind = layer ? (ms ? "layernorm_forward MS" : "layernorm_forward") : (ms ? "rmsnorm_forward MS" : "rmsnorm_forward");
+    const char* kind =
+        layer ? (ms ? "layernorm_forward MS" : "layernorm_forward") : (ms ? "rmsnorm_forward MS" : "rmsnorm_forward");
     snprintf(name, sizeof(name), "%s y, N=%lld d=%d, |x|~%g", kind, (long long)N, c.d, scale);
     check_close(name, gy, y, nd, 1e-2);
     snprintf(name, sizeof(name), "%s r, N=%lld d=%d, |x|~%g", kind, (long long)N, c.d, scale);
@@ -88,7 +91,8 @@ static void test_backward(NormCase c, Rng* rng, int layer, int ms, float scale) 
         if (ms) rmsnorm_ms_backward(dx, dz, z, r, N, c.d);
         else rmsnorm_backward(dx, dz, x, r, gamma, N, c.d);
     }
-    bf16 *d_dx = upload_bf16(dx0, nd), *d_dz = upload_bf16(dz, nd), *d_z = upload_bf16(z, nd), *d_x = upload_bf16(x, nd);
+    bf16 *d_dx = upload_bf16(dx0, nd), *d_dz = upload_bf16(dz, nd), *d_z = upload_bf16(z, nd),
+         *d_x = upload_bf16(x, nd);
     bf16* d_g = upload_bf16(gamma, c.d);
     float *d_r = (float*)upload(r, 4 * N), *d_mean = (float*)upload(mean, 4 * N);
     if (layer) {
@@ -103,7 +107,8 @@ static void test_backward(NormCase c, Rng* rng, int layer, int ms, float scale) 
     for (int64_t i = 0; i < nd; i++) { got[i] -= dx0[i]; dx[i] -= dx0[i]; }
     char name[128];
     snprintf(name, sizeof(name), "%s dx (accumulated), N=%lld d=%d, |x|~%g",
-             layer ? (ms ? "layernorm_ms_backward" : "layernorm_backward") : (ms ? "rmsnorm_ms_backward" : "rmsnorm_backward"),
+             layer ? (ms ? "layernorm_ms_backward" : "layernorm_backward")
+                   : (ms ? "rmsnorm_ms_backward" : "rmsnorm_backward"),
              (long long)N, c.d, scale);
     check_close(name, got, dx, nd, 1e-2);
     CUDA_CHECK(cudaFree(d_dx)); CUDA_CHECK(cudaFree(d_dz)); CUDA_CHECK(cudaFree(d_z)); CUDA_CHECK(cudaFree(d_x));
@@ -149,9 +154,11 @@ static void test_affine_grad(NormCase c, Rng* rng, float scale) {
     float *gg = download_f32(d_g, c.d), *gb = download_f32(d_b, c.d);
     for (int i = 0; i < c.d; i++) { gg[i] -= g0[i]; wg[i] -= g0[i]; gb[i] -= b0[i]; wb[i] -= b0[i]; }
     char name[96];
-    snprintf(name, sizeof(name), "layernorm_affine_grad dgamma (accumulated), N=%lld d=%d, |x|~%g", (long long)c.N, c.d, scale);
+    snprintf(name, sizeof(name), "layernorm_affine_grad dgamma (accumulated), N=%lld d=%d, |x|~%g", (long long)c.N, c.d,
+             scale);
     check_close(name, gg, wg, c.d, 1e-3);
-    snprintf(name, sizeof(name), "layernorm_affine_grad dbeta (accumulated), N=%lld d=%d, |x|~%g", (long long)c.N, c.d, scale);
+    snprintf(name, sizeof(name), "layernorm_affine_grad dbeta (accumulated), N=%lld d=%d, |x|~%g", (long long)c.N, c.d,
+             scale);
     check_close(name, gb, wb, c.d, 1e-3);
     CUDA_CHECK(cudaFree(d_dy)); CUDA_CHECK(cudaFree(d_x)); CUDA_CHECK(cudaFree(d_r)); CUDA_CHECK(cudaFree(d_mean));
     CUDA_CHECK(cudaFree(d_g)); CUDA_CHECK(cudaFree(d_b));
@@ -162,7 +169,8 @@ static void time_norms(void) {
     int64_t N = 16384;
     int d = 4096;
     int64_t nd = N * d;
-    bf16 *x = (bf16*)dev_alloc(2 * nd), *y = (bf16*)dev_alloc(2 * nd), *dz = (bf16*)dev_alloc(2 * nd), *dx = (bf16*)dev_alloc(2 * nd);
+    bf16 *x = (bf16*)dev_alloc(2 * nd), *y = (bf16*)dev_alloc(2 * nd), *dz = (bf16*)dev_alloc(2 * nd),
+         *dx = (bf16*)dev_alloc(2 * nd);
     bf16* g = (bf16*)dev_alloc(2 * d);
     float *r = (float*)dev_alloc(4 * N), *mean = (float*)dev_alloc(4 * N);
     CUDA_CHECK(cudaMemset(x, 0x3f, 2 * nd));  // bf16 0x3f3f ~ 0.75: finite values
@@ -172,8 +180,8 @@ static void time_norms(void) {
     double rw = 2.0 * nd * 2 + 4.0 * N;  // read x, write y, write r
     report_bandwidth("rmsnorm_forward 16384x4096",
                      rw, time_kernel([&] { rmsnorm_forward_cuda(y, r, x, g, N, d, 1e-5f, g_stream); }, 20));
-    report_bandwidth("layernorm_forward 16384x4096",
-                     rw + 4.0 * N, time_kernel([&] { layernorm_forward_cuda(y, r, mean, x, g, g, N, d, 1e-5f, g_stream); }, 20));
+    report_bandwidth("layernorm_forward 16384x4096", rw + 4.0 * N,
+                     time_kernel([&] { layernorm_forward_cuda(y, r, mean, x, g, g, N, d, 1e-5f, g_stream); }, 20));
     double rb = 2.0 * nd * 4 + 4.0 * N;  // read dz, z, dx; write dx
     report_bandwidth("rmsnorm_ms_backward 16384x4096",
                      rb, time_kernel([&] { rmsnorm_ms_backward_cuda(dx, dz, y, r, N, d, g_stream); }, 20));

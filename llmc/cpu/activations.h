@@ -32,7 +32,8 @@ static inline void act_store(float* y, int64_t i, int64_t n, vx_f8 v) {
 // The codes of 8 pre-activations (relu3_code lane by lane) packed into 2 bytes, element i in
 // bits 2*(i&3) of byte i>>2. A ragged tail is padded with -inf, whose code is 0.
 static inline void act_codes8(uint8_t* out, int64_t i, int64_t n, vx_f8 x, Relu3Fit fit) {
-    vx_i8 c = -((x > vx_splat(fit.c1)) + (x > vx_splat(fit.c2)) + (x > vx_splat(fit.c3)));  // each comparison is 0 or -1
+    vx_i8 c =
+        -((x > vx_splat(fit.c1)) + (x > vx_splat(fit.c2)) + (x > vx_splat(fit.c3)));  // each comparison is 0 or -1
     c = c << (vx_i8){0, 2, 4, 6, 0, 2, 4, 6};
     uint8_t b[2] = {(uint8_t)(c[0] | c[1] | c[2] | c[3]), (uint8_t)(c[4] | c[5] | c[6] | c[7])};
     int64_t nb = packed_codes_bytes(n) - i / 4;

@@ -20,7 +20,8 @@
 // Rotate-half RoPE (pairs i, i+hd/2) applied in place to x [N, nheads*hd] at position pos[n]
 // (packed examples restart at 0), or n % T when pos is NULL. cos/sin tables are [T, hd/2].
 // inverse = 1 applies the transpose rotation (the backward).
-static void rope_apply(float* x, const float* cos_t, const float* sin_t, const int* pos, int64_t N, int T, int nheads, int hd, int inverse) {
+static void rope_apply(float* x, const float* cos_t, const float* sin_t, const int* pos, int64_t N, int T, int nheads,
+                       int hd, int inverse) {
     int half = hd / 2;
     float sgn = inverse ? -1.0f : 1.0f;
 #pragma omp parallel for schedule(static) if (N * nheads * hd > 32768)
@@ -94,8 +95,8 @@ static void attn_pack(float* dst, const float* x, const AttnShape* s, int cols) 
 // C[M, N] (+)= alpha * A(m, k) B(k, n), k in [0, K), on one thread, with A(m, k) = A[m*sam + k*sak]
 // and B packed: column panel p at Bp + p * pstride, row k of it at + k * MM_NR. Ap: scratch for
 // the packed A, (M + MM_MR) * ATT_KC floats. k runs in blocks of ATT_KC, in order.
-static void attn_gemm(float* C, int64_t ldc, const float* A, int64_t sam, int64_t sak, const float* Bp, int64_t pstride, int M, int N, int K,
-                      float alpha, int accumulate, float* Ap) {
+static void attn_gemm(float* C, int64_t ldc, const float* A, int64_t sam, int64_t sak, const float* Bp, int64_t pstride,
+                      int M, int N, int K, float alpha, int accumulate, float* Ap) {
     int full = sak == 1 ? M / MM_MR : 0;  // 6-row slivers read in place (rows contiguous); the rest packed
     for (int k0 = 0; k0 < K; k0 += ATT_KC) {
         int kc = K - k0 < ATT_KC ? K - k0 : ATT_KC, store = k0 == 0 && !accumulate;
@@ -155,17 +156,21 @@ static void attention_forward(float* o, float* lse, const float* q, const float*
         for (int b = 0; b < s.B; b++)
             for (int h = 0; h < s.H; h++)
                 for (int qb = 0; qb < nqb; qb++) {
-                    int t0 = qb * ATT_BLOCK, t1 = t0 + ATT_BLOCK < s.T ? t0 + ATT_BLOCK : s.T, m = t1 - t0, kh = h / group, lo, hi;
+                    int t0 = qb * ATT_BLOCK, t1 = t0 + ATT_BLOCK < s.T ? t0 + ATT_BLOCK : s.T, m = t1 - t0,
+                        kh = h / group, lo, hi;
                     attn_key_range(&s, b, t0, t1, &lo, &hi);
                     int nk = hi - lo;
                     int64_t r0 = ((int64_t)b * s.T + t0) * qs + (int64_t)h * s.hd, bh = (int64_t)b * s.KVH + kh;
-                    attn_gemm(S, nk, q + r0, qs, 1, kc + bh * csz + (int64_t)lo * s.hd, (int64_t)s.hd * MM_NR, m, nk, s.hd, scale, 0, Ap);  // S = scale q k^T
+                    attn_gemm(S, nk, q + r0, qs, 1, kc + bh * csz + (int64_t)lo * s.hd, (int64_t)s.hd * MM_NR, m, nk,
+                              s.hd, scale, 0, Ap);  // S = scale q k^T
                     for (int t = t0; t < t1; t++) {
                         int a, e;
                         attn_visible_range(&s, b, t, &a, &e);
-                        lse[((int64_t)b * s.H + h) * s.T + t] = attn_softmax_row(S + (int64_t)(t - t0) * nk, nk, a - lo, e - lo);
+                        lse[((int64_t)b * s.H + h) * s.T + t] =
+                            attn_softmax_row(S + (int64_t)(t - t0) * nk, nk, a - lo, e - lo);
                     }
-                    attn_gemm(o + r0, qs, S, nk, 1, vr + bh * rsz + (int64_t)lo * MM_NR, (int64_t)s.T * MM_NR, m, s.hd, nk, 1.0f, 0, Ap);  // o = P v
+                    attn_gemm(o + r0, qs, S, nk, 1, vr + bh * rsz + (int64_t)lo * MM_NR, (int64_t)s.T * MM_NR, m, s.hd,
+                              nk, 1.0f, 0, Ap);  // o = P v
                 }
         free(S);
     }
@@ -240,8 +245,8 @@ typedef struct {
 // One unit: head h of sequence b, query blocks [qb0, qb1). dq rows written; dk, dv contributions
 // summed into kacc, vacc (row j at j * ld; rows [0, T) zeroed here first). Scratch: S and dP
 // [ATT_BLOCK, T], Ap (ATT_BLOCK + MM_MR) * ATT_KC.
-static void attn_backward_unit(float* dq, float* kacc, float* vacc, int64_t ld, const AttnBwdArgs* A, int b, int h, int qb0, int qb1,
-                               float* S, float* dP, float* Ap) {
+static void attn_backward_unit(float* dq, float* kacc, float* vacc, int64_t ld, const AttnBwdArgs* A, int b, int h,
+                               int qb0, int qb1, float* S, float* dP, float* Ap) {
     const AttnShape* s = &A->s;
     int64_t qs = (int64_t)s->H * s->hd, bh = (int64_t)b * s->KVH + h / (s->H / s->KVH);
     int64_t csz = attn_cols_size(s), rsz = attn_rows_size(s), cstride = (int64_t)s->hd * MM_NR;
@@ -255,8 +260,10 @@ static void attn_backward_unit(float* dq, float* kacc, float* vacc, int64_t ld, 
         attn_key_range(s, b, t0, t1, &lo, &hi);
         int nk = hi - lo;
         int64_t r0 = ((int64_t)b * s->T + t0) * qs + (int64_t)h * s->hd;
-        attn_gemm(S, nk, A->q + r0, qs, 1, A->kc + bh * csz + (int64_t)lo * s->hd, cstride, m, nk, s->hd, scale, 0, Ap);     // S = scale q k^T
-        attn_gemm(dP, nk, A->dout + r0, qs, 1, A->vc + bh * csz + (int64_t)lo * s->hd, cstride, m, nk, s->hd, 1.0f, 0, Ap);  // dP = do v^T
+        attn_gemm(S, nk, A->q + r0, qs, 1, A->kc + bh * csz + (int64_t)lo * s->hd, cstride, m, nk, s->hd, scale, 0,
+                  Ap);  // S = scale q k^T
+        attn_gemm(dP, nk, A->dout + r0, qs, 1, A->vc + bh * csz + (int64_t)lo * s->hd, cstride, m, nk, s->hd, 1.0f, 0,
+                  Ap);  // dP = do v^T
         for (int t = t0; t < t1; t++) {
             const float *dot = A->dout + r0 + (int64_t)(t - t0) * qs, *ot = A->o + r0 + (int64_t)(t - t0) * qs;
             float D = attn_dot(dot, ot, s->hd);
@@ -265,7 +272,8 @@ static void attn_backward_unit(float* dq, float* kacc, float* vacc, int64_t ld, 
             attn_grad_row(S + (int64_t)(t - t0) * nk, dP + (int64_t)(t - t0) * nk, nk, a - lo, e - lo,
                           A->lse[((int64_t)b * s->H + h) * s->T + t], D, scale);
         }
-        attn_gemm(dq + r0, qs, dP, nk, 1, A->kr + bh * rsz + (int64_t)lo * MM_NR, (int64_t)s->T * MM_NR, m, s->hd, nk, 1.0f, 0, Ap);  // dq = dS k
+        attn_gemm(dq + r0, qs, dP, nk, 1, A->kr + bh * rsz + (int64_t)lo * MM_NR, (int64_t)s->T * MM_NR, m, s->hd, nk,
+                  1.0f, 0, Ap);  // dq = dS k
         mm_gemm(vacc + lo * ld, ld, S, 1, nk, A->dout + r0, qs, 1, nk, s->hd, m, 1.0f, 1, 0);  // dv += P^T do
         mm_gemm(kacc + lo * ld, ld, dP, 1, nk, A->q + r0, qs, 1, nk, s->hd, m, 1.0f, 1, 0);    // dk += dS^T q
     }
@@ -281,7 +289,8 @@ static void attention_backward(float* dq, float* dk, float* dv, const float* dou
     int per_kv = group * nch, units = s.B * s.H * nch;  // units per kv head, in all
     int64_t part = (int64_t)s.T * s.hd;                  // floats of one unit's partial dk (or dv)
     float* packs = (float*)malloc(sizeof(float) * nbh * (2 * csz + rsz));
-    float* pk = per_kv > 1 ? (float*)malloc(sizeof(float) * 2 * part * units) : NULL;  // slots of the first units stay unused
+    float* pk =
+        per_kv > 1 ? (float*)malloc(sizeof(float) * 2 * part * units) : NULL;  // slots of the first units stay unused
     AttnBwdArgs A = {dout, q, o, lse, packs, packs + nbh * csz, packs + 2 * nbh * csz, s};
     int par = (double)s.B * s.H * s.T * s.T * s.hd > (1 << 18);
 #pragma omp parallel if (par)
@@ -308,7 +317,8 @@ static void attention_backward(float* dq, float* dk, float* dv, const float* dou
                     for (int kh = 0; kh < s.KVH; kh++) {
                         float *dkj = dk + ((int64_t)b * s.T + j) * ks + (int64_t)kh * s.hd, *dvj = dv + (dkj - dk);
                         for (int r = 1; r < per_kv; r++) {
-                            const float* pu = pk + 2 * part * (((int64_t)b * s.KVH + kh) * per_kv + r) + (int64_t)j * s.hd;
+                            const float* pu =
+                                pk + 2 * part * (((int64_t)b * s.KVH + kh) * per_kv + r) + (int64_t)j * s.hd;
                             for (int i = 0; i < s.hd; i++) {
                                 dkj[i] += pu[i];
                                 dvj[i] += pu[part + i];
@@ -324,7 +334,8 @@ static void attention_backward(float* dq, float* dk, float* dv, const float* dou
 // Attention of n new queries against a key/value cache (generation): q [n, H*hd] at absolute
 // positions start .. start+n-1, kc and vc [cap, KVH*hd] holding every position up to start+n-1
 // (the new rows included); causal. o [n, H*hd]. No lse: nothing is trained from it.
-static void attention_cached(float* o, const float* q, const float* kc, const float* vc, int n, int start, int H, int KVH, int hd) {
+static void attention_cached(float* o, const float* q, const float* kc, const float* vc, int n, int start, int H,
+                             int KVH, int hd) {
     int64_t qs = (int64_t)H * hd, ks = (int64_t)KVH * hd;
     int group = H / KVH;
     float scale = 1.0f / sqrtf((float)hd);

@@ -68,13 +68,15 @@ static void patch_unfold(float* patches, const float* pixels, int B, int C, int 
         int py = (t - 1) / gw, px = (t - 1) % gw;
         for (int ch = 0; ch < C; ch++)
             for (int i = 0; i < ph; i++)
-                memcpy(row + ((int64_t)ch * ph + i) * pw, pixels + (((int64_t)b * C + ch) * H + py * ph + i) * W + px * pw, sizeof(float) * pw);
+                memcpy(row + ((int64_t)ch * ph + i) * pw,
+                       pixels + (((int64_t)b * C + ch) * H + py * ph + i) * W + px * pw, sizeof(float) * pw);
     }
 }
 
 // After the patch product x [N, d] (N = B*T): x[b, 0] = cls + pos[0] (the class token);
 // x[b, t] += patch_b + pos[t] for the patches (t > 0).
-static void patch_embed_finish(float* x, const float* cls, const float* patch_b, const float* pos, int64_t N, int T, int d) {
+static void patch_embed_finish(float* x, const float* cls, const float* patch_b, const float* pos, int64_t N, int T,
+                               int d) {
 #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++) {
         float* xr = x + n * d;
@@ -88,7 +90,8 @@ static void patch_embed_finish(float* x, const float* cls, const float* patch_b,
 // The ViT embeddings' gradient from dx [N, d] (N = B*T, token 0 of each image the class token):
 // dcls += sum_b dx[b, 0], dpos[t] += sum_b dx[b, t], dpatch_b += the sum over every patch row
 // (t > 0). Columns in parallel, images in order.
-static void patch_embed_finish_backward(float* dcls, float* dpatch_b, float* dpos, const float* dx, int64_t N, int T, int d) {
+static void patch_embed_finish_backward(float* dcls, float* dpatch_b, float* dpos, const float* dx, int64_t N, int T,
+                                        int d) {
     int64_t B = N / T;
 #pragma omp parallel for schedule(static) if (N * d > 32768)
     for (int c = 0; c < d; c++) {

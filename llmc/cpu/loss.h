@@ -48,9 +48,9 @@ static double ce_row(float* row, int V, int target, float weight, float grad_sca
 // receives the logits when non-NULL (tests). grad_scale = 1 / (masked tokens of the whole step).
 // Full fine-tuning also trains the head and the final norm: dW [V,d] and dgamma [d] accumulate
 // when non-NULL (with dxf).
-static void lm_head_loss(const float* xf, const float* gamma, float eps, const float* W, int V, int d, const int* targets,
-                         const float* mask, int64_t N, int chunk, float grad_scale, float* dxf, float* logits_out,
-                         LossScratch sc, LossStats* st, float* dW = NULL, float* dgamma = NULL) {
+static void lm_head_loss(const float* xf, const float* gamma, float eps, const float* W, int V, int d,
+                         const int* targets, const float* mask, int64_t N, int chunk, float grad_scale, float* dxf,
+                         float* logits_out, LossScratch sc, LossStats* st, float* dW = NULL, float* dgamma = NULL) {
     for (int64_t n0 = 0; n0 < N; n0 += chunk) {
         int c = (int)(N - n0 < chunk ? N - n0 : chunk);
         rmsnorm_forward(sc.z, sc.r, xf + n0 * d, gamma, c, d, eps);
@@ -79,8 +79,8 @@ static void lm_head_loss(const float* xf, const float* gamma, float eps, const f
 // Softmax cross-entropy over a few rows of fp32 logits (a classification head), every row counted:
 // loss, count and correct add to st; dlogits [rows, V] = grad_scale * (softmax - onehot) when grad.
 // logits are left as they are (ce_row works in place: on a copy of the row in dlogits).
-static void softmax_ce_rows(float* dlogits, const float* logits, const int* targets, int64_t rows, int V, float grad_scale, int grad,
-                            LossStats* st) {
+static void softmax_ce_rows(float* dlogits, const float* logits, const int* targets, int64_t rows, int V,
+                            float grad_scale, int grad, LossStats* st) {
     for (int64_t i = 0; i < rows; i++) {
         float* row = dlogits + i * V;
         memcpy(row, logits + i * V, sizeof(float) * V);

@@ -94,7 +94,8 @@ static void mm_pack_panel(float* dst, const float* B, int64_t sbk, int64_t sbn, 
 // from n = 0 (attention's packed keys and values).
 static void mm_pack_b(float* Bp, const float* B, int64_t sbk, int64_t sbn, int k0, int kc, int p0, int p1, int N) {
     for (int p = p0; p < p1; p++)
-        mm_pack_panel(Bp + (int64_t)p * kc * MM_NR, B, sbk, sbn, k0, kc, p * MM_NR, N - p * MM_NR < MM_NR ? N - p * MM_NR : MM_NR);
+        mm_pack_panel(Bp + (int64_t)p * kc * MM_NR, B, sbk, sbn, k0, kc, p * MM_NR,
+                      N - p * MM_NR < MM_NR ? N - p * MM_NR : MM_NR);
 }
 
 // A(m, k) = A[m*sam + k*sak], rows [m0, m0+mc), k in [k0, k0+kc), into MR-row slivers
@@ -103,7 +104,8 @@ static void mm_pack_a(float* Ap, const float* A, int64_t sam, int64_t sak, int m
     for (int s = 0; s < (mc + MM_MR - 1) / MM_MR; s++) {
         float* dst = Ap + (int64_t)s * kc * MM_MR;
         if (sam == 1 && s * MM_MR + MM_MR <= mc) {  // A read down its columns (A^T products): MR rows side by side
-            for (int k = 0; k < kc; k++) memcpy(dst + (int64_t)k * MM_MR, A + (int64_t)(k0 + k) * sak + m0 + s * MM_MR, sizeof(float) * MM_MR);
+            for (int k = 0; k < kc; k++)
+                memcpy(dst + (int64_t)k * MM_MR, A + (int64_t)(k0 + k) * sak + m0 + s * MM_MR, sizeof(float) * MM_MR);
             continue;
         }
         for (int i = 0; i < MM_MR; i++) {
@@ -119,8 +121,10 @@ static void mm_pack_a(float* Ap, const float* A, int64_t sam, int64_t sak, int m
 // C += alpha * c, with a(i, k) = a[i*sa + k*ka] and b(k, j) = b[k*sb + j]: a packed sliver and
 // panel (sa = 1, ka = MR, sb = NR) or the operands in place. Always inlined, so the packed calls
 // get constant strides. Edge tiles (mm < 6 or nn < 16) go through a local copy.
-static inline __attribute__((always_inline)) void mm_kernel_strided(float* C, int64_t ldc, int mm, int nn, const float* a, int64_t sa,
-                                                                    int64_t ka, const float* b, int64_t sb, int kc, float alpha, int store) {
+static inline __attribute__((always_inline)) void mm_kernel_strided(float* C, int64_t ldc, int mm, int nn,
+                                                                    const float* a, int64_t sa, int64_t ka,
+                                                                    const float* b, int64_t sb, int kc, float alpha,
+                                                                    int store) {
     mm_v8 c[MM_MR][2];
     for (int i = 0; i < MM_MR; i++) c[i][0] = c[i][1] = (mm_v8){0, 0, 0, 0, 0, 0, 0, 0};
     for (int k = 0; k < kc; k++) {
@@ -171,8 +175,9 @@ static inline __attribute__((always_inline)) void mm_kernel_strided(float* C, in
 // same bits), with one 16-wide load per panel and one broadcast per row feeding two FMAs each,
 // half the instructions per FLOP of the 8-wide kernel.
 typedef float mm_v16 __attribute__((vector_size(64)));
-static inline __attribute__((always_inline)) void mm_kernel_6x32(float* C, int64_t ldc, const float* a, int64_t sa, int64_t ka, const float* b0,
-                                                                 const float* b1, int64_t sb, int kc, float alpha, int store) {
+static inline __attribute__((always_inline)) void mm_kernel_6x32(float* C, int64_t ldc, const float* a, int64_t sa,
+                                                                 int64_t ka, const float* b0, const float* b1,
+                                                                 int64_t sb, int kc, float alpha, int store) {
     mm_v16 c[MM_MR][2];
     for (int i = 0; i < MM_MR; i++) c[i][0] = c[i][1] = (mm_v16){};
     for (int k = 0; k < kc; k++) {
@@ -187,7 +192,8 @@ static inline __attribute__((always_inline)) void mm_kernel_6x32(float* C, int64
             c[i][1] += ai * x1;
         }
     }
-    mm_v16 al = {alpha, alpha, alpha, alpha, alpha, alpha, alpha, alpha, alpha, alpha, alpha, alpha, alpha, alpha, alpha, alpha};
+    mm_v16 al = {alpha, alpha, alpha, alpha, alpha, alpha, alpha, alpha,
+                 alpha, alpha, alpha, alpha, alpha, alpha, alpha, alpha};
     for (int i = 0; i < MM_MR; i++)
         for (int h = 0; h < 2; h++) {
             float* ci = C + (int64_t)i * ldc + h * MM_NR;
@@ -208,8 +214,8 @@ static inline __attribute__((always_inline)) void mm_kernel_6x32(float* C, int64
 #endif
 
 // The tile from a packed sliver a[k][0..MR) and a packed panel b[k][0..NR) (attention's tiles).
-static inline __attribute__((always_inline)) void mm_kernel_6x16(float* C, int64_t ldc, int mm, int nn, const float* a, const float* b, int kc,
-                                                                 float alpha, int store) {
+static inline __attribute__((always_inline)) void mm_kernel_6x16(float* C, int64_t ldc, int mm, int nn, const float* a,
+                                                                 const float* b, int kc, float alpha, int store) {
     mm_kernel_strided(C, ldc, mm, nn, a, 1, MM_MR, b, MM_NR, kc, alpha, store);
 }
 
@@ -235,7 +241,8 @@ typedef struct {
 // Rows [m0, m0+mc) x panels [p0, p1) of C, k block kb. Bp: that k block's packed panels, the
 // first being panel pb (unused with direct_b). Ap and Be: the thread's scratch for A's packed
 // rows and for an edge panel of B read in place (B's columns end inside it).
-static void mm_tile(const MmProduct* g, const float* Bp, int pb, float* Ap, float* Be, int m0, int mc, int p0, int p1, int kb) {
+static void mm_tile(const MmProduct* g, const float* Bp, int pb, float* Ap, float* Be, int m0, int mc, int p0, int p1,
+                    int kb) {
     int k0 = kb * g->kc0, kc = g->K - k0 < g->kc0 ? g->K - k0 : g->kc0, store = kb == 0 && !g->accumulate;
     int full = g->direct_a ? mc / MM_MR : 0;  // slivers read in place; the rest is packed
     if (full * MM_MR < mc) mm_pack_a(Ap, g->A, g->sam, g->sak, m0 + full * MM_MR, mc - full * MM_MR, k0, kc);
@@ -248,7 +255,8 @@ static void mm_tile(const MmProduct* g, const float* Bp, int pb, float* Ap, floa
         else mm_pack_panel(Be, g->B, g->sbk, g->sbn, k0, kc, n0, nn);
         // The next panel too when it is full and in this tile (6 x 32 tiles, MM_WIDE machines).
         const float* b2 = NULL;
-        if (MM_WIDE && p + 1 < p1 && n0 + 2 * MM_NR <= g->N) b2 = g->direct_b ? b + MM_NR : b + (int64_t)kc * MM_NR, p++;
+        if (MM_WIDE && p + 1 < p1 && n0 + 2 * MM_NR <= g->N)
+            b2 = g->direct_b ? b + MM_NR : b + (int64_t)kc * MM_NR, p++;
         for (int s = 0; s * MM_MR < mc; s++) {
             int mm = mc - s * MM_MR < MM_MR ? mc - s * MM_MR : MM_MR;
             float* c = g->C + (int64_t)(m0 + s * MM_MR) * g->ldc + n0;
@@ -271,9 +279,10 @@ static void mm_tile(const MmProduct* g, const float* Bp, int pb, float* Ap, floa
 // Item i of a round's packing: panel pr0 + i % np of k block kb0 + i / np, into the round's copy
 // Br laid out [k block of the round][panel of the round][k][NR], k blocks rp * NR * kc0 apart.
 static void mm_pack_round_item(float* Br, const MmProduct* g, int rp, int pr0, int np, int kb0, int i) {
-    int kb = kb0 + i / np, p = pr0 + i % np, k0 = kb * g->kc0, kc = g->K - k0 < g->kc0 ? g->K - k0 : g->kc0, n0 = p * MM_NR;
-    mm_pack_panel(Br + (int64_t)rp * MM_NR * g->kc0 * (kb - kb0) + (int64_t)(p - pr0) * kc * MM_NR, g->B, g->sbk, g->sbn, k0, kc, n0,
-                  g->N - n0 < MM_NR ? g->N - n0 : MM_NR);
+    int kb = kb0 + i / np, p = pr0 + i % np, k0 = kb * g->kc0, kc = g->K - k0 < g->kc0 ? g->K - k0 : g->kc0,
+        n0 = p * MM_NR;
+    mm_pack_panel(Br + (int64_t)rp * MM_NR * g->kc0 * (kb - kb0) + (int64_t)(p - pr0) * kc * MM_NR, g->B, g->sbk,
+                  g->sbn, k0, kc, n0, g->N - n0 < MM_NR ? g->N - n0 : MM_NR);
 }
 
 // C[M,N] (+)= alpha * A(m,k) B(k,n) with A(m,k) = A[m*sam + k*sak], B(k,n) = B[k*sbk + n*sbn], C
@@ -286,8 +295,8 @@ static void mm_pack_round_item(float* Br, const MmProduct* g, int rp, int pr0, i
 // round's k blocks with their part of C hot in cache. Two packed copies alternate, so a round
 // costs one synchronisation (after its packing; the next round's packing starts as each thread
 // finishes its tiles, and the following barrier waits for every tile before anyone reuses a copy).
-static void mm_gemm(float* C, int64_t ldc, const float* A, int64_t sam, int64_t sak, const float* B, int64_t sbk, int64_t sbn, int M, int N,
-                    int K, float alpha, int accumulate, int parallel) {
+static void mm_gemm(float* C, int64_t ldc, const float* A, int64_t sam, int64_t sak, const float* B, int64_t sbk,
+                    int64_t sbn, int M, int N, int K, float alpha, int accumulate, int parallel) {
     if (M <= 0 || N <= 0) return;
     if (K <= 0) {
         if (!accumulate) for (int i = 0; i < M; i++) memset(C + (int64_t)i * ldc, 0, sizeof(float) * N);
@@ -331,7 +340,8 @@ static void mm_gemm(float* C, int64_t ldc, const float* A, int64_t sam, int64_t 
             float* Br = copy ? Bp + (r % 2) * copy : NULL;
             if (copy && !prepacked) {
 #pragma omp for schedule(static)
-                for (int i = 0; i < (kb1 - kb0) * (pr1 - pr0); i++) mm_pack_round_item(Br, &g, rp, pr0, pr1 - pr0, kb0, i);
+                for (int i = 0; i < (kb1 - kb0) * (pr1 - pr0); i++)
+                    mm_pack_round_item(Br, &g, rp, pr0, pr1 - pr0, kb0, i);
             }
             // Column blocks only when the row blocks alone leave threads idle or unbalanced: as few
             // as give each thread about four tiles (every extra column block reads the same A block
@@ -349,7 +359,8 @@ static void mm_gemm(float* C, int64_t ldc, const float* A, int64_t sam, int64_t 
                 int m0 = mb * mcb, mc = M - m0 < mcb ? M - m0 : mcb;
                 int p0 = pr0 + nb * ppb, p1 = p0 + ppb < pr1 ? p0 + ppb : pr1;
                 for (int kb = kb0; kb < kb1; kb++)
-                    mm_tile(&g, Br ? Br + (int64_t)rp * MM_NR * kc0 * (kb - kb0) : NULL, pr0, Ap, Be, m0, mc, p0, p1, kb);
+                    mm_tile(&g, Br ? Br + (int64_t)rp * MM_NR * kc0 * (kb - kb0) : NULL, pr0, Ap, Be, m0, mc, p0, p1,
+                            kb);
             }
         }
         free(Ap);

@@ -40,7 +40,8 @@ static void rmsnorm_ms_backward(float* dx, const float* dz, const float* z, cons
 }
 
 // Standard RMSNorm backward from the kept input x: z = x*r and dz = dy*gamma are rebuilt per row.
-static void rmsnorm_backward(float* dx, const float* dy, const float* x, const float* r, const float* gamma, int64_t N, int d) {
+static void rmsnorm_backward(float* dx, const float* dy, const float* x, const float* r, const float* gamma, int64_t N,
+                             int d) {
 #pragma omp parallel for schedule(static) if (N * d > 32768)
     for (int64_t n = 0; n < N; n++) {
         float zbuf[d > 0 ? d : 1], dzbuf[d > 0 ? d : 1];
@@ -76,8 +77,8 @@ static float layernorm_row_stats(const float* x, int d, float eps, float* mean) 
 }
 
 // LayerNorm: z = (x - mean) * r (* gamma + beta); mean is returned only for the standard form.
-static void layernorm_forward(float* y, float* r_out, float* mean_out, const float* x, const float* gamma, const float* beta,
-                              int64_t N, int d, float eps) {
+static void layernorm_forward(float* y, float* r_out, float* mean_out, const float* x, const float* gamma,
+                              const float* beta, int64_t N, int d, float eps) {
 #pragma omp parallel for schedule(static) if (N * d > 32768)
     for (int64_t n = 0; n < N; n++) {
         const float* xr = x + n * d;
@@ -95,8 +96,8 @@ static void layernorm_forward(float* y, float* r_out, float* mean_out, const flo
 
 // dgamma[i] += sum_n dy[n, i] * (x[n, i] - mean[n]) * r[n] and dbeta[i] += sum_n dy[n, i]: a
 // trained LayerNorm affine (full fine-tuning, standard norm). Columns in parallel, rows in order.
-static void layernorm_affine_grad(float* dgamma, float* dbeta, const float* dy, const float* x, const float* mean, const float* r,
-                                  int64_t N, int d) {
+static void layernorm_affine_grad(float* dgamma, float* dbeta, const float* dy, const float* x, const float* mean,
+                                  const float* r, int64_t N, int d) {
 #pragma omp parallel for schedule(static) if (N * d > 32768)
     for (int i = 0; i < d; i++) {
         double sg = 0.0, sb = 0.0;
@@ -120,7 +121,10 @@ static void layernorm_backward(float* dx, const float* dy, const float* x, const
 #pragma omp parallel for schedule(static) if (N * d > 32768)
     for (int64_t n = 0; n < N; n++) {
         float zbuf[d > 0 ? d : 1], dzbuf[d > 0 ? d : 1];
-        for (int i = 0; i < d; i++) { zbuf[i] = norm_normalise(x[n * d + i], mean[n], r[n]); dzbuf[i] = dy[n * d + i] * gamma[i]; }
+        for (int i = 0; i < d; i++) {
+            zbuf[i] = norm_normalise(x[n * d + i], mean[n], r[n]);
+            dzbuf[i] = dy[n * d + i] * gamma[i];
+        }
         norm_row_backward(dx + n * d, dzbuf, zbuf, r[n], d, 1);
     }
 }

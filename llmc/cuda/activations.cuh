@@ -34,8 +34,8 @@ __global__ void swiglu_forward_kernel(bf16* __restrict__ p, bf16* __restrict__ s
 
 // dg, du from dp. Exact: silu'(g) from the kept g. Approx (g NULL): the level of the code.
 __global__ void swiglu_backward_kernel(bf16* __restrict__ dg, bf16* __restrict__ du, const bf16* __restrict__ dp,
-                                       const bf16* __restrict__ sg, const bf16* __restrict__ u, const bf16* __restrict__ g,
-                                       const uint8_t* __restrict__ codes, int64_t n) {
+                                       const bf16* __restrict__ sg, const bf16* __restrict__ u,
+                                       const bf16* __restrict__ g, const uint8_t* __restrict__ codes, int64_t n) {
     Relu3Fit fit = RESILU2_FIT;
     int64_t nb = (n + 3) / 4;
     for (int64_t b = thread_index_1d(); b < nb; b += grid_stride_1d()) {
@@ -51,7 +51,8 @@ __global__ void swiglu_backward_kernel(bf16* __restrict__ dg, bf16* __restrict__
     }
 }
 
-static void swiglu_forward_cuda(bf16* p, bf16* sg, uint8_t* codes, const bf16* g, const bf16* u, int64_t n, cudaStream_t stream) {
+static void swiglu_forward_cuda(bf16* p, bf16* sg, uint8_t* codes, const bf16* g, const bf16* u, int64_t n,
+                                cudaStream_t stream) {
     if (n == 0) return;
     launch_kernel(grid_for((n + 3) / 4, 256), 256, 0, stream, swiglu_forward_kernel, p, sg, codes, g, u, n);
 }
@@ -66,8 +67,8 @@ static void swiglu_backward_cuda(bf16* dg, bf16* du, const bf16* dp, const bf16*
 // ---- GELU ------------------------------------------------------------------------------------
 
 // y = gelu(x) (erf form, or tanh form when tanh_form); codes (ReGELU2) written when non-NULL.
-__global__ void gelu_forward_kernel(bf16* __restrict__ y, uint8_t* __restrict__ codes, const bf16* __restrict__ x, int64_t n,
-                                    int tanh_form) {
+__global__ void gelu_forward_kernel(bf16* __restrict__ y, uint8_t* __restrict__ codes, const bf16* __restrict__ x,
+                                    int64_t n, int tanh_form) {
     Relu3Fit fit = REGELU2_FIT;
     int64_t nb = (n + 3) / 4;
     for (int64_t b = thread_index_1d(); b < nb; b += grid_stride_1d()) {
@@ -85,8 +86,8 @@ __global__ void gelu_forward_kernel(bf16* __restrict__ y, uint8_t* __restrict__ 
 
 // dx = dy * gelu'(x) (exact, x kept) or dy * level(code) (approx, x NULL). dx may alias dy (the
 // models run it in place), so neither is __restrict__.
-__global__ void gelu_backward_kernel(bf16* dx, const bf16* dy, const bf16* __restrict__ x, const uint8_t* __restrict__ codes,
-                                     int64_t n, int tanh_form) {
+__global__ void gelu_backward_kernel(bf16* dx, const bf16* dy, const bf16* __restrict__ x,
+                                     const uint8_t* __restrict__ codes, int64_t n, int tanh_form) {
     Relu3Fit fit = REGELU2_FIT;
     int64_t nb = (n + 3) / 4;
     for (int64_t b = thread_index_1d(); b < nb; b += grid_stride_1d()) {

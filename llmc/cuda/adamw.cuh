@@ -20,12 +20,12 @@ __global__ void adamw_update_kernel(float* __restrict__ p, const float* __restri
         p[i] -= lr * ((mi / bc1) / (sqrtf(vi / bc2) + eps) + weight_decay * p[i]);
     }
 }
-static void adamw_update_cuda(float* p, const float* g, float* m, float* v, int64_t n, float lr, float beta1, float beta2,
-                              float eps, float weight_decay, int t, cudaStream_t stream) {
+static void adamw_update_cuda(float* p, const float* g, float* m, float* v, int64_t n, float lr, float beta1,
+                              float beta2, float eps, float weight_decay, int t, cudaStream_t stream) {
     if (n == 0) return;
     float bc1 = 1.0f - powf(beta1, (float)t), bc2 = 1.0f - powf(beta2, (float)t);
-    launch_kernel(grid_for(n, 256), 256, 0, stream, adamw_update_kernel, p, g, m, v, n, lr, beta1, beta2, eps, weight_decay,
-                  bc1, bc2);
+    launch_kernel(grid_for(n, 256), 256, 0, stream, adamw_update_kernel, p, g, m, v, n, lr, beta1, beta2, eps,
+                  weight_decay, bc1, bc2);
 }
 
 // Sum of squares in double, in two deterministic stages: SUMSQ_BLOCKS partial sums (each block

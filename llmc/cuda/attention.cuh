@@ -56,11 +56,12 @@ __global__ void rope_apply_kernel(bf16* x, const float* __restrict__ cos_t, cons
         v[i + half] = f2bf(b * c + a * si);
     }
 }
-static void rope_apply_cuda(bf16* x, const float* cos_t, const float* sin_t, const int* pos, int64_t N, int T, int nheads, int hd,
-                            int inverse, cudaStream_t stream) {
+static void rope_apply_cuda(bf16* x, const float* cos_t, const float* sin_t, const int* pos, int64_t N, int T,
+                            int nheads, int hd, int inverse, cudaStream_t stream) {
     int64_t total = N * nheads * (hd / 2);
     if (total == 0) return;
-    launch_kernel(grid_for(total, 256), 256, 0, stream, rope_apply_kernel, x, cos_t, sin_t, pos, N, T, nheads, hd, inverse);
+    launch_kernel(grid_for(total, 256), 256, 0, stream, rope_apply_kernel, x, cos_t, sin_t, pos, N, T, nheads, hd,
+                  inverse);
 }
 
 // Whether query row `query` of batch b sees key row `key`: inside the sequence, not in the future
@@ -76,8 +77,8 @@ static __device__ __forceinline__ int att_visible(const AttnShape& s, int b, int
 // Loads rows [r0, r0+ATT_TILE) of head `head` of a [B*T, nheads*hd] tensor into tile[ATT_TILE][HDMAX]
 // as fp32, zero beyond T and beyond hd. All threads of the block call it.
 template <int HDMAX>
-static __device__ __forceinline__ void att_load_tile(float (*tile)[HDMAX], const bf16* __restrict__ src, int b, int r0, int head,
-                                                     int nheads, const AttnShape& s) {
+static __device__ __forceinline__ void att_load_tile(float (*tile)[HDMAX], const bf16* __restrict__ src, int b, int r0,
+                                                     int head, int nheads, const AttnShape& s) {
     for (int idx = threadIdx.x; idx < ATT_TILE * HDMAX; idx += ATT_THREADS) {
         int rr = idx / HDMAX, dim = idx % HDMAX, t = r0 + rr;
         float val = 0.0f;
@@ -88,8 +89,8 @@ static __device__ __forceinline__ void att_load_tile(float (*tile)[HDMAX], const
 
 // This thread's dims of one row of a [B*T, nheads*hd] tensor (zero when out of range).
 template <int HDMAX>
-static __device__ __forceinline__ void att_load_row(float* dst, const bf16* __restrict__ src, int b, int t, int head, int nheads,
-                                                    int sub, const AttnShape& s) {
+static __device__ __forceinline__ void att_load_row(float* dst, const bf16* __restrict__ src, int b, int t, int head,
+                                                    int nheads, int sub, const AttnShape& s) {
     constexpr int DPT = HDMAX / ATT_TPR;
     const bf16* row = src + ((int64_t)b * s.T + t) * nheads * s.hd + (int64_t)head * s.hd;
 #pragma unroll
@@ -100,8 +101,8 @@ static __device__ __forceinline__ void att_load_row(float* dst, const bf16* __re
 }
 
 template <int HDMAX>
-static __device__ __forceinline__ void att_store_row(bf16* dst, const float* val, float mul, int b, int t, int head, int nheads,
-                                                     int sub, const AttnShape& s) {
+static __device__ __forceinline__ void att_store_row(bf16* dst, const float* val, float mul, int b, int t, int head,
+                                                     int nheads, int sub, const AttnShape& s) {
     constexpr int DPT = HDMAX / ATT_TPR;
     bf16* row = dst + ((int64_t)b * s.T + t) * nheads * s.hd + (int64_t)head * s.hd;
 #pragma unroll
@@ -205,9 +206,9 @@ __global__ void attention_backward_preprocess_kernel(float* __restrict__ D, cons
 // p_ij = exp(q_i.k_j*scale - lse_i) and dp_ij = do_i.v_j.
 template <int HDMAX>
 __global__ void __launch_bounds__(ATT_THREADS)
-attention_backward_dq_kernel(bf16* dq, const bf16* __restrict__ dout, const bf16* __restrict__ q, const bf16* __restrict__ k,
-                             const bf16* __restrict__ v, const float* __restrict__ lse, const float* __restrict__ D,
-                             AttnShape s) {
+    attention_backward_dq_kernel(bf16* dq, const bf16* __restrict__ dout, const bf16* __restrict__ q,
+                                 const bf16* __restrict__ k, const bf16* __restrict__ v, const float* __restrict__ lse,
+                                 const float* __restrict__ D, AttnShape s) {
     constexpr int DPT = HDMAX / ATT_TPR;
     __shared__ float Ks[ATT_TILE][HDMAX];
     __shared__ float Vs[ATT_TILE][HDMAX];
@@ -308,7 +309,8 @@ attention_backward_dkdv_kernel(bf16* dk, bf16* dv, const bf16* __restrict__ dout
 static int att_hdmax(const AttnShape* s) {
     if (s->hd <= 0 || s->hd > 128) fail("attention: head_dim %d not supported by the CUDA kernels (1..128)", s->hd);
     if (s->KVH <= 0 || s->H % s->KVH != 0) fail("attention: %d heads do not group over %d kv heads", s->H, s->KVH);
-    if ((int64_t)s->B * s->H > 65535) fail("attention: batch x heads = %lld exceeds the grid's y limit (65535)", (long long)s->B * s->H);
+    if ((int64_t)s->B * s->H > 65535)
+        fail("attention: batch x heads = %lld exceeds the grid's y limit (65535)", (long long)s->B * s->H);
     return s->hd <= 32 ? 32 : s->hd <= 64 ? 64 : 128;
 }
 
@@ -326,8 +328,9 @@ static void attention_forward_cuda(bf16* o, float* lse, const bf16* q, const bf1
 
 // Gradients dq, dk, dv (overwritten) from dout. scratch: B*H*T floats (the row sums D; the same
 // size as lse), planned by the caller.
-static void attention_backward_cuda(bf16* dq, bf16* dk, bf16* dv, const bf16* dout, const bf16* q, const bf16* k, const bf16* v,
-                                    const bf16* o, const float* lse, float* scratch, AttnShape s, cudaStream_t stream) {
+static void attention_backward_cuda(bf16* dq, bf16* dk, bf16* dv, const bf16* dout, const bf16* q, const bf16* k,
+                                    const bf16* v, const bf16* o, const float* lse, float* scratch, AttnShape s,
+                                    cudaStream_t stream) {
     if ((int64_t)s.B * s.T * s.H == 0) return;
     int hdmax = att_hdmax(&s);
     int64_t rows = (int64_t)s.B * s.T * s.H;
@@ -337,15 +340,19 @@ static void attention_backward_cuda(bf16* dq, bf16* dk, bf16* dv, const bf16* do
     switch (hdmax) {
     case 32:
         launch_kernel(gq, ATT_THREADS, 0, stream, attention_backward_dq_kernel<32>, dq, dout, q, k, v, lse, scratch, s);
-        launch_kernel(gk, ATT_THREADS, 0, stream, attention_backward_dkdv_kernel<32>, dk, dv, dout, q, k, v, lse, scratch, s);
+        launch_kernel(gk, ATT_THREADS, 0, stream, attention_backward_dkdv_kernel<32>, dk, dv, dout, q, k, v, lse,
+                      scratch, s);
         break;
     case 64:
         launch_kernel(gq, ATT_THREADS, 0, stream, attention_backward_dq_kernel<64>, dq, dout, q, k, v, lse, scratch, s);
-        launch_kernel(gk, ATT_THREADS, 0, stream, attention_backward_dkdv_kernel<64>, dk, dv, dout, q, k, v, lse, scratch, s);
+        launch_kernel(gk, ATT_THREADS, 0, stream, attention_backward_dkdv_kernel<64>, dk, dv, dout, q, k, v, lse,
+                      scratch, s);
         break;
     default:
-        launch_kernel(gq, ATT_THREADS, 0, stream, attention_backward_dq_kernel<128>, dq, dout, q, k, v, lse, scratch, s);
-        launch_kernel(gk, ATT_THREADS, 0, stream, attention_backward_dkdv_kernel<128>, dk, dv, dout, q, k, v, lse, scratch, s);
+        launch_kernel(gq, ATT_THREADS, 0, stream, attention_backward_dq_kernel<128>, dq, dout, q, k, v, lse, scratch,
+                      s);
+        launch_kernel(gk, ATT_THREADS, 0, stream, attention_backward_dkdv_kernel<128>, dk, dv, dout, q, k, v, lse,
+                      scratch, s);
         break;
     }
 }
@@ -357,8 +364,8 @@ static void attention_backward_cuda(bf16* dq, bf16* dk, bf16* dv, const bf16* do
 
 // One block per (new query t, head h): scores against every cached key up to the query's own
 // position (start + t), a block-wide softmax, then o = p V with threads over the head dims.
-__global__ void attention_cached_kernel(bf16* o, const bf16* __restrict__ q, const bf16* __restrict__ kc, const bf16* __restrict__ vc,
-                                        int start, int H, int KVH, int hd) {
+__global__ void attention_cached_kernel(bf16* o, const bf16* __restrict__ q, const bf16* __restrict__ kc,
+                                        const bf16* __restrict__ vc, int start, int H, int KVH, int hd) {
     __shared__ float p[ATT_CACHE_MAX];
     __shared__ float qs[128];
     int t = blockIdx.x / H, h = blockIdx.x % H, kh = h / (H / KVH), keys = start + t + 1;
@@ -391,10 +398,13 @@ __global__ void attention_cached_kernel(bf16* o, const bf16* __restrict__ q, con
 
 // o [n, H*hd] for n new queries q at positions start .. start+n-1 against kc, vc [>= start+n,
 // KVH*hd] (the twin of attention_cached in llmc/cpu/attention.h).
-static void attention_cached_cuda(bf16* o, const bf16* q, const bf16* kc, const bf16* vc, int n, int start, int H, int KVH, int hd,
-                                  cudaStream_t stream) {
+static void attention_cached_cuda(bf16* o, const bf16* q, const bf16* kc, const bf16* vc, int n, int start, int H,
+                                  int KVH, int hd, cudaStream_t stream) {
     if (n <= 0) return;
-    if (start + n > ATT_CACHE_MAX) fail("attention_cached_cuda: %d cached positions exceed the kernel's %d", start + n, ATT_CACHE_MAX);
-    if (hd > 128 || H % KVH) fail("attention_cached_cuda: head_dim %d (max 128) or %d heads over %d kv heads not supported", hd, H, KVH);
-    launch_kernel((unsigned)n * H, ATT_CACHE_THREADS, 0, stream, attention_cached_kernel, o, q, kc, vc, start, H, KVH, hd);
+    if (start + n > ATT_CACHE_MAX)
+        fail("attention_cached_cuda: %d cached positions exceed the kernel's %d", start + n, ATT_CACHE_MAX);
+    if (hd > 128 || H % KVH)
+        fail("attention_cached_cuda: head_dim %d (max 128) or %d heads over %d kv heads not supported", hd, H, KVH);
+    launch_kernel((unsigned)n * H, ATT_CACHE_THREADS, 0, stream, attention_cached_kernel, o, q, kc, vc, start, H, KVH,
+                  hd);
 }

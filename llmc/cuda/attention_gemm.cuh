@@ -52,8 +52,8 @@ static AttnGemmWork attn_gemm_work(void* base, const AttnShape* s, int backward)
 // One warp per query row of the chunk [r0, r0 + rows): the row's allowed keys (causal: up to the
 // row, and from the start of its packed example; all T otherwise) among the first kc. forward = 1:
 // lse from the row's scores, written to lse; else lse is read. P = exp(S - lse) there, 0 elsewhere.
-__global__ void attn_probs_kernel(bf16* __restrict__ P, float* __restrict__ lse, const float* __restrict__ S, int r0, int rows,
-                                  int chunk, int kc, AttnShape s, int forward) {
+__global__ void attn_probs_kernel(bf16* __restrict__ P, float* __restrict__ lse, const float* __restrict__ S, int r0,
+                                  int rows, int chunk, int kc, AttnShape s, int forward) {
     int64_t row = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     int lane = threadIdx.x & 31;
     if (row >= (int64_t)s.B * s.H * rows) return;
@@ -82,8 +82,8 @@ __global__ void attn_probs_kernel(bf16* __restrict__ P, float* __restrict__ lse,
 
 // dS = P (dP - D) over the chunk's rows and first kc keys, written over P (bf16). Masked keys
 // have P = 0, hence dS = 0.
-__global__ void attn_dscores_kernel(bf16* __restrict__ P, const float* __restrict__ dP, const float* __restrict__ D, int r0, int rows,
-                                    int chunk, int kc, AttnShape s) {
+__global__ void attn_dscores_kernel(bf16* __restrict__ P, const float* __restrict__ dP, const float* __restrict__ D,
+                                    int r0, int rows, int chunk, int kc, AttnShape s) {
     int64_t total = (int64_t)s.B * s.H * rows * kc;
     for (int64_t idx = thread_index_1d(); idx < total; idx += grid_stride_1d()) {
         int j = (int)(idx % kc);
@@ -132,8 +132,9 @@ static void* attn_operand(const AttnOperands* a, AttnOperand which, int b, int h
 
 // C = alpha op(A) op(B) (+ C) for every head h = group_slot + g * (H/KVH) of every batch row when
 // group_slot >= 0 (one head per kv group: dK/dV sums), else for all heads.
-static void attn_batched(const AttnOperands* a, MatmulForm form, AttnOperand A, AttnOperand B, AttnOperand C, cudaDataType_t ctype,
-                         int M, int N, int K, int lda, int ldb, int ldc, float alpha, int accumulate, int group_slot, cudaStream_t st) {
+static void attn_batched(const AttnOperands* a, MatmulForm form, AttnOperand A, AttnOperand B, AttnOperand C,
+                         cudaDataType_t ctype, int M, int N, int K, int lda, int ldb, int ldc, float alpha,
+                         int accumulate, int group_slot, cudaStream_t st) {
     const AttnShape* s = a->s;
     int group = s->H / s->KVH, n = group_slot >= 0 ? s->B * s->KVH : s->B * s->H;
     int64_t bh = (int64_t)s->B * s->H;
@@ -151,14 +152,14 @@ static void attn_batched(const AttnOperands* a, MatmulForm form, AttnOperand A, 
         return;
     }
     void** d = a->w->ptrs + at;
-    matmul_batched_cuda(form, d + 2 * bh, ctype, (const void* const*)d, (const void* const*)(d + bh), M, N, K, lda, ldb, ldc, alpha,
-                        accumulate, n, st);
+    matmul_batched_cuda(form, d + 2 * bh, ctype, (const void* const*)d, (const void* const*)(d + bh), M, N, K, lda, ldb,
+                        ldc, alpha, accumulate, n, st);
 }
 
 // ---- forward and backward --------------------------------------------------------------------
 
-static void attention_forward_gemm_cuda(bf16* o, float* lse, const bf16* q, const bf16* k, const bf16* v, AttnShape s, void* work,
-                                        cudaStream_t st) {
+static void attention_forward_gemm_cuda(bf16* o, float* lse, const bf16* q, const bf16* k, const bf16* v, AttnShape s,
+                                        void* work, cudaStream_t st) {
     if ((int64_t)s.B * s.T * s.H == 0) return;
     AttnGemmWork w = attn_gemm_work(work, &s, 0);
     int qld = s.H * s.hd, kld = s.KVH * s.hd;
@@ -169,21 +170,25 @@ static void attention_forward_gemm_cuda(bf16* o, float* lse, const bf16* q, cons
         a.host = pass == 0 ? host : NULL;
         a.slot = 0;
         if (pass == 1)
-            CUDA_CHECK(cudaMemcpyAsync(w.ptrs, host, sizeof(void*) * 3 * (int64_t)s.B * s.H * attn_gemm_products(&s), cudaMemcpyHostToDevice, st));
+            CUDA_CHECK(cudaMemcpyAsync(w.ptrs, host, sizeof(void*) * 3 * (int64_t)s.B * s.H * attn_gemm_products(&s),
+                                       cudaMemcpyHostToDevice, st));
         for (int r0 = 0; r0 < s.T; r0 += w.chunk) {
             int rows = s.T - r0 < w.chunk ? s.T - r0 : w.chunk, kc = s.causal ? r0 + rows : s.T;
             a.r0 = r0;
             attn_batched(&a, MM_NT, AT_Q, AT_K, AT_S, CUDA_R_32F, rows, kc, s.hd, qld, kld, s.T, scale, 0, -1, st);
             int64_t nrows = (int64_t)s.B * s.H * rows;
-            if (pass == 1) launch_kernel(ceil_div(nrows * 32, 256), 256, 0, st, attn_probs_kernel, w.P, lse, w.S, r0, rows, w.chunk, kc, s, 1);
+            if (pass == 1)
+                launch_kernel(ceil_div(nrows * 32, 256), 256, 0, st, attn_probs_kernel, w.P, lse, w.S, r0, rows,
+                              w.chunk, kc, s, 1);
             attn_batched(&a, MM_NN, AT_P, AT_V, AT_O, CUDA_R_16BF, rows, s.hd, kc, s.T, kld, qld, 1.0f, 0, -1, st);
         }
     }
     free(host);
 }
 
-static void attention_backward_gemm_cuda(bf16* dq, bf16* dk, bf16* dv, const bf16* dout, const bf16* q, const bf16* k, const bf16* v,
-                                         const bf16* o, const float* lse, AttnShape s, void* work, cudaStream_t st) {
+static void attention_backward_gemm_cuda(bf16* dq, bf16* dk, bf16* dv, const bf16* dout, const bf16* q, const bf16* k,
+                                         const bf16* v, const bf16* o, const float* lse, AttnShape s, void* work,
+                                         cudaStream_t st) {
     if ((int64_t)s.B * s.T * s.H == 0) return;
     AttnGemmWork w = attn_gemm_work(work, &s, 1);
     int qld = s.H * s.hd, kld = s.KVH * s.hd, group = s.H / s.KVH;
@@ -206,14 +211,20 @@ static void attention_backward_gemm_cuda(bf16* dq, bf16* dk, bf16* dv, const bf1
             int64_t nrows = (int64_t)s.B * s.H * rows;
             a.r0 = r0;
             attn_batched(&a, MM_NT, AT_Q, AT_K, AT_S, CUDA_R_32F, rows, kc, s.hd, qld, kld, s.T, scale, 0, -1, st);
-            if (run) launch_kernel(ceil_div(nrows * 32, 256), 256, 0, st, attn_probs_kernel, w.P, (float*)lse, w.S, r0, rows, w.chunk, kc, s, 0);
+            if (run)
+                launch_kernel(ceil_div(nrows * 32, 256), 256, 0, st, attn_probs_kernel, w.P, (float*)lse, w.S, r0, rows,
+                              w.chunk, kc, s, 0);
             for (int g = 0; g < group; g++)
-                attn_batched(&a, MM_TN, AT_P, AT_DO, AT_DV32, CUDA_R_32F, kc, s.hd, rows, s.T, qld, kld, 1.0f, 1, g, st);
+                attn_batched(&a, MM_TN, AT_P, AT_DO, AT_DV32, CUDA_R_32F, kc, s.hd, rows, s.T, qld, kld, 1.0f, 1, g,
+                             st);
             attn_batched(&a, MM_NT, AT_DO, AT_V, AT_S, CUDA_R_32F, rows, kc, s.hd, qld, kld, s.T, 1.0f, 0, -1, st);
-            if (run) launch_kernel(grid_for(nrows * kc, 256), 256, 0, st, attn_dscores_kernel, w.P, w.S, w.D, r0, rows, w.chunk, kc, s);
+            if (run)
+                launch_kernel(grid_for(nrows * kc, 256), 256, 0, st, attn_dscores_kernel, w.P, w.S, w.D, r0, rows,
+                              w.chunk, kc, s);
             attn_batched(&a, MM_NN, AT_P, AT_K, AT_DQ, CUDA_R_16BF, rows, s.hd, kc, s.T, kld, qld, scale, 0, -1, st);
             for (int g = 0; g < group; g++)
-                attn_batched(&a, MM_TN, AT_P, AT_Q, AT_DK32, CUDA_R_32F, kc, s.hd, rows, s.T, qld, kld, scale, 1, g, st);
+                attn_batched(&a, MM_TN, AT_P, AT_Q, AT_DK32, CUDA_R_32F, kc, s.hd, rows, s.T, qld, kld, scale, 1, g,
+                             st);
         }
     }
     free(host);

@@ -201,7 +201,8 @@ __global__ void column_sums_kernel(float* out0, float* out1, Term term, int64_t 
 template <typename Term>
 static void column_sums_cuda(float* out0, float* out1, Term term, int64_t N, int d, cudaStream_t stream) {
     if (d == 0) return;
-    launch_kernel(dim3((unsigned)ceil_div(d, 32)), dim3(32, COL_ROW_GROUPS), 0, stream, column_sums_kernel<Term>, out0, out1, term, N, d);
+    launch_kernel(dim3((unsigned)ceil_div(d, 32)), dim3(32, COL_ROW_GROUPS), 0, stream, column_sums_kernel<Term>, out0,
+                  out1, term, N, d);
 }
 
 // ---- device buffers --------------------------------------------------------------------------

@@ -20,31 +20,35 @@
 #include "../linear.h"
 
 // Ag = bf16(A diag(gamma)) from the fp32 master A [r, in]: one rounding. Twin of lora_fold_gamma.
-__global__ void lora_fold_gamma_kernel(bf16* __restrict__ Ag, const float* __restrict__ A, const bf16* __restrict__ gamma, int rank, int in) {
-    for (int64_t i = thread_index_1d(); i < (int64_t)rank * in; i += grid_stride_1d()) Ag[i] = f2bf(A[i] * bf2f(gamma[i % in]));
+__global__ void lora_fold_gamma_kernel(bf16* __restrict__ Ag, const float* __restrict__ A,
+                                       const bf16* __restrict__ gamma, int rank, int in) {
+    for (int64_t i = thread_index_1d(); i < (int64_t)rank * in; i += grid_stride_1d())
+        Ag[i] = f2bf(A[i] * bf2f(gamma[i % in]));
 }
 static void lora_fold_gamma_cuda(bf16* Ag, const float* A, const bf16* gamma, int rank, int in, cudaStream_t stream) {
     launch_kernel(grid_for((int64_t)rank * in, 256), 256, 0, stream, lora_fold_gamma_kernel, Ag, A, gamma, rank, in);
 }
 
 // dA += G diag(gamma) + colsum beta^T (beta NULL: no second term). Twin of lora_norm_grad.
-__global__ void lora_norm_grad_kernel(float* dA, const float* __restrict__ G, const bf16* __restrict__ gamma, const bf16* __restrict__ beta,
-                                      const float* __restrict__ colsum, int rank, int in) {
+__global__ void lora_norm_grad_kernel(float* dA, const float* __restrict__ G, const bf16* __restrict__ gamma,
+                                      const bf16* __restrict__ beta, const float* __restrict__ colsum, int rank,
+                                      int in) {
     for (int64_t k = thread_index_1d(); k < (int64_t)rank * in; k += grid_stride_1d()) {
         int64_t i = k / in, j = k % in;
         dA[k] += G[k] * bf2f(gamma[j]) + (beta ? colsum[i] * bf2f(beta[j]) : 0.0f);
     }
 }
-static void lora_norm_grad_cuda(float* dA, const float* G, const bf16* gamma, const bf16* beta, const float* colsum, int rank, int in,
-                                cudaStream_t stream) {
-    launch_kernel(grid_for((int64_t)rank * in, 256), 256, 0, stream, lora_norm_grad_kernel, dA, G, gamma, beta, colsum, rank, in);
+static void lora_norm_grad_cuda(float* dA, const float* G, const bf16* gamma, const bf16* beta, const float* colsum,
+                                int rank, int in, cudaStream_t stream) {
+    launch_kernel(grid_for((int64_t)rank * in, 256), 256, 0, stream, lora_norm_grad_kernel, dA, G, gamma, beta, colsum,
+                  rank, in);
 }
 
 // xa = bf16(dropout(u)), u = fmaf(gamma, x, beta) in fp32 (x alone without a norm): the
 // adapter's input under --lora-dropout. Twin of lora_dropout_input.
-__global__ void lora_dropout_input_kernel(bf16* __restrict__ xa, const bf16* __restrict__ x, const bf16* __restrict__ gamma,
-                                          const bf16* __restrict__ beta, uint64_t key, uint64_t e0, uint32_t threshold, float scale,
-                                          int64_t n, int in) {
+__global__ void lora_dropout_input_kernel(bf16* __restrict__ xa, const bf16* __restrict__ x,
+                                          const bf16* __restrict__ gamma, const bf16* __restrict__ beta, uint64_t key,
+                                          uint64_t e0, uint32_t threshold, float scale, int64_t n, int in) {
     for (int64_t i = thread_index_1d(); i < n; i += grid_stride_1d()) {
         int j = (int)(i % in);
         float u = gamma ? fmaf(bf2f(gamma[j]), bf2f(x[i]), beta ? bf2f(beta[j]) : 0.0f) : bf2f(x[i]);
@@ -55,13 +59,15 @@ static void lora_dropout_input_cuda(bf16* xa, const bf16* x, const Linear* L, in
     const LoraDropout* d = L->drop;
     int64_t n = N * L->in;
     launch_kernel(grid_for(n, 256), 256, 0, stream, lora_dropout_input_kernel, xa, x, (const bf16*)L->norm_gamma,
-                  (const bf16*)L->norm_beta, lora_dropout_layer_key(L), (uint64_t)d->row0 * L->in, d->threshold, d->scale, n, L->in);
+                  (const bf16*)L->norm_beta, lora_dropout_layer_key(L), (uint64_t)d->row0 * L->in, d->threshold,
+                  d->scale, n, L->in);
 }
 
 // dx += bf16(keep * scale * gamma * t), t = dax A (bf16): the input gradient through the dropout.
 // Twin of lora_dropout_input_backward.
-__global__ void lora_dropout_input_backward_kernel(bf16* dx, const bf16* __restrict__ t, const bf16* __restrict__ gamma, uint64_t key,
-                                                   uint64_t e0, uint32_t threshold, float scale, int64_t n, int in) {
+__global__ void lora_dropout_input_backward_kernel(bf16* dx, const bf16* __restrict__ t, const bf16* __restrict__ gamma,
+                                                   uint64_t key, uint64_t e0, uint32_t threshold, float scale,
+                                                   int64_t n, int in) {
     for (int64_t i = thread_index_1d(); i < n; i += grid_stride_1d())
         if (lora_dropout_keep(key, e0 + (uint64_t)i, threshold))
             dx[i] = f2bf(fmaf(bf2f(t[i]) * scale, gamma ? bf2f(gamma[i % in]) : 1.0f, bf2f(dx[i])));
@@ -69,17 +75,20 @@ __global__ void lora_dropout_input_backward_kernel(bf16* dx, const bf16* __restr
 static void lora_dropout_input_backward_cuda(bf16* dx, const bf16* t, const Linear* L, int64_t N, cudaStream_t stream) {
     const LoraDropout* d = L->drop;
     int64_t n = N * L->in;
-    launch_kernel(grid_for(n, 256), 256, 0, stream, lora_dropout_input_backward_kernel, dx, t, (const bf16*)L->norm_gamma,
-                  lora_dropout_layer_key(L), (uint64_t)d->row0 * L->in, d->threshold, d->scale, n, L->in);
+    launch_kernel(grid_for(n, 256), 256, 0, stream, lora_dropout_input_backward_kernel, dx, t,
+                  (const bf16*)L->norm_gamma, lora_dropout_layer_key(L), (uint64_t)d->row0 * L->in, d->threshold,
+                  d->scale, n, L->in);
 }
 
 // y (+)= x W^T + bias + scale * (x A^T) B^T, keeping ax = x A^T for the LoRA backward.
 // accumulate = 1 adds to y (a residual connection), bias included.
-static void linear_forward_cuda(bf16* y, const bf16* x, const Linear* L, bf16* ax, int64_t N, int rank, float scale, int accumulate,
-                                cudaStream_t stream) {
+static void linear_forward_cuda(bf16* y, const bf16* x, const Linear* L, bf16* ax, int64_t N, int rank, float scale,
+                                int accumulate, cudaStream_t stream) {
     const LinearDevice* D = &L->dev;
     if (L->nf4) nf4_dequantize_cuda((bf16*)D->W, L->nf4, L->nf4_tables, (int64_t)L->out * L->in, stream);
-    if (D->bias) matmul_nt_bias_cuda(y, x, (const bf16*)D->W, (const bf16*)D->bias, (int)N, L->out, L->in, 1.0f, accumulate, stream);
+    if (D->bias)
+        matmul_nt_bias_cuda(y, x, (const bf16*)D->W, (const bf16*)D->bias, (int)N, L->out, L->in, 1.0f, accumulate,
+                            stream);
     else matmul_nt_cuda(y, x, (const bf16*)D->W, (int)N, L->out, L->in, 1.0f, accumulate, stream);
     if (!D->A) return;
     if (lora_dropout_on(L)) {  // training with --lora-dropout: the adapter reads dropout(its input)
@@ -104,8 +113,8 @@ static void linear_forward_cuda(bf16* y, const bf16* x, const Linear* L, bf16* a
 // Given dy [N, out]: LoRA grads accumulate (fp32); dx (+)= dy W + scale * (dy B) A; under full
 // fine-tuning dW += dy^T x and (with dbias) db += sum_n dy. dax is a [N, rank] bf16 scratch.
 // dx NULL: no input gradient (the patch embedding).
-static void linear_backward_cuda(bf16* dx, const bf16* dy, const bf16* x, const bf16* ax, const Linear* L, bf16* dax, int64_t N,
-                                 int rank, float scale, int accumulate, cudaStream_t stream) {
+static void linear_backward_cuda(bf16* dx, const bf16* dy, const bf16* x, const bf16* ax, const Linear* L, bf16* dax,
+                                 int64_t N, int rank, float scale, int accumulate, cudaStream_t stream) {
     const LinearDevice* D = &L->dev;
     if (dx && L->nf4) nf4_dequantize_cuda((bf16*)D->W, L->nf4, L->nf4_tables, (int64_t)L->out * L->in, stream);
     if (dx) matmul_nn_cuda(dx, dy, (const bf16*)D->W, (int)N, L->in, L->out, 1.0f, accumulate, stream);

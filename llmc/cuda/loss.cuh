@@ -32,8 +32,9 @@ typedef struct {           // scratch for one chunk (and the device statistics),
 // A target outside [0, V) gives a NaN loss (never a wild read), so it cannot pass unnoticed.
 template <class T>
 __global__ void __launch_bounds__(CE_THREADS)
-softmax_ce_rows_kernel(T* __restrict__ dlogits, float* __restrict__ row_stats, const float* __restrict__ logits,
-                       const int* __restrict__ targets, const float* __restrict__ mask, int V, float grad_scale, int grad) {
+    softmax_ce_rows_kernel(T* __restrict__ dlogits, float* __restrict__ row_stats, const float* __restrict__ logits,
+                           const int* __restrict__ targets, const float* __restrict__ mask, int V, float grad_scale,
+                           int grad) {
     int64_t row = blockIdx.x;
     const float* x = logits + row * V;
     float m = mask ? mask[row] : 1.0f;
@@ -66,17 +67,19 @@ softmax_ce_rows_kernel(T* __restrict__ dlogits, float* __restrict__ row_stats, c
     }
 }
 
-static void softmax_ce_rows_cuda(bf16* dlogits, float* row_stats, const float* logits, const int* targets, const float* mask,
-                                 int64_t rows, int V, float grad_scale, int grad, cudaStream_t stream) {
+static void softmax_ce_rows_cuda(bf16* dlogits, float* row_stats, const float* logits, const int* targets,
+                                 const float* mask, int64_t rows, int V, float grad_scale, int grad,
+                                 cudaStream_t stream) {
     if (rows == 0) return;
-    launch_kernel((unsigned)rows, CE_THREADS, 0, stream, softmax_ce_rows_kernel<bf16>, dlogits, row_stats, logits, targets, mask,
-                  V, grad_scale, grad);
+    launch_kernel((unsigned)rows, CE_THREADS, 0, stream, softmax_ce_rows_kernel<bf16>, dlogits, row_stats, logits,
+                  targets, mask, V, grad_scale, grad);
 }
-static void softmax_ce_rows_cuda(float* dlogits, float* row_stats, const float* logits, const int* targets, const float* mask,
-                                 int64_t rows, int V, float grad_scale, int grad, cudaStream_t stream) {
+static void softmax_ce_rows_cuda(float* dlogits, float* row_stats, const float* logits, const int* targets,
+                                 const float* mask, int64_t rows, int V, float grad_scale, int grad,
+                                 cudaStream_t stream) {
     if (rows == 0) return;
-    launch_kernel((unsigned)rows, CE_THREADS, 0, stream, softmax_ce_rows_kernel<float>, dlogits, row_stats, logits, targets,
-                  mask, V, grad_scale, grad);
+    launch_kernel((unsigned)rows, CE_THREADS, 0, stream, softmax_ce_rows_kernel<float>, dlogits, row_stats, logits,
+                  targets, mask, V, grad_scale, grad);
 }
 
 // stats[k] += sum over rows of row_stats[row, k] (k = loss, count, correct), in double, by one
@@ -99,9 +102,10 @@ static void loss_stats_accumulate_cuda(double* stats, const float* row_stats, in
 // all ones) live on the device. grad_scale = 1 / (masked tokens of the whole step). gamma NULL
 // means an MS final norm (backward from z and r). Synchronises the stream once, to return st.
 // Full fine-tuning: dW [V,d] and dgamma [d] (fp32) accumulate when non-NULL.
-static void lm_head_loss_cuda(const bf16* xf, const bf16* gamma, float eps, const bf16* W, int V, int d, const int* targets,
-                              const float* mask, int64_t N, int chunk, float grad_scale, bf16* dxf, float* logits_out,
-                              LossScratchCuda sc, LossStats* st, cudaStream_t stream, float* dW = NULL, float* dgamma = NULL) {
+static void lm_head_loss_cuda(const bf16* xf, const bf16* gamma, float eps, const bf16* W, int V, int d,
+                              const int* targets, const float* mask, int64_t N, int chunk, float grad_scale, bf16* dxf,
+                              float* logits_out, LossScratchCuda sc, LossStats* st, cudaStream_t stream,
+                              float* dW = NULL, float* dgamma = NULL) {
     if (chunk <= 0) fail("lm_head_loss_cuda: chunk must be positive");
     CUDA_CHECK(cudaMemsetAsync(sc.stats, 0, 4 * sizeof(double), stream));
     for (int64_t n0 = 0; n0 < N; n0 += chunk) {
@@ -110,9 +114,10 @@ static void lm_head_loss_cuda(const bf16* xf, const bf16* gamma, float eps, cons
         norm_overflowed_rows_cuda(sc.stats + 3, sc.r, c, stream);
         matmul_nt_cuda(sc.logits, sc.z, W, c, V, d, 1.0f, 0, stream);
         if (logits_out)
-            CUDA_CHECK(cudaMemcpyAsync(logits_out + n0 * V, sc.logits, sizeof(float) * c * V, cudaMemcpyDeviceToDevice, stream));
-        softmax_ce_rows_cuda(sc.dlogits, sc.row_stats, sc.logits, targets + n0, mask ? mask + n0 : NULL, c, V, grad_scale,
-                             dxf != NULL, stream);
+            CUDA_CHECK(cudaMemcpyAsync(logits_out + n0 * V, sc.logits, sizeof(float) * c * V, cudaMemcpyDeviceToDevice,
+                                       stream));
+        softmax_ce_rows_cuda(sc.dlogits, sc.row_stats, sc.logits, targets + n0, mask ? mask + n0 : NULL, c, V,
+                             grad_scale, dxf != NULL, stream);
         loss_stats_accumulate_cuda(sc.stats, sc.row_stats, c, stream);
         if (!dxf) continue;
         if (dW) matmul_tn_cuda(dW, sc.dlogits, sc.z, V, d, c, 1.0f, 1, stream);  // trained head: dW += dlogits^T z

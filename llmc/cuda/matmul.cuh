@@ -68,7 +68,8 @@ static void cublas_setup(void) {
 // when it changes.
 static void cublas_attach_workspace(void* work, size_t bytes) {
     if (work && ((uintptr_t)work % BLAS_WORKSPACE_ALIGN || !bytes))
-        fail("internal: the cuBLAS workspace %p (%zu bytes) is not %d-byte aligned device memory", work, bytes, BLAS_WORKSPACE_ALIGN);
+        fail("internal: the cuBLAS workspace %p (%zu bytes) is not %d-byte aligned device memory", work, bytes,
+             BLAS_WORKSPACE_ALIGN);
     if (g_cublas.ready && bytes != g_cublas.workspace_bytes) matmul_plans_free();
     if (g_cublas.owns_workspace) CUDA_CHECK(cudaFree(g_cublas.workspace));
     g_cublas.owns_workspace = 0;
@@ -126,9 +127,36 @@ static void matmul_plan_build(MatmulPlan* p) {
     uint64_t arows, acols, lda, brows, bcols, ldb;
     int M = k->M, N = k->N, K = k->K;
     switch (k->form) {
-    case MM_NT: opa = CUBLAS_OP_T; arows = K; acols = N; lda = K; opb = CUBLAS_OP_N; brows = K; bcols = M; ldb = K; break;
-    case MM_NN: opa = CUBLAS_OP_N; arows = N; acols = K; lda = N; opb = CUBLAS_OP_N; brows = K; bcols = M; ldb = K; break;
-    default:    opa = CUBLAS_OP_N; arows = N; acols = K; lda = N; opb = CUBLAS_OP_T; brows = M; bcols = K; ldb = M; break;
+        case MM_NT:
+            opa = CUBLAS_OP_T;
+            arows = K;
+            acols = N;
+            lda = K;
+            opb = CUBLAS_OP_N;
+            brows = K;
+            bcols = M;
+            ldb = K;
+            break;
+        case MM_NN:
+            opa = CUBLAS_OP_N;
+            arows = N;
+            acols = K;
+            lda = N;
+            opb = CUBLAS_OP_N;
+            brows = K;
+            bcols = M;
+            ldb = K;
+            break;
+        default:
+            opa = CUBLAS_OP_N;
+            arows = N;
+            acols = K;
+            lda = N;
+            opb = CUBLAS_OP_T;
+            brows = M;
+            bcols = K;
+            ldb = M;
+            break;
     }
     CUBLAS_CHECK(cublasLtMatmulDescCreate(&p->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
     CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_TRANSA, &opa, sizeof(opa)));
@@ -142,15 +170,20 @@ static void matmul_plan_build(MatmulPlan* p) {
     CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p->lc, k->ctype, N, M, N));
     cublasLtMatmulPreference_t pref;
     CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
-    CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &g_cublas.workspace_bytes,
-                                                      sizeof(g_cublas.workspace_bytes)));
-    CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &k->al_a, sizeof(k->al_a)));
-    CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &k->al_b, sizeof(k->al_b)));
-    CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &k->al_c, sizeof(k->al_c)));
-    CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &k->al_c, sizeof(k->al_c)));
+    CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                                      &g_cublas.workspace_bytes, sizeof(g_cublas.workspace_bytes)));
+    CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &k->al_a,
+                                                      sizeof(k->al_a)));
+    CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &k->al_b,
+                                                      sizeof(k->al_b)));
+    CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &k->al_c,
+                                                      sizeof(k->al_c)));
+    CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &k->al_c,
+                                                      sizeof(k->al_c)));
     cublasLtMatmulHeuristicResult_t heur;
     int found = 0;
-    cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(g_cublas.lt, p->desc, p->la, p->lb, p->lc, p->lc, pref, 1, &heur, &found);
+    cublasStatus_t st =
+        cublasLtMatmulAlgoGetHeuristic(g_cublas.lt, p->desc, p->la, p->lb, p->lc, p->lc, pref, 1, &heur, &found);
     if (st != CUBLAS_STATUS_SUCCESS && st != CUBLAS_STATUS_NOT_SUPPORTED) CUBLAS_CHECK(st);
     p->found = st == CUBLAS_STATUS_SUCCESS && found > 0;
     if (p->found) p->algo = heur.algo;
@@ -186,8 +219,8 @@ static const MatmulPlan* matmul_plan_get(const MatmulPlanKey* key) {
 
 // The one generic product behind every wrapper below. A and B share a type; C has its own.
 static void matmul_generic_cuda(MatmulForm form, void* C, cudaDataType_t ctype, const void* A, const void* B,
-                                cudaDataType_t abtype, const void* bias, int M, int N, int K, float alpha, int accumulate,
-                                cudaStream_t stream) {
+                                cudaDataType_t abtype, const void* bias, int M, int N, int K, float alpha,
+                                int accumulate, cudaStream_t stream) {
     if (M <= 0 || N <= 0) return;
     if (K <= 0) {  // an empty sum: C keeps its value (accumulate) or becomes 0, then the bias
         if (!accumulate) CUDA_CHECK(cudaMemsetAsync(C, 0, (size_t)M * N * mm_elem_size(ctype), stream));
@@ -210,17 +243,20 @@ static void matmul_generic_cuda(MatmulForm form, void* C, cudaDataType_t ctype, 
     key.M = M; key.N = N; key.K = K; key.al_a = al_a; key.al_b = al_b; key.al_c = al_c;
     const MatmulPlan* plan = matmul_plan_get(&key);
     if (plan->found) {
-        if (bias) CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
-        cublasStatus_t st = cublasLtMatmul(g_cublas.lt, plan->desc, &alpha, B, plan->la, A, plan->lb, &beta, C, plan->lc, C, plan->lc,
-                                           &plan->algo, g_cublas.workspace, g_cublas.workspace_bytes, stream);
+        if (bias)
+            CUBLAS_CHECK(
+                cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
+        cublasStatus_t st =
+            cublasLtMatmul(g_cublas.lt, plan->desc, &alpha, B, plan->la, A, plan->lb, &beta, C, plan->lc, C, plan->lc,
+                           &plan->algo, g_cublas.workspace, g_cublas.workspace_bytes, stream);
         if (st != CUBLAS_STATUS_NOT_SUPPORTED) { CUBLAS_CHECK(st); return; }
     }
     cublasOperation_t opa = form == MM_NT ? CUBLAS_OP_T : CUBLAS_OP_N, opb = form == MM_TN ? CUBLAS_OP_T : CUBLAS_OP_N;
 
     // fallback: classic cuBLAS, same types and compute precision, bias in a separate pass
     cublas_use_stream(stream);
-    CUBLAS_CHECK(cublasGemmEx(g_cublas.blas, opa, opb, N, M, K, &alpha, B, abtype, (int)lda, A, abtype, (int)ldb, &beta, C, ctype,
-                              N, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    CUBLAS_CHECK(cublasGemmEx(g_cublas.blas, opa, opb, N, M, K, &alpha, B, abtype, (int)lda, A, abtype, (int)ldb, &beta,
+                              C, ctype, N, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
     if (bias) {
         if (ctype == CUDA_R_16BF) add_bias_rows_cuda((bf16*)C, (const bf16*)bias, M, N, stream);
         else add_bias_rows_cuda((float*)C, (const float*)bias, M, N, stream);
@@ -250,29 +286,31 @@ LLMC_MATMUL_FORM(matmul_tn_cuda, MM_TN)
 // device arrays of pointers (so entries may share an operand, as grouped-query heads share their
 // kv head). Entries must not share C when accumulating. Through cublasGemmBatchedEx: tensor cores
 // with bf16 operands, fp32 accumulation, C in bf16 or fp32.
-static void matmul_batched_cuda(MatmulForm form, void* const* C, cudaDataType_t ctype, const void* const* A, const void* const* B,
-                                int M, int N, int K, int lda, int ldb, int ldc, float alpha, int accumulate, int batch,
-                                cudaStream_t stream) {
+static void matmul_batched_cuda(MatmulForm form, void* const* C, cudaDataType_t ctype, const void* const* A,
+                                const void* const* B, int M, int N, int K, int lda, int ldb, int ldc, float alpha,
+                                int accumulate, int batch, cudaStream_t stream) {
     if (M <= 0 || N <= 0 || batch <= 0) return;
     cublas_setup();
     cublas_use_stream(stream);
     cublasOperation_t opa = form == MM_NT ? CUBLAS_OP_T : CUBLAS_OP_N, opb = form == MM_TN ? CUBLAS_OP_T : CUBLAS_OP_N;
     float beta = accumulate ? 1.0f : 0.0f;
     // column-major C^T [N x M] = op(B) op(A): cuBLAS's first operand is our B
-    cublasStatus_t st = cublasGemmBatchedEx(g_cublas.blas, opa, opb, N, M, K, &alpha, (const void* const*)B, CUDA_R_16BF, ldb,
-                                            (const void* const*)A, CUDA_R_16BF, lda, &beta, (void* const*)C, ctype, ldc, batch,
-                                            CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+    cublasStatus_t st = cublasGemmBatchedEx(
+        g_cublas.blas, opa, opb, N, M, K, &alpha, (const void* const*)B, CUDA_R_16BF, ldb, (const void* const*)A,
+        CUDA_R_16BF, lda, &beta, (void* const*)C, ctype, ldc, batch, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
     if (st != CUBLAS_STATUS_SUCCESS)  // its one user is the tensor-core attention, which has an alternative
-        fail("cuBLAS error: cublasGemmBatchedEx (%d x %d x %d, %d products): %s; LLMC_ATTENTION=flash runs attention without it", M, N, K,
-             batch, cublasGetStatusString(st));
+        fail(
+            "cuBLAS error: cublasGemmBatchedEx (%d x %d x %d, %d products): %s; LLMC_ATTENTION=flash runs attention "
+            "without it",
+            M, N, K, batch, cublasGetStatusString(st));
 }
 
 // C[M,N] (+)= alpha * A . B^T + bias[N]: the linear forward with its bias in the epilogue.
-static void matmul_nt_bias_cuda(bf16* C, const bf16* A, const bf16* B, const bf16* bias, int M, int N, int K, float alpha,
-                                int accumulate, cudaStream_t stream) {
+static void matmul_nt_bias_cuda(bf16* C, const bf16* A, const bf16* B, const bf16* bias, int M, int N, int K,
+                                float alpha, int accumulate, cudaStream_t stream) {
     matmul_generic_cuda(MM_NT, C, CUDA_R_16BF, A, B, CUDA_R_16BF, bias, M, N, K, alpha, accumulate, stream);
 }
-static void matmul_nt_bias_cuda(float* C, const float* A, const float* B, const float* bias, int M, int N, int K, float alpha,
-                                int accumulate, cudaStream_t stream) {
+static void matmul_nt_bias_cuda(float* C, const float* A, const float* B, const float* bias, int M, int N, int K,
+                                float alpha, int accumulate, cudaStream_t stream) {
     matmul_generic_cuda(MM_NT, C, CUDA_R_32F, A, B, CUDA_R_32F, bias, M, N, K, alpha, accumulate, stream);
 }

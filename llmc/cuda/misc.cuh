@@ -48,7 +48,8 @@ __global__ void embedding_backward_kernel(float* dE, const bf16* __restrict__ dx
         dE[(int64_t)v * d + i] += s;
     }
 }
-static void embedding_backward_cuda(float* dE, const bf16* dx, const int* ids, const int* order, int64_t N, int d, cudaStream_t stream) {
+static void embedding_backward_cuda(float* dE, const bf16* dx, const int* ids, const int* order, int64_t N, int d,
+                                    cudaStream_t stream) {
     if (d == 0 || N == 0) return;
     launch_kernel(grid_for(N * d, 256), 256, 0, stream, embedding_backward_kernel, dE, dx, ids, order, N, d);
 }
@@ -110,8 +111,8 @@ static void bias_grad_rows_cuda(float* db, const bf16* dy, int64_t N, int out, c
 
 // dst[r*dst_stride + c] = src[r*src_stride + c] for r < rows, c < d (strides in elements): the
 // class-token rows of the ViT residual stream into a dense [rows, d] buffer, and back.
-__global__ void copy_rows_kernel(bf16* __restrict__ dst, int64_t dst_stride, const bf16* __restrict__ src, int64_t src_stride,
-                                 int64_t rows, int d) {
+__global__ void copy_rows_kernel(bf16* __restrict__ dst, int64_t dst_stride, const bf16* __restrict__ src,
+                                 int64_t src_stride, int64_t rows, int d) {
     for (int64_t i = thread_index_1d(); i < rows * d; i += grid_stride_1d()) {
         int64_t r = i / d, c = i % d;
         dst[r * dst_stride + c] = src[r * src_stride + c];
@@ -162,7 +163,8 @@ __global__ void patch_unfold_kernel(bf16* __restrict__ patches, const T* __restr
         if (t == 0) { patches[idx] = f2bf(0.0f); continue; }
         int c = (int)(e / ((int64_t)s.ph * s.pw)), i = (int)(e / s.pw % s.ph), j = (int)(e % s.pw);
         int py = (t - 1) / s.gw, px = (t - 1) % s.gw;
-        patches[idx] = f2bf((float)pixels[(((int64_t)b * s.C + c) * s.H + (int64_t)py * s.ph + i) * s.W + (int64_t)px * s.pw + j]);
+        patches[idx] =
+            f2bf((float)pixels[(((int64_t)b * s.C + c) * s.H + (int64_t)py * s.ph + i) * s.W + (int64_t)px * s.pw + j]);
     }
 }
 static int64_t patch_unfold_total(PatchShape s) { return (int64_t)s.B * s.T * s.C * s.ph * s.pw; }
@@ -189,7 +191,8 @@ __global__ void patch_embed_finish_kernel(bf16* x, const bf16* __restrict__ cls,
 // Its backward, from dx [N, d] (N = B*T) when the embeddings train: dcls += sum_b dx[b, 0],
 // dpos[t] += sum_b dx[b, t], dpatch_b += sum_b sum_{t>0} dx[b, t]. One thread per (t, c), images
 // in order; dpatch_b by column_sums_kernel over the patch rows: deterministic.
-__global__ void patch_embed_finish_backward_kernel(float* dcls, float* dpos, const bf16* __restrict__ dx, int64_t N, int T, int d) {
+__global__ void patch_embed_finish_backward_kernel(float* dcls, float* dpos, const bf16* __restrict__ dx, int64_t N,
+                                                   int T, int d) {
     int64_t i = thread_index_1d();
     if (i >= (int64_t)T * d) return;
     int64_t t = i / d, c = i % d;
@@ -204,15 +207,16 @@ struct PatchBiasTerm {  // dx[n, j] of the patch rows, token t = n % T > 0 (colu
     int T, d;
     __device__ void add(int64_t n, int64_t j, float* s) const { if (n % T) s[0] += bf2f(dx[n * d + j]); }
 };
-static void patch_embed_finish_backward_cuda(float* dcls, float* dpatch_b, float* dpos, const bf16* dx, int64_t N, int T, int d,
-                                             cudaStream_t stream) {
+static void patch_embed_finish_backward_cuda(float* dcls, float* dpatch_b, float* dpos, const bf16* dx, int64_t N,
+                                             int T, int d, cudaStream_t stream) {
     if (N * d == 0) return;
-    launch_kernel(ceil_div((int64_t)T * d, 128), 128, 0, stream, patch_embed_finish_backward_kernel, dcls, dpos, dx, N, T, d);
+    launch_kernel(ceil_div((int64_t)T * d, 128), 128, 0, stream, patch_embed_finish_backward_kernel, dcls, dpos, dx, N,
+                  T, d);
     column_sums_cuda(dpatch_b, (float*)NULL, PatchBiasTerm{dx, T, d}, N, d, stream);
 }
 
-static void patch_embed_finish_cuda(bf16* x, const bf16* cls, const bf16* patch_b, const bf16* pos, int64_t N, int T, int d,
-                                    cudaStream_t stream) {
+static void patch_embed_finish_cuda(bf16* x, const bf16* cls, const bf16* patch_b, const bf16* pos, int64_t N, int T,
+                                    int d, cudaStream_t stream) {
     if (N * d == 0) return;
     launch_kernel(grid_for(N * d, 256), 256, 0, stream, patch_embed_finish_kernel, x, cls, patch_b, pos, N, T, d);
 }

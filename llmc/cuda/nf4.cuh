@@ -7,7 +7,8 @@
 
 // One thread per packed byte: both of its weights lie in the same 64-block (64 is even), so one
 // absmax decode serves two outputs. tables: NF4's 16 values, then the 256-entry dynamic map.
-__global__ void nf4_dequantize_kernel(bf16* __restrict__ w, const uint8_t* __restrict__ buf, const float* __restrict__ tables, int64_t n) {
+__global__ void nf4_dequantize_kernel(bf16* __restrict__ w, const uint8_t* __restrict__ buf,
+                                      const float* __restrict__ tables, int64_t n) {
     Nf4View q = nf4_view((void*)buf, n);
     float offset = *q.offset;
     for (int64_t j = thread_index_1d(); j < (n + 1) / 2; j += grid_stride_1d()) {

@@ -93,14 +93,15 @@ __global__ void layernorm_forward_kernel(bf16* __restrict__ y, float* __restrict
 static void rmsnorm_forward_cuda(bf16* y, float* r_out, const bf16* x, const bf16* gamma, int64_t N, int d, float eps,
                                  cudaStream_t stream) {
     if (N == 0) return;
-    launch_kernel(norm_grid(N), 32 * NORM_ROWS_PER_BLOCK, 0, stream, rmsnorm_forward_kernel, y, r_out, x, gamma, N, d, eps);
+    launch_kernel(norm_grid(N), 32 * NORM_ROWS_PER_BLOCK, 0, stream, rmsnorm_forward_kernel, y, r_out, x, gamma, N, d,
+                  eps);
 }
 
-static void layernorm_forward_cuda(bf16* y, float* r_out, float* mean_out, const bf16* x, const bf16* gamma, const bf16* beta,
-                                   int64_t N, int d, float eps, cudaStream_t stream) {
+static void layernorm_forward_cuda(bf16* y, float* r_out, float* mean_out, const bf16* x, const bf16* gamma,
+                                   const bf16* beta, int64_t N, int d, float eps, cudaStream_t stream) {
     if (N == 0) return;
-    launch_kernel(norm_grid(N), 32 * NORM_ROWS_PER_BLOCK, 0, stream, layernorm_forward_kernel, y, r_out, mean_out, x, gamma,
-                  beta, N, d, eps);
+    launch_kernel(norm_grid(N), 32 * NORM_ROWS_PER_BLOCK, 0, stream, layernorm_forward_kernel, y, r_out, mean_out, x,
+                  gamma, beta, N, d, eps);
 }
 
 // ---- backward --------------------------------------------------------------------------------
@@ -162,8 +163,8 @@ static void rmsnorm_ms_backward_cuda(bf16* dx, const bf16* dz, const bf16* z, co
     norm_backward_launch(dx, a, N, d, stream);
 }
 
-static void rmsnorm_backward_cuda(bf16* dx, const bf16* dy, const bf16* x, const float* r, const bf16* gamma, int64_t N, int d,
-                                  cudaStream_t stream) {
+static void rmsnorm_backward_cuda(bf16* dx, const bf16* dy, const bf16* x, const float* r, const bf16* gamma, int64_t N,
+                                  int d, cudaStream_t stream) {
     if (!gamma) fail("rmsnorm_backward_cuda: the standard backward needs gamma (use rmsnorm_ms_backward_cuda)");
     NormBackwardArgs a = {dy, x, r, NULL, gamma, 0};
     norm_backward_launch(dx, a, N, d, stream);
@@ -182,8 +183,8 @@ struct LnAffineTerm {
         s[1] += g;
     }
 };
-static void layernorm_affine_grad_cuda(float* dgamma, float* dbeta, const bf16* dy, const bf16* x, const float* mean, const float* r,
-                                       int64_t N, int d, cudaStream_t stream) {
+static void layernorm_affine_grad_cuda(float* dgamma, float* dbeta, const bf16* dy, const bf16* x, const float* mean,
+                                       const float* r, int64_t N, int d, cudaStream_t stream) {
     if (d == 0) return;
     column_sums_cuda(dgamma, dbeta, LnAffineTerm{dy, x, mean, r, d}, N, d, stream);
 }
@@ -208,9 +209,12 @@ struct RmsGammaTerm {
     const bf16 *dy, *x;
     const float* r;
     int d;
-    __device__ void add(int64_t n, int64_t i, float* s) const { s[0] += bf2f(dy[n * d + i]) * (bf2f(x[n * d + i]) * r[n]); }  // z first
+    __device__ void add(int64_t n, int64_t i, float* s) const {
+        s[0] += bf2f(dy[n * d + i]) * (bf2f(x[n * d + i]) * r[n]);
+    }  // z first
 };
-static void rmsnorm_gamma_grad_cuda(float* dgamma, const bf16* dy, const bf16* x, const float* r, int64_t N, int d, cudaStream_t stream) {
+static void rmsnorm_gamma_grad_cuda(float* dgamma, const bf16* dy, const bf16* x, const float* r, int64_t N, int d,
+                                    cudaStream_t stream) {
     if (d == 0) return;
     column_sums_cuda(dgamma, (float*)NULL, RmsGammaTerm{dy, x, r, d}, N, d, stream);
 }

@@ -41,8 +41,8 @@ typedef struct {
 
 // Declares a buffer at an offset of its category's arena that is a multiple of align (a power of
 // two, at least PLAN_ALIGN; arenas start 256-byte aligned); the padding before it counts in the arena.
-static void plan_add_aligned(MemPlan* p, MemCategory cat, const char* module, int block, const char* name, size_t bytes, void* bind,
-                             size_t align) {
+static void plan_add_aligned(MemPlan* p, MemCategory cat, const char* module, int block, const char* name, size_t bytes,
+                             void* bind, size_t align) {
     if (p->count == p->cap) {
         p->cap = p->cap ? 2 * p->cap : 256;
         p->bufs = (PlanBuffer*)realloc(p->bufs, p->cap * sizeof(PlanBuffer));
@@ -60,7 +60,8 @@ static void plan_add_aligned(MemPlan* p, MemCategory cat, const char* module, in
     p->cat_bytes[cat] = b->offset + round_up(bytes, PLAN_ALIGN) + PLAN_GUARD;
 }
 
-static void plan_add(MemPlan* p, MemCategory cat, const char* module, int block, const char* name, size_t bytes, void* bind) {
+static void plan_add(MemPlan* p, MemCategory cat, const char* module, int block, const char* name, size_t bytes,
+                     void* bind) {
     plan_add_aligned(p, cat, module, block, name, bytes, bind, PLAN_ALIGN);
 }
 
@@ -76,8 +77,11 @@ static void plan_allocate_host(MemPlan* p) {
         p->arena[c] = NULL;
         if (!p->cat_bytes[c]) continue;
         p->arena[c] = (uint8_t*)calloc(1, p->cat_bytes[c]);
-        if (!p->arena[c]) fail("cannot allocate %.1f MiB of host memory for %s (try a smaller --batch/--seq, --mode lowmem or --mode ckpt)",
-                               p->cat_bytes[c] / 1048576.0, mem_category_name[c]);
+        if (!p->arena[c])
+            fail(
+                "cannot allocate %.1f MiB of host memory for %s (try a smaller --batch/--seq, --mode lowmem or --mode "
+                "ckpt)",
+                p->cat_bytes[c] / 1048576.0, mem_category_name[c]);
     }
     for (int i = 0; i < p->count; i++)
         if (p->bufs[i].bind) *p->bufs[i].bind = p->arena[p->bufs[i].cat] + p->bufs[i].offset;
@@ -123,7 +127,8 @@ static void plan_print(const MemPlan* p, const MemPlan* base, const char* mode_n
     const char* mods[32];
     int n = plan_modules(base, p, mods, 32);
     double N = (double)p->tokens;
-    printf("activation memory plan (%s layout, %lld tokens per micro-batch, %d blocks)\n", layout, (long long)p->tokens, p->blocks);
+    printf("activation memory plan (%s layout, %lld tokens per micro-batch, %d blocks)\n", layout, (long long)p->tokens,
+           p->blocks);
     printf("  %-22s %16s %16s   bytes per token per block\n", "module", "baseline", mode_name);
     size_t tb = 0, tp = 0;
     for (int i = 0; i < n; i++) {
@@ -135,10 +140,11 @@ static void plan_print(const MemPlan* p, const MemPlan* base, const char* mode_n
     size_t nb_p = 0;
     for (int i = 0; i < n; i++) nb_p += plan_module_bytes(p, mods[i], -1);
     size_t sb = base->cat_bytes[MEM_SAVED], sp = p->cat_bytes[MEM_SAVED];
-    printf("  saved activations: baseline %.2f MiB, %s %.2f MiB (%+.1f%%); non-block %.2f MiB\n", mib(sb), mode_name, mib(sp),
-           sb ? 100.0 * ((double)sp - (double)sb) / (double)sb : 0.0, mib(nb_p));
+    printf("  saved activations: baseline %.2f MiB, %s %.2f MiB (%+.1f%%); non-block %.2f MiB\n", mib(sb), mode_name,
+           mib(sp), sb ? 100.0 * ((double)sp - (double)sb) / (double)sb : 0.0, mib(nb_p));
     printf("  all arenas:");
-    for (int c = 0; c < MEM_CATS; c++) printf(" %s %.2f MiB%s", mem_category_key[c], mib(p->cat_bytes[c]), c + 1 < MEM_CATS ? "," : "");
+    for (int c = 0; c < MEM_CATS; c++)
+        printf(" %s %.2f MiB%s", mem_category_key[c], mib(p->cat_bytes[c]), c + 1 < MEM_CATS ? "," : "");
     printf(" = %.2f MiB\n", mib(plan_total(p)));
 }
 
@@ -171,7 +177,8 @@ static void plan_json(FILE* f, const MemPlan* p, const MemPlan* base, const char
     plan_json_per_block(f, p, mods, n);
     fprintf(f, ", \"categories\": {");
     for (int c = 0; c < MEM_CATS; c++) fprintf(f, "%s\"%s\": %zu", c ? ", " : "", mem_category_key[c], p->cat_bytes[c]);
-    fprintf(f, "}, \"total_bytes\": %zu, \"baseline\": {\"activation_bytes\": %zu, \"per_block\": ", plan_total(p), plan_saved_bytes(base));
+    fprintf(f, "}, \"total_bytes\": %zu, \"baseline\": {\"activation_bytes\": %zu, \"per_block\": ", plan_total(p),
+            plan_saved_bytes(base));
     plan_json_per_block(f, base, mods, n);
     fprintf(f, "}}\n");
 }

@@ -54,7 +54,10 @@ static void save_publish(const char* out, int64_t step) {
         if (!d) fail("%s: cannot list the committed save (%s)", done, strerror(errno));
         moved = 0;
         for (struct dirent* e; (e = readdir(d)) != NULL;)
-            if (strcmp(e->d_name, ".") && strcmp(e->d_name, "..")) { save_publish_file(done, out, e->d_name); moved = 1; }
+            if (strcmp(e->d_name, ".") && strcmp(e->d_name, "..")) {
+                save_publish_file(done, out, e->d_name);
+                moved = 1;
+            }
         closedir(d);
     }
     if (rmdir(done) != 0) fail("%s: cannot remove the published save's directory (%s)", done, strerror(errno));
@@ -71,12 +74,22 @@ static void save_dir_recover(const char* out) {
     if (dir_exists(done)) save_publish(out, -1);
     char* stage = path_join(out, SAVE_STAGING);
     if (dir_exists(stage)) remove_flat_dir(stage);
-    static const char* const names[] = {SAVE_STATE_NAME, "adapter_model.safetensors", "adapter_config.json", "model.safetensors",
-                                        "config.json", "generation_config.json", "tokenizer.bin", "tokenizer.json",
-                                        "tokenizer_config.json", "special_tokens_map.json", "preprocessor_config.json", "log.csv"};
+    static const char* const names[] = {SAVE_STATE_NAME,
+                                        "adapter_model.safetensors",
+                                        "adapter_config.json",
+                                        "model.safetensors",
+                                        "config.json",
+                                        "generation_config.json",
+                                        "tokenizer.bin",
+                                        "tokenizer.json",
+                                        "tokenizer_config.json",
+                                        "special_tokens_map.json",
+                                        "preprocessor_config.json",
+                                        "log.csv"};
     for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++) {
         char tmp[4096];
-        if ((size_t)snprintf(tmp, sizeof(tmp), "%s/%s.tmp", out, names[i]) < sizeof(tmp) && file_exists(tmp)) unlink(tmp);
+        if ((size_t)snprintf(tmp, sizeof(tmp), "%s/%s.tmp", out, names[i]) < sizeof(tmp) && file_exists(tmp))
+            unlink(tmp);
     }
     free(stage);
     free(done);

@@ -73,7 +73,10 @@ static void dist_init(Dist* d, int* argc, char*** argv) {
 #else
     (void)argc; (void)argv;
     if (launched > 1)
-        fail("launched as one of %d ranks, but this binary was built without MPI (install an MPI, e.g. Debian's libopenmpi-dev, and rebuild)", launched);
+        fail(
+            "launched as one of %d ranks, but this binary was built without MPI (install an MPI, e.g. Debian's "
+            "libopenmpi-dev, and rebuild)",
+            launched);
 #endif
 }
 
@@ -200,7 +203,10 @@ static void dist_allgather_f32(const Dist* d, float* full, int64_t shard) {
 // Every rank's `shard_in` to rank 0's `full_out` (world * shard floats; ignored on other ranks).
 static void dist_gather_f32(const Dist* d, const float* shard_in, float* full_out, int64_t shard) {
 #ifdef LLMC_HAVE_MPI
-    if (d->world > 1) { MPI_Gather(shard_in, (int)shard, MPI_FLOAT, full_out, (int)shard, MPI_FLOAT, 0, MPI_COMM_WORLD); return; }
+    if (d->world > 1) {
+        MPI_Gather(shard_in, (int)shard, MPI_FLOAT, full_out, (int)shard, MPI_FLOAT, 0, MPI_COMM_WORLD);
+        return;
+    }
 #endif
     (void)d;
     memcpy(full_out, shard_in, sizeof(float) * shard);
@@ -232,14 +238,18 @@ static void dist_allreduce_sum_f32_device(const Dist* d, float* x, int64_t n, cu
 static void dist_reduce_scatter_sum_f32_device_inplace(const Dist* d, float* full, int64_t shard, cudaStream_t stream) {
     float* mine = full + (int64_t)d->rank * shard;
 #ifdef LLMC_DIST_NCCL
-    if (d->has_nccl) { NCCL_CHECK(ncclReduceScatter(full, mine, (size_t)shard, ncclFloat, ncclSum, d->nccl, stream)); return; }
+    if (d->has_nccl) {
+        NCCL_CHECK(ncclReduceScatter(full, mine, (size_t)shard, ncclFloat, ncclSum, d->nccl, stream));
+        return;
+    }
 #endif
     int64_t n = shard * d->world;
     float* h = (float*)xmalloc(sizeof(float) * n);
     CUDA_CHECK(cudaMemcpyAsync(h, full, sizeof(float) * n, cudaMemcpyDeviceToHost, stream));
     CUDA_CHECK(cudaStreamSynchronize(stream));
     dist_reduce_scatter_sum_f32_inplace(d, h, shard);
-    CUDA_CHECK(cudaMemcpyAsync(mine, h + (int64_t)d->rank * shard, sizeof(float) * shard, cudaMemcpyHostToDevice, stream));
+    CUDA_CHECK(
+        cudaMemcpyAsync(mine, h + (int64_t)d->rank * shard, sizeof(float) * shard, cudaMemcpyHostToDevice, stream));
     CUDA_CHECK(cudaStreamSynchronize(stream));
     free(h);
 }
@@ -259,7 +269,8 @@ static void dist_allgather_device(const Dist* d, void* full, int64_t shard, int 
     int64_t bytes = shard * elem, n = bytes * d->world;
     if (bytes > INT32_MAX) fail("ZeRO-1 piece of %lld bytes is too large for one MPI call", (long long)bytes);
     char* h = (char*)xmalloc(n);
-    CUDA_CHECK(cudaMemcpyAsync(h + (int64_t)d->rank * bytes, (char*)full + (int64_t)d->rank * bytes, bytes, cudaMemcpyDeviceToHost, stream));
+    CUDA_CHECK(cudaMemcpyAsync(h + (int64_t)d->rank * bytes, (char*)full + (int64_t)d->rank * bytes, bytes,
+                               cudaMemcpyDeviceToHost, stream));
     CUDA_CHECK(cudaStreamSynchronize(stream));
     MPI_Allgather(MPI_IN_PLACE, 0, MPI_BYTE, h, (int)bytes, MPI_BYTE, MPI_COMM_WORLD);
     CUDA_CHECK(cudaMemcpyAsync(full, h, n, cudaMemcpyHostToDevice, stream));

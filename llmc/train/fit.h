@@ -43,7 +43,8 @@ static size_t backend_free_bytes(const Backend* be) {
 
 // The largest micro-batch up to `most` whose plan under o's switches fits `avail` bytes, or 0.
 // (A plan grows with the batch, so a bisection finds it.)
-static int fit_largest_batch(PlanBytesFn plan_bytes, const void* ctx, const TrainOptions* o, int most, int world, size_t avail) {
+static int fit_largest_batch(PlanBytesFn plan_bytes, const void* ctx, const TrainOptions* o, int most, int world,
+                             size_t avail) {
     if (plan_bytes(ctx, o, most, world) <= avail) return most;
     int lo = 0, hi = most;  // fits(lo) (0: nothing yet), !fits(hi)
     while (hi - lo > 1) {
@@ -56,8 +57,8 @@ static int fit_largest_batch(PlanBytesFn plan_bytes, const void* ctx, const Trai
 
 // Appends "[MODE ]--batch b --grad-accum k" for the largest batch that fits under o's switches
 // (k keeps at least the step's sequences or images), or that not even one does.
-static void fit_suggest(char* buf, size_t n, const char* mode, PlanBytesFn plan_bytes, const void* ctx, const TrainOptions* o, int world,
-                        size_t avail) {
+static void fit_suggest(char* buf, size_t n, const char* mode, PlanBytesFn plan_bytes, const void* ctx,
+                        const TrainOptions* o, int world, size_t avail) {
     int b = fit_largest_batch(plan_bytes, ctx, o, o->batch, world, avail);
     size_t len = strlen(buf);
     const char* sep = len ? "; " : "";
@@ -76,8 +77,8 @@ static const char* fit_size(char* buf, size_t n, size_t bytes) {
 // Fails (one line) when `plan` needs more than the device has free (the host has available,
 // shared by the node's `local_ranks`): what the plan needs by category, what is free, and what
 // would fit.
-static void fit_check_plan(const Backend* be, const MemPlan* plan, PlanBytesFn plan_bytes, const void* ctx, const TrainOptions* o, int world,
-                           int local_ranks) {
+static void fit_check_plan(const Backend* be, const MemPlan* plan, PlanBytesFn plan_bytes, const void* ctx,
+                           const TrainOptions* o, int world, int local_ranks) {
     size_t need = plan_total(plan), avail = backend_free_bytes(be);
     if (!be->cuda && avail != SIZE_MAX && local_ranks > 1) avail /= (size_t)local_ranks;
     if (need <= avail) return;
@@ -85,15 +86,27 @@ static void fit_check_plan(const Backend* be, const MemPlan* plan, PlanBytesFn p
     for (int c = 0; c < MEM_CATS; c++)
         if (plan->cat_bytes[c]) {
             size_t len = strlen(parts);
-            snprintf(parts + len, sizeof(parts) - len, "%s%s %s", len ? ", " : "", mem_category_key[c], fit_size(a, sizeof(a), plan->cat_bytes[c]));
+            snprintf(parts + len, sizeof(parts) - len, "%s%s %s", len ? ", " : "", mem_category_key[c],
+                     fit_size(a, sizeof(a), plan->cat_bytes[c]));
         }
     TrainOptions v = *o;
     fit_suggest(hint, sizeof(hint), "", plan_bytes, ctx, &v, world, avail);
     int is_lowmem = !strcmp(o->act, "approx") && !strcmp(o->norm, "ms") && !strcmp(o->recompute, "none");
     int is_ckpt_preset = !strcmp(o->act, "exact") && !strcmp(o->norm, "std") && !strcmp(o->recompute, "block");
-    if (!is_lowmem) { v.act = "approx"; v.norm = "ms"; v.recompute = "none"; fit_suggest(hint, sizeof(hint), "--mode lowmem", plan_bytes, ctx, &v, world, avail); }
-    if (!is_ckpt_preset) { v.act = "exact"; v.norm = "std"; v.recompute = "block"; fit_suggest(hint, sizeof(hint), "--mode ckpt", plan_bytes, ctx, &v, world, avail); }
-    if (!o->full && !strcmp(o->quant, "none")) {  // frozen linears in NF4, where the trainer offers it (its plan shrinks)
+    if (!is_lowmem) {
+        v.act = "approx";
+        v.norm = "ms";
+        v.recompute = "none";
+        fit_suggest(hint, sizeof(hint), "--mode lowmem", plan_bytes, ctx, &v, world, avail);
+    }
+    if (!is_ckpt_preset) {
+        v.act = "exact";
+        v.norm = "std";
+        v.recompute = "block";
+        fit_suggest(hint, sizeof(hint), "--mode ckpt", plan_bytes, ctx, &v, world, avail);
+    }
+    if (!o->full &&
+        !strcmp(o->quant, "none")) {  // frozen linears in NF4, where the trainer offers it (its plan shrinks)
         TrainOptions q = *o;
         q.act = "approx"; q.norm = "ms"; q.recompute = "none"; q.quant = "nf4";
         TrainOptions p = q;
@@ -105,14 +118,17 @@ static void fit_check_plan(const Backend* be, const MemPlan* plan, PlanBytesFn p
         for (int w = 2 * world; w <= 4096; w *= 2)
             if (plan_bytes(ctx, o, o->batch, w) <= avail) {
                 size_t len = strlen(hint);
-                snprintf(hint + len, sizeof(hint) - len, "; these flags on %d ranks (ZeRO-1 shards; --dry-run --ranks N plans them)", w);
+                snprintf(hint + len, sizeof(hint) - len,
+                         "; these flags on %d ranks (ZeRO-1 shards; --dry-run --ranks N plans them)", w);
                 break;
             }
     }
     char where[128], share[64] = "";
     if (local_ranks > 1) snprintf(share, sizeof(share), ", divided among the node's %d ranks", local_ranks);
     if (be->cuda) snprintf(where, sizeof(where), "is free on GPU %d", be->device);
-    else snprintf(where, sizeof(where), "is available (%s%s)", getenv("LLMC_HOST_MEMORY_BYTES") ? "LLMC_HOST_MEMORY_BYTES" : "MemAvailable", share);
-    fail("the memory plan needs %s of %s memory (%s) but %s %s; would fit: %s", fit_size(a, sizeof(a), need), be->cuda ? "GPU" : "host", parts,
-         fit_size(b, sizeof(b), avail), where, hint);
+    else
+        snprintf(where, sizeof(where), "is available (%s%s)",
+                 getenv("LLMC_HOST_MEMORY_BYTES") ? "LLMC_HOST_MEMORY_BYTES" : "MemAvailable", share);
+    fail("the memory plan needs %s of %s memory (%s) but %s %s; would fit: %s", fit_size(a, sizeof(a), need),
+         be->cuda ? "GPU" : "host", parts, fit_size(b, sizeof(b), avail), where, hint);
 }

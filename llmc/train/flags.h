@@ -26,18 +26,29 @@ typedef struct {
     const char* group;     // group of the flags added next
 } FlagTable;
 
-static Flag* flag_add(FlagTable* t, const char* name, FlagKind kind, void* target, const char* choices, const char* help) {
+static Flag* flag_add(FlagTable* t, const char* name, FlagKind kind, void* target, const char* choices,
+                      const char* help) {
     if (t->count == (int)(sizeof(t->flags) / sizeof(t->flags[0]))) fail("internal: flag table full");
     Flag* f = &t->flags[t->count++];
     memset(f, 0, sizeof(*f));
     f->name = name; f->kind = kind; f->target = target; f->choices = choices; f->help = help; f->group = t->group;
     return f;
 }
-static void flag_int(FlagTable* t, const char* name, int* v, const char* help) { flag_add(t, name, FLAG_INT, v, NULL, help); }
-static void flag_float(FlagTable* t, const char* name, float* v, const char* help) { flag_add(t, name, FLAG_FLOAT, v, NULL, help); }
-static void flag_string(FlagTable* t, const char* name, const char** v, const char* help) { flag_add(t, name, FLAG_STRING, v, NULL, help); }
-static void flag_bool(FlagTable* t, const char* name, int* v, const char* help) { flag_add(t, name, FLAG_BOOL, v, NULL, help); }
-static void flag_choice(FlagTable* t, const char* name, const char** v, const char* choices, const char* help) { flag_add(t, name, FLAG_CHOICE, v, choices, help); }
+static void flag_int(FlagTable* t, const char* name, int* v, const char* help) {
+    flag_add(t, name, FLAG_INT, v, NULL, help);
+}
+static void flag_float(FlagTable* t, const char* name, float* v, const char* help) {
+    flag_add(t, name, FLAG_FLOAT, v, NULL, help);
+}
+static void flag_string(FlagTable* t, const char* name, const char** v, const char* help) {
+    flag_add(t, name, FLAG_STRING, v, NULL, help);
+}
+static void flag_bool(FlagTable* t, const char* name, int* v, const char* help) {
+    flag_add(t, name, FLAG_BOOL, v, NULL, help);
+}
+static void flag_choice(FlagTable* t, const char* name, const char** v, const char* choices, const char* help) {
+    flag_add(t, name, FLAG_CHOICE, v, choices, help);
+}
 
 static int choice_valid(const char* choices, const char* v) {
     size_t n = strlen(v);
@@ -57,7 +68,8 @@ static void flag_set(Flag* f, const char* v) {
         case FLAG_INT: {
             errno = 0;
             long x = strtol(v, &end, 10);
-            if (!*v || *end || errno || x < INT_MIN || x > INT_MAX) fail("flag --%s: expected an integer, got \"%s\"", f->name, v);
+            if (!*v || *end || errno || x < INT_MIN || x > INT_MAX)
+                fail("flag --%s: expected an integer, got \"%s\"", f->name, v);
             *(int*)f->target = (int)x;
             break;
         }

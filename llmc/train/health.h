@@ -32,7 +32,13 @@ typedef struct {
     int classes;           // vocabulary size or number of classes
 } StepStats;
 
-typedef enum { STEP_HEALTHY, STEP_NO_TARGETS, STEP_DIVERGED_ACTIVATIONS, STEP_DIVERGED_LOSS, STEP_COLLAPSED } StepHealth;
+typedef enum {
+    STEP_HEALTHY,
+    STEP_NO_TARGETS,
+    STEP_DIVERGED_ACTIVATIONS,
+    STEP_DIVERGED_LOSS,
+    STEP_COLLAPSED
+} StepHealth;
 
 // The state of a step with a finite loss and gradient norm.
 static StepHealth step_health(const StepStats* s, float grad_norm) {
@@ -57,17 +63,23 @@ static const char* step_health_note(StepHealth h) {
 // The one-line error of an unhealthy step (not STEP_NO_TARGETS): what happened, what to try.
 static void step_health_message(char* buf, size_t n, StepHealth h, const StepStats* s, int step, float lr) {
     char tryit[160];
-    snprintf(tryit, sizeof(tryit), "lower --lr (this step's lr: %.3g), lengthen --warmup or set --grad-clip 1; --nonfinite skip "
-             "skips such steps", lr);
+    snprintf(tryit, sizeof(tryit),
+             "lower --lr (this step's lr: %.3g), lengthen --warmup or set --grad-clip 1; --nonfinite skip "
+             "skips such steps",
+             lr);
     double uniform = log((double)s->classes);
     if (h == STEP_DIVERGED_ACTIVATIONS)
         snprintf(buf, n, "step %d: the run diverged: %.0f rows reached the final norm with an RMS beyond 2^64 ~1.8e19 "
                  "(their square overflows fp32; no sane network is there); %s", step, s->overflowed, tryit);
     else if (h == STEP_DIVERGED_LOSS)
-        snprintf(buf, n, "step %d: the run diverged: loss %.6g is over %.0f nats above ln(%d) = %.4f, the loss of uniform "
-                 "predictions; %s", step, s->loss, HEALTH_LOSS_MARGIN, s->classes, uniform, tryit);
+        snprintf(buf, n,
+                 "step %d: the run diverged: loss %.6g is over %.0f nats above ln(%d) = %.4f, the loss of uniform "
+                 "predictions; %s",
+                 step, s->loss, HEALTH_LOSS_MARGIN, s->classes, uniform, tryit);
     else
-        snprintf(buf, n, "step %d: the run collapsed: the gradient is exactly zero with %.0f targets to learn (loss %.4f, "
+        snprintf(buf, n,
+                 "step %d: the run collapsed: the gradient is exactly zero with %.0f targets to learn (loss %.4f, "
                  "uniform predictions ln(%d) = %.4f): the trained weights no longer affect the loss; check the model's "
-                 "final norm and head (all zero?), else %s", step, s->targets, s->loss, s->classes, uniform, tryit);
+                 "final norm and head (all zero?), else %s",
+                 step, s->targets, s->loss, s->classes, uniform, tryit);
 }

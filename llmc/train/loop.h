@@ -27,8 +27,10 @@ static float train_fault_injected_loss(float loss, int step) {
 static void train_count_skip(int* in_a_row, int skipped, int step) {
     *in_a_row = skipped ? *in_a_row + 1 : 0;
     if (*in_a_row >= TRAIN_MAX_SKIPS_IN_A_ROW)
-        fail("step %d: %d steps in a row were skipped for a non-finite loss or gradient, or a diverged or collapsed run "
-             "(--nonfinite skip); lower --lr or check the data", step + 1, *in_a_row);
+        fail(
+            "step %d: %d steps in a row were skipped for a non-finite loss or gradient, or a diverged or collapsed run "
+            "(--nonfinite skip); lower --lr or check the data",
+            step + 1, *in_a_row);
 }
 
 // One optimizer step as the loop reports it.
@@ -45,8 +47,8 @@ typedef struct {
 // is 3) added across ranks, the means over `count` items (the targets that count: NaN loss when
 // there are none), then the optimizer step on that global loss; `classes` (vocabulary or
 // classes) sets the loss of uniform predictions for health.h.
-static StepResult train_step_finish(Trainable* tr, const TrainOptions* o, const Dist* dist, int step, double* sums, int n, double count,
-                                    double items, int classes) {
+static StepResult train_step_finish(Trainable* tr, const TrainOptions* o, const Dist* dist, int step, double* sums,
+                                    int n, double count, double items, int classes) {
     double t_comm = wall_seconds();
     dist_allreduce_sum_f64(dist, sums, n);
     StepResult r;
@@ -72,13 +74,14 @@ static int train_val_due(const TrainOptions* o, int step, int last) {
 
 // The step's line on stdout (rank 0): every --log-every steps, the last, one with validation
 // (`val`: its text, or NULL) and one without an update (with its note). `unit`: what the throughput counts (tok, img).
-static void train_print_step(const TrainOptions* o, const Dist* dist, int step, int last, const StepResult* r, double dt, const char* unit,
-                             double flops_per_item, double peak_flops, const char* val) {
+static void train_print_step(const TrainOptions* o, const Dist* dist, int step, int last, const StepResult* r,
+                             double dt, const char* unit, double flops_per_item, double peak_flops, const char* val) {
     if ((step + 1) % o->log_every != 0 && !last && !val && !r->note) return;
     printf("step %4d/%d | loss %.4f", step + 1, o->steps, r->loss);
     if (!isnan(r->accuracy)) printf(" | acc %.4f", r->accuracy);
     printf(" | lr %.2e | grad norm %.4f | %.0f %s/s", r->lr, r->grad_norm, r->items / dt, unit);
-    if (dist->world > 1) printf(" (%.0f per rank, %.0f%% in all-reduce)", r->items / dt / dist->world, 100.0 * r->comm_s / dt);
+    if (dist->world > 1)
+        printf(" (%.0f per rank, %.0f%% in all-reduce)", r->items / dt / dist->world, 100.0 * r->comm_s / dt);
     print_mfu(r->items / dt / dist->world, flops_per_item, peak_flops);
     if (val) printf(" | %s", val);
     if (r->note) printf(" | %s", r->note);
@@ -88,7 +91,8 @@ static void train_print_step(const TrainOptions* o, const Dist* dist, int step, 
 
 // The opening of both mains: the ranks (under mpirun), the options' defaults, the trainer's flag
 // table (register_flags), then the command line parsed and checked.
-static void train_start(Dist* dist, TrainOptions* o, int* argc, char*** argv, void (*register_flags)(FlagTable*, TrainOptions*)) {
+static void train_start(Dist* dist, TrainOptions* o, int* argc, char*** argv,
+                        void (*register_flags)(FlagTable*, TrainOptions*)) {
     omp_policy_apply(*argv);  // before anything: it may execute the program again (llmc/train/omp_policy.h)
     dist_init(dist, argc, argv);
     train_options_defaults(o);
@@ -99,11 +103,14 @@ static void train_start(Dist* dist, TrainOptions* o, int* argc, char*** argv, vo
 }
 
 // Parts of the start-up line (rank 0): what trains, and on what.
-static void train_describe(const TrainOptions* o, const Backend* be, const Dist* dist, char* what, size_t nwhat, char* where, size_t nwhere) {
+static void train_describe(const TrainOptions* o, const Backend* be, const Dist* dist, char* what, size_t nwhat,
+                           char* where, size_t nwhere) {
     if (o->full) snprintf(what, nwhat, "full fine-tuning of every weight");
     else {
-        int k = snprintf(what, nwhat, "LoRA r=%d alpha=%g on %s", o->lora_rank, o->lora_alpha, o->lora_targets ? o->lora_targets : "all");
-        if (o->lora_dropout > 0 && k >= 0 && (size_t)k < nwhat) snprintf(what + k, nwhat - k, ", dropout %g", o->lora_dropout);
+        int k = snprintf(what, nwhat, "LoRA r=%d alpha=%g on %s", o->lora_rank, o->lora_alpha,
+                         o->lora_targets ? o->lora_targets : "all");
+        if (o->lora_dropout > 0 && k >= 0 && (size_t)k < nwhat)
+            snprintf(what + k, nwhat - k, ", dropout %g", o->lora_dropout);
     }
     if (be->cuda) snprintf(where, nwhere, "CUDA GPU %d x %d ranks", be->device, dist->world);
     else snprintf(where, nwhere, "CPU, %d threads x %d ranks", omp_get_max_threads(), dist->world);
@@ -111,8 +118,8 @@ static void train_describe(const TrainOptions* o, const Backend* be, const Dist*
 
 // After the start-up line (rank 0): the memory plan beside the baseline's, and how the ranks
 // share the gradients.
-static void train_print_plan(const TrainOptions* o, const Backend* be, const Dist* dist, const MemPlan* plan, const MemPlan* base,
-                             const Trainable* tr) {
+static void train_print_plan(const TrainOptions* o, const Backend* be, const Dist* dist, const MemPlan* plan,
+                             const MemPlan* base, const Trainable* tr) {
     char layout[64];
     snprintf(layout, sizeof(layout), "%s%s", be->layout, dist->world > 1 ? ", per rank" : "");
     plan_print(plan, base, o->mode, layout);
@@ -174,12 +181,13 @@ static FILE* train_open_log(const TrainOptions* o, int rank0, const char* header
 
 // The last lines of a training run (rank 0): steps and time, where the outputs went, and the
 // planned memory beside the measured peak.
-static void train_print_summary(const TrainOptions* o, int start, int stop, double seconds, double comm_s, int full, const MemPlan* plan,
-                                const Backend* be) {
+static void train_print_summary(const TrainOptions* o, int start, int stop, double seconds, double comm_s, int full,
+                                const MemPlan* plan, const Backend* be) {
     const char* out = o->out_dir ? o->out_dir : o->resume_dir;
     printf("trained %d steps in %.1f s (%.1f s in all-reduce)%s%s\n", stop - start, seconds, comm_s,
            out ? (full ? ", model and state in " : ", adapter and state in ") : "", out ? out : "");
-    if (stop < o->steps) printf("stopped at step %d of %d (--stop-at); continue with --resume %s\n", stop, o->steps, out ? out : "OUT");
+    if (stop < o->steps)
+        printf("stopped at step %d of %d (--stop-at); continue with --resume %s\n", stop, o->steps, out ? out : "OUT");
     backend_print_memory(be, plan);
 }
 
@@ -307,7 +315,8 @@ static void train_loop(const Trainer* t, const TrainOptions* o, const Dist* dist
         int last = step + 1 == stop;
         EvalResult e = train_validate_if_due(t, o, dist, step, last);
         train_eval_text(t, e, val, sizeof(val));
-        if (rank0) train_print_step(o, dist, step, last, &r, dt, t->unit, t->flops_per_item, peak, isnan(e.loss) ? NULL : val);
+        if (rank0)
+            train_print_step(o, dist, step, last, &r, dt, t->unit, t->flops_per_item, peak, isnan(e.loss) ? NULL : val);
         train_log_row(log, t, step + 1, &r, dt, e);
         if (out && train_save_due(o, step + 1)) train_save(t, o, dist, out, step + 1);
     }
@@ -321,7 +330,8 @@ static void train_loop(const Trainer* t, const TrainOptions* o, const Dist* dist
 static void train_run(const Trainer* t, const TrainOptions* o, const Dist* dist) {
     if (o->eval_only && dist->rank == 0) {
         EvalResult e = t->evaluate(t->model, o->val_batches);
-        if (t->classifier) printf("val loss %.6f | val acc %.6f (%lld images)\n", e.loss, e.accuracy, (long long)e.items);
+        if (t->classifier)
+            printf("val loss %.6f | val acc %.6f (%lld images)\n", e.loss, e.accuracy, (long long)e.items);
         else printf("val loss %.6f\n", e.loss);
     } else if (!o->eval_only && o->data_path) {
         train_loop(t, o, dist);

@@ -23,5 +23,7 @@ static void omp_policy_apply(char** argv) {
     if (setenv("OMP_WAIT_POLICY", "passive", 1) != 0) return;
     execv("/proc/self/exe", argv);
     // exec failed (no /proc): run on with libgomp's default policy, which only costs speed
-    fprintf(stderr, "note: could not re-execute with OMP_WAIT_POLICY=passive (%s); set it in the environment on shared cores\n", argv[0]);
+    fprintf(stderr,
+            "note: could not re-execute with OMP_WAIT_POLICY=passive (%s); set it in the environment on shared cores\n",
+            argv[0]);
 }

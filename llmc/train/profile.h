@@ -151,7 +151,8 @@ static int prof_cmp_seconds(const void* a, const void* b) {
 // gaps between ops; on CUDA also launch gaps, since rows count GPU time between their events).
 static void prof_print(Profiler* p, const char* device) {
     if (!p || p->steps == 0) {
-        if (p) printf("profile: no timed step (the first step is a warm-up and is not counted; run at least 2 steps)\n");
+        if (p)
+            printf("profile: no timed step (the first step is a warm-up and is not counted; run at least 2 steps)\n");
         return;
     }
     ProfRow rows[PROF_MAX_ROWS];
@@ -168,7 +169,8 @@ static void prof_print(Profiler* p, const char* device) {
         char gf[16] = "-", gb[16] = "-";
         if (r->flops > 0 && r->seconds > 0) snprintf(gf, sizeof(gf), "%.1f", r->flops / r->seconds * 1e-9);
         if (r->bytes > 0 && r->seconds > 0) snprintf(gb, sizeof(gb), "%.1f", r->bytes / r->seconds * 1e-9);
-        printf("  %-22s %-4s %6ld %10.2f %5.1f%% %9s %8s\n", r->name, r->pass, r->calls / p->steps, ms, 100.0 * ms / step_ms, gf, gb);
+        printf("  %-22s %-4s %6ld %10.2f %5.1f%% %9s %8s\n", r->name, r->pass, r->calls / p->steps, ms,
+               100.0 * ms / step_ms, gf, gb);
     }
     printf("  %-22s %-4s %6s %10.2f %5.1f%%\n", "(other)", "", "", step_ms - sum, 100.0 * (step_ms - sum) / step_ms);
     printf("  %-22s %-4s %6s %10.2f %5.1f%% %9.1f\n", "step", "", "", step_ms, 100.0, flops / p->step_seconds * 1e-9);

@@ -29,7 +29,7 @@ typedef struct {
     const char* norm;       // std | ms
     const char* recompute;  // none | block
     const char* swiglu_product;  // keep | recompute (beyond the paper; LLaMA only)
-    const char* ms_lora;    // exact | merged: what an adapter behind an MS norm sees (gamma*z + beta, or z: the paper's)
+    const char* ms_lora;  // exact | merged: what an adapter behind an MS norm sees (gamma*z + beta, or z: the paper's)
     const char* quant;      // none | nf4: frozen linear weights stored as NF4 (llmc/formats/nf4.h; LLaMA only)
     // LoRA
     int lora_rank;
@@ -79,17 +79,23 @@ static void train_flags_register_task(FlagTable* t, TrainOptions* o, const char*
     int text = task == TRAIN_TEXT;
     t->group = "model and data";
     flag_string(t, "model", &o->model_dir, "model directory: config.json + model.safetensors (or sharded, with index)");
-    flag_string(t, "data", &o->data_path, text ? "training data shard" : "training image shard (scripts/data/prepare_images.py)");
+    flag_string(t, "data", &o->data_path,
+                text ? "training data shard" : "training image shard (scripts/data/prepare_images.py)");
     flag_string(t, "val", &o->val_path, text ? "validation data shard" : "validation image shard");
-    flag_string(t, "out", &o->out_dir, "output directory: log.csv, the PEFT adapter (end and every --save-every), train_state.bin");
-    flag_int(t, "save-every", &o->save_every, "write the adapter and the resumable training state every N steps (0 = only at the end)");
-    flag_int(t, "stop-at", &o->stop_at, "stop after this step, saving as at the end, with the schedule of --steps (resume later)");
+    flag_string(t, "out", &o->out_dir,
+                "output directory: log.csv, the PEFT adapter (end and every --save-every), train_state.bin");
+    flag_int(t, "save-every", &o->save_every,
+             "write the adapter and the resumable training state every N steps (0 = only at the end)");
+    flag_int(t, "stop-at", &o->stop_at,
+             "stop after this step, saving as at the end, with the schedule of --steps (resume later)");
     flag_string(t, "resume", &o->resume_dir, "continue the run whose --out directory this is (same model and flags)");
-    flag_string(t, "adapter", &o->adapter_dir, "start from this LoRA adapter directory (ours or PEFT's) instead of a fresh one");
+    flag_string(t, "adapter", &o->adapter_dir,
+                "start from this LoRA adapter directory (ours or PEFT's) instead of a fresh one");
     flag_bool(t, "eval-only", &o->eval_only, "evaluate the model (+ --adapter) on --val and exit");
     if (!text) {
         flag_int(t, "classes", &o->classes, "classes of the new head (0 = the training shard's count)");
-        flag_string(t, "image-size", &o->image_size, "fine-tuning resolution S or HxW (default the checkpoint's; position embedding interpolated)");
+        flag_string(t, "image-size", &o->image_size,
+                    "fine-tuning resolution S or HxW (default the checkpoint's; position embedding interpolated)");
         flag_bool(t, "hflip", &o->hflip, "random horizontal flip of training images");
     }
     t->group = "training";
@@ -102,37 +108,51 @@ static void train_flags_register_task(FlagTable* t, TrainOptions* o, const char*
     flag_int(t, "warmup", &o->warmup, "linear warmup steps");
     flag_float(t, "weight-decay", &o->weight_decay, "AdamW weight decay");
     flag_float(t, "grad-clip", &o->grad_clip, "clip the global gradient norm to this (0 = off)");
-    flag_choice(t, "nonfinite", &o->nonfinite, "stop|skip",
-                "a step with a NaN/Inf loss or gradient: stop with an error, or skip its update (stops after 10 in a row)");
+    flag_choice(
+        t, "nonfinite", &o->nonfinite, "stop|skip",
+        "a step with a NaN/Inf loss or gradient: stop with an error, or skip its update (stops after 10 in a row)");
     flag_int(t, "val-every", &o->val_every, "evaluate on --val every N steps (0 = only at the end)");
     flag_int(t, "val-batches", &o->val_batches, "micro-batches per evaluation");
     flag_int(t, "log-every", &o->log_every, "print a log line every N steps");
     t->group = "memory modes (the paper's layers)";
-    flag_choice(t, "mode", &o->mode, "baseline|lowmem|ckpt", "preset: baseline = exact,std,none; lowmem = approx,ms,none; ckpt = exact,std,block");
-    flag_choice(t, "act", &o->act, "exact|approx", "activation backward: exact, or 2-bit ReSiLU2/ReGELU2 (overrides --mode)");
-    flag_choice(t, "norm", &o->norm, "std|ms", "norms: standard, or memory-sharing MS-RMSNorm/MS-LN (overrides --mode)");
+    flag_choice(t, "mode", &o->mode, "baseline|lowmem|ckpt",
+                "preset: baseline = exact,std,none; lowmem = approx,ms,none; ckpt = exact,std,block");
+    flag_choice(t, "act", &o->act, "exact|approx",
+                "activation backward: exact, or 2-bit ReSiLU2/ReGELU2 (overrides --mode)");
+    flag_choice(t, "norm", &o->norm, "std|ms",
+                "norms: standard, or memory-sharing MS-RMSNorm/MS-LN (overrides --mode)");
     flag_choice(t, "recompute", &o->recompute, "none|block", "gradient checkpointing per block (overrides --mode)");
     t->group = "LoRA";
     flag_int(t, "lora-rank", &o->lora_rank, "adapter rank r");
     flag_float(t, "lora-alpha", &o->lora_alpha, "adapter scale alpha (update = alpha/r * B A x)");
     flag_float(t, "lora-dropout", &o->lora_dropout,
-               "dropout probability on each adapter's input while training, as PEFT's lora_dropout (the mask is regenerated in "
+               "dropout probability on each adapter's input while training, as PEFT's lora_dropout (the mask is "
+               "regenerated in "
                "the backward from a hash of seed, step, layer and element: no memory kept)");
     flag_string(t, "lora-targets", &o->lora_targets, targets_help);
-    flag_choice(t, "ms-lora", &o->ms_lora, "exact|merged",
-                "under --norm ms, an adapter of a layer fed by a norm sees gamma*z + beta as in the original model (exact: the "
-                "gradients of --norm std), or the merged input z (the paper's variant, for reproducing it: another parameterisation)");
-    flag_bool(t, "full", &o->full, "full fine-tuning (fp32 masters + AdamW) instead of LoRA adapters: every weight (train_vit: all but the key bias, whose gradient is zero)");
+    flag_choice(
+        t, "ms-lora", &o->ms_lora, "exact|merged",
+        "under --norm ms, an adapter of a layer fed by a norm sees gamma*z + beta as in the original model (exact: the "
+        "gradients of --norm std), or the merged input z (the paper's variant, for reproducing it: another "
+        "parameterisation)");
+    flag_bool(t, "full", &o->full,
+              "full fine-tuning (fp32 masters + AdamW) instead of LoRA adapters: every weight (train_vit: all but the "
+              "key bias, whose gradient is zero)");
     t->group = "system";
-    flag_choice(t, "device", &o->device, "cpu|cuda|auto", "backend: auto takes a CUDA GPU when this binary has the CUDA backend and one is visible");
-    flag_bool(t, "random-init", &o->random_init, "random frozen weights of config.json's shapes instead of reading them (speed and memory benchmarks)");
+    flag_choice(t, "device", &o->device, "cpu|cuda|auto",
+                "backend: auto takes a CUDA GPU when this binary has the CUDA backend and one is visible");
+    flag_bool(t, "random-init", &o->random_init,
+              "random frozen weights of config.json's shapes instead of reading them (speed and memory benchmarks)");
     flag_int(t, "seed", &o->seed, "seed for LoRA init, data order and sampling");
     flag_int(t, "threads", &o->threads, "CPU threads (0 = all cores)");
-    flag_bool(t, "profile", &o->profile, "at the end, a table of where the training step's time goes: per module and pass, ms, share, "
+    flag_bool(t, "profile", &o->profile,
+              "at the end, a table of where the training step's time goes: per module and pass, ms, share, "
               "GFLOP/s, GB/s (CUDA: events around each op); the first step is not counted");
-    flag_bool(t, "dry-run", &o->dry_run, "print the memory plan for the config and exit (no weights read, nothing allocated)");
+    flag_bool(t, "dry-run", &o->dry_run,
+              "print the memory plan for the config and exit (no weights read, nothing allocated)");
     flag_bool(t, "json", &o->json, "with --dry-run: print the plan as JSON");
-    flag_int(t, "ranks", &o->ranks, "with --dry-run: plan one of N data-parallel ranks (ZeRO-1 under --full) without launching them");
+    flag_int(t, "ranks", &o->ranks,
+             "with --dry-run: plan one of N data-parallel ranks (ZeRO-1 under --full) without launching them");
     if (!text) return;
     t->group = "generation";
     flag_int(t, "generate", &o->generate, "after training (or alone, without --data), sample N tokens");
@@ -169,11 +189,13 @@ static void train_validate(const TrainOptions* o) {
     // a negative decay grows the weights, a floor above 1 raises the rate, alpha 0 trains nothing
     if (o->grad_clip < 0) fail("flag --grad-clip: expected >= 0 (0 = off), got %g", o->grad_clip);
     if (o->weight_decay < 0) fail("flag --weight-decay: expected >= 0, got %g", o->weight_decay);
-    if (o->min_lr_frac < 0 || o->min_lr_frac > 1) fail("flag --min-lr-frac: expected a fraction in [0, 1], got %g", o->min_lr_frac);
+    if (o->min_lr_frac < 0 || o->min_lr_frac > 1)
+        fail("flag --min-lr-frac: expected a fraction in [0, 1], got %g", o->min_lr_frac);
     if (!(o->lora_dropout >= 0 && o->lora_dropout < 1))
         fail("flag --lora-dropout: expected a probability in [0, 1), got %g", o->lora_dropout);
     if (o->full && o->lora_dropout > 0) fail("flag --lora-dropout: only with LoRA adapters, not with --full");
-    if (!o->full && !(o->lora_alpha > 0)) fail("flag --lora-alpha: expected > 0 (the update is alpha/r B A x), got %g", o->lora_alpha);
+    if (!o->full && !(o->lora_alpha > 0))
+        fail("flag --lora-alpha: expected > 0 (the update is alpha/r B A x), got %g", o->lora_alpha);
     if (o->threads < 0) fail("flag --threads: expected >= 0, got %d", o->threads);
     if (o->generate < 0) fail("flag --generate: expected >= 0, got %d", o->generate);
     if (o->temperature < 0) fail("flag --temperature: expected >= 0, got %g", o->temperature);
@@ -183,13 +205,19 @@ static void train_validate(const TrainOptions* o) {
     if (o->log_every < 1) fail("flag --log-every: expected >= 1, got %d", o->log_every);
     if (o->stop_at < 0) fail("flag --stop-at: expected >= 0, got %d", o->stop_at);
     if (o->save_every < 0) fail("flag --save-every: expected >= 0, got %d", o->save_every);
-    if (o->resume_dir && o->adapter_dir) fail("flag --adapter: not with --resume (the training state holds the adapter)");
-    if (o->full && (o->lora_targets || o->adapter_dir)) fail("flag --full: not with --lora-targets or --adapter (no adapters in full fine-tuning)");
+    if (o->resume_dir && o->adapter_dir)
+        fail("flag --adapter: not with --resume (the training state holds the adapter)");
+    if (o->full && (o->lora_targets || o->adapter_dir))
+        fail("flag --full: not with --lora-targets or --adapter (no adapters in full fine-tuning)");
     if (o->classes < 0) fail("flag --classes: expected >= 0, got %d", o->classes);
     if (o->full && strcmp(o->quant, "none") != 0)
-        fail("flag --quant %s: not with --full (full fine-tuning trains the weights themselves, in fp32; quantization is for frozen weights)", o->quant);
+        fail(
+            "flag --quant %s: not with --full (full fine-tuning trains the weights themselves, in fp32; quantization "
+            "is for frozen weights)",
+            o->quant);
     if (!strcmp(o->ms_lora, "merged") && (strcmp(o->norm, "ms") != 0 || o->full))
-        fail("flag --ms-lora merged: only with --norm ms (or --mode lowmem) and LoRA, not with %s", o->full ? "--full" : "--norm std");
+        fail("flag --ms-lora merged: only with --norm ms (or --mode lowmem) and LoRA, not with %s",
+             o->full ? "--full" : "--norm std");
 }
 
 // --lora-rank above the hidden size is refused, not warned about: every adapted linear reads or
@@ -197,8 +225,11 @@ static void train_validate(const TrainOptions* o) {
 // memory. A user asking for it has most likely mistyped; --full is the way to train whole matrices.
 static void train_check_lora_rank(const TrainOptions* o, int hidden_size, const char* model_dir) {
     if (o->full || o->lora_rank <= hidden_size) return;
-    fail("flag --lora-rank: %d exceeds hidden_size %d of %s/config.json (every adapted linear reads or writes the hidden size, "
-         "so a larger rank adds memory but no expressiveness; use a rank <= %d, or --full)", o->lora_rank, hidden_size, model_dir, hidden_size);
+    fail(
+        "flag --lora-rank: %d exceeds hidden_size %d of %s/config.json (every adapted linear reads or writes the "
+        "hidden size, "
+        "so a larger rank adds memory but no expressiveness; use a rank <= %d, or --full)",
+        o->lora_rank, hidden_size, model_dir, hidden_size);
 }
 
 // The log's " | MFU x%" for a step (nothing when the peak is unknown: the CPU, an unlisted GPU):
@@ -218,7 +249,8 @@ static unsigned parse_targets(const char* list, const char* const* names, int n,
         for (int i = 0; i < n; i++) if (strcmp(tok, names[i]) == 0) found = i;
         if (found < 0) {
             char all[128] = "";
-            for (int i = 0; i < n; i++) snprintf(all + strlen(all), sizeof(all) - strlen(all), "%s%s", i ? "," : "", names[i]);
+            for (int i = 0; i < n; i++)
+                snprintf(all + strlen(all), sizeof(all) - strlen(all), "%s%s", i ? "," : "", names[i]);
             fail("flag --%s: unknown target \"%s\", expected a comma list of %s", flag, tok, all);
         }
         mask |= 1u << found;
@@ -291,26 +323,36 @@ static void train_parse_flags(FlagTable* t, TrainOptions* o, int argc, char** ar
     if (o->ranks < 0) fail("flag --ranks: expected >= 1, got %d", o->ranks);
     if (o->ranks && !o->dry_run) fail("flag --ranks: only valid with --dry-run (mpirun -np N launches the ranks)");
     if (o->adapter_dir && !dir_exists(o->adapter_dir))
-        fail("flag --adapter: %s is not a directory (expected one holding adapter_config.json and adapter_model.safetensors)", o->adapter_dir);
+        fail(
+            "flag --adapter: %s is not a directory (expected one holding adapter_config.json and "
+            "adapter_model.safetensors)",
+            o->adapter_dir);
 }
 
 // Whether two paths name the same existing directory: device and inode, so that a symlink, "..",
 // or a trailing slash cannot make the model's own directory look like another.
 static int same_directory(const char* a, const char* b) {
     struct stat sa, sb;
-    return stat(a, &sa) == 0 && stat(b, &sb) == 0 && S_ISDIR(sa.st_mode) && sa.st_dev == sb.st_dev && sa.st_ino == sb.st_ino;
+    return stat(a, &sa) == 0 && stat(b, &sb) == 0 && S_ISDIR(sa.st_mode) && sa.st_dev == sb.st_dev &&
+           sa.st_ino == sb.st_ino;
 }
 
 // --export-merged and --full's saves write model.safetensors and config.json: into --model's own
 // directory they would overwrite the base model, so they are refused before anything runs.
 static void train_refuse_model_dir_outputs(const TrainOptions* o) {
     if (o->export_merged && same_directory(o->export_merged, o->model_dir))
-        fail("flag --export-merged: %s is the model's own directory (--model %s); writing there would overwrite the base model, choose "
-             "another directory", o->export_merged, o->model_dir);
+        fail(
+            "flag --export-merged: %s is the model's own directory (--model %s); writing there would overwrite the "
+            "base model, choose "
+            "another directory",
+            o->export_merged, o->model_dir);
     const char* out = o->out_dir ? o->out_dir : o->resume_dir;
     if (o->full && out && same_directory(out, o->model_dir))
-        fail("flag --%s: %s is the model's own directory (--model %s); --full saves model.safetensors there, over the base model, choose "
-             "another directory", o->out_dir ? "out" : "resume", out, o->model_dir);
+        fail(
+            "flag --%s: %s is the model's own directory (--model %s); --full saves model.safetensors there, over the "
+            "base model, choose "
+            "another directory",
+            o->out_dir ? "out" : "resume", out, o->model_dir);
 }
 
 // The run-level checks and setup shared by the trainers (after the dry-run branch): flags that
@@ -320,7 +362,8 @@ static void train_prepare_run(const TrainOptions* o, int rank) {
     if (o->eval_only && !o->val_path) fail("flag --eval-only: needs --val");
     if (o->resume_dir && !o->data_path) fail("flag --resume: needs --data (the same training data as the saved run)");
     if (o->resume_dir && !dir_exists(o->resume_dir)) fail("flag --resume: %s is not a directory", o->resume_dir);
-    if (o->stop_at && !o->out_dir && !o->resume_dir) fail("flag --stop-at: needs --out (where the run is saved to resume later)");
+    if (o->stop_at && !o->out_dir && !o->resume_dir)
+        fail("flag --stop-at: needs --out (where the run is saved to resume later)");
     train_refuse_model_dir_outputs(o);
     if (o->threads > 0) omp_set_num_threads(o->threads);
     if (o->out_dir && rank == 0) make_dirs(o->out_dir, "flag --out");

@@ -58,7 +58,8 @@ static void state_explain_mismatch(char* err, size_t n, const char* path, const 
     char* ta = strtok_r(a, " ", &sa);
     char* tb = strtok_r(b, " ", &sb);
     while (ta && tb && strcmp(ta, tb) == 0) { ta = strtok_r(NULL, " ", &sa); tb = strtok_r(NULL, " ", &sb); }
-    snprintf(err, n, "%s: the saved run does not match this one: saved %s, now %s (resume with the same model and flags)", path,
+    snprintf(err, n,
+             "%s: the saved run does not match this one: saved %s, now %s (resume with the same model and flags)", path,
              ta ? ta : "(nothing)", tb ? tb : "(nothing)");
 }
 
@@ -71,8 +72,11 @@ static int state_find_impossible(char* err, size_t n, const char* path, const fl
         for (int64_t i = 0; i < count; i++) {
             float x = p[k * count + i];
             if (isfinite(x) && !(k == 2 && x < 0)) continue;
-            snprintf(err, n, "%s: %s %lld of %lld is %g, which no saved run holds (the state is corrupt or the run had diverged: resume "
-                     "from an intact copy, or start again)", path, what[k], (long long)i, (long long)count, x);
+            snprintf(err, n,
+                     "%s: %s %lld of %lld is %g, which no saved run holds (the state is corrupt or the run had "
+                     "diverged: resume "
+                     "from an intact copy, or start again)",
+                     path, what[k], (long long)i, (long long)count, x);
             return 1;
         }
     return 0;
@@ -80,22 +84,30 @@ static int state_find_impossible(char* err, size_t n, const char* path, const fl
 
 // Checks a state file's bytes: magic, version, checksum, then that it belongs to this run
 // (`settings`, `count`) and holds possible values. Returns 1, or 0 with the reason in err.
-static int state_check(char* err, size_t n, const char* path, const char* buf, size_t size, StateHeader* h, const char* settings,
-                       int64_t count) {
+static int state_check(char* err, size_t n, const char* path, const char* buf, size_t size, StateHeader* h,
+                       const char* settings, int64_t count) {
     size_t need = 12 + sizeof(*h), body = need + 3 * sizeof(float) * (size_t)count;
     uint32_t version = 0, crc;
-    if (size < need + 4 || memcmp(buf, STATE_MAGIC, 8) != 0) { snprintf(err, n, "%s: not a training state (bad magic)", path); return 0; }
+    if (size < need + 4 || memcmp(buf, STATE_MAGIC, 8) != 0) {
+        snprintf(err, n, "%s: not a training state (bad magic)", path);
+        return 0;
+    }
     memcpy(&version, buf + 8, 4);
     if (version != STATE_VERSION) {
-        snprintf(err, n, "%s: training state version %u, expected %u (from another version of this trainer: start the run again)", path,
-                 version, STATE_VERSION);
+        snprintf(
+            err, n,
+            "%s: training state version %u, expected %u (from another version of this trainer: start the run again)",
+            path, version, STATE_VERSION);
         return 0;
     }
     memcpy(&crc, buf + size - 4, 4);
     uint32_t got = crc32_of(buf, size - 4);
     if (got != crc) {
-        snprintf(err, n, "%s: checksum mismatch: the contents' CRC-32 is %08x, the file records %08x (corrupt or cut short: resume from "
-                 "an intact copy)", path, got, crc);
+        snprintf(err, n,
+                 "%s: checksum mismatch: the contents' CRC-32 is %08x, the file records %08x (corrupt or cut short: "
+                 "resume from "
+                 "an intact copy)",
+                 path, got, crc);
         return 0;
     }
     memcpy(h, buf + 12, sizeof(*h));
@@ -103,7 +115,8 @@ static int state_check(char* err, size_t n, const char* path, const char* buf, s
     h->companion[STATE_COMPANION_BYTES - 1] = 0;
     if (strcmp(h->settings, settings) != 0) { state_explain_mismatch(err, n, path, h->settings, settings); return 0; }
     if (h->count != count) {
-        snprintf(err, n, "%s: holds %lld trainable values, this run has %lld", path, (long long)h->count, (long long)count);
+        snprintf(err, n, "%s: holds %lld trainable values, this run has %lld", path, (long long)h->count,
+                 (long long)count);
         return 0;
     }
     if (size != body + 4) { snprintf(err, n, "%s: %zu bytes, expected %zu", path, size, body + 4); return 0; }
@@ -113,7 +126,8 @@ static int state_check(char* err, size_t n, const char* path, const char* buf, s
 
 // Reads a state; its settings must equal `settings` and its size `count`. The file's buffer is
 // freed before any error, so a refused resume leaks nothing (make test-asan checks leaks).
-static void state_load(const char* path, StateHeader* h, const char* settings, int64_t count, float* params, float* m, float* v) {
+static void state_load(const char* path, StateHeader* h, const char* settings, int64_t count, float* params, float* m,
+                       float* v) {
     size_t size;
     char* buf = read_file(path, &size);
     char err[STATE_SETTINGS_BYTES * 2 + 512];
@@ -189,9 +203,11 @@ static void train_check_companion(const char* dir, const StateHeader* h) {
         int recorded = st_recorded_crc(&f, &crc);
         st_close(&f);
         if (!recorded || crc != h->companion_crc)
-            fail("%s: not the file saved with %s/train_state.bin (its data checksum %s%08x, the state recorded %08x): the two are from "
-                 "different saves; put back the pair, or delete %s to resume from the state alone", path, dir, recorded ? "" : "(none) ",
-                 crc, h->companion_crc, path);
+            fail(
+                "%s: not the file saved with %s/train_state.bin (its data checksum %s%08x, the state recorded %08x): "
+                "the two are from "
+                "different saves; put back the pair, or delete %s to resume from the state alone",
+                path, dir, recorded ? "" : "(none) ", crc, h->companion_crc, path);
     }
     free(path);
 }

@@ -76,7 +76,8 @@ typedef struct {
 // Declares the arenas in the plan. shard: what ZeRO-1 shards across the ranks of `dist` (full
 // fine-tuning, where the AdamW state is as big as the model); it applies whenever gradients
 // cross ranks (dist_sums_grads: also the one-rank NCCL self-test, with a single piece).
-static void trainable_plan(Trainable* tr, MemPlan* p, const char* module, int64_t count, ShardMode shard, const Dist* dist, const Backend* be) {
+static void trainable_plan(Trainable* tr, MemPlan* p, const char* module, int64_t count, ShardMode shard,
+                           const Dist* dist, const Backend* be) {
     tr->be = be;
     tr->count = count;
     tr->rank = dist ? dist->rank : 0;
@@ -86,15 +87,16 @@ static void trainable_plan(Trainable* tr, MemPlan* p, const char* module, int64_
     tr->host_current = 0;
     tr->shard = tr->zero1 ? (count + tr->world - 1) / tr->world : count;
     int64_t padded = tr->padded = tr->zero1 ? tr->shard * tr->world : count;
-    plan_add(p, MEM_TRAINABLE, module, -1, tr->master_sharded ? "params_fp32_shard" : "params", (tr->master_sharded ? tr->shard : padded) * 4,
-             &tr->params);
+    plan_add(p, MEM_TRAINABLE, module, -1, tr->master_sharded ? "params_fp32_shard" : "params",
+             (tr->master_sharded ? tr->shard : padded) * 4, &tr->params);
     plan_add(p, MEM_GRADS, module, -1, "grads", padded * 4, &tr->grads);
     plan_add(p, MEM_OPTIM, module, -1, "adam_m", tr->shard * 4, &tr->adam_m);
     plan_add(p, MEM_OPTIM, module, -1, "adam_v", tr->shard * 4, &tr->adam_v);
     if (be && be->cuda) {
         plan_add(p, MEM_TRAINABLE, module, -1, "params_bf16", padded * 2, &tr->params16);
 #ifdef LLMC_HAVE_CUDA
-        plan_add(p, MEM_SCRATCH, module, -1, "grad_norm_partials", SUM_SQUARES_SCRATCH * sizeof(double), &tr->sumsq_scratch);
+        plan_add(p, MEM_SCRATCH, module, -1, "grad_norm_partials", SUM_SQUARES_SCRATCH * sizeof(double),
+                 &tr->sumsq_scratch);
 #endif
     }
 }
@@ -210,7 +212,8 @@ static void trainable_free_host(Trainable* tr) {
 // read (the fp32 master on the CPU, its bf16 shadow on CUDA), *grad its gradient on the backend,
 // *h_grad (if not NULL) that gradient's host mirror; returns the parameters' host mirror (what
 // loading, init and export use).
-static float* trainable_bind_tensor(const Trainable* tr, int64_t* off, int64_t n, void** dev, float** grad, float** h_grad) {
+static float* trainable_bind_tensor(const Trainable* tr, int64_t* off, int64_t n, void** dev, float** grad,
+                                    float** h_grad) {
     float* host = tr->h_params + *off;
     *dev = trainable_on_device(tr) ? (void*)((uint16_t*)tr->params16 + *off) : (void*)(tr->params + *off);
     *grad = tr->grads + *off;
@@ -272,7 +275,8 @@ static void trainable_to_device(Trainable* tr) {
 static void trainable_to_host(Trainable* tr, int grads) {
     if (!trainable_on_device(tr)) return;
     if (!tr->host_current) {
-        if (tr->master_sharded) fail("internal: the parameters are sharded across ranks; trainable_sync_host gathers them");
+        if (tr->master_sharded)
+            fail("internal: the parameters are sharded across ranks; trainable_sync_host gathers them");
         backend_download(tr->be, tr->h_params, tr->params, sizeof(float) * tr->count);
         tr->host_current = 1;
     }
@@ -281,7 +285,10 @@ static void trainable_to_host(Trainable* tr, int grads) {
 
 static void trainable_zero_grads(Trainable* tr) {
 #ifdef LLMC_HAVE_CUDA
-    if (trainable_on_device(tr)) { CUDA_CHECK(cudaMemsetAsync(tr->grads, 0, sizeof(float) * tr->padded, tr->be->stream)); return; }
+    if (trainable_on_device(tr)) {
+        CUDA_CHECK(cudaMemsetAsync(tr->grads, 0, sizeof(float) * tr->padded, tr->be->stream));
+        return;
+    }
 #endif
     memset(tr->grads, 0, sizeof(float) * tr->padded);  // the padding too: ZeRO-1 updates it
 }

@@ -38,7 +38,8 @@ static void trainable_comm_init(Trainable* tr) {
     CUDA_CHECK(cudaEventCreateWithFlags(&tr->updated, cudaEventDisableTiming));
     tr->gathered = (cudaEvent_t*)xcalloc(tr->n_buckets + 1, sizeof(cudaEvent_t));
     tr->awaited = (unsigned char*)xcalloc(tr->n_buckets + 1, 1);
-    for (int i = 0; i < tr->n_buckets; i++) CUDA_CHECK(cudaEventCreateWithFlags(&tr->gathered[i], cudaEventDisableTiming));
+    for (int i = 0; i < tr->n_buckets; i++)
+        CUDA_CHECK(cudaEventCreateWithFlags(&tr->gathered[i], cudaEventDisableTiming));
 }
 
 // Sends the buckets not yet sent whose gradients all lie at or above offset `lo`: with NCCL on the
@@ -91,12 +92,14 @@ static void trainable_grads_final_from(Trainable* tr, const Dist* dist, int64_t 
 static void trainable_print_parallel(const Trainable* tr, const Dist* dist) {
     if (!dist_sums_grads(dist)) return;
     int dev = trainable_on_device(tr);
-    printf("data parallel: %d rank%s; gradients %s by %s in %d bucket%s %s%s%s\n", dist->world, dist->world == 1 ? "" : "s",
-           tr->zero1 ? "reduce-scattered" : "summed", dev ? dist_gpu_collectives(dist) : "MPI", tr->n_buckets, tr->n_buckets == 1 ? "" : "s",
+    printf("data parallel: %d rank%s; gradients %s by %s in %d bucket%s %s%s%s\n", dist->world,
+           dist->world == 1 ? "" : "s", tr->zero1 ? "reduce-scattered" : "summed",
+           dev ? dist_gpu_collectives(dist) : "MPI", tr->n_buckets, tr->n_buckets == 1 ? "" : "s",
            dev ? "during the last backward" : "after the backward",
            tr->zero1 ? "; ZeRO-1: each rank updates its piece of every bucket, then all-gathers" : "",
-           !tr->master_sharded ? "" : dev && dist_has_nccl(dist) ? " the bf16 weights during the next forward (fp32 master sharded too)"
-                                                                 : " the bf16 weights (fp32 master sharded too)");
+           !tr->master_sharded          ? ""
+           : dev && dist_has_nccl(dist) ? " the bf16 weights during the next forward (fp32 master sharded too)"
+                                        : " the bf16 weights (fp32 master sharded too)");
 }
 
 // The step's pieces on the arrays' backend (CUDA kernels, or the CPU twins).
@@ -158,9 +161,13 @@ static void trainable_scale(const Trainable* tr, float s) {
     }
 }
 
-static void trainable_adamw(const Trainable* tr, float* p, const float* g, float* m, float* v, int64_t n, float lr, float weight_decay, int t) {
+static void trainable_adamw(const Trainable* tr, float* p, const float* g, float* m, float* v, int64_t n, float lr,
+                            float weight_decay, int t) {
 #ifdef LLMC_HAVE_CUDA
-    if (trainable_on_device(tr)) { adamw_update_cuda(p, g, m, v, n, lr, 0.9f, 0.999f, 1e-8f, weight_decay, t, tr->be->stream); return; }
+    if (trainable_on_device(tr)) {
+        adamw_update_cuda(p, g, m, v, n, lr, 0.9f, 0.999f, 1e-8f, weight_decay, t, tr->be->stream);
+        return;
+    }
 #endif
     adamw_update(p, g, m, v, n, lr, 0.9f, 0.999f, 1e-8f, weight_decay, t);
 }
@@ -169,8 +176,14 @@ static void trainable_adamw(const Trainable* tr, float* p, const float* g, float
 // master is sharded, else the fp32 parameters.
 static void trainable_allgather_bucket(const Trainable* tr, const Dist* dist, const GradBucket* b) {
 #ifdef LLMC_HAVE_CUDA
-    if (tr->master_sharded) { dist_allgather_bf16_device(dist, (uint16_t*)tr->params16 + b->lo, bucket_piece(tr, b), tr->be->stream); return; }
-    if (trainable_on_device(tr)) { dist_allgather_f32_device(dist, tr->params + b->lo, bucket_piece(tr, b), tr->be->stream); return; }
+    if (tr->master_sharded) {
+        dist_allgather_bf16_device(dist, (uint16_t*)tr->params16 + b->lo, bucket_piece(tr, b), tr->be->stream);
+        return;
+    }
+    if (trainable_on_device(tr)) {
+        dist_allgather_f32_device(dist, tr->params + b->lo, bucket_piece(tr, b), tr->be->stream);
+        return;
+    }
 #endif
     dist_allgather_f32(dist, tr->params + b->lo, bucket_piece(tr, b));
 }
@@ -213,7 +226,8 @@ static double trainable_update(Trainable* tr, const Dist* dist, float lr, float 
     trainable_weights_ready_all(tr);  // the last all-gathers still read the pieces about to change
     tr->host_current = !trainable_on_device(tr);
     if (!tr->zero1) trainable_adamw(tr, tr->params, tr->grads, tr->adam_m, tr->adam_v, tr->count, lr, weight_decay, t);
-    for (int i = 0; tr->zero1 && i < tr->n_buckets; i++) trainable_update_piece(tr, &tr->buckets[i], lr, weight_decay, t);
+    for (int i = 0; tr->zero1 && i < tr->n_buckets; i++)
+        trainable_update_piece(tr, &tr->buckets[i], lr, weight_decay, t);
 #ifdef LLMC_HAVE_CUDA
     if (tr->master_sharded && dist_has_nccl(dist)) { trainable_allgather_async(tr, dist); return 0.0; }
 #endif
@@ -225,7 +239,8 @@ static double trainable_update(Trainable* tr, const Dist* dist, float lr, float 
         comm = wall_seconds() - t0;
     }
 #ifdef LLMC_HAVE_CUDA
-    if (trainable_on_device(tr) && !tr->master_sharded) cast_f32_to_bf16_cuda((bf16*)tr->params16, tr->params, tr->count, tr->be->stream);
+    if (trainable_on_device(tr) && !tr->master_sharded)
+        cast_f32_to_bf16_cuda((bf16*)tr->params16, tr->params, tr->count, tr->be->stream);
 #endif
     return comm;
 }
@@ -259,8 +274,8 @@ static OptimStep trainable_step(Trainable* tr, const TrainOptions* o, const Dist
     if (!isfinite(loss) || !isfinite(r.grad_norm)) {
         const char* what = !isfinite(loss) ? "loss" : "gradient norm";
         if (strcmp(o->nonfinite, "skip") != 0)
-            fail("step %d: non-finite %s (%g); lower --lr or check the data (--nonfinite skip skips such steps)", step + 1, what,
-                 !isfinite(loss) ? loss : r.grad_norm);
+            fail("step %d: non-finite %s (%g); lower --lr or check the data (--nonfinite skip skips such steps)",
+                 step + 1, what, !isfinite(loss) ? loss : r.grad_norm);
         r.skipped = 1;
         r.note = "skipped: non-finite loss or gradient";
         return r;

@@ -175,8 +175,9 @@ static void emu_check_mask(unsigned mask, const char* what) {
         if (!(mask >> lane & 1)) continue;
         int i = warp * 32 + lane;
         if (i < s->nthreads && s->threads[i].state != EMU_DONE) continue;
-        fprintf(stderr, "emu: %s with mask 0x%08x in %s, block (%u,%u,%u), warp %d: lane %d %s (undefined on a GPU)\n", what, mask,
-                s->kernel, s->bid.x, s->bid.y, s->bid.z, warp, lane, i < s->nthreads ? "has exited" : "does not exist (partial warp)");
+        fprintf(stderr, "emu: %s with mask 0x%08x in %s, block (%u,%u,%u), warp %d: lane %d %s (undefined on a GPU)\n",
+                what, mask, s->kernel, s->bid.x, s->bid.y, s->bid.z, warp, lane,
+                i < s->nthreads ? "has exited" : "does not exist (partial warp)");
         exit(1);
     }
 }
@@ -277,7 +278,8 @@ static std::map<const void*, int>& emu_smem_optin(void) {
 // cudaSuccess, or the error a GPU's launch would leave for cudaGetLastError.
 static cudaError_t emu_launch_error(dim3 grid, dim3 block, size_t smem, const void* fn) {
     uint64_t threads = (uint64_t)block.x * block.y * block.z;
-    if (threads == 0 || threads > 1024 || block.x > 1024 || block.y > 1024 || block.z > 64) return cudaErrorInvalidConfiguration;
+    if (threads == 0 || threads > 1024 || block.x > 1024 || block.y > 1024 || block.z > 64)
+        return cudaErrorInvalidConfiguration;
     if (grid.x == 0 || grid.y == 0 || grid.z == 0 || grid.x > 0x7fffffffu || grid.y > 65535 || grid.z > 65535)
         return cudaErrorInvalidConfiguration;
     std::map<const void*, int>::const_iterator it = emu_smem_optin().find(fn);
@@ -297,11 +299,15 @@ static void emu_guards_check(const char* after);
 // The launch: the blocks of the grid in a shuffled order, each as a set of fibers calling body(),
 // block i of the launch with thread order (i + this kernel's launch count) mod 3. A configuration
 // a GPU refuses runs nothing and leaves its error for cudaGetLastError.
-static void emu_launch(dim3 grid, dim3 block, size_t smem, const char* kernel, const void* fn, const std::function<void()>& body) {
+static void emu_launch(dim3 grid, dim3 block, size_t smem, const char* kernel, const void* fn,
+                       const std::function<void()>& body) {
     EmuState* s = &emu_state;
     cudaError_t err = emu_launch_error(grid, block, smem, fn);
     if (err != cudaSuccess) { s->last_error = err; return; }
-    if (smem > 0) { fprintf(stderr, "emu: %s asks for dynamic shared memory, which the emulator lacks\n", kernel); exit(1); }
+    if (smem > 0) {
+        fprintf(stderr, "emu: %s asks for dynamic shared memory, which the emulator lacks\n", kernel);
+        exit(1);
+    }
     int n = (int)(block.x * block.y * block.z);
     unsigned long long launch = emu_kernel_launches(kernel);
     s->grid = grid;
@@ -361,10 +367,26 @@ static int emu_src_down(int lane, int d) { return lane + d < 32 ? lane + d : lan
 static int emu_src_up(int lane, int d) { return lane - d >= 0 ? lane - d : lane; }
 static int emu_src_idx(int lane, int src) { (void)lane; return src & 31; }
 
-template <class T> static T __shfl_xor_sync(unsigned mask, T v, int lane_mask, int width = 32) { (void)width; return emu_exchange(mask, "__shfl_xor_sync", v, emu_src_xor, lane_mask); }
-template <class T> static T __shfl_down_sync(unsigned mask, T v, unsigned d, int width = 32) { (void)width; return emu_exchange(mask, "__shfl_down_sync", v, emu_src_down, (int)d); }
-template <class T> static T __shfl_up_sync(unsigned mask, T v, unsigned d, int width = 32) { (void)width; return emu_exchange(mask, "__shfl_up_sync", v, emu_src_up, (int)d); }
-template <class T> static T __shfl_sync(unsigned mask, T v, int src, int width = 32) { (void)width; return emu_exchange(mask, "__shfl_sync", v, emu_src_idx, src); }
+template <class T>
+static T __shfl_xor_sync(unsigned mask, T v, int lane_mask, int width = 32) {
+    (void)width;
+    return emu_exchange(mask, "__shfl_xor_sync", v, emu_src_xor, lane_mask);
+}
+template <class T>
+static T __shfl_down_sync(unsigned mask, T v, unsigned d, int width = 32) {
+    (void)width;
+    return emu_exchange(mask, "__shfl_down_sync", v, emu_src_down, (int)d);
+}
+template <class T>
+static T __shfl_up_sync(unsigned mask, T v, unsigned d, int width = 32) {
+    (void)width;
+    return emu_exchange(mask, "__shfl_up_sync", v, emu_src_up, (int)d);
+}
+template <class T>
+static T __shfl_sync(unsigned mask, T v, int src, int width = 32) {
+    (void)width;
+    return emu_exchange(mask, "__shfl_sync", v, emu_src_idx, src);
+}
 
 // Fibers never interleave between two barriers, so plain read-modify-write is atomic here.
 template <class T> static T atomicAdd(T* p, T v) { T old = *p; *p = old + v; return old; }
@@ -457,8 +479,8 @@ static void emu_guards_check(const char* after) {
             if (!memcmp(it->first + at, poison, len)) continue;
             size_t i = at;
             while ((unsigned char)it->first[i] == EMU_POISON) i++;
-            fprintf(stderr, "emu: out-of-bounds write by %s: byte %zu of the guard zone after %s was written\n", after, i,
-                    it->second.owner.c_str());
+            fprintf(stderr, "emu: out-of-bounds write by %s: byte %zu of the guard zone after %s was written\n", after,
+                    i, it->second.owner.c_str());
             exit(1);
         }
 #else
@@ -469,8 +491,8 @@ static void emu_guards_check(const char* after) {
 // Checks that [p, p + n) is on the side `device` says and, on the device, touches no guard zone.
 static void emu_check_side(uintptr_t p, size_t n, int device, const char* call, const char* which) {
     if (device && !emu_on_device(p, n) && emu_on_device(p, 1)) {
-        fprintf(stderr, "emu: %s: %s [%p, +%zu bytes) runs past the end of its device allocation (out of bounds)\n", call, which,
-                (void*)p, n);
+        fprintf(stderr, "emu: %s: %s [%p, +%zu bytes) runs past the end of its device allocation (out of bounds)\n",
+                call, which, (void*)p, n);
         abort();
     }
     if (emu_on_device(p, n) != device) {
@@ -480,8 +502,8 @@ static void emu_check_side(uintptr_t p, size_t n, int device, const char* call, 
     }
     const std::pair<const char* const, EmuGuard>* g = device ? emu_guard_overlap(p, n) : NULL;
     if (g) {
-        fprintf(stderr, "emu: %s: %s [%p, +%zu bytes) runs out of bounds into the guard zone after %s\n", call, which, (void*)p, n,
-                g->second.owner.c_str());
+        fprintf(stderr, "emu: %s: %s [%p, +%zu bytes) runs out of bounds into the guard zone after %s\n", call, which,
+                (void*)p, n, g->second.owner.c_str());
         abort();
     }
 }
@@ -489,7 +511,10 @@ static void emu_check_side(uintptr_t p, size_t n, int device, const char* call, 
 extern "C" {
 // Each allocation sits between two guard zones; its start is 256-byte aligned, as cudaMalloc's.
 cudaError_t cudaMalloc(void** p, size_t n) {
-    if (n > EMU_DEVICE_BYTES - emu_bytes_in_use) { *p = NULL; return cudaErrorMemoryAllocation; }  // the pretend device is full
+    if (n > EMU_DEVICE_BYTES - emu_bytes_in_use) {
+        *p = NULL;
+        return cudaErrorMemoryAllocation;
+    }  // the pretend device is full
     size_t tail = (n + 255) / 256 * 256 - n + EMU_GUARD_BYTES;
     char* raw = (char*)aligned_alloc(256, EMU_GUARD_BYTES + n + tail);
     if (!raw) { *p = NULL; return cudaErrorMemoryAllocation; }
@@ -507,7 +532,10 @@ cudaError_t cudaFree(void* p) {
     if (!p) return cudaSuccess;
     cudaDeviceSynchronize();  // as on a GPU; held-back work may still use the memory
     std::map<const char*, size_t>::iterator it = emu_allocations().find((const char*)p);
-    if (it == emu_allocations().end()) { fprintf(stderr, "emu: cudaFree of %p, which cudaMalloc did not return\n", p); abort(); }
+    if (it == emu_allocations().end()) {
+        fprintf(stderr, "emu: cudaFree of %p, which cudaMalloc did not return\n", p);
+        abort();
+    }
     emu_guards_check("a kernel (seen at cudaFree)");
     char* raw = (char*)p - EMU_GUARD_BYTES;
     emu_guards_remove(raw, (char*)p + (it->second + 255) / 256 * 256 + EMU_GUARD_BYTES);
@@ -591,8 +619,10 @@ static void emu_stream_issue(cudaStream_t st) {
 static void emu_stream_submit(cudaStream_t st, const char* what, const std::function<void()>& f) {
     if (!st) { emu_stream_issue(NULL); f(); return; }
     if (st->seen_default < emu_default_work) {
-        fprintf(stderr, "emu: race: %s issued on stream %p without waiting for the %lld earlier kernels/copies of the default "
-                        "stream (cudaEventRecord on it, then cudaStreamWaitEvent)\n", what, (void*)st, emu_default_work - st->seen_default);
+        fprintf(stderr,
+                "emu: race: %s issued on stream %p without waiting for the %lld earlier kernels/copies of the default "
+                "stream (cudaEventRecord on it, then cudaStreamWaitEvent)\n",
+                what, (void*)st, emu_default_work - st->seen_default);
         abort();
     }
     st->pending.push_back(f);
@@ -602,8 +632,10 @@ static void emu_stream_submit(cudaStream_t st, const char* what, const std::func
 static void emu_copy(void* dst, const void* src, size_t n, enum cudaMemcpyKind kind) {
     if (!n) return;
     if (kind != cudaMemcpyDefault) {
-        emu_check_side((uintptr_t)dst, n, kind == cudaMemcpyHostToDevice || kind == cudaMemcpyDeviceToDevice, "cudaMemcpy", "destination");
-        emu_check_side((uintptr_t)src, n, kind == cudaMemcpyDeviceToHost || kind == cudaMemcpyDeviceToDevice, "cudaMemcpy", "source");
+        emu_check_side((uintptr_t)dst, n, kind == cudaMemcpyHostToDevice || kind == cudaMemcpyDeviceToDevice,
+                       "cudaMemcpy", "destination");
+        emu_check_side((uintptr_t)src, n, kind == cudaMemcpyDeviceToHost || kind == cudaMemcpyDeviceToDevice,
+                       "cudaMemcpy", "source");
     } else {  // either side may be device memory, which must stay out of the guard zones
         if (emu_on_device((uintptr_t)dst, n)) emu_check_side((uintptr_t)dst, n, 1, "cudaMemcpy", "destination");
         if (emu_on_device((uintptr_t)src, n)) emu_check_side((uintptr_t)src, n, 1, "cudaMemcpy", "source");

@@ -59,7 +59,9 @@ static void emu_blas_fatal(const char* call, const char* why) {
     exit(1);
 }
 
-static size_t emu_blas_elem(cudaDataType_t t) { return t == CUDA_R_16BF || t == CUDA_R_16F ? 2 : t == CUDA_R_32F ? 4 : 0; }
+static size_t emu_blas_elem(cudaDataType_t t) {
+    return t == CUDA_R_16BF || t == CUDA_R_16F ? 2 : t == CUDA_R_32F ? 4 : 0;
+}
 static float emu_blas_load(const void* p, cudaDataType_t t, int64_t i) {
     return t == CUDA_R_16BF ? __bfloat162float(((const __nv_bfloat16*)p)[i]) : ((const float*)p)[i];
 }
@@ -72,13 +74,16 @@ static int emu_blas_types_ok(cudaDataType_t ab, cudaDataType_t c, cublasComputeT
 
 // A stored column-major rows x cols matrix with leading dimension ld at p: device memory, inside
 // one allocation, clear of the guard zones, element-aligned.
-static void emu_blas_operand(const char* call, const char* which, const void* p, cudaDataType_t t, int64_t rows, int64_t cols,
-                             int64_t ld) {
+static void emu_blas_operand(const char* call, const char* which, const void* p, cudaDataType_t t, int64_t rows,
+                             int64_t cols, int64_t ld) {
     if (rows <= 0 || cols <= 0) return;
     char why[160];
     size_t e = emu_blas_elem(t);
     if (!p) { snprintf(why, sizeof(why), "%s is NULL", which); emu_blas_fatal(call, why); }
-    if ((uintptr_t)p % e) { snprintf(why, sizeof(why), "%s at %p is not aligned to its %zu-byte element", which, p, e); emu_blas_fatal(call, why); }
+    if ((uintptr_t)p % e) {
+        snprintf(why, sizeof(why), "%s at %p is not aligned to its %zu-byte element", which, p, e);
+        emu_blas_fatal(call, why);
+    }
     emu_check_side((uintptr_t)p, (size_t)((cols - 1) * ld + rows) * e, 1, call, which);
 }
 
@@ -90,14 +95,16 @@ static uint32_t emu_blas_alignment(const void* p, int64_t ld, size_t e) {
 
 // D[m x n] = alpha op(A) op(B) + beta C (+ bias[i] per row), column-major; C is not read when
 // beta = 0. Operands go to float first: op(A) as [m][k], op(B) as [n][k], so each sum runs in k order.
-static void emu_blas_gemm(cublasOperation_t ta, cublasOperation_t tb, int64_t m, int64_t n, int64_t k, float alpha, const void* A,
-                          int64_t lda, const void* B, int64_t ldb, cudaDataType_t abtype, float beta, const void* C, int64_t ldc,
-                          void* D, int64_t ldd, cudaDataType_t ctype, const void* bias) {
+static void emu_blas_gemm(cublasOperation_t ta, cublasOperation_t tb, int64_t m, int64_t n, int64_t k, float alpha,
+                          const void* A, int64_t lda, const void* B, int64_t ldb, cudaDataType_t abtype, float beta,
+                          const void* C, int64_t ldc, void* D, int64_t ldd, cudaDataType_t ctype, const void* bias) {
     std::vector<float> a((size_t)(m * k)), b((size_t)(n * k));
     for (int64_t i = 0; i < m; i++)
-        for (int64_t p = 0; p < k; p++) a[i * k + p] = emu_blas_load(A, abtype, ta == CUBLAS_OP_N ? i + p * lda : p + i * lda);
+        for (int64_t p = 0; p < k; p++)
+            a[i * k + p] = emu_blas_load(A, abtype, ta == CUBLAS_OP_N ? i + p * lda : p + i * lda);
     for (int64_t j = 0; j < n; j++)
-        for (int64_t p = 0; p < k; p++) b[j * k + p] = emu_blas_load(B, abtype, tb == CUBLAS_OP_N ? p + j * ldb : j + p * ldb);
+        for (int64_t p = 0; p < k; p++)
+            b[j * k + p] = emu_blas_load(B, abtype, tb == CUBLAS_OP_N ? p + j * ldb : j + p * ldb);
     for (int64_t j = 0; j < n; j++)
         for (int64_t i = 0; i < m; i++) {
             const float *ai = &a[i * k], *bj = &b[j * k];
@@ -122,22 +129,27 @@ const char* cublasGetStatusString(cublasStatus_t st) {
     default: return "CUBLAS_STATUS (other)";
     }
 }
-cublasStatus_t cublasCreate_v2(cublasHandle_t* h) { *h = new cublasContext(); (*h)->stream = NULL; return CUBLAS_STATUS_SUCCESS; }
+cublasStatus_t cublasCreate_v2(cublasHandle_t* h) {
+    *h = new cublasContext();
+    (*h)->stream = NULL;
+    return CUBLAS_STATUS_SUCCESS;
+}
 cublasStatus_t cublasDestroy_v2(cublasHandle_t h) { delete h; return CUBLAS_STATUS_SUCCESS; }
 cublasStatus_t cublasSetStream_v2(cublasHandle_t h, cudaStream_t st) { h->stream = st; return CUBLAS_STATUS_SUCCESS; }
 cublasStatus_t cublasSetWorkspace_v2(cublasHandle_t h, void* ws, size_t bytes) {
     (void)h;
     if (bytes && (uintptr_t)ws % 256)
-        return emu_blas_status(CUBLAS_STATUS_INVALID_VALUE, "cublasSetWorkspace", "the workspace is not 256-byte aligned");
+        return emu_blas_status(CUBLAS_STATUS_INVALID_VALUE, "cublasSetWorkspace",
+                               "the workspace is not 256-byte aligned");
     if (bytes) emu_check_side((uintptr_t)ws, bytes, 1, "cublasSetWorkspace", "workspace");
     return CUBLAS_STATUS_SUCCESS;
 }
 }
 
 // The checks cublasGemmEx and cublasGemmBatchedEx share; CUBLAS_STATUS_SUCCESS when they pass.
-static cublasStatus_t emu_gemm_ex_check(const char* call, cublasOperation_t ta, cublasOperation_t tb, int m, int n, int k,
-                                        cudaDataType_t at, int lda, cudaDataType_t bt, int ldb, cudaDataType_t ct, int ldc,
-                                        cublasComputeType_t compute) {
+static cublasStatus_t emu_gemm_ex_check(const char* call, cublasOperation_t ta, cublasOperation_t tb, int m, int n,
+                                        int k, cudaDataType_t at, int lda, cudaDataType_t bt, int ldb,
+                                        cudaDataType_t ct, int ldc, cublasComputeType_t compute) {
     char why[200];
     if (m < 0 || n < 0 || k < 0) {
         snprintf(why, sizeof(why), "negative size m=%d n=%d k=%d", m, n, k);
@@ -145,21 +157,24 @@ static cublasStatus_t emu_gemm_ex_check(const char* call, cublasOperation_t ta, 
     }
     int arows = ta == CUBLAS_OP_N ? m : k, brows = tb == CUBLAS_OP_N ? k : n;
     if (lda < (arows > 1 ? arows : 1) || ldb < (brows > 1 ? brows : 1) || ldc < (m > 1 ? m : 1)) {
-        snprintf(why, sizeof(why), "leading dimension too small: lda=%d (A has %d rows), ldb=%d (B has %d rows), ldc=%d (C has %d rows)",
+        snprintf(why, sizeof(why),
+                 "leading dimension too small: lda=%d (A has %d rows), ldb=%d (B has %d rows), ldc=%d (C has %d rows)",
                  lda, arows, ldb, brows, ldc, m);
         return emu_blas_status(CUBLAS_STATUS_INVALID_VALUE, call, why);
     }
     if (at != bt || !emu_blas_types_ok(at, ct, compute)) {
-        snprintf(why, sizeof(why), "types A %d, B %d, C %d with compute type %d", (int)at, (int)bt, (int)ct, (int)compute);
+        snprintf(why, sizeof(why), "types A %d, B %d, C %d with compute type %d", (int)at, (int)bt, (int)ct,
+                 (int)compute);
         return emu_blas_status(CUBLAS_STATUS_NOT_SUPPORTED, call, why);
     }
     return CUBLAS_STATUS_SUCCESS;
 }
 
 extern "C" {
-cublasStatus_t cublasGemmEx(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int m, int n, int k, const void* alpha,
-                            const void* A, cudaDataType at, int lda, const void* B, cudaDataType bt, int ldb, const void* beta,
-                            void* C, cudaDataType ct, int ldc, cublasComputeType_t compute, cublasGemmAlgo_t algo) {
+cublasStatus_t cublasGemmEx(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int m, int n, int k,
+                            const void* alpha, const void* A, cudaDataType at, int lda, const void* B, cudaDataType bt,
+                            int ldb, const void* beta, void* C, cudaDataType ct, int ldc, cublasComputeType_t compute,
+                            cublasGemmAlgo_t algo) {
     (void)algo;
     cublasStatus_t st = emu_gemm_ex_check("cublasGemmEx", ta, tb, m, n, k, at, lda, bt, ldb, ct, ldc, compute);
     if (st != CUBLAS_STATUS_SUCCESS) return st;
@@ -178,8 +193,9 @@ cublasStatus_t cublasGemmEx(cublasHandle_t h, cublasOperation_t ta, cublasOperat
 
 cublasStatus_t cublasGemmBatchedEx(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int m, int n, int k,
                                    const void* alpha, const void* const Aarray[], cudaDataType at, int lda,
-                                   const void* const Barray[], cudaDataType bt, int ldb, const void* beta, void* const Carray[],
-                                   cudaDataType ct, int ldc, int batch, cublasComputeType_t compute, cublasGemmAlgo_t algo) {
+                                   const void* const Barray[], cudaDataType bt, int ldb, const void* beta,
+                                   void* const Carray[], cudaDataType ct, int ldc, int batch,
+                                   cublasComputeType_t compute, cublasGemmAlgo_t algo) {
     (void)algo;
     const char* call = "cublasGemmBatchedEx";
     cublasStatus_t st = emu_gemm_ex_check(call, ta, tb, m, n, k, at, lda, bt, ldb, ct, ldc, compute);
@@ -198,7 +214,8 @@ cublasStatus_t cublasGemmBatchedEx(cublasHandle_t h, cublasOperation_t ta, cubla
             emu_blas_operand(call, "B[i]", Barray[e], bt, tb == CUBLAS_OP_N ? k : n, tb == CUBLAS_OP_N ? n : k, ldb);
         }
         emu_blas_operand(call, "C[i]", Carray[e], ct, m, n, ldc);
-        emu_blas_gemm(ta, tb, m, n, k, a, Aarray[e], lda, Barray[e], ldb, at, b, Carray[e], ldc, Carray[e], ldc, ct, NULL);
+        emu_blas_gemm(ta, tb, m, n, k, a, Aarray[e], lda, Barray[e], ldb, at, b, Carray[e], ldc, Carray[e], ldc, ct,
+                      NULL);
     }
     emu_guards_check(call);
     return CUBLAS_STATUS_SUCCESS;
@@ -220,21 +237,25 @@ cublasStatus_t cublasLtMatmulDescCreate(cublasLtMatmulDesc_t* d, cublasComputeTy
     return CUBLAS_STATUS_SUCCESS;
 }
 cublasStatus_t cublasLtMatmulDescDestroy(cublasLtMatmulDesc_t d) { delete (EmuLtDesc*)d; return CUBLAS_STATUS_SUCCESS; }
-cublasStatus_t cublasLtMatmulDescSetAttribute(cublasLtMatmulDesc_t d, cublasLtMatmulDescAttributes_t attr, const void* buf, size_t size) {
+cublasStatus_t cublasLtMatmulDescSetAttribute(cublasLtMatmulDesc_t d, cublasLtMatmulDescAttributes_t attr,
+                                              const void* buf, size_t size) {
     EmuLtDesc* e = (EmuLtDesc*)d;
     const char* call = "cublasLtMatmulDescSetAttribute";
     switch (attr) {
     case CUBLASLT_MATMUL_DESC_TRANSA:
     case CUBLASLT_MATMUL_DESC_TRANSB:
-        if (size != sizeof(int32_t)) return emu_blas_status(CUBLAS_STATUS_INVALID_VALUE, call, "transpose attribute is an int32_t");
+        if (size != sizeof(int32_t))
+            return emu_blas_status(CUBLAS_STATUS_INVALID_VALUE, call, "transpose attribute is an int32_t");
         memcpy(attr == CUBLASLT_MATMUL_DESC_TRANSA ? &e->transa : &e->transb, buf, size);
         return CUBLAS_STATUS_SUCCESS;
     case CUBLASLT_MATMUL_DESC_EPILOGUE:
-        if (size != sizeof(uint32_t)) return emu_blas_status(CUBLAS_STATUS_INVALID_VALUE, call, "epilogue attribute is a uint32_t");
+        if (size != sizeof(uint32_t))
+            return emu_blas_status(CUBLAS_STATUS_INVALID_VALUE, call, "epilogue attribute is a uint32_t");
         memcpy(&e->epilogue, buf, size);
         return CUBLAS_STATUS_SUCCESS;
     case CUBLASLT_MATMUL_DESC_BIAS_POINTER:
-        if (size != sizeof(void*)) return emu_blas_status(CUBLAS_STATUS_INVALID_VALUE, call, "bias pointer attribute is a pointer");
+        if (size != sizeof(void*))
+            return emu_blas_status(CUBLAS_STATUS_INVALID_VALUE, call, "bias pointer attribute is a pointer");
         memcpy(&e->bias, buf, size);
         return CUBLAS_STATUS_SUCCESS;
     default:
@@ -243,9 +264,11 @@ cublasStatus_t cublasLtMatmulDescSetAttribute(cublasLtMatmulDesc_t d, cublasLtMa
     }
 }
 
-cublasStatus_t cublasLtMatrixLayoutCreate(cublasLtMatrixLayout_t* l, cudaDataType type, uint64_t rows, uint64_t cols, int64_t ld) {
+cublasStatus_t cublasLtMatrixLayoutCreate(cublasLtMatrixLayout_t* l, cudaDataType type, uint64_t rows, uint64_t cols,
+                                          int64_t ld) {
     if (ld < (int64_t)(rows > 1 ? rows : 1))
-        return emu_blas_status(CUBLAS_STATUS_INVALID_VALUE, "cublasLtMatrixLayoutCreate", "leading dimension smaller than the rows");
+        return emu_blas_status(CUBLAS_STATUS_INVALID_VALUE, "cublasLtMatrixLayoutCreate",
+                               "leading dimension smaller than the rows");
     EmuLtLayout* e = new EmuLtLayout();
     e->type = type;
     e->rows = rows;
@@ -254,7 +277,10 @@ cublasStatus_t cublasLtMatrixLayoutCreate(cublasLtMatrixLayout_t* l, cudaDataTyp
     *l = (cublasLtMatrixLayout_t)e;
     return CUBLAS_STATUS_SUCCESS;
 }
-cublasStatus_t cublasLtMatrixLayoutDestroy(cublasLtMatrixLayout_t l) { delete (EmuLtLayout*)l; return CUBLAS_STATUS_SUCCESS; }
+cublasStatus_t cublasLtMatrixLayoutDestroy(cublasLtMatrixLayout_t l) {
+    delete (EmuLtLayout*)l;
+    return CUBLAS_STATUS_SUCCESS;
+}
 
 cublasStatus_t cublasLtMatmulPreferenceCreate(cublasLtMatmulPreference_t* p) {
     EmuLtPref* e = new EmuLtPref();
@@ -263,18 +289,26 @@ cublasStatus_t cublasLtMatmulPreferenceCreate(cublasLtMatmulPreference_t* p) {
     *p = (cublasLtMatmulPreference_t)e;
     return CUBLAS_STATUS_SUCCESS;
 }
-cublasStatus_t cublasLtMatmulPreferenceDestroy(cublasLtMatmulPreference_t p) { delete (EmuLtPref*)p; return CUBLAS_STATUS_SUCCESS; }
-cublasStatus_t cublasLtMatmulPreferenceSetAttribute(cublasLtMatmulPreference_t p, cublasLtMatmulPreferenceAttributes_t attr,
-                                                    const void* buf, size_t size) {
+cublasStatus_t cublasLtMatmulPreferenceDestroy(cublasLtMatmulPreference_t p) {
+    delete (EmuLtPref*)p;
+    return CUBLAS_STATUS_SUCCESS;
+}
+cublasStatus_t cublasLtMatmulPreferenceSetAttribute(cublasLtMatmulPreference_t p,
+                                                    cublasLtMatmulPreferenceAttributes_t attr, const void* buf,
+                                                    size_t size) {
     EmuLtPref* e = (EmuLtPref*)p;
     const char* call = "cublasLtMatmulPreferenceSetAttribute";
     if (attr == CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES) {
-        if (size != sizeof(uint64_t)) return emu_blas_status(CUBLAS_STATUS_INVALID_VALUE, call, "max workspace is a uint64_t");
+        if (size != sizeof(uint64_t))
+            return emu_blas_status(CUBLAS_STATUS_INVALID_VALUE, call, "max workspace is a uint64_t");
         memcpy(&e->max_workspace, buf, size);
         return CUBLAS_STATUS_SUCCESS;
     }
-    int which = attr == CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES ? 0 : attr == CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES ? 1
-              : attr == CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES ? 2 : attr == CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES ? 3 : -1;
+    int which = attr == CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES   ? 0
+                : attr == CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES ? 1
+                : attr == CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES ? 2
+                : attr == CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES ? 3
+                                                                     : -1;
     if (which < 0) emu_blas_fatal(call, "an attribute the emulator does not model");
     if (size != sizeof(uint32_t)) return emu_blas_status(CUBLAS_STATUS_INVALID_VALUE, call, "alignment is a uint32_t");
     memcpy(&e->min_align[which], buf, size);
@@ -284,20 +318,23 @@ cublasStatus_t cublasLtMatmulPreferenceSetAttribute(cublasLtMatmulPreference_t p
 
 // Whether the descriptor and layouts describe one valid product D = op(A) op(B) (+ C); else the
 // status cuBLASLt returns, said on stderr.
-static cublasStatus_t emu_lt_check_shapes(const char* call, const EmuLtDesc* d, const EmuLtLayout* a, const EmuLtLayout* b,
-                                          const EmuLtLayout* c, const EmuLtLayout* dd) {
+static cublasStatus_t emu_lt_check_shapes(const char* call, const EmuLtDesc* d, const EmuLtLayout* a,
+                                          const EmuLtLayout* b, const EmuLtLayout* c, const EmuLtLayout* dd) {
     char why[240];
     uint64_t am = d->transa == CUBLAS_OP_N ? a->rows : a->cols, ak = d->transa == CUBLAS_OP_N ? a->cols : a->rows;
     uint64_t bk = d->transb == CUBLAS_OP_N ? b->rows : b->cols, bn = d->transb == CUBLAS_OP_N ? b->cols : b->rows;
     if (am != dd->rows || bn != dd->cols || ak != bk || c->rows != dd->rows || c->cols != dd->cols) {
-        snprintf(why, sizeof(why), "shapes do not agree: op(A) %llu x %llu, op(B) %llu x %llu, C %llu x %llu, D %llu x %llu",
+        snprintf(why, sizeof(why),
+                 "shapes do not agree: op(A) %llu x %llu, op(B) %llu x %llu, C %llu x %llu, D %llu x %llu",
                  (unsigned long long)am, (unsigned long long)ak, (unsigned long long)bk, (unsigned long long)bn,
-                 (unsigned long long)c->rows, (unsigned long long)c->cols, (unsigned long long)dd->rows, (unsigned long long)dd->cols);
+                 (unsigned long long)c->rows, (unsigned long long)c->cols, (unsigned long long)dd->rows,
+                 (unsigned long long)dd->cols);
         return emu_blas_status(CUBLAS_STATUS_INVALID_VALUE, call, why);
     }
-    if (a->type != b->type || c->type != dd->type || d->scale != CUDA_R_32F || !emu_blas_types_ok(a->type, dd->type, d->compute)) {
-        snprintf(why, sizeof(why), "types A %d, B %d, C %d, D %d, scale %d with compute type %d", (int)a->type, (int)b->type,
-                 (int)c->type, (int)dd->type, (int)d->scale, (int)d->compute);
+    if (a->type != b->type || c->type != dd->type || d->scale != CUDA_R_32F ||
+        !emu_blas_types_ok(a->type, dd->type, d->compute)) {
+        snprintf(why, sizeof(why), "types A %d, B %d, C %d, D %d, scale %d with compute type %d", (int)a->type,
+                 (int)b->type, (int)c->type, (int)dd->type, (int)d->scale, (int)d->compute);
         return emu_blas_status(CUBLAS_STATUS_NOT_SUPPORTED, call, why);
     }
     if (d->epilogue != CUBLASLT_EPILOGUE_DEFAULT && d->epilogue != CUBLASLT_EPILOGUE_BIAS)
@@ -308,16 +345,17 @@ static cublasStatus_t emu_lt_check_shapes(const char* call, const EmuLtDesc* d, 
 extern "C" {
 // One algorithm when the product is valid and every declared alignment is at least 16 bytes.
 cublasStatus_t cublasLtMatmulAlgoGetHeuristic(cublasLtHandle_t h, cublasLtMatmulDesc_t desc, cublasLtMatrixLayout_t la,
-                                              cublasLtMatrixLayout_t lb, cublasLtMatrixLayout_t lc, cublasLtMatrixLayout_t ld,
-                                              cublasLtMatmulPreference_t pref, int requested, cublasLtMatmulHeuristicResult_t results[],
-                                              int* count) {
+                                              cublasLtMatrixLayout_t lb, cublasLtMatrixLayout_t lc,
+                                              cublasLtMatrixLayout_t ld, cublasLtMatmulPreference_t pref, int requested,
+                                              cublasLtMatmulHeuristicResult_t results[], int* count) {
     (void)h;
     const char* call = "cublasLtMatmulAlgoGetHeuristic";
     *count = 0;
     if (requested <= 0) return emu_blas_status(CUBLAS_STATUS_INVALID_VALUE, call, "requestedAlgoCount <= 0");
     const EmuLtDesc* d = (const EmuLtDesc*)desc;
     const EmuLtLayout* dd = (const EmuLtLayout*)ld;
-    cublasStatus_t st = emu_lt_check_shapes(call, d, (const EmuLtLayout*)la, (const EmuLtLayout*)lb, (const EmuLtLayout*)lc, dd);
+    cublasStatus_t st =
+        emu_lt_check_shapes(call, d, (const EmuLtLayout*)la, (const EmuLtLayout*)lb, (const EmuLtLayout*)lc, dd);
     if (st != CUBLAS_STATUS_SUCCESS) return st;
     const EmuLtPref* p = (const EmuLtPref*)pref;
     for (int i = 0; i < 4; i++)
@@ -334,20 +372,23 @@ cublasStatus_t cublasLtMatmulAlgoGetHeuristic(cublasLtHandle_t h, cublasLtMatmul
     return CUBLAS_STATUS_SUCCESS;
 }
 
-cublasStatus_t cublasLtMatmul(cublasLtHandle_t h, cublasLtMatmulDesc_t desc, const void* alpha, const void* A, cublasLtMatrixLayout_t la,
-                              const void* B, cublasLtMatrixLayout_t lb, const void* beta, const void* C, cublasLtMatrixLayout_t lc,
-                              void* D, cublasLtMatrixLayout_t ldd, const cublasLtMatmulAlgo_t* algo, void* workspace, size_t ws_bytes,
-                              cudaStream_t stream) {
+cublasStatus_t cublasLtMatmul(cublasLtHandle_t h, cublasLtMatmulDesc_t desc, const void* alpha, const void* A,
+                              cublasLtMatrixLayout_t la, const void* B, cublasLtMatrixLayout_t lb, const void* beta,
+                              const void* C, cublasLtMatrixLayout_t lc, void* D, cublasLtMatrixLayout_t ldd,
+                              const cublasLtMatmulAlgo_t* algo, void* workspace, size_t ws_bytes, cudaStream_t stream) {
     (void)h;
     const char* call = "cublasLtMatmul";
     char why[200];
     const EmuLtDesc* d = (const EmuLtDesc*)desc;
-    const EmuLtLayout *a = (const EmuLtLayout*)la, *b = (const EmuLtLayout*)lb, *c = (const EmuLtLayout*)lc, *dd = (const EmuLtLayout*)ldd;
+    const EmuLtLayout *a = (const EmuLtLayout*)la, *b = (const EmuLtLayout*)lb, *c = (const EmuLtLayout*)lc,
+                      *dd = (const EmuLtLayout*)ldd;
     cublasStatus_t st = emu_lt_check_shapes(call, d, a, b, c, dd);
     if (st != CUBLAS_STATUS_SUCCESS) return st;
-    if (!algo || algo->data[0] != EMU_LT_ALGO_MAGIC) emu_blas_fatal(call, "the algorithm is not one cublasLtMatmulAlgoGetHeuristic returned");
+    if (!algo || algo->data[0] != EMU_LT_ALGO_MAGIC)
+        emu_blas_fatal(call, "the algorithm is not one cublasLtMatmulAlgoGetHeuristic returned");
     if (ws_bytes < algo->data[1]) {
-        snprintf(why, sizeof(why), "workspace of %zu bytes, the algorithm needs %llu", ws_bytes, (unsigned long long)algo->data[1]);
+        snprintf(why, sizeof(why), "workspace of %zu bytes, the algorithm needs %llu", ws_bytes,
+                 (unsigned long long)algo->data[1]);
         return emu_blas_status(CUBLAS_STATUS_INVALID_VALUE, call, why);
     }
     if (ws_bytes) {
@@ -359,8 +400,9 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t h, cublasLtMatmulDesc_t desc, con
     for (int i = 0; i < 4; i++) {  // the alignment the algorithm was chosen for
         uint32_t have = emu_blas_alignment(ptrs[i], lays[i]->ld, emu_blas_elem(lays[i]->type));
         if (have < algo->data[2 + i]) {
-            snprintf(why, sizeof(why), "%c at %p with leading dimension %lld is %u-byte aligned, the algorithm was chosen for %llu",
-                     "ABCD"[i], ptrs[i], (long long)lays[i]->ld, have, (unsigned long long)algo->data[2 + i]);
+            snprintf(why, sizeof(why),
+                     "%c at %p with leading dimension %lld is %u-byte aligned, the algorithm was chosen for %llu",
+                     "ABCD"[i], ptrs[i], (long long)lays[i] -> ld, have, (unsigned long long)algo -> data[2 + i]);
             emu_blas_fatal(call, why);
         }
     }
@@ -379,7 +421,8 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t h, cublasLtMatmulDesc_t desc, con
         emu_blas_operand(call, "bias (one element of D's type per row of D)", d->bias, dd->type, dd->rows, 1, dd->rows);
         bias = d->bias;
     }
-    emu_blas_gemm(d->transa, d->transb, dd->rows, dd->cols, k, fa, A, a->ld, B, b->ld, a->type, fb, C, c->ld, D, dd->ld, dd->type, bias);
+    emu_blas_gemm(d->transa, d->transb, dd->rows, dd->cols, k, fa, A, a->ld, B, b->ld, a->type, fb, C, c->ld, D, dd->ld,
+                  dd->type, bias);
     emu_guards_check(call);
     return CUBLAS_STATUS_SUCCESS;
 }

@@ -87,9 +87,14 @@ static ncclResult_t ncclGetUniqueId(ncclUniqueId* id) {
 
 static ncclResult_t ncclCommInitRank(ncclComm_t* comm, int nranks, ncclUniqueId id, int rank) {
     int world = emu_nccl_world();
-    if (nranks != world) return emu_nccl_fail(ncclInvalidArgument, "ncclCommInitRank: nranks %d, but the job has %d processes", nranks, world);
-    if (rank < 0 || rank >= nranks) return emu_nccl_fail(ncclInvalidArgument, "ncclCommInitRank: rank %d outside [0, %d)", rank, nranks);
-    if (strncmp(id.internal, "emu-nccl ", 9) != 0) return emu_nccl_fail(ncclInvalidArgument, "ncclCommInitRank: rank %d has no unique id from ncclGetUniqueId", rank);
+    if (nranks != world)
+        return emu_nccl_fail(ncclInvalidArgument, "ncclCommInitRank: nranks %d, but the job has %d processes", nranks,
+                             world);
+    if (rank < 0 || rank >= nranks)
+        return emu_nccl_fail(ncclInvalidArgument, "ncclCommInitRank: rank %d outside [0, %d)", rank, nranks);
+    if (strncmp(id.internal, "emu-nccl ", 9) != 0)
+        return emu_nccl_fail(ncclInvalidArgument, "ncclCommInitRank: rank %d has no unique id from ncclGetUniqueId",
+                             rank);
     EmuNcclComm* c = (EmuNcclComm*)calloc(1, sizeof(EmuNcclComm));
     c->rank = rank;
     c->nranks = nranks;
@@ -99,8 +104,16 @@ static ncclResult_t ncclCommInitRank(ncclComm_t* comm, int nranks, ncclUniqueId 
         MPI_Comm_rank(MPI_COMM_WORLD, &mpi_rank);
         ncclUniqueId root = id;
         MPI_Bcast(&root, (int)sizeof(root), MPI_BYTE, 0, MPI_COMM_WORLD);
-        if (memcmp(&root, &id, sizeof(id)) != 0) { free(c); return emu_nccl_fail(ncclInvalidArgument, "ncclCommInitRank: rank %d's unique id differs from rank 0's (was it broadcast?)", rank); }
-        if (mpi_rank != rank) { free(c); return emu_nccl_fail(ncclInvalidArgument, "ncclCommInitRank: rank %d is MPI rank %d", rank, mpi_rank); }
+        if (memcmp(&root, &id, sizeof(id)) != 0) {
+            free(c);
+            return emu_nccl_fail(ncclInvalidArgument,
+                                 "ncclCommInitRank: rank %d's unique id differs from rank 0's (was it broadcast?)",
+                                 rank);
+        }
+        if (mpi_rank != rank) {
+            free(c);
+            return emu_nccl_fail(ncclInvalidArgument, "ncclCommInitRank: rank %d is MPI rank %d", rank, mpi_rank);
+        }
         MPI_Comm_dup(MPI_COMM_WORLD, &c->mpi);
         MPI_Comm_dup(MPI_COMM_WORLD, &c->check);
     }
@@ -122,15 +135,21 @@ static size_t emu_nccl_elem_bytes(ncclDataType_t t) { return t == ncclBfloat16 ?
 
 // What every collective checks first: known type and op, device buffers, and (several ranks)
 // that every rank is making the same call: kind, count and type.
-static ncclResult_t emu_nccl_enter(ncclComm_t comm, const char* call, int kind, const void* send, size_t send_n, const void* recv,
-                                   size_t recv_n, size_t count, ncclDataType_t type) {
-    if (type != ncclFloat && type != ncclBfloat16) return emu_nccl_fail(ncclInvalidArgument, "%s: data type %d is not emulated", call, (int)type);
+static ncclResult_t emu_nccl_enter(ncclComm_t comm, const char* call, int kind, const void* send, size_t send_n,
+                                   const void* recv, size_t recv_n, size_t count, ncclDataType_t type) {
+    if (type != ncclFloat && type != ncclBfloat16)
+        return emu_nccl_fail(ncclInvalidArgument, "%s: data type %d is not emulated", call, (int)type);
     size_t e = emu_nccl_elem_bytes(type);
     if (!emu_on_device((uintptr_t)send, send_n * e) || !emu_on_device((uintptr_t)recv, recv_n * e))
-        return emu_nccl_fail(ncclInvalidArgument, "%s: a buffer (send %p, %zu values; recv %p, %zu values) is not device memory", call, send, send_n, recv, recv_n);
-    if (emu_guard_overlap((uintptr_t)send, send_n * e) || emu_guard_overlap((uintptr_t)recv, recv_n * e))  // emu.h's guard zones
-        return emu_nccl_fail(ncclInvalidArgument, "%s: a buffer (send %p, %zu values; recv %p, %zu values) runs out of bounds into a guard zone",
-                             call, send, send_n, recv, recv_n);
+        return emu_nccl_fail(ncclInvalidArgument,
+                             "%s: a buffer (send %p, %zu values; recv %p, %zu values) is not device memory", call, send,
+                             send_n, recv, recv_n);
+    if (emu_guard_overlap((uintptr_t)send, send_n * e) ||
+        emu_guard_overlap((uintptr_t)recv, recv_n * e))  // emu.h's guard zones
+        return emu_nccl_fail(
+            ncclInvalidArgument,
+            "%s: a buffer (send %p, %zu values; recv %p, %zu values) runs out of bounds into a guard zone", call, send,
+            send_n, recv, recv_n);
     comm->calls++;
 #ifdef LLMC_HAVE_MPI
     if (comm->nranks > 1) {
@@ -138,8 +157,9 @@ static ncclResult_t emu_nccl_enter(ncclComm_t comm, const char* call, int kind, 
         MPI_Allreduce(mine, lo, 3, MPI_LONG_LONG, MPI_MIN, comm->check);
         MPI_Allreduce(mine, hi, 3, MPI_LONG_LONG, MPI_MAX, comm->check);
         if (memcmp(lo, hi, sizeof(lo)) != 0)
-            return emu_nccl_fail(ncclInvalidUsage, "%s: collective #%lld differs across ranks (rank %d: kind %d, %zu values, type %d)", call, comm->calls,
-                                 comm->rank, kind, count, (int)type);
+            return emu_nccl_fail(ncclInvalidUsage,
+                                 "%s: collective #%lld differs across ranks (rank %d: kind %d, %zu values, type %d)",
+                                 call, comm->calls, comm->rank, kind, count, (int)type);
     }
 #else
     (void)kind; (void)count;
@@ -193,57 +213,71 @@ static void emu_nccl_issue(cudaStream_t st, const char* call, const void* in, si
     });
 }
 
-static ncclResult_t ncclAllReduce(const void* send, void* recv, size_t count, ncclDataType_t type, ncclRedOp_t op, ncclComm_t comm, cudaStream_t st) {
+static ncclResult_t ncclAllReduce(const void* send, void* recv, size_t count, ncclDataType_t type, ncclRedOp_t op,
+                                  ncclComm_t comm, cudaStream_t st) {
     ncclResult_t r = emu_nccl_enter(comm, "ncclAllReduce", 1, send, count, recv, count, count, type);
     if (r != ncclSuccess) return r;
-    if (op != ncclSum || type != ncclFloat) return emu_nccl_fail(ncclInvalidArgument, "ncclAllReduce: only fp32 sums are emulated");
-    if (send != recv && emu_nccl_overlap(send, count * 4, recv, count * 4)) return emu_nccl_fail(ncclInvalidArgument, "ncclAllReduce: buffers overlap but are not the same");
-    if (count > (1u << 30)) return emu_nccl_fail(ncclInvalidArgument, "ncclAllReduce: %zu values is beyond the emulation", count);
+    if (op != ncclSum || type != ncclFloat)
+        return emu_nccl_fail(ncclInvalidArgument, "ncclAllReduce: only fp32 sums are emulated");
+    if (send != recv && emu_nccl_overlap(send, count * 4, recv, count * 4))
+        return emu_nccl_fail(ncclInvalidArgument, "ncclAllReduce: buffers overlap but are not the same");
+    if (count > (1u << 30))
+        return emu_nccl_fail(ncclInvalidArgument, "ncclAllReduce: %zu values is beyond the emulation", count);
     emu_nccl_issue(st, "ncclAllReduce", send, count * 4, recv, count * 4, [=](EmuNcclFlight* f) {
         memcpy(f->out.data(), f->snap.data(), count * 4);
 #ifdef LLMC_HAVE_MPI
-        if (comm->nranks > 1) MPI_Iallreduce(f->snap.data(), f->out.data(), (int)count, MPI_FLOAT, MPI_SUM, comm->mpi, &f->req);
+        if (comm->nranks > 1)
+            MPI_Iallreduce(f->snap.data(), f->out.data(), (int)count, MPI_FLOAT, MPI_SUM, comm->mpi, &f->req);
 #endif
     });
     return ncclSuccess;
 }
 
 // send: nranks * recvcount values; this rank's block of the sum lands in recv.
-static ncclResult_t ncclReduceScatter(const void* send, void* recv, size_t recvcount, ncclDataType_t type, ncclRedOp_t op, ncclComm_t comm,
-                                      cudaStream_t st) {
+static ncclResult_t ncclReduceScatter(const void* send, void* recv, size_t recvcount, ncclDataType_t type,
+                                      ncclRedOp_t op, ncclComm_t comm, cudaStream_t st) {
     size_t total = recvcount * comm->nranks;
     ncclResult_t r = emu_nccl_enter(comm, "ncclReduceScatter", 2, send, total, recv, recvcount, recvcount, type);
     if (r != ncclSuccess) return r;
-    if (op != ncclSum || type != ncclFloat) return emu_nccl_fail(ncclInvalidArgument, "ncclReduceScatter: only fp32 sums are emulated");
+    if (op != ncclSum || type != ncclFloat)
+        return emu_nccl_fail(ncclInvalidArgument, "ncclReduceScatter: only fp32 sums are emulated");
     int in_place = (const float*)recv == (const float*)send + (size_t)comm->rank * recvcount;
     if (!in_place && emu_nccl_overlap(send, total * 4, recv, recvcount * 4))
-        return emu_nccl_fail(ncclInvalidArgument, "ncclReduceScatter: recvbuff overlaps sendbuff but is not sendbuff + rank * recvcount");
-    if (recvcount > (1u << 30)) return emu_nccl_fail(ncclInvalidArgument, "ncclReduceScatter: %zu values per rank is beyond the emulation", recvcount);
+        return emu_nccl_fail(ncclInvalidArgument,
+                             "ncclReduceScatter: recvbuff overlaps sendbuff but is not sendbuff + rank * recvcount");
+    if (recvcount > (1u << 30))
+        return emu_nccl_fail(ncclInvalidArgument, "ncclReduceScatter: %zu values per rank is beyond the emulation",
+                             recvcount);
     emu_nccl_issue(st, "ncclReduceScatter", send, total * 4, recv, recvcount * 4, [=](EmuNcclFlight* f) {
         if (comm->nranks == 1) { memcpy(f->out.data(), f->snap.data(), recvcount * 4); return; }
 #ifdef LLMC_HAVE_MPI
-        MPI_Ireduce_scatter_block(f->snap.data(), f->out.data(), (int)recvcount, MPI_FLOAT, MPI_SUM, comm->mpi, &f->req);
+        MPI_Ireduce_scatter_block(f->snap.data(), f->out.data(), (int)recvcount, MPI_FLOAT, MPI_SUM, comm->mpi,
+                                  &f->req);
 #endif
     });
     return ncclSuccess;
 }
 
 // Every rank's sendcount values to recv (nranks * sendcount), rank r's at r * sendcount.
-static ncclResult_t ncclAllGather(const void* send, void* recv, size_t sendcount, ncclDataType_t type, ncclComm_t comm, cudaStream_t st) {
+static ncclResult_t ncclAllGather(const void* send, void* recv, size_t sendcount, ncclDataType_t type, ncclComm_t comm,
+                                  cudaStream_t st) {
     size_t e = emu_nccl_elem_bytes(type), total = sendcount * comm->nranks;
     ncclResult_t r = emu_nccl_enter(comm, "ncclAllGather", 3, send, sendcount, recv, total, sendcount, type);
     if (r != ncclSuccess) return r;
     const char* mine = (const char*)recv + (size_t)comm->rank * sendcount * e;
     int in_place = (const char*)send == mine;
     if (!in_place && emu_nccl_overlap(send, sendcount * e, recv, total * e))
-        return emu_nccl_fail(ncclInvalidArgument, "ncclAllGather: sendbuff overlaps recvbuff but is not recvbuff + rank * sendcount");
-    if (sendcount > (1u << 30)) return emu_nccl_fail(ncclInvalidArgument, "ncclAllGather: %zu values per rank is beyond the emulation", sendcount);
+        return emu_nccl_fail(ncclInvalidArgument,
+                             "ncclAllGather: sendbuff overlaps recvbuff but is not recvbuff + rank * sendcount");
+    if (sendcount > (1u << 30))
+        return emu_nccl_fail(ncclInvalidArgument, "ncclAllGather: %zu values per rank is beyond the emulation",
+                             sendcount);
     emu_nccl_issue(st, "ncclAllGather", send, sendcount * e, recv, total * e, [=](EmuNcclFlight* f) {
         memcpy(f->out.data() + (size_t)comm->rank * sendcount * e, f->snap.data(), sendcount * e);
 #ifdef LLMC_HAVE_MPI
         if (comm->nranks > 1)
-            MPI_Iallgather(f->snap.data(), (int)sendcount, emu_nccl_mpi_type(type), f->out.data(), (int)sendcount, emu_nccl_mpi_type(type),
-                           comm->mpi, &f->req);
+            MPI_Iallgather(f->snap.data(), (int)sendcount, emu_nccl_mpi_type(type), f->out.data(), (int)sendcount,
+                           emu_nccl_mpi_type(type), comm->mpi, &f->req);
 #endif
     });
     return ncclSuccess;
