@@ -368,3 +368,70 @@ def test_chat_needs_a_template_and_names_what_is_wrong(tmp_path):
                          (["--chat"], "flag --chat: only with --generate")):
         p = subprocess.run([TRAIN, "--model", str(model)] + args, capture_output=True, text=True, timeout=60, env=ENV)
         assert p.returncode == 1 and needle in p.stderr, p.stderr
+
+
+# ---- the renderers' limits (docs/formats.md) ------------------------------------------------------
+# Each of these crashed the C renderer (stack overflow, SIGFPE), wrapped a 64-bit integer where Jinja's
+# does not, or ran until killed, in the C or the Python renderer; now each renders exactly (as jinja2
+# does) or is refused in one line naming the limit.
+
+LOOP32 = "{% set l = [" + ",".join(map(str, range(32))) + "] %}"
+NEST6 = LOOP32 + "{% for a in l %}" * 6 + "{% endfor %}" * 6  # 32^6 iterations, past the limit
+MIN = "(-4611686018427387904 * 2)"  # the least 64-bit integer, written within the lexer's range
+LIMITS = [  # (template, what the C error names or None where C renders, what the Python error names or None)
+    ("{{ " + "(" * 5000 + "1" + ")" * 5000 + " }}", "nested more than 100 deep", "recursion"),
+    ("{% if true %}" * 5000 + "x" + "{% endif %}" * 5000, "nested more than 100 deep", "recursion"),
+    ("{% if true %}" * 101 + "x" + "{% endif %}" * 101, "nested more than 100 deep", "nested more than 100 deep"),
+    ("{% if false %}{% " + "elif false %}{% " * 100 + "else %}x{% endif %}", "nested more than 100 deep",
+     "nested more than 100 deep"),
+    ("{{ 1" + " + 1" * 1500 + " }}", "more than 1000 operations deep", "recursion"),
+    (NEST6, "more than 1000000 loop iterations", "more than 1000000 loop iterations"),
+    ("{{ " + MIN + " // -1 }}", "overflows 64 bits", None),
+    ("{{ -" + MIN + " }}", "overflows 64 bits", None),
+    ("{{ 4611686018427387904 + 4611686018427387904 }}", "overflows 64 bits", None),
+    ("{{ 4611686018427387904 * 2 }}", "overflows 64 bits", None),
+    ("{{ 3 - " + MIN + " }}", "overflows 64 bits", None),
+    ("{% for i in range(100000) %}{{ 'x' * 1000 }}{% endfor %}", "unsupported", "grows past 64 MiB"),
+    ("{{ 'x' * 1000000000 }}", "unsupported", "repeated past 64 MiB"),
+    ("{{ 10 ** 1000000000 }}", "unsupported", "integer power past 64 MiB"),
+]
+WITHIN = [  # near the limits (within what transformers' compiled Python can nest), or integer edge cases
+    "{% if true %}" * 90 + "x" + "{% endif %}" * 90,  # that fit: both render what jinja2 renders
+    "{{ " + "(" * 40 + "1" + ")" * 40 + " }}",
+    "{{ " + MIN + " % -1 }}|{{ " + MIN + " // 1 }}|{{ " + MIN + " + 1 }}|{{ -7 // 2 }}|{{ -7 % 3 }}|{{ 7 % -3 }}",
+    "{{ 1" + " + 1" * 300 + " }}",
+    LOOP32 + "{% for a in l %}{% for b in l %}{% for c in l %}{{ a if b == 31 and c == 31 }}{% endfor %}{% endfor %}{% endfor %}",
+]
+
+
+def limit_case(template):
+    return dict(template=template, messages=CONVERSATIONS[0], add_generation_prompt=False, bos_token="", eos_token="")
+
+
+@pytest.mark.parametrize("k", range(len(LIMITS)))
+def test_c_renderer_refuses_past_its_limits_in_one_line(tmp_path, k):
+    template, c_names, _ = LIMITS[k]
+    rc, out, err = c_render(tmp_path, limit_case(template))
+    assert rc == 1 and out == "" and len(err.strip().splitlines()) == 1, (rc, err[-300:])
+    assert err.startswith("error: template: ") and c_names in err, err
+
+
+@pytest.mark.parametrize("k", range(len(LIMITS)))
+def test_python_renderer_refuses_past_its_limits_or_renders_as_jinja(k):
+    template, _, py_names = LIMITS[k]
+    case = limit_case(template)
+    if py_names is None:  # Python's integers have no 64-bit edge: the rendering is exact
+        assert chat_template.render(template, case["messages"], False) == str(eval(template[3:-3].replace("//", "//")))
+        return
+    with pytest.raises(chat_template.ChatTemplateError) as e:
+        chat_template.render(template, case["messages"], False, name="template")
+    assert str(e.value).startswith("template: ") and py_names in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_renderers_agree_within_the_limits(tmp_path):
+    refs = transformers_render([limit_case(t) for t in WITHIN])
+    for template, ref in zip(WITHIN, refs):
+        assert isinstance(ref, str), ref
+        assert chat_template.render(template, CONVERSATIONS[0], False) == ref
+        rc, out, err = c_render(tmp_path, limit_case(template))
+        assert rc == 0 and out == ref, (err, out[:80], ref[:80])

@@ -41,7 +41,16 @@ typedef struct CtVal {
     int n;
 } CtVal;
 
-typedef struct { void** p; int n, cap; } CtArena;
+typedef struct { void** p; int n, cap; size_t bytes; } CtArena;
+
+// The renderer's limits, the same in scripts/formats/chat_template.py (docs/formats.md): a template
+// is rendered within them or refused in one line, never by a crash, a hang or the OOM killer.
+enum {
+    CT_MAX_DEPTH = 100,          // nesting: of blocks ({% if %}, {% for %}, each elif), of brackets and unary operators
+    CT_MAX_HEIGHT = 1000,        // an expression tree's height (a chain a ~ b ~ c ... is as high as it is long)
+    CT_MAX_ITERATIONS = 1000000  // for-loop iterations in one rendering, all loops together
+};
+#define CT_MAX_ARENA ((size_t)256 << 20)  // bytes one rendering may allocate (strings, lists, the program)
 
 typedef struct {
     const char* name;       // the template's file, for messages
@@ -49,6 +58,8 @@ typedef struct {
 } CtCtx;
 
 static void* ct_alloc(CtArena* a, size_t size) {
+    a->bytes += size;
+    if (a->bytes > CT_MAX_ARENA) fail("chat template: the rendering needs more than %d MiB", (int)(CT_MAX_ARENA >> 20));
     if (a->n == a->cap) {
         a->cap = a->cap ? 2 * a->cap : 256;
         a->p = (void**)realloc(a->p, sizeof(void*) * a->cap);
@@ -300,6 +311,7 @@ typedef struct CtExpr {
     int nargs;
     int paren;               // E_FILTER, E_TEST: written with (arguments)
     int nkw;                 // how many of the arguments were keyword arguments
+    int height;              // of the tree below: 1 for a leaf (evaluation recurses this deep)
 } CtExpr;
 
 enum { S_TEXT, S_OUT, S_IF, S_FOR, S_SET };
@@ -316,7 +328,7 @@ typedef struct CtStmt {
     struct CtStmt* next;
 } CtStmt;
 
-typedef struct { const CtCtx* c; const CtTok* t; int n, i; } CtParser;
+typedef struct { const CtCtx* c; const CtTok* t; int n, i, depth; } CtParser;
 
 static const CtTok* ct_peek(const CtParser* p, int kind, const char* s, int k) {
     if (p->i + k >= p->n) return NULL;
@@ -347,13 +359,29 @@ static void ct_done(const CtParser* p) {
     if (p->i < p->n) fail("%s: unsupported construct: unexpected '%s'", p->c->name, ct_tok_text(p));
 }
 
+// Makes `child` a child of e as far as e's height goes.
+static void ct_grow(const CtParser* p, CtExpr* e, const CtExpr* child) {
+    if (!child || child->height < e->height) return;
+    e->height = child->height + 1;
+    if (e->height > CT_MAX_HEIGHT) fail("%s: an expression more than %d operations deep", p->c->name, CT_MAX_HEIGHT);
+}
+
 static CtExpr* ct_node(const CtParser* p, int kind, CtExpr* a, CtExpr* b) {
     CtExpr* e = (CtExpr*)ct_alloc(p->c->arena, sizeof(CtExpr));
     e->kind = kind;
     e->a = a;
     e->b = b;
+    e->height = 1;
+    ct_grow(p, e, a);
+    ct_grow(p, e, b);
     return e;
 }
+
+// Entering one more level of nested syntax (brackets, unary operators); ct_leave on the way out.
+static void ct_enter(CtParser* p) {
+    if (++p->depth > CT_MAX_DEPTH) fail("%s: expressions nested more than %d deep", p->c->name, CT_MAX_DEPTH);
+}
+static void ct_leave(CtParser* p) { p->depth--; }
 
 static CtExpr* ct_bin(const CtParser* p, const char* op, CtExpr* a, CtExpr* b) {
     CtExpr* e = ct_node(p, E_BIN, a, b);
@@ -370,6 +398,7 @@ static void ct_push_arg(CtParser* p, CtExpr* e, CtExpr* x, const char* kw) {
     if (e->nargs) memcpy(kws, e->kws, sizeof(char*) * e->nargs);
     grown[e->nargs] = x;
     kws[e->nargs++] = kw;
+    ct_grow(p, e, x);
     e->args = grown;
     e->kws = kws;
 }
@@ -448,6 +477,8 @@ static CtExpr* ct_subscript(CtParser* p, CtExpr* obj) {
     CtExpr* e = ct_node(p, E_SLICE, obj, lo);
     if (!ct_peek(p, TK_OP, ":", 0) && !ct_peek(p, TK_OP, "]", 0)) e->c = ct_expr(p);
     if (ct_take(p, TK_OP, ":") && !ct_peek(p, TK_OP, "]", 0)) e->d = ct_expr(p);
+    ct_grow(p, e, e->c);
+    ct_grow(p, e, e->d);
     ct_need(p, TK_OP, "]");
     return e;
 }
@@ -494,7 +525,10 @@ static CtExpr* ct_unary(CtParser* p) {
     if (ct_take(p, TK_OP, "-")) {
         CtExpr* zero = ct_node(p, E_LIT, NULL, NULL);
         zero->lit = ct_int(0);
-        return ct_bin(p, "-", zero, ct_unary(p));
+        ct_enter(p);
+        CtExpr* e = ct_bin(p, "-", zero, ct_unary(p));
+        ct_leave(p);
+        return e;
     }
     return ct_filters(p, ct_postfix(p, ct_primary(p)));
 }
@@ -538,7 +572,12 @@ static CtExpr* ct_compare(CtParser* p) {
 }
 
 static CtExpr* ct_not(CtParser* p) {
-    if (ct_take(p, TK_NAME, "not")) return ct_node(p, E_NOT, ct_not(p), NULL);
+    if (ct_take(p, TK_NAME, "not")) {
+        ct_enter(p);
+        CtExpr* e = ct_node(p, E_NOT, ct_not(p), NULL);
+        ct_leave(p);
+        return e;
+    }
     return ct_compare(p);
 }
 
@@ -555,26 +594,30 @@ static CtExpr* ct_or(CtParser* p) {
 }
 
 static CtExpr* ct_expr(CtParser* p) {
+    ct_enter(p);
     CtExpr* e = ct_or(p);
-    if (!ct_take(p, TK_NAME, "if")) return e;
-    CtExpr* cond = ct_or(p);
-    CtExpr* other = NULL;
-    if (ct_take(p, TK_NAME, "else")) other = ct_expr(p);
-    else { other = ct_node(p, E_LIT, NULL, NULL); other->lit.type = CT_UNDEF; }
-    CtExpr* r = ct_node(p, E_COND, cond, e);
-    r->c = other;
-    return r;
+    if (ct_take(p, TK_NAME, "if")) {
+        CtExpr* cond = ct_or(p);
+        CtExpr* other = NULL;
+        if (ct_take(p, TK_NAME, "else")) other = ct_expr(p);
+        else { other = ct_node(p, E_LIT, NULL, NULL); other->lit.type = CT_UNDEF; }
+        e = ct_node(p, E_COND, cond, e);
+        e->c = other;
+        ct_grow(p, e, other);
+    }
+    ct_leave(p);
+    return e;
 }
 
 // One tag's expression, all of its tokens from the k-th.
 static CtExpr* ct_tag_expr(const CtCtx* c, const CtPart* part, int k, CtParser* rest) {
-    CtParser p = {c, part->toks, part->n, k};
+    CtParser p = {c, part->toks, part->n, k, 0};
     CtExpr* e = ct_expr(&p);
     if (rest) *rest = p; else ct_done(&p);
     return e;
 }
 
-typedef struct { const CtCtx* c; const CtParts* ps; int i; } CtBody;
+typedef struct { const CtCtx* c; const CtParts* ps; int i, depth; } CtBody;
 
 static CtStmt* ct_stmt_new(const CtCtx* c, int kind) {
     CtStmt* s = (CtStmt*)ct_alloc(c->arena, sizeof(CtStmt));
@@ -586,8 +629,15 @@ static CtStmt* ct_stmt_new(const CtCtx* c, int kind) {
 // end); *end gets that tag.
 static CtStmt* ct_parse_body(CtBody* b, const char* const* ends, const CtPart** end);
 
+// One more level of nested blocks (an if, a for, each elif of a chain); ct_unnest on the way out.
+static void ct_nest(CtBody* b) {
+    if (++b->depth > CT_MAX_DEPTH) fail("%s: blocks nested more than %d deep (each elif counts)", b->c->name, CT_MAX_DEPTH);
+}
+static void ct_unnest(CtBody* b) { b->depth--; }
+
 static CtStmt* ct_parse_if(CtBody* b, const CtPart* tag) {
     static const char* const ends[] = {"endif", "elif", "else", NULL};  // the closer first: it names what is missing
+    ct_nest(b);
     CtStmt* s = ct_stmt_new(b->c, S_IF);
     s->e = ct_tag_expr(b->c, tag, 1, NULL);
     const CtPart* end;
@@ -600,12 +650,13 @@ static CtStmt* ct_parse_if(CtBody* b, const CtPart* tag) {
         s->orelse = ct_stmt_new(b->c, S_IF);
         s->orelse->body = ct_parse_body(b, endif, &end);
     }
+    ct_unnest(b);
     return s;
 }
 
 static CtStmt* ct_parse_stmt(CtBody* b, const CtPart* tag) {
     const char* kw = tag->toks[0].s;
-    CtParser p = {b->c, tag->toks, tag->n, 1};
+    CtParser p = {b->c, tag->toks, tag->n, 1, 0};
     if (!strcmp(kw, "if")) return ct_parse_if(b, tag);
     if (!strcmp(kw, "for")) {
         CtStmt* s = ct_stmt_new(b->c, S_FOR);
@@ -615,7 +666,9 @@ static CtStmt* ct_parse_stmt(CtBody* b, const CtPart* tag) {
         s->e = ct_tag_expr(b->c, tag, p.i, NULL);
         static const char* const ends[] = {"endfor", "else", NULL};
         const CtPart* end;
+        ct_nest(b);
         s->body = ct_parse_body(b, ends, &end);
+        ct_unnest(b);
         if (strcmp(end->toks[0].s, "endfor") != 0) fail("%s: unsupported construct: for ... else", b->c->name);
         return s;
     }
@@ -661,7 +714,7 @@ static CtStmt* ct_parse_body(CtBody* b, const char* const* ends, const CtPart** 
 // Variables: a stack of scopes (the globals, then one per for-loop iteration, as Jinja scopes a
 // loop body's set).
 typedef struct { const char** names; CtVal* vals; int n, cap; } CtScope;
-typedef struct { const CtCtx* c; CtScope* scopes; int depth; CtBuf out; } CtRun;
+typedef struct { const CtCtx* c; CtScope* scopes; int depth; CtBuf out; long long iterations; } CtRun;
 
 static void ct_scope_set(CtScope* s, const char* name, CtVal v) {
     for (int i = 0; i < s->n; i++) if (!strcmp(s->names[i], name)) { s->vals[i] = v; return; }
@@ -755,13 +808,18 @@ static CtVal ct_binop(CtRun* r, const char* op, CtVal a, CtVal b) {
     if ((ints || strs) && op[0] == '>') return ct_bool(op[1] ? cmp >= 0 : cmp > 0);
     if (ints && strcmp(op, "/") != 0) {
         if ((op[0] == '%' || op[0] == '/') && b.i == 0) fail("%s: division by zero", r->c->name);
+        long long v = 0;
+        int over = 0;
         switch (op[0]) {
-            case '+': return ct_int(a.i + b.i);
-            case '-': return ct_int(a.i - b.i);
-            case '*': return ct_int(a.i * b.i);
-            case '%': return ct_int(a.i - b.i * ct_floordiv(a.i, b.i));
-            case '/': return ct_int(ct_floordiv(a.i, b.i));
+            case '+': over = __builtin_add_overflow(a.i, b.i, &v); break;
+            case '-': over = __builtin_sub_overflow(a.i, b.i, &v); break;
+            case '*': over = __builtin_mul_overflow(a.i, b.i, &v); break;
+            case '%': v = b.i == -1 ? 0 : a.i - b.i * ct_floordiv(a.i, b.i); break;  // x % -1 is 0, even for the minimum
+            case '/': over = b.i == -1 && a.i == LLONG_MIN; if (!over) v = ct_floordiv(a.i, b.i); break;
         }
+        // Jinja's integers are Python's, of any size; a 64-bit result that wrapped would differ
+        if (over) fail("%s: integer %lld %s %lld overflows 64 bits", r->c->name, a.i, op, b.i);
+        return ct_int(v);
     }
     fail("%s: unsupported operation '%s' between %s and %s", r->c->name, op, ct_type_name(a.type), ct_type_name(b.type));
     return a;  // not reached
@@ -1046,12 +1104,14 @@ static void ct_exec_for(CtRun* r, const CtStmt* s) {
     if (!r->scopes) fail("out of host memory (chat template)");
     CtScope* sc = &r->scopes[r->depth++];
     memset(sc, 0, sizeof(*sc));
+    CtVal loop = {};  // one object per loop, updated each iteration, as Jinja's loop is
+    loop.type = CT_DICT;
+    loop.n = 7;
+    loop.keys = (const char**)keys;
+    loop.items = (CtVal*)ct_alloc(r->c->arena, sizeof(CtVal) * 7);
     for (int i = 0; i < seq.n; i++) {
-        CtVal loop = {};
-        loop.type = CT_DICT;
-        loop.n = 7;
-        loop.keys = (const char**)keys;
-        loop.items = (CtVal*)ct_alloc(r->c->arena, sizeof(CtVal) * 7);
+        if (++r->iterations > CT_MAX_ITERATIONS)
+            fail("%s: more than %d loop iterations in one rendering", r->c->name, CT_MAX_ITERATIONS);
         long long n = seq.n;
         loop.items[0] = ct_int(i); loop.items[1] = ct_int(i + 1); loop.items[2] = ct_bool(i == 0);
         loop.items[3] = ct_bool(i == n - 1); loop.items[4] = ct_int(n); loop.items[5] = ct_int(n - i); loop.items[6] = ct_int(n - i - 1);
@@ -1097,7 +1157,7 @@ static char* chat_template_render(const char* template_text, const char* name, c
     CtArena arena = {};
     CtCtx c = {name, &arena};
     CtParts parts = ct_lex(&c, template_text);
-    CtBody b = {&c, &parts, 0};
+    CtBody b = {&c, &parts, 0, 0};
     CtStmt* prog = ct_parse_body(&b, NULL, NULL);
     free(parts.p);
     static const char* const msg_keys[] = {"role", "content"};
@@ -1115,7 +1175,7 @@ static char* chat_template_render(const char* template_text, const char* name, c
         m->items[0] = ct_str(&arena, msgs[i].role, strlen(msgs[i].role));
         m->items[1] = ct_str(&arena, msgs[i].content, strlen(msgs[i].content));
     }
-    CtRun r = {&c, (CtScope*)xcalloc(1, sizeof(CtScope)), 1, {}};
+    CtRun r = {&c, (CtScope*)xcalloc(1, sizeof(CtScope)), 1, {}, 0};
     ct_scope_set(&r.scopes[0], "messages", messages);
     ct_scope_set(&r.scopes[0], "add_generation_prompt", ct_bool(add_generation_prompt));
     ct_scope_set(&r.scopes[0], "bos_token", ct_str(&arena, bos_token, strlen(bos_token)));
