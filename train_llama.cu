@@ -1314,6 +1314,7 @@ static void llama_trainer(Trainer* t, LlamaRun* run, const TrainOptions* o, cons
     t->full = m->modes.full;
     t->have_val = run->rd->have_val;
     t->cursor = &run->rd->tl.cursor;
+    if (run->rd->have_train) t->data_fingerprint = shard_fingerprint(&run->rd->train);
     llama_settings_line(t->settings, sizeof(t->settings), m, o, dist, run->rd->train.count);
     t->step = llama_run_step;
     t->evaluate = llama_run_evaluate;

@@ -1591,6 +1591,7 @@ static void vit_trainer(Trainer* t, VitRun* run, const TrainOptions* o, const Di
     t->full = m->modes.full;
     t->have_val = run->rd->have_val;
     t->cursor = &run->rd->tl.cursor;
+    if (run->rd->have_train) t->data_fingerprint = image_shard_fingerprint(&run->rd->train);
     vit_settings_line(t->settings, sizeof(t->settings), m, o, dist, run->rd->train.n);
     t->step = vit_run_step;
     t->evaluate = vit_run_evaluate;

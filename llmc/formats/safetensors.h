@@ -364,6 +364,28 @@ static void st_model_close(StModel* m) {
     memset(m, 0, sizeof(*m));
 }
 
+// The identity of a model directory's weights (checksum.h's Fingerprint): of every tensor's name,
+// dtype, shape and data, summed over tensors, so the same weights sharded otherwise are the same
+// model. A resume checks it (llmc/train/loop.h): another model of the same shape is refused.
+static uint64_t st_model_fingerprint(const char* dir) {
+    StModel m;
+    st_model_open(&m, dir);
+    uint64_t sum = 0;
+    for (int i = 0; i < m.nfiles; i++)
+        for (int k = 0; k < m.files[i].count; k++) {
+            const StTensor* t = &m.files[i].tensors[k];
+            Fingerprint f;
+            fp_init(&f);
+            fp_update(&f, t->name, strlen(t->name));
+            fp_update(&f, &t->dtype, sizeof(t->dtype));
+            fp_update(&f, t->shape, sizeof(t->shape[0]) * t->ndim);
+            fp_update(&f, t->data, t->nbytes);
+            sum += fp_final(&f);
+        }
+    st_model_close(&m);
+    return sum;
+}
+
 // ---- writing ------------------------------------------------------------------------------
 
 typedef struct {
