@@ -47,37 +47,9 @@ typedef struct {
     float mean[3], std[3]; // per channel, on pixels scaled to [0, 1]
 } VitConfig;
 
-// A field that is an integer or an [h, w] pair (image_size, patch_size), each in [1, 16384]
-// (far beyond any ViT's 224-518 pixels; the limit keeps pixel counts far from overflow).
-static void json_size_pair(const Json* j, const char* key, const char* path, int* h, int* w) {
-    const Json* v = json_get(j, key);
-    if (!v) fail("%s: missing field \"%s\"", path, key);
-    if (v->type == JSON_NUMBER) {
-        *h = *w = json_int_in(j, key, path, 1, 16384);
-        return;
-    }
-    if (v->type != JSON_ARRAY || v->count != 2) fail("%s: field \"%s\" must be an integer or a pair [height, width]", path, key);
-    for (int i = 0; i < 2; i++) {
-        double x = v->items[i].number;
-        if (v->items[i].type != JSON_NUMBER || x != floor(x) || x < 1 || x > 16384)
-            fail("%s: field \"%s\" must be an integer or a pair [height, width] of integers in [1, 16384]", path, key);
-    }
-    *h = (int)v->items[0].number;
-    *w = (int)v->items[1].number;
-}
-
-// image_mean / image_std: one number per channel (a single number is used for every channel).
-static void json_channel_values(const Json* j, const char* key, const char* path, int C, float* out) {
-    const Json* v = json_get(j, key);
-    if (!v) return;
-    if (v->type == JSON_NUMBER) { for (int c = 0; c < C; c++) out[c] = (float)v->number; return; }
-    if (v->type != JSON_ARRAY || (v->count != C && v->count != 1)) fail("%s: field \"%s\" must be a list of %d numbers", path, key, C);
-    for (int c = 0; c < C; c++) {
-        const Json* e = &v->items[v->count == 1 ? 0 : c];
-        if (e->type != JSON_NUMBER) fail("%s: field \"%s\" must be a list of %d numbers", path, key, C);
-        out[c] = (float)e->number;
-    }
-}
+// image_size and patch_size sides: far beyond any ViT's 224-518 pixels; the limit keeps pixel counts
+// far from overflow.
+enum { MIN_SIDE = 1, MAX_SIDE = 16384 };
 
 static void vit_config_load(VitConfig* c, const char* model_dir) {
     if (!dir_exists(model_dir)) fail("flag --model: %s is not a directory", model_dir);
@@ -94,8 +66,8 @@ static void vit_config_load(VitConfig* c, const char* model_dir) {
     c->heads = json_int_in(&j, "num_attention_heads", path, 1, 1024);
     if (c->dim % c->heads) fail("%s: num_attention_heads (%d) does not divide hidden_size (%d)", path, c->heads, c->dim);
     c->head_dim = c->dim / c->heads;
-    json_size_pair(&j, "image_size", path, &c->image_h, &c->image_w);
-    json_size_pair(&j, "patch_size", path, &c->patch_h, &c->patch_w);
+    json_hw_pair(&j, "image_size", path, MIN_SIDE, MAX_SIDE, &c->image_h, &c->image_w);
+    json_hw_pair(&j, "patch_size", path, MIN_SIDE, MAX_SIDE, &c->patch_h, &c->patch_w);
     if (c->image_h % c->patch_h || c->image_w % c->patch_w)
         fail("%s: image_size %dx%d is not a multiple of patch_size %dx%d", path, c->image_h, c->image_w, c->patch_h, c->patch_w);
     c->channels = json_get(&j, "num_channels") ? json_int_in(&j, "num_channels", path, 1, 3) : 3;
@@ -115,8 +87,8 @@ static void vit_config_load(VitConfig* c, const char* model_dir) {
     if (optional_file_exists(pp)) {
         char* t = read_file(pp, &n);
         Json pj = json_parse(t, n, pp);
-        json_channel_values(&pj, "image_mean", pp, c->channels, c->mean);
-        json_channel_values(&pj, "image_std", pp, c->channels, c->std);
+        json_float_list(&pj, "image_mean", pp, c->channels, c->mean);
+        json_float_list(&pj, "image_std", pp, c->channels, c->std);
         for (int i = 0; i < c->channels; i++)
             if (!(c->std[i] > 0) || !isfinite(c->std[i]) || !isfinite(c->mean[i])) fail("%s: image_std must be positive and image_mean finite", pp);
         json_free(&pj);
