@@ -232,6 +232,44 @@ static float json_positive_float(double x, const char* key, const char* source) 
     return f;
 }
 
+// A field that is an integer or a pair [height, width] of integers (image_size and patch_size of a
+// vision config), each in [lo, hi]; an integer gives both. Absent or malformed: fails naming the
+// file and the field.
+static void json_hw_pair(const Json* obj, const char* key, const char* source, int lo, int hi, int* h,
+                         int* w) {
+    const Json* v = json_get(obj, key);
+    if (!v) fail("%s: missing field \"%s\"", source, key);
+    if (v->type == JSON_NUMBER) {
+        *h = *w = json_int_in(obj, key, source, lo, hi);
+        return;
+    }
+    if (v->type != JSON_ARRAY || v->count != 2)
+        fail("%s: field \"%s\" must be an integer or a pair [height, width]", source, key);
+    for (int i = 0; i < 2; i++) {
+        double x = v->items[i].number;
+        if (v->items[i].type != JSON_NUMBER || x != floor(x) || x < lo || x > hi)
+            fail("%s: field \"%s\" must be an integer or a pair [height, width] of integers in [%d, %d]", source, key,
+                 lo, hi);
+    }
+    *h = (int)v->items[0].number;
+    *w = (int)v->items[1].number;
+}
+
+// An optional list of n numbers into out (one per image channel, say); a single number, or a
+// list of one, gives all n. Absent: out stays as it is.
+static void json_float_list(const Json* obj, const char* key, const char* source, int n, float* out) {
+    const Json* v = json_get(obj, key);
+    if (!v) return;
+    if (v->type == JSON_NUMBER) { for (int i = 0; i < n; i++) out[i] = (float)v->number; return; }
+    if (v->type != JSON_ARRAY || (v->count != n && v->count != 1))
+        fail("%s: field \"%s\" must be a list of %d numbers", source, key, n);
+    for (int i = 0; i < n; i++) {
+        const Json* e = &v->items[v->count == 1 ? 0 : i];
+        if (e->type != JSON_NUMBER) fail("%s: field \"%s\" must be a list of %d numbers", source, key, n);
+        out[i] = (float)e->number;
+    }
+}
+
 static int json_bool_or(const Json* obj, const char* key, int dflt) {
     const Json* v = json_get(obj, key);
     return (v && v->type == JSON_BOOL) ? v->boolean : dflt;

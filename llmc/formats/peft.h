@@ -5,7 +5,9 @@
 // of a merged layer still sees gamma*z + beta). Only the paper's variant (--ms-lora merged) trains
 // them in the merged input space; its entries carry gamma, and they are mapped back to the
 // original model on the way out (A_orig = A diag(1/gamma), docs/architecture.md, the method) and
-// forward again on the way in (A = A_orig diag(gamma)).
+// forward again on the way in (A = A_orig diag(gamma)). Beside the adapters a file may carry the
+// biases of the adapted modules (PEFT bias "lora_only") and modules saved whole (modules_to_save:
+// ViT's new classifier), written as PeftExtra tensors and read back by name.
 #pragma once
 #include "../common.h"
 #include "json.h"
@@ -32,6 +34,33 @@ static int peft_add_entry(PeftEntry* e, int n, const Linear* L, const char* pref
     snprintf(e[n].module, sizeof(e[n].module), "%s.%d.%s", prefix, l, module);
     e[n].L = L;
     e[n].gamma = gamma;
+    return n + 1;
+}
+
+// The bias of an adapted module, under both names PEFT has used: "<module>.bias" (before 0.7) and
+// "<module>.base_layer.bias" (0.7 on, where the adapted layer wraps the original). Appends to
+// extra (bias borrowed until the save); returns the count.
+static int peft_put_bias(PeftExtra* extra, int n, const char* module, const float* bias, int64_t out) {
+    static const char* const names[2] = {"%.150s.bias", "%.140s.base_layer.bias"};
+    for (int v = 0; v < 2; v++) {
+        snprintf(extra[n].name, sizeof(extra[n].name), names[v], module);
+        extra[n].data = bias;
+        extra[n].ndim = 1;
+        extra[n].shape[0] = out;
+        n++;
+    }
+    return n;
+}
+
+// A module saved whole (modules_to_save): "<module>.weight" [rows, cols] and "<module>.bias" [rows].
+// Appends to extra (W and b borrowed until the save); returns the count.
+static int peft_put_module_to_save(PeftExtra* extra, int n, const char* module, const float* W, const float* b,
+                                   int64_t rows, int64_t cols) {
+    snprintf(extra[n].name, sizeof(extra[n].name), "%.150s.weight", module);
+    extra[n].data = W; extra[n].ndim = 2; extra[n].shape[0] = rows; extra[n].shape[1] = cols;
+    n++;
+    snprintf(extra[n].name, sizeof(extra[n].name), "%.150s.bias", module);
+    extra[n].data = b; extra[n].ndim = 1; extra[n].shape[0] = rows;
     return n + 1;
 }
 
@@ -103,6 +132,13 @@ static void peft_save(const char* dir, const PeftEntry* e, int n, const PeftExtr
     peft_save_ex(dir, e, n, extra, nextra, rank, alpha, dropout, task_type, base_model, target_modules, ntm, modules_to_save, "none");
 }
 
+// Tensor "base_model.model.<module>.<what>" of an adapter file, or NULL.
+static const StTensor* peft_find(const StFile* f, const char* module, const char* what) {
+    char name[200];
+    snprintf(name, sizeof(name), "base_model.model.%s.%s", module, what);
+    return st_find(f, name);
+}
+
 // Loads an adapter directory into the entries' A/B (re-applying the merge for --ms-lora merged). The
 // adapter's rank must equal `rank`; entries missing from the file are an error.
 static void peft_load(const char* dir, const PeftEntry* e, int n, int rank, float* alpha_out) {
@@ -121,16 +157,15 @@ static void peft_load(const char* dir, const PeftEntry* e, int n, int rank, floa
     char* st_path = path_join(dir, "adapter_model.safetensors");
     StFile f;
     st_open(&f, st_path);
-    char name[200];
     for (int i = 0; i < n; i++) {
         Linear* L = (Linear*)e[i].L;
-        const char* variants[2] = {"lora_A.weight", "lora_A.default.weight"};  // PEFT saves without the adapter name
+        // PEFT saves without the adapter name
+        const char* a_names[2] = {"lora_A.weight", "lora_A.default.weight"};
+        const char* b_names[2] = {"lora_B.weight", "lora_B.default.weight"};
         const StTensor *ta = NULL, *tb = NULL;
         for (int v = 0; v < 2 && !ta; v++) {
-            snprintf(name, sizeof(name), "base_model.model.%s.%s", e[i].module, variants[v]);
-            ta = st_find(&f, name);
-            snprintf(name, sizeof(name), "base_model.model.%s.%s", e[i].module, v ? "lora_B.default.weight" : "lora_B.weight");
-            tb = st_find(&f, name);
+            ta = peft_find(&f, e[i].module, a_names[v]);
+            tb = peft_find(&f, e[i].module, b_names[v]);
         }
         if (!ta || !tb) fail("%s: no LoRA weights for module %s (adapter trained with other --lora-targets?)", st_path, e[i].module);
         int64_t sa[2] = {rank, L->in}, sb[2] = {L->out, rank};
@@ -144,4 +179,43 @@ static void peft_load(const char* dir, const PeftEntry* e, int n, int rank, floa
     }
     st_close(&f);
     free(st_path);
+}
+
+// The bias an adapter carries for a module (either name of peft_put_bias) into out [n], fp32;
+// 0 when it carries none.
+static int peft_read_bias(const StFile* f, const char* module, float* out, int64_t n) {
+    const StTensor* t = peft_find(f, module, "base_layer.bias");
+    if (!t) t = peft_find(f, module, "bias");
+    if (!t) return 0;
+    st_check_shape(t, 1, &n);
+    st_to_f32(t, out);
+    return 1;
+}
+
+// A module saved whole (peft_put_module_to_save) into W [rows, cols] and b [rows], fp32; 0 (and
+// W, b untouched) when the adapter lacks its weight or its bias.
+static int peft_read_module_to_save(const StFile* f, const char* module, float* W, float* b, int64_t rows,
+                                    int64_t cols) {
+    const StTensor* tw = peft_find(f, module, "weight");
+    const StTensor* tb = peft_find(f, module, "bias");
+    if (!tw || !tb) return 0;
+    int64_t shape[2] = {rows, cols};
+    st_check_shape(tw, 2, shape);
+    st_check_shape(tb, 1, &rows);
+    st_to_f32(tw, W);
+    st_to_f32(tb, b);
+    return 1;
+}
+
+// The rows of a module saved whole in the adapter directory dir (ViT: the classifier's classes),
+// or 0 when it carries none.
+static int peft_saved_module_rows(const char* dir, const char* module) {
+    char* path = path_join(dir, "adapter_model.safetensors");
+    StFile f;
+    st_open(&f, path);
+    const StTensor* w = peft_find(&f, module, "weight");
+    int rows = w && w->ndim == 2 ? (int)w->shape[0] : 0;
+    st_close(&f);
+    free(path);
+    return rows;
 }
