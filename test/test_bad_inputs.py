@@ -418,6 +418,15 @@ ROWS = {
     "llama_val_all_targets_masked": ("llama", lambda w: (llama("--val", w.masked_shard), ["masked.bin", "every target is masked"])),
 }
 
+# flags at their edges (issue 28): a one-class head (loss 0, gradient 0: it ended in advice to lower
+# --lr), and a --lora-targets list past 255 characters (it was cut there, so the bad name at its end
+# went unread)
+ROWS.update({
+    "vit_one_class": ("vit", lambda w: (vit("--classes", 1), ["--classes", ">= 2"])),
+    "llama_long_target_list": ("llama", lambda w: (llama("--lora-targets", ",".join(["q"] * 200 + ["qq"])),
+                                                   ["--lora-targets", '"qq"'])),
+})
+
 
 @pytest.mark.parametrize("row", sorted(ROWS))
 def test_bad_input(w, row):

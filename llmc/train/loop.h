@@ -187,8 +187,9 @@ static FILE* train_open_log(const TrainOptions* o, int rank0, const char* header
 static void train_print_summary(const TrainOptions* o, int start, int stop, double seconds, double comm_s, int full,
                                 const MemPlan* plan, const Backend* be) {
     const char* out = o->out_dir ? o->out_dir : o->resume_dir;
+    int saved = out && stop > start;  // with no step there was nothing to save (log.csv only)
     printf("trained %d steps in %.1f s (%.1f s in all-reduce)%s%s\n", stop - start, seconds, comm_s,
-           out ? (full ? ", model and state in " : ", adapter and state in ") : "", out ? out : "");
+           saved ? (full ? ", model and state in " : ", adapter and state in ") : "", saved ? out : "");
     if (stop < o->steps)
         printf("stopped at step %d of %d (--stop-at); continue with --resume %s\n", stop, o->steps, out ? out : "OUT");
     backend_print_memory(be, plan);

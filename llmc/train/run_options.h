@@ -209,7 +209,8 @@ static void train_validate(const TrainOptions* o) {
         fail("flag --adapter: not with --resume (the training state holds the adapter)");
     if (o->full && (o->lora_targets || o->adapter_dir))
         fail("flag --full: not with --lora-targets or --adapter (no adapters in full fine-tuning)");
-    if (o->classes < 0) fail("flag --classes: expected >= 0, got %d", o->classes);
+    // one class has loss 0 and gradient 0 whatever the weights: nothing to learn
+    if (o->classes < 0 || o->classes == 1) fail("flag --classes: expected 0 (from the data) or >= 2, got %d", o->classes);
     if (o->full && strcmp(o->quant, "none") != 0)
         fail(
             "flag --quant %s: not with --full (full fine-tuning trains the weights themselves, in fp32; quantization "
@@ -242,9 +243,9 @@ static void print_mfu(double items_per_s_per_gpu, double flops_per_item, double 
 static unsigned parse_targets(const char* list, const char* const* names, int n, const char* flag) {
     if (!list) return (1u << n) - 1;
     unsigned mask = 0;
-    char buf[256];
-    snprintf(buf, sizeof(buf), "%s", list);
-    for (char* tok = strtok(buf, ","); tok; tok = strtok(NULL, ",")) {
+    char* buf = xstrdup(list);  // the whole list, however long: a cut one would drop targets silently
+    char* save = NULL;
+    for (char* tok = strtok_r(buf, ",", &save); tok; tok = strtok_r(NULL, ",", &save)) {
         int found = -1;
         for (int i = 0; i < n; i++) if (strcmp(tok, names[i]) == 0) found = i;
         if (found < 0) {
@@ -255,6 +256,7 @@ static unsigned parse_targets(const char* list, const char* const* names, int n,
         }
         mask |= 1u << found;
     }
+    free(buf);
     if (!mask) fail("flag --%s: empty target list", flag);
     return mask;
 }
