@@ -160,6 +160,12 @@ def test_resume_names_a_corrupt_state(llama_model, tmp_path, trainer):
     rewrite_state(state, lambda b: struct.pack_into("<f", b, VALUES_AT + 4 * (2 * count + 3), -1.0))
     one_line_error(train(trainer, resume, check=False), str(state), "second AdamW moment 3 ", "-1")
 
+    # impossible fields under a valid checksum (issue 28: a negative cursor overflowed a heap buffer)
+    for at, value, needle in [(STEP_AT + 8, -5, "cursor -5"), (STEP_AT, -1, "step -1"), (STEP_AT, 99, "step 99")]:
+        state.write_bytes(good)
+        rewrite_state(state, lambda b: struct.pack_into("<q", b, at, value))
+        one_line_error(train(trainer, resume, check=False), str(state), needle)
+
     state.write_bytes(good)
     train(trainer, resume)  # the intact state still resumes
 

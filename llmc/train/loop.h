@@ -147,7 +147,11 @@ static int train_resume(Trainable* tr, const TrainOptions* o, const char* settin
     int rank0 = !dist || dist->rank == 0;
     if (rank0) save_dir_recover(o->resume_dir);
     dist_barrier(dist);
-    int start = (int)trainable_load_state(tr, o->resume_dir, settings, cursor);
+    int64_t step = trainable_load_state(tr, o->resume_dir, settings, cursor);
+    if (step > o->steps)  // the settings hold --steps, so only a corrupt state gets here
+        fail("%s/train_state.bin: step %lld is beyond the schedule's %d steps (the state is corrupt)", o->resume_dir,
+             (long long)step, o->steps);
+    int start = (int)step;
     if (rank0) printf("resumed %s/train_state.bin at step %d\n", o->resume_dir, start);
     return start;
 }
