@@ -32,9 +32,17 @@ static const char* fuzz_file(const uint8_t* data, size_t size) {
 // memory limit (about 50 KiB per input).
 static StFile g_st;
 
+// FUZZ_ONLY=k in the environment keeps every input on parser k (the first byte still chooses
+// nothing else), so one target gets the whole run: make fuzz-chat and make fuzz-sp use it.
+static int fuzz_only(void) {
+    static int only = -2;
+    if (only == -2) only = getenv("FUZZ_ONLY") ? atoi(getenv("FUZZ_ONLY")) : -1;
+    return only;
+}
+
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     if (size < 1) return 0;
-    int which = data[0] % 8;
+    int which = fuzz_only() >= 0 ? fuzz_only() : data[0] % 8;
     data++; size--;
     FILE* saved_stderr = stderr;
     stderr = fopen("/dev/null", "w");  // fail() messages are expected here
@@ -56,7 +64,12 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
             case 5: {
                 HfTokenizer t;
                 hf_tokenizer_load(&t, fuzz_file(data, size));
-                int n, *ids = hf_encode(&t, "fuzz me  12 \xC3\xA9<s>", 1, &n);
+                // a long prompt too: byte fallback makes up to 3 tokens of one byte (a buffer sized 2 per
+                // byte overflowed only on prompts longer than the seeds' few words)
+                static const char* prompt = "fuzz me  12 \xC3\xA9<s> \xF0\x9F\x98\x80 \xE2\x96\x81 tabs\t\tand  spaces   "
+                                            "fuzz me  12 \xC3\xA9<s> \xF0\x9F\x98\x80 \xE2\x96\x81 tabs\t\tand  spaces   "
+                                            "fuzz me  12 \xC3\xA9<s> \xF0\x9F\x98\x80 \xE2\x96\x81 tabs\t\tand  spaces   ";
+                int n, *ids = hf_encode(&t, prompt, 1, &n);
                 for (int i = 0; i < n; i++) (void)hf_decode(&t, i ? ids[i - 1] : -1, ids[i]);
                 free(ids);
                 hf_tokenizer_free(&t);
@@ -70,7 +83,11 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
                 memcpy(text, data, size);
                 text[size] = 0;
                 ChatMsg conv[3] = {{"system", " Be brief. "}, {"user", "Hi \xC3\xA9"}, {"assistant", "<think>\nhm\n</think>\n\nHello!"}};
-                for (int agp = 0; agp < 2; agp++) free(chat_template_render(text, "fuzz", conv, 3 - agp, agp, "<s>", "</s>"));
+                static ChatRender st;  // static: what a rejected rendering allocated is freed here, next time
+                for (int agp = 0; agp < 2; agp++) {
+                    chat_render_free(&st);
+                    chat_template_render_into(&st, text, "fuzz", conv, 3 - agp, agp, "<s>", "</s>");
+                }
                 break;
             }
         }
