@@ -971,7 +971,8 @@ static void llama_generate(Llama* m, const ModelTokenizer* tok, const char* prom
     for (int i = 0; i < n; i++) {
         if (recompute || kv.len + (len - fed) > window) {  // (re)start the window
             kv.len = 0;
-            fed = len - (recompute ? window : window / 2);
+            int keep = recompute ? window : window / 2 > 0 ? window / 2 : 1;  // a window of 1 keeps its 1 token
+            fed = len - keep;
             if (fed < 0) fed = 0;
         }
         int T = len - fed;

@@ -180,7 +180,8 @@ static void train_resolve_mode(TrainOptions* o) {
 static void train_validate(const TrainOptions* o) {
     if (o->steps < 0) fail("flag --steps: expected >= 0, got %d", o->steps);
     if (o->batch < 1) fail("flag --batch: expected >= 1, got %d", o->batch);
-    if (o->seq < 1) fail("flag --seq: expected >= 1, got %d", o->seq);
+    // at most 2^30: seq + 1 (a window with its next token) and every per-sequence count stay within int
+    if (o->seq < 1 || o->seq > (1 << 30)) fail("flag --seq: expected 1..%d, got %d", 1 << 30, o->seq);
     if (o->grad_accum < 1) fail("flag --grad-accum: expected >= 1, got %d", o->grad_accum);
     if (o->lora_rank < 1) fail("flag --lora-rank: expected >= 1, got %d", o->lora_rank);
     if (o->warmup < 0) fail("flag --warmup: expected >= 0, got %d", o->warmup);
