@@ -1,6 +1,7 @@
 """ViT model tests: build/test/vit_probe (the C model, fp32 CPU backend) against the independent PyTorch
 reference test/model/reference_vit.py (fp64), on small random configs in every mode, with resolution
-changes and both checkpoint layouts, plus self-checks of the reference itself.
+changes and both checkpoint layouts, under --full the gradient of every weight, plus self-checks of
+the reference itself.
 
 Run:  /usr/bin/python3 -m pytest -q -rA test/model/test_vit_model.py   (-rA / -s shows the error lines)
 The probe must be built first (`make build/test/vit_probe`); a missing probe FAILS the probe tests.
@@ -156,6 +157,60 @@ def test_checkpoint_layouts_agree(workdir, layout):
     assert sorted(a) == sorted(b)
     for k in a:
         assert a[k].tobytes() == b[k].tobytes(), f"{k} differs between layouts hf and {layout}"
+
+
+# ---------------------------------------------------------------------------------------------
+# --full: the gradient of every weight against the reference (the case's adapters ignored)
+
+# the act x norm modes, and block recompute under lowmem
+FULL_MODES = [("exact", "std", "none"), ("exact", "ms", "none"), ("approx", "std", "none"),
+              ("approx", "ms", "none"), ("approx", "ms", "block")]
+FULL_MODE_IDS = [f"{a}-{n}-{r}" for a, n, r in FULL_MODES]
+
+
+_CASES = {}
+
+
+def _full_case(root, name):
+    """A model and a case whose GELU inputs (without adapters, as --full runs) are away from the
+    ReGELU2 breakpoints in both norm modes."""
+    if name in _CASES:
+        return _CASES[name]
+    d = os.path.join(root, name + "_full")  # beside Setup's model of the same name, not over it
+    vc.write_model(d, vc.model_config(name), seed=1)
+    model = ref.VitModel.load(d)
+    batch, rank, _, classes = vc.SHAPES[name]
+    for k in range(50):
+        case = vc.make_case(model.cfg, batch, rank, classes, seed=11 + 1000 * k)
+        outs = {n: ref.run_case(model, case, "exact", n, rank, full=True) for n in ("std", "ms")}
+        if all(o["stats"]["min_margin"] > vc.BREAKPOINT_MARGIN for o in outs.values()):
+            break
+    else:
+        raise RuntimeError("no case away from the breakpoints")
+    path = os.path.join(root, f"{name}.full.case.safetensors")
+    vc.st_io.save(path, case)
+    _CASES[name] = (d, model, case, path, {})
+    return _CASES[name]
+
+
+@pytest.mark.parametrize("mode", FULL_MODES, ids=FULL_MODE_IDS)
+@pytest.mark.parametrize("name", ["square", "nonsquare"])
+def test_probe_full_finetuning_matches_reference(workdir, name, mode):
+    """--full: the gradient of every weight (the linears' W and b, of the merged layer under MS-LN;
+    the standard norms; the embeddings; the final norm) and of the head against the fp64
+    reference; the case's adapters are ignored."""
+    act, norm, recompute = mode
+    d, model, case, path, cache = _full_case(workdir, name)
+    if (act, norm) not in cache:
+        cache[(act, norm)] = ref.run_case(model, case, act, norm, full=True)
+    want = cache[(act, norm)]
+    out = os.path.join(workdir, f"{name}.full.{act}.{norm}.{recompute}.out.safetensors")
+    vc.run([vc.binary("build/test/vit_probe", "VIT_PROBE"), "--model", d, "--case", path, "--out-file", out,
+            "--act", act, "--norm", norm, "--recompute", recompute, "--full"])
+    got = vc.st_io.load(out)
+    assert sum(k.endswith(".W") for k in want) == model.cfg.n_layers * 6
+    assert not any(".lora." in k for k in got)
+    vc.check_errors(vc.compare(want, got), f"full {name} {act} {norm} {recompute}")
 
 
 # ---------------------------------------------------------------------------------------------
