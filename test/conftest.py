@@ -1,4 +1,5 @@
-"""Where the tests find files this repository does not ship, and what happens without them.
+"""What every test folder shares: the folders on sys.path (below), and where the tests find files
+this repository does not ship, and what happens without them.
 
 A few tests use llama2.c's released files (stories260K.bin, its 512-token tok512.bin, and the
 LLaMA tokenizer.bin; github.com/karpathy/llama2.c). They are read from ONE folder: the

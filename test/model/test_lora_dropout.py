@@ -15,7 +15,7 @@ training, with a keep mask regenerated in the backward from a counter hash, neve
   uninterrupted run (keyed by the optimizer step);
 - train_vit: p = 0 is bit for bit no flag, its CUDA backend matches its CPU backend with dropout.
 The mask's statistics (kept fraction, E[output]) and its regeneration bit for bit are
-test/test_units.cu's; the CUDA kernels equal their CPU twins bit for bit in dev/cuda/matmul.cu."""
+test/unit/lora_dropout.cu's; the CUDA kernels equal their CPU twins bit for bit in dev/cuda/matmul.cu."""
 import json
 import os
 

@@ -58,7 +58,8 @@ def test_summary_survives_a_kill_in_the_middle(tmp_path):
     assert re.search(r"^- state: (RUNNING '.+' since t=\d+ s|between steps, after '.+')", text, re.M), text
     rs = rows(text)
     assert rs[:3] == [("machine", "PASS"),
-                      ("build for sm_90 (cuda-dev train_llama train_vit build/test/llama_probe build/test/vit_probe)", "PASS"),
+                      ("build for sm_90 (cuda-dev train_llama train_vit build/test/llama_probe "
+                       "build/test/vit_probe)", "PASS"),
                       ("kernel checks (make test-gpu-kernels)", "PASS")], rs
     assert ("racecheck dev/cuda/attention", "PASS") in rs and not any(n.startswith("smoke") for n, _ in rs)
     assert len(os.listdir(tmp_path)) <= 8
