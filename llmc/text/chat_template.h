@@ -2,7 +2,7 @@
 // chat_template) for --chat, in the subset of Jinja that SmolLM2's, Llama-3's, Qwen2.5's and
 // Qwen3's templates use, as transformers' apply_chat_template does (trim_blocks, lstrip_blocks, no
 // trailing newline). scripts/formats/chat_template.py renders any template with jinja2 itself, for
-// prepare_text.py; test/test_chat_template.py checks both against transformers.
+// prepare_text.py; test/formats/test_chat_template.py checks both against transformers.
 //
 // The subset: text, {{ expr }}, {% if/elif/else/endif %}, {% for x in expr %}...{% endfor %} (loop.
 // index, index0, first, last, length, revindex, revindex0), {% set name = expr %}, {% set
