@@ -1,9 +1,9 @@
 // test/unit/lora_dropout.cu: LoRA dropout's keep mask: its statistics, its regeneration in the
 // backward, its independence across linears, steps and rows.
 #include "unit.h"
-#include "../../llmc/lora.h"
+#include "../../llmc/linear.h"
 
-// ---- LoRA dropout (llmc/lora.h, llmc/lora_dropout.h) -----------------------------------------
+// ---- LoRA dropout (llmc/linear.h, llmc/lora_dropout.h) -----------------------------------------
 // On n = 2^20 elements of a constant input: the kept count is Binomial(n, 1 - p), so it lies
 // within 6 standard deviations sqrt(n p (1-p)) of n (1-p) but for a chance below 1e-8; the mean
 // output is scale * kept / n, so E[output] = 1 (the input) within 6 scale sqrt(p (1-p) / n). The
