@@ -1086,32 +1086,31 @@ static void vit_save_adapter(Vit* m, const char* dir, const TrainOptions* o) {
     ex[nex].data = m->h_head_w; ex[nex].ndim = 2; ex[nex].shape[0] = m->classes; ex[nex].shape[1] = c->dim; nex++;
     snprintf(ex[nex].name, sizeof(ex[nex].name), "classifier.bias");
     ex[nex].data = m->h_head_b; ex[nex].ndim = 1; ex[nex].shape[0] = m->classes; nex++;
-    peft_save_ex(dir, e, n, ex, nex, m->modes.rank, o->lora_alpha, o->lora_dropout, NULL, o->model_dir, tmp, n, "[\"classifier\"]",
-                 vit_adapters_merged(m) ? "lora_only" : "none");
+    peft_save_ex(dir, e, n, ex, nex, m->modes.rank, o->lora_alpha, o->lora_rslora, o->lora_dropout, NULL, o->model_dir,
+                 tmp, n, "[\"classifier\"]", vit_adapters_merged(m) ? "lora_only" : "none");
     for (int i = 0; i < n; i++) free(biases[i]);
     free(biases); free(ex); free(tm); free(tmp); free(e);
 }
 
 // --adapter: A, B (llmc/formats/peft.h), then the biases of the adapted modules if the adapter carries them
 // (mapped into the merged layer under MS-LN), then the head if it carries "classifier" (its shape
-// must match --classes); without one the head stays new.
+// must match --classes); without one the head stays new. PEFT's SEQ_CLS task adds "score" to
+// modules_to_save: ViT has no such module, so no tensor of it can be there (peft_load checks).
 static void vit_load_adapter(Vit* m, const char* dir, const TrainOptions* o, int need_head) {
     const VitConfig* c = &m->cfg;
     PeftEntry* e = (PeftEntry*)xcalloc(c->layers * N_TARGETS, sizeof(PeftEntry));
     int n = vit_peft_entries(m, e);
-    float alpha;
-    peft_load(dir, e, n, m->modes.rank, &alpha);
-    if (alpha != o->lora_alpha) fail("%s: adapter has lora_alpha %g, but --lora-alpha is %g", dir, alpha, o->lora_alpha);
+    static const char* const saved[] = {"classifier", "score", NULL};
+    static const char* const head[] = {"base_model.model.classifier.weight", "base_model.model.classifier.bias", NULL};
+    static const char* const bias_modes[] = {"none", "lora_only", NULL};
+    PeftReads reads = {saved, head, bias_modes, 1};
+    peft_load(dir, e, n, m->modes.rank, o->lora_alpha, o->lora_rslora, &reads);
     char* path = path_join(dir, "adapter_model.safetensors");
     StFile f;
     st_open(&f, path);
-    char name[256];
     for (int i = 0; i < n; i++) {
         Linear* L = (Linear*)e[i].L;
-        snprintf(name, sizeof(name), "base_model.model.%s.base_layer.bias", e[i].module);  // PEFT >= 0.7 names it so
-        const StTensor* tb = st_find(&f, name);
-        snprintf(name, sizeof(name), "base_model.model.%s.bias", e[i].module);
-        if (!tb) tb = st_find(&f, name);
+        const StTensor* tb = peft_module_bias(&f, e[i].module);
         if (!tb) continue;
         int64_t sh = L->out;
         st_check_shape(tb, 1, &sh);
@@ -1425,14 +1424,15 @@ static void vit_save(Vit* m, const TrainOptions* o, const Dist* dist, const char
     if (rank0) save_commit(out, stage, step);
 }
 
-// Everything a resumed run must share with the saved one, as "key=value" words.
+// Everything a resumed run must share with the saved one, as "key=value" words (rslora=1 last and only
+// when set, so that states saved before the flag existed still match).
 static void vit_settings_line(char* buf, size_t n, const Vit* m, const TrainOptions* o, const Dist* d, int64_t images) {
     const VitConfig* c = &m->cfg;
     snprintf(buf, n, "d=%d f=%d layers=%d heads=%d patch=%dx%d image=%dx%d classes=%d full=%d act=%s norm=%s ms_lora=%s recompute=%s rank=%d alpha=%g targets=0x%x "
-             "lora_dropout=%g batch=%d grad_accum=%d world=%d steps=%d lr=%g warmup=%d min_lr_frac=%g weight_decay=%g grad_clip=%g hflip=%d seed=%d data_images=%lld",
+             "lora_dropout=%g batch=%d grad_accum=%d world=%d steps=%d lr=%g warmup=%d min_lr_frac=%g weight_decay=%g grad_clip=%g hflip=%d seed=%d data_images=%lld%s",
              c->dim, c->hidden, c->layers, c->heads, c->patch_h, c->patch_w, m->img_h, m->img_w, m->classes, o->full, o->act, o->norm, o->ms_lora,
              o->recompute, o->lora_rank, o->lora_alpha, m->modes.targets, o->lora_dropout, o->batch, o->grad_accum, d->world, o->steps, o->lr, o->warmup, o->min_lr_frac,
-             o->weight_decay, o->grad_clip, o->hflip, o->seed, (long long)images);
+             o->weight_decay, o->grad_clip, o->hflip, o->seed, (long long)images, o->lora_rslora ? " rslora=1" : "");
 }
 
 // ----------------------------------------------------------------------------------------------
