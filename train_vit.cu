@@ -999,8 +999,8 @@ static void vit_save_adapter(Vit* m, const char* dir, const TrainOptions* o) {
         nex = peft_put_bias(ex, nex, e[i].module, biases[i], e[i].L->out);
     }
     nex = peft_put_module_to_save(ex, nex, vit_hf_head, m->h_head_w, m->h_head_b, m->classes, c->dim);
-    peft_save_ex(dir, e, n, ex, nex, m->modes.rank, o->lora_alpha, o->lora_dropout, NULL, o->model_dir, modules, n,
-                 "[\"classifier\"]", vit_adapters_merged(m) ? "lora_only" : "none");
+    peft_save_ex(dir, e, n, ex, nex, m->modes.rank, o->lora_alpha, o->lora_rslora, o->lora_dropout, NULL, o->model_dir,
+                 modules, n, "[\"classifier\"]", vit_adapters_merged(m) ? "lora_only" : "none");
     for (int i = 0; i < n; i++) free(biases[i]);
     free(biases); free(ex); free(modules); free(e);
 }
@@ -1027,14 +1027,17 @@ static void vit_load_adapter_bias(Vit* m, const StFile* f, const PeftEntry* e, c
 
 // --adapter: A, B (llmc/formats/peft.h), then the biases of the adapted modules if the adapter carries them
 // (mapped into the merged layer under MS-LN), then the head if it carries "classifier" (its shape
-// must match --classes); without one the head stays new.
+// must match --classes); without one the head stays new. PEFT's SEQ_CLS task adds "score" to
+// modules_to_save: ViT has no such module, so no tensor of it can be there (peft_load checks).
 static void vit_load_adapter(Vit* m, const char* dir, const TrainOptions* o, int need_head) {
     const VitConfig* c = &m->cfg;
     PeftEntry* e = (PeftEntry*)xcalloc(c->layers * N_TARGETS, sizeof(PeftEntry));
     int n = vit_peft_entries(m, e);
-    float alpha;
-    peft_load(dir, e, n, m->modes.rank, &alpha);
-    if (alpha != o->lora_alpha) fail("%s: adapter has lora_alpha %g, but --lora-alpha is %g", dir, alpha, o->lora_alpha);
+    static const char* const saved[] = {"classifier", "score", NULL};
+    static const char* const head[] = {"base_model.model.classifier.weight", "base_model.model.classifier.bias", NULL};
+    static const char* const bias_modes[] = {"none", "lora_only", NULL};
+    PeftReads reads = {saved, head, bias_modes, 1};
+    peft_load(dir, e, n, m->modes.rank, o->lora_alpha, o->lora_rslora, &reads);
     char* path = path_join(dir, "adapter_model.safetensors");
     StFile f;
     st_open(&f, path);
@@ -1053,11 +1056,11 @@ static void vit_settings_line(char* buf, size_t n, const Vit* m, const TrainOpti
     snprintf(buf, n,
              "d=%d f=%d layers=%d heads=%d patch=%dx%d image=%dx%d classes=%d full=%d act=%s norm=%s ms_lora=%s "
              "recompute=%s rank=%d alpha=%g targets=0x%x lora_dropout=%g batch=%d grad_accum=%d world=%d steps=%d "
-             "lr=%g warmup=%d min_lr_frac=%g weight_decay=%g grad_clip=%g hflip=%d seed=%d data_images=%lld",
+             "lr=%g warmup=%d min_lr_frac=%g weight_decay=%g grad_clip=%g hflip=%d seed=%d data_images=%lld%s",
              c->dim, c->hidden, c->layers, c->heads, c->patch_h, c->patch_w, m->img_h, m->img_w, m->classes, o->full,
              o->act, o->norm, o->ms_lora, o->recompute, o->lora_rank, o->lora_alpha, m->modes.targets, o->lora_dropout,
              o->batch, o->grad_accum, d->world, o->steps, o->lr, o->warmup, o->min_lr_frac, o->weight_decay,
-             o->grad_clip, o->hflip, o->seed, (long long)images);
+             o->grad_clip, o->hflip, o->seed, (long long)images, o->lora_rslora ? " rslora=1" : "");
 }
 
 // ----------------------------------------------------------------------------------------------

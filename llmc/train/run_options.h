@@ -34,6 +34,7 @@ typedef struct {
     // LoRA
     int lora_rank;
     float lora_alpha;
+    int lora_rslora;        // scale alpha/sqrt(r) instead of alpha/r (PEFT's use_rslora)
     float lora_dropout;     // dropout probability on each adapter's input while training (0 = off)
     const char* lora_targets;
     // system
@@ -125,6 +126,9 @@ static void train_flags_register_task(FlagTable* t, TrainOptions* o, const char*
     t->group = "LoRA";
     flag_int(t, "lora-rank", &o->lora_rank, "adapter rank r");
     flag_float(t, "lora-alpha", &o->lora_alpha, "adapter scale alpha (update = alpha/r * B A x)");
+    flag_bool(t, "lora-rslora", &o->lora_rslora,
+              "rank-stabilized LoRA: update = alpha/sqrt(r) * B A x (PEFT's use_rslora; an --adapter must say the "
+              "same)");
     flag_float(t, "lora-dropout", &o->lora_dropout,
                "dropout probability on each adapter's input while training, as PEFT's lora_dropout (the mask is "
                "regenerated in "
@@ -208,6 +212,7 @@ static void train_validate(const TrainOptions* o) {
     if (o->save_every < 0) fail("flag --save-every: expected >= 0, got %d", o->save_every);
     if (o->resume_dir && o->adapter_dir)
         fail("flag --adapter: not with --resume (the training state holds the adapter)");
+    if (o->full && o->lora_rslora) fail("flag --lora-rslora: only with LoRA adapters, not with --full");
     if (o->full && (o->lora_targets || o->adapter_dir))
         fail("flag --full: not with --lora-targets or --adapter (no adapters in full fine-tuning)");
     // one class has loss 0 and gradient 0 whatever the weights: nothing to learn
@@ -290,6 +295,8 @@ static TrainModes train_modes_from(const TrainOptions* o, const char* const* tar
     md.targets = o->full ? 0 : parse_targets(o->lora_targets, target_names, n_targets, "lora-targets");
     md.rank = o->lora_rank;
     md.lora_scale = o->lora_alpha / (float)o->lora_rank;
+    // PEFT forms lora_alpha / math.sqrt(r) in double; torch rounds it to float once
+    if (o->lora_rslora) md.lora_scale = (float)((double)o->lora_alpha / sqrt((double)o->lora_rank));
     // a run that cannot train (--eval-only; --generate or --export-merged without --data) plans no
     // dropout scratch; a --dry-run plans the training run
     int trains = !o->eval_only && (o->data_path || o->dry_run);

@@ -376,6 +376,7 @@ def _set(tensors, key, value):
 
 
 L0Q = "model.layers.0.self_attn.q_proj.weight"
+L0K = "model.layers.0.self_attn.k_proj.weight"
 BAD_BNB = {
     "gptq": (lambda t, c: c.update(quantization_config={"quant_method": "gptq", "bits": 4}), "gptq"),
     "fp4": (lambda t, c: c["quantization_config"].update(bnb_4bit_quant_type="fp4"), "fp4"),
@@ -390,7 +391,34 @@ BAD_BNB = {
     "nested": (lambda t, c: t.pop(L0Q + ".nested_absmax"), "nested_absmax"),
     "dyn": (lambda t, c: _set(t, L0Q + ".nested_quant_map", np.linspace(-1, 1, 256).astype(np.float32)), "nested_quant_map"),
     "codes": (lambda t, c: _set(t, L0Q, t[L0Q][:-2].copy()), "q_proj"),
+    # issue 28: non-finite quant states (they made NaN weights: "val loss nan", exit 0)
+    "nested_absmax_nan": (lambda t, c: _set(t, L0Q + ".nested_absmax", np.full_like(t[L0Q + ".nested_absmax"], np.nan)),
+                          "nested_absmax\" holds a non-finite value"),
+    "nested_offset_overflow": (lambda t, c: _set_blob(t, nested_offset=1e39), "nested_offset 1e+39"),
+    "absmax_overflows": (lambda t, c: (_set(t, L0Q + ".nested_absmax", np.full_like(t[L0Q + ".nested_absmax"], 3e38)),
+                                       _set_blob(t, nested_offset=3e38)), "overflows float32"),
+    "absmax_inf": (lambda t, c: _single_quant(t, L0K, np.inf), "k_proj.weight.absmax\" holds a non-finite value (inf)"),
 }
+
+
+def _set_blob(tensors, **kv):
+    """L0Q's quant state JSON with the fields kv changed."""
+    key = L0Q + ".quant_state.bitsandbytes__nf4"
+    blob = dict(json.loads(tensors[key].tobytes()), **kv)
+    tensors[key] = np.frombuffer(json.dumps(blob).encode(), np.uint8).copy()
+
+
+def _single_quant(tensors, name, bad):
+    """Weight `name` without double quantization (fp32 absmax, as bitsandbytes saves it then), one
+    absmax `bad`."""
+    nb = tensors[name + ".absmax"].size
+    tensors[name + ".absmax"] = np.full(nb, 0.1, np.float32)
+    tensors[name + ".absmax"][nb // 2] = bad
+    for k in (".nested_absmax", ".nested_quant_map"):
+        tensors.pop(name + k)
+    key = name + ".quant_state.bitsandbytes__nf4"
+    blob = {k: v for k, v in json.loads(tensors[key].tobytes()).items() if not k.startswith("nested")}
+    tensors[key] = np.frombuffer(json.dumps(blob).encode(), np.uint8).copy()
 
 
 @pytest.mark.parametrize("bad", list(BAD_BNB))

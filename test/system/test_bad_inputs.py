@@ -39,11 +39,11 @@ PREFIX = {"llama": "error: ", "vit": "error: ", "prep": "prepare_text: "}
 ENV = dict(os.environ, OMP_NUM_THREADS="1")
 
 
-def run(prog, args, **kw):
+def run(prog, args, timeout=120, **kw):
     if not os.path.exists(PROGRAMS[prog][0]):
         pytest.fail(f"{PROGRAMS[prog][0]} is missing: build it with `make`")
     return subprocess.run(PROGRAMS[prog] + [str(a) for a in args], capture_output=True, text=True, env=ENV,
-                          timeout=120, **kw)
+                          timeout=timeout, **kw)
 
 
 def expect_one_line_error(prog, args, needles, **kw):
@@ -479,3 +479,281 @@ def test_python_reader_refuses_what_the_c_reader_refuses(w, case):
     words = {"overlap": "overlapping", "gap": "gap", "trailing": "trailing", "overflow": "needs"}[case]
     with pytest.raises(ValueError, match=words):
         st_io.load(os.path.join(w.lst[case], "model.safetensors"))
+
+
+# ---- issue 28: loading, fixed at the root --------------------------------------------------------
+# PEFT adapter options that change the math, ambiguous files (a tensor in two shards or named
+# twice, a NUL in a name, a duplicated JSON key), non-finite values in adapters, and inputs that are
+# not regular files (a FIFO used to block forever: these rows run under a short timeout).
+# NF4 quant states with non-finite values are rows of test/test_nf4.py (BAD_BNB).
+
+L_K0 = "model.layers.0.self_attn.k_proj"
+L_Q0A = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+L_Q0B = "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"
+SHARD2 = "model-00002-of-00002.safetensors"
+
+
+def adapter_with(root, name, src, cfg_edit=None, st_edit=None, cfg_text=None):
+    """A copy of adapter directory src with adapter_config.json edited (a dict update or a function),
+    or replaced by cfg_text, and adapter_model.safetensors passed through st_edit(tensors)."""
+    d = os.path.join(root, name)
+    os.makedirs(d)
+    with open(os.path.join(src, "adapter_config.json")) as f:
+        cfg = json.load(f)
+    if isinstance(cfg_edit, dict):
+        cfg.update(cfg_edit)
+    elif cfg_edit:
+        cfg_edit(cfg)
+    with open(os.path.join(d, "adapter_config.json"), "w") as f:
+        f.write(cfg_text if cfg_text is not None else json.dumps(cfg))
+    tensors = st_io.load(os.path.join(src, "adapter_model.safetensors"))
+    if st_edit:
+        st_edit(tensors)
+    st_io.save(os.path.join(d, "adapter_model.safetensors"), tensors, metadata={"format": "pt"})
+    return d
+
+
+def sharded_with(root, name, edit=None):
+    """The LLaMA demo in two shards with an index; edit(shard1, shard2, weight_map) may change them."""
+    d = os.path.join(root, name)
+    os.makedirs(d)
+    shutil.copy(os.path.join(LLAMA, "config.json"), d)
+    tensors = st_io.load(os.path.join(LLAMA, "model.safetensors"))
+    names = list(tensors)
+    parts = [{k: tensors[k] for k in names[:len(names) // 2]}, {k: tensors[k] for k in names[len(names) // 2:]}]
+    files = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    weight_map = {k: files[i] for i, part in enumerate(parts) for k in part}
+    if edit:
+        edit(parts[0], parts[1], weight_map)
+    for fname, part in zip(files, parts):
+        if part is not None:
+            st_io.save(os.path.join(d, fname), part, metadata={"format": "pt"})
+    with open(os.path.join(d, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f)
+    return d
+
+
+def raw_header_model(root, name, src, edit_text):
+    """A copy of model directory src whose model.safetensors header is rewritten as text by
+    edit_text(header_text, data) -> (header_text, data): for what json.dumps cannot write."""
+    d = model_with(root, name, src)
+    os.remove(os.path.join(d, "model.safetensors"))
+    with open(os.path.join(src, "model.safetensors"), "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        text, data = f.read(n).decode().rstrip(), f.read()
+    text, data = edit_text(text, data)
+    h = text.encode()
+    h += b" " * (-len(h) % 8)
+    with open(os.path.join(d, "model.safetensors"), "wb") as f:
+        f.write(struct.pack("<Q", len(h)) + h + data)
+    return d
+
+
+def duplicate_q0(text, data):
+    """Q0 named twice: the first entry as stored, a second (Python's json keeps the last) on new bytes."""
+    hdr = json.loads(text)
+    b, e = hdr[Q0]["data_offsets"]
+    q = np.frombuffer(data[b:e], np.float32) + 1.0
+    second = dict(hdr[Q0], data_offsets=[len(data), len(data) + e - b])
+    return text[:-1] + f', "{Q0}": {json.dumps(second)}}}', data + q.tobytes()
+
+
+def nul_in_q0_name(text, data):
+    return text.replace(f'"{Q0}"', json.dumps(Q0 + "\0junk")), data
+
+
+def lone_surrogate_in_metadata(text, data):
+    hdr = json.loads(text)
+    hdr["__metadata__"] = {"format": "pt\ud800"}
+    return json.dumps(hdr), data  # json.dumps writes the lone surrogate as the escape \ud800
+
+
+def set_nan(name, at=0, value=float("nan")):
+    def edit(t):
+        t[name] = t[name].copy()
+        t[name].flat[at] = value
+    return edit
+
+
+@pytest.fixture(scope="module")
+def lh(tmp_path_factory):
+    """Every file the load rows need, made once."""
+    root = str(tmp_path_factory.mktemp("load"))
+    ns = type("LH", (), {})()
+    ns.root = root
+    ns.ladapter, ns.vadapter = os.path.join(root, "ladapter"), os.path.join(root, "vadapter")
+    for prog, args, out in (("llama", llama(), ns.ladapter), ("vit", vit(), ns.vadapter)):
+        p = run(prog, args + ["--out", out])
+        assert p.returncode == 0, p.stderr
+
+    def la(name, *a, **k):  # a copy of the LLaMA adapter, edited
+        return adapter_with(root, name, ns.ladapter, *a, **k)
+
+    def va(name, *a, **k):
+        return adapter_with(root, name, ns.vadapter, *a, **k)
+
+    def add(name, value):
+        return lambda t: t.update({name: value})
+    q0 = "model.layers.0.self_attn.q_proj"
+    ns.a = {  # PEFT options that change the math (1)
+        "rslora": la("rslora", {"use_rslora": True}),
+        "alpha_pattern": la("alpha_pattern", {"alpha_pattern": {q0: 32}}),
+        "rank_pattern": la("rank_pattern", {"rank_pattern": {"q_proj": 4}}),
+        "dora": la("dora", {"use_dora": True}),
+        "fan_in_fan_out": la("fan_in_fan_out", {"fan_in_fan_out": True}),
+        "layers_to_transform": la("layers_to_transform", {"layers_to_transform": [0]}),
+        "layers_pattern": la("layers_pattern", {"layers_pattern": "layers"}),
+        "lm_head": la("lm_head", {"modules_to_save": ["lm_head"]},
+                      add("base_model.model.lm_head.weight", np.zeros((512, 64), np.float32))),
+        "bias_all": la("bias_all", {"bias": "all"}),
+        "unknown_key": la("unknown_key", {"use_magic": True}),
+        "pissa": la("pissa", {"init_lora_weights": "pissa"}),
+        "magnitude": la("magnitude", None,
+                        add(f"base_model.model.{q0}.lora_magnitude_vector", np.ones(64, np.float32))),
+        "both_names": la("both_names", None,
+                         lambda t: t.update({L_Q0A.replace(".weight", ".default.weight"): t[L_Q0A] + 1})),
+        "dup_key": la("dup_key", cfg_text='{"peft_type": "LORA", "r": 2, "lora_alpha": 16, '
+                                          '"target_modules": ["q_proj"], "lora_alpha": 32}'),
+        "nan": la("nan", None, set_nan(L_Q0B, 3)),
+        "inf": la("inf", None, set_nan(L_Q0A, 1, float("inf"))),
+        "vit_other_module": va("vit_other_module", {"modules_to_save": ["classifier", "vit.layernorm"]}),
+        "vit_bias_all": va("vit_bias_all", {"bias": "all"}),
+        "vit_head_nan": va("vit_head_nan", None, set_nan("base_model.model.classifier.weight", 5)),
+    }
+    # ambiguous files (2)
+    ns.two_shards = sharded_with(root, "two_shards", lambda a, b, m: b.update({EMBED: a[EMBED] + 1.0}))
+    ns.wrong_shard = sharded_with(root, "wrong_shard", lambda a, b, m: m.update({EMBED: SHARD2}))
+    ns.dup_tensor = raw_header_model(root, "dup_tensor", LLAMA, duplicate_q0)
+    ns.nul_name = raw_header_model(root, "nul_name", LLAMA, nul_in_q0_name)
+    ns.surrogate = raw_header_model(root, "surrogate", LLAMA, lone_surrogate_in_metadata)
+    ns.dup_config = model_with(root, "dup_config", LLAMA)
+    with open(os.path.join(ns.dup_config, "config.json")) as f:
+        text = f.read()
+    with open(os.path.join(ns.dup_config, "config.json"), "w") as f:
+        f.write(text.rstrip()[:-1] + ', "rms_norm_eps": 0.5}')
+    # inputs that are not regular files (4)
+    ns.fifo = os.path.join(root, "a_fifo")
+    os.mkfifo(ns.fifo)
+    ns.cfg_fifo = os.path.join(root, "cfg_fifo")
+    os.makedirs(ns.cfg_fifo)
+    os.mkfifo(os.path.join(ns.cfg_fifo, "config.json"))
+    os.symlink(os.path.join(LLAMA, "model.safetensors"), os.path.join(ns.cfg_fifo, "model.safetensors"))
+    ns.st_fifo = os.path.join(root, "st_fifo")
+    os.makedirs(ns.st_fifo)
+    shutil.copy(os.path.join(LLAMA, "config.json"), ns.st_fifo)
+    os.mkfifo(os.path.join(ns.st_fifo, "model.safetensors"))
+    ns.shard_fifo = sharded_with(root, "shard_fifo", lambda a, b, m: b.clear())
+    os.remove(os.path.join(ns.shard_fifo, SHARD2))
+    os.mkfifo(os.path.join(ns.shard_fifo, SHARD2))
+    ns.tok_fifo = model_with(root, "tok_fifo", LLAMA)
+    os.mkfifo(os.path.join(ns.tok_fifo, "tokenizer.bin"))
+    ns.pre_fifo = model_with(root, "pre_fifo", VIT)
+    os.mkfifo(os.path.join(ns.pre_fifo, "preprocessor_config.json"))
+    for name, fname in (("adapter_cfg_fifo", "adapter_config.json"), ("adapter_st_fifo", "adapter_model.safetensors")):
+        d = la(name)
+        os.remove(os.path.join(d, fname))
+        os.mkfifo(os.path.join(d, fname))
+        setattr(ns, name, d)
+    return ns
+
+
+def llama_eval(adapter, *a):
+    return ["--model", LLAMA, "--val", LVAL, "--eval-only", "--seq", 16, "--batch", 1, "--val-batches", 1,
+            "--lora-rank", 2, "--adapter", adapter, *a]
+
+
+def vit_eval(adapter, *a):
+    return ["--model", VIT, "--val", VVAL, "--eval-only", "--batch", 2, "--val-batches", 1, "--lora-rank", 2,
+            "--adapter", adapter, *a]
+
+
+def ladapter(key, *a):
+    return lambda lh: llama("--adapter", lh.a[key], *a)
+
+
+CFG, ST = "adapter_config.json", "adapter_model.safetensors"
+# id: (program, lambda lh: arguments, words the line must contain)
+LOAD_ROWS = {
+    # (1) PEFT options: implemented (use_rslora, with --lora-rslora) or refused by name
+    "peft_use_rslora_without_flag": ("llama", ladapter("rslora"), [CFG, "use_rslora is true", "--lora-rslora"]),
+    "peft_flag_rslora_plain_adapter": ("llama", lambda lh: llama("--adapter", lh.ladapter, "--lora-rslora"),
+                                       [CFG, "use_rslora is false", "--lora-rslora"]),
+    "peft_alpha_pattern": ("llama", ladapter("alpha_pattern"), [CFG, "alpha_pattern", "per module"]),
+    "peft_rank_pattern": ("llama", ladapter("rank_pattern"), [CFG, "rank_pattern"]),
+    "peft_use_dora": ("llama", ladapter("dora"), [CFG, "use_dora", "DoRA"]),
+    "peft_fan_in_fan_out": ("llama", ladapter("fan_in_fan_out"), [CFG, "fan_in_fan_out"]),
+    "peft_layers_to_transform": ("llama", ladapter("layers_to_transform"), [CFG, "layers_to_transform"]),
+    "peft_layers_pattern": ("llama", ladapter("layers_pattern"), [CFG, "layers_pattern"]),
+    "peft_modules_to_save_lm_head": ("llama", ladapter("lm_head"), [CFG, "modules_to_save", "lm_head"]),
+    "peft_bias_all": ("llama", ladapter("bias_all"), [CFG, 'bias "all"']),
+    "peft_unknown_key": ("llama", ladapter("unknown_key"), [CFG, "unknown key", "use_magic"]),
+    "peft_init_pissa": ("llama", ladapter("pissa"), [CFG, "init_lora_weights", "pissa"]),
+    "peft_tensor_outside_targets": ("llama", lambda lh: llama("--adapter", lh.ladapter, "--lora-targets", "q,v"),
+                                    [ST, L_K0 + ".lora_A.weight", "not one this run reads"]),
+    "peft_dora_magnitude_tensor": ("llama", ladapter("magnitude"), [ST, "lora_magnitude_vector"]),
+    "peft_pair_under_two_names": ("llama", ladapter("both_names"), [ST, L_Q0A, "both"]),
+    "vit_peft_modules_to_save_other": ("vit", lambda lh: vit("--adapter", lh.a["vit_other_module"]),
+                                       [CFG, "modules_to_save", "vit.layernorm"]),
+    "vit_peft_bias_all": ("vit", lambda lh: vit("--adapter", lh.a["vit_bias_all"]), [CFG, 'bias "all"', "lora_only"]),
+    # (2) ambiguous files
+    "shard_tensor_in_two_shards": ("llama", lambda lh: llama_model(lh.two_shards), ["index.json", EMBED, "two shards"]),
+    "shard_index_names_the_wrong_shard": ("llama", lambda lh: llama_model(lh.wrong_shard),
+                                          ["index.json", EMBED, SHARD2, "does not hold it"]),
+    "st_tensor_named_twice": ("llama", lambda lh: llama_model(lh.dup_tensor), ["model.safetensors", Q0, "twice"]),
+    "st_nul_in_tensor_name": ("llama", lambda lh: llama_model(lh.nul_name), ["model.safetensors", Q0, "NUL"]),
+    "st_lone_surrogate_in_header": ("llama", lambda lh: llama_model(lh.surrogate),
+                                    ["model.safetensors", "lone surrogate"]),
+    "config_key_twice": ("llama", lambda lh: llama_model(lh.dup_config), ["config.json", "rms_norm_eps", "twice"]),
+    "adapter_config_key_twice": ("llama", ladapter("dup_key"), [CFG, "lora_alpha", "twice"]),
+    # (3) non-finite values
+    "adapter_nan_eval_only": ("llama", lambda lh: llama_eval(lh.a["nan"]), [ST, L_Q0B, "non-finite", "nan"]),
+    "adapter_inf_export_merged": ("llama", lambda lh: ["--model", LLAMA, "--lora-rank", 2, "--adapter", lh.a["inf"],
+                                                       "--export-merged", os.path.join(lh.root, "export_inf")],
+                                  [ST, L_Q0A, "non-finite", "inf"]),
+    "vit_adapter_head_nan_eval_only": ("vit", lambda lh: vit_eval(lh.a["vit_head_nan"]),
+                                       [ST, "classifier.weight", "non-finite"]),
+    # (4) inputs that are not regular files
+    "llama_data_fifo": ("llama", lambda lh: ["--model", LLAMA, "--data", lh.fifo], ["a_fifo", "FIFO"]),
+    "llama_val_fifo": ("llama", lambda lh: llama("--val", lh.fifo), ["a_fifo", "FIFO"]),
+    "llama_data_char_device": ("llama", lambda lh: ["--model", LLAMA, "--data", "/dev/zero"],
+                               ["/dev/zero", "character device"]),
+    "llama_config_fifo": ("llama", lambda lh: llama_model(lh.cfg_fifo), ["config.json", "FIFO"]),
+    "llama_weights_fifo": ("llama", lambda lh: llama_model(lh.st_fifo), ["model.safetensors", "FIFO"]),
+    "llama_shard_fifo": ("llama", lambda lh: llama_model(lh.shard_fifo), [SHARD2, "FIFO"]),
+    "llama_tokenizer_fifo": ("llama", lambda lh: ["--model", lh.tok_fifo, "--generate", 4], ["tokenizer.bin", "FIFO"]),
+    "llama_adapter_config_fifo": ("llama", lambda lh: llama("--adapter", lh.adapter_cfg_fifo), [CFG, "FIFO"]),
+    "llama_adapter_weights_fifo": ("llama", lambda lh: llama("--adapter", lh.adapter_st_fifo), [ST, "FIFO"]),
+    "vit_data_fifo": ("vit", lambda lh: ["--model", VIT, "--data", lh.fifo], ["a_fifo", "FIFO"]),
+    "vit_preprocessor_config_fifo": ("vit", lambda lh: vit_model(lh.pre_fifo), ["preprocessor_config.json", "FIFO"]),
+}
+
+
+@pytest.mark.parametrize("row", sorted(LOAD_ROWS))
+def test_load_refuses(lh, row):
+    """One line naming the file and the option, key or tensor, exit 1, nothing written; 30 s at most
+    (before the fix a FIFO blocked the reader forever)."""
+    prog, args, needles = LOAD_ROWS[row]
+    try:
+        expect_one_line_error(prog, args(lh), needles, timeout=30)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{row}: still running after 30 s (blocked on a FIFO?)")
+    assert not os.path.exists(os.path.join(lh.root, "export_inf"))
+
+
+def test_adapters_peft_writes_for_vit_still_load(lh, tmp_path):
+    """What PEFT 0.13 writes for ViTForImageClassification (modules_to_save ["classifier"], or the
+    SEQ_CLS task's ["classifier", "score"]; bias "lora_only" with no bias saved; auto_mapping,
+    megatron_core, loftq_config {} and the other keys at their defaults) loads, and gives the loss of
+    our own adapter with the same tensors."""
+    peft_keys = {"alpha_pattern": {}, "base_model_name_or_path": VIT, "bias": "lora_only", "fan_in_fan_out": False,
+                 "auto_mapping": {"base_model_class": "ViTForImageClassification",
+                                  "parent_library": "transformers.models.vit.modeling_vit"},
+                 "inference_mode": True, "init_lora_weights": True, "layer_replication": None, "layers_pattern": None,
+                 "layers_to_transform": None, "loftq_config": {}, "megatron_config": None,
+                 "megatron_core": "megatron.core", "modules_to_save": ["classifier", "score"], "rank_pattern": {},
+                 "revision": None, "task_type": "SEQ_CLS",
+                 "use_dora": False, "use_rslora": False}
+    d = adapter_with(str(tmp_path), "peft_vit", lh.vadapter, peft_keys)
+    losses = [run("vit", vit_eval(a)) for a in (lh.vadapter, d)]
+    assert all(p.returncode == 0 for p in losses), losses[1].stderr
+    assert losses[0].stdout.split("val loss ")[-1] == losses[1].stdout.split("val loss ")[-1]

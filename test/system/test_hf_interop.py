@@ -77,3 +77,39 @@ def test_transformers_and_peft_load_our_vit_outputs(tmp_path, ms_lora):
     assert len(rows) == 2
     for loss, acc in rows:
         assert abs(float(loss) - ours_loss) < 2e-6 * ours_loss and abs(float(acc) - ours_acc) < 1e-9
+
+
+def test_peft_rslora_adapter_loads_with_its_scale(tmp_path):
+    """An adapter PEFT saves with use_rslora (scale lora_alpha/sqrt(r)) and random A and B: our
+    --eval-only with --lora-rslora gives PEFT's loss; without the flag it is refused, naming the
+    option (it used to load with the scale alpha/r, another model, exit 0)."""
+    if not os.path.exists(HF_PYTHON):
+        pytest.fail(f"{HF_PYTHON} missing: scripts/ci/install_deps.sh makes it")
+    cfg = lc.model_config("gqa_untied")
+    lc.write_model(str(tmp_path / "model"), cfg, seed=5)
+    rng = np.random.default_rng(3)
+    toks = rng.integers(3, cfg["vocab_size"], size=2000)
+    val = str(tmp_path / "val.bin")
+    shards.write_shard(val, toks.astype(np.uint32), np.ones(toks.size, np.uint8), cfg["vocab_size"])
+    script = os.path.join(lc.REPO, "scripts", "interop", "save_peft_adapter.py")
+    p = subprocess.run([HF_PYTHON, script, "--base", str(tmp_path / "model"), "--out", str(tmp_path / "adapter"),
+                        "--rank", "4", "--alpha", "8", "--rslora", "--val", val, "--seq", "24", "--windows", "16"],
+                       capture_output=True, text=True, timeout=300, env=ENV)
+    assert p.returncode == 0, p.stderr[-3000:]
+    peft_adapted, peft_base = (float(line.split(":")[-1]) for line in p.stdout.splitlines() if line.startswith("PEFT"))
+    with open(tmp_path / "adapter" / "adapter_config.json") as f:
+        assert json.load(f)["use_rslora"] is True
+    args = ["--model", tmp_path / "model", "--val", val, "--eval-only", "--seq", 24, "--batch", 4, "--val-batches", 4,
+            "--lora-rank", 4, "--lora-alpha", 8, "--threads", 1, "--adapter", tmp_path / "adapter"]
+    ours = float(run(args + ["--lora-rslora"]).stdout.split("val loss ")[-1])
+    print("PEFT (base, base + rsLoRA adapter):", peft_base, peft_adapted, "ours:", ours)
+    assert abs(peft_adapted - peft_base) > 0.02
+    np.testing.assert_allclose(ours, peft_adapted, rtol=2e-6)
+    err = run(args, check=False).stderr
+    assert "use_rslora is true" in err and "--lora-rslora" in err, err
+    # the scale alpha/r, what the flag-less load used to apply, is another model
+    with open(tmp_path / "adapter" / "adapter_config.json") as f:
+        cfg = dict(json.load(f), use_rslora=False)
+    with open(tmp_path / "adapter" / "adapter_config.json", "w") as f:
+        json.dump(cfg, f)
+    assert abs(float(run(args).stdout.split("val loss ")[-1]) - peft_adapted) > 0.01

@@ -200,6 +200,36 @@ def test_peft_adapter_layout(tiny, tmp_path):
     assert {k: v.shape for k, v in t.items()} == want
 
 
+def test_rslora_adapter_round_trip(tiny, tmp_path):
+    """--lora-rslora scales the update by alpha/sqrt(r) (PEFT's use_rslora) and the adapter written
+    says so. Read back with the flag, it is exactly the plain adapter of lora_alpha*sqrt(r) with
+    the same tensors (r = 4: 16/sqrt(4) = 32/4): the merged exports are equal byte for byte, and
+    another scale exports otherwise. Without the flag it is refused, as a plain adapter is with it.
+    A plain adapter's config says use_rslora false and every other math option at its default."""
+    rs, plain = tmp_path / "rs", tmp_path / "plain"
+    run(base_args(tiny, "--steps", 3, "--batch", 2, "--out", rs, "--lora-rslora"))
+    cfg = json.loads((rs / "adapter_config.json").read_text())
+    assert cfg["use_rslora"] is True and cfg["r"] == 4 and cfg["lora_alpha"] == 16
+    shutil.copytree(rs, plain)
+    (plain / "adapter_config.json").write_text(json.dumps(dict(cfg, use_rslora=False, lora_alpha=32)))
+
+    def export(name, *a):
+        run(["--model", tiny / "model", "--lora-rank", 4, "--export-merged", tmp_path / name, *a])
+        return (tmp_path / name / "model.safetensors").read_bytes()
+    assert export("m_rs", "--adapter", rs, "--lora-rslora") == export("m_plain", "--adapter", plain, "--lora-alpha", 32)
+    (plain / "adapter_config.json").write_text(json.dumps(dict(cfg, use_rslora=False)))
+    assert export("m_alpha_r", "--adapter", plain) != export("m_rs2", "--adapter", rs, "--lora-rslora")
+    expect_error(["--model", tiny / "model", "--lora-rank", 4, "--adapter", rs, "--export-merged", tmp_path / "x"],
+                 "adapter_config.json", "use_rslora is true", "--lora-rslora")
+    expect_error(["--model", tiny / "model", "--lora-rank", 4, "--adapter", plain, "--lora-rslora",
+                  "--export-merged", tmp_path / "x"], "adapter_config.json", "use_rslora is false")
+    run(base_args(tiny, "--steps", 1, "--batch", 2, "--out", tmp_path / "default"))
+    cfg = json.loads((tmp_path / "default" / "adapter_config.json").read_text())
+    want = {"use_rslora": False, "use_dora": False, "fan_in_fan_out": False, "layers_to_transform": None,
+            "layers_pattern": None, "rank_pattern": {}, "alpha_pattern": {}, "bias": "none", "modules_to_save": None}
+    assert {k: cfg[k] for k in want} == want
+
+
 def eval_loss(tiny, *extra):
     p = run(["--model", tiny / "model", "--val", tiny / "val.bin", "--eval-only", "--seq", 24, "--batch", 4, "--lora-rank", 4,
              "--threads", 1, *extra])
