@@ -769,7 +769,7 @@ static void block_forward(Llama* m, int l, void* x, BlockActs* a, int B, int T, 
 static void llama_save_block_input(Llama* m, int l, int64_t N) {
     if (!m->modes.offload_host) { op_copy(m->be, m->block_input[l], m->resid, N * m->cfg.dim); return; }
     op_copy(m->be, offload_staging_for_save(&m->offload, l), m->resid, N * m->cfg.dim);
-    offload_save(&m->offload, l);
+    offload_save(&m->offload, l, (size_t)N * m->cfg.dim * m->be->abytes);
 }
 
 // Embedding and all blocks over the uploaded batch; leaves the final norm's input in m->resid.
@@ -1304,7 +1304,7 @@ static size_t llama_plan_bytes(const void* ctx, const TrainOptions* o, int batch
     Dist ranks = dist_for_plan(c->dist, world);
     Llama m;
     llama_setup(&m, c->cfg, &md, batch, c->T, c->be, &ranks);
-    size_t bytes = plan_total(&m.plan);
+    size_t bytes = plan_total(&m.plan) + (c->be->cuda ? 0 : plan_host_bytes(&m.plan));  // (CPU: all host memory)
     llama_free(&m);
     return bytes;
 }

@@ -115,6 +115,25 @@ def test_probe_recomputed_and_offloaded_blocks_are_bit_identical(workdir, name, 
             assert a.shape == b.shape and a.tobytes() == b.tobytes(), (tag, k, float(np.abs(a - b).max()))
 
 
+@pytest.mark.parametrize("norm", ["std", "ms"])
+def test_probe_offload_of_many_blocks_is_bit_identical(workdir, norm):
+    """Five blocks, so that the forward reuses both staging buffers and the backward fetches every
+    block input but the last two from the host (with two blocks the staging buffers still hold
+    the forward's inputs and a missing fetch would go unseen): --offload host equals the kept run
+    bit for bit, under standard norms (recomputed on a copy) and MS norms (in place)."""
+    d = os.path.join(workdir, "five_blocks")
+    cfg = lc.write_model(d, dict(lc.model_config("gqa_untied"), num_hidden_layers=5), seed=1)
+    B, T, r, alpha = lc.SHAPES["gqa_untied"]
+    cp = os.path.join(d, "case.safetensors")
+    lc.st_io.save(cp, lc.make_case(cfg, B, T, r, seed=3))
+    kept = lc.run_probe(d, cp, cp + f".{norm}.kept", "approx", norm, "none", r, alpha)
+    got = lc.run_probe(d, cp, cp + f".{norm}.offload", "approx", norm, "block", r, alpha, extra=("--offload", "host"))
+    assert set(got) == set(kept)
+    for k in kept:
+        a, b = np.ascontiguousarray(kept[k]), np.ascontiguousarray(got[k])
+        assert a.tobytes() == b.tobytes(), (k, float(np.abs(a - b).max()))
+
+
 @pytest.mark.parametrize("mode", [MODES[0], MODES[3]], ids=[MODE_IDS[0], MODE_IDS[3]])
 def test_probe_lora_subset(workdir, mode):
     """LoRA on some targets only (q, v, down): no adapter, no gradient for the others."""

@@ -78,19 +78,20 @@ static void* offload_staging_for_save(Offload* o, int block) {
     return o->staging[i];
 }
 
-// Forward: block l's input, just written to its staging buffer by the compute stream, to the host.
-static void offload_save(Offload* o, int block) {
+// Forward: block l's input (its first `bytes`: a generation step's rows), just written to its
+// staging buffer by the compute stream, to the host.
+static void offload_save(Offload* o, int block, size_t bytes) {
     int i = offload_slot(block);
 #ifdef LLMC_HAVE_CUDA
     if (o->be->cuda) {
         CUDA_CHECK(cudaEventRecord(o->written[i], o->be->stream));
         CUDA_CHECK(cudaStreamWaitEvent(o->copy, o->written[i], 0));
-        CUDA_CHECK(cudaMemcpyAsync(o->host[block], o->staging[i], o->bytes, cudaMemcpyDeviceToHost, o->copy));
+        CUDA_CHECK(cudaMemcpyAsync(o->host[block], o->staging[i], bytes, cudaMemcpyDeviceToHost, o->copy));
         CUDA_CHECK(cudaEventRecord(o->saved[i], o->copy));
         return;
     }
 #endif
-    memcpy(o->host[block], o->staging[i], o->bytes);
+    memcpy(o->host[block], o->staging[i], bytes);
 }
 
 // Backward: block l's input from the host into its staging buffer, once the compute stream is
