@@ -239,8 +239,9 @@ static void llama_plan_block(Llama* m, MemPlan* p, int l) {
     BlockActs* s = &m->tmp;
     char nm[48];
     if (md->recompute_block) {  // the checkpoint [N, d]: on the device, or (--offload host) in pinned host memory
+        MemCategory where = md->offload_host ? MEM_HOST : MEM_SAVED;
         snprintf(nm, sizeof(nm), "L%d.block_input", l);
-        plan_add(p, md->offload_host ? MEM_HOST : MEM_SAVED, "checkpoint", l, nm, N * d * abytes, &m->block_input[l]);
+        plan_add(p, where, "checkpoint", l, nm, N * d * abytes, &m->block_input[l]);
     }
     if (!md->ms && !md->recompute_block) plan_block_act(p, m, l, 1, "attn_norm", "x_in", N * d * abytes, &a->x_in, NULL);
     plan_block_act(p, m, l, keep, "attn_norm", "r1", N * 4, &a->r1, &s->r1);
@@ -286,8 +287,9 @@ static void llama_plan_scratch(Llama* m, MemPlan* p) {
     plan_add(p, MEM_SCRATCH, "residual", -1, "resid", N * d * abytes, &m->resid);
     // the recomputed forward's residual stream: a copy of the checkpoint where the backward reads
     // the block input (standard norms); under MS norms it runs in place on the checkpoint
-    if (md->recompute_block && !md->ms) plan_add(p, MEM_SCRATCH, "residual", -1, "resid_tmp", N * d * abytes, &m->resid_tmp);
-    if (md->offload_host)  // two block inputs [N, d]: one on its way to or from the host while the other is in use
+    if (md->recompute_block && !md->ms)
+        plan_add(p, MEM_SCRATCH, "residual", -1, "resid_tmp", N * d * abytes, &m->resid_tmp);
+    if (md->offload_host)  // two block inputs [N, d]: one travels to or from the host while the other is in use
         for (int i = 0; i < OFFLOAD_STAGING; i++) {
             char nm[48];
             snprintf(nm, sizeof(nm), "offload_staging%d", i);
@@ -344,9 +346,6 @@ static void llama_plan(Llama* m, MemPlan* p) {
     llama_plan_scratch(m, p);
 }
 
-// After allocation: points the buffers a block does not keep at the shared scratch set, wires the
-// trainable weights into the flat arenas (layer-major, target order; LoRA A then B, or W under
-// --full), and sets up the host side of the batch and of the trainable arena.
 // Forward temporaries no backward reads, in gradient scratch, which no forward uses (the
 // recomputed one runs before its block's backward): the gate pre-activation g [N, f] under
 // ReSiLU2 (its 2-bit codes are kept), the product p [N, f] where the down projection's input is
@@ -358,6 +357,9 @@ static void llama_bind_forward_temporaries(Llama* m) {
     if (llama_qk_norm_ms(m)) { m->tmp.q_pre = m->dq; m->tmp.k_pre = m->dk; }
 }
 
+// After allocation: points the buffers a block does not keep at the shared scratch set, wires the
+// trainable weights into the flat arenas (layer-major, target order; LoRA A then B, or W under
+// --full), and sets up the host side of the batch and of the trainable arena.
 static void llama_bind(Llama* m) {
     const LlamaConfig* c = &m->cfg;
     llama_bind_forward_temporaries(m);
@@ -1284,8 +1286,9 @@ static void run_data_close(RunData* rd) {
 
 // --dry-run --json: the run's settings as the fields of a JSON object, into buf (plan_json writes them).
 static void llama_settings_json(char* buf, size_t n, const TrainOptions* o, const char* device) {
-    snprintf(buf, n, "\"model\": \"llama\", \"device\": \"%s\", \"mode\": \"%s\", \"act\": \"%s\", \"norm\": \"%s\", \"recompute\": \"%s\", \"batch\": %d, \"seq\": %d, \"lora_rank\": %d, \"lora_dropout\": %g, \"quant\": \"%s\", "
-             "\"offload\": \"%s\"",
+    snprintf(buf, n, "\"model\": \"llama\", \"device\": \"%s\", \"mode\": \"%s\", \"act\": \"%s\", \"norm\": \"%s\", "
+             "\"recompute\": \"%s\", \"batch\": %d, \"seq\": %d, \"lora_rank\": %d, \"lora_dropout\": %g, "
+             "\"quant\": \"%s\", \"offload\": \"%s\"",
              device, o->mode, o->act, o->norm, o->recompute, o->batch, o->seq, o->lora_rank, o->lora_dropout, o->quant,
              o->offload);
 }

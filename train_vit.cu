@@ -365,7 +365,8 @@ static void vit_plan_scratch(Vit* m, MemPlan* p) {
     plan_add(p, MEM_SCRATCH, "residual", -1, "resid", N * d * a, &m->resid);
     // the recomputed forward's residual stream: a copy of the checkpoint where the backward reads the
     // block input (standard norms); under MS norms it runs in place on the checkpoint
-    if (m->modes.recompute_block && !m->modes.ms) plan_add(p, MEM_SCRATCH, "residual", -1, "resid_tmp", N * d * a, &m->resid_tmp);
+    if (m->modes.recompute_block && !m->modes.ms)
+        plan_add(p, MEM_SCRATCH, "residual", -1, "resid_tmp", N * d * a, &m->resid_tmp);
     plan_add(p, MEM_SCRATCH, "grads", -1, "dres", N * d * a, &m->dres);
     plan_add(p, MEM_SCRATCH, "grads", -1, "dz", N * d * a, &m->dz);
     plan_add(p, MEM_SCRATCH, "grads", -1, "dq", N * d * a, &m->dq);

@@ -163,7 +163,8 @@ static void async_copy(int bug) {
     if (bug != ASYNC_UNWAITED) CUDA_CHECK(cudaStreamWaitEvent(0, landed, 0));
     launch_kernel(1, 32, 0, 0, sum_kernel, out, x, n, 0);
     float s = download(out, 1)[0];
-    if (s != (float)n) fail("async-unwaited: sum_kernel gave %g, want %g (read before its async copy landed)", s, (float)n);
+    if (s != (float)n)
+        fail("async-unwaited: sum_kernel gave %g, want %g (read before its async copy landed)", s, (float)n);
     CUDA_CHECK(cudaStreamDestroy(copy));
     CUDA_CHECK(cudaEventDestroy(used));
     CUDA_CHECK(cudaEventDestroy(landed));

@@ -223,7 +223,8 @@ def test_cuda_offloaded_recomputed_lowmem_equals_lowmem():
     and until then their destinations hold NaN: a missing wait gives NaN or stale checkpoints
     (test/test_emu_checks.py plants both). On a GPU the copies also overlap the compute."""
     kept = train(CUDA_TRAIN, "cuda", "--mode", "lowmem", "--steps", 3).stdout
-    off = train(CUDA_TRAIN, "cuda", "--mode", "lowmem", "--recompute", "block", "--offload", "host", "--steps", 3).stdout
+    off = train(CUDA_TRAIN, "cuda", "--mode", "lowmem", "--recompute", "block", "--offload", "host",
+                "--steps", 3).stdout
     a, b = step_losses(kept), step_losses(off)
     print(f"lowmem {a}\nlowmem + recompute + offload {b}")
     assert len(a) == 3 and a == b

@@ -8,7 +8,9 @@
 
 // MEM_HOST is the one category not on the device: pinned host memory (--offload host's block
 // checkpoints), plain host memory on the CPU backend. plan_total counts the device's categories.
-typedef enum { MEM_FROZEN, MEM_TRAINABLE, MEM_GRADS, MEM_OPTIM, MEM_SAVED, MEM_SCRATCH, MEM_HOST, MEM_CATS } MemCategory;
+typedef enum {
+    MEM_FROZEN, MEM_TRAINABLE, MEM_GRADS, MEM_OPTIM, MEM_SAVED, MEM_SCRATCH, MEM_HOST, MEM_CATS
+} MemCategory;
 static const char* mem_category_name[MEM_CATS] = {"frozen weights", "trainable weights", "gradients", "optimizer state",
                                                   "saved activations", "scratch", "pinned host memory"};
 static const char* mem_category_key[MEM_CATS] = {"frozen", "trainable", "grads", "optimizer", "saved", "scratch",
