@@ -19,6 +19,7 @@
 #include "llmc/text/model_tokenizer.h"
 #include "llmc/text/textdata.h"
 #include "llmc/memory/plan.h"
+#include "llmc/memory/offload.h"
 #include "llmc/train/run_options.h"
 #include "llmc/linear.h"
 #include "llmc/formats/peft.h"
@@ -98,7 +99,8 @@ typedef struct {
     const Dist* dist;
     BlockActs* acts;       // [layers]
     BlockActs tmp;         // scratch set (recompute, or buffers not kept)
-    void** block_input;    // [layers] block inputs under --recompute block
+    void** block_input;    // [layers] block inputs under --recompute block [N, d] (--offload host: on the host)
+    Offload offload;       // --offload host: the copy stream and the two device staging buffers
     int64_t* layer_off;    // [layers] where each block's trainable values start in the arena
     // scratch (activation gradients have the activations' element type)
     void *resid, *resid_tmp, *dres, *dz, *dq, *dk, *dv, *dout, *dp, *dg, *du, *dax;
@@ -159,7 +161,7 @@ static void plan_block_act(MemPlan* p, Llama* m, int l, int keep, const char* mo
     char nm[64];
     snprintf(nm, sizeof(nm), "L%d.%.40s", l, name);
     if (keep) plan_add(p, MEM_SAVED, module, l, nm, bytes, saved_slot);
-    else if (l == 0) plan_add(p, MEM_SCRATCH, module, -1, name, bytes, tmp_slot);
+    else if (l == 0) plan_add(p, MEM_SCRATCH, module, PLAN_SHARED_BLOCK, name, bytes, tmp_slot);
     (void)m;
 }
 
@@ -212,8 +214,18 @@ static void llama_plan_weights(Llama* m, MemPlan* p) {
     trainable_plan(&m->tr, p, md->full ? "all weights" : "lora", n_params, md->full ? SHARD_OPTIM_AND_MASTER : SHARD_NONE, m->dist, be);
 }
 
+// Whether the block keeps the down projection's input p = silu(g) * u [N, f] for its backward.
+static int llama_keeps_down_input(const Llama* m) {
+    const TrainModes* md = &m->modes;
+    return (md->full || (md->targets >> T_DOWN & 1)) && !md->recompute_product;
+}
+
 // What block l keeps for its backward (the table of docs/memory.md), or, where it keeps nothing
-// (--recompute block, or a buffer its mode does not keep), the shared scratch set.
+// (--recompute block, or a buffer its mode does not keep), the shared scratch set. Under
+// --recompute block that set is what the mode keeps (its recomputed forward makes it for the
+// backward: ReSiLU2's codes, not g; MS norms' z, not their input) plus the forward's own
+// temporaries (z1, z2 where no linear keeps them; Qwen3's q, k under MS norms, rebuilt anyway).
+// Temporaries no backward reads live in gradient scratch instead (llama_bind_forward_temporaries).
 static void llama_plan_block(Llama* m, MemPlan* p, int l) {
     const LlamaConfig* c = &m->cfg;
     const TrainModes* md = &m->modes;
@@ -226,13 +238,17 @@ static void llama_plan_block(Llama* m, MemPlan* p, int l) {
     BlockActs* a = &m->acts[l];
     BlockActs* s = &m->tmp;
     char nm[48];
-    if (md->recompute_block) { snprintf(nm, sizeof(nm), "L%d.block_input", l); plan_add(p, MEM_SAVED, "checkpoint", l, nm, N * d * abytes, &m->block_input[l]); }
+    if (md->recompute_block) {  // the checkpoint [N, d]: on the device, or (--offload host) in pinned host memory
+        MemCategory where = md->offload_host ? MEM_HOST : MEM_SAVED;
+        snprintf(nm, sizeof(nm), "L%d.block_input", l);
+        plan_add(p, where, "checkpoint", l, nm, N * d * abytes, &m->block_input[l]);
+    }
     if (!md->ms && !md->recompute_block) plan_block_act(p, m, l, 1, "attn_norm", "x_in", N * d * abytes, &a->x_in, NULL);
     plan_block_act(p, m, l, keep, "attn_norm", "r1", N * 4, &a->r1, &s->r1);
     plan_block_act(p, m, l, keep && (md->ms || lora_qkv), "qkv_input", "z1", N * d * abytes, &a->z1, &s->z1);
     if (c->qk_norm) {
-        plan_block_act(p, m, l, keep && !msqk, "qk_norm", "q_pre", N * qd * abytes, &a->q_pre, &s->q_pre);
-        plan_block_act(p, m, l, keep && !msqk, "qk_norm", "k_pre", N * kvd * abytes, &a->k_pre, &s->k_pre);
+        if (!msqk) plan_block_act(p, m, l, keep, "qk_norm", "q_pre", N * qd * abytes, &a->q_pre, &s->q_pre);
+        if (!msqk) plan_block_act(p, m, l, keep, "qk_norm", "k_pre", N * kvd * abytes, &a->k_pre, &s->k_pre);
         if (msqk) plan_block_act(p, m, l, keep, "qk_norm", "q_normed", N * qd * abytes, &a->qz, &s->qz);
         if (msqk) plan_block_act(p, m, l, keep, "qk_norm", "k_normed", N * kvd * abytes, &a->kz, &s->kz);
         plan_block_act(p, m, l, keep, "qk_norm", "rq", N * c->heads * 4, &a->rq, &s->rq);
@@ -251,12 +267,11 @@ static void llama_plan_block(Llama* m, MemPlan* p, int l) {
     if (!md->ms) plan_block_act(p, m, l, keep, "mlp_norm", "h_mid", N * d * abytes, &a->h_mid, &s->h_mid);
     plan_block_act(p, m, l, keep, "mlp_norm", "r2", N * 4, &a->r2, &s->r2);
     plan_block_act(p, m, l, keep && (md->ms || lora_gu), "gate_up_input", "z2", N * d * abytes, &a->z2, &s->z2);
-    plan_block_act(p, m, l, keep && !md->approx, "silu", "g", N * f * abytes, &a->g, &s->g);
+    if (!md->approx) plan_block_act(p, m, l, keep, "silu", "g", N * f * abytes, &a->g, &s->g);
     if (md->approx) plan_block_act(p, m, l, keep, "silu", "codes", (size_t)packed_codes_bytes(N * f), &a->codes, &s->codes);
     plan_block_act(p, m, l, keep, "swiglu_product", "silu_g", N * f * abytes, &a->sg, &s->sg);
     plan_block_act(p, m, l, keep, "swiglu_product", "up", N * f * abytes, &a->u, &s->u);
-    int down_input = (md->full || (md->targets >> T_DOWN & 1)) && !md->recompute_product;
-    plan_block_act(p, m, l, keep && down_input, "down_input", "product", N * f * abytes, &a->p, &s->p);
+    if (llama_keeps_down_input(m)) plan_block_act(p, m, l, keep, "down_input", "product", N * f * abytes, &a->p, &s->p);
 }
 
 // Scratch of the forward and backward passes: the residual stream, the activation gradients, the
@@ -270,7 +285,16 @@ static void llama_plan_scratch(Llama* m, MemPlan* p) {
             kvd = (int64_t)c->kv_heads * c->head_dim, V = c->vocab, r = md->rank;
     int lora_norm_inputs = md->full || (md->targets & ((1u << T_Q) | (1u << T_K) | (1u << T_V) | (1u << T_GATE) | (1u << T_UP)));
     plan_add(p, MEM_SCRATCH, "residual", -1, "resid", N * d * abytes, &m->resid);
-    if (md->recompute_block) plan_add(p, MEM_SCRATCH, "residual", -1, "resid_tmp", N * d * abytes, &m->resid_tmp);
+    // the recomputed forward's residual stream: a copy of the checkpoint where the backward reads
+    // the block input (standard norms); under MS norms it runs in place on the checkpoint
+    if (md->recompute_block && !md->ms)
+        plan_add(p, MEM_SCRATCH, "residual", -1, "resid_tmp", N * d * abytes, &m->resid_tmp);
+    if (md->offload_host)  // two block inputs [N, d]: one travels to or from the host while the other is in use
+        for (int i = 0; i < OFFLOAD_STAGING; i++) {
+            char nm[48];
+            snprintf(nm, sizeof(nm), "offload_staging%d", i);
+            plan_add(p, MEM_SCRATCH, "offload", -1, nm, N * d * abytes, &m->offload.staging[i]);
+        }
     plan_add(p, MEM_SCRATCH, "grads", -1, "dres", N * d * abytes, &m->dres);
     plan_add(p, MEM_SCRATCH, "grads", -1, "dz", N * d * abytes, &m->dz);
     plan_add(p, MEM_SCRATCH, "grads", -1, "dq", N * qd * abytes, &m->dq);
@@ -322,11 +346,23 @@ static void llama_plan(Llama* m, MemPlan* p) {
     llama_plan_scratch(m, p);
 }
 
+// Forward temporaries no backward reads, in gradient scratch, which no forward uses (the
+// recomputed one runs before its block's backward): the gate pre-activation g [N, f] under
+// ReSiLU2 (its 2-bit codes are kept), the product p [N, f] where the down projection's input is
+// not kept (a rebuilt one, --swiglu-product recompute, is dead before du is written), and under
+// MS norms Qwen3's q, k projections before their norm [N, qd], [N, kvd] (z is kept).
+static void llama_bind_forward_temporaries(Llama* m) {
+    if (m->modes.approx) m->tmp.g = m->dg;
+    if (!llama_keeps_down_input(m)) m->tmp.p = m->du;
+    if (llama_qk_norm_ms(m)) { m->tmp.q_pre = m->dq; m->tmp.k_pre = m->dk; }
+}
+
 // After allocation: points the buffers a block does not keep at the shared scratch set, wires the
 // trainable weights into the flat arenas (layer-major, target order; LoRA A then B, or W under
 // --full), and sets up the host side of the batch and of the trainable arena.
 static void llama_bind(Llama* m) {
     const LlamaConfig* c = &m->cfg;
+    llama_bind_forward_temporaries(m);
     for (int l = 0; l < c->layers; l++) {
         void** a = (void**)&m->acts[l];
         void** s = (void**)&m->tmp;
@@ -417,6 +453,10 @@ static void llama_allocate(Llama* m) {
     backend_allocate_plan(m->be, &m->plan);
     op_attach_matmul_workspace(m->be, m->blas_work);
     llama_bind(m);
+    if (m->modes.offload_host) {
+        m->offload.host = m->block_input;
+        offload_init(&m->offload, m->be, m->cfg.layers, (size_t)m->B * m->T * m->cfg.dim * m->be->abytes);
+    }
 }
 
 static void llama_free(Llama* m) {
@@ -426,6 +466,7 @@ static void llama_free(Llama* m) {
         backend_free_host_side(m->be, m->h_pos); backend_free_host_side(m->be, m->h_mask);
         backend_free_host_side(m->be, m->h_embed_order);
         op_detach_matmul_workspace(m->be, m->blas_work);
+        if (m->modes.offload_host) offload_free(&m->offload);
         backend_free_plan(m->be, &m->plan);
     } else {
         plan_free(&m->plan);
@@ -723,6 +764,14 @@ static void block_forward(Llama* m, int l, void* x, BlockActs* a, int B, int T, 
     op_linear_forward(be, x, a->p, &layer->lin[T_DOWN], a->ax[T_DOWN], N, r, s, OUT_ADD);
 }
 
+// --recompute block: block l's checkpoint, its input (m->resid) [N, d], kept on the device or
+// (--offload host) sent to the host through a staging buffer.
+static void llama_save_block_input(Llama* m, int l, int64_t N) {
+    if (!m->modes.offload_host) { op_copy(m->be, m->block_input[l], m->resid, N * m->cfg.dim); return; }
+    op_copy(m->be, offload_staging_for_save(&m->offload, l), m->resid, N * m->cfg.dim);
+    offload_save(&m->offload, l, (size_t)N * m->cfg.dim * m->be->abytes);
+}
+
 // Embedding and all blocks over the uploaded batch; leaves the final norm's input in m->resid.
 // Each part first waits for its weights' all-gather when ZeRO-1 overlaps it with this forward
 // (the embedding, head and final norm lie below the first block in the arena).
@@ -733,7 +782,7 @@ static void llama_forward_blocks(Llama* m, int B, int T, const KVCache* kv) {
     op_embed(m->be, m->resid, m->embed, m->inputs, N, m->cfg.dim);
     for (int l = 0; l < layers; l++) {
         trainable_weights_ready(&m->tr, m->layer_off[l], l + 1 < layers ? m->layer_off[l + 1] : m->tr.padded);
-        if (m->modes.recompute_block) op_copy(m->be, m->block_input[l], m->resid, N * m->cfg.dim);
+        if (m->modes.recompute_block) llama_save_block_input(m, l, N);
         block_forward(m, l, m->resid, &m->acts[l], B, T, kv);
     }
 }
@@ -776,7 +825,8 @@ static const void* llama_qk_norm_backward(Llama* m, const LlamaLayer* layer, Blo
 }
 
 // Backpropagates m->dres (gradient w.r.t. the block output) to the block input, in place.
-static void block_backward(Llama* m, int l, BlockActs* a, int B, int T) {
+// block_input: the recomputed block's input on the device (NULL: not recomputed; a->x_in then).
+static void block_backward(Llama* m, int l, BlockActs* a, const void* block_input, int B, int T) {
     const Backend* be = m->be;
     const LlamaConfig* c = &m->cfg;
     const LlamaLayer* layer = &m->layers[l];
@@ -784,7 +834,7 @@ static void block_backward(Llama* m, int l, BlockActs* a, int B, int T) {
     int r = m->modes.rank;
     float s = m->modes.lora_scale;
     AttnShape as = {B, T, c->heads, c->kv_heads, c->head_dim, 1, m->pos};
-    const void* x_in = m->modes.recompute_block ? m->block_input[l] : a->x_in;
+    const void* x_in = block_input ? block_input : a->x_in;
     // MLP: down, SwiGLU (exact or ReSiLU2), gate/up, MLP norm
     if (m->modes.recompute_product && (layer->lin[T_DOWN].A || layer->lin[T_DOWN].dW))  // beyond the paper: rebuild the down input
         op_mul(be, a->p, a->sg, a->u, nf);
@@ -812,14 +862,30 @@ static void block_backward(Llama* m, int l, BlockActs* a, int B, int T) {
     else op_rmsnorm_backward(be, m->dres, m->dz, x_in, a->r1, layer->attn_norm, N, (int)d);
 }
 
-static void llama_backward_blocks(Llama* m, int B, int T) {
+// --recompute block: block l's activations rebuilt from its checkpoint by the same forward (so
+// the same bits); returns the checkpoint on the device, which the backward of standard norms
+// reads (the forward then runs on a copy; under MS norms in place).
+static const void* llama_recompute_block(Llama* m, int l, int B, int T) {
     int64_t N = (int64_t)B * T;
-    for (int l = m->cfg.layers - 1; l >= 0; l--) {
-        if (m->modes.recompute_block) {  // recompute this block's activations from its saved input
-            op_copy(m->be, m->resid_tmp, m->block_input[l], N * m->cfg.dim);
-            block_forward(m, l, m->resid_tmp, &m->acts[l], B, T, NULL);
-        }
-        block_backward(m, l, &m->acts[l], B, T);
+    void* x = m->modes.offload_host ? offload_staging_fetched(&m->offload, l) : m->block_input[l];
+    void* stream = x;
+    if (!m->modes.ms) {
+        op_copy(m->be, m->resid_tmp, x, N * m->cfg.dim);
+        stream = m->resid_tmp;
+    }
+    block_forward(m, l, stream, &m->acts[l], B, T, NULL);
+    return x;
+}
+
+static void llama_backward_blocks(Llama* m, int B, int T) {
+    int layers = m->cfg.layers;
+    if (m->modes.offload_host)  // the last blocks' inputs on their way back (double buffered)
+        for (int l = layers - 1; l >= 0 && l >= layers - OFFLOAD_STAGING; l--) offload_fetch(&m->offload, l);
+    for (int l = layers - 1; l >= 0; l--) {
+        const void* block_input = m->modes.recompute_block ? llama_recompute_block(m, l, B, T) : NULL;
+        block_backward(m, l, &m->acts[l], block_input, B, T);
+        // this block's staging buffer is free: the input OFFLOAD_STAGING blocks down comes into it
+        if (m->modes.offload_host) offload_fetch(&m->offload, l - OFFLOAD_STAGING);
         trainable_grads_final_from(&m->tr, m->dist, m->layer_off[l]);  // this block's are final
     }
 }
@@ -1222,8 +1288,11 @@ static void run_data_close(RunData* rd) {
 
 // --dry-run --json: the run's settings as the fields of a JSON object, into buf (plan_json writes them).
 static void llama_settings_json(char* buf, size_t n, const TrainOptions* o, const char* device) {
-    snprintf(buf, n, "\"model\": \"llama\", \"device\": \"%s\", \"mode\": \"%s\", \"act\": \"%s\", \"norm\": \"%s\", \"recompute\": \"%s\", \"batch\": %d, \"seq\": %d, \"lora_rank\": %d, \"lora_dropout\": %g, \"quant\": \"%s\"",
-             device, o->mode, o->act, o->norm, o->recompute, o->batch, o->seq, o->lora_rank, o->lora_dropout, o->quant);
+    snprintf(buf, n, "\"model\": \"llama\", \"device\": \"%s\", \"mode\": \"%s\", \"act\": \"%s\", \"norm\": \"%s\", "
+             "\"recompute\": \"%s\", \"batch\": %d, \"seq\": %d, \"lora_rank\": %d, \"lora_dropout\": %g, "
+             "\"quant\": \"%s\", \"offload\": \"%s\"",
+             device, o->mode, o->act, o->norm, o->recompute, o->batch, o->seq, o->lora_rank, o->lora_dropout, o->quant,
+             o->offload);
 }
 
 // What fit_check_plan plans with: the run's model, backend and ranks at sequence length T.
@@ -1240,7 +1309,7 @@ static size_t llama_plan_bytes(const void* ctx, const TrainOptions* o, int batch
     Dist ranks = dist_for_plan(c->dist, world);
     Llama m;
     llama_setup(&m, c->cfg, &md, batch, c->T, c->be, &ranks);
-    size_t bytes = plan_total(&m.plan);
+    size_t bytes = plan_total(&m.plan) + (c->be->cuda ? 0 : plan_host_bytes(&m.plan));  // (CPU: all host memory)
     llama_free(&m);
     return bytes;
 }
@@ -1342,6 +1411,8 @@ static void llama_flags(FlagTable* t, TrainOptions* o) {
     t->group = "memory modes (the paper's layers)";
     flag_choice(t, "swiglu-product", &o->swiglu_product, "keep|recompute",
                 "keep the down projection's input, or rebuild it from silu(g)*u in backward (beyond the paper)");
+    flag_choice(t, "offload", &o->offload, "none|host",
+                "with --recompute block: the block checkpoints in pinned host memory, copied beside the compute");
     t->group = "model and data";
     flag_string(t, "export-merged", &o->export_merged, "after training (or alone, with --adapter), write the model with the adapter folded in to this directory");
     t->group = "memory modes (the paper's layers)";

@@ -223,7 +223,7 @@ static void plan_block_act(MemPlan* p, int l, int keep, const char* module, cons
     char nm[64];
     snprintf(nm, sizeof(nm), "L%d.%.40s", l, name);
     if (keep) plan_add(p, MEM_SAVED, module, l, nm, bytes, saved_slot);
-    else if (l == 0) plan_add(p, MEM_SCRATCH, module, -1, name, bytes, tmp_slot);
+    else if (l == 0) plan_add(p, MEM_SCRATCH, module, PLAN_SHARED_BLOCK, name, bytes, tmp_slot);
 }
 
 // What --full trains besides the linear weights and the head: the embeddings and the final norm;
@@ -314,7 +314,8 @@ static void vit_plan_blocks(Vit* m, MemPlan* p) {
         if (std_norm) plan_block_act(p, l, keep, "mlp_norm", "mean2", N * 4, &A->mean2, &s->mean2);
         plan_block_act(p, l, keep, "mlp_norm", "r2", N * 4, &A->r2, &s->r2);
         plan_block_act(p, l, keep && (md->ms || md->full || (md->targets >> T_FC1 & 1)), "fc1_input", "z2", N * d * a, &A->z2, &s->z2);
-        plan_block_act(p, l, keep && !md->approx, "gelu", "h", N * f * a, &A->h, &s->h);
+        // under ReGELU2 fc1's output h is a forward temporary in dh (vit_bind): the codes are kept
+        if (!md->approx) plan_block_act(p, l, keep, "gelu", "h", N * f * a, &A->h, &s->h);
         if (md->approx) plan_block_act(p, l, keep, "gelu", "codes", (size_t)packed_codes_bytes(N * f), &A->codes, &s->codes);
         plan_block_act(p, l, keep && (md->full || (md->targets >> T_FC2 & 1)), "fc2_input", "g", N * f * a, &A->g, &s->g);
     }
@@ -334,7 +335,10 @@ static void vit_plan_scratch(Vit* m, MemPlan* p) {
     }
     plan_add(p, MEM_SCRATCH, "patch_embed", -1, "patches", N * patch_len(c) * a, &m->patches);
     plan_add(p, MEM_SCRATCH, "residual", -1, "resid", N * d * a, &m->resid);
-    if (m->modes.recompute_block) plan_add(p, MEM_SCRATCH, "residual", -1, "resid_tmp", N * d * a, &m->resid_tmp);
+    // the recomputed forward's residual stream: a copy of the checkpoint where the backward reads the
+    // block input (standard norms); under MS norms it runs in place on the checkpoint
+    if (m->modes.recompute_block && !m->modes.ms)
+        plan_add(p, MEM_SCRATCH, "residual", -1, "resid_tmp", N * d * a, &m->resid_tmp);
     plan_add(p, MEM_SCRATCH, "grads", -1, "dres", N * d * a, &m->dres);
     plan_add(p, MEM_SCRATCH, "grads", -1, "dz", N * d * a, &m->dz);
     plan_add(p, MEM_SCRATCH, "grads", -1, "dq", N * d * a, &m->dq);
@@ -407,6 +411,9 @@ static void vit_bind_linear(Vit* m, Linear* L, int t, int64_t* off, float** h) {
 static void vit_bind(Vit* m) {
     const VitConfig* c = &m->cfg;
     const Backend* be = m->be;
+    // fc1's output [N, f] under ReGELU2 lives in the gradient scratch dh, which no forward uses
+    // (the recomputed one runs before its block's backward) and whose backward reads only the codes
+    if (m->modes.approx) m->tmp.h = m->dh;
     for (int l = 0; l < c->layers; l++) {
         void** a = (void**)&m->acts[l];
         void** s = (void**)&m->tmp;
@@ -819,8 +826,12 @@ static void vit_backward_blocks(Vit* m, int B) {
     int64_t N = (int64_t)B * m->T;
     for (int l = m->cfg.layers - 1; l >= 0; l--) {
         if (m->modes.recompute_block) {  // recompute this block's activations from its saved input
-            op_copy(m->be, m->resid_tmp, m->block_input[l], N * m->cfg.dim);
-            block_forward(m, l, m->resid_tmp, &m->acts[l], B);
+            void* stream = m->block_input[l];  // MS norms: in place (the backward never reads the block input)
+            if (!m->modes.ms) {
+                op_copy(m->be, m->resid_tmp, m->block_input[l], N * m->cfg.dim);
+                stream = m->resid_tmp;
+            }
+            block_forward(m, l, stream, &m->acts[l], B);
         }
         block_backward(m, l, &m->acts[l], B);
         trainable_grads_final_from(&m->tr, m->dist, m->layer_off[l]);  // this block's, the final norm's and the head's are final

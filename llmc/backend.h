@@ -129,6 +129,13 @@ static void backend_allocate_plan(const Backend* be, MemPlan* p) {
         p->arena[c] = NULL;
         if (!p->cat_bytes[c]) continue;
         void* a = NULL;
+        if (c == MEM_HOST) {  // page-locked, so the copy stream's transfers run asynchronously at full bus speed
+            if (cudaMallocHost(&a, p->cat_bytes[c]) != cudaSuccess)
+                fail("cannot allocate %.1f MiB of pinned host memory for --offload host", p->cat_bytes[c] / 1048576.0);
+            memset(a, 0, p->cat_bytes[c]);
+            p->arena[c] = (uint8_t*)a;
+            continue;
+        }
         if (cudaMalloc(&a, p->cat_bytes[c]) != cudaSuccess)
             fail(
                 "cannot allocate %.1f MiB of GPU memory for %s (try a smaller --batch/--seq, --mode lowmem or --mode "
@@ -142,6 +149,7 @@ static void backend_allocate_plan(const Backend* be, MemPlan* p) {
 #ifdef LLMC_CUDA_EMU
     for (int i = 0; i < p->count; i++) {  // from each buffer's end to the next one: the emulator's guard zone
         const PlanBuffer* b = &p->bufs[i];
+        if (b->cat == MEM_HOST) continue;  // host memory: no kernel touches it
         emu_guard_add(p->arena[b->cat] + b->offset + b->bytes, round_up(b->bytes, PLAN_ALIGN) + PLAN_GUARD - b->bytes,
                       b->name);
     }
@@ -152,7 +160,8 @@ static void backend_allocate_plan(const Backend* be, MemPlan* p) {
 static void backend_free_plan(const Backend* be, MemPlan* p) {
 #ifdef LLMC_HAVE_CUDA
     if (be->cuda) {
-        for (int c = 0; c < MEM_CATS; c++) if (p->arena[c]) CUDA_CHECK(cudaFree(p->arena[c]));
+        for (int c = 0; c < MEM_CATS; c++)
+            if (p->arena[c]) CUDA_CHECK(c == MEM_HOST ? cudaFreeHost(p->arena[c]) : cudaFree(p->arena[c]));
         memset(p->arena, 0, sizeof(p->arena));
     }
 #else
@@ -264,7 +273,9 @@ static double backend_measured_mib(const Backend* be) {
 
 // The line printed after training: the plan beside what was measured.
 static void backend_print_memory(const Backend* be, const MemPlan* plan) {
-    printf("memory: planned %.2f MiB (saved activations %.2f MiB), measured %s %.2f MiB\n", mib(plan_total(plan)),
+    // on the CPU the host arena is part of the resident set that is measured
+    size_t planned = plan_total(plan) + (be->cuda ? 0 : plan_host_bytes(plan));
+    printf("memory: planned %.2f MiB (saved activations %.2f MiB), measured %s %.2f MiB\n", mib(planned),
            mib(plan_saved_bytes(plan)),
            be->cuda ? "device memory in use (cudaMemGetInfo, beyond the CUDA context)" : "peak RSS",
            backend_measured_mib(be));

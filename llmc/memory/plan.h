@@ -6,12 +6,21 @@
 #include "../common.h"
 #include "../formats/json.h"
 
-typedef enum { MEM_FROZEN, MEM_TRAINABLE, MEM_GRADS, MEM_OPTIM, MEM_SAVED, MEM_SCRATCH, MEM_CATS } MemCategory;
+// MEM_HOST is the one category not on the device: pinned host memory (--offload host's block
+// checkpoints), plain host memory on the CPU backend. plan_total counts the device's categories.
+typedef enum {
+    MEM_FROZEN, MEM_TRAINABLE, MEM_GRADS, MEM_OPTIM, MEM_SAVED, MEM_SCRATCH, MEM_HOST, MEM_CATS
+} MemCategory;
 static const char* mem_category_name[MEM_CATS] = {"frozen weights", "trainable weights", "gradients", "optimizer state",
-                                                  "saved activations", "scratch"};
-static const char* mem_category_key[MEM_CATS] = {"frozen", "trainable", "grads", "optimizer", "saved", "scratch"};
+                                                  "saved activations", "scratch", "pinned host memory"};
+static const char* mem_category_key[MEM_CATS] = {"frozen", "trainable", "grads", "optimizer", "saved", "scratch",
+                                                 "host"};
+#define MEM_DEVICE_CATS MEM_HOST  // the categories before it live on the device
 
 #define PLAN_ALIGN 64
+// The block of a buffer that belongs to no one block but to the scratch set every block's forward
+// (and, under --recompute block, its recomputed forward and backward) uses in turn.
+#define PLAN_SHARED_BLOCK (-2)
 // The CPU emulator of the CUDA backend (llmc/cuda/emu/emu.h) is given a guard zone after every
 // buffer, so that an out-of-bounds access inside an arena is caught (backend.h registers them).
 #ifdef LLMC_CUDA_EMU
@@ -23,7 +32,7 @@ static const char* mem_category_key[MEM_CATS] = {"frozen", "trainable", "grads",
 typedef struct {
     char name[48];
     const char* module;    // owning module: a row of the per-block table
-    int block;             // -1: not per block
+    int block;             // -1: not per block; PLAN_SHARED_BLOCK: a block's buffer in the set all blocks share
     MemCategory cat;
     size_t bytes;
     void** bind;           // receives the buffer's address at allocation (may be NULL)
@@ -65,10 +74,22 @@ static void plan_add(MemPlan* p, MemCategory cat, const char* module, int block,
     plan_add_aligned(p, cat, module, block, name, bytes, bind, PLAN_ALIGN);
 }
 
+// The device's bytes (on the CPU backend: all but the host arena).
 static size_t plan_total(const MemPlan* p) {
     size_t t = 0;
-    for (int c = 0; c < MEM_CATS; c++) t += p->cat_bytes[c];
+    for (int c = 0; c < MEM_DEVICE_CATS; c++) t += p->cat_bytes[c];
     return t;
+}
+static size_t plan_host_bytes(const MemPlan* p) { return p->cat_bytes[MEM_HOST]; }
+
+// Exact bytes (not rounded to the arena alignment) of one block's share of the shared scratch set:
+// what one block's forward writes beyond what it keeps, or under --recompute block, everything
+// its recomputed forward makes for its backward.
+static size_t plan_shared_block_bytes(const MemPlan* p) {
+    size_t s = 0;
+    for (int i = 0; i < p->count; i++)
+        if (p->bufs[i].cat == MEM_SCRATCH && p->bufs[i].block == PLAN_SHARED_BLOCK) s += p->bufs[i].bytes;
+    return s;
 }
 
 // Allocates (zeroed) arenas and writes every buffer's address to its bind.
@@ -142,10 +163,13 @@ static void plan_print(const MemPlan* p, const MemPlan* base, const char* mode_n
     size_t sb = base->cat_bytes[MEM_SAVED], sp = p->cat_bytes[MEM_SAVED];
     printf("  saved activations: baseline %.2f MiB, %s %.2f MiB (%+.1f%%); non-block %.2f MiB\n", mib(sb), mode_name,
            mib(sp), sb ? 100.0 * ((double)sp - (double)sb) / (double)sb : 0.0, mib(nb_p));
+    if (plan_shared_block_bytes(p))
+        printf("  block scratch set (shared by the blocks): %.1f bytes per token\n", plan_shared_block_bytes(p) / N);
     printf("  all arenas:");
-    for (int c = 0; c < MEM_CATS; c++)
-        printf(" %s %.2f MiB%s", mem_category_key[c], mib(p->cat_bytes[c]), c + 1 < MEM_CATS ? "," : "");
+    for (int c = 0; c < MEM_DEVICE_CATS; c++)
+        printf(" %s %.2f MiB%s", mem_category_key[c], mib(p->cat_bytes[c]), c + 1 < MEM_DEVICE_CATS ? "," : "");
     printf(" = %.2f MiB\n", mib(plan_total(p)));
+    if (plan_host_bytes(p)) printf("  pinned host memory: %.2f MiB\n", mib(plan_host_bytes(p)));
 }
 
 static void plan_json_per_block(FILE* f, const MemPlan* p, const char** mods, int n) {
@@ -176,9 +200,11 @@ static void plan_json(FILE* f, const MemPlan* p, const MemPlan* base, const char
             (long long)p->tokens, p->blocks, plan_saved_bytes(p));
     plan_json_per_block(f, p, mods, n);
     fprintf(f, ", \"categories\": {");
-    for (int c = 0; c < MEM_CATS; c++) fprintf(f, "%s\"%s\": %zu", c ? ", " : "", mem_category_key[c], p->cat_bytes[c]);
-    fprintf(f, "}, \"total_bytes\": %zu, \"baseline\": {\"activation_bytes\": %zu, \"per_block\": ", plan_total(p),
-            plan_saved_bytes(base));
+    for (int c = 0; c < MEM_DEVICE_CATS; c++)
+        fprintf(f, "%s\"%s\": %zu", c ? ", " : "", mem_category_key[c], p->cat_bytes[c]);
+    fprintf(f, "}, \"total_bytes\": %zu, \"host_bytes\": %zu, \"block_scratch_bytes\": %zu", plan_total(p),
+            plan_host_bytes(p), plan_shared_block_bytes(p));
+    fprintf(f, ", \"baseline\": {\"activation_bytes\": %zu, \"per_block\": ", plan_saved_bytes(base));
     plan_json_per_block(f, base, mods, n);
     fprintf(f, "}}\n");
 }

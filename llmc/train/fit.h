@@ -20,15 +20,7 @@ typedef size_t (*PlanBytesFn)(const void* ctx, const TrainOptions* o, int batch,
 // Memory the plan may take, in bytes: the GPU's free memory, or on the CPU the kernel's estimate
 // of what can be allocated without swapping (MemAvailable in /proc/meminfo; SIZE_MAX when there
 // is none, and the check then passes). LLMC_HOST_MEMORY_BYTES replaces the host's figure (tests).
-static size_t backend_free_bytes(const Backend* be) {
-#ifdef LLMC_HAVE_CUDA
-    if (be->cuda) {
-        size_t fr, tot;
-        CUDA_CHECK(cudaMemGetInfo(&fr, &tot));
-        return fr;
-    }
-#endif
-    (void)be;
+static size_t host_available_bytes(void) {
     const char* e = getenv("LLMC_HOST_MEMORY_BYTES");
     if (e && atoll(e) > 0) return (size_t)atoll(e);
     FILE* f = fopen("/proc/meminfo", "r");
@@ -39,6 +31,17 @@ static size_t backend_free_bytes(const Backend* be) {
     while (!found && fgets(line, sizeof(line), f)) found = sscanf(line, "MemAvailable: %llu kB", &kb) == 1;
     fclose(f);
     return found ? (size_t)kb * 1024 : SIZE_MAX;
+}
+static size_t backend_free_bytes(const Backend* be) {
+#ifdef LLMC_HAVE_CUDA
+    if (be->cuda) {
+        size_t fr, tot;
+        CUDA_CHECK(cudaMemGetInfo(&fr, &tot));
+        return fr;
+    }
+#endif
+    (void)be;
+    return host_available_bytes();
 }
 
 // The largest micro-batch up to `most` whose plan under o's switches fits `avail` bytes, or 0.
@@ -74,12 +77,29 @@ static const char* fit_size(char* buf, size_t n, size_t bytes) {
     return buf;
 }
 
+// On CUDA, fails (one line) when the plan's pinned host memory (--offload host) is more than the
+// host has available: page-locked memory cannot be swapped, so an overcommitted host would fail
+// the allocation or start swapping everything else.
+static void fit_check_host(const Backend* be, const MemPlan* plan, int local_ranks) {
+    size_t need = plan_host_bytes(plan), avail = host_available_bytes();
+    if (!be->cuda || !need || avail == SIZE_MAX) return;
+    if (local_ranks > 1) avail /= (size_t)local_ranks;
+    if (need <= avail) return;
+    char a[32], b[32];
+    fail("flag --offload host: the block checkpoints need %s of pinned host memory but %s is available (%s%s); "
+         "try a smaller --batch/--seq or --offload none", fit_size(a, sizeof(a), need), fit_size(b, sizeof(b), avail),
+         getenv("LLMC_HOST_MEMORY_BYTES") ? "LLMC_HOST_MEMORY_BYTES" : "MemAvailable",
+         local_ranks > 1 ? ", divided among the node's ranks" : "");
+}
+
 // Fails (one line) when `plan` needs more than the device has free (the host has available,
 // shared by the node's `local_ranks`): what the plan needs by category, what is free, and what
 // would fit.
 static void fit_check_plan(const Backend* be, const MemPlan* plan, PlanBytesFn plan_bytes, const void* ctx,
                            const TrainOptions* o, int world, int local_ranks) {
-    size_t need = plan_total(plan), avail = backend_free_bytes(be);
+    fit_check_host(be, plan, local_ranks);
+    // on the CPU the host arena is host memory like the rest
+    size_t need = plan_total(plan) + (be->cuda ? 0 : plan_host_bytes(plan)), avail = backend_free_bytes(be);
     if (!be->cuda && avail != SIZE_MAX && local_ranks > 1) avail /= (size_t)local_ranks;
     if (need <= avail) return;
     char parts[320] = "", hint[512] = "", a[32], b[32];

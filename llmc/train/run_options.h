@@ -29,6 +29,7 @@ typedef struct {
     const char* norm;       // std | ms
     const char* recompute;  // none | block
     const char* swiglu_product;  // keep | recompute (beyond the paper; LLaMA only)
+    const char* offload;    // none | host: --recompute block's checkpoints in pinned host memory (LLaMA only)
     const char* ms_lora;  // exact | merged: what an adapter behind an MS norm sees (gamma*z + beta, or z: the paper's)
     const char* quant;      // none | nf4: frozen linear weights stored as NF4 (llmc/formats/nf4.h; LLaMA only)
     // LoRA
@@ -66,6 +67,7 @@ static void train_options_defaults(TrainOptions* o) {
     o->mode = "lowmem";
     o->nonfinite = "stop";
     o->swiglu_product = "keep";
+    o->offload = "none";
     o->ms_lora = "exact";
     o->quant = "none";
     o->lora_rank = 8; o->lora_alpha = 16.0f;
@@ -217,6 +219,8 @@ static void train_validate(const TrainOptions* o) {
         fail("flag --full: not with --lora-targets or --adapter (no adapters in full fine-tuning)");
     // one class has loss 0 and gradient 0 whatever the weights: nothing to learn
     if (o->classes < 0 || o->classes == 1) fail("flag --classes: expected 0 (from the data) or >= 2, got %d", o->classes);
+    if (strcmp(o->offload, "none") != 0 && strcmp(o->recompute, "block") != 0)
+        fail("flag --offload %s: only with --recompute block (it moves the block checkpoints)", o->offload);
     if (o->full && strcmp(o->quant, "none") != 0)
         fail(
             "flag --quant %s: not with --full (full fine-tuning trains the weights themselves, in fp32; quantization "
@@ -272,6 +276,7 @@ typedef struct {
     int approx, ms, recompute_block;
     int ms_lora_merged;     // --ms-lora merged: adapters behind an MS norm see its bare output z (the paper's)
     int recompute_product;  // --swiglu-product recompute (LLaMA only)
+    int offload_host;       // --offload host (with --recompute block): block inputs kept in host memory
     int generate;           // --generate: plan the key/value cache and the logits it samples from (LLaMA only)
     int full;               // train the weights themselves instead of LoRA adapters
     int nf4;                // --quant nf4: frozen linear weights in NF4, dequantized before each product
@@ -289,6 +294,7 @@ static TrainModes train_modes_from(const TrainOptions* o, const char* const* tar
     md.ms = strcmp(o->norm, "ms") == 0;
     md.recompute_block = strcmp(o->recompute, "block") == 0;
     md.recompute_product = strcmp(o->swiglu_product, "recompute") == 0;
+    md.offload_host = md.recompute_block && strcmp(o->offload, "host") == 0;  // (train_validate refuses it alone)
     md.ms_lora_merged = strcmp(o->ms_lora, "merged") == 0;
     md.full = o->full;
     md.nf4 = strcmp(o->quant, "nf4") == 0;
@@ -308,7 +314,7 @@ static TrainModes train_modes_from(const TrainOptions* o, const char* const* tar
 
 // The same run in --mode baseline: every memory-saving switch off (what plans are compared with).
 static TrainModes train_baseline_modes(TrainModes md) {
-    md.approx = 0; md.ms = 0; md.recompute_block = 0; md.recompute_product = 0;
+    md.approx = 0; md.ms = 0; md.recompute_block = 0; md.recompute_product = 0; md.offload_host = 0;
     return md;
 }
 

@@ -15,6 +15,10 @@
 //   launch-block, launch-grid, launch-smem   launch configurations a GPU refuses
 //   blas-lda, blas-types, blas-oob, blas-align, blas-workspace   cuBLAS / cuBLASLt contract
 //                                     violations
+//   async-unwaited                    a kernel reads what a copy stream's cudaMemcpyAsync fills
+//                                     without waiting for it (an event)
+//   async-unordered                   a copy stream's cudaMemcpyAsync issued without waiting for
+//                                     the default stream's kernels (it may overwrite what they read)
 // Each planted bug must end the run with an error naming it (non-zero exit).
 #include "../../llmc/backend.h"
 #include "../../llmc/cuda/matmul.cuh"
@@ -131,6 +135,40 @@ static void oob_read(int bug) {
     launch_kernel(1, 32, 0, 0, sum_kernel, out, x, n, bug);
     float s = download(out, 1)[0];
     if (s != (float)n) fail("oob-read: sum_kernel gave %g, want %g (NaN: a read past the end hit the guard zone)", s, (float)n);
+    CUDA_CHECK(cudaFree(x));
+    CUDA_CHECK(cudaFree(out));
+}
+
+// --offload host's pattern (llmc/memory/offload.h): pinned host memory to a device buffer on a
+// non-blocking copy stream, which first waits for the default stream (its kernel used the buffer
+// last), then a kernel on the default stream reads it after waiting for the copy's event.
+// bug 1 drops the kernel's wait (it would read the buffer before the copy lands), bug 2 the copy
+// stream's (the copy would overwrite the buffer while the earlier kernel still reads it).
+enum { ASYNC_OK, ASYNC_UNWAITED, ASYNC_UNORDERED };
+static void async_copy(int bug) {
+    const int64_t n = 100;
+    float *x = device_floats(n, 0.0f), *out = device_floats(1, 0.0f), *host = NULL;
+    CUDA_CHECK(cudaMallocHost((void**)&host, sizeof(float) * n));
+    for (int64_t i = 0; i < n; i++) host[i] = 1.0f;
+    cudaStream_t copy;
+    cudaEvent_t used, landed;
+    CUDA_CHECK(cudaStreamCreateWithFlags(&copy, cudaStreamNonBlocking));
+    CUDA_CHECK(cudaEventCreateWithFlags(&used, cudaEventDisableTiming));
+    CUDA_CHECK(cudaEventCreateWithFlags(&landed, cudaEventDisableTiming));
+    launch_kernel(1, 32, 0, 0, sum_kernel, out, x, n, 0);  // the buffer's last reader before the copy
+    CUDA_CHECK(cudaEventRecord(used, 0));
+    if (bug != ASYNC_UNORDERED) CUDA_CHECK(cudaStreamWaitEvent(copy, used, 0));
+    CUDA_CHECK(cudaMemcpyAsync(x, host, sizeof(float) * n, cudaMemcpyHostToDevice, copy));
+    CUDA_CHECK(cudaEventRecord(landed, copy));
+    if (bug != ASYNC_UNWAITED) CUDA_CHECK(cudaStreamWaitEvent(0, landed, 0));
+    launch_kernel(1, 32, 0, 0, sum_kernel, out, x, n, 0);
+    float s = download(out, 1)[0];
+    if (s != (float)n)
+        fail("async-unwaited: sum_kernel gave %g, want %g (read before its async copy landed)", s, (float)n);
+    CUDA_CHECK(cudaStreamDestroy(copy));
+    CUDA_CHECK(cudaEventDestroy(used));
+    CUDA_CHECK(cudaEventDestroy(landed));
+    CUDA_CHECK(cudaFreeHost(host));
     CUDA_CHECK(cudaFree(x));
     CUDA_CHECK(cudaFree(out));
 }
@@ -281,6 +319,7 @@ int main(int argc, char** argv) {
         oob_write_arena(0, 0);
         oob_write_arena(0, 1);
         oob_read(0);
+        async_copy(ASYNC_OK);
         grid_stride(0);
         shared(0, 0);
         shared(0, 1);
@@ -297,6 +336,8 @@ int main(int argc, char** argv) {
     else if (!strcmp(mode, "oob-copy")) oob_write_arena(1, 1);
     else if (!strcmp(mode, "oob-read")) oob_read(1);
     else if (!strcmp(mode, "grid-stride")) grid_stride(1);
+    else if (!strcmp(mode, "async-unwaited")) async_copy(ASYNC_UNWAITED);
+    else if (!strcmp(mode, "async-unordered")) async_copy(ASYNC_UNORDERED);
     else if (!strcmp(mode, "shared-unwritten")) shared(1, 0);
     else if (!strcmp(mode, "shared-carry")) shared(1, 1);
     else if (!strcmp(mode, "thread-order")) thread_order(1);

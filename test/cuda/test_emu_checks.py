@@ -62,6 +62,8 @@ PLANTED = [
     ("blas-oob", "runs past the end of its device allocation (out of bounds)"),
     ("blas-align", "is 4-byte aligned, the algorithm was chosen for 16"),
     ("blas-workspace", "the algorithm needs 6016 (CUBLAS_STATUS_INVALID_VALUE)"),
+    ("async-unwaited", "async-unwaited: sum_kernel gave -nan, want 100"),
+    ("async-unordered", "emu: race: cudaMemcpyAsync issued on stream"),
 ]
 
 

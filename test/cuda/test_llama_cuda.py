@@ -38,6 +38,9 @@ MODES = {
     "exact_ms": ("exact", "ms", "none", []),
     "lowmem_product_recompute": ("approx", "ms", "none", ["--swiglu-product", "recompute"]),
     "exact_ms_block": ("exact", "ms", "block", []),
+    "approx_std_block": ("approx", "std", "block", []),
+    "lowmem_block": ("approx", "ms", "block", []),
+    "lowmem_block_offload": ("approx", "ms", "block", ["--offload", "host"]),
     "exact_ms_merged": ("exact", "ms", "none", ["--ms-lora", "merged"]),  # the paper's variant
 }
 TOL_EXACT = {"logits": 0.05, "loss": 1e-2, "grad": 0.15}
@@ -155,8 +158,8 @@ DEMO = ["--model", os.path.join(REPO, "data/llama_demo"), "--data", os.path.join
         "--lr", "3e-3", "--lora-rank", "4", "--seed", "5", "--threads", "2"]
 
 
-def train(exe, device, *args, check=True):
-    return run([need(exe)] + DEMO + ["--device", device] + list(args), check=check)
+def train(exe, device, *args, check=True, env=None):
+    return run([need(exe)] + DEMO + ["--device", device] + list(args), check=check, env=env)
 
 
 def demo_args(model):
@@ -210,6 +213,81 @@ def test_cuda_training_tracks_cpu(mode):
     # the plan holds cuBLAS's 32 MiB workspace beside the demo's ~5 MiB of arenas
     assert planned >= BLAS_WORKSPACE_MIB, planned
     check_measured_memory(planned, measured)
+
+
+def test_cuda_offloaded_recomputed_lowmem_equals_lowmem():
+    """--offload host sends each block input to pinned host memory on a copy stream and brings it back
+    double buffered (llmc/memory/offload.h). The recomputed forward runs the kernels of the kept one,
+    so the runs agree where the CUDA backend is deterministic: per-step losses to the log's 4
+    decimals. On the emulator the copy stream's copies run only when an event wait forces them,
+    and until then their destinations hold NaN: a missing wait gives NaN or stale checkpoints
+    (test/test_emu_checks.py plants both). On a GPU the copies also overlap the compute."""
+    kept = train(CUDA_TRAIN, "cuda", "--mode", "lowmem", "--steps", 3).stdout
+    off = train(CUDA_TRAIN, "cuda", "--mode", "lowmem", "--recompute", "block", "--offload", "host",
+                "--steps", 3).stdout
+    a, b = step_losses(kept), step_losses(off)
+    print(f"lowmem {a}\nlowmem + recompute + offload {b}")
+    assert len(a) == 3 and a == b
+    assert "pinned host memory: " in off, off[:3000]
+
+
+# One wait dropped from llmc/memory/offload.h in a scratch copy: (id, the line removed). Without
+# `filled` the backward reads a staging buffer whose copy from the host has not landed; without
+# `saved` the forward overwrites a staging buffer whose copy to the host has not run.
+OFFLOAD_PLANTS = [
+    ("fetch-unwaited", "    if (o->be->cuda) CUDA_CHECK(cudaStreamWaitEvent(o->be->stream, o->filled[i], 0));\n"),
+    ("save-unwaited", "    if (o->be->cuda) CUDA_CHECK(cudaStreamWaitEvent(o->be->stream, o->saved[i], 0));\n"),
+]
+
+
+@pytest.mark.skipif(GPU, reason="the emulator's ordering check (on a GPU a missing wait is a race, not an error)")
+@pytest.mark.parametrize("name,line", OFFLOAD_PLANTS, ids=[p[0] for p in OFFLOAD_PLANTS])
+def test_emulator_catches_a_missing_offload_wait(tmp_path, name, line):
+    """On the emulator the copy stream's copies run only when a wait forces them, and their
+    destinations read NaN until then: the probe built from a copy of the sources with one of the
+    offload's waits dropped must give non-finite gradients or gradients beyond TOL_APPROX of the
+    CPU's, where the intact build is within it (test_cuda_probe_matches_cpu_probe's bound)."""
+    import shutil
+    shutil.copytree(os.path.join(REPO, "llmc"), tmp_path / "llmc")
+    shutil.copy(os.path.join(REPO, "train_llama.cu"), tmp_path)
+    (tmp_path / "test").mkdir()
+    for f in ("llama_probe.cu", "probe_common.h"):
+        shutil.copy(os.path.join(REPO, "test", f), tmp_path / "test")
+    src = (tmp_path / "llmc/memory/offload.h").read_text()
+    assert src.count(line) == 1, f"{name}: the wait to drop is gone from llmc/memory/offload.h"
+    (tmp_path / "llmc/memory/offload.h").write_text(src.replace(line, ""))
+    nvcc = shutil.which("nvcc")
+    cuda_inc = os.path.join(os.path.dirname(os.path.dirname(os.path.realpath(nvcc))), "include") if nvcc else ""
+    if not os.path.isfile(os.path.join(cuda_inc, "cuda_bf16.h")):
+        pytest.skip("no CUDA toolkit headers: the emulator is not built")
+    exe = tmp_path / "llama_probe"
+    # -O0: a scratch build, compiled as fast as possible
+    run(["g++", "-O0", "-march=native", "-fopenmp", "-std=gnu++17", "-x", "c++", "-DLLMC_CUDA_EMU", "-w",
+         f"-I{cuda_inc}", tmp_path / "test/llama_probe.cu", "-o", exe, "-lm"])
+    # four blocks: the forward reuses each staging buffer (a save not waited for is overwritten)
+    d = str(tmp_path / "model")
+    cfg = lc.write_model(d, dict(lc.model_config("gqa_untied"), num_hidden_layers=4))
+    B, T, r, alpha = lc.SHAPES["gqa_untied"]
+    cp = os.path.join(d, "case.safetensors")
+    st_io.save(cp, lc.make_case(cfg, B, T, r, seed=3))
+    want = probe(CPU_PROBE, d, cp, cp + f".{name}.cpu", "approx", "ms", "none", r, alpha, [], "cpu")
+    intact = probe(CUDA_PROBE, d, cp, cp + f".{name}.intact", "approx", "ms", "block", r, alpha, ["--offload", "host"],
+                   "cuda")
+    got = probe(exe, d, cp, cp + f".{name}.planted", "approx", "ms", "block", r, alpha, ["--offload", "host"], "cuda")
+    worst = max(rel_l2(got[k], want[k]) for k in want if k.startswith("grad."))
+    base = max(rel_l2(intact[k], want[k]) for k in want if k.startswith("grad."))
+    print(f"{name}: worst gradient error {worst:.2e} (intact build: {base:.2e})")
+    assert base < TOL_APPROX["grad"]
+    assert not np.isfinite(worst) or worst > TOL_APPROX["grad"], worst  # test_cuda_probe_matches_cpu_probe would fail
+
+
+def test_cuda_offload_checks_host_memory():
+    """The pinned checkpoints must fit the host's available memory: refused in one line that names
+    the flag and what it needs, before anything is allocated."""
+    p = train(CUDA_TRAIN, "cuda", "--mode", "lowmem", "--recompute", "block", "--offload", "host", "--steps", 1,
+              check=False, env={"LLMC_HOST_MEMORY_BYTES": "4096"})
+    assert p.returncode == 1 and p.stderr.count("\n") == 1, p.stderr
+    assert "flag --offload host: the block checkpoints need" in p.stderr and "pinned host memory" in p.stderr
 
 
 def test_cuda_lowmem_plan_saves_memory():

@@ -166,16 +166,16 @@ def probe_path():
 
 
 def run_probe(model_dir, case_path, out_path, act, norm, recompute, rank, alpha,
-              targets=ALL_TARGETS, timeout=300, ms_lora="exact"):
-    """Run build/test/llama_probe and return its OUT tensors. Extra flags (e.g. a device) can be
-    passed through the environment variable LLAMA_PROBE_ARGS."""
+              targets=ALL_TARGETS, timeout=300, ms_lora="exact", extra=()):
+    """Run build/test/llama_probe and return its OUT tensors. Extra flags: `extra`, or (e.g. a device)
+    the environment variable LLAMA_PROBE_ARGS."""
     exe = probe_path()
     if not os.path.isfile(exe):
         raise AssertionError(f"{exe} is missing: build it with `make build/test/llama_probe`")
     cmd = [exe, "--model", str(model_dir), "--case", str(case_path), "--out-file", str(out_path),
            "--act", act, "--norm", norm, "--recompute", recompute, "--ms-lora", ms_lora,
            "--lora-rank", str(rank), "--lora-alpha", repr(float(alpha)),
-           "--lora-targets", ",".join(ref.parse_targets(targets))]
+           "--lora-targets", ",".join(ref.parse_targets(targets))] + [str(a) for a in extra]
     cmd += shlex.split(os.environ.get("LLAMA_PROBE_ARGS", ""))
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "2")

@@ -28,10 +28,9 @@ ref = lc.ref
 torch.set_num_threads(1)
 
 CONFIG_NAMES = list(lc.CONFIGS)
-# (act, norm, recompute): all four act x norm combinations, and block recompute for baseline and
-# lowmem
-MODES = [("exact", "std", "none"), ("exact", "ms", "none"), ("approx", "std", "none"),
-         ("approx", "ms", "none"), ("exact", "std", "block"), ("approx", "ms", "block")]
+# (act, norm, recompute): all four act x norm combinations, without and with block recompute
+ACT_NORM = [("exact", "std"), ("exact", "ms"), ("approx", "std"), ("approx", "ms")]
+MODES = [(a, n, r) for r in ("none", "block") for a, n in ACT_NORM]
 MODE_IDS = [f"{a}-{n}-{r}" for a, n, r in MODES]
 SUMMARY = []
 
@@ -96,6 +95,43 @@ def test_probe_matches_reference(workdir, name, mode):
     got = s.probe(act, norm, recompute, f"{name}.{act}.{norm}.{recompute}.out.safetensors")
     errs = lc.compare(want, got)
     SUMMARY.append(lc.check_errors(errs, f"{name:12s} {act:6s} {norm:3s} {recompute:5s}"))
+
+
+@pytest.mark.parametrize("act,norm", ACT_NORM, ids=[f"{a}-{n}" for a, n in ACT_NORM])
+@pytest.mark.parametrize("name", CONFIG_NAMES)
+def test_probe_recomputed_and_offloaded_blocks_are_bit_identical(workdir, name, act, norm):
+    """--recompute block runs each block's own forward again (ReSiLU2 and MS norms under lowmem),
+    op for op, from its saved input, and --offload host only moves that input through host memory
+    (byte copies): on the CPU backend the logits, the loss and every gradient equal the run that
+    keeps the block's activations, to the bit (the same fp32 operations in the same order)."""
+    s = _setup(workdir, name)
+    kept = s.probe(act, norm, "none", f"bits.{name}.{act}.{norm}.none.out.safetensors")
+    for tag, extra in (("block", ()), ("offload", ("--offload", "host"))):
+        out = os.path.join(workdir, f"bits.{name}.{act}.{norm}.{tag}.out.safetensors")
+        got = lc.run_probe(s.dir, s.case_path, out, act, norm, "block", s.rank, s.alpha, s.targets, extra=extra)
+        assert set(got) == set(kept)
+        for k in kept:
+            a, b = np.ascontiguousarray(kept[k]), np.ascontiguousarray(got[k])
+            assert a.shape == b.shape and a.tobytes() == b.tobytes(), (tag, k, float(np.abs(a - b).max()))
+
+
+@pytest.mark.parametrize("norm", ["std", "ms"])
+def test_probe_offload_of_many_blocks_is_bit_identical(workdir, norm):
+    """Five blocks, so that the forward reuses both staging buffers and the backward fetches every
+    block input but the last two from the host (with two blocks the staging buffers still hold
+    the forward's inputs and a missing fetch would go unseen): --offload host equals the kept run
+    bit for bit, under standard norms (recomputed on a copy) and MS norms (in place)."""
+    d = os.path.join(workdir, "five_blocks")
+    cfg = lc.write_model(d, dict(lc.model_config("gqa_untied"), num_hidden_layers=5), seed=1)
+    B, T, r, alpha = lc.SHAPES["gqa_untied"]
+    cp = os.path.join(d, "case.safetensors")
+    lc.st_io.save(cp, lc.make_case(cfg, B, T, r, seed=3))
+    kept = lc.run_probe(d, cp, cp + f".{norm}.kept", "approx", norm, "none", r, alpha)
+    got = lc.run_probe(d, cp, cp + f".{norm}.offload", "approx", norm, "block", r, alpha, extra=("--offload", "host"))
+    assert set(got) == set(kept)
+    for k in kept:
+        a, b = np.ascontiguousarray(kept[k]), np.ascontiguousarray(got[k])
+        assert a.tobytes() == b.tobytes(), (k, float(np.abs(a - b).max()))
 
 
 @pytest.mark.parametrize("mode", [MODES[0], MODES[3]], ids=[MODE_IDS[0], MODE_IDS[3]])

@@ -183,10 +183,11 @@ def test_dry_run_saved_bytes_unchanged(tiny):
         ca, cb = a["categories"], b["categories"]
         assert ca["saved"] == cb["saved"] and a["activation_bytes"] == b["activation_bytes"] and ca["frozen"] == cb["frozen"]
         # one scratch buffer: the widest adapted input (down's, intermediate_size 100) of 2 x 24
-        # tokens (a multiple of the plan's 64-byte alignment), plus under 256 bytes of padding where
-        # it moves a later 256-byte aligned buffer (the cuBLAS workspace)
+        # tokens (a multiple of the plan's 64-byte alignment), give or take under 256 bytes of
+        # padding where it moves a later 256-byte aligned buffer (the cuBLAS workspace: the padding
+        # before it, 0 to 192 bytes, can grow or shrink)
         abytes = 4 if dev == "cpu" else 2
-        assert 0 <= cb["scratch"] - ca["scratch"] - 2 * 24 * 100 * abytes < 256
+        assert abs(cb["scratch"] - ca["scratch"] - 2 * 24 * 100 * abytes) < 256
         assert b["lora_dropout"] == pytest.approx(P) and a["lora_dropout"] == 0
 
 

@@ -162,6 +162,78 @@ def test_dry_run_ckpt_and_product_switch(tmp_path):
     assert cpu["device"] == "cpu" and cpu["per_block"]["qkv_input"] == 4 * d * N
 
 
+LLAMA31_8B = dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                  num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, rms_norm_eps=1e-5,
+                  max_position_embeddings=131072, rope_theta=500000.0)
+
+
+def test_dry_run_recomputed_block_scratch_is_the_modes_saved_set(tmp_path):
+    """Under --recompute block the block's scratch set (what its recomputed forward makes for its
+    backward) is what its mode keeps: lowmem's ReSiLU2 codes and MS-norm outputs, not baseline's
+    gate pre-activation, norm inputs and the like. Llama-3.1-8B shape, CUDA plan (bf16, fp32
+    statistics), LoRA r16 on all 7 linears, bytes per token, counted by hand from the buffers:
+      attention: r1 4 + z1 2d + q 2qd + k 2kvd + v 2kvd + o 2qd + lse 4H; LoRA A x: 7 x 2r
+      MLP (lowmem): r2 4 + z2 2d + codes f/4 + silu(g) 2f + up 2f + product 2f
+      MLP (baseline): r2 4 + h_mid 2d + z2 2d + g 2f + silu(g) 2f + up 2f + product 2f
+    The gate pre-activation under ReSiLU2 is a temporary in gradient scratch, in no block set."""
+    d, f, qd, kvd, H, r, N = 4096, 14336, 4096, 1024, 32, 16, 4096
+    attention = 4 + 2 * d + 2 * qd + 2 * kvd + 2 * kvd + 2 * qd + 4 * H
+    lora = 7 * 2 * r
+    want_low = attention + lora + 4 + 2 * d + f // 4 + 3 * 2 * f
+    want_base = attention + lora + 4 + 2 * d + 2 * d + 4 * 2 * f
+    assert (want_low, want_base) == (126824, 160104)  # 123.9 KiB and 156.4 KiB per token
+    args = ("--batch", 1, "--seq", N, "--lora-rank", r)
+    low = dry_run(tmp_path, LLAMA31_8B, "--mode", "lowmem", "--recompute", "block", *args)
+    base = dry_run(tmp_path, LLAMA31_8B, "--mode", "ckpt", *args)
+    assert low["block_scratch_bytes"] == want_low * N
+    assert base["block_scratch_bytes"] == want_base * N
+    assert low["block_scratch_bytes"] < base["block_scratch_bytes"]
+    assert low["per_block"] == base["per_block"] == {"checkpoint": 2 * d * N}
+    # without recompute lowmem keeps that very set per block, and no block needs shared scratch
+    kept = dry_run(tmp_path, LLAMA31_8B, "--mode", "lowmem", *args)
+    assert sum(kept["per_block"].values()) == want_low * N and kept["block_scratch_bytes"] == 0
+    print(f"Llama-3.1-8B recomputed block scratch per token: lowmem {want_low} B, baseline {want_base} B")
+
+
+@pytest.mark.parametrize("device,abytes", [("cuda", 2), ("cpu", 4)])
+def test_dry_run_offload_moves_the_checkpoints_to_host(tmp_path, device, abytes):
+    """--offload host: the 32 block inputs [N, d] leave the device for (pinned) host memory, and
+    the device holds two staging buffers of one block input each instead: device bytes drop by
+    (layers - 2) N d abytes, host_bytes is layers N d abytes, nothing else changes."""
+    d, layers, N = 4096, 32, 8192
+    one = N * d * abytes
+    args = ("--mode", "lowmem", "--recompute", "block", "--batch", 1, "--seq", N, "--device", device)
+    dev = dry_run(tmp_path, LLAMA31_8B, *args)
+    off = dry_run(tmp_path, LLAMA31_8B, *args, "--offload", "host")
+    assert dev["host_bytes"] == 0 and off["host_bytes"] == layers * one
+    assert dev["total_bytes"] - off["total_bytes"] == (layers - 2) * one
+    assert dev["categories"]["saved"] == layers * one and off["categories"]["saved"] == 0
+    assert off["categories"]["scratch"] - dev["categories"]["scratch"] == 2 * one
+    assert off["offload"] == "host" and dev["offload"] == "none"
+    text = run(["--model", tmp_path / "cfg", "--dry-run", *args, "--offload", "host"]).stdout
+    assert f"pinned host memory: {layers * one / 2**20:.2f} MiB" in text, text
+
+
+def test_offload_needs_block_recompute(tiny):
+    expect_error(train_args(tiny, "--mode", "lowmem", "--offload", "host"), "flag --offload host", "--recompute block")
+    expect_error(train_args(tiny, "--mode", "ckpt", "--offload", "disk"), "--offload")
+
+
+def test_lowmem_recomputed_and_offloaded_trains_identically(tiny, tmp_path):
+    """lowmem with --recompute block, and with --offload host too, runs the same fp32 operations in
+    the same order on the CPU backend: every logged loss, gradient norm and validation loss
+    equals lowmem's (the probe test compares the gradients themselves bit for bit)."""
+    logs = {}
+    for tag, extra in (("kept", ()), ("block", ("--recompute", "block")),
+                       ("offload", ("--recompute", "block", "--offload", "host"))):
+        out = tmp_path / tag
+        run(train_args(tiny, "--mode", "lowmem", "--steps", 3, "--val-every", 3, "--out", out, *extra))
+        rows = [r.split(",") for r in (out / "log.csv").read_text().splitlines()[1:]]
+        logs[tag] = [(r[0], r[1], r[3], r[-1]) for r in rows]  # step, loss, grad norm, val loss
+    assert len(logs["kept"]) == 4 and logs["kept"][-1][3] != ""
+    assert logs["block"] == logs["kept"] and logs["offload"] == logs["kept"], logs
+
+
 def test_dry_run_plans_the_generation_buffers(tmp_path):
     """The plan names every device byte, --generate's too: the key/value cache of one window (per
     layer keys and values, T x kv_dim in the activation type) and the fp32 logits, each buffer a

@@ -577,8 +577,22 @@ cudaError_t cudaSetDevice(int d) { return d >= 0 && d < 8 ? cudaSuccess : cudaEr
 // the held-back work's stream must have waited (an event) for every earlier kernel of the default
 // stream, which a GPU would otherwise overlap with it. As on a GPU, the default stream's own work
 // does not wait for streams created with cudaStreamNonBlocking.
+// The memory a held-back copy touches (n == 0: unknown, e.g. a collective: it conflicts with any copy).
+struct EmuSpan {
+    uintptr_t dst, src;
+    size_t n;
+};
+static int emu_spans_meet(uintptr_t a, uintptr_t b, size_t n) { return a < b + n && b < a + n; }
+// Whether a copy `later` must wait for held-back work `earlier` of its stream (one writes what the
+// other reads or writes).
+static int emu_spans_conflict(const EmuSpan& earlier, const EmuSpan& later) {
+    if (!earlier.n || !later.n) return 1;
+    return emu_spans_meet(later.dst, earlier.src, later.n) || emu_spans_meet(later.dst, earlier.dst, later.n) ||
+           emu_spans_meet(later.src, earlier.dst, later.n);
+}
 struct CUstream_st {
     std::deque<std::function<void()> > pending;
+    std::deque<EmuSpan> spans;  // beside `pending`: what each item touches
     long long issued;           // held-back work items so far (those not run yet: `pending`)
     long long seen_default;     // default-stream work this stream has waited for (events)
     int nonblocking;
@@ -599,6 +613,7 @@ static void emu_stream_run_until(cudaStream_t st, long long position) {
     while (st && !st->pending.empty() && st->issued - (long long)st->pending.size() < position) {
         std::function<void()> f = std::move(st->pending.front());
         st->pending.pop_front();
+        st->spans.pop_front();
         f();
     }
 }
@@ -615,8 +630,8 @@ static void emu_stream_issue(cudaStream_t st) {
     emu_drain_all(1);  // the default stream waits for blocking streams
 }
 
-// Work that may run late (see above); `what` names it in the error.
-static void emu_stream_submit(cudaStream_t st, const char* what, const std::function<void()>& f) {
+// Work that may run late (see above); `what` names it in the error; `span`: the memory it touches.
+static void emu_stream_submit_span(cudaStream_t st, const char* what, const std::function<void()>& f, EmuSpan span) {
     if (!st) { emu_stream_issue(NULL); f(); return; }
     if (st->seen_default < emu_default_work) {
         fprintf(stderr,
@@ -626,7 +641,12 @@ static void emu_stream_submit(cudaStream_t st, const char* what, const std::func
         abort();
     }
     st->pending.push_back(f);
+    st->spans.push_back(span);
     st->issued++;
+}
+static void emu_stream_submit(cudaStream_t st, const char* what, const std::function<void()>& f) {
+    EmuSpan unknown = {0, 0, 0};
+    emu_stream_submit_span(st, what, f, unknown);
 }
 
 static void emu_copy(void* dst, const void* src, size_t n, enum cudaMemcpyKind kind) {
@@ -654,9 +674,28 @@ cudaError_t cudaMemcpy(void* dst, const void* src, size_t n, enum cudaMemcpyKind
     emu_copy(dst, src, n, kind);
     return cudaSuccess;
 }
+// On a created stream the copy is held back like other deferred work (see "streams" above), and its
+// destination reads as 0xFF bytes (NaN) until it has run: a reader that did not wait for it (an
+// event recorded after it) sees NaN, and a writer that did not wait before overwriting its source
+// has the copy take the new data. Held-back work of the same stream that the copy meets (one
+// writes what the other touches) runs first, as stream order requires; the rest stays held back.
 cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t n, enum cudaMemcpyKind kind, cudaStream_t st) {
-    emu_stream_issue(st);
-    emu_copy(dst, src, n, kind);
+    if (!st) {
+        emu_stream_issue(st);
+        emu_copy(dst, src, n, kind);
+        return cudaSuccess;
+    }
+    // stream order: the held-back work this copy meets runs first (the rest may stay held back)
+    EmuSpan span = {(uintptr_t)dst, (uintptr_t)src, n};
+    long long last = 0;
+    for (size_t i = 0; i < st->spans.size(); i++)
+        if (emu_spans_conflict(st->spans[i], span)) last = st->issued - (long long)st->spans.size() + (long long)i + 1;
+    emu_stream_run_until(st, last);
+    emu_stream_submit_span(st, "cudaMemcpyAsync", [=]() { emu_copy(dst, src, n, kind); }, span);
+    int dst_on_device = kind == cudaMemcpyHostToDevice || kind == cudaMemcpyDeviceToDevice ||
+                        (kind == cudaMemcpyDefault && emu_on_device((uintptr_t)dst, n));
+    if (dst_on_device) emu_check_side((uintptr_t)dst, n, 1, "cudaMemcpyAsync", "destination");
+    if (n) memset(dst, 0xFF, n);
     return cudaSuccess;
 }
 cudaError_t cudaMemset(void* p, int v, size_t n) {

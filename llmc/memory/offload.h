@@ -1,0 +1,121 @@
+// offload.h: --offload host. Under --recompute block each block keeps only its input (the block's
+// checkpoint, [N, d] in the activation type); offloaded, the checkpoints live in host memory
+// (pinned on CUDA: the plan's MEM_HOST arena) and the device holds two staging buffers of one
+// block input each.
+//
+//   forward, block l:  input -> staging[l % 2] (compute stream), then staging -> host[l] on the
+//                      copy stream once the compute stream has written it (event `written`);
+//                      the compute stream waits for the copy out of a staging buffer (`saved`)
+//                      before it writes the next block input there.
+//   backward:          host[l] -> staging[l % 2] on the copy stream, issued once the compute
+//                      stream is done with that buffer (`released`, after block l + 2's backward),
+//                      so block l - 1's input is on its way while block l's backward runs; the
+//                      compute stream waits for it (`filled`) before it reads it.
+//
+// On the CPU backend the same calls copy with memcpy and wait for nothing, so the order of the
+// copies, the plan and the numbers are tested there; on the CUDA emulator (llmc/cuda/emu/emu.h) an
+// async copy on the copy stream runs only when a wait forces it, so a missing wait reads a
+// poisoned (NaN) buffer or a stale checkpoint, and a copy issued before waiting for the compute
+// stream aborts.
+#pragma once
+#include "../common.h"
+#include "../backend.h"
+
+enum { OFFLOAD_STAGING = 2 };  // device buffers: double buffered
+
+typedef struct {
+    const Backend* be;
+    void** host;                     // [blocks] the checkpoints, each [N, d] (MEM_HOST)
+    void* staging[OFFLOAD_STAGING];  // [N, d] each, on the device (MEM_SCRATCH)
+    size_t bytes;                    // one block input
+    int blocks;
+#ifdef LLMC_HAVE_CUDA
+    cudaStream_t copy;
+    cudaEvent_t written[OFFLOAD_STAGING], saved[OFFLOAD_STAGING], released[OFFLOAD_STAGING], filled[OFFLOAD_STAGING];
+#endif
+} Offload;
+
+static int offload_slot(int block) { return block % OFFLOAD_STAGING; }
+
+// After the plan's allocation bound host[] and staging[]: the copy stream and its events.
+static void offload_init(Offload* o, const Backend* be, int blocks, size_t bytes) {
+    o->be = be;
+    o->blocks = blocks;
+    o->bytes = bytes;
+#ifdef LLMC_HAVE_CUDA
+    if (!be->cuda) return;
+    // non-blocking: the legacy default stream, where the compute runs, must not serialise with it
+    CUDA_CHECK(cudaStreamCreateWithFlags(&o->copy, cudaStreamNonBlocking));
+    for (int i = 0; i < OFFLOAD_STAGING; i++) {
+        CUDA_CHECK(cudaEventCreateWithFlags(&o->written[i], cudaEventDisableTiming));
+        CUDA_CHECK(cudaEventCreateWithFlags(&o->saved[i], cudaEventDisableTiming));
+        CUDA_CHECK(cudaEventCreateWithFlags(&o->released[i], cudaEventDisableTiming));
+        CUDA_CHECK(cudaEventCreateWithFlags(&o->filled[i], cudaEventDisableTiming));
+    }
+#endif
+}
+
+static void offload_free(Offload* o) {
+#ifdef LLMC_HAVE_CUDA
+    if (!o->be || !o->be->cuda) return;
+    CUDA_CHECK(cudaStreamSynchronize(o->copy));
+    for (int i = 0; i < OFFLOAD_STAGING; i++) {
+        CUDA_CHECK(cudaEventDestroy(o->written[i]));
+        CUDA_CHECK(cudaEventDestroy(o->saved[i]));
+        CUDA_CHECK(cudaEventDestroy(o->released[i]));
+        CUDA_CHECK(cudaEventDestroy(o->filled[i]));
+    }
+    CUDA_CHECK(cudaStreamDestroy(o->copy));
+#endif
+}
+
+// Forward: the staging buffer block l's input goes to, once its previous copy to the host is done.
+static void* offload_staging_for_save(Offload* o, int block) {
+    int i = offload_slot(block);
+#ifdef LLMC_HAVE_CUDA
+    if (o->be->cuda) CUDA_CHECK(cudaStreamWaitEvent(o->be->stream, o->saved[i], 0));
+#endif
+    return o->staging[i];
+}
+
+// Forward: block l's input (its first `bytes`: a generation step's rows), just written to its
+// staging buffer by the compute stream, to the host.
+static void offload_save(Offload* o, int block, size_t bytes) {
+    int i = offload_slot(block);
+#ifdef LLMC_HAVE_CUDA
+    if (o->be->cuda) {
+        CUDA_CHECK(cudaEventRecord(o->written[i], o->be->stream));
+        CUDA_CHECK(cudaStreamWaitEvent(o->copy, o->written[i], 0));
+        CUDA_CHECK(cudaMemcpyAsync(o->host[block], o->staging[i], bytes, cudaMemcpyDeviceToHost, o->copy));
+        CUDA_CHECK(cudaEventRecord(o->saved[i], o->copy));
+        return;
+    }
+#endif
+    memcpy(o->host[block], o->staging[i], bytes);
+}
+
+// Backward: block l's input from the host into its staging buffer, once the compute stream is
+// done with what that buffer held (the forward's last block inputs, or block l + 2's backward).
+static void offload_fetch(Offload* o, int block) {
+    if (block < 0) return;
+    int i = offload_slot(block);
+#ifdef LLMC_HAVE_CUDA
+    if (o->be->cuda) {
+        CUDA_CHECK(cudaEventRecord(o->released[i], o->be->stream));
+        CUDA_CHECK(cudaStreamWaitEvent(o->copy, o->released[i], 0));
+        CUDA_CHECK(cudaMemcpyAsync(o->staging[i], o->host[block], o->bytes, cudaMemcpyHostToDevice, o->copy));
+        CUDA_CHECK(cudaEventRecord(o->filled[i], o->copy));
+        return;
+    }
+#endif
+    memcpy(o->staging[i], o->host[block], o->bytes);
+}
+
+// Backward: block l's input on the device, once its fetch has landed (the compute stream waits).
+static void* offload_staging_fetched(Offload* o, int block) {
+    int i = offload_slot(block);
+#ifdef LLMC_HAVE_CUDA
+    if (o->be->cuda) CUDA_CHECK(cudaStreamWaitEvent(o->be->stream, o->filled[i], 0));
+#endif
+    return o->staging[i];
+}
