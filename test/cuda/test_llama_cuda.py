@@ -250,9 +250,9 @@ def test_emulator_catches_a_missing_offload_wait(tmp_path, name, line):
     import shutil
     shutil.copytree(os.path.join(REPO, "llmc"), tmp_path / "llmc")
     shutil.copy(os.path.join(REPO, "train_llama.cu"), tmp_path)
-    (tmp_path / "test").mkdir()
+    (tmp_path / "test" / "model").mkdir(parents=True)
     for f in ("llama_probe.cu", "probe_common.h"):
-        shutil.copy(os.path.join(REPO, "test", f), tmp_path / "test")
+        shutil.copy(os.path.join(REPO, "test", "model", f), tmp_path / "test" / "model")
     src = (tmp_path / "llmc/memory/offload.h").read_text()
     assert src.count(line) == 1, f"{name}: the wait to drop is gone from llmc/memory/offload.h"
     (tmp_path / "llmc/memory/offload.h").write_text(src.replace(line, ""))
@@ -263,7 +263,7 @@ def test_emulator_catches_a_missing_offload_wait(tmp_path, name, line):
     exe = tmp_path / "llama_probe"
     # -O0: a scratch build, compiled as fast as possible
     run(["g++", "-O0", "-march=native", "-fopenmp", "-std=gnu++17", "-x", "c++", "-DLLMC_CUDA_EMU", "-w",
-         f"-I{cuda_inc}", tmp_path / "test/llama_probe.cu", "-o", exe, "-lm"])
+         f"-I{cuda_inc}", tmp_path / "test/model/llama_probe.cu", "-o", exe, "-lm"])
     # four blocks: the forward reuses each staging buffer (a save not waited for is overwritten)
     d = str(tmp_path / "model")
     cfg = lc.write_model(d, dict(lc.model_config("gqa_untied"), num_hidden_layers=4))
