@@ -143,7 +143,9 @@ static int64_t lin_out(const LlamaConfig* c, int t) {
 // Under MS-RMSNorm (and LoRA), W' = W diag(gamma) absorbed the gamma of the norm that feeds q, k,
 // v (gate, up), but the adapters keep acting on gamma*z as in the original model (llmc/linear.h),
 // so they train exactly what --norm std trains; --ms-lora merged puts them on z (the paper's).
-static int llama_adapters_see_gamma(const Llama* m) { return m->modes.ms && !m->modes.full && !m->modes.ms_lora_merged; }
+static int llama_adapters_see_gamma(const Llama* m) {
+    return m->modes.ms && !m->modes.full && !m->modes.ms_lora_merged;
+}
 
 // Qwen3's q/k norms feed RoPE, not a linear, so no merge applies to them. Under MS norms with a
 // frozen gamma (LoRA) the block keeps their normalised output z and 1/rms alone: the norm's
@@ -157,7 +159,8 @@ static int llama_qk_norm_ms(const Llama* m) { return m->cfg.qk_norm && m->modes.
 // The memory plan: every buffer, by module, with the element sizes of the planned backend
 // (`wbytes` / `abytes`: fp32 on the CPU, bf16 on CUDA).
 
-static void plan_block_act(MemPlan* p, Llama* m, int l, int keep, const char* module, const char* name, size_t bytes, void* saved_slot, void* tmp_slot) {
+static void plan_block_act(MemPlan* p, Llama* m, int l, int keep, const char* module, const char* name, size_t bytes,
+                           void* saved_slot, void* tmp_slot) {
     char nm[64];
     snprintf(nm, sizeof(nm), "L%d.%.40s", l, name);
     if (keep) plan_add(p, MEM_SAVED, module, l, nm, bytes, saved_slot);
@@ -193,14 +196,18 @@ static void llama_plan_weights(Llama* m, MemPlan* p) {
         for (int t = 0; t < N_TARGETS; t++) {
             Linear* L = &layer->lin[t];
             int64_t n = lin_in(c, t) * lin_out(c, t);
-            if (llama_linear_has_bias(c, t)) plan_add(p, MEM_FROZEN, target_names[t], l, "bias", lin_out(c, t) * wbytes, linear_bias_slot(be, L));
-            if (md->nf4) plan_add(p, MEM_FROZEN, target_names[t], l, target_names[t], (size_t)nf4_tensor_bytes(n), (void*)&L->nf4);
+            if (llama_linear_has_bias(c, t))
+                plan_add(p, MEM_FROZEN, target_names[t], l, "bias", lin_out(c, t) * wbytes, linear_bias_slot(be, L));
+            if (md->nf4)
+                plan_add(p, MEM_FROZEN, target_names[t], l, target_names[t], (size_t)nf4_tensor_bytes(n),
+                         (void*)&L->nf4);
             else plan_add(p, MEM_FROZEN, target_names[t], l, target_names[t], n * wbytes, linear_weight_slot(be, L));
         }
     }
     if (md->nf4) {  // the tables, and one scratch of the largest linear's weights, refilled before each product
         int64_t biggest = 0;
-        for (int t = 0; t < N_TARGETS; t++) biggest = lin_in(c, t) * lin_out(c, t) > biggest ? lin_in(c, t) * lin_out(c, t) : biggest;
+        for (int t = 0; t < N_TARGETS; t++)
+            biggest = lin_in(c, t) * lin_out(c, t) > biggest ? lin_in(c, t) * lin_out(c, t) : biggest;
         plan_add(p, MEM_FROZEN, "nf4", -1, "nf4_tables", sizeof(float) * NF4_TABLE_FLOATS, &m->nf4_tables);
         plan_add(p, MEM_SCRATCH, "nf4", -1, "nf4_dequant", biggest * wbytes, &m->nf4_scratch);
     }
@@ -211,7 +218,8 @@ static void llama_plan_weights(Llama* m, MemPlan* p) {
             if (md->full) n_params += lin_in(c, t) * lin_out(c, t) + (llama_linear_has_bias(c, t) ? lin_out(c, t) : 0);
             else if (md->targets >> t & 1) n_params += r * (lin_in(c, t) + lin_out(c, t));
         }
-    trainable_plan(&m->tr, p, md->full ? "all weights" : "lora", n_params, md->full ? SHARD_OPTIM_AND_MASTER : SHARD_NONE, m->dist, be);
+    trainable_plan(&m->tr, p, md->full ? "all weights" : "lora", n_params,
+                   md->full ? SHARD_OPTIM_AND_MASTER : SHARD_NONE, m->dist, be);
 }
 
 // Whether the block keeps the down projection's input p = silu(g) * u [N, f] for its backward.
@@ -243,7 +251,8 @@ static void llama_plan_block(Llama* m, MemPlan* p, int l) {
         snprintf(nm, sizeof(nm), "L%d.block_input", l);
         plan_add(p, where, "checkpoint", l, nm, N * d * abytes, &m->block_input[l]);
     }
-    if (!md->ms && !md->recompute_block) plan_block_act(p, m, l, 1, "attn_norm", "x_in", N * d * abytes, &a->x_in, NULL);
+    if (!md->ms && !md->recompute_block)
+        plan_block_act(p, m, l, 1, "attn_norm", "x_in", N * d * abytes, &a->x_in, NULL);
     plan_block_act(p, m, l, keep, "attn_norm", "r1", N * 4, &a->r1, &s->r1);
     plan_block_act(p, m, l, keep && (md->ms || lora_qkv), "qkv_input", "z1", N * d * abytes, &a->z1, &s->z1);
     if (c->qk_norm) {
@@ -268,7 +277,8 @@ static void llama_plan_block(Llama* m, MemPlan* p, int l) {
     plan_block_act(p, m, l, keep, "mlp_norm", "r2", N * 4, &a->r2, &s->r2);
     plan_block_act(p, m, l, keep && (md->ms || lora_gu), "gate_up_input", "z2", N * d * abytes, &a->z2, &s->z2);
     if (!md->approx) plan_block_act(p, m, l, keep, "silu", "g", N * f * abytes, &a->g, &s->g);
-    if (md->approx) plan_block_act(p, m, l, keep, "silu", "codes", (size_t)packed_codes_bytes(N * f), &a->codes, &s->codes);
+    if (md->approx)
+        plan_block_act(p, m, l, keep, "silu", "codes", (size_t)packed_codes_bytes(N * f), &a->codes, &s->codes);
     plan_block_act(p, m, l, keep, "swiglu_product", "silu_g", N * f * abytes, &a->sg, &s->sg);
     plan_block_act(p, m, l, keep, "swiglu_product", "up", N * f * abytes, &a->u, &s->u);
     if (llama_keeps_down_input(m)) plan_block_act(p, m, l, keep, "down_input", "product", N * f * abytes, &a->p, &s->p);
@@ -283,7 +293,8 @@ static void llama_plan_scratch(Llama* m, MemPlan* p) {
     const TrainModes* md = &m->modes;
     int64_t N = (int64_t)m->B * m->T, d = c->dim, f = c->hidden, qd = (int64_t)c->heads * c->head_dim,
             kvd = (int64_t)c->kv_heads * c->head_dim, V = c->vocab, r = md->rank;
-    int lora_norm_inputs = md->full || (md->targets & ((1u << T_Q) | (1u << T_K) | (1u << T_V) | (1u << T_GATE) | (1u << T_UP)));
+    int lora_norm_inputs =
+        md->full || (md->targets & ((1u << T_Q) | (1u << T_K) | (1u << T_V) | (1u << T_GATE) | (1u << T_UP)));
     plan_add(p, MEM_SCRATCH, "residual", -1, "resid", N * d * abytes, &m->resid);
     // the recomputed forward's residual stream: a copy of the checkpoint where the backward reads
     // the block input (standard norms); under MS norms it runs in place on the checkpoint
@@ -306,7 +317,8 @@ static void llama_plan_scratch(Llama* m, MemPlan* p) {
     plan_add(p, MEM_SCRATCH, "grads", -1, "du", N * f * abytes, &m->du);
     plan_add(p, MEM_SCRATCH, "grads", -1, "dax", N * r * abytes, &m->dax);
     if (llama_adapters_see_gamma(m) && lora_norm_inputs)
-        plan_add(p, MEM_SCRATCH, "lora", -1, "lora_norm_work", lora_norm_work_bytes((int)r, (int)d, abytes), &m->lora_norm_work);
+        plan_add(p, MEM_SCRATCH, "lora", -1, "lora_norm_work", lora_norm_work_bytes((int)r, (int)d, abytes),
+                 &m->lora_norm_work);
     if (md->lora_dropout > 0 && md->targets) {  // one adapter input at a time, the widest: regenerated, not kept
         int64_t widest = 0;
         for (int t = 0; t < N_TARGETS; t++)
@@ -384,12 +396,16 @@ static void llama_bind(Llama* m) {
                 m->layer_off[l] = off;
                 LlamaLayer* layer = &m->layers[l];
                 if (m->modes.full && !m->modes.ms) {  // the gammas train too (MS merged them into W)
-                    layer->h_attn_norm = trainable_bind_tensor(&m->tr, &off, d, &layer->attn_norm, &layer->dattn_norm, NULL);
-                    layer->h_mlp_norm = trainable_bind_tensor(&m->tr, &off, d, &layer->mlp_norm, &layer->dmlp_norm, NULL);
+                    layer->h_attn_norm =
+                        trainable_bind_tensor(&m->tr, &off, d, &layer->attn_norm, &layer->dattn_norm, NULL);
+                    layer->h_mlp_norm =
+                        trainable_bind_tensor(&m->tr, &off, d, &layer->mlp_norm, &layer->dmlp_norm, NULL);
                 }
                 if (m->modes.full && c->qk_norm) {  // Qwen3's q/k norms train in every norm mode (no merge took them)
-                    layer->h_q_norm = trainable_bind_tensor(&m->tr, &off, c->head_dim, &layer->q_norm, &layer->dq_norm, NULL);
-                    layer->h_k_norm = trainable_bind_tensor(&m->tr, &off, c->head_dim, &layer->k_norm, &layer->dk_norm, NULL);
+                    layer->h_q_norm =
+                        trainable_bind_tensor(&m->tr, &off, c->head_dim, &layer->q_norm, &layer->dq_norm, NULL);
+                    layer->h_k_norm =
+                        trainable_bind_tensor(&m->tr, &off, c->head_dim, &layer->k_norm, &layer->dk_norm, NULL);
                 }
             }
             L->in = (int)lin_in(c, t);
@@ -404,12 +420,15 @@ static void llama_bind(Llama* m) {
                 if (llama_linear_has_bias(c, t)) trainable_bind_linear_bias(&m->tr, &off, L);
             } else if (m->modes.targets >> t & 1) {
                 trainable_bind_adapter(&m->tr, &off, L, (int)r);
-                const void* gamma = t <= T_V ? m->layers[l].attn_norm : t == T_GATE || t == T_UP ? m->layers[l].mlp_norm : NULL;
+                const void* gamma = t <= T_V                   ? m->layers[l].attn_norm
+                                    : t == T_GATE || t == T_UP ? m->layers[l].mlp_norm
+                                                               : NULL;
                 if (gamma && llama_adapters_see_gamma(m)) lora_norm_bind(L, gamma, NULL, m->lora_norm_work);
                 if (m->drop_work) lora_dropout_bind(L, &m->drop, (uint32_t)(l * N_TARGETS + t));
             }
         }
-    trainable_plan_buckets(&m->tr, m->layer_off, c->layers);  // embedding, head and final norm lie below the first block
+    trainable_plan_buckets(&m->tr, m->layer_off,
+                           c->layers);  // embedding, head and final norm lie below the first block
     int64_t N = (int64_t)m->B * m->T;
     m->h_inputs = (int*)backend_host_side(m->be, m->inputs, sizeof(int) * N);
     m->h_targets = (int*)backend_host_side(m->be, m->targets, sizeof(int) * N);
@@ -432,7 +451,8 @@ static void llama_upload_batch(Llama* m, int64_t n) {
 
 // Declares the model's memory for a micro-batch of B x T on backend `be`; nothing is allocated
 // until llama_allocate (a dry run stops at the plan).
-static void llama_setup(Llama* m, const LlamaConfig* cfg, const TrainModes* modes, int B, int T, const Backend* be, const Dist* dist) {
+static void llama_setup(Llama* m, const LlamaConfig* cfg, const TrainModes* modes, int B, int T, const Backend* be,
+                        const Dist* dist) {
     memset(m, 0, sizeof(*m));
     m->be = be;
     m->dist = dist;
@@ -471,7 +491,13 @@ static void llama_free(Llama* m) {
     } else {
         plan_free(&m->plan);
     }
-    free(m->layers); free(m->acts); free(m->block_input); free(m->gamma_host); free(m->layer_off); free(m->kv_k); free(m->kv_v);
+    free(m->layers);
+    free(m->acts);
+    free(m->block_input);
+    free(m->gamma_host);
+    free(m->layer_off);
+    free(m->kv_k);
+    free(m->kv_v);
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -489,7 +515,8 @@ static void load_tensor(const StModel* sm, const char* name, float* dst, int64_t
 }
 
 // Reads tensor `name` [rows, cols] into the host buffer tmp, then into the weight (backend_set_weight).
-static void load_weight(Llama* m, const StModel* sm, const char* name, void* dst, float* host_mirror, float* tmp, int64_t rows, int64_t cols) {
+static void load_weight(Llama* m, const StModel* sm, const char* name, void* dst, float* host_mirror, float* tmp,
+                        int64_t rows, int64_t cols) {
     load_tensor(sm, name, tmp, rows, cols);
     backend_set_weight(m->be, dst, host_mirror, tmp, rows * (cols ? cols : 1));
 }
@@ -536,14 +563,16 @@ static void llama_bnb_tables(const Llama* m, const StModel* sm, float* tables) {
     if (!w.dyn) return;
     for (int i = 0; i < NF4_DYN_SIZE; i++)  // bitsandbytes' fp32 linspace: a few ulps from ours
         if (!(fabsf(w.dyn[i] - tables[16 + i]) <= 1e-6f * fabsf(tables[16 + i])))
-            fail("%s: \"%s.nested_quant_map\" is not bitsandbytes' dynamic map (entry %d is %g, expected %g)", sm->dir, name, i, w.dyn[i], tables[16 + i]);
+            fail("%s: \"%s.nested_quant_map\" is not bitsandbytes' dynamic map (entry %d is %g, expected %g)", sm->dir,
+                 name, i, w.dyn[i], tables[16 + i]);
     memcpy(tables + 16, w.dyn, sizeof(float) * NF4_DYN_SIZE);
 }
 
 // Linear `lin`'s weight `name` into tmp (fp32), or, when it is a bitsandbytes NF4 weight that can
 // stay as stored (--quant nf4, double-quantized, no norm to merge into it), straight to the
 // backend: returns 1 then.
-static int llama_read_linear(Llama* m, const StModel* sm, int bnb, const char* name, Linear* lin, float* tmp, int merging) {
+static int llama_read_linear(Llama* m, const StModel* sm, int bnb, const char* name, Linear* lin, float* tmp,
+                             int merging) {
     if (!bnb || !bnb_is_quantized(sm, name)) { load_tensor(sm, name, tmp, lin->out, lin->in); return 0; }
     BnbWeight w = bnb_read(sm, name, lin->out, lin->in);
     if (w.dyn && memcmp(w.dyn, m->h_nf4_tables + 16, sizeof(float) * NF4_DYN_SIZE) != 0 && m->modes.nf4)
@@ -563,7 +592,8 @@ static int llama_read_linear(Llama* m, const StModel* sm, int bnb, const char* n
 static void llama_load_weights(Llama* m, const char* dir) {
     const LlamaConfig* c = &m->cfg;
     int64_t d = c->dim, biggest = (int64_t)c->vocab * d;
-    for (int t = 0; t < N_TARGETS; t++) if (lin_in(c, t) * lin_out(c, t) > biggest) biggest = lin_in(c, t) * lin_out(c, t);
+    for (int t = 0; t < N_TARGETS; t++)
+        if (lin_in(c, t) * lin_out(c, t) > biggest) biggest = lin_in(c, t) * lin_out(c, t);
     float* tmp = (float*)xmalloc(sizeof(float) * biggest);
     m->gamma_host = (float*)xmalloc(sizeof(float) * 2 * c->layers * d);
     int bnb = bnb_config_nf4(dir);
@@ -597,7 +627,8 @@ static void llama_load_weights(Llama* m, const char* dir) {
             Linear* lin = &layer->lin[t];
             if (llama_linear_has_bias(c, t)) {  // RMSNorm has no beta: the MS merge leaves a bias as it is
                 snprintf(name, sizeof(name), "model.layers.%d.%s.bias", l, hf_module_names[t]);
-                load_weight(m, &sm, name, *linear_bias_slot(m->be, lin), m->modes.full ? lin->bias : NULL, tmp, lin->out, 0);
+                load_weight(m, &sm, name, *linear_bias_slot(m->be, lin), m->modes.full ? lin->bias : NULL, tmp,
+                            lin->out, 0);
             }
             snprintf(name, sizeof(name), "model.layers.%d.%s.weight", l, hf_module_names[t]);
             const float* gamma = !m->modes.ms ? NULL : t <= T_V ? g_attn : (t == T_GATE || t == T_UP) ? g_mlp : NULL;
@@ -617,12 +648,14 @@ static void llama_load_weights(Llama* m, const char* dir) {
 static void llama_random_weights(Llama* m, uint64_t seed) {
     const LlamaConfig* c = &m->cfg;
     int64_t d = c->dim, biggest = (int64_t)c->vocab * d;
-    for (int t = 0; t < N_TARGETS; t++) if (lin_in(c, t) * lin_out(c, t) > biggest) biggest = lin_in(c, t) * lin_out(c, t);
+    for (int t = 0; t < N_TARGETS; t++)
+        if (lin_in(c, t) * lin_out(c, t) > biggest) biggest = lin_in(c, t) * lin_out(c, t);
     float* tmp = (float*)xmalloc(sizeof(float) * biggest);
     Rng rng = rng_seeded(seed, 11);
     int64_t drawn = biggest < (1 << 22) ? biggest : (1 << 22);  // 4M normals, repeated
     for (int64_t i = 0; i < drawn; i++) tmp[i] = 0.02f * rng_normal(&rng);
-    for (int64_t i = drawn; i < biggest; i += drawn) memcpy(tmp + i, tmp, sizeof(float) * (biggest - i < drawn ? biggest - i : drawn));
+    for (int64_t i = drawn; i < biggest; i += drawn)
+        memcpy(tmp + i, tmp, sizeof(float) * (biggest - i < drawn ? biggest - i : drawn));
     m->gamma_host = (float*)xmalloc(sizeof(float) * 2 * c->layers * d);
     for (int64_t i = 0; i < 2 * c->layers * d; i++) m->gamma_host[i] = 1.0f;
     int64_t widest = 0;
@@ -647,7 +680,9 @@ static void llama_random_weights(Llama* m, uint64_t seed) {
         for (int t = 0; t < N_TARGETS; t++) {
             Linear* lin = &layer->lin[t];
             llama_set_linear_weight(m, lin, tmp);
-            if (llama_linear_has_bias(c, t)) backend_set_weight(m->be, *linear_bias_slot(m->be, lin), m->modes.full ? lin->bias : NULL, zeros, lin->out);
+            if (llama_linear_has_bias(c, t))
+                backend_set_weight(m->be, *linear_bias_slot(m->be, lin), m->modes.full ? lin->bias : NULL, zeros,
+                                   lin->out);
         }
     }
     free(zeros);
@@ -836,7 +871,8 @@ static void block_backward(Llama* m, int l, BlockActs* a, const void* block_inpu
     AttnShape as = {B, T, c->heads, c->kv_heads, c->head_dim, 1, m->pos};
     const void* x_in = block_input ? block_input : a->x_in;
     // MLP: down, SwiGLU (exact or ReSiLU2), gate/up, MLP norm
-    if (m->modes.recompute_product && (layer->lin[T_DOWN].A || layer->lin[T_DOWN].dW))  // beyond the paper: rebuild the down input
+    if (m->modes.recompute_product &&
+        (layer->lin[T_DOWN].A || layer->lin[T_DOWN].dW))  // beyond the paper: rebuild the down input
         op_mul(be, a->p, a->sg, a->u, nf);
     op_linear_backward(be, m->dp, m->dres, a->p, a->ax[T_DOWN], &layer->lin[T_DOWN], m->dax, N, r, s, OUT_WRITE);
     op_swiglu_backward(be, m->dg, m->du, m->dp, a->sg, a->u, m->modes.approx ? NULL : a->g, a->codes, nf);
@@ -854,8 +890,10 @@ static void block_backward(Llama* m, int l, BlockActs* a, const void* block_inpu
     op_attention_backward(be, m->dq, m->dk, m->dv, m->dout, a->q, a->k, a->v, a->o, a->lse, as, m->att_work);
     op_rope(be, m->dq, m->rope_cos, m->rope_sin, m->pos, N, T, c->heads, c->head_dim, ROPE_INVERSE);
     op_rope(be, m->dk, m->rope_cos, m->rope_sin, m->pos, N, T, c->kv_heads, c->head_dim, ROPE_INVERSE);
-    op_linear_backward(be, m->dz, llama_qk_norm_backward(m, layer, a, T_Q, m->dq, N), a->z1, a->ax[T_Q], &layer->lin[T_Q], m->dax, N, r, s, OUT_WRITE);
-    op_linear_backward(be, m->dz, llama_qk_norm_backward(m, layer, a, T_K, m->dk, N), a->z1, a->ax[T_K], &layer->lin[T_K], m->dax, N, r, s, OUT_ADD);
+    op_linear_backward(be, m->dz, llama_qk_norm_backward(m, layer, a, T_Q, m->dq, N), a->z1, a->ax[T_Q],
+                       &layer->lin[T_Q], m->dax, N, r, s, OUT_WRITE);
+    op_linear_backward(be, m->dz, llama_qk_norm_backward(m, layer, a, T_K, m->dk, N), a->z1, a->ax[T_K],
+                       &layer->lin[T_K], m->dax, N, r, s, OUT_ADD);
     op_linear_backward(be, m->dz, m->dv, a->z1, a->ax[T_V], &layer->lin[T_V], m->dax, N, r, s, OUT_ADD);
     if (layer->dattn_norm) op_rmsnorm_gamma_grad(be, layer->dattn_norm, m->dz, x_in, a->r1, N, (int)d);
     if (m->modes.ms) op_rmsnorm_ms_backward(be, m->dres, m->dz, a->z1, a->r1, N, (int)d);
@@ -892,7 +930,8 @@ static void llama_backward_blocks(Llama* m, int B, int T) {
 
 // The final norm and the head, with their gradients under --full, as the loss reads them.
 static LmHead llama_lm_head(const Llama* m) {
-    LmHead h = {m->final_norm, m->cfg.norm_eps, m->lm_head, m->cfg.vocab, m->cfg.dim, m->loss_chunk, &m->loss, m->dlm_head, m->dfinal_norm};
+    LmHead h = {m->final_norm, m->cfg.norm_eps, m->lm_head,  m->cfg.vocab,  m->cfg.dim,
+                m->loss_chunk, &m->loss,        m->dlm_head, m->dfinal_norm};
     return h;
 }
 
@@ -910,7 +949,9 @@ static LossStats llama_forward_backward(Llama* m, int B, int T, float grad_scale
     op_lm_head_loss(m->be, &head, &call, &st);
     if (!backward) return st;
     llama_backward_blocks(m, B, T);
-    if (m->dembed) op_embedding_backward(m->be, m->dembed, m->dres, m->inputs, m->embed_order, N, c->dim);  // dres: d loss / d embeddings
+    if (m->dembed)
+        op_embedding_backward(m->be, m->dembed, m->dres, m->inputs, m->embed_order, N,
+                              c->dim);  // dres: d loss / d embeddings
     return st;
 }
 
@@ -936,7 +977,8 @@ static StepResult llama_train_step(Llama* m, TextLoader* loader, const TrainOpti
     int* pos_all = (int*)xmalloc(sizeof(int) * N * K);
     ProfMark pd = prof_start(m->be->prof);
     for (int k = 0; k < K; k++)
-        loader_next(loader, B, dist->rank, dist->world, in_all + k * N, tg_all + k * N, mk_all + k * N, pos_all + k * N);
+        loader_next(loader, B, dist->rank, dist->world, in_all + k * N, tg_all + k * N, mk_all + k * N,
+                    pos_all + k * N);
     prof_stop(m->be->prof, pd, "data", "step", 0.0, (double)N * K * 13);
     double total = count_mask(mk_all, N * K);
     dist_allreduce_sum_f64(dist, &total, 1);
@@ -971,7 +1013,8 @@ static double llama_flops_per_token(const Llama* m) {
     int full = m->modes.full;
     double f = 0.0;
     for (int t = 0; t < N_TARGETS; t++)
-        f += c->layers * linear_train_flops(lin_in(c, t), lin_out(c, t), full, !full && (m->modes.targets >> t & 1) ? m->modes.rank : 0);
+        f += c->layers * linear_train_flops(lin_in(c, t), lin_out(c, t), full,
+                                            !full && (m->modes.targets >> t & 1) ? m->modes.rank : 0);
     f += linear_train_flops(c->dim, c->vocab, full, 0);
     f += c->layers * 6.0 * m->T * c->heads * c->head_dim;
     return f;
@@ -1012,12 +1055,16 @@ static int sample_token(const float* logits, int V, float temperature, Rng* rng)
 // LLMC_NO_KV_CACHE=1 recomputes the whole window for every token instead (tests compare the two).
 // The cache and the logits are buffers of the plan (TrainModes.generate).
 // chat: prompt is a rendered chat template, fed as it stands (no BOS added).
-static void llama_generate(Llama* m, const ModelTokenizer* tok, const char* prompt, int chat, int n, float temperature, uint64_t seed) {
+static void llama_generate(Llama* m, const ModelTokenizer* tok, const char* prompt, int chat, int n, float temperature,
+                           uint64_t seed) {
     const LlamaConfig* c = &m->cfg;
     const Backend* be = m->be;
     int len, window = m->T;
-    int* prompt_ids = chat ? model_tokenizer_encode_plain(tok, prompt, &len) : model_tokenizer_encode(tok, prompt, &len);
-    if (len == 0) fail(chat ? "flag --chat: the chat template rendered nothing to start from" : "flag --prompt: empty, and the tokenizer adds no BOS to start from");
+    int* prompt_ids =
+        chat ? model_tokenizer_encode_plain(tok, prompt, &len) : model_tokenizer_encode(tok, prompt, &len);
+    if (len == 0)
+        fail(chat ? "flag --chat: the chat template rendered nothing to start from"
+                  : "flag --prompt: empty, and the tokenizer adds no BOS to start from");
     int* ids = (int*)xmalloc(sizeof(int) * (len + n));
     memcpy(ids, prompt_ids, sizeof(int) * len);
     free(prompt_ids);
@@ -1054,7 +1101,8 @@ static void llama_generate(Llama* m, const ModelTokenizer* tok, const char* prom
         LmHead head = llama_lm_head(m);
         head.chunk = 1;
         head.dW = head.dgamma = NULL;
-        LmHeadCall call = {(char*)m->resid + (int64_t)(T - 1) * d * be->abytes, 1, m->targets, m->mask, 0.0f, NULL, logits};
+        LmHeadCall call = {
+            (char*)m->resid + (int64_t)(T - 1) * d * be->abytes, 1, m->targets, m->mask, 0.0f, NULL, logits};
         op_lm_head_loss(be, &head, &call, &st);
         backend_download(be, last, logits, sizeof(float) * c->vocab);
         int next = sample_token(last, c->vocab, temperature, &rng);
@@ -1094,7 +1142,8 @@ static int llama_peft_entries(Llama* m, PeftEntry* e) {
     int n = 0;
     for (int l = 0; l < m->cfg.layers; l++)
         for (int t = 0; t < N_TARGETS; t++)
-            n = peft_add_entry(e, n, &m->layers[l].lin[t], "model.layers", l, hf_module_names[t], llama_adapter_gamma(m, l, t));
+            n = peft_add_entry(e, n, &m->layers[l].lin[t], "model.layers", l, hf_module_names[t],
+                               llama_adapter_gamma(m, l, t));
     return n;
 }
 
@@ -1162,7 +1211,8 @@ static const float* llama_trained_tensor(const Llama* m, const char* name) {
 // checkpoint's own, or under --quant nf4 the NF4 copy the run used with the MS merge undone) plus
 // alpha/r B A, in bf16 for a bitsandbytes input, else in the input tensor's dtype. Added to the
 // writer under t's name; returns the buffer (the writer's until it is saved).
-static void* llama_export_nf4_linear(Llama* m, const StModel* sm, int from_bnb, int l, int tg, const StTensor* t, StWriter* w) {
+static void* llama_export_nf4_linear(Llama* m, const StModel* sm, int from_bnb, int l, int tg, const StTensor* t,
+                                     StWriter* w) {
     const Linear* L = &m->layers[l].lin[tg];
     int64_t n = (int64_t)L->out * L->in, shape[2] = {L->out, L->in};
     float* W = (float*)xmalloc(sizeof(float) * n);
@@ -1217,7 +1267,8 @@ static void llama_export_merged(Llama* m, const TrainOptions* o, const char* dir
                 continue;
             }
             if (bnb && bnb_is_quant_state_name(t->name)) continue;  // the export is dequantized
-            if (L && !L->dW && (L->nf4 || (bnb && t->dtype == ST_U8))) {  // NF4: bf16 (or the input's dtype), dequantized
+            if (L && !L->dW &&
+                (L->nf4 || (bnb && t->dtype == ST_U8))) {  // NF4: bf16 (or the input's dtype), dequantized
                 owned[k] = llama_export_nf4_linear(m, &sm, bnb && t->dtype == ST_U8, l, tg, t, &w);
                 k++;
                 continue;
@@ -1241,7 +1292,8 @@ static void llama_export_merged(Llama* m, const TrainOptions* o, const char* dir
     char* path = path_join(dir, "model.safetensors");
     st_writer_save(&w, path, "\"format\":\"pt\"");
     free(path);
-    const char* aux[] = {"config.json", "generation_config.json", "tokenizer.bin", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"};
+    const char* aux[] = {"config.json",    "generation_config.json", "tokenizer.bin",
+                         "tokenizer.json", "tokenizer_config.json",  "special_tokens_map.json"};
     for (int i = 0; i < 6; i++) {
         char* src = path_join(o->model_dir, aux[i]);
         char* dst = path_join(dir, aux[i]);
@@ -1257,13 +1309,18 @@ static void llama_export_merged(Llama* m, const TrainOptions* o, const char* dir
 
 // Everything a resumed run must share with the saved one, as "key=value" words (rslora=1 last and only
 // when set, so that states saved before the flag existed still match).
-static void llama_settings_line(char* buf, size_t n, const Llama* m, const TrainOptions* o, const Dist* d, int64_t data_tokens) {
+static void llama_settings_line(char* buf, size_t n, const Llama* m, const TrainOptions* o, const Dist* d,
+                                int64_t data_tokens) {
     const LlamaConfig* c = &m->cfg;
-    snprintf(buf, n, "d=%d f=%d layers=%d heads=%d kv_heads=%d vocab=%d full=%d act=%s norm=%s ms_lora=%s recompute=%s rank=%d alpha=%g targets=0x%x "
-             "lora_dropout=%g batch=%d seq=%d grad_accum=%d world=%d steps=%d lr=%g warmup=%d min_lr_frac=%g weight_decay=%g grad_clip=%g seed=%d data_tokens=%lld quant=%s%s",
-             c->dim, c->hidden, c->layers, c->heads, c->kv_heads, c->vocab, o->full, o->act, o->norm, o->ms_lora, o->recompute, o->lora_rank, o->lora_alpha,
-             m->modes.targets, o->lora_dropout, o->batch, o->seq, o->grad_accum, d->world, o->steps, o->lr, o->warmup, o->min_lr_frac, o->weight_decay,
-             o->grad_clip, o->seed, (long long)data_tokens, o->quant, o->lora_rslora ? " rslora=1" : "");
+    snprintf(buf, n,
+             "d=%d f=%d layers=%d heads=%d kv_heads=%d vocab=%d full=%d act=%s norm=%s ms_lora=%s recompute=%s rank=%d "
+             "alpha=%g targets=0x%x "
+             "lora_dropout=%g batch=%d seq=%d grad_accum=%d world=%d steps=%d lr=%g warmup=%d min_lr_frac=%g "
+             "weight_decay=%g grad_clip=%g seed=%d data_tokens=%lld quant=%s%s",
+             c->dim, c->hidden, c->layers, c->heads, c->kv_heads, c->vocab, o->full, o->act, o->norm, o->ms_lora,
+             o->recompute, o->lora_rank, o->lora_alpha, m->modes.targets, o->lora_dropout, o->batch, o->seq,
+             o->grad_accum, d->world, o->steps, o->lr, o->warmup, o->min_lr_frac, o->weight_decay, o->grad_clip,
+             o->seed, (long long)data_tokens, o->quant, o->lora_rslora ? " rslora=1" : "");
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -1277,8 +1334,16 @@ typedef struct {           // what a run reads besides the model
 
 static void run_data_open(RunData* rd, const TrainOptions* o, int vocab) {
     memset(rd, 0, sizeof(*rd));
-    if (o->data_path) { shard_load(&rd->train, o->data_path, vocab); loader_init(&rd->tl, &rd->train, o->seq, (uint64_t)o->seed, 1); rd->have_train = 1; }
-    if (o->val_path) { shard_load(&rd->val, o->val_path, vocab); loader_init(&rd->vl, &rd->val, o->seq, (uint64_t)o->seed, 0); rd->have_val = 1; }
+    if (o->data_path) {
+        shard_load(&rd->train, o->data_path, vocab);
+        loader_init(&rd->tl, &rd->train, o->seq, (uint64_t)o->seed, 1);
+        rd->have_train = 1;
+    }
+    if (o->val_path) {
+        shard_load(&rd->val, o->val_path, vocab);
+        loader_init(&rd->vl, &rd->val, o->seq, (uint64_t)o->seed, 0);
+        rd->have_val = 1;
+    }
 }
 
 static void run_data_close(RunData* rd) {
@@ -1366,9 +1431,12 @@ static void llama_run_export(void* run, const TrainOptions* o, const char* dir) 
 static void llama_print_start(void* run, const TrainOptions* o, const char* what, const char* where) {
     const Llama* m = ((LlamaRun*)run)->m;
     const LlamaConfig* c = &m->cfg;
-    printf("train_llama: %s | d=%d f=%d layers=%d heads=%d/%d vocab=%d | act=%s norm=%s recompute=%s | %s (%lld trainable) "
-           "| %s\n", o->model_dir, c->dim, c->hidden, c->layers, c->heads, c->kv_heads, c->vocab, o->act, o->norm,
-           o->recompute, what, (long long)m->tr.count, where);
+    printf(
+        "train_llama: %s | d=%d f=%d layers=%d heads=%d/%d vocab=%d | act=%s norm=%s recompute=%s | %s (%lld "
+        "trainable) "
+        "| %s\n",
+        o->model_dir, c->dim, c->hidden, c->layers, c->heads, c->kv_heads, c->vocab, o->act, o->norm, o->recompute,
+        what, (long long)m->tr.count, where);
 }
 
 // The model as the shared training loop sees it.
@@ -1400,13 +1468,18 @@ static void llama_trainer(Trainer* t, LlamaRun* run, const TrainOptions* o, cons
 // every input check, so that a bad input still ends in exactly one line.
 static void llama_warn_seq(const LlamaConfig* c, const TrainOptions* o) {
     if ((o->data_path || o->eval_only || o->dry_run) && o->seq > c->max_seq)
-        fprintf(stderr, "warning: flag --seq: %d exceeds max_position_embeddings %d of %s/config.json (positions beyond it were "
-                "not pretrained; RoPE extends to them, but quality may drop)\n", o->seq, c->max_seq, o->model_dir);
+        fprintf(
+            stderr,
+            "warning: flag --seq: %d exceeds max_position_embeddings %d of %s/config.json (positions beyond it were "
+            "not pretrained; RoPE extends to them, but quality may drop)\n",
+            o->seq, c->max_seq, o->model_dir);
 }
 
 static void llama_flags(FlagTable* t, TrainOptions* o) {
     t->program = "train_llama";
-    t->usage = "--model DIR [--data TRAIN.bin --val VAL.bin] [flags]   (fine-tunes a LLaMA-family model: LoRA, or every weight with --full)";
+    t->usage =
+        "--model DIR [--data TRAIN.bin --val VAL.bin] [flags]   (fine-tunes a LLaMA-family model: LoRA, or every "
+        "weight with --full)";
     train_flags_register(t, o, "comma list of q,k,v,o,gate,up,down (default all)");
     t->group = "memory modes (the paper's layers)";
     flag_choice(t, "swiglu-product", &o->swiglu_product, "keep|recompute",
@@ -1414,10 +1487,13 @@ static void llama_flags(FlagTable* t, TrainOptions* o) {
     flag_choice(t, "offload", &o->offload, "none|host",
                 "with --recompute block: the block checkpoints in pinned host memory, copied beside the compute");
     t->group = "model and data";
-    flag_string(t, "export-merged", &o->export_merged, "after training (or alone, with --adapter), write the model with the adapter folded in to this directory");
+    flag_string(
+        t, "export-merged", &o->export_merged,
+        "after training (or alone, with --adapter), write the model with the adapter folded in to this directory");
     t->group = "memory modes (the paper's layers)";
     flag_choice(t, "quant", &o->quant, "none|nf4",
-                "frozen linear weights: as read (bf16 on CUDA, fp32 on the CPU), or QLoRA's NF4 with double quantization (after the MS merge)");
+                "frozen linear weights: as read (bf16 on CUDA, fp32 on the CPU), or QLoRA's NF4 with double "
+                "quantization (after the MS merge)");
 }
 
 #ifndef TESTING
@@ -1436,7 +1512,9 @@ int main(int argc, char** argv) {
         return 0;
     }
     if (!o.data_path && !o.generate && !o.eval_only && !o.export_merged)
-        fail("nothing to do: give --data to train, --val with --eval-only, --generate N to sample, or --export-merged DIR");
+        fail(
+            "nothing to do: give --data to train, --val with --eval-only, --generate N to sample, or --export-merged "
+            "DIR");
     train_prepare_run(&o, dist.rank);
 
     RunData rd;
@@ -1457,7 +1535,8 @@ int main(int argc, char** argv) {
     TrainOptions planned = o;
     planned.batch = B;
     LlamaPlanCtx pc = {&cfg, &be, &dist, T};
-    fit_check_plan(&be, &m.plan, llama_plan_bytes, &pc, &planned, dist.world, dist.local_size);  // before any allocation, on either backend
+    fit_check_plan(&be, &m.plan, llama_plan_bytes, &pc, &planned, dist.world,
+                   dist.local_size);  // before any allocation, on either backend
     TrainModes bm = train_baseline_modes(md);
     llama_setup(&base, &cfg, &bm, B, T, &be, &dist);
     llama_allocate(&m);
@@ -1476,7 +1555,8 @@ int main(int argc, char** argv) {
     llama_free(&base);
     train_run(&trainer, &o, &dist);
     if (o.generate && dist.rank == 0)
-        llama_generate(&m, &tok, chat_prompt ? chat_prompt : o.prompt, o.chat, o.generate, o.temperature, (uint64_t)o.seed);
+        llama_generate(&m, &tok, chat_prompt ? chat_prompt : o.prompt, o.chat, o.generate, o.temperature,
+                       (uint64_t)o.seed);
     if (o.generate) model_tokenizer_free(&tok);
     free(chat_prompt);
     run_data_close(&rd);

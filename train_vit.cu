@@ -66,12 +66,14 @@ static void vit_config_load(VitConfig* c, const char* model_dir) {
     c->hidden = json_int_in(&j, "intermediate_size", path, 1, 1 << 18);
     c->layers = json_int_in(&j, "num_hidden_layers", path, 1, 1024);
     c->heads = json_int_in(&j, "num_attention_heads", path, 1, 1024);
-    if (c->dim % c->heads) fail("%s: num_attention_heads (%d) does not divide hidden_size (%d)", path, c->heads, c->dim);
+    if (c->dim % c->heads)
+        fail("%s: num_attention_heads (%d) does not divide hidden_size (%d)", path, c->heads, c->dim);
     c->head_dim = c->dim / c->heads;
     json_hw_pair(&j, "image_size", path, MIN_SIDE, MAX_SIDE, &c->image_h, &c->image_w);
     json_hw_pair(&j, "patch_size", path, MIN_SIDE, MAX_SIDE, &c->patch_h, &c->patch_w);
     if (c->image_h % c->patch_h || c->image_w % c->patch_w)
-        fail("%s: image_size %dx%d is not a multiple of patch_size %dx%d", path, c->image_h, c->image_w, c->patch_h, c->patch_w);
+        fail("%s: image_size %dx%d is not a multiple of patch_size %dx%d", path, c->image_h, c->image_w, c->patch_h,
+             c->patch_w);
     c->channels = json_get(&j, "num_channels") ? json_int_in(&j, "num_channels", path, 1, 3) : 3;
     if (c->channels != 1 && c->channels != 3) fail("%s: num_channels %d, expected 1 or 3", path, c->channels);
     // a non-positive epsilon divides by zero on a constant row: a NaN later blamed on --lr or the data
@@ -92,7 +94,8 @@ static void vit_config_load(VitConfig* c, const char* model_dir) {
         json_float_list(&pj, "image_mean", pp, c->channels, c->mean);
         json_float_list(&pj, "image_std", pp, c->channels, c->std);
         for (int i = 0; i < c->channels; i++)
-            if (!(c->std[i] > 0) || !isfinite(c->std[i]) || !isfinite(c->mean[i])) fail("%s: image_std must be positive and image_mean finite", pp);
+            if (!(c->std[i] > 0) || !isfinite(c->std[i]) || !isfinite(c->mean[i]))
+                fail("%s: image_std must be positive and image_mean finite", pp);
         json_free(&pj);
         free(t);
     }
@@ -219,7 +222,8 @@ static int vit_lora_behind_norm(const Vit* m) {
 // and lowmem 12d + 2.25f: MS-LN drops x_in and h_mid (z1, z2 are kept anyway), ReGELU2 keeps
 // f/4 bytes of codes instead of h. Without LoRA on fc2, g is not kept at all.
 
-static void plan_block_act(MemPlan* p, int l, int keep, const char* module, const char* name, size_t bytes, void* saved_slot, void* tmp_slot) {
+static void plan_block_act(MemPlan* p, int l, int keep, const char* module, const char* name, size_t bytes,
+                           void* saved_slot, void* tmp_slot) {
     char nm[64];
     snprintf(nm, sizeof(nm), "L%d.%.40s", l, name);
     if (keep) plan_add(p, MEM_SAVED, module, l, nm, bytes, saved_slot);
@@ -241,7 +245,9 @@ static int64_t vit_trainable_count(const Vit* m) {
     const VitConfig* c = &m->cfg;
     const TrainModes* md = &m->modes;
     int64_t d = c->dim, r = md->rank, n = (int64_t)m->classes * d + m->classes;
-    if (md->full) n += d * patch_len(c) + 2 * d + m->T * d + 2 * d + (vit_trains_block_norms(md) ? (int64_t)N_LN * d * c->layers : 0);
+    if (md->full)
+        n += d * patch_len(c) + 2 * d + m->T * d + 2 * d +
+             (vit_trains_block_norms(md) ? (int64_t)N_LN * d * c->layers : 0);
     for (int l = 0; l < c->layers; l++)
         for (int t = 0; t < N_TARGETS; t++) {
             if (md->full) n += lin_in(c, t) * lin_out(c, t) + (vit_trains_bias(m, t) ? lin_out(c, t) : 0);
@@ -273,12 +279,16 @@ static void vit_plan_weights(Vit* m, MemPlan* p) {
         }
         if (m->modes.full) {  // the frozen q, k, v biases of a model without them (zeros)
             for (int t = 0; t < N_TARGETS; t++)
-                if (!vit_trains_bias(m, t)) plan_add(p, MEM_FROZEN, target_names[t], l, "bias", lin_out(c, t) * w, linear_bias_slot(be, &layer->lin[t]));
+                if (!vit_trains_bias(m, t))
+                    plan_add(p, MEM_FROZEN, target_names[t], l, "bias", lin_out(c, t) * w,
+                             linear_bias_slot(be, &layer->lin[t]));
             continue;
         }
         for (int t = 0; t < N_TARGETS; t++) {
-            plan_add(p, MEM_FROZEN, target_names[t], l, target_names[t], lin_in(c, t) * lin_out(c, t) * w, linear_weight_slot(be, &layer->lin[t]));
-            plan_add(p, MEM_FROZEN, target_names[t], l, "bias", lin_out(c, t) * w, linear_bias_slot(be, &layer->lin[t]));
+            plan_add(p, MEM_FROZEN, target_names[t], l, target_names[t], lin_in(c, t) * lin_out(c, t) * w,
+                     linear_weight_slot(be, &layer->lin[t]));
+            plan_add(p, MEM_FROZEN, target_names[t], l, "bias", lin_out(c, t) * w,
+                     linear_bias_slot(be, &layer->lin[t]));
         }
     }
 }
@@ -295,7 +305,10 @@ static void vit_plan_blocks(Vit* m, MemPlan* p) {
         BlockActs* A = &m->acts[l];
         BlockActs* s = &m->tmp;
         char nm[48];
-        if (md->recompute_block) { snprintf(nm, sizeof(nm), "L%d.block_input", l); plan_add(p, MEM_SAVED, "checkpoint", l, nm, N * d * a, &m->block_input[l]); }
+        if (md->recompute_block) {
+            snprintf(nm, sizeof(nm), "L%d.block_input", l);
+            plan_add(p, MEM_SAVED, "checkpoint", l, nm, N * d * a, &m->block_input[l]);
+        }
         if (std_norm && keep) plan_block_act(p, l, 1, "attn_norm", "x_in", N * d * a, &A->x_in, NULL);
         if (std_norm) plan_block_act(p, l, keep, "attn_norm", "mean1", N * 4, &A->mean1, &s->mean1);
         plan_block_act(p, l, keep, "attn_norm", "r1", N * 4, &A->r1, &s->r1);
@@ -313,11 +326,14 @@ static void vit_plan_blocks(Vit* m, MemPlan* p) {
         if (std_norm) plan_block_act(p, l, keep, "mlp_norm", "h_mid", N * d * a, &A->h_mid, &s->h_mid);
         if (std_norm) plan_block_act(p, l, keep, "mlp_norm", "mean2", N * 4, &A->mean2, &s->mean2);
         plan_block_act(p, l, keep, "mlp_norm", "r2", N * 4, &A->r2, &s->r2);
-        plan_block_act(p, l, keep && (md->ms || md->full || (md->targets >> T_FC1 & 1)), "fc1_input", "z2", N * d * a, &A->z2, &s->z2);
+        plan_block_act(p, l, keep && (md->ms || md->full || (md->targets >> T_FC1 & 1)), "fc1_input", "z2", N * d * a,
+                       &A->z2, &s->z2);
         // under ReGELU2 fc1's output h is a forward temporary in dh (vit_bind): the codes are kept
         if (!md->approx) plan_block_act(p, l, keep, "gelu", "h", N * f * a, &A->h, &s->h);
-        if (md->approx) plan_block_act(p, l, keep, "gelu", "codes", (size_t)packed_codes_bytes(N * f), &A->codes, &s->codes);
-        plan_block_act(p, l, keep && (md->full || (md->targets >> T_FC2 & 1)), "fc2_input", "g", N * f * a, &A->g, &s->g);
+        if (md->approx)
+            plan_block_act(p, l, keep, "gelu", "codes", (size_t)packed_codes_bytes(N * f), &A->codes, &s->codes);
+        plan_block_act(p, l, keep && (md->full || (md->targets >> T_FC2 & 1)), "fc2_input", "g", N * f * a, &A->g,
+                       &s->g);
     }
 }
 
@@ -331,7 +347,8 @@ static void vit_plan_scratch(Vit* m, MemPlan* p) {
     if (be->cuda) {
         plan_add(p, MEM_SCRATCH, "batch", -1, "raw_images", B * m->src_bytes, &m->raw);
         plan_add(p, MEM_SCRATCH, "batch", -1, "flips", B * 4, &m->flip);
-        plan_add(p, MEM_SCRATCH, "batch", -1, "resize_taps", ((int64_t)m->img_h + m->img_w) * sizeof(ResampleTaps), &m->taps);
+        plan_add(p, MEM_SCRATCH, "batch", -1, "resize_taps", ((int64_t)m->img_h + m->img_w) * sizeof(ResampleTaps),
+                 &m->taps);
     }
     plan_add(p, MEM_SCRATCH, "patch_embed", -1, "patches", N * patch_len(c) * a, &m->patches);
     plan_add(p, MEM_SCRATCH, "residual", -1, "resid", N * d * a, &m->resid);
@@ -348,8 +365,10 @@ static void vit_plan_scratch(Vit* m, MemPlan* p) {
     plan_add(p, MEM_SCRATCH, "grads", -1, "dh", N * f * a, &m->dh);
     plan_add(p, MEM_SCRATCH, "grads", -1, "dax", N * r * a, &m->dax);
     if (vit_lora_behind_norm(m))
-        plan_add(p, MEM_SCRATCH, "lora", -1, "lora_norm_work", lora_norm_work_bytes((int)r, (int)d, (int)a), &m->lora_norm_work);
-    if (m->modes.lora_dropout > 0 && m->modes.targets) {  // one adapter input at a time, the widest: regenerated, not kept
+        plan_add(p, MEM_SCRATCH, "lora", -1, "lora_norm_work", lora_norm_work_bytes((int)r, (int)d, (int)a),
+                 &m->lora_norm_work);
+    if (m->modes.lora_dropout > 0 &&
+        m->modes.targets) {  // one adapter input at a time, the widest: regenerated, not kept
         int64_t widest = 0;
         for (int t = 0; t < N_TARGETS; t++)
             if ((m->modes.targets >> t & 1) && lin_in(c, t) > widest) widest = lin_in(c, t);
@@ -383,7 +402,8 @@ static void vit_plan(Vit* m, MemPlan* p) {
     p->blocks = c->layers;
     vit_plan_weights(m, p);
     // The head's kernels read its fp32 master (m->head_w), so ZeRO-1 keeps every rank's master whole.
-    trainable_plan(&m->tr, p, md->full ? "all weights" : "lora+head", vit_trainable_count(m), md->full ? SHARD_OPTIM : SHARD_NONE, m->dist, m->be);
+    trainable_plan(&m->tr, p, md->full ? "all weights" : "lora+head", vit_trainable_count(m),
+                   md->full ? SHARD_OPTIM : SHARD_NONE, m->dist, m->be);
     vit_plan_blocks(m, p);
     vit_plan_scratch(m, p);
 }
@@ -441,8 +461,9 @@ static void vit_bind(Vit* m) {
         m->layer_off[l] = off;
         void** ln_dev[N_LN] = {&layer->ln1_g, &layer->ln1_b, &layer->ln2_g, &layer->ln2_b};
         for (int k = 0; k < N_LN; k++)
-            layer->ln_host[k] = vit_trains_block_norms(&m->modes) ? trainable_bind_tensor(&m->tr, &off, d, ln_dev[k], &layer->ln_grad[k], NULL)
-                                                                : m->norms_host + ((int64_t)l * N_LN + k) * d;
+            layer->ln_host[k] = vit_trains_block_norms(&m->modes)
+                                    ? trainable_bind_tensor(&m->tr, &off, d, ln_dev[k], &layer->ln_grad[k], NULL)
+                                    : m->norms_host + ((int64_t)l * N_LN + k) * d;
         for (int t = 0; t < N_TARGETS; t++) {
             Linear* L = &layer->lin[t];
             L->in = (int)lin_in(c, t);
@@ -451,7 +472,8 @@ static void vit_bind(Vit* m) {
             vit_bind_linear(m, L, t, &off, &h);
             int attn = t <= T_V;
             if (L->A && vit_adapters_see_affine(m) && (attn || t == T_FC1))
-                lora_norm_bind(L, attn ? layer->ln1_g : layer->ln2_g, attn ? layer->ln1_b : layer->ln2_b, m->lora_norm_work);
+                lora_norm_bind(L, attn ? layer->ln1_g : layer->ln2_g, attn ? layer->ln1_b : layer->ln2_b,
+                               m->lora_norm_work);
             if (L->A && m->drop_work) lora_dropout_bind(L, &m->drop, (uint32_t)(l * N_TARGETS + t));
         }
     }
@@ -484,15 +506,18 @@ static void vit_images_to_device(Vit* m, const ImageLoader* loader, const int64_
     const VitConfig* c = &m->cfg;
     const ImageShard* s = loader->shard;
     int64_t per = (int64_t)s->H * s->W * s->C;
-    if (per > m->src_bytes) fail("internal: %s has images of %lld bytes, planned for %lld", s->path, (long long)per, (long long)m->src_bytes);
+    if (per > m->src_bytes)
+        fail("internal: %s has images of %lld bytes, planned for %lld", s->path, (long long)per,
+             (long long)m->src_bytes);
     image_loader_gather(loader, idx, B, m->h_raw);
     backend_upload(m->be, m->raw, m->h_raw, (size_t)(B * per));
     backend_upload(m->be, m->flip, m->h_flip, sizeof(int) * B);
     backend_upload(m->be, m->labels, m->h_labels, sizeof(int) * B);
     backend_upload(m->be, m->taps, loader->ty, sizeof(ResampleTaps) * m->img_h);
     backend_upload(m->be, (ResampleTaps*)m->taps + m->img_h, loader->tx, sizeof(ResampleTaps) * m->img_w);
-    op_resize_normalize_images(m->be, m->pixels, m->raw, (const ResampleTaps*)m->taps, (const ResampleTaps*)m->taps + m->img_h, m->flip, B,
-                               s->H, s->W, s->C, m->img_h, m->img_w, c->channels, loader->mean, loader->std);
+    op_resize_normalize_images(m->be, m->pixels, m->raw, (const ResampleTaps*)m->taps,
+                               (const ResampleTaps*)m->taps + m->img_h, m->flip, B, s->H, s->W, s->C, m->img_h,
+                               m->img_w, c->channels, loader->mean, loader->std);
 }
 
 // This rank's part of the next training batch, on the backend.
@@ -522,13 +547,14 @@ static void vit_range_batch(Vit* m, const ImageLoader* loader, int64_t start, in
 // resolution must be a whole number of patches.
 // src_bytes: the largest source image of the run's shards (0: none, as in a dry run: the model's
 // input size is planned).
-static void vit_setup(Vit* m, const VitConfig* cfg, const TrainModes* modes, int B, int img_h, int img_w, int classes, int64_t src_bytes,
-                      const Backend* be, const Dist* dist) {
+static void vit_setup(Vit* m, const VitConfig* cfg, const TrainModes* modes, int B, int img_h, int img_w, int classes,
+                      int64_t src_bytes, const Backend* be, const Dist* dist) {
     memset(m, 0, sizeof(*m));
     m->be = be;
     m->dist = dist;
     if (img_h % cfg->patch_h || img_w % cfg->patch_w)
-        fail("flag --image-size: %dx%d is not a multiple of the patch size %dx%d", img_h, img_w, cfg->patch_h, cfg->patch_w);
+        fail("flag --image-size: %dx%d is not a multiple of the patch size %dx%d", img_h, img_w, cfg->patch_h,
+             cfg->patch_w);
     m->cfg = *cfg;
     m->modes = *modes;
     m->B = B;
@@ -555,7 +581,9 @@ static void vit_allocate(Vit* m) {
 // Frees what vit_setup planned and vit_allocate made (either may be all there was: a dry run).
 static void vit_free(Vit* m) {
     trainable_free_host(&m->tr);
-    backend_free_host_side(m->be, m->h_raw); backend_free_host_side(m->be, m->h_flip); backend_free_host_side(m->be, m->h_labels);
+    backend_free_host_side(m->be, m->h_raw);
+    backend_free_host_side(m->be, m->h_flip);
+    backend_free_host_side(m->be, m->h_labels);
     free(m->lin_host);
     op_detach_matmul_workspace(m->be, m->blas_work);  // before the plan's memory goes
     backend_free_plan(m->be, &m->plan);
@@ -572,7 +600,9 @@ static void vit_free(Vit* m) {
 // CUDA). The linears' fp32 W and bias stay on the host as well (on the CPU they are the
 // backend's): adapters and the export are computed from them.
 
-static void read_1d(const StModel* sm, const char* name, int64_t n, float* dst) { st_model_read_f32(sm, name, 1, &n, dst); }
+static void read_1d(const StModel* sm, const char* name, int64_t n, float* dst) {
+    st_model_read_f32(sm, name, 1, &n, dst);
+}
 static void read_2d(const StModel* sm, const char* name, int64_t rows, int64_t cols, float* dst) {
     int64_t s[2] = {rows, cols};
     st_model_read_f32(sm, name, 2, s, dst);
@@ -613,7 +643,8 @@ static void vit_upload_norms(Vit* m, int l) {
 // MS-LN: gamma and beta of block l's norms into the linears that consume them (host fp32).
 static void vit_merge_norms(Vit* m, int l) {
     VitLayer* layer = &m->layers[l];
-    for (int t = T_Q; t <= T_V; t++) linear_merge_norm_affine(&layer->lin[t], vit_norm_host(m, l, LN1_G), vit_norm_host(m, l, LN1_B));
+    for (int t = T_Q; t <= T_V; t++)
+        linear_merge_norm_affine(&layer->lin[t], vit_norm_host(m, l, LN1_G), vit_norm_host(m, l, LN1_B));
     linear_merge_norm_affine(&layer->lin[T_FC1], vit_norm_host(m, l, LN2_G), vit_norm_host(m, l, LN2_B));
 }
 
@@ -628,7 +659,8 @@ static void vit_load_embeddings(Vit* m, const StModel* sm, const VitCheckpoint* 
     vit_load_pos_embed(m, sm, vit_tensor_name(name, ck, VIT_POS), tmp);
     backend_set_weight(m->be, m->pos, m->h_pos, tmp, m->T * d);
     st_model_read_f32(sm, vit_tensor_name(name, ck, VIT_PATCH_W), 4, pw_shape, tmp);
-    backend_set_weight(m->be, *linear_weight_slot(m->be, &m->patch), m->patch.dW ? m->patch.W : NULL, tmp, d * patch_len(c));
+    backend_set_weight(m->be, *linear_weight_slot(m->be, &m->patch), m->patch.dW ? m->patch.W : NULL, tmp,
+                       d * patch_len(c));
     read_1d(sm, vit_tensor_name(name, ck, VIT_PATCH_B), d, tmp);
     backend_set_weight(m->be, m->patch_b, m->h_patch_b, tmp, d);
     read_1d(sm, vit_tensor_name(name, ck, VIT_NORM_G), d, tmp);
@@ -668,7 +700,8 @@ static void vit_load_weights(Vit* m, const char* dir) {
 static void vit_random_weights(Vit* m, uint64_t seed) {
     const VitConfig* c = &m->cfg;
     int64_t d = c->dim, biggest = d * (patch_len(c) > m->T ? patch_len(c) : m->T);
-    for (int t = 0; t < N_TARGETS; t++) if (lin_in(c, t) * lin_out(c, t) > biggest) biggest = lin_in(c, t) * lin_out(c, t);
+    for (int t = 0; t < N_TARGETS; t++)
+        if (lin_in(c, t) * lin_out(c, t) > biggest) biggest = lin_in(c, t) * lin_out(c, t);
     float* tmp = (float*)xmalloc(sizeof(float) * biggest);
     Rng rng = rng_seeded(seed, 11);
     for (int64_t i = 0; i < biggest; i++) tmp[i] = 0.02f * rng_normal(&rng);
@@ -677,7 +710,8 @@ static void vit_random_weights(Vit* m, uint64_t seed) {
     for (int64_t i = 0; i < d; i++) ones[i] = 1.0f;
     backend_set_weight(m->be, m->cls, m->h_cls, tmp, d);
     backend_set_weight(m->be, m->pos, m->h_pos, tmp, m->T * d);
-    backend_set_weight(m->be, *linear_weight_slot(m->be, &m->patch), m->patch.dW ? m->patch.W : NULL, tmp, d * patch_len(c));
+    backend_set_weight(m->be, *linear_weight_slot(m->be, &m->patch), m->patch.dW ? m->patch.W : NULL, tmp,
+                       d * patch_len(c));
     backend_set_weight(m->be, m->patch_b, m->h_patch_b, zeros, d);
     backend_set_weight(m->be, m->norm_g, m->h_norm_g, ones, d);
     backend_set_weight(m->be, m->norm_b, m->h_norm_b, zeros, d);
@@ -736,7 +770,8 @@ static void block_forward(Vit* m, int l, void* x, BlockActs* a, int B) {
     float s = m->modes.lora_scale;
     AttnShape as = {B, m->T, c->heads, c->heads, c->head_dim, 0, NULL};  // bidirectional, one image per row
     if (a->x_in) op_copy(be, a->x_in, x, N * d);
-    op_layernorm_forward(be, a->z1, a->r1, ms ? NULL : a->mean1, x, ms ? NULL : layer->ln1_g, ms ? NULL : layer->ln1_b, N, (int)d, c->norm_eps);
+    op_layernorm_forward(be, a->z1, a->r1, ms ? NULL : a->mean1, x, ms ? NULL : layer->ln1_g, ms ? NULL : layer->ln1_b,
+                         N, (int)d, c->norm_eps);
     op_linear_forward(be, a->q, a->z1, &layer->lin[T_Q], a->ax[T_Q], N, r, s, OUT_WRITE);
     op_linear_forward(be, a->k, a->z1, &layer->lin[T_K], a->ax[T_K], N, r, s, OUT_WRITE);
     op_linear_forward(be, a->v, a->z1, &layer->lin[T_V], a->ax[T_V], N, r, s, OUT_WRITE);
@@ -744,7 +779,8 @@ static void block_forward(Vit* m, int l, void* x, BlockActs* a, int B) {
                              op_attention_work_fitting(be, as, m->att_work, m->att_work_bytes));
     op_linear_forward(be, x, a->o, &layer->lin[T_PROJ], a->ax[T_PROJ], N, r, s, OUT_ADD);
     if (a->h_mid) op_copy(be, a->h_mid, x, N * d);
-    op_layernorm_forward(be, a->z2, a->r2, ms ? NULL : a->mean2, x, ms ? NULL : layer->ln2_g, ms ? NULL : layer->ln2_b, N, (int)d, c->norm_eps);
+    op_layernorm_forward(be, a->z2, a->r2, ms ? NULL : a->mean2, x, ms ? NULL : layer->ln2_g, ms ? NULL : layer->ln2_b,
+                         N, (int)d, c->norm_eps);
     op_linear_forward(be, a->h, a->z2, &layer->lin[T_FC1], a->ax[T_FC1], N, r, s, OUT_WRITE);
     op_gelu_forward(be, a->g, m->modes.approx ? a->codes : NULL, a->h, N * c->hidden, c->gelu_tanh);
     op_linear_forward(be, x, a->g, &layer->lin[T_FC2], a->ax[T_FC2], N, r, s, OUT_ADD);
@@ -804,7 +840,9 @@ static void block_backward(Vit* m, int l, BlockActs* a, int B) {
     op_linear_backward(be, m->dh, m->dres, a->g, a->ax[T_FC2], &layer->lin[T_FC2], m->dax, N, r, s, OUT_WRITE);
     op_gelu_backward(be, m->dh, m->dh, m->modes.approx ? NULL : a->h, a->codes, N * c->hidden, c->gelu_tanh);
     op_linear_backward(be, m->dz, m->dh, a->z2, a->ax[T_FC1], &layer->lin[T_FC1], m->dax, N, r, s, OUT_WRITE);
-    if (layer->ln_grad[LN2_G]) op_layernorm_affine_grad(be, layer->ln_grad[LN2_G], layer->ln_grad[LN2_B], m->dz, a->h_mid, a->mean2, a->r2, N, (int)d);
+    if (layer->ln_grad[LN2_G])
+        op_layernorm_affine_grad(be, layer->ln_grad[LN2_G], layer->ln_grad[LN2_B], m->dz, a->h_mid, a->mean2, a->r2, N,
+                                 (int)d);
     if (ms) op_layernorm_ms_backward(be, m->dres, m->dz, a->z2, a->r2, N, (int)d);
     else op_layernorm_backward(be, m->dres, m->dz, a->h_mid, a->mean2, a->r2, layer->ln2_g, N, (int)d);
     // attention: proj, attention, q/k/v, attention norm
@@ -813,7 +851,9 @@ static void block_backward(Vit* m, int l, BlockActs* a, int B) {
     op_linear_backward(be, m->dz, m->dq, a->z1, a->ax[T_Q], &layer->lin[T_Q], m->dax, N, r, s, OUT_WRITE);
     op_linear_backward(be, m->dz, m->dk, a->z1, a->ax[T_K], &layer->lin[T_K], m->dax, N, r, s, OUT_ADD);
     op_linear_backward(be, m->dz, m->dv, a->z1, a->ax[T_V], &layer->lin[T_V], m->dax, N, r, s, OUT_ADD);
-    if (layer->ln_grad[LN1_G]) op_layernorm_affine_grad(be, layer->ln_grad[LN1_G], layer->ln_grad[LN1_B], m->dz, x_in, a->mean1, a->r1, N, (int)d);
+    if (layer->ln_grad[LN1_G])
+        op_layernorm_affine_grad(be, layer->ln_grad[LN1_G], layer->ln_grad[LN1_B], m->dz, x_in, a->mean1, a->r1, N,
+                                 (int)d);
     if (ms) op_layernorm_ms_backward(be, m->dres, m->dz, a->z1, a->r1, N, (int)d);
     else op_layernorm_backward(be, m->dres, m->dz, x_in, a->mean1, a->r1, layer->ln1_g, N, (int)d);
 }
@@ -834,7 +874,8 @@ static void vit_backward_blocks(Vit* m, int B) {
             block_forward(m, l, stream, &m->acts[l], B);
         }
         block_backward(m, l, &m->acts[l], B);
-        trainable_grads_final_from(&m->tr, m->dist, m->layer_off[l]);  // this block's, the final norm's and the head's are final
+        trainable_grads_final_from(&m->tr, m->dist,
+                                   m->layer_off[l]);  // this block's, the final norm's and the head's are final
     }
     if (!m->modes.full) return;
     op_patch_embed_finish_backward(m->be, m->dcls, m->dpatch_b, m->dpos, m->dres, N, m->T, m->cfg.dim);
@@ -891,7 +932,8 @@ static double vit_flops_per_image(const Vit* m) {
     int full = m->modes.full;
     double per_token = 0.0;
     for (int t = 0; t < N_TARGETS; t++)
-        per_token += c->layers * linear_train_flops(lin_in(c, t), lin_out(c, t), full, !full && (m->modes.targets >> t & 1) ? m->modes.rank : 0);
+        per_token += c->layers * linear_train_flops(lin_in(c, t), lin_out(c, t), full,
+                                                    !full && (m->modes.targets >> t & 1) ? m->modes.rank : 0);
     per_token += c->layers * 12.0 * m->T * c->dim;
     double patches = (double)(m->T - 1) * linear_train_flops(patch_len(c), c->dim, full, 0);
     return m->T * per_token + patches + linear_train_flops(c->dim, m->classes, 1, 0);
@@ -1054,7 +1096,10 @@ static void vit_load_adapter(Vit* m, const char* dir, const TrainOptions* o, int
     st_open(&f, path);
     for (int i = 0; i < n; i++) vit_load_adapter_bias(m, &f, &e[i], o->model_dir);
     if (!peft_read_module_to_save(&f, vit_hf_head, m->h_head_w, m->h_head_b, m->classes, c->dim) && need_head)
-        fail("%s: no classifier.weight/bias (an adapter saved by train_vit or PEFT with modules_to_save=[\"classifier\"]); --eval-only needs the trained head", path);
+        fail(
+            "%s: no classifier.weight/bias (an adapter saved by train_vit or PEFT with "
+            "modules_to_save=[\"classifier\"]); --eval-only needs the trained head",
+            path);
     st_close(&f);
     free(path);
     free(e);
@@ -1172,7 +1217,10 @@ static void vit_load_checkpoint_head(Vit* m, const char* dir) {
     vit_tensor_name(wn, &ck, VIT_HEAD_W);
     vit_tensor_name(bn, &ck, VIT_HEAD_B);
     if (!st_model_find(&sm, wn) || !st_model_find(&sm, bn))
-        fail("%s: no %s / %s; --eval-only needs a trained head (give --adapter, or a model written by --export-merged or --full)", dir, wn, bn);
+        fail(
+            "%s: no %s / %s; --eval-only needs a trained head (give --adapter, or a model written by --export-merged "
+            "or --full)",
+            dir, wn, bn);
     read_2d(&sm, wn, m->classes, m->cfg.dim, m->h_head_w);
     read_1d(&sm, bn, m->classes, m->h_head_b);
     st_model_close(&sm);
@@ -1194,16 +1242,19 @@ static void vit_resolution(const VitConfig* c, const char* flag, int* h, int* w)
     } else {
         fail("flag --image-size: expected S or HxW, got \"%s\"", flag);
     }
-    if (*h < 1 || *w < 1 || *h > 65536 || *w > 65536) fail("flag --image-size: expected sides in 1..65536, got \"%s\"", flag);
+    if (*h < 1 || *w < 1 || *h > 65536 || *w > 65536)
+        fail("flag --image-size: expected sides in 1..65536, got \"%s\"", flag);
 }
 
 // --dry-run --json: the run's settings as the fields of a JSON object, into buf (plan_json writes them).
 static void vit_settings_json(char* buf, size_t n, const TrainOptions* o, const Vit* m, const char* device) {
     snprintf(buf, n,
-             "\"model\": \"vit\", \"device\": \"%s\", \"mode\": \"%s\", \"act\": \"%s\", \"norm\": \"%s\", \"recompute\": \"%s\", "
-             "\"batch\": %d, \"image_size\": [%d, %d], \"tokens_per_image\": %d, \"classes\": %d, \"lora_rank\": %d, \"lora_dropout\": %g, \"lora_targets\": \"%s\"",
-             device, o->mode, o->act, o->norm, o->recompute, o->batch, m->img_h, m->img_w, m->T, m->classes, o->lora_rank, o->lora_dropout,
-             o->lora_targets ? o->lora_targets : "q,k,v,proj,fc1,fc2");
+             "\"model\": \"vit\", \"device\": \"%s\", \"mode\": \"%s\", \"act\": \"%s\", \"norm\": \"%s\", "
+             "\"recompute\": \"%s\", "
+             "\"batch\": %d, \"image_size\": [%d, %d], \"tokens_per_image\": %d, \"classes\": %d, \"lora_rank\": %d, "
+             "\"lora_dropout\": %g, \"lora_targets\": \"%s\"",
+             device, o->mode, o->act, o->norm, o->recompute, o->batch, m->img_h, m->img_w, m->T, m->classes,
+             o->lora_rank, o->lora_dropout, o->lora_targets ? o->lora_targets : "q,k,v,proj,fc1,fc2");
 }
 
 // What fit_check_plan plans with: the run's model, resolution, classes, backend and ranks.
@@ -1240,10 +1291,14 @@ static void run_data_open(RunData* rd, const TrainOptions* o, const VitConfig* c
     *classes = o->classes ? o->classes : rd->have_train ? rd->train.classes : rd->val.classes;
     // --export-merged alone: the adapter's head says
     if (*classes == 0 && o->adapter_dir) *classes = peft_saved_module_rows(o->adapter_dir, vit_hf_head);
-    if (*classes <= 0) fail("flag --classes: give the head's class count (no --data, --val or adapter head to take it from)");
-    if (rd->have_train && rd->train.classes > *classes) fail("%s: the shard has %d classes, more than --classes %d", o->data_path, rd->train.classes, *classes);
-    if (rd->have_val && rd->val.classes > *classes) fail("%s: the shard has %d classes, more than the head's %d", o->val_path, rd->val.classes, *classes);
-    if (rd->have_train) image_loader_init(&rd->tl, &rd->train, h, w, c->channels, c->mean, c->std, (uint64_t)o->seed, 1, o->hflip);
+    if (*classes <= 0)
+        fail("flag --classes: give the head's class count (no --data, --val or adapter head to take it from)");
+    if (rd->have_train && rd->train.classes > *classes)
+        fail("%s: the shard has %d classes, more than --classes %d", o->data_path, rd->train.classes, *classes);
+    if (rd->have_val && rd->val.classes > *classes)
+        fail("%s: the shard has %d classes, more than the head's %d", o->val_path, rd->val.classes, *classes);
+    if (rd->have_train)
+        image_loader_init(&rd->tl, &rd->train, h, w, c->channels, c->mean, c->std, (uint64_t)o->seed, 1, o->hflip);
     if (rd->have_val) image_loader_init(&rd->vl, &rd->val, h, w, c->channels, c->mean, c->std, (uint64_t)o->seed, 0, 0);
 }
 
@@ -1261,7 +1316,8 @@ static void run_data_close(RunData* rd) {
 }
 
 // --dry-run: the plan of the run these flags describe, and the baseline plan beside it (with
-// --data or --val, for their class count and image size; else --classes or 10). Under mpirun, or for --ranks N, the plan is per rank (ZeRO-1 under --full).
+// --data or --val, for their class count and image size; else --classes or 10). Under mpirun, or for --ranks N, the
+// plan is per rank (ZeRO-1 under --full).
 static void vit_dry_run(const VitConfig* cfg, const TrainOptions* o, TrainModes md, const Dist* dist) {
     int cpu = strcmp(o->device, "cpu") == 0;  // a dry run plans the CUDA layout unless told otherwise
     Backend be = backend_for_plan(!cpu);
@@ -1285,7 +1341,8 @@ static void vit_dry_run(const VitConfig* cfg, const TrainOptions* o, TrainModes 
              "(%d tokens), %d classes, batch %d, ", cfg->dim, cfg->hidden, cfg->layers, cfg->heads, h, w,
              cfg->patch_h, cfg->patch_w, m.T, classes, o->batch);
     if (o->full) str_appendf(header, sizeof(header), "full fine-tuning");
-    else str_appendf(header, sizeof(header), "LoRA r=%d on %s", o->lora_rank, o->lora_targets ? o->lora_targets : "all");
+    else
+        str_appendf(header, sizeof(header), "LoRA r=%d on %s", o->lora_rank, o->lora_targets ? o->lora_targets : "all");
     if (ranks.world > 1) str_appendf(header, sizeof(header), ", one of %d ranks", ranks.world);
     train_dry_run_report(o, &m.plan, &base.plan, &be, json, header);
     vit_free(&m);
@@ -1327,7 +1384,8 @@ static void vit_print_start(void* run, const TrainOptions* o, const char* what, 
     if (rd->have_train)
         printf("data: %s (%lld images %dx%dx%d, %d classes)", o->data_path, (long long)rd->train.n, rd->train.H,
                rd->train.W, rd->train.C, rd->train.classes);
-    if (rd->have_val) printf("%sval %s (%lld images)", rd->have_train ? ", " : "data: ", o->val_path, (long long)rd->val.n);
+    if (rd->have_val)
+        printf("%sval %s (%lld images)", rd->have_train ? ", " : "data: ", o->val_path, (long long)rd->val.n);
     printf("\n");
 }
 
@@ -1357,11 +1415,14 @@ static void vit_trainer(Trainer* t, VitRun* run, const TrainOptions* o, const Di
 
 static void vit_flags(FlagTable* t, TrainOptions* o) {
     t->program = "train_vit";
-    t->usage = "--model DIR [--data TRAIN.bin --val VAL.bin] [flags]   (fine-tunes a ViT image classifier: LoRA and a new head, or every weight with --full)";
+    t->usage =
+        "--model DIR [--data TRAIN.bin --val VAL.bin] [flags]   (fine-tunes a ViT image classifier: LoRA and a new "
+        "head, or every weight with --full)";
     train_flags_register_task(t, o, "comma list of q,k,v,proj,fc1,fc2 (default all)", TRAIN_IMAGE);
     t->group = "model and data";
     flag_string(t, "export-merged", &o->export_merged,
-                "after training (or alone, with --adapter), write the model with the adapter folded in and the trained head to this directory");
+                "after training (or alone, with --adapter), write the model with the adapter folded in and the trained "
+                "head to this directory");
 }
 
 #ifndef TESTING
@@ -1375,13 +1436,19 @@ int main(int argc, char** argv) {
     TrainModes md = train_modes_from(&o, target_names, N_TARGETS);
     if (o.dry_run) { if (dist.rank == 0) vit_dry_run(&cfg, &o, md, &dist); dist_finalize(&dist); return 0; }
     if (!o.data_path && !o.eval_only && !o.export_merged)
-        fail("nothing to do: give --data (an image shard from scripts/data/prepare_images.py), --val with --eval-only, or --export-merged DIR with --adapter");
-    if (!o.data_path && !o.eval_only && !o.adapter_dir) fail("flag --export-merged: alone, it needs --adapter (the adapter and head to fold in)");
+        fail(
+            "nothing to do: give --data (an image shard from scripts/data/prepare_images.py), --val with --eval-only, "
+            "or --export-merged DIR with --adapter");
+    if (!o.data_path && !o.eval_only && !o.adapter_dir)
+        fail("flag --export-merged: alone, it needs --adapter (the adapter and head to fold in)");
     train_prepare_run(&o, dist.rank);
     // without a checkpoint there is nothing to rewrite and no trained head to read
     if (o.random_init && (o.export_merged || (o.full && (o.out_dir || o.resume_dir))))
-        fail("flag --random-init: not with --export-merged or --full --out (they rewrite the checkpoint's tensors, and there is none)");
-    if (o.random_init && o.eval_only && !o.adapter_dir) fail("flag --random-init: --eval-only needs --adapter (the trained head)");
+        fail(
+            "flag --random-init: not with --export-merged or --full --out (they rewrite the checkpoint's tensors, and "
+            "there is none)");
+    if (o.random_init && o.eval_only && !o.adapter_dir)
+        fail("flag --random-init: --eval-only needs --adapter (the trained head)");
 
     int h, w, classes;
     vit_resolution(&cfg, o.image_size, &h, &w);

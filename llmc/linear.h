@@ -89,8 +89,8 @@ typedef struct {
 
 static size_t lora_align16(size_t b) { return (b + 15) & ~(size_t)15; }
 static size_t lora_norm_work_bytes(int rank, int in, int abytes) {
-    return lora_align16((size_t)rank * in * abytes) + lora_align16((size_t)rank * abytes) + lora_align16((size_t)rank * in * 4) +
-           lora_align16((size_t)rank * 4);
+    return lora_align16((size_t)rank * in * abytes) + lora_align16((size_t)rank * abytes) +
+           lora_align16((size_t)rank * in * 4) + lora_align16((size_t)rank * 4);
 }
 static LoraNormWork lora_norm_work(const Linear* L, int rank, int abytes) {
     char* p = (char*)L->norm_work;
@@ -126,7 +126,8 @@ static void lora_beta_shift(float* c, const float* A, const float* beta, int ran
 }
 
 // dA += G diag(gamma) + colsum beta^T (beta NULL: RMSNorm, no second term). CPU kernel.
-static void lora_norm_grad(float* dA, const float* G, const float* gamma, const float* beta, const float* colsum, int rank, int in) {
+static void lora_norm_grad(float* dA, const float* G, const float* gamma, const float* beta, const float* colsum,
+                           int rank, int in) {
     for (int i = 0; i < rank; i++)
         for (int j = 0; j < in; j++) {
             int64_t k = (int64_t)i * in + j;
@@ -146,7 +147,9 @@ static void lora_dropout_bind(Linear* L, const LoraDropout* d, uint32_t id) {
     L->drop_id = id;
 }
 static int lora_dropout_on(const Linear* L) { return L->drop && L->drop->active; }
-static uint64_t lora_dropout_layer_key(const Linear* L) { return lora_dropout_key(L->drop->seed, L->drop->step, L->drop_id); }
+static uint64_t lora_dropout_layer_key(const Linear* L) {
+    return lora_dropout_key(L->drop->seed, L->drop->step, L->drop_id);
+}
 
 // xa [N, in] = dropout(u) for the micro-batch's rows (global rows row0..). CPU kernel.
 static void lora_dropout_input(float* xa, const float* x, const Linear* L, int64_t N) {
@@ -174,7 +177,8 @@ static void lora_dropout_input_backward(float* dx, const float* t, const Linear*
     for (int64_t n = 0; n < N; n++)
         for (int j = 0; j < in; j++) {
             int64_t i = n * in + j;
-            if (lora_dropout_keep(key, e0 + (uint64_t)i, d->threshold)) dx[i] = fmaf(t[i] * d->scale, gamma ? gamma[j] : 1.0f, dx[i]);
+            if (lora_dropout_keep(key, e0 + (uint64_t)i, d->threshold))
+                dx[i] = fmaf(t[i] * d->scale, gamma ? gamma[j] : 1.0f, dx[i]);
         }
 }
 
@@ -187,7 +191,8 @@ static void linear_forward_frozen(float* y, const float* x, const Linear* L, int
 
 // y += scale * (x A^T) B^T, keeping ax = x A^T for the LoRA backward. Behind a merged norm the
 // adapter's input is gamma*x + beta (see above).
-static void linear_forward_lora(float* y, const float* x, const Linear* L, float* ax, int64_t N, int rank, float scale) {
+static void linear_forward_lora(float* y, const float* x, const Linear* L, float* ax, int64_t N, int rank,
+                                float scale) {
     if (!L->A) return;
     if (lora_dropout_on(L)) {  // training with --lora-dropout: the adapter reads dropout(its input)
         float* xa = (float*)L->drop->work;
@@ -219,7 +224,8 @@ static void bias_grad_rows(float* db, const float* dy, int64_t N, int out) {
 
 // Given dy [N, out], the frozen part: dx (+)= dy W, and under full fine-tuning dW += dy^T x and
 // (with dbias) db += sum_n dy. dx NULL: no input gradient (the patch embedding).
-static void linear_backward_frozen(float* dx, const float* dy, const float* x, const Linear* L, int64_t N, int accumulate) {
+static void linear_backward_frozen(float* dx, const float* dy, const float* x, const Linear* L, int64_t N,
+                                   int accumulate) {
     if (dx && L->nf4) nf4_dequantize(L->W, nf4_view((void*)L->nf4, (int64_t)L->out * L->in), L->nf4_tables);
     if (dx) matmul_nn(dx, dy, L->W, (int)N, L->in, L->out, 1.0f, accumulate);
     if (L->dW) matmul_tn(L->dW, dy, x, L->out, L->in, (int)N, 1.0f, 1);
@@ -228,8 +234,8 @@ static void linear_backward_frozen(float* dx, const float* dy, const float* x, c
 
 // The adapter's part, after the frozen part: LoRA grads accumulate and dx += scale * (dy B) A.
 // x is the layer's input (its adapter's gradient needs it).
-static void linear_backward_lora(float* dx, const float* dy, const float* x, const float* ax, const Linear* L, float* dax,
-                                 int64_t N, int rank, float scale) {
+static void linear_backward_lora(float* dx, const float* dy, const float* x, const float* ax, const Linear* L,
+                                 float* dax, int64_t N, int rank, float scale) {
     if (!L->A) return;
     matmul_tn(L->dB, dy, ax, L->out, rank, (int)N, scale, 1);
     matmul_nn(dax, dy, L->B, (int)N, rank, L->out, scale, 0);
@@ -308,7 +314,8 @@ static void linear_merge_norm_affine(Linear* L, const float* gamma, const float*
 // Its inverse, on a merged weight W' [out, in] (its adapter folded in, if any) and bias b': the
 // original layer's W = W' diag(1/gamma), b = b' - W' (beta / gamma). A zero gamma has no inverse:
 // fails, naming the module.
-static void unmerge_norm_affine(float* W, float* b, int out, int in, const float* g, const float* be, const char* module) {
+static void unmerge_norm_affine(float* W, float* b, int out, int in, const float* g, const float* be,
+                                const char* module) {
     double* u = (double*)xmalloc(sizeof(double) * in);
     for (int j = 0; j < in; j++) {
         if (g[j] == 0.0f)
@@ -329,11 +336,15 @@ static void unmerge_norm_affine(float* W, float* b, int out, int in, const float
 // out = (W + scale*B*A) (beta / gamma): the shift between the bias of a merged layer with an
 // adapter and the original layer's (what a PEFT adapter of a merged layer carries in its bias),
 // without forming B*A; fails when some gamma_j is 0 (no inverse).
-static void lora_merged_shift(float* out, const Linear* L, int r, float scale, const float* gamma, const float* beta, const char* module) {
+static void lora_merged_shift(float* out, const Linear* L, int r, float scale, const float* gamma, const float* beta,
+                              const char* module) {
     float* u = (float*)xmalloc(sizeof(float) * L->in);
     for (int j = 0; j < L->in; j++) {
         if (gamma[j] == 0.0f)
-            fail("cannot map the adapter of %s between the merged and the original model: its norm's gamma[%d] is 0 (train with --norm std)", module, j);
+            fail(
+                "cannot map the adapter of %s between the merged and the original model: its norm's gamma[%d] is 0 "
+                "(train with --norm std)",
+                module, j);
         u[j] = beta[j] / gamma[j];
     }
     float au[64];

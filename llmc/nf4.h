@@ -161,7 +161,8 @@ static void nf4_quantize(Nf4View q, const float* w, const float* tables, float* 
         for (int64_t b = b0; b < b1; b++) m = fabsf(absmax[b] - offset) > m ? fabsf(absmax[b] - offset) : m;
         q.nested[k] = m;
         float inv = m > 0.0f ? 1.0f / m : 0.0f;
-        for (int64_t b = b0; b < b1; b++) q.qabsmax[b] = (uint8_t)nf4_nearest((absmax[b] - offset) * inv, dyn, NF4_DYN_SIZE);
+        for (int64_t b = b0; b < b1; b++)
+            q.qabsmax[b] = (uint8_t)nf4_nearest((absmax[b] - offset) * inv, dyn, NF4_DYN_SIZE);
     }
 }
 

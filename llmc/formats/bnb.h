@@ -30,10 +30,16 @@ static int bnb_config_nf4(const char* model_dir) {
     if (q && q->type != JSON_NULL) {
         const char* method = json_string_or(q, "quant_method", "");
         if (strcmp(method, "bitsandbytes") != 0)
-            fail("%s: quantization_config.quant_method \"%s\" is not supported (only bitsandbytes 4-bit NF4 checkpoints are read; "
-                 "GPTQ, AWQ and others are not)", path, method);
+            fail(
+                "%s: quantization_config.quant_method \"%s\" is not supported (only bitsandbytes 4-bit NF4 checkpoints "
+                "are read; "
+                "GPTQ, AWQ and others are not)",
+                path, method);
         if (!json_bool_or(q, "load_in_4bit", 0))
-            fail("%s: quantization_config is bitsandbytes but not load_in_4bit (8-bit checkpoints are not supported; NF4 only)", path);
+            fail(
+                "%s: quantization_config is bitsandbytes but not load_in_4bit (8-bit checkpoints are not supported; "
+                "NF4 only)",
+                path);
         const char* type = json_string_or(q, "bnb_4bit_quant_type", "fp4");  // bitsandbytes' default
         if (strcmp(type, "nf4") != 0)
             fail("%s: quantization_config.bnb_4bit_quant_type \"%s\" is not supported (only nf4)", path, type);
@@ -63,8 +69,10 @@ static const StTensor* bnb_part(const StModel* sm, const char* name, const char*
     const StTensor* t = st_model_find(sm, full);
     if (!t) fail("%s: bitsandbytes tensor \"%s\" lacks its quant state \"%s\"", sm->dir, name, full);
     if (t->dtype != dtype || st_numel(t) != numel)
-        fail("%s: bitsandbytes tensor \"%s\" is %s with %lld elements, expected %s with %lld (a corrupt or mismatched quant state)",
-             t->file, full, st_dtype_name(t->dtype), (long long)st_numel(t), st_dtype_name(dtype), (long long)numel);
+        fail(
+            "%s: bitsandbytes tensor \"%s\" is %s with %lld elements, expected %s with %lld (a corrupt or mismatched "
+            "quant state)",
+            t->file, full, st_dtype_name(t->dtype), (long long)st_numel(t), st_dtype_name(dtype), (long long)numel);
     return t;
 }
 
@@ -72,7 +80,8 @@ static const StTensor* bnb_part(const StModel* sm, const char* name, const char*
 static int bnb_is_quantized(const StModel* sm, const char* name) {
     char full[320];
     snprintf(full, sizeof(full), "%s.quant_state.bitsandbytes__fp4", name);
-    if (st_model_find(sm, full)) fail("%s: tensor \"%s\" is bitsandbytes fp4, which is not supported (only nf4)", sm->dir, name);
+    if (st_model_find(sm, full))
+        fail("%s: tensor \"%s\" is bitsandbytes fp4, which is not supported (only nf4)", sm->dir, name);
     snprintf(full, sizeof(full), "%s.quant_state.bitsandbytes__nf4", name);
     if (st_model_find(sm, full)) return 1;
     snprintf(full, sizeof(full), "%s.absmax", name);
@@ -117,7 +126,8 @@ static BnbWeight bnb_read(const StModel* sm, const char* name, int64_t rows, int
     snprintf(full, sizeof(full), "%s.quant_state.bitsandbytes__nf4", name);
     const StTensor* qs = st_model_find(sm, full);
     if (!qs) fail("%s: bitsandbytes tensor \"%s\" lacks its quant state \"%s\"", sm->dir, name, full);
-    if (qs->dtype != ST_U8) fail("%s: \"%s\" is %s, expected U8 (a JSON blob)", qs->file, full, st_dtype_name(qs->dtype));
+    if (qs->dtype != ST_U8)
+        fail("%s: \"%s\" is %s, expected U8 (a JSON blob)", qs->file, full, st_dtype_name(qs->dtype));
     snprintf(source, sizeof(source), "%s: \"%s\"", qs->file, full);
     Json j = json_parse((const char*)qs->data, qs->nbytes, source);
     if (j.type != JSON_OBJECT) fail("%s: expected a JSON object", source);
@@ -126,9 +136,12 @@ static BnbWeight bnb_read(const StModel* sm, const char* name, int64_t rows, int
     if (json_number_or(&j, "blocksize", 0) != NF4_BLOCK)
         fail("%s: \"%s\" has blocksize %g, expected %d", qs->file, full, json_number_or(&j, "blocksize", 0), NF4_BLOCK);
     const Json* shape = json_get(&j, "shape");
-    if (!shape || shape->type != JSON_ARRAY || shape->count != 2 || shape->items[0].number != rows || shape->items[1].number != cols)
-        fail("%s: \"%s\" does not record the shape [%lld, %lld] the model config gives this weight (a mismatched quant state)",
-             qs->file, full, (long long)rows, (long long)cols);
+    if (!shape || shape->type != JSON_ARRAY || shape->count != 2 || shape->items[0].number != rows ||
+        shape->items[1].number != cols)
+        fail(
+            "%s: \"%s\" does not record the shape [%lld, %lld] the model config gives this weight (a mismatched quant "
+            "state)",
+            qs->file, full, (long long)rows, (long long)cols);
     const StTensor* codes = bnb_part(sm, name, "", ST_U8, (w.n + 1) / 2);
     w.codes = codes->data;
     const float* qmap = (const float*)bnb_part(sm, name, ".quant_map", ST_F32, 16)->data;
@@ -137,7 +150,8 @@ static BnbWeight bnb_read(const StModel* sm, const char* name, int64_t rows, int
         fail("%s: \"%s.quant_map\" is not the NF4 code table (another 4-bit type?)", sm->dir, name);
     if (json_get(&j, "nested_offset")) {  // double quantization
         if (json_number_or(&j, "nested_blocksize", 0) != NF4_ABSMAX_BLOCK)
-            fail("%s: \"%s\" has nested_blocksize %g, expected %d", qs->file, full, json_number_or(&j, "nested_blocksize", 0), NF4_ABSMAX_BLOCK);
+            fail("%s: \"%s\" has nested_blocksize %g, expected %d", qs->file, full,
+                 json_number_or(&j, "nested_blocksize", 0), NF4_ABSMAX_BLOCK);
         double offset = json_number_req(&j, "nested_offset", full);
         w.offset = (float)offset;
         if (!isfinite(w.offset)) fail("%s: \"%s\" has nested_offset %g, not a finite float32", qs->file, full, offset);
@@ -157,7 +171,8 @@ static void bnb_dequantize(const BnbWeight* w, float* out) {
     static const float nf4[16] = NF4_VALUES;
     for (int64_t b = 0; b < nf4_blocks(w->n); b++) {
         float a = w->qabsmax ? nf4_absmax_at(w->qabsmax, w->nested, w->offset, w->dyn, b) : w->absmax[b];
-        for (int64_t i = b * NF4_BLOCK; i < w->n && i < (b + 1) * NF4_BLOCK; i++) out[i] = nf4[nf4_code_at(w->codes, i)] * a;
+        for (int64_t i = b * NF4_BLOCK; i < w->n && i < (b + 1) * NF4_BLOCK; i++)
+            out[i] = nf4[nf4_code_at(w->codes, i)] * a;
     }
 }
 
@@ -172,7 +187,8 @@ static void bnb_to_nf4(const BnbWeight* w, void* dst) {
 
 // The names of a quantized weight's companion tensors, which an export of the dequantized model drops.
 static int bnb_is_quant_state_name(const char* name) {
-    static const char* const suffixes[] = {".absmax", ".quant_map", ".nested_absmax", ".nested_quant_map", ".quant_state.bitsandbytes__nf4"};
+    static const char* const suffixes[] = {".absmax", ".quant_map", ".nested_absmax", ".nested_quant_map",
+                                           ".quant_state.bitsandbytes__nf4"};
     size_t n = strlen(name);
     for (int i = 0; i < 5; i++) {
         size_t k = strlen(suffixes[i]);

@@ -20,7 +20,8 @@ static void crc32_init(Crc32* c) {
         c->table[0][b] = r;
     }
     for (int k = 1; k < 8; k++)
-        for (int b = 0; b < 256; b++) c->table[k][b] = (c->table[k - 1][b] >> 8) ^ c->table[0][c->table[k - 1][b] & 0xff];
+        for (int b = 0; b < 256; b++)
+            c->table[k][b] = (c->table[k - 1][b] >> 8) ^ c->table[0][c->table[k - 1][b] & 0xff];
     c->crc = 0xFFFFFFFFu;
 }
 
@@ -34,8 +35,8 @@ static void crc32_update(Crc32* c, const void* data, size_t n) {
         memcpy(&a, p, 4);
         memcpy(&b, p + 4, 4);
         a ^= crc;
-        crc = t[7][a & 0xff] ^ t[6][(a >> 8) & 0xff] ^ t[5][(a >> 16) & 0xff] ^ t[4][a >> 24] ^ t[3][b & 0xff] ^ t[2][(b >> 8) & 0xff] ^
-              t[1][(b >> 16) & 0xff] ^ t[0][b >> 24];
+        crc = t[7][a & 0xff] ^ t[6][(a >> 8) & 0xff] ^ t[5][(a >> 16) & 0xff] ^ t[4][a >> 24] ^ t[3][b & 0xff] ^
+              t[2][(b >> 8) & 0xff] ^ t[1][(b >> 16) & 0xff] ^ t[0][b >> 24];
     }
     for (; n; n--, p++) crc = t[0][(crc ^ *p) & 0xff] ^ (crc >> 8);
     c->crc = crc;

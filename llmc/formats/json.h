@@ -28,16 +28,26 @@ static void json_error(JsonParser* p, const char* what) {
 }
 
 static void json_skip_ws(JsonParser* p) {
-    while (p->pos < p->len && (p->s[p->pos] == ' ' || p->s[p->pos] == '\n' || p->s[p->pos] == '\r' || p->s[p->pos] == '\t')) p->pos++;
+    while (p->pos < p->len &&
+           (p->s[p->pos] == ' ' || p->s[p->pos] == '\n' || p->s[p->pos] == '\r' || p->s[p->pos] == '\t'))
+        p->pos++;
 }
 
 static void json_parse_value(JsonParser* p, Json* out, int depth);
 
 static void json_append_utf8(char* buf, size_t* n, unsigned cp) {
     if (cp < 0x80) buf[(*n)++] = (char)cp;
-    else if (cp < 0x800) { buf[(*n)++] = (char)(0xC0 | (cp >> 6)); buf[(*n)++] = (char)(0x80 | (cp & 0x3F)); }
-    else if (cp < 0x10000) { buf[(*n)++] = (char)(0xE0 | (cp >> 12)); buf[(*n)++] = (char)(0x80 | ((cp >> 6) & 0x3F)); buf[(*n)++] = (char)(0x80 | (cp & 0x3F)); }
-    else { buf[(*n)++] = (char)(0xF0 | (cp >> 18)); buf[(*n)++] = (char)(0x80 | ((cp >> 12) & 0x3F)); buf[(*n)++] = (char)(0x80 | ((cp >> 6) & 0x3F)); buf[(*n)++] = (char)(0x80 | (cp & 0x3F)); }
+    else if (cp < 0x800) { buf[(*n)++] = (char)(0xC0 | (cp >> 6)); buf[(*n)++] = (char)(0x80 | (cp & 0x3F));
+    } else if (cp < 0x10000) {
+        buf[(*n)++] = (char)(0xE0 | (cp >> 12));
+        buf[(*n)++] = (char)(0x80 | ((cp >> 6) & 0x3F));
+        buf[(*n)++] = (char)(0x80 | (cp & 0x3F));
+    } else {
+        buf[(*n)++] = (char)(0xF0 | (cp >> 18));
+        buf[(*n)++] = (char)(0x80 | ((cp >> 12) & 0x3F));
+        buf[(*n)++] = (char)(0x80 | ((cp >> 6) & 0x3F));
+        buf[(*n)++] = (char)(0x80 | (cp & 0x3F));
+    }
 }
 
 static unsigned json_hex4(JsonParser* p) {
@@ -205,7 +215,8 @@ static void json_parse_value(JsonParser* p, Json* out, int depth) {
     if (c == '-' || (c >= '0' && c <= '9')) {
         char tmp[64];
         size_t n = 0;
-        while (p->pos < p->len && n < sizeof(tmp) - 1 && strchr("+-0123456789.eE", p->s[p->pos])) tmp[n++] = p->s[p->pos++];
+        while (p->pos < p->len && n < sizeof(tmp) - 1 && strchr("+-0123456789.eE", p->s[p->pos]))
+            tmp[n++] = p->s[p->pos++];
         tmp[n] = 0;
         char* end;
         out->type = JSON_NUMBER;
@@ -262,7 +273,8 @@ static double json_number_req(const Json* obj, const char* key, const char* sour
 // An integer field within [lo, hi]; the message names the file, the field and the range.
 static int json_int_in(const Json* obj, const char* key, const char* source, int lo, int hi) {
     double x = json_number_req(obj, key, source);
-    if (x != floor(x) || x < lo || x > hi) fail("%s: field \"%s\" must be an integer in [%d, %d], got %g", source, key, lo, hi, x);
+    if (x != floor(x) || x < lo || x > hi)
+        fail("%s: field \"%s\" must be an integer in [%d, %d], got %g", source, key, lo, hi, x);
     return (int)x;
 }
 
@@ -282,7 +294,8 @@ static double json_number_opt(const Json* obj, const char* key, const char* sour
 // float, where 1e-50 becomes 0 and 1e39 becomes infinity, because the kernels see the float.
 static float json_positive_float(double x, const char* key, const char* source) {
     float f = (float)x;
-    if (!(f > 0) || !isfinite(f)) fail("%s: field \"%s\" must be a positive finite number (as a float32), got %g", source, key, x);
+    if (!(f > 0) || !isfinite(f))
+        fail("%s: field \"%s\" must be a positive finite number (as a float32), got %g", source, key, x);
     return f;
 }
 
@@ -354,7 +367,10 @@ static void json_dump(FILE* f, const Json* j, int indent) {
         if (j->number == floor(j->number) && fabs(j->number) < 1e15) fprintf(f, "%lld", (long long)j->number);
         else {  // the shortest form that reads back to the same double
             char b[40];
-            for (int prec = 15; prec <= 17; prec++) { snprintf(b, sizeof(b), "%.*g", prec, j->number); if (strtod(b, NULL) == j->number) break; }
+            for (int prec = 15; prec <= 17; prec++) {
+                snprintf(b, sizeof(b), "%.*g", prec, j->number);
+                if (strtod(b, NULL) == j->number) break;
+            }
             fputs(b, f);
         }
         break;

@@ -32,7 +32,8 @@ typedef struct {           // a whole tensor saved alongside (ViT: the new class
 
 // Appends the entry of linear L of block l when it carries an adapter: its Hugging Face module
 // path "<prefix>.<l>.<module>" and the norm gamma MS merged into it (or NULL). Returns the count.
-static int peft_add_entry(PeftEntry* e, int n, const Linear* L, const char* prefix, int l, const char* module, const float* gamma) {
+static int peft_add_entry(PeftEntry* e, int n, const Linear* L, const char* prefix, int l, const char* module,
+                          const float* gamma) {
     if (!L->A) return n;
     snprintf(e[n].module, sizeof(e[n].module), "%s.%d.%s", prefix, l, module);
     e[n].L = L;
@@ -68,12 +69,16 @@ static int peft_put_module_to_save(PeftExtra* extra, int n, const char* module, 
 }
 
 // A [r, in] scaled per input column: out[:, j] = A[:, j] * (invert ? 1/gamma_j : gamma_j).
-static void peft_scale_columns(float* out, const float* A, const float* gamma, int rank, int in, int invert, const char* module) {
+static void peft_scale_columns(float* out, const float* A, const float* gamma, int rank, int in, int invert,
+                               const char* module) {
     for (int j = 0; j < in; j++) {
         float g = gamma ? gamma[j] : 1.0f;
         if (invert && g == 0.0f)
-            fail("cannot export the adapter of %s to the original model: its norm's gamma[%d] is 0, so the merged layer has no inverse "
-                 "(train with --norm std, or use the merged-weights export)", module, j);
+            fail(
+                "cannot export the adapter of %s to the original model: its norm's gamma[%d] is 0, so the merged layer "
+                "has no inverse "
+                "(train with --norm std, or use the merged-weights export)",
+                module, j);
         float s = invert ? 1.0f / g : g;
         for (int i = 0; i < rank; i++) out[(int64_t)i * in + j] = A[(int64_t)i * in + j] * s;
     }

@@ -71,15 +71,18 @@ static int64_t st_numel(const StTensor* t) {
 // A JSON number usable as a size or offset: a non-negative integer that a double holds exactly.
 static int st_json_index(double v) { return v >= 0 && v <= 9007199254740992.0 && v == floor(v); }
 
-static void st_parse_entry(StFile* f, const char* name, const Json* e, const uint8_t* data, size_t data_size, StTensor* t) {
+static void st_parse_entry(StFile* f, const char* name, const Json* e, const uint8_t* data, size_t data_size,
+                           StTensor* t) {
     const char* path = f->path;
     if (e->type != JSON_OBJECT) fail("%s: header entry \"%s\" is not an object", path, name);
     const Json* dt = json_get(e, "dtype");
     const Json* shape = json_get(e, "shape");
     const Json* offs = json_get(e, "data_offsets");
     if (!dt || dt->type != JSON_STRING) fail("%s: tensor \"%s\" has no dtype", path, name);
-    if (!shape || shape->type != JSON_ARRAY || shape->count > ST_MAX_DIMS) fail("%s: tensor \"%s\" has a bad shape", path, name);
-    if (!offs || offs->type != JSON_ARRAY || offs->count != 2) fail("%s: tensor \"%s\" has bad data_offsets", path, name);
+    if (!shape || shape->type != JSON_ARRAY || shape->count > ST_MAX_DIMS)
+        fail("%s: tensor \"%s\" has a bad shape", path, name);
+    if (!offs || offs->type != JSON_ARRAY || offs->count != 2)
+        fail("%s: tensor \"%s\" has bad data_offsets", path, name);
     t->name = name;
     t->file = path;
     t->dtype = st_dtype_parse(dt->string);
@@ -87,20 +90,25 @@ static void st_parse_entry(StFile* f, const char* name, const Json* e, const uin
     t->ndim = shape->count;
     for (int i = 0; i < t->ndim; i++) {
         double v = shape->items[i].number;
-        if (shape->items[i].type != JSON_NUMBER || !st_json_index(v)) fail("%s: tensor \"%s\" has a bad shape (dimension %d is not an integer in [0, 2^53])", path, name, i);
+        if (shape->items[i].type != JSON_NUMBER || !st_json_index(v))
+            fail("%s: tensor \"%s\" has a bad shape (dimension %d is not an integer in [0, 2^53])", path, name, i);
         t->shape[i] = (int64_t)v;
     }
     double b = offs->items[0].number, en = offs->items[1].number;
-    if (offs->items[0].type != JSON_NUMBER || offs->items[1].type != JSON_NUMBER || !st_json_index(b) || !st_json_index(en))
+    if (offs->items[0].type != JSON_NUMBER || offs->items[1].type != JSON_NUMBER || !st_json_index(b) ||
+        !st_json_index(en))
         fail("%s: tensor \"%s\" has bad data_offsets (expected two non-negative integers)", path, name);
     if (en < b || en > (double)data_size)
-        fail("%s: tensor \"%s\" data_offsets [%.0f, %.0f] lie outside the %zu data bytes (file truncated?)", path, name, b, en, data_size);
+        fail("%s: tensor \"%s\" data_offsets [%.0f, %.0f] lie outside the %zu data bytes (file truncated?)", path, name,
+             b, en, data_size);
     t->nbytes = (size_t)(en - b);
     uint64_t numel, need;
-    if (!st_shape_numel(t->shape, t->ndim, &numel) || __builtin_mul_overflow(numel, (uint64_t)st_dtype_size(t->dtype), &need))
+    if (!st_shape_numel(t->shape, t->ndim, &numel) ||
+        __builtin_mul_overflow(numel, (uint64_t)st_dtype_size(t->dtype), &need))
         fail("%s: tensor \"%s\" has a shape whose size overflows 64 bits", path, name);
     if (need != t->nbytes)
-        fail("%s: tensor \"%s\" holds %zu bytes but its shape and dtype need %llu", path, name, t->nbytes, (unsigned long long)need);
+        fail("%s: tensor \"%s\" holds %zu bytes but its shape and dtype need %llu", path, name, t->nbytes,
+             (unsigned long long)need);
     t->data = data + (size_t)b;
 }
 
@@ -125,15 +133,25 @@ static void st_check_tiling(const StFile* f, const uint8_t* data, size_t data_si
             char name[256];
             snprintf(name, sizeof(name), "%s", order[i]->name);
             free(order);
-            if (b < end) fail("%s: tensor \"%s\" data_offsets start at %zu, inside the bytes of tensor \"%s\" (which end at %zu): overlapping tensors", f->path, name, b, prev, end);
-            fail("%s: tensor \"%s\" data_offsets start at %zu, leaving a gap after byte %zu (the format requires contiguous tensors)", f->path, name, b, end);
+            if (b < end)
+                fail(
+                    "%s: tensor \"%s\" data_offsets start at %zu, inside the bytes of tensor \"%s\" (which end at "
+                    "%zu): overlapping tensors",
+                    f->path, name, b, prev, end);
+            fail(
+                "%s: tensor \"%s\" data_offsets start at %zu, leaving a gap after byte %zu (the format requires "
+                "contiguous tensors)",
+                f->path, name, b, end);
         }
         end = b + order[i]->nbytes;
         prev = order[i]->name;
     }
     free(order);
     if (end != data_size)
-        fail("%s: the tensors cover %zu of the %zu data bytes (trailing bytes after the last tensor: not a valid safetensors file)", f->path, end, data_size);
+        fail(
+            "%s: the tensors cover %zu of the %zu data bytes (trailing bytes after the last tensor: not a valid "
+            "safetensors file)",
+            f->path, end, data_size);
 }
 
 // The CRC-32 of the data section that the header's __metadata__ records (llmc_crc32): 1 and
@@ -156,8 +174,10 @@ static void st_verify_crc(const StFile* f, const uint8_t* data, size_t data_size
     if (!st_recorded_crc(f, &want)) return;
     uint32_t got = crc32_of(data, data_size);
     if (got != want)
-        fail("%s: checksum mismatch: the data's CRC-32 is %08x, the header records %08x (the file is corrupt; use an intact copy)", f->path,
-             got, want);
+        fail(
+            "%s: checksum mismatch: the data's CRC-32 is %08x, the header records %08x (the file is corrupt; use an "
+            "intact copy)",
+            f->path, got, want);
 }
 
 static void st_open(StFile* f, const char* path) {
@@ -177,7 +197,9 @@ static void st_open(StFile* f, const char* path) {
     if (f->map == MAP_FAILED) fail("%s: cannot mmap (%s)", path, strerror(errno));
     uint64_t hlen;
     memcpy(&hlen, f->map, 8);
-    if (hlen > f->map_size - 8 || hlen > (100u << 20)) fail("%s: header length %llu does not fit in the %zu-byte file (truncated or not safetensors)", path, (unsigned long long)hlen, f->map_size);
+    if (hlen > f->map_size - 8 || hlen > (100u << 20))
+        fail("%s: header length %llu does not fit in the %zu-byte file (truncated or not safetensors)", path,
+             (unsigned long long)hlen, f->map_size);
     f->header = json_parse((const char*)f->map + 8, (size_t)hlen, path);
     if (f->header.type != JSON_OBJECT) fail("%s: header is not a JSON object", path);
     const uint8_t* data = f->map + 8 + hlen;
@@ -271,9 +293,23 @@ static void st_to_f32(const StTensor* t, float* dst) {
     int64_t n = st_numel(t);
     switch (t->dtype) {
         case ST_F32: memcpy(dst, t->data, n * 4); break;
-        case ST_BF16: for (int64_t i = 0; i < n; i++) { uint16_t h; memcpy(&h, t->data + 2 * i, 2); dst[i] = bf16_to_f32(h); } break;
-        case ST_F16: for (int64_t i = 0; i < n; i++) { uint16_t h; memcpy(&h, t->data + 2 * i, 2); dst[i] = f16_to_f32(h); } break;
-        default: fail("%s: tensor \"%s\" has dtype %s, expected F32, F16 or BF16", t->file, t->name, st_dtype_name(t->dtype));
+        case ST_BF16:
+            for (int64_t i = 0; i < n; i++) {
+                uint16_t h;
+                memcpy(&h, t->data + 2 * i, 2);
+                dst[i] = bf16_to_f32(h);
+            }
+            break;
+        case ST_F16:
+            for (int64_t i = 0; i < n; i++) {
+                uint16_t h;
+                memcpy(&h, t->data + 2 * i, 2);
+                dst[i] = f16_to_f32(h);
+            }
+            break;
+        default:
+            fail("%s: tensor \"%s\" has dtype %s, expected F32, F16 or BF16", t->file, t->name,
+                 st_dtype_name(t->dtype));
     }
     for (int64_t i = 0; i < n; i++)
         if (!isfinite(dst[i]))
@@ -287,8 +323,10 @@ static void st_check_shape(const StTensor* t, int ndim, const int64_t* shape) {
     for (int i = 0; ok && i < ndim; i++) ok = t->shape[i] == shape[i];
     if (ok) return;
     char got[128] = "", want[128] = "";
-    for (int i = 0; i < t->ndim; i++) snprintf(got + strlen(got), sizeof(got) - strlen(got), "%s%lld", i ? "," : "", (long long)t->shape[i]);
-    for (int i = 0; i < ndim; i++) snprintf(want + strlen(want), sizeof(want) - strlen(want), "%s%lld", i ? "," : "", (long long)shape[i]);
+    for (int i = 0; i < t->ndim; i++)
+        snprintf(got + strlen(got), sizeof(got) - strlen(got), "%s%lld", i ? "," : "", (long long)t->shape[i]);
+    for (int i = 0; i < ndim; i++)
+        snprintf(want + strlen(want), sizeof(want) - strlen(want), "%s%lld", i ? "," : "", (long long)shape[i]);
     fail("%s: tensor \"%s\" has shape [%s], expected [%s]", t->file, t->name, got, want);
 }
 
@@ -347,7 +385,8 @@ static void st_model_open(StModel* m, const char* dir) {
         // Distinct shard names, in order of first appearance.
         m->files = (StFile*)xcalloc(map->count ? map->count : 1, sizeof(StFile));
         for (int i = 0; i < map->count; i++) {
-            if (map->items[i].type != JSON_STRING) fail("%s: weight_map entry \"%s\" is not a file name", index, map->keys[i]);
+            if (map->items[i].type != JSON_STRING)
+                fail("%s: weight_map entry \"%s\" is not a file name", index, map->keys[i]);
             const char* shard = map->items[i].string;
             if (strchr(shard, '/')) fail("%s: shard name \"%s\" must be a plain file name", index, shard);
             int seen = 0;
@@ -433,7 +472,8 @@ typedef struct {
     StEntry* entries;
 } StWriter;
 
-static void st_writer_add(StWriter* w, const char* name, StDtype dtype, int ndim, const int64_t* shape, const void* data) {
+static void st_writer_add(StWriter* w, const char* name, StDtype dtype, int ndim, const int64_t* shape,
+                          const void* data) {
     if (w->count == w->cap) {
         w->cap = w->cap ? 2 * w->cap : 32;
         w->entries = (StEntry*)realloc(w->entries, w->cap * sizeof(StEntry));

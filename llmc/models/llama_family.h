@@ -248,7 +248,9 @@ static const char* const llama_hf_modules[7] = {"self_attn.q_proj", "self_attn.k
                                                 "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"};
 
 // Does linear t (in llama_hf_modules' order) carry a bias in this config?
-static int llama_linear_has_bias(const LlamaConfig* c, int t) { return t <= 2 ? c->qkv_bias : t == 3 ? c->o_bias : c->mlp_bias; }
+static int llama_linear_has_bias(const LlamaConfig* c, int t) {
+    return t <= 2 ? c->qkv_bias : t == 3 ? c->o_bias : c->mlp_bias;
+}
 
 // Is `rest`, a tensor name after "model.layers.N.", one that this config reads in every block?
 // RoPE's inv_freq (a buffer older checkpoints saved, no weight) is skipped; a bitsandbytes quant

@@ -218,7 +218,8 @@ static void train_validate(const TrainOptions* o) {
     if (o->full && (o->lora_targets || o->adapter_dir))
         fail("flag --full: not with --lora-targets or --adapter (no adapters in full fine-tuning)");
     // one class has loss 0 and gradient 0 whatever the weights: nothing to learn
-    if (o->classes < 0 || o->classes == 1) fail("flag --classes: expected 0 (from the data) or >= 2, got %d", o->classes);
+    if (o->classes < 0 || o->classes == 1)
+        fail("flag --classes: expected 0 (from the data) or >= 2, got %d", o->classes);
     if (strcmp(o->offload, "none") != 0 && strcmp(o->recompute, "block") != 0)
         fail("flag --offload %s: only with --recompute block (it moves the block checkpoints)", o->offload);
     if (o->full && strcmp(o->quant, "none") != 0)

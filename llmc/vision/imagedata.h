@@ -40,14 +40,17 @@ static void image_shard_load(ImageShard* s, const char* path) {
     for (int i = 28; i < IMAGE_SHARD_HEADER_BYTES; i++)
         if (buf[i]) fail("%s: header byte %d is %u, expected 0 (reserved; corrupt header?)", path, i, buf[i]);
     if (n < 1) fail("%s: header says 0 images", path);
-    if (H < 1 || W < 1 || H > 65536 || W > 65536) fail("%s: header image size %ux%u, expected 1..65536 per side", path, H, W);
+    if (H < 1 || W < 1 || H > 65536 || W > 65536)
+        fail("%s: header image size %ux%u, expected 1..65536 per side", path, H, W);
     if (C != 1 && C != 3) fail("%s: header says %u channels, expected 1 or 3", path, C);
     if (classes < 1 || classes > 65535) fail("%s: header says %u classes, expected 1..65535", path, classes);
     uint64_t per = (uint64_t)H * W * C;
     uint64_t need = IMAGE_SHARD_HEADER_BYTES + (uint64_t)n * (per + 2);
     if (need != size)
-        fail("%s: header says %u images of %ux%ux%u, which needs %llu bytes, but the file has %zu (truncated or wrong size?)", path,
-             n, H, W, C, (unsigned long long)need, size);
+        fail(
+            "%s: header says %u images of %ux%ux%u, which needs %llu bytes, but the file has %zu (truncated or wrong "
+            "size?)",
+            path, n, H, W, C, (unsigned long long)need, size);
     s->n = n;
     s->H = (int)H; s->W = (int)W; s->C = (int)C; s->classes = (int)classes;
     s->pixels = (uint8_t*)xmalloc(n * per);
@@ -56,7 +59,9 @@ static void image_shard_load(ImageShard* s, const char* path) {
     memcpy(s->labels, buf + IMAGE_SHARD_HEADER_BYTES + n * per, (size_t)n * 2);
     free(buf);
     for (int64_t i = 0; i < s->n; i++)
-        if (s->labels[i] >= classes) fail("%s: image %lld has label %u, but the header says %u classes", path, (long long)i, s->labels[i], classes);
+        if (s->labels[i] >= classes)
+            fail("%s: image %lld has label %u, but the header says %u classes", path, (long long)i, s->labels[i],
+                 classes);
 }
 
 static void image_shard_free(ImageShard* s) {
@@ -87,11 +92,12 @@ typedef struct {
 } ImageLoader;
 
 // mean/std hold one value per model channel. Fails when the shard's channels cannot feed the model.
-static void image_loader_init(ImageLoader* L, const ImageShard* s, int H, int W, int C, const float* mean, const float* std,
-                              uint64_t seed, int shuffle, int hflip) {
+static void image_loader_init(ImageLoader* L, const ImageShard* s, int H, int W, int C, const float* mean,
+                              const float* std, uint64_t seed, int shuffle, int hflip) {
     memset(L, 0, sizeof(*L));
     if (!(s->C == C || (s->C == 1 && C == 3)))
-        fail("%s: images have %d channels, but the model wants %d (only grayscale -> RGB is converted)", s->path, s->C, C);
+        fail("%s: images have %d channels, but the model wants %d (only grayscale -> RGB is converted)", s->path, s->C,
+             C);
     L->shard = s;
     L->H = H; L->W = W; L->C = C;
     for (int c = 0; c < C; c++) {

@@ -134,7 +134,8 @@ static void oob_read(int bug) {
     float *x = device_floats(n, 1.0f), *out = device_floats(1, 0.0f);
     launch_kernel(1, 32, 0, 0, sum_kernel, out, x, n, bug);
     float s = download(out, 1)[0];
-    if (s != (float)n) fail("oob-read: sum_kernel gave %g, want %g (NaN: a read past the end hit the guard zone)", s, (float)n);
+    if (s != (float)n)
+        fail("oob-read: sum_kernel gave %g, want %g (NaN: a read past the end hit the guard zone)", s, (float)n);
     CUDA_CHECK(cudaFree(x));
     CUDA_CHECK(cudaFree(out));
 }
@@ -179,7 +180,9 @@ static void grid_stride(int bug) {
     launch_kernel(grid_for(n, 256), 256, 0, 0, fill_no_stride_kernel, x, n, bug);
     std::vector<float> h = download(x, n);
     for (int64_t i = 0; i < n; i++)
-        if (h[i] != 1.0f) fail("grid-stride: fill_no_stride_kernel left element %lld of %lld unwritten (the grid does not cover it)", (long long)i, (long long)n);
+        if (h[i] != 1.0f)
+            fail("grid-stride: fill_no_stride_kernel left element %lld of %lld unwritten (the grid does not cover it)",
+                 (long long)i, (long long)n);
     CUDA_CHECK(cudaFree(x));
 }
 
@@ -205,8 +208,8 @@ static void thread_order(int bug) {
     std::vector<float> h = download(out, blocks * threads);
     for (int i = 0; i < blocks * threads; i++)
         if (h[i] != (float)(i / threads) + 1.0f)
-            fail("thread-order: block %d thread %d read %g, want %g (a missing __syncthreads)", i / threads, i % threads, h[i],
-                 (float)(i / threads) + 1.0f);
+            fail("thread-order: block %d thread %d read %g, want %g (a missing __syncthreads)", i / threads,
+                 i % threads, h[i], (float)(i / threads) + 1.0f);
     CUDA_CHECK(cudaFree(out));
 }
 
@@ -216,7 +219,9 @@ static void block_order(int bug) {
     launch_kernel(blocks, 32, 0, 0, chain_kernel, out, bug);
     std::vector<float> h = download(out, blocks);
     for (int b = 0; b < blocks; b++)
-        if (h[b] != (float)b + 1.0f) fail("block-order: block %d wrote %g, want %g (it depends on another block's output)", b, h[b], (float)b + 1.0f);
+        if (h[b] != (float)b + 1.0f)
+            fail("block-order: block %d wrote %g, want %g (it depends on another block's output)", b, h[b],
+                 (float)b + 1.0f);
     CUDA_CHECK(cudaFree(out));
 }
 
@@ -243,7 +248,8 @@ static void launch_errors_ok(void) {
     expect(cudaGetLastError() == cudaSuccess, "1024 threads is a valid block");
     emu_launch(dim3(1), dim3(32, 33), 0, "empty_kernel", fn, body);
     expect(cudaPeekAtLastError() == cudaErrorInvalidConfiguration, "32 x 33 threads");
-    expect(cudaGetLastError() == cudaErrorInvalidConfiguration && cudaGetLastError() == cudaSuccess, "the error is read once");
+    expect(cudaGetLastError() == cudaErrorInvalidConfiguration && cudaGetLastError() == cudaSuccess,
+           "the error is read once");
     emu_launch(dim3(1, 1, 1), dim3(1, 1, 65), 0, "empty_kernel", fn, body);
     expect(cudaGetLastError() == cudaErrorInvalidConfiguration, "block z > 64");
     emu_launch(dim3(0), dim3(32), 0, "empty_kernel", fn, body);
@@ -252,11 +258,14 @@ static void launch_errors_ok(void) {
     expect(cudaGetLastError() == cudaErrorInvalidConfiguration, "grid z > 65535");
     expect(emu_launch_error(dim3(0x7fffffffu), dim3(32), 0, fn) == cudaSuccess, "grid x up to 2^31 - 1");
     expect(emu_launch_error(dim3(1), dim3(32), 48 << 10, fn) == cudaSuccess, "48 KiB of dynamic shared memory");
-    expect(emu_launch_error(dim3(1), dim3(32), (48 << 10) + 1, fn) == cudaErrorInvalidValue, "more than 48 KiB without the opt-in");
-    expect(cudaFuncSetAttribute(empty_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 100 << 10) == cudaSuccess, "the opt-in");
+    expect(emu_launch_error(dim3(1), dim3(32), (48 << 10) + 1, fn) == cudaErrorInvalidValue,
+           "more than 48 KiB without the opt-in");
+    expect(cudaFuncSetAttribute(empty_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 100 << 10) == cudaSuccess,
+           "the opt-in");
     expect(emu_launch_error(dim3(1), dim3(32), 100 << 10, fn) == cudaSuccess, "100 KiB after the opt-in");
     expect(emu_launch_error(dim3(1), dim3(32), (100 << 10) + 1, fn) == cudaErrorInvalidValue, "beyond the opt-in");
-    expect(cudaFuncSetAttribute(empty_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 228 << 10) == cudaErrorInvalidValue,
+    expect(cudaFuncSetAttribute(empty_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 228 << 10) ==
+               cudaErrorInvalidValue,
            "an opt-in beyond the device's 227 KiB");
 }
 
@@ -272,11 +281,11 @@ static void blas(const char* which) {
         matmul_nn_cuda(C, A, B, M, N - 1, K, 1.0f, 0, 0);  // odd leading dimension: the cublasGemmEx fallback
         expect(download(C, 1)[0] == (float)K, "matmul_nn_cuda with N - 1 columns");
     } else if (!strcmp(which, "lda")) {  // C^T = B^T-as-stored . A: lda must be >= K rows of B^T's storage
-        CUBLAS_CHECK(cublasGemmEx(g_cublas.blas, CUBLAS_OP_T, CUBLAS_OP_N, N, M, K, &one, B, CUDA_R_32F, K - 1, A, CUDA_R_32F, K, &zero,
-                                  C, CUDA_R_32F, N, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+        CUBLAS_CHECK(cublasGemmEx(g_cublas.blas, CUBLAS_OP_T, CUBLAS_OP_N, N, M, K, &one, B, CUDA_R_32F, K - 1, A,
+                                  CUDA_R_32F, K, &zero, C, CUDA_R_32F, N, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
     } else if (!strcmp(which, "types")) {  // fp32 operands into a bf16 C
-        CUBLAS_CHECK(cublasGemmEx(g_cublas.blas, CUBLAS_OP_T, CUBLAS_OP_N, N, M, K, &one, B, CUDA_R_32F, K, A, CUDA_R_32F, K, &zero,
-                                  C, CUDA_R_16BF, N, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+        CUBLAS_CHECK(cublasGemmEx(g_cublas.blas, CUBLAS_OP_T, CUBLAS_OP_N, N, M, K, &one, B, CUDA_R_32F, K, A,
+                                  CUDA_R_32F, K, &zero, C, CUDA_R_16BF, N, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
     } else if (!strcmp(which, "oob")) {  // one row of A more than its buffer holds
         matmul_nt_cuda(C, A, B, M + 1, N - 16, K, 1.0f, 0, 0);
     } else {  // the raw cuBLASLt API: an algorithm for 16-byte alignment, then a misaligned B, or too little workspace
@@ -290,21 +299,25 @@ static void blas(const char* which) {
         CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&lc, CUDA_R_32F, N - 1, M, N));
         cublasLtMatmulPreference_t pref;
         CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
-        CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &g_cublas.workspace_bytes,
-                                                          sizeof(g_cublas.workspace_bytes)));
+        CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                                          &g_cublas.workspace_bytes, sizeof(g_cublas.workspace_bytes)));
         uint32_t align = 16;  // every operand: 16 bytes (C's leading dimension, 192 bytes, allows no more)
-        CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &align, sizeof(align)));
-        CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align, sizeof(align)));
-        CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align, sizeof(align)));
-        CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align, sizeof(align)));
+        CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &align,
+                                                          sizeof(align)));
+        CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align,
+                                                          sizeof(align)));
+        CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align,
+                                                          sizeof(align)));
+        CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align,
+                                                          sizeof(align)));
         cublasLtMatmulHeuristicResult_t heur;
         int found = 0;
         CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(g_cublas.lt, desc, la, lb, lc, lc, pref, 1, &heur, &found));
         expect(found == 1 && heur.workspaceSize > 0, "an algorithm that needs a workspace");
         int misalign = !strcmp(which, "align");
         size_t ws = misalign ? g_cublas.workspace_bytes : heur.workspaceSize - 1;
-        CUBLAS_CHECK(cublasLtMatmul(g_cublas.lt, desc, &one, B + misalign, la, A, lb, &zero, C, lc, C, lc, &heur.algo, g_cublas.workspace,
-                                    ws, 0));
+        CUBLAS_CHECK(cublasLtMatmul(g_cublas.lt, desc, &one, B + misalign, la, A, lb, &zero, C, lc, C, lc, &heur.algo,
+                                    g_cublas.workspace, ws, 0));
     }
     CUDA_CHECK(cudaFree(A));
     CUDA_CHECK(cudaFree(B));

@@ -37,10 +37,12 @@ static void run_ok(Dist* d) {
     float* piece = device_floats(n);
     for (int64_t i = 0; i < n * w; i++) full[i] = (float)(i + r);
     NCCL_CHECK(ncclReduceScatter(full, piece, (size_t)n, ncclFloat, ncclSum, d->nccl, 0));
-    for (int64_t i = 0; i < n; i++) check(piece[i] == (float)(w * (r * n + i) + w * (w - 1) / 2), "ncclReduceScatter", r);
+    for (int64_t i = 0; i < n; i++)
+        check(piece[i] == (float)(w * (r * n + i) + w * (w - 1) / 2), "ncclReduceScatter", r);
     for (int64_t i = 0; i < n * w; i++) full[i] = (float)(i + r);
     dist_reduce_scatter_sum_f32_device_inplace(d, full, n, 0);
-    for (int64_t i = 0; i < n; i++) check(full[r * n + i] == (float)(w * (r * n + i) + w * (w - 1) / 2), "in-place ncclReduceScatter", r);
+    for (int64_t i = 0; i < n; i++)
+        check(full[r * n + i] == (float)(w * (r * n + i) + w * (w - 1) / 2), "in-place ncclReduceScatter", r);
     // all-gather in place, fp32 and bf16: rank q's piece holds q * 100 + i
     for (int64_t i = 0; i < n; i++) x[r * n + i] = (float)(r * 100 + i);
     dist_allgather_f32_device(d, x, n, 0);
@@ -51,7 +53,8 @@ static void run_ok(Dist* d) {
     for (int64_t i = 0; i < n; i++) h[r * n + i] = (uint16_t)(r * 1000 + i);
     dist_allgather_bf16_device(d, h, n, 0);
     for (int q = 0; q < w; q++)
-        for (int64_t i = 0; i < n; i++) check(h[q * n + i] == (uint16_t)(q * 1000 + i), "in-place ncclAllGather (bf16)", r);
+        for (int64_t i = 0; i < n; i++)
+            check(h[q * n + i] == (uint16_t)(q * 1000 + i), "in-place ncclAllGather (bf16)", r);
     // on a second stream the sum runs as late as stream order allows: not before the default
     // stream waits for it (a consumer that forgot to wait reads the old values, and tests fail)
     cudaStream_t comm;
@@ -69,7 +72,11 @@ static void run_ok(Dist* d) {
     CUDA_CHECK(cudaStreamWaitEvent(0, done, 0));
     check(x[0] == ranks, "cudaStreamWaitEvent did not run the second stream's sum", r);
     CUDA_CHECK(cudaEventDestroy(ready)); CUDA_CHECK(cudaEventDestroy(done)); CUDA_CHECK(cudaStreamDestroy(comm));
-    if (r == 0) printf("emu_nccl_probe: %d ranks: all-reduce, reduce-scatter (out of place, in place), all-gather (fp32, bf16), stream order ok\n", w);
+    if (r == 0)
+        printf(
+            "emu_nccl_probe: %d ranks: all-reduce, reduce-scatter (out of place, in place), all-gather (fp32, bf16), "
+            "stream order ok\n",
+            w);
     CUDA_CHECK(cudaFree(x)); CUDA_CHECK(cudaFree(full)); CUDA_CHECK(cudaFree(piece)); CUDA_CHECK(cudaFree(h));
 }
 

@@ -52,7 +52,8 @@ static int probe_dir(int argc, char** argv) {
         free(texts);
     } else if (strcmp(argv[2], "decode") == 0) {
         char bb[2];
-        for (int i = 3, prev = -1; i < argc; prev = atoi(argv[i++])) fputs(model_tokenizer_decode(&t, prev, atoi(argv[i]), bb), stdout);
+        for (int i = 3, prev = -1; i < argc; prev = atoi(argv[i++]))
+            fputs(model_tokenizer_decode(&t, prev, atoi(argv[i]), bb), stdout);
     } else {
         fail("tokenizer_probe: unknown command %s", argv[2]);
     }
@@ -81,8 +82,9 @@ static int probe_chat(const char* path) {
         m[i].role = json_string_or(&msgs->items[i], "role", "");
         m[i].content = json_string_or(&msgs->items[i], "content", "");
     }
-    char* out = chat_template_render(json_string_or(&j, "template", ""), "template", m, n, json_bool_or(&j, "add_generation_prompt", 0),
-                                     json_string_or(&j, "bos_token", ""), json_string_or(&j, "eos_token", ""));
+    char* out = chat_template_render(json_string_or(&j, "template", ""), "template", m, n,
+                                     json_bool_or(&j, "add_generation_prompt", 0), json_string_or(&j, "bos_token", ""),
+                                     json_string_or(&j, "eos_token", ""));
     fputs(out, stdout);
     free(out);
     free(m);
@@ -94,7 +96,8 @@ static int probe_chat(const char* path) {
 int main(int argc, char** argv) {
     if (argc == 3 && strcmp(argv[1], "--nfc") == 0) return probe_nfc(argv[2]);
     if (argc == 3 && strcmp(argv[1], "--chat") == 0) return probe_chat(argv[2]);
-    if (argc < 3) fail("usage: tokenizer_probe TOKENIZER.bin|DIR info | encode TEXT | encode-plain TEXT | decode ID...");
+    if (argc < 3)
+        fail("usage: tokenizer_probe TOKENIZER.bin|DIR info | encode TEXT | encode-plain TEXT | decode ID...");
     if (dir_exists(argv[1])) return probe_dir(argc, argv);
     Tokenizer t;
     tokenizer_load(&t, argv[1], 0);

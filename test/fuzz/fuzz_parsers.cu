@@ -50,13 +50,21 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     if (setjmp(g_reject) == 0) {
         switch (which) {
             case 0: { Json j = json_parse((const char*)data, size, "fuzz"); json_free(&j); break; }
-            case 1: { st_open(&g_st, fuzz_file(data, size)); for (int i = 0; i < g_st.count; i++) (void)st_numel(&g_st.tensors[i]); break; }
+            case 1: {
+                st_open(&g_st, fuzz_file(data, size));
+                for (int i = 0; i < g_st.count; i++) (void)st_numel(&g_st.tensors[i]);
+                break;
+            }
             case 2: { TokenShard s; shard_load(&s, fuzz_file(data, size), 1000); shard_free(&s); break; }
             case 3: {
                 Tokenizer t;
                 tokenizer_load(&t, fuzz_file(data, size), 0);
                 int ids[64];
-                if (t.vocab_size > 3) { int n = tokenizer_encode(&t, "fuzz me", 1, ids); char bb[2]; for (int i = 1; i < n; i++) (void)tokenizer_decode(&t, ids[i - 1], ids[i], bb); }
+                if (t.vocab_size > 3) {
+                    int n = tokenizer_encode(&t, "fuzz me", 1, ids);
+                    char bb[2];
+                    for (int i = 1; i < n; i++) (void)tokenizer_decode(&t, ids[i - 1], ids[i], bb);
+                }
                 tokenizer_free(&t);
                 break;
             }
@@ -66,23 +74,31 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
                 hf_tokenizer_load(&t, fuzz_file(data, size));
                 // a long prompt too: byte fallback makes up to 3 tokens of one byte (a buffer sized 2 per
                 // byte overflowed only on prompts longer than the seeds' few words)
-                static const char* prompt = "fuzz me  12 \xC3\xA9<s> \xF0\x9F\x98\x80 \xE2\x96\x81 tabs\t\tand  spaces   "
-                                            "fuzz me  12 \xC3\xA9<s> \xF0\x9F\x98\x80 \xE2\x96\x81 tabs\t\tand  spaces   "
-                                            "fuzz me  12 \xC3\xA9<s> \xF0\x9F\x98\x80 \xE2\x96\x81 tabs\t\tand  spaces   ";
+                static const char* prompt =
+                    "fuzz me  12 \xC3\xA9<s> \xF0\x9F\x98\x80 \xE2\x96\x81 tabs\t\tand  spaces   "
+                    "fuzz me  12 \xC3\xA9<s> \xF0\x9F\x98\x80 \xE2\x96\x81 tabs\t\tand  spaces   "
+                    "fuzz me  12 \xC3\xA9<s> \xF0\x9F\x98\x80 \xE2\x96\x81 tabs\t\tand  spaces   ";
                 int n, *ids = hf_encode(&t, prompt, 1, &n);
                 for (int i = 0; i < n; i++) (void)hf_decode(&t, i ? ids[i - 1] : -1, ids[i]);
                 free(ids);
                 hf_tokenizer_free(&t);
                 break;
             }
-            case 6: { StateHeader h; float p[4], m[4], v[4]; state_load(fuzz_file(data, size), &h, "fuzz", 4, p, m, v); break; }
+            case 6: {
+                StateHeader h;
+                float p[4], m[4], v[4];
+                state_load(fuzz_file(data, size), &h, "fuzz", 4, p, m, v);
+                break;
+            }
             case 7: {
                 static char* text;  // static: freed at the next input even when fail() longjmps out
                 free(text);
                 text = (char*)xmalloc(size + 1);
                 memcpy(text, data, size);
                 text[size] = 0;
-                ChatMsg conv[3] = {{"system", " Be brief. "}, {"user", "Hi \xC3\xA9"}, {"assistant", "<think>\nhm\n</think>\n\nHello!"}};
+                ChatMsg conv[3] = {{"system", " Be brief. "},
+                                   {"user", "Hi \xC3\xA9"},
+                                   {"assistant", "<think>\nhm\n</think>\n\nHello!"}};
                 static ChatRender st;  // static: what a rejected rendering allocated is freed here, next time
                 for (int agp = 0; agp < 2; agp++) {
                     chat_render_free(&st);

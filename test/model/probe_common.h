@@ -8,7 +8,9 @@
 static const StTensor* case_tensor(const StFile* f, const char* name, StDtype dtype) {
     const StTensor* t = st_find(f, name);
     if (!t) fail("%s: missing tensor \"%s\"", f->path, name);
-    if (t->dtype != dtype) fail("%s: tensor \"%s\" has dtype %s, expected %s", f->path, name, st_dtype_name(t->dtype), st_dtype_name(dtype));
+    if (t->dtype != dtype)
+        fail("%s: tensor \"%s\" has dtype %s, expected %s", f->path, name, st_dtype_name(t->dtype),
+             st_dtype_name(dtype));
     return t;
 }
 

@@ -88,15 +88,18 @@ int main(int argc, char** argv) {
     vit_flags(&ft, &o);
     ft.program = "vit_probe";
     ft.group = "probe";
-    flag_string(&ft, "case", &case_path, "input safetensors: pixels F32 [B,C,H,W], labels I32 [B], lora.{l}.{t}.A/B, head.weight, head.bias");
-    flag_string(&ft, "out-file", &out_path, "output safetensors: logits, loss, grad.lora.{l}.{t}.A/B, grad.head.weight/bias");
+    flag_string(&ft, "case", &case_path,
+                "input safetensors: pixels F32 [B,C,H,W], labels I32 [B], lora.{l}.{t}.A/B, head.weight, head.bias");
+    flag_string(&ft, "out-file", &out_path,
+                "output safetensors: logits, loss, grad.lora.{l}.{t}.A/B, grad.head.weight/bias");
     flag_int(&ft, "dump-batches", &dump, "with --data: write the loader's first N batches instead");
     int drop_step = 0, drop_row0 = 0;
     flag_int(&ft, "dropout-step", &drop_step, "with --lora-dropout: the optimizer step that keys the masks");
     flag_int(&ft, "dropout-row0", &drop_row0, "with --lora-dropout: the batch's first row in the step's global batch");
     flags_parse(&ft, argc, argv);
     train_resolve_mode(&o);
-    if (!o.model_dir || !out_path || (!case_path && !dump)) fail("vit_probe needs --model, --out-file and --case (or --data with --dump-batches)");
+    if (!o.model_dir || !out_path || (!case_path && !dump))
+        fail("vit_probe needs --model, --out-file and --case (or --data with --dump-batches)");
     VitConfig cfg;
     vit_config_load(&cfg, o.model_dir);
     if (dump) {
@@ -111,7 +114,8 @@ int main(int argc, char** argv) {
     const StTensor* px = case_tensor(&cf, "pixels", ST_F32);
     const StTensor* lb = case_tensor(&cf, "labels", ST_I32);
     const StTensor* hw = case_tensor(&cf, "head.weight", ST_F32);
-    if (px->ndim != 4 || px->shape[1] != cfg.channels) fail("%s: pixels must be [B, %d, H, W]", case_path, cfg.channels);
+    if (px->ndim != 4 || px->shape[1] != cfg.channels)
+        fail("%s: pixels must be [B, %d, H, W]", case_path, cfg.channels);
     if (hw->ndim != 2) fail("%s: head.weight must be [classes, d]", case_path);
     int B = (int)px->shape[0], h = (int)px->shape[2], w = (int)px->shape[3], K = (int)hw->shape[0];
     int64_t lshape[1] = {B}, hshape[2] = {K, cfg.dim};

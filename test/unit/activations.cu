@@ -17,7 +17,8 @@ void test_pack_roundtrip(void) {
         int64_t nb = packed_codes_bytes(n);
         uint8_t* packed = (uint8_t*)xmalloc(nb + 1);
         packed[nb] = 0xAB;  // a canary past the end
-        for (int64_t i = 0; i < n; i += 8) act_codes8(packed, i, n, act_load(x, i, n, -INFINITY), fit);  // as the forwards do
+        for (int64_t i = 0; i < n; i += 8)
+            act_codes8(packed, i, n, act_load(x, i, n, -INFINITY), fit);  // as the forwards do
         for (int i = 0; i < n; i++) {
             int expect = (x[i] > fit.c1 ? 1 : 0) + (x[i] > fit.c2 ? 1 : 0) + (x[i] > fit.c3 ? 1 : 0);
             if (codes_get(packed, i) != expect) ok = 0;
@@ -62,10 +63,12 @@ void test_resilu2_backward(void) {
     check(fwd < 1e-6, "ReSiLU2 forward is the exact SiLU", fwd);
     // The levels of the fit, against docs/architecture.md: {0, -0.040603572, 1.0403218, 1.0}
     Relu3Fit fit = RESILU2_FIT;
-    double le = fmax(fabs(relu3_level(1, fit) + 0.040603572), fmax(fabs(relu3_level(2, fit) - 1.0403218), fabs(relu3_level(3, fit) - 1.0)));
+    double le = fmax(fabs(relu3_level(1, fit) + 0.040603572),
+                     fmax(fabs(relu3_level(2, fit) - 1.0403218), fabs(relu3_level(3, fit) - 1.0)));
     check(le < 1e-6, "ReSiLU2 levels match the published levels", le);
     Relu3Fit gf = REGELU2_FIT;
-    le = fmax(fabs(relu3_level(1, gf) + 0.049222611), fmax(fabs(relu3_level(2, gf) - 1.0487406), fabs(relu3_level(3, gf) - 1.0)));
+    le = fmax(fabs(relu3_level(1, gf) + 0.049222611),
+              fmax(fabs(relu3_level(2, gf) - 1.0487406), fabs(relu3_level(3, gf) - 1.0)));
     check(le < 1e-6, "ReGELU2 levels match the published levels", le);
     free(g); free(u); free(dp); free(p); free(sg); free(dg); free(du); free(codes);
 }
@@ -75,7 +78,8 @@ void test_regelu2_backward(void) {
     const double c[3] = {-3.1858810036855245, -0.001178821281161997, 3.190832613414926};
     Rng r = rng_seeded(3, 0);
     int n = 5003;
-    float *x = randn(n, &r, 3.0f), *dy = randn(n, &r, 1.0f), *y = randn(n, &r, 1), *dx = randn(n, &r, 1), *dxe = randn(n, &r, 1);
+    float *x = randn(n, &r, 3.0f), *dy = randn(n, &r, 1.0f), *y = randn(n, &r, 1), *dx = randn(n, &r, 1),
+          *dxe = randn(n, &r, 1);
     uint8_t* codes = (uint8_t*)xmalloc(packed_codes_bytes(n));
     gelu_forward(y, codes, x, n, 0);
     gelu_backward(dx, dy, NULL, codes, n, 0);
@@ -86,7 +90,9 @@ void test_regelu2_backward(void) {
         if (dx[i] != dy[i] * (float)step_level(x[i], a, c)) exact = 0;
         double ref = 0.5 * x[i] * (1.0 + erf(x[i] / sqrt(2.0)));
         fwd = fmax(fwd, fabs(y[i] - ref));
-        double h = 1e-3, num = (0.5 * (x[i] + h) * (1 + erf((x[i] + h) / sqrt(2.0))) - 0.5 * (x[i] - h) * (1 + erf((x[i] - h) / sqrt(2.0)))) / (2 * h);
+        double h = 1e-3, num = (0.5 * (x[i] + h) * (1 + erf((x[i] + h) / sqrt(2.0))) -
+                                0.5 * (x[i] - h) * (1 + erf((x[i] - h) / sqrt(2.0)))) /
+                               (2 * h);
         ge = fmax(ge, fabs(dxe[i] - dy[i] * num));
     }
     check(exact, "ReGELU2 backward equals the step rule exactly", 0);

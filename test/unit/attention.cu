@@ -5,7 +5,8 @@
 
 // ---- attention and RoPE --------------------------------------------------------------------
 
-static double attn_loss(const float* q, const float* k, const float* v, const float* w, AttnShape s, float* o, float* lse) {
+static double attn_loss(const float* q, const float* k, const float* v, const float* w, AttnShape s, float* o,
+                        float* lse) {
     attention_forward(o, lse, q, k, v, s);
     double L = 0;
     for (int64_t i = 0; i < (int64_t)s.B * s.T * s.H * s.hd; i++) L += (double)o[i] * w[i];
@@ -30,11 +31,14 @@ void test_attention(int causal) {
     for (int b = 0; b < s.B; b++)
         for (int h = 0; h < s.H; h++)
             for (int t = 0; t < s.T; t++) {
-                int kh = h / (s.H / s.KVH), tend = causal ? t + 1 : s.T, j0 = causal == 2 ? t - packed_pos[b * s.T + t] : 0;
+                int kh = h / (s.H / s.KVH), tend = causal ? t + 1 : s.T,
+                    j0 = causal == 2 ? t - packed_pos[b * s.T + t] : 0;
                 double p[16], mx = -1e300, sum = 0;
                 for (int j = j0; j < tend; j++) {
                     double d = 0;
-                    for (int i = 0; i < s.hd; i++) d += (double)q[((b * s.T + t) * s.H + h) * s.hd + i] * k[((b * s.T + j) * s.KVH + kh) * s.hd + i];
+                    for (int i = 0; i < s.hd; i++)
+                        d += (double)q[((b * s.T + t) * s.H + h) * s.hd + i] *
+                             k[((b * s.T + j) * s.KVH + kh) * s.hd + i];
                     p[j] = d * scale;
                     mx = fmax(mx, p[j]);
                 }
@@ -45,8 +49,10 @@ void test_attention(int causal) {
                     fe = fmax(fe, fabs(acc - o[((b * s.T + t) * s.H + h) * s.hd + i]));
                 }
             }
-    const char* fw[4] = {"bidirectional GQA attention forward matches a naive softmax", "causal GQA attention forward matches a naive softmax",
-                         "packed-example attention forward matches a per-example softmax", "causal attention forward (H = KVH) matches a naive softmax"};
+    const char* fw[4] = {"bidirectional GQA attention forward matches a naive softmax",
+                         "causal GQA attention forward matches a naive softmax",
+                         "packed-example attention forward matches a per-example softmax",
+                         "causal attention forward (H = KVH) matches a naive softmax"};
     check(fe < 1e-5, fw[causal], fe);
     // central finite differences on every input element
     float* tmp_o = (float*)xmalloc(sizeof(float) * nq);
@@ -67,7 +73,8 @@ void test_attention(int causal) {
             ge = fmax(ge, fabs(num - grads[which][i]));
             gm = fmax(gm, fabs(num));
         }
-    const char* bw[4] = {"bidirectional attention backward matches finite differences", "causal attention backward (recomputed scores) matches finite differences",
+    const char* bw[4] = {"bidirectional attention backward matches finite differences",
+                         "causal attention backward (recomputed scores) matches finite differences",
                          "packed-example attention backward matches finite differences",
                          "causal attention backward, H = KVH (dk, dv written directly), matches finite differences"};
     check(ge / gm < 2e-3, bw[causal], ge / gm);
@@ -106,14 +113,16 @@ static void test_attention_blocks_case(AttnCase c) {
         attention_backward(out[th][2], out[th][3], out[th][4], dout, q, k, v, out[th][0], out[th][1], s);
     }
     omp_set_num_threads(nthreads);
-    double *ro = (double*)calloc(nq, 8), *rdq = (double*)calloc(nq, 8), *rdk = (double*)calloc(nk, 8), *rdv = (double*)calloc(nk, 8);
+    double *ro = (double*)calloc(nq, 8), *rdq = (double*)calloc(nq, 8), *rdk = (double*)calloc(nk, 8),
+           *rdv = (double*)calloc(nk, 8);
     double scale = 1.0 / sqrt((double)hd_);
     double* P = (double*)xmalloc(sizeof(double) * T);
     for (int b = 0; b < B; b++)
         for (int h = 0; h < H; h++)
             for (int t = 0; t < T; t++) {
                 int kh = h / (H / KVH), j0 = c.causal ? t - pos[b * T + t] : 0, j1 = c.causal ? t : T - 1;
-                const float *qi = q + ((int64_t)(b * T + t) * H + h) * hd_, *doi = dout + ((int64_t)(b * T + t) * H + h) * hd_;
+                const float *qi = q + ((int64_t)(b * T + t) * H + h) * hd_,
+                            *doi = dout + ((int64_t)(b * T + t) * H + h) * hd_;
                 double mx = -1e300, sum = 0, D = 0;
                 for (int j = j0; j <= j1; j++) {
                     double d = 0;
@@ -128,7 +137,8 @@ static void test_attention_blocks_case(AttnCase c) {
                     for (int i = 0; i < hd_; i++) oi[i] += P[j] * v[((int64_t)(b * T + j) * KVH + kh) * hd_ + i];
                 for (int i = 0; i < hd_; i++) D += doi[i] * oi[i];
                 for (int j = j0; j <= j1; j++) {
-                    const float *kj = k + ((int64_t)(b * T + j) * KVH + kh) * hd_, *vj = v + ((int64_t)(b * T + j) * KVH + kh) * hd_;
+                    const float *kj = k + ((int64_t)(b * T + j) * KVH + kh) * hd_,
+                                *vj = v + ((int64_t)(b * T + j) * KVH + kh) * hd_;
                     double dp = 0;
                     for (int i = 0; i < hd_; i++) dp += (double)doi[i] * vj[i];
                     double ds = P[j] * (dp - D) * scale;
@@ -146,13 +156,17 @@ static void test_attention_blocks_case(AttnCase c) {
     for (int w = 0; w < 4; w++) {
         double err = 0, mag = 0;
         const float* got = out[1][slot[w]];
-        for (int64_t i = 0; i < n5[slot[w]]; i++) { err = fmax(err, fabs(got[i] - want[w][i])); mag = fmax(mag, fabs(want[w][i])); }
+        for (int64_t i = 0; i < n5[slot[w]]; i++) {
+            err = fmax(err, fabs(got[i] - want[w][i]));
+            mag = fmax(mag, fabs(want[w][i]));
+        }
         double e = err / (64.0 * T * 0x1p-24 * mag);
         if (e > worst || isnan(e)) worst = isnan(e) ? INFINITY : e;
         if (!(e <= 1.0)) fprintf(stderr, "  %s: %s off by %g of the bound\n", c.name, names[w], e);
     }
     char what[200];
-    snprintf(what, sizeof(what), "attention blocks, %s: o, dq, dk, dv match a double reference (error / 64 T 2^-24 max)", c.name);
+    snprintf(what, sizeof(what),
+             "attention blocks, %s: o, dq, dk, dv match a double reference (error / 64 T 2^-24 max)", c.name);
     check(worst <= 1.0, what, worst);
     int same = 1;
     for (int th = 0; th < 3; th += 2)
@@ -182,7 +196,11 @@ void test_rope(void) {
     int T = 6, H = 3, hd = 8, N = 2 * T, half = hd / 2;
     float *cs = (float*)xmalloc(sizeof(float) * T * half), *sn = (float*)xmalloc(sizeof(float) * T * half);
     for (int t = 0; t < T; t++)
-        for (int i = 0; i < half; i++) { double a = t * pow(10000.0, -2.0 * i / hd); cs[t * half + i] = (float)cos(a); sn[t * half + i] = (float)sin(a); }
+        for (int i = 0; i < half; i++) {
+            double a = t * pow(10000.0, -2.0 * i / hd);
+            cs[t * half + i] = (float)cos(a);
+            sn[t * half + i] = (float)sin(a);
+        }
     float* x = randn(N * H * hd, &r, 1);
     float* y = (float*)xmalloc(sizeof(float) * N * H * hd);
     memcpy(y, x, sizeof(float) * N * H * hd);

@@ -14,7 +14,8 @@ void test_lora_dropout(float p) {
     const int64_t N = 1024;
     const int in = 1024;
     int64_t n = N * in;
-    float *x = (float*)xmalloc(4 * n), *xa = (float*)xmalloc(4 * n), *dx = (float*)xmalloc(4 * n), *t = (float*)xmalloc(4 * n);
+    float *x = (float*)xmalloc(4 * n), *xa = (float*)xmalloc(4 * n), *dx = (float*)xmalloc(4 * n),
+          *t = (float*)xmalloc(4 * n);
     for (int64_t i = 0; i < n; i++) { x[i] = 1.0f; t[i] = 1.0f; dx[i] = 0.0f; }
     LoraDropout d;
     lora_dropout_init(&d, p, 1337, NULL);

@@ -17,8 +17,8 @@ void test_chunked_loss(void) {
     LossStats st[2];
     int chunks[2] = {N, 4};
     for (int c = 0; c < 2; c++) {
-        LossScratch sc = {(float*)xmalloc(sizeof(float) * N * d), (float*)xmalloc(sizeof(float) * N), (float*)xmalloc(sizeof(float) * N * V),
-                          (float*)xmalloc(sizeof(float) * N * d)};
+        LossScratch sc = {(float*)xmalloc(sizeof(float) * N * d), (float*)xmalloc(sizeof(float) * N),
+                          (float*)xmalloc(sizeof(float) * N * V), (float*)xmalloc(sizeof(float) * N * d)};
         dx[c] = (float*)xcalloc(N * d, sizeof(float));
         memset(&st[c], 0, sizeof(LossStats));
         lm_head_loss(x, gamma, 1e-5f, W, V, d, tg, mask, N, chunks[c], 1.0f / 18, dx[c], NULL, sc, &st[c]);
@@ -39,14 +39,15 @@ void test_chunked_loss(void) {
         if (mask[n] != 0) { loss += mx + log(sum) - lg[tg[n]]; cnt += 1; }
     }
     double e1 = fabs(st[0].loss_sum - loss) / loss, e2 = fabs(st[1].loss_sum - loss) / loss;
-    check(fmax(e1, e2) < 1e-5 && st[0].count == cnt && st[1].count == cnt, "chunked LM head + CE equals the full-logits loss (mask honoured)", fmax(e1, e2));
+    check(fmax(e1, e2) < 1e-5 && st[0].count == cnt && st[1].count == cnt,
+          "chunked LM head + CE equals the full-logits loss (mask honoured)", fmax(e1, e2));
     double de = 0, dm = 0;
     for (int i = 0; i < N * d; i++) { de = fmax(de, fabs(dx[0][i] - dx[1][i])); dm = fmax(dm, fabs(dx[0][i])); }
     check(de / dm < 1e-6, "chunk size does not change the head gradient", de / dm);
     // finite differences on a few inputs of the loss (sum / 18)
     double ge = 0;
-    LossScratch sc = {(float*)xmalloc(sizeof(float) * N * d), (float*)xmalloc(sizeof(float) * N), (float*)xmalloc(sizeof(float) * N * V),
-                      (float*)xmalloc(sizeof(float) * N * d)};
+    LossScratch sc = {(float*)xmalloc(sizeof(float) * N * d), (float*)xmalloc(sizeof(float) * N),
+                      (float*)xmalloc(sizeof(float) * N * V), (float*)xmalloc(sizeof(float) * N * d)};
     for (int i = 0; i < N * d; i += 7) {
         float keep = x[i], h = 1e-2f;
         LossStats a = {}, b = {};

@@ -28,7 +28,8 @@ void test_matmul(void) {
         if (form == 0) matmul_nt(C, A, Bt, M, N, K, 0.5f, 1);
         if (form == 1) matmul_nn(C, A, Bn, M, N, K, 0.5f, 1);
         if (form == 2) matmul_tn(C, At, Bn, M, N, K, 0.5f, 1);
-        const char* names[3] = {"matmul_nt (C += a A B^T) matches a naive loop", "matmul_nn (C += a A B) matches a naive loop",
+        const char* names[3] = {"matmul_nt (C += a A B^T) matches a naive loop",
+                                "matmul_nn (C += a A B) matches a naive loop",
                                 "matmul_tn (C += a A^T B) matches a naive loop"};
         double e = rel_err(C, ref, M * N);
         check(e < 1e-5, names[form], e);
@@ -48,8 +49,9 @@ void test_matmul_shapes(void) {
     // place, a partial sliver of A read in place), ordinary, and B too large to pack whole (more
     // than MM_WHOLE_B floats): rounds of columns over all of K (N = 66001) and rounds of k blocks
     // over all columns (K = 90000), 17 rounds each, the last with an edge panel or a short k block.
-    static const int shapes[][3] = {{512, 16, 576}, {16, 576, 512}, {576, 16, 512}, {100, 20, 700}, {16, 100, 300}, {100, 1536, 600},
-                                    {7, 3, 1000},   {97, 40, 16},   {1, 1, 1},      {30, 66001, 64}, {30, 40, 90000}};
+    static const int shapes[][3] = {{512, 16, 576}, {16, 576, 512},   {576, 16, 512}, {100, 20, 700},
+                                    {16, 100, 300}, {100, 1536, 600}, {7, 3, 1000},   {97, 40, 16},
+                                    {1, 1, 1},      {30, 66001, 64},  {30, 40, 90000}};
     int nthreads = omp_get_max_threads();
     for (size_t si = 0; si < sizeof(shapes) / sizeof(shapes[0]); si++) {
         int M = shapes[si][0], N = shapes[si][1], K = shapes[si][2];
@@ -76,12 +78,14 @@ void test_matmul_shapes(void) {
                 float *Af = A, *Bf = B, *tA = NULL, *tB = NULL;
                 if (form == 2) {  // A^T stored [K, M]
                     tA = (float*)xmalloc(sizeof(float) * M * K);
-                    for (int m = 0; m < M; m++) for (int k = 0; k < K; k++) tA[(int64_t)k * M + m] = A[(int64_t)m * K + k];
+                    for (int m = 0; m < M; m++)
+                        for (int k = 0; k < K; k++) tA[(int64_t)k * M + m] = A[(int64_t)m * K + k];
                     Af = tA;
                 }
                 if (form != 0) {  // B stored [K, N]
                     tB = (float*)xmalloc(sizeof(float) * N * K);
-                    for (int n = 0; n < N; n++) for (int k = 0; k < K; k++) tB[(int64_t)k * N + n] = B[(int64_t)n * K + k];
+                    for (int n = 0; n < N; n++)
+                        for (int k = 0; k < K; k++) tB[(int64_t)k * N + n] = B[(int64_t)n * K + k];
                     Bf = tB;
                 }
                 double worst = 0.0;

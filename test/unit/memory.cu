@@ -20,7 +20,8 @@ void test_grad_buckets(void) {
             for (int bi = 0; bi < 3; bi++) {
                 int64_t count = counts[ci], off[5];
                 int blocks = 0;
-                for (int64_t o = count / 7; o < count && blocks < 5; o += count / 5 + 1) off[blocks++] = o;  // blocks above a stem
+                for (int64_t o = count / 7; o < count && blocks < 5; o += count / 5 + 1)
+                    off[blocks++] = o;  // blocks above a stem
                 setenv("LLMC_GRAD_BUCKET_BYTES", bytes[bi], 1);
                 Trainable tr;
                 memset(&tr, 0, sizeof(tr));
@@ -37,7 +38,8 @@ void test_grad_buckets(void) {
                 // 1-byte buckets: one per distinct (rounded) block start, plus the stem's; 1 GB: one
                 int expect = 1;
                 for (int l = 0; l < blocks; l++) {
-                    int64_t lo = (off[l] + align - 1) / align * align, prev = l ? (off[l - 1] + align - 1) / align * align : 0;
+                    int64_t lo = (off[l] + align - 1) / align * align,
+                            prev = l ? (off[l - 1] + align - 1) / align * align : 0;
                     expect += lo > 0 && lo < tr.padded && lo != prev;
                 }
                 ok &= hi == 0 && tr.n_buckets == (bi == 0 ? expect : bi == 2 ? 1 : tr.n_buckets);

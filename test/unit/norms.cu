@@ -28,7 +28,8 @@ void test_norm_backward(int layernorm) {
     Rng r = rng_seeded(4 + layernorm, 0);
     int N = 7, d = 45;
     float eps = 1e-5f;
-    float *x = randn(N * d, &r, 2.0f), *gamma = randn(d, &r, 0.5f), *beta = randn(d, &r, 0.5f), *dy = randn(N * d, &r, 1.0f);
+    float *x = randn(N * d, &r, 2.0f), *gamma = randn(d, &r, 0.5f), *beta = randn(d, &r, 0.5f),
+          *dy = randn(N * d, &r, 1.0f);
     for (int i = 0; i < d; i++) gamma[i] += 1.0f;
     float *y = randn(N * d, &r, 1), *z = randn(N * d, &r, 1), *rr = randn(N, &r, 1), *mean = randn(N, &r, 1);
     float* dx_std = (float*)xcalloc(N * d, sizeof(float));
@@ -49,21 +50,48 @@ void test_norm_backward(int layernorm) {
     else rmsnorm_ms_backward(dx_ms, dz, z, rr, N, d);
     for (int n = 0; n < N; n++) norm_jacobian_backward(ref + n * d, x + n * d, dz + n * d, d, eps, layernorm);
     double e_std = rel_err(dx_std, ref, N * d), e_ms = rel_err(dx_ms, ref, N * d);
-    check(e_std < 1e-5, layernorm ? "LayerNorm backward matches the explicit Jacobian" : "RMSNorm backward matches the explicit Jacobian", e_std);
-    check(e_ms < 1e-5, layernorm ? "MS-LN backward (from z, r only) equals LayerNorm backward" : "MS-RMSNorm backward (from z, r only) equals RMSNorm backward", e_ms);
+    check(e_std < 1e-5,
+          layernorm ? "LayerNorm backward matches the explicit Jacobian"
+                    : "RMSNorm backward matches the explicit Jacobian",
+          e_std);
+    check(e_ms < 1e-5,
+          layernorm ? "MS-LN backward (from z, r only) equals LayerNorm backward"
+                    : "MS-RMSNorm backward (from z, r only) equals RMSNorm backward",
+          e_ms);
     // merging gamma (and beta) into the next linear leaves its output unchanged
     int out = 11;
-    float *W = randn(out * d, &r, 0.3f), *Wm = (float*)xmalloc(sizeof(float) * out * d), *bm = (float*)xcalloc(out, sizeof(float));
+    float *W = randn(out * d, &r, 0.3f), *Wm = (float*)xmalloc(sizeof(float) * out * d),
+          *bm = (float*)xcalloc(out, sizeof(float));
     for (int o = 0; o < out; o++)
-        for (int i = 0; i < d; i++) { Wm[o * d + i] = W[o * d + i] * gamma[i]; bm[o] += W[o * d + i] * (layernorm ? beta[i] : 0.0f); }
+        for (int i = 0; i < d; i++) {
+            Wm[o * d + i] = W[o * d + i] * gamma[i];
+            bm[o] += W[o * d + i] * (layernorm ? beta[i] : 0.0f);
+        }
     float *y1 = (float*)xmalloc(sizeof(float) * N * out), *y2 = (float*)xmalloc(sizeof(float) * N * out);
     matmul_nt(y1, y, W, N, out, d, 1.0f, 0);
     matmul_nt(y2, z, Wm, N, out, d, 1.0f, 0);
     double me = 0, mx = 0;
     for (int n = 0; n < N; n++)
-        for (int o = 0; o < out; o++) { me = fmax(me, fabs(y1[n * out + o] - y2[n * out + o] - bm[o])); mx = fmax(mx, fabs(y1[n * out + o])); }
-    check(me / mx < 1e-5, layernorm ? "merging gamma, beta into the next linear leaves the forward unchanged" : "merging gamma into the next linear leaves the forward unchanged", me / mx);
-    free(x); free(gamma); free(beta); free(dy); free(y); free(z); free(rr); free(mean); free(dx_std); free(dx_ms); free(dz); free(ref);
+        for (int o = 0; o < out; o++) {
+            me = fmax(me, fabs(y1[n * out + o] - y2[n * out + o] - bm[o]));
+            mx = fmax(mx, fabs(y1[n * out + o]));
+        }
+    check(me / mx < 1e-5,
+          layernorm ? "merging gamma, beta into the next linear leaves the forward unchanged"
+                    : "merging gamma into the next linear leaves the forward unchanged",
+          me / mx);
+    free(x);
+    free(gamma);
+    free(beta);
+    free(dy);
+    free(y);
+    free(z);
+    free(rr);
+    free(mean);
+    free(dx_std);
+    free(dx_ms);
+    free(dz);
+    free(ref);
     free(W); free(Wm); free(bm); free(y1); free(y2);
 }
 
@@ -85,12 +113,15 @@ void test_norm_huge_rows(int layernorm) {
     Rng r = rng_seeded(40 + layernorm, 0);
     int N = 5, d = 45;
     float eps = 1e-5f;
-    float *x = randn(N * d, &r, 1), *dz = randn(N * d, &r, 1.0f), *gamma = randn(d, &r, 0.5f), *beta = randn(d, &r, 0.5f);
+    float *x = randn(N * d, &r, 1), *dz = randn(N * d, &r, 1.0f), *gamma = randn(d, &r, 0.5f),
+          *beta = randn(d, &r, 0.5f);
     fill_huge_rows(x, N, d, &r, layernorm);
     for (int i = 0; i < d; i++) gamma[i] += 1.0f;
-    float *z = (float*)xmalloc(sizeof(float) * N * d), *rr = (float*)xmalloc(sizeof(float) * N), *mean = (float*)xmalloc(sizeof(float) * N);
+    float *z = (float*)xmalloc(sizeof(float) * N * d), *rr = (float*)xmalloc(sizeof(float) * N),
+          *mean = (float*)xmalloc(sizeof(float) * N);
     float *dx_ms = (float*)xcalloc(N * d, sizeof(float)), *dx_std = (float*)xcalloc(N * d, sizeof(float));
-    float *dy = (float*)xmalloc(sizeof(float) * N * d), *dg = (float*)xcalloc(d, sizeof(float)), *db = (float*)xcalloc(d, sizeof(float));
+    float *dy = (float*)xmalloc(sizeof(float) * N * d), *dg = (float*)xcalloc(d, sizeof(float)),
+          *db = (float*)xcalloc(d, sizeof(float));
     double *zref = (double*)xmalloc(sizeof(double) * N * d), *rref = (double*)xmalloc(sizeof(double) * N);
     double *dxref = (double*)xmalloc(sizeof(double) * N * d), *dgref = (double*)xcalloc(d, sizeof(double));
     for (int i = 0; i < N * d; i++) dy[i] = dz[i] / gamma[i % d];  // the standard form's dy*gamma is the MS form's dz
@@ -131,6 +162,17 @@ void test_norm_huge_rows(int layernorm) {
     check(e_ms < 1e-5 && e_std < 1e-5, what, fmax(e_ms, e_std));
     snprintf(what, sizeof(what), "%s of finite rows beyond fp32 squares: gamma gradient", name);
     check(e_g < 1e-5, what, e_g);
-    free(x); free(dz); free(gamma); free(beta); free(z); free(rr); free(mean); free(dx_ms); free(dx_std); free(dy); free(dg); free(db);
+    free(x);
+    free(dz);
+    free(gamma);
+    free(beta);
+    free(z);
+    free(rr);
+    free(mean);
+    free(dx_ms);
+    free(dx_std);
+    free(dy);
+    free(dg);
+    free(db);
     free(zref); free(rref); free(dxref); free(dgref);
 }

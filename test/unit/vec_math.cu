@@ -52,7 +52,8 @@ void test_vec_erf(void) {
     auto add = [&](float x) { xs[k++] = x; if (k == 8) { flush(8); k = 0; } };
     for (uint32_t sg = 0; sg < 2; sg++) {
         for (uint32_t u = 0; u < 0x7f800000u; u += 256) add(f32_of_bits(u | sg << 31));
-        const float bounds[2] = {1.0f, 3.9375f}, edges[5] = {1.4e-45f, 1.1754942e-38f, 1.1754944e-38f, 1e-30f, 3.4028235e38f};
+        const float bounds[2] = {1.0f, 3.9375f},
+                    edges[5] = {1.4e-45f, 1.1754942e-38f, 1.1754944e-38f, 1e-30f, 3.4028235e38f};
         for (float b : bounds)
             for (int d = -4096; d <= 4096; d++) {
                 uint32_t u;
