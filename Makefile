@@ -89,7 +89,11 @@ endif
 NVCC_VERSION := $(if $(NVCC),$(shell $(NVCC) --version | tail -n 1))
 BUILD_CONFIG := $(CXX) $(CFLAGS) $(LDLIBS) | nvcc $(NVCC) $(NVCC_VERSION) CUDA=$(CUDA) $(NVCC_FLAGS) | $(NCCL_FLAGS) $(NCCL_LIBS)
 CONFIG_STAMP := build/config.stamp
+# (`make print-nccl` only reports: the NCCL tests call it with other settings, which must not mark
+# every binary stale.)
+ifneq ($(MAKECMDGOALS),print-nccl)
 $(shell mkdir -p build && { [ "$$(cat $(CONFIG_STAMP) 2>/dev/null)" = '$(BUILD_CONFIG)' ] || printf '%s\n' '$(BUILD_CONFIG)' > $(CONFIG_STAMP); })
+endif
 HEADERS += $(CONFIG_STAMP)
 
 all: train_llama train_vit
