@@ -24,7 +24,7 @@ anything else jinja2 raises while rendering, and jinja2 missing (Debian: python3
 import functools
 import json
 
-MAX_DEPTH = 100              # nested blocks, as CT_MAX_DEPTH of llmc/text/chat_template.h
+MAX_DEPTH = 100              # nested blocks, as CT_MAX_DEPTH of llmc/text/jinja_syntax.h
 MAX_ITERATIONS = 1_000_000   # for-loop iterations in one rendering, all loops together
 MAX_TEXT = 64 << 20          # characters of output, and of a string or list made by *
 
