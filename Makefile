@@ -96,24 +96,31 @@ all: train_llama train_vit
 
 # The test probes include their trainer's source: these lines add it (and the probes' shared
 # header) to the probes' prerequisites, native and emulated alike.
-test/llama_probe build/emu/llama_probe: train_llama.cu test/probe_common.h
-test/vit_probe build/emu/vit_probe: train_vit.cu test/probe_common.h
+build/test/llama_probe build/emu/llama_probe: train_llama.cu test/model/probe_common.h
+build/test/vit_probe build/emu/vit_probe: train_vit.cu test/model/probe_common.h
 
-train_llama train_vit test/llama_probe test/vit_probe: %: %.cu $(HEADERS)
+train_llama train_vit: %: %.cu $(HEADERS)
+	$(TRAIN_BUILD)
+
+# The tests' own programs are build outputs, in build/test/: the model probes (built like their
+# trainer, so that nvcc builds them for a GPU too), the tokenizer and NF4 probes, the unit tests.
+build/test/llama_probe build/test/vit_probe: build/test/%: test/model/%.cu $(HEADERS)
+	@mkdir -p $(dir $@)
 	$(TRAIN_BUILD)
 
 # Every program on the CPU emulator of the CUDA programming model (llmc/cuda/emu/emu.h), one rule and
-# one flag set: build/emu/NAME is built from NAME.cu found at the top, in test/ or in dev/cuda/.
+# one flag set: build/emu/NAME is built from NAME.cu found at the top, in test/model/ (the model
+# probes), test/cuda/ (the emulator's own probes) or dev/cuda/.
 # The trainers and probes there run the CUDA backend's kernels on the CPU under `--device cuda`,
-# so the wiring of both models into the CUDA backend is tested without a GPU (test/test_cuda_*.py);
+# so the wiring of both models into the CUDA backend is tested without a GPU (test/cuda/test_*_cuda.py);
 # emu_nccl_probe checks the NCCL emulation (llmc/cuda/emu/emu_nccl.h) under mpirun
-# (test/test_emu_nccl.py); the dev/cuda checks test each kernel family (cuda-emu-check below).
-vpath %.cu test dev/cuda
+# (test/cuda/test_emu_nccl.py); the dev/cuda checks test each kernel family (cuda-emu-check below).
+vpath %.cu test/model test/cuda dev/cuda
 EMU_FLAGS = $(filter-out -O3,$(CFLAGS)) -O2 -Wno-unknown-pragmas -DLLMC_CUDA_EMU -I$(CUDA_INC)
 build/emu/%: %.cu $(HEADERS) dev/cuda/check.h
 	@mkdir -p build/emu
 	$(CXX) $(EMU_FLAGS) $< -o $@ $(LDLIBS)
-# emu_checks_probe proves the emulator's own checks on planted bugs (test/test_emu_checks.py).
+# emu_checks_probe proves the emulator's own checks on planted bugs (test/cuda/test_emu_checks.py).
 EMU_MODEL_BINS := build/emu/train_llama build/emu/llama_probe build/emu/train_vit build/emu/vit_probe build/emu/emu_nccl_probe \
                   build/emu/emu_checks_probe
 
@@ -122,13 +129,20 @@ EMU_MODEL_BINS := build/emu/train_llama build/emu/llama_probe build/emu/train_vi
 dev/cpu/gemm: dev/cpu/gemm.cu $(HEADERS)
 	$(CXX) $(CFLAGS) $< -o $@ $(LDLIBS) -ldl
 
-test/test_units: test/test_units.cu $(HEADERS)
+# The C unit tests: every test/unit/*.cu, one file per concern, linked into one program (its
+# harness in test/unit/unit.h, the order of the checks in test/unit/main.cu).
+UNIT_SRCS := $(wildcard test/unit/*.cu)
+UNIT_HDRS := $(wildcard test/unit/*.h)
+build/test/test_units: $(UNIT_SRCS) $(UNIT_HDRS) $(HEADERS)
+	@mkdir -p $(dir $@)
+	$(CXX) $(CFLAGS) $(UNIT_SRCS) -o $@ $(LDLIBS)
+
+build/test/tokenizer_probe: test/formats/tokenizer_probe.cu $(HEADERS)
+	@mkdir -p $(dir $@)
 	$(CXX) $(CFLAGS) $< -o $@ $(LDLIBS)
 
-test/tokenizer_probe: test/tokenizer_probe.cu $(HEADERS)
-	$(CXX) $(CFLAGS) $< -o $@ $(LDLIBS)
-
-test/nf4_probe: test/nf4_probe.cu $(HEADERS)
+build/test/nf4_probe: test/model/nf4_probe.cu $(HEADERS)
+	@mkdir -p $(dir $@)
 	$(CXX) $(CFLAGS) $< -o $@ $(LDLIBS)
 
 run: train_llama train_vit
@@ -149,7 +163,7 @@ cuda-compile-check: cuda-kernels-compile-check cuda-resource-check
 ifeq ($(NVCC),)
 	@echo "cuda-compile-check: nvcc not found, SKIPPED"
 else
-	@$(MAKE) --no-print-directory train_llama train_vit test/llama_probe test/vit_probe
+	@$(MAKE) --no-print-directory train_llama train_vit build/test/llama_probe build/test/vit_probe
 	@echo "cuda-compile-check: train_llama, train_vit and their probes built by nvcc for sm_$(GPU_ARCH)"
 endif
 
@@ -165,7 +179,7 @@ test-suite: test-c test-asan cuda-compile-check cuda-emu-check test-py
 check-deps:
 	@bash scripts/ci/check_deps.sh --install $(PYTHON)
 
-# Where NCCL comes from and how the trainers compile and link it (test/test_nccl_wheel.py).
+# Where NCCL comes from and how the trainers compile and link it (test/tooling/test_nccl_wheel.py).
 print-nccl:
 	@echo "NCCL_FROM=$(NCCL_FROM)"
 	@echo "NCCL_FLAGS=$(NCCL_FLAGS)"
@@ -187,15 +201,19 @@ ASAN_CFLAGS := $(filter-out -O3,$(CFLAGS)) -O1 -g -fsanitize=address,undefined -
 build/asan/%: %.cu $(HEADERS)
 	@mkdir -p $(dir $@)
 	$(CXX) $(ASAN_CFLAGS) $< -o $@ $(LDLIBS) -fsanitize=address,undefined
+build/asan/test/test_units: $(UNIT_SRCS) $(UNIT_HDRS) $(HEADERS)
+	@mkdir -p $(dir $@)
+	$(CXX) $(ASAN_CFLAGS) $(UNIT_SRCS) -o $@ $(LDLIBS) -fsanitize=address,undefined
 
 test-asan: build/asan/train_llama build/asan/train_vit build/asan/test/test_units
 	@mkdir -p build/asan && ln -sf test/test_units build/asan/test_units
 	bash scripts/ci/asan_smoke.sh build/asan
 
-test-c: test/test_units
-	./test/test_units
+test-c: build/test/test_units
+	./build/test/test_units
 
-test-py: train_llama test/llama_probe train_vit test/vit_probe test/tokenizer_probe test/nf4_probe $(if $(wildcard $(CUDA_INC)/cuda_bf16.h),$(EMU_MODEL_BINS))
+TEST_BINS := build/test/llama_probe build/test/vit_probe build/test/tokenizer_probe build/test/nf4_probe
+test-py: train_llama train_vit $(TEST_BINS) $(if $(wildcard $(CUDA_INC)/cuda_bf16.h),$(EMU_MODEL_BINS))
 	$(PYTHON) -m pytest -q test
 
 # ==== CUDA backend: kernel checks, compile checks, the GPU suite ================================
@@ -253,7 +271,7 @@ endif
 
 # One line per program ("test-gpu: PROGRAM rc=... seconds=... LAST LINE") for gpu_check.sh's table,
 # then both trainers on the GPU against their CPU backend in every mode, with the measured device
-# memory against the plan (test/test_cuda_*.py with CUDA_TEST_BACKEND=gpu; python3 with numpy,
+# memory against the plan (test/cuda/test_*_cuda.py with CUDA_TEST_BACKEND=gpu; python3 with numpy,
 # pytest and torch, as on the GPU machines).
 GPU_PYTHON ?= python3
 test-gpu: test-gpu-kernels test-gpu-models
@@ -267,8 +285,9 @@ test-gpu-kernels: cuda-dev
 	done; \
 	if [ -n "$$failed" ]; then echo "test-gpu: FAILED:$$failed"; exit 1; fi; \
 	echo "test-gpu: every dev/cuda check passed"
-test-gpu-models: train_llama train_vit test/llama_probe test/vit_probe
-	CUDA_TEST_BACKEND=gpu $(GPU_PYTHON) -m pytest -q -rfE -p no:cacheprovider test/test_cuda_llama.py test/test_cuda_vit.py
+test-gpu-models: train_llama train_vit build/test/llama_probe build/test/vit_probe
+	CUDA_TEST_BACKEND=gpu $(GPU_PYTHON) -m pytest -q -rfE -p no:cacheprovider test/cuda/test_llama_cuda.py \
+	  test/cuda/test_vit_cuda.py
 
 # Speed and memory on a GPU: LLaMA-7B shape and ViT-B/16, baseline / lowmem / ckpt (scripts/bench/bench_gpu.sh).
 bench: train_llama train_vit
@@ -276,7 +295,8 @@ bench: train_llama train_vit
 
 # ==== end of the CUDA section ===================================================================
 
-# libFuzzer (clang) over every file parser (test/fuzz_parsers.cu), seeded with the bundled files.
+# libFuzzer (clang) over every file parser (test/fuzz/fuzz_parsers.cu), seeded with the bundled files
+# and a few made by hand (test/fuzz/make_seeds.sh).
 # Not part of make test: it runs FUZZ_SECONDS and reports any crash or sanitizer finding.
 # -fno-sanitize-recover=all: undefined behaviour aborts the input, so libFuzzer counts it as a
 # crash and saves the input (UBSan's default only prints and goes on, so findings went unnoticed).
@@ -284,32 +304,12 @@ bench: train_llama train_vit
 # so the fuzzer runs in rounds of 20000 inputs on one corpus, each a fresh process, to stay far
 # below libFuzzer's 2 GB memory limit.
 FUZZ_SECONDS ?= 60
-build/fuzz_parsers: test/fuzz_parsers.cu $(HEADERS)
+build/fuzz_parsers: test/fuzz/fuzz_parsers.cu $(HEADERS)
 	@mkdir -p build
 	clang++ -x c++ -std=gnu++17 -O1 -g -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=all $< -o $@ -lm
 
 fuzz: build/fuzz_parsers
-	@rm -rf build/fuzz_seeds && mkdir -p build/fuzz_seeds build/fuzz_corpus
-	@printf '\000' | cat - data/llama_demo/config.json > build/fuzz_seeds/json
-	@printf '\001' | cat - data/vit_demo/model.safetensors | head -c 4096 > build/fuzz_seeds/safetensors_head
-	@printf '\001\070\000\000\000\000\000\000\000{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}  ' > build/fuzz_seeds/safetensors
-	@printf '\001\000\000\000\000\000\200\077' >> build/fuzz_seeds/safetensors
-	@printf '\001\160\000\000\000\000\000\000\000{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"b":{"dtype":"BF16","shape":[2],"data_offsets":[4,8]}}    ' > build/fuzz_seeds/safetensors2
-	@printf '\000\000\200\077\200\077\000\300' >> build/fuzz_seeds/safetensors2
-	@printf '\001\120\000\000\000\000\000\000\000{"a":{"dtype":"F32","shape":[4294967296,4294967296],"data_offsets":[0,0]}}      ' > build/fuzz_seeds/safetensors_overflow
-	@printf '\002' | cat - data/llama_demo_ft_val.bin > build/fuzz_seeds/shard
-	@printf '\003' | cat - data/llama_demo/tokenizer.bin > build/fuzz_seeds/tokenizer
-	@printf '\004' | cat - data/vit_demo_ft_val.bin | head -c 20000 > build/fuzz_seeds/images
-	@printf '\005{"added_tokens":[{"id":4,"content":"<s>","special":true}],"pre_tokenizer":{"type":"Sequence","pretokenizers":[{"type":"Digits","individual_digits":true},{"type":"ByteLevel","add_prefix_space":false,"use_regex":true}]},"decoder":{"type":"ByteLevel"},"model":{"type":"BPE","vocab":{"f":0,"u":1,"fu":2,"z":3,"<s>":4},"merges":[["f","u"]]}}' > build/fuzz_seeds/tokenizer_json
-	@printf '\007' | cat - test/chat_subset.jinja > build/fuzz_seeds/chat_template
-	@printf '\007' | cat - test/chat_qwen3.jinja > build/fuzz_seeds/chat_template_qwen3
-	@printf '\005{"added_tokens":[{"id":1,"content":"<s>","special":true}],"normalizer":{"type":"Sequence","normalizers":[{"type":"Prepend","prepend":"\\u2581"},{"type":"Replace","pattern":{"String":" "},"content":"\\u2581"}]},"post_processor":{"type":"TemplateProcessing","single":[{"SpecialToken":{"id":"<s>","type_id":0}},{"Sequence":{"id":"A","type_id":0}}]},"decoder":{"type":"Sequence","decoders":[{"type":"Replace","pattern":{"String":"\\u2581"},"content":" "},{"type":"ByteFallback"},{"type":"Fuse"},{"type":"Strip","content":" ","start":1,"stop":0}]},"model":{"type":"BPE","unk_token":"<unk>","byte_fallback":true,"vocab":{"<unk>":0,"<s>":1,"<0x66>":2,"\\u2581":3,"f":4,"\\u2581f":5},"merges":["\\u2581 f"]}}' > build/fuzz_seeds/tokenizer_json_sp
-	@$(PYTHON) -c "import struct, zlib; b = b'LMFTSTAT' + struct.pack('<Iqq', 2, 1, 0) + bytes(8) + b'fuzz'.ljust(1024, b'\0') + \
-	  struct.pack('<q', 4) + bytes(72) + struct.pack('<12f', *range(12)); \
-	  open('build/fuzz_seeds/state', 'wb').write(b'\6' + b + struct.pack('<I', zlib.crc32(b)))"
-	@$(PYTHON) -c "import struct, zlib; d = struct.pack('<2f', 1, 2); \
-	  h = ('{\"__metadata__\":{\"llmc_crc32\":\"%08x\"},\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]}}' % zlib.crc32(d)).encode(); \
-	  open('build/fuzz_seeds/safetensors_crc', 'wb').write(b'\1' + struct.pack('<Q', len(h)) + h + d)"
+	@mkdir -p build/fuzz_corpus && bash test/fuzz/make_seeds.sh build/fuzz_seeds $(PYTHON)
 	@end=$$(( $$(date +%s) + $(FUZZ_SECONDS) )); rounds=0; \
 	while [ $$(date +%s) -lt $$end ]; do rounds=$$((rounds + 1)); \
 	  ASAN_OPTIONS=detect_leaks=0 ./build/fuzz_parsers -runs=20000 -max_total_time=$$(( end - $$(date +%s) )) -detect_leaks=0 \
@@ -329,4 +329,4 @@ quality: train_llama train_vit
 	PYTHON=$(PYTHON) bash scripts/bench/quality.sh $(QUALITY_ARGS)
 
 clean:
-	rm -rf train_llama test/llama_probe test/test_units train_vit test/vit_probe test/tokenizer_probe test/nf4_probe build $(CUDA_DEV_BINS)
+	rm -rf train_llama train_vit build $(CUDA_DEV_BINS)

@@ -6,9 +6,10 @@
 //
 // Read top to bottom: config -> parameters -> memory plan -> weight loading -> forward -> backward
 // -> training step and evaluation -> adapters and state -> export -> main (the data, the dry run,
-// the training loop, the flags, main). The loop's shared pieces are llmc/train/loop.h, the
-// optimizer llmc/train/zero.h. The model is written once; the operations it calls
-// (llmc/ops.h) run on the backend chosen by --device: the CPU (fp32) or a CUDA GPU (bf16
+// the training loop, the flags, main). The checkpoints' layouts (Hugging Face, timm) and the
+// merged export's rewriting of them are llmc/models/vit_checkpoint.h; the loop's shared pieces are
+// llmc/train/loop.h, the optimizer llmc/train/zero.h. The model is written once; the operations
+// it calls (llmc/ops.h) run on the backend chosen by --device: the CPU (fp32) or a CUDA GPU (bf16
 // activations and frozen weights, fp32 statistics, LoRA masters, the head, gradients and AdamW
 // state). Same shape as train_llama.cu, with which it shares the LoRA linear (llmc/linear.h), the
 // plan, the flags, the backend and the optimizer.
@@ -24,6 +25,7 @@
 #include "llmc/train/run_options.h"
 #include "llmc/linear.h"
 #include "llmc/formats/peft.h"
+#include "llmc/models/vit_checkpoint.h"
 #include "llmc/train/train_state.h"
 #include "llmc/train/dist.h"
 #include "llmc/train/trainable.h"
@@ -47,37 +49,9 @@ typedef struct {
     float mean[3], std[3]; // per channel, on pixels scaled to [0, 1]
 } VitConfig;
 
-// A field that is an integer or an [h, w] pair (image_size, patch_size), each in [1, 16384]
-// (far beyond any ViT's 224-518 pixels; the limit keeps pixel counts far from overflow).
-static void json_size_pair(const Json* j, const char* key, const char* path, int* h, int* w) {
-    const Json* v = json_get(j, key);
-    if (!v) fail("%s: missing field \"%s\"", path, key);
-    if (v->type == JSON_NUMBER) {
-        *h = *w = json_int_in(j, key, path, 1, 16384);
-        return;
-    }
-    if (v->type != JSON_ARRAY || v->count != 2) fail("%s: field \"%s\" must be an integer or a pair [height, width]", path, key);
-    for (int i = 0; i < 2; i++) {
-        double x = v->items[i].number;
-        if (v->items[i].type != JSON_NUMBER || x != floor(x) || x < 1 || x > 16384)
-            fail("%s: field \"%s\" must be an integer or a pair [height, width] of integers in [1, 16384]", path, key);
-    }
-    *h = (int)v->items[0].number;
-    *w = (int)v->items[1].number;
-}
-
-// image_mean / image_std: one number per channel (a single number is used for every channel).
-static void json_channel_values(const Json* j, const char* key, const char* path, int C, float* out) {
-    const Json* v = json_get(j, key);
-    if (!v) return;
-    if (v->type == JSON_NUMBER) { for (int c = 0; c < C; c++) out[c] = (float)v->number; return; }
-    if (v->type != JSON_ARRAY || (v->count != C && v->count != 1)) fail("%s: field \"%s\" must be a list of %d numbers", path, key, C);
-    for (int c = 0; c < C; c++) {
-        const Json* e = &v->items[v->count == 1 ? 0 : c];
-        if (e->type != JSON_NUMBER) fail("%s: field \"%s\" must be a list of %d numbers", path, key, C);
-        out[c] = (float)e->number;
-    }
-}
+// image_size and patch_size sides: far beyond any ViT's 224-518 pixels; the limit keeps pixel counts
+// far from overflow.
+enum { MIN_SIDE = 1, MAX_SIDE = 16384 };
 
 static void vit_config_load(VitConfig* c, const char* model_dir) {
     if (!dir_exists(model_dir)) fail("flag --model: %s is not a directory", model_dir);
@@ -94,8 +68,8 @@ static void vit_config_load(VitConfig* c, const char* model_dir) {
     c->heads = json_int_in(&j, "num_attention_heads", path, 1, 1024);
     if (c->dim % c->heads) fail("%s: num_attention_heads (%d) does not divide hidden_size (%d)", path, c->heads, c->dim);
     c->head_dim = c->dim / c->heads;
-    json_size_pair(&j, "image_size", path, &c->image_h, &c->image_w);
-    json_size_pair(&j, "patch_size", path, &c->patch_h, &c->patch_w);
+    json_hw_pair(&j, "image_size", path, MIN_SIDE, MAX_SIDE, &c->image_h, &c->image_w);
+    json_hw_pair(&j, "patch_size", path, MIN_SIDE, MAX_SIDE, &c->patch_h, &c->patch_w);
     if (c->image_h % c->patch_h || c->image_w % c->patch_w)
         fail("%s: image_size %dx%d is not a multiple of patch_size %dx%d", path, c->image_h, c->image_w, c->patch_h, c->patch_w);
     c->channels = json_get(&j, "num_channels") ? json_int_in(&j, "num_channels", path, 1, 3) : 3;
@@ -115,8 +89,8 @@ static void vit_config_load(VitConfig* c, const char* model_dir) {
     if (optional_file_exists(pp)) {
         char* t = read_file(pp, &n);
         Json pj = json_parse(t, n, pp);
-        json_channel_values(&pj, "image_mean", pp, c->channels, c->mean);
-        json_channel_values(&pj, "image_std", pp, c->channels, c->std);
+        json_float_list(&pj, "image_mean", pp, c->channels, c->mean);
+        json_float_list(&pj, "image_std", pp, c->channels, c->std);
         for (int i = 0; i < c->channels; i++)
             if (!(c->std[i] > 0) || !isfinite(c->std[i]) || !isfinite(c->mean[i])) fail("%s: image_std must be positive and image_mean finite", pp);
         json_free(&pj);
@@ -131,15 +105,13 @@ static void vit_config_load(VitConfig* c, const char* model_dir) {
 // AdamW moments live in flat arenas of identical layout, so the optimizer and gradient norm see
 // one array.
 
-enum { T_Q, T_K, T_V, T_PROJ, T_FC1, T_FC2, N_TARGETS };
+// The linears of a block, in the order of the checkpoints' names (llmc/models/vit_checkpoint.h).
+enum { T_Q = VIT_Q, T_K = VIT_K, T_V = VIT_V, T_PROJ = VIT_PROJ, T_FC1 = VIT_FC1, T_FC2 = VIT_FC2,
+       N_TARGETS = VIT_LINEARS };
 static const char* const target_names[N_TARGETS] = {"q", "k", "v", "proj", "fc1", "fc2"};
-static const char* const hf_module_names[N_TARGETS] = {"attention.attention.query", "attention.attention.key",
-                                                       "attention.attention.value", "attention.output.dense",
-                                                       "intermediate.dense", "output.dense"};
-static const char* const timm_module_names[N_TARGETS] = {"attn.qkv", "attn.qkv", "attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2"};
 
 // The four LayerNorm vectors of a block, in this order in Vit.norms_host.
-enum { LN1_G, LN1_B, LN2_G, LN2_B, N_LN };
+enum { LN1_G = VIT_LN1_G, LN1_B = VIT_LN1_B, LN2_G = VIT_LN2_G, LN2_B = VIT_LN2_B, N_LN = VIT_BLOCK_NORMS };
 
 // Weights and activations are backend buffers (`void*`: fp32 on the CPU, bf16 on CUDA); norm
 // statistics and the attention lse are fp32 on both.
@@ -586,26 +558,12 @@ static void vit_free(Vit* m) {
 // ----------------------------------------------------------------------------------------------
 // Weights: Hugging Face ViT layout (vit.embeddings..., vit.encoder.layer.N...; also without the
 // "vit." prefix, as ViTModel saves it) or timm layout (blocks.N.attn.qkv fused), told apart by
-// their key names, read (any float dtype) into fp32 on the host. The classifier in the
-// checkpoint, if any, is ignored: the head is new. The position embedding is interpolated to the
-// fine-tuning grid, and MS-LN merges each norm's gamma and beta into every linear that consumes
-// it, once, here; then each tensor goes to the backend (bf16 on CUDA). The linears' fp32 W and
-// bias stay on the host as well (on the CPU they are the backend's): adapters and the export are
-// computed from them.
-
-typedef enum { LAYOUT_HF, LAYOUT_TIMM } VitLayout;
-
-static VitLayout vit_detect_layout(const StModel* sm, const char** prefix) {
-    if (st_model_find(sm, "vit.embeddings.cls_token")) { *prefix = "vit."; return LAYOUT_HF; }
-    if (st_model_find(sm, "embeddings.cls_token")) { *prefix = ""; return LAYOUT_HF; }
-    if (st_model_find(sm, "cls_token")) {
-        *prefix = "";
-        if (st_model_find(sm, "fc_norm.weight")) fail("%s: timm checkpoint with fc_norm (global average pooling) is not supported; expected a class-token ViT", sm->dir);
-        return LAYOUT_TIMM;
-    }
-    fail("%s: checkpoint is neither a Hugging Face ViT (vit.embeddings.cls_token) nor a timm ViT (cls_token)", sm->dir);
-    return LAYOUT_HF;
-}
+// their key names and named by llmc/models/vit_checkpoint.h, read (any float dtype) into fp32 on
+// the host. The classifier in the checkpoint, if any, is ignored: the head is new. The position
+// embedding is interpolated to the fine-tuning grid, and MS-LN merges each norm's gamma and beta
+// into every linear that consumes it, once, here; then each tensor goes to the backend (bf16 on
+// CUDA). The linears' fp32 W and bias stay on the host as well (on the CPU they are the
+// backend's): adapters and the export are computed from them.
 
 static void read_1d(const StModel* sm, const char* name, int64_t n, float* dst) { st_model_read_f32(sm, name, 1, &n, dst); }
 static void read_2d(const StModel* sm, const char* name, int64_t rows, int64_t cols, float* dst) {
@@ -653,25 +611,23 @@ static void vit_merge_norms(Vit* m, int l) {
 }
 
 // The embeddings and the final norm: read (host, tmp holds d * max(C*ph*pw, T)) and stored.
-static void vit_load_embeddings(Vit* m, const StModel* sm, int hf, const char* px, float* tmp) {
+static void vit_load_embeddings(Vit* m, const StModel* sm, const VitCheckpoint* ck, float* tmp) {
     const VitConfig* c = &m->cfg;
     int64_t d = c->dim;
-    char name[256];
+    char name[VIT_NAME_BYTES];
     int64_t cls_shape[3] = {1, 1, d}, pw_shape[4] = {d, c->channels, c->patch_h, c->patch_w};
-#define NAME(...) (snprintf(name, sizeof(name), __VA_ARGS__), name)
-    st_model_read_f32(sm, hf ? NAME("%sembeddings.cls_token", px) : "cls_token", 3, cls_shape, tmp);
+    st_model_read_f32(sm, vit_tensor_name(name, ck, VIT_CLS), 3, cls_shape, tmp);
     backend_set_weight(m->be, m->cls, m->h_cls, tmp, d);
-    vit_load_pos_embed(m, sm, hf ? NAME("%sembeddings.position_embeddings", px) : "pos_embed", tmp);
+    vit_load_pos_embed(m, sm, vit_tensor_name(name, ck, VIT_POS), tmp);
     backend_set_weight(m->be, m->pos, m->h_pos, tmp, m->T * d);
-    st_model_read_f32(sm, hf ? NAME("%sembeddings.patch_embeddings.projection.weight", px) : "patch_embed.proj.weight", 4, pw_shape, tmp);
+    st_model_read_f32(sm, vit_tensor_name(name, ck, VIT_PATCH_W), 4, pw_shape, tmp);
     backend_set_weight(m->be, *linear_weight_slot(m->be, &m->patch), m->patch.dW ? m->patch.W : NULL, tmp, d * patch_len(c));
-    read_1d(sm, hf ? NAME("%sembeddings.patch_embeddings.projection.bias", px) : "patch_embed.proj.bias", d, tmp);
+    read_1d(sm, vit_tensor_name(name, ck, VIT_PATCH_B), d, tmp);
     backend_set_weight(m->be, m->patch_b, m->h_patch_b, tmp, d);
-    read_1d(sm, hf ? NAME("%slayernorm.weight", px) : "norm.weight", d, tmp);
+    read_1d(sm, vit_tensor_name(name, ck, VIT_NORM_G), d, tmp);
     backend_set_weight(m->be, m->norm_g, m->h_norm_g, tmp, d);
-    read_1d(sm, hf ? NAME("%slayernorm.bias", px) : "norm.bias", d, tmp);
+    read_1d(sm, vit_tensor_name(name, ck, VIT_NORM_B), d, tmp);
     backend_set_weight(m->be, m->norm_b, m->h_norm_b, tmp, d);
-#undef NAME
 }
 
 static void vit_load_weights(Vit* m, const char* dir) {
@@ -679,58 +635,22 @@ static void vit_load_weights(Vit* m, const char* dir) {
     int64_t d = c->dim;
     StModel sm;
     st_model_open(&sm, dir);
-    const char* px;
-    VitLayout layout = vit_detect_layout(&sm, &px);
-    int hf = layout == LAYOUT_HF;
+    VitCheckpoint ck = vit_detect_layout(&sm);
     float* tmp = (float*)xmalloc(sizeof(float) * d * (patch_len(c) > m->T ? patch_len(c) : m->T));
-    vit_load_embeddings(m, &sm, hf, px, tmp);
+    vit_load_embeddings(m, &sm, &ck, tmp);
     free(tmp);
-    char name[256];
-#define NAME(...) (snprintf(name, sizeof(name), __VA_ARGS__), name)
-    float* qkv = hf ? NULL : (float*)xmalloc(sizeof(float) * 3 * d * d);
-    float* qkv_b = hf ? NULL : (float*)xmalloc(sizeof(float) * 3 * d);
+    char name[VIT_NAME_BYTES];
     for (int l = 0; l < c->layers; l++) {
         VitLayer* layer = &m->layers[l];
-        float *ln1_g = vit_norm_host(m, l, LN1_G), *ln1_b = vit_norm_host(m, l, LN1_B);
-        float *ln2_g = vit_norm_host(m, l, LN2_G), *ln2_b = vit_norm_host(m, l, LN2_B);
-        if (hf) {
-            read_1d(&sm, NAME("%sencoder.layer.%d.layernorm_before.weight", px, l), d, ln1_g);
-            read_1d(&sm, NAME("%sencoder.layer.%d.layernorm_before.bias", px, l), d, ln1_b);
-            read_1d(&sm, NAME("%sencoder.layer.%d.layernorm_after.weight", px, l), d, ln2_g);
-            read_1d(&sm, NAME("%sencoder.layer.%d.layernorm_after.bias", px, l), d, ln2_b);
-            for (int t = 0; t < N_TARGETS; t++) {
-                Linear* lin = &layer->lin[t];
-                read_2d(&sm, NAME("%sencoder.layer.%d.%s.weight", px, l, hf_module_names[t]), lin->out, lin->in, lin->W);
-                if (t <= T_V && !c->qkv_bias) memset(lin->bias, 0, sizeof(float) * lin->out);
-                else read_1d(&sm, NAME("%sencoder.layer.%d.%s.bias", px, l, hf_module_names[t]), lin->out, lin->bias);
-            }
-        } else {
-            read_1d(&sm, NAME("blocks.%d.norm1.weight", l), d, ln1_g);
-            read_1d(&sm, NAME("blocks.%d.norm1.bias", l), d, ln1_b);
-            read_1d(&sm, NAME("blocks.%d.norm2.weight", l), d, ln2_g);
-            read_1d(&sm, NAME("blocks.%d.norm2.bias", l), d, ln2_b);
-            // timm fuses q, k, v into one [3d, d] linear, rows in that order
-            read_2d(&sm, NAME("blocks.%d.attn.qkv.weight", l), 3 * d, d, qkv);
-            int has_bias = st_model_find(&sm, NAME("blocks.%d.attn.qkv.bias", l)) != NULL;
-            if (has_bias) read_1d(&sm, name, 3 * d, qkv_b);
-            else memset(qkv_b, 0, sizeof(float) * 3 * d);
-            for (int t = T_Q; t <= T_V; t++) {
-                memcpy(layer->lin[t].W, qkv + t * d * d, sizeof(float) * d * d);
-                memcpy(layer->lin[t].bias, qkv_b + t * d, sizeof(float) * d);
-            }
-            for (int t = T_PROJ; t < N_TARGETS; t++) {
-                Linear* lin = &layer->lin[t];
-                read_2d(&sm, NAME("blocks.%d.%s.weight", l, timm_module_names[t]), lin->out, lin->in, lin->W);
-                read_1d(&sm, NAME("blocks.%d.%s.bias", l, timm_module_names[t]), lin->out, lin->bias);
-            }
+        for (int k = 0; k < N_LN; k++) read_1d(&sm, vit_norm_name(name, &ck, l, k), d, vit_norm_host(m, l, k));
+        for (int t = 0; t < N_TARGETS; t++) {
+            Linear* lin = &layer->lin[t];
+            vit_read_linear(&sm, &ck, l, t, c->qkv_bias, lin->out, lin->in, lin->W, lin->bias);
         }
         if (m->modes.ms) vit_merge_norms(m, l);
         vit_upload_norms(m, l);
         for (int t = 0; t < N_TARGETS; t++) vit_upload_linear(m, &layer->lin[t]);
     }
-#undef NAME
-    free(qkv);
-    free(qkv_b);
     st_model_close(&sm);
 }
 
@@ -985,16 +905,17 @@ static EvalResult vit_evaluate(Vit* m, const ImageLoader* loader, int batches) {
 }
 
 // ----------------------------------------------------------------------------------------------
-// Adapters and training state. The adapter directory is PEFT's layout for a ViTForImageClassification
-// base: lora_A/lora_B of each adapted module (vit.encoder.layer.N.<module>), the new head as the
-// saved module "classifier". Under MS-LN the adapters see gamma*z + beta, as in the original model,
-// so they are written and read as they are. Under the paper's variant (--ms-lora merged) an
-// adapter of q, k, v or fc1 lives on the merged layer, whose input is z, while the original layer
-// sees gamma*z + beta: on the way out A becomes
-// A diag(1/gamma) (llmc/formats/peft.h), and the constant scale*B*A_orig*beta that beta leaves behind goes
-// into the layer's bias, so the adapter carries the biases of its modules (PEFT bias "lora_only"):
+// Adapters and training state. The adapter directory is PEFT's layout for a
+// ViTForImageClassification base (llmc/formats/peft.h): lora_A/lora_B of each adapted module
+// (vit.encoder.layer.N.<module>), the new head as the saved module "classifier". Under MS-LN the
+// adapters see gamma*z + beta, as in the original model, so they are written and read as they are.
+// Under the paper's variant (--ms-lora merged) an adapter of q, k, v or fc1 lives on the merged
+// layer, whose input is z, while the original layer sees gamma*z + beta: on the way out A becomes
+// A diag(1/gamma), and the constant scale*B*A_orig*beta that beta leaves behind goes into the
+// layer's bias, so the adapter carries the biases of its modules (PEFT bias "lora_only"):
 //   exported bias = b' - (W' + scale*B*A) (beta / gamma)     (b', W': the merged bias and weight)
-// which is the original bias minus that constant; loading inverts it.
+// which is the original bias minus that constant; loading inverts it. A save (vit_save) stages the
+// adapter, or under --full the model directory, and the training state beside it.
 
 // The gamma (beta) that MS-LN merged into linear t of block l (host), or NULL.
 static const float* vit_merged_gamma(const Vit* m, int l, int t) {
@@ -1016,8 +937,17 @@ static int vit_peft_entries(Vit* m, PeftEntry* e) {
     int n = 0;
     for (int l = 0; l < m->cfg.layers; l++)
         for (int t = 0; t < N_TARGETS; t++)
-            n = peft_add_entry(e, n, &m->layers[l].lin[t], "vit.encoder.layer", l, hf_module_names[t], vit_adapters_merged(m) ? vit_merged_gamma(m, l, t) : NULL);
+            n = peft_add_entry(e, n, &m->layers[l].lin[t], "vit.encoder.layer", l, vit_hf_modules[t],
+                               vit_adapters_merged(m) ? vit_merged_gamma(m, l, t) : NULL);
     return n;
+}
+
+// The block and target of an adapter entry's linear.
+static void vit_entry_place(const Vit* m, const PeftEntry* e, int* l, int* t) {
+    for (*l = 0; *l < m->cfg.layers; (*l)++)
+        for (*t = 0; *t < N_TARGETS; (*t)++)
+            if (&m->layers[*l].lin[*t] == e->L) return;
+    fail("internal: adapter entry %s is no linear of the model", e->module);
 }
 
 // out = W beta, what MS-LN added to the bias of linear (l, t) at load time: the merged bias (host)
@@ -1026,131 +956,125 @@ static void vit_merged_bias_shift(float* out, const Vit* m, const char* model_di
     const Linear* L = &m->layers[l].lin[t];
     StModel sm;
     st_model_open(&sm, model_dir);
-    const char* px;
-    int hf = vit_detect_layout(&sm, &px) == LAYOUT_HF;
-    char name[256];
-    float* b = (float*)xcalloc(3 * (int64_t)L->out, sizeof(float));
-    if (hf) snprintf(name, sizeof(name), "%sencoder.layer.%d.%s.bias", px, l, hf_module_names[t]);
-    else snprintf(name, sizeof(name), "blocks.%d.%s.bias", l, timm_module_names[t]);
-    int fused = !hf && t <= T_V;  // timm's qkv bias [3d], rows q, k, v
-    if (st_model_find(&sm, name) && (!hf || t > T_V || m->cfg.qkv_bias)) read_1d(&sm, name, fused ? 3 * L->out : L->out, b);
-    for (int k = 0; k < L->out; k++) out[k] = L->bias[k] - b[(fused ? t * L->out : 0) + k];
+    VitCheckpoint ck = vit_detect_layout(&sm);
+    float* b = (float*)xmalloc(sizeof(float) * L->out);
+    vit_read_linear(&sm, &ck, l, t, m->cfg.qkv_bias, L->out, L->in, NULL, b);
+    for (int k = 0; k < L->out; k++) out[k] = L->bias[k] - b[k];
     free(b);
     st_model_close(&sm);
+}
+
+// --ms-lora merged: the bias that the adapter of entry e carries, the original model's (host;
+// the caller frees it).
+static float* vit_adapter_bias(const Vit* m, const PeftEntry* e) {
+    const Linear* L = e->L;
+    int l, t;
+    vit_entry_place(m, e, &l, &t);
+    float* bias = (float*)xmalloc(sizeof(float) * L->out);
+    memcpy(bias, L->bias, sizeof(float) * L->out);
+    if (!vit_merged_gamma(m, l, t)) return bias;
+    float* shift = (float*)xmalloc(sizeof(float) * L->out);
+    lora_merged_shift(shift, L, m->modes.rank, m->modes.lora_scale, vit_merged_gamma(m, l, t), vit_merged_beta(m, l, t),
+                      e->module);
+    for (int k = 0; k < L->out; k++) bias[k] -= shift[k];
+    free(shift);
+    return bias;
 }
 
 static void vit_save_adapter(Vit* m, const char* dir, const TrainOptions* o) {
     const VitConfig* c = &m->cfg;
     trainable_to_host(&m->tr, 0);
-    int cap = c->layers * N_TARGETS;
-    PeftEntry* e = (PeftEntry*)xcalloc(cap, sizeof(PeftEntry));
+    PeftEntry* e = (PeftEntry*)xcalloc(c->layers * N_TARGETS, sizeof(PeftEntry));
     int n = vit_peft_entries(m, e);
     PeftExtra* ex = (PeftExtra*)xcalloc(2 * n + 2, sizeof(PeftExtra));
     float** biases = (float**)xcalloc(n + 1, sizeof(float*));
-    char (*tm)[160] = (char(*)[160])xmalloc(sizeof(*tm) * (n + 1));
-    const char** tmp = (const char**)xmalloc(sizeof(char*) * (n + 1));
+    // full module paths: PEFT matches target_modules by suffix, and "output.dense" (fc2) is
+    // also the suffix of "attention.output.dense" (proj)
+    const char** modules = (const char**)xmalloc(sizeof(char*) * (n + 1));
     int nex = 0;
     for (int i = 0; i < n; i++) {
-        // full module paths: PEFT matches target_modules by suffix, and "output.dense" (fc2) is
-        // also the suffix of "attention.output.dense" (proj)
-        snprintf(tm[i], sizeof(tm[i]), "%s", e[i].module);
-        tmp[i] = tm[i];
+        modules[i] = e[i].module;
         if (!vit_adapters_merged(m)) continue;
-        const Linear* L = e[i].L;
-        int l = atoi(e[i].module + strlen("vit.encoder.layer.")), t = 0;
-        while (&m->layers[l].lin[t] != L) t++;
-        biases[i] = (float*)xmalloc(sizeof(float) * L->out);
-        memcpy(biases[i], L->bias, sizeof(float) * L->out);
-        if (vit_merged_gamma(m, l, t)) {
-            float* shift = (float*)xmalloc(sizeof(float) * L->out);
-            lora_merged_shift(shift, L, m->modes.rank, m->modes.lora_scale, vit_merged_gamma(m, l, t), vit_merged_beta(m, l, t), e[i].module);
-            for (int k = 0; k < L->out; k++) biases[i][k] -= shift[k];
-            free(shift);
-        }
-        // the bias under both names PEFT has used: "<module>.bias" (before 0.7) and
-        // "<module>.base_layer.bias" (0.7 on, where the adapted layer wraps the original)
-        for (int v = 0; v < 2; v++) {
-            snprintf(ex[nex].name, sizeof(ex[nex].name), v ? "%.140s.base_layer.bias" : "%.150s.bias", e[i].module);
-            ex[nex].data = biases[i];
-            ex[nex].ndim = 1;
-            ex[nex].shape[0] = L->out;
-            nex++;
-        }
+        biases[i] = vit_adapter_bias(m, &e[i]);
+        nex = peft_put_bias(ex, nex, e[i].module, biases[i], e[i].L->out);
     }
-    snprintf(ex[nex].name, sizeof(ex[nex].name), "classifier.weight");
-    ex[nex].data = m->h_head_w; ex[nex].ndim = 2; ex[nex].shape[0] = m->classes; ex[nex].shape[1] = c->dim; nex++;
-    snprintf(ex[nex].name, sizeof(ex[nex].name), "classifier.bias");
-    ex[nex].data = m->h_head_b; ex[nex].ndim = 1; ex[nex].shape[0] = m->classes; nex++;
-    peft_save_ex(dir, e, n, ex, nex, m->modes.rank, o->lora_alpha, o->lora_dropout, NULL, o->model_dir, tmp, n, "[\"classifier\"]",
-                 vit_adapters_merged(m) ? "lora_only" : "none");
+    nex = peft_put_module_to_save(ex, nex, vit_hf_head, m->h_head_w, m->h_head_b, m->classes, c->dim);
+    peft_save_ex(dir, e, n, ex, nex, m->modes.rank, o->lora_alpha, o->lora_rslora, o->lora_dropout, NULL, o->model_dir,
+                 modules, n, "[\"classifier\"]", vit_adapters_merged(m) ? "lora_only" : "none");
     for (int i = 0; i < n; i++) free(biases[i]);
-    free(biases); free(ex); free(tm); free(tmp); free(e);
+    free(biases); free(ex); free(modules); free(e);
+}
+
+// The bias the adapter carries for entry e's module, if any, into the merged layer under MS-LN:
+// --ms-lora merged maps it forward, else the adapter's bias replaces b and keeps W beta.
+static void vit_load_adapter_bias(Vit* m, const StFile* f, const PeftEntry* e, const char* model_dir) {
+    Linear* L = (Linear*)e->L;
+    float* b = (float*)xmalloc(sizeof(float) * L->out);
+    if (!peft_read_bias(f, e->module, b, L->out)) { free(b); return; }
+    int l, t;
+    vit_entry_place(m, e, &l, &t);
+    float* shift = (float*)xcalloc(L->out, sizeof(float));
+    if (vit_adapters_merged(m) && vit_merged_gamma(m, l, t))
+        lora_merged_shift(shift, L, m->modes.rank, m->modes.lora_scale, vit_merged_gamma(m, l, t),
+                          vit_merged_beta(m, l, t), e->module);
+    else if (m->modes.ms && vit_merged_gamma(m, l, t))
+        vit_merged_bias_shift(shift, m, model_dir, l, t);
+    for (int k = 0; k < L->out; k++) L->bias[k] = b[k] + shift[k];
+    free(shift);
+    free(b);
+    backend_upload_weights(m->be, *linear_bias_slot(m->be, L), L->bias, L->out);
 }
 
 // --adapter: A, B (llmc/formats/peft.h), then the biases of the adapted modules if the adapter carries them
 // (mapped into the merged layer under MS-LN), then the head if it carries "classifier" (its shape
-// must match --classes); without one the head stays new.
+// must match --classes); without one the head stays new. PEFT's SEQ_CLS task adds "score" to
+// modules_to_save: ViT has no such module, so no tensor of it can be there (peft_load checks).
 static void vit_load_adapter(Vit* m, const char* dir, const TrainOptions* o, int need_head) {
     const VitConfig* c = &m->cfg;
     PeftEntry* e = (PeftEntry*)xcalloc(c->layers * N_TARGETS, sizeof(PeftEntry));
     int n = vit_peft_entries(m, e);
-    float alpha;
-    peft_load(dir, e, n, m->modes.rank, &alpha);
-    if (alpha != o->lora_alpha) fail("%s: adapter has lora_alpha %g, but --lora-alpha is %g", dir, alpha, o->lora_alpha);
+    static const char* const saved[] = {"classifier", "score", NULL};
+    static const char* const head[] = {"base_model.model.classifier.weight", "base_model.model.classifier.bias", NULL};
+    static const char* const bias_modes[] = {"none", "lora_only", NULL};
+    PeftReads reads = {saved, head, bias_modes, 1};
+    peft_load(dir, e, n, m->modes.rank, o->lora_alpha, o->lora_rslora, &reads);
     char* path = path_join(dir, "adapter_model.safetensors");
     StFile f;
     st_open(&f, path);
-    char name[256];
-    for (int i = 0; i < n; i++) {
-        Linear* L = (Linear*)e[i].L;
-        snprintf(name, sizeof(name), "base_model.model.%s.base_layer.bias", e[i].module);  // PEFT >= 0.7 names it so
-        const StTensor* tb = st_find(&f, name);
-        snprintf(name, sizeof(name), "base_model.model.%s.bias", e[i].module);
-        if (!tb) tb = st_find(&f, name);
-        if (!tb) continue;
-        int64_t sh = L->out;
-        st_check_shape(tb, 1, &sh);
-        int l = atoi(e[i].module + strlen("vit.encoder.layer.")), t = 0;
-        while (&m->layers[l].lin[t] != L) t++;
-        float* shift = (float*)xcalloc(L->out, sizeof(float));
-        if (vit_adapters_merged(m) && vit_merged_gamma(m, l, t))
-            lora_merged_shift(shift, L, m->modes.rank, m->modes.lora_scale, vit_merged_gamma(m, l, t), vit_merged_beta(m, l, t), e[i].module);
-        else if (m->modes.ms && vit_merged_gamma(m, l, t))  // the loaded bias is b + W beta: keep W beta, replace b
-            vit_merged_bias_shift(shift, m, o->model_dir, l, t);
-        st_to_f32(tb, L->bias);
-        for (int k = 0; k < L->out; k++) L->bias[k] += shift[k];
-        free(shift);
-        backend_upload_weights(m->be, *linear_bias_slot(m->be, L), L->bias, L->out);
-    }
-    const StTensor* hw = st_find(&f, "base_model.model.classifier.weight");
-    const StTensor* hb = st_find(&f, "base_model.model.classifier.bias");
-    if (hw && hb) {
-        int64_t sw[2] = {m->classes, c->dim}, sb = m->classes;
-        st_check_shape(hw, 2, sw);
-        st_check_shape(hb, 1, &sb);
-        st_to_f32(hw, m->h_head_w);
-        st_to_f32(hb, m->h_head_b);
-    } else if (need_head) {
+    for (int i = 0; i < n; i++) vit_load_adapter_bias(m, &f, &e[i], o->model_dir);
+    if (!peft_read_module_to_save(&f, vit_hf_head, m->h_head_w, m->h_head_b, m->classes, c->dim) && need_head)
         fail("%s: no classifier.weight/bias (an adapter saved by train_vit or PEFT with modules_to_save=[\"classifier\"]); --eval-only needs the trained head", path);
-    }
     st_close(&f);
     free(path);
     free(e);
     trainable_to_device(&m->tr);
 }
 
+// Everything a resumed run must share with the saved one, as "key=value" words.
+static void vit_settings_line(char* buf, size_t n, const Vit* m, const TrainOptions* o, const Dist* d, int64_t images) {
+    const VitConfig* c = &m->cfg;
+    snprintf(buf, n,
+             "d=%d f=%d layers=%d heads=%d patch=%dx%d image=%dx%d classes=%d full=%d act=%s norm=%s ms_lora=%s "
+             "recompute=%s rank=%d alpha=%g targets=0x%x lora_dropout=%g batch=%d grad_accum=%d world=%d steps=%d "
+             "lr=%g warmup=%d min_lr_frac=%g weight_decay=%g grad_clip=%g hflip=%d seed=%d data_images=%lld%s",
+             c->dim, c->hidden, c->layers, c->heads, c->patch_h, c->patch_w, m->img_h, m->img_w, m->classes, o->full,
+             o->act, o->norm, o->ms_lora, o->recompute, o->lora_rank, o->lora_alpha, m->modes.targets, o->lora_dropout,
+             o->batch, o->grad_accum, d->world, o->steps, o->lr, o->warmup, o->min_lr_frac, o->weight_decay,
+             o->grad_clip, o->hflip, o->seed, (long long)images, o->lora_rslora ? " rslora=1" : "");
+}
+
 // ----------------------------------------------------------------------------------------------
-// --export-merged (and the output of --full): the input checkpoint (Hugging Face or timm layout,
-// its tensor names and dtypes) with every adapter folded in, W + alpha/r * B A, or the fully
-// fine-tuned W, the trained head as its classifier (classifier.* / head.*, with the new class
-// count), every other tensor unchanged. An adapter that sees the original input (LoRA, --ms-lora
-// exact) folds into the checkpoint's W as it is, its bias unchanged. A W' that --full trained under
-// MS-LN, or an adapter of --ms-lora merged, lives on the merged layer (y = W' z + b', z the plain
-// normalised input) and is mapped back to the original one, y = W (gamma*z + beta) + b:
+// Export: --export-merged (and the output of --full) writes the input checkpoint (Hugging Face or
+// timm layout, its tensor names and dtypes) with every adapter folded in, W + alpha/r * B A, or the
+// fully fine-tuned weights, and the trained head as its classifier; llmc/models/vit_checkpoint.h
+// rewrites the checkpoint, asking the model here for each linear in the original model's terms. An
+// adapter that sees the original input (LoRA, --ms-lora exact) folds into the checkpoint's W as it
+// is, its bias unchanged. A W' that --full trained under MS-LN, or an adapter of --ms-lora merged,
+// lives on the merged layer (y = W' z + b', z the plain normalised input) and is mapped back to the
+// original one, y = W (gamma*z + beta) + b:
 //   W = W' diag(1/gamma),   b = b' - W beta = b' - W' (beta / gamma)
 // with W' the trained (or adapted) merged weight and b' the merged bias as loaded; a zero gamma
-// has no inverse and fails. config.json gets num_labels = the head's classes (and qkv_bias true
-// when the mapping gives q, k, v a bias the checkpoint did not have).
+// has no inverse and fails.
 
 // The linear (l, t) in the original layout: W [out, in] and b [out], fp32.
 static void vit_linear_original(const Vit* m, int l, int t, float* W, float* b) {
@@ -1162,233 +1086,69 @@ static void vit_linear_original(const Vit* m, int l, int t, float* W, float* b) 
     const float* g = vit_merged_gamma(m, l, t);
     if (!g) return;
     char module[160];
-    snprintf(module, sizeof(module), "vit.encoder.layer.%d.%s", l, hf_module_names[t]);
+    snprintf(module, sizeof(module), "vit.encoder.layer.%d.%s", l, vit_hf_modules[t]);
     unmerge_norm_affine(W, b, L->out, L->in, g, vit_merged_beta(m, l, t), module);
 }
 
-// config.json of the exported model: the input's, without id2label / label2id / num_labels /
-// qkv_bias, then num_labels (and qkv_bias) as they now are; and image_size, when --full trained
-// the positions at another resolution than the checkpoint's.
-static void vit_export_config(const Vit* m, const char* model_dir, const char* dir, int qkv_bias) {
-    int resized = m->modes.full && (m->img_h != m->cfg.image_h || m->img_w != m->cfg.image_w);
-    char* src = path_join(model_dir, "config.json");
-    size_t n;
-    char* text = read_file(src, &n);
-    Json j = json_parse(text, n, src);
-    char* buf = NULL;
-    size_t len = 0;
-    FILE* f = open_memstream(&buf, &len);
-    if (!f) fail("out of memory");
-    fputs("{", f);
-    int k = 0;
-    for (int i = 0; i < j.count; i++) {
-        const char* key = j.keys[i];
-        if (!strcmp(key, "id2label") || !strcmp(key, "label2id") || !strcmp(key, "num_labels") || !strcmp(key, "qkv_bias")) continue;
-        if (resized && !strcmp(key, "image_size")) continue;
-        fprintf(f, "%s\n  ", k++ ? "," : "");
-        json_write_string(f, key);
-        fputs(": ", f);
-        json_dump(f, &j.items[i], 2);
+// VitExportSource's questions (model: the Vit).
+static int vit_linear_changed(const void* model, int l, int t) {
+    const Linear* L = &((const Vit*)model)->layers[l].lin[t];
+    return L->A || L->dW;
+}
+
+static void vit_linear_export(const void* model, int l, int t, VitPart part, float* v) {
+    const Vit* m = (const Vit*)model;
+    const Linear* L = &m->layers[l].lin[t];
+    if (L->A && m->modes.ms && !vit_adapters_merged(m)) {  // an original-layout adapter on the checkpoint's W
+        if (part == VIT_WEIGHT) matmul_nn(v, L->B, L->A, L->out, L->in, m->modes.rank, m->modes.lora_scale, 1);
+        return;
     }
-    if (resized) fprintf(f, "%s\n  \"image_size\": [%d, %d]", k++ ? "," : "", m->img_h, m->img_w);
-    fprintf(f, "%s\n  \"num_labels\": %d,\n  \"qkv_bias\": %s\n}\n", k ? "," : "", m->classes, qkv_bias ? "true" : "false");
-    fclose(f);
-    char* dst = path_join(dir, "config.json");
-    AtomicFile a = atomic_open(dst);
-    atomic_write(&a, buf, len);
-    atomic_commit(&a);
-    free(buf); free(dst); json_free(&j); free(text); free(src);
+    float* W = (float*)xmalloc(sizeof(float) * L->out * L->in);
+    float* b = (float*)xmalloc(sizeof(float) * L->out);
+    vit_linear_original(m, l, t, W, b);
+    if (part == VIT_WEIGHT) memcpy(v, W, sizeof(float) * L->out * L->in);
+    else memcpy(v, b, sizeof(float) * L->out);
+    free(W); free(b);
 }
 
-// The checkpoint names the export may rewrite, built once for the checkpoint's layout: each
-// linear's weight and bias (timm fuses q, k, v into attn.qkv: target -1), and under --full the
-// tensors that are no linear's (embeddings, final norm, standard block norms) with their trained
-// value (host fp32).
-typedef struct {
-    char name[256];
-    int layer, target, is_bias;  // a linear's tensor (layer >= 0), else layer -1
-    const float* trained;        // the trained value of a tensor that is no linear's, else NULL
-} ExportName;
-
-typedef struct {
-    ExportName* e;
-    int n, cap;
-} ExportNames;
-
-static void export_name_add(ExportNames* t, int layer, int target, int is_bias, const float* trained, const char* fmt, ...) {
-    if (t->n == t->cap) fail("internal: the export name table is full");
-    ExportName* e = &t->e[t->n++];
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(e->name, sizeof(e->name), fmt, ap);
-    va_end(ap);
-    e->layer = layer; e->target = target; e->is_bias = is_bias; e->trained = trained;
-}
-
-static ExportNames vit_export_names(const Vit* m, int hf, const char* px) {
-    static const char* const hf_ln[N_LN] = {"layernorm_before.weight", "layernorm_before.bias", "layernorm_after.weight", "layernorm_after.bias"};
-    static const char* const timm_ln[N_LN] = {"norm1.weight", "norm1.bias", "norm2.weight", "norm2.bias"};
-    ExportNames t;
-    t.n = 0;
-    t.cap = m->cfg.layers * (2 * (N_TARGETS + 1) + N_LN) + 6;
-    t.e = (ExportName*)xcalloc(t.cap, sizeof(ExportName));
-    if (m->modes.full) {
-        if (hf) {
-            export_name_add(&t, -1, 0, 0, m->h_cls, "%sembeddings.cls_token", px);
-            export_name_add(&t, -1, 0, 0, m->h_pos, "%sembeddings.position_embeddings", px);
-            export_name_add(&t, -1, 0, 0, m->patch.W, "%sembeddings.patch_embeddings.projection.weight", px);
-            export_name_add(&t, -1, 0, 0, m->h_patch_b, "%sembeddings.patch_embeddings.projection.bias", px);
-            export_name_add(&t, -1, 0, 0, m->h_norm_g, "%slayernorm.weight", px);
-            export_name_add(&t, -1, 0, 0, m->h_norm_b, "%slayernorm.bias", px);
-        } else {
-            export_name_add(&t, -1, 0, 0, m->h_cls, "cls_token");
-            export_name_add(&t, -1, 0, 0, m->h_pos, "pos_embed");
-            export_name_add(&t, -1, 0, 0, m->patch.W, "patch_embed.proj.weight");
-            export_name_add(&t, -1, 0, 0, m->h_patch_b, "patch_embed.proj.bias");
-            export_name_add(&t, -1, 0, 0, m->h_norm_g, "norm.weight");
-            export_name_add(&t, -1, 0, 0, m->h_norm_b, "norm.bias");
-        }
+// Under MS-LN the mapping back gives q, k, v a bias (b' - W beta) when their merged layer trained.
+static int vit_qkv_bias_needed(const void* model, int l) {
+    const Vit* m = (const Vit*)model;
+    int need = 0;
+    for (int t = T_Q; t <= T_V; t++) {
+        const Linear* L = &m->layers[l].lin[t];
+        need |= (m->modes.ms && (L->dW || (L->A && vit_adapters_merged(m)))) || L->dbias;
     }
-    for (int l = 0; l < m->cfg.layers; l++) {
-        for (int k = 0; k < N_LN && vit_trains_block_norms(&m->modes); k++) {
-            if (hf) export_name_add(&t, -1, 0, 0, vit_norm_host(m, l, k), "%sencoder.layer.%d.%s", px, l, hf_ln[k]);
-            else export_name_add(&t, -1, 0, 0, vit_norm_host(m, l, k), "blocks.%d.%s", l, timm_ln[k]);
-        }
-        for (int tg = hf ? 0 : -1; tg < N_TARGETS; tg++) {
-            if (!hf && tg >= T_Q && tg <= T_V) continue;
-            for (int bias = 0; bias < 2; bias++) {
-                const char* part = bias ? "bias" : "weight";
-                if (hf) export_name_add(&t, l, tg, bias, NULL, "%sencoder.layer.%d.%s.%s", px, l, hf_module_names[tg], part);
-                else export_name_add(&t, l, tg, bias, NULL, "blocks.%d.%s.%s", l, tg < 0 ? "attn.qkv" : timm_module_names[tg], part);
-            }
-        }
-    }
-    return t;
+    return need;
 }
 
-static const ExportName* export_name_find(const ExportNames* t, const char* name) {
-    for (int i = 0; i < t->n; i++)
-        if (!strcmp(t->e[i].name, name)) return &t->e[i];
-    return NULL;
-}
-
-// The name of linear (layer, target)'s weight or bias (target -1: timm's fused qkv).
-static const char* export_linear_name(const ExportNames* t, int layer, int target, int is_bias) {
-    const char* name = NULL;
-    for (int i = 0; i < t->n && !name; i++)
-        if (t->e[i].layer == layer && t->e[i].target == target && t->e[i].is_bias == is_bias) name = t->e[i].name;
-    if (!name) fail("internal: no export name for linear (%d, %d)", layer, target);
-    return name;
+static const float* vit_trained_norm(const void* model, int l, int which) {
+    const Vit* m = (const Vit*)model;
+    return vit_trains_block_norms(&m->modes) ? vit_norm_host(m, l, which) : NULL;
 }
 
 static void vit_export_merged(Vit* m, const TrainOptions* o, const char* dir) {
-    const VitConfig* c = &m->cfg;
-    make_dirs(dir, "flag --export-merged");
     trainable_to_host(&m->tr, 0);
-    StModel sm;
-    st_model_open(&sm, o->model_dir);
-    const char* px;
-    int hf = vit_detect_layout(&sm, &px) == LAYOUT_HF;
-    int64_t d = c->dim;
-    StWriter w;
-    memset(&w, 0, sizeof(w));
-    int total = 0, k = 0;
-    for (int f = 0; f < sm.nfiles; f++) total += sm.files[f].count;
-    int cap = total + 4 * c->layers + 4;
-    void** owned = (void**)xcalloc(cap, sizeof(void*));
-    StDtype head_dtype = ST_F32;
-    int have_qkv_bias = 1;  // every q, k, v has a bias tensor in the output
-    ExportNames names = vit_export_names(m, hf, px);
-    for (int f = 0; f < sm.nfiles; f++)
-        for (int i = 0; i < sm.files[f].count; i++) {
-            const StTensor* t = &sm.files[f].tensors[i];
-            if (!strcmp(t->name, hf ? "classifier.weight" : "head.weight")) { head_dtype = t->dtype; continue; }
-            const ExportName* hit = export_name_find(&names, t->name);
-            const float* trained = hit ? hit->trained : NULL;
-            if (trained) {  // the positions at the fine-tuning grid ([1, T, d]: config.json's image_size follows)
-                int64_t numel = st_numel(t), pos_shape[3] = {1, m->T, d};
-                int is_pos = trained == m->h_pos;
-                if (is_pos) numel = m->T * d;
-                owned[k] = xmalloc(st_dtype_size(t->dtype) * numel);
-                f32_to_dtype(owned[k], trained, numel, t->dtype);
-                st_writer_add(&w, t->name, t->dtype, is_pos ? 3 : t->ndim, is_pos ? pos_shape : t->shape, owned[k++]);
-                continue;
-            }
-            if (!strcmp(t->name, hf ? "classifier.bias" : "head.bias")) continue;
-            // (l, t) of a linear's tensor, and whether it is the weight or the bias; timm's fused qkv: t = -1
-            int hit_l = hit ? hit->layer : -1, hit_t = hit ? hit->target : -2, is_bias = hit ? hit->is_bias : 0;
-            int lo = hit_t < 0 ? T_Q : hit_t, hi = hit_t < 0 ? T_V : hit_t, changed = 0;
-            for (int tg = lo; hit_l >= 0 && tg <= hi; tg++) changed |= m->layers[hit_l].lin[tg].A || m->layers[hit_l].lin[tg].dW;
-            if (!changed) { st_writer_add(&w, t->name, t->dtype, t->ndim, t->shape, t->data); continue; }
-            int64_t numel = st_numel(t), per = numel / (hi - lo + 1);
-            float* v = (float*)xmalloc(sizeof(float) * numel);
-            st_to_f32(t, v);  // unchanged parts (timm's fused q, k, v) stay as they are
-            for (int tg = lo; tg <= hi; tg++) {
-                const Linear* L = &m->layers[hit_l].lin[tg];
-                if (!L->A && !L->dW) continue;
-                if (L->A && m->modes.ms && !vit_adapters_merged(m)) {  // an original-layout adapter on the checkpoint's W
-                    if (!is_bias) matmul_nn(v + (tg - lo) * per, L->B, L->A, L->out, L->in, m->modes.rank, m->modes.lora_scale, 1);
-                    continue;
-                }
-                float* W = (float*)xmalloc(sizeof(float) * L->out * L->in);
-                float* b = (float*)xmalloc(sizeof(float) * L->out);
-                vit_linear_original(m, hit_l, tg, W, b);
-                memcpy(v + (tg - lo) * per, is_bias ? b : W, sizeof(float) * per);
-                free(W); free(b);
-            }
-            owned[k] = xmalloc(st_dtype_size(t->dtype) * numel);
-            f32_to_dtype(owned[k], v, numel, t->dtype);
-            st_writer_add(&w, t->name, t->dtype, t->ndim, t->shape, owned[k++]);
-            free(v);
-        }
-    // q, k, v without a bias in the checkpoint: under MS-LN the mapping back can give them one
-    for (int l = 0; l < c->layers; l++) {
-        int need = 0;
-        StDtype dt = ST_F32;
-        for (int tg = T_Q; tg <= T_V; tg++) {
-            const Linear* L = &m->layers[l].lin[tg];
-            need |= (m->modes.ms && (L->dW || (L->A && vit_adapters_merged(m)))) || L->dbias;
-        }
-        int qkv = hf ? T_Q : -1;
-        if (st_model_find(&sm, export_linear_name(&names, l, qkv, 1)) && (!hf || c->qkv_bias || need)) continue;  // (HF: ignored unless qkv_bias or rewritten above)
-        if (!need) { have_qkv_bias = 0; continue; }
-        const StTensor* wt = st_model_find(&sm, export_linear_name(&names, l, qkv, 0));
-        if (wt) dt = wt->dtype;
-        float* W = (float*)xmalloc(sizeof(float) * d * d);
-        float* b = (float*)xcalloc(3 * d, sizeof(float));
-        for (int tg = T_Q; tg <= T_V; tg++) {
-            const Linear* L = &m->layers[l].lin[tg];
-            if (L->A || L->dW) vit_linear_original(m, l, tg, W, b + (tg - T_Q) * d);
-        }
-        for (int tg = T_Q; tg <= (hf ? T_V : T_Q); tg++) {
-            int64_t cnt = hf ? d : 3 * d;
-            owned[k] = xmalloc(st_dtype_size(dt) * cnt);
-            f32_to_dtype(owned[k], b + (tg - T_Q) * d, cnt, dt);
-            st_writer_add(&w, export_linear_name(&names, l, hf ? tg : -1, 1), dt, 1, &cnt, owned[k]);
-            k++;
-        }
-        free(W); free(b);
-    }
-    // the trained head as the classifier
-    int64_t hw_shape[2] = {m->classes, d}, hb_shape = m->classes;
-    owned[k] = xmalloc(st_dtype_size(head_dtype) * m->classes * d);
-    f32_to_dtype(owned[k], m->h_head_w, (int64_t)m->classes * d, head_dtype);
-    st_writer_add(&w, hf ? "classifier.weight" : "head.weight", head_dtype, 2, hw_shape, owned[k++]);
-    owned[k] = xmalloc(st_dtype_size(head_dtype) * m->classes);
-    f32_to_dtype(owned[k], m->h_head_b, m->classes, head_dtype);
-    st_writer_add(&w, hf ? "classifier.bias" : "head.bias", head_dtype, 1, &hb_shape, owned[k++]);
-    char* path = path_join(dir, "model.safetensors");
-    st_writer_save(&w, path, "\"format\":\"pt\"");
-    free(path);
-    vit_export_config(m, o->model_dir, dir, have_qkv_bias);
-    char* src = path_join(o->model_dir, "preprocessor_config.json");
-    char* dst = path_join(dir, "preprocessor_config.json");
-    if (file_exists(src)) copy_file_atomic(src, dst);
-    free(src); free(dst);
-    for (int i = 0; i < k; i++) free(owned[i]);
-    free(owned); free(names.e);
-    st_writer_free(&w);
-    st_model_close(&sm);
+    int full = m->modes.full, resized = full && (m->img_h != m->cfg.image_h || m->img_w != m->cfg.image_w);
+    VitExportSource s;
+    memset(&s, 0, sizeof(s));
+    s.model = m;
+    s.layers = m->cfg.layers;
+    s.dim = m->cfg.dim;
+    s.classes = m->classes;
+    s.qkv_bias = m->cfg.qkv_bias;
+    const float* trained[VIT_TENSORS] = {m->h_cls, m->h_pos, m->patch.W, m->h_patch_b, m->h_norm_g, m->h_norm_b};
+    for (int k = VIT_CLS; k < VIT_HEAD_W; k++) s.trained[k] = full ? trained[k] : NULL;
+    s.trained[VIT_HEAD_W] = m->h_head_w;
+    s.trained[VIT_HEAD_B] = m->h_head_b;
+    s.positions = m->T;
+    s.image_h = resized ? m->img_h : 0;
+    s.image_w = resized ? m->img_w : 0;
+    s.trained_norm = vit_trained_norm;
+    s.linear_changed = vit_linear_changed;
+    s.linear_export = vit_linear_export;
+    s.qkv_bias_needed = vit_qkv_bias_needed;
+    vit_write_merged(&s, o->model_dir, dir);
 }
 
 // A model directory written by --export-merged or --full carries its trained head: --eval-only
@@ -1396,25 +1156,16 @@ static void vit_export_merged(Vit* m, const TrainOptions* o, const char* dir) {
 static void vit_load_checkpoint_head(Vit* m, const char* dir) {
     StModel sm;
     st_model_open(&sm, dir);
-    const char* px;
-    int hf = vit_detect_layout(&sm, &px) == LAYOUT_HF;
-    const char *wn = hf ? "classifier.weight" : "head.weight", *bn = hf ? "classifier.bias" : "head.bias";
+    VitCheckpoint ck = vit_detect_layout(&sm);
+    char wn[VIT_NAME_BYTES], bn[VIT_NAME_BYTES];
+    vit_tensor_name(wn, &ck, VIT_HEAD_W);
+    vit_tensor_name(bn, &ck, VIT_HEAD_B);
     if (!st_model_find(&sm, wn) || !st_model_find(&sm, bn))
         fail("%s: no %s / %s; --eval-only needs a trained head (give --adapter, or a model written by --export-merged or --full)", dir, wn, bn);
     read_2d(&sm, wn, m->classes, m->cfg.dim, m->h_head_w);
     read_1d(&sm, bn, m->classes, m->h_head_b);
     st_model_close(&sm);
     trainable_to_device(&m->tr);
-}
-
-// Everything a resumed run must share with the saved one, as "key=value" words.
-static void vit_settings_line(char* buf, size_t n, const Vit* m, const TrainOptions* o, const Dist* d, int64_t images) {
-    const VitConfig* c = &m->cfg;
-    snprintf(buf, n, "d=%d f=%d layers=%d heads=%d patch=%dx%d image=%dx%d classes=%d full=%d act=%s norm=%s ms_lora=%s recompute=%s rank=%d alpha=%g targets=0x%x "
-             "lora_dropout=%g batch=%d grad_accum=%d world=%d steps=%d lr=%g warmup=%d min_lr_frac=%g weight_decay=%g grad_clip=%g hflip=%d seed=%d data_images=%lld",
-             c->dim, c->hidden, c->layers, c->heads, c->patch_h, c->patch_w, m->img_h, m->img_w, m->classes, o->full, o->act, o->norm, o->ms_lora,
-             o->recompute, o->lora_rank, o->lora_alpha, m->modes.targets, o->lora_dropout, o->batch, o->grad_accum, d->world, o->steps, o->lr, o->warmup, o->min_lr_frac,
-             o->weight_decay, o->grad_clip, o->hflip, o->seed, (long long)images);
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -1476,15 +1227,8 @@ static void run_data_open(RunData* rd, const TrainOptions* o, const VitConfig* c
     if (o->data_path) { image_shard_load(&rd->train, o->data_path); rd->have_train = 1; }
     if (o->val_path) { image_shard_load(&rd->val, o->val_path); rd->have_val = 1; }
     *classes = o->classes ? o->classes : rd->have_train ? rd->train.classes : rd->val.classes;
-    if (*classes == 0 && o->adapter_dir) {  // --export-merged alone: the adapter's head says
-        char* ap = path_join(o->adapter_dir, "adapter_model.safetensors");
-        StFile f;
-        st_open(&f, ap);
-        const StTensor* hw = st_find(&f, "base_model.model.classifier.weight");
-        if (hw && hw->ndim == 2) *classes = (int)hw->shape[0];
-        st_close(&f);
-        free(ap);
-    }
+    // --export-merged alone: the adapter's head says
+    if (*classes == 0 && o->adapter_dir) *classes = peft_saved_module_rows(o->adapter_dir, vit_hf_head);
     if (*classes <= 0) fail("flag --classes: give the head's class count (no --data, --val or adapter head to take it from)");
     if (rd->have_train && rd->train.classes > *classes) fail("%s: the shard has %d classes, more than --classes %d", o->data_path, rd->train.classes, *classes);
     if (rd->have_val && rd->val.classes > *classes) fail("%s: the shard has %d classes, more than the head's %d", o->val_path, rd->val.classes, *classes);
@@ -1591,6 +1335,7 @@ static void vit_trainer(Trainer* t, VitRun* run, const TrainOptions* o, const Di
     t->full = m->modes.full;
     t->have_val = run->rd->have_val;
     t->cursor = &run->rd->tl.cursor;
+    if (run->rd->have_train) t->data_fingerprint = image_shard_fingerprint(&run->rd->train);
     vit_settings_line(t->settings, sizeof(t->settings), m, o, dist, run->rd->train.n);
     t->step = vit_run_step;
     t->evaluate = vit_run_evaluate;

@@ -70,14 +70,43 @@ static char* xstrdup(const char* s) {
     return p;
 }
 
-// Reads a whole file into a NUL-terminated buffer. Returns NULL (errno set) if it cannot be read;
-// a directory (which fopen opens, and whose ftell is garbage) gives EISDIR.
-static char* read_file_or_null(const char* path, size_t* size_out) {
-    FILE* f = fopen(path, "rb");
-    if (!f) return NULL;
+// What a path that is not a regular file is, for messages.
+static const char* file_kind(mode_t mode) {
+    if (S_ISDIR(mode)) return "a directory";
+    if (S_ISFIFO(mode)) return "a FIFO (named pipe)";
+    if (S_ISCHR(mode)) return "a character device";
+    if (S_ISBLK(mode)) return "a block device";
+    if (S_ISSOCK(mode)) return "a socket";
+    return "not a regular file";
+}
+
+// Fails naming what `path` is when it exists but is not a regular file. Only regular files are
+// inputs: reading a FIFO blocks until a writer comes (forever, for a mistaken path), a device
+// never ends or reads as empty, a directory has no contents.
+static void fail_unless_regular(const char* path) {
     struct stat st;
-    if (fstat(fileno(f), &st) != 0) { int e = errno; fclose(f); errno = e; return NULL; }
-    if (S_ISDIR(st.st_mode)) { fclose(f); errno = EISDIR; return NULL; }
+    if (stat(path, &st) == 0 && !S_ISREG(st.st_mode))
+        fail("%s: is %s, expected a regular file", path, file_kind(st.st_mode));
+}
+
+// Opens an input file for reading: O_NONBLOCK, so that a FIFO put there after a check opens
+// without a writer instead of blocking, and fstat refuses it. Returns the descriptor, or -1 with
+// errno set (ENODEV when it is not a regular file).
+static int open_input(const char* path) {
+    int fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+    if (fd < 0) return -1;
+    struct stat st;
+    int err = fstat(fd, &st) != 0 ? errno : S_ISREG(st.st_mode) ? 0 : ENODEV;
+    if (err) { close(fd); errno = err; return -1; }
+    return fd;
+}
+
+// Reads a whole file into a NUL-terminated buffer. Returns NULL (errno set) if it cannot be read
+// or is not a regular file.
+static char* read_file_or_null(const char* path, size_t* size_out) {
+    int fd = open_input(path);
+    FILE* f = fd >= 0 ? fdopen(fd, "rb") : NULL;
+    if (!f) { int e = errno; if (fd >= 0) close(fd); errno = e; return NULL; }
     if (fseek(f, 0, SEEK_END) != 0) { fclose(f); return NULL; }
     long n = ftell(f);
     if (n < 0) { fclose(f); return NULL; }
@@ -93,8 +122,11 @@ static char* read_file_or_null(const char* path, size_t* size_out) {
 
 static char* read_file(const char* path, size_t* size_out) {
     char* buf = read_file_or_null(path, size_out);
-    if (!buf && errno == EISDIR) fail("%s: is a directory, expected a file", path);
-    if (!buf) fail("%s: cannot read file (%s)", path, strerror(errno));
+    if (!buf) {
+        int err = errno;
+        fail_unless_regular(path);
+        fail("%s: cannot read file (%s)", path, strerror(err));
+    }
     return buf;
 }
 
@@ -108,11 +140,32 @@ static int dir_exists(const char* path) {
     return stat(path, &st) == 0 && S_ISDIR(st.st_mode);
 }
 
-// An optional input file: 1 when it is there, 0 when absent. A directory in its place is an error,
-// since skipping it would silently change the result (ViT's normalisation, a tokenizer's ids).
+// An optional input file: 1 when it is there, 0 when absent. A directory, FIFO or device in its
+// place is an error, since skipping it would silently change the result (ViT's normalisation, a
+// tokenizer's ids).
 static int optional_file_exists(const char* path) {
-    if (dir_exists(path)) fail("%s: is a directory, expected a file", path);
+    fail_unless_regular(path);
     return file_exists(path);
+}
+
+// The index of the first of strings s[0..n) equal to an earlier one (*first: that earlier one's),
+// or -1. A hash set: objects of 100k keys (a tokenizer's vocabulary) cost linear time.
+static int first_repeated_string(const char* const* s, int n, int* first) {
+    size_t cap = 16;
+    while (cap < 2 * (size_t)n) cap *= 2;
+    int* slot = (int*)xmalloc(sizeof(int) * cap);
+    memset(slot, 0xff, sizeof(int) * cap);  // -1: empty
+    int found = -1;
+    for (int i = 0; i < n && found < 0; i++) {
+        uint64_t h = 1469598103934665603ull;  // FNV-1a
+        for (const unsigned char* c = (const unsigned char*)s[i]; *c; c++) h = (h ^ *c) * 1099511628211ull;
+        size_t k = (size_t)h & (cap - 1);
+        while (slot[k] >= 0 && strcmp(s[slot[k]], s[i]) != 0) k = (k + 1) & (cap - 1);
+        if (slot[k] >= 0) { found = i; *first = slot[k]; }
+        slot[k] = i;
+    }
+    free(slot);
+    return found;
 }
 
 // Joins a directory and a file name into a fresh heap string.

@@ -5,7 +5,7 @@
 // (norm r, attention lse, loss) are fp32 on both, index buffers (token ids, positions) int32.
 // Every op has the meaning of its CPU twin in llmc/cpu/*.h; the CUDA kernels are checked against
 // those twins one by one in dev/cuda, and whole models are checked backend against backend in
-// test/test_cuda_llama.py and test/test_cuda_vit.py (on the CPU emulator in CI, on a GPU by
+// test/cuda/test_llama_cuda.py and test/cuda/test_vit_cuda.py (on the CPU emulator in CI, on a GPU by
 // make test-gpu).
 #pragma once
 #include "backend.h"

@@ -5,7 +5,7 @@
 // squares fp32 cannot hold (plus, for LayerNorm, a row near FLT_MAX whose centred values overflow
 // fp32). Relative errors do not depend on a row's scale (eps aside, which only shrinks), so the
 // same tolerances hold for both; the CPU twin is itself checked on such rows against fp64 in
-// test/test_units.cu.
+// test/unit/norms.cu.
 #include "check.h"
 #include "../../llmc/cpu/norms.h"
 #include "../../llmc/cuda/norms.cuh"

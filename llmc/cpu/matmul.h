@@ -39,25 +39,31 @@ typedef float mm_v8 __attribute__((vector_size(32)));
 
 typedef int mm_i8 __attribute__((vector_size(32)));
 
+// Lanes of two 8-float vectors picked by constant indices (0-7: a's, 8-15: b's): GCC's
+// __builtin_shuffle, or clang's __builtin_shufflevector (the fuzzers' compiler).
+#if defined(__clang__)
+#define MM_SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define MM_SHUFFLE(a, b, ...) __builtin_shuffle(a, b, (mm_i8){__VA_ARGS__})
+#endif
+
 // 8 rows of 8 floats (r[i] = row i) into d[j*NR .. j*NR + 8) = column j: an 8x8 transpose in
 // three rounds of shuffles (unpack, pair, halves).
 static inline void mm_transpose8(float* d, const mm_v8 r[8]) {
-    const mm_i8 lo = {0, 8, 1, 9, 4, 12, 5, 13}, hi = {2, 10, 3, 11, 6, 14, 7, 15};
-    const mm_i8 pl = {0, 1, 8, 9, 4, 5, 12, 13}, ph = {2, 3, 10, 11, 6, 7, 14, 15};
-    const mm_i8 h0 = {0, 1, 2, 3, 8, 9, 10, 11}, h1 = {4, 5, 6, 7, 12, 13, 14, 15};
     mm_v8 s[8], u[8];
     for (int i = 0; i < 8; i += 2) {
-        s[i] = __builtin_shuffle(r[i], r[i + 1], lo);
-        s[i + 1] = __builtin_shuffle(r[i], r[i + 1], hi);
+        s[i] = MM_SHUFFLE(r[i], r[i + 1], 0, 8, 1, 9, 4, 12, 5, 13);
+        s[i + 1] = MM_SHUFFLE(r[i], r[i + 1], 2, 10, 3, 11, 6, 14, 7, 15);
     }
     for (int i = 0; i < 8; i += 4) {  // u[i + c] holds columns c and c + 4 of rows i..i+3
-        u[i] = __builtin_shuffle(s[i], s[i + 2], pl);
-        u[i + 1] = __builtin_shuffle(s[i], s[i + 2], ph);
-        u[i + 2] = __builtin_shuffle(s[i + 1], s[i + 3], pl);
-        u[i + 3] = __builtin_shuffle(s[i + 1], s[i + 3], ph);
+        u[i] = MM_SHUFFLE(s[i], s[i + 2], 0, 1, 8, 9, 4, 5, 12, 13);
+        u[i + 1] = MM_SHUFFLE(s[i], s[i + 2], 2, 3, 10, 11, 6, 7, 14, 15);
+        u[i + 2] = MM_SHUFFLE(s[i + 1], s[i + 3], 0, 1, 8, 9, 4, 5, 12, 13);
+        u[i + 3] = MM_SHUFFLE(s[i + 1], s[i + 3], 2, 3, 10, 11, 6, 7, 14, 15);
     }
     for (int c = 0; c < 4; c++) {
-        mm_v8 a = __builtin_shuffle(u[c], u[c + 4], h0), b = __builtin_shuffle(u[c], u[c + 4], h1);
+        mm_v8 a = MM_SHUFFLE(u[c], u[c + 4], 0, 1, 2, 3, 8, 9, 10, 11);
+        mm_v8 b = MM_SHUFFLE(u[c], u[c + 4], 4, 5, 6, 7, 12, 13, 14, 15);
         memcpy(d + c * MM_NR, &a, 32);
         memcpy(d + (c + 4) * MM_NR, &b, 32);
     }

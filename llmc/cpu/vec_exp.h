@@ -52,7 +52,7 @@ static inline vx_f8 vx_horner(vx_f8 x, const float* c, int n) {
 // added exactly once and tiny or denormal a give 2/sqrt(pi) a. On [1, 3.9375), 1 - erfc(a) with
 // erfc a degree-14 polynomial in a - 2.46875 (fitted likewise for absolute error, 7e-9: erfc is
 // below 0.16 there, so a fraction of an ulp of the result). From 3.9375 (inf included) erfc is
-// below half an ulp of 1 and erf is 1. Within 2 ulp of erf over all floats (test/test_units.cu;
+// below half an ulp of 1 and erf is 1. Within 2 ulp of erf over all floats (test/unit/vec_math.cu;
 // 1.12 at worst, at 1.0003, over every float of [2^-25, 4.5)).
 static inline vx_f8 vx_erf(vx_f8 x) {
     vx_i8 bits, sign;

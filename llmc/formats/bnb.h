@@ -79,6 +79,34 @@ static int bnb_is_quantized(const StModel* sm, const char* name) {
     return st_model_find(sm, full) != NULL;  // a quant state without its blob: bnb_read names what is missing
 }
 
+// Every float of a quant state must be finite, and so must each block's absmax as dequantized
+// (dyn * nested_absmax + nested_offset can overflow from finite parts): a NaN or Inf there makes
+// NaN weights, which would evaluate to "loss nan" or export as NaN without a word.
+static void bnb_check_finite(const StModel* sm, const char* name, const char* suffix, const float* v, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        if (isfinite(v[i])) continue;
+        char full[320];
+        snprintf(full, sizeof(full), "%s%s", name, suffix);
+        const char* file = st_model_require(sm, full)->file;
+        fail("%s: bitsandbytes tensor \"%s\" holds a non-finite value (%g) at element %lld", file, full, v[i],
+             (long long)i);
+    }
+}
+
+static void bnb_check_quant_state(const StModel* sm, const char* name, const BnbWeight* w) {
+    int64_t nb = nf4_blocks(w->n);
+    if (w->absmax) { bnb_check_finite(sm, name, ".absmax", w->absmax, nb); return; }
+    bnb_check_finite(sm, name, ".nested_absmax", w->nested, nf4_nested_blocks(w->n));
+    bnb_check_finite(sm, name, ".nested_quant_map", w->dyn, NF4_DYN_SIZE);
+    for (int64_t b = 0; b < nb; b++) {
+        float a = nf4_absmax_at(w->qabsmax, w->nested, w->offset, w->dyn, b);
+        if (!isfinite(a))
+            fail("%s: bitsandbytes tensor \"%s\": the absmax of block %lld dequantizes to %g (nested_absmax x "
+                 "nested_quant_map + nested_offset overflows float32)", st_model_require(sm, name)->file, name,
+                 (long long)b, a);
+    }
+}
+
 // Reads and checks the quantized weight `name` of shape [rows, cols].
 static BnbWeight bnb_read(const StModel* sm, const char* name, int64_t rows, int64_t cols) {
     BnbWeight w;
@@ -110,7 +138,9 @@ static BnbWeight bnb_read(const StModel* sm, const char* name, int64_t rows, int
     if (json_get(&j, "nested_offset")) {  // double quantization
         if (json_number_or(&j, "nested_blocksize", 0) != NF4_ABSMAX_BLOCK)
             fail("%s: \"%s\" has nested_blocksize %g, expected %d", qs->file, full, json_number_or(&j, "nested_blocksize", 0), NF4_ABSMAX_BLOCK);
-        w.offset = (float)json_number_req(&j, "nested_offset", full);
+        double offset = json_number_req(&j, "nested_offset", full);
+        w.offset = (float)offset;
+        if (!isfinite(w.offset)) fail("%s: \"%s\" has nested_offset %g, not a finite float32", qs->file, full, offset);
         w.qabsmax = bnb_part(sm, name, ".absmax", ST_U8, nb)->data;
         w.nested = (const float*)bnb_part(sm, name, ".nested_absmax", ST_F32, nf4_nested_blocks(w.n))->data;
         w.dyn = (const float*)bnb_part(sm, name, ".nested_quant_map", ST_F32, NF4_DYN_SIZE)->data;
@@ -118,6 +148,7 @@ static BnbWeight bnb_read(const StModel* sm, const char* name, int64_t rows, int
         w.absmax = (const float*)bnb_part(sm, name, ".absmax", ST_F32, nb)->data;
     }
     json_free(&j);
+    bnb_check_quant_state(sm, name, &w);
     return w;
 }
 

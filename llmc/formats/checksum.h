@@ -43,6 +43,44 @@ static void crc32_update(Crc32* c, const void* data, size_t n) {
 
 static uint32_t crc32_final(const Crc32* c) { return c->crc ^ 0xFFFFFFFFu; }
 
+// A fast 64-bit fingerprint of bytes, for identity rather than integrity (that is CRC-32's job):
+// which base model and which data a saved run trained on, so that a resume onto another model or
+// other data of the same shape is refused (train_state.h). Four independent lanes of a
+// multiply-rotate mix, so it runs at memory speed; not meant to resist a deliberate collision.
+typedef struct { uint64_t lane[4]; uint64_t bytes; } Fingerprint;
+
+static uint64_t fp_mix(uint64_t h, uint64_t w) {
+    h ^= w * 0x9E3779B97F4A7C15ull;
+    h = (h << 31) | (h >> 33);
+    return h * 0xC2B2AE3D27D4EB4Full;
+}
+
+static void fp_init(Fingerprint* f) {
+    for (int i = 0; i < 4; i++) f->lane[i] = 0x243F6A8885A308D3ull + (uint64_t)i;
+    f->bytes = 0;
+}
+
+// Feeds n bytes. The value depends on the bytes and on how they were split into calls: callers
+// feed the same things in the same calls every time (a tensor's name, shape and data, say).
+static void fp_update(Fingerprint* f, const void* data, size_t n) {
+    const uint8_t* p = (const uint8_t*)data;
+    uint64_t w[4];
+    f->bytes += n;
+    for (; n >= 32; n -= 32, p += 32) {
+        memcpy(w, p, 32);
+        for (int i = 0; i < 4; i++) f->lane[i] = fp_mix(f->lane[i], w[i]);
+    }
+    uint64_t tail[4] = {0, 0, 0, 0};
+    memcpy(tail, p, n);
+    for (int i = 0; i < 4; i++) f->lane[i] = fp_mix(f->lane[i], tail[i] ^ n);
+}
+
+static uint64_t fp_final(const Fingerprint* f) {
+    uint64_t h = fp_mix(f->bytes, 0x5851F42D4C957F2Dull);
+    for (int i = 0; i < 4; i++) h = fp_mix(h, f->lane[i]);
+    return h;
+}
+
 // The CRC-32 of one buffer.
 static uint32_t crc32_of(const void* data, size_t n) {
     Crc32 c;

@@ -54,6 +54,41 @@ static unsigned json_hex4(JsonParser* p) {
     return v;
 }
 
+// The length of the UTF-8 sequence at s (n bytes available), or 0 when it is not valid UTF-8 (a
+// stray continuation byte, an overlong form, a surrogate, a code point past U+10FFFF). JSON text
+// is UTF-8; Python's json and serde_json (the tokenizers and safetensors libraries) refuse the rest.
+static size_t json_utf8_len(const unsigned char* s, size_t n) {
+    unsigned c = s[0], need;
+    if (c < 0x80) return 1;
+    if (c >= 0xC2 && c < 0xE0) need = 1;
+    else if (c >= 0xE0 && c < 0xF0) need = 2;
+    else if (c >= 0xF0 && c < 0xF5) need = 3;
+    else return 0;  // a continuation byte, or the lead byte of an overlong or too large form
+    if (need >= n) return 0;
+    unsigned cp = c & (0x3F >> need);
+    for (unsigned i = 1; i <= need; i++) {
+        if ((s[i] & 0xC0) != 0x80) return 0;
+        cp = cp << 6 | (s[i] & 0x3F);
+    }
+    int overlong = (need == 2 && cp < 0x800) || (need == 3 && cp < 0x10000);
+    if (overlong || cp > 0x10FFFF || (cp >= 0xD800 && cp < 0xE000)) return 0;
+    return need + 1;
+}
+
+// A \u escape's code point, a surrogate pair taken whole. A lone surrogate is refused (it is no
+// character: serde_json refuses it, Python's json keeps it, so the readers would disagree).
+static unsigned json_escape_code_point(JsonParser* p) {
+    unsigned cp = json_hex4(p);
+    if (cp >= 0xD800 && cp < 0xDC00 && p->pos + 6 <= p->len && p->s[p->pos] == '\\' && p->s[p->pos + 1] == 'u') {
+        p->pos += 2;
+        unsigned lo = json_hex4(p);
+        if (lo < 0xDC00 || lo >= 0xE000) json_error(p, "a \\u escape of a high surrogate is not followed by a low one");
+        return 0x10000 + ((cp - 0xD800) << 10) + (lo - 0xDC00);
+    }
+    if (cp >= 0xD800 && cp < 0xE000) json_error(p, "a \\u escape of a lone surrogate (not a character)");
+    return cp;
+}
+
 static char* json_parse_string(JsonParser* p) {
     if (p->s[p->pos] != '"') json_error(p, "expected a string");
     p->pos++;
@@ -66,6 +101,14 @@ static char* json_parse_string(JsonParser* p) {
         unsigned char c = (unsigned char)p->s[p->pos++];
         if (c == '"') break;
         if (c < 0x20) json_error(p, "control character in string");
+        if (c >= 0x80) {  // a multi-byte character, copied whole once checked
+            size_t k = json_utf8_len((const unsigned char*)p->s + p->pos - 1, p->len - p->pos + 1);
+            if (!k) { p->pos--; json_error(p, "invalid UTF-8 in a string"); }
+            memcpy(buf + n, p->s + p->pos - 1, k);
+            n += k;
+            p->pos += k - 1;
+            continue;
+        }
         if (c != '\\') { buf[n++] = (char)c; continue; }
         if (p->pos >= p->len) json_error(p, "unterminated escape");
         char e = p->s[p->pos++];
@@ -79,11 +122,12 @@ static char* json_parse_string(JsonParser* p) {
             case 'r': buf[n++] = '\r'; break;
             case 't': buf[n++] = '\t'; break;
             case 'u': {
-                unsigned cp = json_hex4(p);
-                if (cp >= 0xD800 && cp < 0xDC00 && p->pos + 6 <= p->len && p->s[p->pos] == '\\' && p->s[p->pos + 1] == 'u') {
-                    p->pos += 2;
-                    unsigned lo = json_hex4(p);
-                    cp = 0x10000 + ((cp - 0xD800) << 10) + (lo - 0xDC00);
+                unsigned cp = json_escape_code_point(p);
+                // a C string cannot hold U+0000: the text would end there (a tensor "w\u0000x" read as "w")
+                if (!cp) {
+                    buf[n] = 0;
+                    fail("%s: invalid JSON at byte %zu: the string \"%.80s\" continues after a \\u0000 (NUL), which "
+                         "this reader cannot hold", p->source, p->pos, buf);
                 }
                 json_append_utf8(buf, &n, cp);
                 break;
@@ -93,6 +137,15 @@ static char* json_parse_string(JsonParser* p) {
     }
     buf[n] = 0;
     return buf;
+}
+
+// A key twice in one object is refused, naming it: readers disagree on which value counts
+// (Python's json takes the last, a first-match lookup like json_get the first).
+static void json_check_unique_keys(const JsonParser* p, const Json* obj) {
+    int first, dup = first_repeated_string((const char* const*)obj->keys, obj->count, &first);
+    if (dup >= 0)
+        fail("%s: key \"%s\" appears twice in one JSON object (ambiguous: Python's json would take the last value, a "
+             "first-match reader the first)", p->source, obj->keys[dup]);
 }
 
 static void json_parse_container(JsonParser* p, Json* out, int depth, int is_object) {
@@ -125,9 +178,10 @@ static void json_parse_container(JsonParser* p, Json* out, int depth, int is_obj
         json_skip_ws(p);
         if (p->pos >= p->len) json_error(p, "unterminated container");
         char c = p->s[p->pos++];
-        if (c == close) return;
+        if (c == close) break;
         if (c != ',') json_error(p, "expected ',' or end of container");
     }
+    if (is_object) json_check_unique_keys(p, out);
 }
 
 static void json_parse_value(JsonParser* p, Json* out, int depth) {
@@ -230,6 +284,44 @@ static float json_positive_float(double x, const char* key, const char* source) 
     float f = (float)x;
     if (!(f > 0) || !isfinite(f)) fail("%s: field \"%s\" must be a positive finite number (as a float32), got %g", source, key, x);
     return f;
+}
+
+// A field that is an integer or a pair [height, width] of integers (image_size and patch_size of a
+// vision config), each in [lo, hi]; an integer gives both. Absent or malformed: fails naming the
+// file and the field.
+static void json_hw_pair(const Json* obj, const char* key, const char* source, int lo, int hi, int* h,
+                         int* w) {
+    const Json* v = json_get(obj, key);
+    if (!v) fail("%s: missing field \"%s\"", source, key);
+    if (v->type == JSON_NUMBER) {
+        *h = *w = json_int_in(obj, key, source, lo, hi);
+        return;
+    }
+    if (v->type != JSON_ARRAY || v->count != 2)
+        fail("%s: field \"%s\" must be an integer or a pair [height, width]", source, key);
+    for (int i = 0; i < 2; i++) {
+        double x = v->items[i].number;
+        if (v->items[i].type != JSON_NUMBER || x != floor(x) || x < lo || x > hi)
+            fail("%s: field \"%s\" must be an integer or a pair [height, width] of integers in [%d, %d]", source, key,
+                 lo, hi);
+    }
+    *h = (int)v->items[0].number;
+    *w = (int)v->items[1].number;
+}
+
+// An optional list of n numbers into out (one per image channel, say); a single number, or a
+// list of one, gives all n. Absent: out stays as it is.
+static void json_float_list(const Json* obj, const char* key, const char* source, int n, float* out) {
+    const Json* v = json_get(obj, key);
+    if (!v) return;
+    if (v->type == JSON_NUMBER) { for (int i = 0; i < n; i++) out[i] = (float)v->number; return; }
+    if (v->type != JSON_ARRAY || (v->count != n && v->count != 1))
+        fail("%s: field \"%s\" must be a list of %d numbers", source, key, n);
+    for (int i = 0; i < n; i++) {
+        const Json* e = &v->items[v->count == 1 ? 0 : i];
+        if (e->type != JSON_NUMBER) fail("%s: field \"%s\" must be a list of %d numbers", source, key, n);
+        out[i] = (float)e->number;
+    }
 }
 
 static int json_bool_or(const Json* obj, const char* key, int dflt) {

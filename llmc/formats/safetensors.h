@@ -163,14 +163,13 @@ static void st_verify_crc(const StFile* f, const uint8_t* data, size_t data_size
 static void st_open(StFile* f, const char* path) {
     memset(f, 0, sizeof(*f));
     f->path = xstrdup(path);
-    int fd = open(path, O_RDONLY);
+    int fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC);  // O_NONBLOCK: a FIFO opens, to be refused below
     if (fd < 0) fail("%s: cannot open (%s)", path, strerror(errno));
     struct stat st;
     int stat_ok = fstat(fd, &st) == 0, stat_errno = errno;
     if (!stat_ok || !S_ISREG(st.st_mode) || st.st_size < 8) close(fd);  // every refusal below closes it first
     if (!stat_ok) fail("%s: cannot stat (%s)", path, strerror(stat_errno));
-    if (S_ISDIR(st.st_mode)) fail("%s: is a directory, expected a safetensors file", path);
-    if (!S_ISREG(st.st_mode)) fail("%s: not a regular file, expected a safetensors file", path);
+    if (!S_ISREG(st.st_mode)) fail("%s: is %s, expected a safetensors file", path, file_kind(st.st_mode));
     f->map_size = (size_t)st.st_size;
     if (f->map_size < 8) fail("%s: too short to be a safetensors file (%zu bytes)", path, f->map_size);
     f->map = (uint8_t*)mmap(NULL, f->map_size, PROT_READ, MAP_PRIVATE, fd, 0);
@@ -265,7 +264,9 @@ static void f32_to_dtype(void* dst, const float* src, int64_t n, StDtype dtype) 
     }
 }
 
-// Copies a floating tensor into dst as fp32 (dst holds numel floats).
+// Copies a floating tensor into dst as fp32 (dst holds numel floats). Every float a model or an
+// adapter loads passes here, so here a NaN or Inf is refused: a corrupt file, not something to
+// train on or evaluate (it would end in "loss nan" or a NaN export, exit 0).
 static void st_to_f32(const StTensor* t, float* dst) {
     int64_t n = st_numel(t);
     switch (t->dtype) {
@@ -274,6 +275,10 @@ static void st_to_f32(const StTensor* t, float* dst) {
         case ST_F16: for (int64_t i = 0; i < n; i++) { uint16_t h; memcpy(&h, t->data + 2 * i, 2); dst[i] = f16_to_f32(h); } break;
         default: fail("%s: tensor \"%s\" has dtype %s, expected F32, F16 or BF16", t->file, t->name, st_dtype_name(t->dtype));
     }
+    for (int64_t i = 0; i < n; i++)
+        if (!isfinite(dst[i]))
+            fail("%s: tensor \"%s\" holds a non-finite value (%g) at element %lld", t->file, t->name, dst[i],
+                 (long long)i);
 }
 
 // Checks a tensor's shape against the expected one (ndim dims), failing with both shapes.
@@ -294,6 +299,35 @@ typedef struct {
     StFile* files;
     char* dir;
 } StModel;
+
+// A sharded checkpoint must say one thing: each tensor of the index's weight_map is in the shard
+// it names, and no tensor is in two shards. Which copy counts otherwise depends on the reader
+// (transformers loads every shard whole, in sorted order, so the last one wins; a lookup by the
+// index takes the named one; st_model_find the first), so such a file is refused, naming the tensor.
+static void st_model_check_shards(const StModel* m, const Json* map, const char* index) {
+    for (int i = 0; i < map->count; i++) {
+        const StFile* f = m->files;
+        while (strcmp(strrchr(f->path, '/') + 1, map->items[i].string) != 0) f++;
+        if (!st_find(f, map->keys[i]))
+            fail("%s: weight_map puts tensor \"%s\" in %s, which does not hold it", index, map->keys[i], f->path);
+    }
+    int total = 0;
+    for (int k = 0; k < m->nfiles; k++) total += m->files[k].count;
+    const char** names = (const char**)xmalloc(sizeof(char*) * (total + 1));
+    const char** files = (const char**)xmalloc(sizeof(char*) * (total + 1));
+    total = 0;
+    for (int k = 0; k < m->nfiles; k++)
+        for (int i = 0; i < m->files[k].count; i++, total++) {
+            names[total] = m->files[k].tensors[i].name;
+            files[total] = m->files[k].path;
+        }
+    int first, dup = first_repeated_string(names, total, &first);
+    if (dup >= 0)
+        fail("%s: tensor \"%s\" is stored in two shards, %s and %s (ambiguous: readers differ on which copy counts)",
+             index, names[dup], files[first], files[dup]);
+    free(names);
+    free(files);
+}
 
 static void st_model_open(StModel* m, const char* dir) {
     memset(m, 0, sizeof(*m));
@@ -323,6 +357,7 @@ static void st_model_open(StModel* m, const char* dir) {
             st_open(&m->files[m->nfiles++], p);
             free(p);
         }
+        st_model_check_shards(m, map, index);
         json_free(&j);
         free(text);
     } else {
@@ -346,15 +381,12 @@ static const StTensor* st_model_require(const StModel* m, const char* name) {
     return t;
 }
 
-// Reads tensor `name` of the model into dst as fp32 after checking its shape (ndim dims). A
-// non-finite value is an error: a corrupt checkpoint, not something to train on.
+// Reads tensor `name` of the model into dst as fp32 after checking its shape (ndim dims); a
+// non-finite value is an error (st_to_f32).
 static void st_model_read_f32(const StModel* m, const char* name, int ndim, const int64_t* shape, float* dst) {
     const StTensor* t = st_model_require(m, name);
     st_check_shape(t, ndim, shape);
     st_to_f32(t, dst);
-    int64_t n = st_numel(t);
-    for (int64_t i = 0; i < n; i++)
-        if (!isfinite(dst[i])) fail("%s: tensor \"%s\" holds a non-finite value at element %lld", t->file, name, (long long)i);
 }
 
 static void st_model_close(StModel* m) {
@@ -362,6 +394,28 @@ static void st_model_close(StModel* m) {
     free(m->files);
     free(m->dir);
     memset(m, 0, sizeof(*m));
+}
+
+// The identity of a model directory's weights (checksum.h's Fingerprint): of every tensor's name,
+// dtype, shape and data, summed over tensors, so the same weights sharded otherwise are the same
+// model. A resume checks it (llmc/train/loop.h): another model of the same shape is refused.
+static uint64_t st_model_fingerprint(const char* dir) {
+    StModel m;
+    st_model_open(&m, dir);
+    uint64_t sum = 0;
+    for (int i = 0; i < m.nfiles; i++)
+        for (int k = 0; k < m.files[i].count; k++) {
+            const StTensor* t = &m.files[i].tensors[k];
+            Fingerprint f;
+            fp_init(&f);
+            fp_update(&f, t->name, strlen(t->name));
+            fp_update(&f, &t->dtype, sizeof(t->dtype));
+            fp_update(&f, t->shape, sizeof(t->shape[0]) * t->ndim);
+            fp_update(&f, t->data, t->nbytes);
+            sum += fp_final(&f);
+        }
+    st_model_close(&m);
+    return sum;
 }
 
 // ---- writing ------------------------------------------------------------------------------

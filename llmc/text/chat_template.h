@@ -2,7 +2,7 @@
 // chat_template) for --chat, in the subset of Jinja that SmolLM2's, Llama-3's, Qwen2.5's and
 // Qwen3's templates use, as transformers' apply_chat_template does (trim_blocks, lstrip_blocks, no
 // trailing newline). scripts/formats/chat_template.py renders any template with jinja2 itself, for
-// prepare_text.py; test/test_chat_template.py checks both against transformers.
+// prepare_text.py; test/formats/test_chat_template.py checks both against transformers.
 //
 // The subset: text, {{ expr }}, {% if/elif/else/endif %}, {% for x in expr %}...{% endfor %} (loop.
 // index, index0, first, last, length, revindex, revindex0), {% set name = expr %}, {% set
@@ -1150,41 +1150,73 @@ static void ct_exec(CtRun* r, const CtStmt* s) {
     }
 }
 
-// The text of messages under the template, as transformers' apply_chat_template(tokenize=False);
-// name (the template's file) goes into every error. A malloc'd string.
-static char* chat_template_render(const char* template_text, const char* name, const ChatMsg* msgs, int n_msgs,
-                                  int add_generation_prompt, const char* bos_token, const char* eos_token) {
-    CtArena arena = {};
-    CtCtx c = {name, &arena};
-    CtParts parts = ct_lex(&c, template_text);
-    CtBody b = {&c, &parts, 0, 0};
+// Everything one rendering allocates, owned by its caller: chat_render_free releases it whether
+// the rendering returned or fail() left it midway (a fuzzer that catches fail() with longjmp).
+typedef struct {
+    CtArena arena;
+    CtCtx ctx;
+    CtParts parts;
+    CtRun run;
+} ChatRender;
+
+static void chat_render_free(ChatRender* st) {
+    free(st->parts.p);
+    for (int d = 0; d < st->run.depth; d++) {
+        free(st->run.scopes[d].names);
+        free(st->run.scopes[d].vals);
+    }
+    free(st->run.scopes);
+    free(st->run.out.s);
+    ct_arena_free(&st->arena);
+    memset(st, 0, sizeof(*st));
+}
+
+// The rendering into st (zeroed by the caller); its text stays in st->run.out (NULL: empty).
+static void chat_template_render_into(ChatRender* st, const char* template_text, const char* name,
+                                      const ChatMsg* msgs, int n_msgs, int add_generation_prompt,
+                                      const char* bos_token, const char* eos_token) {
+    st->ctx.name = name;
+    st->ctx.arena = &st->arena;
+    CtArena* arena = &st->arena;
+    st->parts = ct_lex(&st->ctx, template_text);
+    CtBody b = {&st->ctx, &st->parts, 0, 0};
     CtStmt* prog = ct_parse_body(&b, NULL, NULL);
-    free(parts.p);
     static const char* const msg_keys[] = {"role", "content"};
     CtVal messages = {};
     messages.type = CT_LIST;
     messages.n = n_msgs;
-    messages.items = (CtVal*)ct_alloc(&arena, sizeof(CtVal) * (n_msgs + 1));
+    messages.items = (CtVal*)ct_alloc(arena, sizeof(CtVal) * (n_msgs + 1));
     for (int i = 0; i < n_msgs; i++) {
-        if (!strcmp(msgs[i].role, "tool")) fail("%s: tool calling is not supported (message %d has role \"tool\")", name, i + 1);
+        if (!strcmp(msgs[i].role, "tool"))
+            fail("%s: tool calling is not supported (message %d has role \"tool\")", name, i + 1);
         CtVal* m = &messages.items[i];
         m->type = CT_DICT;
         m->n = 2;
         m->keys = (const char**)msg_keys;
-        m->items = (CtVal*)ct_alloc(&arena, sizeof(CtVal) * 2);
-        m->items[0] = ct_str(&arena, msgs[i].role, strlen(msgs[i].role));
-        m->items[1] = ct_str(&arena, msgs[i].content, strlen(msgs[i].content));
+        m->items = (CtVal*)ct_alloc(arena, sizeof(CtVal) * 2);
+        m->items[0] = ct_str(arena, msgs[i].role, strlen(msgs[i].role));
+        m->items[1] = ct_str(arena, msgs[i].content, strlen(msgs[i].content));
     }
-    CtRun r = {&c, (CtScope*)xcalloc(1, sizeof(CtScope)), 1, {}, 0};
-    ct_scope_set(&r.scopes[0], "messages", messages);
-    ct_scope_set(&r.scopes[0], "add_generation_prompt", ct_bool(add_generation_prompt));
-    ct_scope_set(&r.scopes[0], "bos_token", ct_str(&arena, bos_token, strlen(bos_token)));
-    ct_scope_set(&r.scopes[0], "eos_token", ct_str(&arena, eos_token, strlen(eos_token)));
-    ct_exec(&r, prog);
-    free(r.scopes[0].names);
-    free(r.scopes[0].vals);
-    free(r.scopes);
-    ct_arena_free(&arena);
-    if (!r.out.s) return strdup("");
-    return r.out.s;
+    CtRun* r = &st->run;
+    r->c = &st->ctx;
+    r->scopes = (CtScope*)xcalloc(1, sizeof(CtScope));
+    r->depth = 1;
+    ct_scope_set(&r->scopes[0], "messages", messages);
+    ct_scope_set(&r->scopes[0], "add_generation_prompt", ct_bool(add_generation_prompt));
+    ct_scope_set(&r->scopes[0], "bos_token", ct_str(arena, bos_token, strlen(bos_token)));
+    ct_scope_set(&r->scopes[0], "eos_token", ct_str(arena, eos_token, strlen(eos_token)));
+    ct_exec(r, prog);
+}
+
+// The text of messages under the template, as transformers' apply_chat_template(tokenize=False);
+// name (the template's file) goes into every error. A malloc'd string.
+static char* chat_template_render(const char* template_text, const char* name, const ChatMsg* msgs, int n_msgs,
+                                  int add_generation_prompt, const char* bos_token, const char* eos_token) {
+    ChatRender st;
+    memset(&st, 0, sizeof(st));
+    chat_template_render_into(&st, template_text, name, msgs, n_msgs, add_generation_prompt, bos_token, eos_token);
+    char* out = st.run.out.s ? st.run.out.s : xstrdup("");
+    st.run.out.s = NULL;
+    chat_render_free(&st);
+    return out;
 }

@@ -8,6 +8,7 @@
 #pragma once
 #include "../common.h"
 #include "../rng.h"
+#include "../formats/checksum.h"
 
 #define SHARD_MAGIC "LMFT"
 #define SHARD_HEADER_BYTES 64
@@ -60,6 +61,17 @@ static void shard_load(TokenShard* s, const char* path, int model_vocab) {
 static void shard_free(TokenShard* s) {
     free(s->path); free(s->tokens); free(s->mask); free(s->starts);
     memset(s, 0, sizeof(*s));
+}
+
+// The identity of a shard's contents (checksum.h's Fingerprint), recorded with a saved run so a
+// resume on other data of the same size is refused.
+static uint64_t shard_fingerprint(const TokenShard* s) {
+    Fingerprint f;
+    fp_init(&f);
+    fp_update(&f, s->tokens, sizeof(uint32_t) * (size_t)s->count);
+    if (s->mask) fp_update(&f, s->mask, (size_t)s->count);
+    if (s->starts) fp_update(&f, s->starts, (size_t)s->count);
+    return fp_final(&f);
 }
 
 typedef struct {

@@ -20,7 +20,7 @@
 // Approximations: the regex classes are ASCII ones, with every byte >= 0x80 a letter (so
 // non-ASCII punctuation, symbols and digits join words); and merges are ranked by the token they
 // make, not by the pair (real BPE merges only listed pairs). On English text the ids equal the
-// real tokenizer's (test/test_gguf_export.py checks SmolLM2 against an exact BPE of its merges);
+// real tokenizer's (test/formats/test_gguf_export.py checks SmolLM2 against an exact BPE of its merges);
 // wherever they differ they still decode to the same text. scripts/formats/llama2c_tokenizer.py
 // implements the same rules in Python. C strings: the byte 0 cannot be encoded and prints as
 // nothing.

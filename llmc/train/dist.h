@@ -100,6 +100,34 @@ static void dist_allreduce_sum_f64(const Dist* d, double* x, int n) {
 #endif
 }
 
+// Refuses a job whose ranks were started differently: every rank sends its `line` (space-separated
+// "key=value" words: its flags, or its run's settings with the identity of its model and data),
+// and every rank names the first word where a rank differs from rank 0, before any collective
+// that a mismatch would hang or corrupt (a different --lora-rank overflows the gradient buffers,
+// a different --steps waits forever, a different --lr or --seed silently diverges).
+#define DIST_LINE_BYTES 8192
+static void dist_check_same(const Dist* d, const char* what, const char* line) {
+#ifdef LLMC_HAVE_MPI
+    if (d->world <= 1) return;
+    char* all = (char*)xcalloc((size_t)d->world, DIST_LINE_BYTES);
+    char mine[DIST_LINE_BYTES];
+    snprintf(mine, sizeof(mine), "%s", line);
+    MPI_Allgather(mine, DIST_LINE_BYTES, MPI_CHAR, all, DIST_LINE_BYTES, MPI_CHAR, MPI_COMM_WORLD);
+    for (int r = 1; r < d->world; r++) {
+        const char *a = all, *b = all + (size_t)r * DIST_LINE_BYTES;
+        if (strcmp(a, b) == 0) continue;
+        while (*a && *a == *b) { a++; b++; }  // back to the start of the differing word
+        while (a > all && a[-1] != ' ') { a--; b--; }
+        int la = (int)strcspn(a, " "), lb = (int)strcspn(b, " ");
+        fail("rank %d was started with %.*s, rank 0 with %.*s (%s must be the same on every rank)", r, lb, b, la, a,
+             what);
+    }
+    free(all);
+#else
+    (void)d; (void)what; (void)line;
+#endif
+}
+
 // Every rank waits here until all have arrived (rank 0 has finished something the others read).
 static void dist_barrier(const Dist* d) {
 #ifdef LLMC_HAVE_MPI

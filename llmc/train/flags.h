@@ -132,6 +132,36 @@ static void flags_print_help(const FlagTable* t) {
     printf("  %-34s %s\n", "--help", "print this help and exit");
 }
 
+// The shortest %g text that reads back as x (so 2e-3 prints as 0.002, not 0.00200000009).
+static void float_shortest(char* buf, size_t n, float x) {
+    for (int digits = 6; digits <= 9; digits++) {
+        snprintf(buf, n, "%.*g", digits, x);
+        if (strtof(buf, NULL) == x) return;
+    }
+}
+
+// Every flag's value as "--name=value" words, in the table's order (what ranks compare at start).
+static void flags_values(const FlagTable* t, char* buf, size_t n) {
+    buf[0] = 0;
+    for (int i = 0; i < t->count; i++) {
+        const Flag* f = &t->flags[i];
+        switch (f->kind) {
+            case FLAG_INT: case FLAG_BOOL: str_appendf(buf, n, "--%s=%d ", f->name, *(int*)f->target); break;
+            case FLAG_FLOAT: {
+                char x[32];
+                float_shortest(x, sizeof(x), *(float*)f->target);
+                str_appendf(buf, n, "--%s=%s ", f->name, x);
+                break;
+            }
+            case FLAG_STRING: case FLAG_CHOICE: {
+                const char* v = *(const char**)f->target;
+                str_appendf(buf, n, "--%s=%s ", f->name, v ? v : "(none)");
+                break;
+            }
+        }
+    }
+}
+
 static Flag* flags_find(FlagTable* t, const char* name) {
     for (int i = 0; i < t->count; i++)
         if (strcmp(t->flags[i].name, name) == 0) return &t->flags[i];

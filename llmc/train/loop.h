@@ -100,6 +100,9 @@ static void train_start(Dist* dist, TrainOptions* o, int* argc, char*** argv,
     memset(&ft, 0, sizeof(ft));
     register_flags(&ft, o);
     train_parse_flags(&ft, o, *argc, *argv);
+    char values[DIST_LINE_BYTES];
+    flags_values(&ft, values, sizeof(values));
+    dist_check_same(dist, "the flags", values);
 }
 
 // Parts of the start-up line (rank 0): what trains, and on what.
@@ -144,7 +147,11 @@ static int train_resume(Trainable* tr, const TrainOptions* o, const char* settin
     int rank0 = !dist || dist->rank == 0;
     if (rank0) save_dir_recover(o->resume_dir);
     dist_barrier(dist);
-    int start = (int)trainable_load_state(tr, o->resume_dir, settings, cursor);
+    int64_t step = trainable_load_state(tr, o->resume_dir, settings, cursor);
+    if (step > o->steps)  // the settings hold --steps, so only a corrupt state gets here
+        fail("%s/train_state.bin: step %lld is beyond the schedule's %d steps (the state is corrupt)", o->resume_dir,
+             (long long)step, o->steps);
+    int start = (int)step;
     if (rank0) printf("resumed %s/train_state.bin at step %d\n", o->resume_dir, start);
     return start;
 }
@@ -184,8 +191,9 @@ static FILE* train_open_log(const TrainOptions* o, int rank0, const char* header
 static void train_print_summary(const TrainOptions* o, int start, int stop, double seconds, double comm_s, int full,
                                 const MemPlan* plan, const Backend* be) {
     const char* out = o->out_dir ? o->out_dir : o->resume_dir;
+    int saved = out && stop > start;  // with no step there was nothing to save (log.csv only)
     printf("trained %d steps in %.1f s (%.1f s in all-reduce)%s%s\n", stop - start, seconds, comm_s,
-           out ? (full ? ", model and state in " : ", adapter and state in ") : "", out ? out : "");
+           saved ? (full ? ", model and state in " : ", adapter and state in ") : "", saved ? out : "");
     if (stop < o->steps)
         printf("stopped at step %d of %d (--stop-at); continue with --resume %s\n", stop, o->steps, out ? out : "OUT");
     backend_print_memory(be, plan);
@@ -214,6 +222,7 @@ typedef struct {
     int full;                          // --full: a save writes the model, not an adapter
     int have_val;                      // --val was given
     int64_t* cursor;                   // the training data's position, saved with the state
+    uint64_t data_fingerprint;         // the training data's identity (shard_fingerprint, ...)
     char settings[STATE_SETTINGS_BYTES];  // what a resumed run must share with the saved one
     StepResult (*step)(void* model, const TrainOptions* o, const Dist* dist, int step);
     EvalResult (*evaluate)(void* model, int batches);
@@ -266,14 +275,15 @@ static void train_log_row(FILE* log, const Trainer* t, int step, const StepResul
 // A save after `step` steps (every rank: a sharded master comes together on rank 0): rank 0
 // stages the model (--full: a loadable model directory) or the adapter, every rank the state
 // (which records the checksum of that file), then rank 0 commits them as one step (atomic_save.h).
-static void train_save(const Trainer* t, const TrainOptions* o, const Dist* dist, const char* out, int step) {
+static void train_save(const Trainer* t, const TrainOptions* o, const Dist* dist, const char* out, const char* settings,
+                       int step) {
     int rank0 = dist->rank == 0;
     trainable_sync_host(t->tr, dist);
     char* stage = rank0 ? save_begin(out) : NULL;
     if (rank0 && t->full) t->export_merged(t->model, o, stage);
     else if (rank0) t->save_adapter(t->model, o, stage);
     const char* saved = t->full ? "model.safetensors" : "adapter_model.safetensors";
-    trainable_save_state(t->tr, dist, stage, t->settings, step, *t->cursor, o->seed, saved);
+    trainable_save_state(t->tr, dist, stage, settings, step, *t->cursor, o->seed, saved);
     if (rank0) save_commit(out, stage, step);
 }
 
@@ -284,12 +294,24 @@ static EvalResult train_validate_if_due(const Trainer* t, const TrainOptions* o,
     return t->evaluate(t->model, o->val_batches);
 }
 
+// The run's settings with the identity of its base model and data appended: what a saved state
+// records and a resume must match, and what every rank must share.
+static void train_settings_with_identity(const Trainer* t, const TrainOptions* o, char* buf, size_t n) {
+    uint64_t model = o->random_init ? 0 : st_model_fingerprint(o->model_dir);  // random: --seed says which
+    snprintf(buf, n, "model_fingerprint=%016llx data_fingerprint=%016llx ", (unsigned long long)model,
+             (unsigned long long)t->data_fingerprint);
+    str_appendf(buf, n, "%s", t->settings);
+}
+
 // The training loop: resume, the model's validation before any update, then each step with its
 // line, log row, validation and save, and the closing summary.
 static void train_loop(const Trainer* t, const TrainOptions* o, const Dist* dist) {
     int rank0 = dist->rank == 0;
     const char* out = o->out_dir ? o->out_dir : o->resume_dir;
-    int start = train_resume(t->tr, o, t->settings, t->cursor, dist);
+    char settings[STATE_SETTINGS_BYTES];
+    train_settings_with_identity(t, o, settings, sizeof(settings));
+    dist_check_same(dist, "the model, the data and the run's settings", settings);
+    int start = train_resume(t->tr, o, settings, t->cursor, dist);
     char header[128], val[96];
     train_log_header(t, header, sizeof(header));
     FILE* log = train_open_log(o, rank0, header, start);
@@ -318,7 +340,7 @@ static void train_loop(const Trainer* t, const TrainOptions* o, const Dist* dist
         if (rank0)
             train_print_step(o, dist, step, last, &r, dt, t->unit, t->flops_per_item, peak, isnan(e.loss) ? NULL : val);
         train_log_row(log, t, step + 1, &r, dt, e);
-        if (out && train_save_due(o, step + 1)) train_save(t, o, dist, out, step + 1);
+        if (out && train_save_due(o, step + 1)) train_save(t, o, dist, out, settings, step + 1);
     }
     if (rank0) train_print_summary(o, start, stop, wall_seconds() - t0, comm, t->full, t->plan, t->be);
     if (rank0) prof_print(t->be->prof, t->be->layout);

@@ -34,6 +34,7 @@ typedef struct {
     // LoRA
     int lora_rank;
     float lora_alpha;
+    int lora_rslora;        // scale alpha/sqrt(r) instead of alpha/r (PEFT's use_rslora)
     float lora_dropout;     // dropout probability on each adapter's input while training (0 = off)
     const char* lora_targets;
     // system
@@ -125,6 +126,9 @@ static void train_flags_register_task(FlagTable* t, TrainOptions* o, const char*
     t->group = "LoRA";
     flag_int(t, "lora-rank", &o->lora_rank, "adapter rank r");
     flag_float(t, "lora-alpha", &o->lora_alpha, "adapter scale alpha (update = alpha/r * B A x)");
+    flag_bool(t, "lora-rslora", &o->lora_rslora,
+              "rank-stabilized LoRA: update = alpha/sqrt(r) * B A x (PEFT's use_rslora; an --adapter must say the "
+              "same)");
     flag_float(t, "lora-dropout", &o->lora_dropout,
                "dropout probability on each adapter's input while training, as PEFT's lora_dropout (the mask is "
                "regenerated in "
@@ -180,7 +184,8 @@ static void train_resolve_mode(TrainOptions* o) {
 static void train_validate(const TrainOptions* o) {
     if (o->steps < 0) fail("flag --steps: expected >= 0, got %d", o->steps);
     if (o->batch < 1) fail("flag --batch: expected >= 1, got %d", o->batch);
-    if (o->seq < 1) fail("flag --seq: expected >= 1, got %d", o->seq);
+    // at most 2^30: seq + 1 (a window with its next token) and every per-sequence count stay within int
+    if (o->seq < 1 || o->seq > (1 << 30)) fail("flag --seq: expected 1..%d, got %d", 1 << 30, o->seq);
     if (o->grad_accum < 1) fail("flag --grad-accum: expected >= 1, got %d", o->grad_accum);
     if (o->lora_rank < 1) fail("flag --lora-rank: expected >= 1, got %d", o->lora_rank);
     if (o->warmup < 0) fail("flag --warmup: expected >= 0, got %d", o->warmup);
@@ -207,9 +212,11 @@ static void train_validate(const TrainOptions* o) {
     if (o->save_every < 0) fail("flag --save-every: expected >= 0, got %d", o->save_every);
     if (o->resume_dir && o->adapter_dir)
         fail("flag --adapter: not with --resume (the training state holds the adapter)");
+    if (o->full && o->lora_rslora) fail("flag --lora-rslora: only with LoRA adapters, not with --full");
     if (o->full && (o->lora_targets || o->adapter_dir))
         fail("flag --full: not with --lora-targets or --adapter (no adapters in full fine-tuning)");
-    if (o->classes < 0) fail("flag --classes: expected >= 0, got %d", o->classes);
+    // one class has loss 0 and gradient 0 whatever the weights: nothing to learn
+    if (o->classes < 0 || o->classes == 1) fail("flag --classes: expected 0 (from the data) or >= 2, got %d", o->classes);
     if (o->full && strcmp(o->quant, "none") != 0)
         fail(
             "flag --quant %s: not with --full (full fine-tuning trains the weights themselves, in fp32; quantization "
@@ -242,9 +249,9 @@ static void print_mfu(double items_per_s_per_gpu, double flops_per_item, double 
 static unsigned parse_targets(const char* list, const char* const* names, int n, const char* flag) {
     if (!list) return (1u << n) - 1;
     unsigned mask = 0;
-    char buf[256];
-    snprintf(buf, sizeof(buf), "%s", list);
-    for (char* tok = strtok(buf, ","); tok; tok = strtok(NULL, ",")) {
+    char* buf = xstrdup(list);  // the whole list, however long: a cut one would drop targets silently
+    char* save = NULL;
+    for (char* tok = strtok_r(buf, ",", &save); tok; tok = strtok_r(NULL, ",", &save)) {
         int found = -1;
         for (int i = 0; i < n; i++) if (strcmp(tok, names[i]) == 0) found = i;
         if (found < 0) {
@@ -255,6 +262,7 @@ static unsigned parse_targets(const char* list, const char* const* names, int n,
         }
         mask |= 1u << found;
     }
+    free(buf);
     if (!mask) fail("flag --%s: empty target list", flag);
     return mask;
 }
@@ -287,6 +295,8 @@ static TrainModes train_modes_from(const TrainOptions* o, const char* const* tar
     md.targets = o->full ? 0 : parse_targets(o->lora_targets, target_names, n_targets, "lora-targets");
     md.rank = o->lora_rank;
     md.lora_scale = o->lora_alpha / (float)o->lora_rank;
+    // PEFT forms lora_alpha / math.sqrt(r) in double; torch rounds it to float once
+    if (o->lora_rslora) md.lora_scale = (float)((double)o->lora_alpha / sqrt((double)o->lora_rank));
     // a run that cannot train (--eval-only; --generate or --export-merged without --data) plans no
     // dropout scratch; a --dry-run plans the training run
     int trains = !o->eval_only && (o->data_path || o->dry_run);

@@ -120,6 +120,12 @@ static int state_check(char* err, size_t n, const char* path, const char* buf, s
         return 0;
     }
     if (size != body + 4) { snprintf(err, n, "%s: %zu bytes, expected %zu", path, size, body + 4); return 0; }
+    // a checksum proves the bytes are the ones written, not that they make sense
+    if (h->step < 0 || h->cursor < 0) {
+        snprintf(err, n, "%s: step %lld, data cursor %lld: no saved run holds a negative one (the state is corrupt)",
+                 path, (long long)h->step, (long long)h->cursor);
+        return 0;
+    }
     float* values = (float*)(buf + need);  // 4-byte aligned: need is a multiple of 4 and malloc aligns
     return !state_find_impossible(err, n, path, values, count);
 }

@@ -12,6 +12,7 @@
 #pragma once
 #include "../common.h"
 #include "../rng.h"
+#include "../formats/checksum.h"
 #include "resample.h"
 
 #define IMAGE_SHARD_MAGIC "IMGS"
@@ -61,6 +62,16 @@ static void image_shard_load(ImageShard* s, const char* path) {
 static void image_shard_free(ImageShard* s) {
     free(s->path); free(s->pixels); free(s->labels);
     memset(s, 0, sizeof(*s));
+}
+
+// The identity of a shard's contents (checksum.h's Fingerprint), recorded with a saved run so a
+// resume on other images of the same count is refused.
+static uint64_t image_shard_fingerprint(const ImageShard* s) {
+    Fingerprint f;
+    fp_init(&f);
+    fp_update(&f, s->pixels, (size_t)s->n * s->H * s->W * s->C);
+    fp_update(&f, s->labels, sizeof(uint16_t) * (size_t)s->n);
+    return fp_final(&f);
 }
 
 typedef struct {

@@ -1,6 +1,6 @@
 // resample.h: 2-D interpolation with exactly the sampling rule of PyTorch's
 // F.interpolate(..., align_corners=False, antialias=False) given an output size, so that the
-// PyTorch reference (test/reference_vit.py) can reproduce it:
+// PyTorch reference (test/model/reference_vit.py) can reproduce it:
 //   bilinear  the image loader's resize to the model's resolution (llmc/vision/imagedata.h)
 //   bicubic   the position-embedding grid at a new fine-tuning resolution (train_vit.cu), as
 //             Hugging Face's interpolate_pos_encoding does (Keys kernel, A = -0.75)

@@ -22,9 +22,9 @@ import time
 import numpy as np
 import torch
 
-# sibling modules: scripts/<folder>/ (and the PyTorch references in test/)
+# sibling modules: scripts/<folder>/ (and the PyTorch references in test/model/)
 SCRIPTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [os.path.join(SCRIPTS, d) for d in ("formats", "../test",)]
+sys.path[:0] = [os.path.join(SCRIPTS, d) for d in ("formats", "../test/model",)]
 import reference_llama as ref  # noqa: E402
 import st_io  # noqa: E402
 

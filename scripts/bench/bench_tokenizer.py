@@ -1,12 +1,12 @@
-"""Prompt-encoding and tokenizer-loading times of the C tokenizers (test/tokenizer_probe, make
-test/tokenizer_probe): a long prompt through a llama2.c tokenizer.bin (llmc/text/tokenizer.h) and through
-a SentencePiece-style tokenizer.json whose normalizer leaves it one word (llmc/text/hf_tokenizer.h), and a
-tokenizer.json with many added tokens, loaded and used. One line per case: wall seconds of the probe's
-whole run, and the token count. Needs the `tokenizers` package for the tokenizer.json cases.
+"""Prompt-encoding and tokenizer-loading times of the C tokenizers (build/test/tokenizer_probe, make
+build/test/tokenizer_probe): a long prompt through a llama2.c tokenizer.bin (llmc/text/tokenizer.h) and
+through a SentencePiece-style tokenizer.json whose normalizer leaves it one word (llmc/text/hf_tokenizer.h),
+and a tokenizer.json with many added tokens, loaded and used. One line per case: wall seconds of the
+probe's whole run, and the token count. Needs the `tokenizers` package for the tokenizer.json cases.
 
 usage: python3 scripts/bench/bench_tokenizer.py [--bin TOKENIZER.bin] [--kb 34] [--added 100000] [--probe PATH]
   --bin: a llama2.c tokenizer.bin (default: ../shared/models/tokenizer.bin, test/conftest.py's folder)
-  --probe: another build of test/tokenizer_probe (an older commit's, to compare)"""
+  --probe: another build of build/test/tokenizer_probe (an older commit's, to compare)"""
 import argparse
 import os
 import random
@@ -15,7 +15,7 @@ import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-PROBE = os.path.join(REPO, "test", "tokenizer_probe")
+PROBE = os.path.join(REPO, "build", "test", "tokenizer_probe")
 WORDS = "the quick brown fox jumps over a lazy dog while it's raining 1234 times, café Straße".split()
 
 

@@ -20,9 +20,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-# sibling modules: scripts/<folder>/ (and the PyTorch references in test/)
+# sibling modules: scripts/<folder>/ (and the PyTorch references in test/model/)
 SCRIPTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [os.path.join(SCRIPTS, d) for d in ("formats", "data", "../test",)]
+sys.path[:0] = [os.path.join(SCRIPTS, d) for d in ("formats", "data", "../test/model",)]
 import prepare_images as pi  # noqa: E402
 import reference_vit as ref  # noqa: E402
 import st_io  # noqa: E402

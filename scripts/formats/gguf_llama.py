@@ -4,7 +4,7 @@
     config, tensors, tokenizer = load_gguf("model.gguf")
 
 The PyPI package `gguf` parses the file (metadata and raw tensor bytes); the dequantization is
-our own, in numpy, so that it can be checked against the package's (test/test_gguf_export.py).
+our own, in numpy, so that it can be checked against the package's (test/formats/test_gguf_export.py).
 
 Tensors. GGUF lists a tensor's dimensions innermost first (ne0 = the input features of a
 linear layer), so a [ne0, ne1] matrix is the row-major [ne1, ne0] = [out, in] array that

@@ -18,7 +18,7 @@
 // below. The runtime functions are defined here, so include it in one translation unit only.
 //
 // What it catches that a GPU would show as a crash, garbage or a compute-sanitizer report
-// (test/test_emu_checks.py plants each bug and sees it caught):
+// (test/cuda/test_emu_checks.py plants each bug and sees it caught):
 //   - out-of-bounds accesses: every cudaMalloc and every buffer of the memory plan (plan.h leaves
 //     a gap after each) is followed by a guard zone filled with 0xFF (NaN as float or bf16, -1 as
 //     an integer), checked after every kernel, copy and cuBLAS call: a write there is reported

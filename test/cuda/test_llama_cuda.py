@@ -1,0 +1,451 @@
+"""train_llama's CUDA backend against its CPU backend, whole model: one forward + backward of the
+probe in every mode (logits, loss, every LoRA gradient, or every weight gradient under --full,
+within bf16 tolerances), short training runs (per-step losses), the memory the run measured
+against its plan, resume and adapters across backends, and data parallelism with the CUDA backend
+(gradient all-reduce; ZeRO-1 under --full).
+
+Where the CUDA side runs: on the CPU emulator of the CUDA programming model (build/emu/*, built by
+`make test-py` with -DLLMC_CUDA_EMU; what CI runs), or on a real GPU with CUDA_TEST_BACKEND=gpu
+(the nvcc-built ./train_llama and build/test/llama_probe; `make test-gpu` does this). A missing binary
+FAILS.
+
+Tolerances: the CPU backend is fp32; CUDA keeps activations and frozen weights in bf16 (8-bit
+mantissa), so a 2-layer random test model drifts by ~1-2 % (relative L2) in the logits and up to
+~6 % in single gradient tensors in exact modes (measured, printed by the tests). In approx mode
+(ReSiLU2) a gate pre-activation that bf16 rounding moves across a step of the 2-bit code changes
+that element's derivative level; the middle step is at -0.0009, where many pre-activations lie,
+so gradients differ more. A wiring bug (a wrong buffer, a missing accumulation, a transposed
+weight) gives O(1) errors."""
+import json
+import os
+import re
+
+import numpy as np
+import pytest
+
+import llama_cases as lc
+import st_io
+from cuda_backend import BLAS_WORKSPACE_MIB, GPU, REPO, binaries, check_measured_memory, mpirun, need, rel_l2, run
+
+CUDA_TRAIN, CUDA_PROBE, CPU_TRAIN, CPU_PROBE = binaries("train_llama", "llama_probe")
+
+# (act, norm, recompute, extra flags)
+MODES = {
+    "baseline": ("exact", "std", "none", []),
+    "lowmem": ("approx", "ms", "none", []),
+    "ckpt": ("exact", "std", "block", []),
+    "approx_std": ("approx", "std", "none", []),
+    "exact_ms": ("exact", "ms", "none", []),
+    "lowmem_product_recompute": ("approx", "ms", "none", ["--swiglu-product", "recompute"]),
+    "exact_ms_block": ("exact", "ms", "block", []),
+    "exact_ms_merged": ("exact", "ms", "none", ["--ms-lora", "merged"]),  # the paper's variant
+}
+TOL_EXACT = {"logits": 0.05, "loss": 1e-2, "grad": 0.15}
+TOL_APPROX = {"logits": 0.05, "loss": 1e-2, "grad": 0.6}
+
+
+def probe(exe, model, case, out, act, norm, rec, rank, alpha, extra, device, env=None):
+    run([need(exe), "--model", model, "--case", case, "--out-file", out, "--act", act, "--norm", norm, "--recompute", rec,
+         "--lora-rank", rank, "--lora-alpha", repr(float(alpha)), "--device", device] + extra, env=env)
+    return st_io.load(out)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cuda_models")
+    out = {}
+    for name in lc.CONFIGS:
+        d = str(root / name)
+        cfg = lc.write_model(d, lc.model_config(name))
+        B, T, r, alpha = lc.SHAPES[name]
+        case = lc.make_case(cfg, B, T, r, seed=3)
+        cp = os.path.join(d, "case.safetensors")
+        st_io.save(cp, case)
+        out[name] = (d, cp, r, alpha)
+    return out
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("name", list(lc.CONFIGS))
+def test_cuda_probe_matches_cpu_probe(models, name, mode):
+    d, cp, r, alpha = models[name]
+    act, norm, rec, extra = MODES[mode]
+    want = probe(CPU_PROBE, d, cp, cp + f".{mode}.cpu", act, norm, rec, r, alpha, extra, "cpu")
+    got = probe(CUDA_PROBE, d, cp, cp + f".{mode}.cuda", act, norm, rec, r, alpha, extra, "cuda")
+    assert set(got) == set(want)
+    tol = TOL_APPROX if act == "approx" else TOL_EXACT
+    e_logits = rel_l2(got["logits"], want["logits"])
+    e_loss = abs(float(got["loss"][0]) - float(want["loss"][0])) / abs(float(want["loss"][0]))
+    grads = sorted((rel_l2(got[k], want[k]), k) for k in want if k.startswith("grad."))
+    worst, wname = grads[-1]
+    median = grads[len(grads) // 2][0]
+    print(f"{name} {mode}: logits {e_logits:.2e}  loss {e_loss:.2e}  grads median {median:.2e} worst {worst:.2e} ({wname})")
+    assert e_logits < tol["logits"] and e_loss < tol["loss"], (e_logits, e_loss)
+    assert worst < tol["grad"], (worst, wname)
+    assert median < tol["grad"] / 3, median
+
+
+@pytest.mark.parametrize("name", list(lc.CONFIGS))
+def test_cuda_ms_lora_matches_cpu_std(models, name):
+    """Under MS-RMSNorm the CUDA adapters of q, k, v, gate and up see gamma*z (bf16 A diag(gamma)):
+    the CUDA probe under --norm ms against the CPU probe under --norm std, the original model,
+    within the same bf16 tolerances."""
+    d, cp, r, alpha = models[name]
+    want = probe(CPU_PROBE, d, cp, cp + ".msstd.cpu", "exact", "std", "none", r, alpha, [], "cpu")
+    got = probe(CUDA_PROBE, d, cp, cp + ".msstd.cuda", "exact", "ms", "none", r, alpha, [], "cuda")
+    e_logits = rel_l2(got["logits"], want["logits"])
+    grads = sorted((rel_l2(got[k], want[k]), k) for k in want if k.startswith("grad."))
+    print(f"{name} cuda ms vs cpu std: logits {e_logits:.2e}  grads median {grads[len(grads) // 2][0]:.2e} worst {grads[-1][0]:.2e} ({grads[-1][1]})")
+    assert e_logits < TOL_EXACT["logits"] and grads[-1][0] < TOL_EXACT["grad"] and grads[len(grads) // 2][0] < TOL_EXACT["grad"] / 3
+
+
+@pytest.mark.parametrize("mode", ["baseline", "lowmem", "ckpt"])
+@pytest.mark.parametrize("name", ["gqa_untied", "qwen2", "qwen3", "llama_bias"])
+def test_cuda_probe_full_finetuning_matches_cpu(models, name, mode):
+    """--full: every linear weight's gradient (fp32 masters, bf16 shadows in the products), and the
+    families' biases and Qwen3's q/k norms."""
+    d, cp, r, alpha = models[name]
+    act, norm, rec, extra = MODES[mode]
+    want = probe(CPU_PROBE, d, cp, cp + f".full.{mode}.cpu", act, norm, rec, r, alpha, extra + ["--full"], "cpu")
+    got = probe(CUDA_PROBE, d, cp, cp + f".full.{mode}.cuda", act, norm, rec, r, alpha, extra + ["--full"], "cuda")
+    assert set(got) == set(want) and sum(k.endswith(".W") for k in want) == 2 * 7
+    assert any(k.endswith(".b") or k.endswith("q_norm") for k in want) == (name != "gqa_untied")
+    e_logits = rel_l2(got["logits"], want["logits"])
+    grads = sorted((rel_l2(got[k], want[k]), k) for k in want if k.startswith("grad."))
+    print(f"full {name} {mode}: logits {e_logits:.2e}  grads worst {grads[-1][0]:.2e} ({grads[-1][1]})")
+    tol = TOL_APPROX if act == "approx" else TOL_EXACT
+    assert e_logits < tol["logits"] and grads[-1][0] < tol["grad"]
+
+
+@pytest.mark.parametrize("env", [{"LLMC_ATTN_CHUNK": "3"}, {"LLMC_ATTENTION": "flash"}], ids=["gemm_chunks_of_3", "flash"])
+@pytest.mark.parametrize("name", ["gqa_untied", "llama3_rope"])
+def test_cuda_attention_paths(models, name, env):
+    """The tensor-core attention split into many chunks of query rows, and the flash kernels
+    (LLMC_ATTENTION=flash), inside the whole model."""
+    d, cp, r, alpha = models[name]
+    want = probe(CPU_PROBE, d, cp, cp + ".paths.cpu", "exact", "std", "none", r, alpha, [], "cpu")
+    got = probe(CUDA_PROBE, d, cp, cp + ".paths.cuda", "exact", "std", "none", r, alpha, [], "cuda", env)
+    e = rel_l2(got["logits"], want["logits"])
+    worst = max(rel_l2(got[k], want[k]) for k in want if k.startswith("grad."))
+    print(f"{name} {env}: logits {e:.2e} grads worst {worst:.2e}")
+    assert e < TOL_EXACT["logits"] and worst < TOL_EXACT["grad"]
+
+
+def test_cuda_probe_packed_examples(models):
+    """Example starts (positions restart, attention stays inside each example) on CUDA."""
+    d, cp, r, alpha = models["gqa_untied"]
+    case = st_io.load(cp)
+    B, T1 = case["tokens"].shape
+    starts = np.zeros((B, T1 - 1), np.uint8)
+    starts[0, 4] = starts[1, 3] = starts[1, 8] = 1
+    case["starts"] = starts
+    pp = cp + ".packed"
+    st_io.save(pp, case)
+    want = probe(CPU_PROBE, d, pp, pp + ".cpu", "approx", "ms", "none", r, alpha, [], "cpu")
+    got = probe(CUDA_PROBE, d, pp, pp + ".cuda", "approx", "ms", "none", r, alpha, [], "cuda")
+    e = rel_l2(got["logits"], want["logits"])
+    print(f"packed examples: logits {e:.2e}")
+    assert e < TOL_EXACT["logits"]
+
+
+# ---- training runs -----------------------------------------------------------------------------
+
+DEMO = ["--model", os.path.join(REPO, "data/llama_demo"), "--data", os.path.join(REPO, "data/llama_demo_ft_train.bin"),
+        "--val", os.path.join(REPO, "data/llama_demo_ft_val.bin"), "--val-batches", "1", "--batch", "2", "--seq", "32",
+        "--lr", "3e-3", "--lora-rank", "4", "--seed", "5", "--threads", "2"]
+
+
+def train(exe, device, *args, check=True):
+    return run([need(exe)] + DEMO + ["--device", device] + list(args), check=check)
+
+
+def demo_args(model):
+    """DEMO with another model directory."""
+    return ["--model", str(model)] + DEMO[2:]
+
+
+def untied_demo(path):
+    """The demo model with its head untied: lm_head.weight a copy of the embedding."""
+    os.makedirs(path, exist_ok=True)
+    src = os.path.join(REPO, "data/llama_demo")
+    with open(os.path.join(src, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["tie_word_embeddings"] = False
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    w = st_io.load(os.path.join(src, "model.safetensors"))
+    w["lm_head.weight"] = w["model.embed_tokens.weight"].copy()
+    st_io.save(os.path.join(path, "model.safetensors"), w)
+    return path
+
+
+def train_two_ranks(*args, env=None):
+    """mpirun -np 2 of the CUDA trainer on the demo, one thread per rank."""
+    return mpirun(2, CUDA_TRAIN, DEMO + ["--device", "cuda", "--threads", 1] + list(args), env=env)
+
+
+def step_losses(out):
+    return [float(x) for x in re.findall(r"\| loss ([0-9.]+)", out)]
+
+
+def memory_line(out):
+    m = re.search(r"memory: planned ([0-9.]+) MiB .* measured (.*) ([0-9.]+) MiB", out)
+    assert m, out[-1500:]
+    return float(m.group(1)), m.group(2), float(m.group(3))
+
+
+@pytest.mark.parametrize("mode", ["baseline", "lowmem", "ckpt"])
+def test_cuda_training_tracks_cpu(mode):
+    cpu = train(CPU_TRAIN, "cpu", "--mode", mode, "--steps", 4)
+    cuda = train(CUDA_TRAIN, "cuda", "--mode", mode, "--steps", 4)
+    a, b = step_losses(cpu.stdout), step_losses(cuda.stdout)
+    print(f"{mode}: cpu {a}\n{mode}: cuda {b}")
+    assert len(a) == len(b) == 4
+    np.testing.assert_allclose(b, a, rtol=0.01)
+    assert "CUDA GPU" in cuda.stdout and "CUDA bf16 layout" in cuda.stdout
+    assert re.search(r"^device: .+ \(sm_\d+, [0-9.]+ GiB\)", cuda.stdout, re.M), cuda.stdout[:500]
+    planned, what, measured = memory_line(cuda.stdout)
+    print(f"{mode}: planned {planned} MiB, measured {measured} MiB ({what})")
+    assert "cudaMemGetInfo" in what
+    # the plan holds cuBLAS's 32 MiB workspace beside the demo's ~5 MiB of arenas
+    assert planned >= BLAS_WORKSPACE_MIB, planned
+    check_measured_memory(planned, measured)
+
+
+def test_cuda_lowmem_plan_saves_memory():
+    runs = {m: train(CUDA_TRAIN, "cuda", "--mode", m, "--steps", 1).stdout for m in ("baseline", "lowmem", "ckpt")}
+    measured = {m: memory_line(o)[2] for m, o in runs.items()}
+    print("measured device MiB:", measured)
+    assert measured["lowmem"] < measured["baseline"] and measured["ckpt"] < measured["lowmem"]
+
+
+def test_cuda_resume_is_bit_identical_and_adapter_loads_on_cpu(tmp_path):
+    straight = train(CUDA_TRAIN, "cuda", "--steps", 4, "--out", tmp_path / "straight")
+    train(CUDA_TRAIN, "cuda", "--steps", 4, "--stop-at", 2, "--out", tmp_path / "split")
+    resumed = train(CUDA_TRAIN, "cuda", "--steps", 4, "--resume", tmp_path / "split")
+    assert step_losses(resumed.stdout) == step_losses(straight.stdout)[2:]
+    a = st_io.load(str(tmp_path / "straight" / "adapter_model.safetensors"))
+    b = st_io.load(str(tmp_path / "split" / "adapter_model.safetensors"))
+    for k in a:
+        assert np.array_equal(a[k], b[k]), k
+    # the CUDA-trained adapter in the CPU backend: the same validation loss within bf16 noise
+    ev_cpu = train(CPU_TRAIN, "cpu", "--eval-only", "--adapter", tmp_path / "straight")
+    ev_cuda = train(CUDA_TRAIN, "cuda", "--eval-only", "--adapter", tmp_path / "straight")
+    vc = float(re.search(r"val loss ([0-9.]+)", ev_cpu.stdout).group(1))
+    vg = float(re.search(r"val loss ([0-9.]+)", ev_cuda.stdout).group(1))
+    print(f"val loss of the CUDA-trained adapter: cpu {vc}, cuda {vg}")
+    assert abs(vc - vg) / vc < 0.01
+    base = float(re.search(r"step +0/4 \| val loss ([0-9.]+)", straight.stdout).group(1))
+    assert vc != base  # the adapter changed the model
+
+
+def test_cuda_grad_accum_and_merged_export(tmp_path):
+    """Gradient accumulation on CUDA equals the bigger batch; --export-merged after CUDA training
+    writes what the CPU backend writes from the same adapter."""
+    big = train(CUDA_TRAIN, "cuda", "--steps", 2, "--batch", 4, "--out", tmp_path / "big")
+    acc = train(CUDA_TRAIN, "cuda", "--steps", 2, "--batch", 2, "--grad-accum", 2)
+    np.testing.assert_allclose(step_losses(acc.stdout), step_losses(big.stdout), rtol=2e-3)
+    train(CUDA_TRAIN, "cuda", "--eval-only", "--adapter", tmp_path / "big", "--export-merged", tmp_path / "m_cuda")
+    train(CPU_TRAIN, "cpu", "--eval-only", "--adapter", tmp_path / "big", "--export-merged", tmp_path / "m_cpu")
+    a = st_io.load(str(tmp_path / "m_cuda" / "model.safetensors"))
+    b = st_io.load(str(tmp_path / "m_cpu" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+
+
+def test_cuda_two_ranks_equal_one_process(tmp_path):
+    """Two ranks with batch 2 each equal one process accumulating the same two micro-batches, with
+    the gradients summed by NCCL (emulated over MPI: llmc/cuda/emu/emu_nccl.h) block by block during the
+    backward, and by the host-and-MPI fallback (LLMC_NCCL=0) in one piece after it. Each rank's
+    gradient is the process's micro-batch gradient (the same products in the same order) and a sum
+    of two is exact in either order, so the adapters must be the same bits."""
+    if GPU:
+        pytest.skip("needs two GPUs")  # the one-GPU session checks NCCL with LLMC_NCCL_SELFTEST instead
+    one = train(CUDA_TRAIN, "cuda", "--steps", 3, "--batch", 2, "--grad-accum", 2, "--out", tmp_path / "one")
+    wa = st_io.load(str(tmp_path / "one" / "adapter_model.safetensors"))
+    for how, env in (("NCCL", {"LLMC_GRAD_BUCKET_BYTES": "1"}), ("MPI via host", {"LLMC_NCCL": "0", "LLMC_GRAD_BUCKET_BYTES": "1000000000"})):
+        out = tmp_path / how.replace(" ", "_")
+        p = train_two_ranks("--steps", 3, "--batch", 2, "--out", out, env=env)
+        assert step_losses(p.stdout) == step_losses(one.stdout) and len(step_losses(one.stdout)) == 3
+        assert f"gradients across ranks: {how}" in p.stdout
+        buckets = int(re.search(rf"gradients summed by {how} in (\d+) buckets? during the last backward", p.stdout).group(1))
+        assert (buckets > 1) == (how == "NCCL")
+        wb = st_io.load(str(out / "adapter_model.safetensors"))
+        assert wa.keys() == wb.keys() and all(np.array_equal(wa[k], wb[k]) for k in wa), how
+
+
+def test_cuda_two_ranks_accumulating_equal_one_process_at_step_one(tmp_path):
+    """Two ranks each accumulating 2 micro-batches (buckets sent during the last backward only)
+    against one process with batch 4 x 2, at step 1, before any update: the forward is row by row
+    (the same bits, so the same loss), and the gradients differ only by the fp32 grouping of their
+    row sums (relative error below 2 x 64 rows x 2^-24 ~ 8e-6, which the norm inherits); the log
+    prints the norm to 4 decimals, one unit of which may differ on top. Whichever path carries the
+    sums, NCCL or the host, the result is the same bits."""
+    if GPU:
+        pytest.skip("needs two GPUs")
+    one = train(CUDA_TRAIN, "cuda", "--steps", 1, "--batch", 4, "--grad-accum", 2)
+    gn = lambda out: float(out.split("| grad norm ")[1].split()[0])  # noqa: E731
+    runs = {}
+    for how, env in (("NCCL", {"LLMC_GRAD_BUCKET_BYTES": "1"}), ("MPI via host", {"LLMC_NCCL": "0"})):
+        out = tmp_path / how.replace(" ", "_")
+        p = train_two_ranks("--steps", 1, "--batch", 2, "--grad-accum", 2, "--out", out, env=env)
+        assert step_losses(p.stdout) == step_losses(one.stdout)
+        assert abs(gn(p.stdout) - gn(one.stdout)) <= 1e-4 + 8e-6 * gn(one.stdout), (gn(p.stdout), gn(one.stdout))
+        runs[how] = st_io.load(str(out / "adapter_model.safetensors"))
+    wn, wh = runs["NCCL"], runs["MPI via host"]
+    assert all(np.array_equal(wn[k], wh[k]) for k in wn)
+
+
+def test_cuda_nccl_selftest_one_rank_changes_nothing(tmp_path):
+    """LLMC_NCCL_SELFTEST=1 on one GPU sends every gradient through a one-rank communicator (and
+    --full through ZeRO-1's reduce-scatter, sharded master and bf16 all-gather): the result must be
+    exactly that of a plain run, which is what scripts/ci/gpu_check.sh relies on."""
+    for mode in ([], ["--full", "--lr", "1e-3"]):
+        plain = train(CUDA_TRAIN, "cuda", "--steps", 3, *mode, "--out", tmp_path / "plain")
+        st = run([need(CUDA_TRAIN)] + DEMO + ["--device", "cuda", "--steps", 3, *mode, "--out", tmp_path / "self"],
+                 env={"LLMC_NCCL_SELFTEST": "1"})
+        assert "gradients across ranks: NCCL" in st.stdout
+        assert re.search(r"data parallel: 1 rank; gradients (summed|reduce-scattered) by NCCL", st.stdout), st.stdout
+        assert ("fp32 master sharded too" in st.stdout) == bool(mode)
+        assert step_losses(st.stdout) == step_losses(plain.stdout)
+        name = "model.safetensors" if mode else "adapter_model.safetensors"
+        a, b = (st_io.load(str(tmp_path / d / name)) for d in ("plain", "self"))
+        assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+
+
+def test_cuda_full_finetuning_trains_and_zero1_equals_one_process(tmp_path):
+    """--full on CUDA: the losses track the CPU backend; under mpirun ZeRO-1 shards the AdamW
+    state (the plan shows it) and two ranks equal one process with the combined batch."""
+    cpu = train(CPU_TRAIN, "cpu", "--full", "--lr", "1e-3", "--steps", 3, "--batch", 4)
+    one = train(CUDA_TRAIN, "cuda", "--full", "--lr", "1e-3", "--steps", 3, "--batch", 4, "--out", tmp_path / "one")
+    a, b = step_losses(cpu.stdout), step_losses(one.stdout)
+    print(f"full: cpu {a}\nfull: cuda {b}")
+    np.testing.assert_allclose(b, a, rtol=0.01)
+    if GPU:
+        return  # two ranks need two GPUs
+    # every block its own bucket: each rank reduce-scatters (emulated NCCL) and updates a piece of
+    # every one, keeping only that piece's fp32 master; the ranks all-gather the bf16 weights
+    buckets = {"LLMC_GRAD_BUCKET_BYTES": "1"}
+    p = train_two_ranks("--full", "--lr", "1e-3", "--steps", 3, "--batch", 2, "--out", tmp_path / "two", env=buckets)
+    assert re.search(r"data parallel: 2 ranks; gradients reduce-scattered by NCCL in \d+ buckets during the last backward; ZeRO-1.*"
+                     r"all-gathers the bf16 weights during the next forward \(fp32 master sharded too\)", p.stdout), p.stdout
+    # the same sums through the host, the all-gather after the step: bit for bit the same, so no
+    # block of the overlapped forward read weights whose all-gather it had not waited for (the
+    # emulator runs each one only when stream order forces it)
+    h = train_two_ranks("--full", "--lr", "1e-3", "--steps", 3, "--batch", 2, "--out", tmp_path / "host", env=dict(buckets, LLMC_NCCL="0"))
+    assert step_losses(h.stdout) == step_losses(p.stdout)
+    wn, wh = (st_io.load(str(tmp_path / d / "model.safetensors")) for d in ("two", "host"))
+    assert all(np.array_equal(wn[k], wh[k]) for k in wn)
+    arena = lambda what, out: float(re.search(what + r" ([0-9.]+) MiB", out).group(1))  # noqa: E731
+    o1, o2, t1, t2 = arena("optimizer", one.stdout), arena("optimizer", p.stdout), arena("trainable", one.stdout), arena("trainable", p.stdout)
+    print(f"per rank: optimizer {o1} -> {o2} MiB, trainable (fp32 master + bf16 shadow) {t1} -> {t2} MiB")
+    assert o2 < 0.51 * o1 + 0.01
+    assert t2 < 0.68 * t1 + 0.01  # 4 + 2 bytes per weight -> 4/2 + 2
+    # two ranks against one process accumulating their two micro-batches, on the demo untied:
+    # then every weight's gradient is one sum per micro-batch (the embedding's rows too: each row's
+    # tokens are summed before the add), a sum of two is exact in either order, and AdamW is
+    # elementwise on the shards, so the weights must be the same bits. (A tied embedding takes two
+    # sums per micro-batch, the head's and the lookup's, and the grouping of four is not exact.)
+    untied = untied_demo(tmp_path / "untied")
+    two_u = mpirun(2, CUDA_TRAIN, demo_args(untied) + ["--device", "cuda", "--threads", 1, "--full", "--lr", "1e-3", "--steps", 3,
+                                                      "--batch", 2, "--out", tmp_path / "two_u"], env=buckets)
+    acc = run([need(CUDA_TRAIN)] + demo_args(untied) + ["--device", "cuda", "--full", "--lr", "1e-3", "--steps", 3, "--batch", 2,
+                                                     "--grad-accum", 2, "--out", tmp_path / "acc"])
+    assert step_losses(two_u.stdout) == step_losses(acc.stdout) and len(step_losses(acc.stdout)) == 3
+    ua = st_io.load(str(tmp_path / "acc" / "model.safetensors"))
+    ub = st_io.load(str(tmp_path / "two_u" / "model.safetensors"))
+    assert ua.keys() == ub.keys() and "lm_head.weight" in ua and all(np.array_equal(ua[k], ub[k]) for k in ua)
+    wb = st_io.load(str(tmp_path / "two" / "model.safetensors"))
+    # stopped after 2 steps in one bucket through the host and resumed in many through NCCL (each
+    # rank's shard of the master and the moments back on its device: the state file is in the
+    # arena's order, whatever the layout of the shards)
+    train_two_ranks("--full", "--lr", "1e-3", "--steps", 3, "--batch", 2, "--stop-at", 2, "--out", tmp_path / "split", env={"LLMC_NCCL": "0"})
+    r = train_two_ranks("--full", "--lr", "1e-3", "--steps", 3, "--batch", 2, "--resume", tmp_path / "split", env=buckets)
+    assert step_losses(r.stdout) == step_losses(p.stdout)[2:]
+    wc = st_io.load(str(tmp_path / "split" / "model.safetensors"))
+    assert all(np.array_equal(wc[k], wb[k]) for k in wb)
+
+
+def test_cuda_nonfinite_step_skipped_with_buckets_in_flight(tmp_path):
+    """--nonfinite skip on CUDA under ZeRO-1 with every block its own bucket: the buckets already
+    reduce-scattered during the backward are waited for, nothing is updated, and the run equals
+    one stopped before the skipped step, bit for bit."""
+    if GPU:
+        pytest.skip("needs two GPUs")
+    args = ["--full", "--lr", "1e-3", "--steps", 2, "--batch", 2]
+    p = train_two_ranks(*args, "--nonfinite", "skip", "--out", tmp_path / "skip",
+                        env={"LLMC_GRAD_BUCKET_BYTES": "1", "LLMC_FAULT_NONFINITE_STEP": "2"})
+    assert "skipped: non-finite loss or gradient" in p.stdout
+    train_two_ranks(*args, "--stop-at", 1, "--out", tmp_path / "one_step")
+    a, b = (st_io.load(str(tmp_path / d / "model.safetensors")) for d in ("skip", "one_step"))
+    assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+
+
+def test_cuda_diverged_run_stops_with_a_diagnosis(tmp_path):
+    """--lr 1e3 on the CUDA backend: by step 3 the final norm's input has an RMS beyond 2^64. The
+    bf16 norms compute it (their fp32 statistics no longer overflow to r = 0), the loss kernel
+    counts those rows, and the run stops with one line and no adapter, as on the CPU."""
+    out = tmp_path / "out"
+    p = train(CUDA_TRAIN, "cuda", "--lr", "1e3", "--steps", 10, "--out", out, check=False)
+    err = p.stderr.strip()
+    assert p.returncode == 1 and len(err.splitlines()) == 1, (p.returncode, p.stdout[-1500:], err)
+    assert "the run diverged" in err and "final norm with an RMS beyond 2^64" in err and "lower --lr" in err, err
+    assert not (out / "adapter_model.safetensors").exists()
+
+
+def test_cuda_generates_with_the_kv_cache(tmp_path):
+    """Greedy text with the CUDA key/value cache equals recomputing the window every token."""
+    args = [need(CUDA_TRAIN), "--model", os.path.join(REPO, "data/llama_demo"), "--device", "cuda", "--generate", 20,
+            "--prompt", "Licensed under the", "--temperature", 0]
+    cached, recomputed = run(args).stdout, run(args, env={"LLMC_NO_KV_CACHE": "1"}).stdout
+    text = cached[cached.index("Licensed under the"):]
+    print(text)
+    assert text == recomputed[recomputed.index("Licensed under the"):]
+    assert len(text.split()) > 8
+
+
+def check_refused_plan_says_what_fits(args):
+    """A plan bigger than the emulator's free 80 GiB is refused in one line naming what would fit
+    for these flags, --mode lowmem, --mode ckpt and --mode lowmem --quant nf4; each suggested
+    --batch is the largest whose --dry-run plan fits, as the independent dry run computes it."""
+    p = train(CUDA_TRAIN, "cuda", "--steps", 1, *args, check=False)
+    err = p.stderr
+    assert p.returncode == 1 and err.count("\n") == 1, err
+    assert re.search(r"the memory plan needs [0-9.]+ GiB of GPU memory \(.*saved [0-9.]+ GiB.*\) but 80.00 GiB is free on GPU 0", err), err
+    hints = re.findall(r"((?:--(?:mode|quant) \w+ )*)--batch (\d+) --grad-accum (\d+)", err.split("would fit: ")[1])
+    assert {m for m, _, _ in hints} == {"", "--mode lowmem ", "--mode ckpt ", "--mode lowmem --quant nf4 "}, err
+
+    def plan_bytes(mode_flags, batch):
+        flags = [str(a) for a in args]
+        i = flags.index("--batch")
+        flags[i + 1] = str(batch)
+        out = run([need(CUDA_TRAIN)] + DEMO + ["--device", "cuda", "--dry-run", "--json", *flags, *mode_flags]).stdout
+        return json.loads(out)["total_bytes"]
+
+    for mode, batch, accum in hints:
+        mode_flags, b = mode.split(), int(batch)
+        assert plan_bytes(mode_flags, b) <= 80 << 30, (mode, b)
+        assert b == 100000 or plan_bytes(mode_flags, b + 1) > 80 << 30, (mode, b)
+        assert b * int(accum) >= 100000 > b * (int(accum) - 1)
+
+
+def test_cuda_bad_inputs_fail_cleanly(tmp_path):
+    p = train(CUDA_TRAIN, "cuda", "--steps", 2, "--lora-rank", 0, check=False)
+    assert p.returncode != 0 and "--lora-rank" in p.stderr and p.stderr.count("\n") == 1
+    if not GPU:  # more than the (pretend 80 GiB) device holds: refused before allocating, in one line
+        check_refused_plan_says_what_fits(["--batch", 100000, "--seq", 128, "--mode", "baseline"])
+        # a 7B shape under --full: the weights, gradients and optimizer state alone exceed one device
+        big = tmp_path / "llama7b"
+        big.mkdir()
+        with open(os.path.join(REPO, "data/llama_demo/config.json")) as f:
+            cfg = json.load(f)
+        cfg.update(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
+                   vocab_size=32000, max_position_embeddings=4096)
+        (big / "config.json").write_text(json.dumps(cfg))
+        p = run([need(CUDA_TRAIN)] + DEMO + ["--model", big, "--random-init", "--device", "cuda", "--full", "--steps", 1], check=False)
+        assert p.returncode == 1 and p.stderr.count("\n") == 1, p.stderr
+        assert "would fit: not even --batch 1; --mode ckpt: not even --batch 1; these flags on 2 ranks (ZeRO-1 shards" in p.stderr, p.stderr
+        dry = run([need(CUDA_TRAIN)] + DEMO + ["--model", big, "--device", "cuda", "--full", "--dry-run", "--json", "--ranks", 2]).stdout
+        assert json.loads(dry)["total_bytes"] <= 80 << 30
+    p = run([CPU_TRAIN] + DEMO + ["--device", "cuda", "--steps", 1], check=False)
+    if not GPU:  # the CPU machine's nvcc build has the backend but no GPU; a g++ build has no backend
+        assert p.returncode != 0 and "--device cuda" in p.stderr and p.stderr.count("\n") == 1

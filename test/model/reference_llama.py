@@ -1,0 +1,515 @@
+#!/usr/bin/env python3
+"""Independent PyTorch reference of a LLaMA forward + backward with LoRA: the oracle the C trainer
+is tested against (test/model/test_llama_model.py). Covers the LLaMA-architecture families the trainer
+reads: LLaMA (attention_bias, mlp_bias, head_dim), Mistral, Qwen2 (q/k/v biases) and Qwen3 (q/k
+norms before RoPE), as transformers' modeling files define them.
+
+Written plainly with autograd, float64 by default. Reads a Hugging Face model directory
+(config.json + model.safetensors, or sharded with model.safetensors.index.json) through st_io.
+
+Modes (mirroring the trainer's switches):
+  act  exact   SiLU, autograd derivative
+       approx  ReSiLU2: forward exact SiLU; backward dx = dy * L[code],
+               code = [x > c1] + [x > c2] + [x > c3], L = {0, a1, a1+a2, a1+a2+a3} in float32
+  norm std     RMSNorm with gamma
+       ms      gamma merged into every consuming linear (q,k,v <- input_layernorm;
+               gate,up <- post_attention_layernorm; W' = W * gamma[None, :]), parameter-free
+               RMSNorm. The final norm stays standard. LoRA A/B given by the caller are the
+               original model's adapters: they see gamma*z (ms_lora "exact", the default, so
+               the function and its gradients are those of std), or, with ms_lora "merged" (the
+               paper's variant), the adapters of the merged linears, which see z.
+  recompute    does not change the math; ignored here.
+
+Case / output contract (same as build/test/llama_probe):
+  CASE: "tokens" I32 [B, T+1], "mask" F32 [B, T], "lora.{l}.{t}.A" [r, in], "lora.{l}.{t}.B" [out, r]
+  OUT:  "logits" F32 [B, T, V], "loss" F32 [1], "grad.lora.{l}.{t}.A", "grad.lora.{l}.{t}.B"
+  loss = sum over positions with mask == 1 of cross-entropy / number of such positions.
+
+CLI (same flags as the probe, plus --dtype):
+  python3 test/model/reference_llama.py --model DIR --case CASE.safetensors --out(-file) OUT.safetensors \
+      --act exact|approx --norm std|ms --lora-rank R --lora-alpha A --lora-targets q,k,v,o,gate,up,down
+"""
+import argparse
+import json
+import math
+import os
+import sys
+
+import numpy as np
+import torch
+
+_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(_REPO, "scripts", "formats"))
+import st_io  # noqa: E402
+
+# ReSiLU2 constants (docs/architecture.md, the method)
+RESILU2_A = (-0.04060357190528599, 1.080925428529668, -0.040321856624382146)
+RESILU2_C = (-6.3050461001646445, -0.0008684942046214787, 6.325815242089708)
+
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+_MODULE_OF = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj",
+              "o": "self_attn.o_proj", "gate": "mlp.gate_proj", "up": "mlp.up_proj",
+              "down": "mlp.down_proj"}
+
+
+# ---------------------------------------------------------------------------------------------
+# ReSiLU2
+
+def resilu2_levels():
+    """The 4 backward levels {0, a1, a1+a2, a1+a2+a3}, accumulated in float32 (as the paper's
+    reference code does), returned as a float32 numpy array."""
+    levels = [np.float32(0.0)]
+    acc = np.float32(0.0)
+    for a in RESILU2_A:
+        acc = np.float32(acc + np.float32(a))
+        levels.append(acc)
+    return np.array(levels, dtype=np.float32)
+
+
+def resilu2_codes(x):
+    """code = [x > c1] + [x > c2] + [x > c3] (strict), as int64, same shape as x."""
+    code = torch.zeros_like(x, dtype=torch.int64)
+    for c in RESILU2_C:
+        code += (x > c).to(torch.int64)
+    return code
+
+
+def breakpoint_margins(x):
+    """For each breakpoint c_i, the smallest |x - c_i| over all elements (how close any element
+    is to a discontinuity of the ReSiLU2 derivative)."""
+    x = x.detach().to(torch.float64)
+    return [float((x - c).abs().min()) if x.numel() else math.inf for c in RESILU2_C]
+
+
+class ReSiLU2(torch.autograd.Function):
+    """Exact SiLU forward, 4-level step derivative backward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(resilu2_codes(x))
+        return x * torch.sigmoid(x)
+
+    @staticmethod
+    def backward(ctx, dy):
+        (code,) = ctx.saved_tensors
+        levels = torch.from_numpy(resilu2_levels()).to(dy.dtype)
+        return dy * levels[code]
+
+
+def silu_exact(x):
+    return x * torch.sigmoid(x)
+
+
+# ---------------------------------------------------------------------------------------------
+# config and weights
+
+class LlamaConfig:
+    """The fields of a Hugging Face LLaMA config.json that the model needs."""
+
+    def __init__(self, d):
+        def need(key):
+            if key not in d:
+                raise ValueError(f"config.json: missing field {key}")
+            return d[key]
+        self.dim = int(need("hidden_size"))
+        self.hidden = int(need("intermediate_size"))
+        self.n_layers = int(need("num_hidden_layers"))
+        self.n_heads = int(need("num_attention_heads"))
+        self.n_kv_heads = int(d.get("num_key_value_heads") or self.n_heads)
+        self.vocab = int(need("vocab_size"))
+        self.eps = float(d.get("rms_norm_eps", 1e-6))
+        self.rope_theta = float(d.get("rope_theta", 10000.0))
+        self.rope_scaling = d.get("rope_scaling")
+        self.tied = bool(d.get("tie_word_embeddings", False))
+        self.head_dim = int(d.get("head_dim") or self.dim // self.n_heads)
+        # the families' additions to LLaMA, as transformers' modeling files define them:
+        # Qwen2's q, k, v projections always have biases; LLaMA's and Qwen3's attention_bias puts
+        # one on q, k, v and o; LLaMA's mlp_bias on gate, up and down; Qwen3 normalises each head
+        # of q and k (RMSNorm with its own weight [head_dim], eps rms_norm_eps) before RoPE.
+        self.model_type = d.get("model_type", "llama")
+        attention_bias = bool(d.get("attention_bias", False))
+        qwen2 = self.model_type == "qwen2"
+        self.bias = {"q": qwen2 or attention_bias, "k": qwen2 or attention_bias, "v": qwen2 or attention_bias,
+                     "o": attention_bias and not qwen2}
+        for t in ("gate", "up", "down"):
+            self.bias[t] = bool(d.get("mlp_bias", False))
+        self.qk_norm = self.model_type == "qwen3"
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"config.json: num_attention_heads {self.n_heads} is not a multiple "
+                             f"of num_key_value_heads {self.n_kv_heads}")
+        if "head_dim" not in d and self.dim % self.n_heads:
+            raise ValueError(f"config.json: hidden_size {self.dim} not divisible by "
+                             f"num_attention_heads {self.n_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"config.json: head_dim {self.head_dim} must be even for RoPE")
+        if self.rope_scaling is not None:
+            kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
+            if kind not in ("llama3", "default"):
+                raise ValueError(f"config.json: rope_scaling type {kind!r} not supported")
+
+    @classmethod
+    def from_dir(cls, model_dir):
+        with open(os.path.join(model_dir, "config.json")) as f:
+            return cls(json.load(f))
+
+    def in_out(self, target):
+        """(in_features, out_features) of a LoRA target linear."""
+        q_out = self.n_heads * self.head_dim
+        kv_out = self.n_kv_heads * self.head_dim
+        return {"q": (self.dim, q_out), "k": (self.dim, kv_out), "v": (self.dim, kv_out),
+                "o": (q_out, self.dim), "gate": (self.dim, self.hidden),
+                "up": (self.dim, self.hidden), "down": (self.hidden, self.dim)}[target]
+
+
+def load_weights_np(model_dir):
+    """All tensors of the model directory as float32/int numpy arrays (single or sharded file)."""
+    single = os.path.join(model_dir, "model.safetensors")
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.exists(single):
+        return st_io.load(single)
+    if os.path.exists(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+        out = {}
+        for name in files:
+            out.update(st_io.load(os.path.join(model_dir, name)))
+        return out
+    raise FileNotFoundError(f"{model_dir}: neither model.safetensors nor "
+                            f"model.safetensors.index.json")
+
+
+class LlamaModel:
+    """Config + frozen weights as torch tensors of one dtype."""
+
+    def __init__(self, cfg, weights_np, dtype=torch.float64):
+        self.cfg = cfg
+        self.dtype = dtype
+        c = cfg
+        w = {}
+
+        def get(name, shape):
+            if name not in weights_np:
+                raise ValueError(f"model: missing tensor {name}")
+            arr = weights_np[name]
+            if tuple(arr.shape) != tuple(shape):
+                raise ValueError(f"model: tensor {name} has shape {list(arr.shape)}, "
+                                 f"expected {list(shape)}")
+            return torch.from_numpy(np.asarray(arr, dtype=np.float64)).to(dtype)
+
+        w["embed"] = get("model.embed_tokens.weight", (c.vocab, c.dim))
+        for l in range(c.n_layers):
+            p = f"model.layers.{l}."
+            for t in LORA_TARGETS:
+                i, o = c.in_out(t)
+                w[f"{l}.{t}"] = get(p + _MODULE_OF[t] + ".weight", (o, i))
+            for t in LORA_TARGETS:
+                if c.bias[t]:
+                    w[f"{l}.{t}.b"] = get(p + _MODULE_OF[t] + ".bias", (c.in_out(t)[1],))
+            if c.qk_norm:
+                w[f"{l}.q_norm"] = get(p + "self_attn.q_norm.weight", (c.head_dim,))
+                w[f"{l}.k_norm"] = get(p + "self_attn.k_norm.weight", (c.head_dim,))
+            w[f"{l}.attn_norm"] = get(p + "input_layernorm.weight", (c.dim,))
+            w[f"{l}.mlp_norm"] = get(p + "post_attention_layernorm.weight", (c.dim,))
+        w["norm"] = get("model.norm.weight", (c.dim,))
+        if c.tied:
+            w["head"] = w["embed"]
+        else:
+            w["head"] = get("lm_head.weight", (c.vocab, c.dim))
+        self.w = w
+        self._merged = None
+
+    @classmethod
+    def load(cls, model_dir, dtype=torch.float64):
+        return cls(LlamaConfig.from_dir(model_dir), load_weights_np(model_dir), dtype)
+
+    def merged_weights(self):
+        """Weights with the block norms' gammas merged into their consuming linears (MS-RMSNorm).
+        The block norms become parameter-free (gamma None); the final norm is kept. Computed once
+        per model."""
+        if self._merged is not None:
+            return self._merged
+        w = dict(self.w)
+        for l in range(self.cfg.n_layers):
+            g1, g2 = w[f"{l}.attn_norm"], w[f"{l}.mlp_norm"]
+            for t in ("q", "k", "v"):
+                w[f"{l}.{t}"] = w[f"{l}.{t}"] * g1[None, :]
+            for t in ("gate", "up"):
+                w[f"{l}.{t}"] = w[f"{l}.{t}"] * g2[None, :]
+            w[f"{l}.attn_norm"] = None
+            w[f"{l}.mlp_norm"] = None
+        self._merged = w
+        return w
+
+
+# ---------------------------------------------------------------------------------------------
+# layers
+
+def rope_inv_freq(cfg):
+    """inv_freq[i] = theta^(-2i/head_dim), i < head_dim/2, with the Llama-3.1 adjustment when
+    rope_scaling says llama3. float64."""
+    hd = cfg.head_dim
+    inv = 1.0 / cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd)
+    rs = cfg.rope_scaling
+    if rs is None or rs.get("rope_type", rs.get("type")) != "llama3":
+        return inv
+    factor = float(rs["factor"])
+    low = float(rs.get("low_freq_factor", 1.0))
+    high = float(rs.get("high_freq_factor", 4.0))
+    old_ctx = float(rs["original_max_position_embeddings"])
+    # wavelengths longer than old_ctx/low are slowed by `factor`; shorter than old_ctx/high are
+    # kept; in between, interpolate linearly in old_ctx/wavelen.
+    wavelen = 2.0 * math.pi / inv
+    out = inv.clone()
+    for i in range(inv.numel()):
+        wl = float(wavelen[i])
+        if wl < old_ctx / high:
+            continue
+        if wl > old_ctx / low:
+            out[i] = inv[i] / factor
+        else:
+            s = (old_ctx / wl - low) / (high - low)
+            out[i] = (1.0 - s) * inv[i] / factor + s * inv[i]
+    return out
+
+
+def rope_cos_sin(cfg, T, dtype):
+    """cos, sin tables [T, head_dim] for rotate-half RoPE (frequency i used at i and i+hd/2)."""
+    inv = rope_inv_freq(cfg)
+    ang = torch.arange(T, dtype=torch.float64)[:, None] * inv[None, :]
+    ang = torch.cat([ang, ang], dim=1)
+    return ang.cos().to(dtype), ang.sin().to(dtype)
+
+
+def apply_rope(x, cos, sin):
+    """x [B, H, T, hd]; rotate-half pairs (i, i + hd/2)."""
+    half = x.shape[-1] // 2
+    rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rot * sin
+
+
+def rmsnorm(x, gamma, eps):
+    z = x * torch.rsqrt((x * x).mean(dim=-1, keepdim=True) + eps)
+    return z if gamma is None else z * gamma
+
+
+def lora_linear(x, W, lora, scale, xa=None, bias=None):
+    """y = x W^T (+ bias) + scale * (xa A^T) B^T; lora is (A [r, in], B [out, r]) or None; the
+    adapter's input xa defaults to x."""
+    y = x @ W.t()
+    if bias is not None:
+        y = y + bias
+    if lora is not None:
+        A, B = lora
+        y = y + scale * (((x if xa is None else xa) @ A.t()) @ B.t())
+    return y
+
+
+def attention(q, k, v, n_rep):
+    """Causal attention. q [B, H, T, hd], k/v [B, Hkv, T, hd]; q head h uses kv head h // n_rep."""
+    if n_rep > 1:
+        k = k.repeat_interleave(n_rep, dim=1)
+        v = v.repeat_interleave(n_rep, dim=1)
+    T = q.shape[2]
+    scores = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    causal = torch.ones(T, T, dtype=torch.bool).triu(1)
+    scores = scores.masked_fill(causal, float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v
+
+
+def forward(model, tokens, lora, scale, act="exact", norm="std", stats=None, weights=None, ms_lora="exact",
+            dropout=None):
+    """Logits [B, T, V] for input tokens [B, T] (int64 tensor).
+
+    dropout: None, or LoRA dropout while training as a function (layer, target, xa) -> the
+    adapter's input after dropout (xa [B, T, in] is what the adapter would see without it).
+
+    lora: dict (layer, target) -> (A, B). stats, if a dict, receives "gate_preact": the list of
+    the per-layer gate pre-activations (before the activation). ms_lora: what the adapters of the
+    merged linears see under norm="ms": "exact" gamma*z, "merged" z."""
+    c = model.cfg
+    if act not in ("exact", "approx"):
+        raise ValueError(f"act must be exact|approx, got {act!r}")
+    if norm not in ("std", "ms"):
+        raise ValueError(f"norm must be std|ms, got {norm!r}")
+    if ms_lora not in ("exact", "merged"):
+        raise ValueError(f"ms_lora must be exact|merged, got {ms_lora!r}")
+    see_gamma = norm == "ms" and ms_lora == "exact"
+    w = weights if weights is not None else (model.merged_weights() if norm == "ms" else model.w)
+    silu = ReSiLU2.apply if act == "approx" else silu_exact
+    B, T = tokens.shape
+    hd = c.head_dim
+    cos, sin = rope_cos_sin(c, T, model.dtype)
+    x = w["embed"][tokens]
+    gates = []
+    for l in range(c.n_layers):
+        def lin(t, inp, norm_key=None):
+            # behind an MS norm (ms_lora "exact") the adapter sees the original input gamma*z
+            xa = inp * model.w[f"{l}.{norm_key}"] if see_gamma and norm_key else None
+            if dropout is not None and lora.get((l, t)) is not None:
+                xa = dropout(l, t, inp if xa is None else xa)
+            return lora_linear(inp, w[f"{l}.{t}"], lora.get((l, t)), scale, xa, w.get(f"{l}.{t}.b"))
+        z = rmsnorm(x, w[f"{l}.attn_norm"], c.eps)
+        q = lin("q", z, "attn_norm").view(B, T, c.n_heads, hd)
+        k = lin("k", z, "attn_norm").view(B, T, c.n_kv_heads, hd)
+        if c.qk_norm:
+            q, k = rmsnorm(q, w[f"{l}.q_norm"], c.eps), rmsnorm(k, w[f"{l}.k_norm"], c.eps)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+        v = lin("v", z, "attn_norm").view(B, T, c.n_kv_heads, hd).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        o = attention(q, k, v, c.n_heads // c.n_kv_heads)
+        o = o.transpose(1, 2).reshape(B, T, c.n_heads * hd)
+        x = x + lin("o", o)
+        z2 = rmsnorm(x, w[f"{l}.mlp_norm"], c.eps)
+        g = lin("gate", z2, "mlp_norm")
+        gates.append(g.detach())
+        u = lin("up", z2, "mlp_norm")
+        x = x + lin("down", silu(g) * u)
+    if stats is not None:
+        stats["gate_preact"] = gates
+    x = rmsnorm(x, w["norm"], c.eps)
+    return x @ w["head"].t()
+
+
+def masked_ce(logits, targets, mask):
+    """Sum over mask==1 positions of cross-entropy / number of such positions."""
+    logp = torch.log_softmax(logits, dim=-1)
+    nll = -logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    return (nll * mask).sum() / mask.sum()
+
+
+# ---------------------------------------------------------------------------------------------
+# case runner
+
+def parse_targets(targets):
+    if isinstance(targets, str):
+        targets = [t for t in targets.split(",") if t]
+    for t in targets:
+        if t not in LORA_TARGETS:
+            raise ValueError(f"unknown LoRA target {t!r} (expected among {','.join(LORA_TARGETS)})")
+    return [t for t in LORA_TARGETS if t in targets]
+
+
+def run_case(model_dir, case, act="exact", norm="std", lora_rank=None, lora_alpha=None,
+             targets=LORA_TARGETS, dtype=torch.float64, full=False, ms_lora="exact", dropout=None):
+    """Run one case through the reference.
+
+    model_dir: a model directory or an already loaded LlamaModel (of the wanted dtype).
+    case: a CASE .safetensors path or the dict of its numpy arrays.
+    lora_rank: checked against the A shapes when given. lora_alpha: default = rank.
+    full: full fine-tuning: no adapters; the gradients are those of every linear weight (of the
+    merged model under norm="ms"), named "grad.{l}.{t}.W", and of the embedding ("grad.embed"),
+    the untied head ("grad.lm_head"), the final norm ("grad.final_norm") and, with standard norms,
+    the block norms ("grad.{l}.attn_norm", "grad.{l}.mlp_norm"); where the model has them, of
+    the linears' biases ("grad.{l}.{t}.b") and Qwen3's q/k norms ("grad.{l}.q_norm", "grad.{l}.k_norm").
+    ms_lora: under norm="ms", the adapters see gamma*z ("exact") or z ("merged", the paper's).
+    dropout: LoRA dropout, as forward() takes it (None: none).
+    Returns a dict with the OUT names ("logits" [B,T,V], "loss" [1], "grad.lora.{l}.{t}.A|B"),
+    all float64 numpy, plus "stats": {"min_margin": smallest distance of any gate
+    pre-activation to a ReSiLU2 breakpoint, "margins": the same per breakpoint, "code_counts":
+    how many pre-activations got each code 0..3}.
+    """
+    model = model_dir if isinstance(model_dir, LlamaModel) else LlamaModel.load(model_dir, dtype)
+    dtype = model.dtype
+    if isinstance(case, (str, os.PathLike)):
+        case = st_io.load(case)
+    c = model.cfg
+    targets = parse_targets(targets)
+    tokens = torch.from_numpy(np.asarray(case["tokens"], dtype=np.int64))
+    mask = torch.from_numpy(np.asarray(case["mask"], dtype=np.float64)).to(dtype)
+    if tokens.dim() != 2 or tuple(mask.shape) != (tokens.shape[0], tokens.shape[1] - 1):
+        raise ValueError(f"case: tokens {list(tokens.shape)} / mask {list(mask.shape)} mismatch")
+    if int(tokens.min()) < 0 or int(tokens.max()) >= c.vocab:
+        raise ValueError(f"case: token ids outside [0, {c.vocab})")
+    lora = {}
+    rank = None
+    for l in range(c.n_layers):
+        for t in ([] if full else targets):
+            A = np.asarray(case[f"lora.{l}.{t}.A"], dtype=np.float64)
+            B = np.asarray(case[f"lora.{l}.{t}.B"], dtype=np.float64)
+            i, o = c.in_out(t)
+            r = A.shape[0]
+            if A.shape != (r, i) or B.shape != (o, r):
+                raise ValueError(f"case: lora.{l}.{t} shapes A {A.shape} B {B.shape}, "
+                                 f"expected [r, {i}] and [{o}, r]")
+            rank = r if rank is None else rank
+            if r != rank or (lora_rank is not None and r != lora_rank):
+                raise ValueError(f"case: lora.{l}.{t} has rank {r}")
+            lora[(l, t)] = (torch.from_numpy(A).to(dtype).requires_grad_(True),
+                            torch.from_numpy(B).to(dtype).requires_grad_(True))
+    if rank is None:
+        rank = lora_rank or 1
+    alpha = float(lora_alpha) if lora_alpha is not None else float(rank)
+    scale = alpha / rank
+
+    stats = {}
+    weights = None
+    extra = []  # --full: the non-linear weights that train too, (output name, weights key)
+    if full:  # every weight becomes a leaf that needs a gradient (the MS-merged gammas are gone)
+        weights = dict(model.merged_weights() if norm == "ms" else model.w)
+        for l in range(c.n_layers):
+            for t in LORA_TARGETS:
+                weights[f"{l}.{t}"] = weights[f"{l}.{t}"].clone().requires_grad_(True)
+        extra = [("grad.embed", "embed"), ("grad.final_norm", "norm")]
+        extra += [(f"grad.{l}.{t}.b", f"{l}.{t}.b") for l in range(c.n_layers) for t in LORA_TARGETS if c.bias[t]]
+        if c.qk_norm:
+            extra += [(f"grad.{l}.{n}", f"{l}.{n}") for l in range(c.n_layers) for n in ("q_norm", "k_norm")]
+        if not c.tied:
+            extra.append(("grad.lm_head", "head"))
+        if norm == "std":
+            extra += [(f"grad.{l}.{n}", f"{l}.{n}") for l in range(c.n_layers) for n in ("attn_norm", "mlp_norm")]
+        for _, key in extra:
+            weights[key] = weights[key].clone().requires_grad_(True)
+        if c.tied:
+            weights["head"] = weights["embed"]
+    logits = forward(model, tokens[:, :-1], lora, scale, act, norm, stats, weights, ms_lora, dropout)
+    loss = masked_ce(logits, tokens[:, 1:], mask)
+    params = [p for ab in lora.values() for p in ab]
+    if full:
+        params = [weights[f"{l}.{t}"] for l in range(c.n_layers) for t in LORA_TARGETS] + [weights[k] for _, k in extra]
+    grads = torch.autograd.grad(loss, params) if params else []
+
+    out = {"logits": logits.detach().to(torch.float64).numpy(),
+           "loss": np.array([float(loss)], dtype=np.float64)}
+    gi = iter(grads)
+    if full:
+        for l in range(c.n_layers):
+            for t in LORA_TARGETS:
+                out[f"grad.{l}.{t}.W"] = next(gi).to(torch.float64).numpy()
+        for name, _ in extra:
+            out[name] = next(gi).to(torch.float64).numpy()
+    for (l, t) in lora:
+        out[f"grad.lora.{l}.{t}.A"] = next(gi).to(torch.float64).numpy()
+        out[f"grad.lora.{l}.{t}.B"] = next(gi).to(torch.float64).numpy()
+    g = torch.cat([x.reshape(-1) for x in stats["gate_preact"]])
+    codes = resilu2_codes(g)
+    margins = breakpoint_margins(g)
+    out["stats"] = {"min_margin": min(margins), "margins": margins,
+                    "code_counts": [int((codes == k).sum()) for k in range(4)]}
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--case", required=True)
+    ap.add_argument("--out", "--out-file", dest="out", required=True)
+    ap.add_argument("--act", choices=("exact", "approx"), default="exact")
+    ap.add_argument("--norm", choices=("std", "ms"), default="std")
+    ap.add_argument("--ms-lora", choices=("exact", "merged"), default="exact")
+    ap.add_argument("--recompute", choices=("none", "block"), default="none",
+                    help="accepted for symmetry with the probe; does not change the math")
+    ap.add_argument("--lora-rank", type=int, default=None)
+    ap.add_argument("--lora-alpha", type=float, default=None)
+    ap.add_argument("--lora-targets", default=",".join(LORA_TARGETS))
+    ap.add_argument("--dtype", choices=("float64", "float32"), default="float64")
+    a = ap.parse_args(argv)
+    res = run_case(a.model, a.case, a.act, a.norm, a.lora_rank, a.lora_alpha, a.lora_targets,
+                   torch.float64 if a.dtype == "float64" else torch.float32, ms_lora=a.ms_lora)
+    stats = res.pop("stats")
+    st_io.save(a.out, {k: v.astype(np.float32) for k, v in res.items()})
+    print(f"loss {float(res['loss'][0]):.6f} min_breakpoint_margin {stats['min_margin']:.3g} "
+          f"codes {stats['code_counts']}")
+
+
+if __name__ == "__main__":
+    main()
