@@ -9,23 +9,28 @@
 //     pre-tokenizer Metaspace; byte_fallback to "<0xXX>" tokens, unk; decoder Replace +
 //     ByteFallback + Fuse + Strip.
 // Encoding as the library does it: added tokens (special or not) are matched in the text first,
-// leftmost then longest, and never merged; each stretch between them is normalized and split into
-// words; each word starts as one symbol per character and merges the adjacent pair of lowest merge
-// rank (leftmost on ties) until no listed pair is left; the post-processor's special tokens before
+// leftmost then longest (a trie: literal_trie.h), and never merged; each stretch between them is
+// normalized and split into words; each word starts as one symbol per character and merges the
+// adjacent pair of lowest merge rank (leftmost on ties) until no listed pair is left (a heap:
+// bpe_merge.h); the ids grow with the text, as byte fallback makes up to 4 of a character and
+// Metaspace 3 of a space (a fixed 2 per byte once overflowed); the post-processor's special tokens before
 // the sequence (TemplateProcessing, e.g. Llama's BOS) lead. Anything else (another model type,
 // normalizer, pre-tokenizer, regex or decoder, BPE dropout, added tokens with lstrip, rstrip or
 // single_word) is refused in one line naming the file and what was found. That includes the
 // Metaspace decoder: the library's joins the words of pieces that span a "▁", and the LLaMA
 // family ships the Replace + ByteFallback + Fuse + Strip one.
 // Known differences: post-processor tokens after the sequence are not added (generation continues
-// the text); added tokens are matched before normalization, also those marked "normalized" (the
-// LLaMA family marks its own not normalized); decoding goes token by token and writes raw bytes
+// the text); added tokens are matched before normalization and in one pass, also those marked
+// "normalized", which the library matches in a second pass (the LLaMA family marks its own not
+// normalized); decoding goes token by token and writes raw bytes
 // where the library puts U+FFFD for invalid UTF-8; the regex classes and NFC follow the Unicode
 // version of unicode_classes.h and unicode_nfc.h.
 #pragma once
 #include <stdint.h>
 #include "../common.h"
 #include "../formats/json.h"
+#include "bpe_merge.h"
+#include "literal_trie.h"
 #include "pretok_regex.h"
 #include "unicode_nfc.h"
 
@@ -54,8 +59,10 @@ typedef struct {
     char** pieces;            // per id: the bytes it decodes to
     HfMap by_name;            // hash of the name -> id
     HfMap merges;             // (left id, right id) -> rank
-    int* added;               // added tokens, longest first
+    int* merge_to;            // per rank: the token the merge makes
+    int* added;               // added tokens, by id
     int n_added;
+    LiteralTrie added_trie;   // the added tokens, matched in the text
     int prepend;              // normalizer Prepend("▁") + Replace(" ", "▁")
     int nfc;                  // normalizer NFC (Qwen2)
     HfPreStep steps[HF_MAX_STEPS];
@@ -221,19 +228,49 @@ static void hf_pre_step(const HfTokenizer* t, const HfPreStep* st, HfWords* ws, 
 // ---------------------------------------------------------------------------------------------
 // BPE on one word
 
-// Appends the ids of one word to ids; returns the new count.
-static int hf_bpe_word(const HfTokenizer* t, const char* w, int* ids, int n) {
+// The ids of a text as they are made: a growing array (a character can become several byte
+// tokens, and Metaspace makes 3 bytes of a space, so no bound on the count holds for every file).
+typedef struct {
+    int* v;
+    int n, cap;
+} HfIds;
+
+// Makes room for `more` ids after the n there are.
+static void hf_ids_reserve(HfIds* ids, int more) {
+    if (ids->n + more <= ids->cap) return;
+    while (ids->n + more > ids->cap) ids->cap = ids->cap ? 2 * ids->cap : 64;
+    ids->v = (int*)realloc(ids->v, sizeof(int) * ids->cap);
+    if (!ids->v) fail("out of host memory encoding text (%d tokens)", ids->n);
+}
+
+static void hf_ids_push(HfIds* ids, int id) {
+    hf_ids_reserve(ids, 1);
+    ids->v[ids->n++] = id;
+}
+
+// The merges' BPE rule (bpe_merge.h): a listed pair, the lowest rank first.
+static int hf_pair(const void* ctx, int a, int b, double* key, int* to) {
+    const HfTokenizer* t = (const HfTokenizer*)ctx;
+    int r = hf_merge_rank(t, a, b);
+    if (r < 0) return 0;
+    *key = r;
+    *to = t->merge_to[r];
+    return 1;
+}
+
+// Appends the ids of one word.
+static void hf_bpe_word(const HfTokenizer* t, const char* w, HfIds* ids) {
     int len = (int)strlen(w);
     if (t->ignore_merges) {
         int id = hf_lookup_n(t, w, len);
-        if (id >= 0) { ids[n++] = id; return n; }
+        if (id >= 0) { hf_ids_push(ids, id); return; }
     }
-    int start = n;
+    int start = ids->n;
     for (int b = 0; b < len;) {
         uint32_t c;
         int l = hf_utf8((const unsigned char*)w + b, len - b, &c);
         int id = hf_lookup_n(t, w + b, l);
-        if (id >= 0) ids[n++] = id;
+        if (id >= 0) hf_ids_push(ids, id);
         else {
             int ok = t->byte_fallback;
             char name[8];
@@ -244,31 +281,15 @@ static int hf_bpe_word(const HfTokenizer* t, const char* w, int* ids, int n) {
             if (ok) {
                 for (int k = 0; k < l; k++) {
                     snprintf(name, sizeof(name), "<0x%02X>", (unsigned char)w[b + k]);
-                    ids[n++] = hf_lookup(t, name);
+                    hf_ids_push(ids, hf_lookup(t, name));
                 }
-            } else if (t->unk_id >= 0 && !(t->fuse_unk && n > start && ids[n - 1] == t->unk_id)) {
-                ids[n++] = t->unk_id;
+            } else if (t->unk_id >= 0 && !(t->fuse_unk && ids->n > start && ids->v[ids->n - 1] == t->unk_id)) {
+                hf_ids_push(ids, t->unk_id);
             }  // no unk token: the character is dropped, as the library does
         }
         b += l;
     }
-    for (;;) {  // merge the lowest-ranked listed pair, leftmost first
-        int best = -1, at = -1;
-        for (int i = start; i + 1 < n; i++) {
-            int r = hf_merge_rank(t, ids[i], ids[i + 1]);
-            if (r >= 0 && (best < 0 || r < best)) { best = r; at = i; }
-        }
-        if (at < 0) break;
-        size_t la = strlen(t->names[ids[at]]), lb = strlen(t->names[ids[at + 1]]);
-        char* both = (char*)xmalloc(la + lb + 1);
-        memcpy(both, t->names[ids[at]], la);
-        memcpy(both + la, t->names[ids[at + 1]], lb + 1);
-        ids[at] = hf_lookup(t, both);  // listed merges make vocabulary tokens (checked at load)
-        free(both);
-        memmove(ids + at + 1, ids + at + 2, (n - at - 2) * sizeof(int));
-        n--;
-    }
-    return n;
+    ids->n = start + bpe_merge(ids->v + start, ids->n - start, hf_pair, t);
 }
 
 // The NFC form of s[0..len), malloc'd; at most 3 len bytes (in Unicode's data no code point of
@@ -290,8 +311,8 @@ static char* hf_nfc(const char* s, size_t len, size_t* out_len) {
 }
 
 // Encodes a stretch of text between added tokens; first: it starts the text.
-static int hf_encode_stretch(const HfTokenizer* t, const char* s, size_t len, int first, int* ids, int n) {
-    if (len == 0) return n;
+static void hf_encode_stretch(const HfTokenizer* t, const char* s, size_t len, int first, HfIds* ids) {
+    if (len == 0) return;
     HfWords ws = {NULL, 0, 0};
     if (t->nfc) {
         size_t k;
@@ -310,35 +331,30 @@ static int hf_encode_stretch(const HfTokenizer* t, const char* s, size_t len, in
         hf_words_push(&ws, s, len);
     }
     for (int k = 0; k < t->n_steps; k++) hf_pre_step(t, &t->steps[k], &ws, first);
-    for (int k = 0; k < ws.n; k++) n = hf_bpe_word(t, ws.w[k], ids, n);
+    for (int k = 0; k < ws.n; k++) hf_bpe_word(t, ws.w[k], ids);
     hf_words_free(&ws);
-    return n;
 }
 
-// The ids of text, with the post-processor's leading tokens if specials; a malloc'd array whose
-// count goes to *n_out.
+// The ids of text, with the post-processor's leading tokens if specials; a malloc'd array (room for
+// one more id) whose count goes to *n_out.
 static int* hf_encode(const HfTokenizer* t, const char* text, int specials, int* n_out) {
     size_t len = strlen(text);
-    // a ByteLevel prefix space per byte at most; NFC makes at most 3 bytes of one
-    int* ids = (int*)xmalloc(sizeof(int) * ((t->nfc ? 6 : 2) * len + 8));
-    int n = 0;
-    if (specials) for (int k = 0; k < t->n_prefix; k++) ids[n++] = t->prefix_ids[k];
+    HfIds ids = {NULL, 0, 0};
+    hf_ids_reserve(&ids, (int)(len < (1u << 24) ? len + 8 : 1u << 24));  // most texts need no more
+    if (specials) for (int k = 0; k < t->n_prefix; k++) hf_ids_push(&ids, t->prefix_ids[k]);
     size_t start = 0;
     for (size_t pos = 0;; pos++) {
-        int hit = -1;
-        for (int k = 0; pos < len && k < t->n_added && hit < 0; k++) {
-            const char* a = t->names[t->added[k]];
-            if (strncmp(text + pos, a, strlen(a)) == 0) hit = t->added[k];
-        }
+        int hit_len = 0, hit = pos < len ? literal_trie_match(&t->added_trie, text + pos, len - pos, &hit_len) : -1;
         if (hit < 0 && pos < len) continue;
-        n = hf_encode_stretch(t, text + start, pos - start, start == 0, ids, n);
+        hf_encode_stretch(t, text + start, pos - start, start == 0, &ids);
         if (hit < 0) break;
-        ids[n++] = hit;
-        pos += strlen(t->names[hit]) - 1;
+        hf_ids_push(&ids, hit);
+        pos += hit_len - 1;
         start = pos + 1;
     }
-    *n_out = n;
-    return ids;
+    hf_ids_reserve(&ids, 1);  // the room for one more
+    *n_out = ids.n;
+    return ids.v;
 }
 
 // The bytes of token id, given the one before it: -1 at the start, where the decoder's Strip
@@ -408,6 +424,22 @@ static int hf_json_id(const Json* v, const char* path, const char* what) {
     return (int)v->number;
 }
 
+static int hf_cmp_int(const void* a, const void* b) { return *(const int*)a - *(const int*)b; }
+
+// The added tokens by id (a content listed twice keeps its smallest id, as before), and their trie.
+static void hf_index_added(HfTokenizer* t) {
+    qsort(t->added, t->n_added, sizeof(int), hf_cmp_int);
+    const char** strs = (const char**)xmalloc(sizeof(char*) * (t->n_added + 1));
+    int* lens = (int*)xmalloc(sizeof(int) * (t->n_added + 1));
+    for (int k = 0; k < t->n_added; k++) {
+        strs[k] = t->names[t->added[k]];
+        lens[k] = (int)strlen(strs[k]);
+    }
+    literal_trie_build(&t->added_trie, strs, lens, t->added, t->n_added);
+    free(strs);
+    free(lens);
+}
+
 static void hf_load_vocab(HfTokenizer* t, const Json* model, const Json* added, const char* path) {
     const Json* vocab = json_get(model, "vocab");
     if (!vocab || vocab->type != JSON_OBJECT) fail("%s: model.vocab must be an object of token -> id", path);
@@ -443,18 +475,13 @@ static void hf_load_vocab(HfTokenizer* t, const Json* model, const Json* added, 
         t->by_name.keys[s] = h;
         t->by_name.vals[s] = id;
     }
-    for (int i = 1; i < t->n_added; i++)  // longest first, then by id (insertion sort: few tokens)
-        for (int j = i; j > 0; j--) {
-            int a = t->added[j - 1], b = t->added[j];
-            size_t la = strlen(t->names[a]), lb = strlen(t->names[b]);
-            if (la > lb || (la == lb && a < b)) break;
-            t->added[j - 1] = b; t->added[j] = a;
-        }
+    hf_index_added(t);
 }
 
 static void hf_load_merges(HfTokenizer* t, const Json* merges, const char* path) {
     if (!merges || merges->type != JSON_ARRAY) fail("%s: model.merges must be an array", path);
     hf_map_init(&t->merges, merges->count);
+    t->merge_to = (int*)xmalloc(sizeof(int) * (merges->count + 1));
     for (int r = 0; r < merges->count; r++) {
         const Json* m = &merges->items[r];
         char* left = NULL;
@@ -474,7 +501,9 @@ static void hf_load_merges(HfTokenizer* t, const Json* merges, const char* path)
         char* both = (char*)xmalloc(la + lr + 1);
         memcpy(both, left, la);
         memcpy(both + la, right, lr + 1);
-        if (a < 0 || b < 0 || hf_lookup(t, both) < 0) fail("%s: model.merges[%d] (\"%s\" \"%s\") names a token not in the vocabulary", path, r, left, right);
+        t->merge_to[r] = hf_lookup(t, both);
+        if (a < 0 || b < 0 || t->merge_to[r] < 0)
+            fail("%s: model.merges[%d] (\"%s\" \"%s\") names a token not in the vocabulary", path, r, left, right);
         size_t s = hf_map_slot(&t->merges, hf_pair_key(a, b));
         t->merges.keys[s] = hf_pair_key(a, b);
         t->merges.vals[s] = r;  // a pair listed twice keeps its last rank, as the library's map does
@@ -656,7 +685,8 @@ static void hf_tokenizer_load(HfTokenizer* t, const char* path) {
 
 static void hf_tokenizer_free(HfTokenizer* t) {
     for (int i = 0; i < t->vocab_size; i++) { free(t->names[i]); free(t->pieces[i]); }
-    free(t->names); free(t->pieces); free(t->added);
+    free(t->names); free(t->pieces); free(t->added); free(t->merge_to);
+    literal_trie_free(&t->added_trie);
     hf_map_free(&t->by_name);
     hf_map_free(&t->merges);
     memset(t, 0, sizeof(*t));

@@ -27,6 +27,8 @@
 #pragma once
 #include "../common.h"
 #include "../formats/json.h"
+#include "bpe_merge.h"
+#include "literal_trie.h"
 
 typedef struct {
     int vocab_size;
@@ -42,6 +44,8 @@ typedef struct {
     char* special;        // byte-level: 1 for tokens matched literally and never merged (or NULL)
     int* special_ids;     // the same tokens, longest piece first
     int n_special;
+    LiteralTrie special_trie;  // the same tokens, matched in the text
+    int max_length;       // of a piece
 } Tokenizer;
 
 enum { TOK_PRE_NONE, TOK_PRE_GPT2, TOK_PRE_GPT2_DIGITS };
@@ -67,6 +71,18 @@ static int tok_config_id(const Json* block, const char* key, int dflt, int vocab
     if (v->type != JSON_NUMBER || v->number != floor(v->number) || v->number < 0 || v->number >= vocab)
         fail("%s: tokenizer_bin.%s must be a token id below the vocabulary size %d", src, key, vocab);
     return (int)v->number;
+}
+
+// The trie of the special tokens: in tok_cmp_special's order, so a piece listed twice keeps its
+// smallest id.
+static void tokenizer_index_specials(Tokenizer* t) {
+    const char** strs = (const char**)xmalloc(sizeof(char*) * (t->n_special + 1));
+    for (int k = 0; k < t->n_special; k++) strs[k] = t->pieces[t->special_ids[k]];
+    int* lens = (int*)xmalloc(sizeof(int) * (t->n_special + 1));
+    for (int k = 0; k < t->n_special; k++) lens[k] = (int)strlen(strs[k]);  // matched as C strings
+    literal_trie_build(&t->special_trie, strs, lens, t->special_ids, t->n_special);
+    free(strs);
+    free(lens);
 }
 
 // Reads the "tokenizer_bin" block of DIR/tokenizer_config.json, DIR being tokenizer.bin's folder.
@@ -108,6 +124,7 @@ static void tokenizer_read_config(Tokenizer* t, const char* path) {
             }
             g_sort_special = t;
             qsort(t->special_ids, t->n_special, sizeof(int), tok_cmp_special);
+            tokenizer_index_specials(t);
         }
     }
     json_free(&j);
@@ -157,6 +174,8 @@ static void tokenizer_load(Tokenizer* t, const char* path, int expected_vocab) {
     t->eos_id = 2;
     t->add_bos = 1;
     tokenizer_read_config(t, path);
+    for (int i = 0; i < t->vocab_size; i++)
+        if (t->lengths[i] > t->max_length) t->max_length = t->lengths[i];
     for (int b = 0; b < 256; b++) t->byte_ids[b] = -1;
     if (t->byte_level)
         for (int i = t->vocab_size - 1; i >= 0; i--)  // the smallest id wins
@@ -167,6 +186,7 @@ static void tokenizer_free(Tokenizer* t) {
     for (int i = 0; i < t->vocab_size; i++) free(t->pieces[i]);
     free(t->pieces); free(t->lengths); free(t->scores); free(t->sorted);
     free(t->special); free(t->special_ids);
+    literal_trie_free(&t->special_trie);
     memset(t, 0, sizeof(*t));
 }
 
@@ -184,26 +204,31 @@ static int tokenizer_lookup(const Tokenizer* t, const char* s) {
     return -1;
 }
 
-// Merges the best-scoring adjacent pair of ids[0..n) whose concatenation is a token (not a
-// special one), leftmost on ties, until none is; returns the new count.
+// llama2.c's merge rule (bpe_merge.h): a pair merges when its two pieces joined are a token (not a
+// special one), the best-scoring first. Scores at or below -1e30 (or NaN) never merge, as before.
+typedef struct {
+    const Tokenizer* t;
+    char* joined;  // room for two pieces
+} TokPairCtx;
+
+static int tokenizer_pair(const void* ctx, int a, int b, double* key, int* to) {
+    const Tokenizer* t = ((const TokPairCtx*)ctx)->t;
+    char* joined = ((const TokPairCtx*)ctx)->joined;
+    size_t la = strlen(t->pieces[a]), lb = strlen(t->pieces[b]);  // C strings, as the lookup compares them
+    memcpy(joined, t->pieces[a], la);
+    memcpy(joined + la, t->pieces[b], lb + 1);
+    int id = tokenizer_lookup(t, joined);
+    if (id < 0 || (t->special && t->special[id]) || !(t->scores[id] > -1e30f)) return 0;
+    *key = -(double)t->scores[id];
+    *to = id;
+    return 1;
+}
+
+// Merges ids[0..n) by that rule, leftmost on ties, until no pair merges; returns the new count.
 static int tokenizer_merge(const Tokenizer* t, int* ids, int n) {
-    char* merged = (char*)xmalloc(2 * 256 + 2);
-    for (;;) {
-        float best = -1e30f;
-        int best_id = -1, best_at = -1;
-        for (int i = 0; i + 1 < n; i++) {
-            if (t->lengths[ids[i]] + t->lengths[ids[i + 1]] > 512) continue;
-            snprintf(merged, 2 * 256 + 2, "%s%s", t->pieces[ids[i]], t->pieces[ids[i + 1]]);
-            int id = tokenizer_lookup(t, merged);
-            if (id >= 0 && t->special && t->special[id]) continue;
-            if (id >= 0 && t->scores[id] > best) { best = t->scores[id]; best_id = id; best_at = i; }
-        }
-        if (best_at < 0) break;
-        ids[best_at] = best_id;
-        memmove(ids + best_at + 1, ids + best_at + 2, (n - best_at - 2) * sizeof(int));
-        n--;
-    }
-    free(merged);
+    TokPairCtx ctx = {t, (char*)xmalloc(2 * (size_t)t->max_length + 1)};
+    n = bpe_merge(ids, n, tokenizer_pair, &ctx);
+    free(ctx.joined);
     return n;
 }
 
@@ -241,14 +266,10 @@ static int tok_pretoken_end(const unsigned char* s, int i, int n, int digits_alo
 
 // Byte-level encoding of text after the optional BOS (see the header comment).
 static int tokenizer_encode_byte_level(const Tokenizer* t, const char* text, int* ids) {
-    int n = 0, start = 0;
+    int n = 0, start = 0, len = (int)strlen(text);
     const unsigned char* s = (const unsigned char*)text;
     for (int pos = 0;; pos++) {
-        int hit = -1;
-        for (int k = 0; s[pos] && k < t->n_special && hit < 0; k++) {
-            int id = t->special_ids[k];
-            if (strncmp(text + pos, t->pieces[id], t->lengths[id]) == 0) hit = id;
-        }
+        int hit_len = 0, hit = s[pos] ? literal_trie_match(&t->special_trie, text + pos, len - pos, &hit_len) : -1;
         if (hit < 0 && s[pos]) continue;
         // the stretch [start, pos): pre-tokens, each one token per byte, then merges
         for (int a = start; a < pos;) {
@@ -261,7 +282,7 @@ static int tokenizer_encode_byte_level(const Tokenizer* t, const char* text, int
         }
         if (hit < 0) break;  // end of text
         ids[n++] = hit;
-        pos += t->lengths[hit] - 1;
+        pos += hit_len - 1;
         start = pos + 1;
     }
     return n;

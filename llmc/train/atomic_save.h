@@ -115,3 +115,104 @@ static void save_commit(const char* out, char* stage, int64_t step) {
     free(done);
     free(stage);
 }
+
+// ---------------------------------------------------------------------------------------------
+// --export-merged's model directory, written whole or not at all. It is staged in a sibling,
+// DIR.export.tmp, renamed to DIR once complete; a failure (a full disk) removes the stage on the
+// way out (fail() exits, and an atexit handler clears it), so DIR is left as it was: neither
+// half-written nor created empty. An existing DIR is replaced whole, so no file of an earlier
+// export outlives it (a stale tokenizer.bin would win over a new tokenizer.json: model_tokenizer.h
+// reads tokenizer.bin first); so DIR may hold only the files an export writes, else it is refused.
+
+static const char* const EXPORT_DIR_FILES[] = {"model.safetensors",     "config.json",
+                                               "generation_config.json", "tokenizer.bin",
+                                               "tokenizer.json",        "tokenizer_config.json",
+                                               "special_tokens_map.json", "preprocessor_config.json"};
+
+// Whether name is a file an export writes, or the temporary file of one.
+static int export_dir_own_file(const char* name) {
+    for (size_t i = 0; i < sizeof(EXPORT_DIR_FILES) / sizeof(EXPORT_DIR_FILES[0]); i++) {
+        size_t n = strlen(EXPORT_DIR_FILES[i]);
+        if (!strncmp(name, EXPORT_DIR_FILES[i], n) && (!name[n] || !strcmp(name + n, ".tmp"))) return 1;
+    }
+    return 0;
+}
+
+// DIR without trailing slashes (a malloc'd copy); "." and ".." cannot be renamed, so are refused.
+static char* export_dir_name(const char* dir, const char* what) {
+    char* d = xstrdup(dir);
+    size_t n = strlen(d);
+    while (n > 1 && d[n - 1] == '/') d[--n] = 0;
+    const char* base = strrchr(d, '/') ? strrchr(d, '/') + 1 : d;
+    if (!strcmp(base, ".") || !strcmp(base, "..") || !strcmp(d, "/"))
+        fail("%s: %s: name the directory itself (it is replaced whole), not . or ..", what, dir);
+    return d;
+}
+
+// Refuses a dir that is not a directory, or that holds anything an export does not write.
+static void export_dir_check_contents(const char* dir, const char* what) {
+    struct stat st;
+    if (stat(dir, &st) != 0) return;
+    if (!S_ISDIR(st.st_mode)) fail("%s: %s exists and is not a directory", what, dir);
+    DIR* d = opendir(dir);
+    if (!d) fail("%s: cannot list %s (%s)", what, dir, strerror(errno));
+    for (struct dirent* e; (e = readdir(d)) != NULL;)
+        if (strcmp(e->d_name, ".") && strcmp(e->d_name, "..") && !export_dir_own_file(e->d_name))
+            fail("%s: %s holds %s, which an export does not write; the export replaces the whole directory, so give "
+                 "a new or empty one (or one an earlier export wrote)", what, dir, e->d_name);
+    closedir(d);
+}
+
+// Refuses a DIR an export cannot replace; run before the training, so as not to refuse after it.
+static void export_dir_check(const char* dir, const char* what) {
+    char* d = export_dir_name(dir, what);
+    export_dir_check_contents(d, what);
+    free(d);
+}
+
+static char* g_export_stage;  // the stage being written, removed at exit unless committed
+
+static void export_dir_cleanup(void) {
+    if (g_export_stage) remove_flat_dir(g_export_stage);
+}
+
+// Starts an export into DIR: checks DIR, clears a stage a killed export left, and returns the
+// fresh stage to write into.
+static char* export_dir_begin(const char* dir, const char* what) {
+    char* d = export_dir_name(dir, what);
+    export_dir_check_contents(d, what);
+    char* stage = (char*)xmalloc(strlen(d) + 16);
+    sprintf(stage, "%s.export.tmp", d);
+    export_dir_check_contents(stage, what);
+    if (dir_exists(stage)) remove_flat_dir(stage);
+    make_dirs(stage, what);
+    static int registered;
+    if (!registered) registered = atexit(export_dir_cleanup) == 0;
+    g_export_stage = stage;
+    free(d);
+    return stage;
+}
+
+// Puts the complete stage in DIR's place (an earlier DIR, checked by export_dir_begin, goes).
+static void export_dir_commit(const char* dir, char* stage) {
+    char* d = export_dir_name(dir, "export");
+    save_fsync_dir(stage);
+    char* old = NULL;
+    if (dir_exists(d)) {
+        old = (char*)xmalloc(strlen(d) + 16);
+        sprintf(old, "%s.replaced.tmp", d);
+        if (dir_exists(old)) remove_flat_dir(old);
+        if (rename(d, old) != 0) fail("%s: cannot move the earlier export aside (%s)", d, strerror(errno));
+    }
+    if (rename(stage, d) != 0) fail("%s: cannot move the export into place (%s)", d, strerror(errno));
+    g_export_stage = NULL;
+    if (old) remove_flat_dir(old);
+    char* parent = xstrdup(d);
+    char* slash = strrchr(parent, '/');
+    if (slash) *(slash == parent ? slash + 1 : slash) = 0;
+    save_fsync_dir(slash ? parent : ".");
+    free(parent);
+    free(old);
+    free(stage);
+    free(d);
+}

@@ -356,10 +356,13 @@ static void train_run(const Trainer* t, const TrainOptions* o, const Dist* dist)
             printf("val loss %.6f | val acc %.6f (%lld images)\n", e.loss, e.accuracy, (long long)e.items);
         else printf("val loss %.6f\n", e.loss);
     } else if (!o->eval_only && o->data_path) {
+        if (o->export_merged && dist->rank == 0) export_dir_check(o->export_merged, "flag --export-merged");
         train_loop(t, o, dist);
     }
-    if (o->export_merged && dist->rank == 0) {
-        t->export_merged(t->model, o, o->export_merged);
+    if (o->export_merged && dist->rank == 0) {  // written whole or not at all (atomic_save.h)
+        char* stage = export_dir_begin(o->export_merged, "flag --export-merged");
+        t->export_merged(t->model, o, stage);
+        export_dir_commit(o->export_merged, stage);
         printf("wrote merged model to %s\n", o->export_merged);
     }
 }

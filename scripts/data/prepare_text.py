@@ -5,10 +5,13 @@
 
 TOK: a llama2.c tokenizer.bin (also the byte-level one scripts/export/export_llama.py --gguf writes),
 or a Hugging Face tokenizer.json (needs `pip install tokenizers`).
-FILE: plain text, or .jsonl with one {"prompt": ..., "response": ...} or
-{"messages": [{"role": "system|user|assistant", "content": ...}, ...]} per line.
+FILE: plain text, or .jsonl (any case) with one {"prompt": ..., "response": ...} or
+{"messages": [{"role": "system|user|assistant", "content": ...}, ...]} per line; a file of another
+name whose first line is such an object is refused as ambiguous unless --format says which it is.
 Writes PREFIX_train.bin and PREFIX_val.bin (no val shard with --val-frac 0).
-Invalid UTF-8 is an error naming the byte offset (--utf8-errors replace substitutes U+FFFD).
+Invalid UTF-8 is an error naming the byte offset (--utf8-errors replace substitutes U+FFFD), and
+so is a JSON escape of a lone surrogate ("\\ud800") naming the line. Shards in which no token is
+a target (a chat template that renders no assistant reply) are refused, not written.
 
 Plain text is cut at paragraph boundaries into chunks of about --chunk-chars
 characters, each BOS + tokens, every token a target except BOS (nothing in a chunk
@@ -68,11 +71,7 @@ class HFTokenizer:
     @staticmethod
     def _special_names(path):
         """bos/eos token strings from a tokenizer_config.json beside the file, if any."""
-        cfg_path = os.path.join(os.path.dirname(path), "tokenizer_config.json")
-        if not os.path.exists(cfg_path):
-            return {}
-        with open(cfg_path) as f:
-            cfg = json.load(f)
+        cfg = read_tokenizer_config(path)[1] or {}
         out = {}
         for key in ("bos_token", "eos_token"):
             v = cfg.get(key)
@@ -88,6 +87,31 @@ class HFTokenizer:
     def encode(self, text, bos=True, eos=False):
         ids = self.tok.encode(text, add_special_tokens=False).ids
         return ([self.bos_id] if bos else []) + ids + ([self.eos_id] if eos else [])
+
+
+def read_tokenizer_config(tok_path):
+    """(path, dict) of the tokenizer_config.json beside the tokenizer; dict None when there is none.
+    One that is not valid JSON, or not an object, is refused (transformers reads it as keyword
+    arguments: a list or a number there is a broken file, not an empty configuration)."""
+    cfg_path = os.path.join(os.path.dirname(os.path.abspath(tok_path)), "tokenizer_config.json")
+    if not os.path.exists(cfg_path):
+        return cfg_path, None
+    try:
+        with open(cfg_path, encoding="utf-8") as f:
+            cfg = json.load(f)
+    except (OSError, ValueError) as e:
+        raise PrepError(f"{cfg_path}: cannot read ({one_line(e)})") from None
+    except RecursionError:
+        raise PrepError(f"{cfg_path}: nested too deeply to be a tokenizer_config.json") from None
+    if not isinstance(cfg, dict):
+        raise PrepError(f"{cfg_path}: expected a JSON object of tokenizer settings, found {json_kind(cfg)}")
+    return cfg_path, cfg
+
+
+def json_kind(v):
+    """What a JSON value is, in a message."""
+    names = {list: "a list", str: "a string", bool: "a boolean", int: "a number", float: "a number", dict: "an object"}
+    return names.get(type(v), "null")
 
 
 def one_line(e):
@@ -195,15 +219,10 @@ def token_string(v):
 
 def load_model_template(tok_path):
     """The chat template of a tokenizer_config.json beside the tokenizer, or None."""
-    cfg_path = os.path.join(os.path.dirname(os.path.abspath(tok_path)), "tokenizer_config.json")
-    if not os.path.exists(cfg_path):
+    cfg_path, cfg = read_tokenizer_config(tok_path)
+    if cfg is None:
         return None
-    try:
-        with open(cfg_path, encoding="utf-8") as f:
-            cfg = json.load(f)
-    except (OSError, ValueError) as e:
-        raise PrepError(f"{cfg_path}: cannot read ({one_line(e)})") from None
-    tmpl = cfg.get("chat_template") if isinstance(cfg, dict) else None
+    tmpl = cfg.get("chat_template")
     if isinstance(tmpl, list):  # named templates: the default one
         tmpl = next((t.get("template") for t in tmpl if isinstance(t, dict) and t.get("name") == "default"), None)
     if not tmpl:
@@ -328,6 +347,25 @@ def read_text(path, utf8_errors):
     return text.replace("\r\n", "\n").replace("\r", "\n")  # universal newlines, as open() in text mode
 
 
+def check_unicode(obj, where):
+    """Python's json turns an escaped lone surrogate ("\\ud800", half of a UTF-16 pair) into a
+    string no UTF-8 can hold; the tokenizers would make invalid tokens of it. Refused, naming it."""
+    todo = [obj]
+    while todo:
+        v = todo.pop()
+        if isinstance(v, dict):
+            todo.extend(v.keys())
+            todo.extend(v.values())
+        elif isinstance(v, list):
+            todo.extend(v)
+        elif isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise PrepError(f"{where}: the escape \\u{ord(v[e.start]):04x} is a lone surrogate, not a "
+                                "character (a \\uD8xx escape must be followed by a \\uDCxx one)") from None
+
+
 def read_jsonl(path, utf8_errors="strict"):
     """Yield each non-empty line as ("pair", prompt, response) or ("chat", messages), with
     errors naming file and line."""
@@ -338,6 +376,9 @@ def read_jsonl(path, utf8_errors="strict"):
             obj = json.loads(line)
         except json.JSONDecodeError as e:
             raise PrepError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+        except RecursionError:
+            raise PrepError(f"{path}:{lineno}: JSON nested too deeply") from None
+        check_unicode(obj, f"{path}:{lineno}")
         if isinstance(obj, dict) and isinstance(obj.get("messages"), list):
             msgs = obj["messages"]
             ok = msgs and all(isinstance(m, dict) and m.get("role") in ("system", "user", "assistant")
@@ -381,9 +422,39 @@ def encode_item(tok, item, template):
     return encode_chat(tok, item[1], template)
 
 
-def prepare_docs(tok, path, val_frac, seed, chunk_chars, template=None, utf8_errors="strict"):
-    """Return (train docs, val docs) for a text or JSONL file."""
-    if path.endswith(".jsonl"):
+def looks_like_jsonl(path):
+    """Whether the file's first non-blank line is a JSON object of an example (messages, or prompt
+    and response)."""
+    with open(path, "rb") as f:
+        for raw in f:
+            if raw.strip():
+                try:
+                    obj = json.loads(raw)
+                except (ValueError, RecursionError):
+                    return False
+                return isinstance(obj, dict) and ("messages" in obj or "prompt" in obj)
+    return False
+
+
+def input_is_jsonl(path, fmt):
+    """--format jsonl or text as given; auto: a name ending in .jsonl, in any case. A file named
+    otherwise whose first line is an example object is ambiguous: tokenised as text, its JSON syntax
+    and user turns would become targets, silently; refused instead."""
+    if fmt != "auto":
+        return fmt == "jsonl"
+    if os.path.splitext(path)[1].lower() == ".jsonl":
+        return True
+    if looks_like_jsonl(path):
+        raise PrepError(f"{path}: its first line is a JSON example object but its name does not end in .jsonl; "
+                        "pass --format jsonl to train on the examples, or --format text to train on the file as text")
+    return False
+
+
+def prepare_docs(tok, path, val_frac, seed, chunk_chars, template=None, utf8_errors="strict", jsonl=None):
+    """Return (train docs, val docs) for a text or JSONL file (jsonl: which; None: by its name)."""
+    if jsonl is None:
+        jsonl = input_is_jsonl(path, "auto")
+    if jsonl:
         docs = [encode_item(tok, item, template) for item in read_jsonl(path, utf8_errors)]
         order = list(range(len(docs)))
         random.Random(seed).shuffle(order)
@@ -419,6 +490,15 @@ def write_split(prefix, train, val, vocab_size, packed=False):
         print(f"{path}: {len(docs)} docs, {ids.size} tokens, {int(mask.sum())} targets")
 
 
+def check_targets(path, train, val):
+    """Shards without a target train on nothing (and a validation loss of no tokens is no number):
+    a chat template that renders no assistant reply does that. Refused before anything is written."""
+    for split, docs in (("", train), ("validation ", val)):
+        if docs and not any(any(mask) for _, mask in docs):
+            raise PrepError(f"{path}: no {split}example has a target (a token trained on): does the chat template "
+                            "render the assistant replies?")
+
+
 class OneLineArgumentParser(argparse.ArgumentParser):
     """argparse whose errors are one line (its default prints the usage first, 3-4 lines)."""
 
@@ -439,6 +519,9 @@ def parse_args(argv=None):
                          "prompt + response + EOS; chatml, llama2: fixed templates)")
     ap.add_argument("--chunk-chars", type=int, default=4096,
                     help="target characters per plain-text chunk (default 4096)")
+    ap.add_argument("--format", choices=("auto", "text", "jsonl"), default="auto",
+                    help="what --input holds (auto, the default: JSONL when its name ends in .jsonl in any case; "
+                         "a file named otherwise that starts with a JSON example is refused as ambiguous)")
     ap.add_argument("--utf8-errors", choices=("strict", "replace"), default="strict",
                     help="invalid UTF-8 in the input: an error naming the byte offset (strict, the default), "
                          "or substitute U+FFFD (replace)")
@@ -458,21 +541,23 @@ def main(argv=None):
             raise PrepError(f"{args.input}: is a directory, expected a text or .jsonl file")
         if not os.path.isfile(args.input):
             raise PrepError(f"{args.input}: no such input file")
+        jsonl = input_is_jsonl(args.input, args.format)
         template = {"auto": None, "none": None}.get(args.chat_template, args.chat_template)
-        if args.chat_template == "auto" and args.input.endswith(".jsonl"):
+        if args.chat_template == "auto" and jsonl:
             template = load_model_template(args.tokenizer)
             if template:
                 check_pieces_encode_alone(tok, args.tokenizer)
         train, val = prepare_docs(tok, args.input, args.val_frac, args.seed, args.chunk_chars, template,
-                                  args.utf8_errors)
+                                  args.utf8_errors, jsonl)
         if not train:
             raise PrepError(f"{args.input}: no text to tokenise")
+        check_targets(args.input, train, val)
         if args.val_frac > 0 and not val:
             # an empty val shard would only be refused later by the trainer
-            what = "example" if args.input.endswith(".jsonl") else f"chunk of --chunk-chars {args.chunk_chars}"
+            what = "example" if jsonl else f"chunk of --chunk-chars {args.chunk_chars}"
             raise PrepError(f"{args.input}: only {len(train)} {what}, too little for a validation split "
                             f"(lower --chunk-chars, or --val-frac 0 for no validation shard)")
-        write_split(args.out, train, val, tok.vocab_size, packed=args.input.endswith(".jsonl"))
+        write_split(args.out, train, val, tok.vocab_size, packed=jsonl)
     except (PrepError, ValueError, OSError) as e:
         print(f"prepare_text: {one_line(e)}", file=sys.stderr)
         return 1

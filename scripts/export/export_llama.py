@@ -5,7 +5,8 @@
 
 DIR gets config.json, model.safetensors and tokenizer.bin (the C trainer reads the
 llama2.c tokenizer for encode/decode). The trainer reads only the Hugging Face
-layout, so every other source is converted here once.
+layout, so every other source is converted here once. DIR is written whole or not at all and
+replaces an earlier export whole; a DIR holding other files is refused (scripts/formats/model_dir.py).
 
 GGUF (needs `pip install gguf`): the tensors are dequantized (scripts/formats/gguf_llama.py says
 which types and how), the hyperparameters come from the llama.* metadata, and the tokenizer
@@ -29,6 +30,7 @@ import numpy as np
 # sibling modules in scripts/<folder>/
 SCRIPTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [os.path.join(SCRIPTS, d) for d in ("formats",)]
+import model_dir  # noqa: E402
 import st_io  # noqa: E402
 import gguf_llama  # noqa: E402
 from gguf_llama import interleaved_to_half  # noqa: E402  (the same permutation serves both)
@@ -183,32 +185,24 @@ def write_json(path, obj):
 
 
 def write_model_dir(out, config, tensors, tokenizer, dtype):
-    """Write everything into OUT.tmp, then swap it into place so OUT is never half-written.
+    """Write everything into a staging directory that then takes OUT's place (model_dir.py).
 
     tokenizer: a tokenizer.bin path to copy, or (pieces, scores, tokenizer_config dict)."""
-    out = out.rstrip("/")
-    tmp = out + ".tmp"
-    if os.path.exists(tmp):
-        shutil.rmtree(tmp)
-    os.makedirs(tmp)
     try:
-        with open(os.path.join(tmp, "config.json"), "w") as f:
-            json.dump(config, f, indent=2)
-            f.write("\n")
-        st_io.save(os.path.join(tmp, "model.safetensors"), tensors, metadata={"format": "pt"},
-                   bf16=(dtype == "bf16"))
-        if isinstance(tokenizer, str):
-            shutil.copyfile(tokenizer, os.path.join(tmp, "tokenizer.bin"))
-        else:
-            pieces, scores, tok_config = tokenizer
-            write_tokenizer_bin(os.path.join(tmp, "tokenizer.bin"), pieces, scores)
-            write_json(os.path.join(tmp, "tokenizer_config.json"), tok_config)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)  # leave no partial output behind
-        raise
-    if os.path.isdir(out):
-        shutil.rmtree(out)
-    os.replace(tmp, out)
+        with model_dir.staged(out) as tmp:
+            with open(os.path.join(tmp, "config.json"), "w") as f:
+                json.dump(config, f, indent=2)
+                f.write("\n")
+            st_io.save(os.path.join(tmp, "model.safetensors"), tensors, metadata={"format": "pt"},
+                       bf16=(dtype == "bf16"))
+            if isinstance(tokenizer, str):
+                shutil.copyfile(tokenizer, os.path.join(tmp, "tokenizer.bin"))
+            else:
+                pieces, scores, tok_config = tokenizer
+                write_tokenizer_bin(os.path.join(tmp, "tokenizer.bin"), pieces, scores)
+                write_json(os.path.join(tmp, "tokenizer_config.json"), tok_config)
+    except model_dir.ModelDirError as e:
+        raise ExportError(str(e)) from None
 
 
 def export_gguf(args):
@@ -229,6 +223,10 @@ def export_gguf(args):
 
 
 def export(args):
+    try:
+        model_dir.check(args.out)  # before the conversion, not after it
+    except model_dir.ModelDirError as e:
+        raise ExportError(str(e)) from None
     if args.gguf:
         return export_gguf(args)
     cfg, shared, tensors = load_llama2c(args.llama2c)

@@ -28,6 +28,7 @@ import numpy as np
 # sibling modules in scripts/<folder>/
 SCRIPTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [os.path.join(SCRIPTS, d) for d in ("formats",)]
+import model_dir  # noqa: E402
 import st_io  # noqa: E402
 
 
@@ -176,7 +177,15 @@ def export(state, out_dir, heads=None, image_size=None, eps=1e-6, act="gelu", me
     std = list(std) * C if len(std) == 1 else list(std)
     if len(mean) != C or len(std) != C or min(std) <= 0:
         raise ExportError(f"--mean/--std: need 1 or {C} values, std positive")
-    os.makedirs(out_dir, exist_ok=True)
+    try:
+        with model_dir.staged(out_dir) as stage:  # whole or not at all, replacing an earlier export whole
+            _write_files(stage, hf, config, mean, std, bf16)
+    except model_dir.ModelDirError as e:
+        raise ExportError(str(e)) from None
+    return config
+
+
+def _write_files(out_dir, hf, config, mean, std, bf16):
     st_io.save(os.path.join(out_dir, "model.safetensors"), hf, metadata={"format": "pt"}, bf16=bf16)
     _write_json(os.path.join(out_dir, "config.json"), config)
     _write_json(os.path.join(out_dir, "preprocessor_config.json"),
@@ -186,7 +195,6 @@ def export(state, out_dir, heads=None, image_size=None, eps=1e-6, act="gelu", me
                           else config["image_size"][0],
                           "width": config["image_size"] if isinstance(config["image_size"], int)
                           else config["image_size"][1]}})
-    return config
 
 
 def _floats(text):

@@ -10,7 +10,8 @@ ByteLevel regex; gpt-2: ByteLevel alone), the ByteLevel decoder. tokenizer_confi
 template and the BOS and EOS token strings. Only byte-level (tokenizer.ggml.model "gpt2") GGUFs
 with one of those pre-tokenizers are supported; others are refused in one line. Together with
 export_llama.py's config.json and model.safetensors this makes a directory as downloaded from
-the hub (scripts/demo/chat_walkthrough.sh).
+the hub (scripts/demo/chat_walkthrough.sh). A directory holding a tokenizer.bin is refused: the
+trainer reads tokenizer.bin first (llmc/text/model_tokenizer.h), so the tokenizer.json would go unused.
 """
 import argparse
 import json
@@ -53,6 +54,11 @@ def main(argv=None):
     ap.add_argument("--out", required=True, help="directory to write tokenizer.json and tokenizer_config.json into")
     args = ap.parse_args(argv)
     try:
+        stale = os.path.join(args.out, "tokenizer.bin")
+        if os.path.lexists(stale):
+            raise OSError(f"{stale}: the trainer reads tokenizer.bin before tokenizer.json "
+                          "(llmc/text/model_tokenizer.h), so the tokenizer.json written here would go unused; "
+                          "remove it, or give another --out")
         tok, config = build(args.gguf)
         os.makedirs(args.out, exist_ok=True)
         tok_path, cfg_path = os.path.join(args.out, "tokenizer.json"), os.path.join(args.out, "tokenizer_config.json")

@@ -223,6 +223,42 @@ def test_bad_inputs_fail_with_one_line(tmp_path, stories260k, shared):
     assert res.returncode == 1 and "32000" in res.stderr and big_tok in res.stderr
 
 
+
+def test_the_output_directory_is_replaced_whole_or_left_alone(tmp_path, stories260k):
+    """--out is staged beside OUT and renamed into place (scripts/formats/model_dir.py): a second
+    export replaces OUT whole (a tokenizer.json left by an earlier export would otherwise sit beside
+    the new tokenizer.bin), a full disk (RLIMIT_FSIZE) leaves no OUT, and an OUT holding files an
+    export does not write is refused in one line, untouched (it used to be deleted whole)."""
+    import resource
+    import signal
+    res, out = run_export(tmp_path, stories260k.ckpt, stories260k.tok)
+    assert res.returncode == 0, res.stderr
+    first = {n: open(os.path.join(out, n), "rb").read() for n in os.listdir(out)}
+    with open(os.path.join(out, "tokenizer.json"), "w") as f:
+        f.write("{}")  # stale
+    res, out = run_export(tmp_path, stories260k.ckpt, stories260k.tok)
+    assert res.returncode == 0, res.stderr
+    assert {n: open(os.path.join(out, n), "rb").read() for n in os.listdir(out)} == first
+    assert sorted(os.listdir(tmp_path)) == ["model"]
+    with open(os.path.join(out, "notes.txt"), "w") as f:
+        f.write("mine")
+    res, _ = run_export(tmp_path, stories260k.ckpt, stories260k.tok)
+    err = res.stderr.strip()
+    assert res.returncode == 1 and len(err.splitlines()) == 1 and "notes.txt" in err and out in err, err
+    assert set(os.listdir(out)) == set(first) | {"notes.txt"} and sorted(os.listdir(tmp_path)) == ["model"]
+
+    def small_files():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+
+    new = str(tmp_path / "new")
+    cmd = [sys.executable, os.path.join(ROOT, "scripts", "export", "export_llama.py"),
+           "--llama2c", stories260k.ckpt, "--tokenizer", stories260k.tok, "--out", new]
+    res = subprocess.run(cmd, capture_output=True, text=True, preexec_fn=small_files)
+    err = res.stderr.strip()
+    assert res.returncode == 1 and len(err.splitlines()) == 1 and "cannot write" in err, err
+    assert sorted(os.listdir(tmp_path)) == ["model"]
+
 def test_safetensors_round_trip_and_validation(tmp_path):
     x = {"a": np.array([[1.0, -2.5], [np.pi, 1e30]], np.float32),
          "b": np.arange(5, dtype=np.int32), "c": np.zeros((0, 3), np.float32)}

@@ -19,6 +19,7 @@ import collections
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -651,3 +652,23 @@ def test_smollm2_logits_and_greedy_answer(smollm2, tmp_path, passive_omp):
     assert err < 1e-4, err
     greedy = got.argmax(-1)
     assert list(greedy[len(prompt) - 1:-1]) == answer, tok.decode(list(greedy[len(prompt) - 1:]))
+
+
+def test_tokenizer_json_beside_a_tokenizer_bin_is_refused(tiny, tmp_path):
+    """gguf_tokenizer_json.py into a directory that holds a tokenizer.bin (export_llama.py's): the
+    trainer would read that tokenizer.bin first and never the new tokenizer.json, so it is refused
+    in one line and nothing is written; into a directory without one it writes both files."""
+    script = os.path.join(ROOT, "scripts", "export", "gguf_tokenizer_json.py")
+    model = tmp_path / "model"
+    shutil.copytree(tiny["dir"], model)
+    before = {f.name: f.read_bytes() for f in model.iterdir()}
+    p = subprocess.run([sys.executable, script, "--gguf", str(tiny["gguf"]), "--out", str(model)],
+                       capture_output=True, text=True, timeout=120)
+    err = p.stderr.strip()
+    assert p.returncode == 1 and len(err.splitlines()) == 1 and str(model / "tokenizer.bin") in err, err
+    assert {f.name: f.read_bytes() for f in model.iterdir()} == before
+    (model / "tokenizer.bin").unlink()
+    p = subprocess.run([sys.executable, script, "--gguf", str(tiny["gguf"]), "--out", str(model)],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert (model / "tokenizer.json").exists()

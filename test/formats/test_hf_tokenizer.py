@@ -238,6 +238,68 @@ def test_nfc_equals_pythons_on_every_code_point(tmp_path):
     assert got.decode("utf-8") == want
 
 
+# ---- long prompts ----------------------------------------------------------------------------
+
+def spaceless_sentencepiece(scheme):
+    """A SentencePiece-style BPE whose vocabulary has no "▁": each space falls back to its three
+    bytes, so n spaces make 3n tokens. Llama-2's normalizer ("prepend") or a Metaspace pre-tokenizer
+    that prepends to every word ("always", split) or to the text ("first")."""
+    names = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + ["a", "b", "ab", "é"]
+    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(names)}, merges=[("a", "b")], unk_token="<unk>",
+                               byte_fallback=True, fuse_unk=True))
+    tok.add_special_tokens(["<unk>", "<s>", "</s>"])
+    if scheme == "prepend":
+        tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    else:
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme=scheme, split=scheme == "always")
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    return tok
+
+
+def long_prompts():
+    rng = np.random.default_rng(2)
+    pieces = ["".join(PIECES[k] for k in rng.integers(0, len(PIECES), 6000))]
+    return [" " * 30000, "a " * 15000, " \t" * 10000 + "é" * 5000, "<s>  " * 5000 + "ab" * 3000] + pieces
+
+
+@pytest.mark.parametrize("scheme", ["prepend", "always", "first"])
+def test_spaceless_sentencepiece_long_prompts_equal_the_library(tmp_path, scheme):
+    # the encoder once sized its ids for 2 per byte: these overflowed it (a crash in release)
+    tok = spaceless_sentencepiece(scheme)
+    tok.save(str(tmp_path / "tokenizer.json"))
+    for text in long_prompts():
+        want = tok.encode(text).ids
+        assert len(want) > 2 * len(text.encode()) + 8 or not text.startswith(" " * 100)
+        assert probe_ids(tmp_path, "encode", text) == want, text[:40]
+
+
+def test_long_prompts_equal_the_library(hf_dir):
+    # one word of thousands of symbols (Llama-2's normalizer splits nothing) merges as the library
+    d, tok, _ = hf_dir
+    for text in long_prompts():
+        assert probe_ids(d, "encode-plain", text) == tok.encode(text, add_special_tokens=False).ids, text[:40]
+
+
+def test_many_added_tokens_match_as_the_librarys(tmp_path):
+    # 20,000 special tokens, some prefixes of others and of vocabulary words: leftmost, then longest
+    # (special: not normalized, which the library matches in one pass as we do; it matches normalized
+    # added tokens in a second pass, a known difference: llmc/text/hf_tokenizer.h)
+    tok = byte_level("smollm2")
+    rng = np.random.default_rng(3)
+    alphabet = list("abcdeé<>|_ ")
+    added = sorted({"".join(rng.choice(alphabet, int(rng.integers(1, 9)))) for _ in range(20000)} - {" "})
+    tok.add_special_tokens(added)
+    tok.save(str(tmp_path / "tokenizer.json"))
+    texts = ["".join(rng.choice(alphabet + ["x", "Hello ", "<|im_end|>"], 300)) for _ in range(50)]
+    (tmp_path / "texts").write_bytes(b"".join(t.encode() + b"\0" for t in texts))
+    got = probe(tmp_path, "encode-each", tmp_path / "texts").decode().split("\n")[:-1]
+    for text, line in zip(texts, got):
+        assert [int(x) for x in line.split()] == tok.encode(text, add_special_tokens=False).ids, repr(text)
+    assert len(got) == len(texts)
+
+
 # ---- errors ----------------------------------------------------------------------------------
 
 def expect_error(d, *needles):

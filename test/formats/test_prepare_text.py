@@ -288,3 +288,67 @@ def test_tool_calls_and_a_missing_jinja2_are_one_line(tmp_path):
         err = p.stderr.strip()
         assert p.returncode == 1 and len(err.splitlines()) == 1 and err.startswith("prepare_text: "), err
         assert needle in err and not list(tmp_path.glob("out_*")), err
+
+
+# ---- inputs refused in one line, not tokenised into something else (issue 28) -------------------
+
+def one_line_refusal(p, *needles):
+    err = p.stderr.strip()
+    assert p.returncode == 1 and len(err.splitlines()) == 1 and err.startswith("prepare_text: "), (p.returncode, err)
+    assert all(n in err for n in needles), err
+
+
+def test_jsonl_is_told_by_its_extension_in_any_case(tmp_path):
+    d, _ = hf_tok_dir(tmp_path, "smollm2")
+    tok = d / "tokenizer.json"
+    lower, upper, txt = tmp_path / "a.jsonl", tmp_path / "b.JSONL", tmp_path / "c.txt"
+    for path in (lower, upper, txt):
+        write_jsonl(path, CONVERSATIONS)
+    assert prepare(tok, lower, tmp_path / "lower", "--chat-template", "chatml").returncode == 0
+    assert prepare(tok, upper, tmp_path / "upper", "--chat-template", "chatml").returncode == 0
+    assert (tmp_path / "upper_train.bin").read_bytes() == (tmp_path / "lower_train.bin").read_bytes()
+    # a file named otherwise that starts with an example: ambiguous, unless --format says
+    one_line_refusal(prepare(tok, txt, tmp_path / "txt", "--chat-template", "chatml"), str(txt), "--format jsonl")
+    assert not list(tmp_path.glob("txt_*"))
+    assert prepare(tok, txt, tmp_path / "txt", "--chat-template", "chatml", "--format", "jsonl").returncode == 0
+    assert (tmp_path / "txt_train.bin").read_bytes() == (tmp_path / "lower_train.bin").read_bytes()
+    assert prepare(tok, txt, tmp_path / "as_text", "--format", "text").returncode == 0
+    assert shards.read_shard(str(tmp_path / "as_text_train.bin"), with_starts=True)[3] is None  # plain text: not packed
+
+
+def test_a_template_that_renders_no_reply_is_refused(tmp_path):
+    # every rendering is a prefix of the next, but the replies vanish: shards of no target
+    template = ("{% for m in messages %}{% if m.role == 'user' %}<|im_start|>{{ m.content }}<|im_end|>{% endif %}"
+                "{% endfor %}")
+    d, _ = hf_tok_dir(tmp_path, "smollm2", template, "<|endoftext|>", "<|im_end|>")
+    jsonl = tmp_path / "chat.jsonl"
+    write_jsonl(jsonl, CONVERSATIONS)
+    one_line_refusal(prepare(d / "tokenizer.json", jsonl, tmp_path / "out"), str(jsonl), "no example has a target")
+    assert not list(tmp_path.glob("out_*"))
+
+
+def test_a_lone_surrogate_escape_is_refused_naming_its_line(tmp_path):
+    d, _ = hf_tok_dir(tmp_path, "smollm2")
+    jsonl = tmp_path / "chat.jsonl"
+    for bad in ({"prompt": "x \ud800 y", "response": "z"}, {"prompt": "x", "response": "\udfff"},
+                {"messages": [{"role": "user", "content": "a\ud83d"}, {"role": "assistant", "content": "b"}]}):
+        write_jsonl(jsonl, [CONVERSATIONS[1], bad])
+        assert "\\ud" in jsonl.read_text()  # json.dumps escapes it, as a file from elsewhere would
+        one_line_refusal(prepare(d / "tokenizer.json", jsonl, tmp_path / "out", "--chat-template", "chatml"),
+                         f"{jsonl}:2", "lone surrogate")
+        assert not list(tmp_path.glob("out_*"))
+    write_jsonl(jsonl, [{"prompt": "a pair \ud83d\ude00 is one character", "response": "ok"}])
+    assert prepare(d / "tokenizer.json", jsonl, tmp_path / "ok", "--chat-template", "chatml").returncode == 0
+
+
+@pytest.mark.parametrize("config", ["[]", "[{\"chat_template\": \"x\"}]", "3", "\"text\"", "[" * 100000],
+                         ids=["list", "list_of_templates", "number", "string", "deep"])
+def test_a_tokenizer_config_that_is_not_an_object_is_one_line(tmp_path, config):
+    d, _ = hf_tok_dir(tmp_path, "smollm2")
+    (d / "tokenizer_config.json").write_text(config)
+    text, jsonl = tmp_path / "t.txt", tmp_path / "c.jsonl"
+    text.write_text("Some text.\n\nMore text.\n")
+    write_jsonl(jsonl, CONVERSATIONS)
+    for path in (text, jsonl):
+        one_line_refusal(prepare(d / "tokenizer.json", path, tmp_path / "out"), str(d / "tokenizer_config.json"))
+        assert not list(tmp_path.glob("out_*"))

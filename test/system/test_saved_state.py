@@ -308,6 +308,36 @@ def test_outputs_into_the_model_directory_are_refused(llama_model, tmp_path, tra
     assert json.loads((tmp_path / "merged" / "config.json").read_text())
 
 
+# ---- --export-merged: the whole directory or nothing ---------------------------------------------
+
+@pytest.mark.parametrize("trainer", ["llama", "vit"])
+def test_export_merged_is_written_whole_or_not_at_all(llama_model, tmp_path, trainer):
+    """--export-merged stages its directory beside DIR and renames it into place (atomic_save.h): a
+    full disk (RLIMIT_FSIZE) leaves no DIR, not even an empty one; a second export replaces DIR whole,
+    so a file of an earlier export (a stale tokenizer.bin, which --generate would read before a
+    tokenizer.json) does not survive it; a DIR holding anything else is refused before training."""
+    args = args_for(trainer, llama_model, "--steps", 1)
+    merged = tmp_path / "merged"
+
+    def small_files():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails with EFBIG instead of a signal
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+
+    err = one_line_error(train(trainer, args + ["--export-merged", merged], check=False, preexec_fn=small_files))
+    assert "model.safetensors" in err and ("write failed" in err or "flush failed" in err), err
+    assert os.listdir(tmp_path) == []
+    train(trainer, args + ["--export-merged", merged])
+    first = {f.name: f.read_bytes() for f in merged.iterdir()}
+    (merged / "tokenizer.bin").write_bytes(b"stale")  # as an export of another model left it
+    (merged / "model.safetensors.tmp").write_bytes(b"half")
+    train(trainer, args + ["--export-merged", str(merged) + "/"])
+    assert {f.name: f.read_bytes() for f in merged.iterdir()} == first
+    assert os.listdir(tmp_path) == ["merged"]
+    (merged / "notes.txt").write_text("mine")
+    one_line_error(train(trainer, args + ["--export-merged", merged], check=False), "--export-merged", "notes.txt")
+    assert {f.name for f in merged.iterdir()} == set(first) | {"notes.txt"}
+    one_line_error(train(trainer, args + ["--export-merged", merged / "notes.txt"], check=False), "not a directory")
+
 # ---- several ranks and the CUDA backend --------------------------------------------------------
 
 def test_kill_inside_a_save_of_two_ranks_then_resume(llama_model, tmp_path):
