@@ -103,7 +103,10 @@ static CtVal ct_join(CtArena* ar, const char* x, const char* y) {
     return v;
 }
 
-static long long ct_floordiv(long long a, long long b) { long long q = a / b; return (a % b != 0 && (a < 0) != (b < 0)) ? q - 1 : q; }
+static long long ct_floordiv(long long a, long long b) {
+    long long q = a / b;
+    return (a % b != 0 && (a < 0) != (b < 0)) ? q - 1 : q;
+}
 
 static CtVal ct_binop(CtRun* r, const char* op, CtVal a, CtVal b) {
     CtArena* ar = r->c->arena;
@@ -112,8 +115,16 @@ static CtVal ct_binop(CtRun* r, const char* op, CtVal a, CtVal b) {
     if (!strcmp(op, "!=")) return ct_bool(!ct_equal(a, b));
     if (!strcmp(op, "in")) {
         if (b.type == CT_STR && a.type == CT_STR) return ct_bool(strstr(b.s, a.s) != NULL);
-        if (b.type == CT_LIST) { for (int i = 0; i < b.n; i++) if (ct_equal(a, b.items[i])) return ct_bool(1); return ct_bool(0); }
-        if (b.type == CT_DICT && a.type == CT_STR) { for (int i = 0; i < b.n; i++) if (!strcmp(a.s, b.keys[i])) return ct_bool(1); return ct_bool(0); }
+        if (b.type == CT_LIST) {
+            for (int i = 0; i < b.n; i++)
+                if (ct_equal(a, b.items[i])) return ct_bool(1);
+            return ct_bool(0);
+        }
+        if (b.type == CT_DICT && a.type == CT_STR) {
+            for (int i = 0; i < b.n; i++)
+                if (!strcmp(a.s, b.keys[i])) return ct_bool(1);
+            return ct_bool(0);
+        }
         fail("%s: 'in' needs a string, list or mapping on its right", r->c->name);
     }
     int ints = a.type == CT_INT && b.type == CT_INT, strs = a.type == CT_STR && b.type == CT_STR;
@@ -129,14 +140,17 @@ static CtVal ct_binop(CtRun* r, const char* op, CtVal a, CtVal b) {
             case '+': over = __builtin_add_overflow(a.i, b.i, &v); break;
             case '-': over = __builtin_sub_overflow(a.i, b.i, &v); break;
             case '*': over = __builtin_mul_overflow(a.i, b.i, &v); break;
-            case '%': v = b.i == -1 ? 0 : a.i - b.i * ct_floordiv(a.i, b.i); break;  // x % -1 is 0, even for the minimum
+            case '%':
+                v = b.i == -1 ? 0 : a.i - b.i * ct_floordiv(a.i, b.i);
+                break;  // x % -1 is 0, even for the minimum
             case '/': over = b.i == -1 && a.i == LLONG_MIN; if (!over) v = ct_floordiv(a.i, b.i); break;
         }
         // Jinja's integers are Python's, of any size; a 64-bit result that wrapped would differ
         if (over) fail("%s: integer %lld %s %lld overflows 64 bits", r->c->name, a.i, op, b.i);
         return ct_int(v);
     }
-    fail("%s: unsupported operation '%s' between %s and %s", r->c->name, op, ct_type_name(a.type), ct_type_name(b.type));
+    fail("%s: unsupported operation '%s' between %s and %s", r->c->name, op, ct_type_name(a.type),
+         ct_type_name(b.type));
     return a;  // not reached
 }
 
@@ -212,7 +226,10 @@ static CtVal ct_slice(const CtRun* r, CtVal obj, const CtVal* lo, const CtVal* h
     if (at) {  // each code point at most once: no longer than the string
         char* d = (char*)ct_alloc(r->c->arena, at[n] + 1);
         size_t m = 0;
-        for (long long j = 0, i = a; j < k; j++, i += st) { memcpy(d + m, obj.s + at[i], at[i + 1] - at[i]); m += at[i + 1] - at[i]; }
+        for (long long j = 0, i = a; j < k; j++, i += st) {
+            memcpy(d + m, obj.s + at[i], at[i + 1] - at[i]);
+            m += at[i + 1] - at[i];
+        }
         d[m] = 0;
         v.s = d;
         return v;
@@ -227,7 +244,8 @@ static CtVal ct_slice(const CtRun* r, CtVal obj, const CtVal* lo, const CtVal* h
 // U+001C-U+001F, U+0085, U+00A0, U+1680, U+2000-U+200A, U+2028, U+2029, U+202F, U+205F and U+3000.
 static int ct_py_space(unsigned cp) {
     return (cp >= 9 && cp <= 13) || (cp >= 0x1C && cp <= 0x20) || cp == 0x85 || cp == 0xA0 || cp == 0x1680 ||
-           (cp >= 0x2000 && cp <= 0x200A) || cp == 0x2028 || cp == 0x2029 || cp == 0x202F || cp == 0x205F || cp == 0x3000;
+           (cp >= 0x2000 && cp <= 0x200A) || cp == 0x2028 || cp == 0x2029 || cp == 0x202F || cp == 0x205F ||
+           cp == 0x3000;
 }
 
 // The code point of the UTF-8 sequence at s[i] of n bytes (*len its length; invalid bytes: 1).
@@ -321,7 +339,8 @@ static CtVal ct_filter(const CtRun* r, const CtExpr* e, CtVal v) {
 static int ct_test(const CtRun* r, const CtExpr* e, CtVal v) {
     const char* t = e->op;
     int known = ct_is_one_of(t, CT_TESTS);
-    if (!known || e->paren) fail("%s: unsupported construct: test 'is %s'%s", r->c->name, t, known ? " with arguments" : "");
+    if (!known || e->paren)
+        fail("%s: unsupported construct: test 'is %s'%s", r->c->name, t, known ? " with arguments" : "");
     if (!strcmp(t, "defined")) return v.type != CT_UNDEF;
     if (!strcmp(t, "undefined")) return v.type == CT_UNDEF;
     if (!strcmp(t, "none")) return v.type == CT_NONE;
@@ -370,9 +389,11 @@ static CtVal ct_eval_call(CtRun* r, const CtExpr* e) {
     const char* what = fn->kind == E_VAR ? fn->op : method ? fn->b->lit.s : "a call";
     if (fn->kind == E_VAR && !strcmp(what, "namespace")) return ct_namespace(r, e);
     int known = (fn->kind == E_VAR && !strcmp(what, "raise_exception")) || (method && ct_is_one_of(what, CT_METHODS));
-    if (!known || e->nkw) fail("%s: unsupported construct: call of %s()%s", r->c->name, what, known ? " with keyword arguments" : "");
+    if (!known || e->nkw)
+        fail("%s: unsupported construct: call of %s()%s", r->c->name, what, known ? " with keyword arguments" : "");
     if (method) return ct_method(r, what, e);
-    if (e->nargs != 1) fail("%s: unsupported construct: call of raise_exception() with %d arguments", r->c->name, e->nargs);
+    if (e->nargs != 1)
+        fail("%s: unsupported construct: call of raise_exception() with %d arguments", r->c->name, e->nargs);
     fail("%s: the template raised: %s", r->c->name, ct_text(r, ct_eval(r, e->args[0])));
     return e->lit;  // not reached
 }
@@ -429,7 +450,10 @@ static void ct_exec_for(CtRun* r, const CtStmt* s) {
             fail("%s: more than %d loop iterations in one rendering", r->c->name, CT_MAX_ITERATIONS);
         long long n = seq.n;
         loop.items[0] = ct_int(i); loop.items[1] = ct_int(i + 1); loop.items[2] = ct_bool(i == 0);
-        loop.items[3] = ct_bool(i == n - 1); loop.items[4] = ct_int(n); loop.items[5] = ct_int(n - i); loop.items[6] = ct_int(n - i - 1);
+        loop.items[3] = ct_bool(i == n - 1);
+        loop.items[4] = ct_int(n);
+        loop.items[5] = ct_int(n - i);
+        loop.items[6] = ct_int(n - i - 1);
         sc = &r->scopes[r->depth - 1];
         sc->n = 0;  // a fresh scope per iteration
         ct_scope_set(sc, s->var, seq.items[i]);
@@ -446,7 +470,9 @@ static void ct_exec_set(CtRun* r, const CtStmt* s) {
     CtVal v = ct_eval(r, s->e);
     if (!s->attr) { ct_scope_set(&r->scopes[r->depth - 1], s->var, v); return; }
     CtVal ns = ct_lookup(r, s->var);
-    if (ns.type != CT_NS) fail("%s: cannot assign attribute %s of %s, a %s (only of a namespace())", r->c->name, s->attr, s->var, ct_type_name(ns.type));
+    if (ns.type != CT_NS)
+        fail("%s: cannot assign attribute %s of %s, a %s (only of a namespace())", r->c->name, s->attr, s->var,
+             ct_type_name(ns.type));
     ct_dict_set(r->c->arena, &ns.items[0], s->attr, v);
 }
 

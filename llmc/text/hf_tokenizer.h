@@ -403,7 +403,11 @@ static char* hf_unmap_bytes(const HfTokenizer* t, const char* name) {
 static char* hf_metaspace_piece(const HfTokenizer* t, const char* name) {
     unsigned v;
     char* out = (char*)xmalloc(strlen(name) + 1);
-    if (t->bytes_decoded && strlen(name) == 6 && sscanf(name, "<0x%02X>", &v) == 1) { out[0] = (char)v; out[1] = 0; return out; }
+    if (t->bytes_decoded && strlen(name) == 6 && sscanf(name, "<0x%02X>", &v) == 1) {
+        out[0] = (char)v;
+        out[1] = 0;
+        return out;
+    }
     size_t n = 0;
     for (const char* c = name; *c;)
         if (strncmp(c, "\xE2\x96\x81", 3) == 0) { out[n++] = ' '; c += 3; } else out[n++] = *c++;
@@ -490,7 +494,8 @@ static void hf_load_merges(HfTokenizer* t, const Json* merges, const char* path)
             left = xstrdup(m->string);
             *strchr(left, ' ') = 0;
             right = strchr(m->string, ' ') + 1;
-        } else if (m->type == JSON_ARRAY && m->count == 2 && m->items[0].type == JSON_STRING && m->items[1].type == JSON_STRING) {
+        } else if (m->type == JSON_ARRAY && m->count == 2 && m->items[0].type == JSON_STRING &&
+                   m->items[1].type == JSON_STRING) {
             left = xstrdup(m->items[0].string);
             right = m->items[1].string;
         } else {
@@ -515,13 +520,18 @@ static void hf_load_merges(HfTokenizer* t, const Json* merges, const char* path)
 // The regex of a Split pre-tokenizer, recognised by its text.
 static int hf_split_regex(const Json* step, const char* path) {
     static const char* gpt2 = "'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)|\\s+";
-    static const char* llama3 = "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+";
-    static const char* qwen2 = "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+";
+    static const char* llama3 =
+        "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| "
+        "?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+";
+    static const char* qwen2 =
+        "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| "
+        "?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+";
     const char* re = json_string_or(json_get(step, "pattern"), "Regex", NULL);
     const char* behavior = json_string_or(step, "behavior", "?");
     if (!re) fail("%s: pre-tokenizer Split on a plain string is not supported (expected a Regex)", path);
     if (strcmp(behavior, "Isolated") != 0 || json_bool_or(step, "invert", 0))
-        fail("%s: pre-tokenizer Split with behavior %s%s is not supported (expected Isolated)", path, behavior, json_bool_or(step, "invert", 0) ? " inverted" : "");
+        fail("%s: pre-tokenizer Split with behavior %s%s is not supported (expected Isolated)", path, behavior,
+             json_bool_or(step, "invert", 0) ? " inverted" : "");
     if (strcmp(re, gpt2) == 0) return HF_RE_GPT2;
     if (strcmp(re, llama3) == 0) return HF_RE_LLAMA3;
     if (strcmp(re, qwen2) == 0) return HF_RE_QWEN2;
@@ -531,8 +541,10 @@ static int hf_split_regex(const Json* step, const char* path) {
 
 static int hf_metaspace_scheme(const Json* j, const char* path) {
     const char* r = json_string_or(j, "replacement", "\xE2\x96\x81");
-    if (strcmp(r, "\xE2\x96\x81") != 0) fail("%s: Metaspace replacement \"%s\" is not supported (expected \"\xE2\x96\x81\")", path, r);
-    const char* scheme = json_string_or(j, "prepend_scheme", json_bool_or(j, "add_prefix_space", 1) ? "always" : "never");
+    if (strcmp(r, "\xE2\x96\x81") != 0)
+        fail("%s: Metaspace replacement \"%s\" is not supported (expected \"\xE2\x96\x81\")", path, r);
+    const char* scheme =
+        json_string_or(j, "prepend_scheme", json_bool_or(j, "add_prefix_space", 1) ? "always" : "never");
     if (strcmp(scheme, "never") == 0) return 0;
     if (strcmp(scheme, "first") == 0) return 1;
     if (strcmp(scheme, "always") == 0) return 2;
@@ -568,15 +580,18 @@ static void hf_load_pre_tokenizer(HfTokenizer* t, const Json* pre, const char* p
     }
     int byte_level = 0, metaspace = 0;
     for (int i = 0; i < t->n_steps; i++) {
-        if (t->steps[i].kind == HF_STEP_BYTE_LEVEL && i != t->n_steps - 1) fail("%s: pre-tokenizer ByteLevel must come last", path);
+        if (t->steps[i].kind == HF_STEP_BYTE_LEVEL && i != t->n_steps - 1)
+            fail("%s: pre-tokenizer ByteLevel must come last", path);
         byte_level |= t->steps[i].kind == HF_STEP_BYTE_LEVEL;
         metaspace |= t->steps[i].kind == HF_STEP_METASPACE;
     }
     if (metaspace && t->n_steps != 1) fail("%s: pre-tokenizer Metaspace must come alone", path);
     t->kind = byte_level ? HF_BYTE_LEVEL : (metaspace || t->prepend) ? HF_METASPACE : 0;
-    if (!t->kind) fail("%s: neither a ByteLevel nor a Metaspace (or Prepend + Replace) tokenizer: not a LLaMA-family BPE", path);
+    if (!t->kind)
+        fail("%s: neither a ByteLevel nor a Metaspace (or Prepend + Replace) tokenizer: not a LLaMA-family BPE", path);
     if (metaspace && t->nfc) fail("%s: an NFC normalizer with a Metaspace pre-tokenizer is not supported", path);
-    if (byte_level && t->prepend) fail("%s: a Prepend normalizer with a ByteLevel pre-tokenizer is not supported", path);
+    if (byte_level && t->prepend)
+        fail("%s: a Prepend normalizer with a ByteLevel pre-tokenizer is not supported", path);
 }
 
 // Llama-2's normalizer: Sequence [Prepend("▁"), Replace(" " -> "▁")]; Qwen2's: NFC; or none.
@@ -588,10 +603,15 @@ static void hf_load_normalizer(HfTokenizer* t, const Json* norm, const char* pat
     if (ok) {
         const Json *p = &list->items[0], *r = &list->items[1];
         ok = strcmp(hf_type(p), "Prepend") == 0 && strcmp(json_string_or(p, "prepend", ""), "\xE2\x96\x81") == 0 &&
-             strcmp(hf_type(r), "Replace") == 0 && strcmp(json_string_or(json_get(r, "pattern"), "String", ""), " ") == 0 &&
+             strcmp(hf_type(r), "Replace") == 0 &&
+             strcmp(json_string_or(json_get(r, "pattern"), "String", ""), " ") == 0 &&
              strcmp(json_string_or(r, "content", ""), "\xE2\x96\x81") == 0;
     }
-    if (!ok) fail("%s: normalizer %s is not supported (expected none, NFC, or Llama-2's Prepend(\"\xE2\x96\x81\") + Replace(\" \", \"\xE2\x96\x81\"))", path, hf_type(norm));
+    if (!ok)
+        fail(
+            "%s: normalizer %s is not supported (expected none, NFC, or Llama-2's Prepend(\"\xE2\x96\x81\") + "
+            "Replace(\" \", \"\xE2\x96\x81\"))",
+            path, hf_type(norm));
     t->prepend = 1;
 }
 
@@ -601,11 +621,13 @@ static void hf_load_post_processor(HfTokenizer* t, const Json* post, const char*
     const char* type = hf_type(post);
     if (strcmp(type, "Sequence") == 0) {
         const Json* list = json_get(post, "processors");
-        for (int i = 0; list && list->type == JSON_ARRAY && i < list->count; i++) hf_load_post_processor(t, &list->items[i], path);
+        for (int i = 0; list && list->type == JSON_ARRAY && i < list->count; i++)
+            hf_load_post_processor(t, &list->items[i], path);
         return;
     }
     if (strcmp(type, "ByteLevel") == 0) return;  // offsets only
-    if (strcmp(type, "TemplateProcessing") != 0) fail("%s: post_processor %s is not supported (expected TemplateProcessing or ByteLevel)", path, type);
+    if (strcmp(type, "TemplateProcessing") != 0)
+        fail("%s: post_processor %s is not supported (expected TemplateProcessing or ByteLevel)", path, type);
     const Json* single = json_get(post, "single");
     for (int i = 0; single && single->type == JSON_ARRAY && i < single->count; i++) {
         const Json* sp = json_get(&single->items[i], "SpecialToken");
@@ -622,7 +644,8 @@ static void hf_load_post_processor(HfTokenizer* t, const Json* post, const char*
 static void hf_check_decoder(HfTokenizer* t, const Json* dec, const char* path) {
     const char* type = dec && dec->type == JSON_OBJECT ? hf_type(dec) : "none";
     if (t->kind == HF_BYTE_LEVEL) {
-        if (strcmp(type, "ByteLevel") != 0) fail("%s: decoder %s is not supported with a ByteLevel pre-tokenizer (expected ByteLevel)", path, type);
+        if (strcmp(type, "ByteLevel") != 0)
+            fail("%s: decoder %s is not supported with a ByteLevel pre-tokenizer (expected ByteLevel)", path, type);
         return;
     }
     const Json* list = json_get(dec, "decoders");
@@ -636,7 +659,8 @@ static void hf_check_decoder(HfTokenizer* t, const Json* dec, const char* path) 
                  json_number_or(d, "start", 0) == 1 && json_number_or(d, "stop", 0) == 0;
             t->strip_first = 1;
         } else if (strcmp(dt, "Replace") == 0) {
-            ok = strcmp(json_string_or(json_get(d, "pattern"), "String", ""), "\xE2\x96\x81") == 0 && strcmp(json_string_or(d, "content", ""), " ") == 0;
+            ok = strcmp(json_string_or(json_get(d, "pattern"), "String", ""), "\xE2\x96\x81") == 0 &&
+                 strcmp(json_string_or(d, "content", ""), " ") == 0;
         } else if (strcmp(dt, "ByteFallback") == 0) {
             t->bytes_decoded = 1;
         } else {
@@ -644,7 +668,11 @@ static void hf_check_decoder(HfTokenizer* t, const Json* dec, const char* path) 
             fused = 1;
         }
     }
-    if (!ok) fail("%s: decoder %s is not supported for a SentencePiece-style BPE (expected Replace + ByteFallback + Fuse + Strip)", path, type);
+    if (!ok)
+        fail(
+            "%s: decoder %s is not supported for a SentencePiece-style BPE (expected Replace + ByteFallback + Fuse + "
+            "Strip)",
+            path, type);
 }
 
 static void hf_tokenizer_load(HfTokenizer* t, const char* path) {
@@ -679,7 +707,9 @@ static void hf_tokenizer_load(HfTokenizer* t, const char* path) {
     t->unk_id = unk ? hf_lookup(t, unk) : -1;
     t->pieces = (char**)xcalloc(t->vocab_size, sizeof(char*));
     for (int id = 0; id < t->vocab_size; id++)
-        if (t->names[id]) t->pieces[id] = t->kind == HF_BYTE_LEVEL ? hf_unmap_bytes(t, t->names[id]) : hf_metaspace_piece(t, t->names[id]);
+        if (t->names[id])
+            t->pieces[id] =
+                t->kind == HF_BYTE_LEVEL ? hf_unmap_bytes(t, t->names[id]) : hf_metaspace_piece(t, t->names[id]);
     json_free(&j);
 }
 

@@ -135,8 +135,12 @@ static void ct_tok_push(const CtCtx* c, CtPart* part, int* cap, CtTok t) {
 
 static void ct_put_utf8(char* out, size_t* n, unsigned cp) {
     if (cp < 0x80) out[(*n)++] = (char)cp;
-    else if (cp < 0x800) { out[(*n)++] = (char)(0xC0 | cp >> 6); out[(*n)++] = (char)(0x80 | (cp & 0x3F)); }
-    else { out[(*n)++] = (char)(0xE0 | cp >> 12); out[(*n)++] = (char)(0x80 | (cp >> 6 & 0x3F)); out[(*n)++] = (char)(0x80 | (cp & 0x3F)); }
+    else if (cp < 0x800) { out[(*n)++] = (char)(0xC0 | cp >> 6); out[(*n)++] = (char)(0x80 | (cp & 0x3F));
+    } else {
+        out[(*n)++] = (char)(0xE0 | cp >> 12);
+        out[(*n)++] = (char)(0x80 | (cp >> 6 & 0x3F));
+        out[(*n)++] = (char)(0x80 | (cp & 0x3F));
+    }
 }
 
 // A quoted string at src[i] (its quote); returns the position after the closing quote.
@@ -154,7 +158,8 @@ static size_t ct_lex_string(const CtCtx* c, const char* src, size_t len, size_t 
                 if (!isxdigit((unsigned char)h)) fail("%s: bad \\u escape at offset %zu", c->name, i);
                 cp = cp * 16 + (unsigned)(isdigit((unsigned char)h) ? h - '0' : (tolower((unsigned char)h) - 'a' + 10));
             }
-            if (cp >= 0xD800 && cp < 0xE000) fail("%s: unsupported construct: surrogate \\u escape at offset %zu", c->name, i);
+            if (cp >= 0xD800 && cp < 0xE000)
+                fail("%s: unsupported construct: surrogate \\u escape at offset %zu", c->name, i);
             ct_put_utf8(out, &n, cp);
             i += 6;
             continue;
@@ -183,7 +188,8 @@ static size_t ct_lex_tag(const CtCtx* c, const char* src, size_t len, size_t i, 
         for (int m = 0; m < 3; m++) {
             const char* pre = m == 0 ? "-" : m == 1 ? "+" : "";
             size_t pl = strlen(pre);
-            if (i + pl + 2 <= len && strncmp(src + i, pre, pl) == 0 && src[i + pl] == closer && src[i + pl + 1] == '}') {
+            if (i + pl + 2 <= len && strncmp(src + i, pre, pl) == 0 && src[i + pl] == closer &&
+                src[i + pl + 1] == '}') {
                 *mod = pl ? pre[0] : 0;
                 return i + pl + 2;
             }
@@ -235,7 +241,8 @@ static CtParts ct_lex(const CtCtx* c, const char* template_text) {
     size_t len = strlen(template_text);
     char* src = (char*)ct_alloc(c->arena, len + 1);
     size_t m = 0;
-    for (size_t i = 0; i < len; i++) if (!(template_text[i] == '\r' && template_text[i + 1] == '\n')) src[m++] = template_text[i];
+    for (size_t i = 0; i < len; i++)
+        if (!(template_text[i] == '\r' && template_text[i + 1] == '\n')) src[m++] = template_text[i];
     len = m;
     if (len && src[len - 1] == '\n') len--;  // keep_trailing_newline=False
     CtParts ps = {};
@@ -259,7 +266,8 @@ static CtParts ct_lex(const CtCtx* c, const char* template_text) {
         } else if (kind != '{' && mod != '+') {
             size_t ls = t1;
             while (ls > t0 && (src[ls - 1] == ' ' || src[ls - 1] == '\t')) ls--;
-            if (ls < t1 && (ls == t0 ? t0 == 0 || src[t0 - 1] == '\n' : src[ls - 1] == '\n')) t1 = ls;  // alone on its line
+            if (ls < t1 && (ls == t0 ? t0 == 0 || src[t0 - 1] == '\n' : src[ls - 1] == '\n'))
+                t1 = ls;  // alone on its line
         }
         text->text = ct_strndup(c->arena, src + t0, t1 - t0);
         char close_mod = 0;
@@ -332,7 +340,8 @@ static const char* ct_tok_text(const CtParser* p) {
 
 static const CtTok* ct_need(CtParser* p, int kind, const char* s) {
     const CtTok* t = ct_take(p, kind, s);
-    if (!t) fail("%s: expected %s, got '%s'", p->c->name, s ? s : kind == TK_NAME ? "a name" : "a token", ct_tok_text(p));
+    if (!t)
+        fail("%s: expected %s, got '%s'", p->c->name, s ? s : kind == TK_NAME ? "a name" : "a token", ct_tok_text(p));
     return t;
 }
 
@@ -547,8 +556,11 @@ static CtExpr* ct_compare(CtParser* p) {
         const char* op = ct_take_op(p, ops);
         if (op) e = ct_bin(p, op, e, ct_add(p));
         else if (ct_take(p, TK_NAME, "in")) e = ct_bin(p, "in", e, ct_add(p));
-        else if (ct_peek(p, TK_NAME, "not", 0) && ct_peek(p, TK_NAME, "in", 1)) { p->i += 2; e = ct_node(p, E_NOT, ct_bin(p, "in", e, ct_add(p)), NULL); }
-        else return e;
+        else if (ct_peek(p, TK_NAME, "not", 0) && ct_peek(p, TK_NAME, "in", 1)) {
+            p->i += 2;
+            e = ct_node(p, E_NOT, ct_bin(p, "in", e, ct_add(p)), NULL);
+        } else
+            return e;
     }
 }
 
@@ -612,7 +624,8 @@ static CtStmt* ct_parse_body(CtBody* b, const char* const* ends, const CtPart** 
 
 // One more level of nested blocks (an if, a for, each elif of a chain); ct_unnest on the way out.
 static void ct_nest(CtBody* b) {
-    if (++b->depth > CT_MAX_DEPTH) fail("%s: blocks nested more than %d deep (each elif counts)", b->c->name, CT_MAX_DEPTH);
+    if (++b->depth > CT_MAX_DEPTH)
+        fail("%s: blocks nested more than %d deep (each elif counts)", b->c->name, CT_MAX_DEPTH);
 }
 static void ct_unnest(CtBody* b) { b->depth--; }
 
@@ -642,7 +655,8 @@ static CtStmt* ct_parse_stmt(CtBody* b, const CtPart* tag) {
     if (!strcmp(kw, "for")) {
         CtStmt* s = ct_stmt_new(b->c, S_FOR);
         s->var = ct_need(&p, TK_NAME, NULL)->s;
-        for (s->nvars = 1; ct_take(&p, TK_OP, ","); s->nvars++) ct_need(&p, TK_NAME, NULL);  // read; refused when rendered
+        for (s->nvars = 1; ct_take(&p, TK_OP, ","); s->nvars++)
+            ct_need(&p, TK_NAME, NULL);  // read; refused when rendered
         ct_need(&p, TK_NAME, "in");
         s->e = ct_tag_expr(b->c, tag, p.i, NULL);
         static const char* const ends[] = {"endfor", "else", NULL};

@@ -48,7 +48,9 @@ static int model_tok_ids(ModelTokenizer* t, const Json* v, int vocab, const char
 // tokenizer_config.json's bos_token / eos_token: a string or {"content": string}; -1 when absent.
 static int model_tok_named(const HfTokenizer* hf, const Json* cfg, const char* key, const char* path) {
     const Json* v = json_get(cfg, key);
-    const char* name = v && v->type == JSON_STRING ? v->string : v && v->type == JSON_OBJECT ? json_string_or(v, "content", NULL) : NULL;
+    const char* name = v && v->type == JSON_STRING   ? v->string
+                       : v && v->type == JSON_OBJECT ? json_string_or(v, "content", NULL)
+                                                     : NULL;
     if (!name) return -1;
     int id = hf_lookup(hf, name);
     if (id < 0) fail("%s: %s \"%s\" is not a token of tokenizer.json", path, key, name);
@@ -107,7 +109,10 @@ static void model_tokenizer_load(ModelTokenizer* t, const char* dir, int vocab, 
     } else if (optional_file_exists(json)) {
         model_tok_load_hf(t, dir, json, vocab);
     } else {
-        fail("%s: no tokenizer.bin or tokenizer.json; --generate needs the model's tokenizer (a Hugging Face model directory ships tokenizer.json)", dir);
+        fail(
+            "%s: no tokenizer.bin or tokenizer.json; --generate needs the model's tokenizer (a Hugging Face model "
+            "directory ships tokenizer.json)",
+            dir);
     }
     free(bin);
     free(json);
@@ -155,7 +160,8 @@ static const char* model_tok_string(const Json* cfg, const char* key) {
 // The template's end-of-turn token: what its rendering puts right after an assistant reply (found
 // after whatever the template puts before the reply, as Qwen3's empty <think> block), when that is
 // a special token (<|im_end|>, <|eot_id|>); generation stops there too.
-static void model_tok_add_turn_end(ModelTokenizer* t, const char* tmpl, const char* path, const char* bos, const char* eos) {
+static void model_tok_add_turn_end(ModelTokenizer* t, const char* tmpl, const char* path, const char* bos,
+                                   const char* eos) {
     static const char reply[] = "xyzzy";
     ChatMsg conv[2] = {{"user", "x"}, {"assistant", reply}};
     char* before = chat_template_render(tmpl, path, conv, 1, 1, bos, eos);
@@ -184,7 +190,8 @@ static char* model_tokenizer_chat(ModelTokenizer* t, const char* dir, const char
     const Json* tj = json_get(&cfg, "chat_template");
     const char* tmpl = tj && tj->type == JSON_STRING ? tj->string : NULL;
     for (int i = 0; tj && tj->type == JSON_ARRAY && i < tj->count && !tmpl; i++)  // named templates: the default
-        if (!strcmp(json_string_or(&tj->items[i], "name", ""), "default")) tmpl = json_string_or(&tj->items[i], "template", NULL);
+        if (!strcmp(json_string_or(&tj->items[i], "name", ""), "default"))
+            tmpl = json_string_or(&tj->items[i], "template", NULL);
     if (!tmpl) fail("flag --chat: %s has no chat_template (a string, or a list holding one named \"default\")", path);
     char* name = (char*)xmalloc(strlen(path) + 16);
     sprintf(name, "%s: chat_template", path);

@@ -29,8 +29,12 @@ static int hf_put_utf8(char* out, uint32_t cp) {
     return (int)n;
 }
 
-static int hf_is_letter(uint32_t c) { return c < 0x80 ? ((c | 32) - 'a' < 26u) : uni_in(UNI_LETTER, UNI_COUNT(UNI_LETTER), c); }
-static int hf_is_number(uint32_t c) { return c < 0x80 ? (c - '0' < 10u) : uni_in(UNI_NUMBER, UNI_COUNT(UNI_NUMBER), c); }
+static int hf_is_letter(uint32_t c) {
+    return c < 0x80 ? ((c | 32) - 'a' < 26u) : uni_in(UNI_LETTER, UNI_COUNT(UNI_LETTER), c);
+}
+static int hf_is_number(uint32_t c) {
+    return c < 0x80 ? (c - '0' < 10u) : uni_in(UNI_NUMBER, UNI_COUNT(UNI_NUMBER), c);
+}
 static int hf_is_space(uint32_t c) { return uni_in(UNI_SPACE, UNI_COUNT(UNI_SPACE), c); }
 static int hf_is_other(uint32_t c) { return !hf_is_space(c) && !hf_is_letter(c) && !hf_is_number(c); }
 static int hf_is_newline(uint32_t c) { return c == '\r' || c == '\n'; }

@@ -27,7 +27,8 @@ static void shard_load(TokenShard* s, const char* path, int model_vocab) {
     uint8_t* buf = (uint8_t*)read_file(path, &size);
     memset(s, 0, sizeof(*s));
     s->path = xstrdup(path);
-    if (size < SHARD_HEADER_BYTES || memcmp(buf, SHARD_MAGIC, 4) != 0) fail("%s: not a token shard (bad magic; expected \"LMFT\", made by scripts/data/prepare_text.py)", path);
+    if (size < SHARD_HEADER_BYTES || memcmp(buf, SHARD_MAGIC, 4) != 0)
+        fail("%s: not a token shard (bad magic; expected \"LMFT\", made by scripts/data/prepare_text.py)", path);
     uint32_t version, vocab, flags;
     uint64_t count;
     memcpy(&version, buf + 4, 4);
@@ -41,7 +42,8 @@ static void shard_load(TokenShard* s, const char* path, int model_vocab) {
     if (count > (size - SHARD_HEADER_BYTES) / per_token || SHARD_HEADER_BYTES + count * per_token != size)
         fail("%s: header says %llu tokens, which needs %llu bytes, but the file has %zu (truncated?)", path,
              (unsigned long long)count, (unsigned long long)(SHARD_HEADER_BYTES + count * per_token), size);
-    if (model_vocab > 0 && (int)vocab > model_vocab) fail("%s: shard vocab_size %u exceeds the model's %d (tokenized for another model?)", path, vocab, model_vocab);
+    if (model_vocab > 0 && (int)vocab > model_vocab)
+        fail("%s: shard vocab_size %u exceeds the model's %d (tokenized for another model?)", path, vocab, model_vocab);
     s->count = (int64_t)count;
     s->vocab_size = (int)vocab;
     s->tokens = (uint32_t*)xmalloc(count * 4 + 4);
@@ -55,7 +57,9 @@ static void shard_load(TokenShard* s, const char* path, int model_vocab) {
     free(buf);
     int limit = model_vocab > 0 ? model_vocab : (int)vocab;
     for (int64_t i = 0; i < s->count; i++)
-        if (s->tokens[i] >= (uint32_t)limit) fail("%s: token %lld has id %u, but the vocabulary has %d entries", path, (long long)i, s->tokens[i], limit);
+        if (s->tokens[i] >= (uint32_t)limit)
+            fail("%s: token %lld has id %u, but the vocabulary has %d entries", path, (long long)i, s->tokens[i],
+                 limit);
 }
 
 static void shard_free(TokenShard* s) {
@@ -92,13 +96,17 @@ static void loader_require_targets(const TextLoader* L) {
     int64_t last = L->windows * L->seq;
     for (int64_t i = 1; i <= last; i++)
         if (L->shard->mask[i]) return;
-    fail("%s: every target is masked (the loss mask is 0 at all %lld tokens the batches predict): nothing to train on or "
-         "evaluate; prompt/response data with empty responses?", L->shard->path, (long long)last);
+    fail(
+        "%s: every target is masked (the loss mask is 0 at all %lld tokens the batches predict): nothing to train on "
+        "or "
+        "evaluate; prompt/response data with empty responses?",
+        L->shard->path, (long long)last);
 }
 
 static void loader_init(TextLoader* L, const TokenShard* s, int seq, uint64_t seed, int shuffle) {
     memset(L, 0, sizeof(*L));
-    if (s->count < seq + 1) fail("%s: holds %lld tokens, fewer than --seq + 1 = %d", s->path, (long long)s->count, seq + 1);
+    if (s->count < seq + 1)
+        fail("%s: holds %lld tokens, fewer than --seq + 1 = %d", s->path, (long long)s->count, seq + 1);
     L->shard = s;
     L->seq = seq;
     L->windows = (s->count - 1) / seq;

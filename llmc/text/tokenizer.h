@@ -101,14 +101,16 @@ static void tokenizer_read_config(Tokenizer* t, const char* path) {
         if (b->type != JSON_OBJECT) fail("%s: tokenizer_bin must be an object", cfg_path);
         const char* type = json_string_or(b, "type", "sentencepiece");
         if (strcmp(type, "byte_level") == 0) t->byte_level = 1;
-        else if (strcmp(type, "sentencepiece") != 0) fail("%s: tokenizer_bin.type \"%s\" is not sentencepiece or byte_level", cfg_path, type);
+        else if (strcmp(type, "sentencepiece") != 0)
+            fail("%s: tokenizer_bin.type \"%s\" is not sentencepiece or byte_level", cfg_path, type);
         t->bos_id = tok_config_id(b, "bos_id", t->bos_id, t->vocab_size, cfg_path);
         t->eos_id = tok_config_id(b, "eos_id", t->eos_id, t->vocab_size, cfg_path);
         t->add_bos = json_bool_or(b, "add_bos", 1);
         const char* pre = json_string_or(b, "pretokenizer", "none");
         if (strcmp(pre, "gpt2") == 0) t->pretok = TOK_PRE_GPT2;
         else if (strcmp(pre, "gpt2_digits") == 0) t->pretok = TOK_PRE_GPT2_DIGITS;
-        else if (strcmp(pre, "none") != 0) fail("%s: tokenizer_bin.pretokenizer \"%s\" is not gpt2, gpt2_digits or none", cfg_path, pre);
+        else if (strcmp(pre, "none") != 0)
+            fail("%s: tokenizer_bin.pretokenizer \"%s\" is not gpt2, gpt2_digits or none", cfg_path, pre);
         const Json* sp = json_get(b, "special_ids");
         if (t->byte_level && sp) {
             if (sp->type != JSON_ARRAY) fail("%s: tokenizer_bin.special_ids must be an array", cfg_path);
@@ -116,7 +118,8 @@ static void tokenizer_read_config(Tokenizer* t, const char* path) {
             t->special_ids = (int*)xmalloc(sizeof(int) * (sp->count + 1));
             for (int i = 0; i < sp->count; i++) {
                 const Json* v = &sp->items[i];
-                if (v->type != JSON_NUMBER || v->number != floor(v->number) || v->number < 0 || v->number >= t->vocab_size)
+                if (v->type != JSON_NUMBER || v->number != floor(v->number) || v->number < 0 ||
+                    v->number >= t->vocab_size)
                     fail("%s: tokenizer_bin.special_ids[%d] is not a token id below %d", cfg_path, i, t->vocab_size);
                 int id = (int)v->number;
                 if (!t->special[id] && t->lengths[id] > 0) t->special_ids[t->n_special++] = id;
@@ -253,7 +256,8 @@ static int tok_pretoken_end(const unsigned char* s, int i, int n, int digits_alo
     int c = tok_class(s[i]);
     if (c == TOK_DIGIT && digits_alone) return i + 1;
     int j = i;
-    if (s[i] == ' ' && i + 1 < n && tok_class(s[i + 1]) != TOK_SPACE && !(digits_alone && tok_class(s[i + 1]) == TOK_DIGIT))
+    if (s[i] == ' ' && i + 1 < n && tok_class(s[i + 1]) != TOK_SPACE &&
+        !(digits_alone && tok_class(s[i + 1]) == TOK_DIGIT))
         c = tok_class(s[++j]);  // " ?" before a word, a number or punctuation
     if (c != TOK_SPACE) {
         while (j < n && tok_class(s[j]) == c) j++;
@@ -306,7 +310,8 @@ static int tokenizer_encode(const Tokenizer* t, const char* text, int bos, int* 
         int id = tokenizer_lookup(t, cp);
         if (id >= 0) ids[n++] = id;
         else  // byte fallback: <0xXX> is token 3 + XX in sentencepiece vocabularies; <unk> if the vocabulary is smaller
-            for (int k = 0; k < len; k++) ids[n++] = (unsigned char)cp[k] + 3 < t->vocab_size ? (unsigned char)cp[k] + 3 : 0;
+            for (int k = 0; k < len; k++)
+                ids[n++] = (unsigned char)cp[k] + 3 < t->vocab_size ? (unsigned char)cp[k] + 3 : 0;
         c += len;
     }
     return head + tokenizer_merge(t, ids + head, n - head);
