@@ -126,36 +126,18 @@ static void matmul_plan_build(MatmulPlan* p) {
     cublasOperation_t opa, opb;
     uint64_t arows, acols, lda, brows, bcols, ldb;
     int M = k->M, N = k->N, K = k->K;
-    switch (k->form) {
+    switch (k->form) {  // each operand's transpose, stored rows x cols and leading dimension
         case MM_NT:
-            opa = CUBLAS_OP_T;
-            arows = K;
-            acols = N;
-            lda = K;
-            opb = CUBLAS_OP_N;
-            brows = K;
-            bcols = M;
-            ldb = K;
+            opa = CUBLAS_OP_T; arows = K; acols = N; lda = K;
+            opb = CUBLAS_OP_N; brows = K; bcols = M; ldb = K;
             break;
         case MM_NN:
-            opa = CUBLAS_OP_N;
-            arows = N;
-            acols = K;
-            lda = N;
-            opb = CUBLAS_OP_N;
-            brows = K;
-            bcols = M;
-            ldb = K;
+            opa = CUBLAS_OP_N; arows = N; acols = K; lda = N;
+            opb = CUBLAS_OP_N; brows = K; bcols = M; ldb = K;
             break;
         default:
-            opa = CUBLAS_OP_N;
-            arows = N;
-            acols = K;
-            lda = N;
-            opb = CUBLAS_OP_T;
-            brows = M;
-            bcols = K;
-            ldb = M;
+            opa = CUBLAS_OP_N; arows = N; acols = K; lda = N;
+            opb = CUBLAS_OP_T; brows = M; bcols = K; ldb = M;
             break;
     }
     CUBLAS_CHECK(cublasLtMatmulDescCreate(&p->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));

@@ -123,8 +123,8 @@ PRODUCTION_PLANTS = [
      "    for (int k = 0; k < Term::K; k++) part[k][threadIdx.y][threadIdx.x] = s[k];", "misc", "FAIL"),
     # a cuBLASLt layout with the wrong leading dimension (the nn form's first operand)
     ("cublas-ld", "llmc/cuda/matmul.cuh",
-     "case MM_NN: opa = CUBLAS_OP_N; arows = N; acols = K; lda = N;",
-     "case MM_NN: opa = CUBLAS_OP_N; arows = N; acols = K; lda = K;", "matmul", "emu: cublasLt"),
+     "case MM_NN:\n            opa = CUBLAS_OP_N; arows = N; acols = K; lda = N;",
+     "case MM_NN:\n            opa = CUBLAS_OP_N; arows = N; acols = K; lda = K;", "matmul", "emu: cublasLt"),
 ]
 
 
