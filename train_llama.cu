@@ -560,12 +560,14 @@ static void llama_bnb_tables(const Llama* m, const StModel* sm, float* tables) {
     snprintf(name, sizeof(name), "model.layers.0.%s.weight", hf_module_names[0]);
     if (!bnb_is_quantized(sm, name)) return;
     BnbWeight w = bnb_read(sm, name, lin_out(&m->cfg, 0), lin_in(&m->cfg, 0));
-    if (!w.dyn) return;
-    for (int i = 0; i < NF4_DYN_SIZE; i++)  // bitsandbytes' fp32 linspace: a few ulps from ours
-        if (!(fabsf(w.dyn[i] - tables[16 + i]) <= 1e-6f * fabsf(tables[16 + i])))
-            fail("%s: \"%s.nested_quant_map\" is not bitsandbytes' dynamic map (entry %d is %g, expected %g)", sm->dir,
-                 name, i, w.dyn[i], tables[16 + i]);
-    memcpy(tables + 16, w.dyn, sizeof(float) * NF4_DYN_SIZE);
+    if (w.dyn) {
+        for (int i = 0; i < NF4_DYN_SIZE; i++)  // bitsandbytes' fp32 linspace: a few ulps from ours
+            if (!(fabsf(w.dyn[i] - tables[16 + i]) <= 1e-6f * fabsf(tables[16 + i])))
+                fail("%s: \"%s.nested_quant_map\" is not bitsandbytes' dynamic map (entry %d is %g, expected %g)",
+                     sm->dir, name, i, w.dyn[i], tables[16 + i]);
+        memcpy(tables + 16, w.dyn, sizeof(float) * NF4_DYN_SIZE);
+    }
+    bnb_free(&w);
 }
 
 // Linear `lin`'s weight `name` into tmp (fp32), or, when it is a bitsandbytes NF4 weight that can
@@ -583,9 +585,11 @@ static int llama_read_linear(Llama* m, const StModel* sm, int bnb, const char* n
         bnb_to_nf4(&w, q);
         backend_upload(m->be, (void*)lin->nf4, q, (size_t)nf4_tensor_bytes(n));
         free(q);
+        bnb_free(&w);
         return 1;
     }
     bnb_dequantize(&w, tmp);  // to fp32: for the MS merge (requantized after it), or for a run without --quant nf4
+    bnb_free(&w);
     return 0;
 }
 
@@ -633,7 +637,7 @@ static void llama_load_weights(Llama* m, const char* dir) {
             snprintf(name, sizeof(name), "model.layers.%d.%s.weight", l, hf_module_names[t]);
             const float* gamma = !m->modes.ms ? NULL : t <= T_V ? g_attn : (t == T_GATE || t == T_UP) ? g_mlp : NULL;
             if (llama_read_linear(m, &sm, bnb, name, lin, tmp, gamma != NULL)) continue;
-            if (gamma) merge_norm_affine(tmp, NULL, lin->out, lin->in, gamma, NULL);
+            if (gamma) merge_norm_affine(tmp, NULL, lin->out, lin->in, gamma, NULL, name);
             llama_set_linear_weight(m, lin, tmp);
         }
     }
@@ -1219,6 +1223,7 @@ static void* llama_export_nf4_linear(Llama* m, const StModel* sm, int from_bnb, 
     if (from_bnb) {
         BnbWeight bw = bnb_read(sm, t->name, L->out, L->in);
         bnb_dequantize(&bw, W);
+        bnb_free(&bw);
     } else {
         llama_linear_weights_f32(m, L, W);
         peft_scale_columns(W, W, llama_merged_gamma(m, l, tg), L->out, L->in, 1, t->name);

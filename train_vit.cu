@@ -641,11 +641,14 @@ static void vit_upload_norms(Vit* m, int l) {
 }
 
 // MS-LN: gamma and beta of block l's norms into the linears that consume them (host fp32).
-static void vit_merge_norms(Vit* m, int l) {
+static void vit_merge_norms(Vit* m, const VitCheckpoint* ck, int l) {
     VitLayer* layer = &m->layers[l];
+    char name[VIT_NAME_BYTES];
     for (int t = T_Q; t <= T_V; t++)
-        linear_merge_norm_affine(&layer->lin[t], vit_norm_host(m, l, LN1_G), vit_norm_host(m, l, LN1_B));
-    linear_merge_norm_affine(&layer->lin[T_FC1], vit_norm_host(m, l, LN2_G), vit_norm_host(m, l, LN2_B));
+        linear_merge_norm_affine(&layer->lin[t], vit_norm_host(m, l, LN1_G), vit_norm_host(m, l, LN1_B),
+                                 vit_linear_name(name, ck, l, t, VIT_WEIGHT));
+    linear_merge_norm_affine(&layer->lin[T_FC1], vit_norm_host(m, l, LN2_G), vit_norm_host(m, l, LN2_B),
+                             vit_linear_name(name, ck, l, T_FC1, VIT_WEIGHT));
 }
 
 // The embeddings and the final norm: read (host, tmp holds d * max(C*ph*pw, T)) and stored.
@@ -686,7 +689,7 @@ static void vit_load_weights(Vit* m, const char* dir) {
             Linear* lin = &layer->lin[t];
             vit_read_linear(&sm, &ck, l, t, c->qkv_bias, lin->out, lin->in, lin->W, lin->bias);
         }
-        if (m->modes.ms) vit_merge_norms(m, l);
+        if (m->modes.ms) vit_merge_norms(m, &ck, l);
         vit_upload_norms(m, l);
         for (int t = 0; t < N_TARGETS; t++) vit_upload_linear(m, &layer->lin[t]);
     }

@@ -101,6 +101,24 @@ static int open_input(const char* path) {
     return fd;
 }
 
+typedef enum { OUTPUT_TRUNCATE, OUTPUT_APPEND } OutputMode;
+
+// Opens an output file for writing (truncated, or appended to), created if absent.
+// O_NONBLOCK for the same reason as open_input: a FIFO left at an output's path would otherwise
+// block the open until a reader comes; fstat then refuses anything not a regular file. Returns
+// NULL with errno set (ENODEV when the path is not a regular file).
+static FILE* open_output(const char* path, OutputMode mode) {
+    int append = mode == OUTPUT_APPEND;
+    int fd = open(path, O_WRONLY | O_CREAT | O_NONBLOCK | O_CLOEXEC | (append ? O_APPEND : O_TRUNC), 0644);
+    if (fd < 0) return NULL;
+    struct stat st;
+    int err = fstat(fd, &st) != 0 ? errno : S_ISREG(st.st_mode) ? 0 : ENODEV;
+    if (!err && fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_NONBLOCK) != 0) err = errno;
+    FILE* f = err ? NULL : fdopen(fd, append ? "ab" : "wb");
+    if (!f) { if (!err) err = errno; close(fd); errno = err; }
+    return f;
+}
+
 // Reads a whole file into a NUL-terminated buffer. Returns NULL (errno set) if it cannot be read
 // or is not a regular file.
 static char* read_file_or_null(const char* path, size_t* size_out) {
@@ -259,7 +277,12 @@ static AtomicFile atomic_open(const char* path) {
     size_t n = strlen(path) + 5;
     a.tmp_path = (char*)xmalloc(n);
     snprintf(a.tmp_path, n, "%s.tmp", path);
-    a.f = fopen(a.tmp_path, "wb");
+    a.f = open_output(a.tmp_path, OUTPUT_TRUNCATE);
+    if (!a.f && errno == ENODEV) {  // a FIFO or device at the staging path: say what it is, leave it
+        struct stat st;
+        const char* kind = stat(a.tmp_path, &st) == 0 ? file_kind(st.st_mode) : "not a regular file";
+        fail("%s: is %s, expected a regular file or nothing", a.tmp_path, kind);
+    }
     if (!a.f) atomic_fail(&a, a.tmp_path, "cannot open for writing");
     return a;
 }

@@ -294,8 +294,11 @@ static void lora_init(Linear* L, int rank, Rng* rng) {
 // bias), once at load time on the host, so that the layer applied to the parameter-free norm
 // output z equals it applied to gamma*z + beta:
 //   b' = b + W beta (with the original W, hence first), W' = W diag(gamma).
-// beta NULL: RMSNorm (no shift). A shift needs a bias to land in.
-static void merge_norm_affine(float* W, float* bias, int out, int in, const float* gamma, const float* beta) {
+// beta NULL: RMSNorm (no shift). A shift needs a bias to land in. Finite factors can have a
+// product beyond fp32's range (gamma 1e30 times a weight 1e10): such a layer is refused, naming
+// `module` (the checkpoint's tensor), rather than trained with Inf weights.
+static void merge_norm_affine(float* W, float* bias, int out, int in, const float* gamma, const float* beta,
+                              const char* module) {
     if (beta && !bias) fail("internal: merging a norm's beta needs a linear with a bias");
     for (int o = 0; o < out; o++) {
         float* w = W + (int64_t)o * in;
@@ -303,12 +306,21 @@ static void merge_norm_affine(float* W, float* bias, int out, int in, const floa
             double s = 0.0;
             for (int i = 0; i < in; i++) s += (double)w[i] * beta[i];
             bias[o] += (float)s;
+            if (!isfinite(bias[o]))
+                fail("%s: merging its norm's beta into the bias (--norm ms) overflows fp32 at row %d (%g); "
+                     "train with --norm std", module, o, (double)bias[o]);
         }
-        for (int i = 0; i < in; i++) w[i] *= gamma[i];
+        for (int i = 0; i < in; i++) {
+            float merged = w[i] * gamma[i];
+            if (!isfinite(merged))
+                fail("%s: merging its norm's gamma into the weight (--norm ms) overflows fp32 at [%d][%d] "
+                     "(%g x %g); train with --norm std", module, o, i, (double)w[i], (double)gamma[i]);
+            w[i] = merged;
+        }
     }
 }
-static void linear_merge_norm_affine(Linear* L, const float* gamma, const float* beta) {
-    merge_norm_affine(L->W, L->bias, L->out, L->in, gamma, beta);
+static void linear_merge_norm_affine(Linear* L, const float* gamma, const float* beta, const char* module) {
+    merge_norm_affine(L->W, L->bias, L->out, L->in, gamma, beta, module);
 }
 
 // Its inverse, on a merged weight W' [out, in] (its adapter folded in, if any) and bias b': the

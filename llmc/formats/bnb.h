@@ -51,7 +51,10 @@ static int bnb_config_nf4(const char* model_dir) {
     return nf4;
 }
 
-// One quantized weight as stored (pointers into the mapped files).
+// One quantized weight as stored: its byte tensors are pointers into the mapped files; its float
+// tensors are copies (`floats`, owned, bnb_free), since a safetensors file aligns nothing: an F32
+// tensor that follows an odd-sized U8 one (the codes of a weight with an odd element count, say)
+// starts at an odd offset, where a float load is misaligned (undefined behaviour; UBSan stops).
 typedef struct {
     int64_t n;
     const uint8_t* codes;
@@ -60,7 +63,13 @@ typedef struct {
     const float* nested;       // nested_absmax (double quantization)
     const float* dyn;          // nested_quant_map [256] (double quantization)
     float offset;              // nested_offset (double quantization)
+    float* floats;             // owned: quant_map [16], then absmax, or nested_absmax and nested_quant_map
 } BnbWeight;
+
+static void bnb_free(BnbWeight* w) {
+    free(w->floats);
+    w->floats = NULL;
+}
 
 // The companion tensor name + suffix, required, with its dtype and element count.
 static const StTensor* bnb_part(const StModel* sm, const char* name, const char* suffix, StDtype dtype, int64_t numel) {
@@ -74,6 +83,12 @@ static const StTensor* bnb_part(const StModel* sm, const char* name, const char*
             "quant state)",
             t->file, full, st_dtype_name(t->dtype), (long long)st_numel(t), st_dtype_name(dtype), (long long)numel);
     return t;
+}
+
+// The companion F32 tensor name + suffix copied to `dst` (aligned memory, numel floats).
+static const float* bnb_f32_part(const StModel* sm, const char* name, const char* suffix, int64_t numel, float* dst) {
+    memcpy(dst, bnb_part(sm, name, suffix, ST_F32, numel)->data, sizeof(float) * numel);
+    return dst;
 }
 
 // 1 when tensor `name` is stored in bitsandbytes' 4-bit layout (it has a packed quant state).
@@ -144,7 +159,9 @@ static BnbWeight bnb_read(const StModel* sm, const char* name, int64_t rows, int
             qs->file, full, (long long)rows, (long long)cols);
     const StTensor* codes = bnb_part(sm, name, "", ST_U8, (w.n + 1) / 2);
     w.codes = codes->data;
-    const float* qmap = (const float*)bnb_part(sm, name, ".quant_map", ST_F32, 16)->data;
+    int64_t nn = nf4_nested_blocks(w.n);
+    w.floats = (float*)xmalloc(sizeof(float) * (16 + (nb > nn + NF4_DYN_SIZE ? nb : nn + NF4_DYN_SIZE)));
+    const float* qmap = bnb_f32_part(sm, name, ".quant_map", 16, w.floats);
     static const float nf4[16] = NF4_VALUES;
     if (memcmp(qmap, nf4, sizeof(nf4)) != 0)
         fail("%s: \"%s.quant_map\" is not the NF4 code table (another 4-bit type?)", sm->dir, name);
@@ -156,10 +173,10 @@ static BnbWeight bnb_read(const StModel* sm, const char* name, int64_t rows, int
         w.offset = (float)offset;
         if (!isfinite(w.offset)) fail("%s: \"%s\" has nested_offset %g, not a finite float32", qs->file, full, offset);
         w.qabsmax = bnb_part(sm, name, ".absmax", ST_U8, nb)->data;
-        w.nested = (const float*)bnb_part(sm, name, ".nested_absmax", ST_F32, nf4_nested_blocks(w.n))->data;
-        w.dyn = (const float*)bnb_part(sm, name, ".nested_quant_map", ST_F32, NF4_DYN_SIZE)->data;
+        w.nested = bnb_f32_part(sm, name, ".nested_absmax", nn, w.floats + 16);
+        w.dyn = bnb_f32_part(sm, name, ".nested_quant_map", NF4_DYN_SIZE, w.floats + 16 + nn);
     } else {
-        w.absmax = (const float*)bnb_part(sm, name, ".absmax", ST_F32, nb)->data;
+        w.absmax = bnb_f32_part(sm, name, ".absmax", nb, w.floats + 16);
     }
     json_free(&j);
     bnb_check_quant_state(sm, name, &w);

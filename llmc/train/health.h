@@ -60,13 +60,33 @@ static const char* step_health_note(StepHealth h) {
     }
 }
 
+// What a diverging run can try, after "; ": the schedule's knobs, and for LoRA the two factors
+// that multiply every adapter update whatever the lr: the scale alpha/r (alpha/sqrt(r) with
+// --lora-rslora) and dropout's 1/(1-p) on kept inputs. They are stated with their values rather
+// than judged against a threshold: --lora-alpha 1e38 or --lora-dropout 0.999 diverge at any lr,
+// and the user needs to see which factor is the large one.
+typedef struct {
+    float lr;            // this step's learning rate
+    int lora;            // 1: LoRA adapters train (the two factors below apply), 0: --full
+    float lora_scale;    // alpha/r, or alpha/sqrt(r) under --lora-rslora
+    float lora_dropout;  // --lora-dropout p (0 = off)
+} HealthAdvice;
+
+static void health_advice_text(char* buf, size_t n, const HealthAdvice* a) {
+    int k = snprintf(buf, n, "lower --lr (this step's lr: %.3g), lengthen --warmup or set --grad-clip 1", a->lr);
+    if (a->lora && k >= 0 && (size_t)k < n)
+        k += snprintf(buf + k, n - k, "; the adapters' scale (--lora-alpha over the rank) is %.3g", a->lora_scale);
+    if (a->lora && a->lora_dropout > 0 && k >= 0 && (size_t)k < n)
+        k += snprintf(buf + k, n - k, " and --lora-dropout %g multiplies kept inputs by %.3g", a->lora_dropout,
+                      1.0 / (1.0 - (double)a->lora_dropout));
+    if (k >= 0 && (size_t)k < n) snprintf(buf + k, n - k, "; --nonfinite skip skips such steps");
+}
+
 // The one-line error of an unhealthy step (not STEP_NO_TARGETS): what happened, what to try.
-static void step_health_message(char* buf, size_t n, StepHealth h, const StepStats* s, int step, float lr) {
-    char tryit[160];
-    snprintf(tryit, sizeof(tryit),
-             "lower --lr (this step's lr: %.3g), lengthen --warmup or set --grad-clip 1; --nonfinite skip "
-             "skips such steps",
-             lr);
+static void step_health_message(char* buf, size_t n, StepHealth h, const StepStats* s, int step,
+                                const HealthAdvice* advice) {
+    char tryit[320];
+    health_advice_text(tryit, sizeof(tryit), advice);
     double uniform = log((double)s->classes);
     if (h == STEP_DIVERGED_ACTIVATIONS)
         snprintf(buf, n, "step %d: the run diverged: %.0f rows reached the final norm with an RMS beyond 2^64 ~1.8e19 "

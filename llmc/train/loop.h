@@ -178,8 +178,11 @@ static FILE* train_open_log(const TrainOptions* o, int rank0, const char* header
     const char* out = o->out_dir ? o->out_dir : o->resume_dir;
     if (!out || !rank0) return NULL;
     char* lp = path_join(out, "log.csv");
+    struct stat st;
+    if (stat(lp, &st) == 0 && !S_ISREG(st.st_mode))  // a FIFO there would block the open until read
+        fail("flag --%s: %s is %s, expected a regular file", o->out_dir ? "out" : "resume", lp, file_kind(st.st_mode));
     if (o->resume_dir) train_trim_log(lp, start, header);
-    FILE* log = fopen(lp, o->resume_dir ? "a" : "w");
+    FILE* log = open_output(lp, o->resume_dir ? OUTPUT_APPEND : OUTPUT_TRUNCATE);
     if (!log) fail("flag --out: cannot write %s (%s)", lp, strerror(errno));
     if (!o->resume_dir) fprintf(log, "%s\n", header);
     free(lp);

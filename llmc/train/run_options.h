@@ -288,6 +288,13 @@ typedef struct {
     uint64_t seed;          // --seed: keys the dropout masks
 } TrainModes;
 
+// The factor of every adapter update: alpha/r, or alpha/sqrt(r) under --lora-rslora (PEFT forms
+// lora_alpha / math.sqrt(r) in double; torch rounds it to float once).
+static float train_lora_scale(const TrainOptions* o) {
+    if (o->lora_rslora) return (float)((double)o->lora_alpha / sqrt((double)o->lora_rank));
+    return o->lora_alpha / (float)o->lora_rank;
+}
+
 // target_names: the model's linears in its order, what --lora-targets names.
 static TrainModes train_modes_from(const TrainOptions* o, const char* const* target_names, int n_targets) {
     TrainModes md;
@@ -301,9 +308,7 @@ static TrainModes train_modes_from(const TrainOptions* o, const char* const* tar
     md.nf4 = strcmp(o->quant, "nf4") == 0;
     md.targets = o->full ? 0 : parse_targets(o->lora_targets, target_names, n_targets, "lora-targets");
     md.rank = o->lora_rank;
-    md.lora_scale = o->lora_alpha / (float)o->lora_rank;
-    // PEFT forms lora_alpha / math.sqrt(r) in double; torch rounds it to float once
-    if (o->lora_rslora) md.lora_scale = (float)((double)o->lora_alpha / sqrt((double)o->lora_rank));
+    md.lora_scale = train_lora_scale(o);
     // a run that cannot train (--eval-only; --generate or --export-merged without --data) plans no
     // dropout scratch; a --dry-run plans the training run
     int trains = !o->eval_only && (o->data_path || o->dry_run);

@@ -271,18 +271,21 @@ static OptimStep trainable_step(Trainable* tr, const TrainOptions* o, const Dist
         r.note = step_health_note(h);
         return r;
     }
+    HealthAdvice advice = {r.lr, !o->full, train_lora_scale(o), o->lora_dropout};
+    char tryit[320];
+    health_advice_text(tryit, sizeof(tryit), &advice);
     if (!isfinite(loss) || !isfinite(r.grad_norm)) {
         const char* what = !isfinite(loss) ? "loss" : "gradient norm";
         if (strcmp(o->nonfinite, "skip") != 0)
-            fail("step %d: non-finite %s (%g); lower --lr or check the data (--nonfinite skip skips such steps)",
-                 step + 1, what, !isfinite(loss) ? loss : r.grad_norm);
+            fail("step %d: non-finite %s (%g); check the data, or %s", step + 1, what,
+                 !isfinite(loss) ? loss : r.grad_norm, tryit);
         r.skipped = 1;
         r.note = "skipped: non-finite loss or gradient";
         return r;
     }
     if (h != STEP_HEALTHY) {
-        char msg[512];
-        step_health_message(msg, sizeof(msg), h, s, step + 1, r.lr);
+        char msg[768];
+        step_health_message(msg, sizeof(msg), h, s, step + 1, &advice);
         if (strcmp(o->nonfinite, "skip") != 0) fail("%s", msg);
         r.skipped = 1;
         r.note = step_health_note(h);

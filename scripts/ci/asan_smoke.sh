@@ -32,6 +32,13 @@ check 0 $L --full --resume "$W/f"
 check 0 $L --adapter "$W/a" --export-merged "$W/m" --steps 1
 check 0 $L --mode lowmem --quant nf4 --adapter "$W/a" --export-merged "$W/q" --generate 4 --prompt Licensed
 check 0 $B/train_llama --model "$W/m" --val data/llama_demo_ft_val.bin --eval-only --seq 64 --batch 2
+# a bitsandbytes NF4 checkpoint (test/model/test_nf4.py's writer): a safetensors file aligns nothing,
+# and here the JSON quant-state blobs leave F32 quant maps at odd offsets (a misaligned float load
+# under UBSan, before the reader copied them)
+/usr/bin/python3 -c "import sys; sys.path[:0] = ['test/model', 'test/cuda', 'test/system', 'test']
+import test_nf4; test_nf4.write_bnb_model('data/llama_demo', sys.argv[1])" "$W/bnb"
+check 0 $B/train_llama --model "$W/bnb" --data data/llama_demo_ft_train.bin --steps 2 --batch 2 --seq 64 --quant nf4 --norm std
+check 0 $B/train_llama --model "$W/bnb" --export-merged "$W/bnb_m" --lora-rank 2
 check 0 $B/train_llama --model data/llama_demo --dry-run --json --batch 2 --seq 64
 check 1 $B/train_llama --model data/llama_demo --data data/llama_demo/config.json
 check 1 $B/train_llama --model data --generate 3

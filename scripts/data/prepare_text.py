@@ -30,6 +30,7 @@ import json
 import os
 import random
 import re
+import stat
 import sys
 
 import numpy as np
@@ -89,6 +90,22 @@ class HFTokenizer:
         return ([self.bos_id] if bos else []) + ids + ([self.eos_id] if eos else [])
 
 
+def refuse_unless_regular(path, expected):
+    """Only regular files are inputs: opening a FIFO blocks until a writer comes (forever, for a
+    mistaken path), and a device never ends. Refuses anything else that exists at `path`, saying
+    what it is (a missing file is the caller's case)."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return
+    if stat.S_ISREG(mode):
+        return
+    kinds = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+             (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+    kind = next((k for test, k in kinds if test(mode)), "not a regular file")
+    raise PrepError(f"{path}: is {kind}, expected {expected}")
+
+
 def read_tokenizer_config(tok_path):
     """(path, dict) of the tokenizer_config.json beside the tokenizer; dict None when there is none.
     One that is not valid JSON, or not an object, is refused (transformers reads it as keyword
@@ -96,6 +113,7 @@ def read_tokenizer_config(tok_path):
     cfg_path = os.path.join(os.path.dirname(os.path.abspath(tok_path)), "tokenizer_config.json")
     if not os.path.exists(cfg_path):
         return cfg_path, None
+    refuse_unless_regular(cfg_path, "a tokenizer_config.json file")
     try:
         with open(cfg_path, encoding="utf-8") as f:
             cfg = json.load(f)
@@ -134,8 +152,7 @@ def check_tokenizer_json(path):
 
 def load_tokenizer(path):
     """llama2.c tokenizer.bin, or a Hugging Face tokenizer.json (told apart by its content)."""
-    if os.path.isdir(path):
-        raise PrepError(f"{path}: is a directory, expected a tokenizer.json or tokenizer.bin file")
+    refuse_unless_regular(path, "a tokenizer.json or tokenizer.bin file")
     try:
         with open(path, "rb") as f:
             head = f.read(64).lstrip()
@@ -537,8 +554,7 @@ def main(argv=None):
     args = parse_args(argv)
     try:
         tok = load_tokenizer(args.tokenizer)
-        if os.path.isdir(args.input):
-            raise PrepError(f"{args.input}: is a directory, expected a text or .jsonl file")
+        refuse_unless_regular(args.input, "a text or .jsonl file")
         if not os.path.isfile(args.input):
             raise PrepError(f"{args.input}: no such input file")
         jsonl = input_is_jsonl(args.input, args.format)

@@ -352,3 +352,23 @@ def test_a_tokenizer_config_that_is_not_an_object_is_one_line(tmp_path, config):
     for path in (text, jsonl):
         one_line_refusal(prepare(d / "tokenizer.json", path, tmp_path / "out"), str(d / "tokenizer_config.json"))
         assert not list(tmp_path.glob("out_*"))
+
+
+@pytest.mark.parametrize("which", ["input", "tokenizer", "tokenizer_config"])
+def test_inputs_that_are_fifos_are_refused_not_waited_on(tmp_path, which):
+    """A FIFO at an input's path used to block prepare_text.py forever in open() (the tokenizer and
+    its tokenizer_config.json) or be called missing (--input). Each is now one line saying what it
+    is; the timeout turns a hang back into a failure."""
+    d, _ = hf_tok_dir(tmp_path, "smollm2")
+    text = tmp_path / "t.txt"
+    text.write_text("Some text.\n\nMore text.\n")
+    fifo = {"input": text, "tokenizer": d / "tokenizer.json", "tokenizer_config": d / "tokenizer_config.json"}[which]
+    if fifo.exists():
+        fifo.unlink()
+    os.mkfifo(fifo)
+    try:
+        p = prepare(d / "tokenizer.json", text, tmp_path / "out")
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{which}: still waiting on the FIFO after 120 s")
+    one_line_refusal(p, str(fifo), "FIFO")
+    assert not list(tmp_path.glob("out_*"))

@@ -568,6 +568,19 @@ def lone_surrogate_in_metadata(text, data):
     return json.dumps(hdr), data  # json.dumps writes the lone surrogate as the escape \ud800
 
 
+def set_f32_values(**values):
+    """A rewrite_safetensors edit: float32 tensors' first element set (tensor name -> value; names
+    with dots passed as a dict via **)."""
+    def edit(h, data):
+        data = bytearray(data)
+        for name, value in values.items():
+            assert h[name]["dtype"] == "F32", h[name]
+            begin = h[name]["data_offsets"][0]
+            data[begin:begin + 4] = struct.pack("<f", value)
+        return h, bytes(data)
+    return edit
+
+
 def set_nan(name, at=0, value=float("nan")):
     def edit(t):
         t[name] = t[name].copy()
@@ -654,6 +667,18 @@ def lh(tmp_path_factory):
         os.remove(os.path.join(d, fname))
         os.mkfifo(os.path.join(d, fname))
         setattr(ns, name, d)
+    # finite weights whose MS merge overflows fp32: gamma 3e38 times a weight 10 (first element each)
+    ns.llama_merge_inf = model_with(root, "llama_merge_inf", LLAMA, st_edit=set_f32_values(**{
+        "model.layers.0.input_layernorm.weight": 3e38, "model.layers.0.self_attn.q_proj.weight": 10.0}))
+    ns.vit_merge_inf = model_with(root, "vit_merge_inf", VIT, st_edit=set_f32_values(**{
+        "vit.encoder.layer.0.layernorm_before.weight": 3e38,
+        "vit.encoder.layer.0.attention.attention.query.weight": 10.0}))
+    # outputs that are not regular files: a FIFO at --out's log.csv used to block the open forever
+    for name in ("llama_out_fifo", "vit_out_fifo"):
+        d = os.path.join(root, name)
+        os.makedirs(d)
+        os.mkfifo(os.path.join(d, "log.csv"))
+        setattr(ns, name, d)
     return ns
 
 
@@ -725,6 +750,12 @@ LOAD_ROWS = {
     "llama_adapter_weights_fifo": ("llama", lambda lh: llama("--adapter", lh.adapter_st_fifo), [ST, "FIFO"]),
     "vit_data_fifo": ("vit", lambda lh: ["--model", VIT, "--data", lh.fifo], ["a_fifo", "FIFO"]),
     "vit_preprocessor_config_fifo": ("vit", lambda lh: vit_model(lh.pre_fifo), ["preprocessor_config.json", "FIFO"]),
+    "llama_ms_merge_overflows": ("llama", lambda lh: llama_model(lh.llama_merge_inf),
+                                 ["model.layers.0.self_attn.q_proj.weight", "--norm ms", "overflows fp32", "[0][0]"]),
+    "vit_ms_merge_overflows": ("vit", lambda lh: vit_model(lh.vit_merge_inf),
+                               ["vit.encoder.layer.0.attention.attention.query.weight", "--norm ms", "overflows fp32"]),
+    "llama_out_log_fifo": ("llama", lambda lh: llama("--out", lh.llama_out_fifo), ["--out", "log.csv", "FIFO"]),
+    "vit_out_log_fifo": ("vit", lambda lh: vit("--out", lh.vit_out_fifo), ["--out", "log.csv", "FIFO"]),
 }
 
 

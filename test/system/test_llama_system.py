@@ -475,6 +475,20 @@ def test_diverged_run_stops_with_a_diagnosis(tiny, tmp_path, mode):
     assert not (out / "adapter_model.safetensors").exists() and not (out / "train_state.bin").exists()
 
 
+@pytest.mark.parametrize("flags, factor", [
+    (["--lora-alpha", "1e38"], "the adapters' scale (--lora-alpha over the rank) is 2.5e+37"),
+    (["--lora-dropout", "0.999999"], "--lora-dropout 0.999999 multiplies kept inputs by 9.87e+05"),
+])
+def test_diverged_lora_run_names_the_factor_that_grew(tiny, tmp_path, flags, factor):
+    """An adapter scale of 1e37 overflows the first update; dropout at p = 0.999999 drops every
+    input of this tiny batch (a zero gradient: collapse). Before, the message only said to lower
+    --lr; now it states both factors of the adapter update with their values: 1e38 / rank 4, and
+    1/(1-p) for fp32's p = 0.99999898672, 9.87e5 to 3 digits."""
+    p = run_env(base_args(tiny, "--mode", "lowmem", "--steps", 6, "--batch", 2, *flags,
+                          "--out", tmp_path / "out"), {}, check=False)
+    one_error_line(p, "lower --lr", factor)
+
+
 def test_diverged_steps_are_skipped_then_stop(tiny, tmp_path):
     """--nonfinite skip applies to diverged steps too: each is logged and not applied; the weights
     stay diverged, so ten in a row stop the run."""
