@@ -34,6 +34,7 @@
 #include "llmc/backend.h"
 #include "llmc/ops.h"
 #include "llmc/train/fit.h"
+#include "llmc/memory/offload.h"
 
 // ----------------------------------------------------------------------------------------------
 // Config: config.json of a Hugging Face ViT (ViTModel / ViTForImageClassification), and the
@@ -171,7 +172,8 @@ typedef struct {
     float *h_head_w, *h_head_b, *h_dhead_w, *h_dhead_b;  // the same in the host mirror
     BlockActs* acts;       // [layers]
     BlockActs tmp;         // scratch set (recompute, or buffers not kept)
-    void** block_input;    // [layers] block inputs under --recompute block
+    void** block_input;    // [layers] block inputs under --recompute block [N, d] (--offload host: on the host)
+    Offload offload;       // --offload host: the copy stream and the two device staging buffers
     // scratch (activation gradients have the activations' element type)
     void* pixels;          // [B, C, H, W] normalised input: fp32 from the CPU loader, or bf16 resized on the GPU
     int* labels;           // [B]
@@ -305,9 +307,9 @@ static void vit_plan_blocks(Vit* m, MemPlan* p) {
         BlockActs* A = &m->acts[l];
         BlockActs* s = &m->tmp;
         char nm[48];
-        if (md->recompute_block) {
+        if (md->recompute_block) {  // the checkpoint [N, d]: on the device, or (--offload host) in pinned host memory
             snprintf(nm, sizeof(nm), "L%d.block_input", l);
-            plan_add(p, MEM_SAVED, "checkpoint", l, nm, N * d * a, &m->block_input[l]);
+            plan_add(p, md->offload_host ? MEM_HOST : MEM_SAVED, "checkpoint", l, nm, N * d * a, &m->block_input[l]);
         }
         if (std_norm && keep) plan_block_act(p, l, 1, "attn_norm", "x_in", N * d * a, &A->x_in, NULL);
         if (std_norm) plan_block_act(p, l, keep, "attn_norm", "mean1", N * 4, &A->mean1, &s->mean1);
@@ -356,6 +358,12 @@ static void vit_plan_scratch(Vit* m, MemPlan* p) {
     // block input (standard norms); under MS norms it runs in place on the checkpoint
     if (m->modes.recompute_block && !m->modes.ms)
         plan_add(p, MEM_SCRATCH, "residual", -1, "resid_tmp", N * d * a, &m->resid_tmp);
+    if (m->modes.offload_host)  // two block inputs [N, d]: one travels to or from the host while the other is in use
+        for (int i = 0; i < OFFLOAD_STAGING; i++) {
+            char nm[48];
+            snprintf(nm, sizeof(nm), "offload_staging%d", i);
+            plan_add(p, MEM_SCRATCH, "offload", -1, nm, N * d * a, &m->offload.staging[i]);
+        }
     plan_add(p, MEM_SCRATCH, "grads", -1, "dres", N * d * a, &m->dres);
     plan_add(p, MEM_SCRATCH, "grads", -1, "dz", N * d * a, &m->dz);
     plan_add(p, MEM_SCRATCH, "grads", -1, "dq", N * d * a, &m->dq);
@@ -576,6 +584,10 @@ static void vit_allocate(Vit* m) {
     backend_allocate_plan(m->be, &m->plan);
     op_attach_matmul_workspace(m->be, m->blas_work);
     vit_bind(m);
+    if (m->modes.offload_host) {
+        m->offload.host = m->block_input;
+        offload_init(&m->offload, m->be, m->cfg.layers, (size_t)m->B * m->T * m->cfg.dim * m->be->abytes);
+    }
 }
 
 // Frees what vit_setup planned and vit_allocate made (either may be all there was: a dry run).
@@ -586,6 +598,7 @@ static void vit_free(Vit* m) {
     backend_free_host_side(m->be, m->h_labels);
     free(m->lin_host);
     op_detach_matmul_workspace(m->be, m->blas_work);  // before the plan's memory goes
+    if (m->modes.offload_host && m->offload.be) offload_free(&m->offload);  // (m->offload.be: allocated)
     backend_free_plan(m->be, &m->plan);
     free(m->layers); free(m->acts); free(m->block_input); free(m->norms_host); free(m->layer_off);
 }
@@ -789,12 +802,20 @@ static void block_forward(Vit* m, int l, void* x, BlockActs* a, int B) {
     op_linear_forward(be, x, a->g, &layer->lin[T_FC2], a->ax[T_FC2], N, r, s, OUT_ADD);
 }
 
+// --recompute block: block l's checkpoint, its input (m->resid) [N, d], kept on the device or
+// (--offload host) sent to the host through a staging buffer (llmc/memory/offload.h).
+static void vit_save_block_input(Vit* m, int l, int64_t N) {
+    if (!m->modes.offload_host) { op_copy(m->be, m->block_input[l], m->resid, N * m->cfg.dim); return; }
+    op_copy(m->be, offload_staging_for_save(&m->offload, l), m->resid, N * m->cfg.dim);
+    offload_save(&m->offload, l, (size_t)N * m->cfg.dim * m->be->abytes);
+}
+
 // Embedding and all blocks over the uploaded batch; leaves the final norm's input in m->resid.
 static void vit_forward_blocks(Vit* m, int B) {
     int64_t N = (int64_t)B * m->T;
     vit_embed(m, B);
     for (int l = 0; l < m->cfg.layers; l++) {
-        if (m->modes.recompute_block) op_copy(m->be, m->block_input[l], m->resid, N * m->cfg.dim);
+        if (m->modes.recompute_block) vit_save_block_input(m, l, N);
         block_forward(m, l, m->resid, &m->acts[l], B);
     }
 }
@@ -830,7 +851,8 @@ static LossStats vit_head_loss(Vit* m, int B, float grad_scale, int backward) {
 // Backward
 
 // Backpropagates m->dres (gradient w.r.t. the block output) to the block input, in place.
-static void block_backward(Vit* m, int l, BlockActs* a, int B) {
+// block_input: the recomputed block's input on the device (NULL: not recomputed; a->x_in then).
+static void block_backward(Vit* m, int l, BlockActs* a, const void* block_input, int B) {
     const Backend* be = m->be;
     const VitConfig* c = &m->cfg;
     const VitLayer* layer = &m->layers[l];
@@ -838,7 +860,7 @@ static void block_backward(Vit* m, int l, BlockActs* a, int B) {
     int r = m->modes.rank, ms = m->modes.ms;
     float s = m->modes.lora_scale;
     AttnShape as = {B, m->T, c->heads, c->heads, c->head_dim, 0, NULL};
-    const void* x_in = m->modes.recompute_block ? m->block_input[l] : a->x_in;
+    const void* x_in = block_input ? block_input : a->x_in;
     // MLP: fc2, GELU (exact from h, or ReGELU2 from the codes), fc1, MLP norm
     op_linear_backward(be, m->dh, m->dres, a->g, a->ax[T_FC2], &layer->lin[T_FC2], m->dax, N, r, s, OUT_WRITE);
     op_gelu_backward(be, m->dh, m->dh, m->modes.approx ? NULL : a->h, a->codes, N * c->hidden, c->gelu_tanh);
@@ -865,20 +887,33 @@ static void block_backward(Vit* m, int l, BlockActs* a, int B) {
 // block's input, whose class-token rows are cls + pos[0] and whose patch rows are the patch
 // product + patch_b + pos (the class rows of the unfolded patches are zero, so they add nothing
 // to the patch weight's gradient). Without --full nothing upstream trains and it stops there.
+// --recompute block: block l's activations rebuilt from its checkpoint by the same forward (so
+// the same bits); returns the checkpoint on the device, which the backward of standard norms
+// reads (the forward then runs on a copy; under MS norms in place: the backward never reads it).
+static const void* vit_recompute_block(Vit* m, int l, int B) {
+    int64_t N = (int64_t)B * m->T;
+    void* x = m->modes.offload_host ? offload_staging_fetched(&m->offload, l) : m->block_input[l];
+    void* stream = x;
+    if (!m->modes.ms) {
+        op_copy(m->be, m->resid_tmp, x, N * m->cfg.dim);
+        stream = m->resid_tmp;
+    }
+    block_forward(m, l, stream, &m->acts[l], B);
+    return x;
+}
+
 static void vit_backward_blocks(Vit* m, int B) {
     int64_t N = (int64_t)B * m->T;
-    for (int l = m->cfg.layers - 1; l >= 0; l--) {
-        if (m->modes.recompute_block) {  // recompute this block's activations from its saved input
-            void* stream = m->block_input[l];  // MS norms: in place (the backward never reads the block input)
-            if (!m->modes.ms) {
-                op_copy(m->be, m->resid_tmp, m->block_input[l], N * m->cfg.dim);
-                stream = m->resid_tmp;
-            }
-            block_forward(m, l, stream, &m->acts[l], B);
-        }
-        block_backward(m, l, &m->acts[l], B);
-        trainable_grads_final_from(&m->tr, m->dist,
-                                   m->layer_off[l]);  // this block's, the final norm's and the head's are final
+    int layers = m->cfg.layers;
+    if (m->modes.offload_host)  // the last blocks' inputs on their way back (double buffered)
+        for (int l = layers - 1; l >= 0 && l >= layers - OFFLOAD_STAGING; l--) offload_fetch(&m->offload, l);
+    for (int l = layers - 1; l >= 0; l--) {
+        const void* block_input = m->modes.recompute_block ? vit_recompute_block(m, l, B) : NULL;
+        block_backward(m, l, &m->acts[l], block_input, B);
+        // this block's staging buffer is free: the input OFFLOAD_STAGING blocks down comes into it
+        if (m->modes.offload_host) offload_fetch(&m->offload, l - OFFLOAD_STAGING);
+        // this block's, the final norm's and the head's gradients are final
+        trainable_grads_final_from(&m->tr, m->dist, m->layer_off[l]);
     }
     if (!m->modes.full) return;
     op_patch_embed_finish_backward(m->be, m->dcls, m->dpatch_b, m->dpos, m->dres, N, m->T, m->cfg.dim);
@@ -1253,10 +1288,10 @@ static void vit_resolution(const VitConfig* c, const char* flag, int* h, int* w)
 static void vit_settings_json(char* buf, size_t n, const TrainOptions* o, const Vit* m, const char* device) {
     snprintf(buf, n,
              "\"model\": \"vit\", \"device\": \"%s\", \"mode\": \"%s\", \"act\": \"%s\", \"norm\": \"%s\", "
-             "\"recompute\": \"%s\", "
+             "\"recompute\": \"%s\", \"offload\": \"%s\", "
              "\"batch\": %d, \"image_size\": [%d, %d], \"tokens_per_image\": %d, \"classes\": %d, \"lora_rank\": %d, "
              "\"lora_dropout\": %g, \"lora_targets\": \"%s\"",
-             device, o->mode, o->act, o->norm, o->recompute, o->batch, m->img_h, m->img_w, m->T, m->classes,
+             device, o->mode, o->act, o->norm, o->recompute, o->offload, o->batch, m->img_h, m->img_w, m->T, m->classes,
              o->lora_rank, o->lora_dropout, o->lora_targets ? o->lora_targets : "q,k,v,proj,fc1,fc2");
 }
 
@@ -1422,6 +1457,9 @@ static void vit_flags(FlagTable* t, TrainOptions* o) {
         "--model DIR [--data TRAIN.bin --val VAL.bin] [flags]   (fine-tunes a ViT image classifier: LoRA and a new "
         "head, or every weight with --full)";
     train_flags_register_task(t, o, "comma list of q,k,v,proj,fc1,fc2 (default all)", TRAIN_IMAGE);
+    t->group = "memory modes (the paper's layers)";
+    flag_choice(t, "offload", &o->offload, "none|host",
+                "with --recompute block: the block checkpoints in pinned host memory, copied beside the compute");
     t->group = "model and data";
     flag_string(t, "export-merged", &o->export_merged,
                 "after training (or alone, with --adapter), write the model with the adapter folded in and the trained "

@@ -29,7 +29,7 @@ typedef struct {
     const char* norm;       // std | ms
     const char* recompute;  // none | block
     const char* swiglu_product;  // keep | recompute (beyond the paper; LLaMA only)
-    const char* offload;    // none | host: --recompute block's checkpoints in pinned host memory (LLaMA only)
+    const char* offload;    // none | host: --recompute block's checkpoints in pinned host memory
     const char* ms_lora;  // exact | merged: what an adapter behind an MS norm sees (gamma*z + beta, or z: the paper's)
     const char* quant;      // none | nf4: frozen linear weights stored as NF4 (llmc/formats/nf4.h; LLaMA only)
     // LoRA

@@ -105,15 +105,37 @@ def test_probe_matches_reference(workdir, name, mode):
 @pytest.mark.parametrize("name", CONFIG_NAMES)
 def test_probe_recomputed_block_is_bit_identical(workdir, name, act, norm):
     """--recompute block runs each block's own forward again (ReGELU2 and MS-LN under lowmem), op
-    for op, from its saved input: on the CPU backend the logits, the loss and every gradient equal
-    the run that keeps the block's activations, to the bit."""
+    for op, from its saved input, and --offload host only moves that input through host memory
+    (byte copies): on the CPU backend the logits, the loss and every gradient equal the run that
+    keeps the block's activations, to the bit."""
     s = _setup(workdir, name)
     kept = s.probe(act, norm, "none", f"bits.{name}.{act}.{norm}.none.out.safetensors")
-    got = s.probe(act, norm, "block", f"bits.{name}.{act}.{norm}.block.out.safetensors")
+    for tag, extra in (("block", ()), ("offload", ("--offload", "host"))):
+        out = os.path.join(workdir, f"bits.{name}.{act}.{norm}.{tag}.out.safetensors")
+        got = vc.run_probe(s.dir, s.case_path, out, act, norm, "block", s.rank, s.alpha, s.targets, extra=extra)
+        assert set(got) == set(kept)
+        for k in kept:
+            a, b = np.ascontiguousarray(kept[k]), np.ascontiguousarray(got[k])
+            assert a.shape == b.shape and a.tobytes() == b.tobytes(), (tag, k, float(np.abs(a - b).max()))
+
+
+@pytest.mark.parametrize("norm", ["std", "ms"])
+def test_probe_offload_of_many_blocks_is_bit_identical(workdir, norm):
+    """Five blocks, so that the forward reuses both staging buffers and the backward fetches every
+    block input but the last two from the host (with two blocks the staging buffers still hold the
+    forward's inputs and a missing fetch would go unseen): --offload host equals the kept run bit
+    for bit, under standard LayerNorm (recomputed on a copy) and MS-LN (in place)."""
+    d = os.path.join(workdir, "five_blocks")
+    cfg = vc.write_model(d, dict(vc.CONFIGS["square"], num_hidden_layers=5), seed=1)
+    B, r, alpha, classes = vc.SHAPES["square"]
+    cp = os.path.join(d, "case.safetensors")
+    vc.st_io.save(cp, vc.make_case(cfg, B, r, classes, seed=3))
+    kept = vc.run_probe(d, cp, cp + f".{norm}.kept", "approx", norm, "none", r, alpha)
+    got = vc.run_probe(d, cp, cp + f".{norm}.offload", "approx", norm, "block", r, alpha, extra=("--offload", "host"))
     assert set(got) == set(kept)
     for k in kept:
         a, b = np.ascontiguousarray(kept[k]), np.ascontiguousarray(got[k])
-        assert a.shape == b.shape and a.tobytes() == b.tobytes(), (k, float(np.abs(a - b).max()))
+        assert a.tobytes() == b.tobytes(), (k, float(np.abs(a - b).max()))
 
 
 @pytest.mark.parametrize("mode", [MODES[0], MODES[3]], ids=[MODE_IDS[0], MODE_IDS[3]])
