@@ -159,6 +159,26 @@ def test_dry_run_ckpt_and_cpu_layout(tmp_path):
     assert j["per_block"] == {k: int(v * N) for k, v in want.items()}
 
 
+@pytest.mark.parametrize("device, abytes", [("cuda", 2), ("cpu", 4)])
+def test_dry_run_offload_moves_the_checkpoints_to_host(tmp_path, device, abytes):
+    """--offload host: the 12 block inputs [N, d] leave the device for (pinned) host memory, and
+    two staging buffers of one block input each take their place on the device."""
+    N, d = 64 * 197, 768
+    args = ("--mode", "lowmem", "--recompute", "block", "--device", device)
+    kept, off = dry_run(tmp_path, *args), dry_run(tmp_path, *args, "--offload", "host")
+    assert kept["host_bytes"] == 0 and off["host_bytes"] == 12 * N * d * abytes
+    assert kept["total_bytes"] - off["total_bytes"] == (12 - 2) * N * d * abytes
+    assert off["offload"] == "host" and kept["offload"] == "none"
+
+
+def test_offload_needs_block_recompute(tmp_path):
+    d = tmp_path / "vitb16"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(VIT_B16))
+    p = vc.train_vit("--model", d, "--dry-run", "--mode", "lowmem", "--offload", "host", check=False)
+    check_one_line_error(p, "flag --offload host", "--recompute block")
+
+
 # ---------------------------------------------------------------------------------------------
 # bad input to train_vit: one line on stderr naming what is wrong, exit status 1, no crash
 
