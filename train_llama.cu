@@ -87,6 +87,7 @@ typedef struct {
     TrainModes modes;
     const Backend* be;
     int B, T;              // planned micro-batch shape
+    int64_t mlp_tile;      // tokens per MLP tile (llama_mlp_tile_rows): rows of the wide intermediates not kept
     void* embed;           // [V, d]
     void* final_norm;      // [d] (kept standard: the head is tied to the embedding)
     void* lm_head;         // [V, d] (== embed when tied)
@@ -228,12 +229,38 @@ static int llama_keeps_down_input(const Llama* m) {
     return (md->full || (md->targets >> T_DOWN & 1)) && !md->recompute_product;
 }
 
+// --mlp-tile auto: the sequence in equal tiles of at most this many tokens. Each MLP product then
+// still has thousands of rows (enough to fill a GPU), while its [tile, f] intermediates stop
+// growing with the sequence (8192 x 14336 bf16 = 224 MiB each at Llama-3.1-8B).
+#define MLP_TILE_AUTO_MAX 8192
+// auto tiles are a multiple of this many tokens, so that every tile's rows start 256-byte aligned
+// in every MLP buffer (4 bytes per token and more), as cuBLASLt's default alignment assumes
+#define MLP_TILE_AUTO_ALIGN 64
+
+// Tokens per MLP tile for N tokens (llmc/train/run_options.h: --mlp-tile): N when the whole
+// sequence is one tile (0, or a tile of N or more), else at most N, and, when the intermediate
+// size f is not a multiple of 4, a multiple of 4 tokens, so that no byte of ReSiLU2's packed 2-bit
+// codes (4 per byte) is shared by two tiles.
+static int64_t llama_mlp_tile_rows(int mlp_tile, int64_t N, int64_t f) {
+    int64_t tile = mlp_tile;
+    if (mlp_tile == MLP_TILE_AUTO) {
+        int64_t tiles = (N + MLP_TILE_AUTO_MAX - 1) / MLP_TILE_AUTO_MAX;
+        tile = (N + tiles - 1) / tiles;
+        tile = (tile + MLP_TILE_AUTO_ALIGN - 1) / MLP_TILE_AUTO_ALIGN * MLP_TILE_AUTO_ALIGN;
+    }
+    if (f % 4) tile = (tile + 3) / 4 * 4;
+    return tile <= 0 || tile >= N ? N : tile;
+}
+
 // What block l keeps for its backward (the table of docs/memory.md), or, where it keeps nothing
 // (--recompute block, or a buffer its mode does not keep), the shared scratch set. Under
 // --recompute block that set is what the mode keeps (its recomputed forward makes it for the
 // backward: ReSiLU2's codes, not g; MS norms' z, not their input) plus the forward's own
 // temporaries (z1, z2 where no linear keeps them; Qwen3's q, k under MS norms, rebuilt anyway).
 // Temporaries no backward reads live in gradient scratch instead (llama_bind_forward_temporaries).
+// The MLP and its norm run in tiles of m->mlp_tile tokens (llama_mlp_forward_tile), so the shared
+// set's MLP buffers hold one tile: a forward temporary lives for one tile, and under --recompute
+// block the backward recomputes the MLP tile by tile just before that tile's backward.
 static void llama_plan_block(Llama* m, MemPlan* p, int l) {
     const LlamaConfig* c = &m->cfg;
     const TrainModes* md = &m->modes;
@@ -268,20 +295,24 @@ static void llama_plan_block(Llama* m, MemPlan* p, int l) {
     plan_block_act(p, m, l, keep, "attention", "v", N * kvd * abytes, &a->v, &s->v);
     plan_block_act(p, m, l, keep, "attention", "o", N * qd * abytes, &a->o, &s->o);
     plan_block_act(p, m, l, keep, "attention", "lse", N * c->heads * 4, &a->lse, &s->lse);
+    int64_t tile = m->mlp_tile, rows = keep ? N : tile;  // rows of the MLP's kept (N) or shared (tile) buffers
     for (int t = 0; t < N_TARGETS; t++) {
         if (!(md->targets >> t & 1)) continue;
         snprintf(nm, sizeof(nm), "lora_%s_ax", target_names[t]);
-        plan_block_act(p, m, l, keep, "lora", nm, N * r * abytes, &a->ax[t], &s->ax[t]);
+        int64_t ax_rows = t >= T_GATE ? rows : N;
+        plan_block_act(p, m, l, keep, "lora", nm, ax_rows * r * abytes, &a->ax[t], &s->ax[t]);
     }
-    if (!md->ms) plan_block_act(p, m, l, keep, "mlp_norm", "h_mid", N * d * abytes, &a->h_mid, &s->h_mid);
-    plan_block_act(p, m, l, keep, "mlp_norm", "r2", N * 4, &a->r2, &s->r2);
-    plan_block_act(p, m, l, keep && (md->ms || lora_gu), "gate_up_input", "z2", N * d * abytes, &a->z2, &s->z2);
-    if (!md->approx) plan_block_act(p, m, l, keep, "silu", "g", N * f * abytes, &a->g, &s->g);
+    int keep_z2 = keep && (md->ms || lora_gu);
+    if (!md->ms) plan_block_act(p, m, l, keep, "mlp_norm", "h_mid", rows * d * abytes, &a->h_mid, &s->h_mid);
+    plan_block_act(p, m, l, keep, "mlp_norm", "r2", rows * 4, &a->r2, &s->r2);
+    plan_block_act(p, m, l, keep_z2, "gate_up_input", "z2", (keep_z2 ? N : tile) * d * abytes, &a->z2, &s->z2);
+    if (!md->approx) plan_block_act(p, m, l, keep, "silu", "g", rows * f * abytes, &a->g, &s->g);
     if (md->approx)
-        plan_block_act(p, m, l, keep, "silu", "codes", (size_t)packed_codes_bytes(N * f), &a->codes, &s->codes);
-    plan_block_act(p, m, l, keep, "swiglu_product", "silu_g", N * f * abytes, &a->sg, &s->sg);
-    plan_block_act(p, m, l, keep, "swiglu_product", "up", N * f * abytes, &a->u, &s->u);
-    if (llama_keeps_down_input(m)) plan_block_act(p, m, l, keep, "down_input", "product", N * f * abytes, &a->p, &s->p);
+        plan_block_act(p, m, l, keep, "silu", "codes", (size_t)packed_codes_bytes(rows * f), &a->codes, &s->codes);
+    plan_block_act(p, m, l, keep, "swiglu_product", "silu_g", rows * f * abytes, &a->sg, &s->sg);
+    plan_block_act(p, m, l, keep, "swiglu_product", "up", rows * f * abytes, &a->u, &s->u);
+    if (llama_keeps_down_input(m))
+        plan_block_act(p, m, l, keep, "down_input", "product", rows * f * abytes, &a->p, &s->p);
 }
 
 // Scratch of the forward and backward passes: the residual stream, the activation gradients, the
@@ -312,18 +343,21 @@ static void llama_plan_scratch(Llama* m, MemPlan* p) {
     plan_add(p, MEM_SCRATCH, "grads", -1, "dk", N * kvd * abytes, &m->dk);
     plan_add(p, MEM_SCRATCH, "grads", -1, "dv", N * kvd * abytes, &m->dv);
     plan_add(p, MEM_SCRATCH, "grads", -1, "dout", N * qd * abytes, &m->dout);
-    plan_add(p, MEM_SCRATCH, "grads", -1, "dp", N * f * abytes, &m->dp);
-    plan_add(p, MEM_SCRATCH, "grads", -1, "dg", N * f * abytes, &m->dg);
-    plan_add(p, MEM_SCRATCH, "grads", -1, "du", N * f * abytes, &m->du);
+    // the MLP's gradients (and the forward temporaries bound to them) for one tile of tokens
+    plan_add(p, MEM_SCRATCH, "grads", -1, "dp", m->mlp_tile * f * abytes, &m->dp);
+    plan_add(p, MEM_SCRATCH, "grads", -1, "dg", m->mlp_tile * f * abytes, &m->dg);
+    plan_add(p, MEM_SCRATCH, "grads", -1, "du", m->mlp_tile * f * abytes, &m->du);
     plan_add(p, MEM_SCRATCH, "grads", -1, "dax", N * r * abytes, &m->dax);
     if (llama_adapters_see_gamma(m) && lora_norm_inputs)
         plan_add(p, MEM_SCRATCH, "lora", -1, "lora_norm_work", lora_norm_work_bytes((int)r, (int)d, abytes),
                  &m->lora_norm_work);
-    if (md->lora_dropout > 0 && md->targets) {  // one adapter input at a time, the widest: regenerated, not kept
-        int64_t widest = 0;
-        for (int t = 0; t < N_TARGETS; t++)
-            if ((md->targets >> t & 1) && lin_in(c, t) > widest) widest = lin_in(c, t);
-        plan_add(p, MEM_SCRATCH, "lora", -1, "lora_dropout_input", N * widest * abytes, &m->drop_work);
+    if (md->lora_dropout > 0 && md->targets) {  // one adapter input at a time, the largest: regenerated, not kept
+        int64_t largest = 0;  // elements: the MLP's linears see one tile of rows, the others all N
+        for (int t = 0; t < N_TARGETS; t++) {
+            int64_t n = (t >= T_GATE ? m->mlp_tile : N) * lin_in(c, t);
+            if ((md->targets >> t & 1) && n > largest) largest = n;
+        }
+        plan_add(p, MEM_SCRATCH, "lora", -1, "lora_dropout_input", largest * abytes, &m->drop_work);
     }
     AttnShape as = {m->B, m->T, c->heads, c->kv_heads, c->head_dim, 1, NULL};
     m->att_work_bytes = op_plan_attention_work(be, p, as, &m->att_work);
@@ -460,6 +494,7 @@ static void llama_setup(Llama* m, const LlamaConfig* cfg, const TrainModes* mode
     m->modes = *modes;
     m->B = B;
     m->T = T;
+    m->mlp_tile = llama_mlp_tile_rows(modes->mlp_tile, (int64_t)B * T, cfg->hidden);
     m->layers = (LlamaLayer*)xcalloc(cfg->layers, sizeof(LlamaLayer));
     m->acts = (BlockActs*)xcalloc(cfg->layers, sizeof(BlockActs));
     m->block_input = (void**)xcalloc(cfg->layers, sizeof(void*));
@@ -769,10 +804,95 @@ static void llama_qk_forward(Llama* m, const LlamaLayer* layer, BlockActs* a, in
     op_rope(be, y, m->rope_cos, m->rope_sin, m->pos, N, T, heads, c->head_dim, ROPE_FORWARD);
 }
 
+// The MLP buffers' rows from token t0 on: a kept buffer's (whole sequence) from row t0, one of the
+// shared set's (one tile, llama_plan_block) from its start.
+static void* llama_tile_rows(void* buf, const void* shared, int64_t offset_bytes) {
+    return !buf || buf == shared ? buf : (char*)buf + offset_bytes;
+}
+
+// a's MLP buffers (norm, gate/up/down with their LoRA A x, SwiGLU) for the tile of tokens from t0;
+// the attention's as in a.
+static BlockActs llama_mlp_tile_acts(const Llama* m, const BlockActs* a, int64_t t0) {
+    const BlockActs* s = &m->tmp;
+    int64_t d = m->cfg.dim, f = m->cfg.hidden, ab = m->be->abytes, r = m->modes.rank;
+    BlockActs t = *a;
+    t.h_mid = llama_tile_rows(a->h_mid, s->h_mid, t0 * d * ab);
+    t.r2 = (float*)llama_tile_rows(a->r2, s->r2, t0 * 4);
+    t.z2 = llama_tile_rows(a->z2, s->z2, t0 * d * ab);
+    t.g = llama_tile_rows(a->g, s->g, t0 * f * ab);
+    t.codes = (uint8_t*)llama_tile_rows(a->codes, s->codes, t0 * f / 4);  // whole bytes: llama_mlp_tile_rows
+    t.sg = llama_tile_rows(a->sg, s->sg, t0 * f * ab);
+    t.u = llama_tile_rows(a->u, s->u, t0 * f * ab);
+    t.p = llama_tile_rows(a->p, s->p, t0 * f * ab);
+    for (int k = T_GATE; k <= T_DOWN; k++) t.ax[k] = llama_tile_rows(a->ax[k], s->ax[k], t0 * r * ab);
+    return t;
+}
+
+// The MLP and its norm over n tokens: x [n, d], their rows of the residual stream (updated in
+// place), and t, the tile's view of the block's buffers (llama_mlp_tile_acts). Every product and
+// pass here works row by row, so a token's results do not depend on the tile it is in, as long as
+// the products' rows are independent of the row count (docs/memory.md: the CPU's are; cuBLAS is
+// not promised to be).
+static void llama_mlp_forward_tile(Llama* m, const LlamaLayer* layer, void* x, BlockActs* t, int64_t n) {
+    const Backend* be = m->be;
+    const LlamaConfig* c = &m->cfg;
+    int r = m->modes.rank;
+    float s = m->modes.lora_scale;
+    if (t->h_mid) op_copy(be, t->h_mid, x, n * c->dim);
+    op_rmsnorm_forward(be, t->z2, t->r2, x, m->modes.ms ? NULL : layer->mlp_norm, n, c->dim, c->norm_eps);
+    op_linear_forward(be, t->g, t->z2, &layer->lin[T_GATE], t->ax[T_GATE], n, r, s, OUT_WRITE);
+    op_linear_forward(be, t->u, t->z2, &layer->lin[T_UP], t->ax[T_UP], n, r, s, OUT_WRITE);
+    op_swiglu_forward(be, t->p, t->sg, m->modes.approx ? t->codes : NULL, t->g, t->u, n * c->hidden);
+    op_linear_forward(be, x, t->p, &layer->lin[T_DOWN], t->ax[T_DOWN], n, r, s, OUT_ADD);
+}
+
+// The MLP's backward over n tokens: dy [n, d], their rows of m->dres (the gradient w.r.t. the
+// block output), becomes the gradient w.r.t. the MLP's input, in place; dz [n, d]: their rows of
+// m->dz. The wide gradients dp, dg, du hold one tile. Weight and LoRA gradients accumulate.
+static void llama_mlp_backward_tile(Llama* m, const LlamaLayer* layer, BlockActs* t, void* dy, void* dz, int64_t n) {
+    const Backend* be = m->be;
+    int64_t nf = n * m->cfg.hidden;
+    int r = m->modes.rank, d = m->cfg.dim;
+    float s = m->modes.lora_scale;
+    const Linear *gate = &layer->lin[T_GATE], *up = &layer->lin[T_UP], *down = &layer->lin[T_DOWN];
+    if (m->modes.recompute_product && (down->A || down->dW))  // beyond the paper: rebuild the down input
+        op_mul(be, t->p, t->sg, t->u, nf);
+    op_linear_backward(be, m->dp, dy, t->p, t->ax[T_DOWN], down, m->dax, n, r, s, OUT_WRITE);
+    op_swiglu_backward(be, m->dg, m->du, m->dp, t->sg, t->u, m->modes.approx ? NULL : t->g, t->codes, nf);
+    op_linear_backward(be, dz, m->dg, t->z2, t->ax[T_GATE], gate, m->dax, n, r, s, OUT_WRITE);
+    op_linear_backward(be, dz, m->du, t->z2, t->ax[T_UP], up, m->dax, n, r, s, OUT_ADD);
+    if (layer->dmlp_norm) op_rmsnorm_gamma_grad(be, layer->dmlp_norm, dz, t->h_mid, t->r2, n, d);
+    if (m->modes.ms) op_rmsnorm_ms_backward(be, dy, dz, t->z2, t->r2, n, d);
+    else op_rmsnorm_backward(be, dy, dz, t->h_mid, t->r2, layer->mlp_norm, n, d);
+}
+
+// Which tiles the MLP's forward or backward of block l makes: the forward over the rows of x (the
+// residual stream after attention [N, d]); the backward from m->dres, after recomputing each
+// tile's forward from x first where x is given (--recompute block; NULL: the forward's buffers are
+// kept). --lora-dropout's masks follow each token's row in the batch, whatever its tile.
+typedef enum { MLP_FORWARD, MLP_BACKWARD } MlpPass;
+static void llama_mlp_tiles(Llama* m, int l, MlpPass pass, void* x, const BlockActs* a, int64_t N) {
+    const LlamaLayer* layer = &m->layers[l];
+    int64_t row0 = m->drop.row0, row_bytes = (int64_t)m->cfg.dim * m->be->abytes;
+    for (int64_t t0 = 0; t0 < N; t0 += m->mlp_tile) {
+        int64_t n = N - t0 < m->mlp_tile ? N - t0 : m->mlp_tile;
+        BlockActs t = llama_mlp_tile_acts(m, a, t0);
+        m->drop.row0 = row0 + t0;
+        if (x) llama_mlp_forward_tile(m, layer, (char*)x + t0 * row_bytes, &t, n);
+        if (pass == MLP_BACKWARD)
+            llama_mlp_backward_tile(m, layer, &t, (char*)m->dres + t0 * row_bytes, (char*)m->dz + t0 * row_bytes, n);
+    }
+    m->drop.row0 = row0;
+}
+
+// What block_forward runs: the whole block, or (--recompute block) its attention half, whose
+// MLP the backward recomputes tile by tile (llama_mlp_tiles).
+typedef enum { BLOCK_WHOLE, BLOCK_ATTENTION } BlockPart;
+
 // One block, updating the residual stream x [B*T, d] in place and filling a's buffers. With a
 // cache (generation, B = 1), the T new tokens sit at positions kv->len.., their keys and values
 // join the cache and attention reads it.
-static void block_forward(Llama* m, int l, void* x, BlockActs* a, int B, int T, const KVCache* kv) {
+static void block_forward(Llama* m, int l, void* x, BlockActs* a, int B, int T, const KVCache* kv, BlockPart part) {
     const Backend* be = m->be;
     const LlamaConfig* c = &m->cfg;
     const LlamaLayer* layer = &m->layers[l];
@@ -795,12 +915,7 @@ static void block_forward(Llama* m, int l, void* x, BlockActs* a, int B, int T, 
                              op_attention_work_fitting(be, as, m->att_work, m->att_work_bytes));
     }
     op_linear_forward(be, x, a->o, &layer->lin[T_O], a->ax[T_O], N, r, s, OUT_ADD);
-    if (a->h_mid) op_copy(be, a->h_mid, x, N * d);
-    op_rmsnorm_forward(be, a->z2, a->r2, x, m->modes.ms ? NULL : layer->mlp_norm, N, (int)d, c->norm_eps);
-    op_linear_forward(be, a->g, a->z2, &layer->lin[T_GATE], a->ax[T_GATE], N, r, s, OUT_WRITE);
-    op_linear_forward(be, a->u, a->z2, &layer->lin[T_UP], a->ax[T_UP], N, r, s, OUT_WRITE);
-    op_swiglu_forward(be, a->p, a->sg, m->modes.approx ? a->codes : NULL, a->g, a->u, N * c->hidden);
-    op_linear_forward(be, x, a->p, &layer->lin[T_DOWN], a->ax[T_DOWN], N, r, s, OUT_ADD);
+    if (part == BLOCK_WHOLE) llama_mlp_tiles(m, l, MLP_FORWARD, x, a, N);
 }
 
 // --recompute block: block l's checkpoint, its input (m->resid) [N, d], kept on the device or
@@ -822,7 +937,7 @@ static void llama_forward_blocks(Llama* m, int B, int T, const KVCache* kv) {
     for (int l = 0; l < layers; l++) {
         trainable_weights_ready(&m->tr, m->layer_off[l], l + 1 < layers ? m->layer_off[l + 1] : m->tr.padded);
         if (m->modes.recompute_block) llama_save_block_input(m, l, N);
-        block_forward(m, l, m->resid, &m->acts[l], B, T, kv);
+        block_forward(m, l, m->resid, &m->acts[l], B, T, kv, BLOCK_WHOLE);
     }
 }
 
@@ -863,28 +978,26 @@ static const void* llama_qk_norm_backward(Llama* m, const LlamaLayer* layer, Blo
     return m->dout;
 }
 
+// The recomputed block (--recompute block) as its backward reads it: its input on the device,
+// and the residual stream after its recomputed attention, the MLP's input [N, d].
+typedef struct {
+    const void* block_input;
+    void* mlp_input;
+} Recomputed;
+
 // Backpropagates m->dres (gradient w.r.t. the block output) to the block input, in place.
-// block_input: the recomputed block's input on the device (NULL: not recomputed; a->x_in then).
-static void block_backward(Llama* m, int l, BlockActs* a, const void* block_input, int B, int T) {
+// rc: the recomputed block (NULL: not recomputed; a->x_in, the kept MLP buffers then).
+static void block_backward(Llama* m, int l, BlockActs* a, const Recomputed* rc, int B, int T) {
     const Backend* be = m->be;
     const LlamaConfig* c = &m->cfg;
     const LlamaLayer* layer = &m->layers[l];
-    int64_t N = (int64_t)B * T, d = c->dim, nf = N * c->hidden;
+    int64_t N = (int64_t)B * T, d = c->dim;
     int r = m->modes.rank;
     float s = m->modes.lora_scale;
     AttnShape as = {B, T, c->heads, c->kv_heads, c->head_dim, 1, m->pos};
-    const void* x_in = block_input ? block_input : a->x_in;
-    // MLP: down, SwiGLU (exact or ReSiLU2), gate/up, MLP norm
-    if (m->modes.recompute_product &&
-        (layer->lin[T_DOWN].A || layer->lin[T_DOWN].dW))  // beyond the paper: rebuild the down input
-        op_mul(be, a->p, a->sg, a->u, nf);
-    op_linear_backward(be, m->dp, m->dres, a->p, a->ax[T_DOWN], &layer->lin[T_DOWN], m->dax, N, r, s, OUT_WRITE);
-    op_swiglu_backward(be, m->dg, m->du, m->dp, a->sg, a->u, m->modes.approx ? NULL : a->g, a->codes, nf);
-    op_linear_backward(be, m->dz, m->dg, a->z2, a->ax[T_GATE], &layer->lin[T_GATE], m->dax, N, r, s, OUT_WRITE);
-    op_linear_backward(be, m->dz, m->du, a->z2, a->ax[T_UP], &layer->lin[T_UP], m->dax, N, r, s, OUT_ADD);
-    if (layer->dmlp_norm) op_rmsnorm_gamma_grad(be, layer->dmlp_norm, m->dz, a->h_mid, a->r2, N, (int)d);
-    if (m->modes.ms) op_rmsnorm_ms_backward(be, m->dres, m->dz, a->z2, a->r2, N, (int)d);
-    else op_rmsnorm_backward(be, m->dres, m->dz, a->h_mid, a->r2, layer->mlp_norm, N, (int)d);
+    const void* x_in = rc ? rc->block_input : a->x_in;
+    // MLP, tile by tile: down, SwiGLU (exact or ReSiLU2), gate/up, MLP norm (recomputed first)
+    llama_mlp_tiles(m, l, MLP_BACKWARD, rc ? rc->mlp_input : NULL, a, N);
     // attention: o-proj, attention, RoPE, q/k/v, attention norm
     op_linear_backward(be, m->dout, m->dres, a->o, a->ax[T_O], &layer->lin[T_O], m->dax, N, r, s, OUT_WRITE);
     if (llama_qk_norm_ms(m) && !m->modes.recompute_block) {  // (a recomputed block has just built them)
@@ -904,10 +1017,11 @@ static void block_backward(Llama* m, int l, BlockActs* a, const void* block_inpu
     else op_rmsnorm_backward(be, m->dres, m->dz, x_in, a->r1, layer->attn_norm, N, (int)d);
 }
 
-// --recompute block: block l's activations rebuilt from its checkpoint by the same forward (so
-// the same bits); returns the checkpoint on the device, which the backward of standard norms
-// reads (the forward then runs on a copy; under MS norms in place).
-static const void* llama_recompute_block(Llama* m, int l, int B, int T) {
+// --recompute block: block l's attention activations rebuilt from its checkpoint by the same
+// forward (so the same bits); its MLP's are rebuilt tile by tile in the backward. Returns the
+// checkpoint on the device, which the backward of standard norms reads (the forward then runs on
+// a copy; under MS norms in place), and the MLP's input.
+static Recomputed llama_recompute_block(Llama* m, int l, int B, int T) {
     int64_t N = (int64_t)B * T;
     void* x = m->modes.offload_host ? offload_staging_fetched(&m->offload, l) : m->block_input[l];
     void* stream = x;
@@ -915,8 +1029,9 @@ static const void* llama_recompute_block(Llama* m, int l, int B, int T) {
         op_copy(m->be, m->resid_tmp, x, N * m->cfg.dim);
         stream = m->resid_tmp;
     }
-    block_forward(m, l, stream, &m->acts[l], B, T, NULL);
-    return x;
+    block_forward(m, l, stream, &m->acts[l], B, T, NULL, BLOCK_ATTENTION);
+    Recomputed rc = {x, stream};
+    return rc;
 }
 
 static void llama_backward_blocks(Llama* m, int B, int T) {
@@ -924,8 +1039,9 @@ static void llama_backward_blocks(Llama* m, int B, int T) {
     if (m->modes.offload_host)  // the last blocks' inputs on their way back (double buffered)
         for (int l = layers - 1; l >= 0 && l >= layers - OFFLOAD_STAGING; l--) offload_fetch(&m->offload, l);
     for (int l = layers - 1; l >= 0; l--) {
-        const void* block_input = m->modes.recompute_block ? llama_recompute_block(m, l, B, T) : NULL;
-        block_backward(m, l, &m->acts[l], block_input, B, T);
+        Recomputed rc = {};
+        if (m->modes.recompute_block) rc = llama_recompute_block(m, l, B, T);
+        block_backward(m, l, &m->acts[l], m->modes.recompute_block ? &rc : NULL, B, T);
         // this block's staging buffer is free: the input OFFLOAD_STAGING blocks down comes into it
         if (m->modes.offload_host) offload_fetch(&m->offload, l - OFFLOAD_STAGING);
         trainable_grads_final_from(&m->tr, m->dist, m->layer_off[l]);  // this block's are final
@@ -1491,6 +1607,9 @@ static void llama_flags(FlagTable* t, TrainOptions* o) {
                 "keep the down projection's input, or rebuild it from silu(g)*u in backward (beyond the paper)");
     flag_choice(t, "offload", &o->offload, "none|host",
                 "with --recompute block: the block checkpoints in pinned host memory, copied beside the compute");
+    flag_string(t, "mlp-tile", &o->mlp_tile,
+                "tokens per tile of the MLP and its norm: auto (equal tiles of at most 8192), 0 (the whole sequence) "
+                "or a count; the wide intermediates not kept exist for one tile");
     t->group = "model and data";
     flag_string(
         t, "export-merged", &o->export_merged,

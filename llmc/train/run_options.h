@@ -4,6 +4,7 @@
 #pragma once
 #include "../common.h"
 #include "flags.h"
+#include <limits.h>
 #include <omp.h>
 
 typedef struct {
@@ -30,6 +31,7 @@ typedef struct {
     const char* recompute;  // none | block
     const char* swiglu_product;  // keep | recompute (beyond the paper; LLaMA only)
     const char* offload;    // none | host: --recompute block's checkpoints in pinned host memory
+    const char* mlp_tile;   // auto | 0 (whole sequence) | tokens: the MLP's tile of tokens (LLaMA only)
     const char* ms_lora;  // exact | merged: what an adapter behind an MS norm sees (gamma*z + beta, or z: the paper's)
     const char* quant;      // none | nf4: frozen linear weights stored as NF4 (llmc/formats/nf4.h; LLaMA only)
     // LoRA
@@ -68,6 +70,7 @@ static void train_options_defaults(TrainOptions* o) {
     o->nonfinite = "stop";
     o->swiglu_product = "keep";
     o->offload = "none";
+    o->mlp_tile = "auto";
     o->ms_lora = "exact";
     o->quant = "none";
     o->lora_rank = 8; o->lora_alpha = 16.0f;
@@ -183,6 +186,20 @@ static void train_resolve_mode(TrainOptions* o) {
     if (!o->recompute) o->recompute = rec;
 }
 
+// --mlp-tile: MLP_TILE_AUTO picks the tile by the model's rule (train_llama.cu, llama_mlp_tile_rows).
+#define MLP_TILE_AUTO (-1)
+// The tokens of --mlp-tile as a count (0 or more, at most INT_MAX), or -1 when it is not one.
+static int mlp_tile_tokens(const char* v) {
+    if (!*v) return -1;
+    long long n = 0;
+    for (const char* c = v; *c; c++) {
+        if (*c < '0' || *c > '9') return -1;
+        n = n * 10 + (*c - '0');
+        if (n > INT_MAX) return -1;
+    }
+    return (int)n;
+}
+
 static void train_validate(const TrainOptions* o) {
     if (o->steps < 0) fail("flag --steps: expected >= 0, got %d", o->steps);
     if (o->batch < 1) fail("flag --batch: expected >= 1, got %d", o->batch);
@@ -220,6 +237,9 @@ static void train_validate(const TrainOptions* o) {
     // one class has loss 0 and gradient 0 whatever the weights: nothing to learn
     if (o->classes < 0 || o->classes == 1)
         fail("flag --classes: expected 0 (from the data) or >= 2, got %d", o->classes);
+    if (strcmp(o->mlp_tile, "auto") != 0 && mlp_tile_tokens(o->mlp_tile) < 0)
+        fail("flag --mlp-tile: expected auto, 0 (the whole sequence) or a number of tokens >= 1, got \"%s\"",
+             o->mlp_tile);
     if (strcmp(o->offload, "none") != 0 && strcmp(o->recompute, "block") != 0)
         fail("flag --offload %s: only with --recompute block (it moves the block checkpoints)", o->offload);
     if (o->full && strcmp(o->quant, "none") != 0)
@@ -278,6 +298,7 @@ typedef struct {
     int ms_lora_merged;     // --ms-lora merged: adapters behind an MS norm see its bare output z (the paper's)
     int recompute_product;  // --swiglu-product recompute (LLaMA only)
     int offload_host;       // --offload host (with --recompute block): block inputs kept in host memory
+    int mlp_tile;           // --mlp-tile: tokens per MLP tile, 0 the whole sequence, MLP_TILE_AUTO the planned rule
     int generate;           // --generate: plan the key/value cache and the logits it samples from (LLaMA only)
     int full;               // train the weights themselves instead of LoRA adapters
     int nf4;                // --quant nf4: frozen linear weights in NF4, dequantized before each product
@@ -304,6 +325,7 @@ static TrainModes train_modes_from(const TrainOptions* o, const char* const* tar
     md.recompute_product = strcmp(o->swiglu_product, "recompute") == 0;
     md.offload_host = md.recompute_block && strcmp(o->offload, "host") == 0;  // (train_validate refuses it alone)
     md.ms_lora_merged = strcmp(o->ms_lora, "merged") == 0;
+    md.mlp_tile = strcmp(o->mlp_tile, "auto") == 0 ? MLP_TILE_AUTO : mlp_tile_tokens(o->mlp_tile);
     md.full = o->full;
     md.nf4 = strcmp(o->quant, "nf4") == 0;
     md.targets = o->full ? 0 : parse_targets(o->lora_targets, target_names, n_targets, "lora-targets");
@@ -321,6 +343,7 @@ static TrainModes train_modes_from(const TrainOptions* o, const char* const* tar
 // The same run in --mode baseline: every memory-saving switch off (what plans are compared with).
 static TrainModes train_baseline_modes(TrainModes md) {
     md.approx = 0; md.ms = 0; md.recompute_block = 0; md.recompute_product = 0; md.offload_host = 0;
+    md.mlp_tile = 0;
     return md;
 }
 
