@@ -1415,16 +1415,18 @@ static int llama_dry_run_fit(const LlamaConfig* cfg, const TrainOptions* o, cons
     size_t need = llama_plan_bytes_at_seq(&ctx, o, seq);
     str_appendf(json, njson, ", \"memory_bytes\": %zu, \"memory_source\": \"%s\", \"fits\": %s", budget.bytes,
                 budget.source, need <= budget.bytes ? "true" : "false");
-    if (o->max_seq) str_appendf(json, njson, ", \"max_seq\": %d, \"max_seq_bound\": %d", seq, seq == (1 << 30) ||
-                                seq == cfg->sliding_window ? 1 : 0);
+    // max_seq_bound: the search stopped at its bound (--seq's limit or the sliding window), not at the memory
+    int bound = seq == (1 << 30) || seq == cfg->sliding_window;
+    if (o->max_seq) str_appendf(json, njson, ", \"max_seq\": %d, \"max_seq_bound\": %d", seq, bound);
     const char* what = be->cuda ? "device" : "host";
     if (o->max_seq)
-        snprintf(line, nline, "longest --seq that fits %s (%s) at batch %d: %d tokens (%s of %s memory)",
+        snprintf(line, nline, "longest --seq that fits %s (%s) at batch %d: %d tokens (%s of %s memory%s)",
                  fit_size(a, sizeof(a), budget.bytes), budget.source, o->batch, seq, fit_size(b, sizeof(b), need),
-                 what);
+                 what, bound ? "; the search's bound: --seq's limit or the sliding window" : "");
     else
-        snprintf(line, nline, "%s %s (%s): the plan needs %s of %s memory", need <= budget.bytes ? "fits" : "does not fit",
-                 fit_size(a, sizeof(a), budget.bytes), budget.source, fit_size(b, sizeof(b), need), what);
+        snprintf(line, nline, "%s %s (%s): the plan needs %s of %s memory",
+                 need <= budget.bytes ? "fits" : "does not fit", fit_size(a, sizeof(a), budget.bytes), budget.source,
+                 fit_size(b, sizeof(b), need), what);
     return seq;
 }
 

@@ -342,7 +342,8 @@ static void train_parse_flags(FlagTable* t, TrainOptions* o, int argc, char** ar
     if (o->ranks < 0) fail("flag --ranks: expected >= 1, got %d", o->ranks);
     if (o->ranks && !o->dry_run) fail("flag --ranks: only valid with --dry-run (mpirun -np N launches the ranks)");
     if (o->max_seq && !o->dry_run)
-        fail("flag --max-seq: only valid with --dry-run (it plans the longest --seq; a run takes the --seq it is given)");
+        fail("flag --max-seq: only valid with --dry-run (it plans the longest --seq; a run takes the --seq it is "
+             "given)");
     if (flag_seen(t, "gpu-mem") && !(o->gpu_mem > 0))
         fail("flag --gpu-mem: expected the card's memory in GiB, > 0, got %g", o->gpu_mem);
     if (o->gpu_mem > 0 && !o->dry_run)
