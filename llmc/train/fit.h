@@ -102,8 +102,7 @@ static FitBudget fit_budget(const TrainOptions* o, int cuda_plan, const char* fl
         return b;
     }
 #ifdef LLMC_HAVE_CUDA
-    int n = 0;
-    if (cudaGetDeviceCount(&n) == cudaSuccess && n > 0) {
+    if (backend_cuda_devices() > 0) {
         size_t fr, tot;
         CUDA_CHECK(cudaMemGetInfo(&fr, &tot));
         b.bytes = fr;
