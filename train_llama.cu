@@ -1419,10 +1419,19 @@ static int llama_dry_run_fit(const LlamaConfig* cfg, const TrainOptions* o, cons
     int bound = seq == (1 << 30) || seq == cfg->sliding_window;
     if (o->max_seq) str_appendf(json, njson, ", \"max_seq\": %d, \"max_seq_bound\": %d", seq, bound);
     const char* what = be->cuda ? "device" : "host";
+    char host[96] = "";  // the pinned host memory the length needs (--offload host; on the CPU, part of `need`)
+    if (be->cuda && o->max_seq) {
+        Llama at;
+        TrainModes md = train_modes_from(o, target_names, N_TARGETS);
+        llama_setup(&at, cfg, &md, o->batch, seq, be, ranks);
+        size_t pinned = plan_host_bytes(&at.plan);
+        if (pinned) snprintf(host, sizeof(host), ", %s of pinned host memory", fit_size(b, sizeof(b), pinned));
+        llama_free(&at);
+    }
     if (o->max_seq)
-        snprintf(line, nline, "longest --seq that fits %s (%s) at batch %d: %d tokens (%s of %s memory%s)",
+        snprintf(line, nline, "longest --seq that fits %s (%s) at batch %d: %d tokens (%s of %s memory%s%s)",
                  fit_size(a, sizeof(a), budget.bytes), budget.source, o->batch, seq, fit_size(b, sizeof(b), need),
-                 what, bound ? "; the search's bound: --seq's limit or the sliding window" : "");
+                 what, host, bound ? "; the search's bound: --seq's limit or the sliding window" : "");
     else
         snprintf(line, nline, "%s %s (%s): the plan needs %s of %s memory",
                  need <= budget.bytes ? "fits" : "does not fit", fit_size(a, sizeof(a), budget.bytes), budget.source,
