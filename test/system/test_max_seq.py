@@ -106,7 +106,10 @@ def test_max_seq_human_output_and_limits(tmp_path):
                 "--quant", "nf4", *BEST]).stdout
     seq = plan(LLAMA31_8B, "--max-seq", "--gpu-mem", 24, "--batch", 1, "--lora-rank", 16, "--quant", "nf4",
                *BEST)["max_seq"]
-    assert f"longest --seq that fits 24.00 GiB (--gpu-mem 24) at batch 1: {seq} tokens" in text, text
+    got = plan(LLAMA31_8B, "--seq", seq, "--batch", 1, "--lora-rank", 16, "--quant", "nf4", *BEST)
+    pinned = f"{got['host_bytes'] / GIB:.2f} GiB of pinned host memory"
+    assert f"longest --seq that fits 24.00 GiB (--gpu-mem 24) at batch 1: {seq} tokens (" in text, text
+    assert pinned in text.splitlines()[1], text
     assert f"batch 1 x seq {seq}" in text and "pinned host memory:" in text
     p = run(["--model", LLAMA31_8B, "--dry-run", "--max-seq", "--gpu-mem", 8, "--batch", 1], check=False)
     assert p.returncode == 1 and len(p.stderr.strip().splitlines()) == 1
