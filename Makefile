@@ -81,7 +81,7 @@ else
                 $(NCCL_FLAGS) $< -o $@ $(NCCL_LIBS) $(if $(MPI_COMPILE),$(MPI_NVCC_LINK)) $(CUDA_LDLIBS)
 endif
 
-.PHONY: all run run-smollm2 quality test test-suite check-deps test-c test-asan test-py cuda-compile-check cuda-resource-check print-nccl bench bench-cpu bench-max-seq fuzz clean
+.PHONY: all run run-smollm2 quality test test-suite check-deps test-c test-asan test-py cuda-compile-check cuda-resource-check print-nccl bench bench-cpu fuzz clean
 
 # The configuration detected above (compilers and flags, MPI, nvcc and its version, NCCL, the CPU and
 # GPU architectures) in build/config.stamp, rewritten only when it changes. Every binary depends on
@@ -328,6 +328,7 @@ bench-cpu: train_llama train_vit dev/cpu/gemm
 	bash scripts/bench/bench_vit_cpu.sh
 
 # The longest --seq that fits, by plan (--dry-run --max-seq; no GPU needed, nothing measured).
+.PHONY: bench-max-seq
 bench-max-seq: train_llama
 	$(PYTHON) scripts/bench/max_seq.py
 

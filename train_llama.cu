@@ -1554,12 +1554,6 @@ static void llama_flags(FlagTable* t, TrainOptions* o) {
                 "keep the down projection's input, or rebuild it from silu(g)*u in backward (beyond the paper)");
     flag_choice(t, "offload", &o->offload, "none|host",
                 "with --recompute block: the block checkpoints in pinned host memory, copied beside the compute");
-    t->group = "system";
-    flag_bool(t, "max-seq", &o->max_seq,
-              "with --dry-run: plan the longest --seq (at --batch) whose plan fits the memory, found by planning");
-    flag_float(t, "gpu-mem", &o->gpu_mem,
-               "with --dry-run: plan for a card of this many GiB the run may take instead of the GPU present "
-               "(its free memory)");
     t->group = "model and data";
     flag_string(
         t, "export-merged", &o->export_merged,
@@ -1568,6 +1562,12 @@ static void llama_flags(FlagTable* t, TrainOptions* o) {
     flag_choice(t, "quant", &o->quant, "none|nf4",
                 "frozen linear weights: as read (bf16 on CUDA, fp32 on the CPU), or QLoRA's NF4 with double "
                 "quantization (after the MS merge)");
+    t->group = "system";
+    flag_bool(t, "max-seq", &o->max_seq,
+              "with --dry-run: plan the longest --seq (at --batch) whose plan fits the memory, found by planning");
+    flag_float(t, "gpu-mem", &o->gpu_mem,
+               "with --dry-run: plan for a card of this many GiB the run may take instead of the GPU present "
+               "(its free memory)");
 }
 
 #ifndef TESTING
