@@ -1566,8 +1566,8 @@ static void llama_flags(FlagTable* t, TrainOptions* o) {
     flag_bool(t, "max-seq", &o->max_seq,
               "with --dry-run: plan the longest --seq (at --batch) whose plan fits the memory, found by planning");
     flag_float(t, "gpu-mem", &o->gpu_mem,
-               "with --dry-run: plan for a card of this many GiB the run may take instead of the GPU present "
-               "(its free memory)");
+               "with --dry-run: plan for a card of this many GiB (> 0) the run may take; not given: the free "
+               "memory of the GPU present");
 }
 
 #ifndef TESTING
