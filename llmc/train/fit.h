@@ -58,6 +58,63 @@ static int fit_largest_batch(PlanBytesFn plan_bytes, const void* ctx, const Trai
     return lo;
 }
 
+// A trainer's planner by sequence length: the bytes of one rank's plan of o's run (its --batch,
+// its ranks) at `seq` tokens per sequence, counted as fit_check_plan counts them.
+typedef size_t (*SeqPlanBytesFn)(const void* ctx, const TrainOptions* o, int seq);
+
+// The longest sequence up to `most` whose plan fits `avail` bytes, or 0 when not even one token
+// does. A bisection on the plan itself, as fit_largest_batch (a plan grows with the sequence):
+// every step keeps fits(lo) and !fits(hi), so the answer fits and one token more does not.
+static int fit_longest_seq(SeqPlanBytesFn plan_bytes, const void* ctx, const TrainOptions* o, int most, size_t avail) {
+    if (plan_bytes(ctx, o, most) <= avail) return most;
+    int lo = 0, hi = most;  // fits(lo) (0: nothing yet), !fits(hi)
+    while (hi - lo > 1) {
+        int mid = lo + (hi - lo) / 2;
+        if (plan_bytes(ctx, o, mid) <= avail) lo = mid;
+        else hi = mid;
+    }
+    return lo;
+}
+
+// The memory a dry run plans for (--max-seq, --gpu-mem): `bytes`, and where the figure comes from.
+typedef struct {
+    size_t bytes;
+    char source[96];
+} FitBudget;
+
+// The CUDA plan's budget: --gpu-mem GIB when given, else the free memory of the GPU present (as
+// a run's fit check takes it); the CPU plan's: the host's MemAvailable, as the CPU fit check
+// takes it. Fails (one line) where there is nothing to plan for.
+static FitBudget fit_budget(const TrainOptions* o, int cuda_plan, const char* flag) {
+    FitBudget b;
+    memset(&b, 0, sizeof(b));
+    if (o->gpu_mem > 0) {
+        b.bytes = (size_t)((double)o->gpu_mem * 1073741824.0);
+        snprintf(b.source, sizeof(b.source), "--gpu-mem %g", o->gpu_mem);
+        return b;
+    }
+    if (!cuda_plan) {
+        b.bytes = host_available_bytes();
+        if (b.bytes == SIZE_MAX) fail("flag %s: this host reports no MemAvailable in /proc/meminfo; set "
+                                      "LLMC_HOST_MEMORY_BYTES to the bytes to plan for", flag);
+        snprintf(b.source, sizeof(b.source), "%s", getenv("LLMC_HOST_MEMORY_BYTES") ? "LLMC_HOST_MEMORY_BYTES"
+                                                                                     : "MemAvailable");
+        return b;
+    }
+#ifdef LLMC_HAVE_CUDA
+    if (backend_cuda_devices() > 0) {
+        size_t fr, tot;
+        CUDA_CHECK(cudaMemGetInfo(&fr, &tot));
+        b.bytes = fr;
+        snprintf(b.source, sizeof(b.source), "free on GPU 0");
+        return b;
+    }
+#endif
+    fail("flag %s: no CUDA GPU here to plan for; give --gpu-mem GIB (the card's memory the run may take) or "
+         "--device cpu (this host's memory)", flag);
+    return b;
+}
+
 // Appends "[MODE ]--batch b --grad-accum k" for the largest batch that fits under o's switches
 // (k keeps at least the step's sequences or images), or that not even one does.
 static void fit_suggest(char* buf, size_t n, const char* mode, PlanBytesFn plan_bytes, const void* ctx,

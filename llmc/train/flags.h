@@ -168,6 +168,14 @@ static Flag* flags_find(FlagTable* t, const char* name) {
     return NULL;
 }
 
+// Whether flag `name` was given on the command line (for a flag whose every value, its default
+// too, may be given, so that the default cannot tell).
+static int flag_seen(const FlagTable* t, const char* name) {
+    for (int i = 0; i < t->count; i++)
+        if (strcmp(t->flags[i].name, name) == 0) return t->flags[i].seen;
+    return 0;
+}
+
 // Parses argv against the table. --help prints the table and exits 0.
 static void flags_parse(FlagTable* t, int argc, char** argv) {
     for (int i = 1; i < argc; i++) {

@@ -46,6 +46,8 @@ typedef struct {
     int profile;            // print where the step time goes at the end (llmc/train/profile.h)
     int ranks;              // --dry-run: plan one rank of this many (0: the launch's)
     int random_init;        // benchmark: random frozen weights of config.json's shapes, no weight file
+    int max_seq;            // --dry-run --max-seq: plan the longest --seq that fits (LLaMA only)
+    float gpu_mem;          // --gpu-mem GIB: with --dry-run, plan for a card of this much memory (0: not given)
     // generation (text models)
     int generate;
     const char* prompt;
@@ -367,6 +369,16 @@ static void train_parse_flags(FlagTable* t, TrainOptions* o, int argc, char** ar
     if (o->json && !o->dry_run) fail("flag --json: only valid with --dry-run");
     if (o->ranks < 0) fail("flag --ranks: expected >= 1, got %d", o->ranks);
     if (o->ranks && !o->dry_run) fail("flag --ranks: only valid with --dry-run (mpirun -np N launches the ranks)");
+    if (o->max_seq && !o->dry_run)
+        fail("flag --max-seq: only valid with --dry-run (it plans the longest --seq; a run takes the --seq it is "
+             "given)");
+    if (flag_seen(t, "gpu-mem") && !(o->gpu_mem > 0))
+        fail("flag --gpu-mem: expected the card's memory in GiB, > 0, got %g", o->gpu_mem);
+    if (o->gpu_mem > 0 && !o->dry_run)
+        fail("flag --gpu-mem: only valid with --dry-run (a run checks the memory of the GPU it has)");
+    if (o->gpu_mem > 0 && strcmp(o->device, "cpu") == 0)
+        fail("flag --gpu-mem: plans a CUDA card, not with --device cpu (whose plan is checked against the host's "
+             "MemAvailable, or LLMC_HOST_MEMORY_BYTES)");
     if (o->adapter_dir && !dir_exists(o->adapter_dir))
         fail(
             "flag --adapter: %s is not a directory (expected one holding adapter_config.json and "

@@ -427,6 +427,19 @@ ROWS.update({
                                                    ["--lora-targets", '"qq"'])),
 })
 
+# --dry-run --max-seq / --gpu-mem (issue 24): a budget that is not a size, or flags that only plan
+ROWS.update({
+    "gpu_mem_negative": ("llama", lambda w: (["--model", LLAMA, "--dry-run", "--max-seq", "--gpu-mem", -1],
+                                             ["--gpu-mem", "> 0", "got -1"])),
+    "gpu_mem_zero": ("llama", lambda w: (["--model", LLAMA, "--dry-run", "--gpu-mem", 0], ["--gpu-mem", "> 0", "got 0"])),
+    "gpu_mem_not_a_number": ("llama", lambda w: (["--model", LLAMA, "--dry-run", "--gpu-mem", "80GB"],
+                                                 ["--gpu-mem", "number", "80GB"])),
+    "gpu_mem_without_dry_run": ("llama", lambda w: (llama("--gpu-mem", 80), ["--gpu-mem", "only valid with --dry-run"])),
+    "gpu_mem_with_device_cpu": ("llama", lambda w: (["--model", LLAMA, "--dry-run", "--max-seq", "--device", "cpu",
+                                                     "--gpu-mem", 8], ["--gpu-mem", "--device cpu", "MemAvailable"])),
+    "max_seq_without_dry_run": ("llama", lambda w: (llama("--max-seq"), ["--max-seq", "only valid with --dry-run"])),
+})
+
 
 @pytest.mark.parametrize("row", sorted(ROWS))
 def test_bad_input(w, row):

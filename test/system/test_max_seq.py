@@ -1,0 +1,224 @@
+"""--dry-run --max-seq (issue 24): the longest --seq whose plan fits a memory budget, found by
+planning, checked against a direct search over plain dry runs and against the fit check of a real
+run; and the plan's bytes per token at the Llama-3.1-8B shape against a hand count, category by
+category, so that a change of the plan nobody meant fails here. Config fixtures (config.json
+alone, no weights: a dry run reads none) live in test/fixtures."""
+import json
+import os
+import subprocess
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BIN = os.path.join(REPO, "train_llama")
+FIXTURES = os.path.join(REPO, "test", "fixtures")
+LLAMA31_8B = os.path.join(FIXTURES, "llama31_8b")
+DEMO = os.path.join(REPO, "data", "llama_demo")
+DEMO_TRAIN = os.path.join(REPO, "data", "llama_demo_ft_train.bin")
+GIB = 2**30
+# the best memory flags of the issue's table: lowmem's layers, recomputed blocks, checkpoints on the host
+BEST = ("--mode", "lowmem", "--recompute", "block", "--offload", "host")
+
+
+def run(args, env=None, check=True):
+    if not os.path.exists(BIN):
+        pytest.fail(f"{BIN} is missing: build it with `make train_llama`")
+    p = subprocess.run([BIN] + [str(a) for a in args], capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {})))
+    if check:
+        assert p.returncode == 0, p.stderr
+    return p
+
+
+def plan(model, *flags, env=None):
+    return json.loads(run(["--model", model, "--dry-run", "--json", *flags], env=env).stdout)
+
+
+def direct_search(fits, hi):
+    """The largest seq in [1, hi) with fits(seq), by doubling then bisection, each step one plain
+    dry run (written apart from the trainer's search, which starts from the top)."""
+    lo = 0
+    step = 1
+    while step < hi and fits(step):
+        lo, step = step, 2 * step
+    top = min(step, hi)  # !fits(top) unless top == hi
+    while top - lo > 1:
+        mid = (lo + top) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            top = mid
+    return lo
+
+
+@pytest.mark.parametrize("gib,quant", [(24, "nf4"), (48, "none")])
+def test_max_seq_of_the_cuda_plan_equals_a_direct_search(gib, quant):
+    """Llama-3.1-8B, LoRA r16, batch 1, the best memory flags, planned for a card of `gib` GiB:
+    --max-seq's answer is what a search over plain dry runs finds; its plan fits (total_bytes,
+    the device's, within gib GiB) and one token more does not; the pinned host bytes it reports
+    are those of the plain plan at that length."""
+    flags = ("--batch", 1, "--lora-rank", 16, "--quant", quant, *BEST)
+    budget = gib * GIB
+    got = plan(LLAMA31_8B, *flags, "--max-seq", "--gpu-mem", gib)
+    seq = got["max_seq"]
+    assert got["seq"] == seq and got["memory_bytes"] == budget and got["fits"] is True
+    assert got["memory_source"] == f"--gpu-mem {gib}" and got["max_seq_bound"] == 0
+
+    def fits(s):
+        return plan(LLAMA31_8B, *flags, "--seq", s)["total_bytes"] <= budget
+
+    if quant == "nf4":  # one direct search (about 50 plans) is enough; the other case checks the boundary alone
+        assert direct_search(fits, 1 << 30) == seq
+    at, past = plan(LLAMA31_8B, *flags, "--seq", seq, "--gpu-mem", gib), plan(LLAMA31_8B, *flags, "--seq", seq + 1,
+                                                                              "--gpu-mem", gib)
+    assert at["total_bytes"] <= budget < past["total_bytes"]
+    assert at["fits"] is True and past["fits"] is False
+    assert got["total_bytes"] == at["total_bytes"] and got["host_bytes"] == at["host_bytes"] > 0
+    print(f"Llama-3.1-8B {quant} on {gib} GiB: max seq {seq}, host {at['host_bytes'] / GIB:.1f} GiB")
+
+
+def test_max_seq_of_the_cpu_plan_is_what_the_runs_fit_check_allows():
+    """--device cpu plans against the host's MemAvailable (here LLMC_HOST_MEMORY_BYTES, as the CPU
+    fit check): the found --seq trains (the fit check passes), one token more is refused by the
+    fit check in one line before anything is allocated."""
+    budget = 20_000_000
+    env = {"LLMC_HOST_MEMORY_BYTES": str(budget)}
+    flags = ("--device", "cpu", "--batch", 1, "--lora-rank", 2, "--mode", "lowmem")
+    got = plan(DEMO, *flags, "--max-seq", env=env)
+    seq = got["max_seq"]
+    assert got["memory_source"] == "LLMC_HOST_MEMORY_BYTES" and got["memory_bytes"] == budget
+    at = plan(DEMO, *flags, "--seq", seq)
+    past = plan(DEMO, *flags, "--seq", seq + 1)
+    # on the CPU the host arena is host memory like the rest (fit_check_plan counts both)
+    assert at["total_bytes"] + at["host_bytes"] <= budget < past["total_bytes"] + past["host_bytes"]
+    train = ["--model", DEMO, "--data", DEMO_TRAIN, "--steps", 0, *flags]
+    ok = run([*train, "--seq", seq], env=env)
+    assert "memory: planned" in ok.stdout
+    refused = run([*train, "--seq", seq + 1], env=env, check=False)
+    assert refused.returncode == 1 and len(refused.stderr.strip().splitlines()) == 1, refused.stderr
+    assert "the memory plan needs" in refused.stderr and "LLMC_HOST_MEMORY_BYTES" in refused.stderr
+
+
+def test_max_seq_human_output_and_limits(tmp_path):
+    """The human report names the budget, its source and the length; a budget nothing fits is one
+    line; a sliding window bounds the search (attention does not implement one past it)."""
+    text = run(["--model", LLAMA31_8B, "--dry-run", "--max-seq", "--gpu-mem", 24, "--batch", 1, "--lora-rank", 16,
+                "--quant", "nf4", *BEST]).stdout
+    seq = plan(LLAMA31_8B, "--max-seq", "--gpu-mem", 24, "--batch", 1, "--lora-rank", 16, "--quant", "nf4",
+               *BEST)["max_seq"]
+    got = plan(LLAMA31_8B, "--seq", seq, "--batch", 1, "--lora-rank", 16, "--quant", "nf4", *BEST)
+    pinned = f"{got['host_bytes'] / GIB:.2f} GiB of pinned host memory"
+    assert f"longest --seq that fits 24.00 GiB (--gpu-mem 24) at batch 1: {seq} tokens (" in text, text
+    assert pinned in text.splitlines()[1], text
+    assert f"batch 1 x seq {seq}" in text and "pinned host memory:" in text
+    p = run(["--model", LLAMA31_8B, "--dry-run", "--max-seq", "--gpu-mem", 8, "--batch", 1], check=False)
+    assert p.returncode == 1 and len(p.stderr.strip().splitlines()) == 1
+    assert "flag --max-seq: not even --seq 1 fits 8.00 GiB (--gpu-mem 8)" in p.stderr, p.stderr
+    cfg = json.load(open(os.path.join(DEMO, "config.json")))
+    cfg.update(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=64)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    got = plan(tmp_path, "--max-seq", "--gpu-mem", 1, "--batch", 1, "--lora-rank", 2)
+    assert got["max_seq"] == 64 and got["max_seq_bound"] == 1
+
+
+def test_max_seq_of_the_cuda_plan_without_gpu_mem_takes_the_gpu_present():
+    """Without --gpu-mem the CUDA plan is for the GPU present (its free memory, as a run's fit
+    check); where there is none (no GPU, or a build without the CUDA backend), one line asks for
+    --gpu-mem or --device cpu."""
+    p = run(["--model", LLAMA31_8B, "--dry-run", "--json", "--max-seq", "--batch", 1, "--quant", "nf4", *BEST],
+            check=False)
+    if p.returncode == 0:
+        got = json.loads(p.stdout)
+        assert got["memory_source"] == "free on GPU 0" and got["fits"] is True and got["max_seq"] >= 1
+    else:
+        assert p.returncode == 1 and len(p.stderr.strip().splitlines()) == 1, p.stderr
+        assert "flag --max-seq: no CUDA GPU here to plan for; give --gpu-mem GIB" in p.stderr, p.stderr
+        assert "--device cpu" in p.stderr
+
+
+# ---- bytes per token at the Llama-3.1-8B shape, by hand ---------------------------------------
+
+D, F, H, KVH, HD, V, LAYERS, R = 4096, 14336, 32, 8, 128, 128256, 32, 16
+QD, KVD = H * HD, KVH * HD
+N = 4096  # batch 1 x seq 4096: above the loss chunk, so the fixed buffers are fixed
+A = 2     # the CUDA plan: bf16 activations, fp32 statistics (1/rms, lse)
+
+# saved per token per block, each mode (docs/memory.md's table); LoRA's A x on 7 linears, 2r each
+ATTENTION = 4 + 2 * D + 2 * QD + 2 * KVD + 2 * KVD + 2 * QD + 4 * H  # r1, z1, q, k, v, o, lse
+LORA_AX = 7 * 2 * R
+SAVED_BASELINE = {"attn_norm": 2 * D + 4, "qkv_input": 2 * D, "attention": 2 * QD + 4 * KVD + 2 * QD + 4 * H,
+                  "lora": LORA_AX, "mlp_norm": 2 * D + 4, "gate_up_input": 2 * D, "silu": 2 * F,
+                  "swiglu_product": 4 * F, "down_input": 2 * F}
+# MS norms keep r and z, not their input; ReSiLU2 keeps ceil(f/4) bytes of 2-bit codes, not g
+SAVED_LOWMEM = dict(SAVED_BASELINE, attn_norm=4, mlp_norm=4, silu=F // 4)
+# the recomputed block's scratch set: what the mode keeps (the ckpt preset: baseline's, less the
+# attention norm's input, which the checkpoint is)
+BLOCK_SET = {"lowmem": sum(SAVED_LOWMEM.values()), "ckpt": sum(SAVED_BASELINE.values()) - 2 * D}
+# activation gradients: dres, dz [d]; dq, dout [qd]; dk, dv [kvd]; dp, dg, du [f]; dax [r]
+GRADS = 2 * D + 2 * D + 2 * QD + 2 * KVD + 2 * KVD + 2 * QD + 3 * 2 * F + 2 * R
+LOSS_CHUNK = (64 << 20) // (V * 4)  # rows of logits at a time: 64 MiB of fp32 logits
+# z, r, logits, dz, dlogits, row stats (3 fp32), 4 double stats
+LOSS = LOSS_CHUNK * (2 * D + 4 + 4 * V + 2 * D + 2 * V + 12) + 32
+FIXED = {"cublas": 32 << 20, "loss": LOSS}
+
+
+def scratch_parts(mode):
+    """Every scratch part of the recomputed block's peak but attention's workspace (the attention
+    kernels' own, llmc/memory/cuda_workspace.h, sized by their chunking), in bytes at N tokens."""
+    ms = mode == "lowmem"
+    parts = {
+        "rope": N * (HD // 2) * 4 * 2,          # cos and sin tables, fp32, per position
+        "block set": N * BLOCK_SET[mode],
+        "residual": N * 2 * D * (1 if ms else 2),  # resid; standard norms recompute on a copy, resid_tmp
+        "offload": N * 2 * 2 * D,               # two staging block inputs
+        "grads": N * GRADS,
+        "batch": N * 4 * 4,                     # inputs, targets, mask, positions (int32 / fp32)
+        **FIXED,
+    }
+    if ms:  # adapters behind an MS norm see gamma * z: per adapter rank x d work, bf16 and fp32, 16-byte aligned
+        parts["lora"] = R * D * A + R * A + R * D * 4 + R * 4
+    return parts
+
+
+# The gradient norm's partial sums, (512 blocks + 1) doubles (llmc/cuda/adamw.cuh's
+# SUM_SQUARES_SCRATCH), are planned under the trainable module only by a binary built with the CUDA
+# backend (llmc/train/trainable.h), so a CPU-only build's CUDA plan lacks them.
+GRAD_NORM_PARTIALS = (512 + 1) * 8
+
+
+def without_grad_norm_partials(parts, want):
+    got = dict(parts)
+    if got.get("lora", 0) - want.get("lora", 0) == GRAD_NORM_PARTIALS:
+        got["lora"] -= GRAD_NORM_PARTIALS
+        if not got["lora"]:
+            del got["lora"]
+    return got
+
+
+def test_plan_bytes_per_token_at_llama31_8b_match_a_hand_count():
+    """Saved activations per token per block for baseline and lowmem, the checkpoint of the
+    recomputed modes (2d per block: on the device, or under --offload host in pinned host memory),
+    and the recomputed block's peak, part by part, against the counts written out above."""
+    args = ("--batch", 1, "--seq", N, "--lora-rank", R)
+    assert sum(SAVED_BASELINE.values()) == 168296 and sum(SAVED_LOWMEM.values()) == 126824
+    for mode, want in (("baseline", SAVED_BASELINE), ("lowmem", SAVED_LOWMEM)):
+        got = plan(LLAMA31_8B, "--mode", mode, *args)
+        assert got["per_block"] == {k: N * v for k, v in want.items()}, mode
+        assert got["activation_bytes"] == LAYERS * N * sum(want.values()) and "block_peak_bytes" not in got
+    for mode in ("ckpt", "lowmem"):
+        kept = plan(LLAMA31_8B, "--mode", mode, "--recompute", "block", *args)
+        assert kept["per_block"] == {"checkpoint": N * 2 * D} and kept["host_bytes"] == 0
+        got = plan(LLAMA31_8B, "--mode", mode, "--recompute", "block", "--offload", "host", *args)
+        assert got["per_block"] == {} and got["host_bytes"] == LAYERS * N * 2 * D
+        assert got["block_scratch_bytes"] == N * BLOCK_SET[mode]
+        parts = dict(got["block_peak_parts"])
+        attention = parts.pop("attention")
+        assert without_grad_norm_partials(parts, scratch_parts(mode)) == scratch_parts(mode), mode
+        assert got["block_peak_bytes"] == sum(parts.values()) + attention  # the parts are the whole
+        assert got["block_peak_bytes_per_token"] == pytest.approx(got["block_peak_bytes"] / N, abs=1e-3)
+        # the scratch arena is the peak, plus each buffer's rounding to 64 bytes
+        assert 0 <= got["categories"]["scratch"] - got["block_peak_bytes"] < 64 * 200
+        print(f"{mode} recomputed block peak: {got['block_peak_bytes'] / N:.1f} B/token "
+              f"(attention workspace {attention / N:.1f})")
+    text = run(["--model", LLAMA31_8B, "--dry-run", "--mode", "lowmem", "--recompute", "block", *args]).stdout
+    assert "recomputed block's peak" in text and "bytes per token" in text
