@@ -338,7 +338,8 @@ static void llama_plan_scratch(Llama* m, MemPlan* p) {
             plan_add(p, MEM_SCRATCH, "offload", -1, nm, N * d * abytes, &m->offload.staging[i]);
         }
     plan_add(p, MEM_SCRATCH, "grads", -1, "dres", N * d * abytes, &m->dres);
-    plan_add(p, MEM_SCRATCH, "grads", -1, "dz", N * d * abytes, &m->dz);
+    // dz [N, d] has no buffer of its own: it is resid's (llama_bind), by lifetime. resid's last
+    // reader is the head (the final norm's input); dz's first writer is the first block's backward.
     plan_add(p, MEM_SCRATCH, "grads", -1, "dq", N * qd * abytes, &m->dq);
     plan_add(p, MEM_SCRATCH, "grads", -1, "dk", N * kvd * abytes, &m->dk);
     plan_add(p, MEM_SCRATCH, "grads", -1, "dv", N * kvd * abytes, &m->dv);
@@ -410,6 +411,7 @@ static void llama_bind_forward_temporaries(Llama* m) {
 static void llama_bind(Llama* m) {
     const LlamaConfig* c = &m->cfg;
     llama_bind_forward_temporaries(m);
+    m->dz = m->resid;  // [N, d] both: the residual stream dies at the head, before any backward writes dz
     for (int l = 0; l < c->layers; l++) {
         void** a = (void**)&m->acts[l];
         void** s = (void**)&m->tmp;
