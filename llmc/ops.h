@@ -227,7 +227,7 @@ static void op_rope(const Backend* be, void* x, const float* cos_t, const float*
 // kernels of llmc/cuda/attention.cuh; LLMC_ATTENTION=flash in the environment forces the latter
 // (the first GPU sessions compare the two).
 static size_t op_attention_work_bytes(const Backend* be, AttnShape s) {
-    return be->cuda ? attn_gemm_work_bytes(&s, 1) : 0;  // also holds the flash backward's B*H*T row sums
+    return be->cuda ? attn_gemm_work_bytes(&s) : 0;  // also holds the flash backward's B*H*T row sums
 }
 
 // Declares that workspace for shape s in the plan (the CPU kernels need none); returns its bytes.
