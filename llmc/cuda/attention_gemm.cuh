@@ -42,7 +42,7 @@ typedef struct {
     bf16* P;               // [E, rows, keys] probabilities, then dS
     float* o32;            // [E, rows, hd] a chunk's o (forward) or dq (backward) sums, key blocks only
     float* ml;             // [E, rows, 2] running max and sum of the online softmax, key blocks only
-    void** tables;         // ATTN_TABLE_SLOTS pointer tables (attn_gemm_bind)
+    void** tables;         // attn_table_slots pointer tables (attn_gemm_bind)
     float *dk32, *dv32;    // [B*T, KVH*hd] dK and dV sums (backward)
     float* D;              // [B, H, T] rowsum(dO * O) (backward)
     AttnTiles t;
@@ -105,7 +105,11 @@ __global__ void attn_table_kernel(void** table, AttnBases bases, AttnShape s, At
         attn_entry(s, e, &b, &h);
         int64_t kh = h / group, size = op == AT_DK32 || op == AT_DV32 || op == AT_S || op >= AT_O32 ? 4 : 2;
         if (op < AT_K) off = ((int64_t)b * s.T + chunk * t.rows) * s.H * s.hd + (int64_t)h * s.hd;
-        else if (op < AT_S) off = ((int64_t)b * s.T + chunk * t.keys) * s.KVH * s.hd + kh * s.hd;
+        else if (op < AT_S) {
+            int64_t first = (int64_t)b * s.T + chunk * t.keys;                   // k, v: the block's first key
+            if (op >= AT_DK32 && t.key_blocks > 1) first = (int64_t)b * t.keys;  // sums of one block at a time
+            off = first * s.KVH * s.hd + kh * s.hd;
+        }
         else if (op < AT_O32) off = e * t.rows * (int64_t)t.keys;
         else off = e * t.rows * (int64_t)s.hd;
         const char* base = (const char*)bases.base[op];
@@ -159,7 +163,8 @@ static void** attn_gemm_bind(const AttnGemmWork* w, const AttnShape* s, AttnOper
         const AttnOperandSet* h = &g_attn_tables.set[slot];
         if (!ops.dout || (h->dout == ops.dout && h->dq == ops.dq)) return w->tables + slot * per_slot;
     } else {
-        slot = g_attn_tables.used < ATTN_TABLE_SLOTS ? g_attn_tables.used++ : g_attn_tables.next++ % ATTN_TABLE_SLOTS;
+        int slots = attn_table_slots(s, &w->t);
+        slot = g_attn_tables.used < slots ? g_attn_tables.used++ : g_attn_tables.next++ % slots;
     }
     g_attn_tables.set[slot] = ops;
     AttnBases b;
@@ -305,7 +310,7 @@ static void attn_product(const AttnRun* r, MatmulForm form, AttnOperand A, AttnO
                          int accumulate, int group_slot) {
     const AttnShape* s = r->s;
     int64_t e0 = group_slot >= 0 ? (int64_t)group_slot * s->B * s->KVH : 0;
-    int n = group_slot >= 0 ? s->B * s->KVH : s->B * s->H;
+    int n = group_slot >= 0 ? s->B * s->KVH : s->B * s->H;  // int: entries, checked by attn_gemm_check
     matmul_batched_cuda(form, attn_operand_ptrs(r, C, e0), ctype, (const void* const*)attn_operand_ptrs(r, A, e0),
                         (const void* const*)attn_operand_ptrs(r, B, e0), M, N, K, lda, ldb, ldc, alpha, accumulate, n,
                         r->st);
@@ -321,7 +326,7 @@ static void attn_gemm_check(const AttnShape* s) {
 // One chunk of query rows whose visible keys fit one tile: a single softmax pass, o written directly.
 static void attn_forward_one_block(const AttnRun* r, float* lse, const AttnGemmWork* w, int r0, int rows, int kend) {
     const AttnShape* s = r->s;
-    int qld = s->H * s->hd, kld = s->KVH * s->hd, ldk = r->t->keys;
+    int qld = s->H * s->hd, kld = s->KVH * s->hd, ldk = r->t->keys;  // int: row widths
     float scale = 1.0f / sqrtf((float)s->hd);
     int64_t nrows = (int64_t)s->B * s->H * rows;
     attn_product(r, MM_NT, AT_Q, AT_K, AT_S, CUDA_R_32F, rows, kend, s->hd, qld, kld, ldk, scale, 0, -1);
@@ -337,7 +342,7 @@ static void attention_forward_gemm_cuda(bf16* o, float* lse, const bf16* q, cons
     AttnGemmWork w = attn_gemm_work(work, &s);
     AttnOperandSet ops = {q, k, v, o, NULL, NULL};
     AttnRun r = {attn_gemm_bind(&w, &s, ops, st), &s, &w.t, 0, 0, st};
-    int qld = s.H * s.hd, kld = s.KVH * s.hd, ldk = w.t.keys;
+    int qld = s.H * s.hd, kld = s.KVH * s.hd, ldk = w.t.keys;  // int: row widths
     float scale = 1.0f / sqrtf((float)s.hd);
     for (r.chunk = 0; r.chunk < w.t.row_chunks; r.chunk++) {
         int r0 = (int)(r.chunk * w.t.rows), rows = s.T - r0 < w.t.rows ? s.T - r0 : w.t.rows;
@@ -360,47 +365,108 @@ static void attention_forward_gemm_cuda(bf16* o, float* lse, const bf16* q, cons
     }
 }
 
+// dk, dv rows [k0, k0 + kn) of every batch row from one key block's fp32 sums [B, keys, KVH*hd].
+__global__ void attn_store_keys_kernel(bf16* __restrict__ dk, bf16* __restrict__ dv, const float* __restrict__ dk32,
+                                       const float* __restrict__ dv32, int k0, int kn, int keys, AttnShape s) {
+    int64_t kvd = (int64_t)s.KVH * s.hd, total = (int64_t)s.B * kn * kvd;
+    for (int64_t idx = thread_index_1d(); idx < total; idx += grid_stride_1d()) {
+        int64_t c = idx % kvd, row = idx / kvd, b = row / kn, j = row % kn;
+        int64_t from = (b * keys + j) * kvd + c, to = (b * s.T + k0 + j) * kvd + c;
+        dk[to] = f2bf(dk32[from]);
+        dv[to] = f2bf(dv32[from]);
+    }
+}
+
+typedef enum { ATTN_GRAD_ALL, ATTN_GRAD_DQ, ATTN_GRAD_DKDV } AttnGrads;
+
+// The backward's products over one tile (row chunk r->chunk from r0, key block r->block from k0,
+// kn keys): the scores and probabilities again, then dq's and/or dk, dv's share. dq goes to the
+// chunk's fp32 sums when the chunk sees several key blocks (blocks > 1), else straight to dq.
+static void attn_backward_tile(const AttnRun* r, const AttnGemmWork* w, const float* lse, int r0, int rows, int k0,
+                               int kn, int64_t blocks, AttnGrads grads) {
+    const AttnShape* s = r->s;
+    int qld = s->H * s->hd, kld = s->KVH * s->hd, group = s->H / s->KVH, ldk = r->t->keys;  // int: row widths
+    float scale = 1.0f / sqrtf((float)s->hd);
+    int64_t nrows = (int64_t)s->B * s->H * rows;
+    int dkdv = grads != ATTN_GRAD_DQ;
+    attn_product(r, MM_NT, AT_Q, AT_K, AT_S, CUDA_R_32F, rows, kn, s->hd, qld, kld, ldk, scale, 0, -1);
+    launch_kernel(ceil_div(nrows * 32, 256), 256, 0, r->st, attn_probs_kernel, w->P, (float*)lse, w->S, r0, rows,
+                  r->t->rows, k0, kn, ldk, *s, 0);
+    if (dkdv)
+        for (int g = 0; g < group; g++)
+            attn_product(r, MM_TN, AT_P, AT_DO, AT_DV32, CUDA_R_32F, kn, s->hd, rows, ldk, qld, kld, 1.0f, 1, g);
+    attn_product(r, MM_NT, AT_DO, AT_V, AT_S, CUDA_R_32F, rows, kn, s->hd, qld, kld, ldk, 1.0f, 0, -1);
+    launch_kernel(grid_for(nrows * kn, 256), 256, 0, r->st, attn_dscores_kernel, w->P, w->S, w->D, r0, rows,
+                  r->t->rows, kn, ldk, *s);
+    if (grads != ATTN_GRAD_DKDV) {
+        if (blocks == 1)  // dq of the chunk in one product, rounded once by cuBLAS
+            attn_product(r, MM_NN, AT_P, AT_K, AT_DQ, CUDA_R_16BF, rows, s->hd, kn, ldk, kld, qld, scale, 0, -1);
+        else
+            attn_product(r, MM_NN, AT_P, AT_K, AT_DQ32, CUDA_R_32F, rows, s->hd, kn, ldk, kld, s->hd, scale,
+                         r->block > 0, -1);
+    }
+    if (dkdv)
+        for (int g = 0; g < group; g++)
+            attn_product(r, MM_TN, AT_P, AT_Q, AT_DK32, CUDA_R_32F, kn, s->hd, rows, ldk, qld, kld, scale, 1, g);
+}
+
+static int attn_chunk_rows(const AttnShape* s, const AttnTiles* t, int64_t chunk) {
+    int64_t r0 = chunk * t->rows;
+    return (int)(s->T - r0 < t->rows ? s->T - r0 : t->rows);
+}
+
+// Gradients dq, dk, dv (overwritten). Whole keys (one key block): one pass over the row chunks, dk
+// and dv summed over them in fp32 for the whole sequence. Key blocks: two passes, so that no sum
+// spans the sequence (FlashAttention-2's split): per key block over the row chunks that see it, its
+// dk, dv summed in fp32 and stored; then per row chunk over its key blocks, dq. The scores are
+// computed twice (7 products a tile instead of 5) for memory that does not grow with T.
 static void attention_backward_gemm_cuda(bf16* dq, bf16* dk, bf16* dv, const bf16* dout, const bf16* q, const bf16* k,
                                          const bf16* v, const bf16* o, const float* lse, AttnShape s, void* work,
                                          cudaStream_t st) {
     if ((int64_t)s.B * s.T * s.H == 0) return;
     attn_gemm_check(&s);
     AttnGemmWork w = attn_gemm_work(work, &s);
-    int qld = s.H * s.hd, kld = s.KVH * s.hd, group = s.H / s.KVH, ldk = w.t.keys;
-    int64_t nk = (int64_t)s.B * s.T * kld;
-    float scale = 1.0f / sqrtf((float)s.hd);
-    CUDA_CHECK(cudaMemsetAsync(w.dk32, 0, sizeof(float) * nk, st));
-    CUDA_CHECK(cudaMemsetAsync(w.dv32, 0, sizeof(float) * nk, st));
+    int kld = s.KVH * s.hd, ldk = w.t.keys;  // int: a row's width
     int64_t all_rows = (int64_t)s.B * s.T * s.H;
     launch_kernel(grid_for(all_rows * 32, 256), 256, 0, st, attention_backward_preprocess_kernel, w.D, dout, o, s);
     AttnOperandSet ops = {q, k, v, o, dout, dq};
     AttnRun r = {attn_gemm_bind(&w, &s, ops, st), &s, &w.t, 0, 0, st};
+    if (w.t.key_blocks == 1) {
+        int64_t nk = (int64_t)s.B * s.T * kld;
+        CUDA_CHECK(cudaMemsetAsync(w.dk32, 0, sizeof(float) * nk, st));
+        CUDA_CHECK(cudaMemsetAsync(w.dv32, 0, sizeof(float) * nk, st));
+        for (r.chunk = 0; r.chunk < w.t.row_chunks; r.chunk++) {
+            int r0 = (int)(r.chunk * w.t.rows), rows = attn_chunk_rows(&s, &w.t, r.chunk);
+            attn_backward_tile(&r, &w, lse, r0, rows, 0, s.causal ? r0 + rows : s.T, 1, ATTN_GRAD_ALL);
+        }
+        cast_f32_to_bf16_cuda(dk, w.dk32, nk, st);
+        cast_f32_to_bf16_cuda(dv, w.dv32, nk, st);
+        return;
+    }
+    int64_t local = (int64_t)s.B * ldk * kld;  // one key block's sums
+    for (r.block = 0; r.block < w.t.key_blocks; r.block++) {
+        int k0 = (int)(r.block * ldk), kn_all = s.T - k0 < ldk ? s.T - k0 : ldk;
+        CUDA_CHECK(cudaMemsetAsync(w.dk32, 0, sizeof(float) * local, st));
+        CUDA_CHECK(cudaMemsetAsync(w.dv32, 0, sizeof(float) * local, st));
+        // causal: the chunks before the block's first key see none of it
+        for (r.chunk = s.causal ? k0 / w.t.rows : 0; r.chunk < w.t.row_chunks; r.chunk++) {
+            int r0 = (int)(r.chunk * w.t.rows), rows = attn_chunk_rows(&s, &w.t, r.chunk);
+            int kend = s.causal ? r0 + rows : s.T, kn = kend - k0 < kn_all ? kend - k0 : kn_all;
+            attn_backward_tile(&r, &w, lse, r0, rows, k0, kn, 2, ATTN_GRAD_DKDV);
+        }
+        launch_kernel(grid_for((int64_t)s.B * kn_all * kld, 256), 256, 0, st, attn_store_keys_kernel, dk, dv, w.dk32,
+                      w.dv32, k0, kn_all, ldk, s);
+    }
     for (r.chunk = 0; r.chunk < w.t.row_chunks; r.chunk++) {
-        int r0 = (int)(r.chunk * w.t.rows), rows = s.T - r0 < w.t.rows ? s.T - r0 : w.t.rows;
+        int r0 = (int)(r.chunk * w.t.rows), rows = attn_chunk_rows(&s, &w.t, r.chunk);
         int kend = s.causal ? r0 + rows : s.T;
-        int64_t nrows = (int64_t)s.B * s.H * rows, blocks = ceil_div(kend, ldk);
+        int64_t blocks = ceil_div(kend, ldk);
         for (r.block = 0; r.block < blocks; r.block++) {
             int k0 = (int)(r.block * ldk), kn = kend - k0 < ldk ? kend - k0 : ldk;
-            attn_product(&r, MM_NT, AT_Q, AT_K, AT_S, CUDA_R_32F, rows, kn, s.hd, qld, kld, ldk, scale, 0, -1);
-            launch_kernel(ceil_div(nrows * 32, 256), 256, 0, st, attn_probs_kernel, w.P, (float*)lse, w.S, r0, rows,
-                          w.t.rows, k0, kn, ldk, s, 0);
-            for (int g = 0; g < group; g++)
-                attn_product(&r, MM_TN, AT_P, AT_DO, AT_DV32, CUDA_R_32F, kn, s.hd, rows, ldk, qld, kld, 1.0f, 1, g);
-            attn_product(&r, MM_NT, AT_DO, AT_V, AT_S, CUDA_R_32F, rows, kn, s.hd, qld, kld, ldk, 1.0f, 0, -1);
-            launch_kernel(grid_for(nrows * kn, 256), 256, 0, st, attn_dscores_kernel, w.P, w.S, w.D, r0, rows,
-                          w.t.rows, kn, ldk, s);
-            if (blocks == 1)  // dq of the chunk in one product, rounded once by cuBLAS
-                attn_product(&r, MM_NN, AT_P, AT_K, AT_DQ, CUDA_R_16BF, rows, s.hd, kn, ldk, kld, qld, scale, 0, -1);
-            else
-                attn_product(&r, MM_NN, AT_P, AT_K, AT_DQ32, CUDA_R_32F, rows, s.hd, kn, ldk, kld, s.hd, scale,
-                             r.block > 0, -1);
-            for (int g = 0; g < group; g++)
-                attn_product(&r, MM_TN, AT_P, AT_Q, AT_DK32, CUDA_R_32F, kn, s.hd, rows, ldk, qld, kld, scale, 1, g);
+            attn_backward_tile(&r, &w, lse, r0, rows, k0, kn, blocks, ATTN_GRAD_DQ);
         }
         if (blocks > 1)
-            launch_kernel(grid_for(nrows * s.hd, 256), 256, 0, st, attn_store_rows_kernel, dq, (float*)NULL, w.o32,
-                          (const float*)NULL, r0, rows, w.t.rows, s);
+            launch_kernel(grid_for((int64_t)s.B * s.H * rows * s.hd, 256), 256, 0, st, attn_store_rows_kernel, dq,
+                          (float*)NULL, w.o32, (const float*)NULL, r0, rows, w.t.rows, s);
     }
-    cast_f32_to_bf16_cuda(dk, w.dk32, nk, st);
-    cast_f32_to_bf16_cuda(dv, w.dv32, nk, st);
 }

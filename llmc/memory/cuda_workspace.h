@@ -78,9 +78,10 @@ static AttnTiles attn_gemm_tiles(const AttnShape* s) {
 // k, v, o and the backward's dout, dq) by one kernel, kept in a table slot of this workspace and
 // reused by every later call: no host arrays, no copies. A slot holds, per entry, the address of
 // each operand for every row chunk (q, o, dout, dq), every key block (k, v and the fp32 dk, dv
-// sums) and once for the tile buffers (S, P, the fp32 o and dq of a tile). ATTN_TABLE_SLOTS
-// operand sets are kept (a forward and its backward share one: 64 layers); more reuse slots in turn,
-// rebuilding them on the device.
+// sums) and once for the tile buffers (S, P, the fp32 o and dq of a tile). A forward and its
+// backward share a slot; up to ATTN_TABLE_SLOTS operand sets (layers) are kept, fewer where their
+// tables would pass ATTN_TILE_BYTES (at least 2: Llama-3.1-8B keeps all 32 layers' up to 1.7M
+// tokens). More operand sets than slots reuse slots in turn, rebuilding them on the device.
 #define ATTN_TABLE_SLOTS 64
 #define ATTN_ROW_OPERANDS 4
 #define ATTN_KEY_OPERANDS 4
@@ -89,6 +90,11 @@ static AttnTiles attn_gemm_tiles(const AttnShape* s) {
 static int64_t attn_table_entries(const AttnShape* s, const AttnTiles* t) {
     int64_t e = (int64_t)s->B * s->H;
     return e * (ATTN_ROW_OPERANDS * t->row_chunks + ATTN_KEY_OPERANDS * t->key_blocks + ATTN_TILE_OPERANDS);
+}
+
+static int attn_table_slots(const AttnShape* s, const AttnTiles* t) {
+    int64_t fit = ATTN_TILE_BYTES / (attn_table_entries(s, t) * (int64_t)sizeof(void*) + 1);
+    return fit < 2 ? 2 : fit > ATTN_TABLE_SLOTS ? ATTN_TABLE_SLOTS : (int)fit;
 }
 
 // Bytes of each part of the workspace, in the order attn_gemm_work carves them.
@@ -105,7 +111,9 @@ static AttnWorkParts attn_gemm_work_parts(const AttnShape* s) {
     w.P = round_up(tile * 2, 256);
     w.o32 = key_blocked ? round_up(e * t.rows * (int64_t)s->hd * 4, 256) : 0;  // a chunk's o (and dq) in fp32
     w.ml = key_blocked ? round_up(e * t.rows * 2 * 4, 256) : 0;                // running max and sum per row
-    w.tables = round_up(ATTN_TABLE_SLOTS * attn_table_entries(s, &t) * sizeof(void*), 256);
+    w.tables = round_up(attn_table_slots(s, &t) * attn_table_entries(s, &t) * sizeof(void*), 256);
+    // the backward's fp32 dk, dv sums: the whole sequence's, or one key block's (two passes)
+    if (key_blocked) nk = (int64_t)s->B * t.keys * s->KVH * s->hd;
     w.dk32 = w.dv32 = round_up(nk * 4, 256);
     w.D = round_up((int64_t)s->B * s->H * s->T * 4, 256);
     return w;
