@@ -3,9 +3,9 @@
 // llmc/cpu/attention.h: causal and bidirectional, grouped-query (H/KVH = 1, 2, 3, 4), head dims
 // 16..128 including ones that are not a multiple of 8 or 32, sequence lengths that are not a
 // multiple of the 32-row tiles; the tensor-core path with whole keys and with key blocks (online
-// softmax), and its pointer tables built once per operand set. Forward (o, lse) and backward (dq, dk, dv) from identical bf16
-// inputs; the backward gets the CPU forward's o (rounded to bf16) and lse, as the GPU would keep
-// them. Then times forward and backward at LLaMA-7B-like shapes in TFLOP/s.
+// softmax), and its pointer tables built once per operand set. Forward (o, lse) and backward (dq,
+// dk, dv) from identical bf16 inputs; the backward gets the CPU forward's o (rounded to bf16) and
+// lse, as the GPU would keep them. Then times forward and backward at LLaMA-7B-like shapes in TFLOP/s.
 #include "check.h"
 #include "../../llmc/cpu/attention.h"
 #include "../../llmc/cuda/attention.cuh"

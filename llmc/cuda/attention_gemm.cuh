@@ -318,7 +318,8 @@ static void attn_product(const AttnRun* r, MatmulForm form, AttnOperand A, AttnO
 
 static void attn_gemm_check(const AttnShape* s) {
     if (s->KVH <= 0 || s->H % s->KVH != 0) fail("attention: %d heads do not group over %d kv heads", s->H, s->KVH);
-    if ((int64_t)s->B * s->H > INT32_MAX / 32) fail("attention: batch x heads = %lld is too many", (long long)s->B * s->H);
+    if ((int64_t)s->B * s->H > INT32_MAX / 32)
+        fail("attention: batch x heads = %lld is too many", (long long)s->B * s->H);
 }
 
 // ---- forward and backward --------------------------------------------------------------------
