@@ -223,11 +223,11 @@ static void op_rope(const Backend* be, void* x, const float* cos_t, const float*
 }
 
 // On CUDA, attention runs on tensor cores through batched GEMMs (llmc/cuda/attention_gemm.cuh)
-// when given `work` (op_attention_work_bytes, planned with the model: bounded at any length,
-// llmc/memory/cuda_workspace.h), else with the fp32 flash kernels of llmc/cuda/attention.cuh;
-// LLMC_ATTENTION=flash in the environment forces the latter (the first GPU sessions compare the two).
+// when given `work` (op_attention_work_bytes, planned with the model), else with the fp32 flash
+// kernels of llmc/cuda/attention.cuh; LLMC_ATTENTION=flash in the environment forces the latter
+// (the first GPU sessions compare the two).
 static size_t op_attention_work_bytes(const Backend* be, AttnShape s) {
-    return be->cuda ? attn_gemm_work_bytes(&s) : 0;  // also holds the flash backward's B*H*T row sums
+    return be->cuda ? attn_gemm_work_bytes(&s, 1) : 0;  // also holds the flash backward's B*H*T row sums
 }
 
 // Declares that workspace for shape s in the plan (the CPU kernels need none); returns its bytes.

@@ -94,8 +94,8 @@ static void test_attention(AttnShape s, Rng* rng, int packed) {
     check_close(name, gdv, dv, nk, 1e-2);
 
     // the tensor-core (batched GEMM) path: forward from the same inputs, backward from the same o and lse
-    void* work = dev_alloc(attn_gemm_work_bytes(&sd));
-    dev_poison(work, attn_gemm_work_bytes(&sd));
+    void* work = dev_alloc(attn_gemm_work_bytes(&sd, 1));
+    dev_poison(work, attn_gemm_work_bytes(&sd, 1));
     dev_poison(d_o, 2 * nq);
     dev_poison(d_lse, 4 * nl);
     attention_forward_gemm_cuda(d_o, d_lse, d_q, d_k, d_v, sd, work, g_stream);
@@ -210,7 +210,7 @@ static void time_attention(AttnShape s, const char* label) {
     report_flops(
         name, 2.5 * fwd,
         time_kernel([&] { attention_backward_cuda(dq, dk, dv, dout, q, k, v, o, lse, scratch, s, g_stream); }, 3));
-    void* work = dev_alloc(attn_gemm_work_bytes(&s));
+    void* work = dev_alloc(attn_gemm_work_bytes(&s, 1));
     snprintf(name, sizeof(name), "attention_forward tensor-core GEMMs %s", label);
     report_flops(name, fwd, time_kernel([&] { attention_forward_gemm_cuda(o, lse, q, k, v, s, work, g_stream); }, 3));
     snprintf(name, sizeof(name), "attention_backward tensor-core GEMMs %s", label);

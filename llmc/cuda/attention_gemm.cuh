@@ -55,14 +55,14 @@ static AttnGemmWork attn_gemm_work(void* base, const AttnShape* s) {
     w.base = base;
     w.t = attn_gemm_tiles(s);
     uint8_t* p = (uint8_t*)base;
+    w.D = (float*)p; p += parts.D;  // first: the flash backward (LLMC_ATTENTION=flash) takes the start as its D
     w.S = (float*)p; p += parts.S;
     w.P = (bf16*)p; p += parts.P;
     w.o32 = parts.o32 ? (float*)p : NULL; p += parts.o32;
     w.ml = parts.ml ? (float*)p : NULL; p += parts.ml;
     w.tables = (void**)p; p += parts.tables;
     w.dk32 = (float*)p; p += parts.dk32;
-    w.dv32 = (float*)p; p += parts.dv32;
-    w.D = (float*)p;
+    w.dv32 = (float*)p;
     return w;
 }
 

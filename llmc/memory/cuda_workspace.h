@@ -29,11 +29,12 @@
 //      exactly the tiling this path had before key blocks.
 //   2. key blocks: else square tiles, rows = keys = the largest multiple of 64 with
 //      E x side^2 x 6 <= ATTN_TILE_BYTES (at least 64): the forward runs an online softmax over the
-//      key blocks, the backward sums dq over them in fp32.
+//      key blocks, the backward two passes (dk, dv per key block; then dq per row chunk).
 // Llama-3.1-8B (E = 32 at batch 1): whole keys up to T = 10,922 (128 rows at 4096), 832 x 832
 // tiles beyond, so 131,072 tokens are 158 x 158 tiles (about half computed, causal) and 1M are
 // 1,261 x 1,261; S and P stay 128 MiB at every length. Causal tiles above the diagonal are never
-// computed. Environment (tests; the first GPU sessions): LLMC_ATTN_CHUNK=n caps rows,
+// computed. Calls stay few for their work: a product of a square tile is 32 x 832 x 832 x 128
+// multiply-adds there (~14 us at 400 TFLOP/s), more than the host needs to issue it. Environment (tests; the first GPU sessions): LLMC_ATTN_CHUNK=n caps rows,
 // LLMC_ATTN_KEYS=n forces key blocks of n keys, LLMC_ATTN_KEY_BLOCKS=0 the old rule (whole keys
 // always, rows shrinking down to 1 as T grows: 5 rows at 131k, 1 at 1M).
 #define ATTN_TILE_BYTES (128ll << 20)
@@ -97,7 +98,7 @@ static int attn_table_slots(const AttnShape* s, const AttnTiles* t) {
     return fit < 2 ? 2 : fit > ATTN_TABLE_SLOTS ? ATTN_TABLE_SLOTS : (int)fit;
 }
 
-// Bytes of each part of the workspace, in the order attn_gemm_work carves them.
+// Bytes of each part of the workspace (attn_gemm_work carves D first, then S .. dv32 in this order).
 typedef struct {
     size_t S, P, o32, ml, tables, dk32, dv32, D;  // o32 holds the backward's dq sums too
 } AttnWorkParts;
@@ -119,8 +120,10 @@ static AttnWorkParts attn_gemm_work_parts(const AttnShape* s) {
     return w;
 }
 
-// Bytes of the workspace (the forward and the backward use the same layout).
-static size_t attn_gemm_work_bytes(const AttnShape* s) {
+// Bytes of the workspace. The forward and the backward use one layout (a forward's table slot
+// serves its backward), so `backward` no longer changes the size; it stays for the callers.
+static size_t attn_gemm_work_bytes(const AttnShape* s, int backward) {
+    (void)backward;
     AttnWorkParts w = attn_gemm_work_parts(s);
     return w.S + w.P + w.o32 + w.ml + w.tables + w.dk32 + w.dv32 + w.D;
 }

@@ -72,7 +72,7 @@ int main(int argc, char** argv) {
     AttnWorkParts w = attn_gemm_work_parts(&s);
     printf("rows=%d keys=%d row_chunks=%lld key_blocks=%lld slots=%d S=%zu P=%zu o32=%zu ml=%zu tables=%zu "
            "dk32=%zu dv32=%zu D=%zu total=%zu\n", t.rows, t.keys, (long long)t.row_chunks, (long long)t.key_blocks,
-           attn_table_slots(&s, &t), w.S, w.P, w.o32, w.ml, w.tables, w.dk32, w.dv32, w.D, attn_gemm_work_bytes(&s));
+           attn_table_slots(&s, &t), w.S, w.P, w.o32, w.ml, w.tables, w.dk32, w.dv32, w.D, attn_gemm_work_bytes(&s, 1));
     return 0;
 }
 '''
@@ -159,3 +159,13 @@ def test_gemm_attention_on_the_emulator():
                  "attn gemm pointer tables built once (0 new builds)"):
         assert f"PASS  {what}" in blocks, what
     assert "causal packed" in blocks and "bidir" in blocks and "hd=36" in blocks
+
+
+def test_gemm_attention_makes_no_host_arrays_or_copies():
+    """The tensor-core path's calls issue device work only: its pointer tables are built by a
+    kernel (attn_table_kernel), so no host allocation and no host-to-device copy is left in it
+    (the emulator's counter of table builds is checked in test_gemm_attention_on_the_emulator)."""
+    src, _ = int_products.strip(read("llmc/cuda/attention_gemm.cuh"))
+    for call in ("cudaMemcpy", "malloc(", "xmalloc", "cudaStreamSynchronize", "cudaDeviceSynchronize"):
+        assert call not in src, call
+    assert "launch_kernel(grid_for(per_slot, 256), 256, 0, st, attn_table_kernel" in src
