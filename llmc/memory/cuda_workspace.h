@@ -34,9 +34,10 @@
 // tiles beyond, so 131,072 tokens are 158 x 158 tiles (about half computed, causal) and 1M are
 // 1,261 x 1,261; S and P stay 128 MiB at every length. Causal tiles above the diagonal are never
 // computed. Calls stay few for their work: a product of a square tile is 32 x 832 x 832 x 128
-// multiply-adds there (~14 us at 400 TFLOP/s), more than the host needs to issue it. Environment (tests; the first GPU sessions): LLMC_ATTN_CHUNK=n caps rows,
-// LLMC_ATTN_KEYS=n forces key blocks of n keys, LLMC_ATTN_KEY_BLOCKS=0 the old rule (whole keys
-// always, rows shrinking down to 1 as T grows: 5 rows at 131k, 1 at 1M).
+// multiply-adds there (~14 us at 400 TFLOP/s), more than the host needs to issue it.
+// Environment (tests; the first GPU sessions): LLMC_ATTN_CHUNK=n caps rows, LLMC_ATTN_KEYS=n
+// forces key blocks of n keys, LLMC_ATTN_KEY_BLOCKS=0 the old rule (whole keys always, rows
+// shrinking down to 1 as T grows: 5 rows at 131k, 1 at 1M).
 #define ATTN_TILE_BYTES (128ll << 20)
 #define ATTN_TILE_MIN 64
 
