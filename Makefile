@@ -218,7 +218,7 @@ test-c: build/test/test_units
 	./build/test/test_units
 
 TEST_BINS := build/test/llama_probe build/test/vit_probe build/test/tokenizer_probe build/test/nf4_probe
-test-py: train_llama train_vit $(TEST_BINS) $(if $(wildcard $(CUDA_INC)/cuda_bf16.h),$(EMU_MODEL_BINS))
+test-py: train_llama train_vit $(TEST_BINS) $(if $(wildcard $(CUDA_INC)/cuda_bf16.h),$(EMU_MODEL_BINS) build/emu/attention)
 	$(PYTHON) -m pytest -q test
 
 # ==== CUDA backend: kernel checks, compile checks, the GPU suite ================================

@@ -2,13 +2,42 @@
 // attention of llmc/cuda/attention_gemm.cuh (also split into many chunks of query rows), against
 // llmc/cpu/attention.h: causal and bidirectional, grouped-query (H/KVH = 1, 2, 3, 4), head dims
 // 16..128 including ones that are not a multiple of 8 or 32, sequence lengths that are not a
-// multiple of the 32-row tiles. Forward (o, lse) and backward (dq, dk, dv) from identical bf16
-// inputs; the backward gets the CPU forward's o (rounded to bf16) and lse, as the GPU would keep
-// them. Then times forward and backward at LLaMA-7B-like shapes in TFLOP/s.
+// multiple of the 32-row tiles; the tensor-core path with whole keys and with key blocks (online
+// softmax), and its pointer tables built once per operand set. Forward (o, lse) and backward (dq,
+// dk, dv) from identical bf16 inputs; the backward gets the CPU forward's o (rounded to bf16) and
+// lse, as the GPU would keep them. Then times forward and backward at LLaMA-7B-like shapes in TFLOP/s.
 #include "check.h"
 #include "../../llmc/cpu/attention.h"
 #include "../../llmc/cuda/attention.cuh"
 #include "../../llmc/cuda/attention_gemm.cuh"
+
+// The pointer tables of the tensor-core path are built once per operand set: the forward and the
+// backward again on the same buffers build none, and give the same bits (from the same inputs:
+// o and lse are rewritten by the forward, as in training, so the backward reads those).
+static void test_tables_kept(const char* tag, const AttnShape* sd, void* work, bf16* d_o, float* d_lse,
+                             const bf16* d_q, const bf16* d_k, const bf16* d_v, const bf16* d_dout, bf16* d_dq,
+                             bf16* d_dk, bf16* d_dv, const float* o_first, const float* dq_first) {
+    int64_t N = (int64_t)sd->B * sd->T, nq = N * sd->H * sd->hd;
+    attention_forward_gemm_cuda(d_o, d_lse, d_q, d_k, d_v, *sd, work, g_stream);
+    attention_backward_gemm_cuda(d_dq, d_dk, d_dv, d_dout, d_q, d_k, d_v, d_o, d_lse, *sd, work, g_stream);
+    long long before = g_attn_tables.builds;
+    attention_forward_gemm_cuda(d_o, d_lse, d_q, d_k, d_v, *sd, work, g_stream);
+    float* o_again = download_bf16(d_o, nq);
+    attention_backward_gemm_cuda(d_dq, d_dk, d_dv, d_dout, d_q, d_k, d_v, d_o, d_lse, *sd, work, g_stream);
+    float *dq_again = download_bf16(d_dq, nq), *dq_ref = (float*)xmalloc(4 * nq);
+    attention_backward_gemm_cuda(d_dq, d_dk, d_dv, d_dout, d_q, d_k, d_v, d_o, d_lse, *sd, work, g_stream);
+    float* dq_third = download_bf16(d_dq, nq);
+    char name[160];
+    snprintf(name, sizeof(name), "attn gemm pointer tables built once (%lld new builds), %s",
+             g_attn_tables.builds - before, tag);
+    check_true(name, g_attn_tables.builds == before, "");
+    snprintf(name, sizeof(name), "attn gemm repeated forward gives the same o, %s", tag);
+    check_true(name, memcmp(o_again, o_first, 4 * nq) == 0, "");
+    snprintf(name, sizeof(name), "attn gemm repeated backward gives the same dq, %s", tag);
+    check_true(name, memcmp(dq_again, dq_third, 4 * nq) == 0, "");
+    (void)dq_first;
+    free(o_again); free(dq_again); free(dq_ref); free(dq_third);
+}
 
 // packed: the rows hold examples of random lengths (positions restart; attention stays inside).
 static void test_attention(AttnShape s, Rng* rng, int packed) {
@@ -90,6 +119,8 @@ static void test_attention(AttnShape s, Rng* rng, int packed) {
     check_close(name, g2dk, dk, nk, 1e-2);
     snprintf(name, sizeof(name), "attn gemm bwd dv, %s", tag);
     check_close(name, g2dv, dv, nk, 1e-2);
+    test_tables_kept(tag, &sd, work, d_o, d_lse, d_q, d_k, d_v, d_dout, d_dq, d_dk, d_dv, go2, g2dq);
+    attn_gemm_forget();  // the workspace is freed: a later one may get its address
     CUDA_CHECK(cudaFree(work));
     free(go2); free(glse2); free(o_ref); free(lse_ref); free(g2dq); free(g2dk); free(g2dv);
 
@@ -186,6 +217,7 @@ static void time_attention(AttnShape s, const char* label) {
     report_flops(
         name, 2.5 * fwd,
         time_kernel([&] { attention_backward_gemm_cuda(dq, dk, dv, dout, q, k, v, o, lse, s, work, g_stream); }, 3));
+    attn_gemm_forget();
     CUDA_CHECK(cudaFree(work));
     float* hl = download_f32(lse, nl);
     int finite = 1;
@@ -226,7 +258,24 @@ int main(void) {
     test_attention(cases[2], &rng, 0);
     test_attention(cases[3], &rng, 0);
     test_attention(packed[1], &rng, 1);
+    // key blocks (the rule past ~11k tokens at Llama-3-8B's 32 heads: llmc/memory/cuda_workspace.h),
+    // forced at small sizes: the online softmax over several blocks, dq summed over them, causal
+    // blocks above the diagonal skipped, ragged last blocks; rows per chunk unequal to keys per block
+    printf("with LLMC_ATTN_KEYS=16 LLMC_ATTN_CHUNK=24:\n");
+    setenv("LLMC_ATTN_CHUNK", "24", 1);
+    setenv("LLMC_ATTN_KEYS", "16", 1);
+    test_attention(cases[0], &rng, 0);
+    test_attention(cases[1], &rng, 0);
+    test_attention(cases[2], &rng, 0);
+    test_attention(cases[6], &rng, 0);
+    test_attention(packed[1], &rng, 1);
     unsetenv("LLMC_ATTN_CHUNK");
+    printf("with LLMC_ATTN_KEYS=32 (square tiles):\n");
+    setenv("LLMC_ATTN_KEYS", "32", 1);
+    test_attention(cases[3], &rng, 0);
+    test_attention(cases[4], &rng, 0);
+    test_attention(packed[0], &rng, 1);
+    unsetenv("LLMC_ATTN_KEYS");
     if (g_timing) {
         AttnShape llama = {4, 2048, 32, 8, 128, 1, NULL}, vit = {64, 197, 12, 12, 64, 0, NULL};
         time_attention(llama, "B=4 T=2048 H=32 KVH=8 hd=128 causal");

@@ -144,14 +144,14 @@ static void attention_forward(float* o, float* lse, const float* q, const float*
     int64_t qs = (int64_t)s.H * s.hd, csz = attn_cols_size(&s), rsz = attn_rows_size(&s);
     int group = s.H / s.KVH, nqb = (s.T + ATT_BLOCK - 1) / ATT_BLOCK;
     float scale = 1.0f / sqrtf((float)s.hd);
-    float *kc = (float*)malloc(sizeof(float) * s.B * s.KVH * (csz + rsz)), *vr = kc + s.B * s.KVH * csz;
+    float *kc = (float*)malloc(sizeof(float) * s.B * s.KVH * (csz + rsz)), *vr = kc + (int64_t)s.B * s.KVH * csz;
 #pragma omp parallel if ((double)s.B * s.H * s.T * s.T * s.hd > (1 << 18))
     {
         attn_pack(kc, k, &s, 1);
         attn_pack(vr, v, &s, 0);
 #pragma omp barrier
-        float* S = (float*)malloc(sizeof(float) * (ATT_BLOCK * s.T + (ATT_BLOCK + MM_MR) * ATT_KC));
-        float* Ap = S + ATT_BLOCK * s.T;
+        float* S = (float*)malloc(sizeof(float) * ((int64_t)ATT_BLOCK * s.T + (ATT_BLOCK + MM_MR) * ATT_KC));
+        float* Ap = S + (int64_t)ATT_BLOCK * s.T;
 #pragma omp for collapse(3) schedule(dynamic)
         for (int b = 0; b < s.B; b++)
             for (int h = 0; h < s.H; h++)
@@ -222,7 +222,7 @@ static inline float attn_dot(const float* x, const float* y, int n) {
 
 // Chunks per (b, h): units = B*H*chunks reaches ATT_MIN_UNITS, at most one per query block.
 static int attn_backward_chunks(const AttnShape* s) {
-    int nb = (s->T + ATT_BLOCK - 1) / ATT_BLOCK, c = (ATT_MIN_UNITS + s->B * s->H - 1) / (s->B * s->H);
+    int nb = (s->T + ATT_BLOCK - 1) / ATT_BLOCK, c = (ATT_MIN_UNITS + s->B * s->H - 1) / (s->B * s->H);  // int: B*H
     return c < nb ? c : nb;
 }
 
@@ -286,7 +286,7 @@ static void attention_backward(float* dq, float* dk, float* dv, const float* dou
                                const float* v, const float* o, const float* lse, AttnShape s) {
     int64_t ks = (int64_t)s.KVH * s.hd, csz = attn_cols_size(&s), rsz = attn_rows_size(&s), nbh = (int64_t)s.B * s.KVH;
     int group = s.H / s.KVH, nb = (s.T + ATT_BLOCK - 1) / ATT_BLOCK, nch = attn_backward_chunks(&s);
-    int per_kv = group * nch, units = s.B * s.H * nch;  // units per kv head, in all
+    int per_kv = group * nch, units = s.B * s.H * nch;  // int: units per kv head, in all (B*H*16 at most)
     int64_t part = (int64_t)s.T * s.hd;                  // floats of one unit's partial dk (or dv)
     float* packs = (float*)malloc(sizeof(float) * nbh * (2 * csz + rsz));
     float* pk =
@@ -299,15 +299,16 @@ static void attention_backward(float* dq, float* dk, float* dv, const float* dou
         attn_pack(packs + nbh * csz, v, &s, 1);
         attn_pack(packs + 2 * nbh * csz, k, &s, 0);
 #pragma omp barrier
-        float* S = (float*)malloc(sizeof(float) * (2 * ATT_BLOCK * s.T + (ATT_BLOCK + MM_MR) * ATT_KC));
+        float* S = (float*)malloc(sizeof(float) * (2ll * ATT_BLOCK * s.T + (ATT_BLOCK + MM_MR) * ATT_KC));
 #pragma omp for schedule(dynamic)
         for (int u = 0; u < units; u++) {  // u = ((b * KVH + kh) * group + h % group) * nch + chunk
-            int b = u / (s.H * nch), h = u / nch % s.H, c = u % nch;
+            int b = u / (s.H * nch), h = u / nch % s.H, c = u % nch;  // int: below units
             int qb0 = attn_chunk_start(&s, nb, c, nch), qb1 = attn_chunk_start(&s, nb, c + 1, nch);
             float *kacc = dk + (int64_t)b * s.T * ks + (int64_t)(h / group) * s.hd, *vacc = dv + (kacc - dk);
             int64_t ld = ks;
             if (u % per_kv) kacc = pk + 2 * part * u, vacc = kacc + part, ld = s.hd;
-            attn_backward_unit(dq, kacc, vacc, ld, &A, b, h, qb0, qb1, S, S + ATT_BLOCK * s.T, S + 2 * ATT_BLOCK * s.T);
+            attn_backward_unit(dq, kacc, vacc, ld, &A, b, h, qb0, qb1, S, S + (int64_t)ATT_BLOCK * s.T,
+                               S + 2ll * ATT_BLOCK * s.T);
         }
         free(S);
         if (per_kv > 1) {  // dk, dv += the other units' partials, in unit order (the group's heads, then the chunks)

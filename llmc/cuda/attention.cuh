@@ -270,7 +270,7 @@ attention_backward_dkdv_kernel(bf16* dk, bf16* dv, const bf16* __restrict__ dout
     for (int c = 0; c < DPT; c++) dk_acc[c] = dv_acc[c] = 0.0f;
 
     int istart = s.causal ? j0 / ATT_TILE * ATT_TILE : 0;  // causal: queries before the block see none of its keys
-    for (int h = kh * group; h < (kh + 1) * group; h++) {
+    for (int h = kh * group; h < (kh + 1) * group; h++) {  // int: head numbers, below H
         for (int i0 = istart; i0 < s.T; i0 += ATT_TILE) {
             __syncthreads();
             att_load_tile<HDMAX>(Qs, q, b, i0, h, s.H, s);
@@ -318,7 +318,7 @@ static int att_hdmax(const AttnShape* s) {
 static void attention_forward_cuda(bf16* o, float* lse, const bf16* q, const bf16* k, const bf16* v, AttnShape s,
                                    cudaStream_t stream) {
     if ((int64_t)s.B * s.T * s.H == 0) return;
-    dim3 grid((unsigned)ceil_div(s.T, ATT_ROWS), (unsigned)(s.B * s.H));
+    dim3 grid((unsigned)ceil_div(s.T, ATT_ROWS), (unsigned)(s.B * s.H));  // int: <= 65535 (att_hdmax)
     switch (att_hdmax(&s)) {
     case 32: launch_kernel(grid, ATT_THREADS, 0, stream, attention_forward_kernel<32>, o, lse, q, k, v, s); break;
     case 64: launch_kernel(grid, ATT_THREADS, 0, stream, attention_forward_kernel<64>, o, lse, q, k, v, s); break;
@@ -335,8 +335,8 @@ static void attention_backward_cuda(bf16* dq, bf16* dk, bf16* dv, const bf16* do
     int hdmax = att_hdmax(&s);
     int64_t rows = (int64_t)s.B * s.T * s.H;
     launch_kernel(grid_for(rows * 32, 256), 256, 0, stream, attention_backward_preprocess_kernel, scratch, dout, o, s);
-    dim3 gq((unsigned)ceil_div(s.T, ATT_ROWS), (unsigned)(s.B * s.H));
-    dim3 gk((unsigned)ceil_div(s.T, ATT_ROWS), (unsigned)(s.B * s.KVH));
+    dim3 gq((unsigned)ceil_div(s.T, ATT_ROWS), (unsigned)(s.B * s.H));    // int: <= 65535 (att_hdmax)
+    dim3 gk((unsigned)ceil_div(s.T, ATT_ROWS), (unsigned)(s.B * s.KVH));  // int: <= B*H
     switch (hdmax) {
     case 32:
         launch_kernel(gq, ATT_THREADS, 0, stream, attention_backward_dq_kernel<32>, dq, dout, q, k, v, lse, scratch, s);
@@ -405,6 +405,6 @@ static void attention_cached_cuda(bf16* o, const bf16* q, const bf16* kc, const 
         fail("attention_cached_cuda: %d cached positions exceed the kernel's %d", start + n, ATT_CACHE_MAX);
     if (hd > 128 || H % KVH)
         fail("attention_cached_cuda: head_dim %d (max 128) or %d heads over %d kv heads not supported", hd, H, KVH);
-    launch_kernel((unsigned)n * H, ATT_CACHE_THREADS, 0, stream, attention_cached_kernel, o, q, kc, vc, start, H, KVH,
-                  hd);
+    unsigned blocks = (unsigned)n * H;  // int: n <= ATT_CACHE_MAX queries
+    launch_kernel(blocks, ATT_CACHE_THREADS, 0, stream, attention_cached_kernel, o, q, kc, vc, start, H, KVH, hd);
 }

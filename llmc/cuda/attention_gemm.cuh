@@ -1,16 +1,22 @@
 // cuda/attention_gemm.cuh: attention forward and backward on tensor cores, the twin of
 // llmc/cpu/attention.h like the flash kernels of attention.cuh (same layout, AttnShape, lse), but
-// with the products done by batched cuBLAS GEMMs (bf16 operands, fp32 accumulation) a chunk of
-// query rows at a time, and the softmax between them by small kernels:
-//   forward, per chunk of c query rows:  S = scale Q K^T (fp32) -> P = softmax(S), lse -> O = P V
-//   backward, per chunk:                 S again -> P = exp(S - lse) -> dV += P^T dO -> dP = dO V^T
-//                                        -> dS = P (dP - D) -> dQ = scale dS K -> dK += scale dS^T Q
-// Only c x T scores per (batch, head) exist at a time (c is chosen so that S and P take at most
-// ~128 MiB), never the whole T x T matrix, and nothing but q, k, v, o and lse is kept for the
-// backward, as with the flash kernels. Causal chunks multiply only the keys up to their last row.
-// dK and dV are summed over chunks in fp32 and rounded to bf16 once. Grouped-query heads read
-// their kv head through the pointer arrays; their dK/dV sums run one query head of each group at
-// a time, so no two entries of a batched product write the same rows.
+// with the products done by batched cuBLAS GEMMs (bf16 operands, fp32 accumulation) over tiles of
+// query rows x keys of every (batch, head) entry at once, and the softmax between them by small
+// kernels. The tiles (llmc/memory/cuda_workspace.h, attn_gemm_tiles) hold all keys while that
+// leaves at least 64 rows in the workspace's budget; at longer sequences they are square blocks:
+//   forward, one key block:   S = scale Q K^T (fp32) -> P = softmax(S), lse -> O = P V
+//   forward, key blocks:      per block S -> running max m and sum l, P = exp(S - m), O32 rescaled
+//                             -> O32 += P V; after the last block O = O32 / l, lse = m + log l
+//   backward, per tile:       S again -> P = exp(S - lse) -> dV += P^T dO -> dP = dO V^T
+//                             -> dS = P (dP - D) -> dQ (+)= scale dS K -> dK += scale dS^T Q
+// Only one tile of scores per entry exists at a time, never the whole T x T matrix, and nothing but
+// q, k, v, o and lse is kept for the backward, as with the flash kernels. Causal tiles above the
+// diagonal are not computed. dK and dV are summed over tiles in fp32 and rounded to bf16 once;
+// dQ of a chunk seeing several key blocks likewise. Grouped-query heads read their kv head through
+// the pointer arrays (no copies of k and v); their dK/dV sums run one query head of each group at a
+// time, so no two entries of a batched product write the same rows.
+// The pointer arrays are built on the device once per operand set and kept in the workspace
+// (attn_gemm_bind): a call issues products and kernels only, no host arrays and no copies.
 //
 // Why: the flash kernels of attention.cuh run fp32 arithmetic on CUDA cores (~10-25 TFLOP/s on an
 // H200); here the FLOPs go to tensor cores, at the price of writing and reading the scores once
@@ -19,215 +25,449 @@
 #include "common.cuh"
 #include "matmul.cuh"
 #include "attention.cuh"
-#include "../memory/cuda_workspace.h"  // attn_gemm_chunk, attn_gemm_work_bytes
+#include "../memory/cuda_workspace.h"  // attn_gemm_tiles, attn_gemm_work_parts
+
+// Operands of the batched products. Row operands have addresses per chunk of query rows, key
+// operands per block of keys, tile operands (the workspace's per-tile buffers) one per entry.
+typedef enum {
+    AT_Q, AT_O, AT_DO, AT_DQ,       // [B*T, H*hd] bf16, from row r0 of the chunk
+    AT_K, AT_V, AT_DK32, AT_DV32,   // [B*T, KVH*hd] (bf16; the sums fp32), from key k0 of the block
+    AT_S, AT_P, AT_O32, AT_DQ32,    // [E, rows, keys] fp32 / bf16; [E, rows, hd] fp32
+    AT_COUNT
+} AttnOperand;
 
 typedef struct {
-    float* S;              // [B*H, chunk, T] scores, then dP (fp32)
-    bf16* P;               // [B*H, chunk, T] probabilities, then dS
+    void* base;
+    float* S;              // [E, rows, keys] scores, then dP (fp32)
+    bf16* P;               // [E, rows, keys] probabilities, then dS
+    float* o32;            // [E, rows, hd] a chunk's o (forward) or dq (backward) sums, key blocks only
+    float* ml;             // [E, rows, 2] running max and sum of the online softmax, key blocks only
+    void** tables;         // attn_table_slots pointer tables (attn_gemm_bind)
     float *dk32, *dv32;    // [B*T, KVH*hd] dK and dV sums (backward)
     float* D;              // [B, H, T] rowsum(dO * O) (backward)
-    void** ptrs;           // every batched product's A, B, C pointer arrays (3 x B*H each)
-    int chunk;
+    AttnTiles t;
 } AttnGemmWork;
 
-static AttnGemmWork attn_gemm_work(void* base, const AttnShape* s, int backward) {
-    int64_t bh = (int64_t)s->B * s->H, nk = (int64_t)s->B * s->T * s->KVH * s->hd;
+static AttnGemmWork attn_gemm_work(void* base, const AttnShape* s) {
+    AttnWorkParts parts = attn_gemm_work_parts(s);
     AttnGemmWork w;
     memset(&w, 0, sizeof(w));
-    w.chunk = attn_gemm_chunk(s);
+    w.base = base;
+    w.t = attn_gemm_tiles(s);
     uint8_t* p = (uint8_t*)base;
-    w.S = (float*)p; p += round_up(bh * w.chunk * s->T * 4, 256);
-    w.P = (bf16*)p; p += round_up(bh * w.chunk * s->T * 2, 256);
-    w.ptrs = (void**)p; p += round_up(attn_gemm_products(s) * 3 * bh * sizeof(void*), 256);
-    if (backward) {
-        w.dk32 = (float*)p; p += round_up(nk * 4, 256);
-        w.dv32 = (float*)p; p += round_up(nk * 4, 256);
-        w.D = (float*)p;
-    }
+    w.D = (float*)p; p += parts.D;  // first: the flash backward (LLMC_ATTENTION=flash) takes the start as its D
+    w.S = (float*)p; p += parts.S;
+    w.P = (bf16*)p; p += parts.P;
+    w.o32 = parts.o32 ? (float*)p : NULL; p += parts.o32;
+    w.ml = parts.ml ? (float*)p : NULL; p += parts.ml;
+    w.tables = (void**)p; p += parts.tables;
+    w.dk32 = (float*)p; p += parts.dk32;
+    w.dv32 = (float*)p;
     return w;
+}
+
+// Entry e of a batched product is query head h = kh * group + g of batch row b, numbered
+// e = (g * B + b) * KVH + kh: the heads of one group slot g (one query head per kv head, as the
+// dK/dV sums need) are the contiguous range [g * B * KVH, (g + 1) * B * KVH).
+static __host__ __device__ __forceinline__ void attn_entry(const AttnShape& s, int64_t e, int* b, int* h) {
+    int64_t per_slot = (int64_t)s.B * s.KVH, rest = e % per_slot;
+    *b = (int)(rest / s.KVH);
+    *h = (int)(rest % s.KVH) * (s.H / s.KVH) + (int)(e / per_slot);
+}
+
+// Where operand `op` of chunk (row chunk or key block) `chunk` starts in a table slot.
+static __host__ __device__ __forceinline__ int64_t attn_table_at(const AttnShape& s, const AttnTiles& t, int op,
+                                                                 int64_t chunk) {
+    int64_t E = (int64_t)s.B * s.H, rows_part = ATTN_ROW_OPERANDS * t.row_chunks * E;
+    if (op < AT_K) return ((int64_t)op * t.row_chunks + chunk) * E;
+    if (op < AT_S) return rows_part + ((int64_t)(op - AT_K) * t.key_blocks + chunk) * E;
+    return rows_part + ATTN_KEY_OPERANDS * t.key_blocks * E + (int64_t)(op - AT_S) * E;
+}
+
+// ---- the pointer tables ----------------------------------------------------------------------
+
+typedef struct {
+    const void* base[AT_COUNT];  // each operand's buffer (NULL: not used by this call)
+} AttnBases;
+
+// Fills one table slot: every operand's address for every entry and chunk, from the buffers.
+__global__ void attn_table_kernel(void** table, AttnBases bases, AttnShape s, AttnTiles t) {
+    int64_t E = (int64_t)s.B * s.H, rows_part = ATTN_ROW_OPERANDS * t.row_chunks,
+            keys_part = ATTN_KEY_OPERANDS * t.key_blocks, n = E * (rows_part + keys_part + ATTN_TILE_OPERANDS);
+    int group = s.H / s.KVH;
+    for (int64_t idx = thread_index_1d(); idx < n; idx += grid_stride_1d()) {
+        int64_t e = idx % E, part = idx / E, chunk = 0, off;
+        int op, b, h;
+        if (part < rows_part) op = (int)(part / t.row_chunks), chunk = part % t.row_chunks;
+        else if (part < rows_part + keys_part)
+            op = AT_K + (int)((part - rows_part) / t.key_blocks), chunk = (part - rows_part) % t.key_blocks;
+        else op = AT_S + (int)(part - rows_part - keys_part);
+        attn_entry(s, e, &b, &h);
+        int64_t kh = h / group, size = op == AT_DK32 || op == AT_DV32 || op == AT_S || op >= AT_O32 ? 4 : 2;
+        if (op < AT_K) off = ((int64_t)b * s.T + chunk * t.rows) * s.H * s.hd + (int64_t)h * s.hd;
+        else if (op < AT_S) {
+            int64_t first = (int64_t)b * s.T + chunk * t.keys;                   // k, v: the block's first key
+            if (op >= AT_DK32 && t.key_blocks > 1) first = (int64_t)b * t.keys;  // sums of one block at a time
+            off = first * s.KVH * s.hd + kh * s.hd;
+        }
+        else if (op < AT_O32) off = e * t.rows * (int64_t)t.keys;
+        else off = e * t.rows * (int64_t)s.hd;
+        const char* base = (const char*)bases.base[op];
+        table[idx] = base ? (void*)(base + off * size) : NULL;
+    }
+}
+
+// The host's record of what each table slot holds: the operand buffers it was built for, under
+// one workspace, shape and tiling (a change of any of these forgets every slot).
+typedef struct {
+    const void *q, *k, *v, *o, *dout, *dq;
+} AttnOperandSet;
+
+static struct {
+    const void* work;
+    AttnShape shape;
+    AttnTiles tiles;
+    AttnOperandSet set[ATTN_TABLE_SLOTS];
+    int used, next;
+    long long builds;  // tables built so far: a repeated call must not add one (dev/cuda/attention.cu)
+} g_attn_tables;
+
+// Forgets every slot (a workspace freed: tests reallocate at the same address).
+static void attn_gemm_forget(void) {
+    long long builds = g_attn_tables.builds;
+    memset(&g_attn_tables, 0, sizeof(g_attn_tables));
+    g_attn_tables.builds = builds;
+}
+
+static int attn_same_layout(const AttnShape* a, const AttnShape* b, const AttnTiles* ta, const AttnTiles* tb) {
+    return a->B == b->B && a->T == b->T && a->H == b->H && a->KVH == b->KVH && a->hd == b->hd &&
+           ta->rows == tb->rows && ta->keys == tb->keys;
+}
+
+// The table slot for this call's operands (dout, dq NULL: a forward), built on the device the first
+// time these buffers are seen: from then on a call of a layer finds its slot and builds nothing.
+static void** attn_gemm_bind(const AttnGemmWork* w, const AttnShape* s, AttnOperandSet ops, cudaStream_t st) {
+    if (g_attn_tables.work != w->base || !attn_same_layout(&g_attn_tables.shape, s, &g_attn_tables.tiles, &w->t)) {
+        attn_gemm_forget();
+        g_attn_tables.work = w->base;
+        g_attn_tables.shape = *s;
+        g_attn_tables.tiles = w->t;
+    }
+    int64_t per_slot = attn_table_entries(s, &w->t);
+    int slot = -1;
+    for (int i = 0; i < g_attn_tables.used && slot < 0; i++) {
+        const AttnOperandSet* h = &g_attn_tables.set[i];
+        if (h->q == ops.q && h->k == ops.k && h->v == ops.v && h->o == ops.o) slot = i;
+    }
+    if (slot >= 0) {
+        const AttnOperandSet* h = &g_attn_tables.set[slot];
+        if (!ops.dout || (h->dout == ops.dout && h->dq == ops.dq)) return w->tables + slot * per_slot;
+    } else {
+        int slots = attn_table_slots(s, &w->t);
+        slot = g_attn_tables.used < slots ? g_attn_tables.used++ : g_attn_tables.next++ % slots;
+    }
+    g_attn_tables.set[slot] = ops;
+    AttnBases b;
+    memset(&b, 0, sizeof(b));
+    b.base[AT_Q] = ops.q, b.base[AT_O] = ops.o, b.base[AT_DO] = ops.dout, b.base[AT_DQ] = ops.dq;
+    b.base[AT_K] = ops.k, b.base[AT_V] = ops.v, b.base[AT_DK32] = w->dk32, b.base[AT_DV32] = w->dv32;
+    b.base[AT_S] = w->S, b.base[AT_P] = w->P, b.base[AT_O32] = w->o32, b.base[AT_DQ32] = w->o32;
+    void** table = w->tables + slot * per_slot;
+    launch_kernel(grid_for(per_slot, 256), 256, 0, st, attn_table_kernel, table, b, *s, w->t);
+    g_attn_tables.builds++;
+    return table;
 }
 
 // ---- kernels ---------------------------------------------------------------------------------
 
-// One warp per query row of the chunk [r0, r0 + rows): the row's allowed keys (causal: up to the
-// row, and from the start of its packed example; all T otherwise) among the first kc. forward = 1:
-// lse from the row's scores, written to lse; else lse is read. P = exp(S - lse) there, 0 elsewhere.
+// The keys [*a, *z) of a tile's kn keys (from key k0) that query row i of batch row b may see:
+// causal, up to the row and from the start of its packed example; all T otherwise.
+static __device__ __forceinline__ void attn_tile_visible(const AttnShape& s, int b, int i, int k0, int kn, int* a,
+                                                         int* z) {
+    int j0 = s.causal && s.pos ? i - s.pos[(int64_t)b * s.T + i] : 0, j1 = s.causal ? i + 1 : s.T;
+    *a = j0 - k0 > 0 ? j0 - k0 : 0;
+    *z = j1 - k0 < kn ? j1 - k0 : kn;
+}
+
+// One warp per query row of the chunk [r0, r0 + rows) over a tile of kn keys from k0 (row stride
+// ldk). forward = 1 (the tile holds every key the row sees): lse from the row's scores, written
+// to lse; else lse is read. P = exp(S - lse) on the visible keys, 0 elsewhere.
 __global__ void attn_probs_kernel(bf16* __restrict__ P, float* __restrict__ lse, const float* __restrict__ S, int r0,
-                                  int rows, int chunk, int kc, AttnShape s, int forward) {
+                                  int rows, int R, int k0, int kn, int ldk, AttnShape s, int forward) {
     int64_t row = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     int lane = threadIdx.x & 31;
     if (row >= (int64_t)s.B * s.H * rows) return;
     int64_t e = row / rows;
-    int ii = (int)(row % rows), i = r0 + ii, b = (int)(e / s.H);
-    int j0 = s.causal && s.pos ? i - s.pos[(int64_t)b * s.T + i] : 0, j1 = s.causal ? i + 1 : s.T;
-    if (j1 > kc) j1 = kc;
-    const float* Sr = S + (e * chunk + ii) * (int64_t)s.T;
-    bf16* Pr = P + (e * chunk + ii) * (int64_t)s.T;
-    float* L = lse + (e * s.T + i);
+    int ii = (int)(row % rows), i = r0 + ii, b, h, a, z;
+    attn_entry(s, e, &b, &h);
+    attn_tile_visible(s, b, i, k0, kn, &a, &z);
+    const float* Sr = S + (e * R + ii) * (int64_t)ldk;
+    bf16* Pr = P + (e * R + ii) * (int64_t)ldk;
+    float* L = lse + (((int64_t)b * s.H + h) * s.T + i);
     float l;
     if (forward) {
         float mx = -INFINITY;
-        for (int j = j0 + lane; j < j1; j += 32) mx = fmaxf(mx, Sr[j]);
+        for (int j = a + lane; j < z; j += 32) mx = fmaxf(mx, Sr[j]);
         mx = warp_reduce_max(mx);
         float sum = 0.0f;
-        for (int j = j0 + lane; j < j1; j += 32) sum += expf(Sr[j] - mx);
+        for (int j = a + lane; j < z; j += 32) sum += expf(Sr[j] - mx);
         sum = warp_reduce_sum(sum);
         l = mx + logf(sum);
         if (lane == 0) *L = l;
     } else {
         l = *L;
     }
-    for (int j = lane; j < kc; j += 32) Pr[j] = f2bf(j >= j0 && j < j1 ? expf(Sr[j] - l) : 0.0f);
+    for (int j = lane; j < kn; j += 32) Pr[j] = f2bf(j >= a && j < z ? expf(Sr[j] - l) : 0.0f);
 }
 
-// dS = P (dP - D) over the chunk's rows and first kc keys, written over P (bf16). Masked keys
+// The online softmax's step over one key block (forward, the chunk seeing several): one warp per
+// row. m, l (ml) become the running max and sum over the blocks so far; P = exp(S - m) on the
+// visible keys; the row's o sums (o32) are rescaled to the new max (first block: nothing yet).
+__global__ void attn_online_kernel(bf16* __restrict__ P, float* __restrict__ ml, float* __restrict__ o32,
+                                   const float* __restrict__ S, int r0, int rows, int R, int k0, int kn, int ldk,
+                                   AttnShape s, int first) {
+    int64_t row = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    int lane = threadIdx.x & 31;
+    if (row >= (int64_t)s.B * s.H * rows) return;
+    int64_t e = row / rows, r = e * R + (row % rows);
+    int i = r0 + (int)(row % rows), b, h, a, z;
+    attn_entry(s, e, &b, &h);
+    attn_tile_visible(s, b, i, k0, kn, &a, &z);
+    const float* Sr = S + r * ldk;
+    bf16* Pr = P + r * ldk;
+    float m_old = first ? -INFINITY : ml[2 * r], l_old = first ? 0.0f : ml[2 * r + 1];
+    float mx = -INFINITY;
+    for (int j = a + lane; j < z; j += 32) mx = fmaxf(mx, Sr[j]);
+    float m_new = fmaxf(m_old, warp_reduce_max(mx)), sum = 0.0f;
+    for (int j = lane; j < kn; j += 32) {
+        float p = j >= a && j < z ? expf(Sr[j] - m_new) : 0.0f;
+        Pr[j] = f2bf(p);
+        sum += p;
+    }
+    sum = warp_reduce_sum(sum);
+    float corr = m_old == -INFINITY ? 0.0f : expf(m_old - m_new);  // nothing seen yet: nothing to rescale
+    if (!first)
+        for (int d = lane; d < s.hd; d += 32) o32[r * s.hd + d] *= corr;
+    if (lane == 0) {
+        ml[2 * r] = m_new;
+        ml[2 * r + 1] = l_old * corr + sum;
+    }
+}
+
+// Rows [r0, r0 + rows) of out [B*T, H*hd] from the chunk's fp32 sums x32 [E, R, hd]: divided by
+// the online softmax's sum, with lse = m + log l, when ml is given (forward); as they are else (dq).
+__global__ void attn_store_rows_kernel(bf16* __restrict__ out, float* __restrict__ lse, const float* __restrict__ x32,
+                                       const float* __restrict__ ml, int r0, int rows, int R, AttnShape s) {
+    int64_t total = (int64_t)s.B * s.H * rows * s.hd;
+    for (int64_t idx = thread_index_1d(); idx < total; idx += grid_stride_1d()) {
+        int d = (int)(idx % s.hd), b, h;
+        int64_t row = idx / s.hd, e = row / rows, r = e * R + (row % rows);
+        int i = r0 + (int)(row % rows);
+        attn_entry(s, e, &b, &h);
+        float x = x32[r * s.hd + d];
+        if (ml) {
+            x /= ml[2 * r + 1];
+            if (d == 0) lse[((int64_t)b * s.H + h) * s.T + i] = ml[2 * r] + logf(ml[2 * r + 1]);
+        }
+        out[((int64_t)b * s.T + i) * s.H * s.hd + (int64_t)h * s.hd + d] = f2bf(x);
+    }
+}
+
+// dS = P (dP - D) over the chunk's rows and the tile's kn keys, written over P (bf16). Masked keys
 // have P = 0, hence dS = 0.
 __global__ void attn_dscores_kernel(bf16* __restrict__ P, const float* __restrict__ dP, const float* __restrict__ D,
-                                    int r0, int rows, int chunk, int kc, AttnShape s) {
-    int64_t total = (int64_t)s.B * s.H * rows * kc;
+                                    int r0, int rows, int R, int kn, int ldk, AttnShape s) {
+    int64_t total = (int64_t)s.B * s.H * rows * kn;
     for (int64_t idx = thread_index_1d(); idx < total; idx += grid_stride_1d()) {
-        int j = (int)(idx % kc);
-        int64_t row = idx / kc, e = row / rows;
+        int j = (int)(idx % kn), b, h;
+        int64_t row = idx / kn, e = row / rows;
         int ii = (int)(row % rows);
-        int64_t at = (e * chunk + ii) * (int64_t)s.T + j;
-        P[at] = f2bf(bf2f(P[at]) * (dP[at] - D[e * s.T + r0 + ii]));
+        attn_entry(s, e, &b, &h);
+        int64_t at = (e * R + ii) * (int64_t)ldk + j;
+        P[at] = f2bf(bf2f(P[at]) * (dP[at] - D[((int64_t)b * s.H + h) * s.T + r0 + ii]));
     }
 }
 
-// ---- one batched product over (batch, head) entries --------------------------------------------
+// ---- one batched product over the entries -----------------------------------------------------
 
-typedef enum { AT_Q, AT_K, AT_V, AT_O, AT_DO, AT_DQ, AT_DK32, AT_DV32, AT_S, AT_P } AttnOperand;
-
-// A call runs its loop twice: first recording every product's pointer arrays on the host, which
-// go to the device in one copy, then issuing the products and kernels. (A copy from pageable
-// memory waits for the stream; one per product would stall the GPU between products.)
-typedef struct {           // where each operand of entry (b, h) starts, chunk rows from r0
+typedef struct {
+    void** table;         // this call's slot (attn_gemm_bind)
     const AttnShape* s;
-    const AttnGemmWork* w;
-    const void *q, *k, *v, *o, *dout;
-    void* dq;
-    int r0;
-    void** host;           // recording pass: the pointer arrays; NULL when issuing
-    int64_t slot;          // the next product's arrays: w->ptrs + slot * 3 * B*H
-} AttnOperands;
+    const AttnTiles* t;
+    int64_t chunk, block; // the row chunk and key block the products work on
+    cudaStream_t st;
+} AttnRun;
 
-static void* attn_operand(const AttnOperands* a, AttnOperand which, int b, int h) {
-    const AttnShape* s = a->s;
-    int kh = h / (s->H / s->KVH);
-    int64_t e = (int64_t)b * s->H + h, qrow = ((int64_t)b * s->T + a->r0) * s->H * s->hd + (int64_t)h * s->hd,
-            krow = (int64_t)b * s->T * s->KVH * s->hd + (int64_t)kh * s->hd, sc = e * a->w->chunk * s->T;
-    switch (which) {
-    case AT_Q: return (bf16*)a->q + qrow;
-    case AT_O: return (bf16*)a->o + qrow;
-    case AT_DO: return (bf16*)a->dout + qrow;
-    case AT_DQ: return (bf16*)a->dq + qrow;
-    case AT_K: return (bf16*)a->k + krow;
-    case AT_V: return (bf16*)a->v + krow;
-    case AT_DK32: return a->w->dk32 + krow;
-    case AT_DV32: return a->w->dv32 + krow;
-    case AT_S: return a->w->S + sc;
-    default: return a->w->P + sc;
-    }
+static void** attn_operand_ptrs(const AttnRun* r, AttnOperand op, int64_t e0) {
+    int64_t chunk = op < AT_K ? r->chunk : op < AT_S ? r->block : 0;
+    return r->table + attn_table_at(*r->s, *r->t, op, chunk) + e0;
 }
 
 // C = alpha op(A) op(B) (+ C) for every head h = group_slot + g * (H/KVH) of every batch row when
 // group_slot >= 0 (one head per kv group: dK/dV sums), else for all heads.
-static void attn_batched(const AttnOperands* a, MatmulForm form, AttnOperand A, AttnOperand B, AttnOperand C,
+static void attn_product(const AttnRun* r, MatmulForm form, AttnOperand A, AttnOperand B, AttnOperand C,
                          cudaDataType_t ctype, int M, int N, int K, int lda, int ldb, int ldc, float alpha,
-                         int accumulate, int group_slot, cudaStream_t st) {
-    const AttnShape* s = a->s;
-    int group = s->H / s->KVH, n = group_slot >= 0 ? s->B * s->KVH : s->B * s->H;
-    int64_t bh = (int64_t)s->B * s->H;
-    AttnOperands* mut = (AttnOperands*)a;
-    int64_t at = 3 * bh * mut->slot++;
-    if (a->host) {
-        void** h = a->host + at;
-        for (int b = 0, e = 0; b < s->B; b++)
-            for (int i = 0; i < n / s->B; i++, e++) {
-                int head = group_slot >= 0 ? i * group + group_slot : i;
-                h[e] = attn_operand(a, A, b, head);
-                h[bh + e] = attn_operand(a, B, b, head);
-                h[2 * bh + e] = attn_operand(a, C, b, head);
-            }
-        return;
-    }
-    void** d = a->w->ptrs + at;
-    matmul_batched_cuda(form, d + 2 * bh, ctype, (const void* const*)d, (const void* const*)(d + bh), M, N, K, lda, ldb,
-                        ldc, alpha, accumulate, n, st);
+                         int accumulate, int group_slot) {
+    const AttnShape* s = r->s;
+    int64_t e0 = group_slot >= 0 ? (int64_t)group_slot * s->B * s->KVH : 0;
+    int n = group_slot >= 0 ? s->B * s->KVH : s->B * s->H;  // int: entries, checked by attn_gemm_check
+    matmul_batched_cuda(form, attn_operand_ptrs(r, C, e0), ctype, (const void* const*)attn_operand_ptrs(r, A, e0),
+                        (const void* const*)attn_operand_ptrs(r, B, e0), M, N, K, lda, ldb, ldc, alpha, accumulate, n,
+                        r->st);
+}
+
+static void attn_gemm_check(const AttnShape* s) {
+    if (s->KVH <= 0 || s->H % s->KVH != 0) fail("attention: %d heads do not group over %d kv heads", s->H, s->KVH);
+    if ((int64_t)s->B * s->H > INT32_MAX / 32)
+        fail("attention: batch x heads = %lld is too many", (long long)s->B * s->H);
 }
 
 // ---- forward and backward --------------------------------------------------------------------
 
+// One chunk of query rows whose visible keys fit one tile: a single softmax pass, o written directly.
+static void attn_forward_one_block(const AttnRun* r, float* lse, const AttnGemmWork* w, int r0, int rows, int kend) {
+    const AttnShape* s = r->s;
+    int qld = s->H * s->hd, kld = s->KVH * s->hd, ldk = r->t->keys;  // int: row widths
+    float scale = 1.0f / sqrtf((float)s->hd);
+    int64_t nrows = (int64_t)s->B * s->H * rows;
+    attn_product(r, MM_NT, AT_Q, AT_K, AT_S, CUDA_R_32F, rows, kend, s->hd, qld, kld, ldk, scale, 0, -1);
+    launch_kernel(ceil_div(nrows * 32, 256), 256, 0, r->st, attn_probs_kernel, w->P, lse, w->S, r0, rows, r->t->rows, 0,
+                  kend, ldk, *s, 1);
+    attn_product(r, MM_NN, AT_P, AT_V, AT_O, CUDA_R_16BF, rows, s->hd, kend, ldk, kld, qld, 1.0f, 0, -1);
+}
+
 static void attention_forward_gemm_cuda(bf16* o, float* lse, const bf16* q, const bf16* k, const bf16* v, AttnShape s,
                                         void* work, cudaStream_t st) {
     if ((int64_t)s.B * s.T * s.H == 0) return;
-    AttnGemmWork w = attn_gemm_work(work, &s, 0);
-    int qld = s.H * s.hd, kld = s.KVH * s.hd;
+    attn_gemm_check(&s);
+    AttnGemmWork w = attn_gemm_work(work, &s);
+    AttnOperandSet ops = {q, k, v, o, NULL, NULL};
+    AttnRun r = {attn_gemm_bind(&w, &s, ops, st), &s, &w.t, 0, 0, st};
+    int qld = s.H * s.hd, kld = s.KVH * s.hd, ldk = w.t.keys;  // int: row widths
     float scale = 1.0f / sqrtf((float)s.hd);
-    AttnOperands a = {&s, &w, q, k, v, o, NULL, NULL, 0, NULL, 0};
-    void** host = (void**)xmalloc(sizeof(void*) * 3 * (int64_t)s.B * s.H * attn_gemm_products(&s));
-    for (int pass = 0; pass < 2; pass++) {
-        a.host = pass == 0 ? host : NULL;
-        a.slot = 0;
-        if (pass == 1)
-            CUDA_CHECK(cudaMemcpyAsync(w.ptrs, host, sizeof(void*) * 3 * (int64_t)s.B * s.H * attn_gemm_products(&s),
-                                       cudaMemcpyHostToDevice, st));
-        for (int r0 = 0; r0 < s.T; r0 += w.chunk) {
-            int rows = s.T - r0 < w.chunk ? s.T - r0 : w.chunk, kc = s.causal ? r0 + rows : s.T;
-            a.r0 = r0;
-            attn_batched(&a, MM_NT, AT_Q, AT_K, AT_S, CUDA_R_32F, rows, kc, s.hd, qld, kld, s.T, scale, 0, -1, st);
-            int64_t nrows = (int64_t)s.B * s.H * rows;
-            if (pass == 1)
-                launch_kernel(ceil_div(nrows * 32, 256), 256, 0, st, attn_probs_kernel, w.P, lse, w.S, r0, rows,
-                              w.chunk, kc, s, 1);
-            attn_batched(&a, MM_NN, AT_P, AT_V, AT_O, CUDA_R_16BF, rows, s.hd, kc, s.T, kld, qld, 1.0f, 0, -1, st);
+    for (r.chunk = 0; r.chunk < w.t.row_chunks; r.chunk++) {
+        int r0 = (int)(r.chunk * w.t.rows), rows = s.T - r0 < w.t.rows ? s.T - r0 : w.t.rows;
+        int kend = s.causal ? r0 + rows : s.T;  // causal: the blocks past the chunk's last row are skipped
+        int64_t nrows = (int64_t)s.B * s.H * rows, blocks = ceil_div(kend, ldk);
+        r.block = 0;
+        if (blocks == 1) {
+            attn_forward_one_block(&r, lse, &w, r0, rows, kend);
+            continue;
         }
+        for (r.block = 0; r.block < blocks; r.block++) {
+            int k0 = (int)(r.block * ldk), kn = kend - k0 < ldk ? kend - k0 : ldk, first = r.block == 0;
+            attn_product(&r, MM_NT, AT_Q, AT_K, AT_S, CUDA_R_32F, rows, kn, s.hd, qld, kld, ldk, scale, 0, -1);
+            launch_kernel(ceil_div(nrows * 32, 256), 256, 0, st, attn_online_kernel, w.P, w.ml, w.o32, w.S, r0, rows,
+                          w.t.rows, k0, kn, ldk, s, first);
+            attn_product(&r, MM_NN, AT_P, AT_V, AT_O32, CUDA_R_32F, rows, s.hd, kn, ldk, kld, s.hd, 1.0f, !first, -1);
+        }
+        launch_kernel(grid_for(nrows * s.hd, 256), 256, 0, st, attn_store_rows_kernel, o, lse, w.o32, w.ml, r0, rows,
+                      w.t.rows, s);
     }
-    free(host);
 }
 
+// dk, dv rows [k0, k0 + kn) of every batch row from one key block's fp32 sums [B, keys, KVH*hd].
+__global__ void attn_store_keys_kernel(bf16* __restrict__ dk, bf16* __restrict__ dv, const float* __restrict__ dk32,
+                                       const float* __restrict__ dv32, int k0, int kn, int keys, AttnShape s) {
+    int64_t kvd = (int64_t)s.KVH * s.hd, total = (int64_t)s.B * kn * kvd;
+    for (int64_t idx = thread_index_1d(); idx < total; idx += grid_stride_1d()) {
+        int64_t c = idx % kvd, row = idx / kvd, b = row / kn, j = row % kn;
+        int64_t from = (b * keys + j) * kvd + c, to = (b * s.T + k0 + j) * kvd + c;
+        dk[to] = f2bf(dk32[from]);
+        dv[to] = f2bf(dv32[from]);
+    }
+}
+
+typedef enum { ATTN_GRAD_ALL, ATTN_GRAD_DQ, ATTN_GRAD_DKDV } AttnGrads;
+
+// The backward's products over one tile (row chunk r->chunk from r0, key block r->block from k0,
+// kn keys): the scores and probabilities again, then dq's and/or dk, dv's share. dq goes to the
+// chunk's fp32 sums when the chunk sees several key blocks (blocks > 1), else straight to dq.
+static void attn_backward_tile(const AttnRun* r, const AttnGemmWork* w, const float* lse, int r0, int rows, int k0,
+                               int kn, int64_t blocks, AttnGrads grads) {
+    const AttnShape* s = r->s;
+    int qld = s->H * s->hd, kld = s->KVH * s->hd, group = s->H / s->KVH, ldk = r->t->keys;  // int: row widths
+    float scale = 1.0f / sqrtf((float)s->hd);
+    int64_t nrows = (int64_t)s->B * s->H * rows;
+    int dkdv = grads != ATTN_GRAD_DQ;
+    attn_product(r, MM_NT, AT_Q, AT_K, AT_S, CUDA_R_32F, rows, kn, s->hd, qld, kld, ldk, scale, 0, -1);
+    launch_kernel(ceil_div(nrows * 32, 256), 256, 0, r->st, attn_probs_kernel, w->P, (float*)lse, w->S, r0, rows,
+                  r->t->rows, k0, kn, ldk, *s, 0);
+    if (dkdv)
+        for (int g = 0; g < group; g++)
+            attn_product(r, MM_TN, AT_P, AT_DO, AT_DV32, CUDA_R_32F, kn, s->hd, rows, ldk, qld, kld, 1.0f, 1, g);
+    attn_product(r, MM_NT, AT_DO, AT_V, AT_S, CUDA_R_32F, rows, kn, s->hd, qld, kld, ldk, 1.0f, 0, -1);
+    launch_kernel(grid_for(nrows * kn, 256), 256, 0, r->st, attn_dscores_kernel, w->P, w->S, w->D, r0, rows,
+                  r->t->rows, kn, ldk, *s);
+    if (grads != ATTN_GRAD_DKDV) {
+        if (blocks == 1)  // dq of the chunk in one product, rounded once by cuBLAS
+            attn_product(r, MM_NN, AT_P, AT_K, AT_DQ, CUDA_R_16BF, rows, s->hd, kn, ldk, kld, qld, scale, 0, -1);
+        else
+            attn_product(r, MM_NN, AT_P, AT_K, AT_DQ32, CUDA_R_32F, rows, s->hd, kn, ldk, kld, s->hd, scale,
+                         r->block > 0, -1);
+    }
+    if (dkdv)
+        for (int g = 0; g < group; g++)
+            attn_product(r, MM_TN, AT_P, AT_Q, AT_DK32, CUDA_R_32F, kn, s->hd, rows, ldk, qld, kld, scale, 1, g);
+}
+
+static int attn_chunk_rows(const AttnShape* s, const AttnTiles* t, int64_t chunk) {
+    int64_t r0 = chunk * t->rows;
+    return (int)(s->T - r0 < t->rows ? s->T - r0 : t->rows);
+}
+
+// Gradients dq, dk, dv (overwritten). Whole keys (one key block): one pass over the row chunks, dk
+// and dv summed over them in fp32 for the whole sequence. Key blocks: two passes, so that no sum
+// spans the sequence (FlashAttention-2's split): per key block over the row chunks that see it, its
+// dk, dv summed in fp32 and stored; then per row chunk over its key blocks, dq. The scores are
+// computed twice (7 products a tile instead of 5) for memory that does not grow with T.
 static void attention_backward_gemm_cuda(bf16* dq, bf16* dk, bf16* dv, const bf16* dout, const bf16* q, const bf16* k,
                                          const bf16* v, const bf16* o, const float* lse, AttnShape s, void* work,
                                          cudaStream_t st) {
     if ((int64_t)s.B * s.T * s.H == 0) return;
-    AttnGemmWork w = attn_gemm_work(work, &s, 1);
-    int qld = s.H * s.hd, kld = s.KVH * s.hd, group = s.H / s.KVH;
-    int64_t nk = (int64_t)s.B * s.T * kld;
-    float scale = 1.0f / sqrtf((float)s.hd);
-    CUDA_CHECK(cudaMemsetAsync(w.dk32, 0, sizeof(float) * nk, st));
-    CUDA_CHECK(cudaMemsetAsync(w.dv32, 0, sizeof(float) * nk, st));
+    attn_gemm_check(&s);
+    AttnGemmWork w = attn_gemm_work(work, &s);
+    int kld = s.KVH * s.hd, ldk = w.t.keys;  // int: a row's width
     int64_t all_rows = (int64_t)s.B * s.T * s.H;
     launch_kernel(grid_for(all_rows * 32, 256), 256, 0, st, attention_backward_preprocess_kernel, w.D, dout, o, s);
-    AttnOperands a = {&s, &w, q, k, v, o, dout, dq, 0, NULL, 0};
-    int64_t ptr_count = 3 * (int64_t)s.B * s.H * attn_gemm_products(&s);
-    void** host = (void**)xmalloc(sizeof(void*) * ptr_count);
-    for (int pass = 0; pass < 2; pass++) {
-        int run = pass == 1;
-        a.host = run ? NULL : host;
-        a.slot = 0;
-        if (run) CUDA_CHECK(cudaMemcpyAsync(w.ptrs, host, sizeof(void*) * ptr_count, cudaMemcpyHostToDevice, st));
-        for (int r0 = 0; r0 < s.T; r0 += w.chunk) {
-            int rows = s.T - r0 < w.chunk ? s.T - r0 : w.chunk, kc = s.causal ? r0 + rows : s.T;
-            int64_t nrows = (int64_t)s.B * s.H * rows;
-            a.r0 = r0;
-            attn_batched(&a, MM_NT, AT_Q, AT_K, AT_S, CUDA_R_32F, rows, kc, s.hd, qld, kld, s.T, scale, 0, -1, st);
-            if (run)
-                launch_kernel(ceil_div(nrows * 32, 256), 256, 0, st, attn_probs_kernel, w.P, (float*)lse, w.S, r0, rows,
-                              w.chunk, kc, s, 0);
-            for (int g = 0; g < group; g++)
-                attn_batched(&a, MM_TN, AT_P, AT_DO, AT_DV32, CUDA_R_32F, kc, s.hd, rows, s.T, qld, kld, 1.0f, 1, g,
-                             st);
-            attn_batched(&a, MM_NT, AT_DO, AT_V, AT_S, CUDA_R_32F, rows, kc, s.hd, qld, kld, s.T, 1.0f, 0, -1, st);
-            if (run)
-                launch_kernel(grid_for(nrows * kc, 256), 256, 0, st, attn_dscores_kernel, w.P, w.S, w.D, r0, rows,
-                              w.chunk, kc, s);
-            attn_batched(&a, MM_NN, AT_P, AT_K, AT_DQ, CUDA_R_16BF, rows, s.hd, kc, s.T, kld, qld, scale, 0, -1, st);
-            for (int g = 0; g < group; g++)
-                attn_batched(&a, MM_TN, AT_P, AT_Q, AT_DK32, CUDA_R_32F, kc, s.hd, rows, s.T, qld, kld, scale, 1, g,
-                             st);
+    AttnOperandSet ops = {q, k, v, o, dout, dq};
+    AttnRun r = {attn_gemm_bind(&w, &s, ops, st), &s, &w.t, 0, 0, st};
+    if (w.t.key_blocks == 1) {
+        int64_t nk = (int64_t)s.B * s.T * kld;
+        CUDA_CHECK(cudaMemsetAsync(w.dk32, 0, sizeof(float) * nk, st));
+        CUDA_CHECK(cudaMemsetAsync(w.dv32, 0, sizeof(float) * nk, st));
+        for (r.chunk = 0; r.chunk < w.t.row_chunks; r.chunk++) {
+            int r0 = (int)(r.chunk * w.t.rows), rows = attn_chunk_rows(&s, &w.t, r.chunk);
+            attn_backward_tile(&r, &w, lse, r0, rows, 0, s.causal ? r0 + rows : s.T, 1, ATTN_GRAD_ALL);
         }
+        cast_f32_to_bf16_cuda(dk, w.dk32, nk, st);
+        cast_f32_to_bf16_cuda(dv, w.dv32, nk, st);
+        return;
     }
-    free(host);
-    cast_f32_to_bf16_cuda(dk, w.dk32, nk, st);
-    cast_f32_to_bf16_cuda(dv, w.dv32, nk, st);
+    int64_t local = (int64_t)s.B * ldk * kld;  // one key block's sums
+    for (r.block = 0; r.block < w.t.key_blocks; r.block++) {
+        int k0 = (int)(r.block * ldk), kn_all = s.T - k0 < ldk ? s.T - k0 : ldk;
+        CUDA_CHECK(cudaMemsetAsync(w.dk32, 0, sizeof(float) * local, st));
+        CUDA_CHECK(cudaMemsetAsync(w.dv32, 0, sizeof(float) * local, st));
+        // causal: the chunks before the block's first key see none of it
+        for (r.chunk = s.causal ? k0 / w.t.rows : 0; r.chunk < w.t.row_chunks; r.chunk++) {
+            int r0 = (int)(r.chunk * w.t.rows), rows = attn_chunk_rows(&s, &w.t, r.chunk);
+            int kend = s.causal ? r0 + rows : s.T, kn = kend - k0 < kn_all ? kend - k0 : kn_all;
+            attn_backward_tile(&r, &w, lse, r0, rows, k0, kn, 2, ATTN_GRAD_DKDV);
+        }
+        launch_kernel(grid_for((int64_t)s.B * kn_all * kld, 256), 256, 0, st, attn_store_keys_kernel, dk, dv, w.dk32,
+                      w.dv32, k0, kn_all, ldk, s);
+    }
+    for (r.chunk = 0; r.chunk < w.t.row_chunks; r.chunk++) {
+        int r0 = (int)(r.chunk * w.t.rows), rows = attn_chunk_rows(&s, &w.t, r.chunk);
+        int kend = s.causal ? r0 + rows : s.T;
+        int64_t blocks = ceil_div(kend, ldk);
+        for (r.block = 0; r.block < blocks; r.block++) {
+            int k0 = (int)(r.block * ldk), kn = kend - k0 < ldk ? kend - k0 : ldk;
+            attn_backward_tile(&r, &w, lse, r0, rows, k0, kn, blocks, ATTN_GRAD_DQ);
+        }
+        if (blocks > 1)
+            launch_kernel(grid_for((int64_t)s.B * s.H * rows * s.hd, 256), 256, 0, st, attn_store_rows_kernel, dq,
+                          (float*)NULL, w.o32, (const float*)NULL, r0, rows, w.t.rows, s);
+    }
 }

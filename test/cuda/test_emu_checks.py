@@ -121,6 +121,13 @@ PRODUCTION_PLANTS = [
     ("thread-order", "llmc/cuda/common.cuh",
      "    for (int k = 0; k < Term::K; k++) part[k][threadIdx.y][threadIdx.x] = s[k];\n    __syncthreads();",
      "    for (int k = 0; k < Term::K; k++) part[k][threadIdx.y][threadIdx.x] = s[k];", "misc", "FAIL"),
+    # the tensor-core attention's online softmax not rescaling the o sums to a new running max
+    ("attn-online-rescale", "llmc/cuda/attention_gemm.cuh",
+     "o32[r * s.hd + d] *= corr;", "o32[r * s.hd + d] *= 1.0f;", "attention", "FAIL  attn gemm fwd o"),
+    # its two-pass backward not clearing one key block's dk sums before the next
+    ("attn-key-block-sums", "llmc/cuda/attention_gemm.cuh",
+     "        CUDA_CHECK(cudaMemsetAsync(w.dk32, 0, sizeof(float) * local, st));\n", "", "attention",
+     "FAIL  attn gemm bwd dk"),
     # a cuBLASLt layout with the wrong leading dimension (the nn form's first operand)
     ("cublas-ld", "llmc/cuda/matmul.cuh",
      "case MM_NN:\n            opa = CUBLAS_OP_N; arows = N; acols = K; lda = N;",

@@ -120,10 +120,12 @@ def test_cuda_probe_full_finetuning_matches_cpu(models, name, mode):
     assert e_logits < tol["logits"] and grads[-1][0] < tol["grad"]
 
 
-@pytest.mark.parametrize("env", [{"LLMC_ATTN_CHUNK": "3"}, {"LLMC_ATTENTION": "flash"}], ids=["gemm_chunks_of_3", "flash"])
+@pytest.mark.parametrize("env", [{"LLMC_ATTN_CHUNK": "3"}, {"LLMC_ATTN_KEYS": "4", "LLMC_ATTN_CHUNK": "3"},
+                                 {"LLMC_ATTENTION": "flash"}], ids=["gemm_chunks_of_3", "gemm_key_blocks_of_4", "flash"])
 @pytest.mark.parametrize("name", ["gqa_untied", "llama3_rope"])
 def test_cuda_attention_paths(models, name, env):
-    """The tensor-core attention split into many chunks of query rows, and the flash kernels
+    """The tensor-core attention split into many chunks of query rows, also in blocks of keys (the
+    online softmax and two-pass backward of long sequences), and the flash kernels
     (LLMC_ATTENTION=flash), inside the whole model."""
     d, cp, r, alpha = models[name]
     want = probe(CPU_PROBE, d, cp, cp + ".paths.cpu", "exact", "std", "none", r, alpha, [], "cpu")
