@@ -317,6 +317,15 @@ static void llama_plan_block(Llama* m, MemPlan* p, int l) {
 
 // Scratch of the forward and backward passes: the residual stream, the activation gradients, the
 // adapters' and the ops' work buffers, the batch, the loss chunk and (--generate) the KV cache.
+// Whether dout, the gradient w.r.t. attention's output [N, heads*hd], lives in dz's buffer [N, d]
+// (itself resid's). Their lives in a block's backward do not overlap: the MLP's backward is done
+// with dz before the o projection's backward writes dout, and attention's backward has read dout
+// before the q projection's backward writes dz. Not when dout is the wider (heads*hd > d), nor
+// under Qwen3's q/k norms, whose backward uses dout as scratch while dz is being written.
+static int llama_dout_shares_dz(const Llama* m) {
+    return !m->cfg.qk_norm && (int64_t)m->cfg.heads * m->cfg.head_dim <= m->cfg.dim;
+}
+
 static void llama_plan_scratch(Llama* m, MemPlan* p) {
     const Backend* be = m->be;
     int abytes = be->abytes;
@@ -340,10 +349,11 @@ static void llama_plan_scratch(Llama* m, MemPlan* p) {
     plan_add(p, MEM_SCRATCH, "grads", -1, "dres", N * d * abytes, &m->dres);
     // dz [N, d] has no buffer of its own: it is resid's (llama_bind), by lifetime. resid's last
     // reader is the head (the final norm's input); dz's first writer is the first block's backward.
+    // dout too, where it can (llama_dout_shares_dz).
     plan_add(p, MEM_SCRATCH, "grads", -1, "dq", N * qd * abytes, &m->dq);
     plan_add(p, MEM_SCRATCH, "grads", -1, "dk", N * kvd * abytes, &m->dk);
     plan_add(p, MEM_SCRATCH, "grads", -1, "dv", N * kvd * abytes, &m->dv);
-    plan_add(p, MEM_SCRATCH, "grads", -1, "dout", N * qd * abytes, &m->dout);
+    if (!llama_dout_shares_dz(m)) plan_add(p, MEM_SCRATCH, "grads", -1, "dout", N * qd * abytes, &m->dout);
     // the MLP's gradients (and the forward temporaries bound to them) for one tile of tokens
     plan_add(p, MEM_SCRATCH, "grads", -1, "dp", m->mlp_tile * f * abytes, &m->dp);
     plan_add(p, MEM_SCRATCH, "grads", -1, "dg", m->mlp_tile * f * abytes, &m->dg);
@@ -412,6 +422,7 @@ static void llama_bind(Llama* m) {
     const LlamaConfig* c = &m->cfg;
     llama_bind_forward_temporaries(m);
     m->dz = m->resid;  // [N, d] both: the residual stream dies at the head, before any backward writes dz
+    if (llama_dout_shares_dz(m)) m->dout = m->dz;
     for (int l = 0; l < c->layers; l++) {
         void** a = (void**)&m->acts[l];
         void** s = (void**)&m->tmp;

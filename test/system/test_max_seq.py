@@ -154,9 +154,10 @@ SAVED_LOWMEM = dict(SAVED_BASELINE, attn_norm=4, mlp_norm=4, silu=F // 4)
 # the recomputed block's scratch set: what the mode keeps (the ckpt preset: baseline's, less the
 # attention norm's input, which the checkpoint is)
 BLOCK_SET = {"lowmem": sum(SAVED_LOWMEM.values()), "ckpt": sum(SAVED_BASELINE.values()) - 2 * D}
-# activation gradients: dres [d]; dq, dout [qd]; dk, dv [kvd]; dp, dg, du [f]; dax [r] (dz, [d], lives in
-# resid's buffer: the residual stream is dead once the head has read it)
-GRADS = 2 * D + 2 * QD + 2 * KVD + 2 * KVD + 2 * QD + 3 * 2 * F + 2 * R
+# activation gradients: dres [d]; dq [qd]; dk, dv [kvd]; dp, dg, du [f]; dax [r]. dz [d] lives in resid's
+# buffer (the residual stream is dead once the head has read it), and dout [qd] in dz's (qd = d here,
+# no q/k norms): their lives in a block's backward do not overlap
+GRADS = 2 * D + 2 * QD + 2 * KVD + 2 * KVD + 3 * 2 * F + 2 * R
 LOSS_CHUNK = (64 << 20) // (V * 4)  # rows of logits at a time: 64 MiB of fp32 logits
 # z, r, logits, dz, dlogits, row stats (3 fp32), 4 double stats
 LOSS = LOSS_CHUNK * (2 * D + 4 + 4 * V + 2 * D + 2 * V + 12) + 32
