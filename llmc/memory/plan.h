@@ -94,8 +94,9 @@ static size_t plan_shared_block_bytes(const MemPlan* p) {
 }
 
 // The recomputed block's peak: every scratch byte (exact, not rounded to the arena alignment),
-// which a block's recomputed forward and its backward run within. Planned as a sum: no two
-// scratch buffers share memory yet, so the peak is the whole scratch arena.
+// which a block's recomputed forward and its backward run within. Buffers whose lives do not
+// overlap are one plan entry bound twice by the model (LLaMA: dz and dout in resid's buffer), so
+// the peak is the sum of the entries, the whole scratch arena.
 static size_t plan_block_peak_bytes(const MemPlan* p) {
     size_t s = 0;
     for (int i = 0; i < p->count; i++) if (p->bufs[i].cat == MEM_SCRATCH) s += p->bufs[i].bytes;
@@ -206,7 +207,8 @@ static void plan_print(const MemPlan* p, const MemPlan* base, const char* mode_n
     const char* names[PLAN_MAX_PARTS];
     size_t bytes[PLAN_MAX_PARTS];
     int parts = plan_block_peak_parts(p, names, bytes, PLAN_MAX_PARTS);
-    printf("  recomputed block's peak (all scratch, summed: no buffers share memory yet): %.1f bytes per token\n   ",
+    printf("  recomputed block's peak (all scratch; buffers of disjoint lives share an entry): %.1f bytes per "
+           "token\n   ",
            plan_block_peak_bytes(p) / N);
     for (int i = 0; i < parts; i++) printf(" %s %.1f%s", names[i], bytes[i] / N, i + 1 < parts ? "," : "\n");
 }
