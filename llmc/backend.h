@@ -275,8 +275,8 @@ static double backend_measured_mib(const Backend* be) {
 static void backend_print_memory(const Backend* be, const MemPlan* plan) {
     // on the CPU the host arena is part of the resident set that is measured
     size_t planned = plan_total(plan) + (be->cuda ? 0 : plan_host_bytes(plan));
-    printf("memory: planned %.2f MiB (saved activations %.2f MiB), measured %s %.2f MiB\n", mib(planned),
-           mib(plan_saved_bytes(plan)),
-           be->cuda ? "device memory in use (cudaMemGetInfo, beyond the CUDA context)" : "peak RSS",
-           backend_measured_mib(be));
+    printf("memory: planned %.2f MiB (saved activations %.2f MiB), ", mib(planned), mib(plan_saved_bytes(plan)));
+    if (plan->percall_bytes) printf("per-call scratch up to %.2f MiB, ", mib(plan->percall_bytes));
+    const char* what = be->cuda ? "device memory in use (cudaMemGetInfo, beyond the CUDA context)" : "peak RSS";
+    printf("measured %s %.2f MiB\n", what, backend_measured_mib(be));
 }

@@ -230,10 +230,13 @@ static size_t op_attention_work_bytes(const Backend* be, AttnShape s) {
     return be->cuda ? attn_gemm_work_bytes(&s, 1) : 0;  // also holds the flash backward's B*H*T row sums
 }
 
-// Declares that workspace for shape s in the plan (the CPU kernels need none); returns its bytes.
+// Declares that workspace for shape s in the plan; returns its bytes. The CPU kernels take theirs
+// from the heap per call: the plan states the largest (MemPlan.percall_bytes).
 static size_t op_plan_attention_work(const Backend* be, MemPlan* p, AttnShape s, void** work) {
     size_t bytes = op_attention_work_bytes(be, s);
     if (be->cuda) plan_add(p, MEM_SCRATCH, "attention", -1, "attn_workspace", bytes, work);
+    size_t cpu = be->cuda ? 0 : attention_scratch_bytes(s, omp_get_max_threads());
+    if (cpu > p->percall_bytes) p->percall_bytes = cpu;
     return bytes;
 }
 

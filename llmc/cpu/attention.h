@@ -279,6 +279,20 @@ static void attn_backward_unit(float* dq, float* kacc, float* vacc, int64_t ld, 
     }
 }
 
+// The heap scratch one call takes beside its operands, in bytes (the larger of the forward's and
+// the backward's), with `threads` OpenMP threads: the packed keys and values, the per-thread tiles
+// and packed A blocks, and the backward's partial dk, dv. It grows with B x T, so the memory plan
+// states it (MemPlan.percall_bytes): a CPU run's peak RSS is the plan's arenas plus at most this.
+static size_t attention_scratch_bytes(AttnShape s, int threads) {
+    int64_t csz = attn_cols_size(&s), rsz = attn_rows_size(&s), nbh = (int64_t)s.B * s.KVH;
+    int64_t tile = (int64_t)ATT_BLOCK * s.T + (ATT_BLOCK + MM_MR) * ATT_KC;  // S and the packed A, per thread
+    int64_t fwd = nbh * (csz + rsz) + threads * tile;
+    int per_kv = s.H / s.KVH * attn_backward_chunks(&s), units = s.B * s.H * attn_backward_chunks(&s);
+    int64_t partials = per_kv > 1 ? 2 * (int64_t)s.T * s.hd * units : 0;
+    int64_t bwd = nbh * (2 * csz + rsz) + partials + threads * (tile + (int64_t)ATT_BLOCK * s.T);
+    return sizeof(float) * (size_t)(fwd > bwd ? fwd : bwd);
+}
+
 // Gradients dq, dk, dv (overwritten) from do. Scratch: k and v packed (about 3 x the size of k),
 // per thread two [ATT_BLOCK, T] tiles and a packed A, and the partial dk, dv of the units after
 // the first of each kv head: at most 2 x chunks x the size of q (none when group = chunks = 1).

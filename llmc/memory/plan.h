@@ -47,6 +47,10 @@ typedef struct {
     int64_t tokens;        // tokens per micro-batch (B*T), for per-token figures
     int blocks;
     int recomputed;        // --recompute block: each block's forward runs again before its backward
+    // Heap scratch beside the arenas that a kernel takes for the length of one call and that grows
+    // with the tokens (the CPU attention's packed keys and partial sums): the largest such call.
+    // Not in any arena; a run's peak is the arenas plus at most this (0 on CUDA: all planned).
+    size_t percall_bytes;
 } MemPlan;
 
 // Declares a buffer at an offset of its category's arena that is a multiple of align (a power of
@@ -203,6 +207,7 @@ static void plan_print(const MemPlan* p, const MemPlan* base, const char* mode_n
         printf(" %s %.2f MiB%s", mem_category_key[c], mib(p->cat_bytes[c]), c + 1 < MEM_DEVICE_CATS ? "," : "");
     printf(" = %.2f MiB\n", mib(plan_total(p)));
     if (plan_host_bytes(p)) printf("  pinned host memory: %.2f MiB\n", mib(plan_host_bytes(p)));
+    if (p->percall_bytes) printf("  per-call scratch beside the arenas: up to %.2f MiB\n", mib(p->percall_bytes));
     if (!p->recomputed) return;
     const char* names[PLAN_MAX_PARTS];
     size_t bytes[PLAN_MAX_PARTS];
@@ -243,8 +248,8 @@ static void plan_json(FILE* f, const MemPlan* p, const MemPlan* base, const char
     fprintf(f, ", \"categories\": {");
     for (int c = 0; c < MEM_DEVICE_CATS; c++)
         fprintf(f, "%s\"%s\": %zu", c ? ", " : "", mem_category_key[c], p->cat_bytes[c]);
-    fprintf(f, "}, \"total_bytes\": %zu, \"host_bytes\": %zu, \"block_scratch_bytes\": %zu", plan_total(p),
-            plan_host_bytes(p), plan_shared_block_bytes(p));
+    fprintf(f, "}, \"total_bytes\": %zu, \"host_bytes\": %zu, \"percall_bytes\": %zu, \"block_scratch_bytes\": %zu",
+            plan_total(p), plan_host_bytes(p), p->percall_bytes, plan_shared_block_bytes(p));
     if (p->recomputed) {
         const char* names[PLAN_MAX_PARTS];
         size_t bytes[PLAN_MAX_PARTS];

@@ -100,6 +100,7 @@ static void train_start(Dist* dist, TrainOptions* o, int* argc, char*** argv,
     memset(&ft, 0, sizeof(ft));
     register_flags(&ft, o);
     train_parse_flags(&ft, o, *argc, *argv);
+    if (o->threads > 0) omp_set_num_threads(o->threads);  // before any plan: the CPU's per-call scratch is per thread
     char values[DIST_LINE_BYTES];
     flags_values(&ft, values, sizeof(values));
     dist_check_same(dist, "the flags", values);

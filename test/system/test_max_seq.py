@@ -224,3 +224,26 @@ def test_plan_bytes_per_token_at_llama31_8b_match_a_hand_count():
               f"(attention workspace {attention / N:.1f})")
     text = run(["--model", LLAMA31_8B, "--dry-run", "--mode", "lowmem", "--recompute", "block", *args]).stdout
     assert "recomputed block's peak" in text and "bytes per token" in text
+
+
+def test_cpu_plan_states_the_attention_per_call_scratch(tmp_path):
+    """The CPU attention takes its packed keys and values, per-thread tiles and the backward's
+    partial dk, dv from the heap per call; the plan states the largest call (percall_bytes), so a CPU
+    run's peak RSS is its arenas plus at most that. A hand count at the SmolLM2-135M shape (9 heads,
+    3 KV heads, hd 64), batch 1 x 4096 tokens, --threads 3 (not this machine's count), from llmc/cpu/attention.h's sizes:
+    panels of MM_NR = 16 keys, tiles of ATT_BLOCK = 64 query rows, k blocks of ATT_KC = 256."""
+    T, H, KVH, hd, threads = 4096, 9, 3, 64, 3
+    csz = -(-T // 16) * 16 * hd                      # keys packed as columns, per (b, kv head)
+    rsz = T * (-(-hd // 16) * 16)                    # packed as rows
+    tile = 64 * T + (64 + 6) * 256                   # S and the packed A (MM_MR = 6), per thread
+    chunks = min(-(-16 // H), -(-T // 64))           # ATT_MIN_UNITS = 16 units: 2 chunks per head
+    fwd = KVH * (csz + rsz) + threads * tile
+    bwd = KVH * (2 * csz + rsz) + 2 * T * hd * H * chunks + threads * (tile + 64 * T)
+    cfg = tmp_path / "smollm2"
+    cfg.mkdir()
+    (cfg / "config.json").write_text(json.dumps(dict(
+        model_type="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+        num_key_value_heads=3, vocab_size=49152, max_position_embeddings=8192, tie_word_embeddings=True)))
+    p = subprocess.run([BIN, "--model", str(cfg), "--dry-run", "--json", "--device", "cpu", "--batch", "1",
+                        "--seq", str(T), "--threads", str(threads)], capture_output=True, text=True, check=True)
+    assert json.loads(p.stdout)["percall_bytes"] == 4 * max(fwd, bwd)
