@@ -274,24 +274,27 @@ static size_t op_attention_work_bytes(const Backend* be, AttnShape s) {
 }
 
 // Declares that workspace for shape s in the plan (the CPU kernels need none); returns its bytes.
-// On CUDA, the first call prints which attention runs (the "attention:" line).
 static size_t op_plan_attention_work(const Backend* be, MemPlan* p, AttnShape s, void** work) {
     size_t bytes = op_attention_work_bytes(be, s);
-    static int told = 0;
-    if (be->cuda && !told++) {
-        AttnImpl impl = op_attention_impl();
-        const char* env = getenv("LLMC_ATTENTION");
-#ifdef LLMC_HAVE_CUDNN
-        const char* built = attention_cudnn_version();  // the library loaded
-#else
-        const char* built = NULL;
-#endif
-        printf("attention: %s (LLMC_ATTENTION=%s; cudnn|gemm|flash)%s%s%s\n", attn_impl_names[impl],
-               env && *env ? env : "unset", built ? ", cuDNN " : ", no cuDNN in this build", built ? built : "",
-               impl == ATTN_CUDNN ? ", packed examples on gemm" : "");
-    }
     if (be->cuda) plan_add(p, MEM_SCRATCH, "attention", -1, "attn_workspace", bytes, work);
     return bytes;
+}
+
+// The "attention:" line, once per process, at the first CUDA attention call (not at plan time:
+// --dry-run --json's stdout is the JSON alone): which path LLMC_ATTENTION selected.
+static void op_attention_announce(const Backend* be) {
+    static int told = 0;
+    if (!be->cuda || told++) return;
+    AttnImpl impl = op_attention_impl();
+    const char* env = getenv("LLMC_ATTENTION");
+#ifdef LLMC_HAVE_CUDNN
+    const char* built = attention_cudnn_version();  // the library loaded
+#else
+    const char* built = NULL;
+#endif
+    printf("attention: %s (LLMC_ATTENTION=%s; cudnn|gemm|flash)%s%s%s\n", attn_impl_names[impl],
+           env && *env ? env : "unset", built ? ", cuDNN " : ", no cuDNN in this build", built ? built : "",
+           impl == ATTN_CUDNN ? ", packed examples on gemm" : "");
 }
 
 // The planned workspace `work` of `bytes`, if shape s fits in it (generation's shorter windows, a
@@ -324,6 +327,7 @@ static void op_attention_forward(const Backend* be, void* o, float* lse, const v
     PROF_SCOPE(be, "attention", "fwd", attn_flops(s, 2), attn_bytes(s, be->abytes, 4));
 #ifdef LLMC_HAVE_CUDA
     if (be->cuda) {
+        op_attention_announce(be);
 #ifdef LLMC_HAVE_CUDNN
         if (op_attention_on_cudnn(be, s, work)) {
             CudnnAttnShape cs = {s.B, s.T, s.H, s.KVH, s.hd, s.causal};

@@ -14,11 +14,13 @@
 # layers (d 4096, 32 heads, 8 kv heads, head dim 128, f 14336, vocab 128256; --random-init, random
 # tokens) at batch 1 x 4096, where the paths' speeds differ. ATTN_COMPARE_STEPS (default 4) steps.
 # Prints a markdown table; exits 1 when a path failed or broke a bound.
-# Usage: bash scripts/ci/attention_compare.sh [demo|llama3|all]    (a GPU and the nvcc-built train_llama)
+# Usage: bash scripts/ci/attention_compare.sh [demo|llama3|all]    (a GPU and the nvcc-built train_llama;
+# ATTN_COMPARE_TRAINER=build/emu/train_llama runs the script's logic on the emulator, where cudnn is refused)
 set -u
 cd "$(dirname "$0")/../.." || exit 1
 WHAT=${1:-all}
 STEPS=${ATTN_COMPARE_STEPS:-4}
+TRAIN=${ATTN_COMPARE_TRAINER:-./train_llama}
 D=build/attention_compare
 mkdir -p "$D/llama3_2l"
 FAILED=0
@@ -63,12 +65,12 @@ compare() {
 }
 
 if [ "$WHAT" = all ] || [ "$WHAT" = demo ]; then
-    compare demo ./train_llama --model data/llama_demo --data data/llama_demo_ft_train.bin --device cuda --batch 4 --seq 128 \
+    compare demo "$TRAIN" --model data/llama_demo --data data/llama_demo_ft_train.bin --device cuda --batch 4 --seq 128 \
         --lora-rank 8 --lr 1e-3 --seed 5 --steps "$STEPS" --log-every 1
 fi
 if [ "$WHAT" = all ] || [ "$WHAT" = llama3 ]; then
     [ -f "$D/tokens.bin" ] || python3 scripts/bench/bench_data.py tokens "$D/tokens.bin" 128256 $(( (STEPS + 2) * 4097 ))
-    compare llama3-8b-2layers ./train_llama --model "$D/llama3_2l" --random-init --device cuda --data "$D/tokens.bin" \
+    compare llama3-8b-2layers "$TRAIN" --model "$D/llama3_2l" --random-init --device cuda --data "$D/tokens.bin" \
         --batch 1 --seq 4096 --lora-rank 16 --lr 1e-4 --seed 5 --steps "$STEPS" --log-every 1
 fi
 exit $FAILED
