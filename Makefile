@@ -102,6 +102,9 @@ else
     CUDNN_FRONTEND_INC ?= $(shell for p in $(CUDNN_FRONTEND_PYTHONS); do $$p -c 'import importlib.metadata as m, os; \
       d = m.distribution("nvidia-cudnn-frontend"); print([os.path.dirname(str(d.locate_file(f))) for f in d.files \
       if str(f).endswith("include/cudnn_frontend.h")][0])' 2>/dev/null && break; done)
+    # the frontend's headers also carry an engine that compiles kernels at run time with NVRTC (the
+    # toolkit's libnvrtc); we do not use it, but the linker resolves it
+    CUDNN_LIBS += -lnvrtc
     ifeq ($(CUDNN_LIB_FROM),)
       CUDNN_SKIPPED := cuDNN not found (cudnn.h and libcudnn.so in $(CUDNN_SYSTEM_DIRS) or the nvidia-cudnn-cu13 wheel)
     else ifeq ($(wildcard $(CUDNN_FRONTEND_INC)/cudnn_frontend.h),)
