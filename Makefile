@@ -74,25 +74,74 @@ else
   else
     $(info make: nvcc found: trainers with the CUDA backend for sm_$(GPU_ARCH); NCCL not found: multi-GPU gradients go through MPI on the host)
   endif
+  # cuDNN (the default attention when found: LLMC_ATTENTION, llmc/ops.h). llmc/cuda/attention_cudnn.cu is
+  # its own object, built and linked only when both are found: the library (cudnn.h and libcudnn.so
+  # from the CUDA toolkit or the system, else the nvidia-cudnn-cu13 / -cu12 wheel, linked by file name
+  # with an rpath like NCCL's) and the header-only C++ frontend it is written against
+  # (CUDNN_FRONTEND_INC, else the nvidia-cudnn-frontend wheel, located by its file list without
+  # importing it; scripts/ci/install_deps.sh installs it). CUDNN=0 builds without cuDNN.
+  CUDNN ?= 1
+  ifneq ($(CUDNN),0)
+    CUDNN_SYSTEM_DIRS ?= $(CUDA_INC) /usr/include /usr/include/x86_64-linux-gnu /usr/local/include
+    CUDNN_H := $(firstword $(wildcard $(addsuffix /cudnn.h,$(CUDNN_SYSTEM_DIRS))))
+    CUDNN_LIB := $(firstword $(wildcard $(dir $(CUDNN_H))../lib64/libcudnn.so $(dir $(CUDNN_H))../lib/libcudnn.so \
+                   /usr/lib/x86_64-linux-gnu/libcudnn.so /usr/local/lib/libcudnn.so))
+    ifneq ($(and $(CUDNN_H),$(CUDNN_LIB)),)
+      CUDNN_LIB_FROM := $(CUDNN_H)
+      CUDNN_INC_FLAGS :=
+      CUDNN_LIBS := -L$(dir $(realpath $(CUDNN_LIB))) -lcudnn -Xlinker -rpath=$(dir $(realpath $(CUDNN_LIB)))
+    else
+      CUDNN_WHEEL := $(shell $(NCCL_PYTHON) -c 'import nvidia.cudnn as m; print(list(m.__path__)[0])' 2>/dev/null)
+      CUDNN_WHEEL_LIB := $(firstword $(wildcard $(CUDNN_WHEEL)/lib/libcudnn.so.*))
+      ifneq ($(and $(CUDNN_WHEEL_LIB),$(wildcard $(CUDNN_WHEEL)/include/cudnn.h)),)
+        CUDNN_LIB_FROM := the PyPI wheel in $(CUDNN_WHEEL)
+        CUDNN_INC_FLAGS := -I$(CUDNN_WHEEL)/include
+        CUDNN_LIBS := -L$(CUDNN_WHEEL)/lib -l:$(notdir $(CUDNN_WHEEL_LIB)) -Xlinker -rpath=$(CUDNN_WHEEL)/lib
+      endif
+    endif
+    CUDNN_FRONTEND_PYTHONS ?= $(PYTHON) python3
+    CUDNN_FRONTEND_INC ?= $(shell for p in $(CUDNN_FRONTEND_PYTHONS); do $$p -c 'import importlib.metadata as m, os; \
+      d = m.distribution("nvidia-cudnn-frontend"); print([os.path.dirname(str(d.locate_file(f))) for f in d.files \
+      if str(f).endswith("include/cudnn_frontend.h")][0])' 2>/dev/null && break; done)
+    # the frontend's headers also carry an engine that compiles kernels at run time with NVRTC (the
+    # toolkit's libnvrtc); we do not use it, but the linker resolves it
+    CUDNN_LIBS += -lnvrtc
+    ifeq ($(CUDNN_LIB_FROM),)
+      CUDNN_SKIPPED := cuDNN not found (cudnn.h and libcudnn.so in $(CUDNN_SYSTEM_DIRS) or the nvidia-cudnn-cu13 wheel)
+    else ifeq ($(wildcard $(CUDNN_FRONTEND_INC)/cudnn_frontend.h),)
+      CUDNN_SKIPPED := cuDNN found ($(CUDNN_LIB_FROM)) but not its C++ frontend (pip install nvidia-cudnn-frontend, or CUDNN_FRONTEND_INC=DIR)
+    else
+      CUDNN_OBJ   := build/cudnn/attention_cudnn.o
+      CUDNN_FLAGS := -DLLMC_HAVE_CUDNN $(CUDNN_INC_FLAGS)
+      $(info make: cuDNN found ($(CUDNN_LIB_FROM); frontend $(CUDNN_FRONTEND_INC)): attention through cuDNN SDPA by default)
+    endif
+  else
+    CUDNN_SKIPPED := CUDNN=0
+  endif
+  ifneq ($(CUDNN_SKIPPED),)
+    $(info make: $(CUDNN_SKIPPED): cuDNN attention SKIPPED, trainers default to LLMC_ATTENTION=gemm)
+  endif
   # MPI's flags for nvcc: include and library paths as they are, everything else to the host compiler
   MPI_NVCC_COMPILE := $(foreach f,$(MPI_COMPILE),$(if $(filter -I%,$(f)),$(f),-Xcompiler $(f)))
   MPI_NVCC_LINK    := $(foreach f,$(shell mpicxx --showme:link 2>/dev/null),$(if $(filter -L% -l%,$(f)),$(f),-Xcompiler $(f)))
   TRAIN_BUILD = $(NVCC) $(NVCC_FLAGS) $(if $(MPI_COMPILE),$(MPI_NVCC_COMPILE) -DLLMC_HAVE_MPI -DOMPI_SKIP_MPICXX -DMPICH_SKIP_MPICXX) \
-                $(NCCL_FLAGS) $< -o $@ $(NCCL_LIBS) $(if $(MPI_COMPILE),$(MPI_NVCC_LINK)) $(CUDA_LDLIBS)
+                $(NCCL_FLAGS) $(CUDNN_FLAGS) $< $(CUDNN_OBJ) -o $@ $(NCCL_LIBS) $(if $(CUDNN_OBJ),$(CUDNN_LIBS)) \
+                $(if $(MPI_COMPILE),$(MPI_NVCC_LINK)) $(CUDA_LDLIBS)
 endif
 
-.PHONY: all run run-smollm2 quality test test-suite check-deps test-c test-asan test-py cuda-compile-check cuda-resource-check print-nccl bench bench-cpu fuzz clean
+.PHONY: all run run-smollm2 quality test test-suite check-deps test-c test-asan test-py cuda-compile-check cuda-resource-check print-nccl print-cudnn bench bench-cpu fuzz clean
 
 # The configuration detected above (compilers and flags, MPI, nvcc and its version, NCCL, the CPU and
 # GPU architectures) in build/config.stamp, rewritten only when it changes. Every binary depends on
 # it (through HEADERS), so one built before the configuration changed is rebuilt, not reused: say
 # `make run` on a fresh machine built the trainers without MPI, then install_deps.sh added it.
 NVCC_VERSION := $(if $(NVCC),$(shell $(NVCC) --version | tail -n 1))
-BUILD_CONFIG := $(CXX) $(CFLAGS) $(LDLIBS) | nvcc $(NVCC) $(NVCC_VERSION) CUDA=$(CUDA) $(NVCC_FLAGS) | $(NCCL_FLAGS) $(NCCL_LIBS)
+BUILD_CONFIG := $(CXX) $(CFLAGS) $(LDLIBS) | nvcc $(NVCC) $(NVCC_VERSION) CUDA=$(CUDA) $(NVCC_FLAGS) | $(NCCL_FLAGS) $(NCCL_LIBS) \
+                | $(CUDNN_FLAGS) $(CUDNN_LIBS) $(CUDNN_FRONTEND_INC)
 CONFIG_STAMP := build/config.stamp
 # (`make print-nccl` only reports: the NCCL tests call it with other settings, which must not mark
 # every binary stale.)
-ifneq ($(MAKECMDGOALS),print-nccl)
+ifeq ($(filter print-nccl print-cudnn,$(MAKECMDGOALS)),)
 $(shell mkdir -p build && { [ "$$(cat $(CONFIG_STAMP) 2>/dev/null)" = '$(BUILD_CONFIG)' ] || printf '%s\n' '$(BUILD_CONFIG)' > $(CONFIG_STAMP); })
 endif
 HEADERS += $(CONFIG_STAMP)
@@ -104,12 +153,22 @@ all: train_llama train_vit
 build/test/llama_probe build/emu/llama_probe: train_llama.cu test/model/probe_common.h
 build/test/vit_probe build/emu/vit_probe: train_vit.cu test/model/probe_common.h
 
-train_llama train_vit: %: %.cu $(HEADERS)
+train_llama train_vit: %: %.cu $(HEADERS) $(CUDNN_OBJ)
 	$(TRAIN_BUILD)
+
+# cuDNN's attention, its own object. It holds no device code (the frontend builds descriptors on
+# the host and calls libcudnn, whose kernels are cuDNN's, for the GPU it finds), so the host
+# compiler builds it: nvcc would parse the frontend's headers once more per GPU_ARCH for nothing
+# (over 10 minutes on two cores); the trainers that call it are nvcc's, for every GPU_ARCH. It
+# depends on its own sources only, not on every header nor on build/config.stamp.
+build/cudnn/attention_cudnn.o: llmc/cuda/attention_cudnn.cu llmc/cuda/attention_cudnn.h llmc/common.h
+	@mkdir -p $(dir $@)
+	$(CXX) -O2 -std=gnu++17 -Wall -Wno-unused-function -Wno-unused-parameter -x c++ -I$(CUDA_INC) $(CUDNN_INC_FLAGS) \
+	  -I$(CUDNN_FRONTEND_INC) -c $< -o $@
 
 # The tests' own programs are build outputs, in build/test/: the model probes (built like their
 # trainer, so that nvcc builds them for a GPU too), the tokenizer and NF4 probes, the unit tests.
-build/test/llama_probe build/test/vit_probe: build/test/%: test/model/%.cu $(HEADERS)
+build/test/llama_probe build/test/vit_probe: build/test/%: test/model/%.cu $(HEADERS) $(CUDNN_OBJ)
 	@mkdir -p $(dir $@)
 	$(TRAIN_BUILD)
 
@@ -169,7 +228,10 @@ ifeq ($(NVCC),)
 	@echo "cuda-compile-check: nvcc not found, SKIPPED"
 else
 	@$(MAKE) --no-print-directory train_llama train_vit build/test/llama_probe build/test/vit_probe
-	@echo "cuda-compile-check: train_llama, train_vit and their probes built by nvcc for sm_$(GPU_ARCH)"
+	@echo "cuda-compile-check: train_llama, train_vit and their probes built by nvcc for sm_$(GPU_ARCH)$(if $(CUDNN_OBJ),, without cuDNN ($(CUDNN_SKIPPED)))"
+	@if [ -n "$(CUDNN_OBJ)" ]; then echo "cuda-compile-check: cuDNN attention ($(CUDNN_OBJ), host code) linked into the trainers for sm_$(GPU_ARCH)"; \
+	elif [ "$${CI:-}" = true ] && [ "$(CUDNN)" != 0 ]; then \
+	  echo "cuda-compile-check: FAILED: CI=true and nvcc present, but $(CUDNN_SKIPPED)"; exit 1; fi
 endif
 
 # check-deps first: on a machine without the suite's packages it installs them when it can (as root,
@@ -183,6 +245,14 @@ test-suite: test-c test-asan cuda-compile-check cuda-emu-check test-py
 
 check-deps:
 	@bash scripts/ci/check_deps.sh --install $(PYTHON)
+
+# Where cuDNN and its frontend come from, and how the trainers link them (test/tooling/test_cudnn_build.py).
+print-cudnn:
+	@echo "CUDNN_OBJ=$(CUDNN_OBJ)"
+	@echo "CUDNN_SKIPPED=$(CUDNN_SKIPPED)"
+	@echo "CUDNN_FLAGS=$(CUDNN_FLAGS)"
+	@echo "CUDNN_LIBS=$(CUDNN_LIBS)"
+	@echo "CUDNN_FRONTEND_INC=$(CUDNN_FRONTEND_INC)"
 
 # Where NCCL comes from and how the trainers compile and link it (test/tooling/test_nccl_wheel.py).
 print-nccl:

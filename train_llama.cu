@@ -121,6 +121,7 @@ typedef struct {
     int *inputs, *targets; // on the backend
     int *embed_order, *h_embed_order;  // --full: the batch's positions sorted by token (embedding_token_order)
     int* pos;              // position of each token within its (packed) example
+    int pos_restarts;      // the uploaded batch packs examples (a position is not its column): attention masks by pos
     float* mask;
     int *h_inputs, *h_targets, *h_pos;  // the batch as the loader writes it (host; == the above on the CPU)
     float* h_mask;
@@ -485,12 +486,18 @@ static void llama_bind(Llama* m) {
     if (m->embed_order) m->h_embed_order = (int*)backend_host_side(m->be, m->embed_order, sizeof(int) * N);
 }
 
+// Attention's document mask: the batch's positions when it packs examples, else NULL (the same
+// mask, and the only one cuDNN's attention takes: llmc/ops.h).
+static const int* llama_attention_pos(const Llama* m) { return m->pos_restarts ? m->pos : NULL; }
+
 // The first n tokens of the host batch to the backend.
 static void llama_upload_batch(Llama* m, int64_t n) {
     backend_upload(m->be, m->inputs, m->h_inputs, sizeof(int) * n);
     backend_upload(m->be, m->targets, m->h_targets, sizeof(int) * n);
     backend_upload(m->be, m->mask, m->h_mask, sizeof(float) * n);
     backend_upload(m->be, m->pos, m->h_pos, sizeof(int) * n);
+    m->pos_restarts = 0;  // positions 0..T-1 in every row: no document mask (cuDNN's attention can take it)
+    for (int64_t i = 0; i < n && !m->pos_restarts; i++) m->pos_restarts = m->h_pos[i] != i % m->T;
     if (m->embed_order) {
         embedding_token_order(m->h_embed_order, m->h_inputs, n);
         backend_upload(m->be, m->embed_order, m->h_embed_order, sizeof(int) * n);
@@ -913,7 +920,7 @@ static void block_forward(Llama* m, int l, void* x, BlockActs* a, int B, int T, 
     int64_t N = (int64_t)B * T, d = c->dim;
     int r = m->modes.rank;
     float s = m->modes.lora_scale;
-    AttnShape as = {B, T, c->heads, c->kv_heads, c->head_dim, 1, m->pos};
+    AttnShape as = {B, T, c->heads, c->kv_heads, c->head_dim, 1, llama_attention_pos(m)};
     if (a->x_in) op_copy(be, a->x_in, x, N * d);
     op_rmsnorm_forward(be, a->z1, a->r1, x, m->modes.ms ? NULL : layer->attn_norm, N, (int)d, c->norm_eps);
     llama_qk_forward(m, layer, a, T_Q, N, T);
@@ -1008,7 +1015,7 @@ static void block_backward(Llama* m, int l, BlockActs* a, const Recomputed* rc, 
     int64_t N = (int64_t)B * T, d = c->dim;
     int r = m->modes.rank;
     float s = m->modes.lora_scale;
-    AttnShape as = {B, T, c->heads, c->kv_heads, c->head_dim, 1, m->pos};
+    AttnShape as = {B, T, c->heads, c->kv_heads, c->head_dim, 1, llama_attention_pos(m)};
     const void* x_in = rc ? rc->block_input : a->x_in;
     // MLP, tile by tile: down, SwiGLU (exact or ReSiLU2), gate/up, MLP norm (recomputed first)
     llama_mlp_tiles(m, l, MLP_BACKWARD, rc ? rc->mlp_input : NULL, a, N);

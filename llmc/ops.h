@@ -26,6 +26,9 @@
 #include "cuda/activations.cuh"
 #include "cuda/attention.cuh"
 #include "cuda/attention_gemm.cuh"
+#ifdef LLMC_HAVE_CUDNN  // set by make when it links llmc/cuda/attention_cudnn.cu (never on the emulator)
+#include "cuda/attention_cudnn.h"
+#endif
 #include "cuda/matmul.cuh"
 #include "cuda/linear.cuh"
 #include "cuda/loss.cuh"
@@ -222,12 +225,60 @@ static void op_rope(const Backend* be, void* x, const float* cos_t, const float*
     rope_apply(F32(x), cos_t, sin_t, pos, N, T, nheads, hd, inverse);
 }
 
-// On CUDA, attention runs on tensor cores through batched GEMMs (llmc/cuda/attention_gemm.cuh)
-// when given `work` (op_attention_work_bytes, planned with the model), else with the fp32 flash
-// kernels of llmc/cuda/attention.cuh; LLMC_ATTENTION=flash in the environment forces the latter
-// (the first GPU sessions compare the two).
+// On CUDA, attention runs one of three ways, chosen by LLMC_ATTENTION in the environment:
+//   cudnn  cuDNN's fused flash attention (llmc/cuda/attention_cudnn.cu): the default in a build
+//          that links cuDNN (make's "cuDNN found" line); never on the CPU emulator, which cannot
+//          run cuDNN, so there an explicit LLMC_ATTENTION=cudnn is refused
+//   gemm   tensor-core batched GEMMs (llmc/cuda/attention_gemm.cuh): the default without cuDNN
+//   flash  the fp32 flash kernels of llmc/cuda/attention.cuh
+// Any other value is refused in one line. Under cudnn, a call cuDNN cannot take runs on gemm, and
+// the first such call says why in one line: packed examples (s.pos set: a document mask, which
+// this build does not map to cuDNN's ragged offsets), head dims it lacks, or a plan that wants more
+// workspace than was planned. The forward's lse is the same statistic on every path (cuDNN's
+// "Stats"), so a forward on one path and its backward on another agree.
+typedef enum { ATTN_CUDNN, ATTN_GEMM, ATTN_FLASH } AttnImpl;
+static const char* const attn_impl_names[] = {"cudnn", "gemm", "flash"};
+
+#ifdef LLMC_HAVE_CUDNN
+#define LLMC_CUDNN_BUILT 1
+#else
+#define LLMC_CUDNN_BUILT 0
+#endif
+
+// LLMC_ATTENTION, read once; bad values end the run with one line.
+static AttnImpl op_attention_impl(void) {
+    static int chosen = -1;
+    if (chosen >= 0) return (AttnImpl)chosen;
+    const char* e = getenv("LLMC_ATTENTION");
+    if (!e || !*e) chosen = LLMC_CUDNN_BUILT ? ATTN_CUDNN : ATTN_GEMM;
+    for (int i = 0; chosen < 0 && i < 3; i++)
+        if (strcmp(e, attn_impl_names[i]) == 0) chosen = i;
+    if (chosen < 0) fail("LLMC_ATTENTION=%s: expected cudnn, gemm or flash", e);
+    if (chosen == ATTN_CUDNN && !LLMC_CUDNN_BUILT)
+        fail("LLMC_ATTENTION=cudnn: this binary has no cuDNN (%s); use gemm or flash",
+#ifdef LLMC_CUDA_EMU
+             "the CPU emulator cannot run it"
+#else
+             "make did not find cuDNN and its frontend: see its 'make: cuDNN' line"
+#endif
+        );
+    return (AttnImpl)chosen;
+}
+
+// cuDNN's workspace is planned only while its bound stays within ATTN_CUDNN_PLAN_MAX: the bound
+// grows with the sequence (about 12 x heads x hd bytes per token: 48 KiB at Llama-3.1-8B, so
+// 1 GiB near 21k tokens), while the GEMM path's stays near ATTN_TILE_BYTES at any length. A longer
+// sequence plans the GEMM path's workspace alone and runs there (the cuDNN check at the first call
+// says so in one line), so that the longest contexts keep their memory; the first GPU run is to
+// say whether the limit should move.
+#define ATTN_CUDNN_PLAN_MAX ((size_t)1 << 30)
 static size_t op_attention_work_bytes(const Backend* be, AttnShape s) {
-    return be->cuda ? attn_gemm_work_bytes(&s, 1) : 0;  // also holds the flash backward's B*H*T row sums
+    if (!be->cuda) return 0;
+    size_t gemm = attn_gemm_work_bytes(&s, 1);  // also holds the flash backward's B*H*T row sums
+    // cudnn: its bound, and room for the GEMM path that takes what cuDNN cannot
+    size_t cudnn = op_attention_impl() == ATTN_CUDNN ? attn_cudnn_work_bound(&s) : 0;
+    if (cudnn > ATTN_CUDNN_PLAN_MAX) cudnn = 0;
+    return cudnn > gemm ? cudnn : gemm;
 }
 
 // Declares that workspace for shape s in the plan; returns its bytes. The CPU kernels take theirs
@@ -240,6 +291,23 @@ static size_t op_plan_attention_work(const Backend* be, MemPlan* p, AttnShape s,
     return bytes;
 }
 
+// The "attention:" line, once per process, at the first CUDA attention call (not at plan time:
+// --dry-run --json's stdout is the JSON alone): which path LLMC_ATTENTION selected.
+static void op_attention_announce(const Backend* be) {
+    static int told = 0;
+    if (!be->cuda || told++) return;
+    AttnImpl impl = op_attention_impl();
+    const char* env = getenv("LLMC_ATTENTION");
+#ifdef LLMC_HAVE_CUDNN
+    const char* built = attention_cudnn_version();  // the library loaded
+#else
+    const char* built = NULL;
+#endif
+    printf("attention: %s (LLMC_ATTENTION=%s; cudnn|gemm|flash)%s%s%s\n", attn_impl_names[impl],
+           env && *env ? env : "unset", built ? ", cuDNN " : ", no cuDNN in this build", built ? built : "",
+           impl == ATTN_CUDNN ? ", packed examples on gemm" : "");
+}
+
 // The planned workspace `work` of `bytes`, if shape s fits in it (generation's shorter windows, a
 // short last evaluation batch), else NULL: CUDA then uses the flash kernels, which need none in
 // the forward.
@@ -247,10 +315,20 @@ static void* op_attention_work_fitting(const Backend* be, AttnShape s, void* wor
     return op_attention_work_bytes(be, s) <= bytes ? work : NULL;
 }
 
-#ifdef LLMC_HAVE_CUDA
-static int op_attention_flash_forced(void) {
-    const char* e = getenv("LLMC_ATTENTION");
-    return e && strcmp(e, "flash") == 0;
+#ifdef LLMC_HAVE_CUDNN
+// Whether this call runs on cuDNN: selected, given the workspace, and a shape cuDNN takes within
+// it. The first refusal says why in one line (later ones are the same shapes: silent).
+static int op_attention_on_cudnn(const Backend* be, AttnShape s, void* work) {
+    if (op_attention_impl() != ATTN_CUDNN || !work) return 0;
+    const char* why = s.pos ? "packed examples (a document mask) are not mapped to cuDNN" : NULL;
+    CudnnAttnShape cs = {s.B, s.T, s.H, s.KVH, s.hd, s.causal};
+    int64_t need = why ? -1 : attention_cudnn_prepare(cs, &why);
+    if (!why && (size_t)need > op_attention_work_bytes(be, s)) why = "its plan wants more workspace than was planned";
+    static int told = 0;
+    if (why && !told++)
+        printf("attention: cudnn refused B=%d T=%d H=%d KVH=%d hd=%d (%s): gemm runs it\n", s.B, s.T, s.H, s.KVH,
+               s.hd, why);
+    return why == NULL;
 }
 #endif
 
@@ -260,7 +338,15 @@ static void op_attention_forward(const Backend* be, void* o, float* lse, const v
     PROF_SCOPE(be, "attention", "fwd", attn_flops(s, 2), attn_bytes(s, be->abytes, 4));
 #ifdef LLMC_HAVE_CUDA
     if (be->cuda) {
-        if (work && !op_attention_flash_forced())
+        op_attention_announce(be);
+#ifdef LLMC_HAVE_CUDNN
+        if (op_attention_on_cudnn(be, s, work)) {
+            CudnnAttnShape cs = {s.B, s.T, s.H, s.KVH, s.hd, s.causal};
+            attention_cudnn_forward(B16(o), lse, CB16(q), CB16(k), CB16(v), cs, work, be->stream);
+            return;
+        }
+#endif
+        if (work && op_attention_impl() != ATTN_FLASH)
             attention_forward_gemm_cuda(B16(o), lse, CB16(q), CB16(k), CB16(v), s, work, be->stream);
         else attention_forward_cuda(B16(o), lse, CB16(q), CB16(k), CB16(v), s, be->stream);
         return;
@@ -278,7 +364,15 @@ static void op_attention_backward(const Backend* be, void* dq, void* dk, void* d
 #ifdef LLMC_HAVE_CUDA
     if (be->cuda) {
         if (!work) fail("internal: the CUDA attention backward needs its planned workspace");
-        if (!op_attention_flash_forced())
+#ifdef LLMC_HAVE_CUDNN
+        if (op_attention_on_cudnn(be, s, work)) {
+            CudnnAttnShape cs = {s.B, s.T, s.H, s.KVH, s.hd, s.causal};
+            attention_cudnn_backward(B16(dq), B16(dk), B16(dv), CB16(dout), CB16(q), CB16(k), CB16(v), CB16(o), lse,
+                                     cs, work, be->stream);
+            return;
+        }
+#endif
+        if (op_attention_impl() != ATTN_FLASH)
             attention_backward_gemm_cuda(B16(dq), B16(dk), B16(dv), CB16(dout), CB16(q), CB16(k), CB16(v), CB16(o), lse,
                                          s, work, be->stream);
         else

@@ -128,3 +128,17 @@ static size_t attn_gemm_work_bytes(const AttnShape* s, int backward) {
     AttnWorkParts w = attn_gemm_work_parts(s);
     return w.S + w.P + w.o32 + w.ml + w.tables + w.dk32 + w.dv32 + w.D;
 }
+
+// The workspace cuDNN's fused attention (llmc/cuda/attention_cudnn.cu) is planned with. cuDNN says
+// what a plan needs only once the plan is built, and that needs the GPU (its heuristics ask the
+// device), while the memory plan is made before, in every build. So the plan holds this bound,
+// which covers what the FlashAttention-2 style backward keeps in fp32 (a dQ accumulator
+// [B, H, T, hd], dK and dV accumulators at up to H heads for grouped queries, two [B, H, T] row
+// statistics), each with T rounded up to a 128-row tile, plus 16 MiB for the engines' own
+// scratch. It is an upper estimate, not cuDNN's figure: at run time the built plan's own need
+// is compared with the planned bytes, and a larger one sends the shape to the GEMM path
+// (llmc/ops.h says so in one line). Not yet compared with cuDNN's figure on a GPU.
+static size_t attn_cudnn_work_bound(const AttnShape* s) {
+    int64_t t = (s->T + 127) / 128 * 128, bht = (int64_t)s->B * s->H * t;
+    return round_up(3 * bht * s->hd * 4, 256) + round_up(2 * bht * 4, 256) + ((size_t)16 << 20);
+}

