@@ -287,7 +287,8 @@ static size_t attention_scratch_bytes(AttnShape s, int threads) {
     int64_t csz = attn_cols_size(&s), rsz = attn_rows_size(&s), nbh = (int64_t)s.B * s.KVH;
     int64_t tile = (int64_t)ATT_BLOCK * s.T + (ATT_BLOCK + MM_MR) * ATT_KC;  // S and the packed A, per thread
     int64_t fwd = nbh * (csz + rsz) + threads * tile;
-    int per_kv = s.H / s.KVH * attn_backward_chunks(&s), units = s.B * s.H * attn_backward_chunks(&s);
+    int64_t chunks = attn_backward_chunks(&s), per_kv = (int64_t)(s.H / s.KVH) * chunks;
+    int64_t units = (int64_t)s.B * s.H * chunks;
     int64_t partials = per_kv > 1 ? 2 * (int64_t)s.T * s.hd * units : 0;
     int64_t bwd = nbh * (2 * csz + rsz) + partials + threads * (tile + (int64_t)ATT_BLOCK * s.T);
     return sizeof(float) * (size_t)(fwd > bwd ? fwd : bwd);
