@@ -24,6 +24,12 @@ typedef struct {
     int rank, world, local_rank;
     int local_size;        // ranks on this node (they share its host memory)
     int mpi;               // MPI was initialised by us
+    // --seq-parallel P (llmc/train/seq_parallel.h): consecutive ranks in groups of P share one
+    // sequence; sp = 0 or 1: off. sp_rank: this rank's place in its group (its slice of the tokens).
+    int sp, sp_rank;
+#ifdef LLMC_HAVE_MPI
+    MPI_Comm sp_comm;      // the group's communicator (MPI_COMM_NULL when off)
+#endif
 #ifdef LLMC_DIST_NCCL
     int has_nccl;          // `nccl` is live (dist_nccl_init ran), dist_finalize destroys it
     ncclComm_t nccl;
@@ -100,6 +106,48 @@ static void dist_allreduce_sum_f64(const Dist* d, double* x, int n) {
 #endif
 }
 
+// Sequence parallelism's groups: ranks sharing one sequence, and the data-parallel groups across them.
+static int dist_sp(const Dist* d) { return d && d->sp > 1 ? d->sp : 1; }
+static int dist_dp_rank(const Dist* d) { return d->rank / dist_sp(d); }
+static int dist_dp_world(const Dist* d) { return d->world / dist_sp(d); }
+
+// Splits the world into groups of P consecutive ranks sharing one sequence (--seq-parallel P); P
+// must divide the world size. Every rank calls it (MPI_Comm_split is collective).
+static void dist_seq_parallel_init(Dist* d, int P) {
+    if (P <= 1) return;
+    if (d->world % P != 0)
+        fail("flag --seq-parallel: %d does not divide the %d ranks launched (groups of P ranks share one sequence)", P,
+             d->world);
+    d->sp = P;
+    d->sp_rank = d->rank % P;
+#ifdef LLMC_HAVE_MPI
+    d->sp_comm = MPI_COMM_NULL;
+    if (d->world > 1) MPI_Comm_split(MPI_COMM_WORLD, d->rank / P, d->rank, &d->sp_comm);
+#endif
+}
+
+// Sums n doubles over this rank's sequence-parallel group (evaluation's loss over one sequence's slices).
+static void dist_sp_allreduce_sum_f64(const Dist* d, double* x, int n) {
+#ifdef LLMC_HAVE_MPI
+    if (dist_sp(d) > 1) MPI_Allreduce(MPI_IN_PLACE, x, n, MPI_DOUBLE, MPI_SUM, d->sp_comm);
+#else
+    (void)d; (void)x; (void)n;
+#endif
+}
+
+// All-to-all within the sequence-parallel group: block j (`bytes` bytes at send + j * bytes) goes
+// to group rank j, and group rank j's block for this rank lands at recv + j * bytes. Host memory.
+static void dist_sp_alltoall(const Dist* d, const void* send, void* recv, int64_t bytes) {
+#ifdef LLMC_HAVE_MPI
+    if (bytes > INT32_MAX) fail("sequence-parallel exchange of %lld bytes per rank is too large for one MPI call",
+                                (long long)bytes);
+    MPI_Alltoall(send, (int)bytes, MPI_BYTE, recv, (int)bytes, MPI_BYTE, d->sp_comm);
+#else
+    (void)d; (void)send; (void)recv; (void)bytes;
+    fail("internal: a sequence-parallel exchange in a binary built without MPI");
+#endif
+}
+
 // Refuses a job whose ranks were started differently: every rank sends its `line` (space-separated
 // "key=value" words: its flags, or its run's settings with the identity of its model and data),
 // and every rank names the first word where a rank differs from rank 0, before any collective
@@ -138,6 +186,9 @@ static void dist_barrier(const Dist* d) {
 }
 
 static void dist_finalize(Dist* d) {
+#ifdef LLMC_HAVE_MPI
+    if (d->sp > 1 && d->sp_comm != MPI_COMM_NULL) MPI_Comm_free(&d->sp_comm);
+#endif
 #ifdef LLMC_DIST_NCCL
     // Before MPI_Finalize: NCCL's teardown may still talk to the other ranks.
     if (d->has_nccl) { NCCL_CHECK(ncclCommDestroy(d->nccl)); d->has_nccl = 0; }
