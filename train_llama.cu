@@ -1424,7 +1424,9 @@ static void llama_dry_run(const LlamaConfig* cfg, const TrainOptions* o, TrainMo
     Llama m, base;
     llama_setup(&m, cfg, &md, o->batch, o->seq, &be, &ranks);
     TrainModes bm = train_baseline_modes(md);
-    llama_setup(&base, cfg, &bm, o->batch, o->seq, &be, NULL);
+    Dist base_ranks = dist_for_plan(NULL, 1);  // the baseline: no ZeRO-1, but the same share of each sequence
+    base_ranks.sp = ranks.sp;
+    llama_setup(&base, cfg, &bm, o->batch, o->seq, &be, &base_ranks);
     char json[512], header[256];
     llama_settings_json(json, sizeof(json), o, cpu ? "cpu" : "cuda");
     snprintf(header, sizeof(header), "train_llama dry run: d=%d f=%d layers=%d heads=%d kv_heads=%d vocab=%d, "
