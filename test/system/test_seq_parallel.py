@@ -171,3 +171,23 @@ def test_dry_run_plans_one_ranks_share():
         assert half["categories"][cat] == one["categories"][cat], cat
     p = launch(1, "--model", LLAMA, "--dry-run", "--seq", 64, "--device", "cpu", "--ranks", 3, "--seq-parallel", 2)
     refused(p, "--seq-parallel", "does not divide the 3 ranks planned")
+
+
+def test_stop_and_resume_equals_one_run(tmp_path):
+    # the same ranks, the same sums in the same order: a resumed run is bit-identical, and the
+    # saved state records P (a resume with another P would read the data in another order)
+    whole = train(tmp_path, "whole", 2, 2, TRAIN, "--seq-parallel", 2, "--lora-dropout", 0.2)
+    out = tmp_path / "resumed"
+
+    def flags(P, *extra):
+        return ["--model", LLAMA, "--data", TRAIN, "--steps", STEPS, "--batch", 2, "--seq", SEQ, "--lora-rank", 2,
+                "--lr", 1e-3, "--device", "cpu", "--seq-parallel", P, "--lora-dropout", 0.2, "--save-every", 2,
+                *extra]
+    p = launch(2, *flags(2, "--stop-at", 2, "--out", out))
+    assert p.returncode == 0, p.stderr[-2000:]
+    refused(launch(2, *flags(1, "--resume", out)), "seq_parallel")
+    p = launch(2, *flags(2, "--resume", out))
+    assert p.returncode == 0 and "resumed" in p.stdout, (p.stdout[-1000:], p.stderr[-2000:])
+    with open(out / "log.csv") as f:
+        resumed = [float(r["loss"]) for r in csv.DictReader(f) if r["loss"]]
+    assert resumed == whole["loss"], (resumed, whole["loss"])
