@@ -328,6 +328,7 @@ static void llama_plan_scratch(Llama* m, MemPlan* p) {
         plan_add(p, MEM_SCRATCH, "lora", -1, "lora_dropout_input", N * widest * abytes, &m->drop_work);
     }
     AttnShape as = {m->B, m->T, c->heads, c->kv_heads, c->head_dim, 1, NULL};
+    if (m->sp.P > 1) as = seqpar_attn_shape(&m->sp);  // whole sequences, this rank's heads
     m->att_work_bytes = op_plan_attention_work(be, p, as, &m->att_work);
     op_plan_matmul_workspace(be, p, &m->blas_work);
     plan_add(p, MEM_SCRATCH, "batch", -1, "inputs", N * 4, &m->inputs);
@@ -800,7 +801,7 @@ static void block_forward(Llama* m, int l, void* x, BlockActs* a, int B, int T, 
         op_copy(be, (char*)kv->v[l] + at, a->v, N * kvd);
         op_attention_cached(be, a->o, a->q, kv->k[l], kv->v[l], T, kv->len, c->heads, c->kv_heads, c->head_dim);
     } else if (m->sp.P > 1) {  // a->q, k, v, o keep the head layout; o_in is this rank's tokens
-        o_in = seqpar_attention_forward(&m->sp, be, a->o, a->lse, a->q, a->k, a->v, m->att_work);
+        o_in = seqpar_attention_forward(&m->sp, be, a->o, a->lse, a->q, a->k, a->v, m->att_work, m->att_work_bytes);
     } else {
         op_attention_forward(be, a->o, a->lse, a->q, a->k, a->v, as,
                              op_attention_work_fitting(be, as, m->att_work, m->att_work_bytes));
@@ -1527,7 +1528,7 @@ static void llama_flags(FlagTable* t, TrainOptions* o) {
     o->seq_parallel = 1;
     flag_int(t, "seq-parallel", &o->seq_parallel,
              "ranks per sequence: each holds 1/P of every sequence's tokens, attention exchanges heads (DeepSpeed "
-             "Ulysses); P divides the ranks, --seq, the heads and the key/value heads (CPU backend, LoRA)");
+             "Ulysses); P divides the ranks, --seq, the heads and the key/value heads (LoRA)");
     t->group = "model and data";
     flag_string(
         t, "export-merged", &o->export_merged,

@@ -1,7 +1,7 @@
 // seq_parallel.h: sequence parallelism (--seq-parallel P, in the style of DeepSpeed-Ulysses). Groups
 // of P consecutive ranks share one micro-batch: group rank g holds tokens [g n, (g+1) n) of its
 // B*T tokens (n = B*T / P, the flattened batch cut into P contiguous slices), so every activation
-// outside attention is 1/P of one process's. Around attention two all-to-alls switch q, k, v from
+// outside attention is 1/P of one process's. Around attention all-to-alls switch q, k, v from
 // "my tokens, all heads" [n, heads*hd] to "all tokens, my heads" [B*T, heads/P*hd] (group rank g's
 // heads g*heads/P ..), attention runs on whole sequences for those heads, and its output (and in
 // backward the gradients) go back the same way. Defines the group's state, its refusals, its
@@ -37,13 +37,12 @@ static void seqpar_check(const TrainOptions* o, int heads, int kv_heads, int qk_
         fail("flag --seq-parallel: %d does not divide the model's %d key/value heads (replicating them is not "
              "supported yet)", P, kv_heads);
     if (o->seq % P) fail("flag --seq-parallel: %d does not divide --seq %d", P, o->seq);
-    const char* no = strcmp(o->device, "cpu") != 0 ? "--device cuda"
-                     : strcmp(o->recompute, "none") != 0 ? "--recompute block"
+    const char* no = strcmp(o->recompute, "none") != 0 ? "--recompute block"
                      : o->generate                      ? "--generate"
                      : o->full                          ? "--full"
                      : qk_norm                          ? "a model with q/k norms (Qwen3)"
                                                         : NULL;
-    if (no) fail("flag --seq-parallel: not supported with %s yet (only the CPU backend's LoRA training)", no);
+    if (no) fail("flag --seq-parallel: not supported with %s yet (LoRA training only)", no);
 }
 
 // This rank's group and slice for micro-batches of B x T (T the whole sequence).
@@ -77,24 +76,50 @@ static AttnShape seqpar_attn_shape(const SeqPar* sp) {
     return s;
 }
 
+// The exchanges below work on host memory: the CPU backend's buffers as they are; on CUDA (a first
+// version: correct, not fast) through host copies of the tensor, made and sent back here.
+// The host view of a backend tensor of `bytes` (its copy on CUDA, after the queued kernels).
+static char* seqpar_host_view(const SeqPar* sp, const void* x, size_t bytes) {
+    if (!sp->be->cuda) return (char*)x;
+    backend_sync(sp->be);
+    char* h = (char*)xmalloc(bytes);
+    backend_download(sp->be, h, x, bytes);
+    return h;
+}
+
+// Ends a host view: on CUDA its contents go to the backend tensor x (when `back`) and the copy is freed.
+static void seqpar_host_done(const SeqPar* sp, void* x, char* h, size_t bytes, int back) {
+    if (!sp->be->cuda) return;
+    if (back) backend_upload(sp->be, x, h, bytes);
+    free(h);
+}
+
 // Token layout x [n, heads*hd] (heads = nh) to head layout, in place: [N, nh/P*hd] (same size).
 static void seqpar_to_heads(SeqPar* sp, void* x, int nh, const char* pass) {
     int64_t w = (int64_t)nh * sp->hd * sp->abytes, wp = w / sp->P, n = sp->n;  // row bytes, one rank's share
     PROF_SCOPE(sp->be, "all_to_all", pass, 0.0, 2.0 * n * w);
-    char *src = (char*)x, *pk = (char*)sp->work;
+    char* src = seqpar_host_view(sp, x, n * w);
+    char* pk = sp->be->cuda ? (char*)xmalloc(n * w) : (char*)sp->work;
     for (int j = 0; j < sp->P; j++)  // block j: every token of mine, group rank j's heads
         for (int64_t t = 0; t < n; t++) memcpy(pk + (j * n + t) * wp, src + t * w + j * wp, wp);
-    dist_sp_alltoall(sp->dist, pk, x, n * wp);
+    dist_sp_alltoall(sp->dist, pk, src, n * wp);
+    seqpar_host_done(sp, x, src, n * w, 1);
+    if (sp->be->cuda) free(pk);
 }
 
 // Head layout x [N, nh/P*hd] to token layout dst [n, nh*hd] (dst may be x).
 static void seqpar_to_tokens(SeqPar* sp, const void* x, void* dst, int nh, const char* pass) {
     int64_t w = (int64_t)nh * sp->hd * sp->abytes, wp = w / sp->P, n = sp->n;
     PROF_SCOPE(sp->be, "all_to_all", pass, 0.0, 2.0 * n * w);
-    char *pk = (char*)sp->work, *out = (char*)dst;
-    dist_sp_alltoall(sp->dist, x, pk, n * wp);  // block j: group rank j's tokens, my heads
+    char* src = seqpar_host_view(sp, x, n * w);
+    char* pk = sp->be->cuda ? (char*)xmalloc(n * w) : (char*)sp->work;
+    dist_sp_alltoall(sp->dist, src, pk, n * wp);  // block j: group rank j's tokens, my heads
+    seqpar_host_done(sp, (void*)x, src, n * w, 0);
+    char* out = sp->be->cuda ? (char*)xmalloc(n * w) : (char*)dst;
     for (int j = 0; j < sp->P; j++)
         for (int64_t t = 0; t < n; t++) memcpy(out + t * w + j * wp, pk + (j * n + t) * wp, wp);
+    seqpar_host_done(sp, dst, out, n * w, 1);
+    if (sp->be->cuda) free(pk);
 }
 
 // Attention over the group's sequences. On entry q [n, heads*hd], k, v [n, kv_heads*hd] hold this
@@ -102,12 +127,12 @@ static void seqpar_to_tokens(SeqPar* sp, const void* x, void* dst, int nh, const
 // [N, heads/P*hd] and lse [B, heads/P, T] are this rank's heads, and the result, o in token layout
 // [n, heads*hd], is sp->tok.
 static void* seqpar_attention_forward(SeqPar* sp, const Backend* be, void* o, float* lse, void* q, void* k, void* v,
-                                      void* att_work) {
-    if (be->cuda) fail("internal: --seq-parallel's exchanges run on the CPU backend only");
+                                      void* att_work, size_t att_work_bytes) {
     seqpar_to_heads(sp, q, sp->heads, "fwd");
     seqpar_to_heads(sp, k, sp->kv_heads, "fwd");
     seqpar_to_heads(sp, v, sp->kv_heads, "fwd");
-    op_attention_forward(be, o, lse, q, k, v, seqpar_attn_shape(sp), att_work);
+    AttnShape as = seqpar_attn_shape(sp);
+    op_attention_forward(be, o, lse, q, k, v, as, op_attention_work_fitting(be, as, att_work, att_work_bytes));
     seqpar_to_tokens(sp, o, sp->tok, sp->heads, "fwd");
     return sp->tok;
 }

@@ -141,14 +141,10 @@ def refused(p, *needles):
     (1, ["--seq-parallel", 0], ["--seq-parallel", "expected >= 1"]),
     (2, ["--seq-parallel", 2, "--recompute", "block"], ["--seq-parallel", "--recompute block"]),
     (2, ["--seq-parallel", 2, "--full"], ["--seq-parallel", "--full"]),
+    (2, ["--seq-parallel", 2, "--generate", 4], ["--seq-parallel", "--generate"]),
 ])
 def test_bad_values_are_refused_in_one_line(np_, extra, needles):
     refused(launch(np_, *base_flags(*extra)), *needles)
-
-
-def test_cuda_is_refused_until_wired():
-    p = launch(1, *base_flags("--seq-parallel", 2, "--device", "cuda"))
-    refused(p, "--seq-parallel", "--device cuda")
 
 
 def dry_json(*extra):
