@@ -37,11 +37,7 @@ static void seqpar_check(const TrainOptions* o, int heads, int kv_heads, int qk_
         fail("flag --seq-parallel: %d does not divide the model's %d key/value heads (replicating them is not "
              "supported yet)", P, kv_heads);
     if (o->seq % P) fail("flag --seq-parallel: %d does not divide --seq %d", P, o->seq);
-    const char* no = strcmp(o->recompute, "none") != 0 ? "--recompute block"
-                     : o->generate                      ? "--generate"
-                     : o->full                          ? "--full"
-                     : qk_norm                          ? "a model with q/k norms (Qwen3)"
-                                                        : NULL;
+    const char* no = o->generate ? "--generate" : qk_norm ? "a model with q/k norms (Qwen3)" : NULL;
     if (no) fail("flag --seq-parallel: not supported with %s yet (LoRA training only)", no);
 }
 
