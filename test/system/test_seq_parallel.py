@@ -106,9 +106,10 @@ def test_two_ranks_match_one_process_gqa_with_dropout_and_validation(tmp_path):
 
 def test_two_by_two_ranks_match_one_process_on_packed_examples(tmp_path, packed):
     # 4 ranks: 2 data-parallel groups of 2 (--batch 2 each) against one process with both groups'
-    # batch (--batch 4: the loader hands rank r of world w the windows r*B.. of the global batch)
-    single = train(tmp_path, "single", 1, 4, packed, "--lora-dropout", 0.1)
-    split = train(tmp_path, "split", 4, 2, packed, "--seq-parallel", 2, "--lora-dropout", 0.1)
+    # batch (--batch 4: the loader hands rank r of world w the windows r*B.. of the global batch),
+    # each accumulating 2 micro-batches (dropout's rows: micro-batch k of every group before k + 1)
+    single = train(tmp_path, "single", 1, 4, packed, "--lora-dropout", 0.1, "--grad-accum", 2)
+    split = train(tmp_path, "split", 4, 2, packed, "--seq-parallel", 2, "--lora-dropout", 0.1, "--grad-accum", 2)
     assert_equivalent(single, split)
 
 
