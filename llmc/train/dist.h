@@ -33,6 +33,8 @@ typedef struct {
 #ifdef LLMC_DIST_NCCL
     int has_nccl;          // `nccl` is live (dist_nccl_init ran), dist_finalize destroys it
     ncclComm_t nccl;
+    int has_sp_nccl;       // --seq-parallel: `sp_nccl` is the group's communicator (split from `nccl`)
+    ncclComm_t sp_nccl;
 #endif
 } Dist;
 
@@ -191,6 +193,7 @@ static void dist_finalize(Dist* d) {
 #endif
 #ifdef LLMC_DIST_NCCL
     // Before MPI_Finalize: NCCL's teardown may still talk to the other ranks.
+    if (d->has_sp_nccl) { NCCL_CHECK(ncclCommDestroy(d->sp_nccl)); d->has_sp_nccl = 0; }
     if (d->has_nccl) { NCCL_CHECK(ncclCommDestroy(d->nccl)); d->has_nccl = 0; }
 #endif
 #ifdef LLMC_HAVE_MPI
@@ -220,6 +223,10 @@ static void dist_nccl_init(Dist* d) {
 #endif
     NCCL_CHECK(ncclCommInitRank(&d->nccl, d->world, id, d->rank));
     d->has_nccl = 1;
+    if (d->sp > 1 && d->world > 1) {  // the sequence-parallel group's exchanges (dist_sp_alltoall_device)
+        NCCL_CHECK(ncclCommSplit(d->nccl, d->rank / d->sp, d->rank, &d->sp_nccl, NULL));
+        d->has_sp_nccl = 1;
+    }
 #else
     (void)d;
 #endif
@@ -355,6 +362,34 @@ static void dist_allgather_device(const Dist* d, void* full, int64_t shard, int 
     CUDA_CHECK(cudaMemcpyAsync(full, h, n, cudaMemcpyHostToDevice, stream));
     CUDA_CHECK(cudaStreamSynchronize(stream));
     free(h);
+#endif
+}
+
+// Whether the sequence-parallel group exchanges device memory through NCCL (else host copies and MPI).
+static int dist_sp_has_nccl(const Dist* d) {
+#ifdef LLMC_DIST_NCCL
+    return d && d->has_sp_nccl;
+#else
+    (void)d;
+    return 0;
+#endif
+}
+
+// dist_sp_alltoall on device memory, through NCCL in stream order (dist_sp_has_nccl): grouped sends
+// and receives, block j of `bytes` to and from group rank j. All sends are posted before the receives.
+static void dist_sp_alltoall_device(const Dist* d, const void* send, void* recv, int64_t bytes, cudaStream_t stream) {
+#ifdef LLMC_DIST_NCCL
+    if (bytes % 2) fail("internal: sequence-parallel exchange of %lld bytes (bf16 values expected)", (long long)bytes);
+    size_t count = (size_t)bytes / 2;  // as bf16 values: the bytes move unchanged
+    NCCL_CHECK(ncclGroupStart());
+    for (int j = 0; j < d->sp; j++)
+        NCCL_CHECK(ncclSend((const char*)send + j * bytes, count, ncclBfloat16, j, d->sp_nccl, stream));
+    for (int j = 0; j < d->sp; j++)
+        NCCL_CHECK(ncclRecv((char*)recv + j * bytes, count, ncclBfloat16, j, d->sp_nccl, stream));
+    NCCL_CHECK(ncclGroupEnd());
+#else
+    (void)d; (void)send; (void)recv; (void)bytes; (void)stream;
+    fail("internal: a device all-to-all without NCCL");
 #endif
 }
 

@@ -72,8 +72,8 @@ static AttnShape seqpar_attn_shape(const SeqPar* sp) {
     return s;
 }
 
-// The exchanges below work on host memory: the CPU backend's buffers as they are; on CUDA (a first
-// version: correct, not fast) through host copies of the tensor, made and sent back here.
+// Without NCCL the exchanges work on host memory: the CPU backend's buffers as they are; on CUDA
+// (correct, not fast) through host copies of the tensor, made and sent back here.
 // The host view of a backend tensor of `bytes` (its copy on CUDA, after the queued kernels).
 static char* seqpar_host_view(const SeqPar* sp, const void* x, size_t bytes) {
     if (!sp->be->cuda) return (char*)x;
@@ -90,10 +90,30 @@ static void seqpar_host_done(const SeqPar* sp, void* x, char* h, size_t bytes, i
     free(h);
 }
 
+// With NCCL (the CUDA backend; LLMC_NCCL=0 turns it off) the exchanges stay on the device: packed
+// and unpacked by pitched copies in stream order, sent by grouped ncclSend/ncclRecv.
+static int seqpar_on_device(const SeqPar* sp) {
+#ifdef LLMC_HAVE_CUDA
+    return sp->be->cuda && dist_sp_has_nccl(sp->dist);
+#else
+    (void)sp;
+    return 0;
+#endif
+}
+
 // Token layout x [n, heads*hd] (heads = nh) to head layout, in place: [N, nh/P*hd] (same size).
 static void seqpar_to_heads(SeqPar* sp, void* x, int nh, const char* pass) {
     int64_t w = (int64_t)nh * sp->hd * sp->abytes, wp = w / sp->P, n = sp->n;  // row bytes, one rank's share
     PROF_SCOPE(sp->be, "all_to_all", pass, 0.0, 2.0 * n * w);
+#ifdef LLMC_HAVE_CUDA
+    if (seqpar_on_device(sp)) {
+        for (int j = 0; j < sp->P; j++)  // block j [n, wp]: every token of mine, group rank j's heads
+            CUDA_CHECK(cudaMemcpy2DAsync((char*)sp->work + j * n * wp, wp, (char*)x + j * wp, w, wp, n,
+                                         cudaMemcpyDeviceToDevice, sp->be->stream));
+        dist_sp_alltoall_device(sp->dist, sp->work, x, n * wp, sp->be->stream);
+        return;
+    }
+#endif
     char* src = seqpar_host_view(sp, x, n * w);
     char* pk = sp->be->cuda ? (char*)xmalloc(n * w) : (char*)sp->work;
     for (int j = 0; j < sp->P; j++)  // block j: every token of mine, group rank j's heads
@@ -107,6 +127,15 @@ static void seqpar_to_heads(SeqPar* sp, void* x, int nh, const char* pass) {
 static void seqpar_to_tokens(SeqPar* sp, const void* x, void* dst, int nh, const char* pass) {
     int64_t w = (int64_t)nh * sp->hd * sp->abytes, wp = w / sp->P, n = sp->n;
     PROF_SCOPE(sp->be, "all_to_all", pass, 0.0, 2.0 * n * w);
+#ifdef LLMC_HAVE_CUDA
+    if (seqpar_on_device(sp)) {
+        dist_sp_alltoall_device(sp->dist, x, sp->work, n * wp, sp->be->stream);
+        for (int j = 0; j < sp->P; j++)
+            CUDA_CHECK(cudaMemcpy2DAsync((char*)dst + j * wp, w, (char*)sp->work + j * n * wp, wp, wp, n,
+                                         cudaMemcpyDeviceToDevice, sp->be->stream));
+        return;
+    }
+#endif
     char* src = seqpar_host_view(sp, x, n * w);
     char* pk = sp->be->cuda ? (char*)xmalloc(n * w) : (char*)sp->work;
     dist_sp_alltoall(sp->dist, src, pk, n * wp);  // block j: group rank j's tokens, my heads

@@ -1,8 +1,9 @@
 """--seq-parallel on the CUDA backend (issue 26; llmc/train/seq_parallel.h), on the CPU emulator:
 two ranks sharing each sequence against one process with the same batch, with LoRA dropout and
-validation (the demo's 4 query and 2 key/value heads: one key/value head per rank). On CUDA the
-exchanges go through host copies and MPI (a first version, correct, not fast); the gradients are
-summed by the (emulated) NCCL all-reduce. Needs two GPUs on real hardware: not yet run on a GPU."""
+validation (the demo's 4 query and 2 key/value heads: one key/value head per rank). The exchanges
+run on the device through grouped ncclSend/ncclRecv (emulated over MPI: llmc/cuda/emu/emu_nccl.h),
+or with LLMC_NCCL=0 through host copies and MPI; both must give the same result. Needs two GPUs on
+real hardware: not yet run on a GPU."""
 import csv
 import os
 
@@ -37,11 +38,15 @@ def log_rows(out):
             [float(r["val_loss"]) for r in rows if r["val_loss"]])
 
 
-def test_cuda_two_ranks_sharing_each_sequence_equal_one_process(tmp_path):
+@pytest.mark.parametrize("how,env", [("NCCL", {}), ("MPI via host", {"LLMC_NCCL": "0"})])
+def test_cuda_two_ranks_sharing_each_sequence_equal_one_process(tmp_path, how, env):
     if GPU:
         pytest.skip("needs two GPUs")
     run([need(CUDA_TRAIN)] + ARGS + ["--out", tmp_path / "one"])
-    mpirun(2, CUDA_TRAIN, [str(a) for a in ARGS] + ["--seq-parallel", "2", "--out", str(tmp_path / "two")])
+    p = mpirun(2, CUDA_TRAIN, [str(a) for a in ARGS] + ["--seq-parallel", "2", "--out", str(tmp_path / "two"),
+                                                       "--profile"], env=env)
+    assert f"gradients across ranks: {how}" in p.stdout, p.stdout[-2000:]
+    assert "all_to_all" in p.stdout  # the exchanges' own row in the profile
     (l1, n1, v1), (l2, n2, v2) = log_rows(tmp_path / "one"), log_rows(tmp_path / "two")
     assert len(l1) == len(l2) == 4 and len(v1) == len(v2) == 3, (l1, l2, v1, v2)
     assert abs(l1[0] - l2[0]) <= STEP1_LOSS_ABS and abs(v1[0] - v2[0]) <= STEP1_LOSS_ABS, (l1, l2, v1, v2)
