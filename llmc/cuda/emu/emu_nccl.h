@@ -344,7 +344,8 @@ static ncclResult_t emu_nccl_p2p(const char* call, int kind, const void* send, v
         return emu_nccl_fail(ncclInvalidUsage, "%s: outside ncclGroupStart/ncclGroupEnd (the all-to-all needs a "
                              "group, or the ranks deadlock)", call);
     size_t bytes = count * emu_nccl_elem_bytes(type);
-    if (bytes > (1u << 30)) return emu_nccl_fail(ncclInvalidArgument, "%s: %zu bytes is beyond the emulation", call, bytes);
+    if (bytes > (1u << 30))
+        return emu_nccl_fail(ncclInvalidArgument, "%s: %zu bytes is beyond the emulation", call, bytes);
     static char nothing;
     emu_nccl_issue(st, call, send ? send : &nothing, send ? bytes : 0, send ? (void*)&nothing : recv, send ? 0 : bytes,
                    [=](EmuNcclFlight* f) {
