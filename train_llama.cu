@@ -31,6 +31,7 @@
 #include "llmc/backend.h"
 #include "llmc/ops.h"
 #include "llmc/train/fit.h"
+#include "llmc/train/seq_parallel.h"
 #include "llmc/nf4.h"
 #include "llmc/formats/bnb.h"
 #include "llmc/models/llama_family.h"
@@ -86,8 +87,9 @@ typedef struct {
     LlamaConfig cfg;
     TrainModes modes;
     const Backend* be;
-    int B, T;              // planned micro-batch shape
+    int B, T;              // planned micro-batch shape (T: this rank's tokens of each under --seq-parallel)
     int64_t mlp_tile;      // tokens per MLP tile (llama_mlp_tile_rows): rows of the wide intermediates not kept
+    SeqPar sp;             // --seq-parallel: the group sharing each sequence (sp.T the whole sequence), else P = 1
     void* embed;           // [V, d]
     void* final_norm;      // [d] (kept standard: the head is tied to the embedding)
     void* lm_head;         // [V, d] (== embed when tied)
@@ -372,12 +374,14 @@ static void llama_plan_scratch(Llama* m, MemPlan* p) {
         plan_add(p, MEM_SCRATCH, "lora", -1, "lora_dropout_input", largest * abytes, &m->drop_work);
     }
     AttnShape as = {m->B, m->T, c->heads, c->kv_heads, c->head_dim, 1, NULL};
+    if (m->sp.P > 1) as = seqpar_attn_shape(&m->sp);  // whole sequences, this rank's heads
     m->att_work_bytes = op_plan_attention_work(be, p, as, &m->att_work);
     op_plan_matmul_workspace(be, p, &m->blas_work);
     plan_add(p, MEM_SCRATCH, "batch", -1, "inputs", N * 4, &m->inputs);
     plan_add(p, MEM_SCRATCH, "batch", -1, "targets", N * 4, &m->targets);
     plan_add(p, MEM_SCRATCH, "batch", -1, "mask", N * 4, &m->mask);
     plan_add(p, MEM_SCRATCH, "batch", -1, "pos", N * 4, &m->pos);
+    seqpar_plan(&m->sp, p);
     if (m->modes.full) plan_add(p, MEM_SCRATCH, "batch", -1, "embed_order", N * 4, &m->embed_order);
     m->loss_chunk = (int)lm_head_chunk(N, V);
     op_plan_lm_head_loss(be, p, &m->loss, m->loss_chunk, d, V);
@@ -399,8 +403,8 @@ static void llama_plan(Llama* m, MemPlan* p) {
     p->blocks = c->layers;
     p->recomputed = m->modes.recompute_block;
     llama_plan_weights(m, p);
-    plan_add(p, MEM_SCRATCH, "rope", -1, "rope_cos", m->T * (c->head_dim / 2) * 4, &m->rope_cos);
-    plan_add(p, MEM_SCRATCH, "rope", -1, "rope_sin", m->T * (c->head_dim / 2) * 4, &m->rope_sin);
+    plan_add(p, MEM_SCRATCH, "rope", -1, "rope_cos", m->sp.T * (c->head_dim / 2) * 4, &m->rope_cos);
+    plan_add(p, MEM_SCRATCH, "rope", -1, "rope_sin", m->sp.T * (c->head_dim / 2) * 4, &m->rope_sin);
     for (int l = 0; l < c->layers; l++) llama_plan_block(m, p, l);
     llama_plan_scratch(m, p);
 }
@@ -483,6 +487,7 @@ static void llama_bind(Llama* m) {
     m->h_targets = (int*)backend_host_side(m->be, m->targets, sizeof(int) * N);
     m->h_pos = (int*)backend_host_side(m->be, m->pos, sizeof(int) * N);
     m->h_mask = (float*)backend_host_side(m->be, m->mask, sizeof(float) * N);
+    if (m->sp.P > 1) m->sp.h_pos = (int*)backend_host_side(m->be, m->sp.pos, sizeof(int) * m->sp.N);
     if (m->embed_order) m->h_embed_order = (int*)backend_host_side(m->be, m->embed_order, sizeof(int) * N);
 }
 
@@ -498,6 +503,7 @@ static void llama_upload_batch(Llama* m, int64_t n) {
     backend_upload(m->be, m->pos, m->h_pos, sizeof(int) * n);
     m->pos_restarts = 0;  // positions 0..T-1 in every row: no document mask (cuDNN's attention can take it)
     for (int64_t i = 0; i < n && !m->pos_restarts; i++) m->pos_restarts = m->h_pos[i] != i % m->T;
+    if (m->sp.P > 1) backend_upload(m->be, m->sp.pos, m->sp.h_pos, sizeof(int) * m->sp.N);
     if (m->embed_order) {
         embedding_token_order(m->h_embed_order, m->h_inputs, n);
         backend_upload(m->be, m->embed_order, m->h_embed_order, sizeof(int) * n);
@@ -514,8 +520,9 @@ static void llama_setup(Llama* m, const LlamaConfig* cfg, const TrainModes* mode
     m->cfg = *cfg;
     m->modes = *modes;
     m->B = B;
-    m->T = T;
-    m->mlp_tile = llama_mlp_tile_rows(modes->mlp_tile, (int64_t)B * T, cfg->hidden);
+    seqpar_setup(&m->sp, dist, be, B, T, cfg->heads, cfg->kv_heads, cfg->head_dim);
+    m->T = T / m->sp.P;  // this rank's slice of each sequence (the whole batch's N / P tokens)
+    m->mlp_tile = llama_mlp_tile_rows(modes->mlp_tile, (int64_t)B * m->T, cfg->hidden);
     m->layers = (LlamaLayer*)xcalloc(cfg->layers, sizeof(LlamaLayer));
     m->acts = (BlockActs*)xcalloc(cfg->layers, sizeof(BlockActs));
     m->block_input = (void**)xcalloc(cfg->layers, sizeof(void*));
@@ -541,6 +548,7 @@ static void llama_free(Llama* m) {
         backend_free_host_side(m->be, m->h_inputs); backend_free_host_side(m->be, m->h_targets);
         backend_free_host_side(m->be, m->h_pos); backend_free_host_side(m->be, m->h_mask);
         backend_free_host_side(m->be, m->h_embed_order);
+        if (m->sp.h_pos) backend_free_host_side(m->be, m->sp.h_pos);
         op_detach_matmul_workspace(m->be, m->blas_work);
         if (m->modes.offload_host) offload_free(&m->offload);
         backend_free_plan(m->be, &m->plan);
@@ -754,8 +762,9 @@ static void llama_random_weights(Llama* m, uint64_t seed) {
 static void llama_rope_tables(Llama* m) {
     const LlamaConfig* c = &m->cfg;
     int half = c->head_dim / 2;
-    float* cs = (float*)xmalloc(sizeof(float) * 2 * m->T * half);
-    float* sn = cs + (int64_t)m->T * half;
+    int T = m->sp.T;  // every position of the whole sequence (a sequence-parallel rank's slice starts past 0)
+    float* cs = (float*)xmalloc(sizeof(float) * 2 * T * half);
+    float* sn = cs + (int64_t)T * half;
     for (int i = 0; i < half; i++) {
         double inv = pow((double)c->rope_theta, -2.0 * i / c->head_dim);
         if (c->rope_llama3) {
@@ -767,13 +776,13 @@ static void llama_rope_tables(Llama* m) {
                 inv = (1.0 - smooth) * inv / c->rs_factor + smooth * inv;
             }
         }
-        for (int t = 0; t < m->T; t++) {
+        for (int t = 0; t < T; t++) {
             cs[t * half + i] = (float)cos(t * inv);
             sn[t * half + i] = (float)sin(t * inv);
         }
     }
-    backend_upload(m->be, m->rope_cos, cs, sizeof(float) * m->T * half);
-    backend_upload(m->be, m->rope_sin, sn, sizeof(float) * m->T * half);
+    backend_upload(m->be, m->rope_cos, cs, sizeof(float) * T * half);
+    backend_upload(m->be, m->rope_sin, sn, sizeof(float) * T * half);
     free(cs);
 }
 
@@ -921,6 +930,7 @@ static void block_forward(Llama* m, int l, void* x, BlockActs* a, int B, int T, 
     int r = m->modes.rank;
     float s = m->modes.lora_scale;
     AttnShape as = {B, T, c->heads, c->kv_heads, c->head_dim, 1, llama_attention_pos(m)};
+    const void* o_in = a->o;  // the o projection's input (token layout)
     if (a->x_in) op_copy(be, a->x_in, x, N * d);
     op_rmsnorm_forward(be, a->z1, a->r1, x, m->modes.ms ? NULL : layer->attn_norm, N, (int)d, c->norm_eps);
     llama_qk_forward(m, layer, a, T_Q, N, T);
@@ -931,11 +941,13 @@ static void block_forward(Llama* m, int l, void* x, BlockActs* a, int B, int T, 
         op_copy(be, (char*)kv->k[l] + at, a->k, N * kvd);
         op_copy(be, (char*)kv->v[l] + at, a->v, N * kvd);
         op_attention_cached(be, a->o, a->q, kv->k[l], kv->v[l], T, kv->len, c->heads, c->kv_heads, c->head_dim);
+    } else if (m->sp.P > 1) {  // a->q, k, v, o keep the head layout; o_in is this rank's tokens
+        o_in = seqpar_attention_forward(&m->sp, be, a->o, a->lse, a->q, a->k, a->v, m->att_work, m->att_work_bytes);
     } else {
         op_attention_forward(be, a->o, a->lse, a->q, a->k, a->v, as,
                              op_attention_work_fitting(be, as, m->att_work, m->att_work_bytes));
     }
-    op_linear_forward(be, x, a->o, &layer->lin[T_O], a->ax[T_O], N, r, s, OUT_ADD);
+    op_linear_forward(be, x, o_in, &layer->lin[T_O], a->ax[T_O], N, r, s, OUT_ADD);
     if (part == BLOCK_WHOLE) llama_mlp_tiles(m, l, MLP_FORWARD, x, a, N);
 }
 
@@ -1020,12 +1032,16 @@ static void block_backward(Llama* m, int l, BlockActs* a, const Recomputed* rc, 
     // MLP, tile by tile: down, SwiGLU (exact or ReSiLU2), gate/up, MLP norm (recomputed first)
     llama_mlp_tiles(m, l, MLP_BACKWARD, rc ? rc->mlp_input : NULL, a, N);
     // attention: o-proj, attention, RoPE, q/k/v, attention norm
-    op_linear_backward(be, m->dout, m->dres, a->o, a->ax[T_O], &layer->lin[T_O], m->dax, N, r, s, OUT_WRITE);
+    const void* o_in = m->sp.P > 1 ? seqpar_attention_output(&m->sp, a->o) : a->o;
+    op_linear_backward(be, m->dout, m->dres, o_in, a->ax[T_O], &layer->lin[T_O], m->dax, N, r, s, OUT_WRITE);
     if (llama_qk_norm_ms(m) && !m->modes.recompute_block) {  // (a recomputed block has just built them)
         llama_qk_rebuild(m, layer, a, T_Q, N, T);
         llama_qk_rebuild(m, layer, a, T_K, N, T);
     }
-    op_attention_backward(be, m->dq, m->dk, m->dv, m->dout, a->q, a->k, a->v, a->o, a->lse, as, m->att_work);
+    if (m->sp.P > 1)
+        seqpar_attention_backward(&m->sp, be, m->dq, m->dk, m->dv, m->dout, a->q, a->k, a->v, a->o, a->lse,
+                                  m->att_work);
+    else op_attention_backward(be, m->dq, m->dk, m->dv, m->dout, a->q, a->k, a->v, a->o, a->lse, as, m->att_work);
     op_rope(be, m->dq, m->rope_cos, m->rope_sin, m->pos, N, T, c->heads, c->head_dim, ROPE_INVERSE);
     op_rope(be, m->dk, m->rope_cos, m->rope_sin, m->pos, N, T, c->kv_heads, c->head_dim, ROPE_INVERSE);
     op_linear_backward(be, m->dz, llama_qk_norm_backward(m, layer, a, T_Q, m->dq, N), a->z1, a->ax[T_Q],
@@ -1109,19 +1125,23 @@ static double count_mask(const float* mask, int64_t n) {
 // unmasked tokens of the whole global step, counted before any forward pass, so accumulation and
 // data parallelism both equal one big batch; gradients are summed across ranks before clipping,
 // so the norm is the global one and every rank applies the same update.
+// Under --seq-parallel each group of P ranks reads the same micro-batches (data parallelism runs
+// across groups) and each rank trains its slice; the mask is counted on the slices, so the sum
+// over the world is still every target of the global step.
 static StepResult llama_train_step(Llama* m, TextLoader* loader, const TrainOptions* o, const Dist* dist, int step) {
-    int B = m->B, T = m->T, K = o->grad_accum;
-    int64_t N = (int64_t)B * T;
+    int B = m->B, K = o->grad_accum;
+    int64_t N = m->sp.N, n = m->sp.n;  // the whole micro-batch's tokens, this rank's (N without --seq-parallel)
     int* in_all = (int*)xmalloc(sizeof(int) * N * K);
     int* tg_all = (int*)xmalloc(sizeof(int) * N * K);
     float* mk_all = (float*)xmalloc(sizeof(float) * N * K);
     int* pos_all = (int*)xmalloc(sizeof(int) * N * K);
     ProfMark pd = prof_start(m->be->prof);
     for (int k = 0; k < K; k++)
-        loader_next(loader, B, dist->rank, dist->world, in_all + k * N, tg_all + k * N, mk_all + k * N,
-                    pos_all + k * N);
+        loader_next(loader, B, dist_dp_rank(dist), dist_dp_world(dist), in_all + k * N, tg_all + k * N,
+                    mk_all + k * N, pos_all + k * N);
     prof_stop(m->be->prof, pd, "data", "step", 0.0, (double)N * K * 13);
-    double total = count_mask(mk_all, N * K);
+    double total = 0.0;
+    for (int k = 0; k < K; k++) total += count_mask(mk_all + k * N + m->sp.g * n, n);
     dist_allreduce_sum_f64(dist, &total, 1);
     float scale = total > 0 ? (float)(1.0 / total) : 0.0f;
     trainable_zero_grads(&m->tr);
@@ -1129,21 +1149,20 @@ static StepResult llama_train_step(Llama* m, TextLoader* loader, const TrainOpti
     double sums[2] = {0.0, 0.0};  // loss, final-norm rows that overflowed (health.h)
     for (int k = 0; k < K; k++) {
         if (k == K - 1) trainable_buckets_begin(&m->tr, dist);  // the last backward sends buckets as they finish
-        memcpy(m->h_inputs, in_all + k * N, sizeof(int) * N);
-        memcpy(m->h_targets, tg_all + k * N, sizeof(int) * N);
-        memcpy(m->h_mask, mk_all + k * N, sizeof(float) * N);
-        memcpy(m->h_pos, pos_all + k * N, sizeof(int) * N);
-        llama_upload_batch(m, N);
-        m->drop.row0 = lora_dropout_row0(k, dist->rank, dist->world, N);
+        int64_t first = seqpar_slice(&m->sp, in_all + k * N, tg_all + k * N, mk_all + k * N, pos_all + k * N,
+                                     m->h_inputs, m->h_targets, m->h_mask, m->h_pos);
+        llama_upload_batch(m, n);
+        // dropout is keyed by the global token: the slice's first row in the step's batch
+        m->drop.row0 = lora_dropout_row0(k, dist_dp_rank(dist), dist_dp_world(dist), N) + first;
         m->drop.active = 1;  // training only: evaluation and generation see the adapters' whole input
-        LossStats st = llama_forward_backward(m, B, T, scale, 1, NULL);
+        LossStats st = llama_forward_backward(m, B, m->T, scale, 1, NULL);
         m->drop.active = 0;
         sums[0] += st.loss_sum;
         sums[1] += st.overflowed;
     }
     free(in_all); free(tg_all); free(mk_all); free(pos_all);
     PROF_SCOPE(m->be, "optimizer", "step", 0.0, 0.0);  // gradient all-reduce, clipping and AdamW
-    return train_step_finish(&m->tr, o, dist, step, sums, 2, total, (double)N * K * dist->world, m->cfg.vocab);
+    return train_step_finish(&m->tr, o, dist, step, sums, 2, total, (double)N * K * dist_dp_world(dist), m->cfg.vocab);
 }
 
 // Model FLOPs of one token's forward and backward at sequence length T: every linear layer
@@ -1157,23 +1176,31 @@ static double llama_flops_per_token(const Llama* m) {
         f += c->layers * linear_train_flops(lin_in(c, t), lin_out(c, t), full,
                                             !full && (m->modes.targets >> t & 1) ? m->modes.rank : 0);
     f += linear_train_flops(c->dim, c->vocab, full, 0);
-    f += c->layers * 6.0 * m->T * c->heads * c->head_dim;
+    f += c->layers * 6.0 * m->sp.T * c->heads * c->head_dim;
     return f;
 }
 
-// Mean loss over up to `batches` micro-batches of a loader started from its beginning.
+// Mean loss over up to `batches` micro-batches of a loader started from its beginning (under
+// --seq-parallel each rank its slice of each, summed over the group).
 static float llama_evaluate(Llama* m, TextLoader* loader, int batches) {
     loader->cursor = 0;
-    double ls = 0.0, cnt = 0.0;
+    double sums[2] = {0.0, 0.0};  // loss, targets
+    int64_t N = m->sp.N;
+    int* in = (int*)xmalloc(sizeof(int) * N * 3);  // inputs, targets, positions of the whole micro-batch
+    float* mk = (float*)xmalloc(sizeof(float) * N);
     for (int i = 0; i < batches; i++) {
-        loader_next(loader, m->B, 0, 1, m->h_inputs, m->h_targets, m->h_mask, m->h_pos);
-        llama_upload_batch(m, (int64_t)m->B * m->T);
+        loader_next(loader, m->B, 0, 1, in, in + N, mk, in + 2 * N);
+        seqpar_slice(&m->sp, in, in + N, mk, in + 2 * N, m->h_inputs, m->h_targets, m->h_mask, m->h_pos);
+        llama_upload_batch(m, m->sp.n);
         LossStats st = llama_forward_backward(m, m->B, m->T, 0.0f, 0, NULL);
-        ls += st.loss_sum;
-        cnt += st.count;
+        sums[0] += st.loss_sum;
+        sums[1] += st.count;
         if (loader->cursor >= loader->windows) break;  // one pass over a small validation set
     }
-    return cnt > 0 ? (float)(ls / cnt) : NAN;
+    free(in);
+    free(mk);
+    dist_sp_allreduce_sum_f64(m->dist, sums, 2);
+    return sums[1] > 0 ? (float)(sums[0] / sums[1]) : NAN;
 }
 
 static int sample_token(const float* logits, int V, float temperature, Rng* rng) {
@@ -1463,6 +1490,7 @@ static void llama_settings_line(char* buf, size_t n, const Llama* m, const Train
              o->recompute, o->lora_rank, o->lora_alpha, m->modes.targets, o->lora_dropout, o->batch, o->seq,
              o->grad_accum, d->world, o->steps, o->lr, o->warmup, o->min_lr_frac, o->weight_decay, o->grad_clip,
              o->seed, (long long)data_tokens, o->quant, o->lora_rslora ? " rslora=1" : "");
+    if (dist_sp(d) > 1) str_appendf(buf, n, " seq_parallel=%d", dist_sp(d));  // the data order follows world / P
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -1590,12 +1618,19 @@ static int llama_dry_run(const LlamaConfig* cfg, const TrainOptions* o_given, Tr
     int cpu = strcmp(o->device, "cpu") == 0;  // a dry run plans the CUDA layout unless told otherwise
     Backend be = backend_for_plan(!cpu);
     Dist ranks = dist_for_plan(dist, o->ranks ? o->ranks : dist->world);
+    ranks.sp = o->seq_parallel;  // one rank's share of each sequence
+    if (ranks.world % dist_sp(&ranks))
+        fail("flag --seq-parallel: %d does not divide the %d ranks planned (--ranks)", o->seq_parallel, ranks.world);
+    if (o->max_seq && dist_sp(&ranks) > 1)
+        fail("flag --max-seq: not with --seq-parallel yet (plan given lengths with --seq instead)");
     char fit_json[256] = "", fit_line[256] = "";
     o->seq = llama_dry_run_fit(cfg, o, &be, &ranks, fit_json, sizeof(fit_json), fit_line, sizeof(fit_line));
     Llama m, base;
     llama_setup(&m, cfg, &md, o->batch, o->seq, &be, &ranks);
     TrainModes bm = train_baseline_modes(md);
-    llama_setup(&base, cfg, &bm, o->batch, o->seq, &be, NULL);
+    Dist base_ranks = dist_for_plan(NULL, 1);  // the baseline: no ZeRO-1, but the same share of each sequence
+    base_ranks.sp = ranks.sp;
+    llama_setup(&base, cfg, &bm, o->batch, o->seq, &be, &base_ranks);
     char json[1024], header[512];
     llama_settings_json(json, sizeof(json), o, cpu ? "cpu" : "cuda");
     str_appendf(json, sizeof(json), "%s", fit_json);
@@ -1605,6 +1640,7 @@ static int llama_dry_run(const LlamaConfig* cfg, const TrainOptions* o_given, Tr
     if (!o->full) str_appendf(header, sizeof(header), " r=%d", o->lora_rank);
     if (md.nf4) str_appendf(header, sizeof(header), ", frozen linears NF4");
     if (ranks.world > 1) str_appendf(header, sizeof(header), ", one of %d ranks", ranks.world);
+    if (dist_sp(&ranks) > 1) str_appendf(header, sizeof(header), " (%d per sequence)", dist_sp(&ranks));
     if (*fit_line) str_appendf(header, sizeof(header), "\n%s", fit_line);
     train_dry_run_report(o, &m.plan, &base.plan, &be, json, header);
     llama_free(&m);
@@ -1698,6 +1734,10 @@ static void llama_flags(FlagTable* t, TrainOptions* o) {
     flag_string(t, "mlp-tile", &o->mlp_tile,
                 "tokens per tile of the MLP and its norm: auto (equal tiles of at most 8192), 0 (the whole sequence) "
                 "or a count; the wide intermediates not kept exist for one tile");
+    o->seq_parallel = 1;
+    flag_int(t, "seq-parallel", &o->seq_parallel,
+             "ranks per sequence: each holds 1/P of every sequence's tokens, attention exchanges heads (DeepSpeed "
+             "Ulysses); P divides the ranks, --seq, the heads and the key/value heads (LoRA)");
     t->group = "model and data";
     flag_string(
         t, "export-merged", &o->export_merged,
@@ -1723,6 +1763,7 @@ int main(int argc, char** argv) {
     llama_config_load(&cfg, o.model_dir);
     train_check_lora_rank(&o, cfg.dim, o.model_dir);
     TrainModes md = train_modes_from(&o, target_names, N_TARGETS);
+    seqpar_check(&o, cfg.heads, cfg.kv_heads, cfg.qk_norm);
     if (o.dry_run) {
         if (!o.max_seq) llama_check_window(&cfg, o.seq, o.model_dir, "flag --seq");
         if (dist.rank == 0) {
@@ -1738,6 +1779,7 @@ int main(int argc, char** argv) {
             "nothing to do: give --data to train, --val with --eval-only, --generate N to sample, or --export-merged "
             "DIR");
     train_prepare_run(&o, dist.rank);
+    dist_seq_parallel_init(&dist, o.seq_parallel);
 
     RunData rd;
     run_data_open(&rd, &o, cfg.vocab);

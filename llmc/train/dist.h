@@ -24,9 +24,17 @@ typedef struct {
     int rank, world, local_rank;
     int local_size;        // ranks on this node (they share its host memory)
     int mpi;               // MPI was initialised by us
+    // --seq-parallel P (llmc/train/seq_parallel.h): consecutive ranks in groups of P share one
+    // sequence; sp = 0 or 1: off. sp_rank: this rank's place in its group (its slice of the tokens).
+    int sp, sp_rank;
+#ifdef LLMC_HAVE_MPI
+    MPI_Comm sp_comm;      // the group's communicator (MPI_COMM_NULL when off)
+#endif
 #ifdef LLMC_DIST_NCCL
     int has_nccl;          // `nccl` is live (dist_nccl_init ran), dist_finalize destroys it
     ncclComm_t nccl;
+    int has_sp_nccl;       // --seq-parallel: `sp_nccl` is the group's communicator (split from `nccl`)
+    ncclComm_t sp_nccl;
 #endif
 } Dist;
 
@@ -100,6 +108,48 @@ static void dist_allreduce_sum_f64(const Dist* d, double* x, int n) {
 #endif
 }
 
+// Sequence parallelism's groups: ranks sharing one sequence, and the data-parallel groups across them.
+static int dist_sp(const Dist* d) { return d && d->sp > 1 ? d->sp : 1; }
+static int dist_dp_rank(const Dist* d) { return d->rank / dist_sp(d); }
+static int dist_dp_world(const Dist* d) { return d->world / dist_sp(d); }
+
+// Splits the world into groups of P consecutive ranks sharing one sequence (--seq-parallel P); P
+// must divide the world size. Every rank calls it (MPI_Comm_split is collective).
+static void dist_seq_parallel_init(Dist* d, int P) {
+    if (P <= 1) return;
+    if (d->world % P != 0)
+        fail("flag --seq-parallel: %d does not divide the %d ranks launched (groups of P ranks share one sequence)", P,
+             d->world);
+    d->sp = P;
+    d->sp_rank = d->rank % P;
+#ifdef LLMC_HAVE_MPI
+    d->sp_comm = MPI_COMM_NULL;
+    if (d->world > 1) MPI_Comm_split(MPI_COMM_WORLD, d->rank / P, d->rank, &d->sp_comm);
+#endif
+}
+
+// Sums n doubles over this rank's sequence-parallel group (evaluation's loss over one sequence's slices).
+static void dist_sp_allreduce_sum_f64(const Dist* d, double* x, int n) {
+#ifdef LLMC_HAVE_MPI
+    if (dist_sp(d) > 1) MPI_Allreduce(MPI_IN_PLACE, x, n, MPI_DOUBLE, MPI_SUM, d->sp_comm);
+#else
+    (void)d; (void)x; (void)n;
+#endif
+}
+
+// All-to-all within the sequence-parallel group: block j (`bytes` bytes at send + j * bytes) goes
+// to group rank j, and group rank j's block for this rank lands at recv + j * bytes. Host memory.
+static void dist_sp_alltoall(const Dist* d, const void* send, void* recv, int64_t bytes) {
+#ifdef LLMC_HAVE_MPI
+    if (bytes > INT32_MAX) fail("sequence-parallel exchange of %lld bytes per rank is too large for one MPI call",
+                                (long long)bytes);
+    MPI_Alltoall(send, (int)bytes, MPI_BYTE, recv, (int)bytes, MPI_BYTE, d->sp_comm);
+#else
+    (void)d; (void)send; (void)recv; (void)bytes;
+    fail("internal: a sequence-parallel exchange in a binary built without MPI");
+#endif
+}
+
 // Refuses a job whose ranks were started differently: every rank sends its `line` (space-separated
 // "key=value" words: its flags, or its run's settings with the identity of its model and data),
 // and every rank names the first word where a rank differs from rank 0, before any collective
@@ -138,8 +188,12 @@ static void dist_barrier(const Dist* d) {
 }
 
 static void dist_finalize(Dist* d) {
+#ifdef LLMC_HAVE_MPI
+    if (d->sp > 1 && d->sp_comm != MPI_COMM_NULL) MPI_Comm_free(&d->sp_comm);
+#endif
 #ifdef LLMC_DIST_NCCL
     // Before MPI_Finalize: NCCL's teardown may still talk to the other ranks.
+    if (d->has_sp_nccl) { NCCL_CHECK(ncclCommDestroy(d->sp_nccl)); d->has_sp_nccl = 0; }
     if (d->has_nccl) { NCCL_CHECK(ncclCommDestroy(d->nccl)); d->has_nccl = 0; }
 #endif
 #ifdef LLMC_HAVE_MPI
@@ -169,6 +223,10 @@ static void dist_nccl_init(Dist* d) {
 #endif
     NCCL_CHECK(ncclCommInitRank(&d->nccl, d->world, id, d->rank));
     d->has_nccl = 1;
+    if (d->sp > 1 && d->world > 1) {  // the sequence-parallel group's exchanges (dist_sp_alltoall_device)
+        NCCL_CHECK(ncclCommSplit(d->nccl, d->rank / d->sp, d->rank, &d->sp_nccl, NULL));
+        d->has_sp_nccl = 1;
+    }
 #else
     (void)d;
 #endif
@@ -304,6 +362,34 @@ static void dist_allgather_device(const Dist* d, void* full, int64_t shard, int 
     CUDA_CHECK(cudaMemcpyAsync(full, h, n, cudaMemcpyHostToDevice, stream));
     CUDA_CHECK(cudaStreamSynchronize(stream));
     free(h);
+#endif
+}
+
+// Whether the sequence-parallel group exchanges device memory through NCCL (else host copies and MPI).
+static int dist_sp_has_nccl(const Dist* d) {
+#ifdef LLMC_DIST_NCCL
+    return d && d->has_sp_nccl;
+#else
+    (void)d;
+    return 0;
+#endif
+}
+
+// dist_sp_alltoall on device memory, through NCCL in stream order (dist_sp_has_nccl): grouped sends
+// and receives, block j of `bytes` to and from group rank j. All sends are posted before the receives.
+static void dist_sp_alltoall_device(const Dist* d, const void* send, void* recv, int64_t bytes, cudaStream_t stream) {
+#ifdef LLMC_DIST_NCCL
+    if (bytes % 2) fail("internal: sequence-parallel exchange of %lld bytes (bf16 values expected)", (long long)bytes);
+    size_t count = (size_t)bytes / 2;  // as bf16 values: the bytes move unchanged
+    NCCL_CHECK(ncclGroupStart());
+    for (int j = 0; j < d->sp; j++)
+        NCCL_CHECK(ncclSend((const char*)send + j * bytes, count, ncclBfloat16, j, d->sp_nccl, stream));
+    for (int j = 0; j < d->sp; j++)
+        NCCL_CHECK(ncclRecv((char*)recv + j * bytes, count, ncclBfloat16, j, d->sp_nccl, stream));
+    NCCL_CHECK(ncclGroupEnd());
+#else
+    (void)d; (void)send; (void)recv; (void)bytes; (void)stream;
+    fail("internal: a device all-to-all without NCCL");
 #endif
 }
 

@@ -291,10 +291,14 @@ static void train_save(const Trainer* t, const TrainOptions* o, const Dist* dist
     if (rank0) save_commit(out, stage, step);
 }
 
+// Whether this rank evaluates: rank 0, with the other ranks of its sequence-parallel group (each
+// evaluates its slice of every sequence; llmc/train/seq_parallel.h). Rank 0 prints.
+static int train_evaluates(const Dist* dist) { return dist->rank < dist_sp(dist); }
+
 // Validation on rank 0 when this step is due for it (and --val was given), else no result.
 static EvalResult train_validate_if_due(const Trainer* t, const TrainOptions* o, const Dist* dist, int step, int last) {
     EvalResult none = {NAN, NAN, 0};
-    if (dist->rank != 0 || !t->have_val || !train_val_due(o, step, last)) return none;
+    if (!train_evaluates(dist) || !t->have_val || !train_val_due(o, step, last)) return none;
     return t->evaluate(t->model, o->val_batches);
 }
 
@@ -319,12 +323,12 @@ static void train_loop(const Trainer* t, const TrainOptions* o, const Dist* dist
     char header[128], val[96];
     train_log_header(t, header, sizeof(header));
     FILE* log = train_open_log(o, rank0, header, start);
-    if (rank0 && t->have_val && start == 0) {  // the pretrained model (or the new head) before any update
+    if (train_evaluates(dist) && t->have_val && start == 0) {  // the pretrained model (or new head) before any update
         EvalResult e = t->evaluate(t->model, o->val_batches);
         train_eval_text(t, e, val, sizeof(val));
-        printf("step %4d/%d | %s", 0, o->steps, val);
-        if (t->classifier) printf(" (%lld images)", (long long)e.items);
-        printf("\n");
+        if (rank0) printf("step %4d/%d | %s", 0, o->steps, val);
+        if (rank0 && t->classifier) printf(" (%lld images)", (long long)e.items);
+        if (rank0) printf("\n");
         train_log_row(log, t, 0, NULL, 0.0, e);
     }
     double t0 = wall_seconds(), comm = 0.0;
@@ -354,11 +358,11 @@ static void train_loop(const Trainer* t, const TrainOptions* o, const Dist* dist
 // main's closing half, for every model: --eval-only's validation, or training on --data, then
 // --export-merged (rank 0).
 static void train_run(const Trainer* t, const TrainOptions* o, const Dist* dist) {
-    if (o->eval_only && dist->rank == 0) {
+    if (o->eval_only && train_evaluates(dist)) {
         EvalResult e = t->evaluate(t->model, o->val_batches);
-        if (t->classifier)
+        if (dist->rank == 0 && t->classifier)
             printf("val loss %.6f | val acc %.6f (%lld images)\n", e.loss, e.accuracy, (long long)e.items);
-        else printf("val loss %.6f\n", e.loss);
+        else if (dist->rank == 0) printf("val loss %.6f\n", e.loss);
     } else if (!o->eval_only && o->data_path) {
         if (o->export_merged && dist->rank == 0) export_dir_check(o->export_merged, "flag --export-merged");
         train_loop(t, o, dist);

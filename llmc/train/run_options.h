@@ -45,6 +45,7 @@ typedef struct {
     int seed, threads, dry_run, json;
     int profile;            // print where the step time goes at the end (llmc/train/profile.h)
     int ranks;              // --dry-run: plan one rank of this many (0: the launch's)
+    int seq_parallel;       // --seq-parallel P: ranks per sequence (llmc/train/seq_parallel.h; LLaMA only)
     int random_init;        // benchmark: random frozen weights of config.json's shapes, no weight file
     int max_seq;            // --dry-run --max-seq: plan the longest --seq that fits (LLaMA only)
     float gpu_mem;          // --gpu-mem GIB: with --dry-run, plan for a card of this much memory (0: not given)

@@ -698,6 +698,16 @@ cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t n, enum cudaMemcp
     if (n) memset(dst, 0xFF, n);
     return cudaSuccess;
 }
+// Rows of `width` bytes, `height` of them, between pitched buffers (--seq-parallel's exchanges
+// pack and unpack with it): row by row as cudaMemcpyAsync would copy each.
+cudaError_t cudaMemcpy2DAsync(void* dst, size_t dpitch, const void* src, size_t spitch, size_t width, size_t height,
+                              enum cudaMemcpyKind kind, cudaStream_t st) {
+    for (size_t r = 0; r < height; r++) {
+        cudaError_t e = cudaMemcpyAsync((char*)dst + r * dpitch, (const char*)src + r * spitch, width, kind, st);
+        if (e != cudaSuccess) return e;
+    }
+    return cudaSuccess;
+}
 cudaError_t cudaMemset(void* p, int v, size_t n) {
     emu_stream_issue(NULL);
     emu_fill(p, v, n);

@@ -122,6 +122,29 @@ static ncclResult_t ncclCommInitRank(ncclComm_t* comm, int nranks, ncclUniqueId 
     return ncclSuccess;
 }
 
+// A communicator of the ranks of `comm` that pass the same color, ordered by key (NCCL 2.18's
+// ncclCommSplit; config is not emulated and must be NULL).
+typedef struct ncclConfig_v21700 ncclConfig_t;
+static ncclResult_t ncclCommSplit(ncclComm_t comm, int color, int key, ncclComm_t* newcomm, ncclConfig_t* config) {
+    if (config) return emu_nccl_fail(ncclInvalidArgument, "ncclCommSplit: a config is not emulated");
+    EmuNcclComm* c = (EmuNcclComm*)calloc(1, sizeof(EmuNcclComm));
+    c->rank = 0;
+    c->nranks = 1;
+#ifdef LLMC_HAVE_MPI
+    if (comm->nranks > 1) {
+        MPI_Comm_split(comm->mpi, color, key, &c->mpi);
+        MPI_Comm_split(comm->check, color, key, &c->check);
+        MPI_Comm_rank(c->mpi, &c->rank);
+        MPI_Comm_size(c->mpi, &c->nranks);
+        if (c->nranks == 1) { MPI_Comm_free(&c->mpi); MPI_Comm_free(&c->check); }
+    }
+#else
+    (void)comm; (void)color; (void)key;
+#endif
+    *newcomm = c;
+    return ncclSuccess;
+}
+
 static ncclResult_t ncclCommDestroy(ncclComm_t comm) {
 #ifdef LLMC_HAVE_MPI
     cudaDeviceSynchronize();  // what it still holds runs first
@@ -281,4 +304,71 @@ static ncclResult_t ncclAllGather(const void* send, void* recv, size_t sendcount
 #endif
     });
     return ncclSuccess;
+}
+
+// Point-to-point (ncclSend, ncclRecv) inside ncclGroupStart / ncclGroupEnd, as --seq-parallel's
+// all-to-all uses them (its sends first). Each starts when issued: a send is a non-blocking MPI
+// send from its own copy of the data, completed at ncclGroupEnd (so a send to a rank, or to this
+// one, whose receive comes later in the group cannot block it), a receive lands in its buffer
+// when its stream runs it. Every rank must make the same sequence of calls with the same counts
+// (the all-to-all's pattern); a send and the receive it meets must have the same count (MPI checks).
+#ifdef LLMC_HAVE_MPI
+typedef struct {
+    MPI_Request req;
+    std::vector<char> data;
+} EmuNcclSend;
+static std::vector<std::shared_ptr<EmuNcclSend>> emu_nccl_sends;  // the group's sends in flight
+#endif
+static int emu_nccl_group_depth;
+static ncclResult_t ncclGroupStart(void) { emu_nccl_group_depth++; return ncclSuccess; }
+static ncclResult_t ncclGroupEnd(void) {
+    if (emu_nccl_group_depth <= 0) return emu_nccl_fail(ncclInvalidUsage, "ncclGroupEnd without ncclGroupStart");
+    if (--emu_nccl_group_depth) return ncclSuccess;
+#ifdef LLMC_HAVE_MPI
+    for (size_t i = 0; i < emu_nccl_sends.size(); i++) MPI_Wait(&emu_nccl_sends[i]->req, MPI_STATUS_IGNORE);
+    emu_nccl_sends.clear();
+#endif
+    return ncclSuccess;
+}
+
+static ncclResult_t emu_nccl_p2p(const char* call, int kind, const void* send, void* recv, size_t count,
+                                 ncclDataType_t type, int peer, ncclComm_t comm, cudaStream_t st) {
+    const void* buf = send ? send : recv;
+    ncclResult_t r = emu_nccl_enter(comm, call, kind, buf, count, buf, count, count, type);
+    if (r != ncclSuccess) return r;
+    if (peer < 0 || peer >= comm->nranks)
+        return emu_nccl_fail(ncclInvalidArgument, "%s: peer %d outside [0, %d)", call, peer, comm->nranks);
+    if (comm->nranks == 1)
+        return emu_nccl_fail(ncclInvalidArgument, "%s: not emulated on a one-rank communicator", call);
+    if (!emu_nccl_group_depth)
+        return emu_nccl_fail(ncclInvalidUsage, "%s: outside ncclGroupStart/ncclGroupEnd (the all-to-all needs a "
+                             "group, or the ranks deadlock)", call);
+    size_t bytes = count * emu_nccl_elem_bytes(type);
+    if (bytes > (1u << 30))
+        return emu_nccl_fail(ncclInvalidArgument, "%s: %zu bytes is beyond the emulation", call, bytes);
+    static char nothing;
+    emu_nccl_issue(st, call, send ? send : &nothing, send ? bytes : 0, send ? (void*)&nothing : recv, send ? 0 : bytes,
+                   [=](EmuNcclFlight* f) {
+#ifdef LLMC_HAVE_MPI
+        if (send) {
+            std::shared_ptr<EmuNcclSend> s(new EmuNcclSend());
+            s->data = f->snap;
+            MPI_Isend(s->data.data(), (int)bytes, MPI_BYTE, peer, 0, comm->mpi, &s->req);
+            emu_nccl_sends.push_back(s);
+        } else {
+            MPI_Irecv(f->out.data(), (int)bytes, MPI_BYTE, peer, 0, comm->mpi, &f->req);
+        }
+#endif
+    });
+    return ncclSuccess;
+}
+
+static ncclResult_t ncclSend(const void* send, size_t count, ncclDataType_t type, int peer, ncclComm_t comm,
+                             cudaStream_t st) {
+    return emu_nccl_p2p("ncclSend", 4, send, NULL, count, type, peer, comm, st);
+}
+
+static ncclResult_t ncclRecv(void* recv, size_t count, ncclDataType_t type, int peer, ncclComm_t comm,
+                             cudaStream_t st) {
+    return emu_nccl_p2p("ncclRecv", 5, NULL, recv, count, type, peer, comm, st);
 }
