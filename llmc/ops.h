@@ -370,6 +370,8 @@ typedef struct {
     float grad_scale;
     void* dxf;             // NULL: forward only (evaluation, generation)
     float* logits_out;     // NULL but in tests and generation
+    double* step_stats;    // CUDA, or NULL: the statistics are added there on the device ([4], LossStats'
+                           // order: the trainer's step, read back once, llmc/train/zero.h) and st is untouched
 } LmHeadCall;
 
 static void op_lm_head_loss(const Backend* be, const LmHead* h, const LmHeadCall* c, LossStats* st) {
@@ -383,7 +385,9 @@ static void op_lm_head_loss(const Backend* be, const LmHead* h, const LmHeadCall
     if (be->cuda) {
         LossScratchCuda sc = {B16(lb->z), lb->r, lb->logits, B16(lb->dlogits), B16(lb->dz), lb->row_stats, lb->stats};
         lm_head_loss_cuda(CB16(c->xf), CB16(h->gamma), h->eps, CB16(h->W), h->V, h->d, c->targets, c->mask, N, h->chunk,
-                          c->grad_scale, B16(c->dxf), c->logits_out, sc, st, be->stream, h->dW, h->dgamma);
+                          c->grad_scale, B16(c->dxf), c->logits_out, sc, c->step_stats ? NULL : st, be->stream, h->dW,
+                          h->dgamma);
+        if (c->step_stats) loss_stats_fold_cuda(c->step_stats, lb->stats, 4, be->stream);
         return;
     }
 #endif
