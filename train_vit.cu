@@ -492,8 +492,9 @@ static void vit_bind(Vit* m) {
     m->h_raw = (uint8_t*)backend_host_side(be, m->raw, m->B * m->src_bytes);
     m->h_flip = (int*)backend_host_side(be, m->flip, sizeof(int) * m->B);
     m->h_labels = (int*)backend_host_side(be, m->labels, sizeof(int) * m->B);
+    size_t taps = sizeof(ResampleTaps);  // rows, then columns: two uploads
     size_t batch_bytes = staging_align(m->B * m->src_bytes) + 2 * staging_align(sizeof(int) * m->B) +
-                         staging_align(m->img_h * sizeof(ResampleTaps)) + staging_align(m->img_w * sizeof(ResampleTaps));
+                         staging_align(m->img_h * taps) + staging_align(m->img_w * taps);
     staging_init(&m->staging, be, batch_bytes, m->micro_batches);
     if (!m->zcls32) { m->zcls32 = (float*)m->zcls; m->dzcls32 = (float*)m->dzcls; }  // the CPU's are fp32 already
 }

@@ -317,7 +317,8 @@ static void staging_upload(BatchStaging* s, void* dst, const void* src, size_t b
     if (!s->async) { backend_upload(s->be, dst, src, bytes); return; }
     if (!bytes) return;
     if (s->cur < 0 || s->used + bytes > s->bytes)
-        fail("internal: batch staging overflow (%zu + %zu of %zu bytes, or no staging_begin)", s->used, bytes, s->bytes);
+        fail("internal: batch staging overflow (%zu + %zu of %zu bytes, or no staging_begin)", s->used, bytes,
+             s->bytes);
 #ifdef LLMC_HAVE_CUDA
     uint8_t* at = s->set[s->cur] + s->used;
     memcpy(at, src, bytes);

@@ -807,8 +807,11 @@ cudaError_t cudaMemcpy(void* dst, const void* src, size_t n, enum cudaMemcpyKind
 // has the copy take the new data. Held-back work of the same stream that the copy meets (one
 // writes what the other touches) runs first, as stream order requires; the rest stays held back.
 cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t n, enum cudaMemcpyKind kind, cudaStream_t st) {
-    if (emu_copy_waits(dst, src, n, kind, 1)) emu_host_sync("cudaMemcpyAsync with pageable host memory");
-    if (!st) {
+    int pageable = emu_copy_waits(dst, src, n, kind, 1);
+    if (pageable) emu_host_sync("cudaMemcpyAsync with pageable host memory");
+    // CUDA stages a copy with pageable memory through the host before returning: on a blocking
+    // stream (the trainer's) it runs now, after the stream's earlier work, as for the default stream
+    if (!st || (pageable && !st->nonblocking)) {
         emu_stream_issue(st);
         emu_copy(dst, src, n, kind);
         return cudaSuccess;
