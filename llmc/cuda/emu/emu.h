@@ -682,6 +682,18 @@ static std::deque<EmuUpload>& emu_uploads(void) {
     static std::deque<EmuUpload> q;
     return q;
 }
+// The device wrote [p, p + n) (a copy to pinned memory, or its poison until it runs): not the host's
+// rewrite, so the snapshots of uploads from those bytes follow (stream order, not the host, says
+// when such a copy may run: offload.h's events).
+static void emu_uploads_device_wrote(const char* p, size_t n) {
+    std::deque<EmuUpload>& q = emu_uploads();
+    for (size_t i = 0; i < q.size(); i++) {
+        EmuUpload& u = q[i];
+        const char* end = u.src + u.snapshot.size();
+        const char *lo = p > u.src ? p : u.src, *hi = p + n < end ? p + n : end;
+        if (lo < hi) memcpy(u.snapshot.data() + (lo - u.src), lo, (size_t)(hi - lo));
+    }
+}
 // The uploads a wait now covers are checked and forgotten; with n > 0 also the uncovered ones
 // whose source meets [p, p + n) (an upload about to read those bytes again).
 static void emu_uploads_check(const char* p, size_t n) {
@@ -775,6 +787,7 @@ static void emu_copy(void* dst, const void* src, size_t n, enum cudaMemcpyKind k
         if (emu_on_device((uintptr_t)src, n)) emu_check_side((uintptr_t)src, n, 1, "cudaMemcpy", "source");
     }
     memmove(dst, src, n);
+    emu_uploads_device_wrote((const char*)dst, n);
 }
 static void emu_fill(void* p, int v, size_t n) {
     if (!n) return;
@@ -832,6 +845,7 @@ cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t n, enum cudaMemcp
                         (kind == cudaMemcpyDefault && emu_on_device((uintptr_t)dst, n));
     if (dst_on_device) emu_check_side((uintptr_t)dst, n, 1, "cudaMemcpyAsync", "destination");
     if (n) memset(dst, 0xFF, n);
+    if (n) emu_uploads_device_wrote((const char*)dst, n);
     return cudaSuccess;
 }
 cudaError_t cudaMemset(void* p, int v, size_t n) {
