@@ -127,6 +127,8 @@ typedef struct {
     float* mask;
     int *h_inputs, *h_targets, *h_pos;  // the batch as the loader writes it (host; == the above on the CPU)
     float* h_mask;
+    BatchStaging staging;  // CUDA: the batch's way up, double buffered (llmc/backend.h)
+    int micro_batches;     // per optimizer step (--grad-accum; 0: one), which sizes the staging
     LossBuffers loss;
     int loss_chunk;
     MemPlan plan;
@@ -489,6 +491,9 @@ static void llama_bind(Llama* m) {
     m->h_mask = (float*)backend_host_side(m->be, m->mask, sizeof(float) * N);
     if (m->sp.P > 1) m->sp.h_pos = (int*)backend_host_side(m->be, m->sp.pos, sizeof(int) * m->sp.N);
     if (m->embed_order) m->h_embed_order = (int*)backend_host_side(m->be, m->embed_order, sizeof(int) * N);
+    size_t batch_bytes = 4 * staging_align(sizeof(int) * N) + (m->embed_order ? staging_align(sizeof(int) * N) : 0);
+    if (m->sp.P > 1) batch_bytes += staging_align(sizeof(int) * m->sp.N);  // --seq-parallel: every token's position
+    staging_init(&m->staging, m->be, batch_bytes, m->micro_batches);
 }
 
 // Attention's document mask: the batch's positions when it packs examples, else NULL (the same
@@ -497,17 +502,20 @@ static const int* llama_attention_pos(const Llama* m) { return m->pos_restarts ?
 
 // The first n tokens of the host batch to the backend.
 static void llama_upload_batch(Llama* m, int64_t n) {
-    backend_upload(m->be, m->inputs, m->h_inputs, sizeof(int) * n);
-    backend_upload(m->be, m->targets, m->h_targets, sizeof(int) * n);
-    backend_upload(m->be, m->mask, m->h_mask, sizeof(float) * n);
-    backend_upload(m->be, m->pos, m->h_pos, sizeof(int) * n);
     m->pos_restarts = 0;  // positions 0..T-1 in every row: no document mask (cuDNN's attention can take it)
     for (int64_t i = 0; i < n && !m->pos_restarts; i++) m->pos_restarts = m->h_pos[i] != i % m->T;
-    if (m->sp.P > 1) backend_upload(m->be, m->sp.pos, m->sp.h_pos, sizeof(int) * m->sp.N);
+    BatchStaging* s = &m->staging;
+    staging_begin(s);
+    staging_upload(s, m->inputs, m->h_inputs, sizeof(int) * n);
+    staging_upload(s, m->targets, m->h_targets, sizeof(int) * n);
+    staging_upload(s, m->mask, m->h_mask, sizeof(float) * n);
+    staging_upload(s, m->pos, m->h_pos, sizeof(int) * n);
+    if (m->sp.P > 1) staging_upload(s, m->sp.pos, m->sp.h_pos, sizeof(int) * m->sp.N);  // every token's position
     if (m->embed_order) {
         embedding_token_order(m->h_embed_order, m->h_inputs, n);
-        backend_upload(m->be, m->embed_order, m->h_embed_order, sizeof(int) * n);
+        staging_upload(s, m->embed_order, m->h_embed_order, sizeof(int) * n);
     }
+    staging_end(s);
 }
 
 // Declares the model's memory for a micro-batch of B x T on backend `be`; nothing is allocated
@@ -545,6 +553,7 @@ static void llama_allocate(Llama* m) {
 static void llama_free(Llama* m) {
     if (m->plan.arena[MEM_SCRATCH] || m->plan.arena[MEM_FROZEN]) {  // allocated (not a dry run)
         trainable_free_host(&m->tr);
+        staging_free(&m->staging);
         backend_free_host_side(m->be, m->h_inputs); backend_free_host_side(m->be, m->h_targets);
         backend_free_host_side(m->be, m->h_pos); backend_free_host_side(m->be, m->h_mask);
         backend_free_host_side(m->be, m->h_embed_order);
@@ -1094,15 +1103,17 @@ static LmHead llama_lm_head(const Llama* m) {
 
 // One micro-batch (already uploaded): forward, fused head + loss (+ its gradient), backward. LoRA
 // grads accumulate. grad_scale = 1 / (unmasked tokens in the whole optimizer step). logits_out
-// (backend memory, fp32 [B*T, V]): tests and generation only.
-static LossStats llama_forward_backward(Llama* m, int B, int T, float grad_scale, int backward, float* logits_out) {
+// (backend memory, fp32 [B*T, V]): tests and generation only. step_stats (CUDA, or NULL): the loss
+// statistics are added there on the device and the returned LossStats stay zero (llmc/ops.h).
+static LossStats llama_forward_backward(Llama* m, int B, int T, float grad_scale, int backward, float* logits_out,
+                                        double* step_stats) {
     int64_t N = (int64_t)B * T;
     const LlamaConfig* c = &m->cfg;
     llama_forward_blocks(m, B, T, NULL);
     LossStats st = {};
     if (backward) op_zero(m->be, m->dres, (size_t)N * c->dim * m->be->abytes);
     LmHead head = llama_lm_head(m);
-    LmHeadCall call = {m->resid, N, m->targets, m->mask, grad_scale, backward ? m->dres : NULL, logits_out};
+    LmHeadCall call = {m->resid, N, m->targets, m->mask, grad_scale, backward ? m->dres : NULL, logits_out, step_stats};
     op_lm_head_loss(m->be, &head, &call, &st);
     if (!backward) return st;
     llama_backward_blocks(m, B, T);
@@ -1155,7 +1166,8 @@ static StepResult llama_train_step(Llama* m, TextLoader* loader, const TrainOpti
         // dropout is keyed by the global token: the slice's first row in the step's batch
         m->drop.row0 = lora_dropout_row0(k, dist_dp_rank(dist), dist_dp_world(dist), N) + first;
         m->drop.active = 1;  // training only: evaluation and generation see the adapters' whole input
-        LossStats st = llama_forward_backward(m, B, m->T, scale, 1, NULL);
+        // on CUDA the loss stays on the device until the step's one readback (llmc/train/zero.h)
+        LossStats st = llama_forward_backward(m, B, m->T, scale, 1, NULL, trainable_step_stats(&m->tr));
         m->drop.active = 0;
         sums[0] += st.loss_sum;
         sums[1] += st.overflowed;
@@ -1192,7 +1204,7 @@ static float llama_evaluate(Llama* m, TextLoader* loader, int batches) {
         loader_next(loader, m->B, 0, 1, in, in + N, mk, in + 2 * N);
         seqpar_slice(&m->sp, in, in + N, mk, in + 2 * N, m->h_inputs, m->h_targets, m->h_mask, m->h_pos);
         llama_upload_batch(m, m->sp.n);
-        LossStats st = llama_forward_backward(m, m->B, m->T, 0.0f, 0, NULL);
+        LossStats st = llama_forward_backward(m, m->B, m->T, 0.0f, 0, NULL, NULL);
         sums[0] += st.loss_sum;
         sums[1] += st.count;
         if (loader->cursor >= loader->windows) break;  // one pass over a small validation set
@@ -1270,7 +1282,7 @@ static void llama_generate(Llama* m, const ModelTokenizer* tok, const char* prom
         head.chunk = 1;
         head.dW = head.dgamma = NULL;
         LmHeadCall call = {
-            (char*)m->resid + (int64_t)(T - 1) * d * be->abytes, 1, m->targets, m->mask, 0.0f, NULL, logits};
+            (char*)m->resid + (int64_t)(T - 1) * d * be->abytes, 1, m->targets, m->mask, 0.0f, NULL, logits, NULL};
         op_lm_head_loss(be, &head, &call, &st);
         backend_download(be, last, logits, sizeof(float) * c->vocab);
         int next = sample_token(last, c->vocab, temperature, &rng);
@@ -1803,6 +1815,7 @@ int main(int argc, char** argv) {
                    dist.local_size);  // before any allocation, on either backend
     TrainModes bm = train_baseline_modes(md);
     llama_setup(&base, &cfg, &bm, B, T, &be, &dist);
+    m.micro_batches = o.grad_accum;
     llama_allocate(&m);
     if (o.random_init) llama_random_weights(&m, (uint64_t)o.seed);
     else llama_load_weights(&m, o.model_dir);

@@ -181,6 +181,8 @@ typedef struct {
     // CUDA: the raw images go up and the GPU resizes, flips and normalises them
     uint8_t *raw, *h_raw;  // [B, source bytes] (pinned staging on the host)
     int *flip, *h_flip;    // [B]
+    BatchStaging staging;  // CUDA: the batch's way up, double buffered (llmc/backend.h)
+    int micro_batches;     // per optimizer step (--grad-accum; 0: one), which sizes the staging
     void* taps;            // ResampleTaps [img_h + img_w]: rows, then columns
     int64_t src_bytes;     // the largest source image of the run's shards
     void* patches;         // [B*T, C*ph*pw] unfolded patches (class-token rows zero)
@@ -498,6 +500,10 @@ static void vit_bind(Vit* m) {
     m->h_raw = (uint8_t*)backend_host_side(be, m->raw, m->B * m->src_bytes);
     m->h_flip = (int*)backend_host_side(be, m->flip, sizeof(int) * m->B);
     m->h_labels = (int*)backend_host_side(be, m->labels, sizeof(int) * m->B);
+    size_t taps = sizeof(ResampleTaps);  // rows, then columns: two uploads
+    size_t batch_bytes = staging_align(m->B * m->src_bytes) + 2 * staging_align(sizeof(int) * m->B) +
+                         staging_align(m->img_h * taps) + staging_align(m->img_w * taps);
+    staging_init(&m->staging, be, batch_bytes, m->micro_batches);
     if (!m->zcls32) { m->zcls32 = (float*)m->zcls; m->dzcls32 = (float*)m->dzcls; }  // the CPU's are fp32 already
 }
 
@@ -518,11 +524,14 @@ static void vit_images_to_device(Vit* m, const ImageLoader* loader, const int64_
         fail("internal: %s has images of %lld bytes, planned for %lld", s->path, (long long)per,
              (long long)m->src_bytes);
     image_loader_gather(loader, idx, B, m->h_raw);
-    backend_upload(m->be, m->raw, m->h_raw, (size_t)(B * per));
-    backend_upload(m->be, m->flip, m->h_flip, sizeof(int) * B);
-    backend_upload(m->be, m->labels, m->h_labels, sizeof(int) * B);
-    backend_upload(m->be, m->taps, loader->ty, sizeof(ResampleTaps) * m->img_h);
-    backend_upload(m->be, (ResampleTaps*)m->taps + m->img_h, loader->tx, sizeof(ResampleTaps) * m->img_w);
+    BatchStaging* st = &m->staging;
+    staging_begin(st);
+    staging_upload(st, m->raw, m->h_raw, (size_t)(B * per));
+    staging_upload(st, m->flip, m->h_flip, sizeof(int) * B);
+    staging_upload(st, m->labels, m->h_labels, sizeof(int) * B);
+    staging_upload(st, m->taps, loader->ty, sizeof(ResampleTaps) * m->img_h);
+    staging_upload(st, (ResampleTaps*)m->taps + m->img_h, loader->tx, sizeof(ResampleTaps) * m->img_w);
+    staging_end(st);
     op_resize_normalize_images(m->be, m->pixels, m->raw, (const ResampleTaps*)m->taps,
                                (const ResampleTaps*)m->taps + m->img_h, m->flip, B, s->H, s->W, s->C, m->img_h,
                                m->img_w, c->channels, loader->mean, loader->std);
@@ -593,6 +602,7 @@ static void vit_allocate(Vit* m) {
 // Frees what vit_setup planned and vit_allocate made (either may be all there was: a dry run).
 static void vit_free(Vit* m) {
     trainable_free_host(&m->tr);
+    staging_free(&m->staging);
     backend_free_host_side(m->be, m->h_raw);
     backend_free_host_side(m->be, m->h_flip);
     backend_free_host_side(m->be, m->h_labels);
@@ -824,7 +834,7 @@ static void vit_forward_blocks(Vit* m, int B) {
 // the same pass writes the head's gradients (accumulated) and the gradient w.r.t. the class-token
 // rows of the residual stream into m->dres (zero elsewhere). grad_scale = 1 / (images in the
 // optimizer step). The norm runs in the activation type, the head in fp32 (llmc/ops.h).
-static LossStats vit_head_loss(Vit* m, int B, float grad_scale, int backward) {
+static LossStats vit_head_loss(Vit* m, int B, float grad_scale, int backward, double* step_stats) {
     const Backend* be = m->be;
     const VitConfig* c = &m->cfg;
     int d = c->dim, K = m->classes;
@@ -834,8 +844,8 @@ static LossStats vit_head_loss(Vit* m, int B, float grad_scale, int backward) {
     op_acts_to_f32(be, m->zcls32, m->zcls, nd);
     op_linear_f32_forward(be, m->logits, m->zcls32, m->head_w, m->head_b, B, K, d);
     LossStats st = {};
-    st.overflowed = op_norm_overflowed_rows(be, m->rcls, B);
-    op_softmax_ce_rows(be, m->dlogits, m->logits, m->labels, B, K, grad_scale, backward, &m->ce, &st);
+    st.overflowed = op_norm_overflowed_rows(be, m->rcls, B, step_stats);
+    op_softmax_ce_rows(be, m->dlogits, m->logits, m->labels, B, K, grad_scale, backward, &m->ce, &st, step_stats);
     if (!backward) return st;
     op_linear_f32_backward(be, m->dzcls32, m->dhead_w, m->dhead_b, m->dlogits, m->zcls32, m->head_w, B, K, d);
     op_f32_to_acts(be, m->dzcls, m->dzcls32, nd);
@@ -922,9 +932,12 @@ static void vit_backward_blocks(Vit* m, int B) {
 
 // One micro-batch of B <= m->B images (already uploaded): forward, fused head + loss (+ its
 // gradient), backward. Trainable grads accumulate. logits_out (host, [B, classes]): tests only.
-static LossStats vit_forward_backward(Vit* m, int B, float grad_scale, int backward, float* logits_out) {
+// step_stats (CUDA, or NULL): the loss statistics are added there on the device and the returned
+// LossStats stay zero (llmc/ops.h).
+static LossStats vit_forward_backward(Vit* m, int B, float grad_scale, int backward, float* logits_out,
+                                      double* step_stats) {
     vit_forward_blocks(m, B);
-    LossStats st = vit_head_loss(m, B, grad_scale, backward);
+    LossStats st = vit_head_loss(m, B, grad_scale, backward, step_stats);
     if (logits_out) backend_download(m->be, logits_out, m->logits, sizeof(float) * B * m->classes);
     if (backward) vit_backward_blocks(m, B);
     return st;
@@ -951,7 +964,8 @@ static StepResult vit_train_step(Vit* m, ImageLoader* loader, const TrainOptions
         }
         m->drop.row0 = lora_dropout_row0(k, dist->rank, dist->world, (int64_t)B * m->T);
         m->drop.active = 1;  // training only: evaluation sees the adapters' whole input
-        LossStats st = vit_forward_backward(m, B, scale, 1, NULL);
+        // on CUDA the loss stays on the device until the step's one readback (llmc/train/zero.h)
+        LossStats st = vit_forward_backward(m, B, scale, 1, NULL, trainable_step_stats(&m->tr));
         m->drop.active = 0;
         sums[0] += st.loss_sum;
         sums[1] += st.overflowed;
@@ -986,7 +1000,7 @@ static EvalResult vit_evaluate(Vit* m, const ImageLoader* loader, int batches) {
     for (int i = 0; i < batches && seen < n; i++) {
         int B = (int)(n - seen < m->B ? n - seen : m->B);
         vit_range_batch(m, loader, seen, B);
-        LossStats st = vit_forward_backward(m, B, 0.0f, 0, NULL);
+        LossStats st = vit_forward_backward(m, B, 0.0f, 0, NULL, NULL);
         ls += st.loss_sum;
         cor += st.correct;
         seen += B;
@@ -1504,6 +1518,7 @@ int main(int argc, char** argv) {
     fit_check_plan(&be, &m.plan, vit_plan_bytes, &pc, &o, dist.world, dist.local_size);  // before any allocation
     TrainModes bm = train_baseline_modes(md);
     vit_setup(&base, &cfg, &bm, o.batch, h, w, classes, run_data_src_bytes(&rd), &be, &dist);
+    m.micro_batches = o.grad_accum;
     vit_allocate(&m);
     if (o.random_init) vit_random_weights(&m, (uint64_t)o.seed);
     else vit_load_weights(&m, o.model_dir);

@@ -1,8 +1,9 @@
 // backend.h: where a model runs: the CPU (fp32 everywhere) or one CUDA GPU (bf16 frozen weights
 // and activations, fp32 statistics, LoRA masters, gradients and AdamW state). Defines Backend
 // (the choice, the element sizes the memory plan uses, the CUDA stream), --device resolution, the
-// plan's arenas on the backend (calloc or cudaMalloc), host<->backend copies, and the measured
-// memory line printed beside the plan.
+// plan's arenas on the backend (calloc or cudaMalloc), host<->backend copies, the batch's
+// double-buffered asynchronous upload (BatchStaging), the switches of the host-synchronisation
+// work (backend_switch) and the measured memory line printed beside the plan.
 //
 // The CUDA backend is compiled in when the translation unit is built by nvcc (or on the CPU
 // emulator of llmc/cuda/emu/emu.h with -DLLMC_CUDA_EMU, which is how CI runs it); a g++ build is
@@ -29,6 +30,18 @@ typedef struct {
     size_t used_before;    // device bytes already in use before our arenas (context, other jobs)
 #endif
 } Backend;
+
+// The switches of the step without host synchronisation, so that a first GPU run can compare the
+// old and new behaviour side by side (docs/gpu-testing.md). Each is an environment variable whose
+// value "old" selects the behaviour before it existed:
+//   LLMC_STREAM=legacy       the legacy default stream instead of the trainer's own stream
+//   LLMC_UPLOAD=sync         synchronous cudaMemcpy batch uploads instead of BatchStaging's
+//   LLMC_STEP_READBACK=each  the loss read back after every micro-batch and the gradient norm after
+//                            every range (ZeRO-1: bucket), instead of one readback per step
+static int backend_switch_is(const char* var, const char* old) {
+    const char* e = getenv(var);
+    return e && strcmp(e, old) == 0;
+}
 
 static int backend_cuda_devices(void) {
 #ifdef LLMC_HAVE_CUDA
@@ -60,7 +73,12 @@ static void backend_init(Backend* be, const char* flag, int local_rank) {
         be->cuda = 1;
         be->device = local_rank;
         CUDA_CHECK(cudaSetDevice(be->device));
-        be->stream = 0;  // the default stream: one stream keeps every op in program order
+        // One stream keeps every op in program order. Our own, not the legacy default stream: the
+        // legacy stream serialises with every other blocking stream and cannot be captured in a
+        // CUDA graph. Created blocking, so that the few synchronous calls outside the step
+        // (cudaMemcpy of weights at load, cudaMemset of a fresh arena) stay ordered with it.
+        be->stream = 0;
+        if (!backend_switch_is("LLMC_STREAM", "legacy")) CUDA_CHECK(cudaStreamCreate(&be->stream));
         size_t fr, tot;
         CUDA_CHECK(cudaMemGetInfo(&fr, &tot));
         be->used_before = tot - fr;
@@ -219,6 +237,103 @@ static void backend_download(const Backend* be, void* dst, const void* src, size
 #endif
     (void)be;
     memcpy(dst, src, bytes);
+}
+
+// ---- the batch's upload ---------------------------------------------------------------------
+// On CUDA the batch goes up with cudaMemcpyAsync on the backend's stream, from pinned staging, so
+// the host never waits for it. The host then runs ahead of the device: while micro-batch k's copy
+// may still be queued, the host already prepares micro-batch k + 1, so each micro-batch packs into
+// its own staging set, and a set is rewritten only once the event recorded after its last copy
+// has completed (cudaEventQuery; cudaEventSynchronize only when it has not: with at least as many
+// sets as micro-batches per step, never, since the step's one readback waits for the stream).
+// LLMC_FAULT_STAGING_REWRITE=1 plants the bug the emulator must catch: every micro-batch reuses
+// one set without waiting (test/cuda/test_emu_checks.py). On the CPU the buffers are the device
+// buffers themselves and nothing is staged.
+#define STAGING_MAX_SETS 8
+typedef struct {
+    const Backend* be;
+    uint8_t* set[STAGING_MAX_SETS];  // pinned, `bytes` each
+    int sets, cur;                   // cur: the set being filled (-1 before the first batch)
+    size_t bytes, used;              // capacity of a set; bytes packed into the current one
+    int async;                       // 0: synchronous uploads (CPU, or LLMC_UPLOAD=sync)
+    int planted_rewrite;             // LLMC_FAULT_STAGING_REWRITE=1
+#ifdef LLMC_HAVE_CUDA
+    cudaEvent_t uploaded[STAGING_MAX_SETS];
+    int pending[STAGING_MAX_SETS];   // an upload from the set was recorded
+#endif
+} BatchStaging;
+
+static size_t staging_align(size_t n) { return (n + 255) / 256 * 256; }
+
+// `bytes`: what one micro-batch uploads at most (the sum of its buffers); `micro_batches`: per
+// optimizer step (--grad-accum), which sizes the sets (at least two: double buffered).
+static void staging_init(BatchStaging* s, const Backend* be, size_t bytes, int micro_batches) {
+    memset(s, 0, sizeof(*s));
+    s->be = be;
+    s->cur = -1;
+    s->async = be->cuda && !backend_switch_is("LLMC_UPLOAD", "sync");
+    if (!s->async) return;
+    const char* f = getenv("LLMC_FAULT_STAGING_REWRITE");
+    s->planted_rewrite = f && f[0] == '1';
+    s->sets = micro_batches < 2 ? 2 : micro_batches > STAGING_MAX_SETS ? STAGING_MAX_SETS : micro_batches;
+    s->bytes = bytes;
+#ifdef LLMC_HAVE_CUDA
+    for (int i = 0; i < s->sets; i++) {
+        s->set[i] = (uint8_t*)backend_alloc_staging(be, bytes);
+        CUDA_CHECK(cudaEventCreateWithFlags(&s->uploaded[i], cudaEventDisableTiming));
+    }
+#endif
+}
+
+static void staging_free(BatchStaging* s) {
+#ifdef LLMC_HAVE_CUDA
+    if (s->async) CUDA_CHECK(cudaStreamSynchronize(s->be->stream));
+    for (int i = 0; i < s->sets; i++) {
+        backend_free_staging(s->be, s->set[i]);
+        CUDA_CHECK(cudaEventDestroy(s->uploaded[i]));
+    }
+#endif
+    s->sets = 0;
+}
+
+// Before a micro-batch's uploads: the next set, once the device has finished reading it.
+static void staging_begin(BatchStaging* s) {
+    if (!s->async) return;
+    s->used = 0;
+    if (s->planted_rewrite && s->cur >= 0) return;  // the planted bug: same set, no wait
+    s->cur = (s->cur + 1) % s->sets;
+#ifdef LLMC_HAVE_CUDA
+    int i = s->cur;
+    if (s->pending[i] && cudaEventQuery(s->uploaded[i]) != cudaSuccess) {
+        (void)cudaGetLastError();  // cudaErrorNotReady is not an error to keep
+        CUDA_CHECK(cudaEventSynchronize(s->uploaded[i]));
+    }
+    s->pending[i] = 0;
+#endif
+}
+
+// One buffer of the micro-batch: `bytes` from host `src` to device `dst`.
+static void staging_upload(BatchStaging* s, void* dst, const void* src, size_t bytes) {
+    if (!s->async) { backend_upload(s->be, dst, src, bytes); return; }
+    if (!bytes) return;
+    if (s->cur < 0 || s->used + bytes > s->bytes)
+        fail("internal: batch staging overflow (%zu + %zu of %zu bytes, or no staging_begin)", s->used, bytes,
+             s->bytes);
+#ifdef LLMC_HAVE_CUDA
+    uint8_t* at = s->set[s->cur] + s->used;
+    memcpy(at, src, bytes);
+    CUDA_CHECK(cudaMemcpyAsync(dst, at, bytes, cudaMemcpyHostToDevice, s->be->stream));
+#endif
+    s->used += staging_align(bytes);
+}
+
+// After a micro-batch's uploads: the event that says when its set may be rewritten.
+static void staging_end(BatchStaging* s) {
+    if (!s->async) return;
+#ifdef LLMC_HAVE_CUDA
+    CUDA_CHECK(cudaEventRecord(s->uploaded[s->cur], s->be->stream));
+    s->pending[s->cur] = 1;
+#endif
 }
 
 // n fp32 host values into a weight buffer of the backend's weight type (bf16 on CUDA, converted

@@ -467,6 +467,8 @@ typedef struct {
     float grad_scale;
     void* dxf;             // NULL: forward only (evaluation, generation)
     float* logits_out;     // NULL but in tests and generation
+    double* step_stats;    // CUDA, or NULL: the statistics are added there on the device ([4], LossStats'
+                           // order: the trainer's step, read back once, llmc/train/zero.h) and st is untouched
 } LmHeadCall;
 
 static void op_lm_head_loss(const Backend* be, const LmHead* h, const LmHeadCall* c, LossStats* st) {
@@ -480,7 +482,9 @@ static void op_lm_head_loss(const Backend* be, const LmHead* h, const LmHeadCall
     if (be->cuda) {
         LossScratchCuda sc = {B16(lb->z), lb->r, lb->logits, B16(lb->dlogits), B16(lb->dz), lb->row_stats, lb->stats};
         lm_head_loss_cuda(CB16(c->xf), CB16(h->gamma), h->eps, CB16(h->W), h->V, h->d, c->targets, c->mask, N, h->chunk,
-                          c->grad_scale, B16(c->dxf), c->logits_out, sc, st, be->stream, h->dW, h->dgamma);
+                          c->grad_scale, B16(c->dxf), c->logits_out, sc, c->step_stats ? NULL : st, be->stream, h->dW,
+                          h->dgamma);
+        if (c->step_stats) loss_stats_fold_cuda(c->step_stats, lb->stats, 4, be->stream);
         return;
     }
 #endif
@@ -542,8 +546,14 @@ static void op_layernorm_ms_backward(const Backend* be, void* dx, const void* dz
 }
 
 // How many of the n rows whose norm wrote r (backend memory) have statistics beyond fp32's range
-// (llmc/norm_math.h): the activations of a diverged run. CUDA: a copy of r to the host (few rows).
-static double op_norm_overflowed_rows(const Backend* be, const float* r, int64_t n) {
+// (llmc/norm_math.h): the activations of a diverged run. CUDA: a copy of r to the host (few rows);
+// with step_stats (CUDA, or NULL) the count is added to step_stats[3] on the device instead
+// (LossStats' `overflowed`; a trainer's step reads it back once) and 0 is returned.
+static double op_norm_overflowed_rows(const Backend* be, const float* r, int64_t n, double* step_stats) {
+#ifdef LLMC_HAVE_CUDA
+    if (be->cuda && step_stats) { norm_overflowed_rows_cuda(step_stats + 3, r, n, be->stream); return 0.0; }
+#endif
+    (void)step_stats;
     float* h = (float*)xmalloc(sizeof(float) * (n + 1));
     backend_download(be, h, r, sizeof(float) * n);
     double count = norm_overflowed_rows(h, n);
@@ -688,14 +698,17 @@ static void op_linear_f32_backward(const Backend* be, float* dx, float* dW, floa
 
 // logits [rows, V] against targets [rows] (backend memory): loss, count and correct add to st (on
 // the host; CUDA synchronises once); dlogits [rows, V] = grad_scale * (softmax - onehot) when
-// grad. logits are left as they are.
+// grad. logits are left as they are. step_stats (CUDA, or NULL): loss, count and correct are added
+// there on the device instead (LossStats' order; a trainer's step reads them back once).
 static void op_softmax_ce_rows(const Backend* be, float* dlogits, const float* logits, const int* targets, int64_t rows,
-                               int V, float grad_scale, int grad, const CeBuffers* cb, LossStats* st) {
+                               int V, float grad_scale, int grad, const CeBuffers* cb, LossStats* st,
+                               double* step_stats) {
 #ifdef LLMC_HAVE_CUDA
     if (be->cuda) {
         CUDA_CHECK(cudaMemsetAsync(cb->stats, 0, 3 * sizeof(double), be->stream));
         softmax_ce_rows_cuda(dlogits, cb->row_stats, logits, targets, NULL, rows, V, grad_scale, grad, be->stream);
         loss_stats_accumulate_cuda(cb->stats, cb->row_stats, rows, be->stream);
+        if (step_stats) { loss_stats_fold_cuda(step_stats, cb->stats, 3, be->stream); return; }
         double h[3];
         CUDA_CHECK(cudaMemcpyAsync(h, cb->stats, sizeof(h), cudaMemcpyDeviceToHost, be->stream));
         CUDA_CHECK(cudaStreamSynchronize(be->stream));
@@ -705,6 +718,6 @@ static void op_softmax_ce_rows(const Backend* be, float* dlogits, const float* l
         return;
     }
 #endif
-    (void)cb;
+    (void)cb; (void)step_stats;
     softmax_ce_rows(dlogits, logits, targets, rows, V, grad_scale, grad, st);
 }

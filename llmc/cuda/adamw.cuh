@@ -39,17 +39,27 @@ __global__ void sum_squares_partial_kernel(double* __restrict__ partial, const f
     s = block_reduce_sum_double(s);
     if (threadIdx.x == 0) partial[blockIdx.x] = s;
 }
-__global__ void sum_partials_kernel(double* __restrict__ out, const double* __restrict__ partial, int count) {
+// *out = sum of the partials, or *out += it when accumulate (the host's `s += range` in order).
+__global__ void sum_partials_kernel(double* __restrict__ out, const double* __restrict__ partial, int count,
+                                    int accumulate) {
     double s = 0.0;
     for (int i = threadIdx.x; i < count; i += blockDim.x) s += partial[i];
     s = block_reduce_sum_double(s);
-    if (threadIdx.x == 0) *out = s;
+    if (threadIdx.x == 0) *out = accumulate ? *out + s : s;
+}
+
+// sum g^2 into device *out (added to it when `accumulate` is SUMSQ_ADD), with no readback.
+// scratch: SUM_SQUARES_SCRATCH doubles.
+enum { SUMSQ_SET = 0, SUMSQ_ADD = 1 };
+static void sum_squares_into_cuda(double* out, int accumulate, const float* g, int64_t n, double* scratch,
+                                  cudaStream_t stream) {
+    launch_kernel(SUMSQ_BLOCKS, 256, 0, stream, sum_squares_partial_kernel, scratch, g, n);
+    launch_kernel(1, 256, 0, stream, sum_partials_kernel, out, scratch, SUMSQ_BLOCKS, accumulate);
 }
 
 // Returns sum g^2 (host value: synchronises the stream). scratch: SUM_SQUARES_SCRATCH doubles.
 static double sum_squares_cuda(const float* g, int64_t n, double* scratch, cudaStream_t stream) {
-    launch_kernel(SUMSQ_BLOCKS, 256, 0, stream, sum_squares_partial_kernel, scratch, g, n);
-    launch_kernel(1, 256, 0, stream, sum_partials_kernel, scratch + SUMSQ_BLOCKS, scratch, SUMSQ_BLOCKS);
+    sum_squares_into_cuda(scratch + SUMSQ_BLOCKS, SUMSQ_SET, g, n, scratch, stream);
     double h = 0.0;
     CUDA_CHECK(cudaMemcpyAsync(&h, scratch + SUMSQ_BLOCKS, sizeof(double), cudaMemcpyDeviceToHost, stream));
     CUDA_CHECK(cudaStreamSynchronize(stream));

@@ -57,6 +57,25 @@ static void cuda_check_launch(const char* kernel, const char* file, int line) {
     if (err != cudaSuccess) fail("CUDA error at %s:%d: launch of %s: %s", file, line, kernel, cudaGetErrorString(err));
 }
 
+// What device work costs the host (--profile's "per step" line, llmc/train/profile.h). On the
+// emulator every count is exact (emu.h counts kernel launches, cuBLAS compute calls and every call
+// that makes the host wait); on a GPU only the launches made through launch_kernel are counted
+// here, and the other two are -1 (unknown: no interposition on the CUDA runtime).
+typedef struct {
+    long long launches, blas_calls, host_syncs;
+} CudaCounts;
+#ifndef LLMC_CUDA_EMU
+static long long cuda_launches_counted;
+#endif
+static CudaCounts cuda_counts_now(void) {
+#ifdef LLMC_CUDA_EMU
+    CudaCounts c = {emu_counts.launches, emu_counts.blas_calls, emu_counts.host_syncs};
+#else
+    CudaCounts c = {cuda_launches_counted, -1, -1};
+#endif
+    return c;
+}
+
 // launch_kernel(grid, block, shared_bytes, stream, kernel, args...): the <<<>>> launch, then the
 // error check. A kernel that is a template takes at most one template argument here (the
 // preprocessor would split `k<a, b>` at its comma).
@@ -72,6 +91,7 @@ static void cuda_check_launch(const char* kernel, const char* file, int line) {
 #define launch_kernel(grid, block, smem, stream, kernel, ...)                                          \
     do {                                                                                               \
         kernel<<<(grid), (block), (smem), (stream)>>>(__VA_ARGS__);                                    \
+        cuda_launches_counted++;                                                                       \
         cuda_check_launch(#kernel, __FILE__, __LINE__);                                                \
     } while (0)
 #endif

@@ -97,10 +97,21 @@ static void loss_stats_accumulate_cuda(double* stats, const float* row_stats, in
     launch_kernel(1, 256, 0, stream, loss_stats_accumulate_kernel, stats, row_stats, rows);
 }
 
+// acc[k] += stats[k], k < n: one call's statistics into the step's, on the device (no readback).
+// The same double additions, in the same order, as the host's sum over micro-batches.
+__global__ void loss_stats_fold_kernel(double* acc, const double* stats, int n) {
+    if (threadIdx.x == 0)
+        for (int k = 0; k < n; k++) acc[k] += stats[k];
+}
+static void loss_stats_fold_cuda(double* acc, const double* stats, int n, cudaStream_t stream) {
+    launch_kernel(1, 32, 0, stream, loss_stats_fold_kernel, acc, stats, n);
+}
+
 // xf [N,d] final-norm input; W [V,d] head; dxf [N,d] accumulated when non-NULL; logits_out
 // [N,V] (device, fp32) receives the logits when non-NULL (tests). targets [N] and mask [N] (NULL:
 // all ones) live on the device. grad_scale = 1 / (masked tokens of the whole step). gamma NULL
-// means an MS final norm (backward from z and r). Synchronises the stream once, to return st.
+// means an MS final norm (backward from z and r). Synchronises the stream once, to return st; st
+// NULL: no readback, the statistics stay in sc.stats (a trainer's step adds them up on the device).
 // Full fine-tuning: dW [V,d] and dgamma [d] (fp32) accumulate when non-NULL.
 static void lm_head_loss_cuda(const bf16* xf, const bf16* gamma, float eps, const bf16* W, int V, int d,
                               const int* targets, const float* mask, int64_t N, int chunk, float grad_scale, bf16* dxf,
@@ -126,6 +137,7 @@ static void lm_head_loss_cuda(const bf16* xf, const bf16* gamma, float eps, cons
         if (gamma) rmsnorm_backward_cuda(dxf + n0 * d, sc.dz, xf + n0 * d, sc.r, gamma, c, d, stream);
         else rmsnorm_ms_backward_cuda(dxf + n0 * d, sc.dz, sc.z, sc.r, c, d, stream);
     }
+    if (!st) return;
     double h[4];
     CUDA_CHECK(cudaMemcpyAsync(h, sc.stats, sizeof(h), cudaMemcpyDeviceToHost, stream));
     CUDA_CHECK(cudaStreamSynchronize(stream));

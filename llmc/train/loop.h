@@ -46,19 +46,33 @@ typedef struct {
 // the final-norm rows whose statistics left fp32's range, sums[2] the correct predictions when n
 // is 3) added across ranks, the means over `count` items (the targets that count: NaN loss when
 // there are none), then the optimizer step on that global loss; `classes` (vocabulary or
-// classes) sets the loss of uniform predictions for health.h.
+// classes) sets the loss of uniform predictions for health.h. With the step's statistics on the
+// device (trainable_step_stats) the sums come from there, with the gradient's sum of squares, in
+// the step's one readback.
 static StepResult train_step_finish(Trainable* tr, const TrainOptions* o, const Dist* dist, int step, double* sums,
                                     int n, double count, double items, int classes) {
     double t_comm = wall_seconds();
+    trainable_sum_grads(tr, dist);
+    double comm = wall_seconds() - t_comm;
+    double ss = trainable_sum_squares(tr);
+    if (trainable_step_stats(tr)) {
+        double h[STEP_STATS];
+        trainable_read_step_stats(tr, h);
+        sums[0] = h[STEP_LOSS];
+        sums[1] = h[STEP_OVERFLOWED];
+        if (n > 2) sums[2] = h[STEP_CORRECT];
+        ss = h[STEP_SUMSQ];
+    }
+    t_comm = wall_seconds();
     dist_allreduce_sum_f64(dist, sums, n);
     StepResult r;
-    r.comm_s = wall_seconds() - t_comm;
+    r.comm_s = comm + wall_seconds() - t_comm;
     r.items = items;
     r.loss = count > 0 ? (float)(sums[0] / count) : NAN;  // no target: no loss
     r.accuracy = n > 2 ? (float)(sums[2] / count) : NAN;
     r.loss = train_fault_injected_loss(r.loss, step);
     StepStats health = {r.loss, count, sums[1], classes};
-    OptimStep os = trainable_step(tr, o, dist, step, &health);
+    OptimStep os = trainable_step(tr, o, dist, step, &health, ss);
     r.skipped = os.skipped;
     r.note = os.note;
     r.grad_norm = os.grad_norm;

@@ -36,6 +36,8 @@ typedef struct Profiler {
     cudaEvent_t* events;   // pairs (start, stop), recorded this step, read at the step's end
     int* event_row;        // the row of each pair
     int nevents, cap;      // pairs used this step, pairs created
+    CudaCounts at_begin;   // the counts when this step began
+    CudaCounts counted;    // their growth over the counted steps
 #endif
 } Profiler;
 
@@ -115,7 +117,10 @@ static void prof_stop(Profiler* p, ProfMark m, const char* name, const char* pas
 static void prof_step_begin(Profiler* p) {
     if (!p) return;
 #ifdef LLMC_HAVE_CUDA
-    if (p->cuda) CUDA_CHECK(cudaStreamSynchronize(p->stream));
+    if (p->cuda) {
+        CUDA_CHECK(cudaStreamSynchronize(p->stream));
+        p->at_begin = cuda_counts_now();  // after the profiler's own wait, which is not the step's
+    }
 #endif
     p->active = 1;
     p->step_t0 = prof_now();
@@ -127,6 +132,11 @@ static void prof_step_end(Profiler* p, int first) {
     if (!p) return;
 #ifdef LLMC_HAVE_CUDA
     if (p->cuda) {
+        CudaCounts now = cuda_counts_now();  // before the profiler's own wait
+        p->counted.launches += now.launches - p->at_begin.launches;
+        p->counted.blas_calls += now.blas_calls - p->at_begin.blas_calls;
+        p->counted.host_syncs += now.host_syncs - p->at_begin.host_syncs;
+        if (first) memset(&p->counted, 0, sizeof(p->counted));
         CUDA_CHECK(cudaStreamSynchronize(p->stream));
         for (int e = 0; e < p->nevents; e++) {
             float ms = 0.0f;
@@ -145,6 +155,24 @@ static void prof_step_end(Profiler* p, int first) {
 static int prof_cmp_seconds(const void* a, const void* b) {
     double x = ((const ProfRow*)a)->seconds, y = ((const ProfRow*)b)->seconds;
     return x < y ? 1 : x > y ? -1 : 0;
+}
+
+// The step's cost to the host, the mean over the counted steps (CUDA): on the emulator exactly
+// `per step: N kernel launches, N cuBLAS calls, N host synchronizations`; on a GPU the launches
+// only (common.cuh's cuda_counts_now says why).
+static void prof_print_counts(const Profiler* p) {
+#ifdef LLMC_HAVE_CUDA
+    if (!p->cuda || p->steps == 0) return;
+    double n = p->steps;
+    if (cuda_counts_now().host_syncs < 0)  // a GPU: not counted
+        printf("per step: %.0f kernel launches (cuBLAS calls and host synchronizations are counted on the "
+               "emulator only)\n", p->counted.launches / n);
+    else
+        printf("per step: %.0f kernel launches, %.0f cuBLAS calls, %.0f host synchronizations\n",
+               p->counted.launches / n, p->counted.blas_calls / n, p->counted.host_syncs / n);
+#else
+    (void)p;
+#endif
 }
 
 // The table, rows by time. "(other)" is the step time no row accounts for (host bookkeeping, the
@@ -174,6 +202,7 @@ static void prof_print(Profiler* p, const char* device) {
     }
     printf("  %-22s %-4s %6s %10.2f %5.1f%%\n", "(other)", "", "", step_ms - sum, 100.0 * (step_ms - sum) / step_ms);
     printf("  %-22s %-4s %6s %10.2f %5.1f%% %9.1f\n", "step", "", "", step_ms, 100.0, flops / p->step_seconds * 1e-9);
+    prof_print_counts(p);
     fflush(stdout);
 }
 

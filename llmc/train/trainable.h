@@ -21,6 +21,9 @@
 #include "../cuda/adamw.cuh"
 #endif
 
+// The step's statistics (trainable_step_stats): the loss's, in LossStats' order, then the gradient's.
+enum { STEP_LOSS, STEP_COUNT, STEP_CORRECT, STEP_OVERFLOWED, STEP_SUMSQ, STEP_STATS };
+
 
 // One range [lo, hi) of the arena whose gradients cross ranks together. Under ZeRO-1 each bucket is
 // split into world equal pieces and rank r updates piece r, [lo + r*piece, lo + (r+1)*piece): the
@@ -52,7 +55,8 @@ typedef struct {
     const Backend* be;
     float *h_params, *h_grads;  // the host mirror (the arrays themselves on the CPU)
     void* params16;                   // CUDA: bf16 copy of params, refreshed after every update
-    double* sumsq_scratch;            // CUDA: the gradient norm's partial sums
+    double* sumsq_scratch;            // CUDA: the gradient norm's partial sums, then the step's statistics
+    double* h_step_stats;             // CUDA: their pinned host copy [STEP_STATS] (made on first use)
     // The arena's gradient buckets, in the order the backward finishes them (highest offsets
     // first: the arena is laid out in forward order). On CUDA with several ranks they are summed
     // (or reduce-scattered) during the last micro-batch's backward as the models report, block by
@@ -95,13 +99,27 @@ static void trainable_plan(Trainable* tr, MemPlan* p, const char* module, int64_
     if (be && be->cuda) {
         plan_add(p, MEM_TRAINABLE, module, -1, "params_bf16", padded * 2, &tr->params16);
 #ifdef LLMC_HAVE_CUDA
-        plan_add(p, MEM_SCRATCH, module, -1, "grad_norm_partials", SUM_SQUARES_SCRATCH * sizeof(double),
+        plan_add(p, MEM_SCRATCH, module, -1, "grad_norm_partials", (SUM_SQUARES_SCRATCH + STEP_STATS) * sizeof(double),
                  &tr->sumsq_scratch);
 #endif
     }
 }
 
 static int trainable_on_device(const Trainable* tr) { return tr->be && tr->be->cuda; }
+
+// The step's statistics on the device, [STEP_STATS] doubles after the gradient norm's partial sums:
+// the loss statistics of every micro-batch added up (LossStats' order; the models' heads add them
+// there, llmc/ops.h) and the sum of squares of this rank's gradients, read back together once per
+// step (trainable_read_step_stats, llmc/train/zero.h). NULL on the CPU and with
+// LLMC_STEP_READBACK=each, where each micro-batch's loss is read back as before.
+static double* trainable_step_stats(const Trainable* tr) {
+#ifdef LLMC_HAVE_CUDA
+    if (trainable_on_device(tr) && !backend_switch_is("LLMC_STEP_READBACK", "each"))
+        return tr->sumsq_scratch + SUM_SQUARES_SCRATCH;
+#endif
+    (void)tr;
+    return NULL;
+}
 
 // A bucket is closed once this many bytes of final gradients are waiting (LLMC_GRAD_BUCKET_BYTES
 // overrides it; tests use 1 to make every block its own bucket).
@@ -189,6 +207,8 @@ static void trainable_bind_host(Trainable* tr) {
 static void trainable_free_host(Trainable* tr) {
     if (trainable_on_device(tr)) { free(tr->h_params); free(tr->h_grads); }
     tr->h_params = tr->h_grads = NULL;
+    if (tr->h_step_stats) backend_free_staging(tr->be, tr->h_step_stats);
+    tr->h_step_stats = NULL;
 #ifdef LLMC_HAVE_CUDA
     if (tr->comm) {
         CUDA_CHECK(cudaStreamDestroy(tr->comm));  // after what it still holds has run
@@ -283,10 +303,13 @@ static void trainable_to_host(Trainable* tr, int grads) {
     if (grads) backend_download(tr->be, tr->h_grads, tr->grads, sizeof(float) * tr->count);
 }
 
+// At a step's start: the gradients, and on CUDA the step's statistics, to zero.
 static void trainable_zero_grads(Trainable* tr) {
 #ifdef LLMC_HAVE_CUDA
     if (trainable_on_device(tr)) {
         CUDA_CHECK(cudaMemsetAsync(tr->grads, 0, sizeof(float) * tr->padded, tr->be->stream));
+        double* st = trainable_step_stats(tr);
+        if (st) CUDA_CHECK(cudaMemsetAsync(st, 0, sizeof(double) * STEP_STATS, tr->be->stream));
         return;
     }
 #endif

@@ -136,18 +136,38 @@ static int64_t trainable_own_range(const Trainable* tr, int b, float** g) {
 }
 
 // Sum of squares of this rank's summed gradients (one bucket's piece at a time, in a fixed order,
-// so it does not depend on timing).
+// so it does not depend on timing). With the step's statistics on the device it goes there
+// (STEP_SUMSQ, the same additions in the same order) and comes back with them: returns 0 then.
 static double trainable_sum_squares(const Trainable* tr) {
     double s = 0.0;
     for (int b = 0; b < trainable_own_ranges(tr); b++) {
         float* g;
         int64_t n = trainable_own_range(tr, b, &g);
 #ifdef LLMC_HAVE_CUDA
+        double* dev = trainable_step_stats(tr);
+        if (dev) {
+            sum_squares_into_cuda(dev + STEP_SUMSQ, b ? SUMSQ_ADD : SUMSQ_SET, g, n, tr->sumsq_scratch, tr->be->stream);
+            continue;
+        }
         if (trainable_on_device(tr)) { s += sum_squares_cuda(g, n, tr->sumsq_scratch, tr->be->stream); continue; }
 #endif
         s += sum_squares(g, n);
     }
     return s;
+}
+
+// The step's statistics (trainable_step_stats) to the host: one copy into pinned memory and the
+// step's one wait for the stream. h: [STEP_STATS].
+static void trainable_read_step_stats(Trainable* tr, double* h) {
+#ifdef LLMC_HAVE_CUDA
+    if (!tr->h_step_stats) tr->h_step_stats = (double*)backend_alloc_staging(tr->be, sizeof(double) * STEP_STATS);
+    CUDA_CHECK(cudaMemcpyAsync(tr->h_step_stats, trainable_step_stats(tr), sizeof(double) * STEP_STATS,
+                               cudaMemcpyDeviceToHost, tr->be->stream));
+    CUDA_CHECK(cudaStreamSynchronize(tr->be->stream));
+    memcpy(h, tr->h_step_stats, sizeof(double) * STEP_STATS);
+#else
+    (void)tr; (void)h;
+#endif
 }
 
 static void trainable_scale(const Trainable* tr, float s) {
@@ -251,16 +271,15 @@ static double trainable_update(Trainable* tr, const Dist* dist, float lr, float 
 // `loss` is the step's global mean loss: it and the global gradient norm must be finite, else
 // the step stops the run or (--nonfinite skip) leaves the weights and the optimizer state as
 // they were; so does a step that diverged or collapsed (health.h). A step with no target makes
-// no update. Every rank sees the same global values, so every rank decides the same.
-static OptimStep trainable_step(Trainable* tr, const TrainOptions* o, const Dist* dist, int step, const StepStats* s) {
+// no update. Every rank sees the same global values, so every rank decides the same. The gradients
+// were summed across ranks (trainable_sum_grads) and `ss` is this rank's part of their sum of
+// squares (trainable_sum_squares, or the step's statistics).
+static OptimStep trainable_step(Trainable* tr, const TrainOptions* o, const Dist* dist, int step, const StepStats* s,
+                                double ss) {
     float loss = s->loss;
     OptimStep r;
     memset(&r, 0, sizeof(r));
     double t = wall_seconds();
-    trainable_sum_grads(tr, dist);
-    r.comm_s = wall_seconds() - t;
-    double ss = trainable_sum_squares(tr);
-    t = wall_seconds();
     if (tr->zero1) dist_allreduce_sum_f64(dist, &ss, 1);
     r.comm_s += wall_seconds() - t;
     r.grad_norm = (float)sqrt(ss);

@@ -531,6 +531,56 @@ def check_refused_plan_says_what_fits(args):
         assert b * int(accum) >= 100000 > b * (int(accum) - 1)
 
 
+# ---- the step without host synchronisation (llmc/backend.h, llmc/train/zero.h) ------------------
+
+# The old behaviour of each piece, selectable so that a GPU run can compare (llmc/backend.h).
+OLD_SYNC_SWITCHES = {"LLMC_STREAM": "legacy", "LLMC_UPLOAD": "sync", "LLMC_STEP_READBACK": "each"}
+# LLMC_ATTENTION=flash: the GEMM attention path still copies its per-call pointer arrays from
+# pageable memory (two host synchronisations per layer) until they are built at plan time.
+NO_GEMM_ATTENTION = {"LLMC_ATTENTION": "flash"}
+
+
+def per_step_counts(out):
+    m = re.search(r"^per step: (\d+) kernel launches, (\d+) cuBLAS calls, (\d+) host synchronizations$", out, re.M)
+    assert m, out[-2000:]
+    return tuple(int(x) for x in m.groups())
+
+
+@pytest.mark.skipif(GPU, reason="the emulator counts host synchronisations; a GPU run has no such count")
+def test_cuda_step_has_one_host_sync_and_the_old_paths_train_the_same(tmp_path):
+    """--profile's count on the emulator, which counts every call that makes the host wait
+    (llmc/cuda/emu/emu.h): one per optimizer step (the step's readback of loss and gradient norm)
+    over 2 micro-batches. Each old path (own stream off, synchronous uploads, per-micro-batch
+    readback) must train to the very same adapter, bit for bit: the same kernels on the same data
+    in the same order; only when the host waits differs. The synchronous uploads add exactly the
+    4 cudaMemcpy per micro-batch (inputs, targets, mask, positions) that the count must see."""
+    args = ["--steps", 2, "--grad-accum", 2, "--profile"]  # the first step is a warm-up: one counted
+    new = train(CUDA_TRAIN, "cuda", *args, "--out", tmp_path / "new", env=NO_GEMM_ATTENTION)
+    launches, blas, syncs = per_step_counts(new.stdout)
+    print(f"per step: {launches} launches, {blas} cuBLAS calls, {syncs} host synchronizations")
+    assert syncs == 1 and launches > 0 and blas > 0
+    want = (tmp_path / "new" / "adapter_model.safetensors").read_bytes()
+    for var, old in OLD_SYNC_SWITCHES.items():
+        out = tmp_path / var
+        p = train(CUDA_TRAIN, "cuda", *args, "--out", out, env=dict(NO_GEMM_ATTENTION, **{var: old}))
+        assert (out / "adapter_model.safetensors").read_bytes() == want, var
+        assert step_losses(p.stdout) == step_losses(new.stdout), var
+        if var == "LLMC_UPLOAD":
+            assert per_step_counts(p.stdout)[2] == 1 + 4 * 2, p.stdout[-500:]
+
+
+@pytest.mark.skipif(GPU, reason="the planted race is caught by the emulator; a GPU would train on a wrong batch")
+def test_cuda_planted_early_rewrite_of_upload_staging_is_caught():
+    """LLMC_FAULT_STAGING_REWRITE=1 packs every micro-batch into one pinned staging set without
+    waiting for the previous copy from it: on a GPU the copy may still be reading it. The emulator
+    must stop the run with the race named."""
+    p = train(CUDA_TRAIN, "cuda", "--steps", 1, "--grad-accum", 2, check=False,
+              env=dict(NO_GEMM_ATTENTION, LLMC_FAULT_STAGING_REWRITE="1"))
+    assert p.returncode != 0 and "emu: race: the host rewrote pinned memory" in p.stderr, p.stderr[-1500:]
+    ok = train(CUDA_TRAIN, "cuda", "--steps", 1, "--grad-accum", 2, check=False, env=NO_GEMM_ATTENTION)
+    assert ok.returncode == 0, ok.stderr[-1500:]
+
+
 def test_cuda_bad_inputs_fail_cleanly(tmp_path):
     p = train(CUDA_TRAIN, "cuda", "--steps", 2, "--lora-rank", 0, check=False)
     assert p.returncode != 0 and "--lora-rank" in p.stderr and p.stderr.count("\n") == 1

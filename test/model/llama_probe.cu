@@ -85,7 +85,7 @@ int main(int argc, char** argv) {
     m.drop.step = (uint64_t)drop_step;  // a training pass: dropout on, as llama_train_step / vit_train_step set it
     m.drop.row0 = drop_row0;
     m.drop.active = 1;
-    LossStats st = llama_forward_backward(&m, B, T, count > 0 ? (float)(1.0 / count) : 0.0f, 1, logits_be);
+    LossStats st = llama_forward_backward(&m, B, T, count > 0 ? (float)(1.0 / count) : 0.0f, 1, logits_be, NULL);
     backend_download(&be, logits, logits_be, sizeof(float) * nlogits);
     probe_free(&be, logits_be);
     trainable_to_host(&m.tr, 1);

@@ -145,7 +145,7 @@ int main(int argc, char** argv) {
     m.drop.step = (uint64_t)drop_step;  // a training pass: dropout on, as llama_train_step / vit_train_step set it
     m.drop.row0 = drop_row0;
     m.drop.active = 1;
-    LossStats st = vit_forward_backward(&m, B, 1.0f / B, 1, logits);
+    LossStats st = vit_forward_backward(&m, B, 1.0f / B, 1, logits, NULL);
     trainable_to_host(&m.tr, 1);
     float loss = (float)(st.loss_sum / B);
     StWriter wr;

@@ -50,6 +50,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <execinfo.h>
 #include <link.h>
 #include <setjmp.h>
 #include <ucontext.h>
@@ -121,6 +122,30 @@ typedef struct {
 } EmuState;
 
 static EmuState emu_state;
+
+// What the device work costs the host, counted exactly for --profile's "per step" line
+// (llmc/train/profile.h): kernel launches that ran, cuBLAS compute calls (GEMMs, emu_cublas.h),
+// and host synchronisations: every call that makes the host wait for the device (stream, event
+// and device synchronisation; synchronous copies to or from the host; copies between the device
+// and pageable host memory, which CUDA stages synchronously; device and pinned allocation and
+// freeing).
+typedef struct {
+    long long launches, blas_calls, host_syncs;
+} EmuCounts;
+static EmuCounts emu_counts;
+
+// A host synchronisation: counted; with LLMC_EMU_TRACE_SYNCS=1 in the environment also reported on
+// stderr with the call and the stack that made it (how to find who waits).
+static void emu_host_sync(const char* call) {
+    emu_counts.host_syncs++;
+    static int trace = -1;
+    if (trace < 0) trace = getenv("LLMC_EMU_TRACE_SYNCS") && getenv("LLMC_EMU_TRACE_SYNCS")[0] == '1';
+    if (!trace) return;
+    void* frames[12];
+    int n = backtrace(frames, 12);
+    fprintf(stderr, "emu: host synchronization #%lld: %s\n", emu_counts.host_syncs, call);
+    backtrace_symbols_fd(frames + 1, n - 1, 2);
+}
 
 #define threadIdx (emu_state.cur->tid)
 #define blockIdx (emu_state.bid)
@@ -304,6 +329,7 @@ static void emu_launch(dim3 grid, dim3 block, size_t smem, const char* kernel, c
     EmuState* s = &emu_state;
     cudaError_t err = emu_launch_error(grid, block, smem, fn);
     if (err != cudaSuccess) { s->last_error = err; return; }
+    emu_counts.launches++;
     if (smem > 0) {
         fprintf(stderr, "emu: %s asks for dynamic shared memory, which the emulator lacks\n", kernel);
         exit(1);
@@ -421,6 +447,21 @@ static int emu_on_device(uintptr_t p, size_t n) {
     return c >= it->first && c + n <= it->first + (it->second ? it->second : 1);
 }
 
+// Page-locked host memory (cudaMallocHost), start -> size: a copy between it and the device is
+// asynchronous; one from or to any other host memory makes the host wait (counted).
+static std::map<const char*, size_t>& emu_pinned(void) {
+    static std::map<const char*, size_t> m;
+    return m;
+}
+static int emu_is_pinned(uintptr_t p, size_t n) {
+    const std::map<const char*, size_t>& m = emu_pinned();
+    const char* c = (const char*)p;
+    std::map<const char*, size_t>::const_iterator it = m.upper_bound(c);
+    if (it == m.begin()) return 0;
+    --it;
+    return c >= it->first && c + n <= it->first + (it->second ? it->second : 1);
+}
+
 // ---- guard zones -----------------------------------------------------------------------------
 // Device memory no buffer owns, filled with EMU_POISON: before and after every cudaMalloc, and
 // after every buffer of the memory plan (registered by backend.h). Checked after every kernel,
@@ -511,6 +552,7 @@ static void emu_check_side(uintptr_t p, size_t n, int device, const char* call, 
 extern "C" {
 // Each allocation sits between two guard zones; its start is 256-byte aligned, as cudaMalloc's.
 cudaError_t cudaMalloc(void** p, size_t n) {
+    emu_host_sync("cudaMalloc");
     if (n > EMU_DEVICE_BYTES - emu_bytes_in_use) {
         *p = NULL;
         return cudaErrorMemoryAllocation;
@@ -530,7 +572,7 @@ cudaError_t cudaMalloc(void** p, size_t n) {
 }
 cudaError_t cudaFree(void* p) {
     if (!p) return cudaSuccess;
-    cudaDeviceSynchronize();  // as on a GPU; held-back work may still use the memory
+    cudaDeviceSynchronize();  // as on a GPU; held-back work may still use the memory (counted there)
     std::map<const char*, size_t>::iterator it = emu_allocations().find((const char*)p);
     if (it == emu_allocations().end()) {
         fprintf(stderr, "emu: cudaFree of %p, which cudaMalloc did not return\n", p);
@@ -546,10 +588,17 @@ cudaError_t cudaFree(void* p) {
 }
 // Page-locked host memory is plain host memory here (not registered: it is host memory).
 cudaError_t cudaMallocHost(void** p, size_t n) {
+    emu_host_sync("cudaMallocHost");
     *p = malloc(n ? n : 1);
+    if (*p) emu_pinned()[(const char*)*p] = n;
     return *p ? cudaSuccess : cudaErrorMemoryAllocation;
 }
-cudaError_t cudaFreeHost(void* p) { free(p); return cudaSuccess; }
+cudaError_t cudaFreeHost(void* p) {
+    emu_host_sync("cudaFreeHost");
+    emu_pinned().erase((const char*)p);
+    free(p);
+    return cudaSuccess;
+}
 cudaError_t cudaMemGetInfo(size_t* free_bytes, size_t* total) {
     *total = EMU_DEVICE_BYTES;
     *free_bytes = EMU_DEVICE_BYTES - emu_bytes_in_use;
@@ -576,7 +625,21 @@ cudaError_t cudaSetDevice(int d) { return d >= 0 && d < 8 ? cudaSuccess : cudaEr
 // the default stream's kernels ran long before, emu_stream_submit also checks the producer side:
 // the held-back work's stream must have waited (an event) for every earlier kernel of the default
 // stream, which a GPU would otherwise overlap with it. As on a GPU, the default stream's own work
-// does not wait for streams created with cudaStreamNonBlocking.
+// does not wait for streams created with cudaStreamNonBlocking. A stream created blocking
+// (cudaStreamCreate: the trainer's compute stream, backend.h) is ordered with the default stream
+// both ways, so its kernels count as default-stream work here: they run when issued, and a
+// held-back copy on it needs no event to follow them.
+//
+// What the host has seen finish: every operation and event record takes the next number of
+// `emu_seq`; a stream's `observed` is the last number a host wait covered (cudaStreamSynchronize,
+// cudaEventSynchronize, cudaDeviceSynchronize). cudaEventQuery answers from that, as if the device
+// were slow: cudaSuccess only for work a wait already covered, so a trainer that polls before it
+// waits has the wait counted here whenever a GPU might need it.
+// Pinned host memory that an asynchronous copy reads (a host-to-device upload) must not be written
+// by the host before a wait covers the copy: a GPU may still be reading it. Each such copy keeps a
+// snapshot of its source; when a wait covers it, or another upload from the same bytes is issued,
+// the source must still equal the snapshot, else the emulator reports the early rewrite (the
+// double-buffered batch upload of backend.h relies on this; test_emu_checks.py plants the bug).
 // The memory a held-back copy touches (n == 0: unknown, e.g. a collective: it conflicts with any copy).
 struct EmuSpan {
     uintptr_t dst, src;
@@ -596,17 +659,73 @@ struct CUstream_st {
     long long issued;           // held-back work items so far (those not run yet: `pending`)
     long long seen_default;     // default-stream work this stream has waited for (events)
     int nonblocking;
+    long long observed;         // the last emu_seq a host wait on this stream covered
 };
 struct CUevent_st {
     cudaStream_t stream;        // where it was recorded (NULL: the default stream)
     long long position;         // that stream's `issued` then
     long long default_work;     // the default stream's work count then
     double host_time;           // host wall time at the record (cudaEventElapsedTime's stand-in)
+    long long seq;              // emu_seq at the record
 };
+static long long emu_seq;            // numbers operations and event records in issue order
+static long long emu_null_observed;  // `observed` of the default stream
+static long long* emu_observed(cudaStream_t st) { return st ? &st->observed : &emu_null_observed; }
+// An upload from pinned host memory not yet covered by a host wait (see above).
+struct EmuUpload {
+    cudaStream_t stream;
+    long long seq;
+    const char* src;
+    std::vector<char> snapshot;
+};
+static std::deque<EmuUpload>& emu_uploads(void) {
+    static std::deque<EmuUpload> q;
+    return q;
+}
+// The device wrote [p, p + n) (a copy to pinned memory, or its poison until it runs): not the host's
+// rewrite, so the snapshots of uploads from those bytes follow (stream order, not the host, says
+// when such a copy may run: offload.h's events).
+static void emu_uploads_device_wrote(const char* p, size_t n) {
+    std::deque<EmuUpload>& q = emu_uploads();
+    for (size_t i = 0; i < q.size(); i++) {
+        EmuUpload& u = q[i];
+        const char* end = u.src + u.snapshot.size();
+        const char *lo = p > u.src ? p : u.src, *hi = p + n < end ? p + n : end;
+        if (lo < hi) memcpy(u.snapshot.data() + (lo - u.src), lo, (size_t)(hi - lo));
+    }
+}
+// The uploads a wait now covers are checked and forgotten; with n > 0 also the uncovered ones
+// whose source meets [p, p + n) (an upload about to read those bytes again).
+static void emu_uploads_check(const char* p, size_t n) {
+    std::deque<EmuUpload>& q = emu_uploads();
+    for (size_t i = 0; i < q.size();) {
+        EmuUpload& u = q[i];
+        int covered = *emu_observed(u.stream) >= u.seq;
+        int meets = n && p < u.src + u.snapshot.size() && u.src < p + n;
+        if ((covered || meets) && memcmp(u.src, u.snapshot.data(), u.snapshot.size()) != 0) {
+            fprintf(stderr,
+                    "emu: race: the host rewrote pinned memory [%p, +%zu bytes) while an asynchronous copy from it "
+                    "could still be reading it (wait on an event recorded after the copy before rewriting)\n",
+                    (const void*)u.src, u.snapshot.size());
+            abort();
+        }
+        if (covered) q.erase(q.begin() + (long)i);
+        else i++;
+    }
+}
 static long long emu_default_work;  // kernels, copies and memsets issued to the default stream
+
 static std::set<cudaStream_t>& emu_streams(void) {
     static std::set<cudaStream_t> s;
     return s;
+}
+// A host wait covered everything issued to st so far (NULL: the default stream, which also waits
+// for the blocking streams).
+static void emu_observe_all(cudaStream_t st) {
+    *emu_observed(st) = emu_seq;
+    if (st) return;
+    for (std::set<cudaStream_t>::iterator it = emu_streams().begin(); it != emu_streams().end(); ++it)
+        if (!(*it)->nonblocking) (*it)->observed = emu_seq;
 }
 
 static void emu_stream_run_until(cudaStream_t st, long long position) {
@@ -625,7 +744,12 @@ static void emu_drain_all(int blocking_only) {
 
 // Before a kernel, copy or memset on `st`: what the stream holds runs first (stream order).
 static void emu_stream_issue(cudaStream_t st) {
-    if (st) { emu_stream_drain(st); return; }
+    emu_seq++;
+    if (st) {
+        emu_stream_drain(st);
+        if (!st->nonblocking) emu_default_work++;  // ordered with the default stream (see above)
+        return;
+    }
     emu_default_work++;
     emu_drain_all(1);  // the default stream waits for blocking streams
 }
@@ -633,6 +757,8 @@ static void emu_stream_issue(cudaStream_t st) {
 // Work that may run late (see above); `what` names it in the error; `span`: the memory it touches.
 static void emu_stream_submit_span(cudaStream_t st, const char* what, const std::function<void()>& f, EmuSpan span) {
     if (!st) { emu_stream_issue(NULL); f(); return; }
+    emu_seq++;
+    if (!st->nonblocking) st->seen_default = emu_default_work;  // ordered after it (see above)
     if (st->seen_default < emu_default_work) {
         fprintf(stderr,
                 "emu: race: %s issued on stream %p without waiting for the %lld earlier kernels/copies of the default "
@@ -661,6 +787,7 @@ static void emu_copy(void* dst, const void* src, size_t n, enum cudaMemcpyKind k
         if (emu_on_device((uintptr_t)src, n)) emu_check_side((uintptr_t)src, n, 1, "cudaMemcpy", "source");
     }
     memmove(dst, src, n);
+    emu_uploads_device_wrote((const char*)dst, n);
 }
 static void emu_fill(void* p, int v, size_t n) {
     if (!n) return;
@@ -669,7 +796,20 @@ static void emu_fill(void* p, int v, size_t n) {
 }
 
 extern "C" {
+// Whether a copy of this kind makes the host wait: cudaMemcpy always, unless device to device
+// (`async` 0); cudaMemcpyAsync when its host side is pageable memory (`async` 1).
+static int emu_copy_waits(const void* dst, const void* src, size_t n, enum cudaMemcpyKind kind, int async) {
+    int dst_host = kind == cudaMemcpyDeviceToHost || kind == cudaMemcpyHostToHost ||
+                   (kind == cudaMemcpyDefault && !emu_on_device((uintptr_t)dst, n));
+    int src_host = kind == cudaMemcpyHostToDevice || kind == cudaMemcpyHostToHost ||
+                   (kind == cudaMemcpyDefault && !emu_on_device((uintptr_t)src, n));
+    if (!dst_host && !src_host) return 0;
+    if (!async) return 1;
+    return (dst_host && !emu_is_pinned((uintptr_t)dst, n)) || (src_host && !emu_is_pinned((uintptr_t)src, n));
+}
+
 cudaError_t cudaMemcpy(void* dst, const void* src, size_t n, enum cudaMemcpyKind kind) {
+    if (emu_copy_waits(dst, src, n, kind, 0)) emu_host_sync("cudaMemcpy");
     emu_stream_issue(NULL);
     emu_copy(dst, src, n, kind);
     return cudaSuccess;
@@ -680,7 +820,11 @@ cudaError_t cudaMemcpy(void* dst, const void* src, size_t n, enum cudaMemcpyKind
 // has the copy take the new data. Held-back work of the same stream that the copy meets (one
 // writes what the other touches) runs first, as stream order requires; the rest stays held back.
 cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t n, enum cudaMemcpyKind kind, cudaStream_t st) {
-    if (!st) {
+    int pageable = emu_copy_waits(dst, src, n, kind, 1);
+    if (pageable) emu_host_sync("cudaMemcpyAsync with pageable host memory");
+    // CUDA stages a copy with pageable memory through the host before returning: on a blocking
+    // stream (the trainer's) it runs now, after the stream's earlier work, as for the default stream
+    if (!st || (pageable && !st->nonblocking)) {
         emu_stream_issue(st);
         emu_copy(dst, src, n, kind);
         return cudaSuccess;
@@ -692,10 +836,16 @@ cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t n, enum cudaMemcp
         if (emu_spans_conflict(st->spans[i], span)) last = st->issued - (long long)st->spans.size() + (long long)i + 1;
     emu_stream_run_until(st, last);
     emu_stream_submit_span(st, "cudaMemcpyAsync", [=]() { emu_copy(dst, src, n, kind); }, span);
+    if (n && emu_is_pinned((uintptr_t)src, n)) {  // the host must leave the source alone until a wait
+        emu_uploads_check((const char*)src, n);
+        EmuUpload u = {st, emu_seq, (const char*)src, std::vector<char>((const char*)src, (const char*)src + n)};
+        emu_uploads().push_back(u);
+    }
     int dst_on_device = kind == cudaMemcpyHostToDevice || kind == cudaMemcpyDeviceToDevice ||
                         (kind == cudaMemcpyDefault && emu_on_device((uintptr_t)dst, n));
     if (dst_on_device) emu_check_side((uintptr_t)dst, n, 1, "cudaMemcpyAsync", "destination");
     if (n) memset(dst, 0xFF, n);
+    if (n) emu_uploads_device_wrote((const char*)dst, n);
     return cudaSuccess;
 }
 // Rows of `width` bytes, `height` of them, between pitched buffers (--seq-parallel's exchanges
@@ -718,15 +868,25 @@ cudaError_t cudaMemsetAsync(void* p, int v, size_t n, cudaStream_t st) {
     emu_fill(p, v, n);
     return cudaSuccess;
 }
-cudaError_t cudaDeviceSynchronize(void) { emu_drain_all(0); return cudaSuccess; }
+cudaError_t cudaDeviceSynchronize(void) {
+    emu_host_sync("cudaDeviceSynchronize");
+    emu_drain_all(0);
+    emu_null_observed = emu_seq;
+    for (std::set<cudaStream_t>::iterator it = emu_streams().begin(); it != emu_streams().end(); ++it)
+        (*it)->observed = emu_seq;
+    emu_uploads_check(NULL, 0);
+    return cudaSuccess;
+}
 cudaError_t cudaStreamCreateWithFlags(cudaStream_t* st, unsigned flags) {
     *st = new CUstream_st();
+    (*st)->observed = 0;
     (*st)->issued = 0;
     (*st)->seen_default = 0;
     (*st)->nonblocking = (flags & cudaStreamNonBlocking) != 0;
     emu_streams().insert(*st);
     return cudaSuccess;
 }
+cudaError_t cudaStreamCreate(cudaStream_t* st) { return cudaStreamCreateWithFlags(st, cudaStreamDefault); }
 cudaError_t cudaStreamDestroy(cudaStream_t st) {
     if (!st) return cudaSuccess;
     emu_stream_drain(st);  // CUDA lets queued work finish
@@ -740,6 +900,7 @@ cudaError_t cudaEventCreateWithFlags(cudaEvent_t* ev, unsigned flags) {
     (*ev)->stream = NULL;
     (*ev)->position = (*ev)->default_work = 0;
     (*ev)->host_time = 0.0;
+    (*ev)->seq = 0;
     return cudaSuccess;
 }
 cudaError_t cudaEventCreate(cudaEvent_t* ev) { return cudaEventCreateWithFlags(ev, 0); }
@@ -750,10 +911,22 @@ cudaError_t cudaEventRecord(cudaEvent_t ev, cudaStream_t st) {
     ev->host_time = ts.tv_sec + 1e-9 * ts.tv_nsec;
     ev->stream = st;
     ev->position = st ? st->issued : 0;
-    ev->default_work = st ? st->seen_default : emu_default_work;
+    ev->default_work = st && st->nonblocking ? st->seen_default : emu_default_work;
+    ev->seq = ++emu_seq;
     return cudaSuccess;
 }
-cudaError_t cudaEventSynchronize(cudaEvent_t ev) { emu_stream_run_until(ev->stream, ev->position); return cudaSuccess; }
+cudaError_t cudaEventSynchronize(cudaEvent_t ev) {
+    emu_host_sync("cudaEventSynchronize");
+    emu_stream_run_until(ev->stream, ev->position);
+    long long* seen = emu_observed(ev->stream);
+    if (*seen < ev->seq) *seen = ev->seq;
+    emu_uploads_check(NULL, 0);
+    return cudaSuccess;
+}
+// Done only when a host wait already covered the event (see "what the host has seen" above).
+cudaError_t cudaEventQuery(cudaEvent_t ev) {
+    return *emu_observed(ev->stream) >= ev->seq ? cudaSuccess : cudaErrorNotReady;
+}
 // The host time between the two records: the emulator has no device clock (and runs kernels
 // lazily), so this says nothing about kernel time; it lets --profile's event path run.
 cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t a, cudaEvent_t b) {
@@ -769,8 +942,11 @@ cudaError_t cudaStreamWaitEvent(cudaStream_t st, cudaEvent_t ev, unsigned flags)
     return cudaSuccess;
 }
 cudaError_t cudaStreamSynchronize(cudaStream_t st) {
+    emu_host_sync("cudaStreamSynchronize");
     if (st) emu_stream_drain(st);
     else emu_drain_all(1);
+    emu_observe_all(st);
+    emu_uploads_check(NULL, 0);
     return cudaSuccess;
 }
 // Launch errors are sticky until read, as on a GPU (the emulator has no asynchronous faults).

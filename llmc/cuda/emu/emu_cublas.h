@@ -181,6 +181,7 @@ cublasStatus_t cublasGemmEx(cublasHandle_t h, cublasOperation_t ta, cublasOperat
     if (!m || !n) return CUBLAS_STATUS_SUCCESS;
     float a = *(const float*)alpha, b = *(const float*)beta;
     emu_stream_issue(h->stream);
+    emu_counts.blas_calls++;
     if (k) {
         emu_blas_operand("cublasGemmEx", "A", A, at, ta == CUBLAS_OP_N ? m : k, ta == CUBLAS_OP_N ? k : m, lda);
         emu_blas_operand("cublasGemmEx", "B", B, bt, tb == CUBLAS_OP_N ? k : n, tb == CUBLAS_OP_N ? n : k, ldb);
@@ -203,6 +204,7 @@ cublasStatus_t cublasGemmBatchedEx(cublasHandle_t h, cublasOperation_t ta, cubla
     if (batch < 0) return emu_blas_status(CUBLAS_STATUS_INVALID_VALUE, call, "negative batch count");
     if (!m || !n || !batch) return CUBLAS_STATUS_SUCCESS;
     emu_stream_issue(h->stream);
+    emu_counts.blas_calls++;
     // the pointer arrays are read by the GPU: they must be device memory
     emu_check_side((uintptr_t)Aarray, sizeof(void*) * batch, 1, call, "Aarray");
     emu_check_side((uintptr_t)Barray, sizeof(void*) * batch, 1, call, "Barray");
@@ -409,6 +411,7 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t h, cublasLtMatmulDesc_t desc, con
     float fa = *(const float*)alpha, fb = *(const float*)beta;
     int64_t k = d->transa == CUBLAS_OP_N ? (int64_t)a->cols : (int64_t)a->rows;
     emu_stream_issue(stream);
+    emu_counts.blas_calls++;
     if (k) {
         emu_blas_operand(call, "A", A, a->type, a->rows, a->cols, a->ld);
         emu_blas_operand(call, "B", B, b->type, b->rows, b->cols, b->ld);
