@@ -890,6 +890,13 @@ cudaError_t cudaStreamCreate(cudaStream_t* st) { return cudaStreamCreateWithFlag
 cudaError_t cudaStreamDestroy(cudaStream_t st) {
     if (!st) return cudaSuccess;
     emu_stream_drain(st);  // CUDA lets queued work finish
+    // the uploads issued to it have run (read their sources) just now: checked as a wait would, then
+    // forgotten (no record may name a freed stream)
+    *emu_observed(st) = emu_seq;
+    std::deque<EmuUpload>& q = emu_uploads();
+    for (size_t i = 0; i < q.size(); i++)
+        if (q[i].stream == st) q[i].stream = NULL, q[i].seq = 0;  // covered from now on
+    emu_uploads_check(NULL, 0);
     emu_streams().erase(st);
     delete st;
     return cudaSuccess;

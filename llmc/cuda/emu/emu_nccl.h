@@ -215,6 +215,15 @@ typedef struct {
 // when it runs, `land` (bytes of f->out) is copied to `recv`.
 static void emu_nccl_issue(cudaStream_t st, const char* call, const void* in, size_t in_bytes, void* recv, size_t land,
                            const std::function<void(EmuNcclFlight*)>& start) {
+    if (st && in_bytes) {  // stream order: held-back work of `st` that touches the input runs first, since
+        // NCCL reads the input only after the stream's earlier work (e.g. --seq-parallel's packing copies)
+        EmuSpan span = {(uintptr_t)in, (uintptr_t)in, in_bytes};
+        long long last = 0;
+        long long first = st->issued - (long long)st->spans.size();  // the position of spans[0]
+        for (size_t i = 0; i < st->spans.size(); i++)
+            if (emu_spans_conflict(st->spans[i], span)) last = first + (long long)i + 1;
+        emu_stream_run_until(st, last);
+    }
     std::shared_ptr<EmuNcclFlight> f(new EmuNcclFlight());
     f->snap.assign((const char*)in, (const char*)in + in_bytes);
     f->out.resize(land + 1);
