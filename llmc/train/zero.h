@@ -290,14 +290,15 @@ static OptimStep trainable_step(Trainable* tr, const TrainOptions* o, const Dist
         r.note = step_health_note(h);
         return r;
     }
-    HealthAdvice advice = {r.lr, !o->full, train_lora_scale(o), o->lora_dropout};
-    char tryit[320];
-    health_advice_text(tryit, sizeof(tryit), &advice);
+    HealthAdvice advice = {r.lr, !o->full, train_lora_scale(o), o->lora_dropout};  // (its text: on failure only)
     if (!isfinite(loss) || !isfinite(r.grad_norm)) {
         const char* what = !isfinite(loss) ? "loss" : "gradient norm";
-        if (strcmp(o->nonfinite, "skip") != 0)
+        if (strcmp(o->nonfinite, "skip") != 0) {
+            char tryit[320];
+            health_advice_text(tryit, sizeof(tryit), &advice);
             fail("step %d: non-finite %s (%g); check the data, or %s", step + 1, what,
                  !isfinite(loss) ? loss : r.grad_norm, tryit);
+        }
         r.skipped = 1;
         r.note = "skipped: non-finite loss or gradient";
         return r;
