@@ -252,7 +252,9 @@ static int64_t llama_mlp_equal_tile(int64_t N, int64_t k) {
     tile = (tile + MLP_TILE_AUTO_ALIGN - 1) / MLP_TILE_AUTO_ALIGN * MLP_TILE_AUTO_ALIGN;
     return tile < N ? tile : N;
 }
-static int64_t llama_mlp_most_tiles(int64_t N) { return N > 0 ? (N + MLP_TILE_AUTO_ALIGN - 1) / MLP_TILE_AUTO_ALIGN : 1; }
+static int64_t llama_mlp_most_tiles(int64_t N) {
+    return N > 0 ? (N + MLP_TILE_AUTO_ALIGN - 1) / MLP_TILE_AUTO_ALIGN : 1;
+}
 
 // Tokens per MLP tile for N tokens (llmc/train/run_options.h: --mlp-tile): N when the whole
 // sequence is one tile (0, or a tile of N or more), else at most N, and, when the intermediate
@@ -1652,7 +1654,8 @@ static int llama_dry_run_fit(const LlamaConfig* cfg, const TrainOptions* o, cons
         if (!seq)
             fail("flag --max-seq: not even --seq %d fits %s (%s): its plan needs %s; try --mode lowmem, --recompute "
                  "block, --offload host or --quant nf4%s", P, fit_size(a, sizeof(a), budget.bytes), budget.source,
-                 fit_size(b, sizeof(b), llama_plan_bytes_at_steps(&ctx, o, 1)), P > 1 ? " (or a larger --seq-parallel)" : "");
+                 fit_size(b, sizeof(b), llama_plan_bytes_at_steps(&ctx, o, 1)),
+                 P > 1 ? " (or a larger --seq-parallel)" : "");
     }
     *md = llama_fit_mlp_tile(cfg, *md, o->batch, seq, be, ranks, budget.bytes);
     Llama at;
@@ -1823,8 +1826,10 @@ static void llama_flags(FlagTable* t, TrainOptions* o) {
     flag_choice(t, "offload", &o->offload, "none|host",
                 "with --recompute block: the block checkpoints in pinned host memory, copied beside the compute");
     flag_string(t, "mlp-tile", &o->mlp_tile,
-                "tokens per tile of the MLP and its norm: auto (equal tiles of at most 8192), 0 (the whole sequence) "
-                "or a count; the wide intermediates not kept exist for one tile");
+                "tokens per tile of the MLP and its norm: auto (the largest equal tile, a multiple of 64 or the "
+                "whole sequence, whose plan fits the memory the fit check takes, --gpu-mem in a dry run; where none "
+                "fits or none is known, equal tiles of at most 8192), 0 (the whole sequence) or a count; the wide "
+                "intermediates not kept exist for one tile");
     o->seq_parallel = 1;
     flag_int(t, "seq-parallel", &o->seq_parallel,
              "ranks per sequence: each holds 1/P of every sequence's tokens, attention exchanges heads (DeepSpeed "
@@ -1839,7 +1844,8 @@ static void llama_flags(FlagTable* t, TrainOptions* o) {
                 "quantization (after the MS merge)");
     t->group = "system";
     flag_bool(t, "max-seq", &o->max_seq,
-              "with --dry-run: plan the longest --seq (at --batch) whose plan fits the memory, found by planning");
+              "with --dry-run: plan the longest --seq (at --batch) whose plan fits the memory, found by planning "
+              "(with --mlp-tile auto's tile at each length; with --seq-parallel P, one rank's share, multiples of P)");
     flag_float(t, "gpu-mem", &o->gpu_mem,
                "with --dry-run: plan for a card of this many GiB (> 0) the run may take; not given: the free "
                "memory of the GPU present");
