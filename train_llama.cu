@@ -1650,6 +1650,8 @@ static int llama_dry_run_fit(const LlamaConfig* cfg, const TrainOptions* o, cons
         most = 1 << 30;  // train_validate's bound on --seq; a sliding window bounds it further
         if (cfg->sliding_window && cfg->sliding_window < most) most = cfg->sliding_window;
         most = most / P * P;  // --seq-parallel P: a multiple of P (seqpar_check)
+        if (!most) fail("flag --max-seq: the sliding window (%d) is shorter than --seq-parallel %d",
+                        cfg->sliding_window, P);
         seq = P * fit_longest_seq(llama_plan_bytes_at_steps, &ctx, o, most / P, budget.bytes);
         if (!seq)
             fail("flag --max-seq: not even --seq %d fits %s (%s): its plan needs %s; try --mode lowmem, --recompute "
@@ -1917,6 +1919,13 @@ int main(int argc, char** argv) {
     llama_trainer(&trainer, &run, &o, &dist);
     if (dist.rank == 0) {
         train_print_start(&trainer, &o, &dist, &base.plan);
+        int64_t N = llama_rank_tokens(B, T, &dist);
+        if (md.mlp_tile == MLP_TILE_AUTO && fitted.mlp_tile != MLP_TILE_AUTO && m.mlp_tile < N) {  // memory-dependent
+            char a[32];
+            printf("mlp tile: %lld of %lld tokens (%lld tiles; auto: the largest whose plan fits the %s %s)\n",
+                   (long long)m.mlp_tile, (long long)N, (long long)((N + m.mlp_tile - 1) / m.mlp_tile),
+                   fit_size(a, sizeof(a), avail), be.cuda ? "free on the GPU" : "of host memory available");
+        }
         llama_warn_seq(&cfg, &o);
     }
     llama_free(&base);

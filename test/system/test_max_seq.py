@@ -114,7 +114,8 @@ def test_max_seq_with_seq_parallel_equals_a_direct_search_over_multiples_of_p():
 def test_max_seq_of_the_cpu_plan_is_what_the_runs_fit_check_allows():
     """--device cpu plans against the host's MemAvailable (here LLMC_HOST_MEMORY_BYTES, as the CPU
     fit check): the found --seq trains (the fit check passes), one token more is refused by the
-    fit check in one line before anything is allocated. A plain CPU dry run has no memory to fit
+    fit check in one line before anything is allocated; the run prints the MLP tile its --mlp-tile
+    auto took, the one --max-seq planned. A plain CPU dry run has no memory to fit
     --mlp-tile auto to, so the plans here name the tile: the one --max-seq reports at its length,
     and one token more does not fit even in auto's smallest tile (64 tokens)."""
     budget = 20_000_000
@@ -131,6 +132,8 @@ def test_max_seq_of_the_cpu_plan_is_what_the_runs_fit_check_allows():
     train = ["--model", DEMO, "--data", DEMO_TRAIN, "--steps", 0, *flags]
     ok = run([*train, "--seq", seq], env=env)
     assert "memory: planned" in ok.stdout
+    tile = got["mlp_tile"]  # the run's auto fits the same memory, so it takes the tile the dry run planned
+    assert tile < seq and f"mlp tile: {tile} of {seq} tokens ({-(-seq // tile)} tiles; auto: " in ok.stdout, ok.stdout
     refused = run([*train, "--seq", seq + 1], env=env, check=False)
     assert refused.returncode == 1 and len(refused.stderr.strip().splitlines()) == 1, refused.stderr
     assert "the memory plan needs" in refused.stderr and "LLMC_HOST_MEMORY_BYTES" in refused.stderr
