@@ -1829,9 +1829,9 @@ static void llama_flags(FlagTable* t, TrainOptions* o) {
                 "with --recompute block: the block checkpoints in pinned host memory, copied beside the compute");
     flag_string(t, "mlp-tile", &o->mlp_tile,
                 "tokens per tile of the MLP and its norm: auto (the largest equal tile, a multiple of 64 or the "
-                "whole sequence, whose plan fits the memory the fit check takes, --gpu-mem in a dry run; where none "
-                "fits or none is known, equal tiles of at most 8192), 0 (the whole sequence) or a count; the wide "
-                "intermediates not kept exist for one tile");
+                "whole sequence, whose plan fits the memory the fit check takes; in a dry run --gpu-mem or "
+                "--max-seq's; where none fits or none is known, equal tiles of at most 8192), 0 (the whole "
+                "sequence) or a count; the wide intermediates not kept exist for one tile");
     o->seq_parallel = 1;
     flag_int(t, "seq-parallel", &o->seq_parallel,
              "ranks per sequence: each holds 1/P of every sequence's tokens, attention exchanges heads (DeepSpeed "
