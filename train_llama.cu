@@ -234,25 +234,36 @@ static int llama_keeps_down_input(const Llama* m) {
     return (md->full || (md->targets >> T_DOWN & 1)) && !md->recompute_product;
 }
 
-// --mlp-tile auto: the sequence in equal tiles of at most this many tokens. Each MLP product then
-// still has thousands of rows (enough to fill a GPU), while its [tile, f] intermediates stop
-// growing with the sequence (8192 x 14336 bf16 = 224 MiB each at Llama-3.1-8B).
+// --mlp-tile auto fits its tile to the memory (llama_fit_mlp_tile). Where it has none to fit (a
+// dry run that checks none) or not even its smallest tile fits, it takes this fixed rule: the
+// sequence in equal tiles of at most this many tokens. Each MLP product then still has thousands
+// of rows (enough to fill a GPU), while its [tile, f] intermediates stop growing with the sequence
+// (8192 x 14336 bf16 = 224 MiB each at Llama-3.1-8B).
 #define MLP_TILE_AUTO_MAX 8192
 // auto tiles are a multiple of this many tokens, so that every tile's rows start 256-byte aligned
 // in every MLP buffer (4 bytes per token and more), as cuBLASLt's default alignment assumes
 #define MLP_TILE_AUTO_ALIGN 64
 
+// The tile of N tokens cut into k equal tiles: ceil(N / k) rounded up to MLP_TILE_AUTO_ALIGN, or N
+// (the whole sequence, one tile) where that reaches N. It shrinks as k grows, down to the
+// alignment at k = llama_mlp_most_tiles(N).
+static int64_t llama_mlp_equal_tile(int64_t N, int64_t k) {
+    int64_t tile = (N + k - 1) / k;
+    tile = (tile + MLP_TILE_AUTO_ALIGN - 1) / MLP_TILE_AUTO_ALIGN * MLP_TILE_AUTO_ALIGN;
+    return tile < N ? tile : N;
+}
+static int64_t llama_mlp_most_tiles(int64_t N) {
+    return N > 0 ? (N + MLP_TILE_AUTO_ALIGN - 1) / MLP_TILE_AUTO_ALIGN : 1;
+}
+
 // Tokens per MLP tile for N tokens (llmc/train/run_options.h: --mlp-tile): N when the whole
 // sequence is one tile (0, or a tile of N or more), else at most N, and, when the intermediate
 // size f is not a multiple of 4, a multiple of 4 tokens, so that no byte of ReSiLU2's packed 2-bit
-// codes (4 per byte) is shared by two tiles.
+// codes (4 per byte) is shared by two tiles. MLP_TILE_AUTO here is the fixed rule (the callers
+// that know the memory have replaced it by the fitted tile: llama_fit_mlp_tile).
 static int64_t llama_mlp_tile_rows(int mlp_tile, int64_t N, int64_t f) {
     int64_t tile = mlp_tile;
-    if (mlp_tile == MLP_TILE_AUTO) {
-        int64_t tiles = (N + MLP_TILE_AUTO_MAX - 1) / MLP_TILE_AUTO_MAX;
-        tile = (N + tiles - 1) / tiles;
-        tile = (tile + MLP_TILE_AUTO_ALIGN - 1) / MLP_TILE_AUTO_ALIGN * MLP_TILE_AUTO_ALIGN;
-    }
+    if (mlp_tile == MLP_TILE_AUTO) tile = llama_mlp_equal_tile(N, (N + MLP_TILE_AUTO_MAX - 1) / MLP_TILE_AUTO_MAX);
     if (f % 4) tile = (tile + 3) / 4 * 4;
     return tile <= 0 || tile >= N ? N : tile;
 }
@@ -1542,82 +1553,154 @@ static void llama_settings_json(char* buf, size_t n, const TrainOptions* o, cons
              o->offload);
 }
 
-// What fit_check_plan plans with: the run's model, backend and ranks at sequence length T.
+// The bytes of md's plan at B x T on these ranks, as fit_check_plan counts them.
+static size_t llama_modes_plan_bytes(const LlamaConfig* cfg, const TrainModes* md, int B, int T, const Backend* be,
+                                     const Dist* ranks) {
+    Llama m;
+    llama_setup(&m, cfg, md, B, T, be, ranks);
+    size_t bytes = plan_total(&m.plan) + (be->cuda ? 0 : plan_host_bytes(&m.plan));  // (CPU: all host memory)
+    llama_free(&m);
+    return bytes;
+}
+
+// --mlp-tile as a count for the k-th candidate of auto: k equal tiles of the rank's N tokens (0:
+// the whole sequence, which the other rules also plan as one tile).
+static int llama_mlp_candidate(int64_t N, int64_t k) {
+    int64_t tile = llama_mlp_equal_tile(N, k);
+    return tile >= N ? 0 : (int)tile;
+}
+
+// The tokens per MLP tile each rank holds: its slice of B x T (--seq-parallel P: B x T / P).
+static int64_t llama_rank_tokens(int B, int T, const Dist* ranks) { return (int64_t)B * (T / dist_sp(ranks)); }
+
+// --mlp-tile auto fitted to `budget` bytes (0: no memory to fit): md with the largest tile whose
+// plan fits, among equal tiles (k = 1, 2, ... tiles of llama_mlp_equal_tile; k = 1 the whole
+// sequence). A plan grows with its tile and the tile shrinks as k grows, so a bisection on k finds
+// the fewest tiles that fit: fits(hi) and !fits(lo) throughout. md is returned unchanged (auto's
+// fixed rule, llama_mlp_tile_rows) when its tile is not auto, there is no budget, or not even the
+// smallest tile fits (the fit check then says what the plan needs, as without tiling).
+static TrainModes llama_fit_mlp_tile(const LlamaConfig* cfg, TrainModes md, int B, int T, const Backend* be,
+                                     const Dist* ranks, size_t budget) {
+    int64_t N = llama_rank_tokens(B, T, ranks), most = llama_mlp_most_tiles(N);
+    if (md.mlp_tile != MLP_TILE_AUTO || !budget || N > INT_MAX) return md;
+    TrainModes at = md;
+    at.mlp_tile = llama_mlp_candidate(N, most);
+    if (llama_modes_plan_bytes(cfg, &at, B, T, be, ranks) > budget) return md;
+    int64_t lo = 0, hi = most;  // k = 0 stands for no tile at all: !fits(lo), fits(hi)
+    while (hi - lo > 1) {
+        int64_t mid = lo + (hi - lo) / 2;
+        at.mlp_tile = llama_mlp_candidate(N, mid);
+        if (llama_modes_plan_bytes(cfg, &at, B, T, be, ranks) <= budget) hi = mid;
+        else lo = mid;
+    }
+    md.mlp_tile = llama_mlp_candidate(N, hi);
+    return md;
+}
+
+// What fit_check_plan plans with: the run's model, backend and ranks at sequence length T, and the
+// memory --mlp-tile auto fits its tile to (0: none, auto's fixed rule).
 typedef struct {
     const LlamaConfig* cfg;
     const Backend* be;
     const Dist* dist;
     int T;
+    size_t tile_budget;
 } LlamaPlanCtx;
 
+// Under auto with a budget this is the plan of auto's smallest tile: auto finds a tile exactly when
+// that plan fits, so comparing these bytes with the budget is auto's verdict (one plan, where the
+// fitted tile takes a bisection; the searches over --batch and --seq call this many times).
 static size_t llama_plan_bytes(const void* ctx, const TrainOptions* o, int batch, int world) {
     const LlamaPlanCtx* c = (const LlamaPlanCtx*)ctx;
     TrainModes md = train_modes_from(o, target_names, N_TARGETS);
     Dist ranks = dist_for_plan(c->dist, world);
-    Llama m;
-    llama_setup(&m, c->cfg, &md, batch, c->T, c->be, &ranks);
-    size_t bytes = plan_total(&m.plan) + (c->be->cuda ? 0 : plan_host_bytes(&m.plan));  // (CPU: all host memory)
-    llama_free(&m);
-    return bytes;
+    int64_t N = llama_rank_tokens(batch, c->T, &ranks);
+    if (md.mlp_tile == MLP_TILE_AUTO && c->tile_budget && N <= INT_MAX)
+        md.mlp_tile = llama_mlp_candidate(N, llama_mlp_most_tiles(N));
+    return llama_modes_plan_bytes(c->cfg, &md, batch, c->T, c->be, &ranks);
 }
 
-// --dry-run --max-seq's planner: the run's plan at `seq`, as fit_check_plan counts it.
+// --dry-run --max-seq's planner: the run's plan at `step` x j tokens (step: --seq-parallel's P, whose
+// ranks each hold 1/P of the sequence, so --seq is a multiple of P), as fit_check_plan counts it.
 typedef struct {
     LlamaPlanCtx pc;
-    int world;
+    int world, step;
 } LlamaSeqPlanCtx;
 
-static size_t llama_plan_bytes_at_seq(const void* ctx, const TrainOptions* o, int seq) {
+static size_t llama_plan_bytes_at_steps(const void* ctx, const TrainOptions* o, int j) {
     const LlamaSeqPlanCtx* c = (const LlamaSeqPlanCtx*)ctx;
     LlamaPlanCtx at = c->pc;
-    at.T = seq;
+    at.T = j * c->step;
     return llama_plan_bytes(&at, o, o->batch, c->world);
 }
 
 // The memory a --dry-run with --max-seq or --gpu-mem plans for; its verdict, and with --max-seq
 // the longest --seq that fits, go beside the plan (JSON fields in `json`, a line in `line`).
-// Returns the --seq to plan: the longest that fits, or o->seq.
+// Returns the --seq to plan: the longest that fits, or o->seq; *md gets --mlp-tile auto's tile
+// fitted to that memory at that length (unchanged without --max-seq or --gpu-mem: nothing to fit).
 static int llama_dry_run_fit(const LlamaConfig* cfg, const TrainOptions* o, const Backend* be, const Dist* ranks,
-                             char* json, size_t njson, char* line, size_t nline) {
+                             TrainModes* md, char* json, size_t njson, char* line, size_t nline) {
     if (!o->max_seq && !(o->gpu_mem > 0)) return o->seq;
     FitBudget budget = fit_budget(o, be->cuda, o->max_seq ? "--max-seq" : "--gpu-mem");
-    LlamaSeqPlanCtx ctx = {{cfg, be, ranks, o->seq}, ranks->world};
-    int seq = o->seq;
+    int P = dist_sp(ranks);
+    LlamaSeqPlanCtx ctx = {{cfg, be, ranks, o->seq, budget.bytes}, ranks->world, P};
+    int seq = o->seq, most = 0;
     char a[32], b[32];
     if (o->max_seq) {
-        int most = 1 << 30;  // train_validate's bound on --seq; a sliding window bounds it further
+        most = 1 << 30;  // train_validate's bound on --seq; a sliding window bounds it further
         if (cfg->sliding_window && cfg->sliding_window < most) most = cfg->sliding_window;
-        seq = fit_longest_seq(llama_plan_bytes_at_seq, &ctx, o, most, budget.bytes);
+        most = most / P * P;  // --seq-parallel P: a multiple of P (seqpar_check)
+        if (!most) fail("flag --max-seq: the sliding window (%d) is shorter than --seq-parallel %d",
+                        cfg->sliding_window, P);
+        seq = P * fit_longest_seq(llama_plan_bytes_at_steps, &ctx, o, most / P, budget.bytes);
         if (!seq)
-            fail("flag --max-seq: not even --seq 1 fits %s (%s): its plan needs %s; try --mode lowmem, --recompute "
-                 "block, --offload host or --quant nf4", fit_size(a, sizeof(a), budget.bytes), budget.source,
-                 fit_size(b, sizeof(b), llama_plan_bytes_at_seq(&ctx, o, 1)));
+            fail("flag --max-seq: not even --seq %d fits %s (%s): its plan needs %s; try --mode lowmem, --recompute "
+                 "block, --offload host or --quant nf4%s", P, fit_size(a, sizeof(a), budget.bytes), budget.source,
+                 fit_size(b, sizeof(b), llama_plan_bytes_at_steps(&ctx, o, 1)),
+                 P > 1 ? " (or a larger --seq-parallel)" : "");
     }
-    size_t need = llama_plan_bytes_at_seq(&ctx, o, seq);
+    *md = llama_fit_mlp_tile(cfg, *md, o->batch, seq, be, ranks, budget.bytes);
+    Llama at;
+    llama_setup(&at, cfg, md, o->batch, seq, be, ranks);
+    size_t need = plan_total(&at.plan) + (be->cuda ? 0 : plan_host_bytes(&at.plan)), pinned = plan_host_bytes(&at.plan);
+    llama_free(&at);
     str_appendf(json, njson, ", \"memory_bytes\": %zu, \"memory_source\": \"%s\", \"fits\": %s", budget.bytes,
                 budget.source, need <= budget.bytes ? "true" : "false");
     // max_seq_bound: the search stopped at its bound (--seq's limit or the sliding window), not at the memory
-    int bound = seq == (1 << 30) || seq == cfg->sliding_window;
+    int bound = o->max_seq && seq == most;
     if (o->max_seq) str_appendf(json, njson, ", \"max_seq\": %d, \"max_seq_bound\": %d", seq, bound);
     const char* what = be->cuda ? "device" : "host";
     char host[96] = "";  // the pinned host memory the length needs (--offload host; on the CPU, part of `need`)
-    if (be->cuda && o->max_seq) {
-        Llama at;
-        TrainModes md = train_modes_from(o, target_names, N_TARGETS);
-        llama_setup(&at, cfg, &md, o->batch, seq, be, ranks);
-        size_t pinned = plan_host_bytes(&at.plan);
-        if (pinned) snprintf(host, sizeof(host), ", %s of pinned host memory", fit_size(b, sizeof(b), pinned));
-        llama_free(&at);
-    }
+    if (be->cuda && o->max_seq && pinned)
+        snprintf(host, sizeof(host), ", %s of pinned host memory%s", fit_size(b, sizeof(b), pinned),
+                 ranks->world > 1 ? " per rank" : "");
+    char group[64] = "";  // --seq-parallel P: each rank holds seq / P of each sequence
+    if (P > 1) snprintf(group, sizeof(group), " (%d on each of its %d ranks)", seq / P, P);
     if (o->max_seq)
-        snprintf(line, nline, "longest --seq that fits %s (%s) at batch %d: %d tokens (%s of %s memory%s%s)",
-                 fit_size(a, sizeof(a), budget.bytes), budget.source, o->batch, seq, fit_size(b, sizeof(b), need),
-                 what, host, bound ? "; the search's bound: --seq's limit or the sliding window" : "");
+        snprintf(line, nline, "longest --seq that fits %s (%s) at batch %d: %d tokens%s (%s of %s memory%s%s%s)",
+                 fit_size(a, sizeof(a), budget.bytes), budget.source, o->batch, seq, group,
+                 fit_size(b, sizeof(b), need), what, ranks->world > 1 ? " per rank" : "", host,
+                 bound ? "; the search's bound: --seq's limit or the sliding window" : "");
     else
         snprintf(line, nline, "%s %s (%s): the plan needs %s of %s memory",
                  need <= budget.bytes ? "fits" : "does not fit", fit_size(a, sizeof(a), budget.bytes), budget.source,
                  fit_size(b, sizeof(b), need), what);
     return seq;
+}
+
+// The dry run's line on the MLP's tile: its tokens, how many tiles, and where auto's came from.
+static void llama_tile_line(char* buf, size_t n, const Llama* m, const TrainOptions* o, const TrainModes* given,
+                            const TrainModes* fitted) {
+    int64_t N = (int64_t)m->B * m->T, tiles = (N + m->mlp_tile - 1) / m->mlp_tile;
+    str_appendf(buf, n, "\nMLP tile: %lld of %lld tokens (%lld tile%s; ", (long long)m->mlp_tile, (long long)N,
+                (long long)tiles, tiles == 1 ? "" : "s");
+    if (given->mlp_tile != MLP_TILE_AUTO) str_appendf(buf, n, "--mlp-tile %s)", o->mlp_tile);
+    else if (fitted->mlp_tile != MLP_TILE_AUTO) str_appendf(buf, n, "auto: the largest that fits)");
+    else if (o->max_seq || o->gpu_mem > 0)
+        str_appendf(buf, n, "auto: none fits, so equal tiles of at most %d)", MLP_TILE_AUTO_MAX);
+    else
+        str_appendf(buf, n, "auto without a memory to fit: equal tiles of at most %d; --gpu-mem GIB fits it)",
+                    MLP_TILE_AUTO_MAX);
 }
 
 // --dry-run: the plan of the run these flags describe, and the baseline plan beside it.
@@ -1633,17 +1716,16 @@ static int llama_dry_run(const LlamaConfig* cfg, const TrainOptions* o_given, Tr
     ranks.sp = o->seq_parallel;  // one rank's share of each sequence
     if (ranks.world % dist_sp(&ranks))
         fail("flag --seq-parallel: %d does not divide the %d ranks planned (--ranks)", o->seq_parallel, ranks.world);
-    if (o->max_seq && dist_sp(&ranks) > 1)
-        fail("flag --max-seq: not with --seq-parallel yet (plan given lengths with --seq instead)");
-    char fit_json[256] = "", fit_line[256] = "";
-    o->seq = llama_dry_run_fit(cfg, o, &be, &ranks, fit_json, sizeof(fit_json), fit_line, sizeof(fit_line));
+    char fit_json[256] = "", fit_line[320] = "";
+    TrainModes given = md;
+    o->seq = llama_dry_run_fit(cfg, o, &be, &ranks, &md, fit_json, sizeof(fit_json), fit_line, sizeof(fit_line));
     Llama m, base;
     llama_setup(&m, cfg, &md, o->batch, o->seq, &be, &ranks);
     TrainModes bm = train_baseline_modes(md);
     Dist base_ranks = dist_for_plan(NULL, 1);  // the baseline: no ZeRO-1, but the same share of each sequence
     base_ranks.sp = ranks.sp;
     llama_setup(&base, cfg, &bm, o->batch, o->seq, &be, &base_ranks);
-    char json[1024], header[512];
+    char json[1024], header[1024];
     llama_settings_json(json, sizeof(json), o, cpu ? "cpu" : "cuda");
     str_appendf(json, sizeof(json), "%s", fit_json);
     snprintf(header, sizeof(header), "train_llama dry run: d=%d f=%d layers=%d heads=%d kv_heads=%d vocab=%d, "
@@ -1654,6 +1736,8 @@ static int llama_dry_run(const LlamaConfig* cfg, const TrainOptions* o_given, Tr
     if (ranks.world > 1) str_appendf(header, sizeof(header), ", one of %d ranks", ranks.world);
     if (dist_sp(&ranks) > 1) str_appendf(header, sizeof(header), " (%d per sequence)", dist_sp(&ranks));
     if (*fit_line) str_appendf(header, sizeof(header), "\n%s", fit_line);
+    llama_tile_line(header, sizeof(header), &m, o, &given, &md);
+    str_appendf(json, sizeof(json), ", \"mlp_tile\": %lld", (long long)m.mlp_tile);
     train_dry_run_report(o, &m.plan, &base.plan, &be, json, header);
     llama_free(&m);
     llama_free(&base);
@@ -1744,8 +1828,10 @@ static void llama_flags(FlagTable* t, TrainOptions* o) {
     flag_choice(t, "offload", &o->offload, "none|host",
                 "with --recompute block: the block checkpoints in pinned host memory, copied beside the compute");
     flag_string(t, "mlp-tile", &o->mlp_tile,
-                "tokens per tile of the MLP and its norm: auto (equal tiles of at most 8192), 0 (the whole sequence) "
-                "or a count; the wide intermediates not kept exist for one tile");
+                "tokens per tile of the MLP and its norm: auto (the largest equal tile, a multiple of 64 or the "
+                "whole sequence, whose plan fits the memory the fit check takes; in a dry run --gpu-mem or "
+                "--max-seq's; where none fits or none is known, equal tiles of at most 8192), 0 (the whole "
+                "sequence) or a count; the wide intermediates not kept exist for one tile");
     o->seq_parallel = 1;
     flag_int(t, "seq-parallel", &o->seq_parallel,
              "ranks per sequence: each holds 1/P of every sequence's tokens, attention exchanges heads (DeepSpeed "
@@ -1760,7 +1846,8 @@ static void llama_flags(FlagTable* t, TrainOptions* o) {
                 "quantization (after the MS merge)");
     t->group = "system";
     flag_bool(t, "max-seq", &o->max_seq,
-              "with --dry-run: plan the longest --seq (at --batch) whose plan fits the memory, found by planning");
+              "with --dry-run: plan the longest --seq (at --batch) whose plan fits the memory, found by planning "
+              "(with --mlp-tile auto's tile at each length; with --seq-parallel P, one rank's share, multiples of P)");
     flag_float(t, "gpu-mem", &o->gpu_mem,
                "with --dry-run: plan for a card of this many GiB (> 0) the run may take; not given: the free "
                "memory of the GPU present");
@@ -1775,7 +1862,9 @@ int main(int argc, char** argv) {
     llama_config_load(&cfg, o.model_dir);
     train_check_lora_rank(&o, cfg.dim, o.model_dir);
     TrainModes md = train_modes_from(&o, target_names, N_TARGETS);
-    seqpar_check(&o, cfg.heads, cfg.kv_heads, cfg.qk_norm);
+    TrainOptions sp_checked = o;
+    if (o.dry_run && o.max_seq) sp_checked.seq = o.seq_parallel;  // --max-seq searches multiples of P instead
+    seqpar_check(&sp_checked, cfg.heads, cfg.kv_heads, cfg.qk_norm);
     if (o.dry_run) {
         if (!o.max_seq) llama_check_window(&cfg, o.seq, o.model_dir, "flag --seq");
         if (dist.rank == 0) {
@@ -1807,10 +1896,13 @@ int main(int argc, char** argv) {
     int sized = o.data_path || o.eval_only;  // generation alone needs one sequence
     int B = sized ? o.batch : 1, T = sized ? o.seq : (cfg.max_seq < 256 ? cfg.max_seq : 256);
     llama_check_window(&cfg, T, o.model_dir, sized ? "flag --seq" : "the generation window");
-    llama_setup(&m, &cfg, &md, B, T, &be, &dist);
+    // --mlp-tile auto: the largest tile that fits the memory the fit check checks against
+    size_t avail = fit_avail_bytes(&be, dist.local_size);
+    TrainModes fitted = llama_fit_mlp_tile(&cfg, md, B, T, &be, &dist, avail);
+    llama_setup(&m, &cfg, &fitted, B, T, &be, &dist);
     TrainOptions planned = o;
     planned.batch = B;
-    LlamaPlanCtx pc = {&cfg, &be, &dist, T};
+    LlamaPlanCtx pc = {&cfg, &be, &dist, T, avail};
     fit_check_plan(&be, &m.plan, llama_plan_bytes, &pc, &planned, dist.world,
                    dist.local_size);  // before any allocation, on either backend
     TrainModes bm = train_baseline_modes(md);
@@ -1827,6 +1919,13 @@ int main(int argc, char** argv) {
     llama_trainer(&trainer, &run, &o, &dist);
     if (dist.rank == 0) {
         train_print_start(&trainer, &o, &dist, &base.plan);
+        int64_t N = llama_rank_tokens(B, T, &dist);
+        if (md.mlp_tile == MLP_TILE_AUTO && fitted.mlp_tile != MLP_TILE_AUTO && m.mlp_tile < N) {  // memory-dependent
+            char a[32];
+            printf("mlp tile: %lld of %lld tokens (%lld tiles; auto: the largest whose plan fits the %s %s)\n",
+                   (long long)m.mlp_tile, (long long)N, (long long)((N + m.mlp_tile - 1) / m.mlp_tile),
+                   fit_size(a, sizeof(a), avail), be.cuda ? "free on the GPU" : "of host memory available");
+        }
         llama_warn_seq(&cfg, &o);
     }
     llama_free(&base);

@@ -149,6 +149,14 @@ static void fit_check_host(const Backend* be, const MemPlan* plan, int local_ran
          local_ranks > 1 ? ", divided among the node's ranks" : "");
 }
 
+// The memory a run's plan may take (fit_check_plan): the device's free memory, or on the CPU the
+// host's available memory shared by the node's `local_ranks` (SIZE_MAX: unknown, everything fits).
+static size_t fit_avail_bytes(const Backend* be, int local_ranks) {
+    size_t avail = backend_free_bytes(be);
+    if (!be->cuda && avail != SIZE_MAX && local_ranks > 1) avail /= (size_t)local_ranks;
+    return avail;
+}
+
 // Fails (one line) when `plan` needs more than the device has free (the host has available,
 // shared by the node's `local_ranks`): what the plan needs by category, what is free, and what
 // would fit.
@@ -156,8 +164,7 @@ static void fit_check_plan(const Backend* be, const MemPlan* plan, PlanBytesFn p
                            const TrainOptions* o, int world, int local_ranks) {
     fit_check_host(be, plan, local_ranks);
     // on the CPU the host arena is host memory like the rest
-    size_t need = plan_total(plan) + (be->cuda ? 0 : plan_host_bytes(plan)), avail = backend_free_bytes(be);
-    if (!be->cuda && avail != SIZE_MAX && local_ranks > 1) avail /= (size_t)local_ranks;
+    size_t need = plan_total(plan) + (be->cuda ? 0 : plan_host_bytes(plan)), avail = fit_avail_bytes(be, local_ranks);
     if (need <= avail) return;
     char parts[320] = "", hint[512] = "", a[32], b[32];
     for (int c = 0; c < MEM_CATS; c++)

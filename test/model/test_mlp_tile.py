@@ -310,9 +310,10 @@ def test_plan_scratch_shrinks_with_the_tile(tmp_path, mode, device, ab):
 
 
 def test_plan_auto_tile_at_131072_tokens(tmp_path):
-    """--mlp-tile auto (the default): 131072 tokens in 16 equal tiles of 8192 (llama_mlp_tile_rows),
-    the plan of --mlp-tile 8192; at 4096 tokens one tile, the plan of --mlp-tile 0. Prints the
-    scratch per token before (0) and after (auto) for the report, lowmem + recompute block."""
+    """--mlp-tile auto (the default) in a dry run with no memory to fit (no --gpu-mem): the fixed
+    rule, 131072 tokens in 16 equal tiles of 8192 (llama_mlp_tile_rows), the plan of --mlp-tile
+    8192; at 4096 tokens one tile, the plan of --mlp-tile 0. Prints the scratch per token before (0)
+    and after (auto) for the report, lowmem + recompute block."""
     N = 131072
     args = ("--mode", "lowmem", "--recompute", "block", "--batch", 1, "--lora-rank", R)
     auto = dry_run(tmp_path, LLAMA31_8B, *args, "--seq", N)
@@ -326,6 +327,65 @@ def test_plan_auto_tile_at_131072_tokens(tmp_path):
           f"{whole['categories']['scratch'] / N:.1f} B whole, {auto['categories']['scratch'] / N:.1f} B tiled; "
           f"block scratch {whole['block_scratch_bytes'] / N:.1f} -> {auto['block_scratch_bytes'] / N:.2f} B; "
           f"total {whole['total_bytes'] / 2**30:.2f} -> {auto['total_bytes'] / 2**30:.2f} GiB")
+
+
+def equal_tile(n, k):
+    """n tokens in k equal tiles: ceil(n / k) rounded up to 64, or n where that reaches n."""
+    return min(n, -(-(-(-n // k)) // 64) * 64)
+
+
+def auto_candidates(n):
+    """--mlp-tile auto's tiles for n tokens, written apart from the trainer (llama_mlp_equal_tile):
+    k = 1, 2, ... equal tiles, down to tiles of 64 tokens."""
+    return sorted({equal_tile(n, k) for k in range(1, -(-n // 64) + 1)})
+
+
+AUTO_FLAGS = ("--mode", "lowmem", "--recompute", "block", "--batch", 1, "--lora-rank", R, "--quant", "nf4",
+              "--offload", "host")
+
+
+@pytest.mark.parametrize("ranks", [(), ("--ranks", 2, "--seq-parallel", 2)], ids=["one_rank", "seq_parallel_2"])
+def test_plan_auto_tile_is_the_largest_that_fits(tmp_path, ranks):
+    """With a memory to fit (--gpu-mem), --mlp-tile auto takes the largest of its candidates (equal
+    tiles, multiples of 64, or the whole sequence) whose plan fits: 100000 tokens (on each rank:
+    50000 under --seq-parallel 2), budgets a quarter and three quarters of the way from the plan of
+    the smallest tile (64) to the untiled one. A direct search over the candidates, by plain dry
+    runs with each tile given, finds the same tile; the next larger candidate does not fit. A budget
+    above the untiled plan takes the whole sequence; one below the smallest tile keeps the fixed
+    rule (tiles of at most 8192) and says it does not fit."""
+    T = 100000
+    n = T // (2 if ranks else 1)
+    cands = auto_candidates(n)
+    args = (*AUTO_FLAGS, *ranks, "--seq", T)
+
+    def total(tile):
+        return dry_run(tmp_path, LLAMA31_8B, *args, "--mlp-tile", tile)["total_bytes"]
+
+    low, whole = total(64), total(0)
+    assert low < whole
+    for frac in (0.25, 0.75):
+        got = dry_run(tmp_path, LLAMA31_8B, *args, "--gpu-mem", f"{(low + frac * (whole - low)) / 2**30:.6f}")
+        budget = got["memory_bytes"]
+        lo, hi = -1, len(cands) - 1  # direct search: fits(cands[lo]) (-1: none), !fits(cands[hi])
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if total(cands[mid]) <= budget:
+                lo = mid
+            else:
+                hi = mid
+        tile = got["mlp_tile"]
+        assert tile == cands[lo] and 64 < tile < n, (frac, tile, cands[lo])
+        assert got["fits"] is True and got["total_bytes"] == total(tile) <= budget < total(cands[lo + 1])
+        print(f"{n} tokens per rank, {budget / 2**30:.2f} GiB: auto tile {tile} ({-(-n // tile)} tiles)")
+    roomy = dry_run(tmp_path, LLAMA31_8B, *args, "--gpu-mem", f"{(whole + 2**30) / 2**30:.3f}")
+    assert roomy["mlp_tile"] == n and roomy["total_bytes"] == whole and roomy["fits"] is True
+    tight = dry_run(tmp_path, LLAMA31_8B, *args, "--gpu-mem", f"{(low - 2**26) / 2**30:.3f}")
+    k = -(-n // 8192)  # the fixed rule: the fewest equal tiles of at most 8192
+    assert tight["mlp_tile"] == equal_tile(n, k)
+    assert tight["fits"] is False and tight["total_bytes"] == total(tight["mlp_tile"])
+    p = subprocess.run([need(CPU_TRAIN), "--model", str(tmp_path / "cfg"), "--dry-run", *map(str, args), "--gpu-mem",
+                        f"{(low - 2**26) / 2**30:.3f}"], capture_output=True, text=True, timeout=120)
+    assert "auto: none fits, so equal tiles of at most 8192" in p.stdout, p.stdout[:2000]
 
 
 @pytest.mark.parametrize("value", ["-1", "12x", "", "auto8", "99999999999"])

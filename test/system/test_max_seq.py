@@ -54,9 +54,10 @@ def direct_search(fits, hi):
 @pytest.mark.parametrize("gib,quant", [(24, "nf4"), (48, "none")])
 def test_max_seq_of_the_cuda_plan_equals_a_direct_search(gib, quant):
     """Llama-3.1-8B, LoRA r16, batch 1, the best memory flags, planned for a card of `gib` GiB:
-    --max-seq's answer is what a search over plain dry runs finds; its plan fits (total_bytes,
-    the device's, within gib GiB) and one token more does not; the pinned host bytes it reports
-    are those of the plain plan at that length."""
+    --max-seq's answer is what a search over plain dry runs for that card (--gpu-mem: --mlp-tile
+    auto fits its tile to it) finds; its plan fits (total_bytes, the device's, within gib GiB) and
+    one token more does not; the pinned host bytes it reports are those of the plain plan at that
+    length."""
     flags = ("--batch", 1, "--lora-rank", 16, "--quant", quant, *BEST)
     budget = gib * GIB
     got = plan(LLAMA31_8B, *flags, "--max-seq", "--gpu-mem", gib)
@@ -65,7 +66,7 @@ def test_max_seq_of_the_cuda_plan_equals_a_direct_search(gib, quant):
     assert got["memory_source"] == f"--gpu-mem {gib}" and got["max_seq_bound"] == 0
 
     def fits(s):
-        return plan(LLAMA31_8B, *flags, "--seq", s)["total_bytes"] <= budget
+        return plan(LLAMA31_8B, *flags, "--seq", s, "--gpu-mem", gib)["total_bytes"] <= budget
 
     if quant == "nf4":  # one direct search (about 50 plans) is enough; the other case checks the boundary alone
         assert direct_search(fits, 1 << 30) == seq
@@ -77,23 +78,62 @@ def test_max_seq_of_the_cuda_plan_equals_a_direct_search(gib, quant):
     print(f"Llama-3.1-8B {quant} on {gib} GiB: max seq {seq}, host {at['host_bytes'] / GIB:.1f} GiB")
 
 
+def test_max_seq_with_seq_parallel_equals_a_direct_search_over_multiples_of_p():
+    """--ranks 8 --seq-parallel 4: --max-seq plans one rank's share (a quarter of each sequence)
+    and searches --seq over multiples of 4 (seqpar_check refuses others): its answer is what a
+    direct search over plain dry runs of multiples of 4 finds, 4 tokens more do not fit, and the
+    pinned host bytes it reports are one rank's checkpoints, by hand: 32 layers x seq / 4 tokens x
+    2d bytes. The given --seq (not a multiple of 4 here) does not matter; P that does not divide
+    the heads is still refused in one line."""
+    P, gib = 4, 24
+    flags = ("--batch", 1, "--lora-rank", 16, "--quant", "nf4", *BEST, "--ranks", 8, "--seq-parallel", P)
+    budget = gib * GIB
+    got = plan(LLAMA31_8B, *flags, "--max-seq", "--gpu-mem", gib, "--seq", 1001)
+    seq = got["max_seq"]
+    assert got["seq"] == seq and seq % P == 0 and got["fits"] is True and got["max_seq_bound"] == 0
+
+    def fits(j):
+        return plan(LLAMA31_8B, *flags, "--seq", P * j, "--gpu-mem", gib)["total_bytes"] <= budget
+
+    assert P * direct_search(fits, (1 << 30) // P) == seq
+    at = plan(LLAMA31_8B, *flags, "--seq", seq, "--gpu-mem", gib)
+    past = plan(LLAMA31_8B, *flags, "--seq", seq + P, "--gpu-mem", gib)
+    assert at["total_bytes"] <= budget < past["total_bytes"] and past["fits"] is False
+    assert got["total_bytes"] == at["total_bytes"] and got["host_bytes"] == at["host_bytes"] == 32 * (seq // P) * 2 * 4096
+    text = run(["--model", LLAMA31_8B, "--dry-run", "--max-seq", "--gpu-mem", gib, *flags]).stdout
+    assert (f"at batch 1: {seq} tokens ({seq // P} on each of its {P} ranks) (" in text and
+            f"{at['host_bytes'] / GIB:.2f} GiB of pinned host memory per rank" in text), text
+    p = run(["--model", LLAMA31_8B, "--dry-run", "--max-seq", "--gpu-mem", gib, "--ranks", 3, "--seq-parallel", 3],
+            check=False)
+    assert p.returncode == 1 and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert "flag --seq-parallel: 3 does not divide the model's 32 attention heads" in p.stderr, p.stderr
+    print(f"Llama-3.1-8B nf4, 8 ranks, --seq-parallel {P}, {gib} GiB each: max seq {seq}, "
+          f"host {at['host_bytes'] / GIB:.1f} GiB per rank")
+
+
 def test_max_seq_of_the_cpu_plan_is_what_the_runs_fit_check_allows():
     """--device cpu plans against the host's MemAvailable (here LLMC_HOST_MEMORY_BYTES, as the CPU
     fit check): the found --seq trains (the fit check passes), one token more is refused by the
-    fit check in one line before anything is allocated."""
+    fit check in one line before anything is allocated; the run prints the MLP tile its --mlp-tile
+    auto took, the one --max-seq planned. A plain CPU dry run has no memory to fit
+    --mlp-tile auto to, so the plans here name the tile: the one --max-seq reports at its length,
+    and one token more does not fit even in auto's smallest tile (64 tokens)."""
     budget = 20_000_000
     env = {"LLMC_HOST_MEMORY_BYTES": str(budget)}
     flags = ("--device", "cpu", "--batch", 1, "--lora-rank", 2, "--mode", "lowmem")
     got = plan(DEMO, *flags, "--max-seq", env=env)
     seq = got["max_seq"]
     assert got["memory_source"] == "LLMC_HOST_MEMORY_BYTES" and got["memory_bytes"] == budget
-    at = plan(DEMO, *flags, "--seq", seq)
-    past = plan(DEMO, *flags, "--seq", seq + 1)
+    at = plan(DEMO, *flags, "--seq", seq, "--mlp-tile", got["mlp_tile"])
+    past = plan(DEMO, *flags, "--seq", seq + 1, "--mlp-tile", 64)
+    assert got["total_bytes"] == at["total_bytes"]
     # on the CPU the host arena is host memory like the rest (fit_check_plan counts both)
     assert at["total_bytes"] + at["host_bytes"] <= budget < past["total_bytes"] + past["host_bytes"]
     train = ["--model", DEMO, "--data", DEMO_TRAIN, "--steps", 0, *flags]
     ok = run([*train, "--seq", seq], env=env)
     assert "memory: planned" in ok.stdout
+    tile = got["mlp_tile"]  # the run's auto fits the same memory, so it takes the tile the dry run planned
+    assert tile < seq and f"mlp tile: {tile} of {seq} tokens ({-(-seq // tile)} tiles; auto: " in ok.stdout, ok.stdout
     refused = run([*train, "--seq", seq + 1], env=env, check=False)
     assert refused.returncode == 1 and len(refused.stderr.strip().splitlines()) == 1, refused.stderr
     assert "the memory plan needs" in refused.stderr and "LLMC_HOST_MEMORY_BYTES" in refused.stderr
