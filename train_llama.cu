@@ -244,16 +244,21 @@ static int llama_keeps_down_input(const Llama* m) {
 // in every MLP buffer (4 bytes per token and more), as cuBLASLt's default alignment assumes
 #define MLP_TILE_AUTO_ALIGN 64
 
+// auto fits no tile below this many tokens: every tile re-reads the MLP's three weights (and under
+// --quant nf4 dequantizes them again), which at 1M tokens in 64-token tiles would be ~15k passes
+// over them per layer; 1024-token tiles cost the longest context ~0.2 % (Llama-3.1-8B, 80 GB)
+#define MLP_TILE_AUTO_MIN 1024
+
 // The tile of N tokens cut into k equal tiles: ceil(N / k) rounded up to MLP_TILE_AUTO_ALIGN, or N
-// (the whole sequence, one tile) where that reaches N. It shrinks as k grows, down to the
-// alignment at k = llama_mlp_most_tiles(N).
+// (the whole sequence, one tile) where that reaches N. It shrinks as k grows, down to about
+// MLP_TILE_AUTO_MIN at k = llama_mlp_most_tiles(N) (N itself where N is shorter).
 static int64_t llama_mlp_equal_tile(int64_t N, int64_t k) {
     int64_t tile = (N + k - 1) / k;
     tile = (tile + MLP_TILE_AUTO_ALIGN - 1) / MLP_TILE_AUTO_ALIGN * MLP_TILE_AUTO_ALIGN;
     return tile < N ? tile : N;
 }
 static int64_t llama_mlp_most_tiles(int64_t N) {
-    return N > 0 ? (N + MLP_TILE_AUTO_ALIGN - 1) / MLP_TILE_AUTO_ALIGN : 1;
+    return N > MLP_TILE_AUTO_MIN ? N / MLP_TILE_AUTO_MIN : 1;  // floor: each of them >= MLP_TILE_AUTO_MIN
 }
 
 // Tokens per MLP tile for N tokens (llmc/train/run_options.h: --mlp-tile): N when the whole

@@ -189,3 +189,24 @@ def run_probe(model_dir, case_path, out_path, act, norm, recompute, rank, alpha,
 def check_errors(errs, label=""):
     """Print the worst errors on one line and assert them against TOL."""
     return probe_compare.check_errors(errs, TOL, label)
+
+
+# --mlp-tile auto's candidate tiles, written apart from the trainer (llama_mlp_equal_tile)
+def equal_tile(n, k):
+    """n tokens in k equal tiles: ceil(n / k) rounded up to 64, or n where that reaches n."""
+    return min(n, -(-(-(-n // k)) // 64) * 64)
+
+
+AUTO_MIN = 1024  # auto's tiles are at least this many tokens (MLP_TILE_AUTO_MIN), or the whole sequence
+
+
+def auto_candidates(n):
+    """--mlp-tile auto's tiles for n tokens, written apart from the trainer (llama_mlp_equal_tile):
+    k = 1, 2, ... equal tiles, down to k = n // AUTO_MIN (floor, so each tile holds at least
+    AUTO_MIN tokens; one tile, the whole sequence, where n is shorter)."""
+    return sorted({equal_tile(n, k) for k in range(1, max(1, n // AUTO_MIN) + 1)})
+
+
+def auto_smallest_tile(n):
+    """The smallest tile auto takes for n tokens: a length fits under auto exactly when it does."""
+    return auto_candidates(n)[0]

@@ -35,6 +35,7 @@ import torch
 
 import llama_cases as lc
 from cuda_backend import binaries, need
+from llama_cases import auto_candidates, equal_tile
 
 ref = lc.ref
 CUDA_TRAIN, CUDA_PROBE, CPU_TRAIN, CPU_PROBE = binaries("train_llama", "llama_probe")
@@ -329,17 +330,6 @@ def test_plan_auto_tile_at_131072_tokens(tmp_path):
           f"total {whole['total_bytes'] / 2**30:.2f} -> {auto['total_bytes'] / 2**30:.2f} GiB")
 
 
-def equal_tile(n, k):
-    """n tokens in k equal tiles: ceil(n / k) rounded up to 64, or n where that reaches n."""
-    return min(n, -(-(-(-n // k)) // 64) * 64)
-
-
-def auto_candidates(n):
-    """--mlp-tile auto's tiles for n tokens, written apart from the trainer (llama_mlp_equal_tile):
-    k = 1, 2, ... equal tiles, down to tiles of 64 tokens."""
-    return sorted({equal_tile(n, k) for k in range(1, -(-n // 64) + 1)})
-
-
 AUTO_FLAGS = ("--mode", "lowmem", "--recompute", "block", "--batch", 1, "--lora-rank", R, "--quant", "nf4",
               "--offload", "host")
 
@@ -347,9 +337,10 @@ AUTO_FLAGS = ("--mode", "lowmem", "--recompute", "block", "--batch", 1, "--lora-
 @pytest.mark.parametrize("ranks", [(), ("--ranks", 2, "--seq-parallel", 2)], ids=["one_rank", "seq_parallel_2"])
 def test_plan_auto_tile_is_the_largest_that_fits(tmp_path, ranks):
     """With a memory to fit (--gpu-mem), --mlp-tile auto takes the largest of its candidates (equal
-    tiles, multiples of 64, or the whole sequence) whose plan fits: 100000 tokens (on each rank:
+    tiles, multiples of 64 of at least AUTO_MIN tokens, or the whole sequence) whose plan fits:
+    100000 tokens (on each rank:
     50000 under --seq-parallel 2), budgets a quarter and three quarters of the way from the plan of
-    the smallest tile (64) to the untiled one. A direct search over the candidates, by plain dry
+    the smallest tile to the untiled one. A direct search over the candidates, by plain dry
     runs with each tile given, finds the same tile; the next larger candidate does not fit. A budget
     above the untiled plan takes the whole sequence; one below the smallest tile keeps the fixed
     rule (tiles of at most 8192) and says it does not fit."""
@@ -361,7 +352,7 @@ def test_plan_auto_tile_is_the_largest_that_fits(tmp_path, ranks):
     def total(tile):
         return dry_run(tmp_path, LLAMA31_8B, *args, "--mlp-tile", tile)["total_bytes"]
 
-    low, whole = total(64), total(0)
+    low, whole = total(cands[0]), total(0)
     assert low < whole
     for frac in (0.25, 0.75):
         got = dry_run(tmp_path, LLAMA31_8B, *args, "--gpu-mem", f"{(low + frac * (whole - low)) / 2**30:.6f}")
@@ -374,7 +365,7 @@ def test_plan_auto_tile_is_the_largest_that_fits(tmp_path, ranks):
             else:
                 hi = mid
         tile = got["mlp_tile"]
-        assert tile == cands[lo] and 64 < tile < n, (frac, tile, cands[lo])
+        assert tile == cands[lo] and cands[0] < tile < n, (frac, tile, cands[lo])
         assert got["fits"] is True and got["total_bytes"] == total(tile) <= budget < total(cands[lo + 1])
         print(f"{n} tokens per rank, {budget / 2**30:.2f} GiB: auto tile {tile} ({-(-n // tile)} tiles)")
     roomy = dry_run(tmp_path, LLAMA31_8B, *args, "--gpu-mem", f"{(whole + 2**30) / 2**30:.3f}")

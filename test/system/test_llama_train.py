@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import llama_cases as lc
+from llama_cases import auto_smallest_tile
 
 REPO = lc.REPO
 BIN = os.path.join(REPO, "train_llama")
@@ -489,7 +490,8 @@ def test_plan_bigger_than_host_memory_is_refused_with_what_fits():
     64 MiB by LLMC_HOST_MEMORY_BYTES) before anything is allocated, so the kernel never kills
     the run later: one line naming the largest --batch that fits, which --dry-run confirms. (A
     run's --mlp-tile auto takes the largest tile that fits, so a batch fits when auto's smallest
-    tile, 64 tokens, does; a plain dry run has no memory to fit, so it is given that tile.)"""
+    tile does, test_mlp_tile.auto_smallest_tile; a plain dry run has no memory to fit, so it is
+    given that tile.)"""
     args = ["--model", os.path.join(REPO, "data", "llama_demo"), "--data", os.path.join(REPO, "data", "llama_demo_ft_train.bin"),
             "--steps", 1, "--seq", 128, "--device", "cpu"]
     p = subprocess.run([BIN] + [str(a) for a in args + ["--batch", 512]], capture_output=True, text=True, timeout=60,
@@ -498,7 +500,8 @@ def test_plan_bigger_than_host_memory_is_refused_with_what_fits():
     assert p.returncode == 1 and err.count("\n") == 1, err
     assert "of host memory" in err and "but 64.0 MiB is available (LLMC_HOST_MEMORY_BYTES)" in err, err
     b, accum = (int(x) for x in re.search(r"would fit: --batch (\d+) --grad-accum (\d+);", err).groups())
-    plan = lambda batch: json.loads(run(args + ["--dry-run", "--json", "--batch", batch, "--mlp-tile", 64]).stdout)[  # noqa: E731
+    plan = lambda batch: json.loads(run(args + ["--dry-run", "--json", "--batch", batch, "--mlp-tile",
+                                                 auto_smallest_tile(batch * 128)]).stdout)[  # noqa: E731
         "total_bytes"]
     assert plan(b) <= 64 << 20 < plan(b + 1)
     assert b * accum >= 512 > b * (accum - 1)

@@ -9,6 +9,8 @@ import subprocess
 
 import pytest
 
+from llama_cases import auto_smallest_tile
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BIN = os.path.join(REPO, "train_llama")
 FIXTURES = os.path.join(REPO, "test", "fixtures")
@@ -117,15 +119,15 @@ def test_max_seq_of_the_cpu_plan_is_what_the_runs_fit_check_allows():
     fit check in one line before anything is allocated; the run prints the MLP tile its --mlp-tile
     auto took, the one --max-seq planned. A plain CPU dry run has no memory to fit
     --mlp-tile auto to, so the plans here name the tile: the one --max-seq reports at its length,
-    and one token more does not fit even in auto's smallest tile (64 tokens)."""
-    budget = 20_000_000
+    and one token more does not fit even in auto's smallest tile (test_mlp_tile.auto_smallest_tile)."""
+    budget = 50_000_000  # a length past 2 x auto's smallest tile (AUTO_MIN), so that the run tiles
     env = {"LLMC_HOST_MEMORY_BYTES": str(budget)}
     flags = ("--device", "cpu", "--batch", 1, "--lora-rank", 2, "--mode", "lowmem")
     got = plan(DEMO, *flags, "--max-seq", env=env)
     seq = got["max_seq"]
     assert got["memory_source"] == "LLMC_HOST_MEMORY_BYTES" and got["memory_bytes"] == budget
     at = plan(DEMO, *flags, "--seq", seq, "--mlp-tile", got["mlp_tile"])
-    past = plan(DEMO, *flags, "--seq", seq + 1, "--mlp-tile", 64)
+    past = plan(DEMO, *flags, "--seq", seq + 1, "--mlp-tile", auto_smallest_tile(seq + 1))
     assert got["total_bytes"] == at["total_bytes"]
     # on the CPU the host arena is host memory like the rest (fit_check_plan counts both)
     assert at["total_bytes"] + at["host_bytes"] <= budget < past["total_bytes"] + past["host_bytes"]
