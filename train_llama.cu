@@ -296,8 +296,11 @@ static void llama_plan_block(Llama* m, MemPlan* p, int l) {
         plan_block_act(p, m, l, keep, "qk_norm", "rk", N * c->kv_heads * 4, &a->rk, &s->rk);
     }
     plan_block_act(p, m, l, keep && !msqk, "attention", "q", N * qd * abytes, &a->q, &s->q);
-    plan_block_act(p, m, l, keep && !msqk, "attention", "k", N * kvd * abytes, &a->k, &s->k);
-    plan_block_act(p, m, l, keep, "attention", "v", N * kvd * abytes, &a->v, &s->v);
+    // k and v keep attention's layout: under --seq-parallel with fewer key/value heads than ranks
+    // that is one replicated head for the whole sequence, wider than this rank's tokens' kv heads
+    int64_t kv_kept = N * seqpar_kv_width(&m->sp) * abytes;
+    plan_block_act(p, m, l, keep && !msqk, "attention", "k", kv_kept, &a->k, &s->k);
+    plan_block_act(p, m, l, keep, "attention", "v", kv_kept, &a->v, &s->v);
     plan_block_act(p, m, l, keep, "attention", "o", N * qd * abytes, &a->o, &s->o);
     plan_block_act(p, m, l, keep, "attention", "lse", N * c->heads * 4, &a->lse, &s->lse);
     int64_t tile = m->mlp_tile, rows = keep ? N : tile;  // rows of the MLP's kept (N) or shared (tile) buffers
@@ -356,8 +359,9 @@ static void llama_plan_scratch(Llama* m, MemPlan* p) {
     // reader is the head (the final norm's input); dz's first writer is the first block's backward.
     // dout too, where it can (llama_dout_shares_dz).
     plan_add(p, MEM_SCRATCH, "grads", -1, "dq", N * qd * abytes, &m->dq);
-    plan_add(p, MEM_SCRATCH, "grads", -1, "dk", N * kvd * abytes, &m->dk);
-    plan_add(p, MEM_SCRATCH, "grads", -1, "dv", N * kvd * abytes, &m->dv);
+    int64_t kv_grad = N * seqpar_kv_width(&m->sp) * abytes;  // attention's layout (llama_plan_block's k, v)
+    plan_add(p, MEM_SCRATCH, "grads", -1, "dk", kv_grad, &m->dk);
+    plan_add(p, MEM_SCRATCH, "grads", -1, "dv", kv_grad, &m->dv);
     if (!llama_dout_shares_dz(m)) plan_add(p, MEM_SCRATCH, "grads", -1, "dout", N * qd * abytes, &m->dout);
     // the MLP's gradients (and the forward temporaries bound to them) for one tile of tokens
     plan_add(p, MEM_SCRATCH, "grads", -1, "dp", m->mlp_tile * f * abytes, &m->dp);
