@@ -199,6 +199,27 @@ def test_key_value_heads_that_cannot_be_split_or_replicated_are_refused(tmp_path
     refused(launch(1, *flags), *needles)
 
 
+@pytest.mark.parametrize("how", ["fail", "kill"])
+def test_a_rank_that_stops_stops_the_job(how):
+    # rank 1 alone stops as step 2 begins (LLMC_FAULT_STOP_STEP, llmc/train/loop.h: an error, or
+    # SIGKILL), while rank 0 runs into step 2's first all-to-all, which waits for rank 1 forever
+    # unless the job is taken down: the whole mpirun must end, non-zero, well inside the timeout
+    if not MPIRUN:
+        pytest.fail("mpirun not found: install openmpi-bin (scripts/ci/install_deps.sh does)")
+    line = [PROGRAM] + [str(x) for x in base_flags("--steps", 3, "--seq-parallel", 2)]
+    fault = "2" if how == "fail" else "2:kill"
+    cmd = [MPIRUN, "--allow-run-as-root", "--oversubscribe", "-np", "1"] + line + [
+        ":", "-np", "1", "-x", f"LLMC_FAULT_STOP_STEP={fault}"] + line
+    p = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=30)
+    assert p.returncode != 0, (p.stdout[-1000:], p.stderr[-2000:])
+    assert "step    1/3" in p.stdout and "step    2/3" not in p.stdout, p.stdout[-1000:]  # it stopped mid-run
+    if how == "fail":  # the failing rank's one line, then the job's end
+        err = [line for line in p.stderr.splitlines() if line.startswith("error: ")]
+        assert len(err) == 1 and "step 2" in err[0] and "LLMC_FAULT_STOP_STEP" in err[0], p.stderr[-2000:]
+    else:
+        assert "signal 9" in p.stderr, p.stderr[-2000:]
+
+
 def dry_json(*extra):
     p = launch(1, "--model", LLAMA, "--dry-run", "--json", "--seq", 64, "--batch", 2, "--device", "cpu", *extra)
     assert p.returncode == 0, p.stderr
