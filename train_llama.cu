@@ -1753,7 +1753,8 @@ static void llama_flags(FlagTable* t, TrainOptions* o) {
     o->seq_parallel = 1;
     flag_int(t, "seq-parallel", &o->seq_parallel,
              "ranks per sequence: each holds 1/P of every sequence's tokens, attention exchanges heads (DeepSpeed "
-             "Ulysses); P divides the ranks, --seq, the heads and the key/value heads (LoRA)");
+             "Ulysses); P divides the ranks, --seq and the heads, and divides or is a multiple of the key/value "
+             "heads (fewer than P are replicated) (LoRA)");
     t->group = "model and data";
     flag_string(
         t, "export-merged", &o->export_merged,

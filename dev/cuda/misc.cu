@@ -260,7 +260,8 @@ static void test_sum_replica_blocks(int64_t rows, int blocks, int rep, int bw, R
     sum_replica_blocks_cuda(d_dst, d_src, rows, blocks, rep, bw, g_stream);
     float* got = download_bf16(d_dst, out);
     char name[96];
-    snprintf(name, sizeof(name), "sum_replica_blocks, rows=%lld blocks=%d rep=%d bw=%d", (long long)rows, blocks, rep, bw);
+    snprintf(name, sizeof(name), "sum_replica_blocks, rows=%lld blocks=%d rep=%d bw=%d", (long long)rows, blocks, rep,
+             bw);
     check_equal_f32(name, got, want, out);
     CUDA_CHECK(cudaFree(d_src)); CUDA_CHECK(cudaFree(d_dst));
     free(src); free(want); free(got);

@@ -101,10 +101,11 @@ static char* seqpar_host_view(const SeqPar* sp, const void* x, size_t bytes, siz
     return h;
 }
 
-// Ends a host view: on CUDA its contents go to the backend tensor x (when `back`) and the copy is freed.
-static void seqpar_host_done(const SeqPar* sp, void* x, char* h, size_t bytes, int back) {
+// Ends a host view: on CUDA its contents go to the backend tensor x (HOST_VIEW_UPLOAD) and the copy is freed.
+typedef enum { HOST_VIEW_DROP, HOST_VIEW_UPLOAD } HostViewEnd;
+static void seqpar_host_done(const SeqPar* sp, void* x, char* h, size_t bytes, HostViewEnd end) {
     if (!sp->be->cuda) return;
-    if (back) backend_upload(sp->be, x, h, bytes);
+    if (end == HOST_VIEW_UPLOAD) backend_upload(sp->be, x, h, bytes);
     free(h);
 }
 
@@ -118,6 +119,9 @@ static int seqpar_on_device(const SeqPar* sp) {
     return 0;
 #endif
 }
+
+// The `rep` of heads that one rank each holds (query heads, the output, key/value heads P divides).
+#define SEQPAR_ONE_COPY 1
 
 // Token layout x [n, nh*hd] to head layout, in place: [N, nh*rep/P*hd] (rep: the ranks sharing a
 // head, kv_rep for k and v, else 1; x holds rep times the token layout). Group rank j receives
@@ -140,7 +144,7 @@ static void seqpar_to_heads(SeqPar* sp, void* x, int nh, int rep, const char* pa
     for (int j = 0; j < sp->P; j++)  // block j: every token of mine, group rank j's heads
         for (int64_t t = 0; t < n; t++) memcpy(pk + (j * n + t) * wp, src + t * w + j / rep * wp, wp);
     dist_sp_alltoall(sp->dist, pk, src, n * wp);
-    seqpar_host_done(sp, x, src, out, 1);
+    seqpar_host_done(sp, x, src, out, HOST_VIEW_UPLOAD);
     if (sp->be->cuda) free(pk);
 }
 
@@ -158,8 +162,8 @@ static void seqpar_to_tokens(SeqPar* sp, const void* x, void* dst, int nh, int r
             char* src = seqpar_host_view(sp, x, in, in);
             char* pk = sp->be->cuda ? (char*)xmalloc(in) : (char*)sp->work;
             dist_sp_alltoall(sp->dist, src, pk, n * wp);
-            seqpar_host_done(sp, (void*)x, src, in, 0);
-            seqpar_host_done(sp, sp->work, pk, in, 1);
+            seqpar_host_done(sp, (void*)x, src, in, HOST_VIEW_DROP);
+            seqpar_host_done(sp, sp->work, pk, in, HOST_VIEW_UPLOAD);
         }
         op_sum_replica_blocks(sp->be, dst, sp->work, n, sp->P, rep, (int)(wp / sp->abytes));
         return;
@@ -176,11 +180,11 @@ static void seqpar_to_tokens(SeqPar* sp, const void* x, void* dst, int nh, int r
     char* src = seqpar_host_view(sp, x, n * w, n * w);
     char* pk = sp->be->cuda ? (char*)xmalloc(n * w) : (char*)sp->work;
     dist_sp_alltoall(sp->dist, src, pk, n * wp);  // block j: group rank j's tokens, my heads
-    seqpar_host_done(sp, (void*)x, src, n * w, 0);
+    seqpar_host_done(sp, (void*)x, src, n * w, HOST_VIEW_DROP);
     char* out = sp->be->cuda ? (char*)xmalloc(n * w) : (char*)dst;
     for (int j = 0; j < sp->P; j++)
         for (int64_t t = 0; t < n; t++) memcpy(out + t * w + j * wp, pk + (j * n + t) * wp, wp);
-    seqpar_host_done(sp, dst, out, n * w, 1);
+    seqpar_host_done(sp, dst, out, n * w, HOST_VIEW_UPLOAD);
     if (sp->be->cuda) free(pk);
 }
 
@@ -191,18 +195,18 @@ static void seqpar_to_tokens(SeqPar* sp, const void* x, void* dst, int nh, int r
 // [n, heads*hd], is sp->tok.
 static void* seqpar_attention_forward(SeqPar* sp, const Backend* be, void* o, float* lse, void* q, void* k, void* v,
                                       void* att_work, size_t att_work_bytes) {
-    seqpar_to_heads(sp, q, sp->heads, 1, "fwd");
+    seqpar_to_heads(sp, q, sp->heads, SEQPAR_ONE_COPY, "fwd");
     seqpar_to_heads(sp, k, sp->kv_heads, sp->kv_rep, "fwd");
     seqpar_to_heads(sp, v, sp->kv_heads, sp->kv_rep, "fwd");
     AttnShape as = seqpar_attn_shape(sp);
     op_attention_forward(be, o, lse, q, k, v, as, op_attention_work_fitting(be, as, att_work, att_work_bytes));
-    seqpar_to_tokens(sp, o, sp->tok, sp->heads, 1, "fwd");
+    seqpar_to_tokens(sp, o, sp->tok, sp->heads, SEQPAR_ONE_COPY, "fwd");
     return sp->tok;
 }
 
 // The kept o (head layout) in token layout, for the o projection's backward: sp->tok.
 static const void* seqpar_attention_output(SeqPar* sp, const void* o) {
-    seqpar_to_tokens(sp, o, sp->tok, sp->heads, 1, "bwd");
+    seqpar_to_tokens(sp, o, sp->tok, sp->heads, SEQPAR_ONE_COPY, "bwd");
     return sp->tok;
 }
 
@@ -212,9 +216,9 @@ static const void* seqpar_attention_output(SeqPar* sp, const void* o) {
 static void seqpar_attention_backward(SeqPar* sp, const Backend* be, void* dq, void* dk, void* dv, void* dout,
                                       const void* q, const void* k, const void* v, const void* o, const float* lse,
                                       void* att_work) {
-    seqpar_to_heads(sp, dout, sp->heads, 1, "bwd");
+    seqpar_to_heads(sp, dout, sp->heads, SEQPAR_ONE_COPY, "bwd");
     op_attention_backward(be, dq, dk, dv, dout, q, k, v, o, lse, seqpar_attn_shape(sp), att_work);
-    seqpar_to_tokens(sp, dq, dq, sp->heads, 1, "bwd");
+    seqpar_to_tokens(sp, dq, dq, sp->heads, SEQPAR_ONE_COPY, "bwd");
     seqpar_to_tokens(sp, dk, dk, sp->kv_heads, sp->kv_rep, "bwd");
     seqpar_to_tokens(sp, dv, dv, sp->kv_heads, sp->kv_rep, "bwd");
 }
