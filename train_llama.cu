@@ -334,6 +334,27 @@ static int llama_dout_shares_dz(const Llama* m) {
     return !m->cfg.qk_norm && (int64_t)m->cfg.heads * m->cfg.head_dim <= m->cfg.dim;
 }
 
+// --seq-parallel's exchange scratch (llmc/train/seq_parallel.h), lent by the gradient scratch
+// where dout lives in dz's buffer (resid's, [N, d], then at least [N, heads*hd]), instead of two
+// buffers [N, heads*hd] of its own: attention's output in token layout, the o projection's input,
+// lives in dq, dead from the q projection's backward until attention's backward writes it again;
+// it also holds the packed q, k, v (forward) and dout (backward) before it is written. The
+// exchanges of o and of the gradients receive into a buffer [N, d] dead at the time
+// (llama_seqpar_work): dres in the forward (the gradient stream lives in the backward only),
+// resid in the recomputed forward and the backward (the recomputed forward's stream is the
+// checkpoint or resid_tmp; in the backward o's exchange comes after the MLP's backward is done
+// with dz, and the gradients' after attention's backward has read dout, both before their
+// buffer's next writer, the o and the q projection's backward).
+static int llama_seqpar_lends(const Llama* m) { return m->sp.P > 1 && llama_dout_shares_dz(m); }
+
+// Where the exchanges of o and the gradients receive in each pass: a buffer dead meanwhile
+// (llama_seqpar_lends), or the group's own.
+typedef enum { EXCHANGE_FORWARD, EXCHANGE_RECOMPUTED_FORWARD, EXCHANGE_BACKWARD } ExchangePass;
+static void* llama_seqpar_work(const Llama* m, ExchangePass pass) {
+    if (!llama_seqpar_lends(m)) return m->sp.work;
+    return pass == EXCHANGE_FORWARD ? m->dres : m->resid;
+}
+
 static void llama_plan_scratch(Llama* m, MemPlan* p) {
     const Backend* be = m->be;
     int abytes = be->abytes;
@@ -387,7 +408,7 @@ static void llama_plan_scratch(Llama* m, MemPlan* p) {
     plan_add(p, MEM_SCRATCH, "batch", -1, "targets", N * 4, &m->targets);
     plan_add(p, MEM_SCRATCH, "batch", -1, "mask", N * 4, &m->mask);
     plan_add(p, MEM_SCRATCH, "batch", -1, "pos", N * 4, &m->pos);
-    seqpar_plan(&m->sp, p);
+    seqpar_plan(&m->sp, p, llama_seqpar_lends(m));
     if (m->modes.full) plan_add(p, MEM_SCRATCH, "batch", -1, "embed_order", N * 4, &m->embed_order);
     m->loss_chunk = (int)lm_head_chunk(N, V);
     op_plan_lm_head_loss(be, p, &m->loss, m->loss_chunk, d, V);
@@ -409,8 +430,9 @@ static void llama_plan(Llama* m, MemPlan* p) {
     p->blocks = c->layers;
     p->recomputed = m->modes.recompute_block;
     llama_plan_weights(m, p);
-    plan_add(p, MEM_SCRATCH, "rope", -1, "rope_cos", m->sp.T * (c->head_dim / 2) * 4, &m->rope_cos);
-    plan_add(p, MEM_SCRATCH, "rope", -1, "rope_sin", m->sp.T * (c->head_dim / 2) * 4, &m->rope_sin);
+    int64_t rope_bytes = (int64_t)m->sp.T * (c->head_dim / 2) * 4;  // [T, hd/2] fp32: 2 GiB at 8M positions
+    plan_add(p, MEM_SCRATCH, "rope", -1, "rope_cos", rope_bytes, &m->rope_cos);
+    plan_add(p, MEM_SCRATCH, "rope", -1, "rope_sin", rope_bytes, &m->rope_sin);
     for (int l = 0; l < c->layers; l++) llama_plan_block(m, p, l);
     llama_plan_scratch(m, p);
 }
@@ -434,6 +456,7 @@ static void llama_bind(Llama* m) {
     llama_bind_forward_temporaries(m);
     m->dz = m->resid;  // [N, d] both: the residual stream dies at the head, before any backward writes dz
     if (llama_dout_shares_dz(m)) m->dout = m->dz;
+    if (llama_seqpar_lends(m)) m->sp.tok = m->dq;
     for (int l = 0; l < c->layers; l++) {
         void** a = (void**)&m->acts[l];
         void** s = (void**)&m->tmp;
@@ -790,8 +813,8 @@ static void llama_rope_tables(Llama* m) {
             }
         }
         for (int t = 0; t < T; t++) {
-            cs[t * half + i] = (float)cos(t * inv);
-            sn[t * half + i] = (float)sin(t * inv);
+            cs[(int64_t)t * half + i] = (float)cos(t * inv);
+            sn[(int64_t)t * half + i] = (float)sin(t * inv);
         }
     }
     backend_upload(m->be, m->rope_cos, cs, sizeof(float) * T * half);
@@ -955,7 +978,10 @@ static void block_forward(Llama* m, int l, void* x, BlockActs* a, int B, int T, 
         op_copy(be, (char*)kv->v[l] + at, a->v, N * kvd);
         op_attention_cached(be, a->o, a->q, kv->k[l], kv->v[l], T, kv->len, c->heads, c->kv_heads, c->head_dim);
     } else if (m->sp.P > 1) {  // a->q, k, v, o keep the head layout; o_in is this rank's tokens
-        o_in = seqpar_attention_forward(&m->sp, be, a->o, a->lse, a->q, a->k, a->v, m->att_work, m->att_work_bytes);
+        // the attention half is only ever the recomputed forward (llama_recompute_block)
+        ExchangePass exchange = part == BLOCK_ATTENTION ? EXCHANGE_RECOMPUTED_FORWARD : EXCHANGE_FORWARD;
+        o_in = seqpar_attention_forward(&m->sp, be, a->o, a->lse, a->q, a->k, a->v, llama_seqpar_work(m, exchange),
+                                        m->att_work, m->att_work_bytes);
     } else {
         op_attention_forward(be, a->o, a->lse, a->q, a->k, a->v, as,
                              op_attention_work_fitting(be, as, m->att_work, m->att_work_bytes));
@@ -1045,7 +1071,8 @@ static void block_backward(Llama* m, int l, BlockActs* a, const Recomputed* rc, 
     // MLP, tile by tile: down, SwiGLU (exact or ReSiLU2), gate/up, MLP norm (recomputed first)
     llama_mlp_tiles(m, l, MLP_BACKWARD, rc ? rc->mlp_input : NULL, a, N);
     // attention: o-proj, attention, RoPE, q/k/v, attention norm
-    const void* o_in = m->sp.P > 1 ? seqpar_attention_output(&m->sp, a->o) : a->o;
+    void* sp_work = llama_seqpar_work(m, EXCHANGE_BACKWARD);
+    const void* o_in = m->sp.P > 1 ? seqpar_attention_output(&m->sp, a->o, sp_work) : a->o;
     op_linear_backward(be, m->dout, m->dres, o_in, a->ax[T_O], &layer->lin[T_O], m->dax, N, r, s, OUT_WRITE);
     if (llama_qk_norm_ms(m) && !m->modes.recompute_block) {  // (a recomputed block has just built them)
         llama_qk_rebuild(m, layer, a, T_Q, N, T);
@@ -1053,7 +1080,7 @@ static void block_backward(Llama* m, int l, BlockActs* a, const Recomputed* rc, 
     }
     if (m->sp.P > 1)
         seqpar_attention_backward(&m->sp, be, m->dq, m->dk, m->dv, m->dout, a->q, a->k, a->v, a->o, a->lse,
-                                  m->att_work);
+                                  sp_work, m->att_work);
     else op_attention_backward(be, m->dq, m->dk, m->dv, m->dout, a->q, a->k, a->v, a->o, a->lse, as, m->att_work);
     op_rope(be, m->dq, m->rope_cos, m->rope_sin, m->pos, N, T, c->heads, c->head_dim, ROPE_INVERSE);
     op_rope(be, m->dk, m->rope_cos, m->rope_sin, m->pos, N, T, c->kv_heads, c->head_dim, ROPE_INVERSE);

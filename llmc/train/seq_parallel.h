@@ -28,8 +28,14 @@ typedef struct {
     int heads, kv_heads, hd;  // the model's (the group rank attends over heads / P, kv_heads * kv_rep / P)
     int kv_rep;            // ranks holding a copy of one key/value head: P / kv_heads when kv_heads < P, else 1
     int abytes;            // the backend's activation element size
-    void* work;            // [n, heads*hd] the exchanges' packed blocks (activation type)
-    void* tok;             // [n, heads*hd] the attention output in token layout (the o projection's input)
+    // Scratch of the exchanges, [n, heads*hd] each (activation type). Their lives are short, so a
+    // model may lend buffers that are dead meanwhile (`lent`: train_llama's gradient scratch, see
+    // llama_seqpar_lends) instead of planning them here:
+    void* work;            // received blocks of o's and the gradients' exchanges, unless lent
+    void* tok;             // the attention output in token layout (the o projection's input); also the
+                           // packed blocks of q, k, v in the forward and of dout in the backward, when
+                           // it is dead
+    int lent;              // the model binds tok and passes every exchange's work buffer
     int* pos;              // [N] backend: every token's position in its packed example (attention's mask)
     int* h_pos;            // its host side
 } SeqPar;
@@ -75,11 +81,13 @@ static int64_t seqpar_kv_width(const SeqPar* sp) {
     return (int64_t)sp->kv_heads * sp->kv_rep * sp->hd;
 }
 
-static void seqpar_plan(SeqPar* sp, MemPlan* p) {
+// The group's buffers; `lent`: the model lends tok and the work buffers (seqpar_attention_forward ..).
+static void seqpar_plan(SeqPar* sp, MemPlan* p, int lent) {
     if (sp->P <= 1) return;
     size_t bytes = (size_t)sp->n * sp->heads * sp->hd * sp->abytes;
-    plan_add(p, MEM_SCRATCH, "seq_parallel", -1, "exchange", bytes, &sp->work);
-    plan_add(p, MEM_SCRATCH, "seq_parallel", -1, "attn_out_tokens", bytes, &sp->tok);
+    sp->lent = lent;
+    if (!lent) plan_add(p, MEM_SCRATCH, "seq_parallel", -1, "exchange", bytes, &sp->work);
+    if (!lent) plan_add(p, MEM_SCRATCH, "seq_parallel", -1, "attn_out_tokens", bytes, &sp->tok);
     plan_add(p, MEM_SCRATCH, "seq_parallel", -1, "positions", sp->N * 4, &sp->pos);
 }
 
@@ -126,21 +134,22 @@ static int seqpar_on_device(const SeqPar* sp) {
 // Token layout x [n, nh*hd] to head layout, in place: [N, nh*rep/P*hd] (rep: the ranks sharing a
 // head, kv_rep for k and v, else 1; x holds rep times the token layout). Group rank j receives
 // the heads' chunk j / rep.
-static void seqpar_to_heads(SeqPar* sp, void* x, int nh, int rep, const char* pass) {
+// work: [n, nh*rep*hd] of scratch (packed blocks), not x.
+static void seqpar_to_heads(SeqPar* sp, void* x, int nh, int rep, void* work, const char* pass) {
     // row bytes, one rank's share of them (rep * w / P: one head under replication), the result's bytes
     int64_t w = (int64_t)nh * sp->hd * sp->abytes, wp = w * rep / sp->P, n = sp->n, out = n * sp->P * wp;
     PROF_SCOPE(sp->be, "all_to_all", pass, 0.0, 2.0 * out);
 #ifdef LLMC_HAVE_CUDA
     if (seqpar_on_device(sp)) {
         for (int j = 0; j < sp->P; j++)  // block j [n, wp]: every token of mine, group rank j's heads
-            CUDA_CHECK(cudaMemcpy2DAsync((char*)sp->work + j * n * wp, wp, (char*)x + j / rep * wp, w, wp, n,
+            CUDA_CHECK(cudaMemcpy2DAsync((char*)work + j * n * wp, wp, (char*)x + j / rep * wp, w, wp, n,
                                          cudaMemcpyDeviceToDevice, sp->be->stream));
-        dist_sp_alltoall_device(sp->dist, sp->work, x, n * wp, sp->be->stream);
+        dist_sp_alltoall_device(sp->dist, work, x, n * wp, sp->be->stream);
         return;
     }
 #endif
     char* src = seqpar_host_view(sp, x, n * w, out);
-    char* pk = sp->be->cuda ? (char*)xmalloc(out) : (char*)sp->work;
+    char* pk = sp->be->cuda ? (char*)xmalloc(out) : (char*)work;
     for (int j = 0; j < sp->P; j++)  // block j: every token of mine, group rank j's heads
         for (int64_t t = 0; t < n; t++) memcpy(pk + (j * n + t) * wp, src + t * w + j / rep * wp, wp);
     dist_sp_alltoall(sp->dist, pk, src, n * wp);
@@ -150,35 +159,36 @@ static void seqpar_to_heads(SeqPar* sp, void* x, int nh, int rep, const char* pa
 
 // Head layout x [N, nh*rep/P*hd] to token layout dst [n, nh*hd] (dst may be x); rep > 1 (replicated
 // key/value heads): the rep partial gradients of each head are summed.
-static void seqpar_to_tokens(SeqPar* sp, const void* x, void* dst, int nh, int rep, const char* pass) {
+// work: [n, nh*rep*hd] of scratch (the received blocks), neither x nor dst.
+static void seqpar_to_tokens(SeqPar* sp, const void* x, void* dst, int nh, int rep, void* work, const char* pass) {
     int64_t w = (int64_t)nh * sp->hd * sp->abytes, wp = w * rep / sp->P, n = sp->n, in = n * sp->P * wp;
     PROF_SCOPE(sp->be, "all_to_all", pass, 0.0, 2.0 * in);
-    if (rep > 1) {  // group rank j's tokens of my head's replica into block j of sp->work, then their sums
+    if (rep > 1) {  // group rank j's tokens of my head's replica into block j of work, then their sums
 #ifdef LLMC_HAVE_CUDA
-        if (seqpar_on_device(sp)) dist_sp_alltoall_device(sp->dist, x, sp->work, n * wp, sp->be->stream);
+        if (seqpar_on_device(sp)) dist_sp_alltoall_device(sp->dist, x, work, n * wp, sp->be->stream);
         else
 #endif
         {
             char* src = seqpar_host_view(sp, x, in, in);
-            char* pk = sp->be->cuda ? (char*)xmalloc(in) : (char*)sp->work;
+            char* pk = sp->be->cuda ? (char*)xmalloc(in) : (char*)work;
             dist_sp_alltoall(sp->dist, src, pk, n * wp);
             seqpar_host_done(sp, (void*)x, src, in, HOST_VIEW_DROP);
-            seqpar_host_done(sp, sp->work, pk, in, HOST_VIEW_UPLOAD);
+            seqpar_host_done(sp, work, pk, in, HOST_VIEW_UPLOAD);
         }
-        op_sum_replica_blocks(sp->be, dst, sp->work, n, sp->P, rep, (int)(wp / sp->abytes));
+        op_sum_replica_blocks(sp->be, dst, work, n, sp->P, rep, (int)(wp / sp->abytes));
         return;
     }
 #ifdef LLMC_HAVE_CUDA
     if (seqpar_on_device(sp)) {
-        dist_sp_alltoall_device(sp->dist, x, sp->work, n * wp, sp->be->stream);
+        dist_sp_alltoall_device(sp->dist, x, work, n * wp, sp->be->stream);
         for (int j = 0; j < sp->P; j++)
-            CUDA_CHECK(cudaMemcpy2DAsync((char*)dst + j * wp, w, (char*)sp->work + j * n * wp, wp, wp, n,
+            CUDA_CHECK(cudaMemcpy2DAsync((char*)dst + j * wp, w, (char*)work + j * n * wp, wp, wp, n,
                                          cudaMemcpyDeviceToDevice, sp->be->stream));
         return;
     }
 #endif
     char* src = seqpar_host_view(sp, x, n * w, n * w);
-    char* pk = sp->be->cuda ? (char*)xmalloc(n * w) : (char*)sp->work;
+    char* pk = sp->be->cuda ? (char*)xmalloc(n * w) : (char*)work;
     dist_sp_alltoall(sp->dist, src, pk, n * wp);  // block j: group rank j's tokens, my heads
     seqpar_host_done(sp, (void*)x, src, n * w, HOST_VIEW_DROP);
     char* out = sp->be->cuda ? (char*)xmalloc(n * w) : (char*)dst;
@@ -192,35 +202,40 @@ static void seqpar_to_tokens(SeqPar* sp, const void* x, void* dst, int nh, int r
 // rank's tokens (after RoPE; k's and v's buffers hold seqpar_kv_width per token, room for the head
 // layout's replicas); on return they hold the head layout the backward reads, o
 // [N, heads/P*hd] and lse [B, heads/P, T] are this rank's heads, and the result, o in token layout
-// [n, heads*hd], is sp->tok.
+// [n, heads*hd], is sp->tok. q, k, v are packed in sp->tok (not yet written); o's exchange
+// receives into `work` (sp->work, or a buffer the model lends, dead during this forward).
 static void* seqpar_attention_forward(SeqPar* sp, const Backend* be, void* o, float* lse, void* q, void* k, void* v,
-                                      void* att_work, size_t att_work_bytes) {
-    seqpar_to_heads(sp, q, sp->heads, SEQPAR_ONE_COPY, "fwd");
-    seqpar_to_heads(sp, k, sp->kv_heads, sp->kv_rep, "fwd");
-    seqpar_to_heads(sp, v, sp->kv_heads, sp->kv_rep, "fwd");
+                                      void* work, void* att_work, size_t att_work_bytes) {
+    seqpar_to_heads(sp, q, sp->heads, SEQPAR_ONE_COPY, sp->tok, "fwd");
+    seqpar_to_heads(sp, k, sp->kv_heads, sp->kv_rep, sp->tok, "fwd");
+    seqpar_to_heads(sp, v, sp->kv_heads, sp->kv_rep, sp->tok, "fwd");
     AttnShape as = seqpar_attn_shape(sp);
     op_attention_forward(be, o, lse, q, k, v, as, op_attention_work_fitting(be, as, att_work, att_work_bytes));
-    seqpar_to_tokens(sp, o, sp->tok, sp->heads, SEQPAR_ONE_COPY, "fwd");
+    seqpar_to_tokens(sp, o, sp->tok, sp->heads, SEQPAR_ONE_COPY, work, "fwd");
     return sp->tok;
 }
 
-// The kept o (head layout) in token layout, for the o projection's backward: sp->tok.
-static const void* seqpar_attention_output(SeqPar* sp, const void* o) {
-    seqpar_to_tokens(sp, o, sp->tok, sp->heads, SEQPAR_ONE_COPY, "bwd");
+// The kept o (head layout) in token layout, for the o projection's backward: sp->tok (work: as
+// in the forward, dead until the o projection's backward writes its output).
+static const void* seqpar_attention_output(SeqPar* sp, const void* o, void* work) {
+    seqpar_to_tokens(sp, o, sp->tok, sp->heads, SEQPAR_ONE_COPY, work, "bwd");
     return sp->tok;
 }
 
 // Attention's backward: dout [n, heads*hd] (this rank's tokens; clobbered) to dq [n, heads*hd],
 // dk, dv [n, kv_heads*hd], this rank's tokens (their buffers seqpar_kv_width per token: the
 // attention's head-layout gradients pass through them), from the head-layout q, k, v, o, lse.
+// dout is packed in sp->tok (the o projection's backward has read it; dq may be the same buffer,
+// written after), the gradients' exchanges receive into `work` (dead once attention's backward
+// has read dout, until the q projection's backward: dout's own buffer can be it).
 static void seqpar_attention_backward(SeqPar* sp, const Backend* be, void* dq, void* dk, void* dv, void* dout,
                                       const void* q, const void* k, const void* v, const void* o, const float* lse,
-                                      void* att_work) {
-    seqpar_to_heads(sp, dout, sp->heads, SEQPAR_ONE_COPY, "bwd");
+                                      void* work, void* att_work) {
+    seqpar_to_heads(sp, dout, sp->heads, SEQPAR_ONE_COPY, sp->tok, "bwd");
     op_attention_backward(be, dq, dk, dv, dout, q, k, v, o, lse, seqpar_attn_shape(sp), att_work);
-    seqpar_to_tokens(sp, dq, dq, sp->heads, SEQPAR_ONE_COPY, "bwd");
-    seqpar_to_tokens(sp, dk, dk, sp->kv_heads, sp->kv_rep, "bwd");
-    seqpar_to_tokens(sp, dv, dv, sp->kv_heads, sp->kv_rep, "bwd");
+    seqpar_to_tokens(sp, dq, dq, sp->heads, SEQPAR_ONE_COPY, work, "bwd");
+    seqpar_to_tokens(sp, dk, dk, sp->kv_heads, sp->kv_rep, work, "bwd");
+    seqpar_to_tokens(sp, dv, dv, sp->kv_heads, sp->kv_rep, work, "bwd");
 }
 
 // This rank's slice of a whole micro-batch (host arrays of N tokens) into the model's host batch

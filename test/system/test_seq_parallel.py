@@ -118,11 +118,15 @@ def test_two_by_two_ranks_match_one_process_on_packed_examples(tmp_path, packed)
 
 
 @pytest.mark.parametrize("mode", [["--recompute", "block", "--offload", "host", "--lora-dropout", 0.2],
-                                  ["--norm", "std", "--act", "exact"], ["--full"], ["--full", "--norm", "std"]])
+                                  ["--recompute", "block", "--norm", "std"], ["--norm", "std", "--act", "exact"],
+                                  ["--full"], ["--full", "--norm", "std"]])
 def test_memory_modes_and_full_fine_tuning_match_one_process(tmp_path, mode):
     # --full: every weight trains (about 1.4e5 values at --lr 1e-4: the later-step bound's
     # sqrt(values) * |grad| * 3 lr * 8e-6 is ~1e-5, inside it) and ZeRO-1 shards the optimizer over
     # all ranks; --recompute block runs each block's forward, exchanges included, again in backward
+    # (the exchanges' scratch is lent by buffers dead at the time, which differ between the forward,
+    # the recomputed forward on the checkpoint (MS norms) or on a copy of it (standard norms), and
+    # the backward: train_llama.cu's llama_seqpar_lends)
     single = train(tmp_path, "single", 1, 2, TRAIN, *mode)
     split = train(tmp_path, "split", 2, 2, TRAIN, "--seq-parallel", 2, *mode)
     assert_equivalent(single, split)
@@ -247,6 +251,10 @@ def test_dry_run_plans_one_ranks_share():
     assert n * P == one["tokens"]
     want = 4 * (2 * n * heads * hd + 2 * n * P * hd + n * heads)  # fp32 on the CPU backend
     assert quarter["per_block"]["attention"] == want, (quarter["per_block"], want)
+    # the exchanges' scratch is lent by gradient buffers dead at the time (the demo's heads x head
+    # dim equal its width): the group's own part is every token's position, [B * seq] int32
+    lent = dry_json("--ranks", 2, "--seq-parallel", 2, "--recompute", "block")
+    assert lent["block_peak_parts"]["seq_parallel"] == 4 * 2 * 64, lent["block_peak_parts"]
     p = launch(1, "--model", LLAMA, "--dry-run", "--seq", 64, "--device", "cpu", "--ranks", 3, "--seq-parallel", 2)
     refused(p, "--seq-parallel", "does not divide the 3 ranks planned")
 
