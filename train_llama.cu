@@ -369,8 +369,11 @@ static void llama_plan_scratch(Llama* m, MemPlan* p) {
     // the block input (standard norms); under MS norms it runs in place on the checkpoint
     if (md->recompute_block && !md->ms)
         plan_add(p, MEM_SCRATCH, "residual", -1, "resid_tmp", N * d * abytes, &m->resid_tmp);
-    if (md->offload_host)  // two block inputs [N, d]: one travels to or from the host while the other is in use
-        for (int i = 0; i < OFFLOAD_STAGING; i++) {
+    // block inputs [N, d]: with two, one travels to or from the host while the other is in use;
+    // sequences of a million positions and more have one (llmc/memory/offload.h)
+    m->offload.slots = offload_staging_count(m->sp.T);
+    if (md->offload_host)
+        for (int i = 0; i < m->offload.slots; i++) {
             char nm[48];
             snprintf(nm, sizeof(nm), "offload_staging%d", i);
             plan_add(p, MEM_SCRATCH, "offload", -1, nm, N * d * abytes, &m->offload.staging[i]);
@@ -1113,14 +1116,14 @@ static Recomputed llama_recompute_block(Llama* m, int l, int B, int T) {
 
 static void llama_backward_blocks(Llama* m, int B, int T) {
     int layers = m->cfg.layers;
-    if (m->modes.offload_host)  // the last blocks' inputs on their way back (double buffered)
-        for (int l = layers - 1; l >= 0 && l >= layers - OFFLOAD_STAGING; l--) offload_fetch(&m->offload, l);
+    if (m->modes.offload_host)  // the last blocks' inputs on their way back (one per staging buffer)
+        for (int l = layers - 1; l >= 0 && l >= layers - m->offload.slots; l--) offload_fetch(&m->offload, l);
     for (int l = layers - 1; l >= 0; l--) {
         Recomputed rc = {};
         if (m->modes.recompute_block) rc = llama_recompute_block(m, l, B, T);
         block_backward(m, l, &m->acts[l], m->modes.recompute_block ? &rc : NULL, B, T);
-        // this block's staging buffer is free: the input OFFLOAD_STAGING blocks down comes into it
-        if (m->modes.offload_host) offload_fetch(&m->offload, l - OFFLOAD_STAGING);
+        // this block's staging buffer is free: the input `slots` blocks down comes into it
+        if (m->modes.offload_host) offload_fetch(&m->offload, l - m->offload.slots);
         trainable_grads_final_from(&m->tr, m->dist, m->layer_off[l]);  // this block's are final
     }
 }
