@@ -344,8 +344,12 @@ static int llama_dout_shares_dz(const Llama* m) {
 // resid in the recomputed forward and the backward (the recomputed forward's stream is the
 // checkpoint or resid_tmp; in the backward o's exchange comes after the MLP's backward is done
 // with dz, and the gradients' after attention's backward has read dout, both before their
-// buffer's next writer, the o and the q projection's backward).
-static int llama_seqpar_lends(const Llama* m) { return m->sp.P > 1 && llama_dout_shares_dz(m); }
+// buffer's next writer, the o and the q projection's backward). LLMC_SEQPAR_LEND=0 plans the
+// group's own two buffers instead (the same numbers; to rule the lending out on a GPU).
+static int llama_seqpar_lends(const Llama* m) {
+    const char* e = getenv("LLMC_SEQPAR_LEND");
+    return m->sp.P > 1 && llama_dout_shares_dz(m) && !(e && strcmp(e, "0") == 0);
+}
 
 // Where the exchanges of o and the gradients receive in each pass: a buffer dead meanwhile
 // (llama_seqpar_lends), or the group's own.
