@@ -312,8 +312,11 @@ static void llama_plan_block(Llama* m, MemPlan* p, int l) {
         plan_block_act(p, m, l, keep, "qk_norm", "rk", N * c->kv_heads * 4, &a->rk, &s->rk);
     }
     plan_block_act(p, m, l, keep && !msqk, "attention", "q", N * qd * abytes, &a->q, &s->q);
-    plan_block_act(p, m, l, keep && !msqk, "attention", "k", N * kvd * abytes, &a->k, &s->k);
-    plan_block_act(p, m, l, keep, "attention", "v", N * kvd * abytes, &a->v, &s->v);
+    // k and v keep attention's layout: under --seq-parallel with fewer key/value heads than ranks
+    // that is one replicated head for the whole sequence, wider than this rank's tokens' kv heads
+    int64_t kv_kept = N * seqpar_kv_width(&m->sp) * abytes;
+    plan_block_act(p, m, l, keep && !msqk, "attention", "k", kv_kept, &a->k, &s->k);
+    plan_block_act(p, m, l, keep, "attention", "v", kv_kept, &a->v, &s->v);
     plan_block_act(p, m, l, keep, "attention", "o", N * qd * abytes, &a->o, &s->o);
     plan_block_act(p, m, l, keep, "attention", "lse", N * c->heads * 4, &a->lse, &s->lse);
     int64_t tile = m->mlp_tile, rows = keep ? N : tile;  // rows of the MLP's kept (N) or shared (tile) buffers
@@ -347,6 +350,31 @@ static int llama_dout_shares_dz(const Llama* m) {
     return !m->cfg.qk_norm && (int64_t)m->cfg.heads * m->cfg.head_dim <= m->cfg.dim;
 }
 
+// --seq-parallel's exchange scratch (llmc/train/seq_parallel.h), lent by the gradient scratch
+// where dout lives in dz's buffer (resid's, [N, d], then at least [N, heads*hd]), instead of two
+// buffers [N, heads*hd] of its own: attention's output in token layout, the o projection's input,
+// lives in dq, dead from the q projection's backward until attention's backward writes it again;
+// it also holds the packed q, k, v (forward) and dout (backward) before it is written. The
+// exchanges of o and of the gradients receive into a buffer [N, d] dead at the time
+// (llama_seqpar_work): dres in the forward (the gradient stream lives in the backward only),
+// resid in the recomputed forward and the backward (the recomputed forward's stream is the
+// checkpoint or resid_tmp; in the backward o's exchange comes after the MLP's backward is done
+// with dz, and the gradients' after attention's backward has read dout, both before their
+// buffer's next writer, the o and the q projection's backward). LLMC_SEQPAR_LEND=0 plans the
+// group's own two buffers instead (the same numbers; to rule the lending out on a GPU).
+static int llama_seqpar_lends(const Llama* m) {
+    const char* e = getenv("LLMC_SEQPAR_LEND");
+    return m->sp.P > 1 && llama_dout_shares_dz(m) && !(e && strcmp(e, "0") == 0);
+}
+
+// Where the exchanges of o and the gradients receive in each pass: a buffer dead meanwhile
+// (llama_seqpar_lends), or the group's own.
+typedef enum { EXCHANGE_FORWARD, EXCHANGE_RECOMPUTED_FORWARD, EXCHANGE_BACKWARD } ExchangePass;
+static void* llama_seqpar_work(const Llama* m, ExchangePass pass) {
+    if (!llama_seqpar_lends(m)) return m->sp.work;
+    return pass == EXCHANGE_FORWARD ? m->dres : m->resid;
+}
+
 static void llama_plan_scratch(Llama* m, MemPlan* p) {
     const Backend* be = m->be;
     int abytes = be->abytes;
@@ -361,8 +389,11 @@ static void llama_plan_scratch(Llama* m, MemPlan* p) {
     // the block input (standard norms); under MS norms it runs in place on the checkpoint
     if (md->recompute_block && !md->ms)
         plan_add(p, MEM_SCRATCH, "residual", -1, "resid_tmp", N * d * abytes, &m->resid_tmp);
-    if (md->offload_host)  // two block inputs [N, d]: one travels to or from the host while the other is in use
-        for (int i = 0; i < OFFLOAD_STAGING; i++) {
+    // block inputs [N, d]: with two, one travels to or from the host while the other is in use;
+    // one where the memory holds no more (llama_fit_to_memory, llmc/memory/offload.h)
+    m->offload.slots = offload_staging_count(md->offload_staging);
+    if (md->offload_host)
+        for (int i = 0; i < m->offload.slots; i++) {
             char nm[48];
             snprintf(nm, sizeof(nm), "offload_staging%d", i);
             plan_add(p, MEM_SCRATCH, "offload", -1, nm, N * d * abytes, &m->offload.staging[i]);
@@ -372,8 +403,9 @@ static void llama_plan_scratch(Llama* m, MemPlan* p) {
     // reader is the head (the final norm's input); dz's first writer is the first block's backward.
     // dout too, where it can (llama_dout_shares_dz).
     plan_add(p, MEM_SCRATCH, "grads", -1, "dq", N * qd * abytes, &m->dq);
-    plan_add(p, MEM_SCRATCH, "grads", -1, "dk", N * kvd * abytes, &m->dk);
-    plan_add(p, MEM_SCRATCH, "grads", -1, "dv", N * kvd * abytes, &m->dv);
+    int64_t kv_grad = N * seqpar_kv_width(&m->sp) * abytes;  // attention's layout (llama_plan_block's k, v)
+    plan_add(p, MEM_SCRATCH, "grads", -1, "dk", kv_grad, &m->dk);
+    plan_add(p, MEM_SCRATCH, "grads", -1, "dv", kv_grad, &m->dv);
     if (!llama_dout_shares_dz(m)) plan_add(p, MEM_SCRATCH, "grads", -1, "dout", N * qd * abytes, &m->dout);
     // the MLP's gradients (and the forward temporaries bound to them) for one tile of tokens
     plan_add(p, MEM_SCRATCH, "grads", -1, "dp", m->mlp_tile * f * abytes, &m->dp);
@@ -399,7 +431,7 @@ static void llama_plan_scratch(Llama* m, MemPlan* p) {
     plan_add(p, MEM_SCRATCH, "batch", -1, "targets", N * 4, &m->targets);
     plan_add(p, MEM_SCRATCH, "batch", -1, "mask", N * 4, &m->mask);
     plan_add(p, MEM_SCRATCH, "batch", -1, "pos", N * 4, &m->pos);
-    seqpar_plan(&m->sp, p);
+    seqpar_plan(&m->sp, p, llama_seqpar_lends(m));
     if (m->modes.full) plan_add(p, MEM_SCRATCH, "batch", -1, "embed_order", N * 4, &m->embed_order);
     m->loss_chunk = (int)lm_head_chunk(N, V);
     op_plan_lm_head_loss(be, p, &m->loss, m->loss_chunk, d, V);
@@ -421,8 +453,9 @@ static void llama_plan(Llama* m, MemPlan* p) {
     p->blocks = c->layers;
     p->recomputed = m->modes.recompute_block;
     llama_plan_weights(m, p);
-    plan_add(p, MEM_SCRATCH, "rope", -1, "rope_cos", m->sp.T * (c->head_dim / 2) * 4, &m->rope_cos);
-    plan_add(p, MEM_SCRATCH, "rope", -1, "rope_sin", m->sp.T * (c->head_dim / 2) * 4, &m->rope_sin);
+    int64_t rope_bytes = (int64_t)m->sp.T * (c->head_dim / 2) * 4;  // [T, hd/2] fp32: 2 GiB at 8M positions
+    plan_add(p, MEM_SCRATCH, "rope", -1, "rope_cos", rope_bytes, &m->rope_cos);
+    plan_add(p, MEM_SCRATCH, "rope", -1, "rope_sin", rope_bytes, &m->rope_sin);
     for (int l = 0; l < c->layers; l++) llama_plan_block(m, p, l);
     llama_plan_scratch(m, p);
 }
@@ -446,6 +479,7 @@ static void llama_bind(Llama* m) {
     llama_bind_forward_temporaries(m);
     m->dz = m->resid;  // [N, d] both: the residual stream dies at the head, before any backward writes dz
     if (llama_dout_shares_dz(m)) m->dout = m->dz;
+    if (llama_seqpar_lends(m)) m->sp.tok = m->dq;
     for (int l = 0; l < c->layers; l++) {
         void** a = (void**)&m->acts[l];
         void** s = (void**)&m->tmp;
@@ -802,8 +836,8 @@ static void llama_rope_tables(Llama* m) {
             }
         }
         for (int t = 0; t < T; t++) {
-            cs[t * half + i] = (float)cos(t * inv);
-            sn[t * half + i] = (float)sin(t * inv);
+            cs[(int64_t)t * half + i] = (float)cos(t * inv);
+            sn[(int64_t)t * half + i] = (float)sin(t * inv);
         }
     }
     backend_upload(m->be, m->rope_cos, cs, sizeof(float) * T * half);
@@ -967,7 +1001,10 @@ static void block_forward(Llama* m, int l, void* x, BlockActs* a, int B, int T, 
         op_copy(be, (char*)kv->v[l] + at, a->v, N * kvd);
         op_attention_cached(be, a->o, a->q, kv->k[l], kv->v[l], T, kv->len, c->heads, c->kv_heads, c->head_dim);
     } else if (m->sp.P > 1) {  // a->q, k, v, o keep the head layout; o_in is this rank's tokens
-        o_in = seqpar_attention_forward(&m->sp, be, a->o, a->lse, a->q, a->k, a->v, m->att_work, m->att_work_bytes);
+        // the attention half is only ever the recomputed forward (llama_recompute_block)
+        ExchangePass exchange = part == BLOCK_ATTENTION ? EXCHANGE_RECOMPUTED_FORWARD : EXCHANGE_FORWARD;
+        o_in = seqpar_attention_forward(&m->sp, be, a->o, a->lse, a->q, a->k, a->v, llama_seqpar_work(m, exchange),
+                                        m->att_work, m->att_work_bytes);
     } else {
         op_attention_forward(be, a->o, a->lse, a->q, a->k, a->v, as,
                              op_attention_work_fitting(be, as, m->att_work, m->att_work_bytes));
@@ -1057,7 +1094,8 @@ static void block_backward(Llama* m, int l, BlockActs* a, const Recomputed* rc, 
     // MLP, tile by tile: down, SwiGLU (exact or ReSiLU2), gate/up, MLP norm (recomputed first)
     llama_mlp_tiles(m, l, MLP_BACKWARD, rc ? rc->mlp_input : NULL, a, N);
     // attention: o-proj, attention, RoPE, q/k/v, attention norm
-    const void* o_in = m->sp.P > 1 ? seqpar_attention_output(&m->sp, a->o) : a->o;
+    void* sp_work = llama_seqpar_work(m, EXCHANGE_BACKWARD);
+    const void* o_in = m->sp.P > 1 ? seqpar_attention_output(&m->sp, a->o, sp_work) : a->o;
     op_linear_backward(be, m->dout, m->dres, o_in, a->ax[T_O], &layer->lin[T_O], m->dax, N, r, s, OUT_WRITE);
     if (llama_qk_norm_ms(m) && !m->modes.recompute_block) {  // (a recomputed block has just built them)
         llama_qk_rebuild(m, layer, a, T_Q, N, T);
@@ -1065,7 +1103,7 @@ static void block_backward(Llama* m, int l, BlockActs* a, const Recomputed* rc, 
     }
     if (m->sp.P > 1)
         seqpar_attention_backward(&m->sp, be, m->dq, m->dk, m->dv, m->dout, a->q, a->k, a->v, a->o, a->lse,
-                                  m->att_work);
+                                  sp_work, m->att_work);
     else op_attention_backward(be, m->dq, m->dk, m->dv, m->dout, a->q, a->k, a->v, a->o, a->lse, as, m->att_work);
     op_rope(be, m->dq, m->rope_cos, m->rope_sin, m->pos, N, T, c->heads, c->head_dim, ROPE_INVERSE);
     op_rope(be, m->dk, m->rope_cos, m->rope_sin, m->pos, N, T, c->kv_heads, c->head_dim, ROPE_INVERSE);
@@ -1098,14 +1136,14 @@ static Recomputed llama_recompute_block(Llama* m, int l, int B, int T) {
 
 static void llama_backward_blocks(Llama* m, int B, int T) {
     int layers = m->cfg.layers;
-    if (m->modes.offload_host)  // the last blocks' inputs on their way back (double buffered)
-        for (int l = layers - 1; l >= 0 && l >= layers - OFFLOAD_STAGING; l--) offload_fetch(&m->offload, l);
+    if (m->modes.offload_host)  // the last blocks' inputs on their way back (one per staging buffer)
+        for (int l = layers - 1; l >= 0 && l >= layers - m->offload.slots; l--) offload_fetch(&m->offload, l);
     for (int l = layers - 1; l >= 0; l--) {
         Recomputed rc = {};
         if (m->modes.recompute_block) rc = llama_recompute_block(m, l, B, T);
         block_backward(m, l, &m->acts[l], m->modes.recompute_block ? &rc : NULL, B, T);
-        // this block's staging buffer is free: the input OFFLOAD_STAGING blocks down comes into it
-        if (m->modes.offload_host) offload_fetch(&m->offload, l - OFFLOAD_STAGING);
+        // this block's staging buffer is free: the input `slots` blocks down comes into it
+        if (m->modes.offload_host) offload_fetch(&m->offload, l - m->offload.slots);
         trainable_grads_final_from(&m->tr, m->dist, m->layer_off[l]);  // this block's are final
     }
 }
@@ -1582,12 +1620,12 @@ static int64_t llama_rank_tokens(int B, int T, const Dist* ranks) { return (int6
 // plan fits, among equal tiles (k = 1, 2, ... tiles of llama_mlp_equal_tile; k = 1 the whole
 // sequence). A plan grows with its tile and the tile shrinks as k grows, so a bisection on k finds
 // the fewest tiles that fit: fits(hi) and !fits(lo) throughout. md is returned unchanged (auto's
-// fixed rule, llama_mlp_tile_rows) when its tile is not auto, there is no budget, or not even the
-// smallest tile fits (the fit check then says what the plan needs, as without tiling).
+// fixed rule, llama_mlp_tile_rows) when its tile is not auto or not even the smallest tile fits
+// (the fit check then says what the plan needs, as without tiling).
 static TrainModes llama_fit_mlp_tile(const LlamaConfig* cfg, TrainModes md, int B, int T, const Backend* be,
                                      const Dist* ranks, size_t budget) {
     int64_t N = llama_rank_tokens(B, T, ranks), most = llama_mlp_most_tiles(N);
-    if (md.mlp_tile != MLP_TILE_AUTO || !budget || N > INT_MAX) return md;
+    if (md.mlp_tile != MLP_TILE_AUTO || N > INT_MAX) return md;
     TrainModes at = md;
     at.mlp_tile = llama_mlp_candidate(N, most);
     if (llama_modes_plan_bytes(cfg, &at, B, T, be, ranks) > budget) return md;
@@ -1602,6 +1640,31 @@ static TrainModes llama_fit_mlp_tile(const LlamaConfig* cfg, TrainModes md, int 
     return md;
 }
 
+// md's smallest plan of what auto chooses: auto's smallest tile and one offload staging buffer. A
+// length or batch fits under auto exactly when this does (llama_fit_to_memory finds the rest).
+static TrainModes llama_smallest_choices(TrainModes md, int B, int T, const Dist* ranks) {
+    int64_t N = llama_rank_tokens(B, T, ranks);
+    if (md.mlp_tile == MLP_TILE_AUTO && N <= INT_MAX) md.mlp_tile = llama_mlp_candidate(N, llama_mlp_most_tiles(N));
+    if (md.offload_host && md.offload_staging == OFFLOAD_STAGING_AUTO) md.offload_staging = 1;
+    return md;
+}
+
+// What auto leaves to the memory, fitted to `budget` bytes (0: none known; md unchanged, so two
+// staging buffers and auto's fixed tile rule): first --offload host's staging buffers, two (the
+// copies overlap the compute) where the plan with two and the smallest tile fits, else one; then
+// the largest MLP tile that fits beside them (llama_fit_mlp_tile). Overlapped copies come before a
+// larger tile: the second buffer is one block input, [N, d], a tile's worth of MLP rows is less.
+static TrainModes llama_fit_to_memory(const LlamaConfig* cfg, TrainModes md, int B, int T, const Backend* be,
+                                      const Dist* ranks, size_t budget) {
+    if (!budget) return md;
+    if (md.offload_host && md.offload_staging == OFFLOAD_STAGING_AUTO) {
+        TrainModes two = llama_smallest_choices(md, B, T, ranks);
+        two.offload_staging = 2;
+        md.offload_staging = llama_modes_plan_bytes(cfg, &two, B, T, be, ranks) <= budget ? 2 : 1;
+    }
+    return llama_fit_mlp_tile(cfg, md, B, T, be, ranks, budget);
+}
+
 // What fit_check_plan plans with: the run's model, backend and ranks at sequence length T, and the
 // memory --mlp-tile auto fits its tile to (0: none, auto's fixed rule).
 typedef struct {
@@ -1609,19 +1672,18 @@ typedef struct {
     const Backend* be;
     const Dist* dist;
     int T;
-    size_t tile_budget;
+    size_t fit_budget;  // the memory auto's choices fit (llama_fit_to_memory; 0: none)
 } LlamaPlanCtx;
 
-// Under auto with a budget this is the plan of auto's smallest tile: auto finds a tile exactly when
-// that plan fits, so comparing these bytes with the budget is auto's verdict (one plan, where the
-// fitted tile takes a bisection; the searches over --batch and --seq call this many times).
+// Under auto with a budget this is the plan of auto's smallest choices (llama_smallest_choices):
+// auto finds its tile and staging buffers exactly when that plan fits, so comparing these bytes
+// with the budget is auto's verdict (one plan, where the fitted tile takes a bisection; the
+// searches over --batch and --seq call this many times).
 static size_t llama_plan_bytes(const void* ctx, const TrainOptions* o, int batch, int world) {
     const LlamaPlanCtx* c = (const LlamaPlanCtx*)ctx;
     TrainModes md = train_modes_from(o, target_names, N_TARGETS);
     Dist ranks = dist_for_plan(c->dist, world);
-    int64_t N = llama_rank_tokens(batch, c->T, &ranks);
-    if (md.mlp_tile == MLP_TILE_AUTO && c->tile_budget && N <= INT_MAX)
-        md.mlp_tile = llama_mlp_candidate(N, llama_mlp_most_tiles(N));
+    if (c->fit_budget) md = llama_smallest_choices(md, batch, c->T, &ranks);
     return llama_modes_plan_bytes(c->cfg, &md, batch, c->T, c->be, &ranks);
 }
 
@@ -1664,7 +1726,7 @@ static int llama_dry_run_fit(const LlamaConfig* cfg, const TrainOptions* o, cons
                  fit_size(b, sizeof(b), llama_plan_bytes_at_steps(&ctx, o, 1)),
                  P > 1 ? " (or a larger --seq-parallel)" : "");
     }
-    *md = llama_fit_mlp_tile(cfg, *md, o->batch, seq, be, ranks, budget.bytes);
+    *md = llama_fit_to_memory(cfg, *md, o->batch, seq, be, ranks, budget.bytes);
     Llama at;
     llama_setup(&at, cfg, md, o->batch, seq, be, ranks);
     size_t need = plan_total(&at.plan) + (be->cuda ? 0 : plan_host_bytes(&at.plan)), pinned = plan_host_bytes(&at.plan);
@@ -1706,6 +1768,9 @@ static void llama_tile_line(char* buf, size_t n, const Llama* m, const TrainOpti
     else
         str_appendf(buf, n, "auto without a memory to fit: equal tiles of at most %d; --gpu-mem GIB fits it)",
                     MLP_TILE_AUTO_MAX);
+    if (m->modes.offload_host)  // two unless the memory holds one only (llama_fit_to_memory)
+        str_appendf(buf, n, "\noffload: %d device staging buffer%s of one block input%s", m->offload.slots,
+                    m->offload.slots == 1 ? "" : "s", m->offload.slots == 1 ? " (the copies do not overlap the compute)" : "");
 }
 
 // --dry-run: the plan of the run these flags describe, and the baseline plan beside it.
@@ -1742,7 +1807,8 @@ static int llama_dry_run(const LlamaConfig* cfg, const TrainOptions* o_given, Tr
     if (dist_sp(&ranks) > 1) str_appendf(header, sizeof(header), " (%d per sequence)", dist_sp(&ranks));
     if (*fit_line) str_appendf(header, sizeof(header), "\n%s", fit_line);
     llama_tile_line(header, sizeof(header), &m, o, &given, &md);
-    str_appendf(json, sizeof(json), ", \"mlp_tile\": %lld", (long long)m.mlp_tile);
+    str_appendf(json, sizeof(json), ", \"mlp_tile\": %lld, \"offload_staging\": %d", (long long)m.mlp_tile,
+                m.modes.offload_host ? m.offload.slots : 0);
     train_dry_run_report(o, &m.plan, &base.plan, &be, json, header);
     llama_free(&m);
     llama_free(&base);
@@ -1840,7 +1906,8 @@ static void llama_flags(FlagTable* t, TrainOptions* o) {
     o->seq_parallel = 1;
     flag_int(t, "seq-parallel", &o->seq_parallel,
              "ranks per sequence: each holds 1/P of every sequence's tokens, attention exchanges heads (DeepSpeed "
-             "Ulysses); P divides the ranks, --seq, the heads and the key/value heads (LoRA)");
+             "Ulysses); P divides the ranks, --seq and the heads, and divides or is a multiple of the key/value "
+             "heads (fewer than P are replicated) (LoRA)");
     t->group = "model and data";
     flag_string(
         t, "export-merged", &o->export_merged,
@@ -1903,7 +1970,7 @@ int main(int argc, char** argv) {
     llama_check_window(&cfg, T, o.model_dir, sized ? "flag --seq" : "the generation window");
     // --mlp-tile auto: the largest tile that fits the memory the fit check checks against
     size_t avail = fit_avail_bytes(&be, dist.local_size);
-    TrainModes fitted = llama_fit_mlp_tile(&cfg, md, B, T, &be, &dist, avail);
+    TrainModes fitted = llama_fit_to_memory(&cfg, md, B, T, &be, &dist, avail);
     llama_setup(&m, &cfg, &fitted, B, T, &be, &dist);
     TrainOptions planned = o;
     planned.batch = B;
@@ -1931,6 +1998,9 @@ int main(int argc, char** argv) {
                    (long long)m.mlp_tile, (long long)N, (long long)((N + m.mlp_tile - 1) / m.mlp_tile),
                    fit_size(a, sizeof(a), avail), be.cuda ? "free on the GPU" : "of host memory available");
         }
+        if (m.modes.offload_host && m.offload.slots == 1)  // the copies no longer overlap the compute
+            printf("offload: one device staging buffer, not two: the memory holds no second (LLMC_OFFLOAD_STAGING=2 "
+                   "asks for it)\n");
         llama_warn_seq(&cfg, &o);
     }
     llama_free(&base);

@@ -360,8 +360,11 @@ static void vit_plan_scratch(Vit* m, MemPlan* p) {
     // block input (standard norms); under MS norms it runs in place on the checkpoint
     if (m->modes.recompute_block && !m->modes.ms)
         plan_add(p, MEM_SCRATCH, "residual", -1, "resid_tmp", N * d * a, &m->resid_tmp);
-    if (m->modes.offload_host)  // two block inputs [N, d]: one travels to or from the host while the other is in use
-        for (int i = 0; i < OFFLOAD_STAGING; i++) {
+    // block inputs [N, d]: with two, one travels to or from the host while the other is in use;
+    // the ViT's sequences are short, so its memory never holds fewer (llmc/memory/offload.h)
+    m->offload.slots = offload_staging_count(m->modes.offload_staging);
+    if (m->modes.offload_host)
+        for (int i = 0; i < m->offload.slots; i++) {
             char nm[48];
             snprintf(nm, sizeof(nm), "offload_staging%d", i);
             plan_add(p, MEM_SCRATCH, "offload", -1, nm, N * d * a, &m->offload.staging[i]);
@@ -915,13 +918,13 @@ static const void* vit_recompute_block(Vit* m, int l, int B) {
 static void vit_backward_blocks(Vit* m, int B) {
     int64_t N = (int64_t)B * m->T;
     int layers = m->cfg.layers;
-    if (m->modes.offload_host)  // the last blocks' inputs on their way back (double buffered)
-        for (int l = layers - 1; l >= 0 && l >= layers - OFFLOAD_STAGING; l--) offload_fetch(&m->offload, l);
+    if (m->modes.offload_host)  // the last blocks' inputs on their way back (one per staging buffer)
+        for (int l = layers - 1; l >= 0 && l >= layers - m->offload.slots; l--) offload_fetch(&m->offload, l);
     for (int l = layers - 1; l >= 0; l--) {
         const void* block_input = m->modes.recompute_block ? vit_recompute_block(m, l, B) : NULL;
         block_backward(m, l, &m->acts[l], block_input, B);
-        // this block's staging buffer is free: the input OFFLOAD_STAGING blocks down comes into it
-        if (m->modes.offload_host) offload_fetch(&m->offload, l - OFFLOAD_STAGING);
+        // this block's staging buffer is free: the input `slots` blocks down comes into it
+        if (m->modes.offload_host) offload_fetch(&m->offload, l - m->offload.slots);
         // this block's, the final norm's and the head's gradients are final
         trainable_grads_final_from(&m->tr, m->dist, m->layer_off[l]);
     }

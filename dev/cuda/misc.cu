@@ -1,11 +1,11 @@
 // dev/cuda/misc.cu: the small kernels of llmc/cuda/misc.cuh against their CPU twins: token
 // embedding gather, residual add, bias add and bias gradient, ViT patch unfold (bf16 and fp32
-// pixels) and patch-embed finish, strided row copies, and the image resize/normalise of the image
-// loader (llmc/vision/imagedata.h's image_loader_convert with the bilinear taps of llmc/vision/resample.h,
-// grayscale and RGB, with flips). Where the CPU twin is a loop inside llmc/ops.h (op_embed,
-// op_patch_unfold, op_patch_embed_finish, op_copy_rows), the reference below is that loop
-// transcribed; moving those loops into llmc/cpu/ would let both sides share one copy. Then times
-// the memory-bound ones.
+// pixels) and patch-embed finish, strided row copies, the sum of --seq-parallel's replicated
+// heads' blocks, and the image resize/normalise of the image loader (llmc/vision/imagedata.h's
+// image_loader_convert with the bilinear taps of llmc/vision/resample.h, grayscale and RGB, with
+// flips). Where the CPU twin is a loop inside llmc/ops.h (op_embed, op_patch_unfold,
+// op_patch_embed_finish, op_copy_rows), the reference below is that loop transcribed; moving those
+// loops into llmc/cpu/ would let both sides share one copy. Then times the memory-bound ones.
 #include "check.h"
 #include "../../llmc/cpu/embedding.h"
 #include "../../llmc/cpu/misc.h"
@@ -247,6 +247,26 @@ static void test_copy_rows(int B, int T, int d, Rng* rng) {
     free(resid); free(dense); free(want); free(got); free(want2); free(got2);
 }
 
+// The replicated key/value heads' gradients summed back (--seq-parallel with fewer kv heads than
+// ranks): rep partial blocks per column chunk, against llmc/cpu/misc.h's sum_replica_blocks on the
+// same bf16 values; both add them in fp32 in replica order and round once, so to the last bit.
+static void test_sum_replica_blocks(int64_t rows, int blocks, int rep, int bw, Rng* rng) {
+    int64_t n = rows * blocks * bw, out = n / rep;
+    float *src = host_randn(n, rng, 1.0f, 1), *want = (float*)xmalloc(4 * out);
+    sum_replica_blocks(want, src, rows, blocks, rep, bw);
+    host_round_bf16(want, out);
+    bf16 *d_src = upload_bf16(src, n), *d_dst = (bf16*)dev_alloc(2 * out);
+    dev_poison(d_dst, 2 * out);
+    sum_replica_blocks_cuda(d_dst, d_src, rows, blocks, rep, bw, g_stream);
+    float* got = download_bf16(d_dst, out);
+    char name[96];
+    snprintf(name, sizeof(name), "sum_replica_blocks, rows=%lld blocks=%d rep=%d bw=%d", (long long)rows, blocks, rep,
+             bw);
+    check_equal_f32(name, got, want, out);
+    CUDA_CHECK(cudaFree(d_src)); CUDA_CHECK(cudaFree(d_dst));
+    free(src); free(want); free(got);
+}
+
 // B images of sH x sW x sC uint8 -> [B, C, H, W], against image_loader_convert image by image.
 static void test_image(int B, int sH, int sW, int sC, int H, int W, int C, Rng* rng) {
     ImageShard shard;
@@ -329,8 +349,8 @@ static void time_misc(void) {
 int main(void) {
     Rng rng = rng_seeded(17, 7);
     check_begin(
-        "dev/cuda/misc: embedding, residual, bias, column scaling, patches, strided rows, image resize vs their CPU "
-        "twins");
+        "dev/cuda/misc: embedding, residual, bias, column scaling, patches, strided rows, replica sums, image resize "
+        "vs their CPU twins");
     test_embed(37, 67, 101, &rng);
     test_embed(5, 512, 7, &rng);
     test_embedding_backward(37, 67, 11, &rng);
@@ -343,6 +363,9 @@ int main(void) {
     test_patch_embed_backward(1, 50, 130, &rng);
     test_copy_rows(3, 17, 67, &rng);
     test_copy_rows(1, 5, 8, &rng);
+    test_sum_replica_blocks(37, 8, 4, 16, &rng);  // 2 kv heads over 8 ranks
+    test_sum_replica_blocks(5, 4, 2, 67, &rng);
+    test_sum_replica_blocks(9, 3, 1, 24, &rng);   // no replicas: a copy into the token layout
     test_image(3, 37, 53, 3, 32, 32, 3, &rng);    // upscale and downscale, RGB
     test_image(2, 28, 28, 1, 40, 24, 3, &rng);    // grayscale feeding RGB
     test_image(2, 64, 30, 3, 16, 45, 3, &rng);

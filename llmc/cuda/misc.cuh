@@ -5,6 +5,8 @@
 //   cast_f32_to_bf16_cuda       bf16 shadows of fp32 masters (LoRA), and back (the ViT head, tests)
 //   copy_rows_cuda              strided row copy: the ViT class tokens out of the residual
 //                               stream and their gradient back (llmc/ops.h op_copy_rows)
+//   sum_replica_blocks_cuda     replicated key/value heads' gradients summed back (--seq-parallel,
+//                               llmc/cpu/misc.h sum_replica_blocks)
 //   patch_unfold_cuda           image -> patch rows, class-token row zero (llmc/ops.h op_patch_unfold)
 //   patch_embed_finish_cuda     + class token / patch bias + positions (op_patch_embed_finish),
 //                               and its backward when they train (--full)
@@ -122,6 +124,28 @@ static void copy_rows_cuda(bf16* dst, int64_t dst_stride, const bf16* src, int64
                            cudaStream_t stream) {
     if (rows * d == 0) return;
     launch_kernel(grid_for(rows * d, 256), 256, 0, stream, copy_rows_kernel, dst, dst_stride, src, src_stride, rows, d);
+}
+
+// ---- replicated heads ----------------------------------------------------------------------
+
+// dst [rows, blocks / rep * bw] = for each column chunk ch, the sum over i < rep of src's block
+// ch * rep + i [rows, bw] (blocks one after the other), in fp32 in replica order, rounded once.
+__global__ void sum_replica_blocks_kernel(bf16* __restrict__ dst, const bf16* __restrict__ src, int64_t rows,
+                                          int chunks, int rep, int bw) {
+    int64_t width = (int64_t)chunks * bw;
+    for (int64_t i = thread_index_1d(); i < rows * width; i += grid_stride_1d()) {
+        int64_t r = i / width;
+        int ch = (int)(i % width / bw), c = (int)(i % bw);
+        float sum = 0.0f;
+        for (int k = 0; k < rep; k++) sum += __bfloat162float(src[((int64_t)(ch * rep + k) * rows + r) * bw + c]);
+        dst[i] = __float2bfloat16(sum);
+    }
+}
+static void sum_replica_blocks_cuda(bf16* dst, const bf16* src, int64_t rows, int blocks, int rep, int bw,
+                                    cudaStream_t stream) {
+    int64_t n = rows * (blocks / rep) * bw;
+    if (n == 0) return;
+    launch_kernel(grid_for(n, 256), 256, 0, stream, sum_replica_blocks_kernel, dst, src, rows, blocks / rep, rep, bw);
 }
 
 // ---- casts -----------------------------------------------------------------------------------

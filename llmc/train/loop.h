@@ -1,5 +1,5 @@
 // loop.h: the pieces of the training loop both trainers share around their model: the
-// fault-injection hook, the non-finite step counter, the end of a step (global loss, optimizer
+// fault-injection hooks, the non-finite step counter, the end of a step (global loss, optimizer
 // step), when to validate, stop and save, resume, the start-up lines, the step's line, the run's
 // log.csv and the closing summary; and the run skeleton that calls them: a model's Trainer table
 // (its step, validation, save and export) driven by train_run, the same for every model.
@@ -13,12 +13,24 @@
 #include "omp_policy.h"
 #include "profile.h"
 #include <omp.h>
+#include <signal.h>
 
 // LLMC_FAULT_NONFINITE_STEP=k makes step k's loss NaN (1-based), as a diverging run would: how the
 // tests reach --nonfinite's two behaviours on demand. Unset, it changes nothing.
 static float train_fault_injected_loss(float loss, int step) {
     const char* e = getenv("LLMC_FAULT_NONFINITE_STEP");
     return e && atoi(e) == step + 1 ? NAN : loss;
+}
+
+// LLMC_FAULT_STOP_STEP=k stops this process as step k (1-based) begins: with an error (fail, as a
+// bad read would), or, as k:kill, by SIGKILL (as the OOM killer or a lost node would). Set on one
+// rank of an mpirun job, the others run on into the step's collectives: how the tests check that
+// one rank's end stops the whole job instead of leaving it waiting. Unset, it changes nothing.
+static void train_fault_stop(int step) {
+    const char* e = getenv("LLMC_FAULT_STOP_STEP");
+    if (!e || atoi(e) != step + 1) return;
+    if (strstr(e, ":kill")) raise(SIGKILL);
+    fail("step %d: stopped by LLMC_FAULT_STOP_STEP=%s (an injected fault)", step + 1, e);
 }
 
 // --nonfinite skip: a run that keeps producing NaN (or diverged steps) stops instead of skipping
@@ -351,6 +363,7 @@ static void train_loop(const Trainer* t, const TrainOptions* o, const Dist* dist
     for (int step = start; step < stop; step++) {
         double ts = wall_seconds();
         prof_step_begin(t->be->prof);
+        train_fault_stop(step);
         StepResult r = t->step(t->model, o, dist, step);
         prof_step_end(t->be->prof, step == start && stop - start > 1);
         double dt = wall_seconds() - ts;

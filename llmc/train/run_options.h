@@ -295,12 +295,16 @@ static unsigned parse_targets(const char* list, const char* const* names, int n,
     return mask;
 }
 
+// TrainModes.offload_staging before it is fitted to the memory (llmc/memory/offload.h)
+enum { OFFLOAD_STAGING_AUTO = 0 };
+
 // The switches a model reads, from the flags: the paper's memory modes and what trains.
 typedef struct {
     int approx, ms, recompute_block;
     int ms_lora_merged;     // --ms-lora merged: adapters behind an MS norm see its bare output z (the paper's)
     int recompute_product;  // --swiglu-product recompute (LLaMA only)
     int offload_host;       // --offload host (with --recompute block): block inputs kept in host memory
+    int offload_staging;    // its device staging buffers: 1, 2, or OFFLOAD_STAGING_AUTO (fitted to the memory)
     int mlp_tile;           // --mlp-tile: tokens per MLP tile, 0 the whole sequence, MLP_TILE_AUTO the planned rule
     int generate;           // --generate: plan the key/value cache and the logits it samples from (LLaMA only)
     int full;               // train the weights themselves instead of LoRA adapters
@@ -327,6 +331,7 @@ static TrainModes train_modes_from(const TrainOptions* o, const char* const* tar
     md.recompute_block = strcmp(o->recompute, "block") == 0;
     md.recompute_product = strcmp(o->swiglu_product, "recompute") == 0;
     md.offload_host = md.recompute_block && strcmp(o->offload, "host") == 0;  // (train_validate refuses it alone)
+    md.offload_staging = OFFLOAD_STAGING_AUTO;
     md.ms_lora_merged = strcmp(o->ms_lora, "merged") == 0;
     md.mlp_tile = strcmp(o->mlp_tile, "auto") == 0 ? MLP_TILE_AUTO : mlp_tile_tokens(o->mlp_tile);
     md.full = o->full;

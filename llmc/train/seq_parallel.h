@@ -7,6 +7,12 @@
 // backward the gradients) go back the same way. Defines the group's state, its refusals, its
 // buffers in the plan, the layout exchanges and the attention wrapped in them. The groups and the
 // all-to-all primitive are llmc/train/dist.h's; data parallelism runs across groups.
+// Fewer key/value heads than ranks (grouped-query attention, e.g. 8 at P = 16) are replicated as
+// DeepSpeed-Ulysses does: rep = P / kv_heads ranks hold a copy of one key/value head, group rank
+// g the head g / rep that its query heads g*heads/P .. read (query head h reads kv head
+// h / (heads/kv_heads)). The head layout of k, v then holds [N, hd] per rank, rep times the token
+// layout's share, and in the backward the replicas' partial gradients are summed back into the
+// token layout (op_sum_replica_blocks).
 #pragma once
 #include "../common.h"
 #include "../ops.h"
@@ -19,10 +25,17 @@ typedef struct {
     int P, g;              // ranks per group (1: off), this rank's place in it
     int B, T;              // the whole micro-batch: B sequences of T tokens
     int64_t N, n;          // its tokens B*T, this rank's slice N / P
-    int heads, kv_heads, hd;  // the model's (the group rank attends over heads / P, kv_heads / P)
+    int heads, kv_heads, hd;  // the model's (the group rank attends over heads / P, kv_heads * kv_rep / P)
+    int kv_rep;            // ranks holding a copy of one key/value head: P / kv_heads when kv_heads < P, else 1
     int abytes;            // the backend's activation element size
-    void* work;            // [n, heads*hd] the exchanges' packed blocks (activation type)
-    void* tok;             // [n, heads*hd] the attention output in token layout (the o projection's input)
+    // Scratch of the exchanges, [n, heads*hd] each (activation type). Their lives are short, so a
+    // model may lend buffers that are dead meanwhile (`lent`: train_llama's gradient scratch, see
+    // llama_seqpar_lends) instead of planning them here:
+    void* work;            // received blocks of o's and the gradients' exchanges, unless lent
+    void* tok;             // the attention output in token layout (the o projection's input); also the
+                           // packed blocks of q, k, v in the forward and of dout in the backward, when
+                           // it is dead
+    int lent;              // the model binds tok and passes every exchange's work buffer
     int* pos;              // [N] backend: every token's position in its packed example (attention's mask)
     int* h_pos;            // its host side
 } SeqPar;
@@ -33,9 +46,12 @@ static void seqpar_check(const TrainOptions* o, int heads, int kv_heads, int qk_
     if (P < 1) fail("flag --seq-parallel: expected >= 1, got %d", P);
     if (P == 1) return;
     if (heads % P) fail("flag --seq-parallel: %d does not divide the model's %d attention heads", P, heads);
-    if (kv_heads % P)
-        fail("flag --seq-parallel: %d does not divide the model's %d key/value heads (replicating them is not "
-             "supported yet)", P, kv_heads);
+    if (kv_heads >= P && kv_heads % P)
+        fail("flag --seq-parallel: %d does not divide the model's %d key/value heads (nor are there fewer of them "
+             "than ranks, to replicate)", P, kv_heads);
+    if (kv_heads < P && P % kv_heads)
+        fail("flag --seq-parallel: %d is not a multiple of the model's %d key/value heads (fewer heads than ranks "
+             "are replicated, each over the same number of ranks)", P, kv_heads);
     if (o->seq % P) fail("flag --seq-parallel: %d does not divide --seq %d", P, o->seq);
     const char* no = o->generate ? "--generate" : qk_norm ? "a model with q/k norms (Qwen3)" : NULL;
     if (no) fail("flag --seq-parallel: not supported with %s yet (LoRA training only)", no);
@@ -54,39 +70,50 @@ static void seqpar_setup(SeqPar* sp, const Dist* d, const Backend* be, int B, in
     sp->heads = heads;
     sp->kv_heads = kv_heads;
     sp->hd = hd;
+    sp->kv_rep = kv_heads < sp->P ? sp->P / kv_heads : 1;
     sp->be = be;
     sp->abytes = be->abytes;
 }
 
-static void seqpar_plan(SeqPar* sp, MemPlan* p) {
+// Elements per token of this rank's slice that a key or value buffer (k, v, dk, dv) [n, kv_heads*hd]
+// holds: kv_heads*hd, or, where the head layout's replicas make it the larger, [N, hd] = n * P * hd.
+static int64_t seqpar_kv_width(const SeqPar* sp) {
+    return (int64_t)sp->kv_heads * sp->kv_rep * sp->hd;
+}
+
+// The group's buffers; `lent`: the model lends tok and the work buffers (seqpar_attention_forward ..).
+static void seqpar_plan(SeqPar* sp, MemPlan* p, int lent) {
     if (sp->P <= 1) return;
     size_t bytes = (size_t)sp->n * sp->heads * sp->hd * sp->abytes;
-    plan_add(p, MEM_SCRATCH, "seq_parallel", -1, "exchange", bytes, &sp->work);
-    plan_add(p, MEM_SCRATCH, "seq_parallel", -1, "attn_out_tokens", bytes, &sp->tok);
+    sp->lent = lent;
+    if (!lent) plan_add(p, MEM_SCRATCH, "seq_parallel", -1, "exchange", bytes, &sp->work);
+    if (!lent) plan_add(p, MEM_SCRATCH, "seq_parallel", -1, "attn_out_tokens", bytes, &sp->tok);
     plan_add(p, MEM_SCRATCH, "seq_parallel", -1, "positions", sp->N * 4, &sp->pos);
 }
 
 // The attention's shape on this rank: whole sequences, this rank's heads, every token's position.
 static AttnShape seqpar_attn_shape(const SeqPar* sp) {
-    AttnShape s = {sp->B, sp->T, sp->heads / sp->P, sp->kv_heads / sp->P, sp->hd, 1, sp->pos};
+    AttnShape s = {sp->B, sp->T, sp->heads / sp->P, sp->kv_heads * sp->kv_rep / sp->P, sp->hd, 1, sp->pos};
     return s;
 }
 
 // Without NCCL the exchanges work on host memory: the CPU backend's buffers as they are; on CUDA
 // (correct, not fast) through host copies of the tensor, made and sent back here.
-// The host view of a backend tensor of `bytes` (its copy on CUDA, after the queued kernels).
-static char* seqpar_host_view(const SeqPar* sp, const void* x, size_t bytes) {
+// The host view of a backend tensor's first `bytes`, room for `cap` (its copy on CUDA, after the
+// queued kernels).
+static char* seqpar_host_view(const SeqPar* sp, const void* x, size_t bytes, size_t cap) {
     if (!sp->be->cuda) return (char*)x;
     backend_sync(sp->be);
-    char* h = (char*)xmalloc(bytes);
+    char* h = (char*)xmalloc(cap);
     backend_download(sp->be, h, x, bytes);
     return h;
 }
 
-// Ends a host view: on CUDA its contents go to the backend tensor x (when `back`) and the copy is freed.
-static void seqpar_host_done(const SeqPar* sp, void* x, char* h, size_t bytes, int back) {
+// Ends a host view: on CUDA its contents go to the backend tensor x (HOST_VIEW_UPLOAD) and the copy is freed.
+typedef enum { HOST_VIEW_DROP, HOST_VIEW_UPLOAD } HostViewEnd;
+static void seqpar_host_done(const SeqPar* sp, void* x, char* h, size_t bytes, HostViewEnd end) {
     if (!sp->be->cuda) return;
-    if (back) backend_upload(sp->be, x, h, bytes);
+    if (end == HOST_VIEW_UPLOAD) backend_upload(sp->be, x, h, bytes);
     free(h);
 }
 
@@ -101,83 +128,114 @@ static int seqpar_on_device(const SeqPar* sp) {
 #endif
 }
 
-// Token layout x [n, heads*hd] (heads = nh) to head layout, in place: [N, nh/P*hd] (same size).
-static void seqpar_to_heads(SeqPar* sp, void* x, int nh, const char* pass) {
-    int64_t w = (int64_t)nh * sp->hd * sp->abytes, wp = w / sp->P, n = sp->n;  // row bytes, one rank's share
-    PROF_SCOPE(sp->be, "all_to_all", pass, 0.0, 2.0 * n * w);
+// The `rep` of heads that one rank each holds (query heads, the output, key/value heads P divides).
+#define SEQPAR_ONE_COPY 1
+
+// Token layout x [n, nh*hd] to head layout, in place: [N, nh*rep/P*hd] (rep: the ranks sharing a
+// head, kv_rep for k and v, else 1; x holds rep times the token layout). Group rank j receives
+// the heads' chunk j / rep.
+// work: [n, nh*rep*hd] of scratch (packed blocks), not x.
+static void seqpar_to_heads(SeqPar* sp, void* x, int nh, int rep, void* work, const char* pass) {
+    // row bytes, one rank's share of them (rep * w / P: one head under replication), the result's bytes
+    int64_t w = (int64_t)nh * sp->hd * sp->abytes, wp = w * rep / sp->P, n = sp->n, out = n * sp->P * wp;
+    PROF_SCOPE(sp->be, "all_to_all", pass, 0.0, 2.0 * out);
 #ifdef LLMC_HAVE_CUDA
     if (seqpar_on_device(sp)) {
         for (int j = 0; j < sp->P; j++)  // block j [n, wp]: every token of mine, group rank j's heads
-            CUDA_CHECK(cudaMemcpy2DAsync((char*)sp->work + j * n * wp, wp, (char*)x + j * wp, w, wp, n,
+            CUDA_CHECK(cudaMemcpy2DAsync((char*)work + j * n * wp, wp, (char*)x + j / rep * wp, w, wp, n,
                                          cudaMemcpyDeviceToDevice, sp->be->stream));
-        dist_sp_alltoall_device(sp->dist, sp->work, x, n * wp, sp->be->stream);
+        dist_sp_alltoall_device(sp->dist, work, x, n * wp, sp->be->stream);
         return;
     }
 #endif
-    char* src = seqpar_host_view(sp, x, n * w);
-    char* pk = sp->be->cuda ? (char*)xmalloc(n * w) : (char*)sp->work;
+    char* src = seqpar_host_view(sp, x, n * w, out);
+    char* pk = sp->be->cuda ? (char*)xmalloc(out) : (char*)work;
     for (int j = 0; j < sp->P; j++)  // block j: every token of mine, group rank j's heads
-        for (int64_t t = 0; t < n; t++) memcpy(pk + (j * n + t) * wp, src + t * w + j * wp, wp);
+        for (int64_t t = 0; t < n; t++) memcpy(pk + (j * n + t) * wp, src + t * w + j / rep * wp, wp);
     dist_sp_alltoall(sp->dist, pk, src, n * wp);
-    seqpar_host_done(sp, x, src, n * w, 1);
+    seqpar_host_done(sp, x, src, out, HOST_VIEW_UPLOAD);
     if (sp->be->cuda) free(pk);
 }
 
-// Head layout x [N, nh/P*hd] to token layout dst [n, nh*hd] (dst may be x).
-static void seqpar_to_tokens(SeqPar* sp, const void* x, void* dst, int nh, const char* pass) {
-    int64_t w = (int64_t)nh * sp->hd * sp->abytes, wp = w / sp->P, n = sp->n;
-    PROF_SCOPE(sp->be, "all_to_all", pass, 0.0, 2.0 * n * w);
+// Head layout x [N, nh*rep/P*hd] to token layout dst [n, nh*hd] (dst may be x); rep > 1 (replicated
+// key/value heads): the rep partial gradients of each head are summed.
+// work: [n, nh*rep*hd] of scratch (the received blocks), neither x nor dst.
+static void seqpar_to_tokens(SeqPar* sp, const void* x, void* dst, int nh, int rep, void* work, const char* pass) {
+    int64_t w = (int64_t)nh * sp->hd * sp->abytes, wp = w * rep / sp->P, n = sp->n, in = n * sp->P * wp;
+    PROF_SCOPE(sp->be, "all_to_all", pass, 0.0, 2.0 * in);
+    if (rep > 1) {  // group rank j's tokens of my head's replica into block j of work, then their sums
+#ifdef LLMC_HAVE_CUDA
+        if (seqpar_on_device(sp)) dist_sp_alltoall_device(sp->dist, x, work, n * wp, sp->be->stream);
+        else
+#endif
+        {
+            char* src = seqpar_host_view(sp, x, in, in);
+            char* pk = sp->be->cuda ? (char*)xmalloc(in) : (char*)work;
+            dist_sp_alltoall(sp->dist, src, pk, n * wp);
+            seqpar_host_done(sp, (void*)x, src, in, HOST_VIEW_DROP);
+            seqpar_host_done(sp, work, pk, in, HOST_VIEW_UPLOAD);
+        }
+        op_sum_replica_blocks(sp->be, dst, work, n, sp->P, rep, (int)(wp / sp->abytes));
+        return;
+    }
 #ifdef LLMC_HAVE_CUDA
     if (seqpar_on_device(sp)) {
-        dist_sp_alltoall_device(sp->dist, x, sp->work, n * wp, sp->be->stream);
+        dist_sp_alltoall_device(sp->dist, x, work, n * wp, sp->be->stream);
         for (int j = 0; j < sp->P; j++)
-            CUDA_CHECK(cudaMemcpy2DAsync((char*)dst + j * wp, w, (char*)sp->work + j * n * wp, wp, wp, n,
+            CUDA_CHECK(cudaMemcpy2DAsync((char*)dst + j * wp, w, (char*)work + j * n * wp, wp, wp, n,
                                          cudaMemcpyDeviceToDevice, sp->be->stream));
         return;
     }
 #endif
-    char* src = seqpar_host_view(sp, x, n * w);
-    char* pk = sp->be->cuda ? (char*)xmalloc(n * w) : (char*)sp->work;
+    char* src = seqpar_host_view(sp, x, n * w, n * w);
+    char* pk = sp->be->cuda ? (char*)xmalloc(n * w) : (char*)work;
     dist_sp_alltoall(sp->dist, src, pk, n * wp);  // block j: group rank j's tokens, my heads
-    seqpar_host_done(sp, (void*)x, src, n * w, 0);
+    seqpar_host_done(sp, (void*)x, src, n * w, HOST_VIEW_DROP);
     char* out = sp->be->cuda ? (char*)xmalloc(n * w) : (char*)dst;
     for (int j = 0; j < sp->P; j++)
         for (int64_t t = 0; t < n; t++) memcpy(out + t * w + j * wp, pk + (j * n + t) * wp, wp);
-    seqpar_host_done(sp, dst, out, n * w, 1);
+    seqpar_host_done(sp, dst, out, n * w, HOST_VIEW_UPLOAD);
     if (sp->be->cuda) free(pk);
 }
 
 // Attention over the group's sequences. On entry q [n, heads*hd], k, v [n, kv_heads*hd] hold this
-// rank's tokens (after RoPE); on return they hold the head layout the backward reads, o
+// rank's tokens (after RoPE; k's and v's buffers hold seqpar_kv_width per token, room for the head
+// layout's replicas); on return they hold the head layout the backward reads, o
 // [N, heads/P*hd] and lse [B, heads/P, T] are this rank's heads, and the result, o in token layout
-// [n, heads*hd], is sp->tok.
+// [n, heads*hd], is sp->tok. q, k, v are packed in sp->tok (not yet written); o's exchange
+// receives into `work` (sp->work, or a buffer the model lends, dead during this forward).
 static void* seqpar_attention_forward(SeqPar* sp, const Backend* be, void* o, float* lse, void* q, void* k, void* v,
-                                      void* att_work, size_t att_work_bytes) {
-    seqpar_to_heads(sp, q, sp->heads, "fwd");
-    seqpar_to_heads(sp, k, sp->kv_heads, "fwd");
-    seqpar_to_heads(sp, v, sp->kv_heads, "fwd");
+                                      void* work, void* att_work, size_t att_work_bytes) {
+    seqpar_to_heads(sp, q, sp->heads, SEQPAR_ONE_COPY, sp->tok, "fwd");
+    seqpar_to_heads(sp, k, sp->kv_heads, sp->kv_rep, sp->tok, "fwd");
+    seqpar_to_heads(sp, v, sp->kv_heads, sp->kv_rep, sp->tok, "fwd");
     AttnShape as = seqpar_attn_shape(sp);
     op_attention_forward(be, o, lse, q, k, v, as, op_attention_work_fitting(be, as, att_work, att_work_bytes));
-    seqpar_to_tokens(sp, o, sp->tok, sp->heads, "fwd");
+    seqpar_to_tokens(sp, o, sp->tok, sp->heads, SEQPAR_ONE_COPY, work, "fwd");
     return sp->tok;
 }
 
-// The kept o (head layout) in token layout, for the o projection's backward: sp->tok.
-static const void* seqpar_attention_output(SeqPar* sp, const void* o) {
-    seqpar_to_tokens(sp, o, sp->tok, sp->heads, "bwd");
+// The kept o (head layout) in token layout, for the o projection's backward: sp->tok (work: as
+// in the forward, dead until the o projection's backward writes its output).
+static const void* seqpar_attention_output(SeqPar* sp, const void* o, void* work) {
+    seqpar_to_tokens(sp, o, sp->tok, sp->heads, SEQPAR_ONE_COPY, work, "bwd");
     return sp->tok;
 }
 
 // Attention's backward: dout [n, heads*hd] (this rank's tokens; clobbered) to dq [n, heads*hd],
-// dk, dv [n, kv_heads*hd], this rank's tokens, from the head-layout q, k, v, o, lse of the forward.
+// dk, dv [n, kv_heads*hd], this rank's tokens (their buffers seqpar_kv_width per token: the
+// attention's head-layout gradients pass through them), from the head-layout q, k, v, o, lse.
+// dout is packed in sp->tok (the o projection's backward has read it; dq may be the same buffer,
+// written after), the gradients' exchanges receive into `work` (dead once attention's backward
+// has read dout, until the q projection's backward: dout's own buffer can be it).
 static void seqpar_attention_backward(SeqPar* sp, const Backend* be, void* dq, void* dk, void* dv, void* dout,
                                       const void* q, const void* k, const void* v, const void* o, const float* lse,
-                                      void* att_work) {
-    seqpar_to_heads(sp, dout, sp->heads, "bwd");
+                                      void* work, void* att_work) {
+    seqpar_to_heads(sp, dout, sp->heads, SEQPAR_ONE_COPY, sp->tok, "bwd");
     op_attention_backward(be, dq, dk, dv, dout, q, k, v, o, lse, seqpar_attn_shape(sp), att_work);
-    seqpar_to_tokens(sp, dq, dq, sp->heads, "bwd");
-    seqpar_to_tokens(sp, dk, dk, sp->kv_heads, "bwd");
-    seqpar_to_tokens(sp, dv, dv, sp->kv_heads, "bwd");
+    seqpar_to_tokens(sp, dq, dq, sp->heads, SEQPAR_ONE_COPY, work, "bwd");
+    seqpar_to_tokens(sp, dk, dk, sp->kv_heads, sp->kv_rep, work, "bwd");
+    seqpar_to_tokens(sp, dv, dv, sp->kv_heads, sp->kv_rep, work, "bwd");
 }
 
 // This rank's slice of a whole micro-batch (host arrays of N tokens) into the model's host batch

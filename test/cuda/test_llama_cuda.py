@@ -243,17 +243,20 @@ def test_cuda_training_tracks_cpu(mode):
 
 def test_cuda_offloaded_recomputed_lowmem_equals_lowmem():
     """--offload host sends each block input to pinned host memory on a copy stream and brings it back
-    double buffered (llmc/memory/offload.h). The recomputed forward runs the kernels of the kept one,
-    so the runs agree where the CUDA backend is deterministic: per-step losses to the log's 4
-    decimals. On the emulator the copy stream's copies run only when an event wait forces them,
+    double buffered, or through one buffer (llmc/memory/offload.h). The recomputed forward runs the
+    kernels of the kept one, so the runs agree where the CUDA backend is deterministic: per-step
+    losses to the log's 4 decimals. On the emulator the copy stream's copies run only when an event wait forces them,
     and until then their destinations hold NaN: a missing wait gives NaN or stale checkpoints
     (test/test_emu_checks.py plants both). On a GPU the copies also overlap the compute."""
     kept = train(CUDA_TRAIN, "cuda", "--mode", "lowmem", "--steps", 3).stdout
     off = train(CUDA_TRAIN, "cuda", "--mode", "lowmem", "--recompute", "block", "--offload", "host",
                 "--steps", 3).stdout
-    a, b = step_losses(kept), step_losses(off)
-    print(f"lowmem {a}\nlowmem + recompute + offload {b}")
-    assert len(a) == 3 and a == b
+    # one staging buffer (where the memory holds no second): each fetch waits for the block above's backward
+    one = train(CUDA_TRAIN, "cuda", "--mode", "lowmem", "--recompute", "block", "--offload", "host",
+                "--steps", 3, env={"LLMC_OFFLOAD_STAGING": "1"}).stdout
+    a, b, c = step_losses(kept), step_losses(off), step_losses(one)
+    print(f"lowmem {a}\nlowmem + recompute + offload {b}\n... through one staging buffer {c}")
+    assert len(a) == 3 and a == b == c
     assert "pinned host memory: " in off, off[:3000]
 
 

@@ -2,8 +2,9 @@
 two ranks sharing each sequence against one process with the same batch, with LoRA dropout and
 validation (the demo's 4 query and 2 key/value heads: one key/value head per rank). The exchanges
 run on the device through grouped ncclSend/ncclRecv (emulated over MPI: llmc/cuda/emu/emu_nccl.h),
-or with LLMC_NCCL=0 through host copies and MPI; both must give the same result. Needs two GPUs on
-real hardware: not yet run on a GPU."""
+or with LLMC_NCCL=0 through host copies and MPI; both must give the same result. A model of one
+key/value head replicates it over both ranks (the replicas' gradients summed back by
+sum_replica_blocks_cuda). Needs two GPUs on real hardware: not yet run on a GPU."""
 import csv
 import os
 
@@ -54,3 +55,45 @@ def test_cuda_two_ranks_sharing_each_sequence_equal_one_process(tmp_path, how, e
     assert np.abs(np.array(l1) - np.array(l2)).max() <= LATER_LOSS_ABS, (l1, l2)
     assert np.abs(np.array(v1) - np.array(v2)).max() <= LATER_LOSS_ABS, (v1, v2)
     assert np.abs(np.diff(l1)).min() > 100 * LATER_LOSS_ABS, l1  # the steps differ by far more: the check can fail
+
+
+# One key/value head replicated over both ranks: the forward is the same copies (step 1's loss as
+# above), but each rank's attention backward rounds its partial dk, dv (its 2 of the group's 4
+# query heads, summed in fp32) to bf16 before the replicas are added, where one process rounds the
+# group's sum once: each dk, dv element moves by at most one bf16 ulp (2^-9 for each partial's
+# rounding) of its partials, and every gradient made linearly from them by at most that relative
+# share of its terms, so the step-1 gradient norm within 2^-8. The step-2 loss: the adapters differ
+# by one AdamW update made from gradients within 2^-8, lr x 2 x 2^-8 ~ 7.8e-6 each, which moves the
+# loss by at most ||dL/dtheta||_1 x 7.8e-6 <= sqrt(1.1e4 values) x |grad| (~5) x 7.8e-6 ~ 4e-3.
+# The NCCL and host paths make the same sums on the device in the same order, in whichever buffers:
+# equal to the bit.
+REPLICATED_NORM_REL, REPLICATED_STEP2_ABS = 2.0 ** -8, 4e-3
+
+
+@pytest.fixture(scope="module")
+def one_kv_head(tmp_path_factory):
+    import llama_cases as lc
+    cfg = lc.model_config("gqa_untied")
+    cfg.update(hidden_size=64, intermediate_size=176, num_attention_heads=4, num_key_value_heads=1, vocab_size=512)
+    d = tmp_path_factory.mktemp("kv1") / "model"
+    lc.write_model(str(d), cfg, seed=5)
+    return str(d)
+
+
+def test_cuda_replicated_key_value_head_equals_one_process(tmp_path, one_kv_head):
+    if GPU:
+        pytest.skip("needs two GPUs")
+    args = [str(a) for a in ["--model", one_kv_head, "--data", os.path.join(DATA, "llama_demo_ft_train.bin"),
+                             "--steps", 2, "--batch", 2, "--seq", 16, "--lora-rank", 2, "--lr", 1e-3, "--device",
+                             "cuda", "--threads", 1]]
+    run([need(CUDA_TRAIN)] + args + ["--out", tmp_path / "one"])
+    # the host path with the exchanges' scratch in buffers of its own (LLMC_SEQPAR_LEND=0), the NCCL
+    # path with it lent by dead gradient buffers (train_llama.cu's llama_seqpar_lends)
+    for name, env in (("nccl", {}), ("host", {"LLMC_NCCL": "0", "LLMC_SEQPAR_LEND": "0"})):
+        mpirun(2, CUDA_TRAIN, args + ["--seq-parallel", "2", "--out", str(tmp_path / name)], env=env)
+    (l1, n1, _), (l2, n2, _), (l3, n3, _) = (log_rows(tmp_path / k) for k in ("one", "nccl", "host"))
+    assert len(l1) == len(l2) == 2 and (l2, n2) == (l3, n3), (l1, l2, l3, n2, n3)
+    assert abs(l1[0] - l2[0]) <= STEP1_LOSS_ABS, (l1, l2)
+    assert abs(n1[0] - n2[0]) <= REPLICATED_NORM_REL * n1[0], (n1, n2)
+    assert abs(l1[1] - l2[1]) <= REPLICATED_STEP2_ABS, (l1, l2)
+    assert abs(l1[1] - l1[0]) > 10 * REPLICATED_STEP2_ABS, l1  # a step moves the loss by far more

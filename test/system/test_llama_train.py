@@ -21,10 +21,11 @@ import shards  # noqa: E402  (scripts/formats is on sys.path via llama_cases)
 ENV = dict(os.environ, OMP_NUM_THREADS="2")
 
 
-def run(args, check=True, timeout=300):
+def run(args, check=True, timeout=300, env=None):
     if not os.path.exists(BIN):
         pytest.fail(f"{BIN} is missing: build it with `make train_llama`")
-    p = subprocess.run([BIN] + [str(a) for a in args], capture_output=True, text=True, env=ENV, timeout=timeout)
+    p = subprocess.run([BIN] + [str(a) for a in args], capture_output=True, text=True, env=dict(ENV, **(env or {})),
+                       timeout=timeout)
     if check and p.returncode != 0:
         pytest.fail(f"train_llama {' '.join(map(str, args))} failed ({p.returncode}):\n{p.stdout}\n{p.stderr}")
     return p
@@ -124,11 +125,11 @@ LLAMA2_7B = dict(model_type="llama", hidden_size=4096, intermediate_size=11008, 
                  num_key_value_heads=32, vocab_size=32000, rms_norm_eps=1e-5, max_position_embeddings=4096)
 
 
-def dry_run(tmp_path, config, *flags):
+def dry_run(tmp_path, config, *flags, env=None):
     d = tmp_path / "cfg"
     d.mkdir(exist_ok=True)
     (d / "config.json").write_text(json.dumps(config))  # no weights: a dry run must not read any
-    p = run(["--model", d, "--dry-run", "--json", *flags])
+    p = run(["--model", d, "--dry-run", "--json", *flags], env=env)
     return json.loads(p.stdout)
 
 
@@ -215,24 +216,55 @@ def test_dry_run_offload_moves_the_checkpoints_to_host(tmp_path, device, abytes)
     assert f"pinned host memory: {layers * one / 2**20:.2f} MiB" in text, text
 
 
+def test_dry_run_offload_stages_through_one_buffer_where_the_memory_holds_no_second(tmp_path):
+    """--offload host plans two staging buffers of one block input, [N, d] bf16, unless the memory
+    it is fitted to (--gpu-mem) holds only one: a budget between the two plans (auto's tile fitted
+    to the smallest, 1024-token, candidate by the lower bound) gets one; no budget, or a roomy one,
+    two; LLMC_OFFLOAD_STAGING=1|2 sets the count."""
+    d, N = 4096, 1 << 20
+    one = N * d * 2
+    args = ("--mode", "lowmem", "--recompute", "block", "--batch", 1, "--seq", N, "--device", "cuda",
+            "--offload", "host")
+    dev = dry_run(tmp_path, LLAMA31_8B, *args[:-2])
+    two = dry_run(tmp_path, LLAMA31_8B, *args)
+    assert two["offload_staging"] == 2 and two["categories"]["scratch"] - dev["categories"]["scratch"] == 2 * one
+    small = auto_smallest_tile(N)
+    lowest = dry_run(tmp_path, LLAMA31_8B, *args, "--mlp-tile", small, env={"LLMC_OFFLOAD_STAGING": "1"})
+    gib = (lowest["total_bytes"] + one // 2) / 2**30  # fits one buffer beside the smallest tile, not two
+    fitted = dry_run(tmp_path, LLAMA31_8B, *args, "--gpu-mem", f"{gib:.6f}")
+    assert fitted["offload_staging"] == 1 and fitted["fits"] is True and fitted["mlp_tile"] >= small
+    roomy = dry_run(tmp_path, LLAMA31_8B, *args, "--gpu-mem", f"{gib + 2 * one / 2**30:.6f}")
+    assert roomy["offload_staging"] == 2 and roomy["fits"] is True
+    below = ("--mode", "lowmem", "--recompute", "block", "--batch", 1, "--seq", 8192, "--device", "cuda")
+    two, forced = (run(["--model", tmp_path / "cfg", "--dry-run", "--json", *below, "--offload", "host"], env=e)
+                   for e in ({}, {"LLMC_OFFLOAD_STAGING": "1"}))
+    assert json.loads(two.stdout)["categories"]["scratch"] - json.loads(forced.stdout)["categories"]["scratch"] == \
+        8192 * d * 2
+    p = run(["--model", tmp_path / "cfg", "--dry-run", *below, "--offload", "host"], check=False,
+            env={"LLMC_OFFLOAD_STAGING": "3"})
+    assert p.returncode == 1 and "LLMC_OFFLOAD_STAGING: expected 1 or 2" in p.stderr, p.stderr
+
+
 def test_offload_needs_block_recompute(tiny):
     expect_error(train_args(tiny, "--mode", "lowmem", "--offload", "host"), "flag --offload host", "--recompute block")
     expect_error(train_args(tiny, "--mode", "ckpt", "--offload", "disk"), "--offload")
 
 
 def test_lowmem_recomputed_and_offloaded_trains_identically(tiny, tmp_path):
-    """lowmem with --recompute block, and with --offload host too, runs the same fp32 operations in
+    """lowmem with --recompute block, and with --offload host too (through two staging buffers or
+    one: LLMC_OFFLOAD_STAGING=1), runs the same fp32 operations in
     the same order on the CPU backend: every logged loss, gradient norm and validation loss
     equals lowmem's (the probe test compares the gradients themselves bit for bit)."""
     logs = {}
-    for tag, extra in (("kept", ()), ("block", ("--recompute", "block")),
-                       ("offload", ("--recompute", "block", "--offload", "host"))):
+    for tag, extra, env in (("kept", (), {}), ("block", ("--recompute", "block"), {}),
+                            ("offload", ("--recompute", "block", "--offload", "host"), {}),
+                            ("offload1", ("--recompute", "block", "--offload", "host"), {"LLMC_OFFLOAD_STAGING": "1"})):
         out = tmp_path / tag
-        run(train_args(tiny, "--mode", "lowmem", "--steps", 3, "--val-every", 3, "--out", out, *extra))
+        run(train_args(tiny, "--mode", "lowmem", "--steps", 3, "--val-every", 3, "--out", out, *extra), env=env)
         rows = [r.split(",") for r in (out / "log.csv").read_text().splitlines()[1:]]
         logs[tag] = [(r[0], r[1], r[3], r[-1]) for r in rows]  # step, loss, grad norm, val loss
     assert len(logs["kept"]) == 4 and logs["kept"][-1][3] != ""
-    assert logs["block"] == logs["kept"] and logs["offload"] == logs["kept"], logs
+    assert logs["block"] == logs["kept"] and logs["offload"] == logs["kept"] == logs["offload1"], logs
 
 
 def test_dry_run_plans_the_generation_buffers(tmp_path):

@@ -5,8 +5,11 @@ process training the same global batch on the same data: the sum over ranks of t
 the same sum over the same tokens, so everything differs only by the order of fp32 sums.
 
 The demo model has 4 query heads and 2 key/value heads, so P = 2 is grouped-query attention with
-one key/value head per rank."""
+one key/value head per rank, and P = 4 has fewer key/value heads than ranks: each is replicated
+over 2 ranks (as DeepSpeed-Ulysses does), the replicas' key/value gradients summed back. A model
+of one key/value head (module fixture) replicates it over both ranks at P = 2."""
 import csv
+import json
 import os
 import shutil
 import subprocess
@@ -18,6 +21,8 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(REPO, "scripts", "formats"))
 import shards  # noqa: E402
+sys.path.insert(0, os.path.join(REPO, "test", "model"))
+import llama_cases as lc  # noqa: E402
 
 DATA = os.path.join(REPO, "data")
 LLAMA, TRAIN, VAL = (os.path.join(DATA, n) for n in ("llama_demo", "llama_demo_ft_train.bin", "llama_demo_ft_val.bin"))
@@ -35,7 +40,6 @@ SEQ, STEPS = 16, 4
 # ~64 * 2^-24 ~ 4e-6 of the sum of its terms' magnitudes, which the norm of the gradient carries
 # as a relative change of the same order: 2e-5 relative leaves a factor 5 of headroom.
 STEP1_LOSS_ABS, STEP1_NORM_REL = 2e-6, 2e-5
-# Later steps: the weights differ by AdamW updates made from gradients that differ by that
 # relative ~4e-6 per element (B = 0 at the start makes A's first gradient exactly 0 in both runs,
 # so no element starts on a tie). An update lr * m / sqrt(v) moves by at most ~2 * 4e-6 of itself
 # per step, so after 3 steps each adapter value differs by <= 3 * lr (1e-3) * 8e-6 = 2.4e-8,
@@ -54,10 +58,10 @@ def launch(np_, *flags, timeout=240):
     return subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=timeout)
 
 
-def train(tmp_path, name, np_, batch, data=TRAIN, *extra):
+def train(tmp_path, name, np_, batch, data=TRAIN, *extra, model=LLAMA):
     out = tmp_path / name
     what = ["--lr", 1e-4] if "--full" in extra else ["--lora-rank", 2, "--lr", 1e-3]
-    p = launch(np_, "--model", LLAMA, "--data", data, "--steps", STEPS, "--batch", batch, "--seq", SEQ, *what,
+    p = launch(np_, "--model", model, "--data", data, "--steps", STEPS, "--batch", batch, "--seq", SEQ, *what,
                "--device", "cpu", "--out", out, *extra)
     assert p.returncode == 0, (p.stdout[-2000:], p.stderr[-2000:])
     with open(out / "log.csv") as f:
@@ -114,13 +118,38 @@ def test_two_by_two_ranks_match_one_process_on_packed_examples(tmp_path, packed)
 
 
 @pytest.mark.parametrize("mode", [["--recompute", "block", "--offload", "host", "--lora-dropout", 0.2],
-                                  ["--norm", "std", "--act", "exact"], ["--full"], ["--full", "--norm", "std"]])
+                                  ["--recompute", "block", "--norm", "std"], ["--norm", "std", "--act", "exact"],
+                                  ["--full"], ["--full", "--norm", "std"]])
 def test_memory_modes_and_full_fine_tuning_match_one_process(tmp_path, mode):
     # --full: every weight trains (about 1.4e5 values at --lr 1e-4: the later-step bound's
     # sqrt(values) * |grad| * 3 lr * 8e-6 is ~1e-5, inside it) and ZeRO-1 shards the optimizer over
     # all ranks; --recompute block runs each block's forward, exchanges included, again in backward
+    # (the exchanges' scratch is lent by buffers dead at the time, which differ between the forward,
+    # the recomputed forward on the checkpoint (MS norms) or on a copy of it (standard norms), and
+    # the backward: train_llama.cu's llama_seqpar_lends)
     single = train(tmp_path, "single", 1, 2, TRAIN, *mode)
     split = train(tmp_path, "split", 2, 2, TRAIN, "--seq-parallel", 2, *mode)
+    assert_equivalent(single, split)
+
+
+@pytest.fixture(scope="module")
+def one_kv_head(tmp_path_factory):
+    """The demo's shape (and vocabulary, for its data) with 2 layers and one key/value head for its 4
+    query heads: at P = 2 both ranks hold a copy of it, each for its own 2 query heads."""
+    cfg = lc.model_config("gqa_untied")
+    cfg.update(hidden_size=64, intermediate_size=176, num_attention_heads=4, num_key_value_heads=1, vocab_size=512)
+    d = tmp_path_factory.mktemp("kv1") / "model"
+    lc.write_model(str(d), cfg, seed=5)
+    return str(d)
+
+
+@pytest.mark.parametrize("ranks,P,model", [(4, 4, "demo"), (2, 2, "one_kv_head")])
+def test_fewer_kv_heads_than_ranks_replicate_and_match_one_process(tmp_path, request, ranks, P, model):
+    # demo at P = 4: 2 kv heads, each replicated over 2 ranks of one query head each; one kv head at
+    # P = 2: replicated over both ranks, each with 2 query heads sharing it
+    path = LLAMA if model == "demo" else request.getfixturevalue("one_kv_head")
+    single = train(tmp_path, "single", 1, 2, TRAIN, "--lora-dropout", 0.2, model=path)
+    split = train(tmp_path, "split", ranks, 2, TRAIN, "--seq-parallel", P, "--lora-dropout", 0.2, model=path)
     assert_equivalent(single, split)
 
 
@@ -148,7 +177,6 @@ def refused(p, *needles):
 
 @pytest.mark.parametrize("np_,extra,needles", [
     (2, ["--seq-parallel", 3], ["--seq-parallel", "3 does not divide the model's 4 attention heads"]),
-    (4, ["--seq-parallel", 4], ["--seq-parallel", "4 does not divide the model's 2 key/value heads"]),
     (1, ["--seq-parallel", 2], ["--seq-parallel", "2 does not divide the 1 ranks"]),
     (2, ["--seq-parallel", 2, "--seq", 15], ["--seq-parallel", "2 does not divide --seq 15"]),
     (1, ["--seq-parallel", 0], ["--seq-parallel", "expected >= 1"]),
@@ -158,8 +186,45 @@ def test_bad_values_are_refused_in_one_line(np_, extra, needles):
     refused(launch(np_, *base_flags(*extra)), *needles)
 
 
+@pytest.mark.parametrize("kv,needles", [
+    (3, ["--seq-parallel", "4 is not a multiple of the model's 3 key/value heads"]),
+    (6, ["--seq-parallel", "4 does not divide the model's 6 key/value heads"]),
+])
+def test_key_value_heads_that_cannot_be_split_or_replicated_are_refused(tmp_path, kv, needles):
+    # 12 query heads (P = 4 divides them): 3 key/value heads cannot be replicated evenly over 4
+    # ranks, 6 cannot be split over them; refused from the model's config, before any weight is read
+    cfg = lc.model_config("gqa_untied")
+    cfg.update(hidden_size=48, num_attention_heads=12, num_key_value_heads=kv, vocab_size=512)
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(cfg))
+    flags = base_flags("--seq-parallel", 4)
+    flags[flags.index("--model") + 1] = model
+    refused(launch(1, *flags), *needles)
+
+
+@pytest.mark.parametrize("how", ["fail", "kill"])
+def test_a_rank_that_stops_stops_the_job(how):
+    # rank 1 alone stops as step 2 begins (LLMC_FAULT_STOP_STEP, llmc/train/loop.h: an error, or
+    # SIGKILL), while rank 0 runs into step 2's first all-to-all, which waits for rank 1 forever
+    # unless the job is taken down: the whole mpirun must end, non-zero, well inside the timeout
+    if not MPIRUN:
+        pytest.fail("mpirun not found: install openmpi-bin (scripts/ci/install_deps.sh does)")
+    line = [PROGRAM] + [str(x) for x in base_flags("--steps", 3, "--seq-parallel", 2)]
+    fault = "2" if how == "fail" else "2:kill"
+    cmd = [MPIRUN, "--allow-run-as-root", "--oversubscribe", "-np", "1"] + line + [
+        ":", "-np", "1", "-x", f"LLMC_FAULT_STOP_STEP={fault}"] + line
+    p = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=30)
+    assert p.returncode != 0, (p.stdout[-1000:], p.stderr[-2000:])
+    assert "step    1/3" in p.stdout and "step    2/3" not in p.stdout, p.stdout[-1000:]  # it stopped mid-run
+    if how == "fail":  # the failing rank's one line, then the job's end
+        err = [line for line in p.stderr.splitlines() if line.startswith("error: ")]
+        assert len(err) == 1 and "step 2" in err[0] and "LLMC_FAULT_STOP_STEP" in err[0], p.stderr[-2000:]
+    else:
+        assert "signal 9" in p.stderr, p.stderr[-2000:]
+
+
 def dry_json(*extra):
-    import json
     p = launch(1, "--model", LLAMA, "--dry-run", "--json", "--seq", 64, "--batch", 2, "--device", "cpu", *extra)
     assert p.returncode == 0, p.stderr
     return json.loads(p.stdout)
@@ -176,6 +241,20 @@ def test_dry_run_plans_one_ranks_share():
     assert half["baseline"]["activation_bytes"] * 2 == one["baseline"]["activation_bytes"]
     for cat in ("frozen", "trainable", "grads", "optimizer"):
         assert half["categories"][cat] == one["categories"][cat], cat
+    # P = 4 over the demo's 2 key/value heads: each rank keeps k and v of one replicated head for
+    # the whole sequence ([N, hd], twice its tokens' share [n, 2 hd]); q, o [n, 4 hd], lse [n * 4]
+    quarter = dry_json("--ranks", 4, "--seq-parallel", 4)
+    with open(os.path.join(LLAMA, "config.json")) as f:
+        cfg = json.load(f)
+    n, P, heads = quarter["tokens"], 4, cfg["num_attention_heads"]
+    hd = cfg["hidden_size"] // heads
+    assert n * P == one["tokens"]
+    want = 4 * (2 * n * heads * hd + 2 * n * P * hd + n * heads)  # fp32 on the CPU backend
+    assert quarter["per_block"]["attention"] == want, (quarter["per_block"], want)
+    # the exchanges' scratch is lent by gradient buffers dead at the time (the demo's heads x head
+    # dim equal its width): the group's own part is every token's position, [B * seq] int32
+    lent = dry_json("--ranks", 2, "--seq-parallel", 2, "--recompute", "block")
+    assert lent["block_peak_parts"]["seq_parallel"] == 4 * 2 * 64, lent["block_peak_parts"]
     p = launch(1, "--model", LLAMA, "--dry-run", "--seq", 64, "--device", "cpu", "--ranks", 3, "--seq-parallel", 2)
     refused(p, "--seq-parallel", "does not divide the 3 ranks planned")
 
