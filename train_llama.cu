@@ -1770,7 +1770,8 @@ static void llama_tile_line(char* buf, size_t n, const Llama* m, const TrainOpti
                     MLP_TILE_AUTO_MAX);
     if (m->modes.offload_host)  // two unless the memory holds one only (llama_fit_to_memory)
         str_appendf(buf, n, "\noffload: %d device staging buffer%s of one block input%s", m->offload.slots,
-                    m->offload.slots == 1 ? "" : "s", m->offload.slots == 1 ? " (the copies do not overlap the compute)" : "");
+                    m->offload.slots == 1 ? "" : "s",
+                    m->offload.slots == 1 ? " (the copies do not overlap the compute)" : "");
 }
 
 // --dry-run: the plan of the run these flags describe, and the baseline plan beside it.
