@@ -300,7 +300,7 @@ TEST_BINS := build/test/llama_probe build/test/vit_probe build/test/tokenizer_pr
 # With pytest-xdist (python3-pytest-xdist, which scripts/ci/install_deps.sh installs) the test files
 # run on TEST_JOBS workers, each file whole on one worker (--dist loadfile: a module's fixtures are
 # made once); without it, one file after another.
-PYTEST_WORKERS := $(shell $(PYTHON) -c 'import xdist' 2>/dev/null && echo -n $(TEST_JOBS) --dist loadfile)
+PYTEST_WORKERS := $(if $(shell $(PYTHON) -c 'import xdist' 2>/dev/null && echo found),-n $(TEST_JOBS) --dist loadfile)
 test-py: train_llama train_vit $(TEST_BINS) $(if $(wildcard $(CUDA_INC)/cuda_bf16.h),$(EMU_MODEL_BINS) build/emu/attention)
 	$(PYTHON) -m pytest -q --durations=15 $(PYTEST_WORKERS) test
 
