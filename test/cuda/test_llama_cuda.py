@@ -535,7 +535,8 @@ def check_refused_plan_says_what_fits(args):
 # ---- the step without host synchronisation (llmc/backend.h, llmc/train/zero.h) ------------------
 
 # The old behaviour of each piece, selectable so that a GPU run can compare (llmc/backend.h).
-OLD_SYNC_SWITCHES = {"LLMC_STREAM": "legacy", "LLMC_UPLOAD": "sync", "LLMC_STEP_READBACK": "each"}
+# LLMC_ADAMW_STEP=args: AdamW's lr and bias corrections as kernel arguments, not read from device memory.
+OLD_SYNC_SWITCHES = {"LLMC_STREAM": "legacy", "LLMC_UPLOAD": "sync", "LLMC_STEP_READBACK": "each", "LLMC_ADAMW_STEP": "args"}
 # LLMC_ATTENTION=flash: the GEMM attention path still copies its per-call pointer arrays from
 # pageable memory (two host synchronisations per layer) until they are built at plan time.
 NO_GEMM_ATTENTION = {"LLMC_ATTENTION": "flash"}
@@ -552,7 +553,7 @@ def test_cuda_step_has_one_host_sync_and_the_old_paths_train_the_same(tmp_path):
     """--profile's count on the emulator, which counts every call that makes the host wait
     (llmc/cuda/emu/emu.h): one per optimizer step (the step's readback of loss and gradient norm)
     over 2 micro-batches. Each old path (own stream off, synchronous uploads, per-micro-batch
-    readback) must train to the very same adapter, bit for bit: the same kernels on the same data
+    readback, AdamW's step values as kernel arguments) must train to the very same adapter, bit for bit: the same kernels on the same data
     in the same order; only when the host waits differs. The synchronous uploads add exactly the
     4 cudaMemcpy per micro-batch (inputs, targets, mask, positions) that the count must see."""
     args = ["--steps", 2, "--grad-accum", 2, "--profile"]  # the first step is a warm-up: one counted

@@ -232,13 +232,14 @@ def test_step_has_one_host_sync_and_the_old_paths_train_the_same(tmp_path):
     """As test_llama_cuda.py's: --profile's exact count on the emulator, one host synchronisation per
     optimizer step over 2 micro-batches (LLMC_ATTENTION=flash: the GEMM attention path still copies
     pointer arrays from pageable memory), and the old paths (legacy stream, synchronous uploads,
-    per-micro-batch readback: llmc/backend.h) train to the same adapter bit for bit."""
+    per-micro-batch readback, AdamW's step values as kernel arguments: llmc/backend.h) train to the
+    same adapter bit for bit."""
     args = ["--steps", 2, "--grad-accum", 2, "--profile"]  # the first step is a warm-up: one counted
     flash = {"LLMC_ATTENTION": "flash"}
     new = train(CUDA_TRAIN, "cuda", *args, "--out", tmp_path / "new", env=flash)
     m = re.search(r"^per step: (\d+) kernel launches, (\d+) cuBLAS calls, (\d+) host synchronizations$", new.stdout, re.M)
     assert m and int(m.group(3)) == 1, new.stdout[-1500:]
-    old = dict(flash, LLMC_STREAM="legacy", LLMC_UPLOAD="sync", LLMC_STEP_READBACK="each")
+    old = dict(flash, LLMC_STREAM="legacy", LLMC_UPLOAD="sync", LLMC_STEP_READBACK="each", LLMC_ADAMW_STEP="args")
     p = train(CUDA_TRAIN, "cuda", *args, "--out", tmp_path / "old", env=old)
     assert step_losses(p.stdout) == step_losses(new.stdout)
     for f in ("adapter_model.safetensors", "train_state.bin"):
