@@ -90,7 +90,7 @@ static CudaCounts cuda_counts_now(void) {
     do {                                                                                               \
         if (emu_capturing(stream))                                                                     \
             emu_capture_launch(dim3(grid), dim3(block), (smem), #kernel, (const void*)kernel,          \
-                               emu_bind_kernel(kernel, __VA_ARGS__));                                  \
+                               emu_bind_kernel(kernel, ##__VA_ARGS__));                                \
         else if (!emu_capture_refuses_legacy(stream, #kernel)) {                                       \
             emu_stream_issue(stream);                                                                  \
             emu_launch(dim3(grid), dim3(block), (smem), #kernel, (const void*)kernel,                  \
