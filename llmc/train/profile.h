@@ -189,8 +189,10 @@ static void prof_print_counts(const Profiler* p) {
                p->counted.launches / n, p->counted.blas_calls / n, p->counted.host_syncs / n);
     if (p->counted.graph_launches > 0 || p->counted.graph_captures > 0) {
         char blas[48] = "";
-        if (p->counted.graph_blas >= 0) snprintf(blas, sizeof(blas), " and %.0f cuBLAS calls", p->counted.graph_blas / n);
-        printf("per step: %.0f of those launches are CUDA graphs, replaying %.0f kernel launches%s; %.2f graph captures\n",
+        if (p->counted.graph_blas >= 0)
+            snprintf(blas, sizeof(blas), " and %.0f cuBLAS calls", p->counted.graph_blas / n);
+        printf("per step: %.0f of those launches are CUDA graphs, replaying %.0f kernel launches%s; "
+               "%.2f graph captures\n",
                p->counted.graph_launches / n, p->counted.graph_kernels / n, blas, p->counted.graph_captures / n);
     }
 #else

@@ -101,7 +101,8 @@ static void trainable_plan(Trainable* tr, MemPlan* p, const char* module, int64_
     if (be && be->cuda) {
         plan_add(p, MEM_TRAINABLE, module, -1, "params_bf16", padded * 2, &tr->params16);
 #ifdef LLMC_HAVE_CUDA
-        plan_add(p, MEM_SCRATCH, module, -1, "grad_norm_partials", (SUM_SQUARES_SCRATCH + STEP_STATS + ADAMW_STEP_DOUBLES) * sizeof(double),
+        plan_add(p, MEM_SCRATCH, module, -1, "grad_norm_partials",
+                 (SUM_SQUARES_SCRATCH + STEP_STATS + ADAMW_STEP_DOUBLES) * sizeof(double),
                  &tr->sumsq_scratch);
 #endif
     }

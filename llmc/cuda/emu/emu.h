@@ -622,7 +622,8 @@ template <class P, class A> static P emu_kernel_arg(A&& a) {
 template <class... P, class... A>
 static std::function<void()> emu_bind_kernel(void (*k)(P...), A&&... a) {
     static_assert(sizeof...(P) == sizeof...(A), "kernel launched with the wrong number of arguments");
-    std::tuple<typename std::decay<P>::type...> args(emu_kernel_arg<typename std::decay<P>::type>(std::forward<A>(a))...);
+    std::tuple<typename std::decay<P>::type...> args(
+        emu_kernel_arg<typename std::decay<P>::type>(std::forward<A>(a))...);
     return [k, args]() { std::apply(k, args); };
 }
 
@@ -643,7 +644,8 @@ static void emu_capture_launch(dim3 grid, dim3 block, size_t smem, const char* k
 // A launch on the legacy stream while another stream captures: cudaErrorStreamCaptureImplicit.
 static int emu_capture_refuses_legacy(cudaStream_t st, const char* kernel) {
     if (st || !emu_capture.graph) return 0;
-    emu_state.last_error = emu_capture_refuses(kernel, "a kernel launch on the legacy stream", cudaErrorStreamCaptureImplicit);
+    emu_state.last_error =
+        emu_capture_refuses(kernel, "a kernel launch on the legacy stream", cudaErrorStreamCaptureImplicit);
     return 1;
 }
 
@@ -672,7 +674,8 @@ cudaError_t cudaMalloc(void** p, size_t n) {
 }
 cudaError_t cudaFree(void* p) {
     if (!p) return cudaSuccess;
-    cudaError_t refused = emu_capture_refuses("cudaFree", "freeing synchronises the device", cudaErrorStreamCaptureUnsupported);
+    cudaError_t refused =
+        emu_capture_refuses("cudaFree", "freeing synchronises the device", cudaErrorStreamCaptureUnsupported);
     if (refused) return refused;
     cudaDeviceSynchronize();  // as on a GPU; held-back work may still use the memory (counted there)
     std::map<const char*, size_t>::iterator it = emu_allocations().find((const char*)p);
@@ -698,7 +701,8 @@ cudaError_t cudaMallocHost(void** p, size_t n) {
     return *p ? cudaSuccess : cudaErrorMemoryAllocation;
 }
 cudaError_t cudaFreeHost(void* p) {
-    cudaError_t refused = emu_capture_refuses("cudaFreeHost", "freeing synchronises the device", cudaErrorStreamCaptureUnsupported);
+    cudaError_t refused =
+        emu_capture_refuses("cudaFreeHost", "freeing synchronises the device", cudaErrorStreamCaptureUnsupported);
     if (refused) return refused;
     emu_host_sync("cudaFreeHost");
     emu_pinned().erase((const char*)p);
@@ -932,15 +936,15 @@ cudaError_t cudaMemcpy(void* dst, const void* src, size_t n, enum cudaMemcpyKind
 cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t n, enum cudaMemcpyKind kind, cudaStream_t st) {
     int pageable = emu_copy_waits(dst, src, n, kind, 1);
     if (emu_capture.graph && (pageable || !st)) {
-        cudaError_t refused = emu_capture_refuses("cudaMemcpyAsync",
-                                                  pageable ? "a copy with pageable host memory, which the host stages "
-                                                             "synchronously"
-                                                           : "a copy on the legacy stream",
-                                                  pageable ? cudaErrorStreamCaptureUnsupported : cudaErrorStreamCaptureImplicit);
+        const char* why = pageable ? "a copy with pageable host memory, which the host stages synchronously"
+                                   : "a copy on the legacy stream";
+        cudaError_t refused = emu_capture_refuses(
+            "cudaMemcpyAsync", why, pageable ? cudaErrorStreamCaptureUnsupported : cudaErrorStreamCaptureImplicit);
         if (refused) return refused;
     }
     if (emu_capturing(st)) {  // recorded: device to device only (the trainer captures no other copy)
-        if (emu_copy_waits(dst, src, n, kind, 0)) emu_capture_unmodelled(st, "cudaMemcpyAsync between the host and the device");
+        if (emu_copy_waits(dst, src, n, kind, 0))
+            emu_capture_unmodelled(st, "cudaMemcpyAsync between the host and the device");
         emu_check_side((uintptr_t)dst, n, 1, "cudaMemcpyAsync", "destination");
         emu_check_side((uintptr_t)src, n, 1, "cudaMemcpyAsync", "source");
         emu_capture_record(EMU_OP_COPY, [=]() { emu_copy(dst, src, n, kind); });
@@ -984,7 +988,8 @@ cudaError_t cudaMemcpy2DAsync(void* dst, size_t dpitch, const void* src, size_t 
     return cudaSuccess;
 }
 cudaError_t cudaMemset(void* p, int v, size_t n) {
-    cudaError_t refused = emu_capture_refuses("cudaMemset", "a memset on the legacy stream", cudaErrorStreamCaptureImplicit);
+    cudaError_t refused =
+        emu_capture_refuses("cudaMemset", "a memset on the legacy stream", cudaErrorStreamCaptureImplicit);
     if (refused) return refused;
     emu_stream_issue(NULL);
     emu_fill(p, v, n);

@@ -173,7 +173,10 @@ static cublasStatus_t emu_gemm_ex_check(const char* call, cublasOperation_t ta, 
 // A checked product's computation: run now on `stream`, or recorded when the stream captures a
 // CUDA graph (emu.h; `compute` then holds copies of everything it reads on the host).
 static void emu_blas_issue(cudaStream_t stream, const std::function<void()>& compute) {
-    if (emu_capturing(stream)) { emu_capture_record(EMU_OP_BLAS, [=]() { emu_counts.blas_calls++; compute(); }); return; }
+    if (emu_capturing(stream)) {
+        emu_capture_record(EMU_OP_BLAS, [=]() { emu_counts.blas_calls++; compute(); });
+        return;
+    }
     if (!stream && emu_capture.graph) {
         emu_capture_refuses("a cuBLAS call", "a product on the legacy stream", cudaErrorStreamCaptureImplicit);
         emu_blas_fatal("cuBLAS", "a product on the legacy stream during a capture");
@@ -224,8 +227,10 @@ cublasStatus_t cublasGemmBatchedEx(cublasHandle_t h, cublasOperation_t ta, cubla
     emu_blas_issue(h->stream, [=]() {
         for (int e = 0; e < batch; e++) {
             if (k) {
-                emu_blas_operand(call, "A[i]", Aarray[e], at, ta == CUBLAS_OP_N ? m : k, ta == CUBLAS_OP_N ? k : m, lda);
-                emu_blas_operand(call, "B[i]", Barray[e], bt, tb == CUBLAS_OP_N ? k : n, tb == CUBLAS_OP_N ? n : k, ldb);
+                int64_t ar = ta == CUBLAS_OP_N ? m : k, ac = ta == CUBLAS_OP_N ? k : m;
+                int64_t br = tb == CUBLAS_OP_N ? k : n, bc = tb == CUBLAS_OP_N ? n : k;
+                emu_blas_operand(call, "A[i]", Aarray[e], at, ar, ac, lda);
+                emu_blas_operand(call, "B[i]", Barray[e], bt, br, bc, ldb);
             }
             emu_blas_operand(call, "C[i]", Carray[e], ct, m, n, ldc);
             emu_blas_gemm(ta, tb, m, n, k, a, Aarray[e], lda, Barray[e], ldb, at, b, Carray[e], ldc, Carray[e], ldc,
@@ -440,8 +445,8 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t h, cublasLtMatmulDesc_t desc, con
         emu_blas_operand(call, "D", D, dl.type, dl.rows, dl.cols, dl.ld);
         if (bias)
             emu_blas_operand(call, "bias (one element of D's type per row of D)", bias, dl.type, dl.rows, 1, dl.rows);
-        emu_blas_gemm(dv.transa, dv.transb, dl.rows, dl.cols, k, fa, A, av.ld, B, bv.ld, av.type, fb, C, cv.ld, D, dl.ld,
-                      dl.type, bias);
+        emu_blas_gemm(dv.transa, dv.transb, dl.rows, dl.cols, k, fa, A, av.ld, B, bv.ld, av.type, fb, C, cv.ld, D,
+                      dl.ld, dl.type, bias);
         emu_guards_check(call);
     });
     return CUBLAS_STATUS_SUCCESS;
