@@ -6,7 +6,8 @@
 #   3. compute-sanitizer memcheck, racecheck and initcheck on the programs of the main kernels
 #   4. both trainers' smoke runs: baseline, lowmem and ckpt, a few steps each, with the memory line
 #   4b. attention side by side: LLMC_ATTENTION=cudnn, gemm, flash at the demo and a Llama-3-8B shape
-#      (scripts/ci/attention_compare.sh: loss and gradient norm against gemm, tokens/s)
+#      (scripts/ci/attention_compare.sh: loss and gradient norm against gemm, tokens/s), and gemm and
+#      cudnn with the CUDA graph (LLMC_CUDA_GRAPH=1) against themselves without it
 #   5. a subset of the whole-model GPU-vs-CPU tests (test/cuda/test_*_cuda.py, CUDA_TEST_BACKEND=gpu)
 #   6. the NCCL self-test on one GPU (LLMC_NCCL_SELFTEST=1: LoRA, then --full's ZeRO-1)
 #   7. the benchmark (scripts/bench/bench_gpu.sh), if time is left
@@ -238,8 +239,9 @@ done
 
 # ---- 4b. the attention paths side by side ------------------------------------------------------
 # cudnn (the default where make found cuDNN), gemm and flash on the same runs: loss and gradient
-# norm against gemm within the emulator tests' bounds, and tokens/s (--smoke: the demo shape only)
-step "attention cudnn vs gemm vs flash" $([ $SMOKE -eq 1 ] && echo 60 || echo 150) \
+# norm against gemm within the emulator tests' bounds, and tokens/s (--smoke: the demo shape only);
+# then gemm and cudnn with LLMC_CUDA_GRAPH=1 against themselves without it (the graph's tokens/s)
+step "attention cudnn vs gemm vs flash" $([ $SMOKE -eq 1 ] && echo 90 || echo 220) \
     bash scripts/ci/attention_compare.sh $([ $SMOKE -eq 1 ] && echo demo || echo all)
 grep -a '^|' "$STEP_LOG" > "$WORK/attention.md"
 finish_step "$(grep -a -c '| PASS |' "$STEP_LOG") runs passed; $(first_lines "$STEP_LOG" '(FAIL|OUT OF BOUNDS)' 3)"
