@@ -605,8 +605,13 @@ def packed_demo(tmp_path_factory):
 
 
 def train_on(data, *args, check=True, env=None):
-    """The CUDA trainer on the demo model with another training shard."""
+    """The CUDA trainer on the demo model with another training shard, batch 1 and no evaluation
+    (the emulator's time)."""
     demo = [str(data) if a == DEMO[DEMO.index("--data") + 1] else a for a in DEMO]
+    for flag in ("--val", "--val-batches"):
+        i = demo.index(flag)
+        del demo[i:i + 2]
+    demo[demo.index("--batch") + 1] = "1"
     return run([need(CUDA_TRAIN)] + demo + ["--device", "cuda"] + list(args), check=check, env=env)
 
 
@@ -620,7 +625,7 @@ def test_cuda_graph_replays_the_step_bit_for_bit(tmp_path, packed_demo):
     the graphs replayed are the eager step's launches, and every product is inside a graph. The
     planted stale key (the scale left out: the next step replays the old scale) must change the
     adapter, which shows that the comparison sees a stale graph."""
-    args = ["--data", packed_demo, "--steps", 2, "--grad-accum", 2, "--profile"]
+    args = ["--steps", 2, "--grad-accum", 2, "--profile"]
     off = train_on(packed_demo, *args, "--out", tmp_path / "off")
     on = train_on(packed_demo, *args, "--out", tmp_path / "on", env={"LLMC_CUDA_GRAPH": "1"})
     assert "cuda graph: on" in on.stdout, on.stdout[-1500:]
@@ -650,10 +655,10 @@ def test_cuda_graph_refuses_what_a_capture_cannot_hold():
     meets that copy and CUDA refuses it: the run stops with the CUDA error (and, on the emulator, the
     call named), never with a wrong graph."""
     env = {"LLMC_CUDA_GRAPH": "1", "LLMC_STEP_READBACK": "each"}
-    ok = train(CUDA_TRAIN, "cuda", "--steps", 1, "--grad-accum", 2, env=env)
+    data = DEMO[DEMO.index("--data") + 1]
+    ok = train_on(data, "--steps", 1, "--grad-accum", 2, env=env)
     assert "cuda graph: off: LLMC_STEP_READBACK=each" in ok.stdout, ok.stdout[-1500:]
-    bad = train(CUDA_TRAIN, "cuda", "--steps", 1, "--grad-accum", 2, check=False,
-                env=dict(env, LLMC_FAULT_GRAPH_NO_REFUSAL="1"))
+    bad = train_on(data, "--steps", 1, "--grad-accum", 2, check=False, env=dict(env, LLMC_FAULT_GRAPH_NO_REFUSAL="1"))
     assert bad.returncode != 0 and "operation not permitted when stream is capturing" in bad.stderr, bad.stderr[-1500:]
     if not GPU:
         assert "emu: cudaMemcpyAsync while stream" in bad.stderr and "captures a CUDA graph" in bad.stderr
