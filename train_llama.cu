@@ -1133,33 +1133,13 @@ static LossStats llama_forward_backward(Llama* m, int B, int T, float grad_scale
 }
 
 #ifdef LLMC_HAVE_CUDA
-// Why a micro-batch's forward + backward cannot be one CUDA graph in this run (llmc/cuda/graph.cuh),
-// or NULL: each reason is a call inside it that a capture cannot hold.
-static const char* llama_graph_refusal(const Llama* m, const Dist* dist) {
-    if (!m->be->stream) return "LLMC_STREAM=legacy: the legacy default stream cannot be captured";
-    if (!trainable_step_stats(&m->tr))
-        return "LLMC_STEP_READBACK=each: each micro-batch's loss is read back (a host synchronisation)";
-    if (cuda_sync_each_launch()) return "LLMC_CUDA_SYNC=1: every launch synchronises the device";
-    if (dist_sums_grads(dist) || m->sp.P > 1)
-        return "gradients or sequence slices cross ranks inside the backward (collectives, a second stream)";
-    if (m->modes.offload_host) return "--offload host: block inputs travel on a second stream, ordered by events";
-    if (m->drop_work) return "--lora-dropout: the masks' key changes every micro-batch (a kernel argument)";
-    return NULL;
-}
-
-// Once per model, at its first training step: whether LLMC_CUDA_GRAPH=1 can be honoured, said in
-// one line. LLMC_FAULT_GRAPH_NO_REFUSAL=1 skips the refusals, so that a test can see a call that
-// breaks the capture caught (test/cuda/test_llama_cuda.py).
+// Once per model, at its first training step: whether LLMC_CUDA_GRAPH=1 can be honoured (said in
+// one line): what the micro-batch holds that no capture can (llmc/cuda/graph.cuh).
 static void llama_graph_decide(Llama* m, const Dist* dist) {
-    CudaGraph* g = &m->graph;
-    g->decided = 1;
-    if (!m->be->cuda || !cuda_graph_wanted()) return;
-    const char* why = backend_switch_is("LLMC_FAULT_GRAPH_NO_REFUSAL", "1") ? NULL : llama_graph_refusal(m, dist);
-    g->on = why == NULL;
-    if (!dist || dist->rank == 0) {
-        if (why) printf("cuda graph: off: %s (LLMC_CUDA_GRAPH=1 refused; eager launches)\n", why);
-        else printf("cuda graph: on: each micro-batch's forward + backward captured once per shape and replayed\n");
-    }
+    GraphHazards h = {!m->be->stream, !trainable_step_stats(&m->tr), dist_sums_grads(dist) || m->sp.P > 1,
+                      m->modes.offload_host, m->drop_work != NULL};
+    if (m->be->cuda) cuda_graph_decide(&m->graph, &h, !dist || dist->rank == 0);
+    m->graph.decided = 1;
 }
 
 // What the captured forward + backward depends on besides device memory (llmc/cuda/graph.cuh): the

@@ -47,6 +47,42 @@ static int cuda_graph_wanted(void) {
     return e && strcmp(e, "1") == 0;
 }
 
+// What a model's piece holds that no capture can, as the model knows it (each 1 when so).
+typedef struct {
+    int legacy_stream;   // the work runs on the legacy default stream (LLMC_STREAM=legacy)
+    int readback_each;   // each micro-batch's loss is read back (LLMC_STEP_READBACK=each)
+    int crosses_ranks;   // collectives inside the backward (gradient buckets, sequence slices)
+    int second_stream;   // copies on a second stream ordered by events (--offload host)
+    int dropout;         // LoRA dropout's key changes every micro-batch (a kernel argument)
+} GraphHazards;
+
+// Why the piece cannot be one CUDA graph, or NULL.
+static const char* cuda_graph_refusal(const GraphHazards* h) {
+    if (h->legacy_stream) return "LLMC_STREAM=legacy: the legacy default stream cannot be captured";
+    if (h->readback_each)
+        return "LLMC_STEP_READBACK=each: each micro-batch's loss is read back (a host synchronisation)";
+    if (cuda_sync_each_launch()) return "LLMC_CUDA_SYNC=1: every launch synchronises the device";
+    if (h->crosses_ranks)
+        return "gradients or sequence slices cross ranks inside the backward (collectives, a second stream)";
+    if (h->second_stream) return "--offload host: block inputs travel on a second stream, ordered by events";
+    if (h->dropout) return "--lora-dropout: the masks' key changes every micro-batch (a kernel argument)";
+    return NULL;
+}
+
+// Once per model, at its first training step: whether LLMC_CUDA_GRAPH=1 can be honoured, said in
+// one line when `print` (rank 0). LLMC_FAULT_GRAPH_NO_REFUSAL=1 skips the refusals, so that a test
+// can see a call that breaks the capture caught (test/cuda/test_llama_cuda.py).
+static void cuda_graph_decide(CudaGraph* g, const GraphHazards* h, int print) {
+    g->decided = 1;
+    if (!cuda_graph_wanted()) return;
+    const char* plant = getenv("LLMC_FAULT_GRAPH_NO_REFUSAL");
+    const char* why = plant && strcmp(plant, "1") == 0 ? NULL : cuda_graph_refusal(h);
+    g->on = why == NULL;
+    if (!print) return;
+    if (why) printf("cuda graph: off: %s (LLMC_CUDA_GRAPH=1 refused; eager launches)\n", why);
+    else printf("cuda graph: on: each micro-batch's forward + backward captured once per shape and replayed\n");
+}
+
 static int cuda_graph_shape_warm(const CudaGraph* g, const CudaGraphKey* k) {
     for (int i = 0; i < g->n_warm; i++)
         if (!memcmp(g->warm[i], k->shape, sizeof(k->shape))) return 1;
