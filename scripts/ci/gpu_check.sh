@@ -247,9 +247,10 @@ grep -a '^|' "$STEP_LOG" > "$WORK/attention.md"
 finish_step "$(grep -a -c '| PASS |' "$STEP_LOG") runs passed; $(first_lines "$STEP_LOG" '(FAIL|OUT OF BOUNDS)' 3)"
 
 # ---- 5. the whole-model tests, GPU against CPU ------------------------------------------------
-# cuda_attention: the in-house paths and cuDNN's (test_cuda_attention_cudnn), gradients against the CPU
+# cuda_attention: the in-house paths and cuDNN's (test_cuda_attention_cudnn), gradients against the CPU;
+# cuda_graph: LLMC_CUDA_GRAPH=1 bit for bit against the eager step, and a real capture refusing a readback
 if [ $SMOKE -eq 1 ]; then K=${GPU_CHECK_PYTEST_K:-"training_tracks_cpu or attention_cudnn"}
-else K=${GPU_CHECK_PYTEST_K:-"training_tracks_cpu or probe_matches_cpu_probe or probe_cuda_matches_cpu or full_finetuning or cuda_attention"}; fi
+else K=${GPU_CHECK_PYTEST_K:-"training_tracks_cpu or probe_matches_cpu_probe or probe_cuda_matches_cpu or full_finetuning or cuda_attention or cuda_graph"}; fi
 step "whole models GPU vs CPU (pytest -k '$K')" 200 env CUDA_TEST_BACKEND=gpu PYTHONUNBUFFERED=1 python3 -m pytest -v -p no:cacheprovider \
     test/cuda/test_llama_cuda.py test/cuda/test_vit_cuda.py -k "$K"
 finish_step "$(grep -a -c ' PASSED' "$STEP_LOG") passed, $(grep -a -c ' FAILED' "$STEP_LOG") failed so far; $(first_lines "$STEP_LOG" '^(FAILED|ERROR) ' 3)"
