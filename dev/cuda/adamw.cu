@@ -77,10 +77,23 @@ static void test_norm_and_scale(int64_t n, Rng* rng) {
     snprintf(detail, sizeof(detail), "(%.12g vs %.12g, tol 1e-10 relative)", got, want);
     check_true(name, isfinite(got) && fabs(got - want) <= 1e-10 * fmax(want, 1e-30), detail);
     scale_inplace(g, n, 0.37f);
+    float* d_g2 = (float*)upload(g, 4 * n);  // already scaled: scaled again below through device memory
     scale_inplace_cuda(d_g, n, 0.37f, g_stream);
     float* gg = download_f32(d_g, n);
     snprintf(name, sizeof(name), "scale_inplace, n=%lld", (long long)n);
     check_equal_f32(name, gg, g, n);
+    // the factor read from device memory (clipping's, in the trainer): the same bits
+    AdamWStep h = adamw_step_values(1e-3f, 0.9f, 0.999f, 1);
+    h.clip = 0.37f;
+    AdamWStep* d_step = (AdamWStep*)upload(&h, sizeof(h));
+    scale_inplace_dev_cuda(d_g2, n, &d_step->clip, g_stream);
+    scale_inplace_cuda(d_g, n, 0.37f, g_stream);
+    float *g2 = download_f32(d_g2, n), *g1 = download_f32(d_g, n);
+    snprintf(name, sizeof(name), "scale_inplace, factor in device memory, n=%lld", (long long)n);
+    check_equal_f32(name, g2, g1, n);
+    free(g2); free(g1);
+    CUDA_CHECK(cudaFree(d_g2)); CUDA_CHECK(cudaFree(d_step));
+    CUDA_CHECK(cudaMemcpy(d_g, gg, 4 * n, cudaMemcpyHostToDevice));  // back to the once-scaled values
     // LoRA shadows: fp32 -> bf16 rounds to nearest even exactly as the host conversion
     bf16* d_h = (bf16*)dev_alloc(2 * n);
     dev_poison(d_h, 2 * n);

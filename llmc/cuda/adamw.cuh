@@ -7,18 +7,20 @@
 #pragma once
 #include "common.cuh"
 
-// What changes from one optimizer step to the next: the learning rate and the two bias
-// corrections. The trainer keeps them in device memory (adamw_update_dev_cuda reads them there),
-// so that the step's kernels take no argument that changes per step (a CUDA graph replays its
-// kernels with the arguments they were captured with); they are computed on the host exactly as
-// the CPU twin computes them, so reading them from memory changes no bit of the update.
+// What changes from one optimizer step to the next: the learning rate, the two bias corrections
+// and the factor clipping multiplies the gradients by. The trainer keeps them in device memory
+// (adamw_update_dev_cuda and scale_inplace_dev_cuda read them there), so that the step's kernels
+// take no argument that changes per step (a CUDA graph replays its kernels with the arguments they
+// were captured with); they are computed on the host exactly as the CPU twin computes them, so
+// reading them from memory changes no bit of the update.
 typedef struct {
     float lr, bc1, bc2;
+    float clip;  // the gradients' factor on a step that clips (grad_clip / norm), else 1
 } AdamWStep;
 #define ADAMW_STEP_DOUBLES 2  // an AdamWStep fits in this many doubles (the trainer's scratch)
 
 static AdamWStep adamw_step_values(float lr, float beta1, float beta2, int t) {
-    AdamWStep s = {lr, 1.0f - powf(beta1, (float)t), 1.0f - powf(beta2, (float)t)};
+    AdamWStep s = {lr, 1.0f - powf(beta1, (float)t), 1.0f - powf(beta2, (float)t), 1.0f};
     return s;
 }
 
@@ -50,7 +52,7 @@ static void adamw_update_cuda(float* p, const float* g, float* m, float* v, int6
 static void adamw_update_dev_cuda(float* p, const float* g, float* m, float* v, int64_t n, const AdamWStep* at,
                                   float beta1, float beta2, float eps, float weight_decay, cudaStream_t stream) {
     if (n == 0) return;
-    const AdamWStep unused = {0.0f, 1.0f, 1.0f};
+    const AdamWStep unused = {0.0f, 1.0f, 1.0f, 1.0f};
     launch_kernel(grid_for(n, 256), 256, 0, stream, adamw_update_kernel, p, g, m, v, n, at, unused, beta1, beta2,
                   eps, weight_decay);
 }
@@ -93,11 +95,18 @@ static double sum_squares_cuda(const float* g, int64_t n, double* scratch, cudaS
     return h;
 }
 
-__global__ void scale_inplace_kernel(float* x, int64_t n, float s) {
+// x *= s, s read from device memory `at` when it is not NULL.
+__global__ void scale_inplace_kernel(float* x, int64_t n, const float* __restrict__ at, float s) {
+    if (at) s = *at;
     for (int64_t i = thread_index_1d(); i < n; i += grid_stride_1d()) x[i] *= s;
 }
 // x *= s (gradient clipping, or averaging over ranks).
 static void scale_inplace_cuda(float* x, int64_t n, float s, cudaStream_t stream) {
     if (n == 0) return;
-    launch_kernel(grid_for(n, 256), 256, 0, stream, scale_inplace_kernel, x, n, s);
+    launch_kernel(grid_for(n, 256), 256, 0, stream, scale_inplace_kernel, x, n, (const float*)NULL, s);
+}
+// x *= *at, the factor in device memory (clipping's, AdamWStep.clip).
+static void scale_inplace_dev_cuda(float* x, int64_t n, const float* at, cudaStream_t stream) {
+    if (n == 0) return;
+    launch_kernel(grid_for(n, 256), 256, 0, stream, scale_inplace_kernel, x, n, at, 1.0f);
 }

@@ -124,10 +124,11 @@ static double* trainable_step_stats(const Trainable* tr) {
     return NULL;
 }
 
-// AdamW's learning rate and bias corrections of this step in device memory, after the step's
-// statistics, where the update kernels read them (written once per step by trainable_update, so the
-// kernels' arguments stay the same from step to step). NULL on the CPU and with
-// LLMC_ADAMW_STEP=args, where they are kernel arguments as before.
+// AdamW's learning rate and bias corrections and clipping's factor of this step in device memory,
+// after the step's statistics, where the clipping and update kernels read them (written once per
+// step by trainable_upload_adamw_step, llmc/train/zero.h, so the kernels' arguments stay the same
+// from step to step). NULL on the CPU and with LLMC_ADAMW_STEP=args, where they are kernel
+// arguments as before.
 #ifdef LLMC_HAVE_CUDA
 static AdamWStep* trainable_adamw_step(const Trainable* tr) {
     if (trainable_on_device(tr) && !backend_switch_is("LLMC_ADAMW_STEP", "args"))

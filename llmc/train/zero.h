@@ -187,6 +187,8 @@ static void trainable_scale(const Trainable* tr, float s) {
         float* g;
         int64_t n = trainable_own_range(tr, b, &g);
 #ifdef LLMC_HAVE_CUDA
+        const AdamWStep* at = trainable_adamw_step(tr);  // s is there (trainable_upload_adamw_step)
+        if (at) { scale_inplace_dev_cuda(g, n, &at->clip, tr->be->stream); continue; }
         if (trainable_on_device(tr)) { scale_inplace_cuda(g, n, s, tr->be->stream); continue; }
 #endif
         scale_inplace(g, n, s);
@@ -259,24 +261,25 @@ static void trainable_allgather_async(Trainable* tr, const Dist* dist) {
 // AdamW on this rank's part (under ZeRO-1 its piece of every bucket), then every rank gets every
 // updated piece (ZeRO-1) and, on CUDA, the bf16 shadow is refreshed. Returns the seconds of
 // communication (0 when the all-gather overlaps the next forward).
-// AdamW's step values to the device (trainable_adamw_step), in stream order before the updates
-// that read them. The pinned source is rewritten only a step later, after the step's readback has
-// waited for the stream, so this copy has run by then (the emulator checks it: emu.h's uploads).
-static void trainable_upload_adamw_step(Trainable* tr, float lr, int t) {
+// The step's values (trainable_adamw_step: lr, bias corrections, clipping's factor) to the device,
+// in stream order before the clipping and the updates that read them. The pinned source is
+// rewritten only a step later, after the step's readback has waited for the stream, so this copy
+// has run by then (the emulator checks it: emu.h's uploads).
+static void trainable_upload_adamw_step(Trainable* tr, float lr, int t, float clip) {
 #ifdef LLMC_HAVE_CUDA
     AdamWStep* at = trainable_adamw_step(tr);
     if (!at) return;
     AdamWStep* h = (AdamWStep*)(trainable_pinned(tr) + STEP_STATS);
     *h = adamw_step_values(lr, ADAMW_BETA1, ADAMW_BETA2, t);
+    h->clip = clip;
     CUDA_CHECK(cudaMemcpyAsync(at, h, sizeof(AdamWStep), cudaMemcpyHostToDevice, tr->be->stream));
 #else
-    (void)tr; (void)lr; (void)t;
+    (void)tr; (void)lr; (void)t; (void)clip;
 #endif
 }
 
 static double trainable_update(Trainable* tr, const Dist* dist, float lr, float weight_decay, int t) {
     trainable_weights_ready_all(tr);  // the last all-gathers still read the pieces about to change
-    trainable_upload_adamw_step(tr, lr, t);
     tr->host_current = !trainable_on_device(tr);
     if (!tr->zero1) trainable_adamw(tr, tr->params, tr->grads, tr->adam_m, tr->adam_v, tr->count, lr, weight_decay, t);
     for (int i = 0; tr->zero1 && i < tr->n_buckets; i++)
@@ -344,7 +347,10 @@ static OptimStep trainable_step(Trainable* tr, const TrainOptions* o, const Dist
         r.note = step_health_note(h);
         return r;
     }
-    if (o->grad_clip > 0 && r.grad_norm > o->grad_clip) trainable_scale(tr, o->grad_clip / r.grad_norm);
+    int clips = o->grad_clip > 0 && r.grad_norm > o->grad_clip;
+    float clip = clips ? o->grad_clip / r.grad_norm : 1.0f;
+    trainable_upload_adamw_step(tr, r.lr, step + 1, clip);
+    if (clips) trainable_scale(tr, clip);
     r.comm_s += trainable_update(tr, dist, r.lr, o->weight_decay, step + 1);
     return r;
 }
