@@ -30,6 +30,9 @@
 #include "llmc/train/loop.h"
 #include "llmc/backend.h"
 #include "llmc/ops.h"
+#ifdef LLMC_HAVE_CUDA
+#include "llmc/cuda/graph.cuh"
+#endif
 #include "llmc/train/fit.h"
 #include "llmc/train/seq_parallel.h"
 #include "llmc/nf4.h"
@@ -132,6 +135,9 @@ typedef struct {
     LossBuffers loss;
     int loss_chunk;
     MemPlan plan;
+#ifdef LLMC_HAVE_CUDA
+    CudaGraph graph;       // LLMC_CUDA_GRAPH=1: each micro-batch's forward + backward replayed as one CUDA graph
+#endif
 } Llama;
 
 static int64_t lin_in(const LlamaConfig* c, int t) {
@@ -610,6 +616,9 @@ static void llama_free(Llama* m) {
         if (m->sp.h_pos) backend_free_host_side(m->be, m->sp.h_pos);
         op_detach_matmul_workspace(m->be, m->blas_work);
         if (m->modes.offload_host) offload_free(&m->offload);
+#ifdef LLMC_HAVE_CUDA
+        if (m->be->cuda) cuda_graph_free(&m->graph);
+#endif
         backend_free_plan(m->be, &m->plan);
     } else {
         plan_free(&m->plan);
@@ -1177,6 +1186,64 @@ static LossStats llama_forward_backward(Llama* m, int B, int T, float grad_scale
     return st;
 }
 
+#ifdef LLMC_HAVE_CUDA
+// Once per model, at its first training step: whether LLMC_CUDA_GRAPH=1 can be honoured (said in
+// one line): what the micro-batch holds that no capture can (llmc/cuda/graph.cuh).
+static void llama_graph_decide(Llama* m, const Dist* dist) {
+    GraphHazards h = {!m->be->stream, !trainable_step_stats(&m->tr), dist_sums_grads(dist) || m->sp.P > 1,
+                      m->modes.offload_host, m->drop_work != NULL};
+    if (m->be->cuda) cuda_graph_decide(&m->graph, &h, !dist || dist->rank == 0);
+    m->graph.decided = 1;
+}
+
+// What the captured forward + backward depends on besides device memory (llmc/cuda/graph.cuh): the
+// shape and attention's document mask pick the work; the loss scale is a kernel argument; the GEMM
+// attention path's pointer tables are a host-side cache (a rebuild since the capture means the
+// captured work assumes other contents).
+static CudaGraphKey llama_graph_key(const Llama* m, int B, int T, float grad_scale) {
+    CudaGraphKey k;
+    memset(&k, 0, sizeof(k));
+    k.shape[0] = B;
+    k.shape[1] = T;
+    k.shape[2] = m->pos_restarts;
+    uint32_t bits;
+    memcpy(&bits, &grad_scale, sizeof(bits));
+    k.values[0] = bits;
+    k.values[1] = g_attn_tables.builds;
+    // the planted bug of a stale graph (test/cuda/test_llama_cuda.py): the scale left out of the key,
+    // so a step whose scale changed replays the kernels captured with the old one
+    if (backend_switch_is("LLMC_FAULT_GRAPH_KEY", "1")) k.values[0] = 0;
+    return k;
+}
+#endif
+
+// One training micro-batch (already uploaded): forward, head + loss, backward, the loss statistics
+// added into step_stats on the device (CUDA; NULL: returned). With a CUDA graph (LLMC_CUDA_GRAPH=1)
+// the work is run eagerly the first time its shape is seen, captured the next time (or whenever its
+// key changes), and replayed with one launch after that.
+static LossStats llama_train_micro_batch(Llama* m, int B, int T, float grad_scale, double* step_stats) {
+#ifdef LLMC_HAVE_CUDA
+    CudaGraph* g = &m->graph;
+    CudaGraphKey key = llama_graph_key(m, B, T, grad_scale);
+    GraphStep what = g->on ? cuda_graph_next(g, &key) : GRAPH_EAGER;
+    if (what != GRAPH_EAGER) {
+        if (what == GRAPH_CAPTURE) {
+            int profiling = prof_pause(m->be->prof);  // its events would be captured too
+            cuda_graph_capture_begin(g, m->be->stream);
+            llama_forward_backward(m, B, T, grad_scale, 1, NULL, step_stats);
+            CudaGraphKey after = llama_graph_key(m, B, T, grad_scale);  // the host caches the capture filled
+            cuda_graph_capture_end(g, m->be->stream, &after);
+            prof_resume(m->be->prof, profiling);
+        }
+        PROF_SCOPE(m->be, "forward + backward graph", "f+b", 0.0, 0.0);
+        cuda_graph_launch(g, m->be->stream);
+        LossStats none = {};
+        return none;  // the statistics are in step_stats
+    }
+#endif
+    return llama_forward_backward(m, B, T, grad_scale, 1, NULL, step_stats);
+}
+
 // ----------------------------------------------------------------------------------------------
 // Training step, evaluation, generation
 
@@ -1210,6 +1277,9 @@ static StepResult llama_train_step(Llama* m, TextLoader* loader, const TrainOpti
     dist_allreduce_sum_f64(dist, &total, 1);
     float scale = total > 0 ? (float)(1.0 / total) : 0.0f;
     trainable_zero_grads(&m->tr);
+#ifdef LLMC_HAVE_CUDA
+    if (!m->graph.decided) llama_graph_decide(m, dist);
+#endif
     m->drop.step = (uint64_t)step;
     double sums[2] = {0.0, 0.0};  // loss, final-norm rows that overflowed (health.h)
     for (int k = 0; k < K; k++) {
@@ -1221,7 +1291,7 @@ static StepResult llama_train_step(Llama* m, TextLoader* loader, const TrainOpti
         m->drop.row0 = lora_dropout_row0(k, dist_dp_rank(dist), dist_dp_world(dist), N) + first;
         m->drop.active = 1;  // training only: evaluation and generation see the adapters' whole input
         // on CUDA the loss stays on the device until the step's one readback (llmc/train/zero.h)
-        LossStats st = llama_forward_backward(m, B, m->T, scale, 1, NULL, trainable_step_stats(&m->tr));
+        LossStats st = llama_train_micro_batch(m, B, m->T, scale, trainable_step_stats(&m->tr));
         m->drop.active = 0;
         sums[0] += st.loss_sum;
         sums[1] += st.overflowed;

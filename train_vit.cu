@@ -33,6 +33,9 @@
 #include "llmc/train/loop.h"
 #include "llmc/backend.h"
 #include "llmc/ops.h"
+#ifdef LLMC_HAVE_CUDA
+#include "llmc/cuda/graph.cuh"
+#endif
 #include "llmc/train/fit.h"
 #include "llmc/memory/offload.h"
 
@@ -201,6 +204,9 @@ typedef struct {
     float *logits, *dlogits;   // [B, classes] fp32
     CeBuffers ce;
     MemPlan plan;
+#ifdef LLMC_HAVE_CUDA
+    CudaGraph graph;       // LLMC_CUDA_GRAPH=1: each micro-batch's forward + backward replayed as one CUDA graph
+#endif
 } Vit;
 
 static int64_t lin_in(const VitConfig* c, int t) { return t == T_FC2 ? c->hidden : c->dim; }
@@ -612,6 +618,9 @@ static void vit_free(Vit* m) {
     free(m->lin_host);
     op_detach_matmul_workspace(m->be, m->blas_work);  // before the plan's memory goes
     if (m->modes.offload_host && m->offload.be) offload_free(&m->offload);  // (m->offload.be: allocated)
+#ifdef LLMC_HAVE_CUDA
+    if (m->be->cuda) cuda_graph_free(&m->graph);
+#endif
     backend_free_plan(m->be, &m->plan);
     free(m->layers); free(m->acts); free(m->block_input); free(m->norms_host); free(m->layer_off);
 }
@@ -946,6 +955,57 @@ static LossStats vit_forward_backward(Vit* m, int B, float grad_scale, int backw
     return st;
 }
 
+#ifdef LLMC_HAVE_CUDA
+// Once per model, at its first training step: whether LLMC_CUDA_GRAPH=1 can be honoured (said in
+// one line): what the micro-batch holds that no capture can (llmc/cuda/graph.cuh).
+static void vit_graph_decide(Vit* m, const Dist* dist) {
+    GraphHazards h = {!m->be->stream, !trainable_step_stats(&m->tr), dist_sums_grads(dist), m->modes.offload_host,
+                      m->drop_work != NULL};
+    if (m->be->cuda) cuda_graph_decide(&m->graph, &h, !dist || dist->rank == 0);
+    m->graph.decided = 1;
+}
+
+// What the captured forward + backward depends on besides device memory: the micro-batch's
+// images, the loss scale (a kernel argument of the head) and the GEMM attention path's pointer-table
+// cache (as train_llama.cu's llama_graph_key).
+static CudaGraphKey vit_graph_key(int B, float grad_scale) {
+    CudaGraphKey k;
+    memset(&k, 0, sizeof(k));
+    k.shape[0] = B;
+    uint32_t bits;
+    memcpy(&bits, &grad_scale, sizeof(bits));
+    k.values[0] = bits;
+    k.values[1] = g_attn_tables.builds;
+    return k;
+}
+#endif
+
+// One training micro-batch (already uploaded), through a CUDA graph with LLMC_CUDA_GRAPH=1 as
+// train_llama.cu's llama_train_micro_batch: eagerly at a shape's first time, captured when its key
+// changes, replayed with one launch otherwise.
+static LossStats vit_train_micro_batch(Vit* m, int B, float grad_scale, double* step_stats) {
+#ifdef LLMC_HAVE_CUDA
+    CudaGraph* g = &m->graph;
+    CudaGraphKey key = vit_graph_key(B, grad_scale);
+    GraphStep what = g->on ? cuda_graph_next(g, &key) : GRAPH_EAGER;
+    if (what != GRAPH_EAGER) {
+        if (what == GRAPH_CAPTURE) {
+            int profiling = prof_pause(m->be->prof);  // its events would be captured too
+            cuda_graph_capture_begin(g, m->be->stream);
+            vit_forward_backward(m, B, grad_scale, 1, NULL, step_stats);
+            CudaGraphKey after = vit_graph_key(B, grad_scale);  // the host caches the capture filled
+            cuda_graph_capture_end(g, m->be->stream, &after);
+            prof_resume(m->be->prof, profiling);
+        }
+        PROF_SCOPE(m->be, "forward + backward graph", "f+b", 0.0, 0.0);
+        cuda_graph_launch(g, m->be->stream);
+        LossStats none = {};
+        return none;  // the statistics are in step_stats
+    }
+#endif
+    return vit_forward_backward(m, B, grad_scale, 1, NULL, step_stats);
+}
+
 // ----------------------------------------------------------------------------------------------
 // Training step and evaluation
 
@@ -957,6 +1017,9 @@ static StepResult vit_train_step(Vit* m, ImageLoader* loader, const TrainOptions
     int B = m->B, K = o->grad_accum;
     float scale = 1.0f / (float)((double)B * K * dist->world);
     trainable_zero_grads(&m->tr);
+#ifdef LLMC_HAVE_CUDA
+    if (!m->graph.decided) vit_graph_decide(m, dist);
+#endif
     m->drop.step = (uint64_t)step;
     double sums[3] = {0.0, 0.0, 0.0};  // loss, final-norm rows that overflowed (health.h), correct
     for (int k = 0; k < K; k++) {
@@ -968,7 +1031,7 @@ static StepResult vit_train_step(Vit* m, ImageLoader* loader, const TrainOptions
         m->drop.row0 = lora_dropout_row0(k, dist->rank, dist->world, (int64_t)B * m->T);
         m->drop.active = 1;  // training only: evaluation sees the adapters' whole input
         // on CUDA the loss stays on the device until the step's one readback (llmc/train/zero.h)
-        LossStats st = vit_forward_backward(m, B, scale, 1, NULL, trainable_step_stats(&m->tr));
+        LossStats st = vit_train_micro_batch(m, B, scale, trainable_step_stats(&m->tr));
         m->drop.active = 0;
         sums[0] += st.loss_sum;
         sums[1] += st.overflowed;

@@ -38,6 +38,9 @@ typedef struct {
 //   LLMC_UPLOAD=sync         synchronous cudaMemcpy batch uploads instead of BatchStaging's
 //   LLMC_STEP_READBACK=each  the loss read back after every micro-batch and the gradient norm after
 //                            every range (ZeRO-1: bucket), instead of one readback per step
+//   LLMC_ADAMW_STEP=args     AdamW's learning rate and bias corrections and clipping's factor as kernel
+//                            arguments instead of read from device memory (trainable_adamw_step,
+//                            llmc/train/trainable.h)
 static int backend_switch_is(const char* var, const char* old) {
     const char* e = getenv(var);
     return e && strcmp(e, old) == 0;

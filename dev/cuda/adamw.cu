@@ -32,6 +32,40 @@ static void test_adamw(int64_t n, Rng* rng) {
     free(p); free(m); free(v); free(gp); free(gm); free(gv);
 }
 
+// The trainer's form: the step's lr and bias corrections read from device memory (one upload per
+// step, lr changing as a schedule does) must give the very bits of the arguments' form.
+static void test_adamw_step_in_memory(int64_t n, Rng* rng) {
+    float b1 = 0.9f, b2 = 0.999f, eps = 1e-8f, wd = 0.1f;
+    float *p = host_randn(n, rng, 0.5f, 0), *zero = (float*)xcalloc(n, 4);
+    float *a_p = (float*)upload(p, 4 * n), *a_m = (float*)upload(zero, 4 * n), *a_v = (float*)upload(zero, 4 * n);
+    float *b_p = (float*)upload(p, 4 * n), *b_m = (float*)upload(zero, 4 * n), *b_v = (float*)upload(zero, 4 * n);
+    float* d_g = (float*)dev_alloc(4 * n);
+    AdamWStep* d_step = (AdamWStep*)dev_alloc(sizeof(AdamWStep));
+    for (int t = 1; t <= 5; t++) {
+        float* g = host_randn(n, rng, 0.01f, 0);
+        CUDA_CHECK(cudaMemcpy(d_g, g, 4 * n, cudaMemcpyHostToDevice));
+        float lr = 1e-3f / t;
+        adamw_update_cuda(a_p, d_g, a_m, a_v, n, lr, b1, b2, eps, wd, t, g_stream);
+        AdamWStep h = adamw_step_values(lr, b1, b2, t);
+        CUDA_CHECK(cudaMemcpy(d_step, &h, sizeof(h), cudaMemcpyHostToDevice));
+        adamw_update_dev_cuda(b_p, d_g, b_m, b_v, n, d_step, b1, b2, eps, wd, g_stream);
+        free(g);
+    }
+    float* bufs[2][3] = {{a_p, a_m, a_v}, {b_p, b_m, b_v}};
+    const char* names[3] = {"p", "m", "v"};
+    for (int k = 0; k < 3; k++) {
+        float *want = download_f32(bufs[0][k], n), *got = download_f32(bufs[1][k], n);
+        char name[112];
+        snprintf(name, sizeof(name), "adamw_update, step values in device memory: %s after 5 steps, n=%lld", names[k],
+                 (long long)n);
+        check_equal_f32(name, got, want, n);
+        free(want); free(got);
+        CUDA_CHECK(cudaFree(bufs[0][k])); CUDA_CHECK(cudaFree(bufs[1][k]));
+    }
+    CUDA_CHECK(cudaFree(d_g)); CUDA_CHECK(cudaFree(d_step));
+    free(p); free(zero);
+}
+
 static void test_norm_and_scale(int64_t n, Rng* rng) {
     float* g = host_randn(n, rng, 0.3f, 0);
     float* d_g = (float*)upload(g, 4 * n);
@@ -43,10 +77,23 @@ static void test_norm_and_scale(int64_t n, Rng* rng) {
     snprintf(detail, sizeof(detail), "(%.12g vs %.12g, tol 1e-10 relative)", got, want);
     check_true(name, isfinite(got) && fabs(got - want) <= 1e-10 * fmax(want, 1e-30), detail);
     scale_inplace(g, n, 0.37f);
+    float* d_g2 = (float*)upload(g, 4 * n);  // already scaled: scaled again below through device memory
     scale_inplace_cuda(d_g, n, 0.37f, g_stream);
     float* gg = download_f32(d_g, n);
     snprintf(name, sizeof(name), "scale_inplace, n=%lld", (long long)n);
     check_equal_f32(name, gg, g, n);
+    // the factor read from device memory (clipping's, in the trainer): the same bits
+    AdamWStep h = adamw_step_values(1e-3f, 0.9f, 0.999f, 1);
+    h.clip = 0.37f;
+    AdamWStep* d_step = (AdamWStep*)upload(&h, sizeof(h));
+    scale_inplace_dev_cuda(d_g2, n, &d_step->clip, g_stream);
+    scale_inplace_cuda(d_g, n, 0.37f, g_stream);
+    float *g2 = download_f32(d_g2, n), *g1 = download_f32(d_g, n);
+    snprintf(name, sizeof(name), "scale_inplace, factor in device memory, n=%lld", (long long)n);
+    check_equal_f32(name, g2, g1, n);
+    free(g2); free(g1);
+    CUDA_CHECK(cudaFree(d_g2)); CUDA_CHECK(cudaFree(d_step));
+    CUDA_CHECK(cudaMemcpy(d_g, gg, 4 * n, cudaMemcpyHostToDevice));  // back to the once-scaled values
     // LoRA shadows: fp32 -> bf16 rounds to nearest even exactly as the host conversion
     bf16* d_h = (bf16*)dev_alloc(2 * n);
     dev_poison(d_h, 2 * n);
@@ -92,6 +139,7 @@ int main(void) {
     int64_t sizes[] = {1, 1000, 100003};
     for (int i = 0; i < 3; i++) {
         test_adamw(sizes[i], &rng);
+        test_adamw_step_in_memory(sizes[i], &rng);
         test_norm_and_scale(sizes[i], &rng);
     }
     if (g_timing) time_adamw();

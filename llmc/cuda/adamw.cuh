@@ -7,10 +7,30 @@
 #pragma once
 #include "common.cuh"
 
-// Decoupled AdamW (Loshchilov & Hutter); t is the 1-based step for bias correction.
+// What changes from one optimizer step to the next: the learning rate, the two bias corrections
+// and the factor clipping multiplies the gradients by. The trainer keeps them in device memory
+// (adamw_update_dev_cuda and scale_inplace_dev_cuda read them there), so that the step's kernels
+// take no argument that changes per step (a CUDA graph replays its kernels with the arguments they
+// were captured with); they are computed on the host exactly as the CPU twin computes them, so
+// reading them from memory changes no bit of the update.
+typedef struct {
+    float lr, bc1, bc2;
+    float clip;  // the gradients' factor on a step that clips (grad_clip / norm), else 1
+} AdamWStep;
+#define ADAMW_STEP_DOUBLES 2  // an AdamWStep fits in this many doubles (the trainer's scratch)
+
+static AdamWStep adamw_step_values(float lr, float beta1, float beta2, int t) {
+    AdamWStep s = {lr, 1.0f - powf(beta1, (float)t), 1.0f - powf(beta2, (float)t), 1.0f};
+    return s;
+}
+
+// Decoupled AdamW (Loshchilov & Hutter). The step's values come from device memory (`at`), or,
+// when `at` is NULL, from the argument `arg` (t is the 1-based step of the bias corrections).
 __global__ void adamw_update_kernel(float* __restrict__ p, const float* __restrict__ g, float* __restrict__ m,
-                                    float* __restrict__ v, int64_t n, float lr, float beta1, float beta2, float eps,
-                                    float weight_decay, float bc1, float bc2) {
+                                    float* __restrict__ v, int64_t n, const AdamWStep* __restrict__ at, AdamWStep arg,
+                                    float beta1, float beta2, float eps, float weight_decay) {
+    AdamWStep s = at ? *at : arg;
+    float lr = s.lr, bc1 = s.bc1, bc2 = s.bc2;
     for (int64_t i = thread_index_1d(); i < n; i += grid_stride_1d()) {
         float gi = g[i];
         float mi = beta1 * m[i] + (1.0f - beta1) * gi;
@@ -20,12 +40,21 @@ __global__ void adamw_update_kernel(float* __restrict__ p, const float* __restri
         p[i] -= lr * ((mi / bc1) / (sqrtf(vi / bc2) + eps) + weight_decay * p[i]);
     }
 }
+// The step's values as kernel arguments (the dev/cuda checks, and LLMC_ADAMW_STEP=args).
 static void adamw_update_cuda(float* p, const float* g, float* m, float* v, int64_t n, float lr, float beta1,
                               float beta2, float eps, float weight_decay, int t, cudaStream_t stream) {
     if (n == 0) return;
-    float bc1 = 1.0f - powf(beta1, (float)t), bc2 = 1.0f - powf(beta2, (float)t);
-    launch_kernel(grid_for(n, 256), 256, 0, stream, adamw_update_kernel, p, g, m, v, n, lr, beta1, beta2, eps,
-                  weight_decay, bc1, bc2);
+    launch_kernel(grid_for(n, 256), 256, 0, stream, adamw_update_kernel, p, g, m, v, n, (const AdamWStep*)NULL,
+                  adamw_step_values(lr, beta1, beta2, t), beta1, beta2, eps, weight_decay);
+}
+// The step's values read from device memory `at` (written there before, in stream order): every
+// argument is the same at every step.
+static void adamw_update_dev_cuda(float* p, const float* g, float* m, float* v, int64_t n, const AdamWStep* at,
+                                  float beta1, float beta2, float eps, float weight_decay, cudaStream_t stream) {
+    if (n == 0) return;
+    const AdamWStep unused = {0.0f, 1.0f, 1.0f, 1.0f};
+    launch_kernel(grid_for(n, 256), 256, 0, stream, adamw_update_kernel, p, g, m, v, n, at, unused, beta1, beta2,
+                  eps, weight_decay);
 }
 
 // Sum of squares in double, in two deterministic stages: SUMSQ_BLOCKS partial sums (each block
@@ -66,11 +95,18 @@ static double sum_squares_cuda(const float* g, int64_t n, double* scratch, cudaS
     return h;
 }
 
-__global__ void scale_inplace_kernel(float* x, int64_t n, float s) {
+// x *= s, s read from device memory `at` when it is not NULL.
+__global__ void scale_inplace_kernel(float* x, int64_t n, const float* __restrict__ at, float s) {
+    if (at) s = *at;
     for (int64_t i = thread_index_1d(); i < n; i += grid_stride_1d()) x[i] *= s;
 }
 // x *= s (gradient clipping, or averaging over ranks).
 static void scale_inplace_cuda(float* x, int64_t n, float s, cudaStream_t stream) {
     if (n == 0) return;
-    launch_kernel(grid_for(n, 256), 256, 0, stream, scale_inplace_kernel, x, n, s);
+    launch_kernel(grid_for(n, 256), 256, 0, stream, scale_inplace_kernel, x, n, (const float*)NULL, s);
+}
+// x *= *at, the factor in device memory (clipping's, AdamWStep.clip).
+static void scale_inplace_dev_cuda(float* x, int64_t n, const float* at, cudaStream_t stream) {
+    if (n == 0) return;
+    launch_kernel(grid_for(n, 256), 256, 0, stream, scale_inplace_kernel, x, n, at, 1.0f);
 }

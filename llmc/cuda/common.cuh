@@ -61,37 +61,48 @@ static void cuda_check_launch(const char* kernel, const char* file, int line) {
 // emulator every count is exact (emu.h counts kernel launches, cuBLAS compute calls and every call
 // that makes the host wait); on a GPU only the launches made through launch_kernel are counted
 // here, and the other two are -1 (unknown: no interposition on the CUDA runtime).
+// A CUDA graph's launch (llmc/cuda/graph.cuh) counts as one launch; the kernels and cuBLAS calls it
+// replays are counted apart (graph_blas -1 on a GPU), and so are the graphs captured.
 typedef struct {
     long long launches, blas_calls, host_syncs;
+    long long graph_launches, graph_kernels, graph_blas, graph_captures;
 } CudaCounts;
 #ifndef LLMC_CUDA_EMU
-static long long cuda_launches_counted;
+static CudaCounts cuda_counted = {0, -1, -1, 0, 0, -1, 0};  // launch_kernel and graph.cuh count here
 #endif
 static CudaCounts cuda_counts_now(void) {
 #ifdef LLMC_CUDA_EMU
-    CudaCounts c = {emu_counts.launches, emu_counts.blas_calls, emu_counts.host_syncs};
+    CudaCounts c = {emu_counts.launches,      emu_counts.blas_calls,    emu_counts.host_syncs,
+                    emu_counts.graph_launches, emu_counts.graph_kernels, emu_counts.graph_blas,
+                    emu_counts.graph_captures};
 #else
-    CudaCounts c = {cuda_launches_counted, -1, -1};
+    CudaCounts c = cuda_counted;
 #endif
     return c;
 }
 
 // launch_kernel(grid, block, shared_bytes, stream, kernel, args...): the <<<>>> launch, then the
 // error check. A kernel that is a template takes at most one template argument here (the
-// preprocessor would split `k<a, b>` at its comma).
+// preprocessor would split `k<a, b>` at its comma). On the emulator a launch on a stream that
+// captures a CUDA graph is recorded with its arguments as they are now (emu.h).
 #ifdef LLMC_CUDA_EMU
 #define launch_kernel(grid, block, smem, stream, kernel, ...)                                          \
     do {                                                                                               \
-        emu_stream_issue(stream);                                                                      \
-        emu_launch(dim3(grid), dim3(block), (smem), #kernel, (const void*)kernel,                      \
-                   [&]() { kernel(__VA_ARGS__); });                                                    \
+        if (emu_capturing(stream))                                                                     \
+            emu_capture_launch(dim3(grid), dim3(block), (smem), #kernel, (const void*)kernel,          \
+                               emu_bind_kernel(kernel, ##__VA_ARGS__));                                \
+        else if (!emu_capture_refuses_legacy(stream, #kernel)) {                                       \
+            emu_stream_issue(stream);                                                                  \
+            emu_launch(dim3(grid), dim3(block), (smem), #kernel, (const void*)kernel,                  \
+                       [&]() { kernel(__VA_ARGS__); });                                                \
+        }                                                                                              \
         cuda_check_launch(#kernel, __FILE__, __LINE__);                                                \
     } while (0)
 #else
 #define launch_kernel(grid, block, smem, stream, kernel, ...)                                          \
     do {                                                                                               \
         kernel<<<(grid), (block), (smem), (stream)>>>(__VA_ARGS__);                                    \
-        cuda_launches_counted++;                                                                       \
+        cuda_counted.launches++;                                                                       \
         cuda_check_launch(#kernel, __FILE__, __LINE__);                                                \
     } while (0)
 #endif

@@ -114,6 +114,17 @@ static void prof_stop(Profiler* p, ProfMark m, const char* name, const char* pas
     p->rows[i].seconds += prof_now() - m.t;
 }
 
+// A region the ops must not time (a CUDA graph's capture: recording events into it would make
+// them part of the graph): prof_pause returns whether the profiler was active, prof_resume restores.
+static int prof_pause(Profiler* p) {
+    int was = p && p->active;
+    if (p) p->active = 0;
+    return was;
+}
+static void prof_resume(Profiler* p, int was) {
+    if (p) p->active = was;
+}
+
 static void prof_step_begin(Profiler* p) {
     if (!p) return;
 #ifdef LLMC_HAVE_CUDA
@@ -136,6 +147,10 @@ static void prof_step_end(Profiler* p, int first) {
         p->counted.launches += now.launches - p->at_begin.launches;
         p->counted.blas_calls += now.blas_calls - p->at_begin.blas_calls;
         p->counted.host_syncs += now.host_syncs - p->at_begin.host_syncs;
+        p->counted.graph_launches += now.graph_launches - p->at_begin.graph_launches;
+        p->counted.graph_kernels += now.graph_kernels - p->at_begin.graph_kernels;
+        p->counted.graph_blas += now.graph_blas - p->at_begin.graph_blas;
+        p->counted.graph_captures += now.graph_captures - p->at_begin.graph_captures;
         if (first) memset(&p->counted, 0, sizeof(p->counted));
         CUDA_CHECK(cudaStreamSynchronize(p->stream));
         for (int e = 0; e < p->nevents; e++) {
@@ -159,7 +174,9 @@ static int prof_cmp_seconds(const void* a, const void* b) {
 
 // The step's cost to the host, the mean over the counted steps (CUDA): on the emulator exactly
 // `per step: N kernel launches, N cuBLAS calls, N host synchronizations`; on a GPU the launches
-// only (common.cuh's cuda_counts_now says why).
+// only (common.cuh's cuda_counts_now says why). A CUDA graph's launch is one kernel launch there;
+// when graphs ran (LLMC_CUDA_GRAPH=1), a second line says how many, what they replayed and how
+// often one was captured.
 static void prof_print_counts(const Profiler* p) {
 #ifdef LLMC_HAVE_CUDA
     if (!p->cuda || p->steps == 0) return;
@@ -170,6 +187,14 @@ static void prof_print_counts(const Profiler* p) {
     else
         printf("per step: %.0f kernel launches, %.0f cuBLAS calls, %.0f host synchronizations\n",
                p->counted.launches / n, p->counted.blas_calls / n, p->counted.host_syncs / n);
+    if (p->counted.graph_launches > 0 || p->counted.graph_captures > 0) {
+        char blas[48] = "";
+        if (p->counted.graph_blas >= 0)
+            snprintf(blas, sizeof(blas), " and %.0f cuBLAS calls", p->counted.graph_blas / n);
+        printf("per step: %.0f of those launches are CUDA graphs, replaying %.0f kernel launches%s; "
+               "%.2f graph captures\n",
+               p->counted.graph_launches / n, p->counted.graph_kernels / n, blas, p->counted.graph_captures / n);
+    }
 #else
     (void)p;
 #endif

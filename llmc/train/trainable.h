@@ -55,8 +55,10 @@ typedef struct {
     const Backend* be;
     float *h_params, *h_grads;  // the host mirror (the arrays themselves on the CPU)
     void* params16;                   // CUDA: bf16 copy of params, refreshed after every update
-    double* sumsq_scratch;            // CUDA: the gradient norm's partial sums, then the step's statistics
-    double* h_step_stats;             // CUDA: their pinned host copy [STEP_STATS] (made on first use)
+    double* sumsq_scratch;            // CUDA: the gradient norm's partial sums, then the step's statistics,
+                                      // then AdamW's step values (trainable_adamw_step)
+    double* h_step_stats;             // CUDA: pinned host copies of both [STEP_STATS + ADAMW_STEP_DOUBLES]
+                                      // (made on first use)
     // The arena's gradient buckets, in the order the backward finishes them (highest offsets
     // first: the arena is laid out in forward order). On CUDA with several ranks they are summed
     // (or reduce-scattered) during the last micro-batch's backward as the models report, block by
@@ -99,7 +101,8 @@ static void trainable_plan(Trainable* tr, MemPlan* p, const char* module, int64_
     if (be && be->cuda) {
         plan_add(p, MEM_TRAINABLE, module, -1, "params_bf16", padded * 2, &tr->params16);
 #ifdef LLMC_HAVE_CUDA
-        plan_add(p, MEM_SCRATCH, module, -1, "grad_norm_partials", (SUM_SQUARES_SCRATCH + STEP_STATS) * sizeof(double),
+        plan_add(p, MEM_SCRATCH, module, -1, "grad_norm_partials",
+                 (SUM_SQUARES_SCRATCH + STEP_STATS + ADAMW_STEP_DOUBLES) * sizeof(double),
                  &tr->sumsq_scratch);
 #endif
     }
@@ -120,6 +123,19 @@ static double* trainable_step_stats(const Trainable* tr) {
     (void)tr;
     return NULL;
 }
+
+// AdamW's learning rate and bias corrections and clipping's factor of this step in device memory,
+// after the step's statistics, where the clipping and update kernels read them (written once per
+// step by trainable_upload_adamw_step, llmc/train/zero.h, so the kernels' arguments stay the same
+// from step to step). NULL on the CPU and with LLMC_ADAMW_STEP=args, where they are kernel
+// arguments as before.
+#ifdef LLMC_HAVE_CUDA
+static AdamWStep* trainable_adamw_step(const Trainable* tr) {
+    if (trainable_on_device(tr) && !backend_switch_is("LLMC_ADAMW_STEP", "args"))
+        return (AdamWStep*)(tr->sumsq_scratch + SUM_SQUARES_SCRATCH + STEP_STATS);
+    return NULL;
+}
+#endif
 
 // A bucket is closed once this many bytes of final gradients are waiting (LLMC_GRAD_BUCKET_BYTES
 // overrides it; tests use 1 to make every block its own bucket).

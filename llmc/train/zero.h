@@ -8,6 +8,11 @@
 #include "run_options.h"
 #include "health.h"
 #include "../cpu/adamw.h"
+
+// AdamW's hyperparameters besides the learning rate and weight decay (the usual defaults, not flags).
+#define ADAMW_BETA1 0.9f
+#define ADAMW_BETA2 0.999f
+#define ADAMW_EPS 1e-8f
 typedef struct {
     float grad_norm, lr;
     double comm_s;             // seconds in cross-rank communication
@@ -158,9 +163,16 @@ static double trainable_sum_squares(const Trainable* tr) {
 
 // The step's statistics (trainable_step_stats) to the host: one copy into pinned memory and the
 // step's one wait for the stream. h: [STEP_STATS].
+#ifdef LLMC_HAVE_CUDA
+static double* trainable_pinned(Trainable* tr) {
+    if (!tr->h_step_stats)
+        tr->h_step_stats = (double*)backend_alloc_staging(tr->be, sizeof(double) * (STEP_STATS + ADAMW_STEP_DOUBLES));
+    return tr->h_step_stats;
+}
+#endif
 static void trainable_read_step_stats(Trainable* tr, double* h) {
 #ifdef LLMC_HAVE_CUDA
-    if (!tr->h_step_stats) tr->h_step_stats = (double*)backend_alloc_staging(tr->be, sizeof(double) * STEP_STATS);
+    trainable_pinned(tr);
     CUDA_CHECK(cudaMemcpyAsync(tr->h_step_stats, trainable_step_stats(tr), sizeof(double) * STEP_STATS,
                                cudaMemcpyDeviceToHost, tr->be->stream));
     CUDA_CHECK(cudaStreamSynchronize(tr->be->stream));
@@ -175,6 +187,8 @@ static void trainable_scale(const Trainable* tr, float s) {
         float* g;
         int64_t n = trainable_own_range(tr, b, &g);
 #ifdef LLMC_HAVE_CUDA
+        const AdamWStep* at = trainable_adamw_step(tr);  // s is there (trainable_upload_adamw_step)
+        if (at) { scale_inplace_dev_cuda(g, n, &at->clip, tr->be->stream); continue; }
         if (trainable_on_device(tr)) { scale_inplace_cuda(g, n, s, tr->be->stream); continue; }
 #endif
         scale_inplace(g, n, s);
@@ -184,12 +198,17 @@ static void trainable_scale(const Trainable* tr, float s) {
 static void trainable_adamw(const Trainable* tr, float* p, const float* g, float* m, float* v, int64_t n, float lr,
                             float weight_decay, int t) {
 #ifdef LLMC_HAVE_CUDA
+    const AdamWStep* at = trainable_adamw_step(tr);
+    if (at) {
+        adamw_update_dev_cuda(p, g, m, v, n, at, ADAMW_BETA1, ADAMW_BETA2, ADAMW_EPS, weight_decay, tr->be->stream);
+        return;
+    }
     if (trainable_on_device(tr)) {
-        adamw_update_cuda(p, g, m, v, n, lr, 0.9f, 0.999f, 1e-8f, weight_decay, t, tr->be->stream);
+        adamw_update_cuda(p, g, m, v, n, lr, ADAMW_BETA1, ADAMW_BETA2, ADAMW_EPS, weight_decay, t, tr->be->stream);
         return;
     }
 #endif
-    adamw_update(p, g, m, v, n, lr, 0.9f, 0.999f, 1e-8f, weight_decay, t);
+    adamw_update(p, g, m, v, n, lr, ADAMW_BETA1, ADAMW_BETA2, ADAMW_EPS, weight_decay, t);
 }
 
 // ZeRO-1: every rank's updated piece of bucket b to every rank, in place: the bf16 shadow when the
@@ -242,6 +261,23 @@ static void trainable_allgather_async(Trainable* tr, const Dist* dist) {
 // AdamW on this rank's part (under ZeRO-1 its piece of every bucket), then every rank gets every
 // updated piece (ZeRO-1) and, on CUDA, the bf16 shadow is refreshed. Returns the seconds of
 // communication (0 when the all-gather overlaps the next forward).
+// The step's values (trainable_adamw_step: lr, bias corrections, clipping's factor) to the device,
+// in stream order before the clipping and the updates that read them. The pinned source is
+// rewritten only a step later, after the step's readback has waited for the stream, so this copy
+// has run by then (the emulator checks it: emu.h's uploads).
+static void trainable_upload_adamw_step(Trainable* tr, float lr, int t, float clip) {
+#ifdef LLMC_HAVE_CUDA
+    AdamWStep* at = trainable_adamw_step(tr);
+    if (!at) return;
+    AdamWStep* h = (AdamWStep*)(trainable_pinned(tr) + STEP_STATS);
+    *h = adamw_step_values(lr, ADAMW_BETA1, ADAMW_BETA2, t);
+    h->clip = clip;
+    CUDA_CHECK(cudaMemcpyAsync(at, h, sizeof(AdamWStep), cudaMemcpyHostToDevice, tr->be->stream));
+#else
+    (void)tr; (void)lr; (void)t; (void)clip;
+#endif
+}
+
 static double trainable_update(Trainable* tr, const Dist* dist, float lr, float weight_decay, int t) {
     trainable_weights_ready_all(tr);  // the last all-gathers still read the pieces about to change
     tr->host_current = !trainable_on_device(tr);
@@ -311,7 +347,10 @@ static OptimStep trainable_step(Trainable* tr, const TrainOptions* o, const Dist
         r.note = step_health_note(h);
         return r;
     }
-    if (o->grad_clip > 0 && r.grad_norm > o->grad_clip) trainable_scale(tr, o->grad_clip / r.grad_norm);
+    int clips = o->grad_clip > 0 && r.grad_norm > o->grad_clip;
+    float clip = clips ? o->grad_clip / r.grad_norm : 1.0f;
+    trainable_upload_adamw_step(tr, r.lr, step + 1, clip);
+    if (clips) trainable_scale(tr, clip);
     r.comm_s += trainable_update(tr, dist, r.lr, o->weight_decay, step + 1);
     return r;
 }

@@ -8,6 +8,11 @@
 #              CUDA backend (bf16 activations) against fp32 (test/cuda/test_llama_cuda.py, TOL_EXACT)
 #   grad norm  relative difference < 0.15: their gradient bound (TOL_EXACT["grad"], a relative L2
 #              error per tensor, here on the norm of the whole LoRA gradient)
+# Then gemm and cudnn again with LLMC_CUDA_GRAPH=1 (each micro-batch's forward + backward replayed as
+# one CUDA graph, llmc/cuda/graph.cuh), checked against the same path without it: gemm's must be the
+# very same loss and gradient norm (the same kernels with the same arguments in the same order, bit
+# for bit on the emulator), cudnn's within the bounds above (cuDNN may pick another algorithm); the
+# tok/s column is the graph's gain, the measurement that decides LLMC_CUDA_GRAPH's default.
 # Per-tensor gradients against the CPU backend: test_llama_cuda.py's test_cuda_attention_cudnn and
 # test_cuda_attention_paths (gpu_check.sh's whole-model step).
 # Shapes: the demo model at batch 4 x 128 (real data), and a Llama-3-8B-shaped model cut to 2
@@ -38,9 +43,11 @@ EOF
 compare() {
     local shape=$1 path log rc loss gn rate ref_loss="" ref_gn="" verdict
     shift
-    for path in gemm cudnn flash; do  # gemm first: the reference
+    local -A row_loss row_gn
+    for path in gemm cudnn flash gemm+graph cudnn+graph; do  # gemm first: the reference
         log="$D/$shape.$path.log"
-        LLMC_ATTENTION=$path timeout 300 "$@" > "$log" 2>&1
+        LLMC_ATTENTION=${path%+graph} LLMC_CUDA_GRAPH=$([ "${path%+graph}" != "$path" ] && echo 1 || echo 0) \
+            timeout 300 "$@" > "$log" 2>&1
         rc=$?
         loss=$(sed -n 's/^step *[0-9]*\/[0-9]* | loss \([0-9.naif-]*\) .*/\1/p' "$log" | tail -n 1)
         gn=$(sed -n 's/.* | grad norm \([0-9.naif-]*\) .*/\1/p' "$log" | tail -n 1)
@@ -50,15 +57,23 @@ compare() {
             FAILED=1
         elif [ $path = gemm ]; then
             ref_loss=$loss ref_gn=$gn verdict="reference"
+        elif [ $path = gemm+graph ]; then  # bit for bit: the very same printed values
+            if [ "$loss" = "${row_loss[gemm]:-}" ] && [ "$gn" = "${row_gn[gemm]:-}" ]; then verdict="identical to gemm"
+            else verdict="DIFFERS from gemm without the graph"; FAILED=1; fi
+        elif [ $path = cudnn+graph ] && [ -z "${row_loss[cudnn]:-}" ]; then
+            verdict="no cudnn reference"
         elif [ -z "$ref_loss" ]; then
             verdict="no gemm reference"
         else
+            [ $path = cudnn+graph ] && ref_loss=${row_loss[cudnn]} ref_gn=${row_gn[cudnn]}
             verdict=$(awk -v a="$loss" -v b="$ref_loss" -v g="$gn" -v h="$ref_gn" 'BEGIN {
                 dl = (a - b) / b; if (dl < 0) dl = -dl; dg = (g - h) / h; if (dg < 0) dg = -dg;
                 ok = dl < 1e-2 && dg < 0.15; printf "%s loss %.1e grad norm %.1e", ok ? "ok:" : "OUT OF BOUNDS:", dl, dg }')
             case $verdict in OUT*) FAILED=1 ;; esac
         fi
         [ $rc -eq 0 ] && [ -n "$loss" ] && status=PASS || status="FAIL"
+        [ $status = PASS ] && row_loss[$path]=$loss row_gn[$path]=$gn
+        grep -a -q 'cuda graph: off' "$log" && verdict="$verdict; $(grep -a -m 1 -o 'cuda graph: off.*' "$log")"
         grep -a -q 'cudnn refused' "$log" && verdict="$verdict; $(grep -a -m 1 -o 'cudnn refused.*' "$log")"
         echo "| $shape | $path | $status | ${loss:-?} | ${gn:-?} | $rate | $verdict |"
     done

@@ -6,7 +6,8 @@
 #   3. compute-sanitizer memcheck, racecheck and initcheck on the programs of the main kernels
 #   4. both trainers' smoke runs: baseline, lowmem and ckpt, a few steps each, with the memory line
 #   4b. attention side by side: LLMC_ATTENTION=cudnn, gemm, flash at the demo and a Llama-3-8B shape
-#      (scripts/ci/attention_compare.sh: loss and gradient norm against gemm, tokens/s)
+#      (scripts/ci/attention_compare.sh: loss and gradient norm against gemm, tokens/s), and gemm and
+#      cudnn with the CUDA graph (LLMC_CUDA_GRAPH=1) against themselves without it
 #   5. a subset of the whole-model GPU-vs-CPU tests (test/cuda/test_*_cuda.py, CUDA_TEST_BACKEND=gpu)
 #   6. the NCCL self-test on one GPU (LLMC_NCCL_SELFTEST=1: LoRA, then --full's ZeRO-1)
 #   7. the benchmark (scripts/bench/bench_gpu.sh), if time is left
@@ -238,16 +239,18 @@ done
 
 # ---- 4b. the attention paths side by side ------------------------------------------------------
 # cudnn (the default where make found cuDNN), gemm and flash on the same runs: loss and gradient
-# norm against gemm within the emulator tests' bounds, and tokens/s (--smoke: the demo shape only)
-step "attention cudnn vs gemm vs flash" $([ $SMOKE -eq 1 ] && echo 60 || echo 150) \
+# norm against gemm within the emulator tests' bounds, and tokens/s (--smoke: the demo shape only);
+# then gemm and cudnn with LLMC_CUDA_GRAPH=1 against themselves without it (the graph's tokens/s)
+step "attention cudnn vs gemm vs flash" $([ $SMOKE -eq 1 ] && echo 90 || echo 220) \
     bash scripts/ci/attention_compare.sh $([ $SMOKE -eq 1 ] && echo demo || echo all)
 grep -a '^|' "$STEP_LOG" > "$WORK/attention.md"
 finish_step "$(grep -a -c '| PASS |' "$STEP_LOG") runs passed; $(first_lines "$STEP_LOG" '(FAIL|OUT OF BOUNDS)' 3)"
 
 # ---- 5. the whole-model tests, GPU against CPU ------------------------------------------------
-# cuda_attention: the in-house paths and cuDNN's (test_cuda_attention_cudnn), gradients against the CPU
+# cuda_attention: the in-house paths and cuDNN's (test_cuda_attention_cudnn), gradients against the CPU;
+# cuda_graph: LLMC_CUDA_GRAPH=1 bit for bit against the eager step, and a real capture refusing a readback
 if [ $SMOKE -eq 1 ]; then K=${GPU_CHECK_PYTEST_K:-"training_tracks_cpu or attention_cudnn"}
-else K=${GPU_CHECK_PYTEST_K:-"training_tracks_cpu or probe_matches_cpu_probe or probe_cuda_matches_cpu or full_finetuning or cuda_attention"}; fi
+else K=${GPU_CHECK_PYTEST_K:-"training_tracks_cpu or probe_matches_cpu_probe or probe_cuda_matches_cpu or full_finetuning or cuda_attention or cuda_graph"}; fi
 step "whole models GPU vs CPU (pytest -k '$K')" 200 env CUDA_TEST_BACKEND=gpu PYTHONUNBUFFERED=1 python3 -m pytest -v -p no:cacheprovider \
     test/cuda/test_llama_cuda.py test/cuda/test_vit_cuda.py -k "$K"
 finish_step "$(grep -a -c ' PASSED' "$STEP_LOG") passed, $(grep -a -c ' FAILED' "$STEP_LOG") failed so far; $(first_lines "$STEP_LOG" '^(FAILED|ERROR) ' 3)"

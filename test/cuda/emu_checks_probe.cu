@@ -19,6 +19,9 @@
 //                                     without waiting for it (an event)
 //   async-unordered                   a copy stream's cudaMemcpyAsync issued without waiting for
 //                                     the default stream's kernels (it may overwrite what they read)
+//   graph-sync, graph-malloc,         during a stream capture (a CUDA graph): a host synchronisation,
+//   graph-legacy, graph-pageable      an allocation, a launch on the legacy stream, a copy from
+//                                     pageable memory, each of which CUDA refuses
 // Each planted bug must end the run with an error naming it (non-zero exit).
 #include "../../llmc/backend.h"
 #include "../../llmc/cuda/matmul.cuh"
@@ -324,6 +327,42 @@ static void blas(const char* which) {
     CUDA_CHECK(cudaFree(C));
 }
 
+// A stream capture: a launch, a memset and a device copy recorded, not run; the graph replays the
+// arguments of the capture (the host's value changed since is not seen), once per cudaGraphLaunch.
+// `which` plants a call CUDA refuses during the capture.
+static void graph(const char* which) {
+    const int64_t n = 1000;
+    float *x = device_floats(n, 0.0f), *y = device_floats(n, 0.0f);
+    cudaStream_t st;
+    CUDA_CHECK(cudaStreamCreate(&st));
+    float v = 2.0f;
+    CUDA_CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
+    CUDA_CHECK(cudaMemsetAsync(y, 0, sizeof(float) * n, st));
+    launch_kernel(grid_for(n, 256), 256, 0, st, fill_kernel, x, n, v, 0);
+    CUDA_CHECK(cudaMemcpyAsync(y, x, sizeof(float) * n, cudaMemcpyDeviceToDevice, st));
+    if (!strcmp(which, "sync")) CUDA_CHECK(cudaStreamSynchronize(st));
+    if (!strcmp(which, "malloc")) cuda_malloc_checked(16, "a buffer made during the capture");
+    if (!strcmp(which, "legacy")) launch_kernel(1, 32, 0, 0, fill_kernel, x, n, v, 0);
+    std::vector<float> pageable((size_t)n, 5.0f);
+    if (!strcmp(which, "pageable"))
+        CUDA_CHECK(cudaMemcpyAsync(x, pageable.data(), sizeof(float) * n, cudaMemcpyHostToDevice, st));
+    cudaGraph_t g;
+    CUDA_CHECK(cudaStreamEndCapture(st, &g));
+    cudaGraphExec_t exec;
+    CUDA_CHECK(cudaGraphInstantiate(&exec, g, 0));
+    CUDA_CHECK(cudaGraphDestroy(g));
+    expect(all_equal(download(y, n), 0.0f), "graph: the capture ran the work it recorded");
+    v = 3.0f;  // after the capture: the graph keeps 2
+    CUDA_CHECK(cudaMemset(y, 0xFF, sizeof(float) * n));
+    CUDA_CHECK(cudaGraphLaunch(exec, st));
+    CUDA_CHECK(cudaStreamSynchronize(st));
+    expect(all_equal(download(y, n), 2.0f), "graph: the replay did not give the captured argument");
+    CUDA_CHECK(cudaGraphExecDestroy(exec));
+    CUDA_CHECK(cudaStreamDestroy(st));
+    CUDA_CHECK(cudaFree(x));
+    CUDA_CHECK(cudaFree(y));
+}
+
 int main(int argc, char** argv) {
     const char* mode = argc > 1 ? argv[1] : "ok";
     int ok = !strcmp(mode, "ok");
@@ -341,6 +380,7 @@ int main(int argc, char** argv) {
         shuffles(0, 0);
         launch_errors_ok();
         blas("ok");
+        graph("ok");
         printf("emu_checks_probe: ok: every kernel and cuBLAS call without its planted bug passes\n");
         return 0;
     }
@@ -359,6 +399,7 @@ int main(int argc, char** argv) {
     else if (!strcmp(mode, "shfl-partial")) shuffles(0, 1);
     else if (!strncmp(mode, "launch-", 7)) launch_config(mode + 7);
     else if (!strncmp(mode, "blas-", 5)) blas(mode + 5);
+    else if (!strncmp(mode, "graph-", 6)) graph(mode + 6);
     else fail("emu_checks_probe: unknown mode '%s'", mode);
     printf("emu_checks_probe: %s: the planted bug went unnoticed\n", mode);
     return 0;

@@ -64,6 +64,10 @@ PLANTED = [
     ("blas-workspace", "the algorithm needs 6016 (CUBLAS_STATUS_INVALID_VALUE)"),
     ("async-unwaited", "async-unwaited: sum_kernel gave -nan, want 100"),
     ("async-unordered", "emu: race: cudaMemcpyAsync issued on stream"),
+    ("graph-sync", "emu: cudaStreamSynchronize while stream"),
+    ("graph-malloc", "emu: cudaMalloc while stream"),
+    ("graph-legacy", "launch of fill_kernel: operation would make the legacy stream depend on a capturing blocking stream"),
+    ("graph-pageable", "a copy with pageable host memory"),
 ]
 
 

@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 
 import llama_cases as lc
+import shards
 import st_io
 from cuda_backend import BLAS_WORKSPACE_MIB, GPU, REPO, binaries, check_measured_memory, mpirun, need, rel_l2, run
 
@@ -538,7 +539,8 @@ def check_refused_plan_says_what_fits(args):
 # ---- the step without host synchronisation (llmc/backend.h, llmc/train/zero.h) ------------------
 
 # The old behaviour of each piece, selectable so that a GPU run can compare (llmc/backend.h).
-OLD_SYNC_SWITCHES = {"LLMC_STREAM": "legacy", "LLMC_UPLOAD": "sync", "LLMC_STEP_READBACK": "each"}
+# LLMC_ADAMW_STEP=args: AdamW's lr and bias corrections as kernel arguments, not read from device memory.
+OLD_SYNC_SWITCHES = {"LLMC_STREAM": "legacy", "LLMC_UPLOAD": "sync", "LLMC_STEP_READBACK": "each", "LLMC_ADAMW_STEP": "args"}
 # LLMC_ATTENTION=flash: the GEMM attention path still copies its per-call pointer arrays from
 # pageable memory (two host synchronisations per layer) until they are built at plan time.
 NO_GEMM_ATTENTION = {"LLMC_ATTENTION": "flash"}
@@ -555,7 +557,7 @@ def test_cuda_step_has_one_host_sync_and_the_old_paths_train_the_same(tmp_path):
     """--profile's count on the emulator, which counts every call that makes the host wait
     (llmc/cuda/emu/emu.h): one per optimizer step (the step's readback of loss and gradient norm)
     over 2 micro-batches. Each old path (own stream off, synchronous uploads, per-micro-batch
-    readback) must train to the very same adapter, bit for bit: the same kernels on the same data
+    readback, AdamW's step values as kernel arguments) must train to the very same adapter, bit for bit: the same kernels on the same data
     in the same order; only when the host waits differs. The synchronous uploads add exactly the
     4 cudaMemcpy per micro-batch (inputs, targets, mask, positions) that the count must see."""
     args = ["--steps", 2, "--grad-accum", 2, "--profile"]  # the first step is a warm-up: one counted
@@ -583,6 +585,86 @@ def test_cuda_planted_early_rewrite_of_upload_staging_is_caught():
     assert p.returncode != 0 and "emu: race: the host rewrote pinned memory" in p.stderr, p.stderr[-1500:]
     ok = train(CUDA_TRAIN, "cuda", "--steps", 1, "--grad-accum", 2, check=False, env=NO_GEMM_ATTENTION)
     assert ok.returncode == 0, ok.stderr[-1500:]
+
+
+# ---- CUDA graphs (LLMC_CUDA_GRAPH=1: llmc/cuda/graph.cuh, train_llama.cu's llama_train_micro_batch) ------
+
+GRAPH_LINE = (r"^per step: (\d+) of those launches are CUDA graphs, replaying (\d+) kernel launches and (\d+) cuBLAS "
+              r"calls; ([0-9.]+) graph captures$")
+
+
+@pytest.fixture(scope="module")
+def packed_demo(tmp_path_factory):
+    """The demo's training tokens cut into examples of 20 tokens (so every 32-token window packs
+    examples and attention masks by position) with about a fifth of the targets masked at random, so
+    that each step's loss scale (1 / its unmasked targets, a kernel argument) differs."""
+    path = tmp_path_factory.mktemp("packed_demo") / "train.bin"
+    toks, _, vocab = shards.read_shard(os.path.join(REPO, "data/llama_demo_ft_train.bin"))
+    rng = np.random.default_rng(3)
+    mask = (rng.random(toks.size) > 0.2).astype(np.uint8)
+    starts = (np.arange(toks.size) % 20 == 0).astype(np.uint8)
+    shards.write_shard(str(path), toks.astype(np.uint32), mask, vocab, starts=starts)
+    return str(path)
+
+
+def train_on(data, *args, check=True, env=None):
+    """The CUDA trainer on the demo model with another training shard, batch 1 and no evaluation
+    (the emulator's time)."""
+    demo = [str(data) if a == DEMO[DEMO.index("--data") + 1] else a for a in DEMO]
+    for flag in ("--val", "--val-batches"):
+        i = demo.index(flag)
+        del demo[i:i + 2]
+    demo[demo.index("--batch") + 1] = "1"
+    return run([need(CUDA_TRAIN)] + demo + ["--device", "cuda"] + list(args), check=check, env=env)
+
+
+def test_cuda_graph_replays_the_step_bit_for_bit(tmp_path, packed_demo):
+    """LLMC_CUDA_GRAPH=1 against the eager step, 2 steps of 2 micro-batches on packed examples (the
+    default attention path, whose pointer tables are a host-side cache the graph's key covers): the
+    first micro-batch runs eagerly (warm-up), the second is captured and replayed, the next step's
+    scale differs, so its first micro-batch is captured again and its second replayed. The adapter
+    and the losses must be the very same bits (the same kernels with the same arguments in the same
+    order). On the emulator the counts must add up: the launches outside the graphs plus the kernels
+    the graphs replayed are the eager step's launches, and every product is inside a graph. The
+    planted stale key (the scale left out: the next step replays the old scale) must change the
+    adapter, which shows that the comparison sees a stale graph."""
+    args = ["--steps", 2, "--grad-accum", 2, "--profile"]
+    off = train_on(packed_demo, *args, "--out", tmp_path / "off")
+    on = train_on(packed_demo, *args, "--out", tmp_path / "on", env={"LLMC_CUDA_GRAPH": "1"})
+    assert "cuda graph: on" in on.stdout, on.stdout[-1500:]
+    want = (tmp_path / "off" / "adapter_model.safetensors").read_bytes()
+    assert (tmp_path / "on" / "adapter_model.safetensors").read_bytes() == want
+    assert len(step_losses(on.stdout)) == 2 and step_losses(on.stdout) == step_losses(off.stdout)
+    stale = train_on(packed_demo, *args, "--out", tmp_path / "stale", env={"LLMC_CUDA_GRAPH": "1", "LLMC_FAULT_GRAPH_KEY": "1"})
+    assert (tmp_path / "stale" / "adapter_model.safetensors").read_bytes() != want
+    assert step_losses(stale.stdout)[0] == step_losses(off.stdout)[0]  # the first step's graphs were right
+    if GPU:
+        return
+    launches, blas, syncs = per_step_counts(off.stdout)
+    g_launches, g_blas, g_syncs = per_step_counts(on.stdout)
+    m = re.search(GRAPH_LINE, on.stdout, re.M)
+    assert m, on.stdout[-1500:]
+    graphs, replayed, replayed_blas, captures = int(m.group(1)), int(m.group(2)), int(m.group(3)), float(m.group(4))
+    print(f"per step: eager {launches} launches, {blas} cuBLAS calls; graph {g_launches} launches ({graphs} graphs "
+          f"replaying {replayed} kernels, {replayed_blas} cuBLAS calls), {captures} captures")
+    assert graphs == 2 and captures == 1 and syncs == g_syncs == 1
+    assert g_launches - graphs + replayed == launches and g_blas == 0 and replayed_blas == blas
+
+
+def test_cuda_graph_refuses_what_a_capture_cannot_hold():
+    """Under LLMC_STEP_READBACK=each every micro-batch reads its loss back (a copy to pageable memory
+    and a host synchronisation), which no capture can hold: LLMC_CUDA_GRAPH=1 is refused in one line
+    and the run trains eagerly. With the refusal skipped (LLMC_FAULT_GRAPH_NO_REFUSAL=1), the capture
+    meets that copy and CUDA refuses it: the run stops with the CUDA error (and, on the emulator, the
+    call named), never with a wrong graph."""
+    env = {"LLMC_CUDA_GRAPH": "1", "LLMC_STEP_READBACK": "each"}
+    data = DEMO[DEMO.index("--data") + 1]
+    ok = train_on(data, "--steps", 1, "--grad-accum", 2, env=env)
+    assert "cuda graph: off: LLMC_STEP_READBACK=each" in ok.stdout, ok.stdout[-1500:]
+    bad = train_on(data, "--steps", 1, "--grad-accum", 2, check=False, env=dict(env, LLMC_FAULT_GRAPH_NO_REFUSAL="1"))
+    assert bad.returncode != 0 and "operation not permitted when stream is capturing" in bad.stderr, bad.stderr[-1500:]
+    if not GPU:
+        assert "emu: cudaMemcpyAsync while stream" in bad.stderr and "captures a CUDA graph" in bad.stderr
 
 
 def test_cuda_bad_inputs_fail_cleanly(tmp_path):

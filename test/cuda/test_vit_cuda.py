@@ -232,17 +232,30 @@ def test_step_has_one_host_sync_and_the_old_paths_train_the_same(tmp_path):
     """As test_llama_cuda.py's: --profile's exact count on the emulator, one host synchronisation per
     optimizer step over 2 micro-batches (LLMC_ATTENTION=flash: the GEMM attention path still copies
     pointer arrays from pageable memory), and the old paths (legacy stream, synchronous uploads,
-    per-micro-batch readback: llmc/backend.h) train to the same adapter bit for bit."""
+    per-micro-batch readback, AdamW's step values as kernel arguments: llmc/backend.h) train to the
+    same adapter bit for bit, and so does the CUDA graph of each micro-batch (LLMC_CUDA_GRAPH=1)."""
     args = ["--steps", 2, "--grad-accum", 2, "--profile"]  # the first step is a warm-up: one counted
     flash = {"LLMC_ATTENTION": "flash"}
     new = train(CUDA_TRAIN, "cuda", *args, "--out", tmp_path / "new", env=flash)
     m = re.search(r"^per step: (\d+) kernel launches, (\d+) cuBLAS calls, (\d+) host synchronizations$", new.stdout, re.M)
     assert m and int(m.group(3)) == 1, new.stdout[-1500:]
-    old = dict(flash, LLMC_STREAM="legacy", LLMC_UPLOAD="sync", LLMC_STEP_READBACK="each")
+    old = dict(flash, LLMC_STREAM="legacy", LLMC_UPLOAD="sync", LLMC_STEP_READBACK="each", LLMC_ADAMW_STEP="args")
     p = train(CUDA_TRAIN, "cuda", *args, "--out", tmp_path / "old", env=old)
     assert step_losses(p.stdout) == step_losses(new.stdout)
     for f in ("adapter_model.safetensors", "train_state.bin"):
         assert (tmp_path / "old" / f).read_bytes() == (tmp_path / "new" / f).read_bytes(), f
+    # each micro-batch's forward + backward as one CUDA graph (LLMC_CUDA_GRAPH=1): the same bits, and
+    # the launches outside the graphs plus what the graphs replayed are the eager step's
+    g = train(CUDA_TRAIN, "cuda", *args, "--out", tmp_path / "graph", env=dict(flash, LLMC_CUDA_GRAPH="1"))
+    assert step_losses(g.stdout) == step_losses(new.stdout)
+    for f in ("adapter_model.safetensors", "train_state.bin"):
+        assert (tmp_path / "graph" / f).read_bytes() == (tmp_path / "new" / f).read_bytes(), f
+    c = re.search(r"^per step: (\d+) kernel launches, (\d+) cuBLAS calls, (\d+) host synchronizations$", g.stdout, re.M)
+    r = re.search(r"^per step: (\d+) of those launches are CUDA graphs, replaying (\d+) kernel launches and (\d+) cuBLAS "
+                  r"calls; [0-9.]+ graph captures$", g.stdout, re.M)
+    assert c and r, g.stdout[-1500:]
+    assert int(r.group(1)) == 2 and int(c.group(3)) == 1 and int(c.group(2)) == 0
+    assert int(c.group(1)) - int(r.group(1)) + int(r.group(2)) == int(m.group(1)) and int(r.group(3)) == int(m.group(2))
 
 
 @pytest.mark.parametrize("mode", ["baseline", "lowmem", "ckpt"])

@@ -226,10 +226,11 @@ def scratch_parts(mode):
 
 # The gradient norm's partial sums, (512 blocks + 1) doubles (llmc/cuda/adamw.cuh's
 # SUM_SQUARES_SCRATCH), and the step's 5 statistics read back once per step (loss, count, correct,
-# overflowed rows, sum of squares: llmc/train/trainable.h's STEP_STATS) are planned under the
-# trainable module only by a binary built with the CUDA backend, so a CPU-only build's CUDA plan
-# lacks them.
-GRAD_NORM_PARTIALS = (512 + 1 + 5) * 8
+# overflowed rows, sum of squares: llmc/train/trainable.h's STEP_STATS), then AdamW's step values
+# (lr and two bias corrections, 3 floats in 2 doubles: llmc/cuda/adamw.cuh's ADAMW_STEP_DOUBLES) are
+# planned under the trainable module only by a binary built with the CUDA backend, so a CPU-only
+# build's CUDA plan lacks them.
+GRAD_NORM_PARTIALS = (512 + 1 + 5 + 2) * 8
 
 
 def without_grad_norm_partials(parts, want):

@@ -38,7 +38,10 @@
 //   - launch configurations a GPU refuses (block size, grid size, dynamic shared memory beyond
 //     48 KiB without cudaFuncSetAttribute): the kernel does not run and cudaGetLastError returns
 //     the error, as on a GPU;
-//   - cuBLAS / cuBLASLt misuse: emu_cublas.h checks every call against the documented contract.
+//   - cuBLAS / cuBLASLt misuse: emu_cublas.h checks every call against the documented contract;
+//   - what a stream capture refuses (see "stream capture and graphs" below): a host
+//     synchronisation, cudaMalloc / cudaFree, a synchronous copy or memset, work on the legacy
+//     stream, a copy from pageable memory, while a stream captures a CUDA graph.
 // It says nothing about performance, memory coherence, register limits or what nvcc makes of the
 // code: only a GPU does.
 #pragma once
@@ -59,6 +62,8 @@
 #include <map>
 #include <set>
 #include <string>
+#include <tuple>
+#include <type_traits>
 #include <vector>
 #if defined(__SANITIZE_ADDRESS__)
 #include <sanitizer/asan_interface.h>
@@ -129,8 +134,11 @@ static EmuState emu_state;
 // and device synchronisation; synchronous copies to or from the host; copies between the device
 // and pageable host memory, which CUDA stages synchronously; device and pinned allocation and
 // freeing).
+// A CUDA graph's launch counts as one kernel launch (the host makes one call); the kernels and
+// cuBLAS calls it replays are counted apart (graph_kernels, graph_blas), as are the captures.
 typedef struct {
     long long launches, blas_calls, host_syncs;
+    long long graph_launches, graph_kernels, graph_blas, graph_captures;
 } EmuCounts;
 static EmuCounts emu_counts;
 
@@ -549,9 +557,103 @@ static void emu_check_side(uintptr_t p, size_t n, int device, const char* call, 
     }
 }
 
+// ---- stream capture and graphs -------------------------------------------------------------------
+// cudaStreamBeginCapture ... cudaStreamEndCapture on a created stream records, without running them,
+// the kernel launches, cuBLAS calls, device-to-device copies and memsets issued to it; each kernel's
+// arguments are converted and copied at the launch, as CUDA does (a graph replays the values of the
+// capture, so a host value that changed since is not seen: the bug a stale graph makes on a GPU).
+// cudaGraphLaunch runs the recorded list in order on its stream, as one host call. As in CUDA's
+// global capture mode, while a stream captures, every call that would make the host wait, allocate or
+// free, or touch the legacy stream fails and invalidates the capture (reported on stderr with the
+// call; cudaStreamEndCapture then returns cudaErrorStreamCaptureInvalidated). What the trainer never
+// captures is not modelled and stops the run with a line saying so: events, collectives, copies
+// between the host and the device, nested graphs.
+enum { EMU_OP_KERNEL, EMU_OP_BLAS, EMU_OP_COPY };
+struct EmuGraphOp {
+    int kind;
+    std::function<void()> run;
+};
+struct CUgraph_st {
+    std::vector<EmuGraphOp> ops;
+};
+struct CUgraphExec_st {
+    std::vector<EmuGraphOp> ops;
+};
+typedef struct {
+    cudaStream_t stream;   // the capturing stream (one capture at a time: the trainer has one stream)
+    CUgraph_st* graph;     // NULL: no capture
+    int invalidated;
+} EmuCapture;
+static EmuCapture emu_capture;
+
+static int emu_capturing(cudaStream_t st) { return emu_capture.graph && st && st == emu_capture.stream; }
+
+// A call that CUDA's global capture mode refuses while a stream captures: cudaSuccess when none
+// captures; else the capture is invalidated and the call returns `err` (reported on stderr).
+static cudaError_t emu_capture_refuses(const char* call, const char* why, cudaError_t err) {
+    if (!emu_capture.graph) return cudaSuccess;
+    fprintf(stderr, "emu: %s while stream %p captures a CUDA graph: %s; CUDA refuses it and invalidates the capture\n",
+            call, (void*)emu_capture.stream, why);
+    emu_capture.invalidated = 1;
+    return err;
+}
+// Work the emulator does not capture (the trainer never captures it): the run stops.
+static void emu_capture_unmodelled(cudaStream_t st, const char* call) {
+    if (!emu_capture.graph || (st && st != emu_capture.stream)) return;
+    fprintf(stderr, "emu: %s while stream %p captures a CUDA graph: not modelled by the emulator\n", call,
+            (void*)emu_capture.stream);
+    exit(1);
+}
+static void emu_capture_record(int kind, const std::function<void()>& run) {
+    EmuGraphOp op = {kind, run};
+    emu_capture.graph->ops.push_back(op);
+}
+
+// A kernel's arguments converted to its parameter types and copied, as a launch does: a literal 0 or
+// NULL where a pointer is expected is the null pointer.
+template <class P, class A> static P emu_kernel_arg(A&& a) {
+    if constexpr (std::is_pointer<P>::value && std::is_integral<typename std::decay<A>::type>::value) {
+        if (a != 0) { fprintf(stderr, "emu: a nonzero integer passed as a kernel's pointer argument\n"); exit(1); }
+        return (P) nullptr;
+    } else {
+        return (P)std::forward<A>(a);
+    }
+}
+template <class... P, class... A>
+static std::function<void()> emu_bind_kernel(void (*k)(P...), A&&... a) {
+    static_assert(sizeof...(P) == sizeof...(A), "kernel launched with the wrong number of arguments");
+    std::tuple<typename std::decay<P>::type...> args(
+        emu_kernel_arg<typename std::decay<P>::type>(std::forward<A>(a))...);
+    return [k, args]() { std::apply(k, args); };
+}
+
+static void emu_launch(dim3 grid, dim3 block, size_t smem, const char* kernel, const void* fn,
+                       const std::function<void()>& body);
+// A launch on a capturing stream: checked now (a configuration a GPU refuses fails the launch and
+// the capture), run at each cudaGraphLaunch.
+static void emu_capture_launch(dim3 grid, dim3 block, size_t smem, const char* kernel, const void* fn,
+                               const std::function<void()>& body) {
+    cudaError_t err = emu_launch_error(grid, block, smem, fn);
+    if (err != cudaSuccess) {
+        emu_state.last_error = err;
+        emu_capture.invalidated = 1;
+        return;
+    }
+    emu_capture_record(EMU_OP_KERNEL, [=]() { emu_launch(grid, block, smem, kernel, fn, body); });
+}
+// A launch on the legacy stream while another stream captures: cudaErrorStreamCaptureImplicit.
+static int emu_capture_refuses_legacy(cudaStream_t st, const char* kernel) {
+    if (st || !emu_capture.graph) return 0;
+    emu_state.last_error =
+        emu_capture_refuses(kernel, "a kernel launch on the legacy stream", cudaErrorStreamCaptureImplicit);
+    return 1;
+}
+
 extern "C" {
 // Each allocation sits between two guard zones; its start is 256-byte aligned, as cudaMalloc's.
 cudaError_t cudaMalloc(void** p, size_t n) {
+    cudaError_t refused = emu_capture_refuses("cudaMalloc", "an allocation", cudaErrorStreamCaptureUnsupported);
+    if (refused) return refused;
     emu_host_sync("cudaMalloc");
     if (n > EMU_DEVICE_BYTES - emu_bytes_in_use) {
         *p = NULL;
@@ -572,6 +674,9 @@ cudaError_t cudaMalloc(void** p, size_t n) {
 }
 cudaError_t cudaFree(void* p) {
     if (!p) return cudaSuccess;
+    cudaError_t refused =
+        emu_capture_refuses("cudaFree", "freeing synchronises the device", cudaErrorStreamCaptureUnsupported);
+    if (refused) return refused;
     cudaDeviceSynchronize();  // as on a GPU; held-back work may still use the memory (counted there)
     std::map<const char*, size_t>::iterator it = emu_allocations().find((const char*)p);
     if (it == emu_allocations().end()) {
@@ -588,12 +693,17 @@ cudaError_t cudaFree(void* p) {
 }
 // Page-locked host memory is plain host memory here (not registered: it is host memory).
 cudaError_t cudaMallocHost(void** p, size_t n) {
+    cudaError_t refused = emu_capture_refuses("cudaMallocHost", "an allocation", cudaErrorStreamCaptureUnsupported);
+    if (refused) return refused;
     emu_host_sync("cudaMallocHost");
     *p = malloc(n ? n : 1);
     if (*p) emu_pinned()[(const char*)*p] = n;
     return *p ? cudaSuccess : cudaErrorMemoryAllocation;
 }
 cudaError_t cudaFreeHost(void* p) {
+    cudaError_t refused =
+        emu_capture_refuses("cudaFreeHost", "freeing synchronises the device", cudaErrorStreamCaptureUnsupported);
+    if (refused) return refused;
     emu_host_sync("cudaFreeHost");
     emu_pinned().erase((const char*)p);
     free(p);
@@ -756,6 +866,7 @@ static void emu_stream_issue(cudaStream_t st) {
 
 // Work that may run late (see above); `what` names it in the error; `span`: the memory it touches.
 static void emu_stream_submit_span(cudaStream_t st, const char* what, const std::function<void()>& f, EmuSpan span) {
+    emu_capture_unmodelled(st, what);
     if (!st) { emu_stream_issue(NULL); f(); return; }
     emu_seq++;
     if (!st->nonblocking) st->seen_default = emu_default_work;  // ordered after it (see above)
@@ -809,6 +920,9 @@ static int emu_copy_waits(const void* dst, const void* src, size_t n, enum cudaM
 }
 
 cudaError_t cudaMemcpy(void* dst, const void* src, size_t n, enum cudaMemcpyKind kind) {
+    cudaError_t refused = emu_capture_refuses("cudaMemcpy", "a synchronous copy on the legacy stream",
+                                              cudaErrorStreamCaptureImplicit);
+    if (refused) return refused;
     if (emu_copy_waits(dst, src, n, kind, 0)) emu_host_sync("cudaMemcpy");
     emu_stream_issue(NULL);
     emu_copy(dst, src, n, kind);
@@ -821,6 +935,21 @@ cudaError_t cudaMemcpy(void* dst, const void* src, size_t n, enum cudaMemcpyKind
 // writes what the other touches) runs first, as stream order requires; the rest stays held back.
 cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t n, enum cudaMemcpyKind kind, cudaStream_t st) {
     int pageable = emu_copy_waits(dst, src, n, kind, 1);
+    if (emu_capture.graph && (pageable || !st)) {
+        const char* why = pageable ? "a copy with pageable host memory, which the host stages synchronously"
+                                   : "a copy on the legacy stream";
+        cudaError_t refused = emu_capture_refuses(
+            "cudaMemcpyAsync", why, pageable ? cudaErrorStreamCaptureUnsupported : cudaErrorStreamCaptureImplicit);
+        if (refused) return refused;
+    }
+    if (emu_capturing(st)) {  // recorded: device to device only (the trainer captures no other copy)
+        if (emu_copy_waits(dst, src, n, kind, 0))
+            emu_capture_unmodelled(st, "cudaMemcpyAsync between the host and the device");
+        emu_check_side((uintptr_t)dst, n, 1, "cudaMemcpyAsync", "destination");
+        emu_check_side((uintptr_t)src, n, 1, "cudaMemcpyAsync", "source");
+        emu_capture_record(EMU_OP_COPY, [=]() { emu_copy(dst, src, n, kind); });
+        return cudaSuccess;
+    }
     if (pageable) emu_host_sync("cudaMemcpyAsync with pageable host memory");
     // CUDA stages a copy with pageable memory through the host before returning: on a blocking
     // stream (the trainer's) it runs now, after the stream's earlier work, as for the default stream
@@ -859,16 +988,32 @@ cudaError_t cudaMemcpy2DAsync(void* dst, size_t dpitch, const void* src, size_t 
     return cudaSuccess;
 }
 cudaError_t cudaMemset(void* p, int v, size_t n) {
+    cudaError_t refused =
+        emu_capture_refuses("cudaMemset", "a memset on the legacy stream", cudaErrorStreamCaptureImplicit);
+    if (refused) return refused;
     emu_stream_issue(NULL);
     emu_fill(p, v, n);
     return cudaSuccess;
 }
 cudaError_t cudaMemsetAsync(void* p, int v, size_t n, cudaStream_t st) {
+    if (!st) {
+        cudaError_t refused = emu_capture_refuses("cudaMemsetAsync", "a memset on the legacy stream",
+                                                  cudaErrorStreamCaptureImplicit);
+        if (refused) return refused;
+    }
+    if (emu_capturing(st)) {
+        emu_check_side((uintptr_t)p, n, 1, "cudaMemsetAsync", "destination");
+        emu_capture_record(EMU_OP_COPY, [=]() { emu_fill(p, v, n); });
+        return cudaSuccess;
+    }
     emu_stream_issue(st);
     emu_fill(p, v, n);
     return cudaSuccess;
 }
 cudaError_t cudaDeviceSynchronize(void) {
+    cudaError_t refused = emu_capture_refuses("cudaDeviceSynchronize", "a host synchronisation",
+                                              cudaErrorStreamCaptureUnsupported);
+    if (refused) return refused;
     emu_host_sync("cudaDeviceSynchronize");
     emu_drain_all(0);
     emu_null_observed = emu_seq;
@@ -889,6 +1034,7 @@ cudaError_t cudaStreamCreateWithFlags(cudaStream_t* st, unsigned flags) {
 cudaError_t cudaStreamCreate(cudaStream_t* st) { return cudaStreamCreateWithFlags(st, cudaStreamDefault); }
 cudaError_t cudaStreamDestroy(cudaStream_t st) {
     if (!st) return cudaSuccess;
+    emu_capture_unmodelled(st, "cudaStreamDestroy");
     emu_stream_drain(st);  // CUDA lets queued work finish
     // the uploads issued to it have run (read their sources) just now: checked as a wait would, then
     // forgotten (no record may name a freed stream)
@@ -913,6 +1059,7 @@ cudaError_t cudaEventCreateWithFlags(cudaEvent_t* ev, unsigned flags) {
 cudaError_t cudaEventCreate(cudaEvent_t* ev) { return cudaEventCreateWithFlags(ev, 0); }
 cudaError_t cudaEventDestroy(cudaEvent_t ev) { delete ev; return cudaSuccess; }
 cudaError_t cudaEventRecord(cudaEvent_t ev, cudaStream_t st) {
+    emu_capture_unmodelled(st, "cudaEventRecord");
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     ev->host_time = ts.tv_sec + 1e-9 * ts.tv_nsec;
@@ -923,6 +1070,9 @@ cudaError_t cudaEventRecord(cudaEvent_t ev, cudaStream_t st) {
     return cudaSuccess;
 }
 cudaError_t cudaEventSynchronize(cudaEvent_t ev) {
+    cudaError_t refused = emu_capture_refuses("cudaEventSynchronize", "a host synchronisation",
+                                              cudaErrorStreamCaptureUnsupported);
+    if (refused) return refused;
     emu_host_sync("cudaEventSynchronize");
     emu_stream_run_until(ev->stream, ev->position);
     long long* seen = emu_observed(ev->stream);
@@ -943,12 +1093,16 @@ cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t a, cudaEvent_t b) {
     return cudaSuccess;
 }
 cudaError_t cudaStreamWaitEvent(cudaStream_t st, cudaEvent_t ev, unsigned flags) {
+    emu_capture_unmodelled(st, "cudaStreamWaitEvent");
     (void)flags;
     emu_stream_run_until(ev->stream, ev->position);
     if (st && ev->default_work > st->seen_default) st->seen_default = ev->default_work;
     return cudaSuccess;
 }
 cudaError_t cudaStreamSynchronize(cudaStream_t st) {
+    cudaError_t refused = emu_capture_refuses("cudaStreamSynchronize", "a host synchronisation",
+                                              cudaErrorStreamCaptureUnsupported);
+    if (refused) return refused;
     emu_host_sync("cudaStreamSynchronize");
     if (st) emu_stream_drain(st);
     else emu_drain_all(1);
@@ -956,6 +1110,58 @@ cudaError_t cudaStreamSynchronize(cudaStream_t st) {
     emu_uploads_check(NULL, 0);
     return cudaSuccess;
 }
+cudaError_t cudaStreamBeginCapture(cudaStream_t st, enum cudaStreamCaptureMode mode) {
+    (void)mode;  // the emulator refuses what the global mode refuses, whatever the mode
+    if (!st) return cudaErrorStreamCaptureUnsupported;  // the legacy stream cannot be captured
+    if (emu_capture.graph) return cudaErrorIllegalState;
+    emu_capture.stream = st;
+    emu_capture.graph = new CUgraph_st();
+    emu_capture.invalidated = 0;
+    return cudaSuccess;
+}
+cudaError_t cudaStreamIsCapturing(cudaStream_t st, enum cudaStreamCaptureStatus* status) {
+    *status = !emu_capturing(st)          ? cudaStreamCaptureStatusNone
+              : emu_capture.invalidated ? cudaStreamCaptureStatusInvalidated
+                                          : cudaStreamCaptureStatusActive;
+    return cudaSuccess;
+}
+cudaError_t cudaStreamEndCapture(cudaStream_t st, cudaGraph_t* graph) {
+    *graph = NULL;
+    if (!emu_capturing(st)) return cudaErrorIllegalState;
+    CUgraph_st* g = emu_capture.graph;
+    int invalidated = emu_capture.invalidated;
+    memset(&emu_capture, 0, sizeof(emu_capture));
+    if (invalidated) { delete g; return cudaErrorStreamCaptureInvalidated; }
+    emu_counts.graph_captures++;
+    *graph = g;
+    return cudaSuccess;
+}
+cudaError_t cudaGraphInstantiate(cudaGraphExec_t* exec, cudaGraph_t graph, unsigned long long flags) {
+    (void)flags;
+    *exec = new CUgraphExec_st();
+    (*exec)->ops = graph->ops;
+    return cudaSuccess;
+}
+// The recorded work in order on `st`, as one host call: one launch; the kernels and cuBLAS calls it
+// replays are counted apart.
+cudaError_t cudaGraphLaunch(cudaGraphExec_t exec, cudaStream_t st) {
+    emu_capture_unmodelled(st, "cudaGraphLaunch (a graph inside a graph)");
+    if (!st && emu_capture.graph)
+        return emu_capture_refuses("cudaGraphLaunch", "a launch on the legacy stream", cudaErrorStreamCaptureImplicit);
+    EmuCounts before = emu_counts;
+    for (size_t i = 0; i < exec->ops.size(); i++) {
+        emu_stream_issue(st);
+        exec->ops[i].run();
+    }
+    emu_counts.graph_kernels += emu_counts.launches - before.launches;
+    emu_counts.graph_blas += emu_counts.blas_calls - before.blas_calls;
+    emu_counts.launches = before.launches + 1;
+    emu_counts.blas_calls = before.blas_calls;
+    emu_counts.graph_launches++;
+    return cudaSuccess;
+}
+cudaError_t cudaGraphExecDestroy(cudaGraphExec_t exec) { delete exec; return cudaSuccess; }
+cudaError_t cudaGraphDestroy(cudaGraph_t graph) { delete graph; return cudaSuccess; }
 // Launch errors are sticky until read, as on a GPU (the emulator has no asynchronous faults).
 cudaError_t cudaGetLastError(void) {
     cudaError_t e = emu_state.last_error;
@@ -970,6 +1176,11 @@ const char* cudaGetErrorString(cudaError_t e) {
     case cudaErrorInvalidConfiguration: return "invalid configuration argument";
     case cudaErrorMemoryAllocation: return "out of memory";
     case cudaErrorInvalidDevice: return "invalid device ordinal";
+    case cudaErrorStreamCaptureUnsupported: return "operation not permitted when stream is capturing";
+    case cudaErrorStreamCaptureInvalidated: return "operation failed due to a previous error during capture";
+    case cudaErrorStreamCaptureImplicit:
+        return "operation would make the legacy stream depend on a capturing blocking stream";
+    case cudaErrorIllegalState: return "the operation cannot be performed in the present state";
     default: return "emulated error";
     }
 }

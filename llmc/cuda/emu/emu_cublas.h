@@ -170,6 +170,22 @@ static cublasStatus_t emu_gemm_ex_check(const char* call, cublasOperation_t ta, 
     return CUBLAS_STATUS_SUCCESS;
 }
 
+// A checked product's computation: run now on `stream`, or recorded when the stream captures a
+// CUDA graph (emu.h; `compute` then holds copies of everything it reads on the host).
+static void emu_blas_issue(cudaStream_t stream, const std::function<void()>& compute) {
+    if (emu_capturing(stream)) {
+        emu_capture_record(EMU_OP_BLAS, [=]() { emu_counts.blas_calls++; compute(); });
+        return;
+    }
+    if (!stream && emu_capture.graph) {
+        emu_capture_refuses("a cuBLAS call", "a product on the legacy stream", cudaErrorStreamCaptureImplicit);
+        emu_blas_fatal("cuBLAS", "a product on the legacy stream during a capture");
+    }
+    emu_stream_issue(stream);
+    emu_counts.blas_calls++;
+    compute();
+}
+
 extern "C" {
 cublasStatus_t cublasGemmEx(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int m, int n, int k,
                             const void* alpha, const void* A, cudaDataType at, int lda, const void* B, cudaDataType bt,
@@ -180,15 +196,15 @@ cublasStatus_t cublasGemmEx(cublasHandle_t h, cublasOperation_t ta, cublasOperat
     if (st != CUBLAS_STATUS_SUCCESS) return st;
     if (!m || !n) return CUBLAS_STATUS_SUCCESS;
     float a = *(const float*)alpha, b = *(const float*)beta;
-    emu_stream_issue(h->stream);
-    emu_counts.blas_calls++;
-    if (k) {
-        emu_blas_operand("cublasGemmEx", "A", A, at, ta == CUBLAS_OP_N ? m : k, ta == CUBLAS_OP_N ? k : m, lda);
-        emu_blas_operand("cublasGemmEx", "B", B, bt, tb == CUBLAS_OP_N ? k : n, tb == CUBLAS_OP_N ? n : k, ldb);
-    }
-    emu_blas_operand("cublasGemmEx", "C", C, ct, m, n, ldc);
-    emu_blas_gemm(ta, tb, m, n, k, a, A, lda, B, ldb, at, b, C, ldc, C, ldc, ct, NULL);
-    emu_guards_check("cublasGemmEx");
+    emu_blas_issue(h->stream, [=]() {
+        if (k) {
+            emu_blas_operand("cublasGemmEx", "A", A, at, ta == CUBLAS_OP_N ? m : k, ta == CUBLAS_OP_N ? k : m, lda);
+            emu_blas_operand("cublasGemmEx", "B", B, bt, tb == CUBLAS_OP_N ? k : n, tb == CUBLAS_OP_N ? n : k, ldb);
+        }
+        emu_blas_operand("cublasGemmEx", "C", C, ct, m, n, ldc);
+        emu_blas_gemm(ta, tb, m, n, k, a, A, lda, B, ldb, at, b, C, ldc, C, ldc, ct, NULL);
+        emu_guards_check("cublasGemmEx");
+    });
     return CUBLAS_STATUS_SUCCESS;
 }
 
@@ -203,23 +219,25 @@ cublasStatus_t cublasGemmBatchedEx(cublasHandle_t h, cublasOperation_t ta, cubla
     if (st != CUBLAS_STATUS_SUCCESS) return st;
     if (batch < 0) return emu_blas_status(CUBLAS_STATUS_INVALID_VALUE, call, "negative batch count");
     if (!m || !n || !batch) return CUBLAS_STATUS_SUCCESS;
-    emu_stream_issue(h->stream);
-    emu_counts.blas_calls++;
-    // the pointer arrays are read by the GPU: they must be device memory
+    // the pointer arrays are read by the GPU: they must be device memory (read when the product runs)
     emu_check_side((uintptr_t)Aarray, sizeof(void*) * batch, 1, call, "Aarray");
     emu_check_side((uintptr_t)Barray, sizeof(void*) * batch, 1, call, "Barray");
     emu_check_side((uintptr_t)Carray, sizeof(void*) * batch, 1, call, "Carray");
     float a = *(const float*)alpha, b = *(const float*)beta;
-    for (int e = 0; e < batch; e++) {
-        if (k) {
-            emu_blas_operand(call, "A[i]", Aarray[e], at, ta == CUBLAS_OP_N ? m : k, ta == CUBLAS_OP_N ? k : m, lda);
-            emu_blas_operand(call, "B[i]", Barray[e], bt, tb == CUBLAS_OP_N ? k : n, tb == CUBLAS_OP_N ? n : k, ldb);
+    emu_blas_issue(h->stream, [=]() {
+        for (int e = 0; e < batch; e++) {
+            if (k) {
+                int64_t ar = ta == CUBLAS_OP_N ? m : k, ac = ta == CUBLAS_OP_N ? k : m;
+                int64_t br = tb == CUBLAS_OP_N ? k : n, bc = tb == CUBLAS_OP_N ? n : k;
+                emu_blas_operand(call, "A[i]", Aarray[e], at, ar, ac, lda);
+                emu_blas_operand(call, "B[i]", Barray[e], bt, br, bc, ldb);
+            }
+            emu_blas_operand(call, "C[i]", Carray[e], ct, m, n, ldc);
+            emu_blas_gemm(ta, tb, m, n, k, a, Aarray[e], lda, Barray[e], ldb, at, b, Carray[e], ldc, Carray[e], ldc,
+                          ct, NULL);
         }
-        emu_blas_operand(call, "C[i]", Carray[e], ct, m, n, ldc);
-        emu_blas_gemm(ta, tb, m, n, k, a, Aarray[e], lda, Barray[e], ldb, at, b, Carray[e], ldc, Carray[e], ldc, ct,
-                      NULL);
-    }
-    emu_guards_check(call);
+        emu_guards_check(call);
+    });
     return CUBLAS_STATUS_SUCCESS;
 }
 
@@ -410,23 +428,27 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t h, cublasLtMatmulDesc_t desc, con
     }
     float fa = *(const float*)alpha, fb = *(const float*)beta;
     int64_t k = d->transa == CUBLAS_OP_N ? (int64_t)a->cols : (int64_t)a->rows;
-    emu_stream_issue(stream);
-    emu_counts.blas_calls++;
-    if (k) {
-        emu_blas_operand(call, "A", A, a->type, a->rows, a->cols, a->ld);
-        emu_blas_operand(call, "B", B, b->type, b->rows, b->cols, b->ld);
-    }
-    if (fb != 0.0f) emu_blas_operand(call, "C", C, c->type, c->rows, c->cols, c->ld);
-    emu_blas_operand(call, "D", D, dd->type, dd->rows, dd->cols, dd->ld);
     const void* bias = NULL;
     if (d->epilogue == CUBLASLT_EPILOGUE_BIAS) {
         if (!d->bias) emu_blas_fatal(call, "CUBLASLT_EPILOGUE_BIAS without CUBLASLT_MATMUL_DESC_BIAS_POINTER");
-        emu_blas_operand(call, "bias (one element of D's type per row of D)", d->bias, dd->type, dd->rows, 1, dd->rows);
         bias = d->bias;
     }
-    emu_blas_gemm(d->transa, d->transb, dd->rows, dd->cols, k, fa, A, a->ld, B, b->ld, a->type, fb, C, c->ld, D, dd->ld,
-                  dd->type, bias);
-    emu_guards_check(call);
+    // the descriptors by value: a plan changed after a capture does not change the captured product
+    EmuLtDesc dv = *d;
+    EmuLtLayout av = *a, bv = *b, cv = *c, dl = *dd;
+    emu_blas_issue(stream, [=]() {
+        if (k) {
+            emu_blas_operand(call, "A", A, av.type, av.rows, av.cols, av.ld);
+            emu_blas_operand(call, "B", B, bv.type, bv.rows, bv.cols, bv.ld);
+        }
+        if (fb != 0.0f) emu_blas_operand(call, "C", C, cv.type, cv.rows, cv.cols, cv.ld);
+        emu_blas_operand(call, "D", D, dl.type, dl.rows, dl.cols, dl.ld);
+        if (bias)
+            emu_blas_operand(call, "bias (one element of D's type per row of D)", bias, dl.type, dl.rows, 1, dl.rows);
+        emu_blas_gemm(dv.transa, dv.transb, dl.rows, dl.cols, k, fa, A, av.ld, B, bv.ld, av.type, fb, C, cv.ld, D,
+                      dl.ld, dl.type, bias);
+        emu_guards_check(call);
+    });
     return CUBLAS_STATUS_SUCCESS;
 }
 }
