@@ -19,7 +19,7 @@
 #include "llmc/text/model_tokenizer.h"
 #include "llmc/text/textdata.h"
 #include "llmc/memory/plan.h"
-#include "llmc/memory/offload.h"
+#include "llmc/memory/checkpoints.h"
 #include "llmc/train/run_options.h"
 #include "llmc/linear.h"
 #include "llmc/formats/peft.h"
@@ -105,8 +105,7 @@ typedef struct {
     const Dist* dist;
     BlockActs* acts;       // [layers]
     BlockActs tmp;         // scratch set (recompute, or buffers not kept)
-    void** block_input;    // [layers] block inputs under --recompute block [N, d] (--offload host: on the host)
-    Offload offload;       // --offload host: the copy stream and the two device staging buffers
+    Checkpoints ckpt;      // --recompute block: each block's input [N, d] (--offload host: on the host)
     int64_t* layer_off;    // [layers] where each block's trainable values start in the arena
     // scratch (activation gradients have the activations' element type)
     void *resid, *resid_tmp, *dres, *dz, *dq, *dk, *dv, *dout, *dp, *dg, *du, *dax;
@@ -300,11 +299,8 @@ static void llama_plan_block(Llama* m, MemPlan* p, int l) {
     BlockActs* a = &m->acts[l];
     BlockActs* s = &m->tmp;
     char nm[48];
-    if (md->recompute_block) {  // the checkpoint [N, d]: on the device, or (--offload host) in pinned host memory
-        MemCategory where = md->offload_host ? MEM_HOST : MEM_SAVED;
-        snprintf(nm, sizeof(nm), "L%d.block_input", l);
-        plan_add(p, where, "checkpoint", l, nm, N * d * abytes, &m->block_input[l]);
-    }
+    if (md->recompute_block)  // the checkpoint [N, d]: on the device, or (--offload host) in pinned host memory
+        checkpoints_plan_block(p, &m->ckpt, l, N * d * abytes);
     if (!md->ms && !md->recompute_block)
         plan_block_act(p, m, l, 1, "attn_norm", "x_in", N * d * abytes, &a->x_in, NULL);
     plan_block_act(p, m, l, keep, "attn_norm", "r1", N * 4, &a->r1, &s->r1);
@@ -397,13 +393,7 @@ static void llama_plan_scratch(Llama* m, MemPlan* p) {
         plan_add(p, MEM_SCRATCH, "residual", -1, "resid_tmp", N * d * abytes, &m->resid_tmp);
     // block inputs [N, d]: with two, one travels to or from the host while the other is in use;
     // one where the memory holds no more (llama_fit_to_memory, llmc/memory/offload.h)
-    m->offload.slots = offload_staging_count(md->offload_staging);
-    if (md->offload_host)
-        for (int i = 0; i < m->offload.slots; i++) {
-            char nm[48];
-            snprintf(nm, sizeof(nm), "offload_staging%d", i);
-            plan_add(p, MEM_SCRATCH, "offload", -1, nm, N * d * abytes, &m->offload.staging[i]);
-        }
+    checkpoints_plan_staging(p, &m->ckpt, md->offload_staging, N * d * abytes);
     plan_add(p, MEM_SCRATCH, "grads", -1, "dres", N * d * abytes, &m->dres);
     // dz [N, d] has no buffer of its own: it is resid's (llama_bind), by lifetime. resid's last
     // reader is the head (the final norm's input); dz's first writer is the first block's backward.
@@ -589,7 +579,7 @@ static void llama_setup(Llama* m, const LlamaConfig* cfg, const TrainModes* mode
     m->mlp_tile = llama_mlp_tile_rows(modes->mlp_tile, (int64_t)B * m->T, cfg->hidden);
     m->layers = (LlamaLayer*)xcalloc(cfg->layers, sizeof(LlamaLayer));
     m->acts = (BlockActs*)xcalloc(cfg->layers, sizeof(BlockActs));
-    m->block_input = (void**)xcalloc(cfg->layers, sizeof(void*));
+    checkpoints_init(&m->ckpt, cfg->layers, modes->offload_host);
     m->layer_off = (int64_t*)xcalloc(cfg->layers, sizeof(int64_t));
     m->kv_k = (void**)xcalloc(cfg->layers, sizeof(void*));
     m->kv_v = (void**)xcalloc(cfg->layers, sizeof(void*));
@@ -600,13 +590,11 @@ static void llama_allocate(Llama* m) {
     backend_allocate_plan(m->be, &m->plan);
     op_attach_matmul_workspace(m->be, m->blas_work);
     llama_bind(m);
-    if (m->modes.offload_host) {
-        m->offload.host = m->block_input;
-        offload_init(&m->offload, m->be, m->cfg.layers, (size_t)m->B * m->T * m->cfg.dim * m->be->abytes);
-    }
+    checkpoints_start(&m->ckpt, m->be, m->cfg.layers, (size_t)m->B * m->T * m->cfg.dim * m->be->abytes);
 }
 
 static void llama_free(Llama* m) {
+    checkpoints_free(&m->ckpt);  // the copy stream done, before the plan's memory goes
     if (m->plan.arena[MEM_SCRATCH] || m->plan.arena[MEM_FROZEN]) {  // allocated (not a dry run)
         trainable_free_host(&m->tr);
         staging_free(&m->staging);
@@ -615,7 +603,6 @@ static void llama_free(Llama* m) {
         backend_free_host_side(m->be, m->h_embed_order);
         if (m->sp.h_pos) backend_free_host_side(m->be, m->sp.h_pos);
         op_detach_matmul_workspace(m->be, m->blas_work);
-        if (m->modes.offload_host) offload_free(&m->offload);
 #ifdef LLMC_HAVE_CUDA
         if (m->be->cuda) cuda_graph_free(&m->graph);
 #endif
@@ -625,7 +612,6 @@ static void llama_free(Llama* m) {
     }
     free(m->layers);
     free(m->acts);
-    free(m->block_input);
     free(m->gamma_host);
     free(m->layer_off);
     free(m->kv_k);
@@ -1022,14 +1008,6 @@ static void block_forward(Llama* m, int l, void* x, BlockActs* a, int B, int T, 
     if (part == BLOCK_WHOLE) llama_mlp_tiles(m, l, MLP_FORWARD, x, a, N);
 }
 
-// --recompute block: block l's checkpoint, its input (m->resid) [N, d], kept on the device or
-// (--offload host) sent to the host through a staging buffer.
-static void llama_save_block_input(Llama* m, int l, int64_t N) {
-    if (!m->modes.offload_host) { op_copy(m->be, m->block_input[l], m->resid, N * m->cfg.dim); return; }
-    op_copy(m->be, offload_staging_for_save(&m->offload, l), m->resid, N * m->cfg.dim);
-    offload_save(&m->offload, l, (size_t)N * m->cfg.dim * m->be->abytes);
-}
-
 // Embedding and all blocks over the uploaded batch; leaves the final norm's input in m->resid.
 // Each part first waits for its weights' all-gather when ZeRO-1 overlaps it with this forward
 // (the embedding, head and final norm lie below the first block in the arena).
@@ -1040,7 +1018,7 @@ static void llama_forward_blocks(Llama* m, int B, int T, const KVCache* kv) {
     op_embed(m->be, m->resid, m->embed, m->inputs, N, m->cfg.dim);
     for (int l = 0; l < layers; l++) {
         trainable_weights_ready(&m->tr, m->layer_off[l], l + 1 < layers ? m->layer_off[l + 1] : m->tr.padded);
-        if (m->modes.recompute_block) llama_save_block_input(m, l, N);
+        if (m->modes.recompute_block) checkpoint_save(&m->ckpt, m->be, l, m->resid, N * m->cfg.dim);
         block_forward(m, l, m->resid, &m->acts[l], B, T, kv, BLOCK_WHOLE);
     }
 }
@@ -1132,7 +1110,7 @@ static void block_backward(Llama* m, int l, BlockActs* a, const Recomputed* rc, 
 // a copy; under MS norms in place), and the MLP's input.
 static Recomputed llama_recompute_block(Llama* m, int l, int B, int T) {
     int64_t N = (int64_t)B * T;
-    void* x = m->modes.offload_host ? offload_staging_fetched(&m->offload, l) : m->block_input[l];
+    void* x = checkpoint_input(&m->ckpt, l);
     void* stream = x;
     if (!m->modes.ms) {
         op_copy(m->be, m->resid_tmp, x, N * m->cfg.dim);
@@ -1145,14 +1123,12 @@ static Recomputed llama_recompute_block(Llama* m, int l, int B, int T) {
 
 static void llama_backward_blocks(Llama* m, int B, int T) {
     int layers = m->cfg.layers;
-    if (m->modes.offload_host)  // the last blocks' inputs on their way back (one per staging buffer)
-        for (int l = layers - 1; l >= 0 && l >= layers - m->offload.slots; l--) offload_fetch(&m->offload, l);
+    checkpoints_prefetch_last(&m->ckpt, layers);  // (--offload host)
     for (int l = layers - 1; l >= 0; l--) {
         Recomputed rc = {};
         if (m->modes.recompute_block) rc = llama_recompute_block(m, l, B, T);
         block_backward(m, l, &m->acts[l], m->modes.recompute_block ? &rc : NULL, B, T);
-        // this block's staging buffer is free: the input `slots` blocks down comes into it
-        if (m->modes.offload_host) offload_fetch(&m->offload, l - m->offload.slots);
+        checkpoints_prefetch_below(&m->ckpt, l);  // (--offload host) into this block's staging buffer
         trainable_grads_final_from(&m->tr, m->dist, m->layer_off[l]);  // this block's are final
     }
 }
@@ -1839,9 +1815,9 @@ static void llama_tile_line(char* buf, size_t n, const Llama* m, const TrainOpti
         str_appendf(buf, n, "auto without a memory to fit: equal tiles of at most %d; --gpu-mem GIB fits it)",
                     MLP_TILE_AUTO_MAX);
     if (m->modes.offload_host)  // two unless the memory holds one only (llama_fit_to_memory)
-        str_appendf(buf, n, "\noffload: %d device staging buffer%s of one block input%s", m->offload.slots,
-                    m->offload.slots == 1 ? "" : "s",
-                    m->offload.slots == 1 ? " (the copies do not overlap the compute)" : "");
+        str_appendf(buf, n, "\noffload: %d device staging buffer%s of one block input%s", m->ckpt.offload.slots,
+                    m->ckpt.offload.slots == 1 ? "" : "s",
+                    m->ckpt.offload.slots == 1 ? " (the copies do not overlap the compute)" : "");
 }
 
 // --dry-run: the plan of the run these flags describe, and the baseline plan beside it.
@@ -1879,7 +1855,7 @@ static int llama_dry_run(const LlamaConfig* cfg, const TrainOptions* o_given, Tr
     if (*fit_line) str_appendf(header, sizeof(header), "\n%s", fit_line);
     llama_tile_line(header, sizeof(header), &m, o, &given, &md);
     str_appendf(json, sizeof(json), ", \"mlp_tile\": %lld, \"offload_staging\": %d", (long long)m.mlp_tile,
-                m.modes.offload_host ? m.offload.slots : 0);
+                m.modes.offload_host ? m.ckpt.offload.slots : 0);
     train_dry_run_report(o, &m.plan, &base.plan, &be, json, header);
     llama_free(&m);
     llama_free(&base);
@@ -2069,7 +2045,7 @@ int main(int argc, char** argv) {
                    (long long)m.mlp_tile, (long long)N, (long long)((N + m.mlp_tile - 1) / m.mlp_tile),
                    fit_size(a, sizeof(a), avail), be.cuda ? "free on the GPU" : "of host memory available");
         }
-        if (m.modes.offload_host && m.offload.slots == 1)  // the copies no longer overlap the compute
+        if (m.modes.offload_host && m.ckpt.offload.slots == 1)  // the copies no longer overlap the compute
             printf("offload: one device staging buffer, not two: the memory holds no second (LLMC_OFFLOAD_STAGING=2 "
                    "asks for it)\n");
         llama_warn_seq(&cfg, &o);

@@ -37,7 +37,7 @@
 #include "llmc/cuda/graph.cuh"
 #endif
 #include "llmc/train/fit.h"
-#include "llmc/memory/offload.h"
+#include "llmc/memory/checkpoints.h"
 
 // ----------------------------------------------------------------------------------------------
 // Config: config.json of a Hugging Face ViT (ViTModel / ViTForImageClassification), and the
@@ -175,8 +175,7 @@ typedef struct {
     float *h_head_w, *h_head_b, *h_dhead_w, *h_dhead_b;  // the same in the host mirror
     BlockActs* acts;       // [layers]
     BlockActs tmp;         // scratch set (recompute, or buffers not kept)
-    void** block_input;    // [layers] block inputs under --recompute block [N, d] (--offload host: on the host)
-    Offload offload;       // --offload host: the copy stream and the two device staging buffers
+    Checkpoints ckpt;      // --recompute block: each block's input [N, d] (--offload host: on the host)
     // scratch (activation gradients have the activations' element type)
     void* pixels;          // [B, C, H, W] normalised input: fp32 from the CPU loader, or bf16 resized on the GPU
     int* labels;           // [B]
@@ -315,10 +314,8 @@ static void vit_plan_blocks(Vit* m, MemPlan* p) {
         BlockActs* A = &m->acts[l];
         BlockActs* s = &m->tmp;
         char nm[48];
-        if (md->recompute_block) {  // the checkpoint [N, d]: on the device, or (--offload host) in pinned host memory
-            snprintf(nm, sizeof(nm), "L%d.block_input", l);
-            plan_add(p, md->offload_host ? MEM_HOST : MEM_SAVED, "checkpoint", l, nm, N * d * a, &m->block_input[l]);
-        }
+        if (md->recompute_block)  // the checkpoint [N, d]: on the device, or (--offload host) in pinned host memory
+            checkpoints_plan_block(p, &m->ckpt, l, N * d * a);
         if (std_norm && keep) plan_block_act(p, l, 1, "attn_norm", "x_in", N * d * a, &A->x_in, NULL);
         if (std_norm) plan_block_act(p, l, keep, "attn_norm", "mean1", N * 4, &A->mean1, &s->mean1);
         plan_block_act(p, l, keep, "attn_norm", "r1", N * 4, &A->r1, &s->r1);
@@ -368,13 +365,7 @@ static void vit_plan_scratch(Vit* m, MemPlan* p) {
         plan_add(p, MEM_SCRATCH, "residual", -1, "resid_tmp", N * d * a, &m->resid_tmp);
     // block inputs [N, d]: with two, one travels to or from the host while the other is in use;
     // the ViT's sequences are short, so its memory never holds fewer (llmc/memory/offload.h)
-    m->offload.slots = offload_staging_count(m->modes.offload_staging);
-    if (m->modes.offload_host)
-        for (int i = 0; i < m->offload.slots; i++) {
-            char nm[48];
-            snprintf(nm, sizeof(nm), "offload_staging%d", i);
-            plan_add(p, MEM_SCRATCH, "offload", -1, nm, N * d * a, &m->offload.staging[i]);
-        }
+    checkpoints_plan_staging(p, &m->ckpt, m->modes.offload_staging, N * d * a);
     plan_add(p, MEM_SCRATCH, "grads", -1, "dres", N * d * a, &m->dres);
     plan_add(p, MEM_SCRATCH, "grads", -1, "dz", N * d * a, &m->dz);
     plan_add(p, MEM_SCRATCH, "grads", -1, "dq", N * d * a, &m->dq);
@@ -593,7 +584,7 @@ static void vit_setup(Vit* m, const VitConfig* cfg, const TrainModes* modes, int
     m->src_bytes = src_bytes > 0 ? src_bytes : (int64_t)cfg->channels * img_h * img_w;
     m->layers = (VitLayer*)xcalloc(cfg->layers, sizeof(VitLayer));
     m->acts = (BlockActs*)xcalloc(cfg->layers, sizeof(BlockActs));
-    m->block_input = (void**)xcalloc(cfg->layers, sizeof(void*));
+    checkpoints_init(&m->ckpt, cfg->layers, modes->offload_host);
     m->layer_off = (int64_t*)xcalloc(cfg->layers, sizeof(int64_t));
     vit_plan(m, &m->plan);
 }
@@ -602,10 +593,7 @@ static void vit_allocate(Vit* m) {
     backend_allocate_plan(m->be, &m->plan);
     op_attach_matmul_workspace(m->be, m->blas_work);
     vit_bind(m);
-    if (m->modes.offload_host) {
-        m->offload.host = m->block_input;
-        offload_init(&m->offload, m->be, m->cfg.layers, (size_t)m->B * m->T * m->cfg.dim * m->be->abytes);
-    }
+    checkpoints_start(&m->ckpt, m->be, m->cfg.layers, (size_t)m->B * m->T * m->cfg.dim * m->be->abytes);
 }
 
 // Frees what vit_setup planned and vit_allocate made (either may be all there was: a dry run).
@@ -617,12 +605,13 @@ static void vit_free(Vit* m) {
     backend_free_host_side(m->be, m->h_labels);
     free(m->lin_host);
     op_detach_matmul_workspace(m->be, m->blas_work);  // before the plan's memory goes
-    if (m->modes.offload_host && m->offload.be) offload_free(&m->offload);  // (m->offload.be: allocated)
+    checkpoints_free(&m->ckpt);  // the copy stream done, before the plan's memory goes
 #ifdef LLMC_HAVE_CUDA
     if (m->be->cuda) cuda_graph_free(&m->graph);
 #endif
     backend_free_plan(m->be, &m->plan);
-    free(m->layers); free(m->acts); free(m->block_input); free(m->norms_host); free(m->layer_off);
+    free(m->layers); free(m->acts); free(m->norms_host); free(m->layer_off);
+
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -824,20 +813,12 @@ static void block_forward(Vit* m, int l, void* x, BlockActs* a, int B) {
     op_linear_forward(be, x, a->g, &layer->lin[T_FC2], a->ax[T_FC2], N, r, s, OUT_ADD);
 }
 
-// --recompute block: block l's checkpoint, its input (m->resid) [N, d], kept on the device or
-// (--offload host) sent to the host through a staging buffer (llmc/memory/offload.h).
-static void vit_save_block_input(Vit* m, int l, int64_t N) {
-    if (!m->modes.offload_host) { op_copy(m->be, m->block_input[l], m->resid, N * m->cfg.dim); return; }
-    op_copy(m->be, offload_staging_for_save(&m->offload, l), m->resid, N * m->cfg.dim);
-    offload_save(&m->offload, l, (size_t)N * m->cfg.dim * m->be->abytes);
-}
-
 // Embedding and all blocks over the uploaded batch; leaves the final norm's input in m->resid.
 static void vit_forward_blocks(Vit* m, int B) {
     int64_t N = (int64_t)B * m->T;
     vit_embed(m, B);
     for (int l = 0; l < m->cfg.layers; l++) {
-        if (m->modes.recompute_block) vit_save_block_input(m, l, N);
+        if (m->modes.recompute_block) checkpoint_save(&m->ckpt, m->be, l, m->resid, N * m->cfg.dim);
         block_forward(m, l, m->resid, &m->acts[l], B);
     }
 }
@@ -914,7 +895,7 @@ static void block_backward(Vit* m, int l, BlockActs* a, const void* block_input,
 // reads (the forward then runs on a copy; under MS norms in place: the backward never reads it).
 static const void* vit_recompute_block(Vit* m, int l, int B) {
     int64_t N = (int64_t)B * m->T;
-    void* x = m->modes.offload_host ? offload_staging_fetched(&m->offload, l) : m->block_input[l];
+    void* x = checkpoint_input(&m->ckpt, l);
     void* stream = x;
     if (!m->modes.ms) {
         op_copy(m->be, m->resid_tmp, x, N * m->cfg.dim);
@@ -927,13 +908,11 @@ static const void* vit_recompute_block(Vit* m, int l, int B) {
 static void vit_backward_blocks(Vit* m, int B) {
     int64_t N = (int64_t)B * m->T;
     int layers = m->cfg.layers;
-    if (m->modes.offload_host)  // the last blocks' inputs on their way back (one per staging buffer)
-        for (int l = layers - 1; l >= 0 && l >= layers - m->offload.slots; l--) offload_fetch(&m->offload, l);
+    checkpoints_prefetch_last(&m->ckpt, layers);  // (--offload host)
     for (int l = layers - 1; l >= 0; l--) {
         const void* block_input = m->modes.recompute_block ? vit_recompute_block(m, l, B) : NULL;
         block_backward(m, l, &m->acts[l], block_input, B);
-        // this block's staging buffer is free: the input `slots` blocks down comes into it
-        if (m->modes.offload_host) offload_fetch(&m->offload, l - m->offload.slots);
+        checkpoints_prefetch_below(&m->ckpt, l);  // (--offload host) into this block's staging buffer
         // this block's, the final norm's and the head's gradients are final
         trainable_grads_final_from(&m->tr, m->dist, m->layer_off[l]);
     }
