@@ -16,10 +16,64 @@ typedef struct {
     double* stats;         // [4] (CUDA): LossStats
 } LossBuffers;
 
-// At most ~64 MiB of fp32 logits per chunk, never the whole tokens x vocab matrix.
-static int64_t lm_head_chunk(int64_t N, int64_t V) {
-    int64_t chunk = (64ll << 20) / (V * 4);
+// Rows of the LM head's chunk (tokens whose logits exist at once). Each chunk re-reads the whole
+// head [V, d] (twice in training: logits and dz), so on CUDA few large chunks are wanted; but
+// the chunk's buffers are memory a long context would otherwise have. The rule (docs/memory.md,
+// "The LM head's chunk"), chosen by LLMC_HEAD_CHUNK:
+//   plan (default)  CUDA: the most rows, a multiple of LM_HEAD_CHUNK_ALIGN, whose loss buffers
+//                   take at most 1/LM_HEAD_CHUNK_SHARE of the rest of the plan (every device byte
+//                   planned before them), at most LM_HEAD_CHUNK_MAX rows and at least the old
+//                   chunk; the CPU keeps the old chunk (its head is read from cache-sized
+//                   blocks by its own matmul, not streamed per chunk)
+//   old             at most 64 MiB of fp32 logits per chunk (130 rows at a 128k vocabulary)
+//   a count         that many rows
+// Always at most N, never the whole tokens x vocab matrix unless N rows are that little.
+#define LM_HEAD_CHUNK_OLD_BYTES (64ll << 20)
+#define LM_HEAD_CHUNK_SHARE 16
+#define LM_HEAD_CHUNK_ALIGN 64
+#define LM_HEAD_CHUNK_MAX 4096
+typedef enum { HEAD_CHUNK_PLAN, HEAD_CHUNK_OLD, HEAD_CHUNK_ROWS } HeadChunkRule;
+static const char* const head_chunk_rule_names[] = {"plan", "old", "rows"};
+
+static int64_t lm_head_chunk_old(int64_t N, int64_t V) {
+    int64_t chunk = LM_HEAD_CHUNK_OLD_BYTES / (V * 4);
     if (chunk < 1) chunk = 1;
+    return chunk > N ? N : chunk;
+}
+
+// Bytes per chunk row of the loss buffers op_plan_lm_head_loss declares (and the fixed part).
+static int64_t lm_head_loss_row_bytes(const Backend* be, int64_t d, int64_t V) {
+    int64_t a = be->abytes, b = 2 * d * a + 4 + V * 4;  // z, dz, r, logits
+    if (be->cuda) b += V * a + 3 * 4;                   // dlogits, row_stats
+    return b;
+}
+#define LM_HEAD_LOSS_FIXED_BYTES (4 * 8)  // CUDA: the 4 double statistics
+
+// LLMC_HEAD_CHUNK, read at every plan (tests set it per process); a bad value is one line.
+static HeadChunkRule lm_head_chunk_rule(int64_t* rows) {
+    const char* e = getenv("LLMC_HEAD_CHUNK");
+    *rows = 0;
+    if (!e || !*e || strcmp(e, "plan") == 0) return HEAD_CHUNK_PLAN;
+    if (strcmp(e, "old") == 0) return HEAD_CHUNK_OLD;
+    char* end = NULL;
+    long long v = strtoll(e, &end, 10);
+    if (end == e || *end || v < 1 || v > (1ll << 30))
+        fail("LLMC_HEAD_CHUNK=%s: expected plan, old or a row count of at least 1", e);
+    *rows = v;
+    return HEAD_CHUNK_ROWS;
+}
+
+// The chunk for N tokens when `rest` device bytes are planned before the loss buffers.
+static int64_t lm_head_chunk(const Backend* be, int64_t N, int64_t d, int64_t V, size_t rest, HeadChunkRule* rule) {
+    int64_t rows, old = lm_head_chunk_old(N, V);
+    *rule = lm_head_chunk_rule(&rows);
+    if (*rule == HEAD_CHUNK_ROWS) return rows > N ? N : rows;
+    if (*rule == HEAD_CHUNK_OLD || !be->cuda) return old;
+    int64_t share = (int64_t)(rest / LM_HEAD_CHUNK_SHARE) - LM_HEAD_LOSS_FIXED_BYTES;
+    int64_t chunk = share > 0 ? share / lm_head_loss_row_bytes(be, d, V) : 0;
+    chunk = chunk / LM_HEAD_CHUNK_ALIGN * LM_HEAD_CHUNK_ALIGN;
+    if (chunk > LM_HEAD_CHUNK_MAX) chunk = LM_HEAD_CHUNK_MAX;
+    if (chunk < old) chunk = old;
     return chunk > N ? N : chunk;
 }
 
