@@ -64,6 +64,7 @@ PLANTED = [
     ("blas-workspace", "the algorithm needs 6016 (CUBLAS_STATUS_INVALID_VALUE)"),
     ("async-unwaited", "async-unwaited: sum_kernel gave -nan, want 100"),
     ("async-unordered", "emu: race: cudaMemcpyAsync issued on stream"),
+    ("vec-misaligned", "emu: misaligned 16-byte load at"),
 ]
 
 
