@@ -61,3 +61,11 @@ static KernelChoice vec_kernels_choice_of(const char* var) {
     fail("%s=%s: expected vec or scalar", var, e);
     return KERNELS_VEC;
 }
+
+// LLMC_ELEMWISE: vec (the default: the 16-byte kernels of SwiGLU, RMSNorm, RoPE and the casts,
+// where their operands are aligned) or scalar (the kernels they replace, everywhere).
+static KernelChoice elemwise_choice(void) {
+    static int chosen = -1;
+    if (chosen < 0) chosen = vec_kernels_choice_of("LLMC_ELEMWISE");
+    return (KernelChoice)chosen;
+}
