@@ -5,7 +5,7 @@
 // grayscale and RGB, with flips). Where the CPU twin is a loop inside llmc/ops.h (op_embed,
 // op_patch_unfold, op_patch_embed_finish, op_copy_rows), the reference below is that loop
 // transcribed; moving those loops into llmc/cpu/ would let both sides share one copy. Then times
-// the memory-bound ones.
+// the memory-bound ones. The casts, both kernels, bit for bit, at aligned and misaligned offsets.
 #include "check.h"
 #include "../../llmc/cpu/embedding.h"
 #include "../../llmc/cpu/misc.h"
@@ -326,6 +326,37 @@ static void time_misc(void) {
     free(ty); free(tx);
 }
 
+// The casts (bf16 shadows of fp32 masters, fp32 copies of bf16) against the host's round to
+// nearest even, bit for bit, both kernels (KERNELS_VEC: 16-byte vectors between scalar head and
+// tail; KERNELS_SCALAR), with each array `doff`/`soff` elements into its allocation: in step
+// (a head of up to 7 elements), or out of step (no common alignment: the scalar kernel runs), as
+// ZeRO-1's shard offsets give (llmc/train/zero.h).
+static void test_casts(int64_t n, int doff, int soff, Rng* rng) {
+    float* x = host_randn(n, rng, 2.0f, 0);
+    float* want = host_copy(x, n);
+    host_round_bf16(want, n);
+    for (KernelChoice impl : {KERNELS_VEC, KERNELS_SCALAR}) {
+        const char* kind = impl == KERNELS_VEC ? "vec" : "scalar";
+        float* d_src = (float*)dev_alloc(4 * (n + soff)) + soff;
+        bf16* d_h = (bf16*)dev_alloc(2 * (n + doff)) + doff;
+        float* d_back = (float*)dev_alloc(4 * (n + soff)) + soff;
+        CUDA_CHECK(cudaMemcpy(d_src, x, 4 * n, cudaMemcpyHostToDevice));
+        dev_poison(d_h, 2 * n);
+        dev_poison(d_back, 4 * n);
+        cast_f32_to_bf16_launch(impl, d_h, d_src, n, g_stream);
+        cast_bf16_to_f32_launch(impl, d_back, d_h, n, g_stream);
+        float *gh = download_bf16(d_h, n), *back = download_f32(d_back, n);
+        char name[128];
+        snprintf(name, sizeof(name), "cast_f32_to_bf16 %s, n=%lld, +%d/+%d", kind, (long long)n, doff, soff);
+        check_equal_f32(name, gh, want, n);
+        snprintf(name, sizeof(name), "cast_bf16_to_f32 %s, n=%lld, +%d/+%d", kind, (long long)n, doff, soff);
+        check_equal_f32(name, back, want, n);
+        CUDA_CHECK(cudaFree(d_src - soff)); CUDA_CHECK(cudaFree(d_h - doff)); CUDA_CHECK(cudaFree(d_back - soff));
+        free(gh); free(back);
+    }
+    free(x); free(want);
+}
+
 int main(void) {
     Rng rng = rng_seeded(17, 7);
     check_begin(
@@ -346,6 +377,11 @@ int main(void) {
     test_image(3, 37, 53, 3, 32, 32, 3, &rng);    // upscale and downscale, RGB
     test_image(2, 28, 28, 1, 40, 24, 3, &rng);    // grayscale feeding RGB
     test_image(2, 64, 30, 3, 16, 45, 3, &rng);
+    for (int64_t n : {(int64_t)1, (int64_t)7, (int64_t)4099}) {
+        test_casts(n, 0, 0, &rng);
+        test_casts(n, 3, 3, &rng);  // in step: a head of 5 elements
+        test_casts(n, 1, 0, &rng);  // out of step: scalar
+    }
     if (g_timing) time_misc();
     return finish();
 }
