@@ -88,7 +88,8 @@ static void test_swiglu(int64_t n, Rng* rng, int approx) {
         int64_t m = n + off;
         bf16 *e_g = (bf16*)dev_alloc(2 * m) + off, *e_u = (bf16*)dev_alloc(2 * m) + off,
              *e_dp = (bf16*)dev_alloc(2 * m) + off, *e_sg16 = (bf16*)dev_alloc(2 * m) + off;
-        upload_bf16_to(e_g, g, n); upload_bf16_to(e_u, u, n); upload_bf16_to(e_dp, dp, n); upload_bf16_to(e_sg16, sg16, n);
+        upload_bf16_to(e_g, g, n); upload_bf16_to(e_u, u, n);
+        upload_bf16_to(e_dp, dp, n); upload_bf16_to(e_sg16, sg16, n);
         bf16 *outs[2][4];
         uint8_t* ecodes[2];
         for (int k = 0; k < 2; k++) {
@@ -103,7 +104,8 @@ static void test_swiglu(int64_t n, Rng* rng, int approx) {
         const char* what[4] = {"p", "silu(g)", "dg", "du"};
         for (int o = 0; o < 4; o++) {
             uint8_t *a = download_bytes(outs[0][o], 2 * n), *b = download_bytes(outs[1][o], 2 * n);
-            snprintf(name, sizeof(name), "swiglu %s %s: vec = scalar kernel, n=%lld +%d", kind, what[o], (long long)n, off);
+            snprintf(name, sizeof(name), "swiglu %s %s: vec = scalar kernel, n=%lld +%d", kind, what[o], (long long)n,
+                     off);
             check_equal_bytes(name, a, b, 2 * n);
             free(a); free(b);
         }

@@ -170,8 +170,8 @@ static void test_ce_rows(KernelChoice impl, int rows, int V, int offset, Rng* rn
     CUDA_CHECK(cudaMemcpy(h, d_stats, sizeof(h), cudaMemcpyDeviceToHost));
     char name[128], detail[160];
     const char* kind = impl == KERNELS_VEC ? "vec" : "scalar";
-    snprintf(name, sizeof(name), "softmax_ce_rows %s %s dlogits, rows=%d V=%d +%d", kind, sizeof(T) == 2 ? "bf16" : "fp32",
-             rows, V, offset);
+    snprintf(name, sizeof(name), "softmax_ce_rows %s %s dlogits, rows=%d V=%d +%d", kind,
+             sizeof(T) == 2 ? "bf16" : "fp32", rows, V, offset);
     // fp32: the sums differ only in order (1e-5); bf16: one rounding of 2^-9 relative per element
     check_close(name, got, want, n, sizeof(T) == 2 ? 4e-3 : 1e-5);
     snprintf(name, sizeof(name), "softmax_ce_rows %s loss/count/correct, rows=%d V=%d +%d", kind, rows, V, offset);
@@ -181,6 +181,52 @@ static void test_ce_rows(KernelChoice impl, int rows, int V, int offset, Rng* rn
     CUDA_CHECK(cudaFree(d_alloc)); CUDA_CHECK(cudaFree(d_dl)); CUDA_CHECK(cudaFree(d_rows)); CUDA_CHECK(cudaFree(d_t));
     CUDA_CHECK(cudaFree(d_stats));
     free(logits); free(targets); free(want); free(got);
+}
+
+// The chunk (llmc/memory/loss_buffers.h sizes it from the plan, LLMC_HEAD_CHUNK) against one
+// chunk of all N rows, on the same inputs. A product of another row count may sum in another order
+// (split-K partial sums, on the emulator as on a GPU) and the trained head's dW adds the chunks'
+// products in fp32 one by one: the logits move by about d x 2^-24 relative (d = 64: 4e-6), which
+// flips a few bf16 roundings of dlogits and dxf (2^-9 each). Bounds: dxf and dW 1e-3 (relative L2),
+// the loss 1e-5; count and correct exactly (no row's argmax is that close at these random logits).
+static void test_lm_head_chunks(int64_t N, int d, int V, int chunk, Rng* rng) {
+    float *xf = host_randn(N * d, rng, 1.0f, 1), *gamma = host_randn(d, rng, 1.0f, 1),
+          *W = host_randn((int64_t)V * d, rng, 0.3f, 1), *dx0 = host_randn(N * d, rng, 0.002f, 1);
+    int* targets = (int*)xmalloc(sizeof(int) * N);
+    for (int64_t i = 0; i < N; i++) targets[i] = (int)rng_below(rng, V);
+    bf16 *d_xf = upload_bf16(xf, N * d), *d_gamma = upload_bf16(gamma, d), *d_W = upload_bf16(W, (int64_t)V * d);
+    int* d_t = (int*)upload(targets, sizeof(int) * N);
+    float* got[2][2];
+    LossStats st[2] = {};
+    for (int k = 0; k < 2; k++) {
+        int c = k ? (int)N : chunk;
+        LossScratchCuda sc = alloc_loss_scratch(c, d, V);
+        bf16* d_dx = upload_bf16(dx0, N * d);
+        float* d_dW = (float*)dev_alloc(4 * (int64_t)V * d);
+        CUDA_CHECK(cudaMemset(d_dW, 0, 4 * (int64_t)V * d));
+        lm_head_loss_cuda(d_xf, d_gamma, 1e-5f, d_W, V, d, d_t, NULL, N, c, 1.0f / N, d_dx, NULL, sc, &st[k], g_stream,
+                          d_dW, NULL);
+        got[k][0] = download_bf16(d_dx, N * d);
+        got[k][1] = download_f32(d_dW, (int64_t)V * d);
+        free_loss_scratch(sc);
+        CUDA_CHECK(cudaFree(d_dx)); CUDA_CHECK(cudaFree(d_dW));
+    }
+    char name[128], detail[160];
+    const char* what[2] = {"dxf", "head dW"};
+    int64_t n[2] = {N * d, (int64_t)V * d};
+    for (int o = 0; o < 2; o++) {
+        snprintf(name, sizeof(name), "lm_head_loss %s: chunks of %d = one chunk, N=%lld V=%d", what[o], chunk,
+                 (long long)N, V);
+        check_close(name, got[0][o], got[1][o], n[o], 1e-3);
+        free(got[0][o]); free(got[1][o]);
+    }
+    double rel = fabs(st[0].loss_sum - st[1].loss_sum) / fabs(st[1].loss_sum);
+    snprintf(name, sizeof(name), "lm_head_loss loss: chunks of %d = one chunk, N=%lld V=%d", chunk, (long long)N, V);
+    snprintf(detail, sizeof(detail), "(%.9f vs %.9f, rel %.1e, tol 1e-5; correct %.0f vs %.0f)", st[0].loss_sum,
+             st[1].loss_sum, rel, st[0].correct, st[1].correct);
+    check_true(name, rel < 1e-5 && st[0].count == st[1].count && st[0].correct == st[1].correct, detail);
+    CUDA_CHECK(cudaFree(d_xf)); CUDA_CHECK(cudaFree(d_gamma)); CUDA_CHECK(cudaFree(d_W)); CUDA_CHECK(cudaFree(d_t));
+    free(xf); free(gamma); free(W); free(dx0); free(targets);
 }
 
 static void time_lm_head(void) {
@@ -223,6 +269,7 @@ int main(void) {
     test_lm_head(45, 64, 1003, 16, 0, &rng);
     test_lm_head(32, 96, 2048, 32, 1, &rng);
     test_lm_head(7, 40, 517, 100, 1, &rng);
+    test_lm_head_chunks(45, 64, 1003, 7, &rng);
     for (KernelChoice impl : {KERNELS_VEC, KERNELS_SCALAR}) {
         test_ce_rows<float>(impl, 9, 10, 0, &rng);
         test_ce_rows<float>(impl, 4, 1000, 0, &rng);

@@ -59,7 +59,8 @@ __global__ void swiglu_forward_kernel(bf16* __restrict__ p, bf16* __restrict__ s
                                       const bf16* __restrict__ g, const bf16* __restrict__ u, int64_t n) {
     Relu3Fit fit = RESILU2_FIT;
     int64_t nb = (n + 3) / 4;
-    for (int64_t b = thread_index_1d(); b < nb; b += grid_stride_1d()) swiglu_forward_byte(p, sg, codes, g, u, n, b, fit);
+    for (int64_t b = thread_index_1d(); b < nb; b += grid_stride_1d())
+        swiglu_forward_byte(p, sg, codes, g, u, n, b, fit);
 }
 
 // dg, du from dp. Exact: silu'(g) from the kept g. Approx (g NULL): the level of the code.

@@ -63,7 +63,7 @@ __global__ void rope_apply_kernel(bf16* x, const float* __restrict__ cos_t, cons
 // pair come from one 32-bit division per thread, not a 64-bit div/mod per element. Needs hd a
 // multiple of 16 and x and the tables 16-byte aligned (rope_vec_ok); the same per-element
 // arithmetic as rope_apply_kernel, so the bytes agree.
-#define ROPE_VEC_THREADS 128
+#define ROPE_VEC_THREADS 64  // 2 blocks per row for Llama's 32 query heads of 128, 1 for its 8 kv heads
 __global__ void rope_apply_vec_kernel(bf16* x, const float* __restrict__ cos_t, const float* __restrict__ sin_t,
                                       const int* __restrict__ pos, int64_t N, int T, int nheads, int hd, int inverse) {
     int half = hd / 2, groups = half / 8;
@@ -96,7 +96,7 @@ static void rope_apply_launch(KernelChoice impl, bf16* x, const float* cos_t, co
     int64_t total = N * nheads * (hd / 2);
     if (total == 0) return;
     if (impl == KERNELS_VEC && rope_vec_ok(x, cos_t, sin_t, hd)) {
-        int groups = nheads * (hd / 16);
+        int groups = nheads * (hd / 16);  // a row's groups of 8 pairs
         dim3 grid(grid_for(N, 1), (unsigned)ceil_div(groups, ROPE_VEC_THREADS));
         launch_kernel(grid, ROPE_VEC_THREADS, 0, stream, rope_apply_vec_kernel, x, cos_t, sin_t, pos, N, T, nheads, hd,
                       inverse);
