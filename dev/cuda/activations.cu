@@ -3,7 +3,7 @@
 // planted at the bf16 neighbours of every kink c1..c3 of the fits. The 2-bit path must agree
 // EXACTLY: the packed code bytes byte for byte, and the approximate backward bit for bit (both
 // sides form dy * level in fp32 from identical inputs, so the bf16 result cannot differ).
-// SwiGLU's 16-byte kernels (the default, LLMC_ELEMWISE=vec) give the scalar ones' bytes exactly,
+// SwiGLU's and GELU's 16-byte kernels (the default, LLMC_ELEMWISE=vec) give the scalar ones' bytes exactly,
 // on aligned buffers and misaligned ones (where the launch falls back to the scalar kernels).
 // Then times each kernel at a LLaMA-7B MLP shape against HBM bandwidth.
 #include "check.h"
@@ -166,6 +166,37 @@ static void test_gelu(int64_t n, Rng* rng, int mode, int inplace) {
     } else {
         snprintf(name, sizeof(name), "gelu_backward %s dx%s, n=%lld", kind, inplace ? " (in place)" : "", (long long)n);
         check_close(name, gdx, dx, n, 1e-2);
+    }
+    // the default (16-byte vectors where aligned) against the scalar kernels, bit for bit: aligned,
+    // and 1 element into each allocation (the launch must fall back to the scalar kernels)
+    for (int off = 0; off < 2; off++) {
+        bf16 *e_x = (bf16*)dev_alloc(2 * (n + off)) + off, *out[2][2];
+        uint8_t* ecodes[2];
+        upload_bf16_to(e_x, x, n);
+        for (int k = 0; k < 2; k++) {
+            KernelChoice impl = k ? KERNELS_SCALAR : KERNELS_VEC;
+            out[k][0] = (bf16*)dev_alloc(2 * (n + off)) + off;
+            out[k][1] = (bf16*)dev_alloc(2 * (n + off)) + off;
+            ecodes[k] = (uint8_t*)dev_alloc(nb);
+            dev_poison(out[k][0], 2 * n);
+            dev_poison(ecodes[k], nb);
+            upload_bf16_to(out[k][1], dy, n);  // the backward in place, dx = dy's buffer, as the models run it
+            gelu_forward_launch(impl, out[k][0], approx ? ecodes[k] : NULL, e_x, n, tanh_form, g_stream);
+            gelu_backward_launch(impl, out[k][1], out[k][1], approx ? NULL : e_x, approx ? ecodes[k] : NULL, n,
+                                 tanh_form, g_stream);
+        }
+        for (int o = 0; o < 2; o++) {
+            uint8_t *a = download_bytes(out[0][o], 2 * n), *b = download_bytes(out[1][o], 2 * n);
+            snprintf(name, sizeof(name), "gelu %s %s: vec = scalar kernel, n=%lld +%d", kind, o ? "dx" : "y",
+                     (long long)n, off);
+            check_equal_bytes(name, a, b, 2 * n);
+            free(a); free(b);
+        }
+        for (int k = 0; k < 2; k++) {
+            CUDA_CHECK(cudaFree(out[k][0] - off)); CUDA_CHECK(cudaFree(out[k][1] - off));
+            CUDA_CHECK(cudaFree(ecodes[k]));
+        }
+        CUDA_CHECK(cudaFree(e_x - off));
     }
     CUDA_CHECK(cudaFree(d_x)); CUDA_CHECK(cudaFree(d_y)); CUDA_CHECK(cudaFree(d_codes)); CUDA_CHECK(cudaFree(d_dy));
     if (!inplace) CUDA_CHECK(cudaFree(d_dx));

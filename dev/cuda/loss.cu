@@ -137,6 +137,18 @@ static void test_lm_head(int64_t N, int d, int V, int chunk, int grad, Rng* rng)
 // head's), the logits `offset` floats into their allocation (offset 1: no row starts 16-byte aligned
 // whatever V, so the vector kernel's head and tail carry the row's ends; a vector access the
 // alignment did not allow stops the emulator).
+// ce_row over every row of x (in place: x becomes dlogits), summing loss and correct. Not inlined:
+// inlined into test_ce_rows, GCC 12 at -O3 warns of vx_max's tail loop running 2^62 times
+// (-Waggressive-loop-optimizations), which no V here makes it do.
+__attribute__((noinline)) static void ce_rows_reference(float* x, const int* targets, int rows, int V,
+                                                        float grad_scale, double* loss, double* correct) {
+    for (int i = 0; i < rows; i++) {
+        int am;
+        *loss += ce_row(x + (int64_t)i * V, V, targets[i], 1.0f, grad_scale, 1, &am);
+        *correct += am == targets[i];
+    }
+}
+
 template <class T>
 static void test_ce_rows(KernelChoice impl, int rows, int V, int offset, Rng* rng) {
     float grad_scale = 0.25f;
@@ -148,11 +160,7 @@ static void test_ce_rows(KernelChoice impl, int rows, int V, int offset, Rng* rn
     targets[0] = V / 2;
     float* want = host_copy(logits, n);
     double loss = 0, correct = 0;
-    for (int i = 0; i < rows; i++) {
-        int am;
-        loss += ce_row(want + (int64_t)i * V, V, targets[i], 1.0f, grad_scale, 1, &am);
-        correct += am == targets[i];
-    }
+    ce_rows_reference(want, targets, rows, V, grad_scale, &loss, &correct);
     if (sizeof(T) == 2) host_round_bf16(want, n);  // what a bf16 dlogits can hold
     float* d_alloc = (float*)dev_alloc(4 * (n + offset));
     float* d_logits = d_alloc + offset;

@@ -62,7 +62,7 @@ static KernelChoice vec_kernels_choice_of(const char* var) {
     return KERNELS_VEC;
 }
 
-// LLMC_ELEMWISE: vec (the default: the 16-byte kernels of SwiGLU, RMSNorm, RoPE and the casts,
+// LLMC_ELEMWISE: vec (the default: the 16-byte kernels of SwiGLU, GELU, the norms, RoPE, the casts,
 // where their operands are aligned) or scalar (the kernels they replace, everywhere).
 static KernelChoice elemwise_choice(void) {
     static int chosen = -1;
