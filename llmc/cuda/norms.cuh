@@ -137,11 +137,59 @@ static void rmsnorm_forward_cuda(bf16* y, float* r_out, const bf16* x, const bf1
                       d, eps);
 }
 
+// LayerNorm's forward in 16-byte vectors: the same three passes (mean, centred squares, output)
+// and per-element formulas as layernorm_forward_kernel, each lane 8 elements at a time.
+__global__ void layernorm_forward_vec_kernel(bf16* __restrict__ y, float* __restrict__ r_out,
+                                             float* __restrict__ mean_out, const bf16* __restrict__ x,
+                                             const bf16* __restrict__ gamma, const bf16* __restrict__ beta, int64_t N,
+                                             int d, float eps) {
+    int64_t n = norm_row_index();
+    if (n >= N) return;
+    int lane = threadIdx.x & 31;
+    const bf16* xr = x + n * d;
+    bf16* yr = y + n * d;
+    float s = 0.0f;
+    for (int i = 8 * lane; i < d; i += 256) {
+        Vec16<bf16> v = load_vec16(xr + i);
+        for (int j = 0; j < 8; j++) s += bf2f(v.v[j]);
+    }
+    float mu = warp_reduce_sum(s) / d;
+    float ss = 0.0f;
+    for (int i = 8 * lane; i < d; i += 256) {
+        Vec16<bf16> v = load_vec16(xr + i);
+        for (int j = 0; j < 8; j++) { float c = bf2f(v.v[j]) - mu; ss += c * c; }
+    }
+    ss = warp_reduce_sum(ss);
+    float r = 1.0f / sqrtf(ss / d + eps);
+    if (!isfinite(ss)) {  // the fp32 sum or a centred value overflowed: again in fp64 (scalar, rare)
+        mu = (float)(norm_row_sum_f64(xr, d, lane) / d);
+        r = norm_inv_rms(norm_row_sum_squares_f64(xr, d, mu, lane), d, eps);
+    }
+    if (lane == 0) {
+        r_out[n] = r;
+        if (mean_out) mean_out[n] = mu;
+    }
+    for (int i = 8 * lane; i < d; i += 256) {
+        Vec16<bf16> v = load_vec16(xr + i), o, gv, bv;
+        if (gamma) gv = load_vec16(gamma + i);
+        if (gamma && beta) bv = load_vec16(beta + i);
+        for (int j = 0; j < 8; j++) {
+            float z = norm_normalise(bf2f(v.v[j]), mu, r);
+            o.v[j] = f2bf(gamma ? z * bf2f(gv.v[j]) + (beta ? bf2f(bv.v[j]) : 0.0f) : z);
+        }
+        store_vec16(yr + i, o);
+    }
+}
+
 static void layernorm_forward_cuda(bf16* y, float* r_out, float* mean_out, const bf16* x, const bf16* gamma,
                                    const bf16* beta, int64_t N, int d, float eps, cudaStream_t stream) {
     if (N == 0) return;
-    launch_kernel(norm_grid(N), 32 * NORM_ROWS_PER_BLOCK, 0, stream, layernorm_forward_kernel, y, r_out, mean_out, x,
-                  gamma, beta, N, d, eps);
+    if (elemwise_choice() == KERNELS_VEC && norm_vec_ok(d, y, x, gamma, gamma ? beta : NULL))
+        launch_kernel(norm_grid(N), 32 * NORM_ROWS_PER_BLOCK, 0, stream, layernorm_forward_vec_kernel, y, r_out,
+                      mean_out, x, gamma, beta, N, d, eps);
+    else
+        launch_kernel(norm_grid(N), 32 * NORM_ROWS_PER_BLOCK, 0, stream, layernorm_forward_kernel, y, r_out, mean_out,
+                      x, gamma, beta, N, d, eps);
 }
 
 // ---- backward --------------------------------------------------------------------------------
