@@ -368,6 +368,7 @@ int main(void) {
     test_embedding_backward(300, 129, 50, &rng);
     test_multiply_bias(37, 67, &rng);
     test_multiply_bias(3, 10, &rng);
+    test_multiply_bias(5, 64, &rng);  // d % 8 == 0: scale_columns' 16-byte 2-D kernel (and multiply's, as always)
     test_patches(2, 3, 32, 48, 16, 16, 24, &rng);
     test_patches(1, 1, 28, 28, 7, 4, 9, &rng);
     test_patch_embed_backward(3, 17, 67, &rng);
