@@ -67,12 +67,14 @@ static void test_multiply_bias(int64_t N, int out, Rng* rng) {
     // elementwise product (SwiGLU's down input rebuilt from silu(g) and u), one rounding
     float* want3 = (float*)xmalloc(4 * n);
     for (int64_t i = 0; i < n; i++) want3[i] = bf16_round(bf16_round(a[i]) * bf16_round(b[i]));
-    dev_poison(d_out, 2 * n);
-    multiply_cuda(d_out, d_a, d_b, n, g_stream);
-    float* got3 = download_bf16(d_out, n);
-    snprintf(name, sizeof(name), "multiply, n=%lld", (long long)n);
-    check_equal_f32(name, got3, want3, n);
-    free(got3);
+    for (KernelChoice impl : {KERNELS_VEC, KERNELS_SCALAR}) {  // 16-byte vectors (the default) and the scalar kernel
+        dev_poison(d_out, 2 * n);
+        multiply_launch(impl, d_out, d_a, d_b, n, g_stream);
+        float* got3 = download_bf16(d_out, n);
+        snprintf(name, sizeof(name), "multiply %s, n=%lld", impl == KERNELS_VEC ? "vec" : "scalar", (long long)n);
+        check_equal_f32(name, got3, want3, n);
+        free(got3);
+    }
     free(want3);
 
     // columns scaled by a vector (Qwen3's q/k norm gamma), in place and out of place
@@ -82,18 +84,22 @@ static void test_multiply_bias(int64_t N, int out, Rng* rng) {
     for (int j = 0; j < out; j++) g4[j] = bf16_round(bias[j]);
     scale_columns(want4, want4, g4, N, out);
     for (int64_t i = 0; i < n; i++) want4[i] = bf16_round(want4[i]);
-    dev_poison(d_out, 2 * n);
-    scale_columns_cuda(d_out, d_a, d_bias, N, out, g_stream);
-    float* got4 = download_bf16(d_out, n);
-    snprintf(name, sizeof(name), "scale_columns, N=%lld d=%d", (long long)N, out);
-    check_equal_f32(name, got4, want4, n);
-    bf16* d_a2 = upload_bf16(a, n);
-    scale_columns_cuda(d_a2, d_a2, d_bias, N, out, g_stream);
-    float* got5 = download_bf16(d_a2, n);
-    snprintf(name, sizeof(name), "scale_columns in place, N=%lld d=%d", (long long)N, out);
-    check_equal_f32(name, got5, want4, n);
-    CUDA_CHECK(cudaFree(d_a2));
-    free(got4); free(got5); free(want4); free(g4);
+    for (KernelChoice impl : {KERNELS_VEC, KERNELS_SCALAR}) {
+        const char* kind = impl == KERNELS_VEC ? "vec" : "scalar";
+        dev_poison(d_out, 2 * n);
+        scale_columns_launch(impl, d_out, d_a, d_bias, N, out, g_stream);
+        float* got4 = download_bf16(d_out, n);
+        snprintf(name, sizeof(name), "scale_columns %s, N=%lld d=%d", kind, (long long)N, out);
+        check_equal_f32(name, got4, want4, n);
+        bf16* d_a2 = upload_bf16(a, n);
+        scale_columns_launch(impl, d_a2, d_a2, d_bias, N, out, g_stream);
+        float* got5 = download_bf16(d_a2, n);
+        snprintf(name, sizeof(name), "scale_columns %s in place, N=%lld d=%d", kind, (long long)N, out);
+        check_equal_f32(name, got5, want4, n);
+        CUDA_CHECK(cudaFree(d_a2));
+        free(got4); free(got5);
+    }
+    free(want4); free(g4);
 
     // bias add, bf16 and fp32 rows, vs llmc/linear.h add_bias_rows
     float* yb = host_copy(b, n);

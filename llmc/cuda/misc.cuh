@@ -71,11 +71,15 @@ __global__ void multiply_vec_kernel(bf16* out, const bf16* a, const bf16* b, int
     }
     for (int64_t i = 8 * nv + thread_index_1d(); i < n; i += grid_stride_1d()) out[i] = f2bf(bf2f(a[i]) * bf2f(b[i]));
 }
-static void multiply_cuda(bf16* out, const bf16* a, const bf16* b, int64_t n, cudaStream_t stream) {
+static void multiply_launch(KernelChoice impl, bf16* out, const bf16* a, const bf16* b, int64_t n,
+                            cudaStream_t stream) {
     if (n == 0) return;
-    if (elemwise_choice() == KERNELS_VEC && aligned16(out) && aligned16(a) && aligned16(b))
+    if (impl == KERNELS_VEC && aligned16(out) && aligned16(a) && aligned16(b))
         launch_kernel(grid_for(n / 8 + 8, 256), 256, 0, stream, multiply_vec_kernel, out, a, b, n);
     else launch_kernel(grid_for(n, 256), 256, 0, stream, multiply_kernel, out, a, b, n);
+}
+static void multiply_cuda(bf16* out, const bf16* a, const bf16* b, int64_t n, cudaStream_t stream) {
+    multiply_launch(elemwise_choice(), out, a, b, n, stream);
 }
 
 // y[n, i] = x[n, i] * g[i], rows of d, the product in fp32 then rounded once (the twin of scale_columns;
@@ -97,14 +101,18 @@ __global__ void scale_columns_vec_kernel(bf16* y, const bf16* x, const bf16* __r
         store_vec16(y + n * d + 8 * c, o);
     }
 }
-static void scale_columns_cuda(bf16* y, const bf16* x, const bf16* g, int64_t rows, int d, cudaStream_t stream) {
+static void scale_columns_launch(KernelChoice impl, bf16* y, const bf16* x, const bf16* g, int64_t rows, int d,
+                                 cudaStream_t stream) {
     if (rows * d == 0) return;
-    if (elemwise_choice() == KERNELS_VEC && d % 8 == 0 && aligned16(y) && aligned16(x) && aligned16(g)) {
+    if (impl == KERNELS_VEC && d % 8 == 0 && aligned16(y) && aligned16(x) && aligned16(g)) {
         dim3 grid(grid_for(rows, 1), (unsigned)ceil_div(d / 8, SCALE_COLUMNS_VEC_THREADS));
         launch_kernel(grid, SCALE_COLUMNS_VEC_THREADS, 0, stream, scale_columns_vec_kernel, y, x, g, rows, d);
         return;
     }
     launch_kernel(grid_for(rows * d, 256), 256, 0, stream, scale_columns_kernel, y, x, g, rows * d, d);
+}
+static void scale_columns_cuda(bf16* y, const bf16* x, const bf16* g, int64_t rows, int d, cudaStream_t stream) {
+    scale_columns_launch(elemwise_choice(), y, x, g, rows, d, stream);
 }
 
 template <class T>
