@@ -429,7 +429,10 @@ static void llama_plan_scratch(Llama* m, MemPlan* p) {
     plan_add(p, MEM_SCRATCH, "batch", -1, "pos", N * 4, &m->pos);
     seqpar_plan(&m->sp, p, llama_seqpar_lends(m));
     if (m->modes.full) plan_add(p, MEM_SCRATCH, "batch", -1, "embed_order", N * 4, &m->embed_order);
-    m->loss_chunk = (int)lm_head_chunk(N, V);
+    HeadChunkRule rule;
+    m->loss_chunk = (int)lm_head_chunk(be, N, d, V, &rule);
+    p->loss_chunk_rows = m->loss_chunk;
+    p->loss_chunk_rule = head_chunk_rule_names[rule];
     op_plan_lm_head_loss(be, p, &m->loss, m->loss_chunk, d, V);
     if (!md->generate) return;
     char nm[48];  // one window of m->T positions (llama_generate)

@@ -3,6 +3,8 @@
 // planted at the bf16 neighbours of every kink c1..c3 of the fits. The 2-bit path must agree
 // EXACTLY: the packed code bytes byte for byte, and the approximate backward bit for bit (both
 // sides form dy * level in fp32 from identical inputs, so the bf16 result cannot differ).
+// SwiGLU's and GELU's 16-byte kernels (the default, LLMC_ELEMWISE=vec) give the scalar ones' bytes exactly,
+// on aligned buffers and misaligned ones (where the launch falls back to the scalar kernels).
 // Then times each kernel at a LLaMA-7B MLP shape against HBM bandwidth.
 #include "check.h"
 #include "../../llmc/cpu/activations.h"
@@ -79,6 +81,47 @@ static void test_swiglu(int64_t n, Rng* rng, int approx) {
         snprintf(name, sizeof(name), "swiglu_backward exact du, n=%lld", (long long)n);
         check_close(name, gdu, du, n, 1e-2);
     }
+    // the default (16-byte vectors where aligned) against the scalar kernels it replaced, bit for
+    // bit, from the same inputs: on aligned buffers (above) and 1 element into each allocation
+    // (misaligned: the launch must fall back to the scalar kernels, or the emulator stops)
+    for (int off = 0; off < 2; off++) {
+        int64_t m = n + off;
+        bf16 *e_g = (bf16*)dev_alloc(2 * m) + off, *e_u = (bf16*)dev_alloc(2 * m) + off,
+             *e_dp = (bf16*)dev_alloc(2 * m) + off, *e_sg16 = (bf16*)dev_alloc(2 * m) + off;
+        upload_bf16_to(e_g, g, n); upload_bf16_to(e_u, u, n);
+        upload_bf16_to(e_dp, dp, n); upload_bf16_to(e_sg16, sg16, n);
+        bf16 *outs[2][4];
+        uint8_t* ecodes[2];
+        for (int k = 0; k < 2; k++) {
+            KernelChoice impl = k ? KERNELS_SCALAR : KERNELS_VEC;
+            for (int o = 0; o < 4; o++) { outs[k][o] = (bf16*)dev_alloc(2 * m) + off; dev_poison(outs[k][o], 2 * n); }
+            ecodes[k] = (uint8_t*)dev_alloc(nb);
+            dev_poison(ecodes[k], nb);
+            swiglu_forward_launch(impl, outs[k][0], outs[k][1], approx ? ecodes[k] : NULL, e_g, e_u, n, g_stream);
+            swiglu_backward_launch(impl, outs[k][2], outs[k][3], e_dp, e_sg16, e_u, approx ? NULL : e_g,
+                                   approx ? ecodes[k] : NULL, n, g_stream);
+        }
+        const char* what[4] = {"p", "silu(g)", "dg", "du"};
+        for (int o = 0; o < 4; o++) {
+            uint8_t *a = download_bytes(outs[0][o], 2 * n), *b = download_bytes(outs[1][o], 2 * n);
+            snprintf(name, sizeof(name), "swiglu %s %s: vec = scalar kernel, n=%lld +%d", kind, what[o], (long long)n,
+                     off);
+            check_equal_bytes(name, a, b, 2 * n);
+            free(a); free(b);
+        }
+        if (approx) {
+            uint8_t *a = download_bytes(ecodes[0], nb), *b = download_bytes(ecodes[1], nb);
+            snprintf(name, sizeof(name), "swiglu ReSiLU2 codes: vec = scalar kernel, n=%lld +%d", (long long)n, off);
+            check_equal_bytes(name, a, b, nb);
+            free(a); free(b);
+        }
+        for (int k = 0; k < 2; k++) {
+            for (int o = 0; o < 4; o++) CUDA_CHECK(cudaFree(outs[k][o] - off));
+            CUDA_CHECK(cudaFree(ecodes[k]));
+        }
+        CUDA_CHECK(cudaFree(e_g - off)); CUDA_CHECK(cudaFree(e_u - off)); CUDA_CHECK(cudaFree(e_dp - off));
+        CUDA_CHECK(cudaFree(e_sg16 - off));
+    }
     CUDA_CHECK(cudaFree(d_g)); CUDA_CHECK(cudaFree(d_u)); CUDA_CHECK(cudaFree(d_p)); CUDA_CHECK(cudaFree(d_sg));
     CUDA_CHECK(cudaFree(d_codes)); CUDA_CHECK(cudaFree(d_dp)); CUDA_CHECK(cudaFree(d_sg16)); CUDA_CHECK(cudaFree(d_dg));
     CUDA_CHECK(cudaFree(d_du));
@@ -123,6 +166,37 @@ static void test_gelu(int64_t n, Rng* rng, int mode, int inplace) {
     } else {
         snprintf(name, sizeof(name), "gelu_backward %s dx%s, n=%lld", kind, inplace ? " (in place)" : "", (long long)n);
         check_close(name, gdx, dx, n, 1e-2);
+    }
+    // the default (16-byte vectors where aligned) against the scalar kernels, bit for bit: aligned,
+    // and 1 element into each allocation (the launch must fall back to the scalar kernels)
+    for (int off = 0; off < 2; off++) {
+        bf16 *e_x = (bf16*)dev_alloc(2 * (n + off)) + off, *out[2][2];
+        uint8_t* ecodes[2];
+        upload_bf16_to(e_x, x, n);
+        for (int k = 0; k < 2; k++) {
+            KernelChoice impl = k ? KERNELS_SCALAR : KERNELS_VEC;
+            out[k][0] = (bf16*)dev_alloc(2 * (n + off)) + off;
+            out[k][1] = (bf16*)dev_alloc(2 * (n + off)) + off;
+            ecodes[k] = (uint8_t*)dev_alloc(nb);
+            dev_poison(out[k][0], 2 * n);
+            dev_poison(ecodes[k], nb);
+            upload_bf16_to(out[k][1], dy, n);  // the backward in place, dx = dy's buffer, as the models run it
+            gelu_forward_launch(impl, out[k][0], approx ? ecodes[k] : NULL, e_x, n, tanh_form, g_stream);
+            gelu_backward_launch(impl, out[k][1], out[k][1], approx ? NULL : e_x, approx ? ecodes[k] : NULL, n,
+                                 tanh_form, g_stream);
+        }
+        for (int o = 0; o < 2; o++) {
+            uint8_t *a = download_bytes(out[0][o], 2 * n), *b = download_bytes(out[1][o], 2 * n);
+            snprintf(name, sizeof(name), "gelu %s %s: vec = scalar kernel, n=%lld +%d", kind, o ? "dx" : "y",
+                     (long long)n, off);
+            check_equal_bytes(name, a, b, 2 * n);
+            free(a); free(b);
+        }
+        for (int k = 0; k < 2; k++) {
+            CUDA_CHECK(cudaFree(out[k][0] - off)); CUDA_CHECK(cudaFree(out[k][1] - off));
+            CUDA_CHECK(cudaFree(ecodes[k]));
+        }
+        CUDA_CHECK(cudaFree(e_x - off));
     }
     CUDA_CHECK(cudaFree(d_x)); CUDA_CHECK(cudaFree(d_y)); CUDA_CHECK(cudaFree(d_codes)); CUDA_CHECK(cudaFree(d_dy));
     if (!inplace) CUDA_CHECK(cudaFree(d_dx));

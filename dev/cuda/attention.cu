@@ -183,6 +183,30 @@ static void test_rope(int64_t N, int T, int nheads, int hd, Rng* rng) {
     float* back = download_bf16(d_x, n);
     snprintf(name, sizeof(name), "rope_apply then inverse is the identity, hd=%d", hd);
     check_close(name, back, x, n, 1e-2);
+    // the default (16-byte vectors on a 2-D grid, where hd and the alignment allow) against the
+    // scalar kernel it replaced, bit for bit: positions n % T and packed ones (restarting at 0),
+    // x aligned and 1 element into its allocation (the launch must fall back, or the emulator stops)
+    int* pos = (int*)xmalloc(sizeof(int) * N);
+    for (int64_t i = 0; i < N; i++) pos[i] = (int)(i % 5 == 0 ? 0 : pos[i - 1] + 1) % T;
+    int* d_pos = (int*)upload(pos, sizeof(int) * N);
+    for (int off = 0; off < 2; off++)
+        for (int packed = 0; packed < 2; packed++) {
+            bf16* d_y[2];
+            for (int k = 0; k < 2; k++) {
+                d_y[k] = (bf16*)dev_alloc(2 * (n + off)) + off;
+                upload_bf16_to(d_y[k], x, n);
+                rope_apply_launch(k ? KERNELS_SCALAR : KERNELS_VEC, d_y[k], d_cos, d_sin, packed ? d_pos : NULL, N, T,
+                                  nheads, hd, packed, g_stream);  // packed rows run the inverse
+            }
+            uint8_t *a = download_bytes(d_y[0], 2 * n), *b = download_bytes(d_y[1], 2 * n);
+            snprintf(name, sizeof(name), "rope_apply vec = scalar kernel, hd=%d heads=%d%s +%d", hd, nheads,
+                     packed ? " packed inverse" : "", off);
+            check_equal_bytes(name, a, b, 2 * n);
+            free(a); free(b);
+            for (int k = 0; k < 2; k++) CUDA_CHECK(cudaFree(d_y[k] - off));
+        }
+    CUDA_CHECK(cudaFree(d_pos));
+    free(pos);
     CUDA_CHECK(cudaFree(d_cos)); CUDA_CHECK(cudaFree(d_sin)); CUDA_CHECK(cudaFree(d_x));
     free(cos_t); free(sin_t); free(x); free(back);
 }
@@ -235,6 +259,7 @@ int main(void) {
     check_begin("dev/cuda/attention: RoPE, flash attention and the tensor-core GEMM attention vs llmc/cpu/attention.h");
     test_rope(2 * 37, 37, 3, 16, &rng);
     test_rope(65, 65, 2, 128, &rng);
+    test_rope(9, 9, 3, 24, &rng);  // hd not a multiple of 16: the scalar kernel
     AttnShape cases[] = {
         {2, 37, 4, 2, 16, 1, NULL},   // GQA 2, tiny head dim, ragged T
         {1, 70, 3, 1, 64, 1, NULL},   // multi-query (3 heads on 1 kv head)

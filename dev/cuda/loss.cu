@@ -132,40 +132,109 @@ static void test_lm_head(int64_t N, int d, int V, int chunk, int grad, Rng* rng)
     free(logits); free(dx); free(glogits);
 }
 
-// softmax_ce_rows with fp32 dlogits against ce_row, row by row (the ViT head: few classes).
-static void test_ce_rows(int rows, int V, Rng* rng) {
-    float grad_scale = 0.25f;
-    float* logits = host_randn((int64_t)rows * V, rng, 3.0f, 0);
-    int* targets = (int*)xmalloc(sizeof(int) * rows);
-    for (int i = 0; i < rows; i++) targets[i] = (int)rng_below(rng, V);
-    float* want = host_copy(logits, (int64_t)rows * V);
-    double loss = 0, correct = 0;
+// softmax_ce_rows against ce_row, row by row, for both kernels (KERNELS_VEC: the two-pass 16-byte
+// one; KERNELS_SCALAR: the old), with fp32 dlogits (the ViT head: few classes) or bf16 (the LM
+// head's), the logits `offset` floats into their allocation (offset 1: no row starts 16-byte aligned
+// whatever V, so the vector kernel's head and tail carry the row's ends; a vector access the
+// alignment did not allow stops the emulator).
+// ce_row over every row of x (in place: x becomes dlogits), summing loss and correct. Not inlined:
+// inlined into test_ce_rows, GCC 12 at -O3 warns of vx_max's tail loop running 2^62 times
+// (-Waggressive-loop-optimizations), which no V here makes it do.
+__attribute__((noinline)) static void ce_rows_reference(float* x, const int* targets, int rows, int V,
+                                                        float grad_scale, double* loss, double* correct) {
     for (int i = 0; i < rows; i++) {
         int am;
-        loss += ce_row(want + (int64_t)i * V, V, targets[i], 1.0f, grad_scale, 1, &am);
-        correct += am == targets[i];
+        *loss += ce_row(x + (int64_t)i * V, V, targets[i], 1.0f, grad_scale, 1, &am);
+        *correct += am == targets[i];
     }
-    float *d_logits = (float*)upload(logits, 4 * (int64_t)rows * V), *d_dl = (float*)dev_alloc(4 * (int64_t)rows * V);
+}
+
+template <class T>
+static void test_ce_rows(KernelChoice impl, int rows, int V, int offset, Rng* rng) {
+    float grad_scale = 0.25f;
+    int64_t n = (int64_t)rows * V;
+    float* logits = host_randn(n, rng, 3.0f, 0);
+    int* targets = (int*)xmalloc(sizeof(int) * rows);
+    for (int i = 0; i < rows; i++) targets[i] = (int)rng_below(rng, V);
+    logits[V / 2] = logits[V - 1] = 40.0f;  // row 0: a tie for the max, the first counts as argmax
+    targets[0] = V / 2;
+    float* want = host_copy(logits, n);
+    double loss = 0, correct = 0;
+    ce_rows_reference(want, targets, rows, V, grad_scale, &loss, &correct);
+    if (sizeof(T) == 2) host_round_bf16(want, n);  // what a bf16 dlogits can hold
+    float* d_alloc = (float*)dev_alloc(4 * (n + offset));
+    float* d_logits = d_alloc + offset;
+    CUDA_CHECK(cudaMemcpy(d_logits, logits, 4 * n, cudaMemcpyHostToDevice));
+    T* d_dl = (T*)dev_alloc(sizeof(T) * n);
     float* d_rows = (float*)dev_alloc(4 * 3 * (int64_t)rows);
     int* d_t = (int*)upload(targets, sizeof(int) * rows);
     double* d_stats = (double*)dev_alloc(3 * sizeof(double));
-    dev_poison(d_dl, 4 * (int64_t)rows * V);
+    dev_poison(d_dl, sizeof(T) * n);
     CUDA_CHECK(cudaMemset(d_stats, 0, 3 * sizeof(double)));
-    softmax_ce_rows_cuda(d_dl, d_rows, d_logits, d_t, NULL, rows, V, grad_scale, 1, g_stream);
+    softmax_ce_rows_launch(impl, d_dl, d_rows, d_logits, d_t, NULL, rows, V, grad_scale, 1, g_stream);
     loss_stats_accumulate_cuda(d_stats, d_rows, rows, g_stream);
-    float* got = download_f32(d_dl, (int64_t)rows * V);
+    float* got = sizeof(T) == 2 ? download_bf16((const bf16*)d_dl, n) : download_f32((const float*)d_dl, n);
     double h[3];
     CUDA_CHECK(cudaMemcpy(h, d_stats, sizeof(h), cudaMemcpyDeviceToHost));
     char name[128], detail[160];
-    snprintf(name, sizeof(name), "softmax_ce_rows fp32 dlogits, rows=%d V=%d", rows, V);
-    check_close(name, got, want, (int64_t)rows * V, 1e-5);
-    snprintf(name, sizeof(name), "softmax_ce_rows loss/count/correct, rows=%d V=%d", rows, V);
+    const char* kind = impl == KERNELS_VEC ? "vec" : "scalar";
+    snprintf(name, sizeof(name), "softmax_ce_rows %s %s dlogits, rows=%d V=%d +%d", kind,
+             sizeof(T) == 2 ? "bf16" : "fp32", rows, V, offset);
+    // fp32: the sums differ only in order (1e-5); bf16: one rounding of 2^-9 relative per element
+    check_close(name, got, want, n, sizeof(T) == 2 ? 4e-3 : 1e-5);
+    snprintf(name, sizeof(name), "softmax_ce_rows %s loss/count/correct, rows=%d V=%d +%d", kind, rows, V, offset);
     snprintf(detail, sizeof(detail), "(loss %.6f vs %.6f, count %.0f, correct %.0f vs %.0f)", h[0], loss, h[1], h[2],
              correct);
     check_true(name, fabs(h[0] - loss) < 1e-4 * fmax(1.0, fabs(loss)) && h[1] == rows && h[2] == correct, detail);
-    CUDA_CHECK(cudaFree(d_logits)); CUDA_CHECK(cudaFree(d_dl)); CUDA_CHECK(cudaFree(d_rows)); CUDA_CHECK(cudaFree(d_t));
+    CUDA_CHECK(cudaFree(d_alloc)); CUDA_CHECK(cudaFree(d_dl)); CUDA_CHECK(cudaFree(d_rows)); CUDA_CHECK(cudaFree(d_t));
     CUDA_CHECK(cudaFree(d_stats));
     free(logits); free(targets); free(want); free(got);
+}
+
+// The chunk (llmc/memory/loss_buffers.h sizes it from the plan, LLMC_HEAD_CHUNK) against one
+// chunk of all N rows, on the same inputs. A product of another row count may sum in another order
+// (split-K partial sums, on the emulator as on a GPU) and the trained head's dW adds the chunks'
+// products in fp32 one by one: the logits move by about d x 2^-24 relative (d = 64: 4e-6), which
+// flips a few bf16 roundings of dlogits and dxf (2^-9 each). Bounds: dxf and dW 1e-3 (relative L2),
+// the loss 1e-5; count and correct exactly (no row's argmax is that close at these random logits).
+static void test_lm_head_chunks(int64_t N, int d, int V, int chunk, Rng* rng) {
+    float *xf = host_randn(N * d, rng, 1.0f, 1), *gamma = host_randn(d, rng, 1.0f, 1),
+          *W = host_randn((int64_t)V * d, rng, 0.3f, 1), *dx0 = host_randn(N * d, rng, 0.002f, 1);
+    int* targets = (int*)xmalloc(sizeof(int) * N);
+    for (int64_t i = 0; i < N; i++) targets[i] = (int)rng_below(rng, V);
+    bf16 *d_xf = upload_bf16(xf, N * d), *d_gamma = upload_bf16(gamma, d), *d_W = upload_bf16(W, (int64_t)V * d);
+    int* d_t = (int*)upload(targets, sizeof(int) * N);
+    float* got[2][2];
+    LossStats st[2] = {};
+    for (int k = 0; k < 2; k++) {
+        int c = k ? (int)N : chunk;
+        LossScratchCuda sc = alloc_loss_scratch(c, d, V);
+        bf16* d_dx = upload_bf16(dx0, N * d);
+        float* d_dW = (float*)dev_alloc(4 * (int64_t)V * d);
+        CUDA_CHECK(cudaMemset(d_dW, 0, 4 * (int64_t)V * d));
+        lm_head_loss_cuda(d_xf, d_gamma, 1e-5f, d_W, V, d, d_t, NULL, N, c, 1.0f / N, d_dx, NULL, sc, &st[k], g_stream,
+                          d_dW, NULL);
+        got[k][0] = download_bf16(d_dx, N * d);
+        got[k][1] = download_f32(d_dW, (int64_t)V * d);
+        free_loss_scratch(sc);
+        CUDA_CHECK(cudaFree(d_dx)); CUDA_CHECK(cudaFree(d_dW));
+    }
+    char name[128], detail[160];
+    const char* what[2] = {"dxf", "head dW"};
+    int64_t n[2] = {N * d, (int64_t)V * d};
+    for (int o = 0; o < 2; o++) {
+        snprintf(name, sizeof(name), "lm_head_loss %s: chunks of %d = one chunk, N=%lld V=%d", what[o], chunk,
+                 (long long)N, V);
+        check_close(name, got[0][o], got[1][o], n[o], 1e-3);
+        free(got[0][o]); free(got[1][o]);
+    }
+    double rel = fabs(st[0].loss_sum - st[1].loss_sum) / fabs(st[1].loss_sum);
+    snprintf(name, sizeof(name), "lm_head_loss loss: chunks of %d = one chunk, N=%lld V=%d", chunk, (long long)N, V);
+    snprintf(detail, sizeof(detail), "(%.9f vs %.9f, rel %.1e, tol 1e-5; correct %.0f vs %.0f)", st[0].loss_sum,
+             st[1].loss_sum, rel, st[0].correct, st[1].correct);
+    check_true(name, rel < 1e-5 && st[0].count == st[1].count && st[0].correct == st[1].correct, detail);
+    CUDA_CHECK(cudaFree(d_xf)); CUDA_CHECK(cudaFree(d_gamma)); CUDA_CHECK(cudaFree(d_W)); CUDA_CHECK(cudaFree(d_t));
+    free(xf); free(gamma); free(W); free(dx0); free(targets);
 }
 
 static void time_lm_head(void) {
@@ -208,8 +277,16 @@ int main(void) {
     test_lm_head(45, 64, 1003, 16, 0, &rng);
     test_lm_head(32, 96, 2048, 32, 1, &rng);
     test_lm_head(7, 40, 517, 100, 1, &rng);
-    test_ce_rows(9, 10, &rng);
-    test_ce_rows(4, 1000, &rng);
+    test_lm_head_chunks(45, 64, 1003, 7, &rng);
+    for (KernelChoice impl : {KERNELS_VEC, KERNELS_SCALAR}) {
+        test_ce_rows<float>(impl, 9, 10, 0, &rng);
+        test_ce_rows<float>(impl, 4, 1000, 0, &rng);
+        test_ce_rows<float>(impl, 3, 1000, 1, &rng);
+        test_ce_rows<bf16>(impl, 3, 1024, 0, &rng);  // every row aligned: no head, no tail
+        test_ce_rows<bf16>(impl, 5, 1003, 0, &rng);  // rows start anywhere
+        test_ce_rows<bf16>(impl, 3, 1024, 1, &rng);  // logits out of step with dlogits: scalar dlogits
+        test_ce_rows<bf16>(impl, 4, 3, 0, &rng);     // rows shorter than one vector
+    }
     if (g_timing) time_lm_head();
     return finish();
 }

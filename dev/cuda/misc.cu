@@ -5,7 +5,8 @@
 // image_loader_convert with the bilinear taps of llmc/vision/resample.h, grayscale and RGB, with
 // flips). Where the CPU twin is a loop inside llmc/ops.h (op_embed, op_patch_unfold,
 // op_patch_embed_finish, op_copy_rows), the reference below is that loop transcribed; moving those
-// loops into llmc/cpu/ would let both sides share one copy. Then times the memory-bound ones.
+// loops into llmc/cpu/ would let both sides share one copy. Then times the memory-bound ones. The
+// casts, both kernels, bit for bit, at aligned and misaligned offsets.
 #include "check.h"
 #include "../../llmc/cpu/embedding.h"
 #include "../../llmc/cpu/misc.h"
@@ -67,12 +68,14 @@ static void test_multiply_bias(int64_t N, int out, Rng* rng) {
     // elementwise product (SwiGLU's down input rebuilt from silu(g) and u), one rounding
     float* want3 = (float*)xmalloc(4 * n);
     for (int64_t i = 0; i < n; i++) want3[i] = bf16_round(bf16_round(a[i]) * bf16_round(b[i]));
-    dev_poison(d_out, 2 * n);
-    multiply_cuda(d_out, d_a, d_b, n, g_stream);
-    float* got3 = download_bf16(d_out, n);
-    snprintf(name, sizeof(name), "multiply, n=%lld", (long long)n);
-    check_equal_f32(name, got3, want3, n);
-    free(got3);
+    for (KernelChoice impl : {KERNELS_VEC, KERNELS_SCALAR}) {  // 16-byte vectors (the default) and the scalar kernel
+        dev_poison(d_out, 2 * n);
+        multiply_launch(impl, d_out, d_a, d_b, n, g_stream);
+        float* got3 = download_bf16(d_out, n);
+        snprintf(name, sizeof(name), "multiply %s, n=%lld", impl == KERNELS_VEC ? "vec" : "scalar", (long long)n);
+        check_equal_f32(name, got3, want3, n);
+        free(got3);
+    }
     free(want3);
 
     // columns scaled by a vector (Qwen3's q/k norm gamma), in place and out of place
@@ -82,18 +85,22 @@ static void test_multiply_bias(int64_t N, int out, Rng* rng) {
     for (int j = 0; j < out; j++) g4[j] = bf16_round(bias[j]);
     scale_columns(want4, want4, g4, N, out);
     for (int64_t i = 0; i < n; i++) want4[i] = bf16_round(want4[i]);
-    dev_poison(d_out, 2 * n);
-    scale_columns_cuda(d_out, d_a, d_bias, N, out, g_stream);
-    float* got4 = download_bf16(d_out, n);
-    snprintf(name, sizeof(name), "scale_columns, N=%lld d=%d", (long long)N, out);
-    check_equal_f32(name, got4, want4, n);
-    bf16* d_a2 = upload_bf16(a, n);
-    scale_columns_cuda(d_a2, d_a2, d_bias, N, out, g_stream);
-    float* got5 = download_bf16(d_a2, n);
-    snprintf(name, sizeof(name), "scale_columns in place, N=%lld d=%d", (long long)N, out);
-    check_equal_f32(name, got5, want4, n);
-    CUDA_CHECK(cudaFree(d_a2));
-    free(got4); free(got5); free(want4); free(g4);
+    for (KernelChoice impl : {KERNELS_VEC, KERNELS_SCALAR}) {
+        const char* kind = impl == KERNELS_VEC ? "vec" : "scalar";
+        dev_poison(d_out, 2 * n);
+        scale_columns_launch(impl, d_out, d_a, d_bias, N, out, g_stream);
+        float* got4 = download_bf16(d_out, n);
+        snprintf(name, sizeof(name), "scale_columns %s, N=%lld d=%d", kind, (long long)N, out);
+        check_equal_f32(name, got4, want4, n);
+        bf16* d_a2 = upload_bf16(a, n);
+        scale_columns_launch(impl, d_a2, d_a2, d_bias, N, out, g_stream);
+        float* got5 = download_bf16(d_a2, n);
+        snprintf(name, sizeof(name), "scale_columns %s in place, N=%lld d=%d", kind, (long long)N, out);
+        check_equal_f32(name, got5, want4, n);
+        CUDA_CHECK(cudaFree(d_a2));
+        free(got4); free(got5);
+    }
+    free(want4); free(g4);
 
     // bias add, bf16 and fp32 rows, vs llmc/linear.h add_bias_rows
     float* yb = host_copy(b, n);
@@ -346,6 +353,37 @@ static void time_misc(void) {
     free(ty); free(tx);
 }
 
+// The casts (bf16 shadows of fp32 masters, fp32 copies of bf16) against the host's round to
+// nearest even, bit for bit, both kernels (KERNELS_VEC: 16-byte vectors between scalar head and
+// tail; KERNELS_SCALAR), with each array `doff`/`soff` elements into its allocation: in step
+// (a head of up to 7 elements), or out of step (no common alignment: the scalar kernel runs), as
+// ZeRO-1's shard offsets give (llmc/train/zero.h).
+static void test_casts(int64_t n, int doff, int soff, Rng* rng) {
+    float* x = host_randn(n, rng, 2.0f, 0);
+    float* want = host_copy(x, n);
+    host_round_bf16(want, n);
+    for (KernelChoice impl : {KERNELS_VEC, KERNELS_SCALAR}) {
+        const char* kind = impl == KERNELS_VEC ? "vec" : "scalar";
+        float* d_src = (float*)dev_alloc(4 * (n + soff)) + soff;
+        bf16* d_h = (bf16*)dev_alloc(2 * (n + doff)) + doff;
+        float* d_back = (float*)dev_alloc(4 * (n + soff)) + soff;
+        CUDA_CHECK(cudaMemcpy(d_src, x, 4 * n, cudaMemcpyHostToDevice));
+        dev_poison(d_h, 2 * n);
+        dev_poison(d_back, 4 * n);
+        cast_f32_to_bf16_launch(impl, d_h, d_src, n, g_stream);
+        cast_bf16_to_f32_launch(impl, d_back, d_h, n, g_stream);
+        float *gh = download_bf16(d_h, n), *back = download_f32(d_back, n);
+        char name[128];
+        snprintf(name, sizeof(name), "cast_f32_to_bf16 %s, n=%lld, +%d/+%d", kind, (long long)n, doff, soff);
+        check_equal_f32(name, gh, want, n);
+        snprintf(name, sizeof(name), "cast_bf16_to_f32 %s, n=%lld, +%d/+%d", kind, (long long)n, doff, soff);
+        check_equal_f32(name, back, want, n);
+        CUDA_CHECK(cudaFree(d_src - soff)); CUDA_CHECK(cudaFree(d_h - doff)); CUDA_CHECK(cudaFree(d_back - soff));
+        free(gh); free(back);
+    }
+    free(x); free(want);
+}
+
 int main(void) {
     Rng rng = rng_seeded(17, 7);
     check_begin(
@@ -357,6 +395,7 @@ int main(void) {
     test_embedding_backward(300, 129, 50, &rng);
     test_multiply_bias(37, 67, &rng);
     test_multiply_bias(3, 10, &rng);
+    test_multiply_bias(5, 64, &rng);  // d % 8 == 0: scale_columns' 16-byte 2-D kernel (and multiply's, as always)
     test_patches(2, 3, 32, 48, 16, 16, 24, &rng);
     test_patches(1, 1, 28, 28, 7, 4, 9, &rng);
     test_patch_embed_backward(3, 17, 67, &rng);
@@ -369,6 +408,11 @@ int main(void) {
     test_image(3, 37, 53, 3, 32, 32, 3, &rng);    // upscale and downscale, RGB
     test_image(2, 28, 28, 1, 40, 24, 3, &rng);    // grayscale feeding RGB
     test_image(2, 64, 30, 3, 16, 45, 3, &rng);
+    for (int64_t n : {(int64_t)1, (int64_t)7, (int64_t)4099}) {
+        test_casts(n, 0, 0, &rng);
+        test_casts(n, 3, 3, &rng);  // in step: a head of 5 elements
+        test_casts(n, 1, 0, &rng);  // out of step: scalar
+    }
     if (g_timing) time_misc();
     return finish();
 }

@@ -27,6 +27,7 @@
 // dev/cuda/attention.cu checks and times both.
 #pragma once
 #include "common.cuh"
+#include "vec.cuh"
 #include "../cpu/attention.h"  // AttnShape, shared with the CPU twin
 
 #define ATT_TPR 8      // threads per row
@@ -56,12 +57,57 @@ __global__ void rope_apply_kernel(bf16* x, const float* __restrict__ cos_t, cons
         v[i + half] = f2bf(b * c + a * si);
     }
 }
-static void rope_apply_cuda(bf16* x, const float* cos_t, const float* sin_t, const int* pos, int64_t N, int T,
-                            int nheads, int hd, int inverse, cudaStream_t stream) {
+// The same rotation, 8 pairs per thread in 16-byte vectors (x[i .. i+7], x[i+half .. i+half+7] and
+// the fp32 tables' 8 values as two vectors each), on a 2-D grid: blockIdx.x strides over the rows,
+// blockIdx.y * blockDim.x + threadIdx.x is the group of 8 pairs within a row, so the head and the
+// pair come from one 32-bit division per thread, not a 64-bit div/mod per element. Needs hd a
+// multiple of 16 and x and the tables 16-byte aligned (rope_vec_ok); the same per-element
+// arithmetic as rope_apply_kernel, so the bytes agree.
+#define ROPE_VEC_THREADS 64  // 2 blocks per row for Llama's 32 query heads of 128, 1 for its 8 kv heads
+__global__ void rope_apply_vec_kernel(bf16* x, const float* __restrict__ cos_t, const float* __restrict__ sin_t,
+                                      const int* __restrict__ pos, int64_t N, int T, int nheads, int hd, int inverse) {
+    int half = hd / 2, groups = half / 8;
+    int gidx = blockIdx.y * blockDim.x + threadIdx.x;
+    if (gidx >= nheads * groups) return;
+    int h = gidx / groups, i0 = (gidx % groups) * 8;
+    float sgn = inverse ? -1.0f : 1.0f;
+    for (int64_t n = blockIdx.x; n < N; n += gridDim.x) {
+        const int64_t tab = (pos ? (int64_t)pos[n] : n % T) * half + i0;
+        Vec16<float> cv[2] = {load_vec16(cos_t + tab), load_vec16(cos_t + tab + 4)};
+        Vec16<float> sv[2] = {load_vec16(sin_t + tab), load_vec16(sin_t + tab + 4)};
+        bf16* v = x + n * nheads * hd + (int64_t)h * hd + i0;
+        Vec16<bf16> a = load_vec16(v), b = load_vec16(v + half), ao, bo;
+        for (int j = 0; j < 8; j++) {
+            float c = cv[j / 4].v[j % 4], si = sgn * sv[j / 4].v[j % 4];
+            float av = bf2f(a.v[j]), bv = bf2f(b.v[j]);
+            ao.v[j] = f2bf(av * c - bv * si);
+            bo.v[j] = f2bf(bv * c + av * si);
+        }
+        store_vec16(v, ao);
+        store_vec16(v + half, bo);
+    }
+}
+static int rope_vec_ok(const bf16* x, const float* cos_t, const float* sin_t, int hd) {
+    return hd % 16 == 0 && aligned16(x) && aligned16(cos_t) && aligned16(sin_t);
+}
+
+static void rope_apply_launch(KernelChoice impl, bf16* x, const float* cos_t, const float* sin_t, const int* pos,
+                              int64_t N, int T, int nheads, int hd, int inverse, cudaStream_t stream) {
     int64_t total = N * nheads * (hd / 2);
     if (total == 0) return;
+    if (impl == KERNELS_VEC && rope_vec_ok(x, cos_t, sin_t, hd)) {
+        int groups = nheads * (hd / 16);  // a row's groups of 8 pairs
+        dim3 grid(grid_for(N, 1), (unsigned)ceil_div(groups, ROPE_VEC_THREADS));
+        launch_kernel(grid, ROPE_VEC_THREADS, 0, stream, rope_apply_vec_kernel, x, cos_t, sin_t, pos, N, T, nheads, hd,
+                      inverse);
+        return;
+    }
     launch_kernel(grid_for(total, 256), 256, 0, stream, rope_apply_kernel, x, cos_t, sin_t, pos, N, T, nheads, hd,
                   inverse);
+}
+static void rope_apply_cuda(bf16* x, const float* cos_t, const float* sin_t, const int* pos, int64_t N, int T,
+                            int nheads, int hd, int inverse, cudaStream_t stream) {
+    rope_apply_launch(elemwise_choice(), x, cos_t, sin_t, pos, N, T, nheads, hd, inverse, stream);
 }
 
 // Whether query row `query` of batch b sees key row `key`: inside the sequence, not in the future

@@ -14,6 +14,7 @@
 #include "common.cuh"
 #include "matmul.cuh"
 #include "norms.cuh"
+#include "vec.cuh"
 #include "../cpu/loss.h"  // LossStats, shared with the CPU twin
 
 typedef struct {           // scratch for one chunk (and the device statistics), from the plan
@@ -67,19 +68,147 @@ __global__ void __launch_bounds__(CE_THREADS)
     }
 }
 
+// ---- the vectorised kernel: two passes over a row instead of three ------------------------
+// The loss needs the row's max and sum of exponentials before any gradient element, so two
+// passes are the fewest: one read (an online max and sum-exp: the sum is rescaled whenever the
+// running max grows, with the first argmax alongside) and one read + write (dlogits), both in
+// 16-byte vectors between a scalar head (up to the first aligned element) and tail. The old
+// kernel reads the row three times (max, sum, gradient) one float at a time.
+
+// One thread's (or a merged group's) running statistics: max m, sum of exp(x - m), first argmax i.
+typedef struct { float m, s; int i; } SoftmaxRun;
+
+static __device__ __forceinline__ void softmax_run_add(SoftmaxRun* r, float x, int v) {
+    if (x > r->m) {  // a new max (strict: ties keep the lower index, visited first)
+        r->s = r->s * expf(r->m - x) + 1.0f;
+        r->m = x;
+        r->i = v;
+    } else if (x != -INFINITY) {  // exp(-inf) adds nothing (and -inf - -inf would be NaN); NaN poisons s
+        r->s += expf(x - r->m);
+    }
+}
+static __device__ __forceinline__ SoftmaxRun softmax_run_merge(SoftmaxRun a, SoftmaxRun b) {
+    SoftmaxRun r;
+    r.m = fmaxf(a.m, b.m);
+    r.s = r.m == -INFINITY ? 0.0f : a.s * expf(a.m - r.m) + b.s * expf(b.m - r.m);
+    r.i = (b.m > a.m || (b.m == a.m && b.i < a.i)) ? b.i : a.i;
+    if (a.s != a.s || b.s != b.s) r.s = NAN;  // a NaN logit makes the loss NaN, as the old kernel's
+    return r;
+}
+static __device__ SoftmaxRun block_reduce_softmax_run(SoftmaxRun r) {
+    __shared__ float pm[32], ps[32];
+    __shared__ int pi[32];
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+    for (int o = 16; o > 0; o >>= 1) {
+        SoftmaxRun other = {__shfl_xor_sync(0xffffffffu, r.m, o), __shfl_xor_sync(0xffffffffu, r.s, o),
+                            __shfl_xor_sync(0xffffffffu, r.i, o)};
+        r = softmax_run_merge(r, other);
+    }
+    __syncthreads();
+    if (lane == 0) { pm[warp] = r.m; ps[warp] = r.s; pi[warp] = r.i; }
+    __syncthreads();
+    SoftmaxRun none = {-INFINITY, 0.0f, INT_MAX};
+    r = lane < nwarps ? SoftmaxRun{pm[lane], ps[lane], pi[lane]} : none;
+    for (int o = 16; o > 0; o >>= 1) {
+        SoftmaxRun other = {__shfl_xor_sync(0xffffffffu, r.m, o), __shfl_xor_sync(0xffffffffu, r.s, o),
+                            __shfl_xor_sync(0xffffffffu, r.i, o)};
+        r = softmax_run_merge(r, other);
+    }
+    return r;
+}
+
+// The same contract as softmax_ce_rows_kernel (one block per row; row_stats, and dlogits when
+// grad), with the same per-element gradient formula.
+template <class T>
+__global__ void __launch_bounds__(CE_THREADS)
+    softmax_ce_rows_vec_kernel(T* __restrict__ dlogits, float* __restrict__ row_stats,
+                               const float* __restrict__ logits, const int* __restrict__ targets,
+                               const float* __restrict__ mask, int V, float grad_scale, int grad) {
+    int64_t row = blockIdx.x;
+    const float* x = logits + row * V;
+    float m = mask ? mask[row] : 1.0f;
+    int target = targets[row];
+    int tid = threadIdx.x, nt = blockDim.x;
+
+    // pass 1: head (scalar, to the first 16-byte aligned float), body (float4), tail (scalar), each
+    // thread's elements in increasing order
+    SoftmaxRun run = {-INFINITY, 0.0f, INT_MAX};
+    int head = elems_to_align16(x);
+    if (head > V) head = V;
+    int nvec = (V - head) / 4, tail0 = head + 4 * nvec;
+    if (tid < head) softmax_run_add(&run, x[tid], tid);
+    for (int k = tid; k < nvec; k += nt) {
+        Vec16<float> f = load_vec16(x + head + 4 * k);
+        for (int j = 0; j < 4; j++) softmax_run_add(&run, f.v[j], head + 4 * k + j);
+    }
+    if (tail0 + tid < V) softmax_run_add(&run, x[tail0 + tid], tail0 + tid);
+    run = block_reduce_softmax_run(run);
+    float lse = run.m + logf(run.s);
+
+    int valid = target >= 0 && target < V;
+    if (tid == 0) {
+        float loss = valid ? lse - x[target] : NAN;
+        row_stats[row * 3 + 0] = m != 0.0f ? m * loss : 0.0f;
+        row_stats[row * 3 + 1] = m;
+        row_stats[row * 3 + 2] = m != 0.0f ? m * (float)(run.i == target) : 0.0f;
+    }
+    if (!grad) return;
+
+    // pass 2: dlogits in vectors of G = 16 / sizeof(T) elements (8 bf16, 4 fp32), the logits read
+    // as G / 4 float4; the head aligns dlogits, and then the logits too (same flat index, wider
+    // elements) unless a caller passed a logits pointer out of step with dlogits: then scalar
+    float w = m * grad_scale;
+    T* dl = dlogits + row * V;
+    const int G = Vec16<T>::n;
+    int h2 = elems_to_align16(dl);
+    if (h2 > V || !aligned16(x + h2)) h2 = V;  // no common alignment: the whole row scalar
+    int ngrp = (V - h2) / G, t2 = h2 + G * ngrp;
+    for (int v = tid; v < h2; v += nt) dl[v] = (T)(w * expf(x[v] - lse) - (v == target ? w : 0.0f));
+    for (int k = tid; k < ngrp; k += nt) {
+        int v0 = h2 + G * k;
+        Vec16<T> out;
+        for (int q = 0; q < G / 4; q++) {
+            Vec16<float> f = load_vec16(x + v0 + 4 * q);
+            for (int j = 0; j < 4; j++) {
+                int v = v0 + 4 * q + j;
+                out.v[4 * q + j] = (T)(w * expf(f.v[j] - lse) - (v == target ? w : 0.0f));
+            }
+        }
+        store_vec16(dl + v0, out);
+    }
+    for (int v = t2 + tid; v < V; v += nt) dl[v] = (T)(w * expf(x[v] - lse) - (v == target ? w : 0.0f));
+}
+
+// LLMC_CE_KERNEL: vec (the default, softmax_ce_rows_vec_kernel) or scalar (softmax_ce_rows_kernel).
+static KernelChoice ce_kernel_choice(void) {
+    static int chosen = -1;
+    if (chosen < 0) chosen = vec_kernels_choice_of("LLMC_CE_KERNEL");
+    return (KernelChoice)chosen;
+}
+
+template <class T>
+static void softmax_ce_rows_launch(KernelChoice impl, T* dlogits, float* row_stats, const float* logits,
+                                   const int* targets, const float* mask, int64_t rows, int V, float grad_scale,
+                                   int grad, cudaStream_t stream) {
+    if (rows == 0) return;
+    if (impl == KERNELS_VEC)
+        launch_kernel((unsigned)rows, CE_THREADS, 0, stream, softmax_ce_rows_vec_kernel<T>, dlogits, row_stats, logits,
+                      targets, mask, V, grad_scale, grad);
+    else
+        launch_kernel((unsigned)rows, CE_THREADS, 0, stream, softmax_ce_rows_kernel<T>, dlogits, row_stats, logits,
+                      targets, mask, V, grad_scale, grad);
+}
 static void softmax_ce_rows_cuda(bf16* dlogits, float* row_stats, const float* logits, const int* targets,
                                  const float* mask, int64_t rows, int V, float grad_scale, int grad,
                                  cudaStream_t stream) {
-    if (rows == 0) return;
-    launch_kernel((unsigned)rows, CE_THREADS, 0, stream, softmax_ce_rows_kernel<bf16>, dlogits, row_stats, logits,
-                  targets, mask, V, grad_scale, grad);
+    softmax_ce_rows_launch(ce_kernel_choice(), dlogits, row_stats, logits, targets, mask, rows, V, grad_scale, grad,
+                           stream);
 }
 static void softmax_ce_rows_cuda(float* dlogits, float* row_stats, const float* logits, const int* targets,
                                  const float* mask, int64_t rows, int V, float grad_scale, int grad,
                                  cudaStream_t stream) {
-    if (rows == 0) return;
-    launch_kernel((unsigned)rows, CE_THREADS, 0, stream, softmax_ce_rows_kernel<float>, dlogits, row_stats, logits,
-                  targets, mask, V, grad_scale, grad);
+    softmax_ce_rows_launch(ce_kernel_choice(), dlogits, row_stats, logits, targets, mask, rows, V, grad_scale, grad,
+                           stream);
 }
 
 // stats[k] += sum over rows of row_stats[row, k] (k = loss, count, correct), in double, by one

@@ -16,6 +16,7 @@
 // in fp32 and rounds once.
 #pragma once
 #include "common.cuh"
+#include "vec.cuh"
 #include "../vision/resample.h"
 
 // ---- token embedding -------------------------------------------------------------------------
@@ -62,9 +63,25 @@ static void embedding_backward_cuda(float* dE, const bf16* dx, const int* ids, c
 __global__ void multiply_kernel(bf16* out, const bf16* a, const bf16* b, int64_t n) {
     for (int64_t i = thread_index_1d(); i < n; i += grid_stride_1d()) out[i] = f2bf(bf2f(a[i]) * bf2f(b[i]));
 }
-static void multiply_cuda(bf16* out, const bf16* a, const bf16* b, int64_t n, cudaStream_t stream) {
+// The same in 16-byte vectors (all three arrays aligned), the last n % 8 one at a time.
+__global__ void multiply_vec_kernel(bf16* out, const bf16* a, const bf16* b, int64_t n) {
+    int64_t nv = n / 8;
+    for (int64_t k = thread_index_1d(); k < nv; k += grid_stride_1d()) {
+        Vec16<bf16> av = load_vec16(a + 8 * k), bv = load_vec16(b + 8 * k), o;
+        for (int j = 0; j < 8; j++) o.v[j] = f2bf(bf2f(av.v[j]) * bf2f(bv.v[j]));
+        store_vec16(out + 8 * k, o);
+    }
+    for (int64_t i = 8 * nv + thread_index_1d(); i < n; i += grid_stride_1d()) out[i] = f2bf(bf2f(a[i]) * bf2f(b[i]));
+}
+static void multiply_launch(KernelChoice impl, bf16* out, const bf16* a, const bf16* b, int64_t n,
+                            cudaStream_t stream) {
     if (n == 0) return;
-    launch_kernel(grid_for(n, 256), 256, 0, stream, multiply_kernel, out, a, b, n);
+    if (impl == KERNELS_VEC && aligned16(out) && aligned16(a) && aligned16(b))
+        launch_kernel(grid_for(n / 8 + 8, 256), 256, 0, stream, multiply_vec_kernel, out, a, b, n);
+    else launch_kernel(grid_for(n, 256), 256, 0, stream, multiply_kernel, out, a, b, n);
+}
+static void multiply_cuda(bf16* out, const bf16* a, const bf16* b, int64_t n, cudaStream_t stream) {
+    multiply_launch(elemwise_choice(), out, a, b, n, stream);
 }
 
 // y[n, i] = x[n, i] * g[i], rows of d, the product in fp32 then rounded once (the twin of scale_columns;
@@ -72,9 +89,32 @@ static void multiply_cuda(bf16* out, const bf16* a, const bf16* b, int64_t n, cu
 __global__ void scale_columns_kernel(bf16* y, const bf16* x, const bf16* __restrict__ g, int64_t n, int d) {
     for (int64_t i = thread_index_1d(); i < n; i += grid_stride_1d()) y[i] = f2bf(bf2f(x[i]) * bf2f(g[i % d]));
 }
-static void scale_columns_cuda(bf16* y, const bf16* x, const bf16* g, int64_t rows, int d, cudaStream_t stream) {
+// The same on a 2-D grid, no div/mod per element: blockIdx.x strides over the rows, the thread
+// along y owns columns 8c .. 8c+7, whose gamma it loads once; 16-byte vectors (d % 8 == 0, every
+// array aligned). In place (y == x) is safe: each thread reads its vector before writing it.
+#define SCALE_COLUMNS_VEC_THREADS 64
+__global__ void scale_columns_vec_kernel(bf16* y, const bf16* x, const bf16* __restrict__ g, int64_t rows, int d) {
+    int c = blockIdx.y * blockDim.x + threadIdx.x;
+    if (c >= d / 8) return;
+    Vec16<bf16> gv = load_vec16(g + 8 * c);
+    for (int64_t n = blockIdx.x; n < rows; n += gridDim.x) {
+        Vec16<bf16> xv = load_vec16(x + n * d + 8 * c), o;
+        for (int j = 0; j < 8; j++) o.v[j] = f2bf(bf2f(xv.v[j]) * bf2f(gv.v[j]));
+        store_vec16(y + n * d + 8 * c, o);
+    }
+}
+static void scale_columns_launch(KernelChoice impl, bf16* y, const bf16* x, const bf16* g, int64_t rows, int d,
+                                 cudaStream_t stream) {
     if (rows * d == 0) return;
+    if (impl == KERNELS_VEC && d % 8 == 0 && aligned16(y) && aligned16(x) && aligned16(g)) {
+        dim3 grid(grid_for(rows, 1), (unsigned)ceil_div(d / 8, SCALE_COLUMNS_VEC_THREADS));
+        launch_kernel(grid, SCALE_COLUMNS_VEC_THREADS, 0, stream, scale_columns_vec_kernel, y, x, g, rows, d);
+        return;
+    }
     launch_kernel(grid_for(rows * d, 256), 256, 0, stream, scale_columns_kernel, y, x, g, rows * d, d);
+}
+static void scale_columns_cuda(bf16* y, const bf16* x, const bf16* g, int64_t rows, int d, cudaStream_t stream) {
+    scale_columns_launch(elemwise_choice(), y, x, g, rows, d, stream);
 }
 
 template <class T>
@@ -156,13 +196,65 @@ __global__ void cast_f32_to_bf16_kernel(bf16* __restrict__ dst, const float* __r
 __global__ void cast_bf16_to_f32_kernel(float* __restrict__ dst, const bf16* __restrict__ src, int64_t n) {
     for (int64_t i = thread_index_1d(); i < n; i += grid_stride_1d()) dst[i] = bf2f(src[i]);
 }
-static void cast_f32_to_bf16_cuda(bf16* dst, const float* src, int64_t n, cudaStream_t stream) {
+// The same in 16-byte vectors, 8 elements per thread (two float4 and one vector of 8 bf16):
+// elements [0, head) and [head + 8 * nv, n) one at a time, head bringing both pointers to a
+// 16-byte boundary (cast_vec_head: the bf16 side to 16 bytes, which the fp32 side must then be).
+__global__ void cast_f32_to_bf16_vec_kernel(bf16* __restrict__ dst, const float* __restrict__ src, int64_t n,
+                                            int64_t head) {
+    int64_t nv = (n - head) / 8, tail = head + 8 * nv;
+    for (int64_t k = thread_index_1d(); k < nv; k += grid_stride_1d()) {
+        Vec16<float> a = load_vec16(src + head + 8 * k), b = load_vec16(src + head + 8 * k + 4);
+        Vec16<bf16> o;
+        for (int j = 0; j < 4; j++) { o.v[j] = f2bf(a.v[j]); o.v[4 + j] = f2bf(b.v[j]); }
+        store_vec16(dst + head + 8 * k, o);
+    }
+    for (int64_t i = thread_index_1d(); i < head + (n - tail); i += grid_stride_1d()) {
+        int64_t e = i < head ? i : tail + (i - head);
+        dst[e] = f2bf(src[e]);
+    }
+}
+__global__ void cast_bf16_to_f32_vec_kernel(float* __restrict__ dst, const bf16* __restrict__ src, int64_t n,
+                                            int64_t head) {
+    int64_t nv = (n - head) / 8, tail = head + 8 * nv;
+    for (int64_t k = thread_index_1d(); k < nv; k += grid_stride_1d()) {
+        Vec16<bf16> x = load_vec16(src + head + 8 * k);
+        Vec16<float> a, b;
+        for (int j = 0; j < 4; j++) { a.v[j] = bf2f(x.v[j]); b.v[j] = bf2f(x.v[4 + j]); }
+        store_vec16(dst + head + 8 * k, a);
+        store_vec16(dst + head + 8 * k + 4, b);
+    }
+    for (int64_t i = thread_index_1d(); i < head + (n - tail); i += grid_stride_1d()) {
+        int64_t e = i < head ? i : tail + (i - head);
+        dst[e] = bf2f(src[e]);
+    }
+}
+// Elements before both the bf16 and the fp32 array are 16-byte aligned, or -1 when no element
+// brings both there (their offsets are out of step: the scalar kernel runs).
+static int64_t cast_vec_head(const bf16* h, const float* f, int64_t n) {
+    int64_t head = elems_to_align16(h);
+    if (head > n) head = n;
+    return aligned16(f + head) ? head : -1;
+}
+
+static void cast_f32_to_bf16_launch(KernelChoice impl, bf16* dst, const float* src, int64_t n, cudaStream_t stream) {
     if (n == 0) return;
-    launch_kernel(grid_for(n, 256), 256, 0, stream, cast_f32_to_bf16_kernel, dst, src, n);
+    int64_t head = impl == KERNELS_VEC ? cast_vec_head(dst, src, n) : -1;
+    if (head >= 0)
+        launch_kernel(grid_for(n / 8 + 8, 256), 256, 0, stream, cast_f32_to_bf16_vec_kernel, dst, src, n, head);
+    else launch_kernel(grid_for(n, 256), 256, 0, stream, cast_f32_to_bf16_kernel, dst, src, n);
+}
+static void cast_bf16_to_f32_launch(KernelChoice impl, float* dst, const bf16* src, int64_t n, cudaStream_t stream) {
+    if (n == 0) return;
+    int64_t head = impl == KERNELS_VEC ? cast_vec_head(src, dst, n) : -1;
+    if (head >= 0)
+        launch_kernel(grid_for(n / 8 + 8, 256), 256, 0, stream, cast_bf16_to_f32_vec_kernel, dst, src, n, head);
+    else launch_kernel(grid_for(n, 256), 256, 0, stream, cast_bf16_to_f32_kernel, dst, src, n);
+}
+static void cast_f32_to_bf16_cuda(bf16* dst, const float* src, int64_t n, cudaStream_t stream) {
+    cast_f32_to_bf16_launch(elemwise_choice(), dst, src, n, stream);
 }
 static void cast_bf16_to_f32_cuda(float* dst, const bf16* src, int64_t n, cudaStream_t stream) {
-    if (n == 0) return;
-    launch_kernel(grid_for(n, 256), 256, 0, stream, cast_bf16_to_f32_kernel, dst, src, n);
+    cast_bf16_to_f32_launch(elemwise_choice(), dst, src, n, stream);
 }
 
 // ---- ViT patch embedding ---------------------------------------------------------------------

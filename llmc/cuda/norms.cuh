@@ -18,6 +18,7 @@
 // a third pass over the row that normal rows never take (warp-uniform branch).
 #pragma once
 #include "common.cuh"
+#include "vec.cuh"
 #include "../norm_math.h"
 
 #define NORM_ROWS_PER_BLOCK 4
@@ -90,18 +91,105 @@ __global__ void layernorm_forward_kernel(bf16* __restrict__ y, float* __restrict
     }
 }
 
+// ---- 16-byte vector forms (LLMC_ELEMWISE=vec, the default) ---------------------------------
+// The same kernels, each lane reading and writing 8 consecutive elements per access (lane l takes
+// elements 8l .. 8l+7 of every 256), where d is a multiple of 8 and every row array is 16-byte
+// aligned (norm_vec_ok). Each lane's partial sums hold other elements than the scalar kernels',
+// so the statistics may differ from theirs in the last bits (a sum's rounding, not its math); the
+// per-element formulas are the same. The fp64 rescue of an overflowed row stays scalar (rare).
+static int norm_vec_ok(int d, const void* a, const void* b, const void* c, const void* e) {
+    return d % 8 == 0 && aligned16(a) && aligned16(b) && (!c || aligned16(c)) && (!e || aligned16(e));
+}
+
+__global__ void rmsnorm_forward_vec_kernel(bf16* __restrict__ y, float* __restrict__ r_out, const bf16* __restrict__ x,
+                                           const bf16* __restrict__ gamma, int64_t N, int d, float eps) {
+    int64_t n = norm_row_index();
+    if (n >= N) return;  // the whole warp leaves together
+    int lane = threadIdx.x & 31;
+    const bf16* xr = x + n * d;
+    bf16* yr = y + n * d;
+    float ss = 0.0f;
+    for (int i = 8 * lane; i < d; i += 256) {
+        Vec16<bf16> v = load_vec16(xr + i);
+        for (int j = 0; j < 8; j++) { float f = bf2f(v.v[j]); ss += f * f; }
+    }
+    ss = warp_reduce_sum(ss);
+    float r = 1.0f / sqrtf(ss / d + eps);
+    if (isinf(ss)) r = norm_inv_rms(norm_row_sum_squares_f64(xr, d, 0.0f, lane), d, eps);
+    if (lane == 0) r_out[n] = r;
+    for (int i = 8 * lane; i < d; i += 256) {
+        Vec16<bf16> v = load_vec16(xr + i), o;
+        Vec16<bf16> gv;
+        if (gamma) gv = load_vec16(gamma + i);
+        for (int j = 0; j < 8; j++) o.v[j] = f2bf(bf2f(v.v[j]) * r * (gamma ? bf2f(gv.v[j]) : 1.0f));
+        store_vec16(yr + i, o);
+    }
+}
+
 static void rmsnorm_forward_cuda(bf16* y, float* r_out, const bf16* x, const bf16* gamma, int64_t N, int d, float eps,
                                  cudaStream_t stream) {
     if (N == 0) return;
-    launch_kernel(norm_grid(N), 32 * NORM_ROWS_PER_BLOCK, 0, stream, rmsnorm_forward_kernel, y, r_out, x, gamma, N, d,
-                  eps);
+    if (elemwise_choice() == KERNELS_VEC && norm_vec_ok(d, y, x, gamma, NULL))
+        launch_kernel(norm_grid(N), 32 * NORM_ROWS_PER_BLOCK, 0, stream, rmsnorm_forward_vec_kernel, y, r_out, x, gamma,
+                      N, d, eps);
+    else
+        launch_kernel(norm_grid(N), 32 * NORM_ROWS_PER_BLOCK, 0, stream, rmsnorm_forward_kernel, y, r_out, x, gamma, N,
+                      d, eps);
+}
+
+// LayerNorm's forward in 16-byte vectors: the same three passes (mean, centred squares, output)
+// and per-element formulas as layernorm_forward_kernel, each lane 8 elements at a time.
+__global__ void layernorm_forward_vec_kernel(bf16* __restrict__ y, float* __restrict__ r_out,
+                                             float* __restrict__ mean_out, const bf16* __restrict__ x,
+                                             const bf16* __restrict__ gamma, const bf16* __restrict__ beta, int64_t N,
+                                             int d, float eps) {
+    int64_t n = norm_row_index();
+    if (n >= N) return;
+    int lane = threadIdx.x & 31;
+    const bf16* xr = x + n * d;
+    bf16* yr = y + n * d;
+    float s = 0.0f;
+    for (int i = 8 * lane; i < d; i += 256) {
+        Vec16<bf16> v = load_vec16(xr + i);
+        for (int j = 0; j < 8; j++) s += bf2f(v.v[j]);
+    }
+    float mu = warp_reduce_sum(s) / d;
+    float ss = 0.0f;
+    for (int i = 8 * lane; i < d; i += 256) {
+        Vec16<bf16> v = load_vec16(xr + i);
+        for (int j = 0; j < 8; j++) { float c = bf2f(v.v[j]) - mu; ss += c * c; }
+    }
+    ss = warp_reduce_sum(ss);
+    float r = 1.0f / sqrtf(ss / d + eps);
+    if (!isfinite(ss)) {  // the fp32 sum or a centred value overflowed: again in fp64 (scalar, rare)
+        mu = (float)(norm_row_sum_f64(xr, d, lane) / d);
+        r = norm_inv_rms(norm_row_sum_squares_f64(xr, d, mu, lane), d, eps);
+    }
+    if (lane == 0) {
+        r_out[n] = r;
+        if (mean_out) mean_out[n] = mu;
+    }
+    for (int i = 8 * lane; i < d; i += 256) {
+        Vec16<bf16> v = load_vec16(xr + i), o, gv, bv;
+        if (gamma) gv = load_vec16(gamma + i);
+        if (gamma && beta) bv = load_vec16(beta + i);
+        for (int j = 0; j < 8; j++) {
+            float z = norm_normalise(bf2f(v.v[j]), mu, r);
+            o.v[j] = f2bf(gamma ? z * bf2f(gv.v[j]) + (beta ? bf2f(bv.v[j]) : 0.0f) : z);
+        }
+        store_vec16(yr + i, o);
+    }
 }
 
 static void layernorm_forward_cuda(bf16* y, float* r_out, float* mean_out, const bf16* x, const bf16* gamma,
                                    const bf16* beta, int64_t N, int d, float eps, cudaStream_t stream) {
     if (N == 0) return;
-    launch_kernel(norm_grid(N), 32 * NORM_ROWS_PER_BLOCK, 0, stream, layernorm_forward_kernel, y, r_out, mean_out, x,
-                  gamma, beta, N, d, eps);
+    if (elemwise_choice() == KERNELS_VEC && norm_vec_ok(d, y, x, gamma, gamma ? beta : NULL))
+        launch_kernel(norm_grid(N), 32 * NORM_ROWS_PER_BLOCK, 0, stream, layernorm_forward_vec_kernel, y, r_out,
+                      mean_out, x, gamma, beta, N, d, eps);
+    else
+        launch_kernel(norm_grid(N), 32 * NORM_ROWS_PER_BLOCK, 0, stream, layernorm_forward_kernel, y, r_out, mean_out,
+                      x, gamma, beta, N, d, eps);
 }
 
 // ---- backward --------------------------------------------------------------------------------
@@ -152,9 +240,49 @@ __global__ void norm_backward_kernel(bf16* dx, NormBackwardArgs a, int64_t N, in
     }
 }
 
+// Elements i .. i+7 of row n: z and dz as norm_bwd_load forms them, from 16-byte vectors.
+static __device__ __forceinline__ void norm_bwd_load8(const NormBackwardArgs& a, int64_t n, int64_t off, int i, float r,
+                                                      float* z, float* dz) {
+    Vec16<bf16> zv = load_vec16(a.z + off + i), dv = load_vec16(a.dz + off + i), gv;
+    if (a.gamma) gv = load_vec16(a.gamma + i);
+    float mean = a.mean ? a.mean[n] : 0.0f;
+    for (int j = 0; j < 8; j++) {
+        float zf = bf2f(zv.v[j]), df = bf2f(dv.v[j]);
+        if (a.gamma) {
+            zf = norm_normalise(zf, mean, r);
+            df *= bf2f(gv.v[j]);
+        }
+        z[j] = zf;
+        dz[j] = df;
+    }
+}
+__global__ void norm_backward_vec_kernel(bf16* dx, NormBackwardArgs a, int64_t N, int d) {
+    int64_t n = norm_row_index();
+    if (n >= N) return;
+    int lane = threadIdx.x & 31;
+    int64_t off = n * d;
+    float r = a.r[n];
+    float sdz = 0.0f, sdzz = 0.0f, z[8], dz[8];
+    for (int i = 8 * lane; i < d; i += 256) {
+        norm_bwd_load8(a, n, off, i, r, z, dz);
+        for (int j = 0; j < 8; j++) { sdz += dz[j]; sdzz += dz[j] * z[j]; }
+    }
+    sdz = warp_reduce_sum(sdz);
+    sdzz = warp_reduce_sum(sdzz);
+    float mdz = a.center ? sdz / d : 0.0f, mdzz = sdzz / d;
+    for (int i = 8 * lane; i < d; i += 256) {
+        norm_bwd_load8(a, n, off, i, r, z, dz);
+        Vec16<bf16> o = load_vec16(dx + off + i);
+        for (int j = 0; j < 8; j++) o.v[j] = f2bf(bf2f(o.v[j]) + r * (dz[j] - mdz - z[j] * mdzz));
+        store_vec16(dx + off + i, o);
+    }
+}
+
 static void norm_backward_launch(bf16* dx, NormBackwardArgs a, int64_t N, int d, cudaStream_t stream) {
     if (N == 0) return;
-    launch_kernel(norm_grid(N), 32 * NORM_ROWS_PER_BLOCK, 0, stream, norm_backward_kernel, dx, a, N, d);
+    if (elemwise_choice() == KERNELS_VEC && norm_vec_ok(d, dx, a.dz, a.z, a.gamma))
+        launch_kernel(norm_grid(N), 32 * NORM_ROWS_PER_BLOCK, 0, stream, norm_backward_vec_kernel, dx, a, N, d);
+    else launch_kernel(norm_grid(N), 32 * NORM_ROWS_PER_BLOCK, 0, stream, norm_backward_kernel, dx, a, N, d);
 }
 
 static void rmsnorm_ms_backward_cuda(bf16* dx, const bf16* dz, const bf16* z, const float* r, int64_t N, int d,

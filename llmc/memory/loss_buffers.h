@@ -16,10 +16,57 @@ typedef struct {
     double* stats;         // [4] (CUDA): LossStats
 } LossBuffers;
 
-// At most ~64 MiB of fp32 logits per chunk, never the whole tokens x vocab matrix.
-static int64_t lm_head_chunk(int64_t N, int64_t V) {
-    int64_t chunk = (64ll << 20) / (V * 4);
+// Rows of the LM head's chunk (tokens whose logits exist at once). Each chunk reads the whole
+// head [V, d] again (twice in training: logits and dz), so on CUDA few large chunks are wanted; but
+// the chunk's buffers are memory a long context would otherwise have. The rule (docs/memory.md,
+// "The LM head's chunk"), chosen by LLMC_HEAD_CHUNK:
+//   plan (default)  CUDA: the most rows, a multiple of LM_HEAD_CHUNK_ALIGN, whose fp32 logits
+//                   take at most the head's own bytes (V x d x activation bytes: d/2 rows in
+//                   bf16), so re-reading the head costs at most what the logits' own traffic
+//                   does; at most LM_HEAD_CHUNK_MAX rows and at least the old chunk. It depends on
+//                   the model and the tokens only, not on other switches, so two plans that differ
+//                   in one switch differ by that switch's buffers alone. The CPU keeps the old
+//                   chunk (its matmul reads the head in cache-sized blocks, not once per chunk
+//                   from HBM).
+//   old             at most 64 MiB of fp32 logits per chunk (130 rows at a 128k vocabulary)
+//   a count         that many rows
+// Always at most N.
+#define LM_HEAD_CHUNK_OLD_BYTES (64ll << 20)
+#define LM_HEAD_CHUNK_ALIGN 64
+#define LM_HEAD_CHUNK_MAX 4096
+typedef enum { HEAD_CHUNK_PLAN, HEAD_CHUNK_OLD, HEAD_CHUNK_ROWS } HeadChunkRule;
+static const char* const head_chunk_rule_names[] = {"plan", "old", "rows"};
+
+static int64_t lm_head_chunk_old(int64_t N, int64_t V) {
+    int64_t chunk = LM_HEAD_CHUNK_OLD_BYTES / (V * 4);
     if (chunk < 1) chunk = 1;
+    return chunk > N ? N : chunk;
+}
+
+// LLMC_HEAD_CHUNK, read at every plan (tests set it per process); a bad value is one line.
+static HeadChunkRule lm_head_chunk_rule(int64_t* rows) {
+    const char* e = getenv("LLMC_HEAD_CHUNK");
+    *rows = 0;
+    if (!e || !*e || strcmp(e, "plan") == 0) return HEAD_CHUNK_PLAN;
+    if (strcmp(e, "old") == 0) return HEAD_CHUNK_OLD;
+    char* end = NULL;
+    long long v = strtoll(e, &end, 10);
+    if (end == e || *end || v < 1 || v > (1ll << 30))
+        fail("LLMC_HEAD_CHUNK=%s: expected plan, old or a row count of at least 1", e);
+    *rows = v;
+    return HEAD_CHUNK_ROWS;
+}
+
+// The chunk for N tokens of a head [V, d] on backend be, and the rule that chose it.
+static int64_t lm_head_chunk(const Backend* be, int64_t N, int64_t d, int64_t V, HeadChunkRule* rule) {
+    int64_t rows, old = lm_head_chunk_old(N, V);
+    *rule = lm_head_chunk_rule(&rows);
+    if (*rule == HEAD_CHUNK_ROWS) return rows > N ? N : rows;
+    if (*rule == HEAD_CHUNK_OLD || !be->cuda) return old;
+    int64_t chunk = d * be->abytes / 4;  // rows x V x 4 bytes of logits <= V x d x abytes of head
+    chunk = chunk / LM_HEAD_CHUNK_ALIGN * LM_HEAD_CHUNK_ALIGN;
+    if (chunk > LM_HEAD_CHUNK_MAX) chunk = LM_HEAD_CHUNK_MAX;
+    if (chunk < old) chunk = old;
     return chunk > N ? N : chunk;
 }
 

@@ -51,6 +51,10 @@ typedef struct {
     // with the tokens (the CPU attention's packed keys and partial sums): the largest such call.
     // Not in any arena; a run's peak is the arenas plus at most this (0 on CUDA: all planned).
     size_t percall_bytes;
+    // The LM head's chunk (llmc/memory/loss_buffers.h): rows of logits at once, and the rule that
+    // chose it ("plan", "old", "rows": LLMC_HEAD_CHUNK); 0 where the model has no such head.
+    int64_t loss_chunk_rows;
+    const char* loss_chunk_rule;
 } MemPlan;
 
 // Declares a buffer at an offset of its category's arena that is a multiple of align (a power of
@@ -208,6 +212,9 @@ static void plan_print(const MemPlan* p, const MemPlan* base, const char* mode_n
     printf(" = %.2f MiB\n", mib(plan_total(p)));
     if (plan_host_bytes(p)) printf("  pinned host memory: %.2f MiB\n", mib(plan_host_bytes(p)));
     if (p->percall_bytes) printf("  per-call scratch beside the arenas: up to %.2f MiB\n", mib(p->percall_bytes));
+    if (p->loss_chunk_rows)
+        printf("  LM head chunk: %lld rows of logits at a time (rule %s, LLMC_HEAD_CHUNK)\n",
+               (long long)p->loss_chunk_rows, p->loss_chunk_rule);
     if (!p->recomputed) return;
     const char* names[PLAN_MAX_PARTS];
     size_t bytes[PLAN_MAX_PARTS];
@@ -250,6 +257,10 @@ static void plan_json(FILE* f, const MemPlan* p, const MemPlan* base, const char
         fprintf(f, "%s\"%s\": %zu", c ? ", " : "", mem_category_key[c], p->cat_bytes[c]);
     fprintf(f, "}, \"total_bytes\": %zu, \"host_bytes\": %zu, \"percall_bytes\": %zu, \"block_scratch_bytes\": %zu",
             plan_total(p), plan_host_bytes(p), p->percall_bytes, plan_shared_block_bytes(p));
+    if (p->loss_chunk_rows) {
+        fprintf(f, ", \"loss_chunk_rows\": %lld, \"loss_chunk_rule\": ", (long long)p->loss_chunk_rows);
+        json_write_string(f, p->loss_chunk_rule);
+    }
     if (p->recomputed) {
         const char* names[PLAN_MAX_PARTS];
         size_t bytes[PLAN_MAX_PARTS];

@@ -22,9 +22,12 @@
 //   graph-sync, graph-malloc,         during a stream capture (a CUDA graph): a host synchronisation,
 //   graph-legacy, graph-pageable      an allocation, a launch on the legacy stream, a copy from
 //                                     pageable memory, each of which CUDA refuses
+//   vec-misaligned                    a 16-byte vector load (llmc/cuda/vec.cuh) from an address
+//                                     4 bytes past an aligned one (a GPU faults: misaligned address)
 // Each planted bug must end the run with an error naming it (non-zero exit).
 #include "../../llmc/backend.h"
 #include "../../llmc/cuda/matmul.cuh"
+#include "../../llmc/cuda/vec.cuh"
 
 static float* device_floats(int64_t n, float value) {
     float* p = (float*)cuda_malloc_checked(sizeof(float) * n, "probe buffer");
@@ -101,6 +104,22 @@ static void expect(int ok, const char* what) {
 static int all_equal(const std::vector<float>& h, float v) {
     for (float x : h) if (x != v) return 0;
     return 1;
+}
+
+// y[k] = the sum of the 4 floats of vector k of x + offset (a 16-byte load each).
+__global__ void vec_sum_kernel(float* y, const float* x, int64_t nvec, int offset) {
+    for (int64_t k = thread_index_1d(); k < nvec; k += grid_stride_1d()) {
+        Vec16<float> f = load_vec16(x + offset + 4 * k);
+        y[k] = f.v[0] + f.v[1] + f.v[2] + f.v[3];
+    }
+}
+static void vec_misaligned(int bug) {
+    const int64_t nvec = 100;
+    float *x = device_floats(4 * nvec + 4, 1.0f), *y = device_floats(nvec, 0.0f);
+    launch_kernel(grid_for(nvec, 64), 64, 0, 0, vec_sum_kernel, y, x, nvec, bug ? 1 : 0);
+    expect(all_equal(download(y, nvec), 4.0f), "vec_sum_kernel");
+    CUDA_CHECK(cudaFree(x));
+    CUDA_CHECK(cudaFree(y));
 }
 
 static void oob_write(int bug) {
@@ -381,6 +400,7 @@ int main(int argc, char** argv) {
         launch_errors_ok();
         blas("ok");
         graph("ok");
+        vec_misaligned(0);
         printf("emu_checks_probe: ok: every kernel and cuBLAS call without its planted bug passes\n");
         return 0;
     }
@@ -397,6 +417,7 @@ int main(int argc, char** argv) {
     else if (!strcmp(mode, "block-order")) block_order(1);
     else if (!strcmp(mode, "shfl-exited")) shuffles(1, 0);
     else if (!strcmp(mode, "shfl-partial")) shuffles(0, 1);
+    else if (!strcmp(mode, "vec-misaligned")) vec_misaligned(1);
     else if (!strncmp(mode, "launch-", 7)) launch_config(mode + 7);
     else if (!strncmp(mode, "blas-", 5)) blas(mode + 5);
     else if (!strncmp(mode, "graph-", 6)) graph(mode + 6);

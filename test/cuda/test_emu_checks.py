@@ -68,6 +68,7 @@ PLANTED = [
     ("graph-malloc", "emu: cudaMalloc while stream"),
     ("graph-legacy", "launch of fill_kernel: operation would make the legacy stream depend on a capturing blocking stream"),
     ("graph-pageable", "a copy with pageable host memory"),
+    ("vec-misaligned", "emu: misaligned 16-byte load at"),
 ]
 
 
@@ -132,6 +133,9 @@ PRODUCTION_PLANTS = [
     ("attn-key-block-sums", "llmc/cuda/attention_gemm.cuh",
      "        CUDA_CHECK(cudaMemsetAsync(w.dk32, 0, sizeof(float) * local, st));\n", "", "attention",
      "FAIL  attn gemm bwd dk"),
+    # the two-pass cross-entropy's vector loads from the row's start, aligned or not (a GPU faults)
+    ("vec-misaligned", "llmc/cuda/loss.cuh",
+     "    int head = elems_to_align16(x);\n", "    int head = 0;\n", "loss", "emu: misaligned 16-byte load"),
     # a cuBLASLt layout with the wrong leading dimension (the nn form's first operand)
     ("cublas-ld", "llmc/cuda/matmul.cuh",
      "case MM_NN:\n            opa = CUBLAS_OP_N; arows = N; acols = K; lda = N;",

@@ -575,6 +575,36 @@ def test_cuda_step_has_one_host_sync_and_the_old_paths_train_the_same(tmp_path):
             assert per_step_counts(p.stdout)[2] == 1 + 4 * 2, p.stdout[-500:]
 
 
+# The kernels of issue 25 and their switches back to what they replaced (docs/gpu-testing.md):
+# 16-byte SwiGLU, RoPE, casts, norms; the two-pass cross-entropy; the LM head chunk from the plan.
+OLD_KERNEL_SWITCHES = {"LLMC_ELEMWISE": "scalar", "LLMC_CE_KERNEL": "scalar", "LLMC_HEAD_CHUNK": "old"}
+
+
+def test_cuda_vectorised_kernels_train_like_the_scalar_ones(tmp_path):
+    """The default kernels against the old ones (every switch above) with an LM head chunk of 7
+    rows (ragged: the demo's 64 tokens in 10 chunks), one step each: its loss (the forward) and the
+    validation loss after the update (the backward, through the adapters). SwiGLU, RoPE and the casts
+    give the old kernels' bytes (dev/cuda checks it); the norms' and the cross-entropy's fp32
+    statistics are other partial sums, and another chunk's head product may sum in another order
+    (dev/cuda/loss.cu), so last bits may differ, and a few bf16 roundings with them (2^-9 relative
+    each): the losses must agree far inside the 1e-2 that bounds CUDA against the fp32 CPU backend;
+    rtol 1e-3.
+    A bad switch value is one line."""
+    new = train(CUDA_TRAIN, "cuda", "--steps", 1)
+    old = train(CUDA_TRAIN, "cuda", "--steps", 1, env=dict(OLD_KERNEL_SWITCHES, LLMC_HEAD_CHUNK="7"))
+
+    def losses(out):
+        return step_losses(out) + [float(x) for x in re.findall(r"^step +1/1 .*\| val loss ([0-9.]+)", out, re.M)]
+    a, b = losses(new.stdout), losses(old.stdout)
+    print(f"default {a}\nold kernels, chunks of 7 rows {b}")
+    assert len(a) == len(b) == 2
+    np.testing.assert_allclose(a, b, rtol=1e-3)
+    assert "LM head chunk: 64 rows of logits at a time (rule plan" in new.stdout, new.stdout[:2000]
+    assert "LM head chunk: 7 rows of logits at a time (rule rows" in old.stdout, old.stdout[:2000]
+    p = train(CUDA_TRAIN, "cuda", "--steps", 1, check=False, env={"LLMC_ELEMWISE": "fast"})
+    assert p.returncode == 1 and "LLMC_ELEMWISE=fast: expected vec or scalar" in p.stderr, p.stderr[-500:]
+
+
 @pytest.mark.skipif(GPU, reason="the planted race is caught by the emulator; a GPU would train on a wrong batch")
 def test_cuda_planted_early_rewrite_of_upload_staging_is_caught():
     """LLMC_FAULT_STAGING_REWRITE=1 packs every micro-batch into one pinned staging set without

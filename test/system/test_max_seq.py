@@ -200,15 +200,29 @@ BLOCK_SET = {"lowmem": sum(SAVED_LOWMEM.values()), "ckpt": sum(SAVED_BASELINE.va
 # buffer (the residual stream is dead once the head has read it), and dout [qd] in dz's (qd = d here,
 # no q/k norms): their lives in a block's backward do not overlap
 GRADS = 2 * D + 2 * QD + 2 * KVD + 2 * KVD + 3 * 2 * F + 2 * R
-LOSS_CHUNK = (64 << 20) // (V * 4)  # rows of logits at a time: 64 MiB of fp32 logits
-# z, r, logits, dz, dlogits, row stats (3 fp32), 4 double stats
-LOSS = LOSS_CHUNK * (2 * D + 4 + 4 * V + 2 * D + 2 * V + 12) + 32
-FIXED = {"cublas": 32 << 20, "loss": LOSS}
+# the LM head's chunk, per row: z, r, logits, dz, dlogits, row stats (3 fp32); and 4 double stats
+LOSS_ROW = 2 * D + 4 + 4 * V + 2 * D + 2 * V + 12
+LOSS_FIXED = 32
+OLD_CHUNK = (64 << 20) // (V * 4)  # LLMC_HEAD_CHUNK=old: 64 MiB of fp32 logits
 
 
-def scratch_parts(mode):
+def loss_arena_bytes(chunk):
+    """The loss buffers in the scratch arena, each rounded up to the plan's 64 bytes."""
+    sizes = [chunk * 2 * D, chunk * 4, chunk * 4 * V, chunk * 2 * D, chunk * 2 * V, chunk * 12, LOSS_FIXED]
+    return sum(-(-b // 64) * 64 for b in sizes)
+
+
+def planned_chunk(tokens):
+    """docs/memory.md's rule, written out: the most rows, a multiple of 64, whose fp32 logits take at
+    most the head's bytes (V x D x 2 on CUDA: D / 2 rows), at most 4096, at least the old chunk, at
+    most the tokens."""
+    return min(tokens, max(OLD_CHUNK, min(4096, V * D * A // (4 * V) // 64 * 64)))
+
+
+def scratch_parts(mode, chunk):
     """Every scratch part of the recomputed block's peak but attention's workspace (the attention
-    kernels' own, llmc/memory/cuda_workspace.h, sized by their chunking), in bytes at N tokens."""
+    kernels' own, llmc/memory/cuda_workspace.h, sized by their chunking), in bytes at N tokens,
+    with the LM head's chunk of `chunk` rows."""
     ms = mode == "lowmem"
     parts = {
         "rope": N * (HD // 2) * 4 * 2,          # cos and sin tables, fp32, per position
@@ -217,7 +231,8 @@ def scratch_parts(mode):
         "offload": N * 2 * 2 * D,               # two staging block inputs
         "grads": N * GRADS,
         "batch": N * 4 * 4,                     # inputs, targets, mask, positions (int32 / fp32)
-        **FIXED,
+        "cublas": 32 << 20,
+        "loss": chunk * LOSS_ROW + LOSS_FIXED,
     }
     if ms:  # adapters behind an MS norm see gamma * z: per adapter rank x d work, bf16 and fp32, 16-byte aligned
         parts["lora"] = R * D * A + R * A + R * D * 4 + R * 4
@@ -260,7 +275,10 @@ def test_plan_bytes_per_token_at_llama31_8b_match_a_hand_count():
         assert got["block_scratch_bytes"] == N * BLOCK_SET[mode]
         parts = dict(got["block_peak_parts"])
         attention = parts.pop("attention")
-        assert without_grad_norm_partials(parts, scratch_parts(mode)) == scratch_parts(mode), mode
+        chunk = got["loss_chunk_rows"]
+        assert got["loss_chunk_rule"] == "plan" and chunk == planned_chunk(N) == 2048, mode
+        want = scratch_parts(mode, chunk)
+        assert without_grad_norm_partials(parts, want) == want, mode
         assert got["block_peak_bytes"] == sum(parts.values()) + attention  # the parts are the whole
         assert got["block_peak_bytes_per_token"] == pytest.approx(got["block_peak_bytes"] / N, abs=1e-3)
         # the scratch arena is the peak, plus each buffer's rounding to 64 bytes
@@ -269,6 +287,32 @@ def test_plan_bytes_per_token_at_llama31_8b_match_a_hand_count():
               f"(attention workspace {attention / N:.1f})")
     text = run(["--model", LLAMA31_8B, "--dry-run", "--mode", "lowmem", "--recompute", "block", *args]).stdout
     assert "recomputed block's peak" in text and "bytes per token" in text
+
+
+def test_lm_head_chunk_follows_the_plan_rule_and_llmc_head_chunk():
+    """The LM head's chunk (llmc/memory/loss_buffers.h): under the default rule 2048 rows at
+    Llama-3.1-8B (its fp32 logits as big as the bf16 head: re-read 2 times per 4096 tokens, not 32),
+    the same under any memory mode (it depends on the model and the tokens alone), never more than
+    the tokens; LLMC_HEAD_CHUNK=old the 64 MiB of logits before, a count that many rows; stated by
+    --dry-run; the plan grows by the loss buffers' difference exactly; a bad value is one line."""
+    args = ("--batch", 1, "--lora-rank", R)
+    big = plan(LLAMA31_8B, "--seq", N, *args)
+    small = plan(LLAMA31_8B, "--seq", N, "--mode", "lowmem", "--quant", "nf4", "--recompute", "block",
+                 "--offload", "host", *args)
+    short = plan(LLAMA31_8B, "--seq", 512, *args)
+    for got, tokens in ((big, N), (small, N), (short, 512)):
+        assert got["loss_chunk_rule"] == "plan" and got["loss_chunk_rows"] == planned_chunk(tokens)
+    assert big["loss_chunk_rows"] == small["loss_chunk_rows"] == 2048 and short["loss_chunk_rows"] == 512
+    old = plan(LLAMA31_8B, "--seq", N, *args, env={"LLMC_HEAD_CHUNK": "old"})
+    rows = plan(LLAMA31_8B, "--seq", N, *args, env={"LLMC_HEAD_CHUNK": "300"})
+    assert (old["loss_chunk_rows"], old["loss_chunk_rule"]) == (OLD_CHUNK, "old")
+    assert (rows["loss_chunk_rows"], rows["loss_chunk_rule"]) == (300, "rows")
+    assert big["total_bytes"] - old["total_bytes"] == loss_arena_bytes(2048) - loss_arena_bytes(OLD_CHUNK)
+    text = run(["--model", LLAMA31_8B, "--dry-run", "--seq", N, *args]).stdout
+    assert "LM head chunk: 2048 rows of logits at a time (rule plan" in text, text
+    p = run(["--model", LLAMA31_8B, "--dry-run", *args], env={"LLMC_HEAD_CHUNK": "0"}, check=False)
+    assert p.returncode == 1 and p.stderr.strip() == "error: LLMC_HEAD_CHUNK=0: expected plan, old or a row count " \
+        "of at least 1", p.stderr
 
 
 def test_cpu_plan_states_the_attention_per_call_scratch(tmp_path):
