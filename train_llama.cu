@@ -430,7 +430,8 @@ static void llama_plan_scratch(Llama* m, MemPlan* p) {
     seqpar_plan(&m->sp, p, llama_seqpar_lends(m));
     if (m->modes.full) plan_add(p, MEM_SCRATCH, "batch", -1, "embed_order", N * 4, &m->embed_order);
     HeadChunkRule rule;
-    m->loss_chunk = (int)lm_head_chunk(be, N, d, V, &rule);
+    m->loss_chunk = (int)lm_head_chunk(be, N, d, V, md->head_chunk_small ? HEAD_CHUNK_WANT_SMALL : HEAD_CHUNK_WANT_PLAN,
+                                       &rule);
     p->loss_chunk_rows = m->loss_chunk;
     p->loss_chunk_rule = head_chunk_rule_names[rule];
     op_plan_lm_head_loss(be, p, &m->loss, m->loss_chunk, d, V);
@@ -1689,20 +1690,24 @@ static TrainModes llama_fit_mlp_tile(const LlamaConfig* cfg, TrainModes md, int 
     return md;
 }
 
-// md's smallest plan of what auto chooses: auto's smallest tile and one offload staging buffer. A
-// length or batch fits under auto exactly when this does (llama_fit_to_memory finds the rest).
+// md's smallest plan of what auto chooses: auto's smallest tile, one offload staging buffer and the
+// old LM head chunk. A length or batch fits under auto exactly when this does (llama_fit_to_memory
+// finds the rest).
 static TrainModes llama_smallest_choices(TrainModes md, int B, int T, const Dist* ranks) {
     int64_t N = llama_rank_tokens(B, T, ranks);
     if (md.mlp_tile == MLP_TILE_AUTO && N <= INT_MAX) md.mlp_tile = llama_mlp_candidate(N, llama_mlp_most_tiles(N));
     if (md.offload_host && md.offload_staging == OFFLOAD_STAGING_AUTO) md.offload_staging = 1;
+    md.head_chunk_small = 1;
     return md;
 }
 
 // What auto leaves to the memory, fitted to `budget` bytes (0: none known; md unchanged, so two
-// staging buffers and auto's fixed tile rule): first --offload host's staging buffers, two (the
-// copies overlap the compute) where the plan with two and the smallest tile fits, else one; then
-// the largest MLP tile that fits beside them (llama_fit_mlp_tile). Overlapped copies come before a
-// larger tile: the second buffer is one block input, [N, d], a tile's worth of MLP rows is less.
+// staging buffers, the plan's LM head chunk and auto's fixed tile rule), one choice after another,
+// each the larger one where the plan with it and the others' smallest fits: first --offload host's
+// staging buffers, two (the copies overlap the compute) else one; then the LM head's chunk, the
+// plan's (few passes over the head) else the old one (llmc/memory/loss_buffers.h); then the largest
+// MLP tile that fits beside them (llama_fit_mlp_tile). That order: the second buffer is one block
+// input, [N, d], and the larger chunk a fixed ~1.5 GiB at 8B, where a tile's worth of MLP rows is less.
 static TrainModes llama_fit_to_memory(const LlamaConfig* cfg, TrainModes md, int B, int T, const Backend* be,
                                       const Dist* ranks, size_t budget) {
     if (!budget) return md;
@@ -1711,6 +1716,9 @@ static TrainModes llama_fit_to_memory(const LlamaConfig* cfg, TrainModes md, int
         two.offload_staging = 2;
         md.offload_staging = llama_modes_plan_bytes(cfg, &two, B, T, be, ranks) <= budget ? 2 : 1;
     }
+    TrainModes big = llama_smallest_choices(md, B, T, ranks);
+    big.head_chunk_small = 0;
+    md.head_chunk_small = llama_modes_plan_bytes(cfg, &big, B, T, be, ranks) > budget;
     return llama_fit_mlp_tile(cfg, md, B, T, be, ranks, budget);
 }
 

@@ -28,14 +28,19 @@ typedef struct {
 //                   in one switch differ by that switch's buffers alone. The CPU keeps the old
 //                   chunk (its matmul reads the head in cache-sized blocks, not once per chunk
 //                   from HBM).
+//                   Where the memory a run is fitted to holds the plan only with the old chunk,
+//                   the old one ("old_fitted": train_llama.cu, llama_fit_to_memory).
 //   old             at most 64 MiB of fp32 logits per chunk (130 rows at a 128k vocabulary)
 //   a count         that many rows
 // Always at most N.
 #define LM_HEAD_CHUNK_OLD_BYTES (64ll << 20)
 #define LM_HEAD_CHUNK_ALIGN 64
 #define LM_HEAD_CHUNK_MAX 4096
-typedef enum { HEAD_CHUNK_PLAN, HEAD_CHUNK_OLD, HEAD_CHUNK_ROWS } HeadChunkRule;
-static const char* const head_chunk_rule_names[] = {"plan", "old", "rows"};
+typedef enum { HEAD_CHUNK_PLAN, HEAD_CHUNK_OLD, HEAD_CHUNK_ROWS, HEAD_CHUNK_OLD_FITTED } HeadChunkRule;
+static const char* const head_chunk_rule_names[] = {"plan", "old", "rows", "old_fitted"};
+// What the model asks of the rule above: the plan's chunk, or (fitted to a memory that holds no
+// more) the old one
+typedef enum { HEAD_CHUNK_WANT_PLAN, HEAD_CHUNK_WANT_SMALL } HeadChunkWant;
 
 static int64_t lm_head_chunk_old(int64_t N, int64_t V) {
     int64_t chunk = LM_HEAD_CHUNK_OLD_BYTES / (V * 4);
@@ -58,11 +63,16 @@ static HeadChunkRule lm_head_chunk_rule(int64_t* rows) {
 }
 
 // The chunk for N tokens of a head [V, d] on backend be, and the rule that chose it.
-static int64_t lm_head_chunk(const Backend* be, int64_t N, int64_t d, int64_t V, HeadChunkRule* rule) {
+static int64_t lm_head_chunk(const Backend* be, int64_t N, int64_t d, int64_t V, HeadChunkWant want,
+                             HeadChunkRule* rule) {
     int64_t rows, old = lm_head_chunk_old(N, V);
     *rule = lm_head_chunk_rule(&rows);
     if (*rule == HEAD_CHUNK_ROWS) return rows > N ? N : rows;
     if (*rule == HEAD_CHUNK_OLD || !be->cuda) return old;
+    if (want == HEAD_CHUNK_WANT_SMALL) {
+        *rule = HEAD_CHUNK_OLD_FITTED;
+        return old;
+    }
     int64_t chunk = d * be->abytes / 4;  // rows x V x 4 bytes of logits <= V x d x abytes of head
     chunk = chunk / LM_HEAD_CHUNK_ALIGN * LM_HEAD_CHUNK_ALIGN;
     if (chunk > LM_HEAD_CHUNK_MAX) chunk = LM_HEAD_CHUNK_MAX;

@@ -305,6 +305,7 @@ typedef struct {
     int recompute_product;  // --swiglu-product recompute (LLaMA only)
     int offload_host;       // --offload host (with --recompute block): block inputs kept in host memory
     int offload_staging;    // its device staging buffers: 1, 2, or OFFLOAD_STAGING_AUTO (fitted to the memory)
+    int head_chunk_small;   // the LM head's chunk fitted to a memory that holds only the old, smaller one
     int mlp_tile;           // --mlp-tile: tokens per MLP tile, 0 the whole sequence, MLP_TILE_AUTO the planned rule
     int generate;           // --generate: plan the key/value cache and the logits it samples from (LLaMA only)
     int full;               // train the weights themselves instead of LoRA adapters
@@ -332,6 +333,7 @@ static TrainModes train_modes_from(const TrainOptions* o, const char* const* tar
     md.recompute_product = strcmp(o->swiglu_product, "recompute") == 0;
     md.offload_host = md.recompute_block && strcmp(o->offload, "host") == 0;  // (train_validate refuses it alone)
     md.offload_staging = OFFLOAD_STAGING_AUTO;
+    md.head_chunk_small = 0;
     md.ms_lora_merged = strcmp(o->ms_lora, "merged") == 0;
     md.mlp_tile = strcmp(o->mlp_tile, "auto") == 0 ? MLP_TILE_AUTO : mlp_tile_tokens(o->mlp_tile);
     md.full = o->full;

@@ -255,12 +255,12 @@ LLAMA31_8B = dict(model_type="llama", hidden_size=4096, intermediate_size=14336,
                   max_position_embeddings=131072, rope_theta=500000.0)
 
 
-def dry_run(tmp_path, config, *flags, check=True):
+def dry_run(tmp_path, config, *flags, check=True, env=None):
     d = tmp_path / "cfg"
     d.mkdir(exist_ok=True)
     (d / "config.json").write_text(json.dumps(config))  # no weights: a dry run reads none
     p = subprocess.run([need(CPU_TRAIN), "--model", str(d), "--dry-run", "--json"] + [str(f) for f in flags],
-                       capture_output=True, text=True, timeout=120)
+                       capture_output=True, text=True, timeout=120, env=dict(os.environ, **(env or {})))
     if not check:
         return p
     assert p.returncode == 0, p.stderr[-2000:]
@@ -370,14 +370,18 @@ def test_plan_auto_tile_is_the_largest_that_fits(tmp_path, ranks):
         print(f"{n} tokens per rank, {budget / 2**30:.2f} GiB: auto tile {tile} ({-(-n // tile)} tiles)")
     roomy = dry_run(tmp_path, LLAMA31_8B, *args, "--gpu-mem", f"{(whole + 2**30) / 2**30:.3f}")
     assert roomy["mlp_tile"] == n and roomy["total_bytes"] == whole and roomy["fits"] is True
-    # below even auto's smallest choices: the smallest tile and one offload staging buffer, [n, d] bf16
-    smallest = low - n * LLAMA31_8B["hidden_size"] * 2
+    # below even auto's smallest choices: the smallest tile, one offload staging buffer and the old
+    # LM head chunk (llama_smallest_choices)
+    smallest_env = {"LLMC_OFFLOAD_STAGING": "1", "LLMC_HEAD_CHUNK": "old"}
+    smallest = dry_run(tmp_path, LLAMA31_8B, *args, "--mlp-tile", cands[0], env=smallest_env)["total_bytes"]
     tight = dry_run(tmp_path, LLAMA31_8B, *args, "--gpu-mem", f"{(smallest - 2**26) / 2**30:.3f}")
     k = -(-n // 8192)  # the fixed rule: the fewest equal tiles of at most 8192
     assert tight["mlp_tile"] == equal_tile(n, k)
-    # staging buffers are fitted first (two did not fit), so the refused plan is the one-buffer one
-    assert tight["fits"] is False and tight["offload_staging"] == 1
-    assert tight["total_bytes"] == total(tight["mlp_tile"]) - n * LLAMA31_8B["hidden_size"] * 2
+    # the staging buffers and the head's chunk are fitted before the tile (neither larger one fit),
+    # so the refused plan has their smaller ones
+    assert tight["fits"] is False and tight["offload_staging"] == 1 and tight["loss_chunk_rule"] == "old_fitted"
+    assert tight["total_bytes"] == dry_run(tmp_path, LLAMA31_8B, *args, "--mlp-tile", tight["mlp_tile"],
+                                           env=smallest_env)["total_bytes"]
     p = subprocess.run([need(CPU_TRAIN), "--model", str(tmp_path / "cfg"), "--dry-run", *map(str, args), "--gpu-mem",
                         f"{(smallest - 2**26) / 2**30:.3f}"], capture_output=True, text=True, timeout=120)
     assert "auto: none fits, so equal tiles of at most 8192" in p.stdout, p.stdout[:2000]

@@ -310,6 +310,15 @@ def test_lm_head_chunk_follows_the_plan_rule_and_llmc_head_chunk():
     assert big["total_bytes"] - old["total_bytes"] == loss_arena_bytes(2048) - loss_arena_bytes(OLD_CHUNK)
     text = run(["--model", LLAMA31_8B, "--dry-run", "--seq", N, *args]).stdout
     assert "LM head chunk: 2048 rows of logits at a time (rule plan" in text, text
+    # fitted to a memory between the two plans (auto's tile at its smallest either way, so the
+    # difference is the loss buffers'), the old chunk; with room for the plan's, the plan's
+    tile = ("--mlp-tile", 1024)
+    small_old = plan(LLAMA31_8B, "--seq", N, *args, *tile, env={"LLMC_HEAD_CHUNK": "old"})
+    between = (small_old["total_bytes"] + (big["total_bytes"] - old["total_bytes"]) // 2) / 2**30
+    tight = plan(LLAMA31_8B, "--seq", N, *args, *tile, "--gpu-mem", f"{between:.6f}")
+    assert (tight["loss_chunk_rows"], tight["loss_chunk_rule"], tight["fits"]) == (OLD_CHUNK, "old_fitted", True)
+    roomy = plan(LLAMA31_8B, "--seq", N, *args, *tile, "--gpu-mem", f"{between + 1:.6f}")
+    assert (roomy["loss_chunk_rows"], roomy["loss_chunk_rule"], roomy["fits"]) == (2048, "plan", True)
     p = run(["--model", LLAMA31_8B, "--dry-run", *args], env={"LLMC_HEAD_CHUNK": "0"}, check=False)
     assert p.returncode == 1 and p.stderr.strip() == "error: LLMC_HEAD_CHUNK=0: expected plan, old or a row count " \
         "of at least 1", p.stderr
