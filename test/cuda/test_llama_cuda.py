@@ -514,7 +514,9 @@ def test_cuda_generates_with_the_kv_cache(tmp_path):
 def check_refused_plan_says_what_fits(args):
     """A plan bigger than the emulator's free 80 GiB is refused in one line naming what would fit
     for these flags, --mode lowmem, --mode ckpt and --mode lowmem --quant nf4; each suggested
-    --batch is the largest whose --dry-run plan fits, as the independent dry run computes it."""
+    --batch is the largest whose --dry-run plan fits, as the independent dry run computes it
+    (with --gpu-mem 80, the emulator's free memory, so that --mlp-tile auto and the other fitted
+    choices are fitted to the same memory the run's fit check had)."""
     p = train(CUDA_TRAIN, "cuda", "--steps", 1, *args, check=False)
     err = p.stderr
     assert p.returncode == 1 and err.count("\n") == 1, err
@@ -522,17 +524,20 @@ def check_refused_plan_says_what_fits(args):
     hints = re.findall(r"((?:--(?:mode|quant) \w+ )*)--batch (\d+) --grad-accum (\d+)", err.split("would fit: ")[1])
     assert {m for m, _, _ in hints} == {"", "--mode lowmem ", "--mode ckpt ", "--mode lowmem --quant nf4 "}, err
 
-    def plan_bytes(mode_flags, batch):
+    def fits(mode_flags, batch):
         flags = [str(a) for a in args]
         i = flags.index("--batch")
         flags[i + 1] = str(batch)
-        out = run([need(CUDA_TRAIN)] + DEMO + ["--device", "cuda", "--dry-run", "--json", *flags, *mode_flags]).stdout
-        return json.loads(out)["total_bytes"]
+        out = run([need(CUDA_TRAIN)] + DEMO + ["--device", "cuda", "--dry-run", "--json", "--gpu-mem", "80", *flags,
+                                               *mode_flags]).stdout
+        got = json.loads(out)
+        assert got["memory_bytes"] == 80 << 30 and got["fits"] == (got["total_bytes"] <= 80 << 30), got
+        return got["fits"]
 
     for mode, batch, accum in hints:
         mode_flags, b = mode.split(), int(batch)
-        assert plan_bytes(mode_flags, b) <= 80 << 30, (mode, b)
-        assert b == 100000 or plan_bytes(mode_flags, b + 1) > 80 << 30, (mode, b)
+        assert fits(mode_flags, b), (mode, b)
+        assert b == 100000 or not fits(mode_flags, b + 1), (mode, b)
         assert b * int(accum) >= 100000 > b * (int(accum) - 1)
 
 
