@@ -119,14 +119,16 @@ def test_two_by_two_ranks_match_one_process_on_packed_examples(tmp_path, packed)
 
 @pytest.mark.parametrize("mode", [["--recompute", "block", "--offload", "host", "--lora-dropout", 0.2],
                                   ["--recompute", "block", "--norm", "std"], ["--norm", "std", "--act", "exact"],
-                                  ["--full"], ["--full", "--norm", "std"]])
+                                  ["--full"], ["--full", "--norm", "std"],
+                                  ["--quant", "nf4", "--recompute", "block", "--mlp-tile", 8]])
 def test_memory_modes_and_full_fine_tuning_match_one_process(tmp_path, mode):
     # --full: every weight trains (about 1.4e5 values at --lr 1e-4: the later-step bound's
     # sqrt(values) * |grad| * 3 lr * 8e-6 is ~1e-5, inside it) and ZeRO-1 shards the optimizer over
     # all ranks; --recompute block runs each block's forward, exchanges included, again in backward
     # (the exchanges' scratch is lent by buffers dead at the time, which differ between the forward,
     # the recomputed forward on the checkpoint (MS norms) or on a copy of it (standard norms), and
-    # the backward: train_llama.cu's llama_seqpar_lends)
+    # the backward: train_llama.cu's llama_seqpar_lends); NF4 weights and tiles of 8 of a rank's 16
+    # tokens change nothing the exchanges see
     single = train(tmp_path, "single", 1, 2, TRAIN, *mode)
     split = train(tmp_path, "split", 2, 2, TRAIN, "--seq-parallel", 2, *mode)
     assert_equivalent(single, split)
