@@ -129,6 +129,8 @@ typedef struct {
     float* mask;
     int *h_inputs, *h_targets, *h_pos;  // the batch as the loader writes it (host; == the above on the CPU)
     float* h_mask;
+    float* grad_scale;     // [1] CUDA: the step's loss scale, uploaded with each micro-batch and read by the
+    float* h_grad_scale;   // loss kernels (NULL: a kernel argument, on the CPU and with LLMC_LOSS_SCALE=args)
     BatchStaging staging;  // CUDA: the batch's way up, double buffered (llmc/backend.h)
     int micro_batches;     // per optimizer step (--grad-accum; 0: one), which sizes the staging
     LossBuffers loss;
@@ -426,6 +428,8 @@ static void llama_plan_scratch(Llama* m, MemPlan* p) {
     plan_add(p, MEM_SCRATCH, "batch", -1, "inputs", N * 4, &m->inputs);
     plan_add(p, MEM_SCRATCH, "batch", -1, "targets", N * 4, &m->targets);
     plan_add(p, MEM_SCRATCH, "batch", -1, "mask", N * 4, &m->mask);
+    if (be->cuda && !backend_switch_is("LLMC_LOSS_SCALE", "args"))
+        plan_add(p, MEM_SCRATCH, "batch", -1, "grad_scale", sizeof(float), &m->grad_scale);
     plan_add(p, MEM_SCRATCH, "batch", -1, "pos", N * 4, &m->pos);
     seqpar_plan(&m->sp, p, llama_seqpar_lends(m));
     if (m->modes.full) plan_add(p, MEM_SCRATCH, "batch", -1, "embed_order", N * 4, &m->embed_order);
@@ -543,6 +547,11 @@ static void llama_bind(Llama* m) {
     if (m->embed_order) m->h_embed_order = (int*)backend_host_side(m->be, m->embed_order, sizeof(int) * N);
     size_t batch_bytes = 4 * staging_align(sizeof(int) * N) + (m->embed_order ? staging_align(sizeof(int) * N) : 0);
     if (m->sp.P > 1) batch_bytes += staging_align(sizeof(int) * m->sp.N);  // --seq-parallel: every token's position
+    if (m->grad_scale) {
+        m->h_grad_scale = (float*)backend_host_side(m->be, m->grad_scale, sizeof(float));
+        m->h_grad_scale[0] = 0.0f;
+        batch_bytes += staging_align(sizeof(float));
+    }
     staging_init(&m->staging, m->be, batch_bytes, m->micro_batches);
 }
 
@@ -561,6 +570,7 @@ static void llama_upload_batch(Llama* m, int64_t n) {
     staging_upload(s, m->mask, m->h_mask, sizeof(float) * n);
     staging_upload(s, m->pos, m->h_pos, sizeof(int) * n);
     if (m->sp.P > 1) staging_upload(s, m->sp.pos, m->sp.h_pos, sizeof(int) * m->sp.N);  // every token's position
+    if (m->grad_scale) staging_upload(s, m->grad_scale, m->h_grad_scale, sizeof(float));  // the step's (train)
     if (m->embed_order) {
         embedding_token_order(m->h_embed_order, m->h_inputs, n);
         staging_upload(s, m->embed_order, m->h_embed_order, sizeof(int) * n);
@@ -606,6 +616,7 @@ static void llama_free(Llama* m) {
         backend_free_host_side(m->be, m->h_pos); backend_free_host_side(m->be, m->h_mask);
         backend_free_host_side(m->be, m->h_embed_order);
         if (m->sp.h_pos) backend_free_host_side(m->be, m->sp.h_pos);
+        if (m->h_grad_scale) backend_free_host_side(m->be, m->h_grad_scale);
         op_detach_matmul_workspace(m->be, m->blas_work);
 #ifdef LLMC_HAVE_CUDA
         if (m->be->cuda) cuda_graph_free(&m->graph);
@@ -1156,7 +1167,8 @@ static LossStats llama_forward_backward(Llama* m, int B, int T, float grad_scale
     LossStats st = {};
     if (backward) op_zero(m->be, m->dres, (size_t)N * c->dim * m->be->abytes);
     LmHead head = llama_lm_head(m);
-    LmHeadCall call = {m->resid, N, m->targets, m->mask, grad_scale, backward ? m->dres : NULL, logits_out, step_stats};
+    LmHeadCall call = {m->resid, N, m->targets, m->mask, grad_scale, backward ? m->dres : NULL, logits_out, step_stats,
+                       m->grad_scale};
     op_lm_head_loss(m->be, &head, &call, &st);
     if (!backward) return st;
     llama_backward_blocks(m, B, T);
@@ -1177,7 +1189,8 @@ static void llama_graph_decide(Llama* m, const Dist* dist) {
 }
 
 // What the captured forward + backward depends on besides device memory (llmc/cuda/graph.cuh): the
-// shape and attention's document mask pick the work; the loss scale is a kernel argument; the GEMM
+// shape and attention's document mask pick the work; the loss scale, where it is a kernel argument
+// (LLMC_LOSS_SCALE=args; by default the kernels read it from device memory); the GEMM
 // attention path's pointer tables are a host-side cache (a rebuild since the capture means the
 // captured work assumes other contents).
 static CudaGraphKey llama_graph_key(const Llama* m, int B, int T, float grad_scale) {
@@ -1188,10 +1201,10 @@ static CudaGraphKey llama_graph_key(const Llama* m, int B, int T, float grad_sca
     k.shape[2] = m->pos_restarts;
     uint32_t bits;
     memcpy(&bits, &grad_scale, sizeof(bits));
-    k.values[0] = bits;
+    k.values[0] = m->grad_scale ? 0 : bits;  // read from device memory, it changes nothing captured
     k.values[1] = g_attn_tables.builds;
-    // the planted bug of a stale graph (test/cuda/test_llama_cuda.py): the scale left out of the key,
-    // so a step whose scale changed replays the kernels captured with the old one
+    // the planted bug of a stale graph (test/cuda/test_llama_cuda.py, under LLMC_LOSS_SCALE=args): the
+    // scale left out of the key, so a step whose scale changed replays the kernels captured with the old one
     if (backend_switch_is("LLMC_FAULT_GRAPH_KEY", "1")) k.values[0] = 0;
     return k;
 }
@@ -1256,6 +1269,7 @@ static StepResult llama_train_step(Llama* m, TextLoader* loader, const TrainOpti
     for (int k = 0; k < K; k++) total += count_mask(mk_all + k * N + m->sp.g * n, n);
     dist_allreduce_sum_f64(dist, &total, 1);
     float scale = total > 0 ? (float)(1.0 / total) : 0.0f;
+    if (m->h_grad_scale) m->h_grad_scale[0] = scale;  // uploaded with each micro-batch below
     trainable_zero_grads(&m->tr);
 #ifdef LLMC_HAVE_CUDA
     if (!m->graph.decided) llama_graph_decide(m, dist);
@@ -1386,7 +1400,8 @@ static void llama_generate(Llama* m, const ModelTokenizer* tok, const char* prom
         head.chunk = 1;
         head.dW = head.dgamma = NULL;
         LmHeadCall call = {
-            (char*)m->resid + (int64_t)(T - 1) * d * be->abytes, 1, m->targets, m->mask, 0.0f, NULL, logits, NULL};
+            (char*)m->resid + (int64_t)(T - 1) * d * be->abytes, 1, m->targets, m->mask, 0.0f, NULL, logits, NULL,
+            NULL};
         op_lm_head_loss(be, &head, &call, &st);
         backend_download(be, last, logits, sizeof(float) * c->vocab);
         int next = sample_token(last, c->vocab, temperature, &rng);

@@ -41,6 +41,9 @@ typedef struct {
 //   LLMC_ADAMW_STEP=args     AdamW's learning rate and bias corrections and clipping's factor as kernel
 //                            arguments instead of read from device memory (trainable_adamw_step,
 //                            llmc/train/trainable.h)
+//   LLMC_LOSS_SCALE=args     the loss's gradient scale (1 / the step's target tokens) as a kernel argument
+//                            instead of read from device memory, uploaded with each micro-batch
+//                            (train_llama.cu; a CUDA graph is then captured again when it changes)
 static int backend_switch_is(const char* var, const char* old) {
     const char* e = getenv(var);
     return e && strcmp(e, old) == 0;

@@ -469,6 +469,8 @@ typedef struct {
     float* logits_out;     // NULL but in tests and generation
     double* step_stats;    // CUDA, or NULL: the statistics are added there on the device ([4], LossStats'
                            // order: the trainer's step, read back once, llmc/train/zero.h) and st is untouched
+    const float* grad_scale_at;  // CUDA, or NULL: grad_scale as the kernels read it from device memory
+                                 // [1] (the same value; a CUDA graph then need not change with it)
 } LmHeadCall;
 
 static void op_lm_head_loss(const Backend* be, const LmHead* h, const LmHeadCall* c, LossStats* st) {
@@ -483,7 +485,7 @@ static void op_lm_head_loss(const Backend* be, const LmHead* h, const LmHeadCall
         LossScratchCuda sc = {B16(lb->z), lb->r, lb->logits, B16(lb->dlogits), B16(lb->dz), lb->row_stats, lb->stats};
         lm_head_loss_cuda(CB16(c->xf), CB16(h->gamma), h->eps, CB16(h->W), h->V, h->d, c->targets, c->mask, N, h->chunk,
                           c->grad_scale, B16(c->dxf), c->logits_out, sc, c->step_stats ? NULL : st, be->stream, h->dW,
-                          h->dgamma);
+                          h->dgamma, c->grad_scale_at);
         if (c->step_stats) loss_stats_fold_cuda(c->step_stats, lb->stats, 4, be->stream);
         return;
     }

@@ -171,9 +171,21 @@ static void test_ce_rows(KernelChoice impl, int rows, int V, int offset, Rng* rn
     double* d_stats = (double*)dev_alloc(3 * sizeof(double));
     dev_poison(d_dl, sizeof(T) * n);
     CUDA_CHECK(cudaMemset(d_stats, 0, 3 * sizeof(double)));
-    softmax_ce_rows_launch(impl, d_dl, d_rows, d_logits, d_t, NULL, rows, V, grad_scale, 1, g_stream);
+    softmax_ce_rows_launch(impl, d_dl, d_rows, d_logits, d_t, NULL, rows, V, grad_scale, NULL, 1, g_stream);
     loss_stats_accumulate_cuda(d_stats, d_rows, rows, g_stream);
     float* got = sizeof(T) == 2 ? download_bf16((const bf16*)d_dl, n) : download_f32((const float*)d_dl, n);
+    // the scale read from device memory (a CUDA graph's form; the argument given wrong, so that only
+    // the memory can give these bytes): the same dlogits, bit for bit
+    float* d_scale = (float*)upload(&grad_scale, sizeof(float));
+    T* d_dl_at = (T*)dev_alloc(sizeof(T) * n);
+    softmax_ce_rows_launch(impl, d_dl_at, d_rows, d_logits, d_t, NULL, rows, V, -1.0f, d_scale, 1, g_stream);
+    float* got_at = sizeof(T) == 2 ? download_bf16((const bf16*)d_dl_at, n) : download_f32((const float*)d_dl_at, n);
+    char at_name[128];
+    snprintf(at_name, sizeof(at_name), "softmax_ce_rows %s, scale from device memory = scale as argument, rows=%d V=%d",
+             impl == KERNELS_VEC ? "vec" : "scalar", rows, V);
+    check_true(at_name, memcmp(got, got_at, sizeof(float) * n) == 0, "(bit for bit)");
+    CUDA_CHECK(cudaFree(d_scale)); CUDA_CHECK(cudaFree(d_dl_at));
+    free(got_at);
     double h[3];
     CUDA_CHECK(cudaMemcpy(h, d_stats, sizeof(h), cudaMemcpyDeviceToHost));
     char name[128], detail[160];

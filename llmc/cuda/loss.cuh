@@ -35,7 +35,7 @@ template <class T>
 __global__ void __launch_bounds__(CE_THREADS)
     softmax_ce_rows_kernel(T* __restrict__ dlogits, float* __restrict__ row_stats, const float* __restrict__ logits,
                            const int* __restrict__ targets, const float* __restrict__ mask, int V, float grad_scale,
-                           int grad) {
+                           const float* __restrict__ grad_scale_at, int grad) {
     int64_t row = blockIdx.x;
     const float* x = logits + row * V;
     float m = mask ? mask[row] : 1.0f;
@@ -60,7 +60,7 @@ __global__ void __launch_bounds__(CE_THREADS)
         row_stats[row * 3 + 2] = m != 0.0f ? m * (float)(best.i == target) : 0.0f;
     }
     if (!grad) return;
-    float w = m * grad_scale;
+    float w = m * (grad_scale_at ? *grad_scale_at : grad_scale);
     T* dl = dlogits + row * V;
     for (int v = threadIdx.x; v < V; v += blockDim.x) {
         float g = w * expf(x[v] - lse) - (v == target ? w : 0.0f);
@@ -123,7 +123,8 @@ template <class T>
 __global__ void __launch_bounds__(CE_THREADS)
     softmax_ce_rows_vec_kernel(T* __restrict__ dlogits, float* __restrict__ row_stats,
                                const float* __restrict__ logits, const int* __restrict__ targets,
-                               const float* __restrict__ mask, int V, float grad_scale, int grad) {
+                               const float* __restrict__ mask, int V, float grad_scale,
+                               const float* __restrict__ grad_scale_at, int grad) {
     int64_t row = blockIdx.x;
     const float* x = logits + row * V;
     float m = mask ? mask[row] : 1.0f;
@@ -157,7 +158,7 @@ __global__ void __launch_bounds__(CE_THREADS)
     // pass 2: dlogits in vectors of G = 16 / sizeof(T) elements (8 bf16, 4 fp32), the logits read
     // as G / 4 float4; the head aligns dlogits, and then the logits too (same flat index, wider
     // elements) unless a caller passed a logits pointer out of step with dlogits: then scalar
-    float w = m * grad_scale;
+    float w = m * (grad_scale_at ? *grad_scale_at : grad_scale);
     T* dl = dlogits + row * V;
     const int G = Vec16<T>::n;
     int h2 = elems_to_align16(dl);
@@ -189,26 +190,28 @@ static KernelChoice ce_kernel_choice(void) {
 template <class T>
 static void softmax_ce_rows_launch(KernelChoice impl, T* dlogits, float* row_stats, const float* logits,
                                    const int* targets, const float* mask, int64_t rows, int V, float grad_scale,
-                                   int grad, cudaStream_t stream) {
+                                   const float* grad_scale_at, int grad, cudaStream_t stream) {
     if (rows == 0) return;
     if (impl == KERNELS_VEC)
         launch_kernel((unsigned)rows, CE_THREADS, 0, stream, softmax_ce_rows_vec_kernel<T>, dlogits, row_stats, logits,
-                      targets, mask, V, grad_scale, grad);
+                      targets, mask, V, grad_scale, grad_scale_at, grad);
     else
         launch_kernel((unsigned)rows, CE_THREADS, 0, stream, softmax_ce_rows_kernel<T>, dlogits, row_stats, logits,
-                      targets, mask, V, grad_scale, grad);
+                      targets, mask, V, grad_scale, grad_scale_at, grad);
 }
+// grad_scale_at (device memory, or NULL: grad_scale): the scale read by the kernel, so that a
+// captured CUDA graph need not change when it does (llmc/cuda/graph.cuh)
 static void softmax_ce_rows_cuda(bf16* dlogits, float* row_stats, const float* logits, const int* targets,
                                  const float* mask, int64_t rows, int V, float grad_scale, int grad,
-                                 cudaStream_t stream) {
-    softmax_ce_rows_launch(ce_kernel_choice(), dlogits, row_stats, logits, targets, mask, rows, V, grad_scale, grad,
-                           stream);
+                                 cudaStream_t stream, const float* grad_scale_at = NULL) {
+    softmax_ce_rows_launch(ce_kernel_choice(), dlogits, row_stats, logits, targets, mask, rows, V, grad_scale,
+                           grad_scale_at, grad, stream);
 }
 static void softmax_ce_rows_cuda(float* dlogits, float* row_stats, const float* logits, const int* targets,
                                  const float* mask, int64_t rows, int V, float grad_scale, int grad,
-                                 cudaStream_t stream) {
-    softmax_ce_rows_launch(ce_kernel_choice(), dlogits, row_stats, logits, targets, mask, rows, V, grad_scale, grad,
-                           stream);
+                                 cudaStream_t stream, const float* grad_scale_at = NULL) {
+    softmax_ce_rows_launch(ce_kernel_choice(), dlogits, row_stats, logits, targets, mask, rows, V, grad_scale,
+                           grad_scale_at, grad, stream);
 }
 
 // stats[k] += sum over rows of row_stats[row, k] (k = loss, count, correct), in double, by one
@@ -245,7 +248,7 @@ static void loss_stats_fold_cuda(double* acc, const double* stats, int n, cudaSt
 static void lm_head_loss_cuda(const bf16* xf, const bf16* gamma, float eps, const bf16* W, int V, int d,
                               const int* targets, const float* mask, int64_t N, int chunk, float grad_scale, bf16* dxf,
                               float* logits_out, LossScratchCuda sc, LossStats* st, cudaStream_t stream,
-                              float* dW = NULL, float* dgamma = NULL) {
+                              float* dW = NULL, float* dgamma = NULL, const float* grad_scale_at = NULL) {
     if (chunk <= 0) fail("lm_head_loss_cuda: chunk must be positive");
     CUDA_CHECK(cudaMemsetAsync(sc.stats, 0, 4 * sizeof(double), stream));
     for (int64_t n0 = 0; n0 < N; n0 += chunk) {
@@ -257,7 +260,7 @@ static void lm_head_loss_cuda(const bf16* xf, const bf16* gamma, float eps, cons
             CUDA_CHECK(cudaMemcpyAsync(logits_out + n0 * V, sc.logits, sizeof(float) * c * V, cudaMemcpyDeviceToDevice,
                                        stream));
         softmax_ce_rows_cuda(sc.dlogits, sc.row_stats, sc.logits, targets + n0, mask ? mask + n0 : NULL, c, V,
-                             grad_scale, dxf != NULL, stream);
+                             grad_scale, dxf != NULL, stream, grad_scale_at);
         loss_stats_accumulate_cuda(sc.stats, sc.row_stats, c, stream);
         if (!dxf) continue;
         if (dW) matmul_tn_cuda(dW, sc.dlogits, sc.z, V, d, c, 1.0f, 1, stream);  // trained head: dW += dlogits^T z

@@ -564,7 +564,8 @@ def test_cuda_step_has_one_host_sync_and_the_old_paths_train_the_same(tmp_path):
     over 2 micro-batches. Each old path (own stream off, synchronous uploads, per-micro-batch
     readback, AdamW's step values as kernel arguments) must train to the very same adapter, bit for bit: the same kernels on the same data
     in the same order; only when the host waits differs. The synchronous uploads add exactly the
-    4 cudaMemcpy per micro-batch (inputs, targets, mask, positions) that the count must see."""
+    5 cudaMemcpy per micro-batch (inputs, targets, mask, positions and the loss scale) that the count
+    must see."""
     args = ["--steps", 2, "--grad-accum", 2, "--profile"]  # the first step is a warm-up: one counted
     new = train(CUDA_TRAIN, "cuda", *args, "--out", tmp_path / "new", env=NO_GEMM_ATTENTION)
     launches, blas, syncs = per_step_counts(new.stdout)
@@ -577,7 +578,7 @@ def test_cuda_step_has_one_host_sync_and_the_old_paths_train_the_same(tmp_path):
         assert (out / "adapter_model.safetensors").read_bytes() == want, var
         assert step_losses(p.stdout) == step_losses(new.stdout), var
         if var == "LLMC_UPLOAD":
-            assert per_step_counts(p.stdout)[2] == 1 + 4 * 2, p.stdout[-500:]
+            assert per_step_counts(p.stdout)[2] == 1 + 5 * 2, p.stdout[-500:]
 
 
 # The kernels of issue 25 and their switches back to what they replaced (docs/gpu-testing.md):
@@ -656,34 +657,43 @@ def train_on(data, *args, check=True, env=None):
 def test_cuda_graph_replays_the_step_bit_for_bit(tmp_path, packed_demo):
     """LLMC_CUDA_GRAPH=1 against the eager step, 2 steps of 2 micro-batches on packed examples (the
     default attention path, whose pointer tables are a host-side cache the graph's key covers): the
-    first micro-batch runs eagerly (warm-up), the second is captured and replayed, the next step's
-    scale differs, so its first micro-batch is captured again and its second replayed. The adapter
-    and the losses must be the very same bits (the same kernels with the same arguments in the same
-    order). On the emulator the counts must add up: the launches outside the graphs plus the kernels
-    the graphs replayed are the eager step's launches, and every product is inside a graph. The
-    planted stale key (the scale left out: the next step replays the old scale) must change the
-    adapter, which shows that the comparison sees a stale graph."""
+    first micro-batch runs eagerly (warm-up), the second is captured and replayed. The next step's
+    loss scale differs: read from device memory (the default), its micro-batches replay the same
+    graph; as a kernel argument (LLMC_LOSS_SCALE=args) its first micro-batch is captured again. The
+    adapter and the losses must be the very same bits either way (the same kernels with the same
+    values in the same order). On the emulator the counts must add up: the launches outside the
+    graphs plus the kernels the graphs replayed are the eager step's launches, and every product is
+    inside a graph. The planted stale key (under LLMC_LOSS_SCALE=args, the scale left out of the
+    key: the next step replays the old scale) must change the adapter, which shows that the
+    comparison sees a stale graph."""
     args = ["--steps", 2, "--grad-accum", 2, "--profile"]
     off = train_on(packed_demo, *args, "--out", tmp_path / "off")
-    on = train_on(packed_demo, *args, "--out", tmp_path / "on", env={"LLMC_CUDA_GRAPH": "1"})
-    assert "cuda graph: on" in on.stdout, on.stdout[-1500:]
     want = (tmp_path / "off" / "adapter_model.safetensors").read_bytes()
-    assert (tmp_path / "on" / "adapter_model.safetensors").read_bytes() == want
-    assert len(step_losses(on.stdout)) == 2 and step_losses(on.stdout) == step_losses(off.stdout)
-    stale = train_on(packed_demo, *args, "--out", tmp_path / "stale", env={"LLMC_CUDA_GRAPH": "1", "LLMC_FAULT_GRAPH_KEY": "1"})
+    runs = {}
+    for scale in ("device", "args"):
+        out = tmp_path / scale
+        p = train_on(packed_demo, *args, "--out", out, env={"LLMC_CUDA_GRAPH": "1", "LLMC_LOSS_SCALE": scale})
+        assert "cuda graph: on" in p.stdout, p.stdout[-1500:]
+        assert (out / "adapter_model.safetensors").read_bytes() == want, scale
+        assert len(step_losses(p.stdout)) == 2 and step_losses(p.stdout) == step_losses(off.stdout), scale
+        runs[scale] = p
+    stale = train_on(packed_demo, *args, "--out", tmp_path / "stale",
+                     env={"LLMC_CUDA_GRAPH": "1", "LLMC_LOSS_SCALE": "args", "LLMC_FAULT_GRAPH_KEY": "1"})
     assert (tmp_path / "stale" / "adapter_model.safetensors").read_bytes() != want
     assert step_losses(stale.stdout)[0] == step_losses(off.stdout)[0]  # the first step's graphs were right
     if GPU:
         return
     launches, blas, syncs = per_step_counts(off.stdout)
-    g_launches, g_blas, g_syncs = per_step_counts(on.stdout)
-    m = re.search(GRAPH_LINE, on.stdout, re.M)
-    assert m, on.stdout[-1500:]
-    graphs, replayed, replayed_blas, captures = int(m.group(1)), int(m.group(2)), int(m.group(3)), float(m.group(4))
-    print(f"per step: eager {launches} launches, {blas} cuBLAS calls; graph {g_launches} launches ({graphs} graphs "
-          f"replaying {replayed} kernels, {replayed_blas} cuBLAS calls), {captures} captures")
-    assert graphs == 2 and captures == 1 and syncs == g_syncs == 1
-    assert g_launches - graphs + replayed == launches and g_blas == 0 and replayed_blas == blas
+    for scale, want_captures in (("device", 0), ("args", 1)):
+        on = runs[scale]
+        g_launches, g_blas, g_syncs = per_step_counts(on.stdout)
+        m = re.search(GRAPH_LINE, on.stdout, re.M)
+        assert m, on.stdout[-1500:]
+        graphs, replayed, replayed_blas, captures = int(m.group(1)), int(m.group(2)), int(m.group(3)), float(m.group(4))
+        print(f"per step ({scale} scale): eager {launches} launches, {blas} cuBLAS calls; graph {g_launches} launches "
+              f"({graphs} graphs replaying {replayed} kernels, {replayed_blas} cuBLAS calls), {captures} captures")
+        assert graphs == 2 and captures == want_captures and syncs == g_syncs == 1, scale
+        assert g_launches - graphs + replayed == launches and g_blas == 0 and replayed_blas == blas, scale
 
 
 def test_cuda_graph_refuses_what_a_capture_cannot_hold():

@@ -230,7 +230,8 @@ def scratch_parts(mode, chunk):
         "residual": N * 2 * D * (1 if ms else 2),  # resid; standard norms recompute on a copy, resid_tmp
         "offload": N * 2 * 2 * D,               # two staging block inputs
         "grads": N * GRADS,
-        "batch": N * 4 * 4,                     # inputs, targets, mask, positions (int32 / fp32)
+        "batch": N * 4 * 4 + 4,                 # inputs, targets, mask, positions (int32 / fp32); the
+                                                # loss scale the kernels read (fp32; CUDA)
         "cublas": 32 << 20,
         "loss": chunk * LOSS_ROW + LOSS_FIXED,
     }
