@@ -67,8 +67,8 @@ __global__ void rope_apply_kernel(bf16* x, const float* __restrict__ cos_t, cons
 __global__ void rope_apply_vec_kernel(bf16* x, const float* __restrict__ cos_t, const float* __restrict__ sin_t,
                                       const int* __restrict__ pos, int64_t N, int T, int nheads, int hd, int inverse) {
     int half = hd / 2, groups = half / 8;
-    int gidx = blockIdx.y * blockDim.x + threadIdx.x;
-    if (gidx >= nheads * groups) return;
+    int gidx = blockIdx.y * blockDim.x + threadIdx.x;  // int: a group of one row, < heads x hd / 16
+    if (gidx >= nheads * groups) return;  // int: one row's groups, heads x hd / 16
     int h = gidx / groups, i0 = (gidx % groups) * 8;
     float sgn = inverse ? -1.0f : 1.0f;
     for (int64_t n = blockIdx.x; n < N; n += gridDim.x) {
@@ -96,7 +96,7 @@ static void rope_apply_launch(KernelChoice impl, bf16* x, const float* cos_t, co
     int64_t total = N * nheads * (hd / 2);
     if (total == 0) return;
     if (impl == KERNELS_VEC && rope_vec_ok(x, cos_t, sin_t, hd)) {
-        int groups = nheads * (hd / 16);  // a row's groups of 8 pairs
+        int groups = nheads * (hd / 16);  // int: a row's groups of 8 pairs (heads x hd / 16, thousands)
         dim3 grid(grid_for(N, 1), (unsigned)ceil_div(groups, ROPE_VEC_THREADS));
         launch_kernel(grid, ROPE_VEC_THREADS, 0, stream, rope_apply_vec_kernel, x, cos_t, sin_t, pos, N, T, nheads, hd,
                       inverse);

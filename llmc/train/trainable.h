@@ -223,7 +223,9 @@ static void trainable_bind_host(Trainable* tr) {
 static void trainable_free_host(Trainable* tr) {
     if (trainable_on_device(tr)) { free(tr->h_params); free(tr->h_grads); }
     tr->h_params = tr->h_grads = NULL;
-    if (tr->h_step_stats) backend_free_staging(tr->be, tr->h_step_stats);
+    // the last step's AdamW values may still be on their way up from the pinned buffer (nothing
+    // waits for the stream after the last step): the copy must have run before the buffer goes
+    if (tr->h_step_stats) { backend_sync(tr->be); backend_free_staging(tr->be, tr->h_step_stats); }
     tr->h_step_stats = NULL;
 #ifdef LLMC_HAVE_CUDA
     if (tr->comm) {
