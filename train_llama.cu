@@ -559,6 +559,12 @@ static void llama_bind(Llama* m) {
 // mask, and the only one cuDNN's attention takes: llmc/ops.h).
 static const int* llama_attention_pos(const Llama* m) { return m->pos_restarts ? m->pos : NULL; }
 
+// The step's loss scale (1 / its unmasked targets), uploaded with the next llama_upload_batch where
+// the loss kernels read it from device memory (m->grad_scale; a no-op where it is an argument).
+static void llama_set_loss_scale(Llama* m, float scale) {
+    if (m->h_grad_scale) m->h_grad_scale[0] = scale;
+}
+
 // The first n tokens of the host batch to the backend.
 static void llama_upload_batch(Llama* m, int64_t n) {
     m->pos_restarts = 0;  // positions 0..T-1 in every row: no document mask (cuDNN's attention can take it)
@@ -1161,6 +1167,9 @@ static LmHead llama_lm_head(const Llama* m) {
 // statistics are added there on the device and the returned LossStats stay zero (llmc/ops.h).
 static LossStats llama_forward_backward(Llama* m, int B, int T, float grad_scale, int backward, float* logits_out,
                                         double* step_stats) {
+    if (backward && m->h_grad_scale && m->h_grad_scale[0] != grad_scale)  // the kernels would read another
+        fail("internal: the loss scale uploaded with the batch (%g) is not this pass's (%g): llama_set_loss_scale "
+             "before llama_upload_batch", m->h_grad_scale[0], grad_scale);
     int64_t N = (int64_t)B * T;
     const LlamaConfig* c = &m->cfg;
     llama_forward_blocks(m, B, T, NULL);
@@ -1269,7 +1278,7 @@ static StepResult llama_train_step(Llama* m, TextLoader* loader, const TrainOpti
     for (int k = 0; k < K; k++) total += count_mask(mk_all + k * N + m->sp.g * n, n);
     dist_allreduce_sum_f64(dist, &total, 1);
     float scale = total > 0 ? (float)(1.0 / total) : 0.0f;
-    if (m->h_grad_scale) m->h_grad_scale[0] = scale;  // uploaded with each micro-batch below
+    llama_set_loss_scale(m, scale);  // uploaded with each micro-batch below
     trainable_zero_grads(&m->tr);
 #ifdef LLMC_HAVE_CUDA
     if (!m->graph.decided) llama_graph_decide(m, dist);
