@@ -372,10 +372,10 @@ static int llama_seqpar_lends(const Llama* m) {
 }
 
 // Where the exchanges of o and the gradients receive in each pass: a buffer dead meanwhile
-// (llama_seqpar_lends), or the group's own.
+// (llama_seqpar_lends, decided once by the plan: sp.lent), or the group's own.
 typedef enum { EXCHANGE_FORWARD, EXCHANGE_RECOMPUTED_FORWARD, EXCHANGE_BACKWARD } ExchangePass;
 static void* llama_seqpar_work(const Llama* m, ExchangePass pass) {
-    if (!llama_seqpar_lends(m)) return m->sp.work;
+    if (!m->sp.lent) return m->sp.work;
     return pass == EXCHANGE_FORWARD ? m->dres : m->resid;
 }
 
@@ -483,7 +483,7 @@ static void llama_bind(Llama* m) {
     llama_bind_forward_temporaries(m);
     m->dz = m->resid;  // [N, d] both: the residual stream dies at the head, before any backward writes dz
     if (llama_dout_shares_dz(m)) m->dout = m->dz;
-    if (llama_seqpar_lends(m)) m->sp.tok = m->dq;
+    if (m->sp.lent) m->sp.tok = m->dq;
     for (int l = 0; l < c->layers; l++) {
         void** a = (void**)&m->acts[l];
         void** s = (void**)&m->tmp;

@@ -29,6 +29,22 @@ typedef struct {           // scratch for one chunk (and the device statistics),
 
 #define CE_THREADS 512
 
+// Row `row`'s statistics (loss, count, correct; masked rows add nothing) from its log-sum-exp and
+// argmax, by one thread. A target outside [0, V) gives a NaN loss (never a wild read).
+static __device__ void ce_row_stats(float* row_stats, int64_t row, const float* x, int target, int V, float m,
+                                    float lse, int64_t argmax) {
+    float loss = target >= 0 && target < V ? lse - x[target] : NAN;
+    row_stats[row * 3 + 0] = m != 0.0f ? m * loss : 0.0f;
+    row_stats[row * 3 + 1] = m;
+    row_stats[row * 3 + 2] = m != 0.0f ? m * (float)(argmax == target) : 0.0f;
+}
+
+// The gradient's weight of a row: its mask times the loss scale (read from device memory where
+// grad_scale_at is given).
+static __device__ float ce_row_weight(float m, float grad_scale, const float* grad_scale_at) {
+    return m * (grad_scale_at ? *grad_scale_at : grad_scale);
+}
+
 // One block per row of logits [rows, V]: writes row_stats[row] and, when grad, dlogits[row].
 // A target outside [0, V) gives a NaN loss (never a wild read), so it cannot pass unnoticed.
 template <class T>
@@ -52,15 +68,9 @@ __global__ void __launch_bounds__(CE_THREADS)
     sum = block_reduce_sum(sum);
     float lse = mx + logf(sum);
 
-    int valid = target >= 0 && target < V;
-    if (threadIdx.x == 0) {
-        float loss = valid ? lse - x[target] : NAN;
-        row_stats[row * 3 + 0] = m != 0.0f ? m * loss : 0.0f;
-        row_stats[row * 3 + 1] = m;
-        row_stats[row * 3 + 2] = m != 0.0f ? m * (float)(best.i == target) : 0.0f;
-    }
+    if (threadIdx.x == 0) ce_row_stats(row_stats, row, x, target, V, m, lse, best.i);
     if (!grad) return;
-    float w = m * (grad_scale_at ? *grad_scale_at : grad_scale);
+    float w = ce_row_weight(m, grad_scale, grad_scale_at);
     T* dl = dlogits + row * V;
     for (int v = threadIdx.x; v < V; v += blockDim.x) {
         float g = w * expf(x[v] - lse) - (v == target ? w : 0.0f);
@@ -146,19 +156,13 @@ __global__ void __launch_bounds__(CE_THREADS)
     run = block_reduce_softmax_run(run);
     float lse = run.m + logf(run.s);
 
-    int valid = target >= 0 && target < V;
-    if (tid == 0) {
-        float loss = valid ? lse - x[target] : NAN;
-        row_stats[row * 3 + 0] = m != 0.0f ? m * loss : 0.0f;
-        row_stats[row * 3 + 1] = m;
-        row_stats[row * 3 + 2] = m != 0.0f ? m * (float)(run.i == target) : 0.0f;
-    }
+    if (tid == 0) ce_row_stats(row_stats, row, x, target, V, m, lse, run.i);
     if (!grad) return;
 
     // pass 2: dlogits in vectors of G = 16 / sizeof(T) elements (8 bf16, 4 fp32), the logits read
     // as G / 4 float4; the head aligns dlogits, and then the logits too (same flat index, wider
     // elements) unless a caller passed a logits pointer out of step with dlogits: then scalar
-    float w = m * (grad_scale_at ? *grad_scale_at : grad_scale);
+    float w = ce_row_weight(m, grad_scale, grad_scale_at);
     T* dl = dlogits + row * V;
     const int G = Vec16<T>::n;
     int h2 = elems_to_align16(dl);
