@@ -159,9 +159,10 @@ static void test_lora_dropout_kernels(int64_t N, int in, int norm, float p, Rng*
 }
 
 // drop_p > 0: training with LoRA dropout (the adapter reads dropout(gamma*x + beta), both sides
-// keyed alike).
+// keyed alike). `fold`: where the CUDA layer runs the adapter's output products (LLMC_LORA_FUSED);
+// accumulate 0: y and dx are overwritten (their old values must not leak in), else added to.
 static void test_linear(int64_t N, int in, int out, int rank, int with_bias, int with_lora, Rng* rng, int norm = 0,
-                        float drop_p = 0.0f) {
+                        float drop_p = 0.0f, LoraFold fold = LORA_IN_FROZEN_EPILOGUE, int accumulate = 1) {
     float scale = 2.0f;
     float *W = host_randn((int64_t)out * in, rng, 0.1f, 1), *bias = host_randn(out, rng, 0.5f, 1);
     float *A = host_randn((int64_t)rank * in, rng, 0.1f, 1), *B = host_randn((int64_t)out * rank, rng, 0.1f, 1);
@@ -206,11 +207,11 @@ static void test_linear(int64_t N, int in, int out, int rank, int with_bias, int
     if (drop_p > 0) lora_dropout_bind(&L, &drop_cpu, 4);
     float *y = host_copy(y0, N * out), *ax = (float*)xmalloc(4 * N * rank), *dax = (float*)xmalloc(4 * N * rank);
     float* dx = host_copy(dx0, N * in);
-    linear_forward_frozen(y, x, &L, N, 1);
+    linear_forward_frozen(y, x, &L, N, accumulate);
     linear_forward_lora(y, x, &L, ax, N, rank, scale);
     float* ax16 = host_copy(ax, N * rank);
     host_round_bf16(ax16, N * rank);  // the GPU keeps ax in bf16
-    linear_backward_frozen(dx, dy, x, &L, N, 1);
+    linear_backward_frozen(dx, dy, x, &L, N, accumulate);
     linear_backward_lora(dx, dy, x, ax16, &L, dax, N, rank, scale);
     // GPU
     Linear G;  // the CUDA copy lives in G.dev, as the trainers bind it
@@ -240,21 +241,24 @@ static void test_linear(int64_t N, int in, int out, int rank, int with_bias, int
          *d_dax = (bf16*)dev_alloc(2 * N * rank);
     dev_poison(d_ax, 2 * N * rank);
     dev_poison(d_dax, 2 * N * rank);
-    linear_forward_cuda(d_y, d_x, &G, d_ax, N, rank, scale, 1, g_stream);
-    linear_backward_cuda(d_dx, d_dy, d_x, d_ax, &G, d_dax, N, rank, scale, 1, g_stream);
-    char tag[128], name[200];
-    snprintf(tag, sizeof(tag), "N=%lld in=%d out=%d r=%d%s%s%s%s", (long long)N, in, out, rank,
+    linear_forward_cuda_as(fold, d_y, d_x, &G, d_ax, N, rank, scale, accumulate, g_stream);
+    linear_backward_cuda_as(fold, d_dx, d_dy, d_x, d_ax, &G, d_dax, N, rank, scale, accumulate, g_stream);
+    char tag[160], name[240];
+    snprintf(tag, sizeof(tag), "N=%lld in=%d out=%d r=%d%s%s%s%s%s%s", (long long)N, in, out, rank,
              with_bias ? " bias" : "", with_lora ? " lora" : "",
              norm == 1   ? " behind merged RMSNorm"
              : norm == 2 ? " behind merged LayerNorm"
                          : "",
-             drop_p > 0 ? " dropout" : "");
+             drop_p > 0 ? " dropout" : "", with_lora && fold == LORA_AFTER_FROZEN ? " adapter after frozen" : "",
+             accumulate ? "" : " overwrite");
     float *gy = download_bf16(d_y, N * out), *gdx = download_bf16(d_dx, N * in);
-    for (int64_t i = 0; i < N * out; i++) { gy[i] -= y0[i]; y[i] -= y0[i]; }  // compare what was added
-    for (int64_t i = 0; i < N * in; i++) { gdx[i] -= dx0[i]; dx[i] -= dx0[i]; }
-    snprintf(name, sizeof(name), "linear_forward y (accumulated), %s", tag);
+    if (accumulate) {  // compare what was added
+        for (int64_t i = 0; i < N * out; i++) { gy[i] -= y0[i]; y[i] -= y0[i]; }
+        for (int64_t i = 0; i < N * in; i++) { gdx[i] -= dx0[i]; dx[i] -= dx0[i]; }
+    }
+    snprintf(name, sizeof(name), "linear_forward y, %s", tag);
     check_close(name, gy, y, N * out, 1e-2);
-    snprintf(name, sizeof(name), "linear_backward dx (accumulated), %s", tag);
+    snprintf(name, sizeof(name), "linear_backward dx, %s", tag);
     check_close(name, gdx, dx, N * in, 1e-2);
     if (with_lora) {
         float *gax = download_bf16(d_ax, N * rank), *gdA = download_f32(D->dA, (int64_t)rank * in),
@@ -366,6 +370,15 @@ int main(void) {
     test_linear(37, 48, 80, 4, 0, 1, &rng, 0, 0.1f);
     test_linear(64, 96, 64, 8, 1, 1, &rng, 1, 0.1f);
     test_linear(19, 35, 21, 3, 1, 1, &rng, 2, 0.3f);
+    // the adapter's output products after the frozen ones (LLMC_LORA_FUSED=0), and both orders
+    // overwriting y and dx (the epilogue order then writes them first with beta 0)
+    for (int f = 0; f < 2; f++) {
+        LoraFold fold = f ? LORA_IN_FROZEN_EPILOGUE : LORA_AFTER_FROZEN;
+        test_linear(37, 48, 80, 4, 0, 1, &rng, 0, 0.0f, fold, f);
+        test_linear(64, 96, 64, 8, 1, 1, &rng, 2, 0.0f, fold, 0);
+        test_linear(19, 35, 21, 3, 1, 1, &rng, 1, 0.1f, fold, 0);
+        test_linear(33, 40, 24, 4, 1, 0, &rng, 0, 0.0f, fold, 0);
+    }
     if (g_timing) {
         time_matmul(MM_NT, 8192, 8192, 8192, "(peak shape)");
         time_matmul(MM_NT, 8192, 4096, 4096, "(7B q/k/v/o fwd, 8192 tokens)");

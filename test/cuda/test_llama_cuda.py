@@ -583,6 +583,7 @@ def test_cuda_step_has_one_host_sync_and_the_old_paths_train_the_same(tmp_path):
 
 # The kernels of issue 25 and their switches back to what they replaced (docs/gpu-testing.md):
 # 16-byte SwiGLU, RoPE, casts, norms; the two-pass cross-entropy; the LM head chunk from the plan.
+# (LLMC_LORA_FUSED has its own test below: it rounds every adapted output at another point.)
 OLD_KERNEL_SWITCHES = {"LLMC_ELEMWISE": "scalar", "LLMC_CE_KERNEL": "scalar", "LLMC_HEAD_CHUNK": "old"}
 
 
@@ -610,6 +611,32 @@ def test_cuda_vectorised_kernels_train_like_the_scalar_ones(tmp_path):
     assert "LM head chunk: 7 rows of logits at a time (rule rows" in old.stdout, old.stdout[:2000]
     p = train(CUDA_TRAIN, "cuda", "--steps", 1, check=False, env={"LLMC_ELEMWISE": "fast"})
     assert p.returncode == 1 and "LLMC_ELEMWISE=fast: expected vec or scalar" in p.stderr, p.stderr[-500:]
+
+
+def test_cuda_lora_fold_switch(tmp_path):
+    """LLMC_LORA_FUSED=0 (the adapters' output products after the frozen ones, reading and writing
+    y and dx again) against the default (written first, added in the frozen products' epilogues),
+    three steps. Step 1 is bit for bit the same: B starts at zero, so the adapters add exact zeros
+    in either order (a fold that corrupted the frozen product would show here). Then B is not zero
+    and each order rounds every adapted output at another point (bf16(xW^T + bf16(s axB^T)) against
+    bf16(bf16(xW^T) + s axB^T)): the saved adapters must differ (the switch selects another
+    computation) and the later losses agree within 1e-2 relative, the bound that holds each bf16
+    order against the fp32 CPU backend (TOL_EXACT; the default order meets it in the tests above).
+    dev/cuda/matmul checks both orders of every layer form against the CPU twin, overwriting and
+    accumulating. A bad value is one line."""
+    args = ["--steps", 3, "--out"]
+    new = train(CUDA_TRAIN, "cuda", *args, tmp_path / "fused")
+    old = train(CUDA_TRAIN, "cuda", *args, tmp_path / "after", env={"LLMC_LORA_FUSED": "0"})
+    a, b = step_losses(new.stdout), step_losses(old.stdout)
+    print(f"in the epilogues {a}\nafter the frozen products {b}")
+    first = r"step +1/3 \| loss (\S+) \| lr \S+ \| grad norm (\S+)"
+    assert len(a) == len(b) == 3
+    assert re.search(first, new.stdout).groups() == re.search(first, old.stdout).groups()
+    np.testing.assert_allclose(a[1:], b[1:], rtol=1e-2)
+    fused = (tmp_path / "fused" / "adapter_model.safetensors").read_bytes()
+    assert fused != (tmp_path / "after" / "adapter_model.safetensors").read_bytes()
+    p = train(CUDA_TRAIN, "cuda", "--steps", 1, check=False, env={"LLMC_LORA_FUSED": "yes"})
+    assert p.returncode == 1 and "LLMC_LORA_FUSED=yes: expected 1" in p.stderr, p.stderr[-500:]
 
 
 @pytest.mark.skipif(GPU, reason="the planted race is caught by the emulator; a GPU would train on a wrong batch")
