@@ -84,10 +84,12 @@ static void lora_dropout_input_backward_cuda(bf16* dx, const bf16* t, const Line
 // product add it in its epilogue (C = x W^T + C, beta 1); 0 runs it after the frozen product,
 // reading and writing y (and, in the backward, dx) once more. Why: the adapter's products are
 // skinny (K = rank) and bound by memory traffic, while the frozen one is bound by compute, where
-// reading C in the epilogue overlaps its math. So the adapter's output product writes y and dx
-// instead of reading and writing them: at Llama-3-8B, batch 1 x 4096, 4096 * (43,008 + 38,912)
-// bf16 values per layer (y's columns over the seven targets, dx's likewise), 21 GB per step, leave
-// the memory-bound kernels for the compute-bound ones. The folds that would remove the adapter's
+// reading C in the epilogue overlaps its math. So where the layer writes its output (accumulate
+// 0) the adapter's output product writes y or dx instead of reading and writing it: at
+// Llama-3-8B, batch 1 x 4096, the forward's q, k, v, gate, up and the input gradients of q, o,
+// gate, down, 4096 * (34,816 + 26,624) bf16 values per layer, 16 GB per step, leave the
+// memory-bound kernels for the compute-bound ones (an output added to, a residual or a second
+// target's input gradient, is read either way). The folds that would remove the adapter's
 // passes altogether, [x | s xA^T] [W | B]^T and [dy | s dyB] [W ; A], need activations with rank
 // spare columns (every producer of x and dy writing at a wider stride); not built. Read once per
 // process; the first GPU run compares the two (scripts/ci/gpu_check.sh).
