@@ -213,6 +213,11 @@ build/test/nf4_probe: test/model/nf4_probe.cu $(HEADERS)
 	@mkdir -p $(dir $@)
 	$(CXX) $(CFLAGS) $< -o $@ $(LDLIBS)
 
+# llmc/attn_docs.h on positions from stdin (test/cuda/test_attention_docs.py)
+build/test/attn_docs_probe: test/model/attn_docs_probe.cu $(HEADERS)
+	@mkdir -p $(dir $@)
+	$(CXX) $(CFLAGS) $< -o $@ $(LDLIBS)
+
 run: train_llama train_vit
 	./train_llama --model data/llama_demo --data data/llama_demo_ft_train.bin --val data/llama_demo_ft_val.bin \
 	  --mode lowmem --steps 60 --batch 8 --seq 128 --lr 3e-3 --warmup 5 --val-every 20 --lora-rank 8 \
@@ -296,7 +301,8 @@ test-asan: build/asan/train_llama build/asan/train_vit build/asan/test/test_unit
 test-c: build/test/test_units
 	./build/test/test_units
 
-TEST_BINS := build/test/llama_probe build/test/vit_probe build/test/tokenizer_probe build/test/nf4_probe
+TEST_BINS := build/test/llama_probe build/test/vit_probe build/test/tokenizer_probe build/test/nf4_probe \
+             build/test/attn_docs_probe
 # With pytest-xdist (python3-pytest-xdist, which scripts/ci/install_deps.sh installs) the test files
 # run on TEST_JOBS workers, each file whole on one worker (--dist loadfile: a module's fixtures are
 # made once); without it, one file after another.
