@@ -45,11 +45,28 @@ typedef struct {
     int causal;
     const int* pos;        // [B*T] position of each token within its packed example, or NULL:
                            // a query then sees only keys of its own example (causal only)
+    const struct AttnDocs* docs;  // with pos, the same examples as cuDNN's ragged entries
+                                  // (llmc/attn_docs.h; CUDA with cuDNN only), else NULL
 } AttnShape;
 
 // First key a causal query (b, t) may see: the start of its example.
 static inline int attn_first_key(const AttnShape* s, int b, int t) {
     return s->pos ? t - s->pos[(int64_t)b * s->T + t] : 0;
+}
+
+// The two layouts of attention's row statistics: lse [B, H, T] (every path saves it so), and
+// token-major [B*T, H], what cuDNN's ragged attention of packed examples reads and writes
+// (llmc/cuda/attention_cudnn.cu); LSE_TO_TOKENS converts the first into the second, LSE_TO_ROWS back.
+typedef enum { LSE_TO_TOKENS, LSE_TO_ROWS } LseLayout;
+
+static void attention_lse_layout(float* dst, const float* src, int B, int H, int T, LseLayout to) {
+    for (int b = 0; b < B; b++)
+        for (int h = 0; h < H; h++)
+            for (int t = 0; t < T; t++) {
+                int64_t rows = ((int64_t)b * H + h) * T + t, tokens = ((int64_t)b * T + t) * H + h;
+                if (to == LSE_TO_TOKENS) dst[tokens] = src[rows];
+                else dst[rows] = src[tokens];
+            }
 }
 
 // Blocks of ATT_BLOCK query rows: the work runs at the matrix-product rate and the tiles take
