@@ -590,8 +590,9 @@ static void llama_describe_documents(Llama* m, int64_t n) {
     const char* why = NULL;
     int docs = (int64_t)rows * m->T == n ? attn_docs_count(m->h_pos, rows, m->T, &max_len, &why) : -1;
     if (docs <= 0) {
-        snprintf(m->docs_why, sizeof(m->docs_why), "packed examples whose positions are not documents one after another "
-                 "(%s)", why ? why : "not whole rows");
+        snprintf(m->docs_why, sizeof(m->docs_why),
+                 "packed examples whose positions are not documents one after another (%s)",
+                 why ? why : "not whole rows");
         d->why = m->docs_why;
         return;
     }

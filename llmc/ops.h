@@ -322,8 +322,8 @@ static void op_attention_announce(const Backend* be) {
     const char* built = NULL;
 #endif
     const char* packed_env = getenv("LLMC_CUDNN_PACKED");
-    printf("attention: %s (LLMC_ATTENTION=%s; cudnn|gemm|flash)%s%s", attn_impl_names[impl], env && *env ? env : "unset",
-           built ? ", cuDNN " : ", no cuDNN in this build", built ? built : "");
+    printf("attention: %s (LLMC_ATTENTION=%s; cudnn|gemm|flash)%s%s", attn_impl_names[impl],
+           env && *env ? env : "unset", built ? ", cuDNN " : ", no cuDNN in this build", built ? built : "");
     if (impl == ATTN_CUDNN)
         printf(", packed examples: %s (LLMC_CUDNN_PACKED=%s; ragged|gemm)", cudnn_packed_names[op_cudnn_packed()],
                packed_env && *packed_env ? packed_env : "unset");
@@ -333,7 +333,8 @@ static void op_attention_announce(const Backend* be) {
 // Whether the trainer should describe its packed micro-batches' documents for cuDNN (s.docs): only
 // where the ragged path can run (a build with cuDNN, LLMC_ATTENTION=cudnn, LLMC_CUDNN_PACKED=ragged).
 static int op_attention_wants_docs(const Backend* be) {
-    return be->cuda && LLMC_CUDNN_BUILT && op_attention_impl() == ATTN_CUDNN && op_cudnn_packed() == CUDNN_PACKED_RAGGED;
+    return be->cuda && LLMC_CUDNN_BUILT && op_attention_impl() == ATTN_CUDNN &&
+           op_cudnn_packed() == CUDNN_PACKED_RAGGED;
 }
 
 // The planned workspace `work` of `bytes`, if shape s fits in it (generation's shorter windows, a
@@ -365,7 +366,8 @@ static int op_attention_on_cudnn(const Backend* be, AttnShape s, void* work, Cud
     int64_t need = why ? -1 : attention_cudnn_prepare(c, &why);
     size_t at = need < 0 ? 0 : round_up((size_t)need, 256);
     size_t stats_bytes = c.docs_batch ? (size_t)s.B * s.T * s.H * sizeof(float) : 0;
-    if (!why && at + stats_bytes > op_attention_work_bytes(be, s)) why = "its plan wants more workspace than was planned";
+    if (!why && at + stats_bytes > op_attention_work_bytes(be, s))
+        why = "its plan wants more workspace than was planned";
     static int told = 0;
     if (why && !told++)
         printf("attention: cudnn refused B=%d T=%d H=%d KVH=%d hd=%d (%s): gemm runs it\n", s.B, s.T, s.H, s.KVH, s.hd,

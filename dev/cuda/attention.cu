@@ -151,12 +151,14 @@ static void test_attention_cached(int n, int start, int H, int KVH, int hd, Rng*
     free(q); free(kc); free(vc); free(want); free(got);
 }
 
-// The statistics' two layouts (cuDNN's packed examples): a permutation, so bit for bit the CPU
-// twin's, and back again to the very same bits.
+// The statistics' two layouts (cuDNN's packed examples): a permutation, so bit for bit a plain
+// loop's (the CPU backend has no twin: it never converts), and back again to the very same bits.
 static void test_lse_layout(int B, int H, int T, Rng* rng) {
     int64_t n = (int64_t)B * H * T;
     float *rows = host_randn(n, rng, 1.0f, 0), *want = (float*)xmalloc(4 * n);
-    attention_lse_layout(want, rows, B, H, T, LSE_TO_TOKENS);
+    for (int b = 0; b < B; b++)  // lse [B, H, T] -> [B*T, H]
+        for (int h = 0; h < H; h++)
+            for (int t = 0; t < T; t++) want[((int64_t)b * T + t) * H + h] = rows[((int64_t)b * H + h) * T + t];
     float *d_rows = (float*)dev_alloc(4 * n), *d_tokens = (float*)dev_alloc(4 * n), *d_back = (float*)dev_alloc(4 * n);
     CUDA_CHECK(cudaMemcpy(d_rows, rows, 4 * n, cudaMemcpyHostToDevice));
     dev_poison(d_tokens, 4 * n);
@@ -296,7 +298,8 @@ int main(void) {
         {1, 97, 2, 2, 36, 1, NULL, NULL},   // hd 36: partial last register group
     };
     for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) test_attention(cases[i], &rng, 0);
-    AttnShape packed[] = {{2, 37, 4, 2, 16, 1, NULL, NULL}, {1, 97, 2, 2, 36, 1, NULL, NULL}};  // packed examples, ragged tiles
+    // packed examples, ragged tiles
+    AttnShape packed[] = {{2, 37, 4, 2, 16, 1, NULL, NULL}, {1, 97, 2, 2, 36, 1, NULL, NULL}};
     for (size_t i = 0; i < sizeof(packed) / sizeof(packed[0]); i++) test_attention(packed[i], &rng, 1);
     test_attention_cached(13, 0, 4, 2, 16, &rng);    // prefill, GQA
     test_attention_cached(1, 200, 3, 1, 64, &rng);   // decode, many keys (more than the block's threads)

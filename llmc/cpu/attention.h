@@ -56,18 +56,9 @@ static inline int attn_first_key(const AttnShape* s, int b, int t) {
 
 // The two layouts of attention's row statistics: lse [B, H, T] (every path saves it so), and
 // token-major [B*T, H], what cuDNN's ragged attention of packed examples reads and writes
-// (llmc/cuda/attention_cudnn.cu); LSE_TO_TOKENS converts the first into the second, LSE_TO_ROWS back.
+// (llmc/cuda/attention_cudnn.cu); LSE_TO_TOKENS converts the first into the second, LSE_TO_ROWS back
+// (attention_lse_layout_cuda; the CPU backend never needs it).
 typedef enum { LSE_TO_TOKENS, LSE_TO_ROWS } LseLayout;
-
-static void attention_lse_layout(float* dst, const float* src, int B, int H, int T, LseLayout to) {
-    for (int b = 0; b < B; b++)
-        for (int h = 0; h < H; h++)
-            for (int t = 0; t < T; t++) {
-                int64_t rows = ((int64_t)b * H + h) * T + t, tokens = ((int64_t)b * T + t) * H + h;
-                if (to == LSE_TO_TOKENS) dst[tokens] = src[rows];
-                else dst[rows] = src[tokens];
-            }
-}
 
 // Blocks of ATT_BLOCK query rows: the work runs at the matrix-product rate and the tiles take
 // O(block x T) memory per thread at any sequence length.

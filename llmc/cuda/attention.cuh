@@ -405,8 +405,8 @@ static void attention_backward_cuda(bf16* dq, bf16* dk, bf16* dv, const bf16* do
 
 // ---- the statistics' layouts (cuDNN's packed examples) ---------------------------------------
 
-// One thread per statistic: lse [B, H, T] to token-major [B*T, H] (LSE_TO_TOKENS) or back; the
-// twin of attention_lse_layout in llmc/cpu/attention.h. Threads run along the destination, so
+// One thread per statistic: lse [B, H, T] to token-major [B*T, H] (LSE_TO_TOKENS) or back (checked
+// by dev/cuda/attention.cu against a plain loop). Threads run along the destination, so
 // its writes are coalesced (the reads stride by T or H: B*H*T floats, a few MiB at most).
 __global__ void attention_lse_layout_kernel(float* dst, const float* __restrict__ src, int B, int H, int T,
                                             LseLayout to) {

@@ -161,6 +161,33 @@ if GPU:
         assert e < TOL_EXACT["logits"] and worst < TOL_EXACT["grad"]
 
 
+    def test_cuda_attention_cudnn_packed(models):
+        """Packed examples on cuDNN (LLMC_CUDNN_PACKED=ragged, the default: each document one entry of
+        cuDNN's ragged batch, llmc/attn_docs.h) inside the whole model, against the CPU backend within
+        TOL_EXACT, documents of 1 token, at a row's end, and several in a row among them; GPU only, like
+        test_cuda_attention_cudnn above. Not yet run on a GPU."""
+        d, cp, r, alpha = models["llama3_rope"]
+        case = st_io.load(cp)
+        B, T1 = case["tokens"].shape
+        starts = np.zeros((B, T1 - 1), np.uint8)
+        starts[0, [3, 4, T1 - 2]] = 1  # a 1-token document, and one of the row's last token
+        starts[-1, [2, 7]] = 1
+        case["starts"] = starts
+        pp = cp + ".cudnn_packed"
+        st_io.save(pp, case)
+        want = probe(CPU_PROBE, d, pp, pp + ".cpu", "exact", "std", "none", r, alpha, [], "cpu")
+        out = pp + ".cuda"
+        p = run([need(CUDA_PROBE), "--model", d, "--case", pp, "--out-file", out, "--act", "exact", "--norm", "std",
+                 "--recompute", "none", "--lora-rank", r, "--lora-alpha", repr(float(alpha)), "--device", "cuda"],
+                env={"LLMC_ATTENTION": "cudnn"})
+        assert "packed examples: ragged" in p.stdout and "cudnn refused" not in p.stdout, p.stdout
+        got = st_io.load(out)
+        e = rel_l2(got["logits"], want["logits"])
+        worst = max(rel_l2(got[k], want[k]) for k in want if k.startswith("grad."))
+        print(f"llama3_rope cudnn packed: logits {e:.2e} grads worst {worst:.2e}")
+        assert e < TOL_EXACT["logits"] and worst < TOL_EXACT["grad"]
+
+
 def test_cuda_probe_packed_examples(models):
     """Example starts (positions restart, attention stays inside each example) on CUDA."""
     d, cp, r, alpha = models["gqa_untied"]
