@@ -163,7 +163,7 @@ train_llama train_vit: %: %.cu $(HEADERS) $(CUDNN_OBJ)
 # compiler builds it: nvcc would parse the frontend's headers once more per GPU_ARCH for nothing
 # (over 10 minutes on two cores); the trainers that call it are nvcc's, for every GPU_ARCH. It
 # depends on its own sources only, not on every header nor on build/config.stamp.
-build/cudnn/attention_cudnn.o: llmc/cuda/attention_cudnn.cu llmc/cuda/attention_cudnn.h llmc/common.h
+build/cudnn/attention_cudnn.o: llmc/cuda/attention_cudnn.cu llmc/cuda/attention_cudnn.h llmc/attn_docs.h llmc/common.h
 	@mkdir -p $(dir $@)
 	# -O1: host code that builds a cuDNN graph once per shape, where the frontend's templates make -O2's
 	# compile time (minutes) cost more than the code's speed is worth

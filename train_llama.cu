@@ -1266,8 +1266,9 @@ static void llama_graph_decide(Llama* m, const Dist* dist) {
 }
 
 // What the captured forward + backward depends on besides device memory (llmc/cuda/graph.cuh): the
-// shape and attention's document mask pick the work; the loss scale, where it is a kernel argument
-// (LLMC_LOSS_SCALE=args; by default the kernels read it from device memory); the GEMM
+// shape and attention's document mask pick the work (on cuDNN's ragged path also its batch of
+// documents and their sequence dimension, which pick cuDNN's plan); the loss scale, where it is a
+// kernel argument (LLMC_LOSS_SCALE=args; by default the kernels read it from device memory); the GEMM
 // attention path's pointer tables are a host-side cache (a rebuild since the capture means the
 // captured work assumes other contents).
 static CudaGraphKey llama_graph_key(const Llama* m, int B, int T, float grad_scale) {
