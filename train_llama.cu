@@ -553,9 +553,9 @@ static void llama_bind(Llama* m) {
     if (m->embed_order) m->h_embed_order = (int*)backend_host_side(m->be, m->embed_order, sizeof(int) * N);
     size_t batch_bytes = 4 * staging_align(sizeof(int) * N) + (m->embed_order ? staging_align(sizeof(int) * N) : 0);
     if (m->sp.P > 1) batch_bytes += staging_align(sizeof(int) * m->sp.N);  // --seq-parallel: every token's position
-    if (m->docs_buf) {
+    if (m->docs_buf) {  // its four arrays, each uploaded as far as the batch uses it (llama_upload_documents)
         m->h_docs_buf = backend_host_side(m->be, m->docs_buf, attn_docs_bytes(N));
-        batch_bytes += staging_align(attn_docs_bytes(N));
+        batch_bytes += 3 * staging_align(sizeof(int64_t) * (N + 1)) + staging_align(sizeof(int32_t) * N);
     }
     if (m->grad_scale) {
         m->h_grad_scale = (float*)backend_host_side(m->be, m->grad_scale, sizeof(float));
@@ -622,6 +622,18 @@ static void llama_describe_documents(Llama* m, int64_t n) {
     d->why = NULL;
 }
 
+// Describes the documents and stages the part of each array that cuDNN's batch reads.
+static void llama_upload_documents(Llama* m, BatchStaging* s, int64_t n) {
+    llama_describe_documents(m, n);
+    if (m->docs.why) return;
+    int64_t cap = (int64_t)m->B * m->T, e = m->docs.batch;
+    AttnDocArrays h = attn_docs_arrays(m->h_docs_buf, cap), dev = attn_docs_arrays(m->docs_buf, cap);
+    staging_upload(s, dev.off_q, h.off_q, sizeof(int64_t) * (e + 1));
+    staging_upload(s, dev.off_kv, h.off_kv, sizeof(int64_t) * (e + 1));
+    staging_upload(s, dev.off_stats, h.off_stats, sizeof(int64_t) * (e + 1));
+    staging_upload(s, dev.seq_len, h.seq_len, sizeof(int32_t) * e);
+}
+
 // The step's loss scale (1 / its unmasked targets), uploaded with the next llama_upload_batch where
 // the loss kernels read it from device memory (m->grad_scale; a no-op where it is an argument).
 static void llama_set_loss_scale(Llama* m, float scale) {
@@ -638,10 +650,7 @@ static void llama_upload_batch(Llama* m, int64_t n) {
     staging_upload(s, m->targets, m->h_targets, sizeof(int) * n);
     staging_upload(s, m->mask, m->h_mask, sizeof(float) * n);
     staging_upload(s, m->pos, m->h_pos, sizeof(int) * n);
-    if (m->pos_restarts && m->docs_buf) {
-        llama_describe_documents(m, n);
-        if (!m->docs.why) staging_upload(s, m->docs_buf, m->h_docs_buf, attn_docs_bytes((int64_t)m->B * m->T));
-    }
+    if (m->pos_restarts && m->docs_buf) llama_upload_documents(m, s, n);
     if (m->sp.P > 1) staging_upload(s, m->sp.pos, m->sp.h_pos, sizeof(int) * m->sp.N);  // every token's position
     if (m->grad_scale) staging_upload(s, m->grad_scale, m->h_grad_scale, sizeof(float));  // the step's (train)
     if (m->embed_order) {

@@ -330,11 +330,13 @@ static void op_attention_announce(const Backend* be) {
     printf("\n");
 }
 
-// Whether the trainer should describe its packed micro-batches' documents for cuDNN (s.docs): only
-// where the ragged path can run (a build with cuDNN, LLMC_ATTENTION=cudnn, LLMC_CUDNN_PACKED=ragged).
+// Whether the trainer should describe its packed micro-batches' documents for cuDNN (s.docs): where
+// the ragged path can run (a build with cuDNN, LLMC_ATTENTION=cudnn, LLMC_CUDNN_PACKED=ragged), and
+// on any CUDA backend where LLMC_CUDNN_PACKED=ragged is set explicitly, so that the emulator runs the
+// description and its upload (test_llama_cuda.py; the other paths ignore s.docs).
 static int op_attention_wants_docs(const Backend* be) {
-    return be->cuda && LLMC_CUDNN_BUILT && op_attention_impl() == ATTN_CUDNN &&
-           op_cudnn_packed() == CUDNN_PACKED_RAGGED;
+    if (!be->cuda || op_cudnn_packed() != CUDNN_PACKED_RAGGED) return 0;
+    return (LLMC_CUDNN_BUILT && op_attention_impl() == ATTN_CUDNN) || backend_switch_is("LLMC_CUDNN_PACKED", "ragged");
 }
 
 // The planned workspace `work` of `bytes`, if shape s fits in it (generation's shorter windows, a

@@ -724,6 +724,34 @@ def test_cuda_graph_replays_the_step_bit_for_bit(tmp_path, packed_demo):
         assert g_launches - graphs + replayed == launches and g_blas == 0 and replayed_blas == blas, scale
 
 
+def test_cuda_packed_documents_described_on_the_emulator(tmp_path, packed_demo):
+    """LLMC_CUDNN_PACKED=ragged set explicitly makes even the emulator (no cuDNN: attention on gemm)
+    plan, describe and upload each packed micro-batch's documents for cuDNN's ragged path
+    (llama_describe_documents, llmc/attn_docs.h), which gemm ignores: the run must train to the very
+    same adapter as without them, eagerly and under LLMC_CUDA_GRAPH=1 (whose key then holds the
+    documents' count: the micro-batches' counts differ, so graphs are captured again), with the
+    staging and the emulator's race checks covering the extra uploads. cuDNN's use of them needs a
+    GPU (test_cuda_attention_cudnn_packed, attention_compare.sh's demo-packed rows)."""
+    args = ["--steps", 2, "--grad-accum", 2]
+    off = train_on(packed_demo, *args, "--out", tmp_path / "off")
+    want = (tmp_path / "off" / "adapter_model.safetensors").read_bytes()
+    for graph in ("0", "1"):
+        out = tmp_path / f"docs{graph}"
+        p = train_on(packed_demo, *args, "--out", out, env={"LLMC_CUDNN_PACKED": "ragged", "LLMC_CUDA_GRAPH": graph})
+        assert (out / "adapter_model.safetensors").read_bytes() == want, graph
+        assert step_losses(p.stdout) == step_losses(off.stdout), graph
+    if GPU:
+        return
+    # the plan holds the documents' buffer only when asked (the emulator's build has no cuDNN): 3 x (N + 1)
+    # int64 offsets and N int32 lengths at N = 2 x 32 tokens, plus at most the arena's 256-byte alignments
+    def scratch(env):
+        p = run([need(CUDA_TRAIN)] + DEMO + ["--device", "cuda", "--dry-run", "--json"], env=env)
+        return json.loads(p.stdout)["categories"]["scratch"]
+    n = 2 * 32
+    grew = scratch({"LLMC_CUDNN_PACKED": "ragged"}) - scratch({})
+    assert 3 * (n + 1) * 8 + n * 4 <= grew < 3 * (n + 1) * 8 + n * 4 + 2 * 256, grew
+
+
 def test_cuda_graph_refuses_what_a_capture_cannot_hold():
     """Under LLMC_STEP_READBACK=each every micro-batch reads its loss back (a copy to pageable memory
     and a host synchronisation), which no capture can hold: LLMC_CUDA_GRAPH=1 is refused in one line
