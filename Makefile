@@ -163,7 +163,7 @@ train_llama train_vit: %: %.cu $(HEADERS) $(CUDNN_OBJ)
 # compiler builds it: nvcc would parse the frontend's headers once more per GPU_ARCH for nothing
 # (over 10 minutes on two cores); the trainers that call it are nvcc's, for every GPU_ARCH. It
 # depends on its own sources only, not on every header nor on build/config.stamp.
-build/cudnn/attention_cudnn.o: llmc/cuda/attention_cudnn.cu llmc/cuda/attention_cudnn.h llmc/common.h
+build/cudnn/attention_cudnn.o: llmc/cuda/attention_cudnn.cu llmc/cuda/attention_cudnn.h llmc/attn_docs.h llmc/common.h
 	@mkdir -p $(dir $@)
 	# -O1: host code that builds a cuDNN graph once per shape, where the frontend's templates make -O2's
 	# compile time (minutes) cost more than the code's speed is worth
@@ -210,6 +210,11 @@ build/test/tokenizer_probe: test/formats/tokenizer_probe.cu $(HEADERS)
 	$(CXX) $(CFLAGS) $< -o $@ $(LDLIBS)
 
 build/test/nf4_probe: test/model/nf4_probe.cu $(HEADERS)
+	@mkdir -p $(dir $@)
+	$(CXX) $(CFLAGS) $< -o $@ $(LDLIBS)
+
+# llmc/attn_docs.h on positions from stdin (test/cuda/test_attention_docs.py)
+build/test/attn_docs_probe: test/model/attn_docs_probe.cu $(HEADERS)
 	@mkdir -p $(dir $@)
 	$(CXX) $(CFLAGS) $< -o $@ $(LDLIBS)
 
@@ -296,7 +301,8 @@ test-asan: build/asan/train_llama build/asan/train_vit build/asan/test/test_unit
 test-c: build/test/test_units
 	./build/test/test_units
 
-TEST_BINS := build/test/llama_probe build/test/vit_probe build/test/tokenizer_probe build/test/nf4_probe
+TEST_BINS := build/test/llama_probe build/test/vit_probe build/test/tokenizer_probe build/test/nf4_probe \
+             build/test/attn_docs_probe
 # With pytest-xdist (python3-pytest-xdist, which scripts/ci/install_deps.sh installs) the test files
 # run on TEST_JOBS workers, each file whole on one worker (--dist loadfile: a module's fixtures are
 # made once); without it, one file after another.

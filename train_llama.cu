@@ -30,6 +30,7 @@
 #include "llmc/train/loop.h"
 #include "llmc/backend.h"
 #include "llmc/ops.h"
+#include "llmc/attn_docs.h"
 #ifdef LLMC_HAVE_CUDA
 #include "llmc/cuda/graph.cuh"
 #endif
@@ -126,6 +127,9 @@ typedef struct {
     int *embed_order, *h_embed_order;  // --full: the batch's positions sorted by token (embedding_token_order)
     int* pos;              // position of each token within its (packed) example
     int pos_restarts;      // the uploaded batch packs examples (a position is not its column): attention masks by pos
+    void *docs_buf, *h_docs_buf;  // CUDA, cuDNN's ragged attention: the packed batch's documents (llmc/attn_docs.h)
+    AttnDocs docs;         // and what attention reads of them (device arrays in docs_buf), else unused
+    char docs_why[160];    // why a batch's positions are not mapped (docs.why)
     float* mask;
     int *h_inputs, *h_targets, *h_pos;  // the batch as the loader writes it (host; == the above on the CPU)
     float* h_mask;
@@ -421,7 +425,7 @@ static void llama_plan_scratch(Llama* m, MemPlan* p) {
         }
         plan_add(p, MEM_SCRATCH, "lora", -1, "lora_dropout_input", largest * abytes, &m->drop_work);
     }
-    AttnShape as = {m->B, m->T, c->heads, c->kv_heads, c->head_dim, 1, NULL};
+    AttnShape as = {m->B, m->T, c->heads, c->kv_heads, c->head_dim, 1, NULL, NULL};
     if (m->sp.P > 1) as = seqpar_attn_shape(&m->sp);  // whole sequences, this rank's heads
     m->att_work_bytes = op_plan_attention_work(be, p, as, &m->att_work);
     op_plan_matmul_workspace(be, p, &m->blas_work);
@@ -431,6 +435,8 @@ static void llama_plan_scratch(Llama* m, MemPlan* p) {
     if (be->cuda && !backend_switch_is("LLMC_LOSS_SCALE", "args"))
         plan_add(p, MEM_SCRATCH, "batch", -1, "grad_scale", sizeof(float), &m->grad_scale);
     plan_add(p, MEM_SCRATCH, "batch", -1, "pos", N * 4, &m->pos);
+    if (m->sp.P == 1 && op_attention_wants_docs(be))  // at most a document per token
+        plan_add(p, MEM_SCRATCH, "batch", -1, "attention documents", attn_docs_bytes(N), &m->docs_buf);
     seqpar_plan(&m->sp, p, llama_seqpar_lends(m));
     if (m->modes.full) plan_add(p, MEM_SCRATCH, "batch", -1, "embed_order", N * 4, &m->embed_order);
     HeadChunkRule rule;
@@ -547,6 +553,10 @@ static void llama_bind(Llama* m) {
     if (m->embed_order) m->h_embed_order = (int*)backend_host_side(m->be, m->embed_order, sizeof(int) * N);
     size_t batch_bytes = 4 * staging_align(sizeof(int) * N) + (m->embed_order ? staging_align(sizeof(int) * N) : 0);
     if (m->sp.P > 1) batch_bytes += staging_align(sizeof(int) * m->sp.N);  // --seq-parallel: every token's position
+    if (m->docs_buf) {  // its four arrays, each uploaded as far as the batch uses it (llama_upload_documents)
+        m->h_docs_buf = backend_host_side(m->be, m->docs_buf, attn_docs_bytes(N));
+        batch_bytes += 3 * staging_align(sizeof(int64_t) * (N + 1)) + staging_align(sizeof(int32_t) * N);
+    }
     if (m->grad_scale) {
         m->h_grad_scale = (float*)backend_host_side(m->be, m->grad_scale, sizeof(float));
         m->h_grad_scale[0] = 0.0f;
@@ -558,6 +568,71 @@ static void llama_bind(Llama* m) {
 // Attention's document mask: the batch's positions when it packs examples, else NULL (the same
 // mask, and the only one cuDNN's attention takes: llmc/ops.h).
 static const int* llama_attention_pos(const Llama* m) { return m->pos_restarts ? m->pos : NULL; }
+// and its documents for cuDNN's ragged attention, where they are described (llama_describe_documents)
+static const AttnDocs* llama_attention_docs(const Llama* m) { return m->pos_restarts && m->docs_buf ? &m->docs : NULL; }
+
+static int pow2_at_least(int x) {
+    int p = 1;
+    while (p < x) p *= 2;
+    return p;
+}
+
+// The documents of the first n tokens of the host batch (packed examples) as cuDNN's ragged entries,
+// into the host side of docs_buf (uploaded with the batch). cuDNN's sequence dimension is the
+// longest document rounded up to a power of two (at most T), and its batch the document count:
+// both pick the plan (llmc/cuda/attention_cudnn.cu caches one per pair) and are part of the CUDA
+// graph's key. Where cuDNN takes zero-length entries (9.25 on), the batch is padded to a power of
+// two and both only ever grow (the largest seen so far), so that a run settles on one plan and one
+// graph; before, every document count is its own plan (and graph).
+static void llama_describe_documents(Llama* m, int64_t n) {
+    AttnDocs* d = &m->docs;
+    int rows = (int)(n / m->T), max_len = 0, pad = 0;
+    const char* why = NULL;
+    int docs = (int64_t)rows * m->T == n ? attn_docs_count(m->h_pos, rows, m->T, &max_len, &why) : -1;
+    if (docs <= 0) {
+        snprintf(m->docs_why, sizeof(m->docs_why),
+                 "packed examples whose positions are not documents one after another (%s)",
+                 why ? why : "not whole rows");
+        d->why = m->docs_why;
+        return;
+    }
+#ifdef LLMC_HAVE_CUDNN
+    pad = attention_cudnn_takes_empty_documents();
+#endif
+    int len = pow2_at_least(max_len), batch = docs;
+    if (len > m->T) len = m->T;
+    if (pad) {
+        batch = pow2_at_least(docs);
+        if (batch > n) batch = (int)n;
+        if (d->batch > batch) batch = d->batch;
+        if (d->max_len > len) len = d->max_len;
+    }
+    int64_t cap = (int64_t)m->B * m->T;
+    attn_docs_fill(attn_docs_arrays(m->h_docs_buf, cap), m->h_pos, rows, m->T, batch, m->cfg.heads, m->cfg.kv_heads,
+                   m->cfg.head_dim);
+    AttnDocArrays dev = attn_docs_arrays(m->docs_buf, cap);
+    d->docs = docs;
+    d->batch = batch;
+    d->max_len = len;
+    d->tokens = n;
+    d->off_q = dev.off_q;
+    d->off_kv = dev.off_kv;
+    d->off_stats = dev.off_stats;
+    d->seq_len = dev.seq_len;
+    d->why = NULL;
+}
+
+// Describes the documents and stages the part of each array that cuDNN's batch reads.
+static void llama_upload_documents(Llama* m, BatchStaging* s, int64_t n) {
+    llama_describe_documents(m, n);
+    if (m->docs.why) return;
+    int64_t cap = (int64_t)m->B * m->T, e = m->docs.batch;
+    AttnDocArrays h = attn_docs_arrays(m->h_docs_buf, cap), dev = attn_docs_arrays(m->docs_buf, cap);
+    staging_upload(s, dev.off_q, h.off_q, sizeof(int64_t) * (e + 1));
+    staging_upload(s, dev.off_kv, h.off_kv, sizeof(int64_t) * (e + 1));
+    staging_upload(s, dev.off_stats, h.off_stats, sizeof(int64_t) * (e + 1));
+    staging_upload(s, dev.seq_len, h.seq_len, sizeof(int32_t) * e);
+}
 
 // The step's loss scale (1 / its unmasked targets), uploaded with the next llama_upload_batch where
 // the loss kernels read it from device memory (m->grad_scale; a no-op where it is an argument).
@@ -575,6 +650,7 @@ static void llama_upload_batch(Llama* m, int64_t n) {
     staging_upload(s, m->targets, m->h_targets, sizeof(int) * n);
     staging_upload(s, m->mask, m->h_mask, sizeof(float) * n);
     staging_upload(s, m->pos, m->h_pos, sizeof(int) * n);
+    if (m->pos_restarts && m->docs_buf) llama_upload_documents(m, s, n);
     if (m->sp.P > 1) staging_upload(s, m->sp.pos, m->sp.h_pos, sizeof(int) * m->sp.N);  // every token's position
     if (m->grad_scale) staging_upload(s, m->grad_scale, m->h_grad_scale, sizeof(float));  // the step's (train)
     if (m->embed_order) {
@@ -622,6 +698,7 @@ static void llama_free(Llama* m) {
         backend_free_host_side(m->be, m->h_pos); backend_free_host_side(m->be, m->h_mask);
         backend_free_host_side(m->be, m->h_embed_order);
         if (m->sp.h_pos) backend_free_host_side(m->be, m->sp.h_pos);
+        if (m->h_docs_buf) backend_free_host_side(m->be, m->h_docs_buf);
         if (m->h_grad_scale) backend_free_host_side(m->be, m->h_grad_scale);
         op_detach_matmul_workspace(m->be, m->blas_work);
 #ifdef LLMC_HAVE_CUDA
@@ -1004,7 +1081,7 @@ static void block_forward(Llama* m, int l, void* x, BlockActs* a, int B, int T, 
     int64_t N = (int64_t)B * T, d = c->dim;
     int r = m->modes.rank;
     float s = m->modes.lora_scale;
-    AttnShape as = {B, T, c->heads, c->kv_heads, c->head_dim, 1, llama_attention_pos(m)};
+    AttnShape as = {B, T, c->heads, c->kv_heads, c->head_dim, 1, llama_attention_pos(m), llama_attention_docs(m)};
     const void* o_in = a->o;  // the o projection's input (token layout)
     if (a->x_in) op_copy(be, a->x_in, x, N * d);
     op_rmsnorm_forward(be, a->z1, a->r1, x, m->modes.ms ? NULL : layer->attn_norm, N, (int)d, c->norm_eps);
@@ -1097,7 +1174,7 @@ static void block_backward(Llama* m, int l, BlockActs* a, const Recomputed* rc, 
     int64_t N = (int64_t)B * T, d = c->dim;
     int r = m->modes.rank;
     float s = m->modes.lora_scale;
-    AttnShape as = {B, T, c->heads, c->kv_heads, c->head_dim, 1, llama_attention_pos(m)};
+    AttnShape as = {B, T, c->heads, c->kv_heads, c->head_dim, 1, llama_attention_pos(m), llama_attention_docs(m)};
     const void* x_in = rc ? rc->block_input : a->x_in;
     // MLP, tile by tile: down, SwiGLU (exact or ReSiLU2), gate/up, MLP norm (recomputed first)
     llama_mlp_tiles(m, l, MLP_BACKWARD, rc ? rc->mlp_input : NULL, a, N);
@@ -1198,8 +1275,9 @@ static void llama_graph_decide(Llama* m, const Dist* dist) {
 }
 
 // What the captured forward + backward depends on besides device memory (llmc/cuda/graph.cuh): the
-// shape and attention's document mask pick the work; the loss scale, where it is a kernel argument
-// (LLMC_LOSS_SCALE=args; by default the kernels read it from device memory); the GEMM
+// shape and attention's document mask pick the work (on cuDNN's ragged path also its batch of
+// documents and their sequence dimension, which pick cuDNN's plan); the loss scale, where it is a
+// kernel argument (LLMC_LOSS_SCALE=args; by default the kernels read it from device memory); the GEMM
 // attention path's pointer tables are a host-side cache (a rebuild since the capture means the
 // captured work assumes other contents).
 static CudaGraphKey llama_graph_key(const Llama* m, int B, int T, float grad_scale) {
@@ -1208,6 +1286,8 @@ static CudaGraphKey llama_graph_key(const Llama* m, int B, int T, float grad_sca
     k.shape[0] = B;
     k.shape[1] = T;
     k.shape[2] = m->pos_restarts;
+    const AttnDocs* docs = llama_attention_docs(m);  // cuDNN's ragged plan: its batch and sequence dimension
+    k.shape[3] = docs && !docs->why ? (int64_t)docs->batch << 32 | docs->max_len : 0;
     uint32_t bits;
     memcpy(&bits, &grad_scale, sizeof(bits));
     k.values[0] = m->grad_scale ? 0 : bits;  // read from device memory, it changes nothing captured

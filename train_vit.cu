@@ -384,7 +384,7 @@ static void vit_plan_scratch(Vit* m, MemPlan* p) {
             if ((m->modes.targets >> t & 1) && lin_in(c, t) > widest) widest = lin_in(c, t);
         plan_add(p, MEM_SCRATCH, "lora", -1, "lora_dropout_input", N * widest * a, &m->drop_work);
     }
-    AttnShape as = {m->B, m->T, c->heads, c->heads, c->head_dim, 0, NULL};
+    AttnShape as = {m->B, m->T, c->heads, c->heads, c->head_dim, 0, NULL, NULL};
     m->att_work_bytes = op_plan_attention_work(be, p, as, &m->att_work);
     op_plan_matmul_workspace(be, p, &m->blas_work);
     // the head works on the B class tokens only and consumes its buffers at once (fused with the
@@ -795,7 +795,7 @@ static void block_forward(Vit* m, int l, void* x, BlockActs* a, int B) {
     int64_t N = (int64_t)B * m->T, d = c->dim;
     int r = m->modes.rank, ms = m->modes.ms;
     float s = m->modes.lora_scale;
-    AttnShape as = {B, m->T, c->heads, c->heads, c->head_dim, 0, NULL};  // bidirectional, one image per row
+    AttnShape as = {B, m->T, c->heads, c->heads, c->head_dim, 0, NULL, NULL};  // bidirectional, one image per row
     if (a->x_in) op_copy(be, a->x_in, x, N * d);
     op_layernorm_forward(be, a->z1, a->r1, ms ? NULL : a->mean1, x, ms ? NULL : layer->ln1_g, ms ? NULL : layer->ln1_b,
                          N, (int)d, c->norm_eps);
@@ -862,7 +862,7 @@ static void block_backward(Vit* m, int l, BlockActs* a, const void* block_input,
     int64_t N = (int64_t)B * m->T, d = c->dim;
     int r = m->modes.rank, ms = m->modes.ms;
     float s = m->modes.lora_scale;
-    AttnShape as = {B, m->T, c->heads, c->heads, c->head_dim, 0, NULL};
+    AttnShape as = {B, m->T, c->heads, c->heads, c->head_dim, 0, NULL, NULL};
     const void* x_in = block_input ? block_input : a->x_in;
     // MLP: fc2, GELU (exact from h, or ReGELU2 from the codes), fc1, MLP norm
     op_linear_backward(be, m->dh, m->dres, a->g, a->ax[T_FC2], &layer->lin[T_FC2], m->dax, N, r, s, OUT_WRITE);

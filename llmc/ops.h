@@ -231,11 +231,15 @@ static void op_rope(const Backend* be, void* x, const float* cos_t, const float*
 //          run cuDNN, so there an explicit LLMC_ATTENTION=cudnn is refused
 //   gemm   tensor-core batched GEMMs (llmc/cuda/attention_gemm.cuh): the default without cuDNN
 //   flash  the fp32 flash kernels of llmc/cuda/attention.cuh
-// Any other value is refused in one line. Under cudnn, a call cuDNN cannot take runs on gemm, and
-// the first such call says why in one line: packed examples (s.pos set: a document mask, which
-// this build does not map to cuDNN's ragged offsets), head dims it lacks, or a plan that wants more
-// workspace than was planned. The forward's lse is the same statistic on every path (cuDNN's
-// "Stats"), so a forward on one path and its backward on another agree.
+// Any other value is refused in one line. Under cudnn, packed examples (s.pos set: a document
+// mask) run as cuDNN's ragged layout, each document one entry of its batch (s.docs, llmc/attn_docs.h,
+// filled by the trainer at each upload), unless LLMC_CUDNN_PACKED=gemm sends them to gemm as
+// before. A call cuDNN cannot take runs on gemm, and the first such call says why in one line:
+// packed examples it does not map (LLMC_CUDNN_PACKED=gemm, --seq-parallel's whole sequences,
+// positions that are not documents one after another), head dims it lacks, no engine on this GPU,
+// or a plan that wants more workspace than was planned. The forward's lse is the same statistic on
+// every path (cuDNN's "Stats"; the ragged call's token-major statistics are converted from and to
+// it), so a forward on one path and its backward on another agree.
 typedef enum { ATTN_CUDNN, ATTN_GEMM, ATTN_FLASH } AttnImpl;
 static const char* const attn_impl_names[] = {"cudnn", "gemm", "flash"};
 
@@ -244,6 +248,20 @@ static const char* const attn_impl_names[] = {"cudnn", "gemm", "flash"};
 #else
 #define LLMC_CUDNN_BUILT 0
 #endif
+
+// LLMC_CUDNN_PACKED, read once: ragged (the default) or gemm; bad values end the run with one line.
+typedef enum { CUDNN_PACKED_RAGGED, CUDNN_PACKED_GEMM } CudnnPacked;
+static const char* const cudnn_packed_names[] = {"ragged", "gemm"};
+static CudnnPacked op_cudnn_packed(void) {
+    static int chosen = -1;
+    if (chosen >= 0) return (CudnnPacked)chosen;
+    const char* e = getenv("LLMC_CUDNN_PACKED");
+    if (!e || !*e) chosen = CUDNN_PACKED_RAGGED;
+    for (int i = 0; chosen < 0 && i < 2; i++)
+        if (strcmp(e, cudnn_packed_names[i]) == 0) chosen = i;
+    if (chosen < 0) fail("LLMC_CUDNN_PACKED=%s: expected ragged or gemm", e);
+    return (CudnnPacked)chosen;
+}
 
 // LLMC_ATTENTION, read once; bad values end the run with one line.
 static AttnImpl op_attention_impl(void) {
@@ -303,9 +321,22 @@ static void op_attention_announce(const Backend* be) {
 #else
     const char* built = NULL;
 #endif
-    printf("attention: %s (LLMC_ATTENTION=%s; cudnn|gemm|flash)%s%s%s\n", attn_impl_names[impl],
-           env && *env ? env : "unset", built ? ", cuDNN " : ", no cuDNN in this build", built ? built : "",
-           impl == ATTN_CUDNN ? ", packed examples on gemm" : "");
+    const char* packed_env = getenv("LLMC_CUDNN_PACKED");
+    printf("attention: %s (LLMC_ATTENTION=%s; cudnn|gemm|flash)%s%s", attn_impl_names[impl],
+           env && *env ? env : "unset", built ? ", cuDNN " : ", no cuDNN in this build", built ? built : "");
+    if (impl == ATTN_CUDNN)
+        printf(", packed examples: %s (LLMC_CUDNN_PACKED=%s; ragged|gemm)", cudnn_packed_names[op_cudnn_packed()],
+               packed_env && *packed_env ? packed_env : "unset");
+    printf("\n");
+}
+
+// Whether the trainer should describe its packed micro-batches' documents for cuDNN (s.docs): where
+// the ragged path can run (a build with cuDNN, LLMC_ATTENTION=cudnn, LLMC_CUDNN_PACKED=ragged), and
+// on any CUDA backend where LLMC_CUDNN_PACKED=ragged is set explicitly, so that the emulator runs the
+// description and its upload (test_llama_cuda.py; the other paths ignore s.docs).
+static int op_attention_wants_docs(const Backend* be) {
+    if (!be->cuda || op_cudnn_packed() != CUDNN_PACKED_RAGGED) return 0;
+    return (LLMC_CUDNN_BUILT && op_attention_impl() == ATTN_CUDNN) || backend_switch_is("LLMC_CUDNN_PACKED", "ragged");
 }
 
 // The planned workspace `work` of `bytes`, if shape s fits in it (generation's shorter windows, a
@@ -317,17 +348,34 @@ static void* op_attention_work_fitting(const Backend* be, AttnShape s, void* wor
 
 #ifdef LLMC_HAVE_CUDNN
 // Whether this call runs on cuDNN: selected, given the workspace, and a shape cuDNN takes within
-// it. The first refusal says why in one line (later ones are the same shapes: silent).
-static int op_attention_on_cudnn(const Backend* be, AttnShape s, void* work) {
+// it; *cs the shape it runs as (packed examples: s.docs's entries), *stats where a ragged call's
+// token-major statistics go (past cuDNN's own workspace; NULL for B rows of T). The first refusal
+// says why in one line (later ones are the same shapes, or other batches of the same data: silent).
+static int op_attention_on_cudnn(const Backend* be, AttnShape s, void* work, CudnnAttnShape* cs, float** stats) {
+    *stats = NULL;
     if (op_attention_impl() != ATTN_CUDNN || !work) return 0;
-    const char* why = s.pos ? "packed examples (a document mask) are not mapped to cuDNN" : NULL;
-    CudnnAttnShape cs = {s.B, s.T, s.H, s.KVH, s.hd, s.causal};
-    int64_t need = why ? -1 : attention_cudnn_prepare(cs, &why);
-    if (!why && (size_t)need > op_attention_work_bytes(be, s)) why = "its plan wants more workspace than was planned";
+    CudnnAttnShape c = {s.B, s.T, s.H, s.KVH, s.hd, s.causal, 0, 0};
+    const char* why = NULL;
+    if (s.pos && op_cudnn_packed() == CUDNN_PACKED_GEMM) why = "packed examples: LLMC_CUDNN_PACKED=gemm";
+    else if (s.pos && !s.docs)
+        why = "packed examples without their documents: --seq-parallel's whole sequences are not mapped to cuDNN's "
+              "ragged layout";
+    else if (s.pos && s.docs->why) why = s.docs->why;
+    else if (s.pos) {
+        c.docs_batch = s.docs->batch;
+        c.docs_len = s.docs->max_len;
+    }
+    int64_t need = why ? -1 : attention_cudnn_prepare(c, &why);
+    size_t at = need < 0 ? 0 : round_up((size_t)need, 256);
+    size_t stats_bytes = c.docs_batch ? (size_t)s.B * s.T * s.H * sizeof(float) : 0;
+    if (!why && at + stats_bytes > op_attention_work_bytes(be, s))
+        why = "its plan wants more workspace than was planned";
     static int told = 0;
     if (why && !told++)
-        printf("attention: cudnn refused B=%d T=%d H=%d KVH=%d hd=%d (%s): gemm runs it\n", s.B, s.T, s.H, s.KVH,
-               s.hd, why);
+        printf("attention: cudnn refused B=%d T=%d H=%d KVH=%d hd=%d (%s): gemm runs it\n", s.B, s.T, s.H, s.KVH, s.hd,
+               why);
+    *cs = c;
+    if (!why && stats_bytes) *stats = (float*)((char*)work + at);
     return why == NULL;
 }
 #endif
@@ -340,9 +388,12 @@ static void op_attention_forward(const Backend* be, void* o, float* lse, const v
     if (be->cuda) {
         op_attention_announce(be);
 #ifdef LLMC_HAVE_CUDNN
-        if (op_attention_on_cudnn(be, s, work)) {
-            CudnnAttnShape cs = {s.B, s.T, s.H, s.KVH, s.hd, s.causal};
-            attention_cudnn_forward(B16(o), lse, CB16(q), CB16(k), CB16(v), cs, work, be->stream);
+        CudnnAttnShape cs;
+        float* stats;
+        if (op_attention_on_cudnn(be, s, work, &cs, &stats)) {
+            attention_cudnn_forward(B16(o), stats ? stats : lse, CB16(q), CB16(k), CB16(v), cs, s.docs, work,
+                                    be->stream);
+            if (stats) attention_lse_layout_cuda(lse, stats, s.B, s.H, s.T, LSE_TO_ROWS, be->stream);
             return;
         }
 #endif
@@ -365,10 +416,12 @@ static void op_attention_backward(const Backend* be, void* dq, void* dk, void* d
     if (be->cuda) {
         if (!work) fail("internal: the CUDA attention backward needs its planned workspace");
 #ifdef LLMC_HAVE_CUDNN
-        if (op_attention_on_cudnn(be, s, work)) {
-            CudnnAttnShape cs = {s.B, s.T, s.H, s.KVH, s.hd, s.causal};
-            attention_cudnn_backward(B16(dq), B16(dk), B16(dv), CB16(dout), CB16(q), CB16(k), CB16(v), CB16(o), lse,
-                                     cs, work, be->stream);
+        CudnnAttnShape cs;
+        float* stats;
+        if (op_attention_on_cudnn(be, s, work, &cs, &stats)) {
+            if (stats) attention_lse_layout_cuda(stats, lse, s.B, s.H, s.T, LSE_TO_TOKENS, be->stream);
+            attention_cudnn_backward(B16(dq), B16(dk), B16(dv), CB16(dout), CB16(q), CB16(k), CB16(v), CB16(o),
+                                     stats ? stats : lse, cs, s.docs, work, be->stream);
             return;
         }
 #endif

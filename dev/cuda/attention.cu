@@ -151,6 +151,32 @@ static void test_attention_cached(int n, int start, int H, int KVH, int hd, Rng*
     free(q); free(kc); free(vc); free(want); free(got);
 }
 
+// The statistics' two layouts (cuDNN's packed examples): a permutation, so bit for bit a plain
+// loop's (the CPU backend has no twin: it never converts), and back again to the very same bits.
+static void test_lse_layout(int B, int H, int T, Rng* rng) {
+    int64_t n = (int64_t)B * H * T;
+    float *rows = host_randn(n, rng, 1.0f, 0), *want = (float*)xmalloc(4 * n);
+    for (int b = 0; b < B; b++)  // lse [B, H, T] -> [B*T, H]
+        for (int h = 0; h < H; h++)
+            for (int t = 0; t < T; t++) want[((int64_t)b * T + t) * H + h] = rows[((int64_t)b * H + h) * T + t];
+    float *d_rows = (float*)dev_alloc(4 * n), *d_tokens = (float*)dev_alloc(4 * n), *d_back = (float*)dev_alloc(4 * n);
+    CUDA_CHECK(cudaMemcpy(d_rows, rows, 4 * n, cudaMemcpyHostToDevice));
+    dev_poison(d_tokens, 4 * n);
+    dev_poison(d_back, 4 * n);
+    attention_lse_layout_cuda(d_tokens, d_rows, B, H, T, LSE_TO_TOKENS, g_stream);
+    attention_lse_layout_cuda(d_back, d_tokens, B, H, T, LSE_TO_ROWS, g_stream);
+    float *got = (float*)xmalloc(4 * n), *back = (float*)xmalloc(4 * n);
+    CUDA_CHECK(cudaMemcpy(got, d_tokens, 4 * n, cudaMemcpyDeviceToHost));
+    CUDA_CHECK(cudaMemcpy(back, d_back, 4 * n, cudaMemcpyDeviceToHost));
+    char name[96];
+    snprintf(name, sizeof(name), "attention_lse_layout B=%d H=%d T=%d to tokens", B, H, T);
+    check_equal_bytes(name, (const uint8_t*)got, (const uint8_t*)want, 4 * n);
+    snprintf(name, sizeof(name), "attention_lse_layout B=%d H=%d T=%d and back", B, H, T);
+    check_equal_bytes(name, (const uint8_t*)back, (const uint8_t*)rows, 4 * n);
+    CUDA_CHECK(cudaFree(d_rows)); CUDA_CHECK(cudaFree(d_tokens)); CUDA_CHECK(cudaFree(d_back));
+    free(rows); free(want); free(got); free(back);
+}
+
 static void test_rope(int64_t N, int T, int nheads, int hd, Rng* rng) {
     int half = hd / 2;
     int64_t n = N * nheads * hd;
@@ -260,17 +286,20 @@ int main(void) {
     test_rope(2 * 37, 37, 3, 16, &rng);
     test_rope(65, 65, 2, 128, &rng);
     test_rope(9, 9, 3, 24, &rng);  // hd not a multiple of 16: the scalar kernel
+    test_lse_layout(3, 4, 37, &rng);
+    test_lse_layout(1, 32, 300, &rng);  // more than one block, T not a multiple of it
     AttnShape cases[] = {
-        {2, 37, 4, 2, 16, 1, NULL},   // GQA 2, tiny head dim, ragged T
-        {1, 70, 3, 1, 64, 1, NULL},   // multi-query (3 heads on 1 kv head)
-        {2, 33, 2, 2, 80, 0, NULL},   // bidirectional, hd not a power of two (ViT-like)
-        {1, 65, 4, 1, 128, 1, NULL},  // hd 128, GQA 4
-        {1, 64, 2, 2, 128, 0, NULL},  // bidirectional, T a multiple of the tile
-        {3, 5, 2, 1, 8, 1, NULL},     // shorter than one tile
-        {1, 97, 2, 2, 36, 1, NULL},   // hd 36: partial last register group
+        {2, 37, 4, 2, 16, 1, NULL, NULL},   // GQA 2, tiny head dim, ragged T
+        {1, 70, 3, 1, 64, 1, NULL, NULL},   // multi-query (3 heads on 1 kv head)
+        {2, 33, 2, 2, 80, 0, NULL, NULL},   // bidirectional, hd not a power of two (ViT-like)
+        {1, 65, 4, 1, 128, 1, NULL, NULL},  // hd 128, GQA 4
+        {1, 64, 2, 2, 128, 0, NULL, NULL},  // bidirectional, T a multiple of the tile
+        {3, 5, 2, 1, 8, 1, NULL, NULL},     // shorter than one tile
+        {1, 97, 2, 2, 36, 1, NULL, NULL},   // hd 36: partial last register group
     };
     for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) test_attention(cases[i], &rng, 0);
-    AttnShape packed[] = {{2, 37, 4, 2, 16, 1, NULL}, {1, 97, 2, 2, 36, 1, NULL}};  // packed examples, ragged tiles
+    // packed examples, ragged tiles
+    AttnShape packed[] = {{2, 37, 4, 2, 16, 1, NULL, NULL}, {1, 97, 2, 2, 36, 1, NULL, NULL}};
     for (size_t i = 0; i < sizeof(packed) / sizeof(packed[0]); i++) test_attention(packed[i], &rng, 1);
     test_attention_cached(13, 0, 4, 2, 16, &rng);    // prefill, GQA
     test_attention_cached(1, 200, 3, 1, 64, &rng);   // decode, many keys (more than the block's threads)
@@ -302,7 +331,7 @@ int main(void) {
     test_attention(packed[0], &rng, 1);
     unsetenv("LLMC_ATTN_KEYS");
     if (g_timing) {
-        AttnShape llama = {4, 2048, 32, 8, 128, 1, NULL}, vit = {64, 197, 12, 12, 64, 0, NULL};
+        AttnShape llama = {4, 2048, 32, 8, 128, 1, NULL, NULL}, vit = {64, 197, 12, 12, 64, 0, NULL, NULL};
         time_attention(llama, "B=4 T=2048 H=32 KVH=8 hd=128 causal");
         time_attention(vit, "B=64 T=197 H=12 hd=64 bidir (ViT-B/16)");
     }

@@ -45,12 +45,20 @@ typedef struct {
     int causal;
     const int* pos;        // [B*T] position of each token within its packed example, or NULL:
                            // a query then sees only keys of its own example (causal only)
+    const struct AttnDocs* docs;  // with pos, the same examples as cuDNN's ragged entries
+                                  // (llmc/attn_docs.h; CUDA with cuDNN only), else NULL
 } AttnShape;
 
 // First key a causal query (b, t) may see: the start of its example.
 static inline int attn_first_key(const AttnShape* s, int b, int t) {
     return s->pos ? t - s->pos[(int64_t)b * s->T + t] : 0;
 }
+
+// The two layouts of attention's row statistics: lse [B, H, T] (every path saves it so), and
+// token-major [B*T, H], what cuDNN's ragged attention of packed examples reads and writes
+// (llmc/cuda/attention_cudnn.cu); LSE_TO_TOKENS converts the first into the second, LSE_TO_ROWS back
+// (attention_lse_layout_cuda; the CPU backend never needs it).
+typedef enum { LSE_TO_TOKENS, LSE_TO_ROWS } LseLayout;
 
 // Blocks of ATT_BLOCK query rows: the work runs at the matrix-product rate and the tiles take
 // O(block x T) memory per thread at any sequence length.

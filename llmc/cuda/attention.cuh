@@ -403,6 +403,31 @@ static void attention_backward_cuda(bf16* dq, bf16* dk, bf16* dv, const bf16* do
     }
 }
 
+// ---- the statistics' layouts (cuDNN's packed examples) ---------------------------------------
+
+// One thread per statistic: lse [B, H, T] to token-major [B*T, H] (LSE_TO_TOKENS) or back (checked
+// by dev/cuda/attention.cu against a plain loop). Threads run along the destination, so
+// its writes are coalesced (the reads stride by T or H: B*H*T floats, a few MiB at most).
+__global__ void attention_lse_layout_kernel(float* dst, const float* __restrict__ src, int B, int H, int T,
+                                            LseLayout to) {
+    int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x, n = (int64_t)B * H * T;
+    if (i >= n) return;
+    if (to == LSE_TO_TOKENS) {  // i = (b*T + t)*H + h
+        int64_t token = i / H, b = token / T, t = token % T, h = i % H;
+        dst[i] = src[(b * H + h) * T + t];
+    } else {  // i = (b*H + h)*T + t
+        int64_t t = i % T, bh = i / T, b = bh / H, h = bh % H;
+        dst[i] = src[(b * T + t) * H + h];
+    }
+}
+
+static void attention_lse_layout_cuda(float* dst, const float* src, int B, int H, int T, LseLayout to,
+                                      cudaStream_t stream) {
+    int64_t n = (int64_t)B * H * T;
+    if (n == 0) return;
+    launch_kernel((unsigned)((n + 255) / 256), 256, 0, stream, attention_lse_layout_kernel, dst, src, B, H, T, to);
+}
+
 // ---- attention against a key/value cache (generation) ----------------------------------------
 
 #define ATT_CACHE_MAX 4096   // keys one call can attend to: the scores live in shared memory

@@ -138,7 +138,10 @@ static size_t attn_gemm_work_bytes(const AttnShape* s, int backward) {
 // scratch. It is an upper estimate, not cuDNN's figure: at run time the built plan's own need
 // is compared with the planned bytes, and a larger one sends the shape to the GEMM path
 // (llmc/ops.h says so in one line). Not yet compared with cuDNN's figure on a GPU.
+// Packed examples (cuDNN's ragged layout) need the same accumulators, sized by the tokens rounded
+// to a tile (attention_cudnn.cu's max_total_seq_len), and past them a token-major copy of the
+// statistics [B*T, H] fp32 (llmc/ops.h converts lse into it and back): a third row statistic.
 static size_t attn_cudnn_work_bound(const AttnShape* s) {
     int64_t t = (s->T + 127) / 128 * 128, bht = (int64_t)s->B * s->H * t;
-    return round_up(3 * bht * s->hd * 4, 256) + round_up(2 * bht * 4, 256) + ((size_t)16 << 20);
+    return round_up(3 * bht * s->hd * 4, 256) + round_up(3 * bht * 4, 256) + ((size_t)16 << 20);
 }

@@ -93,7 +93,7 @@ static void seqpar_plan(SeqPar* sp, MemPlan* p, int lent) {
 
 // The attention's shape on this rank: whole sequences, this rank's heads, every token's position.
 static AttnShape seqpar_attn_shape(const SeqPar* sp) {
-    AttnShape s = {sp->B, sp->T, sp->heads / sp->P, sp->kv_heads * sp->kv_rep / sp->P, sp->hd, 1, sp->pos};
+    AttnShape s = {sp->B, sp->T, sp->heads / sp->P, sp->kv_heads * sp->kv_rep / sp->P, sp->hd, 1, sp->pos, NULL};
     return s;
 }
 

@@ -15,15 +15,21 @@
 # tok/s column is the graph's gain, the measurement that decides LLMC_CUDA_GRAPH's default.
 # Per-tensor gradients against the CPU backend: test_llama_cuda.py's test_cuda_attention_cudnn and
 # test_cuda_attention_paths (gpu_check.sh's whole-model step).
-# Shapes: the demo model at batch 4 x 128 (real data), and a Llama-3-8B-shaped model cut to 2
-# layers (d 4096, 32 heads, 8 kv heads, head dim 128, f 14336, vocab 128256; --random-init, random
-# tokens) at batch 1 x 4096, where the paths' speeds differ. ATTN_COMPARE_STEPS (default 4) steps.
+# Shapes: the demo model at batch 4 x 128 (real data), the same with packed examples (demo-packed:
+# the demo's tokens cut into documents of 3 to 60 tokens, a shard with example starts, so every
+# row packs several documents and attention masks by position; cudnn runs them as cuDNN's ragged
+# layout, LLMC_CUDNN_PACKED=ragged, and a cudnn row whose log says "cudnn refused" FAILS there: it
+# would compare gemm with gemm), and a Llama-3-8B-shaped model cut to 2 layers (d 4096, 32 heads,
+# 8 kv heads, head dim 128, f 14336, vocab 128256; --random-init, random tokens) at batch 1 x 4096,
+# where the paths' speeds differ. ATTN_COMPARE_STEPS (default 4) steps.
 # Prints a markdown table; exits 1 when a path failed or broke a bound.
-# Usage: bash scripts/ci/attention_compare.sh [demo|llama3|all]    (a GPU and the nvcc-built train_llama;
+# Usage: bash scripts/ci/attention_compare.sh [demo|packed|llama3|all, or a comma list: demo,packed]
+#        (a GPU and the nvcc-built train_llama;
 # ATTN_COMPARE_TRAINER=build/emu/train_llama runs the script's logic on the emulator, where cudnn is refused)
 set -u
 cd "$(dirname "$0")/../.." || exit 1
 WHAT=${1:-all}
+wants() { case ",$WHAT," in *,all,* | *,"$1",*) return 0 ;; esac; return 1; }
 STEPS=${ATTN_COMPARE_STEPS:-4}
 TRAIN=${ATTN_COMPARE_TRAINER:-./train_llama}
 D=build/attention_compare
@@ -75,15 +81,35 @@ compare() {
         [ $status = PASS ] && row_loss[$path]=$loss row_gn[$path]=$gn
         grep -a -q 'cuda graph: off' "$log" && verdict="$verdict; $(grep -a -m 1 -o 'cuda graph: off.*' "$log")"
         grep -a -q 'cudnn refused' "$log" && verdict="$verdict; $(grep -a -m 1 -o 'cudnn refused.*' "$log")"
+        if [ "$shape" = demo-packed ] && [ "${path%+graph}" = cudnn ] && grep -a -q 'cudnn refused' "$log"; then
+            verdict="FAIL: packed examples not on cuDNN's ragged path; $verdict"; FAILED=1
+        fi
         echo "| $shape | $path | $status | ${loss:-?} | ${gn:-?} | $rate | $verdict |"
     done
 }
 
-if [ "$WHAT" = all ] || [ "$WHAT" = demo ]; then
+if wants demo; then
     compare demo "$TRAIN" --model data/llama_demo --data data/llama_demo_ft_train.bin --device cuda --batch 4 --seq 128 \
         --lora-rank 8 --lr 1e-3 --seed 5 --steps "$STEPS" --log-every 1
 fi
-if [ "$WHAT" = all ] || [ "$WHAT" = llama3 ]; then
+if wants packed; then
+    # documents of 3..60 tokens (seeded), so micro-batches hold different numbers of documents
+    [ -f "$D/packed.bin" ] || python3 - "$D/packed.bin" <<'PY' || FAILED=1
+import sys
+import numpy as np
+sys.path.insert(0, "scripts/formats")
+import shards
+toks, mask, vocab = shards.read_shard("data/llama_demo_ft_train.bin")[:3]
+lens = np.random.default_rng(7).integers(3, 61, size=toks.size)
+starts = np.zeros(toks.size, np.uint8)
+starts[np.cumsum(lens)[np.cumsum(lens) < toks.size]] = 1
+starts[0] = 1
+shards.write_shard(sys.argv[1], toks.astype(np.uint32), mask, vocab, starts=starts)
+PY
+    compare demo-packed "$TRAIN" --model data/llama_demo --data "$D/packed.bin" --device cuda --batch 4 --seq 128 \
+        --lora-rank 8 --lr 1e-3 --seed 5 --steps "$STEPS" --log-every 1
+fi
+if wants llama3; then
     [ -f "$D/tokens.bin" ] || python3 scripts/bench/bench_data.py tokens "$D/tokens.bin" 128256 $(( (STEPS + 2) * 4097 ))
     compare llama3-8b-2layers "$TRAIN" --model "$D/llama3_2l" --random-init --device cuda --data "$D/tokens.bin" \
         --batch 1 --seq 4096 --lora-rank 16 --lr 1e-4 --seed 5 --steps "$STEPS" --log-every 1

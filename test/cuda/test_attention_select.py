@@ -64,6 +64,17 @@ def test_emulator_refuses_in_one_line(value, message):
     assert "Traceback" not in p.stderr and "Aborted" not in p.stderr
 
 
+@emu_only
+def test_emulator_refuses_an_unknown_packed_mapping_in_one_line():
+    """LLMC_CUDNN_PACKED (cuDNN's ragged layout for packed examples, or gemm) is read where the plan
+    is made, on any CUDA backend: a value that is neither is refused in one line."""
+    p = run([need(EMU_TRAIN)] + DEMO + ["--steps", "1"], check=False, env={"LLMC_CUDNN_PACKED": "thd"})
+    err = p.stderr.strip().splitlines()
+    assert p.returncode != 0 and len(err) == 1 and "LLMC_CUDNN_PACKED=thd: expected ragged or gemm" in err[0], p.stderr
+    ok = run([need(EMU_TRAIN)] + DEMO + ["--steps", "1"], env={"LLMC_CUDNN_PACKED": "gemm"})
+    assert re.search(r"^step +1/1", ok.stdout, re.M), ok.stdout
+
+
 @pytest.mark.skipif(not NVCC, reason="nvcc not found: make builds no CUDA trainer, so there is no cuDNN to find")
 def test_make_says_what_it_found_and_skips_on_request():
     out, v = make_print_cudnn("CUDNN=0")

@@ -161,6 +161,33 @@ if GPU:
         assert e < TOL_EXACT["logits"] and worst < TOL_EXACT["grad"]
 
 
+    def test_cuda_attention_cudnn_packed(models):
+        """Packed examples on cuDNN (LLMC_CUDNN_PACKED=ragged, the default: each document one entry of
+        cuDNN's ragged batch, llmc/attn_docs.h) inside the whole model, against the CPU backend within
+        TOL_EXACT, documents of 1 token, at a row's end, and several in a row among them; GPU only, like
+        test_cuda_attention_cudnn above. Not yet run on a GPU."""
+        d, cp, r, alpha = models["llama3_rope"]
+        case = st_io.load(cp)
+        B, T1 = case["tokens"].shape
+        starts = np.zeros((B, T1 - 1), np.uint8)
+        starts[0, [3, 4, T1 - 2]] = 1  # a 1-token document, and one of the row's last token
+        starts[-1, [2, 7]] = 1
+        case["starts"] = starts
+        pp = cp + ".cudnn_packed"
+        st_io.save(pp, case)
+        want = probe(CPU_PROBE, d, pp, pp + ".cpu", "exact", "std", "none", r, alpha, [], "cpu")
+        out = pp + ".cuda"
+        p = run([need(CUDA_PROBE), "--model", d, "--case", pp, "--out-file", out, "--act", "exact", "--norm", "std",
+                 "--recompute", "none", "--lora-rank", r, "--lora-alpha", repr(float(alpha)), "--device", "cuda"],
+                env={"LLMC_ATTENTION": "cudnn"})
+        assert "packed examples: ragged" in p.stdout and "cudnn refused" not in p.stdout, p.stdout
+        got = st_io.load(out)
+        e = rel_l2(got["logits"], want["logits"])
+        worst = max(rel_l2(got[k], want[k]) for k in want if k.startswith("grad."))
+        print(f"llama3_rope cudnn packed: logits {e:.2e} grads worst {worst:.2e}")
+        assert e < TOL_EXACT["logits"] and worst < TOL_EXACT["grad"]
+
+
 def test_cuda_probe_packed_examples(models):
     """Example starts (positions restart, attention stays inside each example) on CUDA."""
     d, cp, r, alpha = models["gqa_untied"]
@@ -722,6 +749,34 @@ def test_cuda_graph_replays_the_step_bit_for_bit(tmp_path, packed_demo):
               f"({graphs} graphs replaying {replayed} kernels, {replayed_blas} cuBLAS calls), {captures} captures")
         assert graphs == 2 and captures == want_captures and syncs == g_syncs == 1, scale
         assert g_launches - graphs + replayed == launches and g_blas == 0 and replayed_blas == blas, scale
+
+
+def test_cuda_packed_documents_described_on_the_emulator(tmp_path, packed_demo):
+    """LLMC_CUDNN_PACKED=ragged set explicitly makes even the emulator (no cuDNN: attention on gemm)
+    plan, describe and upload each packed micro-batch's documents for cuDNN's ragged path
+    (llama_describe_documents, llmc/attn_docs.h), which gemm ignores: the run must train to the very
+    same adapter as without them, eagerly and under LLMC_CUDA_GRAPH=1 (whose key then holds the
+    documents' count: the micro-batches' counts differ, so graphs are captured again), with the
+    staging and the emulator's race checks covering the extra uploads. cuDNN's use of them needs a
+    GPU (test_cuda_attention_cudnn_packed, attention_compare.sh's demo-packed rows)."""
+    args = ["--steps", 2, "--grad-accum", 2]
+    off = train_on(packed_demo, *args, "--out", tmp_path / "off")
+    want = (tmp_path / "off" / "adapter_model.safetensors").read_bytes()
+    for graph in ("0", "1"):
+        out = tmp_path / f"docs{graph}"
+        p = train_on(packed_demo, *args, "--out", out, env={"LLMC_CUDNN_PACKED": "ragged", "LLMC_CUDA_GRAPH": graph})
+        assert (out / "adapter_model.safetensors").read_bytes() == want, graph
+        assert step_losses(p.stdout) == step_losses(off.stdout), graph
+    if GPU:
+        return
+    # the plan holds the documents' buffer only when asked (the emulator's build has no cuDNN): 3 x (N + 1)
+    # int64 offsets and N int32 lengths at N = 2 x 32 tokens, plus at most the arena's 256-byte alignments
+    def scratch(env):
+        p = run([need(CUDA_TRAIN)] + DEMO + ["--device", "cuda", "--dry-run", "--json"], env=env)
+        return json.loads(p.stdout)["categories"]["scratch"]
+    n = 2 * 32
+    grew = scratch({"LLMC_CUDNN_PACKED": "ragged"}) - scratch({})
+    assert 3 * (n + 1) * 8 + n * 4 <= grew < 3 * (n + 1) * 8 + n * 4 + 2 * 256, grew
 
 
 def test_cuda_graph_refuses_what_a_capture_cannot_hold():

@@ -219,6 +219,13 @@ def planned_chunk(tokens):
     return min(tokens, max(OLD_CHUNK, min(4096, V * D * A // (4 * V) // 64 * 64)))
 
 
+def links_cudnn():
+    """Whether BIN was built with cuDNN (then its attention defaults to cudnn and plans the
+    documents of packed examples: make's "cuDNN found" line)."""
+    dyn = subprocess.run(["readelf", "-d", BIN], capture_output=True, text=True, check=True).stdout
+    return "libcudnn.so" in dyn
+
+
 def scratch_parts(mode, chunk):
     """Every scratch part of the recomputed block's peak but attention's workspace (the attention
     kernels' own, llmc/memory/cuda_workspace.h, sized by their chunking), in bytes at N tokens,
@@ -235,6 +242,9 @@ def scratch_parts(mode, chunk):
         "cublas": 32 << 20,
         "loss": chunk * LOSS_ROW + LOSS_FIXED,
     }
+    if links_cudnn():  # packed examples' documents for cuDNN's ragged attention (llmc/attn_docs.h), a
+        # document per token at most: 3 x (N + 1) int64 offsets and N int32 lengths
+        parts["batch"] += 3 * (N + 1) * 8 + N * 4
     if ms:  # adapters behind an MS norm see gamma * z: per adapter rank x d work, bf16 and fp32, 16-byte aligned
         parts["lora"] = R * D * A + R * A + R * D * 4 + R * 4
     return parts
