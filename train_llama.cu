@@ -123,6 +123,9 @@ typedef struct {
     void* lora_norm_work;  // MS norms, --ms-lora exact: the adapters' scratch (llmc/linear.h), else NULL
     LoraDropout drop;      // --lora-dropout: the masks' key and the adapters' input scratch (llmc/lora_dropout.h)
     void* drop_work;
+    LoraDropoutAt* drop_at;    // CUDA: the masks' step and first row, uploaded with each micro-batch and read by
+    LoraDropoutAt* h_drop_at;  // the dropout kernels (NULL: kernel arguments, on the CPU and with LLMC_DROPOUT_KEY=args)
+    int planted_stale_key;     // LLMC_FAULT_DROPOUT_KEY=1 (test/cuda/test_llama_cuda.py): see llama_upload_batch
     int *inputs, *targets; // on the backend
     int *embed_order, *h_embed_order;  // --full: the batch's positions sorted by token (embedding_token_order)
     int* pos;              // position of each token within its (packed) example
@@ -424,6 +427,8 @@ static void llama_plan_scratch(Llama* m, MemPlan* p) {
             if ((md->targets >> t & 1) && n > largest) largest = n;
         }
         plan_add(p, MEM_SCRATCH, "lora", -1, "lora_dropout_input", largest * abytes, &m->drop_work);
+        if (be->cuda && !backend_switch_is("LLMC_DROPOUT_KEY", "args"))
+            plan_add(p, MEM_SCRATCH, "batch", -1, "dropout_key", sizeof(LoraDropoutAt), &m->drop_at);
     }
     AttnShape as = {m->B, m->T, c->heads, c->kv_heads, c->head_dim, 1, NULL, NULL};
     if (m->sp.P > 1) as = seqpar_attn_shape(&m->sp);  // whole sequences, this rank's heads
@@ -497,6 +502,7 @@ static void llama_bind(Llama* m) {
     }
     trainable_bind_host(&m->tr);
     lora_dropout_init(&m->drop, m->modes.lora_dropout, m->modes.seed, m->drop_work);
+    m->drop.at = m->drop_at;
     int64_t off = 0, r = m->modes.rank, d = c->dim, V = c->vocab;
     if (m->modes.full) {  // arena: embedding, head (untied), final norm, then block by block
         m->h_embed = trainable_bind_tensor(&m->tr, &off, V * d, &m->embed, &m->dembed, NULL);
@@ -561,6 +567,12 @@ static void llama_bind(Llama* m) {
         m->h_grad_scale = (float*)backend_host_side(m->be, m->grad_scale, sizeof(float));
         m->h_grad_scale[0] = 0.0f;
         batch_bytes += staging_align(sizeof(float));
+    }
+    if (m->drop_at) {
+        m->h_drop_at = (LoraDropoutAt*)backend_host_side(m->be, m->drop_at, sizeof(LoraDropoutAt));
+        memset(m->h_drop_at, 0, sizeof(LoraDropoutAt));
+        batch_bytes += staging_align(sizeof(LoraDropoutAt));
+        m->planted_stale_key = backend_switch_is("LLMC_FAULT_DROPOUT_KEY", "1");
     }
     staging_init(&m->staging, m->be, batch_bytes, m->micro_batches);
 }
@@ -653,6 +665,14 @@ static void llama_upload_batch(Llama* m, int64_t n) {
     if (m->pos_restarts && m->docs_buf) llama_upload_documents(m, s, n);
     if (m->sp.P > 1) staging_upload(s, m->sp.pos, m->sp.h_pos, sizeof(int) * m->sp.N);  // every token's position
     if (m->grad_scale) staging_upload(s, m->grad_scale, m->h_grad_scale, sizeof(float));  // the step's (train)
+    if (m->drop_at) {  // --lora-dropout: the masks' step and first row as m->drop holds them now (train)
+        m->h_drop_at->step = m->drop.step;
+        m->h_drop_at->row0 = m->drop.row0;
+        // the planted bug of a stale key (test/cuda/test_llama_cuda.py): the second step's first
+        // micro-batch not uploaded, so its kernels draw the masks of the micro-batch before
+        int planted = m->planted_stale_key && m->drop.step == 1 && m->drop.row0 == 0;
+        if (!planted) staging_upload(s, m->drop_at, m->h_drop_at, sizeof(LoraDropoutAt));
+    }
     if (m->embed_order) {
         embedding_token_order(m->h_embed_order, m->h_inputs, n);
         staging_upload(s, m->embed_order, m->h_embed_order, sizeof(int) * n);
@@ -700,6 +720,7 @@ static void llama_free(Llama* m) {
         if (m->sp.h_pos) backend_free_host_side(m->be, m->sp.h_pos);
         if (m->h_docs_buf) backend_free_host_side(m->be, m->h_docs_buf);
         if (m->h_grad_scale) backend_free_host_side(m->be, m->h_grad_scale);
+        if (m->h_drop_at) backend_free_host_side(m->be, m->h_drop_at);
         op_detach_matmul_workspace(m->be, m->blas_work);
 #ifdef LLMC_HAVE_CUDA
         if (m->be->cuda) cuda_graph_free(&m->graph);
@@ -1051,20 +1072,21 @@ static void llama_mlp_backward_tile(Llama* m, const LlamaLayer* layer, BlockActs
 // Which tiles the MLP's forward or backward of block l makes: the forward over the rows of x (the
 // residual stream after attention [N, d]); the backward from m->dres, after recomputing each
 // tile's forward from x first where x is given (--recompute block; NULL: the forward's buffers are
-// kept). --lora-dropout's masks follow each token's row in the batch, whatever its tile.
+// kept). --lora-dropout's masks follow each token's row in the batch, whatever its tile (the
+// tile's first row an offset of the shape, row_off, beside the micro-batch's row0).
 typedef enum { MLP_FORWARD, MLP_BACKWARD } MlpPass;
 static void llama_mlp_tiles(Llama* m, int l, MlpPass pass, void* x, const BlockActs* a, int64_t N) {
     const LlamaLayer* layer = &m->layers[l];
-    int64_t row0 = m->drop.row0, row_bytes = (int64_t)m->cfg.dim * m->be->abytes;
+    int64_t row_bytes = (int64_t)m->cfg.dim * m->be->abytes;
     for (int64_t t0 = 0; t0 < N; t0 += m->mlp_tile) {
         int64_t n = N - t0 < m->mlp_tile ? N - t0 : m->mlp_tile;
         BlockActs t = llama_mlp_tile_acts(m, a, t0);
-        m->drop.row0 = row0 + t0;
+        m->drop.row_off = t0;
         if (x) llama_mlp_forward_tile(m, layer, (char*)x + t0 * row_bytes, &t, n);
         if (pass == MLP_BACKWARD)
             llama_mlp_backward_tile(m, layer, &t, (char*)m->dres + t0 * row_bytes, (char*)m->dz + t0 * row_bytes, n);
     }
-    m->drop.row0 = row0;
+    m->drop.row_off = 0;
 }
 
 // What block_forward runs: the whole block, or (--recompute block) its attention half, whose
@@ -1247,6 +1269,10 @@ static LossStats llama_forward_backward(Llama* m, int B, int T, float grad_scale
     if (backward && m->h_grad_scale && m->h_grad_scale[0] != grad_scale)  // the kernels would read another
         fail("internal: the loss scale uploaded with the batch (%g) is not this pass's (%g): llama_set_loss_scale "
              "before llama_upload_batch", m->h_grad_scale[0], grad_scale);
+    if (m->drop.active && m->h_drop_at && (m->h_drop_at->step != m->drop.step || m->h_drop_at->row0 != m->drop.row0))
+        fail("internal: the dropout key uploaded with the batch (step %llu, row %lld) is not this pass's (step %llu, "
+             "row %lld): the step and row0 before llama_upload_batch", (unsigned long long)m->h_drop_at->step,
+             (long long)m->h_drop_at->row0, (unsigned long long)m->drop.step, (long long)m->drop.row0);
     int64_t N = (int64_t)B * T;
     const LlamaConfig* c = &m->cfg;
     llama_forward_blocks(m, B, T, NULL);
@@ -1269,7 +1295,7 @@ static LossStats llama_forward_backward(Llama* m, int B, int T, float grad_scale
 // one line): what the micro-batch holds that no capture can (llmc/cuda/graph.cuh).
 static void llama_graph_decide(Llama* m, const Dist* dist) {
     GraphHazards h = {!m->be->stream, !trainable_step_stats(&m->tr), dist_sums_grads(dist) || m->sp.P > 1,
-                      m->modes.offload_host, m->drop_work != NULL};
+                      m->modes.offload_host, m->drop_work && !m->drop_at};
     if (m->be->cuda) cuda_graph_decide(&m->graph, &h, !dist || dist->rank == 0);
     m->graph.decided = 1;
 }
@@ -1279,7 +1305,8 @@ static void llama_graph_decide(Llama* m, const Dist* dist) {
 // documents and their sequence dimension, which pick cuDNN's plan); the loss scale, where it is a
 // kernel argument (LLMC_LOSS_SCALE=args; by default the kernels read it from device memory); the GEMM
 // attention path's pointer tables are a host-side cache (a rebuild since the capture means the
-// captured work assumes other contents).
+// captured work assumes other contents). --lora-dropout's key is not in it: its per-micro-batch
+// part is read from device memory (m->drop_at; under LLMC_DROPOUT_KEY=args the graph is refused).
 static CudaGraphKey llama_graph_key(const Llama* m, int B, int T, float grad_scale) {
     CudaGraphKey k;
     memset(&k, 0, sizeof(k));
@@ -1369,9 +1396,10 @@ static StepResult llama_train_step(Llama* m, TextLoader* loader, const TrainOpti
         if (k == K - 1) trainable_buckets_begin(&m->tr, dist);  // the last backward sends buckets as they finish
         int64_t first = seqpar_slice(&m->sp, in_all + k * N, tg_all + k * N, mk_all + k * N, pos_all + k * N,
                                      m->h_inputs, m->h_targets, m->h_mask, m->h_pos);
-        llama_upload_batch(m, n);
-        // dropout is keyed by the global token: the slice's first row in the step's batch
+        // dropout is keyed by the global token: the slice's first row in the step's batch (uploaded
+        // with the batch where the kernels read it from device memory)
         m->drop.row0 = lora_dropout_row0(k, dist_dp_rank(dist), dist_dp_world(dist), N) + first;
+        llama_upload_batch(m, n);
         m->drop.active = 1;  // training only: evaluation and generation see the adapters' whole input
         // on CUDA the loss stays on the device until the step's one readback (llmc/train/zero.h)
         LossStats st = llama_train_micro_batch(m, B, m->T, scale, trainable_step_stats(&m->tr));

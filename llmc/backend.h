@@ -41,9 +41,12 @@ typedef struct {
 //   LLMC_ADAMW_STEP=args     AdamW's learning rate and bias corrections and clipping's factor as kernel
 //                            arguments instead of read from device memory (trainable_adamw_step,
 //                            llmc/train/trainable.h)
-//   LLMC_LOSS_SCALE=args     the loss's gradient scale (1 / the step's target tokens) as a kernel argument
-//                            instead of read from device memory, uploaded with each micro-batch
-//                            (train_llama.cu; a CUDA graph is then captured again when it changes)
+//   LLMC_LOSS_SCALE=args     the loss's gradient scale (1 / the step's target tokens or images) as a kernel
+//                            argument instead of read from device memory, uploaded with each micro-batch
+//                            (train_llama.cu, train_vit.cu; a CUDA graph is then captured again when it changes)
+//   LLMC_DROPOUT_KEY=args    --lora-dropout's optimizer step and first row as kernel arguments instead of read
+//                            from device memory, uploaded with each micro-batch (llmc/cuda/linear.cuh's
+//                            DropoutOrigin; a CUDA graph is then refused: the key changes every micro-batch)
 static int backend_switch_is(const char* var, const char* old) {
     const char* e = getenv(var);
     return e && strcmp(e, old) == 0;

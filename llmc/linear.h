@@ -150,12 +150,16 @@ static int lora_dropout_on(const Linear* L) { return L->drop && L->drop->active;
 static uint64_t lora_dropout_layer_key(const Linear* L) {
     return lora_dropout_key(L->drop->seed, L->drop->step, L->drop_id);
 }
+// The stream position of the layer's first input element: its first row in the step's batch.
+static uint64_t lora_dropout_layer_e0(const Linear* L) {
+    return (uint64_t)(L->drop->row0 + L->drop->row_off) * L->in;
+}
 
-// xa [N, in] = dropout(u) for the micro-batch's rows (global rows row0..). CPU kernel.
+// xa [N, in] = dropout(u) for the micro-batch's rows (global rows row0 + row_off..). CPU kernel.
 static void lora_dropout_input(float* xa, const float* x, const Linear* L, int64_t N) {
     const LoraDropout* d = L->drop;
     const float *gamma = (const float*)L->norm_gamma, *beta = (const float*)L->norm_beta;
-    uint64_t key = lora_dropout_layer_key(L), e0 = (uint64_t)d->row0 * L->in;
+    uint64_t key = lora_dropout_layer_key(L), e0 = lora_dropout_layer_e0(L);
     int in = L->in;
 #pragma omp parallel for schedule(static) if (N * in > 32768)
     for (int64_t n = 0; n < N; n++)
@@ -171,7 +175,7 @@ static void lora_dropout_input(float* xa, const float* x, const Linear* L, int64
 static void lora_dropout_input_backward(float* dx, const float* t, const Linear* L, int64_t N) {
     const LoraDropout* d = L->drop;
     const float* gamma = (const float*)L->norm_gamma;
-    uint64_t key = lora_dropout_layer_key(L), e0 = (uint64_t)d->row0 * L->in;
+    uint64_t key = lora_dropout_layer_key(L), e0 = lora_dropout_layer_e0(L);
     int in = L->in;
 #pragma omp parallel for schedule(static) if (N * in > 32768)
     for (int64_t n = 0; n < N; n++)

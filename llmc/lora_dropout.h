@@ -38,9 +38,18 @@ DROP_HD int lora_dropout_keep(uint64_t key, uint64_t e, uint32_t threshold) {
     return (uint32_t)(dropout_mix64(key + (e + 1) * 0x9E3779B97F4A7C15ull) >> 32) >= threshold;
 }
 
+// What of the key changes between micro-batches (the optimizer step and the micro-batch's first
+// row), as the CUDA kernels read it from device memory: uploaded with each micro-batch's batch, so
+// that a captured CUDA graph replays with fresh masks (llmc/cuda/graph.cuh; LLMC_DROPOUT_KEY=args
+// passes them as kernel arguments instead, and the graph is refused).
+typedef struct {
+    uint64_t step;
+    int64_t row0;
+} LoraDropoutAt;
+
 // The run's dropout state, shared by every adapted linear of a model (Linear.drop points here).
-// The trainer sets step and row0 before each training micro-batch and active = 1 around its
-// forward and backward only; evaluation and generation leave it 0.
+// The trainer sets step and row0 before each training micro-batch (before its upload, where `at`
+// is used) and active = 1 around its forward and backward only; evaluation and generation leave it 0.
 typedef struct {
     float p;               // --lora-dropout; 0: off (no state is bound)
     uint32_t threshold;    // floor(p * 2^32)
@@ -48,6 +57,9 @@ typedef struct {
     uint64_t seed;
     uint64_t step;         // the optimizer step (0-based, the same after --resume)
     int64_t row0;          // first row (token or image token) of this micro-batch in the step's batch
+    int64_t row_off;       // rows of the micro-batch before the one the layer sees (an MLP tile's
+                           // first; 0 elsewhere): fixed by the shape, so a kernel argument always
+    const LoraDropoutAt* at;  // CUDA: step and row0 in device memory, read by the kernels (NULL: arguments)
     int active;
     void* work;            // scratch [rows, widest adapted input] (activation type): the adapter's input
 } LoraDropout;
@@ -60,6 +72,8 @@ static void lora_dropout_init(LoraDropout* d, float p, uint64_t seed, void* work
     d->seed = seed;
     d->step = 0;
     d->row0 = 0;
+    d->row_off = 0;
+    d->at = NULL;
     d->active = 0;
     d->work = work;
 }

@@ -767,13 +767,16 @@ static void op_linear_f32_backward(const Backend* be, float* dx, float* dW, floa
 // the host; CUDA synchronises once); dlogits [rows, V] = grad_scale * (softmax - onehot) when
 // grad. logits are left as they are. step_stats (CUDA, or NULL): loss, count and correct are added
 // there on the device instead (LossStats' order; a trainer's step reads them back once).
+// grad_scale_at (CUDA device memory [1], or NULL): the same scale as the kernel reads it, so that a
+// CUDA graph need not change with it (LmHeadCall.grad_scale_at's twin).
 static void op_softmax_ce_rows(const Backend* be, float* dlogits, const float* logits, const int* targets, int64_t rows,
                                int V, float grad_scale, int grad, const CeBuffers* cb, LossStats* st,
-                               double* step_stats) {
+                               double* step_stats, const float* grad_scale_at) {
 #ifdef LLMC_HAVE_CUDA
     if (be->cuda) {
         CUDA_CHECK(cudaMemsetAsync(cb->stats, 0, 3 * sizeof(double), be->stream));
-        softmax_ce_rows_cuda(dlogits, cb->row_stats, logits, targets, NULL, rows, V, grad_scale, grad, be->stream);
+        softmax_ce_rows_cuda(dlogits, cb->row_stats, logits, targets, NULL, rows, V, grad_scale, grad, be->stream,
+                             grad_scale_at);
         loss_stats_accumulate_cuda(cb->stats, cb->row_stats, rows, be->stream);
         if (step_stats) { loss_stats_fold_cuda(step_stats, cb->stats, 3, be->stream); return; }
         double h[3];
@@ -785,6 +788,6 @@ static void op_softmax_ce_rows(const Backend* be, float* dlogits, const float* l
         return;
     }
 #endif
-    (void)cb; (void)step_stats;
+    (void)cb; (void)step_stats; (void)grad_scale_at;
     softmax_ce_rows(dlogits, logits, targets, rows, V, grad_scale, grad, st);
 }

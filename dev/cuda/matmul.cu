@@ -112,6 +112,8 @@ static void test_lora_norm_kernels(int rank, int in, int with_beta, Rng* rng) {
 // The two kernels of LoRA dropout (--lora-dropout) against their twins in llmc/linear.h: the same
 // hash decides the same elements and the arithmetic is the same fp32 (fmaf, one multiply), so the
 // adapter input and the accumulated dx are equal bit for bit once the CPU's fp32 is rounded to bf16.
+// Both forms of the key: as kernel arguments (LLMC_DROPOUT_KEY=args) and with the step and first row
+// read from device memory (a CUDA graph's form, the default), the layer at an MLP tile's offset.
 static void test_lora_dropout_kernels(int64_t N, int in, int norm, float p, Rng* rng) {
     int64_t n = N * in;
     float *x = host_randn(n, rng, 1.0f, 1), *t = host_randn(n, rng, 1.0f, 1), *dx0 = host_randn(n, rng, 1.0f, 1);
@@ -120,6 +122,7 @@ static void test_lora_dropout_kernels(int64_t N, int in, int norm, float p, Rng*
     lora_dropout_init(&d, p, 99, NULL);
     d.step = 12;
     d.row0 = 7 * N;
+    d.row_off = 3;  // an MLP tile's first row (train_llama.cu's llama_mlp_tiles)
     d.active = 1;
     Linear L, G;
     memset(&L, 0, sizeof(L));
@@ -144,7 +147,7 @@ static void test_lora_dropout_kernels(int64_t N, int in, int norm, float p, Rng*
     lora_dropout_input_cuda(d_xa, d_x, &G, N, g_stream);
     lora_dropout_input_backward_cuda(d_dx, d_t, &G, N, g_stream);
     float *gxa = download_bf16(d_xa, n), *gdx = download_bf16(d_dx, n);
-    char tag[96], name[160];
+    char tag[96], name[192];
     snprintf(tag, sizeof(tag), "p=%g N=%lld in=%d%s", p, (long long)N, in,
              norm == 1   ? " behind RMSNorm"
              : norm == 2 ? " behind LayerNorm"
@@ -153,9 +156,28 @@ static void test_lora_dropout_kernels(int64_t N, int in, int norm, float p, Rng*
     check_equal_f32(name, gxa, xa, n);
     snprintf(name, sizeof(name), "lora_dropout_input_backward (accumulated), %s", tag);
     check_equal_f32(name, gdx, dx, n);
+    // the step and first row read from device memory; the host's copies set wrong, so that only the
+    // memory can give these masks
+    LoraDropoutAt at = {d.step, d.row0};
+    LoraDropout dm = d;
+    dm.at = (const LoraDropoutAt*)upload(&at, sizeof(at));
+    dm.step = 0;
+    dm.row0 = -1;
+    Linear GM = G;
+    lora_dropout_bind(&GM, &dm, 5);
+    upload_bf16_to(d_dx, dx0, n);
+    dev_poison(d_xa, 2 * n);
+    lora_dropout_input_cuda(d_xa, d_x, &GM, N, g_stream);
+    lora_dropout_input_backward_cuda(d_dx, d_t, &GM, N, g_stream);
+    float *mxa = download_bf16(d_xa, n), *mdx = download_bf16(d_dx, n);
+    snprintf(name, sizeof(name), "lora_dropout_input, key from device memory, %s", tag);
+    check_equal_f32(name, mxa, xa, n);
+    snprintf(name, sizeof(name), "lora_dropout_input_backward (accumulated), key from device memory, %s", tag);
+    check_equal_f32(name, mdx, dx, n);
+    CUDA_CHECK(cudaFree((void*)dm.at));
     CUDA_CHECK(cudaFree(d_x)); CUDA_CHECK(cudaFree(d_t)); CUDA_CHECK(cudaFree(d_dx)); CUDA_CHECK(cudaFree(d_xa));
     CUDA_CHECK(cudaFree(d_gamma)); CUDA_CHECK(cudaFree(d_beta));
-    free(x); free(t); free(dx0); free(gamma); free(beta); free(xa); free(dx); free(gxa); free(gdx);
+    free(x); free(t); free(dx0); free(gamma); free(beta); free(xa); free(dx); free(gxa); free(gdx); free(mxa); free(mdx);
 }
 
 // drop_p > 0: training with LoRA dropout (the adapter reads dropout(gamma*x + beta), both sides

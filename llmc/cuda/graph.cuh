@@ -53,7 +53,8 @@ typedef struct {
     int readback_each;   // each micro-batch's loss is read back (LLMC_STEP_READBACK=each)
     int crosses_ranks;   // collectives inside the backward (gradient buckets, sequence slices)
     int second_stream;   // copies on a second stream ordered by events (--offload host)
-    int dropout;         // LoRA dropout's key changes every micro-batch (a kernel argument)
+    int dropout;         // LoRA dropout's key, which changes every micro-batch, is a kernel argument
+                         // (LLMC_DROPOUT_KEY=args; by default the kernels read it from device memory)
 } GraphHazards;
 
 // Why the piece cannot be one CUDA graph, or NULL.
@@ -65,7 +66,8 @@ static const char* cuda_graph_refusal(const GraphHazards* h) {
     if (h->crosses_ranks)
         return "gradients or sequence slices cross ranks inside the backward (collectives, a second stream)";
     if (h->second_stream) return "--offload host: block inputs travel on a second stream, ordered by events";
-    if (h->dropout) return "--lora-dropout: the masks' key changes every micro-batch (a kernel argument)";
+    if (h->dropout)
+        return "--lora-dropout with LLMC_DROPOUT_KEY=args: the masks' key changes every micro-batch (a kernel argument)";
     return NULL;
 }
 

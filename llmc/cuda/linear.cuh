@@ -44,11 +44,37 @@ static void lora_norm_grad_cuda(float* dA, const float* G, const bf16* gamma, co
                   rank, in);
 }
 
+// Where a layer's masks start: the key and the stream position of its first element. Given as
+// arguments (key, e0; LLMC_DROPOUT_KEY=args), or formed by the kernel from the micro-batch's step
+// and first row in device memory (at, uploaded with the batch: llmc/lora_dropout.h) and what is
+// fixed for the run and the shape (seed, the layer's id, an MLP tile's row offset), so that a
+// captured CUDA graph draws each micro-batch's own masks. The same mixing either way: the same bits.
+struct DropoutOrigin {
+    uint64_t key, e0;         // the arguments' form (at NULL)
+    const LoraDropoutAt* at;  // device memory, or NULL
+    uint64_t seed;
+    int64_t row_off;
+    uint32_t id;
+};
+static DropoutOrigin lora_dropout_origin(const Linear* L) {
+    const LoraDropout* d = L->drop;
+    DropoutOrigin o = {0, 0, d->at, d->seed, d->row_off, L->drop_id};
+    if (!d->at) { o.key = lora_dropout_layer_key(L); o.e0 = lora_dropout_layer_e0(L); }
+    return o;
+}
+__device__ static inline void dropout_origin_resolve(const DropoutOrigin& o, int in, uint64_t* key, uint64_t* e0) {
+    if (!o.at) { *key = o.key; *e0 = o.e0; return; }
+    *key = lora_dropout_key(o.seed, o.at->step, o.id);
+    *e0 = (uint64_t)(o.at->row0 + o.row_off) * (uint64_t)in;
+}
+
 // xa = bf16(dropout(u)), u = fmaf(gamma, x, beta) in fp32 (x alone without a norm): the
 // adapter's input under --lora-dropout. Twin of lora_dropout_input.
 __global__ void lora_dropout_input_kernel(bf16* __restrict__ xa, const bf16* __restrict__ x,
-                                          const bf16* __restrict__ gamma, const bf16* __restrict__ beta, uint64_t key,
-                                          uint64_t e0, uint32_t threshold, float scale, int64_t n, int in) {
+                                          const bf16* __restrict__ gamma, const bf16* __restrict__ beta,
+                                          DropoutOrigin origin, uint32_t threshold, float scale, int64_t n, int in) {
+    uint64_t key, e0;
+    dropout_origin_resolve(origin, in, &key, &e0);
     for (int64_t i = thread_index_1d(); i < n; i += grid_stride_1d()) {
         int j = (int)(i % in);
         float u = gamma ? fmaf(bf2f(gamma[j]), bf2f(x[i]), beta ? bf2f(beta[j]) : 0.0f) : bf2f(x[i]);
@@ -59,15 +85,16 @@ static void lora_dropout_input_cuda(bf16* xa, const bf16* x, const Linear* L, in
     const LoraDropout* d = L->drop;
     int64_t n = N * L->in;
     launch_kernel(grid_for(n, 256), 256, 0, stream, lora_dropout_input_kernel, xa, x, (const bf16*)L->norm_gamma,
-                  (const bf16*)L->norm_beta, lora_dropout_layer_key(L), (uint64_t)d->row0 * L->in, d->threshold,
-                  d->scale, n, L->in);
+                  (const bf16*)L->norm_beta, lora_dropout_origin(L), d->threshold, d->scale, n, L->in);
 }
 
 // dx += bf16(keep * scale * gamma * t), t = dax A (bf16): the input gradient through the dropout.
 // Twin of lora_dropout_input_backward.
 __global__ void lora_dropout_input_backward_kernel(bf16* dx, const bf16* __restrict__ t, const bf16* __restrict__ gamma,
-                                                   uint64_t key, uint64_t e0, uint32_t threshold, float scale,
-                                                   int64_t n, int in) {
+                                                   DropoutOrigin origin, uint32_t threshold, float scale, int64_t n,
+                                                   int in) {
+    uint64_t key, e0;
+    dropout_origin_resolve(origin, in, &key, &e0);
     for (int64_t i = thread_index_1d(); i < n; i += grid_stride_1d())
         if (lora_dropout_keep(key, e0 + (uint64_t)i, threshold))
             dx[i] = f2bf(fmaf(bf2f(t[i]) * scale, gamma ? bf2f(gamma[i % in]) : 1.0f, bf2f(dx[i])));
@@ -76,8 +103,7 @@ static void lora_dropout_input_backward_cuda(bf16* dx, const bf16* t, const Line
     const LoraDropout* d = L->drop;
     int64_t n = N * L->in;
     launch_kernel(grid_for(n, 256), 256, 0, stream, lora_dropout_input_backward_kernel, dx, t,
-                  (const bf16*)L->norm_gamma, lora_dropout_layer_key(L), (uint64_t)d->row0 * L->in, d->threshold,
-                  d->scale, n, L->in);
+                  (const bf16*)L->norm_gamma, lora_dropout_origin(L), d->threshold, d->scale, n, L->in);
 }
 
 // LLMC_LORA_FUSED: 1 (the default) runs the adapter's output product first and lets the frozen

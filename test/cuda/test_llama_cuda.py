@@ -779,6 +779,55 @@ def test_cuda_packed_documents_described_on_the_emulator(tmp_path, packed_demo):
     assert 3 * (n + 1) * 8 + n * 4 <= grew < 3 * (n + 1) * 8 + n * 4 + 2 * 256, grew
 
 
+def step_grad_norms(out):
+    return [float(x) for x in re.findall(r"^step +\d+/\d+ \|.*\| grad norm ([0-9.]+)", out, re.M)]
+
+
+def test_cuda_graph_with_lora_dropout_replays_the_step_bit_for_bit(tmp_path, packed_demo):
+    """--lora-dropout under LLMC_CUDA_GRAPH=1: the masks' key mixes the optimizer step and the
+    micro-batch's first row, which the dropout kernels read from device memory uploaded with each
+    micro-batch (llmc/cuda/linear.cuh's DropoutOrigin), so one graph serves every micro-batch with
+    its own masks. Against the eager step, 3 steps of 2 micro-batches: the adapter, the printed
+    losses and gradient norms must be the very same bits, no step after the first captures, and the
+    counts add up as without dropout. The planted stale key (LLMC_FAULT_DROPOUT_KEY=1: the second
+    step's first micro-batch leaves the key of the micro-batch before in device memory) must change
+    the second step's loss and the adapter, which shows that the comparison sees stale masks. Under
+    LLMC_DROPOUT_KEY=args (the key a kernel argument) the graph is refused in one line and the run
+    trains eagerly to the same bits (bit-identical to the device form)."""
+    args = ["--steps", 3, "--grad-accum", 2, "--profile", "--lora-dropout", 0.1]
+    off = train_on(packed_demo, *args, "--out", tmp_path / "off")
+    want = (tmp_path / "off" / "adapter_model.safetensors").read_bytes()
+    on = train_on(packed_demo, *args, "--out", tmp_path / "on", env={"LLMC_CUDA_GRAPH": "1"})
+    assert "cuda graph: on" in on.stdout, on.stdout[-1500:]
+    assert (tmp_path / "on" / "adapter_model.safetensors").read_bytes() == want
+    assert len(step_losses(on.stdout)) == 3 and step_losses(on.stdout) == step_losses(off.stdout)
+    assert len(step_grad_norms(on.stdout)) == 3 and step_grad_norms(on.stdout) == step_grad_norms(off.stdout)
+    stale = train_on(packed_demo, *args, "--out", tmp_path / "stale",
+                     env={"LLMC_CUDA_GRAPH": "1", "LLMC_FAULT_DROPOUT_KEY": "1"})
+    assert (tmp_path / "stale" / "adapter_model.safetensors").read_bytes() != want
+    assert step_losses(stale.stdout)[0] == step_losses(off.stdout)[0]  # the first step's masks were right
+    assert step_losses(stale.stdout)[1] != step_losses(off.stdout)[1]
+    refused = train_on(packed_demo, *args, "--out", tmp_path / "args", env={"LLMC_CUDA_GRAPH": "1", "LLMC_DROPOUT_KEY": "args"})
+    lines = [l for l in refused.stdout.splitlines() if l.startswith("cuda graph:")]
+    assert lines == ["cuda graph: off: --lora-dropout with LLMC_DROPOUT_KEY=args: the masks' key changes every "
+                     "micro-batch (a kernel argument) (LLMC_CUDA_GRAPH=1 refused; eager launches)"], refused.stdout[-1500:]
+    assert (tmp_path / "args" / "adapter_model.safetensors").read_bytes() == want
+    assert step_losses(refused.stdout) == step_losses(off.stdout)
+    if GPU:
+        return
+    launches, blas, syncs = per_step_counts(off.stdout)
+    assert per_step_counts(refused.stdout) == (launches, blas, syncs)
+    g_launches, g_blas, g_syncs = per_step_counts(on.stdout)
+    m = re.search(GRAPH_LINE, on.stdout, re.M)
+    assert m, on.stdout[-1500:]
+    graphs, replayed, replayed_blas, captures = int(m.group(1)), int(m.group(2)), int(m.group(3)), float(m.group(4))
+    print(f"per step with dropout: eager {launches} launches, {blas} cuBLAS calls, {syncs} host syncs; graph "
+          f"{g_launches} launches ({graphs} graphs replaying {replayed} kernels, {replayed_blas} cuBLAS calls), "
+          f"{g_blas} cuBLAS calls, {g_syncs} host syncs, {captures} captures")
+    assert graphs == 2 and captures == 0 and syncs == g_syncs == 1
+    assert g_launches - graphs + replayed == launches and g_blas == 0 and replayed_blas == blas
+
+
 def test_cuda_graph_refuses_what_a_capture_cannot_hold():
     """Under LLMC_STEP_READBACK=each every micro-batch reads its loss back (a copy to pageable memory
     and a host synchronisation), which no capture can hold: LLMC_CUDA_GRAPH=1 is refused in one line

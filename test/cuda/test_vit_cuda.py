@@ -233,7 +233,10 @@ def test_step_has_one_host_sync_and_the_old_paths_train_the_same(tmp_path):
     optimizer step over 2 micro-batches (LLMC_ATTENTION=flash: the GEMM attention path still copies
     pointer arrays from pageable memory), and the old paths (legacy stream, synchronous uploads,
     per-micro-batch readback, AdamW's step values as kernel arguments: llmc/backend.h) train to the
-    same adapter bit for bit, and so does the CUDA graph of each micro-batch (LLMC_CUDA_GRAPH=1)."""
+    same adapter bit for bit, and so does the CUDA graph of each micro-batch (LLMC_CUDA_GRAPH=1), with
+    the loss scale read from device memory (the default: the second step replays the first's graph
+    without a capture) and as a kernel argument (LLMC_LOSS_SCALE=args; the ViT's scale is fixed, so
+    that graph is not captured again either)."""
     args = ["--steps", 2, "--grad-accum", 2, "--profile"]  # the first step is a warm-up: one counted
     flash = {"LLMC_ATTENTION": "flash"}
     new = train(CUDA_TRAIN, "cuda", *args, "--out", tmp_path / "new", env=flash)
@@ -246,16 +249,64 @@ def test_step_has_one_host_sync_and_the_old_paths_train_the_same(tmp_path):
         assert (tmp_path / "old" / f).read_bytes() == (tmp_path / "new" / f).read_bytes(), f
     # each micro-batch's forward + backward as one CUDA graph (LLMC_CUDA_GRAPH=1): the same bits, and
     # the launches outside the graphs plus what the graphs replayed are the eager step's
-    g = train(CUDA_TRAIN, "cuda", *args, "--out", tmp_path / "graph", env=dict(flash, LLMC_CUDA_GRAPH="1"))
-    assert step_losses(g.stdout) == step_losses(new.stdout)
-    for f in ("adapter_model.safetensors", "train_state.bin"):
-        assert (tmp_path / "graph" / f).read_bytes() == (tmp_path / "new" / f).read_bytes(), f
-    c = re.search(r"^per step: (\d+) kernel launches, (\d+) cuBLAS calls, (\d+) host synchronizations$", g.stdout, re.M)
+    for scale in ("device", "args"):
+        out = tmp_path / f"graph_{scale}"
+        g = train(CUDA_TRAIN, "cuda", *args, "--out", out, env=dict(flash, LLMC_CUDA_GRAPH="1", LLMC_LOSS_SCALE=scale))
+        assert step_losses(g.stdout) == step_losses(new.stdout), scale
+        for f in ("adapter_model.safetensors", "train_state.bin"):
+            assert (out / f).read_bytes() == (tmp_path / "new" / f).read_bytes(), (scale, f)
+        check_graph_counts(g.stdout, m)
+
+
+def check_graph_counts(out, eager):
+    """--profile of a run with LLMC_CUDA_GRAPH=1 against the eager run's per-step line (a match):
+    2 graphs per step, none captured after the first step, every product inside them, one host
+    synchronisation, and the launches outside the graphs plus what they replayed the eager step's."""
+    c = re.search(r"^per step: (\d+) kernel launches, (\d+) cuBLAS calls, (\d+) host synchronizations$", out, re.M)
     r = re.search(r"^per step: (\d+) of those launches are CUDA graphs, replaying (\d+) kernel launches and (\d+) cuBLAS "
-                  r"calls; [0-9.]+ graph captures$", g.stdout, re.M)
-    assert c and r, g.stdout[-1500:]
-    assert int(r.group(1)) == 2 and int(c.group(3)) == 1 and int(c.group(2)) == 0
-    assert int(c.group(1)) - int(r.group(1)) + int(r.group(2)) == int(m.group(1)) and int(r.group(3)) == int(m.group(2))
+                  r"calls; ([0-9.]+) graph captures$", out, re.M)
+    assert c and r, out[-1500:]
+    print(f"per step: eager {eager.group(1)} launches, {eager.group(2)} cuBLAS calls; graph {c.group(1)} launches "
+          f"({r.group(1)} graphs replaying {r.group(2)} kernels, {r.group(3)} cuBLAS calls), {r.group(4)} captures")
+    assert int(r.group(1)) == 2 and float(r.group(4)) == 0 and int(c.group(3)) == 1 and int(c.group(2)) == 0
+    assert int(c.group(1)) - int(r.group(1)) + int(r.group(2)) == int(eager.group(1))
+    assert int(r.group(3)) == int(eager.group(2))
+
+
+def test_graph_with_lora_dropout_replays_the_step_bit_for_bit(tmp_path):
+    """--lora-dropout under LLMC_CUDA_GRAPH=1 (as test_llama_cuda.py's): the masks' step and first
+    row read from device memory, uploaded with each micro-batch's images, so the graph replays with
+    each micro-batch's own masks: the same adapter, losses and gradient norms as the eager step, bit
+    for bit, over 2 steps of 2 micro-batches, without a capture after the first step. The planted
+    stale key (LLMC_FAULT_DROPOUT_KEY=1, the second step's first micro-batch not uploaded) must
+    change the adapter; LLMC_DROPOUT_KEY=args refuses the graph in one line and trains the same bits.
+    On a GPU the same comparisons hold, without the emulator's counts."""
+    args = ["--steps", 2, "--grad-accum", 2, "--profile", "--lora-dropout", 0.1]
+    flash = {"LLMC_ATTENTION": "flash"}
+    eager = train(CUDA_TRAIN, "cuda", *args, "--out", tmp_path / "eager", env=flash)
+    want = (tmp_path / "eager" / "adapter_model.safetensors").read_bytes()
+
+    def grad_norms(out):
+        return [float(x) for x in re.findall(r"^step +\d+/\d+ \|.*\| grad norm ([0-9.]+)", out, re.M)]
+    g = train(CUDA_TRAIN, "cuda", *args, "--out", tmp_path / "graph", env=dict(flash, LLMC_CUDA_GRAPH="1"))
+    assert "cuda graph: on" in g.stdout, g.stdout[-1500:]
+    assert (tmp_path / "graph" / "adapter_model.safetensors").read_bytes() == want
+    assert len(step_losses(g.stdout)) == 2 and step_losses(g.stdout) == step_losses(eager.stdout)
+    assert len(grad_norms(g.stdout)) == 2 and grad_norms(g.stdout) == grad_norms(eager.stdout)
+    if not GPU:  # the emulator's counts
+        m = re.search(r"^per step: (\d+) kernel launches, (\d+) cuBLAS calls, (\d+) host synchronizations$", eager.stdout,
+                      re.M)
+        assert m, eager.stdout[-1500:]
+        check_graph_counts(g.stdout, m)
+    stale = train(CUDA_TRAIN, "cuda", *args, "--out", tmp_path / "stale",
+                  env=dict(flash, LLMC_CUDA_GRAPH="1", LLMC_FAULT_DROPOUT_KEY="1"))
+    assert (tmp_path / "stale" / "adapter_model.safetensors").read_bytes() != want
+    assert step_losses(stale.stdout)[0] == step_losses(eager.stdout)[0]
+    refused = train(CUDA_TRAIN, "cuda", *args, "--out", tmp_path / "args",
+                    env=dict(flash, LLMC_CUDA_GRAPH="1", LLMC_DROPOUT_KEY="args"))
+    lines = [l for l in refused.stdout.splitlines() if l.startswith("cuda graph:")]
+    assert len(lines) == 1 and lines[0].startswith("cuda graph: off: --lora-dropout with LLMC_DROPOUT_KEY=args"), lines
+    assert (tmp_path / "args" / "adapter_model.safetensors").read_bytes() == want
 
 
 @pytest.mark.parametrize("mode", ["baseline", "lowmem", "ckpt"])

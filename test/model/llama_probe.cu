@@ -77,6 +77,8 @@ int main(int argc, char** argv) {
     double count = count_mask(m.h_mask, (int64_t)B * T);
     float grad_scale = count > 0 ? (float)(1.0 / count) : 0.0f;
     llama_set_loss_scale(&m, grad_scale);  // (CUDA: the loss kernels read it from device memory)
+    m.drop.step = (uint64_t)drop_step;     // a training pass: dropout on, as llama_train_step sets it (before
+    m.drop.row0 = drop_row0;               // the upload: CUDA's dropout kernels read them from device memory)
     llama_upload_batch(&m, (int64_t)B * T);
     for (int l = 0; l < cfg.layers; l++)
         for (int t = 0; t < N_TARGETS; t++) probe_load_lora(&cf, &m.layers[l].lin[t], l, target_names[t], md.rank);
@@ -84,8 +86,6 @@ int main(int argc, char** argv) {
     int64_t nlogits = (int64_t)B * T * cfg.vocab;
     float* logits_be = (float*)probe_alloc(&be, sizeof(float) * nlogits, "probe logits");
     float* logits = (float*)xmalloc(sizeof(float) * nlogits);
-    m.drop.step = (uint64_t)drop_step;  // a training pass: dropout on, as llama_train_step / vit_train_step set it
-    m.drop.row0 = drop_row0;
     m.drop.active = 1;
     LossStats st = llama_forward_backward(&m, B, T, grad_scale, 1, logits_be, NULL);
     backend_download(&be, logits, logits_be, sizeof(float) * nlogits);
