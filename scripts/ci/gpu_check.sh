@@ -27,8 +27,8 @@
 # the benchmark's table. Record the outcome in dev/gpu/RESULTS.md.
 # Usage: bash scripts/ci/gpu_check.sh [--smoke]
 #   --smoke: the same order cut to fit 4 minutes (deadline 230 s): no probes in the build, memcheck
-#   and racecheck on the attention kernels only, the lowmem smoke runs, the training tests only,
-#   the NCCL self-test with LoRA, no benchmark.
+#   and racecheck on the attention kernels only, the lowmem smoke runs, the attention paths and the
+#   graph at the demo shape, the training tests only, the NCCL self-test with LoRA, no benchmark.
 # Without a GPU (test/tooling/test_gpu_check.py): GPU_CHECK_FAKE_CMD='...' replaces every step's command
 # by `bash -c "$GPU_CHECK_FAKE_CMD" STEP_NAME`.
 set -u

@@ -90,6 +90,7 @@ T0=$(date +%s)
 FAILED=0
 TABLE=()
 
+GPU=$(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null | head -n 1)
 elapsed() { echo $(( $(date +%s) - T0 )); }
 
 HEADER="| shape | run | switches | status | loss | grad norm | rate | vs ref | check | notes |"
@@ -97,7 +98,7 @@ write_table() {
     {
         echo "# switch_compare.sh $WHAT ($(date -u '+%Y-%m-%d %H:%M UTC'), commit $(git rev-parse --short HEAD 2>/dev/null || echo '?'))"
         echo
-        echo "GPU: $(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null | head -n 1)"
+        echo "GPU: ${GPU:-none found}"
         echo "$STEPS steps per run, rate: mean after the first step; vs ref: rate over the reference's."
         echo "Bounds against the reference: loss 1e-2, grad norm 0.15 relative; identical: loss, grad norm and adapter bytes."
         echo
@@ -143,7 +144,7 @@ EOF
 # setup SHAPE: CMD (the trainer's command without --out), UNIT, HF_ARGS (bench_hf.py's, none: no row),
 # LABEL; writes the config and the data.
 setup() {
-    local s=$1 dir=$D/$1 b t r v classes img
+    local s=$1 dir=$D/$1 b t r v n data classes img
     mkdir -p "$dir"
     HF_ARGS=()
     case $s in
@@ -154,16 +155,18 @@ setup() {
             else v=512; llama_config "$dir" 64 172 2 4 4 $v 10000.0; fi
         elif [ "$s" = llama3 ]; then b=1 t=4096 r=16 v=128256; llama_config "$dir" 4096 14336 2 32 8 $v 500000.0
         else b=1 t=2048 r=16 v=32000; llama_config "$dir" 4096 11008 2 32 32 $v 10000.0; fi
-        [ -f "$dir/tokens.bin" ] || python3 scripts/bench/bench_data.py tokens "$dir/tokens.bin" $v $(( (STEPS + 2) * b * (t + 1) ))
-        CMD=("$LLAMA" --model "$dir" --random-init --device cuda --data "$dir/tokens.bin" --batch "$b" --seq "$t"
+        n=$(( (STEPS + 2) * b * (t + 1) )) data="$dir/tokens_${v}_$n.bin"  # per vocabulary and length
+        [ -f "$data" ] || python3 scripts/bench/bench_data.py tokens "$data" $v $n
+        CMD=("$LLAMA" --model "$dir" --random-init --device cuda --data "$data" --batch "$b" --seq "$t"
              --lora-rank "$r" --lr 1e-4 --seed 5 --steps "$STEPS" --log-every 1)
         UNIT=tok HF_ARGS=(llama --batch "$b" --seq "$t" --rank "$r")
         LABEL="$s$([ "$TINY" = 1 ] && echo ' (tiny)') ${b}x$t" ;;
     vit)
         if [ "$TINY" = 1 ]; then b=4 img=32 classes=10; vit_config "$dir" 64 128 2 4 32 8
         else b=64 img=224 classes=100; vit_config "$dir" 768 3072 12 12 224 16; fi
-        [ -f "$dir/images.bin" ] || python3 scripts/bench/bench_data.py images "$dir/images.bin" $(( (STEPS + 1) * b )) $img $classes
-        CMD=("$VIT" --model "$dir" --random-init --device cuda --data "$dir/images.bin" --batch "$b"
+        n=$(( (STEPS + 1) * b )) data="$dir/images_${img}_${classes}_$n.bin"
+        [ -f "$data" ] || python3 scripts/bench/bench_data.py images "$data" $n $img $classes
+        CMD=("$VIT" --model "$dir" --random-init --device cuda --data "$data" --batch "$b"
              --lora-rank 4 --lr 1e-4 --seed 5 --steps "$STEPS" --log-every 1)
         UNIT=img HF_ARGS=(vit --batch "$b" --rank 4)
         LABEL="vit$([ "$TINY" = 1 ] && echo ' (tiny)') batch $b" ;;
