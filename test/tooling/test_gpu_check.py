@@ -11,7 +11,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(REPO, "scripts", "ci", "gpu_check.sh")
 ORDER = ["machine", "build", "kernel checks", "memcheck", "racecheck", "initcheck", "smoke llama", "smoke vit",
-         "attention", "whole models", "NCCL self-test", "benchmark"]
+         "switches", "whole models", "NCCL self-test", "benchmark"]
 
 
 def env(out, **kw):
@@ -119,9 +119,10 @@ CANNED = r'''case "$0" in
                echo "========= ERROR SUMMARY: 1 error"; exit 3 ;;
   "smoke llama"*) echo "step    3/3 | loss 2.7028 | lr 1.00e-04"
                   echo "memory: planned 41.08 MiB (saved activations 3.66 MiB), measured device memory in use (cudaMemGetInfo, beyond the CUDA context) 60.50 MiB" ;;
-  "attention"*) echo "| shape | path | status | loss | grad norm | tok/s | vs gemm |"
-                echo "| demo | gemm | PASS | 5.1000 | 0.9000 | 900 | reference |"
-                echo "| demo | cudnn | PASS | 5.3000 | 0.9100 | 1500 | OUT OF BOUNDS: loss 3.9e-02 grad norm 1.1e-02 |"; exit 1 ;;
+  "switches"*) echo "| shape | run | switches | status | loss | grad norm | rate | vs ref | check | notes |"
+               echo "| demo 4x128 | default | (none) | PASS | 5.100000 | 0.900000 | 1500.0 tok/s | - | reference | |"
+               echo "| demo 4x128 | gemm | LLMC_ATTENTION=gemm | PASS | 5.300000 | 0.910000 | 900.0 tok/s | 0.60x | OUT OF BOUNDS: loss 3.9e-02 grad norm 1.1e-02 vs default | |"
+               echo "| demo 4x128 | flash | LLMC_ATTENTION=flash | SKIPPED | - | - | | - | SKIPPED: 3 s of this shape's budget share left, a run here took up to 9 s | |"; exit 1 ;;
   "whole models"*) echo "test/cuda/test_llama_cuda.py::test_a[lowmem] PASSED"
                    echo "test/cuda/test_llama_cuda.py::test_b FAILED"
                    echo "FAILED test/cuda/test_llama_cuda.py::test_b - AssertionError: measured"; exit 1 ;;
@@ -146,9 +147,10 @@ def test_step_results_reach_the_summary(tmp_path):
     # the last step (its '|' turned to '/' in the cell) and the memory line, shortened
     assert re.search(r"\| smoke llama --mode lowmem \| PASS \| [0-9.]+ \| step +3/3 / loss 2.7028 / lr 1.00e-04 memory: planned "
                      r"41.08 MiB \(saved activations 3.66 MiB\), measured device memory in use 60.50 MiB +\|", text), text
-    # the attention paths' table, and the bound a path broke in the step's row
-    assert "## attention paths side by side" in text and "| demo | cudnn | PASS | 5.3000 | 0.9100 | 1500 |" in text
-    assert re.search(r"\| attention cudnn vs gemm vs flash \| FAIL\(rc=1\) \| [0-9.]+ \| 2 runs passed; .*OUT OF BOUNDS: "
+    # the switches' table, and the bound a run broke in the step's row
+    assert "## switches side by side (scripts/ci/switch_compare.sh)" in text
+    assert "| demo 4x128 | gemm | LLMC_ATTENTION=gemm | PASS | 5.300000 | 0.910000 | 900.0 tok/s | 0.60x |" in text
+    assert re.search(r"\| switches side by side \(demo packed\) \| FAIL\(rc=1\) \| [0-9.]+ \| 2 runs passed, 1 skipped; .*OUT OF BOUNDS: "
                      r"loss 3.9e-02", text), text
     assert re.search(r"\| whole models GPU vs CPU .* \| FAIL\(rc=1\) \| [0-9.]+ \| 1 passed, 1 failed so far; FAILED "
                      r"test/cuda/test_llama_cuda.py::test_b - AssertionError: measured \|", text), text
