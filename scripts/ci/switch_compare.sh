@@ -192,9 +192,10 @@ starts[ends[ends < toks.size]] = 1
 starts[0] = 1
 shards.write_shard(sys.argv[1], toks.astype(np.uint32), mask, vocab, starts=starts)
 PY
-        CMD=("$LLAMA" --model data/llama_demo --data "$data" --device cuda --batch 4 --seq 128
+        if [ "$TINY" = 1 ]; then b=2 t=32; else b=4 t=128; fi
+        CMD=("$LLAMA" --model data/llama_demo --data "$data" --device cuda --batch "$b" --seq "$t"
              --lora-rank 8 --lr 1e-3 --seed 5 --steps "$STEPS" --log-every 1)
-        UNIT=tok LABEL="packed 4x128 (the demo)" ;;
+        UNIT=tok LABEL="packed$([ "$TINY" = 1 ] && echo ' (tiny)') ${b}x$t (the demo)" ;;
     esac
 }
 

@@ -138,3 +138,18 @@ def test_bad_shape_is_one_line_error(tmp_path):
     p = subprocess.run(["bash", SCRIPT, "llama2"], capture_output=True, text=True, timeout=30)
     assert p.returncode == 2 and p.stdout == ""
     assert p.stderr == "switch_compare.sh: unknown shape 'llama2' (expected all, llama3, packed, vit, llama7b or demo)\n"
+
+
+def test_packed_default_that_fell_back_to_gemm_fails(tmp_path):
+    """The packed shape exists for cuDNN's ragged path: its default row fails when the trainer's log
+    says cuDNN was refused (here a wrapper prints the trainer's refusal line before the emulator's
+    trainer runs), while the same line on another shape is only a note."""
+    wrapper = tmp_path / "train_llama.sh"
+    wrapper.write_text("echo 'attention: cudnn refused B=1 T=32 H=4 KVH=2 hd=16 (planted): gemm runs it'\n"
+                       f"exec {need(os.path.join(REPO, 'build/emu/train_llama'))} \"$@\"\n")
+    wrapper.chmod(0o755)
+    p, _ = run(tmp_path, "packed", "llama3", SWITCH_COMPARE_LLAMA=str(wrapper), SWITCH_COMPARE_ONLY="default")
+    assert p.returncode == 1
+    by = {r["shape"].split(" ")[0]: r for r in table(p.stdout)}
+    assert by["packed"]["status"] == "FAIL" and by["packed"]["check"] == "packed examples not on cuDNN's ragged path"
+    assert by["llama3"]["status"] == "PASS" and "cudnn refused" in by["llama3"]["notes"], by["llama3"]
