@@ -124,7 +124,8 @@ typedef struct {
     LoraDropout drop;      // --lora-dropout: the masks' key and the adapters' input scratch (llmc/lora_dropout.h)
     void* drop_work;
     LoraDropoutAt* drop_at;    // CUDA: the masks' step and first row, uploaded with each micro-batch and read by
-    LoraDropoutAt* h_drop_at;  // the dropout kernels (NULL: kernel arguments, on the CPU and with LLMC_DROPOUT_KEY=args)
+    LoraDropoutAt* h_drop_at;  // the dropout kernels (NULL: kernel arguments, on the CPU and under
+                               // LLMC_DROPOUT_KEY=args)
     int planted_stale_key;     // LLMC_FAULT_DROPOUT_KEY=1 (test/cuda/test_llama_cuda.py): see llama_upload_batch
     int *inputs, *targets; // on the backend
     int *embed_order, *h_embed_order;  // --full: the batch's positions sorted by token (embedding_token_order)

@@ -177,7 +177,8 @@ static void test_lora_dropout_kernels(int64_t N, int in, int norm, float p, Rng*
     CUDA_CHECK(cudaFree((void*)dm.at));
     CUDA_CHECK(cudaFree(d_x)); CUDA_CHECK(cudaFree(d_t)); CUDA_CHECK(cudaFree(d_dx)); CUDA_CHECK(cudaFree(d_xa));
     CUDA_CHECK(cudaFree(d_gamma)); CUDA_CHECK(cudaFree(d_beta));
-    free(x); free(t); free(dx0); free(gamma); free(beta); free(xa); free(dx); free(gxa); free(gdx); free(mxa); free(mdx);
+    free(x); free(t); free(dx0); free(gamma); free(beta); free(xa); free(dx);
+    free(gxa); free(gdx); free(mxa); free(mdx);
 }
 
 // drop_p > 0: training with LoRA dropout (the adapter reads dropout(gamma*x + beta), both sides

@@ -67,7 +67,8 @@ static const char* cuda_graph_refusal(const GraphHazards* h) {
         return "gradients or sequence slices cross ranks inside the backward (collectives, a second stream)";
     if (h->second_stream) return "--offload host: block inputs travel on a second stream, ordered by events";
     if (h->dropout)
-        return "--lora-dropout with LLMC_DROPOUT_KEY=args: the masks' key changes every micro-batch (a kernel argument)";
+        return "--lora-dropout with LLMC_DROPOUT_KEY=args: the masks' key changes every micro-batch "
+               "(a kernel argument)";
     return NULL;
 }
 
