@@ -1267,13 +1267,8 @@ static LmHead llama_lm_head(const Llama* m) {
 // statistics are added there on the device and the returned LossStats stay zero (llmc/ops.h).
 static LossStats llama_forward_backward(Llama* m, int B, int T, float grad_scale, int backward, float* logits_out,
                                         double* step_stats) {
-    if (backward && m->h_grad_scale && m->h_grad_scale[0] != grad_scale)  // the kernels would read another
-        fail("internal: the loss scale uploaded with the batch (%g) is not this pass's (%g): llama_set_loss_scale "
-             "before llama_upload_batch", m->h_grad_scale[0], grad_scale);
-    if (m->drop.active && m->h_drop_at && (m->h_drop_at->step != m->drop.step || m->h_drop_at->row0 != m->drop.row0))
-        fail("internal: the dropout key uploaded with the batch (step %llu, row %lld) is not this pass's (step %llu, "
-             "row %lld): the step and row0 before llama_upload_batch", (unsigned long long)m->h_drop_at->step,
-             (long long)m->h_drop_at->row0, (unsigned long long)m->drop.step, (long long)m->drop.row0);
+    if (backward) loss_scale_check_uploaded(m->h_grad_scale, grad_scale, "llama_upload_batch");
+    lora_dropout_check_uploaded(&m->drop, m->h_drop_at, "llama_upload_batch");
     int64_t N = (int64_t)B * T;
     const LlamaConfig* c = &m->cfg;
     llama_forward_blocks(m, B, T, NULL);

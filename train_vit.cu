@@ -972,13 +972,8 @@ static void vit_backward_blocks(Vit* m, int B) {
 // LossStats stay zero (llmc/ops.h).
 static LossStats vit_forward_backward(Vit* m, int B, float grad_scale, int backward, float* logits_out,
                                       double* step_stats) {
-    if (backward && m->h_grad_scale && m->h_grad_scale[0] != grad_scale)  // the kernel would read another
-        fail("internal: the loss scale uploaded with the batch (%g) is not this pass's (%g): vit_set_loss_scale "
-             "before the images' upload", m->h_grad_scale[0], grad_scale);
-    if (m->drop.active && m->h_drop_at && (m->h_drop_at->step != m->drop.step || m->h_drop_at->row0 != m->drop.row0))
-        fail("internal: the dropout key uploaded with the batch (step %llu, row %lld) is not this pass's (step %llu, "
-             "row %lld): the step and row0 before the images' upload", (unsigned long long)m->h_drop_at->step,
-             (long long)m->h_drop_at->row0, (unsigned long long)m->drop.step, (long long)m->drop.row0);
+    if (backward) loss_scale_check_uploaded(m->h_grad_scale, grad_scale, "the images' upload");
+    lora_dropout_check_uploaded(&m->drop, m->h_drop_at, "the images' upload");
     vit_forward_blocks(m, B);
     LossStats st = vit_head_loss(m, B, grad_scale, backward, step_stats);
     if (logits_out) backend_download(m->be, logits_out, m->logits, sizeof(float) * B * m->classes);
