@@ -758,7 +758,7 @@ def test_cuda_packed_documents_described_on_the_emulator(tmp_path, packed_demo):
     same adapter as without them, eagerly and under LLMC_CUDA_GRAPH=1 (whose key then holds the
     documents' count: the micro-batches' counts differ, so graphs are captured again), with the
     staging and the emulator's race checks covering the extra uploads. cuDNN's use of them needs a
-    GPU (test_cuda_attention_cudnn_packed, attention_compare.sh's demo-packed rows)."""
+    GPU (test_cuda_attention_cudnn_packed, switch_compare.sh's packed rows)."""
     args = ["--steps", 2, "--grad-accum", 2]
     off = train_on(packed_demo, *args, "--out", tmp_path / "off")
     want = (tmp_path / "off" / "adapter_model.safetensors").read_bytes()
