@@ -31,6 +31,7 @@
 #include "llmc/backend.h"
 #include "llmc/ops.h"
 #include "llmc/attn_docs.h"
+#include "llmc/train/batch_values.h"
 #ifdef LLMC_HAVE_CUDA
 #include "llmc/cuda/graph.cuh"
 #endif
@@ -123,10 +124,6 @@ typedef struct {
     void* lora_norm_work;  // MS norms, --ms-lora exact: the adapters' scratch (llmc/linear.h), else NULL
     LoraDropout drop;      // --lora-dropout: the masks' key and the adapters' input scratch (llmc/lora_dropout.h)
     void* drop_work;
-    LoraDropoutAt* drop_at;    // CUDA: the masks' step and first row, uploaded with each micro-batch and read by
-    LoraDropoutAt* h_drop_at;  // the dropout kernels (NULL: kernel arguments, on the CPU and under
-                               // LLMC_DROPOUT_KEY=args)
-    int planted_stale_key;     // LLMC_FAULT_DROPOUT_KEY=1 (test/cuda/test_llama_cuda.py): see llama_upload_batch
     int *inputs, *targets; // on the backend
     int *embed_order, *h_embed_order;  // --full: the batch's positions sorted by token (embedding_token_order)
     int* pos;              // position of each token within its (packed) example
@@ -137,8 +134,7 @@ typedef struct {
     float* mask;
     int *h_inputs, *h_targets, *h_pos;  // the batch as the loader writes it (host; == the above on the CPU)
     float* h_mask;
-    float* grad_scale;     // [1] CUDA: the step's loss scale, uploaded with each micro-batch and read by the
-    float* h_grad_scale;   // loss kernels (NULL: a kernel argument, on the CPU and with LLMC_LOSS_SCALE=args)
+    BatchValues bv;        // CUDA: the loss scale and dropout key the kernels read from device memory
     BatchStaging staging;  // CUDA: the batch's way up, double buffered (llmc/backend.h)
     int micro_batches;     // per optimizer step (--grad-accum; 0: one), which sizes the staging
     LossBuffers loss;
@@ -428,8 +424,6 @@ static void llama_plan_scratch(Llama* m, MemPlan* p) {
             if ((md->targets >> t & 1) && n > largest) largest = n;
         }
         plan_add(p, MEM_SCRATCH, "lora", -1, "lora_dropout_input", largest * abytes, &m->drop_work);
-        if (be->cuda && !backend_switch_is("LLMC_DROPOUT_KEY", "args"))
-            plan_add(p, MEM_SCRATCH, "batch", -1, "dropout_key", sizeof(LoraDropoutAt), &m->drop_at);
     }
     AttnShape as = {m->B, m->T, c->heads, c->kv_heads, c->head_dim, 1, NULL, NULL};
     if (m->sp.P > 1) as = seqpar_attn_shape(&m->sp);  // whole sequences, this rank's heads
@@ -438,8 +432,7 @@ static void llama_plan_scratch(Llama* m, MemPlan* p) {
     plan_add(p, MEM_SCRATCH, "batch", -1, "inputs", N * 4, &m->inputs);
     plan_add(p, MEM_SCRATCH, "batch", -1, "targets", N * 4, &m->targets);
     plan_add(p, MEM_SCRATCH, "batch", -1, "mask", N * 4, &m->mask);
-    if (be->cuda && !backend_switch_is("LLMC_LOSS_SCALE", "args"))
-        plan_add(p, MEM_SCRATCH, "batch", -1, "grad_scale", sizeof(float), &m->grad_scale);
+    batch_values_plan(&m->bv, be, p, md->lora_dropout > 0 && md->targets);
     plan_add(p, MEM_SCRATCH, "batch", -1, "pos", N * 4, &m->pos);
     if (m->sp.P == 1 && op_attention_wants_docs(be))  // at most a document per token
         plan_add(p, MEM_SCRATCH, "batch", -1, "attention documents", attn_docs_bytes(N), &m->docs_buf);
@@ -503,7 +496,6 @@ static void llama_bind(Llama* m) {
     }
     trainable_bind_host(&m->tr);
     lora_dropout_init(&m->drop, m->modes.lora_dropout, m->modes.seed, m->drop_work);
-    m->drop.at = m->drop_at;
     int64_t off = 0, r = m->modes.rank, d = c->dim, V = c->vocab;
     if (m->modes.full) {  // arena: embedding, head (untied), final norm, then block by block
         m->h_embed = trainable_bind_tensor(&m->tr, &off, V * d, &m->embed, &m->dembed, NULL);
@@ -564,17 +556,7 @@ static void llama_bind(Llama* m) {
         m->h_docs_buf = backend_host_side(m->be, m->docs_buf, attn_docs_bytes(N));
         batch_bytes += 3 * staging_align(sizeof(int64_t) * (N + 1)) + staging_align(sizeof(int32_t) * N);
     }
-    if (m->grad_scale) {
-        m->h_grad_scale = (float*)backend_host_side(m->be, m->grad_scale, sizeof(float));
-        m->h_grad_scale[0] = 0.0f;
-        batch_bytes += staging_align(sizeof(float));
-    }
-    if (m->drop_at) {
-        m->h_drop_at = (LoraDropoutAt*)backend_host_side(m->be, m->drop_at, sizeof(LoraDropoutAt));
-        memset(m->h_drop_at, 0, sizeof(LoraDropoutAt));
-        batch_bytes += staging_align(sizeof(LoraDropoutAt));
-        m->planted_stale_key = backend_switch_is("LLMC_FAULT_DROPOUT_KEY", "1");
-    }
+    batch_bytes += batch_values_bind(&m->bv, m->be, &m->drop);
     staging_init(&m->staging, m->be, batch_bytes, m->micro_batches);
 }
 
@@ -647,11 +629,6 @@ static void llama_upload_documents(Llama* m, BatchStaging* s, int64_t n) {
     staging_upload(s, dev.seq_len, h.seq_len, sizeof(int32_t) * e);
 }
 
-// The step's loss scale (1 / its unmasked targets), uploaded with the next llama_upload_batch where
-// the loss kernels read it from device memory (m->grad_scale; a no-op where it is an argument).
-static void llama_set_loss_scale(Llama* m, float scale) {
-    if (m->h_grad_scale) m->h_grad_scale[0] = scale;
-}
 
 // The first n tokens of the host batch to the backend.
 static void llama_upload_batch(Llama* m, int64_t n) {
@@ -665,15 +642,7 @@ static void llama_upload_batch(Llama* m, int64_t n) {
     staging_upload(s, m->pos, m->h_pos, sizeof(int) * n);
     if (m->pos_restarts && m->docs_buf) llama_upload_documents(m, s, n);
     if (m->sp.P > 1) staging_upload(s, m->sp.pos, m->sp.h_pos, sizeof(int) * m->sp.N);  // every token's position
-    if (m->grad_scale) staging_upload(s, m->grad_scale, m->h_grad_scale, sizeof(float));  // the step's (train)
-    if (m->drop_at) {  // --lora-dropout: the masks' step and first row as m->drop holds them now (train)
-        m->h_drop_at->step = m->drop.step;
-        m->h_drop_at->row0 = m->drop.row0;
-        // the planted bug of a stale key (test/cuda/test_llama_cuda.py): the second step's first
-        // micro-batch not uploaded, so its kernels draw the masks of the micro-batch before
-        int planted = m->planted_stale_key && m->drop.step == 1 && m->drop.row0 == 0;
-        if (!planted) staging_upload(s, m->drop_at, m->h_drop_at, sizeof(LoraDropoutAt));
-    }
+    batch_values_stage(&m->bv, s, &m->drop);  // the step's loss scale and dropout key (train)
     if (m->embed_order) {
         embedding_token_order(m->h_embed_order, m->h_inputs, n);
         staging_upload(s, m->embed_order, m->h_embed_order, sizeof(int) * n);
@@ -720,8 +689,7 @@ static void llama_free(Llama* m) {
         backend_free_host_side(m->be, m->h_embed_order);
         if (m->sp.h_pos) backend_free_host_side(m->be, m->sp.h_pos);
         if (m->h_docs_buf) backend_free_host_side(m->be, m->h_docs_buf);
-        if (m->h_grad_scale) backend_free_host_side(m->be, m->h_grad_scale);
-        if (m->h_drop_at) backend_free_host_side(m->be, m->h_drop_at);
+        batch_values_free(&m->bv, m->be);
         op_detach_matmul_workspace(m->be, m->blas_work);
 #ifdef LLMC_HAVE_CUDA
         if (m->be->cuda) cuda_graph_free(&m->graph);
@@ -1267,8 +1235,7 @@ static LmHead llama_lm_head(const Llama* m) {
 // statistics are added there on the device and the returned LossStats stay zero (llmc/ops.h).
 static LossStats llama_forward_backward(Llama* m, int B, int T, float grad_scale, int backward, float* logits_out,
                                         double* step_stats) {
-    if (backward) loss_scale_check_uploaded(m->h_grad_scale, grad_scale, "llama_upload_batch");
-    lora_dropout_check_uploaded(&m->drop, m->h_drop_at, "llama_upload_batch");
+    batch_values_check(&m->bv, grad_scale, backward, &m->drop, "llama_upload_batch");
     int64_t N = (int64_t)B * T;
     const LlamaConfig* c = &m->cfg;
     llama_forward_blocks(m, B, T, NULL);
@@ -1276,7 +1243,7 @@ static LossStats llama_forward_backward(Llama* m, int B, int T, float grad_scale
     if (backward) op_zero(m->be, m->dres, (size_t)N * c->dim * m->be->abytes);
     LmHead head = llama_lm_head(m);
     LmHeadCall call = {m->resid, N, m->targets, m->mask, grad_scale, backward ? m->dres : NULL, logits_out, step_stats,
-                       m->grad_scale};
+                       m->bv.grad_scale};
     op_lm_head_loss(m->be, &head, &call, &st);
     if (!backward) return st;
     llama_backward_blocks(m, B, T);
@@ -1291,7 +1258,7 @@ static LossStats llama_forward_backward(Llama* m, int B, int T, float grad_scale
 // one line): what the micro-batch holds that no capture can (llmc/cuda/graph.cuh).
 static void llama_graph_decide(Llama* m, const Dist* dist) {
     GraphHazards h = {!m->be->stream, !trainable_step_stats(&m->tr), dist_sums_grads(dist) || m->sp.P > 1,
-                      m->modes.offload_host, m->drop_work && !m->drop_at};
+                      m->modes.offload_host, m->drop_work && !m->bv.drop_at};
     if (m->be->cuda) cuda_graph_decide(&m->graph, &h, !dist || dist->rank == 0);
     m->graph.decided = 1;
 }
@@ -1302,7 +1269,7 @@ static void llama_graph_decide(Llama* m, const Dist* dist) {
 // kernel argument (LLMC_LOSS_SCALE=args; by default the kernels read it from device memory); the GEMM
 // attention path's pointer tables are a host-side cache (a rebuild since the capture means the
 // captured work assumes other contents). --lora-dropout's key is not in it: its per-micro-batch
-// part is read from device memory (m->drop_at; under LLMC_DROPOUT_KEY=args the graph is refused).
+// part is read from device memory (m->bv; under LLMC_DROPOUT_KEY=args the graph is refused).
 static CudaGraphKey llama_graph_key(const Llama* m, int B, int T, float grad_scale) {
     CudaGraphKey k;
     memset(&k, 0, sizeof(k));
@@ -1313,7 +1280,7 @@ static CudaGraphKey llama_graph_key(const Llama* m, int B, int T, float grad_sca
     k.shape[3] = docs && !docs->why ? (int64_t)docs->batch << 32 | docs->max_len : 0;
     uint32_t bits;
     memcpy(&bits, &grad_scale, sizeof(bits));
-    k.values[0] = m->grad_scale ? 0 : bits;  // read from device memory, it changes nothing captured
+    k.values[0] = m->bv.grad_scale ? 0 : bits;  // read from device memory, it changes nothing captured
     k.values[1] = g_attn_tables.builds;
     // the planted bug of a stale graph (test/cuda/test_llama_cuda.py, under LLMC_LOSS_SCALE=args): the
     // scale left out of the key, so a step whose scale changed replays the kernels captured with the old one
@@ -1381,7 +1348,7 @@ static StepResult llama_train_step(Llama* m, TextLoader* loader, const TrainOpti
     for (int k = 0; k < K; k++) total += count_mask(mk_all + k * N + m->sp.g * n, n);
     dist_allreduce_sum_f64(dist, &total, 1);
     float scale = total > 0 ? (float)(1.0 / total) : 0.0f;
-    llama_set_loss_scale(m, scale);  // uploaded with each micro-batch below
+    batch_values_set_loss_scale(&m->bv, scale);  // uploaded with each micro-batch below
     trainable_zero_grads(&m->tr);
 #ifdef LLMC_HAVE_CUDA
     if (!m->graph.decided) llama_graph_decide(m, dist);

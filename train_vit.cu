@@ -27,6 +27,7 @@
 #include "llmc/formats/peft.h"
 #include "llmc/models/vit_checkpoint.h"
 #include "llmc/train/train_state.h"
+#include "llmc/train/batch_values.h"
 #include "llmc/train/dist.h"
 #include "llmc/train/trainable.h"
 #include "llmc/train/zero.h"
@@ -195,11 +196,7 @@ typedef struct {
     void* lora_norm_work;  // MS-LN, --ms-lora exact: the adapters' scratch (llmc/linear.h), else NULL
     LoraDropout drop;      // --lora-dropout: the masks' key and the adapters' input scratch (llmc/lora_dropout.h)
     void* drop_work;
-    // CUDA: what the kernels read from device memory, uploaded with each micro-batch's images, so
-    // that one CUDA graph serves every step (NULL: kernel arguments, on the CPU and under the switch)
-    float *grad_scale, *h_grad_scale;       // the loss's gradient scale (LLMC_LOSS_SCALE=args: an argument)
-    LoraDropoutAt *drop_at, *h_drop_at;     // the masks' step and first row (LLMC_DROPOUT_KEY=args: arguments)
-    int planted_stale_key;                  // LLMC_FAULT_DROPOUT_KEY=1: see vit_stage_step_values
+    BatchValues bv;        // CUDA: the loss scale and dropout key the kernels read from device memory
     int64_t* layer_off;    // [layers] where each block's trainable values start in the arena
     // the head on the class tokens [B, .]: final LayerNorm in the activation type, then fp32
     void *xcls, *zcls, *dzcls, *dxcls;
@@ -361,11 +358,8 @@ static void vit_plan_scratch(Vit* m, MemPlan* p) {
         plan_add(p, MEM_SCRATCH, "batch", -1, "flips", B * 4, &m->flip);
         plan_add(p, MEM_SCRATCH, "batch", -1, "resize_taps", ((int64_t)m->img_h + m->img_w) * sizeof(ResampleTaps),
                  &m->taps);
-        if (!backend_switch_is("LLMC_LOSS_SCALE", "args"))
-            plan_add(p, MEM_SCRATCH, "batch", -1, "grad_scale", sizeof(float), &m->grad_scale);
-        if (m->modes.lora_dropout > 0 && m->modes.targets && !backend_switch_is("LLMC_DROPOUT_KEY", "args"))
-            plan_add(p, MEM_SCRATCH, "batch", -1, "dropout_key", sizeof(LoraDropoutAt), &m->drop_at);
     }
+    batch_values_plan(&m->bv, be, p, m->modes.lora_dropout > 0 && m->modes.targets);
     plan_add(p, MEM_SCRATCH, "patch_embed", -1, "patches", N * patch_len(c) * a, &m->patches);
     plan_add(p, MEM_SCRATCH, "residual", -1, "resid", N * d * a, &m->resid);
     // the recomputed forward's residual stream: a copy of the checkpoint where the backward reads the
@@ -463,7 +457,6 @@ static void vit_bind(Vit* m) {
     m->patch.name = "patch embed";
     trainable_bind_host(&m->tr);
     lora_dropout_init(&m->drop, m->modes.lora_dropout, m->modes.seed, m->drop_work);
-    m->drop.at = m->drop_at;
     int full = m->modes.full;
     int64_t off = 0, host_lin = 0, d = c->dim;
     for (int t = 0; t < N_TARGETS; t++) host_lin += (full ? 1 : lin_in(c, t) + 1) * lin_out(c, t);
@@ -513,17 +506,7 @@ static void vit_bind(Vit* m) {
     size_t taps = sizeof(ResampleTaps);  // rows, then columns: two uploads
     size_t batch_bytes = staging_align(m->B * m->src_bytes) + 2 * staging_align(sizeof(int) * m->B) +
                          staging_align(m->img_h * taps) + staging_align(m->img_w * taps);
-    if (m->grad_scale) {
-        m->h_grad_scale = (float*)backend_host_side(be, m->grad_scale, sizeof(float));
-        m->h_grad_scale[0] = 0.0f;
-        batch_bytes += staging_align(sizeof(float));
-    }
-    if (m->drop_at) {
-        m->h_drop_at = (LoraDropoutAt*)backend_host_side(be, m->drop_at, sizeof(LoraDropoutAt));
-        memset(m->h_drop_at, 0, sizeof(LoraDropoutAt));
-        batch_bytes += staging_align(sizeof(LoraDropoutAt));
-        m->planted_stale_key = backend_switch_is("LLMC_FAULT_DROPOUT_KEY", "1");
-    }
+    batch_bytes += batch_values_bind(&m->bv, be, &m->drop);
     staging_init(&m->staging, be, batch_bytes, m->micro_batches);
     if (!m->zcls32) { m->zcls32 = (float*)m->zcls; m->dzcls32 = (float*)m->dzcls; }  // the CPU's are fp32 already
 }
@@ -531,26 +514,6 @@ static void vit_bind(Vit* m) {
 // The host-side LayerNorm vector `which` (LN1_G ...) of block l.
 static float* vit_norm_host(const Vit* m, int l, int which) {
     return m->layers[l].ln_host[which];
-}
-
-// The step's loss scale (1 / its images), uploaded with the next images where the loss kernel reads
-// it from device memory (m->grad_scale; a no-op where it is an argument).
-static void vit_set_loss_scale(Vit* m, float scale) {
-    if (m->h_grad_scale) m->h_grad_scale[0] = scale;
-}
-
-// Into the micro-batch's upload (between staging_begin and staging_end): the loss scale and the
-// dropout masks' step and first row as the model holds them now, where the kernels read them from
-// device memory.
-static void vit_stage_step_values(Vit* m, BatchStaging* st) {
-    if (m->grad_scale) staging_upload(st, m->grad_scale, m->h_grad_scale, sizeof(float));
-    if (!m->drop_at) return;
-    m->h_drop_at->step = m->drop.step;
-    m->h_drop_at->row0 = m->drop.row0;
-    // the planted bug of a stale key (test/cuda/test_vit_cuda.py): the second step's first
-    // micro-batch not uploaded, so its kernels draw the masks of the micro-batch before
-    if (!(m->planted_stale_key && m->drop.step == 1 && m->drop.row0 == 0))
-        staging_upload(st, m->drop_at, m->h_drop_at, sizeof(LoraDropoutAt));
 }
 
 // A batch of B images into pixels and labels. The CPU loader resizes and normalises on the host;
@@ -572,7 +535,7 @@ static void vit_images_to_device(Vit* m, const ImageLoader* loader, const int64_
     staging_upload(st, m->labels, m->h_labels, sizeof(int) * B);
     staging_upload(st, m->taps, loader->ty, sizeof(ResampleTaps) * m->img_h);
     staging_upload(st, (ResampleTaps*)m->taps + m->img_h, loader->tx, sizeof(ResampleTaps) * m->img_w);
-    vit_stage_step_values(m, st);
+    batch_values_stage(&m->bv, st, &m->drop);
     staging_end(st);
     op_resize_normalize_images(m->be, m->pixels, m->raw, (const ResampleTaps*)m->taps,
                                (const ResampleTaps*)m->taps + m->img_h, m->flip, B, s->H, s->W, s->C, m->img_h,
@@ -645,8 +608,7 @@ static void vit_free(Vit* m) {
     backend_free_host_side(m->be, m->h_raw);
     backend_free_host_side(m->be, m->h_flip);
     backend_free_host_side(m->be, m->h_labels);
-    if (m->h_grad_scale) backend_free_host_side(m->be, m->h_grad_scale);
-    if (m->h_drop_at) backend_free_host_side(m->be, m->h_drop_at);
+    batch_values_free(&m->bv, m->be);
     free(m->lin_host);
     op_detach_matmul_workspace(m->be, m->blas_work);  // before the plan's memory goes
     checkpoints_free(&m->ckpt);  // the copy stream done, before the plan's memory goes
@@ -883,7 +845,7 @@ static LossStats vit_head_loss(Vit* m, int B, float grad_scale, int backward, do
     LossStats st = {};
     st.overflowed = op_norm_overflowed_rows(be, m->rcls, B, step_stats);
     op_softmax_ce_rows(be, m->dlogits, m->logits, m->labels, B, K, grad_scale, backward, &m->ce, &st, step_stats,
-                       m->grad_scale);
+                       m->bv.grad_scale);
     if (!backward) return st;
     op_linear_f32_backward(be, m->dzcls32, m->dhead_w, m->dhead_b, m->dlogits, m->zcls32, m->head_w, B, K, d);
     op_f32_to_acts(be, m->dzcls, m->dzcls32, nd);
@@ -972,8 +934,7 @@ static void vit_backward_blocks(Vit* m, int B) {
 // LossStats stay zero (llmc/ops.h).
 static LossStats vit_forward_backward(Vit* m, int B, float grad_scale, int backward, float* logits_out,
                                       double* step_stats) {
-    if (backward) loss_scale_check_uploaded(m->h_grad_scale, grad_scale, "the images' upload");
-    lora_dropout_check_uploaded(&m->drop, m->h_drop_at, "the images' upload");
+    batch_values_check(&m->bv, grad_scale, backward, &m->drop, "the images' upload");
     vit_forward_blocks(m, B);
     LossStats st = vit_head_loss(m, B, grad_scale, backward, step_stats);
     if (logits_out) backend_download(m->be, logits_out, m->logits, sizeof(float) * B * m->classes);
@@ -986,7 +947,7 @@ static LossStats vit_forward_backward(Vit* m, int B, float grad_scale, int backw
 // one line): what the micro-batch holds that no capture can (llmc/cuda/graph.cuh).
 static void vit_graph_decide(Vit* m, const Dist* dist) {
     GraphHazards h = {!m->be->stream, !trainable_step_stats(&m->tr), dist_sums_grads(dist), m->modes.offload_host,
-                      m->drop_work && !m->drop_at};
+                      m->drop_work && !m->bv.drop_at};
     if (m->be->cuda) cuda_graph_decide(&m->graph, &h, !dist || dist->rank == 0);
     m->graph.decided = 1;
 }
@@ -1001,7 +962,7 @@ static CudaGraphKey vit_graph_key(const Vit* m, int B, float grad_scale) {
     k.shape[0] = B;
     uint32_t bits;
     memcpy(&bits, &grad_scale, sizeof(bits));
-    k.values[0] = m->grad_scale ? 0 : bits;  // read from device memory, it changes nothing captured
+    k.values[0] = m->bv.grad_scale ? 0 : bits;  // read from device memory, it changes nothing captured
     k.values[1] = g_attn_tables.builds;
     return k;
 }
@@ -1043,7 +1004,7 @@ static LossStats vit_train_micro_batch(Vit* m, int B, float grad_scale, double* 
 static StepResult vit_train_step(Vit* m, ImageLoader* loader, const TrainOptions* o, const Dist* dist, int step) {
     int B = m->B, K = o->grad_accum;
     float scale = 1.0f / (float)((double)B * K * dist->world);
-    vit_set_loss_scale(m, scale);  // uploaded with each micro-batch's images below
+    batch_values_set_loss_scale(&m->bv, scale);  // uploaded with each micro-batch's images below
     trainable_zero_grads(&m->tr);
 #ifdef LLMC_HAVE_CUDA
     if (!m->graph.decided) vit_graph_decide(m, dist);

@@ -8,7 +8,6 @@
 // Defines the per-element rule (host and device, like approx_act.h) and the run's dropout state.
 #pragma once
 #include <stdint.h>
-#include "common.h"
 
 #ifdef __CUDACC__
 #define DROP_HD __host__ __device__ static inline
@@ -64,16 +63,6 @@ typedef struct {
     int active;
     void* work;            // scratch [rows, widest adapted input] (activation type): the adapter's input
 } LoraDropout;
-
-// Stops the run when a training pass's step and first row are not those the kernels will read
-// (`uploaded`: the host's copy of what went up with the batch; NULL: arguments): they were set
-// after `upload` ran, and the pass would train on another micro-batch's masks.
-static void lora_dropout_check_uploaded(const LoraDropout* d, const LoraDropoutAt* uploaded, const char* upload) {
-    if (!d->active || !uploaded || (uploaded->step == d->step && uploaded->row0 == d->row0)) return;
-    fail("internal: the dropout key uploaded with the batch (step %llu, row %lld) is not this pass's (step %llu, "
-         "row %lld): set them before %s", (unsigned long long)uploaded->step, (long long)uploaded->row0,
-         (unsigned long long)d->step, (long long)d->row0, upload);
-}
 
 static void lora_dropout_init(LoraDropout* d, float p, uint64_t seed, void* work) {
     d->p = p;

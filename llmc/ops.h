@@ -526,14 +526,6 @@ typedef struct {
                                  // [1] (the same value; a CUDA graph then need not change with it)
 } LmHeadCall;
 
-// Stops the run when the loss scale the kernels will read (`uploaded`: the host's copy of what went
-// up with the batch; NULL: an argument) is not this pass's: it was set after `upload` ran.
-static void loss_scale_check_uploaded(const float* uploaded, float grad_scale, const char* upload) {
-    if (uploaded && uploaded[0] != grad_scale)
-        fail("internal: the loss scale uploaded with the batch (%g) is not this pass's (%g): set it before %s",
-             uploaded[0], grad_scale, upload);
-}
-
 static void op_lm_head_loss(const Backend* be, const LmHead* h, const LmHeadCall* c, LossStats* st) {
     int64_t N = c->N, V = h->V, d = h->d;
     int backward = c->dxf != NULL;

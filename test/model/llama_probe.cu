@@ -76,7 +76,7 @@ int main(int argc, char** argv) {
         }
     double count = count_mask(m.h_mask, (int64_t)B * T);
     float grad_scale = count > 0 ? (float)(1.0 / count) : 0.0f;
-    llama_set_loss_scale(&m, grad_scale);  // (CUDA: the loss kernels read it from device memory)
+    batch_values_set_loss_scale(&m.bv, grad_scale);  // (CUDA: the loss kernels read it from device memory)
     m.drop.step = (uint64_t)drop_step;     // a training pass: dropout on, as llama_train_step sets it (before
     m.drop.row0 = drop_row0;               // the upload: CUDA's dropout kernels read them from device memory)
     llama_upload_batch(&m, (int64_t)B * T);

@@ -144,9 +144,9 @@ int main(int argc, char** argv) {
     float* logits = (float*)xmalloc(sizeof(float) * B * K);
     m.drop.step = (uint64_t)drop_step;  // a training pass: dropout on, as vit_train_step sets it
     m.drop.row0 = drop_row0;
-    vit_set_loss_scale(&m, 1.0f / B);  // (CUDA: the kernels read these from device memory)
+    batch_values_set_loss_scale(&m.bv, 1.0f / B);  // (CUDA: the kernels read these from device memory)
     staging_begin(&m.staging);
-    vit_stage_step_values(&m, &m.staging);
+    batch_values_stage(&m.bv, &m.staging, &m.drop);
     staging_end(&m.staging);
     m.drop.active = 1;
     LossStats st = vit_forward_backward(&m, B, 1.0f / B, 1, logits, NULL);
