@@ -27,14 +27,20 @@ static void (*g_fail_hook)(int status) = NULL;
 
 static void fail(const char* fmt, ...) LLMC_PRINTF(1, 2);
 static void fail(const char* fmt, ...) {
+    // the line goes out in one write: under mpirun each write is forwarded on its own, and the
+    // launcher's abort banner must not land inside it
+    char line[4096] = "error: ";  // PIPE_BUF on Linux
+    size_t head = strlen(line);
     va_list ap;
     va_start(ap, fmt);
-    fputs("error: ", stderr);
-    vfprintf(stderr, fmt, ap);
-    fputc('\n', stderr);
+    vsnprintf(line + head, sizeof line - head - 1, fmt, ap);
     va_end(ap);
+    size_t len = strlen(line);
+    line[len] = '\n';
     fflush(stdout);
     fflush(stderr);
+    ssize_t wrote = write(STDERR_FILENO, line, len + 1);  // at most PIPE_BUF bytes: one atomic write
+    (void)wrote;
     if (g_fail_hook) g_fail_hook(1);
     exit(1);
 }
