@@ -1,0 +1,151 @@
+"""Every repository path that the code, its comments and the docs cite exists (issue 35): a reader
+who follows `llmc/nf4.h` from a comment, or `test/model/test_nf4.py` from docs/testing.md, finds
+it. The scan reads every tracked source and document (git ls-files) and picks out the words that
+start at one of the repository's top-level folders (llmc/, test/, scripts/, docs/, dev/, data/,
+.ci/) or name a top-level file (train_llama.cu, README.md, Makefile, ...). Each must be a tracked
+file or a folder holding one. What a cited path is not:
+- a path inside another one (`build/test/x`, `$SHARED/data/x`, `../shared/models/x`, a URL): the
+  word must start the path, so build outputs and files outside the repository are never read as
+  citations of its files;
+- a glob (`test/cuda/test_*_cuda.py`, a Makefile's `dev/cuda/%.cu`): it must match a tracked file;
+- a placeholder (`dev/cuda/<family>.cu`, `f"test/{name}"`, `dev/cuda/$(X)`): its folder must exist;
+- a program (`dev/cuda/norms`, `dev/cpu/gemm`): its source (the path + .cu) must exist;
+- the few cases in NOT_CITATIONS below, each with its reason.
+A failure lists every missing path as file:line: path, so each can be fixed where it stands."""
+import fnmatch
+import os
+import re
+import subprocess
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+SCANNED_SUFFIXES = (".h", ".cuh", ".cu", ".c", ".py", ".sh", ".md")
+SCANNED_NAMES = ("Makefile", ".ci/run")
+TOP_FOLDERS = ("llmc", "test", "scripts", "docs", "dev", "data", ".ci")
+TOP_FILES = r"train_\w+\.cu|README\.md|Makefile"
+PATH_CHARS = r"[\w.+/-]"
+# A cited path starts a word: not after a path character, `$`, `~` or `{` (so `build/test/x`,
+# `$SHARED/data/x`, `../shared/x` and `https://.../dev/x` are never read as paths of this repository).
+CITED = re.compile(r"(?<![\w./$~{}-])(?:(?:" + "|".join(re.escape(t) for t in TOP_FOLDERS) + r")/" + PATH_CHARS
+                   + r"*|(?:" + TOP_FILES + r")(?!" + PATH_CHARS + r"))")
+GLOB_CHARS = "*?[%"          # a glob (fnmatch's, or a Makefile pattern's %) continues the path
+PLACEHOLDER_CHARS = "{$<("   # f-string, shell or Makefile variable, <name>: only the folder is cited
+
+# Words that look like cited paths but are not, each with why. (citing file, cited path or prefix ending in /
+# or *, reason); the citing file None means any file.
+NOT_CITATIONS = [
+    ("test/tooling/test_resource_check.py", "test/no_such_file.cu", "the absent file the test feeds the checker"),
+    ("test/unit/formats.cu", "test/tmp_units*", "scratch files the unit test writes and removes"),
+    ("Makefile", "test/test_units", "the target of a relative symlink made inside build/asan/"),
+    ("scripts/bench/compare_nf4.sh", "data/tinyshakespeare.txt", "a file under LLMC_SHARED_DIR, said so there"),
+    (None, "data/corpus*", "what the documented example `prepare_text.py --out data/corpus` writes"),
+    (None, "data/chats*", "what the documented example `prepare_text.py --out data/chats` writes"),
+    (None, "data/instr*", "what the documented example `prepare_text.py --out data/instr` writes"),
+    ("scripts/data/prepare_images.py", "data/fmnist_5to9_train.bin", "the output of the example in its --help"),
+]
+
+
+def tracked_files():
+    out = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, check=True).stdout
+    files = [f for f in out.decode().split("\0") if f]
+    assert len(files) > 100, files  # the tree itself
+    return files
+
+
+def scanned(files):
+    return [f for f in files if f.endswith(SCANNED_SUFFIXES) or f in SCANNED_NAMES]
+
+
+def not_a_citation(citing, path):
+    return any((who is None or who == citing) and fnmatch.fnmatchcase(path, pattern)
+               for who, pattern, _ in NOT_CITATIONS)
+
+
+def citations(text):
+    """(line number, cited path, kind) for each cited path in text; kind is "path", "glob", "placeholder"."""
+    for number, line in enumerate(text.split("\n"), 1):
+        for m in CITED.finditer(line):
+            path, end = m.group(0), m.end()
+            following = line[end] if end < len(line) else ""
+            if following in GLOB_CHARS and following:
+                glob = re.match(r"(?:" + PATH_CHARS + r"|[*?%\[\]])*", line[m.start():]).group(0)
+                yield number, glob.rstrip("."), "glob"
+            elif following in PLACEHOLDER_CHARS and following:
+                yield number, path, "placeholder"
+            else:
+                yield number, path.rstrip("."), "path"
+
+
+def exists(path, kind, files, folders):
+    if kind == "glob":
+        pattern = path.replace("%", "*").rstrip("/")
+        return any(fnmatch.fnmatchcase(f, pattern) for f in files) or any(fnmatch.fnmatchcase(d, pattern)
+                                                                         for d in folders)
+    if kind == "placeholder":
+        return os.path.dirname(path) in folders or os.path.dirname(path) == ""
+    path = path.rstrip("/")
+    return path in files or path in folders or path + ".cu" in files or path + ".c" in files
+
+
+def missing_citations(files):
+    folders = {os.path.dirname(f) for f in files}
+    folders |= {os.path.dirname(d) for d in list(folders)}
+    while True:  # every folder above a tracked file
+        above = {os.path.dirname(d) for d in folders} - folders
+        if not above:
+            break
+        folders |= above
+    file_set = set(files)
+    missing = []
+    for f in scanned(files):
+        with open(os.path.join(REPO, f), encoding="utf-8", errors="replace") as fh:
+            text = fh.read()
+        for number, path, kind in citations(text):
+            if not exists(path, kind, file_set, folders) and not not_a_citation(f, path):
+                missing.append(f"{f}:{number}: {path}")
+    return missing
+
+
+def test_every_cited_repository_path_exists():
+    missing = missing_citations(tracked_files())
+    assert not missing, f"{len(missing)} cited paths do not exist (file:line: path):\n" + "\n".join(missing)
+
+
+def test_not_citations_are_still_needed():
+    """Each entry of NOT_CITATIONS still matches a word of the file it names (or of some file), so the
+    list cannot grow stale and hide a real citation later."""
+    files = tracked_files()
+    seen = set()
+    for f in scanned(files):
+        with open(os.path.join(REPO, f), encoding="utf-8", errors="replace") as fh:
+            text = fh.read()
+        for _, path, _ in citations(text):
+            for i, (who, pattern, _) in enumerate(NOT_CITATIONS):
+                if (who is None or who == f) and fnmatch.fnmatchcase(path, pattern):
+                    seen.add(i)
+    unused = [NOT_CITATIONS[i] for i in range(len(NOT_CITATIONS)) if i not in seen]
+    assert not unused, f"entries of NOT_CITATIONS that match no cited word: {unused}"
+
+
+def test_the_extraction_reads_what_it_should():
+    """The scanner on made-up text: what is a citation, a glob, a placeholder, and what is not one."""
+    text = "\n".join([
+        "see llmc/formats/nf4.h. and `test/model/test_nf4.py::test_x`, train_llama.cu",
+        "build/test/test_units $SHARED/data/x.txt ../shared/models/a.bin https://x.org/dev/cuda/y.cu",
+        "test/cuda/test_*_cuda.py dev/cuda/%.cu dev/cuda/<family>.cu f\"test/{name}\" dev/cuda/$(X)",
+        "metadata/x unit-test/y llmc/",
+    ])
+    assert list(citations(text)) == [
+        (1, "llmc/formats/nf4.h", "path"), (1, "test/model/test_nf4.py", "path"), (1, "train_llama.cu", "path"),
+        (3, "test/cuda/test_*_cuda.py", "glob"), (3, "dev/cuda/%.cu", "glob"),
+        (3, "dev/cuda/", "placeholder"), (3, "test/", "placeholder"), (3, "dev/cuda/", "placeholder"),
+        (4, "llmc/", "path"),
+    ]
+    files = {"llmc/nf4.h", "dev/cuda/norms.cu", "test/cuda/test_llama_cuda.py"}
+    folders = {"", "llmc", "dev", "dev/cuda", "test", "test/cuda"}
+    assert not exists("llmc/formats/nf4.h", "path", files, folders)
+    assert exists("llmc/nf4.h", "path", files, folders) and exists("llmc/", "path", files, folders)
+    assert exists("dev/cuda/norms", "path", files, folders)  # a program built from dev/cuda/norms.cu
+    assert exists("test/cuda/test_*_cuda.py", "glob", files, folders)
+    assert not exists("test/resource_planted*.cu", "glob", files, folders)
+    assert exists("dev/cuda/", "placeholder", files, folders) and not exists("docs/x", "placeholder", files, folders)
