@@ -149,3 +149,22 @@ def test_the_extraction_reads_what_it_should():
     assert exists("test/cuda/test_*_cuda.py", "glob", files, folders)
     assert not exists("test/resource_planted*.cu", "glob", files, folders)
     assert exists("dev/cuda/", "placeholder", files, folders) and not exists("docs/x", "placeholder", files, folders)
+
+
+# README.md and docs/ cite no file outside the repository. What they may name outside it: the folder of outside
+# artifacts, by its setting (LLMC_SHARED_DIR, default ../shared: test/conftest.py), and scratch files under /tmp
+# that an example command writes and reads.
+OUTSIDE = re.compile(r"(?<![\w/.-])(?:/[\w.+-]+){2,}/?|(?<![\w/.-])(?:\.\./|~/)[\w.+/-]*")
+OUTSIDE_ALLOWED = re.compile(r"\.\./shared/?|/tmp/[\w.+-]+")
+
+
+def test_readme_and_docs_cite_nothing_outside_the_repository():
+    docs = [f for f in tracked_files() if f == "README.md" or (f.startswith("docs/") and f.endswith(".md"))]
+    assert "docs/architecture.md" in docs, docs
+    outside = []
+    for f in docs:
+        with open(os.path.join(REPO, f), encoding="utf-8") as fh:
+            for number, line in enumerate(fh, 1):
+                outside += [f"{f}:{number}: {m.group(0)}" for m in OUTSIDE.finditer(line)
+                            if not OUTSIDE_ALLOWED.fullmatch(m.group(0))]
+    assert not outside, "paths outside the repository (file:line: path):\n" + "\n".join(outside)
