@@ -10,6 +10,8 @@ file or a folder holding one. What a cited path is not:
 - a glob (`test/cuda/test_*_cuda.py`, a Makefile's `dev/cuda/%.cu`): it must match a tracked file;
 - a placeholder (`dev/cuda/<family>.cu`, `f"test/{name}"`, `dev/cuda/$(X)`): its folder must exist;
 - a program (`dev/cuda/norms`, `dev/cpu/gemm`): its source (the path + .cu) must exist;
+- a header by its path inside llmc/ (`cuda/nf4.cuh`, `train/loop.h`): it must exist under llmc/ or beside
+  the file citing it;
 - the few cases in NOT_CITATIONS below, each with its reason.
 A failure lists every missing path as file:line: path, so each can be fixed where it stands."""
 import fnmatch
@@ -28,6 +30,11 @@ PATH_CHARS = r"[\w.+/-]"
 # `$SHARED/data/x`, `../shared/x` and `https://.../dev/x` are never read as paths of this repository).
 CITED = re.compile(r"(?<![\w./$~{}-])(?:(?:" + "|".join(re.escape(t) for t in TOP_FOLDERS) + r")/" + PATH_CHARS
                    + r"*|(?:" + TOP_FILES + r")(?!" + PATH_CHARS + r"))")
+# Headers are also cited by their path inside llmc/ (`cuda/nf4.cuh`, `train/loop.h`, a header's first line): a
+# word starting at one of llmc/'s folders and naming a header or CUDA source must exist under llmc/ or beside the
+# file that cites it.
+LLMC_FOLDERS = ("cpu", "cuda", "train", "memory", "formats", "text", "vision", "models", "emu")
+LLMC_CITED = re.compile(r"(?<![\w./$~{}-])(?:" + "|".join(LLMC_FOLDERS) + r")/[\w.+/-]*\.(?:h|cuh|cu)(?![\w.+/-])")
 GLOB_CHARS = "*?[%"          # a glob (fnmatch's, or a Makefile pattern's %) continues the path
 PLACEHOLDER_CHARS = "{$<("   # f-string, shell or Makefile variable, <name>: only the folder is cited
 
@@ -76,9 +83,13 @@ def citations(text):
                 yield number, path, "placeholder"
             else:
                 yield number, path.rstrip("."), "path"
+        for m in LLMC_CITED.finditer(line):
+            yield number, m.group(0), "llmc-relative"
 
 
-def exists(path, kind, files, folders):
+def exists(path, kind, files, folders, citing=""):
+    if kind == "llmc-relative":
+        return any(os.path.normpath(os.path.join(d, path)) in files for d in ("llmc", os.path.dirname(citing)))
     if kind == "glob":
         pattern = path.replace("%", "*").rstrip("/")
         return any(fnmatch.fnmatchcase(f, pattern) for f in files) or any(fnmatch.fnmatchcase(d, pattern)
@@ -103,7 +114,7 @@ def missing_citations(files):
         with open(os.path.join(REPO, f), encoding="utf-8", errors="replace") as fh:
             text = fh.read()
         for number, path, kind in citations(text):
-            if not exists(path, kind, file_set, folders) and not not_a_citation(f, path):
+            if not exists(path, kind, file_set, folders, f) and not not_a_citation(f, path):
                 missing.append(f"{f}:{number}: {path}")
     return missing
 
@@ -135,13 +146,14 @@ def test_the_extraction_reads_what_it_should():
         "see llmc/formats/nf4.h. and `test/model/test_nf4.py::test_x`, train_llama.cu",
         "build/test/test_units $SHARED/data/x.txt ../shared/models/a.bin https://x.org/dev/cuda/y.cu",
         "test/cuda/test_*_cuda.py dev/cuda/%.cu dev/cuda/<family>.cu f\"test/{name}\" dev/cuda/$(X)",
-        "metadata/x unit-test/y llmc/",
+        "metadata/x unit-test/y llmc/ cuda/nf4.cuh: train/loop.h, llmc/cuda/x.cuh",
     ])
     assert list(citations(text)) == [
         (1, "llmc/formats/nf4.h", "path"), (1, "test/model/test_nf4.py", "path"), (1, "train_llama.cu", "path"),
         (3, "test/cuda/test_*_cuda.py", "glob"), (3, "dev/cuda/%.cu", "glob"),
         (3, "dev/cuda/", "placeholder"), (3, "test/", "placeholder"), (3, "dev/cuda/", "placeholder"),
-        (4, "llmc/", "path"),
+        (4, "llmc/", "path"), (4, "llmc/cuda/x.cuh", "path"),
+        (4, "cuda/nf4.cuh", "llmc-relative"), (4, "train/loop.h", "llmc-relative"),
     ]
     files = {"llmc/nf4.h", "dev/cuda/norms.cu", "test/cuda/test_llama_cuda.py"}
     folders = {"", "llmc", "dev", "dev/cuda", "test", "test/cuda"}
@@ -151,6 +163,9 @@ def test_the_extraction_reads_what_it_should():
     assert exists("test/cuda/test_*_cuda.py", "glob", files, folders)
     assert not exists("test/resource_planted*.cu", "glob", files, folders)
     assert exists("dev/cuda/", "placeholder", files, folders) and not exists("docs/x", "placeholder", files, folders)
+    assert exists("nf4.h", "llmc-relative", files, folders, "docs/a.md")  # under llmc/
+    assert exists("cuda/norms.cu", "llmc-relative", files, folders, "dev/b.md")  # beside the citing file
+    assert not exists("cuda/nf4.cuh", "llmc-relative", files, folders, "test/c.py")
 
 
 # README.md and docs/ cite no file outside the repository. What they may name outside it: the folder of outside
