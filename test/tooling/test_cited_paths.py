@@ -10,6 +10,7 @@ file or a folder holding one. What a cited path is not:
 - a glob (`test/cuda/test_*_cuda.py`, a Makefile's `dev/cuda/%.cu`): it must match a tracked file;
 - a placeholder (`dev/cuda/<family>.cu`, `f"test/{name}"`, `dev/cuda/$(X)`): its folder must exist;
 - a program (`dev/cuda/norms`, `dev/cpu/gemm`): its source (the path + .cu) must exist;
+- a Markdown link's target (`[memory.md](memory.md)`): relative to the linking file;
 - a header by its path inside llmc/ (`cuda/nf4.cuh`, `train/loop.h`): it must exist under llmc/ or beside
   the file citing it;
 - the few cases in NOT_CITATIONS below, each with its reason.
@@ -35,6 +36,8 @@ CITED = re.compile(r"(?<![\w./$~{}-])(?:(?:" + "|".join(re.escape(t) for t in TO
 # file that cites it.
 LLMC_FOLDERS = ("cpu", "cuda", "train", "memory", "formats", "text", "vision", "models", "emu")
 LLMC_CITED = re.compile(r"(?<![\w./$~{}-])(?:" + "|".join(LLMC_FOLDERS) + r")/[\w.+/-]*\.(?:h|cuh|cu)(?![\w.+/-])")
+# A Markdown link to a file, `[text](testing.md)` or `[text](#section)`'s file part: relative to the linking file.
+MD_LINK = re.compile(r"\]\((?!https?:|mailto:|#)([^)\s#]+)(?:#[^)\s]*)?\)")
 GLOB_CHARS = "*?[%"          # a glob (fnmatch's, or a Makefile pattern's %) continues the path
 PLACEHOLDER_CHARS = "{$<("   # f-string, shell or Makefile variable, <name>: only the folder is cited
 
@@ -70,7 +73,7 @@ def not_a_citation(citing, path):
                for who, pattern, _ in NOT_CITATIONS)
 
 
-def citations(text):
+def citations(text, markdown=True):
     """(line number, cited path, kind) for each cited path in text; kind is "path", "glob", "placeholder"."""
     for number, line in enumerate(text.split("\n"), 1):
         for m in CITED.finditer(line):
@@ -85,9 +88,14 @@ def citations(text):
                 yield number, path.rstrip("."), "path"
         for m in LLMC_CITED.finditer(line):
             yield number, m.group(0), "llmc-relative"
+        for m in MD_LINK.finditer(line) if markdown else ():
+            yield number, m.group(1), "link"
 
 
 def exists(path, kind, files, folders, citing=""):
+    if kind == "link":
+        target = os.path.normpath(os.path.join(os.path.dirname(citing), path))
+        return target in files or target in folders
     if kind == "llmc-relative":
         return any(os.path.normpath(os.path.join(d, path)) in files for d in ("llmc", os.path.dirname(citing)))
     if kind == "glob":
@@ -113,7 +121,7 @@ def missing_citations(files):
     for f in scanned(files):
         with open(os.path.join(REPO, f), encoding="utf-8", errors="replace") as fh:
             text = fh.read()
-        for number, path, kind in citations(text):
+        for number, path, kind in citations(text, f.endswith(".md")):
             if not exists(path, kind, file_set, folders, f) and not not_a_citation(f, path):
                 missing.append(f"{f}:{number}: {path}")
     return missing
@@ -121,7 +129,7 @@ def missing_citations(files):
 
 def test_every_cited_repository_path_exists():
     missing = missing_citations(tracked_files())
-    assert not missing, f"{len(missing)} cited paths do not exist (file:line: path):\n" + "\n".join(missing)
+    assert not missing, f"{len(missing)} cited paths are no tracked file or folder (file:line: path):\n" + "\n".join(missing)
 
 
 def test_not_citations_are_still_needed():
@@ -132,7 +140,7 @@ def test_not_citations_are_still_needed():
     for f in scanned(files):
         with open(os.path.join(REPO, f), encoding="utf-8", errors="replace") as fh:
             text = fh.read()
-        for _, path, _ in citations(text):
+        for _, path, _ in citations(text, f.endswith(".md")):
             for i, (who, pattern, _) in enumerate(NOT_CITATIONS):
                 if (who is None or who == f) and fnmatch.fnmatchcase(path, pattern):
                     seen.add(i)
@@ -147,6 +155,7 @@ def test_the_extraction_reads_what_it_should():
         "build/test/test_units $SHARED/data/x.txt ../shared/models/a.bin https://x.org/dev/cuda/y.cu",
         "test/cuda/test_*_cuda.py dev/cuda/%.cu dev/cuda/<family>.cu f\"test/{name}\" dev/cuda/$(X)",
         "metadata/x unit-test/y llmc/ cuda/nf4.cuh: train/loop.h, llmc/cuda/x.cuh",
+        "[memory](memory.md#plan) [x](https://x.org/a.md) [y](#z)",
     ])
     assert list(citations(text)) == [
         (1, "llmc/formats/nf4.h", "path"), (1, "test/model/test_nf4.py", "path"), (1, "train_llama.cu", "path"),
@@ -154,6 +163,7 @@ def test_the_extraction_reads_what_it_should():
         (3, "dev/cuda/", "placeholder"), (3, "test/", "placeholder"), (3, "dev/cuda/", "placeholder"),
         (4, "llmc/", "path"), (4, "llmc/cuda/x.cuh", "path"),
         (4, "cuda/nf4.cuh", "llmc-relative"), (4, "train/loop.h", "llmc-relative"),
+        (5, "memory.md", "link"),
     ]
     files = {"llmc/nf4.h", "dev/cuda/norms.cu", "test/cuda/test_llama_cuda.py"}
     folders = {"", "llmc", "dev", "dev/cuda", "test", "test/cuda"}
@@ -166,6 +176,8 @@ def test_the_extraction_reads_what_it_should():
     assert exists("nf4.h", "llmc-relative", files, folders, "docs/a.md")  # under llmc/
     assert exists("cuda/norms.cu", "llmc-relative", files, folders, "dev/b.md")  # beside the citing file
     assert not exists("cuda/nf4.cuh", "llmc-relative", files, folders, "test/c.py")
+    assert exists("../llmc/nf4.h", "link", files, folders, "docs/a.md")
+    assert not exists("nf4.h", "link", files, folders, "docs/a.md")
 
 
 # README.md and docs/ cite no file outside the repository. What they may name outside it: the folder of outside
