@@ -41,8 +41,8 @@ MD_LINK = re.compile(r"\]\((?!https?:|mailto:|#)([^)\s#]+)(?:#[^)\s]*)?\)")
 GLOB_CHARS = "*?[%"          # a glob (fnmatch's, or a Makefile pattern's %) continues the path
 PLACEHOLDER_CHARS = "{$<("   # f-string, shell or Makefile variable, <name>: only the folder is cited
 
-# Words that look like cited paths but are not, each with why. (citing file, cited path or prefix ending in /
-# or *, reason); the citing file None means any file.
+# Words that look like cited paths but are not, each with why: (citing file, None for any; the cited path, an
+# fnmatch pattern; the reason).
 NOT_CITATIONS = [
     ("test/tooling/test_resource_check.py", "test/no_such_file.cu", "the absent file the test feeds the checker"),
     ("test/unit/formats.cu", "test/tmp_units*", "scratch files the unit test writes and removes"),
@@ -74,7 +74,8 @@ def not_a_citation(citing, path):
 
 
 def citations(text, markdown=True):
-    """(line number, cited path, kind) for each cited path in text; kind is "path", "glob", "placeholder"."""
+    """(line number, cited path, kind) for each cited path in text; kind is "path", "glob", "placeholder",
+    "llmc-relative" or, in Markdown, "link"."""
     for number, line in enumerate(text.split("\n"), 1):
         for m in CITED.finditer(line):
             path, end = m.group(0), m.end()
@@ -129,7 +130,8 @@ def missing_citations(files):
 
 def test_every_cited_repository_path_exists():
     missing = missing_citations(tracked_files())
-    assert not missing, f"{len(missing)} cited paths are no tracked file or folder (file:line: path):\n" + "\n".join(missing)
+    why = f"{len(missing)} cited paths are no tracked file or folder (file:line: path):\n"
+    assert not missing, why + "\n".join(missing)
 
 
 def test_not_citations_are_still_needed():
