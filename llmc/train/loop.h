@@ -336,8 +336,10 @@ static const char* const CONFIG_NOT_MATH[] = {"_name_or_path", "transformers_ver
 // says which one changed; any other change shows as config_fingerprint.
 static const char* const CONFIG_NAMED[] = {"rope_theta", "rms_norm_eps", "layer_norm_eps"};
 
-// A parsed JSON value's fingerprint: an object's keys in any order give the same one.
-static uint64_t json_value_fingerprint(const Json* j, int top) {
+// A parsed JSON value's fingerprint: an object's keys in any order give the same one. At the top
+// level (CONFIG_TOP) the keys of CONFIG_NOT_MATH are left out.
+typedef enum { CONFIG_NESTED, CONFIG_TOP } ConfigLevel;
+static uint64_t json_value_fingerprint(const Json* j, ConfigLevel level) {
     Fingerprint f;
     fp_init(&f);
     int type = (int)j->type;
@@ -347,17 +349,17 @@ static uint64_t json_value_fingerprint(const Json* j, int top) {
     if (j->type == JSON_BOOL) fp_update(&f, &j->boolean, sizeof(j->boolean));
     if (j->type == JSON_STRING) fp_update(&f, j->string, strlen(j->string));
     for (int i = 0; j->type == JSON_ARRAY && i < j->count; i++) {
-        uint64_t h = json_value_fingerprint(&j->items[i], 0);
+        uint64_t h = json_value_fingerprint(&j->items[i], CONFIG_NESTED);
         fp_update(&f, &h, sizeof(h));
     }
     for (int i = 0; j->type == JSON_OBJECT && i < j->count; i++) {
         int skip = 0;
-        for (size_t k = 0; top && k < sizeof(CONFIG_NOT_MATH) / sizeof(CONFIG_NOT_MATH[0]); k++)
+        for (size_t k = 0; level == CONFIG_TOP && k < sizeof(CONFIG_NOT_MATH) / sizeof(CONFIG_NOT_MATH[0]); k++)
             skip |= !strcmp(j->keys[i], CONFIG_NOT_MATH[k]);
         if (skip) continue;
         Fingerprint kf;
         fp_init(&kf);
-        uint64_t h = json_value_fingerprint(&j->items[i], 0);
+        uint64_t h = json_value_fingerprint(&j->items[i], CONFIG_NESTED);
         fp_update(&kf, j->keys[i], strlen(j->keys[i]));
         fp_update(&kf, &h, sizeof(h));
         sum += fp_final(&kf);
@@ -382,7 +384,7 @@ static BaseIdentity train_base_identity(const TrainOptions* o) {
     size_t n = 0;
     char* text = read_file(path, &n);
     Json cfg = json_parse(text, n, path);
-    id.config = json_value_fingerprint(&cfg, 1);
+    id.config = json_value_fingerprint(&cfg, CONFIG_TOP);
     for (size_t k = 0; k < sizeof(CONFIG_NAMED) / sizeof(CONFIG_NAMED[0]); k++) {
         const Json* v = json_get(&cfg, CONFIG_NAMED[k]);
         if (v && v->type == JSON_NUMBER)
@@ -410,7 +412,7 @@ static void train_check_base_unchanged(const TrainOptions* o, const BaseIdentity
     if (now.weights == start->weights && now.config == start->config) return;
     fail("flag --export-merged: the base model in --model %s changed during the run (its %s fingerprint was %016llx "
          "at the start, now %016llx); the export would merge into another model: put the original back and export "
-         "with --adapter",
+         "again",
          o->model_dir, now.weights != start->weights ? "weights'" : "config.json's",
          (unsigned long long)(now.weights != start->weights ? start->weights : start->config),
          (unsigned long long)(now.weights != start->weights ? now.weights : now.config));

@@ -28,15 +28,24 @@ static void out_dir_lock_holder(int fd, char* pid, size_t n) {
     snprintf(pid, n, "unknown");
 }
 
-// Takes DIR's lock for the rest of the process (the descriptor stays open; the kernel drops the
-// lock when the process ends, however it ends) and writes this pid into the lock file.
-static void out_dir_lock(const char* dir, const char* flag) {
-    char* path = path_join(dir, OUT_LOCK_NAME);
+// The lock files this process holds: removed at exit while still held (the descriptors close
+// after the atexit handlers), so a finished run leaves none behind. A run that takes a lock checks
+// that the file it locked is still the one at the path, so one removed meanwhile is not shared.
+static char* g_out_locks[2];
+
+static void out_dir_unlock(void) {
+    for (int i = 0; i < 2; i++)
+        if (g_out_locks[i]) unlink(g_out_locks[i]);
+}
+
+// Opens and locks DIR/.lock: its descriptor, or -1 when the file was replaced before the lock was
+// taken (try again). Fails naming the holder when another process holds it.
+static int out_dir_try_lock(const char* dir, const char* path, const char* flag) {
     int fd = open(path, O_RDWR | O_CREAT | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK, 0644);
     if (fd < 0 && errno == ELOOP)
         fail("flag --%s: %s is a symbolic link, where the run keeps its lock (never followed: remove it)", flag, path);
     if (fd < 0) fail("flag --%s: cannot open %s (%s)", flag, path, strerror(errno));
-    struct stat st;
+    struct stat st, now;
     if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode))
         fail("flag --%s: %s is %s, where the run keeps its lock (remove it)", flag, path, file_kind(st.st_mode));
     if (flock(fd, LOCK_EX | LOCK_NB) != 0) {
@@ -47,11 +56,25 @@ static void out_dir_lock(const char* dir, const char* flag) {
              "directory",
              flag, dir, pid, path);
     }
+    if (lstat(path, &now) == 0 && now.st_dev == st.st_dev && now.st_ino == st.st_ino) return fd;
+    close(fd);  // its holder removed it as it ended: that file locks nothing now
+    return -1;
+}
+
+// Takes DIR's lock for the rest of the process (the descriptor stays open; the kernel drops the
+// lock when the process ends, however it ends) and writes this pid into the lock file.
+static void out_dir_lock(const char* dir, const char* flag) {
+    char* path = path_join(dir, OUT_LOCK_NAME);
+    int fd = -1;
+    for (int tries = 0; fd < 0 && tries < 100; tries++) fd = out_dir_try_lock(dir, path, flag);
+    if (fd < 0) fail("flag --%s: cannot lock %s: it keeps being replaced", flag, path);
     char line[32];
     int n = snprintf(line, sizeof(line), "%ld\n", (long)getpid());
     if (ftruncate(fd, 0) != 0 || pwrite(fd, line, (size_t)n, 0) != n)
         fail("flag --%s: cannot write %s (%s)", flag, path, strerror(errno));
-    free(path);
+    int slot = g_out_locks[0] ? 1 : 0;
+    if (!g_out_locks[0] && atexit(out_dir_unlock) != 0) fail("flag --%s: cannot register the lock's removal", flag);
+    g_out_locks[slot] = path;
 }
 
 // What is at DIR/NAME, without following a link: 0 when nothing, else its mode in *mode.
