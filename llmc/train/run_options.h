@@ -1,6 +1,7 @@
 // run_options.h: what both trainers share around the model: the run options and their flag
-// table entries, mode presets, LoRA target lists, the learning-rate schedule and the device
-// choice. The models themselves live in train_llama.cu / train_vit.cu.
+// table entries, mode presets, LoRA target lists, the learning-rate schedule, the device choice
+// and the claim on the output directories (llmc/train/out_dir.h). The models themselves live in
+// train_llama.cu / train_vit.cu.
 #pragma once
 #include "../common.h"
 #include "flags.h"
@@ -424,16 +425,22 @@ static void train_refuse_model_dir_outputs(const TrainOptions* o) {
 
 // --eval-only --resume DIR evaluates the adapter that DIR's run saved: it becomes --adapter DIR
 // (what the drivers load), after rank 0 has finished or cleared an interrupted save there, under
-// DIR's lock. A --full run's save is a model directory, evaluated with --model: refused here.
+// DIR's lock (a read-only DIR is only read). A --full run's save is a model directory, evaluated
+// with --model: refused here.
 static void train_eval_resumed(TrainOptions* o, int rank) {
     if (!dir_exists(o->resume_dir)) fail("flag --resume: %s is not a directory", o->resume_dir);
     if (o->full)
         fail("flag --eval-only --resume: a --full run saves a model directory; evaluate it with --eval-only --model %s",
              o->resume_dir);
-    if (rank == 0) {
+    mode_t mode;
+    if (rank == 0 && access(o->resume_dir, W_OK) == 0) {
         out_dir_lock(o->resume_dir, "resume");
         out_dir_check_names(o->resume_dir, "resume");
         save_dir_recover(o->resume_dir);
+    } else if (rank == 0 && out_dir_entry(o->resume_dir, SAVE_COMMITTED, &mode)) {  // read-only: nothing to finish it
+        fail("flag --eval-only --resume: %s holds a save interrupted mid-publish (%s), and cannot be written to "
+             "finish it",
+             o->resume_dir, SAVE_COMMITTED);
     }
     char* adapter = path_join(o->resume_dir, "adapter_model.safetensors");
     if (!file_exists(adapter))
