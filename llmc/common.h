@@ -114,10 +114,13 @@ typedef enum { OUTPUT_TRUNCATE, OUTPUT_APPEND } OutputMode;
 // Opens an output file for writing (truncated, or appended to), created if absent.
 // O_NONBLOCK for the same reason as open_input: a FIFO left at an output's path would otherwise
 // block the open until a reader comes; fstat then refuses anything not a regular file. Returns
-// NULL with errno set (ENODEV when the path is not a regular file).
+// NULL with errno set (ENODEV when the path is not a regular file). O_NOFOLLOW: a symbolic link
+// planted at an output's name (log.csv, a save's X.tmp) fails (ELOOP) instead of being written
+// through to wherever it points.
 static FILE* open_output(const char* path, OutputMode mode) {
     int append = mode == OUTPUT_APPEND;
-    int fd = open(path, O_WRONLY | O_CREAT | O_NONBLOCK | O_CLOEXEC | (append ? O_APPEND : O_TRUNC), 0644);
+    int flags = O_WRONLY | O_CREAT | O_NONBLOCK | O_CLOEXEC | O_NOFOLLOW | (append ? O_APPEND : O_TRUNC);
+    int fd = open(path, flags, 0644);
     if (fd < 0) return NULL;
     struct stat st;
     int err = fstat(fd, &st) != 0 ? errno : S_ISREG(st.st_mode) ? 0 : ENODEV;
@@ -221,16 +224,19 @@ static void make_dirs(const char* path, const char* what) {
 }
 
 // Removes the plain files of a directory, then the directory (an abandoned save's staging
-// directory: it holds files only). Best effort: what cannot go stays for the next clean-up.
+// directory: it holds files only). Best effort: what cannot go stays for the next clean-up. Never
+// follows a symbolic link: one at `dir` is removed itself (its target untouched), and the
+// directory is opened O_NOFOLLOW, so one put there meanwhile is not entered either; entries are
+// unlinked, never recursed into.
 static void remove_flat_dir(const char* dir) {
-    DIR* d = opendir(dir);
-    if (!d) return;
-    for (struct dirent* e; (e = readdir(d)) != NULL;) {
-        if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, "..")) continue;
-        char* p = path_join(dir, e->d_name);
-        unlink(p);
-        free(p);
-    }
+    struct stat st;
+    if (lstat(dir, &st) != 0) return;
+    if (S_ISLNK(st.st_mode)) { unlink(dir); return; }
+    int fd = open(dir, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+    DIR* d = fd >= 0 ? fdopendir(fd) : NULL;
+    if (!d) { if (fd >= 0) close(fd); return; }
+    for (struct dirent* e; (e = readdir(d)) != NULL;)
+        if (strcmp(e->d_name, ".") && strcmp(e->d_name, "..")) unlinkat(dirfd(d), e->d_name, 0);
     closedir(d);
     rmdir(dir);
 }
@@ -291,6 +297,8 @@ static AtomicFile atomic_open(const char* path) {
         const char* kind = stat(a.tmp_path, &st) == 0 ? file_kind(st.st_mode) : "not a regular file";
         fail("%s: is %s, expected a regular file or nothing", a.tmp_path, kind);
     }
+    if (!a.f && errno == ELOOP)  // a symbolic link there: refused, neither followed nor removed
+        fail("%s: is a symbolic link, expected a regular file or nothing (never written through)", a.tmp_path);
     if (!a.f) atomic_fail(&a, a.tmp_path, "cannot open for writing");
     return a;
 }

@@ -66,29 +66,40 @@ static void save_publish(const char* out, int64_t step) {
     free(done);
 }
 
+// Whether path is a directory itself; a symbolic link there is refused, never followed (its
+// target's files would be moved into OUT, or deleted). run_options.h checks the names at start.
+static int save_real_dir(const char* path) {
+    struct stat st;
+    if (lstat(path, &st) != 0) return 0;
+    if (S_ISLNK(st.st_mode)) fail("%s: is a symbolic link, where the trainer stages its saves (never followed)", path);
+    if (!S_ISDIR(st.st_mode))
+        fail("%s: is %s, where the trainer stages its saves (remove it)", path, file_kind(st.st_mode));
+    return 1;
+}
+
+// Every file a save or the run writes into OUT, whatever the model: the state, the adapter, a --full
+// model directory's files, the log. Each is written as NAME.tmp, then renamed to NAME.
+static const char* const SAVE_OUTPUT_NAMES[] = {SAVE_STATE_NAME,         "adapter_model.safetensors",
+                                                "adapter_config.json",   "model.safetensors",
+                                                "config.json",           "generation_config.json",
+                                                "tokenizer.bin",         "tokenizer.json",
+                                                "tokenizer_config.json", "special_tokens_map.json",
+                                                "preprocessor_config.json", "log.csv"};
+#define SAVE_OUTPUT_COUNT (sizeof(SAVE_OUTPUT_NAMES) / sizeof(SAVE_OUTPUT_NAMES[0]))
+
 // Brings OUT to one consistent save: finishes a committed one (a kill mid-publish), deletes an
 // uncommitted staging directory and the temporary files that interrupted writes of older
 // versions left beside the outputs. Run by rank 0 before a save and before a resume reads OUT.
 static void save_dir_recover(const char* out) {
     char* done = path_join(out, SAVE_COMMITTED);
-    if (dir_exists(done)) save_publish(out, -1);
+    if (save_real_dir(done)) save_publish(out, -1);
     char* stage = path_join(out, SAVE_STAGING);
-    if (dir_exists(stage)) remove_flat_dir(stage);
-    static const char* const names[] = {SAVE_STATE_NAME,
-                                        "adapter_model.safetensors",
-                                        "adapter_config.json",
-                                        "model.safetensors",
-                                        "config.json",
-                                        "generation_config.json",
-                                        "tokenizer.bin",
-                                        "tokenizer.json",
-                                        "tokenizer_config.json",
-                                        "special_tokens_map.json",
-                                        "preprocessor_config.json",
-                                        "log.csv"};
-    for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++) {
+    remove_flat_dir(stage);  // a symbolic link there goes itself, its target untouched
+    for (size_t i = 0; i < SAVE_OUTPUT_COUNT; i++) {
         char tmp[4096];
-        if ((size_t)snprintf(tmp, sizeof(tmp), "%s/%s.tmp", out, names[i]) < sizeof(tmp) && file_exists(tmp))
+        struct stat st;  // a link there goes itself (unlink never follows one)
+        int fits = (size_t)snprintf(tmp, sizeof(tmp), "%s/%s.tmp", out, SAVE_OUTPUT_NAMES[i]) < sizeof(tmp);
+        if (fits && lstat(tmp, &st) == 0 && (S_ISREG(st.st_mode) || S_ISLNK(st.st_mode)))
             unlink(tmp);
     }
     free(stage);
@@ -96,10 +107,21 @@ static void save_dir_recover(const char* out) {
 }
 
 // Starts a save into OUT: recovers OUT, then returns the fresh staging directory to write into.
+// mkdir fails on any existing name (a link, a file, another run's directory), so the stage written
+// into is always the one made here. A save that fails on the way (fail() exits) removes it.
+static char* g_save_stage;
+
+static void save_stage_cleanup(void) {
+    if (g_save_stage) remove_flat_dir(g_save_stage);
+}
+
 static char* save_begin(const char* out) {
     save_dir_recover(out);
     char* stage = path_join(out, SAVE_STAGING);
     if (mkdir(stage, 0755) != 0) fail("%s: cannot create the save's staging directory (%s)", stage, strerror(errno));
+    static int registered;
+    if (!registered) registered = atexit(save_stage_cleanup) == 0;
+    g_save_stage = stage;
     return stage;
 }
 
@@ -109,6 +131,7 @@ static void save_commit(const char* out, char* stage, int64_t step) {
     save_fault_point(step, "staged");
     char* done = path_join(out, SAVE_COMMITTED);
     if (rename(stage, done) != 0) fail("%s: cannot commit the save (%s)", done, strerror(errno));
+    g_save_stage = NULL;  // committed: the next save or resume finishes it
     save_fsync_dir(out);
     save_fault_point(step, "committed");
     save_publish(out, step);
@@ -149,24 +172,46 @@ static char* export_dir_name(const char* dir, const char* what) {
     return d;
 }
 
-// Refuses a dir that is not a directory, or that holds anything an export does not write.
-static void export_dir_check_contents(const char* dir, const char* what) {
+// Refuses a dir that is not a directory, or that holds anything an export does not write. With
+// `link` EXPORT_NO_LINK (the stage names DIR.export.tmp, DIR.replaced.tmp) a symbolic link there is
+// refused too: they are deleted and renamed, and a link would carry that to its target.
+typedef enum { EXPORT_LINK_OK, EXPORT_NO_LINK } ExportLink;
+static void export_dir_check_contents(const char* dir, const char* what, ExportLink link) {
     struct stat st;
+    if (lstat(dir, &st) != 0) return;
+    if (S_ISLNK(st.st_mode) && link == EXPORT_NO_LINK)
+        fail("%s: %s is a symbolic link, where the export stages its files (never followed: remove it)", what, dir);
     if (stat(dir, &st) != 0) return;
     if (!S_ISDIR(st.st_mode)) fail("%s: %s exists and is not a directory", what, dir);
     DIR* d = opendir(dir);
     if (!d) fail("%s: cannot list %s (%s)", what, dir, strerror(errno));
     for (struct dirent* e; (e = readdir(d)) != NULL;)
-        if (strcmp(e->d_name, ".") && strcmp(e->d_name, "..") && !export_dir_own_file(e->d_name))
+        if (strcmp(e->d_name, ".") && strcmp(e->d_name, "..") && !export_dir_own_file(e->d_name)) {
+            closedir(d);
             fail("%s: %s holds %s, which an export does not write; the export replaces the whole directory, so give "
                  "a new or empty one (or one an earlier export wrote)", what, dir, e->d_name);
+        }
     closedir(d);
 }
 
-// Refuses a DIR an export cannot replace; run before the training, so as not to refuse after it.
+// DIR with a suffix (".export.tmp", ".replaced.tmp"): the export's stage names beside it.
+static char* export_dir_sibling(const char* d, const char* suffix) {
+    char* p = (char*)xmalloc(strlen(d) + strlen(suffix) + 1);
+    sprintf(p, "%s%s", d, suffix);
+    return p;
+}
+
+// Refuses a DIR an export cannot replace, or stage names it could not use; run before the
+// training, so as not to refuse after it.
 static void export_dir_check(const char* dir, const char* what) {
     char* d = export_dir_name(dir, what);
-    export_dir_check_contents(d, what);
+    export_dir_check_contents(d, what, EXPORT_LINK_OK);
+    char* stage = export_dir_sibling(d, ".export.tmp");
+    char* old = export_dir_sibling(d, ".replaced.tmp");
+    export_dir_check_contents(stage, what, EXPORT_NO_LINK);
+    export_dir_check_contents(old, what, EXPORT_NO_LINK);
+    free(old);
+    free(stage);
     free(d);
 }
 
@@ -179,13 +224,13 @@ static void export_dir_cleanup(void) {
 // Starts an export into DIR: checks DIR, clears a stage a killed export left, and returns the
 // fresh stage to write into.
 static char* export_dir_begin(const char* dir, const char* what) {
+    export_dir_check(dir, what);
     char* d = export_dir_name(dir, what);
-    export_dir_check_contents(d, what);
-    char* stage = (char*)xmalloc(strlen(d) + 16);
-    sprintf(stage, "%s.export.tmp", d);
-    export_dir_check_contents(stage, what);
-    if (dir_exists(stage)) remove_flat_dir(stage);
+    char* stage = export_dir_sibling(d, ".export.tmp");
+    remove_flat_dir(stage);
     make_dirs(stage, what);
+    struct stat st;  // made here, not a link put in its place since
+    if (lstat(stage, &st) != 0 || !S_ISDIR(st.st_mode)) fail("%s: %s is not the directory just made", what, stage);
     static int registered;
     if (!registered) registered = atexit(export_dir_cleanup) == 0;
     g_export_stage = stage;
@@ -199,9 +244,8 @@ static void export_dir_commit(const char* dir, char* stage) {
     save_fsync_dir(stage);
     char* old = NULL;
     if (dir_exists(d)) {
-        old = (char*)xmalloc(strlen(d) + 16);
-        sprintf(old, "%s.replaced.tmp", d);
-        if (dir_exists(old)) remove_flat_dir(old);
+        old = export_dir_sibling(d, ".replaced.tmp");
+        remove_flat_dir(old);  // a link goes itself, never its target
         if (rename(d, old) != 0) fail("%s: cannot move the earlier export aside (%s)", d, strerror(errno));
     }
     if (rename(stage, d) != 0) fail("%s: cannot move the export into place (%s)", d, strerror(errno));

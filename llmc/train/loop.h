@@ -205,9 +205,10 @@ static FILE* train_open_log(const TrainOptions* o, int rank0, const char* header
     const char* out = o->out_dir ? o->out_dir : o->resume_dir;
     if (!out || !rank0) return NULL;
     char* lp = path_join(out, "log.csv");
-    struct stat st;
-    if (stat(lp, &st) == 0 && !S_ISREG(st.st_mode))  // a FIFO there would block the open until read
-        fail("flag --%s: %s is %s, expected a regular file", o->out_dir ? "out" : "resume", lp, file_kind(st.st_mode));
+    struct stat st;  // a FIFO there would block the open until read; a link is never followed
+    if (lstat(lp, &st) == 0 && !S_ISREG(st.st_mode))
+        fail("flag --%s: %s is %s, expected a regular file", o->out_dir ? "out" : "resume", lp,
+             S_ISLNK(st.st_mode) ? "a symbolic link" : file_kind(st.st_mode));
     if (o->resume_dir) train_trim_log(lp, start, header);
     FILE* log = open_output(lp, o->resume_dir ? OUTPUT_APPEND : OUTPUT_TRUNCATE);
     if (!log) fail("flag --out: cannot write %s (%s)", lp, strerror(errno));
@@ -328,22 +329,102 @@ static EvalResult train_validate_if_due(const Trainer* t, const TrainOptions* o,
     return t->evaluate(t->model, o->val_batches);
 }
 
+// Top-level keys of config.json that do not change the function a run trains: where the file came
+// from and for which library version, and a cache switch of generation. Every other key counts.
+static const char* const CONFIG_NOT_MATH[] = {"_name_or_path", "transformers_version", "_commit_hash", "use_cache"};
+// The fields a config change most often touches, named in the settings so that a refused resume
+// says which one changed; any other change shows as config_fingerprint.
+static const char* const CONFIG_NAMED[] = {"rope_theta", "rms_norm_eps", "layer_norm_eps"};
+
+// A parsed JSON value's fingerprint: an object's keys in any order give the same one. At the top
+// level (CONFIG_TOP) the keys of CONFIG_NOT_MATH are left out.
+typedef enum { CONFIG_NESTED, CONFIG_TOP } ConfigLevel;
+static uint64_t json_value_fingerprint(const Json* j, ConfigLevel level) {
+    Fingerprint f;
+    fp_init(&f);
+    int type = (int)j->type;
+    fp_update(&f, &type, sizeof(type));
+    uint64_t sum = 0;
+    if (j->type == JSON_NUMBER) fp_update(&f, &j->number, sizeof(j->number));
+    if (j->type == JSON_BOOL) fp_update(&f, &j->boolean, sizeof(j->boolean));
+    if (j->type == JSON_STRING) fp_update(&f, j->string, strlen(j->string));
+    for (int i = 0; j->type == JSON_ARRAY && i < j->count; i++) {
+        uint64_t h = json_value_fingerprint(&j->items[i], CONFIG_NESTED);
+        fp_update(&f, &h, sizeof(h));
+    }
+    for (int i = 0; j->type == JSON_OBJECT && i < j->count; i++) {
+        int skip = 0;
+        for (size_t k = 0; level == CONFIG_TOP && k < sizeof(CONFIG_NOT_MATH) / sizeof(CONFIG_NOT_MATH[0]); k++)
+            skip |= !strcmp(j->keys[i], CONFIG_NOT_MATH[k]);
+        if (skip) continue;
+        Fingerprint kf;
+        fp_init(&kf);
+        uint64_t h = json_value_fingerprint(&j->items[i], CONFIG_NESTED);
+        fp_update(&kf, j->keys[i], strlen(j->keys[i]));
+        fp_update(&kf, &h, sizeof(h));
+        sum += fp_final(&kf);
+    }
+    fp_update(&f, &sum, sizeof(sum));
+    return fp_final(&f);
+}
+
+// The base model a run computes with: its tensors (0 under --random-init: --seed says which) and
+// its config.json's math (rope_theta, the norms' epsilon, ...: what changes the function without
+// changing a tensor), parsed, so that a reformatted or re-saved file is the same model.
+typedef struct {
+    uint64_t weights, config;
+    char named[160];  // " rope_theta=... rms_norm_eps=..." for the fields config.json has
+} BaseIdentity;
+
+static BaseIdentity train_base_identity(const TrainOptions* o) {
+    BaseIdentity id;
+    memset(&id, 0, sizeof(id));
+    id.weights = o->random_init ? 0 : st_model_fingerprint(o->model_dir);
+    char* path = path_join(o->model_dir, "config.json");
+    size_t n = 0;
+    char* text = read_file(path, &n);
+    Json cfg = json_parse(text, n, path);
+    id.config = json_value_fingerprint(&cfg, CONFIG_TOP);
+    for (size_t k = 0; k < sizeof(CONFIG_NAMED) / sizeof(CONFIG_NAMED[0]); k++) {
+        const Json* v = json_get(&cfg, CONFIG_NAMED[k]);
+        if (v && v->type == JSON_NUMBER)
+            str_appendf(id.named, sizeof(id.named), " %s=%.9g", CONFIG_NAMED[k], v->number);
+    }
+    json_free(&cfg);
+    free(text);
+    free(path);
+    return id;
+}
+
 // The run's settings with the identity of its base model and data appended: what a saved state
 // records and a resume must match, and what every rank must share.
-static void train_settings_with_identity(const Trainer* t, const TrainOptions* o, char* buf, size_t n) {
-    uint64_t model = o->random_init ? 0 : st_model_fingerprint(o->model_dir);  // random: --seed says which
-    snprintf(buf, n, "model_fingerprint=%016llx data_fingerprint=%016llx ", (unsigned long long)model,
+static void train_settings_with_identity(const Trainer* t, const BaseIdentity* base, char* buf, size_t n) {
+    snprintf(buf, n, "model_fingerprint=%016llx%s config_fingerprint=%016llx data_fingerprint=%016llx ",
+             (unsigned long long)base->weights, base->named, (unsigned long long)base->config,
              (unsigned long long)t->data_fingerprint);
     str_appendf(buf, n, "%s", t->settings);
 }
 
+// --export-merged reads the base checkpoint again: it must still be the model trained on (a file
+// replaced meanwhile would get the adapter merged into another model), else the export is refused.
+static void train_check_base_unchanged(const TrainOptions* o, const BaseIdentity* start) {
+    BaseIdentity now = train_base_identity(o);
+    if (now.weights == start->weights && now.config == start->config) return;
+    fail("flag --export-merged: the base model in --model %s changed during the run (its %s fingerprint was %016llx "
+         "at the start, now %016llx); the export would merge into another model: put the original back and export "
+         "again",
+         o->model_dir, now.weights != start->weights ? "weights'" : "config.json's",
+         (unsigned long long)(now.weights != start->weights ? start->weights : start->config),
+         (unsigned long long)(now.weights != start->weights ? now.weights : now.config));
+}
+
 // The training loop: resume, the model's validation before any update, then each step with its
 // line, log row, validation and save, and the closing summary.
-static void train_loop(const Trainer* t, const TrainOptions* o, const Dist* dist) {
+static void train_loop(const Trainer* t, const TrainOptions* o, const Dist* dist, const BaseIdentity* base) {
     int rank0 = dist->rank == 0;
     const char* out = o->out_dir ? o->out_dir : o->resume_dir;
     char settings[STATE_SETTINGS_BYTES];
-    train_settings_with_identity(t, o, settings, sizeof(settings));
+    train_settings_with_identity(t, base, settings, sizeof(settings));
     dist_check_same(dist, "the model, the data and the run's settings", settings);
     int start = train_resume(t->tr, o, settings, t->cursor, dist);
     char header[128], val[96];
@@ -383,18 +464,22 @@ static void train_loop(const Trainer* t, const TrainOptions* o, const Dist* dist
 }
 
 // main's closing half, for every model: --eval-only's validation, or training on --data, then
-// --export-merged (rank 0).
+// --export-merged (rank 0), from the base model the run started with.
 static void train_run(const Trainer* t, const TrainOptions* o, const Dist* dist) {
+    int trains = !o->eval_only && o->data_path, exports = o->export_merged && dist->rank == 0;
+    BaseIdentity base;
+    memset(&base, 0, sizeof(base));
+    if (trains || exports) base = train_base_identity(o);
     if (o->eval_only && train_evaluates(dist)) {
         EvalResult e = t->evaluate(t->model, o->val_batches);
         if (dist->rank == 0 && t->classifier)
             printf("val loss %.6f | val acc %.6f (%lld images)\n", e.loss, e.accuracy, (long long)e.items);
         else if (dist->rank == 0) printf("val loss %.6f\n", e.loss);
-    } else if (!o->eval_only && o->data_path) {
-        if (o->export_merged && dist->rank == 0) export_dir_check(o->export_merged, "flag --export-merged");
-        train_loop(t, o, dist);
+    } else if (trains) {
+        train_loop(t, o, dist, &base);
     }
-    if (o->export_merged && dist->rank == 0) {  // written whole or not at all (atomic_save.h)
+    if (exports) {  // written whole or not at all (atomic_save.h); its directory was checked at start (run_options.h)
+        train_check_base_unchanged(o, &base);
         char* stage = export_dir_begin(o->export_merged, "flag --export-merged");
         t->export_merged(t->model, o, stage);
         export_dir_commit(o->export_merged, stage);

@@ -1,10 +1,13 @@
 // run_options.h: what both trainers share around the model: the run options and their flag
-// table entries, mode presets, LoRA target lists, the learning-rate schedule and the device
-// choice. The models themselves live in train_llama.cu / train_vit.cu.
+// table entries, mode presets, LoRA target lists, the learning-rate schedule, the device choice
+// and the claim on the output directories (llmc/train/out_dir.h). The models themselves live in
+// train_llama.cu / train_vit.cu.
 #pragma once
 #include "../common.h"
 #include "flags.h"
+#include "out_dir.h"
 #include <limits.h>
+#include <signal.h>
 #include <omp.h>
 
 typedef struct {
@@ -420,11 +423,64 @@ static void train_refuse_model_dir_outputs(const TrainOptions* o) {
             o->out_dir ? "out" : "resume", out, o->model_dir);
 }
 
+// --eval-only --resume DIR evaluates the adapter that DIR's run saved: it becomes --adapter DIR
+// (what the drivers load), after rank 0 has finished or cleared an interrupted save there, under
+// DIR's lock (a read-only DIR is only read). A --full run's save is a model directory, evaluated
+// with --model: refused here.
+static void train_eval_resumed(TrainOptions* o, int rank) {
+    if (!dir_exists(o->resume_dir)) fail("flag --resume: %s is not a directory", o->resume_dir);
+    if (o->full)
+        fail("flag --eval-only --resume: a --full run saves a model directory; evaluate it with --eval-only --model %s",
+             o->resume_dir);
+    mode_t mode;
+    if (rank == 0 && access(o->resume_dir, W_OK) == 0) {
+        out_dir_lock(o->resume_dir, "resume");
+        out_dir_check_names(o->resume_dir, "resume");
+        save_dir_recover(o->resume_dir);
+    } else if (rank == 0 && out_dir_entry(o->resume_dir, SAVE_COMMITTED, &mode)) {  // read-only: nothing to finish it
+        fail("flag --eval-only --resume: %s holds a save interrupted mid-publish (%s), and cannot be written to "
+             "finish it",
+             o->resume_dir, SAVE_COMMITTED);
+    }
+    char* adapter = path_join(o->resume_dir, "adapter_model.safetensors");
+    if (!file_exists(adapter))
+        fail("flag --eval-only --resume: %s holds no saved adapter (%s is missing)", o->resume_dir, adapter);
+    free(adapter);
+    o->adapter_dir = o->resume_dir;
+    o->resume_dir = NULL;
+}
+
+// Rank 0's claim on the directories the run writes, before anything is read: the lock of each
+// (--out, --resume's), the names a save writes there, another run's save in a new run's --out,
+// and --export-merged's directory against them. A write past the file size limit (SIGXFSZ,
+// RLIMIT_FSIZE) fails with EFBIG, which the writers report in one line, removing their stage.
+static void train_claim_outputs(const TrainOptions* o) {
+    signal(SIGXFSZ, SIG_IGN);
+    out_dir_check_export(o->export_merged, o->out_dir, "out");  // before --out holds the lock file
+    out_dir_check_export(o->export_merged, o->resume_dir, "resume");
+    int trains = o->data_path && !o->eval_only;
+    int same = o->out_dir && o->resume_dir && same_directory(o->out_dir, o->resume_dir);
+    if (trains && o->resume_dir) {
+        out_dir_lock(o->resume_dir, "resume");
+        out_dir_check_names(o->resume_dir, "resume");
+    }
+    if (trains && o->out_dir && !same) {
+        out_dir_lock(o->out_dir, "out");
+        out_dir_check_names(o->out_dir, "out");
+        out_dir_refuse_other_run(o->out_dir, o->full);
+    }
+    if (o->export_merged) {
+        export_dir_check(o->export_merged, "flag --export-merged");
+        out_dir_check_export_writable(o->export_merged);
+    }
+}
+
 // The run-level checks and setup shared by the trainers (after the dry-run branch): flags that
-// need each other, threads, and the output directory (made by rank 0). The backend is chosen by
-// backend_init (llmc/backend.h).
-static void train_prepare_run(const TrainOptions* o, int rank) {
+// need each other, threads, and the output directory (made and claimed by rank 0). The backend is
+// chosen by backend_init (llmc/backend.h).
+static void train_prepare_run(TrainOptions* o, int rank) {
     if (o->eval_only && !o->val_path) fail("flag --eval-only: needs --val");
+    if (o->eval_only && o->resume_dir) train_eval_resumed(o, rank);
     if (o->resume_dir && !o->data_path) fail("flag --resume: needs --data (the same training data as the saved run)");
     if (o->resume_dir && !dir_exists(o->resume_dir)) fail("flag --resume: %s is not a directory", o->resume_dir);
     if (o->stop_at && !o->out_dir && !o->resume_dir)
@@ -432,4 +488,5 @@ static void train_prepare_run(const TrainOptions* o, int rank) {
     train_refuse_model_dir_outputs(o);
     if (o->threads > 0) omp_set_num_threads(o->threads);
     if (o->out_dir && rank == 0) make_dirs(o->out_dir, "flag --out");
+    if (rank == 0) train_claim_outputs(o);
 }

@@ -1,9 +1,10 @@
 // train_state.h: the resumable training state: trainable weights, AdamW moments, the step, the
-// data cursor, the seed, and a settings line that must match on resume (model shape, modes,
-// LoRA shape, batch geometry). Written atomically (temporary file, fsync, rename), so a run
-// killed at any moment resumes from the last complete save. Its last four bytes are the CRC-32 of
-// everything before them, and it records the CRC-32 of the file saved with it (the adapter, or
-// under --full the model), so a resume catches a corrupt state and a pair from two saves.
+// data cursor, the seed, and a settings line that must match on resume (the base model's tensors
+// and config.json, the data, model shape, modes, LoRA shape, batch geometry). Written atomically
+// (temporary file, fsync, rename), so a run killed at any moment resumes from the last complete
+// save. Its last four bytes are the CRC-32 of everything before them, and it records the CRC-32
+// of the file saved with it (the adapter, or under --full the model), so a resume catches a
+// corrupt state and a pair from two saves.
 #pragma once
 #include <math.h>
 #include "../common.h"
@@ -12,7 +13,7 @@
 #include "zero.h"
 
 #define STATE_MAGIC "LMFTSTAT"
-#define STATE_VERSION 2u
+#define STATE_VERSION 3u  // 3: the settings hold config.json's identity (llmc/train/loop.h)
 #define STATE_SETTINGS_BYTES 1024
 #define STATE_COMPANION_BYTES 64
 
@@ -58,9 +59,11 @@ static void state_explain_mismatch(char* err, size_t n, const char* path, const 
     char* ta = strtok_r(a, " ", &sa);
     char* tb = strtok_r(b, " ", &sb);
     while (ta && tb && strcmp(ta, tb) == 0) { ta = strtok_r(NULL, " ", &sa); tb = strtok_r(NULL, " ", &sb); }
+    const char* key = ta ? ta : tb ? tb : "";
+    const char* hint = !strncmp(key, "config_fingerprint=", 19) ? "the model directory's config.json changed; " : "";
     snprintf(err, n,
-             "%s: the saved run does not match this one: saved %s, now %s (resume with the same model and flags)", path,
-             ta ? ta : "(nothing)", tb ? tb : "(nothing)");
+             "%s: the saved run does not match this one: saved %s, now %s (%sresume with the same model and flags)",
+             path, ta ? ta : "(nothing)", tb ? tb : "(nothing)", hint);
 }
 
 // The first value of the state's three arrays that no training run can have saved (a skipped

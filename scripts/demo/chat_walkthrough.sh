@@ -61,6 +61,7 @@ run ./train_llama --model "$MODEL" --device "$DEVICE" --threads "$THREADS" --gen
     --chat --prompt "Who are you?"
 
 echo "== 4. LoRA fine-tuning, $STEPS steps, lowmem mode"
+rm -rf "$OUT/run"  # a new run: the trainer refuses an --out that holds an earlier one
 run ./train_llama --model "$MODEL" --data "$OUT/pip_train.bin" --val "$OUT/pip_val.bin" --device "$DEVICE" \
     --threads "$THREADS" --mode lowmem --lora-rank 8 --lora-alpha 16 --batch 4 --seq 128 --steps "$STEPS" \
     --lr 1e-3 --warmup 3 --val-every 10 --out "$OUT/run"

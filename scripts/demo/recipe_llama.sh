@@ -52,5 +52,6 @@ fi
 RECIPE=(--mode lowmem --lora-rank 64 --lora-alpha 16 --lora-dropout 0.1 --lora-targets q,k,v,o,gate,up,down
         --grad-clip 0.3 --lr "$LR" --warmup 0 --min-lr-frac 1 --weight-decay 0)
 echo "recipe: ./train_llama --model $MODEL ${QUANT[*]} ${RECIPE[*]} ..."
+rm -rf "$OUT/run"  # a new run: the trainer refuses an --out that holds an earlier one
 ./train_llama --model "$MODEL" "${QUANT[@]}" "${RECIPE[@]}" --data "$OUT/instr_train.bin" --val "$OUT/instr_val.bin" \
     --steps "$STEPS" --batch "$BATCH" --seq "$SEQ" --val-every 20 --device "$DEVICE" --threads "$THREADS" --out "$OUT/run"
