@@ -27,8 +27,17 @@ static void print_ids(const int* ids, int n) {
 }
 
 static int probe_dir(int argc, char** argv) {
+    int vocab = 1 << 30;  // a tokenizer.json's ids are checked against it; a tokenizer.bin's count must equal it
+    char* bin = path_join(argv[1], "tokenizer.bin");
+    if (optional_file_exists(bin)) {
+        Tokenizer b;
+        tokenizer_load(&b, bin, 0);
+        vocab = b.vocab_size;
+        tokenizer_free(&b);
+    }
+    free(bin);
     ModelTokenizer t;
-    model_tokenizer_load(&t, argv[1], 1 << 30, -1);
+    model_tokenizer_load(&t, argv[1], vocab, -1);
     if (strcmp(argv[2], "info") == 0) {
         printf("%s %d", t.is_hf ? "hf" : "bin", t.bos_id);
         for (int k = 0; k < t.n_end; k++) printf(" %d", t.end_ids[k]);
