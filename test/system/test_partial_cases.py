@@ -15,7 +15,7 @@ import sys
 import numpy as np
 import pytest
 
-from test_bad_inputs import ENV, LLAMA, LTRAIN, REPO, VIT, expect_one_line_error, llama, vit
+from test_bad_inputs import ENV, LLAMA, LTRAIN, REPO, VIT, VTRAIN, expect_one_line_error, llama, vit
 from llama_cases import auto_smallest_tile
 
 sys.path.insert(0, os.path.join(REPO, "scripts", "data"))
@@ -188,3 +188,18 @@ def test_invalid_generation_config_beside_a_tokenizer_bin_is_one_line(bin_dir):
     p = probe(bin_dir, "info")
     assert p.returncode == 1 and len(p.stderr.strip().splitlines()) == 1, p.stderr
     assert "generation_config.json" in p.stderr and p.stderr.startswith("error: ")
+
+
+# ---- 14: the other trainer's data -------------------------------------------------------------
+
+@pytest.mark.parametrize("prog", ["llama", "vit"])
+def test_the_other_trainers_shard_is_named_as_such(prog):
+    """An image shard given to train_llama (a token shard to train_vit) was "bad magic" with advice to
+    make a shard of the other kind; it now says whose data it is."""
+    if prog == "llama":
+        args = ["--model", LLAMA, "--data", VTRAIN, "--steps", 1, "--batch", 1, "--seq", 16]
+        needles = [VTRAIN, "image shard", "train_vit"]
+    else:
+        args = ["--model", VIT, "--data", LTRAIN, "--steps", 1, "--batch", 2]
+        needles = [LTRAIN, "token shard", "train_llama"]
+    expect_one_line_error(prog, args, needles)
