@@ -179,12 +179,11 @@ MAX_LINE_CHARS = 1 << 20
 
 def check_line_lengths(path, text, jsonl):
     """Refuses a line over MAX_LINE_CHARS, naming it and what to do."""
-    m = re.search(r"[^\n]{%d}" % (MAX_LINE_CHARS + 1), text)
-    if not m:
+    lengths = list(map(len, text.split("\n")))  # linear (a regex for a long run of non-newlines is quadratic)
+    n = max(lengths)
+    if n <= MAX_LINE_CHARS:
         return
-    lineno = text.count("\n", 0, m.start()) + 1
-    end = text.find("\n", m.start())
-    n = (len(text) if end < 0 else end) - m.start()
+    lineno = lengths.index(n) + 1
     advice = ("split the example into shorter ones" if jsonl else
               f"break it into lines, e.g. `fold -s -w 1000 {path}` (breaks at spaces)")
     raise PrepError(f"{path}: line {lineno} has {n} characters, more than the {MAX_LINE_CHARS} a line may have "
