@@ -243,3 +243,22 @@ def test_a_huge_size_is_refused(tmp_path):
     Image.fromarray(np.zeros((4, 4, 3), np.uint8)).save(tmp_path / "imgs" / "a" / "x.png")
     one_line_error(run("prepare_images.py", "--folder", tmp_path / "imgs", "--size", "100000", "--out",
                        tmp_path / "s.bin"), "error: ", "--size", "100000", pi.MAX_SIDE)
+
+
+def test_weight_zero_through_the_models_own_template(tmp_path):
+    """The same through a model's own chat_template (rendered by jinja2, spans found by rendering
+    prefixes): the weight-0 reply is rendered but not a target, and the template never sees the key."""
+    from test_gguf_export import export, need_gguf, write_tiny_gguf
+    need_gguf()
+    write_tiny_gguf(tmp_path / "tiny.gguf")
+    res = export(tmp_path / "tiny.gguf", tmp_path / "model")
+    assert res.returncode == 0, res.stderr
+    tok_path = tmp_path / "model" / "tokenizer.bin"
+    write_jsonl(tmp_path / "c.jsonl", [{"messages": CHAT}])
+    p = run("prepare_text.py", "--tokenizer", tok_path, "--input", tmp_path / "c.jsonl", "--out", tmp_path / "o",
+            "--val-frac", "0")
+    assert p.returncode == 0, p.stderr
+    ids, mask, _, starts = shards.read_shard(str(tmp_path / "o_train.bin"), with_starts=True)
+    tok = Tokenizer(str(tok_path))
+    assert pieces_by_mask(tok, ids, mask, starts) == ["Goodbye.<|im_end|>"]
+    assert "<|im_start|>assistant\nHello!<|im_end|>" in tok.decode([int(t) for t in ids])
