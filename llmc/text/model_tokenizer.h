@@ -150,6 +150,19 @@ static int* model_tokenizer_encode_plain(const ModelTokenizer* t, const char* te
     return ids;
 }
 
+// Refuses a prompt (chat: a rendered chat template, fed without BOS) of more tokens than the
+// `window` generation runs in: the model would see only the window's last half of it (the
+// restart of a full cache), silently. `window_what` says what sets the window (a flag).
+static void model_tokenizer_check_prompt(const ModelTokenizer* t, const char* text, int chat, int window,
+                                         const char* window_what) {
+    int n, *ids = chat ? model_tokenizer_encode_plain(t, text, &n) : model_tokenizer_encode(t, text, &n);
+    free(ids);
+    if (n > window)
+        fail("flag --%s: %d tokens, more than the %d-token window generation runs in (%s); the model would see only "
+             "its last %d tokens; give a shorter prompt%s", chat ? "chat" : "prompt", n, window, window_what,
+             window / 2 > 0 ? window / 2 : 1, strstr(window_what, "--seq") ? " or a longer --seq" : "");
+}
+
 // Whether id is a token the tokenizer matches whole in text (an added or special token).
 static int model_tokenizer_is_special(const ModelTokenizer* t, int id) {
     int n = t->is_hf ? t->hf.n_added : t->bin.n_special;

@@ -2,7 +2,7 @@
 float flags that underflow, a huge --grad-accum, the fit error's suggested --batch/--grad-accum,
 --stop-at below the saved step, a full stdout, a 1-class image shard, a safetensors header over
 the cap, and (through build/test/tokenizer_probe, llmc/text/model_tokenizer.h) generation_config.json
-beside a tokenizer.bin. The Python scripts' cases
+beside a tokenizer.bin and a prompt longer than the generation window. The Python scripts' cases
 are in test/formats/test_prepare_partial_cases.py."""
 import json
 import os
@@ -188,6 +188,20 @@ def test_invalid_generation_config_beside_a_tokenizer_bin_is_one_line(bin_dir):
     p = probe(bin_dir, "info")
     assert p.returncode == 1 and len(p.stderr.strip().splitlines()) == 1, p.stderr
     assert "generation_config.json" in p.stderr and p.stderr.startswith("error: ")
+
+
+def test_a_prompt_longer_than_the_window_is_refused(bin_dir):
+    """The generation window restarts from its last half when full: a prompt longer than the window
+    was cut to its last half-window silently. The count comes from the prompt's own ids."""
+    prompt = "Once upon a time there was a little dog. " * 4
+    ids = probe(bin_dir, "encode", prompt)
+    assert ids.returncode == 0, ids.stderr
+    n = len(ids.stdout.split())
+    ok = probe(bin_dir, "check-prompt", n, prompt)
+    assert ok.returncode == 0 and ok.stdout.strip() == "ok", ok.stderr
+    p = probe(bin_dir, "check-prompt", n - 1, prompt)
+    assert p.returncode == 1 and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert f"{n} tokens" in p.stderr and f"{n - 1}-token window" in p.stderr and "--prompt" in p.stderr
 
 
 # ---- 14: the other trainer's data -------------------------------------------------------------
