@@ -25,8 +25,12 @@
 // stops (MPI_Abort) instead of leaving the other ranks waiting.
 static void (*g_fail_hook)(int status) = NULL;
 
+// Set by fail(): its line is the report, so the exit check of stdout (below) adds none.
+static int g_failed = 0;
+
 static void fail(const char* fmt, ...) LLMC_PRINTF(1, 2);
 static void fail(const char* fmt, ...) {
+    g_failed = 1;
     // the line goes out in one write: under mpirun each write is forwarded on its own, and the
     // launcher's abort banner must not land inside it
     char line[4096] = "error: ";  // PIPE_BUF on Linux
@@ -45,6 +49,27 @@ static void fail(const char* fmt, ...) {
     (void)wrote;
     if (g_fail_hook) g_fail_hook(1);
     exit(1);
+}
+
+// At exit (atexit): output lost to a full disk or a failed write must not end in status 0, so
+// stdout is flushed and its error flag read, and a failure is one line and status 1.
+static void stdout_check_at_exit(void) {
+    if (g_failed) return;
+    int flush_failed = fflush(stdout) != 0;
+    if (!flush_failed && !ferror(stdout)) return;
+    char line[256];
+    snprintf(line, sizeof line, "error: writing standard output failed (%s); the output is incomplete\n",
+             flush_failed ? strerror(errno) : "an earlier write");
+    ssize_t wrote = write(fileno(stderr), line, strlen(line));
+    (void)wrote;
+    _exit(1);  // exit() may not be called again from an atexit handler
+}
+
+// Registers stdout_check_at_exit once (every program calls it as it starts: flags_parse).
+static void stdout_check_at_exit_register(void) {
+    static int registered = 0;
+    if (!registered) atexit(stdout_check_at_exit);
+    registered = 1;
 }
 
 // Appends formatted text to the string in buf (n bytes in all), cut at the end of buf: for lines

@@ -30,6 +30,9 @@ static StDtype st_dtype_parse(const char* s) {
 }
 
 #define ST_MAX_DIMS 8
+// The largest header a reader parses: a bound on the memory a hostile file can make the JSON parser take
+// (a real header is kilobytes to a few megabytes).
+#define ST_MAX_HEADER_BYTES ((uint64_t)100 << 20)
 
 typedef struct {
     const char* name;
@@ -197,9 +200,12 @@ static void st_open(StFile* f, const char* path) {
     if (f->map == MAP_FAILED) fail("%s: cannot mmap (%s)", path, strerror(errno));
     uint64_t hlen;
     memcpy(&hlen, f->map, 8);
-    if (hlen > f->map_size - 8 || hlen > (100u << 20))
+    if (hlen > f->map_size - 8)
         fail("%s: header length %llu does not fit in the %zu-byte file (truncated or not safetensors)", path,
              (unsigned long long)hlen, f->map_size);
+    if (hlen > ST_MAX_HEADER_BYTES)
+        fail("%s: header length %llu exceeds the cap of %llu bytes (100 MiB) on a safetensors header (corrupt, or "
+             "not safetensors)", path, (unsigned long long)hlen, (unsigned long long)ST_MAX_HEADER_BYTES);
     f->header = json_parse((const char*)f->map + 8, (size_t)hlen, path);
     if (f->header.type != JSON_OBJECT) fail("%s: header is not a JSON object", path);
     const uint8_t* data = f->map + 8 + hlen;

@@ -1,7 +1,8 @@
 // model_tokenizer.h: the tokenizer of a model directory for --generate: DIR/tokenizer.bin (the
 // llama2.c format, tokenizer.h) when it is there, else DIR/tokenizer.json (a Hugging Face
 // tokenizer, hf_tokenizer.h); one encode and decode over both, and the tokens that end generation.
-//   tokenizer.bin: BOS and EOS as tokenizer.h reads them, and config.json's eos_token_id.
+//   tokenizer.bin: BOS and EOS as tokenizer.h reads them, config.json's eos_token_id, and every
+//   eos_token_id of generation_config.json when there is one (as transformers' generate() takes them).
 //   tokenizer.json: BOS is the post-processor's leading token, else tokenizer_config.json's
 //   bos_token, else config.json's bos_token_id; generation ends at every eos_token_id of
 //   generation_config.json and config.json (a number or a list) and at tokenizer_config.json's
@@ -106,6 +107,13 @@ static void model_tokenizer_load(ModelTokenizer* t, const char* dir, int vocab, 
         tokenizer_load(&t->bin, bin, vocab);
         t->bos_id = t->bin.bos_id;
         model_tok_add_end(t, cfg_eos);
+        Json j;
+        char* path;
+        if (model_tok_read_json(dir, "generation_config.json", &j, &path)) {  // invalid JSON: one line naming it
+            model_tok_ids(t, json_get(&j, "eos_token_id"), vocab, path, "eos_token_id", 1);
+            json_free(&j);
+        }
+        free(path);
     } else if (optional_file_exists(json)) {
         model_tok_load_hf(t, dir, json, vocab);
     } else {
@@ -140,6 +148,19 @@ static int* model_tokenizer_encode_plain(const ModelTokenizer* t, const char* te
     int* ids = (int*)xmalloc(sizeof(int) * (strlen(text) + 3));
     *n = tokenizer_encode(&t->bin, text, 0, ids);
     return ids;
+}
+
+// Refuses a prompt (chat: a rendered chat template, fed without BOS) of more tokens than the
+// `window` generation runs in: the model would see only the window's last half of it (the
+// restart of a full cache), silently. `window_what` says what sets the window (a flag).
+static void model_tokenizer_check_prompt(const ModelTokenizer* t, const char* text, int chat, int window,
+                                         const char* window_what) {
+    int n, *ids = chat ? model_tokenizer_encode_plain(t, text, &n) : model_tokenizer_encode(t, text, &n);
+    free(ids);
+    if (n > window)
+        fail("flag --%s: %d tokens, more than the %d-token window generation runs in (%s); the model would see only "
+             "its last %d tokens; give a shorter prompt%s", chat ? "chat" : "prompt", n, window, window_what,
+             window / 2 > 0 ? window / 2 : 1, strstr(window_what, "--seq") ? " or a longer --seq" : "");
 }
 
 // Whether id is a token the tokenizer matches whole in text (an added or special token).

@@ -27,6 +27,9 @@ static void shard_load(TokenShard* s, const char* path, int model_vocab) {
     uint8_t* buf = (uint8_t*)read_file(path, &size);
     memset(s, 0, sizeof(*s));
     s->path = xstrdup(path);
+    if (size >= 4 && memcmp(buf, "IMGS", 4) == 0)  // the other trainer's data: say whose
+        fail("%s: an image shard (scripts/data/prepare_images.py's, for train_vit), not a token shard (\"LMFT\", made "
+             "by scripts/data/prepare_text.py)", path);
     if (size < SHARD_HEADER_BYTES || memcmp(buf, SHARD_MAGIC, 4) != 0)
         fail("%s: not a token shard (bad magic; expected \"LMFT\", made by scripts/data/prepare_text.py)", path);
     uint32_t version, vocab, flags;

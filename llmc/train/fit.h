@@ -115,15 +115,19 @@ static FitBudget fit_budget(const TrainOptions* o, int cuda_plan, const char* fl
     return b;
 }
 
-// Appends "[MODE ]--batch b --grad-accum k" for the largest batch that fits under o's switches
-// (k keeps at least the step's sequences or images), or that not even one does.
+// Appends "[MODE ]--batch b --grad-accum k" for the largest batch that fits under o's switches and
+// divides the step's sequences or images, so that b k is exactly what was asked (a rounded-up k
+// would suggest a bigger step than asked: 42 sequences for 40 with a batch of 6), or that not
+// even one fits.
 static void fit_suggest(char* buf, size_t n, const char* mode, PlanBytesFn plan_bytes, const void* ctx,
                         const TrainOptions* o, int world, size_t avail) {
     int b = fit_largest_batch(plan_bytes, ctx, o, o->batch, world, avail);
     size_t len = strlen(buf);
     const char* sep = len ? "; " : "";
     if (b == 0) { snprintf(buf + len, n - len, "%s%s%snot even --batch 1", sep, mode, *mode ? ": " : ""); return; }
-    int accum = (int)(((int64_t)o->batch * o->grad_accum + b - 1) / b);
+    int64_t per_step = (int64_t)o->batch * o->grad_accum;
+    while (per_step % b) b--;  // a smaller batch fits too (a plan grows with the batch); 1 divides
+    int accum = (int)(per_step / b);
     snprintf(buf + len, n - len, "%s%s%s--batch %d --grad-accum %d", sep, mode, *mode ? " " : "", b, accum);
 }
 

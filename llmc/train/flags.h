@@ -2,6 +2,7 @@
 // --help text, so the two can never disagree. Flags are `--name value`, `--name=value`, or a bare
 // `--name` for booleans; unknown flags and malformed values are one-line errors.
 #pragma once
+#include <float.h>
 #include <limits.h>
 #include <math.h>
 #include "../common.h"
@@ -74,8 +75,14 @@ static void flag_set(Flag* f, const char* v) {
             break;
         }
         case FLAG_FLOAT: {
+            errno = 0;
             float x = strtof(v, &end);
-            if (!*v || *end || !isfinite(x)) fail("flag --%s: expected a number, got \"%s\"", f->name, v);
+            if (!*v || *end || isnan(x)) fail("flag --%s: expected a number, got \"%s\"", f->name, v);
+            // strtof sets ERANGE when the literal underflows (to 0 or a subnormal) or overflows to
+            // inf: a nonzero value read as 0 would be a silent change of meaning (--lr 1e-50).
+            if (errno == ERANGE || !isfinite(x))
+                fail("flag --%s: \"%s\" is outside float's range (magnitude %g to %g, or 0)", f->name, v,
+                     (double)FLT_MIN, (double)FLT_MAX);
             *(float*)f->target = x;
             break;
         }
@@ -178,6 +185,7 @@ static int flag_seen(const FlagTable* t, const char* name) {
 
 // Parses argv against the table. --help prints the table and exits 0.
 static void flags_parse(FlagTable* t, int argc, char** argv) {
+    stdout_check_at_exit_register();  // --help's text too
     for (int i = 1; i < argc; i++) {
         const char* a = argv[i];
         if (strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0) { flags_print_help(t); exit(0); }

@@ -16,7 +16,7 @@
 //   - a collapse: a gradient of exactly zero while there are targets to learn, so the trainable
 //     weights no longer change the loss and no step can recover. (An fp32 norm whose mean square
 //     overflowed used to do this: r = 0, uniform predictions, the loss exactly ln(vocab), every
-//     step, exit 0.)
+//     step, exit 0.) A head of one class is this state by construction, and says so.
 // A step whose batches have no target at all (every position masked, on every rank) has no loss
 // (0/0): it makes no update and says so, rather than logging loss 0 and gradient norm 0.
 #pragma once
@@ -96,6 +96,11 @@ static void step_health_message(char* buf, size_t n, StepHealth h, const StepSta
                  "step %d: the run diverged: loss %.6g is over %.0f nats above ln(%d) = %.4f, the loss of uniform "
                  "predictions; %s",
                  step, s->loss, HEALTH_LOSS_MARGIN, s->classes, uniform, tryit);
+    else if (s->classes == 1)  // no divergence: softmax over one class is 1 whatever the weights
+        snprintf(buf, n,
+                 "step %d: the head has 1 class, so its loss is 0 and its gradient 0 by construction: nothing to "
+                 "learn; give --classes N (N >= 2, the classes the labels belong to) or data of 2 or more classes",
+                 step);
     else
         snprintf(buf, n,
                  "step %d: the run collapsed: the gradient is exactly zero with %.0f targets to learn (loss %.4f, "

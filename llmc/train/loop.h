@@ -179,6 +179,9 @@ static int train_resume(Trainable* tr, const TrainOptions* o, const char* settin
         fail("%s/train_state.bin: step %lld is beyond the schedule's %d steps (the state is corrupt)", o->resume_dir,
              (long long)step, o->steps);
     int start = (int)step;
+    if (o->stop_at > 0 && o->stop_at < start)  // the run would go backwards: "trained -3 steps"
+        fail("flag --stop-at: step %d is before the saved step %d of %s/train_state.bin; give a later --stop-at, or "
+             "none to run to --steps %d", o->stop_at, start, o->resume_dir, o->steps);
     if (rank0) printf("resumed %s/train_state.bin at step %d\n", o->resume_dir, start);
     return start;
 }

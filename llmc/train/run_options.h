@@ -370,12 +370,33 @@ static float lr_at_step(const TrainOptions* o, int step) {
     return floor_lr + 0.5f * (o->lr - floor_lr) * (1.0f + cosf(3.14159265358979f * t));
 }
 
+// --grad-accum against what one step holds: the sequences or images of a step are counted in an
+// int, and a text step reads all its micro-batches' tokens at once into host memory (inputs,
+// targets, mask and positions: 16 bytes a token, indexed by int), so a huge count would end in
+// an allocation failure that names no flag.
+enum { STEP_HOST_BYTES_PER_TOKEN = 16 };
+static void train_check_grad_accum(const TrainOptions* o, TrainTask task) {
+    int64_t items = (int64_t)o->batch * o->grad_accum;
+    if (items > INT_MAX)
+        fail("flag --grad-accum: %d micro-batches of --batch %d are %lld per step, more than %d; use a smaller "
+             "--grad-accum", o->grad_accum, o->batch, (long long)items, INT_MAX);
+    if (task != TRAIN_TEXT) return;
+    int64_t tokens = items * o->seq;
+    double gib = (double)tokens * STEP_HOST_BYTES_PER_TOKEN / 1073741824.0;
+    double host_gib = (double)sysconf(_SC_PHYS_PAGES) * (double)sysconf(_SC_PAGESIZE) / 1073741824.0;
+    if (tokens > INT_MAX || (host_gib > 0 && gib > host_gib))
+        fail("flag --grad-accum: %d micro-batches of --batch %d x --seq %d are %lld tokens per step, held in host "
+             "memory at once (%.1f GiB; at most %d tokens, and this host has %.1f GiB); use a smaller --grad-accum",
+             o->grad_accum, o->batch, o->seq, (long long)tokens, gib, INT_MAX, host_gib);
+}
+
 // Parses argv with the trainer's flag table and applies the checks every trainer makes before it
 // reads anything.
 static void train_parse_flags(FlagTable* t, TrainOptions* o, int argc, char** argv) {
     flags_parse(t, argc, argv);
     train_resolve_mode(o);
     train_validate(o);
+    train_check_grad_accum(o, flags_find(t, "seq") ? TRAIN_TEXT : TRAIN_IMAGE);
     if (!o->model_dir) fail("flag --model is required (a model directory with config.json and model.safetensors)");
     if (o->json && !o->dry_run) fail("flag --json: only valid with --dry-run");
     if (o->ranks < 0) fail("flag --ranks: expected >= 1, got %d", o->ranks);

@@ -31,6 +31,9 @@ static void image_shard_load(ImageShard* s, const char* path) {
     uint8_t* buf = (uint8_t*)read_file(path, &size);
     memset(s, 0, sizeof(*s));
     s->path = xstrdup(path);
+    if (size >= 4 && memcmp(buf, "LMFT", 4) == 0)  // the other trainer's data: say whose
+        fail("%s: a token shard (scripts/data/prepare_text.py's, for train_llama), not an image shard (\"IMGS\", made "
+             "by scripts/data/prepare_images.py)", path);
     if (size < IMAGE_SHARD_HEADER_BYTES || memcmp(buf, IMAGE_SHARD_MAGIC, 4) != 0)
         fail("%s: not an image shard (bad magic; expected \"IMGS\", made by scripts/data/prepare_images.py)", path);
     uint32_t h[7];

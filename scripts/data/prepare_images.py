@@ -18,7 +18,13 @@ Sources:
                          train.bin / test.bin (records: coarse byte, fine byte, 3072 bytes); fine labels
                          unless --coarse
   --folder DIR           DIR/<class>/<image files>; classes are the sorted folder names (needs PIL);
-                         --size HxW resizes (bilinear), else all images must share one size
+                         --size HxW resizes (bilinear; at most MAX_SIDE a side), else all images must
+                         share one size. 16-bit PNG/TIFF pixels are reduced to 8 bits by their high
+                         byte (as PIL reduces 16-bit RGB); 32-bit integer or float images are refused.
+                         An image over PIL's MAX_IMAGE_PIXELS (a decompression bomb) is refused.
+
+Bounds: an IDX file's header must agree with its size, and no source decompresses to more than
+MAX_DECOMPRESSED_BYTES (a gzip bomb is refused, not unpacked into memory).
 
 Selection: --split train|test; --classes 5,6,7 keeps those labels and renumbers them 0,1,2 in that
 order; --per-class N keeps N per class; --limit N keeps N in all; --seed picks which (seeded shuffle).
@@ -28,10 +34,13 @@ order; --per-class N keeps N per class; --limit N keeps N in all; --seed picks w
 """
 import argparse
 import gzip
+import math
 import os
 import struct
 import sys
 import tarfile
+import warnings
+import zlib
 
 import numpy as np
 
@@ -39,6 +48,11 @@ MAGIC = b"IMGS"
 VERSION = 1
 HEADER_BYTES = 64
 FASHION_MNIST_DIR = "/usr/share/datasets/fashion-mnist"
+# The most bytes a compressed source may unpack to (Fashion-MNIST's train images are 47 MB,
+# CIFAR-100's 150 MB): past it a gzip bomb would fill the memory before any check could see it.
+MAX_DECOMPRESSED_BYTES = 1 << 30
+# The largest --size side: every image of the shard is held at it (ViT checkpoints use 224 to 518).
+MAX_SIDE = 4096
 IMAGE_EXTS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".ppm", ".pgm", ".tif", ".tiff")
 
 
@@ -106,10 +120,26 @@ def read_shard(path):
 # ---------------------------------------------------------------------------------------------
 # sources
 
+def _read_bounded(f, path):
+    """All of f's bytes, refused past MAX_DECOMPRESSED_BYTES (read one byte more to tell)."""
+    try:
+        data = f.read(MAX_DECOMPRESSED_BYTES + 1)
+    except (gzip.BadGzipFile, EOFError, zlib.error) as e:
+        raise DataError(f"{path}: not a readable gzip file ({e})") from None
+    if len(data) > MAX_DECOMPRESSED_BYTES:
+        raise DataError(f"{path}: unpacks to more than {MAX_DECOMPRESSED_BYTES} bytes (MAX_DECOMPRESSED_BYTES); "
+                        "not a dataset file this script reads (a gzip bomb?)")
+    return data
+
+
 def _open_maybe_gz(path):
     with open(path, "rb") as f:
-        data = f.read()
-    return gzip.decompress(data) if data[:2] == b"\x1f\x8b" else data
+        gz = f.read(2) == b"\x1f\x8b"
+        f.seek(0)
+        if not gz:
+            return _read_bounded(f, path)
+        with gzip.GzipFile(fileobj=f) as g:
+            return _read_bounded(g, path)
 
 
 def read_idx(path, want_dims):
@@ -125,7 +155,7 @@ def read_idx(path, want_dims):
     if len(data) < 4 + 4 * ndim:
         raise DataError(f"{path}: IDX header truncated")
     dims = struct.unpack(f">{ndim}I", data[4:4 + 4 * ndim])
-    count = int(np.prod(dims))
+    count = math.prod(dims)  # exact: numpy's int64 product wraps for dimensions near 2^32
     if len(data) != 4 + 4 * ndim + count:
         raise DataError(f"{path}: IDX dimensions {list(dims)} need {count} bytes of data, "
                         f"file has {len(data) - 4 - 4 * ndim}")
@@ -162,8 +192,11 @@ def _cifar_members(path, names):
                 for m in tar.getmembers():
                     base = os.path.basename(m.name)
                     if m.isfile() and base in names:
+                        if m.size > MAX_DECOMPRESSED_BYTES:
+                            raise DataError(f"{path}: member {m.name} has {m.size} bytes, more than "
+                                            f"{MAX_DECOMPRESSED_BYTES} (MAX_DECOMPRESSED_BYTES); not a CIFAR batch")
                         found[base] = tar.extractfile(m).read()
-        except tarfile.TarError as e:
+        except (tarfile.TarError, EOFError, zlib.error, gzip.BadGzipFile) as e:
             raise DataError(f"{path}: not a readable tar archive ({e})") from None
     elif os.path.isdir(path):
         for root, _, files in os.walk(path):
@@ -209,10 +242,45 @@ def load_cifar100(path, split, coarse=False):
     return images, labels, classes
 
 
+def to_8bit(im, path):
+    """A PIL image with 8-bit channels: 16-bit grayscale (mode I or I;16*, as PIL opens a 16-bit PNG
+    or TIFF) reduced by its high byte, as PIL itself reduces 16-bit RGB; convert("L") would clip
+    every value above 255 to white. 32-bit integer and float pixels have no known range: refused."""
+    from PIL import Image
+    if im.mode.startswith("I;16") or (im.mode == "I" and im.format == "PNG"):
+        a = np.asarray(im).astype(np.int64)
+        if a.min() < 0 or a.max() > 65535:
+            raise DataError(f"{path}: 16-bit image with values outside 0..65535")
+        return Image.fromarray((a >> 8).astype(np.uint8), "L")
+    if im.mode in ("I", "F"):
+        raise DataError(f"{path}: {'32-bit integer' if im.mode == 'I' else 'floating-point'} pixels (PIL mode "
+                        f"{im.mode}) have no known range to map to 0..255; convert the image to 8 or 16 bits")
+    return im
+
+
+def read_image(p, size, channels):
+    """One image file as uint8 [H, W, channels]; a decompression bomb (past PIL's MAX_IMAGE_PIXELS,
+    whose warning is an error here) or an unreadable file is one DataError naming it."""
+    from PIL import Image
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            with Image.open(p) as im:
+                im = to_8bit(im, p).convert("RGB" if channels == 3 else "L")
+                if size is not None:
+                    im = im.resize((size[1], size[0]), Image.BILINEAR)
+                a = np.asarray(im, dtype=np.uint8)
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
+        raise DataError(f"{p}: refused as a decompression bomb ({e})") from None
+    except (OSError, ValueError, SyntaxError, EOFError, struct.error, zlib.error) as e:
+        raise DataError(f"{p}: cannot read image ({e})") from None
+    return a.reshape(a.shape[0], a.shape[1], channels)
+
+
 def load_folder(directory, size=None, channels=3):
     """DIR/<class>/<images>: (images [n, H, W, C], labels, classes); classes = sorted folders."""
     try:
-        from PIL import Image
+        from PIL import Image  # noqa: F401
     except ImportError:
         raise DataError("--folder needs PIL (Debian: apt-get install python3-pil); "
                         "other sources work without it") from None
@@ -227,15 +295,7 @@ def load_folder(directory, size=None, channels=3):
                        if f.lower().endswith(IMAGE_EXTS))
         for name in files:
             p = os.path.join(directory, cls, name)
-            try:
-                with Image.open(p) as im:
-                    im = im.convert("RGB" if channels == 3 else "L")
-                    if size is not None:
-                        im = im.resize((size[1], size[0]), Image.BILINEAR)
-                    a = np.asarray(im, dtype=np.uint8)
-            except OSError as e:
-                raise DataError(f"{p}: cannot read image ({e})") from None
-            a = a.reshape(a.shape[0], a.shape[1], channels)
+            a = read_image(p, size, channels)
             if images and a.shape != images[0].shape:
                 raise DataError(f"{p}: size {a.shape[1]}x{a.shape[0]} differs from "
                                 f"{images[0].shape[1]}x{images[0].shape[0]}; give --size HxW")
@@ -288,6 +348,9 @@ def parse_size(text):
         parts *= 2
     if len(parts) != 2 or min(parts) < 1:
         raise DataError(f"--size: expected S or HxW, got {text!r}")
+    if max(parts) > MAX_SIDE:
+        raise DataError(f"--size: {text} has a side over {MAX_SIDE} (MAX_SIDE; the shard holds every image at this "
+                        "size, and ViT checkpoints use 224 to 518)")
     return tuple(parts)
 
 

@@ -6,17 +6,20 @@
 TOK: a llama2.c tokenizer.bin (also the byte-level one scripts/export/export_llama.py --gguf writes),
 or a Hugging Face tokenizer.json (needs `pip install tokenizers`).
 FILE: plain text, or .jsonl (any case) with one {"prompt": ..., "response": ...} or
-{"messages": [{"role": "system|user|assistant", "content": ...}, ...]} per line; a file of another
-name whose first line is such an object is refused as ambiguous unless --format says which it is.
+{"messages": [{"role": "system|user|assistant", "content": ...}, ...]} per line (a record with both
+is refused; an assistant message's "weight": 0 or 1 says whether it is trained on, as in OpenAI's
+fine-tuning format); a file of another name whose first line is such an object is refused as
+ambiguous unless --format says which it is. A leading UTF-8 byte order mark is not text: dropped.
 Writes PREFIX_train.bin and PREFIX_val.bin (no val shard with --val-frac 0).
 Invalid UTF-8 is an error naming the byte offset (--utf8-errors replace substitutes U+FFFD), and
 so is a JSON escape of a lone surrogate ("\\ud800") naming the line. Shards in which no token is
 a target (a chat template that renders no assistant reply) are refused, not written.
 
 Plain text is cut at paragraph boundaries into chunks of about --chunk-chars
-characters, each BOS + tokens, every token a target except BOS (nothing in a chunk
-predicts it); val is the last val-frac of chunks, so it is text the model did not
-see. JSONL examples go through the model's own chat template (--chat-template auto, the default: the
+characters (a longer paragraph at its line breaks), each BOS + tokens, every token a target except
+BOS (nothing in a chunk predicts it); val is the last val-frac of chunks, so it is text the model
+did not see. A line (a JSONL example) is tokenised whole, so lines longer than MAX_LINE_CHARS are
+refused. JSONL examples go through the model's own chat template (--chat-template auto, the default: the
 Jinja chat_template of the tokenizer_config.json beside the tokenizer, rendered by
 scripts/formats/chat_template.py with jinja2 as transformers' apply_chat_template renders it (needs
 jinja2: Debian's python3-jinja2; tool calling is refused); or the fixed
@@ -167,14 +170,59 @@ def load_tokenizer(path):
         raise PrepError(str(e)) from None
 
 
+# The longest line (JSONL: example) tokenised: a text is encoded whole, and the encoders hold about
+# 170 bytes of memory per character while they do (a llama2.c tokenizer's per-character merge
+# state), so a 100 MB line would take 17 GB. Chunks are cut at blank lines and line breaks only:
+# a cut inside a line would change the tokens at the cut.
+MAX_LINE_CHARS = 1 << 20
+
+
+def check_line_lengths(path, text, jsonl):
+    """Refuses a line over MAX_LINE_CHARS, naming it and what to do."""
+    lengths = list(map(len, text.split("\n")))  # linear (a regex for a long run of non-newlines is quadratic)
+    n = max(lengths)
+    if n <= MAX_LINE_CHARS:
+        return
+    lineno = lengths.index(n) + 1
+    advice = ("split the example into shorter ones" if jsonl else
+              f"break it into lines, e.g. `fold -s -w 1000 {path}` (breaks at spaces)")
+    raise PrepError(f"{path}: line {lineno} has {n} characters, more than the {MAX_LINE_CHARS} a line may have "
+                    f"(a line is tokenised whole, at about 170 bytes of memory per character); {advice}")
+
+
+def paragraph_pieces(para, chunk_chars):
+    """A paragraph, or when it is longer than chunk_chars its lines grouped into pieces of at least
+    chunk_chars (the last may be short), so that no chunk grows with a long paragraph."""
+    if len(para) <= chunk_chars:
+        return [para]
+    pieces, cur, size = [], [], 0
+    for line in para.split("\n"):
+        cur.append(line)
+        size += len(line) + 1
+        if size >= chunk_chars:
+            pieces.append("\n".join(cur))
+            cur, size = [], 0
+    if cur:
+        pieces.append("\n".join(cur))
+    return pieces
+
+
 def split_paragraph_chunks(text, chunk_chars):
-    """Join blank-line-separated paragraphs into chunks of at least chunk_chars (last may be short)."""
+    """Join blank-line-separated paragraphs into chunks of at least chunk_chars (last may be short);
+    a paragraph longer than chunk_chars is cut at its line breaks (paragraph_pieces)."""
     chunks, cur = [], []
     size = 0
     # blank lines separate paragraphs; the next paragraph keeps its indentation
     for para in re.split(r"\n(?:[ \t\r\f\v]*\n)+", text):
         if not para.strip():
             continue
+        pieces = paragraph_pieces(para, chunk_chars)
+        if len(pieces) > 1:  # each a chunk of its own; the last goes on as a paragraph
+            if cur:
+                chunks.append("\n\n".join(cur))
+                cur, size = [], 0
+            chunks.extend(pieces[:-1])
+            para = pieces[-1]
         cur.append(para)
         size += len(para) + 2
         if size >= chunk_chars:
@@ -222,6 +270,7 @@ class ModelTemplate:
         return f"{self.cfg_path}: chat_template"
 
     def render(self, messages, add_generation_prompt):
+        messages = [{k: v for k, v in m.items() if k != "weight"} for m in messages]  # ours, not the template's
         try:
             return chat_template.render(self.source, messages, add_generation_prompt, self.bos, self.eos, self.name())
         except chat_template.ChatTemplateError as e:  # raise_exception, another error while rendering, or tools
@@ -271,6 +320,11 @@ def check_pieces_encode_alone(tok, what):
                         "conversation cannot be tokenised turn by turn; use --chat-template llama2 (or chatml)")
 
 
+def trained(message):
+    """Whether an assistant message is trained on: its "weight" (0 or 1, read_jsonl checks), 1 when absent."""
+    return message.get("weight", 1) == 1
+
+
 def template_spans(tmpl, messages):
     """The rendered conversation and the [start, end) character span of each assistant reply: from
     the end of the rendering of the turns before it with add_generation_prompt, to the end of the
@@ -294,7 +348,8 @@ def template_spans(tmpl, messages):
                             "follow it (as Qwen3's template drops earlier replies' <think> blocks), so its tokens "
                             "cannot be found; give such conversations one assistant reply, at the end")
         if len(upto) > len(before):
-            spans.append((len(before), len(upto)))
+            if trained(m):
+                spans.append((len(before), len(upto)))
             done = len(upto)
     return full, spans
 
@@ -302,7 +357,7 @@ def template_spans(tmpl, messages):
 def encode_with_template(tok, messages, tmpl):
     """A conversation through the model's template -> (ids, mask): each piece of the rendering
     tokenised alone (no BOS added: a template that wants one renders it), the assistant replies
-    trained on. A prompt piece thus has the tokens --chat feeds for it."""
+    trained on (but those of "weight": 0). A prompt piece thus has the tokens --chat feeds for it."""
     full, spans = template_spans(tmpl, messages)
     ids, mask, at = [], [], 0
     for a, b in spans + [(len(full), len(full))]:
@@ -329,7 +384,7 @@ def encode_chat(tok, messages, template):
     if template == "chatml":
         for m in messages:
             add(f"<|im_start|>{m['role']}\n", False)
-            train = m["role"] == "assistant"
+            train = m["role"] == "assistant" and trained(m)
             add(m["content"] + "<|im_end|>", train)
             add("\n", False)
         return ids, mask
@@ -344,7 +399,7 @@ def encode_chat(tok, messages, template):
         else:
             t = tok.encode(m["content"], bos=False, eos=True)  # the dummy-prefix space separates it from [/INST]
             ids.extend(t)
-            mask.extend([1] * len(t))
+            mask.extend([int(trained(m))] * len(t))
     return ids, mask
 
 
@@ -361,6 +416,9 @@ def read_text(path, utf8_errors):
             raise PrepError(f"{path}: invalid UTF-8 at byte offset {e.start} (line {line}): {e.reason}; "
                             "fix the file or pass --utf8-errors replace to substitute U+FFFD") from None
         text = data.decode("utf-8", errors="replace")
+    # a byte order mark says how the file is encoded, it is not text: trained on it would be three
+    # byte tokens, and json.loads refuses a line that starts with one
+    text = text[1:] if text.startswith("\ufeff") else text
     return text.replace("\r\n", "\n").replace("\r", "\n")  # universal newlines, as open() in text mode
 
 
@@ -383,10 +441,32 @@ def check_unicode(obj, where):
                                 "character (a \\uD8xx escape must be followed by a \\uDCxx one)") from None
 
 
+def check_chat_keys(obj, where):
+    """What a record's keys mean must be one thing: "messages" beside "prompt"/"response" would
+    train on one and drop the other silently; "weight" (OpenAI's fine-tuning format) is 0 or 1 on
+    an assistant message, and means nothing elsewhere."""
+    both = [k for k in ("prompt", "response") if k in obj]
+    if both:
+        raise PrepError(f"{where}: has both \"messages\" and {' and '.join(repr(k) for k in both)}; a record is "
+                        "either a conversation or a prompt/response pair, not both")
+    for i, m in enumerate(obj["messages"] if isinstance(obj["messages"], list) else [], 1):
+        if not isinstance(m, dict) or "weight" not in m:
+            continue
+        w = m["weight"]
+        if m.get("role") != "assistant":
+            raise PrepError(f"{where}: message {i} ({m.get('role')!r}) has a \"weight\"; only assistant messages "
+                            "are weighted (0: not trained on, 1: trained on)")
+        if type(w) is not int or w not in (0, 1):
+            raise PrepError(f"{where}: message {i} has \"weight\": {json.dumps(w)}; expected 0 (not trained on) "
+                            "or 1 (trained on)")
+
+
 def read_jsonl(path, utf8_errors="strict"):
     """Yield each non-empty line as ("pair", prompt, response) or ("chat", messages), with
     errors naming file and line."""
-    for lineno, line in enumerate(read_text(path, utf8_errors).split("\n"), 1):
+    text = read_text(path, utf8_errors)
+    check_line_lengths(path, text, jsonl=True)
+    for lineno, line in enumerate(text.split("\n"), 1):
         if not line.strip():
             continue
         try:
@@ -396,6 +476,8 @@ def read_jsonl(path, utf8_errors="strict"):
         except RecursionError:
             raise PrepError(f"{path}:{lineno}: JSON nested too deeply") from None
         check_unicode(obj, f"{path}:{lineno}")
+        if isinstance(obj, dict) and "messages" in obj:
+            check_chat_keys(obj, f"{path}:{lineno}")
         if isinstance(obj, dict) and isinstance(obj.get("messages"), list):
             msgs = obj["messages"]
             ok = msgs and all(isinstance(m, dict) and m.get("role") in ("system", "user", "assistant")
@@ -479,7 +561,9 @@ def prepare_docs(tok, path, val_frac, seed, chunk_chars, template=None, utf8_err
         train = [d for i, d in enumerate(docs) if i not in val_idx]
         val = [d for i, d in enumerate(docs) if i in val_idx]
         return train, val
-    chunks = split_paragraph_chunks(read_text(path, utf8_errors), chunk_chars)
+    text = read_text(path, utf8_errors)
+    check_line_lengths(path, text, jsonl=False)
+    chunks = split_paragraph_chunks(text, chunk_chars)
     docs = encode_text_chunks(tok, chunks)
     n_val = n_val_items(len(docs), val_frac)
     return docs[:len(docs) - n_val], docs[len(docs) - n_val:]
@@ -571,8 +655,12 @@ def main(argv=None):
         if args.val_frac > 0 and not val:
             # an empty val shard would only be refused later by the trainer
             what = "example" if jsonl else f"chunk of --chunk-chars {args.chunk_chars}"
+            fix = "more examples" if jsonl else "lower --chunk-chars"
+            # chunks are cut at blank lines and line breaks: one line is one chunk whatever --chunk-chars
+            if not jsonl and "\n" not in read_text(args.input, args.utf8_errors).strip():
+                fix = "the text is one line: break it into lines"
             raise PrepError(f"{args.input}: only {len(train)} {what}, too little for a validation split "
-                            f"(lower --chunk-chars, or --val-frac 0 for no validation shard)")
+                            f"({fix}, or --val-frac 0 for no validation shard)")
         write_split(args.out, train, val, tok.vocab_size, packed=jsonl)
     except (PrepError, ValueError, OSError) as e:
         print(f"prepare_text: {one_line(e)}", file=sys.stderr)

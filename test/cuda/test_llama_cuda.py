@@ -541,7 +541,7 @@ def test_cuda_generates_with_the_kv_cache(tmp_path):
 def check_refused_plan_says_what_fits(args):
     """A plan bigger than the emulator's free 80 GiB is refused in one line naming what would fit
     for these flags, --mode lowmem, --mode ckpt and --mode lowmem --quant nf4; each suggested
-    --batch is the largest whose --dry-run plan fits, as the independent dry run computes it
+    --batch is the largest dividing the step whose --dry-run plan fits, as the independent dry run computes it
     (with --gpu-mem 80, the emulator's free memory, so that --mlp-tile auto and the other fitted
     choices are fitted to the same memory the run's fit check had)."""
     p = train(CUDA_TRAIN, "cuda", "--steps", 1, *args, check=False)
@@ -561,11 +561,12 @@ def check_refused_plan_says_what_fits(args):
         assert got["memory_bytes"] == 80 << 30 and got["fits"] == (got["total_bytes"] <= 80 << 30), got
         return got["fits"]
 
-    for mode, batch, accum in hints:
+    for mode, batch, accum in hints:  # the largest batch that fits and divides the step: the step kept exactly
         mode_flags, b = mode.split(), int(batch)
         assert fits(mode_flags, b), (mode, b)
-        assert b == 100000 or not fits(mode_flags, b + 1), (mode, b)
-        assert b * int(accum) >= 100000 > b * (int(accum) - 1)
+        bigger = next((d for d in range(b + 1, 100001) if 100000 % d == 0), None)  # the next divisor up
+        assert bigger is None or not fits(mode_flags, bigger), (mode, b)
+        assert b * int(accum) == 100000, (mode, b, accum)
 
 
 # ---- the step without host synchronisation (llmc/backend.h, llmc/train/zero.h) ------------------

@@ -462,8 +462,8 @@ def test_random_init_both_backends(tmp_path):
 
 def test_plan_too_big_for_the_device_is_refused_with_what_fits():
     """More images than the (pretend 80 GiB) device holds: one line before anything is allocated,
-    naming the largest --batch that fits with these flags and with --mode ckpt; that batch's
-    --dry-run plan fits, one more does not."""
+    naming the largest --batch that fits with these flags and with --mode ckpt and divides the step
+    (so that --grad-accum keeps it exactly); that batch's --dry-run plan fits, the next such one's does not."""
     if GPU:
         pytest.skip("the emulator's device size is known; a real GPU's free memory is not")
     p = train(CUDA_TRAIN, "cuda", "--steps", 1, "--batch", 3000000, check=False)
@@ -476,7 +476,9 @@ def test_plan_too_big_for_the_device_is_refused_with_what_fits():
             "--device", "cuda", "--dry-run", "--json", "--batch", batch]).stdout  # plans with the shard's classes, like the run
         return json.loads(out)["total_bytes"]
 
-    assert plan_bytes(b) <= 80 << 30 < plan_bytes(b + 1)
+    # the largest batch that fits and divides the step (3000000 images), so the suggestion keeps it exactly
+    bigger = next(d for d in range(b + 1, 3000001) if 3000000 % d == 0)
+    assert 3000000 % b == 0 and plan_bytes(b) <= 80 << 30 < plan_bytes(bigger)
 
 
 def test_nccl_selftest_one_rank_changes_nothing(tmp_path):

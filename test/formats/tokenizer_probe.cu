@@ -11,6 +11,8 @@
 //   tokenizer_probe DIR encode-plain TEXT       tokenizer.json only: the ids without the
 //                                               post-processor's tokens
 //   tokenizer_probe DIR decode ID...            as above
+//   tokenizer_probe DIR check-prompt W TEXT     model_tokenizer_check_prompt: TEXT as --prompt in a
+//                                               window of W tokens ("ok", or fails in one line)
 //   tokenizer_probe DIR encode-each FILE        encode-plain for each NUL-terminated text of FILE,
 //                                               one line of ids each (one load for many texts)
 //   tokenizer_probe --nfc FILE                  the NFC form of FILE's text (llmc/text/unicode_nfc.h)
@@ -27,8 +29,17 @@ static void print_ids(const int* ids, int n) {
 }
 
 static int probe_dir(int argc, char** argv) {
+    int vocab = 1 << 30;  // a tokenizer.json's ids are checked against it; a tokenizer.bin's count must equal it
+    char* bin = path_join(argv[1], "tokenizer.bin");
+    if (optional_file_exists(bin)) {
+        Tokenizer b;
+        tokenizer_load(&b, bin, 0);
+        vocab = b.vocab_size;
+        tokenizer_free(&b);
+    }
+    free(bin);
     ModelTokenizer t;
-    model_tokenizer_load(&t, argv[1], 1 << 30, -1);
+    model_tokenizer_load(&t, argv[1], vocab, -1);
     if (strcmp(argv[2], "info") == 0) {
         printf("%s %d", t.is_hf ? "hf" : "bin", t.bos_id);
         for (int k = 0; k < t.n_end; k++) printf(" %d", t.end_ids[k]);
@@ -50,6 +61,9 @@ static int probe_dir(int argc, char** argv) {
             free(ids);
         }
         free(texts);
+    } else if (strcmp(argv[2], "check-prompt") == 0 && argc == 5) {
+        model_tokenizer_check_prompt(&t, argv[4], 0, atoi(argv[3]), "--seq");
+        printf("ok\n");
     } else if (strcmp(argv[2], "decode") == 0) {
         char bb[2];
         for (int i = 3, prev = -1; i < argc; prev = atoi(argv[i++]))

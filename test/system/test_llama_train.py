@@ -520,7 +520,8 @@ def test_log_reports_mfu_from_the_model_flops(full):
 def test_plan_bigger_than_host_memory_is_refused_with_what_fits():
     """On the CPU backend the plan is checked against the host's available memory (here pretended
     64 MiB by LLMC_HOST_MEMORY_BYTES) before anything is allocated, so the kernel never kills
-    the run later: one line naming the largest --batch that fits, which --dry-run confirms. (A
+    the run later: one line naming the largest --batch that fits and divides the step's sequences,
+    which --dry-run confirms. (A
     run's --mlp-tile auto takes the largest tile that fits, so a batch fits when auto's smallest
     tile does, test_mlp_tile.auto_smallest_tile; a plain dry run has no memory to fit, so it is
     given that tile.)"""
@@ -535,5 +536,6 @@ def test_plan_bigger_than_host_memory_is_refused_with_what_fits():
     plan = lambda batch: json.loads(run(args + ["--dry-run", "--json", "--batch", batch, "--mlp-tile",
                                                  auto_smallest_tile(batch * 128)]).stdout)[  # noqa: E731
         "total_bytes"]
-    assert plan(b) <= 64 << 20 < plan(b + 1)
-    assert b * accum >= 512 > b * (accum - 1)
+    # the largest batch that fits and divides the step's 512 sequences (the next divisor up is 2b), so
+    # that the suggestion keeps the step exactly (not 42 sequences for 40: test_partial_cases.py)
+    assert b * accum == 512 and plan(b) <= 64 << 20 < plan(2 * b)
