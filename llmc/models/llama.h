@@ -317,9 +317,38 @@ static void llama_mlp_tiles(Llama* m, int l, MlpPass pass, void* x, const BlockA
 // MLP the backward recomputes tile by tile (llama_mlp_tiles).
 typedef enum { BLOCK_WHOLE, BLOCK_ATTENTION } BlockPart;
 
-// One block, updating the residual stream x [B*T, d] in place and filling a's buffers. With a
-// cache (generation, B = 1), the T new tokens sit at positions kv->len.., their keys and values
-// join the cache and attention reads it.
+// Attention of block l over a's q, k, v into a->o (and its lse), each query over the keys before
+// it in its own document (a packed batch's positions, llama_attention_pos/docs): with
+// generation's cache (B = 1: the T new tokens at positions kv->len.., their keys and values join
+// the cache), across a --seq-parallel group (a->q, k, v, o keep the head layout; the exchanges'
+// scratch as the pass allows, llama_seqpar_work), or over the batch. Returns the o projection's
+// input: a->o, or under --seq-parallel this rank's tokens of it.
+static const void* llama_attention_forward(Llama* m, int l, BlockActs* a, int B, int T, const KVCache* kv,
+                                           BlockPart part) {
+    const Backend* be = m->be;
+    const LlamaConfig* c = &m->cfg;
+    int64_t N = (int64_t)B * T;
+    if (kv) {
+        int64_t kvd = (int64_t)c->kv_heads * c->head_dim, at = (int64_t)kv->len * kvd * be->abytes;
+        op_copy(be, (char*)kv->k[l] + at, a->k, N * kvd);
+        op_copy(be, (char*)kv->v[l] + at, a->v, N * kvd);
+        op_attention_cached(be, a->o, a->q, kv->k[l], kv->v[l], T, kv->len, c->heads, c->kv_heads, c->head_dim);
+        return a->o;
+    }
+    if (m->sp.P > 1) {  // the attention half is only ever the recomputed forward (llama_recompute_block)
+        ExchangePass exchange = part == BLOCK_ATTENTION ? EXCHANGE_RECOMPUTED_FORWARD : EXCHANGE_FORWARD;
+        return seqpar_attention_forward(&m->sp, be, a->o, a->lse, a->q, a->k, a->v, llama_seqpar_work(m, exchange),
+                                        m->scratch.att_work, m->scratch.att_work_bytes);
+    }
+    AttnShape as = {B, T, c->heads, c->kv_heads, c->head_dim, 1, llama_attention_pos(m), llama_attention_docs(m)};
+    op_attention_forward(be, a->o, a->lse, a->q, a->k, a->v, as,
+                         op_attention_work_fitting(be, as, m->scratch.att_work, m->scratch.att_work_bytes));
+    return a->o;
+}
+
+// One block, updating the residual stream x [B*T, d] in place and filling a's buffers: the
+// attention norm, q, k (Qwen3's norms, RoPE), v, attention, the o projection onto the residual
+// stream, then the MLP (with its norm) onto it, tile by tile. kv: generation's cache, else NULL.
 static void block_forward(Llama* m, int l, void* x, BlockActs* a, int B, int T, const KVCache* kv, BlockPart part) {
     const Backend* be = m->be;
     const LlamaConfig* c = &m->cfg;
@@ -327,27 +356,12 @@ static void block_forward(Llama* m, int l, void* x, BlockActs* a, int B, int T, 
     int64_t N = (int64_t)B * T, d = c->dim;
     int r = m->modes.rank;
     float s = m->modes.lora_scale;
-    AttnShape as = {B, T, c->heads, c->kv_heads, c->head_dim, 1, llama_attention_pos(m), llama_attention_docs(m)};
-    const void* o_in = a->o;  // the o projection's input (token layout)
     if (a->x_in) op_copy(be, a->x_in, x, N * d);
     op_rmsnorm_forward(be, a->z1, a->r1, x, m->modes.ms ? NULL : layer->attn_norm, N, (int)d, c->norm_eps);
     llama_qk_forward(m, layer, a, T_Q, N, T);
     llama_qk_forward(m, layer, a, T_K, N, T);
     op_linear_forward(be, a->v, a->z1, &layer->lin[T_V], a->ax[T_V], N, r, s, OUT_WRITE);
-    if (kv) {
-        int64_t kvd = (int64_t)c->kv_heads * c->head_dim, at = (int64_t)kv->len * kvd * be->abytes;
-        op_copy(be, (char*)kv->k[l] + at, a->k, N * kvd);
-        op_copy(be, (char*)kv->v[l] + at, a->v, N * kvd);
-        op_attention_cached(be, a->o, a->q, kv->k[l], kv->v[l], T, kv->len, c->heads, c->kv_heads, c->head_dim);
-    } else if (m->sp.P > 1) {  // a->q, k, v, o keep the head layout; o_in is this rank's tokens
-        // the attention half is only ever the recomputed forward (llama_recompute_block)
-        ExchangePass exchange = part == BLOCK_ATTENTION ? EXCHANGE_RECOMPUTED_FORWARD : EXCHANGE_FORWARD;
-        o_in = seqpar_attention_forward(&m->sp, be, a->o, a->lse, a->q, a->k, a->v, llama_seqpar_work(m, exchange),
-                                        m->scratch.att_work, m->scratch.att_work_bytes);
-    } else {
-        op_attention_forward(be, a->o, a->lse, a->q, a->k, a->v, as,
-                             op_attention_work_fitting(be, as, m->scratch.att_work, m->scratch.att_work_bytes));
-    }
+    const void* o_in = llama_attention_forward(m, l, a, B, T, kv, part);
     op_linear_forward(be, x, o_in, &layer->lin[T_O], a->ax[T_O], N, r, s, OUT_ADD);
     if (part == BLOCK_WHOLE) llama_mlp_tiles(m, l, MLP_FORWARD, x, a, N);
 }
@@ -413,7 +427,30 @@ typedef struct {
     void* mlp_input;
 } Recomputed;
 
-// Backpropagates m->scratch.dres (gradient w.r.t. the block output) to the block input, in place.
+// The o projection's input as attention's forward left it (token layout): a->o, or under
+// --seq-parallel this rank's tokens of it, exchanged again into scratch free at the time.
+static const void* llama_attention_output(Llama* m, const BlockActs* a) {
+    if (m->sp.P == 1) return a->o;
+    return seqpar_attention_output(&m->sp, a->o, llama_seqpar_work(m, EXCHANGE_BACKWARD));
+}
+
+// Attention's backward, from dout (the gradient w.r.t. its output) to dq, dk, dv, over the batch
+// or across the --seq-parallel group, with the same document mask as its forward.
+static void llama_attention_backward(Llama* m, const BlockActs* a, int B, int T) {
+    LlamaScratch* sc = &m->scratch;
+    const LlamaConfig* c = &m->cfg;
+    if (m->sp.P > 1) {
+        seqpar_attention_backward(&m->sp, m->be, sc->dq, sc->dk, sc->dv, sc->dout, a->q, a->k, a->v, a->o, a->lse,
+                                  llama_seqpar_work(m, EXCHANGE_BACKWARD), sc->att_work);
+        return;
+    }
+    AttnShape as = {B, T, c->heads, c->kv_heads, c->head_dim, 1, llama_attention_pos(m), llama_attention_docs(m)};
+    op_attention_backward(m->be, sc->dq, sc->dk, sc->dv, sc->dout, a->q, a->k, a->v, a->o, a->lse, as, sc->att_work);
+}
+
+// Backpropagates m->scratch.dres (gradient w.r.t. the block output) to the block input, in place:
+// the MLP tile by tile (down, SwiGLU exact or ReSiLU2, gate/up, its norm; recomputed first under
+// --recompute block), then the o projection, attention, RoPE, q/k/v and the attention norm.
 // rc: the recomputed block (NULL: not recomputed; a->x_in, the kept MLP buffers then).
 static void block_backward(Llama* m, int l, BlockActs* a, const Recomputed* rc, int B, int T) {
     LlamaScratch* sc = &m->scratch;
@@ -423,22 +460,15 @@ static void block_backward(Llama* m, int l, BlockActs* a, const Recomputed* rc, 
     int64_t N = (int64_t)B * T, d = c->dim;
     int r = m->modes.rank;
     float s = m->modes.lora_scale;
-    AttnShape as = {B, T, c->heads, c->kv_heads, c->head_dim, 1, llama_attention_pos(m), llama_attention_docs(m)};
     const void* x_in = rc ? rc->block_input : a->x_in;
-    // MLP, tile by tile: down, SwiGLU (exact or ReSiLU2), gate/up, MLP norm (recomputed first)
     llama_mlp_tiles(m, l, MLP_BACKWARD, rc ? rc->mlp_input : NULL, a, N);
-    // attention: o-proj, attention, RoPE, q/k/v, attention norm
-    void* sp_work = llama_seqpar_work(m, EXCHANGE_BACKWARD);
-    const void* o_in = m->sp.P > 1 ? seqpar_attention_output(&m->sp, a->o, sp_work) : a->o;
+    const void* o_in = llama_attention_output(m, a);
     op_linear_backward(be, sc->dout, sc->dres, o_in, a->ax[T_O], &layer->lin[T_O], sc->dax, N, r, s, OUT_WRITE);
     if (llama_qk_norm_ms(m) && !m->modes.recompute_block) {  // (a recomputed block has just built them)
         llama_qk_rebuild(m, layer, a, T_Q, N, T);
         llama_qk_rebuild(m, layer, a, T_K, N, T);
     }
-    if (m->sp.P > 1)
-        seqpar_attention_backward(&m->sp, be, sc->dq, sc->dk, sc->dv, sc->dout, a->q, a->k, a->v, a->o, a->lse,
-                                  sp_work, sc->att_work);
-    else op_attention_backward(be, sc->dq, sc->dk, sc->dv, sc->dout, a->q, a->k, a->v, a->o, a->lse, as, sc->att_work);
+    llama_attention_backward(m, a, B, T);
     op_rope(be, sc->dq, m->w.rope_cos, m->w.rope_sin, m->io.pos, N, T, c->heads, c->head_dim, ROPE_INVERSE);
     op_rope(be, sc->dk, m->w.rope_cos, m->w.rope_sin, m->io.pos, N, T, c->kv_heads, c->head_dim, ROPE_INVERSE);
     op_linear_backward(be, sc->dz, llama_qk_norm_backward(m, layer, a, T_Q, sc->dq, N), a->z1, a->ax[T_Q],
