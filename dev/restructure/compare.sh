@@ -12,8 +12,10 @@
 #      NF4, packed data, dropout with accumulation, MLP tiles, and sequence parallelism (mpirun);
 #   3. generation's text (--generate) from the same weights.
 # Usage: dev/restructure/compare.sh BASELINE_DIR   (both trees with train_llama and
-# build/emu/train_llama built). Prints one line per comparison and a summary; exits 1 on any
-# difference.
+# build/emu/train_llama built). BASE_TRAIN=PATH takes the baseline's ./train_llama from PATH instead
+# (a build of the baseline's source with the same options as this tree's: with cuDNN the CUDA plan
+# holds the packed batch's document arrays, without it not). Prints one line per comparison and a
+# summary; exits 1 on any difference.
 set -u
 BASE=$(cd "${1:?usage: dev/restructure/compare.sh BASELINE_DIR}" && pwd)
 NEW=$(cd "$(dirname "$0")/../.." && pwd)
@@ -21,9 +23,14 @@ WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 same=0 differ=0
+BASE_TRAIN=${BASE_TRAIN:-$BASE/train_llama}
+# binary ROOT BIN: the program BIN of the tree at ROOT (the baseline's ./train_llama: BASE_TRAIN)
+binary() {
+    if [ "$1" = "$BASE" ] && [ "$2" = train_llama ]; then echo "$BASE_TRAIN"; else echo "$1/$2"; fi
+}
 for b in train_llama build/emu/train_llama; do
     for t in "$BASE" "$NEW"; do
-        [ -x "$t/$b" ] || { echo "error: $t/$b is not built"; exit 2; }
+        [ -x "$(binary "$t" $b)" ] || { echo "error: $(binary "$t" $b) is not built"; exit 2; }
     done
 done
 
@@ -78,7 +85,7 @@ for cfg in "$NEW"/test/fixtures/*/config.json; do
             esac
             for t in base new; do
                 root=$BASE; [ $t = new ] && root=$NEW
-                (cd "$root" && ./$bin --model "$dir" --dry-run --json --batch 1 --seq 2048 $devflag $mode \
+                (cd "$root" && "$(binary "$root" $bin)" --model "$dir" --dry-run --json --batch 1 --seq 2048 $devflag $mode \
                     >"$WORK/dry.$t" 2>&1; echo "exit $?" >>"$WORK/dry.$t")
             done
             compare "dry-run $name [$mode] $dev" "$WORK/dry.base" "$WORK/dry.new"
@@ -88,7 +95,7 @@ done
 
 # ---- 2. training runs: the written adapters / merged models --------------------------------
 DATA="$NEW/data"
-python3 - "$DATA/llama_demo_ft_train.bin" "$WORK/packed.bin" <<'EOF'
+${PYTHON:-python3} - "$DATA/llama_demo_ft_train.bin" "$WORK/packed.bin" <<'EOF'
 import sys, os
 import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(sys.argv[1]), "..", "scripts", "formats"))
@@ -124,7 +131,7 @@ train() {  # train ROOT BIN DEVICE OUT NP FLAGS...
     shift 5
     local launch=()
     [ "$np" -gt 1 ] && launch=(mpirun --allow-run-as-root --oversubscribe -np "$np")
-    (cd "$root" && "${launch[@]}" ./"$bin" --model "$DATA/llama_demo" --data "$DATA/llama_demo_ft_train.bin" \
+    (cd "$root" && "${launch[@]}" "$(binary "$root" "$bin")" --model "$DATA/llama_demo" --data "$DATA/llama_demo_ft_train.bin" \
         --val "$DATA/llama_demo_ft_val.bin" --val-batches 2 --steps 3 --batch 2 --seq 16 --lora-rank 2 --lr 1e-3 \
         --device "$dev" --out "$out" "$@" >"$out.log" 2>&1)
     echo "exit $?" >>"$out.log"
@@ -176,7 +183,7 @@ for dev in cpu cuda; do
     bin=train_llama; [ $dev = cuda ] && bin=build/emu/train_llama
     for t in base new; do
         root=$BASE; [ $t = new ] && root=$NEW
-        (cd "$root" && ./$bin --model "$DATA/llama_demo" --device $dev --generate 12 --prompt "Once upon" \
+        (cd "$root" && "$(binary "$root" $bin)" --model "$DATA/llama_demo" --device $dev --generate 12 --prompt "Once upon" \
             --adapter "$WORK/lora-default.cpu.base" --export-merged "$WORK/merged.$dev.$t" >"$WORK/gen.$t" 2>&1)
         grep -v "^train_llama:" "$WORK/gen.$t" >"$WORK/gen.$t.text"
     done
