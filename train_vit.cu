@@ -8,23 +8,19 @@
 // (llmc/models/vit_step.h). This file holds what the ViT's run adds around them: the fine-tuning
 // resolution, the image data, the dry run, the table the shared training loop drives
 // (llmc/train/loop.h), the flags and main.
-#include <omp.h>
 #include "llmc/common.h"
 #include "llmc/train/flags.h"
 #include "llmc/vision/imagedata.h"
 #include "llmc/train/run_options.h"
-#include "llmc/train/train_state.h"
-#include "llmc/train/dist.h"
 #include "llmc/train/loop.h"
-#include "llmc/train/fit.h"
-#include "llmc/backend.h"
+#include "llmc/train/run.h"
 #include "llmc/models/vit.h"
 #include "llmc/models/vit_plan.h"
 #include "llmc/models/vit_io.h"
 #include "llmc/models/vit_step.h"
 
 // ----------------------------------------------------------------------------------------------
-// main
+// The run's resolution and data, and the dry run
 
 // The fine-tuning resolution: --image-size S or HxW, else the checkpoint's.
 static void vit_resolution(const VitConfig* c, const char* flag, int* h, int* w) {
@@ -125,33 +121,40 @@ static void vit_dry_run(const VitConfig* cfg, const TrainOptions* o, TrainModes 
     vit_free(&base);
 }
 
-// What train_run drives (llmc/train/loop.h): the model and the data it trains and validates on.
+// ----------------------------------------------------------------------------------------------
+// The model as the shared training loop sees it (llmc/train/loop.h's Trainer)
+
+// The run's state (llmc/train/run.h's `void* run`): the config and modes from the flags, the
+// fine-tuning resolution and the head's classes, the model and the baseline planned beside it, the data.
 typedef struct {
-    Vit* m;
-    RunData* rd;
+    VitConfig cfg;
+    TrainModes md;
+    int h, w, classes;
+    Vit m, base;
+    RunData rd;
 } VitRun;
 
 static StepResult vit_run_step(void* run, const TrainOptions* o, const Dist* dist, int step) {
     VitRun* r = (VitRun*)run;
-    return vit_train_step(r->m, &r->rd->tl, o, dist, step);
+    return vit_train_step(&r->m, &r->rd.tl, o, dist, step);
 }
 
 static EvalResult vit_run_evaluate(void* run, int batches) {
     VitRun* r = (VitRun*)run;
-    return vit_evaluate(r->m, &r->rd->vl, batches);
+    return vit_evaluate(&r->m, &r->rd.vl, batches);
 }
 
 static void vit_run_save_adapter(void* run, const TrainOptions* o, const char* dir) {
-    vit_save_adapter(((VitRun*)run)->m, dir, o);
+    vit_save_adapter(&((VitRun*)run)->m, dir, o);
 }
 
 static void vit_run_export(void* run, const TrainOptions* o, const char* dir) {
-    vit_export_merged(((VitRun*)run)->m, o, dir);
+    vit_export_merged(&((VitRun*)run)->m, o, dir);
 }
 
 static void vit_print_start(void* run, const TrainOptions* o, const char* what, const char* where) {
-    const Vit* m = ((VitRun*)run)->m;
-    const RunData* rd = ((VitRun*)run)->rd;
+    const Vit* m = &((VitRun*)run)->m;
+    const RunData* rd = &((VitRun*)run)->rd;
     const VitConfig* c = &m->cfg;
     printf("train_vit: %s | d=%d f=%d layers=%d heads=%d | image %dx%d (checkpoint %dx%d) patch %dx%d, %d tokens | "
            "%d classes | act=%s norm=%s recompute=%s | %s + head (%lld trainable params) | %s\n", o->model_dir, c->dim,
@@ -165,23 +168,18 @@ static void vit_print_start(void* run, const TrainOptions* o, const char* what, 
     printf("\n");
 }
 
-// The model as the shared training loop sees it.
-static void vit_trainer(Trainer* t, VitRun* run, const TrainOptions* o, const Dist* dist) {
-    Vit* m = run->m;
-    memset(t, 0, sizeof(*t));
-    t->model = run;
+static void vit_trainer(void* run, Trainer* t, const TrainOptions* o, const Dist* dist) {
+    VitRun* r = (VitRun*)run;
+    Vit* m = &r->m;
+    run_trainer_init(t, run, &m->params.tr, &m->plan, m->be, m->modes.full);
     t->unit = "img";
     t->items = "images";
     t->classifier = 1;
     t->flops_per_item = vit_flops_per_image(m);
-    t->tr = &m->params.tr;
-    t->plan = &m->plan;
-    t->be = m->be;
-    t->full = m->modes.full;
-    t->have_val = run->rd->have_val;
-    t->cursor = &run->rd->tl.cursor;
-    if (run->rd->have_train) t->data_fingerprint = image_shard_fingerprint(&run->rd->train);
-    vit_settings_line(t->settings, sizeof(t->settings), m, o, dist, run->rd->train.n);
+    t->have_val = r->rd.have_val;
+    t->cursor = &r->rd.tl.cursor;
+    if (r->rd.have_train) t->data_fingerprint = image_shard_fingerprint(&r->rd.train);
+    vit_settings_line(t->settings, sizeof(t->settings), m, o, dist, r->rd.train.n);
     t->step = vit_run_step;
     t->evaluate = vit_run_evaluate;
     t->save_adapter = vit_run_save_adapter;
@@ -204,60 +202,86 @@ static void vit_flags(FlagTable* t, TrainOptions* o) {
                 "head to this directory");
 }
 
-#ifndef TESTING
-int main(int argc, char** argv) {
-    Dist dist;
-    TrainOptions o;
-    train_start(&dist, &o, &argc, &argv, vit_flags);
-    VitConfig cfg;
-    vit_config_load(&cfg, o.model_dir);
-    train_check_lora_rank(&o, cfg.dim, o.model_dir);
-    TrainModes md = train_modes_from(&o, target_names, N_TARGETS);
-    if (o.dry_run) { if (dist.rank == 0) vit_dry_run(&cfg, &o, md, &dist); dist_finalize(&dist); return 0; }
-    if (!o.data_path && !o.eval_only && !o.export_merged)
+// ----------------------------------------------------------------------------------------------
+// The model's operations, in the order llmc/train/run.h's train_main calls them
+
+static void vit_run_config(void* run, TrainOptions* o, const Dist* dist) {
+    VitRun* r = (VitRun*)run;
+    vit_config_load(&r->cfg, o->model_dir);
+    train_check_lora_rank(o, r->cfg.dim, o->model_dir);
+    r->md = train_modes_from(o, target_names, N_TARGETS);
+}
+
+static void vit_run_dry_run(void* run, const TrainOptions* o, const Dist* dist) {
+    VitRun* r = (VitRun*)run;
+    vit_dry_run(&r->cfg, o, r->md, dist);
+}
+
+static void vit_run_check(void* run, const TrainOptions* o) {
+    if (!o->data_path && !o->eval_only && !o->export_merged)
         fail(
             "nothing to do: give --data (an image shard from scripts/data/prepare_images.py), --val with --eval-only, "
             "or --export-merged DIR with --adapter");
-    if (!o.data_path && !o.eval_only && !o.adapter_dir)
+    if (!o->data_path && !o->eval_only && !o->adapter_dir)
         fail("flag --export-merged: alone, it needs --adapter (the adapter and head to fold in)");
-    train_prepare_run(&o, dist.rank);
+}
+
+// (The --random-init checks come after train_prepare_run, where they always stood.)
+static void vit_run_open(void* run, const TrainOptions* o, Dist* dist) {
+    VitRun* r = (VitRun*)run;
     // without a checkpoint there is nothing to rewrite and no trained head to read
-    if (o.random_init && (o.export_merged || (o.full && (o.out_dir || o.resume_dir))))
+    if (o->random_init && (o->export_merged || (o->full && (o->out_dir || o->resume_dir))))
         fail(
             "flag --random-init: not with --export-merged or --full --out (they rewrite the checkpoint's tensors, and "
             "there is none)");
-    if (o.random_init && o.eval_only && !o.adapter_dir)
+    if (o->random_init && o->eval_only && !o->adapter_dir)
         fail("flag --random-init: --eval-only needs --adapter (the trained head)");
+    vit_resolution(&r->cfg, o->image_size, &r->h, &r->w);
+    run_data_open(&r->rd, o, &r->cfg, r->h, r->w, &r->classes);
+}
 
-    int h, w, classes;
-    vit_resolution(&cfg, o.image_size, &h, &w);
-    RunData rd;
-    run_data_open(&rd, &o, &cfg, h, w, &classes);
-    Backend be;
-    Profiler prof;
-    train_backend_open(&be, &prof, &o, &dist);
-    Vit m, base;
-    vit_setup(&m, &cfg, &md, o.batch, h, w, classes, run_data_src_bytes(&rd), &be, &dist);
-    VitPlanCtx pc = {&cfg, h, w, classes, run_data_src_bytes(&rd), &be, &dist};
-    fit_check_plan(&be, &m.plan, vit_plan_bytes, &pc, &o, dist.world, dist.local_size);  // before any allocation
-    TrainModes bm = train_baseline_modes(md);
-    vit_setup(&base, &cfg, &bm, o.batch, h, w, classes, run_data_src_bytes(&rd), &be, &dist);
-    m.batch.micro_batches = o.grad_accum;
-    vit_allocate(&m);
-    if (o.random_init) vit_random_weights(&m, (uint64_t)o.seed);
-    else vit_load_weights(&m, o.model_dir);
-    vit_init_trainable(&m, (uint64_t)o.seed);
-    if (o.adapter_dir) vit_load_adapter(&m, o.adapter_dir, &o, o.eval_only || !o.data_path);
-    else if (o.eval_only) vit_load_checkpoint_head(&m, o.model_dir);
-    VitRun run = {&m, &rd};
-    Trainer trainer;
-    vit_trainer(&trainer, &run, &o, &dist);
-    if (dist.rank == 0) train_print_start(&trainer, &o, &dist, &base.plan);
-    vit_free(&base);
-    train_run(&trainer, &o, &dist);
-    run_data_close(&rd);
-    vit_free(&m);
-    dist_finalize(&dist);
-    return 0;
+// The model at the run's resolution, checked against the memory (on either backend, before any
+// allocation), and the baseline beside it.
+static void vit_run_plan(void* run, const TrainOptions* o, const Backend* be, const Dist* dist) {
+    VitRun* r = (VitRun*)run;
+    int64_t src_bytes = run_data_src_bytes(&r->rd);
+    vit_setup(&r->m, &r->cfg, &r->md, o->batch, r->h, r->w, r->classes, src_bytes, be, dist);
+    VitPlanCtx pc = {&r->cfg, r->h, r->w, r->classes, src_bytes, be, dist};
+    fit_check_plan(be, &r->m.plan, vit_plan_bytes, &pc, o, dist->world, dist->local_size);
+    TrainModes bm = train_baseline_modes(r->md);
+    vit_setup(&r->base, &r->cfg, &bm, o->batch, r->h, r->w, r->classes, src_bytes, be, dist);
+}
+
+static void vit_run_load(void* run, const TrainOptions* o) {
+    VitRun* r = (VitRun*)run;
+    Vit* m = &r->m;
+    m->batch.micro_batches = o->grad_accum;
+    vit_allocate(m);
+    if (o->random_init) vit_random_weights(m, (uint64_t)o->seed);
+    else vit_load_weights(m, o->model_dir);
+    vit_init_trainable(m, (uint64_t)o->seed);
+    if (o->adapter_dir) vit_load_adapter(m, o->adapter_dir, o, o->eval_only || !o->data_path);
+    else if (o->eval_only) vit_load_checkpoint_head(m, o->model_dir);
+}
+
+static const MemPlan* vit_run_base_plan(void* run) { return &((VitRun*)run)->base.plan; }
+static void vit_run_free_base(void* run) { vit_free(&((VitRun*)run)->base); }
+
+static void vit_run_close(void* run) {
+    VitRun* r = (VitRun*)run;
+    run_data_close(&r->rd);
+    vit_free(&r->m);
+}
+
+static const ModelOps vit_ops = {
+    vit_flags,     vit_run_config,  vit_run_dry_run, vit_run_check,     vit_run_open,
+    vit_run_plan,  vit_run_load,    vit_trainer,     NULL,              vit_run_base_plan,
+    vit_run_free_base, NULL,        vit_run_close,
+};
+
+#ifndef TESTING
+int main(int argc, char** argv) {
+    static VitRun run;  // zeroed; large (two models' tables), so not on the stack
+    return train_main(&vit_ops, &run, argc, argv);
 }
 #endif

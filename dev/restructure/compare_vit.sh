@@ -19,7 +19,10 @@ TMP=$(mktemp -d)
 trap 'rm -rf "$TMP"' EXIT
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 fails=0 checks=0
-for b in train_vit build/emu/train_vit; do
+# COMPARE_BINS narrows the binaries (e.g. "build/emu/train_vit"); COMPARE_PARTS="dry train" the parts.
+BINS=(${COMPARE_BINS:-train_vit build/emu/train_vit})
+PARTS=${COMPARE_PARTS:-dry train}
+for b in "${BINS[@]}"; do
     for t in "$BASE" "$NEW"; do [ -x "$t/$b" ] || { echo "missing $t/$b (build it first)"; exit 2; }; done
 done
 
@@ -45,14 +48,14 @@ MODES=("--mode baseline" "--mode lowmem" "--mode ckpt" "--act approx" "--norm ms
        "--full --ranks 4" "--ranks 2 --lora-rank 8" "--image-size 384" "--image-size 192x256 --mode ckpt"
        "--batch 3 --grad-accum 2")
 n_dry=0
-for model in "$TMP/vitb16" "$TMP/square" "$TMP/nonsquare" "$NEW/data/vit_demo"; do
+[[ $PARTS == *dry* ]] && for model in "$TMP/vitb16" "$TMP/square" "$TMP/nonsquare" "$NEW/data/vit_demo"; do
     extra=()
     [ "$model" = "$NEW/data/vit_demo" ] && extra=(--data "$NEW/data/vit_demo_ft_train.bin")
     for mode in "${MODES[@]}"; do
         case "$model:$mode" in */vit_demo:*--image-size\ 192x256*|*/vit_demo:*--image-size\ 384*) continue;; esac
         case "$model:$mode" in */square:*--image-size*|*/nonsquare:*--image-size*) continue;; esac
         for dev in cpu cuda; do
-            for bin in train_vit build/emu/train_vit; do
+            for bin in "${BINS[@]}"; do
                 # shellcheck disable=SC2086
                 args=(--model "$model" --dry-run --json --device "$dev" $mode "${extra[@]}")
                 "$BASE/$bin" "${args[@]}" > "$TMP/a.json" 2>&1
@@ -90,10 +93,11 @@ RUNS=("--mode baseline" "--mode lowmem" "--mode ckpt" "--act approx --mode basel
       "--batch 4 --grad-accum 2" "--image-size 35 --mode baseline")
 D=$NEW/data
 n_run=0
-for mode in "${RUNS[@]}"; do
+[[ $PARTS == *train* ]] && for mode in "${RUNS[@]}"; do
     for dev in cpu cuda; do
         bin=train_vit
         [ "$dev" = cuda ] && bin=build/emu/train_vit
+        [[ " ${BINS[*]} " == *" $bin "* ]] || continue
         for side in a b; do
             tree=$BASE
             [ $side = b ] && tree=$NEW

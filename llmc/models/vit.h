@@ -26,10 +26,8 @@
 #include "../train/dist.h"
 #include "../train/trainable.h"
 #include "../train/batch_values.h"
+#include "../train/run.h"
 #include "vit_checkpoint.h"
-#ifdef LLMC_HAVE_CUDA
-#include "../cuda/graph.cuh"
-#endif
 
 // ----------------------------------------------------------------------------------------------
 // Config: config.json of a Hugging Face ViT (ViTModel / ViTForImageClassification), and the
@@ -165,9 +163,7 @@ typedef struct {
     VitBatch batch;
     LoraDropout drop;      // --lora-dropout: the masks' key (llmc/lora_dropout.h)
     MemPlan plan;          // every buffer above, by module (llmc/models/vit_plan.h)
-#ifdef LLMC_HAVE_CUDA
-    CudaGraph graph;       // LLMC_CUDA_GRAPH=1: each micro-batch's forward + backward replayed as one CUDA graph
-#endif
+    RunGraph graph;        // LLMC_CUDA_GRAPH=1: each micro-batch's forward + backward replayed as one CUDA graph
 } Vit;
 
 static int64_t lin_in(const VitConfig* c, int t) { return t == T_FC2 ? c->hidden : c->dim; }

@@ -344,27 +344,18 @@ static void vit_setup(Vit* m, const VitConfig* cfg, const TrainModes* modes, int
 }
 
 static void vit_allocate(Vit* m) {
-    backend_allocate_plan(m->be, &m->plan);
-    op_attach_matmul_workspace(m->be, m->scratch.blas_work);
+    run_allocate_plan(m->be, &m->plan, &m->scratch.blas_work);
     vit_bind(m);
     checkpoints_start(&m->saved.ckpt, m->be, m->cfg.layers, (size_t)m->B * m->T * m->cfg.dim * m->be->abytes);
 }
 
 // Frees what vit_setup planned and vit_allocate made (either may be all there was: a dry run).
 static void vit_free(Vit* m) {
-    trainable_free_host(&m->params.tr);
-    staging_free(&m->batch.staging);
-    backend_free_host_side(m->be, m->batch.h_raw);
-    backend_free_host_side(m->be, m->batch.h_flip);
-    backend_free_host_side(m->be, m->batch.h_labels);
-    batch_values_free(&m->batch.bv, m->be);
+    VitBatch* b = &m->batch;
+    RunMemory mem = {&m->params.tr, &b->staging, &b->bv, m->scratch.blas_work, &m->saved.ckpt, &m->graph,
+                     {b->h_raw, b->h_flip, b->h_labels}};
+    run_free(m->be, &m->plan, &mem);
     free(m->params.lin_host);
-    op_detach_matmul_workspace(m->be, m->scratch.blas_work);  // before the plan's memory goes
-    checkpoints_free(&m->saved.ckpt);  // the copy stream done, before the plan's memory goes
-#ifdef LLMC_HAVE_CUDA
-    if (m->be->cuda) cuda_graph_free(&m->graph);
-#endif
-    backend_free_plan(m->be, &m->plan);
     free(m->params.layers); free(m->saved.blocks); free(m->params.norms_host); free(m->params.layer_off);
 }
 

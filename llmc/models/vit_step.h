@@ -1,11 +1,12 @@
 // vit_step.h: one training step of the ViT (llmc/models/vit.h) and its evaluation: the batch's
 // way up (the CPU loader's pixels, or on CUDA the raw images resized on the GPU), one micro-batch
-// (through a CUDA graph with LLMC_CUDA_GRAPH=1), the optimizer step over the micro-batches, the
+// (through its CUDA graph, llmc/train/run.h), the optimizer step over the micro-batches, the
 // model's FLOPs per image, and the validation pass.
 #pragma once
 #include "vit.h"
 #include "../vision/imagedata.h"
 #include "../train/loop.h"
+#include "../train/run.h"
 
 // ----------------------------------------------------------------------------------------------
 // The batch
@@ -59,58 +60,36 @@ static void vit_range_batch(Vit* m, const ImageLoader* loader, int64_t start, in
 }
 
 // ----------------------------------------------------------------------------------------------
-// One micro-batch, and the CUDA graph
+// One micro-batch
 
-#ifdef LLMC_HAVE_CUDA
-// Once per model, at its first training step: whether LLMC_CUDA_GRAPH=1 can be honoured (said in
-// one line): what the micro-batch holds that no capture can (llmc/cuda/graph.cuh).
-static void vit_graph_decide(Vit* m, const Dist* dist) {
-    GraphHazards h = {!m->be->stream, !trainable_step_stats(&m->params.tr), dist_sums_grads(dist),
-                      m->modes.offload_host, m->scratch.drop_work && !m->batch.bv.drop_at};
-    if (m->be->cuda) cuda_graph_decide(&m->graph, &h, !dist || dist->rank == 0);
-    m->graph.decided = 1;
+// The training micro-batch as llmc/train/run.h's run_micro_batch runs it: the planned B images,
+// with the loss statistics added into step_stats on the device (CUDA; NULL: returned).
+static LossStats vit_train_pass(void* model, float grad_scale, double* step_stats) {
+    Vit* m = (Vit*)model;
+    return vit_forward_backward(m, m->B, grad_scale, 1, NULL, step_stats);
 }
 
+#ifdef LLMC_HAVE_CUDA
 // What the captured forward + backward depends on besides device memory: the micro-batch's
-// images, the loss scale where it is a kernel argument of the head (LLMC_LOSS_SCALE=args; by
-// default the kernel reads it from device memory) and the GEMM attention path's pointer-table
-// cache (as train_llama.cu's llama_graph_key; --lora-dropout's key is read from device memory too).
-static CudaGraphKey vit_graph_key(const Vit* m, int B, float grad_scale) {
-    CudaGraphKey k;
-    memset(&k, 0, sizeof(k));
-    k.shape[0] = B;
-    uint32_t bits;
-    memcpy(&bits, &grad_scale, sizeof(bits));
-    k.values[0] = m->batch.bv.grad_scale ? 0 : bits;  // read from device memory, it changes nothing captured
-    k.values[1] = g_attn_tables.builds;
+// images (their count), the loss scale where it is a kernel argument of the head and the GEMM
+// attention path's pointer tables (run_graph_key; --lora-dropout's key is read from device memory).
+static CudaGraphKey vit_graph_key(const void* model, float grad_scale) {
+    const Vit* m = (const Vit*)model;
+    CudaGraphKey k = run_graph_key(&m->batch.bv, grad_scale);
+    k.shape[0] = m->B;
     return k;
 }
 #endif
 
-// One training micro-batch (already uploaded), through a CUDA graph with LLMC_CUDA_GRAPH=1 as
-// train_llama.cu's llama_train_micro_batch: eagerly at a shape's first time, captured when its key
-// changes, replayed with one launch otherwise.
-static LossStats vit_train_micro_batch(Vit* m, int B, float grad_scale, double* step_stats) {
+// One training micro-batch (already uploaded): forward, head + loss, backward, eagerly or through
+// its CUDA graph (LLMC_CUDA_GRAPH=1: llmc/train/run.h's run_micro_batch).
+static LossStats vit_train_micro_batch(Vit* m, float grad_scale, double* step_stats) {
 #ifdef LLMC_HAVE_CUDA
-    CudaGraph* g = &m->graph;
-    CudaGraphKey key = vit_graph_key(m, B, grad_scale);
-    GraphStep what = g->on ? cuda_graph_next(g, &key) : GRAPH_EAGER;
-    if (what != GRAPH_EAGER) {
-        if (what == GRAPH_CAPTURE) {
-            int profiling = prof_pause(m->be->prof);  // its events would be captured too
-            cuda_graph_capture_begin(g, m->be->stream);
-            vit_forward_backward(m, B, grad_scale, 1, NULL, step_stats);
-            CudaGraphKey after = vit_graph_key(m, B, grad_scale);  // the host caches the capture filled
-            cuda_graph_capture_end(g, m->be->stream, &after);
-            prof_resume(m->be->prof, profiling);
-        }
-        PROF_SCOPE(m->be, "forward + backward graph", "f+b", 0.0, 0.0);
-        cuda_graph_launch(g, m->be->stream);
-        LossStats none = {};
-        return none;  // the statistics are in step_stats
-    }
+    RunPass pass = {m, vit_train_pass, vit_graph_key};
+#else
+    RunPass pass = {m, vit_train_pass};
 #endif
-    return vit_forward_backward(m, B, grad_scale, 1, NULL, step_stats);
+    return run_micro_batch(&m->graph, m->be, &pass, grad_scale, step_stats);
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -125,9 +104,9 @@ static StepResult vit_train_step(Vit* m, ImageLoader* loader, const TrainOptions
     float scale = 1.0f / (float)((double)B * K * dist->world);
     batch_values_set_loss_scale(&m->batch.bv, scale);  // uploaded with each micro-batch's images below
     trainable_zero_grads(&m->params.tr);
-#ifdef LLMC_HAVE_CUDA
-    if (!m->graph.decided) vit_graph_decide(m, dist);
-#endif
+    // once, at the first step: what the micro-batch holds that no CUDA graph can capture
+    RunGraphHazards hazards = {0, m->modes.offload_host, m->scratch.drop_work && !m->batch.bv.drop_at};
+    run_graph_decide_once(&m->graph, m->be, &m->params.tr, dist, hazards);
     m->drop.step = (uint64_t)step;
     double sums[3] = {0.0, 0.0, 0.0};  // loss, final-norm rows that overflowed (health.h), correct
     for (int k = 0; k < K; k++) {
@@ -140,7 +119,7 @@ static StepResult vit_train_step(Vit* m, ImageLoader* loader, const TrainOptions
         }
         m->drop.active = 1;  // training only: evaluation sees the adapters' whole input
         // on CUDA the loss stays on the device until the step's one readback (llmc/train/zero.h)
-        LossStats st = vit_train_micro_batch(m, B, scale, trainable_step_stats(&m->params.tr));
+        LossStats st = vit_train_micro_batch(m, scale, trainable_step_stats(&m->params.tr));
         m->drop.active = 0;
         sums[0] += st.loss_sum;
         sums[1] += st.overflowed;
