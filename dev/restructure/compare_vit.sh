@@ -10,8 +10,12 @@
 #      on the CPU and on the emulator, LoRA and --full in each mode: every file of --out (the
 #      adapter or the model, train_state.bin; log.csv without its timing columns), the merged
 #      export, and the printed losses.
-# Usage: dev/restructure/compare_vit.sh [BASELINE_TREE]   (default /work/baseline; both trees built:
-#        make train_vit build/emu/train_vit). Exit status 0 only when everything is identical.
+# Usage: dev/restructure/compare_vit.sh [BASELINE_TREE]   (default /work/baseline; both trees built
+#        with the same configuration: make train_vit build/emu/train_vit). A baseline whose ./train_vit
+#        was built before cuDNN was installed plans another CUDA attention workspace: its native
+#        `--device cuda` dry runs differ for that reason alone; build a fresh copy then, e.g.
+#        git archive 56429c5 | tar -x -C /tmp/vitbase && make -C /tmp/vitbase train_vit build/emu/train_vit
+#        Exit status 0 only when everything is identical.
 set -u
 BASE=${1:-/work/baseline}
 NEW=$(cd "$(dirname "$0")/../.." && pwd)

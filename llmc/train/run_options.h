@@ -1,6 +1,6 @@
 // run_options.h: what both trainers share around the model: the run options and their flag
 // table entries, mode presets, LoRA target lists, the learning-rate schedule and the device
-// choice. The models themselves live in llmc/models/ (llama.h, ...) and train_vit.cu.
+// choice. The models themselves live in llmc/models/ (llama.h, vit.h, ...).
 #pragma once
 #include "../common.h"
 #include "flags.h"
