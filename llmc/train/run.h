@@ -129,10 +129,11 @@ static LossStats run_micro_batch(RunGraph* rg, const Backend* be, const RunPass*
 // A model's memory: planned by its setup (nothing allocated; a dry run stops there), allocated
 // here, then bound by the model; freed by run_free, whether it was allocated or only planned.
 
-// The plan's memory and the matmul workspace attached; the model binds its buffers next.
-static void run_allocate(const Backend* be, MemPlan* plan, void* blas_work) {
+// The plan's memory, and the matmul workspace attached: *blas_work, the plan's slot for it (read
+// once the plan has placed it); the model binds its buffers next.
+static void run_allocate(const Backend* be, MemPlan* plan, void* const* blas_work) {
     backend_allocate_plan(be, plan);
-    op_attach_matmul_workspace(be, blas_work);
+    op_attach_matmul_workspace(be, *blas_work);
 }
 
 // What a model's run holds beside its plan, for run_free: the trainable arena's host side, the
