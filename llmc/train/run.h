@@ -3,7 +3,7 @@
 // operations (ModelOps) and one call, train_main; the training loop itself is llmc/train/loop.h's
 // train_run over the model's Trainer table. This file also holds what every model's forward +
 // backward shares around it: the CUDA graph of a micro-batch (RunGraph, run_micro_batch) and the
-// allocate/free skeleton of a model's memory plan (run_allocate, run_free).
+// allocate/free skeleton of a model's memory plan (run_allocate_plan, run_free).
 //
 // The model's run state is the driver's own struct (`void* run` below): its config, its model and
 // the baseline model beside it, its data. The operations, in the order train_main calls them:
@@ -129,12 +129,17 @@ static LossStats run_micro_batch(RunGraph* rg, const Backend* be, const RunPass*
 // A model's memory: planned by its setup (nothing allocated; a dry run stops there), allocated
 // here, then bound by the model; freed by run_free, whether it was allocated or only planned.
 
-// The plan's memory, and the matmul workspace attached: *blas_work, the plan's slot for it (read
-// once the plan has placed it); the model binds its buffers next.
-static void run_allocate(const Backend* be, MemPlan* plan, void* const* blas_work) {
+// The plan's memory, then the matmul workspace attached; the model binds its buffers next.
+// blas_work_slot: where the plan puts the workspace (the model's pointer), read only after the
+// allocation has set it (read before, it is NULL, and cuBLAS would allocate a workspace of its own
+// outside the plan at the first product: 32 MiB more on the device than planned).
+static void run_allocate_plan(const Backend* be, MemPlan* plan, void* const* blas_work_slot) {
     backend_allocate_plan(be, plan);
-    op_attach_matmul_workspace(be, *blas_work);
+    op_attach_matmul_workspace(be, *blas_work_slot);
 }
+// The first form, which took the workspace's pointer by value (before the allocation set it): a call
+// written that way passes its address instead. (To go: its callers call run_allocate_plan.)
+#define run_allocate(be, plan, blas_work) run_allocate_plan((be), (plan), &(blas_work))
 
 // What a model's run holds beside its plan, for run_free: the trainable arena's host side, the
 // batch's staging and device-read values, the matmul workspace, the checkpoints, the graph, and
