@@ -414,9 +414,9 @@ static void llama_setup(Llama* m, const LlamaConfig* cfg, const TrainModes* mode
     llama_plan(m, &m->plan);
 }
 
-// Allocates the plan (llmc/train/run.h's run_allocate), binds it and starts the checkpoints' copies.
+// Allocates the plan (llmc/train/run.h's run_allocate_plan), binds it and starts the checkpoints' copies.
 static void llama_allocate(Llama* m) {
-    run_allocate(m->be, &m->plan, m->scratch.blas_work);
+    run_allocate_plan(m->be, &m->plan, &m->scratch.blas_work);
     llama_bind(m);
     checkpoints_start(&m->saved.ckpt, m->be, m->cfg.layers, (size_t)m->B * m->T * m->cfg.dim * m->be->abytes);
 }
