@@ -1,6 +1,6 @@
 // attn_docs.h: a packed micro-batch's documents as cuDNN's ragged ("THD") attention takes them.
 // Pure host arithmetic on the batch's positions (no CUDA, no cuDNN): the trainer fills the arrays
-// at each upload (train_llama.cu's llama_upload_batch), they travel to the device with the batch,
+// at each upload (llmc/models/llama_batch.h's llama_upload_batch), they travel to the device with the batch,
 // and llmc/cuda/attention_cudnn.cu describes q, k, v, o and their gradients by them.
 //
 // A packed row holds several documents back to back; a document starts where the position is 0

@@ -122,7 +122,7 @@ static void test_lora_dropout_kernels(int64_t N, int in, int norm, float p, Rng*
     lora_dropout_init(&d, p, 99, NULL);
     d.step = 12;
     d.row0 = 7 * N;
-    d.row_off = 3;  // an MLP tile's first row (train_llama.cu's llama_mlp_tiles)
+    d.row_off = 3;  // an MLP tile's first row (llmc/models/llama.h's llama_mlp_tiles)
     d.active = 1;
     Linear L, G;
     memset(&L, 0, sizeof(L));

@@ -118,7 +118,7 @@ static void test_multiply_bias(int64_t N, int out, Rng* rng) {
     snprintf(name, sizeof(name), "add_bias_rows fp32, N=%lld out=%d", (long long)N, out);
     check_equal_f32(name, gf, yf, n);
 
-    // bias gradient: db += column sums (train_vit.cu head), fp32 and bf16 dy
+    // bias gradient: db += column sums (the ViT head, llmc/models/vit.h), fp32 and bf16 dy
     float* db0 = host_randn(out, rng, 1.0f, 0);
     float* wantdb = host_copy(db0, out);
     for (int64_t r = 0; r < N; r++)

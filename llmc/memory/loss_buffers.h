@@ -29,7 +29,7 @@ typedef struct {
 //                   chunk (its matmul reads the head in cache-sized blocks, not once per chunk
 //                   from HBM).
 //                   Where the memory a run is fitted to holds the plan only with the old chunk,
-//                   the old one ("old_fitted": train_llama.cu, llama_fit_to_memory).
+//                   the old one ("old_fitted": llmc/models/llama_plan.h, llama_fit_to_memory).
 //   old             at most 64 MiB of fp32 logits per chunk (130 rows at a 128k vocabulary)
 //   a count         that many rows
 // Always at most N.

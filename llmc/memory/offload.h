@@ -28,7 +28,7 @@ enum { OFFLOAD_STAGING = 2 };  // device buffers at most: double buffered
 // How many staging buffers: two (double buffered: one block input travels to or from the host while
 // the other is in use) unless the run's memory holds only one; then the copies wait for the compute
 // and the compute for the copies. The trainer fits it to the memory as --mlp-tile auto's tile
-// (train_llama.cu, llama_fit_to_memory): two where the plan with two fits, else one. At a million
+// (llmc/models/llama_plan.h, llama_fit_to_memory): two where the plan with two fits, else one. At a million
 // positions one buffer costs little: a block input's copy moves N d activations while the block's
 // attention does ~2 T N heads hd multiply-adds per pass (T the whole sequence, N this rank's
 // tokens), so the copy's share of the block's time falls as 1 / T (a few percent at 2^20 positions

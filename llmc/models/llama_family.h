@@ -243,7 +243,7 @@ static void llama_check_window(const LlamaConfig* c, int T, const char* model_di
 // ---- the tensors of the checkpoint --------------------------------------------------------------
 
 // The Hugging Face module path of each linear of a block, in the order q, k, v, o, gate, up, down
-// (train_llama.cu's targets).
+// (llmc/models/llama.h's targets).
 static const char* const llama_hf_modules[7] = {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
                                                 "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"};
 

@@ -7,7 +7,7 @@
 // export (--export-merged, and the output of --full, vit_write_merged): the input checkpoint, its
 // tensor names and dtypes, rewritten with what training changed and the new head, and its
 // config.json with the head's class count. The export asks the trained model for its values
-// through VitExportSource, so this file knows the layouts and nothing of train_vit.cu's types.
+// through VitExportSource, so this file knows the layouts and nothing of llmc/models/vit.h's types.
 #pragma once
 #include <string.h>
 #include "../common.h"
@@ -16,7 +16,7 @@
 
 // ---- the tensors of a checkpoint ------------------------------------------------------------
 
-// The linears of a block from VIT_Q on (train_vit.cu's targets, in this order), and timm's fused
+// The linears of a block from VIT_Q on (llmc/models/vit.h's targets, in this order), and timm's fused
 // q, k, v: one [3d, d] linear whose rows are q's, then k's, then v's.
 enum { VIT_QKV = -1, VIT_Q, VIT_K, VIT_V, VIT_PROJ, VIT_FC1, VIT_FC2, VIT_LINEARS };
 // The LayerNorm vectors of a block: before attention (gamma, beta), before the MLP.

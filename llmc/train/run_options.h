@@ -1,7 +1,7 @@
 // run_options.h: what both trainers share around the model: the run options and their flag
 // table entries, mode presets, LoRA target lists, the learning-rate schedule, the device choice
 // and the claim on the output directories (llmc/train/out_dir.h). The models themselves live in
-// train_llama.cu / train_vit.cu.
+// llmc/models/ (llama.h, vit.h, ...).
 #pragma once
 #include "../common.h"
 #include "flags.h"
@@ -192,7 +192,7 @@ static void train_resolve_mode(TrainOptions* o) {
     if (!o->recompute) o->recompute = rec;
 }
 
-// --mlp-tile: MLP_TILE_AUTO picks the tile by the model's rule (train_llama.cu, llama_mlp_tile_rows).
+// --mlp-tile: MLP_TILE_AUTO picks the tile by the model's rule (llmc/models/llama_plan.h, llama_mlp_tile_rows).
 #define MLP_TILE_AUTO (-1)
 // The tokens of --mlp-tile as a count (0 or more, at most INT_MAX), or -1 when it is not one.
 static int mlp_tile_tokens(const char* v) {

@@ -2,7 +2,7 @@
 // F.interpolate(..., align_corners=False, antialias=False) given an output size, so that the
 // PyTorch reference (test/model/reference_vit.py) can reproduce it:
 //   bilinear  the image loader's resize to the model's resolution (llmc/vision/imagedata.h)
-//   bicubic   the position-embedding grid at a new fine-tuning resolution (train_vit.cu), as
+//   bicubic   the position-embedding grid at a new fine-tuning resolution (llmc/models/vit_io.h), as
 //             Hugging Face's interpolate_pos_encoding does (Keys kernel, A = -0.75)
 // Both are separable: per output coordinate a few taps (input indices, clamped to the border)
 // and weights are computed once per axis, then applied to every channel.

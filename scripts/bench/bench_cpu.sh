@@ -67,7 +67,7 @@ cat > "$D/config.json" <<'EOF2'
 EOF2
 [ -f "$D/tokens.bin" ] || $PY scripts/bench/bench_data.py tokens "$D/tokens.bin" 49152 20000
 SB=1; ST=512; SR=16; SSTEPS=${BENCH_SMOL_STEPS:-6}
-# model FLOPs per token (llama_flops_per_token in train_llama.cu)
+# model FLOPs per token (llama_flops_per_token in llmc/models/llama_step.h)
 fpt=$(awk -v d=576 -v f=1536 -v kv=192 -v L=30 -v V=49152 -v r=$SR -v T=$ST 'BEGIN {
   split(d" "d" "d" "kv" "d" "kv" "d" "d" "d" "f" "d" "f" "f" "d, a, " ");
   s = 0; for (i = 1; i <= 14; i += 2) s += 4 * a[i] * a[i+1] + 6 * r * (a[i] + a[i+1]);

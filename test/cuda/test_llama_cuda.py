@@ -679,7 +679,7 @@ def test_cuda_planted_early_rewrite_of_upload_staging_is_caught():
     assert ok.returncode == 0, ok.stderr[-1500:]
 
 
-# ---- CUDA graphs (LLMC_CUDA_GRAPH=1: llmc/cuda/graph.cuh, train_llama.cu's llama_train_micro_batch) ------
+# ---- CUDA graphs (LLMC_CUDA_GRAPH=1: llmc/cuda/graph.cuh, llmc/train/run.h's run_micro_batch) --------
 
 GRAPH_LINE = (r"^per step: (\d+) of those launches are CUDA graphs, replaying (\d+) kernel launches and (\d+) cuBLAS "
               r"calls; ([0-9.]+) graph captures$")

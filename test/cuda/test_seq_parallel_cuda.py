@@ -88,7 +88,7 @@ def test_cuda_replicated_key_value_head_equals_one_process(tmp_path, one_kv_head
                              "cuda", "--threads", 1]]
     run([need(CUDA_TRAIN)] + args + ["--out", tmp_path / "one"])
     # the host path with the exchanges' scratch in buffers of its own (LLMC_SEQPAR_LEND=0), the NCCL
-    # path with it lent by dead gradient buffers (train_llama.cu's llama_seqpar_lends)
+    # path with it lent by dead gradient buffers (llmc/models/llama_plan.h's llama_seqpar_lends)
     for name, env in (("nccl", {}), ("host", {"LLMC_NCCL": "0", "LLMC_SEQPAR_LEND": "0"})):
         mpirun(2, CUDA_TRAIN, args + ["--seq-parallel", "2", "--out", str(tmp_path / name)], env=env)
     (l1, n1, _), (l2, n2, _), (l3, n3, _) = (log_rows(tmp_path / k) for k in ("one", "nccl", "host"))

@@ -63,26 +63,26 @@ int main(int argc, char** argv) {
     const int32_t* tk = (const int32_t*)tokens->data;
     for (int b = 0; b < B; b++)
         for (int t = 0; t < T; t++) {
-            m.h_inputs[b * T + t] = tk[b * (T + 1) + t];
-            m.h_targets[b * T + t] = tk[b * (T + 1) + t + 1];
+            m.io.h_inputs[b * T + t] = tk[b * (T + 1) + t];
+            m.io.h_targets[b * T + t] = tk[b * (T + 1) + t + 1];
         }
-    memcpy(m.h_mask, mask->data, sizeof(float) * B * T);
+    memcpy(m.io.h_mask, mask->data, sizeof(float) * B * T);
     // optional "starts" U8 [B, T]: 1 where an input token begins a packed example
     const StTensor* starts = st_find(&cf, "starts");
     for (int b = 0; b < B; b++)
         for (int t = 0; t < T; t++) {
             int s0 = t == 0 || (starts && starts->data[b * T + t]);
-            m.h_pos[b * T + t] = s0 ? 0 : m.h_pos[b * T + t - 1] + 1;
+            m.io.h_pos[b * T + t] = s0 ? 0 : m.io.h_pos[b * T + t - 1] + 1;
         }
-    double count = count_mask(m.h_mask, (int64_t)B * T);
+    double count = count_mask(m.io.h_mask, (int64_t)B * T);
     float grad_scale = count > 0 ? (float)(1.0 / count) : 0.0f;
-    batch_values_set_loss_scale(&m.bv, grad_scale);  // (CUDA: the loss kernels read it from device memory)
+    batch_values_set_loss_scale(&m.io.bv, grad_scale);  // (CUDA: the loss kernels read it from device memory)
     m.drop.step = (uint64_t)drop_step;     // a training pass: dropout on, as llama_train_step sets it (before
     m.drop.row0 = drop_row0;               // the upload: CUDA's dropout kernels read them from device memory)
     llama_upload_batch(&m, (int64_t)B * T);
     for (int l = 0; l < cfg.layers; l++)
-        for (int t = 0; t < N_TARGETS; t++) probe_load_lora(&cf, &m.layers[l].lin[t], l, target_names[t], md.rank);
-    trainable_to_device(&m.tr);
+        for (int t = 0; t < N_TARGETS; t++) probe_load_lora(&cf, &m.w.layers[l].lin[t], l, target_names[t], md.rank);
+    trainable_to_device(&m.w.tr);
     int64_t nlogits = (int64_t)B * T * cfg.vocab;
     float* logits_be = (float*)probe_alloc(&be, sizeof(float) * nlogits, "probe logits");
     float* logits = (float*)xmalloc(sizeof(float) * nlogits);
@@ -90,7 +90,7 @@ int main(int argc, char** argv) {
     LossStats st = llama_forward_backward(&m, B, T, grad_scale, 1, logits_be, NULL);
     backend_download(&be, logits, logits_be, sizeof(float) * nlogits);
     probe_free(&be, logits_be);
-    trainable_to_host(&m.tr, 1);
+    trainable_to_host(&m.w.tr, 1);
     float loss = count > 0 ? (float)(st.loss_sum / count) : 0.0f;
     StWriter w;
     memset(&w, 0, sizeof(w));
@@ -98,17 +98,17 @@ int main(int argc, char** argv) {
     st_writer_add(&w, "logits", ST_F32, 3, ls, logits);
     st_writer_add(&w, "loss", ST_F32, 1, &one, &loss);
     for (int l = 0; l < cfg.layers; l++)
-        for (int t = 0; t < N_TARGETS; t++) probe_add_grads(&w, &m.layers[l].lin[t], l, target_names[t], md.rank);
+        for (int t = 0; t < N_TARGETS; t++) probe_add_grads(&w, &m.w.layers[l].lin[t], l, target_names[t], md.rank);
     // --full: the other trained weights' gradients, from the host mirror of the gradient arena
     int64_t vd[2] = {cfg.vocab, cfg.dim}, dd = cfg.dim;
     char nm[64];
-#define HOST_GRAD(g) (m.tr.h_grads + ((g) - m.tr.grads))
-    if (m.dembed) st_writer_add(&w, "grad.embed", ST_F32, 2, vd, HOST_GRAD(m.dembed));
-    if (m.dlm_head && !cfg.tied) st_writer_add(&w, "grad.lm_head", ST_F32, 2, vd, HOST_GRAD(m.dlm_head));
-    if (m.dfinal_norm) st_writer_add(&w, "grad.final_norm", ST_F32, 1, &dd, HOST_GRAD(m.dfinal_norm));
+#define HOST_GRAD(g) (m.w.tr.h_grads + ((g) - m.w.tr.grads))
+    if (m.w.dembed) st_writer_add(&w, "grad.embed", ST_F32, 2, vd, HOST_GRAD(m.w.dembed));
+    if (m.w.dlm_head && !cfg.tied) st_writer_add(&w, "grad.lm_head", ST_F32, 2, vd, HOST_GRAD(m.w.dlm_head));
+    if (m.w.dfinal_norm) st_writer_add(&w, "grad.final_norm", ST_F32, 1, &dd, HOST_GRAD(m.w.dfinal_norm));
     int64_t hd = cfg.head_dim;
     for (int l = 0; l < cfg.layers; l++) {  // the block norms (standard norms) and Qwen3's q/k norms, where they train
-        const LlamaLayer* L = &m.layers[l];
+        const LlamaLayer* L = &m.w.layers[l];
         const char* names[4] = {"attn_norm", "mlp_norm", "q_norm", "k_norm"};
         const float* grads[4] = {L->dattn_norm, L->dmlp_norm, L->dq_norm, L->dk_norm};
         for (int k = 0; k < 4; k++) {

@@ -50,32 +50,33 @@ static void dump_batches(const VitConfig* cfg, const TrainOptions* o, int batche
 }
 
 // The host mirror of a gradient in the trainable arena (backend pointer g).
-static float* host_grad(const Vit* m, const float* g) { return m->tr.h_grads + (g - m->tr.grads); }
+static float* host_grad(const Vit* m, const float* g) { return m->params.tr.h_grads + (g - m->params.tr.grads); }
 
 // --full: the gradients of the embeddings and the norms.
 static void add_full_grads(StWriter* wr, const Vit* m) {
     const VitConfig* c = &m->cfg;
     int64_t d = c->dim, spw[4] = {d, c->channels, c->patch_h, c->patch_w}, sc[3] = {1, 1, d}, sp[3] = {1, m->T, d};
-    st_writer_add(wr, "grad.patch_w", ST_F32, 4, spw, m->patch.dW);
-    st_writer_add(wr, "grad.patch_b", ST_F32, 1, &d, host_grad(m, m->dpatch_b));
-    st_writer_add(wr, "grad.cls", ST_F32, 3, sc, host_grad(m, m->dcls));
-    st_writer_add(wr, "grad.pos", ST_F32, 3, sp, host_grad(m, m->dpos));
-    st_writer_add(wr, "grad.norm_g", ST_F32, 1, &d, host_grad(m, m->dnorm_g));
-    st_writer_add(wr, "grad.norm_b", ST_F32, 1, &d, host_grad(m, m->dnorm_b));
+    st_writer_add(wr, "grad.patch_w", ST_F32, 4, spw, m->params.patch.dW);
+    st_writer_add(wr, "grad.patch_b", ST_F32, 1, &d, host_grad(m, m->params.dpatch_b));
+    st_writer_add(wr, "grad.cls", ST_F32, 3, sc, host_grad(m, m->params.dcls));
+    st_writer_add(wr, "grad.pos", ST_F32, 3, sp, host_grad(m, m->params.dpos));
+    st_writer_add(wr, "grad.norm_g", ST_F32, 1, &d, host_grad(m, m->params.dnorm_g));
+    st_writer_add(wr, "grad.norm_b", ST_F32, 1, &d, host_grad(m, m->params.dnorm_b));
     const char* names[N_LN] = {"ln1.g", "ln1.b", "ln2.g", "ln2.b"};
     char name[64];
     for (int l = 0; l < c->layers; l++)
-        for (int k = 0; k < N_LN && m->layers[l].ln_grad[k]; k++) {
+        for (int k = 0; k < N_LN && m->params.layers[l].ln_grad[k]; k++) {
             snprintf(name, sizeof(name), "grad.%d.%s", l, names[k]);
-            st_writer_add(wr, name, ST_F32, 1, &d, host_grad(m, m->layers[l].ln_grad[k]));
+            st_writer_add(wr, name, ST_F32, 1, &d, host_grad(m, m->params.layers[l].ln_grad[k]));
         }
 }
 
 // Given pixels [B, C, H, W] (fp32, host) and labels (in h_labels): the batch on the backend.
 static void vit_set_batch(Vit* m, const float* pixels, int B) {
     const VitConfig* c = &m->cfg;
-    backend_upload_weights(m->be, m->pixels, pixels, (int64_t)B * c->channels * m->img_h * m->img_w);  // bf16 on CUDA
-    backend_upload(m->be, m->labels, m->h_labels, sizeof(int) * B);
+    int64_t n = (int64_t)B * c->channels * m->img_h * m->img_w;
+    backend_upload_weights(m->be, m->batch.pixels, pixels, n);  // bf16 on CUDA
+    backend_upload(m->be, m->batch.labels, m->batch.h_labels, sizeof(int) * B);
 }
 
 int main(int argc, char** argv) {
@@ -130,37 +131,39 @@ int main(int argc, char** argv) {
     const int32_t* labels = (const int32_t*)lb->data;
     for (int b = 0; b < B; b++) {
         if (labels[b] < 0 || labels[b] >= K) fail("%s: label %d outside [0, %d)", case_path, labels[b], K);
-        m.h_labels[b] = labels[b];
+        m.batch.h_labels[b] = labels[b];
     }
     vit_set_batch(&m, (const float*)px->data, B);
-    memcpy(m.h_head_w, hw->data, hw->nbytes);
+    memcpy(m.params.h_head_w, hw->data, hw->nbytes);
     const StTensor* hb = case_tensor(&cf, "head.bias", ST_F32);
     st_check_shape(hb, 1, &hshape[0]);
-    memcpy(m.h_head_b, hb->data, hb->nbytes);
+    memcpy(m.params.h_head_b, hb->data, hb->nbytes);
     for (int l = 0; l < cfg.layers; l++)
-        for (int t = 0; t < N_TARGETS; t++) probe_load_lora(&cf, &m.layers[l].lin[t], l, target_names[t], md.rank);
-    trainable_to_device(&m.tr);
-    trainable_zero_grads(&m.tr);
+        for (int t = 0; t < N_TARGETS; t++)
+            probe_load_lora(&cf, &m.params.layers[l].lin[t], l, target_names[t], md.rank);
+    trainable_to_device(&m.params.tr);
+    trainable_zero_grads(&m.params.tr);
     float* logits = (float*)xmalloc(sizeof(float) * B * K);
     m.drop.step = (uint64_t)drop_step;  // a training pass: dropout on, as vit_train_step sets it
     m.drop.row0 = drop_row0;
-    batch_values_set_loss_scale(&m.bv, 1.0f / B);  // (CUDA: the kernels read these from device memory)
-    staging_begin(&m.staging);
-    batch_values_stage(&m.bv, &m.staging, &m.drop);
-    staging_end(&m.staging);
+    batch_values_set_loss_scale(&m.batch.bv, 1.0f / B);  // (CUDA: the kernels read these from device memory)
+    staging_begin(&m.batch.staging);
+    batch_values_stage(&m.batch.bv, &m.batch.staging, &m.drop);
+    staging_end(&m.batch.staging);
     m.drop.active = 1;
     LossStats st = vit_forward_backward(&m, B, 1.0f / B, 1, logits, NULL);
-    trainable_to_host(&m.tr, 1);
+    trainable_to_host(&m.params.tr, 1);
     float loss = (float)(st.loss_sum / B);
     StWriter wr;
     memset(&wr, 0, sizeof(wr));
     int64_t ls[2] = {B, K}, one = 1;
     st_writer_add(&wr, "logits", ST_F32, 2, ls, logits);
     st_writer_add(&wr, "loss", ST_F32, 1, &one, &loss);
-    st_writer_add(&wr, "grad.head.weight", ST_F32, 2, hshape, m.h_dhead_w);
-    st_writer_add(&wr, "grad.head.bias", ST_F32, 1, &hshape[0], m.h_dhead_b);
+    st_writer_add(&wr, "grad.head.weight", ST_F32, 2, hshape, m.params.h_dhead_w);
+    st_writer_add(&wr, "grad.head.bias", ST_F32, 1, &hshape[0], m.params.h_dhead_b);
     for (int l = 0; l < cfg.layers; l++)
-        for (int t = 0; t < N_TARGETS; t++) probe_add_grads(&wr, &m.layers[l].lin[t], l, target_names[t], md.rank);
+        for (int t = 0; t < N_TARGETS; t++)
+            probe_add_grads(&wr, &m.params.layers[l].lin[t], l, target_names[t], md.rank);
     if (md.full) add_full_grads(&wr, &m);
     st_writer_save(&wr, out_path, NULL);
     st_writer_free(&wr);

@@ -127,7 +127,7 @@ def test_memory_modes_and_full_fine_tuning_match_one_process(tmp_path, mode):
     # all ranks; --recompute block runs each block's forward, exchanges included, again in backward
     # (the exchanges' scratch is lent by buffers dead at the time, which differ between the forward,
     # the recomputed forward on the checkpoint (MS norms) or on a copy of it (standard norms), and
-    # the backward: train_llama.cu's llama_seqpar_lends); NF4 weights and tiles of 8 of a rank's 16
+    # the backward: llmc/models/llama_plan.h's llama_seqpar_lends); NF4 weights and tiles of 8 of a rank's 16
     # tokens change nothing the exchanges see
     single = train(tmp_path, "single", 1, 2, TRAIN, *mode)
     split = train(tmp_path, "split", 2, 2, TRAIN, "--seq-parallel", 2, *mode)
