@@ -20,6 +20,7 @@
 #include "llmc/train/flags.h"
 #include "llmc/rng.h"
 #include "llmc/vision/imagedata.h"
+#include "llmc/vision/preprocessor.h"
 #include "llmc/vision/resample.h"
 #include "llmc/memory/plan.h"
 #include "llmc/train/run_options.h"
@@ -41,9 +42,9 @@
 #include "llmc/memory/checkpoints.h"
 
 // ----------------------------------------------------------------------------------------------
-// Config: config.json of a Hugging Face ViT (ViTModel / ViTForImageClassification), and the
-// normalisation of preprocessor_config.json (image_mean / image_std; 0.5 / 0.5 when absent, the
-// Hugging Face ViT default).
+// Config: config.json of a Hugging Face ViT (ViTModel / ViTForImageClassification), and its
+// preprocessor_config.json (llmc/vision/preprocessor.h; 0.5 / 0.5 when absent, the Hugging Face
+// ViT default).
 
 typedef struct {
     int dim, hidden, layers, heads, head_dim, channels;
@@ -51,7 +52,8 @@ typedef struct {
     float norm_eps;
     int gelu_tanh;         // hidden_act gelu_pytorch_tanh / gelu_new: the tanh form
     int qkv_bias;          // false: q, k, v have no bias in the checkpoint (zeros here)
-    float mean[3], std[3]; // per channel, on pixels scaled to [0, 1]
+    float mean[3], std[3]; // per channel, on pixels scaled to [0, 1] (pre's)
+    VitPreprocessor pre;   // preprocessor_config.json
 } VitConfig;
 
 // image_size and patch_size sides: far beyond any ViT's 224-518 pixels; the limit keeps pixel counts
@@ -91,20 +93,9 @@ static void vit_config_load(VitConfig* c, const char* model_dir) {
     json_free(&j);
     free(text);
     free(path);
-    for (int i = 0; i < 3; i++) { c->mean[i] = 0.5f; c->std[i] = 0.5f; }
-    char* pp = path_join(model_dir, "preprocessor_config.json");
-    if (optional_file_exists(pp)) {
-        char* t = read_file(pp, &n);
-        Json pj = json_parse(t, n, pp);
-        json_float_list(&pj, "image_mean", pp, c->channels, c->mean);
-        json_float_list(&pj, "image_std", pp, c->channels, c->std);
-        for (int i = 0; i < c->channels; i++)
-            if (!(c->std[i] > 0) || !isfinite(c->std[i]) || !isfinite(c->mean[i]))
-                fail("%s: image_std must be positive and image_mean finite", pp);
-        json_free(&pj);
-        free(t);
-    }
-    free(pp);
+    vit_preprocessor_load(&c->pre, model_dir, c->channels);  // llmc/vision/preprocessor.h
+    memcpy(c->mean, c->pre.mean, sizeof(c->mean));
+    memcpy(c->std, c->pre.std, sizeof(c->std));
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -1405,6 +1396,9 @@ static void run_data_open(RunData* rd, const TrainOptions* o, const VitConfig* c
         fail("%s: the shard has %d classes, more than --classes %d", o->data_path, rd->train.classes, *classes);
     if (rd->have_val && rd->val.classes > *classes)
         fail("%s: the shard has %d classes, more than the head's %d", o->val_path, rd->val.classes, *classes);
+    int fed_h = o->image_size ? 0 : h, fed_w = o->image_size ? 0 : w;  // --image-size: the loader resizes
+    if (rd->have_train) vit_preprocessor_check_images(&c->pre, o->data_path, rd->train.H, rd->train.W, fed_h, fed_w);
+    if (rd->have_val) vit_preprocessor_check_images(&c->pre, o->val_path, rd->val.H, rd->val.W, fed_h, fed_w);
     if (rd->have_train)
         image_loader_init(&rd->tl, &rd->train, h, w, c->channels, c->mean, c->std, (uint64_t)o->seed, 1, o->hflip);
     if (rd->have_val) image_loader_init(&rd->vl, &rd->val, h, w, c->channels, c->mean, c->std, (uint64_t)o->seed, 0, 0);
