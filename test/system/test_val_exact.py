@@ -178,3 +178,18 @@ def test_vit_val_loss_is_one_pass(vit, device):
         got, want = eval_loss(p.stdout), float(nll[:images].mean())
         print(f"vit {device} --batch {batch} --val-batches {batches}: val loss {got:.6f}, one pass {want:.6f}")
         assert f"({images} images)" in p.stdout and abs(got - want) <= TOL[device] * want, (batch, got, want)
+
+
+def test_vit_eval_only_takes_the_class_count_from_the_checkpoint_head(vit, tmp_path):
+    """A model directory with a VIT_CLASSES head (as --export-merged writes one) evaluated on a shard
+    whose header says 2 classes, without --classes: the head's rows give the class count, and the
+    loss is the reference's."""
+    d, nll = vit
+    import prepare_images as pi
+    images, labels, _ = pi.read_shard(str(d / "val.bin"))
+    keep = labels < 2
+    vc.write_shard(str(tmp_path / "two.bin"), images[keep], labels[keep], 2)
+    p = run(CPU_VIT, ["--model", d / "model", "--val", tmp_path / "two.bin", "--eval-only", "--batch", 4,
+                      "--val-batches", 100, "--device", "cpu"])
+    got, want = eval_loss(p.stdout), float(nll[keep].mean())
+    assert abs(got - want) <= TOL["cpu"] * want, (got, want)
