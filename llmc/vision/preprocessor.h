@@ -55,10 +55,9 @@ static PreprocessorKind pre_kind(const Json* j, const char* path, int* named) {
         const Json* v = json_get(j, keys[k]);
         if (!v) continue;
         if (v->type != JSON_STRING || !pre_in(pre_type_names, v->string))
-            fail("%s: %s %s%s%s is not a processor train_vit applies exactly (expected ViTImageProcessor, "
+            fail("%s: %s \"%s\" is not a processor train_vit applies exactly (expected ViTImageProcessor, "
                  "CLIPImageProcessor or their *FeatureExtractor names)",
-                 path, keys[k], v->type == JSON_STRING ? "\"" : "", v->type == JSON_STRING ? v->string : "(not a string)",
-                 v->type == JSON_STRING ? "\"" : "");
+                 path, keys[k], v->type == JSON_STRING ? v->string : "(not a string)");
         *named = 1;
         return strncmp(v->string, "CLIP", 4) == 0 ? PRE_CLIP : PRE_VIT;
     }
@@ -66,9 +65,11 @@ static PreprocessorKind pre_kind(const Json* j, const char* path, int* named) {
     return PRE_VIT;
 }
 
-static int pre_bool(const Json* j, const char* key, int dflt, const char* path) {
+typedef enum { ABSENT_IS_FALSE, ABSENT_IS_TRUE } PreDefault;  // a boolean key's value when it is absent
+
+static int pre_bool(const Json* j, const char* key, PreDefault dflt, const char* path) {
     const Json* v = json_get(j, key);
-    if (!v) return dflt;
+    if (!v) return dflt == ABSENT_IS_TRUE;
     if (v->type != JSON_BOOL) fail("%s: %s must be true or false", path, key);
     return v->boolean;
 }
@@ -99,15 +100,19 @@ static int pre_side(const Json* obj, const char* key, const char* what, const ch
     return (int)x;
 }
 
+// How a size dictionary may be given: height/width or an integer side (ViT's size, crop_size), or
+// also shortest_edge, which an integer then means (CLIP's size).
+typedef enum { SIZE_SQUARE_OR_HW, SIZE_EDGE_OR_HW } SizeRule;
+
 // A size dictionary as transformers' get_size_dict reads it: {"height", "width"}, {"shortest_edge"},
-// or one integer (square, or the shortest edge where `int_is_edge`). Other keys are refused.
-static void pre_size(const Json* j, const char* key, int int_is_edge, int edge_ok, const char* path, int* h, int* w,
-                     int* edge) {
+// or one integer (by `rule`). Other keys are refused.
+static void pre_size(const Json* j, const char* key, SizeRule rule, const char* path, int* h, int* w, int* edge) {
+    int edge_ok = rule == SIZE_EDGE_OR_HW;
     const Json* v = json_get(j, key);
     *h = *w = *edge = 0;
     if (v->type == JSON_NUMBER) {
         int s = pre_side(j, key, key, path);
-        if (int_is_edge) *edge = s;
+        if (edge_ok) *edge = s;
         else *h = *w = s;
         return;
     }
@@ -131,15 +136,15 @@ static void pre_geometry(VitPreprocessor* p, const Json* j, PreprocessorKind kin
     const Json* r = json_get(j, "resample");
     if (r && (r->type != JSON_NUMBER || r->number != floor(r->number) || r->number < 0 || r->number > 5))
         fail("%s: resample must be one of PIL's filters 0-5", path);
-    if (pre_bool(j, "do_resize", 1, path)) {
-        if (json_get(j, "size")) pre_size(j, "size", kind == PRE_CLIP, kind == PRE_CLIP, path, &p->resize_h, &p->resize_w,
-                                          &p->shortest_edge);
+    if (pre_bool(j, "do_resize", ABSENT_IS_TRUE, path)) {
+        SizeRule rule = kind == PRE_CLIP ? SIZE_EDGE_OR_HW : SIZE_SQUARE_OR_HW;
+        if (json_get(j, "size")) pre_size(j, "size", rule, path, &p->resize_h, &p->resize_w, &p->shortest_edge);
         else if (kind == PRE_CLIP) p->shortest_edge = 224;
         else p->resize_h = p->resize_w = 224;
     }
-    if (pre_bool(j, "do_center_crop", kind == PRE_CLIP, path)) {
+    if (pre_bool(j, "do_center_crop", kind == PRE_CLIP ? ABSENT_IS_TRUE : ABSENT_IS_FALSE, path)) {
         int edge = 0;
-        if (json_get(j, "crop_size")) pre_size(j, "crop_size", 0, 0, path, &p->crop_h, &p->crop_w, &edge);
+        if (json_get(j, "crop_size")) pre_size(j, "crop_size", SIZE_SQUARE_OR_HW, path, &p->crop_h, &p->crop_w, &edge);
         else p->crop_h = p->crop_w = 224;
     }
     if (p->shortest_edge && !p->crop_h)
@@ -173,10 +178,12 @@ static void vit_preprocessor_load(VitPreprocessor* p, const char* model_dir, int
     }
     pre_channels(&j, "image_mean", channels, path, mean);
     pre_channels(&j, "image_std", channels, path, std);
-    if (!pre_bool(&j, "do_normalize", 1, path))
+    if (!pre_bool(&j, "do_normalize", ABSENT_IS_TRUE, path))
         for (int c = 0; c < 3; c++) { mean[c] = 0.0f; std[c] = 1.0f; }
-    pre_bool(&j, "do_convert_rgb", 1, path);
-    double rescale = pre_bool(&j, "do_rescale", 1, path) ? json_number_opt(&j, "rescale_factor", path, 1.0 / 255) : 1.0;
+    pre_bool(&j, "do_convert_rgb", ABSENT_IS_TRUE, path);  // checked only: the loader makes grayscale RGB
+    double rescale = 1.0;
+    if (pre_bool(&j, "do_rescale", ABSENT_IS_TRUE, path))
+        rescale = json_number_opt(&j, "rescale_factor", path, 1.0 / 255);
     if (!(rescale > 0) || !isfinite(rescale)) fail("%s: rescale_factor must be a positive number", path);
     for (int c = 0; c < channels; c++) {
         if (!(std[c] > 0) || !isfinite(std[c]) || !isfinite(mean[c]))
