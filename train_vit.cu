@@ -1399,9 +1399,8 @@ static void run_data_open(RunData* rd, const TrainOptions* o, const VitConfig* c
         fail("%s: the shard has %d classes, more than --classes %d", o->data_path, rd->train.classes, *classes);
     if (rd->have_val && rd->val.classes > *classes)
         fail("%s: the shard has %d classes, more than the head's %d", o->val_path, rd->val.classes, *classes);
-    int fed_h = o->image_size ? 0 : h, fed_w = o->image_size ? 0 : w;  // --image-size: the loader resizes
-    if (rd->have_train) vit_preprocessor_check_images(&c->pre, o->data_path, rd->train.H, rd->train.W, fed_h, fed_w);
-    if (rd->have_val) vit_preprocessor_check_images(&c->pre, o->val_path, rd->val.H, rd->val.W, fed_h, fed_w);
+    if (rd->have_train) vit_preprocessor_check_images(&c->pre, o->data_path, rd->train.H, rd->train.W);
+    if (rd->have_val) vit_preprocessor_check_images(&c->pre, o->val_path, rd->val.H, rd->val.W);
     if (rd->have_train)
         image_loader_init(&rd->tl, &rd->train, h, w, c->channels, c->mean, c->std, (uint64_t)o->seed, 1, o->hflip);
     if (rd->have_val) image_loader_init(&rd->vl, &rd->val, h, w, c->channels, c->mean, c->std, (uint64_t)o->seed, 0, 0);

@@ -200,12 +200,11 @@ static void vit_preprocessor_load(VitPreprocessor* p, const char* model_dir, int
     free(path);
 }
 
-// Refuses, naming the key, a shard whose H x W images the processor's geometry would change (each
-// resize and crop must be the identity on them: prepared by prepare_images.py --preprocessor), and
-// a processor output other than the resolution the model is fed (model_h x model_w; 0: --image-size
-// chose it, and the loader resizes to it).
-static void vit_preprocessor_check_images(const VitPreprocessor* p, const char* shard, int H, int W, int model_h,
-                                          int model_w) {
+// Refuses, naming the key, a shard whose H x W images the processor's geometry would change: each
+// resize and crop must be the identity on them (prepared by prepare_images.py --preprocessor). What
+// the loader then feeds the model is the processor's output, or, at another resolution (--image-size,
+// or a model directory trained at one), that output resized by the loader's bilinear rule.
+static void vit_preprocessor_check_images(const VitPreprocessor* p, const char* shard, int H, int W) {
     if (!p->geometry) return;
     if (p->resize_h && (H != p->resize_h || W != p->resize_w))
         fail("%s: size %dx%d resizes %s's %dx%d images, which train_vit does not do as transformers does: prepare the "
@@ -219,8 +218,4 @@ static void vit_preprocessor_check_images(const VitPreprocessor* p, const char* 
         fail("%s: crop_size %dx%d crops %s's %dx%d images, which train_vit does not do: prepare the shard with "
              "scripts/data/prepare_images.py --preprocessor",
              p->path, p->crop_h, p->crop_w, shard, H, W);
-    if (model_h && (H != model_h || W != model_w))
-        fail("%s: the processor gives %dx%d images, but the model is fed %dx%d (config.json's image_size or "
-             "--image-size)",
-             p->path, H, W, model_h, model_w);
 }
