@@ -59,6 +59,7 @@ static void run_data_open(RunData* rd, const TrainOptions* o, int vocab) {
     if (o->val_path) {
         shard_load(&rd->val, o->val_path, vocab);
         loader_init(&rd->vl, &rd->val, o->seq, (uint64_t)o->seed, 0);
+        loader_require_eval_targets(&rd->vl, o->batch, o->val_batches);
         rd->have_val = 1;
     }
 }

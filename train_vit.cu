@@ -61,6 +61,9 @@ static void run_data_open(RunData* rd, const TrainOptions* o, const VitConfig* c
     if (o->data_path) { image_shard_load(&rd->train, o->data_path); rd->have_train = 1; }
     if (o->val_path) { image_shard_load(&rd->val, o->val_path); rd->have_val = 1; }
     *classes = o->classes ? o->classes : rd->have_train ? rd->train.classes : rd->val.classes;
+    // --eval-only of a model directory: the head it carries says (an export of a 7-class head reloads as one)
+    int carried = o->eval_only && !o->classes && !o->adapter_dir ? vit_checkpoint_head_rows(o->model_dir) : 0;
+    if (carried) *classes = carried;
     // --export-merged alone: the adapter's head says
     if (*classes == 0 && o->adapter_dir) *classes = peft_saved_module_rows(o->adapter_dir, vit_hf_head);
     if (*classes <= 0)
@@ -69,6 +72,8 @@ static void run_data_open(RunData* rd, const TrainOptions* o, const VitConfig* c
         fail("%s: the shard has %d classes, more than --classes %d", o->data_path, rd->train.classes, *classes);
     if (rd->have_val && rd->val.classes > *classes)
         fail("%s: the shard has %d classes, more than the head's %d", o->val_path, rd->val.classes, *classes);
+    if (rd->have_train) vit_preprocessor_check_images(&c->pre, o->data_path, rd->train.H, rd->train.W);
+    if (rd->have_val) vit_preprocessor_check_images(&c->pre, o->val_path, rd->val.H, rd->val.W);
     if (rd->have_train)
         image_loader_init(&rd->tl, &rd->train, h, w, c->channels, c->mean, c->std, (uint64_t)o->seed, 1, o->hflip);
     if (rd->have_val) image_loader_init(&rd->vl, &rd->val, h, w, c->channels, c->mean, c->std, (uint64_t)o->seed, 0, 0);

@@ -322,21 +322,6 @@ static void json_hw_pair(const Json* obj, const char* key, const char* source, i
     *w = (int)v->items[1].number;
 }
 
-// An optional list of n numbers into out (one per image channel, say); a single number, or a
-// list of one, gives all n. Absent: out stays as it is.
-static void json_float_list(const Json* obj, const char* key, const char* source, int n, float* out) {
-    const Json* v = json_get(obj, key);
-    if (!v) return;
-    if (v->type == JSON_NUMBER) { for (int i = 0; i < n; i++) out[i] = (float)v->number; return; }
-    if (v->type != JSON_ARRAY || (v->count != n && v->count != 1))
-        fail("%s: field \"%s\" must be a list of %d numbers", source, key, n);
-    for (int i = 0; i < n; i++) {
-        const Json* e = &v->items[v->count == 1 ? 0 : i];
-        if (e->type != JSON_NUMBER) fail("%s: field \"%s\" must be a list of %d numbers", source, key, n);
-        out[i] = (float)e->number;
-    }
-}
-
 static int json_bool_or(const Json* obj, const char* key, int dflt) {
     const Json* v = json_get(obj, key);
     return (v && v->type == JSON_BOOL) ? v->boolean : dflt;

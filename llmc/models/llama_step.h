@@ -123,25 +123,24 @@ static double llama_flops_per_token(const Llama* m) {
     return f;
 }
 
-// Mean loss over up to `batches` micro-batches of a loader started from its beginning (under
-// --seq-parallel each rank its slice of each, summed over the group).
-static float llama_evaluate(Llama* m, TextLoader* loader, int batches) {
-    loader->cursor = 0;
+// Mean loss over one pass of the validation windows up to `batches` micro-batches hold, each window
+// once, the last batch partial (textdata.h's loader_eval_batch; under --seq-parallel each rank its
+// slice of each, summed over the group).
+static float llama_evaluate(Llama* m, const TextLoader* loader, int batches) {
     double sums[2] = {0.0, 0.0};  // loss, targets
-    int64_t N = m->sp.N;
+    int64_t N = m->sp.N, windows = loader_eval_windows(loader, m->B, batches);
     int* in = (int*)xmalloc(sizeof(int) * N * 3);  // inputs, targets, positions of the whole micro-batch
     float* mk = (float*)xmalloc(sizeof(float) * N);
-    for (int i = 0; i < batches; i++) {
-        loader_next(loader, m->B, 0, 1, in, in + N, mk, in + 2 * N);
+    for (int64_t i = 0; i < loader_eval_batches(loader, m->B, batches); i++) {
+        loader_eval_batch(loader, windows, i, m->B, in, in + N, mk, in + 2 * N);
         seqpar_slice(&m->sp, in, in + N, mk, in + 2 * N, m->io.h_inputs, m->io.h_targets, m->io.h_mask, m->io.h_pos);
         llama_upload_batch(m, m->sp.n);
         LossStats st = llama_forward_backward(m, m->B, m->T, 0.0f, 0, NULL, NULL);
         sums[0] += st.loss_sum;
         sums[1] += st.count;
-        if (loader->cursor >= loader->windows) break;  // one pass over a small validation set
     }
     free(in);
     free(mk);
     dist_sp_allreduce_sum_f64(m->dist, sums, 2);
-    return sums[1] > 0 ? (float)(sums[0] / sums[1]) : NAN;
+    return (float)(sums[0] / sums[1]);  // > 0 targets: loader_require_eval_targets at start-up
 }

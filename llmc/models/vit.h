@@ -27,11 +27,13 @@
 #include "../train/trainable.h"
 #include "../train/batch_values.h"
 #include "../train/run.h"
+#include "../vision/preprocessor.h"
 #include "vit_checkpoint.h"
 
 // ----------------------------------------------------------------------------------------------
-// Config: config.json of a Hugging Face ViT (ViTModel / ViTForImageClassification), and the
-// normalisation of preprocessor_config.json (read by vit_config_load, llmc/models/vit_io.h).
+// Config: config.json of a Hugging Face ViT (ViTModel / ViTForImageClassification), and its
+// preprocessor_config.json (llmc/vision/preprocessor.h; 0.5 / 0.5 when absent, the Hugging Face
+// ViT default), both read by vit_config_load (llmc/models/vit_io.h).
 
 typedef struct {
     int dim, hidden, layers, heads, head_dim, channels;
@@ -39,7 +41,8 @@ typedef struct {
     float norm_eps;
     int gelu_tanh;         // hidden_act gelu_pytorch_tanh / gelu_new: the tanh form
     int qkv_bias;          // false: q, k, v have no bias in the checkpoint (zeros here)
-    float mean[3], std[3]; // per channel, on pixels scaled to [0, 1]
+    float mean[3], std[3]; // per channel, on pixels scaled to [0, 1] (pre's)
+    VitPreprocessor pre;   // preprocessor_config.json
 } VitConfig;
 
 // ----------------------------------------------------------------------------------------------

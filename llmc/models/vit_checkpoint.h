@@ -83,6 +83,20 @@ static const char* vit_tensor_name(char* name, const VitCheckpoint* ck, VitTenso
     return name;
 }
 
+// The class count of the head a model directory carries (classifier.* or head.*: its weight's
+// rows; an --export-merged or --full output has the trained one), or 0 when it has none.
+static int vit_checkpoint_head_rows(const char* dir) {
+    StModel sm;
+    st_model_open(&sm, dir);
+    VitCheckpoint ck = vit_detect_layout(&sm);
+    char wn[VIT_NAME_BYTES];
+    vit_tensor_name(wn, &ck, VIT_HEAD_W);
+    const StTensor* t = st_model_find(&sm, wn);
+    int rows = t && t->ndim == 2 && t->shape[0] > 0 && t->shape[0] <= (1 << 24) ? (int)t->shape[0] : 0;
+    st_model_close(&sm);
+    return rows;
+}
+
 // The name of LayerNorm vector `which` (VIT_LN1_G ...) of block `layer`; returns name.
 static const char* vit_norm_name(char* name, const VitCheckpoint* ck, int layer, int which) {
     if (vit_fuses_qkv(ck)) snprintf(name, VIT_NAME_BYTES, "blocks.%d.%s", layer, vit_timm_norms[which]);

@@ -13,9 +13,9 @@
 #include "../train/run_options.h"
 
 // ----------------------------------------------------------------------------------------------
-// Config: config.json of a Hugging Face ViT (ViTModel / ViTForImageClassification), and the
-// normalisation of preprocessor_config.json (image_mean / image_std; 0.5 / 0.5 when absent, the
-// Hugging Face ViT default).
+// Config: config.json of a Hugging Face ViT (ViTModel / ViTForImageClassification), and its
+// preprocessor_config.json (llmc/vision/preprocessor.h; 0.5 / 0.5 when absent, the Hugging Face
+// ViT default).
 
 // image_size and patch_size sides: far beyond any ViT's 224-518 pixels; the limit keeps pixel counts
 // far from overflow.
@@ -54,20 +54,9 @@ static void vit_config_load(VitConfig* c, const char* model_dir) {
     json_free(&j);
     free(text);
     free(path);
-    for (int i = 0; i < 3; i++) { c->mean[i] = 0.5f; c->std[i] = 0.5f; }
-    char* pp = path_join(model_dir, "preprocessor_config.json");
-    if (optional_file_exists(pp)) {
-        char* t = read_file(pp, &n);
-        Json pj = json_parse(t, n, pp);
-        json_float_list(&pj, "image_mean", pp, c->channels, c->mean);
-        json_float_list(&pj, "image_std", pp, c->channels, c->std);
-        for (int i = 0; i < c->channels; i++)
-            if (!(c->std[i] > 0) || !isfinite(c->std[i]) || !isfinite(c->mean[i]))
-                fail("%s: image_std must be positive and image_mean finite", pp);
-        json_free(&pj);
-        free(t);
-    }
-    free(pp);
+    vit_preprocessor_load(&c->pre, model_dir, c->channels);  // llmc/vision/preprocessor.h
+    memcpy(c->mean, c->pre.mean, sizeof(c->mean));
+    memcpy(c->std, c->pre.std, sizeof(c->std));
 }
 
 // ----------------------------------------------------------------------------------------------

@@ -139,23 +139,73 @@ static int64_t loader_window(TextLoader* L, int64_t global_index) {
     return L->order[pos];
 }
 
+// Whether a row's targets count (its mask as the shard has it) or are all masked out (padding).
+typedef enum { ROW_COUNTS, ROW_MASKED } RowTargets;
+
+// One row of a batch: window w's seq inputs, targets, mask and positions (the position of each
+// input token within its example, restarting at example starts; window start = 0).
+static void loader_fill_row(const TextLoader* L, int64_t w, RowTargets counts, int* inputs, int* targets, float* mask,
+                            int* pos) {
+    int T = L->seq;
+    const uint32_t* tok = L->shard->tokens + w * T;
+    const uint8_t* m = L->shard->mask + w * T;
+    for (int t = 0; t < T; t++) {
+        inputs[t] = (int)tok[t];
+        targets[t] = (int)tok[t + 1];
+        mask[t] = counts == ROW_COUNTS && m[t + 1] ? 1.0f : 0.0f;
+        int start = t == 0 || (L->shard->starts && L->shard->starts[w * T + t]);
+        pos[t] = start ? 0 : pos[t - 1] + 1;
+    }
+}
+
+// ---- validation: one exact pass ----------------------------------------------------------------
+// A validation pass visits windows 0 .. n-1 in file order, each once: n = min(windows, batches * B),
+// in ceil(n / B) micro-batches whose last one may be partial. A partial batch keeps the model's
+// shape B x seq: its rows past the set hold the last window again with every mask 0, so they add
+// nothing to the loss sum or the target count (the mean is over the set's targets alone).
+
+// The windows a pass of up to `batches` micro-batches of B rows covers.
+static int64_t loader_eval_windows(const TextLoader* L, int B, int batches) {
+    int64_t most = (int64_t)B * batches;
+    return L->windows < most ? L->windows : most;
+}
+
+static int64_t loader_eval_batches(const TextLoader* L, int B, int batches) {
+    return (loader_eval_windows(L, B, batches) + B - 1) / B;
+}
+
+// Refuses, in one line naming the file, a pass whose windows hold no target while the shard has
+// some (loader_require_targets): its mean would be 0/0. The flags that chose the set are named.
+static void loader_require_eval_targets(const TextLoader* L, int B, int batches) {
+    int64_t n = loader_eval_windows(L, B, batches), last = n * L->seq;
+    for (int64_t i = 1; i <= last; i++)
+        if (L->shard->mask[i]) return;
+    fail("%s: the %lld validation windows that --val-batches %d x --batch %d cover hold no target (every mask 0); "
+         "the shard's targets lie further on: raise --val-batches",
+         L->shard->path, (long long)n, batches, B);
+}
+
+// Fills micro-batch i of the pass over `n` windows (loader_eval_windows) as loader_next does, rows
+// past the set masked out; returns the rows that are windows of the set.
+static int loader_eval_batch(const TextLoader* L, int64_t n, int64_t i, int B, int* inputs, int* targets, float* mask,
+                             int* pos) {
+    int64_t first = i * B;
+    int T = L->seq;
+    int rows = (int)(n - first < B ? n - first : B);
+    for (int b = 0; b < B; b++)
+        loader_fill_row(L, first + (b < rows ? b : rows - 1), b < rows ? ROW_COUNTS : ROW_MASKED,
+                        inputs + b * T, targets + b * T, mask + b * T, pos + b * T);
+    return rows;
+}
+
 // Fills rows [0, B) of inputs (B x seq), targets (B x seq), mask (B x seq) and pos (B x seq: the
 // position of each input token within its example, restarting at example starts; window start = 0)
 // with the windows rank*B .. rank*B+B-1 of the next global batch of world*B windows, then advances
 // the cursor.
 static void loader_next(TextLoader* L, int B, int rank, int world, int* inputs, int* targets, float* mask, int* pos) {
     int T = L->seq;
-    for (int b = 0; b < B; b++) {
-        int64_t w = loader_window(L, L->cursor + (int64_t)rank * B + b);
-        const uint32_t* tok = L->shard->tokens + w * T;
-        const uint8_t* m = L->shard->mask + w * T;
-        for (int t = 0; t < T; t++) {
-            inputs[b * T + t] = (int)tok[t];
-            targets[b * T + t] = (int)tok[t + 1];
-            mask[b * T + t] = m[t + 1] ? 1.0f : 0.0f;
-            int start = t == 0 || (L->shard->starts && L->shard->starts[w * T + t]);
-            pos[b * T + t] = start ? 0 : pos[b * T + t - 1] + 1;
-        }
-    }
+    for (int b = 0; b < B; b++)
+        loader_fill_row(L, loader_window(L, L->cursor + (int64_t)rank * B + b), ROW_COUNTS, inputs + b * T,
+                        targets + b * T, mask + b * T, pos + b * T);
     L->cursor += (int64_t)world * B;
 }

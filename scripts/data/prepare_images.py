@@ -6,7 +6,7 @@ Shard format (read by llmc/vision/imagedata.h), little-endian:
                   zeros up to byte 64
   n * H * W * C uint8 pixels, image after image, each row-major HWC at its native resolution
   n uint16 labels, each < classes
-The trainer resizes and normalises on the fly, so shards stay at native resolution.
+The trainer resizes and normalises on the fly, so shards stay at native resolution (unless --preprocessor).
 
 Sources:
   --fashion-mnist [DIR]  the IDX files of Debian's dataset-fashion-mnist package
@@ -22,6 +22,9 @@ Sources:
                          share one size. 16-bit PNG/TIFF pixels are reduced to 8 bits by their high
                          byte (as PIL reduces 16-bit RGB); 32-bit integer or float images are refused.
                          An image over PIL's MAX_IMAGE_PIXELS (a decompression bomb) is refused.
+--preprocessor JSON      a checkpoint's preprocessor_config.json: each image resized (and center-cropped)
+                         as transformers' ViT / CLIP image processor does (PIL, its resample filter), so
+                         that train_vit's pixels are the processor's (llmc/vision/preprocessor.h)
 
 Bounds: an IDX file's header must agree with its size, and no source decompresses to more than
 MAX_DECOMPRESSED_BYTES (a gzip bomb is refused, not unpacked into memory).
@@ -258,7 +261,7 @@ def to_8bit(im, path):
     return im
 
 
-def read_image(p, size, channels):
+def read_image(p, size, channels, geometry=None):
     """One image file as uint8 [H, W, channels]; a decompression bomb (past PIL's MAX_IMAGE_PIXELS,
     whose warning is an error here) or an unreadable file is one DataError naming it."""
     from PIL import Image
@@ -269,6 +272,8 @@ def read_image(p, size, channels):
                 im = to_8bit(im, p).convert("RGB" if channels == 3 else "L")
                 if size is not None:
                     im = im.resize((size[1], size[0]), Image.BILINEAR)
+                if geometry is not None:
+                    im = geometry.apply(im)
                 a = np.asarray(im, dtype=np.uint8)
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
         raise DataError(f"{p}: refused as a decompression bomb ({e})") from None
@@ -277,8 +282,9 @@ def read_image(p, size, channels):
     return a.reshape(a.shape[0], a.shape[1], channels)
 
 
-def load_folder(directory, size=None, channels=3):
-    """DIR/<class>/<images>: (images [n, H, W, C], labels, classes); classes = sorted folders."""
+def load_folder(directory, size=None, channels=3, geometry=None):
+    """DIR/<class>/<images>: (images [n, H, W, C], labels, classes); classes = sorted folders.
+    geometry: a Geometry applied to each image (then they may differ in size)."""
     try:
         from PIL import Image  # noqa: F401
     except ImportError:
@@ -295,7 +301,7 @@ def load_folder(directory, size=None, channels=3):
                        if f.lower().endswith(IMAGE_EXTS))
         for name in files:
             p = os.path.join(directory, cls, name)
-            a = read_image(p, size, channels)
+            a = read_image(p, size, channels, geometry)
             if images and a.shape != images[0].shape:
                 raise DataError(f"{p}: size {a.shape[1]}x{a.shape[0]} differs from "
                                 f"{images[0].shape[1]}x{images[0].shape[0]}; give --size HxW")
@@ -304,6 +310,92 @@ def load_folder(directory, size=None, channels=3):
     if not images:
         raise DataError(f"{directory}: no images ({', '.join(IMAGE_EXTS)}) in the class folders")
     return np.stack(images), np.asarray(labels, np.int64), len(classes)
+
+
+# ---------------------------------------------------------------------------------------------
+# a checkpoint's preprocessor_config.json: the resize and crop, as transformers applies them
+
+PROCESSOR_TYPES = ("ViTImageProcessor", "ViTFeatureExtractor", "CLIPImageProcessor", "CLIPFeatureExtractor")
+
+
+class Geometry:
+    """The resize and center crop of a ViT or CLIP image processor's config (transformers'
+    ViTImageProcessor / CLIPImageProcessor with their defaults), applied with PIL as transformers
+    does for uint8 images: Image.resize to the output size with the config's resample filter, then
+    center_crop's window (top = (H - h) // 2, left = (W - w) // 2). The pixel values (rescale,
+    normalize) are left to train_vit (llmc/vision/preprocessor.h), which checks the images are at
+    the size this gives."""
+
+    def __init__(self, path):
+        import json
+        try:
+            with open(path) as f:
+                cfg = json.load(f)
+        except ValueError as e:
+            raise DataError(f"{path}: not valid JSON ({e})") from None
+        if not isinstance(cfg, dict):
+            raise DataError(f"{path}: expected a JSON object")
+        kind = cfg.get("image_processor_type", cfg.get("feature_extractor_type", "ViTImageProcessor"))
+        if kind not in PROCESSOR_TYPES:
+            raise DataError(f"{path}: processor type {kind!r} is not one of {', '.join(PROCESSOR_TYPES)}")
+        clip = kind.startswith("CLIP")
+        self.path, self.resample = path, cfg.get("resample", 3 if clip else 2)
+        if self.resample not in range(6) or isinstance(self.resample, bool):
+            raise DataError(f"{path}: resample must be one of PIL's filters 0-5, got {self.resample!r}")
+        self.resize = self.edge = self.crop = None
+        if cfg.get("do_resize", True):
+            size = cfg.get("size", {"shortest_edge": 224} if clip else {"height": 224, "width": 224})
+            if isinstance(size, int) and not isinstance(size, bool):
+                size = {"shortest_edge": size} if clip else {"height": size, "width": size}
+            if clip and isinstance(size, dict) and set(size) == {"shortest_edge"}:
+                self.edge = self._side(size["shortest_edge"], "size.shortest_edge")
+            elif isinstance(size, dict) and set(size) == {"height", "width"}:
+                self.resize = (self._side(size["height"], "size.height"), self._side(size["width"], "size.width"))
+            else:
+                raise DataError(f"{path}: size {size!r} is not height/width{' or shortest_edge' if clip else ''}")
+        if cfg.get("do_center_crop", clip) and clip:
+            crop = cfg.get("crop_size", {"height": 224, "width": 224})
+            if isinstance(crop, int) and not isinstance(crop, bool):
+                crop = {"height": crop, "width": crop}
+            if not isinstance(crop, dict) or set(crop) != {"height", "width"}:
+                raise DataError(f"{path}: crop_size {crop!r} is not height/width")
+            self.crop = (self._side(crop["height"], "crop_size.height"), self._side(crop["width"], "crop_size.width"))
+        if self.edge and not self.crop:
+            raise DataError(f"{path}: size.shortest_edge without do_center_crop gives each image its own size")
+
+    def _side(self, v, key):
+        if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 65536:
+            raise DataError(f"{self.path}: {key} must be an integer in [1, 65536], got {v!r}")
+        return v
+
+    def apply(self, im):
+        """A PIL image through the resize and crop."""
+        W, H = im.size
+        if self.resize:
+            im = im.resize((self.resize[1], self.resize[0]), self.resample)
+        elif self.edge:  # transformers' get_resize_output_image_size(default_to_square=False)
+            short, long = (W, H) if W <= H else (H, W)
+            new_long = int(self.edge * long / short)
+            im = im.resize((self.edge, new_long) if W <= H else (new_long, self.edge), self.resample)
+        if self.crop:
+            W, H = im.size
+            h, w = self.crop
+            if h > H or w > W:
+                raise DataError(f"{self.path}: crop_size {h}x{w} is larger than the resized {H}x{W} image "
+                                f"(transformers pads it; not supported)")
+            top, left = (H - h) // 2, (W - w) // 2
+            im = im.crop((left, top, left + w, top + h))
+        return im
+
+    def apply_array(self, images):
+        """uint8 [n, H, W, C] -> the same through apply (PIL)."""
+        from PIL import Image
+        out = []
+        for a in images:
+            im = Image.fromarray(a[..., 0] if a.shape[2] == 1 else a)
+            r = np.asarray(self.apply(im), dtype=np.uint8)
+            out.append(r.reshape(r.shape[0], r.shape[1], a.shape[2]))
+        return np.stack(out)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -372,8 +464,11 @@ def main(argv=None):
     ap.add_argument("--coarse", action="store_true", help="CIFAR-100: the 20 coarse labels")
     ap.add_argument("--size", help="--folder: resize every image to HxW (or SxS)")
     ap.add_argument("--channels", type=int, choices=(1, 3), default=3, help="--folder: 1 = grayscale")
+    ap.add_argument("--preprocessor", metavar="JSON",
+                    help="a checkpoint's preprocessor_config.json: resize and crop as transformers does")
     a = ap.parse_args(argv)
     try:
+        geometry = Geometry(a.preprocessor) if a.preprocessor else None
         if a.fashion_mnist:
             data = load_fashion_mnist(a.fashion_mnist, a.split)
         elif a.cifar10:
@@ -381,7 +476,7 @@ def main(argv=None):
         elif a.cifar100:
             data = load_cifar100(a.cifar100, a.split, a.coarse)
         else:
-            data = load_folder(a.folder, parse_size(a.size) if a.size else None, a.channels)
+            data = load_folder(a.folder, parse_size(a.size) if a.size else None, a.channels, geometry)
         keep = None
         if a.classes:
             try:
@@ -393,6 +488,8 @@ def main(argv=None):
                 raise DataError(f"{flag}: expected >= 1, got {v}")
         images, labels, classes = select(*data, keep=keep, per_class=a.per_class, limit=a.limit,
                                          seed=a.seed)
+        if geometry is not None and not a.folder:
+            images = geometry.apply_array(images)
         write_shard(a.out, images, labels, classes)
     except (DataError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)

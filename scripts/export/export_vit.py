@@ -3,7 +3,8 @@
 config.json + model.safetensors in the Hugging Face ViTForImageClassification layout
 (vit.embeddings..., vit.encoder.layer.N...) + preprocessor_config.json (image_mean, image_std).
 
-Input: a .pth/.pt/.bin file (torch.load; a "state_dict" or "model" entry is unwrapped), a .npz,
+Input: a .pth/.pt/.bin file (torch.load(weights_only=True): tensors only, never pickled code; a
+"state_dict" or "model" entry is unwrapped), a .npz (no object arrays),
 or a .safetensors file, holding either
   timm names:  cls_token, pos_embed, patch_embed.proj.{weight,bias}, blocks.N.norm1, blocks.N.attn.qkv
                (fused [3d, d]: q, k, v rows in that order), blocks.N.attn.proj, blocks.N.norm2,
@@ -39,12 +40,20 @@ class ExportError(Exception):
 def load_state(path):
     """name -> float32 numpy array (other dtypes kept)."""
     if path.endswith(".npz"):
-        with np.load(path) as z:
+        with np.load(path, allow_pickle=False) as z:  # object arrays would be unpickled
             return {k: z[k] for k in z.files}
     if path.endswith(".safetensors"):
         return st_io.load(path)
+    import pickle
     import torch  # only the .pth route needs it
-    obj = torch.load(path, map_location="cpu")
+    # weights_only: tensors and plain containers only. A full unpickle would run whatever code the
+    # file names (a downloaded checkpoint's __reduce__); what weights_only refuses is refused here.
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, AttributeError, EOFError) as e:
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ExportError(f"not a plain tensor state dict (loaded with torch.load(weights_only=True), which "
+                          f"refuses pickled code and objects; convert it to .safetensors): {reason}") from None
     for key in ("state_dict", "model", "model_state"):
         if isinstance(obj, dict) and key in obj and isinstance(obj[key], dict):
             obj = obj[key]

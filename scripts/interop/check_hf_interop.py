@@ -44,10 +44,12 @@ def main():
     windows = np.stack([toks[i * T: i * T + T + 1] for i in range(a.windows)]).astype(np.int64)
     wmask = np.stack([mask[i * T + 1: i * T + T + 1] for i in range(a.windows)]).astype(np.float64)
     # eager attention: the plain softmax(q k^T) v, on every torch transformers supports
-    load = dict(torch_dtype=torch.float32, attn_implementation="eager")
+    load = dict(torch_dtype=torch.float32, attn_implementation="eager", use_safetensors=True)  # never a pickle
     base = AutoModelForCausalLM.from_pretrained(a.base, **load).eval()
     print(f"transformers class:                {type(base).__name__}")
     print(f"transformers base:                 {masked_loss(base, windows, wmask):.6f}")
+    if not os.path.isfile(os.path.join(a.adapter, "adapter_model.safetensors")):  # PEFT would torch.load a .bin
+        sys.exit(f"error: {a.adapter}: no adapter_model.safetensors (pickled adapters are not read)")
     peft_model = PeftModel.from_pretrained(base, a.adapter).eval()
     print(f"transformers base + PEFT adapter:  {masked_loss(peft_model, windows, wmask):.6f}")
     merged = AutoModelForCausalLM.from_pretrained(a.merged, **load).eval()

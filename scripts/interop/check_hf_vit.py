@@ -43,10 +43,13 @@ def main():
     x = (px[: a.images].astype(np.float64) / 255.0 - mean) / std  # [n, H, W, C]
     pixels = torch.from_numpy(x.transpose(0, 3, 1, 2).astype(np.float32))
     y = torch.from_numpy(labels[: a.images])
-    merged = ViTForImageClassification.from_pretrained(a.merged).eval()
+    merged = ViTForImageClassification.from_pretrained(a.merged, use_safetensors=True).eval()
     print("transformers merged export: loss %.6f acc %.4f" % evaluate(merged, pixels, y))
     classes = merged.config.num_labels
-    base = ViTForImageClassification.from_pretrained(a.base, num_labels=classes, ignore_mismatched_sizes=True).eval()
+    base = ViTForImageClassification.from_pretrained(a.base, num_labels=classes, ignore_mismatched_sizes=True,
+                                                      use_safetensors=True).eval()
+    if not os.path.isfile(os.path.join(a.adapter, "adapter_model.safetensors")):  # PEFT would torch.load a .bin
+        sys.exit(f"error: {a.adapter}: no adapter_model.safetensors (pickled adapters are not read)")
     peft_model = PeftModel.from_pretrained(base, a.adapter).eval()
     print("transformers base + PEFT adapter: loss %.6f acc %.4f" % evaluate(peft_model, pixels, y))
 

@@ -38,7 +38,8 @@ def main():
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
     torch.manual_seed(0)
-    base = AutoModelForCausalLM.from_pretrained(a.base, torch_dtype=torch.float32, attn_implementation="eager").eval()
+    base = AutoModelForCausalLM.from_pretrained(a.base, torch_dtype=torch.float32, attn_implementation="eager",
+                                                use_safetensors=True).eval()
     # init_lora_weights=False: B is random too (nn.Linear's init), not zero
     cfg = LoraConfig(r=a.rank, lora_alpha=a.alpha, target_modules=TARGETS, use_rslora=a.rslora, init_lora_weights=False,
                      task_type="CAUSAL_LM")

@@ -5,6 +5,7 @@ head) is refused in one line.
 Run:  /usr/bin/python3 -m pytest -q test/formats/test_export_vit.py   (needs build/test/vit_probe)
 """
 import json
+import pickle
 import os
 import subprocess
 import sys
@@ -75,3 +76,52 @@ def test_export_refuses_global_pool(tmp_path):
                         str(tmp_path / "s.npz"), "--out", str(tmp_path / "o")],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 1 and "fc_norm" in p.stderr and p.stderr.count("\n") == 1
+
+
+class _Payload:
+    """Unpickling this calls open(marker, "w"): the file appears if the loader executed it."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def _plant(kind, path, marker):
+    """A checkpoint of `kind` whose full unpickling would run _Payload's call."""
+    if kind == "torch_zip":
+        torch.save({"model": {"cls_token": torch.zeros(1, 1, 4), "evil": _Payload(marker)}}, path)
+    elif kind == "legacy_pickle":
+        with open(path, "wb") as f:
+            pickle.dump({"state_dict": {"evil": _Payload(marker)}}, f)
+    else:  # an object array in a .npz is pickled
+        arr = np.empty(1, dtype=object)
+        arr[0] = _Payload(marker)
+        np.savez(path, cls_token=np.zeros((1, 1, 4), np.float32), evil=arr)
+
+
+@pytest.mark.parametrize("kind,ext", [("torch_zip", "pth"), ("legacy_pickle", "bin"), ("npz_object", "npz")])
+def test_export_refuses_a_pickle_payload(tmp_path, kind, ext):
+    """No pickle is ever executed (issue 40): a checkpoint whose unpickling would create a marker
+    file is refused in one line naming the file, exit 1, no marker, no output directory. The
+    control: the same payload, loaded with pickle's full unpickler in this process, does run."""
+    src, marker, out = str(tmp_path / f"evil.{ext}"), str(tmp_path / "marker"), str(tmp_path / "o")
+    _plant(kind, src, marker)
+    p = subprocess.run([PY, os.path.join(vc.REPO, "scripts", "export", "export_vit.py"), "--input", src, "--out", out],
+                       capture_output=True, text=True, timeout=120)
+    err = p.stderr.strip()
+    assert not os.path.exists(marker), "the payload ran"
+    assert p.returncode == 1 and err.startswith("error: ") and len(err.splitlines()) == 1, (p.returncode, err)
+    assert src in err and not os.path.exists(out), err
+    control = str(tmp_path / "control")
+    _plant(kind, src, control)
+    if kind == "npz_object":
+        with np.load(src, allow_pickle=True) as z:
+            z["evil"]
+    elif kind == "legacy_pickle":
+        with open(src, "rb") as f:
+            pickle.load(f)
+    else:
+        torch.load(src, weights_only=False)
+    assert os.path.exists(control), "the planted payload is inert: the test proves nothing"

@@ -22,6 +22,7 @@ static void dump_batches(const VitConfig* cfg, const TrainOptions* o, int batche
     image_shard_load(&s, o->data_path);
     int h, w, B = o->batch, C = cfg->channels;
     vit_resolution(cfg, o->image_size, &h, &w);
+    vit_preprocessor_check_images(&cfg->pre, o->data_path, s.H, s.W);
     ImageLoader L;
     image_loader_init(&L, &s, h, w, C, cfg->mean, cfg->std, (uint64_t)o->seed, 1, o->hflip);
     int64_t n = (int64_t)batches * B, per = (int64_t)C * h * w;
