@@ -17,6 +17,9 @@ CXX      ?= g++
 CPU_ARCH ?= native
 PYTHON   ?= /usr/bin/python3
 CFLAGS   := -O3 -march=$(CPU_ARCH) -fopenmp -Wall -Wextra -Wno-unused-function -Wno-unused-parameter -Wno-vla -std=gnu++17 -x c++
+# The fault injectors (LLMC_FAULT_*, llmc/settings.h) are compiled in where LLMC_FAULTS is defined: the
+# test builds only (build/test/train_*, build/emu/*, build/asan/*), never ./train_llama or ./train_vit.
+FAULT_FLAGS := -DLLMC_FAULTS
 LDLIBS   := -lm -fopenmp
 # Every header of the trainers, both backends and the emulator: one list, so that any edit rebuilds
 # every binary that could include it.
@@ -176,6 +179,14 @@ build/cudnn/attention_cudnn.o: llmc/cuda/attention_cudnn.cu llmc/cuda/attention_
 build/test/llama_probe build/test/vit_probe: build/test/%: test/model/%.cu $(HEADERS) $(CUDNN_OBJ)
 	@mkdir -p $(dir $@)
 	$(TRAIN_BUILD)
+# The trainers' test builds: the release build with the fault injectors compiled in, for the tests
+# that plant a fault (LLMC_FAULT_*) and, with CUDA_TEST_BACKEND=gpu, the GPU tests.
+TEST_TRAINERS := build/test/train_llama build/test/train_vit
+$(TEST_TRAINERS): CFLAGS += $(FAULT_FLAGS)
+$(TEST_TRAINERS): NVCC_FLAGS += $(FAULT_FLAGS)
+$(TEST_TRAINERS): build/test/%: %.cu $(HEADERS) $(CUDNN_OBJ)
+	@mkdir -p $(dir $@)
+	$(TRAIN_BUILD)
 
 # Every program on the CPU emulator of the CUDA programming model (llmc/cuda/emu/emu.h), one rule and
 # one flag set: build/emu/NAME is built from NAME.cu found at the top, in test/model/ (the model
@@ -185,7 +196,7 @@ build/test/llama_probe build/test/vit_probe: build/test/%: test/model/%.cu $(HEA
 # emu_nccl_probe checks the NCCL emulation (llmc/cuda/emu/emu_nccl.h) under mpirun
 # (test/cuda/test_emu_nccl.py); the dev/cuda checks test each kernel family (cuda-emu-check below).
 vpath %.cu test/model test/cuda dev/cuda
-EMU_FLAGS = $(filter-out -O3,$(CFLAGS)) -O2 -Wno-unknown-pragmas -DLLMC_CUDA_EMU -I$(CUDA_INC)
+EMU_FLAGS = $(filter-out -O3,$(CFLAGS)) -O2 -Wno-unknown-pragmas -DLLMC_CUDA_EMU $(FAULT_FLAGS) -I$(CUDA_INC)
 build/emu/%: %.cu $(HEADERS) dev/cuda/check.h
 	@mkdir -p build/emu
 	$(CXX) $(EMU_FLAGS) $< -o $@ $(LDLIBS)
@@ -287,7 +298,7 @@ endif
 
 # Both trainers and the unit tests built with AddressSanitizer + UndefinedBehaviorSanitizer, run
 # through every mode, output and a few bad inputs (scripts/ci/asan_smoke.sh).
-ASAN_CFLAGS := $(filter-out -O3,$(CFLAGS)) -O1 -g -fsanitize=address,undefined -fno-omit-frame-pointer
+ASAN_CFLAGS := $(filter-out -O3,$(CFLAGS)) -O1 -g -fsanitize=address,undefined -fno-omit-frame-pointer $(FAULT_FLAGS)
 build/asan/%: %.cu $(HEADERS)
 	@mkdir -p $(dir $@)
 	$(CXX) $(ASAN_CFLAGS) $< -o $@ $(LDLIBS) -fsanitize=address,undefined
@@ -303,7 +314,7 @@ test-c: build/test/test_units
 	./build/test/test_units
 
 TEST_BINS := build/test/llama_probe build/test/vit_probe build/test/tokenizer_probe build/test/nf4_probe \
-             build/test/attn_docs_probe
+             build/test/attn_docs_probe $(TEST_TRAINERS)
 # With pytest-xdist (python3-pytest-xdist, which scripts/ci/install_deps.sh installs) the test files
 # run on TEST_JOBS workers, each file whole on one worker (--dist loadfile: a module's fixtures are
 # made once); without it, one file after another.
@@ -384,7 +395,7 @@ test-gpu-kernels: cuda-dev
 	done; \
 	if [ -n "$$failed" ]; then echo "test-gpu: FAILED:$$failed"; exit 1; fi; \
 	echo "test-gpu: every dev/cuda check passed"
-test-gpu-models: train_llama train_vit build/test/llama_probe build/test/vit_probe
+test-gpu-models: train_llama train_vit build/test/llama_probe build/test/vit_probe $(TEST_TRAINERS)
 	CUDA_TEST_BACKEND=gpu $(GPU_PYTHON) -m pytest -q -rfE -p no:cacheprovider test/cuda/test_llama_cuda.py \
 	  test/cuda/test_vit_cuda.py
 

@@ -249,30 +249,17 @@ static const char* const attn_impl_names[] = {"cudnn", "gemm", "flash"};
 #define LLMC_CUDNN_BUILT 0
 #endif
 
-// LLMC_CUDNN_PACKED, read once: ragged (the default) or gemm; bad values end the run with one line.
+// LLMC_CUDNN_PACKED (llmc/settings.h): ragged (the default) or gemm.
 typedef enum { CUDNN_PACKED_RAGGED, CUDNN_PACKED_GEMM } CudnnPacked;
 static const char* const cudnn_packed_names[] = {"ragged", "gemm"};
-static CudnnPacked op_cudnn_packed(void) {
-    static int chosen = -1;
-    if (chosen >= 0) return (CudnnPacked)chosen;
-    const char* e = getenv("LLMC_CUDNN_PACKED");
-    if (!e || !*e) chosen = CUDNN_PACKED_RAGGED;
-    for (int i = 0; chosen < 0 && i < 2; i++)
-        if (strcmp(e, cudnn_packed_names[i]) == 0) chosen = i;
-    if (chosen < 0) fail("LLMC_CUDNN_PACKED=%s: expected ragged or gemm", e);
-    return (CudnnPacked)chosen;
-}
+static CudnnPacked op_cudnn_packed(void) { return (CudnnPacked)setting_word(SETTING_CUDNN_PACKED); }
 
-// LLMC_ATTENTION, read once; bad values end the run with one line.
+// LLMC_ATTENTION (llmc/settings.h): cudnn where this binary has it, else gemm (or flash); cudnn asked of a
+// binary without it ends the run with one line.
 static AttnImpl op_attention_impl(void) {
-    static int chosen = -1;
-    if (chosen >= 0) return (AttnImpl)chosen;
-    const char* e = getenv("LLMC_ATTENTION");
-    if (!e || !*e) chosen = LLMC_CUDNN_BUILT ? ATTN_CUDNN : ATTN_GEMM;
-    for (int i = 0; chosen < 0 && i < 3; i++)
-        if (strcmp(e, attn_impl_names[i]) == 0) chosen = i;
-    if (chosen < 0) fail("LLMC_ATTENTION=%s: expected cudnn, gemm or flash", e);
-    if (chosen == ATTN_CUDNN && !LLMC_CUDNN_BUILT)
+    int w = setting_word(SETTING_ATTENTION);
+    if (w < 0) return LLMC_CUDNN_BUILT ? ATTN_CUDNN : ATTN_GEMM;
+    if (w == ATTN_CUDNN && !LLMC_CUDNN_BUILT)
         fail("LLMC_ATTENTION=cudnn: this binary has no cuDNN (%s); use gemm or flash",
 #ifdef LLMC_CUDA_EMU
              "the CPU emulator cannot run it"
@@ -280,7 +267,7 @@ static AttnImpl op_attention_impl(void) {
              "make did not find cuDNN and its frontend: see its 'make: cuDNN' line"
 #endif
         );
-    return (AttnImpl)chosen;
+    return (AttnImpl)w;
 }
 
 // cuDNN's workspace is planned only while its bound stays within ATTN_CUDNN_PLAN_MAX: the bound
@@ -315,13 +302,13 @@ static void op_attention_announce(const Backend* be) {
     static int told = 0;
     if (!be->cuda || told++) return;
     AttnImpl impl = op_attention_impl();
-    const char* env = getenv("LLMC_ATTENTION");
+    const char* env = setting_text(SETTING_ATTENTION);
 #ifdef LLMC_HAVE_CUDNN
     const char* built = attention_cudnn_version();  // the library loaded
 #else
     const char* built = NULL;
 #endif
-    const char* packed_env = getenv("LLMC_CUDNN_PACKED");
+    const char* packed_env = setting_text(SETTING_CUDNN_PACKED);
     printf("attention: %s (LLMC_ATTENTION=%s; cudnn|gemm|flash)%s%s", attn_impl_names[impl],
            env && *env ? env : "unset", built ? ", cuDNN " : ", no cuDNN in this build", built ? built : "");
     if (impl == ATTN_CUDNN)
@@ -336,7 +323,7 @@ static void op_attention_announce(const Backend* be) {
 // description and its upload (test_llama_cuda.py; the other paths ignore s.docs).
 static int op_attention_wants_docs(const Backend* be) {
     if (!be->cuda || op_cudnn_packed() != CUDNN_PACKED_RAGGED) return 0;
-    return (LLMC_CUDNN_BUILT && op_attention_impl() == ATTN_CUDNN) || backend_switch_is("LLMC_CUDNN_PACKED", "ragged");
+    return (LLMC_CUDNN_BUILT && op_attention_impl() == ATTN_CUDNN) || setting_is_set(SETTING_CUDNN_PACKED);
 }
 
 // The planned workspace `work` of `bytes`, if shape s fits in it (generation's shorter windows, a

@@ -16,6 +16,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include "../common.h"
+#include "../settings.h"
 #ifdef LLMC_CUDA_EMU
 #include "emu/emu.h"
 #include "emu/emu_cublas.h"
@@ -42,14 +43,7 @@ static void cublas_check(cublasStatus_t st, const char* call, const char* file, 
 
 // LLMC_CUDA_SYNC=1 in the environment makes every launch synchronous, so an asynchronous fault
 // (an illegal address) is reported at the launch that caused it instead of at a later call.
-static int cuda_sync_each_launch(void) {
-    static int mode = -1;
-    if (mode < 0) {
-        const char* s = getenv("LLMC_CUDA_SYNC");
-        mode = s && s[0] == '1';
-    }
-    return mode;
-}
+static int cuda_sync_each_launch(void) { return setting_on(SETTING_CUDA_SYNC); }
 
 static void cuda_check_launch(const char* kernel, const char* file, int line) {
     cudaError_t err = cudaGetLastError();

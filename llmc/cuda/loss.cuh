@@ -185,11 +185,7 @@ __global__ void __launch_bounds__(CE_THREADS)
 }
 
 // LLMC_CE_KERNEL: vec (the default, softmax_ce_rows_vec_kernel) or scalar (softmax_ce_rows_kernel).
-static KernelChoice ce_kernel_choice(void) {
-    static int chosen = -1;
-    if (chosen < 0) chosen = vec_kernels_choice_of("LLMC_CE_KERNEL");
-    return (KernelChoice)chosen;
-}
+static KernelChoice ce_kernel_choice(void) { return (KernelChoice)setting_word(SETTING_CE_KERNEL); }
 
 template <class T>
 static void softmax_ce_rows_launch(KernelChoice impl, T* dlogits, float* row_stats, const float* logits,

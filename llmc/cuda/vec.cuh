@@ -49,23 +49,9 @@ static __device__ __host__ __forceinline__ int elems_to_align16(const E* p) {
 static __device__ __host__ __forceinline__ int aligned16(const void* p) { return ((uintptr_t)p & 15) == 0; }
 
 // Which implementation the vectorised kernels' callers launch: the 16-byte kernels, or the scalar
-// ones they replace (kept so that the first GPU run can compare them side by side). Chosen by an
-// environment variable, read once per process by the caller (vec_kernels_choice).
+// ones they replace (kept so that the first GPU run can compare them side by side).
 typedef enum { KERNELS_VEC, KERNELS_SCALAR } KernelChoice;
 
-// `var` (vec | scalar, unset: vec); any other value ends the run with one line.
-static KernelChoice vec_kernels_choice_of(const char* var) {
-    const char* e = getenv(var);
-    if (!e || !*e || strcmp(e, "vec") == 0) return KERNELS_VEC;
-    if (strcmp(e, "scalar") == 0) return KERNELS_SCALAR;
-    fail("%s=%s: expected vec or scalar", var, e);
-    return KERNELS_VEC;
-}
-
-// LLMC_ELEMWISE: vec (the default: the 16-byte kernels of SwiGLU, GELU, the norms, RoPE, the casts,
-// where their operands are aligned) or scalar (the kernels they replace, everywhere).
-static KernelChoice elemwise_choice(void) {
-    static int chosen = -1;
-    if (chosen < 0) chosen = vec_kernels_choice_of("LLMC_ELEMWISE");
-    return (KernelChoice)chosen;
-}
+// LLMC_ELEMWISE (llmc/settings.h): vec (the default: the 16-byte kernels of SwiGLU, GELU, the norms,
+// RoPE, the casts, where their operands are aligned) or scalar (the kernels they replace, everywhere).
+static KernelChoice elemwise_choice(void) { return (KernelChoice)setting_word(SETTING_ELEMWISE); }

@@ -6,6 +6,7 @@
 // summed by NCCL on the GPU; without it they go through host memory and MPI.
 #pragma once
 #include "../common.h"
+#include "../settings.h"
 #ifdef LLMC_HAVE_MPI
 #include <mpi.h>
 #endif
@@ -47,7 +48,8 @@ static void nccl_check(ncclResult_t r, const char* call, const char* file, int l
 #define NCCL_CHECK(call) nccl_check((call), #call, __FILE__, __LINE__)
 #endif
 
-// Ranks announced by the common launchers (Open MPI, MPICH/Hydra, Slurm), or 1.
+// Ranks announced by the common launchers (Open MPI, MPICH/Hydra, Slurm), or 1. The launchers'
+// variables, not settings of ours (llmc/settings.h says why they are not in its table).
 static int launcher_world_size(void) {
     const char* vars[] = {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "SLURM_NTASKS"};
     for (int i = 0; i < 4; i++) {
@@ -212,9 +214,8 @@ static void dist_finalize(Dist* d) {
 // start-up nor its buffers.
 static void dist_nccl_init(Dist* d) {
 #ifdef LLMC_DIST_NCCL
-    const char *selftest = getenv("LLMC_NCCL_SELFTEST"), *use = getenv("LLMC_NCCL");
-    if (use && strcmp(use, "0") == 0) return;
-    if (d->has_nccl || (d->world == 1 && !(selftest && strcmp(selftest, "1") == 0))) return;
+    if (!setting_on(SETTING_NCCL)) return;
+    if (d->has_nccl || (d->world == 1 && !setting_on(SETTING_NCCL_SELFTEST))) return;
     ncclUniqueId id;
     memset(&id, 0, sizeof(id));
     if (d->rank == 0) NCCL_CHECK(ncclGetUniqueId(&id));

@@ -146,9 +146,7 @@ static EmuCounts emu_counts;
 // stderr with the call and the stack that made it (how to find who waits).
 static void emu_host_sync(const char* call) {
     emu_counts.host_syncs++;
-    static int trace = -1;
-    if (trace < 0) trace = getenv("LLMC_EMU_TRACE_SYNCS") && getenv("LLMC_EMU_TRACE_SYNCS")[0] == '1';
-    if (!trace) return;
+    if (!setting_on(SETTING_EMU_TRACE_SYNCS)) return;
     void* frames[12];
     int n = backtrace(frames, 12);
     fprintf(stderr, "emu: host synchronization #%lld: %s\n", emu_counts.host_syncs, call);
