@@ -23,7 +23,7 @@ FAULT_FLAGS := -DLLMC_FAULTS
 LDLIBS   := -lm -fopenmp
 # Every header of the trainers, both backends and the emulator: one list, so that any edit rebuilds
 # every binary that could include it.
-HEADERS  := $(wildcard llmc/*.h llmc/*/*.h llmc/*/*.cuh llmc/*/*/*.h)
+HEADERS  := $(wildcard llmc/*.h llmc/*/*.h llmc/*/*.cuh test/emu/*.h)
 NVCC     := $(shell command -v nvcc 2>/dev/null)
 
 # MPI (data parallelism over mpirun): Open MPI's wrapper tells its flags. Without it the
@@ -188,12 +188,12 @@ $(TEST_TRAINERS): build/test/%: %.cu $(HEADERS) $(CUDNN_OBJ)
 	@mkdir -p $(dir $@)
 	$(TRAIN_BUILD)
 
-# Every program on the CPU emulator of the CUDA programming model (llmc/cuda/emu/emu.h), one rule and
+# Every program on the CPU emulator of the CUDA programming model (test/emu/emu.h), one rule and
 # one flag set: build/emu/NAME is built from NAME.cu found at the top, in test/model/ (the model
 # probes), test/cuda/ (the emulator's own probes) or dev/cuda/.
 # The trainers and probes there run the CUDA backend's kernels on the CPU under `--device cuda`,
 # so the wiring of both models into the CUDA backend is tested without a GPU (test/cuda/test_*_cuda.py);
-# emu_nccl_probe checks the NCCL emulation (llmc/cuda/emu/emu_nccl.h) under mpirun
+# emu_nccl_probe checks the NCCL emulation (test/emu/emu_nccl.h) under mpirun
 # (test/cuda/test_emu_nccl.py); the dev/cuda checks test each kernel family (cuda-emu-check below).
 vpath %.cu test/model test/cuda dev/cuda
 EMU_FLAGS = $(filter-out -O3,$(CFLAGS)) -O2 -Wno-unknown-pragmas -DLLMC_CUDA_EMU $(FAULT_FLAGS) -I$(CUDA_INC)
@@ -327,7 +327,7 @@ test-py: train_llama train_vit $(TEST_BINS) $(if $(wildcard $(CUDA_INC)/cuda_bf1
 # times it (dev/cuda/check.h). The same sources build three ways:
 #   make dev/cuda/norms            a GPU binary: nvcc, one -gencode per GPU_ARCH (GPU_ARCH=90 on an
 #                                  H100/H200 halves the build); run it on a GPU
-#   make cuda-emu-check            every check on the CPU emulator of llmc/cuda/emu/emu.h (g++ and the
+#   make cuda-emu-check            every check on the CPU emulator of test/emu/emu.h (g++ and the
 #                                  CUDA headers only, no GPU): the kernels' logic is tested on every
 #                                  machine, CI included; part of `make test`
 #   make cuda-kernels-compile-check  every check compiled and linked by nvcc for each GPU_ARCH

@@ -6,7 +6,7 @@
 // the plan.
 //
 // The CUDA backend is compiled in when the translation unit is built by nvcc (or on the CPU
-// emulator of llmc/cuda/emu/emu.h with -DLLMC_CUDA_EMU, which is how CI runs it); a g++ build is
+// emulator of test/emu/emu.h with -DLLMC_CUDA_EMU, which is how CI runs it); a g++ build is
 // CPU-only and says so when asked for --device cuda.
 #pragma once
 #include "common.h"

@@ -11,15 +11,15 @@
 //     gradients and optimizer state, plus a trailing cudaStream_t;
 //   - every kernel indexes with int64_t, so tensors beyond 2^31 elements are fine;
 //   - nothing is allocated behind the caller's back: scratch comes in as an argument (the plan).
-// Built with -DLLMC_CUDA_EMU, the same source runs on the CPU under llmc/cuda/emu/emu.h.
+// Built with -DLLMC_CUDA_EMU, the same source runs on the CPU under test/emu/emu.h.
 #pragma once
 #include <stdint.h>
 #include <stdlib.h>
 #include "../common.h"
 #include "../settings.h"
 #ifdef LLMC_CUDA_EMU
-#include "emu/emu.h"
-#include "emu/emu_cublas.h"
+#include "../../test/emu/emu.h"  // test infrastructure: only the emulator builds (build/emu/) take it
+#include "../../test/emu/emu_cublas.h"
 #else
 #include <cuda_runtime.h>
 #include <cuda_bf16.h>

@@ -13,7 +13,7 @@
 // The caller also refuses the graph, in one line, where the piece makes calls a capture cannot
 // hold (a host synchronisation, an allocation, a second stream): see train_llama.cu's
 // llama_graph_refusal. A call that slips through fails the capture with a CUDA error (on the CPU
-// emulator, llmc/cuda/emu/emu.h, with the call named), never a wrong graph.
+// emulator, test/emu/emu.h, with the call named), never a wrong graph.
 #pragma once
 #include <string.h>
 #include "common.cuh"

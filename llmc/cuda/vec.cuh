@@ -4,7 +4,7 @@
 // of the bandwidth unused. A 16-byte access (ld/st.global.v4) to an address that is not 16-byte
 // aligned faults on a GPU ("misaligned address"), so every kernel here splits a range into a
 // scalar head up to the first aligned element, an aligned vector body and a scalar tail; on the
-// CPU emulator (llmc/cuda/emu/emu.h) load_vec16/store_vec16 refuse a misaligned address the same
+// CPU emulator (test/emu/emu.h) load_vec16/store_vec16 refuse a misaligned address the same
 // way, so a test at a misaligned size or offset catches what would fault on the GPU.
 #pragma once
 #include "common.cuh"

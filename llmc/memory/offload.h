@@ -15,7 +15,7 @@
 //                      (`filled`) before it reads it.
 //
 // On the CPU backend the same calls copy with memcpy and wait for nothing, so the order of the
-// copies, the plan and the numbers are tested there; on the CUDA emulator (llmc/cuda/emu/emu.h) an
+// copies, the plan and the numbers are tested there; on the CUDA emulator (test/emu/emu.h) an
 // async copy on the copy stream runs only when a wait forces it, so a missing wait reads a
 // poisoned (NaN) buffer or a stale checkpoint, and a copy issued before waiting for the compute
 // stream aborts.

@@ -12,13 +12,13 @@
 #endif
 // NCCL needs the real CUDA runtime: plain C++ builds ignore LLMC_HAVE_NCCL, so one set of flags
 // can serve every build and the CPU paths stay unchanged. The CPU emulator of the CUDA backend
-// always has NCCL, emulated over MPI (cuda/emu/emu_nccl.h), so that CI runs the NCCL code path too.
+// always has NCCL, emulated over MPI (test/emu/emu_nccl.h), so that CI runs the NCCL code path too.
 #if defined(LLMC_HAVE_NCCL) && defined(__CUDACC__) && !defined(LLMC_CUDA_EMU)
 #define LLMC_DIST_NCCL 1
 #include <nccl.h>
 #elif defined(LLMC_CUDA_EMU)
 #define LLMC_DIST_NCCL 1
-#include "../cuda/emu/emu_nccl.h"
+#include "../../test/emu/emu_nccl.h"
 #endif
 
 typedef struct {

@@ -1,4 +1,4 @@
-"""The CPU emulator of the CUDA programming model (llmc/cuda/emu/emu.h, emu_cublas.h) catches the bug
+"""The CPU emulator of the CUDA programming model (test/emu/emu.h, emu_cublas.h) catches the bug
 classes a GPU shows as crashes, garbage or compute-sanitizer reports: each class is planted and
 must be reported, with a message that names it.
 

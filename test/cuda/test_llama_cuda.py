@@ -389,7 +389,7 @@ def test_cuda_grad_accum_and_merged_export(tmp_path):
 
 def test_cuda_two_ranks_equal_one_process(tmp_path):
     """Two ranks with batch 2 each equal one process accumulating the same two micro-batches, with
-    the gradients summed by NCCL (emulated over MPI: llmc/cuda/emu/emu_nccl.h) block by block during the
+    the gradients summed by NCCL (emulated over MPI: test/emu/emu_nccl.h) block by block during the
     backward, and by the host-and-MPI fallback (LLMC_NCCL=0) in one piece after it. Each rank's
     gradient is the process's micro-batch gradient (the same products in the same order) and a sum
     of two is exact in either order, so the adapters must be the same bits."""
@@ -584,7 +584,7 @@ def per_step_counts(out):
 @pytest.mark.skipif(GPU, reason="the emulator counts host synchronisations; a GPU run has no such count")
 def test_cuda_step_has_one_host_sync(tmp_path):
     """--profile's count on the emulator, which counts every call that makes the host wait
-    (llmc/cuda/emu/emu.h): one per optimizer step (the step's readback of loss and gradient norm)
+    (test/emu/emu.h): one per optimizer step (the step's readback of loss and gradient norm)
     over 2 micro-batches."""
     args = ["--steps", 2, "--grad-accum", 2, "--profile"]  # the first step is a warm-up: one counted
     new = train(CUDA_TRAIN, "cuda", *args, "--out", tmp_path / "new", env=NO_GEMM_ATTENTION)
