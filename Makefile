@@ -24,6 +24,8 @@ LDLIBS   := -lm -fopenmp
 # Every header of the trainers, both backends and the emulator: one list, so that any edit rebuilds
 # every binary that could include it.
 HEADERS  := $(wildcard llmc/*.h llmc/*/*.h llmc/*/*.cuh test/emu/*.h)
+# dev/cuda's shared check harness and the reference versions of kernels the trainers no longer run
+DEV_CUDA_HDRS := dev/cuda/check.h $(wildcard dev/cuda/*.cuh)
 NVCC     := $(shell command -v nvcc 2>/dev/null)
 
 # MPI (data parallelism over mpirun): Open MPI's wrapper tells its flags. Without it the
@@ -197,7 +199,7 @@ $(TEST_TRAINERS): build/test/%: %.cu $(HEADERS) $(CUDNN_OBJ)
 # (test/cuda/test_emu_nccl.py); the dev/cuda checks test each kernel family (cuda-emu-check below).
 vpath %.cu test/model test/cuda dev/cuda
 EMU_FLAGS = $(filter-out -O3,$(CFLAGS)) -O2 -Wno-unknown-pragmas -DLLMC_CUDA_EMU $(FAULT_FLAGS) -I$(CUDA_INC)
-build/emu/%: %.cu $(HEADERS) dev/cuda/check.h
+build/emu/%: %.cu $(HEADERS) $(DEV_CUDA_HDRS)
 	@mkdir -p build/emu
 	$(CXX) $(EMU_FLAGS) $< -o $@ $(LDLIBS)
 # emu_checks_probe proves the emulator's own checks on planted bugs (test/cuda/test_emu_checks.py).
@@ -341,7 +343,7 @@ CUDA_BF16_H   := $(wildcard $(CUDA_INC)/cuda_bf16.h)
 
 .PHONY: cuda-dev cuda-kernels-compile-check cuda-emu-check test-gpu test-gpu-kernels test-gpu-models
 
-dev/cuda/%: dev/cuda/%.cu $(HEADERS) dev/cuda/check.h
+dev/cuda/%: dev/cuda/%.cu $(HEADERS) $(DEV_CUDA_HDRS)
 ifeq ($(NVCC),)
 	@echo "$@: nvcc not found: the GPU checks need the CUDA toolkit"; exit 1
 else
@@ -352,7 +354,7 @@ cuda-dev: $(CUDA_DEV_BINS)
 
 # each check compiled and linked by nvcc, as a file of its own, so that `make -j` builds them side by side
 CUDA_CHECK_BINS := $(patsubst dev/cuda/%.cu,build/cuda-check/%,$(CUDA_DEV_SRCS))
-build/cuda-check/%: dev/cuda/%.cu $(HEADERS) dev/cuda/check.h
+build/cuda-check/%: dev/cuda/%.cu $(HEADERS) $(DEV_CUDA_HDRS)
 	@mkdir -p $(dir $@)
 	@echo "nvcc $(foreach a,$(GPU_ARCH),sm_$(a)): $<"
 	@$(NVCC) $(NVCC_FLAGS) $< -o $@ $(CUDA_LDLIBS)

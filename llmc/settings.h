@@ -28,8 +28,6 @@ typedef enum {
     SETTING_LORA_FUSED,
     SETTING_HEAD_CHUNK,
     // test and debug settings
-    SETTING_ELEMWISE,
-    SETTING_CE_KERNEL,
     SETTING_CUDA_SYNC,
     SETTING_NO_KV_CACHE,
     SETTING_EMU_TRACE_SYNCS,
@@ -78,8 +76,8 @@ typedef struct {
 
 // The table. Unset and empty are the same: the default.
 static const Setting settings_table[SETTING_COUNT] = {
-    {"LLMC_ATTENTION", SETTING_RUNTIME, SETTING_WORDS, "cudnn|gemm|flash", 0, "cudnn where built, else gemm",
-     "the CUDA attention: cuDNN's fused kernels, the GEMM tiles or the fp32 flash kernels (llmc/ops.h)"},
+    {"LLMC_ATTENTION", SETTING_RUNTIME, SETTING_WORDS, "cudnn|gemm", 0, "cudnn where built, else gemm",
+     "the CUDA attention: cuDNN's fused kernels or the GEMM tiles (llmc/ops.h)"},
     {"LLMC_CUDNN_PACKED", SETTING_RUNTIME, SETTING_WORDS, "ragged|gemm", 0, "ragged",
      "packed documents under cuDNN: its ragged call, or the GEMM path with the document mask"},
     {"LLMC_CUDA_GRAPH", SETTING_RUNTIME, SETTING_WORDS, "0|1", 0, "0",
@@ -88,10 +86,6 @@ static const Setting settings_table[SETTING_COUNT] = {
      "1: the adapter's products in the frozen product's epilogue; 0: after it (llmc/cuda/linear.cuh)"},
     {"LLMC_HEAD_CHUNK", SETTING_RUNTIME, SETTING_INT, "plan|old", 1, "plan",
      "the LM head's rows per chunk: the plan's rule, the old 64 MiB of logits, or a row count"},
-    {"LLMC_ELEMWISE", SETTING_TEST, SETTING_WORDS, "vec|scalar", 0, "vec",
-     "the element-wise CUDA kernels: 16-byte vectorised or the scalar ones they replace"},
-    {"LLMC_CE_KERNEL", SETTING_TEST, SETTING_WORDS, "vec|scalar", 0, "vec",
-     "the cross-entropy CUDA kernel: vectorised or the scalar one it replaces"},
     {"LLMC_CUDA_SYNC", SETTING_TEST, SETTING_WORDS, "0|1", 0, "0",
      "1: every CUDA launch synchronises, so a fault is reported at the launch that made it"},
     {"LLMC_NO_KV_CACHE", SETTING_TEST, SETTING_WORDS, "0|1", 0, "0",
@@ -202,9 +196,11 @@ static void setting_parse(const Setting* s, SettingValue* v, const char* e) {
 
 // Switches removed with the old forms of the step without host synchronisation (docs/gpu-testing.md):
 // one still set is refused, so that a script comparing it does not compare a run with itself.
-static const char* const settings_removed[] = {"LLMC_STREAM",     "LLMC_UPLOAD",      "LLMC_STEP_READBACK",
-                                               "LLMC_ADAMW_STEP", "LLMC_LOSS_SCALE",  "LLMC_DROPOUT_KEY",
-                                               "LLMC_FAULT_GRAPH_KEY"};
+// So are the kernel switches LLMC_ELEMWISE and LLMC_CE_KERNEL: the production code has one kernel per op
+// (the reference versions are dev/cuda's).
+static const char* const settings_removed[] = {"LLMC_STREAM",      "LLMC_UPLOAD",     "LLMC_STEP_READBACK",
+                                               "LLMC_ADAMW_STEP",  "LLMC_LOSS_SCALE", "LLMC_DROPOUT_KEY",
+                                               "LLMC_FAULT_GRAPH_KEY", "LLMC_ELEMWISE", "LLMC_CE_KERNEL"};
 static void settings_refuse_removed(void) {
     for (size_t i = 0; i < sizeof(settings_removed) / sizeof(settings_removed[0]); i++)
         if (getenv(settings_removed[i]))

@@ -1,4 +1,4 @@
-// dev/cuda/attention.cu: RoPE and flash attention of llmc/cuda/attention.cuh, and the batched-GEMM
+// dev/cuda/attention.cu: RoPE and flash attention (attention.cuh, attention_flash.cuh), and the batched-GEMM
 // attention of llmc/cuda/attention_gemm.cuh (also split into many chunks of query rows), against
 // llmc/cpu/attention.h: causal and bidirectional, grouped-query (H/KVH = 1, 2, 3, 4), head dims
 // 16..128 including ones that are not a multiple of 8 or 32, sequence lengths that are not a
@@ -10,6 +10,7 @@
 #include "../../llmc/cpu/attention.h"
 #include "../../llmc/cuda/attention.cuh"
 #include "../../llmc/cuda/attention_gemm.cuh"
+#include "attention_flash.cuh"  // the flash backward: the reference version the trainers no longer run
 
 // The pointer tables of the tensor-core path are built once per operand set: the forward and the
 // backward again on the same buffers build none, and give the same bits (from the same inputs:
@@ -119,6 +120,14 @@ static void test_attention(AttnShape s, Rng* rng, int packed) {
     check_close(name, g2dk, dk, nk, 1e-2);
     snprintf(name, sizeof(name), "attn gemm bwd dv, %s", tag);
     check_close(name, g2dv, dv, nk, 1e-2);
+    // the flash backward (dev/cuda/attention_flash.cuh) against the production one: each is within
+    // 1e-2 of the CPU twin, so within 2e-2 of each other
+    snprintf(name, sizeof(name), "attn flash bwd vs production dq, %s", tag);
+    check_close(name, gdq, g2dq, nq, 2e-2);
+    snprintf(name, sizeof(name), "attn flash bwd vs production dk, %s", tag);
+    check_close(name, gdk, g2dk, nk, 2e-2);
+    snprintf(name, sizeof(name), "attn flash bwd vs production dv, %s", tag);
+    check_close(name, gdv, g2dv, nk, 2e-2);
     test_tables_kept(tag, &sd, work, d_o, d_lse, d_q, d_k, d_v, d_dout, d_dq, d_dk, d_dv, go2, g2dq);
     attn_gemm_forget();  // the workspace is freed: a later one may get its address
     CUDA_CHECK(cudaFree(work));

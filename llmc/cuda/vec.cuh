@@ -48,10 +48,8 @@ static __device__ __host__ __forceinline__ int elems_to_align16(const E* p) {
 // Whether p is 16-byte aligned.
 static __device__ __host__ __forceinline__ int aligned16(const void* p) { return ((uintptr_t)p & 15) == 0; }
 
-// Which implementation the vectorised kernels' callers launch: the 16-byte kernels, or the scalar
-// ones they replace (kept so that the first GPU run can compare them side by side).
+// What an element-wise op's launcher may run: its 16-byte kernel (KERNELS_VEC, what the ops ask for:
+// SwiGLU, GELU, RoPE, the casts, the products; it still takes the scalar kernel where the operands
+// are not aligned for it), or the scalar kernel alone (KERNELS_SCALAR: dev/cuda's checks, which hold
+// each form to the CPU twin and the two to each other).
 typedef enum { KERNELS_VEC, KERNELS_SCALAR } KernelChoice;
-
-// LLMC_ELEMWISE (llmc/settings.h): vec (the default: the 16-byte kernels of SwiGLU, GELU, the norms,
-// RoPE, the casts, where their operands are aligned) or scalar (the kernels they replace, everywhere).
-static KernelChoice elemwise_choice(void) { return (KernelChoice)setting_word(SETTING_ELEMWISE); }

@@ -121,13 +121,13 @@ def test_cuda_probe_full_finetuning_matches_cpu(models, name, mode):
     assert e_logits < tol["logits"] and grads[-1][0] < tol["grad"]
 
 
-@pytest.mark.parametrize("env", [{"LLMC_ATTN_CHUNK": "3"}, {"LLMC_ATTN_KEYS": "4", "LLMC_ATTN_CHUNK": "3"},
-                                 {"LLMC_ATTENTION": "flash"}], ids=["gemm_chunks_of_3", "gemm_key_blocks_of_4", "flash"])
+@pytest.mark.parametrize("env", [{"LLMC_ATTN_CHUNK": "3"}, {"LLMC_ATTN_KEYS": "4", "LLMC_ATTN_CHUNK": "3"}],
+                         ids=["gemm_chunks_of_3", "gemm_key_blocks_of_4"])
 @pytest.mark.parametrize("name", ["gqa_untied", "llama3_rope"])
 def test_cuda_attention_paths(models, name, env):
     """The tensor-core attention split into many chunks of query rows, also in blocks of keys (the
-    online softmax and two-pass backward of long sequences), and the flash kernels
-    (LLMC_ATTENTION=flash), inside the whole model."""
+    online softmax and two-pass backward of long sequences), inside the whole model. (The flash
+    kernels, once LLMC_ATTENTION=flash, are dev/cuda/attention.cu's to check.)"""
     d, cp, r, alpha = models[name]
     want = probe(CPU_PROBE, d, cp, cp + ".paths.cpu", "exact", "std", "none", r, alpha, [], "cpu")
     got = probe(CUDA_PROBE, d, cp, cp + ".paths.cuda", "exact", "std", "none", r, alpha, [], "cuda", env)
@@ -570,9 +570,9 @@ def check_refused_plan_says_what_fits(args):
 
 # ---- the step without host synchronisation (llmc/backend.h, llmc/train/zero.h) ------------------
 
-# LLMC_ATTENTION=flash: the GEMM attention path still copies its per-call pointer arrays from
-# pageable memory (two host synchronisations per layer) until they are built at plan time.
-NO_GEMM_ATTENTION = {"LLMC_ATTENTION": "flash"}
+# The in-house GEMM attention (deterministic, and the emulator's default): its pointer tables are
+# built once per operand set, so it adds no host synchronisation to the step.
+GEMM_ATTENTION = {"LLMC_ATTENTION": "gemm"}
 
 
 def per_step_counts(out):
@@ -587,42 +587,36 @@ def test_cuda_step_has_one_host_sync(tmp_path):
     (test/emu/emu.h): one per optimizer step (the step's readback of loss and gradient norm)
     over 2 micro-batches."""
     args = ["--steps", 2, "--grad-accum", 2, "--profile"]  # the first step is a warm-up: one counted
-    new = train(CUDA_TRAIN, "cuda", *args, "--out", tmp_path / "new", env=NO_GEMM_ATTENTION)
+    new = train(CUDA_TRAIN, "cuda", *args, "--out", tmp_path / "new", env=GEMM_ATTENTION)
     launches, blas, syncs = per_step_counts(new.stdout)
     print(f"per step: {launches} launches, {blas} cuBLAS calls, {syncs} host synchronizations")
     assert syncs == 1 and launches > 0 and blas > 0
 
 
-# The kernels of issue 25 and their switches back to what they replaced (docs/gpu-testing.md):
-# 16-byte SwiGLU, RoPE, casts, norms; the two-pass cross-entropy; the LM head chunk from the plan.
-# (LLMC_LORA_FUSED has its own test below: it rounds every adapted output at another point.)
-OLD_KERNEL_SWITCHES = {"LLMC_ELEMWISE": "scalar", "LLMC_CE_KERNEL": "scalar", "LLMC_HEAD_CHUNK": "old"}
-
-
-def test_cuda_vectorised_kernels_train_like_the_scalar_ones(tmp_path):
-    """The default kernels against the old ones (every switch above) with an LM head chunk of 7
-    rows (ragged: the demo's 64 tokens in 10 chunks), one step each: its loss (the forward) and the
-    validation loss after the update (the backward, through the adapters). SwiGLU, RoPE and the casts
-    give the old kernels' bytes (dev/cuda checks it); the norms' and the cross-entropy's fp32
-    statistics are other partial sums, and another chunk's head product may sum in another order
+def test_cuda_lm_head_chunks_train_like_the_plans_chunk(tmp_path):
+    """The plan's LM head chunk against one of 7 rows (LLMC_HEAD_CHUNK=7, ragged: the demo's 64 tokens
+    in 10 chunks), one step each: its loss (the forward) and the validation loss after the update
+    (the backward, through the adapters). Another chunk's head product may sum in another order
     (dev/cuda/loss.cu), so last bits may differ, and a few bf16 roundings with them (2^-9 relative
     each). A loss is a mean over tokens, so roundings that flip in a few of its terms move it by
     less than one rounding's 2^-9 = 2.0e-3 relative; rtol 1e-3 holds it to half of that (the 1e-2
-    that bounds CUDA against the fp32 CPU backend would not see a wrong kernel).
-    A bad switch value is one line."""
+    that bounds CUDA against the fp32 CPU backend would not see a wrong chunking). The kernel
+    switches that once sat beside it (LLMC_ELEMWISE, LLMC_CE_KERNEL) are gone: refused in one line
+    (their reference kernels are dev/cuda's)."""
     new = train(CUDA_TRAIN, "cuda", "--steps", 1)
-    old = train(CUDA_TRAIN, "cuda", "--steps", 1, env=dict(OLD_KERNEL_SWITCHES, LLMC_HEAD_CHUNK="7"))
+    old = train(CUDA_TRAIN, "cuda", "--steps", 1, env={"LLMC_HEAD_CHUNK": "7"})
 
     def losses(out):
         return step_losses(out) + [float(x) for x in re.findall(r"^step +1/1 .*\| val loss ([0-9.]+)", out, re.M)]
     a, b = losses(new.stdout), losses(old.stdout)
-    print(f"default {a}\nold kernels, chunks of 7 rows {b}")
+    print(f"default {a}\nchunks of 7 rows {b}")
     assert len(a) == len(b) == 2
     np.testing.assert_allclose(a, b, rtol=1e-3)
     assert "LM head chunk: 64 rows of logits at a time (rule plan" in new.stdout, new.stdout[:2000]
     assert "LM head chunk: 7 rows of logits at a time (rule rows" in old.stdout, old.stdout[:2000]
-    p = train(CUDA_TRAIN, "cuda", "--steps", 1, check=False, env={"LLMC_ELEMWISE": "fast"})
-    assert p.returncode == 1 and "LLMC_ELEMWISE=fast: expected vec or scalar" in p.stderr, p.stderr[-500:]
+    for var in ("LLMC_ELEMWISE", "LLMC_CE_KERNEL"):
+        p = train(CUDA_TRAIN, "cuda", "--steps", 1, check=False, env={var: "scalar"})
+        assert p.returncode == 1 and f"environment variable {var}: removed" in p.stderr, p.stderr[-500:]
 
 
 def test_cuda_lora_fold_switch(tmp_path):
@@ -657,9 +651,9 @@ def test_cuda_planted_early_rewrite_of_upload_staging_is_caught():
     waiting for the previous copy from it: on a GPU the copy may still be reading it. The emulator
     must stop the run with the race named."""
     p = train(CUDA_TRAIN, "cuda", "--steps", 1, "--grad-accum", 2, check=False,
-              env=dict(NO_GEMM_ATTENTION, LLMC_FAULT_STAGING_REWRITE="1"))
+              env=dict(GEMM_ATTENTION, LLMC_FAULT_STAGING_REWRITE="1"))
     assert p.returncode != 0 and "emu: race: the host rewrote pinned memory" in p.stderr, p.stderr[-1500:]
-    ok = train(CUDA_TRAIN, "cuda", "--steps", 1, "--grad-accum", 2, check=False, env=NO_GEMM_ATTENTION)
+    ok = train(CUDA_TRAIN, "cuda", "--steps", 1, "--grad-accum", 2, check=False, env=GEMM_ATTENTION)
     assert ok.returncode == 0, ok.stderr[-1500:]
 
 

@@ -103,7 +103,7 @@ BAD = [
     ("LLMC_GRAD_BUCKET_BYTES", "0", "an integer >= 1"),
     ("LLMC_GRAD_BUCKET_BYTES", "1e6", "an integer >= 1"),
     ("LLMC_CUDA_GRAPH", "yes", "0 or 1"),
-    ("LLMC_ATTENTION", "fast", "cudnn, gemm or flash"),
+    ("LLMC_ATTENTION", "flash", "cudnn or gemm"),
     ("LLMC_HEAD_CHUNK", "0", "plan, old or an integer >= 1"),
     ("LLMC_PEAK_TFLOPS", "fast", "a number >= 1e-09"),
     ("LLMC_OFFLOAD_STAGING", "3", "1 or 2"),
