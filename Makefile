@@ -17,10 +17,15 @@ CXX      ?= g++
 CPU_ARCH ?= native
 PYTHON   ?= /usr/bin/python3
 CFLAGS   := -O3 -march=$(CPU_ARCH) -fopenmp -Wall -Wextra -Wno-unused-function -Wno-unused-parameter -Wno-vla -std=gnu++17 -x c++
+# The fault injectors (LLMC_FAULT_*, llmc/settings.h) are compiled in where LLMC_FAULTS is defined: the
+# test builds only (build/test/train_*, build/emu/*, build/asan/*), never ./train_llama or ./train_vit.
+FAULT_FLAGS := -DLLMC_FAULTS
 LDLIBS   := -lm -fopenmp
 # Every header of the trainers, both backends and the emulator: one list, so that any edit rebuilds
 # every binary that could include it.
-HEADERS  := $(wildcard llmc/*.h llmc/*/*.h llmc/*/*.cuh llmc/*/*/*.h)
+HEADERS  := $(wildcard llmc/*.h llmc/*/*.h llmc/*/*.cuh test/emu/*.h)
+# dev/cuda's shared check harness and the reference versions of kernels the trainers no longer run
+DEV_CUDA_HDRS := dev/cuda/check.h $(wildcard dev/cuda/*.cuh)
 NVCC     := $(shell command -v nvcc 2>/dev/null)
 
 # MPI (data parallelism over mpirun): Open MPI's wrapper tells its flags. Without it the
@@ -176,17 +181,25 @@ build/cudnn/attention_cudnn.o: llmc/cuda/attention_cudnn.cu llmc/cuda/attention_
 build/test/llama_probe build/test/vit_probe: build/test/%: test/model/%.cu $(HEADERS) $(CUDNN_OBJ)
 	@mkdir -p $(dir $@)
 	$(TRAIN_BUILD)
+# The trainers' test builds: the release build with the fault injectors compiled in, for the tests
+# that plant a fault (LLMC_FAULT_*) and, with CUDA_TEST_BACKEND=gpu, the GPU tests.
+TEST_TRAINERS := build/test/train_llama build/test/train_vit
+$(TEST_TRAINERS): CFLAGS += $(FAULT_FLAGS)
+$(TEST_TRAINERS): NVCC_FLAGS += $(FAULT_FLAGS)
+$(TEST_TRAINERS): build/test/%: %.cu $(HEADERS) $(CUDNN_OBJ)
+	@mkdir -p $(dir $@)
+	$(TRAIN_BUILD)
 
-# Every program on the CPU emulator of the CUDA programming model (llmc/cuda/emu/emu.h), one rule and
+# Every program on the CPU emulator of the CUDA programming model (test/emu/emu.h), one rule and
 # one flag set: build/emu/NAME is built from NAME.cu found at the top, in test/model/ (the model
 # probes), test/cuda/ (the emulator's own probes) or dev/cuda/.
 # The trainers and probes there run the CUDA backend's kernels on the CPU under `--device cuda`,
 # so the wiring of both models into the CUDA backend is tested without a GPU (test/cuda/test_*_cuda.py);
-# emu_nccl_probe checks the NCCL emulation (llmc/cuda/emu/emu_nccl.h) under mpirun
+# emu_nccl_probe checks the NCCL emulation (test/emu/emu_nccl.h) under mpirun
 # (test/cuda/test_emu_nccl.py); the dev/cuda checks test each kernel family (cuda-emu-check below).
 vpath %.cu test/model test/cuda dev/cuda
-EMU_FLAGS = $(filter-out -O3,$(CFLAGS)) -O2 -Wno-unknown-pragmas -DLLMC_CUDA_EMU -I$(CUDA_INC)
-build/emu/%: %.cu $(HEADERS) dev/cuda/check.h
+EMU_FLAGS = $(filter-out -O3,$(CFLAGS)) -O2 -Wno-unknown-pragmas -DLLMC_CUDA_EMU $(FAULT_FLAGS) -I$(CUDA_INC)
+build/emu/%: %.cu $(HEADERS) $(DEV_CUDA_HDRS)
 	@mkdir -p build/emu
 	$(CXX) $(EMU_FLAGS) $< -o $@ $(LDLIBS)
 # emu_checks_probe proves the emulator's own checks on planted bugs (test/cuda/test_emu_checks.py).
@@ -287,7 +300,7 @@ endif
 
 # Both trainers and the unit tests built with AddressSanitizer + UndefinedBehaviorSanitizer, run
 # through every mode, output and a few bad inputs (scripts/ci/asan_smoke.sh).
-ASAN_CFLAGS := $(filter-out -O3,$(CFLAGS)) -O1 -g -fsanitize=address,undefined -fno-omit-frame-pointer
+ASAN_CFLAGS := $(filter-out -O3,$(CFLAGS)) -O1 -g -fsanitize=address,undefined -fno-omit-frame-pointer $(FAULT_FLAGS)
 build/asan/%: %.cu $(HEADERS)
 	@mkdir -p $(dir $@)
 	$(CXX) $(ASAN_CFLAGS) $< -o $@ $(LDLIBS) -fsanitize=address,undefined
@@ -303,7 +316,7 @@ test-c: build/test/test_units
 	./build/test/test_units
 
 TEST_BINS := build/test/llama_probe build/test/vit_probe build/test/tokenizer_probe build/test/nf4_probe \
-             build/test/attn_docs_probe
+             build/test/attn_docs_probe $(TEST_TRAINERS)
 # With pytest-xdist (python3-pytest-xdist, which scripts/ci/install_deps.sh installs) the test files
 # run on TEST_JOBS workers, each file whole on one worker (--dist loadfile: a module's fixtures are
 # made once); without it, one file after another.
@@ -316,7 +329,7 @@ test-py: train_llama train_vit $(TEST_BINS) $(if $(wildcard $(CUDA_INC)/cuda_bf1
 # times it (dev/cuda/check.h). The same sources build three ways:
 #   make dev/cuda/norms            a GPU binary: nvcc, one -gencode per GPU_ARCH (GPU_ARCH=90 on an
 #                                  H100/H200 halves the build); run it on a GPU
-#   make cuda-emu-check            every check on the CPU emulator of llmc/cuda/emu/emu.h (g++ and the
+#   make cuda-emu-check            every check on the CPU emulator of test/emu/emu.h (g++ and the
 #                                  CUDA headers only, no GPU): the kernels' logic is tested on every
 #                                  machine, CI included; part of `make test`
 #   make cuda-kernels-compile-check  every check compiled and linked by nvcc for each GPU_ARCH
@@ -330,7 +343,7 @@ CUDA_BF16_H   := $(wildcard $(CUDA_INC)/cuda_bf16.h)
 
 .PHONY: cuda-dev cuda-kernels-compile-check cuda-emu-check test-gpu test-gpu-kernels test-gpu-models
 
-dev/cuda/%: dev/cuda/%.cu $(HEADERS) dev/cuda/check.h
+dev/cuda/%: dev/cuda/%.cu $(HEADERS) $(DEV_CUDA_HDRS)
 ifeq ($(NVCC),)
 	@echo "$@: nvcc not found: the GPU checks need the CUDA toolkit"; exit 1
 else
@@ -341,7 +354,7 @@ cuda-dev: $(CUDA_DEV_BINS)
 
 # each check compiled and linked by nvcc, as a file of its own, so that `make -j` builds them side by side
 CUDA_CHECK_BINS := $(patsubst dev/cuda/%.cu,build/cuda-check/%,$(CUDA_DEV_SRCS))
-build/cuda-check/%: dev/cuda/%.cu $(HEADERS) dev/cuda/check.h
+build/cuda-check/%: dev/cuda/%.cu $(HEADERS) $(DEV_CUDA_HDRS)
 	@mkdir -p $(dir $@)
 	@echo "nvcc $(foreach a,$(GPU_ARCH),sm_$(a)): $<"
 	@$(NVCC) $(NVCC_FLAGS) $< -o $@ $(CUDA_LDLIBS)
@@ -384,7 +397,7 @@ test-gpu-kernels: cuda-dev
 	done; \
 	if [ -n "$$failed" ]; then echo "test-gpu: FAILED:$$failed"; exit 1; fi; \
 	echo "test-gpu: every dev/cuda check passed"
-test-gpu-models: train_llama train_vit build/test/llama_probe build/test/vit_probe
+test-gpu-models: train_llama train_vit build/test/llama_probe build/test/vit_probe $(TEST_TRAINERS)
 	CUDA_TEST_BACKEND=gpu $(GPU_PYTHON) -m pytest -q -rfE -p no:cacheprovider test/cuda/test_llama_cuda.py \
 	  test/cuda/test_vit_cuda.py
 

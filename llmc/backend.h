@@ -2,14 +2,15 @@
 // and activations, fp32 statistics, LoRA masters, gradients and AdamW state). Defines Backend
 // (the choice, the element sizes the memory plan uses, the CUDA stream), --device resolution, the
 // plan's arenas on the backend (calloc or cudaMalloc), host<->backend copies, the batch's
-// double-buffered asynchronous upload (BatchStaging), the switches of the host-synchronisation
-// work (backend_switch) and the measured memory line printed beside the plan.
+// double-buffered asynchronous upload (BatchStaging) and the measured memory line printed beside
+// the plan.
 //
 // The CUDA backend is compiled in when the translation unit is built by nvcc (or on the CPU
-// emulator of llmc/cuda/emu/emu.h with -DLLMC_CUDA_EMU, which is how CI runs it); a g++ build is
+// emulator of test/emu/emu.h with -DLLMC_CUDA_EMU, which is how CI runs it); a g++ build is
 // CPU-only and says so when asked for --device cuda.
 #pragma once
 #include "common.h"
+#include "settings.h"
 #include "memory/plan.h"
 #include "formats/safetensors.h"
 #if defined(__CUDACC__) || defined(LLMC_CUDA_EMU)
@@ -31,25 +32,17 @@ typedef struct {
 #endif
 } Backend;
 
-// The switches of the step without host synchronisation, so that a first GPU run can compare the
-// old and new behaviour side by side (docs/gpu-testing.md). Each is an environment variable whose
-// value "old" selects the behaviour before it existed:
-//   LLMC_STREAM=legacy       the legacy default stream instead of the trainer's own stream
-//   LLMC_UPLOAD=sync         synchronous cudaMemcpy batch uploads instead of BatchStaging's
-//   LLMC_STEP_READBACK=each  the loss read back after every micro-batch and the gradient norm after
-//                            every range (ZeRO-1: bucket), instead of one readback per step
-//   LLMC_ADAMW_STEP=args     AdamW's learning rate and bias corrections and clipping's factor as kernel
-//                            arguments instead of read from device memory (trainable_adamw_step,
-//                            llmc/train/trainable.h)
-//   LLMC_LOSS_SCALE=args     the loss's gradient scale (1 / the step's target tokens or images) as a kernel
-//                            argument instead of read from device memory, uploaded with each micro-batch
-//                            (train_llama.cu, train_vit.cu; a CUDA graph is then captured again when it changes)
-//   LLMC_DROPOUT_KEY=args    --lora-dropout's optimizer step and first row as kernel arguments instead of read
-//                            from device memory, uploaded with each micro-batch (llmc/cuda/linear.cuh's
-//                            DropoutOrigin; a CUDA graph is then refused: the key changes every micro-batch)
-static int backend_switch_is(const char* var, const char* old) {
-    const char* e = getenv(var);
-    return e && strcmp(e, old) == 0;
+// A shim for the drivers' last direct switch reads (train_llama.cu, train_vit.cu: the lead moves
+// them to the setting accessors of llmc/settings.h): whether environment setting `var` is set to
+// `value`, asked of the table; a name the table has no row for (a fault injector of a release
+// build, or one removed) is never set.
+static int backend_switch_is(const char* var, const char* value) {
+    for (int i = 0; i < SETTING_COUNT; i++)
+        if (strcmp(settings_table[i].name, var) == 0) {
+            const char* t = setting_text((SettingId)i);
+            return t && strcmp(t, value) == 0;
+        }
+    return 0;
 }
 
 static int backend_cuda_devices(void) {
@@ -86,8 +79,7 @@ static void backend_init(Backend* be, const char* flag, int local_rank) {
         // legacy stream serialises with every other blocking stream and cannot be captured in a
         // CUDA graph. Created blocking, so that the few synchronous calls outside the step
         // (cudaMemcpy of weights at load, cudaMemset of a fresh arena) stay ordered with it.
-        be->stream = 0;
-        if (!backend_switch_is("LLMC_STREAM", "legacy")) CUDA_CHECK(cudaStreamCreate(&be->stream));
+        CUDA_CHECK(cudaStreamCreate(&be->stream));
         size_t fr, tot;
         CUDA_CHECK(cudaMemGetInfo(&fr, &tot));
         be->used_before = tot - fr;
@@ -101,8 +93,7 @@ static void backend_init(Backend* be, const char* flag, int local_rank) {
 // compute capability (sm_90: H100/H200 SXM, 989 TFLOP/s; sm_80: A100, 312; sm_100: B200, 2250;
 // the PCIe and NVL parts are lower: set LLMC_PEAK_TFLOPS), else 0 (unknown: no MFU in the log).
 static double backend_peak_flops(const Backend* be) {
-    const char* e = getenv("LLMC_PEAK_TFLOPS");
-    if (e && atof(e) > 0) return atof(e) * 1e12;
+    if (setting_is_set(SETTING_PEAK_TFLOPS)) return setting_number(SETTING_PEAK_TFLOPS) * 1e12;
 #ifdef LLMC_HAVE_CUDA
     if (be->cuda) {
         cudaDeviceProp p;
@@ -264,8 +255,8 @@ typedef struct {
     uint8_t* set[STAGING_MAX_SETS];  // pinned, `bytes` each
     int sets, cur;                   // cur: the set being filled (-1 before the first batch)
     size_t bytes, used;              // capacity of a set; bytes packed into the current one
-    int async;                       // 0: synchronous uploads (CPU, or LLMC_UPLOAD=sync)
-    int planted_rewrite;             // LLMC_FAULT_STAGING_REWRITE=1
+    int async;                       // 0: synchronous uploads (the CPU)
+    int planted_rewrite;             // LLMC_FAULT_STAGING_REWRITE=1 (test builds)
 #ifdef LLMC_HAVE_CUDA
     cudaEvent_t uploaded[STAGING_MAX_SETS];
     int pending[STAGING_MAX_SETS];   // an upload from the set was recorded
@@ -280,10 +271,11 @@ static void staging_init(BatchStaging* s, const Backend* be, size_t bytes, int m
     memset(s, 0, sizeof(*s));
     s->be = be;
     s->cur = -1;
-    s->async = be->cuda && !backend_switch_is("LLMC_UPLOAD", "sync");
+    s->async = be->cuda;
     if (!s->async) return;
-    const char* f = getenv("LLMC_FAULT_STAGING_REWRITE");
-    s->planted_rewrite = f && f[0] == '1';
+#ifdef LLMC_FAULTS
+    s->planted_rewrite = setting_on(SETTING_FAULT_STAGING_REWRITE);
+#endif
     s->sets = micro_batches < 2 ? 2 : micro_batches > STAGING_MAX_SETS ? STAGING_MAX_SETS : micro_batches;
     s->bytes = bytes;
 #ifdef LLMC_HAVE_CUDA

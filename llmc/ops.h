@@ -225,13 +225,13 @@ static void op_rope(const Backend* be, void* x, const float* cos_t, const float*
     rope_apply(F32(x), cos_t, sin_t, pos, N, T, nheads, hd, inverse);
 }
 
-// On CUDA, attention runs one of three ways, chosen by LLMC_ATTENTION in the environment:
+// On CUDA, attention runs one of two ways, chosen by LLMC_ATTENTION (llmc/settings.h):
 //   cudnn  cuDNN's fused flash attention (llmc/cuda/attention_cudnn.cu): the default in a build
 //          that links cuDNN (make's "cuDNN found" line); never on the CPU emulator, which cannot
 //          run cuDNN, so there an explicit LLMC_ATTENTION=cudnn is refused
 //   gemm   tensor-core batched GEMMs (llmc/cuda/attention_gemm.cuh): the default without cuDNN
-//   flash  the fp32 flash kernels of llmc/cuda/attention.cuh
-// Any other value is refused in one line. Under cudnn, packed examples (s.pos set: a document
+// (the fp32 flash forward of llmc/cuda/attention.cuh runs the shapes the planned workspace does not
+// fit; the flash backward, once a third choice, is dev/cuda/attention_flash.cuh's). Any other value is refused in one line. Under cudnn, packed examples (s.pos set: a document
 // mask) run as cuDNN's ragged layout, each document one entry of its batch (s.docs, llmc/attn_docs.h,
 // filled by the trainer at each upload), unless LLMC_CUDNN_PACKED=gemm sends them to gemm as
 // before. A call cuDNN cannot take runs on gemm, and the first such call says why in one line:
@@ -240,8 +240,8 @@ static void op_rope(const Backend* be, void* x, const float* cos_t, const float*
 // or a plan that wants more workspace than was planned. The forward's lse is the same statistic on
 // every path (cuDNN's "Stats"; the ragged call's token-major statistics are converted from and to
 // it), so a forward on one path and its backward on another agree.
-typedef enum { ATTN_CUDNN, ATTN_GEMM, ATTN_FLASH } AttnImpl;
-static const char* const attn_impl_names[] = {"cudnn", "gemm", "flash"};
+typedef enum { ATTN_CUDNN, ATTN_GEMM } AttnImpl;
+static const char* const attn_impl_names[] = {"cudnn", "gemm"};
 
 #ifdef LLMC_HAVE_CUDNN
 #define LLMC_CUDNN_BUILT 1
@@ -249,38 +249,25 @@ static const char* const attn_impl_names[] = {"cudnn", "gemm", "flash"};
 #define LLMC_CUDNN_BUILT 0
 #endif
 
-// LLMC_CUDNN_PACKED, read once: ragged (the default) or gemm; bad values end the run with one line.
+// LLMC_CUDNN_PACKED (llmc/settings.h): ragged (the default) or gemm.
 typedef enum { CUDNN_PACKED_RAGGED, CUDNN_PACKED_GEMM } CudnnPacked;
 static const char* const cudnn_packed_names[] = {"ragged", "gemm"};
-static CudnnPacked op_cudnn_packed(void) {
-    static int chosen = -1;
-    if (chosen >= 0) return (CudnnPacked)chosen;
-    const char* e = getenv("LLMC_CUDNN_PACKED");
-    if (!e || !*e) chosen = CUDNN_PACKED_RAGGED;
-    for (int i = 0; chosen < 0 && i < 2; i++)
-        if (strcmp(e, cudnn_packed_names[i]) == 0) chosen = i;
-    if (chosen < 0) fail("LLMC_CUDNN_PACKED=%s: expected ragged or gemm", e);
-    return (CudnnPacked)chosen;
-}
+static CudnnPacked op_cudnn_packed(void) { return (CudnnPacked)setting_word(SETTING_CUDNN_PACKED); }
 
-// LLMC_ATTENTION, read once; bad values end the run with one line.
+// LLMC_ATTENTION (llmc/settings.h): cudnn where this binary has it, else gemm; cudnn asked of a
+// binary without it ends the run with one line.
 static AttnImpl op_attention_impl(void) {
-    static int chosen = -1;
-    if (chosen >= 0) return (AttnImpl)chosen;
-    const char* e = getenv("LLMC_ATTENTION");
-    if (!e || !*e) chosen = LLMC_CUDNN_BUILT ? ATTN_CUDNN : ATTN_GEMM;
-    for (int i = 0; chosen < 0 && i < 3; i++)
-        if (strcmp(e, attn_impl_names[i]) == 0) chosen = i;
-    if (chosen < 0) fail("LLMC_ATTENTION=%s: expected cudnn, gemm or flash", e);
-    if (chosen == ATTN_CUDNN && !LLMC_CUDNN_BUILT)
-        fail("LLMC_ATTENTION=cudnn: this binary has no cuDNN (%s); use gemm or flash",
+    int w = setting_word(SETTING_ATTENTION);
+    if (w < 0) return LLMC_CUDNN_BUILT ? ATTN_CUDNN : ATTN_GEMM;
+    if (w == ATTN_CUDNN && !LLMC_CUDNN_BUILT)
+        fail("LLMC_ATTENTION=cudnn: this binary has no cuDNN (%s); use gemm",
 #ifdef LLMC_CUDA_EMU
              "the CPU emulator cannot run it"
 #else
              "make did not find cuDNN and its frontend: see its 'make: cuDNN' line"
 #endif
         );
-    return (AttnImpl)chosen;
+    return (AttnImpl)w;
 }
 
 // cuDNN's workspace is planned only while its bound stays within ATTN_CUDNN_PLAN_MAX: the bound
@@ -292,7 +279,7 @@ static AttnImpl op_attention_impl(void) {
 #define ATTN_CUDNN_PLAN_MAX ((size_t)1 << 30)
 static size_t op_attention_work_bytes(const Backend* be, AttnShape s) {
     if (!be->cuda) return 0;
-    size_t gemm = attn_gemm_work_bytes(&s, 1);  // also holds the flash backward's B*H*T row sums
+    size_t gemm = attn_gemm_work_bytes(&s, 1);
     // cudnn: its bound, and room for the GEMM path that takes what cuDNN cannot
     size_t cudnn = op_attention_impl() == ATTN_CUDNN ? attn_cudnn_work_bound(&s) : 0;
     if (cudnn > ATTN_CUDNN_PLAN_MAX) cudnn = 0;
@@ -315,14 +302,14 @@ static void op_attention_announce(const Backend* be) {
     static int told = 0;
     if (!be->cuda || told++) return;
     AttnImpl impl = op_attention_impl();
-    const char* env = getenv("LLMC_ATTENTION");
+    const char* env = setting_text(SETTING_ATTENTION);
 #ifdef LLMC_HAVE_CUDNN
     const char* built = attention_cudnn_version();  // the library loaded
 #else
     const char* built = NULL;
 #endif
-    const char* packed_env = getenv("LLMC_CUDNN_PACKED");
-    printf("attention: %s (LLMC_ATTENTION=%s; cudnn|gemm|flash)%s%s", attn_impl_names[impl],
+    const char* packed_env = setting_text(SETTING_CUDNN_PACKED);
+    printf("attention: %s (LLMC_ATTENTION=%s; cudnn|gemm)%s%s", attn_impl_names[impl],
            env && *env ? env : "unset", built ? ", cuDNN " : ", no cuDNN in this build", built ? built : "");
     if (impl == ATTN_CUDNN)
         printf(", packed examples: %s (LLMC_CUDNN_PACKED=%s; ragged|gemm)", cudnn_packed_names[op_cudnn_packed()],
@@ -336,12 +323,11 @@ static void op_attention_announce(const Backend* be) {
 // description and its upload (test_llama_cuda.py; the other paths ignore s.docs).
 static int op_attention_wants_docs(const Backend* be) {
     if (!be->cuda || op_cudnn_packed() != CUDNN_PACKED_RAGGED) return 0;
-    return (LLMC_CUDNN_BUILT && op_attention_impl() == ATTN_CUDNN) || backend_switch_is("LLMC_CUDNN_PACKED", "ragged");
+    return (LLMC_CUDNN_BUILT && op_attention_impl() == ATTN_CUDNN) || setting_is_set(SETTING_CUDNN_PACKED);
 }
 
 // The planned workspace `work` of `bytes`, if shape s fits in it (generation's shorter windows, a
-// short last evaluation batch), else NULL: CUDA then uses the flash kernels, which need none in
-// the forward.
+// short last evaluation batch), else NULL: CUDA then uses the flash forward, which needs none.
 static void* op_attention_work_fitting(const Backend* be, AttnShape s, void* work, size_t bytes) {
     return op_attention_work_bytes(be, s) <= bytes ? work : NULL;
 }
@@ -380,7 +366,7 @@ static int op_attention_on_cudnn(const Backend* be, AttnShape s, void* work, Cud
 }
 #endif
 
-// work: the planned workspace, or NULL (a shape that does not fit it: the flash kernels then).
+// work: the planned workspace, or NULL (a shape that does not fit it: the flash forward then).
 static void op_attention_forward(const Backend* be, void* o, float* lse, const void* q, const void* k, const void* v,
                                  AttnShape s, void* work) {
     PROF_SCOPE(be, "attention", "fwd", attn_flops(s, 2), attn_bytes(s, be->abytes, 4));
@@ -397,9 +383,8 @@ static void op_attention_forward(const Backend* be, void* o, float* lse, const v
             return;
         }
 #endif
-        if (work && op_attention_impl() != ATTN_FLASH)
-            attention_forward_gemm_cuda(B16(o), lse, CB16(q), CB16(k), CB16(v), s, work, be->stream);
-        else attention_forward_cuda(B16(o), lse, CB16(q), CB16(k), CB16(v), s, be->stream);
+        if (work) attention_forward_gemm_cuda(B16(o), lse, CB16(q), CB16(k), CB16(v), s, work, be->stream);
+        else attention_forward_cuda(B16(o), lse, CB16(q), CB16(k), CB16(v), s, be->stream);  // needs no workspace
         return;
     }
 #endif
@@ -407,7 +392,7 @@ static void op_attention_forward(const Backend* be, void* o, float* lse, const v
     attention_forward(F32(o), lse, CF32(q), CF32(k), CF32(v), s);
 }
 
-// work: the planned workspace (CUDA; it also holds the flash backward's B*H*T row sums).
+// work: the planned workspace (CUDA).
 static void op_attention_backward(const Backend* be, void* dq, void* dk, void* dv, const void* dout, const void* q,
                                   const void* k, const void* v, const void* o, const float* lse, AttnShape s,
                                   void* work) {
@@ -425,12 +410,8 @@ static void op_attention_backward(const Backend* be, void* dq, void* dk, void* d
             return;
         }
 #endif
-        if (op_attention_impl() != ATTN_FLASH)
-            attention_backward_gemm_cuda(B16(dq), B16(dk), B16(dv), CB16(dout), CB16(q), CB16(k), CB16(v), CB16(o), lse,
-                                         s, work, be->stream);
-        else
-            attention_backward_cuda(B16(dq), B16(dk), B16(dv), CB16(dout), CB16(q), CB16(k), CB16(v), CB16(o), lse,
-                                    (float*)work, s, be->stream);
+        attention_backward_gemm_cuda(B16(dq), B16(dk), B16(dv), CB16(dout), CB16(q), CB16(k), CB16(v), CB16(o), lse, s,
+                                     work, be->stream);
         return;
     }
 #endif

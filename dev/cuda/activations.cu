@@ -3,7 +3,7 @@
 // planted at the bf16 neighbours of every kink c1..c3 of the fits. The 2-bit path must agree
 // EXACTLY: the packed code bytes byte for byte, and the approximate backward bit for bit (both
 // sides form dy * level in fp32 from identical inputs, so the bf16 result cannot differ).
-// SwiGLU's and GELU's 16-byte kernels (the default, LLMC_ELEMWISE=vec) give the scalar ones' bytes exactly,
+// SwiGLU's and GELU's 16-byte kernels (what the ops launch where aligned) give the scalar ones' bytes exactly,
 // on aligned buffers and misaligned ones (where the launch falls back to the scalar kernels).
 // Then times each kernel at a LLaMA-7B MLP shape against HBM bandwidth.
 #include "check.h"

@@ -1,4 +1,4 @@
-// dev/cuda/attention.cu: RoPE and flash attention of llmc/cuda/attention.cuh, and the batched-GEMM
+// dev/cuda/attention.cu: RoPE and flash attention (attention.cuh, attention_flash.cuh), and the batched-GEMM
 // attention of llmc/cuda/attention_gemm.cuh (also split into many chunks of query rows), against
 // llmc/cpu/attention.h: causal and bidirectional, grouped-query (H/KVH = 1, 2, 3, 4), head dims
 // 16..128 including ones that are not a multiple of 8 or 32, sequence lengths that are not a
@@ -10,6 +10,7 @@
 #include "../../llmc/cpu/attention.h"
 #include "../../llmc/cuda/attention.cuh"
 #include "../../llmc/cuda/attention_gemm.cuh"
+#include "attention_flash.cuh"  // the flash backward: the reference version the trainers no longer run
 
 // The pointer tables of the tensor-core path are built once per operand set: the forward and the
 // backward again on the same buffers build none, and give the same bits (from the same inputs:
@@ -119,6 +120,14 @@ static void test_attention(AttnShape s, Rng* rng, int packed) {
     check_close(name, g2dk, dk, nk, 1e-2);
     snprintf(name, sizeof(name), "attn gemm bwd dv, %s", tag);
     check_close(name, g2dv, dv, nk, 1e-2);
+    // the flash backward (dev/cuda/attention_flash.cuh) against the production one: each is within
+    // 1e-2 of the CPU twin, so within 2e-2 of each other
+    snprintf(name, sizeof(name), "attn flash bwd vs production dq, %s", tag);
+    check_close(name, gdq, g2dq, nq, 2e-2);
+    snprintf(name, sizeof(name), "attn flash bwd vs production dk, %s", tag);
+    check_close(name, gdk, g2dk, nk, 2e-2);
+    snprintf(name, sizeof(name), "attn flash bwd vs production dv, %s", tag);
+    check_close(name, gdv, g2dv, nk, 2e-2);
     test_tables_kept(tag, &sd, work, d_o, d_lse, d_q, d_k, d_v, d_dout, d_dq, d_dk, d_dv, go2, g2dq);
     attn_gemm_forget();  // the workspace is freed: a later one may get its address
     CUDA_CHECK(cudaFree(work));
@@ -307,6 +316,7 @@ int main(void) {
     test_attention_cached(1, 0, 2, 1, 36, &rng);     // the first token
     // the tensor-core path over many chunks of query rows (ragged last chunk; causal key ranges)
     setenv("LLMC_ATTN_CHUNK", "16", 1);
+    settings_reload();  // the table is read once per process otherwise (llmc/settings.h)
     printf("with LLMC_ATTN_CHUNK=16:\n");
     test_attention(cases[0], &rng, 0);
     test_attention(cases[2], &rng, 0);
@@ -318,6 +328,7 @@ int main(void) {
     printf("with LLMC_ATTN_KEYS=16 LLMC_ATTN_CHUNK=24:\n");
     setenv("LLMC_ATTN_CHUNK", "24", 1);
     setenv("LLMC_ATTN_KEYS", "16", 1);
+    settings_reload();
     test_attention(cases[0], &rng, 0);
     test_attention(cases[1], &rng, 0);
     test_attention(cases[2], &rng, 0);
@@ -326,10 +337,12 @@ int main(void) {
     unsetenv("LLMC_ATTN_CHUNK");
     printf("with LLMC_ATTN_KEYS=32 (square tiles):\n");
     setenv("LLMC_ATTN_KEYS", "32", 1);
+    settings_reload();
     test_attention(cases[3], &rng, 0);
     test_attention(cases[4], &rng, 0);
     test_attention(packed[0], &rng, 1);
     unsetenv("LLMC_ATTN_KEYS");
+    settings_reload();
     if (g_timing) {
         AttnShape llama = {4, 2048, 32, 8, 128, 1, NULL, NULL}, vit = {64, 197, 12, 12, 64, 0, NULL, NULL};
         time_attention(llama, "B=4 T=2048 H=32 KVH=8 hd=128 causal");

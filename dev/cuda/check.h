@@ -15,7 +15,7 @@
 // Environment: LLMC_DEV_NO_TIMING=1 skips the timing (for compute-sanitizer runs); LLMC_CUDA_SYNC=1
 // makes every launch synchronous, so an asynchronous fault names the launch that caused it.
 // Built with -DLLMC_CUDA_EMU (make cuda-emu-check) the same programs run on the CPU emulator
-// (llmc/cuda/emu/emu.h) at their correctness sizes; timing is skipped there.
+// (test/emu/emu.h) at their correctness sizes; timing is skipped there.
 #pragma once
 #include <math.h>
 #include <stdio.h>
@@ -43,7 +43,7 @@ static void check_begin(const char* title) {
     printf("%s\n", title);
 #ifdef LLMC_CUDA_EMU
     printf(
-        "device: the CPU emulator of llmc/cuda/emu/emu.h (kernel logic, and the cuBLAS calls checked against their "
+        "device: the CPU emulator of test/emu/emu.h (kernel logic, and the cuBLAS calls checked against their "
         "contracts)\n");
 #else
     int count = 0;

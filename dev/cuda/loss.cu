@@ -8,6 +8,7 @@
 #include "check.h"
 #include "../../llmc/cpu/loss.h"
 #include "../../llmc/cuda/loss.cuh"
+#include "loss_scalar.cuh"
 
 static LossScratchCuda alloc_loss_scratch(int chunk, int d, int V) {
     LossScratchCuda sc;
@@ -132,8 +133,9 @@ static void test_lm_head(int64_t N, int d, int V, int chunk, int grad, Rng* rng)
     free(logits); free(dx); free(glogits);
 }
 
-// softmax_ce_rows against ce_row, row by row, for both kernels (KERNELS_VEC: the two-pass 16-byte
-// one; KERNELS_SCALAR: the old), with fp32 dlogits (the ViT head: few classes) or bf16 (the LM
+// softmax_ce_rows against ce_row, row by row, for both kernels (KERNELS_VEC: the production two-pass
+// 16-byte one; KERNELS_SCALAR: the old single-pass one, dev/cuda/loss_scalar.cuh, also against the
+// production kernel's output), with fp32 dlogits (the ViT head: few classes) or bf16 (the LM
 // head's), the logits `offset` floats into their allocation (offset 1: no row starts 16-byte aligned
 // whatever V, so the vector kernel's head and tail carry the row's ends; a vector access the
 // alignment did not allow stops the emulator).
@@ -171,14 +173,15 @@ static void test_ce_rows(KernelChoice impl, int rows, int V, int offset, Rng* rn
     double* d_stats = (double*)dev_alloc(3 * sizeof(double));
     dev_poison(d_dl, sizeof(T) * n);
     CUDA_CHECK(cudaMemset(d_stats, 0, 3 * sizeof(double)));
-    softmax_ce_rows_launch(impl, d_dl, d_rows, d_logits, d_t, NULL, rows, V, grad_scale, NULL, 1, g_stream);
+    auto ce = impl == KERNELS_VEC ? softmax_ce_rows_launch<T> : softmax_ce_rows_scalar_launch<T>;
+    ce(d_dl, d_rows, d_logits, d_t, NULL, rows, V, grad_scale, NULL, 1, g_stream);
     loss_stats_accumulate_cuda(d_stats, d_rows, rows, g_stream);
     float* got = sizeof(T) == 2 ? download_bf16((const bf16*)d_dl, n) : download_f32((const float*)d_dl, n);
     // the scale read from device memory (a CUDA graph's form; the argument given wrong, so that only
     // the memory can give these bytes): the same dlogits, bit for bit
     float* d_scale = (float*)upload(&grad_scale, sizeof(float));
     T* d_dl_at = (T*)dev_alloc(sizeof(T) * n);
-    softmax_ce_rows_launch(impl, d_dl_at, d_rows, d_logits, d_t, NULL, rows, V, -1.0f, d_scale, 1, g_stream);
+    ce(d_dl_at, d_rows, d_logits, d_t, NULL, rows, V, -1.0f, d_scale, 1, g_stream);
     float* got_at = sizeof(T) == 2 ? download_bf16((const bf16*)d_dl_at, n) : download_f32((const float*)d_dl_at, n);
     char at_name[128];
     snprintf(at_name, sizeof(at_name), "softmax_ce_rows %s, scale from device memory = scale as argument, rows=%d V=%d",
@@ -193,7 +196,18 @@ static void test_ce_rows(KernelChoice impl, int rows, int V, int offset, Rng* rn
     snprintf(name, sizeof(name), "softmax_ce_rows %s %s dlogits, rows=%d V=%d +%d", kind,
              sizeof(T) == 2 ? "bf16" : "fp32", rows, V, offset);
     // fp32: the sums differ only in order (1e-5); bf16: one rounding of 2^-9 relative per element
-    check_close(name, got, want, n, sizeof(T) == 2 ? 4e-3 : 1e-5);
+    double tol = sizeof(T) == 2 ? 4e-3 : 1e-5;
+    check_close(name, got, want, n, tol);
+    if (impl == KERNELS_SCALAR) {  // the reference version against the production kernel: each is within tol
+        T* d_prod = (T*)dev_alloc(sizeof(T) * n);  // of the CPU twin, so within 2 tol of each other
+        softmax_ce_rows_launch(d_prod, d_rows, d_logits, d_t, NULL, rows, V, grad_scale, NULL, 1, g_stream);
+        float* prod = sizeof(T) == 2 ? download_bf16((const bf16*)d_prod, n) : download_f32((const float*)d_prod, n);
+        snprintf(name, sizeof(name), "softmax_ce_rows scalar vs production %s dlogits, rows=%d V=%d +%d",
+                 sizeof(T) == 2 ? "bf16" : "fp32", rows, V, offset);
+        check_close(name, got, prod, n, 2 * tol);
+        CUDA_CHECK(cudaFree(d_prod));
+        free(prod);
+    }
     snprintf(name, sizeof(name), "softmax_ce_rows %s loss/count/correct, rows=%d V=%d +%d", kind, rows, V, offset);
     snprintf(detail, sizeof(detail), "(loss %.6f vs %.6f, count %.0f, correct %.0f vs %.0f)", h[0], loss, h[1], h[2],
              correct);

@@ -112,8 +112,9 @@ static void test_lora_norm_kernels(int rank, int in, int with_beta, Rng* rng) {
 // The two kernels of LoRA dropout (--lora-dropout) against their twins in llmc/linear.h: the same
 // hash decides the same elements and the arithmetic is the same fp32 (fmaf, one multiply), so the
 // adapter input and the accumulated dx are equal bit for bit once the CPU's fp32 is rounded to bf16.
-// Both forms of the key: as kernel arguments (LLMC_DROPOUT_KEY=args) and with the step and first row
-// read from device memory (a CUDA graph's form, the default), the layer at an MLP tile's offset.
+// Both forms of the key: as kernel arguments (where no device copy is bound: LoraDropout.at NULL) and
+// with the step and first row read from device memory (the trainers' form), the layer at an MLP
+// tile's offset.
 static void test_lora_dropout_kernels(int64_t N, int in, int norm, float p, Rng* rng) {
     int64_t n = N * in;
     float *x = host_randn(n, rng, 1.0f, 1), *t = host_randn(n, rng, 1.0f, 1), *dx0 = host_randn(n, rng, 1.0f, 1);

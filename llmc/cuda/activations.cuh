@@ -135,11 +135,11 @@ static void swiglu_backward_launch(KernelChoice impl, bf16* dg, bf16* du, const 
 }
 static void swiglu_forward_cuda(bf16* p, bf16* sg, uint8_t* codes, const bf16* g, const bf16* u, int64_t n,
                                 cudaStream_t stream) {
-    swiglu_forward_launch(elemwise_choice(), p, sg, codes, g, u, n, stream);
+    swiglu_forward_launch(KERNELS_VEC, p, sg, codes, g, u, n, stream);
 }
 static void swiglu_backward_cuda(bf16* dg, bf16* du, const bf16* dp, const bf16* sg, const bf16* u, const bf16* g,
                                  const uint8_t* codes, int64_t n, cudaStream_t stream) {
-    swiglu_backward_launch(elemwise_choice(), dg, du, dp, sg, u, g, codes, n, stream);
+    swiglu_backward_launch(KERNELS_VEC, dg, du, dp, sg, u, g, codes, n, stream);
 }
 
 // ---- GELU ------------------------------------------------------------------------------------
@@ -252,9 +252,9 @@ static void gelu_backward_launch(KernelChoice impl, bf16* dx, const bf16* dy, co
         launch_kernel(grid_for((n + 3) / 4, 256), 256, 0, stream, gelu_backward_kernel, dx, dy, x, codes, n, tanh_form);
 }
 static void gelu_forward_cuda(bf16* y, uint8_t* codes, const bf16* x, int64_t n, int tanh_form, cudaStream_t stream) {
-    gelu_forward_launch(elemwise_choice(), y, codes, x, n, tanh_form, stream);
+    gelu_forward_launch(KERNELS_VEC, y, codes, x, n, tanh_form, stream);
 }
 static void gelu_backward_cuda(bf16* dx, const bf16* dy, const bf16* x, const uint8_t* codes, int64_t n, int tanh_form,
                                cudaStream_t stream) {
-    gelu_backward_launch(elemwise_choice(), dx, dy, x, codes, n, tanh_form, stream);
+    gelu_backward_launch(KERNELS_VEC, dx, dy, x, codes, n, tanh_form, stream);
 }

@@ -55,7 +55,7 @@ static AttnGemmWork attn_gemm_work(void* base, const AttnShape* s) {
     w.base = base;
     w.t = attn_gemm_tiles(s);
     uint8_t* p = (uint8_t*)base;
-    w.D = (float*)p; p += parts.D;  // first: the flash backward (LLMC_ATTENTION=flash) takes the start as its D
+    w.D = (float*)p; p += parts.D;
     w.S = (float*)p; p += parts.S;
     w.P = (bf16*)p; p += parts.P;
     w.o32 = parts.o32 ? (float*)p : NULL; p += parts.o32;

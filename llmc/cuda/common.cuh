@@ -11,14 +11,15 @@
 //     gradients and optimizer state, plus a trailing cudaStream_t;
 //   - every kernel indexes with int64_t, so tensors beyond 2^31 elements are fine;
 //   - nothing is allocated behind the caller's back: scratch comes in as an argument (the plan).
-// Built with -DLLMC_CUDA_EMU, the same source runs on the CPU under llmc/cuda/emu/emu.h.
+// Built with -DLLMC_CUDA_EMU, the same source runs on the CPU under test/emu/emu.h.
 #pragma once
 #include <stdint.h>
 #include <stdlib.h>
 #include "../common.h"
+#include "../settings.h"
 #ifdef LLMC_CUDA_EMU
-#include "emu/emu.h"
-#include "emu/emu_cublas.h"
+#include "../../test/emu/emu.h"  // test infrastructure: only the emulator builds (build/emu/) take it
+#include "../../test/emu/emu_cublas.h"
 #else
 #include <cuda_runtime.h>
 #include <cuda_bf16.h>
@@ -42,14 +43,7 @@ static void cublas_check(cublasStatus_t st, const char* call, const char* file, 
 
 // LLMC_CUDA_SYNC=1 in the environment makes every launch synchronous, so an asynchronous fault
 // (an illegal address) is reported at the launch that caused it instead of at a later call.
-static int cuda_sync_each_launch(void) {
-    static int mode = -1;
-    if (mode < 0) {
-        const char* s = getenv("LLMC_CUDA_SYNC");
-        mode = s && s[0] == '1';
-    }
-    return mode;
-}
+static int cuda_sync_each_launch(void) { return setting_on(SETTING_CUDA_SYNC); }
 
 static void cuda_check_launch(const char* kernel, const char* file, int line) {
     cudaError_t err = cudaGetLastError();

@@ -13,7 +13,7 @@
 // The caller also refuses the graph, in one line, where the piece makes calls a capture cannot
 // hold (a host synchronisation, an allocation, a second stream): see train_llama.cu's
 // llama_graph_refusal. A call that slips through fails the capture with a CUDA error (on the CPU
-// emulator, llmc/cuda/emu/emu.h, with the call named), never a wrong graph.
+// emulator, test/emu/emu.h, with the call named), never a wrong graph.
 #pragma once
 #include <string.h>
 #include "common.cuh"
@@ -41,34 +41,31 @@ typedef struct {
     long long captured_at;   // cuda_counted.launches when the capture began (GPU)
 } CudaGraph;
 
-// LLMC_CUDA_GRAPH=1 asks for graphs; anything else (or unset) leaves them off.
-static int cuda_graph_wanted(void) {
-    const char* e = getenv("LLMC_CUDA_GRAPH");
-    return e && strcmp(e, "1") == 0;
-}
+// LLMC_CUDA_GRAPH=1 asks for graphs (llmc/settings.h); 0 or unset leaves them off.
+static int cuda_graph_wanted(void) { return setting_on(SETTING_CUDA_GRAPH); }
 
 // What a model's piece holds that no capture can, as the model knows it (each 1 when so).
+// legacy_stream, readback_each and dropout name the old forms of the step without host
+// synchronisation (the legacy default stream, a readback per micro-batch, the dropout key as a
+// kernel argument), which are gone: they stay in the struct only until the drivers' initializers
+// drop them, and must be 0 (no CUDA backend has the old forms any more).
 typedef struct {
-    int legacy_stream;   // the work runs on the legacy default stream (LLMC_STREAM=legacy)
-    int readback_each;   // each micro-batch's loss is read back (LLMC_STEP_READBACK=each)
+    int legacy_stream;   // 0 (was: the work on the legacy default stream)
+    int readback_each;   // 0 (was: each micro-batch's loss read back)
     int crosses_ranks;   // collectives inside the backward (gradient buckets, sequence slices)
     int second_stream;   // copies on a second stream ordered by events (--offload host)
-    int dropout;         // LoRA dropout's key, which changes every micro-batch, is a kernel argument
-                         // (LLMC_DROPOUT_KEY=args; by default the kernels read it from device memory)
+    int dropout;         // 0 (was: LoRA dropout's key a kernel argument)
 } GraphHazards;
 
 // Why the piece cannot be one CUDA graph, or NULL.
 static const char* cuda_graph_refusal(const GraphHazards* h) {
-    if (h->legacy_stream) return "LLMC_STREAM=legacy: the legacy default stream cannot be captured";
-    if (h->readback_each)
-        return "LLMC_STEP_READBACK=each: each micro-batch's loss is read back (a host synchronisation)";
+    if (h->legacy_stream || h->readback_each || h->dropout)
+        fail("internal: a CUDA graph hazard of a removed form (legacy stream %d, readback each %d, dropout key "
+             "argument %d)", h->legacy_stream, h->readback_each, h->dropout);
     if (cuda_sync_each_launch()) return "LLMC_CUDA_SYNC=1: every launch synchronises the device";
     if (h->crosses_ranks)
         return "gradients or sequence slices cross ranks inside the backward (collectives, a second stream)";
     if (h->second_stream) return "--offload host: block inputs travel on a second stream, ordered by events";
-    if (h->dropout)
-        return "--lora-dropout with LLMC_DROPOUT_KEY=args: the masks' key changes every micro-batch "
-               "(a kernel argument)";
     return NULL;
 }
 
@@ -78,8 +75,10 @@ static const char* cuda_graph_refusal(const GraphHazards* h) {
 static void cuda_graph_decide(CudaGraph* g, const GraphHazards* h, int print) {
     g->decided = 1;
     if (!cuda_graph_wanted()) return;
-    const char* plant = getenv("LLMC_FAULT_GRAPH_NO_REFUSAL");
-    const char* why = plant && strcmp(plant, "1") == 0 ? NULL : cuda_graph_refusal(h);
+    const char* why = cuda_graph_refusal(h);
+#ifdef LLMC_FAULTS
+    if (setting_on(SETTING_FAULT_GRAPH_NO_REFUSAL)) why = NULL;
+#endif
     g->on = why == NULL;
     if (!print) return;
     if (why) printf("cuda graph: off: %s (LLMC_CUDA_GRAPH=1 refused; eager launches)\n", why);

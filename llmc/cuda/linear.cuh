@@ -121,14 +121,7 @@ static void lora_dropout_input_backward_cuda(bf16* dx, const bf16* t, const Line
 // process; the first GPU run compares the two (scripts/ci/gpu_check.sh).
 typedef enum { LORA_AFTER_FROZEN, LORA_IN_FROZEN_EPILOGUE } LoraFold;
 static LoraFold lora_fold_choice(void) {
-    static int chosen = -1;
-    if (chosen < 0) {
-        const char* e = getenv("LLMC_LORA_FUSED");
-        if (!e || !*e || strcmp(e, "1") == 0) chosen = LORA_IN_FROZEN_EPILOGUE;
-        else if (strcmp(e, "0") == 0) chosen = LORA_AFTER_FROZEN;
-        else fail("LLMC_LORA_FUSED=%s: expected 1 (the adapter's products in the frozen product's epilogue) or 0", e);
-    }
-    return (LoraFold)chosen;
+    return setting_on(SETTING_LORA_FUSED) ? LORA_IN_FROZEN_EPILOGUE : LORA_AFTER_FROZEN;
 }
 
 // y (+)= x W^T + bias: the frozen product (W refilled from NF4 first under --quant nf4).

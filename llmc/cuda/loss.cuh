@@ -45,39 +45,6 @@ static __device__ float ce_row_weight(float m, float grad_scale, const float* gr
     return m * (grad_scale_at ? *grad_scale_at : grad_scale);
 }
 
-// One block per row of logits [rows, V]: writes row_stats[row] and, when grad, dlogits[row].
-// A target outside [0, V) gives a NaN loss (never a wild read), so it cannot pass unnoticed.
-template <class T>
-__global__ void __launch_bounds__(CE_THREADS)
-    softmax_ce_rows_kernel(T* __restrict__ dlogits, float* __restrict__ row_stats, const float* __restrict__ logits,
-                           const int* __restrict__ targets, const float* __restrict__ mask, int V, float grad_scale,
-                           const float* __restrict__ grad_scale_at, int grad) {
-    int64_t row = blockIdx.x;
-    const float* x = logits + row * V;
-    float m = mask ? mask[row] : 1.0f;
-    int target = targets[row];
-
-    MaxLoc best = {-INFINITY, INT64_MAX};
-    for (int v = threadIdx.x; v < V; v += blockDim.x)
-        if (x[v] > best.v) best = MaxLoc{x[v], (int64_t)v};  // increasing v: keeps this thread's first max
-    best = block_reduce_maxloc(best);
-    float mx = best.v;
-
-    float sum = 0.0f;
-    for (int v = threadIdx.x; v < V; v += blockDim.x) sum += expf(x[v] - mx);
-    sum = block_reduce_sum(sum);
-    float lse = mx + logf(sum);
-
-    if (threadIdx.x == 0) ce_row_stats(row_stats, row, x, target, V, m, lse, best.i);
-    if (!grad) return;
-    float w = ce_row_weight(m, grad_scale, grad_scale_at);
-    T* dl = dlogits + row * V;
-    for (int v = threadIdx.x; v < V; v += blockDim.x) {
-        float g = w * expf(x[v] - lse) - (v == target ? w : 0.0f);
-        dl[v] = (T)g;
-    }
-}
-
 // ---- the vectorised kernel: two passes over a row instead of three ------------------------
 // The loss needs the row's max and sum of exponentials before any gradient element, so two
 // passes are the fewest: one read (an online max and sum-exp: the sum is rescaled whenever the
@@ -127,8 +94,9 @@ static __device__ SoftmaxRun block_reduce_softmax_run(SoftmaxRun r) {
     return r;
 }
 
-// The same contract as softmax_ce_rows_kernel (one block per row; row_stats, and dlogits when
-// grad), with the same per-element gradient formula.
+// One block per row of logits [rows, V]: writes row_stats[row] and, when grad, dlogits[row] (the
+// same per-element gradient formula as the CPU twin). A target outside [0, V) gives a NaN loss
+// (never a wild read), so it cannot pass unnoticed.
 template <class T>
 __global__ void __launch_bounds__(CE_THREADS)
     softmax_ce_rows_vec_kernel(T* __restrict__ dlogits, float* __restrict__ row_stats,
@@ -184,38 +152,26 @@ __global__ void __launch_bounds__(CE_THREADS)
     for (int v = t2 + tid; v < V; v += nt) dl[v] = (T)(w * expf(x[v] - lse) - (v == target ? w : 0.0f));
 }
 
-// LLMC_CE_KERNEL: vec (the default, softmax_ce_rows_vec_kernel) or scalar (softmax_ce_rows_kernel).
-static KernelChoice ce_kernel_choice(void) {
-    static int chosen = -1;
-    if (chosen < 0) chosen = vec_kernels_choice_of("LLMC_CE_KERNEL");
-    return (KernelChoice)chosen;
-}
-
+// (The single-pass scalar kernel it replaced is dev/cuda/loss_scalar.cuh's, checked against this one.)
 template <class T>
-static void softmax_ce_rows_launch(KernelChoice impl, T* dlogits, float* row_stats, const float* logits,
-                                   const int* targets, const float* mask, int64_t rows, int V, float grad_scale,
-                                   const float* grad_scale_at, int grad, cudaStream_t stream) {
+static void softmax_ce_rows_launch(T* dlogits, float* row_stats, const float* logits, const int* targets,
+                                   const float* mask, int64_t rows, int V, float grad_scale, const float* grad_scale_at,
+                                   int grad, cudaStream_t stream) {
     if (rows == 0) return;
-    if (impl == KERNELS_VEC)
-        launch_kernel((unsigned)rows, CE_THREADS, 0, stream, softmax_ce_rows_vec_kernel<T>, dlogits, row_stats, logits,
-                      targets, mask, V, grad_scale, grad_scale_at, grad);
-    else
-        launch_kernel((unsigned)rows, CE_THREADS, 0, stream, softmax_ce_rows_kernel<T>, dlogits, row_stats, logits,
-                      targets, mask, V, grad_scale, grad_scale_at, grad);
+    launch_kernel((unsigned)rows, CE_THREADS, 0, stream, softmax_ce_rows_vec_kernel<T>, dlogits, row_stats, logits,
+                  targets, mask, V, grad_scale, grad_scale_at, grad);
 }
 // grad_scale_at (device memory, or NULL: grad_scale): the scale read by the kernel, so that a
 // captured CUDA graph need not change when it does (llmc/cuda/graph.cuh)
 static void softmax_ce_rows_cuda(bf16* dlogits, float* row_stats, const float* logits, const int* targets,
                                  const float* mask, int64_t rows, int V, float grad_scale, int grad,
                                  cudaStream_t stream, const float* grad_scale_at = NULL) {
-    softmax_ce_rows_launch(ce_kernel_choice(), dlogits, row_stats, logits, targets, mask, rows, V, grad_scale,
-                           grad_scale_at, grad, stream);
+    softmax_ce_rows_launch(dlogits, row_stats, logits, targets, mask, rows, V, grad_scale, grad_scale_at, grad, stream);
 }
 static void softmax_ce_rows_cuda(float* dlogits, float* row_stats, const float* logits, const int* targets,
                                  const float* mask, int64_t rows, int V, float grad_scale, int grad,
                                  cudaStream_t stream, const float* grad_scale_at = NULL) {
-    softmax_ce_rows_launch(ce_kernel_choice(), dlogits, row_stats, logits, targets, mask, rows, V, grad_scale,
-                           grad_scale_at, grad, stream);
+    softmax_ce_rows_launch(dlogits, row_stats, logits, targets, mask, rows, V, grad_scale, grad_scale_at, grad, stream);
 }
 
 // stats[k] += sum over rows of row_stats[row, k] (k = loss, count, correct), in double, by one

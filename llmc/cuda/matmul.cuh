@@ -23,7 +23,7 @@
 // first operand is our B. Every call asks the cuBLASLt heuristic for an algorithm with the true
 // alignment of its buffers (the default assumes 256 bytes); when cuBLASLt has none (odd leading
 // dimensions), it falls back to cublasGemmEx with the same types, and the bias to a kernel.
-// On the CPU emulator the same calls go to llmc/cuda/emu/emu_cublas.h, which checks each against
+// On the CPU emulator the same calls go to test/emu/emu_cublas.h, which checks each against
 // cuBLAS's documented contract.
 #pragma once
 #include "common.cuh"

@@ -81,7 +81,7 @@ static void multiply_launch(KernelChoice impl, bf16* out, const bf16* a, const b
     else launch_kernel(grid_for(n, 256), 256, 0, stream, multiply_kernel, out, a, b, n);
 }
 static void multiply_cuda(bf16* out, const bf16* a, const bf16* b, int64_t n, cudaStream_t stream) {
-    multiply_launch(elemwise_choice(), out, a, b, n, stream);
+    multiply_launch(KERNELS_VEC, out, a, b, n, stream);
 }
 
 // y[n, i] = x[n, i] * g[i], rows of d, the product in fp32 then rounded once (the twin of scale_columns;
@@ -114,7 +114,7 @@ static void scale_columns_launch(KernelChoice impl, bf16* y, const bf16* x, cons
     launch_kernel(grid_for(rows * d, 256), 256, 0, stream, scale_columns_kernel, y, x, g, rows * d, d);
 }
 static void scale_columns_cuda(bf16* y, const bf16* x, const bf16* g, int64_t rows, int d, cudaStream_t stream) {
-    scale_columns_launch(elemwise_choice(), y, x, g, rows, d, stream);
+    scale_columns_launch(KERNELS_VEC, y, x, g, rows, d, stream);
 }
 
 template <class T>
@@ -251,10 +251,10 @@ static void cast_bf16_to_f32_launch(KernelChoice impl, float* dst, const bf16* s
     else launch_kernel(grid_for(n, 256), 256, 0, stream, cast_bf16_to_f32_kernel, dst, src, n);
 }
 static void cast_f32_to_bf16_cuda(bf16* dst, const float* src, int64_t n, cudaStream_t stream) {
-    cast_f32_to_bf16_launch(elemwise_choice(), dst, src, n, stream);
+    cast_f32_to_bf16_launch(KERNELS_VEC, dst, src, n, stream);
 }
 static void cast_bf16_to_f32_cuda(float* dst, const bf16* src, int64_t n, cudaStream_t stream) {
-    cast_bf16_to_f32_launch(elemwise_choice(), dst, src, n, stream);
+    cast_bf16_to_f32_launch(KERNELS_VEC, dst, src, n, stream);
 }
 
 // ---- ViT patch embedding ---------------------------------------------------------------------

@@ -129,7 +129,7 @@ __global__ void rmsnorm_forward_vec_kernel(bf16* __restrict__ y, float* __restri
 static void rmsnorm_forward_cuda(bf16* y, float* r_out, const bf16* x, const bf16* gamma, int64_t N, int d, float eps,
                                  cudaStream_t stream) {
     if (N == 0) return;
-    if (elemwise_choice() == KERNELS_VEC && norm_vec_ok(d, y, x, gamma, NULL))
+    if (norm_vec_ok(d, y, x, gamma, NULL))
         launch_kernel(norm_grid(N), 32 * NORM_ROWS_PER_BLOCK, 0, stream, rmsnorm_forward_vec_kernel, y, r_out, x, gamma,
                       N, d, eps);
     else
@@ -184,7 +184,7 @@ __global__ void layernorm_forward_vec_kernel(bf16* __restrict__ y, float* __rest
 static void layernorm_forward_cuda(bf16* y, float* r_out, float* mean_out, const bf16* x, const bf16* gamma,
                                    const bf16* beta, int64_t N, int d, float eps, cudaStream_t stream) {
     if (N == 0) return;
-    if (elemwise_choice() == KERNELS_VEC && norm_vec_ok(d, y, x, gamma, gamma ? beta : NULL))
+    if (norm_vec_ok(d, y, x, gamma, gamma ? beta : NULL))
         launch_kernel(norm_grid(N), 32 * NORM_ROWS_PER_BLOCK, 0, stream, layernorm_forward_vec_kernel, y, r_out,
                       mean_out, x, gamma, beta, N, d, eps);
     else
@@ -280,7 +280,7 @@ __global__ void norm_backward_vec_kernel(bf16* dx, NormBackwardArgs a, int64_t N
 
 static void norm_backward_launch(bf16* dx, NormBackwardArgs a, int64_t N, int d, cudaStream_t stream) {
     if (N == 0) return;
-    if (elemwise_choice() == KERNELS_VEC && norm_vec_ok(d, dx, a.dz, a.z, a.gamma))
+    if (norm_vec_ok(d, dx, a.dz, a.z, a.gamma))
         launch_kernel(norm_grid(N), 32 * NORM_ROWS_PER_BLOCK, 0, stream, norm_backward_vec_kernel, dx, a, N, d);
     else launch_kernel(norm_grid(N), 32 * NORM_ROWS_PER_BLOCK, 0, stream, norm_backward_kernel, dx, a, N, d);
 }

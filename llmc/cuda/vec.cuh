@@ -4,7 +4,7 @@
 // of the bandwidth unused. A 16-byte access (ld/st.global.v4) to an address that is not 16-byte
 // aligned faults on a GPU ("misaligned address"), so every kernel here splits a range into a
 // scalar head up to the first aligned element, an aligned vector body and a scalar tail; on the
-// CPU emulator (llmc/cuda/emu/emu.h) load_vec16/store_vec16 refuse a misaligned address the same
+// CPU emulator (test/emu/emu.h) load_vec16/store_vec16 refuse a misaligned address the same
 // way, so a test at a misaligned size or offset catches what would fault on the GPU.
 #pragma once
 #include "common.cuh"
@@ -48,24 +48,8 @@ static __device__ __host__ __forceinline__ int elems_to_align16(const E* p) {
 // Whether p is 16-byte aligned.
 static __device__ __host__ __forceinline__ int aligned16(const void* p) { return ((uintptr_t)p & 15) == 0; }
 
-// Which implementation the vectorised kernels' callers launch: the 16-byte kernels, or the scalar
-// ones they replace (kept so that the first GPU run can compare them side by side). Chosen by an
-// environment variable, read once per process by the caller (vec_kernels_choice).
+// What an element-wise op's launcher may run: its 16-byte kernel (KERNELS_VEC, what the ops ask for:
+// SwiGLU, GELU, RoPE, the casts, the products; it still takes the scalar kernel where the operands
+// are not aligned for it), or the scalar kernel alone (KERNELS_SCALAR: dev/cuda's checks, which hold
+// each form to the CPU twin and the two to each other).
 typedef enum { KERNELS_VEC, KERNELS_SCALAR } KernelChoice;
-
-// `var` (vec | scalar, unset: vec); any other value ends the run with one line.
-static KernelChoice vec_kernels_choice_of(const char* var) {
-    const char* e = getenv(var);
-    if (!e || !*e || strcmp(e, "vec") == 0) return KERNELS_VEC;
-    if (strcmp(e, "scalar") == 0) return KERNELS_SCALAR;
-    fail("%s=%s: expected vec or scalar", var, e);
-    return KERNELS_VEC;
-}
-
-// LLMC_ELEMWISE: vec (the default: the 16-byte kernels of SwiGLU, GELU, the norms, RoPE, the casts,
-// where their operands are aligned) or scalar (the kernels they replace, everywhere).
-static KernelChoice elemwise_choice(void) {
-    static int chosen = -1;
-    if (chosen < 0) chosen = vec_kernels_choice_of("LLMC_ELEMWISE");
-    return (KernelChoice)chosen;
-}

@@ -8,6 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include "../common.h"
+#include "../settings.h"
 #include "../cpu/attention.h"  // AttnShape
 
 // The workspace cuBLAS and cuBLASLt share (op_plan_matmul_workspace).
@@ -35,7 +36,7 @@
 // 1,261 x 1,261; S and P stay 128 MiB at every length. Causal tiles above the diagonal are never
 // computed. Calls stay few for their work: a product of a square tile is 32 x 832 x 832 x 128
 // multiply-adds there (~14 us at 400 TFLOP/s), more than the host needs to issue it.
-// Environment (tests; the first GPU sessions): LLMC_ATTN_CHUNK=n caps rows, LLMC_ATTN_KEYS=n
+// Environment (llmc/settings.h; tests, the first GPU sessions): LLMC_ATTN_CHUNK=n caps rows, LLMC_ATTN_KEYS=n
 // forces key blocks of n keys, LLMC_ATTN_KEY_BLOCKS=0 the old rule (whole keys always, rows
 // shrinking down to 1 as T grows: 5 rows at 131k, 1 at 1M).
 #define ATTN_TILE_BYTES (128ll << 20)
@@ -47,20 +48,15 @@ typedef struct {
     int64_t key_blocks;   // ceil(T / keys)
 } AttnTiles;
 
-static int attn_env_int(const char* name) {
-    const char* e = getenv(name);
-    return e ? atoi(e) : 0;
-}
-
 static AttnTiles attn_gemm_tiles(const AttnShape* s) {
     AttnTiles t = {1, s->T > 0 ? s->T : 1, 0, 0};
     int64_t e = (int64_t)s->B * s->H, T = s->T > 0 ? s->T : 1;
     int64_t whole = e > 0 ? ATTN_TILE_BYTES / (e * T * 6) : T;  // rows of a whole-keys tile
     if (whole >= ATTN_TILE_MIN) whole -= whole % ATTN_TILE_MIN;
-    const char* kb = getenv("LLMC_ATTN_KEY_BLOCKS");
-    int old_rule = kb && strcmp(kb, "0") == 0, forced = attn_env_int("LLMC_ATTN_KEYS");
+    int old_rule = !setting_on(SETTING_ATTN_KEY_BLOCKS);
+    int64_t forced = setting_count(SETTING_ATTN_KEYS);
     if (forced > 0 && forced < T) {
-        t.keys = t.rows = forced;
+        t.keys = t.rows = (int)forced;
     } else if (whole >= ATTN_TILE_MIN || whole >= T || old_rule) {
         t.rows = (int)(whole < 1 ? 1 : whole > T ? T : whole);
     } else {
@@ -68,8 +64,8 @@ static AttnTiles attn_gemm_tiles(const AttnShape* s) {
         while ((side + ATTN_TILE_MIN) * (side + ATTN_TILE_MIN) * e * 6 <= ATTN_TILE_BYTES) side += ATTN_TILE_MIN;
         t.keys = t.rows = (int)(side < T ? side : T);
     }
-    int cap = attn_env_int("LLMC_ATTN_CHUNK");
-    if (cap > 0 && cap < t.rows) t.rows = cap;
+    int64_t cap = setting_count(SETTING_ATTN_CHUNK);
+    if (cap > 0 && cap < t.rows) t.rows = (int)cap;
     t.row_chunks = (T + t.rows - 1) / t.rows;
     t.key_blocks = (T + t.keys - 1) / t.keys;
     return t;

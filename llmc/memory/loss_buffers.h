@@ -48,18 +48,11 @@ static int64_t lm_head_chunk_old(int64_t N, int64_t V) {
     return chunk > N ? N : chunk;
 }
 
-// LLMC_HEAD_CHUNK, read at every plan (tests set it per process); a bad value is one line.
+// LLMC_HEAD_CHUNK (llmc/settings.h): plan (the default), old, or a row count.
 static HeadChunkRule lm_head_chunk_rule(int64_t* rows) {
-    const char* e = getenv("LLMC_HEAD_CHUNK");
-    *rows = 0;
-    if (!e || !*e || strcmp(e, "plan") == 0) return HEAD_CHUNK_PLAN;
-    if (strcmp(e, "old") == 0) return HEAD_CHUNK_OLD;
-    char* end = NULL;
-    long long v = strtoll(e, &end, 10);
-    if (end == e || *end || v < 1 || v > (1ll << 30))
-        fail("LLMC_HEAD_CHUNK=%s: expected plan, old or a row count of at least 1", e);
-    *rows = v;
-    return HEAD_CHUNK_ROWS;
+    int w = setting_word(SETTING_HEAD_CHUNK);  // "plan|old"; -1: a row count
+    *rows = w < 0 ? setting_count(SETTING_HEAD_CHUNK) : 0;
+    return w == 0 ? HEAD_CHUNK_PLAN : w == 1 ? HEAD_CHUNK_OLD : HEAD_CHUNK_ROWS;
 }
 
 // The chunk for N tokens of a head [V, d] on backend be, and the rule that chose it.

@@ -15,7 +15,7 @@
 //                      (`filled`) before it reads it.
 //
 // On the CPU backend the same calls copy with memcpy and wait for nothing, so the order of the
-// copies, the plan and the numbers are tested there; on the CUDA emulator (llmc/cuda/emu/emu.h) an
+// copies, the plan and the numbers are tested there; on the CUDA emulator (test/emu/emu.h) an
 // async copy on the copy stream runs only when a wait forces it, so a missing wait reads a
 // poisoned (NaN) buffer or a stale checkpoint, and a copy issued before waiting for the compute
 // stream aborts.
@@ -38,9 +38,8 @@ enum { OFFLOAD_STAGING = 2 };  // device buffers at most: double buffered
 // LLMC_OFFLOAD_STAGING=1|2 names them (to compare the two on a GPU; the numbers are the same, only
 // the overlap differs).
 static int offload_staging_count(int requested) {
-    const char* e = getenv("LLMC_OFFLOAD_STAGING");
-    if (e && (strcmp(e, "1") == 0 || strcmp(e, "2") == 0)) return atoi(e);
-    if (e) fail("environment variable LLMC_OFFLOAD_STAGING: expected 1 or 2 (staging buffers), got '%s'", e);
+    int named = setting_word(SETTING_OFFLOAD_STAGING);  // "1|2": index 0 or 1; -1: unset
+    if (named >= 0) return named + 1;
     return requested > 0 ? requested : OFFLOAD_STAGING;
 }
 

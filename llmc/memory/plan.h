@@ -21,7 +21,7 @@ static const char* mem_category_key[MEM_CATS] = {"frozen", "trainable", "grads",
 // The block of a buffer that belongs to no one block but to the scratch set every block's forward
 // (and, under --recompute block, its recomputed forward and backward) uses in turn.
 #define PLAN_SHARED_BLOCK (-2)
-// The CPU emulator of the CUDA backend (llmc/cuda/emu/emu.h) is given a guard zone after every
+// The CPU emulator of the CUDA backend (test/emu/emu.h) is given a guard zone after every
 // buffer, so that an out-of-bounds access inside an arena is caught (backend.h registers them).
 #ifdef LLMC_CUDA_EMU
 #define PLAN_GUARD 256

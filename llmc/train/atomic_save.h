@@ -9,6 +9,7 @@
 #pragma once
 #include <signal.h>
 #include "../common.h"
+#include "../settings.h"
 
 #define SAVE_COMMITTED ".saving.done"
 #define SAVE_STATE_NAME "train_state.bin"
@@ -18,9 +19,13 @@
 // "committed" (renamed to .saving.done, nothing published) or "state" (train_state.bin published,
 // the rest not). How the tests reach the moments between the renames. Unset, it changes nothing.
 static void save_fault_point(int64_t step, const char* point) {
-    const char* e = getenv("LLMC_FAULT_KILL_SAVE");
+#ifdef LLMC_FAULTS
+    const char* e = setting_text(SETTING_FAULT_KILL_SAVE);
     const char* colon = e ? strchr(e, ':') : NULL;
     if (colon && atoll(e) == step && strcmp(colon + 1, point) == 0) raise(SIGKILL);
+#else
+    (void)step; (void)point;
+#endif
 }
 
 // A file system that cannot sync a directory (EINVAL: some network and FUSE file systems) orders

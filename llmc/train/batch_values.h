@@ -1,28 +1,26 @@
 // train/batch_values.h: the values of a training micro-batch that the CUDA kernels read from device
 // memory instead of as arguments, so that one CUDA graph of the micro-batch serves every step
 // (llmc/cuda/graph.cuh): the loss's gradient scale (1 / the step's targets, read by the
-// cross-entropy kernels; LLMC_LOSS_SCALE=args keeps it an argument) and --lora-dropout's optimizer
-// step and first row (read by the mask kernels, llmc/lora_dropout.h; LLMC_DROPOUT_KEY=args keeps
-// them arguments). Each goes up with the micro-batch's staged upload (llmc/backend.h), from a
+// cross-entropy kernels) and --lora-dropout's optimizer step and first row (read by the mask
+// kernels, llmc/lora_dropout.h). Each goes up with the micro-batch's staged upload (llmc/backend.h), from a
 // pinned host side the trainer sets before it. Both trainers hold one; on the CPU it stays empty.
 #pragma once
 #include "../backend.h"
 #include "../lora_dropout.h"
 
 typedef struct {
-    float *grad_scale, *h_grad_scale;    // [1] device and pinned host; NULL: a kernel argument
-    LoraDropoutAt *drop_at, *h_drop_at;  // device and pinned host; NULL: kernel arguments
-    int planted_stale_key;               // LLMC_FAULT_DROPOUT_KEY=1 (the graph tests): see batch_values_stage
+    float *grad_scale, *h_grad_scale;    // [1] device and pinned host; NULL on the CPU
+    LoraDropoutAt *drop_at, *h_drop_at;  // device and pinned host; NULL on the CPU and without dropout
+    int planted_stale_key;               // LLMC_FAULT_DROPOUT_KEY=1 (test builds; the graph tests): see
+                                         // batch_values_stage
 } BatchValues;
 
 // Their device buffers in the plan's batch scratch (CUDA only); `dropout`: the run trains with
 // --lora-dropout on some adapter.
 static void batch_values_plan(BatchValues* v, const Backend* be, MemPlan* p, int dropout) {
     if (!be->cuda) return;
-    if (!backend_switch_is("LLMC_LOSS_SCALE", "args"))
-        plan_add(p, MEM_SCRATCH, "batch", -1, "grad_scale", sizeof(float), &v->grad_scale);
-    if (dropout && !backend_switch_is("LLMC_DROPOUT_KEY", "args"))
-        plan_add(p, MEM_SCRATCH, "batch", -1, "dropout_key", sizeof(LoraDropoutAt), &v->drop_at);
+    plan_add(p, MEM_SCRATCH, "batch", -1, "grad_scale", sizeof(float), &v->grad_scale);
+    if (dropout) plan_add(p, MEM_SCRATCH, "batch", -1, "dropout_key", sizeof(LoraDropoutAt), &v->drop_at);
 }
 
 // After the plan's memory is bound: the pinned host sides, and the dropout state pointed at the
@@ -39,12 +37,14 @@ static size_t batch_values_bind(BatchValues* v, const Backend* be, LoraDropout* 
         v->h_drop_at = (LoraDropoutAt*)backend_host_side(be, v->drop_at, sizeof(LoraDropoutAt));
         memset(v->h_drop_at, 0, sizeof(LoraDropoutAt));
         bytes += staging_align(sizeof(LoraDropoutAt));
-        v->planted_stale_key = backend_switch_is("LLMC_FAULT_DROPOUT_KEY", "1");
+#ifdef LLMC_FAULTS
+        v->planted_stale_key = setting_on(SETTING_FAULT_DROPOUT_KEY);
+#endif
     }
     return bytes;
 }
 
-// The step's loss scale, uploaded with the next micro-batch (a no-op where it is an argument).
+// The step's loss scale, uploaded with the next micro-batch (a no-op on the CPU).
 static void batch_values_set_loss_scale(BatchValues* v, float scale) {
     if (v->h_grad_scale) v->h_grad_scale[0] = scale;
 }

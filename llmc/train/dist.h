@@ -6,18 +6,19 @@
 // summed by NCCL on the GPU; without it they go through host memory and MPI.
 #pragma once
 #include "../common.h"
+#include "../settings.h"
 #ifdef LLMC_HAVE_MPI
 #include <mpi.h>
 #endif
 // NCCL needs the real CUDA runtime: plain C++ builds ignore LLMC_HAVE_NCCL, so one set of flags
 // can serve every build and the CPU paths stay unchanged. The CPU emulator of the CUDA backend
-// always has NCCL, emulated over MPI (cuda/emu/emu_nccl.h), so that CI runs the NCCL code path too.
+// always has NCCL, emulated over MPI (test/emu/emu_nccl.h), so that CI runs the NCCL code path too.
 #if defined(LLMC_HAVE_NCCL) && defined(__CUDACC__) && !defined(LLMC_CUDA_EMU)
 #define LLMC_DIST_NCCL 1
 #include <nccl.h>
 #elif defined(LLMC_CUDA_EMU)
 #define LLMC_DIST_NCCL 1
-#include "../cuda/emu/emu_nccl.h"
+#include "../../test/emu/emu_nccl.h"
 #endif
 
 typedef struct {
@@ -47,7 +48,8 @@ static void nccl_check(ncclResult_t r, const char* call, const char* file, int l
 #define NCCL_CHECK(call) nccl_check((call), #call, __FILE__, __LINE__)
 #endif
 
-// Ranks announced by the common launchers (Open MPI, MPICH/Hydra, Slurm), or 1.
+// Ranks announced by the common launchers (Open MPI, MPICH/Hydra, Slurm), or 1. The launchers'
+// variables, not settings of ours (llmc/settings.h says why they are not in its table).
 static int launcher_world_size(void) {
     const char* vars[] = {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "SLURM_NTASKS"};
     for (int i = 0; i < 4; i++) {
@@ -212,9 +214,8 @@ static void dist_finalize(Dist* d) {
 // start-up nor its buffers.
 static void dist_nccl_init(Dist* d) {
 #ifdef LLMC_DIST_NCCL
-    const char *selftest = getenv("LLMC_NCCL_SELFTEST"), *use = getenv("LLMC_NCCL");
-    if (use && strcmp(use, "0") == 0) return;
-    if (d->has_nccl || (d->world == 1 && !(selftest && strcmp(selftest, "1") == 0))) return;
+    if (!setting_on(SETTING_NCCL)) return;
+    if (d->has_nccl || (d->world == 1 && !setting_on(SETTING_NCCL_SELFTEST))) return;
     ncclUniqueId id;
     memset(&id, 0, sizeof(id));
     if (d->rank == 0) NCCL_CHECK(ncclGetUniqueId(&id));

@@ -19,10 +19,13 @@ typedef size_t (*PlanBytesFn)(const void* ctx, const TrainOptions* o, int batch,
 
 // Memory the plan may take, in bytes: the GPU's free memory, or on the CPU the kernel's estimate
 // of what can be allocated without swapping (MemAvailable in /proc/meminfo; SIZE_MAX when there
-// is none, and the check then passes). LLMC_HOST_MEMORY_BYTES replaces the host's figure (tests).
+// is none, and the check then passes). LLMC_HOST_MEMORY_BYTES (llmc/settings.h) replaces the host's
+// figure (tests).
+static const char* host_memory_source(void) {
+    return setting_is_set(SETTING_HOST_MEMORY_BYTES) ? "LLMC_HOST_MEMORY_BYTES" : "MemAvailable";
+}
 static size_t host_available_bytes(void) {
-    const char* e = getenv("LLMC_HOST_MEMORY_BYTES");
-    if (e && atoll(e) > 0) return (size_t)atoll(e);
+    if (setting_is_set(SETTING_HOST_MEMORY_BYTES)) return (size_t)setting_count(SETTING_HOST_MEMORY_BYTES);
     FILE* f = fopen("/proc/meminfo", "r");
     if (!f) return SIZE_MAX;
     char line[256];
@@ -97,8 +100,7 @@ static FitBudget fit_budget(const TrainOptions* o, int cuda_plan, const char* fl
         b.bytes = host_available_bytes();
         if (b.bytes == SIZE_MAX) fail("flag %s: this host reports no MemAvailable in /proc/meminfo; set "
                                       "LLMC_HOST_MEMORY_BYTES to the bytes to plan for", flag);
-        snprintf(b.source, sizeof(b.source), "%s", getenv("LLMC_HOST_MEMORY_BYTES") ? "LLMC_HOST_MEMORY_BYTES"
-                                                                                     : "MemAvailable");
+        snprintf(b.source, sizeof(b.source), "%s", host_memory_source());
         return b;
     }
 #ifdef LLMC_HAVE_CUDA
@@ -149,7 +151,7 @@ static void fit_check_host(const Backend* be, const MemPlan* plan, int local_ran
     char a[32], b[32];
     fail("flag --offload host: the block checkpoints need %s of pinned host memory but %s is available (%s%s); "
          "try a smaller --batch/--seq or --offload none", fit_size(a, sizeof(a), need), fit_size(b, sizeof(b), avail),
-         getenv("LLMC_HOST_MEMORY_BYTES") ? "LLMC_HOST_MEMORY_BYTES" : "MemAvailable",
+         host_memory_source(),
          local_ranks > 1 ? ", divided among the node's ranks" : "");
 }
 
@@ -216,7 +218,7 @@ static void fit_check_plan(const Backend* be, const MemPlan* plan, PlanBytesFn p
     if (be->cuda) snprintf(where, sizeof(where), "is free on GPU %d", be->device);
     else
         snprintf(where, sizeof(where), "is available (%s%s)",
-                 getenv("LLMC_HOST_MEMORY_BYTES") ? "LLMC_HOST_MEMORY_BYTES" : "MemAvailable", share);
+                 host_memory_source(), share);
     fail("the memory plan needs %s of %s memory (%s) but %s %s; would fit: %s", fit_size(a, sizeof(a), need),
          be->cuda ? "GPU" : "host", parts, fit_size(b, sizeof(b), avail), where, hint);
 }

@@ -6,6 +6,7 @@
 #include <limits.h>
 #include <math.h>
 #include "../common.h"
+#include "../settings.h"
 
 typedef enum { FLAG_INT, FLAG_FLOAT, FLAG_STRING, FLAG_BOOL, FLAG_CHOICE } FlagKind;
 
@@ -137,6 +138,7 @@ static void flags_print_help(const FlagTable* t) {
             if (flag_same_group(&t->flags[k], &t->flags[i])) flag_print_line(&t->flags[k]);
     }
     printf("  %-34s %s\n", "--help", "print this help and exit");
+    settings_print_help();
 }
 
 // The shortest %g text that reads back as x (so 2e-3 prints as 0.002, not 0.00200000009).

@@ -16,21 +16,29 @@
 #include <signal.h>
 
 // LLMC_FAULT_NONFINITE_STEP=k makes step k's loss NaN (1-based), as a diverging run would: how the
-// tests reach --nonfinite's two behaviours on demand. Unset, it changes nothing.
+// tests reach --nonfinite's two behaviours on demand. Unset, or a release build, it changes nothing.
 static float train_fault_injected_loss(float loss, int step) {
-    const char* e = getenv("LLMC_FAULT_NONFINITE_STEP");
-    return e && atoi(e) == step + 1 ? NAN : loss;
+#ifdef LLMC_FAULTS
+    if (setting_count(SETTING_FAULT_NONFINITE_STEP) == step + 1) return NAN;
+#endif
+    (void)step;
+    return loss;
 }
 
 // LLMC_FAULT_STOP_STEP=k stops this process as step k (1-based) begins: with an error (fail, as a
 // bad read would), or, as k:kill, by SIGKILL (as the OOM killer or a lost node would). Set on one
 // rank of an mpirun job, the others run on into the step's collectives: how the tests check that
-// one rank's end stops the whole job instead of leaving it waiting. Unset, it changes nothing.
+// one rank's end stops the whole job instead of leaving it waiting. Unset, or a release build, it
+// changes nothing.
 static void train_fault_stop(int step) {
-    const char* e = getenv("LLMC_FAULT_STOP_STEP");
+#ifdef LLMC_FAULTS
+    const char* e = setting_text(SETTING_FAULT_STOP_STEP);
     if (!e || atoi(e) != step + 1) return;
     if (strstr(e, ":kill")) raise(SIGKILL);
     fail("step %d: stopped by LLMC_FAULT_STOP_STEP=%s (an injected fault)", step + 1, e);
+#else
+    (void)step;
+#endif
 }
 
 // --nonfinite skip: a run that keeps producing NaN (or diverged steps) stops instead of skipping
@@ -121,6 +129,7 @@ static void train_start(Dist* dist, TrainOptions* o, int* argc, char*** argv,
                         void (*register_flags)(FlagTable*, TrainOptions*)) {
     omp_policy_apply(*argv);  // before anything: it may execute the program again (llmc/train/omp_policy.h)
     dist_init(dist, argc, argv);
+    settings_load();  // every environment setting, once, before anything asks (llmc/settings.h)
     train_options_defaults(o);
     FlagTable ft;
     memset(&ft, 0, sizeof(ft));
@@ -273,6 +282,7 @@ static void train_print_start(const Trainer* t, const TrainOptions* o, const Dis
     char what[160], where[64];
     train_describe(o, t->be, dist, what, sizeof(what), where, sizeof(where));
     t->print_start(t->model, o, what, where);
+    settings_print_set();
     train_print_plan(o, t->be, dist, t->plan, base, t->tr);
 }
 

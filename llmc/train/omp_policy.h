@@ -18,6 +18,7 @@
 #include <stdlib.h>
 #include <unistd.h>
 
+// libgomp's own variables, not settings of ours (llmc/settings.h says why they are not in its table).
 static void omp_policy_apply(char** argv) {
     if (getenv("OMP_WAIT_POLICY") || getenv("GOMP_SPINCOUNT")) return;
     if (setenv("OMP_WAIT_POLICY", "passive", 1) != 0) return;

@@ -113,12 +113,11 @@ static int trainable_on_device(const Trainable* tr) { return tr->be && tr->be->c
 // The step's statistics on the device, [STEP_STATS] doubles after the gradient norm's partial sums:
 // the loss statistics of every micro-batch added up (LossStats' order; the models' heads add them
 // there, llmc/ops.h) and the sum of squares of this rank's gradients, read back together once per
-// step (trainable_read_step_stats, llmc/train/zero.h). NULL on the CPU and with
-// LLMC_STEP_READBACK=each, where each micro-batch's loss is read back as before.
+// step (trainable_read_step_stats, llmc/train/zero.h). NULL on the CPU, where each micro-batch's
+// loss is returned.
 static double* trainable_step_stats(const Trainable* tr) {
 #ifdef LLMC_HAVE_CUDA
-    if (trainable_on_device(tr) && !backend_switch_is("LLMC_STEP_READBACK", "each"))
-        return tr->sumsq_scratch + SUM_SQUARES_SCRATCH;
+    if (trainable_on_device(tr)) return tr->sumsq_scratch + SUM_SQUARES_SCRATCH;
 #endif
     (void)tr;
     return NULL;
@@ -127,21 +126,18 @@ static double* trainable_step_stats(const Trainable* tr) {
 // AdamW's learning rate and bias corrections and clipping's factor of this step in device memory,
 // after the step's statistics, where the clipping and update kernels read them (written once per
 // step by trainable_upload_adamw_step, llmc/train/zero.h, so the kernels' arguments stay the same
-// from step to step). NULL on the CPU and with LLMC_ADAMW_STEP=args, where they are kernel
-// arguments as before.
+// from step to step). NULL on the CPU.
 #ifdef LLMC_HAVE_CUDA
 static AdamWStep* trainable_adamw_step(const Trainable* tr) {
-    if (trainable_on_device(tr) && !backend_switch_is("LLMC_ADAMW_STEP", "args"))
-        return (AdamWStep*)(tr->sumsq_scratch + SUM_SQUARES_SCRATCH + STEP_STATS);
+    if (trainable_on_device(tr)) return (AdamWStep*)(tr->sumsq_scratch + SUM_SQUARES_SCRATCH + STEP_STATS);
     return NULL;
 }
 #endif
 
-// A bucket is closed once this many bytes of final gradients are waiting (LLMC_GRAD_BUCKET_BYTES
-// overrides it; tests use 1 to make every block its own bucket).
+// A bucket is closed once this many bytes of final gradients are waiting (LLMC_GRAD_BUCKET_BYTES,
+// llmc/settings.h, overrides it; tests use 1 to make every block its own bucket).
 static int64_t trainable_bucket_bytes(void) {
-    const char* e = getenv("LLMC_GRAD_BUCKET_BYTES");
-    return e && atoll(e) > 0 ? atoll(e) : (int64_t)32 << 20;
+    return setting_is_set(SETTING_GRAD_BUCKET_BYTES) ? setting_count(SETTING_GRAD_BUCKET_BYTES) : (int64_t)32 << 20;
 }
 
 // The buckets, from where each of the model's blocks starts in the arena (forward order; the

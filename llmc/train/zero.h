@@ -141,7 +141,7 @@ static int64_t trainable_own_range(const Trainable* tr, int b, float** g) {
 }
 
 // Sum of squares of this rank's summed gradients (one bucket's piece at a time, in a fixed order,
-// so it does not depend on timing). With the step's statistics on the device it goes there
+// so it does not depend on timing). On CUDA it goes to the step's statistics on the device
 // (STEP_SUMSQ, the same additions in the same order) and comes back with them: returns 0 then.
 static double trainable_sum_squares(const Trainable* tr) {
     double s = 0.0;
@@ -154,7 +154,6 @@ static double trainable_sum_squares(const Trainable* tr) {
             sum_squares_into_cuda(dev + STEP_SUMSQ, b ? SUMSQ_ADD : SUMSQ_SET, g, n, tr->sumsq_scratch, tr->be->stream);
             continue;
         }
-        if (trainable_on_device(tr)) { s += sum_squares_cuda(g, n, tr->sumsq_scratch, tr->be->stream); continue; }
 #endif
         s += sum_squares(g, n);
     }
@@ -189,7 +188,6 @@ static void trainable_scale(const Trainable* tr, float s) {
 #ifdef LLMC_HAVE_CUDA
         const AdamWStep* at = trainable_adamw_step(tr);  // s is there (trainable_upload_adamw_step)
         if (at) { scale_inplace_dev_cuda(g, n, &at->clip, tr->be->stream); continue; }
-        if (trainable_on_device(tr)) { scale_inplace_cuda(g, n, s, tr->be->stream); continue; }
 #endif
         scale_inplace(g, n, s);
     }
@@ -201,10 +199,6 @@ static void trainable_adamw(const Trainable* tr, float* p, const float* g, float
     const AdamWStep* at = trainable_adamw_step(tr);
     if (at) {
         adamw_update_dev_cuda(p, g, m, v, n, at, ADAMW_BETA1, ADAMW_BETA2, ADAMW_EPS, weight_decay, tr->be->stream);
-        return;
-    }
-    if (trainable_on_device(tr)) {
-        adamw_update_cuda(p, g, m, v, n, lr, ADAMW_BETA1, ADAMW_BETA2, ADAMW_EPS, weight_decay, t, tr->be->stream);
         return;
     }
 #endif

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # scripts/ci/attention_compare.sh: the CUDA backend's attention paths side by side on one GPU
-# (LLMC_ATTENTION=cudnn | gemm | flash, llmc/ops.h) and the CUDA graph (LLMC_CUDA_GRAPH=1) on the
+# (LLMC_ATTENTION=cudnn | gemm, llmc/ops.h) and the CUDA graph (LLMC_CUDA_GRAPH=1) on the
 # default path and on gemm: the attention rows of scripts/ci/switch_compare.sh (which gpu_check.sh
 # runs with every other switch), at the shapes this script always had: the demo model at batch
 # 4 x 128 (real data), the same with packed examples (cuDNN's ragged layout; switch_compare.sh's
@@ -19,4 +19,4 @@ case ${1:-all} in
 esac
 # shellcheck disable=SC2086  # the shapes split into words on purpose
 SWITCH_COMPARE_LLAMA=${ATTN_COMPARE_TRAINER:-./train_llama} SWITCH_COMPARE_STEPS=${ATTN_COMPARE_STEPS:-4} \
-    SWITCH_COMPARE_ONLY="default gemm flash graph gemm+graph" SWITCH_COMPARE_HF=0 exec bash scripts/ci/switch_compare.sh $SHAPES
+    SWITCH_COMPARE_ONLY="default gemm graph gemm+graph" SWITCH_COMPARE_HF=0 exec bash scripts/ci/switch_compare.sh $SHAPES

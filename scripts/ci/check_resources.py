@@ -34,8 +34,6 @@ STATIC_SMEM_MAX = 48 * 1024
 # Kernels that are not on the training hot path: a spill there is reported, not fatal.
 COLD = {
     "attention_cached_kernel": "generation (--generate) only",
-    "attention_backward_dq_kernel": "the flash backward, LLMC_ATTENTION=flash only; training uses attention_gemm.cuh",
-    "attention_backward_dkdv_kernel": "the flash backward, LLMC_ATTENTION=flash only; training uses attention_gemm.cuh",
 }
 
 

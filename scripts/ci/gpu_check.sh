@@ -7,7 +7,7 @@
 #   4. both trainers' smoke runs: baseline, lowmem and ckpt, a few steps each, with the memory line
 #   4b. every switch of the step side by side (scripts/ci/switch_compare.sh): at a 2-layer Llama-3-8B,
 #      ViT-B/16 and a 2-layer LLaMA-7B shape, the default against each switch flipped alone
-#      (LLMC_ATTENTION=gemm|flash, LLMC_CUDA_GRAPH=1, LLMC_LORA_FUSED=0|1, the old kernels, ...):
+#      (LLMC_ATTENTION=gemm, LLMC_CUDA_GRAPH=1, LLMC_LORA_FUSED=0|1, LLMC_HEAD_CHUNK=old, ...):
 #      loss and gradient norm within bounds or identical, tokens/s; transformers + PEFT beside;
 #      what does not fit the step's time is skipped, said in its row; packed examples (cuDNN's
 #      ragged layout) at the demo shape (--smoke: the attention rows at the demo shape and its
@@ -250,7 +250,7 @@ done
 SW_LIMIT=$([ $SMOKE -eq 1 ] && echo 90 || echo 240)
 SW_LEFT=$(( DEADLINE - $(elapsed) - MARGIN ))
 [ "$SW_LEFT" -lt "$SW_LIMIT" ] && SW_LIMIT=$SW_LEFT
-if [ $SMOKE -eq 1 ]; then SW_ARGS=(env SWITCH_COMPARE_ONLY="default gemm flash graph gemm+graph" SWITCH_COMPARE_HF=0); SW_SHAPES="demo packed"
+if [ $SMOKE -eq 1 ]; then SW_ARGS=(env SWITCH_COMPARE_ONLY="default gemm graph gemm+graph" SWITCH_COMPARE_HF=0); SW_SHAPES="demo packed"
 else SW_ARGS=(env); SW_SHAPES=all; fi
 step "switches side by side ($SW_SHAPES)" "$SW_LIMIT" "${SW_ARGS[@]}" OUT="$DEST" SWITCH_COMPARE_BUDGET_S=$(( SW_LIMIT - 10 )) \
     bash scripts/ci/switch_compare.sh $SW_SHAPES

@@ -6,19 +6,18 @@
 #   default             nothing set: the reference of the rows below (cudnn attention where make
 #                       found cuDNN, else gemm; no CUDA graph; the vectorised kernels)
 #   graph               LLMC_CUDA_GRAPH=1 (each micro-batch's forward + backward as one CUDA graph)
-#   gemm, flash         LLMC_ATTENTION=gemm | flash (the in-house attention paths)
+#   gemm                LLMC_ATTENTION=gemm (the in-house attention path)
 #   transformers+PEFT   scripts/bench/bench_hf.py on the same config.json, batch, sequence and rank
 #   lora-fused=0, =1    LLMC_LORA_FUSED (LoRA's products in the frozen product's epilogue, or apart);
 #                       both values run, whichever the default is
 #   gemm+graph          the graph on gemm, against gemm: must be identical (below)
-#   ce=scalar           LLMC_CE_KERNEL=scalar (the three-pass cross-entropy; Llama shapes and ViT)
 #   head-chunk=old      LLMC_HEAD_CHUNK=old (64 MiB of fp32 logits per LM head chunk; Llama only)
-#   elemwise=scalar     LLMC_ELEMWISE=scalar (scalar SwiGLU/GELU, RoPE, casts, norms)
-#   gemm+adamw=args     LLMC_ADAMW_STEP=args on gemm (AdamW's step values as kernel arguments)
-#   gemm+loss-scale=args LLMC_LOSS_SCALE=args on gemm (the loss's gradient scale as an argument; Llama)
-#   all-old             every switch above in its old form at once (attention left at the default),
-#                       with LLMC_STREAM=legacy LLMC_UPLOAD=sync LLMC_STEP_READBACK=each: the step
-#                       before the one-sync, graph, kernel and fused-LoRA work, for the total gain
+#   all-old             every switch above in its old form at once (attention left at the default):
+#                       the step before the graph, head-chunk and fused-LoRA work
+#                       (the old forms of the one-sync step, the legacy stream, synchronous uploads,
+#                       per-micro-batch readback and the step's values as kernel arguments, are gone:
+#                       bit-identical on the emulator and dominated by construction; so are the scalar
+#                       kernels' switches, LLMC_CE_KERNEL and LLMC_ELEMWISE: dev/cuda compares those)
 # in that order, the most informative first (the defaults still to decide: the graph, the attention
 # path, the fused LoRA; then the comparison with transformers + PEFT; then the kernels' defaults
 # already taken on the emulator's word). Per run: the last step's loss and gradient norm (log.csv of
@@ -28,9 +27,9 @@
 #   bounds     |loss - loss_ref| / loss_ref < 1e-2 and |gn - gn_ref| / gn_ref < 0.15 (a bf16 form
 #              against another differs by less than bf16 against fp32);
 #   identical  the same loss and gradient norm and the same adapter bytes (adapter_model.safetensors):
-#              the graph, LLMC_ADAMW_STEP and LLMC_LOSS_SCALE change where the kernels' arguments come
-#              from, not the kernels or their order, so on gemm (deterministic; cuDNN's backward may
-#              not be) they train bit for bit, as they do on the emulator.
+#              the graph changes how the kernels are launched, not the kernels or their order, so on
+#              gemm (deterministic; cuDNN's backward may not be) they train bit for bit, as they do on
+#              the emulator.
 # The notes column quotes what the binary said of the switch it was given (its "attention:",
 # "cuda graph:" and "LM head chunk:" lines; for LLMC_LORA_FUSED any line naming it or a fused LoRA),
 # or "(not reported)" where it said nothing: a binary that ignores a switch shows as identical there.
@@ -84,8 +83,7 @@ HF=${SWITCH_COMPARE_HF:-python3 scripts/bench/bench_hf.py}
 ONLY=${SWITCH_COMPARE_ONLY:-}
 EXTRA=${SWITCH_COMPARE_EXTRA:-}
 # Every switch this script sets, unset first: "default" is the binary's own default.
-SWITCHES="LLMC_ATTENTION LLMC_CUDA_GRAPH LLMC_CE_KERNEL LLMC_ELEMWISE LLMC_HEAD_CHUNK LLMC_ADAMW_STEP LLMC_LOSS_SCALE
-          LLMC_LORA_FUSED LLMC_STREAM LLMC_UPLOAD LLMC_STEP_READBACK"
+SWITCHES="LLMC_ATTENTION LLMC_CUDA_GRAPH LLMC_HEAD_CHUNK LLMC_LORA_FUSED"
 # shellcheck disable=SC2086
 unset $SWITCHES
 D=${SWITCH_COMPARE_DIR:-build/switch_compare}  # configs, data, each run's log and --out
@@ -199,10 +197,9 @@ PY
     esac
 }
 
-# The rows of a shape, in order: "name|reference|check|VAR=value ...". ViT has no LM head and a
-# constant loss scale (no head-chunk, no loss-scale rows).
-OLD_KERNELS="LLMC_CE_KERNEL=scalar LLMC_ELEMWISE=scalar LLMC_ADAMW_STEP=args LLMC_CUDA_GRAPH=0 LLMC_LORA_FUSED=0"
-OLD_STEP="LLMC_STREAM=legacy LLMC_UPLOAD=sync LLMC_STEP_READBACK=each"
+# The rows of a shape, in order: "name|reference|check|VAR=value ...". ViT has no LM head (no
+# head-chunk row).
+OLD_KERNELS="LLMC_CUDA_GRAPH=0 LLMC_LORA_FUSED=0"
 runs_of() {
     local llama=1
     [ "$1" = vit ] && llama=0
@@ -212,7 +209,6 @@ runs_of() {
         echo "gemm|default|bounds|LLMC_ATTENTION=gemm"
         echo "cudnn-packed=gemm|default|bounds|LLMC_CUDNN_PACKED=gemm"
         echo "gemm+graph|gemm|identical|LLMC_ATTENTION=gemm LLMC_CUDA_GRAPH=1"
-        echo "flash|default|bounds|LLMC_ATTENTION=flash"
         return
     fi
     echo "default||reference|"
@@ -222,14 +218,9 @@ runs_of() {
     echo "lora-fused=0|default|bounds|LLMC_LORA_FUSED=0"
     echo "lora-fused=1|default|bounds|LLMC_LORA_FUSED=1"
     echo "gemm+graph|gemm|identical|LLMC_ATTENTION=gemm LLMC_CUDA_GRAPH=1"
-    echo "ce=scalar|default|bounds|LLMC_CE_KERNEL=scalar"
     [ $llama = 1 ] && echo "head-chunk=old|default|bounds|LLMC_HEAD_CHUNK=old"
-    echo "elemwise=scalar|default|bounds|LLMC_ELEMWISE=scalar"
-    echo "flash|default|bounds|LLMC_ATTENTION=flash"
-    echo "gemm+adamw=args|gemm|identical|LLMC_ATTENTION=gemm LLMC_ADAMW_STEP=args"
-    [ $llama = 1 ] && echo "gemm+loss-scale=args|gemm|identical|LLMC_ATTENTION=gemm LLMC_LOSS_SCALE=args"
-    if [ $llama = 1 ]; then echo "all-old|default|bounds|$OLD_KERNELS LLMC_HEAD_CHUNK=old LLMC_LOSS_SCALE=args $OLD_STEP"
-    else echo "all-old|default|bounds|$OLD_KERNELS $OLD_STEP"; fi
+    if [ $llama = 1 ]; then echo "all-old|default|bounds|$OLD_KERNELS LLMC_HEAD_CHUNK=old"
+    else echo "all-old|default|bounds|$OLD_KERNELS"; fi
     if [ -n "$EXTRA" ]; then echo "$EXTRA" | tr ';' '\n'; fi
 }
 

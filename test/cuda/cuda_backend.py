@@ -37,8 +37,10 @@ def check_measured_memory(planned, measured):
 
 
 def binaries(trainer, probe):
-    """(cuda trainer, cuda probe, cpu trainer, cpu probe) paths for e.g. ("train_llama", "llama_probe")."""
-    cuda_train = trainer if GPU else f"build/emu/{trainer}"
+    """(cuda trainer, cuda probe, cpu trainer, cpu probe) paths for e.g. ("train_llama", "llama_probe").
+    The CUDA trainer is a test build (the emulator's, or on a GPU build/test/'s nvcc build), with the
+    fault injectors compiled in (-DLLMC_FAULTS, llmc/settings.h) that some of the tests plant."""
+    cuda_train = f"build/test/{trainer}" if GPU else f"build/emu/{trainer}"
     cuda_probe = f"build/test/{probe}" if GPU else f"build/emu/{probe}"
     return tuple(os.path.join(REPO, p) for p in (cuda_train, cuda_probe, trainer, f"build/test/{probe}"))
 

@@ -1,6 +1,6 @@
 // emu_checks_probe: small kernels and cuBLAS calls, each with one planted bug of a class a GPU
 // shows as a crash, garbage or a compute-sanitizer report, to prove that the CPU emulator
-// (llmc/cuda/emu/emu.h, emu_cublas.h) catches it (CPU emulator builds only; test/cuda/test_emu_checks.py
+// (test/emu/emu.h, emu_cublas.h) catches it (CPU emulator builds only; test/cuda/test_emu_checks.py
 // runs every mode and checks the message):
 //   emu_checks_probe ok               the same kernels and calls without the bugs: no report, and
 //                                     the launch errors cudaGetLastError returns, value by value

@@ -1,4 +1,4 @@
-// emu_nccl_probe: checks the NCCL emulation of llmc/cuda/emu/emu_nccl.h under mpirun (CPU emulator
+// emu_nccl_probe: checks the NCCL emulation of test/emu/emu_nccl.h under mpirun (CPU emulator
 // build only), so that "the NCCL path passes on the emulator" means something: the collectives
 // compute what NCCL's documentation says, and misuse that a GPU would show as a hang or garbage
 // is reported. test/cuda/test_emu_nccl.py runs it:
@@ -91,6 +91,7 @@ int main(int argc, char** argv) {
         fail("emu_nccl_probe: ncclCommInitRank accepted ids that were never broadcast");
     }
     setenv("LLMC_NCCL_SELFTEST", "1", 1);
+    settings_reload();
     dist_nccl_init(&d);
     check(dist_has_nccl(&d), "no communicator", d.rank);
     float* x = device_floats(8 * d.world);

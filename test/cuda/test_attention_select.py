@@ -1,4 +1,4 @@
-"""Which attention the CUDA backend runs (LLMC_ATTENTION=cudnn|gemm|flash, llmc/ops.h), and that cuDNN's
+"""Which attention the CUDA backend runs (LLMC_ATTENTION=cudnn|gemm, llmc/ops.h), and that cuDNN's
 attention is built and linked where make finds cuDNN (llmc/cuda/attention_cudnn.cu).
 
 cuDNN's fused attention cannot run without a GPU: the CPU emulator has no cuDNN, so nothing here runs
@@ -6,7 +6,8 @@ it. Its numbers are checked on a GPU only, by test_llama_cuda.py's test_cuda_att
 the emulator) and scripts/ci/gpu_check.sh's side-by-side step; until dev/gpu/RESULTS.md records such a
 run it is "not yet run on a GPU". What runs everywhere:
   - the emulator build selects the in-house GEMM path by default, says so in its "attention:" line, and
-    trains with it; it refuses an explicit LLMC_ATTENTION=cudnn and unknown values in one line each;
+    trains with it; it refuses an explicit LLMC_ATTENTION=cudnn and unknown values (flash, once a
+    third choice, among them) in one line each;
   - make says where cuDNN came from or why it was skipped (CUDNN=0 included), and a CUDNN=0 build
     compiles the trainers without the cuDNN object;
   - the nvcc-built trainer carries the cuDNN object and needs libcudnn (readelf), when cuDNN is found.
@@ -40,21 +41,16 @@ def make_print_cudnn(*args):
 def test_emulator_defaults_to_gemm_and_trains():
     p = run([need(EMU_TRAIN)] + DEMO + ["--steps", "1"], env={"LLMC_ATTENTION": ""})
     lines = [l for l in p.stdout.splitlines() if l.startswith("attention:")]
-    assert lines == ["attention: gemm (LLMC_ATTENTION=unset; cudnn|gemm|flash), no cuDNN in this build"], p.stdout
+    assert lines == ["attention: gemm (LLMC_ATTENTION=unset; cudnn|gemm), no cuDNN in this build"], p.stdout
     assert re.search(r"^step +1/1", p.stdout, re.M), p.stdout
 
 
 @emu_only
-def test_emulator_takes_flash():
-    p = run([need(EMU_TRAIN)] + DEMO + ["--steps", "1"], env={"LLMC_ATTENTION": "flash"})
-    assert "attention: flash (LLMC_ATTENTION=flash; cudnn|gemm|flash), no cuDNN in this build" in p.stdout, p.stdout
-
-
-@emu_only
 @pytest.mark.parametrize("value,message", [
-    ("cudnn", "LLMC_ATTENTION=cudnn: this binary has no cuDNN (the CPU emulator cannot run it); use gemm or flash"),
-    ("cuDNN", "LLMC_ATTENTION=cuDNN: expected cudnn, gemm or flash"),
-    ("fast", "LLMC_ATTENTION=fast: expected cudnn, gemm or flash"),
+    ("cudnn", "LLMC_ATTENTION=cudnn: this binary has no cuDNN (the CPU emulator cannot run it); use gemm"),
+    ("cuDNN", "LLMC_ATTENTION=cuDNN: expected cudnn or gemm"),
+    ("fast", "LLMC_ATTENTION=fast: expected cudnn or gemm"),
+    ("flash", "LLMC_ATTENTION=flash: expected cudnn or gemm"),
 ])
 def test_emulator_refuses_in_one_line(value, message):
     p = run([need(EMU_TRAIN)] + DEMO + ["--steps", "1"], check=False, env={"LLMC_ATTENTION": value})

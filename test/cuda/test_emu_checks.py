@@ -1,4 +1,4 @@
-"""The CPU emulator of the CUDA programming model (llmc/cuda/emu/emu.h, emu_cublas.h) catches the bug
+"""The CPU emulator of the CUDA programming model (test/emu/emu.h, emu_cublas.h) catches the bug
 classes a GPU shows as crashes, garbage or compute-sanitizer reports: each class is planted and
 must be reported, with a message that names it.
 
@@ -146,7 +146,7 @@ PRODUCTION_PLANTS = [
 @needs_headers
 @pytest.mark.parametrize("name,path,text,planted,check,message", PRODUCTION_PLANTS, ids=[p[0] for p in PRODUCTION_PLANTS])
 def test_planted_production_bug_fails_its_check(tmp_path, name, path, text, planted, check, message):
-    for d in ("llmc", "dev/cuda"):
+    for d in ("llmc", "dev/cuda", "test/emu"):
         shutil.copytree(os.path.join(REPO, d), tmp_path / d)
     f = tmp_path / path
     src = f.read_text()

@@ -1,4 +1,4 @@
-"""The NCCL emulation (llmc/cuda/emu/emu_nccl.h) that lets CI run the trainers' NCCL code path on the
+"""The NCCL emulation (test/emu/emu_nccl.h) that lets CI run the trainers' NCCL code path on the
 CPU emulator: its collectives compute what NCCL's documentation says, on 1, 2 and 3 ranks, and
 misuse that a GPU would show as a hang or as garbage ends the job with one NCCL error line,
 including stream-order races (a collective on a second stream that does not wait for its input,

@@ -1,7 +1,7 @@
 """--seq-parallel on the CUDA backend (issue 26; llmc/train/seq_parallel.h), on the CPU emulator:
 two ranks sharing each sequence against one process with the same batch, with LoRA dropout and
 validation (the demo's 4 query and 2 key/value heads: one key/value head per rank). The exchanges
-run on the device through grouped ncclSend/ncclRecv (emulated over MPI: llmc/cuda/emu/emu_nccl.h),
+run on the device through grouped ncclSend/ncclRecv (emulated over MPI: test/emu/emu_nccl.h),
 or with LLMC_NCCL=0 through host copies and MPI; both must give the same result. A model of one
 key/value head replicates it over both ranks (the replicas' gradients summed back by
 sum_replica_blocks_cuda). Needs two GPUs on real hardware: not yet run on a GPU."""

@@ -228,34 +228,25 @@ def check_memory_line(out):
 
 
 @pytest.mark.skipif(GPU, reason="the emulator counts host synchronisations; a GPU run has no such count")
-def test_step_has_one_host_sync_and_the_old_paths_train_the_same(tmp_path):
+def test_step_has_one_host_sync_and_the_graph_trains_the_same(tmp_path):
     """As test_llama_cuda.py's: --profile's exact count on the emulator, one host synchronisation per
-    optimizer step over 2 micro-batches (LLMC_ATTENTION=flash: the GEMM attention path still copies
-    pointer arrays from pageable memory), and the old paths (legacy stream, synchronous uploads,
-    per-micro-batch readback, AdamW's step values as kernel arguments: llmc/backend.h) train to the
-    same adapter bit for bit, and so does the CUDA graph of each micro-batch (LLMC_CUDA_GRAPH=1), with
-    the loss scale read from device memory (the default: the second step replays the first's graph
-    without a capture) and as a kernel argument (LLMC_LOSS_SCALE=args; the ViT's scale is fixed, so
-    that graph is not captured again either)."""
+    optimizer step over 2 micro-batches (LLMC_ATTENTION=gemm: deterministic, and the emulator's
+    default), and the CUDA graph of each micro-batch (LLMC_CUDA_GRAPH=1)
+    trains to the same adapter and state bit for bit, the loss scale read from device memory (the
+    second step replays the first's graph without a capture)."""
     args = ["--steps", 2, "--grad-accum", 2, "--profile"]  # the first step is a warm-up: one counted
-    flash = {"LLMC_ATTENTION": "flash"}
-    new = train(CUDA_TRAIN, "cuda", *args, "--out", tmp_path / "new", env=flash)
+    gemm = {"LLMC_ATTENTION": "gemm"}
+    new = train(CUDA_TRAIN, "cuda", *args, "--out", tmp_path / "new", env=gemm)
     m = re.search(r"^per step: (\d+) kernel launches, (\d+) cuBLAS calls, (\d+) host synchronizations$", new.stdout, re.M)
     assert m and int(m.group(3)) == 1, new.stdout[-1500:]
-    old = dict(flash, LLMC_STREAM="legacy", LLMC_UPLOAD="sync", LLMC_STEP_READBACK="each", LLMC_ADAMW_STEP="args")
-    p = train(CUDA_TRAIN, "cuda", *args, "--out", tmp_path / "old", env=old)
-    assert step_losses(p.stdout) == step_losses(new.stdout)
-    for f in ("adapter_model.safetensors", "train_state.bin"):
-        assert (tmp_path / "old" / f).read_bytes() == (tmp_path / "new" / f).read_bytes(), f
     # each micro-batch's forward + backward as one CUDA graph (LLMC_CUDA_GRAPH=1): the same bits, and
     # the launches outside the graphs plus what the graphs replayed are the eager step's
-    for scale in ("device", "args"):
-        out = tmp_path / f"graph_{scale}"
-        g = train(CUDA_TRAIN, "cuda", *args, "--out", out, env=dict(flash, LLMC_CUDA_GRAPH="1", LLMC_LOSS_SCALE=scale))
-        assert step_losses(g.stdout) == step_losses(new.stdout), scale
-        for f in ("adapter_model.safetensors", "train_state.bin"):
-            assert (out / f).read_bytes() == (tmp_path / "new" / f).read_bytes(), (scale, f)
-        check_graph_counts(g.stdout, m)
+    out = tmp_path / "graph"
+    g = train(CUDA_TRAIN, "cuda", *args, "--out", out, env=dict(gemm, LLMC_CUDA_GRAPH="1"))
+    assert step_losses(g.stdout) == step_losses(new.stdout)
+    for f in ("adapter_model.safetensors", "train_state.bin"):
+        assert (out / f).read_bytes() == (tmp_path / "new" / f).read_bytes(), f
+    check_graph_counts(g.stdout, m)
 
 
 def check_graph_counts(out, eager):
@@ -279,16 +270,15 @@ def test_graph_with_lora_dropout_replays_the_step_bit_for_bit(tmp_path):
     each micro-batch's own masks: the same adapter, losses and gradient norms as the eager step, bit
     for bit, over 2 steps of 2 micro-batches, without a capture after the first step. The planted
     stale key (LLMC_FAULT_DROPOUT_KEY=1, the second step's first micro-batch not uploaded) must
-    change the adapter; LLMC_DROPOUT_KEY=args refuses the graph in one line and trains the same bits.
-    On a GPU the same comparisons hold, without the emulator's counts."""
+    change the adapter. On a GPU the same comparisons hold, without the emulator's counts."""
     args = ["--steps", 2, "--grad-accum", 2, "--profile", "--lora-dropout", 0.1]
-    flash = {"LLMC_ATTENTION": "flash"}
-    eager = train(CUDA_TRAIN, "cuda", *args, "--out", tmp_path / "eager", env=flash)
+    gemm = {"LLMC_ATTENTION": "gemm"}
+    eager = train(CUDA_TRAIN, "cuda", *args, "--out", tmp_path / "eager", env=gemm)
     want = (tmp_path / "eager" / "adapter_model.safetensors").read_bytes()
 
     def grad_norms(out):
         return [float(x) for x in re.findall(r"^step +\d+/\d+ \|.*\| grad norm ([0-9.]+)", out, re.M)]
-    g = train(CUDA_TRAIN, "cuda", *args, "--out", tmp_path / "graph", env=dict(flash, LLMC_CUDA_GRAPH="1"))
+    g = train(CUDA_TRAIN, "cuda", *args, "--out", tmp_path / "graph", env=dict(gemm, LLMC_CUDA_GRAPH="1"))
     assert "cuda graph: on" in g.stdout, g.stdout[-1500:]
     assert (tmp_path / "graph" / "adapter_model.safetensors").read_bytes() == want
     assert len(step_losses(g.stdout)) == 2 and step_losses(g.stdout) == step_losses(eager.stdout)
@@ -299,14 +289,9 @@ def test_graph_with_lora_dropout_replays_the_step_bit_for_bit(tmp_path):
         assert m, eager.stdout[-1500:]
         check_graph_counts(g.stdout, m)
     stale = train(CUDA_TRAIN, "cuda", *args, "--out", tmp_path / "stale",
-                  env=dict(flash, LLMC_CUDA_GRAPH="1", LLMC_FAULT_DROPOUT_KEY="1"))
+                  env=dict(gemm, LLMC_CUDA_GRAPH="1", LLMC_FAULT_DROPOUT_KEY="1"))
     assert (tmp_path / "stale" / "adapter_model.safetensors").read_bytes() != want
     assert step_losses(stale.stdout)[0] == step_losses(eager.stdout)[0]
-    refused = train(CUDA_TRAIN, "cuda", *args, "--out", tmp_path / "args",
-                    env=dict(flash, LLMC_CUDA_GRAPH="1", LLMC_DROPOUT_KEY="args"))
-    lines = [l for l in refused.stdout.splitlines() if l.startswith("cuda graph:")]
-    assert len(lines) == 1 and lines[0].startswith("cuda graph: off: --lora-dropout with LLMC_DROPOUT_KEY=args"), lines
-    assert (tmp_path / "args" / "adapter_model.safetensors").read_bytes() == want
 
 
 @pytest.mark.parametrize("mode", ["baseline", "lowmem", "ckpt"])

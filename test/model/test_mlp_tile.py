@@ -6,7 +6,7 @@ kept hold one tile: the gradients dp, dg, du and the forward's temporaries alway
 What tiling may change and what not:
 - the forward: nothing. Every product and pass of the MLP works row by row, the CPU's products
   give each row the same operations whatever the row count (llmc/cpu/matmul.h), and so does the
-  emulator's cuBLAS (fp32 sums in k order, llmc/cuda/emu/emu_cublas.h): logits and loss are the
+  emulator's cuBLAS (fp32 sums in k order, test/emu/emu_cublas.h): logits and loss are the
   same bits, and so is every per-token gradient, hence every gradient of a linear that is not
   tiled (q, k, v, o) too.
 - the gradients of the tiled linears' adapters (gate, up, down): each is a sum over the N tokens

@@ -17,6 +17,13 @@ import reference_llama as ref
 import shards
 import st_io
 from test_llama_train import BIN, ENV, expect_error, losses, run
+# The test build: the same trainer with the fault injectors compiled in (-DLLMC_FAULTS, llmc/settings.h),
+# for the runs that inject a fault
+FAULT_BIN = os.path.join(lc.REPO, "build", "test", "train_llama")
+
+
+def binary_for(env):
+    return FAULT_BIN if any(k.startswith("LLMC_FAULT_") for k in (env or {})) else BIN
 
 MPIRUN = shutil.which("mpirun")
 ONE_BYTE_BUCKETS = {"LLMC_GRAD_BUCKET_BYTES": "1"}  # every block its own gradient bucket
@@ -51,7 +58,8 @@ def mpirun(np_, args, check=True, timeout=120, env=None):
     if not MPIRUN:
         pytest.fail("mpirun not found: install openmpi-bin (scripts/ci/install_deps.sh does)")
     exports = [x for k, v in (env or {}).items() for x in ("-x", f"{k}={v}")]
-    cmd = [MPIRUN, "--allow-run-as-root", "--oversubscribe", "-np", str(np_)] + exports + [BIN] + [str(a) for a in args]
+    cmd = [MPIRUN, "--allow-run-as-root", "--oversubscribe", "-np", str(np_)] + exports + [binary_for(env)] + \
+        [str(a) for a in args]
     p = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=timeout)
     if check and p.returncode != 0:
         pytest.fail(f"mpirun failed ({p.returncode}):\n{p.stdout}\n{p.stderr}")
@@ -107,7 +115,8 @@ FAULT_AT_2 = {"LLMC_FAULT_NONFINITE_STEP": "2"}  # step 2's loss becomes NaN, as
 
 
 def run_env(args, env, check=True):
-    p = subprocess.run([BIN] + [str(a) for a in args], capture_output=True, text=True, env=dict(ENV, **env), timeout=120)
+    p = subprocess.run([binary_for(env)] + [str(a) for a in args], capture_output=True, text=True, env=dict(ENV, **env),
+                       timeout=120)
     if check and p.returncode != 0:
         pytest.fail(f"train_llama failed ({p.returncode}):\n{p.stdout}\n{p.stderr}")
     return p

@@ -242,7 +242,7 @@ def test_dry_run_offload_stages_through_one_buffer_where_the_memory_holds_no_sec
         8192 * d * 2
     p = run(["--model", tmp_path / "cfg", "--dry-run", *below, "--offload", "host"], check=False,
             env={"LLMC_OFFLOAD_STAGING": "3"})
-    assert p.returncode == 1 and "LLMC_OFFLOAD_STAGING: expected 1 or 2" in p.stderr, p.stderr
+    assert p.returncode == 1 and "LLMC_OFFLOAD_STAGING=3: expected 1 or 2" in p.stderr, p.stderr
 
 
 def test_offload_needs_block_recompute(tiny):

@@ -30,6 +30,9 @@ import st_io  # noqa: E402
 REPO = lc.REPO
 BINS = {"llama": os.environ.get("TRAIN_LLAMA", os.path.join(REPO, "train_llama")),
         "vit": os.environ.get("TRAIN_VIT", os.path.join(REPO, "train_vit"))}
+# The test builds, the same trainers with the fault injectors compiled in (-DLLMC_FAULTS, llmc/settings.h):
+# the runs that inject a fault
+FAULT_BINS = {"llama": os.path.join(REPO, "build/test/train_llama"), "vit": os.path.join(REPO, "build/test/train_vit")}
 VIT_MODEL = os.path.join(REPO, "data", "vit_demo")
 VIT_TRAIN = os.path.join(REPO, "data", "vit_demo_ft_train.bin")
 ENV = dict(os.environ, OMP_NUM_THREADS="1")
@@ -63,8 +66,9 @@ def args_for(trainer, llama_model, *extra):
 
 
 def train(trainer, args, check=True, env=None, preexec_fn=None):
-    exe = BINS[trainer]
-    assert os.path.isfile(exe), f"{exe} is missing: build it with `make train_{trainer}`"
+    fault = any(k.startswith("LLMC_FAULT_") for k in (env or {}))
+    exe = (FAULT_BINS if fault else BINS)[trainer]
+    assert os.path.isfile(exe), f"{exe} is missing: build it with `make {os.path.relpath(exe, REPO)}`"
     p = subprocess.run([exe] + args, capture_output=True, text=True, env=dict(ENV, **(env or {})), timeout=300,
                        preexec_fn=preexec_fn)
     if check and p.returncode != 0:
@@ -349,7 +353,8 @@ def test_kill_inside_a_save_of_two_ranks_then_resume(llama_model, tmp_path):
     straight, out = tmp_path / "straight", tmp_path / "killed"
     run_args = args_for("llama", llama_model, "--steps", 6, "--save-every", 2, "--full")
     cb.mpirun(2, BINS["llama"], run_args + ["--out", straight])
-    p = cb.mpirun(2, BINS["llama"], run_args + ["--out", out], check=False, env={"LLMC_FAULT_KILL_SAVE": "4:committed"})
+    p = cb.mpirun(2, FAULT_BINS["llama"], run_args + ["--out", out], check=False,
+                  env={"LLMC_FAULT_KILL_SAVE": "4:committed"})
     assert p.returncode != 0 and state_step(out / "train_state.bin") == 2 and state_step(out / ".saving.done" / "train_state.bin") == 4
     r = cb.mpirun(2, BINS["llama"], run_args + ["--resume", out])
     assert "at step 4" in r.stdout

@@ -27,6 +27,7 @@ import llama_cases as lc  # noqa: E402
 DATA = os.path.join(REPO, "data")
 LLAMA, TRAIN, VAL = (os.path.join(DATA, n) for n in ("llama_demo", "llama_demo_ft_train.bin", "llama_demo_ft_val.bin"))
 PROGRAM = os.path.join(REPO, "train_llama")
+FAULT_PROGRAM = os.path.join(REPO, "build", "test", "train_llama")  # the test build: fault injectors compiled in
 MPIRUN = shutil.which("mpirun")
 ENV = dict(os.environ, OMP_NUM_THREADS="1")
 SEQ, STEPS = 16, 4
@@ -212,7 +213,7 @@ def test_a_rank_that_stops_stops_the_job(how):
     # unless the job is taken down: the whole mpirun must end, non-zero, well inside the timeout
     if not MPIRUN:
         pytest.fail("mpirun not found: install openmpi-bin (scripts/ci/install_deps.sh does)")
-    line = [PROGRAM] + [str(x) for x in base_flags("--steps", 3, "--seq-parallel", 2)]
+    line = [FAULT_PROGRAM] + [str(x) for x in base_flags("--steps", 3, "--seq-parallel", 2)]
     fault = "2" if how == "fail" else "2:kill"
     cmd = [MPIRUN, "--allow-run-as-root", "--oversubscribe", "-np", "1"] + line + [
         ":", "-np", "1", "-x", f"LLMC_FAULT_STOP_STEP={fault}"] + line

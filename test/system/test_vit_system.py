@@ -185,6 +185,7 @@ def test_nonfinite_step_is_skipped(tmp_path, monkeypatch):
     args = ["--model", MODEL, "--data", TRAIN, "--steps", "3", "--batch", "8", "--lora-rank", "4", "--seed", "4"]
     exe = vc.binary("train_vit", "TRAIN_VIT")
     vc.run([exe] + args + ["--stop-at", "2", "--out", str(tmp_path / "two_steps")])
+    exe = vc.binary("build/test/train_vit", "TRAIN_VIT_FAULTS")  # the test build: fault injectors compiled in
     monkeypatch.setenv("LLMC_FAULT_NONFINITE_STEP", "3")
     p = vc.run([exe] + args, check=False)
     assert p.returncode == 1 and "step 3: non-finite loss (nan)" in p.stderr, p.stderr

@@ -1,5 +1,5 @@
-// cuda/emu/emu_cublas.h: the cuBLAS and cuBLASLt calls of llmc/cuda/matmul.cuh on the CPU emulator
-// (llmc/cuda/emu/emu.h), each checked against its documented contract before it computes: so the
+// test/emu/emu_cublas.h: the cuBLAS and cuBLASLt calls of llmc/cuda/matmul.cuh on the CPU emulator
+// (test/emu/emu.h), each checked against its documented contract before it computes: so the
 // backend's GEMM code runs the same calls on the emulator as on a GPU, and a call a GPU would
 // refuse or run into garbage is an error here, not a silently correct loop.
 // Checked (cuBLAS / cuBLASLt API reference):

@@ -1,4 +1,4 @@
-// cuda/emu/emu_nccl.h: the part of NCCL's API that llmc/train/dist.h calls, emulated over MPI for the CPU
+// test/emu/emu_nccl.h: the part of NCCL's API that llmc/train/dist.h calls, emulated over MPI for the CPU
 // emulator (-DLLMC_CUDA_EMU), so that CI runs the trainers' NCCL code path (communicator set-up,
 // the bucketed all-reduce and reduce-scatter, the in-place all-gather) and not only its
 // host-and-MPI fallback. Each MPI rank emulates one GPU; "device" buffers are the emulator's
@@ -21,7 +21,7 @@
 // Without MPI (a single-process build) a communicator can only have one rank.
 #pragma once
 #ifndef LLMC_CUDA_EMU
-#error "llmc/cuda/emu/emu_nccl.h is only for -DLLMC_CUDA_EMU builds"
+#error "test/emu/emu_nccl.h is only for -DLLMC_CUDA_EMU builds"
 #endif
 #include <stdarg.h>
 #include <stdio.h>
@@ -30,7 +30,7 @@
 #include <memory>
 #include <string>
 #include <vector>
-#include "../common.cuh"
+#include "../../llmc/cuda/common.cuh"
 #ifdef LLMC_HAVE_MPI
 #include <mpi.h>
 #endif

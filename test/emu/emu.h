@@ -1,4 +1,4 @@
-// cuda/emu/emu.h: a CPU emulation of the CUDA execution model, just enough to run this backend's
+// test/emu/emu.h: a CPU emulation of the CUDA execution model, just enough to run this backend's
 // kernels under a plain C++ compiler (build with -DLLMC_CUDA_EMU; `make cuda-emu-check`). It
 // exists because development and CI machines have no GPU: it runs the very kernel source of
 // llmc/cuda/*.cuh against the CPU twins, so indexing, masking, ragged tails, reductions and
@@ -46,7 +46,7 @@
 // code: only a GPU does.
 #pragma once
 #ifndef LLMC_CUDA_EMU
-#error "llmc/cuda/emu/emu.h is only for -DLLMC_CUDA_EMU builds"
+#error "test/emu/emu.h is only for -DLLMC_CUDA_EMU builds"
 #endif
 #include <math.h>
 #include <stdint.h>
@@ -146,9 +146,7 @@ static EmuCounts emu_counts;
 // stderr with the call and the stack that made it (how to find who waits).
 static void emu_host_sync(const char* call) {
     emu_counts.host_syncs++;
-    static int trace = -1;
-    if (trace < 0) trace = getenv("LLMC_EMU_TRACE_SYNCS") && getenv("LLMC_EMU_TRACE_SYNCS")[0] == '1';
-    if (!trace) return;
+    if (!setting_on(SETTING_EMU_TRACE_SYNCS)) return;
     void* frames[12];
     int n = backtrace(frames, 12);
     fprintf(stderr, "emu: host synchronization #%lld: %s\n", emu_counts.host_syncs, call);
@@ -716,7 +714,7 @@ cudaError_t cudaMemGetInfo(size_t* free_bytes, size_t* total) {
 }
 cudaError_t cudaGetDeviceProperties(cudaDeviceProp* p, int d) {
     memset(p, 0, sizeof(*p));
-    snprintf(p->name, sizeof(p->name), "CPU emulator (llmc/cuda/emu/emu.h), pretend device %d", d);
+    snprintf(p->name, sizeof(p->name), "CPU emulator (test/emu/emu.h), pretend device %d", d);
     p->totalGlobalMem = EMU_DEVICE_BYTES;
     p->major = 9;
     return cudaSuccess;
