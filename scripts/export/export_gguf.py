@@ -343,6 +343,9 @@ def export(args):
                 os.unlink(f32)
         else:
             write_gguf(tmp, hp, named, vocab, args.outtype, name)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp's file is private; the output gets the usual mode
         os.replace(tmp, args.outfile)
     finally:
         if os.path.exists(tmp):

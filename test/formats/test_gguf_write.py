@@ -208,6 +208,27 @@ def test_llama_cpp_logits(models, family, tmp_path):
         assert err <= bound, (family, t, err, bound, weights_share)
 
 
+def test_llama_cpp_llama3_rope_scaling(tmp_path):
+    """Llama-3.1's rope_scaling, written as rope_freqs (each frequency's divisor): llama.cpp's f32 logits equal
+    the reference's (test/model/reference_llama.py applies the scaling to inv_freq itself) at positions past
+    original_max_position_embeddings / high_freq_factor, where the scaled frequencies matter."""
+    llama_cpp = need_llama_cpp()
+    FAMILIES["llama31"] = (dict(lc.CONFIGS["llama3_rope"], model_type="llama", intermediate_size=96,
+                                rope_scaling=dict(lc.CONFIGS["llama3_rope"]["rope_scaling"],
+                                                  original_max_position_embeddings=32)), "llama3")
+    try:
+        d, tok = make_model(tmp_path, "llama31")
+    finally:
+        del FAMILIES["llama31"]
+    path = export_gguf(d, tmp_path / "l31.gguf", "f32")
+    tokens = (tok.encode(PROMPT).ids * 4)[:40]
+    want = reference_logits(d, tokens)
+    got = llama_cpp_logits(llama_cpp, path, tokens)
+    err = np.abs(got - want).max() / np.abs(want).max()
+    SEEN[("llama31", "f32")] = err
+    assert err <= lc.TOL["logits"], err
+
+
 def test_llama_cpp_k_quants(models, tmp_path):
     """q4_k_m / q5_k_m / q6_k come from llama.cpp's quantizer: the file loads and its tensors carry k-quant
     types; its logits stay near the f32 model's (a sanity bound: 25% of the largest logit)."""
