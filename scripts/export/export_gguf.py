@@ -67,7 +67,8 @@ class ExportError(Exception):
 # model directory and adapter
 
 def load_tensors(model_dir):
-    single, index = os.path.join(model_dir, "model.safetensors"), os.path.join(model_dir, "model.safetensors.index.json")
+    single = os.path.join(model_dir, "model.safetensors")
+    index = os.path.join(model_dir, "model.safetensors.index.json")
     if os.path.isfile(single):
         return st_io.load(single)
     if os.path.isfile(index):
@@ -305,7 +306,7 @@ def write_gguf(path, hp, named, vocab, outtype, name):
 def kquantize(src, dst, outtype):
     try:
         import llama_cpp
-    except ImportError:
+    except ImportError:  # main() refuses before any work; this guards a direct call
         raise ExportError(f"--outtype {outtype} needs llama.cpp's quantizer: {KQUANT_HINT}") from None
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = KQUANT_FTYPE[outtype]
