@@ -227,6 +227,9 @@ static void llama_run_plan(void* run, const TrainOptions* o, const Backend* be, 
     r->B = sized ? o->batch : 1;
     r->T = sized ? o->seq : (r->cfg.max_seq < 256 ? r->cfg.max_seq : 256);
     llama_check_window(&r->cfg, r->T, o->model_dir, sized ? "flag --seq" : "the generation window");
+    if (o->generate)  // a prompt longer than the window would be cut to its last half: refused instead
+        model_tokenizer_check_prompt(&r->tok, r->chat_prompt ? r->chat_prompt : o->prompt, o->chat, r->T,
+                                     sized ? "--seq" : "the generation window: max_position_embeddings, at most 256");
     // --mlp-tile auto: the largest tile that fits the memory the fit check checks against
     r->avail = fit_avail_bytes(be, dist->local_size);
     r->fitted = llama_fit_to_memory(&r->cfg, r->md, r->B, r->T, be, dist, r->avail);

@@ -68,6 +68,9 @@ static void run_data_open(RunData* rd, const TrainOptions* o, const VitConfig* c
     if (*classes == 0 && o->adapter_dir) *classes = peft_saved_module_rows(o->adapter_dir, vit_hf_head);
     if (*classes <= 0)
         fail("flag --classes: give the head's class count (no --data, --val or adapter head to take it from)");
+    if (*classes == 1 && !o->classes)
+        fail("%s: the header says 1 class; a 1-class head's loss is 0 by construction, nothing to learn; give "
+             "--classes N (N >= 2) or a shard of 2 or more classes", rd->have_train ? o->data_path : o->val_path);
     if (rd->have_train && rd->train.classes > *classes)
         fail("%s: the shard has %d classes, more than --classes %d", o->data_path, rd->train.classes, *classes);
     if (rd->have_val && rd->val.classes > *classes)

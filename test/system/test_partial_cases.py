@@ -204,6 +204,17 @@ def test_a_prompt_longer_than_the_window_is_refused(bin_dir):
     assert f"{n} tokens" in p.stderr and f"{n - 1}-token window" in p.stderr and "--prompt" in p.stderr
 
 
+def test_train_llama_refuses_a_prompt_longer_than_its_window(bin_dir):
+    """The trainer's own check (train_llama.cu's plan step): the window is --seq with --data, and the
+    prompt's length is counted by the tokenizer probe, not by the trainer under test."""
+    prompt = "Once upon a time there was a little dog. " * 4
+    ids = probe(bin_dir, "encode", prompt)
+    assert ids.returncode == 0, ids.stderr
+    n = len(ids.stdout.split())
+    args = ["--model", LLAMA, "--data", LTRAIN, "--steps", 1, "--batch", 1, "--generate", 4, "--prompt", prompt]
+    expect_one_line_error("llama", args + ["--seq", 16], [f"{n} tokens", "16-token window", "--seq"])
+
+
 # ---- 14: the other trainer's data -------------------------------------------------------------
 
 @pytest.mark.parametrize("prog", ["llama", "vit"])
