@@ -38,8 +38,7 @@ static void llama_generate(Llama* m, const ModelTokenizer* tok, const char* prom
     int* ids = (int*)xmalloc(sizeof(int) * (len + n));
     memcpy(ids, prompt_ids, sizeof(int) * len);
     free(prompt_ids);
-    const char* nc = getenv("LLMC_NO_KV_CACHE");
-    int recompute = nc && strcmp(nc, "1") == 0;
+    int recompute = setting_on(SETTING_NO_KV_CACHE);  // the tests compare the window recomputed per token
     int64_t d = c->dim;
     if (!m->modes.generate) fail("internal: llama_generate needs a plan made with TrainModes.generate");
     KVCache kv = {m->scratch.kv_k, m->scratch.kv_v, 0, window};

@@ -208,8 +208,7 @@ static int llama_dout_shares_dz(const Llama* m) {
 // buffer's next writer, the o and the q projection's backward). LLMC_SEQPAR_LEND=0 plans the
 // group's own two buffers instead (the same numbers; to rule the lending out on a GPU).
 static int llama_seqpar_lends(const Llama* m) {
-    const char* e = getenv("LLMC_SEQPAR_LEND");
-    return m->sp.P > 1 && llama_dout_shares_dz(m) && !(e && strcmp(e, "0") == 0);
+    return m->sp.P > 1 && llama_dout_shares_dz(m) && setting_on(SETTING_SEQPAR_LEND);
 }
 
 static void llama_plan_scratch(Llama* m, MemPlan* p) {

@@ -31,9 +31,6 @@ static CudaGraphKey llama_graph_key(const void* model, float grad_scale) {
     k.shape[2] = m->io.pos_restarts;
     const AttnDocs* docs = llama_attention_docs(m);  // cuDNN's ragged plan: its batch and sequence dimension
     k.shape[3] = docs && !docs->why ? (int64_t)docs->batch << 32 | docs->max_len : 0;
-    // the planted bug of a stale graph (test/cuda/test_llama_cuda.py, under LLMC_LOSS_SCALE=args): the
-    // scale left out of the key, so a step whose scale changed replays the kernels captured with the old one
-    if (backend_switch_is("LLMC_FAULT_GRAPH_KEY", "1")) k.values[0] = 0;
     return k;
 }
 #endif
