@@ -274,7 +274,7 @@ test-suite: test-c test-asan cuda-compile-check cuda-emu-check test-py
 check-deps:
 	@bash scripts/ci/check_deps.sh --install $(PYTHON)
 
-# Where cuDNN and its frontend come from, and how the trainers link them (test/tooling/test_cudnn_build.py).
+# Where cuDNN and its frontend come from, and how the trainers link them (test/cuda/test_attention_select.py).
 print-cudnn:
 	@echo "CUDNN_OBJ=$(CUDNN_OBJ)"
 	@echo "CUDNN_SKIPPED=$(CUDNN_SKIPPED)"

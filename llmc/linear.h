@@ -42,7 +42,7 @@ typedef struct {
     const void *norm_gamma, *norm_beta;
     void* norm_work;       // scratch shared by every such layer: lora_norm_work_bytes
     // --quant nf4: W (L->W on the CPU, L->dev.W on CUDA) is a dequantization scratch shared by
-    // every layer, refilled from this NF4 tensor (llmc/formats/nf4.h) before each product that reads W.
+    // every layer, refilled from this NF4 tensor (llmc/nf4.h) before each product that reads W.
     // Backend buffers: the quantized tensor and the tables (NF4 values, dynamic map); else NULL.
     const void* nf4;
     const float* nf4_tables;

@@ -1,5 +1,5 @@
 // dev/cuda/nf4.cu: the NF4 dequantization kernel of llmc/cuda/nf4.cuh against its CPU twin
-// nf4_dequantize (llmc/formats/nf4.h): random weights with varied block scales, quantized on the host,
+// nf4_dequantize (llmc/nf4.h): random weights with varied block scales, quantized on the host,
 // dequantized by both; the kernel's bf16 must equal the twin's fp32 rounded to bf16, bit for bit
 // (the same fp32 operations, no fused multiply-add on either side). Then times it at LLaMA-7B's
 // largest frozen linear (11008 x 4096), where its bf16 output and NF4 input bound it by memory.

@@ -1,6 +1,6 @@
-// cuda/nf4.cuh: dequantization of an NF4 weight (llmc/formats/nf4.h) into a bf16 scratch matrix on the
+// cuda/nf4.cuh: dequantization of an NF4 weight (llmc/nf4.h) into a bf16 scratch matrix on the
 // CUDA backend, just before the cuBLASLt product that reads it (llmc/cuda/linear.cuh). Twin of
-// nf4_dequantize (llmc/formats/nf4.h): the same fp32 values, rounded once to bf16.
+// nf4_dequantize (llmc/nf4.h): the same fp32 values, rounded once to bf16.
 #pragma once
 #include "common.cuh"
 #include "../nf4.h"

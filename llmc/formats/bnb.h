@@ -1,7 +1,7 @@
 // bnb.h: reading a Hugging Face checkpoint that bitsandbytes saved in 4-bit NF4 (config.json's
 // quantization_config: quant_method "bitsandbytes", load_in_4bit, bnb_4bit_quant_type "nf4").
 // Each quantized linear weight W is stored as (bitsandbytes' QuantState.as_dict(packed=True)):
-//   W.weight                                  U8 [ceil(n/2), 1]  packed codes (llmc/formats/nf4.h's order)
+//   W.weight                                  U8 [ceil(n/2), 1]  packed codes (llmc/nf4.h's order)
 //   W.weight.absmax                           U8 [ceil(n/64)]    with double quantization; else F32
 //   W.weight.quant_map                        F32 [16]           the NF4 values
 //   W.weight.nested_absmax                    F32 [ceil(n/64/256)]  (double quantization only)
@@ -11,7 +11,7 @@
 // Every field is checked against the weight's expected shape; anything else (fp4, another block
 // size, a quant_map that is not NF4's, a missing or mis-sized tensor) fails in one line naming
 // the file and the tensor. Other quantizers (GPTQ, AWQ, 8-bit) are refused from config.json.
-// The format's math is llmc/formats/nf4.h's; this header only reads and checks.
+// The format's math is llmc/nf4.h's; this header only reads and checks.
 #pragma once
 #include "../common.h"
 #include "json.h"
@@ -183,7 +183,7 @@ static BnbWeight bnb_read(const StModel* sm, const char* name, int64_t rows, int
     return w;
 }
 
-// The fp32 weights (bitsandbytes' dequantization, llmc/formats/nf4.h's math with the stored maps).
+// The fp32 weights (bitsandbytes' dequantization, llmc/nf4.h's math with the stored maps).
 static void bnb_dequantize(const BnbWeight* w, float* out) {
     static const float nf4[16] = NF4_VALUES;
     for (int64_t b = 0; b < nf4_blocks(w->n); b++) {
@@ -193,7 +193,7 @@ static void bnb_dequantize(const BnbWeight* w, float* out) {
     }
 }
 
-// A double-quantized weight as it is, into llmc/formats/nf4.h's layout (the bytes unchanged).
+// A double-quantized weight as it is, into llmc/nf4.h's layout (the bytes unchanged).
 static void bnb_to_nf4(const BnbWeight* w, void* dst) {
     Nf4View q = nf4_view(dst, w->n);
     memcpy(q.codes, w->codes, (size_t)((w->n + 1) / 2));

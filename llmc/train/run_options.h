@@ -33,7 +33,7 @@ typedef struct {
     const char* offload;    // none | host: --recompute block's checkpoints in pinned host memory
     const char* mlp_tile;   // auto | 0 (whole sequence) | tokens: the MLP's tile of tokens (LLaMA only)
     const char* ms_lora;  // exact | merged: what an adapter behind an MS norm sees (gamma*z + beta, or z: the paper's)
-    const char* quant;      // none | nf4: frozen linear weights stored as NF4 (llmc/formats/nf4.h; LLaMA only)
+    const char* quant;      // none | nf4: frozen linear weights stored as NF4 (llmc/nf4.h; LLaMA only)
     // LoRA
     int lora_rank;
     float lora_alpha;

@@ -2,7 +2,7 @@
 """Saves a PEFT LoRA adapter with random weights (both A and B, so that it changes the model) for
 a Hugging Face causal LM, on every linear of every block, and prints PEFT's loss of base + adapter
 on the first windows of a token shard, the windows train_llama --eval-only uses. --rslora saves it
-with use_rslora (scale lora_alpha/sqrt(r)). test/test_hf_interop.py loads the adapter in
+with use_rslora (scale lora_alpha/sqrt(r)). test/system/test_hf_interop.py loads the adapter in
 train_llama and compares the losses. Needs transformers and peft; not part of make test.
 
     python scripts/interop/save_peft_adapter.py --base DIR --out DIR --rank R --alpha A [--rslora] \

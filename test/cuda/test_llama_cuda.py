@@ -275,7 +275,7 @@ def test_cuda_offloaded_recomputed_lowmem_equals_lowmem():
     kernels of the kept one, so the runs agree where the CUDA backend is deterministic: per-step
     losses to the log's 4 decimals. On the emulator the copy stream's copies run only when an event wait forces them,
     and until then their destinations hold NaN: a missing wait gives NaN or stale checkpoints
-    (test/test_emu_checks.py plants both). On a GPU the copies also overlap the compute."""
+    (test/cuda/test_emu_checks.py plants both). On a GPU the copies also overlap the compute."""
     kept = train(CUDA_TRAIN, "cuda", "--mode", "lowmem", "--steps", 3).stdout
     off = train(CUDA_TRAIN, "cuda", "--mode", "lowmem", "--recompute", "block", "--offload", "host",
                 "--steps", 3).stdout

@@ -1,4 +1,4 @@
-// test/model/nf4_probe.cu: quantizes the fp32 tensor "w" of a safetensors file with llmc/formats/nf4.h and writes
+// test/model/nf4_probe.cu: quantizes the fp32 tensor "w" of a safetensors file with llmc/nf4.h and writes
 // what the format holds, for comparison with the NumPy reference (test/model/nf4_reference.py,
 // test/model/test_nf4.py): "codes" (packed, U8), "qabsmax" (U8), "nested" (F32), "offset" (F32 [1]), the
 // dequantized weights "dequant" (F32) and the tables "tables" (F32: NF4's 16 values, the dynamic map).

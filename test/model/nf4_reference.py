@@ -12,7 +12,7 @@ stores it (quant_type "nf4", compress_statistics=True), written from the publish
 - dequantization: absmax_b = fp32(fp32(dyn[q_b] * nested[b // 256]) + offset); w = nf4[c] * absmax_b.
 
 The nearest value is found by brute force (argmin of the distance in float64, the first on a
-tie), not by the thresholds llmc/formats/nf4.h uses, so the two implementations share only the rules.
+tie), not by the thresholds llmc/nf4.h uses, so the two implementations share only the rules.
 """
 import math
 

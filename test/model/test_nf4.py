@@ -1,4 +1,4 @@
-"""--quant nf4 (llmc/formats/nf4.h): the format against an independent NumPy reference
+"""--quant nf4 (llmc/nf4.h): the format against an independent NumPy reference
 (test/model/nf4_reference.py), bit for bit; the NF4 model against the PyTorch reference
 (test/model/reference_llama.py) run on the same dequantized weights, in every memory mode, on the CPU
 backend and on the CUDA backend (the CPU emulator, build/emu/); the plan's NF4 bytes; bad input.

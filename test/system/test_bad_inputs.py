@@ -498,7 +498,7 @@ def test_python_reader_refuses_what_the_c_reader_refuses(w, case):
 # PEFT adapter options that change the math, ambiguous files (a tensor in two shards or named
 # twice, a NUL in a name, a duplicated JSON key), non-finite values in adapters, and inputs that are
 # not regular files (a FIFO used to block forever: these rows run under a short timeout).
-# NF4 quant states with non-finite values are rows of test/test_nf4.py (BAD_BNB).
+# NF4 quant states with non-finite values are rows of test/model/test_nf4.py (BAD_BNB).
 
 L_K0 = "model.layers.0.self_attn.k_proj"
 L_Q0A = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"

@@ -1,4 +1,4 @@
-"""The paper's LLaMA recipe at toy scale (scripts/demo/recipe_llama.sh, README "The paper's LLaMA
+"""The paper's LLaMA recipe at toy scale (scripts/demo/recipe_llama.sh, docs/usage.md "The paper's LLaMA
 recipe"): instruction JSONL -> response-only shards -> lowmem LoRA r=64 alpha=16, dropout 0.1 on
 every block linear, grad clip 0.3, constant learning rate (and NF4 when the build has --quant).
 Checks that the script runs, that the run used the recipe (constant rate in log.csv, the adapter's

@@ -1,5 +1,5 @@
 """scripts/ci/check_resources.py, the per-kernel resource check of `make cuda-resource-check`: kernels
-planted to break each rule (test/resource_planted*.cu) are caught, with the rule named, and a clean
+planted to break each rule (test/fixtures/resource_planted*.cu) are caught, with the rule named, and a clean
 kernel passes. Needs nvcc (the CUDA toolkit CI machines have; no GPU)."""
 import os
 import re
