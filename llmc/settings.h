@@ -54,7 +54,7 @@ typedef enum {
 } SettingId;
 
 typedef enum { SETTING_RUNTIME, SETTING_TEST, SETTING_FAULT } SettingRole;
-static const char* const setting_role_names[] = {"run-time choice", "test/debug", "fault injector, test builds"};
+static const char* const setting_role_names[] = {"run-time choice", "test or debug", "fault injector, test builds"};
 
 // What a setting takes besides (or instead of) its words.
 typedef enum {
