@@ -32,19 +32,6 @@ typedef struct {
 #endif
 } Backend;
 
-// A shim for the drivers' last direct switch reads (train_llama.cu, train_vit.cu: the lead moves
-// them to the setting accessors of llmc/settings.h): whether environment setting `var` is set to
-// `value`, asked of the table; a name the table has no row for (a fault injector of a release
-// build, or one removed) is never set.
-static int backend_switch_is(const char* var, const char* value) {
-    for (int i = 0; i < SETTING_COUNT; i++)
-        if (strcmp(settings_table[i].name, var) == 0) {
-            const char* t = setting_text((SettingId)i);
-            return t && strcmp(t, value) == 0;
-        }
-    return 0;
-}
-
 static int backend_cuda_devices(void) {
 #ifdef LLMC_HAVE_CUDA
     int n = 0;

@@ -40,8 +40,8 @@ DROP_HD int lora_dropout_keep(uint64_t key, uint64_t e, uint32_t threshold) {
 
 // What of the key changes between micro-batches (the optimizer step and the micro-batch's first
 // row), as the CUDA kernels read it from device memory: uploaded with each micro-batch's batch, so
-// that a captured CUDA graph replays with fresh masks (llmc/cuda/graph.cuh; LLMC_DROPOUT_KEY=args
-// passes them as kernel arguments instead, and the graph is refused).
+// that a captured CUDA graph replays with fresh masks (llmc/cuda/graph.cuh; the dev/cuda checks and
+// the probes pass them as kernel arguments instead).
 typedef struct {
     uint64_t step;
     int64_t row0;

@@ -45,23 +45,13 @@ typedef struct {
 static int cuda_graph_wanted(void) { return setting_on(SETTING_CUDA_GRAPH); }
 
 // What a model's piece holds that no capture can, as the model knows it (each 1 when so).
-// legacy_stream, readback_each and dropout name the old forms of the step without host
-// synchronisation (the legacy default stream, a readback per micro-batch, the dropout key as a
-// kernel argument), which are gone: they stay in the struct only until the drivers' initializers
-// drop them, and must be 0 (no CUDA backend has the old forms any more).
 typedef struct {
-    int legacy_stream;   // 0 (was: the work on the legacy default stream)
-    int readback_each;   // 0 (was: each micro-batch's loss read back)
     int crosses_ranks;   // collectives inside the backward (gradient buckets, sequence slices)
     int second_stream;   // copies on a second stream ordered by events (--offload host)
-    int dropout;         // 0 (was: LoRA dropout's key a kernel argument)
 } GraphHazards;
 
 // Why the piece cannot be one CUDA graph, or NULL.
 static const char* cuda_graph_refusal(const GraphHazards* h) {
-    if (h->legacy_stream || h->readback_each || h->dropout)
-        fail("internal: a CUDA graph hazard of a removed form (legacy stream %d, readback each %d, dropout key "
-             "argument %d)", h->legacy_stream, h->readback_each, h->dropout);
     if (cuda_sync_each_launch()) return "LLMC_CUDA_SYNC=1: every launch synchronises the device";
     if (h->crosses_ranks)
         return "gradients or sequence slices cross ranks inside the backward (collectives, a second stream)";

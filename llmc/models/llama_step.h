@@ -21,8 +21,7 @@ static LossStats llama_train_pass(void* model, float grad_scale, double* step_st
 // shape and attention's document mask pick the work (on cuDNN's ragged path also its batch of
 // documents and their sequence dimension, which pick cuDNN's plan); the loss scale where it is a
 // kernel argument and the attention path's pointer tables (run_graph_key). --lora-dropout's key is
-// not in it: its per-micro-batch part is read from device memory (m->io.bv; under
-// LLMC_DROPOUT_KEY=args the graph is refused).
+// not in it: its per-micro-batch part is read from device memory (m->io.bv).
 static CudaGraphKey llama_graph_key(const void* model, float grad_scale) {
     const Llama* m = (const Llama*)model;
     CudaGraphKey k = run_graph_key(&m->io.bv, grad_scale);
@@ -80,8 +79,8 @@ static StepResult llama_train_step(Llama* m, TextLoader* loader, const TrainOpti
     float scale = total > 0 ? (float)(1.0 / total) : 0.0f;
     batch_values_set_loss_scale(&m->io.bv, scale);  // uploaded with each micro-batch below
     trainable_zero_grads(&m->w.tr);
-    RunGraphHazards hazards = {m->sp.P > 1, m->modes.offload_host, m->scratch.drop_work && !m->io.bv.drop_at};
-    run_graph_decide_once(&m->graph, m->be, &m->w.tr, dist, hazards);
+    RunGraphHazards hazards = {m->sp.P > 1, m->modes.offload_host};
+    run_graph_decide_once(&m->graph, m->be, dist, hazards);
     m->drop.step = (uint64_t)step;
     double sums[2] = {0.0, 0.0};  // loss, final-norm rows that overflowed (health.h)
     for (int k = 0; k < K; k++) {

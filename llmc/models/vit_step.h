@@ -105,8 +105,8 @@ static StepResult vit_train_step(Vit* m, ImageLoader* loader, const TrainOptions
     batch_values_set_loss_scale(&m->batch.bv, scale);  // uploaded with each micro-batch's images below
     trainable_zero_grads(&m->params.tr);
     // once, at the first step: what the micro-batch holds that no CUDA graph can capture
-    RunGraphHazards hazards = {0, m->modes.offload_host, m->scratch.drop_work && !m->batch.bv.drop_at};
-    run_graph_decide_once(&m->graph, m->be, &m->params.tr, dist, hazards);
+    RunGraphHazards hazards = {0, m->modes.offload_host};
+    run_graph_decide_once(&m->graph, m->be, dist, hazards);
     m->drop.step = (uint64_t)step;
     double sums[3] = {0.0, 0.0, 0.0};  // loss, final-norm rows that overflowed (health.h), correct
     for (int k = 0; k < K; k++) {

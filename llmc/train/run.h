@@ -55,26 +55,23 @@ typedef struct {
 typedef struct {
     int exchanges;       // the backward exchanges sequence slices across ranks (--seq-parallel)
     int offload_host;    // block inputs travel on a second stream (--offload host)
-    int dropout_args;    // --lora-dropout's key is a kernel argument (LLMC_DROPOUT_KEY=args)
 } RunGraphHazards;
 
-static void run_graph_decide_once(RunGraph* rg, const Backend* be, const Trainable* tr, const Dist* dist,
-                                  RunGraphHazards hz) {
+static void run_graph_decide_once(RunGraph* rg, const Backend* be, const Dist* dist, RunGraphHazards hz) {
 #ifdef LLMC_HAVE_CUDA
     if (rg->g.decided) return;
-    GraphHazards h = {!be->stream, !trainable_step_stats(tr), dist_sums_grads(dist) || hz.exchanges,
-                      hz.offload_host, hz.dropout_args};
+    GraphHazards h = {dist_sums_grads(dist) || hz.exchanges, hz.offload_host};
     if (be->cuda) cuda_graph_decide(&rg->g, &h, !dist || dist->rank == 0);
     rg->g.decided = 1;
 #else
-    (void)rg; (void)be; (void)tr; (void)dist; (void)hz;
+    (void)rg; (void)be; (void)dist; (void)hz;
 #endif
 }
 
 #ifdef LLMC_HAVE_CUDA
-// The part of a graph's key every model shares: the loss scale where it is a kernel argument
-// (LLMC_LOSS_SCALE=args; by default the kernels read it from device memory, m->bv, and it changes
-// nothing captured) and the GEMM attention path's pointer tables, a host-side cache (a rebuild
+// The part of a graph's key every model shares: the loss scale where it is a kernel argument (a
+// model that binds no device copy of it, bv->grad_scale NULL: the probes; the trainers' kernels read
+// it from device memory, where it changes nothing captured) and the GEMM attention path's pointer tables, a host-side cache (a rebuild
 // since the capture means the captured work assumes other contents). The model fills shape[].
 static CudaGraphKey run_graph_key(const BatchValues* bv, float grad_scale) {
     CudaGraphKey k;
