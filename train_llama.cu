@@ -24,17 +24,19 @@
 #include "llmc/models/llama_generate.h"
 
 // Everything a resumed run must share with the saved one, as "key=value" words (rslora=1 last and only
-// when set, so that states saved before the flag existed still match).
+// when set, so that states saved before the flag existed still match). The memory modes that change no
+// number (--recompute, --offload, --mlp-tile, --swiglu-product) are not in it: a run may resume with
+// another, e.g. with --recompute block on a smaller card.
 static void llama_settings_line(char* buf, size_t n, const Llama* m, const TrainOptions* o, const Dist* d,
                                 int64_t data_tokens) {
     const LlamaConfig* c = &m->cfg;
     snprintf(buf, n,
-             "d=%d f=%d layers=%d heads=%d kv_heads=%d vocab=%d full=%d act=%s norm=%s ms_lora=%s recompute=%s rank=%d "
+             "d=%d f=%d layers=%d heads=%d kv_heads=%d vocab=%d full=%d act=%s norm=%s ms_lora=%s rank=%d "
              "alpha=%g targets=0x%x "
              "lora_dropout=%g batch=%d seq=%d grad_accum=%d world=%d steps=%d lr=%g warmup=%d min_lr_frac=%g "
              "weight_decay=%g grad_clip=%g seed=%d data_tokens=%lld quant=%s%s",
              c->dim, c->hidden, c->layers, c->heads, c->kv_heads, c->vocab, o->full, o->act, o->norm, o->ms_lora,
-             o->recompute, o->lora_rank, o->lora_alpha, m->modes.targets, o->lora_dropout, o->batch, o->seq,
+             o->lora_rank, o->lora_alpha, m->modes.targets, o->lora_dropout, o->batch, o->seq,
              o->grad_accum, d->world, o->steps, o->lr, o->warmup, o->min_lr_frac, o->weight_decay, o->grad_clip,
              o->seed, (long long)data_tokens, o->quant, o->lora_rslora ? " rslora=1" : "");
     if (dist_sp(d) > 1) str_appendf(buf, n, " seq_parallel=%d", dist_sp(d));  // the data order follows world / P

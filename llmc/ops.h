@@ -231,9 +231,10 @@ static void op_rope(const Backend* be, void* x, const float* cos_t, const float*
 //          run cuDNN, so there an explicit LLMC_ATTENTION=cudnn is refused
 //   gemm   tensor-core batched GEMMs (llmc/cuda/attention_gemm.cuh): the default without cuDNN
 // (the fp32 flash forward of llmc/cuda/attention.cuh runs the shapes the planned workspace does not
-// fit; the flash backward, once a third choice, is dev/cuda/attention_flash.cuh's). Any other value is refused in one line. Under cudnn, packed examples (s.pos set: a document
-// mask) run as cuDNN's ragged layout, each document one entry of its batch (s.docs, llmc/attn_docs.h,
-// filled by the trainer at each upload), unless LLMC_CUDNN_PACKED=gemm sends them to gemm as
+// fit; the flash backward, once a third choice, is dev/cuda/attention_flash.cuh's). Any other value
+// is refused in one line. Under cudnn, packed examples (s.pos set: a document mask) run as cuDNN's
+// ragged layout, each document one entry of its batch (s.docs, llmc/attn_docs.h, filled by the
+// trainer at each upload), unless LLMC_CUDNN_PACKED=gemm sends them to gemm as
 // before. A call cuDNN cannot take runs on gemm, and the first such call says why in one line:
 // packed examples it does not map (LLMC_CUDNN_PACKED=gemm, --seq-parallel's whole sequences,
 // positions that are not documents one after another), head dims it lacks, no engine on this GPU,

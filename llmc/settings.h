@@ -221,9 +221,11 @@ static void settings_refuse_faults(void) {
 #endif
 }
 
-// Reads every setting once. Called by train_start before anything asks; any question loads it too.
-static void settings_load(void) {
-    if (settings_loaded) return;
+// Reads every setting: once (SETTINGS_ONCE: a trainer, and any first question), or again
+// (SETTINGS_AGAIN: a test program that changes its own environment with setenv between cases).
+typedef enum { SETTINGS_ONCE, SETTINGS_AGAIN } SettingsRead;
+static void settings_read(SettingsRead when) {
+    if (settings_loaded && when == SETTINGS_ONCE) return;
     for (int i = 0; i < SETTING_COUNT; i++)
         setting_parse(&settings_table[i], &settings_values[i], getenv(settings_table[i].name));
     settings_refuse_removed();
@@ -231,12 +233,8 @@ static void settings_load(void) {
     settings_loaded = 1;
 }
 
-// Reads the table again: for a test program that changes its own environment (setenv) between
-// cases; a trainer reads it once.
-static void settings_reload(void) {
-    settings_loaded = 0;
-    settings_load();
-}
+// Called by train_start before anything asks; any question loads the table too.
+static void settings_load(void) { settings_read(SETTINGS_ONCE); }
 
 static const SettingValue* setting_value(SettingId id) {
     settings_load();
@@ -262,7 +260,6 @@ static double setting_number(SettingId id) {
 }
 // The text as set, or NULL (SETTING_TEXT rows: their reader checks it).
 static const char* setting_text(SettingId id) { return setting_value(id)->text; }
-static const char* setting_name(SettingId id) { return settings_table[id].name; }
 
 // --help's section: one line per row.
 static void settings_print_help(void) {

@@ -8,6 +8,33 @@
 #include "../../llmc/cuda/adamw.cuh"
 #include "../../llmc/cuda/misc.cuh"
 
+// The argument forms of llmc/cuda/adamw.cuh's launchers, kept here to check them against the CPU
+// (the trainers read the values from device memory).
+
+// The step's values as kernel arguments: the kernel's other form, which the trainers no longer use
+// (they read the values from device memory, adamw_update_dev_cuda), kept here to check the two agree.
+static void adamw_update_cuda(float* p, const float* g, float* m, float* v, int64_t n, float lr, float beta1,
+                              float beta2, float eps, float weight_decay, int t, cudaStream_t stream) {
+    if (n == 0) return;
+    launch_kernel(grid_for(n, 256), 256, 0, stream, adamw_update_kernel, p, g, m, v, n, (const AdamWStep*)NULL,
+                  adamw_step_values(lr, beta1, beta2, t), beta1, beta2, eps, weight_decay);
+}
+
+// Returns sum g^2 (host value: synchronises the stream). scratch: SUM_SQUARES_SCRATCH doubles.
+static double sum_squares_cuda(const float* g, int64_t n, double* scratch, cudaStream_t stream) {
+    sum_squares_into_cuda(scratch + SUMSQ_BLOCKS, SUMSQ_SET, g, n, scratch, stream);
+    double h = 0.0;
+    CUDA_CHECK(cudaMemcpyAsync(&h, scratch + SUMSQ_BLOCKS, sizeof(double), cudaMemcpyDeviceToHost, stream));
+    CUDA_CHECK(cudaStreamSynchronize(stream));
+    return h;
+}
+
+// x *= s, the factor as a kernel argument (the trainers read it from device memory: scale_inplace_dev_cuda).
+static void scale_inplace_cuda(float* x, int64_t n, float s, cudaStream_t stream) {
+    if (n == 0) return;
+    launch_kernel(grid_for(n, 256), 256, 0, stream, scale_inplace_kernel, x, n, (const float*)NULL, s);
+}
+
 static void test_adamw(int64_t n, Rng* rng) {
     float lr = 1e-3f, b1 = 0.9f, b2 = 0.999f, eps = 1e-8f, wd = 0.1f;
     float *p = host_randn(n, rng, 0.5f, 0), *m = (float*)xcalloc(n, 4), *v = (float*)xcalloc(n, 4);

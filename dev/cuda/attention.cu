@@ -316,7 +316,7 @@ int main(void) {
     test_attention_cached(1, 0, 2, 1, 36, &rng);     // the first token
     // the tensor-core path over many chunks of query rows (ragged last chunk; causal key ranges)
     setenv("LLMC_ATTN_CHUNK", "16", 1);
-    settings_reload();  // the table is read once per process otherwise (llmc/settings.h)
+    settings_read(SETTINGS_AGAIN);  // the table is read once per process otherwise (llmc/settings.h)
     printf("with LLMC_ATTN_CHUNK=16:\n");
     test_attention(cases[0], &rng, 0);
     test_attention(cases[2], &rng, 0);
@@ -328,7 +328,7 @@ int main(void) {
     printf("with LLMC_ATTN_KEYS=16 LLMC_ATTN_CHUNK=24:\n");
     setenv("LLMC_ATTN_CHUNK", "24", 1);
     setenv("LLMC_ATTN_KEYS", "16", 1);
-    settings_reload();
+    settings_read(SETTINGS_AGAIN);
     test_attention(cases[0], &rng, 0);
     test_attention(cases[1], &rng, 0);
     test_attention(cases[2], &rng, 0);
@@ -337,12 +337,12 @@ int main(void) {
     unsetenv("LLMC_ATTN_CHUNK");
     printf("with LLMC_ATTN_KEYS=32 (square tiles):\n");
     setenv("LLMC_ATTN_KEYS", "32", 1);
-    settings_reload();
+    settings_read(SETTINGS_AGAIN);
     test_attention(cases[3], &rng, 0);
     test_attention(cases[4], &rng, 0);
     test_attention(packed[0], &rng, 1);
     unsetenv("LLMC_ATTN_KEYS");
-    settings_reload();
+    settings_read(SETTINGS_AGAIN);
     if (g_timing) {
         AttnShape llama = {4, 2048, 32, 8, 128, 1, NULL, NULL}, vit = {64, 197, 12, 12, 64, 0, NULL, NULL};
         time_attention(llama, "B=4 T=2048 H=32 KVH=8 hd=128 causal");

@@ -40,13 +40,6 @@ __global__ void adamw_update_kernel(float* __restrict__ p, const float* __restri
         p[i] -= lr * ((mi / bc1) / (sqrtf(vi / bc2) + eps) + weight_decay * p[i]);
     }
 }
-// The step's values as kernel arguments (the dev/cuda checks, and LLMC_ADAMW_STEP=args).
-static void adamw_update_cuda(float* p, const float* g, float* m, float* v, int64_t n, float lr, float beta1,
-                              float beta2, float eps, float weight_decay, int t, cudaStream_t stream) {
-    if (n == 0) return;
-    launch_kernel(grid_for(n, 256), 256, 0, stream, adamw_update_kernel, p, g, m, v, n, (const AdamWStep*)NULL,
-                  adamw_step_values(lr, beta1, beta2, t), beta1, beta2, eps, weight_decay);
-}
 // The step's values read from device memory `at` (written there before, in stream order): every
 // argument is the same at every step.
 static void adamw_update_dev_cuda(float* p, const float* g, float* m, float* v, int64_t n, const AdamWStep* at,
@@ -60,7 +53,7 @@ static void adamw_update_dev_cuda(float* p, const float* g, float* m, float* v, 
 // Sum of squares in double, in two deterministic stages: SUMSQ_BLOCKS partial sums (each block
 // a grid-stride slice), then one block adds them in order.
 #define SUMSQ_BLOCKS 512
-#define SUM_SQUARES_SCRATCH (SUMSQ_BLOCKS + 1)  // doubles of scratch sum_squares_cuda needs
+#define SUM_SQUARES_SCRATCH (SUMSQ_BLOCKS + 1)  // doubles of scratch sum_squares_into_cuda needs
 
 __global__ void sum_squares_partial_kernel(double* __restrict__ partial, const float* __restrict__ g, int64_t n) {
     double s = 0.0;
@@ -86,24 +79,10 @@ static void sum_squares_into_cuda(double* out, int accumulate, const float* g, i
     launch_kernel(1, 256, 0, stream, sum_partials_kernel, out, scratch, SUMSQ_BLOCKS, accumulate);
 }
 
-// Returns sum g^2 (host value: synchronises the stream). scratch: SUM_SQUARES_SCRATCH doubles.
-static double sum_squares_cuda(const float* g, int64_t n, double* scratch, cudaStream_t stream) {
-    sum_squares_into_cuda(scratch + SUMSQ_BLOCKS, SUMSQ_SET, g, n, scratch, stream);
-    double h = 0.0;
-    CUDA_CHECK(cudaMemcpyAsync(&h, scratch + SUMSQ_BLOCKS, sizeof(double), cudaMemcpyDeviceToHost, stream));
-    CUDA_CHECK(cudaStreamSynchronize(stream));
-    return h;
-}
-
 // x *= s, s read from device memory `at` when it is not NULL.
 __global__ void scale_inplace_kernel(float* x, int64_t n, const float* __restrict__ at, float s) {
     if (at) s = *at;
     for (int64_t i = thread_index_1d(); i < n; i += grid_stride_1d()) x[i] *= s;
-}
-// x *= s (gradient clipping, or averaging over ranks).
-static void scale_inplace_cuda(float* x, int64_t n, float s, cudaStream_t stream) {
-    if (n == 0) return;
-    launch_kernel(grid_for(n, 256), 256, 0, stream, scale_inplace_kernel, x, n, (const float*)NULL, s);
 }
 // x *= *at, the factor in device memory (clipping's, AdamWStep.clip).
 static void scale_inplace_dev_cuda(float* x, int64_t n, const float* at, cudaStream_t stream) {

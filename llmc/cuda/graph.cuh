@@ -12,8 +12,9 @@
 //     the piece is captured again (counted: --profile's graph line shows how often).
 // The caller also refuses the graph, in one line, where the piece makes calls a capture cannot
 // hold (a host synchronisation, an allocation, a second stream): cuda_graph_refusal below, asked
-// by llmc/train/run.h's run_graph_decide_once with the model's hazards. A call that slips through fails the capture with a CUDA error (on the CPU
-// emulator, test/emu/emu.h, with the call named), never a wrong graph.
+// by llmc/train/run.h's run_graph_decide_once with the model's hazards. A call that slips through
+// fails the capture with a CUDA error (on the CPU emulator, test/emu/emu.h, with the call named),
+// never a wrong graph.
 #pragma once
 #include <string.h>
 #include "common.cuh"

@@ -44,11 +44,12 @@ static void lora_norm_grad_cuda(float* dA, const float* G, const bf16* gamma, co
                   rank, in);
 }
 
-// Where a layer's masks start: the key and the stream position of its first element. Given as
-// arguments (key, e0; the dev/cuda checks and the probes, which bind no device copy), or formed by the kernel from the micro-batch's step
-// and first row in device memory (at, uploaded with the batch: llmc/lora_dropout.h) and what is
-// fixed for the run and the shape (seed, the layer's id, an MLP tile's row offset), so that a
-// captured CUDA graph draws each micro-batch's own masks. The same mixing either way: the same bits.
+// Where a layer's masks start: the key and the stream position of its first element. Given as arguments
+// (key, e0; the dev/cuda checks and the probes, which bind no device copy), or formed by the kernel
+// from the micro-batch's step and first row in device memory (at, uploaded with the batch:
+// llmc/lora_dropout.h) and what is fixed for the run and the shape (seed, the layer's id, an MLP tile's
+// row offset), so that a captured CUDA graph draws each micro-batch's own masks. The same mixing either
+// way: the same bits.
 struct DropoutOrigin {
     uint64_t key, e0;         // the arguments' form (at NULL)
     const LoraDropoutAt* at;  // device memory, or NULL

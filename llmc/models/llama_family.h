@@ -84,8 +84,8 @@ static void llama_config_family(LlamaConfig* c, const Json* j, const char* path)
     int f = 0;
     while (f < 4 && strcmp(mt->string, types[f]) != 0) f++;
     if (f == 4)
-        fail("%s: model_type \"%.60s\" is not supported (train_llama reads llama, mistral, qwen2 and qwen3)", path,
-             mt->string);
+        fail("%s: model_type \"%.60s\" is not supported (train_llama reads llama, mistral, qwen2 and qwen3%s)", path,
+             mt->string, strcmp(mt->string, "vit") == 0 ? "; a ViT is train_vit's" : "");
     snprintf(c->family, sizeof(c->family), "%s", types[f]);
     const Json* ar = json_get(j, "architectures");
     if (!ar || ar->type == JSON_NULL) return;

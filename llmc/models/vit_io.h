@@ -28,6 +28,14 @@ static void vit_config_load(VitConfig* c, const char* model_dir) {
     char* text = read_file(path, &n);
     Json j = json_parse(text, n, path);
     memset(c, 0, sizeof(*c));
+    // Another model's directory is named as such, not as a ViT missing image_size (timm's configs have
+    // no model_type; Hugging Face's say "vit")
+    const char* type = json_string_or(&j, "model_type", "vit");
+    int llama_family = !strcmp(type, "llama") || !strcmp(type, "mistral") || !strcmp(type, "qwen2") ||
+                       !strcmp(type, "qwen3");
+    if (strcmp(type, "vit") != 0)
+        fail("%s: model_type \"%.60s\" is not a ViT (train_vit reads model_type vit%s)", path, type,
+             llama_family ? "; a LLaMA-family model is train_llama's" : "");
     // Ranges: every real ViT lies well inside (ViT-22B: hidden 6144, intermediate 24576, 48 layers,
     // 48 heads); beyond them a config is corrupt, and the limits keep size products far from overflow.
     c->dim = json_int_in(&j, "hidden_size", path, 1, 1 << 16);
@@ -375,15 +383,16 @@ static void vit_load_adapter(Vit* m, const char* dir, const TrainOptions* o, int
     trainable_to_device(&m->params.tr);
 }
 
-// Everything a resumed run must share with the saved one, as "key=value" words.
+// Everything a resumed run must share with the saved one, as "key=value" words; not --recompute or
+// --offload, which change no number (a run may resume with another).
 static void vit_settings_line(char* buf, size_t n, const Vit* m, const TrainOptions* o, const Dist* d, int64_t images) {
     const VitConfig* c = &m->cfg;
     snprintf(buf, n,
              "d=%d f=%d layers=%d heads=%d patch=%dx%d image=%dx%d classes=%d full=%d act=%s norm=%s ms_lora=%s "
-             "recompute=%s rank=%d alpha=%g targets=0x%x lora_dropout=%g batch=%d grad_accum=%d world=%d steps=%d "
+             "rank=%d alpha=%g targets=0x%x lora_dropout=%g batch=%d grad_accum=%d world=%d steps=%d "
              "lr=%g warmup=%d min_lr_frac=%g weight_decay=%g grad_clip=%g hflip=%d seed=%d data_images=%lld%s",
              c->dim, c->hidden, c->layers, c->heads, c->patch_h, c->patch_w, m->img_h, m->img_w, m->classes, o->full,
-             o->act, o->norm, o->ms_lora, o->recompute, o->lora_rank, o->lora_alpha, m->modes.targets, o->lora_dropout,
+             o->act, o->norm, o->ms_lora, o->lora_rank, o->lora_alpha, m->modes.targets, o->lora_dropout,
              o->batch, o->grad_accum, d->world, o->steps, o->lr, o->warmup, o->min_lr_frac, o->weight_decay,
              o->grad_clip, o->hflip, o->seed, (long long)images, o->lora_rslora ? " rslora=1" : "");
 }

@@ -69,10 +69,11 @@ static void run_graph_decide_once(RunGraph* rg, const Backend* be, const Dist* d
 }
 
 #ifdef LLMC_HAVE_CUDA
-// The part of a graph's key every model shares: the loss scale where it is a kernel argument (a
-// model that binds no device copy of it, bv->grad_scale NULL: the probes; the trainers' kernels read
-// it from device memory, where it changes nothing captured) and the GEMM attention path's pointer tables, a host-side cache (a rebuild
-// since the capture means the captured work assumes other contents). The model fills shape[].
+// The part of a graph's key every model shares: the loss scale where it is a kernel argument (a model
+// that binds no device copy of it, bv->grad_scale NULL: the probes; the trainers' kernels read it from
+// device memory, where it changes nothing captured) and the GEMM attention path's pointer tables, a
+// host-side cache (a rebuild since the capture means the captured work assumes other contents). The
+// model fills shape[].
 static CudaGraphKey run_graph_key(const BatchValues* bv, float grad_scale) {
     CudaGraphKey k;
     memset(&k, 0, sizeof(k));

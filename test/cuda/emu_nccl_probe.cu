@@ -91,7 +91,7 @@ int main(int argc, char** argv) {
         fail("emu_nccl_probe: ncclCommInitRank accepted ids that were never broadcast");
     }
     setenv("LLMC_NCCL_SELFTEST", "1", 1);
-    settings_reload();
+    settings_read(SETTINGS_AGAIN);
     dist_nccl_init(&d);
     check(dist_has_nccl(&d), "no communicator", d.rank);
     float* x = device_floats(8 * d.world);

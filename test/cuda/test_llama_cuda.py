@@ -306,6 +306,7 @@ def test_emulator_catches_a_missing_offload_wait(tmp_path, name, line):
     CPU's, where the intact build is within it (test_cuda_probe_matches_cpu_probe's bound)."""
     import shutil
     shutil.copytree(os.path.join(REPO, "llmc"), tmp_path / "llmc")
+    shutil.copytree(os.path.join(REPO, "test", "emu"), tmp_path / "test" / "emu")  # the emulator the build includes
     shutil.copy(os.path.join(REPO, "train_llama.cu"), tmp_path)
     (tmp_path / "test" / "model").mkdir(parents=True)
     for f in ("llama_probe.cu", "probe_common.h"):
@@ -435,15 +436,16 @@ def test_cuda_nccl_selftest_one_rank_changes_nothing(tmp_path):
     --full through ZeRO-1's reduce-scatter, sharded master and bf16 all-gather): the result must be
     exactly that of a plain run, which is what scripts/ci/gpu_check.sh relies on."""
     for mode in ([], ["--full", "--lr", "1e-3"]):
-        plain = train(CUDA_TRAIN, "cuda", "--steps", 3, *mode, "--out", tmp_path / "plain")
-        st = run([need(CUDA_TRAIN)] + DEMO + ["--device", "cuda", "--steps", 3, *mode, "--out", tmp_path / "self"],
+        out = tmp_path / ("full" if mode else "lora")  # a new run's --out holds no earlier run (out_dir.h)
+        plain = train(CUDA_TRAIN, "cuda", "--steps", 3, *mode, "--out", out / "plain")
+        st = run([need(CUDA_TRAIN)] + DEMO + ["--device", "cuda", "--steps", 3, *mode, "--out", out / "self"],
                  env={"LLMC_NCCL_SELFTEST": "1"})
         assert "gradients across ranks: NCCL" in st.stdout
         assert re.search(r"data parallel: 1 rank; gradients (summed|reduce-scattered) by NCCL", st.stdout), st.stdout
         assert ("fp32 master sharded too" in st.stdout) == bool(mode)
         assert step_losses(st.stdout) == step_losses(plain.stdout)
         name = "model.safetensors" if mode else "adapter_model.safetensors"
-        a, b = (st_io.load(str(tmp_path / d / name)) for d in ("plain", "self"))
+        a, b = (st_io.load(str(out / d / name)) for d in ("plain", "self"))
         assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
 
 

@@ -471,10 +471,11 @@ def test_nccl_selftest_one_rank_changes_nothing(tmp_path):
     communicator, --full's reduce-scattered in place and the fp32 weights all-gathered (ViT keeps
     a whole master): bit for bit a plain run."""
     for mode, name in (([], "adapter_model.safetensors"), (["--full"], "model.safetensors")):
-        plain = train(CUDA_TRAIN, "cuda", "--steps", 3, *mode, "--out", tmp_path / "plain")
-        st = run([need(CUDA_TRAIN), "--model", DEMO_MODEL] + DEMO + ["--device", "cuda", "--steps", 3, *mode, "--out", tmp_path / "self"],
+        out = tmp_path / ("full" if mode else "lora")  # a new run's --out holds no earlier run (out_dir.h)
+        plain = train(CUDA_TRAIN, "cuda", "--steps", 3, *mode, "--out", out / "plain")
+        st = run([need(CUDA_TRAIN), "--model", DEMO_MODEL] + DEMO + ["--device", "cuda", "--steps", 3, *mode, "--out", out / "self"],
                  env={"LLMC_NCCL_SELFTEST": "1"})
         assert re.search(r"data parallel: 1 rank; gradients (summed|reduce-scattered) by NCCL", st.stdout), st.stdout
         assert step_losses(st.stdout) == step_losses(plain.stdout)
-        with open(tmp_path / "plain" / name, "rb") as a, open(tmp_path / "self" / name, "rb") as b:
+        with open(out / "plain" / name, "rb") as a, open(out / "self" / name, "rb") as b:
             assert a.read() == b.read()

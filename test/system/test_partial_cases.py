@@ -215,6 +215,16 @@ def test_train_llama_refuses_a_prompt_longer_than_its_window(bin_dir):
     expect_one_line_error("llama", args + ["--seq", 16], [f"{n} tokens", "16-token window", "--seq"])
 
 
+@pytest.mark.parametrize("prog", ["llama", "vit"])
+def test_the_other_trainers_model_is_named_as_such(prog):
+    """A model directory of the other trainer: its model_type named, and which trainer reads it (not
+    a ViT "missing image_size", nor a bare "not supported")."""
+    other = VIT if prog == "llama" else LLAMA
+    data = LTRAIN if prog == "llama" else VTRAIN
+    expect_one_line_error(prog, ["--model", other, "--data", data, "--steps", 1],
+                          ["config.json", "model_type", "train_vit" if prog == "llama" else "train_llama"])
+
+
 # ---- 14: the other trainer's data -------------------------------------------------------------
 
 @pytest.mark.parametrize("prog", ["llama", "vit"])

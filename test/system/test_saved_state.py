@@ -223,6 +223,19 @@ def test_kill_inside_a_save_then_resume(llama_model, tmp_path, trainer, point):
     assert not (out / ".saving.tmp").exists() and not (out / ".saving.done").exists()
 
 
+@pytest.mark.parametrize("trainer", ["llama", "vit"])
+def test_a_resume_may_turn_recompute_on(llama_model, tmp_path, trainer):
+    """--recompute block recomputes each block's forward from its saved input: the same numbers, so
+    a run saved without it resumes with it (a smaller card) and ends bit-identical to the run that
+    never stopped, state and adapter alike."""
+    straight, out = tmp_path / "straight", tmp_path / "resumed"
+    run_args = args_for(trainer, llama_model, "--steps", 4, "--save-every", 2)
+    train(trainer, run_args + ["--out", str(straight)])
+    train(trainer, run_args + ["--out", str(out), "--stop-at", "2"])
+    train(trainer, run_args + ["--resume", str(out), "--recompute", "block"])
+    same_files(straight, out, ["adapter_model.safetensors", "train_state.bin"])
+
+
 def test_kill_mid_publish_of_a_full_model(llama_model, tmp_path):
     """--full: the model directory's files are published after the state, like an adapter."""
     straight, out = tmp_path / "straight", tmp_path / "killed"

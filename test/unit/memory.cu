@@ -23,7 +23,7 @@ void test_grad_buckets(void) {
                 for (int64_t o = count / 7; o < count && blocks < 5; o += count / 5 + 1)
                     off[blocks++] = o;  // blocks above a stem
                 setenv("LLMC_GRAD_BUCKET_BYTES", bytes[bi], 1);
-                settings_reload();
+                settings_read(SETTINGS_AGAIN);
                 Trainable tr;
                 memset(&tr, 0, sizeof(tr));
                 tr.count = count; tr.world = world; tr.zero1 = world > 1;
@@ -59,7 +59,7 @@ void test_grad_buckets(void) {
                 free(arena); free(back); free(shard); free(tr.buckets);
             }
     unsetenv("LLMC_GRAD_BUCKET_BYTES");
-    settings_reload();
+    settings_read(SETTINGS_AGAIN);
     check(ok, "gradient buckets: ZeRO-1 pieces tile the padded arena", 0);
 }
 
