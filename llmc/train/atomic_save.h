@@ -8,6 +8,7 @@
 // its state, even mid-publish.
 #pragma once
 #include <signal.h>
+#include <sys/syscall.h>
 #include "../common.h"
 #include "../settings.h"
 
@@ -17,12 +18,18 @@
 // LLMC_FAULT_KILL_SAVE=STEP:POINT kills the process (SIGKILL, as the OOM killer or a scheduler
 // would) inside the save after step STEP at POINT: "staged" (all files written, not committed),
 // "committed" (renamed to .saving.done, nothing published) or "state" (train_state.bin published,
-// the rest not). How the tests reach the moments between the renames. Unset, it changes nothing.
+// the rest not); STEP:POINT:term stops it with SIGTERM instead (a scheduler's polite stop, which
+// save_stop_on_signals handles). How the tests reach the moments between the renames. Unset, it
+// changes nothing.
 static void save_fault_point(int64_t step, const char* point) {
 #ifdef LLMC_FAULTS
     const char* e = setting_text(SETTING_FAULT_KILL_SAVE);
     const char* colon = e ? strchr(e, ':') : NULL;
-    if (colon && atoll(e) == step && strcmp(colon + 1, point) == 0) raise(SIGKILL);
+    if (!colon || atoll(e) != step) return;
+    size_t n = strlen(point);
+    if (strncmp(colon + 1, point, n) != 0) return;
+    if (colon[1 + n] == 0) raise(SIGKILL);
+    if (strcmp(colon + 1 + n, ":term") == 0) raise(SIGTERM);
 #else
     (void)step; (void)point;
 #endif
@@ -111,10 +118,72 @@ static void save_dir_recover(const char* out) {
     free(done);
 }
 
+// A stage emptied and removed with async-signal-safe calls only (open, getdents64, unlinkat,
+// rmdir), for a signal handler: the stage holds plain files, no subdirectory.
+static void stage_remove_in_handler(const char* dir) {
+    int fd = open(dir, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+    if (fd < 0) return;
+    char buf[4096];
+    for (long n; (n = syscall(SYS_getdents64, fd, buf, sizeof(buf))) > 0;)
+        for (long at = 0; at < n;) {
+            struct linux_dirent64 {
+                uint64_t ino;
+                int64_t off;
+                unsigned short reclen;
+                unsigned char type;
+                char name[];
+            }* e = (struct linux_dirent64*)(buf + at);
+            if (strcmp(e->name, ".") && strcmp(e->name, "..")) unlinkat(fd, e->name, 0);
+            at += e->reclen;
+        }
+    close(fd);
+    rmdir(dir);
+}
+
+// Appends s to the line being built in a signal handler (no stdio there).
+static size_t handler_line_add(char* line, size_t len, size_t cap, const char* s) {
+    while (*s && len + 1 < cap) line[len++] = *s++;
+    line[len] = 0;
+    return len;
+}
+
+// SIGINT (Ctrl-C), SIGTERM (a scheduler's stop, or mpirun passing one on) or SIGHUP (a closed
+// terminal) while a save or an export is being staged: the stage goes, one line says what stopped
+// the run, and the signal then ends the process as it would have. The last complete save stands
+// (a stop after a save's commit is finished by the next resume, save_dir_recover).
+static char* g_save_stage;
+static char* g_export_stage;
+
+static void save_on_signal(int sig) {
+    const char* stage = g_save_stage ? g_save_stage : g_export_stage;
+    if (stage) stage_remove_in_handler(stage);
+    char line[1024];
+    size_t n = handler_line_add(line, 0, sizeof(line), "error: stopped by ");
+    n = handler_line_add(line, n, sizeof(line), sig == SIGINT ? "SIGINT" : sig == SIGTERM ? "SIGTERM" : "SIGHUP");
+    if (stage) {
+        n = handler_line_add(line, n, sizeof(line), "; the unfinished ");
+        n = handler_line_add(line, n, sizeof(line), stage);
+        n = handler_line_add(line, n, sizeof(line), " was removed");
+    }
+    n = handler_line_add(line, n, sizeof(line), " (--resume continues from the last complete save, if there is one)\n");
+    ssize_t w = write(STDERR_FILENO, line, n);
+    (void)w;
+    signal(sig, SIG_DFL);
+    raise(sig);
+}
+
+static void save_stop_on_signals(void) {
+    struct sigaction sa;
+    memset(&sa, 0, sizeof(sa));
+    sa.sa_handler = save_on_signal;
+    sigemptyset(&sa.sa_mask);
+    const int sigs[] = {SIGINT, SIGTERM, SIGHUP};
+    for (int i = 0; i < 3; i++) sigaction(sigs[i], &sa, NULL);
+}
+
 // Starts a save into OUT: recovers OUT, then returns the fresh staging directory to write into.
 // mkdir fails on any existing name (a link, a file, another run's directory), so the stage written
 // into is always the one made here. A save that fails on the way (fail() exits) removes it.
-static char* g_save_stage;
 
 static void save_stage_cleanup(void) {
     if (g_save_stage) remove_flat_dir(g_save_stage);
@@ -219,8 +288,6 @@ static void export_dir_check(const char* dir, const char* what) {
     free(stage);
     free(d);
 }
-
-static char* g_export_stage;  // the stage being written, removed at exit unless committed
 
 static void export_dir_cleanup(void) {
     if (g_export_stage) remove_flat_dir(g_export_stage);

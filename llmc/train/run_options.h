@@ -474,9 +474,11 @@ static void train_eval_resumed(TrainOptions* o, int rank) {
 // Rank 0's claim on the directories the run writes, before anything is read: the lock of each
 // (--out, --resume's), the names a save writes there, another run's save in a new run's --out,
 // and --export-merged's directory against them. A write past the file size limit (SIGXFSZ,
-// RLIMIT_FSIZE) fails with EFBIG, which the writers report in one line, removing their stage.
+// RLIMIT_FSIZE) fails with EFBIG, which the writers report in one line, removing their stage; a
+// stop by SIGINT, SIGTERM or SIGHUP removes the stage too and says so (save_stop_on_signals).
 static void train_claim_outputs(const TrainOptions* o) {
     signal(SIGXFSZ, SIG_IGN);
+    if (o->out_dir || o->export_merged) save_stop_on_signals();
     out_dir_check_export(o->export_merged, o->out_dir, "out");  // before --out holds the lock file
     out_dir_check_export(o->export_merged, o->resume_dir, "resume");
     int trains = o->data_path && !o->eval_only;

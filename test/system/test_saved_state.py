@@ -236,6 +236,23 @@ def test_a_resume_may_turn_recompute_on(llama_model, tmp_path, trainer):
     same_files(straight, out, ["adapter_model.safetensors", "train_state.bin"])
 
 
+@pytest.mark.parametrize("trainer", ["llama", "vit"])
+def test_a_stop_by_sigterm_inside_a_save_removes_its_stage(llama_model, tmp_path, trainer):
+    """SIGTERM (a scheduler's stop) while the save after step 4 is staged: one line names the signal
+    and the stage, the stage is gone, the process ends by the signal, and the save of step 2 stands:
+    a resume ends like the run that never stopped."""
+    straight, out = tmp_path / "straight", tmp_path / "stopped"
+    run_args = args_for(trainer, llama_model, "--steps", 6, "--save-every", 2)
+    train(trainer, run_args + ["--out", str(straight)])
+    p = train(trainer, run_args + ["--out", str(out)], check=False, env={"LLMC_FAULT_KILL_SAVE": "4:staged:term"})
+    assert p.returncode == -signal.SIGTERM, f"not stopped by the signal ({p.returncode}): {p.stderr}"
+    err = p.stderr.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("error: stopped by SIGTERM") and ".saving.tmp" in err, err
+    assert not (out / ".saving.tmp").exists() and state_step(out / "train_state.bin") == 2
+    train(trainer, run_args + ["--resume", str(out)])
+    same_files(straight, out, ["adapter_model.safetensors", "train_state.bin", "adapter_config.json"])
+
+
 def test_kill_mid_publish_of_a_full_model(llama_model, tmp_path):
     """--full: the model directory's files are published after the state, like an adapter."""
     straight, out = tmp_path / "straight", tmp_path / "killed"
