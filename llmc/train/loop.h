@@ -418,15 +418,16 @@ static void train_settings_with_identity(const Trainer* t, const BaseIdentity* b
     str_appendf(buf, n, "%s", t->settings);
 }
 
-// --export-merged reads the base checkpoint again: it must still be the model trained on (a file
-// replaced meanwhile would get the adapter merged into another model), else the export is refused.
-static void train_check_base_unchanged(const TrainOptions* o, const BaseIdentity* start) {
+// --export-merged, and every save of --full (a model directory: the base's files with the trained
+// tensors in place), read the base checkpoint again: it must still be the model trained on (a file
+// replaced meanwhile would get the adapter merged into another model, or lend a --full save its
+// frozen tensors), else the write is refused. `what` names it.
+static void train_check_base_unchanged(const TrainOptions* o, const BaseIdentity* start, const char* what) {
     BaseIdentity now = train_base_identity(o);
     if (now.weights == start->weights && now.config == start->config) return;
-    fail("flag --export-merged: the base model in --model %s changed during the run (its %s fingerprint was %016llx "
-         "at the start, now %016llx); the export would merge into another model: put the original back and export "
-         "again",
-         o->model_dir, now.weights != start->weights ? "weights'" : "config.json's",
+    fail("%s: the base model in --model %s changed during the run (its %s fingerprint was %016llx at the start, "
+         "now %016llx); the write would take another model's tensors: put the original back and run again",
+         what, o->model_dir, now.weights != start->weights ? "weights'" : "config.json's",
          (unsigned long long)(now.weights != start->weights ? start->weights : start->config),
          (unsigned long long)(now.weights != start->weights ? now.weights : now.config));
 }
@@ -469,7 +470,10 @@ static void train_loop(const Trainer* t, const TrainOptions* o, const Dist* dist
         if (rank0)
             train_print_step(o, dist, step, last, &r, dt, t->unit, t->flops_per_item, peak, isnan(e.loss) ? NULL : val);
         train_log_row(log, t, step + 1, &r, dt, e);
-        if (out && train_save_due(o, step + 1)) train_save(t, o, dist, out, settings, step + 1);
+        if (out && train_save_due(o, step + 1)) {
+            if (t->full && rank0) train_check_base_unchanged(o, base, "flag --full's save");
+            train_save(t, o, dist, out, settings, step + 1);
+        }
     }
     if (rank0) train_print_summary(o, start, stop, wall_seconds() - t0, comm, t->full, t->plan, t->be);
     if (rank0) prof_print(t->be->prof, t->be->layout);
@@ -492,7 +496,7 @@ static void train_run(const Trainer* t, const TrainOptions* o, const Dist* dist)
         train_loop(t, o, dist, &base);
     }
     if (exports) {  // written whole or not at all (atomic_save.h); its directory was checked at start (run_options.h)
-        train_check_base_unchanged(o, &base);
+        train_check_base_unchanged(o, &base, "flag --export-merged");
         char* stage = export_dir_begin(o->export_merged, "flag --export-merged");
         t->export_merged(t->model, o, stage);
         export_dir_commit(o->export_merged, stage);

@@ -214,6 +214,29 @@ def test_a_base_replaced_during_the_run_refuses_the_export(tmp_path):
     assert state_step(out / "train_state.bin") == 400  # the training itself was saved
 
 
+def test_a_base_replaced_during_a_full_run_refuses_its_next_save(tmp_path):
+    """--full's saves are model directories written from the base's files with the trained tensors
+    in place: a base replaced meanwhile would lend the save its frozen tensors (the ViT's key bias),
+    so the save is refused like the export, and the save before it stands."""
+    model = tmp_path / "model"
+    shutil.copytree(VIT_MODEL, model)
+    out = tmp_path / "run"
+    args = ["--model", model] + vit("--full", "--lr", "1e-3", "--steps", 400, "--save-every", 200, "--out", out)[2:]
+    p = start_and_pause([str(a) for a in args], out / "log.csv")
+    try:
+        tensors = st_io.load(str(model / "model.safetensors"))
+        other = {k: (v * 1.5 if v.dtype.kind == "f" else v) for k, v in tensors.items()}
+        st_io.save(str(tmp_path / "other.safetensors"), other)
+        os.replace(tmp_path / "other.safetensors", model / "model.safetensors")
+    finally:
+        p.send_signal(signal.SIGCONT)
+    stdout, stderr = p.communicate(timeout=300)
+    assert p.returncode == 1 and stderr.startswith("error: ") and len(stderr.strip().splitlines()) == 1, stderr
+    assert "--full's save" in stderr and "changed during the run" in stderr
+    assert not (out / ".saving.tmp").exists()
+    assert not (out / "train_state.bin").exists() or state_step(out / "train_state.bin") < 400
+
+
 def _val_loss(p):
     return [line for line in p.stdout.splitlines() if line.startswith("val loss")][-1]
 
