@@ -194,17 +194,22 @@ def test_a_reformatted_config_still_resumes(llama_model, tmp_path):
     assert "resumed" in p.stdout and state_step(out / "train_state.bin") == 2
 
 
+def replace_base(model, tmp_path):
+    """Another checkpoint of the same shapes put in the base's place, as a new file."""
+    tensors = st_io.load(str(model / "model.safetensors"))
+    other = {k: (v * 1.5 if v.dtype.kind == "f" else v) for k, v in tensors.items()}
+    st_io.save(str(tmp_path / "other.safetensors"), other)
+    os.replace(tmp_path / "other.safetensors", model / "model.safetensors")
+
+
 def test_a_base_replaced_during_the_run_refuses_the_export(tmp_path):
     model = tmp_path / "model"
     shutil.copytree(VIT_MODEL, model)
     out, export = tmp_path / "run", tmp_path / "merged"
     args = ["--model", model] + vit("--steps", 400, "--out", out, "--export-merged", export)[2:]
     p = start_and_pause([str(a) for a in args], out / "log.csv")
-    try:  # another checkpoint of the same shapes put in the base's place, as a new file
-        tensors = st_io.load(str(model / "model.safetensors"))
-        other = {k: (v * 1.5 if v.dtype.kind == "f" else v) for k, v in tensors.items()}
-        st_io.save(str(tmp_path / "other.safetensors"), other)
-        os.replace(tmp_path / "other.safetensors", model / "model.safetensors")
+    try:
+        replace_base(model, tmp_path)
     finally:
         p.send_signal(signal.SIGCONT)
     stdout, stderr = p.communicate(timeout=300)
@@ -224,10 +229,7 @@ def test_a_base_replaced_during_a_full_run_refuses_its_next_save(tmp_path):
     args = ["--model", model] + vit("--full", "--lr", "1e-3", "--steps", 400, "--save-every", 200, "--out", out)[2:]
     p = start_and_pause([str(a) for a in args], out / "log.csv")
     try:
-        tensors = st_io.load(str(model / "model.safetensors"))
-        other = {k: (v * 1.5 if v.dtype.kind == "f" else v) for k, v in tensors.items()}
-        st_io.save(str(tmp_path / "other.safetensors"), other)
-        os.replace(tmp_path / "other.safetensors", model / "model.safetensors")
+        replace_base(model, tmp_path)
     finally:
         p.send_signal(signal.SIGCONT)
     stdout, stderr = p.communicate(timeout=300)
