@@ -194,27 +194,30 @@ def test_a_reformatted_config_still_resumes(llama_model, tmp_path):
     assert "resumed" in p.stdout and state_step(out / "train_state.bin") == 2
 
 
-def replace_base(model, tmp_path):
-    """Another checkpoint of the same shapes put in the base's place, as a new file."""
-    tensors = st_io.load(str(model / "model.safetensors"))
-    other = {k: (v * 1.5 if v.dtype.kind == "f" else v) for k, v in tensors.items()}
-    st_io.save(str(tmp_path / "other.safetensors"), other)
-    os.replace(tmp_path / "other.safetensors", model / "model.safetensors")
-
-
-def test_a_base_replaced_during_the_run_refuses_the_export(tmp_path):
+def run_with_the_base_replaced(tmp_path, *flags):
+    """A ViT run on a copy of the demo model, paused after its first step while another checkpoint
+    of the same shapes takes the base's place (as a new file), then let go: its one-line error."""
     model = tmp_path / "model"
     shutil.copytree(VIT_MODEL, model)
-    out, export = tmp_path / "run", tmp_path / "merged"
-    args = ["--model", model] + vit("--steps", 400, "--out", out, "--export-merged", export)[2:]
-    p = start_and_pause([str(a) for a in args], out / "log.csv")
+    args = ["--model", model] + vit(*flags)[2:]
+    p = start_and_pause([str(a) for a in args], tmp_path / "run" / "log.csv")
     try:
-        replace_base(model, tmp_path)
+        tensors = st_io.load(str(model / "model.safetensors"))
+        other = {k: (v * 1.5 if v.dtype.kind == "f" else v) for k, v in tensors.items()}
+        st_io.save(str(tmp_path / "other.safetensors"), other)
+        os.replace(tmp_path / "other.safetensors", model / "model.safetensors")
     finally:
         p.send_signal(signal.SIGCONT)
     stdout, stderr = p.communicate(timeout=300)
     assert p.returncode == 1 and stderr.startswith("error: ") and len(stderr.strip().splitlines()) == 1, stderr
-    assert "--export-merged" in stderr and "changed during the run" in stderr
+    assert "changed during the run" in stderr, stderr
+    return stderr
+
+
+def test_a_base_replaced_during_the_run_refuses_the_export(tmp_path):
+    out, export = tmp_path / "run", tmp_path / "merged"
+    err = run_with_the_base_replaced(tmp_path, "--steps", 400, "--out", out, "--export-merged", export)
+    assert "--export-merged" in err
     assert not export.exists() and not os.path.exists(str(export) + ".export.tmp")
     assert state_step(out / "train_state.bin") == 400  # the training itself was saved
 
@@ -223,18 +226,10 @@ def test_a_base_replaced_during_a_full_run_refuses_its_next_save(tmp_path):
     """--full's saves are model directories written from the base's files with the trained tensors
     in place: a base replaced meanwhile would lend the save its frozen tensors (the ViT's key bias),
     so the save is refused like the export, and the save before it stands."""
-    model = tmp_path / "model"
-    shutil.copytree(VIT_MODEL, model)
     out = tmp_path / "run"
-    args = ["--model", model] + vit("--full", "--lr", "1e-3", "--steps", 400, "--save-every", 200, "--out", out)[2:]
-    p = start_and_pause([str(a) for a in args], out / "log.csv")
-    try:
-        replace_base(model, tmp_path)
-    finally:
-        p.send_signal(signal.SIGCONT)
-    stdout, stderr = p.communicate(timeout=300)
-    assert p.returncode == 1 and stderr.startswith("error: ") and len(stderr.strip().splitlines()) == 1, stderr
-    assert "--full's save" in stderr and "changed during the run" in stderr
+    err = run_with_the_base_replaced(tmp_path, "--full", "--lr", "1e-3", "--steps", 400, "--save-every", 200,
+                                     "--out", out)
+    assert "--full's save" in err
     assert not (out / ".saving.tmp").exists()
     assert not (out / "train_state.bin").exists() or state_step(out / "train_state.bin") < 400
 
