@@ -20,6 +20,8 @@
 #include "../formats/safetensors.h"
 #include "../formats/bnb.h"
 
+#define LLAMA_MAX_LAYERS 1024               // num_hidden_layers is refused above this
+
 typedef struct {
     char family[16];                       // model_type: llama, mistral, qwen2 or qwen3
     int dim, hidden, layers, heads, kv_heads, head_dim, vocab, max_seq;
@@ -31,8 +33,14 @@ typedef struct {
     int bos_id, eos_id;
     int qkv_bias, o_bias, mlp_bias;        // which linears carry a bias (q,k,v / o / gate,up,down)
     int qk_norm;                           // Qwen3: RMSNorm (eps norm_eps) over each head of q and k before RoPE
-    int sliding_window;                    // 0: every position attends to all before it; else only the last W
+    int sliding_window;                    // W: a sliding layer's position attends to the last W positions (0: none)
+    unsigned char layer_sliding[LLAMA_MAX_LAYERS];  // [layers] 1: layer l is a sliding (local) layer
 } LlamaConfig;
+
+// The window layer l attends over: 0 for every position before it, else the last W positions.
+static inline int llama_layer_window(const LlamaConfig* c, int l) {
+    return c->sliding_window && c->layer_sliding[l] ? c->sliding_window : 0;
+}
 
 // ---- the keys of config.json ---------------------------------------------------------------------
 
@@ -126,24 +134,34 @@ static void llama_config_rope_scaling(LlamaConfig* c, const Json* j, const char*
              c->rs_low_freq);
 }
 
-// The sliding window, when one is active: Mistral's sliding_window (null: none); Qwen2's and Qwen3's
-// when use_sliding_window is true, or when layer_types names a sliding layer. The window itself
-// is not implemented: llama_check_window refuses a run whose sequence it would cut.
+// The sliding window and the layers it applies to (layer_sliding), as transformers decides them:
+// Mistral windows every layer (sliding_window null: none); Qwen2 and Qwen3 window the layers at
+// index >= max_window_layers when use_sliding_window is true; an explicit layer_types list names
+// each layer itself. The window is not implemented yet: llama_check_window refuses a run whose
+// sequence a sliding layer would cut.
 static void llama_config_window(LlamaConfig* c, const Json* j, const char* path) {
-    int active = strcmp(c->family, "mistral") == 0 || llama_config_bool(j, "use_sliding_window", path, 0);
+    int mistral = strcmp(c->family, "mistral") == 0, use = llama_config_bool(j, "use_sliding_window", path, 0);
+    int from = mistral ? 0 : c->layers;
+    if (!mistral && use) from = json_get(j, "max_window_layers") && json_get(j, "max_window_layers")->type != JSON_NULL
+                                    ? json_int_in(j, "max_window_layers", path, 0, 1 << 30) : 28;
+    for (int l = 0; l < c->layers; l++) c->layer_sliding[l] = l >= from;
     const Json* lt = json_get(j, "layer_types");
     if (lt && lt->type != JSON_NULL) {
         if (lt->type != JSON_ARRAY) fail("%s: layer_types must be a list", path);
+        if (lt->count != c->layers)
+            fail("%s: layer_types has %d entries for %d layers", path, lt->count, c->layers);
         for (int i = 0; i < lt->count; i++) {
             const Json* e = &lt->items[i];
             int sliding = e->type == JSON_STRING && strcmp(e->string, "sliding_attention") == 0;
             if (!sliding && !(e->type == JSON_STRING && strcmp(e->string, "full_attention") == 0))
                 fail("%s: layer_types[%d] is not supported (expected full_attention or sliding_attention)", path, i);
-            active |= sliding;
+            c->layer_sliding[i] = (unsigned char)sliding;
         }
     }
+    int any = 0;
+    for (int l = 0; l < c->layers; l++) any |= c->layer_sliding[l];
     const Json* w = json_get(j, "sliding_window");
-    if (!active || !w || w->type == JSON_NULL) return;
+    if (!any || !w || w->type == JSON_NULL) return;
     c->sliding_window = json_int_in(j, "sliding_window", path, 1, 1 << 30);
 }
 
@@ -175,7 +193,7 @@ static int llama_token_id_or(const Json* j, const char* key, int dflt) {
 static void llama_config_sizes(LlamaConfig* c, const Json* j, const char* path) {
     c->dim = json_int_in(j, "hidden_size", path, 1, 1 << 16);
     c->hidden = json_int_in(j, "intermediate_size", path, 1, 1 << 18);
-    c->layers = json_int_in(j, "num_hidden_layers", path, 1, 1024);
+    c->layers = json_int_in(j, "num_hidden_layers", path, 1, LLAMA_MAX_LAYERS);
     c->heads = json_int_in(j, "num_attention_heads", path, 1, 1024);
     c->kv_heads = json_get(j, "num_key_value_heads") ? json_int_in(j, "num_key_value_heads", path, 1, 1024) : c->heads;
     c->vocab = json_int_in(j, "vocab_size", path, 1, 1 << 22);
