@@ -35,6 +35,8 @@ typedef struct {
     int qk_norm;                           // Qwen3: RMSNorm (eps norm_eps) over each head of q and k before RoPE
     int sliding_window;                    // W: a sliding layer's position attends to the last W positions (0: none)
     unsigned char layer_sliding[LLAMA_MAX_LAYERS];  // [layers] 1: layer l is a sliding (local) layer
+    float attn_scale;                      // the scores' scale: head_dim^-0.5 (Gemma: query_pre_attn_scalar^-0.5)
+    float attn_softcap, final_softcap;     // Gemma 2: scores and logits become c*tanh(x/c) (0: none)
 } LlamaConfig;
 
 // The window layer l attends over: 0 for every position before it, else the last W positions.
@@ -208,6 +210,7 @@ static void llama_config_sizes(LlamaConfig* c, const Json* j, const char* path) 
         fail("%s: num_key_value_heads (%d) does not divide num_attention_heads (%d)", path, c->kv_heads, c->heads);
     if (c->head_dim <= 0 || c->head_dim % 2)
         fail("%s: head dimension %d must be positive and even (RoPE rotates pairs)", path, c->head_dim);
+    c->attn_scale = 1.0f / sqrtf((float)c->head_dim);
     c->max_seq = json_get(j, "max_position_embeddings") && json_get(j, "max_position_embeddings")->type != JSON_NULL
                      ? json_int_in(j, "max_position_embeddings", path, 1, 1 << 26) : 2048;
 }
