@@ -11,6 +11,9 @@ Two kinds are written, each exactly or not at all:
   GPT-2 regex with or without single digits split first). Anything else in tokenizer.json that
   changes the ids and that llama.cpp would not reproduce (another normalizer, byte_fallback,
   ignore_merges outside llama-bpe, a dropout, an unknown pre-tokenizer) is refused.
+- SentencePiece-style BPE in tokenizer.json (Llama-2's / Mistral's: BPE with byte_fallback, spaces as
+  U+2581 by the normalizer Prepend + Replace or the pre-tokenizer Metaspace): tokenizer.ggml.model
+  "llama" (spm_json_vocab below: what llama.cpp's SentencePiece merging needs for the same ids);
 - SentencePiece-style (a llama2.c tokenizer.bin): tokenizer.ggml.model "llama", pieces with
   spaces written as U+2581 again, scores, byte tokens <0xXX> typed BYTE, <unk> UNKNOWN and the
   BOS/EOS pieces (llama2.c writes them "\\n<s>\\n", "\\n</s>\\n") CONTROL.
@@ -56,6 +59,7 @@ class Vocab:
         self.add_bos = self.add_eos = False
         self.chat_template = None
         self.filler = 0  # [PAD<id>] tokens appended
+        self.add_space_prefix = None  # tokenizer.ggml.add_space_prefix where the tokenizer says it
 
 
 # ---------------------------------------------------------------------------------------------
@@ -106,8 +110,6 @@ def pretokenizer_name(tj, path):
 def _check_bpe_model(m, pre, path):
     if m.get("type") != "BPE":
         raise VocabError(f"{path}: tokenizer model {m.get('type')!r}: only BPE (byte-level) is written")
-    if m.get("byte_fallback"):
-        raise VocabError(f"{path}: BPE with byte_fallback (SentencePiece-style BPE) is not written")
     if m.get("dropout") or m.get("continuing_subword_prefix") or m.get("end_of_word_suffix"):
         raise VocabError(f"{path}: BPE dropout / subword prefix / end-of-word suffix are not written")
     if bool(m.get("ignore_merges")) != (pre == "llama-bpe"):
@@ -188,6 +190,123 @@ def _template_ends(pp, path, id_of):
 
 
 # ---------------------------------------------------------------------------------------------
+# SentencePiece-style tokenizer.json (BPE with byte_fallback)
+#
+# llama.cpp's "llama" tokenizer (llm_tokenizer_spm in its src/llama-vocab.cpp) writes every space as U+2581
+# (with one before the text and after each special token when add_space_prefix), splits the text into
+# characters and merges, again and again, the adjacent pair whose concatenation is a token, the one of the
+# highest score first (leftmost among equals); a character that is no token ends as its UTF-8 bytes <0xXX>.
+# The `tokenizers` library's BPE merges the adjacent pair of the lowest merge rank first, and only pairs
+# listed as merges. Scores -rank(first merge making the token) give the same ids when
+#   - every split of a token into two tokens (or single characters) is one of the merges (a merge llama.cpp
+#     would find, the library must find too: true of the merges converted from a SentencePiece model),
+#   - the merges making one token have consecutive ranks (no other merge ranks between them), and
+#   - two of them that can overlap (x+y = y+z = token) rank the left one first (llama.cpp goes leftmost).
+# Anything else is refused.
+
+SPACE = "\u2581"
+REPLACE_SPACE = {"type": "Replace", "pattern": {"String": " "}, "content": SPACE}
+
+
+def _byte_fallback(path):
+    with open(path, encoding="utf-8") as f:
+        return bool((json.load(f).get("model") or {}).get("byte_fallback"))
+
+
+def _space_prefix(tj, path):
+    """tokenizer.ggml.add_space_prefix for tokenizer.json's way of writing spaces as U+2581, or VocabError."""
+    norm, pre = tj.get("normalizer"), tj.get("pre_tokenizer")
+    steps = norm.get("normalizers", []) if norm and norm.get("type") == "Sequence" else [norm] if norm else []
+    prepend = {"type": "Prepend", "prepend": SPACE}
+    if pre is None and steps in ([REPLACE_SPACE], [prepend, REPLACE_SPACE], [REPLACE_SPACE, prepend]):
+        return prepend in steps  # Llama-2's: U+2581 before every piece of text (around special tokens too)
+    if steps == [] and pre and pre.get("type") == "Metaspace" and pre.get("replacement") == SPACE:
+        scheme = pre.get("prepend_scheme", "always" if pre.get("add_prefix_space", True) else "never")
+        if pre.get("split"):
+            raise VocabError(f"{path}: Metaspace with split true is not written (llama.cpp splits no words)")
+        if scheme == "never":
+            return False
+        # "first" puts no U+2581 after a special token, and no scheme one before text that starts with a space;
+        # llama.cpp (add_space_prefix) does both
+        raise VocabError(f"{path}: Metaspace prepend_scheme {scheme!r} is not written: it adds U+2581 where "
+                         "llama.cpp does not (and the reverse), which changes the ids; only \"never\" is")
+    raise VocabError(f"{path}: a byte_fallback BPE whose normalizer {json.dumps(norm)[:80]} / pre-tokenizer "
+                     f"{json.dumps(pre)[:80]} does not write spaces as U+2581 the way llama.cpp does")
+
+
+def _merge_groups(merges, id_of, path):
+    """{token: (first rank, last rank)} of the merges making it, checked to be consecutive."""
+    groups = {}
+    for r, (a, b) in enumerate(merges):
+        t = a + b
+        if a not in id_of or b not in id_of or t not in id_of:
+            raise VocabError(f"{path}: merge {r} {a!r} {b!r}: a part or the result is not a token")
+        lo, hi = groups.get(t, (r, r - 1))
+        if hi != r - 1:
+            raise VocabError(f"{path}: the merges making {t!r} are not consecutive (ranks {hi} and {r}): "
+                             "llama.cpp's SentencePiece scores cannot order them")
+        groups[t] = (lo, r)
+    return groups
+
+
+def _check_splits(tokens, id_of, pairs, path):
+    """Every split llama.cpp could merge is a merge, and overlapping ones of a token rank left first."""
+    for t in tokens:
+        for k in range(1, len(t)):
+            a, b = t[:k], t[k:]
+            if (a in id_of or len(a) == 1) and (b in id_of or len(b) == 1) and (a, b) not in pairs:
+                raise VocabError(f"{path}: {a!r} + {b!r} make the token {t!r} but are not a merge: llama.cpp's "
+                                 "SentencePiece tokenizer would merge them (merges not converted from SentencePiece)")
+            z = t[len(b):]  # x y z with x + y = y + z = t, x = a, y = b
+            if t.startswith(b) and (a, b) in pairs and pairs.get((b, z), len(pairs)) < pairs[(a, b)]:
+                raise VocabError(f"{path}: the merges {b!r}+{z!r} and {a!r}+{b!r} of {t!r} overlap with the "
+                                 "right one first: llama.cpp merges the left one")
+
+
+def spm_json_vocab(path):
+    """A Vocab (tokenizer.ggml.model "llama") from a SentencePiece-style tokenizer.json, or VocabError."""
+    with open(path, encoding="utf-8") as f:
+        tj = json.load(f)
+    m = tj.get("model") or {}
+    if m.get("type") != "BPE" or m.get("dropout") or m.get("continuing_subword_prefix") \
+            or m.get("end_of_word_suffix") or m.get("ignore_merges"):
+        raise VocabError(f"{path}: byte_fallback with a model other than plain BPE (dropout, subword prefix, "
+                         "end-of-word suffix, ignore_merges) is not written")
+    space_prefix = _space_prefix(tj, path)
+    by_id = {int(i): t for t, i in (m.get("vocab") or {}).items()}
+    added = {int(a["id"]): a for a in tj.get("added_tokens") or []}
+    for i, a in added.items():
+        if by_id.get(i, a["content"]) != a["content"]:
+            raise VocabError(f"{path}: added token {i} {a['content']!r} differs from the vocabulary's {by_id[i]!r}")
+        by_id[i] = a["content"]
+    n = max(by_id) + 1 if by_id else 0
+    tokens = [by_id.get(i, f"[PAD{i}]") for i in range(n)]
+    id_of = {t: i for i, t in enumerate(tokens)}
+    if len(id_of) != n:
+        raise VocabError(f"{path}: two ids share one token string: not expressible in GGUF")
+    if any(f"<0x{b:02X}>" not in id_of for b in range(256)):
+        raise VocabError(f"{path}: byte_fallback without all 256 <0xXX> byte tokens is not written")
+    merges = [tuple(mg.split(" ", 1)) if isinstance(mg, str) else tuple(mg) for mg in m.get("merges") or []]
+    groups = _merge_groups(merges, id_of, path)
+    pairs = {p: r for r, p in enumerate(merges)}
+    _check_splits([by_id[i] for i in sorted(by_id)], id_of, pairs, path)
+    types = [TOKEN_NORMAL if i in by_id else TOKEN_UNUSED for i in range(n)]
+    for i, t in enumerate(tokens):
+        if BYTE_PIECE.fullmatch(t):
+            types[i] = TOKEN_BYTE
+    for i, a in added.items():
+        types[i] = TOKEN_CONTROL if a.get("special") else TOKEN_USER_DEFINED
+    unk = id_of.get(m.get("unk_token")) if m.get("unk_token") else None
+    if unk is not None:
+        types[unk] = TOKEN_UNKNOWN
+    # a token no merge makes is never the result of llama.cpp's merging either (_check_splits): its score is unused
+    scores = [-float(groups[t][0]) if t in groups else 0.0 for t in tokens]
+    v = Vocab("llama", tokens, types, scores=scores)
+    v.unk, v.add_space_prefix, v.post_processor = unk, space_prefix, tj.get("post_processor")
+    return v
+
+
+# ---------------------------------------------------------------------------------------------
 # llama2.c tokenizer.bin (SentencePiece)
 
 LLAMA2C_SPECIAL = {b"\n<s>\n": "<s>", b"\n</s>\n": "</s>"}
@@ -246,8 +365,8 @@ def _special_ids(v, tc, config, path):
 
 def _add_bos_eos(v, tc, path, id_of):
     """add_bos / add_eos: tokenizer_config.json's flags, else what tokenizer.json's post-processor adds."""
-    if v.model != "gpt2":
-        return
+    if v.model != "gpt2" and getattr(v, "post_processor", None) is None:
+        return  # a llama2.c tokenizer.bin: its tokenizer_bin block said add_bos
     first, last = _template_ends(getattr(v, "post_processor", None), path, lambda t: id_of[t])
     if first is not None and v.bos is not None and first != v.bos:
         raise VocabError(f"{path}: the post-processor adds token {first}, not the BOS {v.bos}")
@@ -297,7 +416,7 @@ def read_vocab(tok_dir, n_vocab, config):
     if os.path.isfile(tb) and (not block or block.get("type") == "sentencepiece"):
         v, path = sentencepiece_vocab(tb, block or {}), tb
     elif os.path.isfile(tj):
-        v, path = bpe_vocab(tj), tj
+        v, path = (spm_json_vocab(tj) if _byte_fallback(tj) else bpe_vocab(tj)), tj
     elif os.path.isfile(tb):
         raise VocabError(f"{tb}: a byte-level tokenizer.bin keeps no merges; pass --tokenizer DIR with the "
                          "tokenizer.json (scripts/export/gguf_tokenizer_json.py writes it from the original GGUF)")
@@ -321,6 +440,8 @@ def add_to_writer(w, v):
         w.add_token_scores(v.scores)
     if v.merges is not None:
         w.add_token_merges(v.merges)
+    if v.add_space_prefix is not None:
+        w.add_add_space_prefix(v.add_space_prefix)
     for key, add in (("bos", w.add_bos_token_id), ("eos", w.add_eos_token_id), ("pad", w.add_pad_token_id),
                      ("unk", w.add_unk_token_id)):
         if getattr(v, key) is not None:

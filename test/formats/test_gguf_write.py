@@ -18,7 +18,9 @@ pre-tokenizer), and the real SmolLM2-135M:
     vec_dot_type); rounding one factor of every product x.w by the format's step perturbs the logits by as
     much, to first order, as rounding the other one did. The weights' share is measured here (reference on
     the original weights against reference on the file's), so the bound is twice that plus TOL["logits"];
-- llama.cpp's tokenizer gives the `tokenizers` library's ids (ours, for the llama2.c SentencePiece one);
+- llama.cpp's tokenizer gives the `tokenizers` library's ids (ours, for the llama2.c SentencePiece one), also for
+  SentencePiece-style tokenizer.json files (Llama-2's form) built here with the library from tok512's pieces and
+  from a trained vocabulary, with the merges a SentencePiece model converts to;
 - llama.cpp's chat-template rendering (llama_chat_apply_template, its C++ side) of the embedded template equals
   scripts/formats/chat_template.py's;
 - what cannot be written exactly is refused in one line.
@@ -497,3 +499,124 @@ def test_smollm2_llama_cpp(smollm2, tmp_path):
     assert template == smollm2["chat_template"]
     ours = chat_template.render(template, MESSAGES, True, bos_token="<|im_start|>", eos_token="<|im_end|>")
     assert llama_cpp_chat(llama_cpp, template, MESSAGES, True) == ours
+
+
+# ---------------------------------------------------------------------------------------------
+# SentencePiece-style tokenizer.json (Llama-2 / Mistral: BPE with byte_fallback)
+
+def sentencepiece_merges(names):
+    """The merges a SentencePiece model converts to (as transformers' converter lists them): for each token in
+    id order (a SentencePiece BPE's score order), every split into two tokens, by the parts' ids."""
+    id_of = {t: i for i, t in enumerate(names)}
+    merges = []
+    for t in names:
+        local = [(t[:k], t[k:]) for k in range(1, len(t)) if t[:k] in id_of and t[k:] in id_of]
+        merges += sorted(local, key=lambda p: (id_of[p[0]], id_of[p[1]]))
+    return merges
+
+
+def sentencepiece_json(names, spaces, specials=("<unk>", "<s>", "</s>")):
+    """A tokenizer.json built by the `tokenizers` library: Llama-2's form (spaces "llama2": normalizer
+    Prepend + Replace) or a Metaspace pre-tokenizer with prepend_scheme `spaces`; BOS added by the
+    post-processor; <unk> <s> </s> special."""
+    from tokenizers import Tokenizer, decoders, models as tmodels, normalizers, pre_tokenizers, processors
+    vocab = {t: i for i, t in enumerate(names)}
+    tok = Tokenizer(tmodels.BPE(vocab=vocab, merges=sentencepiece_merges(names), unk_token="<unk>",
+                                byte_fallback=True, fuse_unk=True))
+    tok.add_special_tokens(list(specials))
+    if spaces == "llama2":
+        tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    else:
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme=spaces, split=False)
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    return tok
+
+
+def tok512_names(path):
+    """tok512.bin's pieces (a SentencePiece BPE of llama2.c) as tokenizer.json tokens."""
+    from llama2c_tokenizer import read_tokenizer_bin
+    pieces, _, _ = read_tokenizer_bin(path)
+    special = {b"\n<s>\n": "<s>", b"\n</s>\n": "</s>"}
+    return [special.get(p) or p.decode().replace(" ", "\u2581") for p in pieces]
+
+
+def trained_names():
+    """test_hf_tokenizer's SentencePiece-style vocabulary (<unk> <s> </s>, 256 bytes, pieces trained by the
+    library on words), whose trained merges are replaced by the SentencePiece-converted ones."""
+    from test_hf_tokenizer import sentencepiece_style
+    vocab = json.loads(sentencepiece_style("llama2").to_str())["model"]["vocab"]
+    return [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+
+
+SPM_TEXTS = CORPUS + [PROMPT, "Hi</s> there<s>again", "<s>", "Lily\u2581 and \u2581\u2581 x"]
+
+
+def spm_model(tmp_path, names, spaces):
+    d = tmp_path / f"spm_{spaces}"
+    cfg = dict(FAMILIES["llama"][0], vocab_size=len(names) + PAD_ROWS, max_position_embeddings=256,
+               architectures=["LlamaForCausalLM"], torch_dtype="float32")
+    lc.write_model(str(d), cfg)
+    tok = sentencepiece_json(names, spaces)
+    tok.save(str(d / "tokenizer.json"))
+    with open(d / "tokenizer_config.json", "w") as f:
+        json.dump({"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}, f)
+    return d, tok
+
+
+@pytest.mark.parametrize("source,spaces", [("tok512", "llama2"), ("trained", "llama2"), ("trained", "never")])
+def test_sentencepiece_tokenizer_json(tmp_path, shared, source, spaces):
+    """A SentencePiece-style tokenizer.json is written as llama.cpp's "llama" vocabulary (scores, byte tokens,
+    <unk> UNKNOWN, <s> </s> CONTROL, add_space_prefix): llama.cpp's tokenizer gives the `tokenizers` library's
+    ids, with and without the BOS, special tokens inside the text included. On tok512 (a real SentencePiece
+    model) the library's ids are also llama2.c's (scripts/formats/llama2c_tokenizer.py), which checks the
+    tokenizer.json this test builds."""
+    llama_cpp = need_llama_cpp()
+    names = tok512_names(shared("models/tok512.bin")) if source == "tok512" else trained_names()
+    d, tok = spm_model(tmp_path, names, spaces)
+    path = export_gguf(d, tmp_path / "spm.gguf", "f16")
+    llm = llama_cpp_model(llama_cpp, path)
+    ours = Llama2cTokenizer(shared("models/tok512.bin")) if source == "tok512" else None
+    fallback = 0
+    for text in SPM_TEXTS:
+        want = tok.encode(text).ids
+        assert llm.tokenize(text.encode(), add_bos=True, special=True) == want, text
+        assert llm.tokenize(text.encode(), add_bos=False, special=True) == want[1:], text
+        fallback += sum(3 <= i < 259 for i in want)
+        if ours and "<" not in text and "\u2581" not in text:  # llama2.c's pieces hold spaces, not U+2581
+            assert ours.encode(text, bos=True) == want, text
+    assert fallback > 0  # the texts reach the byte tokens
+    llm.close()
+    import gguf
+    f = gguf.GGUFReader(str(path)).fields
+    types = f["tokenizer.ggml.token_type"].contents()
+    assert f["tokenizer.ggml.model"].contents() == "llama"
+    assert types[:3] == [gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL]
+    assert types[3:259] == [gguf.TokenType.BYTE] * 256
+    assert types[-PAD_ROWS:] == [gguf.TokenType.UNUSED] * PAD_ROWS
+
+
+def test_sentencepiece_tokenizer_json_refusals(tmp_path, shared):
+    """What llama.cpp's SentencePiece tokenizer would not reproduce is refused in one line: the library's
+    trained merges (pairs that make a token without being a merge), Metaspace prepend_scheme "first" (no
+    U+2581 after a special token) and "always" (none before a text that starts with a space), a split
+    Metaspace, missing byte tokens."""
+    names = tok512_names(shared("models/tok512.bin"))
+    out = tmp_path / "x.gguf"
+    from test_hf_tokenizer import sentencepiece_style
+    d, _ = spm_model(tmp_path, names, "llama2")
+    sentencepiece_style("llama2").save(str(d / "tokenizer.json"))
+    assert "but are not a merge" in refused(d, "--outfile", out)
+    d, _ = spm_model(tmp_path, names, "first")
+    assert "prepend_scheme 'first'" in refused(d, "--outfile", out)
+    d, _ = spm_model(tmp_path, names, "always")
+    assert "prepend_scheme 'always'" in refused(d, "--outfile", out)
+    tj = json.load(open(d / "tokenizer.json"))
+    tj["pre_tokenizer"].update(prepend_scheme="never", split=True)
+    json.dump(tj, open(d / "tokenizer.json", "w"))
+    assert "split true" in refused(d, "--outfile", out)
+    tj["pre_tokenizer"]["split"] = False
+    del tj["model"]["vocab"]["<0x41>"]
+    json.dump(tj, open(d / "tokenizer.json", "w"))
+    assert "256 <0xXX> byte tokens" in refused(d, "--outfile", out)
+    assert not out.exists()
