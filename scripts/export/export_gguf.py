@@ -4,13 +4,18 @@ file for llama.cpp, optionally with a PEFT LoRA adapter folded in.
     python3 scripts/export/export_gguf.py MODEL_DIR --outfile OUT.gguf --outtype f32|f16|bf16|q8_0|q4_k_m|q5_k_m|q6_k
                                           [--adapter ADAPTER_DIR] [--tokenizer DIR]
 
-Families (model_type): llama and mistral (both as llama.cpp's "llama"), qwen2, qwen3. gemma2/3 and phi3 are
-not loaded by train_llama yet and are refused. llama.cpp's "llama" applies RoPE to adjacent pairs (2i, 2i+1), so
-the rows of attn_q / attn_k (weights and biases) are permuted within each head as llama.cpp's converter does
-(scripts/formats/gguf_llama.py, half_to_interleaved); qwen2 and qwen3 use NEOX RoPE, the Hugging Face order, and
-are written as they are. A tied head writes no output.weight (llama.cpp reuses token_embd). Llama-3.1 RoPE
-scaling is written as the rope_freqs tensor of per-frequency divisors; a sliding window is written by capping
-the context length at the window (llama.cpp's llama/qwen2 attend to every earlier position).
+Families (model_type): llama and mistral (both as llama.cpp's "llama"), qwen2, qwen3, gemma2, phi3. Gemma 3 is
+refused (the transformers these exports are checked against, 4.46, has no Gemma 3). llama.cpp's "llama" applies
+RoPE to adjacent pairs (2i, 2i+1), so the rows of attn_q / attn_k (weights and biases) are permuted within each
+head as llama.cpp's converter does (scripts/formats/gguf_llama.py, half_to_interleaved); qwen2, qwen3, gemma2 and
+phi3 use NEOX RoPE, the Hugging Face order, and are written as they are. A tied head writes no output.weight
+(llama.cpp reuses token_embd). Llama-3.1 RoPE scaling is written as the rope_freqs tensor of per-frequency
+divisors; a sliding window is written by capping the context length at the window for llama, qwen2 and phi3
+(which attend to every earlier position in llama.cpp) and as the sliding_window key for gemma2 (even layers).
+gemma2: every RMSNorm weight is written plus one (Hugging Face's Gemma norm multiplies by 1 + w, llama.cpp's by
+w), the two soft-capping keys, pre/post norms of attention and MLP. phi3: the fused qkv_proj and gate_up_proj
+as attn_qkv and ffn_up (llama.cpp splits them in the same order), LongRoPE as the rope_factors_long/short
+tensors with the original context length and the attention factor sqrt(1 + ln(s) / ln(original)).
 
 Types: f32, f16, bf16 and q8_0 are written here with the gguf package; norms, biases and rope_freqs stay f32,
 and a matrix whose rows are not a multiple of 32 values stays f16 under q8_0 (llama.cpp's converter falls
@@ -36,8 +41,12 @@ import gguf_vocab  # noqa: E402
 import st_io  # noqa: E402
 from gguf_llama import half_to_interleaved  # noqa: E402
 
-ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
-LATER = ("gemma", "gemma2", "gemma3", "gemma3_text", "phi3")
+ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2", "phi3": "phi3"}
+NOT_EXPORTED = {
+    "gemma": "Gemma 1 is not a family train_llama loads",
+    "gemma3": "Gemma 3 is not in transformers 4.46, against which these exports are checked",
+    "gemma3_text": "Gemma 3 is not in transformers 4.46, against which these exports are checked",
+}
 # llama.cpp's LLAMA_FTYPE_MOSTLY_* of the k-quants (include/llama.h)
 KQUANT_FTYPE = {"q4_k_m": 15, "q5_k_m": 17, "q6_k": 18}
 OUTTYPES = ("f32", "f16", "bf16", "q8_0") + tuple(KQUANT_FTYPE)
@@ -51,11 +60,27 @@ CONFIG_KEYS = {
     "bos_token_id", "eos_token_id", "pad_token_id", "torch_dtype", "dtype", "transformers_version", "use_cache",
     "initializer_range", "pretraining_tp", "_name_or_path", "quantization_config",
 }
+# keys of one family only (read there, or leaving its computation alone)
+FAMILY_KEYS = {
+    "gemma2": {"hidden_activation", "query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping",
+               "cache_implementation"},
+    "phi3": {"original_max_position_embeddings", "resid_pdrop", "embd_pdrop"},
+}
 HF_LAYER = {
     "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
     "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+}
+# per llama.cpp architecture: its layer tensors (gguf's tensor names for the arch)
+LAYER_NAMES = {
+    "llama": HF_LAYER, "qwen2": HF_LAYER, "qwen3": HF_LAYER,
+    "gemma2": {k: v for k, v in HF_LAYER.items() if "_norm" not in k} | {
+        "input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
+        "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"},
+    "phi3": {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+             "self_attn.qkv_proj": "attn_qkv", "self_attn.o_proj": "attn_output",
+             "mlp.gate_up_proj": "ffn_up", "mlp.down_proj": "ffn_down"},
 }
 
 
@@ -140,11 +165,11 @@ class Hparams:
 
     def __init__(self, cfg, path):
         family = cfg.get("model_type", "llama")
-        if family in LATER:
-            raise ExportError(f"{path}: model_type {family!r} is not loaded by train_llama yet, so not exported")
+        if family in NOT_EXPORTED:
+            raise ExportError(f"{path}: model_type {family!r} is not exported: {NOT_EXPORTED[family]}")
         if family not in ARCH:
-            raise ExportError(f"{path}: model_type {family!r} is not supported (llama, mistral, qwen2, qwen3)")
-        unknown = sorted(set(cfg) - CONFIG_KEYS)
+            raise ExportError(f"{path}: model_type {family!r} is not supported ({', '.join(ARCH)})")
+        unknown = sorted(set(cfg) - CONFIG_KEYS - FAMILY_KEYS.get(family, set()))
         if unknown:
             raise ExportError(f"{path}: config key {unknown[0]!r} is not known to this exporter: refused")
         self.family, self.arch = family, ARCH[family]
@@ -155,15 +180,25 @@ class Hparams:
         self.eps = float(cfg.get("rms_norm_eps", 1e-6))
         self.theta = float(cfg.get("rope_theta", 10000.0))
         self.ctx = int(cfg.get("max_position_embeddings", 2048))
-        self.tied = bool(cfg.get("tie_word_embeddings", False))
+        # transformers' default when config.json leaves it out (save_pretrained omits the base class's True)
+        self.tied = bool(cfg.get("tie_word_embeddings", family == "gemma2"))
         self.attention_bias, self.mlp_bias = bool(cfg.get("attention_bias")), bool(cfg.get("mlp_bias"))
+        self.swa = self.softcaps = self.longrope = None
         self.check(cfg, path)
-        self.rope_factors = self.llama3_factors(cfg.get("rope_scaling"), path)
+        if self.arch == "gemma2":
+            self.gemma2(cfg, path)
+        self.rope_factors = None
+        if self.arch == "phi3":
+            self.longrope = self.phi3_longrope(cfg, path)
+        else:
+            self.rope_factors = self.llama3_factors(cfg.get("rope_scaling"), path)
         self.sliding_window(cfg, path)
 
     def check(self, cfg, path):
-        if cfg.get("hidden_act", "silu") != "silu":
-            raise ExportError(f"{path}: hidden_act {cfg['hidden_act']!r} is not written (silu only)")
+        act = cfg.get("hidden_activation", cfg.get("hidden_act")) if self.arch == "gemma2" else cfg.get("hidden_act")
+        want = "gelu_pytorch_tanh" if self.arch == "gemma2" else "silu"  # llama.cpp's gemma2: tanh-approximate GELU
+        if (act or want) != want:
+            raise ExportError(f"{path}: hidden activation {act!r} is not written ({want} for {self.family})")
         if float(cfg.get("partial_rotary_factor", 1.0)) != 1.0 or float(cfg.get("attention_dropout") or 0) != 0:
             raise ExportError(f"{path}: partial_rotary_factor / attention_dropout are not written")
         if cfg.get("quantization_config"):
@@ -172,6 +207,46 @@ class Hparams:
             raise ExportError(f"{path}: qwen2 with mlp_bias or heads*head_dim != hidden_size has no llama.cpp form")
         if self.arch == "qwen3" and (self.attention_bias or self.mlp_bias):
             raise ExportError(f"{path}: qwen3 with attention_bias/mlp_bias is not loaded by llama.cpp's qwen3")
+        if self.arch in ("gemma2", "phi3") and (self.attention_bias or self.mlp_bias):
+            raise ExportError(f"{path}: {self.arch} with attention_bias/mlp_bias has no llama.cpp form")
+
+    def gemma2(self, cfg, path):
+        """Gemma 2's soft-capping and query scale as llama.cpp's gemma2 has them (both caps always applied; q
+        scaled by head_dim^-0.5, or by (hidden/heads)^-0.5 for the 46-layer 27B)."""
+        caps = cfg.get("attn_logit_softcapping"), cfg.get("final_logit_softcapping")
+        if None in caps:
+            raise ExportError(f"{path}: gemma2 without attn_logit_softcapping / final_logit_softcapping: llama.cpp's "
+                              "gemma2 always soft-caps")
+        self.softcaps = tuple(float(c) for c in caps)
+        scalar = float(cfg.get("query_pre_attn_scalar", 224))
+        llama_cpp = self.dim / self.heads if self.layers == 46 else self.head_dim
+        if scalar != llama_cpp:
+            raise ExportError(f"{path}: gemma2 query_pre_attn_scalar {scalar:g}: llama.cpp's gemma2 scales queries by "
+                              f"{llama_cpp:g}^-0.5 for {self.layers} layers")
+        if not self.tied:
+            raise ExportError(f"{path}: gemma2 with an untied head: llama.cpp's gemma2 reads the embedding as the head")
+        if cfg.get("rope_scaling"):
+            raise ExportError(f"{path}: gemma2 with rope_scaling is not written")
+
+    def phi3_longrope(self, cfg, path):
+        """Phi-3's LongRoPE (transformers 4.46: the short factors up to original_max_position_embeddings, the
+        long ones past it, cos/sin times sqrt(1 + ln(s) / ln(original)), s = max / original): llama.cpp's
+        rope_factors_short / _long (it picks by its context size) and rope.scaling.attn_factor."""
+        rs = cfg.get("rope_scaling")
+        if not rs:
+            return None
+        kind = rs.get("rope_type", rs.get("type"))
+        if kind != "longrope" or set(rs) - {"type", "rope_type", "short_factor", "long_factor"}:
+            raise ExportError(f"{path}: phi3 rope_scaling {json.dumps(rs)[:80]}: only longrope with short_factor and "
+                              "long_factor is written")
+        short, long = (np.array(rs[k], np.float32) for k in ("short_factor", "long_factor"))
+        if short.shape != (self.head_dim // 2,) or long.shape != short.shape:
+            raise ExportError(f"{path}: phi3 longrope factors of {short.size}/{long.size} values, not head_dim/2 "
+                              f"= {self.head_dim // 2}")
+        orig = int(cfg["original_max_position_embeddings"])
+        scale = self.ctx / orig
+        attn = math.sqrt(1 + math.log(scale) / math.log(orig)) if scale > 1 else 1.0
+        return {"short": short, "long": long, "orig": orig, "attn_factor": attn}
 
     def llama3_factors(self, rs, path):
         """Llama-3.1 RoPE scaling as llama.cpp reads it: rope_freqs, each frequency's divisor."""
@@ -195,7 +270,11 @@ class Hparams:
         return np.array(out, np.float32)
 
     def sliding_window(self, cfg, path):
-        active = self.family == "mistral" or bool(cfg.get("use_sliding_window"))
+        if self.arch == "gemma2":  # llama.cpp's sliding_window key: gemma2's even layers, as transformers'
+            self.swa = int(cfg["sliding_window"]) if cfg.get("sliding_window") is not None else None
+            return
+        # llama.cpp's phi3 reads no window (measured: it attends to every earlier position), like llama/qwen2
+        active = self.family in ("mistral", "phi3") or bool(cfg.get("use_sliding_window"))
         active |= "sliding_attention" in (cfg.get("layer_types") or [])
         w = cfg.get("sliding_window")
         if active and w is not None and int(w) < self.ctx:
@@ -215,6 +294,14 @@ class Hparams:
         w.add_rope_dimension_count(self.head_dim)
         w.add_key_length(self.head_dim)
         w.add_value_length(self.head_dim)
+        if self.swa is not None:
+            w.add_sliding_window(self.swa)
+        if self.softcaps:
+            w.add_attn_logit_softcapping(self.softcaps[0])
+            w.add_final_logit_softcapping(self.softcaps[1])
+        if self.longrope:
+            w.add_rope_scaling_orig_ctx_len(self.longrope["orig"])
+            w.add_rope_scaling_attn_factors(self.longrope["attn_factor"])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -228,16 +315,18 @@ def gguf_name(hf, hp):
         return top[hf]
     parts = hf.split(".")
     if len(parts) >= 5 and parts[:2] == ["model", "layers"] and parts[2].isdigit() and int(parts[2]) < hp.layers:
-        module, kind = ".".join(parts[3:-1]), parts[-1]
-        if module in HF_LAYER and kind in ("weight", "bias"):
-            return f"blk.{parts[2]}.{HF_LAYER[module]}.{kind}"
+        module, kind, names = ".".join(parts[3:-1]), parts[-1], LAYER_NAMES[hp.arch]
+        if module in names and kind in ("weight", "bias"):
+            return f"blk.{parts[2]}.{names[module]}.{kind}"
     raise ExportError(f"tensor {hf} has no llama.cpp {hp.arch} name")
 
 
 def gguf_tensors(tensors, hp):
     """[(gguf name, float32 array)] in llama.cpp's row order."""
     out = []
-    if hp.tied and "lm_head.weight" in tensors:
+    if hp.arch == "phi3" and hp.tied:  # written as output.weight too, which llama.cpp's phi3 reads
+        tensors = dict(tensors, **{"lm_head.weight": tensors["model.embed_tokens.weight"]})
+    elif hp.tied and "lm_head.weight" in tensors:
         if not np.array_equal(tensors["lm_head.weight"], tensors["model.embed_tokens.weight"]):
             raise ExportError("tie_word_embeddings is true but lm_head.weight differs from the embedding")
         tensors = {k: v for k, v in tensors.items() if k != "lm_head.weight"}
@@ -249,10 +338,23 @@ def gguf_tensors(tensors, hp):
             arr = permute_rows(arr, hp.heads)
         elif hp.arch == "llama" and ".attn_k." in name:
             arr = permute_rows(arr, hp.kv_heads)
+        elif hp.arch == "gemma2" and name.endswith("norm.weight"):
+            arr = (arr.astype(np.float64) + 1.0).astype(np.float32)  # Gemma's norm: x * (1 + w)
+        check_shape(name, arr, hp)
         out.append((name, np.ascontiguousarray(arr)))
     if hp.rope_factors is not None:
         out.append(("rope_freqs.weight", hp.rope_factors))
+    if hp.longrope:
+        out += [("rope_factors_long.weight", hp.longrope["long"]), ("rope_factors_short.weight", hp.longrope["short"])]
     return out
+
+
+def check_shape(name, arr, hp):
+    """phi3's fused matrices: rows q, k, v and gate, up (llama.cpp splits them at these sizes)."""
+    rows = {".attn_qkv.": (hp.heads + 2 * hp.kv_heads) * hp.head_dim, ".ffn_up.": 2 * hp.ff}
+    for part, n in rows.items():
+        if hp.arch == "phi3" and part in name and arr.shape[0] != n:
+            raise ExportError(f"tensor {name}: {arr.shape[0]} rows, phi3 needs {n}")
 
 
 def _order(hf):
