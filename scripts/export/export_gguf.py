@@ -176,7 +176,7 @@ class Hparams:
         self.dim, self.ff = int(cfg["hidden_size"]), int(cfg["intermediate_size"])
         self.layers, self.heads = int(cfg["num_hidden_layers"]), int(cfg["num_attention_heads"])
         self.kv_heads = int(cfg.get("num_key_value_heads") or self.heads)
-        self.head_dim = int(cfg.get("head_dim") or self.dim // self.heads)
+        self.head_dim = int(cfg.get("head_dim") or (256 if family == "gemma2" else self.dim // self.heads))
         self.eps = float(cfg.get("rms_norm_eps", 1e-6))
         self.theta = float(cfg.get("rope_theta", 10000.0))
         self.ctx = int(cfg.get("max_position_embeddings", 2048))
@@ -213,7 +213,8 @@ class Hparams:
     def gemma2(self, cfg, path):
         """Gemma 2's soft-capping and query scale as llama.cpp's gemma2 has them (both caps always applied; q
         scaled by head_dim^-0.5, or by (hidden/heads)^-0.5 for the 46-layer 27B)."""
-        caps = cfg.get("attn_logit_softcapping"), cfg.get("final_logit_softcapping")
+        # transformers' defaults where config.json leaves a key out; an explicit null turns the cap off there
+        caps = cfg.get("attn_logit_softcapping", 50.0), cfg.get("final_logit_softcapping", 30.0)
         if None in caps:
             raise ExportError(f"{path}: gemma2 without attn_logit_softcapping / final_logit_softcapping: llama.cpp's "
                               "gemma2 always soft-caps")
@@ -417,6 +418,24 @@ def kquantize(src, dst, outtype):
         raise ExportError(f"llama_model_quantize {outtype} failed (return code {rc})")
 
 
+# llama.cpp changes a vocabulary's token attributes by general.name (src/llama-vocab.cpp of llama.cpp: a name
+# holding "phi3" or "phi-3" gets Phi-3's whitespace stripping around special tokens, and needs <|endoftext|>);
+# what is written here is tokenizer.json's own behaviour, so such a name is not written as it is
+NAME_KEYED = ("phi3", "phi-3")
+
+
+def model_name(model_dir):
+    name = os.path.basename(os.path.normpath(model_dir))
+    if any(k in name.lower() for k in NAME_KEYED):
+        safe = name.lower()
+        for k in NAME_KEYED:
+            safe = safe.replace(k, "phi_3")
+        print(f"note: general.name written as {safe!r}, not {name!r}: llama.cpp changes the tokenizer of a model "
+              "so named")
+        return safe
+    return name
+
+
 def export(args):
     cfg_path = os.path.join(args.model_dir, "config.json")
     if not os.path.isfile(cfg_path):
@@ -430,7 +449,7 @@ def export(args):
     named = gguf_tensors(tensors, hp)
     n_vocab = tensors["model.embed_tokens.weight"].shape[0]
     vocab = gguf_vocab.read_vocab(args.tokenizer or args.model_dir, n_vocab, cfg)
-    name = os.path.basename(os.path.normpath(args.model_dir))
+    name = model_name(args.model_dir)
     out_dir = os.path.dirname(os.path.abspath(args.outfile))
     # written beside OUT and renamed into place: a failure leaves no partial OUT
     fd, tmp = tempfile.mkstemp(suffix=".gguf.tmp", dir=out_dir)

@@ -126,6 +126,14 @@ def _check_normalizer(tj, path):
               "tokenizes the same")
 
 
+def _check_added(added, path):
+    """GGUF keeps no per-token whitespace stripping (llama.cpp sets it by model name only): refused."""
+    for i, a in sorted(added.items()):
+        if a.get("lstrip") or a.get("rstrip") or a.get("single_word"):
+            raise VocabError(f"{path}: added token {i} {a['content']!r} strips whitespace or matches single words "
+                             "(lstrip/rstrip/single_word), which GGUF cannot express")
+
+
 def _merges(m, path):
     out = []
     for r, mg in enumerate(m.get("merges") or []):
@@ -147,6 +155,7 @@ def bpe_vocab(path):
     _check_normalizer(tj, path)
     by_id = {int(i): t for t, i in (m.get("vocab") or {}).items()}
     added = {int(a["id"]): a for a in tj.get("added_tokens") or []}
+    _check_added(added, path)
     for i, a in added.items():
         if by_id.get(i, a["content"]) != a["content"]:
             raise VocabError(f"{path}: added token {i} {a['content']!r} differs from the vocabulary's {by_id[i]!r}")
@@ -275,6 +284,7 @@ def spm_json_vocab(path):
     space_prefix = _space_prefix(tj, path)
     by_id = {int(i): t for t, i in (m.get("vocab") or {}).items()}
     added = {int(a["id"]): a for a in tj.get("added_tokens") or []}
+    _check_added(added, path)
     for i, a in added.items():
         if by_id.get(i, a["content"]) != a["content"]:
             raise VocabError(f"{path}: added token {i} {a['content']!r} differs from the vocabulary's {by_id[i]!r}")

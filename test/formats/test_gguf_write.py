@@ -40,6 +40,7 @@ import chat_template  # noqa: E402
 import st_io  # noqa: E402
 from llama2c_tokenizer import Tokenizer as Llama2cTokenizer  # noqa: E402
 from smollm2_gguf import smollm2_gguf_path  # noqa: E402
+from conftest import shared_file  # noqa: E402  (test/conftest.py)
 from test_hf_tokenizer import CORPUS, byte_level  # noqa: E402
 
 ROOT = lc.REPO
@@ -143,8 +144,8 @@ def llama_cpp_model(llama_cpp, path, n_ctx=64):
                            type_k=0, type_v=0, flash_attn=False)  # 0: GGML_TYPE_F32 K/V cache
 
 
-def llama_cpp_logits(llama_cpp, path, tokens):
-    llm = llama_cpp_model(llama_cpp, path)
+def llama_cpp_logits(llama_cpp, path, tokens, n_ctx=64):
+    llm = llama_cpp_model(llama_cpp, path, n_ctx)
     llm.eval(tokens)
     out = np.array(llm.scores[:len(tokens)], dtype=np.float64)
     llm.close()
@@ -517,15 +518,17 @@ def sentencepiece_merges(names):
 
 def sentencepiece_json(names, spaces, specials=("<unk>", "<s>", "</s>")):
     """A tokenizer.json built by the `tokenizers` library: Llama-2's form (spaces "llama2": normalizer
-    Prepend + Replace) or a Metaspace pre-tokenizer with prepend_scheme `spaces`; BOS added by the
-    post-processor; <unk> <s> </s> special."""
+    Prepend + Replace), Gemma's ("gemma": Replace only) or a Metaspace pre-tokenizer with prepend_scheme
+    `spaces`; BOS added by the post-processor; `specials` added as special tokens."""
     from tokenizers import Tokenizer, decoders, models as tmodels, normalizers, pre_tokenizers, processors
     vocab = {t: i for i, t in enumerate(names)}
     tok = Tokenizer(tmodels.BPE(vocab=vocab, merges=sentencepiece_merges(names), unk_token="<unk>",
                                 byte_fallback=True, fuse_unk=True))
-    tok.add_special_tokens(list(specials))
+    tok.add_special_tokens(list(specials) + [t for t in GEMMA_TURNS if spaces == "gemma"])
     if spaces == "llama2":
         tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    elif spaces == "gemma":  # Gemma's: spaces replaced, none added before the text
+        tok.normalizer = normalizers.Replace(" ", "\u2581")
     else:
         tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme=spaces, split=False)
     tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
@@ -600,7 +603,7 @@ def test_sentencepiece_tokenizer_json_refusals(tmp_path, shared):
     """What llama.cpp's SentencePiece tokenizer would not reproduce is refused in one line: the library's
     trained merges (pairs that make a token without being a merge), Metaspace prepend_scheme "first" (no
     U+2581 after a special token) and "always" (none before a text that starts with a space), a split
-    Metaspace, missing byte tokens."""
+    Metaspace, an added token with rstrip, missing byte tokens."""
     names = tok512_names(shared("models/tok512.bin"))
     out = tmp_path / "x.gguf"
     from test_hf_tokenizer import sentencepiece_style
@@ -616,7 +619,234 @@ def test_sentencepiece_tokenizer_json_refusals(tmp_path, shared):
     json.dump(tj, open(d / "tokenizer.json", "w"))
     assert "split true" in refused(d, "--outfile", out)
     tj["pre_tokenizer"]["split"] = False
+    tj["added_tokens"][2]["rstrip"] = True  # </s> eating the spaces after it: llama.cpp keeps no such flag
+    json.dump(tj, open(d / "tokenizer.json", "w"))
+    assert "added token 2 '</s>' strips whitespace" in refused(d, "--outfile", out)
+    tj["added_tokens"][2]["rstrip"] = False
     del tj["model"]["vocab"]["<0x41>"]
     json.dump(tj, open(d / "tokenizer.json", "w"))
     assert "256 <0xXX> byte tokens" in refused(d, "--outfile", out)
+    assert not out.exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# Gemma 2 and Phi-3, judged against transformers (build/hfvenv: 4.46, which has no Gemma 3)
+
+HF_PYTHON = os.path.join(ROOT, "build", "hfvenv", "bin", "python")
+HF_FAMILY = os.path.join(ROOT, "test", "formats", "hf_family.py")
+GEMMA_TURNS = ("<start_of_turn>", "<end_of_turn>")
+# soft caps small enough to bend these random models' attention scores and logits
+HF_FAMILIES = {
+    "gemma2": dict(model_type="gemma2", architectures=["Gemma2ForCausalLM"], hidden_size=64, intermediate_size=96,
+                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                   query_pre_attn_scalar=32, max_position_embeddings=64, sliding_window=8, rms_norm_eps=1e-6,
+                   rope_theta=10000.0, attn_logit_softcapping=5.0, final_logit_softcapping=3.0),
+    "phi3": dict(model_type="phi3", architectures=["Phi3ForCausalLM"], hidden_size=64, intermediate_size=96,
+                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                 original_max_position_embeddings=64, sliding_window=8, rms_norm_eps=1e-5, rope_theta=10000.0,
+                 tie_word_embeddings=False),
+}
+# Phi-3's LongRoPE: llama.cpp takes the long factors when its context (at least 256: it pads n_ctx) passes the
+# original length, transformers when the sequence does; 256 lets both take the short ones on a short prompt
+LONGROPE = dict(HF_FAMILIES["phi3"], max_position_embeddings=1024, original_max_position_embeddings=256,
+                sliding_window=None, rope_scaling={
+                    "type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.2, 1.6, 1.9, 1.4, 1.05],
+                    "long_factor": [1.0, 2.0, 3.5, 5.0, 4.0, 8.0, 6.5, 9.0]})
+GEMMA_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{% set role = 'model' if m['role'] == 'assistant' else "
+                  "m['role'] %}{{ '<start_of_turn>' + role + '\n' + m['content'] | trim + '<end_of_turn>\n' }}"
+                  "{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}")
+LLAMA3_TEMPLATE = ("{% for m in messages %}{% set c = '<|start_header_id|>' + m['role'] + '<|end_header_id|>\n\n' + "
+                   "m['content'] | trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}{% set c = bos_token + c %}"
+                   "{% endif %}{{ c }}{% endfor %}{% if add_generation_prompt %}"
+                   "{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}")
+
+
+def hf_python():
+    if not os.path.exists(HF_PYTHON):
+        pytest.fail(f"{HF_PYTHON} missing: scripts/ci/install_deps.sh makes it (transformers 4.46)")
+    return HF_PYTHON
+
+
+def hf_model(root, name, cfg, tok512):
+    """A random transformers checkpoint of cfg with a SentencePiece-style tokenizer.json of tok512's pieces
+    (Gemma's form for gemma2, Llama-2's for phi3) and PAD_ROWS embedding rows past it."""
+    d = root / name
+    names = tok512_names(tok512) + (list(GEMMA_TURNS) if cfg["model_type"] == "gemma2" else [])
+    cfg = dict(cfg, vocab_size=len(names) + PAD_ROWS, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    with open(root / f"{name}.json", "w") as f:
+        json.dump(cfg, f)
+    res = subprocess.run([hf_python(), HF_FAMILY, "make", root / f"{name}.json", d], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    tok = sentencepiece_json(names[:512], "gemma" if cfg["model_type"] == "gemma2" else "llama2")
+    tok.save(str(d / "tokenizer.json"))
+    template = GEMMA_TEMPLATE if cfg["model_type"] == "gemma2" else CHATML
+    with open(d / "tokenizer_config.json", "w") as f:
+        json.dump({"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "chat_template": template}, f)
+    return d, tok
+
+
+def hf_logits(model_dir, tokens, tmp_path, gelu_f16=False):
+    ids = tmp_path / "ids.json"
+    ids.write_text(json.dumps(list(map(int, tokens))))
+    out = tmp_path / "logits.npy"
+    res = subprocess.run([hf_python(), HF_FAMILY, "logits", model_dir, ids, out] + ["--gelu-f16"] * gelu_f16,
+                         capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    return np.load(out)
+
+
+# GGUF -> Hugging Face names of these two families, to read back the weights a file holds
+GGUF_TO_HF = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+              "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj",
+              "ffn_down": "mlp.down_proj", "attn_qkv": "self_attn.qkv_proj"}
+GGUF_TO_HF_FAMILY = {
+    "gemma2": {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
+               "post_ffw_norm": "post_feedforward_layernorm", "ffn_up": "mlp.up_proj"},
+    "phi3": {"ffn_norm": "post_attention_layernorm", "ffn_up": "mlp.gate_up_proj"},
+}
+
+
+def file_weights_dir(path, like, family, out):
+    """The model directory of the weights a GGUF file holds (dequantized by the gguf package), with the config
+    and tokenizer of `like`; Gemma's norms back to transformers' w (the file holds 1 + w)."""
+    import gguf
+    import shutil
+    top = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+           "output.weight": "lm_head.weight"}
+    names = dict(GGUF_TO_HF, **GGUF_TO_HF_FAMILY[family])
+    t = {}
+    for x in gguf.GGUFReader(str(path)).tensors:
+        if x.name.startswith("rope_factors"):
+            continue
+        p = x.name.split(".")
+        hf = top.get(x.name) or f"model.layers.{p[1]}.{names[p[2]]}.{p[3]}"
+        shape = tuple(int(n) for n in reversed(list(x.shape)))
+        arr = np.asarray(gguf.quants.dequantize(x.data, x.tensor_type), np.float64).reshape(shape)
+        t[hf] = (arr - 1.0 if family == "gemma2" and x.name.endswith("norm.weight") else arr).astype(np.float32)
+    shutil.copytree(like, out)
+    st_io.save(str(out / "model.safetensors"), t, metadata={"format": "pt"})  # transformers reads it
+    return out
+
+
+@pytest.fixture(scope="module")
+def hf_models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gguf_hf")
+    tok512 = shared_file("models/tok512.bin")
+    out = {}
+    for fam, cfg in HF_FAMILIES.items():
+        d, tok = hf_model(root, fam, cfg, tok512)
+        out[fam] = {"dir": d, "tok": tok, "gguf": {t: export_gguf(d, root / f"{fam}.{t}.gguf", t) for t in OUTTYPES}}
+    return out
+
+
+@pytest.mark.parametrize("family", list(HF_FAMILIES))
+def test_llama_cpp_logits_against_transformers(hf_models, family, tmp_path):
+    """llama.cpp's logits on each file against transformers' (float64, eager attention) on the weights the file
+    holds: f32 within TOL["logits"]; f16, bf16 and q8_0 within 2x the weights' share + TOL["logits"] (the
+    argument of test_llama_cpp_logits). Gemma 2's GELU in llama.cpp goes through a table of half floats
+    (test/formats/hf_family.py, gelu_f16), which the reference applies for these bounds; the table of the note
+    (SEEN) is against transformers itself. gemma2's prompt passes its window of 8 (the reference without the
+    window differs there); phi3's stays inside it (llama.cpp's phi3 has none: the file's context is the window)."""
+    llama_cpp = need_llama_cpp()
+    m, gemma = hf_models[family], family == "gemma2"
+    n = 20 if gemma else 8
+    tokens = (m["tok"].encode(PROMPT).ids * 4)[:n]
+    plain = hf_logits(m["dir"], tokens, tmp_path)
+    want = hf_logits(m["dir"], tokens, tmp_path, gelu_f16=gemma)
+    scale = np.abs(want).max()
+    for t, path in m["gguf"].items():
+        got = llama_cpp_logits(llama_cpp, path, tokens)
+        held = hf_logits(file_weights_dir(path, m["dir"], family, tmp_path / t), tokens, tmp_path, gelu_f16=gemma)
+        weights_share = np.abs(held - want).max() / scale
+        err = np.abs(got - held).max() / scale
+        SEEN[(family, t)] = np.abs(got - plain).max() / scale
+        bound = lc.TOL["logits"] if t == "f32" else 2 * weights_share + lc.TOL["logits"]
+        assert err <= bound, (family, t, err, bound, weights_share)
+    if gemma:  # the window matters on this prompt
+        edit_json(m["dir"] / "config.json", sliding_window=64)
+        try:
+            full = hf_logits(m["dir"], tokens, tmp_path, gelu_f16=True)
+        finally:
+            edit_json(m["dir"] / "config.json", sliding_window=8)
+        assert np.abs(full - want)[8:].max() > 100 * lc.TOL["logits"] * scale
+    else:
+        import gguf
+        fields = gguf.GGUFReader(str(m["gguf"]["f32"])).fields
+        assert fields["phi3.context_length"].contents() == 8
+        # llama.cpp would give a model named "phi3" Phi-3's special-token whitespace stripping
+        assert fields["general.name"].contents() == "phi_3"
+
+
+def test_llama_cpp_phi3_longrope(tmp_path, shared):
+    """Phi-3's LongRoPE (factors as rope_factors_short/long, attention factor sqrt(1 + ln 4 / ln 256)): f32 logits
+    of llama.cpp equal transformers' with the short factors (20 tokens, context 256) and with the long ones (270
+    tokens, past original_max_position_embeddings 256, context 512)."""
+    llama_cpp = need_llama_cpp()
+    d, tok = hf_model(tmp_path, "longrope", LONGROPE, shared("models/tok512.bin"))
+    path = export_gguf(d, tmp_path / "longrope.gguf", "f32")
+    for n, n_ctx in ((20, 256), (270, 512)):
+        tokens = (tok.encode(PROMPT).ids * 20)[:n]
+        want = hf_logits(d, tokens, tmp_path)
+        got = llama_cpp_logits(llama_cpp, path, tokens, n_ctx)
+        err = np.abs(got - want).max() / np.abs(want).max()
+        SEEN[(f"phi3-longrope-{n}", "f32")] = err
+        assert err <= lc.TOL["logits"], (n, err)
+
+
+def test_gemma2_tokenizer_and_chat_template(hf_models):
+    """Gemma's tokenizer.json form (spaces replaced, none added: add_space_prefix false) and its turn tokens:
+    llama.cpp's ids are the library's; the embedded Gemma-style template as llama.cpp renders it (its built-in
+    gemma format, which leaves the BOS to the tokenizer) is ours after the BOS."""
+    llama_cpp = need_llama_cpp()
+    m = hf_models["gemma2"]
+    llm = llama_cpp_model(llama_cpp, m["gguf"]["f16"])
+    template = llm.metadata["tokenizer.chat_template"]
+    assert llm.metadata["tokenizer.ggml.add_space_prefix"] == "false"
+    text = chat_template.render(template, MESSAGES[1:], True, bos_token="<s>")
+    for s_ in SPM_TEXTS + [text]:
+        assert llm.tokenize(s_.encode(), add_bos=True, special=True) == m["tok"].encode(s_).ids, s_
+    llm.close()
+    assert template == GEMMA_TEMPLATE
+    for gen in (True, False):
+        ours = chat_template.render(template, MESSAGES[1:], gen, bos_token="<s>")
+        assert "<s>" + llama_cpp_chat(llama_cpp, template, MESSAGES[1:], gen) == ours
+
+
+def test_llama3_chat_template(models, tmp_path):
+    """A Llama-3-style template embedded in a llama export: llama.cpp's rendering (its built-in llama3 format,
+    without the BOS, which its tokenizer adds) is ours after the BOS, with and without the generation prompt."""
+    llama_cpp = need_llama_cpp()
+    import shutil
+    d = tmp_path / "l3"
+    shutil.copytree(models["llama"]["dir"], d)
+    edit_json(d / "tokenizer_config.json", chat_template=LLAMA3_TEMPLATE)
+    path = export_gguf(d, tmp_path / "l3.gguf", "f16")
+    import gguf
+    template = gguf.GGUFReader(str(path)).fields["tokenizer.chat_template"].contents()
+    assert template == LLAMA3_TEMPLATE
+    for gen in (True, False):
+        ours = chat_template.render(template, MESSAGES, gen, bos_token="<|endoftext|>")
+        assert "<|endoftext|>" + llama_cpp_chat(llama_cpp, template, MESSAGES, gen) == ours
+
+
+def test_family_refusals(hf_models, tmp_path):
+    """Gemma 3 (not in transformers 4.46), and what llama.cpp's gemma2/phi3 would compute otherwise: a query
+    scale other than llama.cpp's, no soft-capping, an untied Gemma head, another rope_scaling on phi3."""
+    import shutil
+    out = tmp_path / "x.gguf"
+    cases = [("gemma2", dict(model_type="gemma3_text"), "Gemma 3 is not in transformers 4.46"),
+             ("gemma2", dict(query_pre_attn_scalar=64), "query_pre_attn_scalar 64"),
+             ("gemma2", dict(final_logit_softcapping=None), "always soft-caps"),
+             ("gemma2", dict(tie_word_embeddings=False), "untied head"),
+             ("phi3", dict(rope_scaling={"type": "yarn", "factor": 2.0}), "only longrope"),
+             ("phi3", dict(hidden_act="gelu"), "hidden activation 'gelu'")]
+    for i, (fam, change, message) in enumerate(cases):
+        d = tmp_path / f"case{i}"
+        shutil.copytree(hf_models[fam]["dir"], d)
+        edit_json(d / "config.json", **change)
+        if change.get("final_logit_softcapping", 0) is None:
+            cfg = json.load(open(d / "config.json"))
+            cfg["final_logit_softcapping"] = None
+            json.dump(cfg, open(d / "config.json", "w"))
+        assert message in refused(d, "--outfile", out), (fam, change)
     assert not out.exists()
