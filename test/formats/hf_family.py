@@ -3,8 +3,9 @@ test/formats/test_gguf_write.py's gemma2/phi3 exports. Run with the venv's pytho
 4.46 over Debian's torch).
 
     hf_family.py make CONFIG.json OUT_DIR [--seed N]    # save_pretrained of a random model (float32)
-    hf_family.py logits MODEL_DIR IDS.json OUT.npy [--gelu-f16]   # float64 logits of one sequence, eager
-                                                                  # attention; --gelu-f16: see gelu_f16
+    hf_family.py logits JOBS.json   # [{"dir", "ids", "out", "gelu_f16"}]: float64 logits of each sequence
+                                    # (eager attention) saved as .npy; gelu_f16: see gelu_f16 below
+(one process for many: transformers takes seconds to import)
 
 Weights are drawn wider than transformers' init (std 0.02 gives near-zero logits): matrices N(0, 0.1), the
 embedding N(0, 0.2), norm weights N(0, 0.3) around Gemma's 0 (it multiplies by 1 + w) or Phi-3's 1."""
@@ -46,23 +47,25 @@ def gelu_f16(model):
         layer.mlp.act_fn = GeluF16()
 
 
-def logits(model_dir, ids_path, out, f16_gelu=False):
-    with open(ids_path) as f:
-        ids = json.load(f)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float64, attn_implementation="eager")
-    model.eval()
-    if f16_gelu:
-        gelu_f16(model)
-    t = torch.tensor([ids], dtype=torch.int64)
-    with torch.no_grad():
-        out_logits = model(input_ids=t, attention_mask=torch.ones_like(t), use_cache=False).logits[0]
-    np.save(out, out_logits.numpy())
+def logits(jobs_path):
+    with open(jobs_path) as f:
+        jobs = json.load(f)
+    for job in jobs:
+        model = AutoModelForCausalLM.from_pretrained(job["dir"], torch_dtype=torch.float64,
+                                                     attn_implementation="eager")
+        model.eval()
+        if job.get("gelu_f16"):
+            gelu_f16(model)
+        t = torch.tensor([job["ids"]], dtype=torch.int64)
+        with torch.no_grad():
+            out = model(input_ids=t, attention_mask=torch.ones_like(t), use_cache=False).logits[0]
+        np.save(job["out"], out.numpy())
 
 
 if __name__ == "__main__":
     if sys.argv[1] == "make":
         make(sys.argv[2], sys.argv[3], int(sys.argv[5]) if len(sys.argv) > 5 else 0)
     elif sys.argv[1] == "logits":
-        logits(sys.argv[2], sys.argv[3], sys.argv[4], "--gelu-f16" in sys.argv[5:])
+        logits(sys.argv[2])
     else:
         sys.exit(f"error: {sys.argv[1]!r}: expected make or logits")
