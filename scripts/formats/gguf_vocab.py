@@ -375,7 +375,7 @@ def _special_ids(v, tc, config, path):
 
 def _add_bos_eos(v, tc, path, id_of):
     """add_bos / add_eos: tokenizer_config.json's flags, else what tokenizer.json's post-processor adds."""
-    if v.model != "gpt2" and getattr(v, "post_processor", None) is None:
+    if not hasattr(v, "post_processor"):
         return  # a llama2.c tokenizer.bin: its tokenizer_bin block said add_bos
     first, last = _template_ends(getattr(v, "post_processor", None), path, lambda t: id_of[t])
     if first is not None and v.bos is not None and first != v.bos:

@@ -813,20 +813,28 @@ def test_gemma2_tokenizer_and_chat_template(hf_models):
         assert "<s>" + llama_cpp_chat(llama_cpp, template, MESSAGES[1:], gen) == ours
 
 
-def test_llama3_chat_template(models, tmp_path):
-    """A Llama-3-style template embedded in a llama export: llama.cpp's rendering (its built-in llama3 format,
-    without the BOS, which its tokenizer adds) is ours after the BOS, with and without the generation prompt."""
+PHI3_TEMPLATE = ("{% for m in messages %}{{ '<|' + m['role'] + '|>\n' + m['content'] + '<|end|>\n' }}{% endfor %}"
+                 "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}")
+
+
+@pytest.mark.parametrize("style", ["llama3", "phi3"])
+def test_builtin_chat_templates(models, tmp_path, style):
+    """A Llama-3-style or Phi-3-style template embedded in an export: llama.cpp's rendering (its built-in llama3
+    / phi3 format, chosen from the template's text) is ours, after the BOS for Llama-3's (whose template writes
+    it; llama.cpp leaves it to its tokenizer), with and without the generation prompt."""
     llama_cpp = need_llama_cpp()
-    d = tmp_path / "l3"
-    shutil.copytree(models["llama"]["dir"], d)
-    edit_json(d / "tokenizer_config.json", chat_template=LLAMA3_TEMPLATE)
-    path = export_gguf(d, tmp_path / "l3.gguf", "f16")
     import gguf
+    d = tmp_path / style
+    shutil.copytree(models["llama"]["dir"], d)
+    want_template = LLAMA3_TEMPLATE if style == "llama3" else PHI3_TEMPLATE
+    edit_json(d / "tokenizer_config.json", chat_template=want_template)
+    path = export_gguf(d, tmp_path / f"{style}.gguf", "f16")
     template = gguf.GGUFReader(str(path)).fields["tokenizer.chat_template"].contents()
-    assert template == LLAMA3_TEMPLATE
+    assert template == want_template
+    bos = "<|endoftext|>" if style == "llama3" else ""
     for gen in (True, False):
         ours = chat_template.render(template, MESSAGES, gen, bos_token="<|endoftext|>")
-        assert "<|endoftext|>" + llama_cpp_chat(llama_cpp, template, MESSAGES, gen) == ours
+        assert bos + llama_cpp_chat(llama_cpp, template, MESSAGES, gen) == ours
 
 
 def test_family_refusals(hf_models, tmp_path):
