@@ -22,8 +22,12 @@ pre-tokenizer), and the real SmolLM2-135M:
   SentencePiece-style tokenizer.json files (Llama-2's form) built here with the library from tok512's pieces and
   from a trained vocabulary, with the merges a SentencePiece model converts to;
 - llama.cpp's chat-template rendering (llama_chat_apply_template, its C++ side) of the embedded template equals
-  scripts/formats/chat_template.py's;
+  scripts/formats/chat_template.py's: ChatML, and Llama-3-, Phi-3- and Gemma-style templates (llama.cpp's
+  built-in formats, which leave the BOS to its tokenizer);
 - what cannot be written exactly is refused in one line.
+Gemma 2 and Phi-3 (which our GGUF reader does not read back) are judged against transformers 4.46 in
+build/hfvenv: test/formats/hf_family.py writes their random checkpoints and float64 logits; the bounds are those
+above, on the weights each file holds (dequantized by the gguf package).
 """
 import json
 import os
