@@ -59,6 +59,7 @@ CONFIG_KEYS = {
     "sliding_window", "use_sliding_window", "max_window_layers", "layer_types", "partial_rotary_factor",
     "bos_token_id", "eos_token_id", "pad_token_id", "torch_dtype", "dtype", "transformers_version", "use_cache",
     "initializer_range", "pretraining_tp", "_name_or_path", "quantization_config",
+    "auto_map",  # remote-code class names (Phi-3's checkpoints carry them)
 }
 # keys of one family only (read there, or leaving its computation alone)
 FAMILY_KEYS = {
