@@ -1,0 +1,132 @@
+"""Phi-3 / Phi-4 (model_type phi3) through the whole trainer: its adapters are PEFT's both ways
+(PEFT loads ours, on the fused qkv_proj / gate_up_proj, with our loss; ours loads one PEFT saved,
+with PEFT's loss), the merged export writes the fused tensors back fused and transformers reads it
+with our loss, a resumed run equals a straight one, generation with the key/value cache equals
+recomputing the window, and the dry run plans Phi-3-mini. The model's math against transformers is
+test/model/test_phi3_model.py's. The Hugging Face stack: build/hfvenv (or HF_PYTHON), as
+test/system/test_hf_interop.py; missing, the tests fail."""
+import json
+import os
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+
+import llama_cases as lc
+import phi3_cases as pc
+import shards
+import st_io
+from test_llama_train import BIN, ENV, REPO, losses, run
+
+HF_PYTHON = os.environ.get("HF_PYTHON", os.path.join(lc.REPO, "build", "hfvenv", "bin", "python"))
+PHI3_MODULES = "qkv_proj,o_proj,gate_up_proj,down_proj"
+
+
+def need_hf():
+    if not os.path.exists(HF_PYTHON):
+        pytest.fail(f"{HF_PYTHON} missing: scripts/ci/install_deps.sh makes it")
+
+
+def phi3_model(root, name, vocab=None, seed=5):
+    """A random Phi-3 of the named test config (vocab_size replaced when given) and a token shard
+    of a repeated pattern that a few steps learn."""
+    cfg = pc.model_config(name)
+    if vocab:
+        cfg["vocab_size"] = vocab
+    pc.write_phi3_model(str(root / "model"), cfg, seed=seed)
+    rng = np.random.default_rng(2)
+    toks = np.tile(rng.integers(3, cfg["vocab_size"], size=11), 500)
+    shards.write_shard(str(root / "data.bin"), toks.astype(np.uint32), np.ones(toks.size, np.uint8), cfg["vocab_size"])
+    return root / "model", root / "data.bin"
+
+
+def eval_loss(model, data, *extra):
+    out = run(["--model", model, "--val", data, "--eval-only", "--seq", 24, "--batch", 4, "--val-batches", 4,
+               "--lora-rank", 4, "--threads", 1, *extra]).stdout
+    return float(out.split("val loss ")[-1])
+
+
+# phi3_longrope: --seq 24 exceeds its original context (8), so every run takes the long factors
+@pytest.mark.parametrize("name", ["phi3", "phi3_longrope"])
+def test_transformers_and_peft_load_our_phi3_outputs(tmp_path, name):
+    """Trained under lowmem with --lora-dropout: the adapter PEFT loads (one adapter per fused module)
+    and the merged export (qkv_proj and gate_up_proj written back fused) give our --eval-only losses
+    in transformers' Phi3ForCausalLM."""
+    need_hf()
+    model, data = phi3_model(tmp_path, name)
+    run(["--model", model, "--data", data, "--steps", 8, "--batch", 4, "--seq", 24, "--lora-rank", 4, "--lr", 1e-2,
+         "--mode", "lowmem", "--out", tmp_path / "adapter", "--export-merged", tmp_path / "merged", "--threads", 1,
+         "--lora-dropout", 0.1])
+    with open(tmp_path / "adapter" / "adapter_config.json") as f:
+        assert sorted(json.load(f)["target_modules"]) == sorted(PHI3_MODULES.split(","))
+    merged = st_io.load(str(tmp_path / "merged" / "model.safetensors"))
+    base = st_io.load(str(model / "model.safetensors"))
+    assert merged.keys() == base.keys()  # fused as it came, no q_proj / gate_proj of our own
+    assert not np.array_equal(merged["model.layers.0.self_attn.qkv_proj.weight"],
+                              base["model.layers.0.self_attn.qkv_proj.weight"])
+    ours = [eval_loss(model, data), eval_loss(model, data, "--adapter", tmp_path / "adapter"),
+            eval_loss(tmp_path / "merged", data)]
+    p = subprocess.run([HF_PYTHON, os.path.join(REPO, "scripts", "interop", "check_hf_interop.py"), "--base", str(model),
+                        "--adapter", str(tmp_path / "adapter"), "--merged", str(tmp_path / "merged"), "--val", str(data),
+                        "--seq", "24", "--windows", "16"], capture_output=True, text=True, timeout=300, env=ENV)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "transformers class:                Phi3ForCausalLM" in p.stdout, p.stdout
+    theirs = [float(line.split(":")[-1]) for line in p.stdout.splitlines() if line.startswith("transformers") and "class" not in line]
+    print("ours (base, base+adapter, merged):", ours, "transformers/PEFT:", theirs)
+    assert len(theirs) == 3 and ours[1] < ours[0] - 0.1
+    np.testing.assert_allclose(theirs, ours, rtol=2e-6)
+
+
+def test_peft_phi3_adapter_loads_with_its_loss(tmp_path):
+    """An adapter PEFT saves on the fused modules (random A and B): our --eval-only --adapter gives
+    PEFT's loss, and the base's without it."""
+    need_hf()
+    model, data = phi3_model(tmp_path, "phi3_longrope")
+    p = subprocess.run([HF_PYTHON, os.path.join(REPO, "scripts", "interop", "save_peft_adapter.py"), "--base", str(model),
+                        "--out", str(tmp_path / "adapter"), "--rank", "4", "--alpha", "8", "--targets", PHI3_MODULES,
+                        "--val", str(data), "--seq", "24", "--windows", "16"],
+                       capture_output=True, text=True, timeout=300, env=ENV)
+    assert p.returncode == 0, p.stderr[-3000:]
+    peft_adapted, peft_base = (float(line.split(":")[-1]) for line in p.stdout.splitlines() if line.startswith("PEFT"))
+    ours = eval_loss(model, data, "--lora-alpha", 8, "--adapter", tmp_path / "adapter")
+    print("PEFT (base, base + adapter):", peft_base, peft_adapted, "ours:", ours)
+    assert abs(peft_adapted - peft_base) > 0.02
+    np.testing.assert_allclose(ours, peft_adapted, rtol=2e-6)
+    np.testing.assert_allclose(eval_loss(model, data), peft_base, rtol=2e-6)
+
+
+@pytest.mark.parametrize("full", [False, True], ids=["lora", "full"])
+def test_phi3_resume_equals_a_straight_run(tmp_path, full):
+    """4 steps straight against 2, saved, then resumed to 4: the same bits, adapters (LoRA) or the
+    fused tensors of the trained model (--full)."""
+    model, data = phi3_model(tmp_path, "phi4_mini")
+    flags = ["--model", model, "--data", data, "--seq", 12, "--lora-rank", 4, "--lr", 5e-3, "--seed", 11, "--threads", 1,
+             "--mode", "lowmem", "--batch", 2, "--save-every", 2] + (["--full", "--lr", 1e-3] if full else [])
+    straight = run(flags + ["--steps", 4, "--out", tmp_path / "straight"])
+    run(flags + ["--steps", 4, "--stop-at", 2, "--out", tmp_path / "resumed"])
+    resumed = run(flags + ["--steps", 4, "--resume", tmp_path / "resumed"])
+    assert "at step 2" in resumed.stdout
+    assert losses(straight.stdout)[2:] == losses(resumed.stdout)[-2:]
+    name = "model.safetensors" if full else "adapter_model.safetensors"
+    a, b = st_io.load(str(tmp_path / "straight" / name)), st_io.load(str(tmp_path / "resumed" / name))
+    assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+    if full:
+        assert "model.layers.0.self_attn.qkv_proj.weight" in a
+
+
+@pytest.mark.parametrize("mode", ["baseline", "lowmem"])
+def test_phi3_generation_kv_cache_equals_recomputing_the_window(tmp_path, mode):
+    """Greedy generation of Phi-4-mini's shape (partial rotary, LongRoPE) with the key/value cache
+    gives the text of recomputing the window for every token."""
+    model, _ = phi3_model(tmp_path, "phi4_mini", vocab=512)
+    shutil.copy(os.path.join(REPO, "data", "llama_demo", "tokenizer.bin"), model)
+    cmd = [BIN] + [str(a) for a in ["--model", model, "--temperature", 0, "--prompt", "Once upon a time", "--generate", 40,
+                                    "--mode", mode]]
+    texts = []
+    for env in (ENV, dict(ENV, LLMC_NO_KV_CACHE="1")):
+        p = subprocess.run(cmd, capture_output=True, env=env, timeout=120)
+        assert p.returncode == 0, p.stderr
+        texts.append(p.stdout[p.stdout.index(b"Once upon a time"):])
+    assert texts[0] == texts[1]
+    assert len(texts[0]) > len("Once upon a time") + 20, texts[0]
