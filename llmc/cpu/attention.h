@@ -21,8 +21,8 @@
 // partial rotary; rot = hd: the whole head) applied in place to x [N, nheads*hd] at position pos[n]
 // (packed examples restart at 0), or n % T when pos is NULL. cos/sin tables are [T, rot/2].
 // inverse = 1 applies the transpose rotation (the backward).
-static void rope_apply_part(float* x, const float* cos_t, const float* sin_t, const int* pos, int64_t N, int T,
-                            int nheads, int hd, int rot, int inverse) {
+static void rope_apply(float* x, const float* cos_t, const float* sin_t, const int* pos, int64_t N, int T, int nheads,
+                       int hd, int rot, int inverse) {
     int half = rot / 2;
     float sgn = inverse ? -1.0f : 1.0f;
 #pragma omp parallel for schedule(static) if (N * nheads * hd > 32768)
@@ -39,10 +39,6 @@ static void rope_apply_part(float* x, const float* cos_t, const float* sin_t, co
             }
         }
     }
-}
-static void rope_apply(float* x, const float* cos_t, const float* sin_t, const int* pos, int64_t N, int T, int nheads,
-                       int hd, int inverse) {
-    rope_apply_part(x, cos_t, sin_t, pos, N, T, nheads, hd, hd, inverse);
 }
 
 typedef struct {

@@ -35,7 +35,7 @@
 // Rotate-half RoPE on the first rot dims of each head (pairs i, i+rot/2; rot = hd: the whole head)
 // in place on x [N, nheads*hd] at position pos[n] (device array; packed examples restart at 0) or
 // n % T when pos is NULL; cos/sin tables [T, rot/2] in fp32. inverse = 1 applies the transpose
-// rotation (the backward). Twin of llmc/cpu/attention.h's rope_apply_part.
+// rotation (the backward). Twin of llmc/cpu/attention.h's rope_apply.
 __global__ void rope_apply_kernel(bf16* x, const float* __restrict__ cos_t, const float* __restrict__ sin_t,
                                   const int* __restrict__ pos, int64_t N, int T, int nheads, int hd, int rot,
                                   int inverse) {
@@ -89,8 +89,8 @@ static int rope_vec_ok(const bf16* x, const float* cos_t, const float* sin_t, in
     return rot % 16 == 0 && hd % 8 == 0 && aligned16(x) && aligned16(cos_t) && aligned16(sin_t);
 }
 
-static void rope_apply_launch_part(KernelChoice impl, bf16* x, const float* cos_t, const float* sin_t, const int* pos,
-                                   int64_t N, int T, int nheads, int hd, int rot, int inverse, cudaStream_t stream) {
+static void rope_apply_launch(KernelChoice impl, bf16* x, const float* cos_t, const float* sin_t, const int* pos,
+                              int64_t N, int T, int nheads, int hd, int rot, int inverse, cudaStream_t stream) {
     int64_t total = N * nheads * (rot / 2);
     if (total == 0) return;
     if (impl == KERNELS_VEC && rope_vec_ok(x, cos_t, sin_t, hd, rot)) {
@@ -103,17 +103,9 @@ static void rope_apply_launch_part(KernelChoice impl, bf16* x, const float* cos_
     launch_kernel(grid_for(total, 256), 256, 0, stream, rope_apply_kernel, x, cos_t, sin_t, pos, N, T, nheads, hd, rot,
                   inverse);
 }
-static void rope_apply_launch(KernelChoice impl, bf16* x, const float* cos_t, const float* sin_t, const int* pos,
-                              int64_t N, int T, int nheads, int hd, int inverse, cudaStream_t stream) {
-    rope_apply_launch_part(impl, x, cos_t, sin_t, pos, N, T, nheads, hd, hd, inverse, stream);
-}
-static void rope_apply_cuda_part(bf16* x, const float* cos_t, const float* sin_t, const int* pos, int64_t N, int T,
-                                 int nheads, int hd, int rot, int inverse, cudaStream_t stream) {
-    rope_apply_launch_part(KERNELS_VEC, x, cos_t, sin_t, pos, N, T, nheads, hd, rot, inverse, stream);
-}
 static void rope_apply_cuda(bf16* x, const float* cos_t, const float* sin_t, const int* pos, int64_t N, int T,
-                            int nheads, int hd, int inverse, cudaStream_t stream) {
-    rope_apply_cuda_part(x, cos_t, sin_t, pos, N, T, nheads, hd, hd, inverse, stream);
+                            int nheads, int hd, int rot, int inverse, cudaStream_t stream) {
+    rope_apply_launch(KERNELS_VEC, x, cos_t, sin_t, pos, N, T, nheads, hd, rot, inverse, stream);
 }
 
 // Whether query row `query` of batch b sees key row `key`: inside the sequence, not in the future

@@ -109,8 +109,8 @@ static void llama_config_family(LlamaConfig* c, const Json* j, const char* path)
     int f = 0;
     while (f < 5 && strcmp(mt->string, types[f]) != 0) f++;
     if (f == 5)
-        fail("%s: model_type \"%.60s\" is not supported (train_llama reads llama, mistral, qwen2, qwen3 and phi3%s)", path,
-             mt->string, strcmp(mt->string, "vit") == 0 ? "; a ViT is train_vit's" : "");
+        fail("%s: model_type \"%.60s\" is not supported (train_llama reads llama, mistral, qwen2, qwen3 and phi3%s)",
+             path, mt->string, strcmp(mt->string, "vit") == 0 ? "; a ViT is train_vit's" : "");
     snprintf(c->family, sizeof(c->family), "%s", types[f]);
     const Json* ar = json_get(j, "architectures");
     if (!ar || ar->type == JSON_NULL) return;
@@ -203,7 +203,8 @@ static void llama_config_rope_scaling(LlamaConfig* c, const Json* j, const char*
 // sequence a sliding layer would cut.
 static void llama_config_window(LlamaConfig* c, const Json* j, const char* path) {
     // Mistral and Phi-3 window every layer
-    int mistral = strcmp(c->family, "mistral") == 0 || c->fused, use = llama_config_bool(j, "use_sliding_window", path, 0);
+    int mistral = strcmp(c->family, "mistral") == 0 || c->fused;
+    int use = llama_config_bool(j, "use_sliding_window", path, 0);
     int from = mistral ? 0 : c->layers;
     if (!mistral && use) from = json_get(j, "max_window_layers") && json_get(j, "max_window_layers")->type != JSON_NULL
                                     ? json_int_in(j, "max_window_layers", path, 0, 1 << 30) : 28;

@@ -130,3 +130,30 @@ def test_phi3_generation_kv_cache_equals_recomputing_the_window(tmp_path, mode):
         texts.append(p.stdout[p.stdout.index(b"Once upon a time"):])
     assert texts[0] == texts[1]
     assert len(texts[0]) > len("Once upon a time") + 20, texts[0]
+
+
+def test_phi3_full_saves_the_fused_tensors_in_the_original_layout(tmp_path):
+    """--full under lowmem trains W' = W diag(gamma) of each part: with --lr 0 the saved model's
+    fused qkv_proj and gate_up_proj are the checkpoint's again (the merge undone part by part, the
+    parts joined in their rows), within the two fp32 roundings of the merge and its inverse."""
+    model, data = phi3_model(tmp_path, "phi3")
+    run(["--model", model, "--data", data, "--seq", 12, "--batch", 2, "--steps", 1, "--lr", 0, "--full", "--mode", "lowmem",
+         "--threads", 1, "--out", tmp_path / "full"])
+    saved, base = st_io.load(str(tmp_path / "full" / "model.safetensors")), st_io.load(str(model / "model.safetensors"))
+    assert saved.keys() == base.keys()
+    for k in base:
+        np.testing.assert_allclose(saved[k], base[k], rtol=3e-7, atol=0, err_msg=k)
+
+
+def test_phi3_nf4_merged_export_is_the_run_s_model(tmp_path):
+    """--quant nf4 keeps each part of a fused module in its own NF4 tensor: the merged export
+    dequantizes every part into its rows and adds the fused adapter, so the exported model's loss
+    is the loss the run's NF4 weights and adapter give."""
+    model, data = phi3_model(tmp_path, "phi3")
+    run(["--model", model, "--data", data, "--steps", 6, "--batch", 4, "--seq", 24, "--lora-rank", 4, "--lr", 1e-2,
+         "--quant", "nf4", "--out", tmp_path / "adapter", "--export-merged", tmp_path / "merged", "--threads", 1])
+    with_adapter = eval_loss(model, data, "--quant", "nf4", "--adapter", tmp_path / "adapter")
+    merged = eval_loss(tmp_path / "merged", data)
+    print("nf4 + adapter:", with_adapter, "merged export:", merged)
+    assert with_adapter < eval_loss(model, data, "--quant", "nf4") - 0.1
+    np.testing.assert_allclose(merged, with_adapter, rtol=2e-6)
