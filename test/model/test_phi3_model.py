@@ -120,3 +120,35 @@ def test_fused_targets_are_whole_modules(workdir):
                         "--lora-targets", "q,o"], capture_output=True, text=True, timeout=120)
     assert p.returncode != 0 and "qkv_proj" in p.stderr and p.stderr.count("\n") == 1, p.stderr
     assert not os.path.exists(s.case_path + ".bad")
+
+
+FULL_MODES = [("exact", "std", "none"), ("approx", "ms", "block")]
+
+
+@pytest.mark.parametrize("mode", FULL_MODES, ids=["-".join(m) for m in FULL_MODES])
+@pytest.mark.parametrize("name,batch,seq", [CASES[0], CASES[4]], ids=[CASE_IDS[0], CASE_IDS[4]])
+def test_probe_full_finetuning_matches_reference(workdir, name, batch, seq, mode):
+    """--full: every part of the fused weights trains (its gradient the fused weight's rows, of
+    the merged model under MS norms), with the embedding, head and norms, against the reference."""
+    act, norm, recompute = mode
+    s = _setup(workdir, name, batch, seq)
+    want = ref.run_case(s.model, s.case, act, norm, RANK, ALPHA, full=True)
+    got = s.probe(act, norm, recompute, extra=("--full",))
+    assert sum(k.endswith(".W") for k in want) == 2 * 7
+    lc.check_errors(lc.compare(want, got), f"full {name} T{seq} {act} {norm} {recompute}")
+
+
+@pytest.mark.parametrize("norm", ["std", "ms"])
+def test_probe_with_dropout_matches_reference(workdir, norm):
+    """--lora-dropout: PEFT drops the fused module's input once for all its parts; the probe's parts
+    share the lead part's mask (llmc/models/llama_plan.h), the reference drops the fused input once
+    with that mask (test/model/lora_dropout_mask.py)."""
+    import lora_dropout_mask as ldm
+    import torch
+    name, batch, seq = CASES[2]
+    s = _setup(workdir, name, batch, seq)
+    p, seed, step = 0.2, 5, 3
+    drop = ldm.reference_dropout(p, seed, step, 0, list(ref.LORA_TARGETS), torch)
+    want = ref.run_case(s.model, s.case, "exact", norm, RANK, ALPHA, dropout=drop)
+    got = s.probe("exact", norm, "none", extra=("--lora-dropout", p, "--seed", seed, "--dropout-step", step))
+    lc.check_errors(lc.compare(want, got), f"dropout {name} T{seq} {norm}")
