@@ -13,7 +13,8 @@ import st_io
 from test_llama_cuda import CPU_PROBE, CUDA_PROBE, TOL_APPROX, TOL_EXACT, probe
 from cuda_backend import rel_l2
 
-MODES = {"baseline": ("exact", "std", "none"), "lowmem": ("approx", "ms", "none"), "lowmem_block": ("approx", "ms", "block")}
+MODES = {"baseline": ("exact", "std", "none"), "lowmem": ("approx", "ms", "none"),
+         "lowmem_block": ("approx", "ms", "block")}
 CASES = [("phi3", 2, 10), ("phi3_longrope", 2, 12), ("phi4_mini", 2, 6), ("phi_partial_vec", 2, 9)]
 
 
@@ -44,7 +45,8 @@ def test_cuda_phi3_matches_cpu(cases, name, B, T, mode):
     grads = sorted((rel_l2(got[k], want[k]), k) for k in want if k.startswith("grad."))
     worst, wname = grads[-1]
     median = grads[len(grads) // 2][0]
-    print(f"{name} T{T} {mode}: logits {e_logits:.2e}  loss {e_loss:.2e}  grads median {median:.2e} worst {worst:.2e} ({wname})")
+    print(f"{name} T{T} {mode}: logits {e_logits:.2e}  loss {e_loss:.2e}  grads median {median:.2e} "
+          f"worst {worst:.2e} ({wname})")
     assert e_logits < tol["logits"] and e_loss < tol["loss"], (e_logits, e_loss)
     assert worst < tol["grad"], (worst, wname)
     assert median < tol["grad"] / 3, median

@@ -13,8 +13,8 @@ Tolerances: the probe is fp32 against fp64 (test/model/llama_cases.py's TOL, as 
 families). The reference against transformers is fp64 against fp64 but for RoPE's tables, which
 transformers computes in fp32 (inv_freq, the angles, cos and sin) and only then casts: each entry
 off by up to a few 2^-24 relative, which the two blocks carry to ~1e-6 in the logits and ~3e-6 in
-single gradients (measured; more with LongRoPE's larger scale); TOL_F64 allows 10x that, and a wiring error (a wrong row block, a
-swapped gate and up, the other factor list) is O(1e-2) or more."""
+single gradients (measured; more with LongRoPE's larger scale); TOL_F64 allows 10x that, and a
+wiring error (a wrong row block, a swapped gate and up, the other factor list) is O(1e-2) or more."""
 import functools
 import os
 import subprocess
@@ -73,8 +73,8 @@ def _transformers(root, name, batch, seq):
         pytest.fail(f"{HF_PYTHON} missing: scripts/ci/install_deps.sh makes it")
     s = _setup(root, name, batch, seq)
     out = s.case_path + ".transformers.out"
-    p = subprocess.run([HF_PYTHON, HF_SCRIPT, "--model", s.dir, "--case", s.case_path, "--out", out, "--rank", str(RANK),
-                        "--alpha", repr(ALPHA)], capture_output=True, text=True, timeout=300)
+    p = subprocess.run([HF_PYTHON, HF_SCRIPT, "--model", s.dir, "--case", s.case_path, "--out", out,
+                        "--rank", str(RANK), "--alpha", repr(ALPHA)], capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     return lc.st_io.load(out)
 

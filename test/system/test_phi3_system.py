@@ -67,12 +67,14 @@ def test_transformers_and_peft_load_our_phi3_outputs(tmp_path, name):
                               base["model.layers.0.self_attn.qkv_proj.weight"])
     ours = [eval_loss(model, data), eval_loss(model, data, "--adapter", tmp_path / "adapter"),
             eval_loss(tmp_path / "merged", data)]
-    p = subprocess.run([HF_PYTHON, os.path.join(REPO, "scripts", "interop", "check_hf_interop.py"), "--base", str(model),
-                        "--adapter", str(tmp_path / "adapter"), "--merged", str(tmp_path / "merged"), "--val", str(data),
-                        "--seq", "24", "--windows", "16"], capture_output=True, text=True, timeout=300, env=ENV)
+    p = subprocess.run([HF_PYTHON, os.path.join(REPO, "scripts", "interop", "check_hf_interop.py"),
+                        "--base", str(model), "--adapter", str(tmp_path / "adapter"),
+                        "--merged", str(tmp_path / "merged"), "--val", str(data), "--seq", "24", "--windows", "16"],
+                       capture_output=True, text=True, timeout=300, env=ENV)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "transformers class:                Phi3ForCausalLM" in p.stdout, p.stdout
-    theirs = [float(line.split(":")[-1]) for line in p.stdout.splitlines() if line.startswith("transformers") and "class" not in line]
+    theirs = [float(line.split(":")[-1]) for line in p.stdout.splitlines()
+              if line.startswith("transformers") and "class" not in line]
     print("ours (base, base+adapter, merged):", ours, "transformers/PEFT:", theirs)
     assert len(theirs) == 3 and ours[1] < ours[0] - 0.1
     np.testing.assert_allclose(theirs, ours, rtol=2e-6)
@@ -83,8 +85,9 @@ def test_peft_phi3_adapter_loads_with_its_loss(tmp_path):
     PEFT's loss, and the base's without it."""
     need_hf()
     model, data = phi3_model(tmp_path, "phi3_longrope")
-    p = subprocess.run([HF_PYTHON, os.path.join(REPO, "scripts", "interop", "save_peft_adapter.py"), "--base", str(model),
-                        "--out", str(tmp_path / "adapter"), "--rank", "4", "--alpha", "8", "--targets", PHI3_MODULES,
+    p = subprocess.run([HF_PYTHON, os.path.join(REPO, "scripts", "interop", "save_peft_adapter.py"),
+                        "--base", str(model), "--out", str(tmp_path / "adapter"), "--rank", "4", "--alpha", "8",
+                        "--targets", PHI3_MODULES,
                         "--val", str(data), "--seq", "24", "--windows", "16"],
                        capture_output=True, text=True, timeout=300, env=ENV)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -101,8 +104,9 @@ def test_phi3_resume_equals_a_straight_run(tmp_path, full):
     """4 steps straight against 2, saved, then resumed to 4: the same bits, adapters (LoRA) or the
     fused tensors of the trained model (--full)."""
     model, data = phi3_model(tmp_path, "phi4_mini")
-    flags = ["--model", model, "--data", data, "--seq", 12, "--lora-rank", 4, "--lr", 5e-3, "--seed", 11, "--threads", 1,
-             "--mode", "lowmem", "--batch", 2, "--save-every", 2] + (["--full", "--lr", 1e-3] if full else [])
+    flags = ["--model", model, "--data", data, "--seq", 12, "--lora-rank", 4, "--lr", 5e-3, "--seed", 11,
+             "--threads", 1, "--mode", "lowmem", "--batch", 2, "--save-every", 2]
+    flags += ["--full", "--lr", 1e-3] if full else []
     straight = run(flags + ["--steps", 4, "--out", tmp_path / "straight"])
     run(flags + ["--steps", 4, "--stop-at", 2, "--out", tmp_path / "resumed"])
     resumed = run(flags + ["--steps", 4, "--resume", tmp_path / "resumed"])
@@ -121,8 +125,8 @@ def test_phi3_generation_kv_cache_equals_recomputing_the_window(tmp_path, mode):
     gives the text of recomputing the window for every token."""
     model, _ = phi3_model(tmp_path, "phi4_mini", vocab=512)
     shutil.copy(os.path.join(REPO, "data", "llama_demo", "tokenizer.bin"), model)
-    cmd = [BIN] + [str(a) for a in ["--model", model, "--temperature", 0, "--prompt", "Once upon a time", "--generate", 40,
-                                    "--mode", mode]]
+    cmd = [BIN] + [str(a) for a in ["--model", model, "--temperature", 0, "--prompt", "Once upon a time",
+                                    "--generate", 40, "--mode", mode]]
     texts = []
     for env in (ENV, dict(ENV, LLMC_NO_KV_CACHE="1")):
         p = subprocess.run(cmd, capture_output=True, env=env, timeout=120)
@@ -137,8 +141,8 @@ def test_phi3_full_saves_the_fused_tensors_in_the_original_layout(tmp_path):
     fused qkv_proj and gate_up_proj are the checkpoint's again (the merge undone part by part, the
     parts joined in their rows), within the two fp32 roundings of the merge and its inverse."""
     model, data = phi3_model(tmp_path, "phi3")
-    run(["--model", model, "--data", data, "--seq", 12, "--batch", 2, "--steps", 1, "--lr", 0, "--full", "--mode", "lowmem",
-         "--threads", 1, "--out", tmp_path / "full"])
+    run(["--model", model, "--data", data, "--seq", 12, "--batch", 2, "--steps", 1, "--lr", 0, "--full",
+         "--mode", "lowmem", "--threads", 1, "--out", tmp_path / "full"])
     saved, base = st_io.load(str(tmp_path / "full" / "model.safetensors")), st_io.load(str(model / "model.safetensors"))
     assert saved.keys() == base.keys()
     for k in base:
@@ -157,3 +161,37 @@ def test_phi3_nf4_merged_export_is_the_run_s_model(tmp_path):
     print("nf4 + adapter:", with_adapter, "merged export:", merged)
     assert with_adapter < eval_loss(model, data, "--quant", "nf4") - 0.1
     np.testing.assert_allclose(merged, with_adapter, rtol=2e-6)
+
+
+PHI3_MINI = {"architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "hidden_size": 3072, "intermediate_size": 8192,
+             "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32, "vocab_size": 32064,
+             "max_position_embeddings": 4096, "original_max_position_embeddings": 4096, "rms_norm_eps": 1e-05,
+             "rope_theta": 10000.0, "rope_scaling": None, "sliding_window": 2047, "tie_word_embeddings": False,
+             "hidden_act": "silu", "attention_dropout": 0.0, "embd_pdrop": 0.0, "resid_pdrop": 0.0, "bos_token_id": 1,
+             "eos_token_id": 32000, "pad_token_id": 32000, "torch_dtype": "bfloat16"}
+
+
+def per_block(config, root, mode, r):
+    root.mkdir(exist_ok=True)
+    with open(root / "config.json", "w") as f:
+        json.dump(config, f)
+    out = run(["--model", root, "--dry-run", "--device", "cuda", "--batch", 1, "--seq", 2047, "--lora-rank", r,
+               "--mode", mode]).stdout
+    return float(next(line for line in out.splitlines() if line.strip().startswith("per block")).split()[-1])
+
+
+def test_phi3_mini_dry_run_plan(tmp_path):
+    """Phi-3-mini's config alone (--seq 2047, its sliding window): lowmem keeps 4d + 2f - f/4 bytes
+    per token per block less than the baseline (docs/memory.md: 114,952 -> 88,328, -23.2 %), and a
+    fused module keeps its adapter's A x once, so the block keeps 3 r bf16 values less per token than
+    a LLaMA of the same shape with separate q, k, v, gate and up adapters."""
+    d, f, r = 3072, 8192, 16
+    base = per_block(PHI3_MINI, tmp_path / "phi3", "baseline", r)
+    low = per_block(PHI3_MINI, tmp_path / "phi3", "lowmem", r)
+    print(f"Phi-3-mini bytes per token per block: baseline {base:.0f}, lowmem {low:.0f} "
+          f"({100 * (low / base - 1):.1f} %)")
+    assert base - low == 4 * d + 2 * f - f // 4
+    llama = {k: v for k, v in PHI3_MINI.items() if k not in ("original_max_position_embeddings", "embd_pdrop",
+                                                             "resid_pdrop", "sliding_window")}
+    llama.update(model_type="llama", architectures=["LlamaForCausalLM"])
+    assert per_block(llama, tmp_path / "llama", "baseline", r) - base == 3 * r * 2
