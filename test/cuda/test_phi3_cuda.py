@@ -50,3 +50,19 @@ def test_cuda_phi3_matches_cpu(cases, name, B, T, mode):
     assert e_logits < tol["logits"] and e_loss < tol["loss"], (e_logits, e_loss)
     assert worst < tol["grad"], (worst, wname)
     assert median < tol["grad"] / 3, median
+
+
+@pytest.mark.parametrize("mode", ["baseline", "lowmem"])
+@pytest.mark.parametrize("name,B,T", [CASES[0], CASES[2]], ids=[f"{n}-T{t}" for n, _, t in (CASES[0], CASES[2])])
+def test_cuda_phi3_full_finetuning_matches_cpu(cases, name, B, T, mode):
+    """--full: every part of the fused weights trains on CUDA as on the CPU (fp32 masters, bf16 shadows)."""
+    d, cp = cases[(name, T)]
+    act, norm, rec = MODES[mode]
+    want = probe(CPU_PROBE, d, cp, cp + f".full.{mode}.cpu", act, norm, rec, pc.RANK, pc.ALPHA, ["--full"], "cpu")
+    got = probe(CUDA_PROBE, d, cp, cp + f".full.{mode}.cuda", act, norm, rec, pc.RANK, pc.ALPHA, ["--full"], "cuda")
+    assert set(got) == set(want) and sum(k.endswith(".W") for k in want) == 2 * 7
+    e_logits = rel_l2(got["logits"], want["logits"])
+    grads = sorted((rel_l2(got[k], want[k]), k) for k in want if k.startswith("grad."))
+    print(f"full {name} T{T} {mode}: logits {e_logits:.2e}  grads worst {grads[-1][0]:.2e} ({grads[-1][1]})")
+    tol = TOL_APPROX if act == "approx" else TOL_EXACT
+    assert e_logits < tol["logits"] and grads[-1][0] < tol["grad"]
