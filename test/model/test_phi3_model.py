@@ -152,3 +152,13 @@ def test_probe_with_dropout_matches_reference(workdir, norm):
     want = ref.run_case(s.model, s.case, "exact", norm, RANK, ALPHA, dropout=drop)
     got = s.probe("exact", norm, "none", extra=("--lora-dropout", p, "--seed", seed, "--dropout-step", step))
     lc.check_errors(lc.compare(want, got), f"dropout {name} T{seq} {norm}")
+
+
+def test_probe_ms_lora_merged_matches_reference(workdir):
+    """--ms-lora merged (the paper's variant): the fused module's one adapter sees the MS norm's bare
+    output z, in the probe as in the reference."""
+    name, batch, seq = CASES[4]
+    s = _setup(workdir, name, batch, seq)
+    want = ref.run_case(s.model, s.case, "exact", "ms", RANK, ALPHA, ms_lora="merged")
+    got = s.probe("exact", "ms", "none", extra=("--ms-lora", "merged"))
+    lc.check_errors(lc.compare(want, got), f"{name} T{seq} ms-lora merged")
