@@ -286,6 +286,20 @@ static void lora_bind_device(Linear* L, float* params, float* grads, void* param
     d->B = params + offB; d->dB = grads + offB; d->B16 = (uint16_t*)params16 + offB;
 }
 
+// An adapter that shares `lead`'s A (the same values and the same gradient, into which each
+// sharer's backward adds its part) and takes the next B [out, r] of the arena at *off: a fused
+// module's parts (Phi-3's q, k, v) whose B rows then follow the lead's B, as the fused B is stored.
+static void lora_bind_shared_a(Linear* L, const Linear* lead, float* params, float* grads, int64_t* off, int rank) {
+    L->A = lead->A; L->dA = lead->dA;
+    L->B = params + *off; L->dB = grads + *off; *off += (int64_t)rank * L->out;
+}
+static void lora_bind_shared_a_device(Linear* L, const Linear* lead, float* params, float* grads, void* params16,
+                                      int64_t off) {
+    LinearDevice* d = &L->dev;
+    d->A = lead->dev.A; d->dA = lead->dev.dA; d->A16 = lead->dev.A16;
+    d->B = params + off; d->dB = grads + off; d->B16 = (uint16_t*)params16 + off;
+}
+
 // A fresh adapter: A ~ kaiming-uniform (bound 1/sqrt(in), as PEFT), B = 0, so step 0 is exactly
 // the pretrained model. Drawn on the host from the caller's stream so every backend starts equal.
 static void lora_init(Linear* L, int rank, Rng* rng) {

@@ -215,14 +215,16 @@ static double attn_bytes(AttnShape s, int abytes, int tensors) {
     return (double)tensors * s.B * s.T * s.H * s.hd * abytes;
 }
 
+// RoPE on the first rot dims of each head of x [N, nheads*hd] (rot = hd: all of it; Phi-3's partial rotary).
 static void op_rope(const Backend* be, void* x, const float* cos_t, const float* sin_t, const int* pos, int64_t N,
-                    int T, int nheads, int hd, RopeDir dir) {
+                    int T, int nheads, int hd, int rot, RopeDir dir) {
     int inverse = dir == ROPE_INVERSE;
-    PROF_SCOPE(be, "rope", inverse ? "bwd" : "fwd", 6.0 * N * nheads * hd, 2.0 * N * nheads * hd * (double)be->abytes);
+    PROF_SCOPE(be, "rope", inverse ? "bwd" : "fwd", 6.0 * N * nheads * rot / 2,
+               2.0 * N * nheads * rot * (double)be->abytes);
 #ifdef LLMC_HAVE_CUDA
-    if (be->cuda) { rope_apply_cuda(B16(x), cos_t, sin_t, pos, N, T, nheads, hd, inverse, be->stream); return; }
+    if (be->cuda) { rope_apply_cuda(B16(x), cos_t, sin_t, pos, N, T, nheads, hd, rot, inverse, be->stream); return; }
 #endif
-    rope_apply(F32(x), cos_t, sin_t, pos, N, T, nheads, hd, inverse);
+    rope_apply(F32(x), cos_t, sin_t, pos, N, T, nheads, hd, rot, inverse);
 }
 
 // On CUDA, attention runs one of two ways, chosen by LLMC_ATTENTION (llmc/settings.h):

@@ -186,13 +186,13 @@ static void test_lse_layout(int B, int H, int T, Rng* rng) {
     free(rows); free(want); free(got); free(back);
 }
 
-static void test_rope(int64_t N, int T, int nheads, int hd, Rng* rng) {
-    int half = hd / 2;
+static void test_rope(int64_t N, int T, int nheads, int hd, int rot, Rng* rng) {
+    int half = rot / 2;  // rot < hd: partial rotary (Phi-4-mini), the rest of each head passes unchanged
     int64_t n = N * nheads * hd;
     float *cos_t = (float*)xmalloc(4 * (int64_t)T * half), *sin_t = (float*)xmalloc(4 * (int64_t)T * half);
     for (int t = 0; t < T; t++)
         for (int i = 0; i < half; i++) {
-            double ang = t * pow(10000.0, -2.0 * i / hd);
+            double ang = t * pow(10000.0, -2.0 * i / rot);
             cos_t[(int64_t)t * half + i] = (float)cos(ang);
             sin_t[(int64_t)t * half + i] = (float)sin(ang);
         }
@@ -202,19 +202,19 @@ static void test_rope(int64_t N, int T, int nheads, int hd, Rng* rng) {
     char name[128];
     for (int inverse = 0; inverse < 2; inverse++) {
         float* want = host_copy(x, n);
-        rope_apply(want, cos_t, sin_t, NULL, N, T, nheads, hd, inverse);
+        rope_apply(want, cos_t, sin_t, NULL, N, T, nheads, hd, rot, inverse);
         upload_bf16_to(d_x, x, n);
-        rope_apply_cuda(d_x, d_cos, d_sin, NULL, N, T, nheads, hd, inverse, g_stream);
+        rope_apply_cuda(d_x, d_cos, d_sin, NULL, N, T, nheads, hd, rot, inverse, g_stream);
         float* got = download_bf16(d_x, n);
-        snprintf(name, sizeof(name), "rope_apply%s, N=%lld T=%d heads=%d hd=%d", inverse ? " inverse" : "",
-                 (long long)N, T, nheads, hd);
+        snprintf(name, sizeof(name), "rope_apply%s, N=%lld T=%d heads=%d hd=%d rot=%d", inverse ? " inverse" : "",
+                 (long long)N, T, nheads, hd, rot);
         check_close(name, got, want, n, 1e-2);
         free(want);
         free(got);
     }
     upload_bf16_to(d_x, x, n);  // the inverse undoes the rotation (up to two bf16 roundings)
-    rope_apply_cuda(d_x, d_cos, d_sin, NULL, N, T, nheads, hd, 0, g_stream);
-    rope_apply_cuda(d_x, d_cos, d_sin, NULL, N, T, nheads, hd, 1, g_stream);
+    rope_apply_cuda(d_x, d_cos, d_sin, NULL, N, T, nheads, hd, rot, 0, g_stream);
+    rope_apply_cuda(d_x, d_cos, d_sin, NULL, N, T, nheads, hd, rot, 1, g_stream);
     float* back = download_bf16(d_x, n);
     snprintf(name, sizeof(name), "rope_apply then inverse is the identity, hd=%d", hd);
     check_close(name, back, x, n, 1e-2);
@@ -231,11 +231,11 @@ static void test_rope(int64_t N, int T, int nheads, int hd, Rng* rng) {
                 d_y[k] = (bf16*)dev_alloc(2 * (n + off)) + off;
                 upload_bf16_to(d_y[k], x, n);
                 rope_apply_launch(k ? KERNELS_SCALAR : KERNELS_VEC, d_y[k], d_cos, d_sin, packed ? d_pos : NULL, N, T,
-                                  nheads, hd, packed, g_stream);  // packed rows run the inverse
+                                  nheads, hd, rot, packed, g_stream);  // packed rows run the inverse
             }
             uint8_t *a = download_bytes(d_y[0], 2 * n), *b = download_bytes(d_y[1], 2 * n);
-            snprintf(name, sizeof(name), "rope_apply vec = scalar kernel, hd=%d heads=%d%s +%d", hd, nheads,
-                     packed ? " packed inverse" : "", off);
+            snprintf(name, sizeof(name), "rope_apply vec = scalar kernel, hd=%d rot=%d heads=%d%s +%d", hd, rot,
+                     nheads, packed ? " packed inverse" : "", off);
             check_equal_bytes(name, a, b, 2 * n);
             free(a); free(b);
             for (int k = 0; k < 2; k++) CUDA_CHECK(cudaFree(d_y[k] - off));
@@ -292,9 +292,11 @@ static void time_attention(AttnShape s, const char* label) {
 int main(void) {
     Rng rng = rng_seeded(99, 3);
     check_begin("dev/cuda/attention: RoPE, flash attention and the tensor-core GEMM attention vs llmc/cpu/attention.h");
-    test_rope(2 * 37, 37, 3, 16, &rng);
-    test_rope(65, 65, 2, 128, &rng);
-    test_rope(9, 9, 3, 24, &rng);  // hd not a multiple of 16: the scalar kernel
+    test_rope(2 * 37, 37, 3, 16, 16, &rng);
+    test_rope(65, 65, 2, 128, 128, &rng);
+    test_rope(9, 9, 3, 24, 24, &rng);  // hd not a multiple of 16: the scalar kernel
+    test_rope(2 * 19, 19, 3, 32, 16, &rng);  // partial rotary (half the head): the vectorised kernel
+    test_rope(9, 9, 2, 16, 12, &rng);        // Phi-4-mini's 0.75 of the head: the scalar kernel
     test_lse_layout(3, 4, 37, &rng);
     test_lse_layout(1, 32, 300, &rng);  // more than one block, T not a multiple of it
     AttnShape cases[] = {

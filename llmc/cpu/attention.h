@@ -17,12 +17,13 @@
 #include "matmul.h"
 #include "vec_exp.h"
 
-// Rotate-half RoPE (pairs i, i+hd/2) applied in place to x [N, nheads*hd] at position pos[n]
-// (packed examples restart at 0), or n % T when pos is NULL. cos/sin tables are [T, hd/2].
+// Rotate-half RoPE on the first rot dims of each head (pairs i, i+rot/2; the rest pass unchanged,
+// partial rotary; rot = hd: the whole head) applied in place to x [N, nheads*hd] at position pos[n]
+// (packed examples restart at 0), or n % T when pos is NULL. cos/sin tables are [T, rot/2].
 // inverse = 1 applies the transpose rotation (the backward).
 static void rope_apply(float* x, const float* cos_t, const float* sin_t, const int* pos, int64_t N, int T, int nheads,
-                       int hd, int inverse) {
-    int half = hd / 2;
+                       int hd, int rot, int inverse) {
+    int half = rot / 2;
     float sgn = inverse ? -1.0f : 1.0f;
 #pragma omp parallel for schedule(static) if (N * nheads * hd > 32768)
     for (int64_t n = 0; n < N; n++) {

@@ -1,4 +1,4 @@
-// llama.h: the LLaMA-family model (LLaMA, Mistral, Qwen2, Qwen3), read top to bottom: its config
+// llama.h: the LLaMA-family model (LLaMA, Mistral, Qwen2, Qwen3, Phi-3), read top to bottom: its config
 // (LlamaConfig, llmc/models/llama_family.h), its parameters with their shapes, the buffers a block
 // keeps for its backward, then the forward (block_forward: attention and the MLP), the backward
 // (block_backward), the LM head and one micro-batch's forward + backward (llama_forward_backward).
@@ -38,8 +38,17 @@
 
 enum { T_Q, T_K, T_V, T_O, T_GATE, T_UP, T_DOWN, N_TARGETS };
 static const char* const target_names[N_TARGETS] = {"q", "k", "v", "o", "gate", "up", "down"};
-static const char* const* const hf_module_names = llama_hf_modules;  // [N_TARGETS], the checkpoint's names
 static_assert(sizeof(llama_hf_modules) / sizeof(llama_hf_modules[0]) == N_TARGETS, "one module name per target");
+
+// Phi-3's fused modules (qkv_proj = q, k, v; gate_up_proj = gate, up) are kept as their parts: three
+// (two) Linears whose W are the module's row blocks, so the forward and backward above read q, k, v,
+// gate and up in their own buffers exactly as for the other families. Their LoRA adapter is PEFT's
+// one adapter over the fused output, y = x W^T + s (x A^T) B^T with A [r, in] and B [rows, r]: the
+// parts share one A (and one A gradient, to which each part's backward adds its share, which sums
+// dA over the parts as the fused product would) and each takes its rows of B, which lie one after
+// the other in the arena (llama_bind), so the fused B is one contiguous [rows, r] block for saving,
+// loading and the merged export. The alternative, one fused Linear whose output is split, would
+// have needed a strided q, k, v (or a copy) in every pass.
 
 // Weights and activations are backend buffers (`void*`: fp32 on the CPU, bf16 on CUDA); norm
 // statistics and the attention lse are fp32 on both.
@@ -163,6 +172,29 @@ static int64_t lin_out(const LlamaConfig* c, int t) {
     }
 }
 
+// The first row of linear t within its checkpoint module, and the module's rows (t's own unless fused).
+static int64_t llama_module_row0(const LlamaConfig* c, int t) {
+    int64_t r = 0;
+    for (int k = llama_fused_lead(c, t); k < t; k++) r += lin_out(c, k);
+    return r;
+}
+static int64_t llama_module_rows(const LlamaConfig* c, int t) {
+    int lead = llama_fused_lead(c, t);
+    int64_t r = 0;
+    for (int k = lead; k < N_TARGETS && llama_fused_lead(c, k) == lead; k++) r += lin_out(c, k);
+    return r;
+}
+
+// A fused module carries one adapter: --lora-targets names all of its parts or none of them.
+static void llama_check_fused_targets(const LlamaConfig* c, unsigned targets) {
+    for (int t = 0; t < N_TARGETS; t++) {
+        int lead = llama_fused_lead(c, t);
+        if ((targets >> t & 1) != (targets >> lead & 1))
+            fail("flag --lora-targets: %s fuses %s and %s into %s (one adapter): name all of its parts or none",
+                 c->family, target_names[lead], target_names[t], llama_hf_module(c, t));
+    }
+}
+
 // Under MS-RMSNorm (and LoRA), W' = W diag(gamma) absorbed the gamma of the norm that feeds q, k,
 // v (gate, up), but the adapters keep acting on gamma*z as in the original model (llmc/linear.h),
 // so they train exactly what --norm std trains; --ms-lora merged puts them on z (the paper's).
@@ -226,7 +258,7 @@ static void llama_qk_forward(Llama* m, const LlamaLayer* layer, BlockActs* a, in
             op_rmsnorm_forward(be, y, r, pre, gamma, N * heads, c->head_dim, c->norm_eps);
         }
     }
-    op_rope(be, y, m->w.rope_cos, m->w.rope_sin, m->io.pos, N, T, heads, c->head_dim, ROPE_FORWARD);
+    op_rope(be, y, m->w.rope_cos, m->w.rope_sin, m->io.pos, N, T, heads, c->head_dim, c->rot_dim, ROPE_FORWARD);
 }
 
 // The MLP buffers' rows from token t0 on: a kept buffer's (whole sequence) from row t0, one of the
@@ -392,7 +424,7 @@ static void llama_qk_rebuild(Llama* m, const LlamaLayer* layer, BlockActs* a, in
     int is_q = t == T_Q, heads = is_q ? c->heads : c->kv_heads;
     void* y = is_q ? a->q : a->k;
     op_scale_columns(m->be, y, is_q ? a->qz : a->kz, is_q ? layer->q_norm : layer->k_norm, N * heads, c->head_dim);
-    op_rope(m->be, y, m->w.rope_cos, m->w.rope_sin, m->io.pos, N, T, heads, c->head_dim, ROPE_FORWARD);
+    op_rope(m->be, y, m->w.rope_cos, m->w.rope_sin, m->io.pos, N, T, heads, c->head_dim, c->rot_dim, ROPE_FORWARD);
 }
 
 // The gradient w.r.t. the q (t = T_Q) or k (T_K) projection's output, from dy, the gradient w.r.t.
@@ -469,8 +501,9 @@ static void block_backward(Llama* m, int l, BlockActs* a, const Recomputed* rc, 
         llama_qk_rebuild(m, layer, a, T_K, N, T);
     }
     llama_attention_backward(m, a, B, T);
-    op_rope(be, sc->dq, m->w.rope_cos, m->w.rope_sin, m->io.pos, N, T, c->heads, c->head_dim, ROPE_INVERSE);
-    op_rope(be, sc->dk, m->w.rope_cos, m->w.rope_sin, m->io.pos, N, T, c->kv_heads, c->head_dim, ROPE_INVERSE);
+    op_rope(be, sc->dq, m->w.rope_cos, m->w.rope_sin, m->io.pos, N, T, c->heads, c->head_dim, c->rot_dim, ROPE_INVERSE);
+    op_rope(be, sc->dk, m->w.rope_cos, m->w.rope_sin, m->io.pos, N, T, c->kv_heads, c->head_dim, c->rot_dim,
+            ROPE_INVERSE);
     op_linear_backward(be, sc->dz, llama_qk_norm_backward(m, layer, a, T_Q, sc->dq, N), a->z1, a->ax[T_Q],
                        &layer->lin[T_Q], sc->dax, N, r, s, OUT_WRITE);
     op_linear_backward(be, sc->dz, llama_qk_norm_backward(m, layer, a, T_K, sc->dk, N), a->z1, a->ax[T_K],

@@ -1,5 +1,5 @@
 // llama_family.h: which LLaMA-architecture checkpoints train_llama understands, read strictly.
-// LlamaConfig is config.json of a Hugging Face LLaMA, Mistral, Qwen2/2.5 or Qwen3 (dense) model;
+// LlamaConfig is config.json of a Hugging Face LLaMA, Mistral, Qwen2/2.5, Qwen3 (dense) or Phi-3/Phi-4 model;
 // llama_check_tensor_names proves that every tensor of the checkpoint is one the model uses.
 //
 // The families differ from LLaMA in small ways, each of which changes the math:
@@ -8,6 +8,10 @@
 //   qwen2    q, k, v always carry biases; use_sliding_window / sliding_window / max_window_layers
 //   qwen3    q_norm / k_norm: an RMSNorm over each head of q and k before RoPE, an explicit head_dim,
 //            attention_bias; the sliding-window keys of qwen2
+//   phi3     Phi-3, Phi-3.5, Phi-4, Phi-4-mini: q, k, v stored as one qkv_proj and gate, up as one
+//            gate_up_proj (split by rows on load: llama_hf_module); partial_rotary_factor (RoPE on the
+//            first factor*head_dim dims of each head); LongRoPE (rope_scaling longrope/su); a sliding
+//            window on every layer where sliding_window is set
 // Anything else is refused in one line naming it, never passed over: another model_type or
 // architecture, a config key this file does not know (it could change the math), a value of a
 // known key that the trainer does not implement (rope_scaling types but llama3, a partial rotary
@@ -21,6 +25,7 @@
 #include "../formats/bnb.h"
 
 #define LLAMA_MAX_LAYERS 1024               // num_hidden_layers is refused above this
+#define LLAMA_MAX_ROPE_PAIRS 512            // head_dim is at most 1024: at most 512 rotated pairs
 
 typedef struct {
     char family[16];                       // model_type: llama, mistral, qwen2 or qwen3
@@ -37,6 +42,13 @@ typedef struct {
     unsigned char layer_sliding[LLAMA_MAX_LAYERS];  // [layers] 1: layer l is a sliding (local) layer
     float attn_scale;                      // the scores' scale: head_dim^-0.5 (Gemma: query_pre_attn_scalar^-0.5)
     float attn_softcap, final_softcap;     // Gemma 2: scores and logits become c*tanh(x/c) (0: none)
+    int fused;                             // Phi-3: the checkpoint fuses q,k,v (qkv_proj) and gate,up (gate_up_proj)
+    int rot_dim;                           // RoPE rotates dims [0, rot_dim) of each head (head_dim unless partial)
+    // Phi-3 LongRoPE: inv_freq[i] = 1 / (factor[i] * theta^(2i/rot_dim)), factor the long list when the
+    // run's sequence exceeds rs_original_ctx, else the short one; cos and sin scaled by rope_attn_factor
+    int rope_longrope;
+    float rope_attn_factor;
+    float long_factor[LLAMA_MAX_ROPE_PAIRS], short_factor[LLAMA_MAX_ROPE_PAIRS];  // [rot_dim / 2]
 } LlamaConfig;
 
 // The window layer l attends over: 0 for every position before it, else the last W positions.
@@ -55,13 +67,16 @@ static const char* const llama_known_keys[] = {
     "rope_scaling", "tie_word_embeddings", "hidden_act", "attention_bias", "mlp_bias", "attention_dropout",
     "sliding_window", "use_sliding_window", "max_window_layers", "layer_types", "partial_rotary_factor",
     "quantization_config", "bos_token_id", "eos_token_id", "pruned_heads",
+    // Phi-3's (llama_config_phi3 refuses them elsewhere and checks their values)
+    "original_max_position_embeddings", "embd_pdrop", "resid_pdrop", "lm_head_bias", "full_attn_mod",
+    "interpolate_factor",
     // bookkeeping of transformers' PretrainedConfig and of the exporters
     "_name_or_path", "torch_dtype", "dtype", "transformers_version", "use_cache", "initializer_range", "pad_token_id",
     "sep_token_id", "decoder_start_token_id", "tokenizer_class", "output_attentions", "output_hidden_states",
     "return_dict", "torchscript", "use_bfloat16", "tf_legacy_loss", "is_decoder", "is_encoder_decoder",
     "add_cross_attention", "tie_encoder_decoder", "cross_attention_hidden_size", "chunk_size_feed_forward",
     "id2label", "label2id", "problem_type", "finetuning_task", "prefix", "task_specific_params",
-    "_attn_implementation_autoset", "use_return_dict",
+    "_attn_implementation_autoset", "use_return_dict", "auto_map",
     // tensor parallelism of the original Llama-2 training: the same products, split (no change in math)
     "pretraining_tp",
     // generation defaults (generate reads its own flags)
@@ -83,19 +98,19 @@ static void llama_check_known_keys(const Json* j, const char* path) {
     }
 }
 
-// model_type and architectures: the four families as causal LMs, nothing else.
+// model_type and architectures: the five families as causal LMs, nothing else.
 static void llama_config_family(LlamaConfig* c, const Json* j, const char* path) {
-    static const char* const types[] = {"llama", "mistral", "qwen2", "qwen3"};
+    static const char* const types[] = {"llama", "mistral", "qwen2", "qwen3", "phi3"};
     static const char* const archs[] = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                                        "Qwen3ForCausalLM"};
+                                        "Qwen3ForCausalLM", "Phi3ForCausalLM"};
     const Json* mt = json_get(j, "model_type");
     if (!mt || mt->type != JSON_STRING)
-        fail("%s: no model_type string (expected llama, mistral, qwen2 or qwen3)", path);
+        fail("%s: no model_type string (expected llama, mistral, qwen2, qwen3 or phi3)", path);
     int f = 0;
-    while (f < 4 && strcmp(mt->string, types[f]) != 0) f++;
-    if (f == 4)
-        fail("%s: model_type \"%.60s\" is not supported (train_llama reads llama, mistral, qwen2 and qwen3%s)", path,
-             mt->string, strcmp(mt->string, "vit") == 0 ? "; a ViT is train_vit's" : "");
+    while (f < 5 && strcmp(mt->string, types[f]) != 0) f++;
+    if (f == 5)
+        fail("%s: model_type \"%.60s\" is not supported (train_llama reads llama, mistral, qwen2, qwen3 and phi3%s)",
+             path, mt->string, strcmp(mt->string, "vit") == 0 ? "; a ViT is train_vit's" : "");
     snprintf(c->family, sizeof(c->family), "%s", types[f]);
     const Json* ar = json_get(j, "architectures");
     if (!ar || ar->type == JSON_NULL) return;
@@ -114,15 +129,60 @@ static int llama_config_bool(const Json* j, const char* key, const char* path, i
     return v->boolean;
 }
 
-// rope_scaling: absent, null, {"rope_type": "default"} or Llama-3.1's {"rope_type": "llama3", ...}.
+// LongRoPE's factor list `key` of rope_scaling: rot_dim / 2 positive numbers, as transformers checks.
+static void llama_config_rope_factors(float* out, const Json* rs, const char* key, int pairs, const char* path) {
+    const Json* a = json_get(rs, key);
+    if (!a || a->type != JSON_ARRAY || a->count != pairs)
+        fail("%s: rope_scaling.%s must be a list of %d numbers (the rotated dims / 2)", path, key, pairs);
+    for (int i = 0; i < pairs; i++) {
+        if (a->items[i].type != JSON_NUMBER) fail("%s: rope_scaling.%s[%d] is not a number", path, key, i);
+        out[i] = json_positive_float(a->items[i].number, key, path);
+    }
+}
+
+// Phi-3's LongRoPE, as transformers computes it (modeling_rope_utils.py's longrope parameters): the
+// original context is the top-level original_max_position_embeddings (Phi3Config's default 4096);
+// the attention factor is rope_scaling.attention_factor when given, else sqrt(1 + ln s / ln orig)
+// with s = max_position_embeddings / orig (1 when s <= 1). Which list applies is decided by the
+// run's sequence (llama_rope_tables).
+static void llama_config_longrope(LlamaConfig* c, const Json* j, const Json* rs, const char* path) {
+    c->rope_longrope = 1;
+    c->rs_original_ctx = json_get(j, "original_max_position_embeddings") &&
+                                 json_get(j, "original_max_position_embeddings")->type != JSON_NULL
+                             ? json_int_in(j, "original_max_position_embeddings", path, 1, 1 << 26) : 4096;
+    int pairs = c->rot_dim / 2;
+    llama_config_rope_factors(c->long_factor, rs, "long_factor", pairs, path);
+    llama_config_rope_factors(c->short_factor, rs, "short_factor", pairs, path);
+    const Json* af = json_get(rs, "attention_factor");
+    double s = (double)c->max_seq / c->rs_original_ctx;
+    if (af && af->type != JSON_NULL)
+        c->rope_attn_factor = json_positive_float(json_number_req(rs, "attention_factor", path),
+                                                  "rope_scaling.attention_factor", path);
+    else c->rope_attn_factor = s <= 1.0 ? 1.0f : (float)sqrt(1.0 + log(s) / log((double)c->rs_original_ctx));
+    for (int k = 0; k < rs->count; k++) {
+        const char* key = rs->keys[k];
+        if (strcmp(key, "type") && strcmp(key, "rope_type") && strcmp(key, "long_factor") &&
+            strcmp(key, "short_factor") && strcmp(key, "attention_factor") && strcmp(key, "factor"))
+            fail("%s: rope_scaling key \"%.40s\" is not one LongRoPE reads here (refused rather than ignored)",
+                 path, key);
+    }
+}
+
+// rope_scaling: absent, null, {"rope_type": "default"}, Llama-3.1's {"rope_type": "llama3", ...}, or
+// (phi3 only) LongRoPE {"type": "longrope" or "su", "long_factor": [..], "short_factor": [..]}.
 static void llama_config_rope_scaling(LlamaConfig* c, const Json* j, const char* path) {
     const Json* rs = json_get(j, "rope_scaling");
     if (!rs || rs->type == JSON_NULL) return;
     if (rs->type != JSON_OBJECT) fail("%s: rope_scaling must be an object or null", path);
     const char* type = json_string_or(rs, "rope_type", json_string_or(rs, "type", ""));
     if (strcmp(type, "default") == 0) return;
+    if (c->fused && (strcmp(type, "longrope") == 0 || strcmp(type, "su") == 0)) {
+        llama_config_longrope(c, j, rs, path);
+        return;
+    }
     if (strcmp(type, "llama3") != 0)
-        fail("%s: rope_scaling type \"%.40s\" is not supported (expected llama3 or default)", path, type);
+        fail("%s: rope_scaling type \"%.40s\" is not supported (expected %s or default)", path, type,
+             c->fused ? "longrope, su" : "llama3");
     c->rope_llama3 = 1;
     c->rs_factor = json_positive_float(json_number_req(rs, "factor", path), "rope_scaling.factor", path);
     c->rs_low_freq =
@@ -137,12 +197,14 @@ static void llama_config_rope_scaling(LlamaConfig* c, const Json* j, const char*
 }
 
 // The sliding window and the layers it applies to (layer_sliding), as transformers decides them:
-// Mistral windows every layer (sliding_window null: none); Qwen2 and Qwen3 window the layers at
+// Mistral and Phi-3 window every layer (sliding_window null: none); Qwen2 and Qwen3 window the layers at
 // index >= max_window_layers when use_sliding_window is true; an explicit layer_types list names
 // each layer itself. The window is not implemented yet: llama_check_window refuses a run whose
 // sequence a sliding layer would cut.
 static void llama_config_window(LlamaConfig* c, const Json* j, const char* path) {
-    int mistral = strcmp(c->family, "mistral") == 0, use = llama_config_bool(j, "use_sliding_window", path, 0);
+    // Mistral and Phi-3 window every layer
+    int mistral = strcmp(c->family, "mistral") == 0 || c->fused;
+    int use = llama_config_bool(j, "use_sliding_window", path, 0);
     int from = mistral ? 0 : c->layers;
     if (!mistral && use) from = json_get(j, "max_window_layers") && json_get(j, "max_window_layers")->type != JSON_NULL
                                     ? json_int_in(j, "max_window_layers", path, 0, 1 << 30) : 28;
@@ -171,14 +233,50 @@ static void llama_config_window(LlamaConfig* c, const Json* j, const char* path)
 static void llama_config_refusals(const Json* j, const char* path) {
     const char* act = json_string_or(j, "hidden_act", "silu");
     if (strcmp(act, "silu") != 0) fail("%s: hidden_act \"%.40s\" is not supported (expected silu)", path, act);
-    if (json_number_opt(j, "partial_rotary_factor", path, 1.0) != 1.0)
-        fail("%s: partial_rotary_factor %g is not supported (RoPE rotates the whole head here)", path,
-             json_number_or(j, "partial_rotary_factor", 1.0));
+    if (strcmp(json_string_or(j, "model_type", ""), "phi3") != 0) {
+        if (json_number_opt(j, "partial_rotary_factor", path, 1.0) != 1.0)
+            fail("%s: partial_rotary_factor %g is not supported (RoPE rotates the whole head here)", path,
+                 json_number_or(j, "partial_rotary_factor", 1.0));
+        static const char* const phi3_keys[] = {"original_max_position_embeddings", "embd_pdrop", "resid_pdrop",
+                                                "lm_head_bias", "full_attn_mod", "interpolate_factor"};
+        for (int k = 0; k < 6; k++)
+            if (json_get(j, phi3_keys[k])) fail("%s: config key \"%s\" is a phi3 key, not one of this family", path,
+                                                phi3_keys[k]);
+    }
     if (json_number_opt(j, "attention_dropout", path, 0.0) != 0.0)
         fail("%s: attention_dropout %g is not supported (attention has no dropout here)", path,
              json_number_or(j, "attention_dropout", 0.0));
     const Json* ph = json_get(j, "pruned_heads");
     if (ph && ph->type != JSON_NULL && ph->count > 0) fail("%s: pruned_heads is not supported", path);
+}
+
+// Phi-3's own keys, after the sizes: the fused checkpoint, the rotated dims (partial_rotary_factor:
+// int(factor * head_dim), as transformers rounds it), and the keys whose other values would change
+// the math refused: dropouts on the embedding and the residual (none here), a head bias, biases on
+// the linears (transformers' Phi3 has none, whatever attention_bias says), and Phi-4-mini's
+// full_attn_mod / interpolate_factor, which transformers' Phi3 does not read, at any value but 1.
+static void llama_config_phi3(LlamaConfig* c, const Json* j, const char* path) {
+    c->rot_dim = c->head_dim;
+    if (strcmp(c->family, "phi3") != 0) return;
+    c->fused = 1;
+    double f = json_number_opt(j, "partial_rotary_factor", path, 1.0);
+    if (!(f > 0.0 && f <= 1.0)) fail("%s: partial_rotary_factor %g must lie in (0, 1]", path, f);
+    c->rot_dim = (int)(c->head_dim * f);
+    if (c->rot_dim < 2 || c->rot_dim % 2)
+        fail("%s: partial_rotary_factor %g rotates %d dims of %d (expected a positive even count)", path, f,
+             c->rot_dim, c->head_dim);
+    static const char* const zero[] = {"embd_pdrop", "resid_pdrop"};
+    for (int k = 0; k < 2; k++)
+        if (json_number_opt(j, zero[k], path, 0.0) != 0.0)
+            fail("%s: %s %g is not supported (no dropout there here)", path, zero[k], json_number_or(j, zero[k], 0));
+    static const char* const one[] = {"full_attn_mod", "interpolate_factor"};
+    for (int k = 0; k < 2; k++)
+        if (json_number_opt(j, one[k], path, 1.0) != 1.0)
+            fail("%s: %s %g is not supported (expected 1)", path, one[k], json_number_or(j, one[k], 1));
+    static const char* const off[] = {"lm_head_bias", "attention_bias", "mlp_bias"};
+    for (int k = 0; k < 3; k++)
+        if (llama_config_bool(j, off[k], path, 0))
+            fail("%s: %s true is not supported for phi3 (its linears have no biases)", path, off[k]);
 }
 
 // bos/eos ids: the number when it is one an int holds (a cast of 1e12 would be undefined), else
@@ -234,6 +332,7 @@ static void llama_config_load(LlamaConfig* c, const char* model_dir) {
     c->tied = llama_config_bool(&j, "tie_word_embeddings", path, 0);
     c->bos_id = llama_token_id_or(&j, "bos_token_id", 1);
     c->eos_id = llama_token_id_or(&j, "eos_token_id", 2);
+    llama_config_phi3(c, &j, path);
     llama_config_rope_scaling(c, &j, path);
     llama_config_window(c, &j, path);
     int qwen2 = strcmp(c->family, "qwen2") == 0, qwen3 = strcmp(c->family, "qwen3") == 0;
@@ -246,10 +345,13 @@ static void llama_config_load(LlamaConfig* c, const char* model_dir) {
     if (c->mlp_bias && strcmp(c->family, "llama") != 0)
         fail("%s: mlp_bias is a llama key, not a %s one", path, c->family);
     c->qk_norm = qwen3;
+    // a quantization_config other than bitsandbytes NF4 is refused here, before any work
+    if (bnb_config_nf4(model_dir) && c->fused)
+        fail("%s: a bitsandbytes 4-bit phi3 checkpoint is not supported (its fused weights would be split across "
+             "quantization blocks); load the unquantized model with --quant nf4", path);
     json_free(&j);
     free(text);
     free(path);
-    bnb_config_nf4(model_dir);  // a quantization_config other than bitsandbytes NF4 is refused here, before any work
 }
 
 // A run whose attention spans more positions than the model's sliding window would need the
@@ -267,6 +369,24 @@ static void llama_check_window(const LlamaConfig* c, int T, const char* model_di
 // (llmc/models/llama.h's targets).
 static const char* const llama_hf_modules[7] = {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
                                                 "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"};
+// Phi-3's: q, k, v are the rows of one qkv_proj [q out + k out + v out, d] in that order, gate and up
+// those of one gate_up_proj [2 hidden, d] (transformers' Phi3MLP chunks its output gate first).
+static const char* const phi3_hf_modules[7] = {"self_attn.qkv_proj", "self_attn.qkv_proj", "self_attn.qkv_proj",
+                                               "self_attn.o_proj",   "mlp.gate_up_proj",   "mlp.gate_up_proj",
+                                               "mlp.down_proj"};
+
+// The checkpoint's module that holds linear t, and the first linear of that module (t itself
+// unless the checkpoint fuses it with the ones before it).
+static const char* llama_hf_module(const LlamaConfig* c, int t) {
+    return (c->fused ? phi3_hf_modules : llama_hf_modules)[t];
+}
+static int llama_fused_lead(const LlamaConfig* c, int t) {
+    int lead = t;
+    while (lead > 0 && strcmp(llama_hf_module(c, lead - 1), llama_hf_module(c, t)) == 0) lead--;
+    return lead;
+}
+// Is linear t the first of its checkpoint module (and so the one that names it)?
+static int llama_module_lead(const LlamaConfig* c, int t) { return llama_fused_lead(c, t) == t; }
 
 // Does linear t (in llama_hf_modules' order) carry a bias in this config?
 static int llama_linear_has_bias(const LlamaConfig* c, int t) {
@@ -281,8 +401,8 @@ static int llama_layer_tensor_is_used(const LlamaConfig* c, const char* rest, co
     if (c->qk_norm && (!strcmp(rest, "self_attn.q_norm.weight") || !strcmp(rest, "self_attn.k_norm.weight"))) return 1;
     if (!strcmp(rest, "self_attn.rotary_emb.inv_freq")) return 1;
     for (int t = 0; t < 7; t++) {
-        size_t k = strlen(llama_hf_modules[t]);
-        if (strncmp(rest, llama_hf_modules[t], k) != 0) continue;
+        size_t k = strlen(llama_hf_module(c, t));
+        if (strncmp(rest, llama_hf_module(c, t), k) != 0) continue;
         const char* part = rest + k;
         if (!strcmp(part, ".weight") || (llama_linear_has_bias(c, t) && !strcmp(part, ".bias"))) return 1;
         if (bnb && !strncmp(part, ".weight.", 8) && bnb_is_quant_state_name(name)) return 1;

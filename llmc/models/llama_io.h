@@ -66,7 +66,7 @@ static void llama_linear_weights_f32(const Llama* m, const Linear* L, float* w) 
 // (every weight must carry the same one), so that its NF4 bytes are used as they are.
 static void llama_bnb_tables(const Llama* m, const StModel* sm, float* tables) {
     char name[256];
-    snprintf(name, sizeof(name), "model.layers.0.%s.weight", hf_module_names[0]);
+    snprintf(name, sizeof(name), "model.layers.0.%s.weight", llama_hf_module(&m->cfg, 0));
     if (!bnb_is_quantized(sm, name)) return;
     BnbWeight w = bnb_read(sm, name, lin_out(&m->cfg, 0), lin_in(&m->cfg, 0));
     if (w.dyn) {
@@ -105,8 +105,8 @@ static int llama_read_linear(Llama* m, const StModel* sm, int bnb, const char* n
 static void llama_load_weights(Llama* m, const char* dir) {
     const LlamaConfig* c = &m->cfg;
     int64_t d = c->dim, biggest = (int64_t)c->vocab * d;
-    for (int t = 0; t < N_TARGETS; t++)
-        if (lin_in(c, t) * lin_out(c, t) > biggest) biggest = lin_in(c, t) * lin_out(c, t);
+    for (int t = 0; t < N_TARGETS; t++)  // a fused module is read whole (llama_read_module)
+        if (lin_in(c, t) * llama_module_rows(c, t) > biggest) biggest = lin_in(c, t) * llama_module_rows(c, t);
     float* tmp = (float*)xmalloc(sizeof(float) * biggest);
     m->w.gamma_host = (float*)xmalloc(sizeof(float) * 2 * c->layers * d);
     int bnb = bnb_config_nf4(dir);
@@ -139,15 +139,21 @@ static void llama_load_weights(Llama* m, const char* dir) {
         for (int t = 0; t < N_TARGETS; t++) {
             Linear* lin = &layer->lin[t];
             if (llama_linear_has_bias(c, t)) {  // RMSNorm has no beta: the MS merge leaves a bias as it is
-                snprintf(name, sizeof(name), "model.layers.%d.%s.bias", l, hf_module_names[t]);
+                snprintf(name, sizeof(name), "model.layers.%d.%s.bias", l, llama_hf_module(c, t));
                 load_weight(m, &sm, name, *linear_bias_slot(m->be, lin), m->modes.full ? lin->bias : NULL, tmp,
                             lin->out, 0);
             }
-            snprintf(name, sizeof(name), "model.layers.%d.%s.weight", l, hf_module_names[t]);
+            snprintf(name, sizeof(name), "model.layers.%d.%s.weight", l, llama_hf_module(c, t));
             const float* gamma = !m->modes.ms ? NULL : t <= T_V ? g_attn : (t == T_GATE || t == T_UP) ? g_mlp : NULL;
-            if (llama_read_linear(m, &sm, bnb, name, lin, tmp, gamma != NULL)) continue;
-            if (gamma) merge_norm_affine(tmp, NULL, lin->out, lin->in, gamma, NULL, name);
-            llama_set_linear_weight(m, lin, tmp);
+            float* w = tmp;
+            if (c->fused) {  // Phi-3: this linear's rows of its module (bitsandbytes checkpoints are refused)
+                load_tensor(&sm, name, tmp, llama_module_rows(c, t), lin->in);
+                w = tmp + llama_module_row0(c, t) * lin->in;
+            } else if (llama_read_linear(m, &sm, bnb, name, lin, tmp, gamma != NULL)) {
+                continue;
+            }
+            if (gamma) merge_norm_affine(w, NULL, lin->out, lin->in, gamma, NULL, name);
+            llama_set_linear_weight(m, lin, w);
         }
     }
     st_model_close(&sm);
@@ -203,27 +209,34 @@ static void llama_random_weights(Llama* m, uint64_t seed) {
     if (m->modes.full) trainable_to_device(&m->w.tr);
 }
 
-// RoPE tables, with the Llama-3.1 wavelength-dependent frequency scaling when configured.
+// RoPE's frequency i of rot_dim / 2 (rot_dim: head_dim, or Phi-3's rotated part), with Llama-3.1's
+// wavelength-dependent scaling or Phi-3's LongRoPE factor (the long list when the run's sequence T
+// exceeds the original context, as transformers picks it for positions up to T) when configured.
+static double llama_rope_inv_freq(const LlamaConfig* c, int i, int T) {
+    double inv = pow((double)c->rope_theta, -2.0 * i / c->rot_dim);
+    if (c->rope_longrope) return inv / (T > c->rs_original_ctx ? c->long_factor[i] : c->short_factor[i]);
+    if (!c->rope_llama3) return inv;
+    double wavelen = 2.0 * M_PI / inv;
+    double low_wl = c->rs_original_ctx / c->rs_low_freq, high_wl = c->rs_original_ctx / c->rs_high_freq;
+    if (wavelen > low_wl) return inv / c->rs_factor;
+    if (wavelen < high_wl) return inv;
+    double smooth = (c->rs_original_ctx / wavelen - c->rs_low_freq) / (c->rs_high_freq - c->rs_low_freq);
+    return (1.0 - smooth) * inv / c->rs_factor + smooth * inv;
+}
+
+// RoPE tables [T, rot_dim / 2]; LongRoPE scales cos and sin by its attention factor.
 static void llama_rope_tables(Llama* m) {
     const LlamaConfig* c = &m->cfg;
-    int half = c->head_dim / 2;
+    int half = c->rot_dim / 2;
     int T = m->sp.T;  // every position of the whole sequence (a sequence-parallel rank's slice starts past 0)
+    double scale = c->rope_longrope ? c->rope_attn_factor : 1.0;
     float* cs = (float*)xmalloc(sizeof(float) * 2 * T * half);
     float* sn = cs + (int64_t)T * half;
     for (int i = 0; i < half; i++) {
-        double inv = pow((double)c->rope_theta, -2.0 * i / c->head_dim);
-        if (c->rope_llama3) {
-            double wavelen = 2.0 * M_PI / inv;
-            double low_wl = c->rs_original_ctx / c->rs_low_freq, high_wl = c->rs_original_ctx / c->rs_high_freq;
-            if (wavelen > low_wl) inv /= c->rs_factor;
-            else if (wavelen >= high_wl) {
-                double smooth = (c->rs_original_ctx / wavelen - c->rs_low_freq) / (c->rs_high_freq - c->rs_low_freq);
-                inv = (1.0 - smooth) * inv / c->rs_factor + smooth * inv;
-            }
-        }
+        double inv = llama_rope_inv_freq(c, i, T);
         for (int t = 0; t < T; t++) {
-            cs[(int64_t)t * half + i] = (float)cos(t * inv);
-            sn[(int64_t)t * half + i] = (float)sin(t * inv);
+            cs[(int64_t)t * half + i] = (float)(scale * cos(t * inv));
+            sn[(int64_t)t * half + i] = (float)(scale * sin(t * inv));
         }
     }
     backend_upload(m->be, m->w.rope_cos, cs, sizeof(float) * T * half);
@@ -238,7 +251,8 @@ static void llama_init_lora(Llama* m, uint64_t seed) {
     for (int l = 0; l < m->cfg.layers; l++)
         for (int t = 0; t < N_TARGETS; t++) {
             Linear* L = &m->w.layers[l].lin[t];
-            if (L->A) lora_init(L, m->modes.rank, &rng);
+            if (L->A && llama_module_lead(&m->cfg, t)) lora_init(L, m->modes.rank, &rng);
+            else if (L->A) memset(L->B, 0, sizeof(float) * m->modes.rank * L->out);  // A: its module lead's
         }
     trainable_to_device(&m->w.tr);
 }
@@ -262,50 +276,70 @@ static const float* llama_adapter_gamma(const Llama* m, int l, int t) {
     return m->modes.ms_lora_merged ? llama_merged_gamma(m, l, t) : NULL;
 }
 
-// The PEFT view of the adapters: Hugging Face module paths; under --ms-lora merged, layers merged
-// with an MS norm carry that norm's gamma so the adapter is mapped back to (and from) the original
-// model's layout.
-static int llama_peft_entries(Llama* m, PeftEntry* e) {
+// The linear of the checkpoint module that linear t of layer l leads, as one Linear: t itself, or for
+// Phi-3's fused modules a view with the module's rows, whose W (under --full), B and their gradients
+// are the parts' one after the other in the arena and whose A is the one they share (llmc/models/llama.h).
+static Linear llama_module_view(const Llama* m, int l, int t) {
+    Linear v = m->w.layers[l].lin[t];
+    v.out = (int)llama_module_rows(&m->cfg, t);
+    return v;
+}
+
+// The PEFT view of the adapters: Hugging Face module paths (one adapter per fused module: views[],
+// [layers * N_TARGETS], holds them); under --ms-lora merged, layers merged with an MS norm carry
+// that norm's gamma so the adapter is mapped back to (and from) the original model's layout.
+static int llama_peft_entries(Llama* m, PeftEntry* e, Linear* views) {
     int n = 0;
     for (int l = 0; l < m->cfg.layers; l++)
-        for (int t = 0; t < N_TARGETS; t++)
-            n = peft_add_entry(e, n, &m->w.layers[l].lin[t], "model.layers", l, hf_module_names[t],
-                               llama_adapter_gamma(m, l, t));
+        for (int t = 0; t < N_TARGETS; t++) {
+            if (!llama_module_lead(&m->cfg, t)) continue;
+            Linear* v = &views[l * N_TARGETS + t];
+            *v = llama_module_view(m, l, t);
+            n = peft_add_entry(e, n, v, "model.layers", l, llama_hf_module(&m->cfg, t), llama_adapter_gamma(m, l, t));
+        }
     return n;
 }
 
 static void llama_save_adapter(Llama* m, const char* dir, const TrainOptions* o) {
     trainable_to_host(&m->w.tr, 0);
     PeftEntry* e = (PeftEntry*)xcalloc(m->cfg.layers * N_TARGETS, sizeof(PeftEntry));
-    int n = llama_peft_entries(m, e);
+    Linear* views = (Linear*)xcalloc(m->cfg.layers * N_TARGETS, sizeof(Linear));
+    int n = llama_peft_entries(m, e, views);
     const char* tm[N_TARGETS];
     int ntm = 0;
-    for (int t = 0; t < N_TARGETS; t++) if (m->modes.targets >> t & 1) tm[ntm++] = strchr(hf_module_names[t], '.') + 1;
+    for (int t = 0; t < N_TARGETS; t++)
+        if ((m->modes.targets >> t & 1) && llama_module_lead(&m->cfg, t))
+            tm[ntm++] = strchr(llama_hf_module(&m->cfg, t), '.') + 1;
     peft_save(dir, e, n, NULL, 0, m->modes.rank, o->lora_alpha, o->lora_rslora, o->lora_dropout, "CAUSAL_LM",
               o->model_dir, tm, ntm, NULL);
+    free(views);
     free(e);
 }
 
 // --adapter: the LoRA pairs only (no biases, no whole modules: PEFT bias "none", no modules_to_save).
 static void llama_load_adapter(Llama* m, const char* dir, const TrainOptions* o) {
     PeftEntry* e = (PeftEntry*)xcalloc(m->cfg.layers * N_TARGETS, sizeof(PeftEntry));
-    int n = llama_peft_entries(m, e);
+    Linear* views = (Linear*)xcalloc(m->cfg.layers * N_TARGETS, sizeof(Linear));
+    int n = llama_peft_entries(m, e, views);
     static const char* const bias_modes[] = {"none", NULL};
     PeftReads reads = {NULL, NULL, bias_modes, 0};
     peft_load(dir, e, n, m->modes.rank, o->lora_alpha, o->lora_rslora, &reads);
+    free(views);
     free(e);
     trainable_to_device(&m->w.tr);
 }
 
-// The adapted Linear whose Hugging Face weight is `name`, or NULL.
-static const Linear* llama_linear_named(Llama* m, const char* name, int* layer, int* target) {
+// The linear whose Hugging Face weight is `name` into *view (a fused module's: llama_module_view),
+// its layer and (lead) target; returns 0 when none is.
+static int llama_linear_named(Llama* m, const char* name, Linear* view, int* layer, int* target) {
     char buf[256];
     for (int l = 0; l < m->cfg.layers; l++)
         for (int t = 0; t < N_TARGETS; t++) {
-            snprintf(buf, sizeof(buf), "model.layers.%d.%s.weight", l, hf_module_names[t]);
-            if (strcmp(buf, name) == 0) { *layer = l; *target = t; return &m->w.layers[l].lin[t]; }
+            if (!llama_module_lead(&m->cfg, t)) continue;
+            snprintf(buf, sizeof(buf), "model.layers.%d.%s.weight", l, llama_hf_module(&m->cfg, t));
+            if (strcmp(buf, name) == 0) { *layer = l; *target = t; *view = llama_module_view(m, l, t); return 1; }
         }
-    return NULL;
+    return 0;
 }
 
 // Under --full, the host mirror of the trained non-linear weight whose Hugging Face name is
@@ -327,7 +361,7 @@ static const float* llama_trained_tensor(const Llama* m, const char* name) {
         snprintf(buf, sizeof(buf), "model.layers.%d.self_attn.k_norm.weight", l);
         if (!strcmp(name, buf)) return m->w.layers[l].h_k_norm;
         for (int t = 0; t < N_TARGETS; t++) {  // biases, where the model has them (L->bias: the host mirror)
-            snprintf(buf, sizeof(buf), "model.layers.%d.%s.bias", l, hf_module_names[t]);
+            snprintf(buf, sizeof(buf), "model.layers.%d.%s.bias", l, llama_hf_module(&m->cfg, t));
             if (!strcmp(name, buf)) return m->w.layers[l].lin[t].dbias ? m->w.layers[l].lin[t].bias : NULL;
         }
     }
@@ -338,18 +372,21 @@ static const float* llama_trained_tensor(const Llama* m, const char* name) {
 // checkpoint's own, or under --quant nf4 the NF4 copy the run used with the MS merge undone) plus
 // alpha/r B A, in bf16 for a bitsandbytes input, else in the input tensor's dtype. Added to the
 // writer under t's name; returns the buffer (the writer's until it is saved).
-static void* llama_export_nf4_linear(Llama* m, const StModel* sm, int from_bnb, int l, int tg, const StTensor* t,
-                                     StWriter* w) {
-    const Linear* L = &m->w.layers[l].lin[tg];
+static void* llama_export_nf4_linear(Llama* m, const StModel* sm, int from_bnb, int l, int tg, const Linear* L,
+                                     const StTensor* t, StWriter* w) {
     int64_t n = (int64_t)L->out * L->in, shape[2] = {L->out, L->in};
     float* W = (float*)xmalloc(sizeof(float) * n);
     if (from_bnb) {
         BnbWeight bw = bnb_read(sm, t->name, L->out, L->in);
         bnb_dequantize(&bw, W);
         bnb_free(&bw);
-    } else {
-        llama_linear_weights_f32(m, L, W);
-        peft_scale_columns(W, W, llama_merged_gamma(m, l, tg), L->out, L->in, 1, t->name);
+    } else {  // each part of a fused module (L its view) holds its own NF4 tensor
+        for (int p = tg; p < N_TARGETS && llama_fused_lead(&m->cfg, p) == tg; p++) {
+            const Linear* P = &m->w.layers[l].lin[p];
+            float* Wp = W + llama_module_row0(&m->cfg, p) * L->in;
+            llama_linear_weights_f32(m, P, Wp);
+            peft_scale_columns(Wp, Wp, llama_merged_gamma(m, l, p), P->out, P->in, 1, t->name);
+        }
     }
     if (L->A) {
         int r = m->modes.rank;
@@ -386,7 +423,8 @@ static void llama_export_merged(Llama* m, const TrainOptions* o, const char* dir
         for (int i = 0; i < sm.files[f].count; i++) {
             const StTensor* t = &sm.files[f].tensors[i];
             int l = 0, tg = 0;
-            const Linear* L = llama_linear_named(m, t->name, &l, &tg);
+            Linear view;
+            const Linear* L = llama_linear_named(m, t->name, &view, &l, &tg) ? &view : NULL;
             const float* trained = llama_trained_tensor(m, t->name);
             if (trained) {  // --full: embedding, head or a norm, as trained
                 owned[k] = xmalloc(st_dtype_size(t->dtype) * st_numel(t));
@@ -397,7 +435,7 @@ static void llama_export_merged(Llama* m, const TrainOptions* o, const char* dir
             if (bnb && bnb_is_quant_state_name(t->name)) continue;  // the export is dequantized
             if (L && !L->dW &&
                 (L->nf4 || (bnb && t->dtype == ST_U8))) {  // NF4: bf16 (or the input's dtype), dequantized
-                owned[k] = llama_export_nf4_linear(m, &sm, bnb && t->dtype == ST_U8, l, tg, t, &w);
+                owned[k] = llama_export_nf4_linear(m, &sm, bnb && t->dtype == ST_U8, l, tg, L, t, &w);
                 k++;
                 continue;
             }

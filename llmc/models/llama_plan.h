@@ -70,7 +70,8 @@ static void llama_plan_weights(Llama* m, MemPlan* p) {
     for (int l = 0; l < c->layers; l++)
         for (int t = 0; t < N_TARGETS; t++) {
             if (md->full) n_params += lin_in(c, t) * lin_out(c, t) + (llama_linear_has_bias(c, t) ? lin_out(c, t) : 0);
-            else if (md->targets >> t & 1) n_params += r * (lin_in(c, t) + lin_out(c, t));
+            else if (md->targets >> t & 1)  // a fused module's parts share its A (llmc/models/llama.h)
+                n_params += r * ((llama_module_lead(c, t) ? lin_in(c, t) : 0) + lin_out(c, t));
         }
     trainable_plan(&m->w.tr, p, md->full ? "all weights" : "lora", n_params,
                    md->full ? SHARD_OPTIM_AND_MASTER : SHARD_NONE, m->dist, be);
@@ -165,8 +166,8 @@ static void llama_plan_block(Llama* m, MemPlan* p, int l) {
     plan_block_act(p, m, l, keep, "attention", "o", N * qd * abytes, &a->o, &s->o);
     plan_block_act(p, m, l, keep, "attention", "lse", N * c->heads * 4, &a->lse, &s->lse);
     int64_t tile = m->mlp_tile, rows = keep ? N : tile;  // rows of the MLP's kept (N) or shared (tile) buffers
-    for (int t = 0; t < N_TARGETS; t++) {
-        if (!(md->targets >> t & 1)) continue;
+    for (int t = 0; t < N_TARGETS; t++) {  // a fused module's parts share A x: the lead's (llama_bind)
+        if (!(md->targets >> t & 1) || !llama_module_lead(c, t)) continue;
         snprintf(nm, sizeof(nm), "lora_%s_ax", target_names[t]);
         int64_t ax_rows = t >= T_GATE ? rows : N;
         plan_block_act(p, m, l, keep, "lora", nm, ax_rows * r * abytes, &a->ax[t], &s->ax[t]);
@@ -291,7 +292,7 @@ static void llama_plan(Llama* m, MemPlan* p) {
     p->blocks = c->layers;
     p->recomputed = m->modes.recompute_block;
     llama_plan_weights(m, p);
-    int64_t rope_bytes = (int64_t)m->sp.T * (c->head_dim / 2) * 4;  // [T, hd/2] fp32: 2 GiB at 8M positions
+    int64_t rope_bytes = (int64_t)m->sp.T * (c->rot_dim / 2) * 4;  // [T, rot/2] fp32: 2 GiB at 8M positions
     plan_add(p, MEM_SCRATCH, "rope", -1, "rope_cos", rope_bytes, &m->w.rope_cos);
     plan_add(p, MEM_SCRATCH, "rope", -1, "rope_sin", rope_bytes, &m->w.rope_sin);
     for (int l = 0; l < c->layers; l++) llama_plan_block(m, p, l);
@@ -323,6 +324,10 @@ static void llama_bind(Llama* m) {
         void** a = (void**)&m->saved.block[l];
         void** s = (void**)&m->scratch.tmp;
         for (size_t i = 0; i < sizeof(BlockActs) / sizeof(void*); i++) if (!a[i]) a[i] = s[i];
+        for (int t = 0; t < N_TARGETS; t++) {  // a fused module's parts: the same A x, so the lead's buffer
+            m->saved.block[l].ax[t] = m->saved.block[l].ax[llama_fused_lead(c, t)];
+            m->scratch.tmp.ax[t] = m->scratch.tmp.ax[llama_fused_lead(c, t)];
+        }
     }
     trainable_bind_host(&m->w.tr);
     lora_dropout_init(&m->drop, m->modes.lora_dropout, m->modes.seed, m->scratch.drop_work);
@@ -364,12 +369,15 @@ static void llama_bind(Llama* m) {
                 trainable_bind_linear_weight(&m->w.tr, &off, L);  // full fine-tuning: W (and its bias) train
                 if (llama_linear_has_bias(c, t)) trainable_bind_linear_bias(&m->w.tr, &off, L);
             } else if (m->modes.targets >> t & 1) {
-                trainable_bind_adapter(&m->w.tr, &off, L, (int)r);
+                int lead = llama_fused_lead(c, t);  // a fused module's parts share its A (llmc/models/llama.h)
+                if (lead == t) trainable_bind_adapter(&m->w.tr, &off, L, (int)r);
+                else trainable_bind_adapter_shared_a(&m->w.tr, &off, L, &m->w.layers[l].lin[lead], (int)r);
                 const void* gamma = t <= T_V                   ? m->w.layers[l].attn_norm
                                     : t == T_GATE || t == T_UP ? m->w.layers[l].mlp_norm
                                                                : NULL;
                 if (gamma && llama_adapters_see_gamma(m)) lora_norm_bind(L, gamma, NULL, m->scratch.lora_norm_work);
-                if (m->scratch.drop_work) lora_dropout_bind(L, &m->drop, (uint32_t)(l * N_TARGETS + t));
+                // the parts of a fused module read one input, dropped out once: the lead's mask
+                if (m->scratch.drop_work) lora_dropout_bind(L, &m->drop, (uint32_t)(l * N_TARGETS + lead));
             }
         }
     trainable_plan_buckets(&m->w.tr, m->w.layer_off,
@@ -400,6 +408,7 @@ static void llama_setup(Llama* m, const LlamaConfig* cfg, const TrainModes* mode
     m->dist = dist;
     m->cfg = *cfg;
     m->modes = *modes;
+    llama_check_fused_targets(cfg, modes->targets);
     m->B = B;
     seqpar_setup(&m->sp, dist, be, B, T, cfg->heads, cfg->kv_heads, cfg->head_dim);
     m->T = T / m->sp.P;  // this rank's slice of each sequence (the whole batch's N / P tokens)

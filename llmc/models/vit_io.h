@@ -32,7 +32,7 @@ static void vit_config_load(VitConfig* c, const char* model_dir) {
     // no model_type; Hugging Face's say "vit")
     const char* type = json_string_or(&j, "model_type", "vit");
     int llama_family = !strcmp(type, "llama") || !strcmp(type, "mistral") || !strcmp(type, "qwen2") ||
-                       !strcmp(type, "qwen3");
+                       !strcmp(type, "qwen3") || !strcmp(type, "phi3");
     if (strcmp(type, "vit") != 0)
         fail("%s: model_type \"%.60s\" is not a ViT (train_vit reads model_type vit%s)", path, type,
              llama_family ? "; a LLaMA-family model is train_llama's" : "");

@@ -280,6 +280,13 @@ static void trainable_bind_adapter(const Trainable* tr, int64_t* off, Linear* L,
     lora_bind(L, tr->h_params, tr->h_grads, off, rank);
 }
 
+// The same for an adapter that shares lead's A (llmc/linear.h's lora_bind_shared_a): its B only.
+static void trainable_bind_adapter_shared_a(const Trainable* tr, int64_t* off, Linear* L, const Linear* lead,
+                                            int rank) {
+    if (trainable_on_device(tr)) lora_bind_shared_a_device(L, lead, tr->params, tr->grads, tr->params16, *off);
+    lora_bind_shared_a(L, lead, tr->h_params, tr->h_grads, off, rank);
+}
+
 // Host mirror -> device (after init, adapter load, resume: every rank holds all of it), then the
 // bf16 shadow. A sharded master keeps this rank's pieces; the shadow is then cast from the whole
 // mirror staged in the gradient arena (as large, and zeroed again here: a step starts from zero).

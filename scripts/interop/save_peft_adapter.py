@@ -2,11 +2,12 @@
 """Saves a PEFT LoRA adapter with random weights (both A and B, so that it changes the model) for
 a Hugging Face causal LM, on every linear of every block, and prints PEFT's loss of base + adapter
 on the first windows of a token shard, the windows train_llama --eval-only uses. --rslora saves it
-with use_rslora (scale lora_alpha/sqrt(r)). test/system/test_hf_interop.py loads the adapter in
+with use_rslora (scale lora_alpha/sqrt(r)); --targets names the modules (default LLaMA's seven; a
+Phi-3 has qkv_proj,o_proj,gate_up_proj,down_proj). test/system/test_hf_interop.py loads the adapter in
 train_llama and compares the losses. Needs transformers and peft; not part of make test.
 
     python scripts/interop/save_peft_adapter.py --base DIR --out DIR --rank R --alpha A [--rslora] \
-        --val SHARD --seq T --windows N
+        [--targets M,M,...] --val SHARD --seq T --windows N
 """
 import argparse
 import os
@@ -31,6 +32,7 @@ def main():
     ap.add_argument("--rank", type=int, required=True)
     ap.add_argument("--alpha", type=float, required=True)
     ap.add_argument("--rslora", action="store_true")
+    ap.add_argument("--targets", default=",".join(TARGETS))
     ap.add_argument("--val", required=True)
     ap.add_argument("--seq", type=int, required=True)
     ap.add_argument("--windows", type=int, required=True)
@@ -41,7 +43,7 @@ def main():
     base = AutoModelForCausalLM.from_pretrained(a.base, torch_dtype=torch.float32, attn_implementation="eager",
                                                 use_safetensors=True).eval()
     # init_lora_weights=False: B is random too (nn.Linear's init), not zero
-    cfg = LoraConfig(r=a.rank, lora_alpha=a.alpha, target_modules=TARGETS, use_rslora=a.rslora, init_lora_weights=False,
+    cfg = LoraConfig(r=a.rank, lora_alpha=a.alpha, target_modules=a.targets.split(","), use_rslora=a.rslora, init_lora_weights=False,
                      task_type="CAUSAL_LM")
     model = get_peft_model(base, cfg).eval()
     model.save_pretrained(a.out)

@@ -54,6 +54,9 @@ SUBSET = open(os.path.join(FIXTURES, "chat_subset.jinja"), encoding="utf-8").rea
 QWEN25 = open(os.path.join(FIXTURES, "chat_qwen25.jinja"), encoding="utf-8").read()
 QWEN3 = open(os.path.join(FIXTURES, "chat_qwen3.jinja"), encoding="utf-8").read()
 QWEN_TOKENS = {"bos_token": "<|endoftext|>", "eos_token": "<|im_end|>"}
+# written here too: Phi-3-mini's and Phi-3.5-mini's conversation layout (<|user|> ... <|end|>)
+PHI3 = open(os.path.join(FIXTURES, "chat_phi3.jinja"), encoding="utf-8").read()
+PHI3_TOKENS = {"bos_token": "<s>", "eos_token": "<|endoftext|>"}
 
 CONVERSATIONS = [
     [{"role": "user", "content": "Hi there!"}],
@@ -127,7 +130,7 @@ def c_render(tmp_path, case):
 def cases():
     templates = {"smollm2": (smollm2_template(), SMOLLM2_TOKENS), "llama3": (LLAMA3, LLAMA3_TOKENS),
                  "llama31": (LLAMA31, LLAMA3_TOKENS), "subset": (SUBSET, LLAMA3_TOKENS),
-                 "qwen25": (QWEN25, QWEN_TOKENS), "qwen3": (QWEN3, QWEN_TOKENS)}
+                 "qwen25": (QWEN25, QWEN_TOKENS), "qwen3": (QWEN3, QWEN_TOKENS), "phi3": (PHI3, PHI3_TOKENS)}
     out = []
     for name, (tmpl, toks) in templates.items():
         for k, conv in enumerate(CONVERSATIONS + (QWEN_CONVERSATIONS if name.startswith("qwen") else [])):
@@ -175,6 +178,8 @@ def test_the_cases_cover_what_they_should(cases):
     assert refs["qwen3-6-False"].endswith("<|im_start|>assistant\n<think>\na\n</think>\n\nc<|im_end|>\n")
     assert "<|im_start|>assistant\nNo thinking here.<|im_end|>" in refs["qwen3-6-False"]
     assert refs["qwen3-7-False"].endswith("<|im_start|>assistant\nSeen.<|im_end|>\n")
+    assert refs["phi3-1-True"] == "<|system|>\n  You are terse.\n<|end|>\n<|user|>\nWhat is 2+2?<|end|>\n<|assistant|>\n"
+    assert refs["phi3-0-False"] == "<|user|>\nHi there!<|end|>\n<|endoftext|>"
 
 
 def test_python_renders_template_variables_and_extra_keys_as_transformers():

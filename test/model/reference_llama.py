@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
 """Independent PyTorch reference of a LLaMA forward + backward with LoRA: the oracle the C trainer
 is tested against (test/model/test_llama_model.py). Covers the LLaMA-architecture families the trainer
-reads: LLaMA (attention_bias, mlp_bias, head_dim), Mistral, Qwen2 (q/k/v biases) and Qwen3 (q/k
-norms before RoPE), as transformers' modeling files define them.
+reads: LLaMA (attention_bias, mlp_bias, head_dim), Mistral, Qwen2 (q/k/v biases), Qwen3 (q/k
+norms before RoPE) and Phi-3 (fused qkv_proj / gate_up_proj with one LoRA adapter over each fused
+output, as PEFT puts it there; partial_rotary_factor and LongRoPE as current transformers'
+modeling_phi3.py / modeling_rope_utils.py compute them), as transformers' modeling files define them.
 
 Written plainly with autograd, float64 by default. Reads a Hugging Face model directory
 (config.json + model.safetensors, or sharded with model.safetensors.index.json) through st_io.
@@ -47,6 +49,10 @@ RESILU2_A = (-0.04060357190528599, 1.080925428529668, -0.040321856624382146)
 RESILU2_C = (-6.3050461001646445, -0.0008684942046214787, 6.325815242089708)
 
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+# Phi-3's fused modules: each part's module and the parts in row order (Phi3MLP chunks gate first)
+FUSED_OF = {"q": ("self_attn.qkv_proj", ("q", "k", "v")), "k": ("self_attn.qkv_proj", ("q", "k", "v")),
+            "v": ("self_attn.qkv_proj", ("q", "k", "v")), "gate": ("mlp.gate_up_proj", ("gate", "up")),
+            "up": ("mlp.gate_up_proj", ("gate", "up"))}
 _MODULE_OF = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj",
               "o": "self_attn.o_proj", "gate": "mlp.gate_proj", "up": "mlp.up_proj",
               "down": "mlp.down_proj"}
@@ -122,6 +128,7 @@ class LlamaConfig:
         self.rope_scaling = d.get("rope_scaling")
         self.tied = bool(d.get("tie_word_embeddings", False))
         self.head_dim = int(d.get("head_dim") or self.dim // self.n_heads)
+        self.rot_dim = None
         # the families' additions to LLaMA, as transformers' modeling files define them:
         # Qwen2's q, k, v projections always have biases; LLaMA's and Qwen3's attention_bias puts
         # one on q, k, v and o; LLaMA's mlp_bias on gate, up and down; Qwen3 normalises each head
@@ -134,6 +141,12 @@ class LlamaConfig:
         for t in ("gate", "up", "down"):
             self.bias[t] = bool(d.get("mlp_bias", False))
         self.qk_norm = self.model_type == "qwen3"
+        # Phi-3: q, k, v (gate, up) are row blocks of one fused linear; RoPE turns the first
+        # int(head_dim * partial_rotary_factor) dims of each head; LongRoPE's factors and scale
+        self.fused = self.model_type == "phi3"
+        self.rot_dim = int(self.head_dim * float(d.get("partial_rotary_factor", 1.0))) if self.fused else None
+        self.original_ctx = int(d.get("original_max_position_embeddings", 4096))
+        self.max_pos = int(d.get("max_position_embeddings", 4096))
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"config.json: num_attention_heads {self.n_heads} is not a multiple "
                              f"of num_key_value_heads {self.n_kv_heads}")
@@ -142,9 +155,11 @@ class LlamaConfig:
                              f"num_attention_heads {self.n_heads}")
         if self.head_dim % 2:
             raise ValueError(f"config.json: head_dim {self.head_dim} must be even for RoPE")
+        if self.rot_dim is None:
+            self.rot_dim = self.head_dim
         if self.rope_scaling is not None:
             kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
-            if kind not in ("llama3", "default"):
+            if kind not in ("llama3", "default") and not (self.fused and kind in ("longrope", "su")):
                 raise ValueError(f"config.json: rope_scaling type {kind!r} not supported")
 
     @classmethod
@@ -201,6 +216,13 @@ class LlamaModel:
             p = f"model.layers.{l}."
             for t in LORA_TARGETS:
                 i, o = c.in_out(t)
+                if c.fused and t in FUSED_OF:  # Phi-3: this part's rows of the fused weight
+                    module, parts = FUSED_OF[t]
+                    rows = [c.in_out(x)[1] for x in parts]
+                    whole = get(p + module + ".weight", (sum(rows), i))
+                    r0 = sum(rows[:parts.index(t)])
+                    w[f"{l}.{t}"] = whole[r0:r0 + o]
+                    continue
                 w[f"{l}.{t}"] = get(p + _MODULE_OF[t] + ".weight", (o, i))
             for t in LORA_TARGETS:
                 if c.bias[t]:
@@ -244,12 +266,18 @@ class LlamaModel:
 # ---------------------------------------------------------------------------------------------
 # layers
 
-def rope_inv_freq(cfg):
-    """inv_freq[i] = theta^(-2i/head_dim), i < head_dim/2, with the Llama-3.1 adjustment when
-    rope_scaling says llama3. float64."""
-    hd = cfg.head_dim
+def rope_inv_freq(cfg, T=0):
+    """inv_freq[i] = theta^(-2i/rot_dim), i < rot_dim/2 (rot_dim = head_dim but for Phi-3's partial
+    rotary), with the Llama-3.1 adjustment when rope_scaling says llama3, and Phi-3's LongRoPE
+    (longrope / su): divided by long_factor[i] when the sequence T exceeds
+    original_max_position_embeddings (transformers: max(position_ids) + 1 > it), else short_factor[i].
+    float64."""
+    hd = cfg.rot_dim
     inv = 1.0 / cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd)
     rs = cfg.rope_scaling
+    if rs is not None and rs.get("rope_type", rs.get("type")) in ("longrope", "su"):
+        factors = rs["long_factor"] if T > cfg.original_ctx else rs["short_factor"]
+        return inv / torch.tensor(factors, dtype=torch.float64)
     if rs is None or rs.get("rope_type", rs.get("type")) != "llama3":
         return inv
     factor = float(rs["factor"])
@@ -272,19 +300,35 @@ def rope_inv_freq(cfg):
     return out
 
 
+def rope_attention_factor(cfg):
+    """LongRoPE's scale on cos and sin: rope_scaling.attention_factor, else sqrt(1 + ln s / ln orig)
+    with s = max_position_embeddings / original_max_position_embeddings (1 when s <= 1); 1 otherwise."""
+    rs = cfg.rope_scaling
+    if rs is None or rs.get("rope_type", rs.get("type")) not in ("longrope", "su"):
+        return 1.0
+    if rs.get("attention_factor") is not None:
+        return float(rs["attention_factor"])
+    s = cfg.max_pos / cfg.original_ctx
+    return 1.0 if s <= 1.0 else math.sqrt(1.0 + math.log(s) / math.log(cfg.original_ctx))
+
+
 def rope_cos_sin(cfg, T, dtype):
-    """cos, sin tables [T, head_dim] for rotate-half RoPE (frequency i used at i and i+hd/2)."""
-    inv = rope_inv_freq(cfg)
+    """cos, sin tables [T, rot_dim] for rotate-half RoPE (frequency i used at i and i+rot_dim/2)."""
+    inv = rope_inv_freq(cfg, T)
     ang = torch.arange(T, dtype=torch.float64)[:, None] * inv[None, :]
     ang = torch.cat([ang, ang], dim=1)
-    return ang.cos().to(dtype), ang.sin().to(dtype)
+    scale = rope_attention_factor(cfg)
+    return (scale * ang.cos()).to(dtype), (scale * ang.sin()).to(dtype)
 
 
 def apply_rope(x, cos, sin):
-    """x [B, H, T, hd]; rotate-half pairs (i, i + hd/2)."""
-    half = x.shape[-1] // 2
-    rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rot * sin
+    """x [B, H, T, hd]; rotate-half pairs (i, i + rot/2) over the first rot = cos.shape[-1] dims,
+    the rest passed through (partial rotary, as transformers' Phi3 applies it)."""
+    rot = cos.shape[-1]
+    x_rot, x_pass = x[..., :rot], x[..., rot:]
+    half = rot // 2
+    rotated = torch.cat([-x_rot[..., half:], x_rot[..., :half]], dim=-1)
+    return torch.cat([x_rot * cos + rotated * sin, x_pass], dim=-1)
 
 
 def rmsnorm(x, gamma, eps):
@@ -348,21 +392,35 @@ def forward(model, tokens, lora, scale, act="exact", norm="std", stats=None, wei
             if dropout is not None and lora.get((l, t)) is not None:
                 xa = dropout(l, t, inp if xa is None else xa)
             return lora_linear(inp, w[f"{l}.{t}"], lora.get((l, t)), scale, xa, w.get(f"{l}.{t}.b"))
+
+        def fused(parts, inp, norm_key):
+            # Phi-3: one linear over the fused weight, with PEFT's one adapter on it (the parts
+            # share A; B is their B rows stacked), its output split back into the parts
+            if not c.fused:
+                return [lin(t, inp, norm_key) for t in parts]
+            W = torch.cat([w[f"{l}.{t}"] for t in parts])
+            lo = lora.get((l, parts[0]))
+            ab = None if lo is None else (lo[0], torch.cat([lora[(l, t)][1] for t in parts]))
+            xa = inp * model.w[f"{l}.{norm_key}"] if see_gamma else None
+            if dropout is not None and lo is not None:
+                xa = dropout(l, parts[0], inp if xa is None else xa)
+            y = lora_linear(inp, W, ab, scale, xa)
+            return torch.split(y, [w[f"{l}.{t}"].shape[0] for t in parts], dim=-1)
         z = rmsnorm(x, w[f"{l}.attn_norm"], c.eps)
-        q = lin("q", z, "attn_norm").view(B, T, c.n_heads, hd)
-        k = lin("k", z, "attn_norm").view(B, T, c.n_kv_heads, hd)
+        q, k, v = fused(("q", "k", "v"), z, "attn_norm")
+        q = q.reshape(B, T, c.n_heads, hd)
+        k = k.reshape(B, T, c.n_kv_heads, hd)
         if c.qk_norm:
             q, k = rmsnorm(q, w[f"{l}.q_norm"], c.eps), rmsnorm(k, w[f"{l}.k_norm"], c.eps)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
-        v = lin("v", z, "attn_norm").view(B, T, c.n_kv_heads, hd).transpose(1, 2)
+        v = v.reshape(B, T, c.n_kv_heads, hd).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         o = attention(q, k, v, c.n_heads // c.n_kv_heads)
         o = o.transpose(1, 2).reshape(B, T, c.n_heads * hd)
         x = x + lin("o", o)
         z2 = rmsnorm(x, w[f"{l}.mlp_norm"], c.eps)
-        g = lin("gate", z2, "mlp_norm")
+        g, u = fused(("gate", "up"), z2, "mlp_norm")
         gates.append(g.detach())
-        u = lin("up", z2, "mlp_norm")
         x = x + lin("down", silu(g) * u)
     if stats is not None:
         stats["gate_preact"] = gates
@@ -436,6 +494,11 @@ def run_case(model_dir, case, act="exact", norm="std", lora_rank=None, lora_alph
                 raise ValueError(f"case: lora.{l}.{t} has rank {r}")
             lora[(l, t)] = (torch.from_numpy(A).to(dtype).requires_grad_(True),
                             torch.from_numpy(B).to(dtype).requires_grad_(True))
+            lead = FUSED_OF[t][1][0] if c.fused and t in FUSED_OF else t
+            if lead != t:  # Phi-3: one adapter per fused module, its A the lead part's (the same in the case)
+                if (l, lead) not in lora or not np.array_equal(A, lora[(l, lead)][0].detach().numpy()):
+                    raise ValueError(f"case: lora.{l}.{t}.A must equal lora.{l}.{lead}.A (one fused adapter)")
+                lora[(l, t)] = (lora[(l, lead)][0], lora[(l, t)][1])
     if rank is None:
         rank = lora_rank or 1
     alpha = float(lora_alpha) if lora_alpha is not None else float(rank)

@@ -166,7 +166,10 @@ def w(tmp_path_factory):
                                          "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
         # issue 23: families, keys and values the trainer does not implement
         "gemma": setdict(model_type="gemma", architectures=["GemmaForCausalLM"], head_dim=16),
+        # issue 36: phi3 reads fused checkpoints and refuses what its transformers class would do otherwise
         "phi3": setdict(model_type="phi3", architectures=["Phi3ForCausalLM"]),
+        "phi3_dropout": setdict(model_type="phi3", architectures=["Phi3ForCausalLM"], resid_pdrop=0.1),
+        "phi3_key_in_llama": setdict(original_max_position_embeddings=64),
         "mixtral": setdict(model_type="mixtral", architectures=["MixtralForCausalLM"], num_local_experts=8,
                            num_experts_per_tok=2),
         "no_model_type": lambda cfg: cfg.pop("model_type"),
@@ -345,7 +348,10 @@ ROWS = {
     # config values without sense (item 7)
     # issue 23: every family, key, value and tensor the trainer does not implement, refused by name
     "family_gemma": ("llama", lambda w: (llama_model(w.lcfg["gemma"]), ["config.json", "model_type \"gemma\"", "not supported"])),
-    "family_phi3": ("llama", lambda w: (llama_model(w.lcfg["phi3"]), ["config.json", "model_type \"phi3\""])),
+    "family_phi3_unfused_checkpoint": ("llama", lambda w: (llama_model(w.lcfg["phi3"]), ["not part of a phi3 model"])),
+    "family_phi3_dropout": ("llama", lambda w: (llama_model(w.lcfg["phi3_dropout"]), ["config.json", "resid_pdrop 0.1"])),
+    "family_phi3_key_in_llama": ("llama", lambda w: (llama_model(w.lcfg["phi3_key_in_llama"]),
+                                                     ["config.json", "original_max_position_embeddings", "phi3 key"])),
     "family_mixtral": ("llama", lambda w: (llama_model(w.lcfg["mixtral"]), ["config.json", "model_type \"mixtral\""])),
     "family_missing": ("llama", lambda w: (llama_model(w.lcfg["no_model_type"]), ["config.json", "no model_type"])),
     "architecture_mismatch": ("llama", lambda w: (llama_model(w.lcfg["arch_mismatch"]),

@@ -204,7 +204,7 @@ void test_rope(void) {
     float* x = randn(N * H * hd, &r, 1);
     float* y = (float*)xmalloc(sizeof(float) * N * H * hd);
     memcpy(y, x, sizeof(float) * N * H * hd);
-    rope_apply(y, cs, sn, NULL, N, T, H, hd, 0);
+    rope_apply(y, cs, sn, NULL, N, T, H, hd, hd, 0);
     double fe = 0;  // rotate-half: (x_i, x_{i+hd/2}) rotated by angle t*theta^(-2i/hd)
     for (int n = 0; n < N; n++)
         for (int h = 0; h < H; h++)
@@ -216,7 +216,7 @@ void test_rope(void) {
                 fe = fmax(fe, fabs(yv[i + half] - (xv[i + half] * cos(a) + xv[i] * sin(a))));
             }
     check(fe < 1e-5, "RoPE (rotate-half) matches the rotation formula", fe);
-    rope_apply(y, cs, sn, NULL, N, T, H, hd, 1);
+    rope_apply(y, cs, sn, NULL, N, T, H, hd, hd, 1);
     double ie = 0;
     for (int i = 0; i < N * H * hd; i++) ie = fmax(ie, fabs(y[i] - x[i]));
     check(ie < 1e-5, "RoPE backward (inverse rotation) undoes the forward", ie);
