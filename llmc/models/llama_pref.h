@@ -1,0 +1,171 @@
+// llama_pref.h: the LLaMA model's preference step and validation (--objective dpo|orpo|simpo,
+// llmc/train/preference.h) over pair micro-batches (llmc/text/pairdata.h: each pair's chosen row,
+// then its rejected row). A micro-batch:
+//   1. DPO's reference: the forward with the adapters switched off (scale 0: the base's exact
+//      function) and no dropout, then the head per row for each completion's summed logp; no
+//      gradient, so nothing it writes is kept (as llama_evaluate's pass);
+//   2. the policy's forward, which keeps its activations, and the head per row again (no gradient);
+//   3. each pair's loss and its gradient w.r.t. each sequence's logp (pair_loss), written into the
+//      mask as each completion token's weight: the head's gradient of the weighted cross-entropy
+//      sum w * CE is then the objective's (d CE = -d logp), and the backward runs as for SFT.
+#pragma once
+#include "llama.h"
+#include "llama_batch.h"
+#include "../text/pairdata.h"
+#include "../train/preference.h"
+#include "../train/loop.h"
+
+// Each row's summed completion logp (the negated CE over its mask) and its completion length, from
+// the forward's final-norm input (m->scratch.resid): one head pass per row, no gradient.
+static double llama_row_logps(Llama* m, double* logp, double* len) {
+    LmHead head = llama_lm_head(m);
+    int T = m->T;
+    double overflowed = 0.0;
+    for (int b = 0; b < m->B; b++) {
+        LossStats st = {};
+        int64_t o = (int64_t)b * T;
+        LmHeadCall call = {(char*)m->scratch.resid + o * m->cfg.dim * m->be->abytes, T, m->io.targets + o,
+                           m->io.mask + o, 0.0f, NULL, NULL, NULL, NULL};
+        op_lm_head_loss(m->be, &head, &call, &st);
+        logp[b] = -st.loss_sum;
+        len[b] = st.count;
+        overflowed += st.overflowed;
+    }
+    return overflowed;
+}
+
+// DPO's reference logps of the uploaded batch: the base model, adapters off, no dropout.
+static void llama_reference_logps(Llama* m, double* logp, double* len) {
+    float scale = m->modes.lora_scale;
+    int dropping = m->drop.active;
+    m->modes.lora_scale = 0.0f;  // y = W x + 0 * B A x: the base's bits
+    m->drop.active = 0;
+    llama_forward_blocks(m, m->B, m->T, NULL);
+    m->modes.lora_scale = scale;
+    m->drop.active = dropping;
+    llama_row_logps(m, logp, len);
+}
+
+// A micro-batch's sequences: the policy's and the reference's logps and the completion lengths.
+typedef struct {
+    double *pi, *ref, *len;  // [B]
+} RowLogps;
+
+static RowLogps row_logps_alloc(int B) {
+    RowLogps r = {(double*)xcalloc(B, sizeof(double)), (double*)xcalloc(B, sizeof(double)),
+                  (double*)xcalloc(B, sizeof(double))};
+    return r;
+}
+static void row_logps_free(RowLogps* r) { free(r->pi); free(r->ref); free(r->len); }
+
+// Pair i's loss, its terms added into sums (PREF_*); its rows' gradient w.r.t. their summed logps in d[2].
+static PairLoss llama_pair(const PrefObjective* po, const RowLogps* rl, int i, double* sums) {
+    PairLogps p = {rl->pi[2 * i], rl->pi[2 * i + 1], rl->ref[2 * i], rl->ref[2 * i + 1], rl->len[2 * i],
+                   rl->len[2 * i + 1]};
+    PairLoss l = pair_loss(po->kind, &p, po->beta, po->smoothing, po->gamma);
+    pref_sums_add(sums, &l);
+    sums[PREF_NLL] += -p.pi_c;  // the chosen completion's CE (ORPO's NLL term)
+    return l;
+}
+
+// Logps of the uploaded micro-batch (the reference's for DPO, then the policy's with the forward's
+// activations kept); returns the final-norm rows that overflowed.
+static double llama_pref_forward(Llama* m, const PrefObjective* po, RowLogps* rl, int dropout) {
+    if (po->kind == OBJ_DPO) llama_reference_logps(m, rl->ref, rl->len);
+    m->drop.active = dropout;
+    llama_forward_blocks(m, m->B, m->T, NULL);
+    return llama_row_logps(m, rl->pi, rl->len);
+}
+
+// One training micro-batch (uploaded, its mask the completions'): the pair losses added into sums,
+// and their gradient accumulated. pairs: the step's pairs over every rank; chosen: its chosen
+// completion tokens (ORPO's NLL is their mean).
+static double llama_pref_micro_batch(Llama* m, const PrefObjective* po, double pairs, double chosen, double* sums) {
+    int B = m->B, T = m->T;
+    RowLogps rl = row_logps_alloc(B);
+    double overflowed = llama_pref_forward(m, po, &rl, 1);
+    for (int i = 0; i < B / 2; i++) {
+        PairLoss l = llama_pair(po, &rl, i, sums);
+        // d step loss / d CE of a completion token = -(1/pairs) d pair loss / d logp (+ ORPO's NLL: 1/chosen)
+        double w[2] = {-l.d_c / pairs + (po->kind == OBJ_ORPO ? 1.0 / chosen : 0.0), -l.d_r / pairs};
+        for (int side = 0; side < 2; side++)
+            for (int t = 0; t < T; t++) m->io.h_mask[(int64_t)(2 * i + side) * T + t] *= (float)w[side];
+    }
+    row_logps_free(&rl);
+    llama_upload_batch(m, (int64_t)B * T);  // the weights up (CUDA: the host mask is staged)
+    m->drop.active = 1;
+    LossStats st = llama_head_backward(m, B, T, 1.0f, 1, NULL, NULL);
+    m->drop.active = 0;
+    return overflowed + st.overflowed;
+}
+
+static double count_chosen(const float* mask, int B, int T) {
+    double s = 0.0;
+    for (int b = 0; b < B; b += 2)
+        for (int t = 0; t < T; t++) s += mask[(int64_t)b * T + t];
+    return s;
+}
+
+// One optimizer step over grad_accum pair micro-batches on every rank: the loss is the mean pair loss
+// over the global step's pairs (ORPO: plus the mean CE of its chosen tokens), so accumulation and data
+// parallelism equal one big batch, as for SFT (llama_train_step).
+static StepResult llama_pref_step(Llama* m, PairLoader* loader, const PrefObjective* po, const TrainOptions* o,
+                                  const Dist* dist, int step) {
+    int B = m->B, K = o->grad_accum;
+    int64_t N = m->sp.N;  // --seq-parallel is refused: N is this rank's whole micro-batch
+    int* in_all = (int*)xmalloc(sizeof(int) * N * K * 3);
+    int *tg_all = in_all + N * K, *pos_all = in_all + 2 * N * K;
+    float* mk_all = (float*)xmalloc(sizeof(float) * N * K);
+    double chosen = 0.0;
+    for (int k = 0; k < K; k++) {
+        pair_loader_next(loader, B, dist_dp_rank(dist), dist_dp_world(dist), in_all + k * N, tg_all + k * N,
+                         mk_all + k * N, pos_all + k * N);
+        chosen += count_chosen(mk_all + k * N, B, m->T);
+    }
+    dist_allreduce_sum_f64(dist, &chosen, 1);
+    double pairs = (double)(B / 2) * K * dist_dp_world(dist);
+    batch_values_set_loss_scale(&m->io.bv, 1.0f);  // the weights are in the mask
+    trainable_zero_grads(&m->w.tr);
+    m->drop.step = (uint64_t)step;
+    double sums[PREF_SUMS] = {0}, overflowed = 0.0;
+    for (int k = 0; k < K; k++) {
+        if (k == K - 1) trainable_buckets_begin(&m->w.tr, dist);
+        seqpar_slice(&m->sp, in_all + k * N, tg_all + k * N, mk_all + k * N, pos_all + k * N, m->io.h_inputs,
+                     m->io.h_targets, m->io.h_mask, m->io.h_pos);
+        m->drop.row0 = lora_dropout_row0(k, dist_dp_rank(dist), dist_dp_world(dist), N);
+        llama_upload_batch(m, N);
+        overflowed += llama_pref_micro_batch(m, po, pairs, chosen, sums);
+    }
+    free(in_all);
+    free(mk_all);
+    PROF_SCOPE(m->be, "optimizer", "step", 0.0, 0.0);
+    double nll = po->kind == OBJ_ORPO && chosen > 0 ? sums[PREF_NLL] * pairs / chosen : 0.0;
+    double finish[2] = {sums[PREF_LOSS] + nll, overflowed};  // summed across ranks by train_step_finish
+    dist_allreduce_sum_f64(dist, sums, PREF_SUMS);
+    StepResult r = train_step_finish(&m->w.tr, o, dist, step, finish, 2, pairs, (double)N * K * dist_dp_world(dist),
+                                     m->cfg.vocab);
+    r.n_extra = PREF_NLL - 1;
+    for (int i = 1; i < PREF_NLL; i++) r.extra[i - 1] = sums[i] / pairs;
+    return r;
+}
+
+// Validation over pairs 0 .. n-1 of the shard (n: up to `batches` micro-batches of B/2 pairs), each
+// once: the mean pair loss (ORPO: plus the chosen tokens' mean CE) and the preference accuracy, the
+// share of pairs whose chosen reward is above the rejected's.
+static EvalResult llama_pref_evaluate(Llama* m, const PairLoader* L, const PrefObjective* po, int batches) {
+    int B = m->B, T = m->T, per = B / 2;
+    int64_t N = (int64_t)B * T, n = L->shard->pairs < (int64_t)batches * per ? L->shard->pairs : (int64_t)batches * per;
+    double sums[PREF_SUMS] = {0}, chosen = 0.0;
+    RowLogps rl = row_logps_alloc(B);
+    for (int64_t i = 0; i * per < n; i++) {
+        int rows = pair_eval_batch(L, n, i, B, m->io.h_inputs, m->io.h_targets, m->io.h_mask, m->io.h_pos);
+        chosen += count_chosen(m->io.h_mask, B, T);
+        llama_upload_batch(m, N);
+        llama_pref_forward(m, po, &rl, 0);
+        for (int k = 0; k < rows; k++) llama_pair(po, &rl, k, sums);
+    }
+    row_logps_free(&rl);
+    double nll = po->kind == OBJ_ORPO && chosen > 0 ? sums[PREF_NLL] / chosen : 0.0;
+    EvalResult e = {(float)(sums[PREF_LOSS] / n + nll), (float)(sums[PREF_ACCURATE] / n), n};
+    return e;
+}
