@@ -463,7 +463,7 @@ static void train_loop(const Trainer* t, const TrainOptions* o, const Dist* dist
     train_settings_with_identity(t, base, settings, sizeof(settings));
     dist_check_same(dist, "the model, the data and the run's settings", settings);
     int start = train_resume(t->tr, o, settings, t->cursor, dist);
-    char header[128], val[96];
+    char header[512], val[96];
     train_log_header(t, header, sizeof(header));
     FILE* log = train_open_log(o, rank0, header, start);
     if (train_evaluates(dist) && t->have_val && start == 0) {  // the pretrained model (or new head) before any update
