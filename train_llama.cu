@@ -167,7 +167,8 @@ static void llama_trainer(void* run, Trainer* t, const TrainOptions* o, const Di
     t->cursor = r->rd.pairs ? &r->rd.pl.cursor : &r->rd.tl.cursor;
     if (r->rd.have_train)
         t->data_fingerprint = r->rd.pairs ? pair_shard_fingerprint(&r->rd.ptrain) : shard_fingerprint(&r->rd.train);
-    llama_settings_line(t->settings, sizeof(t->settings), m, o, dist, r->rd.pairs ? r->rd.ptrain.count : r->rd.train.count);
+    int64_t data_tokens = r->rd.pairs ? r->rd.ptrain.count : r->rd.train.count;
+    llama_settings_line(t->settings, sizeof(t->settings), m, o, dist, data_tokens);
     if (r->rd.pairs) {  // TRL's names beside the loss; validation's preference accuracy
         ExtraStats ex = {PREF_NLL - 1, pref_metric_names + 1, "rewards/accuracies"};
         t->extra = ex;

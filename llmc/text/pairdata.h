@@ -98,7 +98,8 @@ static void pair_shard_load(PairShard* s, const char* path, int model_vocab) {
     int limit = model_vocab > 0 ? model_vocab : (int)vocab;
     for (int64_t i = 0; i < s->count; i++)
         if (s->tokens[i] >= (uint32_t)limit)
-            fail("%s: token %lld has id %u, but the vocabulary has %d entries", path, (long long)i, s->tokens[i], limit);
+            fail("%s: token %lld has id %u, but the vocabulary has %d entries", path, (long long)i, s->tokens[i],
+                 limit);
 }
 
 static void pair_shard_free(PairShard* s) {

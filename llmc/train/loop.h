@@ -303,7 +303,8 @@ static void train_print_start(const Trainer* t, const TrainOptions* o, const Dis
 
 // A validation result as the step's line shows it.
 static void train_eval_text(const Trainer* t, EvalResult e, char* buf, size_t n) {
-    if (t->extra.val_accuracy) snprintf(buf, n, "val loss %.4f | val %s %.4f", e.loss, t->extra.val_accuracy, e.accuracy);
+    if (t->extra.val_accuracy)
+        snprintf(buf, n, "val loss %.4f | val %s %.4f", e.loss, t->extra.val_accuracy, e.accuracy);
     else if (t->classifier) snprintf(buf, n, "val loss %.4f | val acc %.4f", e.loss, e.accuracy);
     else snprintf(buf, n, "val loss %.4f", e.loss);
 }

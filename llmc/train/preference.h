@@ -25,9 +25,6 @@ static Objective objective_of(const TrainOptions* o) {
     return OBJ_SFT;
 }
 
-// Whether the objective scores a sequence by its length-averaged logp (ORPO, SimPO) or its sum (DPO).
-static int objective_averages(Objective k) { return k == OBJ_ORPO || k == OBJ_SIMPO; }
-
 // --beta's default where not given: TRL's (DPO and ORPO 0.1, SimPO 2.0).
 static float objective_beta(const TrainOptions* o) {
     if (!isnan(o->beta)) return o->beta;
