@@ -119,13 +119,14 @@ typedef struct {
     Llama m, base;
     RunData rd;
     PrefObjective po;      // --objective (sft: unused)
+    RefTable ref;          // --ref-logps precompute (DPO), else empty
     ModelTokenizer tok;
     char* chat_prompt;
 } LlamaRun;
 
 static StepResult llama_run_step(void* run, const TrainOptions* o, const Dist* dist, int step) {
     LlamaRun* r = (LlamaRun*)run;
-    if (r->rd.pairs) return llama_pref_step(&r->m, &r->rd.pl, &r->po, o, dist, step);
+    if (r->rd.pairs) return llama_pref_step(&r->m, &r->rd.pl, &r->po, &r->ref, o, dist, step);
     return llama_train_step(&r->m, &r->rd.tl, o, dist, step);
 }
 
@@ -240,9 +241,8 @@ static void llama_run_config(void* run, TrainOptions* o, const Dist* dist) {
     llama_config_load(&r->cfg, o->model_dir);
     train_check_lora_rank(o, r->cfg.dim, o->model_dir);
     preference_check(o, TRAIN_TEXT);
-    if (!strcmp(o->ref_logps, "precompute"))
-        fail("flag --ref-logps precompute: not implemented yet; --ref-logps inline computes the same reference in "
-             "each step");
+    if (!strcmp(o->ref_logps, "precompute") && objective_of(o) != OBJ_DPO)
+        fail("flag --ref-logps precompute: only with --objective dpo (%s has no reference model)", o->objective);
     r->po = pref_objective_from(o);
     r->md = train_modes_from(o, target_names, N_TARGETS);
     TrainOptions sp_checked = *o;
@@ -306,6 +306,9 @@ static void llama_run_load(void* run, const TrainOptions* o) {
     llama_rope_tables(m);
     if (!r->md.full) llama_init_lora(m, (uint64_t)o->seed);
     if (o->adapter_dir) llama_load_adapter(m, o->adapter_dir, o);
+    if (r->rd.pairs && r->rd.have_train && !o->eval_only && !strcmp(o->ref_logps, "precompute"))
+        llama_ref_table_prepare(m, &r->ref, &r->rd.ptrain, o->out_dir ? o->out_dir : o->resume_dir,
+                                o->resume_dir ? REF_RESUMED : REF_FRESH, m->dist->rank == 0);
 }
 
 // Rank 0's start-up lines on what auto chose from the memory, and on --seq past the pretrained context.
@@ -340,6 +343,7 @@ static void llama_run_finish(void* run, const TrainOptions* o, const Dist* dist)
 static void llama_run_close(void* run) {
     LlamaRun* r = (LlamaRun*)run;
     free(r->chat_prompt);
+    free(r->ref.logp);
     run_data_close(&r->rd);
     llama_free(&r->m);
 }

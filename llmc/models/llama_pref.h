@@ -68,10 +68,31 @@ static PairLoss llama_pair(const PrefObjective* po, const RowLogps* rl, int i, d
     return l;
 }
 
+// --ref-logps precompute: DPO's reference logps of every training pair, [pairs][2] (chosen,
+// rejected), computed once before training and stored beside the run (ref_logps.bin), so that a
+// resumed run reads them instead of computing them again.
+typedef struct {
+    double* logp;          // NULL: computed in each step (--ref-logps inline)
+    int64_t pairs;
+} RefTable;
+
+// The micro-batch's reference logps: from the table (ids: its pairs) or by the reference forward.
+static void llama_pair_references(Llama* m, const RefTable* rt, const int64_t* ids, RowLogps* rl) {
+    if (!rt || !rt->logp) {
+        llama_reference_logps(m, rl->ref, rl->len);
+        return;
+    }
+    for (int i = 0; i < m->B / 2; i++) {
+        rl->ref[2 * i] = rt->logp[2 * ids[i]];
+        rl->ref[2 * i + 1] = rt->logp[2 * ids[i] + 1];
+    }
+}
+
 // Logps of the uploaded micro-batch (the reference's for DPO, then the policy's with the forward's
 // activations kept); returns the final-norm rows that overflowed.
-static double llama_pref_forward(Llama* m, const PrefObjective* po, RowLogps* rl, int dropout) {
-    if (po->kind == OBJ_DPO) llama_reference_logps(m, rl->ref, rl->len);
+static double llama_pref_forward(Llama* m, const PrefObjective* po, const RefTable* rt, const int64_t* ids,
+                                 RowLogps* rl, int dropout) {
+    if (po->kind == OBJ_DPO) llama_pair_references(m, rt, ids, rl);
     m->drop.active = dropout;
     llama_forward_blocks(m, m->B, m->T, NULL);
     return llama_row_logps(m, rl->pi, rl->len);
@@ -80,10 +101,11 @@ static double llama_pref_forward(Llama* m, const PrefObjective* po, RowLogps* rl
 // One training micro-batch (uploaded, its mask the completions'): the pair losses added into sums,
 // and their gradient accumulated. pairs: the step's pairs over every rank; chosen: its chosen
 // completion tokens (ORPO's NLL is their mean).
-static double llama_pref_micro_batch(Llama* m, const PrefObjective* po, double pairs, double chosen, double* sums) {
+static double llama_pref_micro_batch(Llama* m, const PrefObjective* po, const RefTable* rt, const int64_t* ids,
+                                     double pairs, double chosen, double* sums) {
     int B = m->B, T = m->T;
     RowLogps rl = row_logps_alloc(B);
-    double overflowed = llama_pref_forward(m, po, &rl, 1);
+    double overflowed = llama_pref_forward(m, po, rt, ids, &rl, 1);
     for (int i = 0; i < B / 2; i++) {
         PairLoss l = llama_pair(po, &rl, i, sums);
         // d step loss / d CE of a completion token = -(1/pairs) d pair loss / d logp (+ ORPO's NLL: 1/chosen)
@@ -109,17 +131,18 @@ static double count_chosen(const float* mask, int B, int T) {
 // One optimizer step over grad_accum pair micro-batches on every rank: the loss is the mean pair loss
 // over the global step's pairs (ORPO: plus the mean CE of its chosen tokens), so accumulation and data
 // parallelism equal one big batch, as for SFT (llama_train_step).
-static StepResult llama_pref_step(Llama* m, PairLoader* loader, const PrefObjective* po, const TrainOptions* o,
-                                  const Dist* dist, int step) {
+static StepResult llama_pref_step(Llama* m, PairLoader* loader, const PrefObjective* po, const RefTable* rt,
+                                  const TrainOptions* o, const Dist* dist, int step) {
     int B = m->B, K = o->grad_accum;
     int64_t N = m->sp.N;  // --seq-parallel is refused: N is this rank's whole micro-batch
     int* in_all = (int*)xmalloc(sizeof(int) * N * K * 3);
     int *tg_all = in_all + N * K, *pos_all = in_all + 2 * N * K;
     float* mk_all = (float*)xmalloc(sizeof(float) * N * K);
+    int64_t* ids = (int64_t*)xmalloc(sizeof(int64_t) * (B / 2) * K);
     double chosen = 0.0;
     for (int k = 0; k < K; k++) {
         pair_loader_next(loader, B, dist_dp_rank(dist), dist_dp_world(dist), in_all + k * N, tg_all + k * N,
-                         mk_all + k * N, pos_all + k * N);
+                         mk_all + k * N, pos_all + k * N, ids + k * (B / 2));
         chosen += count_chosen(mk_all + k * N, B, m->T);
     }
     dist_allreduce_sum_f64(dist, &chosen, 1);
@@ -134,10 +157,11 @@ static StepResult llama_pref_step(Llama* m, PairLoader* loader, const PrefObject
                      m->io.h_targets, m->io.h_mask, m->io.h_pos);
         m->drop.row0 = lora_dropout_row0(k, dist_dp_rank(dist), dist_dp_world(dist), N);
         llama_upload_batch(m, N);
-        overflowed += llama_pref_micro_batch(m, po, pairs, chosen, sums);
+        overflowed += llama_pref_micro_batch(m, po, rt, ids + k * (B / 2), pairs, chosen, sums);
     }
     free(in_all);
     free(mk_all);
+    free(ids);
     PROF_SCOPE(m->be, "optimizer", "step", 0.0, 0.0);
     double nll = po->kind == OBJ_ORPO && chosen > 0 ? sums[PREF_NLL] * pairs / chosen : 0.0;
     double finish[2] = {sums[PREF_LOSS] + nll, overflowed};  // summed across ranks by train_step_finish
@@ -161,11 +185,87 @@ static EvalResult llama_pref_evaluate(Llama* m, const PairLoader* L, const PrefO
         int rows = pair_eval_batch(L, n, i, B, m->io.h_inputs, m->io.h_targets, m->io.h_mask, m->io.h_pos);
         chosen += count_chosen(m->io.h_mask, B, T);
         llama_upload_batch(m, N);
-        llama_pref_forward(m, po, &rl, 0);
+        llama_pref_forward(m, po, NULL, NULL, &rl, 0);
         for (int k = 0; k < rows; k++) llama_pair(po, &rl, k, sums);
     }
     row_logps_free(&rl);
     double nll = po->kind == OBJ_ORPO && chosen > 0 ? sums[PREF_NLL] / chosen : 0.0;
     EvalResult e = {(float)(sums[PREF_LOSS] / n + nll), (float)(sums[PREF_ACCURATE] / n), n};
     return e;
+}
+
+// ---- --ref-logps precompute -------------------------------------------------------------------
+
+#define REF_TABLE_MAGIC "LMRF"
+#define REF_TABLE_HEADER_BYTES 32  // magic, u32 version 1, u64 pairs, u64 the pair shard's fingerprint
+
+// The reference logps of every pair of the shard, B/2 pairs per micro-batch (the last one padded
+// with its last pair, whose rows are dropped).
+static void llama_ref_table_compute(Llama* m, const PairShard* s, double* out) {
+    int B = m->B, T = m->T, per = B / 2;
+    RowLogps rl = row_logps_alloc(B);
+    for (int64_t first = 0; first < s->pairs; first += per) {
+        for (int i = 0; i < per; i++)
+            for (int side = PAIR_CHOSEN; side <= PAIR_REJECTED; side++) {
+                int64_t o = (int64_t)(2 * i + side) * T, p = first + i < s->pairs ? first + i : s->pairs - 1;
+                pair_fill_row(s, p, (PairSide)side, 1, T, m->io.h_inputs + o, m->io.h_targets + o, m->io.h_mask + o,
+                              m->io.h_pos + o);
+            }
+        llama_upload_batch(m, (int64_t)B * T);
+        llama_reference_logps(m, rl.ref, rl.len);
+        for (int i = 0; i < per && first + i < s->pairs; i++) {
+            out[2 * (first + i)] = rl.ref[2 * i];
+            out[2 * (first + i) + 1] = rl.ref[2 * i + 1];
+        }
+    }
+    row_logps_free(&rl);
+}
+
+// The table as ref_logps.bin in `dir` holds it, if it is there and made from this shard.
+static int ref_table_read(RefTable* rt, const char* path, const PairShard* s) {
+    size_t n = 0;
+    char* buf = read_file_or_null(path, &n);
+    uint64_t hdr[3] = {0, 0, 0};
+    if (buf && n == REF_TABLE_HEADER_BYTES + sizeof(double) * 2 * (size_t)s->pairs) memcpy(hdr, buf + 8, 16);
+    int ok = buf && n >= 8 && !memcmp(buf, REF_TABLE_MAGIC, 4) && hdr[0] == (uint64_t)s->pairs &&
+             hdr[1] == pair_shard_fingerprint(s);
+    if (ok) memcpy(rt->logp, buf + REF_TABLE_HEADER_BYTES, sizeof(double) * 2 * s->pairs);
+    free(buf);
+    return ok;
+}
+
+static void ref_table_write(const RefTable* rt, const char* path, const PairShard* s) {
+    char hdr[REF_TABLE_HEADER_BYTES] = {0};
+    uint32_t version = 1;
+    uint64_t pairs = (uint64_t)s->pairs, fp = pair_shard_fingerprint(s);
+    memcpy(hdr, REF_TABLE_MAGIC, 4);
+    memcpy(hdr + 4, &version, 4);
+    memcpy(hdr + 8, &pairs, 8);
+    memcpy(hdr + 16, &fp, 8);
+    AtomicFile a = atomic_open(path);
+    atomic_write(&a, hdr, sizeof(hdr));
+    atomic_write(&a, rt->logp, sizeof(double) * 2 * s->pairs);
+    atomic_commit(&a);
+}
+
+// The run's table: a resumed run reads it back from its directory (whose saved state the resume
+// checks against this model and data); otherwise it is computed on every rank (the same numbers)
+// and written there by rank 0. dir NULL: in memory only.
+typedef enum { REF_FRESH, REF_RESUMED } RefOrigin;
+static void llama_ref_table_prepare(Llama* m, RefTable* rt, const PairShard* s, const char* dir, RefOrigin origin,
+                                    int rank0) {
+    rt->pairs = s->pairs;
+    rt->logp = (double*)xcalloc(2 * s->pairs, sizeof(double));
+    char* path = dir ? path_join(dir, "ref_logps.bin") : NULL;
+    if (path && origin == REF_RESUMED && ref_table_read(rt, path, s)) {
+        if (rank0) printf("reference logps: read from %s (%lld pairs)\n", path, (long long)s->pairs);
+    } else {
+        double t0 = wall_seconds();
+        llama_ref_table_compute(m, s, rt->logp);
+        if (rank0 && path) ref_table_write(rt, path, s);
+        if (rank0)
+            printf("reference logps: precomputed over %lld pairs in %.1f s%s%s\n", (long long)s->pairs,
+                   wall_seconds() - t0, path ? ", stored in " : " (no --out: kept in memory)", path ? path : "");
+    }
+    free(path);
 }

@@ -188,12 +188,13 @@ static void pair_fill_row(const PairShard* s, int64_t p, PairSide side, int coun
 }
 
 // Rows [0, B) with the pairs rank*B/2 .. of the next global batch of world*B/2 pairs (chosen, then
-// rejected), then advances the cursor.
+// rejected), then advances the cursor; ids [B/2] receives the pairs' indices in the shard.
 static void pair_loader_next(PairLoader* L, int B, int rank, int world, int* inputs, int* targets, float* mask,
-                             int* pos) {
+                             int* pos, int64_t* ids) {
     int T = L->seq, pairs = B / 2;
     for (int i = 0; i < pairs; i++) {
         int64_t p = pair_loader_pair(L, L->cursor + (int64_t)rank * pairs + i);
+        ids[i] = p;
         for (int side = PAIR_CHOSEN; side <= PAIR_REJECTED; side++) {
             int64_t o = (int64_t)(2 * i + side) * T;
             pair_fill_row(L->shard, p, (PairSide)side, 1, T, inputs + o, targets + o, mask + o, pos + o);

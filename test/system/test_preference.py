@@ -163,3 +163,29 @@ def test_two_ranks_equal_one_process_accumulating(case, tmp_path, objective):
     rows = lambda out: [{k: v for k, v in r.items() if k not in ("grad_norm",)} for r in log_rows(out)]
     assert rows(tmp_path / "one") == rows(tmp_path / "two") and len(rows(tmp_path / "one")) == 3
     assert same_adapters(adapter(tmp_path / "one"), adapter(tmp_path / "two"))
+
+
+def test_precomputed_reference_equals_in_step_and_resume_reads_it(case, tmp_path):
+    """--ref-logps precompute (the reference logps of every pair, once, before step 1) gives the
+    in-step reference's bits: the same forward per row (on the CPU a row's results do not depend on
+    the rows beside it). Starting from the non-zero PEFT adapter the reference differs from the
+    policy, so the table matters. A run stopped and resumed reads the table back from its directory
+    instead of computing it, and ends with the bits of a run straight through."""
+    common = ("--objective", "dpo", "--steps", 4, "--batch", 4)
+    inline = train_args(case, tmp_path / "inline", *common, "--adapter", case / "adapter", "--lora-alpha", ALPHA)
+    pre = train_args(case, tmp_path / "pre", *common, "--adapter", case / "adapter", "--lora-alpha", ALPHA,
+                     "--ref-logps", "precompute")
+    run(inline)
+    p = run(pre)
+    assert "reference logps: precomputed over 4 pairs" in p.stdout
+    assert log_rows(tmp_path / "inline") == log_rows(tmp_path / "pre")
+    assert float(log_rows(tmp_path / "pre")[0]["rewards/margins"]) != 0.0
+    assert same_adapters(adapter(tmp_path / "inline"), adapter(tmp_path / "pre"))
+    straight = train_args(case, tmp_path / "straight", *common, "--ref-logps", "precompute")
+    run(straight)
+    run(train_args(case, tmp_path / "split", *common, "--ref-logps", "precompute", "--stop-at", 2))
+    p = run(["--resume", tmp_path / "split", "--model", case / "model", "--data", case / "pairs.bin", "--seq", SEQ,
+             "--lora-rank", RANK, "--lr", 1e-2, "--threads", 1, *common, "--ref-logps", "precompute"])
+    assert "reference logps: read from" in p.stdout and "reference logps: precomputed" not in p.stdout
+    assert log_rows(tmp_path / "split") == log_rows(tmp_path / "straight")
+    assert same_adapters(adapter(tmp_path / "split"), adapter(tmp_path / "straight"))
