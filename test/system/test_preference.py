@@ -189,3 +189,18 @@ def test_precomputed_reference_equals_in_step_and_resume_reads_it(case, tmp_path
     assert "reference logps: read from" in p.stdout and "reference logps: precomputed" not in p.stdout
     assert log_rows(tmp_path / "split") == log_rows(tmp_path / "straight")
     assert same_adapters(adapter(tmp_path / "split"), adapter(tmp_path / "straight"))
+
+
+def test_train_vit_takes_sft_alone():
+    """train_vit has the flag (one table of shared flags) but trains classifiers: any other objective is
+    refused in one line; sft is the default and accepted."""
+    vit = os.path.join(lc.REPO, "train_vit")
+    data = os.path.join(lc.REPO, "data")
+    args = [vit, "--model", os.path.join(data, "vit_demo"), "--data", os.path.join(data, "vit_demo_ft_train.bin"),
+            "--steps", "0", "--threads", "1"]
+    p = subprocess.run(args + ["--objective", "dpo"], capture_output=True, text=True, timeout=120, env=ENV)
+    err = p.stderr.strip()
+    assert p.returncode == 1 and err.startswith("error: ") and len(err.splitlines()) == 1, err
+    assert "--objective dpo" in err and "train_vit" in err
+    p = subprocess.run(args + ["--objective", "sft"], capture_output=True, text=True, timeout=120, env=ENV)
+    assert p.returncode == 0, p.stderr
