@@ -255,6 +255,11 @@ static void llama_run_dry_run(void* run, const TrainOptions* o, const Dist* dist
     LlamaRun* r = (LlamaRun*)run;
     TrainOptions planned = *o;
     planned.seq = llama_dry_run(&r->cfg, o, r->md, dist);
+    if (objective_of(o) != OBJ_SFT && !o->json)  // the pair layout: the plan is the SFT one of the same rows
+        printf("objective %s: --batch %d rows = %d pairs (each chosen row beside its rejected one)%s\n", o->objective,
+               o->batch, o->batch / 2,
+               objective_of(o) == OBJ_DPO ? "; the reference pass (adapters off, nothing kept) reuses the planned "
+                                            "buffers: no memory beyond this plan" : "");
     llama_warn_seq(&r->cfg, &planned);
 }
 

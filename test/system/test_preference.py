@@ -204,3 +204,19 @@ def test_train_vit_takes_sft_alone():
     assert "--objective dpo" in err and "train_vit" in err
     p = subprocess.run(args + ["--objective", "sft"], capture_output=True, text=True, timeout=120, env=ENV)
     assert p.returncode == 0, p.stderr
+
+
+def test_memory_modes_change_no_bit_and_dry_run_plans_the_pairs(case, tmp_path):
+    """lowmem with --recompute block, and with --offload host too, trains DPO (reference pass
+    included: it saves block checkpoints the policy's forward then overwrites) to lowmem's bits;
+    --dry-run plans the pair layout: the plan of the same rows as SFT."""
+    outs = []
+    for k, extra in enumerate(((), ("--recompute", "block"), ("--recompute", "block", "--offload", "host"))):
+        run(train_args(case, tmp_path / f"m{k}", "--objective", "dpo", "--steps", 3, "--batch", 4, "--mode", "lowmem",
+                       "--adapter", case / "adapter", "--lora-alpha", ALPHA, *extra))
+        outs.append(adapter(tmp_path / f"m{k}"))
+    assert same_adapters(outs[0], outs[1]) and same_adapters(outs[0], outs[2])
+    dry = lambda *x: run(["--model", case / "model", "--dry-run", "--batch", 4, "--seq", SEQ, "--json", *x]).stdout
+    assert json.loads(dry("--objective", "dpo"))["activation_bytes"] == json.loads(dry())["activation_bytes"]
+    text = run(["--model", case / "model", "--dry-run", "--batch", 4, "--seq", SEQ, "--objective", "dpo"]).stdout
+    assert "objective dpo: --batch 4 rows = 2 pairs" in text and "reference pass" in text
