@@ -115,12 +115,13 @@ static uint64_t pair_shard_fingerprint(const PairShard* s) {
     return fp_final(&f);
 }
 
-// Whether a file is a pair shard (its magic), to refuse the wrong objective in one line.
+// Whether a file is a pair shard (its magic), to refuse the wrong objective in one line; anything
+// not a regular file is not (the shard's reader then refuses it, naming what it is).
 static int file_is_pair_shard(const char* path) {
-    FILE* f = fopen(path, "rb");
+    int fd = open_input(path);
     char magic[4] = {0};
-    int is = f && fread(magic, 1, 4, f) == 4 && !memcmp(magic, PAIR_MAGIC, 4);
-    if (f) fclose(f);
+    int is = fd >= 0 && read(fd, magic, 4) == 4 && !memcmp(magic, PAIR_MAGIC, 4);
+    if (fd >= 0) close(fd);
     return is;
 }
 
