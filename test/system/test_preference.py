@@ -220,3 +220,22 @@ def test_memory_modes_change_no_bit_and_dry_run_plans_the_pairs(case, tmp_path):
     assert json.loads(dry("--objective", "dpo"))["activation_bytes"] == json.loads(dry())["activation_bytes"]
     text = run(["--model", case / "model", "--dry-run", "--batch", 4, "--seq", SEQ, "--objective", "dpo"]).stdout
     assert "objective dpo: --batch 4 rows = 2 pairs" in text and "reference pass" in text
+
+
+def test_malformed_pair_shards_are_refused_naming_the_file(case, tmp_path):
+    """Truncated, a wrong longest length, a token beyond the vocabulary, an empty completion: one
+    line each, naming the file."""
+    good = (case / "pairs.bin").read_bytes()
+    n = int.from_bytes(good[8:16], "little")
+    lens = np.frombuffer(good, "<u4", 3 * n, 64).reshape(n, 3)
+    bad = {"truncated": (good[:-4], "run past the end"),
+           "longest": (good[:20] + (int.from_bytes(good[20:24], "little") + 1).to_bytes(4, "little") + good[24:],
+                       "longest"),
+           "token": (good[:-4] + (10 ** 6).to_bytes(4, "little"), "vocabulary"),
+           "empty": (good[:64 + 4] + (0).to_bytes(4, "little") + good[72:], "at least 1 token")}
+    assert lens.min() >= 1
+    for name, (data, needle) in bad.items():
+        path = tmp_path / f"{name}.bin"
+        path.write_bytes(data)
+        expect_error(["--model", case / "model", "--data", path, "--objective", "dpo", "--seq", SEQ, "--batch", 2,
+                      "--threads", 1], str(path), needle)
