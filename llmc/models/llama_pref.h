@@ -15,6 +15,8 @@
 #include "../train/preference.h"
 #include "../train/loop.h"
 
+enum { HEAD_AND_BACKWARD = 1 };  // llama_head_backward's `backward`: the head's gradient, then the blocks'
+
 // Each row's summed completion logp (the negated CE over its mask) and its completion length, from
 // the forward's final-norm input (m->scratch.resid): one head pass per row, no gradient.
 static double llama_row_logps(Llama* m, double* logp, double* len) {
@@ -89,11 +91,12 @@ static void llama_pair_references(Llama* m, const RefTable* rt, const int64_t* i
 }
 
 // Logps of the uploaded micro-batch (the reference's for DPO, then the policy's with the forward's
-// activations kept); returns the final-norm rows that overflowed.
+// activations kept, with --lora-dropout in training); returns the final-norm rows that overflowed.
+typedef enum { PREF_EVAL, PREF_TRAIN } PrefPass;
 static double llama_pref_forward(Llama* m, const PrefObjective* po, const RefTable* rt, const int64_t* ids,
-                                 RowLogps* rl, int dropout) {
+                                 RowLogps* rl, PrefPass pass) {
     if (po->kind == OBJ_DPO) llama_pair_references(m, rt, ids, rl);
-    m->drop.active = dropout;
+    m->drop.active = pass == PREF_TRAIN;
     llama_forward_blocks(m, m->B, m->T, NULL);
     return llama_row_logps(m, rl->pi, rl->len);
 }
@@ -105,7 +108,7 @@ static double llama_pref_micro_batch(Llama* m, const PrefObjective* po, const Re
                                      double pairs, double chosen, double* sums) {
     int B = m->B, T = m->T;
     RowLogps rl = row_logps_alloc(B);
-    double overflowed = llama_pref_forward(m, po, rt, ids, &rl, 1);
+    double overflowed = llama_pref_forward(m, po, rt, ids, &rl, PREF_TRAIN);
     for (int i = 0; i < B / 2; i++) {
         PairLoss l = llama_pair(po, &rl, i, sums);
         // d step loss / d CE of a completion token = -(1/pairs) d pair loss / d logp (+ ORPO's NLL: 1/chosen)
@@ -116,7 +119,7 @@ static double llama_pref_micro_batch(Llama* m, const PrefObjective* po, const Re
     row_logps_free(&rl);
     llama_upload_batch(m, (int64_t)B * T);  // the weights up (CUDA: the host mask is staged)
     m->drop.active = 1;
-    LossStats st = llama_head_backward(m, B, T, 1.0f, 1, NULL, NULL);
+    LossStats st = llama_head_backward(m, B, T, 1.0f, HEAD_AND_BACKWARD, NULL, NULL);
     m->drop.active = 0;
     return overflowed + st.overflowed;
 }
@@ -185,7 +188,7 @@ static EvalResult llama_pref_evaluate(Llama* m, const PairLoader* L, const PrefO
         int rows = pair_eval_batch(L, n, i, B, m->io.h_inputs, m->io.h_targets, m->io.h_mask, m->io.h_pos);
         chosen += count_chosen(m->io.h_mask, B, T);
         llama_upload_batch(m, N);
-        llama_pref_forward(m, po, NULL, NULL, &rl, 0);
+        llama_pref_forward(m, po, NULL, NULL, &rl, PREF_EVAL);
         for (int k = 0; k < rows; k++) llama_pair(po, &rl, k, sums);
     }
     row_logps_free(&rl);
@@ -208,8 +211,8 @@ static void llama_ref_table_compute(Llama* m, const PairShard* s, double* out) {
         for (int i = 0; i < per; i++)
             for (int side = PAIR_CHOSEN; side <= PAIR_REJECTED; side++) {
                 int64_t o = (int64_t)(2 * i + side) * T, p = first + i < s->pairs ? first + i : s->pairs - 1;
-                pair_fill_row(s, p, (PairSide)side, 1, T, m->io.h_inputs + o, m->io.h_targets + o, m->io.h_mask + o,
-                              m->io.h_pos + o);
+                pair_fill_row(s, p, (PairSide)side, PAIR_ROW_COUNTS, T, m->io.h_inputs + o, m->io.h_targets + o,
+                              m->io.h_mask + o, m->io.h_pos + o);
             }
         llama_upload_batch(m, (int64_t)B * T);
         llama_reference_logps(m, rl.ref, rl.len);

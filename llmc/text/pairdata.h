@@ -168,13 +168,14 @@ static int64_t pair_loader_pair(PairLoader* L, int64_t global_index) {
     return L->order[pos];
 }
 
-// Which completion of a pair a row holds.
+// Which completion of a pair a row holds, and whether its targets count (a padding row's do not).
 typedef enum { PAIR_CHOSEN, PAIR_REJECTED } PairSide;
+typedef enum { PAIR_ROW_MASKED, PAIR_ROW_COUNTS } PairRowTargets;
 
 // One row: the pair's prompt and one completion as seq inputs and targets (padding past its end
 // with mask 0), the completion's targets counted when `counts`.
-static void pair_fill_row(const PairShard* s, int64_t p, PairSide side, int counts, int T, int* inputs, int* targets,
-                          float* mask, int* pos) {
+static void pair_fill_row(const PairShard* s, int64_t p, PairSide side, PairRowTargets counts, int T, int* inputs,
+                          int* targets, float* mask, int* pos) {
     const uint32_t* l = s->lens + 3 * p;
     const uint32_t* prompt = s->tokens + s->offset[p];
     const uint32_t* comp = prompt + l[0] + (side == PAIR_REJECTED ? l[1] : 0);
@@ -198,7 +199,7 @@ static void pair_loader_next(PairLoader* L, int B, int rank, int world, int* inp
         ids[i] = p;
         for (int side = PAIR_CHOSEN; side <= PAIR_REJECTED; side++) {
             int64_t o = (int64_t)(2 * i + side) * T;
-            pair_fill_row(L->shard, p, (PairSide)side, 1, T, inputs + o, targets + o, mask + o, pos + o);
+            pair_fill_row(L->shard, p, (PairSide)side, PAIR_ROW_COUNTS, T, inputs + o, targets + o, mask + o, pos + o);
         }
     }
     L->cursor += (int64_t)world * pairs;
@@ -214,8 +215,8 @@ static int pair_eval_batch(const PairLoader* L, int64_t n, int64_t i, int B, int
     for (int k = 0; k < pairs; k++)
         for (int side = PAIR_CHOSEN; side <= PAIR_REJECTED; side++) {
             int64_t o = (int64_t)(2 * k + side) * T;
-            pair_fill_row(L->shard, first + (k < rows ? k : rows - 1), (PairSide)side, k < rows, T, inputs + o,
-                          targets + o, mask + o, pos + o);
+            pair_fill_row(L->shard, first + (k < rows ? k : rows - 1), (PairSide)side,
+                          k < rows ? PAIR_ROW_COUNTS : PAIR_ROW_MASKED, T, inputs + o, targets + o, mask + o, pos + o);
         }
     return rows;
 }
