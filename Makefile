@@ -413,7 +413,7 @@ test-gpu-kernels: cuda-dev
 	echo "test-gpu: every dev/cuda check passed"
 test-gpu-models: train_llama train_vit build/test/llama_probe build/test/vit_probe $(TEST_TRAINERS)
 	CUDA_TEST_BACKEND=gpu $(GPU_PYTHON) -m pytest -q -rfE -p no:cacheprovider test/cuda/test_llama_cuda.py \
-	  test/cuda/test_vit_cuda.py
+	  test/cuda/test_vit_cuda.py test/cuda/test_preference_cuda.py
 
 # Speed and memory on a GPU: LLaMA-7B shape and ViT-B/16, baseline / lowmem / ckpt (scripts/bench/bench_gpu.sh),
 # then every switch of the step side by side at the Llama-3-8B, ViT-B/16 and LLaMA-7B shapes
