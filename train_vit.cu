@@ -14,6 +14,7 @@
 #include "llmc/train/run_options.h"
 #include "llmc/train/loop.h"
 #include "llmc/train/run.h"
+#include "llmc/train/preference.h"
 #include "llmc/models/vit.h"
 #include "llmc/models/vit_plan.h"
 #include "llmc/models/vit_io.h"
@@ -201,6 +202,7 @@ static void vit_flags(FlagTable* t, TrainOptions* o) {
         "--model DIR [--data TRAIN.bin --val VAL.bin] [flags]   (fine-tunes a ViT image classifier: LoRA and a new "
         "head, or every weight with --full)";
     train_flags_register_task(t, o, "comma list of q,k,v,proj,fc1,fc2 (default all)", TRAIN_IMAGE);
+    preference_flags_register(t, o);
     t->group = "memory modes (the paper's layers)";
     flag_choice(t, "offload", &o->offload, "none|host",
                 "with --recompute block: the block checkpoints in pinned host memory, copied beside the compute");
@@ -217,6 +219,7 @@ static void vit_run_config(void* run, TrainOptions* o, const Dist* dist) {
     VitRun* r = (VitRun*)run;
     vit_config_load(&r->cfg, o->model_dir);
     train_check_lora_rank(o, r->cfg.dim, o->model_dir);
+    preference_check(o, TRAIN_IMAGE);
     r->md = train_modes_from(o, target_names, N_TARGETS);
 }
 

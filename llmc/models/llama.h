@@ -550,19 +550,15 @@ static LmHead llama_lm_head(const Llama* m) {
     return h;
 }
 
-// One micro-batch (already uploaded): forward, fused head + loss (+ its gradient), backward. LoRA
-// grads accumulate. grad_scale = 1 / (unmasked tokens in the whole optimizer step). logits_out
-// (backend memory, fp32 [B*T, V]): tests and generation only. step_stats (CUDA, or NULL): the loss
-// statistics are added there on the device and the returned LossStats stay zero (llmc/ops.h).
-static LossStats llama_forward_backward(Llama* m, int B, int T, float grad_scale, int backward, float* logits_out,
-                                        double* step_stats) {
+// After the forward (llama_forward_blocks): the fused head + loss over the uploaded batch's mask
+// (+ its gradient), then the backward. Preference objectives call it with their per-token weights
+// in the mask (llmc/models/llama_pref.h).
+static LossStats llama_head_backward(Llama* m, int B, int T, float grad_scale, int backward, float* logits_out,
+                                     double* step_stats) {
     LlamaScratch* sc = &m->scratch;
-    batch_values_check(&m->io.bv, grad_scale, backward, &m->drop, "llama_upload_batch");
     int64_t N = (int64_t)B * T;
-    const LlamaConfig* c = &m->cfg;
-    llama_forward_blocks(m, B, T, NULL);
     LossStats st = {};
-    if (backward) op_zero(m->be, sc->dres, (size_t)N * c->dim * m->be->abytes);
+    if (backward) op_zero(m->be, sc->dres, (size_t)N * m->cfg.dim * m->be->abytes);
     LmHead head = llama_lm_head(m);
     LmHeadCall call = {sc->resid,  N,          m->io.targets, m->io.mask,         grad_scale,
                        backward ? sc->dres : NULL, logits_out, step_stats, m->io.bv.grad_scale};
@@ -571,6 +567,17 @@ static LossStats llama_forward_backward(Llama* m, int B, int T, float grad_scale
     llama_backward_blocks(m, B, T);
     if (m->w.dembed)
         op_embedding_backward(m->be, m->w.dembed, sc->dres, m->io.inputs, m->io.embed_order, N,
-                              c->dim);  // dres: d loss / d embeddings
+                              m->cfg.dim);  // dres: d loss / d embeddings
     return st;
+}
+
+// One micro-batch (already uploaded): forward, fused head + loss (+ its gradient), backward. LoRA
+// grads accumulate. grad_scale = 1 / (unmasked tokens in the whole optimizer step). logits_out
+// (backend memory, fp32 [B*T, V]): tests and generation only. step_stats (CUDA, or NULL): the loss
+// statistics are added there on the device and the returned LossStats stay zero (llmc/ops.h).
+static LossStats llama_forward_backward(Llama* m, int B, int T, float grad_scale, int backward, float* logits_out,
+                                        double* step_stats) {
+    batch_values_check(&m->io.bv, grad_scale, backward, &m->drop, "llama_upload_batch");
+    llama_forward_blocks(m, B, T, NULL);
+    return llama_head_backward(m, B, T, grad_scale, backward, logits_out, step_stats);
 }

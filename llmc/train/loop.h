@@ -60,7 +60,16 @@ typedef struct {
     double comm_s;         // seconds spent in cross-rank communication
     int skipped;           // --nonfinite skip: no update this step
     const char* note;      // why no update was made (the log line says it), or NULL
+    int n_extra;           // the model's further statistics (Trainer's extra_names), or 0
+    double extra[8];
 } StepResult;
+
+// The names of a step's further statistics (StepResult's extra), as the step line and log.csv show them.
+typedef struct {
+    int n;
+    const char* const* names;
+    const char* val_accuracy;  // the name of validation's accuracy where a non-classifier reports one, or NULL
+} ExtraStats;
 
 // The end of a step on every rank, after its micro-batches: their sums (sums[0] the loss, sums[1]
 // the final-norm rows whose statistics left fp32's range, sums[2] the correct predictions when n
@@ -78,14 +87,17 @@ static StepResult train_step_finish(Trainable* tr, const TrainOptions* o, const 
     if (trainable_step_stats(tr)) {
         double h[STEP_STATS];
         trainable_read_step_stats(tr, h);
-        sums[0] = h[STEP_LOSS];
-        sums[1] = h[STEP_OVERFLOWED];
-        if (n > 2) sums[2] = h[STEP_CORRECT];
+        // added to the host's: a pass that left its statistics on the device returned none; a preference
+        // step's pair loss is the host's (llmc/models/llama_pref.h)
+        sums[0] += h[STEP_LOSS];
+        sums[1] += h[STEP_OVERFLOWED];
+        if (n > 2) sums[2] += h[STEP_CORRECT];
         ss = h[STEP_SUMSQ];
     }
     t_comm = wall_seconds();
     dist_allreduce_sum_f64(dist, sums, n);
     StepResult r;
+    memset(&r, 0, sizeof(r));
     r.comm_s = comm + wall_seconds() - t_comm;
     r.items = items;
     r.loss = count > 0 ? (float)(sums[0] / count) : NAN;  // no target: no loss
@@ -109,10 +121,12 @@ static int train_val_due(const TrainOptions* o, int step, int last) {
 // The step's line on stdout (rank 0): every --log-every steps, the last, one with validation
 // (`val`: its text, or NULL) and one without an update (with its note). `unit`: what the throughput counts (tok, img).
 static void train_print_step(const TrainOptions* o, const Dist* dist, int step, int last, const StepResult* r,
-                             double dt, const char* unit, double flops_per_item, double peak_flops, const char* val) {
+                             double dt, const char* unit, double flops_per_item, double peak_flops, const char* val,
+                             const ExtraStats* ex) {
     if ((step + 1) % o->log_every != 0 && !last && !val && !r->note) return;
     printf("step %4d/%d | loss %.4f", step + 1, o->steps, r->loss);
     if (!isnan(r->accuracy)) printf(" | acc %.4f", r->accuracy);
+    for (int i = 0; i < r->n_extra && i < ex->n; i++) printf(" | %s %.4f", ex->names[i], r->extra[i]);
     printf(" | lr %.2e | grad norm %.4f | %.0f %s/s", r->lr, r->grad_norm, r->items / dt, unit);
     if (dist->world > 1)
         printf(" (%.0f per rank, %.0f%% in all-reduce)", r->items / dt / dist->world, 100.0 * r->comm_s / dt);
@@ -258,6 +272,7 @@ typedef struct {
     const char* unit;                  // what the throughput counts on a step's line: "tok", "img"
     const char* items;                 // the same in log.csv's column name: "tokens", "images"
     int classifier;                    // reports accuracy: log.csv gets the accuracy columns
+    ExtraStats extra;                  // further statistics of a step (none: zero)
     double flops_per_item;             // training FLOPs per item, for the MFU
     Trainable* tr;
     const MemPlan* plan;
@@ -288,7 +303,9 @@ static void train_print_start(const Trainer* t, const TrainOptions* o, const Dis
 
 // A validation result as the step's line shows it.
 static void train_eval_text(const Trainer* t, EvalResult e, char* buf, size_t n) {
-    if (t->classifier) snprintf(buf, n, "val loss %.4f | val acc %.4f", e.loss, e.accuracy);
+    if (t->extra.val_accuracy)
+        snprintf(buf, n, "val loss %.4f | val %s %.4f", e.loss, t->extra.val_accuracy, e.accuracy);
+    else if (t->classifier) snprintf(buf, n, "val loss %.4f | val acc %.4f", e.loss, e.accuracy);
     else snprintf(buf, n, "val loss %.4f", e.loss);
 }
 
@@ -296,7 +313,10 @@ static void train_eval_text(const Trainer* t, EvalResult e, char* buf, size_t n)
 static void train_log_header(const Trainer* t, char* buf, size_t n) {
     const char* acc = t->classifier ? ",accuracy" : "";
     const char* val_acc = t->classifier ? ",val_accuracy" : "";
-    snprintf(buf, n, "step,loss%s,lr,grad_norm,%s_per_s,val_loss%s", acc, t->items, val_acc);
+    snprintf(buf, n, "step,loss%s,lr,grad_norm,%s_per_s", acc, t->items);
+    for (int i = 0; i < t->extra.n; i++) str_appendf(buf, n, ",%s", t->extra.names[i]);
+    str_appendf(buf, n, ",val_loss%s", val_acc);
+    if (t->extra.val_accuracy) str_appendf(buf, n, ",val_%s", t->extra.val_accuracy);
 }
 
 // One row of log.csv: the step's columns (empty for step 0, the model before training) and the
@@ -308,11 +328,14 @@ static void train_log_row(FILE* log, const Trainer* t, int step, const StepResul
         fprintf(log, "%.6f,", r->loss);
         if (t->classifier) fprintf(log, "%.6f,", r->accuracy);
         fprintf(log, "%.6e,%.6f,%.1f,", r->lr, r->grad_norm, r->items / dt);
+        for (int i = 0; i < t->extra.n; i++) fprintf(log, "%.6f,", i < r->n_extra ? r->extra[i] : NAN);
     } else {
         fprintf(log, t->classifier ? ",,,,," : ",,,,");
+        for (int i = 0; i < t->extra.n; i++) fprintf(log, ",");
     }
-    if (!isnan(e.loss)) fprintf(log, t->classifier ? "%.6f,%.6f\n" : "%.6f\n", e.loss, e.accuracy);
-    else fprintf(log, t->classifier ? ",\n" : "\n");
+    int val_acc = t->classifier || t->extra.val_accuracy;
+    if (!isnan(e.loss)) fprintf(log, val_acc ? "%.6f,%.6f\n" : "%.6f\n", e.loss, e.accuracy);
+    else fprintf(log, val_acc ? ",\n" : "\n");
     fflush(log);
 }
 
@@ -441,7 +464,7 @@ static void train_loop(const Trainer* t, const TrainOptions* o, const Dist* dist
     train_settings_with_identity(t, base, settings, sizeof(settings));
     dist_check_same(dist, "the model, the data and the run's settings", settings);
     int start = train_resume(t->tr, o, settings, t->cursor, dist);
-    char header[128], val[96];
+    char header[512], val[96];
     train_log_header(t, header, sizeof(header));
     FILE* log = train_open_log(o, rank0, header, start);
     if (train_evaluates(dist) && t->have_val && start == 0) {  // the pretrained model (or new head) before any update
@@ -468,7 +491,8 @@ static void train_loop(const Trainer* t, const TrainOptions* o, const Dist* dist
         EvalResult e = train_validate_if_due(t, o, dist, step, last);
         train_eval_text(t, e, val, sizeof(val));
         if (rank0)
-            train_print_step(o, dist, step, last, &r, dt, t->unit, t->flops_per_item, peak, isnan(e.loss) ? NULL : val);
+            train_print_step(o, dist, step, last, &r, dt, t->unit, t->flops_per_item, peak, isnan(e.loss) ? NULL : val,
+                             &t->extra);
         train_log_row(log, t, step + 1, &r, dt, e);
         if (out && train_save_due(o, step + 1)) {
             if (t->full && rank0) train_check_base_unchanged(o, base, "flag --full's save");

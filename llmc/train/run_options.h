@@ -62,6 +62,11 @@ typedef struct {
     int classes;            // 0: the training shard's class count
     const char* image_size; // "S" or "HxW"; NULL: the checkpoint's
     int hflip;
+    // preference objectives (llmc/train/preference.h registers and checks them)
+    const char* objective;  // sft | dpo | orpo | simpo
+    float beta;             // NAN: the objective's default
+    float dpo_label_smoothing, simpo_gamma;
+    const char* ref_logps;  // inline | precompute
 } TrainOptions;
 
 // Which flags a trainer offers: the text models' (--seq, generation) or the image models'.

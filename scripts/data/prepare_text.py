@@ -27,6 +27,12 @@ chatml or llama2), or without one BOS + prompt + response + EOS; only assistant 
 and including their end-of-turn token) are trained on. Examples are packed back to
 back and the shards mark where each starts, so the trainer restarts positions and keeps
 attention inside each example. val is a seeded random val-frac of the lines.
+
+Preference JSONL (TRL's layouts: {"prompt", "chosen", "rejected"} as strings, or as message lists,
+or "chosen"/"rejected" as whole conversations sharing their leading messages) becomes pair shards
+for train_llama --objective dpo|orpo|simpo (docs/formats.md): the prompt as for SFT (its BOS), each
+completion's tokens then EOS; --seq bounds prompt + completion (prompt cut from the left, then the
+completions from the right), and the cuts are counted and printed.
 """
 import argparse
 import json
@@ -476,6 +482,9 @@ def read_jsonl(path, utf8_errors="strict"):
         except RecursionError:
             raise PrepError(f"{path}:{lineno}: JSON nested too deeply") from None
         check_unicode(obj, f"{path}:{lineno}")
+        if isinstance(obj, dict) and ("chosen" in obj or "rejected" in obj):
+            yield read_preference(obj, f"{path}:{lineno}")
+            continue
         if isinstance(obj, dict) and "messages" in obj:
             check_chat_keys(obj, f"{path}:{lineno}")
         if isinstance(obj, dict) and isinstance(obj.get("messages"), list):
@@ -491,6 +500,124 @@ def read_jsonl(path, utf8_errors="strict"):
                 or not isinstance(obj.get("response"), str)):
             raise PrepError(f"{path}:{lineno}: expected {{\"prompt\": str, \"response\": str}} or {{\"messages\": [...]}}")
         yield ("pair", obj["prompt"], obj["response"])
+
+
+# ---- preference pairs (TRL's layouts) -> pair shards (scripts/formats/shards.py, write_pair_shard) ----
+
+def is_messages(v):
+    return (isinstance(v, list) and v and all(isinstance(m, dict) and m.get("role") in ("system", "user", "assistant")
+                                               and isinstance(m.get("content"), str) for m in v))
+
+
+def read_preference(obj, where):
+    """A TRL preference record -> ("pref", prompt, chosen, rejected): standard (strings) or
+    conversational (message lists; without "prompt", chosen and rejected are whole conversations
+    whose common leading messages are the prompt, as TRL's extract_prompt takes it)."""
+    if not ("chosen" in obj and "rejected" in obj):
+        raise PrepError(f"{where}: a preference record needs both \"chosen\" and \"rejected\"")
+    p, c, r = obj.get("prompt"), obj["chosen"], obj["rejected"]
+    if isinstance(p, str) and isinstance(c, str) and isinstance(r, str):
+        return ("pref", p, c, r)
+    if p is None and is_messages(c) and is_messages(r):
+        n = 0
+        while n < min(len(c), len(r)) - 1 and c[n] == r[n]:
+            n += 1
+        if n == 0:
+            raise PrepError(f"{where}: \"chosen\" and \"rejected\" share no leading message (the implicit prompt)")
+        p, c, r = c[:n], c[n:], r[n:]
+    if is_messages(p) and is_messages(c) and is_messages(r):
+        return ("pref", p, c, r)
+    raise PrepError(f"{where}: expected TRL's preference layouts: {{\"prompt\": str, \"chosen\": str, \"rejected\": str}}, "
+                    "or prompt/chosen/rejected as lists of {\"role\", \"content\"} messages (or chosen/rejected as "
+                    "whole conversations)")
+
+
+def encode_preference(tok, item, template):
+    """(prompt ids, chosen ids, rejected ids) as TRL tokenises them: the prompt as the tokenizer
+    encodes it (with its BOS, as for SFT), each completion's tokens, then EOS. Conversational
+    records render through the chat template: the prompt with add_generation_prompt, a completion
+    as the rest of the rendered prompt + completion."""
+    _, p, c, r = item
+    if isinstance(p, str):
+        return tok.encode(p, bos=True), tok.encode(c, bos=False, eos=True), tok.encode(r, bos=False, eos=True)
+    if not isinstance(template, ModelTemplate):
+        raise PrepError("conversational preference records need the model's chat template (a chat_template in "
+                        "the tokenizer_config.json beside the tokenizer, --chat-template auto)")
+    prompt = template.render(p, True)
+    out = [tok.encode(prompt, bos=False)]
+    for comp in (c, r):
+        whole = template.render(p + comp, False)
+        if not whole.startswith(prompt):
+            raise PrepError(f"{template.name()}: the prompt's rendering is not a prefix of prompt + completion's")
+        out.append(tok.encode(whole[len(prompt):], bos=False, eos=True))
+    return tuple(out)
+
+
+def truncate_pair(pair, seq, counts):
+    """--seq bounds prompt + completion: the prompt cut from the left (to leave room for the longer
+    completion, keeping at least one token), then each completion from the right. Each cut is
+    counted; None for a pair a completion of which is then empty (counted, skipped)."""
+    p, c, r = pair
+    longest = max(len(c), len(r))
+    if len(p) + longest > seq and len(p) > 1:
+        keep = max(1, seq - longest)
+        if keep < len(p):
+            p = p[len(p) - keep:]
+            counts["prompts cut"] += 1
+    room = seq - len(p)
+    if room < 1:
+        counts["pairs skipped (a completion empty after truncation)"] += 1
+        return None
+    out = [p]
+    for comp in (c, r):
+        if len(comp) > room:
+            comp = comp[:room]
+            counts["completions cut"] += 1
+        out.append(comp)
+    return tuple(out)
+
+
+def prepare_pairs(tok, items, template, seq, val_frac, seed):
+    """Preference items -> (train pairs, val pairs, counts), the val split as for JSONL examples."""
+    counts = {"prompts cut": 0, "completions cut": 0, "pairs skipped (a completion empty after truncation)": 0}
+    pairs = [truncate_pair(encode_preference(tok, it, template), seq, counts) for it in items]
+    pairs = [q for q in pairs if q is not None]
+    order = list(range(len(pairs)))
+    random.Random(seed).shuffle(order)
+    val_idx = set(order[:n_val_items(len(pairs), val_frac)])
+    train = [q for i, q in enumerate(pairs) if i not in val_idx]
+    val = [q for i, q in enumerate(pairs) if i in val_idx]
+    return train, val, counts
+
+
+def write_pairs(prefix, train, val, vocab_size, counts, seq):
+    written = []
+    for name, pairs in (("train", train), ("val", val)):
+        path = f"{prefix}_{name}.bin"
+        if not pairs:
+            print(f"{path}: not written (no validation split: --val-frac 0)")
+            continue
+        try:
+            shards.write_pair_shard(path, pairs, vocab_size)
+        except OSError as e:
+            for q in written:
+                os.remove(q)
+            raise PrepError(f"{path}: cannot write ({e.strerror or one_line(e)})") from None
+        written.append(path)
+        print(f"{path}: {len(pairs)} pairs, {sum(len(p) + len(c) + len(r) for p, c, r in pairs)} tokens")
+    print(f"truncation to --seq {seq}: " + ", ".join(f"{v} {k}" for k, v in counts.items()))
+
+
+def main_pairs(args, tok, template, items):
+    if any(it[0] != "pref" for it in items):
+        raise PrepError(f"{args.input}: mixes preference records (chosen/rejected) with other examples")
+    train, val, counts = prepare_pairs(tok, items, template, args.seq, args.val_frac, args.seed)
+    if not train:
+        raise PrepError(f"{args.input}: no pair left to train on after truncation to --seq {args.seq}")
+    if args.val_frac > 0 and not val:
+        raise PrepError(f"{args.input}: only {len(train)} pair, too little for a validation split (more pairs, or "
+                        "--val-frac 0 for no validation shard)")
+    write_pairs(args.out, train, val, tok.vocab_size, counts, args.seq)
 
 
 def n_val_items(n, val_frac):
@@ -511,6 +638,8 @@ def concat(docs):
 def encode_item(tok, item, template):
     """One JSONL item -> (ids, mask): a chat through its template; a pair through the template
     as a user/assistant exchange, or as BOS + prompt + response + EOS without one."""
+    if item[0] == "pref":
+        raise PrepError("the file mixes preference records (chosen/rejected) with other examples")
     if item[0] == "pair":
         if template is None:
             return encode_pair(tok, item[1], item[2])
@@ -531,7 +660,7 @@ def looks_like_jsonl(path):
                     obj = json.loads(raw)
                 except (ValueError, RecursionError):
                     return False
-                return isinstance(obj, dict) and ("messages" in obj or "prompt" in obj)
+                return isinstance(obj, dict) and ("messages" in obj or "prompt" in obj or "chosen" in obj)
     return False
 
 
@@ -626,7 +755,11 @@ def parse_args(argv=None):
     ap.add_argument("--utf8-errors", choices=("strict", "replace"), default="strict",
                     help="invalid UTF-8 in the input: an error naming the byte offset (strict, the default), "
                          "or substitute U+FFFD (replace)")
+    ap.add_argument("--seq", type=int, default=1024,
+                    help="preference JSONL: the most tokens of prompt + completion (TRL's max_length; default 1024)")
     args = ap.parse_args(argv)
+    if args.seq < 2:
+        ap.error(f"--seq must be at least 2, got {args.seq}")
     if not 0 <= args.val_frac < 1:
         ap.error(f"--val-frac must be in [0, 1), got {args.val_frac}")
     if args.chunk_chars < 1:
@@ -647,6 +780,11 @@ def main(argv=None):
             template = load_model_template(args.tokenizer)
             if template:
                 check_pieces_encode_alone(tok, args.tokenizer)
+        if jsonl:
+            items = list(read_jsonl(args.input, args.utf8_errors))
+            if items and items[0][0] == "pref":
+                main_pairs(args, tok, template, items)
+                return 0
         train, val = prepare_docs(tok, args.input, args.val_frac, args.seed, args.chunk_chars, template,
                                   args.utf8_errors, jsonl)
         if not train:

@@ -78,3 +78,51 @@ def read_shard(path, with_starts=False):
         raise ValueError(f"{path}: token id {int(tokens.max())} >= vocab_size {vocab}")
     starts = np.frombuffer(data, np.uint8, count, HEADER_BYTES + 5 * count).copy() if per == 6 else None
     return (tokens, mask, vocab, starts) if with_starts else (tokens, mask, vocab)
+
+
+# Pair shards (preference data; the C reader is llmc/text/pairdata.h):
+#   64-byte header: b"LMPR", u32 version=1, u64 pairs, u32 vocab_size, u32 max_len (the longest
+#   prompt + completion), zeros; pairs x 3 uint32 lengths (prompt, chosen, rejected); then each
+#   pair's prompt, chosen and rejected tokens as uint32.
+PAIR_MAGIC = b"LMPR"
+_PAIR_HEADER = struct.Struct("<4sIQII")
+
+
+def write_pair_shard(path, pairs, vocab_size):
+    """pairs: a list of (prompt ids, chosen ids, rejected ids), each non-empty; written atomically."""
+    if not pairs:
+        raise ValueError(f"{path}: no pair to write")
+    lens = np.array([[len(p), len(c), len(r)] for p, c, r in pairs], dtype=np.int64)
+    if lens.min() < 1:
+        raise ValueError(f"{path}: every prompt and completion needs at least one token")
+    toks = np.array([t for p, c, r in pairs for t in (*p, *c, *r)], dtype=np.int64)
+    if toks.min() < 0 or toks.max() >= vocab_size:
+        raise ValueError(f"{path}: token id {int(toks.max())} outside vocab of {vocab_size}")
+    max_len = int(np.maximum(lens[:, 0] + lens[:, 1], lens[:, 0] + lens[:, 2]).max())
+    header = _PAIR_HEADER.pack(PAIR_MAGIC, VERSION, len(pairs), vocab_size, max_len)
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(header.ljust(HEADER_BYTES, b"\0"))
+            f.write(lens.astype("<u4").tobytes())
+            f.write(toks.astype("<u4").tobytes())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def read_pair_shard(path):
+    """Return (list of (prompt, chosen, rejected) uint32 arrays, vocab_size)."""
+    with open(path, "rb") as f:
+        data = f.read()
+    magic, version, n, vocab, _max_len = _PAIR_HEADER.unpack_from(data)
+    if magic != PAIR_MAGIC or version != VERSION:
+        raise ValueError(f"{path}: not a pair shard")
+    lens = np.frombuffer(data, "<u4", 3 * n, HEADER_BYTES).reshape(n, 3)
+    toks = np.frombuffer(data, "<u4", offset=HEADER_BYTES + 12 * n)
+    out, at = [], 0
+    for p, c, r in lens.astype(np.int64):
+        out.append((toks[at:at + p], toks[at + p:at + p + c], toks[at + p + c:at + p + c + r]))
+        at += p + c + r
+    return out, vocab
