@@ -341,9 +341,11 @@ static void* op_attention_work_fitting(const Backend* be, AttnShape s, void* wor
 static int op_attention_on_cudnn(const Backend* be, AttnShape s, void* work, CudnnAttnShape* cs, float** stats) {
     *stats = NULL;
     if (op_attention_impl() != ATTN_CUDNN || !work) return 0;
-    CudnnAttnShape c = {s.B, s.T, s.H, s.KVH, s.hd, s.causal, 0, 0};
+    CudnnAttnShape c = {s.B, s.T, s.H, s.KVH, s.hd, s.causal, 0, 0, 0, attn_scale_of(&s)};
+    if (s.causal && s.window > 0 && s.window < s.T) c.window = s.window;  // a window of T or more cuts nothing
     const char* why = NULL;
-    if (s.pos && op_cudnn_packed() == CUDNN_PACKED_GEMM) why = "packed examples: LLMC_CUDNN_PACKED=gemm";
+    if (s.softcap > 0.0f) why = "attention logit soft-capping, which cuDNN's attention does not have";
+    else if (s.pos && op_cudnn_packed() == CUDNN_PACKED_GEMM) why = "packed examples: LLMC_CUDNN_PACKED=gemm";
     else if (s.pos && !s.docs)
         why = "packed examples without their documents: --seq-parallel's whole sequences are not mapped to cuDNN's "
               "ragged layout";
@@ -420,16 +422,17 @@ static void op_attention_backward(const Backend* be, void* dq, void* dk, void* d
     attention_backward(F32(dq), F32(dk), F32(dv), CF32(dout), CF32(q), CF32(k), CF32(v), CF32(o), lse, s);
 }
 
-// Generation: n new queries at positions start.. against the key/value cache kc, vc (causal).
+// Generation: n new queries at positions start.. against the key/value cache kc, vc (causal, within
+// s.window; s.H, KVH, hd, scale and softcap as in training).
 static void op_attention_cached(const Backend* be, void* o, const void* q, const void* kc, const void* vc, int n,
-                                int start, int H, int KVH, int hd) {
+                                int start, AttnShape s) {
 #ifdef LLMC_HAVE_CUDA
     if (be->cuda) {
-        attention_cached_cuda(B16(o), CB16(q), CB16(kc), CB16(vc), n, start, H, KVH, hd, be->stream);
+        attention_cached_cuda(B16(o), CB16(q), CB16(kc), CB16(vc), n, start, s, be->stream);
         return;
     }
 #endif
-    attention_cached(F32(o), CF32(q), CF32(kc), CF32(vc), n, start, H, KVH, hd);
+    attention_cached(F32(o), CF32(q), CF32(kc), CF32(vc), n, start, s);
 }
 
 // ---- activations -------------------------------------------------------------------------------

@@ -211,6 +211,23 @@ static int llama_seqpar_lends(const Llama* m) {
     return m->sp.P > 1 && llama_dout_shares_dz(m) && setting_on(SETTING_SEQPAR_LEND);
 }
 
+// The attention shape whose scratch is the largest of the model's layers (a sliding layer's
+// window shrinks it, so a model of full and sliding layers plans its full ones): whole sequences
+// and this rank's heads under --seq-parallel. Every layer's call then fits the workspace.
+static AttnShape llama_plan_attn_shape(const Llama* m) {
+    const LlamaConfig* c = &m->cfg;
+    AttnShape best = {0};
+    size_t most = 0;
+    for (int l = 0; l < c->layers; l++) {
+        AttnShape as = {m->B, m->T, c->heads, c->kv_heads, c->head_dim, 1, NULL, NULL,
+                        llama_layer_window(c, l), c->attn_scale, c->attn_softcap};
+        if (m->sp.P > 1) as = seqpar_attn_shape(&m->sp, &as);
+        size_t bytes = m->be->cuda ? op_attention_work_bytes(m->be, as) : attention_scratch_bytes(as, 1);
+        if (l == 0 || bytes > most) best = as, most = bytes;
+    }
+    return best;
+}
+
 static void llama_plan_scratch(Llama* m, MemPlan* p) {
     const Backend* be = m->be;
     int abytes = be->abytes;
@@ -253,9 +270,7 @@ static void llama_plan_scratch(Llama* m, MemPlan* p) {
         }
         plan_add(p, MEM_SCRATCH, "lora", -1, "lora_dropout_input", largest * abytes, &m->scratch.drop_work);
     }
-    AttnShape as = {m->B, m->T, c->heads, c->kv_heads, c->head_dim, 1, NULL, NULL};
-    if (m->sp.P > 1) as = seqpar_attn_shape(&m->sp);  // whole sequences, this rank's heads
-    m->scratch.att_work_bytes = op_plan_attention_work(be, p, as, &m->scratch.att_work);
+    m->scratch.att_work_bytes = op_plan_attention_work(be, p, llama_plan_attn_shape(m), &m->scratch.att_work);
     op_plan_matmul_workspace(be, p, &m->scratch.blas_work);
     plan_add(p, MEM_SCRATCH, "batch", -1, "inputs", N * 4, &m->io.inputs);
     plan_add(p, MEM_SCRATCH, "batch", -1, "targets", N * 4, &m->io.targets);

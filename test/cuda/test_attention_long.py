@@ -71,7 +71,8 @@ PROBE = r'''
 #include "llmc/memory/cuda_workspace.h"
 #include <stdio.h>
 int main(int argc, char** argv) {
-    AttnShape s = {atoi(argv[1]), atoi(argv[2]), atoi(argv[3]), atoi(argv[4]), atoi(argv[5]), 1, NULL, NULL};
+    AttnShape s = {atoi(argv[1]), atoi(argv[2]), atoi(argv[3]), atoi(argv[4]), atoi(argv[5]), 1, NULL, NULL,
+                   0, 0.0f, 0.0f};
     AttnTiles t = attn_gemm_tiles(&s);
     AttnWorkParts w = attn_gemm_work_parts(&s);
     printf("rows=%d keys=%d row_chunks=%lld key_blocks=%lld slots=%d S=%zu P=%zu o32=%zu ml=%zu tables=%zu "
