@@ -139,8 +139,8 @@ static void llama_config_rope_scaling(LlamaConfig* c, const Json* j, const char*
 // The sliding window and the layers it applies to (layer_sliding), as transformers decides them:
 // Mistral windows every layer (sliding_window null: none); Qwen2 and Qwen3 window the layers at
 // index >= max_window_layers when use_sliding_window is true; an explicit layer_types list names
-// each layer itself. The window is not implemented yet: llama_check_window refuses a run whose
-// sequence a sliding layer would cut.
+// each layer itself. Attention takes each layer's window (llama.h's llama_attn_shape,
+// llmc/cpu/attention.h's AttnShape.window).
 static void llama_config_window(LlamaConfig* c, const Json* j, const char* path) {
     int mistral = strcmp(c->family, "mistral") == 0, use = llama_config_bool(j, "use_sliding_window", path, 0);
     int from = mistral ? 0 : c->layers;
@@ -250,15 +250,6 @@ static void llama_config_load(LlamaConfig* c, const char* model_dir) {
     free(text);
     free(path);
     bnb_config_nf4(model_dir);  // a quantization_config other than bitsandbytes NF4 is refused here, before any work
-}
-
-// A run whose attention spans more positions than the model's sliding window would need the
-// window, which attention does not implement: refused (a window at least as long as the run's
-// sequence changes nothing, since a position then sees every position before it anyway).
-static void llama_check_window(const LlamaConfig* c, int T, const char* model_dir, const char* what) {
-    if (c->sliding_window && T > c->sliding_window)
-        fail("%s/config.json: sliding_window %d is shorter than %s %d (sliding-window attention is not implemented; "
-             "use a sequence of at most %d)", model_dir, c->sliding_window, what, T, c->sliding_window);
 }
 
 // ---- the tensors of the checkpoint --------------------------------------------------------------

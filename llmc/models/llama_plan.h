@@ -574,11 +574,8 @@ static int llama_dry_run_fit(const LlamaConfig* cfg, const TrainOptions* o, cons
     int seq = o->seq, most = 0;
     char a[32], b[32];
     if (o->max_seq) {
-        most = 1 << 30;  // train_validate's bound on --seq; a sliding window bounds it further
-        if (cfg->sliding_window && cfg->sliding_window < most) most = cfg->sliding_window;
+        most = 1 << 30;  // train_validate's bound on --seq (a sliding window's layers plan its memory instead)
         most = most / P * P;  // --seq-parallel P: a multiple of P (seqpar_check)
-        if (!most) fail("flag --max-seq: the sliding window (%d) is shorter than --seq-parallel %d",
-                        cfg->sliding_window, P);
         seq = P * fit_longest_seq(llama_plan_bytes_at_steps, &ctx, o, most / P, budget.bytes);
         if (!seq)
             fail("flag --max-seq: not even --seq %d fits %s (%s): its plan needs %s; try --mode lowmem, --recompute "
@@ -593,7 +590,7 @@ static int llama_dry_run_fit(const LlamaConfig* cfg, const TrainOptions* o, cons
     llama_free(&at);
     str_appendf(json, njson, ", \"memory_bytes\": %zu, \"memory_source\": \"%s\", \"fits\": %s", budget.bytes,
                 budget.source, need <= budget.bytes ? "true" : "false");
-    // max_seq_bound: the search stopped at its bound (--seq's limit or the sliding window), not at the memory
+    // max_seq_bound: the search stopped at its bound (--seq's limit), not at the memory
     int bound = o->max_seq && seq == most;
     if (o->max_seq) str_appendf(json, njson, ", \"max_seq\": %d, \"max_seq_bound\": %d", seq, bound);
     const char* what = be->cuda ? "device" : "host";
@@ -607,7 +604,7 @@ static int llama_dry_run_fit(const LlamaConfig* cfg, const TrainOptions* o, cons
         snprintf(line, nline, "longest --seq that fits %s (%s) at batch %d: %d tokens%s (%s of %s memory%s%s%s)",
                  fit_size(a, sizeof(a), budget.bytes), budget.source, o->batch, seq, group,
                  fit_size(b, sizeof(b), need), what, ranks->world > 1 ? " per rank" : "", host,
-                 bound ? "; the search's bound: --seq's limit or the sliding window" : "");
+                 bound ? "; the search's bound: --seq's limit" : "");
     else
         snprintf(line, nline, "%s %s (%s): the plan needs %s of %s memory",
                  need <= budget.bytes ? "fits" : "does not fit", fit_size(a, sizeof(a), budget.bytes), budget.source,
