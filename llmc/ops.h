@@ -206,9 +206,12 @@ static void** linear_bias_slot(const Backend* be, Linear* L) { return be->cuda ?
 // ---- attention ---------------------------------------------------------------------------------
 
 // --profile's model work of attention: `products` products of T x T x hd per (b, h) (2 forward:
-// q k^T and p v; 4 backward), halved under the causal mask.
+// q k^T and p v; 4 backward), halved under the causal mask; a sliding window W < T: T x W keys less
+// the first rows' missing ones.
 static double attn_flops(AttnShape s, int products) {
-    return products * 2.0 * s.B * s.H * (double)s.T * s.T * s.hd * (s.causal ? 0.5 : 1.0);
+    double T = s.T, pairs = s.causal ? 0.5 * T * T : T * T;
+    if (s.causal && s.window > 0 && s.window < s.T) pairs = T * s.window - 0.5 * (double)s.window * s.window;
+    return products * 2.0 * s.B * s.H * pairs * s.hd;
 }
 // and its bytes: `tensors` activations of [B*T, H*hd] read or written once each.
 static double attn_bytes(AttnShape s, int abytes, int tensors) {
@@ -236,11 +239,14 @@ static void op_rope(const Backend* be, void* x, const float* cos_t, const float*
 // ragged layout, each document one entry of its batch (s.docs, llmc/attn_docs.h, filled by the
 // trainer at each upload), unless LLMC_CUDNN_PACKED=gemm sends them to gemm as
 // before. A call cuDNN cannot take runs on gemm, and the first such call says why in one line:
-// packed examples it does not map (LLMC_CUDNN_PACKED=gemm, --seq-parallel's whole sequences,
-// positions that are not documents one after another), head dims it lacks, no engine on this GPU,
-// or a plan that wants more workspace than was planned. The forward's lse is the same statistic on
-// every path (cuDNN's "Stats"; the ragged call's token-major statistics are converted from and to
-// it), so a forward on one path and its backward on another agree.
+// attention logit soft-capping (cuDNN's SDPA has none), packed examples it does not map
+// (LLMC_CUDNN_PACKED=gemm, --seq-parallel's whole sequences, positions that are not documents
+// one after another), head dims it lacks, no engine on this GPU, or a plan that wants more
+// workspace than was planned. The forward's lse is the same statistic on every path (cuDNN's
+// "Stats"; the ragged call's token-major statistics are converted from and to it), so a forward on
+// one path and its backward on another agree. A sliding window (s.window) is cuDNN's diagonal band
+// left bound (llmc/cuda/attention_cudnn.cu); where its engines lack one for the shape, the plan
+// fails and the call runs on gemm, saying so like any other refusal.
 typedef enum { ATTN_CUDNN, ATTN_GEMM } AttnImpl;
 static const char* const attn_impl_names[] = {"cudnn", "gemm"};
 

@@ -38,7 +38,11 @@ int main(int argc, char** argv) {
     float scale = (float)atof(argv[8]), softcap = (float)atof(argv[9]);
     long N = (long)B * T, nq = N * H * hd, nk = N * KVH * hd;
     int* pos = NULL;
-    if (packed) { float* pf = load(dir, "pos", N); pos = (int*)malloc(4 * N); for (long i = 0; i < N; i++) pos[i] = (int)pf[i]; }
+    if (packed) {
+        float* pf = load(dir, "pos", N);
+        pos = (int*)malloc(4 * N);
+        for (long i = 0; i < N; i++) pos[i] = (int)pf[i];
+    }
     AttnShape s = {B, T, H, KVH, hd, 1, pos, NULL, window, scale, softcap};
     float *q = load(dir, "q", nq), *k = load(dir, "k", nk), *v = load(dir, "v", nk), *dout = load(dir, "dout", nq);
     float *o = (float*)malloc(4 * nq), *lse = (float*)malloc(4 * (long)B * H * T);

@@ -16,7 +16,8 @@ shorter than the sequence (4 and 5 positions of 11 and 12) so that they cut.
 Tolerances: CPU fp32 vs fp64, llama_cases.TOL (as every other probe test); our fp64 reference vs
 transformers in float64 1e-5 of the largest value: transformers 4.46 makes its RoPE cos/sin tables
 in float32 whatever the model's dtype, which moves the logits by ~1e-7 relative (measured 1.5e-7),
-while a wrong window moves them by more than 1e-2 (asserted below); emulator vs CPU, test/cuda/test_llama_cuda.py's TOL_EXACT / TOL_APPROX (bf16 activations)."""
+while a wrong window moves them by more than 1e-2 (asserted below); emulator vs CPU,
+test/cuda/test_llama_cuda.py's TOL_EXACT / TOL_APPROX (bf16 activations)."""
 import json
 import os
 import subprocess
