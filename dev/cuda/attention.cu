@@ -158,7 +158,7 @@ static void test_attention_cached(int n, int start, int H, int KVH, int hd, Rng*
     int64_t nq = (int64_t)n * H * hd, nk = (int64_t)keys * KVH * hd;
     float *q = host_randn(nq, rng, 1.0f, 1), *kc = host_randn(nk, rng, 1.0f, 1), *vc = host_randn(nk, rng, 1.0f, 1);
     float* want = (float*)xmalloc(4 * nq);
-    AttnShape cs = {1, start + n, H, KVH, hd, 1, NULL, NULL, window, scale, softcap};
+    AttnShape cs = {1, start + n, H, KVH, hd, 1, NULL, NULL, window, scale, softcap, 0};
     attention_cached(want, q, kc, vc, n, start, cs);
     bf16 *d_q = upload_bf16(q, nq), *d_k = upload_bf16(kc, nk), *d_v = upload_bf16(vc, nk),
          *d_o = (bf16*)dev_alloc(2 * nq);
@@ -311,27 +311,28 @@ int main(void) {
     test_lse_layout(3, 4, 37, &rng);
     test_lse_layout(1, 32, 300, &rng);  // more than one block, T not a multiple of it
     AttnShape cases[] = {
-        {2, 37, 4, 2, 16, 1, NULL, NULL, 0, 0.0f, 0.0f},   // GQA 2, tiny head dim, ragged T
-        {1, 70, 3, 1, 64, 1, NULL, NULL, 0, 0.0f, 0.0f},   // multi-query (3 heads on 1 kv head)
-        {2, 33, 2, 2, 80, 0, NULL, NULL, 0, 0.0f, 0.0f},   // bidirectional, hd not a power of two (ViT-like)
-        {1, 65, 4, 1, 128, 1, NULL, NULL, 0, 0.0f, 0.0f},  // hd 128, GQA 4
-        {1, 64, 2, 2, 128, 0, NULL, NULL, 0, 0.0f, 0.0f},  // bidirectional, T a multiple of the tile
-        {3, 5, 2, 1, 8, 1, NULL, NULL, 0, 0.0f, 0.0f},     // shorter than one tile
-        {1, 97, 2, 2, 36, 1, NULL, NULL, 0, 0.0f, 0.0f},   // hd 36: partial last register group
+        {2, 37, 4, 2, 16, 1, NULL, NULL, 0, 0.0f, 0.0f, 0},   // GQA 2, tiny head dim, ragged T
+        {1, 70, 3, 1, 64, 1, NULL, NULL, 0, 0.0f, 0.0f, 0},   // multi-query (3 heads on 1 kv head)
+        {2, 33, 2, 2, 80, 0, NULL, NULL, 0, 0.0f, 0.0f, 0},   // bidirectional, hd not a power of two (ViT-like)
+        {1, 65, 4, 1, 128, 1, NULL, NULL, 0, 0.0f, 0.0f, 0},  // hd 128, GQA 4
+        {1, 64, 2, 2, 128, 0, NULL, NULL, 0, 0.0f, 0.0f, 0},  // bidirectional, T a multiple of the tile
+        {3, 5, 2, 1, 8, 1, NULL, NULL, 0, 0.0f, 0.0f, 0},     // shorter than one tile
+        {1, 97, 2, 2, 36, 1, NULL, NULL, 0, 0.0f, 0.0f, 0},   // hd 36: partial last register group
     };
     for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) test_attention(cases[i], &rng, 0);
     // packed examples, ragged tiles
-    AttnShape packed[] = {{2, 37, 4, 2, 16, 1, NULL, NULL, 0, 0.0f, 0.0f},
-                          {1, 97, 2, 2, 36, 1, NULL, NULL, 0, 0.0f, 0.0f}};
+    AttnShape packed[] = {{2, 37, 4, 2, 16, 1, NULL, NULL, 0, 0.0f, 0.0f, 0},
+                          {1, 97, 2, 2, 36, 1, NULL, NULL, 0, 0.0f, 0.0f, 0}};
     for (size_t i = 0; i < sizeof(packed) / sizeof(packed[0]); i++) test_attention(packed[i], &rng, 1);
     // sliding windows (key > query - window), the scores' scale, soft-capping that bites (scale 0.5
     // on unit-variance q, k: scores of several units against caps of 2 and 3)
     AttnShape extra[] = {
-        {2, 37, 4, 2, 16, 1, NULL, NULL, 9, 0.0f, 0.0f},    // window, GQA
-        {1, 97, 2, 2, 36, 1, NULL, NULL, 20, 0.3f, 0.0f},   // window and scale: key blocks of 64 (window rule)
-        {1, 70, 3, 1, 64, 1, NULL, NULL, 0, 0.5f, 2.0f},    // scale and soft-cap
-        {2, 37, 4, 2, 16, 1, NULL, NULL, 7, 0.4f, 3.0f},    // all three
-        {1, 200, 2, 1, 32, 1, NULL, NULL, 50, 0.0f, 0.0f},  // window rule: key blocks of 64, blocks skipped
+        {2, 37, 4, 2, 16, 1, NULL, NULL, 9, 0.0f, 0.0f, 0},    // window, GQA
+        {1, 97, 2, 2, 36, 1, NULL, NULL, 20, 0.3f, 0.0f, 0},   // window and scale: key blocks of 64 (window rule)
+        {1, 70, 3, 1, 64, 1, NULL, NULL, 0, 0.5f, 2.0f, 0},    // scale and soft-cap
+        {2, 37, 4, 2, 16, 1, NULL, NULL, 7, 0.4f, 3.0f, 0},    // all three
+        {1, 200, 2, 1, 32, 1, NULL, NULL, 50, 0.0f, 0.0f, 0},  // window rule: key blocks of 64, blocks skipped
+        {1, 200, 2, 1, 32, 1, NULL, NULL, 0, 0.0f, 0.0f, 50},  // a full layer of a windowed model: its tiles
     };
     int nextra = (int)(sizeof(extra) / sizeof(extra[0]));
     for (int i = 0; i < nextra; i++) test_attention(extra[i], &rng, 0);
@@ -376,8 +377,8 @@ int main(void) {
     unsetenv("LLMC_ATTN_KEYS");
     settings_read(SETTINGS_AGAIN);
     if (g_timing) {
-        AttnShape llama = {4, 2048, 32, 8, 128, 1, NULL, NULL, 0, 0.0f, 0.0f},
-                  vit = {64, 197, 12, 12, 64, 0, NULL, NULL, 0, 0.0f, 0.0f};
+        AttnShape llama = {4, 2048, 32, 8, 128, 1, NULL, NULL, 0, 0.0f, 0.0f, 0},
+                  vit = {64, 197, 12, 12, 64, 0, NULL, NULL, 0, 0.0f, 0.0f, 0};
         time_attention(llama, "B=4 T=2048 H=32 KVH=8 hd=128 causal");
         time_attention(vit, "B=64 T=197 H=12 hd=64 bidir (ViT-B/16)");
     }

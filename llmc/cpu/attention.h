@@ -50,6 +50,8 @@ typedef struct {
     int window;      // causal only: a query at t sees keys t - window < j <= t (0: every earlier key)
     float scale;     // the scores' scale (0: head_dim^-0.5)
     float softcap;   // scores s become softcap * tanh(s / softcap) before the mask and softmax (0: none)
+    int tile_window; // the window the CUDA GEMM path's tiles follow (llmc/memory/cuda_workspace.h): the
+                     // model's, on its full layers too, so that every layer has one layout (0: window)
 } AttnShape;
 // The sliding window's boundary is transformers' eager/sdpa mask (Mistral, Qwen2, Gemma 2 in 4.46:
 // key j is masked where j <= i - sliding_window; current transformers' sliding_window_overlay

@@ -58,12 +58,13 @@ static AttnTiles attn_gemm_tiles(const AttnShape* s) {
     if (whole >= ATTN_TILE_MIN) whole -= whole % ATTN_TILE_MIN;
     int old_rule = !setting_on(SETTING_ATTN_KEY_BLOCKS);
     int64_t forced = setting_count(SETTING_ATTN_KEYS);
+    int window = s->tile_window > 0 ? s->tile_window : s->window;  // a model's full layers: its sliding layers' tiles
     if (forced > 0 && forced < T) {
         t.keys = t.rows = (int)forced;
-    } else if (s->causal && s->window > 0 && s->window < T) {
+    } else if (s->causal && window > 0 && window < T) {
         // a sliding window: key blocks about the window's length, so that a row chunk sees two or
         // three of them and the work and the tiles grow with the window, not with T
-        int64_t side = ATTN_TILE_MIN, want = (s->window + ATTN_TILE_MIN - 1) / ATTN_TILE_MIN * ATTN_TILE_MIN;
+        int64_t side = ATTN_TILE_MIN, want = (window + ATTN_TILE_MIN - 1) / ATTN_TILE_MIN * ATTN_TILE_MIN;
         while (side < want && (side + ATTN_TILE_MIN) * (side + ATTN_TILE_MIN) * e * 6 <= ATTN_TILE_BYTES)
             side += ATTN_TILE_MIN;
         t.keys = t.rows = (int)(side < T ? side : T);

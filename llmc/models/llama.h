@@ -193,12 +193,21 @@ static const AttnDocs* llama_attention_docs(const Llama* m) {
     return m->io.pos_restarts && m->io.docs_buf ? &m->io.docs : NULL;
 }
 
+// The window every layer's CUDA GEMM attention tiles follow (AttnShape.tile_window): the model's
+// sliding window where some layer slides, so that its full layers keep the sliding layers' layout
+// and the path's pointer tables (and a CUDA graph's key) stay put from layer to layer; 0 otherwise.
+static int llama_tile_window(const LlamaConfig* c) {
+    for (int l = 0; l < c->layers; l++)
+        if (llama_layer_window(c, l)) return c->sliding_window;
+    return 0;
+}
+
 // Attention's shape for layer l over B rows of T: causal, the batch's document mask, and the
 // layer's sliding window (llama_layer_window: 0 on full layers), the scores' scale and soft-cap.
 static AttnShape llama_attn_shape(const Llama* m, int l, int B, int T) {
     const LlamaConfig* c = &m->cfg;
     AttnShape as = {B, T, c->heads, c->kv_heads, c->head_dim, 1, llama_attention_pos(m), llama_attention_docs(m),
-                    llama_layer_window(c, l), c->attn_scale, c->attn_softcap};
+                    llama_layer_window(c, l), c->attn_scale, c->attn_softcap, llama_tile_window(c)};
     return as;
 }
 

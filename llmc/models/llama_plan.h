@@ -216,11 +216,12 @@ static int llama_seqpar_lends(const Llama* m) {
 // and this rank's heads under --seq-parallel. Every layer's call then fits the workspace.
 static AttnShape llama_plan_attn_shape(const Llama* m) {
     const LlamaConfig* c = &m->cfg;
-    AttnShape best = {0};
+    AttnShape best;
+    memset(&best, 0, sizeof(best));  // every layer's shape replaces it (layer 0 first)
     size_t most = 0;
     for (int l = 0; l < c->layers; l++) {
         AttnShape as = {m->B, m->T, c->heads, c->kv_heads, c->head_dim, 1, NULL, NULL,
-                        llama_layer_window(c, l), c->attn_scale, c->attn_softcap};
+                        llama_layer_window(c, l), c->attn_scale, c->attn_softcap, llama_tile_window(c)};
         if (m->sp.P > 1) as = seqpar_attn_shape(&m->sp, &as);
         size_t bytes = m->be->cuda ? op_attention_work_bytes(m->be, as) : attention_scratch_bytes(as, 1);
         if (l == 0 || bytes > most) best = as, most = bytes;

@@ -96,7 +96,7 @@ static void seqpar_plan(SeqPar* sp, MemPlan* p, int lent) {
 // query still has every key of its window on its rank).
 static AttnShape seqpar_attn_shape(const SeqPar* sp, const AttnShape* layer) {
     AttnShape s = {sp->B, sp->T, sp->heads / sp->P, sp->kv_heads * sp->kv_rep / sp->P, sp->hd, 1, sp->pos, NULL,
-                   layer->window, layer->scale, layer->softcap};
+                   layer->window, layer->scale, layer->softcap, layer->tile_window};
     return s;
 }
 

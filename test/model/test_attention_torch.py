@@ -43,7 +43,7 @@ int main(int argc, char** argv) {
         pos = (int*)malloc(4 * N);
         for (long i = 0; i < N; i++) pos[i] = (int)pf[i];
     }
-    AttnShape s = {B, T, H, KVH, hd, 1, pos, NULL, window, scale, softcap};
+    AttnShape s = {B, T, H, KVH, hd, 1, pos, NULL, window, scale, softcap, 0};
     float *q = load(dir, "q", nq), *k = load(dir, "k", nk), *v = load(dir, "v", nk), *dout = load(dir, "dout", nq);
     float *o = (float*)malloc(4 * nq), *lse = (float*)malloc(4 * (long)B * H * T);
     float *dq = (float*)malloc(4 * nq), *dk = (float*)malloc(4 * nk), *dv = (float*)malloc(4 * nk);
