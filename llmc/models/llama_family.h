@@ -11,7 +11,7 @@
 // Anything else is refused in one line naming it, never passed over: another model_type or
 // architecture, a config key this file does not know (it could change the math), a value of a
 // known key that the trainer does not implement (rope_scaling types but llama3, a partial rotary
-// factor, attention dropout, a sliding window shorter than the run's sequence), and a tensor of
+// factor, attention dropout), and a tensor of
 // the checkpoint that the model would not use.
 #pragma once
 #include <string.h>
