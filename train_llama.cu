@@ -248,7 +248,6 @@ static void llama_run_config(void* run, TrainOptions* o, const Dist* dist) {
     TrainOptions sp_checked = *o;
     if (o->dry_run && o->max_seq) sp_checked.seq = o->seq_parallel;  // --max-seq searches multiples of P instead
     seqpar_check(&sp_checked, r->cfg.heads, r->cfg.kv_heads, r->cfg.qk_norm);
-    if (o->dry_run && !o->max_seq) llama_check_window(&r->cfg, o->seq, o->model_dir, "flag --seq");
 }
 
 static void llama_run_dry_run(void* run, const TrainOptions* o, const Dist* dist) {
@@ -285,7 +284,6 @@ static void llama_run_plan(void* run, const TrainOptions* o, const Backend* be, 
     int sized = o->data_path || o->eval_only;  // generation alone needs one sequence
     r->B = sized ? o->batch : 1;
     r->T = sized ? o->seq : (r->cfg.max_seq < 256 ? r->cfg.max_seq : 256);
-    llama_check_window(&r->cfg, r->T, o->model_dir, sized ? "flag --seq" : "the generation window");
     if (o->generate)  // a prompt longer than the window would be cut to its last half: refused instead
         model_tokenizer_check_prompt(&r->tok, r->chat_prompt ? r->chat_prompt : o->prompt, o->chat, r->T,
                                      sized ? "--seq" : "the generation window: max_position_embeddings, at most 256");

@@ -206,9 +206,12 @@ static void** linear_bias_slot(const Backend* be, Linear* L) { return be->cuda ?
 // ---- attention ---------------------------------------------------------------------------------
 
 // --profile's model work of attention: `products` products of T x T x hd per (b, h) (2 forward:
-// q k^T and p v; 4 backward), halved under the causal mask.
+// q k^T and p v; 4 backward), halved under the causal mask; a sliding window W < T: T x W keys less
+// the first rows' missing ones.
 static double attn_flops(AttnShape s, int products) {
-    return products * 2.0 * s.B * s.H * (double)s.T * s.T * s.hd * (s.causal ? 0.5 : 1.0);
+    double T = s.T, pairs = s.causal ? 0.5 * T * T : T * T;
+    if (s.causal && s.window > 0 && s.window < s.T) pairs = T * s.window - 0.5 * (double)s.window * s.window;
+    return products * 2.0 * s.B * s.H * pairs * s.hd;
 }
 // and its bytes: `tensors` activations of [B*T, H*hd] read or written once each.
 static double attn_bytes(AttnShape s, int abytes, int tensors) {
@@ -238,11 +241,14 @@ static void op_rope(const Backend* be, void* x, const float* cos_t, const float*
 // ragged layout, each document one entry of its batch (s.docs, llmc/attn_docs.h, filled by the
 // trainer at each upload), unless LLMC_CUDNN_PACKED=gemm sends them to gemm as
 // before. A call cuDNN cannot take runs on gemm, and the first such call says why in one line:
-// packed examples it does not map (LLMC_CUDNN_PACKED=gemm, --seq-parallel's whole sequences,
-// positions that are not documents one after another), head dims it lacks, no engine on this GPU,
-// or a plan that wants more workspace than was planned. The forward's lse is the same statistic on
-// every path (cuDNN's "Stats"; the ragged call's token-major statistics are converted from and to
-// it), so a forward on one path and its backward on another agree.
+// attention logit soft-capping (cuDNN's SDPA has none), packed examples it does not map
+// (LLMC_CUDNN_PACKED=gemm, --seq-parallel's whole sequences, positions that are not documents
+// one after another), head dims it lacks, no engine on this GPU, or a plan that wants more
+// workspace than was planned. The forward's lse is the same statistic on every path (cuDNN's
+// "Stats"; the ragged call's token-major statistics are converted from and to it), so a forward on
+// one path and its backward on another agree. A sliding window (s.window) is cuDNN's diagonal band
+// left bound (llmc/cuda/attention_cudnn.cu); where its engines lack one for the shape, the plan
+// fails and the call runs on gemm, saying so like any other refusal.
 typedef enum { ATTN_CUDNN, ATTN_GEMM } AttnImpl;
 static const char* const attn_impl_names[] = {"cudnn", "gemm"};
 
@@ -343,9 +349,11 @@ static void* op_attention_work_fitting(const Backend* be, AttnShape s, void* wor
 static int op_attention_on_cudnn(const Backend* be, AttnShape s, void* work, CudnnAttnShape* cs, float** stats) {
     *stats = NULL;
     if (op_attention_impl() != ATTN_CUDNN || !work) return 0;
-    CudnnAttnShape c = {s.B, s.T, s.H, s.KVH, s.hd, s.causal, 0, 0};
+    CudnnAttnShape c = {s.B, s.T, s.H, s.KVH, s.hd, s.causal, 0, 0, 0, attn_scale_of(&s)};
+    if (s.causal && s.window > 0 && s.window < s.T) c.window = s.window;  // a window of T or more cuts nothing
     const char* why = NULL;
-    if (s.pos && op_cudnn_packed() == CUDNN_PACKED_GEMM) why = "packed examples: LLMC_CUDNN_PACKED=gemm";
+    if (s.softcap > 0.0f) why = "attention logit soft-capping, which cuDNN's attention does not have";
+    else if (s.pos && op_cudnn_packed() == CUDNN_PACKED_GEMM) why = "packed examples: LLMC_CUDNN_PACKED=gemm";
     else if (s.pos && !s.docs)
         why = "packed examples without their documents: --seq-parallel's whole sequences are not mapped to cuDNN's "
               "ragged layout";
@@ -422,16 +430,17 @@ static void op_attention_backward(const Backend* be, void* dq, void* dk, void* d
     attention_backward(F32(dq), F32(dk), F32(dv), CF32(dout), CF32(q), CF32(k), CF32(v), CF32(o), lse, s);
 }
 
-// Generation: n new queries at positions start.. against the key/value cache kc, vc (causal).
+// Generation: n new queries at positions start.. against the key/value cache kc, vc (causal, within
+// s.window; s.H, KVH, hd, scale and softcap as in training).
 static void op_attention_cached(const Backend* be, void* o, const void* q, const void* kc, const void* vc, int n,
-                                int start, int H, int KVH, int hd) {
+                                int start, AttnShape s) {
 #ifdef LLMC_HAVE_CUDA
     if (be->cuda) {
-        attention_cached_cuda(B16(o), CB16(q), CB16(kc), CB16(vc), n, start, H, KVH, hd, be->stream);
+        attention_cached_cuda(B16(o), CB16(q), CB16(kc), CB16(vc), n, start, s, be->stream);
         return;
     }
 #endif
-    attention_cached(F32(o), CF32(q), CF32(kc), CF32(vc), n, start, H, KVH, hd);
+    attention_cached(F32(o), CF32(q), CF32(kc), CF32(vc), n, start, s);
 }
 
 // ---- activations -------------------------------------------------------------------------------

@@ -48,11 +48,28 @@ typedef struct {
                            // a query then sees only keys of its own example (causal only)
     const struct AttnDocs* docs;  // with pos, the same examples as cuDNN's ragged entries
                                   // (llmc/attn_docs.h; CUDA with cuDNN only), else NULL
+    int window;      // causal only: a query at t sees keys t - window < j <= t (0: every earlier key)
+    float scale;     // the scores' scale (0: head_dim^-0.5)
+    float softcap;   // scores s become softcap * tanh(s / softcap) before the mask and softmax (0: none)
+    int tile_window; // the window the CUDA GEMM path's tiles follow (llmc/memory/cuda_workspace.h): the
+                     // model's, on its full layers too, so that every layer has one layout (0: window)
 } AttnShape;
+// The sliding window's boundary is transformers' eager/sdpa mask (Mistral, Qwen2, Gemma 2 in 4.46:
+// key j is masked where j <= i - sliding_window; current transformers' sliding_window_overlay
+// keeps kv_idx > q_idx - sliding_window, the same set): a query sees `window` keys, itself
+// included. 4.46's flash-attention-2 path passes window_size=(W, W), one key more; the masks
+// above are the definition its other paths and later versions agree on, so this follows them.
 
-// First key a causal query (b, t) may see: the start of its example.
+// The scale of the scores: s->scale, or head_dim^-0.5 where the caller left it 0.
+static inline float attn_scale_of(const AttnShape* s) {
+    return s->scale > 0.0f ? s->scale : 1.0f / sqrtf((float)s->hd);
+}
+
+// First key a causal query (b, t) may see: the start of its example, and within the window.
 static inline int attn_first_key(const AttnShape* s, int b, int t) {
-    return s->pos ? t - s->pos[(int64_t)b * s->T + t] : 0;
+    int first = s->pos ? t - s->pos[(int64_t)b * s->T + t] : 0;
+    if (s->window > 0 && t - s->window + 1 > first) first = t - s->window + 1;
+    return first;
 }
 
 // The two layouts of attention's row statistics: lse [B, H, T] (every path saves it so), and
@@ -64,6 +81,13 @@ typedef enum { LSE_TO_TOKENS, LSE_TO_ROWS } LseLayout;
 // Blocks of ATT_BLOCK query rows: the work runs at the matrix-product rate and the tiles take
 // O(block x T) memory per thread at any sequence length.
 #define ATT_BLOCK 64
+
+// The keys a tile of ATT_BLOCK query rows may span: all T, or (a window) the block's rows plus the
+// window plus the rounding of attn_key_range, so the tiles' memory grows with the window.
+static inline int attn_tile_keys(const AttnShape* s) {
+    int64_t w = (int64_t)s->window + ATT_BLOCK + MM_NR;  // the block's rows, attn_key_range's rounding
+    return s->causal && s->window > 0 && w < s->T ? (int)w : s->T;
+}
 
 // Keys [*lo, *hi) that some query of rows [t0, t1) of sequence b may see. lo is rounded down to a
 // multiple of MM_NR so that a tile starts on a panel of the packed keys (attn_pack); the
@@ -135,9 +159,11 @@ static void attn_gemm(float* C, int64_t ldc, const float* A, int64_t sam, int64_
     }
 }
 
-// Row of a forward score tile, keys [0, nk) of which [a, e) are visible: p = softmax over the
-// visible keys, 0 elsewhere; returns the log-sum-exp.
-static float attn_softmax_row(float* p, int nk, int a, int e) {
+// Row of a forward score tile, keys [0, nk) of which [a, e) are visible: the scores soft-capped
+// (softcap > 0), then p = softmax over the visible keys, 0 elsewhere; returns the log-sum-exp.
+static float attn_softmax_row(float* p, int nk, int a, int e, float softcap) {
+    if (softcap > 0.0f)
+        for (int j = a; j < e; j++) p[j] = softcap * tanhf(p[j] / softcap);
     float mx = vx_max(p + a, e - a);
     double sum = vx_exp_shifted(p + a, p + a, e - a, mx);
     float inv = (float)(1.0 / sum);
@@ -152,15 +178,16 @@ static float attn_softmax_row(float* p, int nk, int a, int e) {
 static void attention_forward(float* o, float* lse, const float* q, const float* k, const float* v, AttnShape s) {
     int64_t qs = (int64_t)s.H * s.hd, csz = attn_cols_size(&s), rsz = attn_rows_size(&s);
     int group = s.H / s.KVH, nqb = (s.T + ATT_BLOCK - 1) / ATT_BLOCK;
-    float scale = 1.0f / sqrtf((float)s.hd);
+    float scale = attn_scale_of(&s);
+    int tk = attn_tile_keys(&s);
     float *kc = (float*)malloc(sizeof(float) * s.B * s.KVH * (csz + rsz)), *vr = kc + (int64_t)s.B * s.KVH * csz;
 #pragma omp parallel if ((double)s.B * s.H * s.T * s.T * s.hd > (1 << 18))
     {
         attn_pack(kc, k, &s, 1);
         attn_pack(vr, v, &s, 0);
 #pragma omp barrier
-        float* S = (float*)malloc(sizeof(float) * ((int64_t)ATT_BLOCK * s.T + (ATT_BLOCK + MM_MR) * ATT_KC));
-        float* Ap = S + (int64_t)ATT_BLOCK * s.T;
+        float* S = (float*)malloc(sizeof(float) * ((int64_t)ATT_BLOCK * tk + (ATT_BLOCK + MM_MR) * ATT_KC));
+        float* Ap = S + (int64_t)ATT_BLOCK * tk;
 #pragma omp for collapse(3) schedule(dynamic)
         for (int b = 0; b < s.B; b++)
             for (int h = 0; h < s.H; h++)
@@ -176,7 +203,7 @@ static void attention_forward(float* o, float* lse, const float* q, const float*
                         int a, e;
                         attn_visible_range(&s, b, t, &a, &e);
                         lse[((int64_t)b * s.H + h) * s.T + t] =
-                            attn_softmax_row(S + (int64_t)(t - t0) * nk, nk, a - lo, e - lo);
+                            attn_softmax_row(S + (int64_t)(t - t0) * nk, nk, a - lo, e - lo, s.softcap);
                     }
                     attn_gemm(o + r0, qs, S, nk, 1, vr + bh * rsz + (int64_t)lo * MM_NR, (int64_t)s.T * MM_NR, m, s.hd,
                               nk, 1.0f, 0, Ap);  // o = P v
@@ -188,9 +215,22 @@ static void attention_forward(float* o, float* lse, const float* q, const float*
 
 // Row of a backward tile, keys [0, nk) of which [a, e) are visible: p = e^(s - L) (the forward's
 // probabilities, from its log-sum-exp L), and dp becomes dS = p (dp - D) scale; both 0 elsewhere.
-static void attn_grad_row(float* p, float* dp, int nk, int a, int e, float L, float D, float scale) {
+// Soft-capped scores (softcap > 0): s is capped as the forward did, c = softcap tanh(s / softcap),
+// p = e^(c - L), and dS takes the cap's derivative, dS = p (dp - D) (1 - (c / softcap)^2) scale.
+static void attn_grad_row(float* p, float* dp, int nk, int a, int e, float L, float D, float scale, float softcap) {
     memset(p, 0, sizeof(float) * a);
     memset(dp, 0, sizeof(float) * a);
+    if (softcap > 0.0f) {
+        for (int j = a; j < e; j++) {
+            float c = softcap * tanhf(p[j] / softcap), r = c / softcap;
+            float pj = vx_exp(vx_splat(c - L))[0];
+            p[j] = pj;
+            dp[j] = pj * (dp[j] - D) * (1.0f - r * r) * scale;
+        }
+        memset(p + e, 0, sizeof(float) * (nk - e));
+        memset(dp + e, 0, sizeof(float) * (nk - e));
+        return;
+    }
     vx_f8 vL = vx_splat(L), vD = vx_splat(D), vs = vx_splat(scale);
     int j = a;
     for (; j + 8 <= e; j += 8) {
@@ -259,7 +299,7 @@ static void attn_backward_unit(float* dq, float* kacc, float* vacc, int64_t ld, 
     const AttnShape* s = &A->s;
     int64_t qs = (int64_t)s->H * s->hd, bh = (int64_t)b * s->KVH + h / (s->H / s->KVH);
     int64_t csz = attn_cols_size(s), rsz = attn_rows_size(s), cstride = (int64_t)s->hd * MM_NR;
-    float scale = 1.0f / sqrtf((float)s->hd);
+    float scale = attn_scale_of(s);
     for (int j = 0; j < s->T; j++) {
         memset(kacc + j * ld, 0, sizeof(float) * s->hd);
         memset(vacc + j * ld, 0, sizeof(float) * s->hd);
@@ -279,7 +319,7 @@ static void attn_backward_unit(float* dq, float* kacc, float* vacc, int64_t ld, 
             int a, e;
             attn_visible_range(s, b, t, &a, &e);
             attn_grad_row(S + (int64_t)(t - t0) * nk, dP + (int64_t)(t - t0) * nk, nk, a - lo, e - lo,
-                          A->lse[((int64_t)b * s->H + h) * s->T + t], D, scale);
+                          A->lse[((int64_t)b * s->H + h) * s->T + t], D, scale, s->softcap);
         }
         attn_gemm(dq + r0, qs, dP, nk, 1, A->kr + bh * rsz + (int64_t)lo * MM_NR, (int64_t)s->T * MM_NR, m, s->hd, nk,
                   1.0f, 0, Ap);  // dq = dS k
@@ -294,12 +334,12 @@ static void attn_backward_unit(float* dq, float* kacc, float* vacc, int64_t ld, 
 // states it (MemPlan.percall_bytes): a CPU run's peak RSS is the plan's arenas plus at most this.
 static size_t attention_scratch_bytes(AttnShape s, int threads) {
     int64_t csz = attn_cols_size(&s), rsz = attn_rows_size(&s), nbh = (int64_t)s.B * s.KVH;
-    int64_t tile = (int64_t)ATT_BLOCK * s.T + (ATT_BLOCK + MM_MR) * ATT_KC;  // S and the packed A, per thread
+    int64_t tile = (int64_t)ATT_BLOCK * attn_tile_keys(&s) + (ATT_BLOCK + MM_MR) * ATT_KC;  // S, packed A, per thread
     int64_t fwd = nbh * (csz + rsz) + threads * tile;
     int64_t chunks = attn_backward_chunks(&s), per_kv = (int64_t)(s.H / s.KVH) * chunks;
     int64_t units = (int64_t)s.B * s.H * chunks;
     int64_t partials = per_kv > 1 ? 2 * (int64_t)s.T * s.hd * units : 0;
-    int64_t bwd = nbh * (2 * csz + rsz) + partials + threads * (tile + (int64_t)ATT_BLOCK * s.T);
+    int64_t bwd = nbh * (2 * csz + rsz) + partials + threads * (tile + (int64_t)ATT_BLOCK * attn_tile_keys(&s));
     return sizeof(float) * (size_t)(fwd > bwd ? fwd : bwd);
 }
 
@@ -323,7 +363,8 @@ static void attention_backward(float* dq, float* dk, float* dv, const float* dou
         attn_pack(packs + nbh * csz, v, &s, 1);
         attn_pack(packs + 2 * nbh * csz, k, &s, 0);
 #pragma omp barrier
-        float* S = (float*)malloc(sizeof(float) * (2ll * ATT_BLOCK * s.T + (ATT_BLOCK + MM_MR) * ATT_KC));
+        int tk = attn_tile_keys(&s);
+        float* S = (float*)malloc(sizeof(float) * (2ll * ATT_BLOCK * tk + (ATT_BLOCK + MM_MR) * ATT_KC));
 #pragma omp for schedule(dynamic)
         for (int u = 0; u < units; u++) {  // u = ((b * KVH + kh) * group + h % group) * nch + chunk
             int b = u / (s.H * nch), h = u / nch % s.H, c = u % nch;  // int: below units
@@ -331,8 +372,8 @@ static void attention_backward(float* dq, float* dk, float* dv, const float* dou
             float *kacc = dk + (int64_t)b * s.T * ks + (int64_t)(h / group) * s.hd, *vacc = dv + (kacc - dk);
             int64_t ld = ks;
             if (u % per_kv) kacc = pk + 2 * part * u, vacc = kacc + part, ld = s.hd;
-            attn_backward_unit(dq, kacc, vacc, ld, &A, b, h, qb0, qb1, S, S + (int64_t)ATT_BLOCK * s.T,
-                               S + 2ll * ATT_BLOCK * s.T);
+            attn_backward_unit(dq, kacc, vacc, ld, &A, b, h, qb0, qb1, S, S + (int64_t)ATT_BLOCK * tk,
+                               S + 2ll * ATT_BLOCK * tk);
         }
         free(S);
         if (per_kv > 1) {  // dk, dv += the other units' partials, in unit order (the group's heads, then the chunks)
@@ -358,30 +399,35 @@ static void attention_backward(float* dq, float* dk, float* dv, const float* dou
 
 // Attention of n new queries against a key/value cache (generation): q [n, H*hd] at absolute
 // positions start .. start+n-1, kc and vc [cap, KVH*hd] holding every position up to start+n-1
-// (the new rows included); causal. o [n, H*hd]. No lse: nothing is trained from it.
-static void attention_cached(float* o, const float* q, const float* kc, const float* vc, int n, int start, int H,
-                             int KVH, int hd) {
+// (the new rows included); causal, within s.window (a cache longer than the window attends to
+// its last s.window positions only), with s.scale and s.softcap. H, KVH, hd from s (B, T unused).
+// o [n, H*hd]. No lse: nothing is trained from it.
+static void attention_cached(float* o, const float* q, const float* kc, const float* vc, int n, int start,
+                             AttnShape s) {
+    int H = s.H, KVH = s.KVH, hd = s.hd;
     int64_t qs = (int64_t)H * hd, ks = (int64_t)KVH * hd;
     int group = H / KVH;
-    float scale = 1.0f / sqrtf((float)hd);
+    float scale = attn_scale_of(&s);
     float* p = (float*)malloc(sizeof(float) * (start + n));
     for (int t = 0; t < n; t++)
         for (int h = 0; h < H; h++) {
             const float* qi = q + t * qs + (int64_t)h * hd;
             int keys = start + t + 1, kh = h / group;
+            int j0 = s.window > 0 && keys > s.window ? keys - s.window : 0;
             float mx = -FLT_MAX;
-            for (int j = 0; j < keys; j++) {
+            for (int j = j0; j < keys; j++) {
                 const float* kj = kc + j * ks + (int64_t)kh * hd;
                 float d = 0.0f;
                 for (int i = 0; i < hd; i++) d += qi[i] * kj[i];
                 p[j] = d * scale;
+                if (s.softcap > 0.0f) p[j] = s.softcap * tanhf(p[j] / s.softcap);
                 if (p[j] > mx) mx = p[j];
             }
             double sum = 0.0;
-            for (int j = 0; j < keys; j++) { p[j] = expf(p[j] - mx); sum += p[j]; }
+            for (int j = j0; j < keys; j++) { p[j] = expf(p[j] - mx); sum += p[j]; }
             float inv = (float)(1.0 / sum), *oi = o + t * qs + (int64_t)h * hd;
             for (int i = 0; i < hd; i++) oi[i] = 0.0f;
-            for (int j = 0; j < keys; j++) {
+            for (int j = j0; j < keys; j++) {
                 const float* vj = vc + j * ks + (int64_t)kh * hd;
                 for (int i = 0; i < hd; i++) oi[i] += p[j] * inv * vj[i];
             }

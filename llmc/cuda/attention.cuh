@@ -109,11 +109,18 @@ static void rope_apply_cuda(bf16* x, const float* cos_t, const float* sin_t, con
 }
 
 // Whether query row `query` of batch b sees key row `key`: inside the sequence, not in the future
-// when causal, and (packed examples, s.pos a device array) not before the query's example start.
+// when causal, within the sliding window (s.window > 0: key > query - window, llmc/cpu/attention.h),
+// and (packed examples, s.pos a device array) not before the query's example start.
 static __device__ __forceinline__ int att_visible(const AttnShape& s, int b, int query, int key) {
     if (query >= s.T || key >= s.T) return 0;
     if (!s.causal) return 1;
+    if (s.window > 0 && key <= query - s.window) return 0;
     return key <= query && (!s.pos || key >= query - s.pos[(int64_t)b * s.T + query]);
+}
+
+// A scaled score soft-capped as the CPU twin does: softcap * tanh(x / softcap) (softcap 0: x).
+static __device__ __forceinline__ float att_softcap(float x, float softcap) {
+    return softcap > 0.0f ? softcap * tanhf(x / softcap) : x;
 }
 
 // ---- shared pieces of the attention kernels --------------------------------------------------
@@ -180,7 +187,7 @@ attention_forward_kernel(bf16* o, float* lse, const bf16* __restrict__ q, const 
     int row = threadIdx.x / ATT_TPR, sub = threadIdx.x % ATT_TPR;
     int b = blockIdx.y / s.H, h = blockIdx.y % s.H, kh = h / (s.H / s.KVH);
     int t0 = blockIdx.x * ATT_ROWS, t = t0 + row;
-    float scale = 1.0f / sqrtf((float)s.hd);
+    float scale = s.scale > 0.0f ? s.scale : 1.0f / sqrtf((float)s.hd);
 
     float qr[DPT], acc[DPT];
     att_load_row<HDMAX>(qr, q, b, t, h, s.H, sub, s);
@@ -189,7 +196,8 @@ attention_forward_kernel(bf16* o, float* lse, const bf16* __restrict__ q, const 
     float m = -INFINITY, l = 0.0f;
 
     int kend = s.causal ? min(s.T, t0 + ATT_ROWS) : s.T;  // the causal block never looks past its last query
-    for (int j0 = 0; j0 < kend; j0 += ATT_TILE) {
+    int kbeg = s.causal && s.window > 0 && t0 - s.window + 1 > 0 ? (t0 - s.window + 1) / ATT_TILE * ATT_TILE : 0;
+    for (int j0 = kbeg; j0 < kend; j0 += ATT_TILE) {  // a window: the tiles before it are skipped
         __syncthreads();  // everyone is done with the previous tile
         att_load_tile<HDMAX>(Ks, k, b, j0, kh, s.KVH, s);
         att_load_tile<HDMAX>(Vs, v, b, j0, kh, s.KVH, s);
@@ -201,7 +209,7 @@ attention_forward_kernel(bf16* o, float* lse, const bf16* __restrict__ q, const 
             float dot = att_row_dot<HDMAX>(qr, Ks, jj, sub);
             int key = j0 + jj;
             int ok = att_visible(s, b, t, key);
-            sc[jj] = ok ? dot * scale : -INFINITY;
+            sc[jj] = ok ? att_softcap(dot * scale, s.softcap) : -INFINITY;
             mt = fmaxf(mt, sc[jj]);
         }
         float mnew = fmaxf(m, mt);
@@ -303,46 +311,51 @@ static void attention_lse_layout_cuda(float* dst, const float* src, int B, int H
 // One block per (new query t, head h): scores against every cached key up to the query's own
 // position (start + t), a block-wide softmax, then o = p V with threads over the head dims.
 __global__ void attention_cached_kernel(bf16* o, const bf16* __restrict__ q, const bf16* __restrict__ kc,
-                                        const bf16* __restrict__ vc, int start, int H, int KVH, int hd) {
+                                        const bf16* __restrict__ vc, int start, AttnShape s) {
+    int H = s.H, KVH = s.KVH, hd = s.hd;
     __shared__ float p[ATT_CACHE_MAX];
     __shared__ float qs[128];
     int t = blockIdx.x / H, h = blockIdx.x % H, kh = h / (H / KVH), keys = start + t + 1;
+    int j0 = s.window > 0 && keys > s.window ? keys - s.window : 0;  // the window's first key
     int64_t qrow = (int64_t)t * H * hd + (int64_t)h * hd, ks = (int64_t)KVH * hd;
-    float scale = rsqrtf((float)hd);
+    float scale = s.scale > 0.0f ? s.scale : rsqrtf((float)hd);
     for (int i = threadIdx.x; i < hd; i += blockDim.x) qs[i] = bf2f(q[qrow + i]) * scale;
     __syncthreads();
     float mx = -INFINITY;
-    for (int j = threadIdx.x; j < keys; j += blockDim.x) {
+    for (int j = j0 + threadIdx.x; j < keys; j += blockDim.x) {
         const bf16* kj = kc + j * ks + (int64_t)kh * hd;
         float d = 0.0f;
         for (int i = 0; i < hd; i++) d += qs[i] * bf2f(kj[i]);
+        d = att_softcap(d, s.softcap);
         p[j] = d;
         mx = fmaxf(mx, d);
     }
     MaxLoc init = {mx, 0};
     mx = block_reduce_maxloc(init).v;
     float sum = 0.0f;
-    for (int j = threadIdx.x; j < keys; j += blockDim.x) {
+    for (int j = j0 + threadIdx.x; j < keys; j += blockDim.x) {
         p[j] = expf(p[j] - mx);
         sum += p[j];
     }
     float inv = 1.0f / block_reduce_sum(sum);  // its barriers also publish every p[j]
     for (int i = threadIdx.x; i < hd; i += blockDim.x) {
         float acc = 0.0f;
-        for (int j = 0; j < keys; j++) acc += p[j] * bf2f(vc[j * ks + (int64_t)kh * hd + i]);
+        for (int j = j0; j < keys; j++) acc += p[j] * bf2f(vc[j * ks + (int64_t)kh * hd + i]);
         o[qrow + i] = f2bf(acc * inv);
     }
 }
 
 // o [n, H*hd] for n new queries q at positions start .. start+n-1 against kc, vc [>= start+n,
-// KVH*hd] (the twin of attention_cached in llmc/cpu/attention.h).
-static void attention_cached_cuda(bf16* o, const bf16* q, const bf16* kc, const bf16* vc, int n, int start, int H,
-                                  int KVH, int hd, cudaStream_t stream) {
+// KVH*hd], within s.window, with s.scale and s.softcap (the twin of attention_cached in
+// llmc/cpu/attention.h; s.H, KVH, hd the heads, s.B and s.T unused).
+static void attention_cached_cuda(bf16* o, const bf16* q, const bf16* kc, const bf16* vc, int n, int start,
+                                  AttnShape s, cudaStream_t stream) {
+    int H = s.H, KVH = s.KVH, hd = s.hd;
     if (n <= 0) return;
     if (start + n > ATT_CACHE_MAX)
         fail("attention_cached_cuda: %d cached positions exceed the kernel's %d", start + n, ATT_CACHE_MAX);
     if (hd > 128 || H % KVH)
         fail("attention_cached_cuda: head_dim %d (max 128) or %d heads over %d kv heads not supported", hd, H, KVH);
     unsigned blocks = (unsigned)n * H;  // int: n <= ATT_CACHE_MAX queries
-    launch_kernel(blocks, ATT_CACHE_THREADS, 0, stream, attention_cached_kernel, o, q, kc, vc, start, H, KVH, hd);
+    launch_kernel(blocks, ATT_CACHE_THREADS, 0, stream, attention_cached_kernel, o, q, kc, vc, start, s);
 }

@@ -145,8 +145,12 @@ static std::shared_ptr<fe::graph::Graph> new_graph(void) {
 // The masks both directions share: causal (the band aligned top-left, right bound 0: key <=
 // query, within each entry for packed examples), and for packed examples the padding mask that
 // makes cuDNN read each entry's length.
+// A sliding window is the band's left bound: the frontend keeps a score where key + left_bound > query
+// (cudnn_frontend/utils/attn_score_modifiers.h), i.e. query - window < key, the window of
+// llmc/cpu/attention.h; per entry, so packed documents restart it as the CPU twin does.
 template <typename Attrs> static void set_masks(Attrs& opt, const CudnnAttnShape& s, const Docs& d) {
     if (s.causal) opt.set_diagonal_alignment(fe::DiagonalAlignment_t::TOP_LEFT).set_diagonal_band_right_bound(0);
+    if (s.causal && s.window > 0) opt.set_diagonal_band_left_bound(s.window);
     if (ragged(s)) opt.set_padding_mask(true).set_seq_len_q(d.seq_q).set_seq_len_kv(d.seq_kv);
 }
 
@@ -155,8 +159,8 @@ static std::shared_ptr<fe::graph::Graph> forward_graph(const CudnnAttnShape& s) 
     Docs d = docs_tensors(*g, s);
     auto q = act_tensor(*g, "q", UID_Q, s, s.H, d.off_q), k = act_tensor(*g, "k", UID_K, s, s.KVH, d.off_kv),
          v = act_tensor(*g, "v", UID_V, s, s.KVH, d.off_kv);
-    auto opt = fe::graph::SDPA_attributes().set_name("attention_forward").set_generate_stats(true).set_attn_scale(
-        1.0f / sqrtf((float)s.hd));
+    auto opt =
+        fe::graph::SDPA_attributes().set_name("attention_forward").set_generate_stats(true).set_attn_scale(s.scale);
     set_masks(opt, s, d);
     auto outs = g->sdpa(q, k, v, opt);
     act_output(outs[0], UID_O, s, s.H, d.off_q);
@@ -176,8 +180,7 @@ static std::shared_ptr<fe::graph::Graph> backward_graph(const CudnnAttnShape& s)
                   .set_dim(stats_dim(s)).set_stride(stats_stride(s));
     if (d.off_stats) st.set_ragged_offset(d.off_stats);
     auto stats = g->tensor(st);
-    auto opt = fe::graph::SDPA_backward_attributes().set_name("attention_backward").set_attn_scale(
-        1.0f / sqrtf((float)s.hd));
+    auto opt = fe::graph::SDPA_backward_attributes().set_name("attention_backward").set_attn_scale(s.scale);
     set_masks(opt, s, d);
     if (ragged(s)) {
         // The fp32 accumulators (dQ, and dK/dV at every query head for grouped queries) sized by
@@ -205,7 +208,7 @@ static std::string build_plan(fe::graph::Graph& g, int64_t* workspace) {
     return e.is_good() ? std::string() : e.get_message();
 }
 
-typedef std::tuple<int, int, int, int, int, int, int, int> ShapeKey;
+typedef std::tuple<int, int, int, int, int, int, int, int, int, float> ShapeKey;
 struct CachedPlans {
     std::shared_ptr<fe::graph::Graph> fwd, bwd;
     int64_t workspace;     // the larger of the two plans' needs, or -1: no engine
@@ -214,7 +217,7 @@ struct CachedPlans {
 
 static CachedPlans& plans_for(const CudnnAttnShape& s) {
     static std::map<ShapeKey, CachedPlans> cache;
-    ShapeKey key{s.B, s.T, s.H, s.KVH, s.hd, s.causal, s.docs_batch, s.docs_len};
+    ShapeKey key{s.B, s.T, s.H, s.KVH, s.hd, s.causal, s.docs_batch, s.docs_len, s.window, s.scale};
     auto it = cache.find(key);
     if (it != cache.end()) return it->second;
     CachedPlans& c = cache[key];

@@ -23,6 +23,8 @@ typedef struct {
     int causal;            // 1: query t sees keys 0..t; 0: all T keys
     int docs_batch;        // packed examples: cuDNN's batch of documents (AttnDocs.batch); 0: B rows of T
     int docs_len;          // and its sequence dimension (AttnDocs.max_len bound)
+    int window;            // causal: query t sees keys t - window < j <= t (cuDNN's diagonal band left bound; 0: none)
+    float scale;           // the scores' scale
 } CudnnAttnShape;
 
 // Why cuDNN cannot run shape s (a sentence for the log), or NULL when it may. Pure arithmetic (no

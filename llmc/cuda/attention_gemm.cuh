@@ -45,6 +45,7 @@ typedef struct {
     void** tables;         // attn_table_slots pointer tables (attn_gemm_bind)
     float *dk32, *dv32;    // [B*T, KVH*hd] dK and dV sums (backward)
     float* D;              // [B, H, T] rowsum(dO * O) (backward)
+    float* G;              // [E, rows, keys] soft-capped scores: 1 - (capped / softcap)^2 (backward), else NULL
     AttnTiles t;
 } AttnGemmWork;
 
@@ -62,7 +63,8 @@ static AttnGemmWork attn_gemm_work(void* base, const AttnShape* s) {
     w.ml = parts.ml ? (float*)p : NULL; p += parts.ml;
     w.tables = (void**)p; p += parts.tables;
     w.dk32 = (float*)p; p += parts.dk32;
-    w.dv32 = (float*)p;
+    w.dv32 = (float*)p; p += parts.dv32;
+    w.G = parts.G ? (float*)p : NULL;
     return w;
 }
 
@@ -181,10 +183,11 @@ static void** attn_gemm_bind(const AttnGemmWork* w, const AttnShape* s, AttnOper
 // ---- kernels ---------------------------------------------------------------------------------
 
 // The keys [*a, *z) of a tile's kn keys (from key k0) that query row i of batch row b may see:
-// causal, up to the row and from the start of its packed example; all T otherwise.
+// causal, up to the row, from the start of its packed example and within the window; all T otherwise.
 static __device__ __forceinline__ void attn_tile_visible(const AttnShape& s, int b, int i, int k0, int kn, int* a,
                                                          int* z) {
     int j0 = s.causal && s.pos ? i - s.pos[(int64_t)b * s.T + i] : 0, j1 = s.causal ? i + 1 : s.T;
+    if (s.causal && s.window > 0 && i - s.window + 1 > j0) j0 = i - s.window + 1;
     *a = j0 - k0 > 0 ? j0 - k0 : 0;
     *z = j1 - k0 < kn ? j1 - k0 : kn;
 }
@@ -192,8 +195,9 @@ static __device__ __forceinline__ void attn_tile_visible(const AttnShape& s, int
 // One warp per query row of the chunk [r0, r0 + rows) over a tile of kn keys from k0 (row stride
 // ldk). forward = 1 (the tile holds every key the row sees): lse from the row's scores, written
 // to lse; else lse is read. P = exp(S - lse) on the visible keys, 0 elsewhere.
-__global__ void attn_probs_kernel(bf16* __restrict__ P, float* __restrict__ lse, const float* __restrict__ S, int r0,
-                                  int rows, int R, int k0, int kn, int ldk, AttnShape s, int forward) {
+__global__ void attn_probs_kernel(bf16* __restrict__ P, float* __restrict__ lse, float* __restrict__ G,
+                                  const float* __restrict__ S, int r0, int rows, int R, int k0, int kn, int ldk,
+                                  AttnShape s, int forward) {
     int64_t row = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     int lane = threadIdx.x & 31;
     if (row >= (int64_t)s.B * s.H * rows) return;
@@ -207,17 +211,22 @@ __global__ void attn_probs_kernel(bf16* __restrict__ P, float* __restrict__ lse,
     float l;
     if (forward) {
         float mx = -INFINITY;
-        for (int j = a + lane; j < z; j += 32) mx = fmaxf(mx, Sr[j]);
+        for (int j = a + lane; j < z; j += 32) mx = fmaxf(mx, att_softcap(Sr[j], s.softcap));
         mx = warp_reduce_max(mx);
         float sum = 0.0f;
-        for (int j = a + lane; j < z; j += 32) sum += expf(Sr[j] - mx);
+        for (int j = a + lane; j < z; j += 32) sum += expf(att_softcap(Sr[j], s.softcap) - mx);
         sum = warp_reduce_sum(sum);
         l = mx + logf(sum);
         if (lane == 0) *L = l;
     } else {
         l = *L;
     }
-    for (int j = lane; j < kn; j += 32) Pr[j] = f2bf(j >= a && j < z ? expf(Sr[j] - l) : 0.0f);
+    float* Gr = G ? G + (e * R + ii) * (int64_t)ldk : NULL;
+    for (int j = lane; j < kn; j += 32) {
+        float c = j >= a && j < z ? att_softcap(Sr[j], s.softcap) : 0.0f;
+        Pr[j] = f2bf(j >= a && j < z ? expf(c - l) : 0.0f);
+        if (Gr) Gr[j] = 1.0f - (c / s.softcap) * (c / s.softcap);  // the cap's derivative (backward)
+    }
 }
 
 // The online softmax's step over one key block (forward, the chunk seeing several): one warp per
@@ -237,10 +246,10 @@ __global__ void attn_online_kernel(bf16* __restrict__ P, float* __restrict__ ml,
     bf16* Pr = P + r * ldk;
     float m_old = first ? -INFINITY : ml[2 * r], l_old = first ? 0.0f : ml[2 * r + 1];
     float mx = -INFINITY;
-    for (int j = a + lane; j < z; j += 32) mx = fmaxf(mx, Sr[j]);
+    for (int j = a + lane; j < z; j += 32) mx = fmaxf(mx, att_softcap(Sr[j], s.softcap));
     float m_new = fmaxf(m_old, warp_reduce_max(mx)), sum = 0.0f;
     for (int j = lane; j < kn; j += 32) {
-        float p = j >= a && j < z ? expf(Sr[j] - m_new) : 0.0f;
+        float p = j >= a && j < z ? expf(att_softcap(Sr[j], s.softcap) - m_new) : 0.0f;
         Pr[j] = f2bf(p);
         sum += p;
     }
@@ -273,10 +282,11 @@ __global__ void attn_store_rows_kernel(bf16* __restrict__ out, float* __restrict
     }
 }
 
-// dS = P (dP - D) over the chunk's rows and the tile's kn keys, written over P (bf16). Masked keys
-// have P = 0, hence dS = 0.
+// dS = P (dP - D) over the chunk's rows and the tile's kn keys, written over P (bf16), times the
+// soft-cap's derivative G where the scores are capped (G non-NULL). Masked keys have P = 0, hence dS = 0.
 __global__ void attn_dscores_kernel(bf16* __restrict__ P, const float* __restrict__ dP, const float* __restrict__ D,
-                                    int r0, int rows, int R, int kn, int ldk, AttnShape s) {
+                                    const float* __restrict__ G, int r0, int rows, int R, int kn, int ldk,
+                                    AttnShape s) {
     int64_t total = (int64_t)s.B * s.H * rows * kn;
     for (int64_t idx = thread_index_1d(); idx < total; idx += grid_stride_1d()) {
         int j = (int)(idx % kn), b, h;
@@ -284,7 +294,8 @@ __global__ void attn_dscores_kernel(bf16* __restrict__ P, const float* __restric
         int ii = (int)(row % rows);
         attn_entry(s, e, &b, &h);
         int64_t at = (e * R + ii) * (int64_t)ldk + j;
-        P[at] = f2bf(bf2f(P[at]) * (dP[at] - D[((int64_t)b * s.H + h) * s.T + r0 + ii]));
+        float ds = bf2f(P[at]) * (dP[at] - D[((int64_t)b * s.H + h) * s.T + r0 + ii]);
+        P[at] = f2bf(G ? ds * G[at] : ds);
     }
 }
 
@@ -324,15 +335,29 @@ static void attn_gemm_check(const AttnShape* s) {
 
 // ---- forward and backward --------------------------------------------------------------------
 
+// The first key block of `ldk` keys a chunk of rows from r0 sees: 0, or with a sliding window the
+// block of its first row's first key (no later row of the chunk sees an earlier key).
+static int64_t attn_first_block(const AttnShape* s, int r0, int ldk) {
+    int first = s->causal && s->window > 0 && r0 - s->window + 1 > 0 ? r0 - s->window + 1 : 0;
+    return first / ldk;
+}
+// One past the last row chunk of `rows` that sees a key of [k0, k0 + kn): every chunk, or with a
+// sliding window the chunk of the last query whose window reaches the block's last key.
+static int64_t attn_last_chunk(const AttnShape* s, const AttnTiles* t, int k0, int kn) {
+    if (!(s->causal && s->window > 0)) return t->row_chunks;
+    int64_t last = (int64_t)k0 + kn - 1 + s->window - 1;
+    return last >= s->T - 1 ? t->row_chunks : last / t->rows + 1;
+}
+
 // One chunk of query rows whose visible keys fit one tile: a single softmax pass, o written directly.
 static void attn_forward_one_block(const AttnRun* r, float* lse, const AttnGemmWork* w, int r0, int rows, int kend) {
     const AttnShape* s = r->s;
     int qld = s->H * s->hd, kld = s->KVH * s->hd, ldk = r->t->keys;  // int: row widths
-    float scale = 1.0f / sqrtf((float)s->hd);
+    float scale = attn_scale_of(s);
     int64_t nrows = (int64_t)s->B * s->H * rows;
     attn_product(r, MM_NT, AT_Q, AT_K, AT_S, CUDA_R_32F, rows, kend, s->hd, qld, kld, ldk, scale, 0, -1);
-    launch_kernel(ceil_div(nrows * 32, 256), 256, 0, r->st, attn_probs_kernel, w->P, lse, w->S, r0, rows, r->t->rows, 0,
-                  kend, ldk, *s, 1);
+    launch_kernel(ceil_div(nrows * 32, 256), 256, 0, r->st, attn_probs_kernel, w->P, lse, (float*)NULL, w->S, r0, rows,
+                  r->t->rows, 0, kend, ldk, *s, 1);
     attn_product(r, MM_NN, AT_P, AT_V, AT_O, CUDA_R_16BF, rows, s->hd, kend, ldk, kld, qld, 1.0f, 0, -1);
 }
 
@@ -344,18 +369,18 @@ static void attention_forward_gemm_cuda(bf16* o, float* lse, const bf16* q, cons
     AttnOperandSet ops = {q, k, v, o, NULL, NULL};
     AttnRun r = {attn_gemm_bind(&w, &s, ops, st), &s, &w.t, 0, 0, st};
     int qld = s.H * s.hd, kld = s.KVH * s.hd, ldk = w.t.keys;  // int: row widths
-    float scale = 1.0f / sqrtf((float)s.hd);
+    float scale = attn_scale_of(&s);
     for (r.chunk = 0; r.chunk < w.t.row_chunks; r.chunk++) {
         int r0 = (int)(r.chunk * w.t.rows), rows = s.T - r0 < w.t.rows ? s.T - r0 : w.t.rows;
         int kend = s.causal ? r0 + rows : s.T;  // causal: the blocks past the chunk's last row are skipped
-        int64_t nrows = (int64_t)s.B * s.H * rows, blocks = ceil_div(kend, ldk);
+        int64_t nrows = (int64_t)s.B * s.H * rows, blocks = ceil_div(kend, ldk), kfirst = attn_first_block(&s, r0, ldk);
         r.block = 0;
         if (blocks == 1) {
             attn_forward_one_block(&r, lse, &w, r0, rows, kend);
             continue;
         }
-        for (r.block = 0; r.block < blocks; r.block++) {
-            int k0 = (int)(r.block * ldk), kn = kend - k0 < ldk ? kend - k0 : ldk, first = r.block == 0;
+        for (r.block = kfirst; r.block < blocks; r.block++) {  // a window: the blocks before it are skipped
+            int k0 = (int)(r.block * ldk), kn = kend - k0 < ldk ? kend - k0 : ldk, first = r.block == kfirst;
             attn_product(&r, MM_NT, AT_Q, AT_K, AT_S, CUDA_R_32F, rows, kn, s.hd, qld, kld, ldk, scale, 0, -1);
             launch_kernel(ceil_div(nrows * 32, 256), 256, 0, st, attn_online_kernel, w.P, w.ml, w.o32, w.S, r0, rows,
                           w.t.rows, k0, kn, ldk, s, first);
@@ -384,27 +409,27 @@ typedef enum { ATTN_GRAD_ALL, ATTN_GRAD_DQ, ATTN_GRAD_DKDV } AttnGrads;
 // kn keys): the scores and probabilities again, then dq's and/or dk, dv's share. dq goes to the
 // chunk's fp32 sums when the chunk sees several key blocks (blocks > 1), else straight to dq.
 static void attn_backward_tile(const AttnRun* r, const AttnGemmWork* w, const float* lse, int r0, int rows, int k0,
-                               int kn, int64_t blocks, AttnGrads grads) {
+                               int kn, int64_t blocks, int64_t first_block, AttnGrads grads) {
     const AttnShape* s = r->s;
     int qld = s->H * s->hd, kld = s->KVH * s->hd, group = s->H / s->KVH, ldk = r->t->keys;  // int: row widths
-    float scale = 1.0f / sqrtf((float)s->hd);
+    float scale = attn_scale_of(s);
     int64_t nrows = (int64_t)s->B * s->H * rows;
     int dkdv = grads != ATTN_GRAD_DQ;
     attn_product(r, MM_NT, AT_Q, AT_K, AT_S, CUDA_R_32F, rows, kn, s->hd, qld, kld, ldk, scale, 0, -1);
-    launch_kernel(ceil_div(nrows * 32, 256), 256, 0, r->st, attn_probs_kernel, w->P, (float*)lse, w->S, r0, rows,
+    launch_kernel(ceil_div(nrows * 32, 256), 256, 0, r->st, attn_probs_kernel, w->P, (float*)lse, w->G, w->S, r0, rows,
                   r->t->rows, k0, kn, ldk, *s, 0);
     if (dkdv)
         for (int g = 0; g < group; g++)
             attn_product(r, MM_TN, AT_P, AT_DO, AT_DV32, CUDA_R_32F, kn, s->hd, rows, ldk, qld, kld, 1.0f, 1, g);
     attn_product(r, MM_NT, AT_DO, AT_V, AT_S, CUDA_R_32F, rows, kn, s->hd, qld, kld, ldk, 1.0f, 0, -1);
-    launch_kernel(grid_for(nrows * kn, 256), 256, 0, r->st, attn_dscores_kernel, w->P, w->S, w->D, r0, rows,
-                  r->t->rows, kn, ldk, *s);
+    launch_kernel(grid_for(nrows * kn, 256), 256, 0, r->st, attn_dscores_kernel, w->P, w->S, w->D, w->G, r0,
+                  rows, r->t->rows, kn, ldk, *s);
     if (grads != ATTN_GRAD_DKDV) {
         if (blocks == 1)  // dq of the chunk in one product, rounded once by cuBLAS
             attn_product(r, MM_NN, AT_P, AT_K, AT_DQ, CUDA_R_16BF, rows, s->hd, kn, ldk, kld, qld, scale, 0, -1);
         else
             attn_product(r, MM_NN, AT_P, AT_K, AT_DQ32, CUDA_R_32F, rows, s->hd, kn, ldk, kld, s->hd, scale,
-                         r->block > 0, -1);
+                         r->block > first_block, -1);
     }
     if (dkdv)
         for (int g = 0; g < group; g++)
@@ -438,7 +463,7 @@ static void attention_backward_gemm_cuda(bf16* dq, bf16* dk, bf16* dv, const bf1
         CUDA_CHECK(cudaMemsetAsync(w.dv32, 0, sizeof(float) * nk, st));
         for (r.chunk = 0; r.chunk < w.t.row_chunks; r.chunk++) {
             int r0 = (int)(r.chunk * w.t.rows), rows = attn_chunk_rows(&s, &w.t, r.chunk);
-            attn_backward_tile(&r, &w, lse, r0, rows, 0, s.causal ? r0 + rows : s.T, 1, ATTN_GRAD_ALL);
+            attn_backward_tile(&r, &w, lse, r0, rows, 0, s.causal ? r0 + rows : s.T, 1, 0, ATTN_GRAD_ALL);
         }
         cast_f32_to_bf16_cuda(dk, w.dk32, nk, st);
         cast_f32_to_bf16_cuda(dv, w.dv32, nk, st);
@@ -449,11 +474,12 @@ static void attention_backward_gemm_cuda(bf16* dq, bf16* dk, bf16* dv, const bf1
         int k0 = (int)(r.block * ldk), kn_all = s.T - k0 < ldk ? s.T - k0 : ldk;
         CUDA_CHECK(cudaMemsetAsync(w.dk32, 0, sizeof(float) * local, st));
         CUDA_CHECK(cudaMemsetAsync(w.dv32, 0, sizeof(float) * local, st));
-        // causal: the chunks before the block's first key see none of it
-        for (r.chunk = s.causal ? k0 / w.t.rows : 0; r.chunk < w.t.row_chunks; r.chunk++) {
+        // causal: the chunks before the block's first key see none of it (a window: nor those past its reach)
+        int64_t last = attn_last_chunk(&s, &w.t, k0, kn_all);
+        for (r.chunk = s.causal ? k0 / w.t.rows : 0; r.chunk < last; r.chunk++) {
             int r0 = (int)(r.chunk * w.t.rows), rows = attn_chunk_rows(&s, &w.t, r.chunk);
             int kend = s.causal ? r0 + rows : s.T, kn = kend - k0 < kn_all ? kend - k0 : kn_all;
-            attn_backward_tile(&r, &w, lse, r0, rows, k0, kn, 2, ATTN_GRAD_DKDV);
+            attn_backward_tile(&r, &w, lse, r0, rows, k0, kn, 2, 0, ATTN_GRAD_DKDV);
         }
         launch_kernel(grid_for((int64_t)s.B * kn_all * kld, 256), 256, 0, st, attn_store_keys_kernel, dk, dv, w.dk32,
                       w.dv32, k0, kn_all, ldk, s);
@@ -461,12 +487,12 @@ static void attention_backward_gemm_cuda(bf16* dq, bf16* dk, bf16* dv, const bf1
     for (r.chunk = 0; r.chunk < w.t.row_chunks; r.chunk++) {
         int r0 = (int)(r.chunk * w.t.rows), rows = attn_chunk_rows(&s, &w.t, r.chunk);
         int kend = s.causal ? r0 + rows : s.T;
-        int64_t blocks = ceil_div(kend, ldk);
-        for (r.block = 0; r.block < blocks; r.block++) {
+        int64_t blocks = ceil_div(kend, ldk), kfirst = attn_first_block(&s, r0, ldk);
+        for (r.block = kfirst; r.block < blocks; r.block++) {
             int k0 = (int)(r.block * ldk), kn = kend - k0 < ldk ? kend - k0 : ldk;
-            attn_backward_tile(&r, &w, lse, r0, rows, k0, kn, blocks, ATTN_GRAD_DQ);
+            attn_backward_tile(&r, &w, lse, r0, rows, k0, kn, blocks - kfirst, kfirst, ATTN_GRAD_DQ);
         }
-        if (blocks > 1)
+        if (blocks - kfirst > 1)
             launch_kernel(grid_for((int64_t)s.B * s.H * rows * s.hd, 256), 256, 0, st, attn_store_rows_kernel, dq,
                           (float*)NULL, w.o32, (const float*)NULL, r0, rows, w.t.rows, s);
     }

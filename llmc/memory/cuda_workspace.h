@@ -31,6 +31,9 @@
 //   2. key blocks: else square tiles, rows = keys = the largest multiple of 64 with
 //      E x side^2 x 6 <= ATTN_TILE_BYTES (at least 64): the forward runs an online softmax over the
 //      key blocks, the backward two passes (dk, dv per key block; then dq per row chunk).
+//   3. a sliding window shorter than T (causal): square tiles whose side is the window rounded up
+//      to 64, or the largest the budget allows if less: the key blocks wholly outside a chunk's
+//      window are skipped, so the work grows with T x window.
 // Llama-3.1-8B (E = 32 at batch 1): whole keys up to T = 10,922 (128 rows at 4096), 832 x 832
 // tiles beyond, so 131,072 tokens are 158 x 158 tiles (about half computed, causal) and 1M are
 // 1,261 x 1,261; S and P stay 128 MiB at every length. Causal tiles above the diagonal are never
@@ -55,8 +58,16 @@ static AttnTiles attn_gemm_tiles(const AttnShape* s) {
     if (whole >= ATTN_TILE_MIN) whole -= whole % ATTN_TILE_MIN;
     int old_rule = !setting_on(SETTING_ATTN_KEY_BLOCKS);
     int64_t forced = setting_count(SETTING_ATTN_KEYS);
+    int window = s->tile_window > 0 ? s->tile_window : s->window;  // a model's full layers: its sliding layers' tiles
     if (forced > 0 && forced < T) {
         t.keys = t.rows = (int)forced;
+    } else if (s->causal && window > 0 && window < T) {
+        // a sliding window: key blocks about the window's length, so that a row chunk sees two or
+        // three of them and the work and the tiles grow with the window, not with T
+        int64_t side = ATTN_TILE_MIN, want = (window + ATTN_TILE_MIN - 1) / ATTN_TILE_MIN * ATTN_TILE_MIN;
+        while (side < want && (side + ATTN_TILE_MIN) * (side + ATTN_TILE_MIN) * e * 6 <= ATTN_TILE_BYTES)
+            side += ATTN_TILE_MIN;
+        t.keys = t.rows = (int)(side < T ? side : T);
     } else if (whole >= ATTN_TILE_MIN || whole >= T || old_rule) {
         t.rows = (int)(whole < 1 ? 1 : whole > T ? T : whole);
     } else {
@@ -98,6 +109,7 @@ static int attn_table_slots(const AttnShape* s, const AttnTiles* t) {
 // Bytes of each part of the workspace (attn_gemm_work carves D first, then S .. dv32 in this order).
 typedef struct {
     size_t S, P, o32, ml, tables, dk32, dv32, D;  // o32 holds the backward's dq sums too
+    size_t G;  // soft-capped scores (s->softcap > 0): the cap's derivative per score of a tile (fp32)
 } AttnWorkParts;
 
 static AttnWorkParts attn_gemm_work_parts(const AttnShape* s) {
@@ -114,6 +126,7 @@ static AttnWorkParts attn_gemm_work_parts(const AttnShape* s) {
     if (key_blocked) nk = (int64_t)s->B * t.keys * s->KVH * s->hd;
     w.dk32 = w.dv32 = round_up(nk * 4, 256);
     w.D = round_up((int64_t)s->B * s->H * s->T * 4, 256);
+    w.G = s->softcap > 0.0f ? round_up(tile * 4, 256) : 0;
     return w;
 }
 
@@ -122,7 +135,7 @@ static AttnWorkParts attn_gemm_work_parts(const AttnShape* s) {
 static size_t attn_gemm_work_bytes(const AttnShape* s, int backward) {
     (void)backward;
     AttnWorkParts w = attn_gemm_work_parts(s);
-    return w.S + w.P + w.o32 + w.ml + w.tables + w.dk32 + w.dv32 + w.D;
+    return w.S + w.P + w.o32 + w.ml + w.tables + w.dk32 + w.dv32 + w.D + w.G;
 }
 
 // The workspace cuDNN's fused attention (llmc/cuda/attention_cudnn.cu) is planned with. cuDNN says

@@ -225,6 +225,24 @@ static const AttnDocs* llama_attention_docs(const Llama* m) {
     return m->io.pos_restarts && m->io.docs_buf ? &m->io.docs : NULL;
 }
 
+// The window every layer's CUDA GEMM attention tiles follow (AttnShape.tile_window): the model's
+// sliding window where some layer slides, so that its full layers keep the sliding layers' layout
+// and the path's pointer tables (and a CUDA graph's key) stay put from layer to layer; 0 otherwise.
+static int llama_tile_window(const LlamaConfig* c) {
+    for (int l = 0; l < c->layers; l++)
+        if (llama_layer_window(c, l)) return c->sliding_window;
+    return 0;
+}
+
+// Attention's shape for layer l over B rows of T: causal, the batch's document mask, and the
+// layer's sliding window (llama_layer_window: 0 on full layers), the scores' scale and soft-cap.
+static AttnShape llama_attn_shape(const Llama* m, int l, int B, int T) {
+    const LlamaConfig* c = &m->cfg;
+    AttnShape as = {B, T, c->heads, c->kv_heads, c->head_dim, 1, llama_attention_pos(m), llama_attention_docs(m),
+                    llama_layer_window(c, l), c->attn_scale, c->attn_softcap, llama_tile_window(c)};
+    return as;
+}
+
 // ----------------------------------------------------------------------------------------------
 // Forward
 
@@ -364,15 +382,15 @@ static const void* llama_attention_forward(Llama* m, int l, BlockActs* a, int B,
         int64_t kvd = (int64_t)c->kv_heads * c->head_dim, at = (int64_t)kv->len * kvd * be->abytes;
         op_copy(be, (char*)kv->k[l] + at, a->k, N * kvd);
         op_copy(be, (char*)kv->v[l] + at, a->v, N * kvd);
-        op_attention_cached(be, a->o, a->q, kv->k[l], kv->v[l], T, kv->len, c->heads, c->kv_heads, c->head_dim);
+        op_attention_cached(be, a->o, a->q, kv->k[l], kv->v[l], T, kv->len, llama_attn_shape(m, l, 1, T));
         return a->o;
     }
+    AttnShape as = llama_attn_shape(m, l, B, T);
     if (m->sp.P > 1) {  // the attention half is only ever the recomputed forward (llama_recompute_block)
         ExchangePass exchange = part == BLOCK_ATTENTION ? EXCHANGE_RECOMPUTED_FORWARD : EXCHANGE_FORWARD;
         return seqpar_attention_forward(&m->sp, be, a->o, a->lse, a->q, a->k, a->v, llama_seqpar_work(m, exchange),
-                                        m->scratch.att_work, m->scratch.att_work_bytes);
+                                        m->scratch.att_work, m->scratch.att_work_bytes, &as);
     }
-    AttnShape as = {B, T, c->heads, c->kv_heads, c->head_dim, 1, llama_attention_pos(m), llama_attention_docs(m)};
     op_attention_forward(be, a->o, a->lse, a->q, a->k, a->v, as,
                          op_attention_work_fitting(be, as, m->scratch.att_work, m->scratch.att_work_bytes));
     return a->o;
@@ -468,15 +486,14 @@ static const void* llama_attention_output(Llama* m, const BlockActs* a) {
 
 // Attention's backward, from dout (the gradient w.r.t. its output) to dq, dk, dv, over the batch
 // or across the --seq-parallel group, with the same document mask as its forward.
-static void llama_attention_backward(Llama* m, const BlockActs* a, int B, int T) {
+static void llama_attention_backward(Llama* m, int l, const BlockActs* a, int B, int T) {
     LlamaScratch* sc = &m->scratch;
-    const LlamaConfig* c = &m->cfg;
+    AttnShape as = llama_attn_shape(m, l, B, T);
     if (m->sp.P > 1) {
         seqpar_attention_backward(&m->sp, m->be, sc->dq, sc->dk, sc->dv, sc->dout, a->q, a->k, a->v, a->o, a->lse,
-                                  llama_seqpar_work(m, EXCHANGE_BACKWARD), sc->att_work);
+                                  llama_seqpar_work(m, EXCHANGE_BACKWARD), sc->att_work, &as);
         return;
     }
-    AttnShape as = {B, T, c->heads, c->kv_heads, c->head_dim, 1, llama_attention_pos(m), llama_attention_docs(m)};
     op_attention_backward(m->be, sc->dq, sc->dk, sc->dv, sc->dout, a->q, a->k, a->v, a->o, a->lse, as, sc->att_work);
 }
 
@@ -500,7 +517,7 @@ static void block_backward(Llama* m, int l, BlockActs* a, const Recomputed* rc, 
         llama_qk_rebuild(m, layer, a, T_Q, N, T);
         llama_qk_rebuild(m, layer, a, T_K, N, T);
     }
-    llama_attention_backward(m, a, B, T);
+    llama_attention_backward(m, l, a, B, T);
     op_rope(be, sc->dq, m->w.rope_cos, m->w.rope_sin, m->io.pos, N, T, c->heads, c->head_dim, c->rot_dim, ROPE_INVERSE);
     op_rope(be, sc->dk, m->w.rope_cos, m->w.rope_sin, m->io.pos, N, T, c->kv_heads, c->head_dim, c->rot_dim,
             ROPE_INVERSE);

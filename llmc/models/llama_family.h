@@ -15,7 +15,7 @@
 // Anything else is refused in one line naming it, never passed over: another model_type or
 // architecture, a config key this file does not know (it could change the math), a value of a
 // known key that the trainer does not implement (rope_scaling types but llama3, a partial rotary
-// factor, attention dropout, a sliding window shorter than the run's sequence), and a tensor of
+// factor, attention dropout), and a tensor of
 // the checkpoint that the model would not use.
 #pragma once
 #include <string.h>
@@ -199,8 +199,8 @@ static void llama_config_rope_scaling(LlamaConfig* c, const Json* j, const char*
 // The sliding window and the layers it applies to (layer_sliding), as transformers decides them:
 // Mistral and Phi-3 window every layer (sliding_window null: none); Qwen2 and Qwen3 window the layers at
 // index >= max_window_layers when use_sliding_window is true; an explicit layer_types list names
-// each layer itself. The window is not implemented yet: llama_check_window refuses a run whose
-// sequence a sliding layer would cut.
+// each layer itself. Attention takes each layer's window (llama.h's llama_attn_shape,
+// llmc/cpu/attention.h's AttnShape.window).
 static void llama_config_window(LlamaConfig* c, const Json* j, const char* path) {
     // Mistral and Phi-3 window every layer
     int mistral = strcmp(c->family, "mistral") == 0 || c->fused;
@@ -352,15 +352,6 @@ static void llama_config_load(LlamaConfig* c, const char* model_dir) {
     json_free(&j);
     free(text);
     free(path);
-}
-
-// A run whose attention spans more positions than the model's sliding window would need the
-// window, which attention does not implement: refused (a window at least as long as the run's
-// sequence changes nothing, since a position then sees every position before it anyway).
-static void llama_check_window(const LlamaConfig* c, int T, const char* model_dir, const char* what) {
-    if (c->sliding_window && T > c->sliding_window)
-        fail("%s/config.json: sliding_window %d is shorter than %s %d (sliding-window attention is not implemented; "
-             "use a sequence of at most %d)", model_dir, c->sliding_window, what, T, c->sliding_window);
 }
 
 // ---- the tensors of the checkpoint --------------------------------------------------------------

@@ -212,6 +212,24 @@ static int llama_seqpar_lends(const Llama* m) {
     return m->sp.P > 1 && llama_dout_shares_dz(m) && setting_on(SETTING_SEQPAR_LEND);
 }
 
+// The attention shape whose scratch is the largest of the model's layers (a sliding layer's
+// window shrinks it, so a model of full and sliding layers plans its full ones): whole sequences
+// and this rank's heads under --seq-parallel. Every layer's call then fits the workspace.
+static AttnShape llama_plan_attn_shape(const Llama* m) {
+    const LlamaConfig* c = &m->cfg;
+    AttnShape best;
+    memset(&best, 0, sizeof(best));  // every layer's shape replaces it (layer 0 first)
+    size_t most = 0;
+    for (int l = 0; l < c->layers; l++) {
+        AttnShape as = {m->B, m->T, c->heads, c->kv_heads, c->head_dim, 1, NULL, NULL,
+                        llama_layer_window(c, l), c->attn_scale, c->attn_softcap, llama_tile_window(c)};
+        if (m->sp.P > 1) as = seqpar_attn_shape(&m->sp, &as);
+        size_t bytes = m->be->cuda ? op_attention_work_bytes(m->be, as) : attention_scratch_bytes(as, 1);
+        if (l == 0 || bytes > most) best = as, most = bytes;
+    }
+    return best;
+}
+
 static void llama_plan_scratch(Llama* m, MemPlan* p) {
     const Backend* be = m->be;
     int abytes = be->abytes;
@@ -254,9 +272,7 @@ static void llama_plan_scratch(Llama* m, MemPlan* p) {
         }
         plan_add(p, MEM_SCRATCH, "lora", -1, "lora_dropout_input", largest * abytes, &m->scratch.drop_work);
     }
-    AttnShape as = {m->B, m->T, c->heads, c->kv_heads, c->head_dim, 1, NULL, NULL};
-    if (m->sp.P > 1) as = seqpar_attn_shape(&m->sp);  // whole sequences, this rank's heads
-    m->scratch.att_work_bytes = op_plan_attention_work(be, p, as, &m->scratch.att_work);
+    m->scratch.att_work_bytes = op_plan_attention_work(be, p, llama_plan_attn_shape(m), &m->scratch.att_work);
     op_plan_matmul_workspace(be, p, &m->scratch.blas_work);
     plan_add(p, MEM_SCRATCH, "batch", -1, "inputs", N * 4, &m->io.inputs);
     plan_add(p, MEM_SCRATCH, "batch", -1, "targets", N * 4, &m->io.targets);
@@ -568,11 +584,8 @@ static int llama_dry_run_fit(const LlamaConfig* cfg, const TrainOptions* o, cons
     int seq = o->seq, most = 0;
     char a[32], b[32];
     if (o->max_seq) {
-        most = 1 << 30;  // train_validate's bound on --seq; a sliding window bounds it further
-        if (cfg->sliding_window && cfg->sliding_window < most) most = cfg->sliding_window;
+        most = 1 << 30;  // train_validate's bound on --seq (a sliding window's layers plan its memory instead)
         most = most / P * P;  // --seq-parallel P: a multiple of P (seqpar_check)
-        if (!most) fail("flag --max-seq: the sliding window (%d) is shorter than --seq-parallel %d",
-                        cfg->sliding_window, P);
         seq = P * fit_longest_seq(llama_plan_bytes_at_steps, &ctx, o, most / P, budget.bytes);
         if (!seq)
             fail("flag --max-seq: not even --seq %d fits %s (%s): its plan needs %s; try --mode lowmem, --recompute "
@@ -587,7 +600,7 @@ static int llama_dry_run_fit(const LlamaConfig* cfg, const TrainOptions* o, cons
     llama_free(&at);
     str_appendf(json, njson, ", \"memory_bytes\": %zu, \"memory_source\": \"%s\", \"fits\": %s", budget.bytes,
                 budget.source, need <= budget.bytes ? "true" : "false");
-    // max_seq_bound: the search stopped at its bound (--seq's limit or the sliding window), not at the memory
+    // max_seq_bound: the search stopped at its bound (--seq's limit), not at the memory
     int bound = o->max_seq && seq == most;
     if (o->max_seq) str_appendf(json, njson, ", \"max_seq\": %d, \"max_seq_bound\": %d", seq, bound);
     const char* what = be->cuda ? "device" : "host";
@@ -601,7 +614,7 @@ static int llama_dry_run_fit(const LlamaConfig* cfg, const TrainOptions* o, cons
         snprintf(line, nline, "longest --seq that fits %s (%s) at batch %d: %d tokens%s (%s of %s memory%s%s%s)",
                  fit_size(a, sizeof(a), budget.bytes), budget.source, o->batch, seq, group,
                  fit_size(b, sizeof(b), need), what, ranks->world > 1 ? " per rank" : "", host,
-                 bound ? "; the search's bound: --seq's limit or the sliding window" : "");
+                 bound ? "; the search's bound: --seq's limit" : "");
     else
         snprintf(line, nline, "%s %s (%s): the plan needs %s of %s memory",
                  need <= budget.bytes ? "fits" : "does not fit", fit_size(a, sizeof(a), budget.bytes), budget.source,

@@ -213,7 +213,8 @@ static void block_forward(Vit* m, int l, void* x, BlockActs* a, int B) {
     int64_t N = (int64_t)B * m->T;
     int r = m->modes.rank;
     float s = m->modes.lora_scale;
-    AttnShape as = {B, m->T, c->heads, c->heads, c->head_dim, 0, NULL, NULL};  // bidirectional, one image per row
+    // bidirectional, one image per row
+    AttnShape as = {B, m->T, c->heads, c->heads, c->head_dim, 0, NULL, NULL, 0, 0.0f, 0.0f, 0};
     const VitScratch* sc = &m->scratch;
     vit_norm_forward(m, a->z1, a->r1, a->mean1, a->x_in, x, layer->ln1_g, layer->ln1_b, N);
     op_linear_forward(be, a->q, a->z1, &layer->lin[T_Q], a->ax[T_Q], N, r, s, OUT_WRITE);
@@ -292,7 +293,7 @@ static void block_backward(Vit* m, int l, BlockActs* a, const void* block_input,
     int64_t N = (int64_t)B * m->T;
     int r = m->modes.rank;
     float s = m->modes.lora_scale;
-    AttnShape as = {B, m->T, c->heads, c->heads, c->head_dim, 0, NULL, NULL};
+    AttnShape as = {B, m->T, c->heads, c->heads, c->head_dim, 0, NULL, NULL, 0, 0.0f, 0.0f, 0};
     const void* x_in = block_input ? block_input : a->x_in;
     float* const* dln = layer->ln_grad;
     // MLP: fc2, GELU (exact from h, or ReGELU2 from the codes), fc1, MLP norm

@@ -163,7 +163,7 @@ static void vit_plan_scratch(Vit* m, MemPlan* p) {
             if ((m->modes.targets >> t & 1) && lin_in(c, t) > widest) widest = lin_in(c, t);
         plan_add(p, MEM_SCRATCH, "lora", -1, "lora_dropout_input", N * widest * a, &m->scratch.drop_work);
     }
-    AttnShape as = {m->B, m->T, c->heads, c->heads, c->head_dim, 0, NULL, NULL};
+    AttnShape as = {m->B, m->T, c->heads, c->heads, c->head_dim, 0, NULL, NULL, 0, 0.0f, 0.0f, 0};
     m->scratch.att_work_bytes = op_plan_attention_work(be, p, as, &m->scratch.att_work);
     op_plan_matmul_workspace(be, p, &m->scratch.blas_work);
     // the head works on the B class tokens only and consumes its buffers at once (fused with the

@@ -91,9 +91,12 @@ static void seqpar_plan(SeqPar* sp, MemPlan* p, int lent) {
     plan_add(p, MEM_SCRATCH, "seq_parallel", -1, "positions", sp->N * 4, &sp->pos);
 }
 
-// The attention's shape on this rank: whole sequences, this rank's heads, every token's position.
-static AttnShape seqpar_attn_shape(const SeqPar* sp) {
-    AttnShape s = {sp->B, sp->T, sp->heads / sp->P, sp->kv_heads * sp->kv_rep / sp->P, sp->hd, 1, sp->pos, NULL};
+// The attention's shape on this rank: whole sequences, this rank's heads, every token's position,
+// and the layer's window, scale and soft-cap (from `layer`; the exchanges move whole heads, so a
+// query still has every key of its window on its rank).
+static AttnShape seqpar_attn_shape(const SeqPar* sp, const AttnShape* layer) {
+    AttnShape s = {sp->B, sp->T, sp->heads / sp->P, sp->kv_heads * sp->kv_rep / sp->P, sp->hd, 1, sp->pos, NULL,
+                   layer->window, layer->scale, layer->softcap, layer->tile_window};
     return s;
 }
 
@@ -205,11 +208,11 @@ static void seqpar_to_tokens(SeqPar* sp, const void* x, void* dst, int nh, int r
 // [n, heads*hd], is sp->tok. q, k, v are packed in sp->tok (not yet written); o's exchange
 // receives into `work` (sp->work, or a buffer the model lends, dead during this forward).
 static void* seqpar_attention_forward(SeqPar* sp, const Backend* be, void* o, float* lse, void* q, void* k, void* v,
-                                      void* work, void* att_work, size_t att_work_bytes) {
+                                      void* work, void* att_work, size_t att_work_bytes, const AttnShape* layer) {
     seqpar_to_heads(sp, q, sp->heads, SEQPAR_ONE_COPY, sp->tok, "fwd");
     seqpar_to_heads(sp, k, sp->kv_heads, sp->kv_rep, sp->tok, "fwd");
     seqpar_to_heads(sp, v, sp->kv_heads, sp->kv_rep, sp->tok, "fwd");
-    AttnShape as = seqpar_attn_shape(sp);
+    AttnShape as = seqpar_attn_shape(sp, layer);
     op_attention_forward(be, o, lse, q, k, v, as, op_attention_work_fitting(be, as, att_work, att_work_bytes));
     seqpar_to_tokens(sp, o, sp->tok, sp->heads, SEQPAR_ONE_COPY, work, "fwd");
     return sp->tok;
@@ -230,9 +233,9 @@ static const void* seqpar_attention_output(SeqPar* sp, const void* o, void* work
 // has read dout, until the q projection's backward: dout's own buffer can be it).
 static void seqpar_attention_backward(SeqPar* sp, const Backend* be, void* dq, void* dk, void* dv, void* dout,
                                       const void* q, const void* k, const void* v, const void* o, const float* lse,
-                                      void* work, void* att_work) {
+                                      void* work, void* att_work, const AttnShape* layer) {
     seqpar_to_heads(sp, dout, sp->heads, SEQPAR_ONE_COPY, sp->tok, "bwd");
-    op_attention_backward(be, dq, dk, dv, dout, q, k, v, o, lse, seqpar_attn_shape(sp), att_work);
+    op_attention_backward(be, dq, dk, dv, dout, q, k, v, o, lse, seqpar_attn_shape(sp, layer), att_work);
     seqpar_to_tokens(sp, dq, dq, sp->heads, SEQPAR_ONE_COPY, work, "bwd");
     seqpar_to_tokens(sp, dk, dk, sp->kv_heads, sp->kv_rep, work, "bwd");
     seqpar_to_tokens(sp, dv, dv, sp->kv_heads, sp->kv_rep, work, "bwd");

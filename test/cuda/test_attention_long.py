@@ -71,12 +71,14 @@ PROBE = r'''
 #include "llmc/memory/cuda_workspace.h"
 #include <stdio.h>
 int main(int argc, char** argv) {
-    AttnShape s = {atoi(argv[1]), atoi(argv[2]), atoi(argv[3]), atoi(argv[4]), atoi(argv[5]), 1, NULL, NULL};
+    AttnShape s = {atoi(argv[1]), atoi(argv[2]), atoi(argv[3]), atoi(argv[4]), atoi(argv[5]), 1, NULL, NULL,
+                   argc > 6 ? atoi(argv[6]) : 0, 0.0f, argc > 7 ? (float)atof(argv[7]) : 0.0f};
     AttnTiles t = attn_gemm_tiles(&s);
     AttnWorkParts w = attn_gemm_work_parts(&s);
     printf("rows=%d keys=%d row_chunks=%lld key_blocks=%lld slots=%d S=%zu P=%zu o32=%zu ml=%zu tables=%zu "
-           "dk32=%zu dv32=%zu D=%zu total=%zu\n", t.rows, t.keys, (long long)t.row_chunks, (long long)t.key_blocks,
-           attn_table_slots(&s, &t), w.S, w.P, w.o32, w.ml, w.tables, w.dk32, w.dv32, w.D, attn_gemm_work_bytes(&s, 1));
+           "dk32=%zu dv32=%zu D=%zu G=%zu total=%zu\n", t.rows, t.keys, (long long)t.row_chunks,
+           (long long)t.key_blocks, attn_table_slots(&s, &t), w.S, w.P, w.o32, w.ml, w.tables, w.dk32, w.dv32, w.D, w.G,
+           attn_gemm_work_bytes(&s, 1));
     return 0;
 }
 '''
@@ -91,8 +93,9 @@ def plan_probe(tmp_path_factory):
                         "-lm"], capture_output=True, text=True, timeout=300)
     assert b.returncode == 0, b.stderr[-3000:]
 
-    def run(T, B=1, H=32, KVH=8, hd=128, env=None):
-        p = subprocess.run([str(exe), str(B), str(T), str(H), str(KVH), str(hd)], capture_output=True, text=True,
+    def run(T, B=1, H=32, KVH=8, hd=128, env=None, window=0, softcap=0.0):
+        p = subprocess.run([str(exe), str(B), str(T), str(H), str(KVH), str(hd), str(window), repr(softcap)],
+                           capture_output=True, text=True,
                            env=dict(os.environ, **(env or {})), timeout=60)
         assert p.returncode == 0, p.stderr
         return {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", p.stdout)}
@@ -174,3 +177,18 @@ def test_gemm_attention_makes_no_host_arrays_or_copies():
     for call in ("cudaMemcpy", "malloc(", "xmalloc", "cudaStreamSynchronize", "cudaDeviceSynchronize"):
         assert call not in src, call
     assert "launch_kernel(grid_for(per_slot, 256), 256, 0, st, attn_table_kernel" in src
+
+
+@pytest.mark.parametrize("T", [16384, 131072])
+def test_plan_sliding_window_tiles_follow_the_window(plan_probe, T):
+    # a 512-key window at the Llama-3.1-8B shape: square tiles of 512 (the window rounded up to 64,
+    # within the 832 the budget allows), so a chunk of 512 rows sees at most 2 key blocks and the
+    # tiles (S, P) are the same at every length; a 4096-key window is held to the budget's 832
+    got = plan_probe(T, window=512)
+    assert (got["rows"], got["keys"], got["key_blocks"]) == (512, 512, T // 512)
+    assert got["S"] == up(32 * 512 * 512 * 4) and got["P"] == up(32 * 512 * 512 * 2) and got["G"] == 0
+    wide = plan_probe(T, window=4096)
+    assert (wide["rows"], wide["keys"]) == (832, 832)
+    # soft-capping keeps the cap's derivative per score of a tile: one more fp32 tile
+    capped = plan_probe(T, window=512, softcap=50.0)
+    assert capped["G"] == got["S"] and capped["total"] == got["total"] + got["S"]

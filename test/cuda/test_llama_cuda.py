@@ -19,6 +19,7 @@ weight) gives O(1) errors."""
 import json
 import os
 import re
+import shutil
 
 import numpy as np
 import pytest
@@ -684,6 +685,11 @@ def train_on(data, *args, check=True, env=None):
     """The CUDA trainer on the demo model with another training shard, batch 1 and no evaluation
     (the emulator's time)."""
     demo = [str(data) if a == DEMO[DEMO.index("--data") + 1] else a for a in DEMO]
+    for flag in ("--model", "--seq"):  # another model or length in place of the demo's
+        if flag in args:
+            i = list(args).index(flag)
+            demo[demo.index(flag) + 1] = str(args[i + 1])
+            args = list(args[:i]) + list(args[i + 2:])
     for flag in ("--val", "--val-batches"):
         i = demo.index(flag)
         del demo[i:i + 2]
@@ -719,6 +725,32 @@ def test_cuda_graph_replays_the_step_bit_for_bit(tmp_path, packed_demo):
           f"({graphs} graphs replaying {replayed} kernels, {replayed_blas} cuBLAS calls), {captures} captures")
     assert graphs == 2 and captures == 0 and syncs == g_syncs == 1
     assert g_launches - graphs + replayed == launches and g_blas == 0 and replayed_blas == blas
+
+
+def test_cuda_graph_replays_a_model_of_full_and_sliding_layers(tmp_path, packed_demo):
+    """The demo as a Mistral whose layers alternate full and 6-position sliding attention
+    (layer_types): the full layers take the sliding layers' GEMM tiles (AttnShape.tile_window), so
+    the pointer tables are not rebuilt from layer to layer and, under LLMC_CUDA_GRAPH=1, the second
+    step replays the graph captured in the first (no captures after the first step) with the eager
+    run's very bits."""
+    model = tmp_path / "model"
+    shutil.copytree(os.path.join(REPO, "data/llama_demo"), model)
+    cfg = json.load(open(model / "config.json"))
+    cfg.update(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=6,
+               layer_types=["sliding_attention" if l % 2 else "full_attention" for l in range(cfg["num_hidden_layers"])])
+    (model / "config.json").write_text(json.dumps(cfg))
+    # --seq 128: the whole-keys tiles of a full layer alone (128 x 128) differ from the window's (64 x 64)
+    args = ["--steps", 2, "--grad-accum", 2, "--profile", "--model", model, "--seq", 128]
+    off = train_on(packed_demo, *args, "--out", tmp_path / "off")
+    on = train_on(packed_demo, *args, "--out", tmp_path / "on", env={"LLMC_CUDA_GRAPH": "1"})
+    assert "cuda graph: on" in on.stdout, on.stdout[-1500:]
+    assert (tmp_path / "on" / "adapter_model.safetensors").read_bytes() == \
+        (tmp_path / "off" / "adapter_model.safetensors").read_bytes()
+    assert step_losses(on.stdout) == step_losses(off.stdout)
+    if GPU:
+        return
+    m = re.search(GRAPH_LINE, on.stdout, re.M)
+    assert m and int(m.group(1)) == 2 and float(m.group(4)) == 0, on.stdout[-1500:]
 
 
 def test_cuda_packed_documents_described_on_the_emulator(tmp_path, packed_demo):

@@ -52,7 +52,6 @@ int main(int argc, char** argv) {
     const StTensor* tokens = case_tensor(&cf, "tokens", ST_I32);
     const StTensor* mask = case_tensor(&cf, "mask", ST_F32);
     int B = (int)tokens->shape[0], T = (int)tokens->shape[1] - 1;
-    llama_check_window(&cfg, T, o.model_dir, "the case's sequence");
     Backend be;
     backend_init(&be, o.device, 0);
     Llama m;

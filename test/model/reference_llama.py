@@ -147,6 +147,21 @@ class LlamaConfig:
         self.rot_dim = int(self.head_dim * float(d.get("partial_rotary_factor", 1.0))) if self.fused else None
         self.original_ctx = int(d.get("original_max_position_embeddings", 4096))
         self.max_pos = int(d.get("max_position_embeddings", 4096))
+        # the sliding window per layer (0: full attention), as current transformers decides it:
+        # Mistral and Phi-3 window every layer; Qwen2/Qwen3 with use_sliding_window the layers from
+        # max_window_layers on; layer_types names each layer
+        w = d.get("sliding_window") or 0
+        if self.model_type in ("mistral", "phi3"):
+            sliding = [True] * self.n_layers
+        elif d.get("layer_types"):
+            sliding = [t == "sliding_attention" for t in d["layer_types"]]
+        elif d.get("use_sliding_window"):
+            first = d.get("max_window_layers")
+            first = 28 if first is None else int(first)
+            sliding = [l >= first for l in range(self.n_layers)]
+        else:
+            sliding = [False] * self.n_layers
+        self.layer_window = [int(w) if s else 0 for s in sliding]
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"config.json: num_attention_heads {self.n_heads} is not a multiple "
                              f"of num_key_value_heads {self.n_kv_heads}")
@@ -348,14 +363,17 @@ def lora_linear(x, W, lora, scale, xa=None, bias=None):
     return y
 
 
-def attention(q, k, v, n_rep):
-    """Causal attention. q [B, H, T, hd], k/v [B, Hkv, T, hd]; q head h uses kv head h // n_rep."""
+def attention(q, k, v, n_rep, window=0):
+    """Causal attention. q [B, H, T, hd], k/v [B, Hkv, T, hd]; q head h uses kv head h // n_rep.
+    window > 0: query i sees keys i - window < j <= i (transformers' sliding-window mask)."""
     if n_rep > 1:
         k = k.repeat_interleave(n_rep, dim=1)
         v = v.repeat_interleave(n_rep, dim=1)
     T = q.shape[2]
     scores = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
     causal = torch.ones(T, T, dtype=torch.bool).triu(1)
+    if window > 0:
+        causal = causal | torch.ones(T, T, dtype=torch.bool).tril(-window)
     scores = scores.masked_fill(causal, float("-inf"))
     return torch.softmax(scores, dim=-1) @ v
 
@@ -415,7 +433,7 @@ def forward(model, tokens, lora, scale, act="exact", norm="std", stats=None, wei
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = v.reshape(B, T, c.n_kv_heads, hd).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        o = attention(q, k, v, c.n_heads // c.n_kv_heads)
+        o = attention(q, k, v, c.n_heads // c.n_kv_heads, c.layer_window[l])
         o = o.transpose(1, 2).reshape(B, T, c.n_heads * hd)
         x = x + lin("o", o)
         z2 = rmsnorm(x, w[f"{l}.mlp_norm"], c.eps)

@@ -181,9 +181,6 @@ def w(tmp_path_factory):
         "gelu": setdict(hidden_act="gelu"),
         "attn_dropout": setdict(attention_dropout=0.1),
         "tie_int": setdict(tie_word_embeddings=1),
-        "mistral_window": setdict(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=8),
-        "qwen2_window": setdict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], use_sliding_window=True,
-                                sliding_window=8, max_window_layers=0),
     }
     ns.lcfg = {k: model_with(root, "l_" + k, LLAMA, config_edit=e) for k, e in cfgs.items()}
     with open(os.path.join(ns.lcfg["eps_neg"], "config.json")) as f:  # 1e999 is inf to strtod
@@ -363,10 +360,6 @@ ROWS = {
     "hidden_act_gelu": ("llama", lambda w: (llama_model(w.lcfg["gelu"]), ["config.json", "hidden_act \"gelu\""])),
     "attention_dropout": ("llama", lambda w: (llama_model(w.lcfg["attn_dropout"]), ["config.json", "attention_dropout 0.1"])),
     "tie_word_embeddings_not_bool": ("llama", lambda w: (llama_model(w.lcfg["tie_int"]), ["config.json", "tie_word_embeddings", "true or false"])),
-    "sliding_window_shorter_than_seq": ("llama", lambda w: (llama_model(w.lcfg["mistral_window"]),
-                                                            ["config.json", "sliding_window 8", "flag --seq 16"])),
-    "qwen2_sliding_window_shorter_than_seq": ("llama", lambda w: (llama_model(w.lcfg["qwen2_window"]),
-                                                                  ["config.json", "sliding_window 8", "flag --seq 16"])),
     "unused_tensor": ("llama", lambda w: (llama_model(w.extra_tensor),
                                           ["model.safetensors", "model.layers.0.self_attn.q_proj.bias", "not part of a llama model"])),
     "tied_head_differs": ("llama", lambda w: (llama_model(w.head_differs), ["model.safetensors", "lm_head.weight differs"])),

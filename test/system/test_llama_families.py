@@ -8,6 +8,7 @@ Each check compares the trainer with itself along a path that must not change th
 run against a straight one, 2 ranks against 1 process accumulating the same micro-batches
 (test_llama_system.py explains why those are bit-identical), generation with the key/value cache
 against recomputing the window."""
+import json
 import os
 import shutil
 import subprocess
@@ -95,3 +96,29 @@ def test_generation_kv_cache_equals_recomputing_the_window(tmp_path, name, mode)
         texts.append(p.stdout[p.stdout.index(b"Once upon a time"):])
     assert texts[0] == texts[1]
     assert len(texts[0]) > len("Once upon a time") + 20, texts[0]
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_generation_with_a_sliding_window(tmp_path, device):
+    """The demo model as a Mistral with a 6-position window: greedy text with the key/value cache
+    (llmc/cpu/attention.h's attention_cached over the last 6 cached keys; on the emulator the CUDA
+    cached kernel) equals recomputing the window every token (the training attention, windowed),
+    and differs from the demo's own text, which sees every earlier position."""
+    from cuda_backend import binaries, need
+    exe = need(binaries("train_llama", "llama_probe")[0]) if device == "cuda" else BIN
+    demo = os.path.join(REPO, "data", "llama_demo")
+    model = tmp_path / "mistral"
+    shutil.copytree(demo, model)
+    cfg = json.load(open(model / "config.json"))
+    cfg.update(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=6)
+    (model / "config.json").write_text(json.dumps(cfg))
+    prompt = "Licensed under the"
+
+    def text(m, env=None):
+        p = subprocess.run([str(exe), "--model", str(m), "--device", device, "--generate", "24", "--prompt", prompt,
+                            "--temperature", "0"], capture_output=True, env=dict(ENV, **(env or {})), timeout=300)
+        assert p.returncode == 0, p.stderr[-2000:]
+        return p.stdout[p.stdout.index(prompt.encode()):]
+    cached, recomputed = text(model), text(model, {"LLMC_NO_KV_CACHE": "1"})
+    assert cached == recomputed, (cached, recomputed)
+    assert cached != text(demo) and len(cached) > len(prompt) + 20, cached

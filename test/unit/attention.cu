@@ -18,7 +18,8 @@ static double attn_loss(const float* q, const float* k, const float* v, const fl
 void test_attention(int causal) {
     Rng r = rng_seeded(7 + causal, 0);
     static const int packed_pos[2 * 5] = {0, 1, 2, 0, 1, 0, 0, 1, 2, 3};
-    AttnShape s = {2, 5, 4, causal == 3 ? 4 : 2, 6, causal != 0, causal == 2 ? packed_pos : NULL, NULL};
+    AttnShape s = {2, 5, 4, causal == 3 ? 4 : 2, 6, causal != 0, causal == 2 ? packed_pos : NULL, NULL,
+                   0, 0.0f, 0.0f, 0};
     int64_t nq = (int64_t)s.B * s.T * s.H * s.hd, nk = (int64_t)s.B * s.T * s.KVH * s.hd;
     float *q = randn(nq, &r, 1), *k = randn(nk, &r, 1), *v = randn(nk, &r, 1), *w = randn(nq, &r, 1);
     float *o = randn(nq, &r, 1), *lse = randn(s.B * s.H * s.T, &r, 1);
@@ -100,7 +101,7 @@ static void test_attention_blocks_case(AttnCase c) {
     int* pos = (int*)xmalloc(sizeof(int) * B * T);
     for (int b = 0; b < B; b++)  // sequence 0 of a packed case: examples of 70 and T - 70 tokens
         for (int t = 0; t < T; t++) pos[b * T + t] = b == 0 && c.packed && t >= 70 ? t - 70 : t;
-    AttnShape s = {B, T, H, KVH, hd_, c.causal, c.packed ? pos : NULL, NULL};
+    AttnShape s = {B, T, H, KVH, hd_, c.causal, c.packed ? pos : NULL, NULL, 0, 0.0f, 0.0f, 0};
     int64_t nq = (int64_t)B * T * H * hd_, nk = (int64_t)B * T * KVH * hd_;
     float *q = randn(nq, &r, 1), *k = randn(nk, &r, 1), *v = randn(nk, &r, 1), *dout = randn(nq, &r, 1);
     float* out[3][5];  // per thread count: o, lse, dq, dk, dv
