@@ -22,6 +22,11 @@ CONFIGS = {
                  num_key_value_heads=2, vocab_size=61, rms_norm_eps=1e-5, rope_theta=10000.0,
                  tie_word_embeddings=False, sliding_window=64, max_position_embeddings=256,
                  original_max_position_embeddings=256),
+    # Phi-3-mini-4k's sliding window (2,047) in small: a window of 4 shorter than the sequence
+    "phi3_window": dict(hidden_size=48, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, vocab_size=61, rms_norm_eps=1e-5, rope_theta=10000.0,
+                        tie_word_embeddings=False, sliding_window=4, max_position_embeddings=256,
+                        original_max_position_embeddings=256),
     # Phi-3-128k's LongRoPE: original context 8, so a sequence of 6 takes the short factors and one
     # of 12 the long ones; attention factor sqrt(1 + ln 8 / ln 8) from max_position_embeddings 64
     "phi3_longrope": dict(hidden_size=48, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -40,7 +45,7 @@ CONFIGS = {
 }
 # (batch, sequence) per case; the LongRoPE configs at both lengths
 CASES = [("phi3", 2, 10), ("phi3_longrope", 2, 6), ("phi3_longrope", 2, 12), ("phi4_mini", 2, 6),
-         ("phi4_mini", 2, 12), ("phi_partial_vec", 2, 9)]
+         ("phi4_mini", 2, 12), ("phi_partial_vec", 2, 9), ("phi3_window", 2, 10)]
 RANK, ALPHA = 4, 8.0
 FUSED = {"qkv": ("q", "k", "v"), "gate_up": ("gate", "up"), "o": ("o",), "down": ("down",)}
 
