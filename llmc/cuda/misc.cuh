@@ -84,6 +84,16 @@ static void multiply_cuda(bf16* out, const bf16* a, const bf16* b, int64_t n, cu
     multiply_launch(KERNELS_VEC, out, a, b, n, stream);
 }
 
+// y += x elementwise, the sum in fp32 then rounded once (the twin of add_inplace: Gemma's post-normed
+// branch outputs onto the residual stream).
+__global__ void add_inplace_kernel(bf16* y, const bf16* __restrict__ x, int64_t n) {
+    for (int64_t i = thread_index_1d(); i < n; i += grid_stride_1d()) y[i] = f2bf(bf2f(y[i]) + bf2f(x[i]));
+}
+static void add_inplace_cuda(bf16* y, const bf16* x, int64_t n, cudaStream_t stream) {
+    if (n == 0) return;
+    launch_kernel(grid_for(n, 256), 256, 0, stream, add_inplace_kernel, y, x, n);
+}
+
 // y[n, i] = x[n, i] * g[i], rows of d, the product in fp32 then rounded once (the twin of scale_columns;
 // y may be x).
 __global__ void scale_columns_kernel(bf16* y, const bf16* x, const bf16* __restrict__ g, int64_t n, int d) {

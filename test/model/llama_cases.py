@@ -52,16 +52,24 @@ CONFIGS = {
                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=59,
                   rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True,
                   attention_bias=False),
+    # Gemma 2: head_dim 16 apart from hidden / heads, GQA, tied (the family's default), sandwich
+    # norms, soft-capped logits (a cap of 2 bites on these logits), query_pre_attn_scalar = head_dim;
+    # attention soft-capping off and the window beyond the sequence until attention implements them
+    "gemma2": dict(model_type="gemma2", hidden_size=48, intermediate_size=88, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=71,
+                   rms_norm_eps=1e-6, rope_theta=10000.0, hidden_activation="gelu_pytorch_tanh",
+                   query_pre_attn_scalar=16, final_logit_softcapping=2.0, attn_logit_softcapping=None,
+                   sliding_window=64),
     # LLaMA with every bias: attention_bias (q, k, v, o) and mlp_bias (gate, up, down)
     "llama_bias": dict(hidden_size=32, intermediate_size=56, num_hidden_layers=2,
                        num_attention_heads=2, num_key_value_heads=1, vocab_size=53,
                        attention_bias=True, mlp_bias=True, tie_word_embeddings=False),
 }
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM"}
+                 "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
 # batch, sequence length (T), LoRA rank, alpha per config
 SHAPES = {"gqa_untied": (2, 11, 4, 8.0), "mha_tied": (3, 7, 2, 4.0), "llama3_rope": (2, 16, 4, 6.0),
-          "qwen2": (2, 9, 4, 8.0), "qwen3": (2, 10, 4, 8.0), "llama_bias": (2, 8, 2, 4.0)}
+          "qwen2": (2, 9, 4, 8.0), "qwen3": (2, 10, 4, 8.0), "llama_bias": (2, 8, 2, 4.0), "gemma2": (2, 9, 4, 8.0)}
 
 # fp32 probe vs fp64 reference
 TOL = {"logits": 1e-4, "loss": 1e-5, "grad": 1e-3}
@@ -114,6 +122,9 @@ def write_model(model_dir, config, seed=0):
                 t[p + f"self_attn.{n}.weight"] = g
         t[p + "input_layernorm.weight"] = gamma()
         t[p + "post_attention_layernorm.weight"] = gamma()
+        if cfg.gemma:  # the sandwich norms (stored w; the model scales by 1 + w)
+            t[p + "pre_feedforward_layernorm.weight"] = gamma()
+            t[p + "post_feedforward_layernorm.weight"] = gamma()
     t["model.norm.weight"] = gamma()
     if not cfg.tied:
         t["lm_head.weight"] = normal((cfg.vocab, cfg.dim), 0.1)
