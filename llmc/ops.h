@@ -107,14 +107,15 @@ static void op_embed(const Backend* be, void* x, const void* embed, const int* i
 }
 
 // dE[ids[n]] += dx[n]: the gradient of a trained embedding (fp32 dE on both backends), each row's
-// tokens summed in text order before the add (order: embedding_token_order of the batch).
+// tokens summed in text order before the add (order: embedding_token_order of the batch); row
+// skip_id (>= 0: a padding_idx) gets none.
 static void op_embedding_backward(const Backend* be, float* dE, const void* dx, const int* ids, const int* order,
-                                  int64_t N, int d) {
+                                  int64_t N, int d, int skip_id) {
     PROF_SCOPE(be, "embedding", "bwd", N * (double)d, N * d * ((double)be->abytes + 8.0));
 #ifdef LLMC_HAVE_CUDA
-    if (be->cuda) { embedding_backward_cuda(dE, CB16(dx), ids, order, N, d, be->stream); return; }
+    if (be->cuda) { embedding_backward_cuda(dE, CB16(dx), ids, order, N, d, be->stream, skip_id); return; }
 #endif
-    embedding_backward(dE, CF32(dx), ids, order, N, d);
+    embedding_backward(dE, CF32(dx), ids, order, N, d, skip_id);
 }
 
 // ---- norms -------------------------------------------------------------------------------------

@@ -40,21 +40,21 @@ static void embed_tokens_cuda(bf16* x, const bf16* embed, const int* ids, int64_
 // run and adds it once, so there are no atomics, the sum is deterministic, and a gradient
 // accumulated over micro-batches equals the all-reduce of the ranks' sums bit for bit.
 __global__ void embedding_backward_kernel(float* dE, const bf16* __restrict__ dx, const int* __restrict__ ids,
-                                          const int* __restrict__ order, int64_t N, int d) {
+                                          const int* __restrict__ order, int64_t N, int d, int skip_id) {
     for (int64_t idx = thread_index_1d(); idx < N * d; idx += grid_stride_1d()) {
         int64_t g = idx / d;
         int i = (int)(idx % d);
         int v = ids[order[g]];
-        if (g > 0 && ids[order[g - 1]] == v) continue;
+        if ((g > 0 && ids[order[g - 1]] == v) || v == skip_id) continue;  // skip_id: padding_idx, no gradient
         float s = 0.0f;
         for (int64_t e = g; e < N && ids[order[e]] == v; e++) s += bf2f(dx[(int64_t)order[e] * d + i]);
         dE[(int64_t)v * d + i] += s;
     }
 }
 static void embedding_backward_cuda(float* dE, const bf16* dx, const int* ids, const int* order, int64_t N, int d,
-                                    cudaStream_t stream) {
+                                    cudaStream_t stream, int skip_id = -1) {
     if (d == 0 || N == 0) return;
-    launch_kernel(grid_for(N * d, 256), 256, 0, stream, embedding_backward_kernel, dE, dx, ids, order, N, d);
+    launch_kernel(grid_for(N * d, 256), 256, 0, stream, embedding_backward_kernel, dE, dx, ids, order, N, d, skip_id);
 }
 
 // ---- residual add and bias -------------------------------------------------------------------

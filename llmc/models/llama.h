@@ -600,7 +600,7 @@ static LossStats llama_forward_backward(Llama* m, int B, int T, float grad_scale
     llama_backward_blocks(m, B, T);
     if (m->w.dembed && m->w.embed_scale) op_scale_columns(m->be, sc->dres, sc->dres, m->w.embed_scale, N, c->dim);
     if (m->w.dembed)
-        op_embedding_backward(m->be, m->w.dembed, sc->dres, m->io.inputs, m->io.embed_order, N,
-                              c->dim);  // dres: d loss / d embeddings
+        op_embedding_backward(m->be, m->w.dembed, sc->dres, m->io.inputs, m->io.embed_order, N, c->dim,
+                              c->pad_skip);  // dres: d loss / d embeddings
     return st;
 }

@@ -48,6 +48,8 @@ typedef struct {
                                            // 1 + w), embeddings by embed_scale, GeGLU (tanh GELU), sandwich norms
     float rope_local_theta;                // Gemma 3: the RoPE base of the sliding (local) layers (0: rope_theta)
     float rope_linear;                     // linear RoPE scaling: positions divided by this (0: none)
+    int pad_skip;                          // Gemma: pad_token_id, the embedding row transformers' padding_idx
+                                           // leaves without a gradient (--full); -1: none
 } LlamaConfig;
 
 // The window layer l attends over: 0 for every position before it, else the last W positions.
@@ -161,6 +163,14 @@ static void llama_config_rope_scaling(LlamaConfig* c, const Json* j, const char*
              c->rs_low_freq);
 }
 
+// bos/eos ids: the number when it is one an int holds (a cast of 1e12 would be undefined), else
+// the default (also for a list, as Llama-3.1's eos is).
+static int llama_token_id_or(const Json* j, const char* key, int dflt) {
+    const Json* v = json_get(j, key);
+    if (!v || v->type != JSON_NUMBER || !(v->number >= 0 && v->number < 2147483647.0)) return dflt;
+    return (int)v->number;
+}
+
 // The sliding window and the layers it applies to (layer_sliding), as transformers decides them:
 // Mistral windows every layer (sliding_window null: none); Qwen2 and Qwen3 window the layers at
 // index >= max_window_layers when use_sliding_window is true; an explicit layer_types list names
@@ -242,6 +252,8 @@ static void llama_config_gemma(LlamaConfig* c, const Json* j, const char* path) 
         c->rope_local_theta = json_positive_float(json_number_opt(j, "rope_local_base_freq", path, 10000.0),
                                                   "rope_local_base_freq", path);
     c->qk_norm = g3;
+    const Json* pad = json_get(j, "pad_token_id");  // both configs' default 0; null: no padding_idx
+    c->pad_skip = pad && pad->type == JSON_NULL ? -1 : llama_token_id_or(j, "pad_token_id", 0);
 }
 
 // Values of known keys that the trainer does not implement, refused.
@@ -258,14 +270,6 @@ static void llama_config_refusals(const LlamaConfig* c, const Json* j, const cha
              json_number_or(j, "attention_dropout", 0.0));
     const Json* ph = json_get(j, "pruned_heads");
     if (ph && ph->type != JSON_NULL && ph->count > 0) fail("%s: pruned_heads is not supported", path);
-}
-
-// bos/eos ids: the number when it is one an int holds (a cast of 1e12 would be undefined), else
-// the default (also for a list, as Llama-3.1's eos is).
-static int llama_token_id_or(const Json* j, const char* key, int dflt) {
-    const Json* v = json_get(j, key);
-    if (!v || v->type != JSON_NUMBER || !(v->number >= 0 && v->number < 2147483647.0)) return dflt;
-    return (int)v->number;
 }
 
 // Sizes. Ranges: every real model lies well inside (Llama-3.1-405B: hidden 16384, intermediate
@@ -328,6 +332,7 @@ static void llama_config_load(LlamaConfig* c, const char* model_dir) {
     if (c->mlp_bias && strcmp(c->family, "llama") != 0)
         fail("%s: mlp_bias is a llama key, not a %s one", path, c->family);
     c->qk_norm = qwen3;
+    c->pad_skip = -1;  // (LLaMA, Qwen: see llama_config_gemma)
     llama_config_gemma(c, &j, path);
     json_free(&j);
     free(text);

@@ -154,6 +154,8 @@ class LlamaConfig:
         self.head_dim = int(d.get("head_dim") or (256 if self.gemma else self.dim // self.n_heads))
         self.final_softcap = d.get("final_logit_softcapping", 30.0 if self.model_type == "gemma2" else None)
         self.attn_scale = float(d.get("query_pre_attn_scalar", self.head_dim)) ** -0.5
+        # nn.Embedding's padding_idx (Gemma's pad_token_id, default 0): its row gets no gradient from the lookup
+        self.pad_id = d.get("pad_token_id", 0) if self.gemma else None
         if gemma3 and "rope_theta" not in d:
             self.rope_theta = 1000000.0
         self.rope_local_theta = float(d.get("rope_local_base_freq", 10000.0)) if gemma3 else None
@@ -399,6 +401,8 @@ def forward(model, tokens, lora, scale, act="exact", norm="std", stats=None, wei
     hd = c.head_dim
     cos, sin = rope_cos_sin(c, T, model.dtype)
     x = w["embed"][tokens]
+    if c.pad_id is not None:
+        x = torch.where((tokens == c.pad_id)[..., None], w["embed"].detach()[tokens], x)
     if c.gemma:  # sqrt(hidden) in the checkpoint's dtype: float32 here (the tests' checkpoints are F32)
         x = x * float(np.float32(math.sqrt(c.dim)))
     gates = []

@@ -1,0 +1,136 @@
+"""Gemma 2 (issue 36) beyond test_llama_model.py's every-mode comparison of the probe with the
+reference (its "gemma2" config): the reference itself against transformers' own
+Gemma2ForCausalLM (build/hfvenv: logits, loss and the gradient of every parameter), --full with
+the sandwich norms training, and what each Gemma addition changes (so that a trainer ignoring one
+fails the comparisons).
+
+Run: /usr/bin/python3 -m pytest -q test/model/test_gemma_model.py (build/test/llama_probe built first)."""
+import functools
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import llama_cases as lc  # noqa: E402
+
+ref = lc.ref
+torch.set_num_threads(1)
+HF_PYTHON = os.environ.get("HF_PYTHON", os.path.join(lc.REPO, "build", "hfvenv", "bin", "python"))
+HF_RUN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hf_gemma_run.py")
+NAME = "gemma2"
+
+
+@functools.lru_cache(maxsize=None)
+def gemma_setup(root):
+    d = os.path.join(root, NAME)
+    lc.write_model(d, lc.model_config(NAME), seed=1)
+    model = ref.LlamaModel.load(d)
+    B, T, rank, alpha = lc.SHAPES[NAME]
+    case, _, _ = lc.make_safe_case(model, B, T, rank, alpha, seed=7)
+    path = os.path.join(root, NAME + ".case.safetensors")
+    lc.st_io.save(path, case)
+    return d, model, case, path
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("gemma_model"))
+
+
+def hf_run(model_dir, case, tmp):
+    if not os.path.isfile(HF_PYTHON):
+        pytest.fail(f"{HF_PYTHON} missing: scripts/ci/install_deps.sh makes it")
+    case_npz, out = os.path.join(tmp, "case.npz"), os.path.join(tmp, "hf.npz")
+    np.savez(case_npz, tokens=case["tokens"], mask=case["mask"])
+    p = subprocess.run([HF_PYTHON, HF_RUN, model_dir, case_npz, out], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return dict(np.load(out))
+
+
+# transformers' name of each reference gradient (reference_llama.run_case, full=True, norm std)
+def hf_name(key, c):
+    if key == "grad.embed":
+        return "grad.model.embed_tokens.weight"
+    if key == "grad.final_norm":
+        return "grad.model.norm.weight"
+    _, l, rest = key.split(".", 2)
+    norms = {"attn_norm": "input_layernorm", "mlp_norm": "pre_feedforward_layernorm",
+             "post_attn_norm": "post_attention_layernorm", "post_mlp_norm": "post_feedforward_layernorm"}
+    if rest in norms:
+        return f"grad.model.layers.{l}.{norms[rest]}.weight"
+    return f"grad.model.layers.{l}.{ref._MODULE_OF[rest[:-2]]}.weight"
+
+
+def test_reference_equals_transformers_gemma2(root, tmp_path):
+    """The oracle against the definition: transformers' Gemma2ForCausalLM in float64 gives the
+    reference's logits, loss and every parameter's gradient. transformers' Gemma RMSNorm and
+    rotary tables compute in float32 whatever the model's dtype (x.float(), 1 + w.float(), an
+    fp32 inv_freq), so the two agree to float32 rounding carried through two blocks, not to
+    float64's: 1e-5 relative to the largest value (the measured worst is printed)."""
+    d, model, case, _ = gemma_setup(root)
+    want = ref.run_case(model, case, "exact", "std", full=True)
+    got = hf_run(d, case, str(tmp_path))
+    names = [k for k in want if k.startswith("grad.")] + ["logits", "loss"]
+    assert len(names) == 1 + 1 + 7 * 2 + 4 * 2 + 2  # embed, final norm, linears, block norms, logits, loss
+    worst = (0.0, "")
+    for k in names:
+        h = got[k if k in ("logits", "loss") else hf_name(k, model.cfg)]
+        w = want[k]
+        assert h.shape == w.shape, k
+        worst = max(worst, (float(np.abs(h - w).max() / np.abs(w).max()), k))
+    print(f"reference vs transformers Gemma2ForCausalLM: worst {worst[0]:.2e} ({worst[1]})")
+    assert worst[0] < 1e-5, worst
+
+
+def test_gemma_additions_matter(root):
+    """Each Gemma addition moves the reference's logits far beyond the probe's tolerance
+    (llama_cases.TOL, 1e-4): without the soft-cap, without the post norms, with w instead of 1 + w,
+    with SiLU for the tanh GELU, without the embedding scale."""
+    d, model, case, _ = gemma_setup(root)
+    tokens = torch.from_numpy(case["tokens"][:, :-1].astype(np.int64))
+    base = ref.forward(model, tokens, {}, 1.0).detach()
+    c = model.cfg
+
+    def moved(logits):
+        return float((logits.detach() - base).abs().max() / base.abs().max())
+
+    saved = c.final_softcap
+    c.final_softcap = None
+    assert moved(ref.forward(model, tokens, {}, 1.0)) > 1e-2
+    c.final_softcap = saved
+    w = dict(model.w)
+    for k in w:
+        if "post_" in k:
+            w[k] = None  # rmsnorm without gamma
+    assert moved(ref.forward(model, tokens, {}, 1.0, weights=w)) > 1e-2
+    w = {k: (v - 1.0 if k.endswith("norm") and v is not None else v) for k, v in model.w.items()}
+    assert moved(ref.forward(model, tokens, {}, 1.0, weights=w)) > 1e-2
+    c.gemma = False  # SiLU MLP, no embedding scale, and no post norms
+    try:
+        assert moved(ref.forward(model, tokens, {}, 1.0)) > 1e-2
+    finally:
+        c.gemma = True
+
+
+@pytest.mark.parametrize("mode", [("exact", "std", "none"), ("approx", "ms", "none"), ("approx", "ms", "block")],
+                         ids=["baseline", "lowmem", "lowmem-recompute"])
+def test_probe_full_finetuning_gemma2(root, mode):
+    """--full: every linear, the embedding (tied head), the final norm, the block norms (standard
+    norms) and the sandwich post norms (every mode) against the reference."""
+    act, norm, recompute = mode
+    d, model, case, path = gemma_setup(root)
+    B, T, rank, alpha = lc.SHAPES[NAME]
+    want = ref.run_case(model, case, act, norm, rank, alpha, full=True)
+    assert sum("post_" in k for k in want) == 2 * model.cfg.n_layers
+    out = os.path.join(root, f"full.{act}.{norm}.{recompute}.out.safetensors")
+    cmd = [lc.probe_path(), "--model", d, "--case", path, "--out-file", out, "--act", act, "--norm", norm,
+           "--recompute", recompute, "--full"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    got = lc.st_io.load(out)
+    assert set(k for k in want if k.startswith("grad.")) <= set(got)
+    lc.check_errors(lc.compare(want, got), f"full gemma2 {act} {norm} {recompute}")
