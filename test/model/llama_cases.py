@@ -101,8 +101,10 @@ def write_model(model_dir, config, seed=0):
     def normal(shape, std):
         return (std * rng.standard_normal(shape)).astype(np.float32)
 
+    off = 1.0 if cfg.gemma else 0.0  # Gemma stores w and scales by 1 + w: the same gammas 1 + 0.3 N(0, 1)
+
     def gamma():
-        return (1.0 + 0.3 * rng.standard_normal(cfg.dim)).astype(np.float32)
+        return (1.0 - off + 0.3 * rng.standard_normal(cfg.dim)).astype(np.float32)
 
     t = {"model.embed_tokens.weight": normal((cfg.vocab, cfg.dim), 0.2)}
     for l in range(cfg.n_layers):
@@ -122,7 +124,7 @@ def write_model(model_dir, config, seed=0):
                 t[p + f"self_attn.{n}.weight"] = g
         t[p + "input_layernorm.weight"] = gamma()
         t[p + "post_attention_layernorm.weight"] = gamma()
-        if cfg.gemma:  # the sandwich norms (stored w; the model scales by 1 + w)
+        if cfg.gemma:  # the sandwich norms
             t[p + "pre_feedforward_layernorm.weight"] = gamma()
             t[p + "post_feedforward_layernorm.weight"] = gamma()
     t["model.norm.weight"] = gamma()
