@@ -215,6 +215,19 @@ typedef struct {
     int len, cap;
 } KVCache;
 
+// The RoPE tables [T, hd/2] of a block: Gemma 3's local (sliding) layers have their own base.
+typedef struct {
+    const float *cos, *sin;
+} RopeTables;
+static RopeTables llama_rope_of(const Llama* m, const LlamaLayer* layer) {
+    RopeTables r = {m->w.rope_cos, m->w.rope_sin};
+    if (m->w.rope_local_cos && m->cfg.layer_sliding[layer - m->w.layers]) {
+        r.cos = m->w.rope_local_cos;
+        r.sin = m->w.rope_local_sin;
+    }
+    return r;
+}
+
 // q (t = T_Q) or k (T_K) of a block into a->q / a->k: the projection of z1, Qwen3's RMSNorm over
 // each head, then RoPE. Under MS norms the norm's output z is what the block keeps and the rotated
 // q, k are built from it (llama_qk_norm_ms), here and again, identically, in backward.
@@ -238,7 +251,8 @@ static void llama_qk_forward(Llama* m, const LlamaLayer* layer, BlockActs* a, in
             op_rmsnorm_forward(be, y, r, pre, gamma, N * heads, c->head_dim, c->norm_eps);
         }
     }
-    op_rope(be, y, m->w.rope_cos, m->w.rope_sin, m->io.pos, N, T, heads, c->head_dim, ROPE_FORWARD);
+    RopeTables rt = llama_rope_of(m, layer);
+    op_rope(be, y, rt.cos, rt.sin, m->io.pos, N, T, heads, c->head_dim, ROPE_FORWARD);
 }
 
 // The MLP buffers' rows from token t0 on: a kept buffer's (whole sequence) from row t0, one of the
@@ -452,7 +466,8 @@ static void llama_qk_rebuild(Llama* m, const LlamaLayer* layer, BlockActs* a, in
     int is_q = t == T_Q, heads = is_q ? c->heads : c->kv_heads;
     void* y = is_q ? a->q : a->k;
     op_scale_columns(m->be, y, is_q ? a->qz : a->kz, is_q ? layer->q_norm : layer->k_norm, N * heads, c->head_dim);
-    op_rope(m->be, y, m->w.rope_cos, m->w.rope_sin, m->io.pos, N, T, heads, c->head_dim, ROPE_FORWARD);
+    RopeTables rt = llama_rope_of(m, layer);
+    op_rope(m->be, y, rt.cos, rt.sin, m->io.pos, N, T, heads, c->head_dim, ROPE_FORWARD);
 }
 
 // The gradient w.r.t. the q (t = T_Q) or k (T_K) projection's output, from dy, the gradient w.r.t.
@@ -531,8 +546,9 @@ static void block_backward(Llama* m, int l, BlockActs* a, const Recomputed* rc, 
         llama_qk_rebuild(m, layer, a, T_K, N, T);
     }
     llama_attention_backward(m, a, B, T);
-    op_rope(be, sc->dq, m->w.rope_cos, m->w.rope_sin, m->io.pos, N, T, c->heads, c->head_dim, ROPE_INVERSE);
-    op_rope(be, sc->dk, m->w.rope_cos, m->w.rope_sin, m->io.pos, N, T, c->kv_heads, c->head_dim, ROPE_INVERSE);
+    RopeTables rt = llama_rope_of(m, layer);
+    op_rope(be, sc->dq, rt.cos, rt.sin, m->io.pos, N, T, c->heads, c->head_dim, ROPE_INVERSE);
+    op_rope(be, sc->dk, rt.cos, rt.sin, m->io.pos, N, T, c->kv_heads, c->head_dim, ROPE_INVERSE);
     op_linear_backward(be, sc->dz, llama_qk_norm_backward(m, layer, a, T_Q, sc->dq, N), a->z1, a->ax[T_Q],
                        &layer->lin[T_Q], sc->dax, N, r, s, OUT_WRITE);
     op_linear_backward(be, sc->dz, llama_qk_norm_backward(m, layer, a, T_K, sc->dk, N), a->z1, a->ax[T_K],

@@ -260,16 +260,22 @@ static void llama_random_weights(Llama* m, uint64_t seed) {
     if (m->modes.full) trainable_to_device(&m->w.tr);
 }
 
-// RoPE tables, with the Llama-3.1 wavelength-dependent frequency scaling when configured.
-static void llama_rope_tables(Llama* m) {
+// Which RoPE table: the model's, or Gemma 3's local layers' (their own base, no scaling).
+typedef enum { ROPE_GLOBAL, ROPE_LOCAL } RopeKind;
+
+// One RoPE table pair (cos, sin [T, hd/2]) to the backend: the Llama-3.1 wavelength-dependent
+// frequency scaling or Gemma 3's linear scaling when configured (the global table only).
+static void llama_rope_table(Llama* m, RopeKind kind, float* dev_cos, float* dev_sin) {
     const LlamaConfig* c = &m->cfg;
     int half = c->head_dim / 2;
     int T = m->sp.T;  // every position of the whole sequence (a sequence-parallel rank's slice starts past 0)
     float* cs = (float*)xmalloc(sizeof(float) * 2 * T * half);
     float* sn = cs + (int64_t)T * half;
+    double theta = kind == ROPE_LOCAL ? c->rope_local_theta : c->rope_theta;
     for (int i = 0; i < half; i++) {
-        double inv = pow((double)c->rope_theta, -2.0 * i / c->head_dim);
-        if (c->rope_llama3) {
+        double inv = pow(theta, -2.0 * i / c->head_dim);
+        if (kind == ROPE_GLOBAL && c->rope_linear > 0.0f) inv /= c->rope_linear;
+        if (kind == ROPE_GLOBAL && c->rope_llama3) {
             double wavelen = 2.0 * M_PI / inv;
             double low_wl = c->rs_original_ctx / c->rs_low_freq, high_wl = c->rs_original_ctx / c->rs_high_freq;
             if (wavelen > low_wl) inv /= c->rs_factor;
@@ -283,9 +289,14 @@ static void llama_rope_tables(Llama* m) {
             sn[(int64_t)t * half + i] = (float)sin(t * inv);
         }
     }
-    backend_upload(m->be, m->w.rope_cos, cs, sizeof(float) * T * half);
-    backend_upload(m->be, m->w.rope_sin, sn, sizeof(float) * T * half);
+    backend_upload(m->be, dev_cos, cs, sizeof(float) * T * half);
+    backend_upload(m->be, dev_sin, sn, sizeof(float) * T * half);
     free(cs);
+}
+
+static void llama_rope_tables(Llama* m) {
+    llama_rope_table(m, ROPE_GLOBAL, m->w.rope_cos, m->w.rope_sin);
+    if (m->w.rope_local_cos) llama_rope_table(m, ROPE_LOCAL, m->w.rope_local_cos, m->w.rope_local_sin);
 }
 
 // Fresh adapters: A ~ kaiming-uniform (bound 1/sqrt(in), as PEFT), B = 0, so step 0 is exactly

@@ -310,6 +310,10 @@ static void llama_plan(Llama* m, MemPlan* p) {
     int64_t rope_bytes = (int64_t)m->sp.T * (c->head_dim / 2) * 4;  // [T, hd/2] fp32: 2 GiB at 8M positions
     plan_add(p, MEM_SCRATCH, "rope", -1, "rope_cos", rope_bytes, &m->w.rope_cos);
     plan_add(p, MEM_SCRATCH, "rope", -1, "rope_sin", rope_bytes, &m->w.rope_sin);
+    if (c->rope_local_theta > 0.0f) {  // Gemma 3's local layers: their own base
+        plan_add(p, MEM_SCRATCH, "rope", -1, "rope_local_cos", rope_bytes, &m->w.rope_local_cos);
+        plan_add(p, MEM_SCRATCH, "rope", -1, "rope_local_sin", rope_bytes, &m->w.rope_local_sin);
+    }
     for (int l = 0; l < c->layers; l++) llama_plan_block(m, p, l);
     llama_plan_scratch(m, p);
 }

@@ -25,13 +25,13 @@ NAME = "gemma2"
 
 
 @functools.lru_cache(maxsize=None)
-def gemma_setup(root):
-    d = os.path.join(root, NAME)
-    lc.write_model(d, lc.model_config(NAME), seed=1)
+def gemma_setup(root, name=NAME):
+    d = os.path.join(root, name)
+    lc.write_model(d, lc.model_config(name), seed=1)
     model = ref.LlamaModel.load(d)
-    B, T, rank, alpha = lc.SHAPES[NAME]
+    B, T, rank, alpha = lc.SHAPES[name]
     case, _, _ = lc.make_safe_case(model, B, T, rank, alpha, seed=7)
-    path = os.path.join(root, NAME + ".case.safetensors")
+    path = os.path.join(root, name + ".case.safetensors")
     lc.st_io.save(path, case)
     return d, model, case, path
 
@@ -118,19 +118,43 @@ def test_gemma_additions_matter(root):
 
 @pytest.mark.parametrize("mode", [("exact", "std", "none"), ("approx", "ms", "none"), ("approx", "ms", "block")],
                          ids=["baseline", "lowmem", "lowmem-recompute"])
-def test_probe_full_finetuning_gemma2(root, mode):
+@pytest.mark.parametrize("name", ["gemma2", "gemma3"])
+def test_probe_full_finetuning_gemma(root, name, mode):
     """--full: every linear, the embedding (tied head), the final norm, the block norms (standard
-    norms) and the sandwich post norms (every mode) against the reference."""
+    norms), the sandwich post norms (every mode) and Gemma 3's q/k norms against the reference."""
     act, norm, recompute = mode
-    d, model, case, path = gemma_setup(root)
-    B, T, rank, alpha = lc.SHAPES[NAME]
+    d, model, case, path = gemma_setup(root, name)
+    B, T, rank, alpha = lc.SHAPES[name]
     want = ref.run_case(model, case, act, norm, rank, alpha, full=True)
     assert sum("post_" in k for k in want) == 2 * model.cfg.n_layers
-    out = os.path.join(root, f"full.{act}.{norm}.{recompute}.out.safetensors")
+    out = os.path.join(root, f"full.{name}.{act}.{norm}.{recompute}.out.safetensors")
     cmd = [lc.probe_path(), "--model", d, "--case", path, "--out-file", out, "--act", act, "--norm", norm,
            "--recompute", recompute, "--full"]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr
     got = lc.st_io.load(out)
     assert set(k for k in want if k.startswith("grad.")) <= set(got)
-    lc.check_errors(lc.compare(want, got), f"full gemma2 {act} {norm} {recompute}")
+    lc.check_errors(lc.compare(want, got), f"full {name} {act} {norm} {recompute}")
+
+
+def test_gemma3_additions_matter(root):
+    """Gemma 3's own parts each move the reference's logits beyond the tolerance: the local layers'
+    RoPE base (all layers global instead), the global layer's linear RoPE scaling, the q/k norms'
+    1 + w (w instead)."""
+    d, model, case, _ = gemma_setup(root, "gemma3")
+    tokens = torch.from_numpy(case["tokens"][:, :-1].astype(np.int64))
+    c = model.cfg
+    assert c.local == [True, True, False] and c.qk_norm
+    base = ref.forward(model, tokens, {}, 1.0).detach()
+
+    def moved(logits):
+        return float((logits.detach() - base).abs().max() / base.abs().max())
+
+    c.local = [False] * 3
+    assert moved(ref.forward(model, tokens, {}, 1.0)) > 1e-3
+    c.local = [True, True, False]
+    scaling, c.rope_scaling = c.rope_scaling, None
+    assert moved(ref.forward(model, tokens, {}, 1.0)) > 1e-3
+    c.rope_scaling = scaling
+    w = {k: (v - 1.0 if k.endswith("q_norm") or k.endswith("k_norm") else v) for k, v in model.w.items()}
+    assert moved(ref.forward(model, tokens, {}, 1.0, weights=w)) > 1e-2

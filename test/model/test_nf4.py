@@ -165,7 +165,7 @@ def test_cuda_nf4_model_matches_reference_on_dequantized_weights(setup, mode):
     check_cuda_nf4(setup, mode)
 
 
-FAMILIES = ["qwen2", "qwen3", "llama_bias", "gemma2"]
+FAMILIES = ["qwen2", "qwen3", "llama_bias", "gemma2", "gemma3"]
 FAMILY_MODES = [MODES[0], MODES[3], MODES[5]]
 
 
