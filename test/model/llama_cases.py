@@ -54,12 +54,13 @@ CONFIGS = {
                   attention_bias=False),
     # Gemma 2: head_dim 16 apart from hidden / heads, GQA, tied (the family's default), sandwich
     # norms, soft-capped logits (a cap of 2 bites on these logits), query_pre_attn_scalar = head_dim;
-    # attention soft-capping off and the window beyond the sequence until attention implements them
+    # attention soft-capping off and the window (256 = max_position_embeddings) beyond any sequence here until
+    # attention implements them
     "gemma2": dict(model_type="gemma2", hidden_size=48, intermediate_size=88, num_hidden_layers=2,
                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=71,
                    rms_norm_eps=1e-6, rope_theta=10000.0, hidden_activation="gelu_pytorch_tanh",
                    query_pre_attn_scalar=16, final_logit_softcapping=2.0, attn_logit_softcapping=None,
-                   sliding_window=64),
+                   sliding_window=256),
     # Gemma 3 text: Gemma 2's without soft-capping, q/k norms (1 + w), local layers 0 and 1 (RoPE base
     # 10000) and a global layer 2 (base 1e6, linear scaling by 4)
     "gemma3": dict(model_type="gemma3_text", hidden_size=48, intermediate_size=72, num_hidden_layers=3,
@@ -67,7 +68,7 @@ CONFIGS = {
                    rms_norm_eps=1e-6, rope_theta=1000000.0, rope_local_base_freq=10000.0,
                    rope_scaling={"rope_type": "linear", "factor": 4.0}, sliding_window_pattern=3,
                    hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=16,
-                   final_logit_softcapping=None, attn_logit_softcapping=None, sliding_window=64),
+                   final_logit_softcapping=None, attn_logit_softcapping=None, sliding_window=256),
     # LLaMA with every bias: attention_bias (q, k, v, o) and mlp_bias (gate, up, down)
     "llama_bias": dict(hidden_size=32, intermediate_size=56, num_hidden_layers=2,
                        num_attention_heads=2, num_key_value_heads=1, vocab_size=53,

@@ -21,7 +21,7 @@ import st_io
 from test_llama_train import BIN, ENV, REPO, losses, run
 from test_llama_system import mpirun
 
-FAMILIES = ["qwen2", "qwen3"]
+FAMILIES = ["qwen2", "qwen3", "gemma2", "gemma3"]
 
 
 def family_model(root, name, vocab=None):
@@ -50,7 +50,7 @@ def saved(dir_, full):
 @pytest.mark.parametrize("name", FAMILIES)
 def test_resume_equals_a_straight_run(tmp_path, name, full):
     """4 steps straight against a run stopped (and saved) at step 2, then resumed to 4: the same bits. Under --full the
-    saved model holds the trained biases and q/k norms, and the state their AdamW moments."""
+    saved model holds the trained biases, q/k norms and Gemma's sandwich norms, and the state their AdamW moments."""
     model, data = family_model(tmp_path, name)
     flags = ["--mode", "lowmem", "--batch", 2, "--save-every", 2] + (["--full", "--lr", 1e-3] if full else [])
     straight = run(args(model, data, *flags, "--steps", 4, "--out", tmp_path / "straight"))
@@ -61,7 +61,7 @@ def test_resume_equals_a_straight_run(tmp_path, name, full):
     a, b = saved(tmp_path / "straight", full), saved(tmp_path / "resumed", full)
     assert a.keys() == b.keys()
     if full:  # the families' own tensors are in the trained model, and they moved
-        extra = [k for k in a if k.endswith(".bias") or "q_norm" in k or "k_norm" in k]
+        extra = [k for k in a if k.endswith(".bias") or "q_norm" in k or "k_norm" in k or "feedforward_layernorm" in k]
         assert extra, sorted(a)
         base = st_io.load(str(model / "model.safetensors"))
         assert any(not np.array_equal(a[k], base[k]) for k in extra)
