@@ -334,7 +334,8 @@ static void llama_mlp_forward_tile(Llama* m, const LlamaLayer* layer, void* x, B
     } else {
         op_swiglu_forward(be, t->p, t->sg, m->modes.approx ? t->codes : NULL, t->g, t->u, n * c->hidden);
     }
-    llama_branch_forward(m, x, t->p, &layer->lin[T_DOWN], t->ax[T_DOWN], t->ym, t->rm, layer->post_mlp_norm, t->post, n);
+    llama_branch_forward(m, x, t->p, &layer->lin[T_DOWN], t->ax[T_DOWN], t->ym, t->rm, layer->post_mlp_norm, t->post,
+                         n);
 }
 
 // The MLP's backward over n tokens: dy [n, d], their rows of m->scratch.dres (the gradient w.r.t. the
@@ -349,7 +350,8 @@ static void llama_mlp_backward_tile(Llama* m, const LlamaLayer* layer, BlockActs
     const Linear *gate = &layer->lin[T_GATE], *up = &layer->lin[T_UP], *down = &layer->lin[T_DOWN];
     if (m->modes.recompute_product && (down->A || down->dW))  // beyond the paper: rebuild the down input
         op_mul(be, t->p, t->sg, t->u, nf);
-    const void* dyb = llama_branch_backward(m, dy, t->ym, t->rm, layer->post_mlp_norm, layer->dpost_mlp_norm, t->post, n);
+    const void* dyb =
+        llama_branch_backward(m, dy, t->ym, t->rm, layer->post_mlp_norm, layer->dpost_mlp_norm, t->post, n);
     op_linear_backward(be, sc->dp, dyb, t->p, t->ax[T_DOWN], down, sc->dax, n, r, s, OUT_WRITE);
     if (m->cfg.gemma) {  // GeGLU: du = dp gelu(g), dg = dp u gelu'(g) (exact from g, or ReGELU2's level of its code)
         op_mul(be, sc->du, sc->dp, t->sg, nf);

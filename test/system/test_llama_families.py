@@ -8,6 +8,7 @@ Each check compares the trainer with itself along a path that must not change th
 run against a straight one, 2 ranks against 1 process accumulating the same micro-batches
 (test_llama_system.py explains why those are bit-identical), generation with the key/value cache
 against recomputing the window."""
+import json
 import os
 import shutil
 import subprocess
@@ -95,3 +96,29 @@ def test_generation_kv_cache_equals_recomputing_the_window(tmp_path, name, mode)
         texts.append(p.stdout[p.stdout.index(b"Once upon a time"):])
     assert texts[0] == texts[1]
     assert len(texts[0]) > len("Once upon a time") + 20, texts[0]
+
+
+def test_gemma2_9b_plan_and_refusals(tmp_path):
+    """Gemma 2 9B's config (test/fixtures/gemma2_9b, with attention soft-capping turned off): lowmem's
+    plan keeps 4d + 1.75f bytes less per token per block than the baseline's (on CUDA: MS norms drop
+    the attention norm's and the MLP norm's bf16 input, 2d each; ReGELU2 keeps 2-bit codes of the gate
+    instead of its bf16 values, 2f - f/4), the sandwich post norms are standard in both. As the
+    checkpoint ships (attn_logit_softcapping 50), the config is refused in one line."""
+    fixture = os.path.join(REPO, "test", "fixtures", "gemma2_9b")
+    with open(os.path.join(fixture, "config.json")) as f:
+        cfg = json.load(f)
+    d, f_, layers, N = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"], 4096
+    act = {}
+    for mode in ("baseline", "lowmem"):
+        p = run(["--model", fixture, "--dry-run", "--device", "cuda", "--batch", 1, "--seq", N, "--lora-rank", 16,
+                 "--mode", mode, "--json"])
+        act[mode] = json.loads(p.stdout)["activation_bytes"]
+    assert act["baseline"] - act["lowmem"] == (4 * d + 1.75 * f_) * N * layers
+    print(f"Gemma 2 9B activations per token per block: {act['baseline'] / N / layers:.0f} -> "
+          f"{act['lowmem'] / N / layers:.0f} bytes ({1 - act['lowmem'] / act['baseline']:.1%} less)")
+    (tmp_path / "m").mkdir()
+    with open(tmp_path / "m" / "config.json", "w") as f:
+        json.dump(dict(cfg, attn_logit_softcapping=50.0), f)
+    p = subprocess.run([BIN, "--model", str(tmp_path / "m"), "--dry-run", "--seq", "128"], capture_output=True, text=True,
+                       env=ENV)
+    assert p.returncode != 0 and p.stderr.count("\n") == 1 and "attn_logit_softcapping 50" in p.stderr, p.stderr
