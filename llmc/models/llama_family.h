@@ -223,7 +223,8 @@ static void llama_config_gemma(LlamaConfig* c, const Json* j, const char* path) 
         const Json* v = json_get(j, keys[k]);
         int g3_only = k >= 4;
         if (v && v->type != JSON_NULL && (!(g2 || g3) || (g2 && g3_only)))
-            fail("%s: \"%s\" is a %s key, not a %s one", path, keys[k], g3_only ? "gemma3_text" : "Gemma", c->family);
+            fail("%s: \"%s\" is a %s key, not a %s one (refused rather than ignored)", path, keys[k],
+                 g3_only ? "gemma3_text" : "Gemma", c->family);
     }
     if (!g2 && !g3) return;
     c->gemma = 1;

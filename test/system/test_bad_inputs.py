@@ -156,6 +156,7 @@ def w(tmp_path_factory):
     ns.pre_dir = model_with(root, "predir", VIT)
     os.makedirs(os.path.join(ns.pre_dir, "preprocessor_config.json"))
     # LLaMA configs without sense
+    GTANH = "gelu_pytorch_tanh"
     cfgs = {
         "eps_neg": setdict(rms_norm_eps=-1), "eps_zero": setdict(rms_norm_eps=0),
         "eps_underflow": setdict(rms_norm_eps=1e-50), "eps_string": setdict(rms_norm_eps="1e-5"),
@@ -166,6 +167,16 @@ def w(tmp_path_factory):
                                          "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
         # issue 23: families, keys and values the trainer does not implement
         "gemma": setdict(model_type="gemma", architectures=["GemmaForCausalLM"], head_dim=16),
+        # issue 36: what train_llama does not implement of Gemma 2 and 3 yet (a hidden_act beside Gemma's
+        # hidden_activation must name the same GELU)
+        "gemma2_attn_softcap": setdict(model_type="gemma2", architectures=["Gemma2ForCausalLM"], head_dim=16,
+                                       hidden_act=GTANH, query_pre_attn_scalar=16),
+        "gemma2_query_scale": setdict(model_type="gemma2", architectures=["Gemma2ForCausalLM"], head_dim=16,
+                                      hidden_act=GTANH, query_pre_attn_scalar=24, attn_logit_softcapping=None),
+        "gemma2_gelu_erf": setdict(model_type="gemma2", architectures=["Gemma2ForCausalLM"], head_dim=16,
+                                   hidden_act=GTANH, query_pre_attn_scalar=16, attn_logit_softcapping=None,
+                                   hidden_activation="gelu"),
+        "gemma3_multimodal": setdict(model_type="gemma3", architectures=["Gemma3ForConditionalGeneration"]),
         "phi3": setdict(model_type="phi3", architectures=["Phi3ForCausalLM"]),
         "mixtral": setdict(model_type="mixtral", architectures=["MixtralForCausalLM"], num_local_experts=8,
                            num_experts_per_tok=2),
@@ -346,6 +357,14 @@ ROWS = {
     # issue 23: every family, key, value and tensor the trainer does not implement, refused by name
     "family_gemma": ("llama", lambda w: (llama_model(w.lcfg["gemma"]), ["config.json", "model_type \"gemma\"", "not supported"])),
     "family_phi3": ("llama", lambda w: (llama_model(w.lcfg["phi3"]), ["config.json", "model_type \"phi3\""])),
+    "gemma2_attention_softcapping": ("llama", lambda w: (llama_model(w.lcfg["gemma2_attn_softcap"]),
+                                                         ["config.json", "attn_logit_softcapping 50", "not supported"])),
+    "gemma2_query_pre_attn_scalar": ("llama", lambda w: (llama_model(w.lcfg["gemma2_query_scale"]),
+                                                         ["config.json", "query_pre_attn_scalar 24", "head_dim 16"])),
+    "gemma2_hidden_activation": ("llama", lambda w: (llama_model(w.lcfg["gemma2_gelu_erf"]),
+                                                     ["config.json", "hidden_activation \"gelu\""])),
+    "gemma3_multimodal": ("llama", lambda w: (llama_model(w.lcfg["gemma3_multimodal"]),
+                                              ["config.json", "model_type \"gemma3\"", "multimodal"])),
     "family_mixtral": ("llama", lambda w: (llama_model(w.lcfg["mixtral"]), ["config.json", "model_type \"mixtral\""])),
     "family_missing": ("llama", lambda w: (llama_model(w.lcfg["no_model_type"]), ["config.json", "no model_type"])),
     "architecture_mismatch": ("llama", lambda w: (llama_model(w.lcfg["arch_mismatch"]),
