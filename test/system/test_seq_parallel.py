@@ -280,3 +280,15 @@ def test_stop_and_resume_equals_one_run(tmp_path):
     with open(out / "log.csv") as f:
         resumed = [float(r["loss"]) for r in csv.DictReader(f) if r["loss"]]
     assert resumed == whole["loss"], (resumed, whole["loss"])
+
+
+def test_gemma2_matches_one_process(tmp_path):
+    """Gemma 2 (sandwich norms, GeGLU, soft-capped logits) at P = 2, in the demo's vocabulary: as one
+    process, within the bounds above. (Gemma 3's q/k norms are refused with --seq-parallel, as Qwen3's.)"""
+    cfg = lc.model_config("gemma2")
+    cfg.update(vocab_size=512)
+    d = tmp_path / "model"
+    lc.write_model(str(d), cfg, seed=5)
+    single = train(tmp_path, "single", 1, 2, TRAIN, model=str(d))
+    split = train(tmp_path, "split", 2, 2, TRAIN, "--seq-parallel", 2, model=str(d))
+    assert_equivalent(single, split)
