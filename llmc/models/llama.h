@@ -1,11 +1,11 @@
-// llama.h: the LLaMA-family model (LLaMA, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3 text), read top to bottom: its config
-// (LlamaConfig, llmc/models/llama_family.h), its parameters with their shapes, the buffers a block
-// keeps for its backward, then the forward (block_forward: attention and the MLP), the backward
-// (block_backward), the LM head and one micro-batch's forward + backward (llama_forward_backward).
-// Trained with the memory-saving backward pass of "Reducing Fine-Tuning Memory Overhead by
-// Approximate and Memory-Sharing Backpropagation": ReSiLU2 (exact SiLU forward, 2-bit backward)
-// and MS-RMSNorm (gamma merged into the next linears; backward from the normalised output and one
-// scalar per row).
+// llama.h: the LLaMA-family model (LLaMA, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3 text), read top to
+// bottom: its config (LlamaConfig, llmc/models/llama_family.h), its parameters with their shapes,
+// the buffers a block keeps for its backward, then the forward (block_forward: attention and the
+// MLP), the backward (block_backward), the LM head and one micro-batch's forward + backward
+// (llama_forward_backward). Trained with the memory-saving backward pass of "Reducing Fine-Tuning
+// Memory Overhead by Approximate and Memory-Sharing Backpropagation": ReSiLU2 (exact SiLU forward,
+// 2-bit backward; Gemma's GeGLU: ReGELU2 on the tanh GELU) and MS-RMSNorm (gamma merged into the
+// next linears; backward from the normalised output and one scalar per row).
 //
 // The model is written once; the operations it calls (llmc/ops.h) run on the backend chosen by
 // --device: the CPU (fp32) or a CUDA GPU (bf16 activations and frozen weights, fp32 statistics,
@@ -96,8 +96,8 @@ typedef struct {
     void* h_mid;           // residual after attention (standard MLP RMSNorm)
     float* r2;
     void* z2;              // MLP norm output = gate, up input
-    void* g;               // gate pre-activation (exact SiLU backward)
-    uint8_t* codes;        // 2-bit ReSiLU2 codes of g
+    void* g;               // gate pre-activation (exact SiLU / GELU backward)
+    uint8_t* codes;        // 2-bit ReSiLU2 codes of g (Gemma's GeGLU: ReGELU2's)
     void *sg, *u;          // silu(g) and up: the product's operands
     void* p;               // silu(g) * u = down input (Gemma: gelu_tanh(g) * u, sg the GELU)
     // Gemma's sandwich norms: the attention's and the MLP's output before its post norm [N, d] and
