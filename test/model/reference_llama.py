@@ -268,6 +268,9 @@ class LlamaModel:
             w["head"] = get("lm_head.weight", (c.vocab, c.dim))
         self.w = w
         self._merged = None
+        # Gemma: sqrt(hidden) in the dtype transformers runs the model in (float32 here; a bf16 model's
+        # is rounded to bf16, as the trainer rounds it to the checkpoint's dtype)
+        self.embed_scale = float(np.float32(math.sqrt(c.dim)))
 
     @classmethod
     def load(cls, model_dir, dtype=torch.float64):
@@ -403,8 +406,8 @@ def forward(model, tokens, lora, scale, act="exact", norm="std", stats=None, wei
     x = w["embed"][tokens]
     if c.pad_id is not None:
         x = torch.where((tokens == c.pad_id)[..., None], w["embed"].detach()[tokens], x)
-    if c.gemma:  # sqrt(hidden) in the checkpoint's dtype: float32 here (the tests' checkpoints are F32)
-        x = x * float(np.float32(math.sqrt(c.dim)))
+    if c.gemma:
+        x = x * model.embed_scale
     gates = []
     for l in range(c.n_layers):
         def lin(t, inp, norm_key=None):

@@ -189,3 +189,25 @@ def test_regelu2_fits_the_tanh_gelu_as_the_erf_gelu():
     assert abs(fit_erf - 0.0095) < 5e-5 and abs(fit_tanh - fit_erf) < 0.01 * fit_erf
     assert relu > 6 * fit_tanh
     assert abs(sq(d_tanh - dh) - sq(d_erf - dh)) < 1e-3 * sq(d_erf - dh)
+
+
+def test_bf16_checkpoint_scales_embeddings_in_bf16(root):
+    """A BF16 checkpoint: transformers running it in bf16 multiplies the embeddings by sqrt(hidden)
+    rounded to bf16 (sqrt(48) = 6.9282 -> 6.9375); the trainer reads the embedding's dtype and does
+    the same on the CPU (fp32 otherwise). The probe matches the reference with the bf16 scale, and
+    not with the fp32 one (0.13 % apart, beyond the 1e-4 tolerance)."""
+    d = os.path.join(root, "gemma2_bf16")
+    lc.write_model(d, lc.model_config(NAME), seed=1)
+    t = lc.st_io.load(os.path.join(d, "model.safetensors"))
+    lc.st_io.save(os.path.join(d, "model.safetensors"), t, metadata={"format": "pt"}, bf16=True)
+    model = ref.LlamaModel.load(d)
+    B, T, rank, alpha = lc.SHAPES[NAME]
+    case = lc.make_case(model.cfg, B, T, rank, seed=3)
+    path = os.path.join(root, "bf16.case.safetensors")
+    lc.st_io.save(path, case)
+    got = lc.run_probe(d, path, os.path.join(root, "bf16.out.safetensors"), "exact", "std", "none", rank, alpha)
+    model.embed_scale = 6.9375
+    lc.check_errors(lc.compare(ref.run_case(model, case, "exact", "std", rank, alpha), got), "gemma2 bf16 checkpoint")
+    model.embed_scale = float(np.float32(np.sqrt(48.0)))
+    fp32_scale = ref.run_case(model, case, "exact", "std", rank, alpha)
+    assert np.abs(fp32_scale["logits"] - got["logits"]).max() > 10 * lc.TOL["logits"] * np.abs(got["logits"]).max()
