@@ -171,8 +171,8 @@ static void llama_plan_block(Llama* m, MemPlan* p, int l) {
     plan_block_act(p, m, l, keep, "attention", "o", N * qd * abytes, &a->o, &s->o);
     plan_block_act(p, m, l, keep, "attention", "lse", N * c->heads * 4, &a->lse, &s->lse);
     if (c->gemma) {  // the post norms' inputs and 1/rms (standard norms: their backward reads the input)
-        plan_block_act(p, m, l, keep, "post_norm", "attn_out", N * d * abytes, &a->ya, &s->ya);
-        plan_block_act(p, m, l, keep, "post_norm", "attn_out_r", N * 4, &a->ra, &s->ra);
+        plan_block_act(p, m, l, keep, "post_norm_std", "attn_out", N * d * abytes, &a->ya, &s->ya);
+        plan_block_act(p, m, l, keep, "post_norm_std", "attn_out_r", N * 4, &a->ra, &s->ra);
     }
     int64_t tile = m->mlp_tile, rows = keep ? N : tile;  // rows of the MLP's kept (N) or shared (tile) buffers
     for (int t = 0; t < N_TARGETS; t++) {
@@ -185,16 +185,17 @@ static void llama_plan_block(Llama* m, MemPlan* p, int l) {
     if (!md->ms) plan_block_act(p, m, l, keep, "mlp_norm", "h_mid", rows * d * abytes, &a->h_mid, &s->h_mid);
     plan_block_act(p, m, l, keep, "mlp_norm", "r2", rows * 4, &a->r2, &s->r2);
     plan_block_act(p, m, l, keep_z2, "gate_up_input", "z2", (keep_z2 ? N : tile) * d * abytes, &a->z2, &s->z2);
-    if (!md->approx) plan_block_act(p, m, l, keep, "silu", "g", rows * f * abytes, &a->g, &s->g);
+    const char *act = c->gemma ? "gelu" : "silu", *prod = c->gemma ? "geglu_product" : "swiglu_product";
+    if (!md->approx) plan_block_act(p, m, l, keep, act, "g", rows * f * abytes, &a->g, &s->g);
     if (md->approx)
-        plan_block_act(p, m, l, keep, "silu", "codes", (size_t)packed_codes_bytes(rows * f), &a->codes, &s->codes);
-    plan_block_act(p, m, l, keep, "swiglu_product", "silu_g", rows * f * abytes, &a->sg, &s->sg);
-    plan_block_act(p, m, l, keep, "swiglu_product", "up", rows * f * abytes, &a->u, &s->u);
+        plan_block_act(p, m, l, keep, act, "codes", (size_t)packed_codes_bytes(rows * f), &a->codes, &s->codes);
+    plan_block_act(p, m, l, keep, prod, c->gemma ? "gelu_g" : "silu_g", rows * f * abytes, &a->sg, &s->sg);
+    plan_block_act(p, m, l, keep, prod, "up", rows * f * abytes, &a->u, &s->u);
     if (llama_keeps_down_input(m))
         plan_block_act(p, m, l, keep, "down_input", "product", rows * f * abytes, &a->p, &s->p);
     if (c->gemma) {
-        plan_block_act(p, m, l, keep, "post_norm", "mlp_out", rows * d * abytes, &a->ym, &s->ym);
-        plan_block_act(p, m, l, keep, "post_norm", "mlp_out_r", rows * 4, &a->rm, &s->rm);
+        plan_block_act(p, m, l, keep, "post_norm_std", "mlp_out", rows * d * abytes, &a->ym, &s->ym);
+        plan_block_act(p, m, l, keep, "post_norm_std", "mlp_out_r", rows * 4, &a->rm, &s->rm);
     }
 }
 
@@ -688,6 +689,10 @@ static int llama_dry_run(const LlamaConfig* cfg, const TrainOptions* o_given, Tr
     if (dist_sp(&ranks) > 1) str_appendf(header, sizeof(header), " (%d per sequence)", dist_sp(&ranks));
     if (*fit_line) str_appendf(header, sizeof(header), "\n%s", fit_line);
     llama_tile_line(header, sizeof(header), &m, o, &given, &md);
+    if (cfg->gemma)  // which of Gemma's norms the memory-sharing backward takes, and which stay standard
+        str_appendf(header, sizeof(header), "\nnorms: attn_norm, mlp_norm%s: MS under --norm ms (they feed linears); "
+                    "post_norm_std (attention's and MLP's output) and the final norm (tied head): standard in every "
+                    "mode", cfg->qk_norm ? ", q/k norms" : "");
     str_appendf(json, sizeof(json), ", \"mlp_tile\": %lld, \"offload_staging\": %d", (long long)m.mlp_tile,
                 m.modes.offload_host ? m.saved.ckpt.offload.slots : 0);
     train_dry_run_report(o, &m.plan, &base.plan, &be, json, header);

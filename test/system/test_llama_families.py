@@ -114,6 +114,10 @@ def test_gemma2_9b_plan_and_refusals(tmp_path):
                  "--mode", mode, "--json"])
         act[mode] = json.loads(p.stdout)["activation_bytes"]
     assert act["baseline"] - act["lowmem"] == (4 * d + 1.75 * f_) * N * layers
+    text = run(["--model", fixture, "--dry-run", "--device", "cuda", "--batch", 1, "--seq", N, "--lora-rank", 16]).stdout
+    assert "norms: attn_norm, mlp_norm: MS under --norm ms" in text and "standard in every mode" in text, text
+    row = next(line.split() for line in text.splitlines() if line.strip().startswith("post_norm_std"))
+    assert float(row[1]) == float(row[2]) == 2 * (2 * d + 4)  # the same in both modes: input and r, two norms
     print(f"Gemma 2 9B activations per token per block: {act['baseline'] / N / layers:.0f} -> "
           f"{act['lowmem'] / N / layers:.0f} bytes ({1 - act['lowmem'] / act['baseline']:.1%} less)")
     (tmp_path / "m").mkdir()
