@@ -79,6 +79,15 @@ static void op_mul(const Backend* be, void* out, const void* a, const void* b, i
     multiply(F32(out), CF32(a), CF32(b), n);
 }
 
+// y += x elementwise: Gemma's post-normed branch outputs onto the residual stream.
+static void op_add(const Backend* be, void* y, const void* x, int64_t n) {
+    PROF_SCOPE(be, "residual add", "fwd", n, 3.0 * n * (double)be->abytes);
+#ifdef LLMC_HAVE_CUDA
+    if (be->cuda) { add_inplace_cuda(B16(y), CB16(x), n, be->stream); return; }
+#endif
+    add_inplace(F32(y), CF32(x), n);
+}
+
 // y[n, i] = x[n, i] * g[i] over rows of d (y may be x): Qwen3's q/k norm gamma under MS norms.
 static void op_scale_columns(const Backend* be, void* y, const void* x, const void* g, int64_t rows, int d) {
     PROF_SCOPE(be, "qk norm gamma", "fwd", (double)rows * d, 2.0 * rows * d * (double)be->abytes);
@@ -98,14 +107,15 @@ static void op_embed(const Backend* be, void* x, const void* embed, const int* i
 }
 
 // dE[ids[n]] += dx[n]: the gradient of a trained embedding (fp32 dE on both backends), each row's
-// tokens summed in text order before the add (order: embedding_token_order of the batch).
+// tokens summed in text order before the add (order: embedding_token_order of the batch); row
+// skip_id (>= 0: a padding_idx) gets none.
 static void op_embedding_backward(const Backend* be, float* dE, const void* dx, const int* ids, const int* order,
-                                  int64_t N, int d) {
+                                  int64_t N, int d, int skip_id) {
     PROF_SCOPE(be, "embedding", "bwd", N * (double)d, N * d * ((double)be->abytes + 8.0));
 #ifdef LLMC_HAVE_CUDA
-    if (be->cuda) { embedding_backward_cuda(dE, CB16(dx), ids, order, N, d, be->stream); return; }
+    if (be->cuda) { embedding_backward_cuda(dE, CB16(dx), ids, order, N, d, be->stream, skip_id); return; }
 #endif
-    embedding_backward(dE, CF32(dx), ids, order, N, d);
+    embedding_backward(dE, CF32(dx), ids, order, N, d, skip_id);
 }
 
 // ---- norms -------------------------------------------------------------------------------------
@@ -501,6 +511,7 @@ typedef struct {
     int chunk;
     const LossBuffers* buffers;
     float *dW, *dgamma;
+    float softcap;         // > 0: the logits are soft-capped, softcap * tanh(logits / softcap) (Gemma 2)
 } LmHead;
 
 // What one call computes over N rows of final-norm inputs xf [N, d]: masked cross-entropy against
@@ -531,14 +542,14 @@ static void op_lm_head_loss(const Backend* be, const LmHead* h, const LmHeadCall
         LossScratchCuda sc = {B16(lb->z), lb->r, lb->logits, B16(lb->dlogits), B16(lb->dz), lb->row_stats, lb->stats};
         lm_head_loss_cuda(CB16(c->xf), CB16(h->gamma), h->eps, CB16(h->W), h->V, h->d, c->targets, c->mask, N, h->chunk,
                           c->grad_scale, B16(c->dxf), c->logits_out, sc, c->step_stats ? NULL : st, be->stream, h->dW,
-                          h->dgamma, c->grad_scale_at);
+                          h->dgamma, c->grad_scale_at, h->softcap);
         if (c->step_stats) loss_stats_fold_cuda(c->step_stats, lb->stats, 4, be->stream);
         return;
     }
 #endif
     LossScratch sc = {F32(lb->z), lb->r, lb->logits, F32(lb->dz)};
     lm_head_loss(CF32(c->xf), CF32(h->gamma), h->eps, CF32(h->W), h->V, h->d, c->targets, c->mask, N, h->chunk,
-                 c->grad_scale, F32(c->dxf), c->logits_out, sc, st, h->dW, h->dgamma);
+                 c->grad_scale, F32(c->dxf), c->logits_out, sc, st, h->dW, h->dgamma, h->softcap);
 }
 
 // ---- ViT operations ----------------------------------------------------------------------------

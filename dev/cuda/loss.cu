@@ -29,7 +29,8 @@ static void free_loss_scratch(LossScratchCuda sc) {
     CUDA_CHECK(cudaFree(sc.dz)); CUDA_CHECK(cudaFree(sc.row_stats)); CUDA_CHECK(cudaFree(sc.stats));
 }
 
-static void test_lm_head(int64_t N, int d, int V, int chunk, int grad, Rng* rng) {
+// softcap > 0: the logits soft-capped (Gemma 2), in the CPU's loop and the CUDA twin's two kernels.
+static void test_lm_head(int64_t N, int d, int V, int chunk, int grad, Rng* rng, float softcap = 0.0f) {
     float eps = 1e-5f, grad_scale = 1.0f / 29.0f;
     float *xf = host_randn(N * d, rng, 1.0f, 1), *gamma = host_randn(d, rng, 1.0f, 1),
           *W = host_randn((int64_t)V * d, rng, 0.3f, 1);
@@ -51,7 +52,8 @@ static void test_lm_head(int64_t N, int d, int V, int chunk, int grad, Rng* rng)
     {  // targets[i] = -1 above means "the argmax of the row": find it from a logits-only pass
         LossStats tmp = {};
         int* t0 = (int*)xcalloc(N, sizeof(int));
-        lm_head_loss(xf, gamma, eps, W, V, d, t0, mask, N, chunk, grad_scale, NULL, logits, cs, &tmp);
+        lm_head_loss(xf, gamma, eps, W, V, d, t0, mask, N, chunk, grad_scale, NULL, logits, cs, &tmp, NULL, NULL,
+                     softcap);
         for (int64_t i = 0; i < N; i++)
             if (targets[i] < 0) {
                 int am = 0;
@@ -66,7 +68,7 @@ static void test_lm_head(int64_t N, int d, int V, int chunk, int grad, Rng* rng)
     float *dW0 = host_randn((int64_t)V * d, rng, 0.1f, 0), *dg0 = host_randn(d, rng, 0.1f, 0);
     float *dW = host_copy(dW0, (int64_t)V * d), *dg = host_copy(dg0, d);
     lm_head_loss(xf, gamma, eps, W, V, d, targets, mask, N, chunk, grad_scale, grad ? dx : NULL, logits, cs, &st, dW,
-                 dg);
+                 dg, softcap);
     // GPU
     LossScratchCuda sc = alloc_loss_scratch(chunk, d, V);
     bf16 *d_xf = upload_bf16(xf, N * d), *d_gamma = upload_bf16(gamma, d), *d_W = upload_bf16(W, (int64_t)V * d);
@@ -77,9 +79,10 @@ static void test_lm_head(int64_t N, int d, int V, int chunk, int grad, Rng* rng)
     LossStats gst = {};
     float *d_dW = (float*)upload(dW0, 4 * (int64_t)V * d), *d_dg = (float*)upload(dg0, 4 * (int64_t)d);
     lm_head_loss_cuda(d_xf, d_gamma, eps, d_W, V, d, d_t, d_mask, N, chunk, grad_scale, grad ? d_dx : NULL, d_logits,
-                      sc, &gst, g_stream, d_dW, d_dg);
+                      sc, &gst, g_stream, d_dW, d_dg, NULL, softcap);
     char tag[96], name[160], detail[160];
-    snprintf(tag, sizeof(tag), "N=%lld d=%d V=%d chunk=%d%s", (long long)N, d, V, chunk, grad ? "" : " eval");
+    snprintf(tag, sizeof(tag), "N=%lld d=%d V=%d chunk=%d%s softcap=%g", (long long)N, d, V, chunk, grad ? "" : " eval",
+             softcap);
     float* glogits = download_f32(d_logits, N * V);
     snprintf(name, sizeof(name), "lm_head_loss logits, %s", tag);
     check_close(name, glogits, logits, N * V, 1e-2);
@@ -303,6 +306,8 @@ int main(void) {
     test_lm_head(45, 64, 1003, 16, 0, &rng);
     test_lm_head(32, 96, 2048, 32, 1, &rng);
     test_lm_head(7, 40, 517, 100, 1, &rng);
+    test_lm_head(45, 64, 1003, 16, 1, &rng, 5.0f);  // Gemma 2's soft-capped logits (the cap bites: logits ~ +-10)
+    test_lm_head(7, 40, 517, 100, 0, &rng, 5.0f);
     test_lm_head_chunks(45, 64, 1003, 7, &rng);
     for (KernelChoice impl : {KERNELS_VEC, KERNELS_SCALAR}) {
         test_ce_rows<float>(impl, 9, 10, 0, &rng);

@@ -55,6 +55,18 @@ static void test_embedding_backward(int64_t N, int d, int V, Rng* rng) {
     char name[96];
     snprintf(name, sizeof(name), "embedding_backward (accumulated), N=%lld d=%d V=%d", (long long)N, d, V);
     check_equal_f32(name, got, want, (int64_t)V * d);
+    free(got);
+    // a padding_idx (Gemma's pad_token_id): its row keeps its value, the others as before
+    float* want2 = host_copy(e0, (int64_t)V * d);
+    embedding_backward(want2, dx, ids, order, N, d, ids[0]);
+    CUDA_CHECK(cudaMemcpy(d_e, e0, 4 * (int64_t)V * d, cudaMemcpyHostToDevice));
+    embedding_backward_cuda(d_e, d_dx, d_ids, d_order, N, d, g_stream, ids[0]);
+    got = download_f32(d_e, (int64_t)V * d);
+    snprintf(name, sizeof(name), "embedding_backward skipping row %d, N=%lld d=%d V=%d", ids[0], (long long)N, d, V);
+    check_equal_f32(name, got, want2, (int64_t)V * d);
+    int kept = memcmp(want2 + (int64_t)ids[0] * d, e0 + (int64_t)ids[0] * d, 4 * (size_t)d) == 0;
+    check_true("embedding_backward's skipped row untouched", kept, "");
+    free(want2);
     CUDA_CHECK(cudaFree(d_dx)); CUDA_CHECK(cudaFree(d_e)); CUDA_CHECK(cudaFree(d_ids)); CUDA_CHECK(cudaFree(d_order));
     free(dx); free(e0); free(ids); free(order); free(want); free(got);
 }
@@ -65,6 +77,20 @@ static void test_multiply_bias(int64_t N, int out, Rng* rng) {
     bf16 *d_a = upload_bf16(a, n), *d_b = upload_bf16(b, n), *d_out = (bf16*)dev_alloc(2 * n),
          *d_bias = upload_bf16(bias, out);
     char name[96];
+    // residual add (Gemma's post-normed branch onto the stream), in place, one rounding
+    float* want_add = (float*)xmalloc(4 * n);
+    for (int64_t i = 0; i < n; i++) want_add[i] = bf16_round(a[i]);
+    float* b16 = (float*)xmalloc(4 * n);
+    for (int64_t i = 0; i < n; i++) b16[i] = bf16_round(b[i]);
+    add_inplace(want_add, b16, n);
+    for (int64_t i = 0; i < n; i++) want_add[i] = bf16_round(want_add[i]);
+    bf16* d_y = upload_bf16(a, n);
+    add_inplace_cuda(d_y, d_b, n, g_stream);
+    float* got_add = download_bf16(d_y, n);
+    snprintf(name, sizeof(name), "add_inplace, n=%lld", (long long)n);
+    check_equal_f32(name, got_add, want_add, n);
+    CUDA_CHECK(cudaFree(d_y));
+    free(want_add); free(b16); free(got_add);
     // elementwise product (SwiGLU's down input rebuilt from silu(g) and u), one rounding
     float* want3 = (float*)xmalloc(4 * n);
     for (int64_t i = 0; i < n; i++) want3[i] = bf16_round(bf16_round(a[i]) * bf16_round(b[i]));

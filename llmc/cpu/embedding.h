@@ -33,15 +33,17 @@ static void embedding_token_order(int* order, const int* ids, int64_t N) {
 // dE[v] += (the sum of dx[n] over the tokens with ids[n] == v, in text order), order from
 // embedding_token_order. Each row's sum is formed first and added once: a gradient accumulated over
 // micro-batches is then (0 + s1) + s2, the same bits as data parallelism's all-reduce of the
-// ranks' s1 and s2, and no result depends on the thread count (rows in parallel).
-static void embedding_backward(float* dE, const float* dx, const int* ids, const int* order, int64_t N, int d) {
+// ranks' s1 and s2, and no result depends on the thread count (rows in parallel). skip_id >= 0: that
+// row gets nothing (transformers' padding_idx, whose row nn.Embedding leaves without a gradient).
+static void embedding_backward(float* dE, const float* dx, const int* ids, const int* order, int64_t N, int d,
+                               int skip_id = -1) {
 #pragma omp parallel if (N * d > 32768)
     {
         float* s = (float*)malloc(sizeof(float) * (d > 0 ? d : 1));
 #pragma omp for schedule(dynamic, 16)
         for (int64_t g = 0; g < N; g++) {
             int v = ids[order[g]];
-            if (g > 0 && ids[order[g - 1]] == v) continue;  // not the first token of its row
+            if ((g > 0 && ids[order[g - 1]] == v) || v == skip_id) continue;  // not the first token of its row
             memset(s, 0, sizeof(float) * d);
             for (int64_t e = g; e < N && ids[order[e]] == v; e++) {
                 const float* x = dx + (int64_t)order[e] * d;

@@ -7,6 +7,7 @@
 #include "matmul.h"
 #include "norms.h"
 #include "vec_exp.h"
+#include "../softcap.h"
 
 typedef struct {
     double loss_sum;       // sum of CE over counted (mask != 0) positions
@@ -44,25 +45,51 @@ static double ce_row(float* row, int V, int target, float weight, float grad_sca
     return lse - xt;
 }
 
+// ce_row over soft-capped logits (the row holds y = c tanh(x / c), llmc/softcap.h), its gradient
+// w.r.t. the logits before the cap: the backward reads y after the softmax has, so the row's
+// exponentials are taken twice here instead of being kept.
+static double ce_row_capped(float* row, int V, int target, float weight, float grad_scale, int grad, int* argmax,
+                            float cap) {
+    float mx = vx_max(row, V), xt = row[target];
+    int am = 0;
+    for (int v = 0; v < V; v++) if (row[v] == mx) { am = v; break; }
+    double sum = 0.0;
+    for (int v = 0; v < V; v++) sum += expf(row[v] - mx);
+    *argmax = am;
+    if (grad) {
+        float w = weight * grad_scale, f = (float)(w / sum);
+        for (int v = 0; v < V; v++) {
+            float y = row[v];
+            row[v] = softcap_grad_f(expf(y - mx) * f - (v == target ? w : 0.0f), y, cap);
+        }
+    }
+    return mx + log(sum) - xt;
+}
+
 // xf [N,d] final-norm input; W [V,d] head; dxf [N,d] accumulated when non-NULL; logits_out [N,V]
 // receives the logits when non-NULL (tests). grad_scale = 1 / (masked tokens of the whole step).
 // Full fine-tuning also trains the head and the final norm: dW [V,d] and dgamma [d] accumulate
-// when non-NULL (with dxf).
+// when non-NULL (with dxf). softcap > 0: the logits are soft-capped (Gemma 2's final_logit_softcapping).
 static void lm_head_loss(const float* xf, const float* gamma, float eps, const float* W, int V, int d,
                          const int* targets, const float* mask, int64_t N, int chunk, float grad_scale, float* dxf,
-                         float* logits_out, LossScratch sc, LossStats* st, float* dW = NULL, float* dgamma = NULL) {
+                         float* logits_out, LossScratch sc, LossStats* st, float* dW = NULL, float* dgamma = NULL,
+                         float softcap = 0.0f) {
     for (int64_t n0 = 0; n0 < N; n0 += chunk) {
         int c = (int)(N - n0 < chunk ? N - n0 : chunk);
         rmsnorm_forward(sc.z, sc.r, xf + n0 * d, gamma, c, d, eps);
         st->overflowed += norm_overflowed_rows(sc.r, c);
         matmul_nt(sc.logits, sc.z, W, c, V, d, 1.0f, 0);
+        if (softcap > 0.0f)
+            for (int64_t i = 0; i < (int64_t)c * V; i++) sc.logits[i] = softcap_f(sc.logits[i], softcap);
         if (logits_out) memcpy(logits_out + n0 * V, sc.logits, sizeof(float) * c * V);
         double ls = 0.0, cnt = 0.0, cor = 0.0;
 #pragma omp parallel for reduction(+ : ls, cnt, cor) schedule(static) if ((int64_t)c * V > 32768)
         for (int i = 0; i < c; i++) {
             float m = mask ? mask[n0 + i] : 1.0f;
             int am;
-            double l = ce_row(sc.logits + (int64_t)i * V, V, targets[n0 + i], m, grad_scale, dxf != NULL, &am);
+            float* row = sc.logits + (int64_t)i * V;
+            double l = softcap > 0.0f ? ce_row_capped(row, V, targets[n0 + i], m, grad_scale, dxf != NULL, &am, softcap)
+                                      : ce_row(row, V, targets[n0 + i], m, grad_scale, dxf != NULL, &am);
             if (m != 0.0f) { ls += m * l; cnt += m; cor += m * (am == targets[n0 + i]); }
         }
         st->loss_sum += ls;

@@ -1,5 +1,5 @@
 // cpu/misc.h: the small memory-bound loops of the CPU backend, twins of kernels in cuda/misc.cuh:
-// an elementwise product, a strided row copy and the sum of replicated heads' blocks. fp32.
+// an elementwise product and sum, a strided row copy and the sum of replicated heads' blocks. fp32.
 #pragma once
 #include <stdint.h>
 #include <string.h>
@@ -8,6 +8,12 @@
 static void multiply(float* out, const float* a, const float* b, int64_t n) {
 #pragma omp parallel for schedule(static) if (n > 32768)
     for (int64_t i = 0; i < n; i++) out[i] = a[i] * b[i];
+}
+
+// y += x elementwise (Gemma's post-normed branch outputs onto the residual stream).
+static void add_inplace(float* y, const float* x, int64_t n) {
+#pragma omp parallel for schedule(static) if (n > 32768)
+    for (int64_t i = 0; i < n; i++) y[i] += x[i];
 }
 
 // y[n, i] = x[n, i] * g[i], rows of d (Qwen3's q/k norm gamma, applied apart from the norm under MS

@@ -199,16 +199,29 @@ static void loss_stats_fold_cuda(double* acc, const double* stats, int n, cudaSt
     launch_kernel(1, 32, 0, stream, loss_stats_fold_kernel, acc, stats, n);
 }
 
+// Soft-capping of the logits (Gemma 2's final_logit_softcapping, llmc/softcap.h), the twins of
+// lm_head_loss's loops: the fp32 logits capped in place, and the gradient w.r.t. the logits
+// before the cap from the capped ones (which the CE kernel leaves as they are).
+__global__ void softcap_kernel(float* logits, int64_t n, float cap) {
+    for (int64_t i = thread_index_1d(); i < n; i += grid_stride_1d()) logits[i] = softcap_f(logits[i], cap);
+}
+__global__ void softcap_backward_kernel(bf16* dlogits, const float* __restrict__ logits, int64_t n, float cap) {
+    for (int64_t i = thread_index_1d(); i < n; i += grid_stride_1d())
+        dlogits[i] = f2bf(softcap_grad_f(bf2f(dlogits[i]), logits[i], cap));
+}
+
 // xf [N,d] final-norm input; W [V,d] head; dxf [N,d] accumulated when non-NULL; logits_out
 // [N,V] (device, fp32) receives the logits when non-NULL (tests). targets [N] and mask [N] (NULL:
 // all ones) live on the device. grad_scale = 1 / (masked tokens of the whole step). gamma NULL
 // means an MS final norm (backward from z and r). Synchronises the stream once, to return st; st
 // NULL: no readback, the statistics stay in sc.stats (a trainer's step adds them up on the device).
-// Full fine-tuning: dW [V,d] and dgamma [d] (fp32) accumulate when non-NULL.
+// Full fine-tuning: dW [V,d] and dgamma [d] (fp32) accumulate when non-NULL. softcap > 0: the
+// logits are soft-capped.
 static void lm_head_loss_cuda(const bf16* xf, const bf16* gamma, float eps, const bf16* W, int V, int d,
                               const int* targets, const float* mask, int64_t N, int chunk, float grad_scale, bf16* dxf,
                               float* logits_out, LossScratchCuda sc, LossStats* st, cudaStream_t stream,
-                              float* dW = NULL, float* dgamma = NULL, const float* grad_scale_at = NULL) {
+                              float* dW = NULL, float* dgamma = NULL, const float* grad_scale_at = NULL,
+                              float softcap = 0.0f) {
     if (chunk <= 0) fail("lm_head_loss_cuda: chunk must be positive");
     CUDA_CHECK(cudaMemsetAsync(sc.stats, 0, 4 * sizeof(double), stream));
     for (int64_t n0 = 0; n0 < N; n0 += chunk) {
@@ -216,6 +229,9 @@ static void lm_head_loss_cuda(const bf16* xf, const bf16* gamma, float eps, cons
         rmsnorm_forward_cuda(sc.z, sc.r, xf + n0 * d, gamma, c, d, eps, stream);
         norm_overflowed_rows_cuda(sc.stats + 3, sc.r, c, stream);
         matmul_nt_cuda(sc.logits, sc.z, W, c, V, d, 1.0f, 0, stream);
+        if (softcap > 0.0f)
+            launch_kernel(grid_for((int64_t)c * V, 256), 256, 0, stream, softcap_kernel, sc.logits, (int64_t)c * V,
+                          softcap);
         if (logits_out)
             CUDA_CHECK(cudaMemcpyAsync(logits_out + n0 * V, sc.logits, sizeof(float) * c * V, cudaMemcpyDeviceToDevice,
                                        stream));
@@ -223,6 +239,9 @@ static void lm_head_loss_cuda(const bf16* xf, const bf16* gamma, float eps, cons
                              grad_scale, dxf != NULL, stream, grad_scale_at);
         loss_stats_accumulate_cuda(sc.stats, sc.row_stats, c, stream);
         if (!dxf) continue;
+        if (softcap > 0.0f)
+            launch_kernel(grid_for((int64_t)c * V, 256), 256, 0, stream, softcap_backward_kernel, sc.dlogits, sc.logits,
+                          (int64_t)c * V, softcap);
         if (dW) matmul_tn_cuda(dW, sc.dlogits, sc.z, V, d, c, 1.0f, 1, stream);  // trained head: dW += dlogits^T z
         matmul_nn_cuda(sc.dz, sc.dlogits, W, c, d, V, 1.0f, 0, stream);
         if (dgamma) rmsnorm_gamma_grad_cuda(dgamma, sc.dz, xf + n0 * d, sc.r, c, d, stream);

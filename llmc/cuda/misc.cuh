@@ -40,21 +40,21 @@ static void embed_tokens_cuda(bf16* x, const bf16* embed, const int* ids, int64_
 // run and adds it once, so there are no atomics, the sum is deterministic, and a gradient
 // accumulated over micro-batches equals the all-reduce of the ranks' sums bit for bit.
 __global__ void embedding_backward_kernel(float* dE, const bf16* __restrict__ dx, const int* __restrict__ ids,
-                                          const int* __restrict__ order, int64_t N, int d) {
+                                          const int* __restrict__ order, int64_t N, int d, int skip_id) {
     for (int64_t idx = thread_index_1d(); idx < N * d; idx += grid_stride_1d()) {
         int64_t g = idx / d;
         int i = (int)(idx % d);
         int v = ids[order[g]];
-        if (g > 0 && ids[order[g - 1]] == v) continue;
+        if ((g > 0 && ids[order[g - 1]] == v) || v == skip_id) continue;  // skip_id: padding_idx, no gradient
         float s = 0.0f;
         for (int64_t e = g; e < N && ids[order[e]] == v; e++) s += bf2f(dx[(int64_t)order[e] * d + i]);
         dE[(int64_t)v * d + i] += s;
     }
 }
 static void embedding_backward_cuda(float* dE, const bf16* dx, const int* ids, const int* order, int64_t N, int d,
-                                    cudaStream_t stream) {
+                                    cudaStream_t stream, int skip_id = -1) {
     if (d == 0 || N == 0) return;
-    launch_kernel(grid_for(N * d, 256), 256, 0, stream, embedding_backward_kernel, dE, dx, ids, order, N, d);
+    launch_kernel(grid_for(N * d, 256), 256, 0, stream, embedding_backward_kernel, dE, dx, ids, order, N, d, skip_id);
 }
 
 // ---- residual add and bias -------------------------------------------------------------------
@@ -82,6 +82,16 @@ static void multiply_launch(KernelChoice impl, bf16* out, const bf16* a, const b
 }
 static void multiply_cuda(bf16* out, const bf16* a, const bf16* b, int64_t n, cudaStream_t stream) {
     multiply_launch(KERNELS_VEC, out, a, b, n, stream);
+}
+
+// y += x elementwise, the sum in fp32 then rounded once (the twin of add_inplace: Gemma's post-normed
+// branch outputs onto the residual stream).
+__global__ void add_inplace_kernel(bf16* y, const bf16* __restrict__ x, int64_t n) {
+    for (int64_t i = thread_index_1d(); i < n; i += grid_stride_1d()) y[i] = f2bf(bf2f(y[i]) + bf2f(x[i]));
+}
+static void add_inplace_cuda(bf16* y, const bf16* x, int64_t n, cudaStream_t stream) {
+    if (n == 0) return;
+    launch_kernel(grid_for(n, 256), 256, 0, stream, add_inplace_kernel, y, x, n);
 }
 
 // y[n, i] = x[n, i] * g[i], rows of d, the product in fp32 then rounded once (the twin of scale_columns;

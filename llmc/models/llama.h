@@ -1,11 +1,11 @@
-// llama.h: the LLaMA-family model (LLaMA, Mistral, Qwen2, Qwen3, Phi-3), read top to bottom: its config
-// (LlamaConfig, llmc/models/llama_family.h), its parameters with their shapes, the buffers a block
-// keeps for its backward, then the forward (block_forward: attention and the MLP), the backward
-// (block_backward), the LM head and one micro-batch's forward + backward (llama_forward_backward).
-// Trained with the memory-saving backward pass of "Reducing Fine-Tuning Memory Overhead by
-// Approximate and Memory-Sharing Backpropagation": ReSiLU2 (exact SiLU forward, 2-bit backward)
-// and MS-RMSNorm (gamma merged into the next linears; backward from the normalised output and one
-// scalar per row).
+// llama.h: the LLaMA-family model (LLaMA, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2, Gemma 3 text), read
+// top to bottom: its config (LlamaConfig, llmc/models/llama_family.h), its parameters with their shapes,
+// the buffers a block keeps for its backward, then the forward (block_forward: attention and the
+// MLP), the backward (block_backward), the LM head and one micro-batch's forward + backward
+// (llama_forward_backward). Trained with the memory-saving backward pass of "Reducing Fine-Tuning
+// Memory Overhead by Approximate and Memory-Sharing Backpropagation": ReSiLU2 (exact SiLU forward,
+// 2-bit backward; Gemma's GeGLU: ReGELU2 on the tanh GELU) and MS-RMSNorm (gamma merged into the
+// next linears; backward from the normalised output and one scalar per row).
 //
 // The model is written once; the operations it calls (llmc/ops.h) run on the backend chosen by
 // --device: the CPU (fp32) or a CUDA GPU (bf16 activations and frozen weights, fp32 statistics,
@@ -60,6 +60,11 @@ typedef struct {
     // --full with standard norms trains the gammas too: gradients and host mirrors, else NULL
     float *dattn_norm, *dmlp_norm, *h_attn_norm, *h_mlp_norm;
     float *dq_norm, *dk_norm, *h_q_norm, *h_k_norm;  // --full: Qwen3's q/k norms train (under MS norms too)
+    // Gemma's sandwich norms: gamma [d] of the norms on the attention's and the MLP's output (NULL
+    // otherwise). Standard in every mode: their output feeds the residual stream, no linear to merge
+    // into. --full trains them (gradients and host mirrors, else NULL).
+    void *post_attn_norm, *post_mlp_norm;
+    float *dpost_attn_norm, *dpost_mlp_norm, *h_post_attn_norm, *h_post_mlp_norm;
 } LlamaLayer;
 
 // The parameters: the weights, their gradients under --full, the trainable arena, and the fixed
@@ -73,6 +78,8 @@ typedef struct {
     LlamaLayer* layers;    // [layers]
     float* gamma_host;     // [layers][2][d] the norms' gammas on the host (MS merge, adapters)
     float *rope_cos, *rope_sin;  // [T, hd/2]
+    float *rope_local_cos, *rope_local_sin;  // Gemma 3: [T, hd/2] the sliding layers' own base (NULL otherwise)
+    void* embed_scale;     // Gemma: [d] each sqrt(hidden) in the embedding's dtype, the embeddings' scale (else NULL)
     Trainable tr;          // LoRA A/B, or (--full) every weight: one flat array (ZeRO-1 across ranks)
     int64_t* layer_off;    // [layers] where each block's trainable values start in the arena
     // --quant nf4: the tables (NF4 values, dynamic map; backend and host copies) and the scratch
@@ -98,10 +105,15 @@ typedef struct {
     void* h_mid;           // residual after attention (standard MLP RMSNorm)
     float* r2;
     void* z2;              // MLP norm output = gate, up input
-    void* g;               // gate pre-activation (exact SiLU backward)
-    uint8_t* codes;        // 2-bit ReSiLU2 codes of g
+    void* g;               // gate pre-activation (exact SiLU / GELU backward)
+    uint8_t* codes;        // 2-bit ReSiLU2 codes of g (Gemma's GeGLU: ReGELU2's)
     void *sg, *u;          // silu(g) and up: the product's operands
-    void* p;               // silu(g) * u = down input
+    void* p;               // silu(g) * u = down input (Gemma: gelu_tanh(g) * u, sg the GELU)
+    // Gemma's sandwich norms: the attention's and the MLP's output before its post norm [N, d] and
+    // 1/rms per token (standard norms, kept for their backward), and post, the shared [N, d] rows the
+    // normalised output passes through onto the residual stream (the branch's gradient in backward)
+    void *ya, *ym, *post;
+    float *ra, *rm;
 } BlockActs;
 
 // The saved activations: what each block keeps for its backward.
@@ -253,6 +265,19 @@ typedef struct {
     int len, cap;
 } KVCache;
 
+// The RoPE tables [T, hd/2] of a block: Gemma 3's local (sliding) layers have their own base.
+typedef struct {
+    const float *cos, *sin;
+} RopeTables;
+static RopeTables llama_rope_of(const Llama* m, const LlamaLayer* layer) {
+    RopeTables r = {m->w.rope_cos, m->w.rope_sin};
+    if (m->w.rope_local_cos && m->cfg.layer_sliding[layer - m->w.layers]) {
+        r.cos = m->w.rope_local_cos;
+        r.sin = m->w.rope_local_sin;
+    }
+    return r;
+}
+
 // q (t = T_Q) or k (T_K) of a block into a->q / a->k: the projection of z1, Qwen3's RMSNorm over
 // each head, then RoPE. Under MS norms the norm's output z is what the block keeps and the rotated
 // q, k are built from it (llama_qk_norm_ms), here and again, identically, in backward.
@@ -276,7 +301,8 @@ static void llama_qk_forward(Llama* m, const LlamaLayer* layer, BlockActs* a, in
             op_rmsnorm_forward(be, y, r, pre, gamma, N * heads, c->head_dim, c->norm_eps);
         }
     }
-    op_rope(be, y, m->w.rope_cos, m->w.rope_sin, m->io.pos, N, T, heads, c->head_dim, c->rot_dim, ROPE_FORWARD);
+    RopeTables rt = llama_rope_of(m, layer);
+    op_rope(be, y, rt.cos, rt.sin, m->io.pos, N, T, heads, c->head_dim, c->rot_dim, ROPE_FORWARD);
 }
 
 // The MLP buffers' rows from token t0 on: a kept buffer's (whole sequence) from row t0, one of the
@@ -299,9 +325,44 @@ static BlockActs llama_mlp_tile_acts(const Llama* m, const BlockActs* a, int64_t
     t.sg = llama_tile_rows(a->sg, s->sg, t0 * f * ab);
     t.u = llama_tile_rows(a->u, s->u, t0 * f * ab);
     t.p = llama_tile_rows(a->p, s->p, t0 * f * ab);
+    t.ym = llama_tile_rows(a->ym, s->ym, t0 * d * ab);
+    t.rm = (float*)llama_tile_rows(a->rm, s->rm, t0 * 4);
+    t.post = a->post ? (char*)a->post + t0 * d * ab : NULL;  // whole-sequence rows in every view
     for (int k = T_GATE; k <= T_DOWN; k++) t.ax[k] = llama_tile_rows(a->ax[k], s->ax[k], t0 * r * ab);
     return t;
 }
+
+// A branch's last linear (o or down) onto the residual stream x [n, d]: added straight on, or under
+// Gemma's sandwich norms written to y, normalised by the post norm (gamma applied) into post and
+// added from there; y and r (1/rms) stay for the backward.
+static void llama_branch_forward(Llama* m, void* x, const void* in, const Linear* lin, void* ax, void* y, float* r,
+                                 const void* post_norm, void* post, int64_t n) {
+    const Backend* be = m->be;
+    int d = m->cfg.dim;
+    if (!post_norm) {
+        op_linear_forward(be, x, in, lin, ax, n, m->modes.rank, m->modes.lora_scale, OUT_ADD);
+        return;
+    }
+    op_linear_forward(be, y, in, lin, ax, n, m->modes.rank, m->modes.lora_scale, OUT_WRITE);
+    op_rmsnorm_forward(be, post, r, y, post_norm, n, d, m->cfg.norm_eps);
+    op_add(be, x, post, n * d);
+}
+
+// The gradient w.r.t. a branch's linear output from dy (w.r.t. the residual stream after it): dy
+// itself, or through Gemma's post norm into post (with its gamma's gradient under --full).
+static const void* llama_branch_backward(Llama* m, const void* dy, const void* y, const float* r,
+                                         const void* post_norm, float* dgamma, void* post, int64_t n) {
+    const Backend* be = m->be;
+    int d = m->cfg.dim;
+    if (!post_norm) return dy;
+    op_zero(be, post, (size_t)n * d * be->abytes);
+    if (dgamma) op_rmsnorm_gamma_grad(be, dgamma, dy, y, r, n, d);
+    op_rmsnorm_backward(be, post, dy, y, r, post_norm, n, d);
+    return post;
+}
+
+// Gemma's GELU is the tanh form (hidden_activation gelu_pytorch_tanh); ReGELU2 codes under lowmem.
+#define LLAMA_GELU_TANH_FORM 1
 
 // The MLP and its norm over n tokens: x [n, d], their rows of the residual stream (updated in
 // place), and t, the tile's view of the block's buffers (llama_mlp_tile_acts). Every product and
@@ -311,14 +372,20 @@ static BlockActs llama_mlp_tile_acts(const Llama* m, const BlockActs* a, int64_t
 static void llama_mlp_forward_tile(Llama* m, const LlamaLayer* layer, void* x, BlockActs* t, int64_t n) {
     const Backend* be = m->be;
     const LlamaConfig* c = &m->cfg;
-    int r = m->modes.rank;
-    float s = m->modes.lora_scale;
     if (t->h_mid) op_copy(be, t->h_mid, x, n * c->dim);
     op_rmsnorm_forward(be, t->z2, t->r2, x, m->modes.ms ? NULL : layer->mlp_norm, n, c->dim, c->norm_eps);
+    int r = m->modes.rank;
+    float s = m->modes.lora_scale;
     op_linear_forward(be, t->g, t->z2, &layer->lin[T_GATE], t->ax[T_GATE], n, r, s, OUT_WRITE);
     op_linear_forward(be, t->u, t->z2, &layer->lin[T_UP], t->ax[T_UP], n, r, s, OUT_WRITE);
-    op_swiglu_forward(be, t->p, t->sg, m->modes.approx ? t->codes : NULL, t->g, t->u, n * c->hidden);
-    op_linear_forward(be, x, t->p, &layer->lin[T_DOWN], t->ax[T_DOWN], n, r, s, OUT_ADD);
+    if (c->gemma) {  // GeGLU: the product of gelu_tanh(g) and u
+        op_gelu_forward(be, t->sg, m->modes.approx ? t->codes : NULL, t->g, n * c->hidden, LLAMA_GELU_TANH_FORM);
+        op_mul(be, t->p, t->sg, t->u, n * c->hidden);
+    } else {
+        op_swiglu_forward(be, t->p, t->sg, m->modes.approx ? t->codes : NULL, t->g, t->u, n * c->hidden);
+    }
+    llama_branch_forward(m, x, t->p, &layer->lin[T_DOWN], t->ax[T_DOWN], t->ym, t->rm, layer->post_mlp_norm, t->post,
+                         n);
 }
 
 // The MLP's backward over n tokens: dy [n, d], their rows of m->scratch.dres (the gradient w.r.t. the
@@ -333,8 +400,16 @@ static void llama_mlp_backward_tile(Llama* m, const LlamaLayer* layer, BlockActs
     const Linear *gate = &layer->lin[T_GATE], *up = &layer->lin[T_UP], *down = &layer->lin[T_DOWN];
     if (m->modes.recompute_product && (down->A || down->dW))  // beyond the paper: rebuild the down input
         op_mul(be, t->p, t->sg, t->u, nf);
-    op_linear_backward(be, sc->dp, dy, t->p, t->ax[T_DOWN], down, sc->dax, n, r, s, OUT_WRITE);
-    op_swiglu_backward(be, sc->dg, sc->du, sc->dp, t->sg, t->u, m->modes.approx ? NULL : t->g, t->codes, nf);
+    const void* dyb =
+        llama_branch_backward(m, dy, t->ym, t->rm, layer->post_mlp_norm, layer->dpost_mlp_norm, t->post, n);
+    op_linear_backward(be, sc->dp, dyb, t->p, t->ax[T_DOWN], down, sc->dax, n, r, s, OUT_WRITE);
+    if (m->cfg.gemma) {  // GeGLU: du = dp gelu(g), dg = dp u gelu'(g) (exact from g, or ReGELU2's level of its code)
+        op_mul(be, sc->du, sc->dp, t->sg, nf);
+        op_mul(be, sc->dg, sc->dp, t->u, nf);
+        op_gelu_backward(be, sc->dg, sc->dg, m->modes.approx ? NULL : t->g, t->codes, nf, LLAMA_GELU_TANH_FORM);
+    } else {
+        op_swiglu_backward(be, sc->dg, sc->du, sc->dp, t->sg, t->u, m->modes.approx ? NULL : t->g, t->codes, nf);
+    }
     op_linear_backward(be, dz, sc->dg, t->z2, t->ax[T_GATE], gate, sc->dax, n, r, s, OUT_WRITE);
     op_linear_backward(be, dz, sc->du, t->z2, t->ax[T_UP], up, sc->dax, n, r, s, OUT_ADD);
     if (layer->dmlp_norm) op_rmsnorm_gamma_grad(be, layer->dmlp_norm, dz, t->h_mid, t->r2, n, d);
@@ -412,7 +487,7 @@ static void block_forward(Llama* m, int l, void* x, BlockActs* a, int B, int T, 
     llama_qk_forward(m, layer, a, T_K, N, T);
     op_linear_forward(be, a->v, a->z1, &layer->lin[T_V], a->ax[T_V], N, r, s, OUT_WRITE);
     const void* o_in = llama_attention_forward(m, l, a, B, T, kv, part);
-    op_linear_forward(be, x, o_in, &layer->lin[T_O], a->ax[T_O], N, r, s, OUT_ADD);
+    llama_branch_forward(m, x, o_in, &layer->lin[T_O], a->ax[T_O], a->ya, a->ra, layer->post_attn_norm, a->post, N);
     if (part == BLOCK_WHOLE) llama_mlp_tiles(m, l, MLP_FORWARD, x, a, N);
 }
 
@@ -425,6 +500,7 @@ static void llama_forward_blocks(Llama* m, int B, int T, const KVCache* kv) {
     int layers = m->cfg.layers;
     trainable_weights_ready(&m->w.tr, 0, m->w.layer_off[0]);
     op_embed(m->be, sc->resid, m->w.embed, m->io.inputs, N, m->cfg.dim);
+    if (m->w.embed_scale) op_scale_columns(m->be, sc->resid, sc->resid, m->w.embed_scale, N, m->cfg.dim);
     for (int l = 0; l < layers; l++) {
         trainable_weights_ready(&m->w.tr, m->w.layer_off[l], l + 1 < layers ? m->w.layer_off[l + 1] : m->w.tr.padded);
         if (m->modes.recompute_block) checkpoint_save(&m->saved.ckpt, m->be, l, sc->resid, N * m->cfg.dim);
@@ -442,7 +518,8 @@ static void llama_qk_rebuild(Llama* m, const LlamaLayer* layer, BlockActs* a, in
     int is_q = t == T_Q, heads = is_q ? c->heads : c->kv_heads;
     void* y = is_q ? a->q : a->k;
     op_scale_columns(m->be, y, is_q ? a->qz : a->kz, is_q ? layer->q_norm : layer->k_norm, N * heads, c->head_dim);
-    op_rope(m->be, y, m->w.rope_cos, m->w.rope_sin, m->io.pos, N, T, heads, c->head_dim, c->rot_dim, ROPE_FORWARD);
+    RopeTables rt = llama_rope_of(m, layer);
+    op_rope(m->be, y, rt.cos, rt.sin, m->io.pos, N, T, heads, c->head_dim, c->rot_dim, ROPE_FORWARD);
 }
 
 // The gradient w.r.t. the q (t = T_Q) or k (T_K) projection's output, from dy, the gradient w.r.t.
@@ -512,15 +589,17 @@ static void block_backward(Llama* m, int l, BlockActs* a, const Recomputed* rc, 
     const void* x_in = rc ? rc->block_input : a->x_in;
     llama_mlp_tiles(m, l, MLP_BACKWARD, rc ? rc->mlp_input : NULL, a, N);
     const void* o_in = llama_attention_output(m, a);
-    op_linear_backward(be, sc->dout, sc->dres, o_in, a->ax[T_O], &layer->lin[T_O], sc->dax, N, r, s, OUT_WRITE);
+    const void* dyo = llama_branch_backward(m, sc->dres, a->ya, a->ra, layer->post_attn_norm, layer->dpost_attn_norm,
+                                            a->post, N);
+    op_linear_backward(be, sc->dout, dyo, o_in, a->ax[T_O], &layer->lin[T_O], sc->dax, N, r, s, OUT_WRITE);
     if (llama_qk_norm_ms(m) && !m->modes.recompute_block) {  // (a recomputed block has just built them)
         llama_qk_rebuild(m, layer, a, T_Q, N, T);
         llama_qk_rebuild(m, layer, a, T_K, N, T);
     }
     llama_attention_backward(m, l, a, B, T);
-    op_rope(be, sc->dq, m->w.rope_cos, m->w.rope_sin, m->io.pos, N, T, c->heads, c->head_dim, c->rot_dim, ROPE_INVERSE);
-    op_rope(be, sc->dk, m->w.rope_cos, m->w.rope_sin, m->io.pos, N, T, c->kv_heads, c->head_dim, c->rot_dim,
-            ROPE_INVERSE);
+    RopeTables rt = llama_rope_of(m, layer);
+    op_rope(be, sc->dq, rt.cos, rt.sin, m->io.pos, N, T, c->heads, c->head_dim, c->rot_dim, ROPE_INVERSE);
+    op_rope(be, sc->dk, rt.cos, rt.sin, m->io.pos, N, T, c->kv_heads, c->head_dim, c->rot_dim, ROPE_INVERSE);
     op_linear_backward(be, sc->dz, llama_qk_norm_backward(m, layer, a, T_Q, sc->dq, N), a->z1, a->ax[T_Q],
                        &layer->lin[T_Q], sc->dax, N, r, s, OUT_WRITE);
     op_linear_backward(be, sc->dz, llama_qk_norm_backward(m, layer, a, T_K, sc->dk, N), a->z1, a->ax[T_K],
@@ -563,7 +642,7 @@ static void llama_backward_blocks(Llama* m, int B, int T) {
 // The final norm and the head, with their gradients under --full, as the loss reads them.
 static LmHead llama_lm_head(const Llama* m) {
     LmHead h = {m->w.final_norm,       m->cfg.norm_eps, m->w.lm_head,  m->cfg.vocab,     m->cfg.dim,
-                m->scratch.loss_chunk, &m->scratch.loss, m->w.dlm_head, m->w.dfinal_norm};
+                m->scratch.loss_chunk, &m->scratch.loss, m->w.dlm_head, m->w.dfinal_norm, m->cfg.final_softcap};
     return h;
 }
 
@@ -582,9 +661,10 @@ static LossStats llama_head_backward(Llama* m, int B, int T, float grad_scale, i
     op_lm_head_loss(m->be, &head, &call, &st);
     if (!backward) return st;
     llama_backward_blocks(m, B, T);
+    if (m->w.dembed && m->w.embed_scale) op_scale_columns(m->be, sc->dres, sc->dres, m->w.embed_scale, N, c->dim);
     if (m->w.dembed)
-        op_embedding_backward(m->be, m->w.dembed, sc->dres, m->io.inputs, m->io.embed_order, N,
-                              m->cfg.dim);  // dres: d loss / d embeddings
+        op_embedding_backward(m->be, m->w.dembed, sc->dres, m->io.inputs, m->io.embed_order, N, c->dim,
+                              c->pad_skip);  // dres: d loss / d embeddings
     return st;
 }
 

@@ -12,6 +12,13 @@
 //            gate_up_proj (split by rows on load: llama_hf_module); partial_rotary_factor (RoPE on the
 //            first factor*head_dim dims of each head); LongRoPE (rope_scaling longrope/su); a sliding
 //            window on every layer where sliding_window is set
+//   gemma2   RMSNorm scaling by (1 + w) in fp32; embeddings scaled by sqrt(hidden) (in the weights'
+//            dtype); GeGLU with the tanh GELU; sandwich norms (post-attention and post-feedforward
+//            norms on each branch's output); final-logit soft-capping; query_pre_attn_scalar;
+//            a sliding window on the even layers; tied embeddings by default
+//   gemma3_text  gemma2's without soft-capping, with qwen3's q/k norms (scaling by 1 + w), local
+//            layers (sliding_window_pattern or layer_types) with their own RoPE base
+//            (rope_local_base_freq), linear RoPE scaling on the global layers
 // Anything else is refused in one line naming it, never passed over: another model_type or
 // architecture, a config key this file does not know (it could change the math), a value of a
 // known key that the trainer does not implement (rope_scaling types but llama3, a partial rotary
@@ -49,6 +56,12 @@ typedef struct {
     int rope_longrope;
     float rope_attn_factor;
     float long_factor[LLAMA_MAX_ROPE_PAIRS], short_factor[LLAMA_MAX_ROPE_PAIRS];  // [rot_dim / 2]
+    int gemma;                             // Gemma 2/3: norms scale by 1 + w (llama_io.h holds the gammas as
+                                           // 1 + w), embeddings by embed_scale, GeGLU (tanh GELU), sandwich norms
+    float rope_local_theta;                // Gemma 3: the RoPE base of the sliding (local) layers (0: rope_theta)
+    float rope_linear;                     // linear RoPE scaling: positions divided by this (0: none)
+    int pad_skip;                          // pad_token_id, the embedding row transformers' padding_idx leaves
+                                           // without a gradient (--full); -1: none (llama_config_pad)
 } LlamaConfig;
 
 // The window layer l attends over: 0 for every position before it, else the last W positions.
@@ -70,6 +83,11 @@ static const char* const llama_known_keys[] = {
     // Phi-3's (llama_config_phi3 refuses them elsewhere and checks their values)
     "original_max_position_embeddings", "embd_pdrop", "resid_pdrop", "lm_head_bias", "full_attn_mod",
     "interpolate_factor",
+    // Gemma 2 / Gemma 3 (llama_config_gemma)
+    "hidden_activation", "query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping",
+    "sliding_window_pattern", "rope_local_base_freq", "use_bidirectional_attention",
+    // the KV cache's kind for generation in transformers (no change in math)
+    "cache_implementation",
     // bookkeeping of transformers' PretrainedConfig and of the exporters
     "_name_or_path", "torch_dtype", "dtype", "transformers_version", "use_cache", "initializer_range", "pad_token_id",
     "sep_token_id", "decoder_start_token_id", "tokenizer_class", "output_attentions", "output_hidden_states",
@@ -100,17 +118,23 @@ static void llama_check_known_keys(const Json* j, const char* path) {
 
 // model_type and architectures: the five families as causal LMs, nothing else.
 static void llama_config_family(LlamaConfig* c, const Json* j, const char* path) {
-    static const char* const types[] = {"llama", "mistral", "qwen2", "qwen3", "phi3"};
+    static const char* const types[] = {"llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text"};
     static const char* const archs[] = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                                        "Qwen3ForCausalLM", "Phi3ForCausalLM"};
+                                        "Qwen3ForCausalLM", "Phi3ForCausalLM", "Gemma2ForCausalLM",
+                                        "Gemma3ForCausalLM"};
+    const int n_types = (int)(sizeof(types) / sizeof(types[0]));
     const Json* mt = json_get(j, "model_type");
     if (!mt || mt->type != JSON_STRING)
-        fail("%s: no model_type string (expected llama, mistral, qwen2, qwen3 or phi3)", path);
+        fail("%s: no model_type string (expected llama, mistral, qwen2, qwen3, phi3, gemma2 or "
+             "gemma3_text)", path);
     int f = 0;
-    while (f < 5 && strcmp(mt->string, types[f]) != 0) f++;
-    if (f == 5)
-        fail("%s: model_type \"%.60s\" is not supported (train_llama reads llama, mistral, qwen2, qwen3 and phi3%s)",
-             path, mt->string, strcmp(mt->string, "vit") == 0 ? "; a ViT is train_vit's" : "");
+    while (f < n_types && strcmp(mt->string, types[f]) != 0) f++;
+    if (f == n_types)
+        fail("%s: model_type \"%.60s\" is not supported (train_llama reads llama, mistral, qwen2, qwen3, gemma2 and "
+             "gemma3_text%s)", path, mt->string,
+             strcmp(mt->string, "vit") == 0 ? "; a ViT is train_vit's"
+             : strcmp(mt->string, "gemma3") == 0 ? "; a gemma3 directory is the multimodal model: its text model "
+                                                   "is not read out of it here" : "");
     snprintf(c->family, sizeof(c->family), "%s", types[f]);
     const Json* ar = json_get(j, "architectures");
     if (!ar || ar->type == JSON_NULL) return;
@@ -180,9 +204,13 @@ static void llama_config_rope_scaling(LlamaConfig* c, const Json* j, const char*
         llama_config_longrope(c, j, rs, path);
         return;
     }
+    if (strcmp(type, "linear") == 0 && !strcmp(c->family, "gemma3_text")) {  // Gemma 3: on the global layers
+        c->rope_linear = json_positive_float(json_number_req(rs, "factor", path), "rope_scaling.factor", path);
+        return;
+    }
     if (strcmp(type, "llama3") != 0)
         fail("%s: rope_scaling type \"%.40s\" is not supported (expected %s or default)", path, type,
-             c->fused ? "longrope, su" : "llama3");
+             c->fused ? "longrope, su" : !strcmp(c->family, "gemma3_text") ? "llama3, linear" : "llama3");
     c->rope_llama3 = 1;
     c->rs_factor = json_positive_float(json_number_req(rs, "factor", path), "rope_scaling.factor", path);
     c->rs_low_freq =
@@ -194,6 +222,14 @@ static void llama_config_rope_scaling(LlamaConfig* c, const Json* j, const char*
     if (!(c->rs_high_freq > c->rs_low_freq))
         fail("%s: rope_scaling.high_freq_factor (%g) must exceed low_freq_factor (%g)", path, c->rs_high_freq,
              c->rs_low_freq);
+}
+
+// bos/eos ids: the number when it is one an int holds (a cast of 1e12 would be undefined), else
+// the default (also for a list, as Llama-3.1's eos is).
+static int llama_token_id_or(const Json* j, const char* key, int dflt) {
+    const Json* v = json_get(j, key);
+    if (!v || v->type != JSON_NUMBER || !(v->number >= 0 && v->number < 2147483647.0)) return dflt;
+    return (int)v->number;
 }
 
 // The sliding window and the layers it applies to (layer_sliding), as transformers decides them:
@@ -209,6 +245,13 @@ static void llama_config_window(LlamaConfig* c, const Json* j, const char* path)
     if (!mistral && use) from = json_get(j, "max_window_layers") && json_get(j, "max_window_layers")->type != JSON_NULL
                                     ? json_int_in(j, "max_window_layers", path, 0, 1 << 30) : 28;
     for (int l = 0; l < c->layers; l++) c->layer_sliding[l] = l >= from;
+    if (!strcmp(c->family, "gemma2"))  // transformers' Gemma2: the even layers are the sliding ones
+        for (int l = 0; l < c->layers; l++) c->layer_sliding[l] = l % 2 == 0;
+    if (!strcmp(c->family, "gemma3_text")) {  // every layer but each pattern-th one is local
+        const Json* pt = json_get(j, "sliding_window_pattern");
+        int pattern = pt && pt->type != JSON_NULL ? json_int_in(j, "sliding_window_pattern", path, 1, 1 << 20) : 6;
+        for (int l = 0; l < c->layers; l++) c->layer_sliding[l] = (l + 1) % pattern != 0;
+    }
     const Json* lt = json_get(j, "layer_types");
     if (lt && lt->type != JSON_NULL) {
         if (lt->type != JSON_ARRAY) fail("%s: layer_types must be a list", path);
@@ -225,15 +268,61 @@ static void llama_config_window(LlamaConfig* c, const Json* j, const char* path)
     int any = 0;
     for (int l = 0; l < c->layers; l++) any |= c->layer_sliding[l];
     const Json* w = json_get(j, "sliding_window");
+    if (any && c->gemma && !w) { c->sliding_window = 4096; return; }  // both Gemma configs' default
     if (!any || !w || w->type == JSON_NULL) return;
     c->sliding_window = json_int_in(j, "sliding_window", path, 1, 1 << 30);
 }
 
+// Gemma 2 and Gemma 3 text: their own keys and defaults (transformers' Gemma2Config and
+// Gemma3TextConfig), read after the common ones: the attention scale, both soft-caps (attention's
+// in llmc/cpu/attention.h and the CUDA paths, the logits' in the chunked loss). Another family
+// with a Gemma key set is refused (transformers would ignore it: a config that says what its model does not do).
+static void llama_config_gemma(LlamaConfig* c, const Json* j, const char* path) {
+    static const char* const keys[] = {"hidden_activation", "query_pre_attn_scalar", "attn_logit_softcapping",
+                                       "final_logit_softcapping", "sliding_window_pattern", "rope_local_base_freq",
+                                       "use_bidirectional_attention"};
+    int g2 = !strcmp(c->family, "gemma2"), g3 = !strcmp(c->family, "gemma3_text");
+    for (int k = 0; k < 7; k++) {
+        const Json* v = json_get(j, keys[k]);
+        int g3_only = k >= 4;
+        if (v && v->type != JSON_NULL && (!(g2 || g3) || (g2 && g3_only)))
+            fail("%s: \"%s\" is a %s key, not a %s one (refused rather than ignored)", path, keys[k],
+                 g3_only ? "gemma3_text" : "Gemma", c->family);
+    }
+    if (!g2 && !g3) return;
+    c->gemma = 1;
+    const char* act = json_string_or(j, "hidden_activation", "gelu_pytorch_tanh");
+    if (strcmp(act, "gelu_pytorch_tanh") != 0)
+        fail("%s: hidden_activation \"%.40s\" is not supported (expected gelu_pytorch_tanh)", path, act);
+    double qs = json_number_opt(j, "query_pre_attn_scalar", path, g2 ? 224.0 : 256.0);
+    c->attn_scale = (float)(1.0 / sqrt(json_positive_float(qs, "query_pre_attn_scalar", path)));
+    const Json* ac = json_get(j, "attn_logit_softcapping");
+    if (ac && ac->type != JSON_NULL)
+        c->attn_softcap = json_positive_float(json_number_req(j, "attn_logit_softcapping", path),
+                                              "attn_logit_softcapping", path);
+    else if (g2 && !ac) c->attn_softcap = 50.0f;  // Gemma2Config's default
+    const Json* fc = json_get(j, "final_logit_softcapping");
+    if (fc && fc->type != JSON_NULL)
+        c->final_softcap = json_positive_float(json_number_req(j, "final_logit_softcapping", path),
+                                               "final_logit_softcapping", path);
+    else if (g2 && !fc) c->final_softcap = 30.0f;  // Gemma2Config's default
+    if (llama_config_bool(j, "use_bidirectional_attention", path, 0))
+        fail("%s: use_bidirectional_attention is not supported (a causal LM attends to the past only)", path);
+    if (!json_get(j, "tie_word_embeddings")) c->tied = 1;  // both configs tie by default
+    if (g3 && !json_get(j, "rope_theta")) c->rope_theta = 1000000.0f;
+    if (g3)
+        c->rope_local_theta = json_positive_float(json_number_opt(j, "rope_local_base_freq", path, 10000.0),
+                                                  "rope_local_base_freq", path);
+    c->qk_norm = g3;
+}
+
 // Values of known keys that the trainer does not implement, refused.
-static void llama_config_refusals(const Json* j, const char* path) {
-    const char* act = json_string_or(j, "hidden_act", "silu");
-    if (strcmp(act, "silu") != 0) fail("%s: hidden_act \"%.40s\" is not supported (expected silu)", path, act);
-    if (strcmp(json_string_or(j, "model_type", ""), "phi3") != 0) {
+static void llama_config_refusals(const LlamaConfig* c, const Json* j, const char* path) {
+    // Gemma's MLP reads hidden_activation (llama_config_gemma); a hidden_act beside it must agree
+    const char* want = !strncmp(c->family, "gemma", 5) ? "gelu_pytorch_tanh" : "silu";
+    const char* act = json_string_or(j, "hidden_act", want);
+    if (strcmp(act, want) != 0) fail("%s: hidden_act \"%.40s\" is not supported (expected %s)", path, act, want);
+    if (strcmp(c->family, "phi3") != 0) {
         if (json_number_opt(j, "partial_rotary_factor", path, 1.0) != 1.0)
             fail("%s: partial_rotary_factor %g is not supported (RoPE rotates the whole head here)", path,
                  json_number_or(j, "partial_rotary_factor", 1.0));
@@ -279,14 +368,6 @@ static void llama_config_phi3(LlamaConfig* c, const Json* j, const char* path) {
             fail("%s: %s true is not supported for phi3 (its linears have no biases)", path, off[k]);
 }
 
-// bos/eos ids: the number when it is one an int holds (a cast of 1e12 would be undefined), else
-// the default (also for a list, as Llama-3.1's eos is).
-static int llama_token_id_or(const Json* j, const char* key, int dflt) {
-    const Json* v = json_get(j, key);
-    if (!v || v->type != JSON_NUMBER || !(v->number >= 0 && v->number < 2147483647.0)) return dflt;
-    return (int)v->number;
-}
-
 // Sizes. Ranges: every real model lies well inside (Llama-3.1-405B: hidden 16384, intermediate
 // 53248, 126 layers, 128 heads, vocab 128256); beyond them a config is corrupt, and the limits keep
 // every product of sizes the code forms far from 64-bit overflow.
@@ -299,6 +380,8 @@ static void llama_config_sizes(LlamaConfig* c, const Json* j, const char* path) 
     c->vocab = json_int_in(j, "vocab_size", path, 1, 1 << 22);
     if (json_get(j, "head_dim") && json_get(j, "head_dim")->type != JSON_NULL) {
         c->head_dim = json_int_in(j, "head_dim", path, 2, 1024);
+    } else if (!strncmp(c->family, "gemma", 5)) {
+        c->head_dim = 256;  // Gemma2Config's and Gemma3TextConfig's default
     } else {
         if (c->dim % c->heads)
             fail("%s: num_attention_heads (%d) does not divide hidden_size (%d)", path, c->heads, c->dim);
@@ -313,6 +396,17 @@ static void llama_config_sizes(LlamaConfig* c, const Json* j, const char* path) 
                      ? json_int_in(j, "max_position_embeddings", path, 1, 1 << 26) : 2048;
 }
 
+// pad_token_id: transformers builds every family's embedding with padding_idx = pad_token_id, so
+// under --full that row gets no gradient from the lookup. Absent, the config class's default:
+// Gemma 0, Phi-3 32000, the others none; null or outside the vocabulary: none.
+static void llama_config_pad(LlamaConfig* c, const Json* j, const char* path) {
+    (void)path;
+    const Json* pad = json_get(j, "pad_token_id");
+    int dflt = c->gemma ? 0 : c->fused ? 32000 : -1;
+    c->pad_skip = !pad ? dflt : pad->type == JSON_NULL ? -1 : llama_token_id_or(j, "pad_token_id", -1);
+    if (c->pad_skip >= c->vocab) c->pad_skip = -1;
+}
+
 static void llama_config_load(LlamaConfig* c, const char* model_dir) {
     char* path = path_join(model_dir, "config.json");
     if (!dir_exists(model_dir)) fail("flag --model: %s is not a directory", model_dir);
@@ -323,7 +417,7 @@ static void llama_config_load(LlamaConfig* c, const char* model_dir) {
     memset(c, 0, sizeof(*c));
     llama_config_family(c, &j, path);
     llama_check_known_keys(&j, path);
-    llama_config_refusals(&j, path);
+    llama_config_refusals(c, &j, path);
     llama_config_sizes(c, &j, path);
     // A non-positive epsilon divides by zero on an all-zero row; a non-positive base makes RoPE's
     // frequencies NaN: either would surface later as a NaN loss blamed on --lr or the data.
@@ -334,6 +428,7 @@ static void llama_config_load(LlamaConfig* c, const char* model_dir) {
     c->eos_id = llama_token_id_or(&j, "eos_token_id", 2);
     llama_config_phi3(c, &j, path);
     llama_config_rope_scaling(c, &j, path);
+    c->gemma = !strncmp(c->family, "gemma", 5);  // (the window's default reads it; llama_config_gemma sets the rest)
     llama_config_window(c, &j, path);
     int qwen2 = strcmp(c->family, "qwen2") == 0, qwen3 = strcmp(c->family, "qwen3") == 0;
     int attention_bias = llama_config_bool(&j, "attention_bias", path, 0);
@@ -349,6 +444,8 @@ static void llama_config_load(LlamaConfig* c, const char* model_dir) {
     if (bnb_config_nf4(model_dir) && c->fused)
         fail("%s: a bitsandbytes 4-bit phi3 checkpoint is not supported (its fused weights would be split across "
              "quantization blocks); load the unquantized model with --quant nf4", path);
+    llama_config_gemma(c, &j, path);
+    llama_config_pad(c, &j, path);
     json_free(&j);
     free(text);
     free(path);
@@ -389,6 +486,9 @@ static int llama_linear_has_bias(const LlamaConfig* c, int t) {
 // state ("<linear>.weight.absmax", ...) belongs to its weight.
 static int llama_layer_tensor_is_used(const LlamaConfig* c, const char* rest, const char* name, int bnb) {
     if (!strcmp(rest, "input_layernorm.weight") || !strcmp(rest, "post_attention_layernorm.weight")) return 1;
+    if (c->gemma && (!strcmp(rest, "pre_feedforward_layernorm.weight") ||
+                     !strcmp(rest, "post_feedforward_layernorm.weight")))
+        return 1;
     if (c->qk_norm && (!strcmp(rest, "self_attn.q_norm.weight") || !strcmp(rest, "self_attn.k_norm.weight"))) return 1;
     if (!strcmp(rest, "self_attn.rotary_emb.inv_freq")) return 1;
     for (int t = 0; t < 7; t++) {

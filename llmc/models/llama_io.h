@@ -102,6 +102,51 @@ static int llama_read_linear(Llama* m, const StModel* sm, int bnb, const char* n
     return 0;
 }
 
+// Gemma's RMSNorms scale by (1 + w) in fp32: the model holds gamma = 1 + w (the same fp32 value
+// transformers multiplies by), so every norm, merge and gradient path stays that of gamma; the
+// checkpoint's w comes back as gamma - 1 (llama_trained_tensor).
+static float llama_norm_offset(const LlamaConfig* c) { return c->gemma ? 1.0f : 0.0f; }
+
+// A norm's gamma [n] from tensor `name` into g (host), the (1 + w) of Gemma's norms applied.
+static void llama_load_gamma(const Llama* m, const StModel* sm, const char* name, float* g, int64_t n) {
+    load_tensor(sm, name, g, n, 0);
+    for (int64_t i = 0; i < n; i++) g[i] += llama_norm_offset(&m->cfg);
+}
+
+// The block's norms by their Hugging Face names: Gemma's MLP norm is pre_feedforward_layernorm and its
+// post_attention_layernorm the attention's post norm; LLaMA's post_attention_layernorm is the MLP's.
+static const char* llama_mlp_norm_name(const LlamaConfig* c) {
+    return c->gemma ? "pre_feedforward_layernorm" : "post_attention_layernorm";
+}
+
+// Gemma: the sandwich norms' gammas, and the embeddings' scale sqrt(hidden) rounded to the
+// embedding's stored dtype, as transformers computes it in the model's dtype (a bf16 checkpoint's
+// sqrt(3584) is 59.75, an fp32 one's 59.866...).
+static void llama_load_gemma(Llama* m, const StModel* sm, float* tmp) {
+    const LlamaConfig* c = &m->cfg;
+    if (!c->gemma) return;
+    char name[256];
+    int64_t d = c->dim;
+    for (int l = 0; l < c->layers; l++) {
+        LlamaLayer* layer = &m->w.layers[l];
+        snprintf(name, sizeof(name), "model.layers.%d.post_attention_layernorm.weight", l);
+        llama_load_gamma(m, sm, name, tmp, d);
+        backend_set_weight(m->be, layer->post_attn_norm, layer->h_post_attn_norm, tmp, d);
+        snprintf(name, sizeof(name), "model.layers.%d.post_feedforward_layernorm.weight", l);
+        llama_load_gamma(m, sm, name, tmp, d);
+        backend_set_weight(m->be, layer->post_mlp_norm, layer->h_post_mlp_norm, tmp, d);
+    }
+    StDtype dt = st_model_require(sm, "model.embed_tokens.weight")->dtype;
+    float scale = sqrtf((float)d);
+    uint16_t h;
+    if (dt == ST_BF16 || dt == ST_F16) {
+        f32_to_dtype(&h, &scale, 1, dt);
+        scale = dt == ST_BF16 ? bf16_to_f32(h) : f16_to_f32(h);
+    }
+    for (int64_t i = 0; i < d; i++) tmp[i] = scale;
+    backend_set_weight(m->be, m->w.embed_scale, NULL, tmp, d);
+}
+
 static void llama_load_weights(Llama* m, const char* dir) {
     const LlamaConfig* c = &m->cfg;
     int64_t d = c->dim, biggest = (int64_t)c->vocab * d;
@@ -119,22 +164,25 @@ static void llama_load_weights(Llama* m, const char* dir) {
     llama_set_nf4_tables(m, tables);
     char name[256];
     load_weight(m, &sm, "model.embed_tokens.weight", m->w.embed, m->w.h_embed, tmp, c->vocab, d);
-    load_weight(m, &sm, "model.norm.weight", m->w.final_norm, m->w.h_final_norm, tmp, d, 0);
+    llama_load_gamma(m, &sm, "model.norm.weight", tmp, d);
+    backend_set_weight(m->be, m->w.final_norm, m->w.h_final_norm, tmp, d);
     if (!c->tied) load_weight(m, &sm, "lm_head.weight", m->w.lm_head, m->w.h_lm_head, tmp, c->vocab, d);
     for (int l = 0; l < c->layers; l++) {
         LlamaLayer* layer = &m->w.layers[l];
         float *g_attn = m->w.gamma_host + 2 * l * d, *g_mlp = g_attn + d;
         snprintf(name, sizeof(name), "model.layers.%d.input_layernorm.weight", l);
-        load_tensor(&sm, name, g_attn, d, 0);
+        llama_load_gamma(m, &sm, name, g_attn, d);
         backend_set_weight(m->be, layer->attn_norm, layer->h_attn_norm, g_attn, d);
-        snprintf(name, sizeof(name), "model.layers.%d.post_attention_layernorm.weight", l);
-        load_tensor(&sm, name, g_mlp, d, 0);
+        snprintf(name, sizeof(name), "model.layers.%d.%s.weight", l, llama_mlp_norm_name(c));
+        llama_load_gamma(m, &sm, name, g_mlp, d);
         backend_set_weight(m->be, layer->mlp_norm, layer->h_mlp_norm, g_mlp, d);
         if (c->qk_norm) {
             snprintf(name, sizeof(name), "model.layers.%d.self_attn.q_norm.weight", l);
-            load_weight(m, &sm, name, layer->q_norm, layer->h_q_norm, tmp, c->head_dim, 0);
+            llama_load_gamma(m, &sm, name, tmp, c->head_dim);
+            backend_set_weight(m->be, layer->q_norm, layer->h_q_norm, tmp, c->head_dim);
             snprintf(name, sizeof(name), "model.layers.%d.self_attn.k_norm.weight", l);
-            load_weight(m, &sm, name, layer->k_norm, layer->h_k_norm, tmp, c->head_dim, 0);
+            llama_load_gamma(m, &sm, name, tmp, c->head_dim);
+            backend_set_weight(m->be, layer->k_norm, layer->h_k_norm, tmp, c->head_dim);
         }
         for (int t = 0; t < N_TARGETS; t++) {
             Linear* lin = &layer->lin[t];
@@ -156,6 +204,7 @@ static void llama_load_weights(Llama* m, const char* dir) {
             llama_set_linear_weight(m, lin, w);
         }
     }
+    llama_load_gemma(m, &sm, tmp);
     st_model_close(&sm);
     free(tmp);
     if (m->modes.full) trainable_to_device(&m->w.tr);
@@ -196,6 +245,10 @@ static void llama_random_weights(Llama* m, uint64_t seed) {
             backend_set_weight(m->be, layer->q_norm, layer->h_q_norm, qk_ones, c->head_dim);
             backend_set_weight(m->be, layer->k_norm, layer->h_k_norm, qk_ones, c->head_dim);
         }
+        if (c->gemma) {  // the sandwich norms' gammas 1 (w = 0)
+            backend_set_weight(m->be, layer->post_attn_norm, layer->h_post_attn_norm, m->w.gamma_host, d);
+            backend_set_weight(m->be, layer->post_mlp_norm, layer->h_post_mlp_norm, m->w.gamma_host, d);
+        }
         for (int t = 0; t < N_TARGETS; t++) {
             Linear* lin = &layer->lin[t];
             llama_set_linear_weight(m, lin, tmp);
@@ -204,16 +257,27 @@ static void llama_random_weights(Llama* m, uint64_t seed) {
                                    lin->out);
         }
     }
+    if (c->gemma) {  // the embeddings' scale as an fp32 checkpoint's (llama_load_gemma)
+        for (int64_t i = 0; i < d; i++) zeros[i] = sqrtf((float)d);
+        backend_set_weight(m->be, m->w.embed_scale, NULL, zeros, d);
+    }
     free(zeros);
     free(tmp);
     if (m->modes.full) trainable_to_device(&m->w.tr);
 }
 
-// RoPE's frequency i of rot_dim / 2 (rot_dim: head_dim, or Phi-3's rotated part), with Llama-3.1's
-// wavelength-dependent scaling or Phi-3's LongRoPE factor (the long list when the run's sequence T
-// exceeds the original context, as transformers picks it for positions up to T) when configured.
-static double llama_rope_inv_freq(const LlamaConfig* c, int i, int T) {
-    double inv = pow((double)c->rope_theta, -2.0 * i / c->rot_dim);
+// Which RoPE table: the model's, or Gemma 3's local layers' (their own base, no scaling).
+typedef enum { ROPE_GLOBAL, ROPE_LOCAL } RopeKind;
+
+// RoPE's frequency i of rot_dim / 2 (rot_dim: head_dim, or Phi-3's rotated part). The global table
+// takes the configured scaling: Llama-3.1's wavelength-dependent one, Gemma 3's linear one, or
+// Phi-3's LongRoPE factor (the long list when the run's sequence T exceeds the original context,
+// as transformers picks it for positions up to T); Gemma 3's local table has its own base and none.
+static double llama_rope_inv_freq(const LlamaConfig* c, RopeKind kind, int i, int T) {
+    double theta = kind == ROPE_LOCAL ? c->rope_local_theta : c->rope_theta;
+    double inv = pow(theta, -2.0 * i / c->rot_dim);
+    if (kind == ROPE_LOCAL) return inv;
+    if (c->rope_linear > 0.0f) return inv / c->rope_linear;
     if (c->rope_longrope) return inv / (T > c->rs_original_ctx ? c->long_factor[i] : c->short_factor[i]);
     if (!c->rope_llama3) return inv;
     double wavelen = 2.0 * M_PI / inv;
@@ -224,8 +288,9 @@ static double llama_rope_inv_freq(const LlamaConfig* c, int i, int T) {
     return (1.0 - smooth) * inv / c->rs_factor + smooth * inv;
 }
 
-// RoPE tables [T, rot_dim / 2]; LongRoPE scales cos and sin by its attention factor.
-static void llama_rope_tables(Llama* m) {
+// One RoPE table pair (cos, sin [T, rot_dim / 2]) to the backend; LongRoPE scales cos and sin by its
+// attention factor.
+static void llama_rope_table(Llama* m, RopeKind kind, float* dev_cos, float* dev_sin) {
     const LlamaConfig* c = &m->cfg;
     int half = c->rot_dim / 2;
     int T = m->sp.T;  // every position of the whole sequence (a sequence-parallel rank's slice starts past 0)
@@ -233,15 +298,20 @@ static void llama_rope_tables(Llama* m) {
     float* cs = (float*)xmalloc(sizeof(float) * 2 * T * half);
     float* sn = cs + (int64_t)T * half;
     for (int i = 0; i < half; i++) {
-        double inv = llama_rope_inv_freq(c, i, T);
+        double inv = llama_rope_inv_freq(c, kind, i, T);
         for (int t = 0; t < T; t++) {
             cs[(int64_t)t * half + i] = (float)(scale * cos(t * inv));
             sn[(int64_t)t * half + i] = (float)(scale * sin(t * inv));
         }
     }
-    backend_upload(m->be, m->w.rope_cos, cs, sizeof(float) * T * half);
-    backend_upload(m->be, m->w.rope_sin, sn, sizeof(float) * T * half);
+    backend_upload(m->be, dev_cos, cs, sizeof(float) * T * half);
+    backend_upload(m->be, dev_sin, sn, sizeof(float) * T * half);
     free(cs);
+}
+
+static void llama_rope_tables(Llama* m) {
+    llama_rope_table(m, ROPE_GLOBAL, m->w.rope_cos, m->w.rope_sin);
+    if (m->w.rope_local_cos) llama_rope_table(m, ROPE_LOCAL, m->w.rope_local_cos, m->w.rope_local_sin);
 }
 
 // Fresh adapters: A ~ kaiming-uniform (bound 1/sqrt(in), as PEFT), B = 0, so step 0 is exactly
@@ -343,23 +413,42 @@ static int llama_linear_named(Llama* m, const char* name, Linear* view, int* lay
 }
 
 // Under --full, the host mirror of the trained non-linear weight whose Hugging Face name is
-// `name` (embedding, head, final norm, block norms under standard norms, Qwen3's q/k norms, the
-// linears' biases), or NULL.
-static const float* llama_trained_tensor(const Llama* m, const char* name) {
-    if (!m->modes.full) return NULL;
-    if (!strcmp(name, "model.embed_tokens.weight")) return m->w.h_embed;
+// `name` (embedding, head, final norm, block norms under standard norms, Qwen3's q/k norms, Gemma's
+// sandwich norms, the linears' biases), or NULL. *offset: what the model added to the stored values
+// (Gemma's norms hold 1 + w: llama_norm_offset), to be taken off again.
+static const float* llama_trained_norm(const Llama* m, const char* name, float* offset) {
+    *offset = llama_norm_offset(&m->cfg);
     if (!strcmp(name, "model.norm.weight")) return m->w.h_final_norm;
-    if (!strcmp(name, "lm_head.weight")) return m->cfg.tied ? NULL : m->w.h_lm_head;
     char buf[128];
     for (int l = 0; l < m->cfg.layers; l++) {
+        const LlamaLayer* L = &m->w.layers[l];
         snprintf(buf, sizeof(buf), "model.layers.%d.input_layernorm.weight", l);
-        if (!strcmp(name, buf)) return m->w.layers[l].h_attn_norm;
-        snprintf(buf, sizeof(buf), "model.layers.%d.post_attention_layernorm.weight", l);
-        if (!strcmp(name, buf)) return m->w.layers[l].h_mlp_norm;
+        if (!strcmp(name, buf)) return L->h_attn_norm;
+        snprintf(buf, sizeof(buf), "model.layers.%d.%s.weight", l, llama_mlp_norm_name(&m->cfg));
+        if (!strcmp(name, buf)) return L->h_mlp_norm;
         snprintf(buf, sizeof(buf), "model.layers.%d.self_attn.q_norm.weight", l);
-        if (!strcmp(name, buf)) return m->w.layers[l].h_q_norm;
+        if (!strcmp(name, buf)) return L->h_q_norm;
         snprintf(buf, sizeof(buf), "model.layers.%d.self_attn.k_norm.weight", l);
-        if (!strcmp(name, buf)) return m->w.layers[l].h_k_norm;
+        if (!strcmp(name, buf)) return L->h_k_norm;
+        if (!m->cfg.gemma) continue;
+        snprintf(buf, sizeof(buf), "model.layers.%d.post_attention_layernorm.weight", l);
+        if (!strcmp(name, buf)) return L->h_post_attn_norm;
+        snprintf(buf, sizeof(buf), "model.layers.%d.post_feedforward_layernorm.weight", l);
+        if (!strcmp(name, buf)) return L->h_post_mlp_norm;
+    }
+    *offset = 0.0f;
+    return NULL;
+}
+
+static const float* llama_trained_tensor(const Llama* m, const char* name, float* offset) {
+    *offset = 0.0f;
+    if (!m->modes.full) return NULL;
+    if (!strcmp(name, "model.embed_tokens.weight")) return m->w.h_embed;
+    if (!strcmp(name, "lm_head.weight")) return m->cfg.tied ? NULL : m->w.h_lm_head;
+    const float* norm = llama_trained_norm(m, name, offset);
+    if (norm) return norm;
+    char buf[128];
+    for (int l = 0; l < m->cfg.layers; l++) {
         for (int t = 0; t < N_TARGETS; t++) {  // biases, where the model has them (L->bias: the host mirror)
             snprintf(buf, sizeof(buf), "model.layers.%d.%s.bias", l, llama_hf_module(&m->cfg, t));
             if (!strcmp(name, buf)) return m->w.layers[l].lin[t].dbias ? m->w.layers[l].lin[t].bias : NULL;
@@ -425,10 +514,14 @@ static void llama_export_merged(Llama* m, const TrainOptions* o, const char* dir
             int l = 0, tg = 0;
             Linear view;
             const Linear* L = llama_linear_named(m, t->name, &view, &l, &tg) ? &view : NULL;
-            const float* trained = llama_trained_tensor(m, t->name);
-            if (trained) {  // --full: embedding, head or a norm, as trained
+            float offset;
+            const float* trained = llama_trained_tensor(m, t->name, &offset);
+            if (trained) {  // --full: embedding, head or a norm, as trained (a Gemma norm's w = gamma - 1)
                 owned[k] = xmalloc(st_dtype_size(t->dtype) * st_numel(t));
-                f32_to_dtype(owned[k], trained, st_numel(t), t->dtype);
+                float* stored = (float*)xmalloc(sizeof(float) * st_numel(t));
+                for (int64_t i = 0; i < st_numel(t); i++) stored[i] = trained[i] - offset;
+                f32_to_dtype(owned[k], stored, st_numel(t), t->dtype);
+                free(stored);
                 st_writer_add(&w, t->name, t->dtype, t->ndim, t->shape, owned[k++]);
                 continue;
             }

@@ -42,6 +42,10 @@ static void llama_plan_weights(Llama* m, MemPlan* p) {
             plan_add(p, MEM_FROZEN, "attn_norm", l, "attn_norm", d * wbytes, &layer->attn_norm);
             plan_add(p, MEM_FROZEN, "mlp_norm", l, "mlp_norm", d * wbytes, &layer->mlp_norm);
         }
+        if (c->gemma && !md->full) {  // the sandwich norms (trained under --full: the arena's)
+            plan_add(p, MEM_FROZEN, "post_norm", l, "post_attn_norm", d * wbytes, &layer->post_attn_norm);
+            plan_add(p, MEM_FROZEN, "post_norm", l, "post_mlp_norm", d * wbytes, &layer->post_mlp_norm);
+        }
         if (c->qk_norm && !md->full) {
             plan_add(p, MEM_FROZEN, "qk_norm", l, "q_norm", c->head_dim * wbytes, &layer->q_norm);
             plan_add(p, MEM_FROZEN, "qk_norm", l, "k_norm", c->head_dim * wbytes, &layer->k_norm);
@@ -65,7 +69,9 @@ static void llama_plan_weights(Llama* m, MemPlan* p) {
         plan_add(p, MEM_FROZEN, "nf4", -1, "nf4_tables", sizeof(float) * NF4_TABLE_FLOATS, &m->w.nf4_tables);
         plan_add(p, MEM_SCRATCH, "nf4", -1, "nf4_dequant", biggest * wbytes, &m->w.nf4_scratch);
     }
+    if (c->gemma) plan_add(p, MEM_FROZEN, "embedding", -1, "embed_scale", d * wbytes, &m->w.embed_scale);
     int64_t n_params = md->full ? V * d * (c->tied ? 1 : 2) + d + (train_norms ? 2 * c->layers * d : 0) : 0;
+    if (md->full && c->gemma) n_params += 2 * c->layers * d;  // the post norms train in every norm mode
     if (md->full && c->qk_norm) n_params += 2 * c->layers * c->head_dim;
     for (int l = 0; l < c->layers; l++)
         for (int t = 0; t < N_TARGETS; t++) {
@@ -165,6 +171,10 @@ static void llama_plan_block(Llama* m, MemPlan* p, int l) {
     plan_block_act(p, m, l, keep, "attention", "v", kv_kept, &a->v, &s->v);
     plan_block_act(p, m, l, keep, "attention", "o", N * qd * abytes, &a->o, &s->o);
     plan_block_act(p, m, l, keep, "attention", "lse", N * c->heads * 4, &a->lse, &s->lse);
+    if (c->gemma) {  // the post norms' inputs and 1/rms (standard norms: their backward reads the input)
+        plan_block_act(p, m, l, keep, "post_norm_std", "attn_out", N * d * abytes, &a->ya, &s->ya);
+        plan_block_act(p, m, l, keep, "post_norm_std", "attn_out_r", N * 4, &a->ra, &s->ra);
+    }
     int64_t tile = m->mlp_tile, rows = keep ? N : tile;  // rows of the MLP's kept (N) or shared (tile) buffers
     for (int t = 0; t < N_TARGETS; t++) {  // a fused module's parts share A x: the lead's (llama_bind)
         if (!(md->targets >> t & 1) || !llama_module_lead(c, t)) continue;
@@ -176,13 +186,18 @@ static void llama_plan_block(Llama* m, MemPlan* p, int l) {
     if (!md->ms) plan_block_act(p, m, l, keep, "mlp_norm", "h_mid", rows * d * abytes, &a->h_mid, &s->h_mid);
     plan_block_act(p, m, l, keep, "mlp_norm", "r2", rows * 4, &a->r2, &s->r2);
     plan_block_act(p, m, l, keep_z2, "gate_up_input", "z2", (keep_z2 ? N : tile) * d * abytes, &a->z2, &s->z2);
-    if (!md->approx) plan_block_act(p, m, l, keep, "silu", "g", rows * f * abytes, &a->g, &s->g);
+    const char *act = c->gemma ? "gelu" : "silu", *prod = c->gemma ? "geglu_product" : "swiglu_product";
+    if (!md->approx) plan_block_act(p, m, l, keep, act, "g", rows * f * abytes, &a->g, &s->g);
     if (md->approx)
-        plan_block_act(p, m, l, keep, "silu", "codes", (size_t)packed_codes_bytes(rows * f), &a->codes, &s->codes);
-    plan_block_act(p, m, l, keep, "swiglu_product", "silu_g", rows * f * abytes, &a->sg, &s->sg);
-    plan_block_act(p, m, l, keep, "swiglu_product", "up", rows * f * abytes, &a->u, &s->u);
+        plan_block_act(p, m, l, keep, act, "codes", (size_t)packed_codes_bytes(rows * f), &a->codes, &s->codes);
+    plan_block_act(p, m, l, keep, prod, c->gemma ? "gelu_g" : "silu_g", rows * f * abytes, &a->sg, &s->sg);
+    plan_block_act(p, m, l, keep, prod, "up", rows * f * abytes, &a->u, &s->u);
     if (llama_keeps_down_input(m))
         plan_block_act(p, m, l, keep, "down_input", "product", rows * f * abytes, &a->p, &s->p);
+    if (c->gemma) {
+        plan_block_act(p, m, l, keep, "post_norm_std", "mlp_out", rows * d * abytes, &a->ym, &s->ym);
+        plan_block_act(p, m, l, keep, "post_norm_std", "mlp_out_r", rows * 4, &a->rm, &s->rm);
+    }
 }
 
 // Scratch of the forward and backward passes: the residual stream, the activation gradients, the
@@ -261,6 +276,8 @@ static void llama_plan_scratch(Llama* m, MemPlan* p) {
     plan_add(p, MEM_SCRATCH, "grads", -1, "dg", m->mlp_tile * f * abytes, &m->scratch.dg);
     plan_add(p, MEM_SCRATCH, "grads", -1, "du", m->mlp_tile * f * abytes, &m->scratch.du);
     plan_add(p, MEM_SCRATCH, "grads", -1, "dax", N * r * abytes, &m->scratch.dax);
+    if (m->cfg.gemma)  // the post norms' output on its way to the residual stream, their gradient in backward
+        plan_add(p, MEM_SCRATCH, "post_norm", -1, "post", N * d * abytes, &m->scratch.tmp.post);
     if (llama_adapters_see_gamma(m) && lora_norm_inputs)
         plan_add(p, MEM_SCRATCH, "lora", -1, "lora_norm_work", lora_norm_work_bytes((int)r, (int)d, abytes),
                  &m->scratch.lora_norm_work);
@@ -311,6 +328,10 @@ static void llama_plan(Llama* m, MemPlan* p) {
     int64_t rope_bytes = (int64_t)m->sp.T * (c->rot_dim / 2) * 4;  // [T, rot/2] fp32: 2 GiB at 8M positions
     plan_add(p, MEM_SCRATCH, "rope", -1, "rope_cos", rope_bytes, &m->w.rope_cos);
     plan_add(p, MEM_SCRATCH, "rope", -1, "rope_sin", rope_bytes, &m->w.rope_sin);
+    if (c->rope_local_theta > 0.0f) {  // Gemma 3's local layers: their own base
+        plan_add(p, MEM_SCRATCH, "rope", -1, "rope_local_cos", rope_bytes, &m->w.rope_local_cos);
+        plan_add(p, MEM_SCRATCH, "rope", -1, "rope_local_sin", rope_bytes, &m->w.rope_local_sin);
+    }
     for (int l = 0; l < c->layers; l++) llama_plan_block(m, p, l);
     llama_plan_scratch(m, p);
 }
@@ -366,6 +387,12 @@ static void llama_bind(Llama* m) {
                         trainable_bind_tensor(&m->w.tr, &off, d, &layer->attn_norm, &layer->dattn_norm, NULL);
                     layer->h_mlp_norm =
                         trainable_bind_tensor(&m->w.tr, &off, d, &layer->mlp_norm, &layer->dmlp_norm, NULL);
+                }
+                if (m->modes.full && c->gemma) {  // the sandwich norms train in every norm mode (standard)
+                    layer->h_post_attn_norm = trainable_bind_tensor(&m->w.tr, &off, d, &layer->post_attn_norm,
+                                                                    &layer->dpost_attn_norm, NULL);
+                    layer->h_post_mlp_norm = trainable_bind_tensor(&m->w.tr, &off, d, &layer->post_mlp_norm,
+                                                                   &layer->dpost_mlp_norm, NULL);
                 }
                 if (m->modes.full && c->qk_norm) {  // Qwen3's q/k norms train in every norm mode (no merge took them)
                     layer->h_q_norm =
@@ -684,6 +711,10 @@ static int llama_dry_run(const LlamaConfig* cfg, const TrainOptions* o_given, Tr
     if (dist_sp(&ranks) > 1) str_appendf(header, sizeof(header), " (%d per sequence)", dist_sp(&ranks));
     if (*fit_line) str_appendf(header, sizeof(header), "\n%s", fit_line);
     llama_tile_line(header, sizeof(header), &m, o, &given, &md);
+    if (cfg->gemma)  // which of Gemma's norms the memory-sharing backward takes, and which stay standard
+        str_appendf(header, sizeof(header), "\nnorms: attn_norm, mlp_norm%s: MS under --norm ms (they feed linears); "
+                    "post_norm_std (attention's and MLP's output) and the final norm (tied head): standard in every "
+                    "mode", cfg->qk_norm ? ", q/k norms" : "");
     str_appendf(json, sizeof(json), ", \"mlp_tile\": %lld, \"offload_staging\": %d", (long long)m.mlp_tile,
                 m.modes.offload_host ? m.saved.ckpt.offload.slots : 0);
     train_dry_run_report(o, &m.plan, &base.plan, &be, json, header);

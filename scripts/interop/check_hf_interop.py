@@ -21,7 +21,7 @@ import shards  # noqa: E402
 
 def masked_loss(model, windows, mask):
     with torch.no_grad():
-        logits = model(torch.from_numpy(windows[:, :-1])).logits.double()
+        logits = model(torch.from_numpy(windows[:, :-1]), use_cache=False).logits.double()  # (Gemma 2: no HybridCache)
     logp = torch.log_softmax(logits, -1)
     nll = -logp.gather(-1, torch.from_numpy(windows[:, 1:]).unsqueeze(-1)).squeeze(-1)
     m = torch.from_numpy(mask)

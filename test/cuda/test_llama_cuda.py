@@ -105,16 +105,18 @@ def test_cuda_ms_lora_matches_cpu_std(models, name):
 
 
 @pytest.mark.parametrize("mode", ["baseline", "lowmem", "ckpt"])
-@pytest.mark.parametrize("name", ["gqa_untied", "qwen2", "qwen3", "llama_bias"])
+@pytest.mark.parametrize("name", ["gqa_untied", "qwen2", "qwen3", "llama_bias", "gemma2", "gemma3"])
 def test_cuda_probe_full_finetuning_matches_cpu(models, name, mode):
     """--full: every linear weight's gradient (fp32 masters, bf16 shadows in the products), and the
-    families' biases and Qwen3's q/k norms."""
+    families' biases, Qwen3's q/k norms and Gemma's post norms."""
     d, cp, r, alpha = models[name]
     act, norm, rec, extra = MODES[mode]
     want = probe(CPU_PROBE, d, cp, cp + f".full.{mode}.cpu", act, norm, rec, r, alpha, extra + ["--full"], "cpu")
     got = probe(CUDA_PROBE, d, cp, cp + f".full.{mode}.cuda", act, norm, rec, r, alpha, extra + ["--full"], "cuda")
-    assert set(got) == set(want) and sum(k.endswith(".W") for k in want) == 2 * 7
-    assert any(k.endswith(".b") or k.endswith("q_norm") for k in want) == (name != "gqa_untied")
+    n_layers = lc.CONFIGS[name]["num_hidden_layers"]
+    assert set(got) == set(want) and sum(k.endswith(".W") for k in want) == n_layers * 7
+    assert any(k.endswith(".b") or k.endswith("q_norm") or k.endswith("post_mlp_norm") for k in want) == (
+        name != "gqa_untied")
     e_logits = rel_l2(got["logits"], want["logits"])
     grads = sorted((rel_l2(got[k], want[k]), k) for k in want if k.startswith("grad."))
     print(f"full {name} {mode}: logits {e_logits:.2e}  grads worst {grads[-1][0]:.2e} ({grads[-1][1]})")

@@ -3,7 +3,8 @@ scripts/formats/chat_template.py, which is jinja2 as transformers sets it up) ag
 apply_chat_template (transformers 4.46 in build/hfvenv, the venv the HF interop tests use):
 SmolLM2's and Llama-3's real templates, Llama-3.1's (whose tool branches, outside the C subset, a
 conversation without tools never reaches), templates written here that render as Qwen2.5's and
-Qwen3's do (namespace(), reversed slices, split, string slicing, <think> blocks), and one that uses
+Qwen3's do (namespace(), reversed slices, split, string slicing, <think> blocks) and as Gemma 3's does
+(the system message folded into the first user turn, the role "model"), and one that uses
 the rest of the subset; on conversations with and without a system message, one and several turns,
 reasoning, whitespace the templates trim, Unicode, and add_generation_prompt both ways. Templates
 outside the C subset fail there in one line naming the construct, and render in Python as in
@@ -57,6 +58,9 @@ QWEN_TOKENS = {"bos_token": "<|endoftext|>", "eos_token": "<|im_end|>"}
 # written here too: Phi-3-mini's and Phi-3.5-mini's conversation layout (<|user|> ... <|end|>)
 PHI3 = open(os.path.join(FIXTURES, "chat_phi3.jinja"), encoding="utf-8").read()
 PHI3_TOKENS = {"bos_token": "<s>", "eos_token": "<|endoftext|>"}
+# written here (not copied): a template that renders conversations as Gemma 3's does (its header says how)
+GEMMA = open(os.path.join(FIXTURES, "chat_gemma.jinja"), encoding="utf-8").read()
+GEMMA_TOKENS = {"bos_token": "<bos>", "eos_token": "<end_of_turn>"}
 
 CONVERSATIONS = [
     [{"role": "user", "content": "Hi there!"}],
@@ -130,7 +134,8 @@ def c_render(tmp_path, case):
 def cases():
     templates = {"smollm2": (smollm2_template(), SMOLLM2_TOKENS), "llama3": (LLAMA3, LLAMA3_TOKENS),
                  "llama31": (LLAMA31, LLAMA3_TOKENS), "subset": (SUBSET, LLAMA3_TOKENS),
-                 "qwen25": (QWEN25, QWEN_TOKENS), "qwen3": (QWEN3, QWEN_TOKENS), "phi3": (PHI3, PHI3_TOKENS)}
+                 "qwen25": (QWEN25, QWEN_TOKENS), "qwen3": (QWEN3, QWEN_TOKENS), "phi3": (PHI3, PHI3_TOKENS),
+                 "gemma": (GEMMA, GEMMA_TOKENS)}
     out = []
     for name, (tmpl, toks) in templates.items():
         for k, conv in enumerate(CONVERSATIONS + (QWEN_CONVERSATIONS if name.startswith("qwen") else [])):

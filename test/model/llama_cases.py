@@ -52,16 +52,35 @@ CONFIGS = {
                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=59,
                   rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True,
                   attention_bias=False),
+    # Gemma 2: head_dim 16 apart from hidden / heads, GQA, tied (the family's default), sandwich
+    # norms, soft-capped logits (a cap of 2 bites on these logits) and attention scores (a cap of 0.5
+    # bites on these scores), query_pre_attn_scalar 24 (a scale other than head_dim^-0.5), a window of
+    # 4 on the even layer (0), shorter than the case's sequence (9)
+    "gemma2": dict(model_type="gemma2", hidden_size=48, intermediate_size=88, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=71,
+                   rms_norm_eps=1e-6, rope_theta=10000.0, hidden_activation="gelu_pytorch_tanh",
+                   query_pre_attn_scalar=24, final_logit_softcapping=2.0, attn_logit_softcapping=0.5,
+                   sliding_window=4),
+    # Gemma 3 text: Gemma 2's without soft-capping, q/k norms (1 + w), local layers 0 and 1 (RoPE base
+    # 10000, a window of 5 shorter than the case's sequence, 12) and a global layer 2 (base 1e6, linear
+    # scaling by 4)
+    "gemma3": dict(model_type="gemma3_text", hidden_size=48, intermediate_size=72, num_hidden_layers=3,
+                   num_attention_heads=4, num_key_value_heads=1, head_dim=16, vocab_size=67,
+                   rms_norm_eps=1e-6, rope_theta=1000000.0, rope_local_base_freq=10000.0,
+                   rope_scaling={"rope_type": "linear", "factor": 4.0}, sliding_window_pattern=3,
+                   hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=16,
+                   final_logit_softcapping=None, attn_logit_softcapping=None, sliding_window=5),
     # LLaMA with every bias: attention_bias (q, k, v, o) and mlp_bias (gate, up, down)
     "llama_bias": dict(hidden_size=32, intermediate_size=56, num_hidden_layers=2,
                        num_attention_heads=2, num_key_value_heads=1, vocab_size=53,
                        attention_bias=True, mlp_bias=True, tie_word_embeddings=False),
 }
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM"}
+                 "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
 # batch, sequence length (T), LoRA rank, alpha per config
 SHAPES = {"gqa_untied": (2, 11, 4, 8.0), "mha_tied": (3, 7, 2, 4.0), "llama3_rope": (2, 16, 4, 6.0),
-          "qwen2": (2, 9, 4, 8.0), "qwen3": (2, 10, 4, 8.0), "llama_bias": (2, 8, 2, 4.0)}
+          "qwen2": (2, 9, 4, 8.0), "qwen3": (2, 10, 4, 8.0), "llama_bias": (2, 8, 2, 4.0), "gemma2": (2, 9, 4, 8.0),
+          "gemma3": (2, 12, 4, 8.0)}
 
 # fp32 probe vs fp64 reference
 TOL = {"logits": 1e-4, "loss": 1e-5, "grad": 1e-3}
@@ -93,8 +112,10 @@ def write_model(model_dir, config, seed=0):
     def normal(shape, std):
         return (std * rng.standard_normal(shape)).astype(np.float32)
 
+    off = 1.0 if cfg.gemma else 0.0  # Gemma stores w and scales by 1 + w: the same gammas 1 + 0.3 N(0, 1)
+
     def gamma():
-        return (1.0 + 0.3 * rng.standard_normal(cfg.dim)).astype(np.float32)
+        return (1.0 - off + 0.3 * rng.standard_normal(cfg.dim)).astype(np.float32)
 
     t = {"model.embed_tokens.weight": normal((cfg.vocab, cfg.dim), 0.2)}
     for l in range(cfg.n_layers):
@@ -111,9 +132,13 @@ def write_model(model_dir, config, seed=0):
             for n in ("q_norm", "k_norm"):
                 g = (1.0 + 0.5 * rng.standard_normal(cfg.head_dim)).astype(np.float32)
                 g[3] = 0.0
+                g -= off  # (Gemma 3 stores w)
                 t[p + f"self_attn.{n}.weight"] = g
         t[p + "input_layernorm.weight"] = gamma()
         t[p + "post_attention_layernorm.weight"] = gamma()
+        if cfg.gemma:  # the sandwich norms
+            t[p + "pre_feedforward_layernorm.weight"] = gamma()
+            t[p + "post_feedforward_layernorm.weight"] = gamma()
     t["model.norm.weight"] = gamma()
     if not cfg.tied:
         t["lm_head.weight"] = normal((cfg.vocab, cfg.dim), 0.1)

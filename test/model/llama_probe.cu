@@ -106,14 +106,15 @@ int main(int argc, char** argv) {
     if (m.w.dlm_head && !cfg.tied) st_writer_add(&w, "grad.lm_head", ST_F32, 2, vd, HOST_GRAD(m.w.dlm_head));
     if (m.w.dfinal_norm) st_writer_add(&w, "grad.final_norm", ST_F32, 1, &dd, HOST_GRAD(m.w.dfinal_norm));
     int64_t hd = cfg.head_dim;
-    for (int l = 0; l < cfg.layers; l++) {  // the block norms (standard norms) and Qwen3's q/k norms, where they train
+    for (int l = 0; l < cfg.layers; l++) {  // the block norms (standard norms), Qwen3's q/k norms, Gemma's post norms
         const LlamaLayer* L = &m.w.layers[l];
-        const char* names[4] = {"attn_norm", "mlp_norm", "q_norm", "k_norm"};
-        const float* grads[4] = {L->dattn_norm, L->dmlp_norm, L->dq_norm, L->dk_norm};
-        for (int k = 0; k < 4; k++) {
+        const char* names[6] = {"attn_norm", "mlp_norm", "q_norm", "k_norm", "post_attn_norm", "post_mlp_norm"};
+        const float* grads[6] = {L->dattn_norm, L->dmlp_norm, L->dq_norm, L->dk_norm, L->dpost_attn_norm,
+                                 L->dpost_mlp_norm};
+        for (int k = 0; k < 6; k++) {
             if (!grads[k]) continue;
             snprintf(nm, sizeof(nm), "grad.%d.%s", l, names[k]);
-            st_writer_add(&w, nm, ST_F32, 1, k < 2 ? &dd : &hd, HOST_GRAD(grads[k]));
+            st_writer_add(&w, nm, ST_F32, 1, k == 2 || k == 3 ? &hd : &dd, HOST_GRAD(grads[k]));
         }
     }
 #undef HOST_GRAD

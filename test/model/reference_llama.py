@@ -2,16 +2,19 @@
 """Independent PyTorch reference of a LLaMA forward + backward with LoRA: the oracle the C trainer
 is tested against (test/model/test_llama_model.py). Covers the LLaMA-architecture families the trainer
 reads: LLaMA (attention_bias, mlp_bias, head_dim), Mistral, Qwen2 (q/k/v biases), Qwen3 (q/k
-norms before RoPE) and Phi-3 (fused qkv_proj / gate_up_proj with one LoRA adapter over each fused
+norms before RoPE), Phi-3 (fused qkv_proj / gate_up_proj with one LoRA adapter over each fused
 output, as PEFT puts it there; partial_rotary_factor and LongRoPE as current transformers'
-modeling_phi3.py / modeling_rope_utils.py compute them), as transformers' modeling files define them.
+modeling_phi3.py / modeling_rope_utils.py compute them), Gemma 2 and Gemma 3 text (norms scaling by
+1 + w, embeddings scaled by sqrt(hidden), GeGLU with the tanh GELU, sandwich norms, attention and
+final-logit soft-capping; Gemma 3's q/k norms, local layers with their own RoPE base, linear RoPE
+scaling on the global ones), with each layer's sliding window, as transformers' modeling files define them.
 
 Written plainly with autograd, float64 by default. Reads a Hugging Face model directory
 (config.json + model.safetensors, or sharded with model.safetensors.index.json) through st_io.
 
 Modes (mirroring the trainer's switches):
-  act  exact   SiLU, autograd derivative
-       approx  ReSiLU2: forward exact SiLU; backward dx = dy * L[code],
+  act  exact   SiLU (Gemma: tanh GELU), autograd derivative
+       approx  ReSiLU2 (Gemma: ReGELU2): forward exact; backward dx = dy * L[code],
                code = [x > c1] + [x > c2] + [x > c3], L = {0, a1, a1+a2, a1+a2+a3} in float32
   norm std     RMSNorm with gamma
        ms      gamma merged into every consuming linear (q,k,v <- input_layernorm;
@@ -47,6 +50,9 @@ import st_io  # noqa: E402
 # ReSiLU2 constants (docs/architecture.md, the method)
 RESILU2_A = (-0.04060357190528599, 1.080925428529668, -0.040321856624382146)
 RESILU2_C = (-6.3050461001646445, -0.0008684942046214787, 6.325815242089708)
+# ReGELU2 constants (the same fit to the GELU; docs/architecture.md)
+REGELU2_A = (-0.04922261145617846, 1.0979632065417297, -0.048740595085551286)
+REGELU2_C = (-3.1858810036855245, -0.001178821281161997, 3.190832613414926)
 
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 # Phi-3's fused modules: each part's module and the parts in row order (Phi3MLP chunks gate first)
@@ -61,30 +67,30 @@ _MODULE_OF = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.
 # ---------------------------------------------------------------------------------------------
 # ReSiLU2
 
-def resilu2_levels():
+def resilu2_levels(fit_a=RESILU2_A):
     """The 4 backward levels {0, a1, a1+a2, a1+a2+a3}, accumulated in float32 (as the paper's
     reference code does), returned as a float32 numpy array."""
     levels = [np.float32(0.0)]
     acc = np.float32(0.0)
-    for a in RESILU2_A:
+    for a in fit_a:
         acc = np.float32(acc + np.float32(a))
         levels.append(acc)
     return np.array(levels, dtype=np.float32)
 
 
-def resilu2_codes(x):
+def resilu2_codes(x, fit_c=RESILU2_C):
     """code = [x > c1] + [x > c2] + [x > c3] (strict), as int64, same shape as x."""
     code = torch.zeros_like(x, dtype=torch.int64)
-    for c in RESILU2_C:
+    for c in fit_c:
         code += (x > c).to(torch.int64)
     return code
 
 
-def breakpoint_margins(x):
+def breakpoint_margins(x, fit_c=RESILU2_C):
     """For each breakpoint c_i, the smallest |x - c_i| over all elements (how close any element
-    is to a discontinuity of the ReSiLU2 derivative)."""
+    is to a discontinuity of the ReSiLU2 (ReGELU2) derivative)."""
     x = x.detach().to(torch.float64)
-    return [float((x - c).abs().min()) if x.numel() else math.inf for c in RESILU2_C]
+    return [float((x - c).abs().min()) if x.numel() else math.inf for c in fit_c]
 
 
 class ReSiLU2(torch.autograd.Function):
@@ -104,6 +110,26 @@ class ReSiLU2(torch.autograd.Function):
 
 def silu_exact(x):
     return x * torch.sigmoid(x)
+
+
+def gelu_tanh(x):
+    """GELU, tanh form (transformers' gelu_pytorch_tanh)."""
+    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x ** 3)))
+
+
+class ReGELU2(torch.autograd.Function):
+    """Exact tanh-GELU forward, ReGELU2's 4-level step derivative backward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(resilu2_codes(x, REGELU2_C))
+        return gelu_tanh(x)
+
+    @staticmethod
+    def backward(ctx, dy):
+        (code,) = ctx.saved_tensors
+        levels = torch.from_numpy(resilu2_levels(REGELU2_A)).to(dy.dtype)
+        return dy * levels[code]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -126,21 +152,39 @@ class LlamaConfig:
         self.eps = float(d.get("rms_norm_eps", 1e-6))
         self.rope_theta = float(d.get("rope_theta", 10000.0))
         self.rope_scaling = d.get("rope_scaling")
-        self.tied = bool(d.get("tie_word_embeddings", False))
-        self.head_dim = int(d.get("head_dim") or self.dim // self.n_heads)
+        self.model_type = d.get("model_type", "llama")
+        # Gemma 2 (gemma2) and Gemma 3 text (gemma3_text): transformers' Gemma2Config / Gemma3TextConfig
+        self.gemma = self.model_type in ("gemma2", "gemma3_text")
+        gemma3 = self.model_type == "gemma3_text"
+        self.tied = bool(d.get("tie_word_embeddings", self.gemma))
+        self.head_dim = int(d.get("head_dim") or (256 if self.gemma else self.dim // self.n_heads))
+        self.final_softcap = d.get("final_logit_softcapping", 30.0 if self.model_type == "gemma2" else None)
+        self.attn_scale = float(d.get("query_pre_attn_scalar", self.head_dim)) ** -0.5
+        self.attn_softcap = d.get("attn_logit_softcapping", 50.0 if self.model_type == "gemma2" else None)
+        # nn.Embedding's padding_idx, every family's pad_token_id (absent: the config class's default,
+        # Gemma 0, Phi-3 32000, the others None): its row gets no gradient from the lookup
+        pad = d.get("pad_token_id", 0 if self.gemma else 32000 if self.model_type == "phi3" else None)
+        self.pad_id = pad if pad is not None and 0 <= pad < self.vocab else None
+        if gemma3 and "rope_theta" not in d:
+            self.rope_theta = 1000000.0
+        self.rope_local_theta = float(d.get("rope_local_base_freq", 10000.0)) if gemma3 else None
+        pattern = int(d.get("sliding_window_pattern", 6))
+        # which layers are local (sliding) ones: Gemma 2 the even layers, Gemma 3 all but every pattern-th
+        self.local = [gemma3 and (l + 1) % pattern != 0 for l in range(self.n_layers)]
+        if d.get("layer_types") and gemma3:
+            self.local = [t == "sliding_attention" for t in d["layer_types"]]
         self.rot_dim = None
         # the families' additions to LLaMA, as transformers' modeling files define them:
         # Qwen2's q, k, v projections always have biases; LLaMA's and Qwen3's attention_bias puts
         # one on q, k, v and o; LLaMA's mlp_bias on gate, up and down; Qwen3 normalises each head
         # of q and k (RMSNorm with its own weight [head_dim], eps rms_norm_eps) before RoPE.
-        self.model_type = d.get("model_type", "llama")
         attention_bias = bool(d.get("attention_bias", False))
         qwen2 = self.model_type == "qwen2"
         self.bias = {"q": qwen2 or attention_bias, "k": qwen2 or attention_bias, "v": qwen2 or attention_bias,
                      "o": attention_bias and not qwen2}
         for t in ("gate", "up", "down"):
             self.bias[t] = bool(d.get("mlp_bias", False))
-        self.qk_norm = self.model_type == "qwen3"
+        self.qk_norm = self.model_type in ("qwen3", "gemma3_text")
         # Phi-3: q, k, v (gate, up) are row blocks of one fused linear; RoPE turns the first
         # int(head_dim * partial_rotary_factor) dims of each head; LongRoPE's factors and scale
         self.fused = self.model_type == "phi3"
@@ -149,12 +193,17 @@ class LlamaConfig:
         self.max_pos = int(d.get("max_position_embeddings", 4096))
         # the sliding window per layer (0: full attention), as current transformers decides it:
         # Mistral and Phi-3 window every layer; Qwen2/Qwen3 with use_sliding_window the layers from
-        # max_window_layers on; layer_types names each layer
+        # max_window_layers on; layer_types names each layer; Gemma 2 its even layers, Gemma 3 its
+        # local ones
         w = d.get("sliding_window") or 0
         if self.model_type in ("mistral", "phi3"):
             sliding = [True] * self.n_layers
         elif d.get("layer_types"):
             sliding = [t == "sliding_attention" for t in d["layer_types"]]
+        elif self.model_type == "gemma2":
+            sliding = [l % 2 == 0 for l in range(self.n_layers)]
+        elif gemma3:
+            sliding = list(self.local)
         elif d.get("use_sliding_window"):
             first = d.get("max_window_layers")
             first = 28 if first is None else int(first)
@@ -174,7 +223,8 @@ class LlamaConfig:
             self.rot_dim = self.head_dim
         if self.rope_scaling is not None:
             kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
-            if kind not in ("llama3", "default") and not (self.fused and kind in ("longrope", "su")):
+            if kind not in ("llama3", "default") and not (self.fused and kind in ("longrope", "su")) \
+                    and not (gemma3 and kind == "linear"):
                 raise ValueError(f"config.json: rope_scaling type {kind!r} not supported")
 
     @classmethod
@@ -226,6 +276,11 @@ class LlamaModel:
                                  f"expected {list(shape)}")
             return torch.from_numpy(np.asarray(arr, dtype=np.float64)).to(dtype)
 
+        off = 1.0 if c.gemma else 0.0  # Gemma's norms scale by (1 + w)
+
+        def gamma(name, shape):
+            return get(name, shape) + off
+
         w["embed"] = get("model.embed_tokens.weight", (c.vocab, c.dim))
         for l in range(c.n_layers):
             p = f"model.layers.{l}."
@@ -243,17 +298,25 @@ class LlamaModel:
                 if c.bias[t]:
                     w[f"{l}.{t}.b"] = get(p + _MODULE_OF[t] + ".bias", (c.in_out(t)[1],))
             if c.qk_norm:
-                w[f"{l}.q_norm"] = get(p + "self_attn.q_norm.weight", (c.head_dim,))
-                w[f"{l}.k_norm"] = get(p + "self_attn.k_norm.weight", (c.head_dim,))
-            w[f"{l}.attn_norm"] = get(p + "input_layernorm.weight", (c.dim,))
-            w[f"{l}.mlp_norm"] = get(p + "post_attention_layernorm.weight", (c.dim,))
-        w["norm"] = get("model.norm.weight", (c.dim,))
+                w[f"{l}.q_norm"] = gamma(p + "self_attn.q_norm.weight", (c.head_dim,))
+                w[f"{l}.k_norm"] = gamma(p + "self_attn.k_norm.weight", (c.head_dim,))
+            w[f"{l}.attn_norm"] = gamma(p + "input_layernorm.weight", (c.dim,))
+            if c.gemma:  # sandwich norms: Gemma's post_attention_layernorm is the attention's post norm
+                w[f"{l}.mlp_norm"] = gamma(p + "pre_feedforward_layernorm.weight", (c.dim,))
+                w[f"{l}.post_attn_norm"] = gamma(p + "post_attention_layernorm.weight", (c.dim,))
+                w[f"{l}.post_mlp_norm"] = gamma(p + "post_feedforward_layernorm.weight", (c.dim,))
+            else:
+                w[f"{l}.mlp_norm"] = gamma(p + "post_attention_layernorm.weight", (c.dim,))
+        w["norm"] = gamma("model.norm.weight", (c.dim,))
         if c.tied:
             w["head"] = w["embed"]
         else:
             w["head"] = get("lm_head.weight", (c.vocab, c.dim))
         self.w = w
         self._merged = None
+        # Gemma: sqrt(hidden) in the dtype transformers runs the model in (float32 here; a bf16 model's
+        # is rounded to bf16, as the trainer rounds it to the checkpoint's dtype)
+        self.embed_scale = float(np.float32(math.sqrt(c.dim)))
 
     @classmethod
     def load(cls, model_dir, dtype=torch.float64):
@@ -281,19 +344,24 @@ class LlamaModel:
 # ---------------------------------------------------------------------------------------------
 # layers
 
-def rope_inv_freq(cfg, T=0):
+def rope_inv_freq(cfg, T=0, local=False):
     """inv_freq[i] = theta^(-2i/rot_dim), i < rot_dim/2 (rot_dim = head_dim but for Phi-3's partial
-    rotary), with the Llama-3.1 adjustment when rope_scaling says llama3, and Phi-3's LongRoPE
-    (longrope / su): divided by long_factor[i] when the sequence T exceeds
-    original_max_position_embeddings (transformers: max(position_ids) + 1 > it), else short_factor[i].
-    float64."""
+    rotary), with the Llama-3.1 adjustment when rope_scaling says llama3, linear scaling (divided by
+    the factor), and Phi-3's LongRoPE (longrope / su): divided by long_factor[i] when the sequence T
+    exceeds original_max_position_embeddings (transformers: max(position_ids) + 1 > it), else
+    short_factor[i]. Gemma 3's local layers: their own base, unscaled. float64."""
     hd = cfg.rot_dim
-    inv = 1.0 / cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd)
+    theta = cfg.rope_local_theta if local else cfg.rope_theta
+    inv = 1.0 / theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd)
     rs = cfg.rope_scaling
-    if rs is not None and rs.get("rope_type", rs.get("type")) in ("longrope", "su"):
+    if local or rs is None:
+        return inv
+    if rs.get("rope_type", rs.get("type")) == "linear":
+        return inv / float(rs["factor"])
+    if rs.get("rope_type", rs.get("type")) in ("longrope", "su"):
         factors = rs["long_factor"] if T > cfg.original_ctx else rs["short_factor"]
         return inv / torch.tensor(factors, dtype=torch.float64)
-    if rs is None or rs.get("rope_type", rs.get("type")) != "llama3":
+    if rs.get("rope_type", rs.get("type")) != "llama3":
         return inv
     factor = float(rs["factor"])
     low = float(rs.get("low_freq_factor", 1.0))
@@ -327,9 +395,10 @@ def rope_attention_factor(cfg):
     return 1.0 if s <= 1.0 else math.sqrt(1.0 + math.log(s) / math.log(cfg.original_ctx))
 
 
-def rope_cos_sin(cfg, T, dtype):
-    """cos, sin tables [T, rot_dim] for rotate-half RoPE (frequency i used at i and i+rot_dim/2)."""
-    inv = rope_inv_freq(cfg, T)
+def rope_cos_sin(cfg, T, dtype, local=False):
+    """cos, sin tables [T, rot_dim] for rotate-half RoPE (frequency i used at i and i+rot_dim/2);
+    local: Gemma 3's local layers' table."""
+    inv = rope_inv_freq(cfg, T, local)
     ang = torch.arange(T, dtype=torch.float64)[:, None] * inv[None, :]
     ang = torch.cat([ang, ang], dim=1)
     scale = rope_attention_factor(cfg)
@@ -363,14 +432,18 @@ def lora_linear(x, W, lora, scale, xa=None, bias=None):
     return y
 
 
-def attention(q, k, v, n_rep, window=0):
+def attention(q, k, v, n_rep, window=0, scale=None, softcap=None):
     """Causal attention. q [B, H, T, hd], k/v [B, Hkv, T, hd]; q head h uses kv head h // n_rep.
-    window > 0: query i sees keys i - window < j <= i (transformers' sliding-window mask)."""
+    window > 0: query i sees keys i - window < j <= i (transformers' sliding-window mask). scale: the
+    scores' (default head_dim^-0.5); softcap: scores become softcap * tanh(scores / softcap) before
+    the mask (Gemma 2)."""
     if n_rep > 1:
         k = k.repeat_interleave(n_rep, dim=1)
         v = v.repeat_interleave(n_rep, dim=1)
     T = q.shape[2]
-    scores = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    scores = (q @ k.transpose(-1, -2)) * (scale if scale is not None else q.shape[-1] ** -0.5)
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
     causal = torch.ones(T, T, dtype=torch.bool).triu(1)
     if window > 0:
         causal = causal | torch.ones(T, T, dtype=torch.bool).tril(-window)
@@ -397,11 +470,18 @@ def forward(model, tokens, lora, scale, act="exact", norm="std", stats=None, wei
         raise ValueError(f"ms_lora must be exact|merged, got {ms_lora!r}")
     see_gamma = norm == "ms" and ms_lora == "exact"
     w = weights if weights is not None else (model.merged_weights() if norm == "ms" else model.w)
-    silu = ReSiLU2.apply if act == "approx" else silu_exact
+    if c.gemma:
+        silu = ReGELU2.apply if act == "approx" else gelu_tanh
+    else:
+        silu = ReSiLU2.apply if act == "approx" else silu_exact
     B, T = tokens.shape
     hd = c.head_dim
     cos, sin = rope_cos_sin(c, T, model.dtype)
     x = w["embed"][tokens]
+    if c.pad_id is not None:
+        x = torch.where((tokens == c.pad_id)[..., None], w["embed"].detach()[tokens], x)
+    if c.gemma:
+        x = x * model.embed_scale
     gates = []
     for l in range(c.n_layers):
         def lin(t, inp, norm_key=None):
@@ -432,18 +512,24 @@ def forward(model, tokens, lora, scale, act="exact", norm="std", stats=None, wei
             q, k = rmsnorm(q, w[f"{l}.q_norm"], c.eps), rmsnorm(k, w[f"{l}.k_norm"], c.eps)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = v.reshape(B, T, c.n_kv_heads, hd).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        o = attention(q, k, v, c.n_heads // c.n_kv_heads, c.layer_window[l])
+        lc, ls = rope_cos_sin(c, T, model.dtype, local=True) if c.local[l] else (cos, sin)
+        q, k = apply_rope(q, lc, ls), apply_rope(k, lc, ls)
+        o = attention(q, k, v, c.n_heads // c.n_kv_heads, c.layer_window[l], c.attn_scale, c.attn_softcap)
         o = o.transpose(1, 2).reshape(B, T, c.n_heads * hd)
-        x = x + lin("o", o)
+        ya = lin("o", o)
+        x = x + (rmsnorm(ya, w[f"{l}.post_attn_norm"], c.eps) if c.gemma else ya)
         z2 = rmsnorm(x, w[f"{l}.mlp_norm"], c.eps)
         g, u = fused(("gate", "up"), z2, "mlp_norm")
         gates.append(g.detach())
-        x = x + lin("down", silu(g) * u)
+        ym = lin("down", silu(g) * u)
+        x = x + (rmsnorm(ym, w[f"{l}.post_mlp_norm"], c.eps) if c.gemma else ym)
     if stats is not None:
         stats["gate_preact"] = gates
     x = rmsnorm(x, w["norm"], c.eps)
-    return x @ w["head"].t()
+    logits = x @ w["head"].t()
+    if c.final_softcap:
+        logits = torch.tanh(logits / c.final_softcap) * c.final_softcap
+    return logits
 
 
 def masked_ce(logits, targets, mask):
@@ -538,6 +624,9 @@ def run_case(model_dir, case, act="exact", norm="std", lora_rank=None, lora_alph
             extra.append(("grad.lm_head", "head"))
         if norm == "std":
             extra += [(f"grad.{l}.{n}", f"{l}.{n}") for l in range(c.n_layers) for n in ("attn_norm", "mlp_norm")]
+        if c.gemma:  # the sandwich norms are standard in both norm modes
+            extra += [(f"grad.{l}.{n}", f"{l}.{n}") for l in range(c.n_layers)
+                      for n in ("post_attn_norm", "post_mlp_norm")]
         for _, key in extra:
             weights[key] = weights[key].clone().requires_grad_(True)
         if c.tied:
@@ -562,8 +651,9 @@ def run_case(model_dir, case, act="exact", norm="std", lora_rank=None, lora_alph
         out[f"grad.lora.{l}.{t}.A"] = next(gi).to(torch.float64).numpy()
         out[f"grad.lora.{l}.{t}.B"] = next(gi).to(torch.float64).numpy()
     g = torch.cat([x.reshape(-1) for x in stats["gate_preact"]])
-    codes = resilu2_codes(g)
-    margins = breakpoint_margins(g)
+    fit_c = REGELU2_C if c.gemma else RESILU2_C
+    codes = resilu2_codes(g, fit_c)
+    margins = breakpoint_margins(g, fit_c)
     out["stats"] = {"min_margin": min(margins), "margins": margins,
                     "code_counts": [int((codes == k).sum()) for k in range(4)]}
     return out

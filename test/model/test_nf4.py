@@ -98,9 +98,12 @@ def nf4_reference_model(model_dir, norm):
     for l in range(cfg.n_layers):
         for t, module in ref._MODULE_OF.items():
             name = f"model.layers.{l}.{module}.weight"
+            mlp_norm = "pre_feedforward_layernorm" if cfg.gemma else "post_attention_layernorm"
             norm_name = {"q": "input_layernorm", "k": "input_layernorm", "v": "input_layernorm",
-                         "gate": "post_attention_layernorm", "up": "post_attention_layernorm"}.get(t)
+                         "gate": mlp_norm, "up": mlp_norm}.get(t)
             g = w[f"model.layers.{l}.{norm_name}.weight"].astype(np.float32) if norm == "ms" and norm_name else None
+            if g is not None and cfg.gemma:  # Gemma's gamma is 1 + w (fp32, as the trainer forms it)
+                g = (g + np.float32(1.0)).astype(np.float32)
             W = w[name].astype(np.float32)
             Wq = (W * g[None, :]).astype(np.float32) if g is not None else W
             deq = nr.dequantize(nr.quantize(Wq), Wq.size).reshape(W.shape).astype(np.float64)
@@ -162,7 +165,7 @@ def test_cuda_nf4_model_matches_reference_on_dequantized_weights(setup, mode):
     check_cuda_nf4(setup, mode)
 
 
-FAMILIES = ["qwen2", "qwen3", "llama_bias"]
+FAMILIES = ["qwen2", "qwen3", "llama_bias", "gemma2", "gemma3"]
 FAMILY_MODES = [MODES[0], MODES[3], MODES[5]]
 
 
@@ -170,7 +173,7 @@ FAMILY_MODES = [MODES[0], MODES[3], MODES[5]]
 @pytest.mark.parametrize("name", FAMILIES)
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 def test_nf4_families_match_reference_on_dequantized_weights(family_setups, device, name, mode):
-    """The families' additions (biases, Qwen3's q/k norms) stay as they are under NF4: only the
+    """The families' additions (biases, Qwen3's q/k norms, Gemma's sandwich norms) stay as they are under NF4: only the
     linears' weights are quantized."""
     s = family_setups[name]
     if device == "cuda":

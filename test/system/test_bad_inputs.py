@@ -156,6 +156,7 @@ def w(tmp_path_factory):
     ns.pre_dir = model_with(root, "predir", VIT)
     os.makedirs(os.path.join(ns.pre_dir, "preprocessor_config.json"))
     # LLaMA configs without sense
+    GTANH = "gelu_pytorch_tanh"
     cfgs = {
         "eps_neg": setdict(rms_norm_eps=-1), "eps_zero": setdict(rms_norm_eps=0),
         "eps_underflow": setdict(rms_norm_eps=1e-50), "eps_string": setdict(rms_norm_eps="1e-5"),
@@ -167,6 +168,12 @@ def w(tmp_path_factory):
         # issue 23: families, keys and values the trainer does not implement
         "gemma": setdict(model_type="gemma", architectures=["GemmaForCausalLM"], head_dim=16),
         # issue 36: phi3 reads fused checkpoints and refuses what its transformers class would do otherwise
+        # issue 36: Gemma's hidden_act beside its hidden_activation must name the same GELU; a gemma3
+        # directory is the multimodal model
+        "gemma2_gelu_erf": setdict(model_type="gemma2", architectures=["Gemma2ForCausalLM"], head_dim=16,
+                                   hidden_act=GTANH, query_pre_attn_scalar=16, attn_logit_softcapping=None,
+                                   hidden_activation="gelu"),
+        "gemma3_multimodal": setdict(model_type="gemma3", architectures=["Gemma3ForConditionalGeneration"]),
         "phi3": setdict(model_type="phi3", architectures=["Phi3ForCausalLM"]),
         "phi3_dropout": setdict(model_type="phi3", architectures=["Phi3ForCausalLM"], resid_pdrop=0.1),
         "phi3_key_in_llama": setdict(original_max_position_embeddings=64),
@@ -349,6 +356,10 @@ ROWS = {
     "family_phi3_dropout": ("llama", lambda w: (llama_model(w.lcfg["phi3_dropout"]), ["config.json", "resid_pdrop 0.1"])),
     "family_phi3_key_in_llama": ("llama", lambda w: (llama_model(w.lcfg["phi3_key_in_llama"]),
                                                      ["config.json", "original_max_position_embeddings", "phi3 key"])),
+    "gemma2_hidden_activation": ("llama", lambda w: (llama_model(w.lcfg["gemma2_gelu_erf"]),
+                                                     ["config.json", "hidden_activation \"gelu\""])),
+    "gemma3_multimodal": ("llama", lambda w: (llama_model(w.lcfg["gemma3_multimodal"]),
+                                              ["config.json", "model_type \"gemma3\"", "multimodal"])),
     "family_mixtral": ("llama", lambda w: (llama_model(w.lcfg["mixtral"]), ["config.json", "model_type \"mixtral\""])),
     "family_missing": ("llama", lambda w: (llama_model(w.lcfg["no_model_type"]), ["config.json", "no model_type"])),
     "architecture_mismatch": ("llama", lambda w: (llama_model(w.lcfg["arch_mismatch"]),

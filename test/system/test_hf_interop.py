@@ -18,11 +18,12 @@ HF_PYTHON = os.environ.get("HF_PYTHON", os.path.join(lc.REPO, "build", "hfvenv",
 
 
 @pytest.mark.parametrize("name,hf_class", [("gqa_untied", "LlamaForCausalLM"), ("llama_bias", "LlamaForCausalLM"),
-                                           ("qwen2", "Qwen2ForCausalLM")])
+                                           ("qwen2", "Qwen2ForCausalLM"), ("gemma2", "Gemma2ForCausalLM")])
 def test_transformers_and_peft_load_our_outputs(tmp_path, name, hf_class):
     """Trained with --lora-dropout 0.1: adapter_config.json records it and PEFT, in eval mode,
     applies none, as our --eval-only. The LLaMA with every bias and Qwen2 (q, k, v biases, large k
-    ones) load in transformers' own classes with our losses: base, adapter and merged export."""
+    ones) and Gemma 2 (norms scaling by 1 + w, sandwich norms, GeGLU, soft-capped logits) load in
+    transformers' own classes with our losses: base, adapter and merged export."""
     if not os.path.exists(HF_PYTHON):
         pytest.fail(f"{HF_PYTHON} missing: scripts/ci/install_deps.sh makes it (python3 -m venv --system-site-packages build/hfvenv; "
                     "pip install transformers==4.40.2 peft==0.10.0 accelerate==0.25.0)")

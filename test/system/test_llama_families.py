@@ -22,7 +22,7 @@ import st_io
 from test_llama_train import BIN, ENV, REPO, losses, run
 from test_llama_system import mpirun
 
-FAMILIES = ["qwen2", "qwen3"]
+FAMILIES = ["qwen2", "qwen3", "gemma2", "gemma3"]
 
 
 def family_model(root, name, vocab=None):
@@ -51,7 +51,7 @@ def saved(dir_, full):
 @pytest.mark.parametrize("name", FAMILIES)
 def test_resume_equals_a_straight_run(tmp_path, name, full):
     """4 steps straight against a run stopped (and saved) at step 2, then resumed to 4: the same bits. Under --full the
-    saved model holds the trained biases and q/k norms, and the state their AdamW moments."""
+    saved model holds the trained biases, q/k norms and Gemma's sandwich norms, and the state their AdamW moments."""
     model, data = family_model(tmp_path, name)
     flags = ["--mode", "lowmem", "--batch", 2, "--save-every", 2] + (["--full", "--lr", 1e-3] if full else [])
     straight = run(args(model, data, *flags, "--steps", 4, "--out", tmp_path / "straight"))
@@ -62,7 +62,7 @@ def test_resume_equals_a_straight_run(tmp_path, name, full):
     a, b = saved(tmp_path / "straight", full), saved(tmp_path / "resumed", full)
     assert a.keys() == b.keys()
     if full:  # the families' own tensors are in the trained model, and they moved
-        extra = [k for k in a if k.endswith(".bias") or "q_norm" in k or "k_norm" in k]
+        extra = [k for k in a if k.endswith(".bias") or "q_norm" in k or "k_norm" in k or "feedforward_layernorm" in k]
         assert extra, sorted(a)
         base = st_io.load(str(model / "model.safetensors"))
         assert any(not np.array_equal(a[k], base[k]) for k in extra)
@@ -122,3 +122,34 @@ def test_generation_with_a_sliding_window(tmp_path, device):
     cached, recomputed = text(model), text(model, {"LLMC_NO_KV_CACHE": "1"})
     assert cached == recomputed, (cached, recomputed)
     assert cached != text(demo) and len(cached) > len(prompt) + 20, cached
+
+
+def test_gemma2_9b_plan(tmp_path):
+    """Gemma 2 9B's config (test/fixtures/gemma2_9b, with attention soft-capping turned off): lowmem's
+    plan keeps 4d + 1.75f bytes less per token per block than the baseline's (on CUDA: MS norms drop
+    the attention norm's and the MLP norm's bf16 input, 2d each; ReGELU2 keeps 2-bit codes of the gate
+    instead of its bf16 values, 2f - f/4), the sandwich post norms are standard in both. As the
+    checkpoint ships (attn_logit_softcapping 50), it plans too: soft-capped attention takes the
+    tensor-core path, which says so in one line."""
+    fixture = os.path.join(REPO, "test", "fixtures", "gemma2_9b")
+    with open(os.path.join(fixture, "config.json")) as f:
+        cfg = json.load(f)
+    d, f_, layers, N = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"], 4096
+    act = {}
+    for mode in ("baseline", "lowmem"):
+        p = run(["--model", fixture, "--dry-run", "--device", "cuda", "--batch", 1, "--seq", N, "--lora-rank", 16,
+                 "--mode", mode, "--json"])
+        act[mode] = json.loads(p.stdout)["activation_bytes"]
+    assert act["baseline"] - act["lowmem"] == (4 * d + 1.75 * f_) * N * layers
+    text = run(["--model", fixture, "--dry-run", "--device", "cuda", "--batch", 1, "--seq", N, "--lora-rank", 16]).stdout
+    assert "norms: attn_norm, mlp_norm: MS under --norm ms" in text and "standard in every mode" in text, text
+    row = next(line.split() for line in text.splitlines() if line.strip().startswith("post_norm_std"))
+    assert float(row[1]) == float(row[2]) == 2 * (2 * d + 4)  # the same in both modes: input and r, two norms
+    print(f"Gemma 2 9B activations per token per block: {act['baseline'] / N / layers:.0f} -> "
+          f"{act['lowmem'] / N / layers:.0f} bytes ({1 - act['lowmem'] / act['baseline']:.1%} less)")
+    (tmp_path / "m").mkdir()
+    with open(tmp_path / "m" / "config.json", "w") as f:
+        json.dump(dict(cfg, attn_logit_softcapping=50.0), f)
+    p = subprocess.run([BIN, "--model", str(tmp_path / "m"), "--dry-run", "--device", "cuda", "--seq", "128"],
+                       capture_output=True, text=True, env=ENV)
+    assert p.returncode == 0, p.stderr

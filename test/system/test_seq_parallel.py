@@ -298,3 +298,15 @@ def test_sliding_window_across_the_slices_matches_one_process(tmp_path, packed):
     assert_equivalent(single, split)
     full = train(tmp_path, "full", 1, 2, packed)
     assert abs(full["loss"][0] - single["loss"][0]) > 1e-3, (full["loss"], single["loss"])
+
+
+def test_gemma2_matches_one_process(tmp_path):
+    """Gemma 2 (sandwich norms, GeGLU, soft-capped logits) at P = 2, in the demo's vocabulary: as one
+    process, within the bounds above. (Gemma 3's q/k norms are refused with --seq-parallel, as Qwen3's.)"""
+    cfg = lc.model_config("gemma2")
+    cfg.update(vocab_size=512)
+    d = tmp_path / "model"
+    lc.write_model(str(d), cfg, seed=5)
+    single = train(tmp_path, "single", 1, 2, TRAIN, model=str(d))
+    split = train(tmp_path, "split", 2, 2, TRAIN, "--seq-parallel", 2, model=str(d))
+    assert_equivalent(single, split)
