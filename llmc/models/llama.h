@@ -651,10 +651,11 @@ static LmHead llama_lm_head(const Llama* m) {
 // in the mask (llmc/models/llama_pref.h).
 static LossStats llama_head_backward(Llama* m, int B, int T, float grad_scale, int backward, float* logits_out,
                                      double* step_stats) {
+    const LlamaConfig* c = &m->cfg;
     LlamaScratch* sc = &m->scratch;
     int64_t N = (int64_t)B * T;
     LossStats st = {};
-    if (backward) op_zero(m->be, sc->dres, (size_t)N * m->cfg.dim * m->be->abytes);
+    if (backward) op_zero(m->be, sc->dres, (size_t)N * c->dim * m->be->abytes);
     LmHead head = llama_lm_head(m);
     LmHeadCall call = {sc->resid,  N,          m->io.targets, m->io.mask,         grad_scale,
                        backward ? sc->dres : NULL, logits_out, step_stats, m->io.bv.grad_scale};
