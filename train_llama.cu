@@ -245,6 +245,7 @@ static void llama_run_config(void* run, TrainOptions* o, const Dist* dist) {
         fail("flag --ref-logps precompute: only with --objective dpo (%s has no reference model)", o->objective);
     r->po = pref_objective_from(o);
     r->md = train_modes_from(o, target_names, N_TARGETS);
+    r->md.full_reference = r->md.full && r->po.kind == OBJ_DPO;  // the initial weights, frozen (dpo_reference)
     TrainOptions sp_checked = *o;
     if (o->dry_run && o->max_seq) sp_checked.seq = o->seq_parallel;  // --max-seq searches multiples of P instead
     seqpar_check(&sp_checked, r->cfg.heads, r->cfg.kv_heads, r->cfg.qk_norm);
@@ -258,8 +259,11 @@ static void llama_run_dry_run(void* run, const TrainOptions* o, const Dist* dist
     if (objective_of(o) != OBJ_SFT && !o->json)  // the pair layout: the plan is the SFT one of the same rows
         printf("objective %s: --batch %d rows = %d pairs (each chosen row beside its rejected one)%s\n", o->objective,
                o->batch, o->batch / 2,
-               objective_of(o) == OBJ_DPO ? "; the reference pass (adapters off, nothing kept) reuses the planned "
-                                            "buffers: no memory beyond this plan" : "");
+               objective_of(o) != OBJ_DPO ? ""
+               : o->full ? "; the reference pass (the frozen initial weights: dpo_reference; nothing kept) "
+                           "reuses the planned buffers"
+                         : "; the reference pass (adapters off, nothing kept) reuses the planned buffers: no memory "
+                           "beyond this plan");
     llama_warn_seq(&r->cfg, &planned);
 }
 
@@ -311,6 +315,7 @@ static void llama_run_load(void* run, const TrainOptions* o) {
     llama_rope_tables(m);
     if (!r->md.full) llama_init_lora(m, (uint64_t)o->seed);
     if (o->adapter_dir) llama_load_adapter(m, o->adapter_dir, o);
+    llama_reference_freeze(m);  // --full DPO: before the resume replaces the arena's values
     if (r->rd.pairs && r->rd.have_train && !o->eval_only && !strcmp(o->ref_logps, "precompute"))
         llama_ref_table_prepare(m, &r->ref, &r->rd.ptrain, o->out_dir ? o->out_dir : o->resume_dir,
                                 o->resume_dir ? REF_RESUMED : REF_FRESH, m->dist->rank == 0);

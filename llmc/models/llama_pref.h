@@ -36,16 +36,46 @@ static double llama_row_logps(Llama* m, double* logp, double* len) {
     return overflowed;
 }
 
-// DPO's reference logps of the uploaded batch: the base model, adapters off, no dropout.
+// --full DPO: the reference is the model as it started, a frozen copy (m->w.ref_arena, planned as
+// dpo_reference) of the values the kernels read, taken once after loading (on a resumed run too:
+// the arena then still holds --model's weights, which the saved state's fingerprint pins; the
+// resume overwrites them afterwards). CPU: the fp32 arena; CUDA: its bf16 shadow (wbytes each).
+static void llama_reference_freeze(Llama* m) {
+    if (!m->w.ref_arena) return;
+    Trainable* tr = &m->w.tr;
+    const void* now = trainable_on_device(tr) ? tr->params16 : (const void*)tr->params;
+    op_copy(m->be, m->w.ref_arena, now, tr->padded);  // (op_copy moves abytes each: == wbytes on both backends)
+}
+
+// Points the model's weights at the frozen copy and back (pointers only: the arena's pointer is
+// swapped with the copy's and the tensors re-bound; no value moves). The CPU's kernels read the
+// host arena itself, CUDA's the bf16 shadow.
+static void llama_reference_swap(Llama* m) {
+    Trainable* tr = &m->w.tr;
+    void* ref = m->w.ref_arena;
+    if (trainable_on_device(tr)) {
+        m->w.ref_arena = tr->params16;
+        tr->params16 = ref;
+    } else {
+        m->w.ref_arena = tr->params;
+        tr->params = tr->h_params = (float*)ref;
+    }
+    llama_bind_weights(m);
+}
+
+// DPO's reference logps of the uploaded batch: the base model, adapters off, no dropout (LoRA), or
+// under --full the frozen initial weights.
 static void llama_reference_logps(Llama* m, double* logp, double* len) {
     float scale = m->modes.lora_scale;
     int dropping = m->drop.active;
     m->modes.lora_scale = 0.0f;  // y = W x + 0 * B A x: the base's bits
     m->drop.active = 0;
+    if (m->w.ref_arena) llama_reference_swap(m);
     llama_forward_blocks(m, m->B, m->T, NULL);
+    llama_row_logps(m, logp, len);  // (under --full the head and the final norm are the frozen ones too)
+    if (m->w.ref_arena) llama_reference_swap(m);
     m->modes.lora_scale = scale;
     m->drop.active = dropping;
-    llama_row_logps(m, logp, len);
 }
 
 // A micro-batch's sequences: the policy's and the reference's logps and the completion lengths.

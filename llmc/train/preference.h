@@ -66,9 +66,6 @@ static void preference_check(const TrainOptions* o, TrainTask task) {
     if (o->batch % 2)
         fail("flag --batch: %d sequences; --objective %s puts a pair's chosen and rejected in one micro-batch, so it "
              "takes an even count", o->batch, o->objective);
-    if (k == OBJ_DPO && o->full)
-        fail("flag --objective dpo: not with --full yet (its reference, a frozen copy of the initial weights, is not "
-             "implemented); with LoRA the reference is the base with the adapters off");
     if (o->seq_parallel > 1)
         fail("flag --seq-parallel: not with --objective %s yet (a sequence's log-probability would be a sum across "
              "the group)", o->objective);
