@@ -66,9 +66,6 @@ static void preference_check(const TrainOptions* o, TrainTask task) {
     if (o->batch % 2)
         fail("flag --batch: %d sequences; --objective %s puts a pair's chosen and rejected in one micro-batch, so it "
              "takes an even count", o->batch, o->objective);
-    if (o->seq_parallel > 1)
-        fail("flag --seq-parallel: not with --objective %s yet (a sequence's log-probability would be a sum across "
-             "the group)", o->objective);
 }
 
 // A pair's sequences as the loss reads them: the policy's and the reference's summed completion

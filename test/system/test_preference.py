@@ -323,3 +323,36 @@ def test_full_dpo_kill_and_resume_is_bit_identical_and_planned(case, tmp_path):
 def safetensors(path):
     import st_io
     return st_io.load(str(path))
+
+
+@pytest.mark.parametrize("objective,extra", [("dpo", ("--lora-rank", RANK, "--lr", 1e-3, "--adapter", "ADAPTER",
+                                                      "--lora-alpha", ALPHA, "--lora-dropout", 0.2)),
+                                             ("orpo", ("--lora-rank", RANK, "--lr", 1e-3)),
+                                             ("dpo", ("--full", "--lr", 1e-4))])
+def test_seq_parallel_two_ranks_equal_one_process(case, tmp_path, objective, extra):
+    """--seq-parallel 2 against one process on the same pairs, with validation: each rank holds half
+    of the batch's tokens, and a sequence's logp is the sum of its pieces' sums across the group
+    (llmc/models/llama_pref.h's llama_row_logps). Every per-token value is the same code on the same
+    inputs, so the bounds are test/system/test_seq_parallel.py's (derived there for the same split
+    of fp32 sums, at its learning rates: 1e-3 LoRA, 1e-4 --full): step 1's statistics to log.csv's
+    printed digit (its logps are sums of per-token values split into two fp64 partial sums), its
+    gradient norm to 2e-5 relative, the later losses to 3e-5."""
+    from test_llama_system import mpirun
+    from test_seq_parallel import LATER_LOSS_ABS, STEP1_LOSS_ABS, STEP1_NORM_REL
+    extra = [case / "adapter" if x == "ADAPTER" else x for x in extra]
+    args = lambda out: ["--model", case / "model", "--data", case / "pairs.bin", "--val", case / "pairs.bin",
+                        "--val-every", 2, "--objective", objective, "--steps", 3, "--batch", 4, "--seq", SEQ,
+                        "--threads", 1, "--out", out, *extra]
+    run(args(tmp_path / "one"))
+    two = mpirun(2, args(tmp_path / "two") + ["--seq-parallel", 2])
+    assert "2 ranks" in two.stdout
+    one, two = log_rows(tmp_path / "one"), log_rows(tmp_path / "two")
+    assert len(one) == len(two) == 4  # step 0's validation, then 3 steps
+    for k, v in one[1].items():
+        if k not in ("step", "lr", "grad_norm") and v != "":
+            assert abs(float(two[1][k]) - float(v)) <= STEP1_LOSS_ABS, k
+    assert abs(float(two[1]["grad_norm"]) / float(one[1]["grad_norm"]) - 1) <= STEP1_NORM_REL
+    for a, b in zip(one, two):
+        for k in ("loss", "val_loss", "val_rewards/accuracies"):
+            assert (a[k] == "") == (b[k] == "") and (a[k] == "" or abs(float(a[k]) - float(b[k])) <= LATER_LOSS_ABS), k
+    assert one[0]["val_loss"] != "" and one[2]["val_loss"] != ""
