@@ -328,6 +328,8 @@ def safetensors(path):
 @pytest.mark.parametrize("objective,extra", [("dpo", ("--lora-rank", RANK, "--lr", 1e-3, "--adapter", "ADAPTER",
                                                       "--lora-alpha", ALPHA, "--lora-dropout", 0.2)),
                                              ("orpo", ("--lora-rank", RANK, "--lr", 1e-3)),
+                                             ("dpo", ("--lora-rank", RANK, "--lr", 1e-3, "--adapter", "ADAPTER",
+                                                      "--lora-alpha", ALPHA, "--ref-logps", "precompute")),
                                              ("dpo", ("--full", "--lr", 1e-4))])
 def test_seq_parallel_two_ranks_equal_one_process(case, tmp_path, objective, extra):
     """--seq-parallel 2 against one process on the same pairs, with validation: each rank holds half
