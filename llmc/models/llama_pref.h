@@ -224,21 +224,26 @@ static StepResult llama_pref_step(Llama* m, PairLoader* loader, const PrefObject
 // Validation over pairs 0 .. n-1 of the shard (n: up to `batches` micro-batches of B/2 pairs), each
 // once: the mean pair loss (ORPO: plus the chosen tokens' mean CE) and the preference accuracy, the
 // share of pairs whose chosen reward is above the rejected's.
-static EvalResult llama_pref_evaluate(Llama* m, const PairLoader* L, const PrefObjective* po, int batches) {
+// rt: the validation shard's precomputed reference logps (--ref-logps precompute), or NULL.
+static EvalResult llama_pref_evaluate(Llama* m, const PairLoader* L, const PrefObjective* po, const RefTable* rt,
+                                      int batches) {
     int B = m->B, per = B / 2;
     int64_t N = m->sp.N, n = L->shard->pairs < (int64_t)batches * per ? L->shard->pairs : (int64_t)batches * per;
     double sums[PREF_SUMS] = {0}, chosen = 0.0;
     RowLogps rl = row_logps_alloc(B);
     int* in = (int*)xmalloc(sizeof(int) * N * 3);  // inputs, targets, positions of the whole micro-batch
     float* mk = (float*)xmalloc(sizeof(float) * N);
+    int64_t* ids = (int64_t*)xmalloc(sizeof(int64_t) * per);  // the batch's pairs (padding: its last one again)
     for (int64_t i = 0; i * per < n; i++) {
         int rows = pair_eval_batch(L, n, i, B, in, in + N, mk, in + 2 * N);
+        for (int k = 0; k < per; k++) ids[k] = i * per + (k < rows ? k : rows - 1);
         chosen += count_chosen(mk, B, m->sp.T);
         seqpar_slice(&m->sp, in, in + N, mk, in + 2 * N, m->io.h_inputs, m->io.h_targets, m->io.h_mask, m->io.h_pos);
         llama_upload_batch(m, m->sp.n);
-        llama_pref_forward(m, po, NULL, NULL, &rl, PREF_EVAL);  // (whole sequences' logps on every rank of a group)
+        llama_pref_forward(m, po, rt, ids, &rl, PREF_EVAL);  // (whole sequences' logps on every rank of a group)
         for (int k = 0; k < rows; k++) llama_pair(po, &rl, k, sums);
     }
+    free(ids);
     free(in);
     free(mk);
     row_logps_free(&rl);
@@ -310,11 +315,12 @@ static void ref_table_write(const RefTable* rt, const char* path, const PairShar
 // checks against this model and data); otherwise it is computed on every rank (the same numbers)
 // and written there by rank 0. dir NULL: in memory only.
 typedef enum { REF_FRESH, REF_RESUMED } RefOrigin;
-static void llama_ref_table_prepare(Llama* m, RefTable* rt, const PairShard* s, const char* dir, RefOrigin origin,
-                                    int rank0) {
+// name: the file's (ref_logps.bin for the training shard, ref_logps_val.bin for --val's).
+static void llama_ref_table_prepare(Llama* m, RefTable* rt, const PairShard* s, const char* dir, const char* name,
+                                    RefOrigin origin, int rank0) {
     rt->pairs = s->pairs;
     rt->logp = (double*)xcalloc(2 * s->pairs, sizeof(double));
-    char* path = dir ? path_join(dir, "ref_logps.bin") : NULL;
+    char* path = dir ? path_join(dir, name) : NULL;
     if (path && origin == REF_RESUMED && ref_table_read(rt, path, s)) {
         if (rank0) printf("reference logps: read from %s (%lld pairs)\n", path, (long long)s->pairs);
     } else {

@@ -47,7 +47,8 @@ static void preference_flags_register(FlagTable* t, TrainOptions* o) {
     flag_float(t, "simpo-gamma", &o->simpo_gamma, "simpo: the target reward margin gamma (default 0.5)");
     flag_choice(t, "ref-logps", &o->ref_logps, "inline|precompute",
                 "dpo: the reference log-probabilities (the base, adapters off) computed in each step (inline) or once "
-                "over the data before training, stored in --out as ref_logps.bin (precompute)");
+                "over the data before training, stored in --out as ref_logps.bin (--val's: ref_logps_val.bin; "
+                "precompute)");
 }
 
 // One-line refusals of what the objectives do not take.

@@ -191,6 +191,34 @@ def test_precomputed_reference_equals_in_step_and_resume_reads_it(case, tmp_path
     assert same_adapters(adapter(tmp_path / "split"), adapter(tmp_path / "straight"))
 
 
+def test_precomputed_validation_reads_its_own_table(case, tmp_path):
+    """--ref-logps precompute with --val: the validation pairs' reference logps are precomputed too
+    (ref_logps_val.bin) and validation reads them: the same bits as computing them in each pass
+    (the same forward per row), and a table whose chosen references were shifted (by +1 nat,
+    while the run was stopped) changes the resumed run's validation and nothing else."""
+    common = ("--objective", "dpo", "--steps", 4, "--batch", 4, "--lora-alpha", ALPHA, "--val", case / "pairs.bin",
+              "--val-every", 2)
+    start = ("--adapter", case / "adapter")  # (a resumed run's adapter is in its state)
+    run(train_args(case, tmp_path / "inline", *common, *start))
+    p = run(train_args(case, tmp_path / "pre", *common, *start, "--ref-logps", "precompute"))
+    assert "ref_logps_val.bin" in p.stdout and (tmp_path / "pre" / "ref_logps_val.bin").exists()
+    rows = log_rows(tmp_path / "pre")
+    assert log_rows(tmp_path / "inline") == rows and sum(r["val_loss"] != "" for r in rows) == 3
+    run(train_args(case, tmp_path / "t", *common, *start, "--ref-logps", "precompute", "--stop-at", 2))
+    table = tmp_path / "t" / "ref_logps_val.bin"
+    raw = table.read_bytes()
+    logps = np.frombuffer(raw, "<f8", offset=32).reshape(-1, 2).copy()
+    assert logps.shape == (PAIRS, 2) and np.all(logps < 0)
+    logps[:, 0] += 1.0
+    table.write_bytes(raw[:32] + logps.tobytes())
+    resume = train_args(case, tmp_path / "t", *common, "--ref-logps", "precompute")
+    resume[resume.index("--out")] = "--resume"
+    run(resume)
+    tampered = log_rows(tmp_path / "t")
+    assert [r["loss"] for r in tampered] == [r["loss"] for r in rows]
+    assert tampered[-1]["val_loss"] != rows[-1]["val_loss"] and tampered[2]["val_loss"] == rows[2]["val_loss"]
+
+
 def test_train_vit_takes_sft_alone():
     """train_vit has the flag (one table of shared flags) but trains classifiers: any other objective is
     refused in one line; sft is the default and accepted."""
