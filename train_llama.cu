@@ -119,7 +119,7 @@ typedef struct {
     Llama m, base;
     RunData rd;
     PrefObjective po;      // --objective (sft: unused)
-    RefTable ref;          // --ref-logps precompute (DPO), else empty
+    RefTable ref, val_ref;  // --ref-logps precompute (DPO): the training and validation pairs', else empty
     ModelTokenizer tok;
     char* chat_prompt;
 } LlamaRun;
@@ -132,7 +132,7 @@ static StepResult llama_run_step(void* run, const TrainOptions* o, const Dist* d
 
 static EvalResult llama_run_evaluate(void* run, int batches) {
     LlamaRun* r = (LlamaRun*)run;
-    if (r->rd.pairs) return llama_pref_evaluate(&r->m, &r->rd.pvl, &r->po, batches);
+    if (r->rd.pairs) return llama_pref_evaluate(&r->m, &r->rd.pvl, &r->po, &r->val_ref, batches);
     EvalResult e = {llama_evaluate(&r->m, &r->rd.vl, batches), NAN, 0};
     return e;
 }
@@ -245,6 +245,7 @@ static void llama_run_config(void* run, TrainOptions* o, const Dist* dist) {
         fail("flag --ref-logps precompute: only with --objective dpo (%s has no reference model)", o->objective);
     r->po = pref_objective_from(o);
     r->md = train_modes_from(o, target_names, N_TARGETS);
+    r->md.full_reference = r->md.full && r->po.kind == OBJ_DPO;  // the initial weights, frozen (dpo_reference)
     TrainOptions sp_checked = *o;
     if (o->dry_run && o->max_seq) sp_checked.seq = o->seq_parallel;  // --max-seq searches multiples of P instead
     seqpar_check(&sp_checked, r->cfg.heads, r->cfg.kv_heads, r->cfg.qk_norm);
@@ -257,8 +258,11 @@ static void llama_run_dry_run(void* run, const TrainOptions* o, const Dist* dist
     if (objective_of(o) != OBJ_SFT && !o->json)  // the pair layout: the plan is the SFT one of the same rows
         printf("objective %s: --batch %d rows = %d pairs (each chosen row beside its rejected one)%s\n", o->objective,
                o->batch, o->batch / 2,
-               objective_of(o) == OBJ_DPO ? "; the reference pass (adapters off, nothing kept) reuses the planned "
-                                            "buffers: no memory beyond this plan" : "");
+               objective_of(o) != OBJ_DPO ? ""
+               : o->full ? "; the reference pass (the frozen initial weights: dpo_reference; nothing kept) "
+                           "reuses the planned buffers"
+                         : "; the reference pass (adapters off, nothing kept) reuses the planned buffers: no memory "
+                           "beyond this plan");
     llama_warn_seq(&r->cfg, &planned);
 }
 
@@ -309,9 +313,15 @@ static void llama_run_load(void* run, const TrainOptions* o) {
     llama_rope_tables(m);
     if (!r->md.full) llama_init_lora(m, (uint64_t)o->seed);
     if (o->adapter_dir) llama_load_adapter(m, o->adapter_dir, o);
-    if (r->rd.pairs && r->rd.have_train && !o->eval_only && !strcmp(o->ref_logps, "precompute"))
-        llama_ref_table_prepare(m, &r->ref, &r->rd.ptrain, o->out_dir ? o->out_dir : o->resume_dir,
-                                o->resume_dir ? REF_RESUMED : REF_FRESH, m->dist->rank == 0);
+    llama_reference_freeze(m);  // --full DPO: before the resume replaces the arena's values
+    if (r->rd.pairs && r->rd.have_train && !o->eval_only && !strcmp(o->ref_logps, "precompute")) {
+        const char* dir = o->out_dir ? o->out_dir : o->resume_dir;
+        RefOrigin origin = o->resume_dir ? REF_RESUMED : REF_FRESH;
+        llama_ref_table_prepare(m, &r->ref, &r->rd.ptrain, dir, "ref_logps.bin", origin, m->dist->rank == 0);
+        if (r->rd.have_val)  // validation reads its reference logps too
+            llama_ref_table_prepare(m, &r->val_ref, &r->rd.pval, dir, "ref_logps_val.bin", origin,
+                                    m->dist->rank == 0);
+    }
 }
 
 // Rank 0's start-up lines on what auto chose from the memory, and on --seq past the pretrained context.
@@ -347,6 +357,7 @@ static void llama_run_close(void* run) {
     LlamaRun* r = (LlamaRun*)run;
     free(r->chat_prompt);
     free(r->ref.logp);
+    free(r->val_ref.logp);
     run_data_close(&r->rd);
     llama_free(&r->m);
 }

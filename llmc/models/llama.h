@@ -82,6 +82,7 @@ typedef struct {
     void* embed_scale;     // Gemma: [d] each sqrt(hidden) in the embedding's dtype, the embeddings' scale (else NULL)
     Trainable tr;          // LoRA A/B, or (--full) every weight: one flat array (ZeRO-1 across ranks)
     int64_t* layer_off;    // [layers] where each block's trainable values start in the arena
+    void* ref_arena;       // --full DPO: the arena's kernel-read values at step 0 (llmc/models/llama_pref.h)
     // --quant nf4: the tables (NF4 values, dynamic map; backend and host copies) and the scratch
     // every linear's W is dequantized into before its products (llmc/nf4.h), else NULL
     float* nf4_tables;

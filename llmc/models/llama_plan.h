@@ -81,6 +81,8 @@ static void llama_plan_weights(Llama* m, MemPlan* p) {
         }
     trainable_plan(&m->w.tr, p, md->full ? "all weights" : "lora", n_params,
                    md->full ? SHARD_OPTIM_AND_MASTER : SHARD_NONE, m->dist, be);
+    if (md->full && md->full_reference)  // DPO's reference: the weights the kernels read (wbytes each) at step 0
+        plan_add(p, MEM_FROZEN, "dpo_reference", -1, "reference_weights", m->w.tr.padded * wbytes, &m->w.ref_arena);
 }
 
 // Whether the block keeps the down projection's input p = silu(g) * u [N, f] for its backward.
@@ -347,27 +349,11 @@ static void llama_bind_forward_temporaries(Llama* m) {
     if (llama_qk_norm_ms(m)) { m->scratch.tmp.q_pre = m->scratch.dq; m->scratch.tmp.k_pre = m->scratch.dk; }
 }
 
-// After allocation: points the buffers a block does not keep at the shared scratch set, wires the
-// trainable weights into the flat arenas (layer-major, target order; LoRA A then B, or W under
-// --full), and sets up the host side of the batch and of the trainable arena.
-static void llama_bind(Llama* m) {
+// Wires the trainable weights into the flat arena (layer-major, target order; LoRA A then B, or W
+// under --full) where the kernels read them: tr->params (CPU) or tr->params16 (CUDA). Called again
+// with those pointing elsewhere, it points the model there (DPO's frozen reference under --full).
+static void llama_bind_weights(Llama* m) {
     const LlamaConfig* c = &m->cfg;
-    llama_bind_forward_temporaries(m);
-    // [N, d] both: the residual stream dies at the head, before any backward writes dz
-    m->scratch.dz = m->scratch.resid;
-    if (llama_dout_shares_dz(m)) m->scratch.dout = m->scratch.dz;
-    if (m->sp.lent) m->sp.tok = m->scratch.dq;
-    for (int l = 0; l < c->layers; l++) {
-        void** a = (void**)&m->saved.block[l];
-        void** s = (void**)&m->scratch.tmp;
-        for (size_t i = 0; i < sizeof(BlockActs) / sizeof(void*); i++) if (!a[i]) a[i] = s[i];
-        for (int t = 0; t < N_TARGETS; t++) {  // a fused module's parts: the same A x, so the lead's buffer
-            m->saved.block[l].ax[t] = m->saved.block[l].ax[llama_fused_lead(c, t)];
-            m->scratch.tmp.ax[t] = m->scratch.tmp.ax[llama_fused_lead(c, t)];
-        }
-    }
-    trainable_bind_host(&m->w.tr);
-    lora_dropout_init(&m->drop, m->modes.lora_dropout, m->modes.seed, m->scratch.drop_work);
     int64_t off = 0, r = m->modes.rank, d = c->dim, V = c->vocab;
     if (m->modes.full) {  // arena: embedding, head (untied), final norm, then block by block
         m->w.h_embed = trainable_bind_tensor(&m->w.tr, &off, V * d, &m->w.embed, &m->w.dembed, NULL);
@@ -423,6 +409,30 @@ static void llama_bind(Llama* m) {
                 if (m->scratch.drop_work) lora_dropout_bind(L, &m->drop, (uint32_t)(l * N_TARGETS + lead));
             }
         }
+}
+
+// After allocation: points the buffers a block does not keep at the shared scratch set, wires the
+// trainable weights into the flat arenas (layer-major, target order; LoRA A then B, or W under
+// --full), and sets up the host side of the batch and of the trainable arena.
+static void llama_bind(Llama* m) {
+    const LlamaConfig* c = &m->cfg;
+    llama_bind_forward_temporaries(m);
+    // [N, d] both: the residual stream dies at the head, before any backward writes dz
+    m->scratch.dz = m->scratch.resid;
+    if (llama_dout_shares_dz(m)) m->scratch.dout = m->scratch.dz;
+    if (m->sp.lent) m->sp.tok = m->scratch.dq;
+    for (int l = 0; l < c->layers; l++) {
+        void** a = (void**)&m->saved.block[l];
+        void** s = (void**)&m->scratch.tmp;
+        for (size_t i = 0; i < sizeof(BlockActs) / sizeof(void*); i++) if (!a[i]) a[i] = s[i];
+        for (int t = 0; t < N_TARGETS; t++) {  // a fused module's parts: the same A x, so the lead's buffer
+            m->saved.block[l].ax[t] = m->saved.block[l].ax[llama_fused_lead(c, t)];
+            m->scratch.tmp.ax[t] = m->scratch.tmp.ax[llama_fused_lead(c, t)];
+        }
+    }
+    trainable_bind_host(&m->w.tr);
+    lora_dropout_init(&m->drop, m->modes.lora_dropout, m->modes.seed, m->scratch.drop_work);
+    llama_bind_weights(m);
     trainable_plan_buckets(&m->w.tr, m->w.layer_off,
                            c->layers);  // embedding, head and final norm lie below the first block
     int64_t N = (int64_t)m->B * m->T;
@@ -707,6 +717,12 @@ static int llama_dry_run(const LlamaConfig* cfg, const TrainOptions* o_given, Tr
              o->batch, o->seq, o->full ? "full fine-tuning" : "LoRA");
     if (!o->full) str_appendf(header, sizeof(header), " r=%d", o->lora_rank);
     if (md.nf4) str_appendf(header, sizeof(header), ", frozen linears NF4");
+    if (md.full && md.full_reference) {  // --full DPO's frozen copy of the initial weights (llama_plan_weights)
+        size_t ref = (size_t)m.w.tr.padded * be.wbytes;
+        str_appendf(header, sizeof(header), "\ndpo_reference: %.2f MiB of frozen weights (the initial weights, "
+                    "DPO's reference model)", ref / 1048576.0);
+        str_appendf(json, sizeof(json), ", \"dpo_reference_bytes\": %zu", ref);
+    }
     if (ranks.world > 1) str_appendf(header, sizeof(header), ", one of %d ranks", ranks.world);
     if (dist_sp(&ranks) > 1) str_appendf(header, sizeof(header), " (%d per sequence)", dist_sp(&ranks));
     if (*fit_line) str_appendf(header, sizeof(header), "\n%s", fit_line);

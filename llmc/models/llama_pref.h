@@ -17,35 +17,76 @@
 
 enum { HEAD_AND_BACKWARD = 1 };  // llama_head_backward's `backward`: the head's gradient, then the blocks'
 
+// The micro-batch row (of B rows of sp.T tokens) that local token j belongs to: under
+// --seq-parallel this rank holds the flattened batch's tokens [g n, (g+1) n) (llmc/train/seq_parallel.h),
+// so each local row of m->T = sp.T / P tokens lies within one whole row.
+static int llama_row_of(const Llama* m, int64_t j) { return (int)(((int64_t)m->sp.g * m->sp.n + j) / m->sp.T); }
+
 // Each row's summed completion logp (the negated CE over its mask) and its completion length, from
-// the forward's final-norm input (m->scratch.resid): one head pass per row, no gradient.
+// the forward's final-norm input (m->scratch.resid): one head pass per local row, no gradient; under
+// --seq-parallel the sums of the rows' pieces added across the group. Returns this rank's rows that overflowed.
 static double llama_row_logps(Llama* m, double* logp, double* len) {
     LmHead head = llama_lm_head(m);
-    int T = m->T;
-    double overflowed = 0.0;
-    for (int b = 0; b < m->B; b++) {
+    int B = m->B, T = m->T;
+    double overflowed = 0.0, *both = (double*)xcalloc(2 * B, sizeof(double));  // [logp B][len B]
+    for (int b = 0; b < B; b++) {
         LossStats st = {};
         int64_t o = (int64_t)b * T;
         LmHeadCall call = {(char*)m->scratch.resid + o * m->cfg.dim * m->be->abytes, T, m->io.targets + o,
                            m->io.mask + o, 0.0f, NULL, NULL, NULL, NULL};
         op_lm_head_loss(m->be, &head, &call, &st);
-        logp[b] = -st.loss_sum;
-        len[b] = st.count;
+        int row = llama_row_of(m, o);
+        both[row] += -st.loss_sum;
+        both[B + row] += st.count;
         overflowed += st.overflowed;
     }
+    dist_sp_allreduce_sum_f64(m->dist, both, 2 * B);  // (every rank of the group then holds whole sequences')
+    memcpy(logp, both, sizeof(double) * B);
+    memcpy(len, both + B, sizeof(double) * B);
+    free(both);
     return overflowed;
 }
 
-// DPO's reference logps of the uploaded batch: the base model, adapters off, no dropout.
+// --full DPO: the reference is the model as it started, a frozen copy (m->w.ref_arena, planned as
+// dpo_reference) of the values the kernels read, taken once after loading (on a resumed run too:
+// the arena then still holds --model's weights, which the saved state's fingerprint pins; the
+// resume overwrites them afterwards). CPU: the fp32 arena; CUDA: its bf16 shadow (wbytes each).
+static void llama_reference_freeze(Llama* m) {
+    if (!m->w.ref_arena) return;
+    Trainable* tr = &m->w.tr;
+    const void* now = trainable_on_device(tr) ? tr->params16 : (const void*)tr->params;
+    op_copy(m->be, m->w.ref_arena, now, tr->padded);  // (op_copy moves abytes each: == wbytes on both backends)
+}
+
+// Points the model's weights at the frozen copy and back (pointers only: the arena's pointer is
+// swapped with the copy's and the tensors re-bound; no value moves). The CPU's kernels read the
+// host arena itself, CUDA's the bf16 shadow.
+static void llama_reference_swap(Llama* m) {
+    Trainable* tr = &m->w.tr;
+    void* ref = m->w.ref_arena;
+    if (trainable_on_device(tr)) {
+        m->w.ref_arena = tr->params16;
+        tr->params16 = ref;
+    } else {
+        m->w.ref_arena = tr->params;
+        tr->params = tr->h_params = (float*)ref;
+    }
+    llama_bind_weights(m);
+}
+
+// DPO's reference logps of the uploaded batch: the base model, adapters off, no dropout (LoRA), or
+// under --full the frozen initial weights.
 static void llama_reference_logps(Llama* m, double* logp, double* len) {
     float scale = m->modes.lora_scale;
     int dropping = m->drop.active;
     m->modes.lora_scale = 0.0f;  // y = W x + 0 * B A x: the base's bits
     m->drop.active = 0;
+    if (m->w.ref_arena) llama_reference_swap(m);
     llama_forward_blocks(m, m->B, m->T, NULL);
+    llama_row_logps(m, logp, len);  // (under --full the head and the final norm are the frozen ones too)
+    if (m->w.ref_arena) llama_reference_swap(m);
     m->modes.lora_scale = scale;
     m->drop.active = dropping;
-    llama_row_logps(m, logp, len);
 }
 
 // A micro-batch's sequences: the policy's and the reference's logps and the completion lengths.
@@ -109,13 +150,15 @@ static double llama_pref_micro_batch(Llama* m, const PrefObjective* po, const Re
     int B = m->B, T = m->T;
     RowLogps rl = row_logps_alloc(B);
     double overflowed = llama_pref_forward(m, po, rt, ids, &rl, PREF_TRAIN);
+    double* w = (double*)xmalloc(sizeof(double) * B);  // each row's completion-token weight
     for (int i = 0; i < B / 2; i++) {
         PairLoss l = llama_pair(po, &rl, i, sums);
         // d step loss / d CE of a completion token = -(1/pairs) d pair loss / d logp (+ ORPO's NLL: 1/chosen)
-        double w[2] = {-l.d_c / pairs + (po->kind == OBJ_ORPO ? 1.0 / chosen : 0.0), -l.d_r / pairs};
-        for (int side = 0; side < 2; side++)
-            for (int t = 0; t < T; t++) m->io.h_mask[(int64_t)(2 * i + side) * T + t] *= (float)w[side];
+        w[2 * i] = -l.d_c / pairs + (po->kind == OBJ_ORPO ? 1.0 / chosen : 0.0);
+        w[2 * i + 1] = -l.d_r / pairs;
     }
+    for (int64_t j = 0; j < (int64_t)B * T; j++) m->io.h_mask[j] *= (float)w[llama_row_of(m, j)];
+    free(w);
     row_logps_free(&rl);
     llama_upload_batch(m, (int64_t)B * T);  // the weights up (CUDA: the host mask is staged)
     m->drop.active = 1;
@@ -137,7 +180,7 @@ static double count_chosen(const float* mask, int B, int T) {
 static StepResult llama_pref_step(Llama* m, PairLoader* loader, const PrefObjective* po, const RefTable* rt,
                                   const TrainOptions* o, const Dist* dist, int step) {
     int B = m->B, K = o->grad_accum;
-    int64_t N = m->sp.N;  // --seq-parallel is refused: N is this rank's whole micro-batch
+    int64_t N = m->sp.N, n = m->sp.n;  // the whole micro-batch's tokens, this rank's (N without --seq-parallel)
     int* in_all = (int*)xmalloc(sizeof(int) * N * K * 3);
     int *tg_all = in_all + N * K, *pos_all = in_all + 2 * N * K;
     float* mk_all = (float*)xmalloc(sizeof(float) * N * K);
@@ -146,7 +189,7 @@ static StepResult llama_pref_step(Llama* m, PairLoader* loader, const PrefObject
     for (int k = 0; k < K; k++) {
         pair_loader_next(loader, B, dist_dp_rank(dist), dist_dp_world(dist), in_all + k * N, tg_all + k * N,
                          mk_all + k * N, pos_all + k * N, ids + k * (B / 2));
-        chosen += count_chosen(mk_all + k * N, B, m->T);
+        if (m->sp.g == 0) chosen += count_chosen(mk_all + k * N, B, m->sp.T);  // (once per group)
     }
     dist_allreduce_sum_f64(dist, &chosen, 1);
     double pairs = (double)(B / 2) * K * dist_dp_world(dist);
@@ -156,15 +199,17 @@ static StepResult llama_pref_step(Llama* m, PairLoader* loader, const PrefObject
     double sums[PREF_SUMS] = {0}, overflowed = 0.0;
     for (int k = 0; k < K; k++) {
         if (k == K - 1) trainable_buckets_begin(&m->w.tr, dist);
-        seqpar_slice(&m->sp, in_all + k * N, tg_all + k * N, mk_all + k * N, pos_all + k * N, m->io.h_inputs,
-                     m->io.h_targets, m->io.h_mask, m->io.h_pos);
-        m->drop.row0 = lora_dropout_row0(k, dist_dp_rank(dist), dist_dp_world(dist), N);
-        llama_upload_batch(m, N);
+        int64_t first = seqpar_slice(&m->sp, in_all + k * N, tg_all + k * N, mk_all + k * N, pos_all + k * N,
+                                     m->io.h_inputs, m->io.h_targets, m->io.h_mask, m->io.h_pos);
+        m->drop.row0 = lora_dropout_row0(k, dist_dp_rank(dist), dist_dp_world(dist), N) + first;
+        llama_upload_batch(m, n);
         overflowed += llama_pref_micro_batch(m, po, rt, ids + k * (B / 2), pairs, chosen, sums);
     }
     free(in_all);
     free(mk_all);
     free(ids);
+    // --seq-parallel: every rank of a group computed the same pair losses; its first one reports them
+    if (m->sp.g) memset(sums, 0, sizeof(sums));
     PROF_SCOPE(m->be, "optimizer", "step", 0.0, 0.0);
     double nll = po->kind == OBJ_ORPO && chosen > 0 ? sums[PREF_NLL] * pairs / chosen : 0.0;
     double finish[2] = {sums[PREF_LOSS] + nll, overflowed};  // summed across ranks by train_step_finish
@@ -179,18 +224,28 @@ static StepResult llama_pref_step(Llama* m, PairLoader* loader, const PrefObject
 // Validation over pairs 0 .. n-1 of the shard (n: up to `batches` micro-batches of B/2 pairs), each
 // once: the mean pair loss (ORPO: plus the chosen tokens' mean CE) and the preference accuracy, the
 // share of pairs whose chosen reward is above the rejected's.
-static EvalResult llama_pref_evaluate(Llama* m, const PairLoader* L, const PrefObjective* po, int batches) {
-    int B = m->B, T = m->T, per = B / 2;
-    int64_t N = (int64_t)B * T, n = L->shard->pairs < (int64_t)batches * per ? L->shard->pairs : (int64_t)batches * per;
+// rt: the validation shard's precomputed reference logps (--ref-logps precompute), or NULL.
+static EvalResult llama_pref_evaluate(Llama* m, const PairLoader* L, const PrefObjective* po, const RefTable* rt,
+                                      int batches) {
+    int B = m->B, per = B / 2;
+    int64_t N = m->sp.N, n = L->shard->pairs < (int64_t)batches * per ? L->shard->pairs : (int64_t)batches * per;
     double sums[PREF_SUMS] = {0}, chosen = 0.0;
     RowLogps rl = row_logps_alloc(B);
+    int* in = (int*)xmalloc(sizeof(int) * N * 3);  // inputs, targets, positions of the whole micro-batch
+    float* mk = (float*)xmalloc(sizeof(float) * N);
+    int64_t* ids = (int64_t*)xmalloc(sizeof(int64_t) * per);  // the batch's pairs (padding: its last one again)
     for (int64_t i = 0; i * per < n; i++) {
-        int rows = pair_eval_batch(L, n, i, B, m->io.h_inputs, m->io.h_targets, m->io.h_mask, m->io.h_pos);
-        chosen += count_chosen(m->io.h_mask, B, T);
-        llama_upload_batch(m, N);
-        llama_pref_forward(m, po, NULL, NULL, &rl, PREF_EVAL);
+        int rows = pair_eval_batch(L, n, i, B, in, in + N, mk, in + 2 * N);
+        for (int k = 0; k < per; k++) ids[k] = i * per + (k < rows ? k : rows - 1);
+        chosen += count_chosen(mk, B, m->sp.T);
+        seqpar_slice(&m->sp, in, in + N, mk, in + 2 * N, m->io.h_inputs, m->io.h_targets, m->io.h_mask, m->io.h_pos);
+        llama_upload_batch(m, m->sp.n);
+        llama_pref_forward(m, po, rt, ids, &rl, PREF_EVAL);  // (whole sequences' logps on every rank of a group)
         for (int k = 0; k < rows; k++) llama_pair(po, &rl, k, sums);
     }
+    free(ids);
+    free(in);
+    free(mk);
     row_logps_free(&rl);
     double nll = po->kind == OBJ_ORPO && chosen > 0 ? sums[PREF_NLL] / chosen : 0.0;
     EvalResult e = {(float)(sums[PREF_LOSS] / n + nll), (float)(sums[PREF_ACCURATE] / n), n};
@@ -205,22 +260,27 @@ static EvalResult llama_pref_evaluate(Llama* m, const PairLoader* L, const PrefO
 // The reference logps of every pair of the shard, B/2 pairs per micro-batch (the last one padded
 // with its last pair, whose rows are dropped).
 static void llama_ref_table_compute(Llama* m, const PairShard* s, double* out) {
-    int B = m->B, T = m->T, per = B / 2;
+    int B = m->B, T = m->sp.T, per = B / 2;
+    int64_t N = m->sp.N;
     RowLogps rl = row_logps_alloc(B);
+    int* in = (int*)xmalloc(sizeof(int) * N * 3);  // inputs, targets, positions of the whole micro-batch
+    float* mk = (float*)xmalloc(sizeof(float) * N);
     for (int64_t first = 0; first < s->pairs; first += per) {
         for (int i = 0; i < per; i++)
             for (int side = PAIR_CHOSEN; side <= PAIR_REJECTED; side++) {
                 int64_t o = (int64_t)(2 * i + side) * T, p = first + i < s->pairs ? first + i : s->pairs - 1;
-                pair_fill_row(s, p, (PairSide)side, PAIR_ROW_COUNTS, T, m->io.h_inputs + o, m->io.h_targets + o,
-                              m->io.h_mask + o, m->io.h_pos + o);
+                pair_fill_row(s, p, (PairSide)side, PAIR_ROW_COUNTS, T, in + o, in + N + o, mk + o, in + 2 * N + o);
             }
-        llama_upload_batch(m, (int64_t)B * T);
+        seqpar_slice(&m->sp, in, in + N, mk, in + 2 * N, m->io.h_inputs, m->io.h_targets, m->io.h_mask, m->io.h_pos);
+        llama_upload_batch(m, m->sp.n);
         llama_reference_logps(m, rl.ref, rl.len);
         for (int i = 0; i < per && first + i < s->pairs; i++) {
             out[2 * (first + i)] = rl.ref[2 * i];
             out[2 * (first + i) + 1] = rl.ref[2 * i + 1];
         }
     }
+    free(in);
+    free(mk);
     row_logps_free(&rl);
 }
 
@@ -255,11 +315,12 @@ static void ref_table_write(const RefTable* rt, const char* path, const PairShar
 // checks against this model and data); otherwise it is computed on every rank (the same numbers)
 // and written there by rank 0. dir NULL: in memory only.
 typedef enum { REF_FRESH, REF_RESUMED } RefOrigin;
-static void llama_ref_table_prepare(Llama* m, RefTable* rt, const PairShard* s, const char* dir, RefOrigin origin,
-                                    int rank0) {
+// name: the file's (ref_logps.bin for the training shard, ref_logps_val.bin for --val's).
+static void llama_ref_table_prepare(Llama* m, RefTable* rt, const PairShard* s, const char* dir, const char* name,
+                                    RefOrigin origin, int rank0) {
     rt->pairs = s->pairs;
     rt->logp = (double*)xcalloc(2 * s->pairs, sizeof(double));
-    char* path = dir ? path_join(dir, "ref_logps.bin") : NULL;
+    char* path = dir ? path_join(dir, name) : NULL;
     if (path && origin == REF_RESUMED && ref_table_read(rt, path, s)) {
         if (rank0) printf("reference logps: read from %s (%lld pairs)\n", path, (long long)s->pairs);
     } else {

@@ -47,7 +47,8 @@ static void preference_flags_register(FlagTable* t, TrainOptions* o) {
     flag_float(t, "simpo-gamma", &o->simpo_gamma, "simpo: the target reward margin gamma (default 0.5)");
     flag_choice(t, "ref-logps", &o->ref_logps, "inline|precompute",
                 "dpo: the reference log-probabilities (the base, adapters off) computed in each step (inline) or once "
-                "over the data before training, stored in --out as ref_logps.bin (precompute)");
+                "over the data before training, stored in --out as ref_logps.bin (--val's: ref_logps_val.bin; "
+                "precompute)");
 }
 
 // One-line refusals of what the objectives do not take.
@@ -66,12 +67,6 @@ static void preference_check(const TrainOptions* o, TrainTask task) {
     if (o->batch % 2)
         fail("flag --batch: %d sequences; --objective %s puts a pair's chosen and rejected in one micro-batch, so it "
              "takes an even count", o->batch, o->objective);
-    if (k == OBJ_DPO && o->full)
-        fail("flag --objective dpo: not with --full yet (its reference, a frozen copy of the initial weights, is not "
-             "implemented); with LoRA the reference is the base with the adapters off");
-    if (o->seq_parallel > 1)
-        fail("flag --seq-parallel: not with --objective %s yet (a sequence's log-probability would be a sum across "
-             "the group)", o->objective);
 }
 
 // A pair's sequences as the loss reads them: the policy's and the reference's summed completion

@@ -317,6 +317,7 @@ typedef struct {
     int mlp_tile;           // --mlp-tile: tokens per MLP tile, 0 the whole sequence, MLP_TILE_AUTO the planned rule
     int generate;           // --generate: plan the key/value cache and the logits it samples from (LLaMA only)
     int full;               // train the weights themselves instead of LoRA adapters
+    int full_reference;     // --full --objective dpo: a frozen copy of the initial weights, DPO's reference
     int nf4;                // --quant nf4: frozen linear weights in NF4, dequantized before each product
     unsigned targets;       // bit t: linear t of every block carries an adapter
     int rank;
@@ -345,6 +346,7 @@ static TrainModes train_modes_from(const TrainOptions* o, const char* const* tar
     md.ms_lora_merged = strcmp(o->ms_lora, "merged") == 0;
     md.mlp_tile = strcmp(o->mlp_tile, "auto") == 0 ? MLP_TILE_AUTO : mlp_tile_tokens(o->mlp_tile);
     md.full = o->full;
+    md.full_reference = 0;  // train_llama's --objective dpo sets it
     md.nf4 = strcmp(o->quant, "nf4") == 0;
     md.targets = o->full ? 0 : parse_targets(o->lora_targets, target_names, n_targets, "lora-targets");
     md.rank = o->lora_rank;

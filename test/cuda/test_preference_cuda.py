@@ -61,3 +61,43 @@ def test_cuda_preference_step_matches_cpu(case, tmp_path, objective, flags, beta
     assert cuda["grad_norm"] == pytest.approx(cpu["grad_norm"], rel=1e-2)
     if objective == "dpo":
         assert abs(cpu["rewards/margins"]) > 1e-3  # the adapter changes the model: the reference pass matters
+
+
+def full_two_steps(exe, device, case, tmp_path):
+    out = tmp_path / f"{device}_full"
+    run([need(exe), "--model", case / "model", "--data", case / "pairs.bin", "--objective", "dpo", "--beta", 0.5,
+         "--full", "--steps", 2, "--batch", 2 * PAIRS, "--seq", SEQ, "--lr", 1e-3, "--min-lr-frac", 1, "--grad-clip", 0,
+         "--mode", "lowmem", "--threads", 1, "--device", device, "--out", out])
+    with open(out / "log.csv") as f:
+        rows = [r for r in csv.DictReader(f) if r["loss"]]
+    return [{k: float(v) for k, v in r.items() if v and k not in ("step", "lr", "tokens_per_s")} for r in rows]
+
+
+def test_cuda_full_dpo_reference_is_the_frozen_initial_bf16_weights(case, tmp_path):
+    """--full DPO on CUDA: the reference reads the frozen bf16 copy of the initial weights (the
+    shadow at step 0, pointer-swapped in). Step 1: the policy is those very bits, so the rewards
+    are exactly 0 as on the CPU; step 2 (after one AdamW update) within the bounds of
+    test_cuda_preference_step_matches_cpu's derivation against the CPU backend, which
+    test/system/test_preference.py checks against transformers autograd. A reference that moved
+    with the weights would give step 2's rewards 0, beyond those bounds (asserted: the rewards
+    are well above them)."""
+    cpu = full_two_steps(CPU_TRAIN, "cpu", case, tmp_path)
+    cuda = full_two_steps(CUDA_TRAIN, "cuda", case, tmp_path)
+    print("cpu:", cpu, "\ncuda:", cuda)
+    assert len(cpu) == len(cuda) == 2
+    for k in ("rewards/chosen", "rewards/rejected", "rewards/margins"):
+        assert cuda[0][k] == 0.0 and cpu[0][k] == 0.0, k
+    beta = 0.5
+    for s in range(2):
+        bound = beta * 2 * 2e-3 * max(abs(cpu[s]["logps/chosen"]), abs(cpu[s]["logps/rejected"]))
+        for k in ("logps/chosen", "logps/rejected"):
+            assert cuda[s][k] == pytest.approx(cpu[s][k], rel=2e-3), (s, k)
+        for k in ("rewards/chosen", "rewards/rejected"):
+            assert abs(cuda[s][k] - cpu[s][k]) <= bound, (s, k)
+            assert s == 0 or abs(cpu[s][k]) > 3 * bound, (s, k)  # the frozen reference matters
+        # the loss -log sigmoid(m) and the gradient's factor sigmoid(-m) move with the margin m, which is within
+        # 2 * bound: d loss / dm = -sigmoid(-m), d ln sigmoid(-m) / dm = -sigmoid(m); plus the step-1 tolerances
+        m = cpu[s]["rewards/margins"]
+        dm = 2 * bound
+        assert abs(cuda[s]["loss"] - cpu[s]["loss"]) <= 1e-2 * cpu[s]["loss"] + dm / (1 + np.exp(m)), s
+        assert cuda[s]["grad_norm"] == pytest.approx(cpu[s]["grad_norm"], rel=1e-2 + dm / (1 + np.exp(-m))), s

@@ -141,8 +141,8 @@ def test_kill_and_resume_is_bit_identical(case, tmp_path, objective):
     from test_llama_system import FAULT_BIN
     if not os.path.exists(FAULT_BIN):
         pytest.fail(f"{FAULT_BIN} is missing: build it with `make build/test/train_llama`")
-    p = subprocess.run([FAULT_BIN] + [str(a) for a in train_args(case, tmp_path / "killed", *args)], capture_output=True,
-                       text=True, timeout=300, env=dict(ENV, LLMC_FAULT_STOP_STEP="3:kill"))
+    p = subprocess.run([FAULT_BIN] + [str(a) for a in train_args(case, tmp_path / "killed", *args)],
+                       capture_output=True, text=True, timeout=300, env=dict(ENV, LLMC_FAULT_STOP_STEP="3:kill"))
     assert p.returncode == -9, p.stderr
     run(["--resume", tmp_path / "killed", "--model", case / "model", "--data", case / "pairs.bin", "--seq", SEQ,
          "--lora-rank", RANK, "--lr", 1e-2, "--threads", 1, *args])
@@ -189,6 +189,34 @@ def test_precomputed_reference_equals_in_step_and_resume_reads_it(case, tmp_path
     assert "reference logps: read from" in p.stdout and "reference logps: precomputed" not in p.stdout
     assert log_rows(tmp_path / "split") == log_rows(tmp_path / "straight")
     assert same_adapters(adapter(tmp_path / "split"), adapter(tmp_path / "straight"))
+
+
+def test_precomputed_validation_reads_its_own_table(case, tmp_path):
+    """--ref-logps precompute with --val: the validation pairs' reference logps are precomputed too
+    (ref_logps_val.bin) and validation reads them: the same bits as computing them in each pass
+    (the same forward per row), and a table whose chosen references were shifted (by +1 nat,
+    while the run was stopped) changes the resumed run's validation and nothing else."""
+    common = ("--objective", "dpo", "--steps", 4, "--batch", 4, "--lora-alpha", ALPHA, "--val", case / "pairs.bin",
+              "--val-every", 2)
+    start = ("--adapter", case / "adapter")  # (a resumed run's adapter is in its state)
+    run(train_args(case, tmp_path / "inline", *common, *start))
+    p = run(train_args(case, tmp_path / "pre", *common, *start, "--ref-logps", "precompute"))
+    assert "ref_logps_val.bin" in p.stdout and (tmp_path / "pre" / "ref_logps_val.bin").exists()
+    rows = log_rows(tmp_path / "pre")
+    assert log_rows(tmp_path / "inline") == rows and sum(r["val_loss"] != "" for r in rows) == 3
+    run(train_args(case, tmp_path / "t", *common, *start, "--ref-logps", "precompute", "--stop-at", 2))
+    table = tmp_path / "t" / "ref_logps_val.bin"
+    raw = table.read_bytes()
+    logps = np.frombuffer(raw, "<f8", offset=32).reshape(-1, 2).copy()
+    assert logps.shape == (PAIRS, 2) and np.all(logps < 0)
+    logps[:, 0] += 1.0
+    table.write_bytes(raw[:32] + logps.tobytes())
+    resume = train_args(case, tmp_path / "t", *common, "--ref-logps", "precompute")
+    resume[resume.index("--out")] = "--resume"
+    run(resume)
+    tampered = log_rows(tmp_path / "t")
+    assert [r["loss"] for r in tampered] == [r["loss"] for r in rows]
+    assert tampered[-1]["val_loss"] != rows[-1]["val_loss"] and tampered[2]["val_loss"] == rows[2]["val_loss"]
 
 
 def test_train_vit_takes_sft_alone():
@@ -239,3 +267,122 @@ def test_malformed_pair_shards_are_refused_naming_the_file(case, tmp_path):
         path.write_bytes(data)
         expect_error(["--model", case / "model", "--data", path, "--objective", "dpo", "--seq", SEQ, "--batch", 2,
                       "--threads", 1], str(path), needle)
+
+
+def full_args(case, out, mode, *extra):
+    return ["--model", case / "model", "--data", case / "pairs.bin", "--objective", "dpo", "--full", "--batch",
+            2 * PAIRS, "--seq", SEQ, "--mode", mode, "--lr", FULL_LR, "--min-lr-frac", 1, "--weight-decay", 0,
+            "--grad-clip", 0, "--threads", 1, "--out", out, *extra]
+
+
+FULL_LR = 1e-3  # small: AdamW's first update is ~lr * sign(g) per element, so rounding that flips a sign moves little
+
+
+@pytest.mark.parametrize("mode", ["baseline", "lowmem"])
+def test_full_dpo_two_steps_equal_autograd_reference(case, tmp_path, mode):
+    """--full DPO against transformers autograd in float64 (pref_reference.py --full: every parameter
+    trains, the reference model a frozen copy of the initial one; lowmem's MS norms fold the block
+    gammas into the linears, as ours do): steps 1 and 2, each over all PAIRS pairs. At step 1 the
+    policy is the reference (rewards 0); step 2's rewards are the updated policy against the
+    frozen copy, so they show that the reference did not move with the weights (had it, they
+    would be 0 again). Tolerances as test_step_equals_peft_autograd_reference's at step 1; step 2
+    follows one AdamW update of lr 1e-3 per element, which carries the step-1 gradients' relative
+    fp32 error (1e-4 on the norm, per element up to 1e-3) into the weights as a relative error of
+    the update; so step 2 is compared at 10x step 1's relative tolerances."""
+    out = tmp_path / f"full_{mode}"
+    run(full_args(case, out, mode, "--steps", 2))
+    got = [{k: float(v) for k, v in row.items() if v != "" and k not in ("step", "lr")} for row in log_rows(out)
+           if row["loss"] != ""]
+    ref_flags = ["--full", "--steps", 2, "--lr", FULL_LR, "--beta", 0.1] + (["--merge-gammas"] * (mode == "lowmem"))
+    want = reference_steps(case, "approx" if mode == "lowmem" else "exact", *ref_flags)
+    print(mode, "ours:", got, "reference:", want)
+    assert len(got) == len(want) == 2
+    assert want[0]["rewards/margins"] == 0.0 and abs(want[1]["rewards/margins"]) > 1e-3
+    for s, rel in ((0, 1e-5), (1, 1e-4)):
+        # (lowmem: the reference counts gate elements near a ReSiLU2 breakpoint, whose fp32 code could differ;
+        # one that did would fail the comparison below, never pass it: the count is in the message)
+        for k in ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected"):
+            assert got[s][k] == pytest.approx(want[s][k], rel=rel, abs=2e-6), (s, k)
+        assert got[s]["rewards/accuracies"] == want[s]["rewards/accuracies"] or s == 0
+        assert got[s]["grad_norm"] == pytest.approx(want[s]["grad_norm"], rel=10 * rel), (s, want[s].get("ambiguous"))
+
+
+def reference_steps(case, act, *extra):
+    p = subprocess.run([HF_PYTHON, os.path.join(HERE, "pref_reference.py"), "--model", str(case / "model"),
+                        "--adapter", "-", "--pairs", str(case / "pairs.bin"), "--objective", "dpo", "--act", act,
+                        *map(str, extra)], capture_output=True, text=True, timeout=300, env=ENV)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return [json.loads(line) for line in p.stdout.strip().splitlines() if line.startswith("{")]
+
+
+def test_full_dpo_kill_and_resume_is_bit_identical_and_planned(case, tmp_path):
+    """--full DPO stopped by SIGKILL after step 2's save and resumed: its reference is the frozen
+    copy of the initial weights (reloaded from --model, not the resumed ones), so it logs the same
+    rows and saves the same weights and state as a run straight through; with a reference that
+    had followed the resume, step 3's rewards would start from 0 again. --dry-run shows the copy as
+    the plan's dpo_reference buffer, as large as the trainable arena (bf16 in CUDA's layout)."""
+    args = ("--steps", 4, "--save-every", 2)
+    run(full_args(case, tmp_path / "straight", "baseline", *args))
+    from test_llama_system import FAULT_BIN
+    if not os.path.exists(FAULT_BIN):
+        pytest.fail(f"{FAULT_BIN} is missing: build it with `make build/test/train_llama`")
+    p = subprocess.run([FAULT_BIN] + [str(a) for a in full_args(case, tmp_path / "killed", "baseline", *args)],
+                       capture_output=True, text=True, timeout=300, env=dict(ENV, LLMC_FAULT_STOP_STEP="3:kill"))
+    assert p.returncode == -9, p.stderr
+    resume = full_args(case, tmp_path / "killed", "baseline", *args)
+    resume[resume.index("--out")] = "--resume"
+    run(resume)
+    rows = log_rows(tmp_path / "straight")
+    assert log_rows(tmp_path / "killed") == rows and abs(float(rows[-1]["rewards/margins"])) > 1e-3
+    for f in ("model.safetensors", "train_state.bin"):
+        assert (tmp_path / "killed" / f).read_bytes() == (tmp_path / "straight" / f).read_bytes(), f
+    dry = lambda *x: run(["--model", case / "model", "--dry-run", "--batch", 4, "--seq", SEQ, "--full", *x]).stdout
+    text = dry("--objective", "dpo")
+    assert "dpo_reference" in text and "dpo_reference" not in dry() and "frozen initial weights" in text
+    plan = lambda *x: json.loads(dry("--json", *x))
+    n_params = sum(int(np.prod(v.shape)) for v in safetensors(case / "model" / "model.safetensors").values())
+    # baseline: every tensor trains (lowmem's MS norms fold the block gammas into the linears); CUDA's layout, bf16
+    with_ref, without = plan("--objective", "dpo", "--mode", "baseline"), plan("--mode", "baseline")
+    assert with_ref["dpo_reference_bytes"] == 2 * n_params
+    # (the arena's size: the buffer rounded up to llmc/memory/plan.h's PLAN_ALIGN, 64 bytes)
+    assert with_ref["categories"]["frozen"] - without["categories"]["frozen"] == -(-2 * n_params // 64) * 64
+
+
+def safetensors(path):
+    import st_io
+    return st_io.load(str(path))
+
+
+@pytest.mark.parametrize("objective,extra", [("dpo", ("--lora-rank", RANK, "--lr", 1e-3, "--adapter", "ADAPTER",
+                                                      "--lora-alpha", ALPHA, "--lora-dropout", 0.2)),
+                                             ("orpo", ("--lora-rank", RANK, "--lr", 1e-3)),
+                                             ("dpo", ("--lora-rank", RANK, "--lr", 1e-3, "--adapter", "ADAPTER",
+                                                      "--lora-alpha", ALPHA, "--ref-logps", "precompute")),
+                                             ("dpo", ("--full", "--lr", 1e-4))])
+def test_seq_parallel_two_ranks_equal_one_process(case, tmp_path, objective, extra):
+    """--seq-parallel 2 against one process on the same pairs, with validation: each rank holds half
+    of the batch's tokens, and a sequence's logp is the sum of its pieces' sums across the group
+    (llmc/models/llama_pref.h's llama_row_logps). Every per-token value is the same code on the same
+    inputs, so the bounds are test/system/test_seq_parallel.py's (derived there for the same split
+    of fp32 sums, at its learning rates: 1e-3 LoRA, 1e-4 --full): step 1's statistics to log.csv's
+    printed digit (its logps are sums of per-token values split into two fp64 partial sums), its
+    gradient norm to 2e-5 relative, the later losses to 3e-5."""
+    from test_llama_system import mpirun
+    from test_seq_parallel import LATER_LOSS_ABS, STEP1_LOSS_ABS, STEP1_NORM_REL
+    extra = [case / "adapter" if x == "ADAPTER" else x for x in extra]
+    args = lambda out: ["--model", case / "model", "--data", case / "pairs.bin", "--val", case / "pairs.bin",
+                        "--val-every", 2, "--objective", objective, "--steps", 3, "--batch", 4, "--seq", SEQ,
+                        "--threads", 1, "--out", out, *extra]
+    run(args(tmp_path / "one"))
+    two = mpirun(2, args(tmp_path / "two") + ["--seq-parallel", 2])
+    assert "2 ranks" in two.stdout
+    one, two = log_rows(tmp_path / "one"), log_rows(tmp_path / "two")
+    assert len(one) == len(two) == 4  # step 0's validation, then 3 steps
+    for k, v in one[1].items():
+        if k not in ("step", "lr", "grad_norm") and v != "":
+            assert abs(float(two[1][k]) - float(v)) <= STEP1_LOSS_ABS, k
+    assert abs(float(two[1]["grad_norm"]) / float(one[1]["grad_norm"]) - 1) <= STEP1_NORM_REL
+    for a, b in zip(one, two):
+        for k in ("loss", "val_loss", "val_rewards/accuracies"):
+            assert (a[k] == "") == (b[k] == "") and (a[k] == "" or abs(float(a[k]) - float(b[k])) <= LATER_LOSS_ABS), k
+    assert one[0]["val_loss"] != "" and one[2]["val_loss"] != ""
