@@ -133,7 +133,8 @@ static int64_t llama_mlp_tile_rows(int mlp_tile, int64_t N, int64_t f) {
 static void llama_plan_block(Llama* m, MemPlan* p, int l) {
     const LlamaConfig* c = &m->cfg;
     const TrainModes* md = &m->modes;
-    int abytes = m->be->abytes, keep = !md->recompute_block, msqk = llama_qk_norm_ms(m);
+    int recomputes = train_block_recomputes(md, l);
+    int abytes = m->be->abytes, keep = !recomputes, msqk = llama_qk_norm_ms(m);
     int64_t N = (int64_t)m->B * m->T, d = c->dim, f = c->hidden, qd = (int64_t)c->heads * c->head_dim,
             kvd = (int64_t)c->kv_heads * c->head_dim, r = md->rank;
     // a linear keeps its input when its own backward needs it: it has an adapter or trains W
@@ -142,9 +143,9 @@ static void llama_plan_block(Llama* m, MemPlan* p, int l) {
     BlockActs* a = &m->saved.block[l];
     BlockActs* s = &m->scratch.tmp;
     char nm[48];
-    if (md->recompute_block)  // the checkpoint [N, d]: on the device, or (--offload host) in pinned host memory
+    if (recomputes)  // the checkpoint [N, d]: on the device, or (--offload host) in pinned host memory
         checkpoints_plan_block(p, &m->saved.ckpt, l, N * d * abytes);
-    if (!md->ms && !md->recompute_block)
+    if (!md->ms && !recomputes)
         plan_block_act(p, m, l, 1, "attn_norm", "x_in", N * d * abytes, &a->x_in, NULL);
     plan_block_act(p, m, l, keep, "attn_norm", "r1", N * 4, &a->r1, &s->r1);
     plan_block_act(p, m, l, keep && (md->ms || lora_qkv), "qkv_input", "z1", N * d * abytes, &a->z1, &s->z1);
@@ -223,7 +224,7 @@ static void llama_plan_scratch(Llama* m, MemPlan* p) {
     plan_add(p, MEM_SCRATCH, "residual", -1, "resid", N * d * abytes, &m->scratch.resid);
     // the recomputed forward's residual stream: a copy of the checkpoint where the backward reads
     // the block input (standard norms); under MS norms it runs in place on the checkpoint
-    if (md->recompute_block && !md->ms)
+    if (m->saved.ckpt.recomputed && !md->ms)
         plan_add(p, MEM_SCRATCH, "residual", -1, "resid_tmp", N * d * abytes, &m->scratch.resid_tmp);
     // block inputs [N, d]: with two, one travels to or from the host while the other is in use;
     // one where the memory holds no more (llama_fit_to_memory, llmc/memory/offload.h)
@@ -289,7 +290,7 @@ static void llama_plan(Llama* m, MemPlan* p) {
     memset(p, 0, sizeof(*p));
     p->tokens = (int64_t)m->B * m->T;
     p->blocks = c->layers;
-    p->recomputed = m->modes.recompute_block;
+    p->recomputed = m->saved.ckpt.recomputed;
     llama_plan_weights(m, p);
     int64_t rope_bytes = (int64_t)m->sp.T * (c->head_dim / 2) * 4;  // [T, hd/2] fp32: 2 GiB at 8M positions
     plan_add(p, MEM_SCRATCH, "rope", -1, "rope_cos", rope_bytes, &m->w.rope_cos);
@@ -406,7 +407,7 @@ static void llama_setup(Llama* m, const LlamaConfig* cfg, const TrainModes* mode
     m->mlp_tile = llama_mlp_tile_rows(modes->mlp_tile, (int64_t)B * m->T, cfg->hidden);
     m->w.layers = (LlamaLayer*)xcalloc(cfg->layers, sizeof(LlamaLayer));
     m->saved.block = (BlockActs*)xcalloc(cfg->layers, sizeof(BlockActs));
-    checkpoints_init(&m->saved.ckpt, cfg->layers, modes->offload_host);
+    checkpoints_init(&m->saved.ckpt, cfg->layers, train_recomputed_blocks(modes, cfg->layers), modes->offload_host);
     m->w.layer_off = (int64_t*)xcalloc(cfg->layers, sizeof(int64_t));
     m->scratch.kv_k = (void**)xcalloc(cfg->layers, sizeof(void*));
     m->scratch.kv_v = (void**)xcalloc(cfg->layers, sizeof(void*));
