@@ -484,10 +484,25 @@ static TrainModes llama_fit_mlp_tile(const LlamaConfig* cfg, TrainModes md, int 
 // finds the rest).
 static TrainModes llama_smallest_choices(TrainModes md, int B, int T, const Dist* ranks) {
     int64_t N = llama_rank_tokens(B, T, ranks);
+    if (md.recompute == RECOMPUTE_AUTO) md.recompute = RECOMPUTE_ALL;  // auto's smallest: every block
     if (md.mlp_tile == MLP_TILE_AUTO && N <= INT_MAX) md.mlp_tile = llama_mlp_candidate(N, llama_mlp_most_tiles(N));
     if (md.offload_host && md.offload_staging == OFFLOAD_STAGING_AUTO) md.offload_staging = 1;
     md.head_chunk_small = 1;
     return md;
+}
+
+// --recompute auto fitted to `budget` bytes: the fewest recomputed blocks k whose plan, with the
+// other auto choices at their smallest (llama_smallest_choices), fits; every block where none does
+// (the fit check then refuses). A direct scan from k = 0 up, not a bisection: the plan is not
+// monotone in k (the first recomputed block adds the shared set its recomputed forward makes and,
+// under standard norms, a copy of the residual stream), and each plan is cheap (nothing allocated).
+static int llama_fit_recompute(const LlamaConfig* cfg, const TrainModes* md, int B, int T, const Backend* be,
+                               const Dist* ranks, size_t budget) {
+    for (int k = 0; k < cfg->layers; k++) {
+        TrainModes at = llama_smallest_choices(train_modes_recompute(*md, k), B, T, ranks);
+        if (llama_modes_plan_bytes(cfg, &at, B, T, be, ranks) <= budget) return k;
+    }
+    return cfg->layers;
 }
 
 // What auto leaves to the memory, fitted to `budget` bytes (0: none known; md unchanged, so two
@@ -499,6 +514,8 @@ static TrainModes llama_smallest_choices(TrainModes md, int B, int T, const Dist
 // input, [N, d], and the larger chunk a fixed ~1.5 GiB at 8B, where a tile's worth of MLP rows is less.
 static TrainModes llama_fit_to_memory(const LlamaConfig* cfg, TrainModes md, int B, int T, const Backend* be,
                                       const Dist* ranks, size_t budget) {
+    if (md.recompute == RECOMPUTE_AUTO)  // first the blocks recomputed (none where no memory is known)
+        md = train_modes_recompute(md, budget ? llama_fit_recompute(cfg, &md, B, T, be, ranks, budget) : 0);
     if (!budget) return md;
     if (md.offload_host && md.offload_staging == OFFLOAD_STAGING_AUTO) {
         TrainModes two = llama_smallest_choices(md, B, T, ranks);
@@ -553,8 +570,11 @@ static size_t llama_plan_bytes_at_steps(const void* ctx, const TrainOptions* o, 
 // fitted to that memory at that length (unchanged without --max-seq or --gpu-mem: nothing to fit).
 static int llama_dry_run_fit(const LlamaConfig* cfg, const TrainOptions* o, const Backend* be, const Dist* ranks,
                              TrainModes* md, char* json, size_t njson, char* line, size_t nline) {
-    if (!o->max_seq && !(o->gpu_mem > 0)) return o->seq;
-    FitBudget budget = fit_budget(o, be->cuda, o->max_seq ? "--max-seq" : "--gpu-mem");
+    if (!o->max_seq && !(o->gpu_mem > 0) && !(o->mem_limit > 0)) {
+        *md = llama_fit_to_memory(cfg, *md, o->batch, o->seq, be, ranks, 0);  // (--recompute auto: none)
+        return o->seq;
+    }
+    FitBudget budget = fit_budget(o, be->cuda, o->max_seq ? "--max-seq" : o->gpu_mem > 0 ? "--gpu-mem" : "--mem-limit");
     int P = dist_sp(ranks);
     LlamaSeqPlanCtx ctx = {{cfg, be, ranks, o->seq, budget.bytes}, ranks->world, P};
     int seq = o->seq, most = 0;
@@ -614,7 +634,7 @@ static void llama_tile_line(char* buf, size_t n, const Llama* m, const TrainOpti
     else
         str_appendf(buf, n, "auto without a memory to fit: equal tiles of at most %d; --gpu-mem GIB fits it)",
                     MLP_TILE_AUTO_MAX);
-    if (m->modes.offload_host)  // two unless the memory holds one only (llama_fit_to_memory)
+    if (m->saved.ckpt.host)  // two unless the memory holds one only (llama_fit_to_memory)
         str_appendf(buf, n, "\noffload: %d device staging buffer%s of one block input%s", m->saved.ckpt.offload.slots,
                     m->saved.ckpt.offload.slots == 1 ? "" : "s",
                     m->saved.ckpt.offload.slots == 1 ? " (the copies do not overlap the compute)" : "");
@@ -662,9 +682,15 @@ static int llama_dry_run(const LlamaConfig* cfg, const TrainOptions* o_given, Tr
     if (ranks.world > 1) str_appendf(header, sizeof(header), ", one of %d ranks", ranks.world);
     if (dist_sp(&ranks) > 1) str_appendf(header, sizeof(header), " (%d per sequence)", dist_sp(&ranks));
     if (*fit_line) str_appendf(header, sizeof(header), "\n%s", fit_line);
+    if (given.recompute != 0 && given.recompute != RECOMPUTE_ALL) {  // auto or N: how many, and why
+        char rec[160];
+        fit_recompute_line(rec, sizeof(rec), o, m.saved.ckpt.recomputed, cfg->layers,
+                           o->max_seq || o->gpu_mem > 0 || o->mem_limit > 0 ? fit_budget(o, !cpu, "--dry-run").bytes : 0);
+        str_appendf(header, sizeof(header), "\n%s", rec);
+    }
     llama_tile_line(header, sizeof(header), &m, o, &given, &md);
-    str_appendf(json, sizeof(json), ", \"mlp_tile\": %lld, \"offload_staging\": %d", (long long)m.mlp_tile,
-                m.modes.offload_host ? m.saved.ckpt.offload.slots : 0);
+    str_appendf(json, sizeof(json), ", \"mlp_tile\": %lld, \"offload_staging\": %d, \"recomputed_blocks\": %d",
+                (long long)m.mlp_tile, m.saved.ckpt.host ? m.saved.ckpt.offload.slots : 0, m.saved.ckpt.recomputed);
     train_dry_run_report(o, &m.plan, &base.plan, &be, json, header);
     llama_free(&m);
     llama_free(&base);

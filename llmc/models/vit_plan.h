@@ -369,13 +369,31 @@ typedef struct {
     const Dist* dist;
 } VitPlanCtx;
 
-static size_t vit_plan_bytes(const void* ctx, const TrainOptions* o, int batch, int world) {
-    const VitPlanCtx* c = (const VitPlanCtx*)ctx;
-    TrainModes md = train_modes_from(o, target_names, N_TARGETS);
+// The bytes of md's plan at `batch` images over `world` ranks (--recompute auto: its smallest, every
+// block recomputed), as fit_check_plan counts them (on the CPU the host arena is host memory too).
+static size_t vit_modes_plan_bytes(const VitPlanCtx* c, TrainModes md, int batch, int world) {
     Dist ranks = dist_for_plan(c->dist, world);
+    if (md.recompute == RECOMPUTE_AUTO) md.recompute = RECOMPUTE_ALL;
     Vit m;
     vit_setup(&m, c->cfg, &md, batch, c->h, c->w, c->classes, c->src_bytes, c->be, &ranks);
-    size_t bytes = plan_total(&m.plan);
+    size_t bytes = plan_total(&m.plan) + (c->be->cuda ? 0 : plan_host_bytes(&m.plan));
     vit_free(&m);
     return bytes;
+}
+
+static size_t vit_plan_bytes(const void* ctx, const TrainOptions* o, int batch, int world) {
+    return vit_modes_plan_bytes((const VitPlanCtx*)ctx, train_modes_from(o, target_names, N_TARGETS), batch, world);
+}
+
+// --recompute auto fitted to `budget` bytes (0: none known): md with the fewest recomputed blocks
+// whose plan fits, every block where none does (the fit check then refuses). A direct scan, as
+// llmc/models/llama_plan.h's llama_fit_recompute (the plan is not monotone in the count).
+static TrainModes vit_fit_recompute(const VitPlanCtx* c, TrainModes md, int batch, size_t budget) {
+    if (md.recompute != RECOMPUTE_AUTO) return md;
+    int k = 0;
+    if (budget)
+        while (k < c->cfg->layers &&
+               vit_modes_plan_bytes(c, train_modes_recompute(md, k), batch, c->dist ? c->dist->world : 1) > budget)
+            k++;
+    return train_modes_recompute(md, k);
 }
