@@ -134,6 +134,14 @@ static void vit_dry_run(const VitConfig* cfg, const TrainOptions* o, TrainModes 
         str_appendf(header, sizeof(header), "\n%s", rec);
     }
     str_appendf(json, sizeof(json), ", \"recomputed_blocks\": %d", m.saved.ckpt.recomputed);
+    if (budget) {  // --mem-limit: the plan's verdict against it, as the run's fit check counts it
+        size_t need = plan_total(&m.plan) + (be.cuda ? 0 : plan_host_bytes(&m.plan));
+        str_appendf(json, sizeof(json), ", \"memory_bytes\": %zu, \"fits\": %s", budget,
+                    need <= budget ? "true" : "false");
+        char a[32], b[32];
+        str_appendf(header, sizeof(header), "\n%s %s: the plan needs %s", need <= budget ? "fits" : "does not fit",
+                    fit_size(a, sizeof(a), budget), fit_size(b, sizeof(b), need));
+    }
     train_dry_run_report(o, &m.plan, &base.plan, &be, json, header);
     vit_free(&m);
     vit_free(&base);

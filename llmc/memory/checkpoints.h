@@ -1,6 +1,6 @@
 // checkpoints.h: the block checkpoints of the recomputed blocks (--recompute block: all; N: the
-// first N), as both models keep them. Each recomputed block's input [N, d] is saved in the forward and read again in the backward, where the block is
-// recomputed from it. It lives on the device (the plan's MEM_SAVED), or under --offload host in
+// first N), as both models keep them. Each recomputed block's input [N, d] is saved in the forward
+// and read again in the backward, where the block is recomputed from it. It lives on the device (the plan's MEM_SAVED), or under --offload host in
 // pinned host memory (MEM_HOST), moved through the device staging buffers of offload.h.
 //
 //   plan:      checkpoints_plan_block (each block's input) and checkpoints_plan_staging (scratch)

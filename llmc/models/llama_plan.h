@@ -684,8 +684,9 @@ static int llama_dry_run(const LlamaConfig* cfg, const TrainOptions* o_given, Tr
     if (*fit_line) str_appendf(header, sizeof(header), "\n%s", fit_line);
     if (given.recompute != 0 && given.recompute != RECOMPUTE_ALL) {  // auto or N: how many, and why
         char rec[160];
+        int known = o->max_seq || o->gpu_mem > 0 || o->mem_limit > 0;  // (the budget llama_dry_run_fit fitted to)
         fit_recompute_line(rec, sizeof(rec), o, m.saved.ckpt.recomputed, cfg->layers,
-                           o->max_seq || o->gpu_mem > 0 || o->mem_limit > 0 ? fit_budget(o, !cpu, "--dry-run").bytes : 0);
+                           known ? fit_budget(o, !cpu, "--dry-run").bytes : 0);
         str_appendf(header, sizeof(header), "\n%s", rec);
     }
     llama_tile_line(header, sizeof(header), &m, o, &given, &md);
