@@ -1,13 +1,14 @@
 // checkpoints.h: the block checkpoints of the recomputed blocks (--recompute block: all; N: the
 // first N), as both models keep them. Each recomputed block's input [N, d] is saved in the forward
-// and read again in the backward, where the block is recomputed from it. It lives on the device (the plan's MEM_SAVED), or under --offload host in
-// pinned host memory (MEM_HOST), moved through the device staging buffers of offload.h.
+// and read again in the backward, where the block is recomputed from it. It lives on the device
+// (the plan's MEM_SAVED), or under --offload host in pinned host memory (MEM_HOST), moved through
+// the device staging buffers of offload.h.
 //
 //   plan:      checkpoints_plan_block (each block's input) and checkpoints_plan_staging (scratch)
 //   allocate:  checkpoints_start once the plan's arenas are bound; checkpoints_free
 //   forward:   checkpoint_save after block l's input is final
-//   backward:  checkpoints_prefetch_last before the first (top) block's backward, checkpoint_input(l) to
-//              recompute block l, checkpoints_prefetch_below(l) once block l's backward is done
+//   backward:  checkpoints_prefetch_last before the first (top) block's backward, checkpoint_input(l)
+//              to recompute block l, checkpoints_prefetch_below(l) once block l's backward is done
 #pragma once
 #include "../ops.h"
 #include "plan.h"
