@@ -18,6 +18,7 @@
 #include "llmc/train/run.h"
 #include "llmc/models/llama.h"
 #include "llmc/models/llama_plan.h"
+#include "llmc/models/llama_fit_report.h"
 #include "llmc/models/llama_batch.h"
 #include "llmc/models/llama_io.h"
 #include "llmc/models/llama_step.h"
@@ -202,6 +203,10 @@ static void llama_run_config(void* run, TrainOptions* o, const Dist* dist) {
 
 static void llama_run_dry_run(void* run, const TrainOptions* o, const Dist* dist) {
     LlamaRun* r = (LlamaRun*)run;
+    if (!strcmp(o->fit, "report")) {
+        llama_fit_report(&r->cfg, o, !strcmp(o->device, "cpu"), dist);
+        return;
+    }
     TrainOptions planned = *o;
     planned.seq = llama_dry_run(&r->cfg, o, r->md, dist);
     llama_warn_seq(&r->cfg, &planned);

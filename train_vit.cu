@@ -16,6 +16,7 @@
 #include "llmc/train/run.h"
 #include "llmc/models/vit.h"
 #include "llmc/models/vit_plan.h"
+#include "llmc/models/vit_fit_report.h"
 #include "llmc/models/vit_io.h"
 #include "llmc/models/vit_step.h"
 
@@ -114,6 +115,10 @@ static void vit_dry_run(const VitConfig* cfg, const TrainOptions* o, TrainModes 
     Vit m, base;
     size_t budget = o->gpu_mem > 0 || o->mem_limit > 0 ? fit_budget(o, !cpu, "--mem-limit").bytes : 0;
     VitPlanCtx pc = {cfg, h, w, classes, src_bytes, &be, &ranks};
+    if (!strcmp(o->fit, "report")) {
+        vit_fit_report(&pc, o, cpu);
+        return;
+    }
     TrainModes given = md;
     md = vit_fit_recompute(&pc, md, o->batch, budget);  // --recompute auto: none where no memory is known
     vit_setup(&m, cfg, &md, o->batch, h, w, classes, src_bytes, &be, &ranks);

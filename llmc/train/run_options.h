@@ -34,6 +34,7 @@ typedef struct {
     const char* recompute;  // none | block | auto | N (blocks recomputed: the first N)
     int recompute_default;  // --recompute not given and the mode recomputes none: auto where the run does not fit
     float mem_limit;        // --mem-limit GIB: the most a run may plan (0: not given; the fit check's budget)
+    const char* fit;        // none | report: --dry-run's table of modes x recomputed blocks (llmc/train/fit_report.h)
     const char* swiglu_product;  // keep | recompute (beyond the paper; LLaMA only)
     const char* offload;    // none | host: the recomputed blocks' checkpoints in pinned host memory
     const char* mlp_tile;   // auto | 0 (whole sequence) | tokens: the MLP's tile of tokens (LLaMA only)
@@ -78,6 +79,7 @@ static void train_options_defaults(TrainOptions* o) {
     o->nonfinite = "stop";
     o->swiglu_product = "keep";
     o->offload = "none";
+    o->fit = "none";
     o->mlp_tile = "auto";
     o->ms_lora = "exact";
     o->quant = "none";
@@ -139,6 +141,9 @@ static void train_flags_register_task(FlagTable* t, TrainOptions* o, const char*
                 "gradient checkpointing per block (overrides --mode): none, block (every block), N (the first N "
                 "blocks) or auto (the fewest blocks whose plan fits the memory; the default where the run would "
                 "not fit otherwise)");
+    flag_choice(t, "fit", &o->fit, "none|report",
+                "with --dry-run: report each memory mode (baseline, lowmem, act-only, norm-only) with the fewest "
+                "recomputed blocks that fit the memory, its plan and its predicted step time; the best marked");
     flag_float(t, "mem-limit", &o->mem_limit,
                "the most memory (GiB, > 0) the run may plan, on the GPU or the host (default: the fit check's "
                "budget, free GPU memory or MemAvailable); --recompute auto fits it");
@@ -454,6 +459,7 @@ static void train_parse_flags(FlagTable* t, TrainOptions* o, int argc, char** ar
     train_check_grad_accum(o, flags_find(t, "seq") ? TRAIN_TEXT : TRAIN_IMAGE);
     if (!o->model_dir) fail("flag --model is required (a model directory with config.json and model.safetensors)");
     if (o->json && !o->dry_run) fail("flag --json: only valid with --dry-run");
+    if (strcmp(o->fit, "none") != 0 && !o->dry_run) fail("flag --fit %s: only valid with --dry-run", o->fit);
     if (o->ranks < 0) fail("flag --ranks: expected >= 1, got %d", o->ranks);
     if (o->ranks && !o->dry_run) fail("flag --ranks: only valid with --dry-run (mpirun -np N launches the ranks)");
     if (o->max_seq && !o->dry_run)

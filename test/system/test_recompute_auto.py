@@ -103,3 +103,38 @@ def test_peak_rss_stays_within_the_plan_at_the_chosen_count(model):
     pk, rk = memory_line(out)
     assert pk * MIB <= budget and pk < p0
     assert rk - pk <= (r0 - p0) + 1.0, (p0, r0, pk, rk)
+
+
+def llama_flops(cfg, seq, rank):
+    """(step, one block's forward) FLOPs per token of LoRA on every linear, from config.json: a frozen
+    product costs 2 in out forward and as much again for its input gradient, an adapter 6 r (in + out)
+    in all (2 r (in + out) forward), attention 6 T heads hd in all (a third forward); the head 4 d V."""
+    d, f, L, V = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
+    H = cfg["num_attention_heads"]
+    hd = d // H
+    kvd = cfg.get("num_key_value_heads", H) * hd
+    shapes = [(d, H * hd), (d, kvd), (d, kvd), (H * hd, d), (d, f), (d, f), (f, d)]
+    fwd = sum(2 * i * o + 2 * rank * (i + o) for i, o in shapes) + 2 * seq * H * hd
+    step = L * sum(4 * i * o + 6 * rank * (i + o) for i, o in shapes) + L * 6 * seq * H * hd + 4 * d * V
+    return step, fwd
+
+
+def test_fit_report_rows_are_the_plans_and_the_cost_model():
+    """--fit report's rows: each mode's count is --recompute auto's under the same --mem-limit, its
+    planned bytes that dry run's plan, its predicted step (step + k block forwards) / step from the
+    FLOPs counted here from config.json, and the best row the fastest that fits."""
+    exe, base, layers = MODELS["llama"]
+    with open(os.path.join(base[1], "config.json")) as fh:
+        cfg = json.load(fh)
+    sizes = sorted({need(dry("llama", "--mode", "baseline", "--recompute", k)) for k in range(layers + 1)})
+    limit = gib((sizes[1] + sizes[2]) // 2)
+    rep = dry("llama", "--fit", "report", "--mem-limit", limit)
+    step, fwd = llama_flops(cfg, 128, 8)
+    for row in rep["rows"]:
+        plan = dry("llama", "--act", row["act"], "--norm", row["norm"], "--recompute", "auto", "--mem-limit", limit)
+        assert row["recomputed_blocks"] == plan["recomputed_blocks"] and row["planned_bytes"] == need(plan), row
+        assert row["fits"] == plan["fits"]
+        want = (step + row["recomputed_blocks"] * fwd) / step
+        assert abs(row["predicted_step"] - want) <= 1e-4 * want, (row, want)  # printed to 4 decimals
+    fitting = [r for r in rep["rows"] if r["fits"]]
+    assert fitting and rep["best"] == min(fitting, key=lambda r: (r["predicted_step"], r["planned_bytes"]))["mode"]
