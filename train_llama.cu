@@ -158,7 +158,8 @@ static void llama_flags(FlagTable* t, TrainOptions* o) {
     flag_choice(t, "swiglu-product", &o->swiglu_product, "keep|recompute",
                 "keep the down projection's input, or rebuild it from silu(g)*u in backward (beyond the paper)");
     flag_choice(t, "offload", &o->offload, "none|host",
-                "with --recompute block: the block checkpoints in pinned host memory, copied beside the compute");
+                "with --recompute block, N or auto: the recomputed blocks' checkpoints in pinned host memory, "
+                "copied beside the compute");
     flag_string(t, "mlp-tile", &o->mlp_tile,
                 "tokens per tile of the MLP and its norm: auto (the largest equal tile, a multiple of 64 or the "
                 "whole sequence, whose plan fits the memory the fit check takes; in a dry run --gpu-mem or "

@@ -228,7 +228,8 @@ static void vit_flags(FlagTable* t, TrainOptions* o) {
     train_flags_register_task(t, o, "comma list of q,k,v,proj,fc1,fc2 (default all)", TRAIN_IMAGE);
     t->group = "memory modes (the paper's layers)";
     flag_choice(t, "offload", &o->offload, "none|host",
-                "with --recompute block: the block checkpoints in pinned host memory, copied beside the compute");
+                "with --recompute block, N or auto: the recomputed blocks' checkpoints in pinned host memory, "
+                "copied beside the compute");
     t->group = "model and data";
     flag_string(t, "export-merged", &o->export_merged,
                 "after training (or alone, with --adapter), write the model with the adapter folded in and the trained "
