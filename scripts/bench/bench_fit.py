@@ -4,7 +4,7 @@ shape (random init, batch 1 x --seq 2048) and a ViT-B/16 shape (224x224, batch 8
 (--mem-limit): one where baseline fits without recomputing, one where baseline must recompute every
 block, one in between. At each: baseline-auto (--mode baseline --recompute auto), lowmem-auto
 (--mode lowmem --recompute auto) and full checkpointing (--mode ckpt), with the blocks each
-recomputes, the measured throughput (median step after the first) and peak RSS, and the step
+recomputes, the measured throughput (--profile's step time, after the first step) and peak RSS, and the step
 predicted by --dry-run --fit report's cost model (llmc/train/fit_report.h), calibrated by the
 measured baseline step with no block recomputed. Writes build/bench_fit/bench_fit.{md,json} and,
 where matplotlib is installed (scripts/ci/install_deps.sh), bench_fit.png: throughput against peak
@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import re
-import statistics
 import subprocess
 import sys
 
@@ -78,14 +77,15 @@ def budgets(exe, args, layers, threads):
     return [("roomy", p[0] + MIB), ("between", (p[0] + p[2]) // 2), ("tight", (p[1] + p[2]) // 2)]
 
 
-def measure(exe, args, flags, limit_gib, steps, threads, unit):
-    out = run([exe] + args + ["--device", "cpu", "--threads", threads, "--steps", steps, "--random-init",
+def measure(exe, args, flags, limit_gib, steps, threads, items):
+    out = run([exe] + args + ["--device", "cpu", "--threads", threads, "--steps", steps, "--random-init", "--profile",
                               "--mem-limit", limit_gib] + flags, threads)
-    rates = [float(x) for x in re.findall(r"\| ([0-9.]+) " + unit + "/s", out)][1:]  # the first step warms up
+    # --profile's step time (the steps after the first, which warms up), not the log line's rounded rate
+    step_ms = float(re.search(r"([0-9.]+) ms per step", out).group(1))
     rss = float(re.search(r"measured peak RSS ([0-9.]+) MiB", out).group(1))
     planned = float(re.search(r"memory: planned ([0-9.]+) MiB", out).group(1))
     k = re.search(r"recompute (\d+) of (\d+) blocks", out)
-    return {"rate": statistics.median(rates), "rss_mib": rss, "planned_mib": planned,
+    return {"rate": items / (step_ms / 1000.0), "step_ms": step_ms, "rss_mib": rss, "planned_mib": planned,
             "recomputed": int(k.group(1)) if k else None}
 
 
@@ -103,10 +103,10 @@ def bench_model(name, exe, args, items, unit, a):
         rep = predicted_ratios(exe, args, limit, a.threads)
         for label, flags in RUNS:
             if label == "ckpt":  # the same run at every budget (all of them hold it): measured once
-                ckpt = ckpt or measure(exe, args, flags, limit, a.steps, a.threads, unit)
+                ckpt = ckpt or measure(exe, args, flags, limit, a.steps, a.threads, items)
                 m, mode = dict(ckpt, recomputed=layers), "baseline"  # every block: the baseline's FLOPs at k = L
             else:
-                m, mode = measure(exe, args, flags, limit, a.steps, a.threads, unit), label.split("-")[0]
+                m, mode = measure(exe, args, flags, limit, a.steps, a.threads, items), label.split("-")[0]
             row = rep[mode]
             rows.append(dict(model=name, budget=bname, budget_mib=nbytes / MIB, run=label, **m,
                              predicted_ratio=None, fits_report=row["fits"], report_k=row["recomputed_blocks"]))
