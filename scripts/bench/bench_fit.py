@@ -134,7 +134,7 @@ def table(rows):
              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['model']} | {r['budget']} ({r['budget_mib']:.0f} MiB) | {r['run']} | {r['recomputed']} | "
-                     f"{r['rate']:.1f} | {r['predicted_rate']:.1f} | {r['error_pct']:+.1f}% | {r['rss_mib']:.0f} | "
+                     f"{r['rate']:.3g} | {r['predicted_rate']:.3g} | {r['error_pct']:+.1f}% | {r['rss_mib']:.0f} | "
                      f"{r['planned_mib']:.0f} |")
     return "\n".join(lines)
 
