@@ -457,6 +457,14 @@ bench-cpu: train_llama train_vit dev/cpu/gemm
 	bash scripts/bench/bench_cpu.sh
 	bash scripts/bench/bench_vit_cpu.sh
 
+# The fastest run that fits (issue 38), measured on the CPU: SmolLM2-135M and ViT-B/16 shapes at three
+# --mem-limit budgets, baseline-auto / lowmem-auto / ckpt, beside --fit report's predictions, and
+# a PNG of throughput against peak RSS where matplotlib is installed (scripts/bench/bench_fit.py). Not
+# part of make test: minutes on 2 cores.
+.PHONY: bench-fit
+bench-fit: train_llama train_vit
+	$(PYTHON) scripts/bench/bench_fit.py
+
 # The longest --seq that fits, by plan (--dry-run --max-seq; no GPU needed, nothing measured).
 .PHONY: bench-max-seq
 bench-max-seq: train_llama

@@ -18,6 +18,7 @@
 #include "llmc/train/run.h"
 #include "llmc/models/llama.h"
 #include "llmc/models/llama_plan.h"
+#include "llmc/models/llama_fit_report.h"
 #include "llmc/models/llama_batch.h"
 #include "llmc/models/llama_io.h"
 #include "llmc/models/llama_step.h"
@@ -114,7 +115,7 @@ typedef struct {
     LlamaConfig cfg;
     TrainModes md;         // as the flags give them
     TrainModes fitted;     // auto's choices fitted to the memory (llama_fit_to_memory)
-    size_t avail;          // the memory they were fitted to
+    size_t avail;          // the memory they were fitted to (--mem-limit where that is less)
     int B, T;              // the planned micro-batch (generation alone: one sequence)
     Llama m, base;
     RunData rd;
@@ -205,7 +206,8 @@ static void llama_flags(FlagTable* t, TrainOptions* o) {
     flag_choice(t, "swiglu-product", &o->swiglu_product, "keep|recompute",
                 "keep the down projection's input, or rebuild it from silu(g)*u in backward (beyond the paper)");
     flag_choice(t, "offload", &o->offload, "none|host",
-                "with --recompute block: the block checkpoints in pinned host memory, copied beside the compute");
+                "with --recompute block, N or auto: the recomputed blocks' checkpoints in pinned host memory, "
+                "copied beside the compute");
     flag_string(t, "mlp-tile", &o->mlp_tile,
                 "tokens per tile of the MLP and its norm: auto (the largest equal tile, a multiple of 64 or the "
                 "whole sequence, whose plan fits the memory the fit check takes; in a dry run --gpu-mem or "
@@ -244,6 +246,7 @@ static void llama_run_config(void* run, TrainOptions* o, const Dist* dist) {
     if (!strcmp(o->ref_logps, "precompute") && objective_of(o) != OBJ_DPO)
         fail("flag --ref-logps precompute: only with --objective dpo (%s has no reference model)", o->objective);
     r->po = pref_objective_from(o);
+    train_check_recompute(o, r->cfg.layers, o->model_dir);
     r->md = train_modes_from(o, target_names, N_TARGETS);
     r->md.full_reference = r->md.full && r->po.kind == OBJ_DPO;  // the initial weights, frozen (dpo_reference)
     TrainOptions sp_checked = *o;
@@ -253,6 +256,10 @@ static void llama_run_config(void* run, TrainOptions* o, const Dist* dist) {
 
 static void llama_run_dry_run(void* run, const TrainOptions* o, const Dist* dist) {
     LlamaRun* r = (LlamaRun*)run;
+    if (!strcmp(o->fit, "report")) {
+        llama_fit_report(&r->cfg, o, !strcmp(o->device, "cpu"), dist);
+        return;
+    }
     TrainOptions planned = *o;
     planned.seq = llama_dry_run(&r->cfg, o, r->md, dist);
     if (objective_of(o) != OBJ_SFT && !o->json)  // the pair layout: the plan is the SFT one of the same rows
@@ -281,6 +288,23 @@ static void llama_run_open(void* run, const TrainOptions* o, Dist* dist) {
     if (o->chat) r->chat_prompt = model_tokenizer_chat(&r->tok, o->model_dir, o->system, o->prompt);
 }
 
+// auto's choices fitted to r->avail: --recompute auto (asked, or the default where the run would not
+// fit otherwise: fit_recompute_auto) first, then the rest (llama_fit_to_memory). A --mem-limit that
+// not even auto's smallest plan fits is refused in one line naming that plan's size; where the
+// default auto does not fit either, the flags as given go to the fit check, which says what would.
+static void llama_run_fit(LlamaRun* r, const TrainOptions* o, const Backend* be, const Dist* dist) {
+    TrainModes md = r->md;
+    if (fit_recompute_auto(o)) md.recompute = RECOMPUTE_AUTO;
+    TrainModes least = llama_smallest_choices(md, r->B, r->T, dist);
+    size_t smallest = llama_modes_plan_bytes(&r->cfg, &least, r->B, r->T, be, dist);
+    char what[96];
+    snprintf(what, sizeof(what), "recompute %d of %d blocks, auto's smallest choices",
+             train_recomputed_blocks(&least, r->cfg.layers), r->cfg.layers);
+    fit_refuse_mem_limit(o, smallest, smallest, what);
+    if (md.recompute == RECOMPUTE_AUTO && smallest > r->avail && strcmp(o->recompute, "auto") != 0) md = r->md;
+    r->fitted = llama_fit_to_memory(&r->cfg, md, r->B, r->T, be, dist, r->avail);
+}
+
 // The model at the run's shape with auto's choices fitted to the memory, checked against it (on
 // either backend, before any allocation), and the baseline beside it.
 static void llama_run_plan(void* run, const TrainOptions* o, const Backend* be, const Dist* dist) {
@@ -291,9 +315,10 @@ static void llama_run_plan(void* run, const TrainOptions* o, const Backend* be, 
     if (o->generate)  // a prompt longer than the window would be cut to its last half: refused instead
         model_tokenizer_check_prompt(&r->tok, r->chat_prompt ? r->chat_prompt : o->prompt, o->chat, r->T,
                                      sized ? "--seq" : "the generation window: max_position_embeddings, at most 256");
-    // --mlp-tile auto: the largest tile that fits the memory the fit check checks against
-    r->avail = fit_avail_bytes(be, dist->local_size);
-    r->fitted = llama_fit_to_memory(&r->cfg, r->md, r->B, r->T, be, dist, r->avail);
+    // --recompute auto, then --mlp-tile auto: the fewest blocks, the largest tile that fit the memory
+    // the fit check checks against
+    r->avail = fit_run_avail(be, o, dist->local_size);
+    llama_run_fit(r, o, be, dist);
     llama_setup(&r->m, &r->cfg, &r->fitted, r->B, r->T, be, dist);
     TrainOptions planned = *o;
     planned.batch = r->B;
@@ -336,9 +361,14 @@ static void llama_run_started(void* run, const TrainOptions* o, const Dist* dist
                (long long)m->mlp_tile, (long long)N, (long long)((N + m->mlp_tile - 1) / m->mlp_tile),
                fit_size(a, sizeof(a), r->avail), m->be->cuda ? "free on the GPU" : "of host memory available");
     }
-    if (m->modes.offload_host && m->saved.ckpt.offload.slots == 1)  // the copies no longer overlap the compute
+    if (m->saved.ckpt.host && m->saved.ckpt.offload.slots == 1)  // the copies no longer overlap the compute
         printf("offload: one device staging buffer, not two: the memory holds no second (LLMC_OFFLOAD_STAGING=2 "
                "asks for it)\n");
+    if (fit_recompute_auto(o) || (r->md.recompute > 0 && r->md.recompute != RECOMPUTE_ALL)) {  // auto or N: why
+        char line[160];
+        fit_recompute_line(line, sizeof(line), o, m->saved.ckpt.recomputed, r->cfg.layers, r->avail);
+        printf("%s\n", line);
+    }
     llama_warn_seq(&r->cfg, o);
 }
 

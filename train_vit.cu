@@ -17,6 +17,7 @@
 #include "llmc/train/preference.h"
 #include "llmc/models/vit.h"
 #include "llmc/models/vit_plan.h"
+#include "llmc/models/vit_fit_report.h"
 #include "llmc/models/vit_io.h"
 #include "llmc/models/vit_step.h"
 
@@ -113,6 +114,14 @@ static void vit_dry_run(const VitConfig* cfg, const TrainOptions* o, TrainModes 
         run_data_close(&rd);
     }
     Vit m, base;
+    size_t budget = o->gpu_mem > 0 || o->mem_limit > 0 ? fit_budget(o, !cpu, "--mem-limit").bytes : 0;
+    VitPlanCtx pc = {cfg, h, w, classes, src_bytes, &be, &ranks};
+    if (!strcmp(o->fit, "report")) {
+        vit_fit_report(&pc, o, cpu);
+        return;
+    }
+    TrainModes given = md;
+    md = vit_fit_recompute(&pc, md, o->batch, budget);  // --recompute auto: none where no memory is known
     vit_setup(&m, cfg, &md, o->batch, h, w, classes, src_bytes, &be, &ranks);
     TrainModes bm = train_baseline_modes(md);
     vit_setup(&base, cfg, &bm, o->batch, h, w, classes, src_bytes, &be, NULL);
@@ -125,6 +134,20 @@ static void vit_dry_run(const VitConfig* cfg, const TrainOptions* o, TrainModes 
     else
         str_appendf(header, sizeof(header), "LoRA r=%d on %s", o->lora_rank, o->lora_targets ? o->lora_targets : "all");
     if (ranks.world > 1) str_appendf(header, sizeof(header), ", one of %d ranks", ranks.world);
+    if (given.recompute != 0 && given.recompute != RECOMPUTE_ALL) {  // auto or N: how many, and why
+        char rec[160];
+        fit_recompute_line(rec, sizeof(rec), o, m.saved.ckpt.recomputed, cfg->layers, budget);
+        str_appendf(header, sizeof(header), "\n%s", rec);
+    }
+    str_appendf(json, sizeof(json), ", \"recomputed_blocks\": %d", m.saved.ckpt.recomputed);
+    if (budget) {  // --mem-limit: the plan's verdict against it, as the run's fit check counts it
+        size_t need = plan_total(&m.plan) + (be.cuda ? 0 : plan_host_bytes(&m.plan));
+        str_appendf(json, sizeof(json), ", \"memory_bytes\": %zu, \"fits\": %s", budget,
+                    need <= budget ? "true" : "false");
+        char a[32], b[32];
+        str_appendf(header, sizeof(header), "\n%s %s: the plan needs %s", need <= budget ? "fits" : "does not fit",
+                    fit_size(a, sizeof(a), budget), fit_size(b, sizeof(b), need));
+    }
     train_dry_run_report(o, &m.plan, &base.plan, &be, json, header);
     vit_free(&m);
     vit_free(&base);
@@ -137,7 +160,9 @@ static void vit_dry_run(const VitConfig* cfg, const TrainOptions* o, TrainModes 
 // fine-tuning resolution and the head's classes, the model and the baseline planned beside it, the data.
 typedef struct {
     VitConfig cfg;
-    TrainModes md;
+    TrainModes md;         // as the flags give them
+    TrainModes fitted;     // --recompute auto fitted to the memory (vit_fit_recompute)
+    size_t avail;          // the memory it was fitted to (--mem-limit where that is less)
     int h, w, classes;
     Vit m, base;
     RunData rd;
@@ -205,7 +230,8 @@ static void vit_flags(FlagTable* t, TrainOptions* o) {
     preference_flags_register(t, o);
     t->group = "memory modes (the paper's layers)";
     flag_choice(t, "offload", &o->offload, "none|host",
-                "with --recompute block: the block checkpoints in pinned host memory, copied beside the compute");
+                "with --recompute block, N or auto: the recomputed blocks' checkpoints in pinned host memory, "
+                "copied beside the compute");
     t->group = "model and data";
     flag_string(t, "export-merged", &o->export_merged,
                 "after training (or alone, with --adapter), write the model with the adapter folded in and the trained "
@@ -220,6 +246,7 @@ static void vit_run_config(void* run, TrainOptions* o, const Dist* dist) {
     vit_config_load(&r->cfg, o->model_dir);
     train_check_lora_rank(o, r->cfg.dim, o->model_dir);
     preference_check(o, TRAIN_IMAGE);
+    train_check_recompute(o, r->cfg.layers, o->model_dir);
     r->md = train_modes_from(o, target_names, N_TARGETS);
 }
 
@@ -256,8 +283,18 @@ static void vit_run_open(void* run, const TrainOptions* o, Dist* dist) {
 static void vit_run_plan(void* run, const TrainOptions* o, const Backend* be, const Dist* dist) {
     VitRun* r = (VitRun*)run;
     int64_t src_bytes = run_data_src_bytes(&r->rd);
-    vit_setup(&r->m, &r->cfg, &r->md, o->batch, r->h, r->w, r->classes, src_bytes, be, dist);
     VitPlanCtx pc = {&r->cfg, r->h, r->w, r->classes, src_bytes, be, dist};
+    r->avail = fit_run_avail(be, o, dist->local_size);
+    TrainModes md = r->md;  // --recompute auto (asked, or the default where the run would not fit otherwise)
+    if (fit_recompute_auto(o)) md.recompute = RECOMPUTE_AUTO;
+    size_t smallest = vit_modes_plan_bytes(&pc, md, o->batch, dist->world);
+    char what[96];
+    snprintf(what, sizeof(what), "recompute %d of %d blocks", md.recompute == RECOMPUTE_AUTO ? r->cfg.layers
+             : train_recomputed_blocks(&md, r->cfg.layers), r->cfg.layers);
+    fit_refuse_mem_limit(o, smallest, smallest, what);
+    if (md.recompute == RECOMPUTE_AUTO && smallest > r->avail && strcmp(o->recompute, "auto") != 0) md = r->md;
+    r->fitted = vit_fit_recompute(&pc, md, o->batch, r->avail);
+    vit_setup(&r->m, &r->cfg, &r->fitted, o->batch, r->h, r->w, r->classes, src_bytes, be, dist);
     fit_check_plan(be, &r->m.plan, vit_plan_bytes, &pc, o, dist->world, dist->local_size);
     TrainModes bm = train_baseline_modes(r->md);
     vit_setup(&r->base, &r->cfg, &bm, o->batch, r->h, r->w, r->classes, src_bytes, be, dist);
@@ -275,6 +312,15 @@ static void vit_run_load(void* run, const TrainOptions* o) {
     else if (o->eval_only) vit_load_checkpoint_head(m, o->model_dir);
 }
 
+// Rank 0's start-up line on the blocks recomputed, under --recompute auto or N.
+static void vit_run_started(void* run, const TrainOptions* o, const Dist* dist) {
+    VitRun* r = (VitRun*)run;
+    if (!fit_recompute_auto(o) && !(r->md.recompute > 0 && r->md.recompute != RECOMPUTE_ALL)) return;
+    char line[160];
+    fit_recompute_line(line, sizeof(line), o, r->m.saved.ckpt.recomputed, r->cfg.layers, r->avail);
+    printf("%s\n", line);
+}
+
 static const MemPlan* vit_run_base_plan(void* run) { return &((VitRun*)run)->base.plan; }
 static void vit_run_free_base(void* run) { vit_free(&((VitRun*)run)->base); }
 
@@ -286,7 +332,7 @@ static void vit_run_close(void* run) {
 
 static const ModelOps vit_ops = {
     vit_flags,     vit_run_config,  vit_run_dry_run, vit_run_check,     vit_run_open,
-    vit_run_plan,  vit_run_load,    vit_trainer,     NULL,              vit_run_base_plan,
+    vit_run_plan,  vit_run_load,    vit_trainer,     vit_run_started,   vit_run_base_plan,
     vit_run_free_base, NULL,        vit_run_close,
 };
 

@@ -1,13 +1,14 @@
-// checkpoints.h: the block checkpoints of --recompute block, as both models keep them. Each block's
-// input [N, d] is saved in the forward and read again in the backward, where the block is
-// recomputed from it. It lives on the device (the plan's MEM_SAVED), or under --offload host in
-// pinned host memory (MEM_HOST), moved through the device staging buffers of offload.h.
+// checkpoints.h: the block checkpoints of the recomputed blocks (--recompute block: all; N: the
+// first N), as both models keep them. Each recomputed block's input [N, d] is saved in the forward
+// and read again in the backward, where the block is recomputed from it. It lives on the device
+// (the plan's MEM_SAVED), or under --offload host in pinned host memory (MEM_HOST), moved through
+// the device staging buffers of offload.h.
 //
 //   plan:      checkpoints_plan_block (each block's input) and checkpoints_plan_staging (scratch)
 //   allocate:  checkpoints_start once the plan's arenas are bound; checkpoints_free
 //   forward:   checkpoint_save after block l's input is final
-//   backward:  checkpoints_prefetch_last before the first (top) block, checkpoint_input(l) to
-//              recompute block l, checkpoints_prefetch_below(l) once block l's backward is done
+//   backward:  checkpoints_prefetch_last before the first (top) block's backward, checkpoint_input(l)
+//              to recompute block l, checkpoints_prefetch_below(l) once block l's backward is done
 #pragma once
 #include "../ops.h"
 #include "plan.h"
@@ -15,14 +16,16 @@
 
 typedef struct {
     void** input;     // [blocks] each block's input [N, d]: device memory, or host memory under --offload host
+    int recomputed;   // blocks 0 .. recomputed-1 keep a checkpoint (llmc/train/run_options.h: train_block_recomputes)
     int host;         // --offload host
     Offload offload;  // the copy stream and the device staging buffers (host only)
 } Checkpoints;
 
-static void checkpoints_init(Checkpoints* c, int blocks, int offload_host) {
+static void checkpoints_init(Checkpoints* c, int blocks, int recomputed, int offload_host) {
     memset(c, 0, sizeof(*c));
     c->input = (void**)xcalloc(blocks, sizeof(void*));
-    c->host = offload_host;
+    c->recomputed = recomputed;
+    c->host = offload_host && recomputed > 0;
 }
 
 // Block l's input, `bytes` of it, in the plan: saved activations, or pinned host memory.
@@ -65,10 +68,12 @@ static void checkpoint_save(Checkpoints* c, const Backend* be, int l, const void
     offload_save(&c->offload, l, (size_t)n * be->abytes);
 }
 
-// Backward: the inputs of the top blocks on their way back, one per staging buffer.
-static void checkpoints_prefetch_last(Checkpoints* c, int blocks) {
+// Backward: the inputs of the top recomputed blocks on their way back, one per staging buffer
+// (called before the first block's backward: the kept blocks' backward, above them, runs beside).
+static void checkpoints_prefetch_last(Checkpoints* c) {
     if (!c->host) return;
-    for (int l = blocks - 1; l >= 0 && l >= blocks - c->offload.slots; l--) offload_fetch(&c->offload, l);
+    int top = c->recomputed;
+    for (int l = top - 1; l >= 0 && l >= top - c->offload.slots; l--) offload_fetch(&c->offload, l);
 }
 
 // Backward: block l's input on the device, to recompute it from (the compute stream waits for its fetch).
@@ -79,5 +84,5 @@ static void* checkpoint_input(Checkpoints* c, int l) {
 // Backward: block l's staging buffer is free once its backward is done; the input `slots` blocks
 // down comes into it.
 static void checkpoints_prefetch_below(Checkpoints* c, int l) {
-    if (c->host) offload_fetch(&c->offload, l - c->offload.slots);
+    if (c->host && l < c->recomputed) offload_fetch(&c->offload, l - c->offload.slots);
 }

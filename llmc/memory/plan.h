@@ -46,7 +46,7 @@ typedef struct {
     uint8_t* arena[MEM_CATS];
     int64_t tokens;        // tokens per micro-batch (B*T), for per-token figures
     int blocks;
-    int recomputed;        // --recompute block: each block's forward runs again before its backward
+    int recomputed;        // blocks whose forward runs again before their backward (--recompute block: all; N: N)
     // Heap scratch beside the arenas that a kernel takes for the length of one call and that grows
     // with the tokens (the CPU attention's packed keys and partial sums): the largest such call.
     // Not in any arena; a run's peak is the arenas plus at most this (0 on CUDA: all planned).

@@ -120,7 +120,7 @@ typedef struct {
 // The saved activations: what each block keeps for its backward.
 typedef struct {
     BlockActs* block;      // [layers]
-    Checkpoints ckpt;      // --recompute block: each block's input [N, d] (--offload host: on the host)
+    Checkpoints ckpt;      // each recomputed block's input [N, d] (--offload host: on the host)
 } LlamaSaved;
 
 // Scratch: the residual stream, the activation gradients (with the activations' element type),
@@ -504,7 +504,8 @@ static void llama_forward_blocks(Llama* m, int B, int T, const KVCache* kv) {
     if (m->w.embed_scale) op_scale_columns(m->be, sc->resid, sc->resid, m->w.embed_scale, N, m->cfg.dim);
     for (int l = 0; l < layers; l++) {
         trainable_weights_ready(&m->w.tr, m->w.layer_off[l], l + 1 < layers ? m->w.layer_off[l + 1] : m->w.tr.padded);
-        if (m->modes.recompute_block) checkpoint_save(&m->saved.ckpt, m->be, l, sc->resid, N * m->cfg.dim);
+        if (train_block_recomputes(&m->modes, l))
+            checkpoint_save(&m->saved.ckpt, m->be, l, sc->resid, N * m->cfg.dim);
         block_forward(m, l, sc->resid, &m->saved.block[l], B, T, kv, BLOCK_WHOLE);
     }
 }
@@ -593,7 +594,7 @@ static void block_backward(Llama* m, int l, BlockActs* a, const Recomputed* rc, 
     const void* dyo = llama_branch_backward(m, sc->dres, a->ya, a->ra, layer->post_attn_norm, layer->dpost_attn_norm,
                                             a->post, N);
     op_linear_backward(be, sc->dout, dyo, o_in, a->ax[T_O], &layer->lin[T_O], sc->dax, N, r, s, OUT_WRITE);
-    if (llama_qk_norm_ms(m) && !m->modes.recompute_block) {  // (a recomputed block has just built them)
+    if (llama_qk_norm_ms(m) && !rc) {  // (a recomputed block has just built them)
         llama_qk_rebuild(m, layer, a, T_Q, N, T);
         llama_qk_rebuild(m, layer, a, T_K, N, T);
     }
@@ -630,11 +631,12 @@ static Recomputed llama_recompute_block(Llama* m, int l, int B, int T) {
 
 static void llama_backward_blocks(Llama* m, int B, int T) {
     int layers = m->cfg.layers;
-    checkpoints_prefetch_last(&m->saved.ckpt, layers);  // (--offload host)
+    checkpoints_prefetch_last(&m->saved.ckpt);  // (--offload host)
     for (int l = layers - 1; l >= 0; l--) {
+        int recomputes = train_block_recomputes(&m->modes, l);
         Recomputed rc = {};
-        if (m->modes.recompute_block) rc = llama_recompute_block(m, l, B, T);
-        block_backward(m, l, &m->saved.block[l], m->modes.recompute_block ? &rc : NULL, B, T);
+        if (recomputes) rc = llama_recompute_block(m, l, B, T);
+        block_backward(m, l, &m->saved.block[l], recomputes ? &rc : NULL, B, T);
         checkpoints_prefetch_below(&m->saved.ckpt, l);  // (--offload host) into this block's staging buffer
         trainable_grads_final_from(&m->w.tr, m->dist, m->w.layer_off[l]);  // this block's are final
     }

@@ -142,7 +142,8 @@ static int64_t llama_mlp_tile_rows(int mlp_tile, int64_t N, int64_t f) {
 static void llama_plan_block(Llama* m, MemPlan* p, int l) {
     const LlamaConfig* c = &m->cfg;
     const TrainModes* md = &m->modes;
-    int abytes = m->be->abytes, keep = !md->recompute_block, msqk = llama_qk_norm_ms(m);
+    int recomputes = train_block_recomputes(md, l);
+    int abytes = m->be->abytes, keep = !recomputes, msqk = llama_qk_norm_ms(m);
     int64_t N = (int64_t)m->B * m->T, d = c->dim, f = c->hidden, qd = (int64_t)c->heads * c->head_dim,
             kvd = (int64_t)c->kv_heads * c->head_dim, r = md->rank;
     // a linear keeps its input when its own backward needs it: it has an adapter or trains W
@@ -151,9 +152,9 @@ static void llama_plan_block(Llama* m, MemPlan* p, int l) {
     BlockActs* a = &m->saved.block[l];
     BlockActs* s = &m->scratch.tmp;
     char nm[48];
-    if (md->recompute_block)  // the checkpoint [N, d]: on the device, or (--offload host) in pinned host memory
+    if (recomputes)  // the checkpoint [N, d]: on the device, or (--offload host) in pinned host memory
         checkpoints_plan_block(p, &m->saved.ckpt, l, N * d * abytes);
-    if (!md->ms && !md->recompute_block)
+    if (!md->ms && !recomputes)
         plan_block_act(p, m, l, 1, "attn_norm", "x_in", N * d * abytes, &a->x_in, NULL);
     plan_block_act(p, m, l, keep, "attn_norm", "r1", N * 4, &a->r1, &s->r1);
     plan_block_act(p, m, l, keep && (md->ms || lora_qkv), "qkv_input", "z1", N * d * abytes, &a->z1, &s->z1);
@@ -259,7 +260,7 @@ static void llama_plan_scratch(Llama* m, MemPlan* p) {
     plan_add(p, MEM_SCRATCH, "residual", -1, "resid", N * d * abytes, &m->scratch.resid);
     // the recomputed forward's residual stream: a copy of the checkpoint where the backward reads
     // the block input (standard norms); under MS norms it runs in place on the checkpoint
-    if (md->recompute_block && !md->ms)
+    if (m->saved.ckpt.recomputed && !md->ms)
         plan_add(p, MEM_SCRATCH, "residual", -1, "resid_tmp", N * d * abytes, &m->scratch.resid_tmp);
     // block inputs [N, d]: with two, one travels to or from the host while the other is in use;
     // one where the memory holds no more (llama_fit_to_memory, llmc/memory/offload.h)
@@ -325,7 +326,7 @@ static void llama_plan(Llama* m, MemPlan* p) {
     memset(p, 0, sizeof(*p));
     p->tokens = (int64_t)m->B * m->T;
     p->blocks = c->layers;
-    p->recomputed = m->modes.recompute_block;
+    p->recomputed = m->saved.ckpt.recomputed;
     llama_plan_weights(m, p);
     int64_t rope_bytes = (int64_t)m->sp.T * (c->rot_dim / 2) * 4;  // [T, rot/2] fp32: 2 GiB at 8M positions
     plan_add(p, MEM_SCRATCH, "rope", -1, "rope_cos", rope_bytes, &m->w.rope_cos);
@@ -468,7 +469,7 @@ static void llama_setup(Llama* m, const LlamaConfig* cfg, const TrainModes* mode
     m->mlp_tile = llama_mlp_tile_rows(modes->mlp_tile, (int64_t)B * m->T, cfg->hidden);
     m->w.layers = (LlamaLayer*)xcalloc(cfg->layers, sizeof(LlamaLayer));
     m->saved.block = (BlockActs*)xcalloc(cfg->layers, sizeof(BlockActs));
-    checkpoints_init(&m->saved.ckpt, cfg->layers, modes->offload_host);
+    checkpoints_init(&m->saved.ckpt, cfg->layers, train_recomputed_blocks(modes, cfg->layers), modes->offload_host);
     m->w.layer_off = (int64_t*)xcalloc(cfg->layers, sizeof(int64_t));
     m->scratch.kv_k = (void**)xcalloc(cfg->layers, sizeof(void*));
     m->scratch.kv_v = (void**)xcalloc(cfg->layers, sizeof(void*));
@@ -545,10 +546,25 @@ static TrainModes llama_fit_mlp_tile(const LlamaConfig* cfg, TrainModes md, int 
 // finds the rest).
 static TrainModes llama_smallest_choices(TrainModes md, int B, int T, const Dist* ranks) {
     int64_t N = llama_rank_tokens(B, T, ranks);
+    if (md.recompute == RECOMPUTE_AUTO) md.recompute = RECOMPUTE_ALL;  // auto's smallest: every block
     if (md.mlp_tile == MLP_TILE_AUTO && N <= INT_MAX) md.mlp_tile = llama_mlp_candidate(N, llama_mlp_most_tiles(N));
     if (md.offload_host && md.offload_staging == OFFLOAD_STAGING_AUTO) md.offload_staging = 1;
     md.head_chunk_small = 1;
     return md;
+}
+
+// --recompute auto fitted to `budget` bytes: the fewest recomputed blocks k whose plan, with the
+// other auto choices at their smallest (llama_smallest_choices), fits; every block where none does
+// (the fit check then refuses). A direct scan from k = 0 up, not a bisection: the plan is not
+// monotone in k (the first recomputed block adds the shared set its recomputed forward makes and,
+// under standard norms, a copy of the residual stream), and each plan is cheap (nothing allocated).
+static int llama_fit_recompute(const LlamaConfig* cfg, const TrainModes* md, int B, int T, const Backend* be,
+                               const Dist* ranks, size_t budget) {
+    for (int k = 0; k < cfg->layers; k++) {
+        TrainModes at = llama_smallest_choices(train_modes_recompute(*md, k), B, T, ranks);
+        if (llama_modes_plan_bytes(cfg, &at, B, T, be, ranks) <= budget) return k;
+    }
+    return cfg->layers;
 }
 
 // What auto leaves to the memory, fitted to `budget` bytes (0: none known; md unchanged, so two
@@ -560,6 +576,8 @@ static TrainModes llama_smallest_choices(TrainModes md, int B, int T, const Dist
 // input, [N, d], and the larger chunk a fixed ~1.5 GiB at 8B, where a tile's worth of MLP rows is less.
 static TrainModes llama_fit_to_memory(const LlamaConfig* cfg, TrainModes md, int B, int T, const Backend* be,
                                       const Dist* ranks, size_t budget) {
+    if (md.recompute == RECOMPUTE_AUTO)  // first the blocks recomputed (none where no memory is known)
+        md = train_modes_recompute(md, budget ? llama_fit_recompute(cfg, &md, B, T, be, ranks, budget) : 0);
     if (!budget) return md;
     if (md.offload_host && md.offload_staging == OFFLOAD_STAGING_AUTO) {
         TrainModes two = llama_smallest_choices(md, B, T, ranks);
@@ -614,8 +632,11 @@ static size_t llama_plan_bytes_at_steps(const void* ctx, const TrainOptions* o, 
 // fitted to that memory at that length (unchanged without --max-seq or --gpu-mem: nothing to fit).
 static int llama_dry_run_fit(const LlamaConfig* cfg, const TrainOptions* o, const Backend* be, const Dist* ranks,
                              TrainModes* md, char* json, size_t njson, char* line, size_t nline) {
-    if (!o->max_seq && !(o->gpu_mem > 0)) return o->seq;
-    FitBudget budget = fit_budget(o, be->cuda, o->max_seq ? "--max-seq" : "--gpu-mem");
+    if (!o->max_seq && !(o->gpu_mem > 0) && !(o->mem_limit > 0)) {
+        *md = llama_fit_to_memory(cfg, *md, o->batch, o->seq, be, ranks, 0);  // (--recompute auto: none)
+        return o->seq;
+    }
+    FitBudget budget = fit_budget(o, be->cuda, o->max_seq ? "--max-seq" : o->gpu_mem > 0 ? "--gpu-mem" : "--mem-limit");
     int P = dist_sp(ranks);
     LlamaSeqPlanCtx ctx = {{cfg, be, ranks, o->seq, budget.bytes}, ranks->world, P};
     int seq = o->seq, most = 0;
@@ -672,7 +693,7 @@ static void llama_tile_line(char* buf, size_t n, const Llama* m, const TrainOpti
     else
         str_appendf(buf, n, "auto without a memory to fit: equal tiles of at most %d; --gpu-mem GIB fits it)",
                     MLP_TILE_AUTO_MAX);
-    if (m->modes.offload_host)  // two unless the memory holds one only (llama_fit_to_memory)
+    if (m->saved.ckpt.host)  // two unless the memory holds one only (llama_fit_to_memory)
         str_appendf(buf, n, "\noffload: %d device staging buffer%s of one block input%s", m->saved.ckpt.offload.slots,
                     m->saved.ckpt.offload.slots == 1 ? "" : "s",
                     m->saved.ckpt.offload.slots == 1 ? " (the copies do not overlap the compute)" : "");
@@ -726,13 +747,20 @@ static int llama_dry_run(const LlamaConfig* cfg, const TrainOptions* o_given, Tr
     if (ranks.world > 1) str_appendf(header, sizeof(header), ", one of %d ranks", ranks.world);
     if (dist_sp(&ranks) > 1) str_appendf(header, sizeof(header), " (%d per sequence)", dist_sp(&ranks));
     if (*fit_line) str_appendf(header, sizeof(header), "\n%s", fit_line);
+    if (given.recompute != 0 && given.recompute != RECOMPUTE_ALL) {  // auto or N: how many, and why
+        char rec[160];
+        int known = o->max_seq || o->gpu_mem > 0 || o->mem_limit > 0;  // (the budget llama_dry_run_fit fitted to)
+        fit_recompute_line(rec, sizeof(rec), o, m.saved.ckpt.recomputed, cfg->layers,
+                           known ? fit_budget(o, !cpu, "--dry-run").bytes : 0);
+        str_appendf(header, sizeof(header), "\n%s", rec);
+    }
     llama_tile_line(header, sizeof(header), &m, o, &given, &md);
     if (cfg->gemma)  // which of Gemma's norms the memory-sharing backward takes, and which stay standard
         str_appendf(header, sizeof(header), "\nnorms: attn_norm, mlp_norm%s: MS under --norm ms (they feed linears); "
                     "post_norm_std (attention's and MLP's output) and the final norm (tied head): standard in every "
                     "mode", cfg->qk_norm ? ", q/k norms" : "");
-    str_appendf(json, sizeof(json), ", \"mlp_tile\": %lld, \"offload_staging\": %d", (long long)m.mlp_tile,
-                m.modes.offload_host ? m.saved.ckpt.offload.slots : 0);
+    str_appendf(json, sizeof(json), ", \"mlp_tile\": %lld, \"offload_staging\": %d, \"recomputed_blocks\": %d",
+                (long long)m.mlp_tile, m.saved.ckpt.host ? m.saved.ckpt.offload.slots : 0, m.saved.ckpt.recomputed);
     train_dry_run_report(o, &m.plan, &base.plan, &be, json, header);
     llama_free(&m);
     llama_free(&base);

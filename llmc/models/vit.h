@@ -111,7 +111,7 @@ typedef struct {
 typedef struct {
     BlockActs* blocks;     // [layers]
     BlockActs shared;      // scratch set (recompute, or buffers not kept)
-    Checkpoints ckpt;      // --recompute block: each block's input [N, d] (--offload host: on the host)
+    Checkpoints ckpt;      // each recomputed block's input [N, d] (--offload host: on the host)
 } VitSaved;
 
 // Scratch of the forward and backward passes (activation gradients have the activations' element type).
@@ -234,7 +234,8 @@ static void vit_forward_blocks(Vit* m, int B) {
     int64_t N = (int64_t)B * m->T;
     vit_embed(m, B);
     for (int l = 0; l < m->cfg.layers; l++) {
-        if (m->modes.recompute_block) checkpoint_save(&m->saved.ckpt, m->be, l, m->scratch.resid, N * m->cfg.dim);
+        if (train_block_recomputes(&m->modes, l))
+            checkpoint_save(&m->saved.ckpt, m->be, l, m->scratch.resid, N * m->cfg.dim);
         block_forward(m, l, m->scratch.resid, &m->saved.blocks[l], B);
     }
 }
@@ -334,9 +335,9 @@ static void vit_backward_blocks(Vit* m, int B) {
     VitScratch* s = &m->scratch;
     int64_t N = (int64_t)B * m->T;
     int layers = m->cfg.layers;
-    checkpoints_prefetch_last(&m->saved.ckpt, layers);  // (--offload host)
+    checkpoints_prefetch_last(&m->saved.ckpt);  // (--offload host)
     for (int l = layers - 1; l >= 0; l--) {
-        const void* block_input = m->modes.recompute_block ? vit_recompute_block(m, l, B) : NULL;
+        const void* block_input = train_block_recomputes(&m->modes, l) ? vit_recompute_block(m, l, B) : NULL;
         block_backward(m, l, &m->saved.blocks[l], block_input, B);
         checkpoints_prefetch_below(&m->saved.ckpt, l);  // (--offload host) into this block's staging buffer
         // this block's, the final norm's and the head's gradients are final

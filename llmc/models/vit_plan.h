@@ -84,14 +84,15 @@ static void vit_plan_blocks(Vit* m, MemPlan* p) {
     const VitConfig* c = &m->cfg;
     const TrainModes* md = &m->modes;
     int64_t N = (int64_t)m->B * m->T, d = c->dim, f = c->hidden, r = md->rank, a = m->be->abytes;
-    int keep = !md->recompute_block, std_norm = !md->ms;
+    int std_norm = !md->ms;
     // a linear keeps its input when its own backward needs it: it has an adapter or trains W
     int lora_qkv = md->full || (md->targets & ((1u << T_Q) | (1u << T_K) | (1u << T_V)));
     for (int l = 0; l < c->layers; l++) {
         BlockActs* A = &m->saved.blocks[l];
         BlockActs* s = &m->saved.shared;
         char nm[48];
-        if (md->recompute_block)  // the checkpoint [N, d]: on the device, or (--offload host) in pinned host memory
+        int keep = !train_block_recomputes(md, l);  // (block 0 recomputes whenever any does: its shared set)
+        if (!keep)  // the checkpoint [N, d]: on the device, or (--offload host) in pinned host memory
             checkpoints_plan_block(p, &m->saved.ckpt, l, N * d * a);
         if (std_norm && keep) plan_block_act(p, l, 1, "attn_norm", "x_in", N * d * a, &A->x_in, NULL);
         if (std_norm) plan_block_act(p, l, keep, "attn_norm", "mean1", N * 4, &A->mean1, &s->mean1);
@@ -140,7 +141,7 @@ static void vit_plan_scratch(Vit* m, MemPlan* p) {
     plan_add(p, MEM_SCRATCH, "residual", -1, "resid", N * d * a, &m->scratch.resid);
     // the recomputed forward's residual stream: a copy of the checkpoint where the backward reads the
     // block input (standard norms); under MS norms it runs in place on the checkpoint
-    if (m->modes.recompute_block && !m->modes.ms)
+    if (m->saved.ckpt.recomputed && !m->modes.ms)
         plan_add(p, MEM_SCRATCH, "residual", -1, "resid_tmp", N * d * a, &m->scratch.resid_tmp);
     // block inputs [N, d]: with two, one travels to or from the host while the other is in use;
     // the ViT's sequences are short, so its memory never holds fewer (llmc/memory/offload.h)
@@ -338,7 +339,7 @@ static void vit_setup(Vit* m, const VitConfig* cfg, const TrainModes* modes, int
     m->batch.src_bytes = src_bytes > 0 ? src_bytes : (int64_t)cfg->channels * img_h * img_w;
     m->params.layers = (VitLayer*)xcalloc(cfg->layers, sizeof(VitLayer));
     m->saved.blocks = (BlockActs*)xcalloc(cfg->layers, sizeof(BlockActs));
-    checkpoints_init(&m->saved.ckpt, cfg->layers, modes->offload_host);
+    checkpoints_init(&m->saved.ckpt, cfg->layers, train_recomputed_blocks(modes, cfg->layers), modes->offload_host);
     m->params.layer_off = (int64_t*)xcalloc(cfg->layers, sizeof(int64_t));
     vit_plan(m, &m->plan);
 }
@@ -368,13 +369,31 @@ typedef struct {
     const Dist* dist;
 } VitPlanCtx;
 
-static size_t vit_plan_bytes(const void* ctx, const TrainOptions* o, int batch, int world) {
-    const VitPlanCtx* c = (const VitPlanCtx*)ctx;
-    TrainModes md = train_modes_from(o, target_names, N_TARGETS);
+// The bytes of md's plan at `batch` images over `world` ranks (--recompute auto: its smallest, every
+// block recomputed), as fit_check_plan counts them (on the CPU the host arena is host memory too).
+static size_t vit_modes_plan_bytes(const VitPlanCtx* c, TrainModes md, int batch, int world) {
     Dist ranks = dist_for_plan(c->dist, world);
+    if (md.recompute == RECOMPUTE_AUTO) md.recompute = RECOMPUTE_ALL;
     Vit m;
     vit_setup(&m, c->cfg, &md, batch, c->h, c->w, c->classes, c->src_bytes, c->be, &ranks);
-    size_t bytes = plan_total(&m.plan);
+    size_t bytes = plan_total(&m.plan) + (c->be->cuda ? 0 : plan_host_bytes(&m.plan));
     vit_free(&m);
     return bytes;
+}
+
+static size_t vit_plan_bytes(const void* ctx, const TrainOptions* o, int batch, int world) {
+    return vit_modes_plan_bytes((const VitPlanCtx*)ctx, train_modes_from(o, target_names, N_TARGETS), batch, world);
+}
+
+// --recompute auto fitted to `budget` bytes (0: none known): md with the fewest recomputed blocks
+// whose plan fits, every block where none does (the fit check then refuses). A direct scan, as
+// llmc/models/llama_plan.h's llama_fit_recompute (the plan is not monotone in the count).
+static TrainModes vit_fit_recompute(const VitPlanCtx* c, TrainModes md, int batch, size_t budget) {
+    if (md.recompute != RECOMPUTE_AUTO) return md;
+    int k = 0;
+    if (budget)
+        while (k < c->cfg->layers &&
+               vit_modes_plan_bytes(c, train_modes_recompute(md, k), batch, c->dist ? c->dist->world : 1) > budget)
+            k++;
+    return train_modes_recompute(md, k);
 }

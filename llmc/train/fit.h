@@ -85,7 +85,21 @@ typedef struct {
     char source[96];
 } FitBudget;
 
-// The CUDA plan's budget: --gpu-mem GIB when given, else the free memory of the GPU present (as
+// --mem-limit GIB in bytes (0: not given).
+static size_t fit_mem_limit_bytes(const TrainOptions* o) {
+    return o->mem_limit > 0 ? (size_t)((double)o->mem_limit * 1073741824.0) : 0;
+}
+
+// b capped by --mem-limit where that is less.
+static FitBudget fit_budget_capped(FitBudget b, const TrainOptions* o) {
+    size_t limit = fit_mem_limit_bytes(o);
+    if (!limit || limit >= b.bytes) return b;
+    b.bytes = limit;
+    snprintf(b.source, sizeof(b.source), "--mem-limit %g", o->mem_limit);
+    return b;
+}
+
+// The CUDA plan's budget (capped by --mem-limit): --gpu-mem GIB when given, else the free memory of the GPU present (as
 // a run's fit check takes it); the CPU plan's: the host's MemAvailable, as the CPU fit check
 // takes it. Fails (one line) where there is nothing to plan for.
 static FitBudget fit_budget(const TrainOptions* o, int cuda_plan, const char* flag) {
@@ -94,6 +108,11 @@ static FitBudget fit_budget(const TrainOptions* o, int cuda_plan, const char* fl
     if (o->gpu_mem > 0) {
         b.bytes = (size_t)((double)o->gpu_mem * 1073741824.0);
         snprintf(b.source, sizeof(b.source), "--gpu-mem %g", o->gpu_mem);
+        return fit_budget_capped(b, o);
+    }
+    if (o->mem_limit > 0 && cuda_plan) {  // the card is unknown here: the limit is the budget
+        b.bytes = fit_mem_limit_bytes(o);
+        snprintf(b.source, sizeof(b.source), "--mem-limit %g", o->mem_limit);
         return b;
     }
     if (!cuda_plan) {
@@ -101,7 +120,7 @@ static FitBudget fit_budget(const TrainOptions* o, int cuda_plan, const char* fl
         if (b.bytes == SIZE_MAX) fail("flag %s: this host reports no MemAvailable in /proc/meminfo; set "
                                       "LLMC_HOST_MEMORY_BYTES to the bytes to plan for", flag);
         snprintf(b.source, sizeof(b.source), "%s", host_memory_source());
-        return b;
+        return fit_budget_capped(b, o);
     }
 #ifdef LLMC_HAVE_CUDA
     if (backend_cuda_devices() > 0) {
@@ -109,7 +128,7 @@ static FitBudget fit_budget(const TrainOptions* o, int cuda_plan, const char* fl
         CUDA_CHECK(cudaMemGetInfo(&fr, &tot));
         b.bytes = fr;
         snprintf(b.source, sizeof(b.source), "free on GPU 0");
-        return b;
+        return fit_budget_capped(b, o);
     }
 #endif
     fail("flag %s: no CUDA GPU here to plan for; give --gpu-mem GIB (the card's memory the run may take) or "
@@ -163,6 +182,41 @@ static size_t fit_avail_bytes(const Backend* be, int local_ranks) {
     return avail;
 }
 
+// What a run may plan: fit_avail_bytes, capped by --mem-limit where that is less.
+static size_t fit_run_avail(const Backend* be, const TrainOptions* o, int local_ranks) {
+    size_t avail = fit_avail_bytes(be, local_ranks), limit = fit_mem_limit_bytes(o);
+    return limit && limit < avail ? limit : avail;
+}
+
+// Whether --recompute auto applies: asked for, or (a run, not a dry run) the default of a mode that
+// recomputes nothing, where the run would not fit otherwise (the trainer falls back to the flags as
+// given when not even every block recomputed fits, so the fit check says what would).
+static int fit_recompute_auto(const TrainOptions* o) {
+    return !strcmp(o->recompute, "auto") || (o->recompute_default && !o->dry_run);
+}
+
+// The start-up line on the blocks recomputed: "recompute K of L blocks (why)", into buf.
+static void fit_recompute_line(char* buf, size_t n, const TrainOptions* o, int k, int layers, size_t budget) {
+    char a[32];
+    if (fit_recompute_auto(o) && budget && budget != SIZE_MAX)
+        snprintf(buf, n, "recompute %d of %d blocks (the fewest that fit %s%s)", k, layers,
+                 fit_size(a, sizeof(a), budget), o->mem_limit > 0 ? ", --mem-limit" : "");
+    else if (fit_recompute_auto(o))
+        snprintf(buf, n, "recompute %d of %d blocks (no memory known to fit)", k, layers);
+    else snprintf(buf, n, "recompute %d of %d blocks (--recompute %s)", k, layers, o->recompute);
+}
+
+// --mem-limit below every plan the run's flags can make: refused in one line naming the smallest
+// budget that would fit (`smallest`: the plan of the flags with every choice at its least; `what`
+// says which).
+static void fit_refuse_mem_limit(const TrainOptions* o, size_t need, size_t smallest, const char* what) {
+    size_t limit = fit_mem_limit_bytes(o);
+    if (!limit || need <= limit) return;
+    char a[32], b[32];
+    fail("flag --mem-limit: %s is below anything these flags fit; the smallest budget that would fit is %s (%s)",
+         fit_size(a, sizeof(a), limit), fit_size(b, sizeof(b), smallest), what);
+}
+
 // Fails (one line) when `plan` needs more than the device has free (the host has available,
 // shared by the node's `local_ranks`): what the plan needs by category, what is free, and what
 // would fit.
@@ -170,7 +224,7 @@ static void fit_check_plan(const Backend* be, const MemPlan* plan, PlanBytesFn p
                            const TrainOptions* o, int world, int local_ranks) {
     fit_check_host(be, plan, local_ranks);
     // on the CPU the host arena is host memory like the rest
-    size_t need = plan_total(plan) + (be->cuda ? 0 : plan_host_bytes(plan)), avail = fit_avail_bytes(be, local_ranks);
+    size_t need = plan_total(plan) + (be->cuda ? 0 : plan_host_bytes(plan)), avail = fit_run_avail(be, o, local_ranks);
     if (need <= avail) return;
     char parts[320] = "", hint[512] = "", a[32], b[32];
     for (int c = 0; c < MEM_CATS; c++)
@@ -215,7 +269,8 @@ static void fit_check_plan(const Backend* be, const MemPlan* plan, PlanBytesFn p
     }
     char where[128], share[64] = "";
     if (local_ranks > 1) snprintf(share, sizeof(share), ", divided among the node's %d ranks", local_ranks);
-    if (be->cuda) snprintf(where, sizeof(where), "is free on GPU %d", be->device);
+    if (fit_mem_limit_bytes(o) == avail) snprintf(where, sizeof(where), "is the --mem-limit");
+    else if (be->cuda) snprintf(where, sizeof(where), "is free on GPU %d", be->device);
     else
         snprintf(where, sizeof(where), "is available (%s%s)",
                  host_memory_source(), share);

@@ -31,9 +31,12 @@ typedef struct {
     const char* mode;
     const char* act;        // exact | approx
     const char* norm;       // std | ms
-    const char* recompute;  // none | block
+    const char* recompute;  // none | block | auto | N (blocks recomputed: the first N)
+    int recompute_default;  // --recompute not given and the mode recomputes none: auto where the run does not fit
+    float mem_limit;        // --mem-limit GIB: the most a run may plan (0: not given; the fit check's budget)
+    const char* fit;        // none | report: --dry-run's table of modes x recomputed blocks (llmc/train/fit_report.h)
     const char* swiglu_product;  // keep | recompute (beyond the paper; LLaMA only)
-    const char* offload;    // none | host: --recompute block's checkpoints in pinned host memory
+    const char* offload;    // none | host: the recomputed blocks' checkpoints in pinned host memory
     const char* mlp_tile;   // auto | 0 (whole sequence) | tokens: the MLP's tile of tokens (LLaMA only)
     const char* ms_lora;  // exact | merged: what an adapter behind an MS norm sees (gamma*z + beta, or z: the paper's)
     const char* quant;      // none | nf4: frozen linear weights stored as NF4 (llmc/nf4.h; LLaMA only)
@@ -81,6 +84,7 @@ static void train_options_defaults(TrainOptions* o) {
     o->nonfinite = "stop";
     o->swiglu_product = "keep";
     o->offload = "none";
+    o->fit = "none";
     o->mlp_tile = "auto";
     o->ms_lora = "exact";
     o->quant = "none";
@@ -138,7 +142,16 @@ static void train_flags_register_task(FlagTable* t, TrainOptions* o, const char*
                 "activation backward: exact, or 2-bit ReSiLU2/ReGELU2 (overrides --mode)");
     flag_choice(t, "norm", &o->norm, "std|ms",
                 "norms: standard, or memory-sharing MS-RMSNorm/MS-LN (overrides --mode)");
-    flag_choice(t, "recompute", &o->recompute, "none|block", "gradient checkpointing per block (overrides --mode)");
+    flag_string(t, "recompute", &o->recompute,
+                "gradient checkpointing per block (overrides --mode): none, block (every block), N (the first N "
+                "blocks) or auto (the fewest blocks whose plan fits the memory; the default where the run would "
+                "not fit otherwise)");
+    flag_choice(t, "fit", &o->fit, "none|report",
+                "with --dry-run: report each memory mode (baseline, lowmem, act-only, norm-only) with the fewest "
+                "recomputed blocks that fit the memory, its plan and its predicted step time; the best marked");
+    flag_float(t, "mem-limit", &o->mem_limit,
+               "the most memory (GiB, > 0) the run may plan, on the GPU or the host (default: the fit check's "
+               "budget, free GPU memory or MemAvailable); --recompute auto fits it");
     t->group = "LoRA";
     flag_int(t, "lora-rank", &o->lora_rank, "adapter rank r");
     flag_float(t, "lora-alpha", &o->lora_alpha, "adapter scale alpha (update = alpha/r * B A x)");
@@ -194,8 +207,10 @@ static void train_resolve_mode(TrainOptions* o) {
     if (strcmp(o->mode, "ckpt") == 0) { act = "exact"; norm = "std"; rec = "block"; }
     if (!o->act) o->act = act;
     if (!o->norm) o->norm = norm;
+    o->recompute_default = !o->recompute && !strcmp(rec, "none");
     if (!o->recompute) o->recompute = rec;
 }
+
 
 // --mlp-tile: MLP_TILE_AUTO picks the tile by the model's rule (llmc/models/llama_plan.h, llama_mlp_tile_rows).
 #define MLP_TILE_AUTO (-1)
@@ -209,6 +224,18 @@ static int mlp_tile_tokens(const char* v) {
         if (n > INT_MAX) return -1;
     }
     return (int)n;
+}
+
+// --recompute as a count of blocks: RECOMPUTE_ALL (block), RECOMPUTE_AUTO (auto: fitted to the
+// memory by the trainer, llmc/train/fit.h), 0 (none) or N; -2 when it is none of these.
+#define RECOMPUTE_ALL INT_MAX
+#define RECOMPUTE_AUTO (-1)
+static int recompute_count(const char* v) {
+    if (!strcmp(v, "none")) return 0;
+    if (!strcmp(v, "block")) return RECOMPUTE_ALL;
+    if (!strcmp(v, "auto")) return RECOMPUTE_AUTO;
+    int n = mlp_tile_tokens(v);  // a plain count, as --mlp-tile's
+    return n < 0 ? -2 : n;
 }
 
 static void train_validate(const TrainOptions* o) {
@@ -251,8 +278,11 @@ static void train_validate(const TrainOptions* o) {
     if (strcmp(o->mlp_tile, "auto") != 0 && mlp_tile_tokens(o->mlp_tile) < 0)
         fail("flag --mlp-tile: expected auto, 0 (the whole sequence) or a number of tokens >= 1, got \"%s\"",
              o->mlp_tile);
-    if (strcmp(o->offload, "none") != 0 && strcmp(o->recompute, "block") != 0)
-        fail("flag --offload %s: only with --recompute block (it moves the block checkpoints)", o->offload);
+    if (recompute_count(o->recompute) == -2)
+        fail("flag --recompute: expected none, block, auto or a number of blocks, got \"%s\"", o->recompute);
+    if (strcmp(o->offload, "none") != 0 && !recompute_count(o->recompute))
+        fail("flag --offload %s: only with --recompute block, N or auto (it moves the block checkpoints)", o->offload);
+    if (o->mem_limit < 0) fail("flag --mem-limit: expected the memory in GiB, > 0, got %g", o->mem_limit);
     if (o->full && strcmp(o->quant, "none") != 0)
         fail(
             "flag --quant %s: not with --full (full fine-tuning trains the weights themselves, in fp32; quantization "
@@ -308,10 +338,12 @@ enum { OFFLOAD_STAGING_AUTO = 0 };
 
 // The switches a model reads, from the flags: the paper's memory modes and what trains.
 typedef struct {
-    int approx, ms, recompute_block;
+    int approx, ms;
+    int recompute;          // blocks recomputed, the first ones (train_block_recomputes); RECOMPUTE_ALL, or
+                            // RECOMPUTE_AUTO until the trainer fits it (train_modes_recompute; unfitted: none)
     int ms_lora_merged;     // --ms-lora merged: adapters behind an MS norm see its bare output z (the paper's)
     int recompute_product;  // --swiglu-product recompute (LLaMA only)
-    int offload_host;       // --offload host (with --recompute block): block inputs kept in host memory
+    int offload_host;       // --offload host (with blocks recomputed): their inputs kept in host memory
     int offload_staging;    // its device staging buffers: 1, 2, or OFFLOAD_STAGING_AUTO (fitted to the memory)
     int head_chunk_small;   // the LM head's chunk fitted to a memory that holds only the old, smaller one
     int mlp_tile;           // --mlp-tile: tokens per MLP tile, 0 the whole sequence, MLP_TILE_AUTO the planned rule
@@ -338,9 +370,9 @@ static TrainModes train_modes_from(const TrainOptions* o, const char* const* tar
     TrainModes md;
     md.approx = strcmp(o->act, "approx") == 0;
     md.ms = strcmp(o->norm, "ms") == 0;
-    md.recompute_block = strcmp(o->recompute, "block") == 0;
+    md.recompute = recompute_count(o->recompute);
     md.recompute_product = strcmp(o->swiglu_product, "recompute") == 0;
-    md.offload_host = md.recompute_block && strcmp(o->offload, "host") == 0;  // (train_validate refuses it alone)
+    md.offload_host = md.recompute != 0 && strcmp(o->offload, "host") == 0;  // (train_validate refuses it alone)
     md.offload_staging = OFFLOAD_STAGING_AUTO;
     md.head_chunk_small = 0;
     md.ms_lora_merged = strcmp(o->ms_lora, "merged") == 0;
@@ -360,9 +392,37 @@ static TrainModes train_modes_from(const TrainOptions* o, const char* const* tar
     return md;
 }
 
+// Which blocks recompute: the first md->recompute of them. The plan is static (every arena lives
+// for the whole step), so which N recompute does not change the planned peak; the first N give the
+// most room where memory is freed as it goes and the most overlap: their checkpoints' copies to
+// the host (--offload host) start at the top of the forward and run beside the kept blocks'
+// forward, their fetches beside the kept blocks' backward, and the recomputed set is needed only
+// after the kept blocks' backward is done. Block 0 then recomputes whenever any block does, so
+// the shared scratch set planned by block 0 is the recomputed block's (a superset of what a kept
+// block shares: llama_plan_block, vit_plan_blocks).
+static int train_block_recomputes(const TrainModes* md, int l) { return l < md->recompute; }
+// How many of `layers` blocks recompute (RECOMPUTE_AUTO not yet fitted: none).
+static int train_recomputed_blocks(const TrainModes* md, int layers) {
+    return md->recompute < 0 ? 0 : md->recompute < layers ? md->recompute : layers;
+}
+// md with k blocks recomputed (auto's choice): --offload host moves nothing when k is 0.
+static TrainModes train_modes_recompute(TrainModes md, int k) {
+    md.recompute = k;
+    if (!k) md.offload_host = 0;
+    return md;
+}
+
+// Refuses --recompute N beyond the model's blocks (one line, naming the count).
+static void train_check_recompute(const TrainOptions* o, int layers, const char* model_dir) {
+    int n = recompute_count(o->recompute);
+    if (n > layers && n != RECOMPUTE_ALL)
+        fail("flag --recompute: %d blocks, but %s/config.json has %d (use a number 0..%d, block or auto)", n,
+             model_dir, layers, layers);
+}
+
 // The same run in --mode baseline: every memory-saving switch off (what plans are compared with).
 static TrainModes train_baseline_modes(TrainModes md) {
-    md.approx = 0; md.ms = 0; md.recompute_block = 0; md.recompute_product = 0; md.offload_host = 0;
+    md.approx = 0; md.ms = 0; md.recompute = 0; md.recompute_product = 0; md.offload_host = 0;
     md.mlp_tile = 0;
     return md;
 }
@@ -406,11 +466,14 @@ static void train_parse_flags(FlagTable* t, TrainOptions* o, int argc, char** ar
     train_check_grad_accum(o, flags_find(t, "seq") ? TRAIN_TEXT : TRAIN_IMAGE);
     if (!o->model_dir) fail("flag --model is required (a model directory with config.json and model.safetensors)");
     if (o->json && !o->dry_run) fail("flag --json: only valid with --dry-run");
+    if (strcmp(o->fit, "none") != 0 && !o->dry_run) fail("flag --fit %s: only valid with --dry-run", o->fit);
     if (o->ranks < 0) fail("flag --ranks: expected >= 1, got %d", o->ranks);
     if (o->ranks && !o->dry_run) fail("flag --ranks: only valid with --dry-run (mpirun -np N launches the ranks)");
     if (o->max_seq && !o->dry_run)
         fail("flag --max-seq: only valid with --dry-run (it plans the longest --seq; a run takes the --seq it is "
              "given)");
+    if (flag_seen(t, "mem-limit") && !(o->mem_limit > 0))
+        fail("flag --mem-limit: expected the memory in GiB, > 0, got %g", o->mem_limit);
     if (flag_seen(t, "gpu-mem") && !(o->gpu_mem > 0))
         fail("flag --gpu-mem: expected the card's memory in GiB, > 0, got %g", o->gpu_mem);
     if (o->gpu_mem > 0 && !o->dry_run)

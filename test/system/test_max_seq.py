@@ -122,7 +122,8 @@ def test_max_seq_of_the_cpu_plan_is_what_the_runs_fit_check_allows():
     and one token more does not fit even in auto's smallest tile (test_mlp_tile.auto_smallest_tile)."""
     budget = 50_000_000  # a length past 2 x auto's smallest tile (AUTO_MIN), so that the run tiles
     env = {"LLMC_HOST_MEMORY_BYTES": str(budget)}
-    flags = ("--device", "cpu", "--batch", 1, "--lora-rank", 2, "--mode", "lowmem")
+    # --recompute none: a run's default would otherwise recompute blocks where one token more does not fit
+    flags = ("--device", "cpu", "--batch", 1, "--lora-rank", 2, "--mode", "lowmem", "--recompute", "none")
     got = plan(DEMO, *flags, "--max-seq", env=env)
     seq = got["max_seq"]
     assert got["memory_source"] == "LLMC_HOST_MEMORY_BYTES" and got["memory_bytes"] == budget
