@@ -13,6 +13,7 @@
 #include "../../llmc/linear.h"
 #include "../../llmc/vision/imagedata.h"
 #include "../../llmc/cuda/misc.cuh"
+#include "misc_scalar.cuh"  // the scalar kernels: the reference version the trainers no longer run
 
 static void test_embed(int64_t N, int d, int V, Rng* rng) {
     float* embed = host_randn((int64_t)V * d, rng, 1.0f, 1);
@@ -356,7 +357,7 @@ static void time_misc(void) {
 // The casts (bf16 shadows of fp32 masters, fp32 copies of bf16) against the host's round to
 // nearest even, bit for bit, both kernels (KERNELS_VEC: 16-byte vectors between scalar head and
 // tail; KERNELS_SCALAR), with each array `doff`/`soff` elements into its allocation: in step
-// (a head of up to 7 elements), or out of step (no common alignment: the scalar kernel runs), as
+// (a head of up to 7 elements), or out of step (no common alignment: the production kernel casts one element at a time), as
 // ZeRO-1's shard offsets give (llmc/train/zero.h).
 static void test_casts(int64_t n, int doff, int soff, Rng* rng) {
     float* x = host_randn(n, rng, 2.0f, 0);
