@@ -18,7 +18,8 @@ REPO = os.path.abspath(args[0] if args else ".")
 SHOW_ALL = "--all" in sys.argv
 ROOTS = [("llmc/models/llama.h", "block_forward"), ("llmc/models/llama.h", "block_backward"),
          ("llmc/models/vit.h", "block_forward"), ("llmc/models/vit.h", "block_backward")]
-SIG = re.compile(r"^(?:template\s*<[^>]*>\s*)?(?:(?:static|__global__|__device__|__host__|inline|__forceinline__|const)\s+)*"
+SIG = re.compile(r"^(?:template\s*<[^>]*>\s*)?"
+                 r"(?:(?:static|__global__|__device__|__host__|inline|__forceinline__|const)\s+)*"
                  r"[A-Za-z_][\w\s\*<>:,]*?\b(\w+)\s*\(")
 
 

@@ -107,8 +107,8 @@ static void swiglu_forward_cuda(bf16* p, bf16* sg, uint8_t* codes, const bf16* g
                                 cudaStream_t stream) {
     if (n == 0) return;
     int vec = aligned16(p) && aligned16(sg) && aligned16(g) && aligned16(u);
-    launch_kernel(grid_for(vec ? (n + 7) / 8 : (n + 3) / 4, 256), 256, 0, stream, swiglu_forward_kernel, p, sg, codes, g,
-                  u, n, vec);
+    launch_kernel(grid_for(vec ? (n + 7) / 8 : (n + 3) / 4, 256), 256, 0, stream, swiglu_forward_kernel, p, sg, codes,
+                  g, u, n, vec);
 }
 static void swiglu_backward_cuda(bf16* dg, bf16* du, const bf16* dp, const bf16* sg, const bf16* u, const bf16* g,
                                  const uint8_t* codes, int64_t n, cudaStream_t stream) {

@@ -85,7 +85,8 @@ static void multiply_cuda(bf16* out, const bf16* a, const bf16* b, int64_t n, cu
 #define SCALE_COLUMNS_VEC_THREADS 64
 __global__ void scale_columns_kernel(bf16* y, const bf16* x, const bf16* __restrict__ g, int64_t rows, int d, int vec) {
     if (!vec) {
-        for (int64_t i = thread_index_1d(); i < rows * d; i += grid_stride_1d()) y[i] = f2bf(bf2f(x[i]) * bf2f(g[i % d]));
+        for (int64_t i = thread_index_1d(); i < rows * d; i += grid_stride_1d())
+            y[i] = f2bf(bf2f(x[i]) * bf2f(g[i % d]));
         return;
     }
     int c = blockIdx.y * blockDim.x + threadIdx.x;
