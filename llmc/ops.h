@@ -174,7 +174,9 @@ static void op_linear_forward(const Backend* be, void* y, const void* x, const L
         PROF_SCOPE(be, linear_prof_name(L, 0, name), "fwd",
                    2.0 * N * L->in * L->out + (L->A ? 2.0 * N * rank * (L->in + L->out) : 0.0),
                    (double)L->in * L->out * be->wbytes);
-        linear_forward_cuda(B16(y), CB16(x), L, B16(ax), N, rank, scale, accumulate, be->stream); return; }
+        linear_forward_cuda(lora_fold_choice(), B16(y), CB16(x), L, B16(ax), N, rank, scale, accumulate, be->stream);
+        return;
+    }
 #endif
     {
         PROF_SCOPE(be, linear_prof_name(L, 0, name), "fwd", 2.0 * N * L->in * L->out,
@@ -196,7 +198,8 @@ static void op_linear_backward(const Backend* be, void* dx, const void* dy, cons
                    2.0 * N * L->in * L->out * ((dx ? 1 : 0) + (L->dW ? 1 : 0)) +
                        (L->A ? 4.0 * N * rank * (L->in + L->out) : 0.0),
                    (double)L->in * L->out * be->wbytes);
-        linear_backward_cuda(B16(dx), CB16(dy), CB16(x), CB16(ax), L, B16(dax), N, rank, scale, accumulate, be->stream);
+        linear_backward_cuda(lora_fold_choice(), B16(dx), CB16(dy), CB16(x), CB16(ax), L, B16(dax), N, rank, scale,
+                             accumulate, be->stream);
         return;
     }
 #endif

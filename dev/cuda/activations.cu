@@ -3,12 +3,14 @@
 // planted at the bf16 neighbours of every kink c1..c3 of the fits. The 2-bit path must agree
 // EXACTLY: the packed code bytes byte for byte, and the approximate backward bit for bit (both
 // sides form dy * level in fp32 from identical inputs, so the bf16 result cannot differ).
-// SwiGLU's and GELU's 16-byte kernels (what the ops launch where aligned) give the scalar ones' bytes exactly,
-// on aligned buffers and misaligned ones (where the launch falls back to the scalar kernels).
+// SwiGLU's and GELU's production kernels (16-byte vectors where aligned, one code byte at a time
+// where not) give the bytes of the scalar reference kernels (activations_scalar.cuh) exactly, on
+// aligned buffers and misaligned ones.
 // Then times each kernel at a LLaMA-7B MLP shape against HBM bandwidth.
 #include "check.h"
 #include "../../llmc/cpu/activations.h"
 #include "../../llmc/cuda/activations.cuh"
+#include "activations_scalar.cuh"  // the scalar kernels: the reference version the trainers no longer run
 
 // Random bf16 inputs, with the first values set to the bf16 numbers just below, at and just above
 // each kink of `fit` (and zero), where the strict `>` of the code rule decides.
@@ -83,7 +85,7 @@ static void test_swiglu(int64_t n, Rng* rng, int approx) {
     }
     // the default (16-byte vectors where aligned) against the scalar kernels it replaced, bit for
     // bit, from the same inputs: on aligned buffers (above) and 1 element into each allocation
-    // (misaligned: the launch must fall back to the scalar kernels, or the emulator stops)
+    // (misaligned: the production kernel must take its per-byte path, or the emulator stops)
     for (int off = 0; off < 2; off++) {
         int64_t m = n + off;
         bf16 *e_g = (bf16*)dev_alloc(2 * m) + off, *e_u = (bf16*)dev_alloc(2 * m) + off,
@@ -168,7 +170,7 @@ static void test_gelu(int64_t n, Rng* rng, int mode, int inplace) {
         check_close(name, gdx, dx, n, 1e-2);
     }
     // the default (16-byte vectors where aligned) against the scalar kernels, bit for bit: aligned,
-    // and 1 element into each allocation (the launch must fall back to the scalar kernels)
+    // and 1 element into each allocation (the production kernel must take its per-byte path)
     for (int off = 0; off < 2; off++) {
         bf16 *e_x = (bf16*)dev_alloc(2 * (n + off)) + off, *out[2][2];
         uint8_t* ecodes[2];

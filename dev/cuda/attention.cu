@@ -10,6 +10,7 @@
 #include "../../llmc/cpu/attention.h"
 #include "../../llmc/cuda/attention.cuh"
 #include "../../llmc/cuda/attention_gemm.cuh"
+#include "rope_scalar.cuh"      // the scalar RoPE kernel: the reference version the trainers no longer run
 #include "attention_flash.cuh"  // the flash backward: the reference version the trainers no longer run
 
 // The pointer tables of the tensor-core path are built once per operand set: the forward and the
@@ -232,8 +233,8 @@ static void test_rope(int64_t N, int T, int nheads, int hd, int rot, Rng* rng) {
     snprintf(name, sizeof(name), "rope_apply then inverse is the identity, hd=%d", hd);
     check_close(name, back, x, n, 1e-2);
     // the default (16-byte vectors on a 2-D grid, where hd and the alignment allow) against the
-    // scalar kernel it replaced, bit for bit: positions n % T and packed ones (restarting at 0),
-    // x aligned and 1 element into its allocation (the launch must fall back, or the emulator stops)
+    // scalar reference kernel (rope_scalar.cuh), bit for bit: positions n % T and packed ones (restarting at 0),
+    // x aligned and 1 element into its allocation (the production kernel must take its 1-D form, or the emulator stops)
     int* pos = (int*)xmalloc(sizeof(int) * N);
     for (int64_t i = 0; i < N; i++) pos[i] = (int)(i % 5 == 0 ? 0 : pos[i - 1] + 1) % T;
     int* d_pos = (int*)upload(pos, sizeof(int) * N);
@@ -307,9 +308,9 @@ int main(void) {
     check_begin("dev/cuda/attention: RoPE, flash attention and the tensor-core GEMM attention vs llmc/cpu/attention.h");
     test_rope(2 * 37, 37, 3, 16, 16, &rng);
     test_rope(65, 65, 2, 128, 128, &rng);
-    test_rope(9, 9, 3, 24, 24, &rng);  // hd not a multiple of 16: the scalar kernel
+    test_rope(9, 9, 3, 24, 24, &rng);  // hd not a multiple of 16: the one-pair form
     test_rope(2 * 19, 19, 3, 32, 16, &rng);  // partial rotary (half the head): the vectorised kernel
-    test_rope(9, 9, 2, 16, 12, &rng);        // Phi-4-mini's 0.75 of the head: the scalar kernel
+    test_rope(9, 9, 2, 16, 12, &rng);        // Phi-4-mini's 0.75 of the head: the one-pair form
     test_lse_layout(3, 4, 37, &rng);
     test_lse_layout(1, 32, 300, &rng);  // more than one block, T not a multiple of it
     AttnShape cases[] = {

@@ -24,6 +24,12 @@
 #include "../../llmc/cuda/common.cuh"
 #include "../../llmc/rng.h"
 
+// Which form of an op a check runs: the production launcher of llmc/cuda (KERNELS_VEC: its 16-byte
+// path where the operands are aligned, its fallback where not) or the reference version kept here
+// in dev/cuda (KERNELS_SCALAR: *_scalar.cuh, the scalar kernel alone), so each is held to the CPU
+// twin and the two to each other.
+typedef enum { KERNELS_VEC, KERNELS_SCALAR } KernelChoice;
+
 #define H200_COPY_GBPS 4300.0     // measured device-to-device copy bandwidth, GB/s
 #define H200_BF16_TFLOPS 790.0    // measured dense bf16 matmul, TFLOP/s
 

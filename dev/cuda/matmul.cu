@@ -123,7 +123,7 @@ static void test_lora_dropout_kernels(int64_t N, int in, int norm, float p, Rng*
     lora_dropout_init(&d, p, 99, NULL);
     d.step = 12;
     d.row0 = 7 * N;
-    d.row_off = 3;  // an MLP tile's first row (llmc/models/llama.h's llama_mlp_tiles)
+    d.row_off = 3;  // an MLP tile's first row (llmc/models/llama.h's llama_mlp)
     d.active = 1;
     Linear L, G;
     memset(&L, 0, sizeof(L));
@@ -265,8 +265,8 @@ static void test_linear(int64_t N, int in, int out, int rank, int with_bias, int
          *d_dax = (bf16*)dev_alloc(2 * N * rank);
     dev_poison(d_ax, 2 * N * rank);
     dev_poison(d_dax, 2 * N * rank);
-    linear_forward_cuda_as(fold, d_y, d_x, &G, d_ax, N, rank, scale, accumulate, g_stream);
-    linear_backward_cuda_as(fold, d_dx, d_dy, d_x, d_ax, &G, d_dax, N, rank, scale, accumulate, g_stream);
+    linear_forward_cuda(fold, d_y, d_x, &G, d_ax, N, rank, scale, accumulate, g_stream);
+    linear_backward_cuda(fold, d_dx, d_dy, d_x, d_ax, &G, d_dax, N, rank, scale, accumulate, g_stream);
     char tag[160], name[240];
     snprintf(tag, sizeof(tag), "N=%lld in=%d out=%d r=%d%s%s%s%s%s%s", (long long)N, in, out, rank,
              with_bias ? " bias" : "", with_lora ? " lora" : "",

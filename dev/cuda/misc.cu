@@ -13,6 +13,7 @@
 #include "../../llmc/linear.h"
 #include "../../llmc/vision/imagedata.h"
 #include "../../llmc/cuda/misc.cuh"
+#include "misc_scalar.cuh"  // the scalar kernels: the reference version the trainers no longer run
 
 static void test_embed(int64_t N, int d, int V, Rng* rng) {
     float* embed = host_randn((int64_t)V * d, rng, 1.0f, 1);
@@ -101,6 +102,19 @@ static void test_multiply_bias(int64_t N, int out, Rng* rng) {
         snprintf(name, sizeof(name), "multiply %s, n=%lld", impl == KERNELS_VEC ? "vec" : "scalar", (long long)n);
         check_equal_f32(name, got3, want3, n);
         free(got3);
+    }
+    {  // the production kernel's one-element path: every array 1 element into its allocation
+        bf16 *m_a = (bf16*)dev_alloc(2 * (n + 1)) + 1, *m_b = (bf16*)dev_alloc(2 * (n + 1)) + 1,
+             *m_out = (bf16*)dev_alloc(2 * (n + 1)) + 1;
+        upload_bf16_to(m_a, a, n);
+        upload_bf16_to(m_b, b, n);
+        dev_poison(m_out, 2 * n);
+        multiply_cuda(m_out, m_a, m_b, n, g_stream);
+        float* got3 = download_bf16(m_out, n);
+        snprintf(name, sizeof(name), "multiply vec misaligned, n=%lld", (long long)n);
+        check_equal_f32(name, got3, want3, n);
+        free(got3);
+        CUDA_CHECK(cudaFree(m_a - 1)); CUDA_CHECK(cudaFree(m_b - 1)); CUDA_CHECK(cudaFree(m_out - 1));
     }
     free(want3);
 
@@ -380,10 +394,11 @@ static void time_misc(void) {
 }
 
 // The casts (bf16 shadows of fp32 masters, fp32 copies of bf16) against the host's round to
-// nearest even, bit for bit, both kernels (KERNELS_VEC: 16-byte vectors between scalar head and
-// tail; KERNELS_SCALAR), with each array `doff`/`soff` elements into its allocation: in step
-// (a head of up to 7 elements), or out of step (no common alignment: the scalar kernel runs), as
-// ZeRO-1's shard offsets give (llmc/train/zero.h).
+// nearest even, bit for bit, both forms (KERNELS_VEC: the production kernel, 16-byte vectors
+// between a one-element head and tail; KERNELS_SCALAR: misc_scalar.cuh's), with each array
+// `doff`/`soff` elements into its allocation: in step (a head of up to 7 elements), or out of step
+// (no common alignment: the production kernel casts one element at a time), as ZeRO-1's shard
+// offsets give (llmc/train/zero.h).
 static void test_casts(int64_t n, int doff, int soff, Rng* rng) {
     float* x = host_randn(n, rng, 2.0f, 0);
     float* want = host_copy(x, n);

@@ -14,7 +14,8 @@
 
 // ---- SwiGLU ----------------------------------------------------------------------------------
 
-// The per-element work of both kernels below (scalar and vectorised), so they agree bit for bit.
+// The per-element work of both paths of the kernels below (16-byte vectors, one code byte), and of
+// dev/cuda's reference kernels, so they agree bit for bit.
 // sg = silu(g), p = sg * u (from the unrounded silu, as the CPU); returns the element's 2-bit code.
 static __device__ __forceinline__ uint8_t swiglu_forward_elem(float gv, float uv, bf16* p, bf16* sg, Relu3Fit fit) {
     float s = silu_f(gv);
@@ -54,31 +55,15 @@ static __device__ __forceinline__ void swiglu_backward_byte(bf16* dg, bf16* du, 
     }
 }
 
-// sg = silu(g), p = sg * u; codes (ReSiLU2) when non-NULL. One thread per code byte (4 elements).
+// sg = silu(g), p = sg * u; codes (ReSiLU2) when non-NULL. 8 elements per thread: one 16-byte
+// vector of each bf16 operand and two code bytes, where vec says every operand is 16-byte aligned
+// (swiglu_forward_cuda); the rest (the last n % 8 elements, or all of them when not aligned) one
+// code byte (4 elements) at a time. The per-element work is shared, so either path gives the same
+// bits (dev/cuda/activations_scalar.cuh keeps the per-byte kernel alone as the reference version).
 __global__ void swiglu_forward_kernel(bf16* __restrict__ p, bf16* __restrict__ sg, uint8_t* __restrict__ codes,
-                                      const bf16* __restrict__ g, const bf16* __restrict__ u, int64_t n) {
+                                      const bf16* __restrict__ g, const bf16* __restrict__ u, int64_t n, int vec) {
     Relu3Fit fit = RESILU2_FIT;
-    int64_t nb = (n + 3) / 4;
-    for (int64_t b = thread_index_1d(); b < nb; b += grid_stride_1d())
-        swiglu_forward_byte(p, sg, codes, g, u, n, b, fit);
-}
-
-// dg, du from dp. Exact: silu'(g) from the kept g. Approx (g NULL): the level of the code.
-__global__ void swiglu_backward_kernel(bf16* __restrict__ dg, bf16* __restrict__ du, const bf16* __restrict__ dp,
-                                       const bf16* __restrict__ sg, const bf16* __restrict__ u,
-                                       const bf16* __restrict__ g, const uint8_t* __restrict__ codes, int64_t n) {
-    Relu3Fit fit = RESILU2_FIT;
-    int64_t nb = (n + 3) / 4;
-    for (int64_t b = thread_index_1d(); b < nb; b += grid_stride_1d())
-        swiglu_backward_byte(dg, du, dp, sg, u, g, codes, n, b, fit);
-}
-
-// The same, 8 elements per thread: one 16-byte vector of each bf16 operand and two code bytes
-// (every operand 16-byte aligned: swiglu_vec_ok); the last n % 8 elements by the per-byte code.
-__global__ void swiglu_forward_vec_kernel(bf16* __restrict__ p, bf16* __restrict__ sg, uint8_t* __restrict__ codes,
-                                          const bf16* __restrict__ g, const bf16* __restrict__ u, int64_t n) {
-    Relu3Fit fit = RESILU2_FIT;
-    int64_t nv = n / 8;
+    int64_t nv = vec ? n / 8 : 0;
     for (int64_t k = thread_index_1d(); k < nv; k += grid_stride_1d()) {
         Vec16<bf16> gv = load_vec16(g + 8 * k), uv = load_vec16(u + 8 * k), pv, sv;
         unsigned bits = 0;
@@ -92,11 +77,14 @@ __global__ void swiglu_forward_vec_kernel(bf16* __restrict__ p, bf16* __restrict
     for (int64_t b = 2 * nv + thread_index_1d(); b < nb; b += grid_stride_1d())
         swiglu_forward_byte(p, sg, codes, g, u, n, b, fit);
 }
-__global__ void swiglu_backward_vec_kernel(bf16* __restrict__ dg, bf16* __restrict__ du, const bf16* __restrict__ dp,
-                                           const bf16* __restrict__ sg, const bf16* __restrict__ u,
-                                           const bf16* __restrict__ g, const uint8_t* __restrict__ codes, int64_t n) {
+// dg, du from dp. Exact: silu'(g) from the kept g. Approx (g NULL): the level of the code. The
+// same split as the forward: 16-byte vectors where vec, then one code byte at a time.
+__global__ void swiglu_backward_kernel(bf16* __restrict__ dg, bf16* __restrict__ du, const bf16* __restrict__ dp,
+                                       const bf16* __restrict__ sg, const bf16* __restrict__ u,
+                                       const bf16* __restrict__ g, const uint8_t* __restrict__ codes, int64_t n,
+                                       int vec) {
     Relu3Fit fit = RESILU2_FIT;
-    int64_t nv = n / 8;
+    int64_t nv = vec ? n / 8 : 0;
     for (int64_t k = thread_index_1d(); k < nv; k += grid_stride_1d()) {
         Vec16<bf16> dpv = load_vec16(dp + 8 * k), sgv = load_vec16(sg + 8 * k), uv = load_vec16(u + 8 * k), gv,
                     dgv, duv;
@@ -114,37 +102,27 @@ __global__ void swiglu_backward_vec_kernel(bf16* __restrict__ dg, bf16* __restri
         swiglu_backward_byte(dg, du, dp, sg, u, g, codes, n, b, fit);
 }
 
-static void swiglu_forward_launch(KernelChoice impl, bf16* p, bf16* sg, uint8_t* codes, const bf16* g, const bf16* u,
-                                  int64_t n, cudaStream_t stream) {
-    if (n == 0) return;
-    if (impl == KERNELS_VEC && aligned16(p) && aligned16(sg) && aligned16(g) && aligned16(u))
-        launch_kernel(grid_for((n + 7) / 8, 256), 256, 0, stream, swiglu_forward_vec_kernel, p, sg, codes, g, u, n);
-    else launch_kernel(grid_for((n + 3) / 4, 256), 256, 0, stream, swiglu_forward_kernel, p, sg, codes, g, u, n);
-}
-static void swiglu_backward_launch(KernelChoice impl, bf16* dg, bf16* du, const bf16* dp, const bf16* sg, const bf16* u,
-                                   const bf16* g, const uint8_t* codes, int64_t n, cudaStream_t stream) {
-    if (n == 0) return;
-    if (!g && !codes) fail("swiglu_backward_cuda: needs g (exact) or codes (ReSiLU2)");
-    if (impl == KERNELS_VEC && aligned16(dg) && aligned16(du) && aligned16(dp) && aligned16(sg) && aligned16(u) &&
-        (!g || aligned16(g)))
-        launch_kernel(grid_for((n + 7) / 8, 256), 256, 0, stream, swiglu_backward_vec_kernel, dg, du, dp, sg, u, g,
-                      codes, n);
-    else
-        launch_kernel(grid_for((n + 3) / 4, 256), 256, 0, stream, swiglu_backward_kernel, dg, du, dp, sg, u, g, codes,
-                      n);
-}
+// One launch of each kernel: its 16-byte path where every bf16 operand is aligned for it.
 static void swiglu_forward_cuda(bf16* p, bf16* sg, uint8_t* codes, const bf16* g, const bf16* u, int64_t n,
                                 cudaStream_t stream) {
-    swiglu_forward_launch(KERNELS_VEC, p, sg, codes, g, u, n, stream);
+    if (n == 0) return;
+    int vec = aligned16(p) && aligned16(sg) && aligned16(g) && aligned16(u);
+    launch_kernel(grid_for(vec ? (n + 7) / 8 : (n + 3) / 4, 256), 256, 0, stream, swiglu_forward_kernel, p, sg, codes,
+                  g, u, n, vec);
 }
 static void swiglu_backward_cuda(bf16* dg, bf16* du, const bf16* dp, const bf16* sg, const bf16* u, const bf16* g,
                                  const uint8_t* codes, int64_t n, cudaStream_t stream) {
-    swiglu_backward_launch(KERNELS_VEC, dg, du, dp, sg, u, g, codes, n, stream);
+    if (n == 0) return;
+    if (!g && !codes) fail("swiglu_backward_cuda: needs g (exact) or codes (ReSiLU2)");
+    int vec = aligned16(dg) && aligned16(du) && aligned16(dp) && aligned16(sg) && aligned16(u) && (!g || aligned16(g));
+    launch_kernel(grid_for(vec ? (n + 7) / 8 : (n + 3) / 4, 256), 256, 0, stream, swiglu_backward_kernel, dg, du, dp,
+                  sg, u, g, codes, n, vec);
 }
 
 // ---- GELU ------------------------------------------------------------------------------------
 
-// The per-element work of the scalar and the vectorised kernels, so they agree bit for bit:
+// The per-element work of both paths of the kernels below and of dev/cuda's reference, so they
+// agree bit for bit:
 // y = gelu(x) (erf form, or tanh form when tanh_form), returning x's 2-bit code; and
 // dy * gelu'(x) (exact, has_x) or dy * level(code).
 static __device__ __forceinline__ uint8_t gelu_forward_elem(float xv, bf16* y, int tanh_form, Relu3Fit fit) {
@@ -177,32 +155,14 @@ static __device__ __forceinline__ void gelu_backward_byte(bf16* dx, const bf16* 
     }
 }
 
-// y = gelu(x); codes (ReGELU2) written when non-NULL. One thread per code byte (4 elements).
+// y = gelu(x); codes (ReGELU2) written when non-NULL. 8 elements per thread in 16-byte vectors and
+// two code bytes where vec (every bf16 operand 16-byte aligned, gelu_forward_cuda); the rest (the
+// last n % 8 elements, or all when not aligned) one code byte (4 elements) at a time, by the same
+// per-element work (dev/cuda/activations_scalar.cuh keeps the per-byte kernel as the reference).
 __global__ void gelu_forward_kernel(bf16* __restrict__ y, uint8_t* __restrict__ codes, const bf16* __restrict__ x,
-                                    int64_t n, int tanh_form) {
+                                    int64_t n, int tanh_form, int vec) {
     Relu3Fit fit = REGELU2_FIT;
-    int64_t nb = (n + 3) / 4;
-    for (int64_t b = thread_index_1d(); b < nb; b += grid_stride_1d())
-        gelu_forward_byte(y, codes, x, n, b, tanh_form, fit);
-}
-
-// dx = dy * gelu'(x) (exact, x kept) or dy * level(code) (approx, x NULL). dx may alias dy (the
-// models run it in place), so neither is __restrict__.
-__global__ void gelu_backward_kernel(bf16* dx, const bf16* dy, const bf16* __restrict__ x,
-                                     const uint8_t* __restrict__ codes, int64_t n, int tanh_form) {
-    Relu3Fit fit = REGELU2_FIT;
-    int64_t nb = (n + 3) / 4;
-    for (int64_t b = thread_index_1d(); b < nb; b += grid_stride_1d())
-        gelu_backward_byte(dx, dy, x, codes, n, b, tanh_form, fit);
-}
-
-// The same, 8 elements per thread in 16-byte vectors and two code bytes (every bf16 operand
-// 16-byte aligned); the last n % 8 elements by the per-byte code. In place (dx == dy) is safe:
-// each thread reads its vector of dy before it writes the same vector of dx.
-__global__ void gelu_forward_vec_kernel(bf16* __restrict__ y, uint8_t* __restrict__ codes, const bf16* __restrict__ x,
-                                        int64_t n, int tanh_form) {
-    Relu3Fit fit = REGELU2_FIT;
-    int64_t nv = n / 8;
+    int64_t nv = vec ? n / 8 : 0;
     for (int64_t k = thread_index_1d(); k < nv; k += grid_stride_1d()) {
         Vec16<bf16> xv = load_vec16(x + 8 * k), yv;
         unsigned bits = 0;
@@ -215,10 +175,13 @@ __global__ void gelu_forward_vec_kernel(bf16* __restrict__ y, uint8_t* __restric
     for (int64_t b = 2 * nv + thread_index_1d(); b < nb; b += grid_stride_1d())
         gelu_forward_byte(y, codes, x, n, b, tanh_form, fit);
 }
-__global__ void gelu_backward_vec_kernel(bf16* dx, const bf16* dy, const bf16* __restrict__ x,
-                                         const uint8_t* __restrict__ codes, int64_t n, int tanh_form) {
+// dx = dy * gelu'(x) (exact, x kept) or dy * level(code) (approx, x NULL), split as the forward.
+// dx may alias dy (the models run it in place), so neither is __restrict__: each thread reads its
+// vector (or byte) of dy before it writes the same elements of dx.
+__global__ void gelu_backward_kernel(bf16* dx, const bf16* dy, const bf16* __restrict__ x,
+                                     const uint8_t* __restrict__ codes, int64_t n, int tanh_form, int vec) {
     Relu3Fit fit = REGELU2_FIT;
-    int64_t nv = n / 8;
+    int64_t nv = vec ? n / 8 : 0;
     for (int64_t k = thread_index_1d(); k < nv; k += grid_stride_1d()) {
         Vec16<bf16> dyv = load_vec16(dy + 8 * k), xv, out;
         unsigned bits = 0;
@@ -234,27 +197,18 @@ __global__ void gelu_backward_vec_kernel(bf16* dx, const bf16* dy, const bf16* _
         gelu_backward_byte(dx, dy, x, codes, n, b, tanh_form, fit);
 }
 
-static void gelu_forward_launch(KernelChoice impl, bf16* y, uint8_t* codes, const bf16* x, int64_t n, int tanh_form,
-                                cudaStream_t stream) {
-    if (n == 0) return;
-    if (impl == KERNELS_VEC && aligned16(y) && aligned16(x))
-        launch_kernel(grid_for((n + 7) / 8, 256), 256, 0, stream, gelu_forward_vec_kernel, y, codes, x, n, tanh_form);
-    else launch_kernel(grid_for((n + 3) / 4, 256), 256, 0, stream, gelu_forward_kernel, y, codes, x, n, tanh_form);
-}
-static void gelu_backward_launch(KernelChoice impl, bf16* dx, const bf16* dy, const bf16* x, const uint8_t* codes,
-                                 int64_t n, int tanh_form, cudaStream_t stream) {
-    if (n == 0) return;
-    if (!x && !codes) fail("gelu_backward_cuda: needs x (exact) or codes (ReGELU2)");
-    if (impl == KERNELS_VEC && aligned16(dx) && aligned16(dy) && (!x || aligned16(x)))
-        launch_kernel(grid_for((n + 7) / 8, 256), 256, 0, stream, gelu_backward_vec_kernel, dx, dy, x, codes, n,
-                      tanh_form);
-    else
-        launch_kernel(grid_for((n + 3) / 4, 256), 256, 0, stream, gelu_backward_kernel, dx, dy, x, codes, n, tanh_form);
-}
+// One launch of each kernel: its 16-byte path where the bf16 operands are aligned for it.
 static void gelu_forward_cuda(bf16* y, uint8_t* codes, const bf16* x, int64_t n, int tanh_form, cudaStream_t stream) {
-    gelu_forward_launch(KERNELS_VEC, y, codes, x, n, tanh_form, stream);
+    if (n == 0) return;
+    int vec = aligned16(y) && aligned16(x);
+    launch_kernel(grid_for(vec ? (n + 7) / 8 : (n + 3) / 4, 256), 256, 0, stream, gelu_forward_kernel, y, codes, x, n,
+                  tanh_form, vec);
 }
 static void gelu_backward_cuda(bf16* dx, const bf16* dy, const bf16* x, const uint8_t* codes, int64_t n, int tanh_form,
                                cudaStream_t stream) {
-    gelu_backward_launch(KERNELS_VEC, dx, dy, x, codes, n, tanh_form, stream);
+    if (n == 0) return;
+    if (!x && !codes) fail("gelu_backward_cuda: needs x (exact) or codes (ReGELU2)");
+    int vec = aligned16(dx) && aligned16(dy) && (!x || aligned16(x));
+    launch_kernel(grid_for(vec ? (n + 7) / 8 : (n + 3) / 4, 256), 256, 0, stream, gelu_backward_kernel, dx, dy, x,
+                  codes, n, tanh_form, vec);
 }

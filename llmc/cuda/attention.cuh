@@ -35,35 +35,35 @@
 // Rotate-half RoPE on the first rot dims of each head (pairs i, i+rot/2; rot = hd: the whole head)
 // in place on x [N, nheads*hd] at position pos[n] (device array; packed examples restart at 0) or
 // n % T when pos is NULL; cos/sin tables [T, rot/2] in fp32. inverse = 1 applies the transpose
-// rotation (the backward). Twin of llmc/cpu/attention.h's rope_apply.
+// rotation (the backward). Twin of llmc/cpu/attention.h's rope_apply. Where vec (rot a multiple of
+// 16, hd of 8, x and the tables 16-byte aligned: rope_vec_ok), 8 pairs per thread in 16-byte vectors
+// (x[i .. i+7], x[i+half .. i+half+7] and the fp32 tables' 8 values as two vectors each) on a 2-D
+// grid: blockIdx.x strides over the rows, blockIdx.y * blockDim.x + threadIdx.x is the group of 8
+// pairs within a row, so the head and the pair come from one 32-bit division per thread, not a 64-bit
+// div/mod per element. Else one pair per thread over the 1-D grid (rope_pair; dev/cuda/rope_scalar.cuh
+// keeps that form alone). The per-element arithmetic is the same, so the bytes agree.
+static __device__ __forceinline__ void rope_pair(bf16* x, const float* cos_t, const float* sin_t, const int* pos,
+                                                 int64_t idx, int T, int nheads, int hd, int rot, float sgn) {
+    int half = rot / 2;
+    int i = (int)(idx % half);
+    int64_t nh = idx / half, n = nh / nheads;
+    int h = (int)(nh % nheads);
+    int64_t tab = (pos ? (int64_t)pos[n] : n % T) * half + i;
+    float c = cos_t[tab], si = sgn * sin_t[tab];
+    bf16* v = x + n * nheads * hd + (int64_t)h * hd;
+    float a = bf2f(v[i]), b = bf2f(v[i + half]);
+    v[i] = f2bf(a * c - b * si);
+    v[i + half] = f2bf(b * c + a * si);
+}
+#define ROPE_VEC_THREADS 64  // 2 blocks per row for Llama's 32 query heads of 128, 1 for its 8 kv heads
 __global__ void rope_apply_kernel(bf16* x, const float* __restrict__ cos_t, const float* __restrict__ sin_t,
                                   const int* __restrict__ pos, int64_t N, int T, int nheads, int hd, int rot,
-                                  int inverse) {
-    int half = rot / 2;
-    float sgn = inverse ? -1.0f : 1.0f;
-    int64_t total = N * nheads * half;
-    for (int64_t idx = thread_index_1d(); idx < total; idx += grid_stride_1d()) {
-        int i = (int)(idx % half);
-        int64_t nh = idx / half, n = nh / nheads;
-        int h = (int)(nh % nheads);
-        int64_t tab = (pos ? (int64_t)pos[n] : n % T) * half + i;
-        float c = cos_t[tab], si = sgn * sin_t[tab];
-        bf16* v = x + n * nheads * hd + (int64_t)h * hd;
-        float a = bf2f(v[i]), b = bf2f(v[i + half]);
-        v[i] = f2bf(a * c - b * si);
-        v[i + half] = f2bf(b * c + a * si);
+                                  int inverse, int vec) {
+    if (!vec) {
+        for (int64_t idx = thread_index_1d(); idx < N * nheads * (rot / 2); idx += grid_stride_1d())
+            rope_pair(x, cos_t, sin_t, pos, idx, T, nheads, hd, rot, inverse ? -1.0f : 1.0f);
+        return;
     }
-}
-// The same rotation, 8 pairs per thread in 16-byte vectors (x[i .. i+7], x[i+half .. i+half+7] and
-// the fp32 tables' 8 values as two vectors each), on a 2-D grid: blockIdx.x strides over the rows,
-// blockIdx.y * blockDim.x + threadIdx.x is the group of 8 pairs within a row, so the head and the
-// pair come from one 32-bit division per thread, not a 64-bit div/mod per element. Needs rot a
-// multiple of 16, hd of 8, and x and the tables 16-byte aligned (rope_vec_ok); the same per-element
-// arithmetic as rope_apply_kernel, so the bytes agree.
-#define ROPE_VEC_THREADS 64  // 2 blocks per row for Llama's 32 query heads of 128, 1 for its 8 kv heads
-__global__ void rope_apply_vec_kernel(bf16* x, const float* __restrict__ cos_t, const float* __restrict__ sin_t,
-                                      const int* __restrict__ pos, int64_t N, int T, int nheads, int hd, int rot,
-                                      int inverse) {
     int half = rot / 2, groups = half / 8;
     int gidx = blockIdx.y * blockDim.x + threadIdx.x;  // int: a group of one row, < heads x rot / 16
     if (gidx >= nheads * groups) return;  // int: one row's groups, heads x rot / 16
@@ -89,23 +89,19 @@ static int rope_vec_ok(const bf16* x, const float* cos_t, const float* sin_t, in
     return rot % 16 == 0 && hd % 8 == 0 && aligned16(x) && aligned16(cos_t) && aligned16(sin_t);
 }
 
-static void rope_apply_launch(KernelChoice impl, bf16* x, const float* cos_t, const float* sin_t, const int* pos,
-                              int64_t N, int T, int nheads, int hd, int rot, int inverse, cudaStream_t stream) {
+static void rope_apply_cuda(bf16* x, const float* cos_t, const float* sin_t, const int* pos, int64_t N, int T,
+                            int nheads, int hd, int rot, int inverse, cudaStream_t stream) {
     int64_t total = N * nheads * (rot / 2);
     if (total == 0) return;
-    if (impl == KERNELS_VEC && rope_vec_ok(x, cos_t, sin_t, hd, rot)) {
+    if (rope_vec_ok(x, cos_t, sin_t, hd, rot)) {
         int groups = nheads * (rot / 16);  // int: a row's groups of 8 pairs (heads x rot / 16, thousands)
         dim3 grid(grid_for(N, 1), (unsigned)ceil_div(groups, ROPE_VEC_THREADS));
-        launch_kernel(grid, ROPE_VEC_THREADS, 0, stream, rope_apply_vec_kernel, x, cos_t, sin_t, pos, N, T, nheads, hd,
-                      rot, inverse);
+        launch_kernel(grid, ROPE_VEC_THREADS, 0, stream, rope_apply_kernel, x, cos_t, sin_t, pos, N, T, nheads, hd,
+                      rot, inverse, 1);
         return;
     }
     launch_kernel(grid_for(total, 256), 256, 0, stream, rope_apply_kernel, x, cos_t, sin_t, pos, N, T, nheads, hd, rot,
-                  inverse);
-}
-static void rope_apply_cuda(bf16* x, const float* cos_t, const float* sin_t, const int* pos, int64_t N, int T,
-                            int nheads, int hd, int rot, int inverse, cudaStream_t stream) {
-    rope_apply_launch(KERNELS_VEC, x, cos_t, sin_t, pos, N, T, nheads, hd, rot, inverse, stream);
+                  inverse, 0);
 }
 
 // Whether query row `query` of batch b sees key row `key`: inside the sequence, not in the future

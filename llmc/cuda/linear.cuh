@@ -160,10 +160,10 @@ static void lora_down_cuda(bf16* ax, const bf16* x, const Linear* L, int64_t N, 
 }
 
 // y (+)= x W^T + bias + scale * (x A^T) B^T, keeping ax = x A^T for the LoRA backward, with the
-// adapter's output product ordered by `fold` (lora_fold_choice). accumulate = 1 adds to y (a
-// residual connection), bias included.
-static void linear_forward_cuda_as(LoraFold fold, bf16* y, const bf16* x, const Linear* L, bf16* ax, int64_t N,
-                                   int rank, float scale, int accumulate, cudaStream_t stream) {
+// adapter's output product ordered by `fold` (the ops pass lora_fold_choice(); dev/cuda/matmul.cu
+// checks both). accumulate = 1 adds to y (a residual connection), bias included.
+static void linear_forward_cuda(LoraFold fold, bf16* y, const bf16* x, const Linear* L, bf16* ax, int64_t N, int rank,
+                                float scale, int accumulate, cudaStream_t stream) {
     const LinearDevice* D = &L->dev;
     if (!D->A) {
         frozen_forward_cuda(y, x, L, N, accumulate, stream);
@@ -178,10 +178,6 @@ static void linear_forward_cuda_as(LoraFold fold, bf16* y, const bf16* x, const 
     frozen_forward_cuda(y, x, L, N, accumulate, stream);
     lora_down_cuda(ax, x, L, N, rank, stream);
     matmul_nt_cuda(y, ax, (const bf16*)D->B16, (int)N, L->out, rank, scale, /*accumulate=*/1, stream);
-}
-static void linear_forward_cuda(bf16* y, const bf16* x, const Linear* L, bf16* ax, int64_t N, int rank, float scale,
-                                int accumulate, cudaStream_t stream) {
-    linear_forward_cuda_as(lora_fold_choice(), y, x, L, ax, N, rank, scale, accumulate, stream);
 }
 
 // The frozen part of the backward: dx (+)= dy W (dx NULL: none; W refilled from NF4 first), and
@@ -236,9 +232,9 @@ static void lora_backward_cuda(bf16* dx, const bf16* dy, const bf16* x, const bf
 // dx NULL: no input gradient (the patch embedding). With `fold` LORA_IN_FROZEN_EPILOGUE the
 // adapter's dx product goes first and the frozen one adds to it (not under --lora-dropout, whose
 // mask kernel adds to the finished dx).
-static void linear_backward_cuda_as(LoraFold fold, bf16* dx, const bf16* dy, const bf16* x, const bf16* ax,
-                                    const Linear* L, bf16* dax, int64_t N, int rank, float scale, int accumulate,
-                                    cudaStream_t stream) {
+static void linear_backward_cuda(LoraFold fold, bf16* dx, const bf16* dy, const bf16* x, const bf16* ax,
+                                 const Linear* L, bf16* dax, int64_t N, int rank, float scale, int accumulate,
+                                 cudaStream_t stream) {
     if (!L->dev.A) {
         frozen_backward_cuda(dx, dy, x, L, N, accumulate, stream);
         return;
@@ -250,8 +246,4 @@ static void linear_backward_cuda_as(LoraFold fold, bf16* dx, const bf16* dy, con
     }
     frozen_backward_cuda(dx, dy, x, L, N, accumulate, stream);
     lora_backward_cuda(dx, dy, x, ax, L, dax, N, rank, scale, /*dx_accumulate=*/1, stream);
-}
-static void linear_backward_cuda(bf16* dx, const bf16* dy, const bf16* x, const bf16* ax, const Linear* L, bf16* dax,
-                                 int64_t N, int rank, float scale, int accumulate, cudaStream_t stream) {
-    linear_backward_cuda_as(lora_fold_choice(), dx, dy, x, ax, L, dax, N, rank, scale, accumulate, stream);
 }

@@ -59,13 +59,11 @@ static void embedding_backward_cuda(float* dE, const bf16* dx, const int* ids, c
 
 // ---- residual add and bias -------------------------------------------------------------------
 
-// out = a * b elementwise, product in fp32 then rounded once (rebuilding SwiGLU's down input).
-__global__ void multiply_kernel(bf16* out, const bf16* a, const bf16* b, int64_t n) {
-    for (int64_t i = thread_index_1d(); i < n; i += grid_stride_1d()) out[i] = f2bf(bf2f(a[i]) * bf2f(b[i]));
-}
-// The same in 16-byte vectors (all three arrays aligned), the last n % 8 one at a time.
-__global__ void multiply_vec_kernel(bf16* out, const bf16* a, const bf16* b, int64_t n) {
-    int64_t nv = n / 8;
+// out = a * b elementwise, product in fp32 then rounded once (rebuilding SwiGLU's down input): in
+// 16-byte vectors where vec (all three arrays aligned), then the rest (the last n % 8 elements, or
+// all when not aligned) one at a time (dev/cuda/misc_scalar.cuh keeps that form alone).
+__global__ void multiply_kernel(bf16* out, const bf16* a, const bf16* b, int64_t n, int vec) {
+    int64_t nv = vec ? n / 8 : 0;
     for (int64_t k = thread_index_1d(); k < nv; k += grid_stride_1d()) {
         Vec16<bf16> av = load_vec16(a + 8 * k), bv = load_vec16(b + 8 * k), o;
         for (int j = 0; j < 8; j++) o.v[j] = f2bf(bf2f(av.v[j]) * bf2f(bv.v[j]));
@@ -73,15 +71,10 @@ __global__ void multiply_vec_kernel(bf16* out, const bf16* a, const bf16* b, int
     }
     for (int64_t i = 8 * nv + thread_index_1d(); i < n; i += grid_stride_1d()) out[i] = f2bf(bf2f(a[i]) * bf2f(b[i]));
 }
-static void multiply_launch(KernelChoice impl, bf16* out, const bf16* a, const bf16* b, int64_t n,
-                            cudaStream_t stream) {
-    if (n == 0) return;
-    if (impl == KERNELS_VEC && aligned16(out) && aligned16(a) && aligned16(b))
-        launch_kernel(grid_for(n / 8 + 8, 256), 256, 0, stream, multiply_vec_kernel, out, a, b, n);
-    else launch_kernel(grid_for(n, 256), 256, 0, stream, multiply_kernel, out, a, b, n);
-}
 static void multiply_cuda(bf16* out, const bf16* a, const bf16* b, int64_t n, cudaStream_t stream) {
-    multiply_launch(KERNELS_VEC, out, a, b, n, stream);
+    if (n == 0) return;
+    int vec = aligned16(out) && aligned16(a) && aligned16(b);
+    launch_kernel(grid_for(vec ? n / 8 + 8 : n, 256), 256, 0, stream, multiply_kernel, out, a, b, n, vec);
 }
 
 // y += x elementwise, the sum in fp32 then rounded once (the twin of add_inplace: Gemma's post-normed
@@ -95,15 +88,17 @@ static void add_inplace_cuda(bf16* y, const bf16* x, int64_t n, cudaStream_t str
 }
 
 // y[n, i] = x[n, i] * g[i], rows of d, the product in fp32 then rounded once (the twin of scale_columns;
-// y may be x).
-__global__ void scale_columns_kernel(bf16* y, const bf16* x, const bf16* __restrict__ g, int64_t n, int d) {
-    for (int64_t i = thread_index_1d(); i < n; i += grid_stride_1d()) y[i] = f2bf(bf2f(x[i]) * bf2f(g[i % d]));
-}
-// The same on a 2-D grid, no div/mod per element: blockIdx.x strides over the rows, the thread
-// along y owns columns 8c .. 8c+7, whose gamma it loads once; 16-byte vectors (d % 8 == 0, every
-// array aligned). In place (y == x) is safe: each thread reads its vector before writing it.
+// y may be x). Where vec (d % 8 == 0, every array aligned), on a 2-D grid with no div/mod per element:
+// blockIdx.x strides over the rows, the thread along y owns columns 8c .. 8c+7, whose gamma it loads
+// once, in 16-byte vectors; in place is safe, each thread reads its vector before writing it. Else
+// one element at a time over the 1-D grid (dev/cuda/misc_scalar.cuh keeps that form alone).
 #define SCALE_COLUMNS_VEC_THREADS 64
-__global__ void scale_columns_vec_kernel(bf16* y, const bf16* x, const bf16* __restrict__ g, int64_t rows, int d) {
+__global__ void scale_columns_kernel(bf16* y, const bf16* x, const bf16* __restrict__ g, int64_t rows, int d, int vec) {
+    if (!vec) {
+        for (int64_t i = thread_index_1d(); i < rows * d; i += grid_stride_1d())
+            y[i] = f2bf(bf2f(x[i]) * bf2f(g[i % d]));
+        return;
+    }
     int c = blockIdx.y * blockDim.x + threadIdx.x;
     if (c >= d / 8) return;
     Vec16<bf16> gv = load_vec16(g + 8 * c);
@@ -113,18 +108,14 @@ __global__ void scale_columns_vec_kernel(bf16* y, const bf16* x, const bf16* __r
         store_vec16(y + n * d + 8 * c, o);
     }
 }
-static void scale_columns_launch(KernelChoice impl, bf16* y, const bf16* x, const bf16* g, int64_t rows, int d,
-                                 cudaStream_t stream) {
+static void scale_columns_cuda(bf16* y, const bf16* x, const bf16* g, int64_t rows, int d, cudaStream_t stream) {
     if (rows * d == 0) return;
-    if (impl == KERNELS_VEC && d % 8 == 0 && aligned16(y) && aligned16(x) && aligned16(g)) {
+    if (d % 8 == 0 && aligned16(y) && aligned16(x) && aligned16(g)) {
         dim3 grid(grid_for(rows, 1), (unsigned)ceil_div(d / 8, SCALE_COLUMNS_VEC_THREADS));
-        launch_kernel(grid, SCALE_COLUMNS_VEC_THREADS, 0, stream, scale_columns_vec_kernel, y, x, g, rows, d);
+        launch_kernel(grid, SCALE_COLUMNS_VEC_THREADS, 0, stream, scale_columns_kernel, y, x, g, rows, d, 1);
         return;
     }
-    launch_kernel(grid_for(rows * d, 256), 256, 0, stream, scale_columns_kernel, y, x, g, rows * d, d);
-}
-static void scale_columns_cuda(bf16* y, const bf16* x, const bf16* g, int64_t rows, int d, cudaStream_t stream) {
-    scale_columns_launch(KERNELS_VEC, y, x, g, rows, d, stream);
+    launch_kernel(grid_for(rows * d, 256), 256, 0, stream, scale_columns_kernel, y, x, g, rows, d, 0);
 }
 
 template <class T>
@@ -200,17 +191,13 @@ static void sum_replica_blocks_cuda(bf16* dst, const bf16* src, int64_t rows, in
 
 // ---- casts -----------------------------------------------------------------------------------
 
-__global__ void cast_f32_to_bf16_kernel(bf16* __restrict__ dst, const float* __restrict__ src, int64_t n) {
-    for (int64_t i = thread_index_1d(); i < n; i += grid_stride_1d()) dst[i] = f2bf(src[i]);
-}
-__global__ void cast_bf16_to_f32_kernel(float* __restrict__ dst, const bf16* __restrict__ src, int64_t n) {
-    for (int64_t i = thread_index_1d(); i < n; i += grid_stride_1d()) dst[i] = bf2f(src[i]);
-}
-// The same in 16-byte vectors, 8 elements per thread (two float4 and one vector of 8 bf16):
+// fp32 <-> bf16, 8 elements per thread in 16-byte vectors (two float4 and one vector of 8 bf16):
 // elements [0, head) and [head + 8 * nv, n) one at a time, head bringing both pointers to a
 // 16-byte boundary (cast_vec_head: the bf16 side to 16 bytes, which the fp32 side must then be).
-__global__ void cast_f32_to_bf16_vec_kernel(bf16* __restrict__ dst, const float* __restrict__ src, int64_t n,
-                                            int64_t head) {
+// head = n, where no element brings both there, casts every element one at a time
+// (dev/cuda/misc_scalar.cuh keeps that form alone).
+__global__ void cast_f32_to_bf16_kernel(bf16* __restrict__ dst, const float* __restrict__ src, int64_t n,
+                                        int64_t head) {
     int64_t nv = (n - head) / 8, tail = head + 8 * nv;
     for (int64_t k = thread_index_1d(); k < nv; k += grid_stride_1d()) {
         Vec16<float> a = load_vec16(src + head + 8 * k), b = load_vec16(src + head + 8 * k + 4);
@@ -223,8 +210,8 @@ __global__ void cast_f32_to_bf16_vec_kernel(bf16* __restrict__ dst, const float*
         dst[e] = f2bf(src[e]);
     }
 }
-__global__ void cast_bf16_to_f32_vec_kernel(float* __restrict__ dst, const bf16* __restrict__ src, int64_t n,
-                                            int64_t head) {
+__global__ void cast_bf16_to_f32_kernel(float* __restrict__ dst, const bf16* __restrict__ src, int64_t n,
+                                        int64_t head) {
     int64_t nv = (n - head) / 8, tail = head + 8 * nv;
     for (int64_t k = thread_index_1d(); k < nv; k += grid_stride_1d()) {
         Vec16<bf16> x = load_vec16(src + head + 8 * k);
@@ -238,33 +225,23 @@ __global__ void cast_bf16_to_f32_vec_kernel(float* __restrict__ dst, const bf16*
         dst[e] = bf2f(src[e]);
     }
 }
-// Elements before both the bf16 and the fp32 array are 16-byte aligned, or -1 when no element
-// brings both there (their offsets are out of step: the scalar kernel runs).
+// Elements before both the bf16 and the fp32 array are 16-byte aligned, or n when no element
+// brings both there (their offsets are out of step: every element one at a time).
 static int64_t cast_vec_head(const bf16* h, const float* f, int64_t n) {
     int64_t head = elems_to_align16(h);
     if (head > n) head = n;
-    return aligned16(f + head) ? head : -1;
+    return aligned16(f + head) ? head : n;
 }
 
-static void cast_f32_to_bf16_launch(KernelChoice impl, bf16* dst, const float* src, int64_t n, cudaStream_t stream) {
-    if (n == 0) return;
-    int64_t head = impl == KERNELS_VEC ? cast_vec_head(dst, src, n) : -1;
-    if (head >= 0)
-        launch_kernel(grid_for(n / 8 + 8, 256), 256, 0, stream, cast_f32_to_bf16_vec_kernel, dst, src, n, head);
-    else launch_kernel(grid_for(n, 256), 256, 0, stream, cast_f32_to_bf16_kernel, dst, src, n);
-}
-static void cast_bf16_to_f32_launch(KernelChoice impl, float* dst, const bf16* src, int64_t n, cudaStream_t stream) {
-    if (n == 0) return;
-    int64_t head = impl == KERNELS_VEC ? cast_vec_head(src, dst, n) : -1;
-    if (head >= 0)
-        launch_kernel(grid_for(n / 8 + 8, 256), 256, 0, stream, cast_bf16_to_f32_vec_kernel, dst, src, n, head);
-    else launch_kernel(grid_for(n, 256), 256, 0, stream, cast_bf16_to_f32_kernel, dst, src, n);
-}
 static void cast_f32_to_bf16_cuda(bf16* dst, const float* src, int64_t n, cudaStream_t stream) {
-    cast_f32_to_bf16_launch(KERNELS_VEC, dst, src, n, stream);
+    if (n == 0) return;
+    int64_t head = cast_vec_head(dst, src, n);
+    launch_kernel(grid_for(head < n ? n / 8 + 8 : n, 256), 256, 0, stream, cast_f32_to_bf16_kernel, dst, src, n, head);
 }
 static void cast_bf16_to_f32_cuda(float* dst, const bf16* src, int64_t n, cudaStream_t stream) {
-    cast_bf16_to_f32_launch(KERNELS_VEC, dst, src, n, stream);
+    if (n == 0) return;
+    int64_t head = cast_vec_head(src, dst, n);
+    launch_kernel(grid_for(head < n ? n / 8 + 8 : n, 256), 256, 0, stream, cast_bf16_to_f32_kernel, dst, src, n, head);
 }
 
 // ---- ViT patch embedding ---------------------------------------------------------------------

@@ -43,9 +43,11 @@ static __device__ double norm_row_sum_f64(const bf16* xr, int d, int lane) {
     return warp_reduce_sum_double(s);
 }
 
-// y = x * r (* gamma); gamma NULL means the MS (parameter-free) form.
-__global__ void rmsnorm_forward_kernel(bf16* __restrict__ y, float* __restrict__ r_out, const bf16* __restrict__ x,
-                                       const bf16* __restrict__ gamma, int64_t N, int d, float eps) {
+// y = x * r (* gamma); gamma NULL means the MS (parameter-free) form. Row n of rmsnorm_forward_kernel
+// one element per lane at a time (any d, any alignment).
+static __device__ __forceinline__ void rmsnorm_forward_row(bf16* __restrict__ y, float* __restrict__ r_out,
+                                                           const bf16* __restrict__ x, const bf16* __restrict__ gamma,
+                                                           int64_t N, int d, float eps) {
     int64_t n = norm_row_index();
     if (n >= N) return;  // the whole warp leaves together
     int lane = threadIdx.x & 31;
@@ -61,10 +63,12 @@ __global__ void rmsnorm_forward_kernel(bf16* __restrict__ y, float* __restrict__
 }
 
 // LayerNorm: z = (x - mean) * r (* gamma + beta); mean_out written only when non-NULL. Two-pass
-// variance (mean first), as the CPU twin.
-__global__ void layernorm_forward_kernel(bf16* __restrict__ y, float* __restrict__ r_out, float* __restrict__ mean_out,
-                                         const bf16* __restrict__ x, const bf16* __restrict__ gamma,
-                                         const bf16* __restrict__ beta, int64_t N, int d, float eps) {
+// variance (mean first), as the CPU twin. Row n of layernorm_forward_kernel one element per lane at a time.
+static __device__ __forceinline__ void layernorm_forward_row(bf16* __restrict__ y, float* __restrict__ r_out,
+                                                             float* __restrict__ mean_out, const bf16* __restrict__ x,
+                                                             const bf16* __restrict__ gamma,
+                                                             const bf16* __restrict__ beta, int64_t N, int d,
+                                                             float eps) {
     int64_t n = norm_row_index();
     if (n >= N) return;
     int lane = threadIdx.x & 31;
@@ -91,18 +95,20 @@ __global__ void layernorm_forward_kernel(bf16* __restrict__ y, float* __restrict
     }
 }
 
-// ---- 16-byte vector forms (LLMC_ELEMWISE=vec, the default) ---------------------------------
-// The same kernels, each lane reading and writing 8 consecutive elements per access (lane l takes
+// ---- 16-byte vector forms -------------------------------------------------------------------
+// The same rows, each lane reading and writing 8 consecutive elements per access (lane l takes
 // elements 8l .. 8l+7 of every 256), where d is a multiple of 8 and every row array is 16-byte
-// aligned (norm_vec_ok). Each lane's partial sums hold other elements than the scalar kernels',
-// so the statistics may differ from theirs in the last bits (a sum's rounding, not its math); the
+// aligned (norm_vec_ok). Each lane's partial sums hold other elements than the one-at-a-time rows',
+// so the statistics may differ from those in the last bits (a sum's rounding, not its math); the
 // per-element formulas are the same. The fp64 rescue of an overflowed row stays scalar (rare).
 static int norm_vec_ok(int d, const void* a, const void* b, const void* c, const void* e) {
     return d % 8 == 0 && aligned16(a) && aligned16(b) && (!c || aligned16(c)) && (!e || aligned16(e));
 }
 
-__global__ void rmsnorm_forward_vec_kernel(bf16* __restrict__ y, float* __restrict__ r_out, const bf16* __restrict__ x,
-                                           const bf16* __restrict__ gamma, int64_t N, int d, float eps) {
+static __device__ __forceinline__ void rmsnorm_forward_row_vec(bf16* __restrict__ y, float* __restrict__ r_out,
+                                                               const bf16* __restrict__ x,
+                                                               const bf16* __restrict__ gamma, int64_t N, int d,
+                                                               float eps) {
     int64_t n = norm_row_index();
     if (n >= N) return;  // the whole warp leaves together
     int lane = threadIdx.x & 31;
@@ -126,23 +132,27 @@ __global__ void rmsnorm_forward_vec_kernel(bf16* __restrict__ y, float* __restri
     }
 }
 
+// One warp per row: in 16-byte vectors where vec (norm_vec_ok), else one element per lane at a time.
+__global__ void rmsnorm_forward_kernel(bf16* __restrict__ y, float* __restrict__ r_out, const bf16* __restrict__ x,
+                                       const bf16* __restrict__ gamma, int64_t N, int d, float eps, int vec) {
+    if (vec) rmsnorm_forward_row_vec(y, r_out, x, gamma, N, d, eps);
+    else rmsnorm_forward_row(y, r_out, x, gamma, N, d, eps);
+}
 static void rmsnorm_forward_cuda(bf16* y, float* r_out, const bf16* x, const bf16* gamma, int64_t N, int d, float eps,
                                  cudaStream_t stream) {
     if (N == 0) return;
-    if (norm_vec_ok(d, y, x, gamma, NULL))
-        launch_kernel(norm_grid(N), 32 * NORM_ROWS_PER_BLOCK, 0, stream, rmsnorm_forward_vec_kernel, y, r_out, x, gamma,
-                      N, d, eps);
-    else
-        launch_kernel(norm_grid(N), 32 * NORM_ROWS_PER_BLOCK, 0, stream, rmsnorm_forward_kernel, y, r_out, x, gamma, N,
-                      d, eps);
+    launch_kernel(norm_grid(N), 32 * NORM_ROWS_PER_BLOCK, 0, stream, rmsnorm_forward_kernel, y, r_out, x, gamma, N, d,
+                  eps, norm_vec_ok(d, y, x, gamma, NULL));
 }
 
 // LayerNorm's forward in 16-byte vectors: the same three passes (mean, centred squares, output)
-// and per-element formulas as layernorm_forward_kernel, each lane 8 elements at a time.
-__global__ void layernorm_forward_vec_kernel(bf16* __restrict__ y, float* __restrict__ r_out,
-                                             float* __restrict__ mean_out, const bf16* __restrict__ x,
-                                             const bf16* __restrict__ gamma, const bf16* __restrict__ beta, int64_t N,
-                                             int d, float eps) {
+// and per-element formulas as layernorm_forward_row, each lane 8 elements at a time.
+static __device__ __forceinline__ void layernorm_forward_row_vec(bf16* __restrict__ y, float* __restrict__ r_out,
+                                                                 float* __restrict__ mean_out,
+                                                                 const bf16* __restrict__ x,
+                                                                 const bf16* __restrict__ gamma,
+                                                                 const bf16* __restrict__ beta, int64_t N, int d,
+                                                                 float eps) {
     int64_t n = norm_row_index();
     if (n >= N) return;
     int lane = threadIdx.x & 31;
@@ -181,15 +191,18 @@ __global__ void layernorm_forward_vec_kernel(bf16* __restrict__ y, float* __rest
     }
 }
 
+// One warp per row: in 16-byte vectors where vec (norm_vec_ok), else one element per lane at a time.
+__global__ void layernorm_forward_kernel(bf16* __restrict__ y, float* __restrict__ r_out, float* __restrict__ mean_out,
+                                         const bf16* __restrict__ x, const bf16* __restrict__ gamma,
+                                         const bf16* __restrict__ beta, int64_t N, int d, float eps, int vec) {
+    if (vec) layernorm_forward_row_vec(y, r_out, mean_out, x, gamma, beta, N, d, eps);
+    else layernorm_forward_row(y, r_out, mean_out, x, gamma, beta, N, d, eps);
+}
 static void layernorm_forward_cuda(bf16* y, float* r_out, float* mean_out, const bf16* x, const bf16* gamma,
                                    const bf16* beta, int64_t N, int d, float eps, cudaStream_t stream) {
     if (N == 0) return;
-    if (norm_vec_ok(d, y, x, gamma, gamma ? beta : NULL))
-        launch_kernel(norm_grid(N), 32 * NORM_ROWS_PER_BLOCK, 0, stream, layernorm_forward_vec_kernel, y, r_out,
-                      mean_out, x, gamma, beta, N, d, eps);
-    else
-        launch_kernel(norm_grid(N), 32 * NORM_ROWS_PER_BLOCK, 0, stream, layernorm_forward_kernel, y, r_out, mean_out,
-                      x, gamma, beta, N, d, eps);
+    launch_kernel(norm_grid(N), 32 * NORM_ROWS_PER_BLOCK, 0, stream, layernorm_forward_kernel, y, r_out, mean_out, x,
+                  gamma, beta, N, d, eps, norm_vec_ok(d, y, x, gamma, gamma ? beta : NULL));
 }
 
 // ---- backward --------------------------------------------------------------------------------
@@ -217,7 +230,8 @@ static __device__ __forceinline__ void norm_bwd_load(const NormBackwardArgs& a, 
     *dz = dv;
 }
 
-__global__ void norm_backward_kernel(bf16* dx, NormBackwardArgs a, int64_t N, int d) {
+// Row n of norm_backward_kernel, one element per lane at a time (any d, any alignment).
+static __device__ __forceinline__ void norm_backward_row(bf16* dx, const NormBackwardArgs& a, int64_t N, int d) {
     int64_t n = norm_row_index();
     if (n >= N) return;
     int lane = threadIdx.x & 31;
@@ -256,7 +270,8 @@ static __device__ __forceinline__ void norm_bwd_load8(const NormBackwardArgs& a,
         dz[j] = df;
     }
 }
-__global__ void norm_backward_vec_kernel(bf16* dx, NormBackwardArgs a, int64_t N, int d) {
+// The same row in 16-byte vectors (norm_vec_ok).
+static __device__ __forceinline__ void norm_backward_row_vec(bf16* dx, const NormBackwardArgs& a, int64_t N, int d) {
     int64_t n = norm_row_index();
     if (n >= N) return;
     int lane = threadIdx.x & 31;
@@ -278,24 +293,27 @@ __global__ void norm_backward_vec_kernel(bf16* dx, NormBackwardArgs a, int64_t N
     }
 }
 
-static void norm_backward_launch(bf16* dx, NormBackwardArgs a, int64_t N, int d, cudaStream_t stream) {
-    if (N == 0) return;
-    if (norm_vec_ok(d, dx, a.dz, a.z, a.gamma))
-        launch_kernel(norm_grid(N), 32 * NORM_ROWS_PER_BLOCK, 0, stream, norm_backward_vec_kernel, dx, a, N, d);
-    else launch_kernel(norm_grid(N), 32 * NORM_ROWS_PER_BLOCK, 0, stream, norm_backward_kernel, dx, a, N, d);
+// One warp per row: in 16-byte vectors where vec (norm_vec_ok), else one element per lane at a time.
+__global__ void norm_backward_kernel(bf16* dx, NormBackwardArgs a, int64_t N, int d, int vec) {
+    if (vec) norm_backward_row_vec(dx, a, N, d);
+    else norm_backward_row(dx, a, N, d);
 }
 
 static void rmsnorm_ms_backward_cuda(bf16* dx, const bf16* dz, const bf16* z, const float* r, int64_t N, int d,
                                      cudaStream_t stream) {
     NormBackwardArgs a = {dz, z, r, NULL, NULL, 0};
-    norm_backward_launch(dx, a, N, d, stream);
+    if (N == 0) return;
+    launch_kernel(norm_grid(N), 32 * NORM_ROWS_PER_BLOCK, 0, stream, norm_backward_kernel, dx, a, N, d,
+                  norm_vec_ok(d, dx, a.dz, a.z, a.gamma));
 }
 
 static void rmsnorm_backward_cuda(bf16* dx, const bf16* dy, const bf16* x, const float* r, const bf16* gamma, int64_t N,
                                   int d, cudaStream_t stream) {
     if (!gamma) fail("rmsnorm_backward_cuda: the standard backward needs gamma (use rmsnorm_ms_backward_cuda)");
     NormBackwardArgs a = {dy, x, r, NULL, gamma, 0};
-    norm_backward_launch(dx, a, N, d, stream);
+    if (N == 0) return;
+    launch_kernel(norm_grid(N), 32 * NORM_ROWS_PER_BLOCK, 0, stream, norm_backward_kernel, dx, a, N, d,
+                  norm_vec_ok(d, dx, a.dz, a.z, a.gamma));
 }
 
 // dgamma[i] += sum_n dy[n, i] * (x[n, i] - mean[n]) * r[n], dbeta[i] += sum_n dy[n, i] (a trained
@@ -320,14 +338,18 @@ static void layernorm_affine_grad_cuda(float* dgamma, float* dbeta, const bf16* 
 static void layernorm_ms_backward_cuda(bf16* dx, const bf16* dz, const bf16* z, const float* r, int64_t N, int d,
                                        cudaStream_t stream) {
     NormBackwardArgs a = {dz, z, r, NULL, NULL, 1};
-    norm_backward_launch(dx, a, N, d, stream);
+    if (N == 0) return;
+    launch_kernel(norm_grid(N), 32 * NORM_ROWS_PER_BLOCK, 0, stream, norm_backward_kernel, dx, a, N, d,
+                  norm_vec_ok(d, dx, a.dz, a.z, a.gamma));
 }
 
 static void layernorm_backward_cuda(bf16* dx, const bf16* dy, const bf16* x, const float* mean, const float* r,
                                     const bf16* gamma, int64_t N, int d, cudaStream_t stream) {
     if (!gamma || !mean) fail("layernorm_backward_cuda: the standard backward needs mean and gamma");
     NormBackwardArgs a = {dy, x, r, mean, gamma, 1};
-    norm_backward_launch(dx, a, N, d, stream);
+    if (N == 0) return;
+    launch_kernel(norm_grid(N), 32 * NORM_ROWS_PER_BLOCK, 0, stream, norm_backward_kernel, dx, a, N, d,
+                  norm_vec_ok(d, dx, a.dz, a.z, a.gamma));
 }
 
 // dgamma[i] += sum_n dy[n, i] * x[n, i] * r[n] (a trained RMSNorm gamma, full fine-tuning), by

@@ -47,9 +47,3 @@ static __device__ __host__ __forceinline__ int elems_to_align16(const E* p) {
 }
 // Whether p is 16-byte aligned.
 static __device__ __host__ __forceinline__ int aligned16(const void* p) { return ((uintptr_t)p & 15) == 0; }
-
-// What an element-wise op's launcher may run: its 16-byte kernel (KERNELS_VEC, what the ops ask for:
-// SwiGLU, GELU, RoPE, the casts, the products; it still takes the scalar kernel where the operands
-// are not aligned for it), or the scalar kernel alone (KERNELS_SCALAR: dev/cuda's checks, which hold
-// each form to the CPU twin and the two to each other).
-typedef enum { KERNELS_VEC, KERNELS_SCALAR } KernelChoice;

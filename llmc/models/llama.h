@@ -365,82 +365,70 @@ static const void* llama_branch_backward(Llama* m, const void* dy, const void* y
 // Gemma's GELU is the tanh form (hidden_activation gelu_pytorch_tanh); ReGELU2 codes under lowmem.
 #define LLAMA_GELU_TANH_FORM 1
 
-// The MLP and its norm over n tokens: x [n, d], their rows of the residual stream (updated in
-// place), and t, the tile's view of the block's buffers (llama_mlp_tile_acts). Every product and
-// pass here works row by row, so a token's results do not depend on the tile it is in, as long as
-// the products' rows are independent of the row count (docs/memory.md: the CPU's are; cuBLAS is
-// not promised to be).
-static void llama_mlp_forward_tile(Llama* m, const LlamaLayer* layer, void* x, BlockActs* t, int64_t n) {
-    const Backend* be = m->be;
-    const LlamaConfig* c = &m->cfg;
-    if (t->h_mid) op_copy(be, t->h_mid, x, n * c->dim);
-    op_rmsnorm_forward(be, t->z2, t->r2, x, m->modes.ms ? NULL : layer->mlp_norm, n, c->dim, c->norm_eps);
-    int r = m->modes.rank;
-    float s = m->modes.lora_scale;
-    op_linear_forward(be, t->g, t->z2, &layer->lin[T_GATE], t->ax[T_GATE], n, r, s, OUT_WRITE);
-    op_linear_forward(be, t->u, t->z2, &layer->lin[T_UP], t->ax[T_UP], n, r, s, OUT_WRITE);
-    if (c->gemma) {  // GeGLU: the product of gelu_tanh(g) and u
-        op_gelu_forward(be, t->sg, m->modes.approx ? t->codes : NULL, t->g, n * c->hidden, LLAMA_GELU_TANH_FORM);
-        op_mul(be, t->p, t->sg, t->u, n * c->hidden);
-    } else {
-        op_swiglu_forward(be, t->p, t->sg, m->modes.approx ? t->codes : NULL, t->g, t->u, n * c->hidden);
-    }
-    llama_branch_forward(m, x, t->p, &layer->lin[T_DOWN], t->ax[T_DOWN], t->ym, t->rm, layer->post_mlp_norm, t->post,
-                         n);
-}
-
-// The MLP's backward over n tokens: dy [n, d], their rows of m->scratch.dres (the gradient w.r.t. the
-// block output), becomes the gradient w.r.t. the MLP's input, in place; dz [n, d]: their rows of
-// m->scratch.dz. The wide gradients dp, dg, du hold one tile. Weight and LoRA gradients accumulate.
-static void llama_mlp_backward_tile(Llama* m, const LlamaLayer* layer, BlockActs* t, void* dy, void* dz, int64_t n) {
+// The MLP and its norm of block l, one op over the N tokens of the residual stream x [N, d] after
+// attention (updated in place), tile by tile: m->mlp_tile tokens at a time, t the tile's view of
+// a's buffers (llama_mlp_tile_acts). The backward (MLP_BACKWARD) turns each tile's rows of
+// m->scratch.dres (the gradient w.r.t. the block output) into the gradient w.r.t. the MLP's input,
+// in place, through their rows of m->scratch.dz; the wide gradients dp, dg, du hold one tile;
+// weight and LoRA gradients accumulate. It first recomputes each tile's forward from x where x is
+// given (--recompute block; NULL: the forward's buffers are kept). Every product and pass works row
+// by row, so a token's results do not depend on the tile it is in, as long as the products' rows
+// are independent of the row count (docs/memory.md: the CPU's are; cuBLAS is not promised to be).
+// --lora-dropout's masks follow each token's row in the batch, whatever its tile (the tile's first
+// row an offset of the shape, row_off, beside the micro-batch's row0).
+typedef enum { MLP_FORWARD, MLP_BACKWARD } MlpPass;
+static void llama_mlp(Llama* m, int l, MlpPass pass, void* x_rows, const BlockActs* a, int64_t N) {
     LlamaScratch* sc = &m->scratch;
     const Backend* be = m->be;
-    int64_t nf = n * m->cfg.hidden;
-    int r = m->modes.rank, d = m->cfg.dim;
-    float s = m->modes.lora_scale;
-    const Linear *gate = &layer->lin[T_GATE], *up = &layer->lin[T_UP], *down = &layer->lin[T_DOWN];
-    if (m->modes.recompute_product && (down->A || down->dW))  // beyond the paper: rebuild the down input
-        op_mul(be, t->p, t->sg, t->u, nf);
-    const void* dyb =
-        llama_branch_backward(m, dy, t->ym, t->rm, layer->post_mlp_norm, layer->dpost_mlp_norm, t->post, n);
-    op_linear_backward(be, sc->dp, dyb, t->p, t->ax[T_DOWN], down, sc->dax, n, r, s, OUT_WRITE);
-    if (m->cfg.gemma) {  // GeGLU: du = dp gelu(g), dg = dp u gelu'(g) (exact from g, or ReGELU2's level of its code)
-        op_mul(be, sc->du, sc->dp, t->sg, nf);
-        op_mul(be, sc->dg, sc->dp, t->u, nf);
-        op_gelu_backward(be, sc->dg, sc->dg, m->modes.approx ? NULL : t->g, t->codes, nf, LLAMA_GELU_TANH_FORM);
-    } else {
-        op_swiglu_backward(be, sc->dg, sc->du, sc->dp, t->sg, t->u, m->modes.approx ? NULL : t->g, t->codes, nf);
-    }
-    op_linear_backward(be, dz, sc->dg, t->z2, t->ax[T_GATE], gate, sc->dax, n, r, s, OUT_WRITE);
-    op_linear_backward(be, dz, sc->du, t->z2, t->ax[T_UP], up, sc->dax, n, r, s, OUT_ADD);
-    if (layer->dmlp_norm) op_rmsnorm_gamma_grad(be, layer->dmlp_norm, dz, t->h_mid, t->r2, n, d);
-    if (m->modes.ms) op_rmsnorm_ms_backward(be, dy, dz, t->z2, t->r2, n, d);
-    else op_rmsnorm_backward(be, dy, dz, t->h_mid, t->r2, layer->mlp_norm, n, d);
-}
-
-// Which tiles the MLP's forward or backward of block l makes: the forward over the rows of x (the
-// residual stream after attention [N, d]); the backward from m->scratch.dres, after recomputing each
-// tile's forward from x first where x is given (--recompute block; NULL: the forward's buffers are
-// kept). --lora-dropout's masks follow each token's row in the batch, whatever its tile (the
-// tile's first row an offset of the shape, row_off, beside the micro-batch's row0).
-typedef enum { MLP_FORWARD, MLP_BACKWARD } MlpPass;
-static void llama_mlp_tiles(Llama* m, int l, MlpPass pass, void* x, const BlockActs* a, int64_t N) {
+    const LlamaConfig* c = &m->cfg;
     const LlamaLayer* layer = &m->w.layers[l];
-    int64_t row_bytes = (int64_t)m->cfg.dim * m->be->abytes;
+    const Linear *gate = &layer->lin[T_GATE], *up = &layer->lin[T_UP], *down = &layer->lin[T_DOWN];
+    int r = m->modes.rank, d = c->dim;
+    float s = m->modes.lora_scale;
+    int64_t row_bytes = (int64_t)d * be->abytes;
     for (int64_t t0 = 0; t0 < N; t0 += m->mlp_tile) {
-        int64_t n = N - t0 < m->mlp_tile ? N - t0 : m->mlp_tile;
-        BlockActs t = llama_mlp_tile_acts(m, a, t0);
+        int64_t n = N - t0 < m->mlp_tile ? N - t0 : m->mlp_tile, nf = n * c->hidden;
+        BlockActs tile = llama_mlp_tile_acts(m, a, t0), *t = &tile;
         m->drop.row_off = t0;
-        if (x) llama_mlp_forward_tile(m, layer, (char*)x + t0 * row_bytes, &t, n);
-        if (pass == MLP_BACKWARD)
-            llama_mlp_backward_tile(m, layer, &t, (char*)m->scratch.dres + t0 * row_bytes,
-                                    (char*)m->scratch.dz + t0 * row_bytes, n);
+        if (x_rows) {  // the forward, or the backward's recomputed forward
+            void* x = (char*)x_rows + t0 * row_bytes;
+            if (t->h_mid) op_copy(be, t->h_mid, x, n * c->dim);
+            op_rmsnorm_forward(be, t->z2, t->r2, x, m->modes.ms ? NULL : layer->mlp_norm, n, c->dim, c->norm_eps);
+            op_linear_forward(be, t->g, t->z2, gate, t->ax[T_GATE], n, r, s, OUT_WRITE);
+            op_linear_forward(be, t->u, t->z2, up, t->ax[T_UP], n, r, s, OUT_WRITE);
+            if (c->gemma) {  // GeGLU: the product of gelu_tanh(g) and u
+                op_gelu_forward(be, t->sg, m->modes.approx ? t->codes : NULL, t->g, nf, LLAMA_GELU_TANH_FORM);
+                op_mul(be, t->p, t->sg, t->u, nf);
+            } else {
+                op_swiglu_forward(be, t->p, t->sg, m->modes.approx ? t->codes : NULL, t->g, t->u, nf);
+            }
+            llama_branch_forward(m, x, t->p, down, t->ax[T_DOWN], t->ym, t->rm, layer->post_mlp_norm, t->post, n);
+        }
+        if (pass == MLP_FORWARD) continue;
+        void *dy = (char*)sc->dres + t0 * row_bytes, *dz = (char*)sc->dz + t0 * row_bytes;
+        if (m->modes.recompute_product && (down->A || down->dW))  // beyond the paper: rebuild the down input
+            op_mul(be, t->p, t->sg, t->u, nf);
+        const void* dyb =
+            llama_branch_backward(m, dy, t->ym, t->rm, layer->post_mlp_norm, layer->dpost_mlp_norm, t->post, n);
+        op_linear_backward(be, sc->dp, dyb, t->p, t->ax[T_DOWN], down, sc->dax, n, r, s, OUT_WRITE);
+        if (c->gemma) {  // GeGLU: du = dp gelu(g), dg = dp u gelu'(g) (exact from g, or ReGELU2's level of its code)
+            op_mul(be, sc->du, sc->dp, t->sg, nf);
+            op_mul(be, sc->dg, sc->dp, t->u, nf);
+            op_gelu_backward(be, sc->dg, sc->dg, m->modes.approx ? NULL : t->g, t->codes, nf, LLAMA_GELU_TANH_FORM);
+        } else {
+            op_swiglu_backward(be, sc->dg, sc->du, sc->dp, t->sg, t->u, m->modes.approx ? NULL : t->g, t->codes, nf);
+        }
+        op_linear_backward(be, dz, sc->dg, t->z2, t->ax[T_GATE], gate, sc->dax, n, r, s, OUT_WRITE);
+        op_linear_backward(be, dz, sc->du, t->z2, t->ax[T_UP], up, sc->dax, n, r, s, OUT_ADD);
+        if (layer->dmlp_norm) op_rmsnorm_gamma_grad(be, layer->dmlp_norm, dz, t->h_mid, t->r2, n, d);
+        if (m->modes.ms) op_rmsnorm_ms_backward(be, dy, dz, t->z2, t->r2, n, d);
+        else op_rmsnorm_backward(be, dy, dz, t->h_mid, t->r2, layer->mlp_norm, n, d);
     }
     m->drop.row_off = 0;
 }
 
 // What block_forward runs: the whole block, or (--recompute block) its attention half, whose
-// MLP the backward recomputes tile by tile (llama_mlp_tiles).
+// MLP the backward recomputes tile by tile (llama_mlp).
 typedef enum { BLOCK_WHOLE, BLOCK_ATTENTION } BlockPart;
 
 // Attention of block l over a's q, k, v into a->o (and its lse), each query over the keys before
@@ -489,7 +477,7 @@ static void block_forward(Llama* m, int l, void* x, BlockActs* a, int B, int T, 
     op_linear_forward(be, a->v, a->z1, &layer->lin[T_V], a->ax[T_V], N, r, s, OUT_WRITE);
     const void* o_in = llama_attention_forward(m, l, a, B, T, kv, part);
     llama_branch_forward(m, x, o_in, &layer->lin[T_O], a->ax[T_O], a->ya, a->ra, layer->post_attn_norm, a->post, N);
-    if (part == BLOCK_WHOLE) llama_mlp_tiles(m, l, MLP_FORWARD, x, a, N);
+    if (part == BLOCK_WHOLE) llama_mlp(m, l, MLP_FORWARD, x, a, N);
 }
 
 // Embedding and all blocks over the uploaded batch; leaves the final norm's input in m->scratch.resid.
@@ -589,7 +577,7 @@ static void block_backward(Llama* m, int l, BlockActs* a, const Recomputed* rc, 
     int r = m->modes.rank;
     float s = m->modes.lora_scale;
     const void* x_in = rc ? rc->block_input : a->x_in;
-    llama_mlp_tiles(m, l, MLP_BACKWARD, rc ? rc->mlp_input : NULL, a, N);
+    llama_mlp(m, l, MLP_BACKWARD, rc ? rc->mlp_input : NULL, a, N);
     const void* o_in = llama_attention_output(m, a);
     const void* dyo = llama_branch_backward(m, sc->dres, a->ya, a->ra, layer->post_attn_norm, layer->dpost_attn_norm,
                                             a->post, N);

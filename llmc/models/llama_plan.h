@@ -136,7 +136,7 @@ static int64_t llama_mlp_tile_rows(int mlp_tile, int64_t N, int64_t f) {
 // backward: ReSiLU2's codes, not g; MS norms' z, not their input) plus the forward's own
 // temporaries (z1, z2 where no linear keeps them; Qwen3's q, k under MS norms, rebuilt anyway).
 // Temporaries no backward reads live in gradient scratch instead (llama_bind_forward_temporaries).
-// The MLP and its norm run in tiles of m->mlp_tile tokens (llama_mlp_forward_tile), so the shared
+// The MLP and its norm run in tiles of m->mlp_tile tokens (llama_mlp), so the shared
 // set's MLP buffers hold one tile: a forward temporary lives for one tile, and under --recompute
 // block the backward recomputes the MLP tile by tile just before that tile's backward.
 static void llama_plan_block(Llama* m, MemPlan* p, int l) {

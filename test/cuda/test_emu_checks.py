@@ -113,15 +113,19 @@ PRODUCTION_PLANTS = [
     ("shared-unwritten-template", "llmc/cuda/attention.cuh",
      "        tile[rr][dim] = val;\n",
      "        if (t < s.T) tile[rr][dim] = val;\n", "attention", "FAIL  attn fwd"),
-    # one element past the end
+    # one element past the end (the product's one-element path: its tail, or all of it when misaligned)
     ("oob-write", "llmc/cuda/misc.cuh",
-     "for (int64_t i = thread_index_1d(); i < n; i += grid_stride_1d()) out[i] = f2bf(bf2f(a[i]) * bf2f(b[i]));",
-     "for (int64_t i = thread_index_1d(); i <= n; i += grid_stride_1d()) out[i] = f2bf(bf2f(a[i]) * bf2f(b[i]));", "misc",
-     "emu: out-of-bounds write by multiply_kernel"),
-    # the grid-stride step dropped
+     "for (int64_t i = 8 * nv + thread_index_1d(); i < n; i += grid_stride_1d()) "
+     "out[i] = f2bf(bf2f(a[i]) * bf2f(b[i]));",
+     "for (int64_t i = 8 * nv + thread_index_1d(); i <= n; i += grid_stride_1d()) "
+     "out[i] = f2bf(bf2f(a[i]) * bf2f(b[i]));",
+     "misc", "emu: out-of-bounds write by multiply_kernel"),
+    # the grid-stride step dropped (caught by the misaligned run, whose one-element path covers every element)
     ("grid-stride", "llmc/cuda/misc.cuh",
-     "for (int64_t i = thread_index_1d(); i < n; i += grid_stride_1d()) out[i] = f2bf(bf2f(a[i]) * bf2f(b[i]));",
-     "for (int64_t i = thread_index_1d(); i < n; i += n) out[i] = f2bf(bf2f(a[i]) * bf2f(b[i]));", "misc", "FAIL  multiply"),
+     "for (int64_t i = 8 * nv + thread_index_1d(); i < n; i += grid_stride_1d()) "
+     "out[i] = f2bf(bf2f(a[i]) * bf2f(b[i]));",
+     "for (int64_t i = 8 * nv + thread_index_1d(); i < n; i += n) out[i] = f2bf(bf2f(a[i]) * bf2f(b[i]));", "misc",
+     "FAIL  multiply"),
     # the column sums' barrier between the partial sums and their total
     ("thread-order", "llmc/cuda/common.cuh",
      "    for (int k = 0; k < Term::K; k++) part[k][threadIdx.y][threadIdx.x] = s[k];\n    __syncthreads();",

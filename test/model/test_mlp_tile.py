@@ -1,5 +1,5 @@
 """--mlp-tile: the MLP (gate, up, SwiGLU, down, with their adapters) and its RMSNorm run in tiles of
-tokens (llmc/models/llama.h, llama_mlp_tiles), so the wide [tokens, intermediate] buffers that are not
+tokens (llmc/models/llama.h, llama_mlp), so the wide [tokens, intermediate] buffers that are not
 kept hold one tile: the gradients dp, dg, du and the forward's temporaries always, and under
 --recompute block the whole MLP part of the recomputed block (docs/memory.md).
 
