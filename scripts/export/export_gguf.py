@@ -16,9 +16,10 @@ gemma2: every RMSNorm weight is written plus one (Hugging Face's Gemma norm mult
 w), the two soft-capping keys, pre/post norms of attention and MLP. gemma3: as gemma2 (q/k norms plus one too)
 without attention soft-capping (llama.cpp's gemma3 has none; the final cap when set), the local layers as the
 per-layer sliding_window_pattern array (layer_types, else every sliding_window_pattern-th layer global), their
-RoPE base as rope.freq_base_swa, linear rope_scaling (global layers) as rope.scaling.type/factor. phi3: the fused qkv_proj and gate_up_proj
-as attn_qkv and ffn_up (llama.cpp splits them in the same order), LongRoPE as the rope_factors_long/short
-tensors with the original context length and the attention factor sqrt(1 + ln(s) / ln(original)).
+RoPE base as rope.freq_base_swa, linear rope_scaling (global layers) as rope.scaling.type/factor.
+phi3: the fused qkv_proj and gate_up_proj as attn_qkv and ffn_up (llama.cpp splits them in the same order),
+LongRoPE as the rope_factors_long/short tensors with the original context length and the attention factor
+sqrt(1 + ln(s) / ln(original)).
 
 Types: f32, f16, bf16 and q8_0 are written here with the gguf package; norms, biases and rope_freqs stay f32,
 and a matrix whose rows are not a multiple of 32 values stays f16 under q8_0 (llama.cpp's converter falls
@@ -70,7 +71,8 @@ FAMILY_KEYS = {
     "gemma2": {"hidden_activation", "query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping",
                "cache_implementation"},
     "gemma3_text": {"hidden_activation", "query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping",
-                    "cache_implementation", "rope_local_base_freq", "sliding_window_pattern"},
+                    "cache_implementation", "rope_local_base_freq", "sliding_window_pattern",
+                    "use_bidirectional_attention"},
     "phi3": {"original_max_position_embeddings", "resid_pdrop", "embd_pdrop"},
 }
 HF_LAYER = {
@@ -254,6 +256,8 @@ class Hparams:
         if cfg.get("attn_logit_softcapping") is not None:
             raise ExportError(f"{path}: gemma3 with attn_logit_softcapping: llama.cpp's gemma3 does not soft-cap "
                               "attention scores")
+        if cfg.get("use_bidirectional_attention"):
+            raise ExportError(f"{path}: gemma3 with use_bidirectional_attention: llama.cpp's gemma3 is causal")
         final = cfg.get("final_logit_softcapping")
         self.softcaps = (None, float(final)) if final is not None else None
         if "rope_theta" not in cfg:

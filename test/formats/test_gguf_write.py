@@ -27,7 +27,8 @@ pre-tokenizer), and the real SmolLM2-135M:
 - what cannot be written exactly is refused in one line.
 Gemma 2 and Phi-3 (which our GGUF reader does not read back) are judged against transformers 4.46 in
 build/hfvenv: test/formats/hf_family.py writes their random checkpoints and float64 logits; the bounds are those
-above, on the weights each file holds (dequantized by the gguf package).
+above, on the weights each file holds (dequantized by the gguf package). Gemma 3 text (not in transformers 4.46)
+is judged against test/model/reference_llama.py the same way, its GELU rounded as ggml's table rounds it.
 """
 import json
 import os
@@ -957,13 +958,14 @@ def test_gemma3_tokenizer_and_chat_template(gemma3):
 
 def test_gemma3_refusals(gemma3, tmp_path):
     """What llama.cpp's gemma3 would compute otherwise: attention soft-capping, another query scale, an untied
-    head, rope_scaling other than linear, no window."""
+    head, rope_scaling other than linear, no window, bidirectional attention."""
     out = tmp_path / "x.gguf"
     cases = [(dict(attn_logit_softcapping=50.0), "does not soft-cap attention"),
              (dict(query_pre_attn_scalar=64), "query_pre_attn_scalar 64"),
              (dict(tie_word_embeddings=False), "untied head"),
              (dict(rope_scaling={"rope_type": "yarn", "factor": 2.0}), "only linear"),
-             (dict(sliding_window=None), "without sliding_window")]
+             (dict(sliding_window=None), "without sliding_window"),
+             (dict(use_bidirectional_attention=True), "is causal")]
     for i, (change, message) in enumerate(cases):
         d = tmp_path / f"case{i}"
         shutil.copytree(gemma3["dir"], d)
