@@ -4,18 +4,22 @@ file for llama.cpp, optionally with a PEFT LoRA adapter folded in.
     python3 scripts/export/export_gguf.py MODEL_DIR --outfile OUT.gguf --outtype f32|f16|bf16|q8_0|q4_k_m|q5_k_m|q6_k
                                           [--adapter ADAPTER_DIR] [--tokenizer DIR]
 
-Families (model_type): llama and mistral (both as llama.cpp's "llama"), qwen2, qwen3, gemma2, phi3. Gemma 3 is
-refused (the transformers these exports are checked against, 4.46, has no Gemma 3). llama.cpp's "llama" applies
+Families (model_type): llama and mistral (both as llama.cpp's "llama"), qwen2, qwen3, gemma2, gemma3_text (as
+llama.cpp's "gemma3"), phi3. llama.cpp's "llama" applies
 RoPE to adjacent pairs (2i, 2i+1), so the rows of attn_q / attn_k (weights and biases) are permuted within each
-head as llama.cpp's converter does (scripts/formats/gguf_llama.py, half_to_interleaved); qwen2, qwen3, gemma2 and
-phi3 use NEOX RoPE, the Hugging Face order, and are written as they are. A tied head writes no output.weight
+head as llama.cpp's converter does (scripts/formats/gguf_llama.py, half_to_interleaved); qwen2, qwen3, gemma2,
+gemma3 and phi3 use NEOX RoPE, the Hugging Face order, and are written as they are. A tied head writes no output.weight
 (llama.cpp reuses token_embd). Llama-3.1 RoPE scaling is written as the rope_freqs tensor of per-frequency
 divisors; a sliding window is written by capping the context length at the window for llama, qwen2 and phi3
 (which attend to every earlier position in llama.cpp) and as the sliding_window key for gemma2 (even layers).
 gemma2: every RMSNorm weight is written plus one (Hugging Face's Gemma norm multiplies by 1 + w, llama.cpp's by
-w), the two soft-capping keys, pre/post norms of attention and MLP. phi3: the fused qkv_proj and gate_up_proj
-as attn_qkv and ffn_up (llama.cpp splits them in the same order), LongRoPE as the rope_factors_long/short
-tensors with the original context length and the attention factor sqrt(1 + ln(s) / ln(original)).
+w), the two soft-capping keys, pre/post norms of attention and MLP. gemma3: as gemma2 (q/k norms plus one too)
+without attention soft-capping (llama.cpp's gemma3 has none; the final cap when set), the local layers as the
+per-layer sliding_window_pattern array (layer_types, else every sliding_window_pattern-th layer global), their
+RoPE base as rope.freq_base_swa, linear rope_scaling (global layers) as rope.scaling.type/factor.
+phi3: the fused qkv_proj and gate_up_proj as attn_qkv and ffn_up (llama.cpp splits them in the same order),
+LongRoPE as the rope_factors_long/short tensors with the original context length and the attention factor
+sqrt(1 + ln(s) / ln(original)).
 
 Types: f32, f16, bf16 and q8_0 are written here with the gguf package; norms, biases and rope_freqs stay f32,
 and a matrix whose rows are not a multiple of 32 values stays f16 under q8_0 (llama.cpp's converter falls
@@ -41,11 +45,12 @@ import gguf_vocab  # noqa: E402
 import st_io  # noqa: E402
 from gguf_llama import half_to_interleaved  # noqa: E402
 
-ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2", "phi3": "phi3"}
+ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
+        "gemma3_text": "gemma3", "phi3": "phi3"}
 NOT_EXPORTED = {
     "gemma": "Gemma 1 is not a family train_llama loads",
-    "gemma3": "Gemma 3 is not in transformers 4.46, against which these exports are checked",
-    "gemma3_text": "Gemma 3 is not in transformers 4.46, against which these exports are checked",
+    "gemma3": "a Gemma 3 multimodal config (text_config inside) is not exported: its text model's model_type is "
+              "gemma3_text",
 }
 # llama.cpp's LLAMA_FTYPE_MOSTLY_* of the k-quants (include/llama.h)
 KQUANT_FTYPE = {"q4_k_m": 15, "q5_k_m": 17, "q6_k": 18}
@@ -65,6 +70,9 @@ CONFIG_KEYS = {
 FAMILY_KEYS = {
     "gemma2": {"hidden_activation", "query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping",
                "cache_implementation"},
+    "gemma3_text": {"hidden_activation", "query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping",
+                    "cache_implementation", "rope_local_base_freq", "sliding_window_pattern",
+                    "use_bidirectional_attention"},
     "phi3": {"original_max_position_embeddings", "resid_pdrop", "embd_pdrop"},
 }
 HF_LAYER = {
@@ -83,6 +91,9 @@ LAYER_NAMES = {
              "self_attn.qkv_proj": "attn_qkv", "self_attn.o_proj": "attn_output",
              "mlp.gate_up_proj": "ffn_up", "mlp.down_proj": "ffn_down"},
 }
+LAYER_NAMES["gemma3"] = dict(LAYER_NAMES["gemma2"], **{"self_attn.q_norm": "attn_q_norm",
+                                                       "self_attn.k_norm": "attn_k_norm"})
+GEMMA = ("gemma2", "gemma3")
 
 
 class ExportError(Exception):
@@ -177,27 +188,30 @@ class Hparams:
         self.dim, self.ff = int(cfg["hidden_size"]), int(cfg["intermediate_size"])
         self.layers, self.heads = int(cfg["num_hidden_layers"]), int(cfg["num_attention_heads"])
         self.kv_heads = int(cfg.get("num_key_value_heads") or self.heads)
-        self.head_dim = int(cfg.get("head_dim") or (256 if family == "gemma2" else self.dim // self.heads))
+        self.head_dim = int(cfg.get("head_dim") or (256 if family.startswith("gemma") else self.dim // self.heads))
         self.eps = float(cfg.get("rms_norm_eps", 1e-6))
         self.theta = float(cfg.get("rope_theta", 10000.0))
         self.ctx = int(cfg.get("max_position_embeddings", 2048))
         # transformers' default when config.json leaves it out (save_pretrained omits the base class's True)
-        self.tied = bool(cfg.get("tie_word_embeddings", family == "gemma2"))
+        self.tied = bool(cfg.get("tie_word_embeddings", family.startswith("gemma")))
         self.attention_bias, self.mlp_bias = bool(cfg.get("attention_bias")), bool(cfg.get("mlp_bias"))
-        self.swa = self.softcaps = self.longrope = None
+        self.swa = self.softcaps = self.longrope = self.gemma3_rope = self.local_layers = None
         self.check(cfg, path)
-        if self.arch == "gemma2":
+        if self.arch in GEMMA:
             self.gemma2(cfg, path)
         self.rope_factors = None
-        if self.arch == "phi3":
+        if self.arch == "gemma3":
+            self.gemma3(cfg, path)
+        elif self.arch == "phi3":
             self.longrope = self.phi3_longrope(cfg, path)
         else:
             self.rope_factors = self.llama3_factors(cfg.get("rope_scaling"), path)
         self.sliding_window(cfg, path)
 
     def check(self, cfg, path):
-        act = cfg.get("hidden_activation", cfg.get("hidden_act")) if self.arch == "gemma2" else cfg.get("hidden_act")
-        want = "gelu_pytorch_tanh" if self.arch == "gemma2" else "silu"  # llama.cpp's gemma2: tanh-approximate GELU
+        gemma = self.arch in GEMMA
+        act = cfg.get("hidden_activation", cfg.get("hidden_act")) if gemma else cfg.get("hidden_act")
+        want = "gelu_pytorch_tanh" if gemma else "silu"  # llama.cpp's gemma2/3: tanh-approximate GELU
         if (act or want) != want:
             raise ExportError(f"{path}: hidden activation {act!r} is not written ({want} for {self.family})")
         if float(cfg.get("partial_rotary_factor", 1.0)) != 1.0 or float(cfg.get("attention_dropout") or 0) != 0:
@@ -208,27 +222,63 @@ class Hparams:
             raise ExportError(f"{path}: qwen2 with mlp_bias or heads*head_dim != hidden_size has no llama.cpp form")
         if self.arch == "qwen3" and (self.attention_bias or self.mlp_bias):
             raise ExportError(f"{path}: qwen3 with attention_bias/mlp_bias is not loaded by llama.cpp's qwen3")
-        if self.arch in ("gemma2", "phi3") and (self.attention_bias or self.mlp_bias):
+        if self.arch in ("gemma2", "gemma3", "phi3") and (self.attention_bias or self.mlp_bias):
             raise ExportError(f"{path}: {self.arch} with attention_bias/mlp_bias has no llama.cpp form")
 
     def gemma2(self, cfg, path):
         """Gemma 2's soft-capping and query scale as llama.cpp's gemma2 has them (both caps always applied; q
-        scaled by head_dim^-0.5, or by (hidden/heads)^-0.5 for the 46-layer 27B)."""
+        scaled by head_dim^-0.5, or by (hidden/heads)^-0.5 for the 46-layer 27B); Gemma 3's query scale as
+        llama.cpp's gemma3 has it (the same, the 62-layer 27B taking hidden/heads)."""
+        big = 62 if self.arch == "gemma3" else 46
+        scalar = float(cfg.get("query_pre_attn_scalar", 256 if self.arch == "gemma3" else 224))
+        llama_cpp = self.dim / self.heads if self.layers == big else self.head_dim
+        if scalar != llama_cpp:
+            raise ExportError(f"{path}: {self.arch} query_pre_attn_scalar {scalar:g}: llama.cpp's {self.arch} scales "
+                              f"queries by {llama_cpp:g}^-0.5 for {self.layers} layers")
+        if not self.tied:
+            raise ExportError(f"{path}: {self.arch} with an untied head: llama.cpp's {self.arch} reads the embedding "
+                              "as the head")
+        if self.arch == "gemma3":
+            return
         # transformers' defaults where config.json leaves a key out; an explicit null turns the cap off there
         caps = cfg.get("attn_logit_softcapping", 50.0), cfg.get("final_logit_softcapping", 30.0)
         if None in caps:
             raise ExportError(f"{path}: gemma2 without attn_logit_softcapping / final_logit_softcapping: llama.cpp's "
                               "gemma2 always soft-caps")
         self.softcaps = tuple(float(c) for c in caps)
-        scalar = float(cfg.get("query_pre_attn_scalar", 224))
-        llama_cpp = self.dim / self.heads if self.layers == 46 else self.head_dim
-        if scalar != llama_cpp:
-            raise ExportError(f"{path}: gemma2 query_pre_attn_scalar {scalar:g}: llama.cpp's gemma2 scales queries by "
-                              f"{llama_cpp:g}^-0.5 for {self.layers} layers")
-        if not self.tied:
-            raise ExportError(f"{path}: gemma2 with an untied head: llama.cpp's gemma2 reads the embedding as the head")
         if cfg.get("rope_scaling"):
             raise ExportError(f"{path}: gemma2 with rope_scaling is not written")
+
+    def gemma3(self, cfg, path):
+        """Gemma 3 text (transformers' Gemma3TextConfig defaults where config.json leaves a key out): no attention
+        soft-cap (llama.cpp's gemma3 applies none), the final cap when set, which layers are local (layer_types,
+        else all but every sliding_window_pattern-th), the local RoPE base, linear scaling of the global RoPE."""
+        if cfg.get("attn_logit_softcapping") is not None:
+            raise ExportError(f"{path}: gemma3 with attn_logit_softcapping: llama.cpp's gemma3 does not soft-cap "
+                              "attention scores")
+        if cfg.get("use_bidirectional_attention"):
+            raise ExportError(f"{path}: gemma3 with use_bidirectional_attention: llama.cpp's gemma3 is causal")
+        final = cfg.get("final_logit_softcapping")
+        self.softcaps = (None, float(final)) if final is not None else None
+        if "rope_theta" not in cfg:
+            self.theta = 1000000.0
+        if cfg.get("sliding_window") is None:
+            raise ExportError(f"{path}: gemma3 without sliding_window: its local layers' window is not written")
+        self.swa = int(cfg["sliding_window"])
+        types = cfg.get("layer_types")
+        if types:
+            if len(types) != self.layers or set(types) - {"sliding_attention", "full_attention"}:
+                raise ExportError(f"{path}: layer_types: {self.layers} of sliding_attention/full_attention expected")
+            self.local_layers = [t == "sliding_attention" for t in types]
+        else:
+            pattern = int(cfg.get("sliding_window_pattern", 6))
+            self.local_layers = [(l + 1) % pattern != 0 for l in range(self.layers)]
+        rs = cfg.get("rope_scaling")
+        kind = (rs or {}).get("rope_type", (rs or {}).get("type"))
+        if rs and (kind not in ("linear", "default") or set(rs) - {"rope_type", "type", "factor"}):
+            raise ExportError(f"{path}: gemma3 rope_scaling {json.dumps(rs)[:80]}: only linear (factor) is written")
+        factor = float(rs["factor"]) if rs and kind == "linear" else None
+        self.gemma3_rope = {"local_base": float(cfg.get("rope_local_base_freq", 10000.0)), "linear": factor}
 
     def phi3_longrope(self, cfg, path):
         """Phi-3's LongRoPE (transformers 4.46: the short factors up to original_max_position_embeddings, the
@@ -275,6 +325,8 @@ class Hparams:
         if self.arch == "gemma2":  # llama.cpp's sliding_window key: gemma2's even layers, as transformers'
             self.swa = int(cfg["sliding_window"]) if cfg.get("sliding_window") is not None else None
             return
+        if self.arch == "gemma3":  # gemma3(): the window with its per-layer pattern
+            return
         # llama.cpp's phi3 reads no window (measured: it attends to every earlier position), like llama/qwen2
         active = self.family in ("mistral", "phi3") or bool(cfg.get("use_sliding_window"))
         active |= "sliding_attention" in (cfg.get("layer_types") or [])
@@ -285,6 +337,7 @@ class Hparams:
             self.ctx = int(w)
 
     def write(self, w):
+        gguf = gguf_llama.import_gguf()
         w.add_context_length(self.ctx)
         w.add_embedding_length(self.dim)
         w.add_block_count(self.layers)
@@ -298,9 +351,17 @@ class Hparams:
         w.add_value_length(self.head_dim)
         if self.swa is not None:
             w.add_sliding_window(self.swa)
-        if self.softcaps:
+        if self.softcaps and self.softcaps[0] is not None:
             w.add_attn_logit_softcapping(self.softcaps[0])
+        if self.softcaps:
             w.add_final_logit_softcapping(self.softcaps[1])
+        if self.local_layers is not None:  # llama.cpp's default for gemma3 is every 6th layer global
+            w.add_sliding_window_pattern(self.local_layers)
+        if self.gemma3_rope:
+            w.add_rope_freq_base_swa(self.gemma3_rope["local_base"])
+            if self.gemma3_rope["linear"] is not None:
+                w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+                w.add_rope_scaling_factor(self.gemma3_rope["linear"])
         if self.longrope:
             w.add_rope_scaling_orig_ctx_len(self.longrope["orig"])
             w.add_rope_scaling_attn_factors(self.longrope["attn_factor"])
@@ -340,8 +401,8 @@ def gguf_tensors(tensors, hp):
             arr = permute_rows(arr, hp.heads)
         elif hp.arch == "llama" and ".attn_k." in name:
             arr = permute_rows(arr, hp.kv_heads)
-        elif hp.arch == "gemma2" and name.endswith("norm.weight"):
-            arr = (arr.astype(np.float64) + 1.0).astype(np.float32)  # Gemma's norm: x * (1 + w)
+        elif hp.arch in GEMMA and name.endswith("norm.weight"):
+            arr = (arr.astype(np.float64) + 1.0).astype(np.float32)  # Gemma's norms (q/k too): x * (1 + w)
         check_shape(name, arr, hp)
         out.append((name, np.ascontiguousarray(arr)))
     if hp.rope_factors is not None:

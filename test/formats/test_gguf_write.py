@@ -27,7 +27,8 @@ pre-tokenizer), and the real SmolLM2-135M:
 - what cannot be written exactly is refused in one line.
 Gemma 2 and Phi-3 (which our GGUF reader does not read back) are judged against transformers 4.46 in
 build/hfvenv: test/formats/hf_family.py writes their random checkpoints and float64 logits; the bounds are those
-above, on the weights each file holds (dequantized by the gguf package).
+above, on the weights each file holds (dequantized by the gguf package). Gemma 3 text (not in transformers 4.46)
+is judged against test/model/reference_llama.py the same way, its GELU rounded as ggml's table rounds it.
 """
 import json
 import os
@@ -709,6 +710,8 @@ GGUF_TO_HF_FAMILY = {
                "post_ffw_norm": "post_feedforward_layernorm", "ffn_up": "mlp.up_proj"},
     "phi3": {"ffn_norm": "post_attention_layernorm", "ffn_up": "mlp.gate_up_proj"},
 }
+GGUF_TO_HF_FAMILY["gemma3"] = dict(GGUF_TO_HF_FAMILY["gemma2"], attn_q_norm="self_attn.q_norm",
+                                   attn_k_norm="self_attn.k_norm")
 
 
 def file_weights_dir(path, like, family, out):
@@ -726,7 +729,8 @@ def file_weights_dir(path, like, family, out):
         hf = top.get(x.name) or f"model.layers.{p[1]}.{names[p[2]]}.{p[3]}"
         shape = tuple(int(n) for n in reversed(list(x.shape)))
         arr = np.asarray(gguf.quants.dequantize(x.data, x.tensor_type), np.float64).reshape(shape)
-        t[hf] = (arr - 1.0 if family == "gemma2" and x.name.endswith("norm.weight") else arr).astype(np.float32)
+        gemma = family in ("gemma2", "gemma3")
+        t[hf] = (arr - 1.0 if gemma and x.name.endswith("norm.weight") else arr).astype(np.float32)
     shutil.copytree(like, out)
     st_io.save(str(out / "model.safetensors"), t, metadata={"format": "pt"})  # transformers reads it
     return out
@@ -842,10 +846,10 @@ def test_builtin_chat_templates(models, tmp_path, style):
 
 
 def test_family_refusals(hf_models, tmp_path):
-    """Gemma 3 (not in transformers 4.46), and what llama.cpp's gemma2/phi3 would compute otherwise: a query
-    scale other than llama.cpp's, no soft-capping, an untied Gemma head, another rope_scaling on phi3."""
+    """What llama.cpp's gemma2/phi3 would compute otherwise: a query scale other than llama.cpp's, no
+    soft-capping, an untied Gemma head, another rope_scaling on phi3; Gemma 3's multimodal config."""
     out = tmp_path / "x.gguf"
-    cases = [("gemma2", dict(model_type="gemma3_text"), "Gemma 3 is not in transformers 4.46"),
+    cases = [("gemma2", dict(model_type="gemma3"), "multimodal config"),
              ("gemma2", dict(query_pre_attn_scalar=64), "query_pre_attn_scalar 64"),
              ("gemma2", dict(final_logit_softcapping=None), "always soft-caps"),
              ("gemma2", dict(tie_word_embeddings=False), "untied head"),
@@ -860,4 +864,113 @@ def test_family_refusals(hf_models, tmp_path):
             cfg["final_logit_softcapping"] = None
             json.dump(cfg, open(d / "config.json", "w"))
         assert message in refused(d, "--outfile", out), (fam, change)
+    assert not out.exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# Gemma 3 text, judged against test/model/reference_llama.py (transformers 4.46 has no Gemma 3)
+
+# llama_cases' "gemma3" widened so that q8_0 applies to every matrix: q/k norms, local layers 0 and 1 (RoPE base
+# 10000, a window of 5 shorter than the prompt), a global layer 2 (sliding_window_pattern 3, not llama.cpp's
+# default 6; base 1e6, linear scaling by 4), a final soft-cap of 3 that bites on these logits
+GEMMA3 = dict(lc.CONFIGS["gemma3"], hidden_size=64, intermediate_size=96, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=32, final_logit_softcapping=3.0,
+              max_position_embeddings=64, architectures=["Gemma3ForCausalLM"], torch_dtype="float32")
+
+
+GELU_TANH = lc.ref.gelu_tanh
+
+
+def gelu_tanh_f16(x):
+    """ggml's CPU GELU of GEGLU goes through a table of half floats (test/formats/hf_family.py, gelu_f16): its
+    input and output rounded to float16, except past +-10 where it gives x or 0 (these random gates, a quarter of
+    them ten times wider, reach there); so that llama.cpp's f32 file is held to the float32 tolerance."""
+    g = GELU_TANH(x.to(torch.float16).to(x.dtype)).to(torch.float16).to(x.dtype)
+    return torch.where(x >= 10.0, x, torch.where(x <= -10.0, torch.zeros_like(x), g))
+
+
+def gemma3_model(root, tok512, **change):
+    """A random gemma3_text directory (test/model/llama_cases.py's write_model) with Gemma's SentencePiece-style
+    tokenizer.json of tok512's pieces and turn tokens, PAD_ROWS embedding rows past it, the Gemma-style template."""
+    d = root / "gemma3"
+    names = tok512_names(tok512) + list(GEMMA_TURNS)
+    cfg = dict(GEMMA3, vocab_size=len(names) + PAD_ROWS, bos_token_id=1, eos_token_id=2, pad_token_id=0, **change)
+    lc.write_model(str(d), cfg)
+    tok = sentencepiece_json(names[:512], "gemma")
+    tok.save(str(d / "tokenizer.json"))
+    with open(d / "tokenizer_config.json", "w") as f:
+        json.dump({"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "chat_template": GEMMA_TEMPLATE}, f)
+    return d, tok
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gguf_gemma3")
+    d, tok = gemma3_model(root, shared_file("models/tok512.bin"))
+    return {"dir": d, "tok": tok, "gguf": {t: export_gguf(d, root / f"gemma3.{t}.gguf", t) for t in OUTTYPES}}
+
+
+def test_llama_cpp_gemma3_logits(gemma3, tmp_path, monkeypatch):
+    """llama.cpp's gemma3 on each file against the float64 reference (test/model/reference_llama.py) of the
+    weights the file holds, on a 20-token prompt past the window of 5: f32 within TOL["logits"] (fp32 against
+    fp64, relative to the largest logit); f16, bf16 and q8_0 within 2x the weights' share + TOL["logits"] (the
+    argument of test_llama_cpp_logits). The reference's GELU is rounded as ggml's table rounds it (gelu_tanh_f16);
+    the table of the note (SEEN) is against the exact GELU on the original weights. The reference without the
+    window, and with every layer local (llama.cpp's default pattern on 3 layers), differ on this prompt."""
+    llama_cpp = need_llama_cpp()
+    m = gemma3
+    tokens = (m["tok"].encode(PROMPT).ids * 4)[:20]
+    plain = reference_logits(m["dir"], tokens)
+    monkeypatch.setattr(lc.ref, "gelu_tanh", gelu_tanh_f16)
+    want = reference_logits(m["dir"], tokens)
+    scale = np.abs(want).max()
+    for t, path in m["gguf"].items():
+        got = llama_cpp_logits(llama_cpp, path, tokens)
+        held = reference_logits(file_weights_dir(path, m["dir"], "gemma3", tmp_path / t), tokens)
+        weights_share = np.abs(held - want).max() / scale
+        err = np.abs(got - held).max() / scale
+        SEEN[("gemma3", t)] = np.abs(got - plain).max() / scale
+        SEEN[("gemma3 vs the f16-GELU reference", t)] = np.abs(got - want).max() / scale
+        bound = lc.TOL["logits"] if t == "f32" else 2 * weights_share + lc.TOL["logits"]
+        assert err <= bound, ("gemma3", t, err, bound, weights_share)
+    for change in (dict(sliding_window=64), dict(sliding_window_pattern=6)):
+        other = shutil.copytree(m["dir"], tmp_path / f"other{len(change)}{list(change)[0]}")
+        edit_json(other / "config.json", **change)
+        assert np.abs(reference_logits(other, tokens) - want)[5:].max() > 100 * lc.TOL["logits"] * scale, change
+
+
+def test_gemma3_tokenizer_and_chat_template(gemma3):
+    """Gemma's tokenizer.json form and turn tokens in a gemma3 file: llama.cpp's ids are the library's; the
+    embedded Gemma-style template as llama.cpp renders it (its built-in gemma format) is ours after the BOS."""
+    llama_cpp = need_llama_cpp()
+    llm = llama_cpp_model(llama_cpp, gemma3["gguf"]["f16"])
+    template = llm.metadata["tokenizer.chat_template"]
+    assert llm.metadata["general.architecture"] == "gemma3"
+    text = chat_template.render(template, MESSAGES[1:], True, bos_token="<s>")
+    for s_ in SPM_TEXTS + [text]:
+        assert llm.tokenize(s_.encode(), add_bos=True, special=True) == gemma3["tok"].encode(s_).ids, s_
+    llm.close()
+    assert template == GEMMA_TEMPLATE
+    for gen in (True, False):
+        ours = chat_template.render(template, MESSAGES[1:], gen, bos_token="<s>")
+        assert "<s>" + llama_cpp_chat(llama_cpp, template, MESSAGES[1:], gen) == ours
+
+
+def test_gemma3_refusals(gemma3, tmp_path):
+    """What llama.cpp's gemma3 would compute otherwise: attention soft-capping, another query scale, an untied
+    head, rope_scaling other than linear, no window, bidirectional attention."""
+    out = tmp_path / "x.gguf"
+    cases = [(dict(attn_logit_softcapping=50.0), "does not soft-cap attention"),
+             (dict(query_pre_attn_scalar=64), "query_pre_attn_scalar 64"),
+             (dict(tie_word_embeddings=False), "untied head"),
+             (dict(rope_scaling={"rope_type": "yarn", "factor": 2.0}), "only linear"),
+             (dict(sliding_window=None), "without sliding_window"),
+             (dict(use_bidirectional_attention=True), "is causal")]
+    for i, (change, message) in enumerate(cases):
+        d = tmp_path / f"case{i}"
+        shutil.copytree(gemma3["dir"], d)
+        cfg = json.load(open(d / "config.json"))
+        cfg.update(change)
+        json.dump(cfg, open(d / "config.json", "w"))
+        assert message in refused(d, "--outfile", out), change
     assert not out.exists()
