@@ -191,6 +191,11 @@ attention_forward_kernel(bf16* o, float* lse, const bf16* __restrict__ q, const 
     for (int c = 0; c < DPT; c++) acc[c] = 0.0f;
     float m = -INFINITY, l = 0.0f;
 
+    // the keys this row sees, [klo, khi] (att_visible's rule, taken out of the unrolled loop below,
+    // whose registers it would otherwise hold per key)
+    int khi = t < s.T ? (s.causal ? t : s.T - 1) : -1, klo = 0;
+    if (s.causal && t < s.T && s.window > 0) klo = t - s.window + 1;
+    if (s.causal && t < s.T && s.pos) klo = max(klo, t - s.pos[(int64_t)b * s.T + t]);
     int kend = s.causal ? min(s.T, t0 + ATT_ROWS) : s.T;  // the causal block never looks past its last query
     int kbeg = s.causal && s.window > 0 && t0 - s.window + 1 > 0 ? (t0 - s.window + 1) / ATT_TILE * ATT_TILE : 0;
     for (int j0 = kbeg; j0 < kend; j0 += ATT_TILE) {  // a window: the tiles before it are skipped
@@ -204,8 +209,7 @@ attention_forward_kernel(bf16* o, float* lse, const bf16* __restrict__ q, const 
         for (int jj = 0; jj < ATT_TILE; jj++) {
             float dot = att_row_dot<HDMAX>(qr, Ks, jj, sub);
             int key = j0 + jj;
-            int ok = att_visible(s, b, t, key);
-            sc[jj] = ok ? att_softcap(dot * scale, s.softcap) : -INFINITY;
+            sc[jj] = key >= klo && key <= khi ? att_softcap(dot * scale, s.softcap) : -INFINITY;
             mt = fmaxf(mt, sc[jj]);
         }
         float mnew = fmaxf(m, mt);
