@@ -25,7 +25,8 @@ pre-tokenizer), and the real SmolLM2-135M:
   scripts/formats/chat_template.py's: ChatML, and Llama-3-, Phi-3- and Gemma-style templates (llama.cpp's
   built-in formats, which leave the BOS to its tokenizer);
 - what cannot be written exactly is refused in one line.
-Gemma 2 and Phi-3 (which our GGUF reader does not read back) are judged against transformers 4.46 in
+Gemma 2, Gemma 3 text and Phi-3 are read back by our reader too (config keys, tensors, and the trainer's logits
+on the f32 round trip equal to the original's). Gemma 2 and Phi-3 are judged against transformers 4.46 in
 build/hfvenv: test/formats/hf_family.py writes their random checkpoints and float64 logits; the bounds are those
 above, on the weights each file holds (dequantized by the gguf package). Gemma 3 text (not in transformers 4.46)
 is judged against test/model/reference_llama.py the same way, its GELU rounded as ggml's table rounds it.
