@@ -1084,3 +1084,47 @@ def test_family_round_trip_trainer_logits(readback, family, tmp_path):
     a = probe_logits_o(str(m["dir"]), tokens, str(tmp_path))
     b = probe_logits_o(str(back), tokens, str(tmp_path))
     assert np.array_equal(a, b)
+
+
+def tampered_gguf(model_dir, out, key=None, extra=(), change=None):
+    """An f32 GGUF of model_dir as export_gguf.py writes it, with one more {arch}.KEY (uint32 1), extra
+    (name, array) tensors, or hp changed by change(hp) before the keys are written."""
+    import export_gguf as eg
+    cfg = json.load(open(model_dir / "config.json"))
+    hp = eg.Hparams(cfg, str(model_dir / "config.json"))
+    named = eg.gguf_tensors(eg.load_tensors(str(model_dir)), hp) + list(extra)
+    vocab = eg.gguf_vocab.read_vocab(str(model_dir), named[0][1].shape[0], cfg)
+    if change:
+        change(hp)
+    write = hp.write
+
+    def write_more(w):
+        write(w)
+        if key:
+            w.add_uint32(f"{hp.arch}.{key}", 1)
+    hp.write = write_more
+    eg.write_gguf(str(out), hp, named, vocab, "f32", "tampered")
+    return out
+
+
+def test_family_read_back_refusals(readback, tmp_path):
+    """What the reader cannot express in these families' configs is refused in one line, nothing written: a key
+    it does not map back, a head apart from Gemma's embedding, a bias, gemma3 without its window, a phi3 LongRoPE
+    attention factor other than transformers' (which derives it from the context lengths)."""
+    g2, g3, phi3 = (readback[f]["dir"] for f in ("gemma2", "gemma3", "phi3"))
+    rng = np.random.default_rng(0)
+    cases = [(g2, dict(key="attention.foo"), "gemma2.attention.foo is not read back"),
+             (phi3, dict(key="rope.scaling.yarn_log_multiplier"), "is not read back"),
+             (g2, dict(extra=[("output.weight", rng.standard_normal((519, 64)).astype(np.float32))]),
+              "with output.weight"),
+             (g2, dict(extra=[("blk.0.attn_q.bias", np.zeros(128, np.float32))]), "with biases"),
+             (g3, dict(change=lambda hp: setattr(hp, "swa", None)), "without attention.sliding_window"),
+             (phi3, dict(change=lambda hp: hp.longrope.update(attn_factor=1.5)), "attn_factor 1.5")]
+    for i, (d, how, message) in enumerate(cases):
+        path = tampered_gguf(d, tmp_path / f"case{i}.gguf", **how)
+        out = tmp_path / f"out{i}"
+        res = run(EXPORT_LLAMA, "--gguf", path, "--out", out)  # export_llama.py's one line: "export_llama: ..."
+        assert res.returncode != 0 and res.stderr.startswith("export_llama: ") and res.stderr.count("\n") == 1, \
+            res.stderr
+        assert message in res.stderr, (how, res.stderr)
+        assert not out.exists()
