@@ -182,7 +182,7 @@ FAMILY_KEYS = {
     "gemma2": {"attention.sliding_window", "attn_logit_softcapping", "final_logit_softcapping"},
     "gemma3": {"attention.sliding_window", "attention.sliding_window_pattern", "final_logit_softcapping",
                "rope.freq_base_swa", "rope.scaling.type", "rope.scaling.factor"},
-    "phi3": {"rope.scaling.original_context_length", "rope.scaling.attn_factor"},
+    "phi3": {"rope.scaling.original_context_length", "rope.scaling.attn_factor", "attention.sliding_window"},
 }
 
 
@@ -253,7 +253,10 @@ def hf_config(path, meta, n_vocab, tied, dtype, biases=()):
     if arch == "phi3":
         config["original_max_position_embeddings"] = int(opt("rope.scaling.original_context_length",
                                                              config["max_position_embeddings"]))
-        config["sliding_window"] = None  # the exporter wrote a window as the context length
+        # export_gguf.py writes a window as the context length; llama.cpp's converter writes the key (which its
+        # phi3 does not apply): the Hugging Face model it came from had that window
+        window = opt("attention.sliding_window", None)
+        config["sliding_window"] = int(window) if window is not None else None
     return config
 
 

@@ -1128,3 +1128,18 @@ def test_family_read_back_refusals(readback, tmp_path):
             res.stderr
         assert message in res.stderr, (how, res.stderr)
         assert not out.exists()
+
+
+def test_phi3_read_back_tied_head_and_window(readback, tmp_path):
+    """A tied phi3 (export_gguf.py writes its head as output.weight too) comes back tied, without lm_head; a
+    phi3.attention.sliding_window key (llama.cpp's converter writes one) comes back as sliding_window."""
+    d = shutil.copytree(readback["phi3"]["dir"], tmp_path / "tied")
+    t = st_io.load(str(d / "model.safetensors"))
+    del t["lm_head.weight"]
+    st_io.save(str(d / "model.safetensors"), t, metadata={"format": "pt"})
+    edit_json(d / "config.json", tie_word_embeddings=True)
+    back = round_trip(export_gguf(d, tmp_path / "tied.gguf", "f32"), tmp_path / "back")
+    assert json.load(open(back / "config.json"))["tie_word_embeddings"] is True
+    assert set(st_io.load(str(back / "model.safetensors"))) == set(t)
+    window = round_trip(tampered_gguf(d, tmp_path / "w.gguf", key="attention.sliding_window"), tmp_path / "w")
+    assert json.load(open(window / "config.json"))["sliding_window"] == 1
