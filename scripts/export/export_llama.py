@@ -1,4 +1,5 @@
-"""Convert a llama2.c checkpoint or a LLaMA GGUF file into a Hugging Face LLaMA model directory.
+"""Convert a llama2.c checkpoint or a GGUF file (llama, qwen2, qwen3, gemma2, gemma3, phi3) into a Hugging Face
+model directory.
 
     python3 scripts/export/export_llama.py --llama2c model.bin --tokenizer tok.bin --out DIR [--dtype bf16]
     python3 scripts/export/export_llama.py --gguf model.gguf --out DIR [--dtype bf16]
@@ -9,7 +10,8 @@ layout, so every other source is converted here once. DIR is written whole or no
 replaces an earlier export whole; a DIR holding other files is refused (scripts/formats/model_dir.py).
 
 GGUF (needs `pip install gguf`): the tensors are dequantized (scripts/formats/gguf_llama.py says
-which types and how), the hyperparameters come from the llama.* metadata, and the tokenizer
+which types and how, and how each family's tensors and keys map back), the hyperparameters come from the
+{arch}.* metadata, and the tokenizer
 from tokenizer.ggml.*; a byte-level BPE (GPT-2 style) tokenizer is written as a tokenizer.bin
 of raw-byte pieces plus tokenizer_config.json, whose "tokenizer_bin" block tells the trainer
 to use byte-level conventions (llmc/text/tokenizer.h).
@@ -246,8 +248,9 @@ def parse_args(argv=None):
     src.add_argument("--llama2c", metavar="FILE.bin",
                      help="llama2.c checkpoint (legacy v0 or version-1 fp32)")
     src.add_argument("--gguf", metavar="FILE.gguf",
-                     help="llama.cpp GGUF file of a LLaMA model (F32/F16/BF16/Q8_0/Q4_0/Q4_1/"
-                          "Q5_0/Q5_1 tensors; needs `pip install gguf`); its tokenizer comes along")
+                     help="llama.cpp GGUF file of a llama, qwen2, qwen3, gemma2, gemma3 or phi3 model "
+                          "(F32/F16/BF16/Q8_0/Q4_0/Q4_1/Q5_0/Q5_1 tensors; needs `pip install gguf`); "
+                          "its tokenizer comes along")
     ap.add_argument("--tokenizer", metavar="TOK.bin",
                     help="llama2.c tokenizer.bin matching the model's vocabulary (--llama2c only)")
     ap.add_argument("--out", required=True, metavar="DIR", help="output model directory")

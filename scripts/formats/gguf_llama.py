@@ -1,4 +1,4 @@
-"""Read a GGUF file of llama.cpp's llama, qwen2 or qwen3 architecture as a Hugging Face model.
+"""Read a GGUF file of llama.cpp's llama, qwen2, qwen3, gemma2, gemma3 or phi3 architecture as a Hugging Face model.
 
     from gguf_llama import load_gguf
     config, tensors, tokenizer = load_gguf("model.gguf")
@@ -21,6 +21,13 @@ elements 16..31). F32, F16 and BF16 tensors are plain.
 Q/K rows. llama.cpp's converter permutes the rows of every head of attn_q / attn_k so that
 its RoPE can rotate adjacent pairs (2i, 2i+1); Hugging Face rotates (i, i + head_dim/2).
 The inverse permutation (the same one llama2.c checkpoints need) restores HF order.
+
+Families past llama (what scripts/export/export_gguf.py writes, turned back): gemma2 and gemma3 store every
+RMSNorm weight as 1 + w (llama.cpp multiplies by it, Hugging Face's Gemma by 1 + w), so w = stored - 1; their
+soft-caps, window, per-layer window pattern (gemma3: layer_types), local RoPE base and linear RoPE scaling become
+the config keys. phi3's attn_qkv / ffn_up are Hugging Face's fused qkv_proj / gate_up_proj (same row order),
+its rope_factors_long / _short tensors the LongRoPE rope_scaling. For these three families every {arch}.* key
+of the file must be one this reader maps back; any other is refused.
 
 Tokenizer. tokenizer.ggml.model "gpt2" is byte-level BPE: every byte is first mapped to a
 printable character (GPT-2's byte alphabet), tokens are strings over that alphabet, and
@@ -164,7 +171,19 @@ def _f32(x):
 # general.architecture -> (Hugging Face model_type, architectures entry); qwen2 and qwen3 apply NEOX RoPE
 # (rotate-half, Hugging Face's row order), llama interleaved RoPE (rows permuted by llama.cpp's converter)
 ARCHS = {"llama": ("llama", "LlamaForCausalLM"), "qwen2": ("qwen2", "Qwen2ForCausalLM"),
-         "qwen3": ("qwen3", "Qwen3ForCausalLM")}
+         "qwen3": ("qwen3", "Qwen3ForCausalLM"), "gemma2": ("gemma2", "Gemma2ForCausalLM"),
+         "gemma3": ("gemma3_text", "Gemma3ForCausalLM"), "phi3": ("phi3", "Phi3ForCausalLM")}
+GEMMA = ("gemma2", "gemma3")
+# {arch}.* keys read back for every family, and per family the keys of its own
+COMMON_KEYS = {"context_length", "embedding_length", "block_count", "feed_forward_length", "attention.head_count",
+               "attention.head_count_kv", "attention.layer_norm_rms_epsilon", "rope.freq_base",
+               "rope.dimension_count", "attention.key_length", "attention.value_length", "vocab_size"}
+FAMILY_KEYS = {
+    "gemma2": {"attention.sliding_window", "attn_logit_softcapping", "final_logit_softcapping"},
+    "gemma3": {"attention.sliding_window", "attention.sliding_window_pattern", "final_logit_softcapping",
+               "rope.freq_base_swa", "rope.scaling.type", "rope.scaling.factor"},
+    "phi3": {"rope.scaling.original_context_length", "rope.scaling.attn_factor", "attention.sliding_window"},
+}
 
 
 def hf_config(path, meta, n_vocab, tied, dtype, biases=()):
@@ -188,12 +207,19 @@ def hf_config(path, meta, n_vocab, tied, dtype, biases=()):
     if head_dim % 2 or heads % kv:
         raise GGUFError(f"{path}: head_dim {head_dim} must be even and head_count {heads} a "
                         f"multiple of head_count_kv {kv}")
+    if arch in FAMILY_KEYS:
+        unknown = sorted(k for k in meta if k.startswith(arch + ".") and k[len(arch) + 1:] not in
+                         COMMON_KEYS | FAMILY_KEYS[arch])
+        if unknown:
+            raise GGUFError(f"{path}: metadata {unknown[0]} is not read back into a {arch} config: refused")
+    if int(opt("attention.value_length", head_dim)) != head_dim:
+        raise GGUFError(f"{path}: attention.value_length differs from key_length {head_dim}: not expressible")
     rot = int(opt("rope.dimension_count", head_dim))
     if rot != head_dim:
         raise GGUFError(f"{path}: partial RoPE (rope.dimension_count {rot} of head_dim "
                         f"{head_dim}) is not supported")
     scaling = opt("rope.scaling.type", "none")
-    if scaling not in ("none", None):
+    if scaling not in ("none", None) and not (arch == "gemma3" and scaling == "linear"):
         raise GGUFError(f"{path}: rope scaling {scaling!r} is not supported")
     if opt("vocab_size", n_vocab) != n_vocab:
         raise GGUFError(f"{path}: {arch}.vocab_size {opt('vocab_size', None)} but the "
@@ -216,14 +242,64 @@ def hf_config(path, meta, n_vocab, tied, dtype, biases=()):
         "hidden_act": "silu",
         "torch_dtype": "bfloat16" if dtype == "bf16" else "float32",
     }
-    if head_dim != dim // heads or arch == "qwen3":
+    if head_dim != dim // heads or arch in ("qwen3",) + GEMMA:
         config["head_dim"] = head_dim
     _bias_config(path, arch, config, set(biases))
+    if arch in FAMILY_KEYS:  # absent, these families' configs default to a pad row (Gemma 0, Phi-3 32000)
+        pad = meta.get("tokenizer.ggml.padding_token_id")
+        config["pad_token_id"] = int(pad) if pad is not None else None
+    if arch in GEMMA:
+        _gemma_config(path, arch, config, opt)
+    if arch == "phi3":
+        config["original_max_position_embeddings"] = int(opt("rope.scaling.original_context_length",
+                                                             config["max_position_embeddings"]))
+        # export_gguf.py writes a window as the context length; llama.cpp's converter writes the key (which its
+        # phi3 does not apply): the Hugging Face model it came from had that window
+        window = opt("attention.sliding_window", None)
+        config["sliding_window"] = int(window) if window is not None else None
     return config
+
+
+def _gemma_config(path, arch, config, opt):
+    """Gemma 2 / 3 keys as scripts/export/export_gguf.py read them: the query scale llama.cpp applies (head_dim,
+    or hidden/heads for the 27B's layer count), soft-caps, window, gemma3's pattern and RoPE of local layers."""
+    config.pop("hidden_act")
+    config["hidden_activation"] = "gelu_pytorch_tanh"  # llama.cpp's gemma2/3 GeGLU
+    big = 62 if arch == "gemma3" else 46
+    heads, layers = config["num_attention_heads"], config["num_hidden_layers"]
+    if layers == big and config["hidden_size"] % heads:
+        raise GGUFError(f"{path}: {arch} of {big} layers scales queries by hidden/heads, not an integer here")
+    config["query_pre_attn_scalar"] = config["hidden_size"] // heads if layers == big else config["head_dim"]
+    window = opt("attention.sliding_window", None)
+    config["sliding_window"] = int(window) if window is not None else None  # null: no window (not 4096)
+    final = opt("final_logit_softcapping", None)
+    config["final_logit_softcapping"] = _f32(final) if final is not None else None
+    if arch == "gemma2":
+        cap = opt("attn_logit_softcapping", None)
+        if cap is None or final is None:
+            raise GGUFError(f"{path}: gemma2 without both soft-caps: llama.cpp's gemma2 always applies them")
+        config["attn_logit_softcapping"] = _f32(cap)
+        return
+    config["attn_logit_softcapping"] = None
+    if window is None:
+        raise GGUFError(f"{path}: gemma3 without attention.sliding_window: its local layers' window is unknown")
+    pattern = opt("attention.sliding_window_pattern", 6)  # llama.cpp's gemma3 default: every 6th layer global
+    if isinstance(pattern, list):
+        if len(pattern) != layers:
+            raise GGUFError(f"{path}: gemma3 sliding_window_pattern of {len(pattern)} entries for {layers} layers")
+        local = [bool(x) for x in pattern]
+    else:
+        local = [(l + 1) % int(pattern) != 0 for l in range(layers)]
+    config["layer_types"] = ["sliding_attention" if x else "full_attention" for x in local]
+    config["rope_local_base_freq"] = _f32(opt("rope.freq_base_swa", 10000.0))
+    if opt("rope.scaling.type", "none") == "linear":
+        config["rope_scaling"] = {"rope_type": "linear", "factor": _f32(opt("rope.scaling.factor", 1.0))}
 
 
 def _bias_config(path, arch, config, biases):
     """attention_bias / mlp_bias from the bias tensors present (qwen2's q, k, v biases are implied)."""
+    if biases and arch not in ("llama", "qwen2", "qwen3"):
+        raise GGUFError(f"{path}: {arch} with biases ({sorted(biases)}) has no Hugging Face form here")
     attn, mlp = biases & {"attn_q", "attn_k", "attn_v", "attn_output"}, biases & {"ffn_gate", "ffn_up", "ffn_down"}
     if arch == "qwen2":
         if attn != {"attn_q", "attn_k", "attn_v"} or mlp:
@@ -255,43 +331,91 @@ def bias_tensors(reader):
     return {t.name.split(".")[2] for t in reader.tensors if t.name.startswith("blk.") and t.name.endswith(".bias")}
 
 
+_GEMMA_LAYER_NAMES = {k: v for k, v in _LAYER_NAMES.items() if "norm" not in k} | {
+    "attn_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
+# per architecture: GGUF block tensor -> Hugging Face module (phi3's fused ones as Hugging Face fuses them)
+LAYER_NAMES = {
+    "llama": {k: v for k, v in _LAYER_NAMES.items() if k not in ("attn_q_norm", "attn_k_norm")},
+    "qwen3": _LAYER_NAMES,
+    "gemma2": _GEMMA_LAYER_NAMES,
+    "gemma3": dict(_GEMMA_LAYER_NAMES, attn_q_norm="self_attn.q_norm", attn_k_norm="self_attn.k_norm"),
+    "phi3": {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", "attn_qkv": "self_attn.qkv_proj",
+             "attn_output": "self_attn.o_proj", "ffn_up": "mlp.gate_up_proj", "ffn_down": "mlp.down_proj"},
+}
+LAYER_NAMES["qwen2"] = LAYER_NAMES["llama"]
+# phi3's LongRoPE factors, read into config.json's rope_scaling (phi3_rope_scaling), not into the weights
+ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")
+
+
+def _hf_name(path, name, n_layers, arch):
+    top = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+           "output.weight": "lm_head.weight"}
+    if name in top:
+        return top[name]
+    parts, names = name.split("."), LAYER_NAMES[arch]
+    if (len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in names
+            and parts[3] in ("weight", "bias") and not (parts[2].endswith("norm") and parts[3] == "bias")):
+        if int(parts[1]) >= n_layers:
+            raise GGUFError(f"{path}: tensor {name} beyond block_count {n_layers}")
+        return f"model.layers.{parts[1]}.{names[parts[2]]}.{parts[3]}"
+    if name == "rope_freqs.weight":
+        raise GGUFError(f"{path}: has rope_freqs.weight (Llama-3 RoPE scaling baked into "
+                        "the file), which is not supported")
+    raise GGUFError(f"{path}: unexpected tensor {name}")
+
+
 def hf_tensors(path, reader, n_layers, heads, kv_heads, arch="llama"):
     """Dequantized Hugging Face tensors and a {type name: count} summary."""
     out, types = {}, {}
     for t in reader.tensors:
         name = t.name
-        parts = name.split(".")
-        if name == "token_embd.weight":
-            hf = "model.embed_tokens.weight"
-        elif name == "output_norm.weight":
-            hf = "model.norm.weight"
-        elif name == "output.weight":
-            hf = "lm_head.weight"
-        elif (len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit()
-              and parts[2] in _LAYER_NAMES and parts[3] in ("weight", "bias")
-              and (parts[2] not in ("attn_q_norm", "attn_k_norm") or (arch == "qwen3" and parts[3] == "weight"))):
-            if int(parts[1]) >= n_layers:
-                raise GGUFError(f"{path}: tensor {name} beyond block_count {n_layers}")
-            hf = f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
-        elif name == "rope_freqs.weight":
-            raise GGUFError(f"{path}: has rope_freqs.weight (Llama-3 RoPE scaling baked into "
-                            "the file), which is not supported")
-        else:
-            raise GGUFError(f"{path}: unexpected tensor {name}")
+        if arch == "phi3" and name in ROPE_FACTORS:
+            continue
+        parts, hf = name.split("."), _hf_name(path, name, n_layers, arch)
         w = tensor_array(t)
         types[TYPE_NAMES[int(t.tensor_type)]] = types.get(TYPE_NAMES[int(t.tensor_type)], 0) + 1
         if arch == "llama" and parts[-2:-1] in (["attn_q"], ["attn_k"]):  # biases too: [out] as [out, 1]
             w = interleaved_to_half(w.reshape(w.shape[0], -1), heads if parts[2] == "attn_q" else kv_heads)
             w = w.reshape(-1) if parts[3] == "bias" else w
+        if arch in GEMMA and name.endswith("norm.weight"):  # the file holds 1 + w (llama.cpp scales by it)
+            w = (w.astype(np.float64) - 1.0).astype(np.float32)
         out[hf] = np.ascontiguousarray(w, dtype=np.float32)
-    mods = [m for g, m in _LAYER_NAMES.items() if arch == "qwen3" or g not in ("attn_q_norm", "attn_k_norm")]
+    if arch in GEMMA and "lm_head.weight" in out:
+        raise GGUFError(f"{path}: {arch} with output.weight: Gemma's head is the embedding (tied), not expressible")
+    if arch == "phi3" and np.array_equal(out.get("lm_head.weight"), out["model.embed_tokens.weight"]):
+        del out["lm_head.weight"]  # export_gguf.py writes a tied phi3 head as output.weight too
     need = ["model.embed_tokens.weight", "model.norm.weight"] + [
-        f"model.layers.{i}.{m}.weight" for i in range(n_layers) for m in mods]
+        f"model.layers.{i}.{m}.weight" for i in range(n_layers) for m in LAYER_NAMES[arch].values()]
     missing = [k for k in need if k not in out]
     if missing:
         raise GGUFError(f"{path}: missing tensors for {missing[0]}"
                         + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
     return out, types
+
+
+def phi3_rope_scaling(path, meta, config, names):
+    """phi3's LongRoPE back: rope_factors_long / _short into rope_scaling, the attention factor checked against
+    the one transformers derives (sqrt(1 + ln(s) / ln(original)), s = context / original)."""
+    got = [n for n in ROPE_FACTORS if n in names]
+    attn = meta.get("phi3.rope.scaling.attn_factor")
+    if not got:
+        if attn is not None and abs(float(attn) - 1.0) > 1e-6:
+            raise GGUFError(f"{path}: phi3 rope.scaling.attn_factor {attn} without rope factors: not expressible")
+        return
+    if len(got) != 2:
+        raise GGUFError(f"{path}: phi3 has {got[0]} alone (LongRoPE needs both rope_factors_long and _short)")
+    long, short = (tensor_array(names[n]).reshape(-1) for n in ROPE_FACTORS)
+    half = config.get("head_dim", config["hidden_size"] // config["num_attention_heads"]) // 2
+    if long.shape != (half,) or short.shape != (half,):
+        raise GGUFError(f"{path}: phi3 rope factors of {long.size}/{short.size} values, not head_dim/2 = {half}")
+    orig, ctx = config["original_max_position_embeddings"], config["max_position_embeddings"]
+    want = np.sqrt(1 + np.log(ctx / orig) / np.log(orig)) if ctx > orig else 1.0
+    if attn is not None and abs(float(attn) - want) > 1e-6 * want:
+        raise GGUFError(f"{path}: phi3 rope.scaling.attn_factor {attn} is not transformers' {want:.7g} for context "
+                        f"{ctx} over original {orig}: not expressible")
+    config["rope_scaling"] = {"type": "longrope", "short_factor": [_f32(x) for x in short],
+                              "long_factor": [_f32(x) for x in long]}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -406,8 +530,12 @@ def load_gguf(path, dtype="f32"):
         raise GGUFError(f"{path}: no token_embd.weight tensor")
     n_vocab = int(names["token_embd.weight"].shape[1])
     config = hf_config(path, meta, n_vocab, "output.weight" not in names, dtype, bias_tensors(reader))
+    arch = meta["general.architecture"]
+    if arch == "phi3":
+        phi3_rope_scaling(path, meta, config, names)
     tensors, types = hf_tensors(path, reader, config["num_hidden_layers"],
-                                config["num_attention_heads"], config["num_key_value_heads"],
-                                meta["general.architecture"])
+                                config["num_attention_heads"], config["num_key_value_heads"], arch)
+    if arch == "phi3" and "lm_head.weight" not in tensors:
+        config["tie_word_embeddings"] = True
     tokenizer = tokenizer_from_metadata(path, meta, n_vocab)
     return config, tensors, tokenizer, types

@@ -25,7 +25,8 @@ pre-tokenizer), and the real SmolLM2-135M:
   scripts/formats/chat_template.py's: ChatML, and Llama-3-, Phi-3- and Gemma-style templates (llama.cpp's
   built-in formats, which leave the BOS to its tokenizer);
 - what cannot be written exactly is refused in one line.
-Gemma 2 and Phi-3 (which our GGUF reader does not read back) are judged against transformers 4.46 in
+Gemma 2, Gemma 3 text and Phi-3 are read back by our reader too (config keys, tensors, and the trainer's logits
+on the f32 round trip equal to the original's). Gemma 2 and Phi-3 are judged against transformers 4.46 in
 build/hfvenv: test/formats/hf_family.py writes their random checkpoints and float64 logits; the bounds are those
 above, on the weights each file holds (dequantized by the gguf package). Gemma 3 text (not in transformers 4.46)
 is judged against test/model/reference_llama.py the same way, its GELU rounded as ggml's table rounds it.
@@ -974,3 +975,171 @@ def test_gemma3_refusals(gemma3, tmp_path):
         json.dump(cfg, open(d / "config.json", "w"))
         assert message in refused(d, "--outfile", out), change
     assert not out.exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# round trip of Gemma 2, Gemma 3 text and Phi-3 through our reader
+
+# random checkpoints written by test/model/llama_cases.py's write_model (Phi-3's q, k, v and gate, up fused
+# afterwards as transformers stores them); Phi-3 with LongRoPE so that its factors make the trip
+READBACK = {"gemma2": dict(HF_FAMILIES["gemma2"], torch_dtype="float32"),
+            "gemma3": GEMMA3,
+            "phi3": dict(LONGROPE, torch_dtype="float32")}
+
+
+def readback_model(root, family, tok512):
+    d = root / family
+    names = tok512_names(tok512) + (list(GEMMA_TURNS) if family != "phi3" else [])
+    cfg = dict(READBACK[family], vocab_size=len(names) + PAD_ROWS, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    lc.write_model(str(d), cfg)
+    if family == "phi3":
+        t = st_io.load(str(d / "model.safetensors"))
+        for l in range(cfg["num_hidden_layers"]):
+            p = f"model.layers.{l}."
+            t[p + "self_attn.qkv_proj.weight"] = np.concatenate(
+                [t.pop(p + f"self_attn.{x}_proj.weight") for x in "qkv"])
+            t[p + "mlp.gate_up_proj.weight"] = np.concatenate([t.pop(p + f"mlp.{x}_proj.weight")
+                                                               for x in ("gate", "up")])
+        st_io.save(str(d / "model.safetensors"), t, metadata={"format": "pt"})
+    tok = sentencepiece_json(names[:512], "llama2" if family == "phi3" else "gemma")
+    tok.save(str(d / "tokenizer.json"))
+    with open(d / "tokenizer_config.json", "w") as f:
+        json.dump({"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "chat_template": CHATML}, f)
+    return d, tok
+
+
+@pytest.fixture(scope="module")
+def readback(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gguf_readback")
+    tok512 = shared_file("models/tok512.bin")
+    out = {}
+    for fam in READBACK:
+        d, tok = readback_model(root, fam, tok512)
+        out[fam] = {"dir": d, "tok": tok, "gguf": {t: export_gguf(d, root / f"{fam}.{t}.gguf", t) for t in OUTTYPES}}
+    return out
+
+
+@pytest.mark.parametrize("family", list(READBACK))
+def test_family_round_trip_through_our_reader(readback, family, tmp_path):
+    """export_llama.py --gguf reads gemma2, gemma3 and phi3 files back: config.json with the keys the exporter
+    read (floats as the shortest decimal of their float32, as these are), tensors as
+    test_round_trip_through_our_reader holds them, except Gemma's norms: the file holds fl32(1 + w), so w comes
+    back within half a float32 step of 1 + w."""
+    m = readback[family]
+    orig = st_io.load(str(m["dir"] / "model.safetensors"))
+    src = json.load(open(m["dir"] / "config.json"))
+    step = {"f32": 0.0, "f16": 2.0 ** -11, "bf16": 2.0 ** -8}
+    for t, path in m["gguf"].items():
+        back = st_io.load(str(round_trip(path, tmp_path / t) / "model.safetensors"))
+        cfg = json.load(open(tmp_path / t / "config.json"))
+        for k, v in src.items():
+            if k == "torch_dtype" or (k == "sliding_window" and family == "phi3"):
+                continue  # phi3's window: the file's context (max_position_embeddings of the original) holds it
+            if k == "sliding_window_pattern":
+                assert cfg["layer_types"] == ["full_attention" if (l + 1) % v == 0 else "sliding_attention"
+                                              for l in range(src["num_hidden_layers"])], t
+            elif k == "max_position_embeddings" and family == "phi3" and src.get("sliding_window"):
+                assert cfg[k] == src["sliding_window"], t
+            else:
+                assert cfg[k] == v, (t, k, cfg.get(k), v)
+        assert set(back) == set(orig), (t, set(back) ^ set(orig))
+        for k in orig:
+            a, b = orig[k], back[k]
+            if family != "phi3" and k.endswith("norm.weight"):  # stored as fl32(1 + w) in every type
+                assert np.all(np.abs(a - b) <= np.abs(1.0 + a) * 2.0 ** -24), (t, k)
+            elif t == "f32" or a.ndim == 1:
+                assert np.array_equal(a, b), (t, k)
+            elif t == "q8_0" and a.shape[-1] % 32 == 0:
+                blocks = np.abs(a).reshape(-1, 32).max(1, keepdims=True) / 127
+                err = np.abs(a - b).reshape(-1, 32)
+                assert np.all(err <= blocks * (0.5 + 127 * 2.0 ** -11) + 1e-12), (t, k, err.max())
+            else:  # f16 (also q8_0's fallback for rows not a multiple of 32), bf16
+                s = step["f16" if t == "q8_0" else t]
+                floor = 2.0 ** -25 if s == step["f16"] else 0.0
+                assert np.all(np.abs(a - b) <= np.abs(a) * s + floor), (t, k)
+
+
+def probe_logits_o(model_dir, tokens, workdir):
+    """build/test/llama_probe's fp32 logits [T, V] with a no-op LoRA (B = 0) on o, whose input width is
+    heads * head_dim in every family (test_gguf_export.probe_logits puts it on q, sized for hidden_size)."""
+    cfg = json.load(open(os.path.join(model_dir, "config.json")))
+    q_out = cfg["num_attention_heads"] * cfg.get("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])
+    case = {"tokens": np.array([list(tokens) + [0]], np.int32), "mask": np.ones((1, len(tokens)), np.float32)}
+    for l in range(cfg["num_hidden_layers"]):
+        case[f"lora.{l}.o.A"] = np.full((1, q_out), 0.01, np.float32)
+        case[f"lora.{l}.o.B"] = np.zeros((cfg["hidden_size"], 1), np.float32)
+    cpath, opath = os.path.join(workdir, "case.safetensors"), os.path.join(workdir, "out.safetensors")
+    st_io.save(cpath, case)
+    return lc.run_probe(model_dir, cpath, opath, "exact", "std", "none", 1, 1.0, ("o",), timeout=600)["logits"][0]
+
+
+@pytest.mark.parametrize("family", list(READBACK))
+def test_family_round_trip_trainer_logits(readback, family, tmp_path):
+    """The trainer on the round-tripped f32 directory = on the original: Gemma's norms come back as w' with
+    fl32(1 + w') = fl32(1 + w), the gamma the trainer forms (llmc/models/llama_io.h), so the logits are equal;
+    phi3's fused matrices and LongRoPE factors as they were. The prompt passes gemma's windows (8 and 5)."""
+    m = readback[family]
+    back = round_trip(m["gguf"]["f32"], tmp_path / "back")
+    tokens = (m["tok"].encode(PROMPT).ids * 2)[:20]
+    a = probe_logits_o(str(m["dir"]), tokens, str(tmp_path))
+    b = probe_logits_o(str(back), tokens, str(tmp_path))
+    assert np.array_equal(a, b)
+
+
+def tampered_gguf(model_dir, out, key=None, extra=(), change=None):
+    """An f32 GGUF of model_dir as export_gguf.py writes it, with one more {arch}.KEY (uint32 1), extra
+    (name, array) tensors, or hp changed by change(hp) before the keys are written."""
+    import export_gguf as eg
+    cfg = json.load(open(model_dir / "config.json"))
+    hp = eg.Hparams(cfg, str(model_dir / "config.json"))
+    named = eg.gguf_tensors(eg.load_tensors(str(model_dir)), hp) + list(extra)
+    vocab = eg.gguf_vocab.read_vocab(str(model_dir), named[0][1].shape[0], cfg)
+    if change:
+        change(hp)
+    write = hp.write
+
+    def write_more(w):
+        write(w)
+        if key:
+            w.add_uint32(f"{hp.arch}.{key}", 1)
+    hp.write = write_more
+    eg.write_gguf(str(out), hp, named, vocab, "f32", "tampered")
+    return out
+
+
+def test_family_read_back_refusals(readback, tmp_path):
+    """What the reader cannot express in these families' configs is refused in one line, nothing written: a key
+    it does not map back, a head apart from Gemma's embedding, a bias, gemma3 without its window, a phi3 LongRoPE
+    attention factor other than transformers' (which derives it from the context lengths)."""
+    g2, g3, phi3 = (readback[f]["dir"] for f in ("gemma2", "gemma3", "phi3"))
+    rng = np.random.default_rng(0)
+    cases = [(g2, dict(key="attention.foo"), "gemma2.attention.foo is not read back"),
+             (phi3, dict(key="rope.scaling.yarn_log_multiplier"), "is not read back"),
+             (g2, dict(extra=[("output.weight", rng.standard_normal((519, 64)).astype(np.float32))]),
+              "with output.weight"),
+             (g2, dict(extra=[("blk.0.attn_q.bias", np.zeros(128, np.float32))]), "with biases"),
+             (g3, dict(change=lambda hp: setattr(hp, "swa", None)), "without attention.sliding_window"),
+             (phi3, dict(change=lambda hp: hp.longrope.update(attn_factor=1.5)), "attn_factor 1.5")]
+    for i, (d, how, message) in enumerate(cases):
+        path = tampered_gguf(d, tmp_path / f"case{i}.gguf", **how)
+        out = tmp_path / f"out{i}"
+        res = run(EXPORT_LLAMA, "--gguf", path, "--out", out)  # export_llama.py's one line: "export_llama: ..."
+        assert res.returncode != 0 and res.stderr.startswith("export_llama: ") and res.stderr.count("\n") == 1, \
+            res.stderr
+        assert message in res.stderr, (how, res.stderr)
+        assert not out.exists()
+
+
+def test_phi3_read_back_tied_head_and_window(readback, tmp_path):
+    """A tied phi3 (export_gguf.py writes its head as output.weight too) comes back tied, without lm_head; a
+    phi3.attention.sliding_window key (llama.cpp's converter writes one) comes back as sliding_window."""
+    d = shutil.copytree(readback["phi3"]["dir"], tmp_path / "tied")
+    t = st_io.load(str(d / "model.safetensors"))
+    del t["lm_head.weight"]
+    st_io.save(str(d / "model.safetensors"), t, metadata={"format": "pt"})
+    edit_json(d / "config.json", tie_word_embeddings=True)
+    back = round_trip(export_gguf(d, tmp_path / "tied.gguf", "f32"), tmp_path / "back")
+    assert json.load(open(back / "config.json"))["tie_word_embeddings"] is True
+    assert set(st_io.load(str(back / "model.safetensors"))) == set(t)
+    window = round_trip(tampered_gguf(d, tmp_path / "w.gguf", key="attention.sliding_window"), tmp_path / "w")
+    assert json.load(open(window / "config.json"))["sliding_window"] == 1
