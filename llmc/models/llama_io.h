@@ -157,6 +157,7 @@ static void llama_load_weights(Llama* m, const char* dir) {
     int bnb = bnb_config_nf4(dir);
     StModel sm;
     st_model_open(&sm, dir);
+    llama_checkpoint_view(c, &sm);
     llama_check_tensor_names(c, &sm, bnb);
     float tables[NF4_TABLE_FLOATS];
     nf4_fill_tables(tables);
@@ -355,6 +356,10 @@ static Linear llama_module_view(const Llama* m, int l, int t) {
     return v;
 }
 
+// A gemma3 directory's blocks as current transformers' Gemma3ForConditionalGeneration names its modules
+// (model.language_model.layers.N; PEFT writes them under base_model.model.): the adapter's module paths.
+#define LLAMA_MM_PEFT_LAYERS "model.language_model.layers"
+
 // The PEFT view of the adapters: Hugging Face module paths (one adapter per fused module: views[],
 // [layers * N_TARGETS], holds them); under --ms-lora merged, layers merged with an MS norm carry
 // that norm's gamma so the adapter is mapped back to (and from) the original model's layout.
@@ -365,7 +370,8 @@ static int llama_peft_entries(Llama* m, PeftEntry* e, Linear* views) {
             if (!llama_module_lead(&m->cfg, t)) continue;
             Linear* v = &views[l * N_TARGETS + t];
             *v = llama_module_view(m, l, t);
-            n = peft_add_entry(e, n, v, "model.layers", l, llama_hf_module(&m->cfg, t), llama_adapter_gamma(m, l, t));
+            n = peft_add_entry(e, n, v, m->cfg.multimodal ? LLAMA_MM_PEFT_LAYERS : "model.layers", l,
+                               llama_hf_module(&m->cfg, t), llama_adapter_gamma(m, l, t));
         }
     return n;
 }
@@ -511,11 +517,12 @@ static void llama_export_merged(Llama* m, const TrainOptions* o, const char* dir
     for (int f = 0; f < sm.nfiles; f++)
         for (int i = 0; i < sm.files[f].count; i++) {
             const StTensor* t = &sm.files[f].tensors[i];
+            const char* name = llama_text_name(&m->cfg, t->name);  // NULL: a gemma3 vision tensor, as it is
             int l = 0, tg = 0;
             Linear view;
-            const Linear* L = llama_linear_named(m, t->name, &view, &l, &tg) ? &view : NULL;
-            float offset;
-            const float* trained = llama_trained_tensor(m, t->name, &offset);
+            const Linear* L = name && llama_linear_named(m, name, &view, &l, &tg) ? &view : NULL;
+            float offset = 0.0f;
+            const float* trained = name ? llama_trained_tensor(m, name, &offset) : NULL;
             if (trained) {  // --full: embedding, head or a norm, as trained (a Gemma norm's w = gamma - 1)
                 owned[k] = xmalloc(st_dtype_size(t->dtype) * st_numel(t));
                 float* stored = (float*)xmalloc(sizeof(float) * st_numel(t));
