@@ -8,11 +8,12 @@ read. The same weights through the same code give the same bits on the CPU, so l
 adapter and merged export are compared for equality with the gemma3_text directory's, not within a
 tolerance; the vision tensors of the export must be the input's bytes.
 
-Run: /usr/bin/python3 -m pytest -q test/system/test_gemma3_multimodal.py (train_llama and
-build/test/llama_probe built first)."""
+Run: /usr/bin/python3 -m pytest -q test/system/test_gemma3_multimodal.py (train_llama,
+build/test/llama_probe and build/emu/llama_probe built first)."""
 import json
 import os
 import shutil
+import subprocess
 
 import numpy as np
 import pytest
@@ -85,6 +86,35 @@ def test_probe_loss_and_gradients_equal_the_text_directory(tmp_path, models):
             assert np.array_equal(a[k], b[k]), (norm, extra, k)
         if extra:  # the model's own gradients are there too
             assert "grad.embed" in a and "grad.final_norm" in a, sorted(a)
+
+
+def test_cuda_probe_equals_the_text_directory(tmp_path, models):
+    """The CUDA backend (the emulator here, nvcc's build on a GPU) reads the same weights out of both: the same bits."""
+    from cuda_backend import binaries, need
+    exe = need(binaries("train_llama", "llama_probe")[1])
+    text, mm, _ = models
+    model = lc.ref.LlamaModel.load(str(text))
+    B, T, rank, alpha = lc.SHAPES["gemma3"]
+    case, _, _ = lc.make_safe_case(model, B, T, rank, alpha, seed=7)
+    path = str(tmp_path / "case.safetensors")
+    lc.st_io.save(path, case)
+    outs = []
+    for i, d in enumerate((str(text), mm)):
+        cmd = [exe, "--model", d, "--case", path, "--out-file", str(tmp_path / f"{i}.safetensors"), "--act", "exact",
+               "--norm", "ms", "--recompute", "none", "--lora-rank", rank, "--lora-alpha", repr(float(alpha)),
+               "--device", "cuda"]
+        p = run_cmd(cmd)
+        assert p.returncode == 0, p.stderr[-2000:]
+        outs.append(st_io.load(str(tmp_path / f"{i}.safetensors")))
+    a, b = outs
+    assert a.keys() == b.keys() and "loss" in a and any(k.startswith("grad.") for k in a), sorted(a)
+    for k in a:
+        assert np.array_equal(a[k], b[k]), k
+
+
+def run_cmd(cmd):
+    return subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, OMP_NUM_THREADS="2"))
 
 
 @pytest.mark.parametrize("full", [False, True], ids=["lora", "full"])
