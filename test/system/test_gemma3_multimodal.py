@@ -21,7 +21,7 @@ import pytest
 import llama_cases as lc
 import st_io
 from test_llama_families import args, family_model
-from test_llama_train import losses, run
+from test_llama_train import losses, run, val_losses
 
 PEFT_TEXT, PEFT_MM = "base_model.model.model.layers.", "base_model.model.model.language_model.layers."
 
@@ -138,6 +138,13 @@ def test_training_adapter_and_merged_export(tmp_path, models, full):
         assert sorted(sb) == sorted(k.replace(PEFT_TEXT, PEFT_MM) for k in sa)
         for k in sa:
             assert np.array_equal(sa[k], sb[k.replace(PEFT_TEXT, PEFT_MM)]), k
+        # each adapter read back (--adapter) into its own model: the same validation loss; one under the
+        # other's module paths is refused
+        ev = ["--val", data, "--eval-only", "--seq", 16, "--batch", 2, "--val-batches", 2, "--lora-rank", 4]
+        va = run(["--model", text, "--adapter", tmp_path / "a", *ev]).stdout
+        vb = run(["--model", mm, "--adapter", tmp_path / "b", *ev]).stdout
+        assert val_losses(va) == val_losses(vb) and val_losses(va), (va, vb)
+        assert run(["--model", mm, "--adapter", tmp_path / "a", *ev], check=False).returncode != 0
     ea = st_io.load(str(tmp_path / "ea" / "model.safetensors"))
     eb = st_io.load(str(tmp_path / "eb" / "model.safetensors"))
     src, base = st_io.load(os.path.join(mm, "model.safetensors")), st_io.load(str(text / "model.safetensors"))
