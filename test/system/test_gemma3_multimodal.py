@@ -158,6 +158,11 @@ def test_training_adapter_and_merged_export(tmp_path, models, full):
         assert eb[k].tobytes() == src[k].tobytes(), k
     with open(os.path.join(mm, "config.json")) as f, open(tmp_path / "eb" / "config.json") as g:
         assert json.load(f) == json.load(g)
+    if full:  # --full's saved model is the whole directory too: the export's tensors
+        sb = st_io.load(str(tmp_path / "b" / "model.safetensors"))
+        assert sorted(sb) == sorted(src)
+        for k in sb:
+            assert sb[k].tobytes() == eb[k].tobytes(), k
 
 
 def test_resume_equals_a_straight_run(tmp_path, models):
