@@ -358,20 +358,38 @@ static Linear llama_module_view(const Llama* m, int l, int t) {
 
 // A gemma3 directory's blocks as current transformers' Gemma3ForConditionalGeneration names its modules
 // (model.language_model.layers.N; PEFT writes them under base_model.model.): the adapter's module paths.
+// transformers 4.50-4.51 (the release of Gemma 3) named them language_model.model.layers.N: --adapter
+// reads an adapter under either (llama_adapter_layers).
 #define LLAMA_MM_PEFT_LAYERS "model.language_model.layers"
+#define LLAMA_MM_PEFT_LAYERS_450 "language_model.model.layers"
+
+// The module path prefix of the blocks in adapter directory dir (NULL: this run's own when saving).
+static const char* llama_adapter_layers(const LlamaConfig* c, const char* dir) {
+    if (!c->multimodal) return "model.layers";
+    if (!dir) return LLAMA_MM_PEFT_LAYERS;
+    char* path = path_join(dir, "adapter_model.safetensors");
+    StFile f;
+    st_open(&f, path);
+    const char* layers = LLAMA_MM_PEFT_LAYERS;
+    const char* old = "base_model.model." LLAMA_MM_PEFT_LAYERS_450 ".";
+    for (int i = 0; i < f.count; i++)
+        if (!strncmp(f.tensors[i].name, old, strlen(old))) layers = LLAMA_MM_PEFT_LAYERS_450;
+    st_close(&f);
+    free(path);
+    return layers;
+}
 
 // The PEFT view of the adapters: Hugging Face module paths (one adapter per fused module: views[],
 // [layers * N_TARGETS], holds them); under --ms-lora merged, layers merged with an MS norm carry
 // that norm's gamma so the adapter is mapped back to (and from) the original model's layout.
-static int llama_peft_entries(Llama* m, PeftEntry* e, Linear* views) {
+static int llama_peft_entries(Llama* m, PeftEntry* e, Linear* views, const char* layers) {
     int n = 0;
     for (int l = 0; l < m->cfg.layers; l++)
         for (int t = 0; t < N_TARGETS; t++) {
             if (!llama_module_lead(&m->cfg, t)) continue;
             Linear* v = &views[l * N_TARGETS + t];
             *v = llama_module_view(m, l, t);
-            n = peft_add_entry(e, n, v, m->cfg.multimodal ? LLAMA_MM_PEFT_LAYERS : "model.layers", l,
-                               llama_hf_module(&m->cfg, t), llama_adapter_gamma(m, l, t));
+            n = peft_add_entry(e, n, v, layers, l, llama_hf_module(&m->cfg, t), llama_adapter_gamma(m, l, t));
         }
     return n;
 }
@@ -380,7 +398,7 @@ static void llama_save_adapter(Llama* m, const char* dir, const TrainOptions* o)
     trainable_to_host(&m->w.tr, 0);
     PeftEntry* e = (PeftEntry*)xcalloc(m->cfg.layers * N_TARGETS, sizeof(PeftEntry));
     Linear* views = (Linear*)xcalloc(m->cfg.layers * N_TARGETS, sizeof(Linear));
-    int n = llama_peft_entries(m, e, views);
+    int n = llama_peft_entries(m, e, views, llama_adapter_layers(&m->cfg, NULL));
     const char* tm[N_TARGETS];
     int ntm = 0;
     for (int t = 0; t < N_TARGETS; t++)
@@ -396,7 +414,7 @@ static void llama_save_adapter(Llama* m, const char* dir, const TrainOptions* o)
 static void llama_load_adapter(Llama* m, const char* dir, const TrainOptions* o) {
     PeftEntry* e = (PeftEntry*)xcalloc(m->cfg.layers * N_TARGETS, sizeof(PeftEntry));
     Linear* views = (Linear*)xcalloc(m->cfg.layers * N_TARGETS, sizeof(Linear));
-    int n = llama_peft_entries(m, e, views);
+    int n = llama_peft_entries(m, e, views, llama_adapter_layers(&m->cfg, dir));
     static const char* const bias_modes[] = {"none", NULL};
     PeftReads reads = {NULL, NULL, bias_modes, 0};
     peft_load(dir, e, n, m->modes.rank, o->lora_alpha, o->lora_rslora, &reads);

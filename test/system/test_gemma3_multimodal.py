@@ -24,6 +24,7 @@ from test_llama_families import args, family_model
 from test_llama_train import losses, run, val_losses
 
 PEFT_TEXT, PEFT_MM = "base_model.model.model.layers.", "base_model.model.model.language_model.layers."
+PEFT_450 = "base_model.model.language_model.model.layers."
 
 
 def vision_tensors(rng):
@@ -145,6 +146,12 @@ def test_training_adapter_and_merged_export(tmp_path, models, full):
         vb = run(["--model", mm, "--adapter", tmp_path / "b", *ev]).stdout
         assert val_losses(va) == val_losses(vb) and val_losses(va), (va, vb)
         assert run(["--model", mm, "--adapter", tmp_path / "a", *ev], check=False).returncode != 0
+        # the names PEFT wrote under transformers 4.50-4.51, Gemma 3's release (language_model.model.layers.N)
+        old = tmp_path / "b450"
+        shutil.copytree(tmp_path / "b", old)
+        st_io.save(str(old / "adapter_model.safetensors"), {k.replace(PEFT_MM, PEFT_450): v for k, v in sb.items()},
+                   metadata={"format": "pt"})
+        assert val_losses(run(["--model", mm, "--adapter", old, *ev]).stdout) == val_losses(vb)
     ea = st_io.load(str(tmp_path / "ea" / "model.safetensors"))
     eb = st_io.load(str(tmp_path / "eb" / "model.safetensors"))
     src, base = st_io.load(os.path.join(mm, "model.safetensors")), st_io.load(str(text / "model.safetensors"))
