@@ -342,6 +342,7 @@ typedef struct {
     int nfiles;
     StFile* files;
     char* dir;
+    char prefix[32];   // names are looked up as prefix + name (a model inside a bigger checkpoint); "" none
 } StModel;
 
 // A sharded checkpoint must say one thing: each tensor of the index's weight_map is in the shard
@@ -413,6 +414,11 @@ static void st_model_open(StModel* m, const char* dir) {
 }
 
 static const StTensor* st_model_find(const StModel* m, const char* name) {
+    char full[512];
+    if (m->prefix[0]) {
+        snprintf(full, sizeof(full), "%s%s", m->prefix, name);
+        name = full;
+    }
     for (int i = 0; i < m->nfiles; i++) {
         const StTensor* t = st_find(&m->files[i], name);
         if (t) return t;
@@ -422,7 +428,7 @@ static const StTensor* st_model_find(const StModel* m, const char* name) {
 
 static const StTensor* st_model_require(const StModel* m, const char* name) {
     const StTensor* t = st_model_find(m, name);
-    if (!t) fail("%s: checkpoint is missing tensor \"%s\"", m->dir, name);
+    if (!t) fail("%s: checkpoint is missing tensor \"%s%s\"", m->dir, m->prefix, name);
     return t;
 }
 

@@ -19,6 +19,9 @@
 //   gemma3_text  gemma2's without soft-capping, with qwen3's q/k norms (scaling by 1 + w), local
 //            layers (sliding_window_pattern or layer_types) with their own RoPE base
 //            (rope_local_base_freq), linear RoPE scaling on the global layers
+//   gemma3   the multimodal directory (Gemma3ForConditionalGeneration): its text_config is read as a
+//            gemma3_text config, its language_model.* tensors as that model's; the vision part is not
+//            read (llama_config_gemma3_outer, llama_text_name)
 // Anything else is refused in one line naming it, never passed over: another model_type or
 // architecture, a config key this file does not know (it could change the math), a value of a
 // known key that the trainer does not implement (rope_scaling types but llama3, a partial rotary
@@ -62,7 +65,15 @@ typedef struct {
     float rope_linear;                     // linear RoPE scaling: positions divided by this (0: none)
     int pad_skip;                          // pad_token_id, the embedding row transformers' padding_idx leaves
                                            // without a gradient (--full); -1: none (llama_config_pad)
+    int multimodal;                        // a gemma3 directory (Gemma3ForConditionalGeneration): this is its
+                                           // text_config, the tensors are under LLAMA_MM_PREFIX (llama_text_name)
 } LlamaConfig;
+
+// A gemma3 directory's checkpoint, as released (Gemma3ForConditionalGeneration saves its language model,
+// a Gemma3ForCausalLM, as the attribute language_model): the text model's tensors are these names with
+// this prefix; the vision part's are under LLAMA_MM_VISION's prefixes, and not read.
+#define LLAMA_MM_PREFIX "language_model."
+static const char* const LLAMA_MM_VISION[2] = {"vision_tower.", "multi_modal_projector."};
 
 // The window layer l attends over: 0 for every position before it, else the last W positions.
 static inline int llama_layer_window(const LlamaConfig* c, int l) {
@@ -124,17 +135,23 @@ static void llama_config_family(LlamaConfig* c, const Json* j, const char* path)
                                         "Gemma3ForCausalLM"};
     const int n_types = (int)(sizeof(types) / sizeof(types[0]));
     const Json* mt = json_get(j, "model_type");
+    if (!mt && c->multimodal) {  // Gemma3Config builds Gemma3TextConfig(**text_config) whatever it names
+        snprintf(c->family, sizeof(c->family), "gemma3_text");
+        return;
+    }
     if (!mt || mt->type != JSON_STRING)
         fail("%s: no model_type string (expected llama, mistral, qwen2, qwen3, phi3, gemma2 or "
              "gemma3_text)", path);
     int f = 0;
     while (f < n_types && strcmp(mt->string, types[f]) != 0) f++;
     if (f == n_types)
-        fail("%s: model_type \"%.60s\" is not supported (train_llama reads llama, mistral, qwen2, qwen3, gemma2 and "
-             "gemma3_text%s)", path, mt->string,
+        fail("%s: model_type \"%.60s\" is not supported (train_llama reads llama, mistral, qwen2, qwen3, gemma2, "
+             "gemma3_text and gemma3's text model%s)", path, mt->string,
              strcmp(mt->string, "vit") == 0 ? "; a ViT is train_vit's"
-             : strcmp(mt->string, "gemma3") == 0 ? "; a gemma3 directory is the multimodal model: its text model "
-                                                   "is not read out of it here" : "");
+             : "");
+    if (c->multimodal && strcmp(types[f], "gemma3_text") != 0)
+        fail("%s: text_config.model_type \"%s\" is not gemma3_text (Gemma3Config reads text_config as one)", path,
+             types[f]);
     snprintf(c->family, sizeof(c->family), "%s", types[f]);
     const Json* ar = json_get(j, "architectures");
     if (!ar || ar->type == JSON_NULL) return;
@@ -371,13 +388,26 @@ static void llama_config_phi3(LlamaConfig* c, const Json* j, const char* path) {
 // Sizes. Ranges: every real model lies well inside (Llama-3.1-405B: hidden 16384, intermediate
 // 53248, 126 layers, 128 heads, vocab 128256); beyond them a config is corrupt, and the limits keep
 // every product of sizes the code forms far from 64-bit overflow.
+static int llama_int_or(const Json* j, const char* key, const char* path, int lo, int hi, int dflt) {
+    return json_get(j, key) && json_get(j, key)->type != JSON_NULL ? json_int_in(j, key, path, lo, hi) : dflt;
+}
+
+// The sizes' defaults where config.json leaves them out: none (a missing size is refused), but for
+// gemma3_text Gemma3TextConfig's own, which released gemma3 directories rely on (their text_config
+// names hidden_size, intermediate_size and num_hidden_layers, not the heads or the vocabulary).
 static void llama_config_sizes(LlamaConfig* c, const Json* j, const char* path) {
-    c->dim = json_int_in(j, "hidden_size", path, 1, 1 << 16);
-    c->hidden = json_int_in(j, "intermediate_size", path, 1, 1 << 18);
-    c->layers = json_int_in(j, "num_hidden_layers", path, 1, LLAMA_MAX_LAYERS);
-    c->heads = json_int_in(j, "num_attention_heads", path, 1, 1024);
-    c->kv_heads = json_get(j, "num_key_value_heads") ? json_int_in(j, "num_key_value_heads", path, 1, 1024) : c->heads;
-    c->vocab = json_int_in(j, "vocab_size", path, 1, 1 << 22);
+    int g3 = !strcmp(c->family, "gemma3_text"), req = -1;
+    c->dim = llama_int_or(j, "hidden_size", path, 1, 1 << 16, g3 ? 2304 : req);
+    c->hidden = llama_int_or(j, "intermediate_size", path, 1, 1 << 18, g3 ? 9216 : req);
+    c->layers = llama_int_or(j, "num_hidden_layers", path, 1, LLAMA_MAX_LAYERS, g3 ? 26 : req);
+    c->heads = llama_int_or(j, "num_attention_heads", path, 1, 1024, g3 ? 8 : req);
+    c->kv_heads = llama_int_or(j, "num_key_value_heads", path, 1, 1024, g3 ? 4 : c->heads);
+    c->vocab = llama_int_or(j, "vocab_size", path, 1, 1 << 22, g3 ? 262208 : req);
+    static const char* const need[] = {"hidden_size", "intermediate_size", "num_hidden_layers",
+                                       "num_attention_heads", "vocab_size"};
+    int got[] = {c->dim, c->hidden, c->layers, c->heads, c->vocab};
+    for (int k = 0; k < 5; k++)
+        if (got[k] == req) fail("%s: missing field \"%s\"", path, need[k]);
     if (json_get(j, "head_dim") && json_get(j, "head_dim")->type != JSON_NULL) {
         c->head_dim = json_int_in(j, "head_dim", path, 2, 1024);
     } else if (!strncmp(c->family, "gemma", 5)) {
@@ -393,7 +423,7 @@ static void llama_config_sizes(LlamaConfig* c, const Json* j, const char* path) 
         fail("%s: head dimension %d must be positive and even (RoPE rotates pairs)", path, c->head_dim);
     c->attn_scale = 1.0f / sqrtf((float)c->head_dim);
     c->max_seq = json_get(j, "max_position_embeddings") && json_get(j, "max_position_embeddings")->type != JSON_NULL
-                     ? json_int_in(j, "max_position_embeddings", path, 1, 1 << 26) : 2048;
+                     ? json_int_in(j, "max_position_embeddings", path, 1, 1 << 26) : g3 ? 131072 : 2048;
 }
 
 // pad_token_id: transformers builds every family's embedding with padding_idx = pad_token_id, so
@@ -407,14 +437,63 @@ static void llama_config_pad(LlamaConfig* c, const Json* j, const char* path) {
     if (c->pad_skip >= c->vocab) c->pad_skip = -1;
 }
 
+// A gemma3 directory (Gemma3ForConditionalGeneration): its text_config is read as a gemma3_text
+// config.json (with Gemma3TextConfig's defaults) and returned; vision_config is the vision tower's,
+// not read. The top-level keys accepted beside them do not touch the text model's math: the image
+// tokens' bookkeeping (mm_tokens_per_image, the boi/eoi/image token ids and their *_id aliases, which
+// only place image embeddings among the text's), the vision part's initializer_range, token ids for
+// generation (the text model's own are text_config's), and the exporters' bookkeeping. Anything
+// else, or a quantization_config (a bitsandbytes multimodal checkpoint is not read here), is refused.
+static const Json* llama_config_gemma3_outer(LlamaConfig* c, const Json* j, const char* path) {
+    static const char* const keys[] = {
+        "model_type", "architectures", "text_config", "vision_config", "mm_tokens_per_image", "boi_token_index",
+        "eoi_token_index", "image_token_index", "boi_token_id", "eoi_token_id", "image_token_id",
+        "initializer_range", "bos_token_id", "eos_token_id", "pad_token_id", "_name_or_path", "torch_dtype", "dtype",
+        "transformers_version", "use_cache"};
+    const int nk = (int)(sizeof(keys) / sizeof(keys[0]));
+    for (int i = 0; i < j->count; i++) {
+        int known = 0;
+        for (int k = 0; k < nk && !known; k++) known = strcmp(j->keys[i], keys[k]) == 0;
+        if (!known)
+            fail("%s: config key \"%.60s\" of a gemma3 directory is not one train_llama knows (it may change the "
+                 "text model's math; refused rather than ignored)", path, j->keys[i]);
+    }
+    const Json* ar = json_get(j, "architectures");
+    if (ar && ar->type != JSON_NULL) {
+        if (ar->type != JSON_ARRAY) fail("%s: architectures must be a list", path);
+        for (int i = 0; i < ar->count; i++)
+            if (ar->items[i].type != JSON_STRING || strcmp(ar->items[i].string, "Gemma3ForConditionalGeneration"))
+                fail("%s: architecture %.60s is not supported for model_type gemma3 (expected "
+                     "Gemma3ForConditionalGeneration)", path,
+                     ar->items[i].type == JSON_STRING ? ar->items[i].string : "(not a string)");
+    }
+    const Json* vc = json_get(j, "vision_config");
+    if (vc && vc->type != JSON_NULL && vc->type != JSON_OBJECT) fail("%s: vision_config must be an object", path);
+    const Json* tc = json_get(j, "text_config");
+    if (!tc || tc->type != JSON_OBJECT)
+        fail("%s: a gemma3 directory needs a text_config object (its language model's config)", path);
+    if (json_get(tc, "quantization_config"))  // bnb_config_nf4 reads the top level's: refused rather than ignored
+        fail("%s: text_config.quantization_config is not supported (a quantized gemma3 directory is not read)", path);
+    c->multimodal = 1;
+    return tc;
+}
+
 static void llama_config_load(LlamaConfig* c, const char* model_dir) {
     char* path = path_join(model_dir, "config.json");
     if (!dir_exists(model_dir)) fail("flag --model: %s is not a directory", model_dir);
     size_t n;
     char* text = read_file(path, &n);
-    Json j = json_parse(text, n, path);
-    if (j.type != JSON_OBJECT) fail("%s: expected a JSON object", path);
+    Json top = json_parse(text, n, path);
+    if (top.type != JSON_OBJECT) fail("%s: expected a JSON object", path);
     memset(c, 0, sizeof(*c));
+    const Json* mt = json_get(&top, "model_type");
+    int gemma3 = mt && mt->type == JSON_STRING && !strcmp(mt->string, "gemma3");
+    const Json j = gemma3 ? *llama_config_gemma3_outer(c, &top, path) : top;  // a view: freed with top
+    char* file = path;  // errors in a gemma3 directory's text config name it as text_config
+    if (gemma3) {
+        path = (char*)xmalloc(strlen(file) + 16);
+        sprintf(path, "%s text_config", file);
+    }
     llama_config_family(c, &j, path);
     llama_check_known_keys(&j, path);
     llama_config_refusals(c, &j, path);
@@ -446,8 +525,9 @@ static void llama_config_load(LlamaConfig* c, const char* model_dir) {
              "quantization blocks); load the unquantized model with --quant nf4", path);
     llama_config_gemma(c, &j, path);
     llama_config_pad(c, &j, path);
-    json_free(&j);
+    json_free(&top);
     free(text);
+    if (path != file) free(file);
     free(path);
 }
 
@@ -513,17 +593,44 @@ static int llama_tensor_is_used(const LlamaConfig* c, const char* name, int bnb)
     return llama_layer_tensor_is_used(c, name + strlen(first), name, bnb);
 }
 
+// The text model's name of checkpoint tensor `name` (model.layers.N..., model.norm.weight, lm_head.weight),
+// or NULL for a gemma3 directory's vision tensor; a name that is neither stays as it is (and is refused
+// by llama_check_tensor_names).
+static const char* llama_text_name(const LlamaConfig* c, const char* name) {
+    if (!c->multimodal) return name;
+    size_t k = strlen(LLAMA_MM_PREFIX);
+    if (!strncmp(name, LLAMA_MM_PREFIX, k)) return name + k;
+    for (int v = 0; v < 2; v++)
+        if (!strncmp(name, LLAMA_MM_VISION[v], strlen(LLAMA_MM_VISION[v]))) return NULL;
+    return name;
+}
+
+// The checkpoint seen as the text model's: a gemma3 directory's tensors are looked up under LLAMA_MM_PREFIX.
+static void llama_checkpoint_view(const LlamaConfig* c, StModel* sm) {
+    if (c->multimodal) snprintf(sm->prefix, sizeof(sm->prefix), "%s", LLAMA_MM_PREFIX);
+}
+
 // Every tensor of the checkpoint is one the model reads, or the load is refused naming the first
 // that is not; with tied embeddings a stored lm_head.weight must equal the embedding (transformers
-// ties them, so a different one would be dropped there too, silently).
+// ties them, so a different one would be dropped there too, silently). A gemma3 directory's vision
+// tensors are not read: one line says so, with their count.
 static void llama_check_tensor_names(const LlamaConfig* c, const StModel* sm, int bnb) {
+    int vision = 0;
     for (int f = 0; f < sm->nfiles; f++)
         for (int i = 0; i < sm->files[f].count; i++) {
             const StTensor* t = &sm->files[f].tensors[i];
-            if (!llama_tensor_is_used(c, t->name, bnb))
+            const char* name = llama_text_name(c, t->name);
+            if (!name) { vision++; continue; }
+            if (name == t->name && c->multimodal)
+                fail("%s: tensor \"%.120s\" is neither the language model's (" LLAMA_MM_PREFIX "*) nor the vision "
+                     "part's of a gemma3 checkpoint (refused rather than ignored)", t->file, t->name);
+            if (!llama_tensor_is_used(c, name, bnb))
                 fail("%s: tensor \"%.120s\" is not part of a %s model with this config.json (refused rather than "
                      "ignored)", t->file, t->name, c->family);
         }
+    if (c->multimodal)
+        printf("gemma3: the language model (" LLAMA_MM_PREFIX "*) is trained; the %d vision tensors (vision_tower.*, "
+               "multi_modal_projector.*) are not read (the merged export copies them unchanged)\n", vision);
     const StTensor* head = st_model_find(sm, "lm_head.weight");
     if (!c->tied || !head) return;
     const StTensor* emb = st_model_require(sm, "model.embed_tokens.weight");

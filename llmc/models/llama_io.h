@@ -157,6 +157,7 @@ static void llama_load_weights(Llama* m, const char* dir) {
     int bnb = bnb_config_nf4(dir);
     StModel sm;
     st_model_open(&sm, dir);
+    llama_checkpoint_view(c, &sm);
     llama_check_tensor_names(c, &sm, bnb);
     float tables[NF4_TABLE_FLOATS];
     nf4_fill_tables(tables);
@@ -355,17 +356,40 @@ static Linear llama_module_view(const Llama* m, int l, int t) {
     return v;
 }
 
+// A gemma3 directory's blocks as current transformers' Gemma3ForConditionalGeneration names its modules
+// (model.language_model.layers.N; PEFT writes them under base_model.model.): the adapter's module paths.
+// transformers 4.50-4.51 (the release of Gemma 3) named them language_model.model.layers.N: --adapter
+// reads an adapter under either (llama_adapter_layers).
+#define LLAMA_MM_PEFT_LAYERS "model.language_model.layers"
+#define LLAMA_MM_PEFT_LAYERS_450 "language_model.model.layers"
+
+// The module path prefix of the blocks in adapter directory dir (NULL: this run's own when saving).
+static const char* llama_adapter_layers(const LlamaConfig* c, const char* dir) {
+    if (!c->multimodal) return "model.layers";
+    if (!dir) return LLAMA_MM_PEFT_LAYERS;
+    char* path = path_join(dir, "adapter_model.safetensors");
+    StFile f;
+    st_open(&f, path);
+    const char* layers = LLAMA_MM_PEFT_LAYERS;
+    const char* old = "base_model.model." LLAMA_MM_PEFT_LAYERS_450 ".";
+    for (int i = 0; i < f.count; i++)
+        if (!strncmp(f.tensors[i].name, old, strlen(old))) layers = LLAMA_MM_PEFT_LAYERS_450;
+    st_close(&f);
+    free(path);
+    return layers;
+}
+
 // The PEFT view of the adapters: Hugging Face module paths (one adapter per fused module: views[],
 // [layers * N_TARGETS], holds them); under --ms-lora merged, layers merged with an MS norm carry
 // that norm's gamma so the adapter is mapped back to (and from) the original model's layout.
-static int llama_peft_entries(Llama* m, PeftEntry* e, Linear* views) {
+static int llama_peft_entries(Llama* m, PeftEntry* e, Linear* views, const char* layers) {
     int n = 0;
     for (int l = 0; l < m->cfg.layers; l++)
         for (int t = 0; t < N_TARGETS; t++) {
             if (!llama_module_lead(&m->cfg, t)) continue;
             Linear* v = &views[l * N_TARGETS + t];
             *v = llama_module_view(m, l, t);
-            n = peft_add_entry(e, n, v, "model.layers", l, llama_hf_module(&m->cfg, t), llama_adapter_gamma(m, l, t));
+            n = peft_add_entry(e, n, v, layers, l, llama_hf_module(&m->cfg, t), llama_adapter_gamma(m, l, t));
         }
     return n;
 }
@@ -374,7 +398,7 @@ static void llama_save_adapter(Llama* m, const char* dir, const TrainOptions* o)
     trainable_to_host(&m->w.tr, 0);
     PeftEntry* e = (PeftEntry*)xcalloc(m->cfg.layers * N_TARGETS, sizeof(PeftEntry));
     Linear* views = (Linear*)xcalloc(m->cfg.layers * N_TARGETS, sizeof(Linear));
-    int n = llama_peft_entries(m, e, views);
+    int n = llama_peft_entries(m, e, views, llama_adapter_layers(&m->cfg, NULL));
     const char* tm[N_TARGETS];
     int ntm = 0;
     for (int t = 0; t < N_TARGETS; t++)
@@ -390,7 +414,7 @@ static void llama_save_adapter(Llama* m, const char* dir, const TrainOptions* o)
 static void llama_load_adapter(Llama* m, const char* dir, const TrainOptions* o) {
     PeftEntry* e = (PeftEntry*)xcalloc(m->cfg.layers * N_TARGETS, sizeof(PeftEntry));
     Linear* views = (Linear*)xcalloc(m->cfg.layers * N_TARGETS, sizeof(Linear));
-    int n = llama_peft_entries(m, e, views);
+    int n = llama_peft_entries(m, e, views, llama_adapter_layers(&m->cfg, dir));
     static const char* const bias_modes[] = {"none", NULL};
     PeftReads reads = {NULL, NULL, bias_modes, 0};
     peft_load(dir, e, n, m->modes.rank, o->lora_alpha, o->lora_rslora, &reads);
@@ -511,11 +535,12 @@ static void llama_export_merged(Llama* m, const TrainOptions* o, const char* dir
     for (int f = 0; f < sm.nfiles; f++)
         for (int i = 0; i < sm.files[f].count; i++) {
             const StTensor* t = &sm.files[f].tensors[i];
+            const char* name = llama_text_name(&m->cfg, t->name);  // NULL: a gemma3 vision tensor, as it is
             int l = 0, tg = 0;
             Linear view;
-            const Linear* L = llama_linear_named(m, t->name, &view, &l, &tg) ? &view : NULL;
-            float offset;
-            const float* trained = llama_trained_tensor(m, t->name, &offset);
+            const Linear* L = name && llama_linear_named(m, name, &view, &l, &tg) ? &view : NULL;
+            float offset = 0.0f;
+            const float* trained = name ? llama_trained_tensor(m, name, &offset) : NULL;
             if (trained) {  // --full: embedding, head or a norm, as trained (a Gemma norm's w = gamma - 1)
                 owned[k] = xmalloc(st_dtype_size(t->dtype) * st_numel(t));
                 float* stored = (float*)xmalloc(sizeof(float) * st_numel(t));

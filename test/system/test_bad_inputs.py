@@ -169,7 +169,7 @@ def w(tmp_path_factory):
         "gemma": setdict(model_type="gemma", architectures=["GemmaForCausalLM"], head_dim=16),
         # issue 36: phi3 reads fused checkpoints and refuses what its transformers class would do otherwise
         # issue 36: Gemma's hidden_act beside its hidden_activation must name the same GELU; a gemma3
-        # directory is the multimodal model
+        # directory's text model's keys are in text_config, not at the top (test_gemma3_multimodal.py has the rest)
         "gemma2_gelu_erf": setdict(model_type="gemma2", architectures=["Gemma2ForCausalLM"], head_dim=16,
                                    hidden_act=GTANH, query_pre_attn_scalar=16, attn_logit_softcapping=None,
                                    hidden_activation="gelu"),
@@ -359,7 +359,7 @@ ROWS = {
     "gemma2_hidden_activation": ("llama", lambda w: (llama_model(w.lcfg["gemma2_gelu_erf"]),
                                                      ["config.json", "hidden_activation \"gelu\""])),
     "gemma3_multimodal": ("llama", lambda w: (llama_model(w.lcfg["gemma3_multimodal"]),
-                                              ["config.json", "model_type \"gemma3\"", "multimodal"])),
+                                              ["config.json", "of a gemma3 directory", "\"hidden_size\""])),
     "family_mixtral": ("llama", lambda w: (llama_model(w.lcfg["mixtral"]), ["config.json", "model_type \"mixtral\""])),
     "family_missing": ("llama", lambda w: (llama_model(w.lcfg["no_model_type"]), ["config.json", "no model_type"])),
     "architecture_mismatch": ("llama", lambda w: (llama_model(w.lcfg["arch_mismatch"]),
