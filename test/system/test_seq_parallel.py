@@ -23,6 +23,7 @@ sys.path.insert(0, os.path.join(REPO, "scripts", "formats"))
 import shards  # noqa: E402
 sys.path.insert(0, os.path.join(REPO, "test", "model"))
 import llama_cases as lc  # noqa: E402
+import phi3_cases  # noqa: E402
 
 DATA = os.path.join(REPO, "data")
 LLAMA, TRAIN, VAL = (os.path.join(DATA, n) for n in ("llama_demo", "llama_demo_ft_train.bin", "llama_demo_ft_val.bin"))
@@ -309,4 +310,19 @@ def test_gemma2_matches_one_process(tmp_path):
     lc.write_model(str(d), cfg, seed=5)
     single = train(tmp_path, "single", 1, 2, TRAIN, model=str(d))
     split = train(tmp_path, "split", 2, 2, TRAIN, "--seq-parallel", 2, model=str(d))
+    assert_equivalent(single, split)
+
+
+@pytest.mark.parametrize("mode", [[], ["--full"]])
+def test_phi3_matches_one_process(tmp_path, mode):
+    """Phi-4-mini's shape (Phi-3's fused qkv_proj and gate_up_proj, rotary over 12 of 16 dims,
+    LongRoPE with an original context of 8, tied) at P = 2, in the demo's vocabulary: as one process,
+    within the bounds above. Each rank holds 8 of the 16 positions, and the table is the whole
+    sequence's (llmc/models/llama_io.h's llama_rope_table: the long factors for both runs)."""
+    cfg = phi3_cases.model_config("phi4_mini")
+    cfg.update(vocab_size=512)
+    d = tmp_path / "model"
+    phi3_cases.write_phi3_model(str(d), cfg, seed=5)
+    single = train(tmp_path, "single", 1, 2, TRAIN, *mode, model=str(d))
+    split = train(tmp_path, "split", 2, 2, TRAIN, "--seq-parallel", 2, *mode, model=str(d))
     assert_equivalent(single, split)
