@@ -251,7 +251,7 @@ static void llama_run_config(void* run, TrainOptions* o, const Dist* dist) {
     r->md.full_reference = r->md.full && r->po.kind == OBJ_DPO;  // the initial weights, frozen (dpo_reference)
     TrainOptions sp_checked = *o;
     if (o->dry_run && o->max_seq) sp_checked.seq = o->seq_parallel;  // --max-seq searches multiples of P instead
-    seqpar_check(&sp_checked, r->cfg.heads, r->cfg.kv_heads, r->cfg.qk_norm);
+    seqpar_check(&sp_checked, r->cfg.heads, r->cfg.kv_heads);
 }
 
 static void llama_run_dry_run(void* run, const TrainOptions* o, const Dist* dist) {

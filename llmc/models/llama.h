@@ -502,7 +502,8 @@ static void llama_forward_blocks(Llama* m, int B, int T, const KVCache* kv) {
 // Backward
 
 // Under MS norms, Qwen3's rotated q (t = T_Q) or k (T_K) for attention's backward: RoPE(gamma z) from
-// the kept z, as the forward built them.
+// the kept z, as the forward built them; under --seq-parallel exchanged, as the forward's were, to
+// the head layout (z holds this rank's tokens: the norm and RoPE are per token and per head).
 static void llama_qk_rebuild(Llama* m, const LlamaLayer* layer, BlockActs* a, int t, int64_t N, int T) {
     const LlamaConfig* c = &m->cfg;
     int is_q = t == T_Q, heads = is_q ? c->heads : c->kv_heads;
@@ -510,6 +511,7 @@ static void llama_qk_rebuild(Llama* m, const LlamaLayer* layer, BlockActs* a, in
     op_scale_columns(m->be, y, is_q ? a->qz : a->kz, is_q ? layer->q_norm : layer->k_norm, N * heads, c->head_dim);
     RopeTables rt = llama_rope_of(m, layer);
     op_rope(m->be, y, rt.cos, rt.sin, m->io.pos, N, T, heads, c->head_dim, c->rot_dim, ROPE_FORWARD);
+    if (m->sp.P > 1) seqpar_rebuilt_to_heads(&m->sp, y, is_q ? SEQPAR_QUERY_HEADS : SEQPAR_KV_HEADS);
 }
 
 // The gradient w.r.t. the q (t = T_Q) or k (T_K) projection's output, from dy, the gradient w.r.t.

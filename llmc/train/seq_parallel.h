@@ -41,7 +41,7 @@ typedef struct {
 } SeqPar;
 
 // Refuses, in one line naming the flag, what --seq-parallel does not support (yet).
-static void seqpar_check(const TrainOptions* o, int heads, int kv_heads, int qk_norm) {
+static void seqpar_check(const TrainOptions* o, int heads, int kv_heads) {
     int P = o->seq_parallel;
     if (P < 1) fail("flag --seq-parallel: expected >= 1, got %d", P);
     if (P == 1) return;
@@ -53,8 +53,7 @@ static void seqpar_check(const TrainOptions* o, int heads, int kv_heads, int qk_
         fail("flag --seq-parallel: %d is not a multiple of the model's %d key/value heads (fewer heads than ranks "
              "are replicated, each over the same number of ranks)", P, kv_heads);
     if (o->seq % P) fail("flag --seq-parallel: %d does not divide --seq %d", P, o->seq);
-    const char* no = o->generate ? "--generate" : qk_norm ? "a model with q/k norms (Qwen3)" : NULL;
-    if (no) fail("flag --seq-parallel: not supported with %s yet (LoRA training only)", no);
+    if (o->generate) fail("flag --seq-parallel: not supported with --generate yet (training only)");
 }
 
 // This rank's group and slice for micro-batches of B x T (T the whole sequence).
@@ -216,6 +215,20 @@ static void* seqpar_attention_forward(SeqPar* sp, const Backend* be, void* o, fl
     op_attention_forward(be, o, lse, q, k, v, as, op_attention_work_fitting(be, as, att_work, att_work_bytes));
     seqpar_to_tokens(sp, o, sp->tok, sp->heads, SEQPAR_ONE_COPY, work, "fwd");
     return sp->tok;
+}
+
+// Which heads a buffer holds: the query heads (q, o and their gradients), or the key/value heads
+// (k, v, dk, dv: kv_rep copies of each where there are fewer than ranks).
+typedef enum { SEQPAR_QUERY_HEADS, SEQPAR_KV_HEADS } SeqParHeads;
+
+// q or k after RoPE, rebuilt by the backward in token layout [n, nh*hd] (a model under MS q/k norms
+// keeps their normalised rows instead, llmc/models/llama.h's llama_qk_rebuild), to the head layout
+// attention's backward reads, as the forward exchanged them (x holds seqpar_kv_width per token for
+// k). Packs in sp->tok: dead from the o projection's backward, its last reader, until attention's
+// backward packs dout in it.
+static void seqpar_rebuilt_to_heads(SeqPar* sp, void* x, SeqParHeads which) {
+    int kv = which == SEQPAR_KV_HEADS;
+    seqpar_to_heads(sp, x, kv ? sp->kv_heads : sp->heads, kv ? sp->kv_rep : SEQPAR_ONE_COPY, sp->tok, "bwd");
 }
 
 // The kept o (head layout) in token layout, for the o projection's backward: sp->tok (work: as

@@ -4,7 +4,8 @@ validation (the demo's 4 query and 2 key/value heads: one key/value head per ran
 run on the device through grouped ncclSend/ncclRecv (emulated over MPI: test/emu/emu_nccl.h),
 or with LLMC_NCCL=0 through host copies and MPI; both must give the same result. A model of one
 key/value head replicates it over both ranks (the replicas' gradients summed back by
-sum_replica_blocks_cuda). Needs two GPUs on real hardware: not yet run on a GPU."""
+sum_replica_blocks_cuda). Qwen3's q/k norms under lowmem (q, k rebuilt in the backward and
+exchanged again). Needs two GPUs on real hardware: not yet run on a GPU."""
 import csv
 import os
 
@@ -97,3 +98,35 @@ def test_cuda_replicated_key_value_head_equals_one_process(tmp_path, one_kv_head
     assert abs(n1[0] - n2[0]) <= REPLICATED_NORM_REL * n1[0], (n1, n2)
     assert abs(l1[1] - l2[1]) <= REPLICATED_STEP2_ABS, (l1, l2)
     assert abs(l1[1] - l1[0]) > 10 * REPLICATED_STEP2_ABS, l1  # a step moves the loss by far more
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    import llama_cases as lc
+    cfg = lc.model_config("qwen3")
+    cfg.update(vocab_size=512)  # the demo's data
+    d = tmp_path_factory.mktemp("qwen3") / "model"
+    lc.write_model(str(d), cfg, seed=5)
+    return str(d)
+
+
+def test_cuda_qk_norms_equal_one_process(tmp_path, qwen3):
+    # Qwen3's q/k norms under lowmem with LoRA: the block keeps their normalised rows, and the
+    # backward rebuilds q and k from them in token layout and exchanges them to the head layout
+    # (llmc/models/llama.h's llama_qk_rebuild). 2 key/value heads: one per rank, none replicated,
+    # so the bounds of the first test hold as derived there (a smaller model: fewer activations
+    # that could cross a bf16 rounding boundary); the NCCL and host paths equal to the bit
+    if GPU:
+        pytest.skip("needs two GPUs")
+    args = [str(a) for a in ["--model", qwen3, "--data", os.path.join(DATA, "llama_demo_ft_train.bin"), "--steps", 4,
+                             "--batch", 2, "--seq", 16, "--lora-rank", 2, "--lr", 1e-3, "--mode", "lowmem",
+                             "--device", "cuda", "--threads", 1]]
+    run([need(CUDA_TRAIN)] + args + ["--out", tmp_path / "one"])
+    for name, env in (("nccl", {}), ("host", {"LLMC_NCCL": "0"})):
+        mpirun(2, CUDA_TRAIN, args + ["--seq-parallel", "2", "--out", str(tmp_path / name)], env=env)
+    (l1, n1, _), (l2, n2, _), (l3, n3, _) = (log_rows(tmp_path / k) for k in ("one", "nccl", "host"))
+    assert len(l1) == len(l2) == 4 and (l2, n2) == (l3, n3), (l1, l2, l3, n2, n3)
+    assert abs(l1[0] - l2[0]) <= STEP1_LOSS_ABS, (l1, l2)
+    assert abs(n1[0] - n2[0]) <= STEP1_NORM_REL * n1[0], (n1, n2)
+    assert np.abs(np.array(l1) - np.array(l2)).max() <= LATER_LOSS_ABS, (l1, l2)
+    assert np.abs(np.diff(l1)).min() > 100 * LATER_LOSS_ABS, l1  # the steps differ by far more: the check can fail

@@ -23,6 +23,7 @@ sys.path.insert(0, os.path.join(REPO, "scripts", "formats"))
 import shards  # noqa: E402
 sys.path.insert(0, os.path.join(REPO, "test", "model"))
 import llama_cases as lc  # noqa: E402
+import phi3_cases  # noqa: E402
 
 DATA = os.path.join(REPO, "data")
 LLAMA, TRAIN, VAL = (os.path.join(DATA, n) for n in ("llama_demo", "llama_demo_ft_train.bin", "llama_demo_ft_val.bin"))
@@ -302,11 +303,46 @@ def test_sliding_window_across_the_slices_matches_one_process(tmp_path, packed):
 
 def test_gemma2_matches_one_process(tmp_path):
     """Gemma 2 (sandwich norms, GeGLU, soft-capped logits) at P = 2, in the demo's vocabulary: as one
-    process, within the bounds above. (Gemma 3's q/k norms are refused with --seq-parallel, as Qwen3's.)"""
+    process, within the bounds above."""
     cfg = lc.model_config("gemma2")
     cfg.update(vocab_size=512)
     d = tmp_path / "model"
     lc.write_model(str(d), cfg, seed=5)
     single = train(tmp_path, "single", 1, 2, TRAIN, model=str(d))
     split = train(tmp_path, "split", 2, 2, TRAIN, "--seq-parallel", 2, model=str(d))
+    assert_equivalent(single, split)
+
+
+@pytest.mark.parametrize("mode", [[], ["--full"]])
+def test_phi3_matches_one_process(tmp_path, mode):
+    """Phi-4-mini's shape (Phi-3's fused qkv_proj and gate_up_proj, rotary over 12 of 16 dims,
+    LongRoPE with an original context of 8, tied) at P = 2, in the demo's vocabulary: as one process,
+    within the bounds above. Each rank holds 8 of the 16 positions, and the table is the whole
+    sequence's (llmc/models/llama_io.h's llama_rope_table: the long factors for both runs)."""
+    cfg = phi3_cases.model_config("phi4_mini")
+    cfg.update(vocab_size=512)
+    d = tmp_path / "model"
+    phi3_cases.write_phi3_model(str(d), cfg, seed=5)
+    single = train(tmp_path, "single", 1, 2, TRAIN, *mode, model=str(d))
+    split = train(tmp_path, "split", 2, 2, TRAIN, "--seq-parallel", 2, *mode, model=str(d))
+    assert_equivalent(single, split)
+
+
+@pytest.mark.parametrize("mode", [["--mode", "baseline"], ["--mode", "lowmem"], ["--mode", "lowmem", "--recompute",
+                                  "block"], ["--mode", "baseline", "--full"], ["--mode", "lowmem", "--full"]])
+@pytest.mark.parametrize("name", ["qwen3", "gemma3"])
+def test_qk_norms_match_one_process(tmp_path, name, mode):
+    """Qwen3's and Gemma 3's q/k norms (per token and head, before RoPE) at P = 2, in the demo's
+    vocabulary: as one process, within the bounds above. They run on the rank's own tokens before
+    the exchange. Under lowmem with LoRA the block keeps their normalised rows and the backward
+    rebuilds q and k from them in token layout, then exchanges them to the head layout attention's
+    backward reads (llmc/models/llama.h's llama_qk_rebuild); --recompute block rebuilds them in the
+    recomputed forward instead; baseline and --full keep the norms' inputs. Gemma 3's single
+    key/value head is replicated over both ranks, its local layers' window (5) crosses the slices."""
+    cfg = lc.model_config(name)
+    cfg.update(vocab_size=512)
+    d = tmp_path / "model"
+    lc.write_model(str(d), cfg, seed=5)
+    single = train(tmp_path, "single", 1, 2, TRAIN, *mode, model=str(d))
+    split = train(tmp_path, "split", 2, 2, TRAIN, "--seq-parallel", 2, *mode, model=str(d))
     assert_equivalent(single, split)
