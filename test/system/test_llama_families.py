@@ -25,13 +25,13 @@ from test_llama_system import mpirun
 FAMILIES = ["qwen2", "qwen3", "gemma2", "gemma3"]
 
 
-def family_model(root, name, vocab=None):
+def family_model(root, name, vocab=None, seed=4):
     """A random model of the family's test config (vocab_size replaced when given), with a token
     shard of a repeated pattern that a few steps learn."""
     cfg = lc.model_config(name)
     if vocab:
         cfg["vocab_size"] = vocab
-    lc.write_model(str(root / "model"), cfg, seed=4)
+    lc.write_model(str(root / "model"), cfg, seed=seed)
     rng = np.random.default_rng(1)
     toks = np.tile(rng.integers(3, cfg["vocab_size"], size=13), 400)
     mask = (rng.random(toks.size) > 0.2).astype(np.uint8)
@@ -86,7 +86,8 @@ def test_generation_kv_cache_equals_recomputing_the_window(tmp_path, name, mode)
     """Greedy generation of a family model (the demo's tokenizer, vocab 512) with the key/value
     cache, whose keys come out of Qwen3's k norm and RoPE or Qwen2's biased k, gives the text of
     recomputing the window for every token."""
-    model, _ = family_model(tmp_path, name, vocab=512)
+    # (seed 5: seed 4's Gemma 2, with its windows and soft-caps, emits the end token after 9 bytes)
+    model, _ = family_model(tmp_path, name, vocab=512, seed=5)
     shutil.copy(os.path.join(REPO, "data", "llama_demo", "tokenizer.bin"), model)
     cmd = [BIN] + [str(a) for a in ["--model", model, "--temperature", 0, "--prompt", "Once upon a time", "--generate", 40, "--mode", mode]]
     texts = []
