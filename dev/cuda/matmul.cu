@@ -217,7 +217,8 @@ static void test_linear(int64_t N, int in, int out, int rank, int with_bias, int
                 NULL,
                 NULL,
                 NULL,
-                0};  // dev: no CUDA copy yet; no norm, NF4 or dropout (bound below)
+                0,
+                "dev"};  // dev: no CUDA copy yet; no norm, NF4 or dropout (bound below)
     float *gamma = host_randn(in, rng, 1.0f, 1), *beta = host_randn(in, rng, 0.5f, 1);
     void* work = xmalloc(lora_norm_work_bytes(rank, in, 4));
     if (norm) lora_norm_bind(&L, gamma, norm == 2 ? beta : NULL, work);
