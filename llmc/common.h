@@ -358,8 +358,21 @@ static double wall_seconds(void) {
     return ts.tv_sec + 1e-9 * ts.tv_nsec;
 }
 
-// Peak resident set size of this process so far (the CPU backend's measured memory).
+// Peak resident set size of this process so far (the CPU backend's measured memory): /proc's VmHWM,
+// the high-water mark of this program's own address space. getrusage's ru_maxrss survives execve,
+// so a trainer started by a large process (a test runner, a notebook) would report its parent's
+// peak from before the exec; it is the fallback where /proc is not mounted.
 static double peak_rss_mib(void) {
+    FILE* f = fopen("/proc/self/status", "r");
+    if (f) {
+        char line[256];
+        while (fgets(line, sizeof(line), f))
+            if (!strncmp(line, "VmHWM:", 6)) {
+                fclose(f);
+                return atof(line + 6) / 1024.0;  // kB
+            }
+        fclose(f);
+    }
     struct rusage ru;
     getrusage(RUSAGE_SELF, &ru);
     return ru.ru_maxrss / 1024.0;  // Linux reports KiB

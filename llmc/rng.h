@@ -29,3 +29,16 @@ static float rng_normal(Rng* r) {  // Box-Muller
 }
 
 static uint64_t rng_below(Rng* r, uint64_t n) { return n ? rng_next_u64(r) % n : 0; }
+
+// The data order of one epoch: order[0..n) a permutation of 0..n, shuffled (Fisher-Yates) from the
+// epoch's own stream of seed, or in order; any epoch can be rebuilt on resume.
+static void rng_epoch_order(int64_t* order, int64_t n, int shuffle, uint64_t seed, int64_t epoch) {
+    for (int64_t i = 0; i < n; i++) order[i] = i;
+    if (!shuffle) return;
+    Rng r = rng_seeded(seed, 1000 + (uint64_t)epoch);
+    for (int64_t i = n - 1; i > 0; i--) {
+        int64_t j = (int64_t)rng_below(&r, (uint64_t)i + 1), t = order[i];
+        order[i] = order[j];
+        order[j] = t;
+    }
+}

@@ -16,6 +16,16 @@
 
 // ---- backward --------------------------------------------------------------------------------
 
+// Whether query row `query` of batch b sees key row `key`: inside the sequence, not in the future
+// when causal, within the sliding window (s.window > 0: key > query - window, llmc/cpu/attention.h),
+// and (packed examples, s.pos a device array) not before the query's example start.
+static __device__ __forceinline__ int att_visible(const AttnShape& s, int b, int query, int key) {
+    if (query >= s.T || key >= s.T) return 0;
+    if (!s.causal) return 1;
+    if (s.window > 0 && key <= query - s.window) return 0;
+    return key <= query && (!s.pos || key >= query - s.pos[(int64_t)b * s.T + query]);
+}
+
 template <int HDMAX>
 __global__ void __launch_bounds__(ATT_THREADS)
     attention_backward_dq_kernel(bf16* dq, const bf16* __restrict__ dout, const bf16* __restrict__ q,

@@ -104,16 +104,6 @@ static void rope_apply_cuda(bf16* x, const float* cos_t, const float* sin_t, con
                   inverse, 0);
 }
 
-// Whether query row `query` of batch b sees key row `key`: inside the sequence, not in the future
-// when causal, within the sliding window (s.window > 0: key > query - window, llmc/cpu/attention.h),
-// and (packed examples, s.pos a device array) not before the query's example start.
-static __device__ __forceinline__ int att_visible(const AttnShape& s, int b, int query, int key) {
-    if (query >= s.T || key >= s.T) return 0;
-    if (!s.causal) return 1;
-    if (s.window > 0 && key <= query - s.window) return 0;
-    return key <= query && (!s.pos || key >= query - s.pos[(int64_t)b * s.T + query]);
-}
-
 // A scaled score soft-capped as the CPU twin does: softcap * tanh(x / softcap) (softcap 0: x).
 static __device__ __forceinline__ float att_softcap(float x, float softcap) {
     return softcap > 0.0f ? softcap * tanhf(x / softcap) : x;
@@ -191,8 +181,8 @@ attention_forward_kernel(bf16* o, float* lse, const bf16* __restrict__ q, const 
     for (int c = 0; c < DPT; c++) acc[c] = 0.0f;
     float m = -INFINITY, l = 0.0f;
 
-    // the keys this row sees, [klo, khi] (att_visible's rule, taken out of the unrolled loop below,
-    // whose registers it would otherwise hold per key)
+    // the keys this row sees, [klo, khi]: dev/cuda/attention_flash.cuh's att_visible rule, out of the
+    // unrolled loop below, whose registers it would otherwise hold per key
     int khi = t < s.T ? (s.causal ? t : s.T - 1) : -1, klo = 0;
     if (s.causal && t < s.T && s.window > 0) klo = t - s.window + 1;
     if (s.causal && t < s.T && s.pos) klo = max(klo, t - s.pos[(int64_t)b * s.T + t]);

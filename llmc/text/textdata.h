@@ -125,15 +125,7 @@ static void loader_free(TextLoader* L) { free(L->order); }
 static int64_t loader_window(TextLoader* L, int64_t global_index) {
     int64_t epoch = global_index / L->windows, pos = global_index % L->windows;
     if (epoch != L->order_epoch) {
-        for (int64_t i = 0; i < L->windows; i++) L->order[i] = i;
-        if (L->shuffle) {  // Fisher-Yates with a per-epoch stream: any epoch can be rebuilt on resume
-            Rng r = rng_seeded(L->seed, 1000 + (uint64_t)epoch);
-            for (int64_t i = L->windows - 1; i > 0; i--) {
-                int64_t j = (int64_t)rng_below(&r, (uint64_t)i + 1), t = L->order[i];
-                L->order[i] = L->order[j];
-                L->order[j] = t;
-            }
-        }
+        rng_epoch_order(L->order, L->windows, L->shuffle, L->seed, epoch);
         L->order_epoch = epoch;
     }
     return L->order[pos];

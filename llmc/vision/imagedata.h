@@ -125,15 +125,7 @@ static void image_loader_free(ImageLoader* L) {
 static int64_t image_loader_index(ImageLoader* L, int64_t global_index) {
     int64_t n = L->shard->n, epoch = global_index / n, pos = global_index % n;
     if (epoch != L->order_epoch) {
-        for (int64_t i = 0; i < n; i++) L->order[i] = i;
-        if (L->shuffle) {  // Fisher-Yates with a per-epoch stream: any epoch can be rebuilt on resume
-            Rng r = rng_seeded(L->seed, 1000 + (uint64_t)epoch);
-            for (int64_t i = n - 1; i > 0; i--) {
-                int64_t j = (int64_t)rng_below(&r, (uint64_t)i + 1), t = L->order[i];
-                L->order[i] = L->order[j];
-                L->order[j] = t;
-            }
-        }
+        rng_epoch_order(L->order, n, L->shuffle, L->seed, epoch);
         L->order_epoch = epoch;
     }
     return L->order[pos];
