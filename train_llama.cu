@@ -6,13 +6,12 @@
 // the run every model shares (llmc/train/run.h: options -> config -> plan -> fit -> load -> train
 // -> export). Read the model first: llmc/models/llama.h (config, parameters, forward, backward),
 // then beside it llama_plan.h (memory plan, fit, dry run), llama_batch.h (the batch's upload),
-// llama_io.h (weights, adapters, merged export), llama_step.h (training step, evaluation) and
-// llama_generate.h (sampling). The operations the model calls are llmc/ops.h, on the CPU
+// llama_io.h (weights, adapters, merged export), llama_step.h (training step, evaluation),
+// llama_generate.h (sampling), llama_data.h (the shards) and llama_run.h (the run's state and its
+// plan fitted to the memory). The operations the model calls are llmc/ops.h, on the CPU
 // (llmc/cpu/) or CUDA (llmc/cuda/); the loop is llmc/train/loop.h, the optimizer llmc/train/zero.h.
 #include "llmc/common.h"
 #include "llmc/train/flags.h"
-#include "llmc/text/model_tokenizer.h"
-#include "llmc/text/textdata.h"
 #include "llmc/train/run_options.h"
 #include "llmc/train/loop.h"
 #include "llmc/train/run.h"
@@ -24,106 +23,11 @@
 #include "llmc/models/llama_step.h"
 #include "llmc/models/llama_generate.h"
 #include "llmc/models/llama_pref.h"
-
-// Everything a resumed run must share with the saved one, as "key=value" words (rslora=1 last and only
-// when set, so that states saved before the flag existed still match). The memory modes that change no
-// number (--recompute, --offload, --mlp-tile, --swiglu-product) are not in it: a run may resume with
-// another, e.g. with --recompute block on a smaller card.
-static void llama_settings_line(char* buf, size_t n, const Llama* m, const TrainOptions* o, const Dist* d,
-                                int64_t data_tokens) {
-    const LlamaConfig* c = &m->cfg;
-    snprintf(buf, n,
-             "d=%d f=%d layers=%d heads=%d kv_heads=%d vocab=%d full=%d act=%s norm=%s ms_lora=%s rank=%d "
-             "alpha=%g targets=0x%x "
-             "lora_dropout=%g batch=%d seq=%d grad_accum=%d world=%d steps=%d lr=%g warmup=%d min_lr_frac=%g "
-             "weight_decay=%g grad_clip=%g seed=%d data_tokens=%lld quant=%s%s",
-             c->dim, c->hidden, c->layers, c->heads, c->kv_heads, c->vocab, o->full, o->act, o->norm, o->ms_lora,
-             o->lora_rank, o->lora_alpha, m->modes.targets, o->lora_dropout, o->batch, o->seq,
-             o->grad_accum, d->world, o->steps, o->lr, o->warmup, o->min_lr_frac, o->weight_decay, o->grad_clip,
-             o->seed, (long long)data_tokens, o->quant, o->lora_rslora ? " rslora=1" : "");
-    if (dist_sp(d) > 1) str_appendf(buf, n, " seq_parallel=%d", dist_sp(d));  // the data order follows world / P
-    if (objective_of(o) != OBJ_SFT)  // (sft: not named, so that states saved before the flag still match)
-        str_appendf(buf, n, " objective=%s beta=%g label_smoothing=%g simpo_gamma=%g", o->objective,
-                    objective_beta(o), o->dpo_label_smoothing, o->simpo_gamma);
-}
+#include "llmc/models/llama_data.h"
+#include "llmc/models/llama_run.h"
 
 // ----------------------------------------------------------------------------------------------
-// The run's data and the model's table of operations
-
-typedef struct {           // what a run reads besides the model
-    TokenShard train, val;
-    TextLoader tl, vl;
-    int have_train, have_val;
-    int pairs;             // --objective dpo|orpo|simpo: pair shards (llmc/text/pairdata.h) instead
-    PairShard ptrain, pval;
-    PairLoader pl, pvl;
-} RunData;
-
-// A preference objective's pair shards; a pair shard given to sft refused in one line.
-static void run_pairs_open(RunData* rd, const TrainOptions* o, int vocab) {
-    const char* paths[2] = {o->data_path, o->val_path};
-    if (objective_of(o) == OBJ_SFT) {
-        for (int i = 0; i < 2; i++)
-            if (paths[i] && file_is_pair_shard(paths[i]))
-                fail("%s: a pair shard (preference data), not a token shard; train on it with --objective "
-                     "dpo|orpo|simpo", paths[i]);
-        return;
-    }
-    rd->pairs = 1;
-    if (o->data_path) {
-        pair_shard_load(&rd->ptrain, o->data_path, vocab);
-        pair_loader_init(&rd->pl, &rd->ptrain, o->seq, (uint64_t)o->seed, 1);
-        rd->have_train = 1;
-    }
-    if (o->val_path) {
-        pair_shard_load(&rd->pval, o->val_path, vocab);
-        pair_loader_init(&rd->pvl, &rd->pval, o->seq, (uint64_t)o->seed, 0);
-        rd->have_val = 1;
-    }
-}
-
-static void run_data_open(RunData* rd, const TrainOptions* o, int vocab) {
-    memset(rd, 0, sizeof(*rd));
-    run_pairs_open(rd, o, vocab);
-    if (rd->pairs) return;
-    if (o->data_path) {
-        shard_load(&rd->train, o->data_path, vocab);
-        loader_init(&rd->tl, &rd->train, o->seq, (uint64_t)o->seed, 1);
-        rd->have_train = 1;
-    }
-    if (o->val_path) {
-        shard_load(&rd->val, o->val_path, vocab);
-        loader_init(&rd->vl, &rd->val, o->seq, (uint64_t)o->seed, 0);
-        loader_require_eval_targets(&rd->vl, o->batch, o->val_batches);
-        rd->have_val = 1;
-    }
-}
-
-static void run_data_close(RunData* rd) {
-    if (rd->pairs) {
-        if (rd->have_train) { pair_loader_free(&rd->pl); pair_shard_free(&rd->ptrain); }
-        if (rd->have_val) { pair_loader_free(&rd->pvl); pair_shard_free(&rd->pval); }
-        return;
-    }
-    if (rd->have_train) { loader_free(&rd->tl); shard_free(&rd->train); }
-    if (rd->have_val) { loader_free(&rd->vl); shard_free(&rd->val); }
-}
-
-// The run's state (llmc/train/run.h's `void* run`): the config and modes from the flags, the
-// model and the baseline planned beside it, the data, and generation's tokenizer and prompt.
-typedef struct {
-    LlamaConfig cfg;
-    TrainModes md;         // as the flags give them
-    TrainModes fitted;     // auto's choices fitted to the memory (llama_fit_to_memory)
-    size_t avail;          // the memory they were fitted to (--mem-limit where that is less)
-    int B, T;              // the planned micro-batch (generation alone: one sequence)
-    Llama m, base;
-    RunData rd;
-    PrefObjective po;      // --objective (sft: unused)
-    RefTable ref, val_ref;  // --ref-logps precompute (DPO): the training and validation pairs', else empty
-    ModelTokenizer tok;
-    char* chat_prompt;
-} LlamaRun;
+// The model as the shared training loop sees it (llmc/train/loop.h's Trainer)
 
 static StepResult llama_run_step(void* run, const TrainOptions* o, const Dist* dist, int step) {
     LlamaRun* r = (LlamaRun*)run;
@@ -205,9 +109,7 @@ static void llama_flags(FlagTable* t, TrainOptions* o) {
     t->group = "memory modes (the paper's layers)";
     flag_choice(t, "swiglu-product", &o->swiglu_product, "keep|recompute",
                 "keep the down projection's input, or rebuild it from silu(g)*u in backward (beyond the paper)");
-    flag_choice(t, "offload", &o->offload, "none|host",
-                "with --recompute block, N or auto: the recomputed blocks' checkpoints in pinned host memory, "
-                "copied beside the compute");
+    train_flag_offload(t, o);
     flag_string(t, "mlp-tile", &o->mlp_tile,
                 "tokens per tile of the MLP and its norm: auto (the largest equal tile, a multiple of 64 or the "
                 "whole sequence, whose plan fits the memory the fit check takes; in a dry run --gpu-mem or "
@@ -297,50 +199,11 @@ static void llama_run_check(void* run, const TrainOptions* o) {
 static void llama_run_open(void* run, const TrainOptions* o, Dist* dist) {
     LlamaRun* r = (LlamaRun*)run;
     dist_seq_parallel_init(dist, o->seq_parallel);
-    run_data_open(&r->rd, o, r->cfg.vocab);
+    llama_data_open(&r->rd, o, r->cfg.vocab);
     if (o->generate) model_tokenizer_load(&r->tok, o->model_dir, r->cfg.vocab, r->cfg.eos_id);
     if (o->chat) r->chat_prompt = model_tokenizer_chat(&r->tok, o->model_dir, o->system, o->prompt);
 }
 
-// auto's choices fitted to r->avail: --recompute auto (asked, or the default where the run would not
-// fit otherwise: fit_recompute_auto) first, then the rest (llama_fit_to_memory). A --mem-limit that
-// not even auto's smallest plan fits is refused in one line naming that plan's size; where the
-// default auto does not fit either, the flags as given go to the fit check, which says what would.
-static void llama_run_fit(LlamaRun* r, const TrainOptions* o, const Backend* be, const Dist* dist) {
-    TrainModes md = r->md;
-    if (fit_recompute_auto(o)) md.recompute = RECOMPUTE_AUTO;
-    TrainModes least = llama_smallest_choices(md, r->B, r->T, dist);
-    size_t smallest = llama_modes_plan_bytes(&r->cfg, &least, r->B, r->T, be, dist);
-    char what[96];
-    snprintf(what, sizeof(what), "recompute %d of %d blocks, auto's smallest choices",
-             train_recomputed_blocks(&least, r->cfg.layers), r->cfg.layers);
-    fit_refuse_mem_limit(o, smallest, smallest, what);
-    if (md.recompute == RECOMPUTE_AUTO && smallest > r->avail && strcmp(o->recompute, "auto") != 0) md = r->md;
-    r->fitted = llama_fit_to_memory(&r->cfg, md, r->B, r->T, be, dist, r->avail);
-}
-
-// The model at the run's shape with auto's choices fitted to the memory, checked against it (on
-// either backend, before any allocation), and the baseline beside it.
-static void llama_run_plan(void* run, const TrainOptions* o, const Backend* be, const Dist* dist) {
-    LlamaRun* r = (LlamaRun*)run;
-    int sized = o->data_path || o->eval_only;  // generation alone needs one sequence
-    r->B = sized ? o->batch : 1;
-    r->T = sized ? o->seq : (r->cfg.max_seq < 256 ? r->cfg.max_seq : 256);
-    if (o->generate)  // a prompt longer than the window would be cut to its last half: refused instead
-        model_tokenizer_check_prompt(&r->tok, r->chat_prompt ? r->chat_prompt : o->prompt, o->chat, r->T,
-                                     sized ? "--seq" : "the generation window: max_position_embeddings, at most 256");
-    // --recompute auto, then --mlp-tile auto: the fewest blocks, the largest tile that fit the memory
-    // the fit check checks against
-    r->avail = fit_run_avail(be, o, dist->local_size);
-    llama_run_fit(r, o, be, dist);
-    llama_setup(&r->m, &r->cfg, &r->fitted, r->B, r->T, be, dist);
-    TrainOptions planned = *o;
-    planned.batch = r->B;
-    LlamaPlanCtx pc = {&r->cfg, be, dist, r->T, r->avail};
-    fit_check_plan(be, &r->m.plan, llama_plan_bytes, &pc, &planned, dist->world, dist->local_size);
-    TrainModes bm = train_baseline_modes(r->md);
-    llama_setup(&r->base, &r->cfg, &bm, r->B, r->T, be, dist);
-}
 
 static void llama_run_load(void* run, const TrainOptions* o) {
     LlamaRun* r = (LlamaRun*)run;
@@ -402,7 +265,7 @@ static void llama_run_close(void* run) {
     free(r->chat_prompt);
     free(r->ref.logp);
     free(r->val_ref.logp);
-    run_data_close(&r->rd);
+    llama_data_close(&r->rd);
     llama_free(&r->m);
 }
 

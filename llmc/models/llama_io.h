@@ -1,13 +1,15 @@
 // llama_io.h: the LLaMA model's tensors in and out: weights read from safetensors (any float dtype,
 // or bitsandbytes NF4) into fp32 on the host, MS-RMSNorm's gamma merged into the linears that
 // consume it, then sent to the backend; random weights (--random-init); the RoPE tables; fresh
-// LoRA adapters; adapters saved and loaded in PEFT's layout; and the merged export.
+// LoRA adapters; adapters saved and loaded in PEFT's layout; the merged export; and the settings a
+// resumed run must share (llama_settings_line).
 #pragma once
 #include "llama.h"
 #include "../formats/safetensors.h"
 #include "../formats/peft.h"
 #include "../formats/bnb.h"
 #include "../train/run_options.h"
+#include "../train/preference.h"
 
 // ----------------------------------------------------------------------------------------------
 // Weights: read from safetensors (any float dtype) into fp32 on the host; MS-RMSNorm merges each
@@ -589,4 +591,29 @@ static void llama_export_merged(Llama* m, const TrainOptions* o, const char* dir
     free(owned);
     st_writer_free(&w);
     st_model_close(&sm);
+}
+
+// ----------------------------------------------------------------------------------------------
+// The settings a resumed run must share (llmc/train/loop.h's Trainer.settings)
+
+// Everything a resumed run must share with the saved one, as "key=value" words (rslora=1 last and only
+// when set, so that states saved before the flag existed still match). The memory modes that change no
+// number (--recompute, --offload, --mlp-tile, --swiglu-product) are not in it: a run may resume with
+// another, e.g. with --recompute block on a smaller card.
+static void llama_settings_line(char* buf, size_t n, const Llama* m, const TrainOptions* o, const Dist* d,
+                                int64_t data_tokens) {
+    const LlamaConfig* c = &m->cfg;
+    snprintf(buf, n,
+             "d=%d f=%d layers=%d heads=%d kv_heads=%d vocab=%d full=%d act=%s norm=%s ms_lora=%s rank=%d "
+             "alpha=%g targets=0x%x "
+             "lora_dropout=%g batch=%d seq=%d grad_accum=%d world=%d steps=%d lr=%g warmup=%d min_lr_frac=%g "
+             "weight_decay=%g grad_clip=%g seed=%d data_tokens=%lld quant=%s%s",
+             c->dim, c->hidden, c->layers, c->heads, c->kv_heads, c->vocab, o->full, o->act, o->norm, o->ms_lora,
+             o->lora_rank, o->lora_alpha, m->modes.targets, o->lora_dropout, o->batch, o->seq,
+             o->grad_accum, d->world, o->steps, o->lr, o->warmup, o->min_lr_frac, o->weight_decay, o->grad_clip,
+             o->seed, (long long)data_tokens, o->quant, o->lora_rslora ? " rslora=1" : "");
+    if (dist_sp(d) > 1) str_appendf(buf, n, " seq_parallel=%d", dist_sp(d));  // the data order follows world / P
+    if (objective_of(o) != OBJ_SFT)  // (sft: not named, so that states saved before the flag still match)
+        str_appendf(buf, n, " objective=%s beta=%g label_smoothing=%g simpo_gamma=%g", o->objective,
+                    objective_beta(o), o->dpo_label_smoothing, o->simpo_gamma);
 }

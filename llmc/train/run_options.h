@@ -95,9 +95,9 @@ static void train_options_defaults(TrainOptions* o) {
     o->temperature = 0.8f;
 }
 
-// Registers the flags of a trainer for `task`; `targets_help` lists the model's LoRA targets.
-static void train_flags_register_task(FlagTable* t, TrainOptions* o, const char* targets_help, TrainTask task) {
-    int text = task == TRAIN_TEXT;
+// The flags of a trainer, by --help's groups, in --help's order (train_flags_register_task below
+// registers them all). `text`: the task is TRAIN_TEXT (a LLaMA-family model), else TRAIN_IMAGE.
+static void train_flags_model_data(FlagTable* t, TrainOptions* o, int text) {
     t->group = "model and data";
     flag_string(t, "model", &o->model_dir, "model directory: config.json + model.safetensors (or sharded, with index)");
     flag_string(t, "data", &o->data_path,
@@ -119,6 +119,9 @@ static void train_flags_register_task(FlagTable* t, TrainOptions* o, const char*
                     "fine-tuning resolution S or HxW (default the checkpoint's; position embedding interpolated)");
         flag_bool(t, "hflip", &o->hflip, "random horizontal flip of training images");
     }
+}
+
+static void train_flags_training(FlagTable* t, TrainOptions* o, int text) {
     t->group = "training";
     flag_int(t, "steps", &o->steps, "optimizer steps");
     flag_int(t, "batch", &o->batch, text ? "sequences per micro-batch" : "images per micro-batch");
@@ -135,6 +138,9 @@ static void train_flags_register_task(FlagTable* t, TrainOptions* o, const char*
     flag_int(t, "val-every", &o->val_every, "evaluate on --val every N steps (0 = only at the end)");
     flag_int(t, "val-batches", &o->val_batches, "micro-batches per evaluation");
     flag_int(t, "log-every", &o->log_every, "print a log line every N steps");
+}
+
+static void train_flags_memory(FlagTable* t, TrainOptions* o) {
     t->group = "memory modes (the paper's layers)";
     flag_choice(t, "mode", &o->mode, "baseline|lowmem|ckpt",
                 "preset: baseline = exact,std,none; lowmem = approx,ms,none; ckpt = exact,std,block");
@@ -152,6 +158,9 @@ static void train_flags_register_task(FlagTable* t, TrainOptions* o, const char*
     flag_float(t, "mem-limit", &o->mem_limit,
                "the most memory (GiB, > 0) the run may plan, on the GPU or the host (default: the fit check's "
                "budget, free GPU memory or MemAvailable); --recompute auto fits it");
+}
+
+static void train_flags_lora(FlagTable* t, TrainOptions* o, const char* targets_help) {
     t->group = "LoRA";
     flag_int(t, "lora-rank", &o->lora_rank, "adapter rank r");
     flag_float(t, "lora-alpha", &o->lora_alpha, "adapter scale alpha (update = alpha/r * B A x)");
@@ -171,6 +180,9 @@ static void train_flags_register_task(FlagTable* t, TrainOptions* o, const char*
     flag_bool(t, "full", &o->full,
               "full fine-tuning (fp32 masters + AdamW) instead of LoRA adapters: every weight (train_vit: all but the "
               "key bias, whose gradient is zero)");
+}
+
+static void train_flags_system(FlagTable* t, TrainOptions* o) {
     t->group = "system";
     flag_choice(t, "device", &o->device, "cpu|cuda|auto",
                 "backend: auto takes a CUDA GPU when this binary has the CUDA backend and one is visible");
@@ -186,7 +198,9 @@ static void train_flags_register_task(FlagTable* t, TrainOptions* o, const char*
     flag_bool(t, "json", &o->json, "with --dry-run: print the plan as JSON");
     flag_int(t, "ranks", &o->ranks,
              "with --dry-run: plan one of N data-parallel ranks (ZeRO-1 under --full) without launching them");
-    if (!text) return;
+}
+
+static void train_flags_generation(FlagTable* t, TrainOptions* o) {
     t->group = "generation";
     flag_int(t, "generate", &o->generate, "after training (or alone, without --data), sample N tokens");
     flag_string(t, "prompt", &o->prompt, "prompt text for --generate (empty = start from BOS)");
@@ -194,6 +208,24 @@ static void train_flags_register_task(FlagTable* t, TrainOptions* o, const char*
     flag_bool(t, "chat", &o->chat, "--prompt is a user message: render it with tokenizer_config.json's chat_template "
               "(add_generation_prompt) and stop at the template's end-of-turn token");
     flag_string(t, "system", &o->system, "with --chat: a system message before the prompt");
+}
+
+// Registers the flags of a trainer for `task`; `targets_help` lists the model's LoRA targets.
+static void train_flags_register_task(FlagTable* t, TrainOptions* o, const char* targets_help, TrainTask task) {
+    int text = task == TRAIN_TEXT;
+    train_flags_model_data(t, o, text);
+    train_flags_training(t, o, text);
+    train_flags_memory(t, o);
+    train_flags_lora(t, o, targets_help);
+    train_flags_system(t, o);
+    if (text) train_flags_generation(t, o);
+}
+
+// --offload, which both trainers add to the memory modes (in their own place in --help's order).
+static void train_flag_offload(FlagTable* t, TrainOptions* o) {
+    flag_choice(t, "offload", &o->offload, "none|host",
+                "with --recompute block, N or auto: the recomputed blocks' checkpoints in pinned host memory, "
+                "copied beside the compute");
 }
 
 static void train_flags_register(FlagTable* t, TrainOptions* o, const char* targets_help) {
