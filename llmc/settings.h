@@ -6,17 +6,18 @@
 // --help lists the table (settings_print_help) and the start-up line is followed by the settings
 // that are not at their default (settings_print_set).
 //
-// Three roles: run-time choices a first GPU run still decides (SETTING_RUNTIME); test and debug
-// settings (SETTING_TEST), which the tests and GPU sessions use to reach a path or fix a figure; and
-// the fault injectors (SETTING_FAULT), rows only in the test builds (-DLLMC_FAULTS, Makefile's
-// build/test/ and build/emu/ trainers), which plant a fault on demand. A release build has no fault
-// rows and refuses an LLMC_FAULT_* variable in one line instead of running as if it took effect.
-//
-// Not rows: variables of other programs that we only pass on or look at -- OMP_WAIT_POLICY and
-// GOMP_SPINCOUNT (llmc/train/omp_policy.h sets them for OpenMP and re-executes, unless the user
-// set them: they belong to libgomp, which reads them itself) and the launchers' rank counts
-// (OMPI_COMM_WORLD_SIZE, PMI_SIZE, PMIX_SIZE, SLURM_NTASKS in llmc/train/dist.h: set by mpirun or
-// Slurm, never by a user to choose anything).
+// Four roles: run-time choices a first GPU run still decides (SETTING_RUNTIME); test and debug
+// settings (SETTING_TEST), which the tests and GPU sessions use to reach a path or fix a figure; the
+// fault injectors (SETTING_FAULT), rows only in the test builds (-DLLMC_FAULTS, Makefile's
+// build/test/ and build/emu/ trainers), which plant a fault on demand (a release build has no fault
+// rows and refuses an LLMC_FAULT_* variable in one line instead of running as if it took effect);
+// and variables of other programs that the trainers only look at (SETTING_OUTSIDE): the launchers'
+// rank counts (OMPI_COMM_WORLD_SIZE, PMI_SIZE, PMIX_SIZE, SLURM_NTASKS with SLURM_STEP_ID, read by
+// llmc/train/dist.h: set by mpirun or Slurm, never by a user to choose anything) and libgomp's
+// OMP_WAIT_POLICY and GOMP_SPINCOUNT (llmc/train/omp_policy.h sets the first for OpenMP and
+// re-executes, unless the user set either). They are rows so that --help lists every variable the
+// trainers read; they are read as their programs read them (setting_outside: set, even empty, is
+// set; no form checked), when asked, and the start-up line does not name them.
 #pragma once
 #include "common.h"
 
@@ -50,11 +51,20 @@ typedef enum {
     SETTING_FAULT_GRAPH_NO_REFUSAL,
     SETTING_FAULT_DROPOUT_KEY,
 #endif
+    // other programs' variables, looked at
+    SETTING_OMPI_WORLD_SIZE,
+    SETTING_PMI_SIZE,
+    SETTING_PMIX_SIZE,
+    SETTING_SLURM_NTASKS,
+    SETTING_SLURM_STEP_ID,
+    SETTING_OMP_WAIT_POLICY,
+    SETTING_GOMP_SPINCOUNT,
     SETTING_COUNT
 } SettingId;
 
-typedef enum { SETTING_RUNTIME, SETTING_TEST, SETTING_FAULT } SettingRole;
-static const char* const setting_role_names[] = {"run-time choice", "test or debug", "fault injector, test builds"};
+typedef enum { SETTING_RUNTIME, SETTING_TEST, SETTING_FAULT, SETTING_OUTSIDE } SettingRole;
+static const char* const setting_role_names[] = {"run-time choice", "test or debug", "fault injector, test builds",
+                                                 "read from the launcher or OpenMP, not set by us"};
 
 // What a setting takes besides (or instead of) its words.
 typedef enum {
@@ -126,6 +136,21 @@ static const Setting settings_table[SETTING_COUNT] = {
     {"LLMC_FAULT_DROPOUT_KEY", SETTING_FAULT, SETTING_WORDS, "0|1", 0, "0",
      "1: the second step's first dropout key not uploaded (a stale key)"},
 #endif
+    {"OMPI_COMM_WORLD_SIZE", SETTING_OUTSIDE, SETTING_TEXT, "a count", 0, "unset",
+     "Open MPI's rank count: above 1, the ranks join through MPI (llmc/train/dist.h)"},
+    {"PMI_SIZE", SETTING_OUTSIDE, SETTING_TEXT, "a count", 0, "unset",
+     "MPICH/Hydra's rank count, likewise"},
+    {"PMIX_SIZE", SETTING_OUTSIDE, SETTING_TEXT, "a count", 0, "unset",
+     "PMIx's rank count, likewise"},
+    {"SLURM_NTASKS", SETTING_OUTSIDE, SETTING_TEXT, "a count", 0, "unset",
+     "Slurm's task count, likewise, inside a job step only (SLURM_STEP_ID set)"},
+    {"SLURM_STEP_ID", SETTING_OUTSIDE, SETTING_TEXT, "any", 0, "unset",
+     "set: the process is a Slurm job step's (srun), so SLURM_NTASKS counts its ranks"},
+    {"OMP_WAIT_POLICY", SETTING_OUTSIDE, SETTING_TEXT, "any", 0, "unset",
+     "libgomp's; unset (and GOMP_SPINCOUNT unset): set to passive and the program re-executed "
+     "(llmc/train/omp_policy.h)"},
+    {"GOMP_SPINCOUNT", SETTING_OUTSIDE, SETTING_TEXT, "any", 0, "unset",
+     "libgomp's; set: OMP_WAIT_POLICY left as it is (llmc/train/omp_policy.h)"},
 };
 
 typedef struct {
@@ -261,6 +286,16 @@ static double setting_number(SettingId id) {
 // The text as set, or NULL (SETTING_TEXT rows: their reader checks it).
 static const char* setting_text(SettingId id) { return setting_value(id)->text; }
 
+// A SETTING_OUTSIDE row as its own program reads it: the text as set now (set and empty is set), or
+// NULL. Read when asked, not from the table's values, and without loading the table: the first asks
+// come before the table is read (omp_policy_apply may re-execute the program, dist_init starts MPI
+// before a bad value of ours may end the run in one line) and after the process set the variable.
+static const char* setting_outside(SettingId id) {
+    if (settings_table[id].role != SETTING_OUTSIDE)
+        fail("setting_outside(%s): not a variable of another program", settings_table[id].name);
+    return getenv(settings_table[id].name);
+}
+
 // --help's section: one line per row.
 static void settings_print_help(void) {
     printf("\nenvironment settings (NAME=value; unset: the default):\n");
@@ -279,6 +314,7 @@ static void settings_print_set(void) {
     char line[1024] = "";
     for (int i = 0; i < SETTING_COUNT; i++) {
         const SettingValue* v = setting_value((SettingId)i);
+        if (settings_table[i].role == SETTING_OUTSIDE) continue;  // not ours to name (see the top of this file)
         if (v->text && strcmp(v->text, settings_table[i].dflt) != 0)
             str_appendf(line, sizeof(line), "%s%s=%s", *line ? " " : "", settings_table[i].name, v->text);
     }

@@ -10,6 +10,18 @@
 #include "vit_data.h"
 #include "../train/fit.h"
 
+// The run's state (llmc/train/run.h's `void* run`): the config and modes from the flags, the
+// fine-tuning resolution and the head's classes, the model and the baseline planned beside it, the data.
+typedef struct {
+    VitConfig cfg;
+    TrainModes md;         // as the flags give them
+    TrainModes fitted;     // --recompute auto fitted to the memory (vit_fit_recompute)
+    size_t avail;          // the memory it was fitted to (--mem-limit where that is less)
+    int h, w, classes;
+    Vit m, base;
+    VitData rd;
+} VitRun;
+
 // The fine-tuning resolution: --image-size S or HxW, else the checkpoint's.
 static void vit_resolution(const VitConfig* c, const char* flag, int* h, int* w) {
     *h = c->image_h;
@@ -92,18 +104,6 @@ static void vit_dry_run(const VitConfig* cfg, const TrainOptions* o, TrainModes 
     vit_free(&m);
     vit_free(&base);
 }
-
-// The run's state (llmc/train/run.h's `void* run`): the config and modes from the flags, the
-// fine-tuning resolution and the head's classes, the model and the baseline planned beside it, the data.
-typedef struct {
-    VitConfig cfg;
-    TrainModes md;         // as the flags give them
-    TrainModes fitted;     // --recompute auto fitted to the memory (vit_fit_recompute)
-    size_t avail;          // the memory it was fitted to (--mem-limit where that is less)
-    int h, w, classes;
-    Vit m, base;
-    VitData rd;
-} VitRun;
 
 // The model at the run's resolution, checked against the memory (on either backend, before any
 // allocation), and the baseline beside it.

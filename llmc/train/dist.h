@@ -49,12 +49,12 @@ static void nccl_check(ncclResult_t r, const char* call, const char* file, int l
 #endif
 
 // Ranks announced by the common launchers (Open MPI, MPICH/Hydra, Slurm), or 1. The launchers'
-// variables, not settings of ours (llmc/settings.h says why they are not in its table).
+// variables, not settings of ours: rows of llmc/settings.h's table of the role SETTING_OUTSIDE.
 static int launcher_world_size(void) {
-    const char* vars[] = {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "SLURM_NTASKS"};
+    const SettingId vars[] = {SETTING_OMPI_WORLD_SIZE, SETTING_PMI_SIZE, SETTING_PMIX_SIZE, SETTING_SLURM_NTASKS};
     for (int i = 0; i < 4; i++) {
-        const char* v = getenv(vars[i]);
-        if (v && atoi(v) > 1 && (i < 3 || getenv("SLURM_STEP_ID"))) return atoi(v);
+        const char* v = setting_outside(vars[i]);
+        if (v && atoi(v) > 1 && (i < 3 || setting_outside(SETTING_SLURM_STEP_ID))) return atoi(v);
     }
     return 1;
 }

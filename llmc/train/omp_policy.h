@@ -17,10 +17,12 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <unistd.h>
+#include "../settings.h"
 
-// libgomp's own variables, not settings of ours (llmc/settings.h says why they are not in its table).
+// libgomp's own variables, not settings of ours: rows of llmc/settings.h's table of the role
+// SETTING_OUTSIDE, read as libgomp reads them.
 static void omp_policy_apply(char** argv) {
-    if (getenv("OMP_WAIT_POLICY") || getenv("GOMP_SPINCOUNT")) return;
+    if (setting_outside(SETTING_OMP_WAIT_POLICY) || setting_outside(SETTING_GOMP_SPINCOUNT)) return;
     if (setenv("OMP_WAIT_POLICY", "passive", 1) != 0) return;
     execv("/proc/self/exe", argv);
     // exec failed (no /proc): run on with libgomp's default policy, which only costs speed
