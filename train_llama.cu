@@ -157,6 +157,14 @@ static void llama_print_start(void* run, const TrainOptions* o, const char* what
         what, (long long)m->w.tr.count, where);
 }
 
+// --fit report after training: the table for the memory this run's choices were fitted to.
+static void llama_run_fit_report(void* run, const TrainOptions* o, const Dist* dist, double step_seconds) {
+    LlamaRun* r = (LlamaRun*)run;
+    FitBudget budget = {r->avail, "the memory this run fitted its choices to"};
+    FitCalibration cal = llama_fit_calibration(&r->m, o, step_seconds);
+    llama_fit_report(&r->cfg, o, !r->m.be->cuda, dist, budget, &cal);
+}
+
 // The model as the shared training loop sees it.
 static void llama_trainer(void* run, Trainer* t, const TrainOptions* o, const Dist* dist) {
     LlamaRun* r = (LlamaRun*)run;
@@ -180,6 +188,7 @@ static void llama_trainer(void* run, Trainer* t, const TrainOptions* o, const Di
     t->save_adapter = llama_run_save_adapter;
     t->export_merged = llama_run_export;
     t->print_start = llama_print_start;
+    t->fit_report = llama_run_fit_report;
 }
 
 // --seq beyond max_position_embeddings is a warning, not an error: RoPE is defined at every
@@ -257,7 +266,8 @@ static void llama_run_config(void* run, TrainOptions* o, const Dist* dist) {
 static void llama_run_dry_run(void* run, const TrainOptions* o, const Dist* dist) {
     LlamaRun* r = (LlamaRun*)run;
     if (!strcmp(o->fit, "report")) {
-        llama_fit_report(&r->cfg, o, !strcmp(o->device, "cpu"), dist);
+        int cpu = !strcmp(o->device, "cpu");
+        llama_fit_report(&r->cfg, o, cpu, dist, fit_budget(o, !cpu, "--fit report"), NULL);
         return;
     }
     TrainOptions planned = *o;
