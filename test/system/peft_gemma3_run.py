@@ -4,11 +4,12 @@ transformers (4.46) has no Gemma 3 class, and PEFT wraps any torch nn.Module. Ge
 holds a gemma3_text checkpoint under transformers' parameter names (model.embed_tokens,
 model.layers.N.self_attn.{q,k,v,o}_proj, q_norm, k_norm, input_layernorm, post_attention_layernorm,
 pre_feedforward_layernorm, post_feedforward_layernorm, mlp.{gate,up,down}_proj, model.norm; the head
-tied to the embedding), each projection an nn.Linear that PEFT's LoRA layers replace; its forward
-is the independent reference's math (test/model/reference_llama.py: its norms, RoPE tables of both
-bases, windowed attention and tanh GELU), layer by layer. Before any loss is printed, its logits
-in float64 are checked equal to reference_llama.forward's, without the adapter and with PEFT's
-adapter (its lora_A / lora_B weights handed to the reference as LoRA pairs).
+tied to the embedding), or a gemma3 directory's language model under model.language_model. (current
+transformers' Gemma3ForConditionalGeneration), each projection an nn.Linear that PEFT's LoRA layers
+replace; its forward is the independent reference's math (test/model/reference_llama.py: its norms,
+RoPE tables of both bases, windowed attention and tanh GELU), layer by layer. Before any loss is
+printed, its logits in float64 are checked equal to reference_llama.forward's, without the adapter
+and with PEFT's adapter (its lora_A / lora_B weights handed to the reference as LoRA pairs).
 
     peft_gemma3_run.py load --base DIR --adapter DIR [--merged DIR] --val SHARD --seq T --windows N
         PeftModel.from_pretrained(module, DIR): prints the base's loss and base + adapter's (and the
@@ -19,6 +20,7 @@ adapter (its lora_A / lora_B weights handed to the reference as LoRA pairs).
 Losses (float32, as transformers runs a float32 checkpoint) on the first windows of a token shard,
 the windows train_llama --eval-only uses (scripts/interop/check_hf_interop.py's masked_loss)."""
 import argparse
+import json
 import os
 import sys
 import types
@@ -34,6 +36,7 @@ import reference_llama as ref  # noqa: E402
 import shards  # noqa: E402
 from check_hf_interop import masked_loss  # noqa: E402
 
+MM_PREFIX = "language_model."  # a gemma3 directory's language model, as released checkpoints name it
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -90,25 +93,47 @@ class Config(types.SimpleNamespace):
         return dict(vars(self))
 
 
+def text_checkpoint(model_dir):
+    """The text model's config dict and tensors (named as a gemma3_text directory names them) of a gemma3_text
+    directory, or of a gemma3 one (text_config; tensors language_model.model.*), and whether it was the latter."""
+    with open(os.path.join(model_dir, "config.json")) as f:
+        config = json.load(f)
+    weights = ref.load_weights_np(model_dir)
+    if config.get("model_type") != "gemma3":
+        return config, weights, False
+    text = {k[len(MM_PREFIX):]: v for k, v in weights.items() if k.startswith(MM_PREFIX)}
+    return dict(config["text_config"], model_type="gemma3_text"), text, True
+
+
 class Gemma3Module(nn.Module):
-    """A gemma3_text checkpoint under transformers' names; forward = reference_llama.forward's steps."""
+    """A gemma3_text checkpoint under transformers' names (Gemma3ForCausalLM's: model.layers.N...), or the language
+    model of a gemma3 one under current transformers' Gemma3ForConditionalGeneration's (model.language_model.layers.N;
+    its vision tower is left out); forward = reference_llama.forward's steps."""
 
     def __init__(self, model_dir, dtype):
         super().__init__()
-        self.cfg = c = ref.LlamaConfig.from_dir(model_dir)
+        config, weights, self.multimodal = text_checkpoint(model_dir)
+        self.cfg = c = ref.LlamaConfig(config)
         if c.model_type != "gemma3_text" or not c.tied:
             sys.exit(f"error: {model_dir}: expected a tied gemma3_text checkpoint")
-        self.config = Config(model_type="gemma3_text", tie_word_embeddings=True)
-        self.model = TextModel(c)
-        weights = {k: torch.from_numpy(np.asarray(v, np.float32)) for k, v in ref.load_weights_np(model_dir).items()}
-        self.load_state_dict(weights, strict=True)
+        self.config = Config(model_type="gemma3" if self.multimodal else "gemma3_text", tie_word_embeddings=True)
+        if self.multimodal:
+            self.model = nn.Module()
+            self.model.language_model = TextModel(c)
+            weights = {"model.language_model." + k[len("model."):]: v for k, v in weights.items()}
+        else:
+            self.model = TextModel(c)
+        self.load_state_dict({k: torch.from_numpy(np.asarray(v, np.float32)) for k, v in weights.items()}, strict=True)
         self.to(dtype)
+
+    def text(self):
+        return self.model.language_model if self.multimodal else self.model
 
     def prepare_inputs_for_generation(self, *args, **kwargs):  # PeftModelForCausalLM looks it up; never called
         raise NotImplementedError
 
     def forward(self, input_ids=None, **unused):
-        c, m = self.cfg, self.model
+        c, m = self.cfg, self.text()
         B, T = input_ids.shape
         hd, dtype = c.head_dim, m.embed_tokens.weight.dtype
         cos, sin = ref.rope_cos_sin(c, T, dtype)
@@ -151,7 +176,8 @@ def check_against_reference(base_dir, peft_model, windows):
     """The module's float64 logits, without and with the adapter, are reference_llama.forward's."""
     peft_model.double()
     tokens = torch.from_numpy(windows[:, :-1])
-    reference = ref.LlamaModel.load(base_dir, torch.float64)
+    config, weights, _ = text_checkpoint(base_dir)
+    reference = ref.LlamaModel(ref.LlamaConfig(config), weights, torch.float64)
     pairs, scale = lora_pairs(peft_model)
     if len(pairs) != reference.cfg.n_layers * len(TARGETS):
         sys.exit(f"error: PEFT's adapter covers {len(pairs)} projections, expected every one")
