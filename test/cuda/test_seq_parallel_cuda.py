@@ -64,12 +64,12 @@ def test_cuda_two_ranks_sharing_each_sequence_equal_one_process(tmp_path, how, e
 # query heads, summed in fp32) to bf16 before the replicas are added, where one process rounds the
 # group's sum once: each dk, dv element moves by at most one bf16 ulp (2^-9 for each partial's
 # rounding) of its partials, and every gradient made linearly from them by at most that relative
-# share of its terms, so the step-1 gradient norm within 2^-8. The step-2 loss: the adapters differ
-# by one AdamW update made from gradients within 2^-8, lr x 2 x 2^-8 ~ 7.8e-6 each, which moves the
-# loss by at most ||dL/dtheta||_1 x 7.8e-6 <= sqrt(1.1e4 values) x |grad| (~5) x 7.8e-6 ~ 4e-3.
-# The NCCL and host paths make the same sums on the device in the same order, in whichever buffers:
-# equal to the bit.
-REPLICATED_NORM_REL, REPLICATED_STEP2_ABS = 2.0 ** -8, 4e-3
+# share of its terms, so the step-1 gradient norm within 2^-8. Step 1 only: AdamW's first update is
+# about lr sign(g), so an element whose gradient lies within that rounding of zero flips its update
+# by 2 lr, which moves the next loss by an amount step 1's differences do not bound (measured for
+# Gemma 3: 2 of 4,272 adapter values flipped, the step-2 loss 5.4e-3 apart). The NCCL and host
+# paths make the same sums on the device in the same order, in whichever buffers: equal to the bit.
+REPLICATED_NORM_REL = 2.0 ** -8
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +86,7 @@ def test_cuda_replicated_key_value_head_equals_one_process(tmp_path, one_kv_head
     if GPU:
         pytest.skip("needs two GPUs")
     args = [str(a) for a in ["--model", one_kv_head, "--data", os.path.join(DATA, "llama_demo_ft_train.bin"),
-                             "--steps", 2, "--batch", 2, "--seq", 16, "--lora-rank", 2, "--lr", 1e-3, "--device",
+                             "--steps", 1, "--batch", 2, "--seq", 16, "--lora-rank", 2, "--lr", 1e-3, "--device",
                              "cuda", "--threads", 1]]
     run([need(CUDA_TRAIN)] + args + ["--out", tmp_path / "one"])
     # the host path with the exchanges' scratch in buffers of its own (LLMC_SEQPAR_LEND=0), the NCCL
@@ -94,23 +94,16 @@ def test_cuda_replicated_key_value_head_equals_one_process(tmp_path, one_kv_head
     for name, env in (("nccl", {}), ("host", {"LLMC_NCCL": "0", "LLMC_SEQPAR_LEND": "0"})):
         mpirun(2, CUDA_TRAIN, args + ["--seq-parallel", "2", "--out", str(tmp_path / name)], env=env)
     (l1, n1, _), (l2, n2, _), (l3, n3, _) = (log_rows(tmp_path / k) for k in ("one", "nccl", "host"))
-    assert len(l1) == len(l2) == 2 and (l2, n2) == (l3, n3), (l1, l2, l3, n2, n3)
+    assert len(l1) == len(l2) == 1 and (l2, n2) == (l3, n3), (l1, l2, l3, n2, n3)
     assert abs(l1[0] - l2[0]) <= STEP1_LOSS_ABS, (l1, l2)
     assert abs(n1[0] - n2[0]) <= REPLICATED_NORM_REL * n1[0], (n1, n2)
-    assert abs(l1[1] - l2[1]) <= REPLICATED_STEP2_ABS, (l1, l2)
-    assert abs(l1[1] - l1[0]) > 10 * REPLICATED_STEP2_ABS, l1  # a step moves the loss by far more
 
 
 def test_cuda_gemma3_replicated_key_value_head_step_one_equals_one_process(tmp_path):
     """Gemma 3 as its test model comes (and Gemma 3 1B ships): 4 query heads on one key/value head, replicated
     over both ranks, with its q/k norms, the local window crossing the slices and two RoPE bases, under lowmem
     with LoRA (q, k rebuilt in the backward). Step 1 only, within the bounds derived above: the loss to
-    log.csv's digits, the gradient norm within 2^-8; the NCCL and host paths equal to the bit. Not step 2:
-    AdamW's first update is about lr sign(g), so an element whose gradient lies within the replicas' bf16
-    rounding of zero flips its update by 2 lr (measured: 2 of the 4,272 adapter values, under baseline and
-    lowmem alike, every other value within 4e-6), which moves the next loss by 2 lr times that value's
-    next gradient, not bounded by step 1's differences (measured 5.4e-3 under lowmem, beyond the 4e-3 that
-    holds for the LLaMA above)."""
+    log.csv's digits, the gradient norm within 2^-8; the NCCL and host paths equal to the bit."""
     if GPU:
         pytest.skip("needs two GPUs")
     args = [str(a) for a in ["--model", qk_norm_model(tmp_path, "gemma3", kv_heads=1), "--data",
