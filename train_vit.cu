@@ -61,6 +61,15 @@ static void vit_print_start(void* run, const TrainOptions* o, const char* what, 
     printf("\n");
 }
 
+// --fit report after training: the table for the memory this run's choices were fitted to.
+static void vit_run_fit_report(void* run, const TrainOptions* o, const Dist* dist, double step_seconds) {
+    VitRun* r = (VitRun*)run;
+    VitPlanCtx pc = {&r->cfg, r->h, r->w, r->classes, vit_data_src_bytes(&r->rd), r->m.be, dist};
+    FitBudget budget = {r->avail, "the memory this run fitted its choices to"};
+    FitCalibration cal = vit_fit_calibration(&r->m, o, step_seconds);
+    vit_fit_report(&pc, o, budget, &cal);
+}
+
 static void vit_trainer(void* run, Trainer* t, const TrainOptions* o, const Dist* dist) {
     VitRun* r = (VitRun*)run;
     Vit* m = &r->m;
@@ -78,6 +87,7 @@ static void vit_trainer(void* run, Trainer* t, const TrainOptions* o, const Dist
     t->save_adapter = vit_run_save_adapter;
     t->export_merged = vit_run_export;
     t->print_start = vit_print_start;
+    t->fit_report = vit_run_fit_report;
 }
 
 static void vit_flags(FlagTable* t, TrainOptions* o) {

@@ -19,12 +19,23 @@ static double llama_block_forward_flops(const Llama* m) {
     return f;
 }
 
-// The report's rows at o's shape for `budget` bytes (--gpu-mem, --mem-limit, or the device's).
-static void llama_fit_report(const LlamaConfig* cfg, const TrainOptions* o, int cpu, const Dist* dist) {
+// A training run's calibration: its measured mean step and its own predicted ratio (its mode's
+// cost at the blocks it recomputes).
+static FitCalibration llama_fit_calibration(const Llama* m, const TrainOptions* o, double step_seconds) {
+    int k = m->saved.ckpt.recomputed;
+    FitCalibration cal = {step_seconds, fit_report_cost(llama_flops_per_token(m), llama_block_forward_flops(m), k), k,
+                          o->act, o->norm};
+    return cal;
+}
+
+// The report's rows at o's shape for `budget` bytes (a dry run's: --gpu-mem, --mem-limit, or the
+// device's; a training run's: the memory its own choices were fitted to), calibrated by a
+// training run's measured step (cal; NULL in a dry run).
+static void llama_fit_report(const LlamaConfig* cfg, const TrainOptions* o, int cpu, const Dist* dist,
+                             FitBudget budget, const FitCalibration* cal) {
     Backend be = backend_for_plan(!cpu);
     Dist ranks = dist_for_plan(dist, o->ranks ? o->ranks : dist->world);
     ranks.sp = o->seq_parallel;
-    FitBudget budget = fit_budget(o, !cpu, "--fit report");
     FitReportRow rows[FIT_REPORT_MODES];
     for (int i = 0; i < FIT_REPORT_MODES; i++) {
         TrainOptions v = *o;
@@ -42,5 +53,5 @@ static void llama_fit_report(const LlamaConfig* cfg, const TrainOptions* o, int 
             fit_report_cost(llama_flops_per_token(&m), llama_block_forward_flops(&m), rows[i].recomputed);
         llama_free(&m);
     }
-    fit_report_print(o, rows, cfg->layers, budget.bytes, budget.source);
+    fit_report_print(o, rows, cfg->layers, budget.bytes, budget.source, cal);
 }

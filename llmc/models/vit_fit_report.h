@@ -19,9 +19,18 @@ static double vit_block_forward_flops(const Vit* m) {
     return m->T * per_token;
 }
 
-// The report's rows for a micro-batch of o->batch images at h x w with `classes`.
-static void vit_fit_report(const VitPlanCtx* pc, const TrainOptions* o, int cpu) {
-    FitBudget budget = fit_budget(o, !cpu, "--fit report");
+// A training run's calibration: its measured mean step and its own predicted ratio (its mode's
+// cost at the blocks it recomputes).
+static FitCalibration vit_fit_calibration(const Vit* m, const TrainOptions* o, double step_seconds) {
+    int k = m->saved.ckpt.recomputed;
+    FitCalibration cal = {step_seconds, fit_report_cost(vit_flops_per_image(m), vit_block_forward_flops(m), k), k,
+                          o->act, o->norm};
+    return cal;
+}
+
+// The report's rows for a micro-batch of o->batch images at h x w with `classes`, for `budget`
+// bytes (as llama_fit_report's), calibrated by a training run's measured step (cal; NULL in a dry run).
+static void vit_fit_report(const VitPlanCtx* pc, const TrainOptions* o, FitBudget budget, const FitCalibration* cal) {
     FitReportRow rows[FIT_REPORT_MODES];
     int world = pc->dist ? pc->dist->world : 1;
     for (int i = 0; i < FIT_REPORT_MODES; i++) {
@@ -38,5 +47,5 @@ static void vit_fit_report(const VitPlanCtx* pc, const TrainOptions* o, int cpu)
         rows[i].predicted = fit_report_cost(vit_flops_per_image(&m), vit_block_forward_flops(&m), rows[i].recomputed);
         vit_free(&m);
     }
-    fit_report_print(o, rows, pc->cfg->layers, budget.bytes, budget.source);
+    fit_report_print(o, rows, pc->cfg->layers, budget.bytes, budget.source, cal);
 }

@@ -69,7 +69,7 @@ static void vit_dry_run(const VitConfig* cfg, const TrainOptions* o, TrainModes 
     size_t budget = o->gpu_mem > 0 || o->mem_limit > 0 ? fit_budget(o, !cpu, "--mem-limit").bytes : 0;
     VitPlanCtx pc = {cfg, h, w, classes, src_bytes, &be, &ranks};
     if (!strcmp(o->fit, "report")) {
-        vit_fit_report(&pc, o, cpu);
+        vit_fit_report(&pc, o, fit_budget(o, !cpu, "--fit report"), NULL);
         return;
     }
     TrainModes given = md;

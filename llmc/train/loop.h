@@ -288,6 +288,9 @@ typedef struct {
     void (*export_merged)(void* model, const TrainOptions* o, const char* dir);
     // the model's start-up line, given what trains and where (train_describe)
     void (*print_start)(void* model, const TrainOptions* o, const char* what, const char* where);
+    // --fit report on a training run (rank 0, after the steps): the table, calibrated by the run's
+    // mean step after the first (llmc/train/fit_report.h)
+    void (*fit_report)(void* model, const TrainOptions* o, const Dist* dist, double step_seconds);
 } Trainer;
 
 // The start of a run on rank 0: the device, the model's line, and the memory plan beside the
@@ -455,6 +458,16 @@ static void train_check_base_unchanged(const TrainOptions* o, const BaseIdentity
          (unsigned long long)(now.weights != start->weights ? now.weights : now.config));
 }
 
+// --fit report after a training run: the model's table calibrated by the mean of the `timed` steps
+// after the first (the first warms up), or why there is none.
+static void train_fit_report(const Trainer* t, const TrainOptions* o, const Dist* dist, int timed_steps, double timed) {
+    if (timed_steps < 1 || !t->fit_report) {
+        printf("fit report: no timed step to calibrate by (the first step warms up: run at least 2 steps)\n");
+        return;
+    }
+    t->fit_report(t->model, o, dist, timed / timed_steps);
+}
+
 // The training loop: resume, the model's validation before any update, then each step with its
 // line, log row, validation and save, and the closing summary.
 static void train_loop(const Trainer* t, const TrainOptions* o, const Dist* dist, const BaseIdentity* base) {
@@ -475,7 +488,7 @@ static void train_loop(const Trainer* t, const TrainOptions* o, const Dist* dist
         if (rank0) printf("\n");
         train_log_row(log, t, 0, NULL, 0.0, e);
     }
-    double t0 = wall_seconds(), comm = 0.0;
+    double t0 = wall_seconds(), comm = 0.0, timed = 0.0;  // timed: the steps after the first (--fit report)
     int stop = train_stop_step(o), skips = 0;
     double peak = backend_peak_flops(t->be);
     for (int step = start; step < stop; step++) {
@@ -485,6 +498,7 @@ static void train_loop(const Trainer* t, const TrainOptions* o, const Dist* dist
         StepResult r = t->step(t->model, o, dist, step);
         prof_step_end(t->be->prof, step == start && stop - start > 1);
         double dt = wall_seconds() - ts;
+        if (step > start) timed += dt;
         comm += r.comm_s;
         train_count_skip(&skips, r.skipped, step);
         int last = step + 1 == stop;
@@ -501,6 +515,7 @@ static void train_loop(const Trainer* t, const TrainOptions* o, const Dist* dist
     }
     if (rank0) train_print_summary(o, start, stop, wall_seconds() - t0, comm, t->full, t->plan, t->be);
     if (rank0) prof_print(t->be->prof, t->be->layout);
+    if (rank0 && !strcmp(o->fit, "report")) train_fit_report(t, o, dist, stop - start - 1, timed);
     if (log) fclose(log);
 }
 

@@ -153,8 +153,10 @@ static void train_flags_memory(FlagTable* t, TrainOptions* o) {
                 "blocks) or auto (the fewest blocks whose plan fits the memory; the default where the run would "
                 "not fit otherwise)");
     flag_choice(t, "fit", &o->fit, "none|report",
-                "with --dry-run: report each memory mode (baseline, lowmem, act-only, norm-only) with the fewest "
-                "recomputed blocks that fit the memory, its plan and its predicted step time; the best marked");
+                "report each memory mode (baseline, lowmem, act-only, norm-only) with the fewest recomputed "
+                "blocks that fit the memory, its plan and its predicted step time, the best marked: with "
+                "--dry-run relative to the mode's step; after a training run's steps in ms, calibrated by its "
+                "measured step");
     flag_float(t, "mem-limit", &o->mem_limit,
                "the most memory (GiB, > 0) the run may plan, on the GPU or the host (default: the fit check's "
                "budget, free GPU memory or MemAvailable); --recompute auto fits it");
@@ -498,7 +500,8 @@ static void train_parse_flags(FlagTable* t, TrainOptions* o, int argc, char** ar
     train_check_grad_accum(o, flags_find(t, "seq") ? TRAIN_TEXT : TRAIN_IMAGE);
     if (!o->model_dir) fail("flag --model is required (a model directory with config.json and model.safetensors)");
     if (o->json && !o->dry_run) fail("flag --json: only valid with --dry-run");
-    if (strcmp(o->fit, "none") != 0 && !o->dry_run) fail("flag --fit %s: only valid with --dry-run", o->fit);
+    if (strcmp(o->fit, "none") != 0 && !o->dry_run && (!o->data_path || o->eval_only))
+        fail("flag --fit %s: only with --dry-run, or on a training run (--data) whose steps calibrate it", o->fit);
     if (o->ranks < 0) fail("flag --ranks: expected >= 1, got %d", o->ranks);
     if (o->ranks && !o->dry_run) fail("flag --ranks: only valid with --dry-run (mpirun -np N launches the ranks)");
     if (o->max_seq && !o->dry_run)

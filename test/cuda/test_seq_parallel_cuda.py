@@ -5,7 +5,8 @@ run on the device through grouped ncclSend/ncclRecv (emulated over MPI: test/emu
 or with LLMC_NCCL=0 through host copies and MPI; both must give the same result. A model of one
 key/value head replicates it over both ranks (the replicas' gradients summed back by
 sum_replica_blocks_cuda). Qwen3's q/k norms under lowmem (q, k rebuilt in the backward and
-exchanged again). Needs two GPUs on real hardware: not yet run on a GPU."""
+exchanged again), and Gemma 3's (sandwich norms, local layers whose window crosses the ranks'
+slices, two RoPE bases). Needs two GPUs on real hardware: not yet run on a GPU."""
 import csv
 import os
 
@@ -63,12 +64,12 @@ def test_cuda_two_ranks_sharing_each_sequence_equal_one_process(tmp_path, how, e
 # query heads, summed in fp32) to bf16 before the replicas are added, where one process rounds the
 # group's sum once: each dk, dv element moves by at most one bf16 ulp (2^-9 for each partial's
 # rounding) of its partials, and every gradient made linearly from them by at most that relative
-# share of its terms, so the step-1 gradient norm within 2^-8. The step-2 loss: the adapters differ
-# by one AdamW update made from gradients within 2^-8, lr x 2 x 2^-8 ~ 7.8e-6 each, which moves the
-# loss by at most ||dL/dtheta||_1 x 7.8e-6 <= sqrt(1.1e4 values) x |grad| (~5) x 7.8e-6 ~ 4e-3.
-# The NCCL and host paths make the same sums on the device in the same order, in whichever buffers:
-# equal to the bit.
-REPLICATED_NORM_REL, REPLICATED_STEP2_ABS = 2.0 ** -8, 4e-3
+# share of its terms, so the step-1 gradient norm within 2^-8. Step 1 only: AdamW's first update is
+# about lr sign(g), so an element whose gradient lies within that rounding of zero flips its update
+# by 2 lr, which moves the next loss by an amount step 1's differences do not bound (measured for
+# Gemma 3: 2 of 4,272 adapter values flipped, the step-2 loss 5.4e-3 apart). The NCCL and host
+# paths make the same sums on the device in the same order, in whichever buffers: equal to the bit.
+REPLICATED_NORM_REL = 2.0 ** -8
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +86,7 @@ def test_cuda_replicated_key_value_head_equals_one_process(tmp_path, one_kv_head
     if GPU:
         pytest.skip("needs two GPUs")
     args = [str(a) for a in ["--model", one_kv_head, "--data", os.path.join(DATA, "llama_demo_ft_train.bin"),
-                             "--steps", 2, "--batch", 2, "--seq", 16, "--lora-rank", 2, "--lr", 1e-3, "--device",
+                             "--steps", 1, "--batch", 2, "--seq", 16, "--lora-rank", 2, "--lr", 1e-3, "--device",
                              "cuda", "--threads", 1]]
     run([need(CUDA_TRAIN)] + args + ["--out", tmp_path / "one"])
     # the host path with the exchanges' scratch in buffers of its own (LLMC_SEQPAR_LEND=0), the NCCL
@@ -93,32 +94,54 @@ def test_cuda_replicated_key_value_head_equals_one_process(tmp_path, one_kv_head
     for name, env in (("nccl", {}), ("host", {"LLMC_NCCL": "0", "LLMC_SEQPAR_LEND": "0"})):
         mpirun(2, CUDA_TRAIN, args + ["--seq-parallel", "2", "--out", str(tmp_path / name)], env=env)
     (l1, n1, _), (l2, n2, _), (l3, n3, _) = (log_rows(tmp_path / k) for k in ("one", "nccl", "host"))
-    assert len(l1) == len(l2) == 2 and (l2, n2) == (l3, n3), (l1, l2, l3, n2, n3)
+    assert len(l1) == len(l2) == 1 and (l2, n2) == (l3, n3), (l1, l2, l3, n2, n3)
     assert abs(l1[0] - l2[0]) <= STEP1_LOSS_ABS, (l1, l2)
     assert abs(n1[0] - n2[0]) <= REPLICATED_NORM_REL * n1[0], (n1, n2)
-    assert abs(l1[1] - l2[1]) <= REPLICATED_STEP2_ABS, (l1, l2)
-    assert abs(l1[1] - l1[0]) > 10 * REPLICATED_STEP2_ABS, l1  # a step moves the loss by far more
 
 
-@pytest.fixture(scope="module")
-def qwen3(tmp_path_factory):
+def test_cuda_gemma3_replicated_key_value_head_step_one_equals_one_process(tmp_path):
+    """Gemma 3 as its test model comes (and Gemma 3 1B ships): 4 query heads on one key/value head, replicated
+    over both ranks, with its q/k norms, the local window crossing the slices and two RoPE bases, under lowmem
+    with LoRA (q, k rebuilt in the backward). Step 1 only, within the bounds derived above: the loss to
+    log.csv's digits, the gradient norm within 2^-8; the NCCL and host paths equal to the bit."""
+    if GPU:
+        pytest.skip("needs two GPUs")
+    args = [str(a) for a in ["--model", qk_norm_model(tmp_path, "gemma3", kv_heads=1), "--data",
+                             os.path.join(DATA, "llama_demo_ft_train.bin"), "--steps", 1, "--batch", 2, "--seq", 16,
+                             "--lora-rank", 2, "--lr", 1e-3, "--mode", "lowmem", "--device", "cuda", "--threads", 1]]
+    run([need(CUDA_TRAIN)] + args + ["--out", tmp_path / "one"])
+    for name, env in (("nccl", {}), ("host", {"LLMC_NCCL": "0"})):
+        mpirun(2, CUDA_TRAIN, args + ["--seq-parallel", "2", "--out", str(tmp_path / name)], env=env)
+    (l1, n1, _), (l2, n2, _), (l3, n3, _) = (log_rows(tmp_path / k) for k in ("one", "nccl", "host"))
+    assert len(l1) == len(l2) == 1 and (l2, n2) == (l3, n3), (l1, l2, l3, n2, n3)
+    assert abs(l1[0] - l2[0]) <= STEP1_LOSS_ABS, (l1, l2)
+    assert abs(n1[0] - n2[0]) <= REPLICATED_NORM_REL * n1[0], (n1, n2)
+
+
+def qk_norm_model(root, name, kv_heads=2):
+    """Qwen3's or Gemma 3's test model in the demo's vocabulary (its data). Gemma 3 with 2 key/value heads by
+    default, one per rank as Qwen3's, so that the bounds below hold as derived (its own single head, replicated:
+    the test above): q/k gammas far from 1, local layers 0 and 1 with a window of 5 that crosses the ranks'
+    slices of 8 positions, RoPE base 1e4 there and 1e6 (linearly scaled) on layer 2."""
     import llama_cases as lc
-    cfg = lc.model_config("qwen3")
-    cfg.update(vocab_size=512)  # the demo's data
-    d = tmp_path_factory.mktemp("qwen3") / "model"
+    cfg = lc.model_config(name)
+    cfg.update(vocab_size=512, num_key_value_heads=kv_heads)
+    d = root / name
     lc.write_model(str(d), cfg, seed=5)
     return str(d)
 
 
-def test_cuda_qk_norms_equal_one_process(tmp_path, qwen3):
-    # Qwen3's q/k norms under lowmem with LoRA: the block keeps their normalised rows, and the
+@pytest.mark.parametrize("name", ["qwen3", "gemma3"])
+def test_cuda_qk_norms_equal_one_process(tmp_path, name):
+    # Qwen3's and Gemma 3's q/k norms under lowmem with LoRA: the block keeps their normalised rows, and the
     # backward rebuilds q and k from them in token layout and exchanges them to the head layout
     # (llmc/models/llama.h's llama_qk_rebuild). 2 key/value heads: one per rank, none replicated,
     # so the bounds of the first test hold as derived there (a smaller model: fewer activations
     # that could cross a bf16 rounding boundary); the NCCL and host paths equal to the bit
     if GPU:
         pytest.skip("needs two GPUs")
-    args = [str(a) for a in ["--model", qwen3, "--data", os.path.join(DATA, "llama_demo_ft_train.bin"), "--steps", 4,
+    model = qk_norm_model(tmp_path, name)
+    args = [str(a) for a in ["--model", model, "--data", os.path.join(DATA, "llama_demo_ft_train.bin"), "--steps", 4,
                              "--batch", 2, "--seq", 16, "--lora-rank", 2, "--lr", 1e-3, "--mode", "lowmem",
                              "--device", "cuda", "--threads", 1]]
     run([need(CUDA_TRAIN)] + args + ["--out", tmp_path / "one"])

@@ -171,16 +171,19 @@ def margin_ok(stats):
     return stats["min_margin"] > BREAKPOINT_MARGIN
 
 
-def make_safe_case(model, batch, seq, rank, alpha, targets=ALL_TARGETS, seed=0, tries=50):
+def make_safe_case(model, batch, seq, rank, alpha, targets=ALL_TARGETS, seed=0, tries=50, ms_model=None):
     """make_case, re-drawn (seed, seed+1000, ...) until no gate pre-activation is near a ReSiLU2
-    breakpoint in either norm mode (and the paper's --ms-lora merged). Returns (case, seed used,
-    {norm: stats})."""
+    breakpoint in either norm mode (and the paper's --ms-lora merged). ms_model: the model the MS
+    runs use where it is not `model` (NF4 quantizes the weights after the MS merge, so its MS
+    model's pre-activations are not the standard one's). Returns (case, seed used, {norm: stats})."""
+    ms_model = ms_model or model
     for k in range(tries):
         s = seed + 1000 * k
         case = make_case(model.cfg, batch, seq, rank, targets, s)
-        stats = {norm: ref.run_case(model, case, "exact", norm, rank, alpha, targets)["stats"]
-                 for norm in ("std", "ms")}
-        stats["ms-merged"] = ref.run_case(model, case, "exact", "ms", rank, alpha, targets, ms_lora="merged")["stats"]
+        stats = {"std": ref.run_case(model, case, "exact", "std", rank, alpha, targets)["stats"],
+                 "ms": ref.run_case(ms_model, case, "exact", "ms", rank, alpha, targets)["stats"]}
+        stats["ms-merged"] = ref.run_case(ms_model, case, "exact", "ms", rank, alpha, targets,
+                                          ms_lora="merged")["stats"]
         if all(margin_ok(st) for st in stats.values()):
             return case, s, stats
     raise RuntimeError("could not draw a case away from the ReSiLU2 breakpoints")

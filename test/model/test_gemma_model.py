@@ -148,11 +148,18 @@ def test_probe_full_finetuning_gemma(root, name, mode):
 def test_gemma3_additions_matter(root):
     """Gemma 3's own parts each move the reference's logits beyond the tolerance: the local layers'
     RoPE base (all layers global instead), the global layer's linear RoPE scaling, the q/k norms'
-    1 + w (w instead)."""
+    1 + w (w instead), the local layers' window (shorter than the case's sequence; none instead).
+    The q/k gammas 1 + w are far from 1 (llama_cases.write_model: 1 + 0.5 N(0, 1), one of them 0), so
+    a trainer that dropped the norms' scale, or scaled by w, would fail every comparison with them."""
     d, model, case, _ = gemma_setup(root, "gemma3")
     tokens = torch.from_numpy(case["tokens"][:, :-1].astype(np.int64))
     c = model.cfg
     assert c.local == [True, True, False] and c.qk_norm
+    assert c.layer_window == [5, 5, 0] and tokens.shape[1] > 5
+    for l in range(c.n_layers):
+        for n in ("q_norm", "k_norm"):
+            g = model.w[f"{l}.{n}"]
+            assert float((g - 1.0).abs().max()) > 0.5 and float(g.abs().min()) == 0.0, (l, n)
     base = ref.forward(model, tokens, {}, 1.0).detach()
 
     def moved(logits):
@@ -166,6 +173,11 @@ def test_gemma3_additions_matter(root):
     c.rope_scaling = scaling
     w = {k: (v - 1.0 if k.endswith("q_norm") or k.endswith("k_norm") else v) for k, v in model.w.items()}
     assert moved(ref.forward(model, tokens, {}, 1.0, weights=w)) > 1e-2
+    c.layer_window = [0] * 3
+    try:
+        assert moved(ref.forward(model, tokens, {}, 1.0)) > 1e-3
+    finally:
+        c.layer_window = [5, 5, 0]
 
 
 def test_regelu2_fits_the_tanh_gelu_as_the_erf_gelu():

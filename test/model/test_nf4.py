@@ -115,13 +115,13 @@ def nf4_setup(root, name):
     """A random model of config `name`, its NF4 reference models and a case away from the ReSiLU2
     breakpoints."""
     d = os.path.join(root, name)
-    cfg = lc.model_config(name)
-    if name == "gemma3":  # its local window (5) no shorter than the case's sequence: train_llama refuses NF4 on
-        cfg["sliding_window"] = 256  # CUDA with MS q/k norms and a shorter window (llama_check_nf4_window)
-    lc.write_model(d, cfg, seed=1)
+    lc.write_model(d, lc.model_config(name), seed=1)
     batch, seq, rank, alpha = lc.SHAPES[name]
     models = {norm: nf4_reference_model(d, norm) for norm in ("std", "ms")}
-    case, _, _ = lc.make_safe_case(models["std"], batch, seq, rank, alpha, seed=7)
+    # away from the breakpoints in each norm's own model: under ms the weights are quantized after the
+    # merge, so its gate pre-activations differ from std's (a case screened on std's alone had one
+    # 1e-6 from a breakpoint under ms, and bf16 flipped its ReSiLU2/ReGELU2 code on CUDA)
+    case, _, _ = lc.make_safe_case(models["std"], batch, seq, rank, alpha, seed=7, ms_model=models["ms"])
     cp = os.path.join(root, f"{name}.case.safetensors")
     st_io.save(cp, case)
     refs = {}
@@ -449,17 +449,14 @@ def test_nf4_two_ranks_equal_one_process_accumulating(tiny, tmp_path):
     assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
 
 
-def test_nf4_with_ms_qk_norms_and_a_short_window_is_refused_on_cuda(tmp_path):
+def test_nf4_with_ms_qk_norms_and_a_short_window_plans_on_cuda(tmp_path):
     """Gemma 3 (MS q/k norms under --norm ms) with its local window (5) shorter than --seq under NF4 on
-    CUDA: its gradients missed the reference by about 20 % on the emulator (3 % without the window or
-    without NF4), so train_llama refuses the combination in one line; the dry run of the same model
-    with --norm std, or a window no shorter than --seq, plans."""
+    CUDA: once refused while its gradients missed the reference on the emulator, which was the test's
+    case sitting on a ReGELU2 breakpoint of the MS model (nf4_setup); now trained like the rest
+    (test_nf4_families_match_reference_on_dequantized_weights runs it), so the driver plans it."""
     d = tmp_path / "gemma3"
     lc.write_model(str(d), lc.model_config("gemma3"), seed=1)
     base = [CPU_TRAIN, "--model", str(d), "--dry-run", "--device", "cuda", "--quant", "nf4", "--batch", "1"]
-    p = subprocess.run(base + ["--mode", "lowmem", "--seq", "12"], capture_output=True, text=True, timeout=120)
-    assert p.returncode == 1 and p.stderr.count("\n") == 1, p.stderr
-    assert "--quant nf4" in p.stderr and "sliding window (5)" in p.stderr and "--seq 12" in p.stderr, p.stderr
-    for ok in (["--mode", "lowmem", "--norm", "std", "--seq", "12"], ["--mode", "lowmem", "--seq", "5"]):
+    for ok in (["--mode", "lowmem", "--seq", "12"], ["--mode", "lowmem", "--norm", "std", "--seq", "12"]):
         p = subprocess.run(base + ok, capture_output=True, text=True, timeout=120)
         assert p.returncode == 0, (ok, p.stderr)

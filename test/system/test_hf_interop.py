@@ -114,3 +114,76 @@ def test_peft_rslora_adapter_loads_with_its_scale(tmp_path):
     with open(tmp_path / "adapter" / "adapter_config.json", "w") as f:
         json.dump(cfg, f)
     assert abs(float(run(args).stdout.split("val loss ")[-1]) - peft_adapted) > 0.01
+
+
+# Gemma 3 (gemma3_text): build/hfvenv's transformers has no class for it, so PEFT wraps a module of our own
+# under transformers' parameter names, whose forward is the independent reference's (checked equal to
+# reference_llama.forward in float64 by the script before it prints a loss)
+PEFT_GEMMA3 = os.path.join(lc.REPO, "test", "system", "peft_gemma3_run.py")
+
+
+def gemma3_model(root, layout):
+    """The gemma3 test model (q/k gammas far from 1, local layers with a window of 5 < --seq 24, two RoPE
+    bases) as a gemma3_text directory, or as the language model of a gemma3 one (test_gemma3_multimodal.py's,
+    beside a vision part), and a token shard of a repeated pattern that a few steps learn."""
+    from test_gemma3_multimodal import gemma3_dir
+    cfg = lc.model_config("gemma3")
+    lc.write_model(str(root / "text"), cfg, seed=5)
+    rng = np.random.default_rng(2)
+    toks = np.tile(rng.integers(3, cfg["vocab_size"], size=11), 500)
+    shards.write_shard(str(root / "data.bin"), toks.astype(np.uint32), np.ones(toks.size, np.uint8), cfg["vocab_size"])
+    model = root / "text" if layout == "gemma3_text" else gemma3_dir(str(root / "text"), str(root / "mm"))
+    return model, root / "data.bin"
+
+
+def peft_gemma3(*argv):
+    p = subprocess.run([HF_PYTHON, PEFT_GEMMA3, *[str(a) for a in argv], "--seq", "24", "--windows", "16"],
+                       capture_output=True, text=True, timeout=300, env=ENV)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.count("float64 logits against reference_llama.forward") == 2, p.stdout
+    return {line.split(":")[0]: float(line.split(":")[-1]) for line in p.stdout.splitlines()
+            if line.startswith(("PEFT", "merged"))}
+
+
+def gemma3_eval(model, data, *extra):
+    return float(run(["--model", model, "--val", data, "--eval-only", "--seq", 24, "--batch", 4, "--val-batches", 4,
+                      "--lora-rank", 4, "--threads", 1, *extra]).stdout.split("val loss ")[-1])
+
+
+@pytest.mark.parametrize("layout", ["gemma3_text", "gemma3"])
+def test_peft_loads_our_gemma3_adapter(tmp_path, layout):
+    """Trained under lowmem (MS norms, ReGELU2) with --lora-dropout: PEFT's PeftModel.from_pretrained over
+    the reference module reads our adapter, and gives our --eval-only losses for the base and base +
+    adapter, and the module reads our merged export with our loss. The same fp32 tolerance as the
+    families transformers has (test_transformers_and_peft_load_our_outputs). A gemma3 directory's adapter
+    names current transformers' module paths (model.language_model.layers.N), where PEFT finds them."""
+    if not os.path.exists(HF_PYTHON):
+        pytest.fail(f"{HF_PYTHON} missing: scripts/ci/install_deps.sh makes it")
+    model, data = gemma3_model(tmp_path, layout)
+    run(["--model", model, "--data", data, "--steps", 8, "--batch", 4, "--seq", 24, "--lora-rank", 4, "--lr", 1e-2,
+         "--mode", "lowmem", "--out", tmp_path / "adapter", "--export-merged", tmp_path / "merged", "--threads", 1,
+         "--lora-dropout", 0.1])
+    ours = [gemma3_eval(model, data), gemma3_eval(model, data, "--adapter", tmp_path / "adapter"),
+            gemma3_eval(tmp_path / "merged", data)]
+    got = peft_gemma3("load", "--base", model, "--adapter", tmp_path / "adapter", "--merged", tmp_path / "merged",
+                      "--val", data)
+    theirs = [got["PEFT base"], got["PEFT base + adapter"], got["merged export"]]
+    print("ours (base, base+adapter, merged):", ours, "PEFT over the reference module:", theirs)
+    assert ours[1] < ours[0] - 0.1
+    np.testing.assert_allclose(theirs, ours, rtol=2e-6)
+
+
+@pytest.mark.parametrize("layout", ["gemma3_text", "gemma3"])
+def test_our_gemma3_loads_a_peft_adapter(tmp_path, layout):
+    """An adapter PEFT saves over the reference module (get_peft_model, random A and B on every
+    projection, save_pretrained): our --eval-only --adapter gives PEFT's loss, and the base's without it."""
+    if not os.path.exists(HF_PYTHON):
+        pytest.fail(f"{HF_PYTHON} missing: scripts/ci/install_deps.sh makes it")
+    model, data = gemma3_model(tmp_path, layout)
+    got = peft_gemma3("save", "--base", model, "--out", tmp_path / "adapter", "--rank", 4, "--alpha", 8, "--val", data)
+    peft_adapted, peft_base = got["PEFT base + adapter"], got["PEFT base"]
+    ours = gemma3_eval(model, data, "--lora-alpha", 8, "--adapter", tmp_path / "adapter")
+    print("PEFT (base, base + adapter):", peft_base, peft_adapted, "ours:", ours)
+    assert abs(peft_adapted - peft_base) > 0.02
+    np.testing.assert_allclose(ours, peft_adapted, rtol=2e-6)
+    np.testing.assert_allclose(gemma3_eval(model, data), peft_base, rtol=2e-6)

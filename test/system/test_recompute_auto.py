@@ -138,3 +138,37 @@ def test_fit_report_rows_are_the_plans_and_the_cost_model():
         assert abs(row["predicted_step"] - want) <= 1e-4 * want, (row, want)  # printed to 4 decimals
     fitting = [r for r in rep["rows"] if r["fits"]]
     assert fitting and rep["best"] == min(fitting, key=lambda r: (r["predicted_step"], r["planned_bytes"]))["mode"]
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+def test_fit_report_after_a_run_is_calibrated_by_its_measured_step(model):
+    """--fit report on a training run: after its steps, the dry run's rows at the same --mem-limit
+    (counts, plans, ratios), each with a step in ms = the run's measured mean step (after the first)
+    over the run's own predicted ratio, times the row's ratio; the run's own row (lowmem at auto's
+    count) predicts the measured step itself."""
+    layers = MODELS[model][2]
+    sizes = sorted({need(dry(model, "--mode", "baseline", "--recompute", k)) for k in range(layers + 1)})
+    limit = gib((sizes[1] + sizes[2]) // 2)
+    rep = dry(model, "--fit", "report", "--mem-limit", limit)
+    out = run(model, "--mode", "lowmem", "--steps", 3, "--fit", "report", "--mem-limit", limit).stdout
+    m = re.search(r"calibrated by this run's measured step: ([0-9.]+) ms \(act approx, norm ms, recompute (\d+) of "
+                  rf"{layers} blocks\)", out)
+    assert m, out
+    measured, k = float(m.group(1)), int(m.group(2))
+    rows = {r.split()[0]: r.split() for r in out[m.end():].splitlines()[2:2 + len(rep["rows"])]}
+    own = next(r for r in rep["rows"] if r["mode"] == "lowmem")
+    assert own["recomputed_blocks"] == k
+    for r in rep["rows"]:
+        got = rows[r["mode"]]  # mode, act,norm, K, of, L, planned, MiB, ratio, ms [, <-, best]
+        assert int(got[2]) == r["recomputed_blocks"] and got[7] == f"{r['predicted_step']:.3f}x", (got, r)
+        want = measured / own["predicted_step"] * r["predicted_step"]
+        # the printed figures: measured to 0.1 ms, each ratio to 4 decimals in the JSON, ms to 0.1
+        assert abs(float(got[8]) - want) <= 0.05 + 0.06 + want * 2e-4, (got, want)
+    assert float(rows["lowmem"][8]) == pytest.approx(measured, abs=0.11)
+
+
+def test_fit_report_on_a_run_without_data_is_refused():
+    exe, base, _ = MODELS["llama"]
+    p = subprocess.run([exe, "--model", base[1], "--eval-only", "--val", base[3], "--fit", "report"],
+                       capture_output=True, text=True, timeout=120, env=ENV)
+    assert p.returncode == 1 and p.stderr.count("\n") == 1 and "--fit report" in p.stderr, p.stderr
