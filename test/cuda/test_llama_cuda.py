@@ -715,6 +715,33 @@ def train_on(data, *args, check=True, env=None):
     return run([need(CUDA_TRAIN)] + demo + ["--device", "cuda"] + list(args), check=check, env=env)
 
 
+def eager_and_graph(data, tmp_path, *args):
+    """train_on with args eagerly (into tmp_path/off) and under LLMC_CUDA_GRAPH=1 (tmp_path/on): the second runs
+    under graphs and saves the very adapter of the first. Returns both processes."""
+    off = train_on(data, *args, "--out", tmp_path / "off")
+    on = train_on(data, *args, "--out", tmp_path / "on", env={"LLMC_CUDA_GRAPH": "1"})
+    assert "cuda graph: on" in on.stdout, on.stdout[-1500:]
+    assert (tmp_path / "on" / "adapter_model.safetensors").read_bytes() == \
+        (tmp_path / "off" / "adapter_model.safetensors").read_bytes()
+    return off, on
+
+
+def check_graph_counts(off, on, label):
+    """On the emulator, the graph run's counts (on) against the eager one's (off): two graphs, no capture after
+    the first step, one host synchronisation per step in both, the launches outside the graphs plus the kernels
+    the graphs replayed are the eager step's launches, and every cuBLAS call is inside a graph."""
+    launches, blas, syncs = per_step_counts(off.stdout)
+    g_launches, g_blas, g_syncs = per_step_counts(on.stdout)
+    m = re.search(GRAPH_LINE, on.stdout, re.M)
+    assert m, on.stdout[-1500:]
+    graphs, replayed, replayed_blas, captures = int(m.group(1)), int(m.group(2)), int(m.group(3)), float(m.group(4))
+    print(f"{label}: eager {launches} launches, {blas} cuBLAS calls, {syncs} host syncs; graph "
+          f"{g_launches} launches ({graphs} graphs replaying {replayed} kernels, {replayed_blas} cuBLAS calls), "
+          f"{g_blas} cuBLAS calls, {g_syncs} host syncs, {captures} captures")
+    assert graphs == 2 and captures == 0 and syncs == g_syncs == 1
+    assert g_launches - graphs + replayed == launches and g_blas == 0 and replayed_blas == blas
+
+
 def test_cuda_graph_replays_the_step_bit_for_bit(tmp_path, packed_demo):
     """LLMC_CUDA_GRAPH=1 against the eager step, 2 steps of 2 micro-batches on packed examples (the
     default attention path, whose pointer tables are a host-side cache the graph's key covers): the
@@ -725,24 +752,11 @@ def test_cuda_graph_replays_the_step_bit_for_bit(tmp_path, packed_demo):
     kernels the graphs replayed are the eager step's launches, no step after the first captures,
     and every product is inside a graph. (That the comparison sees a stale graph is shown by the
     planted stale dropout key, test_cuda_graph_with_lora_dropout_replays_the_step_bit_for_bit.)"""
-    args = ["--steps", 2, "--grad-accum", 2, "--profile"]
-    off = train_on(packed_demo, *args, "--out", tmp_path / "off")
-    want = (tmp_path / "off" / "adapter_model.safetensors").read_bytes()
-    on = train_on(packed_demo, *args, "--out", tmp_path / "on", env={"LLMC_CUDA_GRAPH": "1"})
-    assert "cuda graph: on" in on.stdout, on.stdout[-1500:]
-    assert (tmp_path / "on" / "adapter_model.safetensors").read_bytes() == want
+    off, on = eager_and_graph(packed_demo, tmp_path, "--steps", 2, "--grad-accum", 2, "--profile")
     assert len(step_losses(on.stdout)) == 2 and step_losses(on.stdout) == step_losses(off.stdout)
     if GPU:
         return
-    launches, blas, syncs = per_step_counts(off.stdout)
-    g_launches, g_blas, g_syncs = per_step_counts(on.stdout)
-    m = re.search(GRAPH_LINE, on.stdout, re.M)
-    assert m, on.stdout[-1500:]
-    graphs, replayed, replayed_blas, captures = int(m.group(1)), int(m.group(2)), int(m.group(3)), float(m.group(4))
-    print(f"per step: eager {launches} launches, {blas} cuBLAS calls; graph {g_launches} launches "
-          f"({graphs} graphs replaying {replayed} kernels, {replayed_blas} cuBLAS calls), {captures} captures")
-    assert graphs == 2 and captures == 0 and syncs == g_syncs == 1
-    assert g_launches - graphs + replayed == launches and g_blas == 0 and replayed_blas == blas
+    check_graph_counts(off, on, "per step")
 
 
 def test_cuda_graph_replays_a_model_of_full_and_sliding_layers(tmp_path, packed_demo):
@@ -758,12 +772,8 @@ def test_cuda_graph_replays_a_model_of_full_and_sliding_layers(tmp_path, packed_
                layer_types=["sliding_attention" if l % 2 else "full_attention" for l in range(cfg["num_hidden_layers"])])
     (model / "config.json").write_text(json.dumps(cfg))
     # --seq 128: the whole-keys tiles of a full layer alone (128 x 128) differ from the window's (64 x 64)
-    args = ["--steps", 2, "--grad-accum", 2, "--profile", "--model", model, "--seq", 128]
-    off = train_on(packed_demo, *args, "--out", tmp_path / "off")
-    on = train_on(packed_demo, *args, "--out", tmp_path / "on", env={"LLMC_CUDA_GRAPH": "1"})
-    assert "cuda graph: on" in on.stdout, on.stdout[-1500:]
-    assert (tmp_path / "on" / "adapter_model.safetensors").read_bytes() == \
-        (tmp_path / "off" / "adapter_model.safetensors").read_bytes()
+    off, on = eager_and_graph(packed_demo, tmp_path, "--steps", 2, "--grad-accum", 2, "--profile", "--model", model,
+                              "--seq", 128)
     assert step_losses(on.stdout) == step_losses(off.stdout)
     if GPU:
         return
@@ -813,11 +823,8 @@ def test_cuda_graph_with_lora_dropout_replays_the_step_bit_for_bit(tmp_path, pac
     step's first micro-batch leaves the key of the micro-batch before in device memory) must change
     the second step's loss and the adapter, which shows that the comparison sees stale masks."""
     args = ["--steps", 3, "--grad-accum", 2, "--profile", "--lora-dropout", 0.1]
-    off = train_on(packed_demo, *args, "--out", tmp_path / "off")
+    off, on = eager_and_graph(packed_demo, tmp_path, *args)
     want = (tmp_path / "off" / "adapter_model.safetensors").read_bytes()
-    on = train_on(packed_demo, *args, "--out", tmp_path / "on", env={"LLMC_CUDA_GRAPH": "1"})
-    assert "cuda graph: on" in on.stdout, on.stdout[-1500:]
-    assert (tmp_path / "on" / "adapter_model.safetensors").read_bytes() == want
     assert len(step_losses(on.stdout)) == 3 and step_losses(on.stdout) == step_losses(off.stdout)
     assert len(step_grad_norms(on.stdout)) == 3 and step_grad_norms(on.stdout) == step_grad_norms(off.stdout)
     stale = train_on(packed_demo, *args, "--out", tmp_path / "stale",
@@ -827,16 +834,7 @@ def test_cuda_graph_with_lora_dropout_replays_the_step_bit_for_bit(tmp_path, pac
     assert step_losses(stale.stdout)[1] != step_losses(off.stdout)[1]
     if GPU:
         return
-    launches, blas, syncs = per_step_counts(off.stdout)
-    g_launches, g_blas, g_syncs = per_step_counts(on.stdout)
-    m = re.search(GRAPH_LINE, on.stdout, re.M)
-    assert m, on.stdout[-1500:]
-    graphs, replayed, replayed_blas, captures = int(m.group(1)), int(m.group(2)), int(m.group(3)), float(m.group(4))
-    print(f"per step with dropout: eager {launches} launches, {blas} cuBLAS calls, {syncs} host syncs; graph "
-          f"{g_launches} launches ({graphs} graphs replaying {replayed} kernels, {replayed_blas} cuBLAS calls), "
-          f"{g_blas} cuBLAS calls, {g_syncs} host syncs, {captures} captures")
-    assert graphs == 2 and captures == 0 and syncs == g_syncs == 1
-    assert g_launches - graphs + replayed == launches and g_blas == 0 and replayed_blas == blas
+    check_graph_counts(off, on, "per step with dropout")
 
 
 def test_cuda_graph_refuses_what_a_capture_cannot_hold():

@@ -50,6 +50,30 @@ def check_errors(errs, tol, label=""):
     return line
 
 
+def assert_same_bits(want, got, label=""):
+    """got holds want's tensors to the bit: the same names, and each the same dtype, shape and bytes."""
+    assert sorted(got) == sorted(want), (label, sorted(set(got) ^ set(want)))
+    for k in want:
+        a, b = np.ascontiguousarray(want[k]), np.ascontiguousarray(got[k])
+        assert a.dtype == b.dtype and a.shape == b.shape, (label, k, a.dtype, b.dtype, a.shape, b.shape)
+        assert a.tobytes() == b.tobytes(), (label, k, float(np.abs(a.astype(np.float64) - b).max()))
+
+
+def std_vs_ms(s, tol, label, act, recompute, tag, summary):
+    """The probe under --norm ms and --norm std (s: a model test's Setup, its reference() and probe()) against
+    the fp64 reference of the ORIGINAL model (std norms), then against each other. Each probe is within tol of
+    those fp64 values, so the two fp32 runs are within 2 tol of each other (triangle inequality); what they
+    measure is printed, and two of the lines go to summary. Returns the two probes' outputs by norm."""
+    want = s.reference(act, "std")
+    got = {norm: s.probe(act, norm, recompute, f"{tag}.{act}.{norm}.{recompute}.out.safetensors")
+           for norm in ("std", "ms")}
+    summary.append(check_errors(compare(want, got["ms"]), tol, f"{label} {act:6s} ms  {recompute:5s} vs std ref"))
+    check_errors(compare(want, got["std"]), tol, f"{label} {act:6s} std {recompute:5s} vs std ref")
+    summary.append(check_errors(compare(dict(got["std"]), got["ms"]), {k: 2 * v for k, v in tol.items()},
+                                f"{label} {act:6s} ms vs std probe {recompute:5s}"))
+    return got
+
+
 # Norm gammas that stress the MS merge (W diag(gamma)), used by both model tests.
 def wide_gammas(rng, n):
     """log-uniform over 1e-2 .. 1e2 with random signs: four orders of magnitude"""

@@ -109,10 +109,7 @@ def test_probe_recomputed_and_offloaded_blocks_are_bit_identical(workdir, name, 
     for tag, extra in (("block", ()), ("offload", ("--offload", "host"))):
         out = os.path.join(workdir, f"bits.{name}.{act}.{norm}.{tag}.out.safetensors")
         got = lc.run_probe(s.dir, s.case_path, out, act, norm, "block", s.rank, s.alpha, s.targets, extra=extra)
-        assert set(got) == set(kept)
-        for k in kept:
-            a, b = np.ascontiguousarray(kept[k]), np.ascontiguousarray(got[k])
-            assert a.shape == b.shape and a.tobytes() == b.tobytes(), (tag, k, float(np.abs(a - b).max()))
+        lc.probe_compare.assert_same_bits(kept, got, tag)
 
 
 @pytest.mark.parametrize("norm", ["std", "ms"])
@@ -128,10 +125,7 @@ def test_probe_offload_of_many_blocks_is_bit_identical(workdir, norm):
     lc.st_io.save(cp, lc.make_case(cfg, B, T, r, seed=3))
     kept = lc.run_probe(d, cp, cp + f".{norm}.kept", "approx", norm, "none", r, alpha)
     got = lc.run_probe(d, cp, cp + f".{norm}.offload", "approx", norm, "block", r, alpha, extra=("--offload", "host"))
-    assert set(got) == set(kept)
-    for k in kept:
-        a, b = np.ascontiguousarray(kept[k]), np.ascontiguousarray(got[k])
-        assert a.tobytes() == b.tobytes(), (k, float(np.abs(a - b).max()))
+    lc.probe_compare.assert_same_bits(kept, got, "offload")
 
 
 @pytest.mark.parametrize("mode", [MODES[0], MODES[3]], ids=[MODE_IDS[0], MODE_IDS[3]])
@@ -296,17 +290,8 @@ MS_LORA_IDS = [f"{a}-{r}" for a, r in MS_LORA_MODES]
 
 
 def _std_vs_ms(s, act, recompute, tag, label):
-    """The probe under --norm ms and --norm std against the fp64 reference of the ORIGINAL model
-    (std norms), then against each other. Each probe is within TOL of those fp64 values, so the two
-    fp32 runs are within 2 TOL of each other (triangle inequality); what they measure is printed."""
-    want = s.reference(act, "std")
-    got = {norm: s.probe(act, norm, recompute, f"{tag}.{act}.{norm}.{recompute}.out.safetensors") for norm in ("std", "ms")}
-    SUMMARY.append(lc.check_errors(lc.compare(want, got["ms"]), f"{label:12s} {act:6s} ms  {recompute:5s} vs std ref"))
-    lc.check_errors(lc.compare(want, got["std"]), f"{label:12s} {act:6s} std {recompute:5s} vs std ref")
-    both = lc.probe_compare.check_errors(lc.compare(dict(got["std"]), got["ms"]), {k: 2 * v for k, v in lc.TOL.items()},
-                                         f"{label:12s} {act:6s} ms vs std probe {recompute:5s}")
-    SUMMARY.append(both)
-    return got
+    """test/model/probe_compare.py's std_vs_ms within this model's TOL."""
+    return lc.probe_compare.std_vs_ms(s, lc.TOL, f"{label:12s}", act, recompute, tag, SUMMARY)
 
 
 @pytest.mark.parametrize("act,recompute", MS_LORA_MODES, ids=MS_LORA_IDS)
@@ -361,10 +346,7 @@ def test_probe_deterministic(workdir):
     s = _setup(workdir, "gqa_untied")
     a = s.probe("approx", "ms", "none", "det1.out.safetensors")
     b = s.probe("approx", "ms", "none", "det2.out.safetensors")
-    assert sorted(a) == sorted(b)
-    for k in a:
-        assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
-        assert a[k].tobytes() == b[k].tobytes(), f"{k} differs between two identical runs"
+    lc.probe_compare.assert_same_bits(a, b, "two identical runs")
 
 
 # ---------------------------------------------------------------------------------------------
