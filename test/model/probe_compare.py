@@ -2,6 +2,7 @@
 the LLaMA and ViT model tests (test/model/llama_cases.py, test/model/vit_cases.py), which pass their own
 tolerances; and the extreme norm gammas both try under MS norms."""
 import numpy as np
+import pytest
 
 
 def rel_to_max(got, want):
@@ -48,6 +49,19 @@ def check_errors(errs, tol, label=""):
         bad.append("grad")
     assert not bad, f"{line}: over tolerance {', '.join(bad)} (tolerances {tol})"
     return line
+
+
+def summary_printer(summary):
+    """A module's autouse fixture (assign it to a name in the test module) that prints the lines its tests
+    appended to summary, the worst errors they saw, once the module's tests have run."""
+    @pytest.fixture(scope="module", autouse=True)
+    def print_summary():
+        yield
+        if summary:
+            print("\nworst relative errors (probe fp32 vs reference fp64; max|diff| / max|ref|):")
+            for line in summary:
+                print("  " + line)
+    return print_summary
 
 
 def assert_same_bits(want, got, label=""):

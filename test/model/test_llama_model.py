@@ -40,13 +40,7 @@ def workdir(tmp_path_factory):
     return str(tmp_path_factory.mktemp("llama_model"))
 
 
-@pytest.fixture(scope="module", autouse=True)
-def print_summary():
-    yield
-    if SUMMARY:
-        print("\nworst relative errors (probe fp32 vs reference fp64; max|diff| / max|ref|):")
-        for line in SUMMARY:
-            print("  " + line)
+print_summary = lc.probe_compare.summary_printer(SUMMARY)  # an autouse fixture of this module
 
 
 class Setup:
