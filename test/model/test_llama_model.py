@@ -132,6 +132,16 @@ def test_probe_lora_subset(workdir, mode):
     SUMMARY.append(lc.check_errors(errs, f"{'q,v,down':12s} {act:6s} {norm:3s} {recompute:5s}"))
 
 
+def _probe_full(s, out, act, norm, recompute=None):
+    """The probe under --full on s's model and case (no adapter flags; the case's adapters are ignored), its
+    outputs written to out; without --recompute where recompute is None."""
+    cmd = [lc.probe_path(), "--model", s.dir, "--case", s.case_path, "--out-file", out, "--act", act, "--norm", norm]
+    cmd += (["--recompute", recompute] if recompute else []) + ["--full"]
+    p = lc.subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    return lc.st_io.load(out)
+
+
 @pytest.mark.parametrize("mode", MODES, ids=MODE_IDS)
 def test_probe_full_finetuning_matches_reference(workdir, mode):
     """--full: the gradient of every linear weight (of the merged model under MS norms) against
@@ -142,12 +152,8 @@ def test_probe_full_finetuning_matches_reference(workdir, mode):
     if key not in s._ref:
         s._ref[key] = ref.run_case(s.model, s.case, act, norm, s.rank, s.alpha, s.targets, full=True)
     want = s._ref[key]
-    out = os.path.join(workdir, f"full.{act}.{norm}.{recompute}.out.safetensors")
-    cmd = [lc.probe_path(), "--model", s.dir, "--case", s.case_path, "--out-file", out, "--act", act, "--norm", norm,
-           "--recompute", recompute, "--full"]
-    p = lc.subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stderr
-    errs = lc.compare(want, lc.st_io.load(out))
+    errs = lc.compare(want, _probe_full(s, os.path.join(workdir, f"full.{act}.{norm}.{recompute}.out.safetensors"),
+                                        act, norm, recompute))
     assert sum(k.endswith(".W") for k in want) == 2 * 7
     SUMMARY.append(lc.check_errors(errs, f"{'full':12s} {act:6s} {norm:3s} {recompute:5s}"))
 
@@ -163,16 +169,13 @@ def test_probe_full_finetuning_families(workdir, name, mode):
     act, norm, recompute = mode
     s = _setup(workdir, name)
     want = ref.run_case(s.model, s.case, act, norm, s.rank, s.alpha, s.targets, full=True)
-    out = os.path.join(workdir, f"full.{name}.{act}.{norm}.{recompute}.out.safetensors")
-    cmd = [lc.probe_path(), "--model", s.dir, "--case", s.case_path, "--out-file", out, "--act", act, "--norm", norm,
-           "--recompute", recompute, "--full"]
-    p = lc.subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stderr
+    got = _probe_full(s, os.path.join(workdir, f"full.{name}.{act}.{norm}.{recompute}.out.safetensors"), act, norm,
+                      recompute)
     c = s.model.cfg
     n_bias = sum(c.bias[t] for t in lc.ALL_TARGETS)
     assert sum(k.endswith(".b") for k in want) == c.n_layers * n_bias > 0 or c.qk_norm
     assert sum(k.endswith("_norm") and ("q_norm" in k or "k_norm" in k) for k in want) == (2 * c.n_layers if c.qk_norm else 0)
-    errs = lc.compare(want, lc.st_io.load(out))
+    errs = lc.compare(want, got)
     SUMMARY.append(lc.check_errors(errs, f"{'full ' + name:12s} {act:6s} {norm:3s} {recompute:5s}"))
 
 
@@ -200,11 +203,7 @@ def test_probe_full_finetuning_tied_head_trains_embedding(workdir, norm):
     besides every linear weight, the final norm and (std) the block norms."""
     s = _setup(workdir, "mha_tied")
     want = ref.run_case(s.model, s.case, "exact", norm, s.rank, s.alpha, s.targets, full=True)
-    out = os.path.join(workdir, f"full.tied.{norm}.out.safetensors")
-    cmd = [lc.probe_path(), "--model", s.dir, "--case", s.case_path, "--out-file", out, "--act", "exact", "--norm", norm, "--full"]
-    p = lc.subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stderr
-    got = lc.st_io.load(out)
+    got = _probe_full(s, os.path.join(workdir, f"full.tied.{norm}.out.safetensors"), "exact", norm)
     assert "grad.embed" in want and "grad.lm_head" not in want and ("grad.0.attn_norm" in want) == (norm == "std")
     errs = lc.compare(want, got)
     worst_extra = max(lc.rel_to_max(got[k], want[k]) for k in want if k.startswith("grad.") and not k.endswith(".W"))
