@@ -142,6 +142,26 @@ def round_trip(gguf_path, out):
     return out
 
 
+STEP = {"f32": 0.0, "f16": 2.0 ** -11, "bf16": 2.0 ** -8}  # half a unit in the last place, relative
+
+
+def assert_within_rounding(t, k, a, b):
+    """b, tensor k read back from a file of type t, is the original a within that type's rounding: equal in f32
+    and for vectors (they stay f32 in every file); q8_0: half a step of the block's scale max|x|/127, plus the
+    scale's own f16 rounding (rows not a multiple of 32 fall back to f16); f16 and bf16: half a unit in the last
+    place, f16's floor half of its subnormal spacing 2^-24."""
+    if t == "f32" or a.ndim == 1:
+        assert np.array_equal(a, b), (t, k)
+    elif t == "q8_0" and a.shape[-1] % 32 == 0:
+        blocks = np.abs(a).reshape(-1, 32).max(1, keepdims=True) / 127
+        err = np.abs(a - b).reshape(-1, 32)
+        assert np.all(err <= blocks * (0.5 + 127 * 2.0 ** -11) + 1e-12), (t, k, err.max())
+    else:
+        s = STEP["f16" if t == "q8_0" else t]
+        floor = 2.0 ** -25 if s == STEP["f16"] else 0.0
+        assert np.all(np.abs(a - b) <= np.abs(a) * s + floor), (t, k)
+
+
 def reference_logits(model_dir, tokens, lora=None, scale=1.0):
     model = lc.ref.LlamaModel.load(str(model_dir), torch.float64)
     t = torch.tensor([tokens], dtype=torch.int64)
@@ -186,7 +206,6 @@ def test_round_trip_through_our_reader(models, family, tmp_path):
     """export_llama.py --gguf gives back the tensors: f32 equal, the others within the format's rounding."""
     m = models[family]
     orig = st_io.load(str(m["dir"] / "model.safetensors"))
-    step = {"f32": 0.0, "f16": 2.0 ** -11, "bf16": 2.0 ** -8}
     for t, path in m["gguf"].items():
         back = st_io.load(str(round_trip(path, tmp_path / t) / "model.safetensors"))
         cfg = json.load(open(tmp_path / t / "config.json"))
@@ -194,16 +213,8 @@ def test_round_trip_through_our_reader(models, family, tmp_path):
         want = {k for k in orig if not (k == "lm_head.weight" and FAMILIES[family][0]["tie_word_embeddings"])}
         assert set(back) == want, (t, set(back) ^ want)
         for k in want:
-            a, b = orig[k], back[k]
-            if t == "f32" or a.ndim == 1:  # vectors stay f32 in every file
-                assert np.array_equal(a, b), (t, k)
-            elif t == "q8_0":  # half a step of the block's scale max|x|/127, plus the scale's own f16 rounding
-                blocks = np.abs(a).reshape(-1, 32).max(1, keepdims=True) / 127
-                err = np.abs(a - b).reshape(-1, 32)
-                assert np.all(err <= blocks * (0.5 + 127 * 2.0 ** -11) + 1e-12), (t, k, err.max())
-            else:
-                floor = 2.0 ** -25 if t == "f16" else 0.0  # half of f16's subnormal spacing 2^-24
-                assert np.all(np.abs(a - b) <= np.abs(a) * step[t] + floor), (t, k)
+            assert orig[k].ndim == 1 or orig[k].shape[-1] % 32 == 0, k  # FAMILIES' widths: q8_0 holds every matrix
+            assert_within_rounding(t, k, orig[k], back[k])
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
@@ -1019,7 +1030,6 @@ def test_family_round_trip_through_our_reader(readback, family, tmp_path):
     m = readback[family]
     orig = st_io.load(str(m["dir"] / "model.safetensors"))
     src = json.load(open(m["dir"] / "config.json"))
-    step = {"f32": 0.0, "f16": 2.0 ** -11, "bf16": 2.0 ** -8}
     for t, path in m["gguf"].items():
         back = st_io.load(str(round_trip(path, tmp_path / t) / "model.safetensors"))
         cfg = json.load(open(tmp_path / t / "config.json"))
@@ -1038,16 +1048,8 @@ def test_family_round_trip_through_our_reader(readback, family, tmp_path):
             a, b = orig[k], back[k]
             if family != "phi3" and k.endswith("norm.weight"):  # stored as fl32(1 + w) in every type
                 assert np.all(np.abs(a - b) <= np.abs(1.0 + a) * 2.0 ** -24), (t, k)
-            elif t == "f32" or a.ndim == 1:
-                assert np.array_equal(a, b), (t, k)
-            elif t == "q8_0" and a.shape[-1] % 32 == 0:
-                blocks = np.abs(a).reshape(-1, 32).max(1, keepdims=True) / 127
-                err = np.abs(a - b).reshape(-1, 32)
-                assert np.all(err <= blocks * (0.5 + 127 * 2.0 ** -11) + 1e-12), (t, k, err.max())
-            else:  # f16 (also q8_0's fallback for rows not a multiple of 32), bf16
-                s = step["f16" if t == "q8_0" else t]
-                floor = 2.0 ** -25 if s == step["f16"] else 0.0
-                assert np.all(np.abs(a - b) <= np.abs(a) * s + floor), (t, k)
+            else:
+                assert_within_rounding(t, k, a, b)
 
 
 def probe_logits_o(model_dir, tokens, workdir):
