@@ -1,6 +1,7 @@
 """Comparing a C probe's output (logits, loss, gradients) with a PyTorch reference's: shared by
 the LLaMA and ViT model tests (test/model/llama_cases.py, test/model/vit_cases.py), which pass their own
-tolerances; and the extreme norm gammas both try under MS norms."""
+tolerances; two probe outputs to the bit; the MS-vs-std comparison and the worst-errors summary both model
+tests run; and the extreme norm gammas both try under MS norms."""
 import numpy as np
 import pytest
 
