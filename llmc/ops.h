@@ -170,11 +170,15 @@ static void op_linear_forward(const Backend* be, void* y, const void* x, const L
     int accumulate = out == OUT_ADD;
     char name[40];
 #ifdef LLMC_HAVE_CUDA
-    if (be->cuda) {  // one row for the layer: its adapter's products run inside linear_forward_cuda
+    if (be->cuda) {  // one row for the layer; the adapter's part first where the frozen product's epilogue adds it
         PROF_SCOPE(be, linear_prof_name(L, 0, name), "fwd",
                    2.0 * N * L->in * L->out + (L->A ? 2.0 * N * rank * (L->in + L->out) : 0.0),
                    (double)L->in * L->out * be->wbytes);
-        linear_forward_cuda(lora_fold_choice(), B16(y), CB16(x), L, B16(ax), N, rank, scale, accumulate, be->stream);
+        int first = lora_runs_first(L, lora_fold_choice(), LINEAR_FORWARD);
+        if (first) lora_forward_cuda(B16(y), CB16(x), L, B16(ax), N, rank, scale, accumulate, be->stream);
+        if (L->nf4) nf4_dequantize_cuda(B16(L->dev.W), L->nf4, L->nf4_tables, (int64_t)L->out * L->in, be->stream);
+        frozen_forward_cuda(B16(y), CB16(x), L, N, first ? OUT_ADD : accumulate, be->stream);
+        if (L->dev.A && !first) lora_forward_cuda(B16(y), CB16(x), L, B16(ax), N, rank, scale, OUT_ADD, be->stream);
         return;
     }
 #endif
@@ -198,8 +202,14 @@ static void op_linear_backward(const Backend* be, void* dx, const void* dy, cons
                    2.0 * N * L->in * L->out * ((dx ? 1 : 0) + (L->dW ? 1 : 0)) +
                        (L->A ? 4.0 * N * rank * (L->in + L->out) : 0.0),
                    (double)L->in * L->out * be->wbytes);
-        linear_backward_cuda(lora_fold_choice(), B16(dx), CB16(dy), CB16(x), CB16(ax), L, B16(dax), N, rank, scale,
-                             accumulate, be->stream);
+        int first = lora_runs_first(L, lora_fold_choice(), LINEAR_BACKWARD);
+        bf16 *gx = B16(dx), *gax = B16(dax);
+        if (first) lora_backward_cuda(gx, CB16(dy), CB16(x), CB16(ax), L, gax, N, rank, scale, accumulate, be->stream);
+        if (dx && L->nf4)
+            nf4_dequantize_cuda(B16(L->dev.W), L->nf4, L->nf4_tables, (int64_t)L->out * L->in, be->stream);
+        frozen_backward_cuda(gx, CB16(dy), CB16(x), L, N, first ? OUT_ADD : accumulate, be->stream);
+        if (L->dev.A && !first)
+            lora_backward_cuda(gx, CB16(dy), CB16(x), CB16(ax), L, gax, N, rank, scale, OUT_ADD, be->stream);
         return;
     }
 #endif
