@@ -729,18 +729,6 @@ static void op_copy_rows(const Backend* be, void* dst, int64_t dst_stride, const
     copy_rows(F32(dst), dst_stride, CF32(src), src_stride, rows, d);
 }
 
-// dst [rows, blocks / rep * bw] = each column chunk's rep replica blocks of src (blocks [rows, bw]
-// one after the other, chunk ch's at ch * rep ..) summed: the key/value gradients of heads that
-// --seq-parallel replicated over rep ranks, back in token layout (llmc/train/seq_parallel.h; its
-// time counts in the exchange's profile row, which calls it).
-static void op_sum_replica_blocks(const Backend* be, void* dst, const void* src, int64_t rows, int blocks, int rep,
-                                  int bw) {
-#ifdef LLMC_HAVE_CUDA
-    if (be->cuda) { sum_replica_blocks_cuda(B16(dst), CB16(src), rows, blocks, rep, bw, be->stream); return; }
-#endif
-    sum_replica_blocks(F32(dst), CF32(src), rows, blocks, rep, bw);
-}
-
 // n activations <-> fp32 (a cast on CUDA; on the CPU a copy, nothing when the buffers are one).
 static void op_acts_to_f32(const Backend* be, float* dst, const void* src, int64_t n) {
 #ifdef LLMC_HAVE_CUDA
