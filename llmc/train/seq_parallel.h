@@ -200,7 +200,8 @@ static void seqpar_to_tokens(SeqPar* sp, const void* x, void* dst, int nh, void*
     if (sp->be->cuda) free(pk);
 }
 
-// Attention across the group runs as a model's attention op (llmc/ops.h) between exchanges:
+// Attention across the group runs as a model's attention op (llmc/ops.h) between exchanges, which
+// the model calls around it (llmc/models/llama.h's llama_attention_forward / _backward):
 //   forward:  as = seqpar_qkv_to_heads(q, k, v); op_attention_forward(.. as ..); seqpar_output_to_tokens(o)
 //   backward: as = seqpar_dout_to_heads(dout); op_attention_backward(.. as ..); seqpar_grads_to_tokens(dq, dk, dv)
 // The op then attends over whole sequences for this rank's heads (the shape these return).
@@ -221,15 +222,6 @@ static AttnShape seqpar_qkv_to_heads(SeqPar* sp, void* q, void* k, void* v, cons
 static void* seqpar_output_to_tokens(SeqPar* sp, const void* o, void* work) {
     seqpar_to_tokens(sp, o, sp->tok, sp->heads, work, "fwd");
     return sp->tok;
-}
-
-// Attention over the group's sequences: q, k, v as seqpar_qkv_to_heads leaves them, o [N,
-// heads/P*hd] and lse [B, heads/P, T] this rank's heads; returns o in token layout (sp->tok).
-static void* seqpar_attention_forward(SeqPar* sp, const Backend* be, void* o, float* lse, void* q, void* k, void* v,
-                                      void* work, void* att_work, size_t att_work_bytes, const AttnShape* layer) {
-    AttnShape as = seqpar_qkv_to_heads(sp, q, k, v, layer);
-    op_attention_forward(be, o, lse, q, k, v, as, op_attention_work_fitting(be, as, att_work, att_work_bytes));
-    return seqpar_output_to_tokens(sp, o, work);
 }
 
 // Which heads a buffer holds: the query heads (q, o and their gradients), or the key/value heads
@@ -282,16 +274,6 @@ static void seqpar_grads_to_tokens(SeqPar* sp, void* dq, void* dk, void* dv, voi
 #endif
         sum_replica_blocks(F32(kv[i]), CF32(work), sp->n, sp->P, sp->kv_rep, bw);
     }
-}
-
-// Attention's backward across the group: dout to dq, dk, dv (this rank's tokens) from the
-// head-layout q, k, v, o, lse (seqpar_dout_to_heads, the op, seqpar_grads_to_tokens).
-static void seqpar_attention_backward(SeqPar* sp, const Backend* be, void* dq, void* dk, void* dv, void* dout,
-                                      const void* q, const void* k, const void* v, const void* o, const float* lse,
-                                      void* work, void* att_work, const AttnShape* layer) {
-    AttnShape as = seqpar_dout_to_heads(sp, dout, layer);
-    op_attention_backward(be, dq, dk, dv, dout, q, k, v, o, lse, as, att_work);
-    seqpar_grads_to_tokens(sp, dq, dk, dv, work);
 }
 
 // This rank's slice of a whole micro-batch (host arrays of N tokens) into the model's host batch
