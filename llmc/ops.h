@@ -170,11 +170,15 @@ static void op_linear_forward(const Backend* be, void* y, const void* x, const L
     int accumulate = out == OUT_ADD;
     char name[40];
 #ifdef LLMC_HAVE_CUDA
-    if (be->cuda) {  // one row for the layer: its adapter's products run inside linear_forward_cuda
+    if (be->cuda) {  // one row for the layer; the adapter's part first where the frozen product's epilogue adds it
         PROF_SCOPE(be, linear_prof_name(L, 0, name), "fwd",
                    2.0 * N * L->in * L->out + (L->A ? 2.0 * N * rank * (L->in + L->out) : 0.0),
                    (double)L->in * L->out * be->wbytes);
-        linear_forward_cuda(lora_fold_choice(), B16(y), CB16(x), L, B16(ax), N, rank, scale, accumulate, be->stream);
+        int first = lora_runs_first(L, lora_fold_choice(), LINEAR_FORWARD);
+        if (first) lora_forward_cuda(B16(y), CB16(x), L, B16(ax), N, rank, scale, accumulate, be->stream);
+        if (L->nf4) nf4_dequantize_cuda(B16(L->dev.W), L->nf4, L->nf4_tables, (int64_t)L->out * L->in, be->stream);
+        frozen_forward_cuda(B16(y), CB16(x), L, N, first ? OUT_ADD : accumulate, be->stream);
+        if (L->dev.A && !first) lora_forward_cuda(B16(y), CB16(x), L, B16(ax), N, rank, scale, OUT_ADD, be->stream);
         return;
     }
 #endif
@@ -198,8 +202,14 @@ static void op_linear_backward(const Backend* be, void* dx, const void* dy, cons
                    2.0 * N * L->in * L->out * ((dx ? 1 : 0) + (L->dW ? 1 : 0)) +
                        (L->A ? 4.0 * N * rank * (L->in + L->out) : 0.0),
                    (double)L->in * L->out * be->wbytes);
-        linear_backward_cuda(lora_fold_choice(), B16(dx), CB16(dy), CB16(x), CB16(ax), L, B16(dax), N, rank, scale,
-                             accumulate, be->stream);
+        int first = lora_runs_first(L, lora_fold_choice(), LINEAR_BACKWARD);
+        bf16 *gx = B16(dx), *gax = B16(dax);
+        if (first) lora_backward_cuda(gx, CB16(dy), CB16(x), CB16(ax), L, gax, N, rank, scale, accumulate, be->stream);
+        if (dx && L->nf4)
+            nf4_dequantize_cuda(B16(L->dev.W), L->nf4, L->nf4_tables, (int64_t)L->out * L->in, be->stream);
+        frozen_backward_cuda(gx, CB16(dy), CB16(x), L, N, first ? OUT_ADD : accumulate, be->stream);
+        if (L->dev.A && !first)
+            lora_backward_cuda(gx, CB16(dy), CB16(x), CB16(ax), L, gax, N, rank, scale, OUT_ADD, be->stream);
         return;
     }
 #endif
@@ -717,18 +727,6 @@ static void op_copy_rows(const Backend* be, void* dst, int64_t dst_stride, const
     if (be->cuda) { copy_rows_cuda(B16(dst), dst_stride, CB16(src), src_stride, rows, d, be->stream); return; }
 #endif
     copy_rows(F32(dst), dst_stride, CF32(src), src_stride, rows, d);
-}
-
-// dst [rows, blocks / rep * bw] = each column chunk's rep replica blocks of src (blocks [rows, bw]
-// one after the other, chunk ch's at ch * rep ..) summed: the key/value gradients of heads that
-// --seq-parallel replicated over rep ranks, back in token layout (llmc/train/seq_parallel.h; its
-// time counts in the exchange's profile row, which calls it).
-static void op_sum_replica_blocks(const Backend* be, void* dst, const void* src, int64_t rows, int blocks, int rep,
-                                  int bw) {
-#ifdef LLMC_HAVE_CUDA
-    if (be->cuda) { sum_replica_blocks_cuda(B16(dst), CB16(src), rows, blocks, rep, bw, be->stream); return; }
-#endif
-    sum_replica_blocks(F32(dst), CF32(src), rows, blocks, rep, bw);
 }
 
 // n activations <-> fp32 (a cast on CUDA; on the CPU a copy, nothing when the buffers are one).

@@ -75,6 +75,48 @@ static void test_matmul(MatmulForm f, Path p, int M, int N, int K, float alpha, 
     free(A); free(B); free(C0); free(bias); free(want); free(got);
 }
 
+// The single-kernel launches of llmc/cuda/linear.cuh, which launches these kernels inline (with
+// the same shapes) inside its adapter passes.
+static void dev_lora_fold_gamma(bf16* Ag, const float* A, const bf16* gamma, int rank, int in, cudaStream_t stream) {
+    launch_kernel(grid_for((int64_t)rank * in, 256), 256, 0, stream, lora_fold_gamma_kernel, Ag, A, gamma, rank, in);
+}
+static void dev_lora_norm_grad(float* dA, const float* G, const bf16* gamma, const bf16* beta, const float* colsum,
+                               int rank, int in, cudaStream_t stream) {
+    launch_kernel(grid_for((int64_t)rank * in, 256), 256, 0, stream, lora_norm_grad_kernel, dA, G, gamma, beta, colsum,
+                  rank, in);
+}
+static void dev_lora_dropout_input(bf16* xa, const bf16* x, const Linear* L, int64_t N, cudaStream_t stream) {
+    const LoraDropout* d = L->drop;
+    int64_t n = N * L->in;
+    launch_kernel(grid_for(n, 256), 256, 0, stream, lora_dropout_input_kernel, xa, x, (const bf16*)L->norm_gamma,
+                  (const bf16*)L->norm_beta, lora_dropout_origin(L), d->threshold, d->scale, n, L->in);
+}
+static void dev_lora_dropout_input_backward(bf16* dx, const bf16* t, const Linear* L, int64_t N, cudaStream_t stream) {
+    const LoraDropout* d = L->drop;
+    int64_t n = N * L->in;
+    launch_kernel(grid_for(n, 256), 256, 0, stream, lora_dropout_input_backward_kernel, dx, t,
+                  (const bf16*)L->norm_gamma, lora_dropout_origin(L), d->threshold, d->scale, n, L->in);
+}
+
+// The CUDA branches of llmc/ops.h's op_linear_forward and op_linear_backward, in their order, with
+// the fold given (the ops read it from LLMC_LORA_FUSED): the adapter's part first or after the frozen one.
+static void linear_forward_as_op(LoraFold fold, bf16* y, const bf16* x, const Linear* L, bf16* ax, int64_t N, int rank,
+                                 float scale, int accumulate) {
+    int first = lora_runs_first(L, fold, LINEAR_FORWARD);
+    if (first) lora_forward_cuda(y, x, L, ax, N, rank, scale, accumulate, g_stream);
+    if (L->nf4) nf4_dequantize_cuda((bf16*)L->dev.W, L->nf4, L->nf4_tables, (int64_t)L->out * L->in, g_stream);
+    frozen_forward_cuda(y, x, L, N, first ? 1 : accumulate, g_stream);
+    if (L->dev.A && !first) lora_forward_cuda(y, x, L, ax, N, rank, scale, 1, g_stream);
+}
+static void linear_backward_as_op(LoraFold fold, bf16* dx, const bf16* dy, const bf16* x, const bf16* ax,
+                                  const Linear* L, bf16* dax, int64_t N, int rank, float scale, int accumulate) {
+    int first = lora_runs_first(L, fold, LINEAR_BACKWARD);
+    if (first) lora_backward_cuda(dx, dy, x, ax, L, dax, N, rank, scale, accumulate, g_stream);
+    if (dx && L->nf4) nf4_dequantize_cuda((bf16*)L->dev.W, L->nf4, L->nf4_tables, (int64_t)L->out * L->in, g_stream);
+    frozen_backward_cuda(dx, dy, x, L, N, first ? 1 : accumulate, g_stream);
+    if (L->dev.A && !first) lora_backward_cuda(dx, dy, x, ax, L, dax, N, rank, scale, 1, g_stream);
+}
+
 // The adapter behind a merged norm: A diag(gamma) rounded once to bf16 from the fp32 master (bit
 // for bit), and dA += G diag(gamma) + colsum beta^T (fp32; the CPU twin's float products, up to a
 // fused multiply-add: tolerance 1e-6).
@@ -91,8 +133,8 @@ static void test_lora_norm_kernels(int rank, int in, int with_beta, Rng* rng) {
     float *d_colsum = (float*)upload(colsum, 4 * (int64_t)rank), *d_dA = (float*)upload(dA0, 4 * (int64_t)rank * in);
     bf16 *d_gamma = upload_bf16(gamma, in), *d_beta = upload_bf16(beta, in),
          *d_Ag = (bf16*)dev_alloc(2 * (int64_t)rank * in);
-    lora_fold_gamma_cuda(d_Ag, d_A, d_gamma, rank, in, g_stream);
-    lora_norm_grad_cuda(d_dA, d_G, d_gamma, with_beta ? d_beta : NULL, d_colsum, rank, in, g_stream);
+    dev_lora_fold_gamma(d_Ag, d_A, d_gamma, rank, in, g_stream);
+    dev_lora_norm_grad(d_dA, d_G, d_gamma, with_beta ? d_beta : NULL, d_colsum, rank, in, g_stream);
     float *gAg = download_bf16(d_Ag, (int64_t)rank * in), *gdA = download_f32(d_dA, (int64_t)rank * in);
     char name[128];
     snprintf(name, sizeof(name), "lora_fold_gamma, r=%d in=%d", rank, in);
@@ -145,8 +187,8 @@ static void test_lora_dropout_kernels(int64_t N, int in, int norm, float p, Rng*
     bf16 *d_x = upload_bf16(x, n), *d_t = upload_bf16(t, n), *d_dx = upload_bf16(dx0, n),
          *d_xa = (bf16*)dev_alloc(2 * n);
     dev_poison(d_xa, 2 * n);
-    lora_dropout_input_cuda(d_xa, d_x, &G, N, g_stream);
-    lora_dropout_input_backward_cuda(d_dx, d_t, &G, N, g_stream);
+    dev_lora_dropout_input(d_xa, d_x, &G, N, g_stream);
+    dev_lora_dropout_input_backward(d_dx, d_t, &G, N, g_stream);
     float *gxa = download_bf16(d_xa, n), *gdx = download_bf16(d_dx, n);
     char tag[96], name[192];
     snprintf(tag, sizeof(tag), "p=%g N=%lld in=%d%s", p, (long long)N, in,
@@ -168,8 +210,8 @@ static void test_lora_dropout_kernels(int64_t N, int in, int norm, float p, Rng*
     lora_dropout_bind(&GM, &dm, 5);
     upload_bf16_to(d_dx, dx0, n);
     dev_poison(d_xa, 2 * n);
-    lora_dropout_input_cuda(d_xa, d_x, &GM, N, g_stream);
-    lora_dropout_input_backward_cuda(d_dx, d_t, &GM, N, g_stream);
+    dev_lora_dropout_input(d_xa, d_x, &GM, N, g_stream);
+    dev_lora_dropout_input_backward(d_dx, d_t, &GM, N, g_stream);
     float *mxa = download_bf16(d_xa, n), *mdx = download_bf16(d_dx, n);
     snprintf(name, sizeof(name), "lora_dropout_input, key from device memory, %s", tag);
     check_equal_f32(name, mxa, xa, n);
@@ -266,8 +308,8 @@ static void test_linear(int64_t N, int in, int out, int rank, int with_bias, int
          *d_dax = (bf16*)dev_alloc(2 * N * rank);
     dev_poison(d_ax, 2 * N * rank);
     dev_poison(d_dax, 2 * N * rank);
-    linear_forward_cuda(fold, d_y, d_x, &G, d_ax, N, rank, scale, accumulate, g_stream);
-    linear_backward_cuda(fold, d_dx, d_dy, d_x, d_ax, &G, d_dax, N, rank, scale, accumulate, g_stream);
+    linear_forward_as_op(fold, d_y, d_x, &G, d_ax, N, rank, scale, accumulate);
+    linear_backward_as_op(fold, d_dx, d_dy, d_x, d_ax, &G, d_dax, N, rank, scale, accumulate);
     char tag[160], name[240];
     snprintf(tag, sizeof(tag), "N=%lld in=%d out=%d r=%d%s%s%s%s%s%s", (long long)N, in, out, rank,
              with_bias ? " bias" : "", with_lora ? " lora" : "",

@@ -2,7 +2,8 @@
 """dev/restructure/call_depth.py: how many calls each CUDA kernel of llmc/ lies below the model
 (issue 35: "no kernel is more than 3 calls below the model"). Reads the top-level functions of the
 tracked C/CUDA sources outside dev/ and test/ (a definition from its signature at column 0 to the
-next '}' at column 0; comments and string literals dropped), links each to the functions and
+next '}' at column 0, or a one-line definition `f(args) { body }` alone; comments and string
+literals dropped), links each to the functions and
 kernels it names, and prints, per __global__ kernel reached, the longest call path from the roots
 (default: block_forward and block_backward of llmc/models/llama.h and llmc/models/vit.h) and from
 the first function outside llmc/models/ on that path ("below the model": op -> launcher -> kernel
@@ -41,9 +42,14 @@ def definitions():
             m = SIG.match(lines[i])
             if m and not lines[i].startswith(("typedef", "struct", "#", "return")):
                 j = i
-                while j < len(lines) and not lines[j].rstrip().endswith(("{", ";")):
+                while j < len(lines) and not lines[j].rstrip().endswith(("{", ";", "}")):
                     j += 1
-                if j < len(lines) and lines[j].rstrip().endswith("{") and not lines[j].rstrip().endswith("= {"):
+                one = lines[j].rstrip() if j < len(lines) else ""
+                if one.endswith("}") and re.search(r"\)\s*(?:const\s*)?\{", one) and one.count("{") == one.count("}"):
+                    # a definition on one line, `... f(args) { body }`: its body is that line alone
+                    defs[(f, m.group(1))] = one[one.index("{", one.index("(")):]
+                    i = j
+                elif j < len(lines) and lines[j].rstrip().endswith("{") and not lines[j].rstrip().endswith("= {"):
                     k = j + 1
                     while k < len(lines) and not lines[k].startswith("}"):
                         k += 1

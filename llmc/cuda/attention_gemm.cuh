@@ -16,7 +16,7 @@
 // the pointer arrays (no copies of k and v); their dK/dV sums run one query head of each group at a
 // time, so no two entries of a batched product write the same rows.
 // The pointer arrays are built on the device once per operand set and kept in the workspace
-// (attn_gemm_bind): a call issues products and kernels only, no host arrays and no copies.
+// (attn_gemm_slot): a call issues products and kernels only, no host arrays and no copies.
 //
 // Why: the flash kernels of attention.cuh run fp32 arithmetic on CUDA cores (~10-25 TFLOP/s on an
 // H200); here the FLOPs go to tensor cores, at the price of writing and reading the scores once
@@ -42,7 +42,7 @@ typedef struct {
     bf16* P;               // [E, rows, keys] probabilities, then dS
     float* o32;            // [E, rows, hd] a chunk's o (forward) or dq (backward) sums, key blocks only
     float* ml;             // [E, rows, 2] running max and sum of the online softmax, key blocks only
-    void** tables;         // attn_table_slots pointer tables (attn_gemm_bind)
+    void** tables;         // attn_table_slots pointer tables (attn_gemm_slot)
     float *dk32, *dv32;    // [B*T, KVH*hd] dK and dV sums (backward)
     float* D;              // [B, H, T] rowsum(dO * O) (backward)
     float* G;              // [E, rows, keys] soft-capped scores: 1 - (capped / softcap)^2 (backward), else NULL
@@ -148,7 +148,14 @@ static int attn_same_layout(const AttnShape* a, const AttnShape* b, const AttnTi
 
 // The table slot for this call's operands (dout, dq NULL: a forward), built on the device the first
 // time these buffers are seen: from then on a call of a layer finds its slot and builds nothing.
-static void** attn_gemm_bind(const AttnGemmWork* w, const AttnShape* s, AttnOperandSet ops, cudaStream_t st) {
+// `build` set: the caller launches attn_table_kernel to build it, before any product reads it.
+typedef struct {
+    void** table;         // the slot's first entry
+    int64_t entries;      // its entries
+    int build;            // 1: not yet built for these operands
+    AttnBases bases;      // what attn_table_kernel builds it from
+} AttnSlot;
+static AttnSlot attn_gemm_slot(const AttnGemmWork* w, const AttnShape* s, AttnOperandSet ops) {
     if (g_attn_tables.work != w->base || !attn_same_layout(&g_attn_tables.shape, s, &g_attn_tables.tiles, &w->t)) {
         attn_gemm_forget();
         g_attn_tables.work = w->base;
@@ -156,6 +163,9 @@ static void** attn_gemm_bind(const AttnGemmWork* w, const AttnShape* s, AttnOper
         g_attn_tables.tiles = w->t;
     }
     int64_t per_slot = attn_table_entries(s, &w->t);
+    AttnSlot out;
+    memset(&out, 0, sizeof(out));
+    out.entries = per_slot;
     int slot = -1;
     for (int i = 0; i < g_attn_tables.used && slot < 0; i++) {
         const AttnOperandSet* h = &g_attn_tables.set[i];
@@ -163,23 +173,22 @@ static void** attn_gemm_bind(const AttnGemmWork* w, const AttnShape* s, AttnOper
     }
     if (slot >= 0) {
         const AttnOperandSet* h = &g_attn_tables.set[slot];
-        if (!ops.dout || (h->dout == ops.dout && h->dq == ops.dq)) return w->tables + slot * per_slot;
+        out.table = w->tables + slot * per_slot;
+        if (!ops.dout || (h->dout == ops.dout && h->dq == ops.dq)) return out;
     } else {
         int slots = attn_table_slots(s, &w->t);
         slot = g_attn_tables.used < slots ? g_attn_tables.used++ : g_attn_tables.next++ % slots;
     }
     g_attn_tables.set[slot] = ops;
-    AttnBases b;
-    memset(&b, 0, sizeof(b));
-    b.base[AT_Q] = ops.q, b.base[AT_O] = ops.o, b.base[AT_DO] = ops.dout, b.base[AT_DQ] = ops.dq;
-    b.base[AT_K] = ops.k, b.base[AT_V] = ops.v, b.base[AT_DK32] = w->dk32, b.base[AT_DV32] = w->dv32;
-    b.base[AT_S] = w->S, b.base[AT_P] = w->P, b.base[AT_O32] = w->o32, b.base[AT_DQ32] = w->o32;
-    void** table = w->tables + slot * per_slot;
-    launch_kernel(grid_for(per_slot, 256), 256, 0, st, attn_table_kernel, table, b, *s, w->t);
+    AttnBases* b = &out.bases;
+    b->base[AT_Q] = ops.q, b->base[AT_O] = ops.o, b->base[AT_DO] = ops.dout, b->base[AT_DQ] = ops.dq;
+    b->base[AT_K] = ops.k, b->base[AT_V] = ops.v, b->base[AT_DK32] = w->dk32, b->base[AT_DV32] = w->dv32;
+    b->base[AT_S] = w->S, b->base[AT_P] = w->P, b->base[AT_O32] = w->o32, b->base[AT_DQ32] = w->o32;
+    out.table = w->tables + slot * per_slot;
+    out.build = 1;
     g_attn_tables.builds++;
-    return table;
+    return out;
 }
-
 // ---- kernels ---------------------------------------------------------------------------------
 
 // The keys [*a, *z) of a tile's kn keys (from key k0) that query row i of batch row b may see:
@@ -302,7 +311,7 @@ __global__ void attn_dscores_kernel(bf16* __restrict__ P, const float* __restric
 // ---- one batched product over the entries -----------------------------------------------------
 
 typedef struct {
-    void** table;         // this call's slot (attn_gemm_bind)
+    void** table;         // this call's slot (attn_gemm_slot)
     const AttnShape* s;
     const AttnTiles* t;
     int64_t chunk, block; // the row chunk and key block the products work on
@@ -349,25 +358,16 @@ static int64_t attn_last_chunk(const AttnShape* s, const AttnTiles* t, int k0, i
     return last >= s->T - 1 ? t->row_chunks : last / t->rows + 1;
 }
 
-// One chunk of query rows whose visible keys fit one tile: a single softmax pass, o written directly.
-static void attn_forward_one_block(const AttnRun* r, float* lse, const AttnGemmWork* w, int r0, int rows, int kend) {
-    const AttnShape* s = r->s;
-    int qld = s->H * s->hd, kld = s->KVH * s->hd, ldk = r->t->keys;  // int: row widths
-    float scale = attn_scale_of(s);
-    int64_t nrows = (int64_t)s->B * s->H * rows;
-    attn_product(r, MM_NT, AT_Q, AT_K, AT_S, CUDA_R_32F, rows, kend, s->hd, qld, kld, ldk, scale, 0, -1);
-    launch_kernel(ceil_div(nrows * 32, 256), 256, 0, r->st, attn_probs_kernel, w->P, lse, (float*)NULL, w->S, r0, rows,
-                  r->t->rows, 0, kend, ldk, *s, 1);
-    attn_product(r, MM_NN, AT_P, AT_V, AT_O, CUDA_R_16BF, rows, s->hd, kend, ldk, kld, qld, 1.0f, 0, -1);
-}
-
 static void attention_forward_gemm_cuda(bf16* o, float* lse, const bf16* q, const bf16* k, const bf16* v, AttnShape s,
                                         void* work, cudaStream_t st) {
     if ((int64_t)s.B * s.T * s.H == 0) return;
     attn_gemm_check(&s);
     AttnGemmWork w = attn_gemm_work(work, &s);
     AttnOperandSet ops = {q, k, v, o, NULL, NULL};
-    AttnRun r = {attn_gemm_bind(&w, &s, ops, st), &s, &w.t, 0, 0, st};
+    AttnSlot slot = attn_gemm_slot(&w, &s, ops);
+    if (slot.build)
+        launch_kernel(grid_for(slot.entries, 256), 256, 0, st, attn_table_kernel, slot.table, slot.bases, s, w.t);
+    AttnRun r = {slot.table, &s, &w.t, 0, 0, st};
     int qld = s.H * s.hd, kld = s.KVH * s.hd, ldk = w.t.keys;  // int: row widths
     float scale = attn_scale_of(&s);
     for (r.chunk = 0; r.chunk < w.t.row_chunks; r.chunk++) {
@@ -375,8 +375,11 @@ static void attention_forward_gemm_cuda(bf16* o, float* lse, const bf16* q, cons
         int kend = s.causal ? r0 + rows : s.T;  // causal: the blocks past the chunk's last row are skipped
         int64_t nrows = (int64_t)s.B * s.H * rows, blocks = ceil_div(kend, ldk), kfirst = attn_first_block(&s, r0, ldk);
         r.block = 0;
-        if (blocks == 1) {
-            attn_forward_one_block(&r, lse, &w, r0, rows, kend);
+        if (blocks == 1) {  // the chunk's visible keys fit one tile: a single softmax pass, o written directly
+            attn_product(&r, MM_NT, AT_Q, AT_K, AT_S, CUDA_R_32F, rows, kend, s.hd, qld, kld, ldk, scale, 0, -1);
+            launch_kernel(ceil_div(nrows * 32, 256), 256, 0, st, attn_probs_kernel, w.P, lse, (float*)NULL, w.S, r0,
+                          rows, w.t.rows, 0, kend, ldk, s, 1);
+            attn_product(&r, MM_NN, AT_P, AT_V, AT_O, CUDA_R_16BF, rows, s.hd, kend, ldk, kld, qld, 1.0f, 0, -1);
             continue;
         }
         for (r.block = kfirst; r.block < blocks; r.block++) {  // a window: the blocks before it are skipped
@@ -405,25 +408,26 @@ __global__ void attn_store_keys_kernel(bf16* __restrict__ dk, bf16* __restrict__
 
 typedef enum { ATTN_GRAD_ALL, ATTN_GRAD_DQ, ATTN_GRAD_DKDV } AttnGrads;
 
-// The backward's products over one tile (row chunk r->chunk from r0, key block r->block from k0,
-// kn keys): the scores and probabilities again, then dq's and/or dk, dv's share. dq goes to the
-// chunk's fp32 sums when the chunk sees several key blocks (blocks > 1), else straight to dq.
-static void attn_backward_tile(const AttnRun* r, const AttnGemmWork* w, const float* lse, int r0, int rows, int k0,
-                               int kn, int64_t blocks, int64_t first_block, AttnGrads grads) {
+// The backward over one tile (row chunk r->chunk from r0, key block r->block from k0, kn keys) is,
+// in attention_backward_gemm_cuda's loops: the scores again (attn_product into AT_S), their
+// probabilities (attn_probs_kernel), attn_backward_values, the scores' gradient
+// (attn_dscores_kernel), attn_backward_inputs. The products of the tile between its kernels:
+// dv's share (unless only dq is asked for), then dP = dout V^T into the scores' buffer.
+static void attn_backward_values(const AttnRun* r, int rows, int kn, AttnGrads grads) {
     const AttnShape* s = r->s;
     int qld = s->H * s->hd, kld = s->KVH * s->hd, group = s->H / s->KVH, ldk = r->t->keys;  // int: row widths
-    float scale = attn_scale_of(s);
-    int64_t nrows = (int64_t)s->B * s->H * rows;
-    int dkdv = grads != ATTN_GRAD_DQ;
-    attn_product(r, MM_NT, AT_Q, AT_K, AT_S, CUDA_R_32F, rows, kn, s->hd, qld, kld, ldk, scale, 0, -1);
-    launch_kernel(ceil_div(nrows * 32, 256), 256, 0, r->st, attn_probs_kernel, w->P, (float*)lse, w->G, w->S, r0, rows,
-                  r->t->rows, k0, kn, ldk, *s, 0);
-    if (dkdv)
+    if (grads != ATTN_GRAD_DQ)
         for (int g = 0; g < group; g++)
             attn_product(r, MM_TN, AT_P, AT_DO, AT_DV32, CUDA_R_32F, kn, s->hd, rows, ldk, qld, kld, 1.0f, 1, g);
     attn_product(r, MM_NT, AT_DO, AT_V, AT_S, CUDA_R_32F, rows, kn, s->hd, qld, kld, ldk, 1.0f, 0, -1);
-    launch_kernel(grid_for(nrows * kn, 256), 256, 0, r->st, attn_dscores_kernel, w->P, w->S, w->D, w->G, r0,
-                  rows, r->t->rows, kn, ldk, *s);
+}
+// After the scores' gradient: dq's and/or dk's share. dq goes to the chunk's fp32 sums when the
+// chunk sees several key blocks (blocks > 1), else straight to dq.
+static void attn_backward_inputs(const AttnRun* r, int rows, int kn, int64_t blocks, int64_t first_block,
+                                 AttnGrads grads) {
+    const AttnShape* s = r->s;
+    int qld = s->H * s->hd, kld = s->KVH * s->hd, group = s->H / s->KVH, ldk = r->t->keys;  // int: row widths
+    float scale = attn_scale_of(s);
     if (grads != ATTN_GRAD_DKDV) {
         if (blocks == 1)  // dq of the chunk in one product, rounded once by cuBLAS
             attn_product(r, MM_NN, AT_P, AT_K, AT_DQ, CUDA_R_16BF, rows, s->hd, kn, ldk, kld, qld, scale, 0, -1);
@@ -431,7 +435,7 @@ static void attn_backward_tile(const AttnRun* r, const AttnGemmWork* w, const fl
             attn_product(r, MM_NN, AT_P, AT_K, AT_DQ32, CUDA_R_32F, rows, s->hd, kn, ldk, kld, s->hd, scale,
                          r->block > first_block, -1);
     }
-    if (dkdv)
+    if (grads != ATTN_GRAD_DQ)
         for (int g = 0; g < group; g++)
             attn_product(r, MM_TN, AT_P, AT_Q, AT_DK32, CUDA_R_32F, kn, s->hd, rows, ldk, qld, kld, scale, 1, g);
 }
@@ -452,21 +456,35 @@ static void attention_backward_gemm_cuda(bf16* dq, bf16* dk, bf16* dv, const bf1
     if ((int64_t)s.B * s.T * s.H == 0) return;
     attn_gemm_check(&s);
     AttnGemmWork w = attn_gemm_work(work, &s);
-    int kld = s.KVH * s.hd, ldk = w.t.keys;  // int: a row's width
+    int qld = s.H * s.hd, kld = s.KVH * s.hd, ldk = w.t.keys;  // int: row widths
+    float scale = attn_scale_of(&s);
     int64_t all_rows = (int64_t)s.B * s.T * s.H;
     launch_kernel(grid_for(all_rows * 32, 256), 256, 0, st, attention_backward_preprocess_kernel, w.D, dout, o, s);
     AttnOperandSet ops = {q, k, v, o, dout, dq};
-    AttnRun r = {attn_gemm_bind(&w, &s, ops, st), &s, &w.t, 0, 0, st};
+    AttnSlot slot = attn_gemm_slot(&w, &s, ops);
+    if (slot.build)
+        launch_kernel(grid_for(slot.entries, 256), 256, 0, st, attn_table_kernel, slot.table, slot.bases, s, w.t);
+    AttnRun r = {slot.table, &s, &w.t, 0, 0, st};
+    // every tile (attn_backward_values says the order): S, P, the values' products, dS, the inputs'
     if (w.t.key_blocks == 1) {
         int64_t nk = (int64_t)s.B * s.T * kld;
         CUDA_CHECK(cudaMemsetAsync(w.dk32, 0, sizeof(float) * nk, st));
         CUDA_CHECK(cudaMemsetAsync(w.dv32, 0, sizeof(float) * nk, st));
         for (r.chunk = 0; r.chunk < w.t.row_chunks; r.chunk++) {
             int r0 = (int)(r.chunk * w.t.rows), rows = attn_chunk_rows(&s, &w.t, r.chunk);
-            attn_backward_tile(&r, &w, lse, r0, rows, 0, s.causal ? r0 + rows : s.T, 1, 0, ATTN_GRAD_ALL);
+            int kn = s.causal ? r0 + rows : s.T;
+            int64_t nrows = (int64_t)s.B * s.H * rows;
+            attn_product(&r, MM_NT, AT_Q, AT_K, AT_S, CUDA_R_32F, rows, kn, s.hd, qld, kld, ldk, scale, 0, -1);
+            launch_kernel(ceil_div(nrows * 32, 256), 256, 0, st, attn_probs_kernel, w.P, (float*)lse, w.G, w.S, r0,
+                          rows, w.t.rows, 0, kn, ldk, s, 0);
+            attn_backward_values(&r, rows, kn, ATTN_GRAD_ALL);
+            launch_kernel(grid_for(nrows * kn, 256), 256, 0, st, attn_dscores_kernel, w.P, w.S, w.D, w.G, r0, rows,
+                          w.t.rows, kn, ldk, s);
+            attn_backward_inputs(&r, rows, kn, 1, 0, ATTN_GRAD_ALL);
         }
-        cast_f32_to_bf16_cuda(dk, w.dk32, nk, st);
-        cast_f32_to_bf16_cuda(dv, w.dv32, nk, st);
+        int64_t hk = cast_vec_head(dk, w.dk32, nk), hv = cast_vec_head(dv, w.dv32, nk);  // cast_f32_to_bf16_cuda's
+        launch_kernel(cast_grid(nk, hk), 256, 0, st, cast_f32_to_bf16_kernel, dk, w.dk32, nk, hk);
+        launch_kernel(cast_grid(nk, hv), 256, 0, st, cast_f32_to_bf16_kernel, dv, w.dv32, nk, hv);
         return;
     }
     int64_t local = (int64_t)s.B * ldk * kld;  // one key block's sums
@@ -479,7 +497,14 @@ static void attention_backward_gemm_cuda(bf16* dq, bf16* dk, bf16* dv, const bf1
         for (r.chunk = s.causal ? k0 / w.t.rows : 0; r.chunk < last; r.chunk++) {
             int r0 = (int)(r.chunk * w.t.rows), rows = attn_chunk_rows(&s, &w.t, r.chunk);
             int kend = s.causal ? r0 + rows : s.T, kn = kend - k0 < kn_all ? kend - k0 : kn_all;
-            attn_backward_tile(&r, &w, lse, r0, rows, k0, kn, 2, 0, ATTN_GRAD_DKDV);
+            int64_t nrows = (int64_t)s.B * s.H * rows;
+            attn_product(&r, MM_NT, AT_Q, AT_K, AT_S, CUDA_R_32F, rows, kn, s.hd, qld, kld, ldk, scale, 0, -1);
+            launch_kernel(ceil_div(nrows * 32, 256), 256, 0, st, attn_probs_kernel, w.P, (float*)lse, w.G, w.S, r0,
+                          rows, w.t.rows, k0, kn, ldk, s, 0);
+            attn_backward_values(&r, rows, kn, ATTN_GRAD_DKDV);
+            launch_kernel(grid_for(nrows * kn, 256), 256, 0, st, attn_dscores_kernel, w.P, w.S, w.D, w.G, r0, rows,
+                          w.t.rows, kn, ldk, s);
+            attn_backward_inputs(&r, rows, kn, 2, 0, ATTN_GRAD_DKDV);
         }
         launch_kernel(grid_for((int64_t)s.B * kn_all * kld, 256), 256, 0, st, attn_store_keys_kernel, dk, dv, w.dk32,
                       w.dv32, k0, kn_all, ldk, s);
@@ -487,10 +512,16 @@ static void attention_backward_gemm_cuda(bf16* dq, bf16* dk, bf16* dv, const bf1
     for (r.chunk = 0; r.chunk < w.t.row_chunks; r.chunk++) {
         int r0 = (int)(r.chunk * w.t.rows), rows = attn_chunk_rows(&s, &w.t, r.chunk);
         int kend = s.causal ? r0 + rows : s.T;
-        int64_t blocks = ceil_div(kend, ldk), kfirst = attn_first_block(&s, r0, ldk);
+        int64_t nrows = (int64_t)s.B * s.H * rows, blocks = ceil_div(kend, ldk), kfirst = attn_first_block(&s, r0, ldk);
         for (r.block = kfirst; r.block < blocks; r.block++) {
             int k0 = (int)(r.block * ldk), kn = kend - k0 < ldk ? kend - k0 : ldk;
-            attn_backward_tile(&r, &w, lse, r0, rows, k0, kn, blocks - kfirst, kfirst, ATTN_GRAD_DQ);
+            attn_product(&r, MM_NT, AT_Q, AT_K, AT_S, CUDA_R_32F, rows, kn, s.hd, qld, kld, ldk, scale, 0, -1);
+            launch_kernel(ceil_div(nrows * 32, 256), 256, 0, st, attn_probs_kernel, w.P, (float*)lse, w.G, w.S, r0,
+                          rows, w.t.rows, k0, kn, ldk, s, 0);
+            attn_backward_values(&r, rows, kn, ATTN_GRAD_DQ);
+            launch_kernel(grid_for(nrows * kn, 256), 256, 0, st, attn_dscores_kernel, w.P, w.S, w.D, w.G, r0, rows,
+                          w.t.rows, kn, ldk, s);
+            attn_backward_inputs(&r, rows, kn, blocks - kfirst, kfirst, ATTN_GRAD_DQ);
         }
         if (blocks - kfirst > 1)
             launch_kernel(grid_for((int64_t)s.B * s.H * rows * s.hd, 256), 256, 0, st, attn_store_rows_kernel, dq,

@@ -223,12 +223,9 @@ __global__ void column_sums_kernel(float* out0, float* out1, Term term, int64_t 
         (k == 0 ? out0 : out1)[j] += t;
     }
 }
-template <typename Term>
-static void column_sums_cuda(float* out0, float* out1, Term term, int64_t N, int d, cudaStream_t stream) {
-    if (d == 0) return;
-    launch_kernel(dim3((unsigned)ceil_div(d, 32)), dim3(32, COL_ROW_GROUPS), 0, stream, column_sums_kernel<Term>, out0,
-                  out1, term, N, d);
-}
+// Its launch shape (the launchers call launch_kernel with these themselves; d > 0).
+static dim3 column_sums_grid(int64_t d) { return dim3((unsigned)ceil_div(d, 32)); }
+static dim3 column_sums_block(void) { return dim3(32, COL_ROW_GROUPS); }
 
 // ---- device buffers --------------------------------------------------------------------------
 

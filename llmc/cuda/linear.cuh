@@ -25,9 +25,6 @@ __global__ void lora_fold_gamma_kernel(bf16* __restrict__ Ag, const float* __res
     for (int64_t i = thread_index_1d(); i < (int64_t)rank * in; i += grid_stride_1d())
         Ag[i] = f2bf(A[i] * bf2f(gamma[i % in]));
 }
-static void lora_fold_gamma_cuda(bf16* Ag, const float* A, const bf16* gamma, int rank, int in, cudaStream_t stream) {
-    launch_kernel(grid_for((int64_t)rank * in, 256), 256, 0, stream, lora_fold_gamma_kernel, Ag, A, gamma, rank, in);
-}
 
 // dA += G diag(gamma) + colsum beta^T (beta NULL: no second term). Twin of lora_norm_grad.
 __global__ void lora_norm_grad_kernel(float* dA, const float* __restrict__ G, const bf16* __restrict__ gamma,
@@ -37,11 +34,6 @@ __global__ void lora_norm_grad_kernel(float* dA, const float* __restrict__ G, co
         int64_t i = k / in, j = k % in;
         dA[k] += G[k] * bf2f(gamma[j]) + (beta ? colsum[i] * bf2f(beta[j]) : 0.0f);
     }
-}
-static void lora_norm_grad_cuda(float* dA, const float* G, const bf16* gamma, const bf16* beta, const float* colsum,
-                                int rank, int in, cudaStream_t stream) {
-    launch_kernel(grid_for((int64_t)rank * in, 256), 256, 0, stream, lora_norm_grad_kernel, dA, G, gamma, beta, colsum,
-                  rank, in);
 }
 
 // Where a layer's masks start: the key and the stream position of its first element. Given as arguments
@@ -82,12 +74,6 @@ __global__ void lora_dropout_input_kernel(bf16* __restrict__ xa, const bf16* __r
         xa[i] = f2bf(lora_dropout_keep(key, e0 + (uint64_t)i, threshold) ? u * scale : 0.0f);
     }
 }
-static void lora_dropout_input_cuda(bf16* xa, const bf16* x, const Linear* L, int64_t N, cudaStream_t stream) {
-    const LoraDropout* d = L->drop;
-    int64_t n = N * L->in;
-    launch_kernel(grid_for(n, 256), 256, 0, stream, lora_dropout_input_kernel, xa, x, (const bf16*)L->norm_gamma,
-                  (const bf16*)L->norm_beta, lora_dropout_origin(L), d->threshold, d->scale, n, L->in);
-}
 
 // dx += bf16(keep * scale * gamma * t), t = dax A (bf16): the input gradient through the dropout.
 // Twin of lora_dropout_input_backward.
@@ -99,12 +85,6 @@ __global__ void lora_dropout_input_backward_kernel(bf16* dx, const bf16* __restr
     for (int64_t i = thread_index_1d(); i < n; i += grid_stride_1d())
         if (lora_dropout_keep(key, e0 + (uint64_t)i, threshold))
             dx[i] = f2bf(fmaf(bf2f(t[i]) * scale, gamma ? bf2f(gamma[i % in]) : 1.0f, bf2f(dx[i])));
-}
-static void lora_dropout_input_backward_cuda(bf16* dx, const bf16* t, const Linear* L, int64_t N, cudaStream_t stream) {
-    const LoraDropout* d = L->drop;
-    int64_t n = N * L->in;
-    launch_kernel(grid_for(n, 256), 256, 0, stream, lora_dropout_input_backward_kernel, dx, t,
-                  (const bf16*)L->norm_gamma, lora_dropout_origin(L), d->threshold, d->scale, n, L->in);
 }
 
 // LLMC_LORA_FUSED: 1 (the default) runs the adapter's output product first and lets the frozen
@@ -125,70 +105,69 @@ static LoraFold lora_fold_choice(void) {
     return setting_on(SETTING_LORA_FUSED) ? LORA_IN_FROZEN_EPILOGUE : LORA_AFTER_FROZEN;
 }
 
-// y (+)= x W^T + bias: the frozen product (W refilled from NF4 first under --quant nf4).
+
+// Whether the adapter's part of a pass runs before the frozen part (which then adds to its
+// output): the fold's order, for a layer with an adapter; the backward keeps the frozen part first
+// under --lora-dropout, whose mask kernel adds to the finished dx. llmc/ops.h's op_linear_forward
+// and op_linear_backward run the parts in this order (dev/cuda/matmul.cu checks both orders).
+typedef enum { LINEAR_FORWARD, LINEAR_BACKWARD } LinearPass;
+static int lora_runs_first(const Linear* L, LoraFold fold, LinearPass pass) {
+    return L->dev.A && fold == LORA_IN_FROZEN_EPILOGUE && !(pass == LINEAR_BACKWARD && lora_dropout_on(L));
+}
+
+// y (+)= x W^T + bias: the frozen product (under --quant nf4 the caller refills W first,
+// nf4_dequantize_cuda), its bias in the epilogue or added right after.
 static void frozen_forward_cuda(bf16* y, const bf16* x, const Linear* L, int64_t N, int accumulate,
                                 cudaStream_t stream) {
     const LinearDevice* D = &L->dev;
-    if (L->nf4) nf4_dequantize_cuda((bf16*)D->W, L->nf4, L->nf4_tables, (int64_t)L->out * L->in, stream);
-    if (D->bias)
-        matmul_nt_bias_cuda(y, x, (const bf16*)D->W, (const bf16*)D->bias, (int)N, L->out, L->in, 1.0f, accumulate,
-                            stream);
-    else matmul_nt_cuda(y, x, (const bf16*)D->W, (int)N, L->out, L->in, 1.0f, accumulate, stream);
+    const bf16* bias = (const bf16*)D->bias;
+    if (matmul_generic_cuda(MM_NT, y, CUDA_R_16BF, x, D->W, CUDA_R_16BF, bias, (int)N, L->out, L->in, 1.0f, accumulate,
+                            stream) == MM_BIAS_LEFT)
+        launch_kernel(grid_for(N * L->out, 256), 256, 0, stream, add_bias_rows_kernel<bf16>, y, bias, N, L->out);
 }
 
-// ax = u A^T, the adapter's first product, kept for its backward: u = dropout(its input) while
-// training with --lora-dropout, gamma*x + beta behind a merged norm (as (A diag(gamma)) x + A beta),
-// else x.
-static void lora_down_cuda(bf16* ax, const bf16* x, const Linear* L, int64_t N, int rank, cudaStream_t stream) {
+// The adapter's forward: ax = u A^T, kept for its backward, then y (+)= scale * ax B^T. u =
+// dropout(x) while training with --lora-dropout; behind a merged norm, gamma*x + beta, as
+// (A diag(gamma)) x + A beta; else x.
+static void lora_forward_cuda(bf16* y, const bf16* x, const Linear* L, bf16* ax, int64_t N, int rank, float scale,
+                              int accumulate, cudaStream_t stream) {
     const LinearDevice* D = &L->dev;
     if (lora_dropout_on(L)) {
-        bf16* xa = (bf16*)L->drop->work;
-        lora_dropout_input_cuda(xa, x, L, N, stream);
+        const LoraDropout* d = L->drop;
+        bf16* xa = (bf16*)d->work;
+        int64_t n = N * L->in;
+        launch_kernel(grid_for(n, 256), 256, 0, stream, lora_dropout_input_kernel, xa, x, (const bf16*)L->norm_gamma,
+                      (const bf16*)L->norm_beta, lora_dropout_origin(L), d->threshold, d->scale, n, L->in);
         matmul_nt_cuda(ax, xa, (const bf16*)D->A16, (int)N, rank, L->in, 1.0f, 0, stream);
     } else if (L->norm_gamma) {
         LoraNormWork w = lora_norm_work(L, rank, 2);
-        lora_fold_gamma_cuda((bf16*)w.Ag, D->A, (const bf16*)L->norm_gamma, rank, L->in, stream);
-        if (L->norm_beta) {
+        launch_kernel(grid_for((int64_t)rank * L->in, 256), 256, 0, stream, lora_fold_gamma_kernel, (bf16*)w.Ag, D->A,
+                      (const bf16*)L->norm_gamma, rank, L->in);
+        if (L->norm_beta) {  // c = A16 beta, the bias of the product
+            const bf16* c = (const bf16*)w.c;
             matmul_nt_cuda((bf16*)w.c, (const bf16*)L->norm_beta, (const bf16*)D->A16, 1, rank, L->in, 1.0f, 0, stream);
-            matmul_nt_bias_cuda(ax, x, (const bf16*)w.Ag, (const bf16*)w.c, (int)N, rank, L->in, 1.0f, 0, stream);
+            if (matmul_generic_cuda(MM_NT, ax, CUDA_R_16BF, x, w.Ag, CUDA_R_16BF, c, (int)N, rank, L->in, 1.0f, 0,
+                                    stream) == MM_BIAS_LEFT)
+                launch_kernel(grid_for(N * rank, 256), 256, 0, stream, add_bias_rows_kernel<bf16>, ax, c, N, rank);
         } else {
             matmul_nt_cuda(ax, x, (const bf16*)w.Ag, (int)N, rank, L->in, 1.0f, 0, stream);
         }
     } else {
         matmul_nt_cuda(ax, x, (const bf16*)D->A16, (int)N, rank, L->in, 1.0f, 0, stream);
     }
+    matmul_nt_cuda(y, ax, (const bf16*)D->B16, (int)N, L->out, rank, scale, accumulate, stream);
 }
 
-// y (+)= x W^T + bias + scale * (x A^T) B^T, keeping ax = x A^T for the LoRA backward, with the
-// adapter's output product ordered by `fold` (the ops pass lora_fold_choice(); dev/cuda/matmul.cu
-// checks both). accumulate = 1 adds to y (a residual connection), bias included.
-static void linear_forward_cuda(LoraFold fold, bf16* y, const bf16* x, const Linear* L, bf16* ax, int64_t N, int rank,
-                                float scale, int accumulate, cudaStream_t stream) {
-    const LinearDevice* D = &L->dev;
-    if (!D->A) {
-        frozen_forward_cuda(y, x, L, N, accumulate, stream);
-        return;
-    }
-    if (fold == LORA_IN_FROZEN_EPILOGUE) {  // y (+)= s ax B^T written, then y = x W^T + bias + y
-        lora_down_cuda(ax, x, L, N, rank, stream);
-        matmul_nt_cuda(y, ax, (const bf16*)D->B16, (int)N, L->out, rank, scale, accumulate, stream);
-        frozen_forward_cuda(y, x, L, N, /*accumulate=*/1, stream);
-        return;
-    }
-    frozen_forward_cuda(y, x, L, N, accumulate, stream);
-    lora_down_cuda(ax, x, L, N, rank, stream);
-    matmul_nt_cuda(y, ax, (const bf16*)D->B16, (int)N, L->out, rank, scale, /*accumulate=*/1, stream);
-}
-
-// The frozen part of the backward: dx (+)= dy W (dx NULL: none; W refilled from NF4 first), and
-// under full fine-tuning dW += dy^T x and (with dbias) db += sum_n dy.
+// The frozen part of the backward: dx (+)= dy W (dx NULL: none; under --quant nf4 the caller
+// refills W first), and under full fine-tuning dW += dy^T x and (with dbias) db += sum_n dy.
 static void frozen_backward_cuda(bf16* dx, const bf16* dy, const bf16* x, const Linear* L, int64_t N, int accumulate,
                                  cudaStream_t stream) {
     const LinearDevice* D = &L->dev;
-    if (dx && L->nf4) nf4_dequantize_cuda((bf16*)D->W, L->nf4, L->nf4_tables, (int64_t)L->out * L->in, stream);
     if (dx) matmul_nn_cuda(dx, dy, (const bf16*)D->W, (int)N, L->in, L->out, 1.0f, accumulate, stream);
     if (D->dW) matmul_tn_cuda(D->dW, dy, x, L->out, L->in, (int)N, 1.0f, 1, stream);
-    if (D->dbias) bias_grad_rows_cuda(D->dbias, dy, N, L->out, stream);
+    if (D->dbias)
+        launch_kernel(column_sums_grid(L->out), column_sums_block(), 0, stream, column_sums_kernel<BiasGradTerm<bf16>>,
+                      D->dbias, (float*)NULL, BiasGradTerm<bf16>{dy, L->out}, N, L->out);
 }
 
 // The adapter's backward: dB += scale dy^T ax, dax = scale dy B, dA += dax^T u, and dx (+)= the
@@ -197,53 +176,40 @@ static void frozen_backward_cuda(bf16* dx, const bf16* dy, const bf16* x, const 
 static void lora_backward_cuda(bf16* dx, const bf16* dy, const bf16* x, const bf16* ax, const Linear* L, bf16* dax,
                                int64_t N, int rank, float scale, int dx_accumulate, cudaStream_t stream) {
     const LinearDevice* D = &L->dev;
+    int64_t n = N * L->in;
     matmul_tn_cuda(D->dB, dy, ax, L->out, rank, (int)N, scale, 1, stream);
     matmul_nn_cuda(dax, dy, (const bf16*)D->B16, (int)N, rank, L->out, scale, 0, stream);
     if (lora_dropout_on(L)) {  // the forward's adapter input, mask regenerated, then back through it
         if (dx && !dx_accumulate) fail("lora_backward_cuda: the dropout's input gradient adds to dx");
-        bf16* xa = (bf16*)L->drop->work;
-        lora_dropout_input_cuda(xa, x, L, N, stream);
+        const LoraDropout* d = L->drop;
+        bf16* xa = (bf16*)d->work;
+        launch_kernel(grid_for(n, 256), 256, 0, stream, lora_dropout_input_kernel, xa, x, (const bf16*)L->norm_gamma,
+                      (const bf16*)L->norm_beta, lora_dropout_origin(L), d->threshold, d->scale, n, L->in);
         matmul_tn_cuda(D->dA, dax, xa, rank, L->in, (int)N, 1.0f, 1, stream);
         if (!dx) return;
         matmul_nn_cuda(xa, dax, (const bf16*)D->A16, (int)N, L->in, rank, 1.0f, 0, stream);
-        lora_dropout_input_backward_cuda(dx, xa, L, N, stream);
+        launch_kernel(grid_for(n, 256), 256, 0, stream, lora_dropout_input_backward_kernel, dx, xa,
+                      (const bf16*)L->norm_gamma, lora_dropout_origin(L), d->threshold, d->scale, n, L->in);
         return;
     }
     if (L->norm_gamma) {  // behind a merged norm: dA += (dax^T x) diag(gamma) + (sum_n dax_n) beta^T
         LoraNormWork w = lora_norm_work(L, rank, 2);
         const bf16 *gamma = (const bf16*)L->norm_gamma, *beta = (const bf16*)L->norm_beta;
+        int64_t ri = (int64_t)rank * L->in;
         matmul_tn_cuda(w.G, dax, x, rank, L->in, (int)N, 1.0f, 0, stream);
         if (beta) {
             CUDA_CHECK(cudaMemsetAsync(w.colsum, 0, sizeof(float) * rank, stream));
-            bias_grad_rows_cuda(w.colsum, (const bf16*)dax, N, rank, stream);
+            launch_kernel(column_sums_grid(rank), column_sums_block(), 0, stream,
+                          column_sums_kernel<BiasGradTerm<bf16>>, w.colsum, (float*)NULL, BiasGradTerm<bf16>{dax, rank},
+                          N, rank);
         }
-        lora_norm_grad_cuda(D->dA, w.G, gamma, beta, w.colsum, rank, L->in, stream);
+        launch_kernel(grid_for(ri, 256), 256, 0, stream, lora_norm_grad_kernel, D->dA, w.G, gamma, beta, w.colsum,
+                      rank, L->in);
         if (!dx) return;
-        lora_fold_gamma_cuda((bf16*)w.Ag, D->A, gamma, rank, L->in, stream);
+        launch_kernel(grid_for(ri, 256), 256, 0, stream, lora_fold_gamma_kernel, (bf16*)w.Ag, D->A, gamma, rank, L->in);
         matmul_nn_cuda(dx, dax, (const bf16*)w.Ag, (int)N, L->in, rank, 1.0f, dx_accumulate, stream);
         return;
     }
     matmul_tn_cuda(D->dA, dax, x, rank, L->in, (int)N, 1.0f, 1, stream);
     if (dx) matmul_nn_cuda(dx, dax, (const bf16*)D->A16, (int)N, L->in, rank, 1.0f, dx_accumulate, stream);
-}
-
-// Given dy [N, out]: LoRA grads accumulate (fp32); dx (+)= dy W + scale * (dy B) A; under full
-// fine-tuning dW += dy^T x and (with dbias) db += sum_n dy. dax is a [N, rank] bf16 scratch.
-// dx NULL: no input gradient (the patch embedding). With `fold` LORA_IN_FROZEN_EPILOGUE the
-// adapter's dx product goes first and the frozen one adds to it (not under --lora-dropout, whose
-// mask kernel adds to the finished dx).
-static void linear_backward_cuda(LoraFold fold, bf16* dx, const bf16* dy, const bf16* x, const bf16* ax,
-                                 const Linear* L, bf16* dax, int64_t N, int rank, float scale, int accumulate,
-                                 cudaStream_t stream) {
-    if (!L->dev.A) {
-        frozen_backward_cuda(dx, dy, x, L, N, accumulate, stream);
-        return;
-    }
-    if (fold == LORA_IN_FROZEN_EPILOGUE && !lora_dropout_on(L)) {
-        lora_backward_cuda(dx, dy, x, ax, L, dax, N, rank, scale, accumulate, stream);
-        frozen_backward_cuda(dx, dy, x, L, N, /*accumulate=*/1, stream);
-        return;
-    }
-    frozen_backward_cuda(dx, dy, x, L, N, accumulate, stream);
-    lora_backward_cuda(dx, dy, x, ax, L, dax, N, rank, scale, /*dx_accumulate=*/1, stream);
 }

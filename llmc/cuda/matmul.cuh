@@ -22,7 +22,8 @@
 // Row-major C = op(A) op(B) is computed as the column-major C^T = op(B)^T op(A)^T, so cuBLAS's
 // first operand is our B. Every call asks the cuBLASLt heuristic for an algorithm with the true
 // alignment of its buffers (the default assumes 256 bytes); when cuBLASLt has none (odd leading
-// dimensions), it falls back to cublasGemmEx with the same types, and the bias to a kernel.
+// dimensions), it falls back to cublasGemmEx with the same types, and the bias to a kernel that
+// the caller launches (MatmulBias).
 // On the CPU emulator the same calls go to test/emu/emu_cublas.h, which checks each against
 // cuBLAS's documented contract.
 #pragma once
@@ -199,18 +200,19 @@ static const MatmulPlan* matmul_plan_get(const MatmulPlanKey* key) {
     return p;
 }
 
+// Where a product's bias went: into cuBLASLt's epilogue (or there was none), or left for the
+// caller to add (an empty sum, or the cublasGemmEx fallback): the caller launches
+// add_bias_rows_kernel right after, so that the bias costs no call of its own below the op.
+typedef enum { MM_BIAS_DONE, MM_BIAS_LEFT } MatmulBias;
+
 // The one generic product behind every wrapper below. A and B share a type; C has its own.
-static void matmul_generic_cuda(MatmulForm form, void* C, cudaDataType_t ctype, const void* A, const void* B,
+static MatmulBias matmul_generic_cuda(MatmulForm form, void* C, cudaDataType_t ctype, const void* A, const void* B,
                                 cudaDataType_t abtype, const void* bias, int M, int N, int K, float alpha,
                                 int accumulate, cudaStream_t stream) {
-    if (M <= 0 || N <= 0) return;
+    if (M <= 0 || N <= 0) return MM_BIAS_DONE;
     if (K <= 0) {  // an empty sum: C keeps its value (accumulate) or becomes 0, then the bias
         if (!accumulate) CUDA_CHECK(cudaMemsetAsync(C, 0, (size_t)M * N * mm_elem_size(ctype), stream));
-        if (bias) {
-            if (ctype == CUDA_R_16BF) add_bias_rows_cuda((bf16*)C, (const bf16*)bias, M, N, stream);
-            else add_bias_rows_cuda((float*)C, (const float*)bias, M, N, stream);
-        }
-        return;
+        return bias ? MM_BIAS_LEFT : MM_BIAS_DONE;
     }
     cublas_setup();  // the workspace the product may use: planned, or allocated now
     // column-major view: D[N x M] = op1(B) op2(A); "a" below is cuBLAS's first operand (our B)
@@ -231,7 +233,7 @@ static void matmul_generic_cuda(MatmulForm form, void* C, cudaDataType_t ctype, 
         cublasStatus_t st =
             cublasLtMatmul(g_cublas.lt, plan->desc, &alpha, B, plan->la, A, plan->lb, &beta, C, plan->lc, C, plan->lc,
                            &plan->algo, g_cublas.workspace, g_cublas.workspace_bytes, stream);
-        if (st != CUBLAS_STATUS_NOT_SUPPORTED) { CUBLAS_CHECK(st); return; }
+        if (st != CUBLAS_STATUS_NOT_SUPPORTED) { CUBLAS_CHECK(st); return MM_BIAS_DONE; }
     }
     cublasOperation_t opa = form == MM_NT ? CUBLAS_OP_T : CUBLAS_OP_N, opb = form == MM_TN ? CUBLAS_OP_T : CUBLAS_OP_N;
 
@@ -239,10 +241,7 @@ static void matmul_generic_cuda(MatmulForm form, void* C, cudaDataType_t ctype, 
     cublas_use_stream(stream);
     CUBLAS_CHECK(cublasGemmEx(g_cublas.blas, opa, opb, N, M, K, &alpha, B, abtype, (int)lda, A, abtype, (int)ldb, &beta,
                               C, ctype, N, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
-    if (bias) {
-        if (ctype == CUDA_R_16BF) add_bias_rows_cuda((bf16*)C, (const bf16*)bias, M, N, stream);
-        else add_bias_rows_cuda((float*)C, (const float*)bias, M, N, stream);
-    }
+    return bias ? MM_BIAS_LEFT : MM_BIAS_DONE;
 }
 
 // Typed wrappers: the overload (output type, operand type) selects the precision path.
@@ -287,12 +286,17 @@ static void matmul_batched_cuda(MatmulForm form, void* const* C, cudaDataType_t 
             M, N, K, batch, cublasGetStatusString(st));
 }
 
-// C[M,N] (+)= alpha * A . B^T + bias[N]: the linear forward with its bias in the epilogue.
+// C[M,N] (+)= alpha * A . B^T + bias[N]: the nt product with its bias in the epilogue (or added
+// right after, where matmul_generic_cuda leaves it).
 static void matmul_nt_bias_cuda(bf16* C, const bf16* A, const bf16* B, const bf16* bias, int M, int N, int K,
                                 float alpha, int accumulate, cudaStream_t stream) {
-    matmul_generic_cuda(MM_NT, C, CUDA_R_16BF, A, B, CUDA_R_16BF, bias, M, N, K, alpha, accumulate, stream);
+    if (matmul_generic_cuda(MM_NT, C, CUDA_R_16BF, A, B, CUDA_R_16BF, bias, M, N, K, alpha, accumulate, stream) ==
+        MM_BIAS_LEFT)
+        launch_kernel(grid_for((int64_t)M * N, 256), 256, 0, stream, add_bias_rows_kernel<bf16>, C, bias, M, N);
 }
 static void matmul_nt_bias_cuda(float* C, const float* A, const float* B, const float* bias, int M, int N, int K,
                                 float alpha, int accumulate, cudaStream_t stream) {
-    matmul_generic_cuda(MM_NT, C, CUDA_R_32F, A, B, CUDA_R_32F, bias, M, N, K, alpha, accumulate, stream);
+    if (matmul_generic_cuda(MM_NT, C, CUDA_R_32F, A, B, CUDA_R_32F, bias, M, N, K, alpha, accumulate, stream) ==
+        MM_BIAS_LEFT)
+        launch_kernel(grid_for((int64_t)M * N, 256), 256, 0, stream, add_bias_rows_kernel<float>, C, bias, M, N);
 }

@@ -144,10 +144,14 @@ struct BiasGradTerm {
     __device__ void add(int64_t n, int64_t j, float* s) const { s[0] += (float)dy[n * out + j]; }
 };
 static void bias_grad_rows_cuda(float* db, const float* dy, int64_t N, int out, cudaStream_t stream) {
-    column_sums_cuda(db, (float*)NULL, BiasGradTerm<float>{dy, out}, N, out, stream);
+    if (out == 0) return;
+    launch_kernel(column_sums_grid(out), column_sums_block(), 0, stream, column_sums_kernel<BiasGradTerm<float>>, db,
+                  (float*)NULL, BiasGradTerm<float>{dy, out}, N, out);
 }
 static void bias_grad_rows_cuda(float* db, const bf16* dy, int64_t N, int out, cudaStream_t stream) {
-    column_sums_cuda(db, (float*)NULL, BiasGradTerm<bf16>{dy, out}, N, out, stream);
+    if (out == 0) return;
+    launch_kernel(column_sums_grid(out), column_sums_block(), 0, stream, column_sums_kernel<BiasGradTerm<bf16>>, db,
+                  (float*)NULL, BiasGradTerm<bf16>{dy, out}, N, out);
 }
 
 // ---- strided rows --------------------------------------------------------------------------
@@ -233,15 +237,18 @@ static int64_t cast_vec_head(const bf16* h, const float* f, int64_t n) {
     return aligned16(f + head) ? head : n;
 }
 
+// The casts' grid (256 threads) for n elements from `head` (a launcher that casts inline uses it too).
+static unsigned cast_grid(int64_t n, int64_t head) { return grid_for(head < n ? n / 8 + 8 : n, 256); }
+
 static void cast_f32_to_bf16_cuda(bf16* dst, const float* src, int64_t n, cudaStream_t stream) {
     if (n == 0) return;
     int64_t head = cast_vec_head(dst, src, n);
-    launch_kernel(grid_for(head < n ? n / 8 + 8 : n, 256), 256, 0, stream, cast_f32_to_bf16_kernel, dst, src, n, head);
+    launch_kernel(cast_grid(n, head), 256, 0, stream, cast_f32_to_bf16_kernel, dst, src, n, head);
 }
 static void cast_bf16_to_f32_cuda(float* dst, const bf16* src, int64_t n, cudaStream_t stream) {
     if (n == 0) return;
     int64_t head = cast_vec_head(src, dst, n);
-    launch_kernel(grid_for(head < n ? n / 8 + 8 : n, 256), 256, 0, stream, cast_bf16_to_f32_kernel, dst, src, n, head);
+    launch_kernel(cast_grid(n, head), 256, 0, stream, cast_bf16_to_f32_kernel, dst, src, n, head);
 }
 
 // ---- ViT patch embedding ---------------------------------------------------------------------
@@ -315,7 +322,8 @@ static void patch_embed_finish_backward_cuda(float* dcls, float* dpatch_b, float
     if (N * d == 0) return;
     launch_kernel(ceil_div((int64_t)T * d, 128), 128, 0, stream, patch_embed_finish_backward_kernel, dcls, dpos, dx, N,
                   T, d);
-    column_sums_cuda(dpatch_b, (float*)NULL, PatchBiasTerm{dx, T, d}, N, d, stream);
+    launch_kernel(column_sums_grid(d), column_sums_block(), 0, stream, column_sums_kernel<PatchBiasTerm>, dpatch_b,
+                  (float*)NULL, PatchBiasTerm{dx, T, d}, N, d);
 }
 
 static void patch_embed_finish_cuda(bf16* x, const bf16* cls, const bf16* patch_b, const bf16* pos, int64_t N, int T,

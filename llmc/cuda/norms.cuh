@@ -332,7 +332,8 @@ struct LnAffineTerm {
 static void layernorm_affine_grad_cuda(float* dgamma, float* dbeta, const bf16* dy, const bf16* x, const float* mean,
                                        const float* r, int64_t N, int d, cudaStream_t stream) {
     if (d == 0) return;
-    column_sums_cuda(dgamma, dbeta, LnAffineTerm{dy, x, mean, r, d}, N, d, stream);
+    launch_kernel(column_sums_grid(d), column_sums_block(), 0, stream, column_sums_kernel<LnAffineTerm>, dgamma, dbeta,
+                  LnAffineTerm{dy, x, mean, r, d}, N, d);
 }
 
 static void layernorm_ms_backward_cuda(bf16* dx, const bf16* dz, const bf16* z, const float* r, int64_t N, int d,
@@ -366,7 +367,8 @@ struct RmsGammaTerm {
 static void rmsnorm_gamma_grad_cuda(float* dgamma, const bf16* dy, const bf16* x, const float* r, int64_t N, int d,
                                     cudaStream_t stream) {
     if (d == 0) return;
-    column_sums_cuda(dgamma, (float*)NULL, RmsGammaTerm{dy, x, r, d}, N, d, stream);
+    launch_kernel(column_sums_grid(d), column_sums_block(), 0, stream, column_sums_kernel<RmsGammaTerm>, dgamma,
+                  (float*)NULL, RmsGammaTerm{dy, x, r, d}, N, d);
 }
 
 // *count += the rows of r [n] whose statistics left fp32's range (the twin of

@@ -450,14 +450,13 @@ static const void* llama_attention_forward(Llama* m, int l, BlockActs* a, int B,
         return a->o;
     }
     AttnShape as = llama_attn_shape(m, l, B, T);
-    if (m->sp.P > 1) {  // the attention half is only ever the recomputed forward (llama_recompute_block)
-        ExchangePass exchange = part == BLOCK_ATTENTION ? EXCHANGE_RECOMPUTED_FORWARD : EXCHANGE_FORWARD;
-        return seqpar_attention_forward(&m->sp, be, a->o, a->lse, a->q, a->k, a->v, llama_seqpar_work(m, exchange),
-                                        m->scratch.att_work, m->scratch.att_work_bytes, &as);
-    }
+    if (m->sp.P > 1) as = seqpar_qkv_to_heads(&m->sp, a->q, a->k, a->v, &as);  // this rank's heads, every token
     op_attention_forward(be, a->o, a->lse, a->q, a->k, a->v, as,
                          op_attention_work_fitting(be, as, m->scratch.att_work, m->scratch.att_work_bytes));
-    return a->o;
+    if (m->sp.P == 1) return a->o;
+    // the attention half is only ever the recomputed forward (llama_recompute_block)
+    ExchangePass exchange = part == BLOCK_ATTENTION ? EXCHANGE_RECOMPUTED_FORWARD : EXCHANGE_FORWARD;
+    return seqpar_output_to_tokens(&m->sp, a->o, llama_seqpar_work(m, exchange));
 }
 
 // One block, updating the residual stream x [B*T, d] in place and filling a's buffers: the
@@ -558,12 +557,9 @@ static const void* llama_attention_output(Llama* m, const BlockActs* a) {
 static void llama_attention_backward(Llama* m, int l, const BlockActs* a, int B, int T) {
     LlamaScratch* sc = &m->scratch;
     AttnShape as = llama_attn_shape(m, l, B, T);
-    if (m->sp.P > 1) {
-        seqpar_attention_backward(&m->sp, m->be, sc->dq, sc->dk, sc->dv, sc->dout, a->q, a->k, a->v, a->o, a->lse,
-                                  llama_seqpar_work(m, EXCHANGE_BACKWARD), sc->att_work, &as);
-        return;
-    }
+    if (m->sp.P > 1) as = seqpar_dout_to_heads(&m->sp, sc->dout, &as);
     op_attention_backward(m->be, sc->dq, sc->dk, sc->dv, sc->dout, a->q, a->k, a->v, a->o, a->lse, as, sc->att_work);
+    if (m->sp.P > 1) seqpar_grads_to_tokens(&m->sp, sc->dq, sc->dk, sc->dv, llama_seqpar_work(m, EXCHANGE_BACKWARD));
 }
 
 // Backpropagates m->scratch.dres (gradient w.r.t. the block output) to the block input, in place:

@@ -1,5 +1,5 @@
 // pairdata.h: pair shards (preference data: a prompt, a chosen and a rejected completion per
-// example) and their loader. A pair shard is a 64-byte little-endian header (magic "LMPR", u32
+// example) and their loader. A pair shard is a 64-byte little-endian header (shard_header.h: magic "LMPR", u32
 // version 1, u64 pairs, u32 vocab_size, u32 max_len: the longest prompt + completion in tokens),
 // then pairs x 3 uint32 lengths (prompt, chosen, rejected), then each pair's tokens as uint32:
 // its prompt, its chosen completion, its rejected completion. scripts/data/prepare_text.py writes
@@ -9,9 +9,7 @@
 #include "../common.h"
 #include "../rng.h"
 #include "../formats/checksum.h"
-
-#define PAIR_MAGIC "LMPR"
-#define PAIR_HEADER_BYTES 64
+#include "shard_header.h"
 
 typedef struct {
     char* path;
@@ -52,35 +50,30 @@ static int64_t pair_check_lengths(const PairShard* s, const uint8_t* lens_bytes,
     return count;
 }
 
+static const ShardKind PAIR_SHARD = {
+    PAIR_SHARD_MAGIC, "pair shard", "pair shard", TOKEN_SHARD_MAGIC,
+    "a token shard (for --objective sft), not a pair shard (\"LMPR\", scripts/data/prepare_text.py from "
+    "chosen/rejected JSONL)"};
+
 static void pair_shard_load(PairShard* s, const char* path, int model_vocab) {
     size_t size;
     uint8_t* buf = (uint8_t*)read_file(path, &size);
     memset(s, 0, sizeof(*s));
     s->path = xstrdup(path);
-    if (size >= 4 && !memcmp(buf, "LMFT", 4))
-        fail("%s: a token shard (for --objective sft), not a pair shard (\"LMPR\", scripts/data/prepare_text.py from "
-             "chosen/rejected JSONL)", path);
-    if (size < PAIR_HEADER_BYTES || memcmp(buf, PAIR_MAGIC, 4) != 0)
-        fail("%s: not a pair shard (bad magic; expected \"LMPR\", made by scripts/data/prepare_text.py)", path);
-    uint32_t version, vocab, max_len;
-    uint64_t pairs;
-    memcpy(&version, buf + 4, 4);
-    memcpy(&pairs, buf + 8, 8);
-    memcpy(&vocab, buf + 16, 4);
-    memcpy(&max_len, buf + 20, 4);
-    if (version != 1) fail("%s: pair shard version %u, expected 1", path, version);
+    ShardHeader h = shard_header_read(buf, size, path, &PAIR_SHARD);
+    uint64_t pairs = h.count;
+    uint32_t vocab = h.vocab, max_len = h.word;
     if (pairs < 1) fail("%s: holds no pair", path);
     if (max_len > (1u << 30)) fail("%s: header's longest sequence %u is beyond 2^30 tokens", path, max_len);
-    int64_t room = (int64_t)(size - PAIR_HEADER_BYTES);
+    int64_t room = (int64_t)(size - SHARD_HEADER_BYTES);
     if (pair_payload_bytes(pairs, 0) < 0 || pair_payload_bytes(pairs, 0) > room)
         fail("%s: header says %llu pairs, whose lengths alone need more than the file's %zu bytes (truncated?)", path,
              (unsigned long long)pairs, size);
-    if (model_vocab > 0 && (int)vocab > model_vocab)
-        fail("%s: shard vocab_size %u exceeds the model's %d (tokenized for another model?)", path, vocab, model_vocab);
+    int limit = shard_check_vocab(path, vocab, model_vocab);
     s->pairs = (int64_t)pairs;
     s->vocab_size = (int)vocab;
     s->max_len = (int)max_len;
-    const uint8_t* lens = buf + PAIR_HEADER_BYTES;
+    const uint8_t* lens = buf + SHARD_HEADER_BYTES;
     s->count = pair_check_lengths(s, lens, (room - (int64_t)pairs * 12) / 4);
     if (pair_payload_bytes(pairs, (uint64_t)s->count) != room)
         fail("%s: the pairs' lengths need %lld bytes after the header, the file has %lld", path,
@@ -95,11 +88,7 @@ static void pair_shard_load(PairShard* s, const char* path, int model_vocab) {
         s->offset[i] = at;
         at += (int64_t)s->lens[3 * i] + s->lens[3 * i + 1] + s->lens[3 * i + 2];
     }
-    int limit = model_vocab > 0 ? model_vocab : (int)vocab;
-    for (int64_t i = 0; i < s->count; i++)
-        if (s->tokens[i] >= (uint32_t)limit)
-            fail("%s: token %lld has id %u, but the vocabulary has %d entries", path, (long long)i, s->tokens[i],
-                 limit);
+    shard_check_token_ids(path, s->tokens, s->count, limit);
 }
 
 static void pair_shard_free(PairShard* s) {
@@ -120,7 +109,7 @@ static uint64_t pair_shard_fingerprint(const PairShard* s) {
 static int file_is_pair_shard(const char* path) {
     int fd = open_input(path);
     char magic[4] = {0};
-    int is = fd >= 0 && read(fd, magic, 4) == 4 && !memcmp(magic, PAIR_MAGIC, 4);
+    int is = fd >= 0 && read(fd, magic, 4) == 4 && !memcmp(magic, PAIR_SHARD_MAGIC, 4);
     if (fd >= 0) close(fd);
     return is;
 }

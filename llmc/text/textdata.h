@@ -1,4 +1,4 @@
-// textdata.h: token shards and the batch loader. A shard is a 64-byte little-endian header
+// textdata.h: token shards and the batch loader. A shard is a 64-byte little-endian header (shard_header.h)
 // (magic "LMFT", u32 version 1, u64 count, u32 vocab_size, u32 flags: bit0 = has mask), then
 // count uint32 tokens, then count uint8 mask bytes (1 = that token is a prediction target), then,
 // when flags bit1 is set (packed instruction data), count uint8 example-start bytes (1 = the
@@ -9,9 +9,7 @@
 #include "../common.h"
 #include "../rng.h"
 #include "../formats/checksum.h"
-
-#define SHARD_MAGIC "LMFT"
-#define SHARD_HEADER_BYTES 64
+#include "shard_header.h"
 
 typedef struct {
     char* path;
@@ -22,33 +20,28 @@ typedef struct {
     uint8_t* starts;       // example starts, or NULL (one continuous stream)
 } TokenShard;
 
+static const ShardKind TOKEN_SHARD = {
+    TOKEN_SHARD_MAGIC, "token shard", "shard", "IMGS",  // "IMGS": llmc/vision/imagedata.h's, the other trainer's data
+    "an image shard (scripts/data/prepare_images.py's, for train_vit), not a token shard (\"LMFT\", made by "
+    "scripts/data/prepare_text.py)"};
+
 static void shard_load(TokenShard* s, const char* path, int model_vocab) {
     size_t size;
     uint8_t* buf = (uint8_t*)read_file(path, &size);
     memset(s, 0, sizeof(*s));
     s->path = xstrdup(path);
-    if (size >= 4 && memcmp(buf, "IMGS", 4) == 0)  // the other trainer's data: say whose
-        fail("%s: an image shard (scripts/data/prepare_images.py's, for train_vit), not a token shard (\"LMFT\", made "
-             "by scripts/data/prepare_text.py)", path);
-    if (size < SHARD_HEADER_BYTES || memcmp(buf, SHARD_MAGIC, 4) != 0)
-        fail("%s: not a token shard (bad magic; expected \"LMFT\", made by scripts/data/prepare_text.py)", path);
-    uint32_t version, vocab, flags;
-    uint64_t count;
-    memcpy(&version, buf + 4, 4);
-    memcpy(&count, buf + 8, 8);
-    memcpy(&vocab, buf + 16, 4);
-    memcpy(&flags, buf + 20, 4);
-    if (version != 1) fail("%s: shard version %u, expected 1", path, version);
+    ShardHeader h = shard_header_read(buf, size, path, &TOKEN_SHARD);
+    uint64_t count = h.count;
+    uint32_t flags = h.word;
     if (!(flags & 1)) fail("%s: shard has no loss mask (flags bit 0), expected one", path);
     if (flags & ~3u) fail("%s: unknown shard flags 0x%x (expected bits 0-1)", path, flags);
     uint64_t per_token = (flags & 2) ? 6 : 5;
     if (count > (size - SHARD_HEADER_BYTES) / per_token || SHARD_HEADER_BYTES + count * per_token != size)
         fail("%s: header says %llu tokens, which needs %llu bytes, but the file has %zu (truncated?)", path,
              (unsigned long long)count, (unsigned long long)(SHARD_HEADER_BYTES + count * per_token), size);
-    if (model_vocab > 0 && (int)vocab > model_vocab)
-        fail("%s: shard vocab_size %u exceeds the model's %d (tokenized for another model?)", path, vocab, model_vocab);
+    int limit = shard_check_vocab(path, h.vocab, model_vocab);
     s->count = (int64_t)count;
-    s->vocab_size = (int)vocab;
+    s->vocab_size = (int)h.vocab;
     s->tokens = (uint32_t*)xmalloc(count * 4 + 4);
     s->mask = (uint8_t*)xmalloc(count + 1);
     memcpy(s->tokens, buf + SHARD_HEADER_BYTES, count * 4);
@@ -58,11 +51,7 @@ static void shard_load(TokenShard* s, const char* path, int model_vocab) {
         memcpy(s->starts, buf + SHARD_HEADER_BYTES + count * 5, count);
     }
     free(buf);
-    int limit = model_vocab > 0 ? model_vocab : (int)vocab;
-    for (int64_t i = 0; i < s->count; i++)
-        if (s->tokens[i] >= (uint32_t)limit)
-            fail("%s: token %lld has id %u, but the vocabulary has %d entries", path, (long long)i, s->tokens[i],
-                 limit);
+    shard_check_token_ids(path, s->tokens, s->count, limit);
 }
 
 static void shard_free(TokenShard* s) {

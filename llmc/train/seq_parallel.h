@@ -12,7 +12,7 @@
 // g the head g / rep that its query heads g*heads/P .. read (query head h reads kv head
 // h / (heads/kv_heads)). The head layout of k, v then holds [N, hd] per rank, rep times the token
 // layout's share, and in the backward the replicas' partial gradients are summed back into the
-// token layout (op_sum_replica_blocks).
+// token layout (seqpar_grads_to_tokens, with the backend's sum_replica_blocks).
 #pragma once
 #include "../common.h"
 #include "../ops.h"
@@ -159,27 +159,27 @@ static void seqpar_to_heads(SeqPar* sp, void* x, int nh, int rep, void* work, co
     if (sp->be->cuda) free(pk);
 }
 
-// Head layout x [N, nh*rep/P*hd] to token layout dst [n, nh*hd] (dst may be x); rep > 1 (replicated
-// key/value heads): the rep partial gradients of each head are summed.
-// work: [n, nh*rep*hd] of scratch (the received blocks), neither x nor dst.
-static void seqpar_to_tokens(SeqPar* sp, const void* x, void* dst, int nh, int rep, void* work, const char* pass) {
+// The replicated key/value heads' gradients x [N, nh*rep/P*hd] (rep > 1) exchanged into work
+// [n, nh*rep*hd]: block j holds group rank j's tokens of this rank's head replica, to be summed
+// into the token layout (seqpar_grads_to_tokens). Timed by the caller.
+static void seqpar_replicas_to_blocks(SeqPar* sp, const void* x, int nh, int rep, void* work) {
     int64_t w = (int64_t)nh * sp->hd * sp->abytes, wp = w * rep / sp->P, n = sp->n, in = n * sp->P * wp;
-    PROF_SCOPE(sp->be, "all_to_all", pass, 0.0, 2.0 * in);
-    if (rep > 1) {  // group rank j's tokens of my head's replica into block j of work, then their sums
 #ifdef LLMC_HAVE_CUDA
-        if (seqpar_on_device(sp)) dist_sp_alltoall_device(sp->dist, x, work, n * wp, sp->be->stream);
-        else
+    if (seqpar_on_device(sp)) { dist_sp_alltoall_device(sp->dist, x, work, n * wp, sp->be->stream); return; }
 #endif
-        {
-            char* src = seqpar_host_view(sp, x, in, in);
-            char* pk = sp->be->cuda ? (char*)xmalloc(in) : (char*)work;
-            dist_sp_alltoall(sp->dist, src, pk, n * wp);
-            seqpar_host_done(sp, (void*)x, src, in, HOST_VIEW_DROP);
-            seqpar_host_done(sp, work, pk, in, HOST_VIEW_UPLOAD);
-        }
-        op_sum_replica_blocks(sp->be, dst, work, n, sp->P, rep, (int)(wp / sp->abytes));
-        return;
-    }
+    char* src = seqpar_host_view(sp, x, in, in);
+    char* pk = sp->be->cuda ? (char*)xmalloc(in) : (char*)work;
+    dist_sp_alltoall(sp->dist, src, pk, n * wp);
+    seqpar_host_done(sp, (void*)x, src, in, HOST_VIEW_DROP);
+    seqpar_host_done(sp, work, pk, in, HOST_VIEW_UPLOAD);
+}
+
+// Head layout x [N, nh/P*hd] to token layout dst [n, nh*hd] (dst may be x): heads that one rank
+// each holds (the replicated key/value heads: seqpar_replicas_to_blocks).
+// work: [n, nh*hd] of scratch (the received blocks), neither x nor dst.
+static void seqpar_to_tokens(SeqPar* sp, const void* x, void* dst, int nh, void* work, const char* pass) {
+    int64_t w = (int64_t)nh * sp->hd * sp->abytes, wp = w / sp->P, n = sp->n;
+    PROF_SCOPE(sp->be, "all_to_all", pass, 0.0, 2.0 * n * sp->P * wp);
 #ifdef LLMC_HAVE_CUDA
     if (seqpar_on_device(sp)) {
         dist_sp_alltoall_device(sp->dist, x, work, n * wp, sp->be->stream);
@@ -200,20 +200,27 @@ static void seqpar_to_tokens(SeqPar* sp, const void* x, void* dst, int nh, int r
     if (sp->be->cuda) free(pk);
 }
 
-// Attention over the group's sequences. On entry q [n, heads*hd], k, v [n, kv_heads*hd] hold this
-// rank's tokens (after RoPE; k's and v's buffers hold seqpar_kv_width per token, room for the head
-// layout's replicas); on return they hold the head layout the backward reads, o
-// [N, heads/P*hd] and lse [B, heads/P, T] are this rank's heads, and the result, o in token layout
-// [n, heads*hd], is sp->tok. q, k, v are packed in sp->tok (not yet written); o's exchange
-// receives into `work` (sp->work, or a buffer the model lends, dead during this forward).
-static void* seqpar_attention_forward(SeqPar* sp, const Backend* be, void* o, float* lse, void* q, void* k, void* v,
-                                      void* work, void* att_work, size_t att_work_bytes, const AttnShape* layer) {
+// Attention across the group runs as a model's attention op (llmc/ops.h) between exchanges, which
+// the model calls around it (llmc/models/llama.h's llama_attention_forward / _backward):
+//   forward:  as = seqpar_qkv_to_heads(q, k, v); op_attention_forward(.. as ..); seqpar_output_to_tokens(o)
+//   backward: as = seqpar_dout_to_heads(dout); op_attention_backward(.. as ..); seqpar_grads_to_tokens(dq, dk, dv)
+// The op then attends over whole sequences for this rank's heads (the shape these return).
+
+// On entry q [n, heads*hd], k, v [n, kv_heads*hd] hold this rank's tokens (after RoPE; k's and v's
+// buffers hold seqpar_kv_width per token, room for the head layout's replicas); on return they hold
+// the head layout attention reads (and its backward again). Packed in sp->tok (not yet written).
+static AttnShape seqpar_qkv_to_heads(SeqPar* sp, void* q, void* k, void* v, const AttnShape* layer) {
     seqpar_to_heads(sp, q, sp->heads, SEQPAR_ONE_COPY, sp->tok, "fwd");
     seqpar_to_heads(sp, k, sp->kv_heads, sp->kv_rep, sp->tok, "fwd");
     seqpar_to_heads(sp, v, sp->kv_heads, sp->kv_rep, sp->tok, "fwd");
-    AttnShape as = seqpar_attn_shape(sp, layer);
-    op_attention_forward(be, o, lse, q, k, v, as, op_attention_work_fitting(be, as, att_work, att_work_bytes));
-    seqpar_to_tokens(sp, o, sp->tok, sp->heads, SEQPAR_ONE_COPY, work, "fwd");
+    return seqpar_attn_shape(sp, layer);
+}
+
+// Attention's output o [N, heads/P*hd] (this rank's heads) in token layout [n, heads*hd]: returns
+// sp->tok. o's exchange receives into `work` (sp->work, or a buffer the model lends, dead during
+// this forward).
+static void* seqpar_output_to_tokens(SeqPar* sp, const void* o, void* work) {
+    seqpar_to_tokens(sp, o, sp->tok, sp->heads, work, "fwd");
     return sp->tok;
 }
 
@@ -234,24 +241,39 @@ static void seqpar_rebuilt_to_heads(SeqPar* sp, void* x, SeqParHeads which) {
 // The kept o (head layout) in token layout, for the o projection's backward: sp->tok (work: as
 // in the forward, dead until the o projection's backward writes its output).
 static const void* seqpar_attention_output(SeqPar* sp, const void* o, void* work) {
-    seqpar_to_tokens(sp, o, sp->tok, sp->heads, SEQPAR_ONE_COPY, work, "bwd");
+    seqpar_to_tokens(sp, o, sp->tok, sp->heads, work, "bwd");
     return sp->tok;
 }
 
-// Attention's backward: dout [n, heads*hd] (this rank's tokens; clobbered) to dq [n, heads*hd],
-// dk, dv [n, kv_heads*hd], this rank's tokens (their buffers seqpar_kv_width per token: the
-// attention's head-layout gradients pass through them), from the head-layout q, k, v, o, lse.
-// dout is packed in sp->tok (the o projection's backward has read it; dq may be the same buffer,
-// written after), the gradients' exchanges receive into `work` (dead once attention's backward
-// has read dout, until the q projection's backward: dout's own buffer can be it).
-static void seqpar_attention_backward(SeqPar* sp, const Backend* be, void* dq, void* dk, void* dv, void* dout,
-                                      const void* q, const void* k, const void* v, const void* o, const float* lse,
-                                      void* work, void* att_work, const AttnShape* layer) {
+// dout [n, heads*hd] (this rank's tokens; clobbered) to the head layout attention's backward reads,
+// packed in sp->tok (the o projection's backward has read it); returns the backward's shape.
+static AttnShape seqpar_dout_to_heads(SeqPar* sp, void* dout, const AttnShape* layer) {
     seqpar_to_heads(sp, dout, sp->heads, SEQPAR_ONE_COPY, sp->tok, "bwd");
-    op_attention_backward(be, dq, dk, dv, dout, q, k, v, o, lse, seqpar_attn_shape(sp, layer), att_work);
-    seqpar_to_tokens(sp, dq, dq, sp->heads, SEQPAR_ONE_COPY, work, "bwd");
-    seqpar_to_tokens(sp, dk, dk, sp->kv_heads, sp->kv_rep, work, "bwd");
-    seqpar_to_tokens(sp, dv, dv, sp->kv_heads, sp->kv_rep, work, "bwd");
+    return seqpar_attn_shape(sp, layer);
+}
+
+// Attention's head-layout gradients to this rank's tokens, in place: dq [n, heads*hd], dk, dv [n,
+// kv_heads*hd] (their buffers seqpar_kv_width per token). Replicated key/value heads: the replicas'
+// partial gradients summed (the backend's sum_replica_blocks, timed in the exchange's row). The
+// exchanges receive into `work` (dead once attention's backward has read dout, until the q
+// projection's backward: dout's own buffer can be it).
+static void seqpar_grads_to_tokens(SeqPar* sp, void* dq, void* dk, void* dv, void* work) {
+    seqpar_to_tokens(sp, dq, dq, sp->heads, work, "bwd");
+    void* kv[2] = {dk, dv};
+    for (int i = 0; i < 2; i++) {
+        if (sp->kv_rep == 1) { seqpar_to_tokens(sp, kv[i], kv[i], sp->kv_heads, work, "bwd"); continue; }
+        int64_t bytes = (int64_t)sp->kv_heads * sp->hd * sp->abytes * sp->kv_rep * sp->n;  // the exchange's
+        int bw = (int)(bytes / sp->n / sp->P / sp->abytes);  // elements per token of one replica block
+        PROF_SCOPE(sp->be, "all_to_all", "bwd", 0.0, 2.0 * bytes);
+        seqpar_replicas_to_blocks(sp, kv[i], sp->kv_heads, sp->kv_rep, work);
+#ifdef LLMC_HAVE_CUDA
+        if (sp->be->cuda) {
+            sum_replica_blocks_cuda(B16(kv[i]), CB16(work), sp->n, sp->P, sp->kv_rep, bw, sp->be->stream);
+            continue;
+        }
+#endif
+        sum_replica_blocks(F32(kv[i]), CF32(work), sp->n, sp->P, sp->kv_rep, bw);
+    }
 }
 
 // This rank's slice of a whole micro-batch (host arrays of N tokens) into the model's host batch

@@ -176,7 +176,7 @@ def test_gemm_attention_makes_no_host_arrays_or_copies():
     src, _ = int_products.strip(read("llmc/cuda/attention_gemm.cuh"))
     for call in ("cudaMemcpy", "malloc(", "xmalloc", "cudaStreamSynchronize", "cudaDeviceSynchronize"):
         assert call not in src, call
-    assert "launch_kernel(grid_for(per_slot, 256), 256, 0, st, attn_table_kernel" in src
+    assert "launch_kernel(grid_for(slot.entries, 256), 256, 0, st, attn_table_kernel" in src
 
 
 @pytest.mark.parametrize("T", [16384, 131072])

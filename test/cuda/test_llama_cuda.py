@@ -49,10 +49,56 @@ TOL_EXACT = {"logits": 0.05, "loss": 1e-2, "grad": 0.15}
 TOL_APPROX = {"logits": 0.05, "loss": 1e-2, "grad": 0.6}
 
 
+def run_probe(exe, model, case, out, act, norm, rec, rank, alpha, extra, device, env=None):
+    """The probe's process (its stdout names the paths it took) and the outputs it wrote to out."""
+    p = run([need(exe), "--model", model, "--case", case, "--out-file", out, "--act", act, "--norm", norm,
+             "--recompute", rec, "--lora-rank", rank, "--lora-alpha", repr(float(alpha)), "--device", device] + extra,
+            env=env)
+    return p, st_io.load(out)
+
+
 def probe(exe, model, case, out, act, norm, rec, rank, alpha, extra, device, env=None):
-    run([need(exe), "--model", model, "--case", case, "--out-file", out, "--act", act, "--norm", norm, "--recompute", rec,
-         "--lora-rank", rank, "--lora-alpha", repr(float(alpha)), "--device", device] + extra, env=env)
-    return st_io.load(out)
+    return run_probe(exe, model, case, out, act, norm, rec, rank, alpha, extra, device, env)[1]
+
+
+def cuda_and_cpu(model, case, tag, act, norm, rec, rank, alpha, extra, env=None):
+    """(CUDA, CPU) probe outputs of one case, written beside it as CASE.TAG.cuda and CASE.TAG.cpu; env only
+    for the CUDA side."""
+    want = probe(CPU_PROBE, model, case, f"{case}.{tag}.cpu", act, norm, rec, rank, alpha, extra, "cpu")
+    got = probe(CUDA_PROBE, model, case, f"{case}.{tag}.cuda", act, norm, rec, rank, alpha, extra, "cuda", env)
+    return got, want
+
+
+def tol_for(act):
+    return TOL_APPROX if act == "approx" else TOL_EXACT
+
+
+def grad_errors(got, want):
+    """(relative L2 error, name) of every gradient the CPU probe wrote, the worst last."""
+    return sorted((rel_l2(got[k], want[k]), k) for k in want if k.startswith("grad."))
+
+
+def check_probe(got, want, tol, label):
+    """The CUDA probe against the CPU one: the same outputs; logits, loss and the worst gradient within tol; the
+    median gradient within a third of tol's bound."""
+    assert set(got) == set(want)
+    e_logits = rel_l2(got["logits"], want["logits"])
+    e_loss = abs(float(got["loss"][0]) - float(want["loss"][0])) / abs(float(want["loss"][0]))
+    grads = grad_errors(got, want)
+    worst, wname = grads[-1]
+    median = grads[len(grads) // 2][0]
+    print(f"{label}: logits {e_logits:.2e}  loss {e_loss:.2e}  grads median {median:.2e} worst {worst:.2e} ({wname})")
+    assert e_logits < tol["logits"] and e_loss < tol["loss"], (e_logits, e_loss)
+    assert worst < tol["grad"], (worst, wname)
+    assert median < tol["grad"] / 3, median
+
+
+def check_logits_and_worst_grad(got, want, tol, label):
+    """The CUDA probe against the CPU one: logits and the worst gradient within tol."""
+    e_logits = rel_l2(got["logits"], want["logits"])
+    worst, wname = grad_errors(got, want)[-1]
+    print(f"{label}: logits {e_logits:.2e}  grads worst {worst:.2e} ({wname})")
+    assert e_logits < tol["logits"] and worst < tol["grad"]
 
 
 @pytest.fixture(scope="module")
@@ -75,19 +121,8 @@ def models(tmp_path_factory):
 def test_cuda_probe_matches_cpu_probe(models, name, mode):
     d, cp, r, alpha = models[name]
     act, norm, rec, extra = MODES[mode]
-    want = probe(CPU_PROBE, d, cp, cp + f".{mode}.cpu", act, norm, rec, r, alpha, extra, "cpu")
-    got = probe(CUDA_PROBE, d, cp, cp + f".{mode}.cuda", act, norm, rec, r, alpha, extra, "cuda")
-    assert set(got) == set(want)
-    tol = TOL_APPROX if act == "approx" else TOL_EXACT
-    e_logits = rel_l2(got["logits"], want["logits"])
-    e_loss = abs(float(got["loss"][0]) - float(want["loss"][0])) / abs(float(want["loss"][0]))
-    grads = sorted((rel_l2(got[k], want[k]), k) for k in want if k.startswith("grad."))
-    worst, wname = grads[-1]
-    median = grads[len(grads) // 2][0]
-    print(f"{name} {mode}: logits {e_logits:.2e}  loss {e_loss:.2e}  grads median {median:.2e} worst {worst:.2e} ({wname})")
-    assert e_logits < tol["logits"] and e_loss < tol["loss"], (e_logits, e_loss)
-    assert worst < tol["grad"], (worst, wname)
-    assert median < tol["grad"] / 3, median
+    got, want = cuda_and_cpu(d, cp, mode, act, norm, rec, r, alpha, extra)
+    check_probe(got, want, tol_for(act), f"{name} {mode}")
 
 
 @pytest.mark.parametrize("name", list(lc.CONFIGS))
@@ -99,9 +134,10 @@ def test_cuda_ms_lora_matches_cpu_std(models, name):
     want = probe(CPU_PROBE, d, cp, cp + ".msstd.cpu", "exact", "std", "none", r, alpha, [], "cpu")
     got = probe(CUDA_PROBE, d, cp, cp + ".msstd.cuda", "exact", "ms", "none", r, alpha, [], "cuda")
     e_logits = rel_l2(got["logits"], want["logits"])
-    grads = sorted((rel_l2(got[k], want[k]), k) for k in want if k.startswith("grad."))
-    print(f"{name} cuda ms vs cpu std: logits {e_logits:.2e}  grads median {grads[len(grads) // 2][0]:.2e} worst {grads[-1][0]:.2e} ({grads[-1][1]})")
-    assert e_logits < TOL_EXACT["logits"] and grads[-1][0] < TOL_EXACT["grad"] and grads[len(grads) // 2][0] < TOL_EXACT["grad"] / 3
+    grads = grad_errors(got, want)
+    (worst, wname), median = grads[-1], grads[len(grads) // 2][0]
+    print(f"{name} cuda ms vs cpu std: logits {e_logits:.2e}  grads median {median:.2e} worst {worst:.2e} ({wname})")
+    assert e_logits < TOL_EXACT["logits"] and worst < TOL_EXACT["grad"] and median < TOL_EXACT["grad"] / 3
 
 
 @pytest.mark.parametrize("mode", ["baseline", "lowmem", "ckpt"])
@@ -111,17 +147,12 @@ def test_cuda_probe_full_finetuning_matches_cpu(models, name, mode):
     families' biases, Qwen3's q/k norms and Gemma's post norms."""
     d, cp, r, alpha = models[name]
     act, norm, rec, extra = MODES[mode]
-    want = probe(CPU_PROBE, d, cp, cp + f".full.{mode}.cpu", act, norm, rec, r, alpha, extra + ["--full"], "cpu")
-    got = probe(CUDA_PROBE, d, cp, cp + f".full.{mode}.cuda", act, norm, rec, r, alpha, extra + ["--full"], "cuda")
+    got, want = cuda_and_cpu(d, cp, f"full.{mode}", act, norm, rec, r, alpha, extra + ["--full"])
     n_layers = lc.CONFIGS[name]["num_hidden_layers"]
     assert set(got) == set(want) and sum(k.endswith(".W") for k in want) == n_layers * 7
     assert any(k.endswith(".b") or k.endswith("q_norm") or k.endswith("post_mlp_norm") for k in want) == (
         name != "gqa_untied")
-    e_logits = rel_l2(got["logits"], want["logits"])
-    grads = sorted((rel_l2(got[k], want[k]), k) for k in want if k.startswith("grad."))
-    print(f"full {name} {mode}: logits {e_logits:.2e}  grads worst {grads[-1][0]:.2e} ({grads[-1][1]})")
-    tol = TOL_APPROX if act == "approx" else TOL_EXACT
-    assert e_logits < tol["logits"] and grads[-1][0] < tol["grad"]
+    check_logits_and_worst_grad(got, want, tol_for(act), f"full {name} {mode}")
 
 
 @pytest.mark.parametrize("env", [{"LLMC_ATTN_CHUNK": "3"}, {"LLMC_ATTN_KEYS": "4", "LLMC_ATTN_CHUNK": "3"}],
@@ -132,12 +163,8 @@ def test_cuda_attention_paths(models, name, env):
     online softmax and two-pass backward of long sequences), inside the whole model. (The flash
     kernels, once LLMC_ATTENTION=flash, are dev/cuda/attention.cu's to check.)"""
     d, cp, r, alpha = models[name]
-    want = probe(CPU_PROBE, d, cp, cp + ".paths.cpu", "exact", "std", "none", r, alpha, [], "cpu")
-    got = probe(CUDA_PROBE, d, cp, cp + ".paths.cuda", "exact", "std", "none", r, alpha, [], "cuda", env)
-    e = rel_l2(got["logits"], want["logits"])
-    worst = max(rel_l2(got[k], want[k]) for k in want if k.startswith("grad."))
-    print(f"{name} {env}: logits {e:.2e} grads worst {worst:.2e}")
-    assert e < TOL_EXACT["logits"] and worst < TOL_EXACT["grad"]
+    got, want = cuda_and_cpu(d, cp, "paths", "exact", "std", "none", r, alpha, [], env)
+    check_logits_and_worst_grad(got, want, TOL_EXACT, f"{name} {env}")
 
 
 # GPU only (see the docstring): defined only where it can run.
@@ -152,16 +179,10 @@ if GPU:
         not collected elsewhere, rather than skipped, so a CI run has no skipped test. Not yet run on a GPU."""
         d, cp, r, alpha = models["llama3_rope"]
         want = probe(CPU_PROBE, d, cp, cp + ".cudnn.cpu", "exact", "std", "none", r, alpha, [], "cpu")
-        out = cp + ".cudnn.cuda"
-        p = run([need(CUDA_PROBE), "--model", d, "--case", cp, "--out-file", out, "--act", "exact", "--norm", "std",
-                 "--recompute", "none", "--lora-rank", r, "--lora-alpha", repr(float(alpha)), "--device", "cuda"],
-                env={"LLMC_ATTENTION": "cudnn"})
+        p, got = run_probe(CUDA_PROBE, d, cp, cp + ".cudnn.cuda", "exact", "std", "none", r, alpha, [], "cuda",
+                           {"LLMC_ATTENTION": "cudnn"})
         assert "attention: cudnn" in p.stdout and "cudnn refused" not in p.stdout, p.stdout  # cuDNN ran, no fallback
-        got = st_io.load(out)
-        e = rel_l2(got["logits"], want["logits"])
-        worst = max(rel_l2(got[k], want[k]) for k in want if k.startswith("grad."))
-        print(f"llama3_rope cudnn: logits {e:.2e} grads worst {worst:.2e}")
-        assert e < TOL_EXACT["logits"] and worst < TOL_EXACT["grad"]
+        check_logits_and_worst_grad(got, want, TOL_EXACT, "llama3_rope cudnn")
 
 
     def test_cuda_attention_cudnn_packed(models):
@@ -179,16 +200,10 @@ if GPU:
         pp = cp + ".cudnn_packed"
         st_io.save(pp, case)
         want = probe(CPU_PROBE, d, pp, pp + ".cpu", "exact", "std", "none", r, alpha, [], "cpu")
-        out = pp + ".cuda"
-        p = run([need(CUDA_PROBE), "--model", d, "--case", pp, "--out-file", out, "--act", "exact", "--norm", "std",
-                 "--recompute", "none", "--lora-rank", r, "--lora-alpha", repr(float(alpha)), "--device", "cuda"],
-                env={"LLMC_ATTENTION": "cudnn"})
+        p, got = run_probe(CUDA_PROBE, d, pp, pp + ".cuda", "exact", "std", "none", r, alpha, [], "cuda",
+                           {"LLMC_ATTENTION": "cudnn"})
         assert "packed examples: ragged" in p.stdout and "cudnn refused" not in p.stdout, p.stdout
-        got = st_io.load(out)
-        e = rel_l2(got["logits"], want["logits"])
-        worst = max(rel_l2(got[k], want[k]) for k in want if k.startswith("grad."))
-        print(f"llama3_rope cudnn packed: logits {e:.2e} grads worst {worst:.2e}")
-        assert e < TOL_EXACT["logits"] and worst < TOL_EXACT["grad"]
+        check_logits_and_worst_grad(got, want, TOL_EXACT, "llama3_rope cudnn packed")
 
 
 def test_cuda_probe_packed_examples(models):
@@ -700,6 +715,33 @@ def train_on(data, *args, check=True, env=None):
     return run([need(CUDA_TRAIN)] + demo + ["--device", "cuda"] + list(args), check=check, env=env)
 
 
+def eager_and_graph(data, tmp_path, *args):
+    """train_on with args eagerly (into tmp_path/off) and under LLMC_CUDA_GRAPH=1 (tmp_path/on): the second runs
+    under graphs and saves the very adapter of the first. Returns both processes."""
+    off = train_on(data, *args, "--out", tmp_path / "off")
+    on = train_on(data, *args, "--out", tmp_path / "on", env={"LLMC_CUDA_GRAPH": "1"})
+    assert "cuda graph: on" in on.stdout, on.stdout[-1500:]
+    assert (tmp_path / "on" / "adapter_model.safetensors").read_bytes() == \
+        (tmp_path / "off" / "adapter_model.safetensors").read_bytes()
+    return off, on
+
+
+def check_graph_counts(off, on, label):
+    """On the emulator, the graph run's counts (on) against the eager one's (off): two graphs, no capture after
+    the first step, one host synchronisation per step in both, the launches outside the graphs plus the kernels
+    the graphs replayed are the eager step's launches, and every cuBLAS call is inside a graph."""
+    launches, blas, syncs = per_step_counts(off.stdout)
+    g_launches, g_blas, g_syncs = per_step_counts(on.stdout)
+    m = re.search(GRAPH_LINE, on.stdout, re.M)
+    assert m, on.stdout[-1500:]
+    graphs, replayed, replayed_blas, captures = int(m.group(1)), int(m.group(2)), int(m.group(3)), float(m.group(4))
+    print(f"{label}: eager {launches} launches, {blas} cuBLAS calls, {syncs} host syncs; graph "
+          f"{g_launches} launches ({graphs} graphs replaying {replayed} kernels, {replayed_blas} cuBLAS calls), "
+          f"{g_blas} cuBLAS calls, {g_syncs} host syncs, {captures} captures")
+    assert graphs == 2 and captures == 0 and syncs == g_syncs == 1
+    assert g_launches - graphs + replayed == launches and g_blas == 0 and replayed_blas == blas
+
+
 def test_cuda_graph_replays_the_step_bit_for_bit(tmp_path, packed_demo):
     """LLMC_CUDA_GRAPH=1 against the eager step, 2 steps of 2 micro-batches on packed examples (the
     default attention path, whose pointer tables are a host-side cache the graph's key covers): the
@@ -710,24 +752,11 @@ def test_cuda_graph_replays_the_step_bit_for_bit(tmp_path, packed_demo):
     kernels the graphs replayed are the eager step's launches, no step after the first captures,
     and every product is inside a graph. (That the comparison sees a stale graph is shown by the
     planted stale dropout key, test_cuda_graph_with_lora_dropout_replays_the_step_bit_for_bit.)"""
-    args = ["--steps", 2, "--grad-accum", 2, "--profile"]
-    off = train_on(packed_demo, *args, "--out", tmp_path / "off")
-    want = (tmp_path / "off" / "adapter_model.safetensors").read_bytes()
-    on = train_on(packed_demo, *args, "--out", tmp_path / "on", env={"LLMC_CUDA_GRAPH": "1"})
-    assert "cuda graph: on" in on.stdout, on.stdout[-1500:]
-    assert (tmp_path / "on" / "adapter_model.safetensors").read_bytes() == want
+    off, on = eager_and_graph(packed_demo, tmp_path, "--steps", 2, "--grad-accum", 2, "--profile")
     assert len(step_losses(on.stdout)) == 2 and step_losses(on.stdout) == step_losses(off.stdout)
     if GPU:
         return
-    launches, blas, syncs = per_step_counts(off.stdout)
-    g_launches, g_blas, g_syncs = per_step_counts(on.stdout)
-    m = re.search(GRAPH_LINE, on.stdout, re.M)
-    assert m, on.stdout[-1500:]
-    graphs, replayed, replayed_blas, captures = int(m.group(1)), int(m.group(2)), int(m.group(3)), float(m.group(4))
-    print(f"per step: eager {launches} launches, {blas} cuBLAS calls; graph {g_launches} launches "
-          f"({graphs} graphs replaying {replayed} kernels, {replayed_blas} cuBLAS calls), {captures} captures")
-    assert graphs == 2 and captures == 0 and syncs == g_syncs == 1
-    assert g_launches - graphs + replayed == launches and g_blas == 0 and replayed_blas == blas
+    check_graph_counts(off, on, "per step")
 
 
 def test_cuda_graph_replays_a_model_of_full_and_sliding_layers(tmp_path, packed_demo):
@@ -743,12 +772,8 @@ def test_cuda_graph_replays_a_model_of_full_and_sliding_layers(tmp_path, packed_
                layer_types=["sliding_attention" if l % 2 else "full_attention" for l in range(cfg["num_hidden_layers"])])
     (model / "config.json").write_text(json.dumps(cfg))
     # --seq 128: the whole-keys tiles of a full layer alone (128 x 128) differ from the window's (64 x 64)
-    args = ["--steps", 2, "--grad-accum", 2, "--profile", "--model", model, "--seq", 128]
-    off = train_on(packed_demo, *args, "--out", tmp_path / "off")
-    on = train_on(packed_demo, *args, "--out", tmp_path / "on", env={"LLMC_CUDA_GRAPH": "1"})
-    assert "cuda graph: on" in on.stdout, on.stdout[-1500:]
-    assert (tmp_path / "on" / "adapter_model.safetensors").read_bytes() == \
-        (tmp_path / "off" / "adapter_model.safetensors").read_bytes()
+    off, on = eager_and_graph(packed_demo, tmp_path, "--steps", 2, "--grad-accum", 2, "--profile", "--model", model,
+                              "--seq", 128)
     assert step_losses(on.stdout) == step_losses(off.stdout)
     if GPU:
         return
@@ -798,11 +823,8 @@ def test_cuda_graph_with_lora_dropout_replays_the_step_bit_for_bit(tmp_path, pac
     step's first micro-batch leaves the key of the micro-batch before in device memory) must change
     the second step's loss and the adapter, which shows that the comparison sees stale masks."""
     args = ["--steps", 3, "--grad-accum", 2, "--profile", "--lora-dropout", 0.1]
-    off = train_on(packed_demo, *args, "--out", tmp_path / "off")
+    off, on = eager_and_graph(packed_demo, tmp_path, *args)
     want = (tmp_path / "off" / "adapter_model.safetensors").read_bytes()
-    on = train_on(packed_demo, *args, "--out", tmp_path / "on", env={"LLMC_CUDA_GRAPH": "1"})
-    assert "cuda graph: on" in on.stdout, on.stdout[-1500:]
-    assert (tmp_path / "on" / "adapter_model.safetensors").read_bytes() == want
     assert len(step_losses(on.stdout)) == 3 and step_losses(on.stdout) == step_losses(off.stdout)
     assert len(step_grad_norms(on.stdout)) == 3 and step_grad_norms(on.stdout) == step_grad_norms(off.stdout)
     stale = train_on(packed_demo, *args, "--out", tmp_path / "stale",
@@ -812,16 +834,7 @@ def test_cuda_graph_with_lora_dropout_replays_the_step_bit_for_bit(tmp_path, pac
     assert step_losses(stale.stdout)[1] != step_losses(off.stdout)[1]
     if GPU:
         return
-    launches, blas, syncs = per_step_counts(off.stdout)
-    g_launches, g_blas, g_syncs = per_step_counts(on.stdout)
-    m = re.search(GRAPH_LINE, on.stdout, re.M)
-    assert m, on.stdout[-1500:]
-    graphs, replayed, replayed_blas, captures = int(m.group(1)), int(m.group(2)), int(m.group(3)), float(m.group(4))
-    print(f"per step with dropout: eager {launches} launches, {blas} cuBLAS calls, {syncs} host syncs; graph "
-          f"{g_launches} launches ({graphs} graphs replaying {replayed} kernels, {replayed_blas} cuBLAS calls), "
-          f"{g_blas} cuBLAS calls, {g_syncs} host syncs, {captures} captures")
-    assert graphs == 2 and captures == 0 and syncs == g_syncs == 1
-    assert g_launches - graphs + replayed == launches and g_blas == 0 and replayed_blas == blas
+    check_graph_counts(off, on, "per step with dropout")
 
 
 def test_cuda_graph_refuses_what_a_capture_cannot_hold():

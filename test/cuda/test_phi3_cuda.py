@@ -10,8 +10,7 @@ import pytest
 
 import phi3_cases as pc
 import st_io
-from test_llama_cuda import CPU_PROBE, CUDA_PROBE, TOL_APPROX, TOL_EXACT, probe
-from cuda_backend import rel_l2
+from test_llama_cuda import check_logits_and_worst_grad, check_probe, cuda_and_cpu, tol_for
 
 MODES = {"baseline": ("exact", "std", "none"), "lowmem": ("approx", "ms", "none"),
          "lowmem_block": ("approx", "ms", "block")}
@@ -36,20 +35,8 @@ def cases(tmp_path_factory):
 def test_cuda_phi3_matches_cpu(cases, name, B, T, mode):
     d, cp = cases[(name, T)]
     act, norm, rec = MODES[mode]
-    want = probe(CPU_PROBE, d, cp, cp + f".{mode}.cpu", act, norm, rec, pc.RANK, pc.ALPHA, [], "cpu")
-    got = probe(CUDA_PROBE, d, cp, cp + f".{mode}.cuda", act, norm, rec, pc.RANK, pc.ALPHA, [], "cuda")
-    assert set(got) == set(want)
-    tol = TOL_APPROX if act == "approx" else TOL_EXACT
-    e_logits = rel_l2(got["logits"], want["logits"])
-    e_loss = abs(float(got["loss"][0]) - float(want["loss"][0])) / abs(float(want["loss"][0]))
-    grads = sorted((rel_l2(got[k], want[k]), k) for k in want if k.startswith("grad."))
-    worst, wname = grads[-1]
-    median = grads[len(grads) // 2][0]
-    print(f"{name} T{T} {mode}: logits {e_logits:.2e}  loss {e_loss:.2e}  grads median {median:.2e} "
-          f"worst {worst:.2e} ({wname})")
-    assert e_logits < tol["logits"] and e_loss < tol["loss"], (e_logits, e_loss)
-    assert worst < tol["grad"], (worst, wname)
-    assert median < tol["grad"] / 3, median
+    got, want = cuda_and_cpu(d, cp, mode, act, norm, rec, pc.RANK, pc.ALPHA, [])
+    check_probe(got, want, tol_for(act), f"{name} T{T} {mode}")
 
 
 @pytest.mark.parametrize("mode", ["baseline", "lowmem"])
@@ -58,11 +45,6 @@ def test_cuda_phi3_full_finetuning_matches_cpu(cases, name, B, T, mode):
     """--full: every part of the fused weights trains on CUDA as on the CPU (fp32 masters, bf16 shadows)."""
     d, cp = cases[(name, T)]
     act, norm, rec = MODES[mode]
-    want = probe(CPU_PROBE, d, cp, cp + f".full.{mode}.cpu", act, norm, rec, pc.RANK, pc.ALPHA, ["--full"], "cpu")
-    got = probe(CUDA_PROBE, d, cp, cp + f".full.{mode}.cuda", act, norm, rec, pc.RANK, pc.ALPHA, ["--full"], "cuda")
+    got, want = cuda_and_cpu(d, cp, f"full.{mode}", act, norm, rec, pc.RANK, pc.ALPHA, ["--full"])
     assert set(got) == set(want) and sum(k.endswith(".W") for k in want) == 2 * 7
-    e_logits = rel_l2(got["logits"], want["logits"])
-    grads = sorted((rel_l2(got[k], want[k]), k) for k in want if k.startswith("grad."))
-    print(f"full {name} T{T} {mode}: logits {e_logits:.2e}  grads worst {grads[-1][0]:.2e} ({grads[-1][1]})")
-    tol = TOL_APPROX if act == "approx" else TOL_EXACT
-    assert e_logits < tol["logits"] and grads[-1][0] < tol["grad"]
+    check_logits_and_worst_grad(got, want, tol_for(act), f"full {name} T{T} {mode}")

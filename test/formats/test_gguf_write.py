@@ -105,6 +105,11 @@ def export_gguf(model_dir, out, outtype, *extra):
     return out
 
 
+def exported(root, name, d, tok):
+    """A model and its files of every OUTTYPE, ROOT/NAME.TYPE.gguf: {"dir", "tok", "gguf": {type: path}}."""
+    return {"dir": d, "tok": tok, "gguf": {t: export_gguf(d, root / f"{name}.{t}.gguf", t) for t in OUTTYPES}}
+
+
 def make_model(root, family, seed=0):
     cfg, style = FAMILIES[family]
     tok = byte_level(style)
@@ -123,9 +128,7 @@ def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("gguf_write")
     out = {}
     for fam in FAMILIES:
-        d, tok = make_model(root, fam)
-        files = {t: export_gguf(d, root / f"{fam}.{t}.gguf", t) for t in OUTTYPES}
-        out[fam] = {"dir": d, "tok": tok, "gguf": files, "root": root}
+        out[fam] = dict(exported(root, fam, *make_model(root, fam)), root=root)
     yield out
     if SEEN:
         print("\nlargest relative logit difference, llama.cpp vs the float64 reference of the original weights:")
@@ -137,6 +140,26 @@ def round_trip(gguf_path, out):
     res = run(EXPORT_LLAMA, "--gguf", gguf_path, "--out", out)
     assert res.returncode == 0, res.stderr
     return out
+
+
+STEP = {"f32": 0.0, "f16": 2.0 ** -11, "bf16": 2.0 ** -8}  # half a unit in the last place, relative
+
+
+def assert_within_rounding(t, k, a, b):
+    """b, tensor k read back from a file of type t, is the original a within that type's rounding: equal in f32
+    and for vectors (they stay f32 in every file); q8_0: half a step of the block's scale max|x|/127, plus the
+    scale's own f16 rounding (rows not a multiple of 32 fall back to f16); f16 and bf16: half a unit in the last
+    place, f16's floor half of its subnormal spacing 2^-24."""
+    if t == "f32" or a.ndim == 1:
+        assert np.array_equal(a, b), (t, k)
+    elif t == "q8_0" and a.shape[-1] % 32 == 0:
+        blocks = np.abs(a).reshape(-1, 32).max(1, keepdims=True) / 127
+        err = np.abs(a - b).reshape(-1, 32)
+        assert np.all(err <= blocks * (0.5 + 127 * 2.0 ** -11) + 1e-12), (t, k, err.max())
+    else:
+        s = STEP["f16" if t == "q8_0" else t]
+        floor = 2.0 ** -25 if s == STEP["f16"] else 0.0
+        assert np.all(np.abs(a - b) <= np.abs(a) * s + floor), (t, k)
 
 
 def reference_logits(model_dir, tokens, lora=None, scale=1.0):
@@ -159,6 +182,22 @@ def llama_cpp_logits(llama_cpp, path, tokens, n_ctx=64):
     return out
 
 
+def check_file_logits(llama_cpp, family, t, path, tokens, held, want, plain, gelu_f16=False):
+    """llama.cpp's logits on one file of type t against the reference on the weights the file holds (held): f32
+    within TOL["logits"]; f16, bf16 and q8_0 within 2x the weights' share (held against want, the reference on the
+    original weights) + TOL["logits"]. SEEN notes the difference from plain, the reference with the exact GELU on
+    the original weights, and, where want rounds GELU as ggml does (gelu_f16), from want too."""
+    scale = np.abs(want).max()
+    got = llama_cpp_logits(llama_cpp, path, tokens)
+    weights_share = np.abs(held - want).max() / scale
+    err = np.abs(got - held).max() / scale
+    SEEN[(family, t)] = np.abs(got - plain).max() / scale
+    if gelu_f16:
+        SEEN[(f"{family} vs the f16-GELU reference", t)] = np.abs(got - want).max() / scale
+    bound = lc.TOL["logits"] if t == "f32" else 2 * weights_share + lc.TOL["logits"]
+    assert err <= bound, (family, t, err, bound, weights_share)
+
+
 # ---------------------------------------------------------------------------------------------
 # round trip (our own reader)
 
@@ -167,7 +206,6 @@ def test_round_trip_through_our_reader(models, family, tmp_path):
     """export_llama.py --gguf gives back the tensors: f32 equal, the others within the format's rounding."""
     m = models[family]
     orig = st_io.load(str(m["dir"] / "model.safetensors"))
-    step = {"f32": 0.0, "f16": 2.0 ** -11, "bf16": 2.0 ** -8}
     for t, path in m["gguf"].items():
         back = st_io.load(str(round_trip(path, tmp_path / t) / "model.safetensors"))
         cfg = json.load(open(tmp_path / t / "config.json"))
@@ -175,16 +213,8 @@ def test_round_trip_through_our_reader(models, family, tmp_path):
         want = {k for k in orig if not (k == "lm_head.weight" and FAMILIES[family][0]["tie_word_embeddings"])}
         assert set(back) == want, (t, set(back) ^ want)
         for k in want:
-            a, b = orig[k], back[k]
-            if t == "f32" or a.ndim == 1:  # vectors stay f32 in every file
-                assert np.array_equal(a, b), (t, k)
-            elif t == "q8_0":  # half a step of the block's scale max|x|/127, plus the scale's own f16 rounding
-                blocks = np.abs(a).reshape(-1, 32).max(1, keepdims=True) / 127
-                err = np.abs(a - b).reshape(-1, 32)
-                assert np.all(err <= blocks * (0.5 + 127 * 2.0 ** -11) + 1e-12), (t, k, err.max())
-            else:
-                floor = 2.0 ** -25 if t == "f16" else 0.0  # half of f16's subnormal spacing 2^-24
-                assert np.all(np.abs(a - b) <= np.abs(a) * step[t] + floor), (t, k)
+            assert orig[k].ndim == 1 or orig[k].shape[-1] % 32 == 0, k  # FAMILIES' widths: q8_0 holds every matrix
+            assert_within_rounding(t, k, orig[k], back[k])
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
@@ -210,15 +240,9 @@ def test_llama_cpp_logits(models, family, tmp_path):
     m = models[family]
     tokens = m["tok"].encode(PROMPT).ids[:20]
     want = reference_logits(m["dir"], tokens)
-    scale = np.abs(want).max()
     for t, path in m["gguf"].items():
-        got = llama_cpp_logits(llama_cpp, path, tokens)
         held = reference_logits(round_trip(path, tmp_path / t), tokens)  # the weights the file holds
-        weights_share = np.abs(held - want).max() / scale
-        err = np.abs(got - held).max() / scale
-        SEEN[(family, t)] = np.abs(got - want).max() / scale
-        bound = lc.TOL["logits"] if t == "f32" else 2 * weights_share + lc.TOL["logits"]
-        assert err <= bound, (family, t, err, bound, weights_share)
+        check_file_logits(llama_cpp, family, t, path, tokens, held, want, want)
 
 
 def test_llama_cpp_llama3_rope_scaling(tmp_path):
@@ -674,22 +698,34 @@ def hf_python():
     return HF_PYTHON
 
 
+def spm_vocab(tok512, spaces, cfg, **change):
+    """tok512's pieces, and Gemma's turn tokens after them for a Gemma (spaces "gemma"); cfg (with change) for a
+    vocabulary of those and PAD_ROWS rows past them, with the pieces' <unk>, <s>, </s> as pad, BOS, EOS ids."""
+    names = tok512_names(tok512) + (list(GEMMA_TURNS) if spaces == "gemma" else [])
+    return names, dict(cfg, vocab_size=len(names) + PAD_ROWS, bos_token_id=1, eos_token_id=2, pad_token_id=0, **change)
+
+
+def write_spm_tokenizer(d, names, spaces, template):
+    """d's tokenizer.json of names (at most 512) in the spaces form of sentencepiece_json, and its
+    tokenizer_config.json with those special tokens and the chat template; returns the tokenizer."""
+    tok = sentencepiece_json(names[:512], spaces)
+    tok.save(str(d / "tokenizer.json"))
+    with open(d / "tokenizer_config.json", "w") as f:
+        json.dump({"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "chat_template": template}, f)
+    return tok
+
+
 def hf_model(root, name, cfg, tok512):
     """A random transformers checkpoint of cfg with a SentencePiece-style tokenizer.json of tok512's pieces
     (Gemma's form for gemma2, Llama-2's for phi3) and PAD_ROWS embedding rows past it."""
     d = root / name
-    names = tok512_names(tok512) + (list(GEMMA_TURNS) if cfg["model_type"] == "gemma2" else [])
-    cfg = dict(cfg, vocab_size=len(names) + PAD_ROWS, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    spaces = "gemma" if cfg["model_type"] == "gemma2" else "llama2"
+    names, cfg = spm_vocab(tok512, spaces, cfg)
     with open(root / f"{name}.json", "w") as f:
         json.dump(cfg, f)
     res = subprocess.run([hf_python(), HF_FAMILY, "make", root / f"{name}.json", d], capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
-    tok = sentencepiece_json(names[:512], "gemma" if cfg["model_type"] == "gemma2" else "llama2")
-    tok.save(str(d / "tokenizer.json"))
-    template = GEMMA_TEMPLATE if cfg["model_type"] == "gemma2" else CHATML
-    with open(d / "tokenizer_config.json", "w") as f:
-        json.dump({"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "chat_template": template}, f)
-    return d, tok
+    return d, write_spm_tokenizer(d, names, spaces, GEMMA_TEMPLATE if spaces == "gemma" else CHATML)
 
 
 def hf_logits(jobs, tmp_path):
@@ -743,8 +779,7 @@ def hf_models(tmp_path_factory):
     tok512 = shared_file("models/tok512.bin")
     out = {}
     for fam, cfg in HF_FAMILIES.items():
-        d, tok = hf_model(root, fam, cfg, tok512)
-        out[fam] = {"dir": d, "tok": tok, "gguf": {t: export_gguf(d, root / f"{fam}.{t}.gguf", t) for t in OUTTYPES}}
+        out[fam] = exported(root, fam, *hf_model(root, fam, cfg, tok512))
     return out
 
 
@@ -767,18 +802,10 @@ def test_llama_cpp_logits_against_transformers(hf_models, family, tmp_path):
         edit_json(wide / "config.json", sliding_window=64)
         jobs.append((wide, tokens, True))
     plain, want, *rest = hf_logits(jobs, tmp_path)
-    scale = np.abs(want).max()
     for t, held in zip(held_dirs, rest):
-        got = llama_cpp_logits(llama_cpp, m["gguf"][t], tokens)
-        weights_share = np.abs(held - want).max() / scale
-        err = np.abs(got - held).max() / scale
-        SEEN[(family, t)] = np.abs(got - plain).max() / scale
-        if gemma:
-            SEEN[("gemma2 vs the f16-GELU reference", t)] = np.abs(got - want).max() / scale
-        bound = lc.TOL["logits"] if t == "f32" else 2 * weights_share + lc.TOL["logits"]
-        assert err <= bound, (family, t, err, bound, weights_share)
+        check_file_logits(llama_cpp, family, t, m["gguf"][t], tokens, held, want, plain, gelu_f16=gemma)
     if gemma:
-        assert np.abs(rest[-1] - want)[8:].max() > 100 * lc.TOL["logits"] * scale
+        assert np.abs(rest[-1] - want)[8:].max() > 100 * lc.TOL["logits"] * np.abs(want).max()
     else:
         import gguf
         fields = gguf.GGUFReader(str(m["gguf"]["f32"])).fields
@@ -803,15 +830,15 @@ def test_llama_cpp_phi3_longrope(tmp_path, shared):
         assert err <= lc.TOL["logits"], (n, err)
 
 
-def test_gemma2_tokenizer_and_chat_template(hf_models):
-    """Gemma's tokenizer.json form (spaces replaced, none added: add_space_prefix false) and its turn tokens:
-    llama.cpp's ids are the library's; the embedded Gemma-style template as llama.cpp renders it (its built-in
-    gemma format, which leaves the BOS to the tokenizer) is ours after the BOS."""
+def check_gemma_tokenizer_and_chat_template(m, metadata):
+    """A Gemma file (m: its dir, tok, gguf) with the metadata given: llama.cpp's ids are the library's on SPM_TEXTS
+    and a rendered conversation (turn tokens included); the embedded template is GEMMA_TEMPLATE, and llama.cpp's
+    rendering of it (its built-in gemma format, which leaves the BOS to the tokenizer) is ours after the BOS."""
     llama_cpp = need_llama_cpp()
-    m = hf_models["gemma2"]
     llm = llama_cpp_model(llama_cpp, m["gguf"]["f16"])
     template = llm.metadata["tokenizer.chat_template"]
-    assert llm.metadata["tokenizer.ggml.add_space_prefix"] == "false"
+    for key, value in metadata.items():
+        assert llm.metadata[key] == value, key
     text = chat_template.render(template, MESSAGES[1:], True, bos_token="<s>")
     for s_ in SPM_TEXTS + [text]:
         assert llm.tokenize(s_.encode(), add_bos=True, special=True) == m["tok"].encode(s_).ids, s_
@@ -820,6 +847,13 @@ def test_gemma2_tokenizer_and_chat_template(hf_models):
     for gen in (True, False):
         ours = chat_template.render(template, MESSAGES[1:], gen, bos_token="<s>")
         assert "<s>" + llama_cpp_chat(llama_cpp, template, MESSAGES[1:], gen) == ours
+
+
+def test_gemma2_tokenizer_and_chat_template(hf_models):
+    """Gemma's tokenizer.json form (spaces replaced, none added: add_space_prefix false) and its turn tokens:
+    llama.cpp's ids are the library's; the embedded Gemma-style template as llama.cpp renders it (its built-in
+    gemma format, which leaves the BOS to the tokenizer) is ours after the BOS."""
+    check_gemma_tokenizer_and_chat_template(hf_models["gemma2"], {"tokenizer.ggml.add_space_prefix": "false"})
 
 
 PHI3_TEMPLATE = ("{% for m in messages %}{{ '<|' + m['role'] + '|>\n' + m['content'] + '<|end|>\n' }}{% endfor %}"
@@ -846,26 +880,30 @@ def test_builtin_chat_templates(models, tmp_path, style):
         assert bos + llama_cpp_chat(llama_cpp, template, MESSAGES, gen) == ours
 
 
+def check_config_refusals(tmp_path, cases):
+    """Each (model_dir, changes, message): export_gguf.py refuses a copy of the model whose config.json has the
+    changes (None written as null) in one line holding message, and writes nothing."""
+    out = tmp_path / "x.gguf"
+    for i, (src, change, message) in enumerate(cases):
+        d = tmp_path / f"case{i}"
+        shutil.copytree(src, d)
+        cfg = json.load(open(d / "config.json"))
+        cfg.update(change)
+        json.dump(cfg, open(d / "config.json", "w"))
+        assert message in refused(d, "--outfile", out), (src, change)
+    assert not out.exists()
+
+
 def test_family_refusals(hf_models, tmp_path):
     """What llama.cpp's gemma2/phi3 would compute otherwise: a query scale other than llama.cpp's, no
     soft-capping, an untied Gemma head, another rope_scaling on phi3; Gemma 3's multimodal config."""
-    out = tmp_path / "x.gguf"
-    cases = [("gemma2", dict(model_type="gemma3"), "multimodal config"),
-             ("gemma2", dict(query_pre_attn_scalar=64), "query_pre_attn_scalar 64"),
-             ("gemma2", dict(final_logit_softcapping=None), "always soft-caps"),
-             ("gemma2", dict(tie_word_embeddings=False), "untied head"),
-             ("phi3", dict(rope_scaling={"type": "yarn", "factor": 2.0}), "only longrope"),
-             ("phi3", dict(hidden_act="gelu"), "hidden activation 'gelu'")]
-    for i, (fam, change, message) in enumerate(cases):
-        d = tmp_path / f"case{i}"
-        shutil.copytree(hf_models[fam]["dir"], d)
-        edit_json(d / "config.json", **change)
-        if change.get("final_logit_softcapping", 0) is None:
-            cfg = json.load(open(d / "config.json"))
-            cfg["final_logit_softcapping"] = None
-            json.dump(cfg, open(d / "config.json", "w"))
-        assert message in refused(d, "--outfile", out), (fam, change)
-    assert not out.exists()
+    g2, phi3 = hf_models["gemma2"]["dir"], hf_models["phi3"]["dir"]
+    check_config_refusals(tmp_path, [(g2, dict(model_type="gemma3"), "multimodal config"),
+                                     (g2, dict(query_pre_attn_scalar=64), "query_pre_attn_scalar 64"),
+                                     (g2, dict(final_logit_softcapping=None), "always soft-caps"),
+                                     (g2, dict(tie_word_embeddings=False), "untied head"),
+                                     (phi3, dict(rope_scaling={"type": "yarn", "factor": 2.0}), "only longrope"),
+                                     (phi3, dict(hidden_act="gelu"), "hidden activation 'gelu'")])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -894,21 +932,15 @@ def gemma3_model(root, tok512, **change):
     """A random gemma3_text directory (test/model/llama_cases.py's write_model) with Gemma's SentencePiece-style
     tokenizer.json of tok512's pieces and turn tokens, PAD_ROWS embedding rows past it, the Gemma-style template."""
     d = root / "gemma3"
-    names = tok512_names(tok512) + list(GEMMA_TURNS)
-    cfg = dict(GEMMA3, vocab_size=len(names) + PAD_ROWS, bos_token_id=1, eos_token_id=2, pad_token_id=0, **change)
+    names, cfg = spm_vocab(tok512, "gemma", GEMMA3, **change)
     lc.write_model(str(d), cfg)
-    tok = sentencepiece_json(names[:512], "gemma")
-    tok.save(str(d / "tokenizer.json"))
-    with open(d / "tokenizer_config.json", "w") as f:
-        json.dump({"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "chat_template": GEMMA_TEMPLATE}, f)
-    return d, tok
+    return d, write_spm_tokenizer(d, names, "gemma", GEMMA_TEMPLATE)
 
 
 @pytest.fixture(scope="module")
 def gemma3(tmp_path_factory):
     root = tmp_path_factory.mktemp("gguf_gemma3")
-    d, tok = gemma3_model(root, shared_file("models/tok512.bin"))
-    return {"dir": d, "tok": tok, "gguf": {t: export_gguf(d, root / f"gemma3.{t}.gguf", t) for t in OUTTYPES}}
+    return exported(root, "gemma3", *gemma3_model(root, shared_file("models/tok512.bin")))
 
 
 def test_llama_cpp_gemma3_logits(gemma3, tmp_path, monkeypatch):
@@ -926,14 +958,8 @@ def test_llama_cpp_gemma3_logits(gemma3, tmp_path, monkeypatch):
     want = reference_logits(m["dir"], tokens)
     scale = np.abs(want).max()
     for t, path in m["gguf"].items():
-        got = llama_cpp_logits(llama_cpp, path, tokens)
         held = reference_logits(file_weights_dir(path, m["dir"], "gemma3", tmp_path / t), tokens)
-        weights_share = np.abs(held - want).max() / scale
-        err = np.abs(got - held).max() / scale
-        SEEN[("gemma3", t)] = np.abs(got - plain).max() / scale
-        SEEN[("gemma3 vs the f16-GELU reference", t)] = np.abs(got - want).max() / scale
-        bound = lc.TOL["logits"] if t == "f32" else 2 * weights_share + lc.TOL["logits"]
-        assert err <= bound, ("gemma3", t, err, bound, weights_share)
+        check_file_logits(llama_cpp, "gemma3", t, path, tokens, held, want, plain, gelu_f16=True)
     for change in (dict(sliding_window=64), dict(sliding_window_pattern=6)):
         other = shutil.copytree(m["dir"], tmp_path / f"other{len(change)}{list(change)[0]}")
         edit_json(other / "config.json", **change)
@@ -943,38 +969,19 @@ def test_llama_cpp_gemma3_logits(gemma3, tmp_path, monkeypatch):
 def test_gemma3_tokenizer_and_chat_template(gemma3):
     """Gemma's tokenizer.json form and turn tokens in a gemma3 file: llama.cpp's ids are the library's; the
     embedded Gemma-style template as llama.cpp renders it (its built-in gemma format) is ours after the BOS."""
-    llama_cpp = need_llama_cpp()
-    llm = llama_cpp_model(llama_cpp, gemma3["gguf"]["f16"])
-    template = llm.metadata["tokenizer.chat_template"]
-    assert llm.metadata["general.architecture"] == "gemma3"
-    text = chat_template.render(template, MESSAGES[1:], True, bos_token="<s>")
-    for s_ in SPM_TEXTS + [text]:
-        assert llm.tokenize(s_.encode(), add_bos=True, special=True) == gemma3["tok"].encode(s_).ids, s_
-    llm.close()
-    assert template == GEMMA_TEMPLATE
-    for gen in (True, False):
-        ours = chat_template.render(template, MESSAGES[1:], gen, bos_token="<s>")
-        assert "<s>" + llama_cpp_chat(llama_cpp, template, MESSAGES[1:], gen) == ours
+    check_gemma_tokenizer_and_chat_template(gemma3, {"general.architecture": "gemma3"})
 
 
 def test_gemma3_refusals(gemma3, tmp_path):
     """What llama.cpp's gemma3 would compute otherwise: attention soft-capping, another query scale, an untied
     head, rope_scaling other than linear, no window, bidirectional attention."""
-    out = tmp_path / "x.gguf"
-    cases = [(dict(attn_logit_softcapping=50.0), "does not soft-cap attention"),
-             (dict(query_pre_attn_scalar=64), "query_pre_attn_scalar 64"),
-             (dict(tie_word_embeddings=False), "untied head"),
-             (dict(rope_scaling={"rope_type": "yarn", "factor": 2.0}), "only linear"),
-             (dict(sliding_window=None), "without sliding_window"),
-             (dict(use_bidirectional_attention=True), "is causal")]
-    for i, (change, message) in enumerate(cases):
-        d = tmp_path / f"case{i}"
-        shutil.copytree(gemma3["dir"], d)
-        cfg = json.load(open(d / "config.json"))
-        cfg.update(change)
-        json.dump(cfg, open(d / "config.json", "w"))
-        assert message in refused(d, "--outfile", out), change
-    assert not out.exists()
+    g3 = gemma3["dir"]
+    check_config_refusals(tmp_path, [(g3, dict(attn_logit_softcapping=50.0), "does not soft-cap attention"),
+                                     (g3, dict(query_pre_attn_scalar=64), "query_pre_attn_scalar 64"),
+                                     (g3, dict(tie_word_embeddings=False), "untied head"),
+                                     (g3, dict(rope_scaling={"rope_type": "yarn", "factor": 2.0}), "only linear"),
+                                     (g3, dict(sliding_window=None), "without sliding_window"),
+                                     (g3, dict(use_bidirectional_attention=True), "is causal")])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -989,8 +996,8 @@ READBACK = {"gemma2": dict(HF_FAMILIES["gemma2"], torch_dtype="float32"),
 
 def readback_model(root, family, tok512):
     d = root / family
-    names = tok512_names(tok512) + (list(GEMMA_TURNS) if family != "phi3" else [])
-    cfg = dict(READBACK[family], vocab_size=len(names) + PAD_ROWS, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    spaces = "llama2" if family == "phi3" else "gemma"
+    names, cfg = spm_vocab(tok512, spaces, READBACK[family])
     lc.write_model(str(d), cfg)
     if family == "phi3":
         t = st_io.load(str(d / "model.safetensors"))
@@ -1001,11 +1008,7 @@ def readback_model(root, family, tok512):
             t[p + "mlp.gate_up_proj.weight"] = np.concatenate([t.pop(p + f"mlp.{x}_proj.weight")
                                                                for x in ("gate", "up")])
         st_io.save(str(d / "model.safetensors"), t, metadata={"format": "pt"})
-    tok = sentencepiece_json(names[:512], "llama2" if family == "phi3" else "gemma")
-    tok.save(str(d / "tokenizer.json"))
-    with open(d / "tokenizer_config.json", "w") as f:
-        json.dump({"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "chat_template": CHATML}, f)
-    return d, tok
+    return d, write_spm_tokenizer(d, names, spaces, CHATML)
 
 
 @pytest.fixture(scope="module")
@@ -1014,8 +1017,7 @@ def readback(tmp_path_factory):
     tok512 = shared_file("models/tok512.bin")
     out = {}
     for fam in READBACK:
-        d, tok = readback_model(root, fam, tok512)
-        out[fam] = {"dir": d, "tok": tok, "gguf": {t: export_gguf(d, root / f"{fam}.{t}.gguf", t) for t in OUTTYPES}}
+        out[fam] = exported(root, fam, *readback_model(root, fam, tok512))
     return out
 
 
@@ -1028,7 +1030,6 @@ def test_family_round_trip_through_our_reader(readback, family, tmp_path):
     m = readback[family]
     orig = st_io.load(str(m["dir"] / "model.safetensors"))
     src = json.load(open(m["dir"] / "config.json"))
-    step = {"f32": 0.0, "f16": 2.0 ** -11, "bf16": 2.0 ** -8}
     for t, path in m["gguf"].items():
         back = st_io.load(str(round_trip(path, tmp_path / t) / "model.safetensors"))
         cfg = json.load(open(tmp_path / t / "config.json"))
@@ -1047,16 +1048,8 @@ def test_family_round_trip_through_our_reader(readback, family, tmp_path):
             a, b = orig[k], back[k]
             if family != "phi3" and k.endswith("norm.weight"):  # stored as fl32(1 + w) in every type
                 assert np.all(np.abs(a - b) <= np.abs(1.0 + a) * 2.0 ** -24), (t, k)
-            elif t == "f32" or a.ndim == 1:
-                assert np.array_equal(a, b), (t, k)
-            elif t == "q8_0" and a.shape[-1] % 32 == 0:
-                blocks = np.abs(a).reshape(-1, 32).max(1, keepdims=True) / 127
-                err = np.abs(a - b).reshape(-1, 32)
-                assert np.all(err <= blocks * (0.5 + 127 * 2.0 ** -11) + 1e-12), (t, k, err.max())
-            else:  # f16 (also q8_0's fallback for rows not a multiple of 32), bf16
-                s = step["f16" if t == "q8_0" else t]
-                floor = 2.0 ** -25 if s == step["f16"] else 0.0
-                assert np.all(np.abs(a - b) <= np.abs(a) * s + floor), (t, k)
+            else:
+                assert_within_rounding(t, k, a, b)
 
 
 def probe_logits_o(model_dir, tokens, workdir):

@@ -58,14 +58,19 @@ def prepare(inp, out, *extra):
 
 # ---- 6: a UTF-8 byte order mark --------------------------------------------------------------
 
+def prepared_without_and_with_bom(tmp_path, body, suffix):
+    """body saved as UTF-8 and as UTF-8 with a byte order mark, each prepared: the training shards
+    (shards.read_shard's tuples), without the mark first."""
+    for name, encoding in (("plain", "utf-8"), ("bom", "utf-8-sig")):
+        (tmp_path / f"{name}{suffix}").write_text(body, encoding=encoding)
+        p = prepare(tmp_path / f"{name}{suffix}", tmp_path / name)
+        assert p.returncode == 0, p.stderr
+    return tuple(shards.read_shard(str(tmp_path / f"{n}_train.bin")) for n in ("plain", "bom"))
+
+
 def test_a_byte_order_mark_is_not_trained_on(tmp_path):
     text = "Once upon a time.\n\nThe end.\n"
-    (tmp_path / "plain.txt").write_text(text, encoding="utf-8")
-    (tmp_path / "bom.txt").write_text(text, encoding="utf-8-sig")
-    for name in ("plain", "bom"):
-        p = prepare(tmp_path / f"{name}.txt", tmp_path / name)
-        assert p.returncode == 0, p.stderr
-    with_bom, without = (shards.read_shard(str(tmp_path / f"{n}_train.bin")) for n in ("bom", "plain"))
+    without, with_bom = prepared_without_and_with_bom(tmp_path, text, ".txt")
     want = Tokenizer(TOK).encode(text, bos=True)  # BOS + the text, no U+FEFF
     assert list(without[0]) == want
     assert list(with_bom[0]) == want
@@ -74,12 +79,7 @@ def test_a_byte_order_mark_is_not_trained_on(tmp_path):
 def test_a_jsonl_file_with_a_byte_order_mark_is_read(tmp_path):
     items = [{"prompt": "Hi", "response": "Hello."}, {"prompt": "Bye", "response": "Goodbye."}]
     body = "".join(json.dumps(x) + "\n" for x in items)
-    (tmp_path / "a.jsonl").write_text(body, encoding="utf-8")
-    (tmp_path / "b.jsonl").write_text(body, encoding="utf-8-sig")
-    for name in ("a", "b"):
-        p = prepare(tmp_path / f"{name}.jsonl", tmp_path / name)
-        assert p.returncode == 0, p.stderr
-    a, b = (shards.read_shard(str(tmp_path / f"{n}_train.bin")) for n in ("a", "b"))
+    a, b = prepared_without_and_with_bom(tmp_path, body, ".jsonl")
     assert all(np.array_equal(x, y) for x, y in zip(a, b))
 
 

@@ -1,7 +1,9 @@
 """Comparing a C probe's output (logits, loss, gradients) with a PyTorch reference's: shared by
 the LLaMA and ViT model tests (test/model/llama_cases.py, test/model/vit_cases.py), which pass their own
-tolerances; and the extreme norm gammas both try under MS norms."""
+tolerances; two probe outputs to the bit; the MS-vs-std comparison and the worst-errors summary both model
+tests run; and the extreme norm gammas both try under MS norms."""
 import numpy as np
+import pytest
 
 
 def rel_to_max(got, want):
@@ -48,6 +50,43 @@ def check_errors(errs, tol, label=""):
         bad.append("grad")
     assert not bad, f"{line}: over tolerance {', '.join(bad)} (tolerances {tol})"
     return line
+
+
+def summary_printer(summary):
+    """A module's autouse fixture (assign it to a name in the test module) that prints the lines its tests
+    appended to summary, the worst errors they saw, once the module's tests have run."""
+    @pytest.fixture(scope="module", autouse=True)
+    def print_summary():
+        yield
+        if summary:
+            print("\nworst relative errors (probe fp32 vs reference fp64; max|diff| / max|ref|):")
+            for line in summary:
+                print("  " + line)
+    return print_summary
+
+
+def assert_same_bits(want, got, label=""):
+    """got holds want's tensors to the bit: the same names, and each the same dtype, shape and bytes."""
+    assert sorted(got) == sorted(want), (label, sorted(set(got) ^ set(want)))
+    for k in want:
+        a, b = np.ascontiguousarray(want[k]), np.ascontiguousarray(got[k])
+        assert a.dtype == b.dtype and a.shape == b.shape, (label, k, a.dtype, b.dtype, a.shape, b.shape)
+        assert a.tobytes() == b.tobytes(), (label, k, float(np.abs(a.astype(np.float64) - b).max()))
+
+
+def std_vs_ms(s, tol, label, act, recompute, tag, summary):
+    """The probe under --norm ms and --norm std (s: a model test's Setup, its reference() and probe()) against
+    the fp64 reference of the ORIGINAL model (std norms), then against each other. Each probe is within tol of
+    those fp64 values, so the two fp32 runs are within 2 tol of each other (triangle inequality); what they
+    measure is printed, and two of the lines go to summary. Returns the two probes' outputs by norm."""
+    want = s.reference(act, "std")
+    got = {norm: s.probe(act, norm, recompute, f"{tag}.{act}.{norm}.{recompute}.out.safetensors")
+           for norm in ("std", "ms")}
+    summary.append(check_errors(compare(want, got["ms"]), tol, f"{label} {act:6s} ms  {recompute:5s} vs std ref"))
+    check_errors(compare(want, got["std"]), tol, f"{label} {act:6s} std {recompute:5s} vs std ref")
+    summary.append(check_errors(compare(dict(got["std"]), got["ms"]), {k: 2 * v for k, v in tol.items()},
+                                f"{label} {act:6s} ms vs std probe {recompute:5s}"))
+    return got
 
 
 # Norm gammas that stress the MS merge (W diag(gamma)), used by both model tests.

@@ -40,13 +40,7 @@ def workdir(tmp_path_factory):
     return str(tmp_path_factory.mktemp("llama_model"))
 
 
-@pytest.fixture(scope="module", autouse=True)
-def print_summary():
-    yield
-    if SUMMARY:
-        print("\nworst relative errors (probe fp32 vs reference fp64; max|diff| / max|ref|):")
-        for line in SUMMARY:
-            print("  " + line)
+print_summary = lc.probe_compare.summary_printer(SUMMARY)  # an autouse fixture of this module
 
 
 class Setup:
@@ -109,10 +103,7 @@ def test_probe_recomputed_and_offloaded_blocks_are_bit_identical(workdir, name, 
     for tag, extra in (("block", ()), ("offload", ("--offload", "host"))):
         out = os.path.join(workdir, f"bits.{name}.{act}.{norm}.{tag}.out.safetensors")
         got = lc.run_probe(s.dir, s.case_path, out, act, norm, "block", s.rank, s.alpha, s.targets, extra=extra)
-        assert set(got) == set(kept)
-        for k in kept:
-            a, b = np.ascontiguousarray(kept[k]), np.ascontiguousarray(got[k])
-            assert a.shape == b.shape and a.tobytes() == b.tobytes(), (tag, k, float(np.abs(a - b).max()))
+        lc.probe_compare.assert_same_bits(kept, got, tag)
 
 
 @pytest.mark.parametrize("norm", ["std", "ms"])
@@ -128,10 +119,7 @@ def test_probe_offload_of_many_blocks_is_bit_identical(workdir, norm):
     lc.st_io.save(cp, lc.make_case(cfg, B, T, r, seed=3))
     kept = lc.run_probe(d, cp, cp + f".{norm}.kept", "approx", norm, "none", r, alpha)
     got = lc.run_probe(d, cp, cp + f".{norm}.offload", "approx", norm, "block", r, alpha, extra=("--offload", "host"))
-    assert set(got) == set(kept)
-    for k in kept:
-        a, b = np.ascontiguousarray(kept[k]), np.ascontiguousarray(got[k])
-        assert a.tobytes() == b.tobytes(), (k, float(np.abs(a - b).max()))
+    lc.probe_compare.assert_same_bits(kept, got, "offload")
 
 
 @pytest.mark.parametrize("mode", [MODES[0], MODES[3]], ids=[MODE_IDS[0], MODE_IDS[3]])
@@ -144,6 +132,16 @@ def test_probe_lora_subset(workdir, mode):
     SUMMARY.append(lc.check_errors(errs, f"{'q,v,down':12s} {act:6s} {norm:3s} {recompute:5s}"))
 
 
+def _probe_full(s, out, act, norm, recompute=None):
+    """The probe under --full on s's model and case (no adapter flags; the case's adapters are ignored), its
+    outputs written to out; without --recompute where recompute is None."""
+    cmd = [lc.probe_path(), "--model", s.dir, "--case", s.case_path, "--out-file", out, "--act", act, "--norm", norm]
+    cmd += (["--recompute", recompute] if recompute else []) + ["--full"]
+    p = lc.subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    return lc.st_io.load(out)
+
+
 @pytest.mark.parametrize("mode", MODES, ids=MODE_IDS)
 def test_probe_full_finetuning_matches_reference(workdir, mode):
     """--full: the gradient of every linear weight (of the merged model under MS norms) against
@@ -154,12 +152,8 @@ def test_probe_full_finetuning_matches_reference(workdir, mode):
     if key not in s._ref:
         s._ref[key] = ref.run_case(s.model, s.case, act, norm, s.rank, s.alpha, s.targets, full=True)
     want = s._ref[key]
-    out = os.path.join(workdir, f"full.{act}.{norm}.{recompute}.out.safetensors")
-    cmd = [lc.probe_path(), "--model", s.dir, "--case", s.case_path, "--out-file", out, "--act", act, "--norm", norm,
-           "--recompute", recompute, "--full"]
-    p = lc.subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stderr
-    errs = lc.compare(want, lc.st_io.load(out))
+    errs = lc.compare(want, _probe_full(s, os.path.join(workdir, f"full.{act}.{norm}.{recompute}.out.safetensors"),
+                                        act, norm, recompute))
     assert sum(k.endswith(".W") for k in want) == 2 * 7
     SUMMARY.append(lc.check_errors(errs, f"{'full':12s} {act:6s} {norm:3s} {recompute:5s}"))
 
@@ -175,16 +169,13 @@ def test_probe_full_finetuning_families(workdir, name, mode):
     act, norm, recompute = mode
     s = _setup(workdir, name)
     want = ref.run_case(s.model, s.case, act, norm, s.rank, s.alpha, s.targets, full=True)
-    out = os.path.join(workdir, f"full.{name}.{act}.{norm}.{recompute}.out.safetensors")
-    cmd = [lc.probe_path(), "--model", s.dir, "--case", s.case_path, "--out-file", out, "--act", act, "--norm", norm,
-           "--recompute", recompute, "--full"]
-    p = lc.subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stderr
+    got = _probe_full(s, os.path.join(workdir, f"full.{name}.{act}.{norm}.{recompute}.out.safetensors"), act, norm,
+                      recompute)
     c = s.model.cfg
     n_bias = sum(c.bias[t] for t in lc.ALL_TARGETS)
     assert sum(k.endswith(".b") for k in want) == c.n_layers * n_bias > 0 or c.qk_norm
     assert sum(k.endswith("_norm") and ("q_norm" in k or "k_norm" in k) for k in want) == (2 * c.n_layers if c.qk_norm else 0)
-    errs = lc.compare(want, lc.st_io.load(out))
+    errs = lc.compare(want, got)
     SUMMARY.append(lc.check_errors(errs, f"{'full ' + name:12s} {act:6s} {norm:3s} {recompute:5s}"))
 
 
@@ -212,11 +203,7 @@ def test_probe_full_finetuning_tied_head_trains_embedding(workdir, norm):
     besides every linear weight, the final norm and (std) the block norms."""
     s = _setup(workdir, "mha_tied")
     want = ref.run_case(s.model, s.case, "exact", norm, s.rank, s.alpha, s.targets, full=True)
-    out = os.path.join(workdir, f"full.tied.{norm}.out.safetensors")
-    cmd = [lc.probe_path(), "--model", s.dir, "--case", s.case_path, "--out-file", out, "--act", "exact", "--norm", norm, "--full"]
-    p = lc.subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stderr
-    got = lc.st_io.load(out)
+    got = _probe_full(s, os.path.join(workdir, f"full.tied.{norm}.out.safetensors"), "exact", norm)
     assert "grad.embed" in want and "grad.lm_head" not in want and ("grad.0.attn_norm" in want) == (norm == "std")
     errs = lc.compare(want, got)
     worst_extra = max(lc.rel_to_max(got[k], want[k]) for k in want if k.startswith("grad.") and not k.endswith(".W"))
@@ -296,17 +283,8 @@ MS_LORA_IDS = [f"{a}-{r}" for a, r in MS_LORA_MODES]
 
 
 def _std_vs_ms(s, act, recompute, tag, label):
-    """The probe under --norm ms and --norm std against the fp64 reference of the ORIGINAL model
-    (std norms), then against each other. Each probe is within TOL of those fp64 values, so the two
-    fp32 runs are within 2 TOL of each other (triangle inequality); what they measure is printed."""
-    want = s.reference(act, "std")
-    got = {norm: s.probe(act, norm, recompute, f"{tag}.{act}.{norm}.{recompute}.out.safetensors") for norm in ("std", "ms")}
-    SUMMARY.append(lc.check_errors(lc.compare(want, got["ms"]), f"{label:12s} {act:6s} ms  {recompute:5s} vs std ref"))
-    lc.check_errors(lc.compare(want, got["std"]), f"{label:12s} {act:6s} std {recompute:5s} vs std ref")
-    both = lc.probe_compare.check_errors(lc.compare(dict(got["std"]), got["ms"]), {k: 2 * v for k, v in lc.TOL.items()},
-                                         f"{label:12s} {act:6s} ms vs std probe {recompute:5s}")
-    SUMMARY.append(both)
-    return got
+    """test/model/probe_compare.py's std_vs_ms within this model's TOL."""
+    return lc.probe_compare.std_vs_ms(s, lc.TOL, f"{label:12s}", act, recompute, tag, SUMMARY)
 
 
 @pytest.mark.parametrize("act,recompute", MS_LORA_MODES, ids=MS_LORA_IDS)
@@ -361,10 +339,7 @@ def test_probe_deterministic(workdir):
     s = _setup(workdir, "gqa_untied")
     a = s.probe("approx", "ms", "none", "det1.out.safetensors")
     b = s.probe("approx", "ms", "none", "det2.out.safetensors")
-    assert sorted(a) == sorted(b)
-    for k in a:
-        assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
-        assert a[k].tobytes() == b[k].tobytes(), f"{k} differs between two identical runs"
+    lc.probe_compare.assert_same_bits(a, b, "two identical runs")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -41,13 +41,7 @@ def workdir(tmp_path_factory):
     return str(tmp_path_factory.mktemp("vit_model"))
 
 
-@pytest.fixture(scope="module", autouse=True)
-def print_summary():
-    yield
-    if SUMMARY:
-        print("\nworst relative errors (probe fp32 vs reference fp64; max|diff| / max|ref|):")
-        for line in SUMMARY:
-            print("  " + line)
+print_summary = vc.probe_compare.summary_printer(SUMMARY)  # an autouse fixture of this module
 
 
 class Setup:
@@ -113,10 +107,7 @@ def test_probe_recomputed_block_is_bit_identical(workdir, name, act, norm):
     for tag, extra in (("block", ()), ("offload", ("--offload", "host"))):
         out = os.path.join(workdir, f"bits.{name}.{act}.{norm}.{tag}.out.safetensors")
         got = vc.run_probe(s.dir, s.case_path, out, act, norm, "block", s.rank, s.alpha, s.targets, extra=extra)
-        assert set(got) == set(kept)
-        for k in kept:
-            a, b = np.ascontiguousarray(kept[k]), np.ascontiguousarray(got[k])
-            assert a.shape == b.shape and a.tobytes() == b.tobytes(), (tag, k, float(np.abs(a - b).max()))
+        vc.probe_compare.assert_same_bits(kept, got, tag)
 
 
 @pytest.mark.parametrize("norm", ["std", "ms"])
@@ -132,10 +123,7 @@ def test_probe_offload_of_many_blocks_is_bit_identical(workdir, norm):
     vc.st_io.save(cp, vc.make_case(cfg, B, r, classes, seed=3))
     kept = vc.run_probe(d, cp, cp + f".{norm}.kept", "approx", norm, "none", r, alpha)
     got = vc.run_probe(d, cp, cp + f".{norm}.offload", "approx", norm, "block", r, alpha, extra=("--offload", "host"))
-    assert set(got) == set(kept)
-    for k in kept:
-        a, b = np.ascontiguousarray(kept[k]), np.ascontiguousarray(got[k])
-        assert a.tobytes() == b.tobytes(), (k, float(np.abs(a - b).max()))
+    vc.probe_compare.assert_same_bits(kept, got, "offload")
 
 
 @pytest.mark.parametrize("mode", [MODES[0], MODES[3]], ids=[MODE_IDS[0], MODE_IDS[3]])
@@ -192,9 +180,7 @@ def test_checkpoint_layouts_agree(workdir, layout):
     vc.write_model(other, vc.model_config("nonsquare"), seed=1, layout=layout)
     a = s.probe("approx", "ms", "none", f"layout.hf.out.safetensors")
     b = s.probe("approx", "ms", "none", f"layout.{layout}.out.safetensors", model_dir=other)
-    assert sorted(a) == sorted(b)
-    for k in a:
-        assert a[k].tobytes() == b[k].tobytes(), f"{k} differs between layouts hf and {layout}"
+    vc.probe_compare.assert_same_bits(a, b, f"layouts hf and {layout}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -260,15 +246,8 @@ MS_LORA_IDS = [f"{a}-{r}" for a, r in MS_LORA_MODES]
 
 
 def _std_vs_ms(s, act, recompute, tag, label):
-    """The probe under --norm ms and --norm std against the fp64 reference of the ORIGINAL model
-    (std norms), then against each other. Each probe is within TOL of those fp64 values, so the two
-    fp32 runs are within 2 TOL of each other (triangle inequality); what they measure is printed."""
-    want = s.reference(act, "std")
-    got = {norm: s.probe(act, norm, recompute, f"{tag}.{act}.{norm}.{recompute}.out.safetensors") for norm in ("std", "ms")}
-    SUMMARY.append(vc.check_errors(vc.compare(want, got["ms"]), f"{label:9s} {act:6s} ms  {recompute:5s} vs std ref"))
-    vc.check_errors(vc.compare(want, got["std"]), f"{label:9s} {act:6s} std {recompute:5s} vs std ref")
-    SUMMARY.append(vc.probe_compare.check_errors(vc.compare(dict(got["std"]), got["ms"]), {k: 2 * v for k, v in vc.TOL.items()},
-                                                 f"{label:9s} {act:6s} ms vs std probe {recompute:5s}"))
+    """test/model/probe_compare.py's std_vs_ms within this model's TOL."""
+    vc.probe_compare.std_vs_ms(s, vc.TOL, f"{label:9s}", act, recompute, tag, SUMMARY)
 
 
 @pytest.mark.parametrize("act,recompute", MS_LORA_MODES, ids=MS_LORA_IDS)
@@ -328,9 +307,7 @@ def test_probe_deterministic(workdir):
     s = _setup(workdir, "square")
     a = s.probe("approx", "ms", "none", "det1.out.safetensors")
     b = s.probe("approx", "ms", "none", "det2.out.safetensors")
-    assert sorted(a) == sorted(b)
-    for k in a:
-        assert a[k].tobytes() == b[k].tobytes(), f"{k} differs between two identical runs"
+    vc.probe_compare.assert_same_bits(a, b, "two identical runs")
 
 
 # ---------------------------------------------------------------------------------------------

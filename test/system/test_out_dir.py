@@ -163,35 +163,36 @@ def test_steps_0_keeps_a_foreign_log(tmp_path):
 
 # ---- the run's identity --------------------------------------------------------------------------
 
-@pytest.mark.parametrize("field,value", [("rope_theta", 500000.0), ("rms_norm_eps", 1e-3)])
-def test_a_changed_config_refuses_the_resume_naming_the_field(llama_model, tmp_path, field, value):
+def resume_with_config(llama_model, tmp_path, steps, rewrite, check):
+    """A run of train_llama on a copy of the model stopped after step 1 (into tmp_path/run), then resumed
+    with the copy's config.json replaced by rewrite(its parsed content), a text: the resume's process."""
     model = tmp_path / "model"
     shutil.copytree(llama_model / "model", model)
-    run = ["--model", model] + args_for("llama", llama_model, "--steps", 3)[2:]
+    run = ["--model", model] + args_for("llama", llama_model, "--steps", steps)[2:]
     out = tmp_path / "run"
     train("llama", [str(a) for a in run + ["--stop-at", 1, "--out", out]])
-    cfg = json.loads((model / "config.json").read_text())
-    assert cfg.get(field) != value
-    cfg[field] = value
-    (model / "config.json").write_text(json.dumps(cfg))
-    p = train("llama", [str(a) for a in run + ["--resume", out]], check=False)
+    (model / "config.json").write_text(rewrite(json.loads((model / "config.json").read_text())))
+    return train("llama", [str(a) for a in run + ["--resume", out]], check=check)
+
+
+@pytest.mark.parametrize("field,value", [("rope_theta", 500000.0), ("rms_norm_eps", 1e-3)])
+def test_a_changed_config_refuses_the_resume_naming_the_field(llama_model, tmp_path, field, value):
+    def rewrite(cfg):
+        assert cfg.get(field) != value
+        return json.dumps(dict(cfg, **{field: value}))
+    p = resume_with_config(llama_model, tmp_path, 3, rewrite, check=False)
     one_line_error(p, "train_state.bin", f"now {field}=")
-    assert state_step(out / "train_state.bin") == 1
+    assert state_step(tmp_path / "run" / "train_state.bin") == 1
 
 
 def test_a_reformatted_config_still_resumes(llama_model, tmp_path):
     """The identity is config.json's parsed content: key order, spacing and the file's provenance
     fields (transformers_version) do not make another model."""
-    model = tmp_path / "model"
-    shutil.copytree(llama_model / "model", model)
-    run = ["--model", model] + args_for("llama", llama_model, "--steps", 2)[2:]
-    out = tmp_path / "run"
-    train("llama", [str(a) for a in run + ["--stop-at", 1, "--out", out]])
-    cfg = json.loads((model / "config.json").read_text())
-    cfg["transformers_version"] = "9.9.9"
-    (model / "config.json").write_text(json.dumps(dict(reversed(list(cfg.items()))), indent=4))
-    p = train("llama", [str(a) for a in run + ["--resume", out]])
-    assert "resumed" in p.stdout and state_step(out / "train_state.bin") == 2
+    def rewrite(cfg):
+        cfg["transformers_version"] = "9.9.9"
+        return json.dumps(dict(reversed(list(cfg.items()))), indent=4)
+    p = resume_with_config(llama_model, tmp_path, 2, rewrite, check=True)
+    assert "resumed" in p.stdout and state_step(tmp_path / "run" / "train_state.bin") == 2
 
 
 def run_with_the_base_replaced(tmp_path, *flags):

@@ -246,19 +246,23 @@ def test_two_ranks_equal_one_process_with_combined_batch(tmp_path, dropout):
     same sums in the same order) and a sum of two is exact in either order, so the adapters must be
     the same bits: no tolerance, nothing that depends on the CPU. With --lora-dropout the masks are
     keyed by the row in the step's global batch, so rank r draws the process's micro-batch r's."""
-    import shutil
-    import subprocess
-    import numpy as np
+    args = ["--model", MODEL, "--data", TRAIN, "--mode", "lowmem", "--steps", "5", "--lr", "3e-3",
+            "--lora-rank", "4", "--seed", "4", "--threads", "1", "--hflip", "--lora-dropout", dropout]
+    two_ranks_equal_one_process(tmp_path, args, "adapter_model.safetensors", {})
+
+
+def two_ranks_equal_one_process(tmp_path, args, weights, env):
+    """train_vit with args (5 steps) in one process at --batch 8 --grad-accum 2 (into tmp_path/one) and on two
+    mpirun ranks at --batch 8 (tmp_path/two; one OpenMP thread each, and env): the two ranks say so, log the
+    very losses of the one process, and save the very tensors in the file weights."""
     mpirun = shutil.which("mpirun")
     if not mpirun:
         pytest.fail("mpirun not found: install openmpi-bin (scripts/ci/install_deps.sh does)")
-    args = ["--model", MODEL, "--data", TRAIN, "--mode", "lowmem", "--steps", "5", "--lr", "3e-3",
-            "--lora-rank", "4", "--seed", "4", "--threads", "1", "--hflip", "--lora-dropout", dropout]
     exe = vc.binary("train_vit", "TRAIN_VIT")
     vc.run([exe] + args + ["--batch", "8", "--grad-accum", "2", "--out", str(tmp_path / "one")])
-    env = dict(os.environ, OMP_NUM_THREADS="1")
     p = subprocess.run([mpirun, "--allow-run-as-root", "--oversubscribe", "-np", "2", exe] + args +
-                       ["--batch", "8", "--out", str(tmp_path / "two")], capture_output=True, text=True, env=env, timeout=120)
+                       ["--batch", "8", "--out", str(tmp_path / "two")], capture_output=True, text=True,
+                       env=dict(os.environ, OMP_NUM_THREADS="1", **env), timeout=120)
     assert p.returncode == 0, p.stdout + p.stderr
     assert "2 ranks" in p.stdout and "per rank" in p.stdout
 
@@ -266,8 +270,8 @@ def test_two_ranks_equal_one_process_with_combined_batch(tmp_path, dropout):
         with open(os.path.join(d, "log.csv")) as f:
             return [float(r["loss"]) for r in csv.DictReader(f)]
     assert losses(tmp_path / "one") == losses(tmp_path / "two") and len(losses(tmp_path / "one")) == 5
-    a = vc.st_io.load(str(tmp_path / "one" / "adapter_model.safetensors"))
-    b = vc.st_io.load(str(tmp_path / "two" / "adapter_model.safetensors"))
+    a = vc.st_io.load(str(tmp_path / "one" / weights))
+    b = vc.st_io.load(str(tmp_path / "two" / weights))
     assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
 
 
@@ -429,26 +433,9 @@ def test_zero1_full_finetuning_two_ranks(tmp_path):
     """mpirun -np 2 --full (AdamW state sharded, ZeRO-1) with --batch 8 trains like one process
     accumulating the same two micro-batches of 8: the same sums in the same order, and AdamW is
     elementwise on the shards, so the same losses and the same weights, bit for bit."""
-    mpirun = shutil.which("mpirun")
-    if not mpirun:
-        pytest.fail("mpirun not found: install openmpi-bin (scripts/ci/install_deps.sh does)")
     args = ["--model", MODEL, "--data", TRAIN, "--mode", "lowmem", "--full", "--steps", "5", "--lr", "1e-3",
             "--seed", "4", "--threads", "1", "--hflip"]
-    exe = vc.binary("train_vit", "TRAIN_VIT")
-    vc.run([exe] + args + ["--batch", "8", "--grad-accum", "2", "--out", str(tmp_path / "one")])
-    env = dict(os.environ, OMP_NUM_THREADS="1", OMP_WAIT_POLICY="passive")
-    p = subprocess.run([mpirun, "--allow-run-as-root", "--oversubscribe", "-np", "2", exe] + args +
-                       ["--batch", "8", "--out", str(tmp_path / "two")], capture_output=True, text=True, env=env, timeout=120)
-    assert p.returncode == 0, p.stdout + p.stderr
-    assert "2 ranks" in p.stdout and "per rank" in p.stdout
-
-    def losses(d):
-        with open(os.path.join(d, "log.csv")) as f:
-            return [float(r["loss"]) for r in csv.DictReader(f)]
-    assert losses(tmp_path / "one") == losses(tmp_path / "two") and len(losses(tmp_path / "one")) == 5
-    a = vc.st_io.load(str(tmp_path / "one" / "model.safetensors"))
-    b = vc.st_io.load(str(tmp_path / "two" / "model.safetensors"))
-    assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+    two_ranks_equal_one_process(tmp_path, args, "model.safetensors", {"OMP_WAIT_POLICY": "passive"})
     with open(tmp_path / "one" / "train_state.bin", "rb") as f1, open(tmp_path / "two" / "train_state.bin", "rb") as f2:
         assert len(f1.read()) > 0 and len(f2.read()) > 0
 
