@@ -223,9 +223,10 @@ __global__ void column_sums_kernel(float* out0, float* out1, Term term, int64_t 
         (k == 0 ? out0 : out1)[j] += t;
     }
 }
-// Its launch shape (the launchers call launch_kernel with these themselves; d > 0).
+// Its launch shape (the launchers call launch_kernel with these themselves; d > 0). The block is a
+// macro so that scripts/ci/check_resources.py can read its size at each launch.
 static dim3 column_sums_grid(int64_t d) { return dim3((unsigned)ceil_div(d, 32)); }
-static dim3 column_sums_block(void) { return dim3(32, COL_ROW_GROUPS); }
+#define COLUMN_SUMS_BLOCK dim3(32, COL_ROW_GROUPS)
 
 // ---- device buffers --------------------------------------------------------------------------
 

@@ -166,7 +166,7 @@ static void frozen_backward_cuda(bf16* dx, const bf16* dy, const bf16* x, const 
     if (dx) matmul_nn_cuda(dx, dy, (const bf16*)D->W, (int)N, L->in, L->out, 1.0f, accumulate, stream);
     if (D->dW) matmul_tn_cuda(D->dW, dy, x, L->out, L->in, (int)N, 1.0f, 1, stream);
     if (D->dbias)
-        launch_kernel(column_sums_grid(L->out), column_sums_block(), 0, stream, column_sums_kernel<BiasGradTerm<bf16>>,
+        launch_kernel(column_sums_grid(L->out), COLUMN_SUMS_BLOCK, 0, stream, column_sums_kernel<BiasGradTerm<bf16>>,
                       D->dbias, (float*)NULL, BiasGradTerm<bf16>{dy, L->out}, N, L->out);
 }
 
@@ -199,7 +199,7 @@ static void lora_backward_cuda(bf16* dx, const bf16* dy, const bf16* x, const bf
         matmul_tn_cuda(w.G, dax, x, rank, L->in, (int)N, 1.0f, 0, stream);
         if (beta) {
             CUDA_CHECK(cudaMemsetAsync(w.colsum, 0, sizeof(float) * rank, stream));
-            launch_kernel(column_sums_grid(rank), column_sums_block(), 0, stream,
+            launch_kernel(column_sums_grid(rank), COLUMN_SUMS_BLOCK, 0, stream,
                           column_sums_kernel<BiasGradTerm<bf16>>, w.colsum, (float*)NULL, BiasGradTerm<bf16>{dax, rank},
                           N, rank);
         }

@@ -145,12 +145,12 @@ struct BiasGradTerm {
 };
 static void bias_grad_rows_cuda(float* db, const float* dy, int64_t N, int out, cudaStream_t stream) {
     if (out == 0) return;
-    launch_kernel(column_sums_grid(out), column_sums_block(), 0, stream, column_sums_kernel<BiasGradTerm<float>>, db,
+    launch_kernel(column_sums_grid(out), COLUMN_SUMS_BLOCK, 0, stream, column_sums_kernel<BiasGradTerm<float>>, db,
                   (float*)NULL, BiasGradTerm<float>{dy, out}, N, out);
 }
 static void bias_grad_rows_cuda(float* db, const bf16* dy, int64_t N, int out, cudaStream_t stream) {
     if (out == 0) return;
-    launch_kernel(column_sums_grid(out), column_sums_block(), 0, stream, column_sums_kernel<BiasGradTerm<bf16>>, db,
+    launch_kernel(column_sums_grid(out), COLUMN_SUMS_BLOCK, 0, stream, column_sums_kernel<BiasGradTerm<bf16>>, db,
                   (float*)NULL, BiasGradTerm<bf16>{dy, out}, N, out);
 }
 
@@ -322,7 +322,7 @@ static void patch_embed_finish_backward_cuda(float* dcls, float* dpatch_b, float
     if (N * d == 0) return;
     launch_kernel(ceil_div((int64_t)T * d, 128), 128, 0, stream, patch_embed_finish_backward_kernel, dcls, dpos, dx, N,
                   T, d);
-    launch_kernel(column_sums_grid(d), column_sums_block(), 0, stream, column_sums_kernel<PatchBiasTerm>, dpatch_b,
+    launch_kernel(column_sums_grid(d), COLUMN_SUMS_BLOCK, 0, stream, column_sums_kernel<PatchBiasTerm>, dpatch_b,
                   (float*)NULL, PatchBiasTerm{dx, T, d}, N, d);
 }
 

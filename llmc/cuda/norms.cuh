@@ -332,7 +332,7 @@ struct LnAffineTerm {
 static void layernorm_affine_grad_cuda(float* dgamma, float* dbeta, const bf16* dy, const bf16* x, const float* mean,
                                        const float* r, int64_t N, int d, cudaStream_t stream) {
     if (d == 0) return;
-    launch_kernel(column_sums_grid(d), column_sums_block(), 0, stream, column_sums_kernel<LnAffineTerm>, dgamma, dbeta,
+    launch_kernel(column_sums_grid(d), COLUMN_SUMS_BLOCK, 0, stream, column_sums_kernel<LnAffineTerm>, dgamma, dbeta,
                   LnAffineTerm{dy, x, mean, r, d}, N, d);
 }
 
@@ -367,7 +367,7 @@ struct RmsGammaTerm {
 static void rmsnorm_gamma_grad_cuda(float* dgamma, const bf16* dy, const bf16* x, const float* r, int64_t N, int d,
                                     cudaStream_t stream) {
     if (d == 0) return;
-    launch_kernel(column_sums_grid(d), column_sums_block(), 0, stream, column_sums_kernel<RmsGammaTerm>, dgamma,
+    launch_kernel(column_sums_grid(d), COLUMN_SUMS_BLOCK, 0, stream, column_sums_kernel<RmsGammaTerm>, dgamma,
                   (float*)NULL, RmsGammaTerm{dy, x, r, d}, N, d);
 }
 

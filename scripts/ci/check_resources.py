@@ -119,7 +119,10 @@ def parse_launches(paths, macros):
             where = "%s:%d" % (os.path.relpath(p), text.count("\n", 0, m.start()) + 1)
             launches.setdefault(kernel, []).append((block, where))
     # a launch whose block size is not a constant wins (it is reported); else the largest block
-    return {k: next((x for x in v if x[0] is None), max(v, key=lambda x: x[0])) for k, v in launches.items()}
+    def pick(v):
+        unknown = [x for x in v if x[0] is None]
+        return unknown[0] if unknown else max(v, key=lambda x: x[0])
+    return {k: pick(v) for k, v in launches.items()}
 
 
 def base_name(mangled):
