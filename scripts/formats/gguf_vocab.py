@@ -134,6 +134,25 @@ def _check_added(added, path):
                              "(lstrip/rstrip/single_word), which GGUF cannot express")
 
 
+def _token_table(tj, m, path):
+    """(by_id, added, tokens) of a tokenizer.json: the model's vocabulary with the added tokens over it
+    (refused where one differs from the vocabulary's), and the token of every id up to the largest, ids
+    no token has (gaps) as filler tokens, as rows past the end are (add_filler); two ids sharing one
+    string are refused."""
+    by_id = {int(i): t for t, i in (m.get("vocab") or {}).items()}
+    added = {int(a["id"]): a for a in tj.get("added_tokens") or []}
+    _check_added(added, path)
+    for i, a in added.items():
+        if by_id.get(i, a["content"]) != a["content"]:
+            raise VocabError(f"{path}: added token {i} {a['content']!r} differs from the vocabulary's {by_id[i]!r}")
+        by_id[i] = a["content"]
+    n = max(by_id) + 1 if by_id else 0
+    tokens = [by_id.get(i, f"[PAD{i}]") for i in range(n)]
+    if len(set(tokens)) != n:
+        raise VocabError(f"{path}: two ids share one token string: not expressible in GGUF")
+    return by_id, added, tokens
+
+
 def _merges(m, path):
     out = []
     for r, mg in enumerate(m.get("merges") or []):
@@ -153,18 +172,8 @@ def bpe_vocab(path):
     pre = pretokenizer_name(tj, path)
     _check_bpe_model(m, pre, path)
     _check_normalizer(tj, path)
-    by_id = {int(i): t for t, i in (m.get("vocab") or {}).items()}
-    added = {int(a["id"]): a for a in tj.get("added_tokens") or []}
-    _check_added(added, path)
-    for i, a in added.items():
-        if by_id.get(i, a["content"]) != a["content"]:
-            raise VocabError(f"{path}: added token {i} {a['content']!r} differs from the vocabulary's {by_id[i]!r}")
-        by_id[i] = a["content"]
-    n = max(by_id) + 1 if by_id else 0
-    # ids no token has (gaps) get filler tokens, as rows past the end do (add_filler)
-    tokens = [by_id.get(i, f"[PAD{i}]") for i in range(n)]
-    if len(set(tokens)) != n:
-        raise VocabError(f"{path}: two ids share one token string: not expressible in GGUF")
+    by_id, added, tokens = _token_table(tj, m, path)
+    n = len(tokens)
     types = [TOKEN_NORMAL if i in by_id else TOKEN_UNUSED for i in range(n)]
     for i, a in added.items():
         types[i] = TOKEN_CONTROL if a.get("special") else TOKEN_USER_DEFINED
@@ -282,18 +291,9 @@ def spm_json_vocab(path):
         raise VocabError(f"{path}: byte_fallback with a model other than plain BPE (dropout, subword prefix, "
                          "end-of-word suffix, ignore_merges) is not written")
     space_prefix = _space_prefix(tj, path)
-    by_id = {int(i): t for t, i in (m.get("vocab") or {}).items()}
-    added = {int(a["id"]): a for a in tj.get("added_tokens") or []}
-    _check_added(added, path)
-    for i, a in added.items():
-        if by_id.get(i, a["content"]) != a["content"]:
-            raise VocabError(f"{path}: added token {i} {a['content']!r} differs from the vocabulary's {by_id[i]!r}")
-        by_id[i] = a["content"]
-    n = max(by_id) + 1 if by_id else 0
-    tokens = [by_id.get(i, f"[PAD{i}]") for i in range(n)]
+    by_id, added, tokens = _token_table(tj, m, path)
+    n = len(tokens)
     id_of = {t: i for i, t in enumerate(tokens)}
-    if len(id_of) != n:
-        raise VocabError(f"{path}: two ids share one token string: not expressible in GGUF")
     if any(f"<0x{b:02X}>" not in id_of for b in range(256)):
         raise VocabError(f"{path}: byte_fallback without all 256 <0xXX> byte tokens is not written")
     merges = [tuple(mg.split(" ", 1)) if isinstance(mg, str) else tuple(mg) for mg in m.get("merges") or []]
