@@ -62,6 +62,15 @@ def gemma3_dir(text_dir, out, **top):
     return out
 
 
+def probe_case(tmp_path, text):
+    """A probe case of the Gemma 3 test shape away from the ReGELU2 breakpoints: (its path, rank, alpha)."""
+    B, T, rank, alpha = lc.SHAPES["gemma3"]
+    case, _, _ = lc.make_safe_case(lc.ref.LlamaModel.load(str(text)), B, T, rank, alpha, seed=7)
+    path = str(tmp_path / "case.safetensors")
+    lc.st_io.save(path, case)
+    return path, rank, alpha
+
+
 @pytest.fixture
 def models(tmp_path):
     text, data = family_model(tmp_path, "gemma3")
@@ -71,11 +80,7 @@ def models(tmp_path):
 def test_probe_loss_and_gradients_equal_the_text_directory(tmp_path, models):
     """llama_probe's loss, logits and every gradient (LoRA and, under --full, the model's), bit for bit."""
     text, mm, _ = models
-    model = lc.ref.LlamaModel.load(str(text))
-    B, T, rank, alpha = lc.SHAPES["gemma3"]
-    case, _, _ = lc.make_safe_case(model, B, T, rank, alpha, seed=7)
-    path = str(tmp_path / "case.safetensors")
-    lc.st_io.save(path, case)
+    path, rank, alpha = probe_case(tmp_path, text)
     for norm, extra in (("std", ()), ("ms", ()), ("std", ("--full",))):
         a = lc.run_probe(str(text), path, str(tmp_path / "a.safetensors"), "exact", norm, "none", rank, alpha,
                          extra=extra)
@@ -94,11 +99,7 @@ def test_cuda_probe_equals_the_text_directory(tmp_path, models):
     from cuda_backend import binaries, need
     exe = need(binaries("train_llama", "llama_probe")[1])
     text, mm, _ = models
-    model = lc.ref.LlamaModel.load(str(text))
-    B, T, rank, alpha = lc.SHAPES["gemma3"]
-    case, _, _ = lc.make_safe_case(model, B, T, rank, alpha, seed=7)
-    path = str(tmp_path / "case.safetensors")
-    lc.st_io.save(path, case)
+    path, rank, alpha = probe_case(tmp_path, text)
     outs = []
     for i, d in enumerate((str(text), mm)):
         cmd = [exe, "--model", d, "--case", path, "--out-file", str(tmp_path / f"{i}.safetensors"), "--act", "exact",
