@@ -38,14 +38,18 @@ def write_shard(path, tokens, mask, vocab_size, starts=None):
         raise ValueError(f"{path}: mask values must be 0 or 1")
     flags = FLAG_HAS_MASK | (FLAG_HAS_STARTS if starts is not None else 0)
     header = _HEADER.pack(MAGIC, VERSION, tokens.size, vocab_size, flags)
+    _write_atomic(path, [header.ljust(HEADER_BYTES, b"\0"), tokens.astype("<u4").tobytes(), mask.tobytes()]
+                  + ([starts.tobytes()] if starts is not None else []))
+
+
+def _write_atomic(path, chunks):
+    """The byte strings `chunks` into path through a temporary file beside it: a failed write (a full
+    disk) leaves no partial shard behind."""
     tmp = f"{path}.tmp{os.getpid()}"
     try:
         with open(tmp, "wb") as f:
-            f.write(header.ljust(HEADER_BYTES, b"\0"))
-            f.write(tokens.astype("<u4").tobytes())
-            f.write(mask.tobytes())
-            if starts is not None:
-                f.write(starts.tobytes())
+            for c in chunks:
+                f.write(c)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
@@ -100,16 +104,7 @@ def write_pair_shard(path, pairs, vocab_size):
         raise ValueError(f"{path}: token id {int(toks.max())} outside vocab of {vocab_size}")
     max_len = int(np.maximum(lens[:, 0] + lens[:, 1], lens[:, 0] + lens[:, 2]).max())
     header = _PAIR_HEADER.pack(PAIR_MAGIC, VERSION, len(pairs), vocab_size, max_len)
-    tmp = f"{path}.tmp{os.getpid()}"
-    try:
-        with open(tmp, "wb") as f:
-            f.write(header.ljust(HEADER_BYTES, b"\0"))
-            f.write(lens.astype("<u4").tobytes())
-            f.write(toks.astype("<u4").tobytes())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    _write_atomic(path, [header.ljust(HEADER_BYTES, b"\0"), lens.astype("<u4").tobytes(), toks.astype("<u4").tobytes()])
 
 
 def read_pair_shard(path):
