@@ -42,3 +42,16 @@ static void rng_epoch_order(int64_t* order, int64_t n, int shuffle, uint64_t see
         order[j] = t;
     }
 }
+
+// The item at a loader's global_index (epochs of n items one after the other): its place in that
+// epoch's order, which order[0..n) holds for epoch *order_epoch, rebuilt when the index enters
+// another epoch (the token, pair and image loaders' one lookup).
+static int64_t rng_epoch_item(int64_t* order, int64_t* order_epoch, int64_t n, int shuffle, uint64_t seed,
+                              int64_t global_index) {
+    int64_t epoch = global_index / n;
+    if (epoch != *order_epoch) {
+        rng_epoch_order(order, n, shuffle, seed, epoch);
+        *order_epoch = epoch;
+    }
+    return order[global_index % n];
+}

@@ -141,12 +141,7 @@ static void pair_loader_free(PairLoader* L) { free(L->order); }
 
 // The pair at a global index: a seeded permutation per epoch, as the token loader's windows.
 static int64_t pair_loader_pair(PairLoader* L, int64_t global_index) {
-    int64_t n = L->shard->pairs, epoch = global_index / n, pos = global_index % n;
-    if (epoch != L->order_epoch) {
-        rng_epoch_order(L->order, n, L->shuffle, L->seed, epoch);
-        L->order_epoch = epoch;
-    }
-    return L->order[pos];
+    return rng_epoch_item(L->order, &L->order_epoch, L->shard->pairs, L->shuffle, L->seed, global_index);
 }
 
 // Which completion of a pair a row holds, and whether its targets count (a padding row's do not).

@@ -112,12 +112,7 @@ static void loader_init(TextLoader* L, const TokenShard* s, int seq, uint64_t se
 static void loader_free(TextLoader* L) { free(L->order); }
 
 static int64_t loader_window(TextLoader* L, int64_t global_index) {
-    int64_t epoch = global_index / L->windows, pos = global_index % L->windows;
-    if (epoch != L->order_epoch) {
-        rng_epoch_order(L->order, L->windows, L->shuffle, L->seed, epoch);
-        L->order_epoch = epoch;
-    }
-    return L->order[pos];
+    return rng_epoch_item(L->order, &L->order_epoch, L->windows, L->shuffle, L->seed, global_index);
 }
 
 // Whether a row's targets count (its mask as the shard has it) or are all masked out (padding).

@@ -123,12 +123,7 @@ static void image_loader_free(ImageLoader* L) {
 }
 
 static int64_t image_loader_index(ImageLoader* L, int64_t global_index) {
-    int64_t n = L->shard->n, epoch = global_index / n, pos = global_index % n;
-    if (epoch != L->order_epoch) {
-        rng_epoch_order(L->order, n, L->shuffle, L->seed, epoch);
-        L->order_epoch = epoch;
-    }
-    return L->order[pos];
+    return rng_epoch_item(L->order, &L->order_epoch, L->shard->n, L->shuffle, L->seed, global_index);
 }
 
 // Image `idx` of the shard into dst [C, H, W]: bilinear resize, /255, (x - mean) / std, optional
